@@ -1,0 +1,238 @@
+//! `Adapter`: one versioned LoRA adapter of a pool.
+
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::{CustomResource, KubeSchema};
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::pool::Dtype;
+
+/// A versioned LoRA adapter served by an `InferencePool`, dynamically or merged into its own pods.
+#[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[kube(
+    group = "mole.dev",
+    version = "v1alpha1",
+    kind = "Adapter",
+    plural = "adapters",
+    shortname = "lora",
+    namespaced,
+    status = "AdapterStatus",
+    derive = "PartialEq",
+    printcolumn = r#"{"name":"Pool","type":"string","jsonPath":".spec.pool"}"#,
+    printcolumn = r#"{"name":"Version","type":"string","jsonPath":".spec.version"}"#,
+    printcolumn = r#"{"name":"Mode","type":"string","jsonPath":".status.servingMode"}"#,
+    printcolumn = r#"{"name":"Phase","type":"string","jsonPath":".status.phase"}"#,
+    printcolumn = r#"{"name":"Lora-ID","type":"integer","jsonPath":".status.loraId"}"#,
+    printcolumn = r#"{"name":"Active","type":"string","priority":1,"jsonPath":".status.activeVersion"}"#,
+    printcolumn = r#"{"name":"Endpoint","type":"string","priority":1,"jsonPath":".status.endpoint"}"#,
+    printcolumn = r#"{"name":"Age","type":"date","jsonPath":".metadata.creationTimestamp"}"#
+)]
+#[serde(rename_all = "camelCase")]
+pub struct AdapterSpec {
+    /// Name of the InferencePool (same namespace) that serves this adapter.
+    #[x_kube(validation = Rule::new("self != ''").message("pool must not be empty"))]
+    pub pool: String,
+    /// Version of the adapter. Changing it rolls forward; setting it back to a version kept in
+    /// `status.history` rolls back without a new merge.
+    #[x_kube(validation = Rule::new("self != ''").message("version must not be empty"))]
+    pub version: String,
+    /// Where the adapter files are.
+    pub source: AdapterSource,
+    /// Label the router's classifier predicts for this adapter (unique in the pool).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    /// Task domains (routing signal and documentation).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub domains: Vec<String>,
+    /// Words that route a prompt here (keywords strategy).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keywords: Vec<String>,
+    /// File extensions (e.g. `.ics`) that route a prompt here (keywords strategy).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extensions: Vec<String>,
+    /// What the adapter does (embedding strategy and `/v1/models`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// Example prompts (embedding strategy).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub examples: Vec<String>,
+    /// How the adapter is served.
+    #[serde(default)]
+    pub serving: ServingSpec,
+    /// Merge settings (merged mode).
+    #[serde(default)]
+    pub merge: AdapterMergeSpec,
+    /// Offline evaluation results (gate for merging).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evaluation: Option<Evaluation>,
+}
+
+/// Location of the adapter files.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AdapterSource {
+    /// Directory with `adapter_config.json` and `adapter_model.safetensors`, relative to the
+    /// pool's storage mount path.
+    #[x_kube(validation = Rule::new("self != '' && !self.startsWith('/') && !self.matches('(^|/)\\\\.\\\\.(/|$)')").message("source.path must be relative and must not contain '..'"))]
+    pub path: String,
+}
+
+/// Serving mode of an adapter.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ServingMode {
+    /// Loaded into the shared dynamic pods, switched per request.
+    #[default]
+    Dynamic,
+    /// Baked into the base weights by a merge Job and served by its own pods.
+    Merged,
+    /// The operator decides (merged when the gates allow it).
+    Auto,
+}
+
+/// How an adapter is served.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ServingSpec {
+    /// Serving mode.
+    #[serde(default)]
+    pub mode: ServingMode,
+    /// Replicas of the merged Deployment.
+    #[serde(default = "one")]
+    #[schemars(range(min = 0, max = 1000))]
+    pub replicas: i32,
+}
+
+impl Default for ServingSpec {
+    fn default() -> Self {
+        Self {
+            mode: ServingMode::Dynamic,
+            replicas: 1,
+        }
+    }
+}
+
+fn one() -> i32 {
+    1
+}
+
+/// Merge settings of an adapter.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AdapterMergeSpec {
+    /// Check every merged tensor for NaN/Inf and fail naming the module.
+    #[serde(default = "yes")]
+    pub safe_merge: bool,
+    /// Dtype of the merged weights (default: the base's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dtype: Option<Dtype>,
+}
+
+impl Default for AdapterMergeSpec {
+    fn default() -> Self {
+        Self {
+            safe_merge: true,
+            dtype: None,
+        }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Offline evaluation of an adapter.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct Evaluation {
+    /// Task accuracy in [0, 1].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 0.0, max = 1.0))]
+    pub accuracy: Option<f64>,
+}
+
+/// Lifecycle phase of an adapter.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
+pub enum AdapterPhase {
+    /// Accepted, not serving yet.
+    #[default]
+    Pending,
+    /// A merge Job runs.
+    Merging,
+    /// Serving as asked: every ready pod reports the active version loaded.
+    Ready,
+    /// Serving, but not as asked (e.g. a failed merge while the previous version serves).
+    Degraded,
+    /// Not serving: the spec is invalid or nothing could be loaded.
+    Failed,
+}
+
+/// One version in an adapter's history.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct VersionRecord {
+    /// Adapter version.
+    pub version: String,
+    /// Source path of that version.
+    pub source: String,
+    /// LoRA id it was served with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_id: Option<u32>,
+    /// Merged output directory (relative to the mount path), when it was merged.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merged_output: Option<String>,
+    /// When it became active (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub time: Option<String>,
+}
+
+/// The merge of the desired version.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MergeStatus {
+    /// Name of the merge Job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<String>,
+    /// Output directory, relative to the mount path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
+    /// When the Job succeeded (RFC 3339).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completed_at: Option<String>,
+    /// Failed attempts for the current hash (drives the capped backoff).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failures: Option<u32>,
+}
+
+/// Observed state of an adapter.
+#[derive(Serialize, Deserialize, Clone, Debug, Default, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AdapterStatus {
+    /// Lifecycle phase.
+    #[serde(default)]
+    pub phase: AdapterPhase,
+    /// Id of the adapter in its pool: allocated once, never reused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_id: Option<u32>,
+    /// How it is served now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub serving_mode: Option<ServingMode>,
+    /// The version serving now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub active_version: Option<String>,
+    /// Active version first, then previous versions kept for rollback.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub history: Vec<VersionRecord>,
+    /// Merge of the desired version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merge: Option<MergeStatus>,
+    /// URL that serves this adapter (the merged Service, or the pool's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// Conditions (`Ready`, `Valid`, `Loaded`, `Merged`, `MergeGated`, `Degraded`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub conditions: Vec<Condition>,
+    /// Generation of the spec this status describes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub observed_generation: Option<i64>,
+}

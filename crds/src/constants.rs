@@ -1,0 +1,97 @@
+//! Names shared by the operator, the worker and users: API group, labels, annotations,
+//! condition types and reasons. Reasons double as Event reasons and metric labels, so they are
+//! stable identifiers: never rename one.
+
+/// API group of every mole resource.
+pub const GROUP: &str = "mole.dev";
+/// API version served by this crate.
+pub const VERSION: &str = "v1alpha1";
+
+/// Finalizer put on Adapters so the operator can unregister them before they go.
+pub const ADAPTER_FINALIZER: &str = "mole.dev/adapter-cleanup";
+
+/// Label: the pool a child object belongs to.
+pub const LABEL_POOL: &str = "mole.dev/pool";
+/// Label: the adapter a child object belongs to (merged Deployments, merge Jobs).
+pub const LABEL_ADAPTER: &str = "mole.dev/adapter";
+/// Label: the role of a pod (`dynamic`, `merged`, `merge`).
+pub const LABEL_ROLE: &str = "mole.dev/role";
+/// Standard label values.
+pub const LABEL_APP_NAME: &str = "app.kubernetes.io/name";
+/// Standard label: the instance (pool name).
+pub const LABEL_APP_INSTANCE: &str = "app.kubernetes.io/instance";
+/// Standard label: component (`dynamic`, `merged`, `merge`).
+pub const LABEL_APP_COMPONENT: &str = "app.kubernetes.io/component";
+/// Standard label: who manages the object.
+pub const LABEL_APP_MANAGED_BY: &str = "app.kubernetes.io/managed-by";
+/// Value of `app.kubernetes.io/name` on every child.
+pub const APP_NAME: &str = "mole";
+/// Value of `app.kubernetes.io/managed-by` on every child.
+pub const MANAGED_BY: &str = "mole-operator";
+
+/// Pod-template annotation: hash of the fields whose change must roll the pods (base model,
+/// image, limits, resources). Adapter changes never touch it.
+pub const ANNOTATION_SPEC_HASH: &str = "mole.dev/spec-hash";
+/// ConfigMap annotation: hash of the WorkerConfig, so pods and humans can tell which one they run.
+pub const ANNOTATION_CONFIG_HASH: &str = "mole.dev/config-hash";
+
+/// Key of the worker configuration inside the pool's ConfigMap.
+pub const WORKER_CONFIG_KEY: &str = "worker.json";
+/// Where the ConfigMap is mounted in worker pods.
+pub const WORKER_CONFIG_MOUNT: &str = "/etc/mole";
+/// Port every worker listens on.
+pub const WORKER_PORT: u16 = 8000;
+
+/// Condition types.
+pub mod condition {
+    /// The object is serving as asked.
+    pub const READY: &str = "Ready";
+    /// The spec was accepted (it names a field when it was not).
+    pub const VALID: &str = "Valid";
+    /// Dynamic pods report the adapter loaded (Adapter) / all configured adapters (pool).
+    pub const LOADED: &str = "Loaded";
+    /// A merge Job runs or ran for the desired version.
+    pub const MERGED: &str = "Merged";
+    /// The adapter is not merged because of a pool gate (`minAccuracy`).
+    pub const MERGE_GATED: &str = "MergeGated";
+    /// Something serves, but not as asked (e.g. a failed merge with an older version serving).
+    pub const DEGRADED: &str = "Degraded";
+}
+
+/// Condition/Event reasons. Stable names: also used as metric labels.
+pub mod reason {
+    /// Spec passed validation.
+    pub const SPEC_VALID: &str = "SpecValid";
+    /// A field is invalid; the message names it.
+    pub const INVALID_SPEC: &str = "InvalidSpec";
+    /// The Adapter names a pool that does not exist in its namespace.
+    pub const POOL_NOT_FOUND: &str = "PoolNotFound";
+    /// Another Adapter of the pool already uses this label.
+    pub const DUPLICATE_LABEL: &str = "DuplicateLabel";
+    /// Waiting for pods to report the adapter loaded.
+    pub const WAITING_FOR_PODS: &str = "WaitingForPods";
+    /// Every ready pod reports the adapter loaded.
+    pub const LOADED: &str = "AdapterLoaded";
+    /// At least one pod failed to load the adapter.
+    pub const LOAD_FAILED: &str = "AdapterLoadFailed";
+    /// A lora id was allocated.
+    pub const LORA_ID_ALLOCATED: &str = "LoraIdAllocated";
+    /// The pool's children are applied and its pods ready.
+    pub const POOL_READY: &str = "PoolReady";
+    /// The pool's pods are not all ready yet.
+    pub const PODS_NOT_READY: &str = "PodsNotReady";
+    /// A merge Job was created.
+    pub const MERGE_STARTED: &str = "MergeStarted";
+    /// A merge Job succeeded.
+    pub const MERGE_SUCCEEDED: &str = "MergeSucceeded";
+    /// A merge Job failed; the message carries the tool's reason.
+    pub const MERGE_FAILED: &str = "MergeFailed";
+    /// The adapter's accuracy is under the pool's `minAccuracy`.
+    pub const BELOW_MIN_ACCURACY: &str = "BelowMinAccuracy";
+    /// Rolled back to a version kept in history without a merge.
+    pub const ROLLED_BACK: &str = "RolledBack";
+    /// The adapter was removed from the pool and unloaded from its pods.
+    pub const UNREGISTERED: &str = "Unregistered";
+    /// An API call failed; the operator retries with backoff.
+    pub const RECONCILE_ERROR: &str = "ReconcileError";
+}

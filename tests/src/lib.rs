@@ -1,0 +1,1 @@
+//! Cross-crate and end-to-end tests for mole live in `tests/tests/`.
