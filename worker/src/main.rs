@@ -1,1 +1,37 @@
-fn main() {}
+//! `mole-worker`: the binary that runs in every mole pod (and locally).
+//! Every flag is also settable from the environment (`MOLE_*`).
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "mole-worker", version, about = "mole worker: serve, merge, import, inspect, bench")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the OpenAI-compatible API for a WorkerConfig (operator ConfigMap or config/local.yaml).
+    Serve(mole_worker::server::cli::ServeArgs),
+    /// Merge a PEFT LoRA adapter into base HF safetensors weights.
+    Merge(mole_worker::merge::cli::MergeArgs),
+    /// Convert a GGUF model into an HF safetensors directory.
+    Import(mole_worker::import::cli::ImportArgs),
+    /// Describe a model or adapter directory and report validation problems.
+    Inspect(mole_worker::inspect::InspectArgs),
+    /// Benchmarks that print ratios measured side by side in one run.
+    Bench(mole_worker::bench::BenchArgs),
+}
+
+fn main() -> std::process::ExitCode {
+    mole_worker::telemetry::init();
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Serve(a) => mole_worker::server::cli::run(a),
+        Command::Merge(a) => mole_worker::merge::cli::run(a),
+        Command::Import(a) => mole_worker::import::cli::run(a),
+        Command::Inspect(a) => mole_worker::inspect::run(a),
+        Command::Bench(a) => mole_worker::bench::run(a),
+    }
+}

@@ -1,0 +1,1 @@
+//! Loading the worker configuration (being built).

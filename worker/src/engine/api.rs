@@ -1,0 +1,272 @@
+//! The contract between the HTTP server and the engine. The server builds a
+//! [`GenerateRequest`], calls [`InferenceEngine::submit`] and reads [`TokenEvent`]s from the
+//! returned stream; dropping the stream cancels the request.
+//!
+//! Types here are shared by the engine and the server: extend them, do not change their meaning.
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+
+/// Why the engine refused or aborted a request. Stable names via [`EngineError::code`].
+#[derive(Debug, Clone, thiserror::Error, PartialEq)]
+pub enum EngineError {
+    /// The waiting queue is full: the server answers 429 with Retry-After.
+    #[error("overloaded: {0} requests waiting")]
+    Overloaded(usize),
+    /// The engine is not ready (loading, shutting down): 503.
+    #[error("engine not ready: {0}")]
+    NotReady(String),
+    /// The named adapter is not known or not loaded: 404.
+    #[error("adapter not found: {0}")]
+    AdapterNotFound(String),
+    /// The adapter could not be loaded (validation failed): 422/400.
+    #[error("invalid adapter {name}: {reason}")]
+    InvalidAdapter {
+        /// Adapter name.
+        name: String,
+        /// Why.
+        reason: String,
+    },
+    /// The request is invalid for this model (prompt too long, bad token id...): 400.
+    #[error("invalid request: {0}")]
+    InvalidRequest(String),
+    /// The model failed during the forward pass: 500.
+    #[error("internal engine error: {0}")]
+    Internal(String),
+}
+
+impl EngineError {
+    /// Stable name (metric label, JSON `code`).
+    pub fn code(&self) -> &'static str {
+        match self {
+            EngineError::Overloaded(_) => "overloaded",
+            EngineError::NotReady(_) => "not_ready",
+            EngineError::AdapterNotFound(_) => "adapter_not_found",
+            EngineError::InvalidAdapter { .. } => "invalid_adapter",
+            EngineError::InvalidRequest(_) => "invalid_request",
+            EngineError::Internal(_) => "internal_error",
+        }
+    }
+}
+
+/// A prompt: text (tokenized by the engine) or token ids.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Prompt {
+    /// Raw text; the engine tokenizes it (adding BOS when the tokenizer does).
+    Text(String),
+    /// Token ids, used as is.
+    Tokens(Vec<u32>),
+}
+
+/// One chat message (text content only; images are refused by the server until vision lands).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ChatMessage {
+    /// `system`, `user`, `assistant` or `tool`.
+    pub role: String,
+    /// Text content.
+    pub content: String,
+}
+
+/// Sampling parameters. Defaults are greedy with no penalties.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SamplingParams {
+    /// 0 means greedy.
+    pub temperature: f32,
+    /// Nucleus sampling (1.0 disables).
+    pub top_p: f32,
+    /// Top-k (0 disables).
+    pub top_k: usize,
+    /// Min-p (0 disables).
+    pub min_p: f32,
+    /// Multiplicative repetition penalty (1.0 disables).
+    pub repetition_penalty: f32,
+    /// OpenAI presence penalty.
+    pub presence_penalty: f32,
+    /// OpenAI frequency penalty.
+    pub frequency_penalty: f32,
+    /// Seed: same seed, same tokens.
+    pub seed: Option<u64>,
+    /// Tokens to generate at most.
+    pub max_tokens: usize,
+    /// Stop strings (not included in the output).
+    pub stop: Vec<String>,
+    /// Stop token ids (besides the model's EOS).
+    pub stop_token_ids: Vec<u32>,
+    /// Return this many top logprobs per token (None: no logprobs).
+    pub logprobs: Option<usize>,
+    /// Keep generating past EOS.
+    pub ignore_eos: bool,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        Self {
+            temperature: 0.0,
+            top_p: 1.0,
+            top_k: 0,
+            min_p: 0.0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
+            seed: None,
+            max_tokens: 256,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            logprobs: None,
+            ignore_eos: false,
+        }
+    }
+}
+
+/// A generation request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerateRequest {
+    /// Request id (for logs and cancellation).
+    pub id: String,
+    /// The prompt (already chat-templated for chat requests).
+    pub prompt: Prompt,
+    /// Adapter name, or None for the base model. The engine pins the version current at submit.
+    pub adapter: Option<String>,
+    /// Sampling.
+    pub sampling: SamplingParams,
+}
+
+/// Log probability of one token.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TokenLogprob {
+    /// Token id.
+    pub token_id: u32,
+    /// Token text.
+    pub token: String,
+    /// Log probability.
+    pub logprob: f32,
+    /// Top alternatives (when asked).
+    pub top: Vec<(u32, String, f32)>,
+}
+
+/// Why generation ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FinishReason {
+    /// EOS, a stop string or a stop token.
+    Stop,
+    /// `max_tokens` or the model's `max_seq_len`.
+    Length,
+    /// Cancelled by the caller.
+    Cancelled,
+}
+
+/// Token counts of a finished request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub completion_tokens: usize,
+}
+
+/// What the engine sends back for a request.
+#[derive(Debug, Clone, PartialEq)]
+pub enum TokenEvent {
+    /// The request left the queue and its prefill ran; carries the adapter version pinned.
+    Started {
+        /// Pinned adapter version (None: base model).
+        adapter_version: Option<String>,
+        /// Prompt tokens.
+        prompt_tokens: usize,
+    },
+    /// One generated token. `text` is the UTF-8-safe delta (may be empty while a multi-byte
+    /// character is incomplete, and never contains a matched stop string).
+    Token {
+        /// Token id.
+        token_id: u32,
+        /// Text delta.
+        text: String,
+        /// Logprob (when asked).
+        logprob: Option<TokenLogprob>,
+    },
+    /// The last event of a successful request.
+    Finished {
+        /// Why it ended.
+        reason: FinishReason,
+        /// Token counts.
+        usage: Usage,
+    },
+    /// The last event of a failed request.
+    Error(EngineError),
+}
+
+/// Stream of events of one request. Dropping it cancels the request.
+pub type EventStream = mpsc::UnboundedReceiver<TokenEvent>;
+
+/// Snapshot of the scheduler (for metrics and `vllm:lora_requests_info`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineStats {
+    /// Requests decoding now.
+    pub running: usize,
+    /// Requests waiting for a slot.
+    pub waiting: usize,
+    /// Size of the last batch.
+    pub last_batch_size: usize,
+    /// Adapters with running requests.
+    pub running_adapters: Vec<String>,
+    /// Adapters with waiting requests.
+    pub waiting_adapters: Vec<String>,
+    /// Device slots for adapters.
+    pub max_loras: usize,
+}
+
+/// An adapter to load (from the worker config or `/v1/load_lora_adapter`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdapterSpec {
+    /// Name requests use.
+    pub name: String,
+    /// Version (a new version loads beside the old one).
+    pub version: String,
+    /// Pool-wide id.
+    pub lora_id: u32,
+    /// Directory with adapter_config.json + adapter_model.safetensors (already confined to the
+    /// model root by the caller).
+    pub path: std::path::PathBuf,
+}
+
+/// The engine as the server sees it. Implemented by the real engine; object-safe so the
+/// server can hold `Arc<dyn InferenceEngine>`.
+pub trait InferenceEngine: Send + Sync + 'static {
+    /// Queues a request. Fails at once with `Overloaded` when the waiting queue is full.
+    fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError>;
+    /// Renders chat messages with the model's chat template (`add_generation_prompt`).
+    fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, EngineError>;
+    /// Number of tokens of a text (for limits and usage).
+    fn count_tokens(&self, text: &str) -> Result<usize, EngineError>;
+    /// Log-probabilities of each candidate label as the next tokens after `prompt`, with
+    /// `adapter` applied; one forward pass over the prompt (no generation). Returns a
+    /// probability per label (softmax over the labels' first-token logits).
+    fn score_labels(
+        &self,
+        adapter: Option<&str>,
+        prompt: &str,
+        labels: &[String],
+    ) -> Result<Vec<f32>, EngineError>;
+    /// Loads an adapter version (blocking until loaded or refused).
+    fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError>;
+    /// Unloads every version of an adapter; running requests finish on their pinned version.
+    fn unload_adapter(&self, name: &str) -> Result<(), EngineError>;
+    /// What the registry holds.
+    fn adapters(&self) -> Vec<mole_crds::LoraAdapterInfo>;
+    /// Scheduler snapshot.
+    fn stats(&self) -> EngineStats;
+    /// Base model name and max sequence length.
+    fn model_info(&self) -> ModelInfo;
+}
+
+/// Static facts about the loaded model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ModelInfo {
+    /// Base model name from the config.
+    pub name: String,
+    /// Longest sequence.
+    pub max_seq_len: usize,
+    /// Vocabulary size.
+    pub vocab_size: usize,
+}

@@ -1,0 +1,106 @@
+//! Hugging Face model directories: `config.json` and `model.safetensors` or shards listed in
+//! `model.safetensors.index.json`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// Errors reading a model directory.
+#[derive(Debug, thiserror::Error)]
+pub enum HfError {
+    /// A file is missing or unreadable.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// File.
+        path: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// A JSON file is malformed.
+    #[error("invalid {path}: {message}")]
+    Json {
+        /// File.
+        path: String,
+        /// Parser message.
+        message: String,
+    },
+    /// Weights only in a pickle format.
+    #[error("{path}: pickle weights (.bin/.pt) are refused; convert them to safetensors")]
+    Pickle {
+        /// Offending file.
+        path: String,
+    },
+    /// No safetensors weights found.
+    #[error("{dir}: no model.safetensors or model.safetensors.index.json")]
+    NoWeights {
+        /// Directory.
+        dir: String,
+    },
+}
+
+/// `model.safetensors.index.json`.
+#[derive(Deserialize, Debug, Clone)]
+pub struct SafetensorsIndex {
+    /// Tensor name → shard file name.
+    pub weight_map: BTreeMap<String, String>,
+    /// Free-form metadata (`total_size`).
+    #[serde(default)]
+    pub metadata: serde_json::Value,
+}
+
+/// The weight files of a model directory, in shard order.
+pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
+    let index = dir.join("model.safetensors.index.json");
+    if index.exists() {
+        let idx = read_index(&index)?;
+        let mut files: Vec<String> = idx.weight_map.values().cloned().collect();
+        files.sort();
+        files.dedup();
+        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+    }
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return Ok(vec![single]);
+    }
+    if let Some(p) = find_pickle(dir) {
+        return Err(HfError::Pickle { path: p.display().to_string() });
+    }
+    Err(HfError::NoWeights { dir: dir.display().to_string() })
+}
+
+/// Reads a safetensors index file.
+pub fn read_index(path: &Path) -> Result<SafetensorsIndex, HfError> {
+    let text = std::fs::read_to_string(path).map_err(|source| HfError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| HfError::Json {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })
+}
+
+/// The first pickle weight file (`*.bin`, `*.pt`, `*.pth`, `*.ckpt`) in a directory, if any.
+pub fn find_pickle(dir: &Path) -> Option<PathBuf> {
+    let entries = std::fs::read_dir(dir).ok()?;
+    entries.flatten().map(|e| e.path()).find(|p| {
+        matches!(
+            p.extension().and_then(|e| e.to_str()),
+            Some("bin" | "pt" | "pth" | "ckpt" | "pkl")
+        )
+    })
+}
+
+/// Reads `config.json` as JSON.
+pub fn read_config(dir: &Path) -> Result<serde_json::Value, HfError> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|source| HfError::Io {
+        path: path.display().to_string(),
+        source,
+    })?;
+    serde_json::from_str(&text).map_err(|e| HfError::Json {
+        path: path.display().to_string(),
+        message: e.to_string(),
+    })
+}

@@ -1,0 +1,4 @@
+//! On-disk formats shared by the offline tools and the engine.
+
+pub mod hf;
+pub mod peft;

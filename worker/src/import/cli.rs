@@ -1,0 +1,15 @@
+//! Command line (being built).
+
+/// Arguments.
+#[derive(clap::Args, Debug)]
+pub struct ImportArgs {
+    /// Placeholder.
+    #[arg(long)]
+    pub placeholder: Option<String>,
+}
+
+/// Runs the subcommand.
+pub fn run(_args: ImportArgs) -> std::process::ExitCode {
+    eprintln!("not built yet");
+    std::process::ExitCode::from(2)
+}

@@ -1,0 +1,3 @@
+//! import (being built).
+
+pub mod cli;

@@ -1,0 +1,3 @@
+//! merge (being built).
+
+pub mod cli;

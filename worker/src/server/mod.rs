@@ -1,0 +1,3 @@
+//! server (being built).
+
+pub mod cli;
