@@ -202,6 +202,12 @@ pub struct MergeStatus {
     /// Failed attempts for the current hash (drives the capped backoff).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub failures: Option<u32>,
+    /// When the last attempt failed (RFC 3339); the next one waits for the backoff.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure_at: Option<String>,
+    /// The merge tool's reason for the last failure (from the pod's termination message).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_failure_reason: Option<String>,
 }
 
 /// Observed state of an adapter.

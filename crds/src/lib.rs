@@ -17,7 +17,9 @@ pub use worker::*;
 use kube::CustomResourceExt;
 
 /// Every CRD of the API, in the order they are written to `charts/mole/crds/`.
-pub fn crds() -> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition> {
+pub fn crds(
+) -> Vec<k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition>
+{
     vec![InferencePool::crd(), Adapter::crd()]
 }
 

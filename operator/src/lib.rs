@@ -1,0 +1,3 @@
+//! mole operator library.
+
+pub mod mergedown;

@@ -1,0 +1,256 @@
+//! Pure builders of the merge Job and the cleanup Job of merge-down.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::batch::v1::{Job, JobSpec};
+use k8s_openapi::api::core::v1::{
+    Capabilities, Container, PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec,
+    PodTemplateSpec, SeccompProfile, SecurityContext, Volume, VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use mole_crds::constants::{
+    APP_NAME, LABEL_ADAPTER, LABEL_APP_COMPONENT, LABEL_APP_INSTANCE, LABEL_APP_MANAGED_BY,
+    LABEL_APP_NAME, LABEL_POOL, LABEL_ROLE, MANAGED_BY,
+};
+use mole_crds::{AdapterSpec, InferencePoolSpec};
+
+use super::MergeKey;
+
+/// Finished merge Jobs are garbage-collected after a day; the Adapter's status keeps the result.
+const TTL_AFTER_FINISHED: i32 = 24 * 3600;
+
+/// Labels of every merge-down child of an adapter.
+pub fn labels(pool: &str, adapter: &str, component: &str) -> BTreeMap<String, String> {
+    BTreeMap::from([
+        (LABEL_APP_NAME.to_string(), APP_NAME.to_string()),
+        (LABEL_APP_INSTANCE.to_string(), pool.to_string()),
+        (LABEL_APP_COMPONENT.to_string(), component.to_string()),
+        (LABEL_APP_MANAGED_BY.to_string(), MANAGED_BY.to_string()),
+        (LABEL_POOL.to_string(), pool.to_string()),
+        (LABEL_ADAPTER.to_string(), adapter.to_string()),
+        (LABEL_ROLE.to_string(), component.to_string()),
+    ])
+}
+
+/// Pod security "restricted": non-root, read-only root filesystem, no privilege escalation,
+/// all capabilities dropped, seccomp RuntimeDefault.
+pub fn restricted_container_security() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        run_as_non_root: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            ..Default::default()
+        }),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Pod-level half of the restricted profile.
+pub fn restricted_pod_security() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(65532),
+        run_as_group: Some(65532),
+        fs_group: Some(65532),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+fn join(mount: &str, rel: &str) -> String {
+    format!(
+        "{}/{}",
+        mount.trim_end_matches('/'),
+        rel.trim_start_matches('/')
+    )
+}
+
+/// The merge Job of `key`: `mole-worker merge` with the pool volume read-write. The Job's
+/// name is deterministic, so a restarted operator finds it instead of creating a duplicate.
+pub fn merge_job(
+    pool_name: &str,
+    pool: &InferencePoolSpec,
+    adapter: &str,
+    spec: &AdapterSpec,
+    key: &MergeKey,
+    owner: OwnerReference,
+) -> Job {
+    let mount = &pool.storage.mount_path;
+    let mut args = vec![
+        "merge".to_string(),
+        "--base".into(),
+        join(mount, &pool.base_model.path),
+        "--adapter".into(),
+        join(mount, &spec.source.path),
+        "--out".into(),
+        join(mount, &key.output),
+        "--root".into(),
+        mount.clone(),
+        "--expect-base".into(),
+        pool.base_model.name.clone(),
+        "--adapter-name".into(),
+        adapter.to_string(),
+        "--adapter-version".into(),
+        spec.version.clone(),
+    ];
+    if spec.merge.safe_merge {
+        args.push("--safe-merge".into());
+    }
+    if let Some(d) = spec.merge.dtype {
+        args.push("--dtype".into());
+        args.push(d.as_str().into());
+    }
+    let labels = labels(pool_name, adapter, "merge");
+    Job {
+        metadata: ObjectMeta {
+            name: Some(key.job_name.clone()),
+            labels: Some(labels.clone()),
+            annotations: Some(BTreeMap::from([
+                ("mole.dev/merge-hash".to_string(), key.hash.clone()),
+                ("mole.dev/merge-output".to_string(), key.output.clone()),
+                ("mole.dev/adapter-version".to_string(), spec.version.clone()),
+            ])),
+            owner_references: Some(vec![owner]),
+            ..Default::default()
+        },
+        spec: Some(JobSpec {
+            backoff_limit: Some(pool.merge.backoff_limit),
+            active_deadline_seconds: Some(pool.merge.active_deadline_seconds),
+            ttl_seconds_after_finished: Some(TTL_AFTER_FINISHED),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..Default::default()
+                }),
+                spec: Some(PodSpec {
+                    restart_policy: Some("Never".into()),
+                    security_context: Some(restricted_pod_security()),
+                    node_selector: (!pool.merge.node_selector.is_empty())
+                        .then(|| pool.merge.node_selector.clone()),
+                    tolerations: (!pool.merge.tolerations.is_empty())
+                        .then(|| pool.merge.tolerations.clone()),
+                    containers: vec![Container {
+                        name: "merge".into(),
+                        image: Some(pool.image.clone()),
+                        image_pull_policy: pool.image_pull_policy.clone(),
+                        command: Some(vec!["mole-worker".into()]),
+                        args: Some(args),
+                        resources: pool.merge.resources.clone(),
+                        security_context: Some(restricted_container_security()),
+                        // The tool writes its one-line reason there; the operator copies it
+                        // into the Adapter's condition.
+                        termination_message_path: Some("/dev/termination-log".into()),
+                        termination_message_policy: Some("FallbackToLogsOnError".into()),
+                        volume_mounts: Some(vec![VolumeMount {
+                            name: "models".into(),
+                            mount_path: mount.clone(),
+                            read_only: Some(false),
+                            ..Default::default()
+                        }]),
+                        ..Default::default()
+                    }],
+                    volumes: Some(vec![models_volume(pool, false)]),
+                    ..Default::default()
+                }),
+            },
+            ..Default::default()
+        }),
+        status: None,
+    }
+}
+
+/// The pool's model volume.
+pub fn models_volume(pool: &InferencePoolSpec, read_only: bool) -> Volume {
+    Volume {
+        name: "models".into(),
+        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+            claim_name: pool.storage.claim_name.clone(),
+            read_only: Some(read_only),
+        }),
+        ..Default::default()
+    }
+}
+
+/// A Job that deletes merged outputs that fell out of the history. The operator pod never
+/// touches the volume itself; this Job runs `mole-worker prune`, which refuses any path outside
+/// `<mount>/merged/<adapter>/`.
+pub fn cleanup_job(
+    pool_name: &str,
+    pool: &InferencePoolSpec,
+    adapter: &str,
+    outputs: &[String],
+    owner: OwnerReference,
+) -> Option<Job> {
+    if outputs.is_empty() {
+        return None;
+    }
+    let mount = &pool.storage.mount_path;
+    let mut sorted = outputs.to_vec();
+    sorted.sort();
+    let digest = sha2::Digest::finalize(sha2::Digest::chain_update(
+        <sha2::Sha256 as sha2::Digest>::new(),
+        sorted.join("\n").as_bytes(),
+    ));
+    let hash = hex::encode(&digest[..5]);
+    let room = 63 - "cleanup-".len() - 1 - hash.len();
+    let short: String = adapter.chars().take(room).collect();
+    let mut args = vec![
+        "prune".to_string(),
+        "--root".into(),
+        join(mount, &format!("merged/{adapter}")),
+    ];
+    args.extend(sorted.iter().map(|o| join(mount, o)));
+    let labels = labels(pool_name, adapter, "cleanup");
+    Some(Job {
+        metadata: ObjectMeta {
+            name: Some(format!("cleanup-{}-{hash}", short.trim_end_matches('-'))),
+            labels: Some(labels.clone()),
+            owner_references: Some(vec![owner]),
+            ..Default::default()
+        },
+        spec: Some(JobSpec {
+            backoff_limit: Some(3),
+            ttl_seconds_after_finished: Some(3600),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(labels),
+                    ..Default::default()
+                }),
+                spec: Some(PodSpec {
+                    restart_policy: Some("Never".into()),
+                    security_context: Some(restricted_pod_security()),
+                    node_selector: (!pool.merge.node_selector.is_empty())
+                        .then(|| pool.merge.node_selector.clone()),
+                    tolerations: (!pool.merge.tolerations.is_empty())
+                        .then(|| pool.merge.tolerations.clone()),
+                    containers: vec![Container {
+                        name: "cleanup".into(),
+                        image: Some(pool.image.clone()),
+                        command: Some(vec!["mole-worker".into()]),
+                        args: Some(args),
+                        security_context: Some(restricted_container_security()),
+                        volume_mounts: Some(vec![VolumeMount {
+                            name: "models".into(),
+                            mount_path: mount.clone(),
+                            ..Default::default()
+                        }]),
+                        ..Default::default()
+                    }],
+                    volumes: Some(vec![models_volume(pool, false)]),
+                    ..Default::default()
+                }),
+            },
+            ..Default::default()
+        }),
+        status: None,
+    })
+}

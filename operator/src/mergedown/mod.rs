@@ -1,0 +1,737 @@
+//! Merge-down: the state machine that turns an `Adapter` with `serving.mode: merged` into a merge
+//! Job, then a merged Deployment, with versions, rollback by apply, gates and failure handling.
+//!
+//! [`plan`] is a pure function of the spec, the adapter's status and what was observed in the
+//! cluster; it returns the actions to apply and the new status. Keeping it pure lets every
+//! transition (first merge, success, version bump, rollback, gate, failure with backoff, mode
+//! switch, restart) be table-tested without a cluster.
+
+pub mod job;
+
+use chrono::{DateTime, Duration, Utc};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{Condition, Time};
+use mole_crds::constants::{condition, reason};
+use mole_crds::{
+    AdapterPhase, AdapterSpec, AdapterStatus, InferencePoolSpec, MergeStatus, ServingMode,
+    VersionRecord,
+};
+use sha2::{Digest, Sha256};
+
+/// Kubernetes object names are at most 63 characters (DNS label).
+const MAX_NAME: usize = 63;
+/// First retry of a failed merge after this many seconds, doubling per failure.
+const BACKOFF_BASE_SECS: i64 = 30;
+/// The retry delay never exceeds this (no hot loop, no give-up either).
+const BACKOFF_CAP_SECS: i64 = 30 * 60;
+
+/// Identity of one merge: the inputs that determine the merged weights.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MergeKey {
+    /// Short content hash of (base model, adapter source, version, merge settings).
+    pub hash: String,
+    /// `merge-<adapter>-<hash>`, truncated to a valid object name.
+    pub job_name: String,
+    /// `merged/<adapter>/<version>-<hash>`, relative to the pool's mount path.
+    pub output: String,
+}
+
+/// Computes the merge identity. Any change of the base model, the adapter's source or version,
+/// or its merge settings gives a new hash, so a new Job and a new output directory.
+pub fn merge_key(pool: &InferencePoolSpec, adapter: &str, spec: &AdapterSpec) -> MergeKey {
+    let identity = serde_json::json!({
+        "base": {"name": pool.base_model.name, "path": pool.base_model.path},
+        "source": spec.source.path,
+        "version": spec.version,
+        "safeMerge": spec.merge.safe_merge,
+        "dtype": spec.merge.dtype.map(|d| d.as_str()),
+    });
+    let digest = Sha256::digest(identity.to_string().as_bytes());
+    let hash = hex::encode(&digest[..5]);
+    let prefix = "merge-";
+    let room = MAX_NAME - prefix.len() - 1 - hash.len();
+    let short: String = adapter.chars().take(room).collect();
+    let short = short.trim_end_matches('-');
+    MergeKey {
+        job_name: format!("{prefix}{short}-{hash}"),
+        output: format!(
+            "merged/{adapter}/{}-{hash}",
+            sanitize_version(&spec.version)
+        ),
+        hash,
+    }
+}
+
+/// Versions become path components: keep them to a safe alphabet.
+fn sanitize_version(v: &str) -> String {
+    v.chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_') {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect()
+}
+
+/// What the cluster shows of the merge Job named by the current [`MergeKey`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum JobState {
+    /// Not there (never created, deleted, or removed by its TTL).
+    Absent,
+    /// Created and not finished.
+    Running,
+    /// Finished successfully.
+    Succeeded,
+    /// Failed for good (backoffLimit or deadline); `reason` is the tool's termination message.
+    Failed {
+        /// One-line reason written by `mole-worker merge` to `/dev/termination-log`.
+        reason: String,
+    },
+}
+
+/// What the cluster shows of the merged Deployment `<pool>-<adapter>`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DeploymentState {
+    /// Merged output it serves (from its pod-template annotation).
+    pub output: String,
+    /// Adapter version it serves.
+    pub version: String,
+    /// Desired replicas.
+    pub replicas: i32,
+    /// Ready replicas of the current template (updated and available).
+    pub ready_replicas: i32,
+}
+
+impl DeploymentState {
+    fn serves(&self, output: &str) -> bool {
+        self.output == output && self.replicas > 0 && self.ready_replicas >= self.replicas
+    }
+}
+
+/// Everything [`plan`] reads besides the spec and status.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Observed {
+    /// The Job of the current merge key.
+    pub job: JobState,
+    /// The merged Deployment, when it exists.
+    pub deployment: Option<DeploymentState>,
+    /// Every ready dynamic pod reports this adapter version loaded.
+    pub dynamic_loaded: bool,
+    /// Clock (injected so the plan stays pure).
+    pub now: DateTime<Utc>,
+}
+
+/// The adapter being planned.
+#[derive(Debug, Clone, Copy)]
+pub struct Subject<'a> {
+    /// Adapter name.
+    pub name: &'a str,
+    /// Namespace.
+    pub namespace: &'a str,
+    /// `metadata.generation`.
+    pub generation: Option<i64>,
+    /// Spec.
+    pub spec: &'a AdapterSpec,
+    /// Current status (default when none).
+    pub status: &'a AdapterStatus,
+}
+
+/// What to do with the merge Job.
+#[derive(Debug, Clone, PartialEq)]
+pub enum JobAction {
+    /// Nothing.
+    None,
+    /// Create the Job for this key (same name after a restart: creation is idempotent).
+    Create(MergeKey),
+    /// Delete the failed Job so a retry can reuse its name after the backoff.
+    DeleteFailed(String),
+}
+
+/// What to do with the merged Deployment/Service/PDB.
+#[derive(Debug, Clone, PartialEq)]
+pub enum DeploymentAction {
+    /// Leave it as it is (or absent).
+    Keep,
+    /// Apply it serving `output` at `version` (rolling update when it exists).
+    Apply {
+        /// Merged output directory.
+        output: String,
+        /// Adapter version.
+        version: String,
+    },
+    /// Remove it (only once dynamic pods serve the adapter).
+    Delete,
+}
+
+/// A Kubernetes Event to publish.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedEvent {
+    /// Warning (true) or Normal.
+    pub warning: bool,
+    /// Stable reason (`mole_crds::constants::reason`).
+    pub reason: &'static str,
+    /// Human text.
+    pub note: String,
+}
+
+/// The result of [`plan`].
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    /// Serve the adapter from the dynamic pods (keep it in the pool's WorkerConfig).
+    pub load_dynamic: bool,
+    /// Merged endpoint to publish in the pool's WorkerConfig (when merged pods serve it).
+    pub merged_endpoint: Option<String>,
+    /// Merge Job action.
+    pub job: JobAction,
+    /// Merged Deployment action.
+    pub deployment: DeploymentAction,
+    /// Merged outputs that fell out of the history: a cleanup Job deletes them.
+    pub cleanup: Vec<String>,
+    /// The new status.
+    pub status: AdapterStatus,
+    /// Events for the transitions this plan makes.
+    pub events: Vec<PlannedEvent>,
+    /// Reconcile again after this many seconds (backoff, polling a running Job).
+    pub requeue_after_secs: Option<i64>,
+}
+
+/// Whether the pool's gate keeps this adapter from being merged, with the reason.
+pub fn gate(pool: &InferencePoolSpec, spec: &AdapterSpec) -> Option<String> {
+    let min = pool.merge.min_accuracy?;
+    match spec.evaluation.as_ref().and_then(|e| e.accuracy) {
+        Some(acc) if acc >= min => None,
+        Some(acc) => Some(format!(
+            "spec.evaluation.accuracy {acc} is below the pool's merge.minAccuracy {min}"
+        )),
+        None => Some(format!(
+            "spec.evaluation.accuracy is not set and the pool requires merge.minAccuracy {min}"
+        )),
+    }
+}
+
+/// Merged Service URL of an adapter.
+pub fn merged_endpoint(pool: &str, adapter: &str, namespace: &str) -> String {
+    format!(
+        "http://{pool}-{adapter}.{namespace}.svc:{}",
+        mole_crds::constants::WORKER_PORT
+    )
+}
+
+/// Backoff before retry number `failures` (1-based): 30 s doubling, capped at 30 min.
+pub fn backoff(failures: u32) -> Duration {
+    let exp = failures.saturating_sub(1).min(16);
+    Duration::seconds((BACKOFF_BASE_SECS << exp).min(BACKOFF_CAP_SECS))
+}
+
+/// Plans one reconcile of an adapter's serving mode. Pure: no I/O, no clock.
+pub fn plan(
+    pool_name: &str,
+    pool: &InferencePoolSpec,
+    subject: Subject<'_>,
+    obs: &Observed,
+) -> Plan {
+    let spec = subject.spec;
+    let mut status = subject.status.clone();
+    status.observed_generation = subject.generation;
+    let mut events = Vec::new();
+    let gated = gate(pool, spec);
+    let want_merged = match spec.serving.mode {
+        ServingMode::Merged => gated.is_none(),
+        // `auto` merges only when a gate is configured and passed: merging is a cost the
+        // operator should not pay for adapters nobody vouched for.
+        ServingMode::Auto => pool.merge.min_accuracy.is_some() && gated.is_none(),
+        ServingMode::Dynamic => false,
+    };
+    let asked_merged = spec.serving.mode != ServingMode::Dynamic;
+    match &gated {
+        Some(msg) if asked_merged => {
+            let changed = set_condition(
+                &mut status.conditions,
+                condition::MERGE_GATED,
+                true,
+                reason::BELOW_MIN_ACCURACY,
+                msg,
+                subject.generation,
+                obs.now,
+            );
+            if changed {
+                events.push(PlannedEvent {
+                    warning: true,
+                    reason: reason::BELOW_MIN_ACCURACY,
+                    note: format!("not merged, served dynamically: {msg}"),
+                });
+            }
+        }
+        _ => {
+            remove_condition(&mut status.conditions, condition::MERGE_GATED);
+        }
+    }
+
+    let mut plan = if want_merged {
+        plan_merged(pool_name, pool, subject, obs, &mut status, &mut events)
+    } else {
+        plan_dynamic(pool_name, subject, obs, &mut status, &mut events)
+    };
+    plan.cleanup = trim_history(&mut status.history, pool.merge.keep_versions, obs);
+    plan.status = status;
+    plan.events = events;
+    plan
+}
+
+fn plan_dynamic(
+    pool_name: &str,
+    subject: Subject<'_>,
+    obs: &Observed,
+    status: &mut AdapterStatus,
+    events: &mut Vec<PlannedEvent>,
+) -> Plan {
+    let spec = subject.spec;
+    // The merged pods keep serving until the dynamic pods report the adapter: a mode switch
+    // never drops requests.
+    let deployment = match (&obs.deployment, obs.dynamic_loaded) {
+        (Some(_), true) => DeploymentAction::Delete,
+        _ => DeploymentAction::Keep,
+    };
+    let still_merged = obs.deployment.as_ref().filter(|_| !obs.dynamic_loaded);
+    if obs.dynamic_loaded {
+        if status.active_version.as_deref() != Some(spec.version.as_str())
+            || status.serving_mode != Some(ServingMode::Dynamic)
+        {
+            events.push(PlannedEvent {
+                warning: false,
+                reason: reason::LOADED,
+                note: format!("version {} serving dynamically", spec.version),
+            });
+        }
+        status.phase = AdapterPhase::Ready;
+        status.serving_mode = Some(ServingMode::Dynamic);
+        status.active_version = Some(spec.version.clone());
+        promote(status, spec, status.lora_id, None, obs.now);
+        set_condition(
+            &mut status.conditions,
+            condition::READY,
+            true,
+            reason::LOADED,
+            "every ready dynamic pod reports the adapter loaded",
+            subject.generation,
+            obs.now,
+        );
+    } else {
+        status.phase = if still_merged.is_some() {
+            AdapterPhase::Ready
+        } else {
+            AdapterPhase::Pending
+        };
+        set_condition(
+            &mut status.conditions,
+            condition::READY,
+            still_merged.is_some(),
+            reason::WAITING_FOR_PODS,
+            "waiting for the dynamic pods to report the adapter loaded",
+            subject.generation,
+            obs.now,
+        );
+    }
+    remove_condition(&mut status.conditions, condition::DEGRADED);
+    status.endpoint = Some(match still_merged {
+        Some(_) => merged_endpoint(pool_name, subject.name, subject.namespace),
+        None => pool_endpoint(pool_name, subject.namespace),
+    });
+    Plan {
+        load_dynamic: true,
+        merged_endpoint: still_merged
+            .map(|_| merged_endpoint(pool_name, subject.name, subject.namespace)),
+        job: JobAction::None,
+        deployment,
+        cleanup: Vec::new(),
+        status: AdapterStatus::default(),
+        events: Vec::new(),
+        requeue_after_secs: (!obs.dynamic_loaded).then_some(10),
+    }
+}
+
+fn plan_merged(
+    pool_name: &str,
+    pool: &InferencePoolSpec,
+    subject: Subject<'_>,
+    obs: &Observed,
+    status: &mut AdapterStatus,
+    events: &mut Vec<PlannedEvent>,
+) -> Plan {
+    let spec = subject.spec;
+    let key = merge_key(pool, subject.name, spec);
+    let endpoint = merged_endpoint(pool_name, subject.name, subject.namespace);
+    let mut job = JobAction::None;
+    let mut requeue = None;
+
+    // The output to serve: this key's output when it exists (already merged, or a rollback to
+    // a version kept in history), else the last good output while the new merge runs.
+    let kept = status
+        .history
+        .iter()
+        .position(|r| r.merged_output.as_deref() == Some(key.output.as_str()));
+    let target_output: Option<String> = if let Some(idx) = kept {
+        if idx != 0 {
+            events.push(PlannedEvent {
+                warning: false,
+                reason: reason::ROLLED_BACK,
+                note: format!(
+                    "switching to version {} from history ({}), no merge needed",
+                    spec.version, key.output
+                ),
+            });
+        }
+        Some(key.output.clone())
+    } else {
+        match &obs.job {
+            JobState::Absent => {
+                let merge = status.merge.get_or_insert_with(MergeStatus::default);
+                let same_key = merge.job.as_deref() == Some(key.job_name.as_str());
+                let failures = if same_key {
+                    merge.failures.unwrap_or(0)
+                } else {
+                    0
+                };
+                let wait = if failures > 0 {
+                    let last = merge
+                        .last_failure_at
+                        .as_deref()
+                        .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+                        .map(|t| t.with_timezone(&Utc));
+                    last.map(|t| (t + backoff(failures)) - obs.now)
+                        .filter(|d| *d > Duration::zero())
+                } else {
+                    None
+                };
+                if !same_key {
+                    *merge = MergeStatus {
+                        job: Some(key.job_name.clone()),
+                        output: Some(key.output.clone()),
+                        ..MergeStatus::default()
+                    };
+                }
+                match wait {
+                    Some(d) => requeue = Some(d.num_seconds().max(1)),
+                    None => {
+                        job = JobAction::Create(key.clone());
+                        requeue = Some(15);
+                        events.push(PlannedEvent {
+                            warning: false,
+                            reason: reason::MERGE_STARTED,
+                            note: format!(
+                                "merging version {} into {} (Job {})",
+                                spec.version, key.output, key.job_name
+                            ),
+                        });
+                    }
+                }
+            }
+            JobState::Running => requeue = Some(15),
+            JobState::Succeeded => {
+                let merge = status.merge.get_or_insert_with(MergeStatus::default);
+                merge.job = Some(key.job_name.clone());
+                merge.output = Some(key.output.clone());
+                merge.completed_at = Some(obs.now.to_rfc3339());
+                merge.failures = None;
+                merge.last_failure_at = None;
+                merge.last_failure_reason = None;
+                events.push(PlannedEvent {
+                    warning: false,
+                    reason: reason::MERGE_SUCCEEDED,
+                    note: format!("version {} merged into {}", spec.version, key.output),
+                });
+                status.history.insert(
+                    0,
+                    VersionRecord {
+                        version: spec.version.clone(),
+                        source: spec.source.path.clone(),
+                        lora_id: status.lora_id,
+                        merged_output: Some(key.output.clone()),
+                        time: Some(obs.now.to_rfc3339()),
+                    },
+                );
+            }
+            JobState::Failed { reason: why } => {
+                let merge = status.merge.get_or_insert_with(MergeStatus::default);
+                if merge.job.as_deref() != Some(key.job_name.as_str()) {
+                    merge.failures = None;
+                }
+                merge.job = Some(key.job_name.clone());
+                merge.output = Some(key.output.clone());
+                let failures = merge.failures.unwrap_or(0) + 1;
+                merge.failures = Some(failures);
+                merge.last_failure_at = Some(obs.now.to_rfc3339());
+                merge.last_failure_reason = Some(why.clone());
+                job = JobAction::DeleteFailed(key.job_name.clone());
+                requeue = Some(backoff(failures).num_seconds());
+                events.push(PlannedEvent {
+                    warning: true,
+                    reason: reason::MERGE_FAILED,
+                    note: format!(
+                        "merge of version {} failed (attempt {failures}, retry in {}s): {why}",
+                        spec.version,
+                        backoff(failures).num_seconds()
+                    ),
+                });
+            }
+        }
+        // While merging, keep serving the last good merged output (never a half-made one).
+        status.history.iter().find_map(|r| r.merged_output.clone())
+    };
+
+    let deployment = match &target_output {
+        Some(out) => {
+            let version = status
+                .history
+                .iter()
+                .find(|r| r.merged_output.as_deref() == Some(out.as_str()))
+                .map(|r| r.version.clone())
+                .unwrap_or_else(|| spec.version.clone());
+            DeploymentAction::Apply {
+                output: out.clone(),
+                version,
+            }
+        }
+        None => DeploymentAction::Keep,
+    };
+
+    let desired_serving = obs
+        .deployment
+        .as_ref()
+        .is_some_and(|d| d.serves(&key.output));
+    let any_merged_serving = obs
+        .deployment
+        .as_ref()
+        .is_some_and(|d| d.replicas > 0 && d.ready_replicas >= d.replicas && !d.output.is_empty());
+    if desired_serving {
+        if let Some(idx) = kept {
+            if idx != 0 {
+                let rec = status.history.remove(idx);
+                status.history.insert(0, rec);
+            }
+        }
+        if let Some(first) = status.history.first_mut() {
+            if first.merged_output.as_deref() == Some(key.output.as_str()) && first.time.is_none() {
+                first.time = Some(obs.now.to_rfc3339());
+            }
+        }
+    }
+
+    let failed_reason = status
+        .merge
+        .as_ref()
+        .filter(|m| m.job.as_deref() == Some(key.job_name.as_str()))
+        .and_then(|m| m.last_failure_reason.clone());
+    let merging = matches!(job, JobAction::Create(_)) || obs.job == JobState::Running;
+
+    // Phase: Ready only when the merged pods serve the desired output.
+    status.phase = if desired_serving {
+        AdapterPhase::Ready
+    } else if failed_reason.is_some() {
+        if any_merged_serving || obs.dynamic_loaded {
+            AdapterPhase::Degraded
+        } else {
+            AdapterPhase::Failed
+        }
+    } else if merging {
+        AdapterPhase::Merging
+    } else {
+        AdapterPhase::Pending
+    };
+    if desired_serving {
+        status.serving_mode = Some(ServingMode::Merged);
+        status.active_version = Some(spec.version.clone());
+        status.endpoint = Some(endpoint.clone());
+    } else if any_merged_serving {
+        status.serving_mode = Some(ServingMode::Merged);
+        status.endpoint = Some(endpoint.clone());
+    } else if obs.dynamic_loaded {
+        status.serving_mode = Some(ServingMode::Dynamic);
+        status.endpoint = Some(pool_endpoint(pool_name, subject.namespace));
+    }
+
+    let gen = subject.generation;
+    match (&failed_reason, desired_serving) {
+        (Some(why), false) => {
+            set_condition(
+                &mut status.conditions,
+                condition::MERGED,
+                false,
+                reason::MERGE_FAILED,
+                why,
+                gen,
+                obs.now,
+            );
+            set_condition(
+                &mut status.conditions,
+                condition::DEGRADED,
+                true,
+                reason::MERGE_FAILED,
+                &format!(
+                    "version {} could not be merged; the previous version keeps serving: {why}",
+                    spec.version
+                ),
+                gen,
+                obs.now,
+            );
+        }
+        _ => {
+            remove_condition(&mut status.conditions, condition::DEGRADED);
+            let (ok, why, msg) = if desired_serving || kept.is_some() {
+                (
+                    true,
+                    reason::MERGE_SUCCEEDED,
+                    format!("merged into {}", key.output),
+                )
+            } else {
+                (
+                    false,
+                    reason::MERGE_STARTED,
+                    format!("merge Job {} in progress", key.job_name),
+                )
+            };
+            set_condition(
+                &mut status.conditions,
+                condition::MERGED,
+                ok,
+                why,
+                &msg,
+                gen,
+                obs.now,
+            );
+        }
+    }
+    set_condition(
+        &mut status.conditions,
+        condition::READY,
+        desired_serving,
+        if desired_serving {
+            reason::MERGE_SUCCEEDED
+        } else {
+            reason::WAITING_FOR_PODS
+        },
+        if desired_serving {
+            "the merged pods serve the desired version"
+        } else {
+            "waiting for the merged pods to serve the desired version"
+        },
+        gen,
+        obs.now,
+    );
+
+    // The dynamic pods keep the adapter until the merged pods serve it, so promotion never
+    // fails a request; afterwards unloading is the pool's choice.
+    let load_dynamic = !(desired_serving && pool.merge.unload_from_dynamic);
+    Plan {
+        load_dynamic,
+        merged_endpoint: any_merged_serving.then_some(endpoint),
+        job,
+        deployment,
+        cleanup: Vec::new(),
+        status: AdapterStatus::default(),
+        events: Vec::new(),
+        requeue_after_secs: requeue.or((!desired_serving).then_some(10)),
+    }
+}
+
+fn pool_endpoint(pool: &str, namespace: &str) -> String {
+    format!(
+        "http://{pool}.{namespace}.svc:{}",
+        mole_crds::constants::WORKER_PORT
+    )
+}
+
+/// Records a dynamically served version at the head of the history.
+fn promote(
+    status: &mut AdapterStatus,
+    spec: &AdapterSpec,
+    lora_id: Option<u32>,
+    merged_output: Option<String>,
+    now: DateTime<Utc>,
+) {
+    let same = |r: &VersionRecord| {
+        r.version == spec.version
+            && r.source == spec.source.path
+            && r.merged_output == merged_output
+    };
+    if status.history.first().is_some_and(same) {
+        return;
+    }
+    status.history.retain(|r| !same(r));
+    status.history.insert(
+        0,
+        VersionRecord {
+            version: spec.version.clone(),
+            source: spec.source.path.clone(),
+            lora_id,
+            merged_output,
+            time: Some(now.to_rfc3339()),
+        },
+    );
+}
+
+/// Keeps the active entry plus `keep` previous ones; returns merged outputs to delete. The
+/// output the Deployment serves now is never returned, whatever the history says.
+fn trim_history(history: &mut Vec<VersionRecord>, keep: u32, obs: &Observed) -> Vec<String> {
+    let limit = 1 + keep as usize;
+    if history.len() <= limit {
+        return Vec::new();
+    }
+    let serving = obs.deployment.as_ref().map(|d| d.output.clone());
+    let dropped = history.split_off(limit);
+    let kept: Vec<_> = history
+        .iter()
+        .filter_map(|r| r.merged_output.clone())
+        .collect();
+    dropped
+        .into_iter()
+        .filter_map(|r| r.merged_output)
+        .filter(|o| Some(o) != serving.as_ref() && !kept.contains(o))
+        .collect()
+}
+
+/// Sets a condition, keeping `lastTransitionTime` when the status did not change. Returns
+/// whether the condition changed (status or reason), i.e. whether an Event is warranted.
+pub fn set_condition(
+    conditions: &mut Vec<Condition>,
+    type_: &str,
+    ok: bool,
+    reason: &str,
+    message: &str,
+    generation: Option<i64>,
+    now: DateTime<Utc>,
+) -> bool {
+    let status = if ok { "True" } else { "False" }.to_string();
+    if let Some(c) = conditions.iter_mut().find(|c| c.type_ == type_) {
+        let changed = c.status != status || c.reason != reason;
+        if c.status != status {
+            c.last_transition_time = Time(to_jiff(now));
+        }
+        c.status = status;
+        c.reason = reason.to_string();
+        c.message = message.to_string();
+        c.observed_generation = generation;
+        return changed;
+    }
+    conditions.push(Condition {
+        type_: type_.to_string(),
+        status,
+        reason: reason.to_string(),
+        message: message.to_string(),
+        observed_generation: generation,
+        last_transition_time: Time(to_jiff(now)),
+    });
+    true
+}
+
+fn to_jiff(now: DateTime<Utc>) -> k8s_openapi::jiff::Timestamp {
+    k8s_openapi::jiff::Timestamp::from_second(now.timestamp()).unwrap_or_default()
+}
+
+fn remove_condition(conditions: &mut Vec<Condition>, type_: &str) {
+    conditions.retain(|c| c.type_ != type_);
+}
+
+#[cfg(test)]
+mod tests;

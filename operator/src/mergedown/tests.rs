@@ -1,0 +1,478 @@
+//! Table tests of the merge-down state machine: one test per transition of issue 3.
+
+use chrono::{DateTime, TimeZone, Utc};
+use mole_crds::{
+    AdapterPhase, AdapterSpec, AdapterStatus, InferencePoolSpec, ServingMode, VersionRecord,
+};
+
+use super::*;
+
+fn pool() -> InferencePoolSpec {
+    serde_yaml::from_str(
+        r#"
+baseModel: {name: Qwen/Qwen3-VL-8B-Instruct, path: base/qwen3-vl-8b}
+storage: {claimName: models}
+image: ghcr.io/mole-dev/mole-worker:0.1.0
+gpu: {count: 1}
+"#,
+    )
+    .unwrap()
+}
+
+fn adapter(version: &str, mode: &str) -> AdapterSpec {
+    serde_yaml::from_str(&format!(
+        r#"
+pool: vl
+version: "{version}"
+source: {{path: adapters/calendar/{version}}}
+serving: {{mode: {mode}}}
+"#
+    ))
+    .unwrap()
+}
+
+fn t0() -> DateTime<Utc> {
+    Utc.with_ymd_and_hms(2026, 11, 22, 12, 0, 0).unwrap()
+}
+
+fn obs(job: JobState) -> Observed {
+    Observed {
+        job,
+        deployment: None,
+        dynamic_loaded: true,
+        now: t0(),
+    }
+}
+
+fn run(pool: &InferencePoolSpec, spec: &AdapterSpec, status: &AdapterStatus, o: &Observed) -> Plan {
+    plan(
+        "vl",
+        pool,
+        Subject {
+            name: "calendar",
+            namespace: "ml",
+            generation: Some(3),
+            spec,
+            status,
+        },
+        o,
+    )
+}
+
+fn serving(output: &str, version: &str) -> DeploymentState {
+    DeploymentState {
+        output: output.into(),
+        version: version.into(),
+        replicas: 1,
+        ready_replicas: 1,
+    }
+}
+
+fn cond<'a>(s: &'a AdapterStatus, t: &str) -> Option<&'a Condition> {
+    s.conditions.iter().find(|c| c.type_ == t)
+}
+
+/// Runs a merge of `version` to completion and returns the status with the merged pods ready.
+fn merged_status(pool: &InferencePoolSpec, version: &str, prior: &AdapterStatus) -> AdapterStatus {
+    let spec = adapter(version, "merged");
+    let key = merge_key(pool, "calendar", &spec);
+    let p = run(pool, &spec, prior, &obs(JobState::Succeeded));
+    let mut o = obs(JobState::Succeeded);
+    o.deployment = Some(serving(&key.output, version));
+    run(pool, &spec, &p.status, &o).status
+}
+
+#[test]
+fn merge_key_is_deterministic_and_changes_with_every_input() {
+    let p = pool();
+    let a = adapter("v1", "merged");
+    let k1 = merge_key(&p, "calendar", &a);
+    assert_eq!(k1, merge_key(&p, "calendar", &a));
+    assert!(k1.job_name.starts_with("merge-calendar-"));
+    assert_eq!(k1.output, format!("merged/calendar/v1-{}", k1.hash));
+    let mut b = a.clone();
+    b.version = "v2".into();
+    assert_ne!(merge_key(&p, "calendar", &b).hash, k1.hash);
+    let mut c = a.clone();
+    c.merge.safe_merge = false;
+    assert_ne!(merge_key(&p, "calendar", &c).hash, k1.hash);
+    let mut q = p.clone();
+    q.base_model.path = "base/other".into();
+    assert_ne!(merge_key(&q, "calendar", &a).hash, k1.hash);
+    let long = "a".repeat(80);
+    assert!(merge_key(&p, &long, &a).job_name.len() <= 63);
+}
+
+#[test]
+fn first_merge_creates_the_job_and_keeps_the_adapter_dynamic() {
+    let p = pool();
+    let a = adapter("v1", "merged");
+    let plan = run(&p, &a, &AdapterStatus::default(), &obs(JobState::Absent));
+    let key = merge_key(&p, "calendar", &a);
+    assert_eq!(plan.job, JobAction::Create(key.clone()));
+    assert_eq!(plan.deployment, DeploymentAction::Keep);
+    assert!(
+        plan.load_dynamic,
+        "dynamic pods serve it until the merged pods are ready"
+    );
+    assert_eq!(plan.status.phase, AdapterPhase::Merging);
+    assert_eq!(
+        plan.status.merge.as_ref().unwrap().job.as_deref(),
+        Some(key.job_name.as_str())
+    );
+    assert_eq!(plan.events[0].reason, reason::MERGE_STARTED);
+    assert!(plan.requeue_after_secs.is_some());
+}
+
+#[test]
+fn running_job_is_left_alone() {
+    let p = pool();
+    let a = adapter("v1", "merged");
+    let first = run(&p, &a, &AdapterStatus::default(), &obs(JobState::Absent));
+    let plan = run(&p, &a, &first.status, &obs(JobState::Running));
+    assert_eq!(plan.job, JobAction::None);
+    assert_eq!(plan.status.phase, AdapterPhase::Merging);
+    assert!(plan.events.is_empty());
+}
+
+#[test]
+fn success_applies_the_deployment_and_ready_waits_for_its_pods() {
+    let p = pool();
+    let a = adapter("v1", "merged");
+    let key = merge_key(&p, "calendar", &a);
+    let plan = run(&p, &a, &AdapterStatus::default(), &obs(JobState::Succeeded));
+    assert_eq!(
+        plan.deployment,
+        DeploymentAction::Apply {
+            output: key.output.clone(),
+            version: "v1".into()
+        }
+    );
+    assert_eq!(
+        plan.status.history[0].merged_output.as_deref(),
+        Some(key.output.as_str())
+    );
+    assert_ne!(plan.status.phase, AdapterPhase::Ready, "pods not ready yet");
+    assert!(plan.merged_endpoint.is_none(), "nothing to forward to yet");
+
+    let mut o = obs(JobState::Succeeded);
+    o.deployment = Some(serving(&key.output, "v1"));
+    let ready = run(&p, &a, &plan.status, &o);
+    assert_eq!(ready.status.phase, AdapterPhase::Ready);
+    assert_eq!(ready.status.serving_mode, Some(ServingMode::Merged));
+    assert_eq!(ready.status.active_version.as_deref(), Some("v1"));
+    assert_eq!(
+        ready.merged_endpoint.as_deref(),
+        Some("http://vl-calendar.ml.svc:8000")
+    );
+    assert!(
+        ready.load_dynamic,
+        "unloading from dynamic pods is off by default"
+    );
+    assert_eq!(
+        cond(&ready.status, condition::READY).unwrap().status,
+        "True"
+    );
+}
+
+#[test]
+fn pool_setting_unloads_from_dynamic_only_once_merged_pods_serve() {
+    let mut p = pool();
+    p.merge.unload_from_dynamic = true;
+    let a = adapter("v1", "merged");
+    let key = merge_key(&p, "calendar", &a);
+    let plan = run(&p, &a, &AdapterStatus::default(), &obs(JobState::Succeeded));
+    assert!(plan.load_dynamic);
+    let mut o = obs(JobState::Succeeded);
+    o.deployment = Some(serving(&key.output, "v1"));
+    assert!(!run(&p, &a, &plan.status, &o).load_dynamic);
+}
+
+#[test]
+fn version_bump_merges_while_the_old_pods_keep_serving() {
+    let p = pool();
+    let v1 = merged_status(&p, "v1", &AdapterStatus::default());
+    let k1 = merge_key(&p, "calendar", &adapter("v1", "merged"));
+    let a2 = adapter("v2", "merged");
+    let mut o = obs(JobState::Absent);
+    o.deployment = Some(serving(&k1.output, "v1"));
+    let plan = run(&p, &a2, &v1, &o);
+    assert!(matches!(plan.job, JobAction::Create(_)));
+    assert_eq!(
+        plan.deployment,
+        DeploymentAction::Apply {
+            output: k1.output.clone(),
+            version: "v1".into()
+        },
+        "the Deployment stays on v1 until the v2 Job succeeds"
+    );
+    assert_eq!(plan.status.phase, AdapterPhase::Merging);
+    assert_eq!(plan.status.active_version.as_deref(), Some("v1"));
+    assert!(
+        plan.merged_endpoint.is_some(),
+        "v1 pods keep taking forwarded requests"
+    );
+}
+
+#[test]
+fn rollback_to_a_kept_version_switches_without_a_job() {
+    let p = pool();
+    let v1 = merged_status(&p, "v1", &AdapterStatus::default());
+    let v2 = merged_status(&p, "v2", &v1);
+    assert_eq!(v2.history.len(), 2);
+    let k1 = merge_key(&p, "calendar", &adapter("v1", "merged"));
+    let k2 = merge_key(&p, "calendar", &adapter("v2", "merged"));
+
+    let back = adapter("v1", "merged");
+    let mut o = obs(JobState::Absent);
+    o.deployment = Some(serving(&k2.output, "v2"));
+    let plan = run(&p, &back, &v2, &o);
+    assert_eq!(
+        plan.job,
+        JobAction::None,
+        "no merge Job for a version in history"
+    );
+    assert_eq!(
+        plan.deployment,
+        DeploymentAction::Apply {
+            output: k1.output.clone(),
+            version: "v1".into()
+        }
+    );
+    assert!(plan.events.iter().any(|e| e.reason == reason::ROLLED_BACK));
+
+    o.deployment = Some(serving(&k1.output, "v1"));
+    let done = run(&p, &back, &plan.status, &o);
+    assert_eq!(done.status.phase, AdapterPhase::Ready);
+    assert_eq!(done.status.active_version.as_deref(), Some("v1"));
+    assert_eq!(done.status.history[0].version, "v1", "active version first");
+}
+
+#[test]
+fn failure_with_a_previous_version_degrades_backs_off_and_keeps_serving() {
+    let p = pool();
+    let v1 = merged_status(&p, "v1", &AdapterStatus::default());
+    let k1 = merge_key(&p, "calendar", &adapter("v1", "merged"));
+    let a2 = adapter("v2", "merged");
+    let k2 = merge_key(&p, "calendar", &a2);
+    let mut o = obs(JobState::Absent);
+    o.deployment = Some(serving(&k1.output, "v1"));
+    let started = run(&p, &a2, &v1, &o);
+
+    o.job = JobState::Failed {
+        reason: "NaN in model.layers.0.self_attn.q_proj (safe merge)".into(),
+    };
+    let failed = run(&p, &a2, &started.status, &o);
+    assert_eq!(failed.status.phase, AdapterPhase::Degraded);
+    assert_eq!(failed.job, JobAction::DeleteFailed(k2.job_name.clone()));
+    assert_eq!(
+        failed.deployment,
+        DeploymentAction::Apply {
+            output: k1.output.clone(),
+            version: "v1".into()
+        },
+        "the last good output keeps serving"
+    );
+    assert!(
+        failed.cleanup.is_empty(),
+        "never deletes the last good output"
+    );
+    let degraded = cond(&failed.status, condition::DEGRADED).unwrap();
+    assert!(degraded
+        .message
+        .contains("NaN in model.layers.0.self_attn.q_proj"));
+    assert_eq!(failed.requeue_after_secs, Some(30));
+    assert!(failed
+        .events
+        .iter()
+        .any(|e| e.warning && e.reason == reason::MERGE_FAILED));
+
+    // Job deleted; before the backoff elapses nothing is created (no hot loop).
+    o.job = JobState::Absent;
+    o.now = t0() + Duration::seconds(10);
+    let waiting = run(&p, &a2, &failed.status, &o);
+    assert_eq!(waiting.job, JobAction::None);
+    assert_eq!(waiting.requeue_after_secs, Some(20));
+    assert_eq!(waiting.status.phase, AdapterPhase::Degraded);
+
+    // After the backoff the same Job name is created again.
+    o.now = t0() + Duration::seconds(31);
+    let retry = run(&p, &a2, &waiting.status, &o);
+    assert_eq!(retry.job, JobAction::Create(k2.clone()));
+
+    // A second failure doubles the wait.
+    o.job = JobState::Failed {
+        reason: "again".into(),
+    };
+    let second = run(&p, &a2, &retry.status, &o);
+    assert_eq!(second.status.merge.as_ref().unwrap().failures, Some(2));
+    assert_eq!(second.requeue_after_secs, Some(60));
+}
+
+#[test]
+fn backoff_is_capped() {
+    assert_eq!(backoff(1).num_seconds(), 30);
+    assert_eq!(backoff(2).num_seconds(), 60);
+    assert_eq!(backoff(50).num_seconds(), 1800);
+}
+
+#[test]
+fn failure_without_anything_serving_is_failed() {
+    let p = pool();
+    let a = adapter("v1", "merged");
+    let mut o = obs(JobState::Failed {
+        reason: "shape mismatch".into(),
+    });
+    o.dynamic_loaded = false;
+    let plan = run(&p, &a, &AdapterStatus::default(), &o);
+    assert_eq!(plan.status.phase, AdapterPhase::Failed);
+    o.dynamic_loaded = true;
+    let plan = run(&p, &a, &AdapterStatus::default(), &o);
+    assert_eq!(
+        plan.status.phase,
+        AdapterPhase::Degraded,
+        "dynamic pods still serve it"
+    );
+}
+
+#[test]
+fn gate_keeps_the_adapter_dynamic_with_a_condition() {
+    let mut p = pool();
+    p.merge.min_accuracy = Some(0.9);
+    let mut a = adapter("v1", "merged");
+    a.evaluation = Some(mole_crds::Evaluation {
+        accuracy: Some(0.8),
+    });
+    let plan = run(&p, &a, &AdapterStatus::default(), &obs(JobState::Absent));
+    assert_eq!(plan.job, JobAction::None);
+    assert_eq!(plan.status.serving_mode, Some(ServingMode::Dynamic));
+    let gated = cond(&plan.status, condition::MERGE_GATED).unwrap();
+    assert_eq!(gated.status, "True");
+    assert_eq!(gated.reason, reason::BELOW_MIN_ACCURACY);
+    assert!(gated.message.contains("0.8"));
+    // The Event is sent once, not on every reconcile.
+    let again = run(&p, &a, &plan.status, &obs(JobState::Absent));
+    assert!(again
+        .events
+        .iter()
+        .all(|e| e.reason != reason::BELOW_MIN_ACCURACY));
+
+    a.evaluation = Some(mole_crds::Evaluation {
+        accuracy: Some(0.95),
+    });
+    let ok = run(&p, &a, &plan.status, &obs(JobState::Absent));
+    assert!(matches!(ok.job, JobAction::Create(_)));
+    assert!(cond(&ok.status, condition::MERGE_GATED).is_none());
+}
+
+#[test]
+fn auto_merges_only_past_a_configured_gate() {
+    let mut p = pool();
+    let mut a = adapter("v1", "auto");
+    assert_eq!(
+        run(&p, &a, &AdapterStatus::default(), &obs(JobState::Absent)).job,
+        JobAction::None
+    );
+    p.merge.min_accuracy = Some(0.5);
+    a.evaluation = Some(mole_crds::Evaluation {
+        accuracy: Some(0.7),
+    });
+    assert!(matches!(
+        run(&p, &a, &AdapterStatus::default(), &obs(JobState::Absent)).job,
+        JobAction::Create(_)
+    ));
+}
+
+#[test]
+fn switching_to_dynamic_removes_merged_pods_only_after_dynamic_pods_load_it() {
+    let p = pool();
+    let v1 = merged_status(&p, "v1", &AdapterStatus::default());
+    let k1 = merge_key(&p, "calendar", &adapter("v1", "merged"));
+    let a = adapter("v1", "dynamic");
+    let mut o = obs(JobState::Absent);
+    o.deployment = Some(serving(&k1.output, "v1"));
+    o.dynamic_loaded = false;
+    let waiting = run(&p, &a, &v1, &o);
+    assert_eq!(waiting.deployment, DeploymentAction::Keep);
+    assert!(waiting.load_dynamic);
+    assert!(
+        waiting.merged_endpoint.is_some(),
+        "keep forwarding until dynamic pods serve"
+    );
+    o.dynamic_loaded = true;
+    let done = run(&p, &a, &waiting.status, &o);
+    assert_eq!(done.deployment, DeploymentAction::Delete);
+    assert_eq!(done.status.serving_mode, Some(ServingMode::Dynamic));
+    assert_eq!(done.status.phase, AdapterPhase::Ready);
+    assert!(done.merged_endpoint.is_none());
+}
+
+#[test]
+fn history_overflow_schedules_cleanup_of_old_outputs_only() {
+    let mut p = pool();
+    p.merge.keep_versions = 1;
+    let mut st = AdapterStatus::default();
+    for v in ["v1", "v2", "v3"] {
+        st = merged_status(&p, v, &st);
+    }
+    let k1 = merge_key(&p, "calendar", &adapter("v1", "merged"));
+    assert_eq!(st.history.len(), 2, "active + keepVersions");
+    assert_eq!(st.history[0].version, "v3");
+    // The cleanup list was produced by the plan that dropped v1.
+    let mut st2 = AdapterStatus::default();
+    let mut cleaned = Vec::new();
+    for v in ["v1", "v2", "v3"] {
+        let spec = adapter(v, "merged");
+        let key = merge_key(&p, "calendar", &spec);
+        let a = run(&p, &spec, &st2, &obs(JobState::Succeeded));
+        cleaned.extend(a.cleanup.clone());
+        let mut o = obs(JobState::Succeeded);
+        o.deployment = Some(serving(&key.output, v));
+        let b = run(&p, &spec, &a.status, &o);
+        cleaned.extend(b.cleanup.clone());
+        st2 = b.status;
+    }
+    assert_eq!(cleaned, vec![k1.output]);
+}
+
+#[test]
+fn restart_with_everything_in_place_changes_nothing() {
+    let p = pool();
+    let st = merged_status(&p, "v1", &AdapterStatus::default());
+    let a = adapter("v1", "merged");
+    let k = merge_key(&p, "calendar", &a);
+    let mut o = obs(JobState::Absent); // the finished Job was garbage-collected by its TTL
+    o.deployment = Some(serving(&k.output, "v1"));
+    let plan = run(&p, &a, &st, &o);
+    assert_eq!(
+        plan.job,
+        JobAction::None,
+        "no duplicate Job after a restart"
+    );
+    assert!(plan.events.is_empty());
+    assert_eq!(plan.status, st, "status is already what it should be");
+    assert!(plan.cleanup.is_empty());
+}
+
+#[test]
+fn dynamic_adapter_records_history_and_ready_when_loaded() {
+    let p = pool();
+    let a = adapter("v1", "dynamic");
+    let mut o = obs(JobState::Absent);
+    o.dynamic_loaded = false;
+    let pending = run(&p, &a, &AdapterStatus::default(), &o);
+    assert_eq!(pending.status.phase, AdapterPhase::Pending);
+    o.dynamic_loaded = true;
+    let ready = run(&p, &a, &pending.status, &o);
+    assert_eq!(ready.status.phase, AdapterPhase::Ready);
+    assert_eq!(
+        ready.status.history[0],
+        VersionRecord {
+            version: "v1".into(),
+            source: "adapters/calendar/v1".into(),
+            lora_id: None,
+            merged_output: None,
+            time: Some(t0().to_rfc3339()),
+        }
+    );
+}
