@@ -18,6 +18,7 @@ pub mod lora;
 pub mod merge;
 pub mod metrics;
 pub mod model;
+pub mod prune;
 pub mod router;
 pub mod server;
 pub mod telemetry;

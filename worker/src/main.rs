@@ -26,6 +26,8 @@ enum Command {
     Inspect(mole_worker::inspect::InspectArgs),
     /// Benchmarks that print ratios measured side by side in one run.
     Bench(mole_worker::bench::BenchArgs),
+    /// Delete old merged outputs (the operator's cleanup Job), refusing paths outside --root.
+    Prune(mole_worker::prune::PruneArgs),
 }
 
 fn main() -> std::process::ExitCode {
@@ -37,5 +39,6 @@ fn main() -> std::process::ExitCode {
         Command::Import(a) => mole_worker::import::cli::run(a),
         Command::Inspect(a) => mole_worker::inspect::run(a),
         Command::Bench(a) => mole_worker::bench::run(a),
+        Command::Prune(a) => mole_worker::prune::run(a),
     }
 }
