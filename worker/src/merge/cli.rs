@@ -1,15 +1,88 @@
-//! Command line (being built).
+//! `mole-worker merge`: the command the operator's merge Job runs.
 
-/// Arguments.
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use super::{merge, MergeOptions, OutDtype};
+
+/// Arguments of `merge`.
 #[derive(clap::Args, Debug)]
 pub struct MergeArgs {
-    /// Placeholder.
-    #[arg(long)]
-    pub placeholder: Option<String>,
+    /// Base HF model directory (config.json + safetensors, sharded or not).
+    #[arg(long, env = "MOLE_MERGE_BASE")]
+    pub base: PathBuf,
+    /// PEFT adapter directory (adapter_config.json + adapter_model.safetensors).
+    #[arg(long, env = "MOLE_MERGE_ADAPTER")]
+    pub adapter: PathBuf,
+    /// Output directory; written to a temporary sibling and renamed at the end.
+    #[arg(long, env = "MOLE_MERGE_OUT")]
+    pub out: PathBuf,
+    /// Fail, naming the module, when a merged tensor has NaN or Inf.
+    #[arg(long, env = "MOLE_MERGE_SAFE")]
+    pub safe_merge: bool,
+    /// Output dtype (default: the base's).
+    #[arg(long, env = "MOLE_MERGE_DTYPE", value_parser = ["bf16", "f16", "f32"])]
+    pub dtype: Option<String>,
+    /// Every path must resolve, symlinks included, inside this directory.
+    #[arg(long, env = "MOLE_MODEL_ROOT")]
+    pub root: Option<PathBuf>,
+    /// Refuse adapters whose base_model_name_or_path names another model.
+    #[arg(long, env = "MOLE_MERGE_EXPECT_BASE")]
+    pub expect_base: Option<String>,
+    /// Highest LoRA rank accepted.
+    #[arg(long, env = "MOLE_MAX_LORA_RANK", default_value_t = 512)]
+    pub max_rank: usize,
+    /// Adapter name for merge_metadata.json.
+    #[arg(long, env = "MOLE_MERGE_ADAPTER_NAME")]
+    pub adapter_name: Option<String>,
+    /// Adapter version for merge_metadata.json.
+    #[arg(long, env = "MOLE_MERGE_ADAPTER_VERSION")]
+    pub adapter_version: Option<String>,
 }
 
-/// Runs the subcommand.
-pub fn run(_args: MergeArgs) -> std::process::ExitCode {
-    eprintln!("not built yet");
-    std::process::ExitCode::from(2)
+/// Runs `merge`. On failure prints one line to stderr and to `/dev/termination-log` (where
+/// Kubernetes picks it up for the Adapter's condition); exit 2 for bad input, 1 for I/O.
+pub fn run(args: MergeArgs) -> ExitCode {
+    let opts = MergeOptions {
+        base: args.base,
+        adapter: args.adapter,
+        out: args.out,
+        safe_merge: args.safe_merge,
+        dtype: args.dtype.as_deref().and_then(OutDtype::parse),
+        root: args.root,
+        expect_base: args.expect_base,
+        max_rank: args.max_rank,
+        adapter_name: args.adapter_name,
+        adapter_version: args.adapter_version,
+    };
+    match merge(&opts) {
+        Ok(report) => {
+            let m = &report.metadata;
+            if report.written {
+                println!(
+                    "merged {} modules ({} tensors replaced, {} params) into {} in {:.2}s",
+                    m.modules_merged,
+                    m.tensors_replaced,
+                    m.total_params,
+                    opts.out.display(),
+                    m.seconds
+                );
+            } else {
+                println!(
+                    "{} already holds this merge; nothing to do",
+                    opts.out.display()
+                );
+            }
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            let line = format!("merge failed ({}): {e}", e.code());
+            eprintln!("{line}");
+            let log = std::path::Path::new("/dev/termination-log");
+            if log.exists() {
+                let _ = std::fs::write(log, &line);
+            }
+            ExitCode::from(e.exit_code())
+        }
+    }
 }

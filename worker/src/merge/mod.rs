@@ -1,3 +1,570 @@
-//! merge (being built).
+//! Streaming merge of a PEFT LoRA adapter into HF safetensors weights:
+//! `W' = W + s·(B·A)` per targeted module, shard by shard.
+//!
+//! Memory stays bounded whatever the model size: each input shard is memory-mapped, unchanged
+//! tensors are written straight from the mapping, and a changed tensor is materialised (in f32)
+//! only while it is being written. The output goes to a temporary directory renamed into place
+//! at the end, so a crash never leaves a partial output, and a re-run with identical inputs is
+//! a no-op.
 
 pub mod cli;
+mod tensors;
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::formats::hf;
+use crate::formats::peft::{self, AdapterConfig};
+use tensors::{AdapterWeights, Delta};
+
+pub use tensors::{bf16_ulp_distance, to_f32, OutDtype};
+
+/// Files of a base model directory that are weights (rewritten), not copied.
+fn is_weight_file(name: &str) -> bool {
+    name.ends_with(".safetensors") || name == "model.safetensors.index.json"
+}
+
+/// Why a merge failed. Stable names via [`MergeError::code`]; bad input exits 2, I/O exits 1.
+#[derive(Debug, thiserror::Error)]
+pub enum MergeError {
+    /// A file could not be read or written.
+    #[error("{path}: {source}")]
+    Io {
+        /// File or directory.
+        path: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// The base model directory is unusable.
+    #[error("base model: {0}")]
+    Base(#[from] hf::HfError),
+    /// The adapter config is unusable.
+    #[error("adapter: {0}")]
+    AdapterConfig(#[from] peft::PeftError),
+    /// Pickle weights.
+    #[error("{0}: pickle files (.bin/.pt) are refused; convert the weights to safetensors")]
+    Pickle(String),
+    /// A path resolves outside `--root`.
+    #[error("{path} resolves outside the model root {root}")]
+    OutsideRoot {
+        /// Path as given.
+        path: String,
+        /// Root.
+        root: String,
+    },
+    /// A safetensors file is malformed.
+    #[error("{path}: invalid safetensors: {message}")]
+    Safetensors {
+        /// File.
+        path: String,
+        /// Parser message.
+        message: String,
+    },
+    /// The adapter was trained on another base model.
+    #[error("adapter base model is {found:?}, expected {expected:?}")]
+    WrongBase {
+        /// `base_model_name_or_path` of the adapter.
+        found: Option<String>,
+        /// `--expect-base`.
+        expected: String,
+    },
+    /// An adapter tensor does not fit the base.
+    #[error("{module}: {message}")]
+    Shape {
+        /// Module.
+        module: String,
+        /// What does not fit.
+        message: String,
+    },
+    /// A module's rank is over the limit.
+    #[error("{module}: rank {rank} is over the limit {limit}")]
+    Rank {
+        /// Module.
+        module: String,
+        /// Its rank.
+        rank: usize,
+        /// `--max-rank`.
+        limit: usize,
+    },
+    /// An adapter feature mole does not merge.
+    #[error("unsupported adapter: {0}")]
+    Unsupported(String),
+    /// Safe merge found NaN or Inf.
+    #[error("{module}: merged weights contain NaN/Inf (safe merge); the adapter is broken")]
+    NonFinite {
+        /// Module.
+        module: String,
+    },
+    /// The output directory exists and was made from other inputs.
+    #[error("{0} exists and was merged from different inputs; refusing to overwrite it")]
+    OutputExists(String),
+}
+
+impl MergeError {
+    /// Stable name (Event reason suffix, metric label).
+    pub fn code(&self) -> &'static str {
+        match self {
+            MergeError::Io { .. } => "io_error",
+            MergeError::Base(_) => "invalid_base",
+            MergeError::AdapterConfig(_) => "invalid_adapter_config",
+            MergeError::Pickle(_) => "pickle_refused",
+            MergeError::OutsideRoot { .. } => "path_outside_root",
+            MergeError::Safetensors { .. } => "invalid_safetensors",
+            MergeError::WrongBase { .. } => "wrong_base_model",
+            MergeError::Shape { .. } => "shape_mismatch",
+            MergeError::Rank { .. } => "rank_over_limit",
+            MergeError::Unsupported(_) => "unsupported_adapter",
+            MergeError::NonFinite { .. } => "non_finite_weights",
+            MergeError::OutputExists(_) => "output_exists",
+        }
+    }
+
+    /// Process exit code: 1 for I/O failures (retry may help), 2 for bad input (it will not).
+    pub fn exit_code(&self) -> u8 {
+        match self {
+            MergeError::Io { .. } => 1,
+            MergeError::Base(hf::HfError::Io { .. }) => 1,
+            _ => 2,
+        }
+    }
+}
+
+pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> MergeError + '_ {
+    move |source| MergeError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+/// What to merge and how.
+#[derive(Debug, Clone)]
+pub struct MergeOptions {
+    /// Base HF model directory.
+    pub base: PathBuf,
+    /// PEFT adapter directory.
+    pub adapter: PathBuf,
+    /// Output directory (created; must not be inside `base` or `adapter`).
+    pub out: PathBuf,
+    /// Check every merged tensor for NaN/Inf.
+    pub safe_merge: bool,
+    /// Output dtype (default: each tensor keeps its base dtype).
+    pub dtype: Option<OutDtype>,
+    /// Every path must resolve inside this directory.
+    pub root: Option<PathBuf>,
+    /// The adapter's `base_model_name_or_path` must name this model.
+    pub expect_base: Option<String>,
+    /// Highest LoRA rank accepted.
+    pub max_rank: usize,
+    /// Adapter name recorded in the metadata.
+    pub adapter_name: Option<String>,
+    /// Adapter version recorded in the metadata.
+    pub adapter_version: Option<String>,
+}
+
+/// `merge_metadata.json`: provenance of a merged model.
+#[derive(Debug, Clone, Serialize, serde::Deserialize, PartialEq)]
+pub struct MergeMetadata {
+    /// Adapter name.
+    pub adapter_name: Option<String>,
+    /// Adapter version.
+    pub adapter_version: Option<String>,
+    /// `base_model_name_or_path` of the adapter.
+    pub base_model: Option<String>,
+    /// sha256 of `adapter_model.safetensors`.
+    pub adapter_sha256: String,
+    /// sha256 of `adapter_config.json`.
+    pub adapter_config_sha256: String,
+    /// sha256 of the base's `model.safetensors.index.json` (or of the single file's header).
+    pub base_index_sha256: String,
+    /// Safe merge on.
+    pub safe_merge: bool,
+    /// Output dtype (`base` when each tensor kept its dtype).
+    pub dtype: String,
+    /// LoRA scale per module family (`q_proj`, ...), or the list when patterns differ.
+    pub scales: BTreeMap<String, Vec<f64>>,
+    /// Modules that received a LoRA delta.
+    pub modules_merged: usize,
+    /// Base tensors replaced by the adapter (`modules_to_save`, saved embeddings, biases).
+    pub tensors_replaced: usize,
+    /// Parameters in the output.
+    pub total_params: u64,
+    /// `mole-worker` version.
+    pub tool_version: String,
+    /// Identity of the inputs; a re-run with the same value is a no-op.
+    pub inputs_sha256: String,
+    /// When the merge finished (RFC 3339).
+    pub created_at: String,
+    /// Seconds the merge took.
+    pub seconds: f64,
+}
+
+/// Result of [`merge`].
+#[derive(Debug, Clone)]
+pub struct MergeReport {
+    /// The metadata written (or found, when nothing had to be done).
+    pub metadata: MergeMetadata,
+    /// False when the output already held this merge.
+    pub written: bool,
+}
+
+/// Resolves `p` (symlinks included) and checks it lies inside `root`.
+fn confine(p: &Path, root: Option<&Path>) -> Result<PathBuf, MergeError> {
+    let real = p.canonicalize().map_err(io_err(p))?;
+    if let Some(root) = root {
+        if !real.starts_with(root) {
+            return Err(MergeError::OutsideRoot {
+                path: p.display().to_string(),
+                root: root.display().to_string(),
+            });
+        }
+    }
+    Ok(real)
+}
+
+fn sha256_file(path: &Path) -> Result<String, MergeError> {
+    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
+    let mut h = Sha256::new();
+    std::io::copy(&mut f, &mut h).map_err(io_err(path))?;
+    Ok(hex::encode(h.finalize()))
+}
+
+/// Hash that identifies the base weights cheaply: the index file, or a single file's header
+/// (names, dtypes, shapes and offsets) plus its size.
+fn base_identity(base: &Path, shards: &[PathBuf]) -> Result<String, MergeError> {
+    let index = base.join("model.safetensors.index.json");
+    if index.exists() {
+        return sha256_file(&index);
+    }
+    let mut h = Sha256::new();
+    for s in shards {
+        let mut f = std::fs::File::open(s).map_err(io_err(s))?;
+        let mut n = [0u8; 8];
+        std::io::Read::read_exact(&mut f, &mut n).map_err(io_err(s))?;
+        let len = u64::from_le_bytes(n).min(100 << 20) as usize;
+        let mut header = vec![0u8; len];
+        std::io::Read::read_exact(&mut f, &mut header).map_err(io_err(s))?;
+        h.update(&header);
+        h.update(f.metadata().map_err(io_err(s))?.len().to_le_bytes());
+    }
+    Ok(hex::encode(h.finalize()))
+}
+
+fn check_no_pickle(dir: &Path) -> Result<(), MergeError> {
+    match hf::find_pickle(dir) {
+        Some(p) => Err(MergeError::Pickle(p.display().to_string())),
+        None => Ok(()),
+    }
+}
+
+/// Whether the adapter's recorded base names `expected` (same string, or same last path
+/// component, so a local copy of `org/model` matches).
+fn same_base(found: Option<&str>, expected: &str) -> bool {
+    let Some(found) = found else { return false };
+    let last = |s: &str| {
+        s.trim_end_matches('/')
+            .rsplit('/')
+            .next()
+            .unwrap_or("")
+            .to_string()
+    };
+    found.trim_end_matches('/') == expected.trim_end_matches('/') || last(found) == last(expected)
+}
+
+/// Merges `opts.adapter` into `opts.base`, writing `opts.out`.
+pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
+    let started = std::time::Instant::now();
+    let root = match &opts.root {
+        Some(r) => Some(r.canonicalize().map_err(io_err(r))?),
+        None => None,
+    };
+    let root = root.as_deref();
+    let base = confine(&opts.base, root)?;
+    let adapter_dir = confine(&opts.adapter, root)?;
+    check_no_pickle(&adapter_dir)?;
+
+    let shards = hf::safetensors_files(&base)?;
+    let shards = shards
+        .iter()
+        .map(|s| confine(s, root))
+        .collect::<Result<Vec<_>, _>>()?;
+
+    let config = AdapterConfig::from_dir(&adapter_dir)?;
+    if config.use_dora {
+        return Err(MergeError::Unsupported(
+            "DoRA (use_dora) adapters are not merged by mole; merge them with PEFT or train without DoRA".into(),
+        ));
+    }
+    if let Some(expected) = &opts.expect_base {
+        if !same_base(config.base_model_name_or_path.as_deref(), expected) {
+            return Err(MergeError::WrongBase {
+                found: config.base_model_name_or_path.clone(),
+                expected: expected.clone(),
+            });
+        }
+    }
+    let weights_path = adapter_dir.join("adapter_model.safetensors");
+    if !weights_path.exists() {
+        return Err(MergeError::Io {
+            path: weights_path.display().to_string(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "adapter_model.safetensors not found",
+            ),
+        });
+    }
+    let weights_path = confine(&weights_path, root)?;
+    let config_sha = sha256_file(&adapter_dir.join("adapter_config.json"))?;
+    let adapter_sha = sha256_file(&weights_path)?;
+    let base_sha = base_identity(&base, &shards)?;
+    let dtype_name = opts.dtype.map(|d| d.name()).unwrap_or("base").to_string();
+    let inputs_sha = {
+        let mut h = Sha256::new();
+        for part in [
+            adapter_sha.as_str(),
+            config_sha.as_str(),
+            base_sha.as_str(),
+            dtype_name.as_str(),
+            if opts.safe_merge { "safe" } else { "unsafe" },
+            opts.adapter_name.as_deref().unwrap_or(""),
+            opts.adapter_version.as_deref().unwrap_or(""),
+        ] {
+            h.update(part.as_bytes());
+            h.update([0]);
+        }
+        hex::encode(h.finalize())
+    };
+
+    // Output location: its parent must exist inside the root; the output itself must not.
+    let out_name = opts
+        .out
+        .file_name()
+        .ok_or_else(|| MergeError::OutsideRoot {
+            path: opts.out.display().to_string(),
+            root: root.map(|r| r.display().to_string()).unwrap_or_default(),
+        })?
+        .to_owned();
+    let parent = opts
+        .out
+        .parent()
+        .filter(|p| !p.as_os_str().is_empty())
+        .unwrap_or(Path::new("."));
+    std::fs::create_dir_all(parent).map_err(io_err(parent))?;
+    let parent = confine(parent, root)?;
+    let out = parent.join(&out_name);
+    if out.exists() {
+        let meta_path = out.join("merge_metadata.json");
+        let existing: Option<MergeMetadata> = std::fs::read_to_string(&meta_path)
+            .ok()
+            .and_then(|t| serde_json::from_str(&t).ok());
+        return match existing {
+            Some(m) if m.inputs_sha256 == inputs_sha => Ok(MergeReport {
+                metadata: m,
+                written: false,
+            }),
+            _ => Err(MergeError::OutputExists(out.display().to_string())),
+        };
+    }
+
+    let adapter = AdapterWeights::load(&weights_path, &config)?;
+    for (module, lora) in &adapter.loras {
+        let rank = lora.rank();
+        if rank > opts.max_rank {
+            return Err(MergeError::Rank {
+                module: module.clone(),
+                rank,
+                limit: opts.max_rank,
+            });
+        }
+    }
+
+    // Clean up what a crashed run may have left, then write into a fresh temporary directory.
+    let tmp_prefix = format!(".{}.tmp-", out_name.to_string_lossy());
+    if let Ok(entries) = std::fs::read_dir(&parent) {
+        for e in entries.flatten() {
+            if e.file_name().to_string_lossy().starts_with(&tmp_prefix) {
+                let _ = std::fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    let tmp = parent.join(format!("{tmp_prefix}{}", std::process::id()));
+    std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
+    let result =
+        write_merged(&base, &shards, &adapter, &config, opts, &tmp, root).and_then(|stats| {
+            let metadata = MergeMetadata {
+                adapter_name: opts.adapter_name.clone(),
+                adapter_version: opts.adapter_version.clone(),
+                base_model: config.base_model_name_or_path.clone(),
+                adapter_sha256: adapter_sha,
+                adapter_config_sha256: config_sha,
+                base_index_sha256: base_sha,
+                safe_merge: opts.safe_merge,
+                dtype: dtype_name,
+                scales: adapter.scales_by_family(),
+                modules_merged: stats.modules_merged,
+                tensors_replaced: stats.tensors_replaced,
+                total_params: stats.total_params,
+                tool_version: env!("CARGO_PKG_VERSION").to_string(),
+                inputs_sha256: inputs_sha,
+                created_at: chrono::Utc::now().to_rfc3339(),
+                seconds: started.elapsed().as_secs_f64(),
+            };
+            let path = tmp.join("merge_metadata.json");
+            let text = serde_json::to_string_pretty(&metadata).expect("metadata serializes");
+            std::fs::write(&path, text).map_err(io_err(&path))?;
+            sync_dir(&tmp)?;
+            std::fs::rename(&tmp, &out).map_err(io_err(&out))?;
+            sync_dir(&parent)?;
+            Ok(MergeReport {
+                metadata,
+                written: true,
+            })
+        });
+    if result.is_err() {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    result
+}
+
+fn sync_dir(dir: &Path) -> Result<(), MergeError> {
+    std::fs::File::open(dir)
+        .and_then(|f| f.sync_all())
+        .map_err(io_err(dir))
+}
+
+struct WriteStats {
+    modules_merged: usize,
+    tensors_replaced: usize,
+    total_params: u64,
+}
+
+#[allow(clippy::too_many_arguments)]
+fn write_merged(
+    base: &Path,
+    shards: &[PathBuf],
+    adapter: &AdapterWeights,
+    config: &AdapterConfig,
+    opts: &MergeOptions,
+    tmp: &Path,
+    root: Option<&Path>,
+) -> Result<WriteStats, MergeError> {
+    // Every targeted module and every replacement must exist in the base with the right shape
+    // before anything is written: collect the base's tensor infos from the shard headers.
+    let mut infos: HashMap<String, (Vec<usize>, safetensors::Dtype)> = HashMap::new();
+    let mut maps = Vec::with_capacity(shards.len());
+    for shard in shards {
+        let file = std::fs::File::open(shard).map_err(io_err(shard))?;
+        // SAFETY: the base directory is read-only input; the mapping lives until the shard is
+        // written and nothing in this process writes to it.
+        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(shard))?;
+        let st =
+            safetensors::SafeTensors::deserialize(&mmap).map_err(|e| MergeError::Safetensors {
+                path: shard.display().to_string(),
+                message: e.to_string(),
+            })?;
+        for (name, view) in st.iter() {
+            infos.insert(name.to_string(), (view.shape().to_vec(), view.dtype()));
+        }
+        drop(st);
+        maps.push(mmap);
+    }
+    let plan = adapter.plan(&infos, config)?;
+
+    let mut stats = WriteStats {
+        modules_merged: plan.deltas.len(),
+        tensors_replaced: plan.replacements.len(),
+        total_params: 0,
+    };
+    let mut total_size: u64 = 0;
+    for (shard, mmap) in shards.iter().zip(&maps) {
+        let st =
+            safetensors::SafeTensors::deserialize(mmap).map_err(|e| MergeError::Safetensors {
+                path: shard.display().to_string(),
+                message: e.to_string(),
+            })?;
+        let (_, meta) =
+            safetensors::SafeTensors::read_metadata(mmap).map_err(|e| MergeError::Safetensors {
+                path: shard.display().to_string(),
+                message: e.to_string(),
+            })?;
+        let file_name = shard.file_name().expect("shard files have names");
+        let dest = tmp.join(file_name);
+        let failure = tensors::FailureCell::default();
+        let mut views = Vec::new();
+        for (name, view) in st.iter() {
+            stats.total_params += view.shape().iter().product::<usize>() as u64;
+            let replacement = plan.replacements.get(name).copied();
+            let delta: Option<&Delta> = plan.deltas.get(name);
+            views.push((
+                name.to_string(),
+                tensors::LazyTensor::new(view, replacement, delta, opts, &failure),
+            ));
+        }
+        total_size += views.iter().map(|(_, v)| v.byte_len() as u64).sum::<u64>();
+        safetensors::serialize_to_file(views, meta.metadata().clone(), &dest).map_err(|e| {
+            MergeError::Io {
+                path: dest.display().to_string(),
+                source: std::io::Error::other(e.to_string()),
+            }
+        })?;
+        failure.check()?;
+    }
+
+    // Index (same shard layout as the base) and every non-weight file, copied.
+    let index = base.join("model.safetensors.index.json");
+    if index.exists() {
+        let mut json: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&index).map_err(io_err(&index))?)
+                .map_err(|e| {
+                    MergeError::Base(hf::HfError::Json {
+                        path: index.display().to_string(),
+                        message: e.to_string(),
+                    })
+                })?;
+        if let Some(meta) = json.get_mut("metadata").and_then(|m| m.as_object_mut()) {
+            meta.insert("total_size".into(), total_size.into());
+        }
+        let dest = tmp.join("model.safetensors.index.json");
+        std::fs::write(&dest, serde_json::to_string_pretty(&json).expect("json"))
+            .map_err(io_err(&dest))?;
+    }
+    for entry in std::fs::read_dir(base).map_err(io_err(base))? {
+        let entry = entry.map_err(io_err(base))?;
+        let name = entry.file_name();
+        let name_s = name.to_string_lossy();
+        if is_weight_file(&name_s) || name_s == "merge_metadata.json" {
+            continue;
+        }
+        let src = confine(&entry.path(), root)?;
+        if src.is_file() {
+            let dest = tmp.join(&name);
+            std::fs::copy(&src, &dest).map_err(io_err(&dest))?;
+        }
+    }
+    if let Some(d) = opts.dtype {
+        rewrite_config_dtype(tmp, d)?;
+    }
+    Ok(stats)
+}
+
+/// With `--dtype`, the copied config.json must say what the weights now are.
+fn rewrite_config_dtype(dir: &Path, dtype: OutDtype) -> Result<(), MergeError> {
+    let path = dir.join("config.json");
+    let Ok(text) = std::fs::read_to_string(&path) else {
+        return Ok(());
+    };
+    let Ok(mut json) = serde_json::from_str::<serde_json::Value>(&text) else {
+        return Ok(());
+    };
+    if let Some(obj) = json.as_object_mut() {
+        let v = serde_json::Value::String(dtype.torch_name().into());
+        for key in ["torch_dtype", "dtype"] {
+            if obj.contains_key(key) {
+                obj.insert(key.into(), v.clone());
+            }
+        }
+    }
+    std::fs::write(&path, serde_json::to_string_pretty(&json).expect("json")).map_err(io_err(&path))
+}
