@@ -1,0 +1,120 @@
+//! `mole-worker import` on the real SmolLM2-135M-Instruct GGUF (fetched from PyPI and cached by
+//! scripts/fetch-smollm2.sh) against transformers' own GGUF loader
+//! (tests/fixtures/import/smollm2_reference.json, written by generate.py, which also checked
+//! that transformers' greedy output on the imported directory equals the GGUF's).
+
+use std::path::{Path, PathBuf};
+
+use mole_worker::import::{import, ImportOptions};
+use mole_worker::merge::{to_f32, OutDtype};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+/// The cached GGUF, or None (with the reason printed) when PyPI cannot be reached.
+fn smollm2() -> Option<PathBuf> {
+    let out = std::process::Command::new("bash")
+        .arg(repo().join("scripts/fetch-smollm2.sh"))
+        .output()
+        .expect("bash runs");
+    if !out.status.success() {
+        eprintln!(
+            "SKIPPED: SmolLM2 GGUF unavailable: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+        return None;
+    }
+    Some(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+}
+
+#[test]
+fn smollm2_imports_equal_to_transformers_gguf_loader() {
+    let Some(gguf) = smollm2() else { return };
+    let reference: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(repo().join("tests/fixtures/import/smollm2_reference.json"))
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(reference["imported_greedy_identical"], true);
+    assert_eq!(reference["imported_tensors_identical"], true);
+
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("smollm2");
+    let report = import(&ImportOptions {
+        gguf,
+        out: out.clone(),
+        dtype: OutDtype::F32,
+    })
+    .unwrap();
+    assert_eq!(report.arch, "llama");
+    assert_eq!(report.vocab, 49152);
+
+    let config: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap()).unwrap();
+    assert_eq!(config["num_hidden_layers"], 30);
+    assert_eq!(config["num_key_value_heads"], 3);
+    assert_eq!(config["tie_word_embeddings"], true);
+    assert_eq!(config["rms_norm_eps"], 1e-5);
+    let tc: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    assert!(tc["chat_template"]
+        .as_str()
+        .unwrap()
+        .contains("<|im_start|>"));
+    assert_eq!(tc["eos_token"], "<|im_end|>");
+
+    // Tokenizer rebuilt from the GGUF vocabulary/merges gives transformers' ids.
+    let tok = tokenizers::Tokenizer::from_file(out.join("tokenizer.json")).unwrap();
+    for case in reference["tokens"].as_array().unwrap() {
+        let text = case["text"].as_str().unwrap();
+        let ids: Vec<u32> = serde_json::from_value(case["ids"].clone()).unwrap();
+        assert_eq!(
+            tok.encode(text, true).unwrap().get_ids(),
+            ids.as_slice(),
+            "{text:?}"
+        );
+    }
+
+    // Dequantised, un-permuted tensors equal transformers' (first values exactly, sums to f64
+    // rounding of a different summation order).
+    let bytes = std::fs::read(out.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    for (name, r) in reference["tensors"].as_object().unwrap() {
+        let view = st.tensor(name).unwrap();
+        let shape: Vec<usize> = serde_json::from_value(r["shape"].clone()).unwrap();
+        assert_eq!(view.shape(), shape.as_slice(), "{name}");
+        let values = to_f32(view.dtype(), view.data()).unwrap();
+        let first: Vec<f32> = serde_json::from_value(r["first"].clone()).unwrap();
+        assert_eq!(&values[..8], first.as_slice(), "{name}");
+        let sum: f64 = values.iter().map(|v| *v as f64).sum();
+        let want = r["sum"].as_f64().unwrap();
+        assert!(
+            (sum - want).abs() <= 1e-9 * want.abs().max(1.0),
+            "{name}: {sum} vs {want}"
+        );
+    }
+}
+
+#[test]
+fn import_refuses_non_gguf_and_existing_output() {
+    let tmp = tempfile::tempdir().unwrap();
+    let bogus = tmp.path().join("x.gguf");
+    std::fs::write(&bogus, b"not a gguf file at all").unwrap();
+    let err = import(&ImportOptions {
+        gguf: bogus,
+        out: tmp.path().join("o"),
+        dtype: OutDtype::F32,
+    })
+    .unwrap_err();
+    assert_eq!(err.code(), "invalid_gguf");
+    assert!(!tmp.path().join("o").exists());
+    let err = import(&ImportOptions {
+        gguf: tmp.path().join("missing.gguf"),
+        out: tmp.path().to_path_buf(),
+        dtype: OutDtype::F32,
+    })
+    .unwrap_err();
+    assert_eq!(err.code(), "output_exists");
+}
