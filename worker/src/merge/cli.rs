@@ -55,7 +55,21 @@ pub fn run(args: MergeArgs) -> ExitCode {
         adapter_name: args.adapter_name,
         adapter_version: args.adapter_version,
     };
-    match merge(&opts) {
+    let result = merge(&opts);
+    if std::env::var_os("MOLE_MERGE_REPORT_RSS").is_some() {
+        // For `bench merge`: the high-water mark of resident memory of this process.
+        if let Some(kib) = std::fs::read_to_string("/proc/self/status")
+            .ok()
+            .and_then(|s| {
+                s.lines()
+                    .find_map(|l| l.strip_prefix("VmHWM:"))
+                    .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            })
+        {
+            eprintln!("peak_rss_bytes {}", kib * 1024);
+        }
+    }
+    match result {
         Ok(report) => {
             let m = &report.metadata;
             if report.written {

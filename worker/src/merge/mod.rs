@@ -434,6 +434,23 @@ fn sync_dir(dir: &Path) -> Result<(), MergeError> {
         .map_err(io_err(dir))
 }
 
+fn map_shard(shard: &Path) -> Result<memmap2::Mmap, MergeError> {
+    let file = std::fs::File::open(shard).map_err(io_err(shard))?;
+    // SAFETY: base shards are read-only inputs; nothing in this process writes to them while
+    // the mapping lives.
+    unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(shard))
+}
+
+fn read_header(
+    shard: &Path,
+    bytes: &[u8],
+) -> Result<(usize, safetensors::tensor::Metadata), MergeError> {
+    safetensors::SafeTensors::read_metadata(bytes).map_err(|e| MergeError::Safetensors {
+        path: shard.display().to_string(),
+        message: e.to_string(),
+    })
+}
+
 struct WriteStats {
     modules_merged: usize,
     tensors_replaced: usize,
@@ -453,22 +470,12 @@ fn write_merged(
     // Every targeted module and every replacement must exist in the base with the right shape
     // before anything is written: collect the base's tensor infos from the shard headers.
     let mut infos: HashMap<String, (Vec<usize>, safetensors::Dtype)> = HashMap::new();
-    let mut maps = Vec::with_capacity(shards.len());
     for shard in shards {
-        let file = std::fs::File::open(shard).map_err(io_err(shard))?;
-        // SAFETY: the base directory is read-only input; the mapping lives until the shard is
-        // written and nothing in this process writes to it.
-        let mmap = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(shard))?;
-        let st =
-            safetensors::SafeTensors::deserialize(&mmap).map_err(|e| MergeError::Safetensors {
-                path: shard.display().to_string(),
-                message: e.to_string(),
-            })?;
-        for (name, view) in st.iter() {
-            infos.insert(name.to_string(), (view.shape().to_vec(), view.dtype()));
+        let mmap = map_shard(shard)?;
+        let (_, meta) = read_header(shard, &mmap)?;
+        for (name, info) in meta.tensors() {
+            infos.insert(name, (info.shape.clone(), info.dtype));
         }
-        drop(st);
-        maps.push(mmap);
     }
     let plan = adapter.plan(&infos, config)?;
 
@@ -478,17 +485,15 @@ fn write_merged(
         total_params: 0,
     };
     let mut total_size: u64 = 0;
-    for (shard, mmap) in shards.iter().zip(&maps) {
+    for shard in shards {
+        // One shard mapped at a time: resident memory stays around the largest shard.
+        let mmap = map_shard(shard)?;
         let st =
-            safetensors::SafeTensors::deserialize(mmap).map_err(|e| MergeError::Safetensors {
+            safetensors::SafeTensors::deserialize(&mmap).map_err(|e| MergeError::Safetensors {
                 path: shard.display().to_string(),
                 message: e.to_string(),
             })?;
-        let (_, meta) =
-            safetensors::SafeTensors::read_metadata(mmap).map_err(|e| MergeError::Safetensors {
-                path: shard.display().to_string(),
-                message: e.to_string(),
-            })?;
+        let (_, meta) = read_header(shard, &mmap)?;
         let file_name = shard.file_name().expect("shard files have names");
         let dest = tmp.join(file_name);
         let failure = tensors::FailureCell::default();
