@@ -406,3 +406,23 @@ fn cli_reports_one_line_and_exit_codes() {
         "missing files are I/O failures"
     );
 }
+
+#[test]
+fn an_interrupted_run_leaves_no_output_and_the_next_run_cleans_up() {
+    // A killed merge leaves only its temporary sibling (the output appears by rename, at once,
+    // at the very end); the next run removes it and produces the complete output.
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("out");
+    let stale = tmp.path().join(".out.tmp-4242");
+    std::fs::create_dir_all(&stale).unwrap();
+    std::fs::write(
+        stale.join("model-00001-of-00002.safetensors"),
+        b"half written",
+    )
+    .unwrap();
+    assert!(!out.exists());
+    merge(&opts("base_bf16", "plain_r8", &out)).unwrap();
+    assert!(!stale.exists(), "the stale temporary directory is removed");
+    assert!(out.join("merge_metadata.json").exists());
+    assert_eq!(read_dir_tensors(&out).len(), 25);
+}

@@ -506,3 +506,89 @@ impl View for LazyTensor<'_> {
         self.byte_len()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mat(data: Vec<f32>, shape: &[usize]) -> Mat {
+        Mat {
+            data,
+            shape: shape.to_vec(),
+        }
+    }
+
+    #[test]
+    fn low_rank_delta_follows_peft_orientation() {
+        // A: [r=1, in=3], B: [out=2, r=1] → B·A = [[1,2,3],[2,4,6]], scale 0.5.
+        let a = mat(vec![1.0, 2.0, 3.0], &[1, 3]);
+        let b = mat(vec![1.0, 2.0], &[2, 1]);
+        let d = Delta::LowRank {
+            module: "m".into(),
+            a: &a,
+            b: &b,
+            scale: 0.5,
+            transpose: false,
+        };
+        let mut w = vec![0.0; 6];
+        d.apply(&mut w).unwrap();
+        assert_eq!(w, vec![0.5, 1.0, 1.5, 1.0, 2.0, 3.0]);
+        // fan_in_fan_out (and embeddings) store the weight transposed: [in=3, out=2].
+        let t = Delta::LowRank {
+            module: "m".into(),
+            a: &a,
+            b: &b,
+            scale: 0.5,
+            transpose: true,
+        };
+        let mut w = vec![0.0; 6];
+        t.apply(&mut w).unwrap();
+        assert_eq!(w, vec![0.5, 1.0, 1.0, 2.0, 1.5, 3.0]);
+    }
+
+    #[test]
+    fn lora_bias_is_scaled_and_added() {
+        let b = mat(vec![1.0, -2.0], &[2]);
+        let d = Delta::Bias {
+            module: "m".into(),
+            b: &b,
+            scale: 2.0,
+        };
+        let mut w = vec![10.0, 10.0];
+        d.apply(&mut w).unwrap();
+        assert_eq!(w, vec![12.0, 6.0]);
+    }
+
+    #[test]
+    fn fan_in_fan_out_plan_checks_transposed_shapes() {
+        let cfg = AdapterConfig::from_json(
+            r#"{"r":1,"lora_alpha":1,"target_modules":["c_attn"],"fan_in_fan_out":true}"#,
+        )
+        .unwrap();
+        let mut w = AdapterWeights::default();
+        w.loras.insert(
+            "h.0.attn.c_attn".into(),
+            Lora {
+                a: Some(mat(vec![0.0; 3], &[1, 3])),
+                b: Some(mat(vec![0.0; 2], &[2, 1])),
+                b_bias: None,
+                embedding: false,
+                scale: 1.0,
+            },
+        );
+        let mut infos = HashMap::new();
+        infos.insert(
+            "h.0.attn.c_attn.weight".to_string(),
+            (vec![3, 2], Dtype::F32),
+        );
+        assert!(w.plan(&infos, &cfg).is_ok(), "Conv1D weight is [in, out]");
+        infos.insert(
+            "h.0.attn.c_attn.weight".to_string(),
+            (vec![2, 3], Dtype::F32),
+        );
+        assert!(matches!(
+            w.plan(&infos, &cfg),
+            Err(MergeError::Shape { .. })
+        ));
+    }
+}
