@@ -1,3 +1,7 @@
-//! mole operator library.
+//! mole operator: reconciles InferencePool and Adapter into ConfigMaps, Deployments,
+//! Services, PodDisruptionBudgets and merge Jobs.
 
+pub mod controller;
+pub mod error;
 pub mod mergedown;
+pub mod resources;

@@ -3,15 +3,11 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
-use k8s_openapi::api::core::v1::{
-    Capabilities, Container, PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec,
-    PodTemplateSpec, SeccompProfile, SecurityContext, Volume, VolumeMount,
-};
+use k8s_openapi::api::core::v1::{Container, PodSpec, PodTemplateSpec, VolumeMount};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-use mole_crds::constants::{
-    APP_NAME, LABEL_ADAPTER, LABEL_APP_COMPONENT, LABEL_APP_INSTANCE, LABEL_APP_MANAGED_BY,
-    LABEL_APP_NAME, LABEL_POOL, LABEL_ROLE, MANAGED_BY,
-};
+use mole_crds::constants::LABEL_ADAPTER;
+
+use crate::resources::{models_volume, restricted_container_security, restricted_pod_security};
 use mole_crds::{AdapterSpec, InferencePoolSpec};
 
 use super::MergeKey;
@@ -21,49 +17,9 @@ const TTL_AFTER_FINISHED: i32 = 24 * 3600;
 
 /// Labels of every merge-down child of an adapter.
 pub fn labels(pool: &str, adapter: &str, component: &str) -> BTreeMap<String, String> {
-    BTreeMap::from([
-        (LABEL_APP_NAME.to_string(), APP_NAME.to_string()),
-        (LABEL_APP_INSTANCE.to_string(), pool.to_string()),
-        (LABEL_APP_COMPONENT.to_string(), component.to_string()),
-        (LABEL_APP_MANAGED_BY.to_string(), MANAGED_BY.to_string()),
-        (LABEL_POOL.to_string(), pool.to_string()),
-        (LABEL_ADAPTER.to_string(), adapter.to_string()),
-        (LABEL_ROLE.to_string(), component.to_string()),
-    ])
-}
-
-/// Pod security "restricted": non-root, read-only root filesystem, no privilege escalation,
-/// all capabilities dropped, seccomp RuntimeDefault.
-pub fn restricted_container_security() -> SecurityContext {
-    SecurityContext {
-        allow_privilege_escalation: Some(false),
-        read_only_root_filesystem: Some(true),
-        run_as_non_root: Some(true),
-        capabilities: Some(Capabilities {
-            drop: Some(vec!["ALL".into()]),
-            ..Default::default()
-        }),
-        seccomp_profile: Some(SeccompProfile {
-            type_: "RuntimeDefault".into(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-/// Pod-level half of the restricted profile.
-pub fn restricted_pod_security() -> PodSecurityContext {
-    PodSecurityContext {
-        run_as_non_root: Some(true),
-        run_as_user: Some(65532),
-        run_as_group: Some(65532),
-        fs_group: Some(65532),
-        seccomp_profile: Some(SeccompProfile {
-            type_: "RuntimeDefault".into(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
+    let mut l = crate::resources::labels(pool, component);
+    l.insert(LABEL_ADAPTER.to_string(), adapter.to_string());
+    l
 }
 
 fn join(mount: &str, rel: &str) -> String {
@@ -165,18 +121,6 @@ pub fn merge_job(
             ..Default::default()
         }),
         status: None,
-    }
-}
-
-/// The pool's model volume.
-pub fn models_volume(pool: &InferencePoolSpec, read_only: bool) -> Volume {
-    Volume {
-        name: "models".into(),
-        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-            claim_name: pool.storage.claim_name.clone(),
-            read_only: Some(read_only),
-        }),
-        ..Default::default()
     }
 }
 

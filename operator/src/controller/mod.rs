@@ -1,0 +1,3 @@
+//! Controllers: each a pipeline observe → validate → build → apply → status.
+
+pub mod validate;

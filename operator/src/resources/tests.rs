@@ -1,0 +1,232 @@
+//! Builders: what gets created for a pool, and what must not restart pods.
+
+use super::*;
+use mole_crds::constants::ANNOTATION_SPEC_HASH;
+
+fn pool() -> InferencePool {
+    serde_yaml::from_str(
+        r#"
+apiVersion: mole.dev/v1alpha1
+kind: InferencePool
+metadata: {name: vl, namespace: ml, uid: "uid-1"}
+spec:
+  baseModel: {name: Qwen/Qwen3-VL-8B-Instruct, path: base/qwen3-vl-8b}
+  storage: {claimName: models}
+  image: ghcr.io/mole-dev/mole-worker:0.1.0
+  gpu:
+    count: 1
+    nodeSelector: {nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}
+    tolerations: [{key: nvidia.com/gpu, operator: Exists, effect: NoSchedule}]
+  resources: {requests: {cpu: "4", memory: 32Gi}, limits: {memory: 64Gi}}
+  dynamic: {replicas: 2, maxLoras: 4}
+  router: {strategies: [explicit, keywords]}
+"#,
+    )
+    .unwrap()
+}
+
+fn adapter(name: &str, version: &str) -> Adapter {
+    serde_yaml::from_str(&format!(
+        r#"
+apiVersion: mole.dev/v1alpha1
+kind: Adapter
+metadata: {{name: {name}, namespace: ml}}
+spec:
+  pool: vl
+  version: {version}
+  source: {{path: adapters/{name}/{version}}}
+  label: {name}
+  keywords: [{name}]
+"#
+    ))
+    .unwrap()
+}
+
+fn template_hash(d: &Deployment) -> String {
+    d.spec
+        .as_ref()
+        .unwrap()
+        .template
+        .metadata
+        .as_ref()
+        .unwrap()
+        .annotations
+        .as_ref()
+        .unwrap()[ANNOTATION_SPEC_HASH]
+        .clone()
+}
+
+#[test]
+fn dynamic_deployment_runs_the_worker_on_gpus_securely() {
+    let p = pool();
+    let d = dynamic_deployment(&p);
+    assert_eq!(d.metadata.name.as_deref(), Some("vl-dynamic"));
+    assert_eq!(
+        d.metadata.owner_references.as_ref().unwrap()[0].uid,
+        "uid-1"
+    );
+    let spec = d.spec.unwrap();
+    assert_eq!(spec.replicas, Some(2));
+    let pod = spec.template.spec.unwrap();
+    assert_eq!(
+        pod.node_selector.unwrap()["nvidia.com/gpu.product"],
+        "NVIDIA-H100-80GB-HBM3"
+    );
+    assert_eq!(pod.tolerations.unwrap().len(), 1);
+    let sec = pod.security_context.unwrap();
+    assert_eq!(sec.run_as_non_root, Some(true));
+    let c = &pod.containers[0];
+    assert_eq!(
+        c.args.as_ref().unwrap()[..3],
+        [
+            "serve".to_string(),
+            "--config".into(),
+            "/etc/mole/worker.json".into()
+        ]
+    );
+    let res = c.resources.as_ref().unwrap();
+    assert_eq!(res.limits.as_ref().unwrap()["nvidia.com/gpu"].0, "1");
+    assert_eq!(res.requests.as_ref().unwrap()["nvidia.com/gpu"].0, "1");
+    assert_eq!(res.requests.as_ref().unwrap()["memory"].0, "32Gi");
+    let cs = c.security_context.as_ref().unwrap();
+    assert_eq!(cs.read_only_root_filesystem, Some(true));
+    assert_eq!(cs.allow_privilege_escalation, Some(false));
+    assert_eq!(cs.seccomp_profile.as_ref().unwrap().type_, "RuntimeDefault");
+    assert_eq!(
+        cs.capabilities.as_ref().unwrap().drop.as_ref().unwrap(),
+        &["ALL".to_string()]
+    );
+    let models = c
+        .volume_mounts
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|m| m.name == "models")
+        .unwrap();
+    assert_eq!(models.read_only, Some(true));
+    assert_eq!(models.mount_path, "/models");
+    assert_eq!(
+        c.readiness_probe
+            .as_ref()
+            .unwrap()
+            .http_get
+            .as_ref()
+            .unwrap()
+            .path
+            .as_deref(),
+        Some("/readyz")
+    );
+    assert_eq!(
+        c.liveness_probe
+            .as_ref()
+            .unwrap()
+            .http_get
+            .as_ref()
+            .unwrap()
+            .path
+            .as_deref(),
+        Some("/healthz")
+    );
+    let vol = pod.volumes.unwrap();
+    let pvc = vol.iter().find(|v| v.name == "models").unwrap();
+    assert_eq!(
+        pvc.persistent_volume_claim.as_ref().unwrap().read_only,
+        Some(true)
+    );
+}
+
+#[test]
+fn only_base_image_limits_and_resources_roll_the_pods() {
+    let p = pool();
+    let h = template_hash(&dynamic_deployment(&p));
+    // Adapters change the ConfigMap only.
+    let a = [adapter("calendar", "v1")];
+    let reg: Vec<Registered> = a
+        .iter()
+        .map(|adapter| Registered {
+            adapter,
+            lora_id: 1,
+        })
+        .collect();
+    let (cm1, hash1) = config_map(&p, &worker_config("vl", &p.spec, &reg));
+    let (_, hash0) = config_map(&p, &worker_config("vl", &p.spec, &[]));
+    assert_ne!(hash1, hash0);
+    assert!(cm1.data.unwrap()["worker.json"].contains("adapters/calendar/v1"));
+    assert_eq!(template_hash(&dynamic_deployment(&p)), h);
+    // Replicas and router settings do not restart pods either.
+    let mut q = p.clone();
+    q.spec.dynamic.replicas = 5;
+    q.spec.router.min_confidence = 0.9;
+    assert_eq!(template_hash(&dynamic_deployment(&q)), h);
+    // Each of these does.
+    let changes: Vec<fn(&mut InferencePool)> = vec![
+        |p| p.spec.image = "ghcr.io/mole-dev/mole-worker:0.2.0".into(),
+        |p| p.spec.base_model.path = "base/other".into(),
+        |p| p.spec.dynamic.max_loras = 8,
+        |p| p.spec.dynamic.max_seq_len = 8192,
+        |p| p.spec.gpu.count = 2,
+        |p| p.spec.resources = None,
+    ];
+    for change in changes {
+        let mut q = p.clone();
+        change(&mut q);
+        assert_ne!(template_hash(&dynamic_deployment(&q)), h);
+    }
+}
+
+#[test]
+fn worker_config_lists_adapters_sorted_with_ids_and_limits() {
+    let p = pool();
+    let a = [adapter("login-window", "v2"), adapter("calendar", "v1")];
+    let reg = vec![
+        Registered {
+            adapter: &a[0],
+            lora_id: 7,
+        },
+        Registered {
+            adapter: &a[1],
+            lora_id: 3,
+        },
+    ];
+    let wc = worker_config("vl", &p.spec, &reg);
+    assert_eq!(wc.mode, WorkerMode::Dynamic);
+    assert_eq!(wc.model_root, "/models");
+    assert_eq!(wc.base_model.path, "base/qwen3-vl-8b");
+    let names: Vec<_> = wc
+        .adapters
+        .iter()
+        .map(|a| (a.name.as_str(), a.lora_id))
+        .collect();
+    assert_eq!(names, vec![("calendar", 3), ("login-window", 7)]);
+    assert_eq!(wc.adapters[1].version, "v2");
+    assert_eq!(wc.adapters[0].keywords, vec!["calendar"]);
+    assert_eq!(wc.limits.max_loras, 4);
+    // The JSON round-trips through the worker's type.
+    let json = serde_json::to_string(&wc).unwrap();
+    let back: WorkerConfig = serde_json::from_str(&json).unwrap();
+    assert_eq!(back, wc);
+}
+
+#[test]
+fn service_and_pdb_select_the_dynamic_pods() {
+    let p = pool();
+    let s = service(&p);
+    assert_eq!(s.metadata.name.as_deref(), Some("vl"));
+    let spec = s.spec.unwrap();
+    let sel = spec.selector.unwrap();
+    let pod_labels = dynamic_deployment(&p)
+        .spec
+        .unwrap()
+        .template
+        .metadata
+        .unwrap()
+        .labels
+        .unwrap();
+    for (k, v) in &sel {
+        assert_eq!(pod_labels.get(k), Some(v));
+    }
+    assert_eq!(spec.ports.unwrap()[0].port, 8000);
+    let pdb = pdb(&p);
+    assert_eq!(pdb.spec.unwrap().max_unavailable, Some(IntOrString::Int(1)));
+    assert_eq!(endpoint(&p), "http://vl.ml.svc:8000");
+}
