@@ -244,6 +244,8 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         a
     }
 
+    type Mutation<T> = fn(&mut T);
+
     fn field(r: Result<(), FieldError>) -> String {
         r.unwrap_err().field
     }
@@ -251,7 +253,7 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
     #[test]
     fn valid_pool_passes_and_every_field_is_named() {
         assert_eq!(validate_pool(&pool()), Ok(()));
-        let cases: Vec<(fn(&mut InferencePool), &str)> = vec![
+        let cases: Vec<(Mutation<InferencePool>, &str)> = vec![
             (|p| p.spec.image = " ".into(), "spec.image"),
             (
                 |p| p.spec.base_model.name = "".into(),
@@ -319,7 +321,7 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
             (e.reason, e.field.as_str()),
             (reason::POOL_NOT_FOUND, "spec.pool")
         );
-        let cases: Vec<(fn(&mut Adapter), &str)> = vec![
+        let cases: Vec<(Mutation<Adapter>, &str)> = vec![
             (|a| a.spec.version = "".into(), "spec.version"),
             (
                 |a| a.spec.source.path = "/etc/passwd".into(),
