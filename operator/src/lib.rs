@@ -3,5 +3,7 @@
 
 pub mod controller;
 pub mod error;
+pub mod leader;
 pub mod mergedown;
 pub mod resources;
+pub mod telemetry;

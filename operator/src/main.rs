@@ -1,1 +1,138 @@
-fn main() {}
+//! `mole-operator`: reconciles InferencePool and Adapter. Every flag is also an env var.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context as _;
+use clap::{Parser, Subcommand};
+use mole_operator::controller::{self, Context, PodClient};
+use mole_operator::leader::{self, LeaseConfig};
+use mole_operator::telemetry::{self, Health, Metrics};
+
+#[derive(Parser)]
+#[command(
+    name = "mole-operator",
+    version,
+    about = "Kubernetes operator for mole"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Option<Command>,
+    #[command(flatten)]
+    run: RunArgs,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the controllers (the default).
+    Run,
+    /// Print the CustomResourceDefinitions as YAML.
+    Crd,
+}
+
+#[derive(clap::Args, Clone)]
+struct RunArgs {
+    /// Address of /healthz, /readyz and /metrics.
+    #[arg(long, env = "MOLE_OPERATOR_LISTEN", default_value = "0.0.0.0:8080")]
+    listen: SocketAddr,
+    /// Watch only this namespace (default: all).
+    #[arg(long, env = "MOLE_OPERATOR_NAMESPACE")]
+    namespace: Option<String>,
+    /// Elect a leader on a Lease so only one replica writes.
+    #[arg(long, env = "MOLE_LEADER_ELECT", default_value_t = true, action = clap::ArgAction::Set)]
+    leader_elect: bool,
+    /// Name of the leader Lease.
+    #[arg(
+        long,
+        env = "MOLE_LEADER_LEASE",
+        default_value = "mole-operator-leader"
+    )]
+    lease_name: String,
+    /// Namespace of the leader Lease (default: the pod's namespace).
+    #[arg(long, env = "MOLE_LEADER_NAMESPACE")]
+    lease_namespace: Option<String>,
+    /// This replica's identity in the Lease (default: the pod name).
+    #[arg(long, env = "POD_NAME")]
+    identity: Option<String>,
+    /// Port of the worker pods' HTTP API.
+    #[arg(long, env = "MOLE_WORKER_PORT", default_value_t = mole_crds::constants::WORKER_PORT)]
+    worker_port: u16,
+}
+
+fn pod_namespace() -> String {
+    std::fs::read_to_string("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_else(|_| "default".into())
+}
+
+async fn run(args: RunArgs) -> anyhow::Result<()> {
+    let metrics = Metrics::new();
+    let health = Health::default();
+    let server = tokio::spawn(telemetry::serve(
+        args.listen,
+        metrics.clone(),
+        health.clone(),
+    ));
+    let client = kube::Client::try_default()
+        .await
+        .context("connecting to Kubernetes")?;
+    let identity = args
+        .identity
+        .clone()
+        .or_else(|| std::env::var("HOSTNAME").ok())
+        .unwrap_or_else(|| format!("mole-operator-{}", std::process::id()));
+    let ctx = Arc::new(Context::new(
+        client.clone(),
+        identity.clone(),
+        metrics.clone(),
+        PodClient::new(args.worker_port),
+    ));
+    if args.leader_elect {
+        let cfg = LeaseConfig {
+            name: args.lease_name.clone(),
+            namespace: args.lease_namespace.clone().unwrap_or_else(pod_namespace),
+            identity,
+            duration: Duration::from_secs(15),
+            renew: Duration::from_secs(5),
+        };
+        // A standby is healthy and ready: it serves metrics and waits for the Lease.
+        health.set_ready();
+        leader::acquire(client.clone(), &cfg).await;
+        metrics.leader.set(1);
+        tracing::info!(identity = %cfg.identity, "leading");
+        let lease_client = client.clone();
+        tokio::select! {
+            _ = controller::run(client, args.namespace, ctx) => {}
+            _ = leader::hold(lease_client, cfg.clone()) => {
+                metrics.leader.set(0);
+                anyhow::bail!("lost the leader Lease; exiting so a fresh replica can stand by");
+            }
+        }
+    } else {
+        health.set_ready();
+        controller::run(client, args.namespace, ctx).await;
+    }
+    server.abort();
+    Ok(())
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("MOLE_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .init();
+    let cli = Cli::parse();
+    match cli.command {
+        Some(Command::Crd) => {
+            for (_, yaml) in mole_crds::crds_yaml()? {
+                println!("---\n{yaml}");
+            }
+            Ok(())
+        }
+        Some(Command::Run) | None => run(cli.run).await,
+    }
+}

@@ -1,3 +1,76 @@
-//! Controllers: each a pipeline observe → validate → build → apply → status.
+//! Controllers: each a pipeline observe → validate → build → apply → status, with the pure
+//! steps (validate, build) in [`validate`], [`ids`] and `crate::resources`.
 
+pub mod adapter;
+pub mod context;
+pub mod ids;
+pub mod pool;
 pub mod validate;
+
+use std::sync::Arc;
+
+use futures::StreamExt;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::runtime::reflector::ObjectRef;
+use kube::runtime::{watcher, Controller};
+use kube::{Api, Client, ResourceExt};
+use mole_crds::{Adapter, InferencePool};
+
+pub use context::{Context, PodClient};
+
+/// Runs both controllers until shutdown. `namespace` None watches every namespace.
+pub async fn run(client: Client, namespace: Option<String>, ctx: Arc<Context>) {
+    let api = |c: &Client| -> (Api<InferencePool>, Api<Adapter>) {
+        match &namespace {
+            Some(ns) => (
+                Api::namespaced(c.clone(), ns),
+                Api::namespaced(c.clone(), ns),
+            ),
+            None => (Api::all(c.clone()), Api::all(c.clone())),
+        }
+    };
+    let (pools, adapters) = api(&client);
+    let owned = |c: &Client| match &namespace {
+        Some(ns) => (
+            Api::<ConfigMap>::namespaced(c.clone(), ns),
+            Api::<Deployment>::namespaced(c.clone(), ns),
+            Api::<Service>::namespaced(c.clone(), ns),
+            Api::<PodDisruptionBudget>::namespaced(c.clone(), ns),
+        ),
+        None => (
+            Api::all(c.clone()),
+            Api::all(c.clone()),
+            Api::all(c.clone()),
+            Api::all(c.clone()),
+        ),
+    };
+    let (cms, deploys, svcs, pdbs) = owned(&client);
+    let managed = watcher::Config::default().labels("app.kubernetes.io/managed-by=mole-operator");
+    // An Adapter change re-renders its pool's WorkerConfig.
+    let pool_of =
+        |a: Adapter| Some(ObjectRef::new(&a.spec.pool).within(&a.namespace().unwrap_or_default()));
+    let pool_ctl = Controller::new(pools.clone(), watcher::Config::default())
+        .owns(cms, managed.clone())
+        .owns(deploys, managed.clone())
+        .owns(svcs, managed.clone())
+        .owns(pdbs, managed)
+        .watches(adapters.clone(), watcher::Config::default(), pool_of)
+        .shutdown_on_signal()
+        .run(pool::reconcile, pool::error_policy, ctx.clone())
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "pool controller event");
+            }
+        });
+    let adapter_ctl = Controller::new(adapters, watcher::Config::default())
+        .shutdown_on_signal()
+        .run(adapter::reconcile, adapter::error_policy, ctx)
+        .for_each(|r| async move {
+            if let Err(e) = r {
+                tracing::debug!(error = %e, "adapter controller event");
+            }
+        });
+    futures::join!(pool_ctl, adapter_ctl);
+}

@@ -1,0 +1,218 @@
+//! What every reconcile shares: the client, the Event recorder, metrics, the worker-pod HTTP
+//! client, and per-object failure counts for backoff.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::{ObjectReference, Pod};
+use kube::api::ListParams;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::{Api, Client};
+use mole_crds::constants::{LABEL_APP_COMPONENT, LABEL_APP_INSTANCE};
+use mole_crds::LoraAdaptersResponse;
+
+use crate::error::{Error, Result};
+use crate::telemetry::Metrics;
+
+/// Shared state of the controllers.
+pub struct Context {
+    /// Kubernetes client.
+    pub client: Client,
+    /// Event publisher.
+    pub recorder: Recorder,
+    /// Operator metrics.
+    pub metrics: Metrics,
+    /// Talks to worker pods.
+    pub pods: PodClient,
+    failures: Mutex<HashMap<String, u32>>,
+}
+
+impl Context {
+    /// A context for `client`, reporting Events as `instance`.
+    pub fn new(client: Client, instance: String, metrics: Metrics, pods: PodClient) -> Self {
+        let recorder = Recorder::new(
+            client.clone(),
+            Reporter {
+                controller: "mole-operator".into(),
+                instance: Some(instance),
+            },
+        );
+        Self {
+            client,
+            recorder,
+            metrics,
+            pods,
+            failures: Mutex::default(),
+        }
+    }
+
+    /// Publishes an Event; a failure to publish is logged, never fatal.
+    pub async fn event(
+        &self,
+        on: &ObjectReference,
+        warning: bool,
+        reason: &str,
+        action: &str,
+        note: String,
+    ) {
+        let ev = Event {
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
+            reason: reason.into(),
+            note: Some(note.chars().take(1000).collect()),
+            action: action.into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&ev, on).await {
+            tracing::warn!(error = %e, reason, "could not publish event");
+        }
+    }
+
+    /// Backoff for the next retry of `key` after a transient failure: 5 s doubling, capped at
+    /// 5 min.
+    pub fn backoff(&self, key: &str) -> Duration {
+        let mut f = self.failures.lock().expect("not poisoned");
+        let n = f.entry(key.to_string()).or_insert(0);
+        *n = (*n + 1).min(16);
+        Duration::from_secs((5u64 << (*n - 1)).min(300))
+    }
+
+    /// Forgets the failures of `key` after a successful reconcile.
+    pub fn succeeded(&self, key: &str) {
+        self.failures.lock().expect("not poisoned").remove(key);
+    }
+}
+
+/// A ready worker pod.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReadyPod {
+    /// Pod name.
+    pub name: String,
+    /// Pod IP.
+    pub ip: String,
+}
+
+/// HTTP client of the worker pods (`/v1/lora_adapters`, `/admin/reload`, unload).
+#[derive(Clone)]
+pub struct PodClient {
+    http: reqwest::Client,
+    port: u16,
+}
+
+impl PodClient {
+    /// A client that reaches workers on `port` with a short timeout (an unresponsive pod must
+    /// not stall the reconcile of every other object).
+    pub fn new(port: u16) -> Self {
+        Self {
+            http: reqwest::Client::builder()
+                .timeout(Duration::from_secs(3))
+                .build()
+                .expect("reqwest client builds"),
+            port,
+        }
+    }
+
+    fn url(&self, pod: &ReadyPod, path: &str) -> String {
+        format!("http://{}:{}{path}", pod.ip, self.port)
+    }
+
+    fn err(pod: &ReadyPod, e: impl std::fmt::Display) -> Error {
+        Error::Pod {
+            pod: pod.name.clone(),
+            message: e.to_string(),
+        }
+    }
+
+    /// `GET /v1/lora_adapters`.
+    pub async fn adapters(&self, pod: &ReadyPod) -> Result<LoraAdaptersResponse> {
+        let r = self
+            .http
+            .get(self.url(pod, "/v1/lora_adapters"))
+            .send()
+            .await
+            .map_err(|e| Self::err(pod, e))?;
+        if !r.status().is_success() {
+            return Err(Self::err(
+                pod,
+                format!("/v1/lora_adapters answered {}", r.status()),
+            ));
+        }
+        r.json().await.map_err(|e| Self::err(pod, e))
+    }
+
+    /// `POST /admin/reload` with the config hash the pod should end up with.
+    pub async fn reload(&self, pod: &ReadyPod, config_hash: &str) -> Result<()> {
+        let r = self
+            .http
+            .post(self.url(pod, "/admin/reload"))
+            .json(&serde_json::json!({"configHash": config_hash}))
+            .send()
+            .await
+            .map_err(|e| Self::err(pod, e))?;
+        if r.status().is_success() {
+            Ok(())
+        } else {
+            Err(Self::err(
+                pod,
+                format!("/admin/reload answered {}", r.status()),
+            ))
+        }
+    }
+
+    /// `POST /v1/unload_lora_adapter` (vLLM's shape).
+    pub async fn unload(&self, pod: &ReadyPod, name: &str) -> Result<()> {
+        let r = self
+            .http
+            .post(self.url(pod, "/v1/unload_lora_adapter"))
+            .json(&serde_json::json!({"lora_name": name}))
+            .send()
+            .await
+            .map_err(|e| Self::err(pod, e))?;
+        // 404: the pod never had it (or already dropped it): the goal is reached.
+        if r.status().is_success() || r.status() == reqwest::StatusCode::NOT_FOUND {
+            Ok(())
+        } else {
+            Err(Self::err(
+                pod,
+                format!("/v1/unload_lora_adapter answered {}", r.status()),
+            ))
+        }
+    }
+}
+
+/// The ready dynamic pods of a pool (Ready condition true and an IP).
+pub async fn ready_pods(client: &Client, ns: &str, pool: &str) -> Result<Vec<ReadyPod>> {
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let lp = ListParams::default().labels(&format!(
+        "{LABEL_APP_INSTANCE}={pool},{LABEL_APP_COMPONENT}=dynamic"
+    ));
+    Ok(pods
+        .list(&lp)
+        .await?
+        .items
+        .iter()
+        .filter_map(ready)
+        .collect())
+}
+
+/// A pod's name and IP when it is Ready and not terminating.
+pub fn ready(p: &Pod) -> Option<ReadyPod> {
+    if p.metadata.deletion_timestamp.is_some() {
+        return None;
+    }
+    let status = p.status.as_ref()?;
+    let is_ready = status
+        .conditions
+        .as_ref()?
+        .iter()
+        .any(|c| c.type_ == "Ready" && c.status == "True");
+    let ip = status.pod_ip.clone()?;
+    is_ready.then(|| ReadyPod {
+        name: p.metadata.name.clone().unwrap_or_default(),
+        ip,
+    })
+}

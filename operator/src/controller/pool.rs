@@ -1,0 +1,321 @@
+//! The InferencePool controller: observe → validate → build → apply → status.
+//!
+//! It owns `<pool>-config` (the WorkerConfig), `<pool>-dynamic` (Deployment + PDB) and the
+//! Service `<pool>`. Adapter changes rewrite only the ConfigMap (pods never restart for them)
+//! and each ready pod is told to reload.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{ListParams, Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::{Api, Resource, ResourceExt};
+use mole_crds::constants::{condition, reason, ANNOTATION_CONFIG_HASH};
+use mole_crds::{Adapter, AdapterPhase, InferencePool, InferencePoolStatus, PoolPhase};
+use serde::Serialize;
+
+use super::context::{ready_pods, Context};
+use super::validate::{validate_adapter, validate_pool};
+use crate::error::{Error, Result};
+use crate::mergedown::set_condition;
+use crate::resources::{self, Registered};
+
+/// Field managers: one per call site, so ownership of every field is clear in `managedFields`.
+const FM_CONFIG: &str = "mole-operator/pool-configmap";
+const FM_DEPLOY: &str = "mole-operator/pool-deployment";
+const FM_SERVICE: &str = "mole-operator/pool-service";
+const FM_PDB: &str = "mole-operator/pool-pdb";
+const FM_STATUS: &str = "mole-operator/pool-status";
+
+/// What the pool controller observed.
+struct Observed {
+    adapters: Vec<Adapter>,
+    deployment: Option<Deployment>,
+    previous_config_hash: Option<String>,
+}
+
+async fn observe(pool: &InferencePool, ctx: &Context) -> Result<Observed> {
+    let ns = pool.namespace().unwrap_or_default();
+    let name = pool.name_any();
+    let adapters: Api<Adapter> = Api::namespaced(ctx.client.clone(), &ns);
+    let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &ns);
+    let cms: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
+    Ok(Observed {
+        adapters: adapters.list(&ListParams::default()).await?.items,
+        deployment: deployments.get_opt(&resources::dynamic_name(&name)).await?,
+        previous_config_hash: cms
+            .get_opt(&resources::config_map_name(&name))
+            .await?
+            .and_then(|c| c.metadata.annotations)
+            .and_then(|a| a.get(ANNOTATION_CONFIG_HASH).cloned()),
+    })
+}
+
+/// The adapters that belong in the pool's WorkerConfig: of this pool, not being deleted, valid,
+/// and holding an id in the pool's ledger (the Adapter controller allocates it).
+pub fn registered<'a>(pool: &InferencePool, adapters: &'a [Adapter]) -> Vec<Registered<'a>> {
+    let name = pool.name_any();
+    let ids = pool.status.as_ref().map(|s| &s.lora_ids);
+    adapters
+        .iter()
+        .filter(|a| a.spec.pool == name && a.metadata.deletion_timestamp.is_none())
+        .filter(|a| validate_adapter(a, Some(pool), adapters).is_ok())
+        .filter_map(|a| {
+            let id = ids?.get(&a.name_any())?;
+            Some(Registered {
+                adapter: a,
+                lora_id: *id,
+            })
+        })
+        .collect()
+}
+
+async fn apply<K>(api: &Api<K>, name: &str, manager: &str, obj: &K) -> Result<K>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + Serialize + std::fmt::Debug,
+{
+    Ok(api
+        .patch(
+            name,
+            &PatchParams::apply(manager).force(),
+            &Patch::Apply(obj),
+        )
+        .await?)
+}
+
+/// Reconciles one pool.
+pub async fn reconcile(pool: Arc<InferencePool>, ctx: Arc<Context>) -> Result<Action> {
+    let started = Instant::now();
+    ctx.metrics.reconciles.with_label_values(&["pool"]).inc();
+    let result = reconcile_inner(&pool, &ctx).await;
+    ctx.metrics
+        .duration
+        .with_label_values(&["pool"])
+        .observe(started.elapsed().as_secs_f64());
+    if result.is_ok() {
+        ctx.succeeded(&key(&pool));
+    }
+    result
+}
+
+fn key(pool: &InferencePool) -> String {
+    format!(
+        "pool/{}/{}",
+        pool.namespace().unwrap_or_default(),
+        pool.name_any()
+    )
+}
+
+async fn reconcile_inner(pool: &InferencePool, ctx: &Context) -> Result<Action> {
+    let ns = pool.namespace().unwrap_or_default();
+    let name = pool.name_any();
+    let pools: Api<InferencePool> = Api::namespaced(ctx.client.clone(), &ns);
+    let oref = pool.object_ref(&());
+    let old = pool.status.clone().unwrap_or_default();
+    let mut status = old.clone();
+    status.observed_generation = pool.metadata.generation;
+    let now = chrono::Utc::now();
+
+    // validate
+    if let Err(fe) = validate_pool(pool) {
+        let changed = set_condition(
+            &mut status.conditions,
+            condition::VALID,
+            false,
+            fe.reason,
+            &fe.to_string(),
+            pool.metadata.generation,
+            now,
+        );
+        set_condition(
+            &mut status.conditions,
+            condition::READY,
+            false,
+            fe.reason,
+            &fe.to_string(),
+            pool.metadata.generation,
+            now,
+        );
+        status.phase = PoolPhase::Failed;
+        write_status(&pools, &name, &status).await?;
+        if changed {
+            ctx.event(&oref, true, fe.reason, "Validate", fe.to_string())
+                .await;
+        }
+        // Nothing already running is touched; wait for the spec to change.
+        return Ok(Action::await_change());
+    }
+    set_condition(
+        &mut status.conditions,
+        condition::VALID,
+        true,
+        reason::SPEC_VALID,
+        "spec accepted",
+        pool.metadata.generation,
+        now,
+    );
+
+    // observe
+    let obs = observe(pool, ctx).await?;
+
+    // build
+    let reg = registered(pool, &obs.adapters);
+    let config = resources::worker_config(&name, &pool.spec, &reg);
+    let (cm, config_hash) = resources::config_map(pool, &config);
+    let deploy = resources::dynamic_deployment(pool);
+    let svc = resources::service(pool);
+    let pdb = resources::pdb(pool);
+
+    // apply
+    let client = ctx.client.clone();
+    apply(
+        &Api::<ConfigMap>::namespaced(client.clone(), &ns),
+        &resources::config_map_name(&name),
+        FM_CONFIG,
+        &cm,
+    )
+    .await?;
+    let applied = apply(
+        &Api::<Deployment>::namespaced(client.clone(), &ns),
+        &resources::dynamic_name(&name),
+        FM_DEPLOY,
+        &deploy,
+    )
+    .await?;
+    apply(
+        &Api::<Service>::namespaced(client.clone(), &ns),
+        &name,
+        FM_SERVICE,
+        &svc,
+    )
+    .await?;
+    apply(
+        &Api::<PodDisruptionBudget>::namespaced(client.clone(), &ns),
+        &resources::dynamic_name(&name),
+        FM_PDB,
+        &pdb,
+    )
+    .await?;
+
+    // The kubelet refreshes mounted ConfigMaps within a minute; a reload makes ready pods pick
+    // up adapter changes now.
+    if obs.previous_config_hash.as_deref() != Some(config_hash.as_str()) {
+        for pod in ready_pods(&ctx.client, &ns, &name).await? {
+            if let Err(e) = ctx.pods.reload(&pod, &config_hash).await {
+                tracing::warn!(error = %e, "reload request failed; the pod will pick up the file change");
+            }
+        }
+    }
+
+    // status
+    let dstatus = applied
+        .status
+        .clone()
+        .or(obs.deployment.and_then(|d| d.status))
+        .unwrap_or_default();
+    let desired = pool.spec.dynamic.replicas;
+    let ready = dstatus.ready_replicas.unwrap_or(0);
+    status.dynamic.replicas = desired;
+    status.dynamic.ready_replicas = ready;
+    status.ready_display = Some(format!("{ready}/{desired}"));
+    let mine: Vec<&Adapter> = obs
+        .adapters
+        .iter()
+        .filter(|a| a.spec.pool == name && a.metadata.deletion_timestamp.is_none())
+        .collect();
+    status.adapters.total = mine.len() as u32;
+    status.adapters.ready = mine
+        .iter()
+        .filter(|a| {
+            a.status
+                .as_ref()
+                .is_some_and(|s| s.phase == AdapterPhase::Ready)
+        })
+        .count() as u32;
+    status.endpoint = Some(resources::endpoint(pool));
+    let all_ready = ready >= desired;
+    status.phase = if all_ready {
+        PoolPhase::Ready
+    } else {
+        PoolPhase::Progressing
+    };
+    let became = set_condition(
+        &mut status.conditions,
+        condition::READY,
+        all_ready,
+        if all_ready {
+            reason::POOL_READY
+        } else {
+            reason::PODS_NOT_READY
+        },
+        &format!("{ready}/{desired} dynamic pods ready"),
+        pool.metadata.generation,
+        now,
+    );
+    if status != old {
+        write_status(&pools, &name, &status).await?;
+    }
+    if became {
+        let r = if all_ready {
+            reason::POOL_READY
+        } else {
+            reason::PODS_NOT_READY
+        };
+        ctx.event(
+            &oref,
+            false,
+            r,
+            "Reconcile",
+            format!("{ready}/{desired} dynamic pods ready"),
+        )
+        .await;
+    }
+    Ok(Action::requeue(if all_ready {
+        Duration::from_secs(300)
+    } else {
+        Duration::from_secs(15)
+    }))
+}
+
+/// Writes the pool status with server-side apply (the lora id ledger is written separately,
+/// with optimistic concurrency, by the Adapter controller).
+async fn write_status(
+    pools: &Api<InferencePool>,
+    name: &str,
+    status: &InferencePoolStatus,
+) -> Result<()> {
+    let mut status = status.clone();
+    // The id ledger is owned by the adapter controller's guarded writes; this writer must
+    // never move it backwards.
+    status.lora_ids.clear();
+    status.next_lora_id = None;
+    let patch = serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1",
+        "kind": "InferencePool",
+        "status": status,
+    });
+    pools
+        .patch_status(
+            name,
+            &PatchParams::apply(FM_STATUS).force(),
+            &Patch::Apply(&patch),
+        )
+        .await?;
+    Ok(())
+}
+
+/// Error policy: invalid specs wait for a change; transient errors back off per object.
+pub fn error_policy(pool: Arc<InferencePool>, err: &Error, ctx: Arc<Context>) -> Action {
+    ctx.metrics
+        .errors
+        .with_label_values(&["pool", err.code()])
+        .inc();
+    tracing::warn!(pool = %pool.name_any(), error = %err, "pool reconcile failed");
+    match err {
+        Error::Invalid(_) => Action::await_change(),
+        _ => Action::requeue(ctx.backoff(&key(&pool))),
+    }
+}

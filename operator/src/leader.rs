@@ -1,0 +1,158 @@
+//! Leader election on a `coordination.k8s.io/v1` Lease, so two operator replicas never both
+//! write. The holder renews every `renew`; a Lease not renewed for `duration` may be taken
+//! over. Every write carries the Lease's resourceVersion: of two candidates racing for an
+//! expired Lease, exactly one wins.
+
+use std::time::Duration;
+
+use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
+use k8s_openapi::jiff::Timestamp;
+use kube::api::PostParams;
+use kube::{Api, Client};
+
+/// Lease settings.
+#[derive(Debug, Clone)]
+pub struct LeaseConfig {
+    /// Lease name.
+    pub name: String,
+    /// Namespace of the Lease.
+    pub namespace: String,
+    /// This replica's identity (pod name).
+    pub identity: String,
+    /// How long a Lease stays valid without renewal.
+    pub duration: Duration,
+    /// How often the holder renews.
+    pub renew: Duration,
+}
+
+/// Whether a Lease may be taken by `me` at `now`.
+pub fn can_take(lease: &Lease, me: &str, now: Timestamp) -> bool {
+    let Some(spec) = &lease.spec else { return true };
+    match spec.holder_identity.as_deref() {
+        None | Some("") => true,
+        Some(h) if h == me => true,
+        Some(_) => {
+            let dur = spec.lease_duration_seconds.unwrap_or(15) as i64;
+            match &spec.renew_time {
+                Some(t) => t.0.as_second() + dur < now.as_second(),
+                None => true,
+            }
+        }
+    }
+}
+
+fn spec_for(cfg: &LeaseConfig, now: Timestamp, prior: Option<&LeaseSpec>) -> LeaseSpec {
+    let same_holder =
+        prior.and_then(|p| p.holder_identity.as_deref()) == Some(cfg.identity.as_str());
+    LeaseSpec {
+        holder_identity: Some(cfg.identity.clone()),
+        lease_duration_seconds: Some(cfg.duration.as_secs() as i32),
+        acquire_time: if same_holder {
+            prior.and_then(|p| p.acquire_time.clone())
+        } else {
+            Some(MicroTime(now))
+        },
+        renew_time: Some(MicroTime(now)),
+        lease_transitions: Some(
+            prior.and_then(|p| p.lease_transitions).unwrap_or(0) + if same_holder { 0 } else { 1 },
+        ),
+        ..Default::default()
+    }
+}
+
+/// Tries once to acquire or renew the Lease. Ok(true): we hold it.
+pub async fn try_acquire(api: &Api<Lease>, cfg: &LeaseConfig) -> kube::Result<bool> {
+    let now = Timestamp::now();
+    match api.get_opt(&cfg.name).await? {
+        None => {
+            let lease = Lease {
+                metadata: ObjectMeta {
+                    name: Some(cfg.name.clone()),
+                    namespace: Some(cfg.namespace.clone()),
+                    ..Default::default()
+                },
+                spec: Some(spec_for(cfg, now, None)),
+            };
+            match api.create(&PostParams::default(), &lease).await {
+                Ok(_) => Ok(true),
+                Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+                Err(e) => Err(e),
+            }
+        }
+        Some(lease) if can_take(&lease, &cfg.identity, now) => {
+            let mut next = lease.clone();
+            next.spec = Some(spec_for(cfg, now, lease.spec.as_ref()));
+            // replace() sends metadata.resourceVersion: a concurrent writer gets 409.
+            match api.replace(&cfg.name, &PostParams::default(), &next).await {
+                Ok(_) => Ok(true),
+                Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+                Err(e) => Err(e),
+            }
+        }
+        Some(_) => Ok(false),
+    }
+}
+
+/// Blocks until this replica holds the Lease.
+pub async fn acquire(client: Client, cfg: &LeaseConfig) {
+    let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
+    loop {
+        match try_acquire(&api, cfg).await {
+            Ok(true) => return,
+            Ok(false) => tracing::info!(lease = %cfg.name, "another replica leads; waiting"),
+            Err(e) => tracing::warn!(error = %e, "leader election failed; retrying"),
+        }
+        tokio::time::sleep(cfg.renew).await;
+    }
+}
+
+/// Renews the Lease forever; returns (so the process can exit) as soon as it is lost.
+pub async fn hold(client: Client, cfg: LeaseConfig) {
+    let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
+    let mut last_ok = std::time::Instant::now();
+    loop {
+        tokio::time::sleep(cfg.renew).await;
+        match try_acquire(&api, &cfg).await {
+            Ok(true) => last_ok = std::time::Instant::now(),
+            Ok(false) => {
+                tracing::error!(lease = %cfg.name, "leadership lost");
+                return;
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "lease renewal failed");
+                // Stop writing before another replica may legitimately take over.
+                if last_ok.elapsed() >= cfg.duration {
+                    tracing::error!("lease expired without renewal; stepping down");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lease(holder: &str, renewed: i64, dur: i32) -> Lease {
+        Lease {
+            metadata: Default::default(),
+            spec: Some(LeaseSpec {
+                holder_identity: Some(holder.into()),
+                renew_time: Some(MicroTime(Timestamp::from_second(renewed).unwrap())),
+                lease_duration_seconds: Some(dur),
+                ..Default::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn takeover_only_after_expiry() {
+        let now = Timestamp::from_second(1000).unwrap();
+        assert!(can_take(&lease("me", 999, 15), "me", now));
+        assert!(!can_take(&lease("other", 990, 15), "me", now));
+        assert!(can_take(&lease("other", 980, 15), "me", now));
+        assert!(can_take(&Lease::default(), "me", now));
+    }
+}
