@@ -5,7 +5,6 @@ use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use candle_core::{Device, Tensor};
 use safetensors::tensor::{TensorView, View};
 use safetensors::Dtype;
 
@@ -62,45 +61,76 @@ fn is_float(d: Dtype) -> bool {
     matches!(d, Dtype::F32 | Dtype::BF16 | Dtype::F16 | Dtype::F64)
 }
 
+/// Elements per parallel chunk of the conversions (large enough to amortise scheduling).
+const CHUNK: usize = 1 << 16;
+
 /// Decodes a float tensor's little-endian bytes to f32.
 pub fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
-    Some(match dtype {
-        Dtype::F32 => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::F64 => bytes
-            .chunks_exact(8)
-            .map(|c| f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32)
-            .collect(),
-        _ => return None,
-    })
+    let mut out = Vec::new();
+    decode_into(dtype, bytes, &mut out).then_some(out)
 }
 
-fn from_f32(dtype: Dtype, values: &[f32]) -> Vec<u8> {
-    match dtype {
-        Dtype::BF16 => values
-            .iter()
-            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-            .collect(),
-        Dtype::F16 => values
-            .iter()
-            .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-            .collect(),
-        Dtype::F64 => values
-            .iter()
-            .flat_map(|v| (*v as f64).to_le_bytes())
-            .collect(),
-        _ => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+/// Decodes into `out` (resized; reusing its allocation avoids re-faulting fresh pages for
+/// every tensor). False for non-float dtypes.
+fn decode_into(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) -> bool {
+    use rayon::prelude::*;
+    let size = match dtype {
+        Dtype::F32 => 4,
+        Dtype::BF16 | Dtype::F16 => 2,
+        Dtype::F64 => 8,
+        _ => return false,
+    };
+    out.resize(bytes.len() / size, 0.0);
+    out.par_chunks_mut(CHUNK)
+        .zip(bytes.par_chunks(CHUNK * size))
+        .for_each(|(dst, src)| {
+            let it = dst.iter_mut().zip(src.chunks_exact(size));
+            match dtype {
+                // bf16 is the upper half of an f32: widening is exact.
+                Dtype::BF16 => it.for_each(|(d, c)| *d = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)),
+                Dtype::F16 => it.for_each(|(d, c)| *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
+                Dtype::F64 => it.for_each(|(d, c)| *d = f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32),
+                _ => it.for_each(|(d, c)| *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+            }
+        });
+    true
+}
+
+/// f32 → bf16 bits, round to nearest even (as torch and `half` do), branch-free for finite
+/// values so the loop vectorises; NaN stays a quiet NaN.
+#[inline]
+fn bf16_bits(v: f32) -> u16 {
+    let b = v.to_bits();
+    if v.is_nan() {
+        return ((b >> 16) as u16) | 0x0040;
     }
+    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
+/// Encodes f32 values to `dtype` (round to nearest even); returns the bytes and whether every
+/// value was finite.
+fn from_f32(dtype: Dtype, values: &[f32]) -> (Vec<u8>, bool) {
+    use rayon::prelude::*;
+    let size = dtype.bitsize() / 8;
+    let mut out = vec![0u8; values.len() * size];
+    let finite = out
+        .par_chunks_mut(CHUNK * size)
+        .zip(values.par_chunks(CHUNK))
+        .map(|(dst, src)| {
+            let mut ok = true;
+            for (d, v) in dst.chunks_exact_mut(size).zip(src) {
+                ok &= v.is_finite();
+                match dtype {
+                    Dtype::BF16 => d.copy_from_slice(&bf16_bits(*v).to_le_bytes()),
+                    Dtype::F16 => d.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes()),
+                    Dtype::F64 => d.copy_from_slice(&(*v as f64).to_le_bytes()),
+                    _ => d.copy_from_slice(&v.to_le_bytes()),
+                }
+            }
+            ok
+        })
+        .reduce(|| true, |a, b| a && b);
+    (out, finite)
 }
 
 /// Distance in units in the last place between two bf16 values (bit patterns), for tests.
@@ -375,30 +405,44 @@ impl Delta<'_> {
                 Ok(())
             }
             Delta::LowRank {
-                module,
                 a,
                 b,
                 scale,
                 transpose,
+                ..
             } => {
-                let err = |e: candle_core::Error| MergeError::Shape {
-                    module: module.clone(),
-                    message: e.to_string(),
-                };
-                let dev = Device::Cpu;
-                let ta =
-                    Tensor::from_slice(&a.data, (a.shape[0], a.shape[1]), &dev).map_err(err)?;
-                let tb =
-                    Tensor::from_slice(&b.data, (b.shape[0], b.shape[1]), &dev).map_err(err)?;
-                // Same order of operations as PEFT's get_delta_weight: (B·A)ᵀ? · scale.
-                let mut delta = tb.matmul(&ta).map_err(err)?;
-                if *transpose {
-                    delta = delta.t().map_err(err)?;
-                }
-                let delta = (delta * *scale).map_err(err)?;
-                let delta: Vec<f32> = delta.flatten_all().and_then(|d| d.to_vec1()).map_err(err)?;
-                for (x, d) in w.iter_mut().zip(&delta) {
-                    *x += d;
+                let (m, k, n) = (b.shape[0], b.shape[1], a.shape[1]);
+                assert_eq!(w.len(), m * n, "plan checked the shapes");
+                assert_eq!((a.data.len(), b.data.len()), (k * n, m * k));
+                // dst = 1·dst + scale·(B·A), in place; like PEFT, the product is formed in f32
+                // and then scaled. Transposed weights ([n, m]: embeddings, fan_in_fan_out) are
+                // the same product written with swapped strides.
+                let (dst_cs, dst_rs) = if *transpose { (m as isize, 1) } else { (1, n as isize) };
+                // SAFETY: dst is m·n f32 values addressed by (dst_rs, dst_cs) within bounds
+                // for both layouts; lhs is B [m, k] row-major, rhs is A [k, n] row-major; the
+                // asserts above pin those lengths.
+                unsafe {
+                    gemm::gemm(
+                        m,
+                        n,
+                        k,
+                        w.as_mut_ptr(),
+                        dst_cs,
+                        dst_rs,
+                        true,
+                        b.data.as_ptr(),
+                        1,
+                        k as isize,
+                        a.data.as_ptr(),
+                        1,
+                        n as isize,
+                        1.0f32,
+                        *scale as f32,
+                        false,
+                        false,
+                        false,
+                        gemm::Parallelism::Rayon(0),
+                    );
                 }
                 Ok(())
             }
@@ -406,9 +450,10 @@ impl Delta<'_> {
     }
 }
 
-/// Holds the first error raised while tensors are written (the writer cannot return ours).
+/// State shared by the lazy tensors of one write: the first error raised (the writer cannot
+/// return ours) and an f32 scratch buffer reused from tensor to tensor.
 #[derive(Default)]
-pub(crate) struct FailureCell(RefCell<Option<MergeError>>);
+pub(crate) struct FailureCell(RefCell<Option<MergeError>>, RefCell<Vec<f32>>);
 
 impl FailureCell {
     fn set(&self, e: MergeError) {
@@ -465,21 +510,31 @@ impl<'a> LazyTensor<'a> {
 
     fn compute(&self) -> Result<Vec<u8>, MergeError> {
         // Accumulate in f32 whatever the storage dtype, round once on write.
-        let mut w = match self.replacement {
-            Some(m) => m.data.clone(),
-            None => to_f32(self.view.dtype(), self.view.data()).ok_or_else(|| {
-                MergeError::Unsupported(format!("cannot convert dtype {:?}", self.view.dtype()))
-            })?,
-        };
-        if let Some(delta) = self.delta {
-            delta.apply(&mut w)?;
-            if self.safe_merge && w.iter().any(|x| !x.is_finite()) {
-                return Err(MergeError::NonFinite {
-                    module: delta.module().to_string(),
-                });
+        let mut w = self.failure.1.borrow_mut();
+        match self.replacement {
+            Some(m) => {
+                w.clear();
+                w.extend_from_slice(&m.data);
+            }
+            None => {
+                if !decode_into(self.view.dtype(), self.view.data(), &mut w) {
+                    return Err(MergeError::Unsupported(format!(
+                        "cannot convert dtype {:?}",
+                        self.view.dtype()
+                    )));
+                }
             }
         }
-        Ok(from_f32(self.out, &w))
+        if let Some(delta) = self.delta {
+            delta.apply(&mut w)?;
+        }
+        let (bytes, finite) = from_f32(self.out, &w);
+        if let (Some(delta), true, false) = (self.delta, self.safe_merge, finite) {
+            return Err(MergeError::NonFinite {
+                module: delta.module().to_string(),
+            });
+        }
+        Ok(bytes)
     }
 }
 
