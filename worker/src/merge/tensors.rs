@@ -87,9 +87,15 @@ fn decode_into(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) -> bool {
             let it = dst.iter_mut().zip(src.chunks_exact(size));
             match dtype {
                 // bf16 is the upper half of an f32: widening is exact.
-                Dtype::BF16 => it.for_each(|(d, c)| *d = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)),
-                Dtype::F16 => it.for_each(|(d, c)| *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
-                Dtype::F64 => it.for_each(|(d, c)| *d = f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32),
+                Dtype::BF16 => it.for_each(|(d, c)| {
+                    *d = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)
+                }),
+                Dtype::F16 => {
+                    it.for_each(|(d, c)| *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                }
+                Dtype::F64 => it.for_each(|(d, c)| {
+                    *d = f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32
+                }),
                 _ => it.for_each(|(d, c)| *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
             }
         });
@@ -417,7 +423,11 @@ impl Delta<'_> {
                 // dst = 1·dst + scale·(B·A), in place; like PEFT, the product is formed in f32
                 // and then scaled. Transposed weights ([n, m]: embeddings, fan_in_fan_out) are
                 // the same product written with swapped strides.
-                let (dst_cs, dst_rs) = if *transpose { (m as isize, 1) } else { (1, n as isize) };
+                let (dst_cs, dst_rs) = if *transpose {
+                    (m as isize, 1)
+                } else {
+                    (1, n as isize)
+                };
                 // SAFETY: dst is m·n f32 values addressed by (dst_rs, dst_cs) within bounds
                 // for both layouts; lhs is B [m, k] row-major, rhs is A [k, n] row-major; the
                 // asserts above pin those lengths.
