@@ -29,5 +29,8 @@ for check in scripts/checks/*.sh; do
     failed=$((failed + 1))
   fi
 done
+# One closing line for the whole run: Rust tests plus the check scripts.
+read -r rust_passed rust_failed < <(awk '/^test result:/ {p += $4; f += $6} END {print p + 0, f + 0}' "$MOLE_CACHE/cargo-test.log")
 echo "checks: $passed passed, $failed failed"
+echo "total: $((rust_passed + passed)) passed, $((rust_failed + failed)) failed"
 [ "$failed" -eq 0 ]

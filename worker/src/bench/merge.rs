@@ -76,7 +76,7 @@ fn write_safetensors(
         offset += len;
     }
     let mut h = serde_json::to_vec(&header).expect("json");
-    while h.len() % 8 != 0 {
+    while !h.len().is_multiple_of(8) {
         h.push(b' ');
     }
     let mut f = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(path)?);
