@@ -1,0 +1,334 @@
+//! A small in-memory Kubernetes API server behind a `kube::Client` (kube-rs's mock-service
+//! pattern, answering by path instead of by a scripted order), and a stand-in for the worker
+//! pods' HTTP API.
+//!
+//! It implements what the controllers use: GET of objects and collections (with label
+//! selectors), server-side apply (whole object or `/status`), JSON patch (finalizers), PUT with
+//! resourceVersion preconditions (409 on conflict), and Event creation.
+
+#![allow(dead_code)]
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use kube::client::Body;
+use serde_json::{json, Value};
+
+/// The fake API server's state.
+#[derive(Default)]
+pub struct Store {
+    /// Object path (`/apis/.../namespaces/ns/kind/name`) → object.
+    pub objects: BTreeMap<String, Value>,
+    /// Every write: (method, path).
+    pub writes: Vec<(String, String)>,
+    /// Events published: reasons.
+    pub events: Vec<String>,
+    rv: u64,
+}
+
+/// Shared handle on the store.
+pub type Shared = Arc<Mutex<Store>>;
+
+fn status(code: u16, reason: &str, message: &str) -> Response<Body> {
+    let body = json!({"kind": "Status", "apiVersion": "v1", "status": "Failure",
+                      "message": message, "reason": reason, "code": code});
+    Response::builder()
+        .status(code)
+        .header("content-type", "application/json")
+        .body(Body::from(serde_json::to_vec(&body).unwrap()))
+        .unwrap()
+}
+
+fn ok(v: &Value) -> Response<Body> {
+    Response::builder()
+        .status(200)
+        .header("content-type", "application/json")
+        .body(Body::from(serde_json::to_vec(v).unwrap()))
+        .unwrap()
+}
+
+fn matches_selector(obj: &Value, selector: Option<&str>) -> bool {
+    let Some(sel) = selector else { return true };
+    sel.split(',').filter(|s| !s.is_empty()).all(|kv| {
+        let (k, v) = kv.split_once('=').unwrap();
+        obj["metadata"]["labels"][k].as_str() == Some(v)
+    })
+}
+
+fn query_param(query: Option<&str>, key: &str) -> Option<String> {
+    query?.split('&').find_map(|p| {
+        let (k, v) = p.split_once('=')?;
+        (k == key).then(|| {
+            v.replace("%3D", "=")
+                .replace("%2C", ",")
+                .replace("%2F", "/")
+                .replace('+', " ")
+        })
+    })
+}
+
+impl Store {
+    fn bump(&mut self, obj: &mut Value) {
+        self.rv += 1;
+        obj["metadata"]["resourceVersion"] = json!(self.rv.to_string());
+    }
+
+    /// Inserts an object as a user would create it.
+    pub fn create(&mut self, path: &str, mut obj: Value) {
+        let name = obj["metadata"]["name"].as_str().unwrap().to_string();
+        obj["metadata"]["uid"] = json!(format!("uid-{name}-{}", self.rv + 1));
+        obj["metadata"]["creationTimestamp"] =
+            json!(format!("2026-11-22T12:00:{:02}Z", self.rv % 60));
+        obj["metadata"]["generation"] = json!(1);
+        self.bump(&mut obj);
+        self.objects.insert(path.to_string(), obj);
+    }
+
+    /// The object at `path`.
+    pub fn get(&self, path: &str) -> Option<Value> {
+        self.objects.get(path).cloned()
+    }
+
+    fn handle(
+        &mut self,
+        method: &str,
+        path: &str,
+        query: Option<&str>,
+        body: Value,
+    ) -> Response<Body> {
+        let (base, sub) = match path.strip_suffix("/status") {
+            Some(b) => (b.to_string(), Some("status")),
+            None => (path.to_string(), None),
+        };
+        match method {
+            "GET" => {
+                if let Some(o) = self.objects.get(&base) {
+                    return ok(o);
+                }
+                if !self.is_collection_path(&base) {
+                    return status(404, "NotFound", &format!("{base} not found"));
+                }
+                let prefix = format!("{base}/");
+                let sel = query_param(query, "labelSelector");
+                let items: Vec<Value> = self
+                    .objects
+                    .iter()
+                    .filter(|(k, _)| k.starts_with(&prefix) && !k[prefix.len()..].contains('/'))
+                    .map(|(_, v)| v.clone())
+                    .filter(|v| matches_selector(v, sel.as_deref()))
+                    .collect();
+                ok(&json!({"kind": "List", "apiVersion": "v1",
+                           "metadata": {"resourceVersion": self.rv.to_string()}, "items": items}))
+            }
+            "POST" if path.ends_with("/events") => {
+                self.events
+                    .push(body["reason"].as_str().unwrap_or("").to_string());
+                ok(&body)
+            }
+            "PATCH" if body.get("__json_patch").is_some() => {
+                let Some(mut obj) = self.objects.get(&base).cloned() else {
+                    return status(404, "NotFound", "not found");
+                };
+                // Like the real API server, a `test` for null passes when the field is absent.
+                let ops: Vec<Value> = body["__json_patch"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .filter(|op| {
+                        !(op["op"] == "test"
+                            && op["value"].is_null()
+                            && obj
+                                .pointer(op["path"].as_str().unwrap())
+                                .is_none_or(Value::is_null))
+                    })
+                    .cloned()
+                    .collect();
+                let patch: json_patch::Patch = serde_json::from_value(Value::Array(ops)).unwrap();
+                if json_patch::patch(&mut obj, &patch).is_err() {
+                    return status(422, "Invalid", "json patch test failed");
+                }
+                self.writes.push(("PATCH".into(), path.into()));
+                self.bump(&mut obj);
+                // The object goes when its last finalizer does, once deletion was asked.
+                let gone = obj["metadata"].get("deletionTimestamp").is_some()
+                    && obj["metadata"]["finalizers"]
+                        .as_array()
+                        .is_none_or(|f| f.is_empty());
+                if gone {
+                    self.objects.remove(&base);
+                } else {
+                    self.objects.insert(base, obj.clone());
+                }
+                ok(&obj)
+            }
+            "PATCH" => {
+                // Server-side apply: the applied fields win; for /status only the status.
+                self.writes.push(("APPLY".into(), path.into()));
+                let mut obj = match (self.objects.get(&base).cloned(), sub) {
+                    (Some(mut existing), Some(_)) => {
+                        let mut st = existing.get("status").cloned().unwrap_or(json!({}));
+                        merge(&mut st, &body["status"]);
+                        existing["status"] = st;
+                        existing
+                    }
+                    (None, Some(_)) => return status(404, "NotFound", "not found"),
+                    (Some(mut existing), None) => {
+                        let keep_status = existing.get("status").cloned();
+                        let meta = existing["metadata"].clone();
+                        existing = body.clone();
+                        let mut m = meta;
+                        merge(&mut m, &body["metadata"]);
+                        existing["metadata"] = m;
+                        if let Some(s) = keep_status {
+                            existing["status"] = s;
+                        }
+                        existing
+                    }
+                    (None, None) => {
+                        let mut o = body.clone();
+                        o["metadata"]["uid"] = json!(format!("uid-{}", self.rv + 1));
+                        o
+                    }
+                };
+                self.bump(&mut obj);
+                self.objects.insert(base, obj.clone());
+                ok(&obj)
+            }
+            "PUT" => {
+                let Some(existing) = self.objects.get(&base) else {
+                    return status(404, "NotFound", "not found");
+                };
+                if body["metadata"]["resourceVersion"] != existing["metadata"]["resourceVersion"] {
+                    return status(409, "Conflict", "the object has been modified");
+                }
+                self.writes.push(("PUT".into(), path.into()));
+                let mut obj = existing.clone();
+                if sub.is_some() {
+                    obj["status"] = body["status"].clone();
+                } else {
+                    obj = body;
+                }
+                self.bump(&mut obj);
+                self.objects.insert(base, obj.clone());
+                ok(&obj)
+            }
+            _ => status(405, "MethodNotAllowed", method),
+        }
+    }
+
+    fn is_collection_path(&self, base: &str) -> bool {
+        // `/api/v1/namespaces/ns/pods`, `/apis/g/v/namespaces/ns/kinds`: an even number of
+        // segments after `namespaces`.
+        base.contains("/namespaces/")
+            && base
+                .split("/namespaces/")
+                .nth(1)
+                .is_some_and(|r| r.split('/').count() == 2)
+    }
+}
+
+/// Recursive JSON merge (objects merged, everything else replaced).
+pub fn merge(into: &mut Value, from: &Value) {
+    match (into, from) {
+        (Value::Object(a), Value::Object(b)) => {
+            for (k, v) in b {
+                merge(a.entry(k.clone()).or_insert(Value::Null), v);
+            }
+        }
+        (a, b) => *a = b.clone(),
+    }
+}
+
+/// A kube Client whose API server is `store`.
+pub fn client(store: Shared) -> kube::Client {
+    let svc = tower::service_fn(move |req: Request<Body>| {
+        let store = store.clone();
+        async move {
+            let method = req.method().to_string();
+            let path = req.uri().path().to_string();
+            let query = req.uri().query().map(str::to_string);
+            let json_patch = req
+                .headers()
+                .get("content-type")
+                .is_some_and(|c| c.as_bytes().starts_with(b"application/json-patch"));
+            let bytes = req.into_body().collect().await.unwrap().to_bytes();
+            let mut body: Value = if bytes.is_empty() {
+                Value::Null
+            } else {
+                serde_json::from_slice(&bytes).unwrap_or(Value::Null)
+            };
+            if json_patch {
+                body = json!({"__json_patch": body});
+            }
+            let resp = store
+                .lock()
+                .unwrap()
+                .handle(&method, &path, query.as_deref(), body);
+            Ok::<_, Infallible>(resp)
+        }
+    });
+    kube::Client::new(svc, "ml")
+}
+
+/// A stand-in for the worker pods' HTTP API: serves the given `/v1/lora_adapters` body and
+/// records reload/unload calls.
+pub struct FakeWorker {
+    /// Address it listens on.
+    pub addr: SocketAddr,
+    /// The `/v1/lora_adapters` response.
+    pub adapters: Arc<Mutex<Value>>,
+    /// Calls received (path and body).
+    pub calls: Arc<Mutex<Vec<(String, Value)>>>,
+}
+
+/// Starts a [`FakeWorker`] on 127.0.0.1.
+pub async fn fake_worker() -> FakeWorker {
+    use axum::routing::{get, post};
+    let adapters = Arc::new(Mutex::new(
+        json!({"object": "list", "base_model": "b", "data": []}),
+    ));
+    let calls: Arc<Mutex<Vec<(String, Value)>>> = Arc::default();
+    let (a, c1, c2) = (adapters.clone(), calls.clone(), calls.clone());
+    let app = axum::Router::new()
+        .route(
+            "/v1/lora_adapters",
+            get(move || {
+                let a = a.clone();
+                async move { axum::Json(a.lock().unwrap().clone()) }
+            }),
+        )
+        .route(
+            "/admin/reload",
+            post(move |axum::Json(b): axum::Json<Value>| {
+                let c = c1.clone();
+                async move {
+                    c.lock().unwrap().push(("/admin/reload".into(), b));
+                    StatusCode::OK
+                }
+            }),
+        )
+        .route(
+            "/v1/unload_lora_adapter",
+            post(move |axum::Json(b): axum::Json<Value>| {
+                let c = c2.clone();
+                async move {
+                    c.lock()
+                        .unwrap()
+                        .push(("/v1/unload_lora_adapter".into(), b));
+                    StatusCode::OK
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    FakeWorker {
+        addr,
+        adapters,
+        calls,
+    }
+}
