@@ -231,7 +231,7 @@ async fn adapter_registers_and_is_ready_only_when_the_pods_report_it() {
     e.reconcile_adapter("calendar").await;
     let a = e.get(&adapter_path("calendar")).unwrap();
     assert_eq!(a["status"]["phase"], "Pending");
-    assert!(condition(&a, "Ready")["message"]
+    assert!(condition(&a, "Loaded")["message"]
         .as_str()
         .unwrap()
         .contains("0/1"));
@@ -360,4 +360,249 @@ async fn delete_runs_the_finalizer_and_ids_are_never_reused() {
         e.get(&adapter_path("calendar")).unwrap()["status"]["loraId"],
         2
     );
+}
+
+const JOBS: &str = "/apis/batch/v1/namespaces/ml/jobs";
+const MERGED: &str = "/apis/apps/v1/namespaces/ml/deployments/vl-calendar";
+
+impl Env {
+    fn jobs(&self) -> Vec<(String, Value)> {
+        let s = self.store.lock().unwrap();
+        s.objects
+            .iter()
+            .filter(|(k, _)| k.starts_with(JOBS))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+    fn edit(&self, path: &str, f: impl FnOnce(&mut Value)) {
+        let mut s = self.store.lock().unwrap();
+        let mut v = s.get(path).unwrap();
+        f(&mut v);
+        s.objects.insert(path.to_string(), v);
+    }
+    fn set_version(&self, v: &str) {
+        self.edit(&adapter_path("calendar"), |a| {
+            a["spec"]["version"] = json!(v);
+            a["spec"]["source"]["path"] = json!(format!("adapters/calendar/{v}"));
+            let g = a["metadata"]["generation"].as_i64().unwrap_or(1);
+            a["metadata"]["generation"] = json!(g + 1);
+        });
+    }
+    fn finish_only_job(&self, ok: bool, message: &str) -> String {
+        let jobs = self.jobs();
+        assert_eq!(
+            jobs.len(),
+            1,
+            "exactly one merge Job: {:?}",
+            jobs.iter().map(|j| &j.0).collect::<Vec<_>>()
+        );
+        let (path, job) = jobs[0].clone();
+        let name = job["metadata"]["name"].as_str().unwrap().to_string();
+        self.edit(&path, |j| {
+            j["status"] = if ok {
+                json!({"succeeded": 1})
+            } else {
+                json!({"failed": 3, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded", "message": "Job has reached the specified backoff limit"}]})
+            };
+        });
+        if !ok {
+            let pod = json!({"apiVersion": "v1", "kind": "Pod",
+                "metadata": {"name": format!("{name}-x"), "namespace": "ml", "labels": {"job-name": name}},
+                "status": {"containerStatuses": [{"name": "merge", "image": "i", "imageID": "", "ready": false, "restartCount": 0,
+                    "state": {"terminated": {"exitCode": 2, "message": message}}}]}});
+            self.store
+                .lock()
+                .unwrap()
+                .create(&format!("/api/v1/namespaces/ml/pods/{name}-x"), pod);
+        }
+        name
+    }
+    fn merged_ready(&self) {
+        self.edit(MERGED, |d| {
+            d["status"] = json!({"observedGeneration": 0, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1});
+        });
+    }
+    fn merged_output(&self) -> String {
+        self.get(MERGED).unwrap()["spec"]["template"]["metadata"]["annotations"]
+            ["mole.dev/merged-output"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    }
+}
+
+async fn merged_env() -> Env {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    e.add_ready_pod();
+    let mut a = adapter_obj("calendar", "vl", "calendar");
+    a["spec"]["serving"] = json!({"mode": "merged", "replicas": 1});
+    e.store.lock().unwrap().create(&adapter_path("calendar"), a);
+    e
+}
+
+#[tokio::test]
+async fn merge_job_then_merged_deployment_then_ready_and_forwarded() {
+    let e = merged_env().await;
+    e.worker_reports(&[("calendar", "v1", 1)]);
+    e.reconcile_adapter("calendar").await;
+    let jobs = e.jobs();
+    assert_eq!(jobs.len(), 1);
+    let job = &jobs[0].1;
+    assert!(job["metadata"]["name"]
+        .as_str()
+        .unwrap()
+        .starts_with("merge-calendar-"));
+    let args: Vec<String> =
+        serde_json::from_value(job["spec"]["template"]["spec"]["containers"][0]["args"].clone())
+            .unwrap();
+    assert_eq!(args[0], "merge");
+    assert!(args.contains(&"--safe-merge".to_string()));
+    assert!(args
+        .iter()
+        .any(|a| a.starts_with("/models/merged/calendar/v1-")));
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["phase"], "Merging");
+    assert!(
+        e.get(MERGED).is_none(),
+        "no merged pods before the Job succeeds"
+    );
+
+    e.finish_only_job(true, "");
+    e.reconcile_adapter("calendar").await;
+    let out = e.merged_output();
+    assert!(out.starts_with("merged/calendar/v1-"));
+    assert!(e
+        .get("/api/v1/namespaces/ml/services/vl-calendar")
+        .is_some());
+    assert!(e
+        .get("/api/v1/namespaces/ml/configmaps/vl-calendar-config")
+        .unwrap()["data"]["worker.json"]
+        .as_str()
+        .unwrap()
+        .contains("\"mode\": \"merged\""));
+    assert_ne!(
+        e.get(&adapter_path("calendar")).unwrap()["status"]["phase"],
+        "Ready",
+        "merged pods not ready yet"
+    );
+
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["phase"], "Ready");
+    assert_eq!(a["status"]["servingMode"], "merged");
+    assert_eq!(a["status"]["endpoint"], "http://vl-calendar.ml.svc:8000");
+    assert_eq!(a["status"]["history"][0]["mergedOutput"], json!(out));
+    // Dynamic pods forward to the merged Service and keep the adapter loaded as a fallback.
+    e.reconcile_pool().await;
+    let wc: mole_crds::WorkerConfig =
+        serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap()).unwrap();
+    let cal = wc.adapters.iter().find(|a| a.name == "calendar").unwrap();
+    assert_eq!(
+        cal.merged_endpoint.as_deref(),
+        Some("http://vl-calendar.ml.svc:8000")
+    );
+    assert!(cal.load);
+    let events = e.store.lock().unwrap().events.clone();
+    assert!(events.contains(&"MergeStarted".into()) && events.contains(&"MergeSucceeded".into()));
+}
+
+#[tokio::test]
+async fn failed_version_bump_keeps_the_old_version_serving_and_rollback_needs_no_job() {
+    let e = merged_env().await;
+    e.worker_reports(&[("calendar", "v1", 1)]);
+    e.reconcile_adapter("calendar").await;
+    e.finish_only_job(true, "");
+    e.reconcile_adapter("calendar").await;
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    let v1_out = e.merged_output();
+
+    // Roll forward to v2: a new Job while v1 keeps serving.
+    e.set_version("v2");
+    e.reconcile_adapter("calendar").await;
+    let jobs = e.jobs();
+    assert_eq!(jobs.len(), 2, "v1's finished Job and v2's");
+    assert_eq!(
+        e.merged_output(),
+        v1_out,
+        "the Deployment stays on v1 while v2 merges"
+    );
+    assert_eq!(
+        e.get(&adapter_path("calendar")).unwrap()["status"]["phase"],
+        "Merging"
+    );
+
+    // v2's merge fails: Degraded with the tool's reason, v1 still serving, the Job deleted.
+    {
+        let mut s = e.store.lock().unwrap();
+        let v1_job = jobs
+            .iter()
+            .find(|(_, j)| j["status"]["succeeded"] == 1)
+            .unwrap()
+            .0
+            .clone();
+        s.objects.remove(&v1_job);
+    }
+    let v2_job = e.finish_only_job(false, "merge failed (non_finite_weights): model.layers.3.self_attn.q_proj: merged weights contain NaN/Inf");
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["phase"], "Degraded");
+    assert!(condition(&a, "Degraded")["message"]
+        .as_str()
+        .unwrap()
+        .contains("non_finite_weights"));
+    assert_eq!(a["status"]["activeVersion"], "v1");
+    assert_eq!(e.merged_output(), v1_out);
+    assert!(
+        e.jobs().is_empty(),
+        "the failed Job {v2_job} is deleted so a retry can reuse its name"
+    );
+    assert!(e
+        .store
+        .lock()
+        .unwrap()
+        .events
+        .contains(&"MergeFailed".into()));
+    // Within the backoff nothing is retried.
+    e.reconcile_adapter("calendar").await;
+    assert!(e.jobs().is_empty(), "no hot loop");
+
+    // Roll back by applying v1 again: no Job, the Deployment serves v1, Ready.
+    e.set_version("v1");
+    e.reconcile_adapter("calendar").await;
+    assert!(
+        e.jobs().is_empty(),
+        "rollback to a kept version needs no merge"
+    );
+    assert_eq!(e.merged_output(), v1_out);
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["phase"], "Ready");
+    assert_eq!(a["status"]["activeVersion"], "v1");
+}
+
+#[tokio::test]
+async fn switching_merged_to_dynamic_removes_merged_pods_once_dynamic_pods_serve_it() {
+    let e = merged_env().await;
+    e.reconcile_adapter("calendar").await;
+    e.finish_only_job(true, "");
+    e.reconcile_adapter("calendar").await;
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    e.edit(&adapter_path("calendar"), |a| {
+        a["spec"]["serving"]["mode"] = json!("dynamic")
+    });
+    // The dynamic pods have not loaded it yet: the merged pods stay.
+    e.reconcile_adapter("calendar").await;
+    assert!(e.get(MERGED).is_some());
+    e.worker_reports(&[("calendar", "v1", 1)]);
+    e.reconcile_adapter("calendar").await;
+    assert!(e.get(MERGED).is_none(), "merged Deployment removed");
+    assert!(e
+        .get("/api/v1/namespaces/ml/services/vl-calendar")
+        .is_none());
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["servingMode"], "dynamic");
+    assert_eq!(a["status"]["phase"], "Ready");
 }

@@ -8,20 +8,22 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use kube::api::{ListParams, Patch, PatchParams, PostParams};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::finalizer::{finalizer, Event as Finalizer};
 use kube::{Api, Resource, ResourceExt};
 use mole_crds::constants::{condition, reason, ADAPTER_FINALIZER};
-use mole_crds::{
-    Adapter, AdapterPhase, AdapterStatus, InferencePool, LoraAdaptersResponse, ServingMode,
-};
+use mole_crds::{Adapter, AdapterPhase, AdapterStatus, InferencePool, LoraAdaptersResponse};
 
 use super::context::{ready_pods, Context};
 use super::ids;
 use super::validate::validate_adapter;
 use crate::error::{Error, Result};
-use crate::mergedown::set_condition;
+use crate::mergedown::{self, set_condition};
 use crate::resources;
 
 const FM_STATUS: &str = "mole-operator/adapter-status";
@@ -225,7 +227,7 @@ async fn apply(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     }
     status.lora_id = Some(lora_id);
 
-    // status: ask every ready dynamic pod.
+    // observe: every ready dynamic pod, the merge Job of the desired inputs, the merged pods.
     let pods = ready_pods(&ctx.client, &ns, &adapter.spec.pool).await?;
     let mut reports = Vec::with_capacity(pods.len());
     let mut unreachable = Vec::new();
@@ -235,31 +237,42 @@ async fn apply(adapter: &Adapter, ctx: &Context) -> Result<Action> {
             Err(e) => unreachable.push(e.to_string()),
         }
     }
-    let (ready, loaded, load_error) = loaded_everywhere(&reports, &name, &adapter.spec.version);
-    let ready = ready && unreachable.is_empty();
-    let (phase, why, message) = if ready {
-        (
-            AdapterPhase::Ready,
-            reason::LOADED,
-            format!(
-                "{loaded}/{} ready dynamic pods serve version {}",
-                pods.len(),
-                adapter.spec.version
-            ),
-        )
-    } else if let Some(err) = &load_error {
-        (
-            AdapterPhase::Failed,
-            reason::LOAD_FAILED,
-            format!("a pod refused version {}: {err}", adapter.spec.version),
-        )
-    } else if pods.is_empty() {
-        (
-            AdapterPhase::Pending,
-            reason::WAITING_FOR_PODS,
-            "the pool has no ready dynamic pod".to_string(),
-        )
-    } else {
+    let (all_loaded, loaded, load_error) =
+        loaded_everywhere(&reports, &name, &adapter.spec.version);
+    let dynamic_loaded = all_loaded && unreachable.is_empty();
+    let pool_name = adapter.spec.pool.clone();
+    let key = mergedown::merge_key(&pool.spec, &name, &adapter.spec);
+    let observed = mergedown::Observed {
+        job: observe_job(ctx, &ns, &key.job_name).await?,
+        deployment: observe_merged(ctx, &ns, &pool_name, &name).await?,
+        dynamic_loaded,
+        now,
+    };
+
+    // build: the pure merge-down plan (dynamic mode included: it removes merged pods only once
+    // the dynamic pods serve the adapter).
+    let plan = mergedown::plan(
+        &pool_name,
+        &pool.spec,
+        mergedown::Subject {
+            name: &name,
+            namespace: &ns,
+            generation,
+            spec: &adapter.spec,
+            status: &status,
+        },
+        &observed,
+    );
+
+    // apply
+    let owner = adapter
+        .controller_owner_ref(&())
+        .expect("adapters read from the API have a uid");
+    apply_plan(ctx, &ns, &pool, &name, &adapter.spec, &plan, owner).await?;
+
+    // status
+    let mut status = plan.status.clone();
+    let pods_msg = {
         let mut m = format!(
             "{loaded}/{} ready dynamic pods serve version {}",
             pods.len(),
@@ -268,75 +281,228 @@ async fn apply(adapter: &Adapter, ctx: &Context) -> Result<Action> {
         if !unreachable.is_empty() {
             m.push_str(&format!("; unreachable: {}", unreachable.join("; ")));
         }
-        (AdapterPhase::Pending, reason::WAITING_FOR_PODS, m)
+        m
     };
-    // An older version that every pod still serves keeps the adapter usable while a new one
-    // loads: Degraded would overstate it, Pending with the active version says it exactly.
-    status.phase = phase;
-    status.serving_mode = Some(ServingMode::Dynamic);
-    if ready {
-        status.active_version = Some(adapter.spec.version.clone());
-        let rec = mole_crds::VersionRecord {
-            version: adapter.spec.version.clone(),
-            source: adapter.spec.source.path.clone(),
-            lora_id: Some(lora_id),
-            merged_output: None,
-            time: Some(now.to_rfc3339()),
-        };
-        if status.history.first().map(|r| (&r.version, &r.source))
-            != Some((&rec.version, &rec.source))
-        {
-            status
-                .history
-                .retain(|r| !(r.version == rec.version && r.source == rec.source));
-            status.history.insert(0, rec);
-            status
-                .history
-                .truncate(1 + pool.spec.merge.keep_versions as usize);
-        }
-    }
-    status.endpoint = Some(resources::endpoint(&pool));
+    let (why, msg) = match (&load_error, dynamic_loaded, pods.is_empty()) {
+        (_, true, _) => (reason::LOADED, pods_msg),
+        (Some(err), _, _) => (
+            reason::LOAD_FAILED,
+            format!("a pod refused version {}: {err}", adapter.spec.version),
+        ),
+        (None, _, true) => (
+            reason::WAITING_FOR_PODS,
+            "the pool has no ready dynamic pod".to_string(),
+        ),
+        (None, _, false) => (reason::WAITING_FOR_PODS, pods_msg),
+    };
     set_condition(
         &mut status.conditions,
         condition::LOADED,
-        ready,
+        dynamic_loaded,
         why,
-        &message,
+        &msg,
         generation,
         now,
     );
-    let became = set_condition(
-        &mut status.conditions,
-        condition::READY,
-        ready,
-        why,
-        &message,
-        generation,
-        now,
-    );
-    if adapter.spec.serving.mode != ServingMode::Dynamic {
-        set_condition(
-            &mut status.conditions,
-            condition::MERGED,
-            false,
-            "MergeDownNotWired",
-            "merge-down (serving.mode merged/auto) is not wired into this operator build yet; the adapter is served dynamically",
-            generation,
-            now,
-        );
+    if load_error.is_some() && status.phase != AdapterPhase::Ready {
+        // Nothing serves this version and a pod says why: that is a failure, not a wait.
+        status.phase = if status.active_version.is_some() {
+            AdapterPhase::Degraded
+        } else {
+            AdapterPhase::Failed
+        };
     }
     if status != old {
         write_status(&api, &name, &status).await?;
     }
-    if became {
-        ctx.event(&oref, load_error.is_some(), why, "Load", message)
+    let oref = adapter.object_ref(&());
+    for ev in &plan.events {
+        ctx.event(&oref, ev.warning, ev.reason, "Serve", ev.note.clone())
             .await;
     }
-    Ok(Action::requeue(if ready {
-        Duration::from_secs(60)
-    } else {
-        Duration::from_secs(10)
+    if let (Some(err), true) = (&load_error, status.phase != old.phase) {
+        ctx.event(&oref, true, reason::LOAD_FAILED, "Load", err.clone())
+            .await;
+    }
+    let secs = plan.requeue_after_secs.unwrap_or(60).clamp(1, 3600) as u64;
+    Ok(Action::requeue(Duration::from_secs(secs)))
+}
+
+/// What the cluster shows of the merge Job `name`, with the tool's reason when it failed.
+async fn observe_job(ctx: &Context, ns: &str, name: &str) -> Result<mergedown::JobState> {
+    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
+    let Some(job) = jobs.get_opt(name).await? else {
+        return Ok(mergedown::JobState::Absent);
+    };
+    let st = job.status.unwrap_or_default();
+    if st.succeeded.unwrap_or(0) > 0 {
+        return Ok(mergedown::JobState::Succeeded);
+    }
+    let failed = st
+        .conditions
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.type_ == "Failed" && c.status == "True");
+    let Some(cond) = failed else {
+        return Ok(mergedown::JobState::Running);
+    };
+    // `mole-worker merge` writes its one-line reason to /dev/termination-log.
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let lp = ListParams::default().labels(&format!("job-name={name}"));
+    let message = pods
+        .list(&lp)
+        .await?
+        .items
+        .into_iter()
+        .flat_map(|p| {
+            p.status
+                .and_then(|s| s.container_statuses)
+                .unwrap_or_default()
+        })
+        .filter_map(|c| c.state?.terminated?.message)
+        .find(|m| !m.trim().is_empty());
+    Ok(mergedown::JobState::Failed {
+        reason: message
+            .map(|m| m.trim().to_string())
+            .or(cond.message)
+            .unwrap_or_else(|| "merge Job failed".into()),
+    })
+}
+
+/// The merged Deployment of an adapter as the planner sees it.
+async fn observe_merged(
+    ctx: &Context,
+    ns: &str,
+    pool: &str,
+    adapter: &str,
+) -> Result<Option<mergedown::DeploymentState>> {
+    let deploys: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
+    let Some(d) = deploys
+        .get_opt(&resources::merged_name(pool, adapter))
+        .await?
+    else {
+        return Ok(None);
+    };
+    let ann = d
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .and_then(|m| m.annotations.clone())
+        .unwrap_or_default();
+    let replicas = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    let st = d.status.clone().unwrap_or_default();
+    // Ready means: the controller has seen the current template and every replica of it is up.
+    let current = st.observed_generation.unwrap_or(0) >= d.metadata.generation.unwrap_or(0)
+        && st.updated_replicas.unwrap_or(0) >= replicas;
+    Ok(Some(mergedown::DeploymentState {
+        output: ann
+            .get(resources::ANNOTATION_MERGED_OUTPUT)
+            .cloned()
+            .unwrap_or_default(),
+        version: ann
+            .get(resources::ANNOTATION_ADAPTER_VERSION)
+            .cloned()
+            .unwrap_or_default(),
+        replicas,
+        ready_replicas: if current {
+            st.ready_replicas.unwrap_or(0)
+        } else {
+            0
+        },
     }))
+}
+
+/// Field managers of merge-down writes (one per call site).
+const FM_MERGED: &str = "mole-operator/adapter-merged";
+
+async fn delete_ignoring_absent<K>(api: &Api<K>, name: &str) -> Result<()>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.delete(name, &DeleteParams::background()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn create_ignoring_existing(api: &Api<Job>, job: &Job) -> Result<()> {
+    match api.create(&PostParams::default(), job).await {
+        Ok(_) => Ok(()),
+        // Same inputs, same name: a restarted operator finds the Job instead of duplicating it.
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn apply_plan(
+    ctx: &Context,
+    ns: &str,
+    pool: &InferencePool,
+    adapter: &str,
+    spec: &mole_crds::AdapterSpec,
+    plan: &mergedown::Plan,
+    owner: k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference,
+) -> Result<()> {
+    let pool_name = pool.name_any();
+    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
+    match &plan.job {
+        mergedown::JobAction::Create(key) => {
+            let job = mergedown::job::merge_job(
+                &pool_name,
+                &pool.spec,
+                adapter,
+                spec,
+                key,
+                owner.clone(),
+            );
+            create_ignoring_existing(&jobs, &job).await?;
+        }
+        mergedown::JobAction::DeleteFailed(name) => delete_ignoring_absent(&jobs, name).await?,
+        mergedown::JobAction::None => {}
+    }
+    let name = resources::merged_name(&pool_name, adapter);
+    let cms: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), ns);
+    let deploys: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
+    let svcs: Api<Service> = Api::namespaced(ctx.client.clone(), ns);
+    let pdbs: Api<PodDisruptionBudget> = Api::namespaced(ctx.client.clone(), ns);
+    match &plan.deployment {
+        mergedown::DeploymentAction::Apply { output, version } => {
+            let (cm, d, s, p) = resources::merged_children(
+                pool,
+                adapter,
+                version,
+                output,
+                spec.serving.replicas,
+                owner.clone(),
+            );
+            let pp = PatchParams::apply(FM_MERGED).force();
+            cms.patch(
+                &resources::merged_config_name(&pool_name, adapter),
+                &pp,
+                &Patch::Apply(&cm),
+            )
+            .await?;
+            deploys.patch(&name, &pp, &Patch::Apply(&d)).await?;
+            svcs.patch(&name, &pp, &Patch::Apply(&s)).await?;
+            pdbs.patch(&name, &pp, &Patch::Apply(&p)).await?;
+        }
+        mergedown::DeploymentAction::Delete => {
+            delete_ignoring_absent(&deploys, &name).await?;
+            delete_ignoring_absent(&svcs, &name).await?;
+            delete_ignoring_absent(&pdbs, &name).await?;
+            delete_ignoring_absent(&cms, &resources::merged_config_name(&pool_name, adapter))
+                .await?;
+        }
+        mergedown::DeploymentAction::Keep => {}
+    }
+    if let Some(job) =
+        mergedown::job::cleanup_job(&pool_name, &pool.spec, adapter, &plan.cleanup, owner)
+    {
+        create_ignoring_existing(&jobs, &job).await?;
+    }
+    Ok(())
 }
 
 async fn cleanup(adapter: &Adapter, ctx: &Context) -> Result<Action> {

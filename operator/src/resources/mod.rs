@@ -146,6 +146,16 @@ pub struct Registered<'a> {
     pub lora_id: u32,
 }
 
+fn merged_serving(a: &Adapter) -> bool {
+    a.status
+        .as_ref()
+        .is_some_and(|s| s.serving_mode == Some(mole_crds::ServingMode::Merged))
+}
+
+fn status_endpoint(a: &Adapter) -> Option<String> {
+    a.status.as_ref().and_then(|s| s.endpoint.clone())
+}
+
 /// The WorkerConfig of a pool's dynamic pods: the base model, every registered adapter, the
 /// router and the limits. Adapters are sorted by name so the config (and its hash) is stable.
 pub fn worker_config(
@@ -169,8 +179,16 @@ pub fn worker_config(
                 keywords: a.keywords.clone(),
                 extensions: a.extensions.clone(),
                 mode: a.serving.mode,
-                merged_endpoint: None,
-                load: true,
+                // Merged pods serving it (any version): dynamic pods forward there.
+                merged_endpoint: merged_serving(r.adapter)
+                    .then(|| status_endpoint(r.adapter))
+                    .flatten(),
+                load: !(spec.merge.unload_from_dynamic
+                    && merged_serving(r.adapter)
+                    && r.adapter
+                        .status
+                        .as_ref()
+                        .is_some_and(|s| s.phase == mole_crds::AdapterPhase::Ready)),
             }
         })
         .collect();
@@ -465,6 +483,137 @@ pub fn pdb(pool: &InferencePool) -> PodDisruptionBudget {
         }),
         status: None,
     }
+}
+
+/// Pod-template annotation: the merged output a merged Deployment serves.
+pub const ANNOTATION_MERGED_OUTPUT: &str = "mole.dev/merged-output";
+/// Pod-template annotation: the adapter version a merged Deployment serves.
+pub const ANNOTATION_ADAPTER_VERSION: &str = "mole.dev/adapter-version";
+
+/// Name of an adapter's merged Deployment, Service and PDB: `<pool>-<adapter>`.
+pub fn merged_name(pool: &str, adapter: &str) -> String {
+    format!("{pool}-{adapter}")
+}
+
+/// Name of the ConfigMap of an adapter's merged pods.
+pub fn merged_config_name(pool: &str, adapter: &str) -> String {
+    format!("{pool}-{adapter}-config")
+}
+
+/// The WorkerConfig of a merged pod: the merged weights at `output`, served as `adapter`.
+pub fn merged_worker_config(
+    pool_name: &str,
+    spec: &InferencePoolSpec,
+    adapter: &str,
+    version: &str,
+    output: &str,
+) -> WorkerConfig {
+    let mut wc = worker_config(pool_name, spec, &[]);
+    wc.mode = WorkerMode::Merged;
+    wc.merged = Some(mole_crds::MergedModel {
+        adapter: adapter.to_string(),
+        version: version.to_string(),
+        path: output.to_string(),
+    });
+    wc
+}
+
+/// The merged children of an adapter: ConfigMap, Deployment, Service and PDB, owned by the
+/// Adapter (`owner`) so they go with it.
+pub fn merged_children(
+    pool: &InferencePool,
+    adapter: &str,
+    version: &str,
+    output: &str,
+    replicas: i32,
+    owner: OwnerReference,
+) -> (ConfigMap, Deployment, Service, PodDisruptionBudget) {
+    let pool_name = pool.metadata.name.clone().unwrap_or_default();
+    let name = merged_name(&pool_name, adapter);
+    let ns = pool.metadata.namespace.clone();
+    let component = "merged";
+    let mut lbl = labels(&pool_name, component);
+    lbl.insert(LABEL_ADAPTER.to_string(), adapter.to_string());
+    let mut sel = selector(&pool_name, component);
+    sel.insert(LABEL_ADAPTER.to_string(), adapter.to_string());
+    let meta = |n: String| ObjectMeta {
+        name: Some(n),
+        namespace: ns.clone(),
+        labels: Some(lbl.clone()),
+        owner_references: Some(vec![owner.clone()]),
+        ..Default::default()
+    };
+    let wc = merged_worker_config(&pool_name, &pool.spec, adapter, version, output);
+    let cm = ConfigMap {
+        metadata: meta(merged_config_name(&pool_name, adapter)),
+        data: Some(BTreeMap::from([(
+            WORKER_CONFIG_KEY.to_string(),
+            serde_json::to_string_pretty(&wc).expect("WorkerConfig serializes"),
+        )])),
+        ..Default::default()
+    };
+    let mut template = worker_pod(
+        pool,
+        &merged_config_name(&pool_name, adapter),
+        component,
+        BTreeMap::from([(LABEL_ADAPTER.to_string(), adapter.to_string())]),
+    );
+    // The output and version are in the template: switching them is a rolling update, and the
+    // operator reads back what a Deployment serves from here.
+    let ann = template
+        .metadata
+        .get_or_insert_with(Default::default)
+        .annotations
+        .get_or_insert_with(BTreeMap::new);
+    ann.insert(ANNOTATION_MERGED_OUTPUT.to_string(), output.to_string());
+    ann.insert(ANNOTATION_ADAPTER_VERSION.to_string(), version.to_string());
+    let deploy = Deployment {
+        metadata: meta(name.clone()),
+        spec: Some(DeploymentSpec {
+            replicas: Some(replicas),
+            selector: LabelSelector {
+                match_labels: Some(sel.clone()),
+                ..Default::default()
+            },
+            strategy: Some(DeploymentStrategy {
+                type_: Some("RollingUpdate".into()),
+                rolling_update: Some(RollingUpdateDeployment {
+                    max_surge: Some(IntOrString::Int(1)),
+                    max_unavailable: Some(IntOrString::Int(0)),
+                }),
+            }),
+            template,
+            ..Default::default()
+        }),
+        status: None,
+    };
+    let svc = Service {
+        metadata: meta(name.clone()),
+        spec: Some(ServiceSpec {
+            selector: Some(sel.clone()),
+            ports: Some(vec![ServicePort {
+                name: Some("http".into()),
+                port: WORKER_PORT as i32,
+                target_port: Some(IntOrString::String("http".into())),
+                ..Default::default()
+            }]),
+            ..Default::default()
+        }),
+        status: None,
+    };
+    let pdb = PodDisruptionBudget {
+        metadata: meta(name),
+        spec: Some(PodDisruptionBudgetSpec {
+            max_unavailable: Some(IntOrString::Int(1)),
+            selector: Some(LabelSelector {
+                match_labels: Some(sel),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }),
+        status: None,
+    };
+    (cm, deploy, svc, pdb)
 }
 
 /// In-cluster URL of the pool's Service.

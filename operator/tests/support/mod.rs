@@ -216,6 +216,31 @@ impl Store {
                 self.objects.insert(base, obj.clone());
                 ok(&obj)
             }
+            "DELETE" => {
+                self.writes.push(("DELETE".into(), path.into()));
+                match self.objects.remove(&base) {
+                    Some(o) => ok(&o),
+                    None => status(404, "NotFound", "not found"),
+                }
+            }
+            "POST" => {
+                // Create: 409 when the name is taken.
+                let name = body["metadata"]["name"].as_str().unwrap_or("").to_string();
+                let item = format!("{base}/{name}");
+                if self.objects.contains_key(&item) {
+                    return status(409, "AlreadyExists", &format!("{name} already exists"));
+                }
+                self.writes.push(("POST".into(), item.clone()));
+                let mut o = body;
+                o["metadata"]["uid"] = json!(format!("uid-{name}"));
+                self.bump(&mut o);
+                self.objects.insert(item, o.clone());
+                Response::builder()
+                    .status(201)
+                    .header("content-type", "application/json")
+                    .body(Body::from(serde_json::to_vec(&o).unwrap()))
+                    .unwrap()
+            }
             _ => status(405, "MethodNotAllowed", method),
         }
     }
