@@ -606,3 +606,64 @@ async fn switching_merged_to_dynamic_removes_merged_pods_once_dynamic_pods_serve
     assert_eq!(a["status"]["servingMode"], "dynamic");
     assert_eq!(a["status"]["phase"], "Ready");
 }
+
+#[tokio::test]
+async fn deleted_children_come_back_and_old_outputs_get_a_cleanup_job() {
+    let e = merged_env().await;
+    e.edit(POOL, |p| p["spec"]["merge"] = json!({"keepVersions": 0}));
+    e.reconcile_adapter("calendar").await;
+    // A Job deleted mid-run is recreated with the same name.
+    let first = e.jobs()[0].0.clone();
+    e.store.lock().unwrap().objects.remove(&first);
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.jobs()[0].0, first);
+    e.finish_only_job(true, "");
+    e.reconcile_adapter("calendar").await;
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    // A deleted merged Deployment is recreated on the next reconcile.
+    e.store.lock().unwrap().objects.remove(MERGED);
+    e.reconcile_adapter("calendar").await;
+    assert!(e.get(MERGED).is_some());
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    let v1_out = e.merged_output();
+
+    // v2 replaces v1; with keepVersions 0 v1's output falls out of the history.
+    e.set_version("v2");
+    e.reconcile_adapter("calendar").await;
+    let done: Vec<String> = e
+        .jobs()
+        .into_iter()
+        .filter(|(_, j)| j["status"]["succeeded"] == 1)
+        .map(|(p, _)| p)
+        .collect();
+    for p in done {
+        e.store.lock().unwrap().objects.remove(&p);
+    }
+    e.finish_only_job(true, "");
+    e.reconcile_adapter("calendar").await;
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    let cleanup: Vec<Value> = e
+        .jobs()
+        .into_iter()
+        .filter(|(p, _)| p.contains("/cleanup-calendar-"))
+        .map(|(_, j)| j)
+        .collect();
+    assert_eq!(cleanup.len(), 1, "one cleanup Job");
+    let args: Vec<String> = serde_json::from_value(
+        cleanup[0]["spec"]["template"]["spec"]["containers"][0]["args"].clone(),
+    )
+    .unwrap();
+    assert_eq!(
+        args[..3],
+        [
+            "prune".to_string(),
+            "--root".into(),
+            "/models/merged/calendar".into()
+        ]
+    );
+    assert_eq!(args[3], format!("/models/{v1_out}"));
+    assert_ne!(e.merged_output(), v1_out, "the Deployment serves v2");
+}

@@ -671,8 +671,9 @@ fn promote(
     );
 }
 
-/// Keeps the active entry plus `keep` previous ones; returns merged outputs to delete. The
-/// output the Deployment serves now is never returned, whatever the history says.
+/// Keeps the active entry plus `keep` previous ones; returns merged outputs to delete. An
+/// entry whose output the Deployment still serves (a roll-forward in progress) stays until the
+/// Deployment has moved on, so its output is cleaned up later instead of being forgotten.
 fn trim_history(history: &mut Vec<VersionRecord>, keep: u32, obs: &Observed) -> Vec<String> {
     let limit = 1 + keep as usize;
     if history.len() <= limit {
@@ -680,14 +681,14 @@ fn trim_history(history: &mut Vec<VersionRecord>, keep: u32, obs: &Observed) -> 
     }
     let serving = obs.deployment.as_ref().map(|d| d.output.clone());
     let dropped = history.split_off(limit);
-    let kept: Vec<_> = history
-        .iter()
-        .filter_map(|r| r.merged_output.clone())
-        .collect();
-    dropped
+    let (still_served, gone): (Vec<_>, Vec<_>) = dropped
         .into_iter()
+        .partition(|r| r.merged_output.is_some() && r.merged_output == serving);
+    history.extend(still_served);
+    let kept: Vec<_> = history.iter().filter_map(|r| r.merged_output.clone()).collect();
+    gone.into_iter()
         .filter_map(|r| r.merged_output)
-        .filter(|o| Some(o) != serving.as_ref() && !kept.contains(o))
+        .filter(|o| !kept.contains(o))
         .collect()
 }
 
