@@ -685,7 +685,10 @@ fn trim_history(history: &mut Vec<VersionRecord>, keep: u32, obs: &Observed) -> 
         .into_iter()
         .partition(|r| r.merged_output.is_some() && r.merged_output == serving);
     history.extend(still_served);
-    let kept: Vec<_> = history.iter().filter_map(|r| r.merged_output.clone()).collect();
+    let kept: Vec<_> = history
+        .iter()
+        .filter_map(|r| r.merged_output.clone())
+        .collect();
     gone.into_iter()
         .filter_map(|r| r.merged_output)
         .filter(|o| !kept.contains(o))

@@ -1,1 +1,469 @@
-//! (being built)
+//! One decoder for the Llama (SmolLM2), Qwen2 (QKV bias) and Qwen3 (per-head q/k RMSNorm)
+//! families, read from an HF directory.
+//!
+//! Unlike candle-transformers' models, the model owns no KV cache: each sequence brings its
+//! own [`SeqCache`] and position, so one model instance serves many sequences at once. Rows of
+//! a batch are concatenated for every projection (one matmul for the whole batch) and split for
+//! attention, which is per sequence.
+
+use std::path::Path;
+
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{linear_b, linear_no_bias, rms_norm, Embedding, Linear, RmsNorm, VarBuilder};
+use serde::Deserialize;
+
+use crate::formats::hf;
+
+/// Errors loading or running a model. Stable names via [`ModelError::code`].
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    /// The directory is unusable.
+    #[error("model directory: {0}")]
+    Dir(#[from] hf::HfError),
+    /// `config.json` does not describe a supported model.
+    #[error("config.json: {0}")]
+    Config(String),
+    /// A tensor is missing or has the wrong shape, or a kernel failed.
+    #[error("tensor: {0}")]
+    Tensor(#[from] candle_core::Error),
+}
+
+impl ModelError {
+    /// Stable name.
+    pub fn code(&self) -> &'static str {
+        match self {
+            ModelError::Dir(_) => "model_dir",
+            ModelError::Config(_) => "model_config",
+            ModelError::Tensor(_) => "model_tensor",
+        }
+    }
+}
+
+/// The decoder families mole runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    /// Llama / SmolLM2.
+    Llama,
+    /// Qwen2 / Qwen2.5: bias on q, k, v.
+    Qwen2,
+    /// Qwen3: RMSNorm on each head of q and k.
+    Qwen3,
+}
+
+/// `config.json` fields the decoder reads.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ModelConfig {
+    /// `llama`, `qwen2` or `qwen3`.
+    pub model_type: String,
+    /// Hidden size.
+    pub hidden_size: usize,
+    /// MLP size.
+    pub intermediate_size: usize,
+    /// Layers.
+    pub num_hidden_layers: usize,
+    /// Query heads.
+    pub num_attention_heads: usize,
+    /// Key/value heads (GQA).
+    #[serde(default)]
+    pub num_key_value_heads: Option<usize>,
+    /// Head size (default hidden/heads).
+    #[serde(default)]
+    pub head_dim: Option<usize>,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base (older configs and most published checkpoints).
+    #[serde(default)]
+    pub rope_theta: Option<f64>,
+    /// RoPE settings as transformers 5 writes them (`rope_theta`, `rope_type`).
+    #[serde(default)]
+    pub rope_parameters: Option<serde_json::Value>,
+    /// RoPE scaling of older configs (`{"rope_type": "llama3", ...}`).
+    #[serde(default)]
+    pub rope_scaling: Option<serde_json::Value>,
+    /// Vocabulary.
+    pub vocab_size: usize,
+    /// lm_head shares the embedding matrix.
+    #[serde(default)]
+    pub tie_word_embeddings: bool,
+    /// Bias on the attention projections (Qwen2 has it on q/k/v even when unset).
+    #[serde(default)]
+    pub attention_bias: Option<bool>,
+    /// Longest position.
+    #[serde(default = "default_max_pos")]
+    pub max_position_embeddings: usize,
+}
+
+fn default_max_pos() -> usize {
+    4096
+}
+
+impl ModelConfig {
+    /// Reads and checks `config.json`.
+    pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
+        let v = hf::read_config(dir)?;
+        let cfg: ModelConfig =
+            serde_json::from_value(v).map_err(|e| ModelError::Config(e.to_string()))?;
+        cfg.family()?;
+        for scaling in [&cfg.rope_parameters, &cfg.rope_scaling]
+            .into_iter()
+            .flatten()
+        {
+            let kind = scaling
+                .get("rope_type")
+                .or_else(|| scaling.get("type"))
+                .and_then(|v| v.as_str())
+                .unwrap_or("default");
+            if kind != "default" {
+                return Err(ModelError::Config(format!(
+                    "rope scaling {kind:?} is not supported yet (only default RoPE)"
+                )));
+            }
+        }
+        if cfg.hidden_size == 0 || cfg.num_attention_heads == 0 {
+            return Err(ModelError::Config(
+                "hidden_size and num_attention_heads must be > 0".into(),
+            ));
+        }
+        if cfg.kv_heads() == 0 || !cfg.num_attention_heads.is_multiple_of(cfg.kv_heads()) {
+            return Err(ModelError::Config(
+                "num_attention_heads must be a multiple of num_key_value_heads".into(),
+            ));
+        }
+        Ok(cfg)
+    }
+    /// The family.
+    pub fn family(&self) -> Result<Family, ModelError> {
+        match self.model_type.as_str() {
+            "llama" => Ok(Family::Llama),
+            "qwen2" => Ok(Family::Qwen2),
+            "qwen3" => Ok(Family::Qwen3),
+            other => Err(ModelError::Config(format!(
+                "model_type {other} is not supported (llama, qwen2, qwen3)"
+            ))),
+        }
+    }
+    /// RoPE base: `rope_parameters.rope_theta`, else `rope_theta`, else 10000.
+    pub fn rope_theta(&self) -> f64 {
+        self.rope_parameters
+            .as_ref()
+            .and_then(|p| p.get("rope_theta"))
+            .and_then(|v| v.as_f64())
+            .or(self.rope_theta)
+            .unwrap_or(10_000.0)
+    }
+    /// Key/value heads.
+    pub fn kv_heads(&self) -> usize {
+        self.num_key_value_heads.unwrap_or(self.num_attention_heads)
+    }
+    /// Head size.
+    pub fn head_dim(&self) -> usize {
+        self.head_dim
+            .unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+}
+
+/// The KV cache of one sequence: per layer, keys and values `[kv_heads, len, head_dim]`.
+#[derive(Debug, Default, Clone)]
+pub struct SeqCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+}
+
+impl SeqCache {
+    /// Tokens cached.
+    pub fn len(&self) -> usize {
+        self.layers
+            .first()
+            .and_then(|l| l.as_ref())
+            .map(|(k, _)| k.dim(1).unwrap_or(0))
+            .unwrap_or(0)
+    }
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+/// One sequence of a batch: its new tokens and its cache (the new tokens start at `cache.len()`).
+pub struct Row<'a> {
+    /// Tokens to process (the whole prompt at prefill, one token at decode).
+    pub tokens: &'a [u32],
+    /// The sequence's cache, extended by this forward pass.
+    pub cache: &'a mut SeqCache,
+}
+
+struct Layer {
+    input_norm: RmsNorm,
+    q: Linear,
+    k: Linear,
+    v: Linear,
+    o: Linear,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    post_norm: RmsNorm,
+    gate: Linear,
+    up: Linear,
+    down: Linear,
+}
+
+/// The decoder.
+pub struct Decoder {
+    cfg: ModelConfig,
+    embed: Embedding,
+    layers: Vec<Layer>,
+    norm: RmsNorm,
+    lm_head: Linear,
+    cos: Tensor,
+    sin: Tensor,
+    device: Device,
+    dtype: DType,
+}
+
+impl Decoder {
+    /// Loads an HF directory (safetensors, sharded or not) in `dtype` on `device`.
+    pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self, ModelError> {
+        let cfg = ModelConfig::from_dir(dir)?;
+        let files = hf::safetensors_files(dir)?;
+        // SAFETY: weight files are read-only inputs for the life of the model.
+        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device)? };
+        Self::new(cfg, vb)
+    }
+
+    /// Builds the decoder from a VarBuilder rooted at the checkpoint's top level.
+    pub fn new(cfg: ModelConfig, vb: VarBuilder) -> Result<Self, ModelError> {
+        let family = cfg.family()?;
+        let (h, hd, nh, nkv) = (
+            cfg.hidden_size,
+            cfg.head_dim(),
+            cfg.num_attention_heads,
+            cfg.kv_heads(),
+        );
+        let m = vb.pp("model");
+        let embed = candle_nn::embedding(cfg.vocab_size, h, m.pp("embed_tokens"))?;
+        let qkv_bias = cfg.attention_bias.unwrap_or(family == Family::Qwen2);
+        let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let l = m.pp(format!("layers.{i}"));
+            let a = l.pp("self_attn");
+            let (q_norm, k_norm) = if family == Family::Qwen3 {
+                (
+                    Some(rms_norm(hd, cfg.rms_norm_eps, a.pp("q_norm"))?),
+                    Some(rms_norm(hd, cfg.rms_norm_eps, a.pp("k_norm"))?),
+                )
+            } else {
+                (None, None)
+            };
+            layers.push(Layer {
+                input_norm: rms_norm(h, cfg.rms_norm_eps, l.pp("input_layernorm"))?,
+                q: linear_b(h, nh * hd, qkv_bias, a.pp("q_proj"))?,
+                k: linear_b(h, nkv * hd, qkv_bias, a.pp("k_proj"))?,
+                v: linear_b(h, nkv * hd, qkv_bias, a.pp("v_proj"))?,
+                o: linear_b(
+                    nh * hd,
+                    h,
+                    cfg.attention_bias.unwrap_or(false) && family != Family::Qwen2,
+                    a.pp("o_proj"),
+                )?,
+                q_norm,
+                k_norm,
+                post_norm: rms_norm(h, cfg.rms_norm_eps, l.pp("post_attention_layernorm"))?,
+                gate: linear_no_bias(h, cfg.intermediate_size, l.pp("mlp.gate_proj"))?,
+                up: linear_no_bias(h, cfg.intermediate_size, l.pp("mlp.up_proj"))?,
+                down: linear_no_bias(cfg.intermediate_size, h, l.pp("mlp.down_proj"))?,
+            });
+        }
+        let norm = rms_norm(h, cfg.rms_norm_eps, m.pp("norm"))?;
+        let lm_head = if cfg.tie_word_embeddings {
+            Linear::new(embed.embeddings().clone(), None)
+        } else {
+            linear_no_bias(h, cfg.vocab_size, vb.pp("lm_head"))?
+        };
+        let device = vb.device().clone();
+        let dtype = vb.dtype();
+        let (cos, sin) = rope_tables(&cfg, dtype, &device)?;
+        Ok(Self {
+            cfg,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            cos,
+            sin,
+            device,
+            dtype,
+        })
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// Runs new tokens of several sequences in one pass; returns each row's logits at its last
+    /// new position (`[vocab]`, f32) and extends each row's cache.
+    pub fn forward(&self, rows: &mut [Row<'_>]) -> Result<Vec<Tensor>, ModelError> {
+        let lens: Vec<usize> = rows.iter().map(|r| r.tokens.len()).collect();
+        let starts: Vec<usize> = rows.iter().map(|r| r.cache.len()).collect();
+        for (r, s) in rows.iter().zip(&starts) {
+            if r.tokens.is_empty() {
+                return Err(ModelError::Config("a row has no tokens".into()));
+            }
+            if s + r.tokens.len() > self.cfg.max_position_embeddings {
+                return Err(ModelError::Config(format!(
+                    "sequence of {} tokens exceeds max_position_embeddings {}",
+                    s + r.tokens.len(),
+                    self.cfg.max_position_embeddings
+                )));
+            }
+        }
+        let ids: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let ids = Tensor::new(ids.as_slice(), &self.device)?;
+        let mut x = self.embed.forward(&ids)?; // [T, h]
+        for (li, layer) in self.layers.iter().enumerate() {
+            let residual = x.clone();
+            let hn = layer.input_norm.forward(&x)?;
+            let attn = self.attention(layer, li, &hn, rows, &lens, &starts)?;
+            x = (residual + attn)?;
+            let residual = x.clone();
+            let hn = layer.post_norm.forward(&x)?;
+            let mlp = layer.down.forward(
+                &(candle_nn::ops::silu(&layer.gate.forward(&hn)?)? * layer.up.forward(&hn)?)?,
+            )?;
+            x = (residual + mlp)?;
+        }
+        // Only each row's last position needs logits.
+        let mut last = Vec::with_capacity(rows.len());
+        let mut off = 0;
+        for l in &lens {
+            off += l;
+            last.push((off - 1) as u32);
+        }
+        let idx = Tensor::new(last.as_slice(), &self.device)?;
+        let h = self.norm.forward(&x.index_select(&idx, 0)?)?;
+        let logits = self.lm_head.forward(&h)?.to_dtype(DType::F32)?;
+        Ok((0..rows.len())
+            .map(|i| logits.get(i))
+            .collect::<Result<_, _>>()?)
+    }
+
+    fn attention(
+        &self,
+        layer: &Layer,
+        li: usize,
+        x: &Tensor,
+        rows: &mut [Row<'_>],
+        lens: &[usize],
+        starts: &[usize],
+    ) -> Result<Tensor, ModelError> {
+        let (nh, nkv, hd) = (
+            self.cfg.num_attention_heads,
+            self.cfg.kv_heads(),
+            self.cfg.head_dim(),
+        );
+        let q_all = layer.q.forward(x)?;
+        let k_all = layer.k.forward(x)?;
+        let v_all = layer.v.forward(x)?;
+        let mut outs = Vec::with_capacity(rows.len());
+        let mut off = 0;
+        for (ri, row) in rows.iter_mut().enumerate() {
+            let t = lens[ri];
+            let start = starts[ri];
+            // [t, heads*hd] → [heads, t, hd]
+            let shape = |x: &Tensor, heads: usize| -> candle_core::Result<Tensor> {
+                x.narrow(0, off, t)?
+                    .reshape((t, heads, hd))?
+                    .transpose(0, 1)?
+                    .contiguous()
+            };
+            let mut q = shape(&q_all, nh)?;
+            let mut k = shape(&k_all, nkv)?;
+            let v = shape(&v_all, nkv)?;
+            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+                q = qn.forward(&q)?;
+                k = kn.forward(&k)?;
+            }
+            let cos = self.cos.narrow(0, start, t)?;
+            let sin = self.sin.narrow(0, start, t)?;
+            let q = candle_nn::rotary_emb::rope(&q.unsqueeze(0)?, &cos, &sin)?.squeeze(0)?;
+            let k = candle_nn::rotary_emb::rope(&k.unsqueeze(0)?, &cos, &sin)?.squeeze(0)?;
+            if row.cache.layers.len() < self.layers.len() {
+                row.cache.layers.resize(self.layers.len(), None);
+            }
+            let (k, v) = match row.cache.layers[li].take() {
+                Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 1)?, Tensor::cat(&[&pv, &v], 1)?),
+                None => (k, v),
+            };
+            row.cache.layers[li] = Some((k.clone(), v.clone()));
+            let rep = nh / nkv;
+            let k = repeat_kv(&k, rep)?;
+            let v = repeat_kv(&v, rep)?;
+            let total = start + t;
+            let scale = 1.0 / (hd as f64).sqrt();
+            let mut att = (q.matmul(&k.t()?)? * scale)?; // [nh, t, total]
+            if t > 1 {
+                att =
+                    att.broadcast_add(&causal_mask(t, start, total, att.dtype(), &self.device)?)?;
+            }
+            let att = candle_nn::ops::softmax_last_dim(&att.to_dtype(DType::F32)?)?
+                .to_dtype(self.dtype)?;
+            let o = att.matmul(&v)?; // [nh, t, hd]
+            outs.push(o.transpose(0, 1)?.reshape((t, nh * hd))?);
+            off += t;
+        }
+        Ok(layer.o.forward(&Tensor::cat(&outs, 0)?)?)
+    }
+}
+
+fn repeat_kv(x: &Tensor, rep: usize) -> candle_core::Result<Tensor> {
+    if rep == 1 {
+        return Ok(x.clone());
+    }
+    let (h, l, d) = x.dims3()?;
+    x.unsqueeze(1)?
+        .expand((h, rep, l, d))?
+        .reshape((h * rep, l, d))
+}
+
+/// -inf above the diagonal of the new block (position `start + i` sees keys up to itself).
+fn causal_mask(
+    t: usize,
+    start: usize,
+    total: usize,
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| {
+            (0..total).map(move |j| {
+                if j > start + i {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect();
+    Tensor::from_slice(&mask, (t, total), device)?.to_dtype(dtype)
+}
+
+/// cos/sin tables `[max_pos, head_dim/2]` of HF's non-interleaved rotary embedding.
+fn rope_tables(
+    cfg: &ModelConfig,
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let hd = cfg.head_dim();
+    let inv: Vec<f32> = (0..hd / 2)
+        .map(|i| 1.0 / (cfg.rope_theta().powf(2.0 * i as f64 / hd as f64)) as f32)
+        .collect();
+    let inv = Tensor::from_vec(inv, (1, hd / 2), device)?;
+    let pos = Tensor::arange(0u32, cfg.max_position_embeddings as u32, device)?
+        .to_dtype(DType::F32)?
+        .reshape((cfg.max_position_embeddings, 1))?;
+    let freqs = pos.broadcast_mul(&inv)?;
+    Ok((freqs.cos()?.to_dtype(dtype)?, freqs.sin()?.to_dtype(dtype)?))
+}
+
+/// Greedy argmax of a logits vector.
+pub fn argmax(logits: &Tensor) -> Result<u32, ModelError> {
+    Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?)
+}
