@@ -95,6 +95,35 @@ fn smollm2_imports_equal_to_transformers_gguf_loader() {
             "{name}: {sum} vs {want}"
         );
     }
+    drop(st);
+    greedy_matches_transformers(&out, &reference);
+}
+
+/// mole's decoder on the imported SmolLM2 reproduces transformers' greedy chat answers.
+fn greedy_matches_transformers(dir: &Path, reference: &serde_json::Value) {
+    use candle_core::{DType, Device};
+    use mole_worker::model::{argmax, Decoder, Row, SeqCache};
+    let model = Decoder::load(dir, DType::F32, &Device::Cpu).unwrap();
+    let eos = 2u32; // <|im_end|>
+    for case in reference["greedy"].as_array().unwrap() {
+        let prompt: Vec<u32> = serde_json::from_value(case["prompt_ids"].clone()).unwrap();
+        let want: Vec<u32> = serde_json::from_value(case["output_ids"].clone()).unwrap();
+        let mut cache = SeqCache::default();
+        let mut tokens = prompt.clone();
+        let mut out = Vec::new();
+        while out.len() < want.len() {
+            let logits = model
+                .forward(&mut [Row { tokens: &tokens, cache: &mut cache }])
+                .unwrap();
+            let t = argmax(&logits[0]).unwrap();
+            out.push(t);
+            if t == eos {
+                break;
+            }
+            tokens = vec![t];
+        }
+        assert_eq!(out, want, "{}", case["text"]);
+    }
 }
 
 #[test]
