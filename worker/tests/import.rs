@@ -113,7 +113,11 @@ fn greedy_matches_transformers(dir: &Path, reference: &serde_json::Value) {
         let mut out = Vec::new();
         while out.len() < want.len() {
             let logits = model
-                .forward(&mut [Row { tokens: &tokens, cache: &mut cache }])
+                .forward(&mut [Row {
+                    tokens: &tokens,
+                    cache: &mut cache,
+                    adapter: None,
+                }])
                 .unwrap();
             let t = argmax(&logits[0]).unwrap();
             out.push(t);

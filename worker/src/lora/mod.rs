@@ -1,1 +1,262 @@
-//! (being built)
+//! LoRA adapters served dynamically: loaded from PEFT directories with the merge tool's
+//! validation, the scale folded into B at load time, and applied per row of a batch — each
+//! group of rows sharing an adapter gets one low-rank product (S-LoRA/Punica style) added to
+//! the base projection computed once for the whole batch.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{DType, Device, Tensor};
+
+use crate::formats::{hf, peft::AdapterConfig};
+use crate::merge::tensors::AdapterWeights;
+use crate::merge::MergeError;
+use crate::model::ModelConfig;
+
+/// Why an adapter cannot be served. Stable names via [`LoraError::code`].
+#[derive(Debug, thiserror::Error)]
+pub enum LoraError {
+    /// The adapter files are invalid (same rules as `mole-worker merge`).
+    #[error("{0}")]
+    Invalid(#[from] MergeError),
+    /// The adapter config is invalid.
+    #[error("{0}")]
+    Config(#[from] crate::formats::peft::PeftError),
+    /// A feature that needs a merged deployment.
+    #[error("{0}")]
+    Unsupported(String),
+    /// The rank is over the pool's limit.
+    #[error("rank {rank} of {module} is over maxLoraRank {limit}")]
+    RankOverLimit {
+        /// Module.
+        module: String,
+        /// Rank.
+        rank: usize,
+        /// Limit.
+        limit: usize,
+    },
+    /// The adapter was trained on another base model.
+    #[error("adapter base model is {found:?}, this worker serves {expected:?}")]
+    WrongBase {
+        /// The adapter's base.
+        found: Option<String>,
+        /// The served base.
+        expected: String,
+    },
+    /// A kernel failed.
+    #[error("tensor: {0}")]
+    Tensor(#[from] candle_core::Error),
+}
+
+impl LoraError {
+    /// Stable name (metric label, JSON code).
+    pub fn code(&self) -> &'static str {
+        match self {
+            LoraError::Invalid(e) => e.code(),
+            LoraError::Config(e) => e.code(),
+            LoraError::Unsupported(_) => "unsupported_adapter",
+            LoraError::RankOverLimit { .. } => "rank_over_limit",
+            LoraError::WrongBase { .. } => "wrong_base_model",
+            LoraError::Tensor(_) => "tensor_error",
+        }
+    }
+}
+
+/// A projection of a decoder layer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Proj {
+    /// q_proj.
+    Q,
+    /// k_proj.
+    K,
+    /// v_proj.
+    V,
+    /// o_proj.
+    O,
+    /// mlp.gate_proj.
+    Gate,
+    /// mlp.up_proj.
+    Up,
+    /// mlp.down_proj.
+    Down,
+}
+
+impl Proj {
+    fn parse(module: &str) -> Option<(usize, Proj)> {
+        let rest = module.strip_prefix("model.layers.")?;
+        let (layer, name) = rest.split_once('.')?;
+        let p = match name {
+            "self_attn.q_proj" => Proj::Q,
+            "self_attn.k_proj" => Proj::K,
+            "self_attn.v_proj" => Proj::V,
+            "self_attn.o_proj" => Proj::O,
+            "mlp.gate_proj" => Proj::Gate,
+            "mlp.up_proj" => Proj::Up,
+            "mlp.down_proj" => Proj::Down,
+            _ => return None,
+        };
+        Some((layer.parse().ok()?, p))
+    }
+
+    /// (in, out) features of this projection.
+    fn dims(self, c: &ModelConfig) -> (usize, usize) {
+        let (h, q, kv, i) = (
+            c.hidden_size,
+            c.num_attention_heads * c.head_dim(),
+            c.kv_heads() * c.head_dim(),
+            c.intermediate_size,
+        );
+        match self {
+            Proj::Q => (h, q),
+            Proj::K | Proj::V => (h, kv),
+            Proj::O => (q, h),
+            Proj::Gate | Proj::Up => (h, i),
+            Proj::Down => (i, h),
+        }
+    }
+}
+
+/// Limits and identity checks applied at load.
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Highest rank accepted.
+    pub max_rank: usize,
+    /// The served base model: adapters naming another one are refused.
+    pub expect_base: Option<String>,
+}
+
+/// One loaded adapter version: per (layer, projection), `Aᵀ` `[in, r]` and `(s·B)ᵀ` `[r, out]`.
+#[derive(Debug)]
+pub struct LoraAdapter {
+    modules: HashMap<(usize, Proj), (Tensor, Tensor)>,
+    /// Highest rank over modules.
+    pub rank: usize,
+    /// Bytes of weights held.
+    pub bytes: u64,
+}
+
+impl LoraAdapter {
+    /// Loads and validates a PEFT adapter directory for a model.
+    pub fn load(
+        dir: &Path,
+        model: &ModelConfig,
+        dtype: DType,
+        device: &Device,
+        opts: &LoadOptions,
+    ) -> Result<Self, LoraError> {
+        if let Some(p) = hf::find_pickle(dir) {
+            return Err(MergeError::Pickle(p.display().to_string()).into());
+        }
+        let cfg = AdapterConfig::from_dir(dir)?;
+        if cfg.use_dora {
+            return Err(LoraError::Unsupported(
+                "DoRA adapters are not served by mole".into(),
+            ));
+        }
+        if let Some(expected) = &opts.expect_base {
+            let found = cfg.base_model_name_or_path.clone();
+            let last = |s: &str| {
+                s.trim_end_matches('/')
+                    .rsplit('/')
+                    .next()
+                    .unwrap_or("")
+                    .to_string()
+            };
+            if !found
+                .as_deref()
+                .is_some_and(|f| f == expected || last(f) == last(expected))
+            {
+                return Err(LoraError::WrongBase {
+                    found,
+                    expected: expected.clone(),
+                });
+            }
+        }
+        let weights = AdapterWeights::load(&dir.join("adapter_model.safetensors"), &cfg)?;
+        if let Some(name) = weights.replacements.keys().next() {
+            return Err(LoraError::Unsupported(format!(
+                "{name}: adapters that replace base tensors (modules_to_save, saved embeddings) need serving.mode merged"
+            )));
+        }
+        let mut modules = HashMap::new();
+        let (mut rank, mut bytes) = (0usize, 0u64);
+        for (module, lora) in &weights.loras {
+            let (layer, proj) = Proj::parse(module).ok_or_else(|| {
+                LoraError::Unsupported(format!(
+                    "{module}: LoRA on this module needs serving.mode merged"
+                ))
+            })?;
+            if layer >= model.num_hidden_layers {
+                return Err(MergeError::Shape {
+                    module: module.clone(),
+                    message: format!("layer {layer} does not exist"),
+                }
+                .into());
+            }
+            let (a, b) = (
+                lora.a.as_ref().expect("checked"),
+                lora.b.as_ref().expect("checked"),
+            );
+            let r = a.shape[0];
+            if r > opts.max_rank {
+                return Err(LoraError::RankOverLimit {
+                    module: module.clone(),
+                    rank: r,
+                    limit: opts.max_rank,
+                });
+            }
+            let (fin, fout) = proj.dims(model);
+            if a.shape != [r, fin] || b.shape != [fout, r] || r != cfg.rank_for(module) as usize {
+                return Err(MergeError::Shape {
+                    module: module.clone(),
+                    message: format!(
+                        "lora_A {:?}, lora_B {:?}; the model needs [r, {fin}] and [{fout}, r]",
+                        a.shape, b.shape
+                    ),
+                }
+                .into());
+            }
+            if a.data.iter().chain(&b.data).any(|x| !x.is_finite()) {
+                return Err(MergeError::NonFinite {
+                    module: module.clone(),
+                }
+                .into());
+            }
+            let at = Tensor::from_slice(&a.data, (r, fin), device)?
+                .t()?
+                .contiguous()?
+                .to_dtype(dtype)?;
+            let bt = (Tensor::from_slice(&b.data, (fout, r), device)? * lora.scale)?
+                .t()?
+                .contiguous()?
+                .to_dtype(dtype)?;
+            bytes += ((fin + fout) * r * dtype.size_in_bytes()) as u64;
+            rank = rank.max(r);
+            modules.insert((layer, proj), (at, bt));
+        }
+        Ok(Self {
+            modules,
+            rank,
+            bytes,
+        })
+    }
+
+    /// Adds this adapter's low-rank update of `(layer, proj)` to the rows `idx` of `out`, whose
+    /// inputs are the rows `idx` of `x`.
+    pub fn apply(
+        &self,
+        layer: usize,
+        proj: Proj,
+        x: &Tensor,
+        idx: &Tensor,
+        out: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        match self.modules.get(&(layer, proj)) {
+            None => Ok(out.clone()),
+            Some((at, bt)) => {
+                let delta = x.index_select(idx, 0)?.matmul(at)?.matmul(bt)?;
+                out.index_add(idx, &delta, 0)
+            }
+        }
+    }
+}

@@ -8,7 +8,7 @@
 //! a no-op.
 
 pub mod cli;
-mod tensors;
+pub(crate) mod tensors;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};

@@ -13,6 +13,7 @@ use candle_nn::{linear_b, linear_no_bias, rms_norm, Embedding, Linear, RmsNorm, 
 use serde::Deserialize;
 
 use crate::formats::hf;
+use crate::lora::{LoraAdapter, Proj};
 
 /// Errors loading or running a model. Stable names via [`ModelError::code`].
 #[derive(Debug, thiserror::Error)]
@@ -183,12 +184,28 @@ impl SeqCache {
     }
 }
 
-/// One sequence of a batch: its new tokens and its cache (the new tokens start at `cache.len()`).
+/// One sequence of a batch: its new tokens, its cache (the new tokens start at `cache.len()`)
+/// and the adapter it runs with.
 pub struct Row<'a> {
     /// Tokens to process (the whole prompt at prefill, one token at decode).
     pub tokens: &'a [u32],
     /// The sequence's cache, extended by this forward pass.
     pub cache: &'a mut SeqCache,
+    /// The adapter version this sequence pinned, or None for the base model.
+    pub adapter: Option<&'a LoraAdapter>,
+}
+
+/// Per-forward facts about the rows: new tokens, cached tokens, adapter groups.
+struct Batch<'a> {
+    lens: Vec<usize>,
+    starts: Vec<usize>,
+    groups: Vec<Group<'a>>,
+}
+
+/// Rows of a batch that share an adapter: the adapter and their token positions in the batch.
+struct Group<'a> {
+    adapter: &'a LoraAdapter,
+    idx: Tensor,
 }
 
 struct Layer {
@@ -315,19 +332,48 @@ impl Decoder {
                 )));
             }
         }
+        // Group rows by adapter so each adapter's low-rank product runs once per projection.
+        let mut groups: Vec<(&LoraAdapter, Vec<u32>)> = Vec::new();
+        let mut off = 0u32;
+        for r in rows.iter() {
+            let n = r.tokens.len() as u32;
+            if let Some(a) = r.adapter {
+                match groups.iter_mut().find(|(g, _)| std::ptr::eq(*g, a)) {
+                    Some((_, idx)) => idx.extend(off..off + n),
+                    None => groups.push((a, (off..off + n).collect())),
+                }
+            }
+            off += n;
+        }
+        let groups: Vec<Group> = groups
+            .into_iter()
+            .map(|(adapter, idx)| {
+                Ok(Group {
+                    adapter,
+                    idx: Tensor::new(idx.as_slice(), &self.device)?,
+                })
+            })
+            .collect::<Result<_, candle_core::Error>>()?;
         let ids: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let batch = Batch {
+            lens: lens.clone(),
+            starts,
+            groups,
+        };
+        let groups = &batch.groups;
         let ids = Tensor::new(ids.as_slice(), &self.device)?;
         let mut x = self.embed.forward(&ids)?; // [T, h]
         for (li, layer) in self.layers.iter().enumerate() {
             let residual = x.clone();
             let hn = layer.input_norm.forward(&x)?;
-            let attn = self.attention(layer, li, &hn, rows, &lens, &starts)?;
+            let attn = self.attention(layer, li, &hn, rows, &batch)?;
             x = (residual + attn)?;
             let residual = x.clone();
             let hn = layer.post_norm.forward(&x)?;
-            let mlp = layer.down.forward(
-                &(candle_nn::ops::silu(&layer.gate.forward(&hn)?)? * layer.up.forward(&hn)?)?,
-            )?;
+            let gate = proj(&layer.gate, li, Proj::Gate, &hn, groups)?;
+            let up = proj(&layer.up, li, Proj::Up, &hn, groups)?;
+            let act = (candle_nn::ops::silu(&gate)? * up)?;
+            let mlp = proj(&layer.down, li, Proj::Down, &act, groups)?;
             x = (residual + mlp)?;
         }
         // Only each row's last position needs logits.
@@ -351,17 +397,17 @@ impl Decoder {
         li: usize,
         x: &Tensor,
         rows: &mut [Row<'_>],
-        lens: &[usize],
-        starts: &[usize],
+        batch: &Batch<'_>,
     ) -> Result<Tensor, ModelError> {
+        let (lens, starts, groups) = (&batch.lens, &batch.starts, &batch.groups[..]);
         let (nh, nkv, hd) = (
             self.cfg.num_attention_heads,
             self.cfg.kv_heads(),
             self.cfg.head_dim(),
         );
-        let q_all = layer.q.forward(x)?;
-        let k_all = layer.k.forward(x)?;
-        let v_all = layer.v.forward(x)?;
+        let q_all = proj(&layer.q, li, Proj::Q, x, groups)?;
+        let k_all = proj(&layer.k, li, Proj::K, x, groups)?;
+        let v_all = proj(&layer.v, li, Proj::V, x, groups)?;
         let mut outs = Vec::with_capacity(rows.len());
         let mut off = 0;
         for (ri, row) in rows.iter_mut().enumerate() {
@@ -409,8 +455,24 @@ impl Decoder {
             outs.push(o.transpose(0, 1)?.reshape((t, nh * hd))?);
             off += t;
         }
-        Ok(layer.o.forward(&Tensor::cat(&outs, 0)?)?)
+        proj(&layer.o, li, Proj::O, &Tensor::cat(&outs, 0)?, groups)
     }
+}
+
+/// A projection of the whole batch: the base matmul once, plus each adapter group's low-rank
+/// update on its own rows only.
+fn proj(
+    lin: &Linear,
+    layer: usize,
+    which: Proj,
+    x: &Tensor,
+    groups: &[Group<'_>],
+) -> Result<Tensor, ModelError> {
+    let mut out = lin.forward(x)?;
+    for g in groups {
+        out = g.adapter.apply(layer, which, x, &g.idx, &out)?;
+    }
+    Ok(out)
 }
 
 fn repeat_kv(x: &Tensor, rep: usize) -> candle_core::Result<Tensor> {
