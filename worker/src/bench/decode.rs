@@ -1,15 +1,294 @@
-//! `bench decode` (being built).
+//! `bench decode`: decode throughput of mole's decoder, each line a ratio measured side by side
+//! in one run on one synthetic model (default ~0.5B parameters, f32 on CPU):
+//! dynamic LoRA ÷ merged (batch 1 and 16), 16 distinct adapters ÷ one adapter (batch 16),
+//! batch 16 ÷ batch 1, and adapter load ÷ raw read of its file.
+//!
+//! "Merged" is the base model without adapter: a merged model has exactly the base's shapes,
+//! so its decode cost is the base's.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
+
+use crate::lora::{LoadOptions, LoraAdapter};
+use crate::model::{argmax, Decoder, ModelConfig, Row, SeqCache};
 
 /// Arguments of `bench decode`.
 #[derive(clap::Args, Debug)]
 pub struct DecodeBenchArgs {
-    /// Placeholder.
-    #[arg(long)]
-    pub placeholder: Option<String>,
+    /// Hidden size of the synthetic model.
+    #[arg(long, env = "MOLE_BENCH_HIDDEN", default_value_t = 1024)]
+    pub hidden: usize,
+    /// Layers of the synthetic model.
+    #[arg(long, env = "MOLE_BENCH_LAYERS", default_value_t = 36)]
+    pub layers: usize,
+    /// LoRA rank of the adapters (every linear module).
+    #[arg(long, env = "MOLE_BENCH_RANK", default_value_t = 16)]
+    pub rank: usize,
+    /// Decode steps timed per measurement.
+    #[arg(long, env = "MOLE_BENCH_STEPS", default_value_t = 8)]
+    pub steps: usize,
+    /// Also measure an HF model directory (e.g. the imported SmolLM2) with a synthetic adapter.
+    #[arg(long, env = "MOLE_BENCH_MODEL")]
+    pub model: Option<std::path::PathBuf>,
+}
+
+fn synthetic_config(hidden: usize, layers: usize) -> ModelConfig {
+    serde_json::from_value(serde_json::json!({
+        "model_type": "qwen3", "hidden_size": hidden, "intermediate_size": hidden * 11 / 4,
+        "num_hidden_layers": layers, "num_attention_heads": hidden / 64, "num_key_value_heads": hidden / 256,
+        "head_dim": 64, "rms_norm_eps": 1e-6, "vocab_size": 32000, "max_position_embeddings": 512,
+        "tie_word_embeddings": true
+    }))
+    .expect("valid config")
+}
+
+/// Random weights for every tensor the decoder asks for.
+fn synthetic_model(cfg: &ModelConfig, dev: &Device) -> candle_core::Result<Decoder> {
+    let (h, hd, nh, nkv, i) = (
+        cfg.hidden_size,
+        cfg.head_dim(),
+        cfg.num_attention_heads,
+        cfg.kv_heads(),
+        cfg.intermediate_size,
+    );
+    let mut t: HashMap<String, Tensor> = HashMap::new();
+    let r = |shape: (usize, usize)| Tensor::randn(0f32, 0.02, shape, dev);
+    t.insert("model.embed_tokens.weight".into(), r((cfg.vocab_size, h))?);
+    t.insert(
+        "model.norm.weight".into(),
+        Tensor::ones(h, DType::F32, dev)?,
+    );
+    for l in 0..cfg.num_hidden_layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        for (name, shape) in [
+            ("self_attn.q_proj.weight", (nh * hd, h)),
+            ("self_attn.k_proj.weight", (nkv * hd, h)),
+            ("self_attn.v_proj.weight", (nkv * hd, h)),
+            ("self_attn.o_proj.weight", (h, nh * hd)),
+            ("mlp.gate_proj.weight", (i, h)),
+            ("mlp.up_proj.weight", (i, h)),
+            ("mlp.down_proj.weight", (h, i)),
+        ] {
+            t.insert(p(name), r(shape)?);
+        }
+        for n in ["input_layernorm.weight", "post_attention_layernorm.weight"] {
+            t.insert(p(n), Tensor::ones(h, DType::F32, dev)?);
+        }
+        for n in ["self_attn.q_norm.weight", "self_attn.k_norm.weight"] {
+            t.insert(p(n), Tensor::ones(hd, DType::F32, dev)?);
+        }
+    }
+    Decoder::new(cfg.clone(), VarBuilder::from_tensors(t, DType::F32, dev))
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))
+}
+
+/// Writes a PEFT adapter of rank `r` on every linear module for `cfg` into `dir`.
+fn write_adapter(
+    dir: &Path,
+    cfg: &ModelConfig,
+    r: usize,
+    seed: u64,
+    dev: &Device,
+) -> anyhow::Result<()> {
+    std::fs::create_dir_all(dir)?;
+    let (h, hd, nh, nkv, i) = (
+        cfg.hidden_size,
+        cfg.head_dim(),
+        cfg.num_attention_heads,
+        cfg.kv_heads(),
+        cfg.intermediate_size,
+    );
+    let mut t: HashMap<String, Tensor> = HashMap::new();
+    let noise = 0.01 + seed as f64 * 1e-4;
+    for l in 0..cfg.num_hidden_layers {
+        for (name, (fout, fin)) in [
+            ("self_attn.q_proj", (nh * hd, h)),
+            ("self_attn.k_proj", (nkv * hd, h)),
+            ("self_attn.v_proj", (nkv * hd, h)),
+            ("self_attn.o_proj", (h, nh * hd)),
+            ("mlp.gate_proj", (i, h)),
+            ("mlp.up_proj", (i, h)),
+            ("mlp.down_proj", (h, i)),
+        ] {
+            let k = format!("base_model.model.model.layers.{l}.{name}");
+            t.insert(
+                format!("{k}.lora_A.weight"),
+                Tensor::randn(0f32, noise as f32, (r, fin), dev)?,
+            );
+            t.insert(
+                format!("{k}.lora_B.weight"),
+                Tensor::randn(0f32, noise as f32, (fout, r), dev)?,
+            );
+        }
+    }
+    candle_core::safetensors::save(&t, dir.join("adapter_model.safetensors"))?;
+    std::fs::write(
+        dir.join("adapter_config.json"),
+        serde_json::to_vec(&serde_json::json!({
+            "peft_type": "LORA", "r": r, "lora_alpha": 2 * r,
+            "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        }))?,
+    )?;
+    Ok(())
+}
+
+/// Decode tokens/s of a batch whose row `k` uses `adapters[k]`: an 8-token prefill, then
+/// `steps` timed decode steps.
+fn tokens_per_s(
+    model: &Decoder,
+    adapters: &[Option<&LoraAdapter>],
+    steps: usize,
+) -> anyhow::Result<f64> {
+    let mut caches = vec![SeqCache::default(); adapters.len()];
+    let prompt: Vec<u32> = (1..9).collect();
+    let mut next: Vec<u32> = {
+        let mut rows: Vec<Row> = caches
+            .iter_mut()
+            .zip(adapters)
+            .map(|(cache, a)| Row {
+                tokens: &prompt,
+                cache,
+                adapter: *a,
+            })
+            .collect();
+        model
+            .forward(&mut rows)?
+            .iter()
+            .map(argmax)
+            .collect::<Result<_, _>>()?
+    };
+    let start = Instant::now();
+    for _ in 0..steps {
+        let toks: Vec<[u32; 1]> = next.iter().map(|t| [*t]).collect();
+        let mut rows: Vec<Row> = caches
+            .iter_mut()
+            .zip(adapters)
+            .zip(&toks)
+            .map(|((cache, a), t)| Row {
+                tokens: t,
+                cache,
+                adapter: *a,
+            })
+            .collect();
+        next = model
+            .forward(&mut rows)?
+            .iter()
+            .map(argmax)
+            .collect::<Result<_, _>>()?;
+    }
+    Ok((steps * adapters.len()) as f64 / start.elapsed().as_secs_f64())
+}
+
+fn bench_model(
+    label: &str,
+    model: &Decoder,
+    args: &DecodeBenchArgs,
+    dev: &Device,
+) -> anyhow::Result<()> {
+    let cfg = model.config().clone();
+    let tmp = tempfile::tempdir()?;
+    let opts = LoadOptions {
+        max_rank: 512,
+        expect_base: None,
+    };
+    let mut adapters = Vec::new();
+    let mut load_ratio = f64::NAN;
+    for k in 0..16u64 {
+        let dir = tmp.path().join(format!("a{k}"));
+        write_adapter(&dir, &cfg, args.rank, k, dev)?;
+        if k == 0 {
+            // Warm the page cache, then time a raw read against a load, each from cache.
+            let file = dir.join("adapter_model.safetensors");
+            std::fs::read(&file)?;
+            let t = Instant::now();
+            let raw = std::fs::read(&file)?;
+            let read_s = t.elapsed().as_secs_f64();
+            drop(raw);
+            let t = Instant::now();
+            let a = LoraAdapter::load(&dir, &cfg, DType::F32, dev, &opts)?;
+            load_ratio = t.elapsed().as_secs_f64() / read_s;
+            adapters.push(a);
+        } else {
+            adapters.push(LoraAdapter::load(&dir, &cfg, DType::F32, dev, &opts)?);
+        }
+    }
+    let s = args.steps;
+    let base1 = tokens_per_s(model, &[None], s)?;
+    let dyn1 = tokens_per_s(model, &[Some(&adapters[0])], s)?;
+    let base16 = tokens_per_s(model, &[None; 16], s)?;
+    let one16 = tokens_per_s(model, &[Some(&adapters[0]); 16], s)?;
+    let distinct: Vec<Option<&LoraAdapter>> = adapters.iter().map(Some).collect();
+    let mixed16 = tokens_per_s(model, &distinct, s)?;
+    println!(
+        "bench decode: {label}, rank-{} LoRA on every linear module, f32, {} decode steps",
+        args.rank, s
+    );
+    println!("| measure | tokens/s | ratio | goal |");
+    println!("|---|---|---|---|");
+    println!("| batch 1: merged (base weights) | {base1:.1} | | |");
+    println!(
+        "| batch 1: dynamic adapter | {dyn1:.1} | {:.2} of merged | ≥ 0.90 |",
+        dyn1 / base1
+    );
+    println!("| batch 16: merged | {base16:.1} | | |");
+    println!(
+        "| batch 16: one dynamic adapter | {one16:.1} | {:.2} of merged | ≥ 0.90 |",
+        one16 / base16
+    );
+    println!(
+        "| batch 16: 16 distinct adapters | {mixed16:.1} | {:.2} of one adapter | ≥ 0.90 |",
+        mixed16 / one16
+    );
+    println!(
+        "| batch 16 ÷ batch 1 (merged) | | {:.2}x | |",
+        base16 / base1
+    );
+    println!(
+        "| adapter load ÷ raw read of its file ({} MiB) | | {load_ratio:.2} | ≤ 1.5 |",
+        std::fs::metadata(tmp.path().join("a0/adapter_model.safetensors"))?.len() >> 20
+    );
+    Ok(())
+}
+
+fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
+    let dev = Device::Cpu;
+    let cfg = synthetic_config(args.hidden, args.layers);
+    let model = synthetic_model(&cfg, &dev)?;
+    let params: usize = {
+        let (h, i, l) = (
+            cfg.hidden_size,
+            cfg.intermediate_size,
+            cfg.num_hidden_layers,
+        );
+        let attn = h * cfg.num_attention_heads * cfg.head_dim() * 2
+            + h * cfg.kv_heads() * cfg.head_dim() * 2;
+        l * (attn + 3 * h * i) + cfg.vocab_size * h
+    };
+    bench_model(
+        &format!("synthetic qwen3, {:.2}B params", params as f64 / 1e9),
+        &model,
+        args,
+        &dev,
+    )?;
+    if let Some(dir) = &args.model {
+        let m = Decoder::load(dir, DType::F32, &dev)?;
+        bench_model(&dir.display().to_string(), &m, args, &dev)?;
+    }
+    Ok(())
 }
 
 /// Runs the benchmark.
-pub fn run(_args: DecodeBenchArgs) -> std::process::ExitCode {
-    eprintln!("bench decode: not built yet");
-    std::process::ExitCode::from(2)
+pub fn run(args: DecodeBenchArgs) -> ExitCode {
+    match bench(&args) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("bench decode failed: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
 }
