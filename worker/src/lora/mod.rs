@@ -253,6 +253,8 @@ impl LoraAdapter {
     ) -> candle_core::Result<Tensor> {
         match self.modules.get(&(layer, proj)) {
             None => Ok(out.clone()),
+            // Every row of the batch on this adapter: no gather/scatter copies.
+            Some((at, bt)) if idx.dim(0)? == x.dim(0)? => out + x.matmul(at)?.matmul(bt)?,
             Some((at, bt)) => {
                 let delta = x.index_select(idx, 0)?.matmul(at)?.matmul(bt)?;
                 out.index_add(idx, &delta, 0)
