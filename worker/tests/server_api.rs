@@ -210,6 +210,10 @@ async fn metrics_models_and_reload() {
     let c = reqwest::Client::new();
     post(&s, "/v1/chat/completions", json!({"model": "fr", "messages": [{"role": "user", "content": "x"}]})).await;
     let m = c.get(format!("{}/metrics", s.url)).send().await.unwrap().text().await.unwrap();
+    // scripts/checks/server.sh runs promtool on this scrape.
+    if let Ok(out) = std::env::var("MOLE_SCRAPE_OUT") {
+        std::fs::write(out, &m).unwrap();
+    }
     assert!(m.contains("mole_requests_total{adapter=\"fr\",endpoint=\"chat\",route=\"explicit\",status=\"200\"} 1"), "{m}");
     assert!(m.contains("vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"fr\",waiting_lora_adapters=\"\"}"), "{m}");
     let models: Value = c.get(format!("{}/v1/models", s.url)).send().await.unwrap().json().await.unwrap();
