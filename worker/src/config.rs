@@ -132,16 +132,23 @@ pub fn validate(cfg: &WorkerConfig) -> Result<(), ConfigError> {
         )));
     }
     if !(0.0..=1.0).contains(&cfg.router.min_confidence) {
-        return Err(ConfigError::Invalid("router.minConfidence must be in [0,1]".into()));
+        return Err(ConfigError::Invalid(
+            "router.minConfidence must be in [0,1]".into(),
+        ));
     }
     if !(-1.0..=1.0).contains(&cfg.router.embedding_threshold) {
-        return Err(ConfigError::Invalid("router.embeddingThreshold must be in [-1,1]".into()));
+        return Err(ConfigError::Invalid(
+            "router.embeddingThreshold must be in [-1,1]".into(),
+        ));
     }
     let mut names = HashSet::new();
     let mut ids = HashMap::new();
     for a in &cfg.adapters {
         if a.name.is_empty() || a.name.contains(['/', ' ']) {
-            return Err(ConfigError::Invalid(format!("bad adapter name {:?}", a.name)));
+            return Err(ConfigError::Invalid(format!(
+                "bad adapter name {:?}",
+                a.name
+            )));
         }
         if a.name == cfg.pool {
             return Err(ConfigError::Invalid(format!(
@@ -150,7 +157,10 @@ pub fn validate(cfg: &WorkerConfig) -> Result<(), ConfigError> {
             )));
         }
         if !names.insert(a.name.clone()) {
-            return Err(ConfigError::Invalid(format!("duplicate adapter name {}", a.name)));
+            return Err(ConfigError::Invalid(format!(
+                "duplicate adapter name {}",
+                a.name
+            )));
         }
         if let Some(other) = ids.insert(a.lora_id, a.name.clone()) {
             return Err(ConfigError::Invalid(format!(
@@ -164,7 +174,9 @@ pub fn validate(cfg: &WorkerConfig) -> Result<(), ConfigError> {
     }
     if let Some(c) = &cfg.router.classifier_adapter {
         if !names.contains(c) {
-            return Err(ConfigError::Invalid(format!("classifierAdapter {c} is not an adapter")));
+            return Err(ConfigError::Invalid(format!(
+                "classifierAdapter {c} is not an adapter"
+            )));
         }
     }
     resolve_in_root(&cfg.model_root, &cfg.base_model.path)?;
@@ -337,8 +349,14 @@ mod tests {
             root,
             "  - {name: fr, version: v1, loraId: 1, path: a1}\n  - {name: fr, version: v1, loraId: 2, path: a1}\n",
         );
-        assert_eq!(validate(&parse(&dup, "t").unwrap()).unwrap_err().code(), "config_invalid");
-        let trav = cfg_yaml(root, "  - {name: fr, version: v1, loraId: 1, path: ../../etc}\n");
+        assert_eq!(
+            validate(&parse(&dup, "t").unwrap()).unwrap_err().code(),
+            "config_invalid"
+        );
+        let trav = cfg_yaml(
+            root,
+            "  - {name: fr, version: v1, loraId: 1, path: ../../etc}\n",
+        );
         assert_eq!(
             validate(&parse(&trav, "t").unwrap()).unwrap_err().code(),
             "path_outside_root"
@@ -378,6 +396,9 @@ mod tests {
             ["x", "z"]
         );
         assert_eq!(d.unload, ["y"]);
-        assert_eq!(diff_adapters(&[a("x", "1")], &[a("x", "1")]), AdapterDiff::default());
+        assert_eq!(
+            diff_adapters(&[a("x", "1")], &[a("x", "1")]),
+            AdapterDiff::default()
+        );
     }
 }

@@ -4,7 +4,11 @@
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "mole-worker", version, about = "mole worker: serve, merge, import, inspect, bench")]
+#[command(
+    name = "mole-worker",
+    version,
+    about = "mole worker: serve, merge, import, inspect, bench"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -80,7 +80,10 @@ impl Metrics {
         )
         .expect("metric");
         let lora_info = GaugeVec::new(
-            Opts::new("vllm:lora_requests_info", "Running and waiting LoRA adapters"),
+            Opts::new(
+                "vllm:lora_requests_info",
+                "Running and waiting LoRA adapters",
+            ),
             &["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
         )
         .expect("metric");

@@ -64,9 +64,13 @@ pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
         return Ok(vec![single]);
     }
     if let Some(p) = find_pickle(dir) {
-        return Err(HfError::Pickle { path: p.display().to_string() });
+        return Err(HfError::Pickle {
+            path: p.display().to_string(),
+        });
     }
-    Err(HfError::NoWeights { dir: dir.display().to_string() })
+    Err(HfError::NoWeights {
+        dir: dir.display().to_string(),
+    })
 }
 
 /// Reads a safetensors index file.

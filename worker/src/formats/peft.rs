@@ -127,7 +127,9 @@ fn pattern_match<'a, V>(patterns: &'a BTreeMap<String, V>, module: &str) -> Opti
 
 fn matches_targets(targets: &TargetModules, module: &str) -> bool {
     match targets {
-        TargetModules::Regex(r) => Regex::new(&format!("^(?:{r})$")).is_ok_and(|re| re.is_match(module)),
+        TargetModules::Regex(r) => {
+            Regex::new(&format!("^(?:{r})$")).is_ok_and(|re| re.is_match(module))
+        }
         TargetModules::List(names) => names
             .iter()
             .any(|t| module == t || module.ends_with(&format!(".{t}"))),
@@ -180,12 +182,16 @@ impl AdapterConfig {
 
     /// Rank of `module` (rank_pattern, else `r`).
     pub fn rank_for(&self, module: &str) -> u32 {
-        pattern_match(&self.rank_pattern, module).copied().unwrap_or(self.r)
+        pattern_match(&self.rank_pattern, module)
+            .copied()
+            .unwrap_or(self.r)
     }
 
     /// Alpha of `module` (alpha_pattern, else `lora_alpha`).
     pub fn alpha_for(&self, module: &str) -> f64 {
-        pattern_match(&self.alpha_pattern, module).copied().unwrap_or(self.lora_alpha)
+        pattern_match(&self.alpha_pattern, module)
+            .copied()
+            .unwrap_or(self.lora_alpha)
     }
 
     /// The LoRA scale of `module`: alpha/r, or alpha/sqrt(r) with rslora.
@@ -201,7 +207,12 @@ impl AdapterConfig {
 
     /// The highest rank any module may have.
     pub fn max_rank(&self) -> u32 {
-        self.rank_pattern.values().copied().chain([self.r]).max().unwrap_or(self.r)
+        self.rank_pattern
+            .values()
+            .copied()
+            .chain([self.r])
+            .max()
+            .unwrap_or(self.r)
     }
 }
 
@@ -211,7 +222,13 @@ impl AdapterConfig {
 /// (`lora_A.default.weight`); it is dropped.
 pub fn split_adapter_key(key: &str) -> Option<(String, String)> {
     let key = key.strip_prefix("base_model.model.").unwrap_or(key);
-    for part in ["lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector"] {
+    for part in [
+        "lora_A",
+        "lora_B",
+        "lora_embedding_A",
+        "lora_embedding_B",
+        "lora_magnitude_vector",
+    ] {
         if let Some(idx) = key.find(&format!(".{part}")) {
             let module = key[..idx].to_string();
             let rest = &key[idx + 1..];
@@ -269,7 +286,10 @@ mod tests {
     fn splits_adapter_keys() {
         assert_eq!(
             split_adapter_key("base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"),
-            Some(("model.layers.0.self_attn.q_proj".into(), "lora_A.weight".into()))
+            Some((
+                "model.layers.0.self_attn.q_proj".into(),
+                "lora_A.weight".into()
+            ))
         );
         assert_eq!(
             split_adapter_key("base_model.model.model.embed_tokens.lora_embedding_A.default"),

@@ -170,7 +170,12 @@ pub fn decide(
                     .max_by(|a, b| a.1.total_cmp(&b.1));
                 if let Some((i, s)) = best {
                     if f64::from(s) >= cfg.router.embedding_threshold {
-                        return Ok(done(cfg, Some(owners[i].into()), "embedding", Some(f64::from(s))));
+                        return Ok(done(
+                            cfg,
+                            Some(owners[i].into()),
+                            "embedding",
+                            Some(f64::from(s)),
+                        ));
                     }
                 }
             }
@@ -239,20 +244,33 @@ router:
     fn explicit_names_win_and_unknown_is_refused() {
         let c = cfg("[explicit, keywords]", "base");
         let d = decide(&c, &inp("js", "bonjour"), &none_s, &none_e).unwrap();
-        assert_eq!((d.adapter.as_deref(), d.reason.as_str(), d.mode.as_str()), (Some("js"), "explicit", "merged"));
+        assert_eq!(
+            (d.adapter.as_deref(), d.reason.as_str(), d.mode.as_str()),
+            (Some("js"), "explicit", "merged")
+        );
         let d = decide(&c, &inp("base", "bonjour"), &none_s, &none_e).unwrap();
         assert_eq!((d.adapter, d.mode.as_str()), (None, "base"));
         let e = decide(&c, &inp("nope", "x"), &none_s, &none_e).unwrap_err();
         assert_eq!(e.code(), "model_not_found");
-        let i = RouteInput { model: "p", adapter: Some("fr"), text: "json" };
-        assert_eq!(decide(&c, &i, &none_s, &none_e).unwrap().adapter.as_deref(), Some("fr"));
+        let i = RouteInput {
+            model: "p",
+            adapter: Some("fr"),
+            text: "json",
+        };
+        assert_eq!(
+            decide(&c, &i, &none_s, &none_e).unwrap().adapter.as_deref(),
+            Some("fr")
+        );
     }
 
     #[test]
     fn keywords_and_extensions() {
         let c = cfg("[explicit, keywords]", "base");
         let d = decide(&c, &inp("p", "Give me JSON please"), &none_s, &none_e).unwrap();
-        assert_eq!((d.adapter.as_deref(), d.reason.as_str()), (Some("js"), "keywords"));
+        assert_eq!(
+            (d.adapter.as_deref(), d.reason.as_str()),
+            (Some("js"), "keywords")
+        );
         let d = decide(&c, &inp("p", "fix main.py now"), &none_s, &none_e).unwrap();
         assert_eq!(d.adapter.as_deref(), Some("js"));
         // "python" must not count as the .py extension.
@@ -270,12 +288,20 @@ router:
             Some(vec![0.2, 0.8])
         };
         let d = decide(&c, &inp("p", "hello"), &hi, &none_e).unwrap();
-        assert_eq!((d.adapter.as_deref(), d.reason.as_str(), d.score), (Some("js"), "classifier", Some(0.800000011920929)));
+        assert_eq!(
+            (d.adapter.as_deref(), d.reason.as_str(), d.score),
+            (Some("js"), "classifier", Some(0.800000011920929))
+        );
         let low = |_: &str, _: &str, _: &[String]| Some(vec![0.45, 0.55]);
         // Below minConfidence: falls through to keywords, then to the reject fallback.
         let d = decide(&c, &inp("p", "bonjour"), &low, &none_e).unwrap();
         assert_eq!(d.reason, "keywords");
-        assert_eq!(decide(&c, &inp("p", "hello"), &low, &none_e).unwrap_err().code(), "no_route");
+        assert_eq!(
+            decide(&c, &inp("p", "hello"), &low, &none_e)
+                .unwrap_err()
+                .code(),
+            "no_route"
+        );
     }
 
     #[test]
@@ -287,8 +313,14 @@ router:
             Some(vec![vec![1.0, 0.0], vec![0.8, 0.6]])
         };
         let d = decide(&c, &inp("p", "q"), &none_s, &close).unwrap();
-        assert_eq!((d.adapter.as_deref(), d.reason.as_str()), (Some("fr"), "embedding"));
+        assert_eq!(
+            (d.adapter.as_deref(), d.reason.as_str()),
+            (Some("fr"), "embedding")
+        );
         let far = |_: &[String]| Some(vec![vec![1.0, 0.0], vec![0.0, 1.0]]);
-        assert_eq!(decide(&c, &inp("p", "q"), &none_s, &far).unwrap().reason, "fallback");
+        assert_eq!(
+            decide(&c, &inp("p", "q"), &none_s, &far).unwrap().reason,
+            "fallback"
+        );
     }
 }

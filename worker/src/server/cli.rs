@@ -46,7 +46,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let state = AppState::new(cfg.clone(), engine.clone(), Some(args.config.clone()), auth);
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     tracing::info!(listen = %args.listen, "serving");
-    serve_with(state, listener, args.config, Duration::from_secs(args.config_poll_seconds), shutdown_signal()).await
+    serve_with(
+        state,
+        listener,
+        args.config,
+        Duration::from_secs(args.config_poll_seconds),
+        shutdown_signal(),
+    )
+    .await
 }
 
 /// Loads the configured adapters, starts the watcher and serves until `shutdown` resolves;
@@ -62,7 +69,8 @@ pub async fn serve_with(
     let diff = crate::config::diff_adapters(&[], &cfg.adapters);
     let (e, c) = (state.engine.clone(), cfg.clone());
     let errors =
-        tokio::task::spawn_blocking(move || crate::config::apply_diff(e.as_ref(), &c, &diff)).await?;
+        tokio::task::spawn_blocking(move || crate::config::apply_diff(e.as_ref(), &c, &diff))
+            .await?;
     for err in &errors {
         tracing::warn!("adapter not loaded: {err}");
     }

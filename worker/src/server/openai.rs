@@ -130,7 +130,10 @@ struct CompletionBody {
 fn sampling(s: &AppState, c: &Common, chat: bool) -> Result<SamplingParams, ApiError> {
     let cfg = s.cfg();
     let cap = u64::from(cfg.limits.max_tokens);
-    let mt = c.max_completion_tokens.or(c.max_tokens).unwrap_or(cap.min(256));
+    let mt = c
+        .max_completion_tokens
+        .or(c.max_tokens)
+        .unwrap_or(cap.min(256));
     if mt == 0 || mt > cap {
         return Err(bad(
             "max_tokens_exceeded",
@@ -182,7 +185,10 @@ fn messages(msgs: Vec<InMessage>) -> Result<Vec<ChatMessage>, ApiError> {
     }
     let mut out = Vec::with_capacity(msgs.len());
     for m in msgs {
-        if !matches!(m.role.as_str(), "system" | "user" | "assistant" | "tool" | "developer") {
+        if !matches!(
+            m.role.as_str(),
+            "system" | "user" | "assistant" | "tool" | "developer"
+        ) {
             return Err(bad("invalid_role", format!("unknown role {:?}", m.role)));
         }
         let content = match m.content {
@@ -210,7 +216,11 @@ fn messages(msgs: Vec<InMessage>) -> Result<Vec<ChatMessage>, ApiError> {
                 t
             }
         };
-        let role = if m.role == "developer" { "system".into() } else { m.role };
+        let role = if m.role == "developer" {
+            "system".into()
+        } else {
+            m.role
+        };
         out.push(ChatMessage { role, content });
     }
     Ok(out)
@@ -219,9 +229,8 @@ fn messages(msgs: Vec<InMessage>) -> Result<Vec<ChatMessage>, ApiError> {
 fn decide(s: &AppState, c: &Common, text: &str) -> Result<Decision, ApiError> {
     let cfg = s.cfg();
     let engine = s.engine.clone();
-    let scorer = move |cls: &str, p: &str, labels: &[String]| {
-        engine.score_labels(Some(cls), p, labels).ok()
-    };
+    let scorer =
+        move |cls: &str, p: &str, labels: &[String]| engine.score_labels(Some(cls), p, labels).ok();
     // Embedding routing needs the sentence-embedding model, not built in this branch: the
     // strategy is skipped (falls through) rather than faked.
     let embedder = |_: &[String]| -> Option<Vec<Vec<f32>>> { None };
@@ -230,7 +239,22 @@ fn decide(s: &AppState, c: &Common, text: &str) -> Result<Decision, ApiError> {
         adapter: c.adapter.as_deref().or(c.expert.as_deref()),
         text,
     };
-    let d = router::decide(&cfg, &input, &scorer, &embedder).map_err(|e| {
+    let d = match router::decide(&cfg, &input, &scorer, &embedder) {
+        // Adapters loaded through /v1/load_lora_adapter are not in the config but are
+        // servable by explicit name, as in vLLM.
+        Err(router::RouteError::UnknownModel(n))
+            if s.engine.adapters().iter().any(|a| a.name == n && a.loaded) =>
+        {
+            Ok(Decision {
+                adapter: Some(n),
+                reason: "explicit".into(),
+                score: None,
+                mode: "dynamic".into(),
+            })
+        }
+        r => r,
+    }
+    .map_err(|e| {
         let status = match e {
             router::RouteError::UnknownModel(_) => StatusCode::NOT_FOUND,
             router::RouteError::NoRoute => StatusCode::UNPROCESSABLE_ENTITY,
@@ -239,7 +263,7 @@ fn decide(s: &AppState, c: &Common, text: &str) -> Result<Decision, ApiError> {
     })?;
     s.metrics
         .routes
-        .with_label_values(&[&d.reason, d.adapter.as_deref().unwrap_or("")])
+        .with_label_values(&[d.reason.as_str(), d.adapter.as_deref().unwrap_or("")])
         .inc();
     Ok(d)
 }
@@ -277,6 +301,7 @@ enum Kind {
     Completion,
 }
 
+#[allow(clippy::too_many_arguments)]
 /// Common entry: readiness, auth, routing, gateway, limits, submit, answer.
 async fn serve(
     s: Arc<AppState>,
@@ -288,22 +313,43 @@ async fn serve(
     route_text: String,
     sampling: SamplingParams,
 ) -> Result<Response, ApiError> {
-    let endpoint = if kind == Kind::Chat { "chat" } else { "completions" };
+    let endpoint = if kind == Kind::Chat {
+        "chat"
+    } else {
+        "completions"
+    };
     let d = decide(&s, &common, &route_text)?;
     let cfg = s.cfg();
     // Gateway: a merged adapter is served by its own pods when asked to.
     if let Some(name) = &d.adapter {
         let a = cfg.adapters.iter().find(|a| &a.name == name);
-        if let Some(ep) = a.and_then(|a| a.merged_endpoint.clone()).filter(|_| cfg.router.prefer_merged && d.mode == "merged") {
-            let path = if kind == Kind::Chat { "/v1/chat/completions" } else { "/v1/completions" };
+        if let Some(ep) = a
+            .and_then(|a| a.merged_endpoint.clone())
+            .filter(|_| cfg.router.prefer_merged && d.mode == "merged")
+        {
+            let path = if kind == Kind::Chat {
+                "/v1/chat/completions"
+            } else {
+                "/v1/completions"
+            };
             match proxy(&s, &ep, path, &raw, &headers, &d).await {
                 Ok(r) => {
-                    s.metrics.proxy.with_label_values(&[name, "ok"]).inc();
+                    s.metrics
+                        .proxy
+                        .with_label_values(&[name.as_str(), "ok"])
+                        .inc();
                     return Ok(r);
                 }
                 Err(reason) => {
-                    s.metrics.proxy.with_label_values(&[name, "failed"]).inc();
-                    let local = s.engine.adapters().iter().any(|x| &x.name == name && x.loaded);
+                    s.metrics
+                        .proxy
+                        .with_label_values(&[name.as_str(), "failed"])
+                        .inc();
+                    let local = s
+                        .engine
+                        .adapters()
+                        .iter()
+                        .any(|x| &x.name == name && x.loaded);
                     if !(cfg.router.fallback_to_dynamic && local) {
                         let mut e = ApiError::new(
                             StatusCode::SERVICE_UNAVAILABLE,
@@ -319,7 +365,11 @@ async fn serve(
         }
     }
     if !s.ready.load(Ordering::SeqCst) {
-        let mut e = ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_ready", "worker is not ready");
+        let mut e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready",
+            "worker is not ready",
+        );
         e.retry_after = Some(1);
         return Err(e);
     }
@@ -332,10 +382,17 @@ async fn serve(
     if ptoks + sampling.max_tokens > max_seq {
         return Err(bad(
             "prompt_too_long",
-            format!("prompt ({ptoks} tokens) + max_tokens ({}) exceeds {max_seq}", sampling.max_tokens),
+            format!(
+                "prompt ({ptoks} tokens) + max_tokens ({}) exceeds {max_seq}",
+                sampling.max_tokens
+            ),
         ));
     }
-    let id = req_id(if kind == Kind::Chat { "chatcmpl" } else { "cmpl" });
+    let id = req_id(if kind == Kind::Chat {
+        "chatcmpl"
+    } else {
+        "cmpl"
+    });
     let rx = s.engine.submit(GenerateRequest {
         id: id.clone(),
         prompt,
@@ -343,8 +400,21 @@ async fn serve(
         sampling: sampling.clone(),
     })?;
     let timeout = Duration::from_secs(cfg.limits.request_timeout_seconds);
-    let model = if common.model.is_empty() { cfg.pool.clone() } else { common.model.clone() };
-    let ctx = Ctx { s: s.clone(), d, id, model, kind, endpoint, start: Instant::now(), deadline: tokio::time::Instant::now() + timeout };
+    let model = if common.model.is_empty() {
+        cfg.pool.clone()
+    } else {
+        common.model.clone()
+    };
+    let ctx = Ctx {
+        s: s.clone(),
+        d,
+        id,
+        model,
+        kind,
+        endpoint,
+        start: Instant::now(),
+        deadline: tokio::time::Instant::now() + timeout,
+    };
     if common.stream {
         Ok(stream_response(ctx, rx))
     } else {
@@ -370,14 +440,23 @@ impl Ctx {
     fn record(&self, status: &str, usage: Option<Usage>) {
         let m = &self.s.metrics;
         m.requests
-            .with_label_values(&[self.endpoint, self.adapter_label(), &self.d.reason, status])
+            .with_label_values(&[
+                self.endpoint,
+                self.adapter_label(),
+                self.d.reason.as_str(),
+                status,
+            ])
             .inc();
         m.latency
             .with_label_values(&[self.endpoint, self.adapter_label()])
             .observe(self.start.elapsed().as_secs_f64());
         if let Some(u) = usage {
-            m.tokens.with_label_values(&[self.adapter_label(), "prompt"]).inc_by(u.prompt_tokens as u64);
-            m.tokens.with_label_values(&[self.adapter_label(), "completion"]).inc_by(u.completion_tokens as u64);
+            m.tokens
+                .with_label_values(&[self.adapter_label(), "prompt"])
+                .inc_by(u.prompt_tokens as u64);
+            m.tokens
+                .with_label_values(&[self.adapter_label(), "completion"])
+                .inc_by(u.completion_tokens as u64);
         }
     }
     fn object(&self, chunk: bool) -> &'static str {
@@ -387,16 +466,28 @@ impl Ctx {
             (Kind::Completion, _) => "text_completion",
         }
     }
-    fn choice(&self, text: &str, finish: Option<FinishReason>, logprobs: Option<Value>, chunk: bool) -> Value {
+    fn choice(
+        &self,
+        text: &str,
+        finish: Option<FinishReason>,
+        logprobs: Option<Value>,
+        chunk: bool,
+    ) -> Value {
         let finish = finish.map(|f| match f {
             FinishReason::Stop => "stop",
             FinishReason::Length => "length",
             FinishReason::Cancelled => "cancelled",
         });
         match (self.kind, chunk) {
-            (Kind::Chat, false) => json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": logprobs}),
-            (Kind::Chat, true) => json!({"index": 0, "delta": {"content": text}, "finish_reason": finish, "logprobs": logprobs}),
-            (Kind::Completion, _) => json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs}),
+            (Kind::Chat, false) => {
+                json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": logprobs})
+            }
+            (Kind::Chat, true) => {
+                json!({"index": 0, "delta": {"content": text}, "finish_reason": finish, "logprobs": logprobs})
+            }
+            (Kind::Completion, _) => {
+                json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs})
+            }
         }
     }
 }
@@ -414,12 +505,15 @@ fn lp_json(kind: Kind, lps: &[crate::engine::api::TokenLogprob]) -> Value {
         Kind::Completion => json!({
             "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
             "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-            "top_logprobs": lps.iter().map(|l| l.top.iter().map(|(_, t, p)| (t.clone(), *p)).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
+            "top_logprobs": lps.iter().map(|l| l.top.iter().map(|(_, t, p)| (t.clone(), json!(p))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
         }),
     }
 }
 
-async fn collect_response(ctx: Ctx, mut rx: crate::engine::api::EventStream) -> Result<Response, ApiError> {
+async fn collect_response(
+    ctx: Ctx,
+    mut rx: crate::engine::api::EventStream,
+) -> Result<Response, ApiError> {
     let mut text = String::new();
     let mut lps = Vec::new();
     let mut version = None;
@@ -427,20 +521,36 @@ async fn collect_response(ctx: Ctx, mut rx: crate::engine::api::EventStream) -> 
         let ev = match tokio::time::timeout_at(ctx.deadline, rx.recv()).await {
             Err(_) => {
                 ctx.record("504", None);
-                return Err(ApiError::new(StatusCode::GATEWAY_TIMEOUT, "request_timeout", "request exceeded limits.requestTimeoutSeconds"));
+                return Err(ApiError::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "request_timeout",
+                    "request exceeded limits.requestTimeoutSeconds",
+                ));
             }
             Ok(None) => {
                 ctx.record("500", None);
-                return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_closed", "engine ended the request without an answer"));
+                return Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "engine_closed",
+                    "engine ended the request without an answer",
+                ));
             }
             Ok(Some(ev)) => ev,
         };
         match ev {
-            TokenEvent::Started { adapter_version, .. } => {
+            TokenEvent::Started {
+                adapter_version, ..
+            } => {
                 version = adapter_version;
-                ctx.s.metrics.ttft.with_label_values(&[ctx.adapter_label()]).observe(ctx.start.elapsed().as_secs_f64());
+                ctx.s
+                    .metrics
+                    .ttft
+                    .with_label_values(&[ctx.adapter_label()])
+                    .observe(ctx.start.elapsed().as_secs_f64());
             }
-            TokenEvent::Token { text: t, logprob, .. } => {
+            TokenEvent::Token {
+                text: t, logprob, ..
+            } => {
                 text.push_str(&t);
                 lps.extend(logprob);
             }
@@ -469,57 +579,86 @@ fn stream_response(ctx: Ctx, rx: crate::engine::api::EventStream) -> Response {
     let headers = mole_headers(&ctx.d);
     // State: (ctx, receiver, finished). Dropping the stream (client gone) drops the receiver,
     // which cancels the request in the engine.
-    let st = futures::stream::unfold((ctx, rx, false, None::<String>), |(ctx, mut rx, done, mut version)| async move {
-        if done {
-            return None;
-        }
-        let ev = match tokio::time::timeout_at(ctx.deadline, rx.recv()).await {
-            Err(_) => Err(ApiError::new(StatusCode::GATEWAY_TIMEOUT, "request_timeout", "request exceeded limits.requestTimeoutSeconds")),
-            Ok(None) => Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "engine_closed", "engine ended the request without an answer")),
-            Ok(Some(TokenEvent::Error(e))) => Err(ApiError::from(e)),
-            Ok(Some(ev)) => Ok(ev),
-        };
-        let events: Vec<Event> = match ev {
-            Err(e) => {
-                ctx.s.metrics.errors.with_label_values(&[e.code]).inc();
-                ctx.record(e.status.as_str(), None);
-                let mut body = e.body();
-                body["mole"] = mole_field(&ctx.d, &version);
-                return Some((futures::stream::iter(vec![Event::default().data(body.to_string()), Event::default().data("[DONE]")]), (ctx, rx, true, version)));
+    let st = futures::stream::unfold(
+        (ctx, rx, false, None::<String>),
+        |(ctx, mut rx, done, mut version)| async move {
+            if done {
+                return None;
             }
-            Ok(TokenEvent::Started { adapter_version, .. }) => {
-                ctx.s.metrics.ttft.with_label_values(&[ctx.adapter_label()]).observe(ctx.start.elapsed().as_secs_f64());
-                version = adapter_version;
-                if ctx.kind == Kind::Chat {
-                    let c = json!({"id": ctx.id, "object": ctx.object(true), "created": now(), "model": ctx.model,
+            let ev = match tokio::time::timeout_at(ctx.deadline, rx.recv()).await {
+                Err(_) => Err(ApiError::new(
+                    StatusCode::GATEWAY_TIMEOUT,
+                    "request_timeout",
+                    "request exceeded limits.requestTimeoutSeconds",
+                )),
+                Ok(None) => Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "engine_closed",
+                    "engine ended the request without an answer",
+                )),
+                Ok(Some(TokenEvent::Error(e))) => Err(ApiError::from(e)),
+                Ok(Some(ev)) => Ok(ev),
+            };
+            let events: Vec<Event> = match ev {
+                Err(e) => {
+                    ctx.s.metrics.errors.with_label_values(&[e.code]).inc();
+                    ctx.record(e.status.as_str(), None);
+                    let mut body = e.body();
+                    body["mole"] = mole_field(&ctx.d, &version);
+                    return Some((
+                        futures::stream::iter(vec![
+                            Event::default().data(body.to_string()),
+                            Event::default().data("[DONE]"),
+                        ]),
+                        (ctx, rx, true, version),
+                    ));
+                }
+                Ok(TokenEvent::Started {
+                    adapter_version, ..
+                }) => {
+                    ctx.s
+                        .metrics
+                        .ttft
+                        .with_label_values(&[ctx.adapter_label()])
+                        .observe(ctx.start.elapsed().as_secs_f64());
+                    version = adapter_version;
+                    if ctx.kind == Kind::Chat {
+                        let c = json!({"id": ctx.id, "object": ctx.object(true), "created": now(), "model": ctx.model,
                         "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null}],
                         "mole": mole_field(&ctx.d, &version)});
-                    vec![Event::default().data(c.to_string())]
-                } else {
-                    vec![]
+                        vec![Event::default().data(c.to_string())]
+                    } else {
+                        vec![]
+                    }
                 }
-            }
-            Ok(TokenEvent::Token { text, logprob, .. }) => {
-                if text.is_empty() && logprob.is_none() {
-                    vec![]
-                } else {
-                    let lp = logprob.map(|l| lp_json(ctx.kind, &[l]));
-                    let c = json!({"id": ctx.id, "object": ctx.object(true), "created": now(), "model": ctx.model,
+                Ok(TokenEvent::Token { text, logprob, .. }) => {
+                    if text.is_empty() && logprob.is_none() {
+                        vec![]
+                    } else {
+                        let lp = logprob.map(|l| lp_json(ctx.kind, &[l]));
+                        let c = json!({"id": ctx.id, "object": ctx.object(true), "created": now(), "model": ctx.model,
                         "choices": [ctx.choice(&text, None, lp, true)]});
-                    vec![Event::default().data(c.to_string())]
+                        vec![Event::default().data(c.to_string())]
+                    }
                 }
-            }
-            Ok(TokenEvent::Finished { reason, usage }) => {
-                ctx.record("200", Some(usage));
-                let c = json!({"id": ctx.id, "object": ctx.object(true), "created": now(), "model": ctx.model,
+                Ok(TokenEvent::Finished { reason, usage }) => {
+                    ctx.record("200", Some(usage));
+                    let c = json!({"id": ctx.id, "object": ctx.object(true), "created": now(), "model": ctx.model,
                     "choices": [ctx.choice("", Some(reason), None, true)],
                     "usage": usage_json(&usage), "mole": mole_field(&ctx.d, &version)});
-                return Some((futures::stream::iter(vec![Event::default().data(c.to_string()), Event::default().data("[DONE]")]), (ctx, rx, true, version)));
-            }
-            Ok(TokenEvent::Error(_)) => unreachable!("mapped above"),
-        };
-        Some((futures::stream::iter(events), (ctx, rx, false, version)))
-    });
+                    return Some((
+                        futures::stream::iter(vec![
+                            Event::default().data(c.to_string()),
+                            Event::default().data("[DONE]"),
+                        ]),
+                        (ctx, rx, true, version),
+                    ));
+                }
+                Ok(TokenEvent::Error(_)) => unreachable!("mapped above"),
+            };
+            Some((futures::stream::iter(events), (ctx, rx, false, version)))
+        },
+    );
     use futures::StreamExt;
     let st = st.flatten().map(Ok::<_, Infallible>);
     (headers, Sse::new(st).keep_alive(KeepAlive::default())).into_response()
@@ -527,13 +666,23 @@ fn stream_response(ctx: Ctx, rx: crate::engine::api::EventStream) -> Response {
 
 /// Forwards a request to a merged pod, streaming its answer through. Err carries the reason
 /// (connection failure or 5xx) so the caller can fall back.
-async fn proxy(s: &AppState, ep: &str, path: &str, raw: &Value, headers: &HeaderMap, d: &Decision) -> Result<Response, String> {
+async fn proxy(
+    s: &AppState,
+    ep: &str,
+    path: &str,
+    raw: &Value,
+    headers: &HeaderMap,
+    d: &Decision,
+) -> Result<Response, String> {
     let url = format!("{}{}", ep.trim_end_matches('/'), path);
     let mut req = s.http.post(&url).json(raw);
     if let Some(a) = headers.get("authorization") {
         req = req.header("authorization", a.clone());
     }
-    let r = req.send().await.map_err(|e| format!("connect {url}: {e}"))?;
+    let r = req
+        .send()
+        .await
+        .map_err(|e| format!("connect {url}: {e}"))?;
     if r.status().is_server_error() {
         return Err(format!("{url} answered {}", r.status()));
     }
@@ -541,57 +690,106 @@ async fn proxy(s: &AppState, ep: &str, path: &str, raw: &Value, headers: &Header
     let ctype = r.headers().get("content-type").cloned();
     let mut h = mole_headers(d);
     h.insert("x-mole-mode", HeaderValue::from_static("merged"));
-    h.insert("x-mole-route", HeaderValue::from_str(&format!("{}+proxy", d.reason)).unwrap_or(HeaderValue::from_static("proxy")));
+    h.insert(
+        "x-mole-route",
+        HeaderValue::from_str(&format!("{}+proxy", d.reason))
+            .unwrap_or(HeaderValue::from_static("proxy")),
+    );
     if let Some(c) = ctype {
-        h.insert("content-type", HeaderValue::from_bytes(c.as_bytes()).map_err(|e| e.to_string())?);
+        h.insert(
+            "content-type",
+            HeaderValue::from_bytes(c.as_bytes()).map_err(|e| e.to_string())?,
+        );
     }
     Ok((status, h, Body::from_stream(r.bytes_stream())).into_response())
 }
 
 fn last_user_text(m: &[ChatMessage]) -> String {
-    m.iter().rev().find(|m| m.role == "user").map(|m| m.content.clone()).unwrap_or_default()
+    m.iter()
+        .rev()
+        .find(|m| m.role == "user")
+        .map(|m| m.content.clone())
+        .unwrap_or_default()
 }
 
 /// `POST /v1/chat/completions`.
-pub async fn chat(State(s): S, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+pub async fn chat(
+    State(s): S,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let r = async {
         s.check_api_key(&headers)?;
         let raw: Value = parse_body(body)?;
-        let b: ChatBody = serde_json::from_value(raw.clone()).map_err(|e| bad("invalid_request", e.to_string()))?;
+        let b: ChatBody = serde_json::from_value(raw.clone())
+            .map_err(|e| bad("invalid_request", e.to_string()))?;
         let msgs = messages(b.messages)?;
         let sp = sampling(&s, &b.common, true)?;
         let text = last_user_text(&msgs);
         let prompt = Prompt::Text(s.engine.apply_chat_template(&msgs)?);
-        serve(s.clone(), headers.clone(), Kind::Chat, raw, b.common, prompt, text, sp).await
+        serve(
+            s.clone(),
+            headers.clone(),
+            Kind::Chat,
+            raw,
+            b.common,
+            prompt,
+            text,
+            sp,
+        )
+        .await
     }
     .await;
     finish(&s, r)
 }
 
 /// `POST /v1/completions`.
-pub async fn completions(State(s): S, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+pub async fn completions(
+    State(s): S,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let r = async {
         s.check_api_key(&headers)?;
         let raw: Value = parse_body(body)?;
-        let b: CompletionBody = serde_json::from_value(raw.clone()).map_err(|e| bad("invalid_request", e.to_string()))?;
+        let b: CompletionBody = serde_json::from_value(raw.clone())
+            .map_err(|e| bad("invalid_request", e.to_string()))?;
         let sp = sampling(&s, &b.common, false)?;
         let prompt = match b.prompt {
             PromptField::Text(t) => Prompt::Text(t),
             PromptField::Tokens(t) if !t.is_empty() => {
                 let vocab = s.engine.model_info().vocab_size;
                 if let Some(bad_id) = t.iter().find(|&&i| vocab > 0 && i as usize >= vocab) {
-                    return Err(bad("invalid_token_id", format!("token id {bad_id} >= vocab size {vocab}")));
+                    return Err(bad(
+                        "invalid_token_id",
+                        format!("token id {bad_id} >= vocab size {vocab}"),
+                    ));
                 }
                 Prompt::Tokens(t)
             }
             PromptField::Texts(mut v) if v.len() == 1 => Prompt::Text(v.remove(0)),
-            _ => return Err(bad("invalid_prompt", "prompt must be a string, one-string array or a non-empty token id array")),
+            _ => {
+                return Err(bad(
+                    "invalid_prompt",
+                    "prompt must be a string, one-string array or a non-empty token id array",
+                ))
+            }
         };
         let text = match &prompt {
             Prompt::Text(t) => t.clone(),
             Prompt::Tokens(_) => String::new(),
         };
-        serve(s.clone(), headers.clone(), Kind::Completion, raw, b.common, prompt, text, sp).await
+        serve(
+            s.clone(),
+            headers.clone(),
+            Kind::Completion,
+            raw,
+            b.common,
+            prompt,
+            text,
+            sp,
+        )
+        .await
     }
     .await;
     finish(&s, r)
@@ -616,16 +814,34 @@ struct InferBody {
 
 /// `POST /infer`: `{input, model?, adapter?, max_tokens?...}` → a completion of the raw input
 /// text (chat-templated as one user message).
-pub async fn infer(State(s): S, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+pub async fn infer(
+    State(s): S,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let r = async {
         s.check_api_key(&headers)?;
         let raw: Value = parse_body(body)?;
-        let mut b: InferBody = serde_json::from_value(raw.clone()).map_err(|e| bad("invalid_request", e.to_string()))?;
+        let mut b: InferBody = serde_json::from_value(raw.clone())
+            .map_err(|e| bad("invalid_request", e.to_string()))?;
         b.common.stream = false;
-        let msgs = vec![ChatMessage { role: "user".into(), content: b.input.clone() }];
+        let msgs = vec![ChatMessage {
+            role: "user".into(),
+            content: b.input.clone(),
+        }];
         let sp = sampling(&s, &b.common, true)?;
         let prompt = Prompt::Text(s.engine.apply_chat_template(&msgs)?);
-        serve(s.clone(), headers.clone(), Kind::Chat, raw, b.common, prompt, b.input, sp).await
+        serve(
+            s.clone(),
+            headers.clone(),
+            Kind::Chat,
+            raw,
+            b.common,
+            prompt,
+            b.input,
+            sp,
+        )
+        .await
     }
     .await;
     finish(&s, r)
@@ -642,7 +858,11 @@ struct RouteBody {
 }
 
 /// `POST /v1/route`: the routing decision only, no generation.
-pub async fn route(State(s): S, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+pub async fn route(
+    State(s): S,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let r = async {
         s.check_api_key(&headers)?;
         let b: RouteBody = parse_body(body)?;
@@ -652,7 +872,7 @@ pub async fn route(State(s): S, headers: HeaderMap, body: Result<Bytes, BytesRej
             (None, None) => return Err(bad("invalid_request", "give input or messages")),
         };
         let d = decide(&s, &b.common, &text)?;
-        Ok((mole_headers(&d), Json(json!({"adapter": d.adapter, "mode": d.mode, "route": d.reason, "score": d.score}))).into_response())
+        Ok::<Response, ApiError>((mole_headers(&d), Json(json!({"adapter": d.adapter, "mode": d.mode, "route": d.reason, "score": d.score}))).into_response())
     }
     .await;
     finish(&s, r)
@@ -700,19 +920,31 @@ struct LoadBody {
 
 /// `POST /v1/load_lora_adapter` (vLLM shape). Admin only; path confined to the model root;
 /// safetensors weights only (pickle `.bin` files can run code).
-pub async fn load_lora(State(s): S, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+pub async fn load_lora(
+    State(s): S,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let r = async {
         s.check_admin(&headers)?;
         let b: LoadBody = parse_body(body)?;
-        let Some(p) = b.lora_path else { return Err(bad("invalid_request", "lora_path is required")) };
+        let Some(p) = b.lora_path else {
+            return Err(bad("invalid_request", "lora_path is required"));
+        };
         if b.lora_name.is_empty() || b.lora_name.contains(['/', ' ']) {
-            return Err(bad("invalid_adapter_name", "lora_name must be non-empty without '/' or spaces"));
+            return Err(bad(
+                "invalid_adapter_name",
+                "lora_name must be non-empty without '/' or spaces",
+            ));
         }
         let cfg = s.cfg();
         let path = crate::config::resolve_in_root(&cfg.model_root, &p)
             .map_err(|e| bad(e.code(), e.to_string()))?;
         if !path.join("adapter_model.safetensors").is_file() {
-            return Err(bad("safetensors_required", "the adapter directory needs adapter_model.safetensors (pickle .bin is refused)"));
+            return Err(bad(
+                "safetensors_required",
+                "the adapter directory needs adapter_model.safetensors (pickle .bin is refused)",
+            ));
         }
         let spec = crate::engine::api::AdapterSpec {
             name: b.lora_name.clone(),
@@ -723,20 +955,34 @@ pub async fn load_lora(State(s): S, headers: HeaderMap, body: Result<Bytes, Byte
         let e = s.engine.clone();
         tokio::task::spawn_blocking(move || e.load_adapter(spec))
             .await
-            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", e.to_string()))??;
-        Ok(Json(json!({"status": "loaded", "lora_name": b.lora_name})).into_response())
+            .map_err(|e| {
+                ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "internal_error",
+                    e.to_string(),
+                )
+            })??;
+        Ok::<Response, ApiError>(
+            Json(json!({"status": "loaded", "lora_name": b.lora_name})).into_response(),
+        )
     }
     .await;
     finish(&s, r)
 }
 
 /// `POST /v1/unload_lora_adapter` (vLLM shape). Admin only.
-pub async fn unload_lora(State(s): S, headers: HeaderMap, body: Result<Bytes, BytesRejection>) -> Response {
+pub async fn unload_lora(
+    State(s): S,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let r = async {
         s.check_admin(&headers)?;
         let b: LoadBody = parse_body(body)?;
         s.engine.unload_adapter(&b.lora_name)?;
-        Ok(Json(json!({"status": "unloaded", "lora_name": b.lora_name})).into_response())
+        Ok::<Response, ApiError>(
+            Json(json!({"status": "unloaded", "lora_name": b.lora_name})).into_response(),
+        )
     }
     .await;
     finish(&s, r)
@@ -747,14 +993,28 @@ pub async fn admin_reload(State(s): S, headers: HeaderMap) -> Response {
     let r = async {
         s.check_admin(&headers)?;
         let Some(p) = s.config_path.clone() else {
-            return Err(bad("no_config_file", "this worker was not started from a config file"));
+            return Err(bad(
+                "no_config_file",
+                "this worker was not started from a config file",
+            ));
         };
         let (shared, e) = (s.config.clone(), s.engine.clone());
-        let (changed, errors) = tokio::task::spawn_blocking(move || crate::config::reload(&p, &shared, e.as_ref()))
-            .await
-            .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", e.to_string()))?
-            .map_err(|e| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.code(), e.to_string()))?;
-        Ok(Json(json!({"changed": changed, "errors": errors})).into_response())
+        let (changed, errors) =
+            tokio::task::spawn_blocking(move || crate::config::reload(&p, &shared, e.as_ref()))
+                .await
+                .map_err(|e| {
+                    ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "internal_error",
+                        e.to_string(),
+                    )
+                })?
+                .map_err(|e| {
+                    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.code(), e.to_string())
+                })?;
+        Ok::<Response, ApiError>(
+            Json(json!({"changed": changed, "errors": errors})).into_response(),
+        )
     }
     .await;
     finish(&s, r)
