@@ -283,7 +283,7 @@ router:
     #[test]
     fn classifier_argmax_and_min_confidence() {
         let c = cfg("[classifier, keywords]", "reject");
-        let hi = |_: &str, _: &str, l: &[String]| {
+        let hi = |_: &str, _: &str, l: &[String]| -> Option<Vec<f32>> {
             assert_eq!(l, ["french", "json"]);
             Some(vec![0.2, 0.8])
         };
@@ -292,7 +292,7 @@ router:
             (d.adapter.as_deref(), d.reason.as_str(), d.score),
             (Some("js"), "classifier", Some(0.800000011920929))
         );
-        let low = |_: &str, _: &str, _: &[String]| Some(vec![0.45, 0.55]);
+        let low = |_: &str, _: &str, _: &[String]| -> Option<Vec<f32>> { Some(vec![0.45, 0.55]) };
         // Below minConfidence: falls through to keywords, then to the reject fallback.
         let d = decide(&c, &inp("p", "bonjour"), &low, &none_e).unwrap();
         assert_eq!(d.reason, "keywords");
@@ -308,7 +308,7 @@ router:
     fn embedding_threshold() {
         let c = cfg("[embedding]", "base");
         // Query close to the only description (fr).
-        let close = |t: &[String]| {
+        let close = |t: &[String]| -> Option<Vec<Vec<f32>>> {
             assert_eq!(t.len(), 2);
             Some(vec![vec![1.0, 0.0], vec![0.8, 0.6]])
         };
@@ -317,7 +317,8 @@ router:
             (d.adapter.as_deref(), d.reason.as_str()),
             (Some("fr"), "embedding")
         );
-        let far = |_: &[String]| Some(vec![vec![1.0, 0.0], vec![0.0, 1.0]]);
+        let far =
+            |_: &[String]| -> Option<Vec<Vec<f32>>> { Some(vec![vec![1.0, 0.0], vec![0.0, 1.0]]) };
         assert_eq!(
             decide(&c, &inp("p", "q"), &none_s, &far).unwrap().reason,
             "fallback"
