@@ -65,7 +65,7 @@ auth: {{adminTokenFile: {root}/admin}}
         l,
         cfg_path,
         Duration::from_millis(200),
-        async {
+        async move {
             let _ = rx.await;
         },
     ));
