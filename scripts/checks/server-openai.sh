@@ -11,7 +11,8 @@ port="${MOLE_TEST_PORT:-18734}"
 cargo test -q -p mole-worker --test server_api --no-run >/dev/null 2>&1
 MOLE_TEST_LISTEN="127.0.0.1:$port" cargo test -q -p mole-worker --test server_api serve_for_clients -- --ignored >/dev/null 2>&1 &
 pid=$!
-trap 'kill $pid 2>/dev/null || true; pkill -P $pid 2>/dev/null || true' EXIT
+# cargo does not forward signals to the test binary: stop the child first, then cargo.
+trap 'pkill -P $pid 2>/dev/null || true; kill $pid 2>/dev/null || true' EXIT
 for _ in $(seq 100); do
   curl -fs "http://127.0.0.1:$port/readyz" >/dev/null 2>&1 && break
   sleep 0.2
