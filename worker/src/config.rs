@@ -1,1 +1,404 @@
-//! Loading the worker configuration (being built).
+//! Loading, validating and watching a [`WorkerConfig`] (JSON from the operator's ConfigMap,
+//! YAML or JSON locally). Paths are confined to `modelRoot` after resolving symlinks, because
+//! a ConfigMap or an admin request must never make the worker read outside the model volume.
+
+use std::collections::{HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use mole_crds::{WorkerAdapter, WorkerConfig};
+use sha2::{Digest, Sha256};
+
+use crate::engine::api::{AdapterSpec, InferenceEngine};
+
+/// Why a configuration was refused. Stable names via [`ConfigError::code`].
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}: {source}")]
+    Io {
+        /// File.
+        path: String,
+        /// Cause.
+        source: std::io::Error,
+    },
+    /// Neither valid JSON nor YAML for a WorkerConfig.
+    #[error("cannot parse {path}: {reason}")]
+    Parse {
+        /// File.
+        path: String,
+        /// Parser message.
+        reason: String,
+    },
+    /// A path escapes `modelRoot` (after resolving symlinks) or does not exist.
+    #[error("path {path} is not inside model root {root}: {reason}")]
+    PathOutsideRoot {
+        /// Offending path.
+        path: String,
+        /// Model root.
+        root: String,
+        /// Why.
+        reason: String,
+    },
+    /// A semantic rule is broken (duplicate names, zero limits...).
+    #[error("invalid config: {0}")]
+    Invalid(String),
+}
+
+impl ConfigError {
+    /// Stable name (metric label, JSON `code`).
+    pub fn code(&self) -> &'static str {
+        match self {
+            ConfigError::Io { .. } => "config_io",
+            ConfigError::Parse { .. } => "config_parse",
+            ConfigError::PathOutsideRoot { .. } => "path_outside_root",
+            ConfigError::Invalid(_) => "config_invalid",
+        }
+    }
+}
+
+/// Parses a config from text: JSON first (what the operator writes), then YAML.
+pub fn parse(text: &str, origin: &str) -> Result<WorkerConfig, ConfigError> {
+    let trimmed = text.trim_start();
+    if trimmed.starts_with('{') {
+        return serde_json::from_str(text).map_err(|e| ConfigError::Parse {
+            path: origin.into(),
+            reason: e.to_string(),
+        });
+    }
+    serde_yaml::from_str(text).map_err(|e| ConfigError::Parse {
+        path: origin.into(),
+        reason: e.to_string(),
+    })
+}
+
+/// Reads, parses and validates a config file.
+pub fn load(path: &Path) -> Result<WorkerConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
+        path: path.display().to_string(),
+        source: e,
+    })?;
+    let cfg = parse(&text, &path.display().to_string())?;
+    validate(&cfg)?;
+    Ok(cfg)
+}
+
+/// Resolves `rel` against `root` (symlinks included) and refuses anything outside `root`.
+/// The target must exist, since canonicalisation is the only reliable symlink check.
+pub fn resolve_in_root(root: &str, rel: &str) -> Result<PathBuf, ConfigError> {
+    let err = |reason: String| ConfigError::PathOutsideRoot {
+        path: rel.into(),
+        root: root.into(),
+        reason,
+    };
+    let root_c = std::fs::canonicalize(root).map_err(|e| err(format!("model root: {e}")))?;
+    let p = Path::new(rel);
+    let joined = if p.is_absolute() {
+        p.to_path_buf()
+    } else {
+        root_c.join(p)
+    };
+    let c = std::fs::canonicalize(&joined).map_err(|e| err(e.to_string()))?;
+    if !c.starts_with(&root_c) {
+        return Err(err(format!("resolves to {}", c.display())));
+    }
+    Ok(c)
+}
+
+/// Checks names, limits and that every path stays inside `modelRoot`.
+pub fn validate(cfg: &WorkerConfig) -> Result<(), ConfigError> {
+    if cfg.pool.trim().is_empty() {
+        return Err(ConfigError::Invalid("pool must not be empty".into()));
+    }
+    let l = &cfg.limits;
+    for (name, v) in [
+        ("maxLoras", l.max_loras as u64),
+        ("maxBatchSize", l.max_batch_size as u64),
+        ("maxSeqLen", l.max_seq_len as u64),
+        ("maxTokens", l.max_tokens as u64),
+        ("maxBodyBytes", l.max_body_bytes),
+        ("requestTimeoutSeconds", l.request_timeout_seconds),
+        ("maxLoraRank", l.max_lora_rank as u64),
+    ] {
+        if v == 0 {
+            return Err(ConfigError::Invalid(format!("limits.{name} must be > 0")));
+        }
+    }
+    if l.max_tokens > l.max_seq_len {
+        return Err(ConfigError::Invalid(format!(
+            "limits.maxTokens {} exceeds maxSeqLen {}",
+            l.max_tokens, l.max_seq_len
+        )));
+    }
+    if !(0.0..=1.0).contains(&cfg.router.min_confidence) {
+        return Err(ConfigError::Invalid(
+            "router.minConfidence must be in [0,1]".into(),
+        ));
+    }
+    if !(-1.0..=1.0).contains(&cfg.router.embedding_threshold) {
+        return Err(ConfigError::Invalid(
+            "router.embeddingThreshold must be in [-1,1]".into(),
+        ));
+    }
+    let mut names = HashSet::new();
+    let mut ids = HashMap::new();
+    for a in &cfg.adapters {
+        if a.name.is_empty() || a.name.contains(['/', ' ']) {
+            return Err(ConfigError::Invalid(format!(
+                "bad adapter name {:?}",
+                a.name
+            )));
+        }
+        if a.name == cfg.pool {
+            return Err(ConfigError::Invalid(format!(
+                "adapter {} has the pool's name",
+                a.name
+            )));
+        }
+        if !names.insert(a.name.clone()) {
+            return Err(ConfigError::Invalid(format!(
+                "duplicate adapter name {}",
+                a.name
+            )));
+        }
+        if let Some(other) = ids.insert(a.lora_id, a.name.clone()) {
+            return Err(ConfigError::Invalid(format!(
+                "loraId {} used by {} and {}",
+                a.lora_id, other, a.name
+            )));
+        }
+        if a.load {
+            resolve_in_root(&cfg.model_root, &a.path)?;
+        }
+    }
+    if let Some(c) = &cfg.router.classifier_adapter {
+        if !names.contains(c) {
+            return Err(ConfigError::Invalid(format!(
+                "classifierAdapter {c} is not an adapter"
+            )));
+        }
+    }
+    resolve_in_root(&cfg.model_root, &cfg.base_model.path)?;
+    Ok(())
+}
+
+/// What changed in the adapter list between two configs.
+#[derive(Debug, Default, PartialEq)]
+pub struct AdapterDiff {
+    /// New names, or a new version/path of a known name (loaded beside the old version).
+    pub load: Vec<WorkerAdapter>,
+    /// Names no longer present (or no longer loaded here).
+    pub unload: Vec<String>,
+}
+
+/// Diffs adapter lists, considering only adapters this worker loads.
+pub fn diff_adapters(old: &[WorkerAdapter], new: &[WorkerAdapter]) -> AdapterDiff {
+    let old_m: HashMap<&str, &WorkerAdapter> = old
+        .iter()
+        .filter(|a| a.load)
+        .map(|a| (a.name.as_str(), a))
+        .collect();
+    let new_m: HashMap<&str, &WorkerAdapter> = new
+        .iter()
+        .filter(|a| a.load)
+        .map(|a| (a.name.as_str(), a))
+        .collect();
+    let mut d = AdapterDiff::default();
+    for a in new.iter().filter(|a| a.load) {
+        match old_m.get(a.name.as_str()) {
+            Some(o) if o.version == a.version && o.path == a.path => {}
+            _ => d.load.push(a.clone()),
+        }
+    }
+    for a in old.iter().filter(|a| a.load) {
+        if !new_m.contains_key(a.name.as_str()) {
+            d.unload.push(a.name.clone());
+        }
+    }
+    d
+}
+
+/// Engine spec of a configured adapter (path confined to the model root).
+pub fn adapter_spec(cfg: &WorkerConfig, a: &WorkerAdapter) -> Result<AdapterSpec, ConfigError> {
+    Ok(AdapterSpec {
+        name: a.name.clone(),
+        version: a.version.clone(),
+        lora_id: a.lora_id,
+        path: resolve_in_root(&cfg.model_root, &a.path)?,
+    })
+}
+
+/// Applies a diff through the engine. Loads before unloads so a renamed adapter never leaves a
+/// gap; the engine keeps old versions alive for requests already pinned to them. Returns one
+/// error message per adapter that failed (the others are applied).
+pub fn apply_diff(
+    engine: &dyn InferenceEngine,
+    cfg: &WorkerConfig,
+    diff: &AdapterDiff,
+) -> Vec<String> {
+    let mut errors = Vec::new();
+    for a in &diff.load {
+        let r = adapter_spec(cfg, a)
+            .map_err(|e| e.to_string())
+            .and_then(|s| engine.load_adapter(s).map_err(|e| e.to_string()));
+        if let Err(e) = r {
+            errors.push(format!("load {}: {e}", a.name));
+        }
+    }
+    for n in &diff.unload {
+        if let Err(e) = engine.unload_adapter(n) {
+            errors.push(format!("unload {n}: {e}"));
+        }
+    }
+    errors
+}
+
+/// Shared current config, swapped atomically by the watcher and `/admin/reload`.
+pub type SharedConfig = Arc<std::sync::RwLock<Arc<WorkerConfig>>>;
+
+/// Re-reads `path`; when valid and different, applies the adapter diff and swaps the config.
+/// Returns `Ok(true)` when something changed. An invalid new file keeps the old config.
+pub fn reload(
+    path: &Path,
+    shared: &SharedConfig,
+    engine: &dyn InferenceEngine,
+) -> Result<(bool, Vec<String>), ConfigError> {
+    let new = load(path)?;
+    let old = shared.read().expect("config lock").clone();
+    if *old == new {
+        return Ok((false, Vec::new()));
+    }
+    let diff = diff_adapters(&old.adapters, &new.adapters);
+    let errors = apply_diff(engine, &new, &diff);
+    *shared.write().expect("config lock") = Arc::new(new);
+    Ok((true, errors))
+}
+
+fn content_hash(path: &Path) -> Option<Vec<u8>> {
+    // Hash the content, not the mtime: a ConfigMap update is a symlink swap whose target
+    // mtime may not move.
+    std::fs::read(path)
+        .ok()
+        .map(|b| Sha256::digest(&b).to_vec())
+}
+
+/// Polls `path` every `every` and reloads on content change. Runs until the task is dropped.
+pub async fn watch(
+    path: PathBuf,
+    shared: SharedConfig,
+    engine: Arc<dyn InferenceEngine>,
+    every: Duration,
+) {
+    let mut last = content_hash(&path);
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tick.tick().await;
+        let h = content_hash(&path);
+        if h.is_none() || h == last {
+            continue;
+        }
+        last = h;
+        let (p, s, e) = (path.clone(), shared.clone(), engine.clone());
+        let r = tokio::task::spawn_blocking(move || reload(&p, &s, e.as_ref())).await;
+        match r {
+            Ok(Ok((changed, errs))) => {
+                if changed {
+                    tracing::info!(errors = ?errs, "config reloaded");
+                }
+            }
+            Ok(Err(e)) => tracing::warn!(code = e.code(), "config reload refused: {e}"),
+            Err(e) => tracing::warn!("config reload task failed: {e}"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg_yaml(root: &str, extra: &str) -> String {
+        format!(
+            "pool: p\nmodelRoot: {root}\nbaseModel: {{name: b, path: base}}\nadapters:\n{extra}"
+        )
+    }
+
+    fn setup() -> tempfile::TempDir {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(d.path().join("base")).unwrap();
+        std::fs::create_dir_all(d.path().join("a1")).unwrap();
+        d
+    }
+
+    #[test]
+    fn yaml_and_json_load_and_validate() {
+        let d = setup();
+        let root = d.path().to_str().unwrap();
+        let y = cfg_yaml(root, "  - {name: fr, version: v1, loraId: 1, path: a1}\n");
+        let c = parse(&y, "t").unwrap();
+        validate(&c).unwrap();
+        let j = serde_json::to_string(&c).unwrap();
+        assert_eq!(parse(&j, "t").unwrap(), c);
+    }
+
+    #[test]
+    fn refuses_duplicates_traversal_and_symlink_escape() {
+        let d = setup();
+        let root = d.path().to_str().unwrap();
+        let dup = cfg_yaml(
+            root,
+            "  - {name: fr, version: v1, loraId: 1, path: a1}\n  - {name: fr, version: v1, loraId: 2, path: a1}\n",
+        );
+        assert_eq!(
+            validate(&parse(&dup, "t").unwrap()).unwrap_err().code(),
+            "config_invalid"
+        );
+        let trav = cfg_yaml(
+            root,
+            "  - {name: fr, version: v1, loraId: 1, path: ../../etc}\n",
+        );
+        assert_eq!(
+            validate(&parse(&trav, "t").unwrap()).unwrap_err().code(),
+            "path_outside_root"
+        );
+        let outside = tempfile::tempdir().unwrap();
+        std::os::unix::fs::symlink(outside.path(), d.path().join("link")).unwrap();
+        let sym = cfg_yaml(root, "  - {name: fr, version: v1, loraId: 1, path: link}\n");
+        assert_eq!(
+            validate(&parse(&sym, "t").unwrap()).unwrap_err().code(),
+            "path_outside_root"
+        );
+        assert_eq!(parse("pool: [", "t").unwrap_err().code(), "config_parse");
+        let unknown = format!("{}\nbogus: 1\n", cfg_yaml(root, "  []"));
+        assert_eq!(parse(&unknown, "t").unwrap_err().code(), "config_parse");
+    }
+
+    #[test]
+    fn diff_detects_new_versions_and_removals() {
+        let a = |n: &str, v: &str| WorkerAdapter {
+            name: n.into(),
+            version: v.into(),
+            lora_id: 1,
+            path: n.into(),
+            label: None,
+            description: None,
+            examples: vec![],
+            domains: vec![],
+            keywords: vec![],
+            extensions: vec![],
+            mode: Default::default(),
+            merged_endpoint: None,
+            load: true,
+        };
+        let d = diff_adapters(&[a("x", "1"), a("y", "1")], &[a("x", "2"), a("z", "1")]);
+        assert_eq!(
+            d.load.iter().map(|a| a.name.as_str()).collect::<Vec<_>>(),
+            ["x", "z"]
+        );
+        assert_eq!(d.unload, ["y"]);
+        assert_eq!(
+            diff_adapters(&[a("x", "1")], &[a("x", "1")]),
+            AdapterDiff::default()
+        );
+    }
+}
