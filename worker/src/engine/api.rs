@@ -56,6 +56,9 @@ pub enum Prompt {
     Text(String),
     /// Token ids, used as is.
     Tokens(Vec<u32>),
+    /// Text that already carries its special tokens (a rendered chat template): tokenized
+    /// without adding BOS again, as transformers and vLLM do for chat.
+    Templated(String),
 }
 
 /// One chat message (text content only; images are refused by the server until vision lands).

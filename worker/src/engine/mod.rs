@@ -1,5 +1,432 @@
 //! The inference engine: an engine thread with a continuous-batching scheduler over one
 //! model instance and a registry of LoRA adapters. The server talks to it only through
-//! [`api`].
+//! [`api`]; [`Engine`] is the implementation.
 
 pub mod api;
+pub mod registry;
+pub mod sampler;
+pub mod scheduler;
+pub mod text;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+
+use candle_core::{DType, Device};
+use mole_crds::{LoraAdapterInfo, Residency};
+
+use self::api::*;
+use self::registry::{Lookup, Pinned, Registry};
+use self::sampler::Sampler;
+use self::scheduler::{Msg, Seq};
+use self::text::TextModel;
+use crate::lora::{LoadOptions, LoraAdapter};
+use crate::model::{Decoder, Row, SeqCache};
+
+/// Engine settings (from the worker config's limits).
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Base model identity (adapters naming another base are refused; `/v1/models`).
+    pub base_name: String,
+    /// Sequences decoded together.
+    pub max_batch_size: usize,
+    /// Longest sequence (prompt + output), capped by the model's own limit.
+    pub max_seq_len: usize,
+    /// Waiting requests before `Overloaded`.
+    pub max_queue: usize,
+    /// Adapters resident at once (least recently used idle ones go back to disk).
+    pub max_loras: usize,
+    /// Highest LoRA rank accepted.
+    pub max_lora_rank: usize,
+    /// Prompt tokens processed per step across new sequences (chunked prefill).
+    pub prefill_chunk: usize,
+    /// In a merged pod: the adapter baked into the weights and its version (requests naming
+    /// it run on the weights as they are).
+    pub merged: Option<(String, String)>,
+}
+
+impl Default for EngineOptions {
+    fn default() -> Self {
+        Self {
+            base_name: "base".into(),
+            max_batch_size: 16,
+            max_seq_len: 4096,
+            max_queue: 256,
+            max_loras: 8,
+            max_lora_rank: 64,
+            prefill_chunk: 512,
+            merged: None,
+        }
+    }
+}
+
+/// State shared by the engine handle and the engine thread.
+pub struct Shared {
+    model: Decoder,
+    text: TextModel,
+    registry: Registry,
+    opts: EngineOptions,
+    /// Requests submitted and not yet admitted to the batch.
+    waiting: AtomicUsize,
+    stats: Mutex<EngineStats>,
+    dtype: DType,
+    device: Device,
+}
+
+/// The engine: a handle to the engine thread.
+pub struct Engine {
+    shared: Arc<Shared>,
+    tx: mpsc::Sender<Msg>,
+}
+
+impl Engine {
+    /// Loads an HF model directory (weights, tokenizer, chat template) and starts the engine
+    /// thread.
+    pub fn load(
+        dir: &Path,
+        dtype: DType,
+        device: &Device,
+        opts: EngineOptions,
+    ) -> Result<Self, EngineError> {
+        let model = Decoder::load(dir, dtype, device)
+            .map_err(|e| EngineError::NotReady(format!("model {}: {e}", dir.display())))?;
+        let text = TextModel::load(dir).map_err(|e| EngineError::NotReady(e.to_string()))?;
+        Ok(Self::start(model, text, opts))
+    }
+
+    /// Starts the engine thread over a loaded model.
+    pub fn start(model: Decoder, text: TextModel, mut opts: EngineOptions) -> Self {
+        opts.max_seq_len = opts
+            .max_seq_len
+            .min(model.config().max_position_embeddings)
+            .max(2);
+        let device = model.device().clone();
+        let residency = Residency::Gpu;
+        let shared = Arc::new(Shared {
+            dtype: model.dtype(),
+            device,
+            registry: Registry::new(opts.max_loras, residency),
+            waiting: AtomicUsize::new(0),
+            stats: Mutex::new(EngineStats {
+                max_loras: opts.max_loras,
+                ..Default::default()
+            }),
+            model,
+            text,
+            opts,
+        });
+        let (tx, rx) = mpsc::channel();
+        let sh = shared.clone();
+        std::thread::Builder::new()
+            .name("mole-engine".into())
+            .spawn(move || scheduler::run(sh, rx))
+            .expect("spawn engine thread");
+        Self { shared, tx }
+    }
+
+    fn load_weights(shared: &Shared, spec: &AdapterSpec) -> Result<Arc<LoraAdapter>, EngineError> {
+        let started = std::time::Instant::now();
+        let opts = LoadOptions {
+            max_rank: shared.opts.max_lora_rank,
+            expect_base: Some(shared.opts.base_name.clone()),
+        };
+        let a = LoraAdapter::load(
+            &spec.path,
+            shared.model.config(),
+            shared.dtype,
+            &shared.device,
+            &opts,
+        )
+        .map_err(|e| EngineError::InvalidAdapter {
+            name: spec.name.clone(),
+            reason: e.to_string(),
+        })?;
+        tracing::info!(adapter = %spec.name, version = %spec.version, rank = a.rank, bytes = a.bytes,
+            seconds = started.elapsed().as_secs_f64(), "adapter loaded");
+        Ok(Arc::new(a))
+    }
+
+    fn is_merged(&self, name: &str) -> Option<&str> {
+        self.shared
+            .opts
+            .merged
+            .as_ref()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    fn tokens(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
+        let t = &self.shared.text;
+        let ids = match prompt {
+            Prompt::Text(s) => t.encode(s, true),
+            Prompt::Templated(s) => t.encode(s, false),
+            Prompt::Tokens(ids) => {
+                let vocab = self.shared.model.config().vocab_size;
+                if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+                    return Err(EngineError::InvalidRequest(format!(
+                        "token id {bad} is outside the vocabulary (size {vocab})"
+                    )));
+                }
+                Ok(ids.clone())
+            }
+        };
+        ids.map_err(|e| EngineError::InvalidRequest(e.to_string()))
+    }
+
+    /// Pins the adapter for a request, reading it back from disk when it was evicted.
+    fn pin(&self, name: &str) -> Result<Pinned, EngineError> {
+        match self.shared.registry.lookup(name) {
+            Lookup::Ready(p) => Ok(p),
+            Lookup::Unknown => Err(EngineError::AdapterNotFound(name.into())),
+            Lookup::Evicted(spec) => {
+                let w = Self::load_weights(&self.shared, &spec)?;
+                self.shared.registry.insert(spec, w);
+                match self.shared.registry.lookup(name) {
+                    Lookup::Ready(p) => Ok(p),
+                    _ => Err(EngineError::AdapterNotFound(name.into())),
+                }
+            }
+        }
+    }
+}
+
+impl InferenceEngine for Engine {
+    fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
+        let sh = &self.shared;
+        let prompt = self.tokens(&req.prompt)?;
+        if prompt.is_empty() {
+            return Err(EngineError::InvalidRequest("the prompt is empty".into()));
+        }
+        let max_seq = sh.opts.max_seq_len;
+        if prompt.len() >= max_seq {
+            return Err(EngineError::InvalidRequest(format!(
+                "prompt of {} tokens leaves no room in max_seq_len {max_seq}",
+                prompt.len()
+            )));
+        }
+        if req.sampling.max_tokens == 0 {
+            return Err(EngineError::InvalidRequest(
+                "max_tokens must be at least 1".into(),
+            ));
+        }
+        let max_new = req.sampling.max_tokens.min(max_seq - prompt.len());
+        let adapter_name = req
+            .adapter
+            .as_deref()
+            .filter(|n| self.is_merged(n).is_none());
+        let queued = sh.waiting.fetch_add(1, Ordering::SeqCst);
+        if queued >= sh.opts.max_queue {
+            sh.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(EngineError::Overloaded(queued));
+        }
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let sampler = Sampler::new(req.sampling, &prompt);
+        let seq = move |adapter: Option<Pinned>| {
+            if let Some(p) = &adapter {
+                p.start();
+            }
+            Box::new(Seq::new(req.id, prompt, adapter, sampler, tx, max_new))
+        };
+        let unqueue = || {
+            sh.waiting.fetch_sub(1, Ordering::SeqCst);
+        };
+        match adapter_name {
+            None => {
+                self.tx.send(Msg::Submit(seq(None))).map_err(|_| {
+                    unqueue();
+                    EngineError::NotReady("engine stopped".into())
+                })?;
+            }
+            Some(name) => match sh.registry.lookup(name) {
+                Lookup::Ready(p) => {
+                    self.tx.send(Msg::Submit(seq(Some(p)))).map_err(|_| {
+                        unqueue();
+                        EngineError::NotReady("engine stopped".into())
+                    })?;
+                }
+                Lookup::Unknown => {
+                    unqueue();
+                    return Err(EngineError::AdapterNotFound(name.into()));
+                }
+                Lookup::Evicted(spec) => {
+                    // Read it back on a loader thread so neither the caller's async runtime
+                    // nor the decode loop waits on the disk; the request queues meanwhile.
+                    let (shared, etx, name) = (sh.clone(), self.tx.clone(), name.to_string());
+                    std::thread::spawn(move || {
+                        let res = Self::load_weights(&shared, &spec).map(|w| {
+                            shared.registry.insert(spec, w);
+                            shared.registry.lookup(&name)
+                        });
+                        match res {
+                            Ok(Lookup::Ready(p)) => {
+                                let _ = etx.send(Msg::Submit(seq(Some(p))));
+                            }
+                            Ok(_) | Err(_) => {
+                                shared.waiting.fetch_sub(1, Ordering::SeqCst);
+                                let err = res.err().unwrap_or(EngineError::AdapterNotFound(name));
+                                let s = seq(None);
+                                let _ = s.tx.send(TokenEvent::Error(err));
+                            }
+                        }
+                    });
+                }
+            },
+        }
+        Ok(rx)
+    }
+
+    fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
+        self.shared
+            .text
+            .render_chat(messages)
+            .map_err(|e| EngineError::InvalidRequest(e.to_string()))
+    }
+
+    fn count_tokens(&self, text: &str) -> Result<usize, EngineError> {
+        self.tokens(&Prompt::Text(text.into())).map(|t| t.len())
+    }
+
+    fn score_labels(
+        &self,
+        adapter: Option<&str>,
+        prompt: &str,
+        labels: &[String],
+    ) -> Result<Vec<f32>, EngineError> {
+        let t = &self.shared.text;
+        let mut ids = self.tokens(&Prompt::Text(prompt.into()))?;
+        ids.truncate(self.shared.opts.max_seq_len - 1);
+        if ids.is_empty() || labels.is_empty() {
+            return Err(EngineError::InvalidRequest("nothing to score".into()));
+        }
+        let firsts = labels
+            .iter()
+            .map(|l| {
+                t.encode(l, false)
+                    .ok()
+                    .and_then(|v| v.first().copied())
+                    .ok_or_else(|| {
+                        EngineError::InvalidRequest(format!("label {l:?} has no tokens"))
+                    })
+            })
+            .collect::<Result<Vec<u32>, _>>()?;
+        let pinned = match adapter {
+            Some(n) if self.is_merged(n).is_none() => Some(self.pin(n)?),
+            _ => None,
+        };
+        // One forward pass over the prompt, on the caller's thread with its own cache: no
+        // generation, nothing queued behind decode.
+        let mut cache = SeqCache::default();
+        let mut rows = [Row {
+            tokens: &ids,
+            cache: &mut cache,
+            adapter: pinned.as_ref().map(|p| p.adapter.as_ref()),
+        }];
+        let logits = self
+            .shared
+            .model
+            .forward(&mut rows)
+            .and_then(|l| Ok(l[0].to_vec1::<f32>()?))
+            .map_err(|e| EngineError::Internal(e.to_string()))?;
+        let picked: Vec<f32> = firsts.iter().map(|&i| logits[i as usize]).collect();
+        let lp = sampler::log_softmax(&picked);
+        Ok(lp.into_iter().map(f32::exp).collect())
+    }
+
+    fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
+        if self.is_merged(&spec.name).is_some()
+            || self.shared.registry.is_current(&spec.name, &spec.version)
+        {
+            return Ok(());
+        }
+        let w = Self::load_weights(&self.shared, &spec)?;
+        self.shared.registry.insert(spec, w);
+        Ok(())
+    }
+
+    fn unload_adapter(&self, name: &str) -> Result<(), EngineError> {
+        if self.shared.registry.remove(name) {
+            Ok(())
+        } else {
+            Err(EngineError::AdapterNotFound(name.into()))
+        }
+    }
+
+    fn adapters(&self) -> Vec<LoraAdapterInfo> {
+        let mut out = self.shared.registry.infos();
+        if let Some((name, version)) = &self.shared.opts.merged {
+            // The merged adapter is the weights themselves.
+            out.push(LoraAdapterInfo {
+                name: name.clone(),
+                version: version.clone(),
+                lora_id: 0,
+                residency: Residency::Gpu,
+                loaded: true,
+                rank: 0,
+                bytes: 0,
+                requests: 0,
+                running: 0,
+                error: None,
+            });
+        }
+        out
+    }
+
+    fn stats(&self) -> EngineStats {
+        let mut s = self
+            .shared
+            .stats
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        // Requests still on a loader thread count as waiting too.
+        s.waiting = s.waiting.max(self.shared.waiting.load(Ordering::SeqCst));
+        s
+    }
+
+    fn model_info(&self) -> ModelInfo {
+        ModelInfo {
+            name: self.shared.opts.base_name.clone(),
+            max_seq_len: self.shared.opts.max_seq_len,
+            vocab_size: self.shared.model.config().vocab_size,
+        }
+    }
+}
+
+/// The device the engine runs on: the first CUDA GPU when built with `cuda` and one is
+/// present, else the CPU.
+pub fn default_device() -> Device {
+    #[cfg(feature = "cuda")]
+    {
+        match Device::new_cuda(0) {
+            Ok(d) => return d,
+            Err(e) => tracing::warn!(error = %e, "no CUDA device, serving on CPU"),
+        }
+    }
+    Device::Cpu
+}
+
+/// Serving dtype: as configured on a GPU; f32 on the CPU, where candle's half-precision
+/// matmuls are slower than f32 and less accurate.
+pub fn serving_dtype(configured: mole_crds::Dtype, device: &Device) -> DType {
+    if device.is_cpu() {
+        if configured != mole_crds::Dtype::F32 {
+            tracing::info!(configured = configured.as_str(), "CPU serving uses f32");
+        }
+        return DType::F32;
+    }
+    match configured {
+        mole_crds::Dtype::Bf16 => DType::BF16,
+        mole_crds::Dtype::F16 => DType::F16,
+        mole_crds::Dtype::F32 => DType::F32,
+    }
+}
+
+/// The model directory a worker config serves: the merged output in a merged pod, else the
+/// base model.
+pub fn model_dir(cfg: &mole_crds::WorkerConfig) -> Result<PathBuf, crate::config::ConfigError> {
+    let rel = match &cfg.merged {
+        Some(m) => &m.path,
+        None => &cfg.base_model.path,
+    };
+    crate::config::resolve_in_root(&cfg.model_root, rel)
+}

@@ -154,13 +154,14 @@ impl LoraAdapter {
             ));
         }
         if let Some(expected) = &opts.expect_base {
+            // Hub ids are case-insensitive and pools name the model by its last segment.
             let found = cfg.base_model_name_or_path.clone();
             let last = |s: &str| {
                 s.trim_end_matches('/')
                     .rsplit('/')
                     .next()
                     .unwrap_or("")
-                    .to_string()
+                    .to_ascii_lowercase()
             };
             if !found
                 .as_deref()

@@ -315,6 +315,16 @@ impl Decoder {
         &self.cfg
     }
 
+    /// The device the weights live on.
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// The dtype of the weights.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// Runs new tokens of several sequences in one pass; returns each row's logits at its last
     /// new position (`[vocab]`, f32) and extends each row's cache.
     pub fn forward(&self, rows: &mut [Row<'_>]) -> Result<Vec<Tensor>, ModelError> {

@@ -217,8 +217,32 @@ fn bearer(h: &HeaderMap) -> Option<&str> {
 
 /// Builds the engine for a config: the ONE place where the server meets the engine
 /// implementation.
-pub fn build_engine(_cfg: &WorkerConfig) -> anyhow::Result<Arc<dyn InferenceEngine>> {
-    anyhow::bail!("engine not built in this branch")
+pub fn build_engine(cfg: &WorkerConfig) -> anyhow::Result<Arc<dyn InferenceEngine>> {
+    use crate::engine::{default_device, model_dir, serving_dtype, Engine, EngineOptions};
+    let dir = model_dir(cfg)?;
+    let device = default_device();
+    let dtype = serving_dtype(cfg.base_model.dtype, &device);
+    let l = &cfg.limits;
+    let opts = EngineOptions {
+        base_name: cfg.base_model.name.clone(),
+        max_batch_size: l.max_batch_size as usize,
+        max_seq_len: l.max_seq_len as usize,
+        max_queue: l.max_queue as usize,
+        max_loras: l.max_loras as usize,
+        max_lora_rank: l.max_lora_rank as usize,
+        prefill_chunk: std::env::var("MOLE_PREFILL_CHUNK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(512),
+        merged: cfg
+            .merged
+            .as_ref()
+            .map(|m| (m.adapter.clone(), m.version.clone())),
+    };
+    let started = std::time::Instant::now();
+    let engine = Engine::load(&dir, dtype, &device, opts)?;
+    tracing::info!(model = %dir.display(), ?device, ?dtype, seconds = started.elapsed().as_secs_f64(), "model loaded");
+    Ok(Arc::new(engine))
 }
 
 /// The HTTP routes.

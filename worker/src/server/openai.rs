@@ -375,7 +375,7 @@ async fn serve(
     }
     // Prompt length limit, checked before queueing so an oversize prompt costs nothing.
     let ptoks = match &prompt {
-        Prompt::Text(t) => s.engine.count_tokens(t)?,
+        Prompt::Text(t) | Prompt::Templated(t) => s.engine.count_tokens(t)?,
         Prompt::Tokens(t) => t.len(),
     };
     let max_seq = (cfg.limits.max_seq_len as usize).min(s.engine.model_info().max_seq_len.max(1));
@@ -726,7 +726,7 @@ pub async fn chat(
         let msgs = messages(b.messages)?;
         let sp = sampling(&s, &b.common, true)?;
         let text = last_user_text(&msgs);
-        let prompt = Prompt::Text(s.engine.apply_chat_template(&msgs)?);
+        let prompt = Prompt::Templated(s.engine.apply_chat_template(&msgs)?);
         serve(
             s.clone(),
             headers.clone(),
@@ -776,7 +776,7 @@ pub async fn completions(
             }
         };
         let text = match &prompt {
-            Prompt::Text(t) => t.clone(),
+            Prompt::Text(t) | Prompt::Templated(t) => t.clone(),
             Prompt::Tokens(_) => String::new(),
         };
         serve(
@@ -830,7 +830,7 @@ pub async fn infer(
             content: b.input.clone(),
         }];
         let sp = sampling(&s, &b.common, true)?;
-        let prompt = Prompt::Text(s.engine.apply_chat_template(&msgs)?);
+        let prompt = Prompt::Templated(s.engine.apply_chat_template(&msgs)?);
         serve(
             s.clone(),
             headers.clone(),

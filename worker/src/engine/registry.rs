@@ -1,0 +1,270 @@
+//! The adapter registry: which version of each adapter new requests get, where its weights
+//! live, and the least-recently-used eviction that keeps at most `capacity` adapters resident.
+//!
+//! Versions are immutable: a request pins an `Arc` of the version current when it was
+//! submitted; loading a new version swaps only later requests over, and the old weights are
+//! freed when the last request holding them ends. Evicted adapters keep their spec and are
+//! read back from disk on their next request.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, Weak};
+use std::time::Instant;
+
+use mole_crds::{LoraAdapterInfo, Residency};
+
+use super::api::AdapterSpec;
+use crate::lora::LoraAdapter;
+
+/// Request counters of one adapter version (shared with the sequences that pinned it).
+#[derive(Debug, Default)]
+pub struct VersionStats {
+    /// Completed requests.
+    pub requests: AtomicU64,
+    /// Requests running or waiting now.
+    pub running: AtomicU64,
+}
+
+/// What a request holds for the life of the request.
+#[derive(Debug, Clone)]
+pub struct Pinned {
+    /// Adapter name.
+    pub name: String,
+    /// Version pinned at submit.
+    pub version: String,
+    /// The weights (kept alive by this handle even after an unload or a new version).
+    pub adapter: Arc<LoraAdapter>,
+    /// Counters of this version.
+    pub stats: Arc<VersionStats>,
+}
+
+impl Pinned {
+    /// Counts the request as running; [`Pinned::finish`] undoes it.
+    pub fn start(&self) {
+        self.stats.running.fetch_add(1, Ordering::Relaxed);
+    }
+    /// Counts the request as done.
+    pub fn finish(&self) {
+        self.stats.running.fetch_sub(1, Ordering::Relaxed);
+        self.stats.requests.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[derive(Debug)]
+struct Entry {
+    spec: AdapterSpec,
+    weights: Option<Arc<LoraAdapter>>,
+    rank: usize,
+    bytes: u64,
+    stats: Arc<VersionStats>,
+    last_used: Instant,
+}
+
+/// A replaced or unloaded version still held by running requests.
+#[derive(Debug)]
+struct Draining {
+    spec: AdapterSpec,
+    weights: Weak<LoraAdapter>,
+    rank: usize,
+    bytes: u64,
+    stats: Arc<VersionStats>,
+}
+
+/// Result of looking an adapter up for a new request.
+pub enum Lookup {
+    /// Resident: pinned.
+    Ready(Pinned),
+    /// Known but evicted: load `spec` from disk, then [`Registry::insert`] it.
+    Evicted(AdapterSpec),
+    /// Not known.
+    Unknown,
+}
+
+/// The registry (interior mutability; shared by the server threads and the engine).
+#[derive(Debug)]
+pub struct Registry {
+    inner: Mutex<Inner>,
+    capacity: usize,
+    residency: Residency,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    current: HashMap<String, Entry>,
+    draining: Vec<Draining>,
+}
+
+impl Registry {
+    /// A registry keeping at most `capacity` adapters resident, reported with `residency`
+    /// (`Gpu` when the engine runs on a GPU, `Cpu` otherwise).
+    pub fn new(capacity: usize, residency: Residency) -> Self {
+        Self {
+            inner: Mutex::new(Inner::default()),
+            capacity: capacity.max(1),
+            residency,
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether `name` at `version` is current and resident (a reload of the same version is a
+    /// no-op).
+    pub fn is_current(&self, name: &str, version: &str) -> bool {
+        let g = self.lock();
+        g.current
+            .get(name)
+            .is_some_and(|e| e.spec.version == version && e.weights.is_some())
+    }
+
+    /// Makes `weights` the current version of `spec.name`; the version it replaces drains.
+    /// Evicts least-recently-used idle adapters beyond capacity.
+    pub fn insert(&self, spec: AdapterSpec, weights: Arc<LoraAdapter>) {
+        let mut g = self.lock();
+        let (rank, bytes) = (weights.rank, weights.bytes);
+        let stats = match g.current.remove(&spec.name) {
+            // Same version read back after an eviction: keep its counters.
+            Some(old) if old.spec.version == spec.version => old.stats,
+            Some(old) => {
+                if let Some(w) = old.weights {
+                    g.draining.push(Draining {
+                        spec: old.spec,
+                        weights: Arc::downgrade(&w),
+                        rank: old.rank,
+                        bytes: old.bytes,
+                        stats: old.stats,
+                    });
+                }
+                Arc::default()
+            }
+            None => Arc::default(),
+        };
+        g.current.insert(
+            spec.name.clone(),
+            Entry {
+                spec,
+                weights: Some(weights),
+                rank,
+                bytes,
+                stats,
+                last_used: Instant::now(),
+            },
+        );
+        Self::evict(&mut g, self.capacity);
+    }
+
+    fn evict(g: &mut Inner, capacity: usize) {
+        loop {
+            let resident = g.current.values().filter(|e| e.weights.is_some()).count();
+            if resident <= capacity {
+                return;
+            }
+            // Only adapters no request holds can go; if all are busy the registry stays over
+            // capacity until one finishes (never drops weights a request is using).
+            let victim = g
+                .current
+                .values_mut()
+                .filter(|e| {
+                    e.weights
+                        .as_ref()
+                        .is_some_and(|w| Arc::strong_count(w) == 1)
+                })
+                .min_by_key(|e| e.last_used);
+            match victim {
+                Some(e) => {
+                    tracing::info!(adapter = %e.spec.name, version = %e.spec.version, "evicted to disk (LRU)");
+                    e.weights = None;
+                }
+                None => return,
+            }
+        }
+    }
+
+    /// Pins the current version of `name` for a new request.
+    pub fn lookup(&self, name: &str) -> Lookup {
+        let mut g = self.lock();
+        match g.current.get_mut(name) {
+            None => Lookup::Unknown,
+            Some(e) => match &e.weights {
+                Some(w) => {
+                    e.last_used = Instant::now();
+                    Lookup::Ready(Pinned {
+                        name: e.spec.name.clone(),
+                        version: e.spec.version.clone(),
+                        adapter: w.clone(),
+                        stats: e.stats.clone(),
+                    })
+                }
+                None => Lookup::Evicted(e.spec.clone()),
+            },
+        }
+    }
+
+    /// Removes `name`; requests holding it finish on it. False when it was not known.
+    pub fn remove(&self, name: &str) -> bool {
+        let mut g = self.lock();
+        match g.current.remove(name) {
+            Some(e) => {
+                if let Some(w) = e.weights {
+                    g.draining.push(Draining {
+                        spec: e.spec,
+                        weights: Arc::downgrade(&w),
+                        rank: e.rank,
+                        bytes: e.bytes,
+                        stats: e.stats,
+                    });
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Enforces capacity again (after requests released adapters).
+    pub fn trim(&self) {
+        let mut g = self.lock();
+        Self::evict(&mut g, self.capacity);
+    }
+
+    /// Current versions, and versions still draining (`loaded: false`: they take no new
+    /// requests).
+    pub fn infos(&self) -> Vec<LoraAdapterInfo> {
+        let mut g = self.lock();
+        g.draining.retain(|d| d.weights.strong_count() > 0);
+        let mut out: Vec<LoraAdapterInfo> = g
+            .current
+            .values()
+            .map(|e| LoraAdapterInfo {
+                name: e.spec.name.clone(),
+                version: e.spec.version.clone(),
+                lora_id: e.spec.lora_id,
+                residency: if e.weights.is_some() {
+                    self.residency
+                } else {
+                    Residency::Disk
+                },
+                loaded: true,
+                rank: e.rank as u32,
+                bytes: if e.weights.is_some() { e.bytes } else { 0 },
+                requests: e.stats.requests.load(Ordering::Relaxed),
+                running: e.stats.running.load(Ordering::Relaxed),
+                error: None,
+            })
+            .chain(g.draining.iter().map(|d| LoraAdapterInfo {
+                name: d.spec.name.clone(),
+                version: d.spec.version.clone(),
+                lora_id: d.spec.lora_id,
+                residency: self.residency,
+                loaded: false,
+                rank: d.rank as u32,
+                bytes: d.bytes,
+                requests: d.stats.requests.load(Ordering::Relaxed),
+                running: d.stats.running.load(Ordering::Relaxed),
+                error: None,
+            }))
+            .collect();
+        out.sort_by(|a, b| (&a.name, &a.version).cmp(&(&b.name, &b.version)));
+        out
+    }
+}

@@ -1,0 +1,282 @@
+//! Next-token selection for one sequence: penalties, then greedy or temperature sampling
+//! through top-k, min-p and top-p, with a per-request seeded generator so the same seed gives
+//! the same tokens. Logprobs are those of the model's distribution (before penalties and
+//! temperature), as vLLM reports them by default.
+
+use std::collections::HashMap;
+
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::api::SamplingParams;
+
+/// Below this temperature sampling is greedy (as in vLLM), avoiding a division blow-up.
+const GREEDY_BELOW: f32 = 1e-5;
+
+/// The chosen token and, when asked, its logprob and the top alternatives.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Sampled {
+    /// Token id.
+    pub token: u32,
+    /// Its log-probability under the model (NaN when logprobs were not asked).
+    pub logprob: f32,
+    /// Top alternatives (id, logprob), best first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// Sampling state of one sequence.
+#[derive(Debug)]
+pub struct Sampler {
+    p: SamplingParams,
+    rng: StdRng,
+    /// Generated-token counts (presence/frequency penalties).
+    counts: HashMap<u32, u32>,
+    /// Prompt tokens (the repetition penalty covers prompt and output, as in transformers).
+    prompt: Vec<u32>,
+}
+
+impl Sampler {
+    /// A sampler for one request.
+    pub fn new(p: SamplingParams, prompt: &[u32]) -> Self {
+        let rng = match p.seed {
+            Some(s) => StdRng::seed_from_u64(s),
+            None => StdRng::from_os_rng(),
+        };
+        let mut prompt = if p.repetition_penalty != 1.0 {
+            prompt.to_vec()
+        } else {
+            Vec::new()
+        };
+        prompt.sort_unstable();
+        prompt.dedup();
+        Self {
+            p,
+            rng,
+            counts: HashMap::new(),
+            prompt,
+        }
+    }
+
+    /// The sampling parameters.
+    pub fn params(&self) -> &SamplingParams {
+        &self.p
+    }
+
+    /// Picks the next token from the last position's logits and records it.
+    pub fn sample(&mut self, logits: &[f32]) -> Sampled {
+        let (logprob_of, top) = match self.p.logprobs {
+            Some(n) => {
+                let lp = log_softmax(logits);
+                let top = top_n(&lp, n);
+                (Some(lp), top)
+            }
+            None => (None, Vec::new()),
+        };
+        let mut l = logits.to_vec();
+        self.apply_penalties(&mut l);
+        let token = if self.p.temperature < GREEDY_BELOW {
+            argmax(&l)
+        } else {
+            self.draw(l)
+        };
+        *self.counts.entry(token).or_default() += 1;
+        Sampled {
+            token,
+            logprob: logprob_of.map_or(f32::NAN, |lp| lp[token as usize]),
+            top,
+        }
+    }
+
+    fn apply_penalties(&self, l: &mut [f32]) {
+        let rp = self.p.repetition_penalty;
+        if rp != 1.0 && rp > 0.0 {
+            let ids = self.prompt.iter().chain(self.counts.keys());
+            let mut done = std::collections::HashSet::new();
+            for &t in ids {
+                if let Some(x) = l.get_mut(t as usize) {
+                    if done.insert(t) {
+                        *x = if *x > 0.0 { *x / rp } else { *x * rp };
+                    }
+                }
+            }
+        }
+        let (pp, fp) = (self.p.presence_penalty, self.p.frequency_penalty);
+        if pp != 0.0 || fp != 0.0 {
+            for (&t, &c) in &self.counts {
+                if let Some(x) = l.get_mut(t as usize) {
+                    *x -= pp + fp * c as f32;
+                }
+            }
+        }
+    }
+
+    /// Temperature, top-k, min-p, top-p, then one draw.
+    fn draw(&mut self, mut l: Vec<f32>) -> u32 {
+        let t = self.p.temperature;
+        for x in l.iter_mut() {
+            *x /= t;
+        }
+        // Candidates sorted by logit, best first; top-k cuts before the softmax.
+        let mut idx: Vec<u32> = (0..l.len() as u32).collect();
+        let k = if self.p.top_k > 0 {
+            self.p.top_k.min(l.len())
+        } else {
+            l.len()
+        };
+        let by_logit = |a: &u32, b: &u32| l[*b as usize].total_cmp(&l[*a as usize]);
+        if k < idx.len() {
+            idx.select_nth_unstable_by(k - 1, by_logit);
+            idx.truncate(k);
+        }
+        idx.sort_unstable_by(by_logit);
+        let max = l[idx[0] as usize];
+        let mut probs: Vec<f32> = idx.iter().map(|&i| (l[i as usize] - max).exp()).collect();
+        let sum: f32 = probs.iter().sum();
+        probs.iter_mut().for_each(|p| *p /= sum);
+        // min-p: drop tokens less likely than min_p times the best one.
+        if self.p.min_p > 0.0 {
+            let floor = self.p.min_p * probs[0];
+            let keep = probs.iter().take_while(|&&p| p >= floor).count().max(1);
+            probs.truncate(keep);
+        }
+        // top-p: the smallest prefix whose mass reaches top_p.
+        if self.p.top_p < 1.0 {
+            let total: f32 = probs.iter().sum();
+            let mut acc = 0.0;
+            let mut keep = probs.len();
+            for (i, p) in probs.iter().enumerate() {
+                acc += p / total;
+                if acc >= self.p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            probs.truncate(keep.max(1));
+        }
+        let total: f32 = probs.iter().sum();
+        let mut u = self.rng.random::<f32>() * total;
+        for (i, p) in probs.iter().enumerate() {
+            if u < *p {
+                return idx[i];
+            }
+            u -= p;
+        }
+        idx[probs.len() - 1]
+    }
+}
+
+/// Index of the largest value (the first on ties, as torch's argmax).
+pub fn argmax(l: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in l.iter().enumerate() {
+        if *x > l[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+/// Numerically stable log-softmax.
+pub fn log_softmax(l: &[f32]) -> Vec<f32> {
+    let max = l.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = l.iter().map(|x| (x - max).exp()).sum::<f32>().ln() + max;
+    l.iter().map(|x| x - lse).collect()
+}
+
+fn top_n(lp: &[f32], n: usize) -> Vec<(u32, f32)> {
+    if n == 0 {
+        return Vec::new();
+    }
+    let mut idx: Vec<u32> = (0..lp.len() as u32).collect();
+    let by = |a: &u32, b: &u32| lp[*b as usize].total_cmp(&lp[*a as usize]);
+    let n = n.min(idx.len());
+    idx.select_nth_unstable_by(n - 1, by);
+    idx.truncate(n);
+    idx.sort_unstable_by(by);
+    idx.into_iter().map(|i| (i, lp[i as usize])).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(f: impl FnOnce(&mut SamplingParams)) -> SamplingParams {
+        let mut p = SamplingParams::default();
+        f(&mut p);
+        p
+    }
+
+    const LOGITS: [f32; 6] = [1.0, 3.0, 2.5, 0.5, -1.0, 2.9];
+
+    #[test]
+    fn greedy_is_argmax_and_logprobs_are_the_model_distribution() {
+        let mut s = Sampler::new(params(|p| p.logprobs = Some(2)), &[]);
+        let out = s.sample(&LOGITS);
+        assert_eq!(out.token, 1);
+        let lp = log_softmax(&LOGITS);
+        assert_eq!(out.logprob, lp[1]);
+        assert_eq!(out.top, vec![(1, lp[1]), (5, lp[5])]);
+        let total: f32 = lp.iter().map(|x| x.exp()).sum();
+        assert!((total - 1.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn same_seed_same_tokens_and_seeds_differ() {
+        let run = |seed| {
+            let mut s = Sampler::new(
+                params(|p| {
+                    p.temperature = 1.5;
+                    p.seed = Some(seed);
+                }),
+                &[],
+            );
+            (0..64).map(|_| s.sample(&LOGITS).token).collect::<Vec<_>>()
+        };
+        assert_eq!(run(7), run(7));
+        assert_ne!(run(7), run(8));
+    }
+
+    #[test]
+    fn top_k_top_p_and_min_p_restrict_the_candidates() {
+        let draw = |f: fn(&mut SamplingParams)| {
+            let mut s = Sampler::new(
+                params(|p| {
+                    p.temperature = 1.0;
+                    p.seed = Some(1);
+                    f(p)
+                }),
+                &[],
+            );
+            let mut seen: Vec<u32> = (0..400).map(|_| s.draw(LOGITS.to_vec())).collect();
+            seen.sort_unstable();
+            seen.dedup();
+            seen
+        };
+        assert_eq!(draw(|p| p.top_k = 2), vec![1, 5]);
+        // Probabilities: 3.0 -> .33, 2.9 -> .30, 2.5 -> .20 ...: top_p .6 keeps two.
+        assert_eq!(draw(|p| p.top_p = 0.6), vec![1, 5]);
+        // min_p .7 of the best keeps tokens 1 (1.0) and 5 (e^-0.1 = .90), drops 2 (e^-0.5 = .61).
+        assert_eq!(draw(|p| p.min_p = 0.7), vec![1, 5]);
+        assert_eq!(draw(|_| {}).len(), 6);
+    }
+
+    #[test]
+    fn penalties_change_the_greedy_choice() {
+        // Frequency penalty: after choosing 1 twice it falls below 5.
+        let mut s = Sampler::new(params(|p| p.frequency_penalty = 0.06), &[]);
+        assert_eq!(s.sample(&LOGITS).token, 1);
+        assert_eq!(s.sample(&LOGITS).token, 1);
+        assert_eq!(s.sample(&LOGITS).token, 5);
+        // Presence penalty: once is enough.
+        let mut s = Sampler::new(params(|p| p.presence_penalty = 0.2), &[]);
+        assert_eq!(s.sample(&LOGITS).token, 1);
+        assert_eq!(s.sample(&LOGITS).token, 5);
+        // Repetition penalty covers the prompt: token 1 in the prompt is divided by 1.5.
+        let mut s = Sampler::new(params(|p| p.repetition_penalty = 1.5), &[1]);
+        assert_eq!(s.sample(&LOGITS).token, 5);
+        // Negative logits are multiplied (pushed further down).
+        let mut l = vec![-1.0, -1.2];
+        Sampler::new(params(|p| p.repetition_penalty = 2.0), &[0]).apply_penalties(&mut l);
+        assert_eq!(l, vec![-2.0, -1.2]);
+    }
+}

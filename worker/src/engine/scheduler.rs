@@ -1,0 +1,290 @@
+//! The engine thread: continuous batching over one model instance.
+//!
+//! Each step the thread takes new requests (at step boundaries only), admits waiting ones up to
+//! `max_batch_size`, and runs ONE forward pass whose rows mix prompt chunks of newly admitted
+//! sequences (at most `prefill_chunk` prompt tokens per step, so a long prompt never stalls
+//! the others for long) with one decode token of every running sequence. Finished and
+//! cancelled sequences leave at once. The thread is a plain OS thread: the tensor work never
+//! runs on the async runtime.
+
+use std::collections::VecDeque;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, RecvTimeoutError};
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::sync::mpsc::UnboundedSender;
+
+use super::api::{EngineError, FinishReason, TokenEvent, TokenLogprob, Usage};
+use super::registry::Pinned;
+use super::sampler::Sampler;
+use super::text::{Detokenizer, StopMatcher};
+use super::Shared;
+use crate::model::{Row, SeqCache};
+
+/// One request inside the engine.
+pub struct Seq {
+    /// Request id (logs).
+    pub id: String,
+    /// Prompt token ids.
+    pub prompt: Vec<u32>,
+    /// Adapter version pinned at submit.
+    pub adapter: Option<Pinned>,
+    /// Sampling state.
+    pub sampler: Sampler,
+    /// Where events go; closed means the caller went away (cancel).
+    pub tx: UnboundedSender<TokenEvent>,
+    /// Tokens generated at most (already capped by the model's length).
+    pub max_new: usize,
+    pub(super) cache: SeqCache,
+    pub(super) prefilled: usize,
+    pub(super) generated: Vec<u32>,
+    pub(super) detok: Detokenizer,
+    pub(super) stop: StopMatcher,
+    pub(super) done: bool,
+}
+
+impl Seq {
+    /// A new sequence; `max_new` is the number of tokens it may still generate.
+    pub fn new(
+        id: String,
+        prompt: Vec<u32>,
+        adapter: Option<Pinned>,
+        sampler: Sampler,
+        tx: UnboundedSender<TokenEvent>,
+        max_new: usize,
+    ) -> Self {
+        let stop = StopMatcher::new(&sampler.params().stop);
+        Self {
+            detok: Detokenizer::new(&prompt),
+            id,
+            prompt,
+            adapter,
+            sampler,
+            tx,
+            max_new,
+            cache: SeqCache::default(),
+            prefilled: 0,
+            generated: Vec::new(),
+            stop,
+            done: false,
+        }
+    }
+
+    fn cancelled(&self) -> bool {
+        self.tx.is_closed()
+    }
+}
+
+impl Drop for Seq {
+    fn drop(&mut self) {
+        if let Some(p) = &self.adapter {
+            p.finish();
+        }
+    }
+}
+
+/// Messages to the engine thread.
+pub enum Msg {
+    /// A new request (already counted in `Shared::waiting`).
+    Submit(Box<Seq>),
+}
+
+/// What one row of the step does for its sequence.
+enum Work {
+    /// Prompt tokens `[from, to)`; the last chunk of the prompt samples the first token.
+    Prefill(usize, usize),
+    /// One decode token.
+    Decode,
+}
+
+/// Runs until every sender is gone.
+pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
+    let mut waiting: VecDeque<Box<Seq>> = VecDeque::new();
+    let mut running: Vec<Box<Seq>> = Vec::new();
+    loop {
+        // Block only when there is nothing to do; otherwise take what arrived and go on.
+        if running.is_empty() && waiting.is_empty() {
+            match rx.recv_timeout(Duration::from_millis(500)) {
+                Ok(Msg::Submit(s)) => waiting.push_back(s),
+                Err(RecvTimeoutError::Timeout) => {
+                    shared.registry.trim();
+                    continue;
+                }
+                Err(RecvTimeoutError::Disconnected) => return,
+            }
+        }
+        while let Ok(Msg::Submit(s)) = rx.try_recv() {
+            waiting.push_back(s);
+        }
+        let before = waiting.len();
+        waiting.retain(|s| !s.cancelled());
+        shared
+            .waiting
+            .fetch_sub(before - waiting.len(), Ordering::SeqCst);
+        while running.len() < shared.opts.max_batch_size {
+            let Some(s) = waiting.pop_front() else { break };
+            shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            running.push(s);
+        }
+        running.retain(|s| !s.cancelled());
+        publish_stats(&shared, &running, &waiting);
+        if running.is_empty() {
+            continue;
+        }
+        step(&shared, &mut running);
+        running.retain(|s| !s.tx.is_closed() && !s.done);
+        publish_stats(&shared, &running, &waiting);
+    }
+}
+
+fn publish_stats(shared: &Shared, running: &[Box<Seq>], waiting: &VecDeque<Box<Seq>>) {
+    let names = |it: &mut dyn Iterator<Item = &Box<Seq>>| {
+        let mut v: Vec<String> = it
+            .filter_map(|s| s.adapter.as_ref().map(|p| p.name.clone()))
+            .collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    };
+    let mut st = shared.stats.lock().unwrap_or_else(|p| p.into_inner());
+    st.running = running.len();
+    st.waiting = waiting.len();
+    if !running.is_empty() {
+        st.last_batch_size = running.len();
+    }
+    st.running_adapters = names(&mut running.iter());
+    st.waiting_adapters = names(&mut waiting.iter());
+}
+
+/// One forward pass over every running sequence, then sampling and events.
+fn step(shared: &Shared, running: &mut [Box<Seq>]) {
+    let mut budget = shared.opts.prefill_chunk.max(1);
+    let mut work: Vec<(usize, Work)> = Vec::with_capacity(running.len());
+    for (i, s) in running.iter().enumerate() {
+        if s.prefilled < s.prompt.len() {
+            if budget == 0 {
+                continue;
+            }
+            let to = (s.prefilled + budget).min(s.prompt.len());
+            budget -= to - s.prefilled;
+            work.push((i, Work::Prefill(s.prefilled, to)));
+        } else {
+            work.push((i, Work::Decode));
+        }
+    }
+    // Rows borrow each sequence's cache mutably: split the borrows by index order.
+    let logits = {
+        let mut rows: Vec<Row<'_>> = Vec::with_capacity(work.len());
+        let mut rest: &mut [Box<Seq>] = running;
+        let mut offset = 0;
+        for (i, w) in &work {
+            let (_, tail) = std::mem::take(&mut rest).split_at_mut(i - offset);
+            let (s, tail) = tail.split_first_mut().expect("index in range");
+            rest = tail;
+            offset = i + 1;
+            let s: &mut Seq = s;
+            let tokens: &[u32] = match w {
+                Work::Prefill(a, b) => &s.prompt[*a..*b],
+                Work::Decode => std::slice::from_ref(s.generated.last().expect("decoding")),
+            };
+            rows.push(Row {
+                tokens,
+                cache: &mut s.cache,
+                adapter: s.adapter.as_ref().map(|p| p.adapter.as_ref()),
+            });
+        }
+        shared.model.forward(&mut rows)
+    };
+    let logits = match logits.and_then(|l| {
+        l.iter()
+            .map(|t| t.to_vec1::<f32>().map_err(Into::into))
+            .collect::<Result<Vec<_>, crate::model::ModelError>>()
+    }) {
+        Ok(l) => l,
+        Err(e) => {
+            // A failed step fails its rows, not the engine.
+            tracing::error!(error = %e, "forward pass failed");
+            for (i, _) in &work {
+                let s = &mut running[*i];
+                let _ =
+                    s.tx.send(TokenEvent::Error(EngineError::Internal(e.to_string())));
+                s.done = true;
+            }
+            return;
+        }
+    };
+    for ((i, w), l) in work.iter().zip(logits) {
+        let s = &mut running[*i];
+        if let Work::Prefill(_, to) = w {
+            s.prefilled = *to;
+            if *to < s.prompt.len() {
+                continue;
+            }
+            let _ = s.tx.send(TokenEvent::Started {
+                adapter_version: s.adapter.as_ref().map(|p| p.version.clone()),
+                prompt_tokens: s.prompt.len(),
+            });
+        }
+        emit(shared, s, &l);
+    }
+}
+
+/// Samples the next token of `s`, sends it and decides whether the sequence ends.
+fn emit(shared: &Shared, s: &mut Seq, logits: &[f32]) {
+    let out = s.sampler.sample(logits);
+    let tok = out.token;
+    s.generated.push(tok);
+    let p = s.sampler.params();
+    let eos = !p.ignore_eos && shared.text.eos_ids.contains(&tok);
+    let stop_id = p.stop_token_ids.contains(&tok);
+    let logprob = p.logprobs.map(|_| TokenLogprob {
+        token_id: tok,
+        token: shared.text.token_text(tok),
+        logprob: out.logprob,
+        top: out
+            .top
+            .iter()
+            .map(|(id, lp)| (*id, shared.text.token_text(*id), *lp))
+            .collect(),
+    });
+    let delta = if eos || stop_id {
+        String::new()
+    } else {
+        match s.detok.push(&shared.text, tok) {
+            Ok(d) => d,
+            Err(e) => {
+                let _ =
+                    s.tx.send(TokenEvent::Error(EngineError::Internal(e.to_string())));
+                s.done = true;
+                return;
+            }
+        }
+    };
+    let (mut text, hit) = s.stop.push(&delta);
+    let reason = if eos || stop_id || hit {
+        Some(FinishReason::Stop)
+    } else if s.generated.len() >= s.max_new {
+        Some(FinishReason::Length)
+    } else {
+        None
+    };
+    if reason.is_some() && !hit {
+        text.push_str(&s.stop.flush());
+    }
+    let _ = s.tx.send(TokenEvent::Token {
+        token_id: tok,
+        text,
+        logprob,
+    });
+    if let Some(reason) = reason {
+        let _ = s.tx.send(TokenEvent::Finished {
+            reason,
+            usage: Usage {
+                prompt_tokens: s.prompt.len(),
+                completion_tokens: s.generated.len(),
+            },
+        });
+        s.done = true;
+    }
+}

@@ -1,0 +1,358 @@
+//! Text in and out of the engine: the model's `tokenizer.json`, its chat template rendered as
+//! transformers renders it, incremental UTF-8-safe detokenization for streaming, and stop
+//! strings that never leak into the output.
+
+use std::path::Path;
+
+use minijinja::{Environment, ErrorKind, Value};
+use serde_json::Value as Json;
+use tokenizers::Tokenizer;
+
+use super::api::ChatMessage;
+
+/// Why the text side of a model could not be loaded or used. Stable names via
+/// [`TextError::code`].
+#[derive(Debug, thiserror::Error)]
+pub enum TextError {
+    /// `tokenizer.json` is missing or unreadable.
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    /// The model ships no chat template (chat requests need one).
+    #[error("the model has no chat template (tokenizer_config.json chat_template)")]
+    NoChatTemplate,
+    /// The chat template failed to compile or render (including `raise_exception`).
+    #[error("chat template: {0}")]
+    Template(String),
+}
+
+impl TextError {
+    /// Stable name (metric label, JSON `code`).
+    pub fn code(&self) -> &'static str {
+        match self {
+            TextError::Tokenizer(_) => "tokenizer_error",
+            TextError::NoChatTemplate => "no_chat_template",
+            TextError::Template(_) => "chat_template_error",
+        }
+    }
+}
+
+/// Tokenizer, chat template and stop tokens of one model directory.
+pub struct TextModel {
+    tokenizer: Tokenizer,
+    template: Option<Environment<'static>>,
+    bos: Option<String>,
+    eos: Option<String>,
+    /// Token ids that end generation (EOS from every config that names one).
+    pub eos_ids: Vec<u32>,
+}
+
+impl std::fmt::Debug for TextModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TextModel")
+            .field("eos_ids", &self.eos_ids)
+            .field("chat_template", &self.template.is_some())
+            .finish()
+    }
+}
+
+fn read_json(p: &Path) -> Option<Json> {
+    serde_json::from_str(&std::fs::read_to_string(p).ok()?).ok()
+}
+
+/// `"<s>"` or `{"content": "<s>", ...}` as tokenizer_config.json writes special tokens.
+fn token_string(v: Option<&Json>) -> Option<String> {
+    match v? {
+        Json::String(s) => Some(s.clone()),
+        Json::Object(o) => o.get("content")?.as_str().map(String::from),
+        _ => None,
+    }
+}
+
+fn push_ids(v: Option<&Json>, out: &mut Vec<u32>) {
+    match v {
+        Some(Json::Number(n)) => out.extend(n.as_u64().map(|x| x as u32)),
+        Some(Json::Array(a)) => out.extend(a.iter().filter_map(|x| x.as_u64()).map(|x| x as u32)),
+        _ => {}
+    }
+}
+
+/// The template transformers would pick: a string, or the `default` entry of a named list.
+fn pick_template(v: Option<&Json>) -> Option<String> {
+    match v? {
+        Json::String(s) => Some(s.clone()),
+        Json::Array(list) => list
+            .iter()
+            .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+            .or_else(|| list.first())
+            .and_then(|t| t.get("template")?.as_str().map(String::from)),
+        _ => None,
+    }
+}
+
+/// A Jinja environment configured like transformers' `_compile_jinja_template`: trimmed blocks,
+/// Python string methods, `raise_exception`, `strftime_now`, and `tojson` that keeps non-ASCII.
+fn chat_env(source: String) -> Result<Environment<'static>, TextError> {
+    let mut env = Environment::new();
+    env.set_syntax(
+        minijinja::syntax::SyntaxConfig::builder()
+            .trim_blocks(true)
+            .lstrip_blocks(true)
+            .build()
+            .map_err(|e| TextError::Template(e.to_string()))?,
+    );
+    env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
+    env.add_function("raise_exception", |msg: String| -> Result<Value, _> {
+        Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
+    });
+    env.add_function("strftime_now", |fmt: String| {
+        chrono::Local::now().format(&fmt).to_string()
+    });
+    env.add_template_owned("chat", source)
+        .map_err(|e| TextError::Template(e.to_string()))?;
+    Ok(env)
+}
+
+impl TextModel {
+    /// Loads `tokenizer.json`, `tokenizer_config.json` (chat template, special tokens) and the
+    /// EOS ids of `config.json` and `generation_config.json` from a model directory.
+    pub fn load(dir: &Path) -> Result<Self, TextError> {
+        let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
+            .map_err(|e| TextError::Tokenizer(format!("{}: {e}", dir.display())))?;
+        let tcfg = read_json(&dir.join("tokenizer_config.json")).unwrap_or(Json::Null);
+        let bos = token_string(tcfg.get("bos_token"));
+        let eos = token_string(tcfg.get("eos_token"));
+        let mut eos_ids = Vec::new();
+        for f in ["generation_config.json", "config.json"] {
+            if let Some(c) = read_json(&dir.join(f)) {
+                push_ids(c.get("eos_token_id"), &mut eos_ids);
+            }
+        }
+        if let Some(id) = eos.as_deref().and_then(|t| tokenizer.token_to_id(t)) {
+            eos_ids.push(id);
+        }
+        eos_ids.sort_unstable();
+        eos_ids.dedup();
+        let template = match pick_template(tcfg.get("chat_template")).or_else(|| {
+            // Newer checkpoints keep the template in its own file.
+            std::fs::read_to_string(dir.join("chat_template.jinja")).ok()
+        }) {
+            Some(src) => Some(chat_env(src)?),
+            None => None,
+        };
+        Ok(Self {
+            tokenizer,
+            template,
+            bos,
+            eos,
+            eos_ids,
+        })
+    }
+
+    /// Vocabulary size including added tokens.
+    pub fn vocab_size(&self) -> usize {
+        self.tokenizer.get_vocab_size(true)
+    }
+
+    /// Token ids of a text. `special` adds the tokenizer's BOS/EOS template (raw completions
+    /// prompts); chat prompts already carry their special tokens as text.
+    pub fn encode(&self, text: &str, special: bool) -> Result<Vec<u32>, TextError> {
+        self.tokenizer
+            .encode(text, special)
+            .map(|e| e.get_ids().to_vec())
+            .map_err(|e| TextError::Tokenizer(e.to_string()))
+    }
+
+    /// Text of token ids, without special tokens.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TextError> {
+        self.tokenizer
+            .decode(ids, true)
+            .map_err(|e| TextError::Tokenizer(e.to_string()))
+    }
+
+    /// The token's own string (for logprobs), special tokens included.
+    pub fn token_text(&self, id: u32) -> String {
+        self.tokenizer
+            .decode(&[id], false)
+            .unwrap_or_else(|_| format!("<{id}>"))
+    }
+
+    /// Renders chat messages as transformers' `apply_chat_template(..., add_generation_prompt=True)`.
+    pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TextError> {
+        let env = self.template.as_ref().ok_or(TextError::NoChatTemplate)?;
+        let tmpl = env
+            .get_template("chat")
+            .map_err(|e| TextError::Template(e.to_string()))?;
+        tmpl.render(minijinja::context! {
+            messages => Value::from(minijinja::value::Serde(messages)),
+            add_generation_prompt => true,
+            bos_token => self.bos.clone().unwrap_or_default(),
+            eos_token => self.eos.clone().unwrap_or_default(),
+        })
+        .map_err(|e| TextError::Template(e.to_string()))
+    }
+}
+
+/// Turns a growing list of token ids into text deltas that never split a UTF-8 character:
+/// the last few tokens are decoded together and a delta is released only when it does not
+/// end in a replacement character (the approach of vLLM and TGI).
+#[derive(Debug)]
+pub struct Detokenizer {
+    ids: Vec<u32>,
+    prefix: usize,
+    read: usize,
+}
+
+/// Prompt tokens kept as decoding context, so tokenizers that strip a leading space at the
+/// start of a decode (SentencePiece) see the same context for the old and the new text.
+const CONTEXT_TOKENS: usize = 5;
+
+impl Detokenizer {
+    /// Starts after `prompt` (its last tokens give the first generated token its context).
+    pub fn new(prompt: &[u32]) -> Self {
+        let ctx = &prompt[prompt.len().saturating_sub(CONTEXT_TOKENS)..];
+        Self {
+            ids: ctx.to_vec(),
+            prefix: 0,
+            read: ctx.len(),
+        }
+    }
+
+    /// Adds a token; returns the text it completes (possibly empty).
+    pub fn push(&mut self, text: &TextModel, id: u32) -> Result<String, TextError> {
+        self.ids.push(id);
+        let before = text.decode(&self.ids[self.prefix..self.read])?;
+        let now = text.decode(&self.ids[self.prefix..])?;
+        if now.len() > before.len() && !now.ends_with('\u{FFFD}') && now.starts_with(&before) {
+            let delta = now[before.len()..].to_string();
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            Ok(delta)
+        } else if now.len() > before.len() && !now.ends_with('\u{FFFD}') {
+            // The tokenizer rewrote earlier text (rare cleanup rules): emit the new tail by
+            // characters so the stream stays valid UTF-8.
+            let delta: String = now.chars().skip(before.chars().count()).collect();
+            self.prefix = self.read;
+            self.read = self.ids.len();
+            Ok(delta)
+        } else {
+            Ok(String::new())
+        }
+    }
+}
+
+/// Holds back text that could be the start of a stop string, and cuts the output at the
+/// first stop string found (the stop string itself is never sent).
+#[derive(Debug, Default)]
+pub struct StopMatcher {
+    stops: Vec<String>,
+    pending: String,
+}
+
+impl StopMatcher {
+    /// A matcher for these stop strings (empty ones are ignored).
+    pub fn new(stops: &[String]) -> Self {
+        Self {
+            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            pending: String::new(),
+        }
+    }
+
+    /// Adds a delta. Returns the text safe to send and whether a stop string was hit (then
+    /// generation ends and the rest is dropped).
+    pub fn push(&mut self, delta: &str) -> (String, bool) {
+        if self.stops.is_empty() {
+            return (delta.to_string(), false);
+        }
+        self.pending.push_str(delta);
+        let hit = self
+            .stops
+            .iter()
+            .filter_map(|s| self.pending.find(s.as_str()))
+            .min();
+        if let Some(at) = hit {
+            let out = self.pending[..at].to_string();
+            self.pending.clear();
+            return (out, true);
+        }
+        // Keep the longest tail that is a prefix of some stop string.
+        let keep = self
+            .stops
+            .iter()
+            .map(|s| {
+                (1..s.len().min(self.pending.len() + 1))
+                    .rev()
+                    .find(|&n| {
+                        s.is_char_boundary(n)
+                            && self.pending.is_char_boundary(self.pending.len() - n)
+                            && self.pending.ends_with(&s[..n])
+                    })
+                    .unwrap_or(0)
+            })
+            .max()
+            .unwrap_or(0);
+        let cut = self.pending.len() - keep;
+        let out = self.pending[..cut].to_string();
+        self.pending.drain(..cut);
+        (out, false)
+    }
+
+    /// Text held back when generation ends for another reason (it was not a stop string).
+    pub fn flush(&mut self) -> String {
+        std::mem::take(&mut self.pending)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stop_strings_are_cut_and_partial_matches_held() {
+        let mut m = StopMatcher::new(&["###".into(), "END".into()]);
+        assert_eq!(m.push("hello #"), ("hello ".into(), false));
+        assert_eq!(m.push("# world"), ("## world".into(), false));
+        assert_eq!(m.push(" E"), (" ".into(), false));
+        assert_eq!(m.push("NDx"), ("".into(), true));
+        let mut m = StopMatcher::new(&["ab".into()]);
+        assert_eq!(m.push("xa"), ("x".into(), false));
+        assert_eq!(m.flush(), "a");
+        let mut m = StopMatcher::new(&[]);
+        assert_eq!(m.push("abc"), ("abc".into(), false));
+        // Multi-byte text next to a partial match keeps valid boundaries.
+        let mut m = StopMatcher::new(&["éé".into()]);
+        assert_eq!(m.push("caféé!"), ("caf".into(), true));
+        let mut m = StopMatcher::new(&["éz".into()]);
+        assert_eq!(m.push("café"), ("caf".into(), false));
+    }
+
+    #[test]
+    fn template_picks_default_and_special_tokens_read_both_forms() {
+        let list = serde_json::json!([{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]);
+        assert_eq!(pick_template(Some(&list)).as_deref(), Some("D"));
+        assert_eq!(
+            token_string(Some(&serde_json::json!({"content": "<s>"}))).as_deref(),
+            Some("<s>")
+        );
+        let mut ids = vec![];
+        push_ids(Some(&serde_json::json!([2, 7])), &mut ids);
+        push_ids(Some(&serde_json::json!(3)), &mut ids);
+        assert_eq!(ids, vec![2, 7, 3]);
+    }
+
+    #[test]
+    fn raise_exception_and_python_methods_work_in_templates() {
+        let env = chat_env(
+            "{% for m in messages %}{% if m.role == 'bad' %}{{ raise_exception('no bad roles') }}{% endif %}{{ m.content.strip().upper() }}|{% endfor %}".into(),
+        )
+        .unwrap();
+        let t = env.get_template("chat").unwrap();
+        let ok = t
+            .render(minijinja::context! { messages => Value::from(minijinja::value::Serde(serde_json::json!([{"role": "user", "content": " hi "}]))) })
+            .unwrap();
+        assert_eq!(ok, "HI|");
+        let err = t
+            .render(minijinja::context! { messages => Value::from(minijinja::value::Serde(serde_json::json!([{"role": "bad", "content": ""}]))) })
+            .unwrap_err();
+        assert!(err.to_string().contains("no bad roles"), "{err}");
+    }
+}
