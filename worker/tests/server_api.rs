@@ -1,37 +1,43 @@
-//! HTTP API tests against a running server on a random port with the test-only `EchoEngine`:
+//! HTTP API tests: the real server and the real engine on the committed tiny Llama
+//! (tests/fixtures/engine, byte-level tokenizer) with its PEFT adapters, on a random port:
 //! happy paths (chat, stream, completions, routing headers), the bad-input battery (each
 //! answer the right 4xx and the server keeps serving), admin endpoints, metrics, gateway.
 
-mod support;
-
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use mole_worker::server::{cli::serve_with, AppState, Auth};
+use mole_worker::engine::api::InferenceEngine;
+use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
 use serde_json::{json, Value};
-use support::EchoEngine;
 
 struct Srv {
     url: String,
-    engine: Arc<EchoEngine>,
+    engine: Arc<dyn InferenceEngine>,
     _dir: tempfile::TempDir,
     _stop: tokio::sync::oneshot::Sender<()>,
 }
 
-fn adapter_dir(root: &std::path::Path, name: &str) {
-    let d = root.join(name);
-    std::fs::create_dir_all(&d).unwrap();
-    std::fs::write(d.join("adapter_config.json"), "{}").unwrap();
-    std::fs::write(d.join("adapter_model.safetensors"), "x").unwrap();
+fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+    }
 }
 
-async fn start(extra_adapters: &str, capacity: usize, delay_ms: u64) -> Srv {
+/// A worker on the tiny Llama: adapters fr, js (and whatever `extra_adapters` adds) from the
+/// fixture adapters; `batch`/`queue` set the engine's batch and queue sizes.
+async fn start(extra_adapters: &str, batch: u32, queue: u32) -> Srv {
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine");
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    std::fs::create_dir_all(root.join("base")).unwrap();
-    adapter_dir(root, "fr");
-    adapter_dir(root, "js");
-    adapter_dir(root, "extra");
+    copy_dir(&fx.join("llama"), &root.join("base"));
+    copy_dir(&fx.join("adapters/llama/a_r8_all"), &root.join("fr"));
+    copy_dir(&fx.join("adapters/llama/b_r4_qv"), &root.join("js"));
+    copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("extra"));
+    // Trained on another base model: refused when loaded.
+    copy_dir(&fx.join("adapters/qwen2/a_r8_all"), &root.join("wrongbase"));
     std::fs::create_dir_all(root.join("binonly")).unwrap();
     std::fs::write(root.join("binonly/adapter_config.json"), "{}").unwrap();
     std::fs::write(root.join("binonly/adapter_model.bin"), "x").unwrap();
@@ -40,13 +46,13 @@ async fn start(extra_adapters: &str, capacity: usize, delay_ms: u64) -> Srv {
         r#"
 pool: demo
 modelRoot: {root}
-baseModel: {{name: smol, path: base}}
+baseModel: {{name: llama, path: base, dtype: f32}}
 adapters:
   - {{name: fr, version: v1, loraId: 1, path: fr, keywords: [french, bonjour]}}
   - {{name: js, version: v2, loraId: 2, path: js, keywords: [json]}}
 {extra_adapters}
 router: {{strategies: [explicit, keywords], fallback: base}}
-limits: {{maxTokens: 64, maxBodyBytes: 4096, maxSeqLen: 256, requestTimeoutSeconds: 5}}
+limits: {{maxTokens: 64, maxBodyBytes: 4096, maxSeqLen: 256, requestTimeoutSeconds: 5, maxLoras: 4, maxBatchSize: {batch}, maxQueue: {queue}}}
 auth: {{adminTokenFile: {root}/admin}}
 "#,
         root = root.display()
@@ -54,7 +60,7 @@ auth: {{adminTokenFile: {root}/admin}}
     let cfg_path = root.join("config.yaml");
     std::fs::write(&cfg_path, yaml).unwrap();
     let cfg = mole_worker::config::load(&cfg_path).unwrap();
-    let engine = EchoEngine::new(capacity, Duration::from_millis(delay_ms));
+    let engine = build_engine(&cfg).unwrap();
     let auth = Auth::from_config(&cfg).unwrap();
     let state = AppState::new(cfg, engine.clone(), Some(cfg_path.clone()), auth);
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -70,7 +76,7 @@ auth: {{adminTokenFile: {root}/admin}}
         },
     ));
     let c = reqwest::Client::new();
-    for _ in 0..100 {
+    for _ in 0..200 {
         if let Ok(r) = c.get(format!("{url}/readyz")).send().await {
             if r.status() == 200 {
                 break;
@@ -97,24 +103,44 @@ async fn post(s: &Srv, path: &str, body: Value) -> (u16, reqwest::header::Header
     (st, h, r.json().await.unwrap_or(Value::Null))
 }
 
+fn content(b: &Value) -> String {
+    b["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string()
+}
+
 #[tokio::test]
 async fn chat_routes_and_answers() {
-    let s = start("", 8, 0).await;
-    let (st, h, b) = post(&s, "/v1/chat/completions", json!({"model": "demo", "messages": [{"role": "user", "content": "say bonjour"}], "max_tokens": 10})).await;
+    let s = start("", 16, 64).await;
+    let ask = |model: &str, text: &str, max: u32| json!({"model": model, "messages": [{"role": "user", "content": text}], "max_tokens": max, "ignore_eos": true, "temperature": 0});
+    let (st, h, b) = post(&s, "/v1/chat/completions", ask("demo", "say bonjour", 10)).await;
     assert_eq!(st, 200, "{b}");
     assert_eq!(h["x-mole-adapter"], "fr");
     assert_eq!(h["x-mole-route"], "keywords");
     assert_eq!(h["x-mole-mode"], "dynamic");
-    assert_eq!(b["choices"][0]["message"]["content"], "[fr] say bonjour");
-    assert_eq!(b["choices"][0]["finish_reason"], "stop");
-    assert_eq!(b["usage"]["completion_tokens"], 3);
-    assert_eq!(b["mole"]["adapter_version"], "v1");
-    // Explicit adapter, truncated by max_tokens.
-    let (st, _, b) = post(&s, "/v1/chat/completions", json!({"model": "js", "messages": [{"role": "user", "content": "a b c d"}], "max_tokens": 2})).await;
-    assert_eq!(st, 200);
-    assert_eq!(b["choices"][0]["message"]["content"], "[js] a");
     assert_eq!(b["choices"][0]["finish_reason"], "length");
-    // Base model by name; unmatched text falls back to base.
+    assert_eq!(b["usage"]["completion_tokens"], 10);
+    // The byte-level template: "<user>say bonjour\n<assistant>" is 29 tokens.
+    assert_eq!(b["usage"]["prompt_tokens"], 29);
+    assert_eq!(b["mole"]["adapter_version"], "v1");
+    // Greedy is deterministic; the adapter changes the answer.
+    let routed = content(&b);
+    let (_, _, again) = post(&s, "/v1/chat/completions", ask("fr", "say bonjour", 10)).await;
+    assert_eq!(content(&again), routed);
+    let (_, h, base) = post(&s, "/v1/chat/completions", ask("llama", "say bonjour", 10)).await;
+    assert_eq!(h["x-mole-mode"], "base");
+    assert_ne!(
+        content(&base),
+        routed,
+        "the fr adapter must change the output"
+    );
+    // Explicit adapter, truncated by max_tokens.
+    let (st, _, b) = post(&s, "/v1/chat/completions", ask("js", "a b c d", 2)).await;
+    assert_eq!(st, 200);
+    assert_eq!(b["choices"][0]["finish_reason"], "length");
+    assert_eq!(b["usage"]["completion_tokens"], 2);
+    // Unmatched text falls back to base.
     let (_, h, _) = post(
         &s,
         "/v1/chat/completions",
@@ -128,15 +154,18 @@ async fn chat_routes_and_answers() {
         ),
         ("fallback", "base")
     );
-    // Completions with token ids.
+    // Completions with token ids: the fixture's reference prompt.
+    let prompt = [5, 17, 99, 3, 250, 42, 7, 7, 128, 64, 33, 1];
     let (st, _, b) = post(
         &s,
         "/v1/completions",
-        json!({"model": "smol", "prompt": [5, 6], "max_tokens": 5}),
+        json!({"model": "llama", "prompt": prompt, "max_tokens": 5, "ignore_eos": true}),
     )
     .await;
     assert_eq!(st, 200, "{b}");
-    assert_eq!(b["choices"][0]["text"], "[] 5 6");
+    assert_eq!(b["usage"]["prompt_tokens"], 12);
+    assert_eq!(b["usage"]["completion_tokens"], 5);
+    assert!(b["choices"][0]["text"].is_string());
     // Route only.
     let (st, _, b) = post(&s, "/v1/route", json!({"input": "to json please"})).await;
     assert_eq!((st, b["adapter"].as_str()), (200, Some("js")));
@@ -144,14 +173,18 @@ async fn chat_routes_and_answers() {
 
 #[tokio::test]
 async fn stream_sends_chunks_usage_and_done() {
-    let s = start("", 8, 0).await;
-    let r = reqwest::Client::new().post(format!("{}/v1/chat/completions", s.url))
-        .json(&json!({"model": "fr", "stream": true, "messages": [{"role": "user", "content": "x y"}]}))
-        .send().await.unwrap();
+    let s = start("", 16, 64).await;
+    let body = |stream: bool| json!({"model": "fr", "stream": stream, "max_tokens": 12, "ignore_eos": true, "temperature": 0, "messages": [{"role": "user", "content": "x y"}]});
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.url))
+        .json(&body(true))
+        .send()
+        .await
+        .unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(r.headers()["x-mole-adapter"], "fr");
-    let body = r.text().await.unwrap();
-    let datas: Vec<&str> = body
+    let text_body = r.text().await.unwrap();
+    let datas: Vec<&str> = text_body
         .lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .collect();
@@ -162,15 +195,17 @@ async fn stream_sends_chunks_usage_and_done() {
         assert_eq!(v["object"], "chat.completion.chunk");
         text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
     }
-    assert_eq!(text, "[fr] x y");
     let last: Value = serde_json::from_str(datas[datas.len() - 2]).unwrap();
-    assert_eq!(last["choices"][0]["finish_reason"], "stop");
-    assert_eq!(last["usage"]["completion_tokens"], 3);
+    assert_eq!(last["choices"][0]["finish_reason"], "length");
+    assert_eq!(last["usage"]["completion_tokens"], 12);
+    // The stream carries exactly the text of the non-streamed answer.
+    let (_, _, whole) = post(&s, "/v1/chat/completions", body(false)).await;
+    assert_eq!(text, content(&whole));
 }
 
 #[tokio::test]
 async fn bad_input_battery_keeps_serving() {
-    let s = start("", 8, 0).await;
+    let s = start("", 16, 64).await;
     let c = reqwest::Client::new();
     let raw = |body: &'static str| {
         c.post(format!("{}/v1/chat/completions", s.url))
@@ -294,6 +329,17 @@ async fn bad_input_battery_keeps_serving() {
             "{path}"
         );
     }
+    // A real adapter trained on another base: refused with the reason, nothing else changes.
+    let r = adm(json!({"lora_name": "x", "lora_path": "wrongbase"}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 422);
+    let e = r.json::<Value>().await.unwrap();
+    assert_eq!(e["error"]["code"], "invalid_adapter", "{e}");
+    assert!(
+        e["error"]["message"].as_str().unwrap().contains("qwen2"),
+        "{e}"
+    );
     let r = adm(json!({"lora_name": "extra", "lora_path": "extra"}))
         .await
         .unwrap();
@@ -322,45 +368,73 @@ async fn bad_input_battery_keeps_serving() {
 
 #[tokio::test]
 async fn overload_gives_429_and_disconnect_cancels() {
-    let s = start("", 1, 200).await;
+    // One sequence at a time and one waiting: a burst must see 429s, never a crash.
+    let s = start("", 1, 1).await;
     let c = reqwest::Client::new();
-    let body = json!({"model": "fr", "stream": true, "messages": [{"role": "user", "content": "a b c d e f"}]});
-    let r1 = c
+    let body = json!({"model": "fr", "stream": true, "max_tokens": 64, "ignore_eos": true, "messages": [{"role": "user", "content": "a b c d e f"}]});
+    let burst = (0..8).map(|_| {
+        c.post(format!("{}/v1/chat/completions", s.url))
+            .json(&body)
+            .send()
+    });
+    let answers = futures::future::join_all(burst).await;
+    let mut ok = 0;
+    let mut refused = 0;
+    for r in answers {
+        let r = r.unwrap();
+        match r.status().as_u16() {
+            200 => {
+                ok += 1;
+                // Read to the end: the stream finishes normally.
+                assert!(r.text().await.unwrap().ends_with("data: [DONE]\n\n"));
+            }
+            429 => {
+                refused += 1;
+                assert_eq!(r.headers()["retry-after"], "1");
+                assert_eq!(
+                    r.json::<Value>().await.unwrap()["error"]["code"],
+                    "overloaded"
+                );
+            }
+            other => panic!("unexpected status {other}"),
+        }
+    }
+    assert!(ok >= 1 && refused >= 1, "ok {ok}, refused {refused}");
+    // A client that goes away cancels its generation in the engine.
+    let before = s.engine.stats().cancelled;
+    let mut r1 = c
         .post(format!("{}/v1/chat/completions", s.url))
         .json(&body)
         .send()
         .await
         .unwrap();
     assert_eq!(r1.status(), 200);
-    let r2 = c
-        .post(format!("{}/v1/chat/completions", s.url))
-        .json(&body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r2.status(), 429);
-    assert_eq!(r2.headers()["retry-after"], "1");
-    assert_eq!(
-        r2.json::<Value>().await.unwrap()["error"]["code"],
-        "overloaded"
-    );
+    r1.chunk().await.unwrap();
     drop(r1);
-    for _ in 0..50 {
-        if s.engine.cancelled.load(std::sync::atomic::Ordering::SeqCst) == 1 {
+    for _ in 0..100 {
+        if s.engine.stats().cancelled > before {
             break;
         }
-        tokio::time::sleep(Duration::from_millis(50)).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(
-        s.engine.cancelled.load(std::sync::atomic::Ordering::SeqCst),
-        1,
+        s.engine.stats().cancelled,
+        before + 1,
         "client disconnect must cancel"
     );
+    // And the server keeps serving.
+    let (st, _, _) = post(
+        &s,
+        "/v1/chat/completions",
+        json!({"model": "fr", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(st, 200);
 }
 
 #[tokio::test]
 async fn metrics_models_and_reload() {
-    let s = start("", 8, 0).await;
+    let s = start("", 16, 64).await;
     let c = reqwest::Client::new();
     post(
         &s,
@@ -381,7 +455,11 @@ async fn metrics_models_and_reload() {
         std::fs::write(out, &m).unwrap();
     }
     assert!(m.contains("mole_requests_total{adapter=\"fr\",endpoint=\"chat\",route=\"explicit\",status=\"200\"} 1"), "{m}");
-    assert!(m.contains("vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\"fr\",waiting_lora_adapters=\"\"}"), "{m}");
+    // The adapter lists depend on the moment of the scrape; the series and its slots do not.
+    assert!(
+        m.contains("vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\""),
+        "{m}"
+    );
     let models: Value = c
         .get(format!("{}/v1/models", s.url))
         .send()
@@ -396,7 +474,7 @@ async fn metrics_models_and_reload() {
         .iter()
         .map(|m| m["id"].as_str().unwrap())
         .collect();
-    assert_eq!(ids, ["demo", "smol", "fr", "js"]);
+    assert_eq!(ids, ["demo", "llama", "fr", "js"]);
     // Admin reload without token: 401; the watcher picks up a removed adapter.
     let r = c
         .post(format!("{}/admin/reload", s.url))
@@ -410,13 +488,14 @@ async fn metrics_models_and_reload() {
         "",
     );
     std::fs::write(&p, y).unwrap();
+    let has_js = || s.engine.adapters().iter().any(|a| a.name == "js");
     for _ in 0..50 {
-        if !s.engine.adapters.lock().unwrap().contains_key("js") {
+        if !has_js() {
             break;
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    assert!(!s.engine.adapters.lock().unwrap().contains_key("js"));
+    assert!(!has_js());
     let (st, _, _) = post(
         &s,
         "/v1/chat/completions",
@@ -429,19 +508,21 @@ async fn metrics_models_and_reload() {
 #[tokio::test]
 async fn merged_adapter_is_proxied_and_falls_back() {
     // Upstream merged pod: a second server.
-    let up = start("  - {name: mg, version: v1, loraId: 3, path: extra}", 8, 0).await;
-    let extra = format!("  - {{name: mg, version: v1, loraId: 3, path: extra, mode: merged, mergedEndpoint: \"{}\", keywords: [merge]}}\n  - {{name: dead, version: v1, loraId: 4, path: extra, mode: merged, mergedEndpoint: \"http://127.0.0.1:1\", load: false}}\n  - {{name: dead2, version: v1, loraId: 5, path: extra, mode: merged, mergedEndpoint: \"http://127.0.0.1:1\"}}", up.url);
-    let s = start(&extra, 8, 0).await;
-    // Forwarded to the upstream, which serves mg itself.
-    let (st, h, b) = post(
-        &s,
-        "/v1/chat/completions",
-        json!({"model": "mg", "messages": [{"role": "user", "content": "x"}]}),
+    let up = start(
+        "  - {name: mg, version: v1, loraId: 3, path: extra}",
+        16,
+        64,
     )
     .await;
+    let extra = format!("  - {{name: mg, version: v1, loraId: 3, path: extra, mode: merged, mergedEndpoint: \"{}\", keywords: [merge]}}\n  - {{name: dead, version: v1, loraId: 4, path: extra, mode: merged, mergedEndpoint: \"http://127.0.0.1:1\", load: false}}\n  - {{name: dead2, version: v1, loraId: 5, path: extra, mode: merged, mergedEndpoint: \"http://127.0.0.1:1\"}}", up.url);
+    let s = start(&extra, 16, 64).await;
+    // Forwarded to the upstream, which serves mg itself: the same answer as asking it directly.
+    let ask = json!({"model": "mg", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "x"}]});
+    let (st, h, b) = post(&s, "/v1/chat/completions", ask.clone()).await;
     assert_eq!(h["x-mole-route"], "explicit+proxy");
     assert_eq!(st, 200, "{b}");
-    assert_eq!(b["choices"][0]["message"]["content"], "[mg] x");
+    let (_, _, direct) = post(&up, "/v1/chat/completions", ask).await;
+    assert_eq!(content(&b), content(&direct));
     // Dead endpoint, not loaded locally: 503 naming the reason.
     let (st, _, b) = post(
         &s,
@@ -464,7 +545,7 @@ async fn merged_adapter_is_proxied_and_falls_back() {
     assert_eq!(h["x-mole-adapter"], "dead2");
 }
 
-/// Not a test: serves the EchoEngine-backed API on `MOLE_TEST_LISTEN` for
+/// Not a test: serves the tiny-model API on `MOLE_TEST_LISTEN` for
 /// `scripts/checks/server-openai.sh` (the `openai` Python client) until killed.
 #[tokio::test]
 #[ignore]
@@ -472,7 +553,7 @@ async fn serve_for_clients() {
     let Ok(addr) = std::env::var("MOLE_TEST_LISTEN") else {
         return;
     };
-    let s = start("", 8, 0).await;
+    let s = start("", 16, 64).await;
     // Relay addr -> the random-port server so the script can use a fixed port.
     let l = tokio::net::TcpListener::bind(&addr).await.unwrap();
     let target = s.url.trim_start_matches("http://").to_string();

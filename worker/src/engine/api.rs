@@ -217,6 +217,8 @@ pub struct EngineStats {
     pub waiting_adapters: Vec<String>,
     /// Device slots for adapters.
     pub max_loras: usize,
+    /// Requests cancelled because their caller went away (since start).
+    pub cancelled: u64,
 }
 
 /// An adapter to load (from the worker config or `/v1/load_lora_adapter`).

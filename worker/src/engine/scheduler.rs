@@ -119,26 +119,36 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
         }
         let before = waiting.len();
         waiting.retain(|s| !s.cancelled());
-        shared
-            .waiting
-            .fetch_sub(before - waiting.len(), Ordering::SeqCst);
+        let dropped = before - waiting.len();
+        shared.waiting.fetch_sub(dropped, Ordering::SeqCst);
+        let mut cancelled = dropped;
         while running.len() < shared.opts.max_batch_size {
             let Some(s) = waiting.pop_front() else { break };
             shared.waiting.fetch_sub(1, Ordering::SeqCst);
             running.push(s);
         }
+        let before = running.len();
         running.retain(|s| !s.cancelled());
-        publish_stats(&shared, &running, &waiting);
+        cancelled += before - running.len();
+        publish_stats(&shared, &running, &waiting, cancelled);
         if running.is_empty() {
             continue;
         }
         step(&shared, &mut running);
-        running.retain(|s| !s.tx.is_closed() && !s.done);
-        publish_stats(&shared, &running, &waiting);
+        let before = running.len();
+        running.retain(|s| s.done || !s.cancelled());
+        let cancelled = before - running.len();
+        running.retain(|s| !s.done);
+        publish_stats(&shared, &running, &waiting, cancelled);
     }
 }
 
-fn publish_stats(shared: &Shared, running: &[Box<Seq>], waiting: &VecDeque<Box<Seq>>) {
+fn publish_stats(
+    shared: &Shared,
+    running: &[Box<Seq>],
+    waiting: &VecDeque<Box<Seq>>,
+    cancelled: usize,
+) {
     let names = |it: &mut dyn Iterator<Item = &Box<Seq>>| {
         let mut v: Vec<String> = it
             .filter_map(|s| s.adapter.as_ref().map(|p| p.name.clone()))
@@ -149,6 +159,7 @@ fn publish_stats(shared: &Shared, running: &[Box<Seq>], waiting: &VecDeque<Box<S
     };
     let mut st = shared.stats.lock().unwrap_or_else(|p| p.into_inner());
     st.running = running.len();
+    st.cancelled += cancelled as u64;
     st.waiting = waiting.len();
     if !running.is_empty() {
         st.last_batch_size = running.len();

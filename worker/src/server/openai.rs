@@ -103,6 +103,9 @@ struct Common {
     top_logprobs: Option<usize>,
     #[serde(default)]
     ignore_eos: bool,
+    /// vLLM extension: token ids that end generation besides EOS.
+    #[serde(default)]
+    stop_token_ids: Vec<u32>,
 }
 
 #[derive(Deserialize)]
@@ -173,7 +176,7 @@ fn sampling(s: &AppState, c: &Common, chat: bool) -> Result<SamplingParams, ApiE
         seed: c.seed,
         max_tokens: mt as usize,
         stop,
-        stop_token_ids: vec![],
+        stop_token_ids: c.stop_token_ids.clone(),
         logprobs,
         ignore_eos: c.ignore_eos,
     })
@@ -229,8 +232,15 @@ fn messages(msgs: Vec<InMessage>) -> Result<Vec<ChatMessage>, ApiError> {
 fn decide(s: &AppState, c: &Common, text: &str) -> Result<Decision, ApiError> {
     let cfg = s.cfg();
     let engine = s.engine.clone();
-    let scorer =
-        move |cls: &str, p: &str, labels: &[String]| engine.score_labels(Some(cls), p, labels).ok();
+    // The classifier runs one forward pass: tell the runtime this worker thread blocks so
+    // other requests move to another thread meanwhile.
+    let scorer = move |cls: &str, p: &str, labels: &[String]| {
+        let run = || engine.score_labels(Some(cls), p, labels).ok();
+        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(run),
+            _ => run(),
+        }
+    };
     // Embedding routing needs the sentence-embedding model, not built in this branch: the
     // strategy is skipped (falls through) rather than faked.
     let embedder = |_: &[String]| -> Option<Vec<Vec<f32>>> { None };
