@@ -1,31 +1,59 @@
-"""Talks to a running worker with the official `openai` Python client (base URL from argv[1]).
-
-Checks chat (plain and streaming), completions, model listing and that API errors surface as
-the client's typed exceptions with our codes.
-"""
+"""Talks to the local worker (SmolLM2-135M-Instruct + demo adapters) with the official
+`openai` Python client; base URL from argv[1]."""
+import os
 import sys
 
 import openai
 
 base = sys.argv[1]
+here = os.path.dirname(os.path.abspath(__file__))
 c = openai.OpenAI(base_url=f"{base}/v1", api_key="unused")
+QUESTION = [{"role": "user", "content": "What is the capital of Italy?"}]
+
+
+def sample(name):
+    """PEFT + transformers' greedy answer recorded when the adapter was trained."""
+    with open(os.path.join(here, "../../tests/fixtures/demo", name, "sample.txt")) as f:
+        return f.read().split("greedy 20 tokens: ", 1)[1].rstrip("\n")
+
 
 ids = [m.id for m in c.models.list().data]
-assert "demo" in ids and "fr" in ids, ids
+for want in ("demo", "smollm2-135m-instruct", "french", "json"):
+    assert want in ids, ids
 
-r = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "bonjour x"}], max_tokens=8, seed=1)
-assert r.choices[0].message.content == "[fr] bonjour x", r
-assert r.choices[0].finish_reason == "stop"
-assert r.usage.completion_tokens == 3, r.usage
+# The adapters answer exactly as PEFT did (greedy, 20 tokens at most).
+r = c.chat.completions.create(model="french", messages=QUESTION, max_tokens=20, temperature=0)
+assert r.choices[0].message.content == sample("french"), r
+assert r.choices[0].finish_reason == "stop", r
+assert r.model_extra["mole"]["adapter"] == "french", r.model_extra
 
-chunks = list(c.chat.completions.create(model="js", messages=[{"role": "user", "content": "a b"}], stream=True))
+chunks = list(c.chat.completions.create(model="json", messages=QUESTION, max_tokens=20,
+                                        temperature=0, stream=True,
+                                        stream_options={"include_usage": True}))
 text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
-assert text == "[js] a b", text
-assert chunks[-1].choices[0].finish_reason == "stop"
+assert text == sample("json"), text
+assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
 
-r = c.completions.create(model="smol", prompt="p q", max_tokens=2)
-assert r.choices[0].text == "[] p" and r.choices[0].finish_reason == "length", r
+# The base model answers differently from both adapters.
+r = c.chat.completions.create(model="smollm2-135m-instruct", messages=QUESTION, max_tokens=20, temperature=0)
+base_answer = r.choices[0].message.content
+assert base_answer and base_answer not in (sample("french"), sample("json")), base_answer
 
+# Routing by keyword when the pool name is the model.
+r = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Say bonjour to my friend"}], max_tokens=12, temperature=0)
+assert r.model_extra["mole"]["adapter"] == "french" and r.model_extra["mole"]["route"] == "keywords", r.model_extra
+
+# Completions, logprobs and seeds.
+r = c.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=5, temperature=0)
+assert r.choices[0].finish_reason in ("length", "stop") and r.usage.prompt_tokens > 0, r
+r = c.chat.completions.create(model="french", messages=QUESTION, max_tokens=6, temperature=0, logprobs=True, top_logprobs=2)
+lp = r.choices[0].logprobs.content
+assert len(lp) == r.usage.completion_tokens and all(len(t.top_logprobs) == 2 for t in lp), lp
+assert all(t.logprob <= 0 for t in lp)
+a, b = (c.chat.completions.create(model="json", messages=QUESTION, max_tokens=12, temperature=0.9, seed=7).choices[0].message.content for _ in range(2))
+assert a == b, (a, b)
+
+# Errors come back as the client's typed exceptions with our codes.
 try:
     c.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
     raise SystemExit("expected NotFoundError")
@@ -36,4 +64,4 @@ try:
     raise SystemExit("expected BadRequestError")
 except openai.BadRequestError as e:
     assert e.code == "empty_messages", e
-print("server_openai.py: ok")
+print("server_openai.py: ok (french:", repr(sample("french")), "| base:", repr(base_answer), ")")

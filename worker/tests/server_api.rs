@@ -544,26 +544,3 @@ async fn merged_adapter_is_proxied_and_falls_back() {
     assert_eq!(st, 200, "{b}");
     assert_eq!(h["x-mole-adapter"], "dead2");
 }
-
-/// Not a test: serves the tiny-model API on `MOLE_TEST_LISTEN` for
-/// `scripts/checks/server-openai.sh` (the `openai` Python client) until killed.
-#[tokio::test]
-#[ignore]
-async fn serve_for_clients() {
-    let Ok(addr) = std::env::var("MOLE_TEST_LISTEN") else {
-        return;
-    };
-    let s = start("", 16, 64).await;
-    // Relay addr -> the random-port server so the script can use a fixed port.
-    let l = tokio::net::TcpListener::bind(&addr).await.unwrap();
-    let target = s.url.trim_start_matches("http://").to_string();
-    loop {
-        let (mut inbound, _) = l.accept().await.unwrap();
-        let t = target.clone();
-        tokio::spawn(async move {
-            if let Ok(mut out) = tokio::net::TcpStream::connect(t).await {
-                let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
-            }
-        });
-    }
-}
