@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Runs one local worker on SmolLM2-135M-Instruct with the demo adapters (config/local.yaml).
-# Steps: fetch the GGUF, import it to an HF directory (mole-worker import), copy the demo
+# Steps: fetch the GGUF and the embedding model, import the GGUF to an HF directory (mole-worker import), copy the demo
 # adapters, build, serve on $MOLE_LISTEN (default 127.0.0.1:8000).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=.mole-local/models
 gguf="$(bash scripts/fetch-smollm2.sh)"
+minilm="$(bash scripts/fetch-minilm.sh)"
 cargo build -p mole-worker --bin mole-worker
 bin=target/debug/mole-worker
 mkdir -p "$root/adapters"
 if [ ! -e "$root/smollm2-135m-instruct/config.json" ]; then
   "$bin" import --gguf "$gguf" --out "$root/smollm2-135m-instruct"
 fi
+# The embedding router's model (config/local.yaml router.embeddingModel), inside the model root.
+[ -s "$root/minilm/model.safetensors" ] || { rm -rf "$root/minilm" && cp -r "$minilm" "$root/minilm"; }
 for a in french json; do
   if [ ! -d "tests/fixtures/demo/$a" ]; then
     echo "run-local: tests/fixtures/demo/$a missing; run tests/fixtures/demo/make_adapters.py first" >&2

@@ -43,6 +43,12 @@ assert base_answer and base_answer not in (sample("french"), sample("json")), ba
 r = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Say bonjour to my friend"}], max_tokens=12, temperature=0)
 assert r.model_extra["mole"]["adapter"] == "french" and r.model_extra["mole"]["route"] == "keywords", r.model_extra
 
+# Routing by meaning (all-MiniLM-L6-v2 against the adapters' descriptions and examples).
+r = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "Output a structured object describing the user"}], max_tokens=12, temperature=0)
+assert r.model_extra["mole"]["adapter"] == "json" and r.model_extra["mole"]["route"] == "embedding", r.model_extra
+r = c.chat.completions.create(model="demo", messages=[{"role": "user", "content": "The mitochondria is the powerhouse of the cell"}], max_tokens=4)
+assert r.model_extra["mole"]["adapter"] is None and r.model_extra["mole"]["route"] == "fallback", r.model_extra
+
 # Completions, logprobs and seeds.
 r = c.completions.create(model="smollm2-135m-instruct", prompt="The capital of France is", max_tokens=5, temperature=0)
 assert r.choices[0].finish_reason in ("length", "stop") and r.usage.prompt_tokens > 0, r

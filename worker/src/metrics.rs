@@ -3,8 +3,8 @@
 //! read to pick the pod that already holds an adapter.
 
 use prometheus::{
-    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    Encoder, GaugeVec, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::engine::api::EngineStats;
@@ -20,6 +20,22 @@ pub struct Metrics {
     pub latency: HistogramVec,
     /// Time to first token by adapter.
     pub ttft: HistogramVec,
+    /// Time between consecutive tokens of a request, by adapter.
+    pub itl: HistogramVec,
+    /// Router confidence (classifier probability, keyword hits, cosine) by strategy.
+    pub route_confidence: HistogramVec,
+    /// Sequences in the last engine step.
+    pub batch_size: IntGauge,
+    /// Requests cancelled because their client went away.
+    pub cancelled: IntCounter,
+    /// Adapter versions by residency (gpu: device slot, cpu: host, disk: evicted).
+    pub residency: IntGaugeVec,
+    /// Adapter loads by result.
+    pub adapter_loads: IntCounterVec,
+    /// Seconds spent loading adapters.
+    pub adapter_load_seconds: prometheus::Counter,
+    /// LRU evictions.
+    pub adapter_evictions: IntCounter,
     /// Prompt and generated tokens by adapter and kind.
     pub tokens: IntCounterVec,
     /// Routing decisions by reason.
@@ -60,6 +76,56 @@ impl Metrics {
             &["adapter"],
         )
         .expect("metric");
+        // Decode steps on CPU take tens of ms, on GPU a few: buckets cover both.
+        let itl = HistogramVec::new(
+            HistogramOpts::new(
+                "mole_inter_token_latency_seconds",
+                "Time between consecutive tokens of a request",
+            )
+            .buckets(vec![
+                0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+            ]),
+            &["adapter"],
+        )
+        .expect("metric");
+        let route_confidence = HistogramVec::new(
+            HistogramOpts::new(
+                "mole_route_confidence",
+                "Router confidence of routed requests by strategy",
+            )
+            .buckets(vec![
+                0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0, 5.0,
+            ]),
+            &["strategy"],
+        )
+        .expect("metric");
+        let batch_size =
+            IntGauge::new("mole_batch_size", "Sequences in the last engine step").expect("metric");
+        let cancelled = IntCounter::new(
+            "mole_requests_cancelled_total",
+            "Requests cancelled because the client went away",
+        )
+        .expect("metric");
+        let residency = IntGaugeVec::new(
+            Opts::new("mole_adapter_versions", "Adapter versions by residency"),
+            &["residency"],
+        )
+        .expect("metric");
+        let adapter_loads = IntCounterVec::new(
+            Opts::new("mole_adapter_loads_total", "Adapter loads by result"),
+            &["result"],
+        )
+        .expect("metric");
+        let adapter_load_seconds = prometheus::Counter::new(
+            "mole_adapter_load_seconds_total",
+            "Seconds spent loading adapters",
+        )
+        .expect("metric");
+        let adapter_evictions = IntCounter::new(
+            "mole_adapter_evictions_total",
+            "Adapters evicted to disk by the LRU",
+        )
+        .expect("metric");
         let tokens = IntCounterVec::new(
             Opts::new("mole_tokens_total", "Tokens processed"),
             &["adapter", "kind"],
@@ -92,6 +158,14 @@ impl Metrics {
             Box::new(errors.clone()),
             Box::new(latency.clone()),
             Box::new(ttft.clone()),
+            Box::new(itl.clone()),
+            Box::new(route_confidence.clone()),
+            Box::new(batch_size.clone()),
+            Box::new(cancelled.clone()),
+            Box::new(residency.clone()),
+            Box::new(adapter_loads.clone()),
+            Box::new(adapter_load_seconds.clone()),
+            Box::new(adapter_evictions.clone()),
             Box::new(tokens.clone()),
             Box::new(routes.clone()),
             Box::new(running.clone()),
@@ -108,6 +182,14 @@ impl Metrics {
             errors,
             latency,
             ttft,
+            itl,
+            route_confidence,
+            batch_size,
+            cancelled,
+            residency,
+            adapter_loads,
+            adapter_load_seconds,
+            adapter_evictions,
             tokens,
             routes,
             running,
@@ -119,10 +201,45 @@ impl Metrics {
     }
 
     /// Refreshes the engine gauges and renders the text exposition format.
-    pub fn render(&self, stats: &EngineStats, loaded: usize) -> String {
+    pub fn render(&self, stats: &EngineStats, adapters: &[mole_crds::LoraAdapterInfo]) -> String {
         self.running.set(stats.running as i64);
         self.waiting.set(stats.waiting as i64);
-        self.adapters_loaded.set(loaded as i64);
+        self.batch_size.set(stats.last_batch_size as i64);
+        // The engine keeps cumulative counts; the counters follow them.
+        let follow = |c: &IntCounter, v: u64| {
+            if v > c.get() {
+                c.inc_by(v - c.get());
+            }
+        };
+        follow(&self.cancelled, stats.cancelled);
+        follow(&self.adapter_evictions, stats.adapter_evictions);
+        follow(
+            &self.adapter_loads.with_label_values(&["ok"]),
+            stats.adapter_loads,
+        );
+        follow(
+            &self.adapter_loads.with_label_values(&["failed"]),
+            stats.adapter_load_failures,
+        );
+        let secs = self.adapter_load_seconds.get();
+        if stats.adapter_load_seconds > secs {
+            self.adapter_load_seconds
+                .inc_by(stats.adapter_load_seconds - secs);
+        }
+        self.adapters_loaded
+            .set(adapters.iter().filter(|a| a.loaded).count() as i64);
+        for r in ["gpu", "cpu", "disk"] {
+            let n = adapters
+                .iter()
+                .filter(|a| {
+                    serde_json::to_value(a.residency)
+                        .ok()
+                        .and_then(|v| v.as_str().map(String::from))
+                        == Some(r.to_string())
+                })
+                .count();
+            self.residency.with_label_values(&[r]).set(n as i64);
+        }
         // vLLM exposes one series whose labels carry the adapter lists; reset so stale label
         // sets do not linger.
         self.lora_info.reset();

@@ -439,7 +439,7 @@ async fn metrics_models_and_reload() {
     post(
         &s,
         "/v1/chat/completions",
-        json!({"model": "fr", "messages": [{"role": "user", "content": "x"}]}),
+        json!({"model": "fr", "max_tokens": 4, "ignore_eos": true, "messages": [{"role": "user", "content": "x"}]}),
     )
     .await;
     let m = c
@@ -455,6 +455,17 @@ async fn metrics_models_and_reload() {
         std::fs::write(out, &m).unwrap();
     }
     assert!(m.contains("mole_requests_total{adapter=\"fr\",endpoint=\"chat\",route=\"explicit\",status=\"200\"} 1"), "{m}");
+    for want in [
+        "mole_inter_token_latency_seconds_count{adapter=\"fr\"} 3",
+        "mole_time_to_first_token_seconds_count{adapter=\"fr\"} 1",
+        "mole_tokens_total{adapter=\"fr\",kind=\"completion\"} 4",
+        "mole_adapter_loads_total{result=\"ok\"} 2",
+        "mole_adapter_versions{residency=\"gpu\"} 2",
+        "mole_requests_cancelled_total 0",
+        "mole_batch_size 1",
+    ] {
+        assert!(m.contains(want), "{want} missing:\n{m}");
+    }
     // The adapter lists depend on the moment of the scrape; the series and its slots do not.
     assert!(
         m.contains("vllm:lora_requests_info{max_lora=\"4\",running_lora_adapters=\""),
@@ -523,6 +534,17 @@ async fn merged_adapter_is_proxied_and_falls_back() {
     assert_eq!(st, 200, "{b}");
     let (_, _, direct) = post(&up, "/v1/chat/completions", ask).await;
     assert_eq!(content(&b), content(&direct));
+    // The merged pods go away: the same request is served here, no client-visible failure.
+    drop(up);
+    let (st, h, b) = post(
+        &s,
+        "/v1/chat/completions",
+        json!({"model": "mg", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(h["x-mole-route"], "explicit");
+    assert_eq!(h["x-mole-adapter"], "mg");
     // Dead endpoint, not loaded locally: 503 naming the reason.
     let (st, _, b) = post(
         &s,

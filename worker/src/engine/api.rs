@@ -219,6 +219,14 @@ pub struct EngineStats {
     pub max_loras: usize,
     /// Requests cancelled because their caller went away (since start).
     pub cancelled: u64,
+    /// Adapter loads that succeeded (since start; reads back after eviction included).
+    pub adapter_loads: u64,
+    /// Adapter loads refused or failed.
+    pub adapter_load_failures: u64,
+    /// Seconds spent loading adapters (sum).
+    pub adapter_load_seconds: f64,
+    /// Adapters evicted to disk by the LRU.
+    pub adapter_evictions: u64,
 }
 
 /// An adapter to load (from the worker config or `/v1/load_lora_adapter`).

@@ -69,6 +69,9 @@ pub struct Shared {
     /// Requests submitted and not yet admitted to the batch.
     waiting: AtomicUsize,
     stats: Mutex<EngineStats>,
+    loads: std::sync::atomic::AtomicU64,
+    load_failures: std::sync::atomic::AtomicU64,
+    load_micros: std::sync::atomic::AtomicU64,
     dtype: DType,
     device: Device,
 }
@@ -111,6 +114,9 @@ impl Engine {
                 max_loras: opts.max_loras,
                 ..Default::default()
             }),
+            loads: Default::default(),
+            load_failures: Default::default(),
+            load_micros: Default::default(),
             model,
             text,
             opts,
@@ -137,10 +143,17 @@ impl Engine {
             &shared.device,
             &opts,
         )
-        .map_err(|e| EngineError::InvalidAdapter {
-            name: spec.name.clone(),
-            reason: e.to_string(),
+        .map_err(|e| {
+            shared.load_failures.fetch_add(1, Ordering::Relaxed);
+            EngineError::InvalidAdapter {
+                name: spec.name.clone(),
+                reason: e.to_string(),
+            }
         })?;
+        shared.loads.fetch_add(1, Ordering::Relaxed);
+        shared
+            .load_micros
+            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
         tracing::info!(adapter = %spec.name, version = %spec.version, rank = a.rank, bytes = a.bytes,
             seconds = started.elapsed().as_secs_f64(), "adapter loaded");
         Ok(Arc::new(a))
@@ -379,7 +392,12 @@ impl InferenceEngine for Engine {
             .unwrap_or_else(|p| p.into_inner())
             .clone();
         // Requests still on a loader thread count as waiting too.
-        s.waiting = s.waiting.max(self.shared.waiting.load(Ordering::SeqCst));
+        let sh = &self.shared;
+        s.waiting = s.waiting.max(sh.waiting.load(Ordering::SeqCst));
+        s.adapter_loads = sh.loads.load(Ordering::Relaxed);
+        s.adapter_load_failures = sh.load_failures.load(Ordering::Relaxed);
+        s.adapter_load_seconds = sh.load_micros.load(Ordering::Relaxed) as f64 / 1e6;
+        s.adapter_evictions = sh.registry.evictions.load(Ordering::Relaxed);
         s
     }
 

@@ -86,6 +86,8 @@ pub struct Registry {
     inner: Mutex<Inner>,
     capacity: usize,
     residency: Residency,
+    /// Evictions since start.
+    pub evictions: AtomicU64,
 }
 
 #[derive(Debug, Default)]
@@ -102,6 +104,7 @@ impl Registry {
             inner: Mutex::new(Inner::default()),
             capacity: capacity.max(1),
             residency,
+            evictions: AtomicU64::new(0),
         }
     }
 
@@ -151,10 +154,11 @@ impl Registry {
                 last_used: Instant::now(),
             },
         );
-        Self::evict(&mut g, self.capacity);
+        self.evict(&mut g);
     }
 
-    fn evict(g: &mut Inner, capacity: usize) {
+    fn evict(&self, g: &mut Inner) {
+        let capacity = self.capacity;
         loop {
             let resident = g.current.values().filter(|e| e.weights.is_some()).count();
             if resident <= capacity {
@@ -175,6 +179,7 @@ impl Registry {
                 Some(e) => {
                     tracing::info!(adapter = %e.spec.name, version = %e.spec.version, "evicted to disk (LRU)");
                     e.weights = None;
+                    self.evictions.fetch_add(1, Ordering::Relaxed);
                 }
                 None => return,
             }
@@ -224,7 +229,7 @@ impl Registry {
     /// Enforces capacity again (after requests released adapters).
     pub fn trim(&self) {
         let mut g = self.lock();
-        Self::evict(&mut g, self.capacity);
+        self.evict(&mut g);
     }
 
     /// Current versions, and versions still draining (`loaded: false`: they take no new

@@ -2,6 +2,8 @@
 //! and (for the classifier strategy) a scoring callback, so every strategy is unit-tested
 //! without a model. Strategies run in the configured order; the first that answers wins.
 
+pub mod embed;
+
 use mole_crds::{RouterFallback, RouterStrategy, ServingMode, WorkerConfig};
 
 /// Why routing failed. Stable names via [`RouteError::code`].

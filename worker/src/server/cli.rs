@@ -44,6 +44,14 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let auth = Auth::from_config(&cfg)?;
     let engine = build_engine(&cfg)?;
     let state = AppState::new(cfg.clone(), engine.clone(), Some(args.config.clone()), auth);
+    if let Some(rel) = &cfg.router.embedding_model {
+        let dir = crate::config::resolve_in_root(&cfg.model_root, rel)?;
+        let e =
+            tokio::task::spawn_blocking(move || crate::router::embed::SentenceEmbedder::load(&dir))
+                .await??;
+        let _ = state.embedder.set(Arc::new(e));
+        tracing::info!(model = %rel, "embedding router ready");
+    }
     let listener = tokio::net::TcpListener::bind(&args.listen).await?;
     tracing::info!(listen = %args.listen, "serving");
     serve_with(

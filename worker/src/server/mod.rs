@@ -144,6 +144,8 @@ pub struct AppState {
     pub ready: AtomicBool,
     /// Client for merged pods.
     pub http: reqwest::Client,
+    /// Sentence-embedding model of the embedding router (set once at start when configured).
+    pub embedder: std::sync::OnceLock<Arc<crate::router::embed::SentenceEmbedder>>,
     next_lora_id: AtomicU32,
 }
 
@@ -163,6 +165,7 @@ impl AppState {
             auth,
             ready: AtomicBool::new(false),
             http: reqwest::Client::new(),
+            embedder: std::sync::OnceLock::new(),
             // Ids for adapters loaded through the API, far from the operator's ids.
             next_lora_id: AtomicU32::new(1 << 30),
         })
@@ -277,8 +280,7 @@ async fn readyz(axum::extract::State(s): axum::extract::State<Arc<AppState>>) ->
 }
 
 async fn metrics(axum::extract::State(s): axum::extract::State<Arc<AppState>>) -> Response {
-    let loaded = s.engine.adapters().iter().filter(|a| a.loaded).count();
-    let body = s.metrics.render(&s.engine.stats(), loaded);
+    let body = s.metrics.render(&s.engine.stats(), &s.engine.adapters());
     (
         [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
         body,

@@ -241,9 +241,25 @@ fn decide(s: &AppState, c: &Common, text: &str) -> Result<Decision, ApiError> {
             _ => run(),
         }
     };
-    // Embedding routing needs the sentence-embedding model, not built in this branch: the
-    // strategy is skipped (falls through) rather than faked.
-    let embedder = |_: &[String]| -> Option<Vec<Vec<f32>>> { None };
+    // The request text is encoded each time; adapter descriptions and examples come from the
+    // embedder's cache. Without a configured model the strategy falls through.
+    let emb = s.embedder.get().cloned();
+    let embedder = move |texts: &[String]| -> Option<Vec<Vec<f32>>> {
+        let e = emb.as_ref()?;
+        let run = || {
+            let q = e.encode(&texts[..1]).ok()?;
+            let rest = e.encode_cached(&texts[1..]).ok()?;
+            Some(
+                q.into_iter()
+                    .chain(rest.iter().map(|v| v.to_vec()))
+                    .collect(),
+            )
+        };
+        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(run),
+            _ => run(),
+        }
+    };
     let input = RouteInput {
         model: &c.model,
         adapter: c.adapter.as_deref().or(c.expert.as_deref()),
@@ -275,6 +291,12 @@ fn decide(s: &AppState, c: &Common, text: &str) -> Result<Decision, ApiError> {
         .routes
         .with_label_values(&[d.reason.as_str(), d.adapter.as_deref().unwrap_or("")])
         .inc();
+    if let Some(score) = d.score {
+        s.metrics
+            .route_confidence
+            .with_label_values(&[d.reason.as_str()])
+            .observe(score);
+    }
     Ok(d)
 }
 
@@ -424,6 +446,7 @@ async fn serve(
         endpoint,
         start: Instant::now(),
         deadline: tokio::time::Instant::now() + timeout,
+        last_token: None,
     };
     if common.stream {
         Ok(stream_response(ctx, rx))
@@ -441,9 +464,21 @@ struct Ctx {
     endpoint: &'static str,
     start: Instant,
     deadline: tokio::time::Instant,
+    /// When the previous token arrived (inter-token latency).
+    last_token: Option<Instant>,
 }
 
 impl Ctx {
+    fn on_token(&mut self) {
+        let now = Instant::now();
+        if let Some(prev) = self.last_token.replace(now) {
+            self.s
+                .metrics
+                .itl
+                .with_label_values(&[self.adapter_label()])
+                .observe((now - prev).as_secs_f64());
+        }
+    }
     fn adapter_label(&self) -> &str {
         self.d.adapter.as_deref().unwrap_or("")
     }
@@ -521,7 +556,7 @@ fn lp_json(kind: Kind, lps: &[crate::engine::api::TokenLogprob]) -> Value {
 }
 
 async fn collect_response(
-    ctx: Ctx,
+    mut ctx: Ctx,
     mut rx: crate::engine::api::EventStream,
 ) -> Result<Response, ApiError> {
     let mut text = String::new();
@@ -561,6 +596,7 @@ async fn collect_response(
             TokenEvent::Token {
                 text: t, logprob, ..
             } => {
+                ctx.on_token();
                 text.push_str(&t);
                 lps.extend(logprob);
             }
@@ -591,7 +627,7 @@ fn stream_response(ctx: Ctx, rx: crate::engine::api::EventStream) -> Response {
     // which cancels the request in the engine.
     let st = futures::stream::unfold(
         (ctx, rx, false, None::<String>),
-        |(ctx, mut rx, done, mut version)| async move {
+        |(mut ctx, mut rx, done, mut version)| async move {
             if done {
                 return None;
             }
@@ -642,6 +678,7 @@ fn stream_response(ctx: Ctx, rx: crate::engine::api::EventStream) -> Response {
                     }
                 }
                 Ok(TokenEvent::Token { text, logprob, .. }) => {
+                    ctx.on_token();
                     if text.is_empty() && logprob.is_none() {
                         vec![]
                     } else {
