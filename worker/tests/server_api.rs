@@ -169,6 +169,46 @@ async fn chat_routes_and_answers() {
     // Route only.
     let (st, _, b) = post(&s, "/v1/route", json!({"input": "to json please"})).await;
     assert_eq!((st, b["adapter"].as_str()), (200, Some("js")));
+    // The seeds' /infer call: routed by the prompt, or by `expert`.
+    let (st, _, b) = post(
+        &s,
+        "/infer",
+        json!({"prompt": "say bonjour", "max_tokens": 3, "temperature": 0}),
+    )
+    .await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(
+        (
+            b["routed_adapter"].as_str(),
+            b["mode"].as_str(),
+            b["route"].as_str()
+        ),
+        (Some("fr"), Some("dynamic"), Some("keywords"))
+    );
+    assert_eq!(b["adapter_version"], "v1");
+    assert!(b["task_output"].is_string(), "{b}");
+    let (_, _, b) = post(
+        &s,
+        "/infer",
+        json!({"prompt": "say bonjour", "expert": "js", "max_tokens": 3}),
+    )
+    .await;
+    assert_eq!(b["routed_adapter"], "js");
+    let (st, _, b) = post(&s, "/infer", json!({"prompt": "x", "image_b64": "@@@"})).await;
+    assert_eq!(
+        (st, b["error"]["code"].as_str()),
+        (400, Some("invalid_image"))
+    );
+    let (st, _, b) = post(
+        &s,
+        "/infer",
+        json!({"prompt": "x", "image_b64": "aGVsbG8="}),
+    )
+    .await;
+    assert_eq!(
+        (st, b["error"]["code"].as_str()),
+        (400, Some("images_not_supported"))
+    );
 }
 
 #[tokio::test]

@@ -106,6 +106,9 @@ struct Common {
     /// vLLM extension: token ids that end generation besides EOS.
     #[serde(default)]
     stop_token_ids: Vec<u32>,
+    /// mole extension: forward merged adapters to their pods (default: the router setting).
+    #[serde(default)]
+    prefer_merged: Option<bool>,
 }
 
 #[derive(Deserialize)]
@@ -357,7 +360,8 @@ async fn serve(
         let a = cfg.adapters.iter().find(|a| &a.name == name);
         if let Some(ep) = a
             .and_then(|a| a.merged_endpoint.clone())
-            .filter(|_| cfg.router.prefer_merged && d.mode == "merged")
+            .filter(|_| common.prefer_merged.unwrap_or(cfg.router.prefer_merged))
+            .filter(|_| d.mode == "merged")
         {
             let path = if kind == Kind::Chat {
                 "/v1/chat/completions"
@@ -854,13 +858,19 @@ fn finish(s: &AppState, r: Result<Response, ApiError>) -> Response {
 
 #[derive(Deserialize)]
 struct InferBody {
-    input: String,
+    /// The task prompt (`input` is accepted as an alias).
+    #[serde(alias = "input")]
+    prompt: String,
+    /// Base64 image (the seeds' field): checked, then refused until vision lands.
+    #[serde(default)]
+    image_b64: Option<String>,
     #[serde(flatten)]
     common: Common,
 }
 
-/// `POST /infer`: `{input, model?, adapter?, max_tokens?...}` → a completion of the raw input
-/// text (chat-templated as one user message).
+/// `POST /infer`, the seeds' task call: `{prompt, image_b64?, expert?, prefer_merged?, ...}` →
+/// `{task_output, routed_adapter, adapter_version, mode, route, usage}`. The prompt is one user
+/// message; `expert` names the adapter (else the router decides).
 pub async fn infer(
     State(s): S,
     headers: HeaderMap,
@@ -871,24 +881,58 @@ pub async fn infer(
         let raw: Value = parse_body(body)?;
         let mut b: InferBody = serde_json::from_value(raw.clone())
             .map_err(|e| bad("invalid_request", e.to_string()))?;
+        if let Some(img) = &b.image_b64 {
+            use base64::Engine as _;
+            let data = img.split_once("base64,").map_or(img.as_str(), |(_, d)| d);
+            base64::engine::general_purpose::STANDARD
+                .decode(data.trim())
+                .map_err(|e| bad("invalid_image", format!("image_b64 is not base64: {e}")))?;
+            return Err(bad(
+                "images_not_supported",
+                "this worker serves text models; image inputs need a vision base model",
+            ));
+        }
         b.common.stream = false;
         let msgs = vec![ChatMessage {
             role: "user".into(),
-            content: b.input.clone(),
+            content: b.prompt.clone(),
         }];
         let sp = sampling(&s, &b.common, true)?;
         let prompt = Prompt::Templated(s.engine.apply_chat_template(&msgs)?);
-        serve(
+        // Forwarded requests go to merged pods as chat completions.
+        let mut fwd = raw.clone();
+        fwd["messages"] = json!([{"role": "user", "content": b.prompt}]);
+        let resp = serve(
             s.clone(),
             headers.clone(),
             Kind::Chat,
-            raw,
+            fwd,
             b.common,
             prompt,
-            b.input,
+            b.prompt,
             sp,
         )
-        .await
+        .await?;
+        if !resp.status().is_success() {
+            return Ok(resp);
+        }
+        let (parts, body) = resp.into_parts();
+        let bytes = axum::body::to_bytes(body, usize::MAX).await.map_err(|e| {
+            ApiError::new(StatusCode::BAD_GATEWAY, "invalid_upstream", e.to_string())
+        })?;
+        let v: Value = serde_json::from_slice(&bytes).map_err(|e| {
+            ApiError::new(StatusCode::BAD_GATEWAY, "invalid_upstream", e.to_string())
+        })?;
+        let out = json!({
+            "task_output": v["choices"][0]["message"]["content"],
+            "finish_reason": v["choices"][0]["finish_reason"],
+            "routed_adapter": v["mole"]["adapter"],
+            "adapter_version": v["mole"]["adapter_version"],
+            "mode": v["mole"]["mode"],
+            "route": v["mole"]["route"],
+            "usage": v["usage"],
+        });
+        Ok::<Response, ApiError>((parts.status, parts.headers, Json(out)).into_response())
     }
     .await;
     finish(&s, r)
