@@ -15,7 +15,7 @@ if ! bash scripts/fetch-smollm2.sh >/dev/null; then
 fi
 port="${MOLE_TEST_PORT:-18734}"
 log="$(mktemp)"
-MOLE_LISTEN="127.0.0.1:$port" MOLE_CONFIG_POLL_SECONDS=0 bash scripts/run-local.sh >"$log" 2>&1 &
+MOLE_PROFILE=dev MOLE_LISTEN="127.0.0.1:$port" MOLE_CONFIG_POLL_SECONDS=0 bash scripts/run-local.sh >"$log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -f "$log"' EXIT
 for _ in $(seq 600); do

@@ -57,7 +57,12 @@ auth: {{adminTokenFile: {root}/admin}}
 "#,
         root = root.display()
     );
-    let cfg_path = root.join("config.yaml");
+    launch(dir, &yaml).await
+}
+
+/// Serves `yaml` (written to `<dir>/config.yaml`) until the returned server is dropped.
+async fn launch(dir: tempfile::TempDir, yaml: &str) -> Srv {
+    let cfg_path = dir.path().join("config.yaml");
     std::fs::write(&cfg_path, yaml).unwrap();
     let cfg = mole_worker::config::load(&cfg_path).unwrap();
     let engine = build_engine(&cfg).unwrap();
@@ -605,4 +610,61 @@ async fn merged_adapter_is_proxied_and_falls_back() {
     .await;
     assert_eq!(st, 200, "{b}");
     assert_eq!(h["x-mole-adapter"], "dead2");
+}
+
+#[tokio::test]
+async fn merged_pod_serves_the_merge_tool_output_as_the_adapter() {
+    // The dynamic pool pod, and a merged pod on `mole-worker merge`'s output for fr.
+    let dynamic = start("", 16, 64).await;
+    let dir = tempfile::tempdir().unwrap();
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine");
+    let root = dir.path();
+    let status = std::process::Command::new(env!("CARGO_BIN_EXE_mole-worker"))
+        .args(["merge", "--base"])
+        .arg(fx.join("llama"))
+        .arg("--adapter")
+        .arg(fx.join("adapters/llama/a_r8_all"))
+        .arg("--out")
+        .arg(root.join("merged/fr/v1"))
+        .status()
+        .unwrap();
+    assert!(status.success());
+    // The merge tool carries the tokenizer and chat template over with the config.
+    assert!(root.join("merged/fr/v1/tokenizer.json").is_file());
+    let yaml = format!(
+        "mode: merged\npool: demo\nmodelRoot: {}\nbaseModel: {{name: llama, path: merged/fr/v1, dtype: f32}}\nmerged: {{adapter: fr, version: v1, path: merged/fr/v1}}\nlimits: {{maxTokens: 64, maxSeqLen: 256}}\n",
+        root.display()
+    );
+    let merged = launch(dir, &yaml).await;
+    let ask = |model: &str| json!({"model": model, "max_tokens": 16, "ignore_eos": true, "temperature": 0, "messages": [{"role": "user", "content": "merge me"}]});
+    let (st, h, m) = post(&merged, "/v1/chat/completions", ask("fr")).await;
+    assert_eq!(st, 200, "{m}");
+    assert_eq!(
+        (
+            h["x-mole-adapter"].to_str().unwrap(),
+            h["x-mole-mode"].to_str().unwrap()
+        ),
+        ("fr", "merged")
+    );
+    assert_eq!(m["mole"]["adapter_version"], "v1");
+    let (_, _, d) = post(&dynamic, "/v1/chat/completions", ask("fr")).await;
+    assert_eq!(
+        content(&m),
+        content(&d),
+        "merged weights and dynamic LoRA give the same greedy text"
+    );
+    // The pool name routes to the merged adapter; the bare base model is not served here.
+    let (_, h, _) = post(&merged, "/v1/chat/completions", ask("demo")).await;
+    assert_eq!(h["x-mole-adapter"], "fr");
+    let (st, _, _) = post(&merged, "/v1/chat/completions", ask("llama")).await;
+    assert_eq!(st, 404);
+    // What the operator reads to mark the merged pods ready.
+    let l: mole_crds::LoraAdaptersResponse =
+        reqwest::get(format!("{}/v1/lora_adapters", merged.url))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+    assert!(l.is_loaded("fr", "v1"), "{l:?}");
 }

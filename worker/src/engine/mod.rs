@@ -223,6 +223,11 @@ impl InferenceEngine for Engine {
             ));
         }
         let max_new = req.sampling.max_tokens.min(max_seq - prompt.len());
+        let merged_version = req
+            .adapter
+            .as_deref()
+            .and_then(|n| self.is_merged(n))
+            .map(String::from);
         let adapter_name = req
             .adapter
             .as_deref()
@@ -238,7 +243,11 @@ impl InferenceEngine for Engine {
             if let Some(p) = &adapter {
                 p.start();
             }
-            Box::new(Seq::new(req.id, prompt, adapter, sampler, tx, max_new))
+            let mut s = Seq::new(req.id, prompt, adapter, sampler, tx, max_new);
+            if merged_version.is_some() {
+                s.version = merged_version;
+            }
+            Box::new(s)
         };
         let unqueue = || {
             sh.waiting.fetch_sub(1, Ordering::SeqCst);

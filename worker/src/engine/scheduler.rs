@@ -42,6 +42,8 @@ pub struct Seq {
     pub(super) detok: Detokenizer,
     pub(super) stop: StopMatcher,
     pub(super) done: bool,
+    /// Version reported in `Started`: the pinned adapter's, or the merged weights'.
+    pub version: Option<String>,
 }
 
 impl Seq {
@@ -55,7 +57,9 @@ impl Seq {
         max_new: usize,
     ) -> Self {
         let stop = StopMatcher::new(&sampler.params().stop);
+        let version = adapter.as_ref().map(|p| p.version.clone());
         Self {
+            version,
             detok: Detokenizer::new(&prompt),
             id,
             prompt,
@@ -233,7 +237,7 @@ fn step(shared: &Shared, running: &mut [Box<Seq>]) {
                 continue;
             }
             let _ = s.tx.send(TokenEvent::Started {
-                adapter_version: s.adapter.as_ref().map(|p| p.version.clone()),
+                adapter_version: s.version.clone(),
                 prompt_tokens: s.prompt.len(),
             });
         }

@@ -57,6 +57,9 @@ pub type Scorer<'a> = &'a dyn Fn(&str, &str, &[String]) -> Option<Vec<f32>>;
 pub type Embedder<'a> = &'a dyn Fn(&[String]) -> Option<Vec<Vec<f32>>>;
 
 fn mode_of(cfg: &WorkerConfig, adapter: &Option<String>) -> String {
+    if cfg.merged.is_some() && adapter.is_some() {
+        return "merged".into();
+    }
     match adapter {
         None => "base".into(),
         Some(n) => match cfg.adapters.iter().find(|a| &a.name == n).map(|a| a.mode) {
@@ -87,6 +90,14 @@ pub fn decide(
     // means "no adapter"; anything else must be an adapter.
     let named = input.adapter.unwrap_or(input.model);
     let routed = named.is_empty() || named == cfg.pool || named == "auto";
+    if let Some(m) = &cfg.merged {
+        // A merged pod serves one model, its adapter baked into the weights: the base model
+        // is not here to answer.
+        if routed || named == m.adapter {
+            return Ok(done(cfg, Some(m.adapter.clone()), "explicit", None));
+        }
+        return Err(RouteError::UnknownModel(named.into()));
+    }
     if !routed {
         if named == cfg.base_model.name {
             return Ok(done(cfg, None, "explicit", None));
