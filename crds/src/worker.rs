@@ -275,9 +275,9 @@ pub struct WorkerAuth {
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
 pub enum Residency {
-    /// In a device slot (GPU memory, or the compute device's memory on CPU).
+    /// In a device slot in GPU memory.
     Gpu,
-    /// In the host LRU.
+    /// In host memory (the device slots of a CPU worker, or a GPU worker's host LRU).
     Cpu,
     /// Known but not in memory.
     Disk,

@@ -505,7 +505,7 @@ async fn metrics_models_and_reload() {
         "mole_time_to_first_token_seconds_count{adapter=\"fr\"} 1",
         "mole_tokens_total{adapter=\"fr\",kind=\"completion\"} 4",
         "mole_adapter_loads_total{result=\"ok\"} 2",
-        "mole_adapter_versions{residency=\"gpu\"} 2",
+        "mole_adapter_versions{residency=\"cpu\"} 2",
         "mole_requests_cancelled_total 0",
         "mole_batch_size 1",
     ] {

@@ -104,7 +104,12 @@ impl Engine {
             .min(model.config().max_position_embeddings)
             .max(2);
         let device = model.device().clone();
-        let residency = Residency::Gpu;
+        // A CPU worker's device slots are host memory: report them as such.
+        let residency = if device.is_cpu() {
+            Residency::Cpu
+        } else {
+            Residency::Gpu
+        };
         let shared = Arc::new(Shared {
             dtype: model.dtype(),
             device,
@@ -381,7 +386,11 @@ impl InferenceEngine for Engine {
                 name: name.clone(),
                 version: version.clone(),
                 lora_id: 0,
-                residency: Residency::Gpu,
+                residency: if self.shared.device.is_cpu() {
+                    Residency::Cpu
+                } else {
+                    Residency::Gpu
+                },
                 loaded: true,
                 rank: 0,
                 bytes: 0,
