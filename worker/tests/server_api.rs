@@ -668,3 +668,28 @@ async fn merged_pod_serves_the_merge_tool_output_as_the_adapter() {
             .unwrap();
     assert!(l.is_loaded("fr", "v1"), "{l:?}");
 }
+
+#[tokio::test]
+async fn local_mode_merges_merged_adapters_in_process() {
+    // fm: the fr adapter configured `mode: merged` with no merged pods: a local worker merges it
+    // itself and serves it from the merged weights, beside fr served dynamically.
+    let s = start(
+        "  - {name: fm, version: v1, loraId: 3, path: fr, mode: merged}",
+        16,
+        64,
+    )
+    .await;
+    assert!(s
+        ._dir
+        .path()
+        .join(".mole-merged/fm/v1/merge_metadata.json")
+        .is_file());
+    let ask = |model: &str| json!({"model": model, "max_tokens": 16, "ignore_eos": true, "temperature": 0, "messages": [{"role": "user", "content": "merge me"}]});
+    let (st, h, m) = post(&s, "/v1/chat/completions", ask("fm")).await;
+    assert_eq!(st, 200, "{m}");
+    assert_eq!(h["x-mole-mode"], "merged");
+    assert_eq!(m["mole"]["adapter_version"], "v1");
+    let (_, h, d) = post(&s, "/v1/chat/completions", ask("fr")).await;
+    assert_eq!(h["x-mole-mode"], "dynamic");
+    assert_eq!(content(&m), content(&d));
+}

@@ -82,6 +82,15 @@ pub async fn serve_with(
     for err in &errors {
         tracing::warn!("adapter not loaded: {err}");
     }
+    let c = cfg.clone();
+    let (merged, errors) =
+        tokio::task::spawn_blocking(move || super::build_local_merged(&c)).await?;
+    for err in &errors {
+        tracing::warn!("served dynamically instead: {err}");
+    }
+    if let Ok(mut m) = state.local_merged.write() {
+        *m = merged;
+    }
     state.set_ready(true);
     let watcher = (!poll.is_zero()).then(|| {
         tokio::spawn(crate::config::watch(

@@ -144,6 +144,9 @@ pub struct AppState {
     pub ready: AtomicBool,
     /// Client for merged pods.
     pub http: reqwest::Client,
+    /// Local mode: merged models this process holds, by adapter name.
+    pub local_merged:
+        std::sync::RwLock<std::collections::HashMap<String, Arc<dyn InferenceEngine>>>,
     /// Sentence-embedding model of the embedding router (set once at start when configured).
     pub embedder: std::sync::OnceLock<Arc<crate::router::embed::SentenceEmbedder>>,
     next_lora_id: AtomicU32,
@@ -166,6 +169,7 @@ impl AppState {
             ready: AtomicBool::new(false),
             http: reqwest::Client::new(),
             embedder: std::sync::OnceLock::new(),
+            local_merged: Default::default(),
             // Ids for adapters loaded through the API, far from the operator's ids.
             next_lora_id: AtomicU32::new(1 << 30),
         })
@@ -246,6 +250,75 @@ pub fn build_engine(cfg: &WorkerConfig) -> anyhow::Result<Arc<dyn InferenceEngin
     let engine = Engine::load(&dir, dtype, &device, opts)?;
     tracing::info!(model = %dir.display(), ?device, ?dtype, seconds = started.elapsed().as_secs_f64(), "model loaded");
     Ok(Arc::new(engine))
+}
+
+/// Local mode: merges every adapter configured `mode: merged` without a `mergedEndpoint` into
+/// `<modelRoot>/.mole-merged/<adapter>/<version>/` (once; reused while its metadata matches)
+/// and starts an engine on it, so one process serves merged and dynamic adapters side by side.
+/// Each merged model holds a full copy of the weights. Adapters that fail are reported and
+/// stay served dynamically.
+pub fn build_local_merged(
+    cfg: &WorkerConfig,
+) -> (
+    std::collections::HashMap<String, Arc<dyn InferenceEngine>>,
+    Vec<String>,
+) {
+    use crate::engine::{default_device, serving_dtype, Engine, EngineOptions};
+    let mut out = std::collections::HashMap::new();
+    let mut errors = Vec::new();
+    if cfg.mode != mole_crds::WorkerMode::Local {
+        return (out, errors);
+    }
+    let wanted = cfg
+        .adapters
+        .iter()
+        .filter(|a| a.mode == mole_crds::ServingMode::Merged && a.merged_endpoint.is_none());
+    for a in wanted {
+        let r = (|| -> anyhow::Result<Arc<dyn InferenceEngine>> {
+            let root = crate::config::resolve_in_root(&cfg.model_root, ".")?;
+            let base = crate::config::resolve_in_root(&cfg.model_root, &cfg.base_model.path)?;
+            let adapter = crate::config::resolve_in_root(&cfg.model_root, &a.path)?;
+            let dir = root.join(".mole-merged").join(&a.name).join(&a.version);
+            let fresh = std::fs::read_to_string(dir.join("merge_metadata.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+                .is_some_and(|m| m["adapter_version"] == a.version.as_str());
+            if !fresh {
+                let report = crate::merge::merge(&crate::merge::MergeOptions {
+                    base,
+                    adapter,
+                    out: dir.clone(),
+                    safe_merge: true,
+                    dtype: None,
+                    root: Some(root),
+                    expect_base: Some(cfg.base_model.name.clone()),
+                    max_rank: cfg.limits.max_lora_rank as usize,
+                    adapter_name: Some(a.name.clone()),
+                    adapter_version: Some(a.version.clone()),
+                })?;
+                tracing::info!(adapter = %a.name, version = %a.version, ?report, "merged in-process");
+            }
+            let device = default_device();
+            let l = &cfg.limits;
+            let opts = EngineOptions {
+                base_name: cfg.base_model.name.clone(),
+                max_batch_size: l.max_batch_size as usize,
+                max_seq_len: l.max_seq_len as usize,
+                max_queue: l.max_queue as usize,
+                merged: Some((a.name.clone(), a.version.clone())),
+                ..Default::default()
+            };
+            let dtype = serving_dtype(cfg.base_model.dtype, &device);
+            Ok(Arc::new(Engine::load(&dir, dtype, &device, opts)?))
+        })();
+        match r {
+            Ok(e) => {
+                out.insert(a.name.clone(), e);
+            }
+            Err(e) => errors.push(format!("merge {}: {e:#}", a.name)),
+        }
+    }
+    (out, errors)
 }
 
 /// The HTTP routes.

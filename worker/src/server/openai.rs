@@ -353,7 +353,7 @@ async fn serve(
     } else {
         "completions"
     };
-    let d = decide(&s, &common, &route_text)?;
+    let mut d = decide(&s, &common, &route_text)?;
     let cfg = s.cfg();
     // Gateway: a merged adapter is served by its own pods when asked to.
     if let Some(name) = &d.adapter {
@@ -429,7 +429,26 @@ async fn serve(
     } else {
         "cmpl"
     });
-    let rx = s.engine.submit(GenerateRequest {
+    // A merged adapter served here: by this process's own merged model when it has one (local
+    // mode), else dynamically, and the answer says so.
+    let mut engine = s.engine.clone();
+    if d.mode == "merged" && cfg.merged.is_none() {
+        // Only while it holds the configured version: after a config change it is stale and
+        // the new version is served dynamically (a restart merges it).
+        let local = d.adapter.as_ref().and_then(|n| {
+            let want = &cfg.adapters.iter().find(|a| &a.name == n)?.version;
+            let e = s.local_merged.read().ok()?.get(n).cloned()?;
+            e.adapters()
+                .iter()
+                .any(|a| &a.name == n && &a.version == want)
+                .then_some(e)
+        });
+        match local {
+            Some(e) => engine = e,
+            None => d.mode = "dynamic".into(),
+        }
+    }
+    let rx = engine.submit(GenerateRequest {
         id: id.clone(),
         prompt,
         adapter: d.adapter.clone(),
