@@ -30,7 +30,19 @@ enum Command {
     Prune(mole_worker::prune::PruneArgs),
 }
 
+/// candle asks for its thread count on every matmul and, unless `RAYON_NUM_THREADS` is set,
+/// re-reads /proc/cpuinfo each time: a fifth of the decode time of a small model. Fix the count
+/// once, before any thread starts (an explicit setting wins).
+fn pin_thread_count() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = candle_core::utils::get_num_threads();
+        // First thing in main, before any other thread exists (set_var is not thread-safe).
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}
+
 fn main() -> std::process::ExitCode {
+    pin_thread_count();
     mole_worker::telemetry::init();
     let cli = Cli::parse();
     match cli.command {

@@ -206,6 +206,7 @@ struct Batch<'a> {
 struct Group<'a> {
     adapter: &'a LoraAdapter,
     idx: Tensor,
+    rows: Vec<u32>,
 }
 
 struct Layer {
@@ -361,6 +362,7 @@ impl Decoder {
                 Ok(Group {
                     adapter,
                     idx: Tensor::new(idx.as_slice(), &self.device)?,
+                    rows: idx,
                 })
             })
             .collect::<Result<_, candle_core::Error>>()?;
@@ -479,6 +481,15 @@ fn proj(
     groups: &[Group<'_>],
 ) -> Result<Tensor, ModelError> {
     let mut out = lin.forward(x)?;
+    if groups.len() > 1 {
+        let pairs: Vec<(&LoraAdapter, &[u32])> = groups
+            .iter()
+            .map(|g| (g.adapter, g.rows.as_slice()))
+            .collect();
+        if let Some(o) = crate::lora::apply_mixed_cpu(layer, which, x, &out, &pairs)? {
+            return Ok(o);
+        }
+    }
     for g in groups {
         out = g.adapter.apply(layer, which, x, &g.idx, &out)?;
     }
