@@ -7,11 +7,14 @@ cd "$(dirname "$0")/.."
 root=.mole-local/models
 gguf="$(bash scripts/fetch-smollm2.sh)"
 minilm="$(bash scripts/fetch-minilm.sh)"
-# Release by default (decode is ~2.5x faster); MOLE_PROFILE=dev reuses the test build.
-profile="${MOLE_PROFILE:-release}"
-cargo build --profile "$profile" -p mole-worker --bin mole-worker
-dir=$([ "$profile" = dev ] && echo debug || echo "$profile")
-bin="target/$dir/mole-worker"
+# Release by default (decode is ~2.5x faster than a debug build); MOLE_BIN runs a binary
+# already built instead (the openai check uses the test command's build).
+if [ -n "${MOLE_BIN:-}" ]; then
+  bin="$MOLE_BIN"
+else
+  cargo build --release -p mole-worker --bin mole-worker
+  bin="${CARGO_TARGET_DIR:-target}/release/mole-worker"
+fi
 mkdir -p "$root/adapters"
 if [ ! -e "$root/smollm2-135m-instruct/config.json" ]; then
   "$bin" import --gguf "$gguf" --out "$root/smollm2-135m-instruct"

@@ -22,7 +22,8 @@ if [ -z "$promtool" ]; then
 fi
 scrape="$(mktemp)"
 trap 'rm -f "$scrape"' EXIT
-MOLE_SCRAPE_OUT="$scrape" cargo test -q -p mole-worker --test server_api metrics_models_and_reload >/dev/null
+# --workspace: the same feature set as the test command's build, so nothing is rebuilt.
+MOLE_SCRAPE_OUT="$scrape" cargo test -q --workspace --test server_api metrics_models_and_reload >/dev/null
 test -s "$scrape" || { echo "server.sh: no scrape written"; exit 1; }
 grep -q '^vllm:lora_requests_info{' "$scrape" || { echo "server.sh: vllm:lora_requests_info missing"; exit 1; }
 # promtool flags recording-rule style names; vllm:lora_requests_info must keep vLLM's name

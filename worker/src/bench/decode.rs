@@ -38,6 +38,10 @@ pub struct DecodeBenchArgs {
     /// Also measure an HF model directory (e.g. the imported SmolLM2) with a synthetic adapter.
     #[arg(long, env = "MOLE_BENCH_MODEL")]
     pub model: Option<std::path::PathBuf>,
+    /// A Python with torch, transformers and peft: also time transformers + PEFT `generate` on
+    /// the `--model` directory with the same adapter, batch 1 and 16, on as many threads.
+    #[arg(long, env = "MOLE_BENCH_PYTHON")]
+    pub python: Option<std::path::PathBuf>,
 }
 
 fn synthetic_config(hidden: usize, layers: usize) -> ModelConfig {
@@ -190,6 +194,7 @@ fn tokens_per_s(
 fn bench_model(
     label: &str,
     model: &Decoder,
+    model_dir: Option<&Path>,
     args: &DecodeBenchArgs,
     dev: &Device,
 ) -> anyhow::Result<()> {
@@ -267,8 +272,74 @@ fn bench_model(
         "| adapter load ÷ raw read of its file ({} MiB) | | {load_ratio:.2} | ≤ 1.5 |",
         std::fs::metadata(tmp.path().join("a0/adapter_model.safetensors"))?.len() >> 20
     );
+    if let (Some(py), Some(dir)) = (&args.python, model_dir) {
+        let threads = candle_core::utils::get_num_threads();
+        let o = std::process::Command::new(py)
+            .arg("-c")
+            .arg(HF_SCRIPT)
+            .arg(dir)
+            .arg(tmp.path().join("a0"))
+            .arg(s.to_string())
+            .arg(threads.to_string())
+            .output()?;
+        let last = String::from_utf8_lossy(&o.stdout)
+            .lines()
+            .last()
+            .unwrap_or("")
+            .to_string();
+        let nums: Vec<f64> = last
+            .split_whitespace()
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        match (o.status.success(), nums.as_slice()) {
+            (true, [hf1, hf16]) => {
+                println!(
+                    "| batch 1: transformers + PEFT generate ({threads} threads) | {hf1:.1} | mole dynamic {:.2}x of it | ≥ 1.0 |",
+                    dyn1 / hf1
+                );
+                println!(
+                    "| batch 16: transformers + PEFT generate | {hf16:.1} | mole dynamic {:.2}x of it | ≥ 1.0 |",
+                    one16 / hf16
+                );
+            }
+            _ => println!(
+                "| transformers + PEFT | failed: {} | | |",
+                String::from_utf8_lossy(&o.stderr)
+                    .lines()
+                    .last()
+                    .unwrap_or("")
+            ),
+        }
+    }
     Ok(())
 }
+
+/// transformers + PEFT decode tokens/s at batch 1 and 16: the same 8-token prompt, greedy,
+/// decode time = generate(steps + 1 tokens) - generate(1 token), best of two.
+const HF_SCRIPT: &str = r#"
+import sys, time, torch
+from transformers import AutoModelForCausalLM
+from peft import PeftModel
+model_dir, adapter_dir, steps, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+torch.set_num_threads(threads)
+m = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+m = PeftModel.from_pretrained(m, adapter_dir).eval()
+def gen(ids, n):
+    t = time.perf_counter()
+    m.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return time.perf_counter() - t
+def tps(b):
+    ids = torch.arange(1, 9).repeat(b, 1)
+    best = 0.0
+    with torch.no_grad():
+        gen(ids, 2)
+        for _ in range(2):
+            one = gen(ids, 1)
+            full = gen(ids, steps + 1)
+            best = max(best, b * steps / max(full - one, 1e-9))
+    return best
+print(tps(1), tps(16))
+"#;
 
 fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
     let dev = Device::Cpu;
@@ -287,12 +358,13 @@ fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
     bench_model(
         &format!("synthetic qwen3, {:.2}B params", params as f64 / 1e9),
         &model,
+        None,
         args,
         &dev,
     )?;
     if let Some(dir) = &args.model {
         let m = Decoder::load(dir, DType::F32, &dev)?;
-        bench_model(&dir.display().to_string(), &m, args, &dev)?;
+        bench_model(&dir.display().to_string(), &m, Some(dir), args, &dev)?;
     }
     Ok(())
 }
