@@ -322,7 +322,9 @@ pub fn apply_mixed_cpu(
         return Ok(Some(out.clone()));
     }
     let xs = slice(&xg, t * d_in);
-    let mut per_token: Vec<Option<(&[f32], &[f32], usize)>> = vec![None; t];
+    // Per token: its adapter's Aᵀ [d_in, r], (s·B)ᵀ [r, d_out] and r.
+    type Weights<'w> = Option<(&'w [f32], &'w [f32], usize)>;
+    let mut per_token: Vec<Weights<'_>> = vec![None; t];
     for (ag, bg, r, rows) in &held {
         let (a, b) = (slice(ag, d_in * r), slice(bg, r * d_out));
         for &i in rows.iter() {
