@@ -97,6 +97,23 @@ impl Engine {
         Ok(Self::start(model, text, opts))
     }
 
+    /// Loads a GGUF file and serves it quantized (projections stay in their GGUF blocks; the
+    /// tokenizer and chat template come from its metadata). LoRA adapters apply on top in f32.
+    pub fn load_gguf(
+        path: &Path,
+        device: &Device,
+        opts: EngineOptions,
+    ) -> Result<Self, EngineError> {
+        let nr =
+            |e: &dyn std::fmt::Display| EngineError::NotReady(format!("{}: {e}", path.display()));
+        let q = crate::import::load_quantized(path, device).map_err(|e| nr(&e))?;
+        let cfg = crate::model::ModelConfig::from_json(q.config.clone()).map_err(|e| nr(&e))?;
+        let model = Decoder::from_quantized(cfg, q.tensors, device).map_err(|e| nr(&e))?;
+        let text = TextModel::from_json(&q.tokenizer_json, q.tokenizer_config, &[q.config])
+            .map_err(|e| nr(&e))?;
+        Ok(Self::start(model, text, opts))
+    }
+
     /// Starts the engine thread over a loaded model.
     pub fn start(model: Decoder, text: TextModel, mut opts: EngineOptions) -> Self {
         opts.max_seq_len = opts

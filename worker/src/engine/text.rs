@@ -119,23 +119,45 @@ impl TextModel {
         let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
             .map_err(|e| TextError::Tokenizer(format!("{}: {e}", dir.display())))?;
         let tcfg = read_json(&dir.join("tokenizer_config.json")).unwrap_or(Json::Null);
+        let configs: Vec<Json> = ["generation_config.json", "config.json"]
+            .iter()
+            .filter_map(|f| read_json(&dir.join(f)))
+            .collect();
+        // Newer checkpoints keep the template in its own file.
+        let template_file = std::fs::read_to_string(dir.join("chat_template.jinja")).ok();
+        Self::from_parts(tokenizer, tcfg, &configs, template_file)
+    }
+
+    /// Builds from a `tokenizer.json` text, `tokenizer_config.json` and the configs that name
+    /// EOS ids (a GGUF file carries all of them in its metadata).
+    pub fn from_json(
+        tokenizer_json: &str,
+        tcfg: Json,
+        configs: &[Json],
+    ) -> Result<Self, TextError> {
+        let tokenizer = Tokenizer::from_bytes(tokenizer_json.as_bytes())
+            .map_err(|e| TextError::Tokenizer(e.to_string()))?;
+        Self::from_parts(tokenizer, tcfg, configs, None)
+    }
+
+    fn from_parts(
+        tokenizer: Tokenizer,
+        tcfg: Json,
+        configs: &[Json],
+        template_file: Option<String>,
+    ) -> Result<Self, TextError> {
         let bos = token_string(tcfg.get("bos_token"));
         let eos = token_string(tcfg.get("eos_token"));
         let mut eos_ids = Vec::new();
-        for f in ["generation_config.json", "config.json"] {
-            if let Some(c) = read_json(&dir.join(f)) {
-                push_ids(c.get("eos_token_id"), &mut eos_ids);
-            }
+        for c in configs {
+            push_ids(c.get("eos_token_id"), &mut eos_ids);
         }
         if let Some(id) = eos.as_deref().and_then(|t| tokenizer.token_to_id(t)) {
             eos_ids.push(id);
         }
         eos_ids.sort_unstable();
         eos_ids.dedup();
-        let template = match pick_template(tcfg.get("chat_template")).or_else(|| {
-            // Newer checkpoints keep the template in its own file.
-            std::fs::read_to_string(dir.join("chat_template.jinja")).ok()
-        }) {
+        let template = match pick_template(tcfg.get("chat_template")).or(template_file) {
             Some(src) => Some(chat_env(src)?),
             None => None,
         };

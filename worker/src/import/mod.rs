@@ -448,36 +448,8 @@ fn write_all(
         return Err(e);
     }
 
-    let (arch_class, model_type) = match hp.arch {
-        Arch::Llama => ("LlamaForCausalLM", "llama"),
-        Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
-        Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
-    };
-    let mut config = serde_json::json!({
-        "architectures": [arch_class],
-        "model_type": model_type,
-        "hidden_size": hp.hidden,
-        "intermediate_size": hp.intermediate,
-        "num_hidden_layers": hp.layers,
-        "num_attention_heads": hp.heads,
-        "num_key_value_heads": hp.kv_heads,
-        "head_dim": hp.head_dim,
-        "hidden_act": "silu",
-        "rms_norm_eps": hp.rms_eps,
-        "rope_theta": hp.rope_theta,
-        "max_position_embeddings": hp.context,
-        "vocab_size": hp.vocab,
-        "tie_word_embeddings": tied,
-        "torch_dtype": opts.dtype.torch_name(),
-        "bos_token_id": tok.bos_id,
-        "eos_token_id": tok.eos_id,
-        "pad_token_id": tok.pad_id,
-        "attention_bias": hp.arch == Arch::Qwen2,
-        "_name_or_path": meta.opt_string("general.name").unwrap_or_default(),
-    });
-    if hp.arch == Arch::Qwen2 {
-        config["use_sliding_window"] = false.into();
-    }
+    let model_type = model_type(hp.arch);
+    let config = config_json(hp, tok, meta, tied, opts.dtype.torch_name());
     write_json(&dir.join("config.json"), &config)?;
     write_json(
         &dir.join("generation_config.json"),
@@ -500,6 +472,128 @@ fn write_all(
 
 fn write_json(path: &Path, v: &serde_json::Value) -> Result<(), ImportError> {
     std::fs::write(path, serde_json::to_string_pretty(v).expect("json")).map_err(io_err(path))
+}
+
+fn model_type(arch: Arch) -> &'static str {
+    match arch {
+        Arch::Llama => "llama",
+        Arch::Qwen2 => "qwen2",
+        Arch::Qwen3 => "qwen3",
+    }
+}
+
+/// The HF `config.json` of a GGUF model.
+fn config_json(
+    hp: &Hparams,
+    tok: &tokenizer::Built,
+    meta: &Meta,
+    tied: bool,
+    torch_dtype: &str,
+) -> serde_json::Value {
+    let arch_class = match hp.arch {
+        Arch::Llama => "LlamaForCausalLM",
+        Arch::Qwen2 => "Qwen2ForCausalLM",
+        Arch::Qwen3 => "Qwen3ForCausalLM",
+    };
+    let mut config = serde_json::json!({
+        "architectures": [arch_class],
+        "model_type": model_type(hp.arch),
+        "hidden_size": hp.hidden,
+        "intermediate_size": hp.intermediate,
+        "num_hidden_layers": hp.layers,
+        "num_attention_heads": hp.heads,
+        "num_key_value_heads": hp.kv_heads,
+        "head_dim": hp.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": hp.rms_eps,
+        "rope_theta": hp.rope_theta,
+        "max_position_embeddings": hp.context,
+        "vocab_size": hp.vocab,
+        "tie_word_embeddings": tied,
+        "torch_dtype": torch_dtype,
+        "bos_token_id": tok.bos_id,
+        "eos_token_id": tok.eos_id,
+        "pad_token_id": tok.pad_id,
+        "attention_bias": hp.arch == Arch::Qwen2,
+        "_name_or_path": meta.opt_string("general.name").unwrap_or_default(),
+    });
+    if hp.arch == Arch::Qwen2 {
+        config["use_sliding_window"] = false.into();
+    }
+    config
+}
+
+/// A GGUF model ready to serve quantized: its HF `config.json`, its tokenizer files, and its
+/// tensors under HF names with llama Q/K rows put back in HF order (a byte-level row
+/// permutation: quantization blocks never span rows, so nothing is re-quantized).
+pub struct QuantizedModel {
+    /// HF `config.json`.
+    pub config: serde_json::Value,
+    /// `tokenizer.json` text.
+    pub tokenizer_json: String,
+    /// `tokenizer_config.json` (chat template, special tokens).
+    pub tokenizer_config: serde_json::Value,
+    /// Tensors by HF name.
+    pub tensors: HashMap<String, candle_core::quantized::QTensor>,
+}
+
+/// Reads a GGUF file for quantized serving (see [`QuantizedModel`]).
+pub fn load_quantized(path: &Path, device: &Device) -> Result<QuantizedModel, ImportError> {
+    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
+    let content = gguf_file::Content::read(&mut f).map_err(|e| ImportError::Gguf(e.to_string()))?;
+    let meta = Meta(&content.metadata);
+    let tok = tokenizer::build(&meta)?;
+    let hp = hparams(&meta, tok.vocab_size)?;
+    let mut tensors = HashMap::new();
+    for gname in content.tensor_infos.keys() {
+        let Some((hf, permute_heads)) = hf_name(gname, &hp) else {
+            if gname.contains("rope_freqs") {
+                continue;
+            }
+            return Err(ImportError::Unsupported(format!("tensor {gname}")));
+        };
+        let gg = |e: candle_core::Error| ImportError::Gguf(format!("{gname}: {e}"));
+        let mut q = content.tensor(&mut f, gname, device).map_err(gg)?;
+        if let Some(heads) = permute_heads {
+            q = unpermute_rows(&q, heads).map_err(gg)?;
+        }
+        tensors.insert(hf, q);
+    }
+    let tied = !content.tensor_infos.contains_key("output.weight");
+    Ok(QuantizedModel {
+        config: config_json(&hp, &tok, &meta, tied, "float32"),
+        tokenizer_json: tok.tokenizer_json,
+        tokenizer_config: tok.tokenizer_config,
+        tensors,
+    })
+}
+
+/// [`unpermute`] on quantized rows: HF row `h·d + a·d/2 + b` is GGUF row `h·d + 2b + a`.
+fn unpermute_rows(
+    q: &candle_core::quantized::QTensor,
+    heads: usize,
+) -> candle_core::Result<candle_core::quantized::QTensor> {
+    let (rows, _) = q.shape().dims2()?;
+    let data = q.data()?;
+    let row_bytes = data.len() / rows;
+    let (d, half) = (rows / heads, rows / heads / 2);
+    let mut out = vec![0u8; data.len()];
+    for h in 0..heads {
+        for a in 0..2 {
+            for b in 0..half {
+                let dst = h * d + a * half + b;
+                let src = h * d + 2 * b + a;
+                out[dst * row_bytes..(dst + 1) * row_bytes]
+                    .copy_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
+            }
+        }
+    }
+    let storage = candle_core::quantized::QStorage::from_data(
+        std::borrow::Cow::Owned(out),
+        &q.device(),
+        q.dtype(),
+    )?;
+    candle_core::quantized::QTensor::new(storage, q.shape().clone())
 }
 
 #[cfg(test)]

@@ -8,8 +8,9 @@
 
 use std::path::Path;
 
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::{linear_b, linear_no_bias, rms_norm, Embedding, Linear, RmsNorm, VarBuilder};
+use candle_nn::{linear_b, rms_norm, Embedding, Linear, RmsNorm, VarBuilder};
 use serde::Deserialize;
 
 use crate::formats::hf;
@@ -101,7 +102,11 @@ fn default_max_pos() -> usize {
 impl ModelConfig {
     /// Reads and checks `config.json`.
     pub fn from_dir(dir: &Path) -> Result<Self, ModelError> {
-        let v = hf::read_config(dir)?;
+        Self::from_json(hf::read_config(dir)?)
+    }
+
+    /// Parses and checks a `config.json` value.
+    pub fn from_json(v: serde_json::Value) -> Result<Self, ModelError> {
         let cfg: ModelConfig =
             serde_json::from_value(v).map_err(|e| ModelError::Config(e.to_string()))?;
         cfg.family()?;
@@ -211,16 +216,16 @@ struct Group<'a> {
 
 struct Layer {
     input_norm: RmsNorm,
-    q: Linear,
-    k: Linear,
-    v: Linear,
-    o: Linear,
+    q: Lin,
+    k: Lin,
+    v: Lin,
+    o: Lin,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
     post_norm: RmsNorm,
-    gate: Linear,
-    up: Linear,
-    down: Linear,
+    gate: Lin,
+    up: Lin,
+    down: Lin,
 }
 
 /// The decoder.
@@ -229,7 +234,7 @@ pub struct Decoder {
     embed: Embedding,
     layers: Vec<Layer>,
     norm: RmsNorm,
-    lm_head: Linear,
+    lm_head: Lin,
     cos: Tensor,
     sin: Tensor,
     device: Device,
@@ -248,6 +253,33 @@ impl Decoder {
 
     /// Builds the decoder from a VarBuilder rooted at the checkpoint's top level.
     pub fn new(cfg: ModelConfig, vb: VarBuilder) -> Result<Self, ModelError> {
+        let device = vb.device().clone();
+        let dtype = vb.dtype();
+        Self::build(cfg, &Dense(vb), device, dtype)
+    }
+
+    /// Builds the decoder from GGUF tensors already renamed to HF names (rows of llama Q/K
+    /// un-permuted): projections stay quantized (candle's quantized matmul), norms and the
+    /// embedding table are dequantized to f32.
+    pub fn from_quantized(
+        cfg: ModelConfig,
+        tensors: std::collections::HashMap<String, QTensor>,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        Self::build(
+            cfg,
+            &Quantized(tensors, device.clone()),
+            device.clone(),
+            DType::F32,
+        )
+    }
+
+    fn build(
+        cfg: ModelConfig,
+        w: &dyn Weights,
+        device: Device,
+        dtype: DType,
+    ) -> Result<Self, ModelError> {
         let family = cfg.family()?;
         let (h, hd, nh, nkv) = (
             cfg.hidden_size,
@@ -255,48 +287,53 @@ impl Decoder {
             cfg.num_attention_heads,
             cfg.kv_heads(),
         );
-        let m = vb.pp("model");
-        let embed = candle_nn::embedding(cfg.vocab_size, h, m.pp("embed_tokens"))?;
+        let eps = cfg.rms_norm_eps;
+        let embed_w = w.dense("model.embed_tokens.weight", (cfg.vocab_size, h))?;
+        let embed = Embedding::new(embed_w.clone(), h);
         let qkv_bias = cfg.attention_bias.unwrap_or(family == Family::Qwen2);
+        let o_bias = cfg.attention_bias.unwrap_or(false) && family != Family::Qwen2;
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
-            let l = m.pp(format!("layers.{i}"));
-            let a = l.pp("self_attn");
+            let l = format!("model.layers.{i}");
+            let a = format!("{l}.self_attn");
             let (q_norm, k_norm) = if family == Family::Qwen3 {
                 (
-                    Some(rms_norm(hd, cfg.rms_norm_eps, a.pp("q_norm"))?),
-                    Some(rms_norm(hd, cfg.rms_norm_eps, a.pp("k_norm"))?),
+                    Some(w.norm(&format!("{a}.q_norm"), hd, eps)?),
+                    Some(w.norm(&format!("{a}.k_norm"), hd, eps)?),
                 )
             } else {
                 (None, None)
             };
             layers.push(Layer {
-                input_norm: rms_norm(h, cfg.rms_norm_eps, l.pp("input_layernorm"))?,
-                q: linear_b(h, nh * hd, qkv_bias, a.pp("q_proj"))?,
-                k: linear_b(h, nkv * hd, qkv_bias, a.pp("k_proj"))?,
-                v: linear_b(h, nkv * hd, qkv_bias, a.pp("v_proj"))?,
-                o: linear_b(
-                    nh * hd,
-                    h,
-                    cfg.attention_bias.unwrap_or(false) && family != Family::Qwen2,
-                    a.pp("o_proj"),
-                )?,
+                input_norm: w.norm(&format!("{l}.input_layernorm"), h, eps)?,
+                q: w.linear(&format!("{a}.q_proj"), h, nh * hd, qkv_bias)?,
+                k: w.linear(&format!("{a}.k_proj"), h, nkv * hd, qkv_bias)?,
+                v: w.linear(&format!("{a}.v_proj"), h, nkv * hd, qkv_bias)?,
+                o: w.linear(&format!("{a}.o_proj"), nh * hd, h, o_bias)?,
                 q_norm,
                 k_norm,
-                post_norm: rms_norm(h, cfg.rms_norm_eps, l.pp("post_attention_layernorm"))?,
-                gate: linear_no_bias(h, cfg.intermediate_size, l.pp("mlp.gate_proj"))?,
-                up: linear_no_bias(h, cfg.intermediate_size, l.pp("mlp.up_proj"))?,
-                down: linear_no_bias(cfg.intermediate_size, h, l.pp("mlp.down_proj"))?,
+                post_norm: w.norm(&format!("{l}.post_attention_layernorm"), h, eps)?,
+                gate: w.linear(
+                    &format!("{l}.mlp.gate_proj"),
+                    h,
+                    cfg.intermediate_size,
+                    false,
+                )?,
+                up: w.linear(&format!("{l}.mlp.up_proj"), h, cfg.intermediate_size, false)?,
+                down: w.linear(
+                    &format!("{l}.mlp.down_proj"),
+                    cfg.intermediate_size,
+                    h,
+                    false,
+                )?,
             });
         }
-        let norm = rms_norm(h, cfg.rms_norm_eps, m.pp("norm"))?;
+        let norm = w.norm("model.norm", h, eps)?;
         let lm_head = if cfg.tie_word_embeddings {
-            Linear::new(embed.embeddings().clone(), None)
+            w.tied_head("model.embed_tokens.weight", embed_w)?
         } else {
-            linear_no_bias(h, cfg.vocab_size, vb.pp("lm_head"))?
+            w.linear("lm_head", h, cfg.vocab_size, false)?
         };
-        let device = vb.device().clone();
-        let dtype = vb.dtype();
         let (cos, sin) = rope_tables(&cfg, dtype, &device)?;
         Ok(Self {
             cfg,
@@ -474,7 +511,7 @@ impl Decoder {
 /// A projection of the whole batch: the base matmul once, plus each adapter group's low-rank
 /// update on its own rows only.
 fn proj(
-    lin: &Linear,
+    lin: &Lin,
     layer: usize,
     which: Proj,
     x: &Tensor,
@@ -549,4 +586,105 @@ fn rope_tables(
 /// Greedy argmax of a logits vector.
 pub fn argmax(logits: &Tensor) -> Result<u32, ModelError> {
     Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?)
+}
+
+/// A projection: dense (candle `Linear`, any float dtype) or quantized (GGUF blocks, candle's
+/// quantized matmul; activations stay f32).
+pub enum Lin {
+    /// Dense weights.
+    Dense(Linear),
+    /// Quantized weights and an optional dense bias.
+    Quantized(QMatMul, Option<Tensor>),
+}
+
+impl Module for Lin {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Lin::Dense(l) => l.forward(x),
+            Lin::Quantized(w, b) => {
+                let y = w.forward(x)?;
+                match b {
+                    Some(b) => y.broadcast_add(b),
+                    None => Ok(y),
+                }
+            }
+        }
+    }
+}
+
+/// Where the decoder's weights come from (HF names, without the `.weight` suffix except for
+/// whole tensors).
+trait Weights {
+    fn linear(&self, name: &str, d_in: usize, d_out: usize, bias: bool) -> Result<Lin, ModelError>;
+    fn norm(&self, name: &str, size: usize, eps: f64) -> Result<RmsNorm, ModelError>;
+    fn dense(&self, name: &str, shape: (usize, usize)) -> Result<Tensor, ModelError>;
+    /// The output head when it shares the embedding matrix `name` (dense: `embed`).
+    fn tied_head(&self, name: &str, embed: Tensor) -> Result<Lin, ModelError>;
+}
+
+struct Dense<'a>(VarBuilder<'a>);
+
+impl Weights for Dense<'_> {
+    fn linear(&self, name: &str, d_in: usize, d_out: usize, bias: bool) -> Result<Lin, ModelError> {
+        Ok(Lin::Dense(linear_b(d_in, d_out, bias, self.0.pp(name))?))
+    }
+    fn norm(&self, name: &str, size: usize, eps: f64) -> Result<RmsNorm, ModelError> {
+        Ok(rms_norm(size, eps, self.0.pp(name))?)
+    }
+    fn dense(&self, name: &str, shape: (usize, usize)) -> Result<Tensor, ModelError> {
+        Ok(self.0.get(shape, name)?)
+    }
+    fn tied_head(&self, _: &str, embed: Tensor) -> Result<Lin, ModelError> {
+        Ok(Lin::Dense(Linear::new(embed, None)))
+    }
+}
+
+struct Quantized(std::collections::HashMap<String, QTensor>, Device);
+
+impl Quantized {
+    fn take(&self, name: &str) -> Result<&QTensor, ModelError> {
+        self.0
+            .get(name)
+            .ok_or_else(|| ModelError::Config(format!("GGUF has no tensor for {name}")))
+    }
+    fn deq(&self, name: &str) -> Result<Tensor, ModelError> {
+        Ok(self.take(name)?.dequantize(&self.1)?)
+    }
+}
+
+impl Weights for Quantized {
+    fn linear(&self, name: &str, d_in: usize, d_out: usize, bias: bool) -> Result<Lin, ModelError> {
+        let q = self.take(&format!("{name}.weight"))?;
+        if q.shape().dims() != [d_out, d_in] {
+            return Err(ModelError::Config(format!(
+                "{name}: GGUF shape {:?}, expected [{d_out}, {d_in}]",
+                q.shape().dims()
+            )));
+        }
+        let w = QMatMul::from_arc(std::sync::Arc::new(requantized(q)?))?;
+        let b = if bias {
+            Some(self.deq(&format!("{name}.bias"))?)
+        } else {
+            None
+        };
+        Ok(Lin::Quantized(w, b))
+    }
+    fn norm(&self, name: &str, _: usize, eps: f64) -> Result<RmsNorm, ModelError> {
+        Ok(RmsNorm::new(self.deq(&format!("{name}.weight"))?, eps))
+    }
+    fn dense(&self, name: &str, _: (usize, usize)) -> Result<Tensor, ModelError> {
+        self.deq(name)
+    }
+    fn tied_head(&self, name: &str, _: Tensor) -> Result<Lin, ModelError> {
+        Ok(Lin::Quantized(
+            QMatMul::from_arc(std::sync::Arc::new(requantized(self.take(name)?)?))?,
+            None,
+        ))
+    }
+}
+
+/// A copy of a quantized tensor (the map keeps the original for dequantized uses).
+fn requantized(q: &QTensor) -> Result<QTensor, ModelError> {
+    let storage = candle_core::quantized::QStorage::from_data(q.data()?, &q.device(), q.dtype())?;
+    Ok(QTensor::new(storage, q.shape().clone())?)
 }

@@ -247,7 +247,12 @@ pub fn build_engine(cfg: &WorkerConfig) -> anyhow::Result<Arc<dyn InferenceEngin
             .map(|m| (m.adapter.clone(), m.version.clone())),
     };
     let started = std::time::Instant::now();
-    let engine = Engine::load(&dir, dtype, &device, opts)?;
+    // A `.gguf` base is served quantized; an HF directory in the configured dtype.
+    let engine = if dir.extension().is_some_and(|e| e == "gguf") {
+        Engine::load_gguf(&dir, &device, opts)?
+    } else {
+        Engine::load(&dir, dtype, &device, opts)?
+    };
     tracing::info!(model = %dir.display(), ?device, ?dtype, seconds = started.elapsed().as_secs_f64(), "model loaded");
     Ok(Arc::new(engine))
 }
