@@ -179,61 +179,69 @@ impl LoraAdapter {
                 "{name}: adapters that replace base tensors (modules_to_save, saved embeddings) need serving.mode merged"
             )));
         }
+        // Modules are independent: check and lay them out in parallel, one pass over each
+        // matrix (transpose, scale and finiteness check fused).
+        use rayon::prelude::*;
+        let loaded: Vec<((usize, Proj), (Tensor, Tensor), usize)> = weights
+            .loras
+            .par_iter()
+            .map(|(module, lora)| -> Result<_, LoraError> {
+                let (layer, proj) = Proj::parse(module).ok_or_else(|| {
+                    LoraError::Unsupported(format!(
+                        "{module}: LoRA on this module needs serving.mode merged"
+                    ))
+                })?;
+                if layer >= model.num_hidden_layers {
+                    return Err(MergeError::Shape {
+                        module: module.clone(),
+                        message: format!("layer {layer} does not exist"),
+                    }
+                    .into());
+                }
+                let (a, b) = (
+                    lora.a.as_ref().expect("checked"),
+                    lora.b.as_ref().expect("checked"),
+                );
+                let r = a.shape[0];
+                if r > opts.max_rank {
+                    return Err(LoraError::RankOverLimit {
+                        module: module.clone(),
+                        rank: r,
+                        limit: opts.max_rank,
+                    });
+                }
+                let (fin, fout) = proj.dims(model);
+                if a.shape != [r, fin] || b.shape != [fout, r] || r != cfg.rank_for(module) as usize
+                {
+                    return Err(MergeError::Shape {
+                        module: module.clone(),
+                        message: format!(
+                            "lora_A {:?}, lora_B {:?}; the model needs [r, {fin}] and [{fout}, r]",
+                            a.shape, b.shape
+                        ),
+                    }
+                    .into());
+                }
+                let non_finite = || -> LoraError {
+                    MergeError::NonFinite {
+                        module: module.clone(),
+                    }
+                    .into()
+                };
+                let at = transposed(&a.data, r, fin, 1.0).ok_or_else(non_finite)?;
+                let bt = transposed(&b.data, fout, r, lora.scale as f32).ok_or_else(non_finite)?;
+                let at = Tensor::from_vec(at, (fin, r), device)?.to_dtype(dtype)?;
+                let bt = Tensor::from_vec(bt, (r, fout), device)?.to_dtype(dtype)?;
+                Ok(((layer, proj), (at, bt), r))
+            })
+            .collect::<Result<_, _>>()?;
         let mut modules = HashMap::new();
         let (mut rank, mut bytes) = (0usize, 0u64);
-        for (module, lora) in &weights.loras {
-            let (layer, proj) = Proj::parse(module).ok_or_else(|| {
-                LoraError::Unsupported(format!(
-                    "{module}: LoRA on this module needs serving.mode merged"
-                ))
-            })?;
-            if layer >= model.num_hidden_layers {
-                return Err(MergeError::Shape {
-                    module: module.clone(),
-                    message: format!("layer {layer} does not exist"),
-                }
-                .into());
-            }
-            let (a, b) = (
-                lora.a.as_ref().expect("checked"),
-                lora.b.as_ref().expect("checked"),
-            );
-            let r = a.shape[0];
-            if r > opts.max_rank {
-                return Err(LoraError::RankOverLimit {
-                    module: module.clone(),
-                    rank: r,
-                    limit: opts.max_rank,
-                });
-            }
-            let (fin, fout) = proj.dims(model);
-            if a.shape != [r, fin] || b.shape != [fout, r] || r != cfg.rank_for(module) as usize {
-                return Err(MergeError::Shape {
-                    module: module.clone(),
-                    message: format!(
-                        "lora_A {:?}, lora_B {:?}; the model needs [r, {fin}] and [{fout}, r]",
-                        a.shape, b.shape
-                    ),
-                }
-                .into());
-            }
-            if a.data.iter().chain(&b.data).any(|x| !x.is_finite()) {
-                return Err(MergeError::NonFinite {
-                    module: module.clone(),
-                }
-                .into());
-            }
-            let at = Tensor::from_slice(&a.data, (r, fin), device)?
-                .t()?
-                .contiguous()?
-                .to_dtype(dtype)?;
-            let bt = (Tensor::from_slice(&b.data, (fout, r), device)? * lora.scale)?
-                .t()?
-                .contiguous()?
-                .to_dtype(dtype)?;
+        for (key, (at, bt), r) in loaded {
+            let (fin, fout) = key.1.dims(model);
             bytes += ((fin + fout) * r * dtype.size_in_bytes()) as u64;
             rank = rank.max(r);
-            modules.insert((layer, proj), (at, bt));
+            modules.insert(key, (at, bt));
         }
         Ok(Self {
             modules,
@@ -353,4 +361,17 @@ pub fn apply_mixed_cpu(
         });
     let delta = Tensor::from_vec(delta, (t, d_out), x.device())?;
     Ok(Some((out + delta)?))
+}
+
+/// `scale · srcᵀ` of a row-major `[rows, cols]` matrix, or None when a value is not finite.
+fn transposed(src: &[f32], rows: usize, cols: usize, scale: f32) -> Option<Vec<f32>> {
+    let mut out = vec![0f32; rows * cols];
+    let mut finite = true;
+    for (i, row) in src.chunks_exact(cols).enumerate() {
+        for (j, &x) in row.iter().enumerate() {
+            finite &= x.is_finite();
+            out[j * rows + i] = x * scale;
+        }
+    }
+    finite.then_some(out)
 }
