@@ -182,7 +182,9 @@ impl LoraAdapter {
         // Modules are independent: check and lay them out in parallel, one pass over each
         // matrix (transpose, scale and finiteness check fused).
         use rayon::prelude::*;
-        let loaded: Vec<((usize, Proj), (Tensor, Tensor), usize)> = weights
+        // Per module: its key, (Aᵀ, (s·B)ᵀ) and its rank.
+        type Loaded = ((usize, Proj), (Tensor, Tensor), usize);
+        let loaded: Vec<Loaded> = weights
             .loras
             .par_iter()
             .map(|(module, lora)| -> Result<_, LoraError> {
