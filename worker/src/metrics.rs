@@ -231,6 +231,7 @@ impl Metrics {
         for r in ["gpu", "cpu", "disk"] {
             let n = adapters
                 .iter()
+                .filter(|a| a.error.is_none())
                 .filter(|a| {
                     serde_json::to_value(a.residency)
                         .ok()

@@ -408,7 +408,11 @@ async fn bad_input_battery_keeps_serving() {
         .iter()
         .map(|a| a["name"].as_str().unwrap())
         .collect();
-    assert_eq!(names, ["extra", "fr", "js"]);
+    // The refused adapter is listed with its reason (the operator shows it on the Adapter).
+    assert_eq!(names, ["extra", "fr", "js", "x"]);
+    let x = &l["data"][3];
+    assert_eq!(x["loaded"], false);
+    assert!(x["error"].as_str().unwrap().contains("qwen2"), "{x}");
 }
 
 #[tokio::test]

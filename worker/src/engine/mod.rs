@@ -382,9 +382,17 @@ impl InferenceEngine for Engine {
         {
             return Ok(());
         }
-        let w = Self::load_weights(&self.shared, &spec)?;
-        self.shared.registry.insert(spec, w);
-        Ok(())
+        match Self::load_weights(&self.shared, &spec) {
+            Ok(w) => {
+                self.shared.registry.insert(spec, w);
+                Ok(())
+            }
+            Err(e) => {
+                // Reported by /v1/lora_adapters so the operator can show why.
+                self.shared.registry.record_failure(spec, e.to_string());
+                Err(e)
+            }
+        }
     }
 
     fn unload_adapter(&self, name: &str) -> Result<(), EngineError> {

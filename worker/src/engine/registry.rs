@@ -94,6 +94,8 @@ pub struct Registry {
 struct Inner {
     current: HashMap<String, Entry>,
     draining: Vec<Draining>,
+    /// The last refused load of each adapter (cleared when a version of it loads).
+    failed: HashMap<String, (AdapterSpec, String)>,
 }
 
 impl Registry {
@@ -125,6 +127,7 @@ impl Registry {
     /// Evicts least-recently-used idle adapters beyond capacity.
     pub fn insert(&self, spec: AdapterSpec, weights: Arc<LoraAdapter>) {
         let mut g = self.lock();
+        g.failed.remove(&spec.name);
         let (rank, bytes) = (weights.rank, weights.bytes);
         let stats = match g.current.remove(&spec.name) {
             // Same version read back after an eviction: keep its counters.
@@ -206,9 +209,16 @@ impl Registry {
         }
     }
 
+    /// Records why a version of an adapter was refused; whatever version serves keeps serving.
+    pub fn record_failure(&self, spec: AdapterSpec, reason: String) {
+        let mut g = self.lock();
+        g.failed.insert(spec.name.clone(), (spec, reason));
+    }
+
     /// Removes `name`; requests holding it finish on it. False when it was not known.
     pub fn remove(&self, name: &str) -> bool {
         let mut g = self.lock();
+        let had_failure = g.failed.remove(name).is_some();
         match g.current.remove(name) {
             Some(e) => {
                 if let Some(w) = e.weights {
@@ -222,7 +232,7 @@ impl Registry {
                 }
                 true
             }
-            None => false,
+            None => had_failure,
         }
     }
 
@@ -232,8 +242,8 @@ impl Registry {
         self.evict(&mut g);
     }
 
-    /// Current versions, and versions still draining (`loaded: false`: they take no new
-    /// requests).
+    /// Current versions, versions still draining (`loaded: false`: they take no new requests),
+    /// and refused versions (`loaded: false` with the reason in `error`).
     pub fn infos(&self) -> Vec<LoraAdapterInfo> {
         let mut g = self.lock();
         g.draining.retain(|d| d.weights.strong_count() > 0);
@@ -267,6 +277,18 @@ impl Registry {
                 requests: d.stats.requests.load(Ordering::Relaxed),
                 running: d.stats.running.load(Ordering::Relaxed),
                 error: None,
+            }))
+            .chain(g.failed.values().map(|(spec, reason)| LoraAdapterInfo {
+                name: spec.name.clone(),
+                version: spec.version.clone(),
+                lora_id: spec.lora_id,
+                residency: Residency::Disk,
+                loaded: false,
+                rank: 0,
+                bytes: 0,
+                requests: 0,
+                running: 0,
+                error: Some(reason.clone()),
             }))
             .collect();
         out.sort_by(|a, b| (&a.name, &a.version).cmp(&(&b.name, &b.version)));
