@@ -344,6 +344,10 @@ async fn bad_input_battery_keeps_serving() {
             .as_str()
             .is_some_and(|m| !m.is_empty()));
     }
+    // No max_tokens and a long prompt: the answer gets what the 128-token context leaves.
+    let (st, _, b) = post(&s, "/v1/chat/completions", msg(json!("y".repeat(90)))).await;
+    assert_eq!(st, 200, "{b}");
+    assert!(b["usage"]["total_tokens"].as_u64().unwrap() <= 128, "{b}");
     // Huge body: 413 with the JSON error.
     let big =
         json!({"model": "demo", "messages": [{"role": "user", "content": "x".repeat(10_000)}]});

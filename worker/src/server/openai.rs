@@ -346,7 +346,7 @@ async fn serve(
     common: Common,
     prompt: Prompt,
     route_text: String,
-    sampling: SamplingParams,
+    mut sampling: SamplingParams,
 ) -> Result<Response, ApiError> {
     let endpoint = if kind == Kind::Chat {
         "chat"
@@ -415,6 +415,11 @@ async fn serve(
         Prompt::Tokens(t) => t.len(),
     };
     let max_seq = (cfg.limits.max_seq_len as usize).min(s.engine.model_info().max_seq_len.max(1));
+    // Without an explicit max_tokens the answer may use what the context leaves (as vLLM).
+    let explicit = common.max_tokens.is_some() || common.max_completion_tokens.is_some();
+    if !explicit && ptoks < max_seq {
+        sampling.max_tokens = sampling.max_tokens.min(max_seq - ptoks);
+    }
     if ptoks + sampling.max_tokens > max_seq {
         return Err(bad(
             "prompt_too_long",
