@@ -261,7 +261,10 @@ fn a_reload_moves_new_requests_while_running_ones_finish_on_their_version() {
 fn evicted_adapters_come_back_from_disk_with_the_same_output() {
     let r = &reference()["llama"];
     let p = ids(&r["prompts"][1]);
-    let e = engine(|o| o.max_loras = 1);
+    let e = engine(|o| {
+        o.max_loras = 1;
+        o.max_cpu_loras = 0;
+    });
     e.load_adapter(spec("a", "v1", "a_r8_all")).unwrap();
     e.load_adapter(spec("c", "v1", "c_r16_mlp")).unwrap();
     let res = |n: &str| {
@@ -331,4 +334,32 @@ fn seeds_stop_strings_chat_template_and_classifier_scores() {
         .score_labels(None, "route me", &["x".into(), "y".into(), "z".into()])
         .unwrap();
     assert_ne!(p, base, "the classifier adapter changes the scores");
+}
+
+#[test]
+fn the_host_tier_keeps_evicted_adapters_off_the_disk() {
+    let r = &reference()["llama"];
+    let p = ids(&r["prompts"][1]);
+    // One device slot, one host slot.
+    let e = engine(|o| {
+        o.max_loras = 1;
+        o.max_cpu_loras = 1;
+    });
+    e.load_adapter(spec("a", "v1", "a_r8_all")).unwrap();
+    e.load_adapter(spec("c", "v1", "c_r16_mlp")).unwrap();
+    e.load_adapter(spec("b", "v1", "b_r4_qv")).unwrap();
+    // b on the device, c in host memory, a (least recently used) back on disk.
+    let info = |n: &str| e.adapters().into_iter().find(|a| a.name == n).unwrap();
+    assert_eq!(info("a").residency, mole_crds::Residency::Disk);
+    assert!(info("c").bytes > 0 && info("b").bytes > 0);
+    assert_eq!(e.stats().adapter_loads, 3);
+    assert_eq!(e.stats().adapter_evictions, 2);
+    // c comes back from host memory: no file read, same tokens.
+    let out = collect(e.submit(greedy(p.clone(), Some("c"), 16)).unwrap());
+    assert_eq!(out.tokens, ids(&r["adapters"]["c_r16_mlp"]["greedy"][1]));
+    assert_eq!(e.stats().adapter_loads, 3);
+    // a comes back from disk.
+    let out = collect(e.submit(greedy(p, Some("a"), 16)).unwrap());
+    assert_eq!(out.tokens, ids(&r["adapters"]["a_r8_all"]["greedy"][1]));
+    assert_eq!(e.stats().adapter_loads, 4);
 }

@@ -34,8 +34,11 @@ pub struct EngineOptions {
     pub max_seq_len: usize,
     /// Waiting requests before `Overloaded`.
     pub max_queue: usize,
-    /// Adapters resident at once (least recently used idle ones go back to disk).
+    /// Adapters on the compute device at once (least recently used idle ones move to host
+    /// memory, then back to disk).
     pub max_loras: usize,
+    /// Adapters kept in host memory beyond the device slots.
+    pub max_cpu_loras: usize,
     /// Highest LoRA rank accepted.
     pub max_lora_rank: usize,
     /// Prompt tokens processed per step across new sequences (chunked prefill).
@@ -53,6 +56,7 @@ impl Default for EngineOptions {
             max_seq_len: 4096,
             max_queue: 256,
             max_loras: 8,
+            max_cpu_loras: 32,
             max_lora_rank: 64,
             prefill_chunk: 512,
             merged: None,
@@ -121,16 +125,10 @@ impl Engine {
             .min(model.config().max_position_embeddings)
             .max(2);
         let device = model.device().clone();
-        // A CPU worker's device slots are host memory: report them as such.
-        let residency = if device.is_cpu() {
-            Residency::Cpu
-        } else {
-            Residency::Gpu
-        };
         let shared = Arc::new(Shared {
             dtype: model.dtype(),
             device,
-            registry: Registry::new(opts.max_loras, residency),
+            registry: Registry::new(opts.max_loras, opts.max_cpu_loras, model.device().clone()),
             waiting: AtomicUsize::new(0),
             stats: Mutex::new(EngineStats {
                 max_loras: opts.max_loras,

@@ -3,8 +3,10 @@
 //!
 //! Versions are immutable: a request pins an `Arc` of the version current when it was
 //! submitted; loading a new version swaps only later requests over, and the old weights are
-//! freed when the last request holding them ends. Evicted adapters keep their spec and are
-//! read back from disk on their next request.
+//! freed when the last request holding them ends. Beyond `maxLoras` device-resident
+//! adapters, the least recently used idle one moves to a host-memory tier of `maxCpuLoras`
+//! (a copy back to the device is a memcpy, not a file read); beyond that it goes back to disk,
+//! keeping its spec, and is read again on its next request.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -53,7 +55,10 @@ impl Pinned {
 #[derive(Debug)]
 struct Entry {
     spec: AdapterSpec,
+    /// On the compute device.
     weights: Option<Arc<LoraAdapter>>,
+    /// In host memory (evicted from the device, not yet to disk).
+    host: Option<Arc<LoraAdapter>>,
     rank: usize,
     bytes: u64,
     stats: Arc<VersionStats>,
@@ -85,6 +90,8 @@ pub enum Lookup {
 pub struct Registry {
     inner: Mutex<Inner>,
     capacity: usize,
+    host_capacity: usize,
+    device: candle_core::Device,
     residency: Residency,
     /// Evictions since start.
     pub evictions: AtomicU64,
@@ -99,12 +106,19 @@ struct Inner {
 }
 
 impl Registry {
-    /// A registry keeping at most `capacity` adapters resident, reported with `residency`
-    /// (`Gpu` when the engine runs on a GPU, `Cpu` otherwise).
-    pub fn new(capacity: usize, residency: Residency) -> Self {
+    /// A registry keeping at most `capacity` adapters on `device` and `host_capacity` more in
+    /// host memory. Device slots are reported `gpu` on a GPU and `cpu` on a CPU worker.
+    pub fn new(capacity: usize, host_capacity: usize, device: candle_core::Device) -> Self {
+        let residency = if device.is_cpu() {
+            Residency::Cpu
+        } else {
+            Residency::Gpu
+        };
         Self {
             inner: Mutex::new(Inner::default()),
             capacity: capacity.max(1),
+            host_capacity,
+            device,
             residency,
             evictions: AtomicU64::new(0),
         }
@@ -151,6 +165,7 @@ impl Registry {
             Entry {
                 spec,
                 weights: Some(weights),
+                host: None,
                 rank,
                 bytes,
                 stats,
@@ -161,14 +176,13 @@ impl Registry {
     }
 
     fn evict(&self, g: &mut Inner) {
-        let capacity = self.capacity;
+        // Device tier: only adapters no request holds can go; if all are busy the registry
+        // stays over capacity until one finishes (never drops weights a request is using).
         loop {
             let resident = g.current.values().filter(|e| e.weights.is_some()).count();
-            if resident <= capacity {
-                return;
+            if resident <= self.capacity {
+                break;
             }
-            // Only adapters no request holds can go; if all are busy the registry stays over
-            // capacity until one finishes (never drops weights a request is using).
             let victim = g
                 .current
                 .values_mut()
@@ -178,20 +192,56 @@ impl Registry {
                         .is_some_and(|w| Arc::strong_count(w) == 1)
                 })
                 .min_by_key(|e| e.last_used);
-            match victim {
-                Some(e) => {
-                    tracing::info!(adapter = %e.spec.name, version = %e.spec.version, "evicted to disk (LRU)");
-                    e.weights = None;
-                    self.evictions.fetch_add(1, Ordering::Relaxed);
-                }
-                None => return,
+            let Some(e) = victim else { break };
+            let w = e.weights.take().expect("filtered");
+            self.evictions.fetch_add(1, Ordering::Relaxed);
+            if self.host_capacity > 0 {
+                let host = if self.device.is_cpu() {
+                    Ok(w)
+                } else {
+                    w.to_device(&candle_core::Device::Cpu).map(Arc::new)
+                };
+                e.host = host.ok();
             }
+            tracing::info!(adapter = %e.spec.name, version = %e.spec.version,
+                to = if e.host.is_some() { "host" } else { "disk" }, "evicted (LRU)");
+        }
+        // Host tier: the least recently used go back to disk.
+        loop {
+            let held = g.current.values().filter(|e| e.host.is_some()).count();
+            if held <= self.host_capacity {
+                break;
+            }
+            let Some(e) = g
+                .current
+                .values_mut()
+                .filter(|e| e.host.is_some())
+                .min_by_key(|e| e.last_used)
+            else {
+                break;
+            };
+            e.host = None;
         }
     }
 
     /// Pins the current version of `name` for a new request.
     pub fn lookup(&self, name: &str) -> Lookup {
         let mut g = self.lock();
+        // In host memory: back onto the device (a copy on a GPU, nothing on a CPU).
+        if let Some(e) = g.current.get_mut(name) {
+            if e.weights.is_none() {
+                if let Some(h) = e.host.take() {
+                    let back = if self.device.is_cpu() {
+                        Ok(h)
+                    } else {
+                        h.to_device(&self.device).map(Arc::new)
+                    };
+                    e.weights = back.ok();
+                    e.last_used = Instant::now();
+                    self.evict(&mut g);
+                }
+            }
+        }
         match g.current.get_mut(name) {
             None => Lookup::Unknown,
             Some(e) => match &e.weights {
@@ -254,14 +304,18 @@ impl Registry {
                 name: e.spec.name.clone(),
                 version: e.spec.version.clone(),
                 lora_id: e.spec.lora_id,
-                residency: if e.weights.is_some() {
-                    self.residency
-                } else {
-                    Residency::Disk
+                residency: match (&e.weights, &e.host) {
+                    (Some(_), _) => self.residency,
+                    (None, Some(_)) => Residency::Cpu,
+                    (None, None) => Residency::Disk,
                 },
                 loaded: true,
                 rank: e.rank as u32,
-                bytes: if e.weights.is_some() { e.bytes } else { 0 },
+                bytes: if e.weights.is_some() || e.host.is_some() {
+                    e.bytes
+                } else {
+                    0
+                },
                 requests: e.stats.requests.load(Ordering::Relaxed),
                 running: e.stats.running.load(Ordering::Relaxed),
                 error: None,

@@ -252,6 +252,20 @@ impl LoraAdapter {
         })
     }
 
+    /// The same weights on another device (the registry's host tier and its way back).
+    pub fn to_device(&self, device: &Device) -> candle_core::Result<Self> {
+        let modules = self
+            .modules
+            .iter()
+            .map(|(k, (a, b))| Ok((*k, (a.to_device(device)?, b.to_device(device)?))))
+            .collect::<candle_core::Result<_>>()?;
+        Ok(Self {
+            modules,
+            rank: self.rank,
+            bytes: self.bytes,
+        })
+    }
+
     /// Adds this adapter's low-rank update of `(layer, proj)` to the rows `idx` of `out`, whose
     /// inputs are the rows `idx` of `x`.
     pub fn apply(

@@ -236,6 +236,7 @@ pub fn build_engine(cfg: &WorkerConfig) -> anyhow::Result<Arc<dyn InferenceEngin
         max_seq_len: l.max_seq_len as usize,
         max_queue: l.max_queue as usize,
         max_loras: l.max_loras as usize,
+        max_cpu_loras: l.max_cpu_loras as usize,
         max_lora_rank: l.max_lora_rank as usize,
         prefill_chunk: std::env::var("MOLE_PREFILL_CHUNK")
             .ok()
