@@ -30,10 +30,12 @@ use crate::pool::Dtype;
 #[serde(rename_all = "camelCase")]
 pub struct AdapterSpec {
     /// Name of the InferencePool (same namespace) that serves this adapter.
+    #[schemars(length(max = 253))]
     #[x_kube(validation = Rule::new("self != ''").message("pool must not be empty"))]
     pub pool: String,
     /// Version of the adapter. Changing it rolls forward; setting it back to a version kept in
     /// `status.history` rolls back without a new merge.
+    #[schemars(length(max = 128))]
     #[x_kube(validation = Rule::new("self != ''").message("version must not be empty"))]
     pub version: String,
     /// Where the adapter files are.
@@ -73,6 +75,7 @@ pub struct AdapterSpec {
 pub struct AdapterSource {
     /// Directory with `adapter_config.json` and `adapter_model.safetensors`, relative to the
     /// pool's storage mount path.
+    #[schemars(length(max = 1024))]
     #[x_kube(validation = Rule::new("self != '' && !self.startsWith('/') && !self.matches('(^|/)\\\\.\\\\.(/|$)')").message("source.path must be relative and must not contain '..'"))]
     pub path: String,
 }
@@ -235,6 +238,15 @@ pub struct AdapterStatus {
     /// URL that serves this adapter (the merged Service, or the pool's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint: Option<String>,
+    /// Whether the pool's dynamic pods hold this adapter, as the operator's merge-down plan
+    /// decided (false only once merged pods serve it and the pool's
+    /// `merge.unloadFromDynamic` is set). The pool's WorkerConfig follows it; absent means yes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub load_dynamic: Option<bool>,
+    /// The merged Service the dynamic pods forward this adapter's requests to, while merged
+    /// pods serve it (the pool's WorkerConfig follows it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merged_endpoint: Option<String>,
     /// Conditions (`Ready`, `Valid`, `Loaded`, `Merged`, `MergeGated`, `Degraded`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,

@@ -35,6 +35,7 @@ pub struct InferencePoolSpec {
     /// The volume holding the base model, adapters and merged outputs.
     pub storage: Storage,
     /// Container image with the `mole-worker` binary.
+    #[schemars(length(max = 1024))]
     #[x_kube(validation = Rule::new("self != ''").message("image must not be empty"))]
     pub image: String,
     /// Image pull policy of worker and merge pods.
@@ -89,9 +90,11 @@ impl Dtype {
 pub struct BaseModel {
     /// Identity of the base model (e.g. `Qwen/Qwen3-VL-8B-Instruct`); adapters whose
     /// `base_model_name_or_path` differs are refused.
+    #[schemars(length(max = 256))]
     #[x_kube(validation = Rule::new("self != ''").message("baseModel.name must not be empty"))]
     pub name: String,
     /// Directory of the HF checkpoint, relative to the storage mount path.
+    #[schemars(length(max = 1024))]
     #[x_kube(validation = Rule::new("!self.startsWith('/') && !self.matches('(^|/)\\\\.\\\\.(/|$)')").message("baseModel.path must be relative and must not contain '..'"))]
     pub path: String,
     /// Serving dtype.
@@ -243,10 +246,12 @@ pub enum RouterFallback {
 pub struct RouterSpec {
     /// Strategies in the order they are tried.
     #[serde(default = "default_strategies")]
+    #[schemars(length(max = 4))]
     #[x_kube(validation = Rule::new("self.all(s, self.exists_one(t, t == s))").message("router.strategies must not repeat a strategy"))]
     pub strategies: Vec<RouterStrategy>,
     /// Name of the Adapter used as classifier (required with the classifier strategy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 253))]
     pub classifier_adapter: Option<String>,
     /// Lowest classifier probability accepted; below it the next strategy is tried.
     #[serde(default = "default_min_confidence")]
@@ -254,6 +259,7 @@ pub struct RouterSpec {
     pub min_confidence: f64,
     /// Directory of the sentence-embedding model on the volume (required with the embedding strategy).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
     pub embedding_model: Option<String>,
     /// Lowest cosine similarity accepted by the embedding strategy.
     #[serde(default = "default_embedding_threshold")]

@@ -3,6 +3,7 @@
 //! listing the worker serves at `GET /v1/lora_adapters`.
 
 use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 
 use crate::adapter::ServingMode;
 use crate::pool::{Dtype, RouterFallback, RouterStrategy};
@@ -50,6 +51,21 @@ pub struct WorkerConfig {
     /// API keys and admin token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth: Option<WorkerAuth>,
+}
+
+impl WorkerConfig {
+    /// Content hash of the config: the operator stores it in the ConfigMap's
+    /// `mole.dev/config-hash` annotation and sends it with `POST /admin/reload`; a worker
+    /// whose file (re-read and parsed) has another hash answers 409 `config_stale`, because
+    /// the kubelet refreshes a mounted ConfigMap up to a minute after it changed.
+    ///
+    /// Computed over the struct's own JSON serialization (field order fixed by the type, no
+    /// maps), so the operator and the worker agree whatever `serde_json` features either
+    /// binary was built with.
+    pub fn content_hash(&self) -> String {
+        let json = serde_json::to_string(self).expect("WorkerConfig serializes");
+        hex::encode(&Sha256::digest(json.as_bytes())[..8])
+    }
 }
 
 fn default_model_root() -> String {
@@ -269,6 +285,12 @@ pub struct WorkerAuth {
     /// File with the admin token for load/unload/reload endpoints.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admin_token_file: Option<String>,
+    /// File with the operator's token (a Secret the operator creates per pool). It is accepted
+    /// on the endpoints the operator calls — `GET /v1/lora_adapters`, `POST /admin/reload`,
+    /// `POST /v1/unload_lora_adapter` — whatever the API keys and admin token are, so readiness
+    /// and reloads work on pools with `spec.auth` and without a user admin token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operator_token_file: Option<String>,
 }
 
 /// Where an adapter's weights live in a worker.

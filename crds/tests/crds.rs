@@ -85,3 +85,116 @@ fn cel_rules_are_in_the_schema() {
         assert!(all.contains(rule), "missing CEL rule or message: {rule}");
     }
 }
+
+/// Whether a schema node has a size the API server's CEL cost estimator can use: strings need
+/// `maxLength` (or an `enum`, whose longest value bounds them), lists `maxItems` and bounded
+/// items, maps `maxProperties`. Without one the estimator assumes the whole request size and
+/// rejects rules such as `self.all(s, self.exists_one(t, t == s))` or `self.matches(...)` with
+/// "estimated rule cost exceeds budget".
+fn bounded(s: &serde_json::Value) -> Result<(), String> {
+    match s.get("type").and_then(|t| t.as_str()) {
+        Some("string") => {
+            if s.get("maxLength").is_some() || s.get("enum").is_some() {
+                Ok(())
+            } else {
+                Err("string without maxLength".into())
+            }
+        }
+        Some("array") => {
+            if s.get("maxItems").is_none() {
+                return Err("list without maxItems".into());
+            }
+            bounded(&s["items"]).map_err(|e| format!("items: {e}"))
+        }
+        Some("object") if s.get("additionalProperties").is_some() => {
+            if s.get("maxProperties").is_none() {
+                return Err("map without maxProperties".into());
+            }
+            Ok(())
+        }
+        _ => Ok(()),
+    }
+}
+
+/// Walks the schema; for every `x-kubernetes-validations` rule, checks `self` (when the rule
+/// uses it as a value) and every `self.<field>` it names.
+fn check_cel_bounds(s: &serde_json::Value, path: &str, errs: &mut Vec<String>, rules: &mut usize) {
+    if let Some(validations) = s.get("x-kubernetes-validations").and_then(|v| v.as_array()) {
+        for v in validations {
+            let rule = v["rule"].as_str().unwrap();
+            *rules += 1;
+            let props = s.get("properties");
+            let mut self_as_value = false;
+            for m in rule.match_indices("self") {
+                let rest = &rule[m.0 + 4..];
+                // `self.<identifier>`: a field of self, unless it is a method call.
+                let field = rest.strip_prefix('.').map(|r| {
+                    r.chars()
+                        .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+                        .collect::<String>()
+                });
+                match field {
+                    Some(f) if props.and_then(|p| p.get(&f)).is_some() => {
+                        if let Err(e) = bounded(&props.unwrap()[&f]) {
+                            errs.push(format!("{path}.{f} (used by `{rule}`): {e}"));
+                        }
+                    }
+                    // `self.all(...)`, `self.matches(...)`, `self != ''`: self is the value.
+                    _ => self_as_value |= !rest.starts_with('_'),
+                }
+            }
+            if self_as_value {
+                if let Err(e) = bounded(s) {
+                    errs.push(format!("{path} (used by `{rule}`): {e}"));
+                }
+            }
+        }
+    }
+    if let Some(props) = s.get("properties").and_then(|p| p.as_object()) {
+        for (k, v) in props {
+            check_cel_bounds(v, &format!("{path}.{k}"), errs, rules);
+        }
+    }
+    if let Some(items) = s.get("items") {
+        check_cel_bounds(items, &format!("{path}[]"), errs, rules);
+    }
+}
+
+#[test]
+fn every_field_a_cel_rule_touches_has_a_size_bound() {
+    let mut errs = Vec::new();
+    let mut rules = 0;
+    for crd in mole_crds::crds() {
+        let schema = serde_json::to_value(
+            crd.spec.versions[0]
+                .schema
+                .as_ref()
+                .unwrap()
+                .open_api_v3_schema
+                .as_ref()
+                .unwrap(),
+        )
+        .unwrap();
+        check_cel_bounds(&schema, &crd.spec.names.kind, &mut errs, &mut rules);
+    }
+    assert!(
+        rules >= 8,
+        "found only {rules} CEL rules: the walk is broken"
+    );
+    assert!(
+        errs.is_empty(),
+        "unbounded CEL inputs:\n{}",
+        errs.join("\n")
+    );
+}
+
+#[test]
+fn the_cel_bound_check_catches_an_unbounded_list() {
+    let schema = serde_json::json!({"type": "object", "properties": {"strategies": {
+        "type": "array", "items": {"type": "string"},
+        "x-kubernetes-validations": [{"rule": "self.all(s, self.exists_one(t, t == s))"}]}}});
+    let (mut errs, mut rules) = (Vec::new(), 0);
+    check_cel_bounds(&schema, "X", &mut errs, &mut rules);
+    assert_eq!(errs.len(), 1, "{errs:?}");
+    assert!(errs[0].contains("maxItems"));
+}

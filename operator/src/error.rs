@@ -50,6 +50,9 @@ pub enum Error {
     /// The finalizer machinery failed.
     #[error("finalizer: {0}")]
     Finalizer(String),
+    /// The pool's operator-token Secret is unusable.
+    #[error("operator token: {0}")]
+    OperatorToken(String),
 }
 
 impl Error {
@@ -62,6 +65,7 @@ impl Error {
             Error::Conflict(_) => "conflict",
             Error::Serialization(_) => "serialization",
             Error::Finalizer(_) => "finalizer",
+            Error::OperatorToken(_) => "operator_token",
         }
     }
 }

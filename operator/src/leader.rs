@@ -1,7 +1,9 @@
 //! Leader election on a `coordination.k8s.io/v1` Lease, so two operator replicas never both
 //! write. The holder renews every `renew`; a Lease not renewed for `duration` may be taken
 //! over. Every write carries the Lease's resourceVersion: of two candidates racing for an
-//! expired Lease, exactly one wins.
+//! expired Lease, exactly one wins. A holder that could not renew for `renew_deadline`
+//! (shorter than `duration`, like client-go's renewDeadline) steps down, so it has stopped
+//! writing before another replica may take the Lease.
 
 use std::time::Duration;
 
@@ -22,8 +24,53 @@ pub struct LeaseConfig {
     pub identity: String,
     /// How long a Lease stays valid without renewal.
     pub duration: Duration,
-    /// How often the holder renews.
+    /// How often the holder renews (and a standby retries).
     pub renew: Duration,
+    /// The holder steps down when its last successful renewal is this old. Must be shorter
+    /// than `duration` (the gap is the margin for clock skew and a slow exit).
+    pub renew_deadline: Duration,
+}
+
+impl LeaseConfig {
+    /// Settings from the Lease duration alone: renew deadline 2/3 of it, renew period 1/3
+    /// (client-go's 15 s / 10 s / 2 s scaled).
+    pub fn with_duration(
+        name: String,
+        namespace: String,
+        identity: String,
+        duration: Duration,
+    ) -> Self {
+        Self {
+            name,
+            namespace,
+            identity,
+            duration,
+            renew: duration / 3,
+            renew_deadline: duration * 2 / 3,
+        }
+    }
+
+    /// Checks that renewals fit: `renew < renew_deadline < duration`.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.renew_deadline >= self.duration {
+            return Err(format!(
+                "renew deadline {:?} must be shorter than the lease duration {:?}",
+                self.renew_deadline, self.duration
+            ));
+        }
+        if self.renew >= self.renew_deadline {
+            return Err(format!(
+                "renew period {:?} must be shorter than the renew deadline {:?}",
+                self.renew, self.renew_deadline
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Whether a holder whose last successful renewal was `since_renewal` ago must stop.
+pub fn must_step_down(cfg: &LeaseConfig, since_renewal: Duration) -> bool {
+    since_renewal >= cfg.renew_deadline
 }
 
 /// Whether a Lease may be taken by `me` at `now`.
@@ -107,26 +154,30 @@ pub async fn acquire(client: Client, cfg: &LeaseConfig) {
     }
 }
 
-/// Renews the Lease forever; returns (so the process can exit) as soon as it is lost.
+/// Renews the Lease until it is lost or could not be renewed for `renew_deadline`; then
+/// returns (so the process can exit) while the Lease is still valid for the others' view.
 pub async fn hold(client: Client, cfg: LeaseConfig) {
     let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
     let mut last_ok = std::time::Instant::now();
     loop {
         tokio::time::sleep(cfg.renew).await;
-        match try_acquire(&api, &cfg).await {
-            Ok(true) => last_ok = std::time::Instant::now(),
-            Ok(false) => {
+        // A renewal call that hangs must not carry us past the deadline.
+        let left = cfg.renew_deadline.saturating_sub(last_ok.elapsed());
+        match tokio::time::timeout(left, try_acquire(&api, &cfg)).await {
+            Ok(Ok(true)) => last_ok = std::time::Instant::now(),
+            Ok(Ok(false)) => {
                 tracing::error!(lease = %cfg.name, "leadership lost");
                 return;
             }
-            Err(e) => {
-                tracing::warn!(error = %e, "lease renewal failed");
-                // Stop writing before another replica may legitimately take over.
-                if last_ok.elapsed() >= cfg.duration {
-                    tracing::error!("lease expired without renewal; stepping down");
-                    return;
-                }
-            }
+            Ok(Err(e)) => tracing::warn!(error = %e, "lease renewal failed"),
+            Err(_) => tracing::warn!("lease renewal timed out"),
+        }
+        if must_step_down(&cfg, last_ok.elapsed()) {
+            tracing::error!(
+                deadline = ?cfg.renew_deadline,
+                "lease not renewed within the renew deadline; stepping down"
+            );
+            return;
         }
     }
 }
@@ -145,6 +196,35 @@ mod tests {
                 ..Default::default()
             }),
         }
+    }
+
+    #[test]
+    fn the_holder_steps_down_before_the_lease_can_be_taken() {
+        let cfg = LeaseConfig::with_duration(
+            "l".into(),
+            "ns".into(),
+            "me".into(),
+            Duration::from_secs(15),
+        );
+        assert_eq!(cfg.renew_deadline, Duration::from_secs(10));
+        assert_eq!(cfg.renew, Duration::from_secs(5));
+        assert!(cfg.validate().is_ok());
+        assert!(!must_step_down(&cfg, Duration::from_secs(9)));
+        assert!(must_step_down(&cfg, Duration::from_secs(10)));
+        assert!(
+            must_step_down(&cfg, cfg.duration - Duration::from_secs(1)),
+            "stepping down happens before another replica may take over"
+        );
+        let bad = LeaseConfig {
+            renew_deadline: Duration::from_secs(15),
+            ..cfg.clone()
+        };
+        assert!(bad.validate().is_err());
+        let bad = LeaseConfig {
+            renew: Duration::from_secs(10),
+            ..cfg
+        };
+        assert!(bad.validate().is_err());
     }
 
     #[test]

@@ -5,5 +5,6 @@ pub mod controller;
 pub mod error;
 pub mod leader;
 pub mod mergedown;
+pub mod reasons;
 pub mod resources;
 pub mod telemetry;

@@ -52,6 +52,17 @@ struct RunArgs {
     /// Namespace of the leader Lease (default: the pod's namespace).
     #[arg(long, env = "MOLE_LEADER_NAMESPACE")]
     lease_namespace: Option<String>,
+    /// Seconds a Lease stays valid without renewal (another replica may take it after that).
+    #[arg(long, env = "MOLE_LEADER_LEASE_DURATION", default_value_t = 15)]
+    lease_duration: u64,
+    /// Seconds without a successful renewal after which the leader steps down (and exits);
+    /// shorter than the lease duration. Default: 2/3 of it.
+    #[arg(long, env = "MOLE_LEADER_RENEW_DEADLINE")]
+    renew_deadline: Option<u64>,
+    /// Seconds between renewals (and between a standby's attempts). Default: 1/3 of the lease
+    /// duration.
+    #[arg(long, env = "MOLE_LEADER_RETRY_PERIOD")]
+    retry_period: Option<u64>,
     /// This replica's identity in the Lease (default: the pod name).
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
@@ -89,13 +100,19 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         PodClient::new(args.worker_port),
     ));
     if args.leader_elect {
-        let cfg = LeaseConfig {
-            name: args.lease_name.clone(),
-            namespace: args.lease_namespace.clone().unwrap_or_else(pod_namespace),
+        let mut cfg = LeaseConfig::with_duration(
+            args.lease_name.clone(),
+            args.lease_namespace.clone().unwrap_or_else(pod_namespace),
             identity,
-            duration: Duration::from_secs(15),
-            renew: Duration::from_secs(5),
-        };
+            Duration::from_secs(args.lease_duration),
+        );
+        if let Some(s) = args.renew_deadline {
+            cfg.renew_deadline = Duration::from_secs(s);
+        }
+        if let Some(s) = args.retry_period {
+            cfg.renew = Duration::from_secs(s);
+        }
+        cfg.validate().map_err(anyhow::Error::msg)?;
         // A standby is healthy and ready: it serves metrics and waits for the Lease.
         health.set_ready();
         leader::acquire(client.clone(), &cfg).await;

@@ -6,6 +6,7 @@ mod support;
 
 use std::sync::{Arc, Mutex};
 
+use kube::runtime::controller::Action;
 use mole_crds::{Adapter, InferencePool};
 use mole_operator::controller::{adapter, pool, Context, PodClient};
 use mole_operator::telemetry::Metrics;
@@ -53,7 +54,7 @@ struct Env {
 
 async fn env() -> Env {
     let store: Shared = Arc::new(Mutex::new(Store::default()));
-    let worker = support::fake_worker().await;
+    let worker = support::fake_worker(store.clone()).await;
     let ctx = Arc::new(Context::new(
         support::client(store.clone()),
         "test".into(),
@@ -74,10 +75,32 @@ impl Env {
         self.get(&adapter_path(name))
             .map(|v| Arc::new(serde_json::from_value(v).unwrap()))
     }
-    async fn reconcile_pool(&self) {
+    async fn reconcile_pool(&self) -> Action {
         pool::reconcile(self.pool(), self.ctx.clone())
             .await
-            .unwrap();
+            .unwrap()
+    }
+    /// The kubelet refreshed the pod's mounted ConfigMap: the fake worker's file now has the
+    /// ConfigMap's content hash.
+    fn refresh_config_file(&self) {
+        let cm = self.get(CM).unwrap();
+        let hash = cm["metadata"]["annotations"]["mole.dev/config-hash"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        *self.worker.file_hash.lock().unwrap() = Some(hash);
+    }
+    fn writes(&self) -> usize {
+        self.store.lock().unwrap().writes.len()
+    }
+    fn events(&self) -> Vec<String> {
+        self.store.lock().unwrap().events.clone()
+    }
+    fn count_events(&self, reason: &str) -> usize {
+        self.events().iter().filter(|r| *r == reason).count()
+    }
+    fn unauthorized(&self) -> usize {
+        *self.worker.unauthorized.lock().unwrap()
     }
     /// Two passes, as the controller would run them: the first adds the finalizer.
     async fn reconcile_adapter(&self, name: &str) {
@@ -117,14 +140,6 @@ fn condition<'a>(obj: &'a Value, t: &str) -> &'a Value {
         .unwrap_or(&Value::Null)
 }
 
-fn without_rv(mut v: Value) -> Value {
-    v["metadata"]
-        .as_object_mut()
-        .unwrap()
-        .remove("resourceVersion");
-    v
-}
-
 #[tokio::test]
 async fn create_pool_applies_children_and_status_and_a_restart_changes_nothing() {
     let e = env().await;
@@ -149,18 +164,31 @@ async fn create_pool_applies_children_and_status_and_a_restart_changes_nothing()
         .events
         .contains(&"PodsNotReady".to_string()));
 
-    // An operator restart finds the children and writes nothing new.
+    // An operator restart (a fresh Context: nothing in memory) finds the children and writes
+    // nothing at all: no apply, no status write, no Event.
     let before: Vec<Value> = [CM, DEPLOY, SVC, PDB]
         .iter()
-        .map(|p| without_rv(e.get(p).unwrap()))
+        .map(|p| e.get(p).unwrap())
         .collect();
+    let writes = e.writes();
     let events = e.store.lock().unwrap().events.len();
-    e.reconcile_pool().await;
+    let restarted = Arc::new(Context::new(
+        support::client(e.store.clone()),
+        "test-2".into(),
+        Metrics::new(),
+        PodClient::new(e.worker.addr.port()),
+    ));
+    pool::reconcile(e.pool(), restarted).await.unwrap();
     let after: Vec<Value> = [CM, DEPLOY, SVC, PDB]
         .iter()
-        .map(|p| without_rv(e.get(p).unwrap()))
+        .map(|p| e.get(p).unwrap())
         .collect();
-    assert_eq!(before, after);
+    assert_eq!(before, after, "same objects, same resourceVersions");
+    assert_eq!(
+        e.store.lock().unwrap().writes[writes..],
+        [],
+        "a restarted operator writes nothing"
+    );
     assert_eq!(e.store.lock().unwrap().events.len(), events, "no new Event");
 }
 
@@ -363,6 +391,10 @@ async fn delete_runs_the_finalizer_and_ids_are_never_reused() {
 }
 
 const JOBS: &str = "/apis/batch/v1/namespaces/ml/jobs";
+
+fn cm_path(name: &str) -> String {
+    format!("/api/v1/namespaces/ml/configmaps/{name}")
+}
 const MERGED: &str = "/apis/apps/v1/namespaces/ml/deployments/vl-calendar";
 
 impl Env {
@@ -417,10 +449,50 @@ impl Env {
         }
         name
     }
+    /// The Deployment controller finished rolling the merged Deployment: it saw the current
+    /// generation and every replica runs the current template and is available.
     fn merged_ready(&self) {
         self.edit(MERGED, |d| {
-            d["status"] = json!({"observedGeneration": 0, "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1});
+            let g = d["metadata"]["generation"].as_i64().unwrap_or(1);
+            let n = d["spec"]["replicas"].as_i64().unwrap_or(1);
+            d["status"] = json!({"observedGeneration": g, "replicas": n, "updatedReplicas": n,
+                                 "readyReplicas": n, "availableReplicas": n});
         });
+    }
+    /// Mid-rollout: the controller saw the new template, one new pod exists but is not
+    /// available, the old pods are still ready.
+    fn merged_rolling(&self) {
+        self.edit(MERGED, |d| {
+            let g = d["metadata"]["generation"].as_i64().unwrap_or(1);
+            let n = d["spec"]["replicas"].as_i64().unwrap_or(1);
+            d["status"] = json!({"observedGeneration": g, "replicas": n + 1, "updatedReplicas": 1,
+                                 "readyReplicas": n, "availableReplicas": n});
+        });
+    }
+    /// The ConfigMap the merged Deployment's pod template mounts.
+    fn merged_config_name(&self) -> String {
+        let d = self.get(MERGED).unwrap();
+        d["spec"]["template"]["spec"]["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["name"] == "config")
+            .unwrap()["configMap"]["name"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    }
+    /// Names of the adapter's merged ConfigMaps.
+    fn merged_config_maps(&self) -> Vec<String> {
+        let s = self.store.lock().unwrap();
+        s.objects
+            .iter()
+            .filter(|(k, v)| {
+                k.starts_with("/api/v1/namespaces/ml/configmaps/")
+                    && v["metadata"]["labels"]["mole.dev/adapter"] == "calendar"
+            })
+            .map(|(_, v)| v["metadata"]["name"].as_str().unwrap().to_string())
+            .collect()
     }
     fn merged_output(&self) -> String {
         self.get(MERGED).unwrap()["spec"]["template"]["metadata"]["annotations"]
@@ -475,12 +547,12 @@ async fn merge_job_then_merged_deployment_then_ready_and_forwarded() {
     assert!(e
         .get("/api/v1/namespaces/ml/services/vl-calendar")
         .is_some());
-    assert!(e
-        .get("/api/v1/namespaces/ml/configmaps/vl-calendar-config")
-        .unwrap()["data"]["worker.json"]
+    let cm = e.get(&cm_path(&e.merged_config_name())).unwrap();
+    assert!(cm["data"]["worker.json"]
         .as_str()
         .unwrap()
         .contains("\"mode\": \"merged\""));
+    assert_eq!(cm["metadata"]["ownerReferences"][0]["kind"], "Adapter");
     assert_ne!(
         e.get(&adapter_path("calendar")).unwrap()["status"]["phase"],
         "Ready",
@@ -506,6 +578,19 @@ async fn merge_job_then_merged_deployment_then_ready_and_forwarded() {
     assert!(cal.load);
     let events = e.store.lock().unwrap().events.clone();
     assert!(events.contains(&"MergeStarted".into()) && events.contains(&"MergeSucceeded".into()));
+    assert_eq!(
+        e.count_events("Promoted"),
+        1,
+        "promotion completed: one Event"
+    );
+    // Requeues while Ready announce nothing new.
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.count_events("Promoted"), 1);
+    assert_eq!(
+        e.unauthorized(),
+        0,
+        "every pod call carried the operator token"
+    );
 }
 
 #[tokio::test]
@@ -666,4 +751,466 @@ async fn deleted_children_come_back_and_old_outputs_get_a_cleanup_job() {
     );
     assert_eq!(args[3], format!("/models/{v1_out}"));
     assert_ne!(e.merged_output(), v1_out, "the Deployment serves v2");
+}
+
+/// Brings the merged adapter `calendar` to Ready on v1.
+async fn merged_ready_on_v1(e: &Env) {
+    e.worker_reports(&[("calendar", "v1", 1)]);
+    e.reconcile_adapter("calendar").await;
+    e.finish_only_job(true, "");
+    e.reconcile_adapter("calendar").await;
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(
+        e.get(&adapter_path("calendar")).unwrap()["status"]["phase"],
+        "Ready"
+    );
+}
+
+/// Removes the finished merge Jobs (their TTL).
+fn drop_finished_jobs(e: &Env) {
+    for (p, j) in e.jobs() {
+        if j["status"]["succeeded"] == 1 {
+            e.store.lock().unwrap().objects.remove(&p);
+        }
+    }
+}
+
+#[tokio::test]
+async fn the_operator_token_is_created_once_mounted_everywhere_and_required_by_the_pods() {
+    let e = merged_env().await;
+    e.reconcile_pool().await;
+    let secret_path = "/api/v1/namespaces/ml/secrets/vl-operator-token";
+    let secret = e.get(secret_path).expect("token Secret created");
+    assert_eq!(
+        secret["metadata"]["ownerReferences"][0]["kind"],
+        "InferencePool"
+    );
+    let token = support::stored_token(&e.store).unwrap();
+    assert_eq!(token.len(), 64, "32 random bytes, hex");
+    // Never regenerated: further reconciles of both controllers keep it.
+    e.reconcile_pool().await;
+    merged_ready_on_v1(&e).await;
+    assert_eq!(support::stored_token(&e.store).unwrap(), token);
+    let posts = e
+        .store
+        .lock()
+        .unwrap()
+        .writes
+        .iter()
+        .filter(|(_, p)| p == secret_path)
+        .count();
+    assert_eq!(posts, 1, "created once");
+
+    // Mounted read-only in the dynamic and the merged pods; the WorkerConfigs name the file.
+    for (deploy, cm) in [
+        (DEPLOY.to_string(), CM.to_string()),
+        (MERGED.to_string(), cm_path(&e.merged_config_name())),
+    ] {
+        let d = e.get(&deploy).unwrap();
+        let pod = &d["spec"]["template"]["spec"];
+        let vol = pod["volumes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|v| v["secret"]["secretName"] == "vl-operator-token")
+            .unwrap_or_else(|| panic!("{deploy} mounts the token"));
+        let mount = pod["containers"][0]["volumeMounts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"] == vol["name"])
+            .unwrap();
+        assert_eq!(mount["readOnly"], true);
+        let wc: mole_crds::WorkerConfig =
+            serde_json::from_str(e.get(&cm).unwrap()["data"]["worker.json"].as_str().unwrap())
+                .unwrap();
+        let file = wc.auth.unwrap().operator_token_file.unwrap();
+        assert_eq!(
+            file,
+            format!("{}/token", mount["mountPath"].as_str().unwrap())
+        );
+    }
+    // The fake worker refuses calls without the token: the operator sent it on every one
+    // (lora_adapters to decide readiness, reload), which is how calendar became Ready.
+    assert_eq!(e.unauthorized(), 0);
+    assert!(!e.worker.calls.lock().unwrap().is_empty());
+
+    // A wrong token is refused (the fake checks).
+    let r = reqwest::Client::new()
+        .get(format!("http://{}/v1/lora_adapters", e.worker.addr))
+        .bearer_auth("nope")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+}
+
+#[tokio::test]
+async fn reload_is_retried_until_the_pod_has_the_refreshed_file() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    e.add_ready_pod();
+    e.reconcile_pool().await;
+    e.store.lock().unwrap().create(
+        &adapter_path("calendar"),
+        adapter_obj("calendar", "vl", "calendar"),
+    );
+    e.reconcile_adapter("calendar").await;
+    let action = e.reconcile_pool().await;
+    let cm = e.get(CM).unwrap();
+    let hash = cm["metadata"]["annotations"]["mole.dev/config-hash"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let wc: mole_crds::WorkerConfig =
+        serde_json::from_str(cm["data"]["worker.json"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        hash,
+        wc.content_hash(),
+        "the annotation is the worker's content hash"
+    );
+    // The kubelet has not refreshed the file: 409 config_stale, retried soon, no error.
+    assert!(e.worker.applied.lock().unwrap().is_empty());
+    assert_eq!(action, Action::requeue(pool::RELOAD_RETRY));
+    let errors = e
+        .ctx
+        .metrics
+        .errors
+        .with_label_values(&["pool", "pod_unreachable"])
+        .get();
+    assert_eq!(errors, 0);
+    // Still stale on the next pass: asked again.
+    let reloads = |e: &Env| {
+        e.worker
+            .calls
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|(p, b)| p == "/admin/reload" && b["configHash"] == json!(hash))
+            .count()
+    };
+    let before = reloads(&e);
+    assert_eq!(
+        e.reconcile_pool().await,
+        Action::requeue(pool::RELOAD_RETRY)
+    );
+    assert_eq!(reloads(&e), before + 1);
+    // The file is refreshed: the pod accepts the hash and the fast retries stop.
+    e.refresh_config_file();
+    let action = e.reconcile_pool().await;
+    assert_eq!(*e.worker.applied.lock().unwrap(), vec![hash.clone()]);
+    assert_ne!(action, Action::requeue(pool::RELOAD_RETRY));
+    // A pod that accepted the current hash is not asked again.
+    let n = reloads(&e);
+    e.reconcile_pool().await;
+    assert_eq!(reloads(&e), n);
+    assert_eq!(e.unauthorized(), 0);
+}
+
+#[tokio::test]
+async fn old_pods_ready_during_a_roll_do_not_make_the_new_version_ready() {
+    let e = merged_env().await;
+    merged_ready_on_v1(&e).await;
+    let v1_out = e.merged_output();
+    e.set_version("v2");
+    e.reconcile_adapter("calendar").await;
+    drop_finished_jobs(&e);
+    e.finish_only_job(true, "");
+    e.reconcile_adapter("calendar").await;
+    let v2_out = e.merged_output();
+    assert_ne!(v2_out, v1_out, "the Deployment rolls to v2");
+    // The Deployment controller has not even seen the new template: the old status says
+    // 1/1 ready, but that is v1.
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_ne!(a["status"]["phase"], "Ready");
+    assert_eq!(a["status"]["activeVersion"], "v1");
+    // Rolling: the old pod is ready, the new one is not.
+    e.merged_rolling();
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_ne!(
+        a["status"]["phase"], "Ready",
+        "old pods ready, new ones not"
+    );
+    assert_eq!(a["status"]["activeVersion"], "v1");
+    assert_eq!(
+        a["status"]["mergedEndpoint"], "http://vl-calendar.ml.svc:8000",
+        "the old pods keep answering behind the Service"
+    );
+    // Done rolling.
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["phase"], "Ready");
+    assert_eq!(a["status"]["activeVersion"], "v2");
+}
+
+#[tokio::test]
+async fn merged_to_dynamic_with_unload_from_dynamic_does_not_deadlock() {
+    let e = merged_env().await;
+    e.edit(POOL, |p| {
+        p["spec"]["merge"] = json!({"unloadFromDynamic": true})
+    });
+    e.reconcile_pool().await;
+    merged_ready_on_v1(&e).await;
+    // Merged pods serve it: the dynamic pods drop it and forward.
+    e.reconcile_pool().await;
+    let config = |e: &Env| -> mole_crds::WorkerAdapter {
+        let wc: mole_crds::WorkerConfig =
+            serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap())
+                .unwrap();
+        wc.adapters
+            .into_iter()
+            .find(|a| a.name == "calendar")
+            .unwrap()
+    };
+    let cal = config(&e);
+    assert!(!cal.load);
+    assert_eq!(
+        cal.merged_endpoint.as_deref(),
+        Some("http://vl-calendar.ml.svc:8000")
+    );
+    e.worker_reports(&[]);
+
+    // Switch back to dynamic: the dynamic pods must load it again before the merged pods go.
+    e.edit(&adapter_path("calendar"), |a| {
+        a["spec"]["serving"]["mode"] = json!("dynamic")
+    });
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    let cal = config(&e);
+    assert!(cal.load, "the plan asks the dynamic pods to load it again");
+    assert_eq!(
+        cal.merged_endpoint.as_deref(),
+        Some("http://vl-calendar.ml.svc:8000"),
+        "merged pods keep serving until then"
+    );
+    assert!(e.get(MERGED).is_some());
+    // The dynamic pods load it (they read load=true): the merged pods go.
+    e.worker_reports(&[("calendar", "v1", 1)]);
+    e.reconcile_adapter("calendar").await;
+    assert!(e.get(MERGED).is_none());
+    assert!(
+        e.merged_config_maps().is_empty(),
+        "merged ConfigMaps removed too"
+    );
+    assert_eq!(e.count_events("MergedPodsRemoved"), 1);
+    e.reconcile_pool().await;
+    let cal = config(&e);
+    assert!(cal.load);
+    assert_eq!(cal.merged_endpoint, None);
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["servingMode"], "dynamic");
+    assert_eq!(a["status"]["phase"], "Ready");
+}
+
+#[tokio::test]
+async fn each_output_has_its_own_config_map_and_old_ones_go_with_the_history() {
+    let e = merged_env().await;
+    e.edit(POOL, |p| p["spec"]["merge"] = json!({"keepVersions": 0}));
+    merged_ready_on_v1(&e).await;
+    let v1_cm = e.merged_config_name();
+    let v1_content = e.get(&cm_path(&v1_cm)).unwrap()["data"].clone();
+    assert!(v1_content["worker.json"]
+        .as_str()
+        .unwrap()
+        .contains(&e.merged_output()));
+
+    e.set_version("v2");
+    e.reconcile_adapter("calendar").await;
+    drop_finished_jobs(&e);
+    e.finish_only_job(true, "");
+    e.reconcile_adapter("calendar").await;
+    // The Deployment now mounts v2's ConfigMap; v1's is untouched for the old pods.
+    let v2_cm = e.merged_config_name();
+    assert_ne!(v2_cm, v1_cm);
+    assert_eq!(
+        e.get(&cm_path(&v1_cm)).unwrap()["data"],
+        v1_content,
+        "old pods keep reading the config of their own output"
+    );
+    assert!(e.get(&cm_path(&v2_cm)).unwrap()["data"]["worker.json"]
+        .as_str()
+        .unwrap()
+        .contains(&e.merged_output()));
+    assert_eq!(
+        e.get(&cm_path(&v2_cm)).unwrap()["metadata"]["ownerReferences"][0]["kind"],
+        "Adapter"
+    );
+    // Once v2 serves and v1 fell out of the history (keepVersions 0), v1's ConfigMap goes.
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.merged_config_maps(), vec![v2_cm]);
+}
+
+#[tokio::test]
+async fn rollback_after_the_new_version_served_switches_the_deployment_back_without_a_job() {
+    let e = merged_env().await;
+    merged_ready_on_v1(&e).await;
+    let v1_out = e.merged_output();
+    let v1_cm = e.merged_config_name();
+    e.set_version("v2");
+    e.reconcile_adapter("calendar").await;
+    drop_finished_jobs(&e);
+    e.finish_only_job(true, "");
+    e.reconcile_adapter("calendar").await;
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["activeVersion"], "v2");
+    assert_eq!(a["status"]["phase"], "Ready");
+    let v2_out = e.merged_output();
+    drop_finished_jobs(&e);
+
+    // kubectl patch ... version v1: the Deployment goes back to v1's output, no Job.
+    e.set_version("v1");
+    e.reconcile_adapter("calendar").await;
+    assert!(e.jobs().is_empty(), "no merge for a version in history");
+    assert_eq!(e.merged_output(), v1_out);
+    assert_eq!(e.merged_config_name(), v1_cm, "v1's own ConfigMap again");
+    assert_eq!(e.count_events("RolledBack"), 1);
+    // While the pods roll back, v2 still answers: not Ready on v1 yet, and no second Event.
+    e.merged_rolling();
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(
+        e.count_events("RolledBack"),
+        1,
+        "announced once, on the switch"
+    );
+    assert_ne!(
+        e.get(&adapter_path("calendar")).unwrap()["status"]["phase"],
+        "Ready"
+    );
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["phase"], "Ready");
+    assert_eq!(a["status"]["activeVersion"], "v1");
+    assert_eq!(a["status"]["history"][0]["version"], "v1");
+    assert_eq!(a["status"]["history"][1]["mergedOutput"], json!(v2_out));
+    assert!(e.jobs().is_empty());
+}
+
+#[tokio::test]
+async fn a_restarted_operator_writes_nothing_for_a_serving_merged_adapter() {
+    let e = merged_env().await;
+    e.reconcile_pool().await;
+    merged_ready_on_v1(&e).await;
+    e.refresh_config_file();
+    e.reconcile_pool().await;
+    // Settle: one more pass of each.
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    let writes = e.writes();
+    let events = e.events().len();
+    let restarted = Arc::new(Context::new(
+        support::client(e.store.clone()),
+        "test-2".into(),
+        Metrics::new(),
+        PodClient::new(e.worker.addr.port()),
+    ));
+    for _ in 0..2 {
+        pool::reconcile(e.pool(), restarted.clone()).await.unwrap();
+        adapter::reconcile(e.adapter("calendar").unwrap(), restarted.clone())
+            .await
+            .unwrap();
+    }
+    let new_writes = e.store.lock().unwrap().writes[writes..].to_vec();
+    assert_eq!(new_writes, [], "a restarted operator writes nothing");
+    assert_eq!(e.events().len(), events, "and publishes no Event");
+}
+
+#[tokio::test]
+async fn adapters_refused_because_of_other_objects_are_checked_again() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    e.store.lock().unwrap().create(
+        &adapter_path("calendar"),
+        adapter_obj("calendar", "vl", "calendar"),
+    );
+    e.store
+        .lock()
+        .unwrap()
+        .create(&adapter_path("copy"), adapter_obj("copy", "vl", "calendar"));
+    e.store.lock().unwrap().create(
+        &adapter_path("orphan"),
+        adapter_obj("orphan", "nope", "orphan"),
+    );
+    let mut bad = adapter_obj("bad", "vl", "bad");
+    bad["spec"]["source"]["path"] = json!("../etc");
+    e.store.lock().unwrap().create(&adapter_path("bad"), bad);
+    let mut actions = std::collections::BTreeMap::new();
+    for n in ["calendar", "copy", "orphan", "bad"] {
+        for _ in 0..2 {
+            let a = e.adapter(n).unwrap();
+            actions.insert(n, adapter::reconcile(a, e.ctx.clone()).await.unwrap());
+        }
+    }
+    assert_eq!(actions["copy"], Action::requeue(adapter::RECHECK_OTHERS));
+    assert_eq!(actions["orphan"], Action::requeue(adapter::RECHECK_OTHERS));
+    assert_eq!(
+        actions["bad"],
+        Action::await_change(),
+        "a wrong field waits for an edit"
+    );
+    // The adapter holding the label goes: the copy, checked again, is accepted.
+    e.store
+        .lock()
+        .unwrap()
+        .objects
+        .remove(&adapter_path("calendar"));
+    e.reconcile_adapter("copy").await;
+    let copy = e.get(&adapter_path("copy")).unwrap();
+    assert_eq!(condition(&copy, "Valid")["status"], "True");
+    assert!(copy["status"]["loraId"].is_number());
+}
+
+#[tokio::test]
+async fn transient_errors_publish_a_warning_event() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    e.store
+        .lock()
+        .unwrap()
+        .failing
+        .push("/apis/apps/v1/namespaces/ml/deployments".into());
+    let err = pool::reconcile(e.pool(), e.ctx.clone()).await.unwrap_err();
+    assert_eq!(err.code(), "kube_api");
+    let notes = e.store.lock().unwrap().event_notes.clone();
+    let (reason, note) = notes.last().unwrap();
+    assert_eq!(reason, "ReconcileError");
+    assert!(note.starts_with("kube_api"), "{note}");
+    e.store.lock().unwrap().create(
+        &adapter_path("calendar"),
+        adapter_obj("calendar", "vl", "calendar"),
+    );
+    assert!(
+        adapter::reconcile(e.adapter("calendar").unwrap(), e.ctx.clone())
+            .await
+            .is_ok(),
+        "adds the finalizer"
+    );
+    assert!(
+        adapter::reconcile(e.adapter("calendar").unwrap(), e.ctx.clone())
+            .await
+            .is_err()
+    );
+    assert_eq!(e.count_events("ReconcileError"), 2);
+}
+
+#[tokio::test]
+async fn pool_status_lists_its_merged_deployments() {
+    let e = merged_env().await;
+    merged_ready_on_v1(&e).await;
+    e.reconcile_pool().await;
+    let p = e.get(POOL).unwrap();
+    assert_eq!(
+        p["status"]["merged"],
+        json!([{"adapter": "calendar", "version": "v1", "replicas": 1, "readyReplicas": 1,
+                "endpoint": "http://vl-calendar.ml.svc:8000"}])
+    );
 }

@@ -16,10 +16,13 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
 use kube::runtime::controller::Action;
 use kube::runtime::finalizer::{finalizer, Event as Finalizer};
 use kube::{Api, Resource, ResourceExt};
-use mole_crds::constants::{condition, reason, ADAPTER_FINALIZER};
+use mole_crds::constants::{
+    condition, reason, ADAPTER_FINALIZER, LABEL_ADAPTER, LABEL_APP_COMPONENT, LABEL_APP_INSTANCE,
+};
 use mole_crds::{Adapter, AdapterPhase, AdapterStatus, InferencePool, LoraAdaptersResponse};
 
-use super::context::{ready_pods, Context};
+use super::apply::apply_if_changed;
+use super::context::{operator_token, ready_pods, Context};
 use super::ids;
 use super::validate::validate_adapter;
 use crate::error::{Error, Result};
@@ -84,10 +87,26 @@ pub async fn reconcile(adapter: Arc<Adapter>, ctx: Arc<Context>) -> Result<Actio
         .duration
         .with_label_values(&["adapter"])
         .observe(started.elapsed().as_secs_f64());
-    if result.is_ok() {
-        ctx.succeeded(&key(&adapter));
+    match &result {
+        Ok(_) => ctx.succeeded(&key(&adapter)),
+        // error_policy is synchronous: the Warning Event for a transient error goes out here.
+        Err(e) => super::error_event(&ctx, &adapter.object_ref(&()), e).await,
     }
     result
+}
+
+/// How often an adapter refused for a reason that depends on other objects (its pool is
+/// missing, another adapter holds its label) is checked again.
+pub const RECHECK_OTHERS: Duration = Duration::from_secs(60);
+
+/// What to do after a validation failure with `reason`: a missing pool may be created and a
+/// clashing adapter deleted, so those are checked again; a wrong field waits for an edit.
+pub fn invalid_action(reason: &str) -> Action {
+    if reason == reason::POOL_NOT_FOUND || reason == reason::DUPLICATE_LABEL {
+        Action::requeue(RECHECK_OTHERS)
+    } else {
+        Action::await_change()
+    }
 }
 
 /// Allocates (or finds) the adapter's id in the pool's ledger with optimistic concurrency.
@@ -194,12 +213,9 @@ async fn apply(adapter: &Adapter, ctx: &Context) -> Result<Action> {
             ctx.event(&oref, true, fe.reason, "Validate", fe.to_string())
                 .await;
         }
-        // A missing pool may appear later; other invalid specs wait for an edit.
-        return Ok(if fe.reason == reason::POOL_NOT_FOUND {
-            Action::requeue(Duration::from_secs(30))
-        } else {
-            Action::await_change()
-        });
+        // A missing pool may appear later, a clashing adapter may go; other invalid specs
+        // wait for an edit.
+        return Ok(invalid_action(fe.reason));
     }
     let pool = pool.expect("validated");
     set_condition(
@@ -228,11 +244,12 @@ async fn apply(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     status.lora_id = Some(lora_id);
 
     // observe: every ready dynamic pod, the merge Job of the desired inputs, the merged pods.
+    let token = operator_token(&ctx.client, &pool).await?;
     let pods = ready_pods(&ctx.client, &ns, &adapter.spec.pool).await?;
     let mut reports = Vec::with_capacity(pods.len());
     let mut unreachable = Vec::new();
     for pod in &pods {
-        match ctx.pods.adapters(pod).await {
+        match ctx.pods.adapters(pod, &token).await {
             Ok(r) => reports.push(r),
             Err(e) => unreachable.push(e.to_string()),
         }
@@ -242,9 +259,12 @@ async fn apply(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     let dynamic_loaded = all_loaded && unreachable.is_empty();
     let pool_name = adapter.spec.pool.clone();
     let key = mergedown::merge_key(&pool.spec, &name, &adapter.spec);
+    let merged = Api::<Deployment>::namespaced(ctx.client.clone(), &ns)
+        .get_opt(&resources::merged_name(&pool_name, &name))
+        .await?;
     let observed = mergedown::Observed {
         job: observe_job(ctx, &ns, &key.job_name).await?,
-        deployment: observe_merged(ctx, &ns, &pool_name, &name).await?,
+        deployment: merged.as_ref().map(observe_merged),
         dynamic_loaded,
         now,
     };
@@ -268,10 +288,22 @@ async fn apply(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     let owner = adapter
         .controller_owner_ref(&())
         .expect("adapters read from the API have a uid");
-    apply_plan(ctx, &ns, &pool, &name, &adapter.spec, &plan, owner).await?;
+    apply_plan(
+        ctx,
+        &ns,
+        &pool,
+        &name,
+        &adapter.spec,
+        &plan,
+        merged.as_ref(),
+        owner,
+    )
+    .await?;
 
-    // status
+    // status: the plan's serving decision is what the pool's WorkerConfig follows.
     let mut status = plan.status.clone();
+    status.load_dynamic = Some(plan.load_dynamic);
+    status.merged_endpoint = plan.merged_endpoint.clone();
     let pods_msg = {
         let mut m = format!(
             "{loaded}/{} ready dynamic pods serve version {}",
@@ -369,20 +401,12 @@ async fn observe_job(ctx: &Context, ns: &str, name: &str) -> Result<mergedown::J
     })
 }
 
-/// The merged Deployment of an adapter as the planner sees it.
-async fn observe_merged(
-    ctx: &Context,
-    ns: &str,
-    pool: &str,
-    adapter: &str,
-) -> Result<Option<mergedown::DeploymentState>> {
-    let deploys: Api<Deployment> = Api::namespaced(ctx.client.clone(), ns);
-    let Some(d) = deploys
-        .get_opt(&resources::merged_name(pool, adapter))
-        .await?
-    else {
-        return Ok(None);
-    };
+/// The merged Deployment of an adapter as the planner sees it. Its pods count as ready only
+/// for the current template: the Deployment controller has seen the latest generation, every
+/// pod runs the updated template (no old pod left, which could still be the one answering) and
+/// at least one of them is available. During a rolling update the old pods stay ready while the
+/// new ones start; counting them would call the new version serving too early.
+pub fn observe_merged(d: &Deployment) -> mergedown::DeploymentState {
     let ann = d
         .spec
         .as_ref()
@@ -391,10 +415,12 @@ async fn observe_merged(
         .unwrap_or_default();
     let replicas = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
     let st = d.status.clone().unwrap_or_default();
-    // Ready means: the controller has seen the current template and every replica of it is up.
+    let updated = st.updated_replicas.unwrap_or(0);
+    let available = st.available_replicas.unwrap_or(0);
     let current = st.observed_generation.unwrap_or(0) >= d.metadata.generation.unwrap_or(0)
-        && st.updated_replicas.unwrap_or(0) >= replicas;
-    Ok(Some(mergedown::DeploymentState {
+        && updated == st.replicas.unwrap_or(0)
+        && available >= 1;
+    mergedown::DeploymentState {
         output: ann
             .get(resources::ANNOTATION_MERGED_OUTPUT)
             .cloned()
@@ -404,12 +430,9 @@ async fn observe_merged(
             .cloned()
             .unwrap_or_default(),
         replicas,
-        ready_replicas: if current {
-            st.ready_replicas.unwrap_or(0)
-        } else {
-            0
-        },
-    }))
+        ready_replicas: if current { available.min(updated) } else { 0 },
+        serving_replicas: st.ready_replicas.unwrap_or(0),
+    }
 }
 
 /// Field managers of merge-down writes (one per call site).
@@ -435,6 +458,27 @@ async fn create_ignoring_existing(api: &Api<Job>, job: &Job) -> Result<()> {
     }
 }
 
+/// The merged ConfigMaps of an adapter (one per output).
+async fn merged_config_maps(
+    cms: &Api<ConfigMap>,
+    pool: &str,
+    adapter: &str,
+) -> Result<Vec<ConfigMap>> {
+    let lp = ListParams::default().labels(&format!(
+        "{LABEL_APP_INSTANCE}={pool},{LABEL_APP_COMPONENT}=merged,{LABEL_ADAPTER}={adapter}"
+    ));
+    Ok(cms.list(&lp).await?.items)
+}
+
+/// The output a merged ConfigMap is for.
+fn config_output(cm: &ConfigMap) -> Option<&str> {
+    cm.metadata
+        .annotations
+        .as_ref()?
+        .get(resources::ANNOTATION_MERGED_OUTPUT)
+        .map(String::as_str)
+}
+
 #[allow(clippy::too_many_arguments)]
 async fn apply_plan(
     ctx: &Context,
@@ -443,6 +487,7 @@ async fn apply_plan(
     adapter: &str,
     spec: &mole_crds::AdapterSpec,
     plan: &mergedown::Plan,
+    live: Option<&Deployment>,
     owner: k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference,
 ) -> Result<()> {
     let pool_name = pool.name_any();
@@ -477,23 +522,40 @@ async fn apply_plan(
                 spec.serving.replicas,
                 owner.clone(),
             );
-            let pp = PatchParams::apply(FM_MERGED).force();
-            cms.patch(
-                &resources::merged_config_name(&pool_name, adapter),
-                &pp,
-                &Patch::Apply(&cm),
-            )
-            .await?;
-            deploys.patch(&name, &pp, &Patch::Apply(&d)).await?;
-            svcs.patch(&name, &pp, &Patch::Apply(&s)).await?;
-            pdbs.patch(&name, &pp, &Patch::Apply(&p)).await?;
+            // The ConfigMap of this output first: the pod template references it.
+            let cm_name = resources::merged_config_name(&pool_name, adapter, output);
+            let live_cm = cms.get_opt(&cm_name).await?;
+            apply_if_changed(&cms, &cm_name, FM_MERGED, &cm, live_cm.as_ref()).await?;
+            apply_if_changed(&deploys, &name, FM_MERGED, &d, live).await?;
+            let live_svc = svcs.get_opt(&name).await?;
+            apply_if_changed(&svcs, &name, FM_MERGED, &s, live_svc.as_ref()).await?;
+            let live_pdb = pdbs.get_opt(&name).await?;
+            apply_if_changed(&pdbs, &name, FM_MERGED, &p, live_pdb.as_ref()).await?;
+            // ConfigMaps of outputs no history entry references any more (and that neither
+            // the Deployment's old pods nor its new ones mount) go.
+            let live_output = live.map(|d| observe_merged(d).output);
+            let keep = |o: &str| {
+                o == output
+                    || live_output.as_deref() == Some(o)
+                    || plan
+                        .status
+                        .history
+                        .iter()
+                        .any(|r| r.merged_output.as_deref() == Some(o))
+            };
+            for old in merged_config_maps(&cms, &pool_name, adapter).await? {
+                if !config_output(&old).is_some_and(keep) {
+                    delete_ignoring_absent(&cms, &old.name_any()).await?;
+                }
+            }
         }
         mergedown::DeploymentAction::Delete => {
             delete_ignoring_absent(&deploys, &name).await?;
             delete_ignoring_absent(&svcs, &name).await?;
             delete_ignoring_absent(&pdbs, &name).await?;
-            delete_ignoring_absent(&cms, &resources::merged_config_name(&pool_name, adapter))
-                .await?;
+            for old in merged_config_maps(&cms, &pool_name, adapter).await? {
+                delete_ignoring_absent(&cms, &old.name_any()).await?;
+            }
         }
         mergedown::DeploymentAction::Keep => {}
     }
@@ -511,9 +573,13 @@ async fn cleanup(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     let pools: Api<InferencePool> = Api::namespaced(ctx.client.clone(), &ns);
     // Leaving the ledger takes it out of the pool's WorkerConfig (and the id stays burnt).
     release_id(&pools, &adapter.spec.pool, &name).await?;
-    for pod in ready_pods(&ctx.client, &ns, &adapter.spec.pool).await? {
-        if let Err(e) = ctx.pods.unload(&pod, &name).await {
-            tracing::warn!(error = %e, "unload request failed; the config change unloads it");
+    // Without the pool there are no pods to unload it from.
+    if let Some(pool) = pools.get_opt(&adapter.spec.pool).await? {
+        let token = operator_token(&ctx.client, &pool).await?;
+        for pod in ready_pods(&ctx.client, &ns, &adapter.spec.pool).await? {
+            if let Err(e) = ctx.pods.unload(&pod, &token, &name).await {
+                tracing::warn!(error = %e, "unload request failed; the config change unloads it");
+            }
         }
     }
     ctx.event(
@@ -565,6 +631,61 @@ mod tests {
                 })
                 .collect(),
         }
+    }
+
+    fn deployment(generation: i64, status: serde_json::Value) -> Deployment {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "vl-calendar", "generation": generation},
+            "spec": {"replicas": 2, "selector": {}, "template": {"metadata": {"annotations": {
+                "mole.dev/merged-output": "merged/calendar/v2-x", "mole.dev/adapter-version": "v2"}}}},
+            "status": status,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn merged_pods_count_only_when_the_new_template_is_rolled_out() {
+        use serde_json::json;
+        let ready = |d: &Deployment| observe_merged(d).ready_replicas;
+        // The controller has not seen generation 3 yet: the counts are the old template's.
+        let stale = deployment(
+            3,
+            json!({"observedGeneration": 2, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2, "availableReplicas": 2}),
+        );
+        assert_eq!(ready(&stale), 0);
+        // Rolling: old pods ready, one new pod not available yet.
+        let rolling = deployment(
+            3,
+            json!({"observedGeneration": 3, "replicas": 3, "updatedReplicas": 1, "readyReplicas": 2, "availableReplicas": 2}),
+        );
+        assert_eq!(ready(&rolling), 0);
+        // Every pod updated, none available.
+        let starting = deployment(
+            3,
+            json!({"observedGeneration": 3, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 0, "availableReplicas": 0}),
+        );
+        assert_eq!(ready(&starting), 0);
+        let done = deployment(
+            3,
+            json!({"observedGeneration": 3, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2, "availableReplicas": 2}),
+        );
+        let st = observe_merged(&done);
+        assert_eq!(st.ready_replicas, 2);
+        assert_eq!(st.output, "merged/calendar/v2-x");
+        assert_eq!(st.version, "v2");
+    }
+
+    #[test]
+    fn refusals_that_depend_on_other_objects_are_retried() {
+        assert_eq!(
+            invalid_action(reason::POOL_NOT_FOUND),
+            Action::requeue(RECHECK_OTHERS)
+        );
+        assert_eq!(
+            invalid_action(reason::DUPLICATE_LABEL),
+            Action::requeue(RECHECK_OTHERS)
+        );
+        assert_eq!(invalid_action(reason::INVALID_SPEC), Action::await_change());
     }
 
     #[test]

@@ -5,14 +5,15 @@ use std::collections::HashMap;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use k8s_openapi::api::core::v1::{ObjectReference, Pod};
-use kube::api::ListParams;
+use k8s_openapi::api::core::v1::{ObjectReference, Pod, Secret};
+use kube::api::{ListParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
-use kube::{Api, Client};
+use kube::{Api, Client, ResourceExt};
 use mole_crds::constants::{LABEL_APP_COMPONENT, LABEL_APP_INSTANCE};
-use mole_crds::LoraAdaptersResponse;
+use mole_crds::{InferencePool, LoraAdaptersResponse};
 
 use crate::error::{Error, Result};
+use crate::resources;
 use crate::telemetry::Metrics;
 
 /// Shared state of the controllers.
@@ -26,6 +27,10 @@ pub struct Context {
     /// Talks to worker pods.
     pub pods: PodClient,
     failures: Mutex<HashMap<String, u32>>,
+    /// Per pool (`ns/pool`): the config hash each ready pod (`name@ip`) accepted on
+    /// `POST /admin/reload`. In memory only: after a restart every pod is asked once more
+    /// (a reload of an unchanged file is a no-op for the worker, and no API write).
+    reloaded: Mutex<HashMap<String, HashMap<String, String>>>,
 }
 
 impl Context {
@@ -44,7 +49,29 @@ impl Context {
             metrics,
             pods,
             failures: Mutex::default(),
+            reloaded: Mutex::default(),
         }
+    }
+
+    /// The pods of `pool` that have not accepted `hash` yet (and forgets pods that are gone).
+    pub fn pods_to_reload(&self, pool: &str, pods: &[ReadyPod], hash: &str) -> Vec<ReadyPod> {
+        let mut all = self.reloaded.lock().expect("not poisoned");
+        let seen = all.entry(pool.to_string()).or_default();
+        seen.retain(|k, _| pods.iter().any(|p| &p.key() == k));
+        pods.iter()
+            .filter(|p| seen.get(&p.key()).map(String::as_str) != Some(hash))
+            .cloned()
+            .collect()
+    }
+
+    /// Records that `pod` of `pool` runs the config `hash`.
+    pub fn reload_accepted(&self, pool: &str, pod: &ReadyPod, hash: &str) {
+        self.reloaded
+            .lock()
+            .expect("not poisoned")
+            .entry(pool.to_string())
+            .or_default()
+            .insert(pod.key(), hash.to_string());
     }
 
     /// Publishes an Event; a failure to publish is logged, never fatal.
@@ -96,6 +123,22 @@ pub struct ReadyPod {
     pub ip: String,
 }
 
+impl ReadyPod {
+    fn key(&self) -> String {
+        format!("{}@{}", self.name, self.ip)
+    }
+}
+
+/// What a worker answered to `POST /admin/reload`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Reload {
+    /// It re-read its file, which has the expected hash, and applied it.
+    Applied,
+    /// 409 `config_stale`: its mounted file is older than the ConfigMap (the kubelet refreshes
+    /// it up to a minute later). Ask again shortly; this is no error.
+    Stale,
+}
+
 /// HTTP client of the worker pods (`/v1/lora_adapters`, `/admin/reload`, unload).
 #[derive(Clone)]
 pub struct PodClient {
@@ -127,11 +170,12 @@ impl PodClient {
         }
     }
 
-    /// `GET /v1/lora_adapters`.
-    pub async fn adapters(&self, pod: &ReadyPod) -> Result<LoraAdaptersResponse> {
+    /// `GET /v1/lora_adapters`, authenticated with the pool's operator token.
+    pub async fn adapters(&self, pod: &ReadyPod, token: &str) -> Result<LoraAdaptersResponse> {
         let r = self
             .http
             .get(self.url(pod, "/v1/lora_adapters"))
+            .bearer_auth(token)
             .send()
             .await
             .map_err(|e| Self::err(pod, e))?;
@@ -145,29 +189,34 @@ impl PodClient {
     }
 
     /// `POST /admin/reload` with the config hash the pod should end up with.
-    pub async fn reload(&self, pod: &ReadyPod, config_hash: &str) -> Result<()> {
+    pub async fn reload(&self, pod: &ReadyPod, token: &str, config_hash: &str) -> Result<Reload> {
         let r = self
             .http
             .post(self.url(pod, "/admin/reload"))
+            .bearer_auth(token)
             .json(&serde_json::json!({"configHash": config_hash}))
             .send()
             .await
             .map_err(|e| Self::err(pod, e))?;
-        if r.status().is_success() {
-            Ok(())
-        } else {
-            Err(Self::err(
-                pod,
-                format!("/admin/reload answered {}", r.status()),
-            ))
+        let status = r.status();
+        if status.is_success() {
+            return Ok(Reload::Applied);
         }
+        if status == reqwest::StatusCode::CONFLICT {
+            let body: serde_json::Value = r.json().await.unwrap_or_default();
+            if body["error"]["code"] == "config_stale" {
+                return Ok(Reload::Stale);
+            }
+        }
+        Err(Self::err(pod, format!("/admin/reload answered {status}")))
     }
 
     /// `POST /v1/unload_lora_adapter` (vLLM's shape).
-    pub async fn unload(&self, pod: &ReadyPod, name: &str) -> Result<()> {
+    pub async fn unload(&self, pod: &ReadyPod, token: &str, name: &str) -> Result<()> {
         let r = self
             .http
             .post(self.url(pod, "/v1/unload_lora_adapter"))
+            .bearer_auth(token)
             .json(&serde_json::json!({"lora_name": name}))
             .send()
             .await
@@ -215,4 +264,39 @@ pub fn ready(p: &Pod) -> Option<ReadyPod> {
         name: p.metadata.name.clone().unwrap_or_default(),
         ip,
     })
+}
+
+/// A fresh operator token: 32 random bytes, hex.
+fn new_token() -> String {
+    use rand::RngCore;
+    let mut b = [0u8; 32];
+    rand::rng().fill_bytes(&mut b);
+    hex::encode(b)
+}
+
+fn token_of(s: &Secret) -> Option<String> {
+    let b = s.data.as_ref()?.get(resources::OPERATOR_TOKEN_KEY)?;
+    let t = String::from_utf8(b.0.clone()).ok()?.trim().to_string();
+    (!t.is_empty()).then_some(t)
+}
+
+/// The token the operator presents to `pool`'s worker pods: read from the Secret
+/// `<pool>-operator-token`, which is created (owned by the pool) only when absent. Two writers
+/// racing both create it; the loser's 409 makes it read the winner's token.
+pub async fn operator_token(client: &Client, pool: &InferencePool) -> Result<String> {
+    let ns = pool.namespace().unwrap_or_default();
+    let name = resources::operator_token_secret_name(&pool.name_any());
+    let api: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    let missing = || Error::OperatorToken(format!("Secret {name} has no `token` key"));
+    if let Some(s) = api.get_opt(&name).await? {
+        return token_of(&s).ok_or_else(missing);
+    }
+    let secret = resources::operator_token_secret(pool, &new_token());
+    match api.create(&PostParams::default(), &secret).await {
+        Ok(_) => token_of(&secret).ok_or_else(missing),
+        Err(kube::Error::Api(e)) if e.code == 409 => {
+            token_of(&api.get(&name).await?).ok_or_else(missing)
+        }
+        Err(e) => Err(e.into()),
+    }
 }

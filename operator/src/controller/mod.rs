@@ -2,6 +2,7 @@
 //! steps (validate, build) in [`validate`], [`ids`] and `crate::resources`.
 
 pub mod adapter;
+pub mod apply;
 pub mod context;
 pub mod ids;
 pub mod pool;
@@ -11,6 +12,7 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::runtime::reflector::ObjectRef;
@@ -19,6 +21,29 @@ use kube::{Api, Client, ResourceExt};
 use mole_crds::{Adapter, InferencePool};
 
 pub use context::{Context, PodClient};
+
+use crate::error::Error;
+
+/// Publishes the Warning Event of a failed reconcile (`ReconcileError`, the message starting
+/// with the error's stable name). Invalid specs are not reported here: they get a condition
+/// and their own Event naming the field.
+pub(crate) async fn error_event(
+    ctx: &Context,
+    on: &k8s_openapi::api::core::v1::ObjectReference,
+    e: &Error,
+) {
+    if matches!(e, Error::Invalid(_)) {
+        return;
+    }
+    ctx.event(
+        on,
+        true,
+        mole_crds::constants::reason::RECONCILE_ERROR,
+        "Reconcile",
+        format!("{}: {e}; retrying with backoff", e.code()),
+    )
+    .await;
+}
 
 /// Runs both controllers until shutdown. `namespace` None watches every namespace.
 pub async fn run(client: Client, namespace: Option<String>, ctx: Arc<Context>) {
@@ -47,15 +72,19 @@ pub async fn run(client: Client, namespace: Option<String>, ctx: Arc<Context>) {
         ),
     };
     let (cms, deploys, svcs, pdbs) = owned(&client);
+    let jobs: Api<Job> = match &namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
     let managed = watcher::Config::default().labels("app.kubernetes.io/managed-by=mole-operator");
     // An Adapter change re-renders its pool's WorkerConfig.
     let pool_of =
         |a: Adapter| Some(ObjectRef::new(&a.spec.pool).within(&a.namespace().unwrap_or_default()));
     let pool_ctl = Controller::new(pools.clone(), watcher::Config::default())
         .owns(cms, managed.clone())
-        .owns(deploys, managed.clone())
+        .owns(deploys.clone(), managed.clone())
         .owns(svcs, managed.clone())
-        .owns(pdbs, managed)
+        .owns(pdbs, managed.clone())
         .watches(adapters.clone(), watcher::Config::default(), pool_of)
         .shutdown_on_signal()
         .run(pool::reconcile, pool::error_policy, ctx.clone())
@@ -64,7 +93,11 @@ pub async fn run(client: Client, namespace: Option<String>, ctx: Arc<Context>) {
                 tracing::debug!(error = %e, "pool controller event");
             }
         });
+    // Merge Jobs and merged Deployments are owned by their Adapter: a Job finishing or a
+    // Deployment's pods becoming ready (or either being deleted) reconciles it at once.
     let adapter_ctl = Controller::new(adapters, watcher::Config::default())
+        .owns(jobs, managed.clone())
+        .owns(deploys, managed)
         .shutdown_on_signal()
         .run(adapter::reconcile, adapter::error_policy, ctx)
         .for_each(|r| async move {

@@ -13,11 +13,15 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::runtime::controller::Action;
 use kube::{Api, Resource, ResourceExt};
-use mole_crds::constants::{condition, reason, ANNOTATION_CONFIG_HASH};
-use mole_crds::{Adapter, AdapterPhase, InferencePool, InferencePoolStatus, PoolPhase};
-use serde::Serialize;
+use mole_crds::constants::{
+    condition, reason, LABEL_ADAPTER, LABEL_APP_COMPONENT, LABEL_APP_INSTANCE,
+};
+use mole_crds::{
+    Adapter, AdapterPhase, InferencePool, InferencePoolStatus, MergedDeploymentStatus, PoolPhase,
+};
 
-use super::context::{ready_pods, Context};
+use super::apply::apply_if_changed;
+use super::context::{operator_token, ready_pods, Context, Reload};
 use super::validate::{validate_adapter, validate_pool};
 use crate::error::{Error, Result};
 use crate::mergedown::set_condition;
@@ -29,29 +33,75 @@ const FM_DEPLOY: &str = "mole-operator/pool-deployment";
 const FM_SERVICE: &str = "mole-operator/pool-service";
 const FM_PDB: &str = "mole-operator/pool-pdb";
 const FM_STATUS: &str = "mole-operator/pool-status";
+/// How soon pods that have not accepted the current config are asked again.
+pub const RELOAD_RETRY: Duration = Duration::from_secs(5);
 
 /// What the pool controller observed.
 struct Observed {
     adapters: Vec<Adapter>,
+    config_map: Option<ConfigMap>,
     deployment: Option<Deployment>,
-    previous_config_hash: Option<String>,
+    service: Option<Service>,
+    pdb: Option<PodDisruptionBudget>,
+    merged: Vec<Deployment>,
 }
 
 async fn observe(pool: &InferencePool, ctx: &Context) -> Result<Observed> {
     let ns = pool.namespace().unwrap_or_default();
     let name = pool.name_any();
-    let adapters: Api<Adapter> = Api::namespaced(ctx.client.clone(), &ns);
-    let deployments: Api<Deployment> = Api::namespaced(ctx.client.clone(), &ns);
-    let cms: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
+    let c = &ctx.client;
+    let adapters: Api<Adapter> = Api::namespaced(c.clone(), &ns);
+    let deployments: Api<Deployment> = Api::namespaced(c.clone(), &ns);
+    let merged = ListParams::default().labels(&format!(
+        "{LABEL_APP_INSTANCE}={name},{LABEL_APP_COMPONENT}=merged"
+    ));
     Ok(Observed {
         adapters: adapters.list(&ListParams::default()).await?.items,
-        deployment: deployments.get_opt(&resources::dynamic_name(&name)).await?,
-        previous_config_hash: cms
+        config_map: Api::<ConfigMap>::namespaced(c.clone(), &ns)
             .get_opt(&resources::config_map_name(&name))
-            .await?
-            .and_then(|c| c.metadata.annotations)
-            .and_then(|a| a.get(ANNOTATION_CONFIG_HASH).cloned()),
+            .await?,
+        deployment: deployments.get_opt(&resources::dynamic_name(&name)).await?,
+        service: Api::<Service>::namespaced(c.clone(), &ns)
+            .get_opt(&name)
+            .await?,
+        pdb: Api::<PodDisruptionBudget>::namespaced(c.clone(), &ns)
+            .get_opt(&resources::dynamic_name(&name))
+            .await?,
+        merged: deployments.list(&merged).await?.items,
     })
+}
+
+/// The pool's merged Deployments as `status.merged` lists them (sorted by adapter).
+pub fn merged_status(
+    namespace: &str,
+    pool: &str,
+    deploys: &[Deployment],
+) -> Vec<MergedDeploymentStatus> {
+    let mut out: Vec<MergedDeploymentStatus> = deploys
+        .iter()
+        .filter(|d| d.metadata.deletion_timestamp.is_none())
+        .filter_map(|d| {
+            let adapter = d.metadata.labels.as_ref()?.get(LABEL_ADAPTER)?.clone();
+            let version = d
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.metadata.as_ref())
+                .and_then(|m| m.annotations.as_ref())
+                .and_then(|a| a.get(resources::ANNOTATION_ADAPTER_VERSION))
+                .cloned()
+                .unwrap_or_default();
+            let st = d.status.clone().unwrap_or_default();
+            Some(MergedDeploymentStatus {
+                endpoint: Some(crate::mergedown::merged_endpoint(pool, &adapter, namespace)),
+                adapter,
+                version,
+                replicas: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
+                ready_replicas: st.ready_replicas.unwrap_or(0),
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| a.adapter.cmp(&b.adapter));
+    out
 }
 
 /// The adapters that belong in the pool's WorkerConfig: of this pool, not being deleted, valid,
@@ -73,19 +123,6 @@ pub fn registered<'a>(pool: &InferencePool, adapters: &'a [Adapter]) -> Vec<Regi
         .collect()
 }
 
-async fn apply<K>(api: &Api<K>, name: &str, manager: &str, obj: &K) -> Result<K>
-where
-    K: Resource + Clone + serde::de::DeserializeOwned + Serialize + std::fmt::Debug,
-{
-    Ok(api
-        .patch(
-            name,
-            &PatchParams::apply(manager).force(),
-            &Patch::Apply(obj),
-        )
-        .await?)
-}
-
 /// Reconciles one pool.
 pub async fn reconcile(pool: Arc<InferencePool>, ctx: Arc<Context>) -> Result<Action> {
     let started = Instant::now();
@@ -95,8 +132,10 @@ pub async fn reconcile(pool: Arc<InferencePool>, ctx: Arc<Context>) -> Result<Ac
         .duration
         .with_label_values(&["pool"])
         .observe(started.elapsed().as_secs_f64());
-    if result.is_ok() {
-        ctx.succeeded(&key(&pool));
+    match &result {
+        Ok(_) => ctx.succeeded(&key(&pool)),
+        // error_policy is synchronous: the Warning Event for a transient error goes out here.
+        Err(e) => super::error_event(&ctx, &pool.object_ref(&()), e).await,
     }
     result
 }
@@ -161,6 +200,9 @@ async fn reconcile_inner(pool: &InferencePool, ctx: &Context) -> Result<Action> 
     // observe
     let obs = observe(pool, ctx).await?;
 
+    // The operator's token for the pods' API: created once, mounted by every worker pod.
+    let token = operator_token(&ctx.client, pool).await?;
+
     // build
     let reg = registered(pool, &obs.adapters);
     let config = resources::worker_config(&name, &pool.spec, &reg);
@@ -169,43 +211,53 @@ async fn reconcile_inner(pool: &InferencePool, ctx: &Context) -> Result<Action> 
     let svc = resources::service(pool);
     let pdb = resources::pdb(pool);
 
-    // apply
+    // apply (nothing is written when the live objects already match)
     let client = ctx.client.clone();
-    apply(
+    apply_if_changed(
         &Api::<ConfigMap>::namespaced(client.clone(), &ns),
         &resources::config_map_name(&name),
         FM_CONFIG,
         &cm,
+        obs.config_map.as_ref(),
     )
     .await?;
-    let applied = apply(
+    let applied = apply_if_changed(
         &Api::<Deployment>::namespaced(client.clone(), &ns),
         &resources::dynamic_name(&name),
         FM_DEPLOY,
         &deploy,
+        obs.deployment.as_ref(),
     )
     .await?;
-    apply(
+    apply_if_changed(
         &Api::<Service>::namespaced(client.clone(), &ns),
         &name,
         FM_SERVICE,
         &svc,
+        obs.service.as_ref(),
     )
     .await?;
-    apply(
+    apply_if_changed(
         &Api::<PodDisruptionBudget>::namespaced(client.clone(), &ns),
         &resources::dynamic_name(&name),
         FM_PDB,
         &pdb,
+        obs.pdb.as_ref(),
     )
     .await?;
 
-    // The kubelet refreshes mounted ConfigMaps within a minute; a reload makes ready pods pick
-    // up adapter changes now.
-    if obs.previous_config_hash.as_deref() != Some(config_hash.as_str()) {
-        for pod in ready_pods(&ctx.client, &ns, &name).await? {
-            if let Err(e) = ctx.pods.reload(&pod, &config_hash).await {
-                tracing::warn!(error = %e, "reload request failed; the pod will pick up the file change");
+    // Every ready pod is asked to reload until it has accepted the current config hash. Right
+    // after the ConfigMap changed the kubelet has not refreshed the mounted file yet: the pod
+    // answers 409 config_stale and is asked again a few seconds later.
+    let pods = ready_pods(&ctx.client, &ns, &name).await?;
+    let mut not_reloaded = Vec::new();
+    for pod in ctx.pods_to_reload(&key(pool), &pods, &config_hash) {
+        match ctx.pods.reload(&pod, &token, &config_hash).await {
+            Ok(Reload::Applied) => ctx.reload_accepted(&key(pool), &pod, &config_hash),
+            Ok(Reload::Stale) => not_reloaded.push(pod.name.clone()),
+            Err(e) => {
+                tracing::warn!(error = %e, "reload request failed; retrying");
+                not_reloaded.push(pod.name.clone());
             }
         }
     }
@@ -216,6 +268,7 @@ async fn reconcile_inner(pool: &InferencePool, ctx: &Context) -> Result<Action> 
         .clone()
         .or(obs.deployment.and_then(|d| d.status))
         .unwrap_or_default();
+    status.merged = merged_status(&ns, &name, &obs.merged);
     let desired = pool.spec.dynamic.replicas;
     let ready = dstatus.ready_replicas.unwrap_or(0);
     status.dynamic.replicas = desired;
@@ -273,7 +326,10 @@ async fn reconcile_inner(pool: &InferencePool, ctx: &Context) -> Result<Action> 
         )
         .await;
     }
-    Ok(Action::requeue(if all_ready {
+    Ok(Action::requeue(if !not_reloaded.is_empty() {
+        tracing::debug!(pods = ?not_reloaded, "pods not on config {config_hash} yet");
+        RELOAD_RETRY
+    } else if all_ready {
         Duration::from_secs(300)
     } else {
         Duration::from_secs(15)

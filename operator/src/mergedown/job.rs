@@ -198,3 +198,106 @@ pub fn cleanup_job(
         status: None,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::mergedown::merge_key;
+
+    #[test]
+    fn merge_job_is_bounded_restricted_scheduled_and_writes_the_volume() {
+        let pool: InferencePoolSpec = serde_yaml::from_str(
+            r#"
+baseModel: {name: Qwen/Qwen3-VL-8B-Instruct, path: base/qwen3-vl-8b}
+storage: {claimName: models, mountPath: /models}
+image: ghcr.io/mole-dev/mole-worker:0.1.0
+imagePullPolicy: IfNotPresent
+gpu: {count: 1}
+merge:
+  backoffLimit: 3
+  activeDeadlineSeconds: 1800
+  nodeSelector: {node-role/merge: "true"}
+  tolerations: [{key: merge, operator: Exists, effect: NoSchedule}]
+  resources: {requests: {cpu: "2", memory: 24Gi}, limits: {memory: 32Gi}}
+"#,
+        )
+        .unwrap();
+        let spec: AdapterSpec = serde_yaml::from_str(
+            "pool: vl\nversion: v2\nsource: {path: adapters/calendar/v2}\nmerge: {dtype: bf16}\n",
+        )
+        .unwrap();
+        let key = merge_key(&pool, "calendar", &spec);
+        let owner = OwnerReference {
+            api_version: "mole.dev/v1alpha1".into(),
+            kind: "Adapter".into(),
+            name: "calendar".into(),
+            uid: "uid-a".into(),
+            controller: Some(true),
+            block_owner_deletion: Some(true),
+        };
+        let job = merge_job("vl", &pool, "calendar", &spec, &key, owner);
+        assert_eq!(job.metadata.name.as_deref(), Some(key.job_name.as_str()));
+        assert_eq!(
+            job.metadata.owner_references.as_ref().unwrap()[0].kind,
+            "Adapter"
+        );
+        let js = job.spec.unwrap();
+        assert_eq!(js.backoff_limit, Some(3));
+        assert_eq!(js.active_deadline_seconds, Some(1800));
+        assert_eq!(js.ttl_seconds_after_finished, Some(TTL_AFTER_FINISHED));
+        let pod = js.template.spec.unwrap();
+        assert_eq!(pod.restart_policy.as_deref(), Some("Never"));
+        assert_eq!(pod.node_selector.unwrap()["node-role/merge"], "true");
+        assert_eq!(pod.tolerations.unwrap()[0].key.as_deref(), Some("merge"));
+        let psec = pod.security_context.unwrap();
+        assert_eq!(psec.run_as_non_root, Some(true));
+        assert_eq!(
+            psec.seccomp_profile.unwrap().type_,
+            "RuntimeDefault",
+            "restricted profile"
+        );
+        let c = &pod.containers[0];
+        let sec = c.security_context.as_ref().unwrap();
+        assert_eq!(sec.allow_privilege_escalation, Some(false));
+        assert_eq!(sec.read_only_root_filesystem, Some(true));
+        assert_eq!(
+            sec.capabilities.as_ref().unwrap().drop.as_deref(),
+            Some(&["ALL".to_string()][..])
+        );
+        let res = c.resources.as_ref().unwrap();
+        assert_eq!(res.requests.as_ref().unwrap()["memory"].0, "24Gi");
+        assert_eq!(res.limits.as_ref().unwrap()["memory"].0, "32Gi");
+        assert!(
+            res.limits.as_ref().unwrap().get("nvidia.com/gpu").is_none(),
+            "merging needs no GPU"
+        );
+        assert_eq!(c.image_pull_policy.as_deref(), Some("IfNotPresent"));
+        assert_eq!(
+            c.termination_message_path.as_deref(),
+            Some("/dev/termination-log")
+        );
+        // The pool volume read-write at the mount path (servers mount it read-only).
+        let m = &c.volume_mounts.as_ref().unwrap()[0];
+        assert_eq!(
+            (m.mount_path.as_str(), m.read_only),
+            ("/models", Some(false))
+        );
+        let v = &pod.volumes.unwrap()[0];
+        let pvc = v.persistent_volume_claim.as_ref().unwrap();
+        assert_eq!(
+            (pvc.claim_name.as_str(), pvc.read_only),
+            ("models", Some(false))
+        );
+        assert_eq!(v.name, m.name);
+        let args = c.args.as_ref().unwrap();
+        let after = |flag: &str| {
+            let i = args.iter().position(|a| a == flag).unwrap();
+            args[i + 1].clone()
+        };
+        assert_eq!(after("--base"), "/models/base/qwen3-vl-8b");
+        assert_eq!(after("--adapter"), "/models/adapters/calendar/v2");
+        assert_eq!(after("--out"), format!("/models/{}", key.output));
+        assert_eq!(after("--dtype"), "bf16");
+        assert!(args.contains(&"--safe-merge".to_string()));
+    }
+}

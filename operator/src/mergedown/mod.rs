@@ -99,13 +99,18 @@ pub struct DeploymentState {
     pub version: String,
     /// Desired replicas.
     pub replicas: i32,
-    /// Ready replicas of the current template (updated and available).
+    /// Available replicas of the current template, 0 while the Deployment rolls (it has not
+    /// seen the latest template yet, or old pods remain).
     pub ready_replicas: i32,
+    /// Ready replicas of any template: during a roll the old pods still answer behind the
+    /// merged Service, so dynamic pods may keep forwarding there.
+    pub serving_replicas: i32,
 }
 
 impl DeploymentState {
+    /// Whether the Deployment has rolled out `output` and at least one of its pods is available.
     fn serves(&self, output: &str) -> bool {
-        self.output == output && self.replicas > 0 && self.ready_replicas >= self.replicas
+        self.output == output && self.replicas > 0 && self.ready_replicas >= 1
     }
 }
 
@@ -290,7 +295,17 @@ fn plan_dynamic(
     // The merged pods keep serving until the dynamic pods report the adapter: a mode switch
     // never drops requests.
     let deployment = match (&obs.deployment, obs.dynamic_loaded) {
-        (Some(_), true) => DeploymentAction::Delete,
+        (Some(d), true) => {
+            events.push(PlannedEvent {
+                warning: false,
+                reason: crate::reasons::MERGED_REMOVED,
+                note: format!(
+                    "dynamic pods serve version {}; merged pods ({}) removed",
+                    spec.version, d.output
+                ),
+            });
+            DeploymentAction::Delete
+        }
         _ => DeploymentAction::Keep,
     };
     let still_merged = obs.deployment.as_ref().filter(|_| !obs.dynamic_loaded);
@@ -372,7 +387,13 @@ fn plan_merged(
         .iter()
         .position(|r| r.merged_output.as_deref() == Some(key.output.as_str()));
     let target_output: Option<String> = if let Some(idx) = kept {
-        if idx != 0 {
+        // Announced once, when the Deployment is switched back (not on every requeue while
+        // its pods roll).
+        let switching = obs
+            .deployment
+            .as_ref()
+            .is_none_or(|d| d.output != key.output);
+        if idx != 0 && switching {
             events.push(PlannedEvent {
                 warning: false,
                 reason: reason::ROLLED_BACK,
@@ -503,7 +524,7 @@ fn plan_merged(
     let any_merged_serving = obs
         .deployment
         .as_ref()
-        .is_some_and(|d| d.replicas > 0 && d.ready_replicas >= d.replicas && !d.output.is_empty());
+        .is_some_and(|d| d.replicas > 0 && d.serving_replicas >= 1 && !d.output.is_empty());
     if desired_serving {
         if let Some(idx) = kept {
             if idx != 0 {
@@ -540,6 +561,19 @@ fn plan_merged(
         AdapterPhase::Pending
     };
     if desired_serving {
+        let promoted = subject.status.phase != AdapterPhase::Ready
+            || subject.status.serving_mode != Some(ServingMode::Merged)
+            || subject.status.active_version.as_deref() != Some(spec.version.as_str());
+        if promoted {
+            events.push(PlannedEvent {
+                warning: false,
+                reason: crate::reasons::PROMOTED,
+                note: format!(
+                    "merged pods serve version {} ({}) at {endpoint}",
+                    spec.version, key.output
+                ),
+            });
+        }
         status.serving_mode = Some(ServingMode::Merged);
         status.active_version = Some(spec.version.clone());
         status.endpoint = Some(endpoint.clone());
@@ -671,13 +705,24 @@ fn promote(
     );
 }
 
-/// Keeps the active entry plus `keep` previous ones; returns merged outputs to delete. An
-/// entry whose output the Deployment still serves (a roll-forward in progress) stays until the
-/// Deployment has moved on, so its output is cleaned up later instead of being forgotten.
+/// Keeps the active entry plus `keep` previous ones; returns merged outputs to delete. Nothing
+/// is trimmed while the Deployment rolls to the newest entry's output, and an entry whose
+/// output the Deployment still serves stays, so outputs are cleaned up later instead of being
+/// deleted under running pods or forgotten.
 fn trim_history(history: &mut Vec<VersionRecord>, keep: u32, obs: &Observed) -> Vec<String> {
     let limit = 1 + keep as usize;
     if history.len() <= limit {
         return Vec::new();
+    }
+    // While the merged Deployment rolls to the newest output, its old pods still run (and may
+    // restart) on theirs: nothing is trimmed before the roll completed.
+    if let (Some(d), Some(head)) = (
+        &obs.deployment,
+        history.first().and_then(|r| r.merged_output.as_deref()),
+    ) {
+        if !d.serves(head) {
+            return Vec::new();
+        }
     }
     let serving = obs.deployment.as_ref().map(|d| d.output.clone());
     let dropped = history.split_off(limit);

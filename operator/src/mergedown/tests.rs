@@ -65,6 +65,7 @@ fn serving(output: &str, version: &str) -> DeploymentState {
         version: version.into(),
         replicas: 1,
         ready_replicas: 1,
+        serving_replicas: 1,
     }
 }
 
@@ -475,4 +476,110 @@ fn dynamic_adapter_records_history_and_ready_when_loaded() {
             time: Some(t0().to_rfc3339()),
         }
     );
+}
+
+#[test]
+fn nothing_is_trimmed_while_the_deployment_rolls_to_the_newest_output() {
+    let mut p = pool();
+    p.merge.keep_versions = 0;
+    let v1 = merged_status(&p, "v1", &AdapterStatus::default());
+    let k1 = merge_key(&p, "calendar", &adapter("v1", "merged"));
+    let spec = adapter("v2", "merged");
+    let k2 = merge_key(&p, "calendar", &spec);
+    // v2's Job succeeded; the Deployment template already points at v2 but its pods roll.
+    let mut o = obs(JobState::Succeeded);
+    o.deployment = Some(serving(&k1.output, "v1"));
+    let switched = run(&p, &spec, &v1, &o);
+    let mut rolling = serving(&k2.output, "v2");
+    rolling.ready_replicas = 0; // old pods still ready: serving_replicas stays 1
+    o.deployment = Some(rolling);
+    let mid = run(&p, &spec, &switched.status, &o);
+    assert!(
+        mid.cleanup.is_empty(),
+        "v1's old pods still run on its output"
+    );
+    assert_ne!(
+        mid.status.phase,
+        AdapterPhase::Ready,
+        "v2 is not serving yet"
+    );
+    assert!(
+        mid.merged_endpoint.is_some(),
+        "the old pods still answer behind the merged Service: keep forwarding"
+    );
+    assert!(mid
+        .status
+        .history
+        .iter()
+        .any(|r| r.merged_output.as_deref() == Some(k1.output.as_str())));
+    o.deployment = Some(serving(&k2.output, "v2"));
+    let done = run(&p, &spec, &mid.status, &o);
+    assert_eq!(done.cleanup, vec![k1.output]);
+    assert_eq!(done.status.history.len(), 1);
+}
+
+#[test]
+fn transitions_are_announced_once() {
+    let p = pool();
+    let v1 = merged_status(&p, "v1", &AdapterStatus::default());
+    let v2 = merged_status(&p, "v2", &v1);
+    let k1 = merge_key(&p, "calendar", &adapter("v1", "merged"));
+    let k2 = merge_key(&p, "calendar", &adapter("v2", "merged"));
+    let reasons = |pl: &Plan| pl.events.iter().map(|e| e.reason).collect::<Vec<_>>();
+
+    // Promotion of v1 completed: Promoted, once.
+    let spec = adapter("v1", "merged");
+    let mut o = obs(JobState::Succeeded);
+    let merged = run(&p, &spec, &AdapterStatus::default(), &o);
+    assert!(!reasons(&merged).contains(&crate::reasons::PROMOTED));
+    o.deployment = Some(serving(&k1.output, "v1"));
+    let ready = run(&p, &spec, &merged.status, &o);
+    assert!(reasons(&ready).contains(&crate::reasons::PROMOTED));
+    assert!(!reasons(&run(&p, &spec, &ready.status, &o)).contains(&crate::reasons::PROMOTED));
+
+    // Rollback to v1 from v2: RolledBack when the Deployment is switched, not while it rolls.
+    let mut o = obs(JobState::Absent);
+    o.deployment = Some(serving(&k2.output, "v2"));
+    let switch = run(&p, &spec, &v2, &o);
+    assert!(reasons(&switch).contains(&reason::ROLLED_BACK));
+    let mut rolling = serving(&k1.output, "v1");
+    rolling.ready_replicas = 0;
+    o.deployment = Some(rolling);
+    let mid = run(&p, &spec, &switch.status, &o);
+    assert!(!reasons(&mid).contains(&reason::ROLLED_BACK));
+    o.deployment = Some(serving(&k1.output, "v1"));
+    let done = run(&p, &spec, &mid.status, &o);
+    assert_eq!(done.status.phase, AdapterPhase::Ready);
+    assert!(!reasons(&done).contains(&reason::ROLLED_BACK));
+
+    // Back to dynamic: the merged pods' removal is announced with the delete.
+    let dynamic = adapter("v1", "dynamic");
+    let gone = run(&p, &dynamic, &done.status, &o);
+    assert_eq!(gone.deployment, DeploymentAction::Delete);
+    assert!(reasons(&gone).contains(&crate::reasons::MERGED_REMOVED));
+    o.deployment = None;
+    assert!(reasons(&run(&p, &dynamic, &gone.status, &o)).is_empty());
+}
+
+#[test]
+fn the_plan_decides_what_the_dynamic_pods_load() {
+    let mut p = pool();
+    p.merge.unload_from_dynamic = true;
+    let st = merged_status(&p, "v1", &AdapterStatus::default());
+    let k1 = merge_key(&p, "calendar", &adapter("v1", "merged"));
+    let mut o = obs(JobState::Absent);
+    o.deployment = Some(serving(&k1.output, "v1"));
+    o.dynamic_loaded = false;
+    let merged = run(&p, &adapter("v1", "merged"), &st, &o);
+    assert!(!merged.load_dynamic);
+    // Switched to dynamic while the status still says merged/Ready: load it again, keep
+    // forwarding until the dynamic pods report it.
+    let back = run(&p, &adapter("v1", "dynamic"), &merged.status, &o);
+    assert_eq!(back.status.serving_mode, Some(ServingMode::Merged));
+    assert!(
+        back.load_dynamic,
+        "the dynamic pods must load it or nothing ever changes"
+    );
+    assert!(back.merged_endpoint.is_some());
+    assert_eq!(back.deployment, DeploymentAction::Keep);
 }

@@ -9,13 +9,14 @@ use k8s_openapi::api::apps::v1::{
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMap, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource,
     EnvVar, HTTPGetAction, PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec,
-    PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile, SecretVolumeSource,
+    PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile, Secret, SecretVolumeSource,
     SecurityContext, Service, ServicePort, ServiceSpec, Volume, VolumeMount,
 };
 use k8s_openapi::api::policy::v1::{PodDisruptionBudget, PodDisruptionBudgetSpec};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{LabelSelector, ObjectMeta, OwnerReference};
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use k8s_openapi::ByteString;
 use kube::Resource;
 use mole_crds::constants::*;
 use mole_crds::{
@@ -24,8 +25,45 @@ use mole_crds::{
 };
 use sha2::{Digest, Sha256};
 
-/// Where the pool's auth Secret is mounted in worker pods.
-pub const AUTH_MOUNT: &str = "/etc/mole/auth";
+/// Where the pool's auth Secret is mounted in worker pods. Not under `/etc/mole`: that is the
+/// ConfigMap's (read-only) volume, and a mount point cannot be created inside it.
+pub const AUTH_MOUNT: &str = "/var/run/mole/auth";
+/// Where the pool's operator-token Secret is mounted in worker pods (dynamic and merged).
+pub const OPERATOR_TOKEN_MOUNT: &str = "/var/run/mole/operator";
+/// Key of the operator token in its Secret (and file name under [`OPERATOR_TOKEN_MOUNT`]).
+pub const OPERATOR_TOKEN_KEY: &str = "token";
+
+/// Name of the Secret holding the token the operator presents to a pool's worker pods.
+pub fn operator_token_secret_name(pool: &str) -> String {
+    format!("{pool}-operator-token")
+}
+
+/// Path of the operator token file inside worker pods.
+pub fn operator_token_file() -> String {
+    format!("{OPERATOR_TOKEN_MOUNT}/{OPERATOR_TOKEN_KEY}")
+}
+
+/// The Secret `<pool>-operator-token` with `token`, owned by the pool. Created once when absent
+/// and never rewritten (a new token on every reconcile would lock the operator out of pods
+/// that have not re-read the file yet).
+pub fn operator_token_secret(pool: &InferencePool, token: &str) -> Secret {
+    let name = pool.metadata.name.clone().unwrap_or_default();
+    Secret {
+        metadata: ObjectMeta {
+            name: Some(operator_token_secret_name(&name)),
+            namespace: pool.metadata.namespace.clone(),
+            labels: Some(labels(&name, "dynamic")),
+            owner_references: Some(vec![owner(pool)]),
+            ..Default::default()
+        },
+        data: Some(BTreeMap::from([(
+            OPERATOR_TOKEN_KEY.to_string(),
+            ByteString(token.as_bytes().to_vec()),
+        )])),
+        type_: Some("Opaque".into()),
+        ..Default::default()
+    }
+}
 
 /// Name of the pool's worker ConfigMap.
 pub fn config_map_name(pool: &str) -> String {
@@ -146,16 +184,6 @@ pub struct Registered<'a> {
     pub lora_id: u32,
 }
 
-fn merged_serving(a: &Adapter) -> bool {
-    a.status
-        .as_ref()
-        .is_some_and(|s| s.serving_mode == Some(mole_crds::ServingMode::Merged))
-}
-
-fn status_endpoint(a: &Adapter) -> Option<String> {
-    a.status.as_ref().and_then(|s| s.endpoint.clone())
-}
-
 /// The WorkerConfig of a pool's dynamic pods: the base model, every registered adapter, the
 /// router and the limits. Adapters are sorted by name so the config (and its hash) is stable.
 pub fn worker_config(
@@ -179,16 +207,21 @@ pub fn worker_config(
                 keywords: a.keywords.clone(),
                 extensions: a.extensions.clone(),
                 mode: a.serving.mode,
-                // Merged pods serving it (any version): dynamic pods forward there.
-                merged_endpoint: merged_serving(r.adapter)
-                    .then(|| status_endpoint(r.adapter))
-                    .flatten(),
-                load: !(spec.merge.unload_from_dynamic
-                    && merged_serving(r.adapter)
-                    && r.adapter
-                        .status
-                        .as_ref()
-                        .is_some_and(|s| s.phase == mole_crds::AdapterPhase::Ready)),
+                // The merge-down plan decides both (the Adapter controller records it in the
+                // status): forward to merged pods while they serve it, and keep it loaded in
+                // the dynamic pods unless the plan says otherwise. Deriving them here from the
+                // phase or serving mode deadlocks a merged → dynamic switch.
+                merged_endpoint: r
+                    .adapter
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.merged_endpoint.clone()),
+                load: r
+                    .adapter
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.load_dynamic)
+                    .unwrap_or(true),
             }
         })
         .collect();
@@ -224,21 +257,28 @@ pub fn worker_config(
             max_queue: spec.dynamic.max_queue,
             ..WorkerLimits::default()
         },
-        auth: spec.auth.as_ref().map(|a| WorkerAuth {
-            api_keys_file: Some(format!("{AUTH_MOUNT}/{}", a.key)),
-            admin_token_file: a
-                .admin_token_key
+        // Every worker accepts the operator's token on the endpoints the operator calls.
+        auth: Some(WorkerAuth {
+            api_keys_file: spec
+                .auth
                 .as_ref()
+                .map(|a| format!("{AUTH_MOUNT}/{}", a.key)),
+            admin_token_file: spec
+                .auth
+                .as_ref()
+                .and_then(|a| a.admin_token_key.as_ref())
                 .map(|k| format!("{AUTH_MOUNT}/{k}")),
+            operator_token_file: Some(operator_token_file()),
         }),
     }
 }
 
-/// The ConfigMap `<pool>-config` holding the WorkerConfig as JSON, annotated with its hash.
+/// The ConfigMap `<pool>-config` holding the WorkerConfig as JSON, annotated with its
+/// [`WorkerConfig::content_hash`] (the hash a worker compares on `POST /admin/reload`).
 pub fn config_map(pool: &InferencePool, config: &WorkerConfig) -> (ConfigMap, String) {
     let name = pool.metadata.name.clone().unwrap_or_default();
     let json = serde_json::to_string_pretty(config).expect("WorkerConfig serializes");
-    let hash = short_hash(&serde_json::to_value(config).expect("WorkerConfig serializes"));
+    let hash = config.content_hash();
     let cm = ConfigMap {
         metadata: ObjectMeta {
             name: Some(config_map_name(&name)),
@@ -334,6 +374,22 @@ pub fn worker_pod(
             ..Default::default()
         },
     ];
+    // The operator's token: constant for the pool's lifetime, so it never rolls the pods.
+    volumes.push(Volume {
+        name: "operator-token".into(),
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(operator_token_secret_name(&name)),
+            default_mode: Some(0o440),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    mounts.push(VolumeMount {
+        name: "operator-token".into(),
+        mount_path: OPERATOR_TOKEN_MOUNT.into(),
+        read_only: Some(true),
+        ..Default::default()
+    });
     if let Some(auth) = &spec.auth {
         volumes.push(Volume {
             name: "auth".into(),
@@ -495,9 +551,13 @@ pub fn merged_name(pool: &str, adapter: &str) -> String {
     format!("{pool}-{adapter}")
 }
 
-/// Name of the ConfigMap of an adapter's merged pods.
-pub fn merged_config_name(pool: &str, adapter: &str) -> String {
-    format!("{pool}-{adapter}-config")
+/// Name of the ConfigMap of an adapter's merged pods serving `output`:
+/// `<pool>-<adapter>-<short hash of output>`. One per output, so rewriting it for a new
+/// version never switches the old pods (whose file watcher re-reads their ConfigMap) to the
+/// new weights before the Deployment rolls them.
+pub fn merged_config_name(pool: &str, adapter: &str, output: &str) -> String {
+    let h = short_hash(&serde_json::Value::String(output.to_string()));
+    format!("{pool}-{adapter}-{}", &h[..10])
 }
 
 /// The WorkerConfig of a merged pod: the merged weights at `output`, served as `adapter`.
@@ -544,8 +604,14 @@ pub fn merged_children(
         ..Default::default()
     };
     let wc = merged_worker_config(&pool_name, &pool.spec, adapter, version, output);
+    let cm_name = merged_config_name(&pool_name, adapter, output);
+    let mut cm_meta = meta(cm_name.clone());
+    cm_meta.annotations = Some(BTreeMap::from([
+        (ANNOTATION_MERGED_OUTPUT.to_string(), output.to_string()),
+        (ANNOTATION_CONFIG_HASH.to_string(), wc.content_hash()),
+    ]));
     let cm = ConfigMap {
-        metadata: meta(merged_config_name(&pool_name, adapter)),
+        metadata: cm_meta,
         data: Some(BTreeMap::from([(
             WORKER_CONFIG_KEY.to_string(),
             serde_json::to_string_pretty(&wc).expect("WorkerConfig serializes"),
@@ -554,7 +620,7 @@ pub fn merged_children(
     };
     let mut template = worker_pod(
         pool,
-        &merged_config_name(&pool_name, adapter),
+        &cm_name,
         component,
         BTreeMap::from([(LABEL_ADAPTER.to_string(), adapter.to_string())]),
     );

@@ -230,3 +230,153 @@ fn service_and_pdb_select_the_dynamic_pods() {
     assert_eq!(pdb.spec.unwrap().max_unavailable, Some(IntOrString::Int(1)));
     assert_eq!(endpoint(&p), "http://vl.ml.svc:8000");
 }
+
+#[test]
+fn worker_config_follows_the_plan_recorded_in_the_status() {
+    let p = pool();
+    let mut a = adapter("calendar", "v1");
+    // The status says merged and Ready, but the plan (recorded by the Adapter controller)
+    // wants the dynamic pods to load it again: the plan wins.
+    a.status = Some(mole_crds::AdapterStatus {
+        phase: mole_crds::AdapterPhase::Ready,
+        serving_mode: Some(mole_crds::ServingMode::Merged),
+        endpoint: Some("http://vl-calendar.ml.svc:8000".into()),
+        load_dynamic: Some(true),
+        merged_endpoint: Some("http://vl-calendar.ml.svc:8000".into()),
+        ..Default::default()
+    });
+    let mut q = p.clone();
+    q.spec.merge.unload_from_dynamic = true;
+    let reg = [Registered {
+        adapter: &a,
+        lora_id: 1,
+    }];
+    let wc = worker_config("vl", &q.spec, &reg);
+    assert!(wc.adapters[0].load);
+    assert_eq!(
+        wc.adapters[0].merged_endpoint.as_deref(),
+        Some("http://vl-calendar.ml.svc:8000")
+    );
+    a.status.as_mut().unwrap().load_dynamic = Some(false);
+    a.status.as_mut().unwrap().merged_endpoint = None;
+    let reg = [Registered {
+        adapter: &a,
+        lora_id: 1,
+    }];
+    let wc = worker_config("vl", &q.spec, &reg);
+    assert!(!wc.adapters[0].load);
+    assert_eq!(wc.adapters[0].merged_endpoint, None);
+    // No status yet: loaded, not forwarded.
+    let fresh = adapter("desktop", "v1");
+    let reg = [Registered {
+        adapter: &fresh,
+        lora_id: 2,
+    }];
+    let wc = worker_config("vl", &q.spec, &reg);
+    assert!(wc.adapters[0].load);
+}
+
+#[test]
+fn every_worker_pod_mounts_the_operator_token_and_its_config_names_it() {
+    let p = pool();
+    let secret = operator_token_secret(&p, "abc");
+    assert_eq!(secret.metadata.name.as_deref(), Some("vl-operator-token"));
+    assert_eq!(secret.data.unwrap()["token"].0, b"abc");
+    assert_eq!(
+        secret.metadata.owner_references.unwrap()[0].uid,
+        "uid-1",
+        "owned by the pool"
+    );
+    let owner = OwnerReference {
+        api_version: "mole.dev/v1alpha1".into(),
+        kind: "Adapter".into(),
+        name: "calendar".into(),
+        uid: "uid-a".into(),
+        ..Default::default()
+    };
+    let (merged_cm, merged, _, _) =
+        merged_children(&p, "calendar", "v1", "merged/calendar/v1-abc", 1, owner);
+    for d in [dynamic_deployment(&p), merged] {
+        let pod = d.spec.unwrap().template.spec.unwrap();
+        let vol = pod
+            .volumes
+            .unwrap()
+            .into_iter()
+            .find(|v| v.name == "operator-token")
+            .unwrap();
+        assert_eq!(
+            vol.secret.unwrap().secret_name.as_deref(),
+            Some("vl-operator-token")
+        );
+        let m = pod.containers[0]
+            .volume_mounts
+            .clone()
+            .unwrap()
+            .into_iter()
+            .find(|m| m.name == "operator-token")
+            .unwrap();
+        assert_eq!(m.read_only, Some(true));
+        assert!(
+            !m.mount_path.starts_with(WORKER_CONFIG_MOUNT),
+            "no mount point inside the read-only ConfigMap volume"
+        );
+        assert_eq!(operator_token_file(), format!("{}/token", m.mount_path));
+    }
+    for wc in [
+        worker_config("vl", &p.spec, &[]),
+        serde_json::from_str(&merged_cm.data.unwrap()["worker.json"]).unwrap(),
+    ] {
+        assert_eq!(
+            wc.auth.unwrap().operator_token_file,
+            Some(operator_token_file())
+        );
+    }
+}
+
+#[test]
+fn merged_config_maps_are_per_output() {
+    let p = pool();
+    let owner = OwnerReference {
+        kind: "Adapter".into(),
+        name: "calendar".into(),
+        uid: "uid-a".into(),
+        ..Default::default()
+    };
+    let (cm1, d1, _, _) = merged_children(
+        &p,
+        "calendar",
+        "v1",
+        "merged/calendar/v1-a",
+        1,
+        owner.clone(),
+    );
+    let (cm2, d2, _, _) = merged_children(&p, "calendar", "v2", "merged/calendar/v2-b", 1, owner);
+    assert_ne!(cm1.metadata.name, cm2.metadata.name);
+    let mounted = |d: &Deployment| {
+        d.spec
+            .as_ref()
+            .unwrap()
+            .template
+            .spec
+            .as_ref()
+            .unwrap()
+            .volumes
+            .as_ref()
+            .unwrap()
+            .iter()
+            .find(|v| v.name == "config")
+            .unwrap()
+            .config_map
+            .as_ref()
+            .unwrap()
+            .name
+            .clone()
+    };
+    assert_eq!(Some(mounted(&d1)), cm1.metadata.name);
+    assert_eq!(Some(mounted(&d2)), cm2.metadata.name);
+    assert_eq!(
+        cm1.metadata.annotations.unwrap()[ANNOTATION_MERGED_OUTPUT],
+        "merged/calendar/v1-a"
+    );
+    assert_eq!(cm1.metadata.owner_references.unwrap()[0].kind, "Adapter");
+}

@@ -3,8 +3,10 @@
 //! pods' HTTP API.
 //!
 //! It implements what the controllers use: GET of objects and collections (with label
-//! selectors), server-side apply (whole object or `/status`), JSON patch (finalizers), PUT with
-//! resourceVersion preconditions (409 on conflict), and Event creation.
+//! selectors), server-side apply (whole object, bumping `metadata.generation` when the spec
+//! changes; or `/status`, where a manager's top-level fields it no longer applies are removed),
+//! JSON patch (finalizers), PUT with resourceVersion preconditions (409 on conflict), create
+//! (409 when the name is taken), and Event creation.
 
 #![allow(dead_code)]
 
@@ -27,6 +29,12 @@ pub struct Store {
     pub writes: Vec<(String, String)>,
     /// Events published: reasons.
     pub events: Vec<String>,
+    /// Events published: (reason, note).
+    pub event_notes: Vec<(String, String)>,
+    /// Requests to paths starting with one of these fail with 500 (an API outage).
+    pub failing: Vec<String>,
+    /// Top-level status fields each field manager applied last, by object path.
+    status_owners: BTreeMap<(String, String), Vec<String>>,
     rv: u64,
 }
 
@@ -100,6 +108,9 @@ impl Store {
         query: Option<&str>,
         body: Value,
     ) -> Response<Body> {
+        if self.failing.iter().any(|f| path.starts_with(f.as_str())) {
+            return status(500, "InternalError", "injected failure");
+        }
         let (base, sub) = match path.strip_suffix("/status") {
             Some(b) => (b.to_string(), Some("status")),
             None => (path.to_string(), None),
@@ -125,8 +136,14 @@ impl Store {
                            "metadata": {"resourceVersion": self.rv.to_string()}, "items": items}))
             }
             "POST" if path.ends_with("/events") => {
-                self.events
-                    .push(body["reason"].as_str().unwrap_or("").to_string());
+                let reason = body["reason"].as_str().unwrap_or("").to_string();
+                let note = body["note"]
+                    .as_str()
+                    .or(body["message"].as_str())
+                    .unwrap_or("")
+                    .to_string();
+                self.events.push(reason.clone());
+                self.event_notes.push((reason, note));
                 ok(&body)
             }
             "PATCH" if body.get("__json_patch").is_some() => {
@@ -168,9 +185,22 @@ impl Store {
             "PATCH" => {
                 // Server-side apply: the applied fields win; for /status only the status.
                 self.writes.push(("APPLY".into(), path.into()));
+                let manager = query_param(query, "fieldManager").unwrap_or_default();
                 let mut obj = match (self.objects.get(&base).cloned(), sub) {
                     (Some(mut existing), Some(_)) => {
                         let mut st = existing.get("status").cloned().unwrap_or(json!({}));
+                        // Fields this manager applied before and omits now are removed.
+                        let applied: Vec<String> = body["status"]
+                            .as_object()
+                            .map(|o| o.keys().cloned().collect())
+                            .unwrap_or_default();
+                        let owner_key = (base.clone(), manager);
+                        if let Some(prev) = self.status_owners.get(&owner_key) {
+                            for k in prev.iter().filter(|k| !applied.contains(k)) {
+                                st.as_object_mut().unwrap().remove(k);
+                            }
+                        }
+                        self.status_owners.insert(owner_key, applied);
                         merge(&mut st, &body["status"]);
                         existing["status"] = st;
                         existing
@@ -179,9 +209,14 @@ impl Store {
                     (Some(mut existing), None) => {
                         let keep_status = existing.get("status").cloned();
                         let meta = existing["metadata"].clone();
+                        let spec_changed = existing.get("spec") != body.get("spec");
                         existing = body.clone();
                         let mut m = meta;
                         merge(&mut m, &body["metadata"]);
+                        if spec_changed {
+                            let g = m["generation"].as_i64().unwrap_or(0);
+                            m["generation"] = json!(g + 1);
+                        }
                         existing["metadata"] = m;
                         if let Some(s) = keep_status {
                             existing["status"] = s;
@@ -191,6 +226,7 @@ impl Store {
                     (None, None) => {
                         let mut o = body.clone();
                         o["metadata"]["uid"] = json!(format!("uid-{}", self.rv + 1));
+                        o["metadata"]["generation"] = json!(1);
                         o
                     }
                 };
@@ -299,52 +335,125 @@ pub fn client(store: Shared) -> kube::Client {
     kube::Client::new(svc, "ml")
 }
 
-/// A stand-in for the worker pods' HTTP API: serves the given `/v1/lora_adapters` body and
-/// records reload/unload calls.
+/// The operator token the fake API server holds for pool `vl` (what the operator created).
+pub fn stored_token(store: &Shared) -> Option<String> {
+    let s = store
+        .lock()
+        .unwrap()
+        .get("/api/v1/namespaces/ml/secrets/vl-operator-token")?;
+    let s: k8s_openapi::api::core::v1::Secret = serde_json::from_value(s).ok()?;
+    String::from_utf8(s.data?.get("token")?.0.clone()).ok()
+}
+
+/// A stand-in for the worker pods' HTTP API. Like the real worker it requires the operator's
+/// token (read from the pool's Secret in the fake API server) on every endpoint the operator
+/// calls, and answers `POST /admin/reload` with 409 `config_stale` until the test says the
+/// kubelet refreshed the mounted file ([`FakeWorker::file_hash`]).
 pub struct FakeWorker {
     /// Address it listens on.
     pub addr: SocketAddr,
     /// The `/v1/lora_adapters` response.
     pub adapters: Arc<Mutex<Value>>,
-    /// Calls received (path and body).
+    /// Authorized calls received (path and body), reloads included whatever they answered.
     pub calls: Arc<Mutex<Vec<(String, Value)>>>,
+    /// Content hash of the config file as the pod sees it (None: never refreshed).
+    pub file_hash: Arc<Mutex<Option<String>>>,
+    /// Config hashes the pod accepted (200 on reload).
+    pub applied: Arc<Mutex<Vec<String>>>,
+    /// Requests refused for a missing or wrong token.
+    pub unauthorized: Arc<Mutex<usize>>,
 }
 
-/// Starts a [`FakeWorker`] on 127.0.0.1.
-pub async fn fake_worker() -> FakeWorker {
+/// Starts a [`FakeWorker`] on 127.0.0.1 that checks tokens against `store`.
+pub async fn fake_worker(store: Shared) -> FakeWorker {
+    use axum::http::HeaderMap;
+    use axum::response::IntoResponse;
     use axum::routing::{get, post};
     let adapters = Arc::new(Mutex::new(
         json!({"object": "list", "base_model": "b", "data": []}),
     ));
     let calls: Arc<Mutex<Vec<(String, Value)>>> = Arc::default();
-    let (a, c1, c2) = (adapters.clone(), calls.clone(), calls.clone());
+    let file_hash: Arc<Mutex<Option<String>>> = Arc::default();
+    let applied: Arc<Mutex<Vec<String>>> = Arc::default();
+    let unauthorized: Arc<Mutex<usize>> = Arc::default();
+    let authorized = {
+        let (store, unauthorized) = (store.clone(), unauthorized.clone());
+        move |h: &HeaderMap| {
+            let want = stored_token(&store).map(|t| format!("Bearer {t}"));
+            let ok = want.is_some()
+                && h.get("authorization").and_then(|v| v.to_str().ok()) == want.as_deref();
+            if !ok {
+                *unauthorized.lock().unwrap() += 1;
+            }
+            ok
+        }
+    };
+    let denied = || {
+        (
+            StatusCode::UNAUTHORIZED,
+            axum::Json(json!({"error": {"message": "missing or wrong token", "type": "auth", "code": "unauthorized"}})),
+        )
+            .into_response()
+    };
+    let (a, c1, c2, fh, ap) = (
+        adapters.clone(),
+        calls.clone(),
+        calls.clone(),
+        file_hash.clone(),
+        applied.clone(),
+    );
+    let (auth1, auth2, auth3) = (authorized.clone(), authorized.clone(), authorized);
     let app = axum::Router::new()
         .route(
             "/v1/lora_adapters",
-            get(move || {
+            get(move |h: HeaderMap| {
                 let a = a.clone();
-                async move { axum::Json(a.lock().unwrap().clone()) }
+                let ok = auth1(&h);
+                async move {
+                    if !ok {
+                        return denied();
+                    }
+                    axum::Json(a.lock().unwrap().clone()).into_response()
+                }
             }),
         )
         .route(
             "/admin/reload",
-            post(move |axum::Json(b): axum::Json<Value>| {
-                let c = c1.clone();
+            post(move |h: HeaderMap, axum::Json(b): axum::Json<Value>| {
+                let (c, fh, ap) = (c1.clone(), fh.clone(), ap.clone());
+                let ok = auth2(&h);
                 async move {
-                    c.lock().unwrap().push(("/admin/reload".into(), b));
-                    StatusCode::OK
+                    if !ok {
+                        return denied();
+                    }
+                    c.lock().unwrap().push(("/admin/reload".into(), b.clone()));
+                    let want = b["configHash"].as_str().unwrap_or("").to_string();
+                    if fh.lock().unwrap().as_deref() == Some(want.as_str()) {
+                        ap.lock().unwrap().push(want);
+                        StatusCode::OK.into_response()
+                    } else {
+                        (
+                            StatusCode::CONFLICT,
+                            axum::Json(json!({"error": {"message": "the config file is older than the requested hash", "type": "conflict", "code": "config_stale"}})),
+                        )
+                            .into_response()
+                    }
                 }
             }),
         )
         .route(
             "/v1/unload_lora_adapter",
-            post(move |axum::Json(b): axum::Json<Value>| {
+            post(move |h: HeaderMap, axum::Json(b): axum::Json<Value>| {
                 let c = c2.clone();
+                let ok = auth3(&h);
                 async move {
+                    if !ok {
+                        return denied();
+                    }
                     c.lock()
                         .unwrap()
                         .push(("/v1/unload_lora_adapter".into(), b));
-                    StatusCode::OK
+                    StatusCode::OK.into_response()
                 }
             }),
         );
@@ -355,5 +464,8 @@ pub async fn fake_worker() -> FakeWorker {
         addr,
         adapters,
         calls,
+        file_hash,
+        applied,
+        unauthorized,
     }
 }
