@@ -224,10 +224,10 @@ fn a_reload_moves_new_requests_while_running_ones_finish_on_their_version() {
     let p = ids(&r["prompts"][0]);
     let e = engine(|_| {});
     e.load_adapter(spec("task", "v1", "a_r8_all")).unwrap();
-    let mut old = e.submit(greedy(p.clone(), Some("task"), 32)).unwrap();
+    let mut old = e.submit(greedy(p.clone(), Some("task"), 100)).unwrap();
     let mut got = vec![next_token(&mut old)];
     e.load_adapter(spec("task", "v2", "b_r4_qv")).unwrap();
-    let new = collect(e.submit(greedy(p.clone(), Some("task"), 16)).unwrap());
+    let new = collect(e.submit(greedy(p.clone(), Some("task"), 32)).unwrap());
     assert_eq!(new.version.as_deref(), Some("v2"));
     assert_eq!(new.tokens, ids(&r["adapters"]["b_r4_qv"]["greedy"][0]));
     // v1 is still listed, draining: it takes no new requests.
@@ -237,7 +237,7 @@ fn a_reload_moves_new_requests_while_running_ones_finish_on_their_version() {
         .find(|a| a.version == "v1")
         .expect("v1 listed");
     assert!(!v1.loaded && v1.running == 1, "{v1:?}");
-    while got.len() < 16 {
+    while got.len() < 32 {
         got.push(next_token(&mut old));
     }
     assert_eq!(got, ids(&r["adapters"]["a_r8_all"]["greedy"][0]));
@@ -276,7 +276,7 @@ fn evicted_adapters_come_back_from_disk_with_the_same_output() {
     };
     assert_eq!(res("a"), mole_crds::Residency::Disk);
     assert_eq!(res("c"), mole_crds::Residency::Cpu);
-    let out = collect(e.submit(greedy(p, Some("a"), 16)).unwrap());
+    let out = collect(e.submit(greedy(p, Some("a"), 32)).unwrap());
     assert_eq!(out.tokens, ids(&r["adapters"]["a_r8_all"]["greedy"][1]));
     assert_eq!(res("a"), mole_crds::Residency::Cpu);
     assert_eq!(res("c"), mole_crds::Residency::Disk);
@@ -355,11 +355,201 @@ fn the_host_tier_keeps_evicted_adapters_off_the_disk() {
     assert_eq!(e.stats().adapter_loads, 3);
     assert_eq!(e.stats().adapter_evictions, 2);
     // c comes back from host memory: no file read, same tokens.
-    let out = collect(e.submit(greedy(p.clone(), Some("c"), 16)).unwrap());
+    let out = collect(e.submit(greedy(p.clone(), Some("c"), 32)).unwrap());
     assert_eq!(out.tokens, ids(&r["adapters"]["c_r16_mlp"]["greedy"][1]));
     assert_eq!(e.stats().adapter_loads, 3);
     // a comes back from disk.
-    let out = collect(e.submit(greedy(p, Some("a"), 16)).unwrap());
+    let out = collect(e.submit(greedy(p, Some("a"), 32)).unwrap());
     assert_eq!(out.tokens, ids(&r["adapters"]["a_r8_all"]["greedy"][1]));
     assert_eq!(e.stats().adapter_loads, 4);
+}
+
+fn text_model() -> mole_worker::engine::text::TextModel {
+    mole_worker::engine::text::TextModel::load(&fixtures().join("llama")).unwrap()
+}
+
+#[test]
+fn stop_token_ids_end_generation_on_that_token() {
+    let r = &reference()["llama"];
+    let (p, full) = (ids(&r["prompts"][1]), ids(&r["greedy"][1]));
+    let e = engine(|_| {});
+    // The first token of the continuation that did not occur before it.
+    let k = (3..full.len())
+        .find(|&k| !full[..k].contains(&full[k]))
+        .unwrap();
+    let mut req = greedy(p.clone(), None, 32);
+    req.sampling.stop_token_ids = vec![full[k], 255];
+    let out = collect(e.submit(req).unwrap());
+    // The stop token is the last token id (counted in usage), its text is not sent.
+    assert_eq!(out.tokens, full[..=k]);
+    assert_eq!(
+        out.end,
+        TokenEvent::Finished {
+            reason: FinishReason::Stop,
+            usage: Usage {
+                prompt_tokens: p.len(),
+                completion_tokens: k + 1
+            }
+        }
+    );
+    assert_eq!(out.text, text_model().decode(&full[..k]).unwrap());
+    // ignore_eos (set by `greedy`) does not switch stop tokens off; tokens never produced
+    // change nothing.
+    let mut req = greedy(p, None, 32);
+    req.sampling.stop_token_ids = vec![255, 254];
+    let out = collect(e.submit(req).unwrap());
+    assert_eq!(out.tokens, full);
+    assert!(matches!(
+        out.end,
+        TokenEvent::Finished {
+            reason: FinishReason::Length,
+            ..
+        }
+    ));
+}
+
+/// Whatever `max_tokens` cuts a byte-level stream at (mid-character included), the streamed
+/// text is the decode of the streamed tokens.
+#[test]
+fn streamed_text_is_the_decode_of_the_tokens_wherever_it_stops() {
+    let r = &reference()["llama"];
+    let (p, full) = (ids(&r["prompts"][1]), ids(&r["greedy"][1]));
+    let t = text_model();
+    assert!(
+        full.iter().any(|&b| b >= 0xC0),
+        "the continuation has multi-byte lead bytes"
+    );
+    let e = engine(|_| {});
+    let streams: Vec<_> = (1..=full.len())
+        .map(|n| (n, e.submit(greedy(p.clone(), None, n)).unwrap()))
+        .collect();
+    for (n, rx) in streams {
+        let out = collect(rx);
+        assert_eq!(out.tokens, full[..n]);
+        assert_eq!(
+            out.text,
+            t.decode(&full[..n]).unwrap(),
+            "cut after {n} tokens"
+        );
+    }
+}
+
+/// An adapter load that is still reading its files (its adapter_config.json is a FIFO the test
+/// writes only at the end) neither stalls nor changes the requests decoding meanwhile.
+#[cfg(target_os = "linux")]
+#[test]
+fn an_adapter_load_in_progress_stalls_no_decoding() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let r = &reference()["llama"];
+    let (p0, p1) = (ids(&r["prompts"][0]), ids(&r["prompts"][1]));
+    let e = engine(|_| {});
+    e.load_adapter(spec("a", "v1", "a_r8_all")).unwrap();
+    let src = fixtures().join("adapters/llama/b_r4_qv");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("b");
+    std::fs::create_dir(&dir).unwrap();
+    std::fs::copy(
+        src.join("adapter_model.safetensors"),
+        dir.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let fifo = dir.join("adapter_config.json");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap();
+    assert!(made.success());
+    let mut running = e.submit(greedy(p0.clone(), Some("a"), 32)).unwrap();
+    let mut got = vec![next_token(&mut running)];
+    std::thread::scope(|scope| {
+        let loader = scope.spawn(|| {
+            e.load_adapter(AdapterSpec {
+                name: "b".into(),
+                version: "v1".into(),
+                lora_id: 2,
+                path: dir.clone(),
+            })
+        });
+        // While the load waits on its file: the running request finishes with its exact
+        // tokens, a new base request runs start to end, and `b` is not there yet.
+        let rest = collect(running);
+        got.extend(rest.tokens);
+        assert_eq!(got, ids(&r["adapters"]["a_r8_all"]["greedy"][0]));
+        let base = collect(e.submit(greedy(p1.clone(), None, 32)).unwrap());
+        assert_eq!(base.tokens, ids(&r["greedy"][1]));
+        assert!(matches!(
+            e.submit(greedy(p1.clone(), Some("b"), 1)),
+            Err(EngineError::AdapterNotFound(_))
+        ));
+        assert!(!loader.is_finished(), "the load was still in progress");
+        // Release it: open the FIFO for writing once the loader has it open for reading
+        // (non-blocking, so a loader that failed early cannot hang the test).
+        const O_NONBLOCK: i32 = 0o4000;
+        let t = Instant::now();
+        let mut w = loop {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(O_NONBLOCK)
+                .open(&fifo)
+            {
+                Ok(w) => break w,
+                Err(_) if !loader.is_finished() && t.elapsed() < Duration::from_secs(20) => {
+                    std::thread::sleep(Duration::from_millis(5))
+                }
+                Err(err) => panic!("loader never opened its config: {err}"),
+            }
+        };
+        let config = std::fs::read(src.join("adapter_config.json")).unwrap();
+        std::io::Write::write_all(&mut w, &config).unwrap();
+        drop(w);
+        loader.join().unwrap().unwrap();
+    });
+    let out = collect(e.submit(greedy(p0, Some("b"), 32)).unwrap());
+    assert_eq!(out.tokens, ids(&r["adapters"]["b_r4_qv"]["greedy"][0]));
+}
+
+/// Dynamic NTK RoPE stretches the window (16 positions here, factor 4): the engine accepts
+/// sequences up to 64 positions and produces transformers' continuation past the window.
+#[test]
+fn the_engine_serves_past_the_window_with_dynamic_rope() {
+    use mole_worker::model::{Decoder, ModelConfig};
+    let refs: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("rope_reference.json")).unwrap(),
+    )
+    .unwrap();
+    let r = &refs["llama_dynamic"];
+    let cfg = ModelConfig::from_json(r["config"].clone()).unwrap();
+    assert_eq!(cfg.max_position_embeddings, 16);
+    // SAFETY: committed fixture, read-only.
+    let vb = unsafe {
+        candle_nn::VarBuilder::from_mmaped_safetensors(
+            &[fixtures().join("llama/model.safetensors")],
+            DType::F32,
+            &Device::Cpu,
+        )
+        .unwrap()
+    };
+    let e = Engine::start(
+        Decoder::new(cfg, vb).unwrap(),
+        text_model(),
+        EngineOptions {
+            base_name: "llama".into(),
+            ..Default::default()
+        },
+    );
+    assert_eq!(e.model_info().max_seq_len, 64);
+    let streams: Vec<_> = (0..2)
+        .map(|i| {
+            let p = ids(&r["prompts"][i]);
+            let want = ids(&r["greedy"][i]);
+            (want.clone(), e.submit(greedy(p, None, want.len())).unwrap())
+        })
+        .collect();
+    for (want, rx) in streams {
+        assert_eq!(collect(rx).tokens, want);
+    }
+    match e.submit(greedy(vec![5; 64], None, 1)) {
+        Err(EngineError::InvalidRequest(m)) => assert!(m.contains("max_seq_len 64"), "{m}"),
+        other => panic!("expected InvalidRequest, got {other:?}"),
+    }
 }

@@ -3,12 +3,17 @@
 //! of the logits' scale in f32 (the only difference left is summation order in matmuls and
 //! softmax; measured ~5e-7), and greedy continuations identical. Sequences are batched, each
 //! with its own cache and its own adapter (or none).
+//!
+//! RoPE scaling (`linear`, `dynamic`, `llama3`, `yarn`) is checked on the same weights with the
+//! configs of rope_reference.json (generate_rope.py): logits of several generation steps within
+//! the same tolerance, greedy continuations identical.
 
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
 use mole_worker::lora::{LoadOptions, LoraAdapter};
-use mole_worker::model::{argmax, Decoder, Row, SeqCache};
+use mole_worker::model::{argmax, Decoder, ModelConfig, Row, SeqCache};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine")
@@ -27,6 +32,16 @@ fn run(
     rows: &[(Vec<u32>, Option<&LoraAdapter>)],
     steps: usize,
 ) -> (Vec<Tensor>, Vec<Vec<u32>>) {
+    let (mut logits, out) = run_steps(model, rows, steps);
+    (logits.iter_mut().map(|l| l.remove(0)).collect(), out)
+}
+
+/// As [`run`], with every step's logits (step 0: the last prompt position).
+fn run_steps(
+    model: &Decoder,
+    rows: &[(Vec<u32>, Option<&LoraAdapter>)],
+    steps: usize,
+) -> (Vec<Vec<Tensor>>, Vec<Vec<u32>>) {
     let mut caches = vec![SeqCache::default(); rows.len()];
     let fwd = |toks: &[Vec<u32>], caches: &mut [SeqCache]| -> Vec<Tensor> {
         let mut batch: Vec<Row> = toks
@@ -45,17 +60,17 @@ fn run(
     let first = fwd(&prompts, &mut caches);
     let mut next: Vec<u32> = first.iter().map(|l| argmax(l).unwrap()).collect();
     let mut out: Vec<Vec<u32>> = next.iter().map(|t| vec![*t]).collect();
+    let mut logits: Vec<Vec<Tensor>> = first.into_iter().map(|l| vec![l]).collect();
     for _ in 1..steps {
         let toks: Vec<Vec<u32>> = next.iter().map(|t| vec![*t]).collect();
-        next = fwd(&toks, &mut caches)
-            .iter()
-            .map(|l| argmax(l).unwrap())
-            .collect();
-        for (o, t) in out.iter_mut().zip(&next) {
+        let step = fwd(&toks, &mut caches);
+        next = step.iter().map(|l| argmax(l).unwrap()).collect();
+        for ((o, t), (all, l)) in out.iter_mut().zip(&next).zip(logits.iter_mut().zip(step)) {
             o.push(*t);
+            all.push(l);
         }
     }
-    (first, out)
+    (logits, out)
 }
 
 fn close(name: &str, ours: &Tensor, want: &serde_json::Value) {
@@ -121,7 +136,7 @@ fn check_family(name: &str) {
     rows.insert(2, ((usize::MAX, 1), (p[1].clone(), None)));
     let batch: Vec<(Vec<u32>, Option<&LoraAdapter>)> =
         rows.iter().map(|(_, x)| x.clone()).collect();
-    let (logits, greedy) = run(&model, &batch, 16);
+    let (logits, greedy) = run(&model, &batch, 32);
     for (k, ((ai, pi), _)) in rows.iter().enumerate() {
         if *ai == usize::MAX {
             close(
@@ -224,4 +239,72 @@ fn adapters_are_validated_against_the_model() {
     )
     .unwrap_err();
     assert_eq!(e.code(), "unsupported_adapter");
+}
+
+/// Each RoPE variant on the weights of its family's tiny model, both prompts in one batch
+/// (each row rotates with its own positions: under dynamic NTK the long prompt is past the
+/// original window from the start while the short one crosses it while decoding).
+#[test]
+fn rope_scaling_matches_transformers() {
+    let refs: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("rope_reference.json")).unwrap(),
+    )
+    .unwrap();
+    let refs = refs.as_object().unwrap();
+    assert_eq!(
+        refs.len(),
+        5,
+        "linear, dynamic, llama3 and two yarn variants"
+    );
+    for (name, r) in refs {
+        let cfg =
+            ModelConfig::from_json(r["config"].clone()).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let weights = fixtures()
+            .join(r["family"].as_str().unwrap())
+            .join("model.safetensors");
+        // SAFETY: committed fixture, read-only.
+        let vb = unsafe {
+            VarBuilder::from_mmaped_safetensors(&[weights], DType::F32, &Device::Cpu).unwrap()
+        };
+        let model = Decoder::new(cfg, vb).unwrap();
+        let prompts: Vec<Vec<u32>> = serde_json::from_value(r["prompts"].clone()).unwrap();
+        let steps: Vec<usize> = serde_json::from_value(r["steps"].clone()).unwrap();
+        let rows: Vec<(Vec<u32>, Option<&LoraAdapter>)> =
+            prompts.iter().map(|p| (p.clone(), None)).collect();
+        let want_len = r["greedy"][0].as_array().unwrap().len();
+        let (logits, greedy) = run_steps(&model, &rows, want_len);
+        for (pi, (got_logits, got)) in logits.iter().zip(&greedy).enumerate() {
+            for (si, step) in steps.iter().enumerate() {
+                close(
+                    &format!("{name} prompt {pi} step {step}"),
+                    &got_logits[*step],
+                    &r["step_logits"][pi][si],
+                );
+            }
+            let want: Vec<u32> = serde_json::from_value(r["greedy"][pi].clone()).unwrap();
+            assert_eq!(got, &want, "{name} prompt {pi}: greedy");
+        }
+    }
+}
+
+/// RoPE types mole does not implement are refused when the model loads, naming the type.
+#[test]
+fn unknown_rope_types_are_refused_by_name() {
+    let mut cfg: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("llama/config.json")).unwrap(),
+    )
+    .unwrap();
+    cfg["rope_scaling"] = serde_json::json!({"rope_type": "longrope", "factor": 2.0,
+        "short_factor": [1.0], "long_factor": [1.0]});
+    let e = ModelConfig::from_json(cfg.clone()).unwrap_err();
+    assert_eq!(e.code(), "model_config");
+    assert!(
+        e.to_string()
+            .contains("rope type \"longrope\" is not supported"),
+        "{e}"
+    );
+    cfg.as_object_mut().unwrap().remove("rope_scaling");
+    cfg["rope_parameters"] = serde_json::json!({"rope_type": "fancy", "rope_theta": 10000.0});
+    let e = ModelConfig::from_json(cfg).unwrap_err();
+    assert!(e.to_string().contains("\"fancy\""), "{e}");
 }

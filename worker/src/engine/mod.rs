@@ -120,10 +120,7 @@ impl Engine {
 
     /// Starts the engine thread over a loaded model.
     pub fn start(model: Decoder, text: TextModel, mut opts: EngineOptions) -> Self {
-        opts.max_seq_len = opts
-            .max_seq_len
-            .min(model.config().max_position_embeddings)
-            .max(2);
+        opts.max_seq_len = opts.max_seq_len.min(model.config().max_positions()).max(2);
         let device = model.device().clone();
         let shared = Arc::new(Shared {
             dtype: model.dtype(),

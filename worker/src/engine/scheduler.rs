@@ -277,7 +277,7 @@ fn emit(shared: &Shared, s: &mut Seq, logits: &[f32]) {
         }
     };
     let (mut text, hit) = s.stop.push(&delta);
-    let reason = if eos || stop_id || hit {
+    let mut reason = if eos || stop_id || hit {
         Some(FinishReason::Stop)
     } else if s.generated.len() >= s.max_new {
         Some(FinishReason::Length)
@@ -285,7 +285,16 @@ fn emit(shared: &Shared, s: &mut Seq, logits: &[f32]) {
         None
     };
     if reason.is_some() && !hit {
-        text.push_str(&s.stop.flush());
+        // Bytes of an unfinished character are released too (as U+FFFD, as a full decode
+        // shows them), and may still complete a stop string.
+        let rest = s.detok.finish(&shared.text).unwrap_or_default();
+        let (more, late_hit) = s.stop.push(&rest);
+        text.push_str(&more);
+        if late_hit {
+            reason = Some(FinishReason::Stop);
+        } else {
+            text.push_str(&s.stop.flush());
+        }
     }
     let _ = s.tx.send(TokenEvent::Token {
         token_id: tok,

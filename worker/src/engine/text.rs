@@ -200,17 +200,40 @@ impl TextModel {
 
     /// Renders chat messages as transformers' `apply_chat_template(..., add_generation_prompt=True)`.
     pub fn render_chat(&self, messages: &[ChatMessage]) -> Result<String, TextError> {
+        self.render_chat_with(messages, true, &serde_json::Map::new())
+    }
+
+    /// Renders chat messages as transformers'
+    /// `apply_chat_template(messages, tokenize=False, add_generation_prompt=..., **kwargs)`:
+    /// `kwargs` (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`) become template
+    /// variables beside the special tokens.
+    pub fn render_chat_with(
+        &self,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+        kwargs: &serde_json::Map<String, Json>,
+    ) -> Result<String, TextError> {
         let env = self.template.as_ref().ok_or(TextError::NoChatTemplate)?;
         let tmpl = env
             .get_template("chat")
             .map_err(|e| TextError::Template(e.to_string()))?;
-        tmpl.render(minijinja::context! {
-            messages => Value::from(minijinja::value::Serde(messages)),
-            add_generation_prompt => true,
-            bos_token => self.bos.clone().unwrap_or_default(),
-            eos_token => self.eos.clone().unwrap_or_default(),
-        })
-        .map_err(|e| TextError::Template(e.to_string()))
+        let mut ctx = serde_json::Map::new();
+        ctx.insert(
+            "bos_token".into(),
+            self.bos.clone().unwrap_or_default().into(),
+        );
+        ctx.insert(
+            "eos_token".into(),
+            self.eos.clone().unwrap_or_default().into(),
+        );
+        ctx.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
+        ctx.insert(
+            "messages".into(),
+            serde_json::to_value(messages).map_err(|e| TextError::Template(e.to_string()))?,
+        );
+        ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
+        tmpl.render(Value::from(minijinja::value::Serde(&ctx)))
+            .map_err(|e| TextError::Template(e.to_string()))
     }
 }
 
@@ -259,6 +282,23 @@ impl Detokenizer {
         } else {
             Ok(String::new())
         }
+    }
+
+    /// Text still held back when generation ends: a character left incomplete decodes as
+    /// U+FFFD, as the full decode of the tokens does, so the deltas of a sequence always add
+    /// up to the decode of its tokens.
+    pub fn finish(&mut self, text: &TextModel) -> Result<String, TextError> {
+        if self.read == self.ids.len() {
+            return Ok(String::new());
+        }
+        let before = text.decode(&self.ids[self.prefix..self.read])?;
+        let now = text.decode(&self.ids[self.prefix..])?;
+        self.prefix = self.read;
+        self.read = self.ids.len();
+        Ok(match now.strip_prefix(&before) {
+            Some(rest) => rest.to_string(),
+            None => now.chars().skip(before.chars().count()).collect(),
+        })
     }
 }
 
@@ -327,6 +367,76 @@ impl StopMatcher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The committed byte-level fixture tokenizer: token id = byte value.
+    fn bytes_model() -> TextModel {
+        TextModel::load(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../tests/fixtures/engine/llama"),
+        )
+        .unwrap()
+    }
+
+    /// Streams `ids` after `prompt`; returns the deltas (the last one from `finish`).
+    fn stream(t: &TextModel, prompt: &[u32], ids: &[u32]) -> Vec<String> {
+        let mut d = Detokenizer::new(prompt);
+        let mut out: Vec<String> = ids.iter().map(|&i| d.push(t, i).unwrap()).collect();
+        out.push(d.finish(t).unwrap());
+        out
+    }
+
+    fn bytes(s: &str) -> Vec<u32> {
+        s.bytes().map(u32::from).collect()
+    }
+
+    #[test]
+    fn multibyte_characters_split_across_tokens_are_released_whole() {
+        let t = bytes_model();
+        assert_eq!(
+            t.encode("é€", false).unwrap(),
+            bytes("é€"),
+            "one token per byte"
+        );
+        let text = "aé€😀中 z";
+        let deltas = stream(&t, &bytes("hi "), &bytes(text));
+        // A character comes out with its last byte, never before, never broken.
+        let want: Vec<&str> = vec![
+            "a", "", "é", "", "", "€", "", "", "", "😀", "", "", "中", " ", "z", "",
+        ];
+        assert_eq!(deltas, want);
+        assert_eq!(deltas.concat(), text);
+    }
+
+    #[test]
+    fn deltas_add_up_to_the_full_decode() {
+        let t = bytes_model();
+        let alphabet: Vec<char> = "ab \nçé€中😀🦀ß".chars().collect();
+        let mut seed = 0x2545_f491_4f6c_dd1du64;
+        let mut rnd = |n: usize| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            (seed % n as u64) as usize
+        };
+        for _ in 0..200 {
+            let text: String = (0..rnd(12))
+                .map(|_| alphabet[rnd(alphabet.len())])
+                .collect();
+            let prompt: String = (0..rnd(8)).map(|_| alphabet[rnd(alphabet.len())]).collect();
+            let deltas = stream(&t, &bytes(&prompt), &bytes(&text));
+            assert!(deltas.iter().all(|d| !d.contains('\u{FFFD}')), "{deltas:?}");
+            assert_eq!(deltas.concat(), text, "after prompt {prompt:?}");
+            assert_eq!(deltas.concat(), t.decode(&bytes(&text)).unwrap());
+        }
+        // Invalid bytes from the model are not waited on forever: they show as U+FFFD once
+        // valid text follows, exactly as the full decode shows them.
+        let ids = [0xFFu32, b'a' as u32, 0xE2, 0x82];
+        let deltas = stream(&t, &[], &ids);
+        assert_eq!(deltas, vec!["", "\u{FFFD}a", "", "", "\u{FFFD}"]);
+        assert_eq!(deltas.concat(), t.decode(&ids).unwrap());
+        // Nothing held back: finish adds nothing.
+        assert_eq!(stream(&t, &[], &bytes("ok")), vec!["o", "k", ""]);
+    }
 
     #[test]
     fn stop_strings_are_cut_and_partial_matches_held() {

@@ -5,6 +5,11 @@
 //! own [`SeqCache`] and position, so one model instance serves many sequences at once. Rows of
 //! a batch are concatenated for every projection (one matmul for the whole batch) and split for
 //! attention, which is per sequence.
+//!
+//! RoPE follows `config.json` (`rope_parameters` or `rope_scaling`): default, linear, dynamic
+//! NTK, llama3 and YaRN, computed as transformers computes them (see [`rope`]).
+
+pub mod rope;
 
 use std::path::Path;
 
@@ -15,6 +20,8 @@ use serde::Deserialize;
 
 use crate::formats::hf;
 use crate::lora::{LoraAdapter, Proj};
+
+pub use self::rope::{Rope, RopeScaling};
 
 /// Errors loading or running a model. Stable names via [`ModelError::code`].
 #[derive(Debug, thiserror::Error)]
@@ -90,9 +97,16 @@ pub struct ModelConfig {
     /// Bias on the attention projections (Qwen2 has it on q/k/v even when unset).
     #[serde(default)]
     pub attention_bias: Option<bool>,
-    /// Longest position.
+    /// Longest position (the pre-scaling window for `linear` and `dynamic` RoPE).
     #[serde(default = "default_max_pos")]
     pub max_position_embeddings: usize,
+    /// Pre-training context length when a config keeps it at the top level (else it is read
+    /// from the RoPE dict).
+    #[serde(default)]
+    pub original_max_position_embeddings: Option<usize>,
+    /// Share of the head that is rotated (only 1.0 is supported).
+    #[serde(default)]
+    pub partial_rotary_factor: Option<f64>,
 }
 
 fn default_max_pos() -> usize {
@@ -110,21 +124,6 @@ impl ModelConfig {
         let cfg: ModelConfig =
             serde_json::from_value(v).map_err(|e| ModelError::Config(e.to_string()))?;
         cfg.family()?;
-        for scaling in [&cfg.rope_parameters, &cfg.rope_scaling]
-            .into_iter()
-            .flatten()
-        {
-            let kind = scaling
-                .get("rope_type")
-                .or_else(|| scaling.get("type"))
-                .and_then(|v| v.as_str())
-                .unwrap_or("default");
-            if kind != "default" {
-                return Err(ModelError::Config(format!(
-                    "rope scaling {kind:?} is not supported yet (only default RoPE)"
-                )));
-            }
-        }
         if cfg.hidden_size == 0 || cfg.num_attention_heads == 0 {
             return Err(ModelError::Config(
                 "hidden_size and num_attention_heads must be > 0".into(),
@@ -135,6 +134,13 @@ impl ModelConfig {
                 "num_attention_heads must be a multiple of num_key_value_heads".into(),
             ));
         }
+        if cfg.head_dim() == 0 || !cfg.head_dim().is_multiple_of(2) {
+            return Err(ModelError::Config(format!(
+                "head_dim {} must be even for RoPE",
+                cfg.head_dim()
+            )));
+        }
+        cfg.rope()?;
         Ok(cfg)
     }
     /// The family.
@@ -148,14 +154,22 @@ impl ModelConfig {
             ))),
         }
     }
-    /// RoPE base: `rope_parameters.rope_theta`, else `rope_theta`, else 10000.
+    /// RoPE base: the RoPE dict's `rope_theta`, else the top-level one, else 10000.
     pub fn rope_theta(&self) -> f64 {
-        self.rope_parameters
-            .as_ref()
-            .and_then(|p| p.get("rope_theta"))
-            .and_then(|v| v.as_f64())
-            .or(self.rope_theta)
-            .unwrap_or(10_000.0)
+        self.rope()
+            .map(|r| r.theta)
+            .unwrap_or(self.rope_theta.unwrap_or(10_000.0))
+    }
+    /// RoPE base and scaling (`rope_scaling` or `rope_parameters`), as transformers reads them.
+    pub fn rope(&self) -> Result<Rope, ModelError> {
+        Rope::from_config(self)
+    }
+    /// Longest sequence the model accepts: `max_position_embeddings`, stretched by `linear`,
+    /// `dynamic` and `yarn` RoPE scaling (see [`Rope::max_positions`]).
+    pub fn max_positions(&self) -> usize {
+        self.rope()
+            .map(|r| r.max_positions(self.max_position_embeddings))
+            .unwrap_or(self.max_position_embeddings)
     }
     /// Key/value heads.
     pub fn kv_heads(&self) -> usize {
@@ -200,11 +214,13 @@ pub struct Row<'a> {
     pub adapter: Option<&'a LoraAdapter>,
 }
 
-/// Per-forward facts about the rows: new tokens, cached tokens, adapter groups.
+/// Per-forward facts about the rows: new tokens, cached tokens, adapter groups, and each
+/// row's rotary cos/sin for its new positions.
 struct Batch<'a> {
     lens: Vec<usize>,
     starts: Vec<usize>,
     groups: Vec<Group<'a>>,
+    rot: Vec<(Tensor, Tensor)>,
 }
 
 /// Rows of a batch that share an adapter: the adapter and their token positions in the batch.
@@ -235,6 +251,7 @@ pub struct Decoder {
     layers: Vec<Layer>,
     norm: RmsNorm,
     lm_head: Lin,
+    rope: Rope,
     cos: Tensor,
     sin: Tensor,
     device: Device,
@@ -334,13 +351,22 @@ impl Decoder {
         } else {
             w.linear("lm_head", h, cfg.vocab_size, false)?
         };
-        let (cos, sin) = rope_tables(&cfg, dtype, &device)?;
+        let rope = cfg.rope()?;
+        // Dynamic NTK frequencies depend on the length a pass reaches: the table covers the
+        // original window, longer passes compute theirs (see `rotary`).
+        let table_len = if rope.is_dynamic() {
+            cfg.max_position_embeddings
+        } else {
+            cfg.max_positions()
+        };
+        let (cos, sin) = rope_cos_sin(&rope, &cfg, 0, table_len, dtype, &device)?;
         Ok(Self {
             cfg,
             embed,
             layers,
             norm,
             lm_head,
+            rope,
             cos,
             sin,
             device,
@@ -372,11 +398,11 @@ impl Decoder {
             if r.tokens.is_empty() {
                 return Err(ModelError::Config("a row has no tokens".into()));
             }
-            if s + r.tokens.len() > self.cfg.max_position_embeddings {
+            if s + r.tokens.len() > self.cfg.max_positions() {
                 return Err(ModelError::Config(format!(
-                    "sequence of {} tokens exceeds max_position_embeddings {}",
+                    "sequence of {} tokens exceeds the model's {} positions",
                     s + r.tokens.len(),
-                    self.cfg.max_position_embeddings
+                    self.cfg.max_positions()
                 )));
             }
         }
@@ -404,10 +430,16 @@ impl Decoder {
             })
             .collect::<Result<_, candle_core::Error>>()?;
         let ids: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let rot = starts
+            .iter()
+            .zip(&lens)
+            .map(|(&s, &t)| self.rotary(s, t))
+            .collect::<Result<_, _>>()?;
         let batch = Batch {
             lens: lens.clone(),
             starts,
             groups,
+            rot,
         };
         let groups = &batch.groups;
         let ids = Tensor::new(ids.as_slice(), &self.device)?;
@@ -438,6 +470,16 @@ impl Decoder {
         Ok((0..rows.len())
             .map(|i| logits.get(i))
             .collect::<Result<_, _>>()?)
+    }
+
+    /// cos/sin `[t, head_dim/2]` for positions `start..start + t`: rows of the table, or for
+    /// a dynamic-NTK pass beyond the original window, frequencies for the length it reaches
+    /// (transformers recomputes them whenever a pass grows past what it has seen).
+    fn rotary(&self, start: usize, t: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        if start + t > self.cos.dim(0)? {
+            return rope_cos_sin(&self.rope, &self.cfg, start, t, self.dtype, &self.device);
+        }
+        Ok((self.cos.narrow(0, start, t)?, self.sin.narrow(0, start, t)?))
     }
 
     fn attention(
@@ -476,10 +518,9 @@ impl Decoder {
                 q = qn.forward(&q)?;
                 k = kn.forward(&k)?;
             }
-            let cos = self.cos.narrow(0, start, t)?;
-            let sin = self.sin.narrow(0, start, t)?;
-            let q = candle_nn::rotary_emb::rope(&q.unsqueeze(0)?, &cos, &sin)?.squeeze(0)?;
-            let k = candle_nn::rotary_emb::rope(&k.unsqueeze(0)?, &cos, &sin)?.squeeze(0)?;
+            let (cos, sin) = &batch.rot[ri];
+            let q = candle_nn::rotary_emb::rope(&q.unsqueeze(0)?, cos, sin)?.squeeze(0)?;
+            let k = candle_nn::rotary_emb::rope(&k.unsqueeze(0)?, cos, sin)?.squeeze(0)?;
             if row.cache.layers.len() < self.layers.len() {
                 row.cache.layers.resize(self.layers.len(), None);
             }
@@ -565,22 +606,32 @@ fn causal_mask(
     Tensor::from_slice(&mask, (t, total), device)?.to_dtype(dtype)
 }
 
-/// cos/sin tables `[max_pos, head_dim/2]` of HF's non-interleaved rotary embedding.
-fn rope_tables(
+/// cos/sin `[t, head_dim/2]` of HF's non-interleaved rotary embedding for positions
+/// `start..start + t`, computed as transformers does: f32 angles `position × inv_freq`, cos and
+/// sin times the attention scaling (YaRN), then cast to the model's dtype. The frequencies of
+/// dynamic NTK use the length this span reaches.
+fn rope_cos_sin(
+    rope: &Rope,
     cfg: &ModelConfig,
+    start: usize,
+    t: usize,
     dtype: DType,
     device: &Device,
 ) -> candle_core::Result<(Tensor, Tensor)> {
-    let hd = cfg.head_dim();
-    let inv: Vec<f32> = (0..hd / 2)
-        .map(|i| 1.0 / (cfg.rope_theta().powf(2.0 * i as f64 / hd as f64)) as f32)
-        .collect();
-    let inv = Tensor::from_vec(inv, (1, hd / 2), device)?;
-    let pos = Tensor::arange(0u32, cfg.max_position_embeddings as u32, device)?
+    let (inv, scale) = rope.inv_freq(start + t, cfg.max_position_embeddings);
+    let half = inv.len();
+    let inv: Vec<f32> = inv.into_iter().map(|f| f as f32).collect();
+    let inv = Tensor::from_vec(inv, (1, half), device)?;
+    let pos = Tensor::arange(start as u32, (start + t) as u32, device)?
         .to_dtype(DType::F32)?
-        .reshape((cfg.max_position_embeddings, 1))?;
+        .reshape((t, 1))?;
     let freqs = pos.broadcast_mul(&inv)?;
-    Ok((freqs.cos()?.to_dtype(dtype)?, freqs.sin()?.to_dtype(dtype)?))
+    let (mut cos, mut sin) = (freqs.cos()?, freqs.sin()?);
+    if scale != 1.0 {
+        cos = (cos * scale)?;
+        sin = (sin * scale)?;
+    }
+    Ok((cos.to_dtype(dtype)?, sin.to_dtype(dtype)?))
 }
 
 /// Greedy argmax of a logits vector.

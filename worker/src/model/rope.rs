@@ -1,0 +1,414 @@
+//! Rotary position embeddings with the scalings transformers implements for Llama and Qwen
+//! checkpoints: `default`, `linear`, `dynamic` (NTK), `llama3` and `yarn`, computed as
+//! transformers' `modeling_rope_utils` computes the inverse frequencies and the attention
+//! scaling (which multiplies cos and sin).
+//!
+//! The parameters come from `config.json`: transformers 5's `rope_parameters`
+//! (`{"rope_type", "rope_theta", "factor", ...}`) or the older `rope_scaling` dict (`"type"` or
+//! `"rope_type"`) next to a top-level `rope_theta`. As in transformers, `rope_scaling` wins when
+//! both are present and the dict's own `rope_theta` wins over the top-level one.
+
+use serde_json::{Map, Value};
+
+use super::{ModelConfig, ModelError};
+
+/// The RoPE variant of a model.
+#[derive(Debug, Clone, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE.
+    Default,
+    /// Position interpolation: every inverse frequency divided by `factor`.
+    Linear {
+        /// Scale factor.
+        factor: f64,
+    },
+    /// Dynamic NTK: beyond `max_position_embeddings` the base grows with the sequence length.
+    /// As transformers does, each forward pass uses the length it reaches (`last position + 1`)
+    /// for its new queries and keys; keys already cached keep the frequencies they were
+    /// rotated with. A prompt prefilled in chunks past the window therefore follows each
+    /// chunk's end (as transformers would if fed the same chunks); one-chunk prefill (the
+    /// engine's default `prefill_chunk` of 512) equals transformers' `generate`.
+    Dynamic {
+        /// Scale factor.
+        factor: f64,
+    },
+    /// Llama 3.1: low frequencies divided by `factor`, high ones kept, a smooth ramp between.
+    Llama3 {
+        /// Scale factor.
+        factor: f64,
+        /// Wavelengths above `original / low_freq_factor` are scaled.
+        low_freq_factor: f64,
+        /// Wavelengths below `original / high_freq_factor` are kept.
+        high_freq_factor: f64,
+        /// Pre-training context length.
+        original_max: f64,
+    },
+    /// YaRN: per-dimension blend of interpolation and extrapolation, cos/sin scaled by the
+    /// attention factor.
+    Yarn {
+        /// Scale factor.
+        factor: f64,
+        /// Pre-training context length.
+        original_max: f64,
+        /// Multiplies cos and sin.
+        attention_factor: f64,
+        /// Rotations where extrapolation ends.
+        beta_fast: f64,
+        /// Rotations where interpolation starts.
+        beta_slow: f64,
+        /// Round the correction range to whole dimensions.
+        truncate: bool,
+    },
+}
+
+/// RoPE parameters of a model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rope {
+    /// Base.
+    pub theta: f64,
+    /// Variant.
+    pub scaling: RopeScaling,
+    /// Rotary dimension (the head size).
+    pub dim: usize,
+}
+
+fn num(d: &Map<String, Value>, key: &str) -> Option<f64> {
+    d.get(key).and_then(Value::as_f64)
+}
+
+/// The dict transformers would read: `rope_scaling` when set, else `rope_parameters`; a dict
+/// nested by layer type (`{"full_attention": {...}}`) is accepted when every layer type has the
+/// same parameters.
+fn rope_dict(cfg: &ModelConfig) -> Result<Map<String, Value>, ModelError> {
+    let pick = |v: &Option<Value>| match v {
+        Some(Value::Object(m)) if !m.is_empty() => Some(m.clone()),
+        _ => None,
+    };
+    let Some(d) = pick(&cfg.rope_scaling).or_else(|| pick(&cfg.rope_parameters)) else {
+        return Ok(Map::new());
+    };
+    let nested: Vec<&Value> = d.values().filter(|v| v.is_object()).collect();
+    if nested.is_empty() {
+        return Ok(d);
+    }
+    if nested.len() != d.len() || nested.windows(2).any(|w| w[0] != w[1]) {
+        return Err(ModelError::Config(
+            "RoPE parameters that differ per layer type are not supported".into(),
+        ));
+    }
+    Ok(nested[0].as_object().cloned().unwrap_or_default())
+}
+
+impl Rope {
+    /// Reads and checks the RoPE parameters of a config.
+    pub fn from_config(cfg: &ModelConfig) -> Result<Self, ModelError> {
+        let d = rope_dict(cfg)?;
+        let theta = num(&d, "rope_theta").or(cfg.rope_theta).unwrap_or(10_000.0);
+        let partial = num(&d, "partial_rotary_factor")
+            .or(cfg.partial_rotary_factor)
+            .unwrap_or(1.0);
+        if partial != 1.0 {
+            return Err(ModelError::Config(format!(
+                "partial_rotary_factor {partial} is not supported (RoPE on the whole head only)"
+            )));
+        }
+        let kind = d
+            .get("rope_type")
+            .or_else(|| d.get("type"))
+            .and_then(Value::as_str)
+            .unwrap_or("default")
+            .to_string();
+        let factor = || {
+            num(&d, "factor").ok_or_else(|| {
+                ModelError::Config(format!("rope type {kind:?} needs a numeric \"factor\""))
+            })
+        };
+        // transformers: a top-level `original_max_position_embeddings` (Phi-3 style) wins over
+        // the dict's, which defaults to `max_position_embeddings`.
+        let original_max = cfg
+            .original_max_position_embeddings
+            .map(|v| v as f64)
+            .or_else(|| num(&d, "original_max_position_embeddings"))
+            .unwrap_or(cfg.max_position_embeddings as f64);
+        let scaling = match kind.as_str() {
+            "default" => RopeScaling::Default,
+            "linear" => RopeScaling::Linear { factor: factor()? },
+            "dynamic" => RopeScaling::Dynamic { factor: factor()? },
+            "llama3" => {
+                let need = |k: &str| {
+                    num(&d, k).ok_or_else(|| {
+                        ModelError::Config(format!("rope type \"llama3\" needs a numeric {k:?}"))
+                    })
+                };
+                let (low, high) = (need("low_freq_factor")?, need("high_freq_factor")?);
+                if high <= low {
+                    return Err(ModelError::Config(format!(
+                        "rope type \"llama3\": high_freq_factor {high} must exceed low_freq_factor {low}"
+                    )));
+                }
+                RopeScaling::Llama3 {
+                    factor: factor()?,
+                    low_freq_factor: low,
+                    high_freq_factor: high,
+                    original_max,
+                }
+            }
+            "yarn" => {
+                let factor = num(&d, "factor")
+                    .unwrap_or(cfg.max_position_embeddings as f64 / original_max);
+                let mscale = |scale: f64, m: f64| {
+                    if scale <= 1.0 {
+                        1.0
+                    } else {
+                        0.1 * m * scale.ln() + 1.0
+                    }
+                };
+                let attention_factor = match num(&d, "attention_factor") {
+                    Some(a) => a,
+                    None => match (num(&d, "mscale"), num(&d, "mscale_all_dim")) {
+                        (Some(m), Some(all)) if m != 0.0 && all != 0.0 => {
+                            mscale(factor, m) / mscale(factor, all)
+                        }
+                        _ => mscale(factor, 1.0),
+                    },
+                };
+                // transformers: `get("beta_fast") or 32` (0 and null mean the default too).
+                let or = |k: &str, default: f64| num(&d, k).filter(|v| *v != 0.0).unwrap_or(default);
+                RopeScaling::Yarn {
+                    factor,
+                    original_max,
+                    attention_factor,
+                    beta_fast: or("beta_fast", 32.0),
+                    beta_slow: or("beta_slow", 1.0),
+                    truncate: d.get("truncate").and_then(Value::as_bool).unwrap_or(true),
+                }
+            }
+            other => {
+                return Err(ModelError::Config(format!(
+                    "rope type {other:?} is not supported (mole runs default, linear, dynamic, llama3 and yarn)"
+                )))
+            }
+        };
+        if let RopeScaling::Linear { factor }
+        | RopeScaling::Dynamic { factor }
+        | RopeScaling::Llama3 { factor, .. }
+        | RopeScaling::Yarn { factor, .. } = &scaling
+        {
+            if !(factor.is_finite() && *factor > 0.0) {
+                return Err(ModelError::Config(format!(
+                    "rope type {kind:?}: factor {factor} must be a positive number"
+                )));
+            }
+        }
+        if theta.is_nan() || theta <= 1.0 {
+            return Err(ModelError::Config(format!(
+                "rope_theta {theta} must be > 1"
+            )));
+        }
+        Ok(Self {
+            theta,
+            scaling,
+            dim: cfg.head_dim(),
+        })
+    }
+
+    /// Positions the model accepts, as vLLM derives them: `max_position_embeddings` times the
+    /// factor for `linear` and `dynamic`, `original × factor` for `yarn` (never less than
+    /// `max_position_embeddings`), `max_position_embeddings` otherwise.
+    pub fn max_positions(&self, max_position_embeddings: usize) -> usize {
+        let scaled = |x: f64| (x.floor() as usize).max(max_position_embeddings);
+        match &self.scaling {
+            RopeScaling::Linear { factor } | RopeScaling::Dynamic { factor } => {
+                scaled(max_position_embeddings as f64 * factor)
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max,
+                ..
+            } => scaled(original_max * factor),
+            RopeScaling::Default | RopeScaling::Llama3 { .. } => max_position_embeddings,
+        }
+    }
+
+    /// `base^(-2i/dim)` for `i < dim/2`.
+    fn plain(&self, base: f64) -> Vec<f64> {
+        let dim = self.dim as f64;
+        (0..self.dim / 2)
+            .map(|i| 1.0 / base.powf(2.0 * i as f64 / dim))
+            .collect()
+    }
+
+    /// Inverse frequencies (`dim/2` of them) and the factor on cos/sin. `seq_len` only matters
+    /// to `dynamic`: the sequence length the pass reaches, against `max_position_embeddings`.
+    pub fn inv_freq(&self, seq_len: usize, max_position_embeddings: usize) -> (Vec<f64>, f64) {
+        let dim = self.dim as f64;
+        match &self.scaling {
+            RopeScaling::Default => (self.plain(self.theta), 1.0),
+            RopeScaling::Linear { factor } => (
+                self.plain(self.theta).iter().map(|f| f / factor).collect(),
+                1.0,
+            ),
+            RopeScaling::Dynamic { factor } => {
+                let max = max_position_embeddings as f64;
+                let seq = (seq_len as f64).max(max);
+                let base =
+                    self.theta * ((factor * seq / max) - (factor - 1.0)).powf(dim / (dim - 2.0));
+                (self.plain(base), 1.0)
+            }
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max,
+            } => {
+                let low_wavelen = original_max / low_freq_factor;
+                let high_wavelen = original_max / high_freq_factor;
+                let inv = self
+                    .plain(self.theta)
+                    .into_iter()
+                    .map(|f| {
+                        let wavelen = 2.0 * std::f64::consts::PI / f;
+                        if wavelen < high_wavelen {
+                            f
+                        } else if wavelen > low_wavelen {
+                            f / factor
+                        } else {
+                            let smooth = (original_max / wavelen - low_freq_factor)
+                                / (high_freq_factor - low_freq_factor);
+                            (1.0 - smooth) * f / factor + smooth * f
+                        }
+                    })
+                    .collect();
+                (inv, 1.0)
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max,
+                attention_factor,
+                beta_fast,
+                beta_slow,
+                truncate,
+            } => {
+                let base = self.theta;
+                let correction_dim = |rotations: f64| {
+                    dim * (original_max / (rotations * 2.0 * std::f64::consts::PI)).ln()
+                        / (2.0 * base.ln())
+                };
+                let (mut low, mut high) = (correction_dim(*beta_fast), correction_dim(*beta_slow));
+                if *truncate {
+                    low = low.floor();
+                    high = high.ceil();
+                }
+                let low = low.max(0.0);
+                let mut high = high.min(dim - 1.0);
+                if low == high {
+                    high += 0.001; // transformers: no division by zero
+                }
+                let inv = self
+                    .plain(base)
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, extrapolated)| {
+                        let interpolated = extrapolated / factor;
+                        let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                        let keep = 1.0 - ramp;
+                        interpolated * (1.0 - keep) + extrapolated * keep
+                    })
+                    .collect();
+                (inv, *attention_factor)
+            }
+        }
+    }
+
+    /// Whether the frequencies depend on the sequence length (`dynamic`).
+    pub fn is_dynamic(&self) -> bool {
+        matches!(self.scaling, RopeScaling::Dynamic { .. })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(extra: Value) -> ModelConfig {
+        let mut v = serde_json::json!({
+            "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "rms_norm_eps": 1e-6,
+            "vocab_size": 16, "max_position_embeddings": 128,
+        });
+        for (k, x) in extra.as_object().unwrap() {
+            v[k] = x.clone();
+        }
+        serde_json::from_value(v).unwrap()
+    }
+
+    #[test]
+    fn legacy_and_v5_forms_read_the_same() {
+        let legacy = cfg(serde_json::json!({"rope_theta": 5e5,
+            "rope_scaling": {"type": "linear", "factor": 2.0}}));
+        let v5 = cfg(serde_json::json!({
+            "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}));
+        let a = Rope::from_config(&legacy).unwrap();
+        assert_eq!(a, Rope::from_config(&v5).unwrap());
+        assert_eq!(a.theta, 5e5);
+        assert_eq!(a.max_positions(128), 256);
+        // Nested per layer type, all alike.
+        let nested = cfg(serde_json::json!({"rope_parameters": {
+            "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5}}}));
+        assert_eq!(a, Rope::from_config(&nested).unwrap());
+    }
+
+    #[test]
+    fn yarn_defaults_follow_transformers() {
+        let c = cfg(
+            serde_json::json!({"rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+            "original_max_position_embeddings": 32}}),
+        );
+        let r = Rope::from_config(&c).unwrap();
+        let RopeScaling::Yarn {
+            attention_factor, ..
+        } = r.scaling
+        else {
+            panic!("{r:?}")
+        };
+        assert!((attention_factor - (0.1 * 4f64.ln() + 1.0)).abs() < 1e-12);
+        assert_eq!(r.max_positions(128), 128);
+        assert_eq!(r.max_positions(40), 128);
+        // Dynamic at or below the original length is plain RoPE.
+        let d = Rope::from_config(&cfg(serde_json::json!({
+            "rope_scaling": {"type": "dynamic", "factor": 2.0}})))
+        .unwrap();
+        let plain = Rope::from_config(&cfg(serde_json::json!({}))).unwrap();
+        assert_eq!(d.inv_freq(100, 128), plain.inv_freq(100, 128));
+        assert_ne!(d.inv_freq(129, 128), plain.inv_freq(129, 128));
+    }
+
+    #[test]
+    fn unknown_and_incomplete_scalings_are_refused_by_name() {
+        for (extra, want) in [
+            (
+                serde_json::json!({"rope_scaling": {"rope_type": "longrope", "factor": 2.0}}),
+                "rope type \"longrope\" is not supported",
+            ),
+            (
+                serde_json::json!({"rope_parameters": {"rope_type": "su"}}),
+                "rope type \"su\" is not supported",
+            ),
+            (
+                serde_json::json!({"rope_scaling": {"type": "linear"}}),
+                "needs a numeric \"factor\"",
+            ),
+            (
+                serde_json::json!({"rope_scaling": {"rope_type": "llama3", "factor": 8.0}}),
+                "needs a numeric \"low_freq_factor\"",
+            ),
+            (
+                serde_json::json!({"partial_rotary_factor": 0.5}),
+                "partial_rotary_factor",
+            ),
+        ] {
+            let e = Rope::from_config(&cfg(extra)).unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+    }
+}
