@@ -1,262 +1,28 @@
-//! The samples against the CRDs' own `x-kubernetes-validations`: a small interpreter of the CEL
-//! subset the generated schemas use (string literals, `self` and field selection, `has()`,
-//! `!`, `&&`, `||`, `==`, `!=`, `in`, `startsWith`, `matches`, `all`, `exists_one`) evaluates
-//! every rule of the generated schema on every sample, with schema defaults applied first as
-//! the API server does. The valid samples pass every rule; `invalid-adapter.yaml` fails exactly
-//! the rule its first line names. An expression outside the subset fails the test, so a new
-//! rule cannot silently go unchecked.
+//! The samples against the CRDs' own `x-kubernetes-validations`, evaluated by the `cel` crate
+//! (cel-rust): every rule of the generated schema is compiled and evaluated at its schema
+//! location (object properties and array items alike) on every sample, with `self` bound to the
+//! value there and schema defaults applied first, as the API server does on create (so
+//! `oldSelf` is unbound). The valid samples pass every rule; `invalid-adapter.yaml` fails
+//! exactly the rule its first line names. A rule that does not compile, errors, or yields a
+//! non-boolean fails the test, so a new rule cannot silently go unchecked.
 
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
-#[derive(Debug, Clone, PartialEq)]
-enum Tok {
-    Str(String),
-    Ident(String),
-    Op(&'static str),
-}
-
-fn lex(src: &str) -> Vec<Tok> {
-    let c: Vec<char> = src.chars().collect();
-    let mut out = Vec::new();
-    let mut i = 0;
-    while i < c.len() {
-        let ch = c[i];
-        if ch.is_whitespace() {
-            i += 1;
-        } else if ch == '\'' || ch == '"' {
-            let mut s = String::new();
-            i += 1;
-            while c[i] != ch {
-                if c[i] == '\\' {
-                    i += 1;
-                }
-                s.push(c[i]);
-                i += 1;
-            }
-            i += 1;
-            out.push(Tok::Str(s));
-        } else if ch.is_alphabetic() || ch == '_' {
-            let start = i;
-            while i < c.len() && (c[i].is_alphanumeric() || c[i] == '_') {
-                i += 1;
-            }
-            let w: String = c[start..i].iter().collect();
-            out.push(if w == "in" {
-                Tok::Op("in")
-            } else {
-                Tok::Ident(w)
-            });
-        } else {
-            let two: String = c[i..(i + 2).min(c.len())].iter().collect();
-            let op = ["&&", "||", "==", "!="]
-                .into_iter()
-                .find(|o| *o == two)
-                .map(|o| (o, 2))
-                .or_else(|| {
-                    ["!", "(", ")", ",", "."]
-                        .into_iter()
-                        .find(|o| o.starts_with(ch))
-                        .map(|o| (o, 1))
-                })
-                .unwrap_or_else(|| panic!("unsupported CEL character {ch:?} in {src}"));
-            out.push(Tok::Op(op.0));
-            i += op.1;
-        }
-    }
-    out
-}
-
-#[derive(Debug, Clone)]
-enum Expr {
-    Str(String),
-    Var(String),
-    Select(Box<Expr>, String),
-    Call(Option<Box<Expr>>, String, Vec<Expr>),
-    Not(Box<Expr>),
-    Bin(&'static str, Box<Expr>, Box<Expr>),
-}
-
-struct Parser {
-    toks: Vec<Tok>,
-    pos: usize,
-}
-
-impl Parser {
-    fn peek(&self) -> Option<&Tok> {
-        self.toks.get(self.pos)
-    }
-    fn eat(&mut self, op: &str) -> bool {
-        if self.peek() == Some(&Tok::Op(leak(op))) {
-            self.pos += 1;
-            true
-        } else {
-            false
-        }
-    }
-    fn expect(&mut self, op: &str) {
-        assert!(self.eat(op), "expected {op} at token {}", self.pos);
-    }
-    fn or(&mut self) -> Expr {
-        let mut e = self.and();
-        while self.eat("||") {
-            e = Expr::Bin("||", Box::new(e), Box::new(self.and()));
-        }
-        e
-    }
-    fn and(&mut self) -> Expr {
-        let mut e = self.rel();
-        while self.eat("&&") {
-            e = Expr::Bin("&&", Box::new(e), Box::new(self.rel()));
-        }
-        e
-    }
-    fn rel(&mut self) -> Expr {
-        let e = self.unary();
-        for op in ["==", "!=", "in"] {
-            if self.eat(op) {
-                return Expr::Bin(leak(op), Box::new(e), Box::new(self.unary()));
-            }
-        }
-        e
-    }
-    fn unary(&mut self) -> Expr {
-        if self.eat("!") {
-            return Expr::Not(Box::new(self.unary()));
-        }
-        let mut e = self.primary();
-        while self.eat(".") {
-            let Some(Tok::Ident(name)) = self.peek().cloned() else {
-                panic!("expected a name after '.'")
-            };
-            self.pos += 1;
-            e = if self.eat("(") {
-                Expr::Call(Some(Box::new(e)), name, self.args())
-            } else {
-                Expr::Select(Box::new(e), name)
-            };
-        }
-        e
-    }
-    fn args(&mut self) -> Vec<Expr> {
-        let mut out = Vec::new();
-        if self.eat(")") {
-            return out;
-        }
-        loop {
-            out.push(self.or());
-            if self.eat(")") {
-                return out;
-            }
-            self.expect(",");
-        }
-    }
-    fn primary(&mut self) -> Expr {
-        match self.peek().cloned() {
-            Some(Tok::Str(s)) => {
-                self.pos += 1;
-                Expr::Str(s)
-            }
-            Some(Tok::Ident(name)) => {
-                self.pos += 1;
-                if self.eat("(") {
-                    Expr::Call(None, name, self.args())
-                } else {
-                    Expr::Var(name)
-                }
-            }
-            Some(Tok::Op("(")) => {
-                self.pos += 1;
-                let e = self.or();
-                self.expect(")");
-                e
-            }
-            t => panic!("unexpected token {t:?}"),
-        }
-    }
-}
-
-fn leak(op: &str) -> &'static str {
-    ["&&", "||", "==", "!=", "in", "!", "(", ")", ",", "."]
-        .into_iter()
-        .find(|o| *o == op)
-        .unwrap()
-}
-
-fn parse(src: &str) -> Expr {
-    let mut p = Parser {
-        toks: lex(src),
-        pos: 0,
-    };
-    let e = p.or();
-    assert_eq!(p.pos, p.toks.len(), "trailing tokens in {src}");
-    e
-}
-
-type Env = Vec<(String, Value)>;
-
-fn eval(e: &Expr, env: &Env) -> Value {
-    let b = |e: &Expr, env: &Env| eval(e, env).as_bool().expect("a boolean");
-    match e {
-        Expr::Str(s) => Value::String(s.clone()),
-        Expr::Var(v) => env
-            .iter()
-            .rev()
-            .find(|(k, _)| k == v)
-            .unwrap_or_else(|| panic!("unknown variable {v}"))
-            .1
-            .clone(),
-        Expr::Select(obj, f) => {
-            let o = eval(obj, env);
-            o.get(f)
-                .cloned()
-                .unwrap_or_else(|| panic!("no such key {f} (CEL raises an error)"))
-        }
-        Expr::Not(x) => Value::Bool(!b(x, env)),
-        Expr::Bin("&&", l, r) => Value::Bool(b(l, env) && b(r, env)),
-        Expr::Bin("||", l, r) => Value::Bool(b(l, env) || b(r, env)),
-        Expr::Bin("==", l, r) => Value::Bool(eval(l, env) == eval(r, env)),
-        Expr::Bin("!=", l, r) => Value::Bool(eval(l, env) != eval(r, env)),
-        Expr::Bin("in", l, r) => {
-            let x = eval(l, env);
-            Value::Bool(eval(r, env).as_array().expect("a list").contains(&x))
-        }
-        Expr::Call(None, f, args) if f == "has" => {
-            let Expr::Select(obj, field) = &args[0] else {
-                panic!("has() takes a field selection")
-            };
-            Value::Bool(eval(obj, env).get(field).is_some_and(|v| !v.is_null()))
-        }
-        Expr::Call(Some(target), f, args) => match f.as_str() {
-            "startsWith" | "matches" => {
-                let s = eval(target, env).as_str().expect("a string").to_string();
-                let arg = eval(&args[0], env).as_str().unwrap().to_string();
-                Value::Bool(if f == "startsWith" {
-                    s.starts_with(&arg)
-                } else {
-                    regex::Regex::new(&arg).unwrap().is_match(&s)
-                })
-            }
-            "all" | "exists_one" => {
-                let list = eval(target, env).as_array().expect("a list").clone();
-                let Expr::Var(var) = &args[0] else {
-                    panic!("macro variable")
-                };
-                let hits = list
-                    .into_iter()
-                    .filter(|x| {
-                        let mut env = env.clone();
-                        env.push((var.clone(), x.clone()));
-                        b(&args[1], &env)
-                    })
-                    .count();
-                let n = eval(target, env).as_array().unwrap().len();
-                Value::Bool(if f == "all" { hits == n } else { hits == 1 })
-            }
-            other => panic!("unsupported CEL function {other}"),
-        },
-        other => panic!("unsupported CEL expression {other:?}"),
+/// Evaluates one rule with `self` bound to `v`.
+fn holds(rule: &str, v: &Value) -> bool {
+    let program =
+        cel::Program::compile(rule).unwrap_or_else(|e| panic!("{rule:?} does not compile: {e}"));
+    assert!(
+        !program.references().has_variable("oldSelf"),
+        "{rule:?} is a transition rule: the API server skips it on create; test it on update"
+    );
+    let mut ctx = cel::Context::default();
+    ctx.add_variable_from_value("self", cel::to_value(v).expect("JSON converts to CEL"));
+    match program.execute(&ctx) {
+        Ok(cel::Value::Bool(ok)) => ok,
+        other => panic!("{rule:?} on {v}: {other:?}, not a boolean"),
     }
 }
 
@@ -274,6 +40,12 @@ fn validate(
         v.as_object_mut(),
     ) {
         for (k, sub) in props {
+            // The API server prunes a null it may not keep before defaulting.
+            if obj.get(k).is_some_and(Value::is_null)
+                && sub.get("nullable") != Some(&Value::Bool(true))
+            {
+                obj.remove(k);
+            }
             if !obj.contains_key(k) {
                 if let Some(d) = sub.get("default") {
                     obj.insert(k.clone(), d.clone());
@@ -296,9 +68,7 @@ fn validate(
         .flatten()
     {
         *n += 1;
-        let expr = parse(rule["rule"].as_str().unwrap());
-        let ok = eval(&expr, &vec![("self".to_string(), v.clone())]);
-        if ok != Value::Bool(true) {
+        if !holds(rule["rule"].as_str().unwrap(), v) {
             let msg = rule["message"].as_str().unwrap_or("").to_string();
             failed.push((path.to_string(), msg));
         }
