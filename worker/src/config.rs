@@ -5,7 +5,6 @@
 use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use mole_crds::{WorkerAdapter, WorkerConfig};
 use sha2::{Digest, Sha256};
@@ -75,11 +74,7 @@ pub fn parse(text: &str, origin: &str) -> Result<WorkerConfig, ConfigError> {
 
 /// Reads, parses and validates a config file.
 pub fn load(path: &Path) -> Result<WorkerConfig, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
-        path: path.display().to_string(),
-        source: e,
-    })?;
-    let cfg = parse(&text, &path.display().to_string())?;
+    let cfg = read(path)?;
     validate(&cfg)?;
     Ok(cfg)
 }
@@ -229,88 +224,135 @@ pub fn adapter_spec(cfg: &WorkerConfig, a: &WorkerAdapter) -> Result<AdapterSpec
     })
 }
 
+/// One configured adapter version the worker could not load, and why. Every reason is
+/// permanent for that version (bad files, wrong base model, rank over the cap, path outside the
+/// root): the worker reports it and stays ready, and a new version in the config is tried again.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LoadFailure {
+    /// Adapter name.
+    pub name: String,
+    /// Version.
+    pub version: String,
+    /// Pool-wide id.
+    pub lora_id: u32,
+    /// Why.
+    pub reason: String,
+}
+
+/// What [`apply_diff`] did.
+#[derive(Debug, Default)]
+pub struct ApplyReport {
+    /// Versions loaded, with the seconds each load took.
+    pub loaded: Vec<(String, f64)>,
+    /// Versions refused.
+    pub failed: Vec<LoadFailure>,
+    /// Adapters that could not be unloaded (already gone).
+    pub unload_errors: Vec<String>,
+}
+
+impl ApplyReport {
+    /// One message per problem (for logs and `/admin/reload`).
+    pub fn errors(&self) -> Vec<String> {
+        self.failed
+            .iter()
+            .map(|f| format!("load {} {}: {}", f.name, f.version, f.reason))
+            .chain(self.unload_errors.iter().cloned())
+            .collect()
+    }
+}
+
 /// Applies a diff through the engine. Loads before unloads so a renamed adapter never leaves a
-/// gap; the engine keeps old versions alive for requests already pinned to them. Returns one
-/// error message per adapter that failed (the others are applied).
+/// gap; the engine keeps old versions alive for requests already pinned to them. An adapter
+/// that fails is reported and the others are applied.
 pub fn apply_diff(
     engine: &dyn InferenceEngine,
     cfg: &WorkerConfig,
     diff: &AdapterDiff,
-) -> Vec<String> {
-    let mut errors = Vec::new();
+) -> ApplyReport {
+    let mut report = ApplyReport::default();
     for a in &diff.load {
+        let started = std::time::Instant::now();
         let r = adapter_spec(cfg, a)
             .map_err(|e| e.to_string())
             .and_then(|s| engine.load_adapter(s).map_err(|e| e.to_string()));
-        if let Err(e) = r {
-            errors.push(format!("load {}: {e}", a.name));
+        match r {
+            Ok(()) => report
+                .loaded
+                .push((a.name.clone(), started.elapsed().as_secs_f64())),
+            Err(reason) => report.failed.push(LoadFailure {
+                name: a.name.clone(),
+                version: a.version.clone(),
+                lora_id: a.lora_id,
+                reason,
+            }),
         }
     }
     for n in &diff.unload {
         if let Err(e) = engine.unload_adapter(n) {
-            errors.push(format!("unload {n}: {e}"));
+            report.unload_errors.push(format!("unload {n}: {e}"));
         }
     }
-    errors
+    report
 }
 
 /// Shared current config, swapped atomically by the watcher and `/admin/reload`.
 pub type SharedConfig = Arc<std::sync::RwLock<Arc<WorkerConfig>>>;
 
-/// Re-reads `path`; when valid and different, applies the adapter diff and swaps the config.
-/// Returns `Ok(true)` when something changed. An invalid new file keeps the old config.
-pub fn reload(
-    path: &Path,
-    shared: &SharedConfig,
-    engine: &dyn InferenceEngine,
-) -> Result<(bool, Vec<String>), ConfigError> {
-    let new = load(path)?;
-    let old = shared.read().expect("config lock").clone();
-    if *old == new {
-        return Ok((false, Vec::new()));
-    }
-    let diff = diff_adapters(&old.adapters, &new.adapters);
-    let errors = apply_diff(engine, &new, &diff);
-    *shared.write().expect("config lock") = Arc::new(new);
-    Ok((true, errors))
+/// Reads and parses a config file without validating it (the hash check of `/admin/reload`
+/// comes first: a stale file is reported as stale, not as whatever else is wrong with it).
+pub fn read(path: &Path) -> Result<WorkerConfig, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Io {
+        path: path.display().to_string(),
+        source: e,
+    })?;
+    parse(&text, &path.display().to_string())
 }
 
-fn content_hash(path: &Path) -> Option<Vec<u8>> {
-    // Hash the content, not the mtime: a ConfigMap update is a symlink swap whose target
-    // mtime may not move.
+/// Settings a running worker cannot change: the engine, the body limit and the embedding
+/// model are built from them at start. The operator rolls the pods when they change (they are
+/// in its pod-spec hash); until then the worker keeps serving with the old values.
+pub fn restart_required(old: &WorkerConfig, new: &WorkerConfig) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    if old.mode != new.mode {
+        out.push("mode");
+    }
+    if old.model_root != new.model_root {
+        out.push("modelRoot");
+    }
+    if old.base_model != new.base_model {
+        out.push("baseModel");
+    }
+    if old.merged != new.merged {
+        out.push("merged");
+    }
+    if old.limits != new.limits {
+        out.push("limits");
+    }
+    if old.router.embedding_model != new.router.embedding_model {
+        out.push("router.embeddingModel");
+    }
+    out
+}
+
+/// The config a running worker applies from `new`: everything but the [`restart_required`]
+/// settings, which keep their `old` values (never half-applied).
+pub fn hot_applicable(old: &WorkerConfig, new: &WorkerConfig) -> WorkerConfig {
+    let mut c = new.clone();
+    c.mode = old.mode;
+    c.model_root = old.model_root.clone();
+    c.base_model = old.base_model.clone();
+    c.merged = old.merged.clone();
+    c.limits = old.limits.clone();
+    c.router.embedding_model = old.router.embedding_model.clone();
+    c
+}
+
+/// Hash of a file's bytes (change detection by the watcher). Content, not mtime: a ConfigMap
+/// update is a symlink swap whose target mtime may not move.
+pub fn file_hash(path: &Path) -> Option<Vec<u8>> {
     std::fs::read(path)
         .ok()
         .map(|b| Sha256::digest(&b).to_vec())
-}
-
-/// Polls `path` every `every` and reloads on content change. Runs until the task is dropped.
-pub async fn watch(
-    path: PathBuf,
-    shared: SharedConfig,
-    engine: Arc<dyn InferenceEngine>,
-    every: Duration,
-) {
-    let mut last = content_hash(&path);
-    let mut tick = tokio::time::interval(every);
-    loop {
-        tick.tick().await;
-        let h = content_hash(&path);
-        if h.is_none() || h == last {
-            continue;
-        }
-        last = h;
-        let (p, s, e) = (path.clone(), shared.clone(), engine.clone());
-        let r = tokio::task::spawn_blocking(move || reload(&p, &s, e.as_ref())).await;
-        match r {
-            Ok(Ok((changed, errs))) => {
-                if changed {
-                    tracing::info!(errors = ?errs, "config reloaded");
-                }
-            }
-            Ok(Err(e)) => tracing::warn!(code = e.code(), "config reload refused: {e}"),
-            Err(e) => tracing::warn!("config reload task failed: {e}"),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -400,5 +442,24 @@ mod tests {
             diff_adapters(&[a("x", "1")], &[a("x", "1")]),
             AdapterDiff::default()
         );
+    }
+
+    #[test]
+    fn restart_settings_are_kept_not_half_applied() {
+        let d = setup();
+        let root = d.path().to_str().unwrap();
+        let old = parse(&cfg_yaml(root, "  []"), "t").unwrap();
+        let mut new = old.clone();
+        assert!(restart_required(&old, &new).is_empty());
+        new.base_model.name = "other".into();
+        new.limits.max_tokens = 7;
+        new.router.min_confidence = 0.9;
+        assert_eq!(restart_required(&old, &new), ["baseModel", "limits"]);
+        let eff = hot_applicable(&old, &new);
+        // The router change applies; the base model and limits stay as they were.
+        assert_eq!(eff.router.min_confidence, 0.9);
+        assert_eq!(eff.base_model, old.base_model);
+        assert_eq!(eff.limits, old.limits);
+        assert!(restart_required(&old, &eff).is_empty());
     }
 }

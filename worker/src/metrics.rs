@@ -12,7 +12,8 @@ use crate::engine::api::EngineStats;
 /// Every metric the server records.
 pub struct Metrics {
     registry: Registry,
-    /// Requests by endpoint, adapter, route reason and status code.
+    /// Requests by endpoint, adapter, mode (dynamic/merged/base), route reason and status code.
+    /// Adapter names come from the config (or the admin's load API): bounded.
     pub requests: IntCounterVec,
     /// Errors by stable code.
     pub errors: IntCounterVec,
@@ -32,8 +33,16 @@ pub struct Metrics {
     pub residency: IntGaugeVec,
     /// Adapter loads by result.
     pub adapter_loads: IntCounterVec,
-    /// Seconds spent loading adapters.
+    /// Seconds spent loading adapters (every engine load, reloads from the disk tier included).
     pub adapter_load_seconds: prometheus::Counter,
+    /// Duration of each adapter load the server asked for (config and load API), by result.
+    pub adapter_load_duration: HistogramVec,
+    /// 1 when the config file changed a setting that needs a restart (base model, limits...).
+    pub restart_required: IntGauge,
+    /// Config reloads by result (`changed`, `unchanged`, `stale`, `invalid`).
+    pub config_reloads: IntCounterVec,
+    /// 1 when `/readyz` answers ready.
+    pub ready: IntGauge,
     /// LRU evictions.
     pub adapter_evictions: IntCounter,
     /// Prompt and generated tokens by adapter and kind.
@@ -58,7 +67,7 @@ impl Metrics {
         let registry = Registry::new();
         let requests = IntCounterVec::new(
             Opts::new("mole_requests_total", "Requests served"),
-            &["endpoint", "adapter", "route", "status"],
+            &["endpoint", "adapter", "mode", "route", "status"],
         )
         .expect("metric");
         let errors = IntCounterVec::new(
@@ -121,6 +130,28 @@ impl Metrics {
             "Seconds spent loading adapters",
         )
         .expect("metric");
+        let adapter_load_duration = HistogramVec::new(
+            HistogramOpts::new(
+                "mole_adapter_load_duration_seconds",
+                "Duration of adapter loads requested by the config or the load API",
+            )
+            .buckets(vec![
+                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+            ]),
+            &["result"],
+        )
+        .expect("metric");
+        let restart_required = IntGauge::new(
+            "mole_config_restart_required",
+            "1 when the config changed a setting that needs a restart (base model, limits, mode)",
+        )
+        .expect("metric");
+        let config_reloads = IntCounterVec::new(
+            Opts::new("mole_config_reloads_total", "Config reloads by result"),
+            &["result"],
+        )
+        .expect("metric");
+        let ready = IntGauge::new("mole_ready", "1 when the worker is ready").expect("metric");
         let adapter_evictions = IntCounter::new(
             "mole_adapter_evictions_total",
             "Adapters evicted to disk by the LRU",
@@ -165,6 +196,10 @@ impl Metrics {
             Box::new(residency.clone()),
             Box::new(adapter_loads.clone()),
             Box::new(adapter_load_seconds.clone()),
+            Box::new(adapter_load_duration.clone()),
+            Box::new(restart_required.clone()),
+            Box::new(config_reloads.clone()),
+            Box::new(ready.clone()),
             Box::new(adapter_evictions.clone()),
             Box::new(tokens.clone()),
             Box::new(routes.clone()),
@@ -189,6 +224,10 @@ impl Metrics {
             residency,
             adapter_loads,
             adapter_load_seconds,
+            adapter_load_duration,
+            restart_required,
+            config_reloads,
+            ready,
             adapter_evictions,
             tokens,
             routes,

@@ -7,15 +7,20 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use mole_worker::engine::api::InferenceEngine;
+use mole_worker::engine::api::{
+    AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest,
+    InferenceEngine, ModelInfo,
+};
 use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
 use serde_json::{json, Value};
 
 struct Srv {
     url: String,
     engine: Arc<dyn InferenceEngine>,
+    state: Arc<AppState>,
     _dir: tempfile::TempDir,
     _stop: tokio::sync::oneshot::Sender<()>,
+    served: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
 fn copy_dir(from: &Path, to: &Path) {
@@ -26,9 +31,9 @@ fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
-/// A worker on the tiny Llama: adapters fr, js (and whatever `extra_adapters` adds) from the
-/// fixture adapters; `batch`/`queue` set the engine's batch and queue sizes.
-async fn start(extra_adapters: &str, batch: u32, queue: u32) -> Srv {
+/// A model root with the tiny Llama, its fixture adapters (fr, js, extra), an adapter of
+/// another base (wrongbase), a pickle-only one (binonly) and an admin token file.
+fn fixture_root() -> tempfile::TempDir {
     let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine");
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
@@ -42,7 +47,13 @@ async fn start(extra_adapters: &str, batch: u32, queue: u32) -> Srv {
     std::fs::write(root.join("binonly/adapter_config.json"), "{}").unwrap();
     std::fs::write(root.join("binonly/adapter_model.bin"), "x").unwrap();
     std::fs::write(root.join("admin"), "s3cret\n").unwrap();
-    let yaml = format!(
+    dir
+}
+
+/// The worker config of [`start`]: adapters fr, js (and whatever `extra_adapters` adds);
+/// `batch`/`queue` set the engine's batch and queue sizes.
+fn config_yaml(root: &Path, extra_adapters: &str, batch: u32, queue: u32) -> String {
+    format!(
         r#"
 pool: demo
 modelRoot: {root}
@@ -56,45 +67,78 @@ limits: {{maxTokens: 64, maxBodyBytes: 4096, maxSeqLen: 256, requestTimeoutSecon
 auth: {{adminTokenFile: {root}/admin}}
 "#,
         root = root.display()
-    );
+    )
+}
+
+/// A worker on the tiny Llama (see [`config_yaml`]).
+async fn start(extra_adapters: &str, batch: u32, queue: u32) -> Srv {
+    start_edited(extra_adapters, batch, queue, |y| y).await
+}
+
+/// [`start`] with the config text passed through `edit` first.
+async fn start_edited(
+    extra_adapters: &str,
+    batch: u32,
+    queue: u32,
+    edit: impl FnOnce(String) -> String,
+) -> Srv {
+    let dir = fixture_root();
+    let yaml = edit(config_yaml(dir.path(), extra_adapters, batch, queue));
     launch(dir, &yaml).await
 }
 
 /// Serves `yaml` (written to `<dir>/config.yaml`) until the returned server is dropped.
 async fn launch(dir: tempfile::TempDir, yaml: &str) -> Srv {
+    launch_with(dir, yaml, |e| e, Duration::from_millis(200), true).await
+}
+
+/// [`launch`] with the engine wrapped by `wrap`, the config watcher polling every `poll`
+/// (zero: off), and optionally without waiting for `/readyz`.
+async fn launch_with(
+    dir: tempfile::TempDir,
+    yaml: &str,
+    wrap: impl FnOnce(Arc<dyn InferenceEngine>) -> Arc<dyn InferenceEngine>,
+    poll: Duration,
+    wait_ready: bool,
+) -> Srv {
     let cfg_path = dir.path().join("config.yaml");
     std::fs::write(&cfg_path, yaml).unwrap();
     let cfg = mole_worker::config::load(&cfg_path).unwrap();
-    let engine = build_engine(&cfg).unwrap();
+    let engine = wrap(build_engine(&cfg).unwrap());
     let auth = Auth::from_config(&cfg).unwrap();
     let state = AppState::new(cfg, engine.clone(), Some(cfg_path.clone()), auth);
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", l.local_addr().unwrap());
     let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve_with(
+    let served = tokio::spawn(serve_with(state.clone(), l, cfg_path, poll, async move {
+        let _ = rx.await;
+    }));
+    let srv = Srv {
+        url,
+        engine,
         state,
-        l,
-        cfg_path,
-        Duration::from_millis(200),
-        async move {
-            let _ = rx.await;
-        },
-    ));
+        _dir: dir,
+        _stop: tx,
+        served,
+    };
+    if wait_ready {
+        wait_status(&srv, "/readyz", 200).await;
+    }
+    srv
+}
+
+/// Polls `path` until it answers `status` (10 s at most).
+async fn wait_status(s: &Srv, path: &str, status: u16) {
     let c = reqwest::Client::new();
-    for _ in 0..200 {
-        if let Ok(r) = c.get(format!("{url}/readyz")).send().await {
-            if r.status() == 200 {
-                break;
+    for _ in 0..500 {
+        if let Ok(r) = c.get(format!("{}{path}", s.url)).send().await {
+            if r.status() == status {
+                return;
             }
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Srv {
-        url,
-        engine,
-        _dir: dir,
-        _stop: tx,
-    }
+    panic!("{path} never answered {status}");
 }
 
 async fn post(s: &Srv, path: &str, body: Value) -> (u16, reqwest::header::HeaderMap, Value) {
@@ -495,6 +539,21 @@ async fn metrics_models_and_reload() {
         json!({"model": "fr", "max_tokens": 4, "ignore_eos": true, "messages": [{"role": "user", "content": "x"}]}),
     )
     .await;
+    // Names a client makes up never become label values.
+    let (st, _, _) = post(
+        &s,
+        "/v1/chat/completions",
+        json!({"model": "made-up-name", "messages": [{"role": "user", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(st, 404);
+    let (st, _, _) = post(
+        &s,
+        "/v1/chat/completions",
+        json!({"model": "llama", "max_tokens": 65, "messages": [{"role": "user", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!(st, 400);
     let m = c
         .get(format!("{}/metrics", s.url))
         .send()
@@ -507,8 +566,16 @@ async fn metrics_models_and_reload() {
     if let Ok(out) = std::env::var("MOLE_SCRAPE_OUT") {
         std::fs::write(out, &m).unwrap();
     }
-    assert!(m.contains("mole_requests_total{adapter=\"fr\",endpoint=\"chat\",route=\"explicit\",status=\"200\"} 1"), "{m}");
+    assert!(m.contains("mole_requests_total{adapter=\"fr\",endpoint=\"chat\",mode=\"dynamic\",route=\"explicit\",status=\"200\"} 1"), "{m}");
+    assert!(!m.contains("made-up-name"), "{m}");
+    assert!(
+        m.contains("mole_errors_total{code=\"model_not_found\"} 1"),
+        "{m}"
+    );
     for want in [
+        "mole_adapter_load_duration_seconds_count{result=\"ok\"} 2",
+        "mole_config_restart_required 0",
+        "mole_ready 1",
         "mole_inter_token_latency_seconds_count{adapter=\"fr\"} 3",
         "mole_time_to_first_token_seconds_count{adapter=\"fr\"} 1",
         "mole_tokens_total{adapter=\"fr\",kind=\"completion\"} 4",
@@ -700,4 +767,852 @@ async fn local_mode_merges_merged_adapters_in_process() {
     let (_, h, d) = post(&s, "/v1/chat/completions", ask("fr")).await;
     assert_eq!(h["x-mole-mode"], "dynamic");
     assert_eq!(content(&m), content(&d));
+}
+
+/// The real engine with adapter loads held until the gate opens (a slow load, in a test).
+struct GatedEngine {
+    inner: Arc<dyn InferenceEngine>,
+    open: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+}
+
+impl GatedEngine {
+    fn set(gate: &(std::sync::Mutex<bool>, std::sync::Condvar), open: bool) {
+        *gate.0.lock().unwrap() = open;
+        gate.1.notify_all();
+    }
+}
+
+impl InferenceEngine for GatedEngine {
+    fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
+        self.inner.submit(req)
+    }
+    fn apply_chat_template(&self, m: &[ChatMessage]) -> Result<String, EngineError> {
+        self.inner.apply_chat_template(m)
+    }
+    fn count_tokens(&self, t: &str) -> Result<usize, EngineError> {
+        self.inner.count_tokens(t)
+    }
+    fn score_labels(
+        &self,
+        a: Option<&str>,
+        p: &str,
+        l: &[String],
+    ) -> Result<Vec<f32>, EngineError> {
+        self.inner.score_labels(a, p, l)
+    }
+    fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
+        let (m, cv) = &*self.open;
+        let _g = cv.wait_while(m.lock().unwrap(), |open| !*open).unwrap();
+        self.inner.load_adapter(spec)
+    }
+    fn unload_adapter(&self, name: &str) -> Result<(), EngineError> {
+        self.inner.unload_adapter(name)
+    }
+    fn adapters(&self) -> Vec<mole_crds::LoraAdapterInfo> {
+        self.inner.adapters()
+    }
+    fn stats(&self) -> EngineStats {
+        self.inner.stats()
+    }
+    fn model_info(&self) -> ModelInfo {
+        self.inner.model_info()
+    }
+}
+
+async fn get(s: &Srv, path: &str, token: Option<&str>) -> (u16, Value) {
+    let mut r = reqwest::Client::new().get(format!("{}{path}", s.url));
+    if let Some(t) = token {
+        r = r.bearer_auth(t);
+    }
+    let r = r.send().await.unwrap();
+    let st = r.status().as_u16();
+    let text = r.text().await.unwrap();
+    (
+        st,
+        serde_json::from_str(&text).unwrap_or(Value::String(text)),
+    )
+}
+
+async fn post_auth(s: &Srv, path: &str, token: Option<&str>, body: Value) -> (u16, Value) {
+    let mut r = reqwest::Client::new()
+        .post(format!("{}{path}", s.url))
+        .json(&body);
+    if let Some(t) = token {
+        r = r.bearer_auth(t);
+    }
+    let r = r.send().await.unwrap();
+    (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
+}
+
+fn code(b: &Value) -> &str {
+    b["error"]["code"].as_str().unwrap_or("")
+}
+
+#[tokio::test]
+async fn readiness_waits_for_loads_and_a_refused_adapter_does_not_block_it() {
+    let gate = Arc::new((std::sync::Mutex::new(false), std::sync::Condvar::new()));
+    let dir = fixture_root();
+    let yaml = config_yaml(
+        dir.path(),
+        "  - {name: bad, version: v1, loraId: 3, path: wrongbase}",
+        16,
+        64,
+    );
+    let g = gate.clone();
+    let s = launch_with(
+        dir,
+        &yaml,
+        move |inner| Arc::new(GatedEngine { inner, open: g }),
+        Duration::from_millis(100),
+        false,
+    )
+    .await;
+    // Loads pending: alive, not ready, requests refused with not_ready.
+    wait_status(&s, "/healthz", 200).await;
+    let (st, b) = get(&s, "/readyz", None).await;
+    assert_eq!((st, code(&b)), (503, "not_ready"), "{b}");
+    let ask = |m: &str| json!({"model": m, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
+    let (st, h, b) = post(&s, "/v1/chat/completions", ask("fr")).await;
+    assert_eq!((st, code(&b)), (503, "not_ready"), "{b}");
+    assert_eq!(h["retry-after"], "1");
+    // Loads done; one adapter was refused (another base): ready anyway, the refusal listed.
+    GatedEngine::set(&gate, true);
+    wait_status(&s, "/readyz", 200).await;
+    let (st, l) = get(&s, "/v1/lora_adapters", None).await;
+    assert_eq!(st, 200);
+    let bad = l["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "bad")
+        .unwrap();
+    assert_eq!(bad["loaded"], false);
+    assert!(bad["error"].as_str().unwrap().contains("qwen2"), "{bad}");
+    assert_eq!(post(&s, "/v1/chat/completions", ask("fr")).await.0, 200);
+    // A reload that adds an adapter: the pod stays ready while it loads (every pod of a pool
+    // reloads at once; unready pods would empty the Service) and keeps serving the others;
+    // the new adapter is reported loaded only when it is.
+    GatedEngine::set(&gate, false);
+    let p = s._dir.path().join("config.yaml");
+    let y = std::fs::read_to_string(&p).unwrap().replace(
+        "  - {name: bad,",
+        "  - {name: extra, version: v1, loraId: 4, path: extra}\n  - {name: bad,",
+    );
+    std::fs::write(&p, y).unwrap();
+    let extra_loaded = |b: &serde_json::Value| {
+        b["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["name"] == "extra" && a["loaded"] == true)
+    };
+    for _ in 0..10 {
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        assert_eq!(get(&s, "/readyz", None).await.0, 200);
+        assert!(!extra_loaded(&get(&s, "/v1/lora_adapters", None).await.1));
+    }
+    assert_eq!(post(&s, "/v1/chat/completions", ask("fr")).await.0, 200);
+    GatedEngine::set(&gate, true);
+    for i in 0.. {
+        if extra_loaded(&get(&s, "/v1/lora_adapters", None).await.1) {
+            break;
+        }
+        assert!(i < 100, "extra never loaded");
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(get(&s, "/readyz", None).await.0, 200);
+    assert_eq!(post(&s, "/v1/chat/completions", ask("extra")).await.0, 200);
+}
+
+#[tokio::test]
+async fn operator_token_and_reload_with_config_hash() {
+    // API keys required, no admin token: only the operator token opens reload and unload.
+    let s = start_edited("", 16, 64, |y| {
+        let root = y
+            .lines()
+            .find_map(|l| l.strip_prefix("modelRoot: "))
+            .unwrap()
+            .to_string();
+        std::fs::write(format!("{root}/keys"), "user-key\n").unwrap();
+        std::fs::write(format!("{root}/op"), "op-token\n").unwrap();
+        y.replace(
+            &format!("auth: {{adminTokenFile: {root}/admin}}"),
+            &format!("auth: {{apiKeysFile: {root}/keys, operatorTokenFile: {root}/op}}"),
+        )
+    })
+    .await;
+    for (token, status) in [
+        (None, 401),
+        (Some("wrong"), 401),
+        (Some("user-key"), 200),
+        (Some("op-token"), 200),
+    ] {
+        let (st, b) = get(&s, "/v1/lora_adapters", token).await;
+        assert_eq!(st, status, "{token:?} {b}");
+        if st == 401 {
+            assert_eq!(code(&b), "invalid_api_key");
+        }
+    }
+    // The operator token is not an API key.
+    let (st, b) = post_auth(
+        &s,
+        "/v1/chat/completions",
+        Some("op-token"),
+        json!({"model": "fr", "messages": [{"role": "user", "content": "x"}]}),
+    )
+    .await;
+    assert_eq!((st, code(&b)), (401, "invalid_api_key"));
+    // Nor the admin token of the load API (none configured).
+    let (st, b) = post_auth(
+        &s,
+        "/v1/load_lora_adapter",
+        Some("op-token"),
+        json!({"lora_name": "x", "lora_path": "extra"}),
+    )
+    .await;
+    assert_eq!((st, code(&b)), (403, "admin_disabled"));
+    let (st, b) = post_auth(&s, "/admin/reload", Some("user-key"), json!({})).await;
+    assert_eq!((st, code(&b)), (401, "invalid_admin_token"));
+    // The file changes (js removed); the operator expects another content: 409, nothing
+    // changes.
+    let p = s._dir.path().join("config.yaml");
+    let y = std::fs::read_to_string(&p).unwrap().replace(
+        "  - {name: js, version: v2, loraId: 2, path: js, keywords: [json]}\n",
+        "",
+    );
+    std::fs::write(&p, &y).unwrap();
+    let file_hash = mole_worker::config::read(&p).unwrap().content_hash();
+    let (st, b) = post_auth(
+        &s,
+        "/admin/reload",
+        Some("op-token"),
+        json!({"configHash": "0123456789abcdef"}),
+    )
+    .await;
+    assert_eq!((st, code(&b)), (409, "config_stale"), "{b}");
+    let msg = b["error"]["message"].as_str().unwrap();
+    assert!(
+        msg.contains(&file_hash) && msg.contains("0123456789abcdef"),
+        "{msg}"
+    );
+    assert!(s.engine.adapters().iter().any(|a| a.name == "js"));
+    // The expected content: applied, and the answer carries the applied hash.
+    let (st, b) = post_auth(
+        &s,
+        "/admin/reload",
+        Some("op-token"),
+        json!({"configHash": file_hash}),
+    )
+    .await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(
+        (b["changed"].as_bool(), b["configHash"].as_str()),
+        (Some(true), Some(file_hash.as_str()))
+    );
+    assert!(!s.engine.adapters().iter().any(|a| a.name == "js"));
+    // Unload through the operator token.
+    let (st, b) = post_auth(
+        &s,
+        "/v1/unload_lora_adapter",
+        Some("op-token"),
+        json!({"lora_name": "fr"}),
+    )
+    .await;
+    assert_eq!(st, 200, "{b}");
+    assert!(!s.engine.adapters().iter().any(|a| a.name == "fr"));
+    let m = reqwest::get(format!("{}/metrics", s.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for want in [
+        "mole_config_reloads_total{result=\"stale\"} 1",
+        "mole_config_reloads_total{result=\"changed\"} 1",
+    ] {
+        assert!(m.contains(want), "{want}\n{m}");
+    }
+}
+
+#[tokio::test]
+async fn admin_token_reload_without_body_and_unload_disabled_without_tokens() {
+    let s = start("", 16, 64).await;
+    let (st, b) = {
+        let r = reqwest::Client::new()
+            .post(format!("{}/admin/reload", s.url))
+            .bearer_auth("s3cret")
+            .send()
+            .await
+            .unwrap();
+        (r.status().as_u16(), r.json::<Value>().await.unwrap())
+    };
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(b["changed"], false);
+    let (st, b) = post_auth(
+        &s,
+        "/v1/unload_lora_adapter",
+        Some("s3cret"),
+        json!({"lora_name": "js"}),
+    )
+    .await;
+    assert_eq!((st, b["status"].as_str()), (200, Some("unloaded")));
+    let (st, b) = post_auth(
+        &s,
+        "/v1/unload_lora_adapter",
+        Some("s3cret"),
+        json!({"lora_name": "js"}),
+    )
+    .await;
+    assert_eq!((st, code(&b)), (404, "adapter_not_found"));
+    // No admin and no operator token: the admin endpoints are off.
+    let s = start_edited("", 16, 64, |y| {
+        y.lines()
+            .filter(|l| !l.starts_with("auth:"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    })
+    .await;
+    for path in [
+        "/v1/unload_lora_adapter",
+        "/v1/load_lora_adapter",
+        "/admin/reload",
+    ] {
+        let (st, b) = post_auth(
+            &s,
+            path,
+            Some("s3cret"),
+            json!({"lora_name": "js", "lora_path": "js"}),
+        )
+        .await;
+        assert_eq!((st, code(&b)), (403, "admin_disabled"), "{path}");
+    }
+    assert!(s.engine.adapters().iter().any(|a| a.name == "js"));
+}
+
+#[tokio::test]
+async fn api_keys_are_checked_and_a_rotated_key_file_is_reread() {
+    let s = start_edited("", 16, 64, |y| {
+        let root = y
+            .lines()
+            .find_map(|l| l.strip_prefix("modelRoot: "))
+            .unwrap()
+            .to_string();
+        std::fs::write(format!("{root}/keys"), "k1\n").unwrap();
+        y.replace(
+            "auth: {adminTokenFile:",
+            &format!("auth: {{apiKeysFile: {root}/keys, adminTokenFile:"),
+        )
+    })
+    .await;
+    let ask =
+        json!({"model": "fr", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
+    let (st, b) = post_auth(&s, "/v1/chat/completions", None, ask.clone()).await;
+    assert_eq!((st, code(&b)), (401, "invalid_api_key"));
+    assert_eq!(b["error"]["type"], "authentication_error");
+    let (st, b) = post_auth(&s, "/v1/chat/completions", Some("k2"), ask.clone()).await;
+    assert_eq!((st, code(&b)), (401, "invalid_api_key"));
+    assert_eq!(
+        post_auth(&s, "/v1/chat/completions", Some("k1"), ask.clone())
+            .await
+            .0,
+        200
+    );
+    assert_eq!(get(&s, "/v1/models", None).await.0, 401);
+    // The Secret rotates (kubelet: new file, then an atomic rename).
+    let root = s._dir.path();
+    std::fs::write(root.join("keys.new"), "k2\n").unwrap();
+    std::fs::rename(root.join("keys.new"), root.join("keys")).unwrap();
+    assert_eq!(
+        post_auth(&s, "/v1/chat/completions", Some("k1"), ask.clone())
+            .await
+            .0,
+        401
+    );
+    assert_eq!(
+        post_auth(&s, "/v1/chat/completions", Some("k2"), ask.clone())
+            .await
+            .0,
+        200
+    );
+    // The admin token is not an API key, but lists adapters.
+    assert_eq!(
+        post_auth(&s, "/v1/chat/completions", Some("s3cret"), ask)
+            .await
+            .0,
+        401
+    );
+    assert_eq!(get(&s, "/v1/lora_adapters", Some("s3cret")).await.0, 200);
+}
+
+#[tokio::test]
+async fn restart_settings_are_reported_not_half_applied() {
+    let s = start("", 16, 64).await;
+    let p = s._dir.path().join("config.yaml");
+    let y = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("{name: llama, path: base,", "{name: llama2, path: base,")
+        .replace("maxTokens: 64,", "maxTokens: 100,")
+        .replace(
+            "  - {name: js, version: v2, loraId: 2, path: js, keywords: [json]}\n",
+            "",
+        );
+    std::fs::write(&p, y).unwrap();
+    let (st, b) = post_auth(&s, "/admin/reload", Some("s3cret"), json!({})).await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(b["restartRequired"], json!(["baseModel", "limits"]));
+    // The adapter change applied; the base model and the limits are the old ones.
+    assert!(!s.engine.adapters().iter().any(|a| a.name == "js"));
+    assert_eq!(get(&s, "/readyz", None).await.0, 200);
+    let (_, m) = get(&s, "/v1/models", None).await;
+    assert_eq!(m["data"][1]["id"], "llama");
+    let ask = |n: u32| json!({"model": "llama", "max_tokens": n, "messages": [{"role": "user", "content": "x"}]});
+    assert_eq!(post(&s, "/v1/chat/completions", ask(64)).await.0, 200);
+    let (st, _, b) = post(&s, "/v1/chat/completions", ask(65)).await;
+    assert_eq!((st, code(&b)), (400, "max_tokens_exceeded"));
+    let scrape = || async {
+        reqwest::get(format!("{}/metrics", s.url))
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    };
+    assert!(scrape().await.contains("mole_config_restart_required 1"));
+    // Back to the running settings: nothing left to restart for.
+    let y = std::fs::read_to_string(&p)
+        .unwrap()
+        .replace("llama2", "llama")
+        .replace("maxTokens: 100,", "maxTokens: 64,");
+    std::fs::write(&p, y).unwrap();
+    let (st, b) = post_auth(&s, "/admin/reload", Some("s3cret"), json!({})).await;
+    assert_eq!((st, b["restartRequired"].clone()), (200, json!([])));
+    assert!(scrape().await.contains("mole_config_restart_required 0"));
+}
+
+#[tokio::test]
+async fn expert_label_routes_explicitly() {
+    let s = start_edited("", 16, 64, |y| {
+        y.replace("path: fr, keywords", "path: fr, label: french, keywords")
+            .replace("path: js, keywords", "path: js, label: json, keywords")
+    })
+    .await;
+    let (st, _, b) = post(
+        &s,
+        "/infer",
+        json!({"prompt": "give me json", "expert": "french", "max_tokens": 2}),
+    )
+    .await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(
+        (b["routed_adapter"].as_str(), b["route"].as_str()),
+        (Some("fr"), Some("explicit"))
+    );
+    let (_, h, _) = post(&s, "/v1/chat/completions", json!({"model": "demo", "adapter": "json", "max_tokens": 2, "messages": [{"role": "user", "content": "bonjour"}]})).await;
+    assert_eq!(
+        (
+            h["x-mole-adapter"].to_str().unwrap(),
+            h["x-mole-route"].to_str().unwrap()
+        ),
+        ("js", "explicit")
+    );
+    let (st, _, b) = post(&s, "/infer", json!({"prompt": "x", "expert": "klingon"})).await;
+    assert_eq!((st, code(&b)), (404, "model_not_found"));
+}
+
+#[tokio::test]
+async fn models_and_lora_adapters_fields() {
+    let s = start_edited(
+        "  - {name: mg, version: v3, loraId: 3, path: extra, mode: merged, mergedEndpoint: \"http://127.0.0.1:1\"}",
+        16,
+        64,
+        |y| y,
+    )
+    .await;
+    post(
+        &s,
+        "/v1/chat/completions",
+        json!({"model": "fr", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}),
+    )
+    .await;
+    let (st, m) = get(&s, "/v1/models", None).await;
+    assert_eq!(st, 200);
+    assert_eq!(m["object"], "list");
+    let by_id = |id: &str| {
+        m["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["id"] == id)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(by_id("demo")["mole"]["kind"], "pool");
+    assert_eq!(by_id("llama")["mole"]["kind"], "base");
+    let fr = by_id("fr");
+    assert_eq!(fr["object"], "model");
+    assert_eq!(fr["parent"], "llama");
+    assert_eq!(fr["owned_by"], "mole");
+    assert_eq!(fr["mole"]["version"], "v1");
+    assert_eq!(fr["mole"]["mode"], "dynamic");
+    assert_eq!(fr["mole"]["loaded"], true);
+    assert_eq!(by_id("mg")["mole"]["mode"], "merged");
+    assert_eq!(by_id("js")["mole"]["version"], "v2");
+    let (st, l) = get(&s, "/v1/lora_adapters", None).await;
+    assert_eq!(st, 200);
+    assert_eq!(l["base_model"], "llama");
+    let fr = l["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "fr")
+        .unwrap();
+    assert_eq!(fr["version"], "v1");
+    assert_eq!(fr["lora_id"], 1);
+    assert_eq!(fr["rank"], 8, "{fr}");
+    assert_eq!(fr["requests"], 1, "{fr}");
+    assert_eq!(fr["residency"], "cpu");
+    assert!(fr["bytes"].as_u64().unwrap() > 0, "{fr}");
+    assert_eq!(fr["loaded"], true);
+    let js = l["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "js")
+        .unwrap();
+    assert_eq!(js["rank"], 4, "{js}");
+    assert_eq!(js["requests"], 0);
+}
+
+#[tokio::test]
+async fn stop_strings_top_p_and_reject_fallback() {
+    let s = start_edited("", 16, 64, |y| {
+        y.replace("fallback: base", "fallback: reject")
+    })
+    .await;
+    let ask = |extra: Value| {
+        let mut b = json!({"model": "fr", "max_tokens": 16, "ignore_eos": true, "temperature": 0, "messages": [{"role": "user", "content": "x y"}]});
+        for (k, v) in extra.as_object().unwrap() {
+            b[k] = v.clone();
+        }
+        b
+    };
+    let (st, _, whole) = post(&s, "/v1/chat/completions", ask(json!({}))).await;
+    assert_eq!(st, 200, "{whole}");
+    let text = content(&whole);
+    let chars: Vec<char> = text.chars().collect();
+    assert!(chars.len() >= 8, "{text:?}");
+    // A stop string from the middle of the greedy answer: the answer ends just before it.
+    let stop: String = chars[5..7].iter().collect();
+    let cut = &text[..text.find(&stop).unwrap()];
+    for stream in [false, true] {
+        let body = ask(json!({"stop": [stop.clone(), "\u{1F600}never"], "stream": stream}));
+        let r = reqwest::Client::new()
+            .post(format!("{}/v1/chat/completions", s.url))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        let (got, finish) = if stream {
+            let t = r.text().await.unwrap();
+            let mut got = String::new();
+            let mut finish = Value::Null;
+            for d in t.lines().filter_map(|l| l.strip_prefix("data: ")) {
+                if d == "[DONE]" {
+                    continue;
+                }
+                let v: Value = serde_json::from_str(d).unwrap();
+                got.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+                if !v["choices"][0]["finish_reason"].is_null() {
+                    finish = v["choices"][0]["finish_reason"].clone();
+                }
+            }
+            (got, finish)
+        } else {
+            let b: Value = r.json().await.unwrap();
+            (content(&b), b["choices"][0]["finish_reason"].clone())
+        };
+        assert_eq!(
+            (got.as_str(), finish.as_str()),
+            (cut, Some("stop")),
+            "stream {stream}"
+        );
+    }
+    // top_p this small keeps only the most likely token: sampling at temperature 1 with any
+    // seed gives the greedy answer; with top_p 1 some seed differs from it.
+    let mut differs = false;
+    for seed in 0..4 {
+        let (_, _, b) = post(
+            &s,
+            "/v1/chat/completions",
+            ask(json!({"temperature": 1.0, "top_p": 1e-6, "seed": seed})),
+        )
+        .await;
+        assert_eq!(content(&b), text, "seed {seed}");
+        let (_, _, b) = post(
+            &s,
+            "/v1/chat/completions",
+            ask(json!({"temperature": 1.0, "top_p": 1.0, "seed": seed})),
+        )
+        .await;
+        differs |= content(&b) != text;
+    }
+    assert!(differs, "top_p 1 sampling never left the greedy path");
+    let (st, _, b) = post(&s, "/v1/chat/completions", ask(json!({"top_p": 0}))).await;
+    assert_eq!((st, code(&b)), (400, "invalid_top_p"));
+    // Nothing matches and the fallback is reject: 422 no_route.
+    let (st, _, b) = post(
+        &s,
+        "/v1/chat/completions",
+        json!({"model": "demo", "messages": [{"role": "user", "content": "hello"}]}),
+    )
+    .await;
+    assert_eq!((st, code(&b)), (422, "no_route"), "{b}");
+    assert_eq!(b["error"]["type"], "invalid_request_error");
+    let (st, _, b) = post(&s, "/v1/route", json!({"input": "hello"})).await;
+    assert_eq!((st, code(&b)), (422, "no_route"));
+}
+
+#[tokio::test]
+async fn classifier_routes_with_one_scoring_pass() {
+    let s = start_edited("", 16, 64, |y| {
+        y.replace("path: fr, keywords", "path: fr, label: french, keywords")
+            .replace("path: js, keywords", "path: js, label: json, keywords")
+            .replace(
+                "router: {strategies: [explicit, keywords], fallback: base}",
+                "router: {strategies: [classifier, keywords], classifierAdapter: fr, minConfidence: 0.0, fallback: base}",
+            )
+    })
+    .await;
+    let labels = ["french".to_string(), "json".to_string()];
+    let p = s
+        .engine
+        .score_labels(Some("fr"), "tell me", &labels)
+        .unwrap();
+    let (best, want) = if p[0] >= p[1] {
+        (p[0], "fr")
+    } else {
+        (p[1], "js")
+    };
+    let (st, h, b) = post(&s, "/v1/route", json!({"input": "tell me"})).await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(
+        (b["route"].as_str(), b["adapter"].as_str()),
+        (Some("classifier"), Some(want))
+    );
+    assert!(
+        (b["score"].as_f64().unwrap() - f64::from(best)).abs() < 1e-6,
+        "{b} {p:?}"
+    );
+    assert_eq!(h["x-mole-route"], "classifier");
+    let (st, h, b) = post(&s, "/v1/chat/completions", json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "tell me"}]})).await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(
+        (
+            h["x-mole-route"].to_str().unwrap(),
+            h["x-mole-adapter"].to_str().unwrap()
+        ),
+        ("classifier", want)
+    );
+    // A confidence the classifier cannot reach: the next strategy (keywords) decides.
+    let s2 = start_edited("", 16, 64, |y| {
+        y.replace("path: fr, keywords", "path: fr, label: french, keywords")
+            .replace("path: js, keywords", "path: js, label: json, keywords")
+            .replace(
+                "router: {strategies: [explicit, keywords], fallback: base}",
+                "router: {strategies: [classifier, keywords], classifierAdapter: fr, minConfidence: 1.0, fallback: base}",
+            )
+    })
+    .await;
+    let (_, _, b) = post(&s2, "/v1/route", json!({"input": "as json"})).await;
+    assert_eq!(
+        (b["route"].as_str(), b["adapter"].as_str()),
+        (Some("keywords"), Some("js")),
+        "{b}"
+    );
+}
+
+#[tokio::test]
+async fn shutdown_drains_in_flight_requests() {
+    let s = start("", 1, 4).await;
+    let mut r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.url))
+        .json(&json!({"model": "fr", "stream": true, "max_tokens": 64, "ignore_eos": true, "messages": [{"role": "user", "content": "x"}]}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let mut body = String::from_utf8(r.chunk().await.unwrap().unwrap().to_vec()).unwrap();
+    // SIGTERM (here: the shutdown future) while the answer streams.
+    let Srv {
+        url,
+        state,
+        _stop,
+        served,
+        _dir,
+        ..
+    } = s;
+    _stop.send(()).unwrap();
+    for _ in 0..100 {
+        if state.readiness().is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(state.readiness().unwrap_err(), "shutting down");
+    assert!(!state.accepting());
+    // The in-flight answer finishes whole.
+    while let Some(c) = r.chunk().await.unwrap() {
+        body.push_str(std::str::from_utf8(&c).unwrap());
+    }
+    assert!(body.ends_with("data: [DONE]\n\n"), "{body}");
+    assert!(body.contains("\"completion_tokens\":64"), "{body}");
+    drop(r);
+    // Then the server stops, and new connections are refused.
+    tokio::time::timeout(Duration::from_secs(10), served)
+        .await
+        .expect("server stopped")
+        .unwrap()
+        .unwrap();
+    assert!(reqwest::get(format!("{url}/healthz")).await.is_err());
+}
+
+/// A merged "pod" that accepts connections and never answers.
+async fn hanging_upstream() -> (String, tokio::task::JoinHandle<()>) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let h = tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((c, _)) = l.accept().await {
+            held.push(c);
+        }
+    });
+    (url, h)
+}
+
+/// A merged "pod" that starts an answer (SSE when asked to stream), sends one chunk and dies.
+async fn dying_upstream() -> (String, tokio::task::JoinHandle<()>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let h = tokio::spawn(async move {
+        while let Ok((mut c, _)) = l.accept().await {
+            let mut buf = vec![0u8; 65536];
+            let n = c.read(&mut buf).await.unwrap_or(0);
+            let stream = String::from_utf8_lossy(&buf[..n]).contains("\"stream\":true");
+            let (ctype, chunk) = if stream {
+                (
+                    "text/event-stream",
+                    "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"Bon\"}}]}\n\n",
+                )
+            } else {
+                ("application/json", "{\"choices\":[{\"index\":0,")
+            };
+            let head = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: {ctype}\r\ntransfer-encoding: chunked\r\n\r\n{:x}\r\n{chunk}\r\n",
+                chunk.len()
+            );
+            let _ = c.write_all(head.as_bytes()).await;
+            let _ = c.flush().await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            drop(c);
+        }
+    });
+    (url, h)
+}
+
+#[tokio::test]
+async fn gateway_streams_and_falls_back_from_hanging_or_dying_pods() {
+    let up = start(
+        "  - {name: mg, version: v1, loraId: 3, path: extra}",
+        16,
+        64,
+    )
+    .await;
+    let (hang, _h1) = hanging_upstream().await;
+    let (dying, _h2) = dying_upstream().await;
+    let extra = format!(
+        "  - {{name: mg, version: v1, loraId: 3, path: extra, mode: merged, mergedEndpoint: \"{}\"}}\n  - {{name: hang, version: v1, loraId: 4, path: extra, mode: merged, mergedEndpoint: \"{hang}\"}}\n  - {{name: hangnl, version: v1, loraId: 5, path: extra, mode: merged, mergedEndpoint: \"{hang}\", load: false}}\n  - {{name: dying, version: v1, loraId: 6, path: extra, mode: merged, mergedEndpoint: \"{dying}\"}}",
+        up.url
+    );
+    // A short request timeout: a pod silent that long is given up on.
+    let s = start_edited(&extra, 16, 64, |y| {
+        y.replace("requestTimeoutSeconds: 5", "requestTimeoutSeconds: 1")
+    })
+    .await;
+    let ask = |model: &str, stream: bool| json!({"model": model, "stream": stream, "max_tokens": 8, "ignore_eos": true, "temperature": 0, "messages": [{"role": "user", "content": "x"}]});
+    let sse_text = |t: &str| {
+        let mut out = String::new();
+        for d in t.lines().filter_map(|l| l.strip_prefix("data: ")) {
+            if d != "[DONE]" {
+                let v: Value = serde_json::from_str(d).unwrap();
+                out.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
+            }
+        }
+        out
+    };
+    // Streaming through the proxy: the same chunks as asking the merged pod directly.
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.url))
+        .json(&ask("mg", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-mole-route"], "explicit+proxy");
+    assert!(r.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let proxied = r.text().await.unwrap();
+    assert!(proxied.ends_with("data: [DONE]\n\n"), "{proxied}");
+    let (_, _, direct) = post(&up, "/v1/chat/completions", ask("mg", false)).await;
+    assert_eq!(sse_text(&proxied), content(&direct));
+    // A pod that accepts and never answers: after the timeout the request is served here.
+    let t = std::time::Instant::now();
+    let (st, h, b) = post(&s, "/v1/chat/completions", ask("hang", false)).await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(
+        (
+            h["x-mole-adapter"].to_str().unwrap(),
+            h["x-mole-route"].to_str().unwrap()
+        ),
+        ("hang", "explicit")
+    );
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+    // Not loaded here: 503 naming the cause, not a hang.
+    let (st, _, b) = post(&s, "/v1/chat/completions", ask("hangnl", false)).await;
+    assert_eq!((st, code(&b)), (503, "merged_unavailable"));
+    assert!(
+        b["error"]["message"].as_str().unwrap().contains("in time"),
+        "{b}"
+    );
+    // A pod that dies mid-stream: the client gets what came, then an error event and [DONE].
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.url))
+        .json(&ask("dying", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let t = r.text().await.unwrap();
+    let datas: Vec<&str> = t.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(datas.len(), 3, "{t}");
+    assert_eq!(sse_text(datas[0]), "");
+    assert!(datas[0].contains("Bon"));
+    let e: Value = serde_json::from_str(datas[1]).unwrap();
+    assert_eq!(e["error"]["code"], "upstream_error", "{e}");
+    assert_eq!(e["error"]["type"], "server_error");
+    assert_eq!(datas[2], "[DONE]");
+    // Non-streamed from the dying pod: cut short before the end, so served here.
+    let (st, h, b) = post(&s, "/v1/chat/completions", ask("dying", false)).await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(h["x-mole-route"], "explicit");
+    let m = reqwest::get(format!("{}/metrics", s.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(m.contains("mole_requests_total{adapter=\"mg\",endpoint=\"chat\",mode=\"merged\",route=\"explicit+proxy\",status=\"200\"} 1"), "{m}");
 }

@@ -93,7 +93,7 @@ pub fn decide(
     if let Some(m) = &cfg.merged {
         // A merged pod serves one model, its adapter baked into the weights: the base model
         // is not here to answer.
-        if routed || named == m.adapter {
+        if routed || named == m.adapter || by_label(cfg, named) == Some(m.adapter.as_str()) {
             return Ok(done(cfg, Some(m.adapter.clone()), "explicit", None));
         }
         return Err(RouteError::UnknownModel(named.into()));
@@ -104,6 +104,10 @@ pub fn decide(
         }
         if cfg.adapters.iter().any(|a| a.name == named) {
             return Ok(done(cfg, Some(named.into()), "explicit", None));
+        }
+        // The seeds name experts by label (`expert: "json"`), not by adapter name.
+        if let Some(n) = by_label(cfg, named) {
+            return Ok(done(cfg, Some(n.into()), "explicit", None));
         }
         return Err(RouteError::UnknownModel(named.into()));
     }
@@ -200,6 +204,20 @@ pub fn decide(
     }
 }
 
+/// The adapter whose `label` is `label` (exact first, then ignoring case; config order breaks
+/// ties).
+fn by_label<'a>(cfg: &'a WorkerConfig, label: &str) -> Option<&'a str> {
+    let labelled = || {
+        cfg.adapters
+            .iter()
+            .filter_map(|a| Some((a.name.as_str(), a.label.as_deref()?)))
+    };
+    labelled()
+        .find(|(_, l)| *l == label)
+        .or_else(|| labelled().find(|(_, l)| l.eq_ignore_ascii_case(label)))
+        .map(|(n, _)| n)
+}
+
 fn has_extension(text_l: &str, ext: &str) -> bool {
     let e = ext.trim_start_matches('.').to_lowercase();
     if e.is_empty() {
@@ -273,6 +291,35 @@ router:
         assert_eq!(
             decide(&c, &i, &none_s, &none_e).unwrap().adapter.as_deref(),
             Some("fr")
+        );
+    }
+
+    #[test]
+    fn explicit_expert_and_adapter_match_labels() {
+        let c = cfg("[explicit, keywords]", "reject");
+        // `expert: "json"` (the label of js), and the label ignoring case.
+        for (adapter, model) in [(Some("json"), "p"), (Some("JSON"), "p"), (None, "french")] {
+            let i = RouteInput {
+                model,
+                adapter,
+                text: "bonjour",
+            };
+            let d = decide(&c, &i, &none_s, &none_e).unwrap();
+            assert_eq!(d.reason, "explicit", "{adapter:?} {model}");
+            assert_eq!(
+                d.adapter.as_deref(),
+                Some(if model == "french" { "fr" } else { "js" })
+            );
+        }
+        // A name wins over a label; an unknown label is still refused.
+        let i = RouteInput {
+            model: "p",
+            adapter: Some("nolabel"),
+            text: "",
+        };
+        assert_eq!(
+            decide(&c, &i, &none_s, &none_e).unwrap_err().code(),
+            "model_not_found"
         );
     }
 

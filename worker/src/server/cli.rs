@@ -64,8 +64,10 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     .await
 }
 
-/// Loads the configured adapters, starts the watcher and serves until `shutdown` resolves;
-/// then stops accepting, reports not ready and waits for in-flight requests (graceful drain).
+/// Serves until `shutdown` resolves: the HTTP server starts at once (`/healthz` answers,
+/// `/readyz` and requests are 503 `not_ready`) while the configured adapters load; then the
+/// config watcher starts. On shutdown: not ready, no new connections, in-flight requests
+/// finish (graceful drain).
 pub async fn serve_with(
     state: Arc<AppState>,
     listener: tokio::net::TcpListener,
@@ -73,45 +75,50 @@ pub async fn serve_with(
     poll: Duration,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    let cfg = state.cfg();
-    let diff = crate::config::diff_adapters(&[], &cfg.adapters);
-    let (e, c) = (state.engine.clone(), cfg.clone());
-    let errors =
-        tokio::task::spawn_blocking(move || crate::config::apply_diff(e.as_ref(), &c, &diff))
-            .await?;
-    for err in &errors {
-        tracing::warn!("adapter not loaded: {err}");
-    }
-    let c = cfg.clone();
-    let (merged, errors) =
-        tokio::task::spawn_blocking(move || super::build_local_merged(&c)).await?;
-    for err in &errors {
-        tracing::warn!("served dynamically instead: {err}");
-    }
-    if let Ok(mut m) = state.local_merged.write() {
-        *m = merged;
-    }
-    state.set_ready(true);
-    let watcher = (!poll.is_zero()).then(|| {
-        tokio::spawn(crate::config::watch(
-            config_path,
-            state.config.clone(),
-            state.engine.clone(),
-            poll,
-        ))
+    // The file as it was when the config was read: a change during the loads is seen.
+    let first = crate::config::file_hash(&config_path);
+    let st = state.clone();
+    let background = tokio::spawn(async move {
+        let s = st.clone();
+        if let Err(e) = tokio::task::spawn_blocking(move || s.load_configured()).await {
+            tracing::error!("loading the configured adapters failed: {e}");
+            return;
+        }
+        if !poll.is_zero() {
+            watch(config_path, st, poll, first).await;
+        }
     });
     let st = state.clone();
-    axum::serve(listener, app(state))
+    let r = axum::serve(listener, app(state))
         .with_graceful_shutdown(async move {
             shutdown.await;
-            st.set_ready(false);
+            st.start_draining();
             tracing::info!("draining");
         })
-        .await?;
-    if let Some(w) = watcher {
-        w.abort();
-    }
+        .await;
+    background.abort();
+    r?;
     Ok(())
+}
+
+/// Polls the config file every `every` and reloads on content change.
+async fn watch(path: PathBuf, state: Arc<AppState>, every: Duration, first: Option<Vec<u8>>) {
+    let mut last = first;
+    let mut tick = tokio::time::interval(every);
+    loop {
+        tick.tick().await;
+        let h = crate::config::file_hash(&path);
+        if h.is_none() || h == last {
+            continue;
+        }
+        last = h;
+        let s = state.clone();
+        match tokio::task::spawn_blocking(move || s.reload(None)).await {
+            Ok(Ok(_)) => {}
+            Ok(Err(e)) => tracing::warn!(code = e.code(), "config reload refused: {e}"),
+            Err(e) => tracing::warn!("config reload task failed: {e}"),
+        }
+    }
 }
 
 async fn shutdown_signal() {

@@ -346,14 +346,68 @@ async fn serve(
     common: Common,
     prompt: Prompt,
     route_text: String,
-    mut sampling: SamplingParams,
+    sampling: SamplingParams,
 ) -> Result<Response, ApiError> {
     let endpoint = if kind == Kind::Chat {
         "chat"
     } else {
         "completions"
     };
-    let mut d = decide(&s, &common, &route_text)?;
+    if !s.accepting() {
+        let mut e = ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready",
+            format!(
+                "worker is not ready: {}",
+                s.readiness().err().unwrap_or_default()
+            ),
+        );
+        e.retry_after = Some(1);
+        return Err(e);
+    }
+    let d = decide(&s, &common, &route_text)?;
+    let (adapter, mode, reason) = (d.adapter.clone(), d.mode.clone(), d.reason.clone());
+    let r = serve_routed(
+        s.clone(),
+        headers,
+        kind,
+        endpoint,
+        raw,
+        common,
+        prompt,
+        sampling,
+        d,
+    )
+    .await;
+    // Refusals after routing (429, prompt too long, merged pods down) count per adapter too;
+    // answers count when they end (status of the stream's end).
+    if let Err(e) = &r {
+        s.metrics
+            .requests
+            .with_label_values(&[
+                endpoint,
+                adapter.as_deref().unwrap_or(""),
+                &mode,
+                &reason,
+                e.status.as_str(),
+            ])
+            .inc();
+    }
+    r
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn serve_routed(
+    s: Arc<AppState>,
+    headers: HeaderMap,
+    kind: Kind,
+    endpoint: &'static str,
+    raw: Value,
+    common: Common,
+    prompt: Prompt,
+    mut sampling: SamplingParams,
+    mut d: Decision,
+) -> Result<Response, ApiError> {
     let cfg = s.cfg();
     // Gateway: a merged adapter is served by its own pods when asked to.
     if let Some(name) = &d.adapter {
@@ -368,7 +422,7 @@ async fn serve(
             } else {
                 "/v1/completions"
             };
-            match proxy(&s, &ep, path, &raw, &headers, &d).await {
+            match proxy(&s, &ep, path, &raw, &headers, &d, endpoint).await {
                 Ok(r) => {
                     s.metrics
                         .proxy
@@ -399,15 +453,6 @@ async fn serve(
                 }
             }
         }
-    }
-    if !s.ready.load(Ordering::SeqCst) {
-        let mut e = ApiError::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "not_ready",
-            "worker is not ready",
-        );
-        e.retry_after = Some(1);
-        return Err(e);
     }
     // Prompt length limit, checked before queueing so an oversize prompt costs nothing.
     let ptoks = match &prompt {
@@ -516,6 +561,7 @@ impl Ctx {
             .with_label_values(&[
                 self.endpoint,
                 self.adapter_label(),
+                self.d.mode.as_str(),
                 self.d.reason.as_str(),
                 status,
             ])
@@ -739,25 +785,35 @@ fn stream_response(ctx: Ctx, rx: crate::engine::api::EventStream) -> Response {
     (headers, Sse::new(st).keep_alive(KeepAlive::default())).into_response()
 }
 
-/// Forwards a request to a merged pod, streaming its answer through. Err carries the reason
-/// (connection failure or 5xx) so the caller can fall back.
+/// Largest non-streamed answer read from a merged pod (they are a few KB).
+const PROXY_MAX_BODY: usize = 16 << 20;
+
+/// Forwards a request to a merged pod. Err carries the reason (connection failure, timeout,
+/// 5xx, or a non-streamed answer cut short) so the caller can fall back: a non-streamed answer
+/// is read whole before it is sent on. A stream is passed through as it comes; if the pod
+/// dies mid-stream the client gets an OpenAI-shaped error event and `data: [DONE]`.
+#[allow(clippy::too_many_arguments)]
 async fn proxy(
-    s: &AppState,
+    s: &Arc<AppState>,
     ep: &str,
     path: &str,
     raw: &Value,
     headers: &HeaderMap,
     d: &Decision,
+    endpoint: &'static str,
 ) -> Result<Response, String> {
     let url = format!("{}{}", ep.trim_end_matches('/'), path);
     let mut req = s.http.post(&url).json(raw);
     if let Some(a) = headers.get("authorization") {
         req = req.header("authorization", a.clone());
     }
-    let r = req
-        .send()
-        .await
-        .map_err(|e| format!("connect {url}: {e}"))?;
+    let r = req.send().await.map_err(|e| {
+        if e.is_timeout() {
+            format!("{url}: no answer in time ({e})")
+        } else {
+            format!("connect {url}: {e}")
+        }
+    })?;
     if r.status().is_server_error() {
         return Err(format!("{url} answered {}", r.status()));
     }
@@ -765,18 +821,95 @@ async fn proxy(
     let ctype = r.headers().get("content-type").cloned();
     let mut h = mole_headers(d);
     h.insert("x-mole-mode", HeaderValue::from_static("merged"));
+    let route = format!("{}+proxy", d.reason);
     h.insert(
         "x-mole-route",
-        HeaderValue::from_str(&format!("{}+proxy", d.reason))
-            .unwrap_or(HeaderValue::from_static("proxy")),
+        HeaderValue::from_str(&route).unwrap_or(HeaderValue::from_static("proxy")),
     );
-    if let Some(c) = ctype {
+    if let Some(c) = &ctype {
         h.insert(
             "content-type",
             HeaderValue::from_bytes(c.as_bytes()).map_err(|e| e.to_string())?,
         );
     }
-    Ok((status, h, Body::from_stream(r.bytes_stream())).into_response())
+    let adapter = d.adapter.clone().unwrap_or_default();
+    let count = {
+        let s = s.clone();
+        let route = route.clone();
+        move |status: &str| {
+            s.metrics
+                .requests
+                .with_label_values(&[endpoint, &adapter, "merged", &route, status])
+                .inc();
+        }
+    };
+    let sse = ctype
+        .as_ref()
+        .and_then(|c| c.to_str().ok())
+        .is_some_and(|c| c.starts_with("text/event-stream"));
+    if !sse {
+        // Read whole: a pod that dies before the end is a failure we can still fall back from.
+        let mut body = Vec::new();
+        let mut st = r.bytes_stream();
+        use futures::StreamExt;
+        while let Some(chunk) = st.next().await {
+            let chunk = chunk.map_err(|e| format!("{url}: answer cut short ({e})"))?;
+            if body.len() + chunk.len() > PROXY_MAX_BODY {
+                return Err(format!("{url}: answer over {PROXY_MAX_BODY} bytes"));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        count(status.as_str());
+        return Ok((status, h, Body::from(body)).into_response());
+    }
+    count(status.as_str());
+    Ok((
+        status,
+        h,
+        Body::from_stream(guard_sse(r.bytes_stream(), url)),
+    )
+        .into_response())
+}
+
+/// Passes an upstream SSE stream through; if it fails or ends before `data: [DONE]`, appends
+/// an OpenAI-shaped error event and `data: [DONE]` so clients see why the answer stopped.
+fn guard_sse<E: std::fmt::Display>(
+    upstream: impl futures::Stream<Item = Result<Bytes, E>> + Send + 'static,
+    url: String,
+) -> impl futures::Stream<Item = Result<Bytes, Infallible>> + Send + 'static {
+    use futures::StreamExt;
+    // State: upstream, the last bytes seen (to spot `[DONE]` across chunk boundaries), done.
+    futures::stream::unfold(
+        (Box::pin(upstream), Vec::<u8>::new(), false),
+        move |(mut up, mut tail, done)| {
+            let url = url.clone();
+            async move {
+                if done {
+                    return None;
+                }
+                let failure = match up.next().await {
+                    Some(Ok(b)) => {
+                        tail.extend_from_slice(&b);
+                        let keep = tail.len().saturating_sub(32);
+                        tail.drain(..keep);
+                        return Some((Ok(b), (up, tail, false)));
+                    }
+                    Some(Err(e)) => format!("merged pod {url} failed mid-stream: {e}"),
+                    None if tail_has_done(&tail) => return None,
+                    None => format!("merged pod {url} ended the stream early"),
+                };
+                tracing::warn!("{failure}");
+                let e = ApiError::new(StatusCode::BAD_GATEWAY, "upstream_error", failure);
+                let ev = format!("data: {}\n\ndata: [DONE]\n\n", e.body());
+                Some((Ok(Bytes::from(ev)), (up, tail, true)))
+            }
+        },
+    )
+}
+
+fn tail_has_done(tail: &[u8]) -> bool {
+    let t = String::from_utf8_lossy(tail);
+    t.trim_end().ends_with("data: [DONE]")
 }
 
 fn last_user_text(m: &[ChatMessage]) -> String {
@@ -996,7 +1129,7 @@ pub async fn route(
 /// `GET /v1/models`: the pool, the base model and every adapter.
 pub async fn models(State(s): S, headers: HeaderMap) -> Response {
     if let Err(e) = s.check_api_key(&headers) {
-        return e.into_response();
+        return finish(&s, Err(e));
     }
     let cfg = s.cfg();
     let t = now();
@@ -1013,15 +1146,16 @@ pub async fn models(State(s): S, headers: HeaderMap) -> Response {
     Json(json!({"object": "list", "data": data})).into_response()
 }
 
-/// `GET /v1/lora_adapters`.
+/// `GET /v1/lora_adapters` (API key, or the operator or admin token): every version, loaded
+/// or refused with the reason.
 pub async fn lora_adapters(State(s): S, headers: HeaderMap) -> Response {
-    if let Err(e) = s.check_api_key(&headers) {
-        return e.into_response();
+    if let Err(e) = s.check_listing(&headers) {
+        return finish(&s, Err(e));
     }
     Json(mole_crds::LoraAdaptersResponse {
         object: "list".into(),
         base_model: s.cfg().base_model.name.clone(),
-        data: s.engine.adapters(),
+        data: s.adapter_listing(),
     })
     .into_response()
 }
@@ -1068,7 +1202,8 @@ pub async fn load_lora(
             path,
         };
         let e = s.engine.clone();
-        tokio::task::spawn_blocking(move || e.load_adapter(spec))
+        let started = Instant::now();
+        let r = tokio::task::spawn_blocking(move || e.load_adapter(spec))
             .await
             .map_err(|e| {
                 ApiError::new(
@@ -1076,7 +1211,12 @@ pub async fn load_lora(
                     "internal_error",
                     e.to_string(),
                 )
-            })??;
+            })?;
+        s.metrics
+            .adapter_load_duration
+            .with_label_values(&[if r.is_ok() { "ok" } else { "failed" }])
+            .observe(started.elapsed().as_secs_f64());
+        r?;
         Ok::<Response, ApiError>(
             Json(json!({"status": "loaded", "lora_name": b.lora_name})).into_response(),
         )
@@ -1085,14 +1225,14 @@ pub async fn load_lora(
     finish(&s, r)
 }
 
-/// `POST /v1/unload_lora_adapter` (vLLM shape). Admin only.
+/// `POST /v1/unload_lora_adapter` (vLLM shape). Admin or operator token.
 pub async fn unload_lora(
     State(s): S,
     headers: HeaderMap,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let r = async {
-        s.check_admin(&headers)?;
+        s.check_operator(&headers)?;
         let b: LoadBody = parse_body(body)?;
         s.engine.unload_adapter(&b.lora_name)?;
         Ok::<Response, ApiError>(
@@ -1103,33 +1243,69 @@ pub async fn unload_lora(
     finish(&s, r)
 }
 
-/// `POST /admin/reload`: re-reads the config file now.
-pub async fn admin_reload(State(s): S, headers: HeaderMap) -> Response {
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+struct ReloadBody {
+    /// `WorkerConfig::content_hash()` the caller expects the file to have.
+    #[serde(default)]
+    config_hash: Option<String>,
+}
+
+/// `POST /admin/reload` (admin or operator token), optional body `{"configHash": H}`:
+/// re-reads the config file now. With H, a file whose parsed config hashes otherwise is
+/// refused with 409 `config_stale` (the kubelet refreshes a mounted ConfigMap late) and
+/// nothing changes; else it is applied and the answer carries the applied `configHash`.
+/// How long `POST /admin/reload` waits for the adapters to load before answering 202.
+const RELOAD_ANSWER_WITHIN: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// `POST /admin/reload`.
+pub async fn admin_reload(
+    State(s): S,
+    headers: HeaderMap,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
     let r = async {
-        s.check_admin(&headers)?;
-        let Some(p) = s.config_path.clone() else {
-            return Err(bad(
-                "no_config_file",
-                "this worker was not started from a config file",
-            ));
+        s.check_operator(&headers)?;
+        let empty = body
+            .as_ref()
+            .is_ok_and(|b| b.iter().all(u8::is_ascii_whitespace));
+        let b: ReloadBody = if empty {
+            ReloadBody::default()
+        } else {
+            parse_body(body)?
         };
-        let (shared, e) = (s.config.clone(), s.engine.clone());
-        let (changed, errors) =
-            tokio::task::spawn_blocking(move || crate::config::reload(&p, &shared, e.as_ref()))
+        let internal = |e: tokio::task::JoinError| {
+            ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                e.to_string(),
+            )
+        };
+        // A stale file is answered at once (the operator retries), even while a watcher
+        // reload holds the reload lock.
+        if let Some(want) = b.config_hash.clone() {
+            let st = s.clone();
+            tokio::task::spawn_blocking(move || st.check_config_hash(&want))
                 .await
-                .map_err(|e| {
-                    ApiError::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "internal_error",
-                        e.to_string(),
-                    )
-                })?
-                .map_err(|e| {
-                    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, e.code(), e.to_string())
-                })?;
-        Ok::<Response, ApiError>(
-            Json(json!({"changed": changed, "errors": errors})).into_response(),
-        )
+                .map_err(internal)??;
+        }
+        let st = s.clone();
+        let want = b.config_hash.clone();
+        let job = tokio::task::spawn_blocking(move || st.reload(want.as_deref()));
+        // Loading large adapters can take longer than a caller should wait: after a while the
+        // reload goes on in the background and the answer is 202; `/v1/lora_adapters` says
+        // when each adapter is loaded.
+        let out = match tokio::time::timeout(RELOAD_ANSWER_WITHIN, job).await {
+            Ok(joined) => joined.map_err(internal)??,
+            Err(_) => {
+                return Ok((
+                    StatusCode::ACCEPTED,
+                    Json(serde_json::json!({"applying": true, "configHash": b.config_hash})),
+                )
+                    .into_response())
+            }
+        };
+        Ok::<Response, ApiError>(Json(out).into_response())
     }
     .await;
     finish(&s, r)
