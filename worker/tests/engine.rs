@@ -295,10 +295,13 @@ fn seeds_stop_strings_chat_template_and_classifier_scores() {
     assert_ne!(sampled(3), sampled(4));
     // The byte-level fixture tokenizer: text in, text out; the chat template is applied.
     let prompt = e
-        .apply_chat_template(&[ChatMessage {
-            role: "user".into(),
-            content: "hi".into(),
-        }])
+        .apply_chat_template(
+            &[ChatMessage {
+                role: "user".into(),
+                content: "hi".into(),
+            }],
+            &serde_json::Map::new(),
+        )
         .unwrap();
     assert_eq!(prompt, "<user>hi\n<assistant>");
     assert_eq!(e.count_tokens(&prompt).unwrap(), prompt.len());

@@ -454,10 +454,13 @@ fn check(base: Base, dtype: GgmlDType) {
     qe.load_adapter(spec.clone()).unwrap();
     de.load_adapter(spec).unwrap();
     assert_eq!(
-        qe.apply_chat_template(&[ChatMessage {
-            role: "user".into(),
-            content: "hi".into()
-        }])
+        qe.apply_chat_template(
+            &[ChatMessage {
+                role: "user".into(),
+                content: "hi".into()
+            }],
+            &serde_json::Map::new()
+        )
         .unwrap(),
         "<user>hi\n<assistant>",
         "the chat template comes from the GGUF metadata"

@@ -238,10 +238,13 @@ fn smollm2_served_quantized() {
     })
     .unwrap();
     let prompt = e
-        .apply_chat_template(&[ChatMessage {
-            role: "user".into(),
-            content: "What is the capital of Italy?".into(),
-        }])
+        .apply_chat_template(
+            &[ChatMessage {
+                role: "user".into(),
+                content: "What is the capital of Italy?".into(),
+            }],
+            &serde_json::Map::new(),
+        )
         .unwrap();
     let answer = |adapter: Option<&str>| {
         let mut rx = e

@@ -786,8 +786,12 @@ impl InferenceEngine for GatedEngine {
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
         self.inner.submit(req)
     }
-    fn apply_chat_template(&self, m: &[ChatMessage]) -> Result<String, EngineError> {
-        self.inner.apply_chat_template(m)
+    fn apply_chat_template(
+        &self,
+        m: &[ChatMessage],
+        k: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, EngineError> {
+        self.inner.apply_chat_template(m, k)
     }
     fn count_tokens(&self, t: &str) -> Result<usize, EngineError> {
         self.inner.count_tokens(t)

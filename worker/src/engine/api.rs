@@ -248,8 +248,14 @@ pub struct AdapterSpec {
 pub trait InferenceEngine: Send + Sync + 'static {
     /// Queues a request. Fails at once with `Overloaded` when the waiting queue is full.
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError>;
-    /// Renders chat messages with the model's chat template (`add_generation_prompt`).
-    fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, EngineError>;
+    /// Renders chat messages with the model's chat template (`add_generation_prompt`);
+    /// `kwargs` become template variables (vLLM's `chat_template_kwargs`, e.g. Qwen3's
+    /// `enable_thinking`).
+    fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, EngineError>;
     /// Number of tokens of a text (for limits and usage).
     fn count_tokens(&self, text: &str) -> Result<usize, EngineError>;
     /// Log-probabilities of each candidate label as the next tokens after `prompt`, with

@@ -314,10 +314,14 @@ impl InferenceEngine for Engine {
         Ok(rx)
     }
 
-    fn apply_chat_template(&self, messages: &[ChatMessage]) -> Result<String, EngineError> {
+    fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, EngineError> {
         self.shared
             .text
-            .render_chat(messages)
+            .render_chat_with(messages, true, kwargs)
             .map_err(|e| EngineError::InvalidRequest(e.to_string()))
     }
 

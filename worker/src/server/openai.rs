@@ -114,6 +114,9 @@ struct Common {
 #[derive(Deserialize)]
 struct ChatBody {
     messages: Vec<InMessage>,
+    /// Extra chat-template variables (vLLM's field), e.g. `{"enable_thinking": false}`.
+    #[serde(default)]
+    chat_template_kwargs: serde_json::Map<String, Value>,
     #[serde(flatten)]
     common: Common,
 }
@@ -934,7 +937,10 @@ pub async fn chat(
         let msgs = messages(b.messages)?;
         let sp = sampling(&s, &b.common, true)?;
         let text = last_user_text(&msgs);
-        let prompt = Prompt::Templated(s.engine.apply_chat_template(&msgs)?);
+        let prompt = Prompt::Templated(
+            s.engine
+                .apply_chat_template(&msgs, &b.chat_template_kwargs)?,
+        );
         serve(
             s.clone(),
             headers.clone(),
@@ -1055,7 +1061,10 @@ pub async fn infer(
             content: b.prompt.clone(),
         }];
         let sp = sampling(&s, &b.common, true)?;
-        let prompt = Prompt::Templated(s.engine.apply_chat_template(&msgs)?);
+        let prompt = Prompt::Templated(
+            s.engine
+                .apply_chat_template(&msgs, &serde_json::Map::new())?,
+        );
         // Forwarded requests go to merged pods as chat completions.
         let mut fwd = raw.clone();
         fwd["messages"] = json!([{"role": "user", "content": b.prompt}]);
