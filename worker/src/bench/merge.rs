@@ -30,8 +30,11 @@ pub struct MergeBenchArgs {
     #[arg(long, env = "MOLE_BENCH_PYTHON")]
     pub python: Option<PathBuf>,
     /// Repetitions of each timed step (the best is kept).
-    #[arg(long, env = "MOLE_BENCH_REPEAT", default_value_t = 2)]
+    #[arg(long, env = "MOLE_BENCH_REPEAT", default_value_t = 4)]
     pub repeat: usize,
+    /// Keep the work directory (synthetic base, adapter) for profiling; its path is printed.
+    #[arg(long)]
+    pub keep: bool,
 }
 
 const HIDDEN: usize = 2048;
@@ -201,14 +204,10 @@ fn read_all(dir: &Path) -> std::io::Result<()> {
     Ok(())
 }
 
-fn timed(mut f: impl FnMut() -> anyhow::Result<()>, repeat: usize) -> anyhow::Result<f64> {
-    let mut best = f64::INFINITY;
-    for _ in 0..repeat.max(1) {
-        let t = Instant::now();
-        f()?;
-        best = best.min(t.elapsed().as_secs_f64());
-    }
-    Ok(best)
+fn timed(mut f: impl FnMut() -> anyhow::Result<()>) -> anyhow::Result<f64> {
+    let t = Instant::now();
+    f()?;
+    Ok(t.elapsed().as_secs_f64())
 }
 
 const PEFT_SCRIPT: &str = r#"
@@ -228,63 +227,95 @@ fn bench(args: &MergeBenchArgs) -> anyhow::Result<()> {
     let work = tempfile::Builder::new()
         .prefix("mole-bench-merge-")
         .tempdir_in(&parent)?;
-    let dir = work.path();
+    let work_path = if args.keep {
+        work.keep()
+    } else {
+        work.path().to_path_buf()
+    };
+    let dir = work_path.as_path();
     eprintln!(
         "generating a {} MiB synthetic base in {} ...",
         args.size_mib,
         dir.display()
     );
     let (base, adapter, bytes) = make_inputs(dir, args.size_mib, args.shards, args.rank)?;
-    // Both contenders start from a warm page cache.
+    // Every contender starts from a warm page cache and no pending writeback (`sync` before
+    // each run, untimed); runs alternate so background noise hits all alike. Two pairs are
+    // like for like: `cp -r` against `merge --no-fsync` (neither waits for the disk), and
+    // `cp -r` + `sync` of the copied files against the default, durable `merge` (which
+    // fdatasyncs its output before renaming it into place).
     read_all(&base)?;
     read_all(&adapter)?;
-
+    let sync = || {
+        let _ = Command::new("sync").status();
+    };
     let copy_dst = dir.join("copy");
-    let cp = timed(
-        || {
-            let _ = std::fs::remove_dir_all(&copy_dst);
-            let st = Command::new("cp")
-                .arg("-r")
-                .arg(&base)
-                .arg(&copy_dst)
-                .status()?;
-            anyhow::ensure!(st.success(), "cp failed");
-            Ok(())
-        },
-        args.repeat,
-    )?;
-    std::fs::remove_dir_all(&copy_dst)?;
-
     let exe = std::env::current_exe()?;
     let out = dir.join("merged");
     let mut peak_rss = 0u64;
-    let merge = timed(
-        || {
-            let _ = std::fs::remove_dir_all(&out);
-            let o = Command::new(&exe)
-                .args(["merge", "--safe-merge", "--base"])
-                .arg(&base)
-                .arg("--adapter")
-                .arg(&adapter)
-                .arg("--out")
-                .arg(&out)
-                .env("MOLE_MERGE_REPORT_RSS", "1")
-                .output()?;
-            anyhow::ensure!(
-                o.status.success(),
-                "merge failed: {}",
-                String::from_utf8_lossy(&o.stderr)
-            );
-            for line in String::from_utf8_lossy(&o.stderr).lines() {
-                if let Some(v) = line.strip_prefix("peak_rss_bytes ") {
-                    peak_rss = peak_rss.max(v.trim().parse().unwrap_or(0));
-                }
+    let cp_cmd = |durable: bool| -> anyhow::Result<()> {
+        let st = Command::new("cp")
+            .arg("-r")
+            .arg(&base)
+            .arg(&copy_dst)
+            .status()?;
+        anyhow::ensure!(st.success(), "cp failed");
+        if durable {
+            let files: Vec<PathBuf> = std::fs::read_dir(&copy_dst)?
+                .map(|e| e.map(|e| e.path()))
+                .collect::<Result<_, _>>()?;
+            let st = Command::new("sync").args(&files).status()?;
+            anyhow::ensure!(st.success(), "sync failed");
+        }
+        Ok(())
+    };
+    let mut merge_cmd = |durable: bool| -> anyhow::Result<()> {
+        let mut c = Command::new(&exe);
+        c.args(["merge", "--safe-merge", "--base"])
+            .arg(&base)
+            .arg("--adapter")
+            .arg(&adapter)
+            .arg("--out")
+            .arg(&out)
+            .env("MOLE_MERGE_REPORT_RSS", "1");
+        if !durable {
+            c.arg("--no-fsync");
+        }
+        let o = c.output()?;
+        anyhow::ensure!(
+            o.status.success(),
+            "merge failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        for line in String::from_utf8_lossy(&o.stderr).lines() {
+            if let Some(v) = line.strip_prefix("peak_rss_bytes ") {
+                peak_rss = peak_rss.max(v.trim().parse().unwrap_or(0));
             }
-            Ok(())
-        },
-        args.repeat,
-    )?;
-    std::fs::remove_dir_all(&out)?;
+        }
+        Ok(())
+    };
+    // Best of `repeat`: [cp, cp + sync, merge --no-fsync, merge]. The order rotates from one
+    // repetition to the next: on a VM, how fast fresh page-cache memory is depends on what
+    // the previous run freed, so every contender gets every predecessor.
+    let mut best = [f64::INFINITY; 4];
+    for rep in 0..args.repeat.max(1) {
+        for step in 0..4 {
+            let i = (step + rep) % 4;
+            let _ = std::fs::remove_dir_all(&copy_dst);
+            let _ = std::fs::remove_dir_all(&out);
+            sync();
+            let durable = i % 2 == 1;
+            let t = if i < 2 {
+                timed(|| cp_cmd(durable))?
+            } else {
+                timed(|| merge_cmd(durable))?
+            };
+            best[i] = best[i].min(t);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&copy_dst);
+    let _ = std::fs::remove_dir_all(&out);
+    let [cp, cp_sync, merge_fast, merge] = best;
 
     let largest_shard = std::fs::read_dir(&base)?
         .flatten()
@@ -295,49 +326,102 @@ fn bench(args: &MergeBenchArgs) -> anyhow::Result<()> {
     let adapter_bytes = std::fs::metadata(adapter.join("adapter_model.safetensors"))?.len();
     let budget = largest_shard + adapter_bytes + (256 << 20);
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
-    println!("bench merge: synthetic llama, {:.0} MiB bf16 in {} shards, rank-{} LoRA on every linear module", mib(bytes as u64), args.shards, args.rank);
-    println!("| measure | value |");
+    let verdict = |r: f64| {
+        if r <= 1.1 {
+            "within the 1.1 target"
+        } else if r <= 1.3 {
+            "over the 1.1 target, within the 1.3 limit"
+        } else {
+            "OVER the 1.3 limit"
+        }
+    };
+    println!(
+        "bench merge: synthetic llama, {:.0} MiB bf16 in {} shards, rank-{} LoRA on every linear module; {} CPUs",
+        mib(bytes as u64),
+        args.shards,
+        args.rank,
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    );
+    println!("| measure (best of {}) | value |", args.repeat.max(1));
     println!("|---|---|");
-    println!("| cp -r base (best of {}) | {cp:.3} s |", args.repeat);
+    println!("| cp -r base | {cp:.3} s |");
+    println!("| mole-worker merge --safe-merge --no-fsync | {merge_fast:.3} s |");
     println!(
-        "| mole-worker merge --safe-merge (best of {}) | {merge:.3} s |",
-        args.repeat
+        "| merge ÷ cp (neither syncs) | {:.2}x: {} |",
+        merge_fast / cp,
+        verdict(merge_fast / cp)
+    );
+    println!("| cp -r base + sync of the copied files | {cp_sync:.3} s |");
+    println!(
+        "| mole-worker merge --safe-merge (fdatasync before rename, the default) | {merge:.3} s |"
     );
     println!(
-        "| merge ÷ cp | {:.2}x (target ≤ 1.1, must be ≤ 1.3) |",
-        merge / cp
+        "| merge ÷ cp (both durable) | {:.2}x: {} |",
+        merge / cp_sync,
+        verdict(merge / cp_sync)
     );
     println!(
-        "| merge throughput | {:.0} MiB/s |",
-        mib(bytes as u64) / merge
+        "| merge throughput (--no-fsync) | {:.0} MiB/s |",
+        mib(bytes as u64) / merge_fast
     );
     println!(
-        "| merge peak RSS | {:.0} MiB (budget: largest shard {:.0} + adapter {:.0} + 256 = {:.0} MiB) |",
+        "| merge peak RSS | {:.0} MiB: {} (budget: largest shard {:.0} + adapter {:.0} + 256 = {:.0} MiB) |",
         mib(peak_rss),
+        if peak_rss <= budget {
+            "within budget"
+        } else {
+            "OVER BUDGET"
+        },
         mib(largest_shard),
         mib(adapter_bytes),
         mib(budget)
     );
     if let Some(py) = &args.python {
         let peft_out = dir.join("peft");
-        let o = Command::new(py)
-            .arg("-c")
-            .arg(PEFT_SCRIPT)
-            .arg(&base)
-            .arg(&adapter)
-            .arg(&peft_out)
-            .output()?;
+        // Best of two: the first run also warms python's own files.
+        let (mut process, mut o) = (f64::INFINITY, None);
+        for _ in 0..2 {
+            let _ = std::fs::remove_dir_all(&peft_out);
+            sync();
+            let started = Instant::now();
+            let run = Command::new(py)
+                .arg("-c")
+                .arg(PEFT_SCRIPT)
+                .arg(&base)
+                .arg(&adapter)
+                .arg(&peft_out)
+                .output()?;
+            let t = started.elapsed().as_secs_f64();
+            let ok = run.status.success();
+            if t < process || !ok {
+                process = t;
+                o = Some(run);
+            }
+            if !ok {
+                break;
+            }
+        }
+        let o = o.expect("ran once");
         if o.status.success() {
-            let secs: f64 = String::from_utf8_lossy(&o.stdout)
+            let inner: f64 = String::from_utf8_lossy(&o.stdout)
                 .trim()
                 .lines()
                 .last()
                 .unwrap_or("")
                 .parse()?;
-            println!("| PEFT merge_and_unload + save_pretrained | {secs:.3} s |");
             println!(
-                "| PEFT ÷ mole | {:.1}x faster (target ≥ 10) |",
-                secs / merge
+                "| PEFT merge_and_unload + save_pretrained, whole python process | {process:.3} s |"
+            );
+            println!("| PEFT, load + merge + save only (timed inside python) | {inner:.3} s |");
+            // Like for like: whole process against whole process, neither syncing; and the
+            // conservative figure that leaves python's start-up out.
+            println!(
+                "| PEFT ÷ mole (processes, neither syncs) | mole {:.1}x faster (target ≥ 10) |",
+                process / merge_fast
+            );
+            println!(
+                "| PEFT (in-python time) ÷ mole (process, neither syncs) | mole {:.1}x faster |",
+                inner / merge_fast
             );
         } else {
             println!(

@@ -38,11 +38,37 @@ pub struct MergeArgs {
     /// Adapter version for merge_metadata.json.
     #[arg(long, env = "MOLE_MERGE_ADAPTER_VERSION")]
     pub adapter_version: Option<String>,
+    /// Skip the fdatasync of the output before it is renamed into place (outputs on tmpfs,
+    /// benchmarks against `cp`); by default a machine crash cannot expose a partial merge.
+    #[arg(long, env = "MOLE_MERGE_NO_FSYNC")]
+    pub no_fsync: bool,
+    /// Where the one-line failure reason is also written (Kubernetes copies it into the
+    /// Pod's termination message). Default: /dev/termination-log, when it exists.
+    #[arg(long, env = "MOLE_TERMINATION_LOG")]
+    pub termination_log: Option<PathBuf>,
 }
 
-/// Runs `merge`. On failure prints one line to stderr and to `/dev/termination-log` (where
-/// Kubernetes picks it up for the Adapter's condition); exit 2 for bad input, 1 for I/O.
+/// Writes the failure reason where Kubernetes looks for it: the given path (created), or
+/// `/dev/termination-log` when it exists (a container's default `terminationMessagePath`).
+fn write_termination_log(given: Option<&std::path::Path>, line: &str) {
+    let default = std::path::Path::new("/dev/termination-log");
+    let path = match given {
+        Some(p) => p,
+        None if default.exists() => default,
+        None => return,
+    };
+    if let Err(e) = std::fs::write(path, format!("{line}\n")) {
+        eprintln!("cannot write the termination log {}: {e}", path.display());
+    }
+}
+
+/// Runs `merge`. On failure prints one line to stderr and to the termination log
+/// (`--termination-log` / `MOLE_TERMINATION_LOG`, default `/dev/termination-log` when it
+/// exists), where Kubernetes picks it up for the Adapter's condition; exit 2 for bad input,
+/// 1 for I/O.
 pub fn run(args: MergeArgs) -> ExitCode {
+    let termination_log = args.termination_log;
+    super::set_durable(!args.no_fsync);
     let opts = MergeOptions {
         base: args.base,
         adapter: args.adapter,
@@ -92,10 +118,7 @@ pub fn run(args: MergeArgs) -> ExitCode {
         Err(e) => {
             let line = format!("merge failed ({}): {e}", e.code());
             eprintln!("{line}");
-            let log = std::path::Path::new("/dev/termination-log");
-            if log.exists() {
-                let _ = std::fs::write(log, &line);
-            }
+            write_termination_log(termination_log.as_deref(), &line);
             ExitCode::from(e.exit_code())
         }
     }

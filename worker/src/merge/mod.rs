@@ -1,14 +1,16 @@
 //! Streaming merge of a PEFT LoRA adapter into HF safetensors weights:
 //! `W' = W + s·(B·A)` per targeted module, shard by shard.
 //!
-//! Memory stays bounded whatever the model size: each input shard is memory-mapped, unchanged
-//! tensors are written straight from the mapping, and a changed tensor is materialised (in f32)
-//! only while it is being written. The output goes to a temporary directory renamed into place
+//! Memory stays bounded whatever the model size: unchanged tensors are copied file to file by
+//! the kernel, changed ones are computed a block of rows at a time (in f32) from the
+//! memory-mapped input and written as they are ready, and the adapter stays memory-mapped,
+//! decoded one module at a time (see `writer`). The output goes to a temporary directory renamed into place
 //! at the end, so a crash never leaves a partial output, and a re-run with identical inputs is
 //! a no-op.
 
 pub mod cli;
 pub(crate) mod tensors;
+mod writer;
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
@@ -18,9 +20,23 @@ use sha2::{Digest, Sha256};
 
 use crate::formats::hf;
 use crate::formats::peft::{self, AdapterConfig};
-use tensors::{AdapterWeights, Delta};
+use tensors::MappedAdapter;
 
 pub use tensors::{bf16_ulp_distance, to_f32, OutDtype};
+
+/// Whether outputs are made durable (fdatasync) before the rename; see [`set_durable`].
+static DURABLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+
+/// Turns the fdatasync of merged files off (`merge --no-fsync`: outputs on tmpfs, or timing
+/// against `cp`). On by default: the rename then never exposes a directory whose data a
+/// machine crash could still lose.
+pub fn set_durable(on: bool) {
+    DURABLE.store(on, std::sync::atomic::Ordering::Relaxed);
+}
+
+fn durable() -> bool {
+    DURABLE.load(std::sync::atomic::Ordering::Relaxed)
+}
 
 /// Files of a base model directory that are weights (rewritten), not copied.
 fn is_weight_file(name: &str) -> bool {
@@ -285,12 +301,17 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
     let adapter_dir = confine(&opts.adapter, root)?;
     check_no_pickle(&adapter_dir)?;
 
+    let index = base.join("model.safetensors.index.json");
+    if index.exists() {
+        confine(&index, root)?;
+    }
     let shards = hf::safetensors_files(&base)?;
     let shards = shards
         .iter()
         .map(|s| confine(s, root))
         .collect::<Result<Vec<_>, _>>()?;
 
+    confine(&adapter_dir.join("adapter_config.json"), root)?;
     let config = AdapterConfig::from_dir(&adapter_dir)?;
     if config.use_dora {
         return Err(MergeError::Unsupported(
@@ -368,7 +389,7 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
         };
     }
 
-    let adapter = AdapterWeights::load(&weights_path, &config)?;
+    let adapter = MappedAdapter::open(&weights_path, &config)?;
     for (module, lora) in &adapter.loras {
         let rank = lora.rank();
         if rank > opts.max_rank {
@@ -414,6 +435,7 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
             let path = tmp.join("merge_metadata.json");
             let text = serde_json::to_string_pretty(&metadata).expect("metadata serializes");
             std::fs::write(&path, text).map_err(io_err(&path))?;
+            sync_file(&path)?;
             sync_dir(&tmp)?;
             std::fs::rename(&tmp, &out).map_err(io_err(&out))?;
             sync_dir(&parent)?;
@@ -429,6 +451,9 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
 }
 
 fn sync_dir(dir: &Path) -> Result<(), MergeError> {
+    if !durable() {
+        return Ok(());
+    }
     std::fs::File::open(dir)
         .and_then(|f| f.sync_all())
         .map_err(io_err(dir))
@@ -461,7 +486,7 @@ struct WriteStats {
 fn write_merged(
     base: &Path,
     shards: &[PathBuf],
-    adapter: &AdapterWeights,
+    adapter: &MappedAdapter,
     config: &AdapterConfig,
     opts: &MergeOptions,
     tmp: &Path,
@@ -480,42 +505,35 @@ fn write_merged(
     let plan = adapter.plan(&infos, config)?;
 
     let mut stats = WriteStats {
-        modules_merged: plan.deltas.len(),
+        modules_merged: plan
+            .deltas
+            .values()
+            .filter(|d| matches!(d, tensors::Delta::LowRank { .. }))
+            .count(),
         tensors_replaced: plan.replacements.len(),
         total_params: 0,
     };
     let mut total_size: u64 = 0;
-    for shard in shards {
-        // One shard mapped at a time: resident memory stays around the largest shard.
-        let mmap = map_shard(shard)?;
-        let st =
-            safetensors::SafeTensors::deserialize(&mmap).map_err(|e| MergeError::Safetensors {
-                path: shard.display().to_string(),
-                message: e.to_string(),
-            })?;
-        let (_, meta) = read_header(shard, &mmap)?;
-        let file_name = shard.file_name().expect("shard files have names");
-        let dest = tmp.join(file_name);
-        let failure = tensors::FailureCell::default();
-        let mut views = Vec::new();
-        for (name, view) in st.iter() {
-            stats.total_params += view.shape().iter().product::<usize>() as u64;
-            let replacement = plan.replacements.get(name).copied();
-            let delta: Option<&Delta> = plan.deltas.get(name);
-            views.push((
-                name.to_string(),
-                tensors::LazyTensor::new(view, replacement, delta, opts, &failure),
-            ));
-        }
-        total_size += views.iter().map(|(_, v)| v.byte_len() as u64).sum::<u64>();
-        safetensors::serialize_to_file(views, meta.metadata().clone(), &dest).map_err(|e| {
-            MergeError::Io {
-                path: dest.display().to_string(),
-                source: std::io::Error::other(e.to_string()),
+    // Each written shard is made durable (fdatasync) in the background while the next one is
+    // computed; all of them before the directory is renamed into place.
+    std::thread::scope(|sc| -> Result<(), MergeError> {
+        let mut syncs = Vec::new();
+        for shard in shards {
+            let dest = tmp.join(shard.file_name().expect("shard files have names"));
+            let (written, file) = writer::write_shard(shard, &dest, &plan, adapter, opts)?;
+            stats.total_params += written.params;
+            total_size += written.data_bytes;
+            if durable() {
+                syncs.push((dest, sc.spawn(move || file.sync_data())));
             }
-        })?;
-        failure.check()?;
-    }
+        }
+        for (dest, h) in syncs {
+            h.join()
+                .expect("fdatasync does not panic")
+                .map_err(io_err(&dest))?;
+        }
+        Ok(())
+    })?;
 
     // Index (same shard layout as the base) and every non-weight file, copied.
     let index = base.join("model.safetensors.index.json");
@@ -551,7 +569,22 @@ fn write_merged(
     if let Some(d) = opts.dtype {
         rewrite_config_dtype(tmp, d)?;
     }
+    for entry in std::fs::read_dir(tmp).map_err(io_err(tmp))? {
+        let path = entry.map_err(io_err(tmp))?.path();
+        if path.extension().is_none_or(|e| e != "safetensors") {
+            sync_file(&path)?;
+        }
+    }
     Ok(stats)
+}
+
+fn sync_file(path: &Path) -> Result<(), MergeError> {
+    if !durable() {
+        return Ok(());
+    }
+    std::fs::File::open(path)
+        .and_then(|f| f.sync_data())
+        .map_err(io_err(path))
 }
 
 /// With `--dtype`, the copied config.json must say what the weights now are.

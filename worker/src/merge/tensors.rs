@@ -1,14 +1,11 @@
-//! Adapter tensors, the merge plan, and the lazily merged output tensors.
+//! Adapter tensors, the merge plan, and the f32 kernels that apply it row block by row block.
 
-use std::borrow::Cow;
-use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use safetensors::tensor::{TensorView, View};
 use safetensors::Dtype;
 
-use super::{io_err, MergeError, MergeOptions};
+use super::{io_err, MergeError};
 use crate::formats::peft::{split_adapter_key, AdapterConfig};
 
 /// Output dtype of merged weights.
@@ -48,7 +45,7 @@ impl OutDtype {
             Self::F16 => "float16",
         }
     }
-    fn safetensors(self) -> Dtype {
+    pub(crate) fn safetensors(self) -> Dtype {
         match self {
             Self::F32 => Dtype::F32,
             Self::Bf16 => Dtype::BF16,
@@ -57,7 +54,7 @@ impl OutDtype {
     }
 }
 
-fn is_float(d: Dtype) -> bool {
+pub(crate) fn is_float(d: Dtype) -> bool {
     matches!(d, Dtype::F32 | Dtype::BF16 | Dtype::F16 | Dtype::F64)
 }
 
@@ -70,35 +67,18 @@ pub fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
     decode_into(dtype, bytes, &mut out).then_some(out)
 }
 
-/// Decodes into `out` (resized; reusing its allocation avoids re-faulting fresh pages for
-/// every tensor). False for non-float dtypes.
+/// Decodes into `out` (resized), in parallel. False for non-float dtypes.
 fn decode_into(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) -> bool {
     use rayon::prelude::*;
-    let size = match dtype {
-        Dtype::F32 => 4,
-        Dtype::BF16 | Dtype::F16 => 2,
-        Dtype::F64 => 8,
-        _ => return false,
-    };
+    if !is_float(dtype) {
+        return false;
+    }
+    let size = dtype.bitsize() / 8;
+    out.clear();
     out.resize(bytes.len() / size, 0.0);
     out.par_chunks_mut(CHUNK)
         .zip(bytes.par_chunks(CHUNK * size))
-        .for_each(|(dst, src)| {
-            let it = dst.iter_mut().zip(src.chunks_exact(size));
-            match dtype {
-                // bf16 is the upper half of an f32: widening is exact.
-                Dtype::BF16 => it.for_each(|(d, c)| {
-                    *d = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)
-                }),
-                Dtype::F16 => {
-                    it.for_each(|(d, c)| *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                }
-                Dtype::F64 => it.for_each(|(d, c)| {
-                    *d = f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32
-                }),
-                _ => it.for_each(|(d, c)| *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-            }
-        });
+        .for_each(|(dst, src)| decode_slice(dtype, src, dst));
     true
 }
 
@@ -107,36 +87,13 @@ fn decode_into(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) -> bool {
 #[inline]
 fn bf16_bits(v: f32) -> u16 {
     let b = v.to_bits();
+    let rounded = (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16;
+    let quiet_nan = ((b >> 16) as u16) | 0x0040;
     if v.is_nan() {
-        return ((b >> 16) as u16) | 0x0040;
+        quiet_nan
+    } else {
+        rounded
     }
-    ((b + 0x7fff + ((b >> 16) & 1)) >> 16) as u16
-}
-
-/// Encodes f32 values to `dtype` (round to nearest even); returns the bytes and whether every
-/// value was finite.
-fn from_f32(dtype: Dtype, values: &[f32]) -> (Vec<u8>, bool) {
-    use rayon::prelude::*;
-    let size = dtype.bitsize() / 8;
-    let mut out = vec![0u8; values.len() * size];
-    let finite = out
-        .par_chunks_mut(CHUNK * size)
-        .zip(values.par_chunks(CHUNK))
-        .map(|(dst, src)| {
-            let mut ok = true;
-            for (d, v) in dst.chunks_exact_mut(size).zip(src) {
-                ok &= v.is_finite();
-                match dtype {
-                    Dtype::BF16 => d.copy_from_slice(&bf16_bits(*v).to_le_bytes()),
-                    Dtype::F16 => d.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes()),
-                    Dtype::F64 => d.copy_from_slice(&(*v as f64).to_le_bytes()),
-                    _ => d.copy_from_slice(&v.to_le_bytes()),
-                }
-            }
-            ok
-        })
-        .reduce(|| true, |a, b| a && b);
-    (out, finite)
 }
 
 /// Distance in units in the last place between two bf16 values (bit patterns), for tests.
@@ -152,6 +109,22 @@ pub fn bf16_ulp_distance(a: u16, b: u16) -> u32 {
     (key(a) - key(b)).unsigned_abs()
 }
 
+fn decode_slice(dtype: Dtype, src: &[u8], out: &mut [f32]) {
+    let size = dtype.bitsize() / 8;
+    let it = out.iter_mut().zip(src.chunks_exact(size));
+    match dtype {
+        // bf16 is the upper half of an f32: widening is exact.
+        Dtype::BF16 => it.for_each(|(d, c)| {
+            *d = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)
+        }),
+        Dtype::F16 => it.for_each(|(d, c)| *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
+        Dtype::F64 => {
+            it.for_each(|(d, c)| *d = f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32)
+        }
+        _ => it.for_each(|(d, c)| *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+    }
+}
+
 /// An f32 matrix read from the adapter.
 #[derive(Debug, Clone)]
 pub(crate) struct Mat {
@@ -159,29 +132,254 @@ pub(crate) struct Mat {
     pub shape: Vec<usize>,
 }
 
+/// An adapter tensor left where it is in the adapter file: dtype, shape and byte range.
+#[derive(Debug, Clone)]
+pub(crate) struct Raw {
+    pub dtype: Dtype,
+    pub shape: Vec<usize>,
+    pub start: usize,
+    pub end: usize,
+}
+
+/// What grouping and planning need to know of a tensor, however it is held.
+pub(crate) trait Shaped {
+    fn shape(&self) -> &[usize];
+}
+impl Shaped for Mat {
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+}
+impl Shaped for Raw {
+    fn shape(&self) -> &[usize] {
+        &self.shape
+    }
+}
+
 /// One LoRA module of the adapter.
-#[derive(Debug, Default)]
-pub(crate) struct Lora {
-    pub a: Option<Mat>,
-    pub b: Option<Mat>,
-    pub b_bias: Option<Mat>,
+#[derive(Debug)]
+pub(crate) struct Lora<T = Mat> {
+    pub a: Option<T>,
+    pub b: Option<T>,
+    pub b_bias: Option<T>,
     pub embedding: bool,
     pub scale: f64,
 }
 
-impl Lora {
-    /// Rank (rows of A).
-    pub fn rank(&self) -> usize {
-        self.a.as_ref().map(|a| a.shape[0]).unwrap_or(0)
+impl<T> Default for Lora<T> {
+    fn default() -> Self {
+        Self {
+            a: None,
+            b: None,
+            b_bias: None,
+            embedding: false,
+            scale: 0.0,
+        }
     }
 }
 
-/// Every tensor of a PEFT adapter file, grouped by module.
+impl<T: Shaped> Lora<T> {
+    /// Rank (rows of A).
+    pub fn rank(&self) -> usize {
+        self.a.as_ref().map(|a| a.shape()[0]).unwrap_or(0)
+    }
+}
+
+/// Every tensor of a PEFT adapter file, as f32, grouped by module (the dynamic serving path;
+/// the merge reads the file lazily through [`MappedAdapter`]).
 #[derive(Debug, Default)]
 pub(crate) struct AdapterWeights {
     pub loras: BTreeMap<String, Lora>,
     /// Base tensor name → full replacement (modules_to_save, saved embeddings, biases).
     pub replacements: BTreeMap<String, Mat>,
+}
+
+/// A LoRA module as read from the adapter file (f32 tensors, or byte ranges of the file).
+type Grouped<T> = (BTreeMap<String, Lora<T>>, BTreeMap<String, T>);
+
+/// Sorts an adapter's tensors into LoRA modules and replacements of base tensors, checking
+/// that every module has both halves and is one the config targets.
+fn group<T: Shaped>(
+    entries: Vec<(String, T)>,
+    config: &AdapterConfig,
+) -> Result<Grouped<T>, MergeError> {
+    let mut loras: BTreeMap<String, Lora<T>> = BTreeMap::new();
+    let mut replacements = BTreeMap::new();
+    for (key, t) in entries {
+        if let Some((module, part)) = split_adapter_key(&key) {
+            let lora = loras.entry(module.clone()).or_default();
+            match part.as_str() {
+                "lora_A.weight" => lora.a = Some(t),
+                "lora_B.weight" => lora.b = Some(t),
+                "lora_B.bias" => lora.b_bias = Some(t),
+                "lora_embedding_A" => {
+                    lora.a = Some(t);
+                    lora.embedding = true;
+                }
+                "lora_embedding_B" => {
+                    lora.b = Some(t);
+                    lora.embedding = true;
+                }
+                p if p.starts_with("lora_magnitude_vector") => {
+                    return Err(MergeError::Unsupported(format!(
+                        "{module}: DoRA (lora_magnitude_vector) adapters are not merged by mole; \
+                         merge them with PEFT or train without use_dora"
+                    )))
+                }
+                other => {
+                    return Err(MergeError::Unsupported(format!(
+                        "{key}: unknown LoRA tensor {other}"
+                    )))
+                }
+            }
+            lora.scale = config.scale_for(&module);
+        } else {
+            let name = key.strip_prefix("base_model.model.").unwrap_or(&key);
+            let name = name
+                .replace(".modules_to_save.default", "")
+                .replace(".original_module", "")
+                .replace(".base_layer", "");
+            replacements.insert(name, t);
+        }
+    }
+    for (module, lora) in &loras {
+        if lora.a.is_none() || lora.b.is_none() {
+            return Err(MergeError::Shape {
+                module: module.clone(),
+                message: "adapter has only one of lora_A / lora_B".into(),
+            });
+        }
+        if !config.targets(module) {
+            return Err(MergeError::Shape {
+                module: module.clone(),
+                message: "adapter has LoRA weights for a module its target_modules do not name"
+                    .into(),
+            });
+        }
+    }
+    Ok((loras, replacements))
+}
+
+impl AdapterWeights {
+    /// Reads `adapter_model.safetensors` (all tensors, as f32: adapters are small).
+    pub fn load(path: &Path, config: &AdapterConfig) -> Result<Self, MergeError> {
+        let mapped = MappedAdapter::open(path, config)?;
+        let loras = mapped
+            .loras
+            .iter()
+            .map(|(module, l)| {
+                let lora = Lora {
+                    a: l.a.as_ref().map(|t| mapped.decode(t)),
+                    b: l.b.as_ref().map(|t| mapped.decode(t)),
+                    b_bias: l.b_bias.as_ref().map(|t| mapped.decode(t)),
+                    embedding: l.embedding,
+                    scale: l.scale,
+                };
+                (module.clone(), lora)
+            })
+            .collect();
+        let replacements = mapped
+            .replacements
+            .iter()
+            .map(|(name, t)| (name.clone(), mapped.decode(t)))
+            .collect();
+        Ok(Self {
+            loras,
+            replacements,
+        })
+    }
+}
+
+/// The bytes of an adapter file.
+enum AdapterBytes {
+    Mapped(memmap2::Mmap),
+    #[cfg_attr(not(test), allow(dead_code))]
+    Owned(Vec<u8>),
+}
+
+impl std::ops::Deref for AdapterBytes {
+    type Target = [u8];
+    fn deref(&self) -> &[u8] {
+        match self {
+            AdapterBytes::Mapped(m) => m,
+            AdapterBytes::Owned(v) => v,
+        }
+    }
+}
+
+/// A PEFT adapter file, memory-mapped, its tensors grouped by module but not decoded: the
+/// merge decodes one module at a time, so the adapter costs its file size in memory at most
+/// (an f32 copy of a bf16 adapter would double it).
+pub(crate) struct MappedAdapter {
+    bytes: AdapterBytes,
+    pub loras: BTreeMap<String, Lora<Raw>>,
+    /// Base tensor name → full replacement (modules_to_save, saved embeddings, biases).
+    pub replacements: BTreeMap<String, Raw>,
+}
+
+impl MappedAdapter {
+    /// Maps `adapter_model.safetensors` and indexes its tensors.
+    pub fn open(path: &Path, config: &AdapterConfig) -> Result<Self, MergeError> {
+        let file = std::fs::File::open(path).map_err(io_err(path))?;
+        // SAFETY: adapter files are read-only inputs; nothing in this process writes to them
+        // while the mapping lives.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(path))?;
+        Self::from_bytes(AdapterBytes::Mapped(map), path, config)
+    }
+
+    fn from_bytes(
+        bytes: AdapterBytes,
+        path: &Path,
+        config: &AdapterConfig,
+    ) -> Result<Self, MergeError> {
+        let st =
+            safetensors::SafeTensors::deserialize(&bytes).map_err(|e| MergeError::Safetensors {
+                path: path.display().to_string(),
+                message: e.to_string(),
+            })?;
+        let base = bytes.as_ptr() as usize;
+        let mut entries = Vec::new();
+        for (key, view) in st.iter() {
+            if !is_float(view.dtype()) {
+                return Err(MergeError::Shape {
+                    module: key.to_string(),
+                    message: format!("dtype {:?} is not a float type", view.dtype()),
+                });
+            }
+            let start = view.data().as_ptr() as usize - base;
+            entries.push((
+                key.to_string(),
+                Raw {
+                    dtype: view.dtype(),
+                    shape: view.shape().to_vec(),
+                    start,
+                    end: start + view.data().len(),
+                },
+            ));
+        }
+        drop(st);
+        let (loras, replacements) = group(entries, config)?;
+        Ok(Self {
+            bytes,
+            loras,
+            replacements,
+        })
+    }
+
+    /// The stored bytes of a tensor.
+    pub fn raw_bytes(&self, t: &Raw) -> &[u8] {
+        &self.bytes[t.start..t.end]
+    }
+
+    /// A tensor as f32.
+    pub fn decode(&self, t: &Raw) -> Mat {
+        let mut data = Vec::new();
+        decode_into(t.dtype, self.raw_bytes(t), &mut data);
+        Mat {
+            data,
+            shape: t.shape.clone(),
+        }
+    }
 }
 
 /// A low-rank update of one base tensor: `W += scale · (B·A)` (transposed for embeddings and
@@ -191,15 +389,15 @@ pub(crate) enum Delta<'a> {
     /// Weight update.
     LowRank {
         module: String,
-        a: &'a Mat,
-        b: &'a Mat,
+        a: &'a Raw,
+        b: &'a Raw,
         scale: f64,
         transpose: bool,
     },
     /// Bias update.
     Bias {
         module: String,
-        b: &'a Mat,
+        b: &'a Raw,
         scale: f64,
     },
 }
@@ -207,81 +405,10 @@ pub(crate) enum Delta<'a> {
 /// Checked merge plan: base tensor name → what happens to it.
 pub(crate) struct Plan<'a> {
     pub deltas: HashMap<String, Delta<'a>>,
-    pub replacements: HashMap<String, &'a Mat>,
+    pub replacements: HashMap<String, &'a Raw>,
 }
 
-impl AdapterWeights {
-    /// Reads `adapter_model.safetensors` (all tensors, as f32: adapters are small).
-    pub fn load(path: &Path, config: &AdapterConfig) -> Result<Self, MergeError> {
-        let bytes = std::fs::read(path).map_err(io_err(path))?;
-        let st =
-            safetensors::SafeTensors::deserialize(&bytes).map_err(|e| MergeError::Safetensors {
-                path: path.display().to_string(),
-                message: e.to_string(),
-            })?;
-        let mut out = AdapterWeights::default();
-        for (key, view) in st.iter() {
-            let data = to_f32(view.dtype(), view.data()).ok_or_else(|| MergeError::Shape {
-                module: key.to_string(),
-                message: format!("dtype {:?} is not a float type", view.dtype()),
-            })?;
-            let mat = Mat {
-                data,
-                shape: view.shape().to_vec(),
-            };
-            if let Some((module, part)) = split_adapter_key(key) {
-                let lora = out.loras.entry(module.clone()).or_default();
-                match part.as_str() {
-                    "lora_A.weight" => lora.a = Some(mat),
-                    "lora_B.weight" => lora.b = Some(mat),
-                    "lora_B.bias" => lora.b_bias = Some(mat),
-                    "lora_embedding_A" => {
-                        lora.a = Some(mat);
-                        lora.embedding = true;
-                    }
-                    "lora_embedding_B" => {
-                        lora.b = Some(mat);
-                        lora.embedding = true;
-                    }
-                    p if p.starts_with("lora_magnitude_vector") => {
-                        return Err(MergeError::Unsupported(format!(
-                            "{module}: DoRA magnitude vectors are not merged by mole"
-                        )))
-                    }
-                    other => {
-                        return Err(MergeError::Unsupported(format!(
-                            "{key}: unknown LoRA tensor {other}"
-                        )))
-                    }
-                }
-                lora.scale = config.scale_for(&module);
-            } else {
-                let name = key.strip_prefix("base_model.model.").unwrap_or(key);
-                let name = name
-                    .replace(".modules_to_save.default", "")
-                    .replace(".original_module", "")
-                    .replace(".base_layer", "");
-                out.replacements.insert(name, mat);
-            }
-        }
-        for (module, lora) in &out.loras {
-            if lora.a.is_none() || lora.b.is_none() {
-                return Err(MergeError::Shape {
-                    module: module.clone(),
-                    message: "adapter has only one of lora_A / lora_B".into(),
-                });
-            }
-            if !config.targets(module) {
-                return Err(MergeError::Shape {
-                    module: module.clone(),
-                    message: "adapter has LoRA weights for a module its target_modules do not name"
-                        .into(),
-                });
-            }
-        }
-        Ok(out)
-    }
-
+impl MappedAdapter {
     /// Checks every module against the base's tensor shapes and returns the plan.
     pub fn plan<'a>(
         &'a self,
@@ -292,18 +419,18 @@ impl AdapterWeights {
             deltas: HashMap::new(),
             replacements: HashMap::new(),
         };
-        for (name, mat) in &self.replacements {
+        for (name, t) in &self.replacements {
             let (shape, _) = infos.get(name).ok_or_else(|| MergeError::Shape {
                 module: name.clone(),
                 message: "adapter replaces a tensor the base model does not have".into(),
             })?;
-            if *shape != mat.shape {
+            if *shape != t.shape {
                 return Err(MergeError::Shape {
                     module: name.clone(),
-                    message: format!("replacement shape {:?}, base {:?}", mat.shape, shape),
+                    message: format!("replacement shape {:?}, base {:?}", t.shape, shape),
                 });
             }
-            plan.replacements.insert(name.clone(), mat);
+            plan.replacements.insert(name.clone(), t);
         }
         for (module, lora) in &self.loras {
             let (a, b) = (
@@ -394,200 +521,398 @@ impl AdapterWeights {
     }
 }
 
+/// A [`Delta`] with its adapter tensors decoded to f32 and laid out for row-wise application:
+/// row `i` of the base tensor gets `scale · Σ_κ coef[i, κ] · basis[κ, :]`.
+///
+/// * LoRA, `W [m, n]`: coef = B `[m, k]`, basis = A `[k, n]`.
+/// * LoRA on a transposed weight (embeddings, fan_in_fan_out), `W [n, m]`: coef = Aᵀ, basis = Bᵀ.
+/// * LoRA bias (a 1-D tensor is one row): coef = `[1]`, basis = `lora_B.bias`.
+///
+/// As PEFT does, the product is formed in f32, then scaled, then added.
+pub(crate) struct Prepared {
+    coef: Vec<f32>,
+    basis: Vec<f32>,
+    k: usize,
+    scale: f32,
+}
+
+fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0.0; data.len()];
+    for (i, row) in data.chunks_exact(cols).enumerate().take(rows) {
+        for (j, v) in row.iter().enumerate() {
+            t[j * rows + i] = *v;
+        }
+    }
+    t
+}
+
 impl Delta<'_> {
-    fn module(&self) -> &str {
+    /// Module name (for errors).
+    pub fn module(&self) -> &str {
         match self {
             Delta::LowRank { module, .. } | Delta::Bias { module, .. } => module,
         }
     }
 
-    /// Adds the update to `w` (f32, row-major, the base tensor's shape).
-    fn apply(&self, w: &mut [f32]) -> Result<(), MergeError> {
+    /// Decodes the adapter tensors this delta needs.
+    pub fn prepare(&self, adapter: &MappedAdapter) -> Prepared {
         match self {
-            Delta::Bias { b, scale, .. } => {
-                for (x, d) in w.iter_mut().zip(&b.data) {
-                    *x += (*d as f64 * scale) as f32;
-                }
-                Ok(())
-            }
             Delta::LowRank {
                 a,
                 b,
                 scale,
-                transpose,
+                transpose: t,
                 ..
             } => {
                 let (m, k, n) = (b.shape[0], b.shape[1], a.shape[1]);
-                assert_eq!(w.len(), m * n, "plan checked the shapes");
-                assert_eq!((a.data.len(), b.data.len()), (k * n, m * k));
-                // dst = 1·dst + scale·(B·A), in place; like PEFT, the product is formed in f32
-                // and then scaled. Transposed weights ([n, m]: embeddings, fan_in_fan_out) are
-                // the same product written with swapped strides.
-                let (dst_cs, dst_rs) = if *transpose {
-                    (m as isize, 1)
+                let (a, b) = (adapter.decode(a).data, adapter.decode(b).data);
+                let (coef, basis) = if *t {
+                    (transpose(&a, k, n), transpose(&b, m, k))
                 } else {
-                    (1, n as isize)
+                    (b, a)
                 };
-                // SAFETY: dst is m·n f32 values addressed by (dst_rs, dst_cs) within bounds
-                // for both layouts; lhs is B [m, k] row-major, rhs is A [k, n] row-major; the
-                // asserts above pin those lengths.
-                unsafe {
-                    gemm::gemm(
-                        m,
-                        n,
-                        k,
-                        w.as_mut_ptr(),
-                        dst_cs,
-                        dst_rs,
-                        true,
-                        b.data.as_ptr(),
-                        1,
-                        k as isize,
-                        a.data.as_ptr(),
-                        1,
-                        n as isize,
-                        1.0f32,
-                        *scale as f32,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::Rayon(0),
-                    );
+                Prepared {
+                    coef,
+                    basis,
+                    k,
+                    scale: *scale as f32,
                 }
-                Ok(())
+            }
+            Delta::Bias { b, scale, .. } => Prepared {
+                coef: vec![1.0],
+                basis: adapter.decode(b).data,
+                k: 1,
+                scale: *scale as f32,
+            },
+        }
+    }
+}
+
+/// A storage format of one element.
+trait Elem {
+    const SIZE: usize;
+    fn load(b: &[u8]) -> f32;
+    /// Stores `v`; false when the stored value is not finite (a finite f32 may overflow).
+    fn store(v: f32, b: &mut [u8]) -> bool;
+}
+struct EF32;
+struct EBf16;
+struct EF16;
+struct EF64;
+impl Elem for EF32 {
+    const SIZE: usize = 4;
+    #[inline(always)]
+    fn load(b: &[u8]) -> f32 {
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+    #[inline(always)]
+    fn store(v: f32, b: &mut [u8]) -> bool {
+        b.copy_from_slice(&v.to_le_bytes());
+        v.is_finite()
+    }
+}
+impl Elem for EBf16 {
+    const SIZE: usize = 2;
+    #[inline(always)]
+    fn load(b: &[u8]) -> f32 {
+        // bf16 is the upper half of an f32: widening is exact.
+        f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
+    }
+    #[inline(always)]
+    fn store(v: f32, b: &mut [u8]) -> bool {
+        let h = bf16_bits(v);
+        b.copy_from_slice(&h.to_le_bytes());
+        h & 0x7f80 != 0x7f80
+    }
+}
+impl Elem for EF16 {
+    const SIZE: usize = 2;
+    #[inline(always)]
+    fn load(b: &[u8]) -> f32 {
+        half::f16::from_le_bytes([b[0], b[1]]).to_f32()
+    }
+    #[inline(always)]
+    fn store(v: f32, b: &mut [u8]) -> bool {
+        let h = half::f16::from_f32(v);
+        b.copy_from_slice(&h.to_le_bytes());
+        h.is_finite()
+    }
+}
+impl Elem for EF64 {
+    const SIZE: usize = 8;
+    #[inline(always)]
+    fn load(b: &[u8]) -> f32 {
+        f64::from_le_bytes(b.try_into().expect("8 bytes")) as f32
+    }
+    #[inline(always)]
+    fn store(v: f32, b: &mut [u8]) -> bool {
+        b.copy_from_slice(&(v as f64).to_le_bytes());
+        v.is_finite()
+    }
+}
+
+/// `a·b + c`, fused (one rounding, as BLAS kernels do) where the CPU has FMA.
+#[inline(always)]
+fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+    if FMA {
+        a.mul_add(b, c)
+    } else {
+        a * b + c
+    }
+}
+
+/// A tile of the output: rows `r..r + R` (of the task), columns `j..j + len` (`len == L` when
+/// `FULL`, so the `R × L` accumulators stay in vector registers and each row of the basis is
+/// loaded once for `R` rows). Decodes, adds the update, encodes; false if any output value is
+/// not finite.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn tile<I: Elem, O: Elem, const L: usize, const R: usize, const FULL: bool, const FMA: bool>(
+    src: &[u8],
+    dst: &mut [u8],
+    cols: usize,
+    r: usize,
+    j: usize,
+    len: usize,
+    delta: Option<(&[f32], &[f32], usize, f32)>,
+) -> bool {
+    let len = if FULL { L } else { len };
+    // The update first, with its accumulators in registers; then the base values.
+    let mut d = [[0f32; L]; R];
+    if let Some((coef, basis, k, _)) = delta {
+        for kk in 0..k {
+            let at = kk * cols + j;
+            if FULL {
+                let a: &[f32; L] = basis[at..at + L].try_into().expect("L values");
+                for (rr, acc) in d.iter_mut().enumerate() {
+                    let c = coef[(r + rr) * k + kk];
+                    for (x, b) in acc.iter_mut().zip(a) {
+                        *x = madd::<FMA>(c, *b, *x);
+                    }
+                }
+            } else {
+                let a = &basis[at..at + len];
+                for (rr, acc) in d.iter_mut().enumerate() {
+                    let c = coef[(r + rr) * k + kk];
+                    for (x, b) in acc[..len].iter_mut().zip(a) {
+                        *x = madd::<FMA>(c, *b, *x);
+                    }
+                }
             }
         }
     }
-}
-
-/// State shared by the lazy tensors of one write: the first error raised (the writer cannot
-/// return ours) and an f32 scratch buffer reused from tensor to tensor.
-#[derive(Default)]
-pub(crate) struct FailureCell(RefCell<Option<MergeError>>, RefCell<Vec<f32>>);
-
-impl FailureCell {
-    fn set(&self, e: MergeError) {
-        let mut slot = self.0.borrow_mut();
-        if slot.is_none() {
-            *slot = Some(e);
+    let mut finite = true;
+    for (rr, acc) in d.iter().enumerate() {
+        let at = (r + rr) * cols + j;
+        let s = &src[at * I::SIZE..(at + len) * I::SIZE];
+        let o = &mut dst[at * O::SIZE..(at + len) * O::SIZE];
+        let mut w = [0f32; L];
+        for (x, b) in w[..len].iter_mut().zip(s.chunks_exact(I::SIZE)) {
+            *x = I::load(b);
+        }
+        if let Some((_, _, _, scale)) = delta {
+            for (x, y) in w[..len].iter_mut().zip(&acc[..len]) {
+                *x += scale * y;
+            }
+        }
+        for (x, b) in w[..len].iter().zip(o.chunks_exact_mut(O::SIZE)) {
+            finite &= O::store(*x, b);
         }
     }
-    /// The recorded error, if any.
-    pub fn check(&self) -> Result<(), MergeError> {
-        match self.0.borrow_mut().take() {
-            Some(e) => Err(e),
-            None => Ok(()),
+    finite
+}
+
+/// Rows `row0..` of a tensor with `cols` values per row: `src` in `I`, `dst` in `O`.
+#[inline(always)]
+fn rows_typed<I: Elem, O: Elem, const L: usize, const R: usize, const FMA: bool>(
+    src: &[u8],
+    dst: &mut [u8],
+    row0: usize,
+    cols: usize,
+    delta: Option<&Prepared>,
+) -> bool {
+    let rows = dst.len() / (cols * O::SIZE);
+    let dl = delta.map(|p| {
+        (
+            &p.coef[row0 * p.k..(row0 + rows) * p.k],
+            &p.basis[..],
+            p.k,
+            p.scale,
+        )
+    });
+    let full = cols / L * L;
+    let mut finite = true;
+    let mut r = 0;
+    while r + R <= rows {
+        for j in (0..full).step_by(L) {
+            finite &= tile::<I, O, L, R, true, FMA>(src, dst, cols, r, j, L, dl);
         }
+        if full < cols {
+            finite &= tile::<I, O, L, R, false, FMA>(src, dst, cols, r, full, cols - full, dl);
+        }
+        r += R;
     }
+    while r < rows {
+        for j in (0..full).step_by(L) {
+            finite &= tile::<I, O, L, 1, true, FMA>(src, dst, cols, r, j, L, dl);
+        }
+        if full < cols {
+            finite &= tile::<I, O, L, 1, false, FMA>(src, dst, cols, r, full, cols - full, dl);
+        }
+        r += 1;
+    }
+    finite
 }
 
-/// An output tensor, computed only when the writer asks for its bytes.
-pub(crate) struct LazyTensor<'a> {
-    view: TensorView<'a>,
-    replacement: Option<&'a Mat>,
-    delta: Option<&'a Delta<'a>>,
-    out: Dtype,
-    safe_merge: bool,
-    failure: &'a FailureCell,
-}
-
-impl<'a> LazyTensor<'a> {
-    pub fn new(
-        view: TensorView<'a>,
-        replacement: Option<&'a Mat>,
-        delta: Option<&'a Delta<'a>>,
-        opts: &MergeOptions,
-        failure: &'a FailureCell,
-    ) -> Self {
-        let out = match opts.dtype {
-            Some(d) if is_float(view.dtype()) => d.safetensors(),
-            _ => view.dtype(),
+#[inline(always)]
+fn rows_dispatch<const L: usize, const R: usize, const FMA: bool>(
+    src_dtype: Dtype,
+    src: &[u8],
+    out_dtype: Dtype,
+    dst: &mut [u8],
+    row0: usize,
+    cols: usize,
+    delta: Option<&Prepared>,
+) -> bool {
+    macro_rules! out {
+        ($i:ty) => {
+            match out_dtype {
+                Dtype::BF16 => rows_typed::<$i, EBf16, L, R, FMA>(src, dst, row0, cols, delta),
+                Dtype::F16 => rows_typed::<$i, EF16, L, R, FMA>(src, dst, row0, cols, delta),
+                Dtype::F64 => rows_typed::<$i, EF64, L, R, FMA>(src, dst, row0, cols, delta),
+                _ => rows_typed::<$i, EF32, L, R, FMA>(src, dst, row0, cols, delta),
+            }
         };
-        Self {
-            view,
-            replacement,
-            delta,
-            out,
-            safe_merge: opts.safe_merge,
-            failure,
-        }
     }
-
-    /// Bytes this tensor takes in the output.
-    pub fn byte_len(&self) -> usize {
-        self.view.shape().iter().product::<usize>() * (self.out.bitsize() / 8)
-    }
-
-    fn compute(&self) -> Result<Vec<u8>, MergeError> {
-        // Accumulate in f32 whatever the storage dtype, round once on write.
-        let mut w = self.failure.1.borrow_mut();
-        match self.replacement {
-            Some(m) => {
-                w.clear();
-                w.extend_from_slice(&m.data);
-            }
-            None => {
-                if !decode_into(self.view.dtype(), self.view.data(), &mut w) {
-                    return Err(MergeError::Unsupported(format!(
-                        "cannot convert dtype {:?}",
-                        self.view.dtype()
-                    )));
-                }
-            }
-        }
-        if let Some(delta) = self.delta {
-            delta.apply(&mut w)?;
-        }
-        let (bytes, finite) = from_f32(self.out, &w);
-        if let (Some(delta), true, false) = (self.delta, self.safe_merge, finite) {
-            return Err(MergeError::NonFinite {
-                module: delta.module().to_string(),
-            });
-        }
-        Ok(bytes)
+    match src_dtype {
+        Dtype::BF16 => out!(EBf16),
+        Dtype::F16 => out!(EF16),
+        Dtype::F64 => out!(EF64),
+        _ => out!(EF32),
     }
 }
 
-impl View for LazyTensor<'_> {
-    fn dtype(&self) -> Dtype {
-        self.out
-    }
-    fn shape(&self) -> &[usize] {
-        self.view.shape()
-    }
-    fn data(&self) -> Cow<'_, [u8]> {
-        if self.replacement.is_none() && self.delta.is_none() && self.out == self.view.dtype() {
-            return Cow::Borrowed(self.view.data());
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn rows_avx2(
+    src_dtype: Dtype,
+    src: &[u8],
+    out_dtype: Dtype,
+    dst: &mut [u8],
+    row0: usize,
+    cols: usize,
+    delta: Option<&Prepared>,
+) -> bool {
+    // 2 rows × 32 lanes: 8 of the 16 ymm registers accumulate.
+    rows_dispatch::<32, 2, true>(src_dtype, src, out_dtype, dst, row0, cols, delta)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx2,fma")]
+unsafe fn rows_avx512(
+    src_dtype: Dtype,
+    src: &[u8],
+    out_dtype: Dtype,
+    dst: &mut [u8],
+    row0: usize,
+    cols: usize,
+    delta: Option<&Prepared>,
+) -> bool {
+    // 4 rows × 64 lanes: 16 of the 32 zmm registers accumulate.
+    rows_dispatch::<64, 4, true>(src_dtype, src, out_dtype, dst, row0, cols, delta)
+}
+
+/// Computes output rows `row0..row0 + dst.len() / (cols · out size)` of a tensor: decodes
+/// `src` (those rows, in `src_dtype`), adds the update, encodes into `dst` (in `out_dtype`),
+/// in one pass with everything in registers or L1. True when every value is finite. Both
+/// dtypes must be float types.
+pub(crate) fn merge_rows(
+    src_dtype: Dtype,
+    src: &[u8],
+    out_dtype: Dtype,
+    dst: &mut [u8],
+    row0: usize,
+    cols: usize,
+    delta: Option<&Prepared>,
+) -> bool {
+    debug_assert!(is_float(src_dtype) && is_float(out_dtype));
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") && has!("avx2") && has!("fma") {
+            // SAFETY: the CPU has these features (checked just above).
+            return unsafe { rows_avx512(src_dtype, src, out_dtype, dst, row0, cols, delta) };
         }
-        match self.compute() {
-            Ok(bytes) => Cow::Owned(bytes),
-            Err(e) => {
-                self.failure.set(e);
-                Cow::Owned(vec![0u8; self.byte_len()])
-            }
+        if has!("avx2") && has!("fma") {
+            // SAFETY: as above.
+            return unsafe { rows_avx2(src_dtype, src, out_dtype, dst, row0, cols, delta) };
         }
     }
-    fn data_len(&self) -> usize {
-        self.byte_len()
-    }
+    rows_dispatch::<32, 2, false>(src_dtype, src, out_dtype, dst, row0, cols, delta)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    fn mat(data: Vec<f32>, shape: &[usize]) -> Mat {
-        Mat {
-            data,
+    fn raw_f32(bytes: &mut Vec<u8>, data: &[f32], shape: &[usize]) -> Raw {
+        let start = bytes.len();
+        for v in data {
+            bytes.extend_from_slice(&v.to_le_bytes());
+        }
+        Raw {
+            dtype: Dtype::F32,
             shape: shape.to_vec(),
+            start,
+            end: bytes.len(),
         }
     }
 
+    fn adapter(bytes: Vec<u8>) -> MappedAdapter {
+        MappedAdapter {
+            bytes: AdapterBytes::Owned(bytes),
+            loras: BTreeMap::new(),
+            replacements: BTreeMap::new(),
+        }
+    }
+
+    fn f32_bytes(v: &[f32]) -> Vec<u8> {
+        v.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
+
+    /// Applies `p` to an f32 tensor `w` of `cols` values per row, in row blocks of `block`.
+    fn apply(p: &Prepared, w: &[f32], cols: usize, block: usize) -> Vec<f32> {
+        let src = f32_bytes(w);
+        let mut dst = vec![0u8; src.len()];
+        for (i, (s, d)) in src
+            .chunks(block * cols * 4)
+            .zip(dst.chunks_mut(block * cols * 4))
+            .enumerate()
+        {
+            assert!(merge_rows(
+                Dtype::F32,
+                s,
+                Dtype::F32,
+                d,
+                i * block,
+                cols,
+                Some(p)
+            ));
+        }
+        to_f32(Dtype::F32, &dst).unwrap()
+    }
+
+    fn apply_in_blocks(p: &Prepared, rows: usize, cols: usize, block: usize) -> Vec<f32> {
+        apply(p, &vec![0.0; rows * cols], cols, block)
+    }
+
     #[test]
-    fn low_rank_delta_follows_peft_orientation() {
+    fn low_rank_delta_follows_peft_orientation_in_any_row_blocking() {
         // A: [r=1, in=3], B: [out=2, r=1] → B·A = [[1,2,3],[2,4,6]], scale 0.5.
-        let a = mat(vec![1.0, 2.0, 3.0], &[1, 3]);
-        let b = mat(vec![1.0, 2.0], &[2, 1]);
+        let mut bytes = Vec::new();
+        let a = raw_f32(&mut bytes, &[1.0, 2.0, 3.0], &[1, 3]);
+        let b = raw_f32(&mut bytes, &[1.0, 2.0], &[2, 1]);
+        let ad = adapter(bytes);
         let d = Delta::LowRank {
             module: "m".into(),
             a: &a,
@@ -595,9 +920,13 @@ mod tests {
             scale: 0.5,
             transpose: false,
         };
-        let mut w = vec![0.0; 6];
-        d.apply(&mut w).unwrap();
-        assert_eq!(w, vec![0.5, 1.0, 1.5, 1.0, 2.0, 3.0]);
+        let p = d.prepare(&ad);
+        for block in [1, 2] {
+            assert_eq!(
+                apply_in_blocks(&p, 2, 3, block),
+                vec![0.5, 1.0, 1.5, 1.0, 2.0, 3.0]
+            );
+        }
         // fan_in_fan_out (and embeddings) store the weight transposed: [in=3, out=2].
         let t = Delta::LowRank {
             module: "m".into(),
@@ -606,22 +935,200 @@ mod tests {
             scale: 0.5,
             transpose: true,
         };
-        let mut w = vec![0.0; 6];
-        t.apply(&mut w).unwrap();
-        assert_eq!(w, vec![0.5, 1.0, 1.0, 2.0, 1.5, 3.0]);
+        let p = t.prepare(&ad);
+        for block in [1, 2, 3] {
+            assert_eq!(
+                apply_in_blocks(&p, 3, 2, block),
+                vec![0.5, 1.0, 1.0, 2.0, 1.5, 3.0]
+            );
+        }
     }
 
     #[test]
     fn lora_bias_is_scaled_and_added() {
-        let b = mat(vec![1.0, -2.0], &[2]);
+        let mut bytes = Vec::new();
+        let b = raw_f32(&mut bytes, &[1.0, -2.0], &[2]);
+        let ad = adapter(bytes);
         let d = Delta::Bias {
             module: "m".into(),
             b: &b,
             scale: 2.0,
         };
-        let mut w = vec![10.0, 10.0];
-        d.apply(&mut w).unwrap();
-        assert_eq!(w, vec![12.0, 6.0]);
+        assert_eq!(apply(&d.prepare(&ad), &[10.0, 10.0], 2, 1), vec![12.0, 6.0]);
+    }
+
+    #[test]
+    fn conversions_round_to_nearest_even_and_flag_non_finite() {
+        // Ties, near-ties, signed zero, subnormal, huge, infinities and NaN; more values than
+        // one LANES chunk so both the full and the tail paths run.
+        let mut vals = vec![
+            1.0f32,
+            1.0 + 1.0 / 256.0,
+            1.0 + 3.0 / 256.0,
+            -0.0,
+            1e-40,
+            3.0e38,
+            -1.0 - 1.0 / 128.0,
+        ];
+        vals.extend((0..100).map(|i| (i as f32 - 50.0) * 0.0123));
+        let src = f32_bytes(&vals);
+        for (dt, size) in [(Dtype::BF16, 2), (Dtype::F16, 2), (Dtype::F64, 8)] {
+            let mut out = vec![0u8; vals.len() * size];
+            let finite = merge_rows(Dtype::F32, &src, dt, &mut out, 0, vals.len(), None);
+            // f16 overflows to infinity on 3e38.
+            assert_eq!(finite, dt != Dtype::F16, "{dt:?}");
+            let want: Vec<u8> = vals
+                .iter()
+                .flat_map(|v| match dt {
+                    Dtype::BF16 => half::bf16::from_f32(*v).to_le_bytes().to_vec(),
+                    Dtype::F16 => half::f16::from_f32(*v).to_le_bytes().to_vec(),
+                    _ => (*v as f64).to_le_bytes().to_vec(),
+                })
+                .collect();
+            assert_eq!(out, want, "{dt:?}");
+            // And back, exactly.
+            let mut back = vec![0u8; src.len()];
+            merge_rows(dt, &out, Dtype::F32, &mut back, 0, vals.len(), None);
+            assert_eq!(to_f32(Dtype::F32, &back), to_f32(dt, &out), "{dt:?}");
+        }
+        for bad in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY] {
+            let mut out = [0u8; 2];
+            assert!(!merge_rows(
+                Dtype::F32,
+                &f32_bytes(&[bad]),
+                Dtype::BF16,
+                &mut out,
+                0,
+                1,
+                None
+            ));
+            let got = half::bf16::from_le_bytes(out);
+            assert_eq!(got.is_nan(), bad.is_nan());
+        }
+    }
+
+    #[test]
+    fn wide_rows_match_a_plain_product() {
+        // cols not a multiple of LANES, k = 3, both orientations, several row blockings.
+        let (m, k, n) = (5, 3, 150);
+        let a: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) * 0.25)
+            .collect();
+        let b: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 5 % 11) as f32 - 5.0) * 0.5)
+            .collect();
+        let w: Vec<f32> = (0..m * n).map(|i| (i % 17) as f32).collect();
+        let mut bytes = Vec::new();
+        let ra = raw_f32(&mut bytes, &a, &[k, n]);
+        let rb = raw_f32(&mut bytes, &b, &[m, k]);
+        let ad = adapter(bytes);
+        let exact = |i: usize, j: usize| -> f32 {
+            let d: f32 = (0..k).map(|kk| b[i * k + kk] * a[kk * n + j]).sum();
+            0.5 * d
+        };
+        let d = Delta::LowRank {
+            module: "m".into(),
+            a: &ra,
+            b: &rb,
+            scale: 0.5,
+            transpose: false,
+        };
+        let p = d.prepare(&ad);
+        for block in [1, 2, 5] {
+            let got = apply(&p, &w, n, block);
+            for i in 0..m {
+                for j in 0..n {
+                    assert_eq!(got[i * n + j], w[i * n + j] + exact(i, j), "[{i},{j}]");
+                }
+            }
+        }
+        let t = Delta::LowRank {
+            module: "m".into(),
+            a: &ra,
+            b: &rb,
+            scale: 0.5,
+            transpose: true,
+        };
+        let p = t.prepare(&ad);
+        let wt: Vec<f32> = (0..n * m).map(|i| (i % 19) as f32).collect();
+        for block in [1, 7, 150] {
+            let got = apply(&p, &wt, m, block);
+            for j in 0..n {
+                for i in 0..m {
+                    assert_eq!(got[j * m + i], wt[j * m + i] + exact(i, j), "[{j},{i}]");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn every_kernel_variant_gives_the_same_bits_on_exact_inputs() {
+        // The portable kernel (no FMA), AVX2 and AVX-512 (where the CPU has them): on values
+        // whose products and sums are exact, all agree with the plain product bit for bit,
+        // through bf16 in and out, in row tiles with remainders (7 rows, 100 columns).
+        let (m, k, n) = (7, 4, 100);
+        let a: Vec<f32> = (0..k * n)
+            .map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0)
+            .collect();
+        let b: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 5 % 11) as f32 - 5.0) / 4.0)
+            .collect();
+        let w: Vec<f32> = (0..m * n).map(|i| ((i % 23) as f32 - 11.0) / 2.0).collect();
+        let mut bytes = Vec::new();
+        let ra = raw_f32(&mut bytes, &a, &[k, n]);
+        let rb = raw_f32(&mut bytes, &b, &[m, k]);
+        let ad = adapter(bytes);
+        let d = Delta::LowRank {
+            module: "m".into(),
+            a: &ra,
+            b: &rb,
+            scale: 2.0,
+            transpose: false,
+        };
+        let p = d.prepare(&ad);
+        let src: Vec<u8> = w
+            .iter()
+            .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+            .collect();
+        let want: Vec<u8> = (0..m * n)
+            .flat_map(|idx| {
+                let (i, j) = (idx / n, idx % n);
+                let dot: f32 = (0..k).map(|kk| b[i * k + kk] * a[kk * n + j]).sum();
+                half::bf16::from_f32(w[idx] + 2.0 * dot).to_le_bytes()
+            })
+            .collect();
+        type Kernel<'a> = dyn Fn(&mut [u8]) -> bool + 'a;
+        let portable = |dst: &mut [u8]| {
+            rows_dispatch::<32, 2, false>(Dtype::BF16, &src, Dtype::BF16, dst, 0, n, Some(&p))
+        };
+        let mut variants: Vec<(&str, Box<Kernel<'_>>)> = vec![("portable", Box::new(portable))];
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::is_x86_feature_detected as has;
+            if has!("avx2") && has!("fma") {
+                variants.push((
+                    "avx2",
+                    // SAFETY: the CPU has the features (checked).
+                    Box::new(|dst: &mut [u8]| unsafe {
+                        rows_avx2(Dtype::BF16, &src, Dtype::BF16, dst, 0, n, Some(&p))
+                    }),
+                ));
+            }
+            if has!("avx512f") && has!("avx2") && has!("fma") {
+                variants.push((
+                    "avx512",
+                    // SAFETY: as above.
+                    Box::new(|dst: &mut [u8]| unsafe {
+                        rows_avx512(Dtype::BF16, &src, Dtype::BF16, dst, 0, n, Some(&p))
+                    }),
+                ));
+            }
+        }
+        for (name, f) in &variants {
+            let mut dst = vec![0u8; src.len()];
+            assert!(f(&mut dst), "{name}");
+            assert!(dst == want, "{name}");
+        }
     }
 
     #[test]
@@ -630,12 +1137,15 @@ mod tests {
             r#"{"r":1,"lora_alpha":1,"target_modules":["c_attn"],"fan_in_fan_out":true}"#,
         )
         .unwrap();
-        let mut w = AdapterWeights::default();
+        let mut bytes = Vec::new();
+        let a = raw_f32(&mut bytes, &[0.0; 3], &[1, 3]);
+        let b = raw_f32(&mut bytes, &[0.0; 2], &[2, 1]);
+        let mut w = adapter(bytes);
         w.loras.insert(
             "h.0.attn.c_attn".into(),
             Lora {
-                a: Some(mat(vec![0.0; 3], &[1, 3])),
-                b: Some(mat(vec![0.0; 2], &[2, 1])),
+                a: Some(a),
+                b: Some(b),
                 b_bias: None,
                 embedding: false,
                 scale: 1.0,
