@@ -23,6 +23,14 @@ pub fn crds(
     vec![InferencePool::crd(), Adapter::crd()]
 }
 
+/// The OpenAPI v3 schema of a kind's CRD as JSON (what the API server validates objects and
+/// evaluates CEL rules against); `None` for a kind that is not ours.
+pub fn openapi_schema(kind: &str) -> Option<serde_json::Value> {
+    let crd = crds().into_iter().find(|c| c.spec.names.kind == kind)?;
+    let schema = crd.spec.versions.first()?.schema.as_ref()?;
+    serde_json::to_value(schema.open_api_v3_schema.as_ref()?).ok()
+}
+
 /// The CRDs as one multi-document YAML stream (what `crdgen` writes and `mole-operator crd` prints).
 pub fn crds_yaml() -> Result<Vec<(String, String)>, serde_yaml::Error> {
     crds()

@@ -76,20 +76,7 @@ fn validate(
 }
 
 fn schema_of(kind: &str) -> Value {
-    let crd = mole_crds::crds()
-        .into_iter()
-        .find(|c| c.spec.names.kind == kind)
-        .unwrap();
-    serde_json::to_value(
-        crd.spec.versions[0]
-            .schema
-            .as_ref()
-            .unwrap()
-            .open_api_v3_schema
-            .as_ref()
-            .unwrap(),
-    )
-    .unwrap()
+    mole_crds::openapi_schema(kind).unwrap()
 }
 
 fn samples() -> PathBuf {

@@ -14,20 +14,7 @@ fn samples() -> PathBuf {
 }
 
 fn schema_of(kind: &str) -> Value {
-    let crd = mole_crds::crds()
-        .into_iter()
-        .find(|c| c.spec.names.kind == kind)
-        .unwrap();
-    serde_json::to_value(
-        crd.spec.versions[0]
-            .schema
-            .as_ref()
-            .unwrap()
-            .open_api_v3_schema
-            .as_ref()
-            .unwrap(),
-    )
-    .unwrap()
+    mole_crds::openapi_schema(kind).unwrap()
 }
 
 /// Structural validation of `v` against an OpenAPI v3 schema (the subset CRDs use).
