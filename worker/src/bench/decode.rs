@@ -24,7 +24,7 @@ pub struct DecodeBenchArgs {
     #[arg(long, env = "MOLE_BENCH_HIDDEN", default_value_t = 1024)]
     pub hidden: usize,
     /// Layers of the synthetic model.
-    #[arg(long, env = "MOLE_BENCH_LAYERS", default_value_t = 36)]
+    #[arg(long, env = "MOLE_BENCH_LAYERS", default_value_t = 42)]
     pub layers: usize,
     /// LoRA rank of the adapters (every linear module).
     #[arg(long, env = "MOLE_BENCH_RANK", default_value_t = 16)]
