@@ -11,6 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::formats::{hf, peft::AdapterConfig};
 use crate::merge::tensors::AdapterWeights;
 use crate::merge::MergeError;
+use crate::model::host::{self, HostF32};
 use crate::model::ModelConfig;
 
 /// Why an adapter cannot be served. Stable names via [`LoraError::code`].
@@ -288,56 +289,43 @@ impl LoraAdapter {
     }
 }
 
-/// Tokens of a batch at most for [`apply_mixed_cpu`]: beyond, per-adapter matmuls (gemm) win.
-pub const MIXED_CPU_MAX_TOKENS: usize = 64;
+/// Tokens of a batch at most for [`apply_cpu`]: beyond, per-adapter matmuls (gemm) win.
+pub const HOST_LORA_MAX_TOKENS: usize = 64;
 
-/// Adds every token's own adapter update to `out` in one pass on the host, for CPU f32
-/// batches that mix adapters (decode steps of many sequences): per token `(x·Aᵀ)·(s·B)ᵀ`, with
-/// the weights read in place and tokens spread over threads. Three tensor ops per projection
-/// however many adapters the batch holds, instead of four per adapter (the CPU counterpart of
-/// Punica's BGMV). `groups` pairs each adapter with its token positions. Returns None when the
-/// batch does not qualify (not CPU f32, too many tokens, non-contiguous input).
-pub fn apply_mixed_cpu(
+/// Tokens of one adapter per task of [`apply_cpu`].
+const LORA_TOKENS_PER_TASK: usize = 4;
+
+/// `out` plus every token's own adapter update, in one pass on the host, for CPU f32 batches
+/// of few tokens (decode steps, with one adapter or many): per token `(x·Aᵀ)·(s·B)ᵀ` with the
+/// weights read in place and tokens spread over threads, written straight into the sum. One
+/// allocation per projection however many adapters the batch holds, where the tensor path
+/// costs four ops (two matmuls, gather, scatter-add) per adapter — at decode batch sizes
+/// their fixed costs, not the arithmetic, are what a dynamic adapter would add to a step (the
+/// CPU counterpart of Punica's BGMV). `groups` pairs each adapter with its token positions.
+/// Returns None when the batch does not qualify (not CPU f32, too many tokens,
+/// non-contiguous tensors).
+pub fn apply_cpu(
     layer: usize,
     proj: Proj,
     x: &Tensor,
     out: &Tensor,
     groups: &[(&LoraAdapter, &[u32])],
 ) -> candle_core::Result<Option<Tensor>> {
-    use candle_core::{CpuStorage, Storage};
     use rayon::prelude::*;
     let (t, d_in) = x.dims2()?;
     let d_out = out.dim(1)?;
-    if !x.device().is_cpu() || x.dtype() != DType::F32 || t > MIXED_CPU_MAX_TOKENS {
+    if !x.device().is_cpu() || t > HOST_LORA_MAX_TOKENS {
         return Ok(None);
     }
-    if !x.is_contiguous() {
-        return Ok(None);
-    }
-    fn cpu_f32(t: &Tensor) -> Option<(impl std::ops::Deref<Target = Storage> + '_, usize)> {
-        if !t.is_contiguous() || t.dtype() != DType::F32 {
-            return None;
-        }
-        let (st, layout) = t.storage_and_layout();
-        let off = layout.start_offset();
-        matches!(&*st, Storage::Cpu(CpuStorage::F32(_))).then_some((st, off))
-    }
-    fn slice<G: std::ops::Deref<Target = Storage>>(g: &(G, usize), n: usize) -> &[f32] {
-        match &*g.0 {
-            Storage::Cpu(CpuStorage::F32(v)) => &v[g.1..g.1 + n],
-            _ => unreachable!("checked by cpu_f32"),
-        }
-    }
-    let Some(xg) = cpu_f32(x) else {
+    let (Some(xg), Some(og)) = (HostF32::of(x), HostF32::of(out)) else {
         return Ok(None);
     };
     // Per group: the guards of A and B (kept alive while their slices are read).
     let mut held = Vec::with_capacity(groups.len());
     for (a, rows) in groups {
         if let Some((at, bt)) = a.modules.get(&(layer, proj)) {
-            let r = at.dim(1)?;
-            match (cpu_f32(at), cpu_f32(bt)) {
-                (Some(ag), Some(bg)) => held.push((ag, bg, r, *rows)),
+            match (HostF32::of(at), HostF32::of(bt)) {
+                (Some(ag), Some(bg)) => held.push((ag, bg, at.dim(1)?, *rows)),
                 _ => return Ok(None),
             }
         }
@@ -345,38 +333,28 @@ pub fn apply_mixed_cpu(
     if held.is_empty() {
         return Ok(Some(out.clone()));
     }
-    let xs = slice(&xg, t * d_in);
-    // Per token: its adapter's Aᵀ [d_in, r], (s·B)ᵀ [r, d_out] and r.
-    type Weights<'w> = Option<(&'w [f32], &'w [f32], usize)>;
-    let mut per_token: Vec<Weights<'_>> = vec![None; t];
-    for (ag, bg, r, rows) in &held {
-        let (a, b) = (slice(ag, d_in * r), slice(bg, r * d_out));
-        for &i in rows.iter() {
-            per_token[i as usize] = Some((a, b, *r));
+    let (xs, os) = (xg.slice(t * d_in), og.slice(t * d_out));
+    let mut sum = os.to_vec();
+    // Tasks of a few tokens of one adapter each: the tokens share each weight row while it
+    // is in cache (an adapter's weights are read once per task, not once per token).
+    {
+        let mut slots: Vec<Option<&mut [f32]>> = sum.chunks_mut(d_out).map(Some).collect();
+        let mut tasks = Vec::new();
+        for (ag, bg, r, rows) in &held {
+            let (a, b) = (ag.slice(d_in * r), bg.slice(r * d_out));
+            for chunk in rows.chunks(LORA_TOKENS_PER_TASK) {
+                let outs: Vec<(usize, &mut [f32])> = chunk
+                    .iter()
+                    .filter_map(|&i| Some((i as usize, slots.get_mut(i as usize)?.take()?)))
+                    .collect();
+                tasks.push((a, b, *r, outs));
+            }
         }
+        tasks
+            .into_par_iter()
+            .for_each(|(a, b, r, mut outs)| host::lora_tokens(xs, a, b, r, &mut outs));
     }
-    let mut delta = vec![0f32; t * d_out];
-    delta
-        .par_chunks_mut(d_out)
-        .zip(per_token.par_iter())
-        .enumerate()
-        .for_each(|(i, (row, w))| {
-            let Some((a, b, r)) = w else { return };
-            let xi = &xs[i * d_in..(i + 1) * d_in];
-            let mut h = vec![0f32; *r];
-            for (xj, arow) in xi.iter().zip(a.chunks_exact(*r)) {
-                for (hk, ak) in h.iter_mut().zip(arow) {
-                    *hk += xj * ak;
-                }
-            }
-            for (hk, brow) in h.iter().zip(b.chunks_exact(d_out)) {
-                for (o, bk) in row.iter_mut().zip(brow) {
-                    *o += hk * bk;
-                }
-            }
-        });
-    let delta = Tensor::from_vec(delta, (t, d_out), x.device())?;
-    Ok(Some((out + delta)?))
+    Ok(Some(Tensor::from_vec(sum, (t, d_out), x.device())?))
 }
 
 /// `scale · srcᵀ` of a row-major `[rows, cols]` matrix, or None when a value is not finite.

@@ -9,6 +9,7 @@
 //! RoPE follows `config.json` (`rope_parameters` or `rope_scaling`): default, linear, dynamic
 //! NTK, llama3 and YaRN, computed as transformers computes them (see [`rope`]).
 
+pub(crate) mod host;
 pub mod rope;
 
 use std::path::Path;
@@ -182,20 +183,31 @@ impl ModelConfig {
     }
 }
 
-/// The KV cache of one sequence: per layer, keys and values `[kv_heads, len, head_dim]`.
+/// The KV cache of one sequence, per layer.
 #[derive(Debug, Default, Clone)]
 pub struct SeqCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
+    layers: Vec<LayerKv>,
+    len: usize,
+}
+
+/// One layer's keys and values (after RoPE) for one sequence.
+#[derive(Debug, Default, Clone)]
+enum LayerKv {
+    /// Nothing cached yet.
+    #[default]
+    Empty,
+    /// Device tensors `[kv_heads, len, head_dim]`, extended by concatenation.
+    Tensors(Tensor, Tensor),
+    /// CPU f32 decoders: token-major `[len, kv_heads, head_dim]` vectors that the host
+    /// attention kernel reads in place and new tokens extend at amortised O(1) (a tensor
+    /// cache is copied whole at every step).
+    Host(Vec<f32>, Vec<f32>),
 }
 
 impl SeqCache {
     /// Tokens cached.
     pub fn len(&self) -> usize {
-        self.layers
-            .first()
-            .and_then(|l| l.as_ref())
-            .map(|(k, _)| k.dim(1).unwrap_or(0))
-            .unwrap_or(0)
+        self.len
     }
     /// Whether nothing is cached.
     pub fn is_empty(&self) -> bool {
@@ -220,7 +232,9 @@ struct Batch<'a> {
     lens: Vec<usize>,
     starts: Vec<usize>,
     groups: Vec<Group<'a>>,
-    rot: Vec<(Tensor, Tensor)>,
+    /// cos/sin `[tokens, head_dim/2]`: each token's rotation at its own position.
+    cos: Tensor,
+    sin: Tensor,
 }
 
 /// Rows of a batch that share an adapter: the adapter and their token positions in the batch.
@@ -430,16 +444,19 @@ impl Decoder {
             })
             .collect::<Result<_, candle_core::Error>>()?;
         let ids: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
-        let rot = starts
+        let (cos, sin): (Vec<Tensor>, Vec<Tensor>) = starts
             .iter()
             .zip(&lens)
             .map(|(&s, &t)| self.rotary(s, t))
-            .collect::<Result<_, _>>()?;
+            .collect::<Result<Vec<_>, _>>()?
+            .into_iter()
+            .unzip();
         let batch = Batch {
             lens: lens.clone(),
             starts,
             groups,
-            rot,
+            cos: Tensor::cat(&cos, 0)?,
+            sin: Tensor::cat(&sin, 0)?,
         };
         let groups = &batch.groups;
         let ids = Tensor::new(ids.as_slice(), &self.device)?;
@@ -456,6 +473,9 @@ impl Decoder {
             let act = (candle_nn::ops::silu(&gate)? * up)?;
             let mlp = proj(&layer.down, li, Proj::Down, &act, groups)?;
             x = (residual + mlp)?;
+        }
+        for (r, (s, l)) in rows.iter_mut().zip(batch.starts.iter().zip(&lens)) {
+            r.cache.len = s + l;
         }
         // Only each row's last position needs logits.
         let mut last = Vec::with_capacity(rows.len());
@@ -482,6 +502,10 @@ impl Decoder {
         Ok((self.cos.narrow(0, start, t)?, self.sin.narrow(0, start, t)?))
     }
 
+    /// Attention of every row over its own cache. Projections, q/k norms and RoPE run once
+    /// for the whole batch (each token rotated at its own position); the attention proper is
+    /// per sequence: the host kernel on CPU f32 for rows of few new tokens, tensor ops
+    /// (gemm) otherwise.
     fn attention(
         &self,
         layer: &Layer,
@@ -490,64 +514,186 @@ impl Decoder {
         rows: &mut [Row<'_>],
         batch: &Batch<'_>,
     ) -> Result<Tensor, ModelError> {
-        let (lens, starts, groups) = (&batch.lens, &batch.starts, &batch.groups[..]);
+        let groups = &batch.groups[..];
         let (nh, nkv, hd) = (
             self.cfg.num_attention_heads,
             self.cfg.kv_heads(),
             self.cfg.head_dim(),
         );
-        let q_all = proj(&layer.q, li, Proj::Q, x, groups)?;
-        let k_all = proj(&layer.k, li, Proj::K, x, groups)?;
-        let v_all = proj(&layer.v, li, Proj::V, x, groups)?;
-        let mut outs = Vec::with_capacity(rows.len());
+        let n = x.dim(0)?;
+        let mut q = proj(&layer.q, li, Proj::Q, x, groups)?.reshape((n, nh, hd))?;
+        let mut k = proj(&layer.k, li, Proj::K, x, groups)?.reshape((n, nkv, hd))?;
+        let v = proj(&layer.v, li, Proj::V, x, groups)?.reshape((n, nkv, hd))?;
+        if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let rope = |x: &Tensor| {
+            candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?, &batch.cos, &batch.sin)?.squeeze(0)
+        };
+        let (q, k) = (rope(&q)?, rope(&k)?);
+        let out = if self.device.is_cpu() && self.dtype == DType::F32 {
+            self.attend_host(li, &q, &k, &v, rows, batch)?
+        } else {
+            let mut outs = Vec::with_capacity(rows.len());
+            let mut off = 0;
+            for (ri, row) in rows.iter_mut().enumerate() {
+                let (t, start) = (batch.lens[ri], batch.starts[ri]);
+                // [t, heads, hd] → [heads, t, hd]
+                let heads = |x: &Tensor| x.narrow(0, off, t)?.transpose(0, 1)?.contiguous();
+                let (qr, kr, vr) = (heads(&q)?, heads(&k)?, heads(&v)?);
+                let slot = self.cache_slot(row.cache, li);
+                let (kr, vr) = match std::mem::take(slot) {
+                    LayerKv::Tensors(pk, pv) => {
+                        (Tensor::cat(&[&pk, &kr], 1)?, Tensor::cat(&[&pv, &vr], 1)?)
+                    }
+                    _ => (kr, vr),
+                };
+                *slot = LayerKv::Tensors(kr.clone(), vr.clone());
+                outs.push(self.attend_tensors(&qr, &kr, &vr, start)?);
+                off += t;
+            }
+            Tensor::cat(&outs, 0)?
+        };
+        proj(&layer.o, li, Proj::O, &out, groups)
+    }
+
+    /// The layer's cache slot of a sequence (created on first use).
+    fn cache_slot<'c>(&self, cache: &'c mut SeqCache, li: usize) -> &'c mut LayerKv {
+        if cache.layers.len() < self.layers.len() {
+            cache.layers.resize(self.layers.len(), LayerKv::Empty);
+        }
+        &mut cache.layers[li]
+    }
+
+    /// Scaled dot-product attention of one sequence with tensor ops: `q` `[heads, t, hd]` at
+    /// positions `start..start + t` over keys/values `[kv_heads, start + t, hd]`; returns
+    /// `[t, heads·hd]`.
+    fn attend_tensors(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        start: usize,
+    ) -> Result<Tensor, ModelError> {
+        let (nh, t, hd) = q.dims3()?;
+        let rep = nh / k.dim(0)?;
+        let (k, v) = (repeat_kv(k, rep)?, repeat_kv(v, rep)?);
+        let total = start + t;
+        let scale = 1.0 / (hd as f64).sqrt();
+        let mut att = (q.matmul(&k.t()?)? * scale)?; // [nh, t, total]
+        if t > 1 {
+            att = att.broadcast_add(&causal_mask(t, start, total, att.dtype(), &self.device)?)?;
+        }
+        let att =
+            candle_nn::ops::softmax_last_dim(&att.to_dtype(DType::F32)?)?.to_dtype(self.dtype)?;
+        let o = att.matmul(&v)?; // [nh, t, hd]
+        Ok(o.transpose(0, 1)?.reshape((t, nh * hd))?)
+    }
+
+    /// Attention of a CPU f32 batch: new keys/values appended to each row's host cache, then
+    /// every token of a row with at most [`HOST_ATTN_MAX_TOKENS`] new tokens attended by the
+    /// host kernel (tokens × heads in parallel), longer rows (prefill) with tensor ops over
+    /// their cache. `q` `[tokens, heads, hd]`, `k`/`v` `[tokens, kv_heads, hd]`.
+    fn attend_host(
+        &self,
+        li: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        rows: &mut [Row<'_>],
+        batch: &Batch<'_>,
+    ) -> Result<Tensor, ModelError> {
+        use rayon::prelude::*;
+        let (n, nh, hd) = q.dims3()?;
+        let nkv = k.dim(1)?;
+        let width = nkv * hd;
+        let (kg, vg) = match (host::HostF32::of(k), host::HostF32::of(v)) {
+            (Some(kg), Some(vg)) => (kg, vg),
+            _ => {
+                return Err(
+                    candle_core::Error::Msg("host attention: k/v not CPU f32".into()).into(),
+                )
+            }
+        };
+        let (ks, vs) = (kg.slice(n * width), vg.slice(n * width));
         let mut off = 0;
         for (ri, row) in rows.iter_mut().enumerate() {
-            let t = lens[ri];
-            let start = starts[ri];
-            // [t, heads*hd] → [heads, t, hd]
-            let shape = |x: &Tensor, heads: usize| -> candle_core::Result<Tensor> {
-                x.narrow(0, off, t)?
-                    .reshape((t, heads, hd))?
+            let t = batch.lens[ri];
+            let slot = self.cache_slot(row.cache, li);
+            if !matches!(slot, LayerKv::Host(..)) {
+                *slot = LayerKv::Host(Vec::new(), Vec::new());
+            }
+            if let LayerKv::Host(kc, vc) = slot {
+                kc.extend_from_slice(&ks[off * width..(off + t) * width]);
+                vc.extend_from_slice(&vs[off * width..(off + t) * width]);
+            }
+            off += t;
+        }
+        drop((kg, vg));
+        // Per token: its row's cache and how many positions it sees (causal).
+        // (keys, values, positions seen), or None for tokens of long rows.
+        type Visible<'c> = Option<(&'c [f32], &'c [f32], usize)>;
+        let mut tokens: Vec<Visible<'_>> = Vec::with_capacity(n);
+        let mut long = Vec::new();
+        let mut off = 0;
+        for (ri, row) in rows.iter().enumerate() {
+            let (t, start) = (batch.lens[ri], batch.starts[ri]);
+            let Some(LayerKv::Host(kc, vc)) = row.cache.layers.get(li) else {
+                unreachable!("filled above")
+            };
+            if t <= HOST_ATTN_MAX_TOKENS {
+                tokens.extend((0..t).map(|i| Some((&kc[..], &vc[..], start + i + 1))));
+            } else {
+                tokens.extend((0..t).map(|_| None));
+                long.push((ri, off));
+            }
+            off += t;
+        }
+        let qg = host::HostF32::of(q)
+            .ok_or_else(|| candle_core::Error::Msg("host attention: q not CPU f32".into()))?;
+        let qs = qg.slice(n * nh * hd);
+        let mut out = vec![0f32; n * nh * hd];
+        let scale = 1.0 / (hd as f32).sqrt();
+        // One task per (token, head): a batch-1 decode of a long sequence still uses every
+        // thread.
+        out.par_chunks_mut(hd)
+            .enumerate()
+            .for_each_init(Vec::new, |scores, (c, o)| {
+                let (tok, head) = (c / nh, c % nh);
+                if let Some((kc, vc, seen)) = tokens[tok] {
+                    let kv = host::KvHead {
+                        stride: width,
+                        offset: (head / (nh / nkv)) * hd,
+                        scale,
+                    };
+                    host::attend_head(&qs[c * hd..(c + 1) * hd], kc, vc, seen, kv, o, scores);
+                }
+            });
+        drop(qg);
+        for (ri, off) in long {
+            let (t, start) = (batch.lens[ri], batch.starts[ri]);
+            let Some(LayerKv::Host(kc, vc)) = rows[ri].cache.layers.get(li) else {
+                unreachable!("filled above")
+            };
+            let total = start + t;
+            let cached = |c: &[f32]| -> candle_core::Result<Tensor> {
+                Tensor::from_slice(&c[..total * width], (total, nkv, hd), &self.device)?
                     .transpose(0, 1)?
                     .contiguous()
             };
-            let mut q = shape(&q_all, nh)?;
-            let mut k = shape(&k_all, nkv)?;
-            let v = shape(&v_all, nkv)?;
-            if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
-                q = qn.forward(&q)?;
-                k = kn.forward(&k)?;
-            }
-            let (cos, sin) = &batch.rot[ri];
-            let q = candle_nn::rotary_emb::rope(&q.unsqueeze(0)?, cos, sin)?.squeeze(0)?;
-            let k = candle_nn::rotary_emb::rope(&k.unsqueeze(0)?, cos, sin)?.squeeze(0)?;
-            if row.cache.layers.len() < self.layers.len() {
-                row.cache.layers.resize(self.layers.len(), None);
-            }
-            let (k, v) = match row.cache.layers[li].take() {
-                Some((pk, pv)) => (Tensor::cat(&[&pk, &k], 1)?, Tensor::cat(&[&pv, &v], 1)?),
-                None => (k, v),
-            };
-            row.cache.layers[li] = Some((k.clone(), v.clone()));
-            let rep = nh / nkv;
-            let k = repeat_kv(&k, rep)?;
-            let v = repeat_kv(&v, rep)?;
-            let total = start + t;
-            let scale = 1.0 / (hd as f64).sqrt();
-            let mut att = (q.matmul(&k.t()?)? * scale)?; // [nh, t, total]
-            if t > 1 {
-                att =
-                    att.broadcast_add(&causal_mask(t, start, total, att.dtype(), &self.device)?)?;
-            }
-            let att = candle_nn::ops::softmax_last_dim(&att.to_dtype(DType::F32)?)?
-                .to_dtype(self.dtype)?;
-            let o = att.matmul(&v)?; // [nh, t, hd]
-            outs.push(o.transpose(0, 1)?.reshape((t, nh * hd))?);
-            off += t;
+            let qr = q.narrow(0, off, t)?.transpose(0, 1)?.contiguous()?;
+            let o = self.attend_tensors(&qr, &cached(kc)?, &cached(vc)?, start)?;
+            out[off * nh * hd..(off + t) * nh * hd]
+                .copy_from_slice(&o.flatten_all()?.to_vec1::<f32>()?);
         }
-        proj(&layer.o, li, Proj::O, &Tensor::cat(&outs, 0)?, groups)
+        Ok(Tensor::from_vec(out, (n, nh * hd), &self.device)?)
     }
 }
+
+/// New tokens of a row at most for the host attention kernel; longer rows (prefill) use
+/// gemm, whose tiling wins once there are many queries per key.
+const HOST_ATTN_MAX_TOKENS: usize = 16;
 
 /// A projection of the whole batch: the base matmul once, plus each adapter group's low-rank
 /// update on its own rows only.
@@ -559,12 +705,12 @@ fn proj(
     groups: &[Group<'_>],
 ) -> Result<Tensor, ModelError> {
     let mut out = lin.forward(x)?;
-    if groups.len() > 1 {
+    if !groups.is_empty() {
         let pairs: Vec<(&LoraAdapter, &[u32])> = groups
             .iter()
             .map(|g| (g.adapter, g.rows.as_slice()))
             .collect();
-        if let Some(o) = crate::lora::apply_mixed_cpu(layer, which, x, &out, &pairs)? {
+        if let Some(o) = crate::lora::apply_cpu(layer, which, x, &out, &pairs)? {
             return Ok(o);
         }
     }
