@@ -302,6 +302,12 @@ fn emit(shared: &Shared, s: &mut Seq, logits: &[f32]) {
         logprob,
     });
     if let Some(reason) = reason {
+        // Counted as done before the caller hears of it, so a client that asks
+        // `/v1/lora_adapters` right after its answer sees its request counted; this also
+        // releases the pinned version now rather than when the step's bookkeeping ends.
+        if let Some(p) = s.adapter.take() {
+            p.finish();
+        }
         let _ = s.tx.send(TokenEvent::Finished {
             reason,
             usage: Usage {

@@ -9,7 +9,7 @@ use std::path::Path;
 use candle_core::{DType, Device, Tensor};
 
 use crate::formats::{hf, peft::AdapterConfig};
-use crate::merge::tensors::AdapterWeights;
+use crate::merge::tensors::{decode_slice, MappedAdapter};
 use crate::merge::MergeError;
 use crate::model::host::{self, HostF32};
 use crate::model::ModelConfig;
@@ -126,7 +126,8 @@ pub struct LoadOptions {
     pub expect_base: Option<String>,
 }
 
-/// One loaded adapter version: per (layer, projection), `Aᵀ` `[in, r]` and `(s·B)ᵀ` `[r, out]`.
+/// One loaded adapter version: per (layer, projection), `A` `[r, in]` as stored and `(s·B)ᵀ`
+/// `[r, out]` (scale folded in, transposed so a token's update is r row-axpys).
 #[derive(Debug)]
 pub struct LoraAdapter {
     modules: HashMap<(usize, Proj), (Tensor, Tensor)>,
@@ -174,14 +175,14 @@ impl LoraAdapter {
                 });
             }
         }
-        let weights = AdapterWeights::load(&dir.join("adapter_model.safetensors"), &cfg)?;
+        let weights = MappedAdapter::open(&dir.join("adapter_model.safetensors"), &cfg)?;
         if let Some(name) = weights.replacements.keys().next() {
             return Err(LoraError::Unsupported(format!(
                 "{name}: adapters that replace base tensors (modules_to_save, saved embeddings) need serving.mode merged"
             )));
         }
         // Modules are independent: check and lay them out in parallel, one pass over each
-        // matrix (transpose, scale and finiteness check fused).
+        // matrix from the mapped file (decode, transpose, scale and finiteness check fused).
         use rayon::prelude::*;
         // Per module: its key, (Aᵀ, (s·B)ᵀ) and its rank.
         type Loaded = ((usize, Proj), (Tensor, Tensor), usize);
@@ -231,20 +232,21 @@ impl LoraAdapter {
                     }
                     .into()
                 };
-                let at = transposed(&a.data, r, fin, 1.0).ok_or_else(non_finite)?;
-                let bt = transposed(&b.data, fout, r, lora.scale as f32).ok_or_else(non_finite)?;
-                let at = Tensor::from_vec(at, (fin, r), device)?.to_dtype(dtype)?;
+                let a = decoded(a.dtype, weights.raw_bytes(a), r * fin).ok_or_else(non_finite)?;
+                let bt = transposed(b.dtype, weights.raw_bytes(b), fout, r, lora.scale as f32)
+                    .ok_or_else(non_finite)?;
+                let a = Tensor::from_vec(a, (r, fin), device)?.to_dtype(dtype)?;
                 let bt = Tensor::from_vec(bt, (r, fout), device)?.to_dtype(dtype)?;
-                Ok(((layer, proj), (at, bt), r))
+                Ok(((layer, proj), (a, bt), r))
             })
             .collect::<Result<_, _>>()?;
         let mut modules = HashMap::new();
         let (mut rank, mut bytes) = (0usize, 0u64);
-        for (key, (at, bt), r) in loaded {
+        for (key, (a, bt), r) in loaded {
             let (fin, fout) = key.1.dims(model);
             bytes += ((fin + fout) * r * dtype.size_in_bytes()) as u64;
             rank = rank.max(r);
-            modules.insert(key, (at, bt));
+            modules.insert(key, (a, bt));
         }
         Ok(Self {
             modules,
@@ -280,9 +282,9 @@ impl LoraAdapter {
         match self.modules.get(&(layer, proj)) {
             None => Ok(out.clone()),
             // Every row of the batch on this adapter: no gather/scatter copies.
-            Some((at, bt)) if idx.dim(0)? == x.dim(0)? => out + x.matmul(at)?.matmul(bt)?,
-            Some((at, bt)) => {
-                let delta = x.index_select(idx, 0)?.matmul(at)?.matmul(bt)?;
+            Some((a, bt)) if idx.dim(0)? == x.dim(0)? => out + x.matmul(&a.t()?)?.matmul(bt)?,
+            Some((a, bt)) => {
+                let delta = x.index_select(idx, 0)?.matmul(&a.t()?)?.matmul(bt)?;
                 out.index_add(idx, &delta, 0)
             }
         }
@@ -323,9 +325,9 @@ pub fn apply_cpu(
     // Per group: the guards of A and B (kept alive while their slices are read).
     let mut held = Vec::with_capacity(groups.len());
     for (a, rows) in groups {
-        if let Some((at, bt)) = a.modules.get(&(layer, proj)) {
-            match (HostF32::of(at), HostF32::of(bt)) {
-                (Some(ag), Some(bg)) => held.push((ag, bg, at.dim(1)?, *rows)),
+        if let Some((a, bt)) = a.modules.get(&(layer, proj)) {
+            match (HostF32::of(a), HostF32::of(bt)) {
+                (Some(ag), Some(bg)) => held.push((ag, bg, a.dim(0)?, *rows)),
                 _ => return Ok(None),
             }
         }
@@ -357,15 +359,52 @@ pub fn apply_cpu(
     Ok(Some(Tensor::from_vec(sum, (t, d_out), x.device())?))
 }
 
-/// `scale · srcᵀ` of a row-major `[rows, cols]` matrix, or None when a value is not finite.
-fn transposed(src: &[f32], rows: usize, cols: usize, scale: f32) -> Option<Vec<f32>> {
-    let mut out = vec![0f32; rows * cols];
-    let mut finite = true;
-    for (i, row) in src.chunks_exact(cols).enumerate() {
-        for (j, &x) in row.iter().enumerate() {
-            finite &= x.is_finite();
-            out[j * rows + i] = x * scale;
+/// f32 from little-endian f32 bytes.
+fn f32_le(c: &[u8]) -> f32 {
+    f32::from_le_bytes([c[0], c[1], c[2], c[3]])
+}
+
+/// f32 from little-endian bf16 bytes (the upper half of an f32: widening is exact).
+fn bf16_le(c: &[u8]) -> f32 {
+    f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)
+}
+
+/// Whether every value is finite, without short-circuit so the check vectorises.
+fn all_finite(v: &[f32]) -> bool {
+    v.iter().fold(true, |ok, x| ok & x.is_finite())
+}
+
+/// The `n` values of a tensor stored as `dtype` little-endian bytes, or None when one is not
+/// finite. Collected straight from the bytes (no zero-fill first) for the dtypes adapters
+/// ship in.
+fn decoded(dtype: safetensors::Dtype, src: &[u8], n: usize) -> Option<Vec<f32>> {
+    use safetensors::Dtype;
+    let out: Vec<f32> = match dtype {
+        Dtype::F32 => src.chunks_exact(4).map(f32_le).collect(),
+        Dtype::BF16 => src.chunks_exact(2).map(bf16_le).collect(),
+        _ => {
+            let mut out = vec![0f32; n];
+            decode_slice(dtype, src, &mut out);
+            out
         }
+    };
+    all_finite(&out).then_some(out)
+}
+
+/// `scale · srcᵀ` of a row-major `[rows, cols]` matrix stored as `dtype` little-endian
+/// bytes, or None when a value is not finite. `cols` is the rank (small): each output row
+/// is one strided sweep of the decoded matrix, which stays in cache.
+fn transposed(
+    dtype: safetensors::Dtype,
+    src: &[u8],
+    rows: usize,
+    cols: usize,
+    scale: f32,
+) -> Option<Vec<f32>> {
+    let plain = decoded(dtype, src, rows * cols)?;
+    let mut out = Vec::with_capacity(rows * cols);
+    for j in 0..cols {
+        out.extend(plain.chunks_exact(cols).map(|row| row[j] * scale));
     }
-    finite.then_some(out)
+    Some(out)
 }

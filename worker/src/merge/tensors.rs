@@ -109,19 +109,27 @@ pub fn bf16_ulp_distance(a: u16, b: u16) -> u32 {
     (key(a) - key(b)).unsigned_abs()
 }
 
-fn decode_slice(dtype: Dtype, src: &[u8], out: &mut [f32]) {
-    let size = dtype.bitsize() / 8;
-    let it = out.iter_mut().zip(src.chunks_exact(size));
+/// Decodes little-endian `dtype` values into `out` (one per element of `out`).
+pub(crate) fn decode_slice(dtype: Dtype, src: &[u8], out: &mut [f32]) {
+    // Chunk sizes are constants in each arm so the loops vectorise (a runtime chunk size
+    // keeps them scalar).
     match dtype {
         // bf16 is the upper half of an f32: widening is exact.
-        Dtype::BF16 => it.for_each(|(d, c)| {
+        Dtype::BF16 => out.iter_mut().zip(src.chunks_exact(2)).for_each(|(d, c)| {
             *d = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)
         }),
-        Dtype::F16 => it.for_each(|(d, c)| *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
-        Dtype::F64 => {
-            it.for_each(|(d, c)| *d = f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32)
-        }
-        _ => it.for_each(|(d, c)| *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        Dtype::F16 => out
+            .iter_mut()
+            .zip(src.chunks_exact(2))
+            .for_each(|(d, c)| *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
+        Dtype::F64 => out
+            .iter_mut()
+            .zip(src.chunks_exact(8))
+            .for_each(|(d, c)| *d = f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32),
+        _ => out
+            .iter_mut()
+            .zip(src.chunks_exact(4))
+            .for_each(|(d, c)| *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
     }
 }
 
@@ -183,15 +191,6 @@ impl<T: Shaped> Lora<T> {
     pub fn rank(&self) -> usize {
         self.a.as_ref().map(|a| a.shape()[0]).unwrap_or(0)
     }
-}
-
-/// Every tensor of a PEFT adapter file, as f32, grouped by module (the dynamic serving path;
-/// the merge reads the file lazily through [`MappedAdapter`]).
-#[derive(Debug, Default)]
-pub(crate) struct AdapterWeights {
-    pub loras: BTreeMap<String, Lora>,
-    /// Base tensor name → full replacement (modules_to_save, saved embeddings, biases).
-    pub replacements: BTreeMap<String, Mat>,
 }
 
 /// A LoRA module as read from the adapter file (f32 tensors, or byte ranges of the file).
@@ -258,36 +257,6 @@ fn group<T: Shaped>(
         }
     }
     Ok((loras, replacements))
-}
-
-impl AdapterWeights {
-    /// Reads `adapter_model.safetensors` (all tensors, as f32: adapters are small).
-    pub fn load(path: &Path, config: &AdapterConfig) -> Result<Self, MergeError> {
-        let mapped = MappedAdapter::open(path, config)?;
-        let loras = mapped
-            .loras
-            .iter()
-            .map(|(module, l)| {
-                let lora = Lora {
-                    a: l.a.as_ref().map(|t| mapped.decode(t)),
-                    b: l.b.as_ref().map(|t| mapped.decode(t)),
-                    b_bias: l.b_bias.as_ref().map(|t| mapped.decode(t)),
-                    embedding: l.embedding,
-                    scale: l.scale,
-                };
-                (module.clone(), lora)
-            })
-            .collect();
-        let replacements = mapped
-            .replacements
-            .iter()
-            .map(|(name, t)| (name.clone(), mapped.decode(t)))
-            .collect();
-        Ok(Self {
-            loras,
-            replacements,
-        })
-    }
 }
 
 /// The bytes of an adapter file.

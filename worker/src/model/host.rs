@@ -158,12 +158,9 @@ fn lora_impl<const FMA: bool>(
 ) {
     let d_in = a.len() / r;
     let mut h = vec![0f32; outs.len() * r];
-    for (j, arow) in a.chunks_exact(r).enumerate() {
+    for (k, arow) in a.chunks_exact(d_in).enumerate() {
         for ((tok, _), ht) in outs.iter().zip(h.chunks_exact_mut(r)) {
-            let xj = xs[tok * d_in + j];
-            for (hk, ak) in ht.iter_mut().zip(arow) {
-                *hk = madd::<FMA>(xj, *ak, *hk);
-            }
+            ht[k] = dot::<FMA>(&xs[tok * d_in..(tok + 1) * d_in], arow);
         }
     }
     for (k, brow) in b.chunks_exact(b.len() / r).enumerate() {
@@ -183,7 +180,7 @@ unsafe fn lora_avx2(xs: &[f32], a: &[f32], b: &[f32], r: usize, outs: &mut [(usi
 }
 
 /// Adds one adapter's low-rank update to some tokens' output rows: `out += (x·Aᵀ)·(s·B)ᵀ`
-/// with `Aᵀ` `[in, r]` and `(s·B)ᵀ` `[r, out]` row-major, `xs` the batch's inputs
+/// with `A` `[r, in]` and `(s·B)ᵀ` `[r, out]` row-major, `xs` the batch's inputs
 /// `[tokens, in]` and `outs` (token, its output row). The tokens share each weight row while
 /// it is in cache, so a few tokens per call cost little more than one.
 pub(crate) fn lora_tokens(
@@ -262,7 +259,7 @@ mod tests {
         let b: Vec<f32> = (0..r * dout).map(|i| val(i + 13)).collect();
         let base: Vec<f32> = (0..dout).map(|i| val(i + 17)).collect();
         let hid: Vec<f64> = (0..r)
-            .map(|k| (0..din).map(|j| x[j] as f64 * a[j * r + k] as f64).sum())
+            .map(|k| (0..din).map(|j| x[j] as f64 * a[k * din + j] as f64).sum())
             .collect();
         let want: Vec<f64> = (0..dout)
             .map(|o| base[o] as f64 + (0..r).map(|k| hid[k] * b[k * dout + o] as f64).sum::<f64>())
