@@ -165,6 +165,8 @@ struct Hparams {
     head_dim: usize,
     rms_eps: f64,
     rope_theta: f64,
+    /// HF `rope_scaling`, from llama.cpp's `{arch}.rope.scaling.*` keys.
+    rope_scaling: Option<serde_json::Value>,
     context: usize,
     vocab: usize,
 }
@@ -199,6 +201,7 @@ fn hparams(meta: &Meta, vocab: usize) -> Result<Hparams, ImportError> {
             .unwrap_or(hidden / heads),
         rms_eps: meta.f64(&k("attention.layer_norm_rms_epsilon"))?,
         rope_theta: meta.f64(&k("rope.freq_base")).unwrap_or(10_000.0),
+        rope_scaling: rope_scaling(meta, &arch_name)?,
         context: meta.opt_u64(&k("context_length")).unwrap_or(4096) as usize,
         vocab,
     })
@@ -414,9 +417,8 @@ fn write_all(
     for gname in names {
         let info = &content.tensor_infos[gname];
         let Some((hf, permute_heads)) = hf_name(gname, hp) else {
-            // Rotary tables and other llama.cpp-only tensors have no HF counterpart.
             if gname.contains("rope_freqs") {
-                continue;
+                return Err(rope_freqs_refused(gname));
             }
             return Err(ImportError::Unsupported(format!("tensor {gname}")));
         };
@@ -520,7 +522,66 @@ fn config_json(
     if hp.arch == Arch::Qwen2 {
         config["use_sliding_window"] = false.into();
     }
+    if let Some(r) = &hp.rope_scaling {
+        config["rope_scaling"] = r.clone();
+    }
     config
+}
+
+/// llama.cpp's RoPE scaling keys as HF's `rope_scaling`: `linear` (or the older
+/// `rope.scale_linear`) and `yarn`, whose llama.cpp `attn_factor` multiplies the
+/// `0.1·ln(factor) + 1` attention scaling HF computes by default. Other types are refused by
+/// name rather than served with the wrong positions.
+fn rope_scaling(meta: &Meta, arch: &str) -> Result<Option<serde_json::Value>, ImportError> {
+    let k = |s: &str| format!("{arch}.rope.{s}");
+    let factor = || meta.f64(&k("scaling.factor"));
+    let kind = meta.opt_string(&k("scaling.type"));
+    match kind.as_deref() {
+        None | Some("none") if meta.0.contains_key(&k("scale_linear")) => {
+            let f = meta.f64(&k("scale_linear"))?;
+            Ok((f != 1.0).then(|| serde_json::json!({"rope_type": "linear", "factor": f})))
+        }
+        None | Some("none") => Ok(None),
+        Some("linear") => Ok(Some(
+            serde_json::json!({"rope_type": "linear", "factor": factor()?}),
+        )),
+        Some("yarn") => {
+            let f = factor()?;
+            let mut r = serde_json::json!({"rope_type": "yarn", "factor": f});
+            if let Some(orig) = meta.opt_u64(&k("scaling.original_context_length")) {
+                r["original_max_position_embeddings"] = orig.into();
+            }
+            if meta.0.contains_key(&k("scaling.attn_factor")) {
+                let a = meta.f64(&k("scaling.attn_factor"))?;
+                if a != 1.0 {
+                    r["attention_factor"] = (a * (0.1 * f.ln() + 1.0)).into();
+                }
+            }
+            for (gguf, hf) in [
+                ("scaling.yarn_beta_fast", "beta_fast"),
+                ("scaling.yarn_beta_slow", "beta_slow"),
+            ] {
+                if meta.0.contains_key(&k(gguf)) {
+                    r[hf] = meta.f64(&k(gguf))?.into();
+                }
+            }
+            Ok(Some(r))
+        }
+        Some(other) => Err(ImportError::Unsupported(format!(
+            "{}: RoPE scaling {other} (mole imports linear and yarn)",
+            k("scaling.type")
+        ))),
+    }
+}
+
+/// Refusal for llama.cpp's `rope_freqs` tensor: per-frequency RoPE factors (how Llama 3.1
+/// GGUFs carry llama3 scaling) that an HF `config.json` cannot express; skipping it would
+/// serve every position with the wrong rotation.
+fn rope_freqs_refused(name: &str) -> ImportError {
+    ImportError::Unsupported(format!(
+        "tensor {name}: per-frequency RoPE factors (llama3-style scaling) are not imported; \
+         convert from the HF checkpoint, whose config.json keeps its rope_scaling"
+    ))
 }
 
 /// A GGUF model ready to serve quantized: its HF `config.json`, its tokenizer files, and its
@@ -548,7 +609,7 @@ pub fn load_quantized(path: &Path, device: &Device) -> Result<QuantizedModel, Im
     for gname in content.tensor_infos.keys() {
         let Some((hf, permute_heads)) = hf_name(gname, &hp) else {
             if gname.contains("rope_freqs") {
-                continue;
+                return Err(rope_freqs_refused(gname));
             }
             return Err(ImportError::Unsupported(format!("tensor {gname}")));
         };
@@ -599,6 +660,59 @@ fn unpermute_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// llama.cpp's scaling keys become the `rope_scaling` transformers reads, which mole's
+    /// decoder accepts; unknown types are refused by name.
+    #[test]
+    fn rope_scaling_metadata_becomes_hf_rope_scaling() {
+        use gguf_file::Value as V;
+        let meta = |kv: Vec<(&str, V)>| -> HashMap<String, V> {
+            kv.into_iter().map(|(k, v)| (k.to_string(), v)).collect()
+        };
+        let none = meta(vec![]);
+        assert_eq!(rope_scaling(&Meta(&none), "qwen2").unwrap(), None);
+        let linear = meta(vec![
+            ("llama.rope.scaling.type", V::String("linear".into())),
+            ("llama.rope.scaling.factor", V::F32(4.0)),
+        ]);
+        assert_eq!(
+            rope_scaling(&Meta(&linear), "llama").unwrap(),
+            Some(serde_json::json!({"rope_type": "linear", "factor": 4.0}))
+        );
+        let old = meta(vec![("llama.rope.scale_linear", V::F32(2.0))]);
+        assert_eq!(
+            rope_scaling(&Meta(&old), "llama").unwrap(),
+            Some(serde_json::json!({"rope_type": "linear", "factor": 2.0}))
+        );
+        let yarn = meta(vec![
+            ("qwen2.rope.scaling.type", V::String("yarn".into())),
+            ("qwen2.rope.scaling.factor", V::F32(4.0)),
+            ("qwen2.rope.scaling.original_context_length", V::U32(32768)),
+        ]);
+        let r = rope_scaling(&Meta(&yarn), "qwen2").unwrap().unwrap();
+        assert_eq!(
+            r,
+            serde_json::json!({"rope_type": "yarn", "factor": 4.0,
+                               "original_max_position_embeddings": 32768})
+        );
+        // The decoder takes it: positions stretched from 32768 to 4 × 32768.
+        let cfg = crate::model::ModelConfig::from_json(serde_json::json!({
+            "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "rms_norm_eps": 1e-6,
+            "vocab_size": 16, "max_position_embeddings": 32768, "rope_scaling": r
+        }))
+        .unwrap();
+        assert_eq!(cfg.max_positions(), 131072);
+        let odd = meta(vec![
+            ("llama.rope.scaling.type", V::String("longrope".into())),
+            ("llama.rope.scaling.factor", V::F32(4.0)),
+        ]);
+        let e = rope_scaling(&Meta(&odd), "llama").unwrap_err();
+        assert!(e.to_string().contains("longrope"), "{e}");
+        assert!(rope_freqs_refused("rope_freqs.weight")
+            .to_string()
+            .contains("rope_freqs.weight"));
+    }
 
     #[test]
     fn unpermute_inverts_llama_cpp_permute() {
