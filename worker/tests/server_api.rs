@@ -1620,3 +1620,94 @@ async fn gateway_streams_and_falls_back_from_hanging_or_dying_pods() {
         .unwrap();
     assert!(m.contains("mole_requests_total{adapter=\"mg\",endpoint=\"chat\",mode=\"merged\",route=\"explicit+proxy\",status=\"200\"} 1"), "{m}");
 }
+
+/// A reload whose adapter load outlasts `/admin/reload`'s answer window is answered 202
+/// (`applying`) while the load goes on; the worker stays ready and serving meanwhile, and the
+/// adapter is listed loaded — and served — once its files can be read. The load is held by a
+/// FIFO as the adapter's `adapter_config.json`, released by writing the real config into it.
+#[tokio::test]
+async fn a_reload_that_outlasts_its_answer_is_accepted_and_completes_in_the_background() {
+    use std::os::unix::fs::OpenOptionsExt;
+    use std::time::Instant;
+    let dir = fixture_root();
+    let root = dir.path().to_path_buf();
+    let yaml = config_yaml(&root, "", 16, 64);
+    // Watcher off: only the admin call applies the change.
+    let s = launch_with(dir, &yaml, |e| e, Duration::ZERO, true).await;
+    let slow = root.join("slow");
+    std::fs::create_dir(&slow).unwrap();
+    std::fs::copy(
+        root.join("fr/adapter_model.safetensors"),
+        slow.join("adapter_model.safetensors"),
+    )
+    .unwrap();
+    let fifo = slow.join("adapter_config.json");
+    assert!(std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .unwrap()
+        .success());
+    std::fs::write(
+        root.join("config.yaml"),
+        config_yaml(
+            &root,
+            "  - {name: slow, version: v1, loraId: 3, path: slow}",
+            16,
+            64,
+        ),
+    )
+    .unwrap();
+    let t = Instant::now();
+    let (st, b) = post_auth(&s, "/admin/reload", Some("s3cret"), json!({})).await;
+    assert_eq!((st, &b["applying"]), (202, &json!(true)), "{b}");
+    assert!(t.elapsed() >= Duration::from_secs(2), "{:?}", t.elapsed());
+    // Meanwhile: ready, serving, and `slow` not reported loaded.
+    let (st, _) = get(&s, "/readyz", None).await;
+    assert_eq!(st, 200);
+    let chat = |model: &str| json!({"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
+    let (st, _, b) = post(&s, "/v1/chat/completions", chat("fr")).await;
+    assert_eq!(st, 200, "{b}");
+    let slow_loaded = |l: &Value| {
+        l["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|a| a["name"] == "slow" && a["loaded"] == true)
+    };
+    let (_, l) = get(&s, "/v1/lora_adapters", None).await;
+    assert!(!slow_loaded(&l), "{l}");
+    // Release the load: the writer opens once the loader has the FIFO open for reading.
+    let text = std::fs::read(root.join("fr/adapter_config.json")).unwrap();
+    tokio::task::spawn_blocking(move || {
+        const O_NONBLOCK: i32 = 0o4000;
+        let t = Instant::now();
+        let mut w = loop {
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .custom_flags(O_NONBLOCK)
+                .open(&fifo)
+            {
+                Ok(w) => break w,
+                Err(e) if t.elapsed() > Duration::from_secs(20) => {
+                    panic!("the reload never opened the adapter config: {e}")
+                }
+                Err(_) => std::thread::sleep(Duration::from_millis(5)),
+            }
+        };
+        std::io::Write::write_all(&mut w, &text).unwrap();
+    })
+    .await
+    .unwrap();
+    let t = Instant::now();
+    loop {
+        let (_, l) = get(&s, "/v1/lora_adapters", None).await;
+        if slow_loaded(&l) {
+            break;
+        }
+        assert!(t.elapsed() < Duration::from_secs(20), "{l}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (st, h, b) = post(&s, "/v1/chat/completions", chat("slow")).await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(h["x-mole-adapter"].to_str().unwrap(), "slow");
+}
