@@ -3,6 +3,8 @@
 //! exact greedy tokens transformers + PEFT produced (reference.json), however requests are
 //! chunked, batched, interleaved, cancelled or reloaded under them.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
@@ -442,7 +444,6 @@ fn streamed_text_is_the_decode_of_the_tokens_wherever_it_stops() {
 #[cfg(target_os = "linux")]
 #[test]
 fn an_adapter_load_in_progress_stalls_no_decoding() {
-    use std::os::unix::fs::OpenOptionsExt;
     let r = &reference()["llama"];
     let (p0, p1) = (ids(&r["prompts"][0]), ids(&r["prompts"][1]));
     let e = engine(|_| {});
@@ -485,26 +486,9 @@ fn an_adapter_load_in_progress_stalls_no_decoding() {
             Err(EngineError::AdapterNotFound(_))
         ));
         assert!(!loader.is_finished(), "the load was still in progress");
-        // Release it: open the FIFO for writing once the loader has it open for reading
-        // (non-blocking, so a loader that failed early cannot hang the test).
-        const O_NONBLOCK: i32 = 0o4000;
-        let t = Instant::now();
-        let mut w = loop {
-            match std::fs::OpenOptions::new()
-                .write(true)
-                .custom_flags(O_NONBLOCK)
-                .open(&fifo)
-            {
-                Ok(w) => break w,
-                Err(_) if !loader.is_finished() && t.elapsed() < Duration::from_secs(20) => {
-                    std::thread::sleep(Duration::from_millis(5))
-                }
-                Err(err) => panic!("loader never opened its config: {err}"),
-            }
-        };
+        // Release it: the real config, once the loader has the FIFO open for reading.
         let config = std::fs::read(src.join("adapter_config.json")).unwrap();
-        std::io::Write::write_all(&mut w, &config).unwrap();
-        drop(w);
+        common::feed_fifo(&fifo, &config, || !loader.is_finished());
         loader.join().unwrap().unwrap();
     });
     let out = collect(e.submit(greedy(p0, Some("b"), 32)).unwrap());

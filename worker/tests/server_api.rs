@@ -3,6 +3,8 @@
 //! happy paths (chat, stream, completions, routing headers), the bad-input battery (each
 //! answer the right 4xx and the server keeps serving), admin endpoints, metrics, gateway.
 
+mod common;
+
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -1627,7 +1629,6 @@ async fn gateway_streams_and_falls_back_from_hanging_or_dying_pods() {
 /// FIFO as the adapter's `adapter_config.json`, released by writing the real config into it.
 #[tokio::test]
 async fn a_reload_that_outlasts_its_answer_is_accepted_and_completes_in_the_background() {
-    use std::os::unix::fs::OpenOptionsExt;
     use std::time::Instant;
     let dir = fixture_root();
     let root = dir.path().to_path_buf();
@@ -1678,26 +1679,9 @@ async fn a_reload_that_outlasts_its_answer_is_accepted_and_completes_in_the_back
     assert!(!slow_loaded(&l), "{l}");
     // Release the load: the writer opens once the loader has the FIFO open for reading.
     let text = std::fs::read(root.join("fr/adapter_config.json")).unwrap();
-    tokio::task::spawn_blocking(move || {
-        const O_NONBLOCK: i32 = 0o4000;
-        let t = Instant::now();
-        let mut w = loop {
-            match std::fs::OpenOptions::new()
-                .write(true)
-                .custom_flags(O_NONBLOCK)
-                .open(&fifo)
-            {
-                Ok(w) => break w,
-                Err(e) if t.elapsed() > Duration::from_secs(20) => {
-                    panic!("the reload never opened the adapter config: {e}")
-                }
-                Err(_) => std::thread::sleep(Duration::from_millis(5)),
-            }
-        };
-        std::io::Write::write_all(&mut w, &text).unwrap();
-    })
-    .await
-    .unwrap();
+    tokio::task::spawn_blocking(move || common::feed_fifo(&fifo, &text, || true))
+        .await
+        .unwrap();
     let t = Instant::now();
     loop {
         let (_, l) = get(&s, "/v1/lora_adapters", None).await;

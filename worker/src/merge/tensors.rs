@@ -620,9 +620,10 @@ impl Elem for EF64 {
     }
 }
 
-/// `a·b + c`, fused (one rounding, as BLAS kernels do) where the CPU has FMA.
+/// `a·b + c`, fused (one rounding, as BLAS kernels do) where the CPU has FMA (without the
+/// instruction `mul_add` is a libm call, so callers compiled for the baseline pass false).
 #[inline(always)]
-fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+pub(crate) fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     if FMA {
         a.mul_add(b, c)
     } else {

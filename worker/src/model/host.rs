@@ -9,6 +9,32 @@
 
 use candle_core::{DType, Tensor};
 
+use crate::merge::tensors::madd;
+
+/// `pub(crate) fn $name(args)`: calls `$body::<true>` compiled for AVX2 + FMA when the CPU has
+/// them (checked at run time), else `$body::<false>` for the baseline target.
+macro_rules! kernel {
+    ($(#[$doc:meta])* $name:ident = $body:ident($($arg:ident: $ty:ty),* $(,)?)) => {
+        $(#[$doc])*
+        #[allow(clippy::too_many_arguments)]
+        pub(crate) fn $name($($arg: $ty),*) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                #[allow(clippy::too_many_arguments)]
+                unsafe fn fast($($arg: $ty),*) {
+                    $body::<true>($($arg),*)
+                }
+                if avx2_fma() {
+                    // SAFETY: the CPU has AVX2 and FMA (checked at run time).
+                    return unsafe { fast($($arg),*) };
+                }
+            }
+            $body::<false>($($arg),*)
+        }
+    };
+}
+
 /// A contiguous CPU f32 tensor's storage, held for reading in place.
 pub(crate) struct HostF32<'t> {
     guard: candle_core::StorageRef<'t>,
@@ -34,17 +60,6 @@ impl<'t> HostF32<'t> {
             Storage::Cpu(CpuStorage::F32(v)) => &v[self.offset..self.offset + n],
             _ => unreachable!("checked by HostF32::of"),
         }
-    }
-}
-
-/// `a·b + c`, fused where the build has FMA (a plain multiply-add otherwise: without the
-/// instruction `mul_add` is a libm call).
-#[inline(always)]
-fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FMA {
-        a.mul_add(b, c)
-    } else {
-        a * b + c
     }
 }
 
@@ -113,39 +128,20 @@ fn attend_impl<const FMA: bool>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn attend_avx2(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    seen: usize,
-    h: KvHead,
-    out: &mut [f32],
-    scores: &mut Vec<f32>,
-) {
-    attend_impl::<true>(q, keys, values, seen, h, out, scores)
-}
-
-/// One query head's attention for one token: `q` `[dim]`, `keys`/`values` its sequence's
-/// cache token-major `[len, kv_heads, dim]`, of which the first `seen` positions are visible
-/// (causal: the token's own position + 1); writes `[dim]` into `out`. Softmax in f32 with the
-/// maximum subtracted, as torch computes it. `scores` is scratch space.
-pub(crate) fn attend_head(
-    q: &[f32],
-    keys: &[f32],
-    values: &[f32],
-    seen: usize,
-    h: KvHead,
-    out: &mut [f32],
-    scores: &mut Vec<f32>,
-) {
-    #[cfg(target_arch = "x86_64")]
-    if avx2_fma() {
-        // SAFETY: the CPU has AVX2 and FMA (checked at run time).
-        return unsafe { attend_avx2(q, keys, values, seen, h, out, scores) };
-    }
-    attend_impl::<false>(q, keys, values, seen, h, out, scores)
+kernel! {
+    /// One query head's attention for one token: `q` `[dim]`, `keys`/`values` its sequence's
+    /// cache token-major `[len, kv_heads, dim]`, of which the first `seen` positions are
+    /// visible (causal: the token's own position + 1); writes `[dim]` into `out`. Softmax in
+    /// f32 with the maximum subtracted, as torch computes it. `scores` is scratch space.
+    attend_head = attend_impl(
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        seen: usize,
+        h: KvHead,
+        out: &mut [f32],
+        scores: &mut Vec<f32>,
+    )
 }
 
 #[inline(always)]
@@ -173,29 +169,18 @@ fn lora_impl<const FMA: bool>(
     }
 }
 
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn lora_avx2(xs: &[f32], a: &[f32], b: &[f32], r: usize, outs: &mut [(usize, &mut [f32])]) {
-    lora_impl::<true>(xs, a, b, r, outs)
-}
-
-/// Adds one adapter's low-rank update to some tokens' output rows: `out += (x·Aᵀ)·(s·B)ᵀ`
-/// with `A` `[r, in]` and `(s·B)ᵀ` `[r, out]` row-major, `xs` the batch's inputs
-/// `[tokens, in]` and `outs` (token, its output row). The tokens share each weight row while
-/// it is in cache, so a few tokens per call cost little more than one.
-pub(crate) fn lora_tokens(
-    xs: &[f32],
-    a: &[f32],
-    b: &[f32],
-    r: usize,
-    outs: &mut [(usize, &mut [f32])],
-) {
-    #[cfg(target_arch = "x86_64")]
-    if avx2_fma() {
-        // SAFETY: the CPU has AVX2 and FMA (checked at run time).
-        return unsafe { lora_avx2(xs, a, b, r, outs) };
-    }
-    lora_impl::<false>(xs, a, b, r, outs)
+kernel! {
+    /// Adds one adapter's low-rank update to some tokens' output rows: `out += (x·Aᵀ)·(s·B)ᵀ`
+    /// with `A` `[r, in]` and `(s·B)ᵀ` `[r, out]` row-major, `xs` the batch's inputs
+    /// `[tokens, in]` and `outs` (token, its output row). The tokens share each weight row
+    /// while it is in cache, so a few tokens per call cost little more than one.
+    lora_tokens = lora_impl(
+        xs: &[f32],
+        a: &[f32],
+        b: &[f32],
+        r: usize,
+        outs: &mut [(usize, &mut [f32])],
+    )
 }
 
 #[cfg(target_arch = "x86_64")]
