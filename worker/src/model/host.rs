@@ -35,6 +35,10 @@ macro_rules! kernel {
     };
 }
 
+/// Multiply-adds below which the attention of a batch runs on the calling thread: splitting
+/// a short decode step's few small products costs more than it saves.
+pub(crate) const PARALLEL_MIN_FMAS: usize = 1 << 21;
+
 /// A contiguous CPU f32 tensor's storage, held for reading in place.
 pub(crate) struct HostF32<'t> {
     guard: candle_core::StorageRef<'t>,
@@ -159,15 +163,38 @@ fn lora_impl<const FMA: bool>(
             ht[k] = dot::<FMA>(&xs[tok * d_in..(tok + 1) * d_in], arow);
         }
     }
-    for (k, brow) in b.chunks_exact(b.len() / r).enumerate() {
+    // Column blocks of the output: a token's block of sums stays in registers over the r
+    // rows of B (loaded and stored once, not once per rank), and the block's slice of B stays
+    // in L1 for the next token.
+    let d_out = b.len() / r;
+    let full = d_out / COLS * COLS;
+    for c in (0..full).step_by(COLS) {
         for ((_, out), ht) in outs.iter_mut().zip(h.chunks_exact(r)) {
-            let hk = ht[k];
-            for (o, bk) in out.iter_mut().zip(brow) {
-                *o = madd::<FMA>(hk, *bk, *o);
+            let o: &mut [f32; COLS] = (&mut out[c..c + COLS]).try_into().expect("COLS values");
+            let mut acc = *o;
+            for (k, hk) in ht.iter().enumerate() {
+                let bk: &[f32; COLS] = b[k * d_out + c..][..COLS].try_into().expect("COLS values");
+                for (x, y) in acc.iter_mut().zip(bk) {
+                    *x = madd::<FMA>(*hk, *y, *x);
+                }
+            }
+            *o = acc;
+        }
+    }
+    for ((_, out), ht) in outs.iter_mut().zip(h.chunks_exact(r)) {
+        for (k, hk) in ht.iter().enumerate() {
+            for (o, y) in out[full..]
+                .iter_mut()
+                .zip(&b[k * d_out + full..(k + 1) * d_out])
+            {
+                *o = madd::<FMA>(*hk, *y, *o);
             }
         }
     }
 }
+
+/// Output columns per register block of [`lora_tokens`] (8 AVX2 registers).
+const COLS: usize = 64;
 
 kernel! {
     /// Adds one adapter's low-rank update to some tokens' output rows: `out += (x·Aᵀ)·(s·B)ᵀ`
@@ -238,7 +265,7 @@ mod tests {
             }
         }
 
-        let (din, r, dout) = (10, 3, 7);
+        let (din, r, dout) = (10, 3, 70);
         let x: Vec<f32> = (0..din).map(val).collect();
         let a: Vec<f32> = (0..din * r).map(|i| val(i + 5)).collect();
         let b: Vec<f32> = (0..r * dout).map(|i| val(i + 13)).collect();

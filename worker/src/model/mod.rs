@@ -655,21 +655,30 @@ impl Decoder {
         let qs = qg.slice(n * nh * hd);
         let mut out = vec![0f32; n * nh * hd];
         let scale = 1.0 / (hd as f32).sqrt();
-        // One task per (token, head): a batch-1 decode of a long sequence still uses every
-        // thread.
-        out.par_chunks_mut(hd)
-            .enumerate()
-            .for_each_init(Vec::new, |scores, (c, o)| {
-                let (tok, head) = (c / nh, c % nh);
-                if let Some((kc, vc, seen)) = tokens[tok] {
-                    let kv = host::KvHead {
-                        stride: width,
-                        offset: (head / (nh / nkv)) * hd,
-                        scale,
-                    };
-                    host::attend_head(&qs[c * hd..(c + 1) * hd], kc, vc, seen, kv, o, scores);
-                }
-            });
+        let work: usize = tokens.iter().flatten().map(|t| t.2 * nh * hd * 2).sum();
+        let attend = |scores: &mut Vec<f32>, (c, o): (usize, &mut [f32])| {
+            let (tok, head) = (c / nh, c % nh);
+            if let Some((kc, vc, seen)) = tokens[tok] {
+                let kv = host::KvHead {
+                    stride: width,
+                    offset: (head / (nh / nkv)) * hd,
+                    scale,
+                };
+                host::attend_head(&qs[c * hd..(c + 1) * hd], kc, vc, seen, kv, o, scores);
+            }
+        };
+        // One task per (token, head) when the batch is worth the threads: a batch-1 decode
+        // of a long sequence uses all of them, a short decode step none.
+        if work < host::PARALLEL_MIN_FMAS {
+            let mut scores = Vec::new();
+            out.chunks_mut(hd)
+                .enumerate()
+                .for_each(|c| attend(&mut scores, c));
+        } else {
+            out.par_chunks_mut(hd)
+                .enumerate()
+                .for_each_init(Vec::new, attend);
+        }
         drop(qg);
         for (ri, off) in long {
             let (t, start) = (batch.lens[ri], batch.starts[ri]);
