@@ -199,8 +199,8 @@ enum LayerKv {
     /// Device tensors `[kv_heads, len, head_dim]`, extended by concatenation.
     Tensors(Tensor, Tensor),
     /// CPU f32 decoders: token-major `[len, kv_heads, head_dim]` vectors that the host
-    /// attention kernel reads in place and new tokens extend at amortised O(1) (a tensor
-    /// cache is copied whole at every step).
+    /// attention kernel reads in place and new tokens extend in place (see [`append_kv`]; a
+    /// tensor cache is copied whole at every step).
     Host(Vec<f32>, Vec<f32>),
 }
 
