@@ -110,20 +110,32 @@ fn load(name: &str) -> (Decoder, Vec<LoraAdapter>) {
 }
 
 fn check_family(name: &str) {
+    let (mut model, adapters) = load(name);
+    // The fused host kernels (CPU f32's default) and the tensor ops GPUs run.
+    for host in [true, false] {
+        model.set_host_kernels(host);
+        let label = format!(
+            "{name} ({})",
+            if host { "host kernels" } else { "tensor ops" }
+        );
+        check_family_on(&label, name, &model, &adapters);
+    }
+}
+
+fn check_family_on(label: &str, name: &str, model: &Decoder, adapters: &[LoraAdapter]) {
     let r = &reference()[name];
-    let (model, adapters) = load(name);
     let p: Vec<Vec<u32>> = serde_json::from_value(r["prompts"].clone()).unwrap();
 
     // Base model, two sequences in one batch.
-    let (logits, greedy) = run(&model, &[(p[0].clone(), None), (p[1].clone(), None)], 32);
+    let (logits, greedy) = run(model, &[(p[0].clone(), None), (p[1].clone(), None)], 32);
     for i in 0..2 {
         close(
-            &format!("{name} base prompt {i}"),
+            &format!("{label} base prompt {i}"),
             &logits[i],
             &r["last_logits"][i],
         );
         let want: Vec<u32> = serde_json::from_value(r["greedy"][i].clone()).unwrap();
-        assert_eq!(greedy[i], want, "{name} base prompt {i}: greedy");
+        assert_eq!(greedy[i], want, "{label} base prompt {i}: greedy");
     }
 
     // A mixed batch: every adapter on each prompt, and rows without adapter, all together.
@@ -136,11 +148,11 @@ fn check_family(name: &str) {
     rows.insert(2, ((usize::MAX, 1), (p[1].clone(), None)));
     let batch: Vec<(Vec<u32>, Option<&LoraAdapter>)> =
         rows.iter().map(|(_, x)| x.clone()).collect();
-    let (logits, greedy) = run(&model, &batch, 32);
+    let (logits, greedy) = run(model, &batch, 32);
     for (k, ((ai, pi), _)) in rows.iter().enumerate() {
         if *ai == usize::MAX {
             close(
-                &format!("{name} mixed batch, no adapter"),
+                &format!("{label} mixed batch, no adapter"),
                 &logits[k],
                 &r["last_logits"][*pi],
             );
@@ -148,14 +160,14 @@ fn check_family(name: &str) {
         }
         let aref = &r["adapters"][ADAPTERS[*ai]];
         close(
-            &format!("{name} {} prompt {pi}", ADAPTERS[*ai]),
+            &format!("{label} {} prompt {pi}", ADAPTERS[*ai]),
             &logits[k],
             &aref["last_logits"][*pi],
         );
         let want: Vec<u32> = serde_json::from_value(aref["greedy"][*pi].clone()).unwrap();
         assert_eq!(
             greedy[k], want,
-            "{name} {} prompt {pi}: greedy",
+            "{label} {} prompt {pi}: greedy",
             ADAPTERS[*ai]
         );
     }

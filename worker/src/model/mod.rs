@@ -270,6 +270,8 @@ pub struct Decoder {
     sin: Tensor,
     device: Device,
     dtype: DType,
+    /// CPU f32: attention and adapter updates run as fused host kernels.
+    host: bool,
 }
 
 impl Decoder {
@@ -383,9 +385,18 @@ impl Decoder {
             rope,
             cos,
             sin,
+            host: device.is_cpu() && dtype == DType::F32,
             device,
             dtype,
         })
+    }
+
+    /// Whether a CPU f32 decoder runs attention and adapter updates as fused host kernels
+    /// (the default) or as the tensor ops every other device and dtype runs. The tests run
+    /// both against the same references, so the GPU's code path is checked on CPU too. Off
+    /// for other devices and dtypes whatever is asked. Caches are not shared between modes.
+    pub fn set_host_kernels(&mut self, on: bool) {
+        self.host = on && self.device.is_cpu() && self.dtype == DType::F32;
     }
 
     /// The configuration.
@@ -468,10 +479,10 @@ impl Decoder {
             x = (residual + attn)?;
             let residual = x.clone();
             let hn = layer.post_norm.forward(&x)?;
-            let gate = proj(&layer.gate, li, Proj::Gate, &hn, groups)?;
-            let up = proj(&layer.up, li, Proj::Up, &hn, groups)?;
+            let gate = proj(self.host, &layer.gate, li, Proj::Gate, &hn, groups)?;
+            let up = proj(self.host, &layer.up, li, Proj::Up, &hn, groups)?;
             let act = (candle_nn::ops::silu(&gate)? * up)?;
-            let mlp = proj(&layer.down, li, Proj::Down, &act, groups)?;
+            let mlp = proj(self.host, &layer.down, li, Proj::Down, &act, groups)?;
             x = (residual + mlp)?;
         }
         for (r, (s, l)) in rows.iter_mut().zip(batch.starts.iter().zip(&lens)) {
@@ -521,9 +532,9 @@ impl Decoder {
             self.cfg.head_dim(),
         );
         let n = x.dim(0)?;
-        let mut q = proj(&layer.q, li, Proj::Q, x, groups)?.reshape((n, nh, hd))?;
-        let mut k = proj(&layer.k, li, Proj::K, x, groups)?.reshape((n, nkv, hd))?;
-        let v = proj(&layer.v, li, Proj::V, x, groups)?.reshape((n, nkv, hd))?;
+        let mut q = proj(self.host, &layer.q, li, Proj::Q, x, groups)?.reshape((n, nh, hd))?;
+        let mut k = proj(self.host, &layer.k, li, Proj::K, x, groups)?.reshape((n, nkv, hd))?;
+        let v = proj(self.host, &layer.v, li, Proj::V, x, groups)?.reshape((n, nkv, hd))?;
         if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
@@ -532,7 +543,7 @@ impl Decoder {
             candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?, &batch.cos, &batch.sin)?.squeeze(0)
         };
         let (q, k) = (rope(&q)?, rope(&k)?);
-        let out = if self.device.is_cpu() && self.dtype == DType::F32 {
+        let out = if self.host {
             self.attend_host(li, &q, &k, &v, rows, batch)?
         } else {
             let mut outs = Vec::with_capacity(rows.len());
@@ -547,7 +558,8 @@ impl Decoder {
                     LayerKv::Tensors(pk, pv) => {
                         (Tensor::cat(&[&pk, &kr], 1)?, Tensor::cat(&[&pv, &vr], 1)?)
                     }
-                    _ => (kr, vr),
+                    LayerKv::Empty => (kr, vr),
+                    LayerKv::Host(..) => return Err(mixed_cache()),
                 };
                 *slot = LayerKv::Tensors(kr.clone(), vr.clone());
                 outs.push(self.attend_tensors(&qr, &kr, &vr, start)?);
@@ -555,7 +567,7 @@ impl Decoder {
             }
             Tensor::cat(&outs, 0)?
         };
-        proj(&layer.o, li, Proj::O, &out, groups)
+        proj(self.host, &layer.o, li, Proj::O, &out, groups)
     }
 
     /// The layer's cache slot of a sequence (created on first use).
@@ -621,8 +633,10 @@ impl Decoder {
         for (ri, row) in rows.iter_mut().enumerate() {
             let t = batch.lens[ri];
             let slot = self.cache_slot(row.cache, li);
-            if !matches!(slot, LayerKv::Host(..)) {
-                *slot = LayerKv::Host(Vec::new(), Vec::new());
+            match slot {
+                LayerKv::Empty => *slot = LayerKv::Host(Vec::new(), Vec::new()),
+                LayerKv::Tensors(..) => return Err(mixed_cache()),
+                LayerKv::Host(..) => {}
             }
             if let LayerKv::Host(kc, vc) = slot {
                 append_kv(kc, &ks[off * width..(off + t) * width], width);
@@ -700,6 +714,12 @@ impl Decoder {
     }
 }
 
+/// A sequence's cache was filled in the other attention mode (see
+/// [`Decoder::set_host_kernels`]).
+fn mixed_cache() -> ModelError {
+    ModelError::Config("a sequence cache was filled by the other attention mode".into())
+}
+
 /// Spare room, in tokens, a host cache grows by when it is full.
 const KV_GROW_TOKENS: usize = 256;
 
@@ -721,6 +741,7 @@ const HOST_ATTN_MAX_TOKENS: usize = 16;
 /// A projection of the whole batch: the base matmul once, plus each adapter group's low-rank
 /// update on its own rows only.
 fn proj(
+    host: bool,
     lin: &Lin,
     layer: usize,
     which: Proj,
@@ -728,7 +749,7 @@ fn proj(
     groups: &[Group<'_>],
 ) -> Result<Tensor, ModelError> {
     let mut out = lin.forward(x)?;
-    if !groups.is_empty() {
+    if host && !groups.is_empty() {
         let pairs: Vec<(&LoraAdapter, &[u32])> = groups
             .iter()
             .map(|g| (g.adapter, g.rows.as_slice()))
@@ -1013,5 +1034,26 @@ mod tests {
             "{}",
             rel(&both[1], &alone[0])
         );
+
+        // The tensor ops (what GPUs run) over the same steps agree too, and a cache filled in
+        // one mode is refused by the other rather than read wrongly.
+        let mut m = m;
+        m.set_host_kernels(false);
+        let mut cache = SeqCache::default();
+        let step = |m: &Decoder, t: &[u32], cache: &mut SeqCache| {
+            m.forward(&mut [Row {
+                tokens: t,
+                cache,
+                adapter: None,
+            }])
+        };
+        let mut ops = step(&m, &toks[..8], &mut cache).unwrap();
+        for i in 8..toks.len() {
+            ops = step(&m, &toks[i..i + 1], &mut cache).unwrap();
+        }
+        let err = rel(&ops[0], &last[0]);
+        assert!(err < 1e-4, "{err}");
+        m.set_host_kernels(true);
+        assert!(step(&m, &toks[..1], &mut cache).is_err());
     }
 }
