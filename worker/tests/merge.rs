@@ -60,6 +60,20 @@ fn read_file_tensors(p: &Path) -> BTreeMap<String, (Dtype, Vec<usize>, Vec<u8>)>
         .collect()
 }
 
+/// Largest difference relative to the reference tensor's largest magnitude: the matmul's
+/// summation order differs between torch and mole, which moves single elements by a few f32
+/// ulps of the tensor scale, never more.
+fn scaled_error(ours: &[f32], want: &[f32]) -> f32 {
+    let scale = want
+        .iter()
+        .fold(0f32, |m, x| m.max(x.abs()))
+        .max(f32::MIN_POSITIVE);
+    ours.iter()
+        .zip(want)
+        .map(|(x, y)| (x - y).abs() / scale)
+        .fold(0f32, f32::max)
+}
+
 #[test]
 fn f32_merges_match_peft_within_1e6_relative() {
     for adapter in ADAPTERS {
@@ -82,18 +96,7 @@ fn f32_merges_match_peft_within_1e6_relative() {
             assert_eq!((dt, shape), (pdt, pshape), "{adapter} {name}");
             let a = to_f32(*dt, bytes).unwrap();
             let b = to_f32(*pdt, pbytes).unwrap();
-            // Relative to the tensor's largest magnitude: the matmul's summation order differs
-            // between torch and candle, which moves single elements by a few f32 ulps of the
-            // tensor scale, never more.
-            let scale = b
-                .iter()
-                .fold(0f32, |m, x| m.max(x.abs()))
-                .max(f32::MIN_POSITIVE);
-            let worst = a
-                .iter()
-                .zip(&b)
-                .map(|(x, y)| (x - y).abs() / scale)
-                .fold(0f32, f32::max);
+            let worst = scaled_error(&a, &b);
             assert!(worst <= 1e-6, "{adapter} {name}: relative error {worst}");
             if base[name].2 != *bytes {
                 changed += 1;
@@ -655,15 +658,7 @@ fn gpt2_fan_in_fan_out_and_bias_merges_match_peft() {
             assert_eq!((dt, shape), (pdt, pshape), "{adapter} {name}");
             let a = to_f32(*dt, bytes).unwrap();
             let b = to_f32(*pdt, pbytes).unwrap();
-            let scale = b
-                .iter()
-                .fold(0f32, |m, x| m.max(x.abs()))
-                .max(f32::MIN_POSITIVE);
-            let worst = a
-                .iter()
-                .zip(&b)
-                .map(|(x, y)| (x - y).abs() / scale)
-                .fold(0f32, f32::max);
+            let worst = scaled_error(&a, &b);
             assert!(worst <= 1e-6, "{adapter} {name}: relative error {worst}");
             if base[name].2 != *bytes {
                 changed.push(name.as_str());

@@ -361,35 +361,16 @@ pub fn apply_cpu(
     Ok(Some(Tensor::from_vec(sum, (t, d_out), x.device())?))
 }
 
-/// f32 from little-endian f32 bytes.
-fn f32_le(c: &[u8]) -> f32 {
-    f32::from_le_bytes([c[0], c[1], c[2], c[3]])
-}
-
-/// f32 from little-endian bf16 bytes (the upper half of an f32: widening is exact).
-fn bf16_le(c: &[u8]) -> f32 {
-    f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)
-}
-
 /// Whether every value is finite, without short-circuit so the check vectorises.
 fn all_finite(v: &[f32]) -> bool {
     v.iter().fold(true, |ok, x| ok & x.is_finite())
 }
 
 /// The `n` values of a tensor stored as `dtype` little-endian bytes, or None when one is not
-/// finite. Collected straight from the bytes (no zero-fill first) for the dtypes adapters
-/// ship in.
+/// finite.
 fn decoded(dtype: safetensors::Dtype, src: &[u8], n: usize) -> Option<Vec<f32>> {
-    use safetensors::Dtype;
-    let out: Vec<f32> = match dtype {
-        Dtype::F32 => src.chunks_exact(4).map(f32_le).collect(),
-        Dtype::BF16 => src.chunks_exact(2).map(bf16_le).collect(),
-        _ => {
-            let mut out = vec![0f32; n];
-            decode_slice(dtype, src, &mut out);
-            out
-        }
-    };
+    let mut out = vec![0f32; n];
+    decode_slice(dtype, src, &mut out);
     all_finite(&out).then_some(out)
 }
 
