@@ -213,7 +213,7 @@ pub struct MergeMetadata {
     pub inputs_sha256: String,
     /// When the merge finished (RFC 3339).
     pub created_at: String,
-    /// Seconds the merge took.
+    /// Seconds the merge took, to the millisecond.
     pub seconds: f64,
 }
 
@@ -430,7 +430,9 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
                 tool_version: env!("CARGO_PKG_VERSION").to_string(),
                 inputs_sha256: inputs_sha,
                 created_at: chrono::Utc::now().to_rfc3339(),
-                seconds: started.elapsed().as_secs_f64(),
+                // To the millisecond: a short decimal parses back to the same f64 (serde_json
+                // does not round-trip every f64), so a re-run's read of the file equals it.
+                seconds: (started.elapsed().as_secs_f64() * 1e3).round() / 1e3,
             };
             let path = tmp.join("merge_metadata.json");
             let text = serde_json::to_string_pretty(&metadata).expect("metadata serializes");
