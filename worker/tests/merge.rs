@@ -902,7 +902,7 @@ fn a_killed_merge_leaves_no_output_and_a_rerun_completes_it() {
 }
 
 #[test]
-fn peak_rss_stays_within_largest_shard_plus_adapter_plus_256_mib() {
+fn peak_rss_stays_within_largest_shard_plus_adapter_plus_256_mib_and_the_output_is_exact() {
     // Three ~100 MiB shards; every large tensor is changed (LoRA on up_proj, lm_head
     // replaced), which is when a merge is tempted to hold whole tensors in f32.
     let tmp = tempfile::tempdir().unwrap();
@@ -939,5 +939,64 @@ fn peak_rss_stays_within_largest_shard_plus_adapter_plus_256_mib() {
         mib(peak),
         mib(budget)
     );
-    assert!(out.join("model-00003-of-00003.safetensors").exists());
+    assert_streamed_output_is_exact(&base, &adapter, &out, 3);
+}
+
+/// Checks the output of merging [`synthetic`]: every row of every up_proj (the merge writes
+/// them in parallel blocks, at computed offsets, over many windows) holds its own merged
+/// values within one bf16 ulp of the exact f64 result, sampled columns of every row and every
+/// column of a few rows; norms are the base's bytes; lm_head is the adapter's, in bf16.
+fn assert_streamed_output_is_exact(base: &Path, adapter: &Path, out: &Path, shards: usize) {
+    let ad = read_file_tensors(&adapter.join("adapter_model.safetensors"));
+    let f32s = |t: &(Dtype, Vec<usize>, Vec<u8>)| to_f32(t.0, &t.2).unwrap();
+    let scale = 16.0 / 8.0;
+    for i in 0..shards {
+        let file = format!("model-{:05}-of-{:05}.safetensors", i + 1, shards);
+        let want = read_file_tensors(&base.join(&file));
+        let got = read_file_tensors(&out.join(&file));
+        assert_eq!(
+            got.keys().collect::<Vec<_>>(),
+            want.keys().collect::<Vec<_>>()
+        );
+        let norm = format!("model.layers.{i}.post_attention_layernorm.weight");
+        assert_eq!(got[&norm], want[&norm], "{norm} is copied unchanged");
+        let up = format!("model.layers.{i}.mlp.up_proj.weight");
+        let m = format!("base_model.model.model.layers.{i}.mlp.up_proj");
+        let a = f32s(&ad[&format!("{m}.lora_A.weight")]);
+        let b = f32s(&ad[&format!("{m}.lora_B.weight")]);
+        let (w, o) = (&want[&up].2, &got[&up].2);
+        let rows = want[&up].1[0];
+        let bf = |bytes: &[u8], at: usize| u16::from_le_bytes([bytes[2 * at], bytes[2 * at + 1]]);
+        let mut checked = 0;
+        for r in 0..rows {
+            let cols: Vec<usize> = if r == 0 || r == rows / 2 || r == rows - 1 {
+                (0..SYN_COLS).collect()
+            } else {
+                vec![0, 1, 63, 64, 2047, SYN_COLS - 1, (r * 7919) % SYN_COLS]
+            };
+            for c in cols {
+                let at = r * SYN_COLS + c;
+                let d: f64 = (0..8)
+                    .map(|k| b[r * 8 + k] as f64 * a[k * SYN_COLS + c] as f64)
+                    .sum();
+                let exact = half::bf16::from_bits(bf(w, at)).to_f64() + scale * d;
+                let ulps = bf16_ulp_distance(bf(o, at), half::bf16::from_f64(exact).to_bits());
+                assert!(
+                    ulps <= 1,
+                    "{up}[{r}, {c}]: {} is {ulps} bf16 ulps from the exact {exact}",
+                    half::bf16::from_bits(bf(o, at))
+                );
+                checked += 1;
+            }
+        }
+        assert!(checked > rows * 7);
+        if i + 1 == shards {
+            let head = &got["lm_head.weight"].2;
+            let want: Vec<u8> = f32s(&ad["base_model.model.lm_head.weight"])
+                .iter()
+                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
+                .collect();
+            assert!(*head == want, "lm_head is the adapter's, rounded to bf16");
+        }
+    }
 }
