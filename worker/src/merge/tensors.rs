@@ -653,11 +653,13 @@ fn tile<I: Elem, O: Elem, const L: usize, const R: usize, const FULL: bool, cons
         for kk in 0..k {
             let at = kk * cols + j;
             if FULL {
-                let a: &[f32; L] = basis[at..at + L].try_into().expect("L values");
+                // By value: loaded into registers once for the R rows (as memory operands of
+                // each FMA the loads would outnumber the FMAs, and the loads would bound).
+                let a: [f32; L] = basis[at..at + L].try_into().expect("L values");
                 for (rr, acc) in d.iter_mut().enumerate() {
                     let c = coef[(r + rr) * k + kk];
                     for (x, b) in acc.iter_mut().zip(a) {
-                        *x = madd::<FMA>(c, *b, *x);
+                        *x = madd::<FMA>(c, b, *x);
                     }
                 }
             } else {
