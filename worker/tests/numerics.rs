@@ -7,6 +7,8 @@
 //! RoPE scaling (`linear`, `dynamic`, `llama3`, `yarn`) is checked on the same weights with the
 //! configs of rope_reference.json (generate_rope.py): logits of several generation steps within
 //! the same tolerance, greedy continuations identical.
+//!
+//! On a GPU: `MOLE_TEST_DEVICE=cuda cargo test -p mole-worker --features cuda --test numerics`.
 
 use std::path::{Path, PathBuf};
 
@@ -14,6 +16,18 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use mole_worker::lora::{LoadOptions, LoraAdapter};
 use mole_worker::model::{argmax, Decoder, ModelConfig, Row, SeqCache};
+
+/// The device the tests run on: the CPU, or with `MOLE_TEST_DEVICE=cuda` the first GPU (a
+/// `--features cuda` build), where the same tolerances hold: f32 matmuls run in full f32
+/// (candle leaves cuBLAS's reduced-precision f32 off).
+fn device() -> Device {
+    match std::env::var("MOLE_TEST_DEVICE").as_deref() {
+        Err(_) | Ok("") | Ok("cpu") => Device::Cpu,
+        Ok("cuda") => Device::new_cuda(0)
+            .expect("MOLE_TEST_DEVICE=cuda needs a --features cuda build and a GPU"),
+        Ok(other) => panic!("MOLE_TEST_DEVICE={other}: expected cpu or cuda"),
+    }
+}
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine")
@@ -88,7 +102,7 @@ fn close(name: &str, ours: &Tensor, want: &serde_json::Value) {
 }
 
 fn load(name: &str) -> (Decoder, Vec<LoraAdapter>) {
-    let model = Decoder::load(&fixtures().join(name), DType::F32, &Device::Cpu).unwrap();
+    let model = Decoder::load(&fixtures().join(name), DType::F32, &device()).unwrap();
     let opts = LoadOptions {
         max_rank: 64,
         expect_base: None,
@@ -100,7 +114,7 @@ fn load(name: &str) -> (Decoder, Vec<LoraAdapter>) {
                 &fixtures().join("adapters").join(name).join(a),
                 model.config(),
                 DType::F32,
-                &Device::Cpu,
+                &device(),
                 &opts,
             )
             .unwrap()
@@ -111,8 +125,14 @@ fn load(name: &str) -> (Decoder, Vec<LoraAdapter>) {
 
 fn check_family(name: &str) {
     let (mut model, adapters) = load(name);
-    // The fused host kernels (CPU f32's default) and the tensor ops GPUs run.
-    for host in [true, false] {
+    // The fused host kernels (CPU f32's default) and the tensor ops GPUs run; a GPU runs
+    // only the latter.
+    let modes: &[bool] = if device().is_cpu() {
+        &[true, false]
+    } else {
+        &[false]
+    };
+    for &host in modes {
         model.set_host_kernels(host);
         let label = format!(
             "{name} ({})",
@@ -190,19 +210,19 @@ fn qwen3_with_qk_norm_matches_transformers_and_peft() {
 
 #[test]
 fn adapters_are_validated_against_the_model() {
-    let model = Decoder::load(&fixtures().join("qwen3"), DType::F32, &Device::Cpu).unwrap();
+    let model = Decoder::load(&fixtures().join("qwen3"), DType::F32, &device()).unwrap();
     let dir = fixtures().join("adapters/qwen3/a_r8_all");
     let strict = LoadOptions {
         max_rank: 4,
         expect_base: None,
     };
-    let e = LoraAdapter::load(&dir, model.config(), DType::F32, &Device::Cpu, &strict).unwrap_err();
+    let e = LoraAdapter::load(&dir, model.config(), DType::F32, &device(), &strict).unwrap_err();
     assert_eq!(e.code(), "rank_over_limit");
     let other = LoadOptions {
         max_rank: 64,
         expect_base: Some("someone/else".into()),
     };
-    let e = LoraAdapter::load(&dir, model.config(), DType::F32, &Device::Cpu, &other).unwrap_err();
+    let e = LoraAdapter::load(&dir, model.config(), DType::F32, &device(), &other).unwrap_err();
     assert_eq!(e.code(), "wrong_base_model");
     // A llama adapter on the qwen3 model: shapes agree here, but a merge-tool fixture for a
     // smaller model does not fit.
@@ -212,7 +232,7 @@ fn adapters_are_validated_against_the_model() {
         &small,
         model.config(),
         DType::F32,
-        &Device::Cpu,
+        &device(),
         &LoadOptions {
             max_rank: 64,
             expect_base: None,
@@ -226,7 +246,7 @@ fn adapters_are_validated_against_the_model() {
         &nan,
         model.config(),
         DType::F32,
-        &Device::Cpu,
+        &device(),
         &LoadOptions {
             max_rank: 64,
             expect_base: None,
@@ -243,7 +263,7 @@ fn adapters_are_validated_against_the_model() {
         &lm_head,
         model.config(),
         DType::F32,
-        &Device::Cpu,
+        &device(),
         &LoadOptions {
             max_rank: 64,
             expect_base: None,
@@ -276,7 +296,7 @@ fn rope_scaling_matches_transformers() {
             .join("model.safetensors");
         // SAFETY: committed fixture, read-only.
         let vb = unsafe {
-            VarBuilder::from_mmaped_safetensors(&[weights], DType::F32, &Device::Cpu).unwrap()
+            VarBuilder::from_mmaped_safetensors(&[weights], DType::F32, &device()).unwrap()
         };
         let model = Decoder::new(cfg, vb).unwrap();
         let prompts: Vec<Vec<u32>> = serde_json::from_value(r["prompts"].clone()).unwrap();
