@@ -41,7 +41,8 @@ pub struct DecodeBenchArgs {
     #[arg(long, env = "MOLE_BENCH_MODEL")]
     pub model: Option<std::path::PathBuf>,
     /// A Python with torch, transformers and peft: also time transformers + PEFT `generate` on
-    /// the `--model` directory with the same adapter, batch 1 and 16, on as many threads.
+    /// the `--model` directory (without one, on the synthetic model) with the same adapter,
+    /// batch 1 and 16, on as many threads and on the same device and dtype.
     #[arg(long, env = "MOLE_BENCH_PYTHON")]
     pub python: Option<std::path::PathBuf>,
     /// Weights and activations: `auto` (as a worker serves: bf16 on a GPU, f32 on the CPU),
@@ -65,18 +66,26 @@ fn device_and_dtype(args: &DecodeBenchArgs) -> anyhow::Result<(Device, DType)> {
     Ok((dev, dtype))
 }
 
-fn synthetic_config(hidden: usize, layers: usize) -> ModelConfig {
-    serde_json::from_value(serde_json::json!({
-        "model_type": "qwen3", "hidden_size": hidden, "intermediate_size": hidden * 11 / 4,
+/// The synthetic model's `config.json`, which transformers reads too.
+fn synthetic_json(hidden: usize, layers: usize) -> serde_json::Value {
+    serde_json::json!({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
+        "hidden_size": hidden, "intermediate_size": hidden * 11 / 4,
         "num_hidden_layers": layers, "num_attention_heads": hidden / 64, "num_key_value_heads": hidden / 256,
-        "head_dim": 64, "rms_norm_eps": 1e-6, "vocab_size": 32000, "max_position_embeddings": 512,
-        "tie_word_embeddings": true
-    }))
-    .expect("valid config")
+        "head_dim": 64, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "vocab_size": 32000,
+        "max_position_embeddings": 512, "tie_word_embeddings": true
+    })
+}
+
+fn synthetic_config(hidden: usize, layers: usize) -> ModelConfig {
+    serde_json::from_value(synthetic_json(hidden, layers)).expect("valid config")
 }
 
 /// Random weights for every tensor the decoder asks for.
-fn synthetic_model(cfg: &ModelConfig, dtype: DType, dev: &Device) -> candle_core::Result<Decoder> {
+fn synthetic_weights(
+    cfg: &ModelConfig,
+    dev: &Device,
+) -> candle_core::Result<HashMap<String, Tensor>> {
     let (h, hd, nh, nkv, i) = (
         cfg.hidden_size,
         cfg.head_dim(),
@@ -111,8 +120,7 @@ fn synthetic_model(cfg: &ModelConfig, dtype: DType, dev: &Device) -> candle_core
             t.insert(p(n), Tensor::ones(hd, DType::F32, dev)?);
         }
     }
-    Decoder::new(cfg.clone(), VarBuilder::from_tensors(t, dtype, dev))
-        .map_err(|e| candle_core::Error::Msg(e.to_string()))
+    Ok(t)
 }
 
 /// Writes a PEFT adapter of rank `r` on every linear module for `cfg` into `dir`.
@@ -399,7 +407,22 @@ print(tps(1), tps(16))
 fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
     let (dev, dtype) = device_and_dtype(args)?;
     let cfg = synthetic_config(args.hidden, args.layers);
-    let model = synthetic_model(&cfg, dtype, &dev)?;
+    let weights = synthetic_weights(&cfg, &dev)?;
+    // With a Python but no --model, transformers + PEFT run on the synthetic model itself,
+    // written out as an HF directory (a GPU machine may have no other model at hand).
+    let saved = tempfile::tempdir()?;
+    let saved_dir = match (&args.python, &args.model) {
+        (Some(_), None) => {
+            candle_core::safetensors::save(&weights, saved.path().join("model.safetensors"))?;
+            std::fs::write(
+                saved.path().join("config.json"),
+                serde_json::to_vec_pretty(&synthetic_json(args.hidden, args.layers))?,
+            )?;
+            Some(saved.path())
+        }
+        _ => None,
+    };
+    let model = Decoder::new(cfg.clone(), VarBuilder::from_tensors(weights, dtype, &dev))?;
     let params: usize = {
         let (h, i, l) = (
             cfg.hidden_size,
@@ -413,7 +436,7 @@ fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
     bench_model(
         &format!("synthetic qwen3, {:.2}B params", params as f64 / 1e9),
         &model,
-        None,
+        saved_dir,
         args,
         &dev,
     )?;
