@@ -31,7 +31,9 @@ for l in sys.stdin:
 [ -n "$test_bin" ] || { echo "gpu-bundle: the numerics test binary was not built" >&2; exit 1; }
 
 mkdir -p .gpu
-grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >>.git/info/exclude
+exclude=$(git rev-parse --git-path info/exclude)
+mkdir -p "$(dirname "$exclude")"
+grep -qx '/.gpu/' "$exclude" 2>/dev/null || echo '/.gpu/' >>"$exclude"
 for pair in "$CARGO_TARGET_DIR/release/mole-worker:mole-worker" "$test_bin:numerics"; do
   src=${pair%%:*} name=${pair##*:}
   strip -o ".gpu/$name" "$src"
