@@ -56,12 +56,10 @@ fn device_and_dtype(args: &DecodeBenchArgs) -> anyhow::Result<(Device, DType)> {
     let dev = crate::engine::default_device();
     let dtype = match args.dtype.to_ascii_lowercase().as_str() {
         "auto" => crate::engine::serving_dtype(mole_crds::Dtype::Bf16, &dev),
-        other => match crate::merge::OutDtype::parse(other) {
-            Some(crate::merge::OutDtype::F32) => DType::F32,
-            Some(crate::merge::OutDtype::Bf16) => DType::BF16,
-            Some(crate::merge::OutDtype::F16) => DType::F16,
-            None => anyhow::bail!("--dtype {other}: expected auto, f32, bf16 or f16"),
-        },
+        other => crate::engine::candle_dtype(
+            serde_json::from_value(serde_json::json!(other))
+                .map_err(|_| anyhow::anyhow!("--dtype {other}: expected auto, f32, bf16 or f16"))?,
+        ),
     };
     Ok((dev, dtype))
 }

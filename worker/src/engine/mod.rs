@@ -474,6 +474,11 @@ pub fn serving_dtype(configured: mole_crds::Dtype, device: &Device) -> DType {
         }
         return DType::F32;
     }
+    candle_dtype(configured)
+}
+
+/// candle's type for a configured dtype.
+pub fn candle_dtype(configured: mole_crds::Dtype) -> DType {
     match configured {
         mole_crds::Dtype::Bf16 => DType::BF16,
         mole_crds::Dtype::F16 => DType::F16,

@@ -178,13 +178,15 @@ pub(crate) fn write_shard(
             for window in windows {
                 // The adapter tensors of the tensors this window touches, as f32 (a tensor
                 // that spans windows keeps its own).
-                let wanted: Vec<usize> = window
+                let mut wanted: Vec<usize> = window
                     .iter()
                     .filter_map(|t| match t.piece {
                         Piece::Rows { item, .. } => Some(item),
                         Piece::Copy { .. } => None,
                     })
                     .collect();
+                // Tasks of a tensor are consecutive.
+                wanted.dedup();
                 prepared.retain(|i, _| wanted.contains(i));
                 for &i in &wanted {
                     if let Some(d) = items[i].delta {
@@ -289,9 +291,8 @@ impl Item<'_> {
     /// is one row.
     fn rows(&self) -> usize {
         match self.info.shape.as_slice() {
-            [] => 1,
-            [_] => 1,
-            [r, ..] => *r,
+            [r, _, ..] => *r,
+            _ => 1,
         }
     }
 
@@ -326,20 +327,19 @@ fn plan_tasks(items: &[Item<'_>], data_start: usize) -> Vec<Task> {
         let src = (data_start + s) as u64;
         let in_len = (e - s) as u64;
         if it.passthrough() {
-            run = match run {
-                Some((rs, rd, rl)) if rs + rl == src => Some((rs, rd, rl + in_len)),
-                other => {
-                    let mut other = other;
-                    flush(&mut tasks, &mut other);
-                    Some((src, dst, in_len))
+            match &mut run {
+                Some((rs, _, rl)) if *rs + *rl == src => *rl += in_len,
+                _ => {
+                    flush(&mut tasks, &mut run);
+                    run = Some((src, dst, in_len));
                 }
-            };
+            }
             dst += in_len;
             continue;
         }
         flush(&mut tasks, &mut run);
         let (rows, cols) = (it.rows(), it.cols());
-        if cols == 0 || it.info.shape.iter().product::<usize>() == 0 {
+        if it.info.shape.iter().product::<usize>() == 0 {
             continue;
         }
         let row_bytes = (cols * it.out.bitsize() / 8) as u64;
