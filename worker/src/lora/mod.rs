@@ -291,52 +291,61 @@ impl LoraAdapter {
     }
 }
 
-/// Tokens of a batch at most for [`apply_cpu`]: beyond, per-adapter matmuls (gemm) win.
+/// Tokens of a batch at most for [`delta_cpu`]: beyond, per-adapter matmuls (gemm) win.
 pub const HOST_LORA_MAX_TOKENS: usize = 64;
 
-/// Tokens of one adapter per task of [`apply_cpu`].
+/// Tokens of one adapter per task of [`delta_cpu`].
 const LORA_TOKENS_PER_TASK: usize = 4;
 
-/// `out` plus every token's own adapter update, in one pass on the host, for CPU f32 batches
-/// of few tokens (decode steps, with one adapter or many): per token `(x·Aᵀ)·(s·B)ᵀ` with the
-/// weights read in place and tokens spread over threads, written straight into the sum. One
-/// allocation per projection however many adapters the batch holds, where the tensor path
-/// costs four ops (two matmuls, gather, scatter-add) per adapter — at decode batch sizes
-/// their fixed costs, not the arithmetic, are what a dynamic adapter would add to a step (the
-/// CPU counterpart of Punica's BGMV). `groups` pairs each adapter with its token positions.
-/// Returns None when the batch does not qualify (not CPU f32, too many tokens,
-/// non-contiguous tensors).
-pub fn apply_cpu(
+/// Whether [`delta_cpu`] takes a batch with inputs `x`: CPU f32, contiguous, few tokens.
+pub fn host_eligible(x: &Tensor) -> bool {
+    x.device().is_cpu()
+        && x.dim(0).is_ok_and(|t| t <= HOST_LORA_MAX_TOKENS)
+        && HostF32::of(x).is_some()
+}
+
+/// Every token's own adapter update of `(layer, proj)`, `[tokens, out]` row-major (zero for
+/// tokens without one), in one pass on the host, for CPU f32 batches of few tokens (decode
+/// steps, with one adapter or many): per token `(x·Aᵀ)·(s·B)ᵀ` with the weights read in place
+/// and tokens spread over threads. One allocation per projection however many adapters the
+/// batch holds, where the tensor path costs four ops (two matmuls, gather, scatter-add) per
+/// adapter — at decode batch sizes their fixed costs, not the arithmetic, are what a dynamic
+/// adapter would add to a step (the CPU counterpart of Punica's BGMV). It holds no tensor of
+/// the base projection, so it runs beside that matmul (see `model::proj`). `groups` pairs
+/// each adapter with its token positions. Returns Ok(None) when no adapter of the batch has
+/// this module, and None inside when the batch does not qualify (see [`host_eligible`]; the
+/// adapters' tensors not CPU f32).
+pub fn delta_cpu(
     layer: usize,
     proj: Proj,
     x: &Tensor,
-    out: &Tensor,
     groups: &[(&LoraAdapter, &[u32])],
-) -> candle_core::Result<Option<Tensor>> {
+) -> candle_core::Result<Option<Option<Vec<f32>>>> {
     use rayon::prelude::*;
     let (t, d_in) = x.dims2()?;
-    let d_out = out.dim(1)?;
-    if !x.device().is_cpu() || t > HOST_LORA_MAX_TOKENS {
-        return Ok(None);
+    if !host_eligible(x) {
+        return Ok(Some(None));
     }
-    let (Some(xg), Some(og)) = (HostF32::of(x), HostF32::of(out)) else {
-        return Ok(None);
+    let Some(xg) = HostF32::of(x) else {
+        return Ok(Some(None));
     };
     // Per group: the guards of A and B (kept alive while their slices are read).
     let mut held = Vec::with_capacity(groups.len());
+    let mut d_out = 0;
     for (a, rows) in groups {
         if let Some((a, bt)) = a.modules.get(&(layer, proj)) {
             match (HostF32::of(a), HostF32::of(bt)) {
                 (Some(ag), Some(bg)) => held.push((ag, bg, a.dim(0)?, *rows)),
-                _ => return Ok(None),
+                _ => return Ok(Some(None)),
             }
+            d_out = bt.dim(1)?;
         }
     }
     if held.is_empty() {
-        return Ok(Some(out.clone()));
+        return Ok(None);
     }
-    let (xs, os) = (xg.slice(t * d_in), og.slice(t * d_out));
-    let mut sum = os.to_vec();
+    let xs = xg.slice(t * d_in);
+    let mut sum = vec![0f32; t * d_out];
     // Tasks of a few tokens of one adapter each: the tokens share each weight row while it
     // is in cache (an adapter's weights are read once per task, not once per token).
     {
@@ -352,13 +361,11 @@ pub fn apply_cpu(
                 tasks.push((a, b, *r, outs));
             }
         }
-        // Always spread, even for a few small products: the thread pool stays awake between
-        // the step's matmuls (a serial update here measured slower overall on 2 cores).
         tasks
             .into_par_iter()
             .for_each(|(a, b, r, mut outs)| host::lora_tokens(xs, a, b, r, &mut outs));
     }
-    Ok(Some(Tensor::from_vec(sum, (t, d_out), x.device())?))
+    Ok(Some(Some(sum)))
 }
 
 /// Whether every value is finite, without short-circuit so the check vectorises.

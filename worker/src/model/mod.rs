@@ -417,6 +417,18 @@ impl Decoder {
     /// Runs new tokens of several sequences in one pass; returns each row's logits at its last
     /// new position (`[vocab]`, f32) and extends each row's cache.
     pub fn forward(&self, rows: &mut [Row<'_>]) -> Result<Vec<Tensor>, ModelError> {
+        // A CPU step forks the thread pool a few times per projection (the base matmul, the
+        // adapter update beside it, attention). Forked from a pool thread, a fork is a push
+        // on that thread's own queue; from any other thread, each one hands the work over and
+        // sleeps until it is done (tens of microseconds each, most of a dynamic adapter's
+        // cost at batch 1), so the whole step runs on the pool.
+        if self.device.is_cpu() && rayon::current_thread_index().is_none() {
+            return rayon::scope(|_| self.forward_on_pool(rows));
+        }
+        self.forward_on_pool(rows)
+    }
+
+    fn forward_on_pool(&self, rows: &mut [Row<'_>]) -> Result<Vec<Tensor>, ModelError> {
         let lens: Vec<usize> = rows.iter().map(|r| r.tokens.len()).collect();
         let starts: Vec<usize> = rows.iter().map(|r| r.cache.len()).collect();
         for (r, s) in rows.iter().zip(&starts) {
@@ -748,16 +760,49 @@ fn proj(
     x: &Tensor,
     groups: &[Group<'_>],
 ) -> Result<Tensor, ModelError> {
-    let mut out = lin.forward(x)?;
-    if host && !groups.is_empty() {
+    if groups.is_empty() {
+        return Ok(lin.forward(x)?);
+    }
+    if host && crate::lora::host_eligible(x) {
         let pairs: Vec<(&LoraAdapter, &[u32])> = groups
             .iter()
             .map(|g| (g.adapter, g.rows.as_slice()))
             .collect();
-        if let Some(o) = crate::lora::apply_cpu(layer, which, x, &out, &pairs)? {
-            return Ok(o);
+        // The update runs beside the base matmul in one fork of the thread pool: one
+        // thread starts on the adapters' weights (a stream from memory when the batch holds
+        // many adapters) while the other starts on the base's, and each then helps the
+        // other, instead of two rounds of waking the pool and waiting for its slowest task.
+        let (out, delta) = rayon::join(
+            || lin.forward(x),
+            || crate::lora::delta_cpu(layer, which, x, &pairs),
+        );
+        let out = out?;
+        match delta? {
+            None => return Ok(out),
+            Some(Some(mut delta)) => {
+                let base = host::HostF32::of(&out).ok_or_else(|| {
+                    candle_core::Error::Msg("host adapter update: base output not CPU f32".into())
+                })?;
+                let n = delta.len();
+                for (d, o) in delta.iter_mut().zip(base.slice(n)) {
+                    *d += o;
+                }
+                return Ok(Tensor::from_vec(delta, out.shape(), out.device())?);
+            }
+            Some(None) => return tensor_updates(out, layer, which, x, groups),
         }
     }
+    tensor_updates(lin.forward(x)?, layer, which, x, groups)
+}
+
+/// `out` plus each adapter group's update with tensor ops (GPU, other dtypes, prefill).
+fn tensor_updates(
+    mut out: Tensor,
+    layer: usize,
+    which: Proj,
+    x: &Tensor,
+    groups: &[Group<'_>],
+) -> Result<Tensor, ModelError> {
     for g in groups {
         out = g.adapter.apply(layer, which, x, &g.idx, &out)?;
     }
