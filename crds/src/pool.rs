@@ -163,6 +163,15 @@ pub struct DynamicSpec {
     #[serde(default = "default_max_lora_rank")]
     #[schemars(range(min = 1, max = 512))]
     pub max_lora_rank: u32,
+    /// Precision the dynamic pods hold adapter weights in. Unset: the serving dtype (bf16 on
+    /// a GPU, f32 on the CPU). `bf16` halves adapters' memory (device slots and the
+    /// `maxCpuLoras` host tier) and the bytes a decode step reads per distinct adapter in its
+    /// batch, at the price of rounding each weight to bf16 (8 significant bits), as vLLM's
+    /// `--lora-dtype`. On the CPU `f32` and `bf16` run the fused kernels; `f16` runs tensor
+    /// ops.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "lora_dtype_schema")]
+    pub lora_dtype: Option<Dtype>,
     /// Sequences decoded together.
     #[serde(default = "default_max_batch")]
     #[schemars(range(min = 1, max = 1024))]
@@ -184,11 +193,23 @@ impl Default for DynamicSpec {
             max_loras: default_max_loras(),
             max_cpu_loras: default_max_cpu_loras(),
             max_lora_rank: default_max_lora_rank(),
+            lora_dtype: None,
             max_batch_size: default_max_batch(),
             max_seq_len: default_max_seq_len(),
             max_queue: default_max_queue(),
         }
     }
+}
+
+/// The schema of `loraDtype` without a reference to [`Dtype`]: kube's hoisting of an optional
+/// enum would keep the enum's description ("Numeric type of model weights.") over the field's
+/// doc.
+fn lora_dtype_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "string",
+        "enum": ["bf16", "f16", "f32"],
+        "nullable": true,
+    })
 }
 
 fn one() -> i32 {

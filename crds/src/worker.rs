@@ -211,6 +211,10 @@ pub struct WorkerLimits {
     /// Highest LoRA rank accepted.
     #[serde(default = "d_max_lora_rank")]
     pub max_lora_rank: u32,
+    /// Precision adapter weights are held in; unset: the serving dtype (see the pool's
+    /// `dynamic.loraDtype`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora_dtype: Option<crate::Dtype>,
     /// Sequences decoded together.
     #[serde(default = "d_max_batch")]
     pub max_batch_size: u32,
@@ -237,6 +241,7 @@ impl Default for WorkerLimits {
             max_loras: d_max_loras(),
             max_cpu_loras: d_max_cpu_loras(),
             max_lora_rank: d_max_lora_rank(),
+            lora_dtype: None,
             max_batch_size: d_max_batch(),
             max_seq_len: d_max_seq_len(),
             max_queue: d_max_queue(),

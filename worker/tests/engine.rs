@@ -540,3 +540,25 @@ fn the_engine_serves_past_the_window_with_dynamic_rope() {
         other => panic!("expected InvalidRequest, got {other:?}"),
     }
 }
+
+/// `loraDtype: bf16` on an f32 engine: the adapter is held at half the bytes and serves
+/// (its numerics against PEFT are checked in numerics.rs).
+#[test]
+fn adapters_can_be_held_in_bf16() {
+    let r = &reference()["llama"];
+    let p = ids(&r["prompts"][0]);
+    let bytes = |lora_dtype: Option<DType>| {
+        let e = engine(|o| o.lora_dtype = lora_dtype);
+        e.load_adapter(spec("a", "v1", "a_r8_all")).unwrap();
+        let out = collect(e.submit(greedy(p.clone(), Some("a"), 4)).unwrap());
+        assert_eq!(out.tokens.len(), 4);
+        e.adapters()
+            .into_iter()
+            .find(|a| a.name == "a")
+            .unwrap()
+            .bytes
+    };
+    let (full, half) = (bytes(None), bytes(Some(DType::BF16)));
+    assert!(full > 0);
+    assert_eq!(half * 2, full);
+}

@@ -102,6 +102,11 @@ fn close(name: &str, ours: &Tensor, want: &serde_json::Value) {
 }
 
 fn load(name: &str) -> (Decoder, Vec<LoraAdapter>) {
+    load_with(name, DType::F32)
+}
+
+/// The f32 model with its adapters held in `lora_dtype`.
+fn load_with(name: &str, lora_dtype: DType) -> (Decoder, Vec<LoraAdapter>) {
     let model = Decoder::load(&fixtures().join(name), DType::F32, &device()).unwrap();
     let opts = LoadOptions {
         max_rank: 64,
@@ -113,7 +118,7 @@ fn load(name: &str) -> (Decoder, Vec<LoraAdapter>) {
             LoraAdapter::load(
                 &fixtures().join("adapters").join(name).join(a),
                 model.config(),
-                DType::F32,
+                lora_dtype,
                 &device(),
                 &opts,
             )
@@ -206,6 +211,87 @@ fn qwen2_with_qkv_bias_matches_transformers_and_peft() {
 #[test]
 fn qwen3_with_qk_norm_matches_transformers_and_peft() {
     check_family("qwen3");
+}
+
+/// `loraDtype: bf16` on an f32 model: adapters held in bf16, activations and sums in f32 (the
+/// host kernels read bf16 exactly; the tensor path widens the weights). Bound: rounding A and
+/// s·B to bf16 moves each weight by at most 2⁻⁹ of itself, so each low-rank update by about
+/// 2 × 2⁻⁹ of its size, and the logits by that fraction of the adapter's whole effect on them
+/// (the difference between the reference logits with and without it), carried through the
+/// layers. Allowed: 2⁻⁶ of that effect (8 × 2⁻⁹: every module of a layer adds its own
+/// rounding), plus the f32 tolerance of the other tests. Greedy continuations are not
+/// compared: these random tiny models have near-flat logits, and a bf16 rounding flips a
+/// near-tie (seen on llama). On the CPU the host kernels and the tensor ops, which compute
+/// the same sums from the same bf16 weights, agree within the f32 tolerance.
+fn check_bf16_adapters(name: &str) {
+    let (mut model, adapters) = load_with(name, DType::BF16);
+    let r = &reference()[name];
+    let p: Vec<Vec<u32>> = serde_json::from_value(r["prompts"].clone()).unwrap();
+    let modes: &[bool] = if device().is_cpu() {
+        &[true, false]
+    } else {
+        &[false]
+    };
+    let vec = |v: &serde_json::Value| -> Vec<f32> { serde_json::from_value(v.clone()).unwrap() };
+    let mut per_mode: Vec<Vec<Tensor>> = Vec::new();
+    for &host in modes {
+        model.set_host_kernels(host);
+        let mut rows = Vec::new();
+        for (ai, a) in adapters.iter().enumerate() {
+            for (pi, prompt) in p.iter().enumerate() {
+                rows.push(((ai, pi), (prompt.clone(), Some(a))));
+            }
+        }
+        let batch: Vec<(Vec<u32>, Option<&LoraAdapter>)> =
+            rows.iter().map(|(_, x)| x.clone()).collect();
+        let (logits, _) = run(&model, &batch, 1);
+        for (k, ((ai, pi), _)) in rows.iter().enumerate() {
+            let aref = &r["adapters"][ADAPTERS[*ai]];
+            let want = vec(&aref["last_logits"][*pi]);
+            let base = vec(&r["last_logits"][*pi]);
+            let ours: Vec<f32> = logits[k].to_vec1().unwrap();
+            let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let effect = want
+                .iter()
+                .zip(&base)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            let worst = ours
+                .iter()
+                .zip(&want)
+                .fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            let label = format!(
+                "{name} bf16 {} prompt {pi} ({})",
+                ADAPTERS[*ai],
+                if host { "host kernels" } else { "tensor ops" }
+            );
+            eprintln!(
+                "{label}: max logit error {worst:.2e}, {:.2e} of the adapter's effect {effect:.3}",
+                worst / effect
+            );
+            assert!(
+                worst <= effect / 64.0 + 1e-4 * scale,
+                "{label}: error {worst} for an adapter effect of {effect}"
+            );
+        }
+        per_mode.push(logits);
+    }
+    if let [host, tensor] = &per_mode[..] {
+        for (k, (h, t)) in host.iter().zip(tensor).enumerate() {
+            let t: Vec<f32> = t.to_vec1().unwrap();
+            close(
+                &format!("{name} bf16 row {k}: host kernels vs tensor ops"),
+                h,
+                &serde_json::json!(t),
+            );
+        }
+    }
+}
+
+#[test]
+fn adapters_held_in_bf16_stay_within_their_rounding() {
+    for name in ["llama", "qwen2", "qwen3"] {
+        check_bf16_adapters(name);
+    }
 }
 
 #[test]

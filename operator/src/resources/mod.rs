@@ -157,6 +157,18 @@ pub fn short_hash(v: &serde_json::Value) -> String {
 /// storage, GPU scheduling, resources and engine limits. Adapters are not in it: adding,
 /// updating or removing an adapter never restarts a pod.
 pub fn spec_hash(spec: &InferencePoolSpec) -> String {
+    let mut limits = serde_json::json!({
+        "maxLoras": spec.dynamic.max_loras,
+        "maxCpuLoras": spec.dynamic.max_cpu_loras,
+        "maxLoraRank": spec.dynamic.max_lora_rank,
+        "maxBatchSize": spec.dynamic.max_batch_size,
+        "maxSeqLen": spec.dynamic.max_seq_len,
+    });
+    // Only when set: pools that leave it unset keep the hash (and pods) they had before the
+    // field existed.
+    if let Some(d) = spec.dynamic.lora_dtype {
+        limits["loraDtype"] = serde_json::json!(d);
+    }
     short_hash(&serde_json::json!({
         "baseModel": spec.base_model,
         "image": spec.image,
@@ -164,13 +176,7 @@ pub fn spec_hash(spec: &InferencePoolSpec) -> String {
         "storage": spec.storage,
         "gpu": spec.gpu,
         "resources": spec.resources,
-        "limits": {
-            "maxLoras": spec.dynamic.max_loras,
-            "maxCpuLoras": spec.dynamic.max_cpu_loras,
-            "maxLoraRank": spec.dynamic.max_lora_rank,
-            "maxBatchSize": spec.dynamic.max_batch_size,
-            "maxSeqLen": spec.dynamic.max_seq_len,
-        },
+        "limits": limits,
         "auth": spec.auth,
     }))
 }
@@ -252,6 +258,7 @@ pub fn worker_config(
             max_loras: spec.dynamic.max_loras,
             max_cpu_loras: spec.dynamic.max_cpu_loras,
             max_lora_rank: spec.dynamic.max_lora_rank,
+            lora_dtype: spec.dynamic.lora_dtype,
             max_batch_size: spec.dynamic.max_batch_size,
             max_seq_len: spec.dynamic.max_seq_len,
             max_queue: spec.dynamic.max_queue,

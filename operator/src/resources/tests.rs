@@ -164,6 +164,7 @@ fn only_base_image_limits_and_resources_roll_the_pods() {
         |p| p.spec.base_model.path = "base/other".into(),
         |p| p.spec.dynamic.max_loras = 8,
         |p| p.spec.dynamic.max_seq_len = 8192,
+        |p| p.spec.dynamic.lora_dtype = Some(mole_crds::Dtype::Bf16),
         |p| p.spec.gpu.count = 2,
         |p| p.spec.resources = None,
     ];
@@ -201,6 +202,13 @@ fn worker_config_lists_adapters_sorted_with_ids_and_limits() {
     assert_eq!(wc.adapters[1].version, "v2");
     assert_eq!(wc.adapters[0].keywords, vec!["calendar"]);
     assert_eq!(wc.limits.max_loras, 4);
+    assert_eq!(wc.limits.lora_dtype, None);
+    let mut q = p.clone();
+    q.spec.dynamic.lora_dtype = Some(mole_crds::Dtype::Bf16);
+    assert_eq!(
+        worker_config("vl", &q.spec, &reg).limits.lora_dtype,
+        Some(mole_crds::Dtype::Bf16)
+    );
     // The JSON round-trips through the worker's type.
     let json = serde_json::to_string(&wc).unwrap();
     let back: WorkerConfig = serde_json::from_str(&json).unwrap();

@@ -264,25 +264,41 @@ fn bench_model(
             adapters.push(LoraAdapter::load(&dir, &cfg, model.dtype(), dev, &opts)?);
         }
     }
+    // With f32 weights (the CPU), the same adapters also held in bf16 (`loraDtype: bf16`):
+    // half the bytes each distinct adapter adds to a step.
+    let half: Vec<LoraAdapter> = if model.dtype() == DType::F32 {
+        (0..16)
+            .map(|k| {
+                let dir = tmp.path().join(format!("a{k}"));
+                LoraAdapter::load(&dir, &cfg, DType::BF16, dev, &opts)
+            })
+            .collect::<Result<_, _>>()?
+    } else {
+        Vec::new()
+    };
     let s = args.steps;
     let distinct: Vec<Option<&LoraAdapter>> = adapters.iter().map(Some).collect();
-    let configs: [Vec<Option<&LoraAdapter>>; 5] = [
+    let mut configs: Vec<Vec<Option<&LoraAdapter>>> = vec![
         vec![None],
         vec![Some(&adapters[0])],
         vec![None; 16],
         vec![Some(&adapters[0]); 16],
         distinct,
     ];
+    if let Some(first) = half.first() {
+        configs.push(vec![Some(first); 16]);
+        configs.push(half.iter().map(Some).collect());
+    }
     // Warm-up, then the contenders alternate over rounds and each keeps its best, so drift
     // of the machine affects all of them alike.
     tokens_per_s(model, &configs[0], 2)?;
-    let mut best = [0f64; 5];
+    let mut best = vec![0f64; configs.len()];
     for _ in 0..args.rounds {
         for (b, c) in best.iter_mut().zip(&configs) {
             *b = b.max(tokens_per_s(model, c, s)?);
         }
     }
-    let [base1, dyn1, base16, one16, mixed16] = best;
+    let (base1, dyn1, base16, one16, mixed16) = (best[0], best[1], best[2], best[3], best[4]);
     // The goals: a GPU must come closer to merged and further ahead of transformers.
     let (near, ahead16) = if dev.is_cuda() {
         ("≥ 0.95", "≥ 3.0")
@@ -312,6 +328,16 @@ fn bench_model(
         "| batch 16: 16 distinct adapters | {mixed16:.1} | {:.2} of one adapter | ≥ 0.90 |",
         mixed16 / one16
     );
+    if let [one_h, mixed_h] = best[5..] {
+        println!(
+            "| batch 16: one dynamic adapter, held in bf16 | {one_h:.1} | {:.2} of merged | {near} |",
+            one_h / base16
+        );
+        println!(
+            "| batch 16: 16 distinct adapters, held in bf16 | {mixed_h:.1} | {:.2} of one adapter in bf16 | ≥ 0.90 |",
+            mixed_h / one_h
+        );
+    }
     println!(
         "| batch 16 ÷ batch 1 (merged) | | {:.2}x | |",
         base16 / base1

@@ -41,6 +41,8 @@ pub struct EngineOptions {
     pub max_cpu_loras: usize,
     /// Highest LoRA rank accepted.
     pub max_lora_rank: usize,
+    /// The dtype adapters' weights are held in; None: the serving dtype.
+    pub lora_dtype: Option<DType>,
     /// Prompt tokens processed per step across new sequences (chunked prefill).
     pub prefill_chunk: usize,
     /// In a merged pod: the adapter baked into the weights and its version (requests naming
@@ -58,6 +60,7 @@ impl Default for EngineOptions {
             max_loras: 8,
             max_cpu_loras: 32,
             max_lora_rank: 64,
+            lora_dtype: None,
             prefill_chunk: 512,
             merged: None,
         }
@@ -156,7 +159,7 @@ impl Engine {
         let a = LoraAdapter::load(
             &spec.path,
             shared.model.config(),
-            shared.dtype,
+            shared.opts.lora_dtype.unwrap_or(shared.dtype),
             &shared.device,
             &opts,
         )

@@ -11,7 +11,7 @@ use candle_core::{DType, Device, Tensor};
 use crate::formats::{hf, peft::AdapterConfig};
 use crate::merge::tensors::{decode_slice, MappedAdapter};
 use crate::merge::MergeError;
-use crate::model::host::{self, HostF32};
+use crate::model::host::{self, Host, HostF32};
 use crate::model::ModelConfig;
 
 /// Why an adapter cannot be served. Stable names via [`LoraError::code`].
@@ -279,15 +279,28 @@ impl LoraAdapter {
         idx: &Tensor,
         out: &Tensor,
     ) -> candle_core::Result<Tensor> {
-        match self.modules.get(&(layer, proj)) {
-            None => Ok(out.clone()),
-            // Every row of the batch on this adapter: no gather/scatter copies.
-            Some((a, bt)) if idx.dim(0)? == x.dim(0)? => out + x.matmul(&a.t()?)?.matmul(bt)?,
-            Some((a, bt)) => {
-                let delta = x.index_select(idx, 0)?.matmul(&a.t()?)?.matmul(bt)?;
-                out.index_add(idx, &delta, 0)
-            }
+        let Some((a, bt)) = self.modules.get(&(layer, proj)) else {
+            return Ok(out.clone());
+        };
+        // Weights held in another dtype than the activations (`loraDtype`): the product runs
+        // in the wider of the two, so f32 activations are never rounded to bf16.
+        let wide = if a.dtype() == DType::F32 || x.dtype() == DType::F32 {
+            DType::F32
+        } else {
+            x.dtype()
+        };
+        let (a, bt) = (a.to_dtype(wide)?, bt.to_dtype(wide)?);
+        let update = |x: &Tensor| -> candle_core::Result<Tensor> {
+            x.to_dtype(wide)?
+                .matmul(&a.t()?)?
+                .matmul(&bt)?
+                .to_dtype(out.dtype())
+        };
+        // Every row of the batch on this adapter: no gather/scatter copies.
+        if idx.dim(0)? == x.dim(0)? {
+            return out + update(x)?;
         }
+        out.index_add(idx, &update(&x.index_select(idx, 0)?)?, 0)
     }
 }
 
@@ -334,10 +347,14 @@ pub fn delta_cpu(
     let mut d_out = 0;
     for (a, rows) in groups {
         if let Some((a, bt)) = a.modules.get(&(layer, proj)) {
-            match (HostF32::of(a), HostF32::of(bt)) {
-                (Some(ag), Some(bg)) => held.push((ag, bg, a.dim(0)?, *rows)),
-                _ => return Ok(Some(None)),
-            }
+            let w = match (HostF32::of(a), HostF32::of(bt)) {
+                (Some(ag), Some(bg)) => Held::F32(ag, bg),
+                _ => match (Host::of(a), Host::of(bt)) {
+                    (Some(ag), Some(bg)) => Held::Bf16(ag, bg),
+                    _ => return Ok(Some(None)),
+                },
+            };
+            held.push((w, a.dim(0)?, *rows));
             d_out = bt.dim(1)?;
         }
     }
@@ -351,8 +368,13 @@ pub fn delta_cpu(
     {
         let mut slots: Vec<Option<&mut [f32]>> = sum.chunks_mut(d_out).map(Some).collect();
         let mut tasks = Vec::new();
-        for (ag, bg, r, rows) in &held {
-            let (a, b) = (ag.slice(d_in * r), bg.slice(r * d_out));
+        for (w, r, rows) in &held {
+            let (a, b) = match w {
+                Held::F32(ag, bg) => (Slices::F32(ag.slice(d_in * r)), bg.slice(r * d_out).into()),
+                Held::Bf16(ag, bg) => {
+                    (Slices::Bf16(ag.slice(d_in * r)), bg.slice(r * d_out).into())
+                }
+            };
             for chunk in rows.chunks(LORA_TOKENS_PER_TASK) {
                 let outs: Vec<(usize, &mut [f32])> = chunk
                     .iter()
@@ -363,9 +385,40 @@ pub fn delta_cpu(
         }
         tasks
             .into_par_iter()
-            .for_each(|(a, b, r, mut outs)| host::lora_tokens(xs, a, b, r, &mut outs));
+            .for_each(|(a, b, r, mut outs)| match (a, b) {
+                (Slices::F32(a), Slices::F32(b)) => host::lora_tokens(xs, a, b, r, &mut outs),
+                (Slices::Bf16(a), Slices::Bf16(b)) => {
+                    host::lora_tokens_bf16(xs, a, b, r, &mut outs)
+                }
+                _ => unreachable!("A and B of a module share a dtype"),
+            });
     }
     Ok(Some(Some(sum)))
+}
+
+/// The storage guards of one module's A and B, in the dtype adapters are held in.
+enum Held<'t> {
+    F32(HostF32<'t>, HostF32<'t>),
+    Bf16(Host<'t, half::bf16>, Host<'t, half::bf16>),
+}
+
+/// A weight matrix read in place.
+#[derive(Clone, Copy)]
+enum Slices<'t> {
+    F32(&'t [f32]),
+    Bf16(&'t [half::bf16]),
+}
+
+impl<'t> From<&'t [f32]> for Slices<'t> {
+    fn from(v: &'t [f32]) -> Self {
+        Slices::F32(v)
+    }
+}
+
+impl<'t> From<&'t [half::bf16]> for Slices<'t> {
+    fn from(v: &'t [half::bf16]) -> Self {
+        Slices::Bf16(v)
+    }
 }
 
 /// Whether every value is finite, without short-circuit so the check vectorises.

@@ -661,6 +661,7 @@ pub fn build_engine(cfg: &WorkerConfig) -> anyhow::Result<Arc<dyn InferenceEngin
         max_loras: l.max_loras as usize,
         max_cpu_loras: l.max_cpu_loras as usize,
         max_lora_rank: l.max_lora_rank as usize,
+        lora_dtype: l.lora_dtype.map(crate::engine::candle_dtype),
         prefill_chunk: std::env::var("MOLE_PREFILL_CHUNK")
             .ok()
             .and_then(|v| v.parse().ok())
