@@ -266,7 +266,7 @@ fn bench_model(
     }
     // With f32 weights (the CPU), the same adapters also held in bf16 (`loraDtype: bf16`):
     // half the bytes each distinct adapter adds to a step.
-    let half: Vec<LoraAdapter> = if model.dtype() == DType::F32 {
+    let in_bf16: Vec<LoraAdapter> = if model.dtype() == DType::F32 {
         (0..16)
             .map(|k| {
                 let dir = tmp.path().join(format!("a{k}"));
@@ -285,9 +285,9 @@ fn bench_model(
         vec![Some(&adapters[0]); 16],
         distinct,
     ];
-    if let Some(first) = half.first() {
+    if let Some(first) = in_bf16.first() {
         configs.push(vec![Some(first); 16]);
-        configs.push(half.iter().map(Some).collect());
+        configs.push(in_bf16.iter().map(Some).collect());
     }
     // Warm-up, then the contenders alternate over rounds and each keeps its best, so drift
     // of the machine affects all of them alike.

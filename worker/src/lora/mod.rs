@@ -317,30 +317,35 @@ pub fn host_eligible(x: &Tensor) -> bool {
         && HostF32::of(x).is_some()
 }
 
-/// Every token's own adapter update of `(layer, proj)`, `[tokens, out]` row-major (zero for
-/// tokens without one), in one pass on the host, for CPU f32 batches of few tokens (decode
-/// steps, with one adapter or many): per token `(x·Aᵀ)·(s·B)ᵀ` with the weights read in place
-/// and tokens spread over threads. One allocation per projection however many adapters the
-/// batch holds, where the tensor path costs four ops (two matmuls, gather, scatter-add) per
-/// adapter — at decode batch sizes their fixed costs, not the arithmetic, are what a dynamic
-/// adapter would add to a step (the CPU counterpart of Punica's BGMV). It holds no tensor of
-/// the base projection, so it runs beside that matmul (see `model::proj`). `groups` pairs
-/// each adapter with its token positions. Returns Ok(None) when no adapter of the batch has
-/// this module, and None inside when the batch does not qualify (see [`host_eligible`]; the
-/// adapters' tensors not CPU f32).
+/// What [`delta_cpu`] made of a projection.
+pub enum HostDelta {
+    /// No adapter of the batch has this module: the base output stands.
+    None,
+    /// The batch does not qualify (see [`host_eligible`]; adapters' tensors neither CPU f32
+    /// nor CPU bf16): the tensor path applies the updates.
+    Ineligible,
+    /// Every token's update, `[tokens, out]` row-major (zero for tokens without one).
+    Sum(Vec<f32>),
+}
+
+/// Every token's own adapter update of `(layer, proj)` in one pass on the host, for CPU f32
+/// batches of few tokens (decode steps, with one adapter or many): per token `(x·Aᵀ)·(s·B)ᵀ`
+/// with the weights read in place and tokens spread over threads. One allocation per
+/// projection however many adapters the batch holds, where the tensor path costs four ops
+/// (two matmuls, gather, scatter-add) per adapter — at decode batch sizes their fixed costs,
+/// not the arithmetic, are what a dynamic adapter would add to a step (the CPU counterpart of
+/// Punica's BGMV). It holds no tensor of the base projection, so it runs beside that matmul
+/// (see `model::proj`). `groups` pairs each adapter with its token positions.
 pub fn delta_cpu(
     layer: usize,
     proj: Proj,
     x: &Tensor,
     groups: &[(&LoraAdapter, &[u32])],
-) -> candle_core::Result<Option<Option<Vec<f32>>>> {
+) -> candle_core::Result<HostDelta> {
     use rayon::prelude::*;
     let (t, d_in) = x.dims2()?;
-    if !host_eligible(x) {
-        return Ok(Some(None));
-    }
-    let Some(xg) = HostF32::of(x) else {
-        return Ok(Some(None));
+    let Some(xg) = HostF32::of(x).filter(|_| t <= HOST_LORA_MAX_TOKENS) else {
+        return Ok(HostDelta::Ineligible);
     };
     // Per group: the guards of A and B (kept alive while their slices are read).
     let mut held = Vec::with_capacity(groups.len());
@@ -351,7 +356,7 @@ pub fn delta_cpu(
                 (Some(ag), Some(bg)) => Held::F32(ag, bg),
                 _ => match (Host::of(a), Host::of(bt)) {
                     (Some(ag), Some(bg)) => Held::Bf16(ag, bg),
-                    _ => return Ok(Some(None)),
+                    _ => return Ok(HostDelta::Ineligible),
                 },
             };
             held.push((w, a.dim(0)?, *rows));
@@ -359,7 +364,7 @@ pub fn delta_cpu(
         }
     }
     if held.is_empty() {
-        return Ok(None);
+        return Ok(HostDelta::None);
     }
     let xs = xg.slice(t * d_in);
     let mut sum = vec![0f32; t * d_out];
@@ -369,31 +374,23 @@ pub fn delta_cpu(
         let mut slots: Vec<Option<&mut [f32]>> = sum.chunks_mut(d_out).map(Some).collect();
         let mut tasks = Vec::new();
         for (w, r, rows) in &held {
-            let (a, b) = match w {
-                Held::F32(ag, bg) => (Slices::F32(ag.slice(d_in * r)), bg.slice(r * d_out).into()),
-                Held::Bf16(ag, bg) => {
-                    (Slices::Bf16(ag.slice(d_in * r)), bg.slice(r * d_out).into())
-                }
-            };
+            let ab = w.slices(d_in * r, r * d_out);
             for chunk in rows.chunks(LORA_TOKENS_PER_TASK) {
                 let outs: Vec<(usize, &mut [f32])> = chunk
                     .iter()
                     .filter_map(|&i| Some((i as usize, slots.get_mut(i as usize)?.take()?)))
                     .collect();
-                tasks.push((a, b, *r, outs));
+                tasks.push((ab, *r, outs));
             }
         }
         tasks
             .into_par_iter()
-            .for_each(|(a, b, r, mut outs)| match (a, b) {
-                (Slices::F32(a), Slices::F32(b)) => host::lora_tokens(xs, a, b, r, &mut outs),
-                (Slices::Bf16(a), Slices::Bf16(b)) => {
-                    host::lora_tokens_bf16(xs, a, b, r, &mut outs)
-                }
-                _ => unreachable!("A and B of a module share a dtype"),
+            .for_each(|(ab, r, mut outs)| match ab {
+                Weights::F32(a, b) => host::lora_tokens(xs, a, b, r, &mut outs),
+                Weights::Bf16(a, b) => host::lora_tokens_bf16(xs, a, b, r, &mut outs),
             });
     }
-    Ok(Some(Some(sum)))
+    Ok(HostDelta::Sum(sum))
 }
 
 /// The storage guards of one module's A and B, in the dtype adapters are held in.
@@ -402,23 +399,21 @@ enum Held<'t> {
     Bf16(Host<'t, half::bf16>, Host<'t, half::bf16>),
 }
 
-/// A weight matrix read in place.
+impl Held<'_> {
+    /// The first `a` values of A and `b` of B.
+    fn slices(&self, a: usize, b: usize) -> Weights<'_> {
+        match self {
+            Held::F32(ag, bg) => Weights::F32(ag.slice(a), bg.slice(b)),
+            Held::Bf16(ag, bg) => Weights::Bf16(ag.slice(a), bg.slice(b)),
+        }
+    }
+}
+
+/// One module's A and B, read in place.
 #[derive(Clone, Copy)]
-enum Slices<'t> {
-    F32(&'t [f32]),
-    Bf16(&'t [half::bf16]),
-}
-
-impl<'t> From<&'t [f32]> for Slices<'t> {
-    fn from(v: &'t [f32]) -> Self {
-        Slices::F32(v)
-    }
-}
-
-impl<'t> From<&'t [half::bf16]> for Slices<'t> {
-    fn from(v: &'t [half::bf16]) -> Self {
-        Slices::Bf16(v)
-    }
+enum Weights<'t> {
+    F32(&'t [f32], &'t [f32]),
+    Bf16(&'t [half::bf16], &'t [half::bf16]),
 }
 
 /// Whether every value is finite, without short-circuit so the check vectorises.

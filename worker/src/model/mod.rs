@@ -20,7 +20,7 @@ use candle_nn::{linear_b, rms_norm, Embedding, Linear, RmsNorm, VarBuilder};
 use serde::Deserialize;
 
 use crate::formats::hf;
-use crate::lora::{LoraAdapter, Proj};
+use crate::lora::{HostDelta, LoraAdapter, Proj};
 
 pub use self::rope::{Rope, RopeScaling};
 
@@ -777,9 +777,9 @@ fn proj(
             || crate::lora::delta_cpu(layer, which, x, &pairs),
         );
         let out = out?;
-        match delta? {
-            None => return Ok(out),
-            Some(Some(mut delta)) => {
+        return match delta? {
+            HostDelta::None => Ok(out),
+            HostDelta::Sum(mut delta) => {
                 let base = host::HostF32::of(&out).ok_or_else(|| {
                     candle_core::Error::Msg("host adapter update: base output not CPU f32".into())
                 })?;
@@ -787,10 +787,10 @@ fn proj(
                 for (d, o) in delta.iter_mut().zip(base.slice(n)) {
                     *d += o;
                 }
-                return Ok(Tensor::from_vec(delta, out.shape(), out.device())?);
+                Ok(Tensor::from_vec(delta, out.shape(), out.device())?)
             }
-            Some(None) => return tensor_updates(out, layer, which, x, groups),
-        }
+            HostDelta::Ineligible => tensor_updates(out, layer, which, x, groups),
+        };
     }
     tensor_updates(lin.forward(x)?, layer, which, x, groups)
 }
