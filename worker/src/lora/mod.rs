@@ -126,8 +126,10 @@ pub struct LoadOptions {
     pub expect_base: Option<String>,
 }
 
-/// One loaded adapter version: per (layer, projection), `A` `[r, in]` as stored and `(s·B)ᵀ`
-/// `[r, out]` (scale folded in, transposed so a token's update is r row-axpys).
+/// One loaded adapter version: per (layer, projection), `Aᵀ` `[in, r]` and `s·B` `[out, r]`
+/// (scale folded in), row-major so that a token's update reads each matrix front to back
+/// (see `model::host::lora_tokens`), with the rank padded with zeros to a multiple of
+/// [`host::RANK_ALIGN`] (a no-op for the usual ranks 8, 16, 32, 64).
 #[derive(Debug)]
 pub struct LoraAdapter {
     modules: HashMap<(usize, Proj), (Tensor, Tensor)>,
@@ -184,7 +186,7 @@ impl LoraAdapter {
         // Modules are independent: check and lay them out in parallel, one pass over each
         // matrix from the mapped file (decode, transpose, scale and finiteness check fused).
         use rayon::prelude::*;
-        // Per module: its key, (Aᵀ, (s·B)ᵀ) and its rank.
+        // Per module: its key, (Aᵀ, s·B) and its rank.
         type Loaded = ((usize, Proj), (Tensor, Tensor), usize);
         let loaded: Vec<Loaded> = weights
             .loras
@@ -232,21 +234,28 @@ impl LoraAdapter {
                     }
                     .into()
                 };
-                let a = decoded(a.dtype, weights.raw_bytes(a), r * fin).ok_or_else(non_finite)?;
-                let bt = transposed(b.dtype, weights.raw_bytes(b), fout, r, lora.scale as f32)
+                let rp = r.div_ceil(host::RANK_ALIGN) * host::RANK_ALIGN;
+                let at = laid_out(a.dtype, weights.raw_bytes(a), (r, fin), 1.0, true)
                     .ok_or_else(non_finite)?;
-                let a = Tensor::from_vec(a, (r, fin), device)?.to_dtype(dtype)?;
-                let bt = Tensor::from_vec(bt, (r, fout), device)?.to_dtype(dtype)?;
-                Ok(((layer, proj), (a, bt), r))
+                let b = laid_out(
+                    b.dtype,
+                    weights.raw_bytes(b),
+                    (fout, r),
+                    lora.scale as f32,
+                    false,
+                )
+                .ok_or_else(non_finite)?;
+                let at = Tensor::from_vec(at, (fin, rp), device)?.to_dtype(dtype)?;
+                let b = Tensor::from_vec(b, (fout, rp), device)?.to_dtype(dtype)?;
+                Ok(((layer, proj), (at, b), r))
             })
             .collect::<Result<_, _>>()?;
         let mut modules = HashMap::new();
         let (mut rank, mut bytes) = (0usize, 0u64);
-        for (key, (a, bt), r) in loaded {
-            let (fin, fout) = key.1.dims(model);
-            bytes += ((fin + fout) * r * dtype.size_in_bytes()) as u64;
+        for (key, (at, b), r) in loaded {
+            bytes += ((at.elem_count() + b.elem_count()) * dtype.size_in_bytes()) as u64;
             rank = rank.max(r);
-            modules.insert(key, (a, bt));
+            modules.insert(key, (at, b));
         }
         Ok(Self {
             modules,
@@ -279,21 +288,21 @@ impl LoraAdapter {
         idx: &Tensor,
         out: &Tensor,
     ) -> candle_core::Result<Tensor> {
-        let Some((a, bt)) = self.modules.get(&(layer, proj)) else {
+        let Some((at, b)) = self.modules.get(&(layer, proj)) else {
             return Ok(out.clone());
         };
         // Weights held in another dtype than the activations (`loraDtype`): the product runs
         // in the wider of the two, so f32 activations are never rounded to bf16.
-        let wide = if a.dtype() == DType::F32 || x.dtype() == DType::F32 {
+        let wide = if at.dtype() == DType::F32 || x.dtype() == DType::F32 {
             DType::F32
         } else {
             x.dtype()
         };
-        let (a, bt) = (a.to_dtype(wide)?, bt.to_dtype(wide)?);
+        let (at, b) = (at.to_dtype(wide)?, b.to_dtype(wide)?);
         let update = |x: &Tensor| -> candle_core::Result<Tensor> {
             x.to_dtype(wide)?
-                .matmul(&a.t()?)?
-                .matmul(&bt)?
+                .matmul(&at)?
+                .matmul(&b.t()?)?
                 .to_dtype(out.dtype())
         };
         // Every row of the batch on this adapter: no gather/scatter copies.
@@ -351,16 +360,17 @@ pub fn delta_cpu(
     let mut held = Vec::with_capacity(groups.len());
     let mut d_out = 0;
     for (a, rows) in groups {
-        if let Some((a, bt)) = a.modules.get(&(layer, proj)) {
-            let w = match (HostF32::of(a), HostF32::of(bt)) {
+        if let Some((at, b)) = a.modules.get(&(layer, proj)) {
+            let w = match (HostF32::of(at), HostF32::of(b)) {
                 (Some(ag), Some(bg)) => Held::F32(ag, bg),
-                _ => match (Host::of(a), Host::of(bt)) {
+                _ => match (Host::of(at), Host::of(b)) {
                     (Some(ag), Some(bg)) => Held::Bf16(ag, bg),
                     _ => return Ok(HostDelta::Ineligible),
                 },
             };
-            held.push((w, a.dim(0)?, *rows));
-            d_out = bt.dim(1)?;
+            // The padded rank: the kernels read whole rows.
+            held.push((w, at.dim(1)?, *rows));
+            d_out = b.dim(0)?;
         }
     }
     if held.is_empty() {
@@ -421,28 +431,42 @@ fn all_finite(v: &[f32]) -> bool {
     v.iter().fold(true, |ok, x| ok & x.is_finite())
 }
 
-/// The `n` values of a tensor stored as `dtype` little-endian bytes, or None when one is not
-/// finite.
-fn decoded(dtype: safetensors::Dtype, src: &[u8], n: usize) -> Option<Vec<f32>> {
-    let mut out = vec![0f32; n];
-    decode_slice(dtype, src, &mut out);
-    all_finite(&out).then_some(out)
-}
-
-/// `scale · srcᵀ` of a row-major `[rows, cols]` matrix stored as `dtype` little-endian
-/// bytes, or None when a value is not finite. `cols` is the rank (small): each output row
-/// is one strided sweep of the decoded matrix, which stays in cache.
-fn transposed(
+/// `scale ·` a `[rows, cols]` matrix stored as `dtype` little-endian bytes, laid out for the
+/// kernels: row-major `[rows, p]`, or transposed `[cols, p]`, where `p` is the row length
+/// (`cols`, or `rows` when transposed) padded with zeros to a multiple of
+/// [`host::RANK_ALIGN`]. None when a value is not finite.
+fn laid_out(
     dtype: safetensors::Dtype,
     src: &[u8],
-    rows: usize,
-    cols: usize,
+    (rows, cols): (usize, usize),
     scale: f32,
+    transpose: bool,
 ) -> Option<Vec<f32>> {
-    let plain = decoded(dtype, src, rows * cols)?;
-    let mut out = Vec::with_capacity(rows * cols);
-    for j in 0..cols {
-        out.extend(plain.chunks_exact(cols).map(|row| row[j] * scale));
+    let mut plain = vec![0f32; rows * cols];
+    decode_slice(dtype, src, &mut plain);
+    if !all_finite(&plain) {
+        return None;
     }
-    Some(out)
+    let pad = |n: usize| n.div_ceil(host::RANK_ALIGN) * host::RANK_ALIGN;
+    if transpose {
+        // `rows` is the rank (small): each output row gathers one column, a strided sweep of
+        // the decoded matrix, which stays in cache.
+        let p = pad(rows);
+        let mut out = vec![0f32; cols * p];
+        for (j, row) in out.chunks_exact_mut(p).enumerate() {
+            for (o, i) in row.iter_mut().zip(0..rows) {
+                *o = plain[i * cols + j] * scale;
+            }
+        }
+        Some(out)
+    } else {
+        let p = pad(cols);
+        let mut out = vec![0f32; rows * p];
+        for (o, row) in out.chunks_exact_mut(p).zip(plain.chunks_exact(cols)) {
+            for (o, x) in o.iter_mut().zip(row) {
+                *o = x * scale;
+            }
+        }
+        Some(out)
+    }
 }

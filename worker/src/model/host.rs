@@ -243,32 +243,6 @@ unsafe fn dots_fma<W: Weight, const R: usize, const T: usize>(
     out
 }
 
-/// `h[t·r + k] = vecs[t] · a[k]` for the `T` vectors and the `r` rows of `a` `[r, n]`, `R` rows
-/// at a time.
-#[inline(always)]
-fn shrink<const FMA: bool, W: Weight, const R: usize, const T: usize>(
-    a: &[W],
-    r: usize,
-    vecs: [&[f32]; T],
-    h: &mut [f32],
-) {
-    let n = vecs[0].len();
-    let row = |k: usize| &a[k * n..(k + 1) * n];
-    let mut k = 0;
-    while k + R <= r {
-        let s = dots::<FMA, W, R, T>(std::array::from_fn(|i| row(k + i)), vecs);
-        for (t, st) in s.iter().enumerate() {
-            h[t * r + k..][..R].copy_from_slice(st);
-        }
-        k += R;
-    }
-    for k in k..r {
-        for (t, st) in dots::<FMA, W, 1, T>([row(k)], vecs).iter().enumerate() {
-            h[t * r + k] = st[0];
-        }
-    }
-}
-
 /// Where one head's keys and values lie in a token-major cache `[len, kv_heads, dim]`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct KvHead {
@@ -340,113 +314,246 @@ kernel! {
     )
 }
 
+/// Ranks are held padded with zeros to a multiple of this, so every row of `Aᵀ` and `B`
+/// is whole AVX registers (see `lora::LoraAdapter`).
+pub(crate) const RANK_ALIGN: usize = 8;
+
+/// Ranks per pass of the first product: two registers per token.
+const RANK_BLOCK: usize = 16;
+
+/// The update of a task's tokens, `out += (x·Aᵀ)·Bᵀ` with `Aᵀ` `[in, r]` and `B` `[out, r]`
+/// (scale folded in), both row-major as PEFT lays out `(lora_A)ᵀ` and `lora_B`.
+///
+/// Why this layout: with many adapters in a batch each task's weights come cold from
+/// memory, and a core streams them fastest as one long run in the order they are used. Both
+/// products here walk their matrix front to back — `h += x[i]·Aᵀ[i]` and `y[o] = B[o]·h` —
+/// where `A` `[r, in]` and `Bᵀ` `[r, out]` made r short runs each (a single core on this
+/// VM: 24 → 35 GB/s f32 and 14 → 22 GB/s bf16 cold, measured on SmolLM2's MLP shapes).
 #[inline(always)]
 fn lora_impl<const FMA: bool, W: Weight>(
     xs: &[f32],
-    a: &[W],
+    at: &[W],
     b: &[W],
     r: usize,
     outs: &mut [(usize, &mut [f32])],
 ) {
-    let d_in = a.len() / r;
-    // B is read below in column blocks, r strided streams at once, which the hardware
-    // prefetchers follow poorly when B comes from memory (a batch of many adapters: each
-    // task's weights are cold). Asking for it up front, while A's products run, keeps the
-    // memory busy instead: +9% decode tokens/s with 16 distinct adapters on SmolLM2.
-    prefetch(b);
+    assert!(r > 0 && r.is_multiple_of(RANK_ALIGN), "rank {r} is not padded");
+    let (d_in, d_out) = (at.len() / r, b.len() / r);
     let mut h = vec![0f32; outs.len() * r];
-    // Eight sums in flight whatever the task's token count (see `dots`).
     let x = |i: usize| &xs[outs[i].0 * d_in..][..d_in];
     for (c, hc) in h.chunks_mut(4 * r).enumerate() {
         let x = |i: usize| x(4 * c + i);
+        // Eight independent sums in flight whatever the token count: `U` rows at once.
         match hc.len() / r {
-            1 => shrink::<FMA, W, 8, 1>(a, r, [x(0)], hc),
-            2 => shrink::<FMA, W, 4, 2>(a, r, [x(0), x(1)], hc),
-            3 => shrink::<FMA, W, 2, 3>(a, r, [x(0), x(1), x(2)], hc),
-            _ => shrink::<FMA, W, 2, 4>(a, r, [x(0), x(1), x(2), x(3)], hc),
+            1 => shrink::<FMA, W, 1, 4>(at, r, [x(0)], hc),
+            2 => shrink::<FMA, W, 2, 2>(at, r, [x(0), x(1)], hc),
+            3 => shrink::<FMA, W, 3, 2>(at, r, [x(0), x(1), x(2)], hc),
+            _ => shrink::<FMA, W, 4, 1>(at, r, [x(0), x(1), x(2), x(3)], hc),
         }
     }
-    // Column blocks of the output: a token's block of sums stays in registers over the r
-    // rows of B (loaded and stored once, not once per rank), and the block's slice of B stays
-    // in L1 for the next token.
-    let d_out = b.len() / r;
-    let full = d_out / COLS * COLS;
-    for c in (0..full).step_by(COLS) {
-        for ((_, out), ht) in outs.iter_mut().zip(h.chunks_exact(r)) {
-            let o: &mut [f32; COLS] = (&mut out[c..c + COLS]).try_into().expect("COLS values");
-            let mut acc = *o;
-            for (k, hk) in ht.iter().enumerate() {
-                let bk: &[W; COLS] = b[k * d_out + c..][..COLS].try_into().expect("COLS values");
-                for (x, y) in acc.iter_mut().zip(bk) {
-                    *x = madd::<FMA>(*hk, y.f32(), *x);
+    expand::<FMA, W>(b, r, d_out, &h, outs);
+}
+
+/// `h[t·r + k] = vecs[t] · Aᵀ[·, k]`: the rows of `Aᵀ` `[n, r]` in order, `U` at a time, each
+/// row's ranks loaded once for the `T` tokens.
+#[inline(always)]
+fn shrink<const FMA: bool, W: Weight, const T: usize, const U: usize>(
+    at: &[W],
+    r: usize,
+    vecs: [&[f32]; T],
+    h: &mut [f32],
+) {
+    let n = vecs[0].len();
+    assert!(at.len() == n * r && vecs.iter().all(|v| v.len() == n) && h.len() == T * r);
+    #[cfg(target_arch = "x86_64")]
+    if FMA {
+        for k in (0..r).step_by(RANK_BLOCK) {
+            // SAFETY: FMA is set only behind the run-time AVX2 + FMA check; the lengths are
+            // asserted above and `k + 8·V ≤ r` (r is a multiple of 8).
+            let sums: [[f32; RANK_BLOCK]; T] = unsafe {
+                if r - k >= RANK_BLOCK {
+                    shrink_fma::<W, T, U, 2>(at, r, k, vecs)
+                } else {
+                    shrink_fma::<W, T, U, 1>(at, r, k, vecs)
+                }
+            };
+            let width = (r - k).min(RANK_BLOCK);
+            for (t, s) in sums.iter().enumerate() {
+                h[t * r + k..][..width].copy_from_slice(&s[..width]);
+            }
+        }
+        return;
+    }
+    h.fill(0.0);
+    for i in 0..n {
+        let row = &at[i * r..(i + 1) * r];
+        for (t, v) in vecs.iter().enumerate() {
+            for (hk, w) in h[t * r..(t + 1) * r].iter_mut().zip(row) {
+                *hk = madd::<FMA>(v[i], w.f32(), *hk);
+            }
+        }
+    }
+}
+
+/// Ranks `k..k + 8·V` of [`shrink`] in AVX registers: `U × T × V` accumulators, rows `i..i + U`
+/// interleaved so each sum waits on its own adds only once per `U` rows.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA, `at` is `[n, r]` with `n` the length of every vector, and
+/// `k + 8·V ≤ r`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn shrink_fma<W: Weight, const T: usize, const U: usize, const V: usize>(
+    at: &[W],
+    r: usize,
+    k: usize,
+    vecs: [&[f32]; T],
+) -> [[f32; RANK_BLOCK]; T] {
+    use std::arch::x86_64::*;
+    let n = vecs[0].len();
+    let base = at.as_ptr().add(k);
+    let mut acc = [[[_mm256_setzero_ps(); V]; T]; U];
+    let step = |acc: &mut [[__m256; V]; T], i: usize| {
+        let row = base.add(i * r);
+        let w: [__m256; V] = std::array::from_fn(|v| W::load8(row.add(8 * v)));
+        for t in 0..T {
+            let x = _mm256_set1_ps(*vecs[t].get_unchecked(i));
+            for v in 0..V {
+                acc[t][v] = _mm256_fmadd_ps(x, w[v], acc[t][v]);
+            }
+        }
+    };
+    let mut i = 0;
+    while i + U <= n {
+        for (u, a) in acc.iter_mut().enumerate() {
+            step(a, i + u);
+        }
+        i += U;
+    }
+    for i in i..n {
+        step(&mut acc[0], i);
+    }
+    let mut out = [[0f32; RANK_BLOCK]; T];
+    for t in 0..T {
+        for v in 0..V {
+            let mut s = acc[0][t][v];
+            for a in &acc[1..] {
+                s = _mm256_add_ps(s, a[t][v]);
+            }
+            _mm256_storeu_ps(out[t].as_mut_ptr().add(8 * v), s);
+        }
+    }
+    out
+}
+
+/// `out_t[o] += B[o] · h_t` for each task token `t`: the rows of `B` `[d_out, r]` in order,
+/// eight at a time, each block reused from L1 for the task's other tokens.
+#[inline(always)]
+fn expand<const FMA: bool, W: Weight>(
+    b: &[W],
+    r: usize,
+    d_out: usize,
+    h: &[f32],
+    outs: &mut [(usize, &mut [f32])],
+) {
+    assert!(b.len() == d_out * r && h.len() == outs.len() * r);
+    assert!(outs.iter().all(|(_, o)| o.len() == d_out));
+    let mut done = 0;
+    #[cfg(target_arch = "x86_64")]
+    if FMA {
+        done = d_out / 8 * 8;
+        // SAFETY: FMA is set only behind the run-time AVX2 + FMA check; the lengths are
+        // asserted above, r is a multiple of 8 and `done ≤ d_out`.
+        unsafe { expand_fma(b, r, done, h, outs) };
+    }
+    for (ht, (_, out)) in h.chunks_exact(r).zip(outs.iter_mut()) {
+        for (o, row) in out.iter_mut().zip(b.chunks_exact(r)).skip(done) {
+            *o = row
+                .iter()
+                .zip(ht)
+                .fold(*o, |s, (w, x)| madd::<FMA>(*x, w.f32(), s));
+        }
+    }
+}
+
+/// The first `rows` (a multiple of 8) outputs of [`expand`]: eight dot products in eight
+/// registers, folded into one register of eight sums.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA, `b` holds `rows × r` values, r is a multiple of 8, each `h`
+/// chunk holds r values and each output at least `rows`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn expand_fma<W: Weight>(
+    b: &[W],
+    r: usize,
+    rows: usize,
+    h: &[f32],
+    outs: &mut [(usize, &mut [f32])],
+) {
+    use std::arch::x86_64::*;
+    for c in (0..rows).step_by(8) {
+        let block = b.as_ptr().add(c * r);
+        for (ht, (_, out)) in h.chunks_exact(r).zip(outs.iter_mut()) {
+            let mut y = [_mm256_setzero_ps(); 8];
+            for v in (0..r).step_by(8) {
+                let hv = _mm256_loadu_ps(ht.as_ptr().add(v));
+                for (u, yu) in y.iter_mut().enumerate() {
+                    *yu = _mm256_fmadd_ps(hv, W::load8(block.add(u * r + v)), *yu);
                 }
             }
-            *o = acc;
-        }
-    }
-    for ((_, out), ht) in outs.iter_mut().zip(h.chunks_exact(r)) {
-        for (k, hk) in ht.iter().enumerate() {
-            for (o, y) in out[full..]
-                .iter_mut()
-                .zip(&b[k * d_out + full..(k + 1) * d_out])
-            {
-                *o = madd::<FMA>(*hk, y.f32(), *o);
-            }
+            let o = out.as_mut_ptr().add(c);
+            _mm256_storeu_ps(o, _mm256_add_ps(_mm256_loadu_ps(o), sums8(y)));
         }
     }
 }
 
-/// Bytes of a matrix at most that [`prefetch`] asks for: well inside a core's L2 (≥ 512 KiB
-/// on current server cores), so the prefetched lines are still there when read.
-const PREFETCH_MAX_BYTES: usize = 256 << 10;
-
-/// Asks for the cache lines of (the start of) `v` to be brought into L2.
-#[inline(always)]
-fn prefetch<W>(v: &[W]) {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T1};
-        let p = v.as_ptr() as *const i8;
-        for off in (0..std::mem::size_of_val(v).min(PREFETCH_MAX_BYTES)).step_by(64) {
-            // SAFETY: a prefetch is a hint that never faults, and `off` stays inside `v`.
-            unsafe { _mm_prefetch::<_MM_HINT_T1>(p.add(off)) };
-        }
-    }
+/// The lane sums of eight registers, as the eight lanes of one.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn sums8(v: [std::arch::x86_64::__m256; 8]) -> std::arch::x86_64::__m256 {
+    use std::arch::x86_64::*;
+    // Pairwise adds leave, per 128-bit half, [s0 s1 s2 s3] of the low and of the high lanes.
+    let ab = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    let cd = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
+    _mm256_add_ps(
+        _mm256_permute2f128_ps::<0x20>(ab, cd),
+        _mm256_permute2f128_ps::<0x31>(ab, cd),
+    )
 }
-
-/// Output columns per register block of [`lora_tokens`] (8 AVX2 registers).
-const COLS: usize = 64;
 
 #[inline(always)]
 fn lora_f32<const FMA: bool>(
     xs: &[f32],
-    a: &[f32],
+    at: &[f32],
     b: &[f32],
     r: usize,
     outs: &mut [(usize, &mut [f32])],
 ) {
-    lora_impl::<FMA, f32>(xs, a, b, r, outs)
+    lora_impl::<FMA, f32>(xs, at, b, r, outs)
 }
 
 #[inline(always)]
 fn lora_bf16<const FMA: bool>(
     xs: &[f32],
-    a: &[half::bf16],
+    at: &[half::bf16],
     b: &[half::bf16],
     r: usize,
     outs: &mut [(usize, &mut [f32])],
 ) {
-    lora_impl::<FMA, half::bf16>(xs, a, b, r, outs)
+    lora_impl::<FMA, half::bf16>(xs, at, b, r, outs)
 }
 
 kernel! {
     /// Adds one adapter's low-rank update to some tokens' output rows: `out += (x·Aᵀ)·(s·B)ᵀ`
-    /// with `A` `[r, in]` and `(s·B)ᵀ` `[r, out]` row-major, `xs` the batch's inputs
-    /// `[tokens, in]` and `outs` (token, its output row). The tokens share each weight row
-    /// while it is in cache, so a few tokens per call cost little more than one.
+    /// with `Aᵀ` `[in, r]` and `s·B` `[out, r]` row-major (r a multiple of [`RANK_ALIGN`]),
+    /// `xs` the batch's inputs `[tokens, in]` and `outs` (token, its output row). The tokens
+    /// share each weight row while it is in cache, so a few tokens per call cost little more
+    /// than one.
     lora_tokens = lora_f32(
         xs: &[f32],
-        a: &[f32],
+        at: &[f32],
         b: &[f32],
         r: usize,
         outs: &mut [(usize, &mut [f32])],
@@ -458,7 +565,7 @@ kernel! {
     /// summed in f32.
     lora_tokens_bf16 = lora_bf16(
         xs: &[f32],
-        a: &[half::bf16],
+        at: &[half::bf16],
         b: &[half::bf16],
         r: usize,
         outs: &mut [(usize, &mut [f32])],
@@ -530,10 +637,11 @@ mod tests {
     }
 
     /// The adapter update equals the plain formula for every token count a task holds (each
-    /// with its own blocking of `A`'s rows), ranks that fill those blocks or leave remainders,
-    /// input widths with and without a partial 8-lane chunk, and an output width with a
-    /// partial column block; the tokens are rows scattered in a larger batch. Weights in f32
-    /// and in bf16 (the formula then takes the bf16 values, which the kernel reads exactly).
+    /// with its own interleaving of rows), ranks that fill the rank blocks or leave a half
+    /// block, padded ranks, input widths with a partial row group, and an output width with a
+    /// partial block of eight; the tokens are rows scattered in a larger batch. Weights in
+    /// f32 and in bf16 (the formula then takes the bf16 values, which the kernel reads
+    /// exactly).
     #[test]
     fn adapter_update_matches_the_formula() {
         use half::bf16;
@@ -541,31 +649,52 @@ mod tests {
         // (dtype, A and B as the formula reads them, the kernels that hold them).
         type Case<'a> = (&'a str, Vec<f32>, Vec<f32>, Vec<Run<'a>>);
         let dout = 70;
-        for (din, r) in [(10, 3), (37, 8), (16, 17)] {
+        for (din, r) in [(10, 3), (37, 8), (16, 17), (9, 40)] {
+            // The formula's A `[r, in]` and Bᵀ `[r, out]`, and the kernel's padded Aᵀ and B.
             let a: Vec<f32> = (0..din * r).map(|i| val(i + 5)).collect();
             let b: Vec<f32> = (0..r * dout).map(|i| val(i + 13)).collect();
-            let (a16, b16): (Vec<bf16>, Vec<bf16>) = (
-                a.iter().map(|x| bf16::from_f32(*x)).collect(),
-                b.iter().map(|x| bf16::from_f32(*x)).collect(),
+            let rp = r.div_ceil(RANK_ALIGN) * RANK_ALIGN;
+            let at: Vec<f32> = (0..din * rp)
+                .map(|i| {
+                    if i % rp < r {
+                        a[(i % rp) * din + i / rp]
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let bn: Vec<f32> = (0..dout * rp)
+                .map(|i| {
+                    if i % rp < r {
+                        b[(i % rp) * dout + i / rp]
+                    } else {
+                        0.0
+                    }
+                })
+                .collect();
+            let (at16, bn16): (Vec<bf16>, Vec<bf16>) = (
+                at.iter().map(|x| bf16::from_f32(*x)).collect(),
+                bn.iter().map(|x| bf16::from_f32(*x)).collect(),
             );
-            let round = |v: &[bf16]| -> Vec<f32> { v.iter().map(|x| x.to_f32()).collect() };
+            let round =
+                |v: &[f32]| -> Vec<f32> { v.iter().map(|x| bf16::from_f32(*x).to_f32()).collect() };
             let cases: Vec<Case> = vec![
                 (
                     "f32",
                     a.clone(),
                     b.clone(),
                     vec![
-                        Box::new(|xs, o| lora_tokens(xs, &a, &b, r, o)),
-                        Box::new(|xs, o| lora_f32::<false>(xs, &a, &b, r, o)),
+                        Box::new(|xs, o| lora_tokens(xs, &at, &bn, rp, o)),
+                        Box::new(|xs, o| lora_f32::<false>(xs, &at, &bn, rp, o)),
                     ],
                 ),
                 (
                     "bf16",
-                    round(&a16),
-                    round(&b16),
+                    round(&a),
+                    round(&b),
                     vec![
-                        Box::new(|xs, o| lora_tokens_bf16(xs, &a16, &b16, r, o)),
-                        Box::new(|xs, o| lora_bf16::<false>(xs, &a16, &b16, r, o)),
+                        Box::new(|xs, o| lora_tokens_bf16(xs, &at16, &bn16, rp, o)),
+                        Box::new(|xs, o| lora_bf16::<false>(xs, &at16, &bn16, rp, o)),
                     ],
                 ),
             ];
