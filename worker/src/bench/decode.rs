@@ -22,8 +22,9 @@ use crate::model::{argmax, Decoder, ModelConfig, Row, SeqCache};
 /// Arguments of `bench decode`.
 #[derive(clap::Args, Debug)]
 pub struct DecodeBenchArgs {
-    /// Hidden size of the synthetic model.
-    #[arg(long, env = "MOLE_BENCH_HIDDEN", default_value_t = 1024)]
+    /// Hidden size of the synthetic model: a multiple of 256 (heads of 64, four query heads
+    /// per key/value head).
+    #[arg(long, env = "MOLE_BENCH_HIDDEN", default_value_t = 1024, value_parser = synthetic_hidden)]
     pub hidden: usize,
     /// Layers of the synthetic model.
     #[arg(long, env = "MOLE_BENCH_LAYERS", default_value_t = 42)]
@@ -49,6 +50,16 @@ pub struct DecodeBenchArgs {
     /// `f32`, `bf16` or `f16`.
     #[arg(long, env = "MOLE_BENCH_DTYPE", default_value = "auto")]
     pub dtype: String,
+}
+
+/// `--hidden`: the synthetic model needs whole key/value heads.
+fn synthetic_hidden(v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(h) if h > 0 && h.is_multiple_of(256) => Ok(h),
+        _ => Err(format!(
+            "{v}: the synthetic model's hidden size must be a positive multiple of 256"
+        )),
+    }
 }
 
 /// The device and dtype of a run: the worker's own choice, or `--dtype` as given.

@@ -343,8 +343,7 @@ pub enum HostDelta {
 /// projection however many adapters the batch holds, where the tensor path costs four ops
 /// (two matmuls, gather, scatter-add) per adapter — at decode batch sizes their fixed costs,
 /// not the arithmetic, are what a dynamic adapter would add to a step (the CPU counterpart of
-/// Punica's BGMV). It holds no tensor of the base projection, so it runs beside that matmul
-/// (see `model::proj`). `groups` pairs each adapter with its token positions.
+/// Punica's BGMV). `groups` pairs each adapter with its token positions.
 pub fn delta_cpu(
     layer: usize,
     proj: Proj,

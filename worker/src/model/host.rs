@@ -337,7 +337,10 @@ fn lora_impl<const FMA: bool, W: Weight>(
     r: usize,
     outs: &mut [(usize, &mut [f32])],
 ) {
-    assert!(r > 0 && r.is_multiple_of(RANK_ALIGN), "rank {r} is not padded");
+    assert!(
+        r > 0 && r.is_multiple_of(RANK_ALIGN),
+        "rank {r} is not padded"
+    );
     let (d_in, d_out) = (at.len() / r, b.len() / r);
     let mut h = vec![0f32; outs.len() * r];
     let x = |i: usize| &xs[outs[i].0 * d_in..][..d_in];
