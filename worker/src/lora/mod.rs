@@ -458,6 +458,10 @@ fn laid_out(
             }
         }
         Some(out)
+    } else if pad(cols) == cols {
+        // The usual ranks: scaled in place, no copy.
+        plain.iter_mut().for_each(|x| *x *= scale);
+        Some(plain)
     } else {
         let p = pad(cols);
         let mut out = vec![0f32; rows * p];
