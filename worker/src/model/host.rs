@@ -145,100 +145,75 @@ impl Weight for half::bf16 {
     }
 }
 
-/// The `R × T` dot products of `R` rows with `T` vectors, all of one length: each sum in its
-/// own 8-lane accumulator, so `R × T` chains of fused multiply-adds run independently (one
-/// dot product alone waits on its own adds, four cycles each, and reaches a fraction of the
-/// core's throughput), and each loaded chunk of a row or vector feeds `T` or `R` of them.
-/// `FMA` is true only in the kernels' AVX2 + FMA build (see `kernel!`).
+/// The `R` dot products of `R` rows with one vector, all of one length: each sum in its own
+/// 8-lane accumulator, so `R` chains of fused multiply-adds run independently (one dot
+/// product alone waits on its own adds, four cycles each, and reaches a fraction of the
+/// core's throughput), and each loaded chunk of the vector feeds `R` of them. `FMA` is true
+/// only in the kernels' AVX2 + FMA build (see `kernel!`).
 #[inline(always)]
-fn dots<const FMA: bool, W: Weight, const R: usize, const T: usize>(
-    rows: [&[W]; R],
-    vecs: [&[f32]; T],
-) -> [[f32; R]; T] {
-    let n = vecs[0].len();
-    assert!(rows.iter().all(|v| v.len() == n) && vecs.iter().all(|v| v.len() == n));
+fn dots<const FMA: bool, const R: usize>(rows: [&[f32]; R], v: &[f32]) -> [f32; R] {
+    let n = v.len();
+    assert!(rows.iter().all(|r| r.len() == n));
     let full = n / 8 * 8;
-    let lanes: [[[f32; 8]; R]; T] = {
+    let lanes: [[f32; 8]; R] = {
         #[cfg(target_arch = "x86_64")]
         if FMA {
             // SAFETY: FMA is set only behind the run-time AVX2 + FMA check, and every row and
-            // vector holds `full` values (asserted above).
-            unsafe { dots_fma(rows, vecs, full) }
+            // the vector hold `full` values (asserted above).
+            unsafe { dots_fma(rows, v, full) }
         } else {
-            dots_plain(rows, vecs, full)
+            dots_plain(rows, v, full)
         }
         #[cfg(not(target_arch = "x86_64"))]
-        dots_plain(rows, vecs, full)
+        dots_plain(rows, v, full)
     };
-    let mut out = [[0f32; R]; T];
-    for (t, v) in vecs.iter().enumerate() {
-        for (i, row) in rows.iter().enumerate() {
-            let tail: f32 = v[full..]
-                .iter()
-                .zip(&row[full..])
-                .map(|(x, y)| x * y.f32())
-                .sum();
-            out[t][i] = lanes[t][i].iter().sum::<f32>() + tail;
-        }
-    }
-    out
+    std::array::from_fn(|i| {
+        let tail: f32 = v[full..]
+            .iter()
+            .zip(&rows[i][full..])
+            .map(|(x, y)| x * y)
+            .sum();
+        lanes[i].iter().sum::<f32>() + tail
+    })
 }
 
 /// The lane-wise partial sums of [`dots`] over the first `full` values (a multiple of 8), in
 /// plain code. The compiler's vectoriser packs these nested accumulators badly (scalar
 /// multiply-adds and shuffles), hence the explicit AVX path beside it.
 #[inline(always)]
-fn dots_plain<W: Weight, const R: usize, const T: usize>(
-    rows: [&[W]; R],
-    vecs: [&[f32]; T],
-    full: usize,
-) -> [[[f32; 8]; R]; T] {
-    let mut acc = [[[0f32; 8]; R]; T];
+fn dots_plain<const R: usize>(rows: [&[f32]; R], v: &[f32], full: usize) -> [[f32; 8]; R] {
+    let mut acc = [[0f32; 8]; R];
     for j in (0..full).step_by(8) {
-        for (at, v) in acc.iter_mut().zip(&vecs) {
-            for (a, row) in at.iter_mut().zip(&rows) {
-                for l in 0..8 {
-                    a[l] += v[j + l] * row[j + l].f32();
-                }
+        for (a, row) in acc.iter_mut().zip(&rows) {
+            for l in 0..8 {
+                a[l] += v[j + l] * row[j + l];
             }
         }
     }
     acc
 }
 
-/// [`dots_plain`] in AVX registers: `R × T` accumulators, each row chunk loaded once for
-/// the `T` vectors.
+/// [`dots_plain`] in AVX registers: `R` accumulators, each chunk of the vector loaded once
+/// for the `R` rows.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA, and every row and vector holds at least `full` values.
+/// The CPU has AVX2 and FMA, and every row and the vector hold at least `full` values.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn dots_fma<W: Weight, const R: usize, const T: usize>(
-    rows: [&[W]; R],
-    vecs: [&[f32]; T],
-    full: usize,
-) -> [[[f32; 8]; R]; T] {
+unsafe fn dots_fma<const R: usize>(rows: [&[f32]; R], v: &[f32], full: usize) -> [[f32; 8]; R] {
     use std::arch::x86_64::*;
-    let mut acc = [[_mm256_setzero_ps(); R]; T];
-    let mut w = [_mm256_setzero_ps(); R];
+    let mut acc = [_mm256_setzero_ps(); R];
     let mut j = 0;
     while j < full {
+        let x = _mm256_loadu_ps(v.as_ptr().add(j));
         for i in 0..R {
-            w[i] = W::load8(rows[i].as_ptr().add(j));
-        }
-        for t in 0..T {
-            let x = _mm256_loadu_ps(vecs[t].as_ptr().add(j));
-            for i in 0..R {
-                acc[t][i] = _mm256_fmadd_ps(x, w[i], acc[t][i]);
-            }
+            acc[i] = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[i].as_ptr().add(j)), acc[i]);
         }
         j += 8;
     }
-    let mut out = [[[0f32; 8]; R]; T];
-    for t in 0..T {
-        for i in 0..R {
-            _mm256_storeu_ps(out[t][i].as_mut_ptr(), acc[t][i]);
-        }
+    let mut out = [[0f32; 8]; R];
+    for i in 0..R {
+        _mm256_storeu_ps(out[i].as_mut_ptr(), acc[i]);
     }
     out
 }
@@ -271,12 +246,11 @@ fn attend_impl<const FMA: bool>(
     // Four keys at a time: independent sums (see `dots`) and `q` loaded once for four.
     let mut blocks = scores.chunks_exact_mut(4);
     for (b, s4) in (&mut blocks).enumerate() {
-        let [d] = dots::<FMA, f32, 4, 1>(std::array::from_fn(|i| key(4 * b + i)), [q]);
-        s4.copy_from_slice(&d);
+        s4.copy_from_slice(&dots::<FMA, 4>(std::array::from_fn(|i| key(4 * b + i)), q));
     }
     let done = seen / 4 * 4;
     for (j, s) in blocks.into_remainder().iter_mut().enumerate() {
-        *s = dots::<FMA, f32, 1, 1>([key(done + j)], [q])[0][0];
+        *s = dots::<FMA, 1>([key(done + j)], q)[0];
     }
     let mut max = f32::NEG_INFINITY;
     for s in scores.iter_mut() {
