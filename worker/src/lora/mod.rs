@@ -319,19 +319,13 @@ pub const HOST_LORA_MAX_TOKENS: usize = 64;
 /// Tokens of one adapter per task of [`delta_cpu`].
 const LORA_TOKENS_PER_TASK: usize = 4;
 
-/// Whether [`delta_cpu`] takes a batch with inputs `x`: CPU f32, contiguous, few tokens.
-pub fn host_eligible(x: &Tensor) -> bool {
-    x.device().is_cpu()
-        && x.dim(0).is_ok_and(|t| t <= HOST_LORA_MAX_TOKENS)
-        && HostF32::of(x).is_some()
-}
-
 /// What [`delta_cpu`] made of a projection.
 pub enum HostDelta {
     /// No adapter of the batch has this module: the base output stands.
     None,
-    /// The batch does not qualify (see [`host_eligible`]; adapters' tensors neither CPU f32
-    /// nor CPU bf16): the tensor path applies the updates.
+    /// The batch does not qualify (inputs not contiguous CPU f32, more than
+    /// [`HOST_LORA_MAX_TOKENS`] tokens, or adapters' tensors neither CPU f32 nor CPU bf16):
+    /// the tensor path applies the updates.
     Ineligible,
     /// Every token's update, `[tokens, out]` row-major (zero for tokens without one).
     Sum(Vec<f32>),

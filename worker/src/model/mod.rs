@@ -417,8 +417,8 @@ impl Decoder {
     /// Runs new tokens of several sequences in one pass; returns each row's logits at its last
     /// new position (`[vocab]`, f32) and extends each row's cache.
     pub fn forward(&self, rows: &mut [Row<'_>]) -> Result<Vec<Tensor>, ModelError> {
-        // A CPU step forks the thread pool a few times per projection (the base matmul, the
-        // adapter update beside it, attention). Forked from a pool thread, a fork is a push
+        // A CPU step forks the thread pool a few times per projection (the adapter update,
+        // the base matmul, attention). Forked from a pool thread, a fork is a push
         // on that thread's own queue; from any other thread, each one hands the work over and
         // sleeps until it is done (tens of microseconds each, most of a dynamic adapter's
         // cost at batch 1), so the whole step runs on the pool.
@@ -763,7 +763,7 @@ fn proj(
     if groups.is_empty() {
         return Ok(lin.forward(x)?);
     }
-    if host && crate::lora::host_eligible(x) {
+    if host {
         let pairs: Vec<(&LoraAdapter, &[u32])> = groups
             .iter()
             .map(|g| (g.adapter, g.rows.as_slice()))
