@@ -313,87 +313,106 @@ impl LoraAdapter {
     }
 }
 
-/// Tokens of a batch at most for [`delta_cpu`]: beyond, per-adapter matmuls (gemm) win.
+/// Tokens of a batch at most for the host path ([`HostUpdates`]): beyond, per-adapter
+/// matmuls (gemm) win.
 pub const HOST_LORA_MAX_TOKENS: usize = 64;
 
-/// Tokens of one adapter per task of [`delta_cpu`].
+/// Tokens of one adapter per [`UpdateTask`].
 const LORA_TOKENS_PER_TASK: usize = 4;
 
-/// What [`delta_cpu`] made of a projection.
-pub enum HostDelta {
-    /// No adapter of the batch has this module: the base output stands.
-    None,
-    /// The batch does not qualify (inputs not contiguous CPU f32, more than
-    /// [`HOST_LORA_MAX_TOKENS`] tokens, or adapters' tensors neither CPU f32 nor CPU bf16):
-    /// the tensor path applies the updates.
-    Ineligible,
-    /// Every token's update, `[tokens, out]` row-major (zero for tokens without one).
-    Sum(Vec<f32>),
+/// The adapters of one projection of a batch, held for the host kernels to read in place:
+/// per token `(x·Aᵀ)·(s·B)ᵀ` for CPU f32 batches of few tokens (decode steps, with one
+/// adapter or many). One output buffer per projection however many adapters the batch
+/// holds, where the tensor path costs four ops (two matmuls, gather, scatter-add) per
+/// adapter — at decode batch sizes their fixed costs, not the arithmetic, are what a dynamic
+/// adapter would add to a step (the CPU counterpart of Punica's BGMV).
+pub struct HostUpdates<'t> {
+    /// Per adapter that has this module: its weights, padded rank and token positions.
+    held: Vec<(Held<'t>, usize, &'t [u32])>,
+    /// The module's output width.
+    d_out: usize,
 }
 
-/// Every token's own adapter update of `(layer, proj)` in one pass on the host, for CPU f32
-/// batches of few tokens (decode steps, with one adapter or many): per token `(x·Aᵀ)·(s·B)ᵀ`
-/// with the weights read in place and tokens spread over threads. One allocation per
-/// projection however many adapters the batch holds, where the tensor path costs four ops
-/// (two matmuls, gather, scatter-add) per adapter — at decode batch sizes their fixed costs,
-/// not the arithmetic, are what a dynamic adapter would add to a step (the CPU counterpart of
-/// Punica's BGMV). `groups` pairs each adapter with its token positions.
-pub fn delta_cpu(
-    layer: usize,
-    proj: Proj,
-    x: &Tensor,
-    groups: &[(&LoraAdapter, &[u32])],
-) -> candle_core::Result<HostDelta> {
-    use rayon::prelude::*;
-    let (t, d_in) = x.dims2()?;
-    let Some(xg) = HostF32::of(x).filter(|_| t <= HOST_LORA_MAX_TOKENS) else {
-        return Ok(HostDelta::Ineligible);
-    };
-    // Per group: the guards of A and B (kept alive while their slices are read).
-    let mut held = Vec::with_capacity(groups.len());
-    let mut d_out = 0;
-    for (a, rows) in groups {
-        if let Some((at, b)) = a.modules.get(&(layer, proj)) {
-            let w = match (HostF32::of(at), HostF32::of(b)) {
-                (Some(ag), Some(bg)) => Held::F32(ag, bg),
-                _ => match (Host::of(at), Host::of(b)) {
-                    (Some(ag), Some(bg)) => Held::Bf16(ag, bg),
-                    _ => return Ok(HostDelta::Ineligible),
-                },
-            };
-            // The padded rank: the kernels read whole rows.
-            held.push((w, at.dim(1)?, *rows));
-            d_out = b.dim(0)?;
+impl<'t> HostUpdates<'t> {
+    /// The updates of `(layer, proj)` for `groups` (each adapter with its token positions),
+    /// or None when an adapter's tensors are neither CPU f32 nor CPU bf16 (the tensor path
+    /// applies them).
+    pub fn of(
+        layer: usize,
+        proj: Proj,
+        groups: &[(&'t LoraAdapter, &'t [u32])],
+    ) -> candle_core::Result<Option<Self>> {
+        let mut held = Vec::with_capacity(groups.len());
+        let mut d_out = 0;
+        for &(a, rows) in groups {
+            if let Some((at, b)) = a.modules.get(&(layer, proj)) {
+                let w = match (HostF32::of(at), HostF32::of(b)) {
+                    (Some(ag), Some(bg)) => Held::F32(ag, bg),
+                    _ => match (Host::of(at), Host::of(b)) {
+                        (Some(ag), Some(bg)) => Held::Bf16(ag, bg),
+                        _ => return Ok(None),
+                    },
+                };
+                // The padded rank: the kernels read whole rows.
+                held.push((w, at.dim(1)?, rows));
+                d_out = b.dim(0)?;
+            }
+        }
+        Ok(Some(Self { held, d_out }))
+    }
+
+    /// No updates (a projection no adapter targets, such as the output head).
+    pub fn none() -> Self {
+        Self {
+            held: Vec::new(),
+            d_out: 0,
         }
     }
-    if held.is_empty() {
-        return Ok(HostDelta::None);
+
+    /// Whether no adapter of the batch has this module.
+    pub fn is_empty(&self) -> bool {
+        self.held.is_empty()
     }
-    let xs = xg.slice(t * d_in);
-    let mut sum = vec![0f32; t * d_out];
-    // Tasks of a few tokens of one adapter each: the tokens share each weight row while it
-    // is in cache (an adapter's weights are read once per task, not once per token).
-    {
+
+    /// Tasks of a few tokens of one adapter each, adding to `sum` (`[tokens, d_out]`,
+    /// row-major): the tokens share each weight row while it is in cache, so an adapter's
+    /// weights are read once per task, not once per token.
+    pub fn tasks<'s>(&'s self, d_in: usize, sum: &'s mut [f32]) -> Vec<UpdateTask<'s>> {
+        if self.held.is_empty() {
+            return Vec::new();
+        }
+        let d_out = self.d_out;
         let mut slots: Vec<Option<&mut [f32]>> = sum.chunks_mut(d_out).map(Some).collect();
         let mut tasks = Vec::new();
-        for (w, r, rows) in &held {
-            let ab = w.slices(d_in * r, r * d_out);
+        for (w, r, rows) in &self.held {
+            let w = w.slices(d_in * r, r * d_out);
             for chunk in rows.chunks(LORA_TOKENS_PER_TASK) {
-                let outs: Vec<(usize, &mut [f32])> = chunk
+                let outs = chunk
                     .iter()
                     .filter_map(|&i| Some((i as usize, slots.get_mut(i as usize)?.take()?)))
                     .collect();
-                tasks.push((ab, *r, outs));
+                tasks.push(UpdateTask { w, r: *r, outs });
             }
         }
         tasks
-            .into_par_iter()
-            .for_each(|(ab, r, mut outs)| match ab {
-                Weights::F32(a, b) => host::lora_tokens(xs, a, b, r, &mut outs),
-                Weights::Bf16(a, b) => host::lora_tokens_bf16(xs, a, b, r, &mut outs),
-            });
     }
-    Ok(HostDelta::Sum(sum))
+}
+
+/// One adapter's update of a few tokens' output rows (see [`HostUpdates::tasks`]).
+pub struct UpdateTask<'s> {
+    w: Weights<'s>,
+    r: usize,
+    outs: Vec<(usize, &'s mut [f32])>,
+}
+
+impl UpdateTask<'_> {
+    /// Adds the update to the task's rows; `xs` is the batch's inputs `[tokens, in]`.
+    pub fn run(mut self, xs: &[f32]) {
+        match self.w {
+            Weights::F32(a, b) => host::lora_tokens(xs, a, b, self.r, &mut self.outs),
+            Weights::Bf16(a, b) => host::lora_tokens_bf16(xs, a, b, self.r, &mut self.outs),
+        }
+    }
 }
 
 /// The storage guards of one module's A and B, in the dtype adapters are held in.

@@ -10,6 +10,7 @@
 //! NTK, llama3 and YaRN, computed as transformers computes them (see [`rope`]).
 
 pub(crate) mod host;
+mod project;
 pub mod rope;
 
 use std::path::Path;
@@ -20,7 +21,7 @@ use candle_nn::{linear_b, rms_norm, Embedding, Linear, RmsNorm, VarBuilder};
 use serde::Deserialize;
 
 use crate::formats::hf;
-use crate::lora::{HostDelta, LoraAdapter, Proj};
+use crate::lora::{HostUpdates, LoraAdapter, Proj};
 
 pub use self::rope::{Rope, RopeScaling};
 
@@ -417,8 +418,8 @@ impl Decoder {
     /// Runs new tokens of several sequences in one pass; returns each row's logits at its last
     /// new position (`[vocab]`, f32) and extends each row's cache.
     pub fn forward(&self, rows: &mut [Row<'_>]) -> Result<Vec<Tensor>, ModelError> {
-        // A CPU step forks the thread pool a few times per projection (the adapter update,
-        // the base matmul, attention). Forked from a pool thread, a fork is a push
+        // A CPU step forks the thread pool a few times per layer (projections, attention).
+        // Forked from a pool thread, a fork is a push
         // on that thread's own queue; from any other thread, each one hands the work over and
         // sleeps until it is done (tens of microseconds each, most of a dynamic adapter's
         // cost at batch 1), so the whole step runs on the pool.
@@ -491,10 +492,10 @@ impl Decoder {
             x = (residual + attn)?;
             let residual = x.clone();
             let hn = layer.post_norm.forward(&x)?;
-            let gate = proj(self.host, &layer.gate, li, Proj::Gate, &hn, groups)?;
-            let up = proj(self.host, &layer.up, li, Proj::Up, &hn, groups)?;
+            let mlp = [(&layer.gate, Proj::Gate), (&layer.up, Proj::Up)];
+            let [gate, up] = projs(self.host, mlp, li, &hn, groups)?;
             let act = (candle_nn::ops::silu(&gate)? * up)?;
-            let mlp = proj(self.host, &layer.down, li, Proj::Down, &act, groups)?;
+            let [mlp] = projs(self.host, [(&layer.down, Proj::Down)], li, &act, groups)?;
             x = (residual + mlp)?;
         }
         for (r, (s, l)) in rows.iter_mut().zip(batch.starts.iter().zip(&lens)) {
@@ -509,7 +510,14 @@ impl Decoder {
         }
         let idx = Tensor::new(last.as_slice(), &self.device)?;
         let h = self.norm.forward(&x.index_select(&idx, 0)?)?;
-        let logits = self.lm_head.forward(&h)?.to_dtype(DType::F32)?;
+        let logits = match self.host {
+            true => project::host_projections(&h, vec![(&self.lm_head, HostUpdates::none())])?,
+            false => None,
+        };
+        let logits = match logits {
+            Some(mut l) => l.pop().expect("one output"),
+            None => self.lm_head.forward(&h)?.to_dtype(DType::F32)?,
+        };
         Ok((0..rows.len())
             .map(|i| logits.get(i))
             .collect::<Result<_, _>>()?)
@@ -544,9 +552,15 @@ impl Decoder {
             self.cfg.head_dim(),
         );
         let n = x.dim(0)?;
-        let mut q = proj(self.host, &layer.q, li, Proj::Q, x, groups)?.reshape((n, nh, hd))?;
-        let mut k = proj(self.host, &layer.k, li, Proj::K, x, groups)?.reshape((n, nkv, hd))?;
-        let v = proj(self.host, &layer.v, li, Proj::V, x, groups)?.reshape((n, nkv, hd))?;
+        let qkv = [
+            (&layer.q, Proj::Q),
+            (&layer.k, Proj::K),
+            (&layer.v, Proj::V),
+        ];
+        let [q, k, v] = projs(self.host, qkv, li, x, groups)?;
+        let mut q = q.reshape((n, nh, hd))?;
+        let mut k = k.reshape((n, nkv, hd))?;
+        let v = v.reshape((n, nkv, hd))?;
         if let (Some(qn), Some(kn)) = (&layer.q_norm, &layer.k_norm) {
             q = qn.forward(&q)?;
             k = kn.forward(&k)?;
@@ -579,7 +593,8 @@ impl Decoder {
             }
             Tensor::cat(&outs, 0)?
         };
-        proj(self.host, &layer.o, li, Proj::O, &out, groups)
+        let [o] = projs(self.host, [(&layer.o, Proj::O)], li, &out, groups)?;
+        Ok(o)
     }
 
     /// The layer's cache slot of a sequence (created on first use).
@@ -750,47 +765,39 @@ fn append_kv(cache: &mut Vec<f32>, new: &[f32], width: usize) {
 /// gemm, whose tiling wins once there are many queries per key.
 const HOST_ATTN_MAX_TOKENS: usize = 16;
 
-/// A projection of the whole batch: the base matmul once, plus each adapter group's low-rank
-/// update on its own rows only.
-fn proj(
+/// Projections of one input for the whole batch: each base matmul once, plus each adapter
+/// group's low-rank update on its own rows only. On the host (CPU f32, few tokens) all of
+/// them run in one fork of the thread pool (see [`project`]).
+fn projs<const N: usize>(
     host: bool,
-    lin: &Lin,
+    lins: [(&Lin, Proj); N],
     layer: usize,
-    which: Proj,
     x: &Tensor,
     groups: &[Group<'_>],
-) -> Result<Tensor, ModelError> {
-    if groups.is_empty() {
-        return Ok(lin.forward(x)?);
-    }
+) -> Result<[Tensor; N], ModelError> {
     if host {
         let pairs: Vec<(&LoraAdapter, &[u32])> = groups
             .iter()
             .map(|g| (g.adapter, g.rows.as_slice()))
             .collect();
-        // The update first, on every thread, then the base matmul, on every thread. Run side
-        // by side (one `rayon::join`), one thread streamed the adapters' weights alone while
-        // the other held the matmul, and decode was slower: on 2 cores, batch 16 on SmolLM2
-        // went 274 → 305 tokens/s with one adapter and 239 → 256 with 16 distinct ones when
-        // the two steps were run one after the other.
-        let delta = crate::lora::delta_cpu(layer, which, x, &pairs)?;
-        let out = lin.forward(x)?;
-        return match delta {
-            HostDelta::None => Ok(out),
-            HostDelta::Sum(mut delta) => {
-                let base = host::HostF32::of(&out).ok_or_else(|| {
-                    candle_core::Error::Msg("host adapter update: base output not CPU f32".into())
-                })?;
-                let n = delta.len();
-                for (d, o) in delta.iter_mut().zip(base.slice(n)) {
-                    *d += o;
-                }
-                Ok(Tensor::from_vec(delta, out.shape(), out.device())?)
+        let mut with_updates = Vec::with_capacity(N);
+        for &(lin, which) in &lins {
+            match HostUpdates::of(layer, which, &pairs)? {
+                Some(u) => with_updates.push((lin, u)),
+                None => break,
             }
-            HostDelta::Ineligible => tensor_updates(out, layer, which, x, groups),
-        };
+        }
+        if with_updates.len() == N {
+            if let Some(out) = project::host_projections(x, with_updates)? {
+                return Ok(out.try_into().expect("one output per projection"));
+            }
+        }
     }
-    tensor_updates(lin.forward(x)?, layer, which, x, groups)
+    let mut out = Vec::with_capacity(N);
+    for (lin, which) in lins {
+        out.push(tensor_updates(lin.forward(x)?, layer, which, x, groups)?);
+    }
+    Ok(out.try_into().expect("one output per projection"))
 }
 
 /// `out` plus each adapter group's update with tensor ops (GPU, other dtypes, prefill).

@@ -1,0 +1,257 @@
+//! Host projections of a CPU f32 step of few tokens: the base matmuls of the projections
+//! that share an input and their adapters' updates, in one fork of the thread pool.
+//!
+//! Why one fork, and why a shared queue: a decode step makes a few hundred projections, and
+//! each fork of the pool costs a wake-up of the other threads (tens of microseconds on a VM)
+//! and a wait for the slowest. gemm's own threading forks once per block of the product and
+//! runs small products (a token's) on one thread. Here the work is cut into column blocks of the
+//! base product and tasks of the adapter updates, every thread takes from both queues until
+//! they are empty (so a thread woken late just finds less work), and the threads start on
+//! different queues: one streams adapter weights from memory while the other multiplies the
+//! base weights, where two threads streaming adapters at once share the memory bus.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+use candle_core::{Module, Tensor};
+use rayon::prelude::*;
+
+use super::host::HostF32;
+use super::Lin;
+use crate::lora::{HostUpdates, UpdateTask, HOST_LORA_MAX_TOKENS};
+
+/// Output columns per block of a base product: enough blocks for every thread to take
+/// several (so they finish together), each block's weights (`in` × 128 × 4 bytes) within a
+/// core's L2 for the usual widths, and each gemm call long enough to cost little to start.
+const COLUMNS_PER_BLOCK: usize = 128;
+
+/// `x·Wᵀ + bias` plus the adapters' updates, for each `(lin, updates)` over the same input
+/// `x` `[tokens, in]`. None when the batch does not qualify (not CPU f32, more than
+/// [`HOST_LORA_MAX_TOKENS`] tokens, or a quantized base whose output is not f32): the caller
+/// takes the tensor path.
+pub(crate) fn host_projections(
+    x: &Tensor,
+    lins: Vec<(&Lin, HostUpdates<'_>)>,
+) -> candle_core::Result<Option<Vec<Tensor>>> {
+    let (t, d_in) = x.dims2()?;
+    let Some(xg) = HostF32::of(x).filter(|_| t <= HOST_LORA_MAX_TOKENS) else {
+        return Ok(None);
+    };
+    let xs = xg.slice(t * d_in);
+    // Per projection: the weights to multiply here (None: `out` already holds the product,
+    // made by candle for a quantized base), the output and the updates' sum.
+    let mut weights = Vec::with_capacity(lins.len());
+    let mut outs = Vec::with_capacity(lins.len());
+    for (lin, _) in &lins {
+        match lin {
+            Lin::Dense(l) => {
+                let (d_out, w_in) = l.weight().dims2()?;
+                let (Some(w), bias) = (HostF32::of(l.weight()), l.bias()) else {
+                    return Ok(None);
+                };
+                let mut out = vec![0f32; t * d_out];
+                if let Some(b) = bias {
+                    let Some(b) = HostF32::of(b) else {
+                        return Ok(None);
+                    };
+                    for row in out.chunks_mut(d_out) {
+                        row.copy_from_slice(b.slice(d_out));
+                    }
+                }
+                debug_assert_eq!(w_in, d_in);
+                weights.push(Some((w, d_out, bias.is_some())));
+                outs.push(out);
+            }
+            Lin::Quantized(..) => {
+                let y = lin.forward(x)?;
+                let Some(yg) = HostF32::of(&y) else {
+                    return Ok(None);
+                };
+                let d_out = y.dim(1)?;
+                weights.push(None);
+                outs.push(yg.slice(t * d_out).to_vec());
+            }
+        }
+    }
+    let mut sums: Vec<Vec<f32>> = lins
+        .iter()
+        .zip(&outs)
+        .map(|((_, u), o)| {
+            if u.is_empty() {
+                Vec::new()
+            } else {
+                vec![0f32; o.len()]
+            }
+        })
+        .collect();
+    {
+        let tasks: Vec<Mutex<Option<UpdateTask<'_>>>> = lins
+            .iter()
+            .zip(sums.iter_mut())
+            .flat_map(|((_, u), s)| u.tasks(d_in, s))
+            .map(|task| Mutex::new(Some(task)))
+            .collect();
+        let mut blocks = Vec::new();
+        for (w, out) in weights.iter().zip(outs.iter_mut()) {
+            if let Some((w, d_out, bias)) = w {
+                let out = Columns::new(out, *d_out);
+                for lo in (0..*d_out).step_by(COLUMNS_PER_BLOCK) {
+                    let hi = (lo + COLUMNS_PER_BLOCK).min(*d_out);
+                    blocks.push((w.slice(d_out * d_in), out, lo..hi, *bias));
+                }
+            }
+        }
+        let (next_task, next_block) = (AtomicUsize::new(0), AtomicUsize::new(0));
+        let take_task = || match tasks.get(next_task.fetch_add(1, Ordering::Relaxed)) {
+            Some(task) => {
+                let task = task.lock().unwrap_or_else(|p| p.into_inner()).take();
+                if let Some(task) = task {
+                    task.run(xs);
+                }
+                true
+            }
+            None => false,
+        };
+        let take_block = || match blocks.get(next_block.fetch_add(1, Ordering::Relaxed)) {
+            Some((w, out, cols, bias)) => {
+                // SAFETY: every block is taken once (the counter) and blocks of one output
+                // cover disjoint columns, so no two threads write the same element.
+                unsafe { out.product(xs, t, d_in, w, cols.clone(), *bias) };
+                true
+            }
+            None => false,
+        };
+        let threads = rayon::current_num_threads().max(1);
+        (0..threads).into_par_iter().with_max_len(1).for_each(|j| {
+            if j % 2 == 0 {
+                while take_task() {}
+                while take_block() {}
+            } else {
+                while take_block() {}
+                while take_task() {}
+            }
+        });
+    }
+    outs.into_iter()
+        .zip(sums)
+        .map(|(mut out, sum)| {
+            for (o, s) in out.iter_mut().zip(&sum) {
+                *o += s;
+            }
+            let d_out = out.len() / t;
+            Tensor::from_vec(out, (t, d_out), x.device())
+        })
+        .collect::<candle_core::Result<Vec<_>>>()
+        .map(Some)
+}
+
+/// A `[tokens, width]` row-major output that threads write in disjoint column blocks.
+#[derive(Clone, Copy)]
+struct Columns {
+    ptr: *mut f32,
+    width: usize,
+}
+
+// SAFETY: shared only within `host_projections`, while the buffer lives, by threads that
+// write disjoint column blocks (see `product`).
+unsafe impl Send for Columns {}
+unsafe impl Sync for Columns {}
+
+impl Columns {
+    fn new(out: &mut [f32], width: usize) -> Self {
+        Self {
+            ptr: out.as_mut_ptr(),
+            width,
+        }
+    }
+
+    /// Columns `cols` of `x·Wᵀ` (added to what they hold when `accumulate`: the bias), with
+    /// `W` `[width, in]` row-major, on the calling thread.
+    ///
+    /// # Safety
+    /// The buffer is alive and no other thread reads or writes these columns meanwhile.
+    unsafe fn product(
+        self,
+        xs: &[f32],
+        t: usize,
+        d_in: usize,
+        w: &[f32],
+        cols: std::ops::Range<usize>,
+        accumulate: bool,
+    ) {
+        let w = &w[cols.start * d_in..cols.end * d_in];
+        // dst[i, j] = x[i, ·] · W[cols.start + j, ·]: lhs x `[t, in]`, rhs Wᵀ (column j is row
+        // j of the block), dst a window of the output's rows.
+        gemm::gemm(
+            t,
+            cols.len(),
+            d_in,
+            self.ptr.add(cols.start),
+            1,
+            self.width as isize,
+            accumulate,
+            xs.as_ptr(),
+            1,
+            d_in as isize,
+            w.as_ptr(),
+            d_in as isize,
+            1,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use candle_nn::Linear;
+
+    /// The blocked product equals candle's matmul: widths that are not a multiple of the
+    /// block, with and without bias, one token and several, two projections in one call.
+    #[test]
+    fn blocked_products_match_the_matmul() {
+        let dev = Device::Cpu;
+        let r = |s: (usize, usize)| Tensor::randn(0f32, 1.0, s, &dev).unwrap();
+        let d_in = 72;
+        let wide = Lin::Dense(Linear::new(
+            r((2 * COLUMNS_PER_BLOCK + 44, d_in)),
+            Some(r((1, 2 * COLUMNS_PER_BLOCK + 44)).squeeze(0).unwrap()),
+        ));
+        let narrow = Lin::Dense(Linear::new(r((40, d_in)), None));
+        for t in [1, 3, 17] {
+            let x = r((t, d_in));
+            let got = host_projections(
+                &x,
+                vec![(&wide, HostUpdates::none()), (&narrow, HostUpdates::none())],
+            )
+            .unwrap()
+            .expect("a CPU f32 batch of few tokens qualifies");
+            for (lin, y) in [&wide, &narrow].into_iter().zip(got) {
+                let want = lin.forward(&x).unwrap();
+                let err = (y - &want)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max_all()
+                    .unwrap()
+                    .to_scalar::<f32>()
+                    .unwrap();
+                // Sums of 72 products of unit normals: f32 rounding in another order is
+                // ~1e-6 of the result; a wrong column or a missing bias is ~1.
+                assert!(err < 1e-4, "t={t}: max error {err}");
+            }
+        }
+        let many = r((HOST_LORA_MAX_TOKENS + 1, d_in));
+        assert!(
+            host_projections(&many, vec![(&narrow, HostUpdates::none())])
+                .unwrap()
+                .is_none()
+        );
+    }
+}
