@@ -419,10 +419,10 @@ impl Decoder {
     /// new position (`[vocab]`, f32) and extends each row's cache.
     pub fn forward(&self, rows: &mut [Row<'_>]) -> Result<Vec<Tensor>, ModelError> {
         // A CPU step forks the thread pool a few times per layer (projections, attention).
-        // Forked from a pool thread, a fork is a push
-        // on that thread's own queue; from any other thread, each one hands the work over and
-        // sleeps until it is done (tens of microseconds each, most of a dynamic adapter's
-        // cost at batch 1), so the whole step runs on the pool.
+        // Forked from a pool thread, a fork is a push on that thread's own queue; from any
+        // other thread, each one hands the work over and sleeps until it is done (tens of
+        // microseconds each, most of a dynamic adapter's cost at batch 1), so the whole step
+        // runs on the pool.
         if self.device.is_cpu() && rayon::current_thread_index().is_none() {
             return rayon::scope(|_| self.forward_on_pool(rows));
         }
@@ -510,12 +510,12 @@ impl Decoder {
         }
         let idx = Tensor::new(last.as_slice(), &self.device)?;
         let h = self.norm.forward(&x.index_select(&idx, 0)?)?;
-        let logits = match self.host {
+        let on_host = match self.host {
             true => project::host_projections(&h, vec![(&self.lm_head, HostUpdates::none())])?,
             false => None,
         };
-        let logits = match logits {
-            Some(mut l) => l.pop().expect("one output"),
+        let logits = match on_host.and_then(|mut l| l.pop()) {
+            Some(l) => l,
             None => self.lm_head.forward(&h)?.to_dtype(DType::F32)?,
         };
         Ok((0..rows.len())
