@@ -26,15 +26,15 @@ use crate::lora::{HostUpdates, UpdateTask, HOST_LORA_MAX_TOKENS};
 const COLUMNS_PER_BLOCK: usize = 128;
 
 /// `x·Wᵀ + bias` plus the adapters' updates, for each `(lin, updates)` over the same input
-/// `x` `[tokens, in]`. None when the batch does not qualify (not CPU f32, more than
-/// [`HOST_LORA_MAX_TOKENS`] tokens, or a quantized base whose output is not f32): the caller
+/// `x` `[tokens, in]`. None when the batch does not qualify (not CPU f32, no tokens or more
+/// than [`HOST_LORA_MAX_TOKENS`], or a quantized base whose output is not f32): the caller
 /// takes the tensor path.
 pub(crate) fn host_projections(
     x: &Tensor,
     lins: Vec<(&Lin, HostUpdates<'_>)>,
 ) -> candle_core::Result<Option<Vec<Tensor>>> {
     let (t, d_in) = x.dims2()?;
-    let Some(xg) = HostF32::of(x).filter(|_| t <= HOST_LORA_MAX_TOKENS) else {
+    let Some(xg) = HostF32::of(x).filter(|_| (1..=HOST_LORA_MAX_TOKENS).contains(&t)) else {
         return Ok(None);
     };
     let xs = xg.slice(t * d_in);
@@ -247,11 +247,10 @@ mod tests {
                 assert!(err < 1e-4, "t={t}: max error {err}");
             }
         }
-        let many = r((HOST_LORA_MAX_TOKENS + 1, d_in));
-        assert!(
-            host_projections(&many, vec![(&narrow, HostUpdates::none())])
-                .unwrap()
-                .is_none()
-        );
+        for t in [0, HOST_LORA_MAX_TOKENS + 1] {
+            let x = Tensor::zeros((t, d_in), candle_core::DType::F32, &dev).unwrap();
+            let got = host_projections(&x, vec![(&narrow, HostUpdates::none())]).unwrap();
+            assert!(got.is_none(), "{t} tokens take the tensor path");
+        }
     }
 }
