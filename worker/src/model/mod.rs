@@ -9,6 +9,7 @@
 //! RoPE follows `config.json` (`rope_parameters` or `rope_scaling`): default, linear, dynamic
 //! NTK, llama3 and YaRN, computed as transformers computes them (see [`rope`]).
 
+mod dense;
 pub(crate) mod host;
 mod project;
 pub mod rope;

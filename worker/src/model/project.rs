@@ -16,6 +16,7 @@ use std::sync::Mutex;
 use candle_core::{Module, Tensor};
 use rayon::prelude::*;
 
+use super::dense;
 use super::host::HostF32;
 use super::Lin;
 use crate::lora::{HostUpdates, UpdateTask, HOST_LORA_MAX_TOKENS};
@@ -101,6 +102,7 @@ pub(crate) fn host_projections(
                 }
             }
         }
+        let direct = dense::available();
         let (next_task, next_block) = (AtomicUsize::new(0), AtomicUsize::new(0));
         let take_task = || match tasks.get(next_task.fetch_add(1, Ordering::Relaxed)) {
             Some(task) => {
@@ -116,7 +118,7 @@ pub(crate) fn host_projections(
             Some((w, out, cols, bias)) => {
                 // SAFETY: every block is taken once (the counter) and blocks of one output
                 // cover disjoint columns, so no two threads write the same element.
-                unsafe { out.product(xs, t, d_in, w, cols.clone(), *bias) };
+                unsafe { out.product(xs, t, d_in, w, cols.clone(), *bias, direct) };
                 true
             }
             None => false,
@@ -166,10 +168,13 @@ impl Columns {
     }
 
     /// Columns `cols` of `x·Wᵀ` (added to what they hold when `accumulate`: the bias), with
-    /// `W` `[width, in]` row-major, on the calling thread.
+    /// `W` `[width, in]` row-major, on the calling thread: by [`dense::product`] when
+    /// `direct`, else by gemm.
     ///
     /// # Safety
-    /// The buffer is alive and no other thread reads or writes these columns meanwhile.
+    /// The buffer is alive and no other thread reads or writes these columns meanwhile;
+    /// `direct` only where [`dense::available`].
+    #[allow(clippy::too_many_arguments)]
     unsafe fn product(
         self,
         xs: &[f32],
@@ -178,8 +183,23 @@ impl Columns {
         w: &[f32],
         cols: std::ops::Range<usize>,
         accumulate: bool,
+        direct: bool,
     ) {
         let w = &w[cols.start * d_in..cols.end * d_in];
+        #[cfg(target_arch = "x86_64")]
+        if direct {
+            dense::product(
+                xs,
+                t,
+                d_in,
+                w,
+                self.ptr.add(cols.start),
+                self.width,
+                accumulate,
+            );
+            return;
+        }
+        let _ = direct;
         // dst[i, j] = x[i, ·] · W[cols.start + j, ·]: lhs x `[t, in]`, rhs Wᵀ (column j is row
         // j of the block), dst a window of the output's rows.
         gemm::gemm(
@@ -251,6 +271,59 @@ mod tests {
             let x = Tensor::zeros((t, d_in), candle_core::DType::F32, &dev).unwrap();
             let got = host_projections(&x, vec![(&narrow, HostUpdates::none())]).unwrap();
             assert!(got.is_none(), "{t} tokens take the tensor path");
+        }
+    }
+
+    /// Both kernels of a column block (the direct one where the CPU has it, and gemm) equal
+    /// the plain formula: widths that leave rows past the four-row blocks, inputs with a
+    /// partial sixteen-value step, every token count of a kernel call and more, onto zeros
+    /// and accumulated onto what the output held.
+    #[test]
+    fn column_blocks_match_the_formula() {
+        let val = |i: usize| ((i * 7919 % 101) as f32 - 50.0) / 37.0;
+        let mut kernels = vec![false];
+        if dense::available() {
+            kernels.push(true);
+        } else {
+            eprintln!("no AVX-512 here: only the gemm kernel is checked");
+        }
+        for (d_in, width) in [(72, 19), (16, 8), (5, 6), (40, 1)] {
+            let w: Vec<f32> = (0..width * d_in).map(|i| val(i + 3)).collect();
+            for t in [1, 2, 3, 4, 5, 9, 17] {
+                let xs: Vec<f32> = (0..t * d_in).map(|i| val(i + 17)).collect();
+                for accumulate in [false, true] {
+                    let want: Vec<f64> = (0..t * width)
+                        .map(|e| {
+                            let (i, j) = (e / width, e % width);
+                            let dot: f64 = (0..d_in)
+                                .map(|k| xs[i * d_in + k] as f64 * w[j * d_in + k] as f64)
+                                .sum();
+                            dot + if accumulate { val(e) as f64 } else { 0.0 }
+                        })
+                        .collect();
+                    for &direct in &kernels {
+                        let mut out: Vec<f32> = (0..t * width).map(val).collect();
+                        let cols = Columns::new(&mut out, width);
+                        // Two blocks, split off the four-row grid.
+                        let mid = width / 2 + 1;
+                        for range in [0..mid.min(width), mid.min(width)..width] {
+                            // SAFETY: `out` lives, this thread alone writes it; `direct`
+                            // only where available.
+                            unsafe { cols.product(&xs, t, d_in, &w, range, accumulate, direct) };
+                        }
+                        for (g, want) in out.iter().zip(&want) {
+                            // Sums of at most 72 products of values under 1.4: f32 rounding
+                            // in any order stays under 1e-4; a wrong row, token or a
+                            // dropped tail is ~1.
+                            assert!(
+                                (*g as f64 - want).abs() < 1e-4,
+                                "direct {direct}, in {d_in}, width {width}, t {t}, \
+                                 accumulate {accumulate}: {g} vs {want}"
+                            );
+                        }
+                    }
+                }
+            }
         }
     }
 }
