@@ -1,30 +1,43 @@
 //! The base product of a host step's few tokens, `x·Wᵀ`, read straight from the weights'
-//! row-major `[out, in]` layout with AVX-512.
+//! row-major `[out, in]` layout, with AVX-512 or AVX2.
 //!
 //! Why not gemm: an outer-product kernel needs `W` in `k`-major panels, so gemm copies
 //! (packs) every weight block before it multiplies it. At decode sizes each block is used
 //! for a handful of tokens only, and the packing was half of gemm's time. Here each output
 //! is a dot product of a weight row with a token's input, both contiguous in `k`: four rows
-//! times up to four tokens in sixteen registers, the rows streamed from memory once and
-//! reused from L1 for the batch's other tokens. One core of the 2-CPU dev VM, SmolLM2's
-//! projections (540 MB, cold), 128-column blocks: 16 tokens 57 → 100 GFLOP/s, 4 tokens
-//! 21 → 58, 1 token 29 → 37 GB/s.
+//! times up to four tokens (two with AVX2's sixteen registers) in accumulators, the rows
+//! streamed from memory once and reused from L1 for the batch's other tokens. One core of the
+//! 2-CPU dev VM, SmolLM2's projections (540 MB, cold), 128-column blocks, AVX-512: 16 tokens
+//! 57 → 100 GFLOP/s, 4 tokens 21 → 58, 1 token 29 → 37 GB/s.
 
-/// Whether the CPU has the AVX-512 this kernel needs (the macro caches the CPUID answer).
-pub(crate) fn available() -> bool {
+/// The instruction set the kernel runs with on this CPU, None where it has neither (gemm
+/// then). The macro caches the CPUID answer.
+pub(crate) fn available() -> Option<Isa> {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512f")
+        use std::arch::is_x86_feature_detected as has;
+        if has!("avx512f") {
+            return Some(Isa::Avx512);
+        }
+        if has!("avx2") && has!("fma") {
+            return Some(Isa::Avx2);
+        }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
+    None
+}
+
+/// A vector instruction set of the kernel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// 16 lanes, 32 registers.
+    Avx512,
+    /// 8 lanes, 16 registers (with FMA).
+    Avx2,
 }
 
 /// Weight rows per kernel call.
 const ROWS: usize = 4;
-/// Tokens per kernel call.
+/// Tokens per kernel call at most, of any instruction set (see [`Simd::TOKENS`]).
 const TOKENS: usize = 4;
 
 /// `dst[i, j] = x[i] · w[j]` (added to what `dst` holds when `accumulate`) for the `t` tokens
@@ -32,11 +45,13 @@ const TOKENS: usize = 4;
 /// `dst + i·stride`.
 ///
 /// # Safety
-/// [`available`] is true; `xs` holds `t · d_in` values and `w` a multiple of `d_in`; `dst`
+/// [`available`] named `isa`; `xs` holds `t · d_in` values and `w` a multiple of `d_in`; `dst`
 /// is valid for reads and writes of `t` rows of `w.len() / d_in` values at `stride` apart,
 /// which no other thread touches meanwhile.
 #[cfg(target_arch = "x86_64")]
+#[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn product(
+    isa: Isa,
     xs: &[f32],
     t: usize,
     d_in: usize,
@@ -47,6 +62,10 @@ pub(crate) unsafe fn product(
 ) {
     assert!(d_in > 0 && xs.len() >= t * d_in && w.len().is_multiple_of(d_in));
     let rows = w.len() / d_in;
+    let tokens = match isa {
+        Isa::Avx512 => Avx512::TOKENS,
+        Isa::Avx2 => Avx2::TOKENS,
+    };
     let mut c = 0;
     while c < rows {
         let rn = if rows - c >= ROWS { ROWS } else { 1 };
@@ -58,19 +77,13 @@ pub(crate) unsafe fn product(
         } else {
             std::ptr::null()
         };
-        for t0 in (0..t).step_by(TOKENS) {
-            let tn = (t - t0).min(TOKENS);
+        for t0 in (0..t).step_by(tokens) {
+            let tn = (t - t0).min(tokens);
             let x = xs.as_ptr().add(t0 * d_in);
             let pf = if t0 == 0 { next } else { std::ptr::null() };
-            let sums = match (rn, tn) {
-                (ROWS, 1) => pad(dots::<ROWS, 1>(block, x, d_in, pf)),
-                (ROWS, 2) => pad(dots::<ROWS, 2>(block, x, d_in, pf)),
-                (ROWS, 3) => pad(dots::<ROWS, 3>(block, x, d_in, pf)),
-                (ROWS, _) => pad(dots::<ROWS, TOKENS>(block, x, d_in, pf)),
-                (_, 1) => pad(dots::<1, 1>(block, x, d_in, pf)),
-                (_, 2) => pad(dots::<1, 2>(block, x, d_in, pf)),
-                (_, 3) => pad(dots::<1, 3>(block, x, d_in, pf)),
-                (_, _) => pad(dots::<1, TOKENS>(block, x, d_in, pf)),
+            let sums = match isa {
+                Isa::Avx512 => sums::<Avx512>(rn, tn, block, x, d_in, pf),
+                Isa::Avx2 => sums::<Avx2>(rn, tn, block, x, d_in, pf),
             };
             for (r, row) in sums.iter().enumerate().take(rn) {
                 for (i, s) in row.iter().enumerate().take(tn) {
@@ -80,6 +93,33 @@ pub(crate) unsafe fn product(
             }
         }
         c += rn;
+    }
+}
+
+/// The kernel call for `rn` rows (four or one) and `tn` tokens (at most `S::TOKENS`), its
+/// sums in the largest shape.
+///
+/// # Safety
+/// As [`Simd::dots`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn sums<S: Simd>(
+    rn: usize,
+    tn: usize,
+    w: *const f32,
+    x: *const f32,
+    d_in: usize,
+    pf: *const f32,
+) -> [[f32; TOKENS]; ROWS] {
+    match (rn == ROWS, tn) {
+        (true, 1) => pad(S::dots::<ROWS, 1>(w, x, d_in, pf)),
+        (true, 2) => pad(S::dots::<ROWS, 2>(w, x, d_in, pf)),
+        (true, 3) => pad(S::dots::<ROWS, 3>(w, x, d_in, pf)),
+        (true, _) => pad(S::dots::<ROWS, TOKENS>(w, x, d_in, pf)),
+        (false, 1) => pad(S::dots::<1, 1>(w, x, d_in, pf)),
+        (false, 2) => pad(S::dots::<1, 2>(w, x, d_in, pf)),
+        (false, 3) => pad(S::dots::<1, 3>(w, x, d_in, pf)),
+        (false, _) => pad(S::dots::<1, TOKENS>(w, x, d_in, pf)),
     }
 }
 
@@ -93,56 +133,164 @@ fn pad<const R: usize, const T: usize>(s: [[f32; T]; R]) -> [[f32; TOKENS]; ROWS
     out
 }
 
-/// The `R × T` dot products of rows `w + r·d_in` with tokens `x + i·d_in`, sixteen `k` per
-/// step in `R·T` accumulators; the last partial step loads under a mask. With `pf` non-null,
-/// also prefetches the `R` rows at `pf` (same stride), one line per row per step.
-///
-/// # Safety
-/// AVX-512F is present and the rows and tokens hold `d_in` readable values each.
+/// One instruction set's vector operations, and the kernel built from them (compiled once
+/// per set, with that set enabled).
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
+trait Simd {
+    /// A register of lanes.
+    type V: Copy;
+    /// f32 lanes per register.
+    const LANES: usize;
+    /// Tokens per call with four rows: the accumulators, rows and input fit the registers.
+    const TOKENS: usize;
+    unsafe fn zero() -> Self::V;
+    unsafe fn load(p: *const f32) -> Self::V;
+    /// The first `n < LANES` values at `p`, zeros after (nothing past them is read).
+    unsafe fn load_part(p: *const f32, n: usize) -> Self::V;
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
+    unsafe fn sum(v: Self::V) -> f32;
+
+    /// The `R × T` dot products of rows `w + r·d_in` with tokens `x + i·d_in`.
+    ///
+    /// # Safety
+    /// The CPU has the set, and the rows and tokens hold `d_in` readable values each.
+    unsafe fn dots<const R: usize, const T: usize>(
+        w: *const f32,
+        x: *const f32,
+        d_in: usize,
+        pf: *const f32,
+    ) -> [[f32; T]; R];
+}
+
+/// The kernel of [`Simd::dots`]: `LANES` values of `k` per step in `R·T` accumulators, the
+/// last partial step loaded in part. With `pf` non-null, also prefetches the `R` rows at
+/// `pf` (same stride), a line per row per 64 bytes of `k`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
 #[allow(clippy::needless_range_loop)]
-unsafe fn dots<const R: usize, const T: usize>(
+unsafe fn dots_impl<S: Simd, const R: usize, const T: usize>(
     w: *const f32,
     x: *const f32,
     d_in: usize,
     pf: *const f32,
 ) -> [[f32; T]; R] {
     use std::arch::x86_64::*;
-    let mut acc = [[_mm512_setzero_ps(); T]; R];
-    let full = d_in / 16 * 16;
+    let mut acc = [[S::zero(); T]; R];
+    let full = d_in / S::LANES * S::LANES;
     let mut k = 0;
     while k < full {
-        if !pf.is_null() {
+        if !pf.is_null() && k % 16 == 0 {
             for r in 0..R {
                 _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(r * d_in + k).cast());
             }
         }
-        let wv: [__m512; R] = std::array::from_fn(|r| _mm512_loadu_ps(w.add(r * d_in + k)));
+        let wv: [S::V; R] = std::array::from_fn(|r| S::load(w.add(r * d_in + k)));
         for i in 0..T {
-            let xv = _mm512_loadu_ps(x.add(i * d_in + k));
+            let xv = S::load(x.add(i * d_in + k));
             for r in 0..R {
-                acc[r][i] = _mm512_fmadd_ps(wv[r], xv, acc[r][i]);
+                acc[r][i] = S::fma(wv[r], xv, acc[r][i]);
             }
         }
-        k += 16;
+        k += S::LANES;
     }
     if k < d_in {
-        let m: __mmask16 = ((1u32 << (d_in - k)) - 1) as u16;
-        let wv: [__m512; R] =
-            std::array::from_fn(|r| _mm512_maskz_loadu_ps(m, w.add(r * d_in + k)));
+        let n = d_in - k;
+        let wv: [S::V; R] = std::array::from_fn(|r| S::load_part(w.add(r * d_in + k), n));
         for i in 0..T {
-            let xv = _mm512_maskz_loadu_ps(m, x.add(i * d_in + k));
+            let xv = S::load_part(x.add(i * d_in + k), n);
             for r in 0..R {
-                acc[r][i] = _mm512_fmadd_ps(wv[r], xv, acc[r][i]);
+                acc[r][i] = S::fma(wv[r], xv, acc[r][i]);
             }
         }
     }
     let mut out = [[0f32; T]; R];
     for (o, a) in out.iter_mut().zip(&acc) {
         for (o, a) in o.iter_mut().zip(a) {
-            *o = _mm512_reduce_add_ps(*a);
+            *o = S::sum(*a);
         }
     }
     out
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Avx512;
+
+#[cfg(target_arch = "x86_64")]
+impl Simd for Avx512 {
+    type V = std::arch::x86_64::__m512;
+    const LANES: usize = 16;
+    const TOKENS: usize = 4;
+    #[inline(always)]
+    unsafe fn zero() -> Self::V {
+        std::arch::x86_64::_mm512_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self::V {
+        std::arch::x86_64::_mm512_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn load_part(p: *const f32, n: usize) -> Self::V {
+        std::arch::x86_64::_mm512_maskz_loadu_ps(((1u32 << n) - 1) as u16, p)
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V {
+        std::arch::x86_64::_mm512_fmadd_ps(a, b, c)
+    }
+    #[inline(always)]
+    unsafe fn sum(v: Self::V) -> f32 {
+        std::arch::x86_64::_mm512_reduce_add_ps(v)
+    }
+    #[target_feature(enable = "avx512f")]
+    unsafe fn dots<const R: usize, const T: usize>(
+        w: *const f32,
+        x: *const f32,
+        d_in: usize,
+        pf: *const f32,
+    ) -> [[f32; T]; R] {
+        dots_impl::<Self, R, T>(w, x, d_in, pf)
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+struct Avx2;
+
+#[cfg(target_arch = "x86_64")]
+impl Simd for Avx2 {
+    type V = std::arch::x86_64::__m256;
+    const LANES: usize = 8;
+    const TOKENS: usize = 2;
+    #[inline(always)]
+    unsafe fn zero() -> Self::V {
+        std::arch::x86_64::_mm256_setzero_ps()
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const f32) -> Self::V {
+        std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+    #[inline(always)]
+    unsafe fn load_part(p: *const f32, n: usize) -> Self::V {
+        use std::arch::x86_64::*;
+        let lanes = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+        _mm256_maskload_ps(p, _mm256_cmpgt_epi32(_mm256_set1_epi32(n as i32), lanes))
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V {
+        std::arch::x86_64::_mm256_fmadd_ps(a, b, c)
+    }
+    #[inline(always)]
+    unsafe fn sum(v: Self::V) -> f32 {
+        use std::arch::x86_64::*;
+        let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
+        let d = _mm_add_ps(q, _mm_movehl_ps(q, q));
+        _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)))
+    }
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dots<const R: usize, const T: usize>(
+        w: *const f32,
+        x: *const f32,
+        d_in: usize,
+        pf: *const f32,
+    ) -> [[f32; T]; R] {
+        dots_impl::<Self, R, T>(w, x, d_in, pf)
+    }
 }

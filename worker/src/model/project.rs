@@ -169,11 +169,11 @@ impl Columns {
 
     /// Columns `cols` of `x·Wᵀ` (added to what they hold when `accumulate`: the bias), with
     /// `W` `[width, in]` row-major, on the calling thread: by [`dense::product`] when
-    /// `direct`, else by gemm.
+    /// `direct` names an instruction set, else by gemm.
     ///
     /// # Safety
     /// The buffer is alive and no other thread reads or writes these columns meanwhile;
-    /// `direct` only where [`dense::available`].
+    /// `direct` only as [`dense::available`] allows (AVX2 also where it names AVX-512).
     #[allow(clippy::too_many_arguments)]
     unsafe fn product(
         self,
@@ -183,12 +183,13 @@ impl Columns {
         w: &[f32],
         cols: std::ops::Range<usize>,
         accumulate: bool,
-        direct: bool,
+        direct: Option<dense::Isa>,
     ) {
         let w = &w[cols.start * d_in..cols.end * d_in];
         #[cfg(target_arch = "x86_64")]
-        if direct {
+        if let Some(isa) = direct {
             dense::product(
+                isa,
                 xs,
                 t,
                 d_in,
@@ -199,9 +200,9 @@ impl Columns {
             );
             return;
         }
-        let _ = direct;
-        // dst[i, j] = x[i, ·] · W[cols.start + j, ·]: lhs x `[t, in]`, rhs Wᵀ (column j is row
-        // j of the block), dst a window of the output's rows.
+        let _ = direct; // Other architectures: gemm only.
+                        // dst[i, j] = x[i, ·] · W[cols.start + j, ·]: lhs x `[t, in]`, rhs Wᵀ (column j is row
+                        // j of the block), dst a window of the output's rows.
         gemm::gemm(
             t,
             cols.len(),
@@ -274,20 +275,22 @@ mod tests {
         }
     }
 
-    /// Both kernels of a column block (the direct one where the CPU has it, and gemm) equal
+    /// Every kernel of a column block (the direct ones the CPU has, and gemm) equals
     /// the plain formula: widths that leave rows past the four-row blocks, inputs with a
     /// partial sixteen-value step, every token count of a kernel call and more, onto zeros
     /// and accumulated onto what the output held.
     #[test]
     fn column_blocks_match_the_formula() {
         let val = |i: usize| ((i * 7919 % 101) as f32 - 50.0) / 37.0;
-        let mut kernels = vec![false];
-        if dense::available() {
-            kernels.push(true);
-        } else {
-            eprintln!("no AVX-512 here: only the gemm kernel is checked");
+        let mut kernels = vec![None];
+        match dense::available() {
+            Some(dense::Isa::Avx512) => {
+                kernels.extend([Some(dense::Isa::Avx512), Some(dense::Isa::Avx2)])
+            }
+            Some(dense::Isa::Avx2) => kernels.push(Some(dense::Isa::Avx2)),
+            None => eprintln!("neither AVX-512 nor AVX2 here: only the gemm kernel is checked"),
         }
-        for (d_in, width) in [(72, 19), (16, 8), (5, 6), (40, 1)] {
+        for (d_in, width) in [(72, 19), (16, 8), (5, 6), (13, 10), (40, 1)] {
             let w: Vec<f32> = (0..width * d_in).map(|i| val(i + 3)).collect();
             for t in [1, 2, 3, 4, 5, 9, 17] {
                 let xs: Vec<f32> = (0..t * d_in).map(|i| val(i + 17)).collect();
@@ -317,7 +320,7 @@ mod tests {
                             // dropped tail is ~1.
                             assert!(
                                 (*g as f64 - want).abs() < 1e-4,
-                                "direct {direct}, in {d_in}, width {width}, t {t}, \
+                                "direct {direct:?}, in {d_in}, width {width}, t {t}, \
                                  accumulate {accumulate}: {g} vs {want}"
                             );
                         }
