@@ -5,7 +5,8 @@
 //! each fork of the pool costs a wake-up of the other threads (tens of microseconds on a VM)
 //! and a wait for the slowest. gemm's own threading forks once per block of the product and
 //! runs small products (a token's) on one thread. Here the work is cut into column blocks of the
-//! base product and tasks of the adapter updates, every thread takes from both queues until
+//! base product (each multiplied by [`dense`]'s kernel, or gemm on CPUs without AVX2) and tasks
+//! of the adapter updates, every thread takes from both queues until
 //! they are empty (so a thread woken late just finds less work), and the threads start on
 //! different queues: one streams adapter weights from memory while the other multiplies the
 //! base weights, where two threads streaming adapters at once share the memory bus.
@@ -23,7 +24,7 @@ use crate::lora::{HostUpdates, UpdateTask, HOST_LORA_MAX_TOKENS};
 
 /// Output columns per block of a base product: enough blocks for every thread to take
 /// several (so they finish together), each block's weights (`in` × 128 × 4 bytes) within a
-/// core's L2 for the usual widths, and each gemm call long enough to cost little to start.
+/// core's L2 for the usual widths, and each block long enough to cost little to start.
 const COLUMNS_PER_BLOCK: usize = 128;
 
 /// `x·Wᵀ + bias` plus the adapters' updates, for each `(lin, updates)` over the same input
