@@ -115,6 +115,12 @@ pub(crate) trait Weight: HostElem {
     /// compiled for AVX2 (it is inlined there, with the intrinsics).
     #[cfg(target_arch = "x86_64")]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
+    /// Sixteen values from `p` in an AVX-512 register.
+    ///
+    /// # Safety
+    /// As [`Weight::load8`], for AVX-512F and sixteen values.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
 }
 
 impl Weight for f32 {
@@ -126,6 +132,11 @@ impl Weight for f32 {
     #[inline(always)]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
         std::arch::x86_64::_mm256_loadu_ps(p)
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        std::arch::x86_64::_mm512_loadu_ps(p)
     }
 }
 
@@ -142,6 +153,13 @@ impl Weight for half::bf16 {
         use std::arch::x86_64::*;
         let h = _mm_loadu_si128(p as *const __m128i);
         _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        let h = _mm256_loadu_si256(p as *const __m256i);
+        _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
     }
 }
 
@@ -316,6 +334,12 @@ fn lora_impl<const FMA: bool, W: Weight>(
         r > 0 && r.is_multiple_of(RANK_ALIGN),
         "rank {r} is not padded"
     );
+    #[cfg(target_arch = "x86_64")]
+    if FMA && r.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: the CPU has AVX-512F (checked just above) and r is a multiple of 16.
+        unsafe { lora_avx512(xs, at, b, r, outs) };
+        return;
+    }
     let (d_in, d_out) = (at.len() / r, b.len() / r);
     let mut h = vec![0f32; outs.len() * r];
     let x = |i: usize| &xs[outs[i].0 * d_in..][..d_in];
@@ -501,6 +525,174 @@ unsafe fn sums8(v: [std::arch::x86_64::__m256; 8]) -> std::arch::x86_64::__m256 
     )
 }
 
+/// [`lora_impl`] with AVX-512, for ranks that fill whole 16-lane registers: the first
+/// product's rank block in one register per token (a load and one multiply-add per row and
+/// token, where AVX2 takes two of each), and the second in the broadcast form over 16×16
+/// tiles of `B` transposed in registers (a multiply-add per rank and token for sixteen
+/// outputs, where the dot form pays a horizontal sum per output and token). The transpose is
+/// paid once per tile for all of a task's tokens.
+///
+/// # Safety
+/// The CPU has AVX-512F and `r` is a multiple of 16; the lengths are as [`lora_impl`]'s.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn lora_avx512<W: Weight>(
+    xs: &[f32],
+    at: &[W],
+    b: &[W],
+    r: usize,
+    outs: &mut [(usize, &mut [f32])],
+) {
+    let (d_in, d_out) = (at.len() / r, b.len() / r);
+    assert!(at.len() == d_in * r && b.len() == d_out * r);
+    assert!(outs
+        .iter()
+        .all(|(i, o)| o.len() == d_out && xs.len() >= (i + 1) * d_in));
+    let mut h = vec![0f32; outs.len() * r];
+    for (c, hc) in h.chunks_mut(4 * r).enumerate() {
+        let x = |i: usize| &xs[outs[4 * c + i].0 * d_in..][..d_in];
+        match hc.len() / r {
+            1 => shrink_avx512::<W, 1, 4>(at, r, [x(0)], hc),
+            2 => shrink_avx512::<W, 2, 2>(at, r, [x(0), x(1)], hc),
+            3 => shrink_avx512::<W, 3, 1>(at, r, [x(0), x(1), x(2)], hc),
+            _ => shrink_avx512::<W, 4, 1>(at, r, [x(0), x(1), x(2), x(3)], hc),
+        }
+    }
+    expand_avx512(b, r, d_out, &h, outs);
+}
+
+/// `h[t·r + k] = vecs[t] · Aᵀ[·, k]`, sixteen ranks per pass over the rows of `Aᵀ`, `U` rows
+/// interleaved so every token has four independent sums in flight.
+///
+/// # Safety
+/// As [`lora_avx512`]; `at` is `[n, r]` with `n` every vector's length, `h` holds `T·r`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn shrink_avx512<W: Weight, const T: usize, const U: usize>(
+    at: &[W],
+    r: usize,
+    vecs: [&[f32]; T],
+    h: &mut [f32],
+) {
+    use std::arch::x86_64::*;
+    let n = vecs[0].len();
+    for k in (0..r).step_by(16) {
+        let base = at.as_ptr().add(k);
+        let mut acc = [[_mm512_setzero_ps(); T]; U];
+        let step = |acc: &mut [__m512; T], i: usize| {
+            let w = W::load16(base.add(i * r));
+            for t in 0..T {
+                acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(*vecs[t].get_unchecked(i)), w, acc[t]);
+            }
+        };
+        let mut i = 0;
+        while i + U <= n {
+            for (u, a) in acc.iter_mut().enumerate() {
+                step(a, i + u);
+            }
+            i += U;
+        }
+        for i in i..n {
+            step(&mut acc[0], i);
+        }
+        for t in 0..T {
+            let mut s = acc[0][t];
+            for a in &acc[1..] {
+                s = _mm512_add_ps(s, a[t]);
+            }
+            _mm512_storeu_ps(h.as_mut_ptr().add(t * r + k), s);
+        }
+    }
+}
+
+/// `out_t[o] += B[o] · h_t`: per sixteen rows of `B` `[d_out, r]` and sixteen ranks, the tile
+/// transposed in registers, then one broadcast multiply-add per rank for each token of a
+/// chunk of four; rows past the last whole sixteen in scalar.
+///
+/// # Safety
+/// As [`lora_avx512`]; `h` holds `r` values per output.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn expand_avx512<W: Weight>(
+    b: &[W],
+    r: usize,
+    d_out: usize,
+    h: &[f32],
+    outs: &mut [(usize, &mut [f32])],
+) {
+    use std::arch::x86_64::*;
+    let full = d_out / 16 * 16;
+    for o in (0..full).step_by(16) {
+        for (hc, oc) in h.chunks(4 * r).zip(outs.chunks_mut(4)) {
+            let mut y = [_mm512_setzero_ps(); 4];
+            for k in (0..r).step_by(16) {
+                let rows: [__m512; 16] =
+                    std::array::from_fn(|j| W::load16(b.as_ptr().add((o + j) * r + k)));
+                let cols = transpose16(rows);
+                for (yt, ht) in y.iter_mut().zip(hc.chunks_exact(r)) {
+                    for (kk, col) in cols.iter().enumerate() {
+                        *yt = _mm512_fmadd_ps(_mm512_set1_ps(*ht.get_unchecked(k + kk)), *col, *yt);
+                    }
+                }
+            }
+            for (yt, (_, out)) in y.iter().zip(oc.iter_mut()) {
+                let p = out.as_mut_ptr().add(o);
+                _mm512_storeu_ps(p, _mm512_add_ps(_mm512_loadu_ps(p), *yt));
+            }
+        }
+    }
+    for (ht, (_, out)) in h.chunks_exact(r).zip(outs.iter_mut()) {
+        for (o, row) in out.iter_mut().zip(b.chunks_exact(r)).skip(full) {
+            *o = row
+                .iter()
+                .zip(ht)
+                .fold(*o, |s, (w, x)| x.mul_add(w.f32(), s));
+        }
+    }
+}
+
+/// The transpose of a 16×16 tile held as sixteen rows: `out[j]` lane `i` is `rows[i]` lane
+/// `j`. Pairs interleaved at 32 then 64 bits within each 128-bit lane, then whole lanes
+/// gathered in two rounds of `shuffle_f32x4`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn transpose16(rows: [std::arch::x86_64::__m512; 16]) -> [std::arch::x86_64::__m512; 16] {
+    use std::arch::x86_64::*;
+    // a[2i], a[2i+1]: rows 2i, 2i+1 interleaved (elements 0,1 and 2,3 of each lane).
+    let a: [__m512; 16] = std::array::from_fn(|j| {
+        let (x, y) = (rows[j & !1], rows[j | 1]);
+        if j % 2 == 0 {
+            _mm512_unpacklo_ps(x, y)
+        } else {
+            _mm512_unpackhi_ps(x, y)
+        }
+    });
+    // b[4i + e]: per 128-bit lane L, rows 4i..4i+3 at element 4L + e.
+    let b: [__m512; 16] = std::array::from_fn(|j| {
+        let (i, e) = (j / 4, j % 4);
+        let x = _mm512_castps_pd(a[4 * i + (e / 2)]);
+        let y = _mm512_castps_pd(a[4 * i + 2 + (e / 2)]);
+        _mm512_castpd_ps(if e % 2 == 0 {
+            _mm512_unpacklo_pd(x, y)
+        } else {
+            _mm512_unpackhi_pd(x, y)
+        })
+    });
+    let mut out = [_mm512_setzero_ps(); 16];
+    for e in 0..4 {
+        let p = _mm512_shuffle_f32x4::<0x88>(b[e], b[4 + e]);
+        let q = _mm512_shuffle_f32x4::<0xdd>(b[e], b[4 + e]);
+        let s = _mm512_shuffle_f32x4::<0x88>(b[8 + e], b[12 + e]);
+        let u = _mm512_shuffle_f32x4::<0xdd>(b[8 + e], b[12 + e]);
+        out[e] = _mm512_shuffle_f32x4::<0x88>(p, s);
+        out[8 + e] = _mm512_shuffle_f32x4::<0xdd>(p, s);
+        out[4 + e] = _mm512_shuffle_f32x4::<0x88>(q, u);
+        out[12 + e] = _mm512_shuffle_f32x4::<0xdd>(q, u);
+    }
+    out
+}
+
 #[inline(always)]
 fn lora_f32<const FMA: bool>(
     xs: &[f32],
@@ -627,7 +819,7 @@ mod tests {
         // (dtype, A and B as the formula reads them, the kernels that hold them).
         type Case<'a> = (&'a str, Vec<f32>, Vec<f32>, Vec<Run<'a>>);
         let dout = 70;
-        for (din, r) in [(10, 3), (37, 8), (16, 17), (9, 40)] {
+        for (din, r) in [(10, 3), (37, 8), (16, 17), (9, 40), (20, 16), (33, 32)] {
             // The formula's A `[r, in]` and Bᵀ `[r, out]`, and the kernel's padded Aᵀ and B.
             let a: Vec<f32> = (0..din * r).map(|i| val(i + 5)).collect();
             let b: Vec<f32> = (0..r * dout).map(|i| val(i + 13)).collect();
@@ -676,21 +868,29 @@ mod tests {
             for (dtype, a, b, runs) in &cases {
                 for tokens in 1..=5usize {
                     let rows: Vec<usize> = (0..tokens).map(|i| (2 * i + 1) % batch).collect();
-                    let want: Vec<Vec<f64>> = rows
+                    // Per output: the exact value and the sum of its terms' magnitudes, which
+                    // bounds f32's rounding in any order of summation.
+                    let want: Vec<Vec<(f64, f64)>> = rows
                         .iter()
                         .map(|&t| {
                             let x = &xs[t * din..(t + 1) * din];
-                            let hid: Vec<f64> = (0..r)
+                            let hid: Vec<(f64, f64)> = (0..r)
                                 .map(|k| {
-                                    (0..din).map(|j| x[j] as f64 * a[k * din + j] as f64).sum()
+                                    (0..din)
+                                        .map(|j| x[j] as f64 * a[k * din + j] as f64)
+                                        .fold((0.0, 0.0), |(s, m), p| (s + p, m + p.abs()))
                                 })
                                 .collect();
                             (0..dout)
                                 .map(|o| {
-                                    val(o + t) as f64
-                                        + (0..r)
-                                            .map(|k| hid[k] * b[k * dout + o] as f64)
-                                            .sum::<f64>()
+                                    let init = val(o + t) as f64;
+                                    hid.iter().enumerate().fold(
+                                        (init, init.abs()),
+                                        |(s, m), (k, (h, hm))| {
+                                            let w = b[k * dout + o] as f64;
+                                            (s + h * w, m + hm * w.abs())
+                                        },
+                                    )
                                 })
                                 .collect()
                         })
@@ -707,9 +907,13 @@ mod tests {
                             .collect();
                         run(&xs, &mut pairs);
                         for (got, want) in outs.iter().zip(&want) {
-                            for (g, w) in got.iter().zip(want) {
+                            for (g, (w, m)) in got.iter().zip(want) {
+                                // f32 rounding scales with the terms summed: up to ~70 at
+                                // rank 32, cancelling to results near 0.1, where one f32 step
+                                // of a term is 8e-6. A wrong row, rank or token is off by a
+                                // whole term.
                                 assert!(
-                                    (*g as f64 - w).abs() < 1e-5,
+                                    (*g as f64 - w).abs() < 1e-5 * m.max(1.0),
                                     "{dtype}, in {din}, rank {r}, {tokens} tokens: {g} vs {w}"
                                 );
                             }
