@@ -45,9 +45,9 @@ const TOKENS: usize = 4;
 /// `dst + i·stride`.
 ///
 /// # Safety
-/// [`available`] named `isa`; `xs` holds `t · d_in` values and `w` a multiple of `d_in`; `dst`
-/// is valid for reads and writes of `t` rows of `w.len() / d_in` values at `stride` apart,
-/// which no other thread touches meanwhile.
+/// The CPU has `isa` (see [`available`]); `xs` holds `t · d_in` values and `w` a multiple
+/// of `d_in`; `dst` is valid for reads and writes of `t` rows of `w.len() / d_in` values at
+/// `stride` apart, which no other thread touches meanwhile.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) unsafe fn product(
