@@ -334,17 +334,33 @@ fn lora_impl<const FMA: bool, W: Weight>(
         r > 0 && r.is_multiple_of(RANK_ALIGN),
         "rank {r} is not padded"
     );
-    #[cfg(target_arch = "x86_64")]
-    if FMA && r.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f") {
-        // SAFETY: the CPU has AVX-512F (checked just above) and r is a multiple of 16.
-        unsafe { lora_avx512(xs, at, b, r, outs) };
-        return;
-    }
     let (d_in, d_out) = (at.len() / r, b.len() / r);
+    assert!(at.len() == d_in * r && b.len() == d_out * r);
+    assert!(outs
+        .iter()
+        .all(|(i, o)| o.len() == d_out && xs.len() >= (i + 1) * d_in));
+    // Ranks that fill whole 16-lane registers take the AVX-512 kernels where the CPU has them.
+    #[cfg(target_arch = "x86_64")]
+    let wide = FMA && r.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    let wide = false;
     let mut h = vec![0f32; outs.len() * r];
     let x = |i: usize| &xs[outs[i].0 * d_in..][..d_in];
     for (c, hc) in h.chunks_mut(4 * r).enumerate() {
         let x = |i: usize| x(4 * c + i);
+        #[cfg(target_arch = "x86_64")]
+        if wide {
+            // SAFETY: AVX-512F and r a multiple of 16 (`wide`); the lengths are asserted above.
+            unsafe {
+                match hc.len() / r {
+                    1 => shrink_avx512::<W, 1, 4>(at, r, [x(0)], hc),
+                    2 => shrink_avx512::<W, 2, 2>(at, r, [x(0), x(1)], hc),
+                    3 => shrink_avx512::<W, 3, 1>(at, r, [x(0), x(1), x(2)], hc),
+                    _ => shrink_avx512::<W, 4, 1>(at, r, [x(0), x(1), x(2), x(3)], hc),
+                }
+            }
+            continue;
+        }
         // Eight independent sums in flight whatever the token count: `U` rows at once.
         match hc.len() / r {
             1 => shrink::<FMA, W, 1, 4>(at, r, [x(0)], hc),
@@ -352,6 +368,12 @@ fn lora_impl<const FMA: bool, W: Weight>(
             3 => shrink::<FMA, W, 3, 2>(at, r, [x(0), x(1), x(2)], hc),
             _ => shrink::<FMA, W, 4, 1>(at, r, [x(0), x(1), x(2), x(3)], hc),
         }
+    }
+    #[cfg(target_arch = "x86_64")]
+    if wide {
+        // SAFETY: as above.
+        unsafe { expand_avx512(b, r, d_out, &h, outs) };
+        return;
     }
     expand::<FMA, W>(b, r, d_out, &h, outs);
 }
@@ -525,47 +547,19 @@ unsafe fn sums8(v: [std::arch::x86_64::__m256; 8]) -> std::arch::x86_64::__m256 
     )
 }
 
-/// [`lora_impl`] with AVX-512, for ranks that fill whole 16-lane registers: the first
-/// product's rank block in one register per token (a load and one multiply-add per row and
-/// token, where AVX2 takes two of each), and the second in the broadcast form over 16×16
-/// tiles of `B` transposed in registers (a multiply-add per rank and token for sixteen
-/// outputs, where the dot form pays a horizontal sum per output and token). The transpose is
-/// paid once per tile for all of a task's tokens.
-///
-/// # Safety
-/// The CPU has AVX-512F and `r` is a multiple of 16; the lengths are as [`lora_impl`]'s.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn lora_avx512<W: Weight>(
-    xs: &[f32],
-    at: &[W],
-    b: &[W],
-    r: usize,
-    outs: &mut [(usize, &mut [f32])],
-) {
-    let (d_in, d_out) = (at.len() / r, b.len() / r);
-    assert!(at.len() == d_in * r && b.len() == d_out * r);
-    assert!(outs
-        .iter()
-        .all(|(i, o)| o.len() == d_out && xs.len() >= (i + 1) * d_in));
-    let mut h = vec![0f32; outs.len() * r];
-    for (c, hc) in h.chunks_mut(4 * r).enumerate() {
-        let x = |i: usize| &xs[outs[4 * c + i].0 * d_in..][..d_in];
-        match hc.len() / r {
-            1 => shrink_avx512::<W, 1, 4>(at, r, [x(0)], hc),
-            2 => shrink_avx512::<W, 2, 2>(at, r, [x(0), x(1)], hc),
-            3 => shrink_avx512::<W, 3, 1>(at, r, [x(0), x(1), x(2)], hc),
-            _ => shrink_avx512::<W, 4, 1>(at, r, [x(0), x(1), x(2), x(3)], hc),
-        }
-    }
-    expand_avx512(b, r, d_out, &h, outs);
-}
+// The AVX-512 kernels of [`lora_impl`], for ranks that fill whole 16-lane registers: the first
+// product's rank block in one register per token (a load and one multiply-add per row and
+// token, where AVX2 takes two of each), and the second in the broadcast form over 16×16 tiles
+// of `B` transposed in registers (a multiply-add per rank and token for sixteen outputs, where
+// the dot form pays a horizontal sum per output and token), the transpose paid once per tile
+// for a chunk of four tokens.
 
 /// `h[t·r + k] = vecs[t] · Aᵀ[·, k]`, sixteen ranks per pass over the rows of `Aᵀ`, `U` rows
 /// interleaved so every token has four independent sums in flight.
 ///
 /// # Safety
-/// As [`lora_avx512`]; `at` is `[n, r]` with `n` every vector's length, `h` holds `T·r`.
+/// The CPU has AVX-512F and r is a multiple of 16; `at` is `[n, r]` with `n` every vector's
+/// length, `h` holds `T·r`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn shrink_avx512<W: Weight, const T: usize, const U: usize>(
@@ -610,7 +604,8 @@ unsafe fn shrink_avx512<W: Weight, const T: usize, const U: usize>(
 /// chunk of four; rows past the last whole sixteen in scalar.
 ///
 /// # Safety
-/// As [`lora_avx512`]; `h` holds `r` values per output.
+/// The CPU has AVX-512F and r is a multiple of 16; `b` holds `d_out·r` values, `h` `r` per
+/// output, and each output `d_out`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx512f")]
 unsafe fn expand_avx512<W: Weight>(
