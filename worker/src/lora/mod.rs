@@ -317,8 +317,11 @@ impl LoraAdapter {
 /// matmuls (gemm) win.
 pub const HOST_LORA_MAX_TOKENS: usize = 64;
 
-/// Tokens of one adapter per [`UpdateTask`].
-const LORA_TOKENS_PER_TASK: usize = 4;
+/// Tokens of one adapter per [`UpdateTask`]: a task reads its adapter's weights once for all
+/// its tokens (and the AVX-512 kernel transposes each tile of `B` once), and one thread runs
+/// the updates while the other multiplies base weights, so fewer, larger tasks cost nothing in
+/// balance at decode batch sizes.
+const LORA_TOKENS_PER_TASK: usize = 16;
 
 /// The adapters of one projection of a batch, held for the host kernels to read in place:
 /// per token `(x·Aᵀ)·(s·B)ᵀ` for CPU f32 batches of few tokens (decode steps, with one
@@ -405,12 +408,22 @@ pub struct UpdateTask<'s> {
     outs: Vec<(usize, &'s mut [f32])>,
 }
 
-impl UpdateTask<'_> {
-    /// Adds the update to the task's rows; `xs` is the batch's inputs `[tokens, in]`.
-    pub fn run(mut self, xs: &[f32]) {
+impl<'s> UpdateTask<'s> {
+    /// Adds the update to the task's rows; `xs` is the batch's inputs `[tokens, in]`, `next`
+    /// the [`reads`](Self::reads) of the task this thread will likely run next (empty when
+    /// none), asked of the memory ahead of need as this task's own weights run out.
+    pub fn run(mut self, xs: &[f32], next: [&[u8]; 2]) {
         match self.w {
-            Weights::F32(a, b) => host::lora_tokens(xs, a, b, self.r, &mut self.outs),
-            Weights::Bf16(a, b) => host::lora_tokens_bf16(xs, a, b, self.r, &mut self.outs),
+            Weights::F32(a, b) => host::lora_tokens(xs, a, b, self.r, &mut self.outs, next),
+            Weights::Bf16(a, b) => host::lora_tokens_bf16(xs, a, b, self.r, &mut self.outs, next),
+        }
+    }
+
+    /// The weights the task reads, in the order it reads them, as bytes.
+    pub fn reads(&self) -> [&'s [u8]; 2] {
+        match self.w {
+            Weights::F32(a, b) => [host::bytes(a), host::bytes(b)],
+            Weights::Bf16(a, b) => [host::bytes(a), host::bytes(b)],
         }
     }
 }

@@ -87,10 +87,15 @@ pub(crate) fn host_projections(
         })
         .collect();
     {
-        let tasks: Vec<Mutex<Option<UpdateTask<'_>>>> = lins
+        let tasks: Vec<UpdateTask<'_>> = lins
             .iter()
             .zip(sums.iter_mut())
             .flat_map(|((_, u), s)| u.tasks(d_in, s))
+            .collect();
+        // What a thread reads after a task: likeliest, the next one in the queue.
+        let reads: Vec<[&[u8]; 2]> = tasks.iter().map(UpdateTask::reads).collect();
+        let tasks: Vec<Mutex<Option<UpdateTask<'_>>>> = tasks
+            .into_iter()
             .map(|task| Mutex::new(Some(task)))
             .collect();
         let mut blocks = Vec::new();
@@ -105,15 +110,16 @@ pub(crate) fn host_projections(
         }
         let direct = dense::available();
         let (next_task, next_block) = (AtomicUsize::new(0), AtomicUsize::new(0));
-        let take_task = || match tasks.get(next_task.fetch_add(1, Ordering::Relaxed)) {
-            Some(task) => {
-                let task = task.lock().unwrap_or_else(|p| p.into_inner()).take();
-                if let Some(task) = task {
-                    task.run(xs);
-                }
-                true
+        let take_task = || {
+            let i = next_task.fetch_add(1, Ordering::Relaxed);
+            let Some(task) = tasks.get(i) else {
+                return false;
+            };
+            let task = task.lock().unwrap_or_else(|p| p.into_inner()).take();
+            if let Some(task) = task {
+                task.run(xs, reads.get(i + 1).copied().unwrap_or([&[], &[]]));
             }
-            None => false,
+            true
         };
         let take_block = || match blocks.get(next_block.fetch_add(1, Ordering::Relaxed)) {
             Some((w, out, cols, bias)) => {
