@@ -377,9 +377,9 @@ impl<'t> HostUpdates<'t> {
         self.held.is_empty()
     }
 
-    /// Tasks of a few tokens of one adapter each, adding to `sum` (`[tokens, d_out]`,
-    /// row-major): the tokens share each weight row while it is in cache, so an adapter's
-    /// weights are read once per task, not once per token.
+    /// Tasks of up to [`LORA_TOKENS_PER_TASK`] tokens of one adapter each, adding to `sum`
+    /// (`[tokens, d_out]`, row-major): the tokens share each weight row while it is in cache,
+    /// so an adapter's weights are read once per task, not once per token.
     pub fn tasks<'s>(&'s self, d_in: usize, sum: &'s mut [f32]) -> Vec<UpdateTask<'s>> {
         if self.held.is_empty() {
             return Vec::new();
