@@ -319,8 +319,8 @@ const RANK_BLOCK: usize = 16;
 /// of cold weights, and the hardware prefetchers neither cross the 4 KiB pages of those runs
 /// nor jump to the next task's matrices, so each page starts with misses paid in full. One
 /// core of the dev VM (Zen 5), SmolLM2's seven projections at rank 16, 16 adapters each read
-/// once per step in step order: 26 → 34 GB/s f32, 22 → 29 GB/s bf16 (2, 4, 8, 16 KiB ahead
-/// measured; 8 was best for both).
+/// once per step in step order: 26 → 34 GB/s f32, 22 → 29 GB/s bf16 (4, 8, 16 and 32 KiB
+/// ahead measured; 8 was best for both).
 const AHEAD: usize = 8 << 10;
 
 /// The weights an adapter kernel reads, in the order it reads them (its `Aᵀ`, its `B`, then
@@ -349,9 +349,6 @@ impl Ahead<'_> {
 
     #[inline(always)]
     fn prefetch(&self, mut at: usize) {
-        if at < self.spans[0].len() {
-            return line(self.spans[0], at);
-        }
         for span in self.spans {
             if at < span.len() {
                 return line(span, at);
