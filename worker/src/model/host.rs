@@ -491,6 +491,29 @@ fn shrink<const FMA: bool, W: Weight, const T: usize, const U: usize>(
     }
 }
 
+/// `step(acc[u], i + u)` over rows `0..n`, `U` rows at a time each into its own accumulators
+/// (so every sum waits on its own adds only once per `U` rows), `block(i)` before each such
+/// group, and the rows left over into the first accumulators.
+#[inline(always)]
+fn by_rows<A, const U: usize>(
+    n: usize,
+    acc: &mut [A; U],
+    step: impl Fn(&mut A, usize),
+    mut block: impl FnMut(usize),
+) {
+    let mut i = 0;
+    while i + U <= n {
+        block(i);
+        for (u, a) in acc.iter_mut().enumerate() {
+            step(a, i + u);
+        }
+        i += U;
+    }
+    for i in i..n {
+        step(&mut acc[0], i);
+    }
+}
+
 /// Ranks `k..k + 8·V` of [`shrink`] in AVX registers: `U × T × V` accumulators, rows `i..i + U`
 /// interleaved so each sum waits on its own adds only once per `U` rows.
 ///
@@ -520,19 +543,11 @@ unsafe fn shrink_fma<W: Weight, const T: usize, const U: usize, const V: usize>(
             }
         }
     };
-    let mut i = 0;
-    while i + U <= n {
+    by_rows(n, &mut acc, step, |i| {
         if k == 0 {
             ahead.a(i * row, U * row);
         }
-        for (u, a) in acc.iter_mut().enumerate() {
-            step(a, i + u);
-        }
-        i += U;
-    }
-    for i in i..n {
-        step(&mut acc[0], i);
-    }
+    });
     let mut out = [[0f32; RANK_BLOCK]; T];
     for t in 0..T {
         for v in 0..V {
@@ -668,19 +683,11 @@ unsafe fn shrink_avx512<W: Weight, const T: usize, const U: usize>(
                 acc[t] = _mm512_fmadd_ps(_mm512_set1_ps(*vecs[t].get_unchecked(i)), w, acc[t]);
             }
         };
-        let mut i = 0;
-        while i + U <= n {
+        by_rows(n, &mut acc, step, |i| {
             if k == 0 {
                 ahead.a(i * row, U * row);
             }
-            for (u, a) in acc.iter_mut().enumerate() {
-                step(a, i + u);
-            }
-            i += U;
-        }
-        for i in i..n {
-            step(&mut acc[0], i);
-        }
+        });
         for t in 0..T {
             let mut s = acc[0][t];
             for a in &acc[1..] {
