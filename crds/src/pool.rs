@@ -97,7 +97,9 @@ pub struct BaseModel {
     #[schemars(length(max = 1024))]
     #[x_kube(validation = Rule::new("!self.startsWith('/') && !self.matches('(^|/)\\\\.\\\\.(/|$)')").message("baseModel.path must be relative and must not contain '..'"))]
     pub path: String,
-    /// Serving dtype.
+    /// Serving dtype of the weights. A GPU computes in it. A CPU holds `bf16` weights as
+    /// they are and computes in f32 over them (half the memory and half the bytes per decode
+    /// step of f32; each bf16 value widens to f32 exactly), and widens `f16` to f32.
     #[serde(default)]
     pub dtype: Dtype,
 }

@@ -80,7 +80,8 @@ pub struct WorkerBaseModel {
     pub name: String,
     /// HF directory (or a `.gguf` file), relative to `modelRoot` or absolute inside it.
     pub path: String,
-    /// Serving dtype (ignored for GGUF weights, which keep their quantization).
+    /// Serving dtype of the weights (see the pool's `baseModel.dtype`; ignored for GGUF
+    /// weights, which keep their quantization).
     #[serde(default)]
     pub dtype: Dtype,
 }

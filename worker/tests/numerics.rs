@@ -294,6 +294,66 @@ fn adapters_held_in_bf16_stay_within_their_rounding() {
     }
 }
 
+/// bf16 weights on the CPU, as a worker serves a bf16 checkpoint there: held in bf16 (half
+/// the memory, half the bytes a decode step reads) and computed in f32. Reference: the f32
+/// decoder over the same checkpoint rounded to bf16 (the checks above tie that decoder to
+/// transformers). Every bf16 value widens to f32 exactly, so both compute the same sums of
+/// the same values, in the same order on the host kernels: the f32 tolerance (1e-4 of the
+/// logits' scale) holds, and greedy continuations are identical. Rows with each adapter
+/// (held in f32) and one without share a batch; the host kernels and the tensor ops (prefill's
+/// path, which widens each projection per call) are both checked.
+#[test]
+fn bf16_weights_compute_as_f32_over_the_rounded_checkpoint() {
+    if !device().is_cpu() {
+        return; // A GPU computes in bf16 itself.
+    }
+    let cpu = Device::Cpu;
+    for name in ["llama", "qwen2", "qwen3"] {
+        let dir = fixtures().join(name);
+        let mut held = Decoder::load(&dir, DType::BF16, &cpu).unwrap();
+        assert_eq!(
+            (held.weight_dtype(), held.dtype()),
+            (DType::BF16, DType::F32)
+        );
+        let rounded = candle_core::safetensors::load(dir.join("model.safetensors"), &cpu)
+            .unwrap()
+            .into_iter()
+            .map(|(k, t)| {
+                (
+                    k,
+                    t.to_dtype(DType::BF16)
+                        .unwrap()
+                        .to_dtype(DType::F32)
+                        .unwrap(),
+                )
+            })
+            .collect();
+        let cfg = ModelConfig::from_dir(&dir).unwrap();
+        let mut want =
+            Decoder::new(cfg, VarBuilder::from_tensors(rounded, DType::F32, &cpu)).unwrap();
+        let (_, adapters) = load(name);
+        let p: Vec<Vec<u32>> =
+            serde_json::from_value(reference()[name]["prompts"].clone()).unwrap();
+        let mut batch: Vec<(Vec<u32>, Option<&LoraAdapter>)> = adapters
+            .iter()
+            .flat_map(|a| p.iter().map(move |q| (q.clone(), Some(a))))
+            .collect();
+        batch.push((p[1].clone(), None));
+        for host in [true, false] {
+            held.set_host_kernels(host);
+            want.set_host_kernels(host);
+            let (ours, ours_greedy) = run(&held, &batch, 8);
+            let (theirs, their_greedy) = run(&want, &batch, 8);
+            for (k, (o, t)) in ours.iter().zip(&theirs).enumerate() {
+                let label = format!("{name} bf16 weights row {k} (host kernels {host})");
+                let t: Vec<f32> = t.to_vec1().unwrap();
+                close(&label, o, &serde_json::json!(t));
+                assert_eq!(ours_greedy[k], their_greedy[k], "{label}: greedy");
+            }
+        }
+    }
+}
+
 #[test]
 fn adapters_are_validated_against_the_model() {
     let model = Decoder::load(&fixtures().join("qwen3"), DType::F32, &device()).unwrap();

@@ -317,9 +317,9 @@ fn bench_model(
         ("≥ 0.90", "≥ 1.0")
     };
     println!(
-        "bench decode: {label}, rank-{} LoRA on every linear module, {:?} on {}, {} decode steps",
+        "bench decode: {label}, rank-{} LoRA on every linear module, {} on {}, {} decode steps",
         args.rank,
-        model.dtype(),
+        dtypes(model),
         device_name(dev),
         s
     );
@@ -480,6 +480,14 @@ fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
         bench_model(&dir.display().to_string(), &m, Some(dir), args, &dev)?;
     }
     Ok(())
+}
+
+/// The model's dtypes as the header names them: one, or the weights' and compute's.
+fn dtypes(model: &Decoder) -> String {
+    match (model.weight_dtype(), model.dtype()) {
+        (w, c) if w == c => format!("{c:?}"),
+        (w, c) => format!("{w:?} weights computed in {c:?}"),
+    }
 }
 
 fn device_name(dev: &Device) -> &'static str {

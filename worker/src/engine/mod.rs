@@ -468,13 +468,12 @@ pub fn default_device() -> Device {
     Device::Cpu
 }
 
-/// Serving dtype: as configured on a GPU; f32 on the CPU, where candle's half-precision
-/// matmuls are slower than f32 and less accurate.
+/// Serving dtype of the weights: as configured on a GPU. On the CPU, bf16 stays bf16 (the
+/// decoder computes in f32 over it, see [`crate::model::compute_dtype`]) and f16 is widened
+/// to f32, where candle's half-precision matmuls are slower than f32 and less accurate.
 pub fn serving_dtype(configured: mole_crds::Dtype, device: &Device) -> DType {
-    if device.is_cpu() {
-        if configured != mole_crds::Dtype::F32 {
-            tracing::info!(configured = configured.as_str(), "CPU serving uses f32");
-        }
+    if device.is_cpu() && configured == mole_crds::Dtype::F16 {
+        tracing::info!(configured = configured.as_str(), "CPU serving uses f32");
         return DType::F32;
     }
     candle_dtype(configured)

@@ -1,5 +1,7 @@
 //! The base product of a host step's few tokens, `x·Wᵀ`, read straight from the weights'
-//! row-major `[out, in]` layout, with AVX-512 or AVX2.
+//! row-major `[out, in]` layout, with AVX-512 or AVX2. Weights are f32 or bf16; bf16 is
+//! widened to f32 in registers as it is loaded (exact), so a bf16 model reads half the bytes
+//! per step and sums in f32 as an f32 one does.
 //!
 //! Why not gemm: an outer-product kernel needs `W` in `k`-major panels, so gemm copies
 //! (packs) every weight block before it multiplies it. At decode sizes each block is used
@@ -9,6 +11,8 @@
 //! streamed from memory once and reused from L1 for the batch's other tokens. One core of the
 //! 2-CPU dev VM, SmolLM2's projections (540 MB, cold), 128-column blocks, AVX-512: 16 tokens
 //! 57 → 100 GFLOP/s, 4 tokens 21 → 58, 1 token 29 → 37 GB/s.
+
+use super::host::Weight;
 
 /// The instruction set the kernel runs with on this CPU, None where it has neither (gemm
 /// then). The macro caches the CPUID answer.
@@ -50,12 +54,12 @@ const TOKENS: usize = 4;
 /// `stride` apart, which no other thread touches meanwhile.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn product(
+pub(crate) unsafe fn product<W: Weight>(
     isa: Isa,
     xs: &[f32],
     t: usize,
     d_in: usize,
-    w: &[f32],
+    w: &[W],
     dst: *mut f32,
     stride: usize,
     accumulate: bool,
@@ -82,8 +86,8 @@ pub(crate) unsafe fn product(
             let x = xs.as_ptr().add(t0 * d_in);
             let pf = if t0 == 0 { next } else { std::ptr::null() };
             let sums = match isa {
-                Isa::Avx512 => sums::<Avx512>(rn, tn, block, x, d_in, pf),
-                Isa::Avx2 => sums::<Avx2>(rn, tn, block, x, d_in, pf),
+                Isa::Avx512 => sums::<Avx512, W>(rn, tn, block, x, d_in, pf),
+                Isa::Avx2 => sums::<Avx2, W>(rn, tn, block, x, d_in, pf),
             };
             for (r, row) in sums.iter().enumerate().take(rn) {
                 for (i, s) in row.iter().enumerate().take(tn) {
@@ -103,23 +107,23 @@ pub(crate) unsafe fn product(
 /// As [`Simd::dots`].
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
-unsafe fn sums<S: Simd>(
+unsafe fn sums<S: Simd, W: Weight>(
     rn: usize,
     tn: usize,
-    w: *const f32,
+    w: *const W,
     x: *const f32,
     d_in: usize,
-    pf: *const f32,
+    pf: *const W,
 ) -> [[f32; TOKENS]; ROWS] {
     match (rn == ROWS, tn) {
-        (true, 1) => pad(S::dots::<ROWS, 1>(w, x, d_in, pf)),
-        (true, 2) => pad(S::dots::<ROWS, 2>(w, x, d_in, pf)),
-        (true, 3) => pad(S::dots::<ROWS, 3>(w, x, d_in, pf)),
-        (true, _) => pad(S::dots::<ROWS, TOKENS>(w, x, d_in, pf)),
-        (false, 1) => pad(S::dots::<1, 1>(w, x, d_in, pf)),
-        (false, 2) => pad(S::dots::<1, 2>(w, x, d_in, pf)),
-        (false, 3) => pad(S::dots::<1, 3>(w, x, d_in, pf)),
-        (false, _) => pad(S::dots::<1, TOKENS>(w, x, d_in, pf)),
+        (true, 1) => pad(S::dots::<W, ROWS, 1>(w, x, d_in, pf)),
+        (true, 2) => pad(S::dots::<W, ROWS, 2>(w, x, d_in, pf)),
+        (true, 3) => pad(S::dots::<W, ROWS, 3>(w, x, d_in, pf)),
+        (true, _) => pad(S::dots::<W, ROWS, TOKENS>(w, x, d_in, pf)),
+        (false, 1) => pad(S::dots::<W, 1, 1>(w, x, d_in, pf)),
+        (false, 2) => pad(S::dots::<W, 1, 2>(w, x, d_in, pf)),
+        (false, 3) => pad(S::dots::<W, 1, 3>(w, x, d_in, pf)),
+        (false, _) => pad(S::dots::<W, 1, TOKENS>(w, x, d_in, pf)),
     }
 }
 
@@ -145,6 +149,8 @@ trait Simd {
     const TOKENS: usize;
     unsafe fn zero() -> Self::V;
     unsafe fn load(p: *const f32) -> Self::V;
+    /// `LANES` weights from `p`, as f32.
+    unsafe fn load_w<W: Weight>(p: *const W) -> Self::V;
     /// The first `n < LANES` values at `p`, zeros after (nothing past them is read).
     unsafe fn load_part(p: *const f32, n: usize) -> Self::V;
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
@@ -154,11 +160,11 @@ trait Simd {
     ///
     /// # Safety
     /// The CPU has the set, and the rows and tokens hold `d_in` readable values each.
-    unsafe fn dots<const R: usize, const T: usize>(
-        w: *const f32,
+    unsafe fn dots<W: Weight, const R: usize, const T: usize>(
+        w: *const W,
         x: *const f32,
         d_in: usize,
-        pf: *const f32,
+        pf: *const W,
     ) -> [[f32; T]; R];
 }
 
@@ -168,23 +174,23 @@ trait Simd {
 #[cfg(target_arch = "x86_64")]
 #[inline(always)]
 #[allow(clippy::needless_range_loop)]
-unsafe fn dots_impl<S: Simd, const R: usize, const T: usize>(
-    w: *const f32,
+unsafe fn dots_impl<S: Simd, W: Weight, const R: usize, const T: usize>(
+    w: *const W,
     x: *const f32,
     d_in: usize,
-    pf: *const f32,
+    pf: *const W,
 ) -> [[f32; T]; R] {
     use std::arch::x86_64::*;
     let mut acc = [[S::zero(); T]; R];
     let full = d_in / S::LANES * S::LANES;
     let mut k = 0;
     while k < full {
-        if !pf.is_null() && k % 16 == 0 {
+        if !pf.is_null() && (k * size_of::<W>()).is_multiple_of(64) {
             for r in 0..R {
                 _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(r * d_in + k).cast());
             }
         }
-        let wv: [S::V; R] = std::array::from_fn(|r| S::load(w.add(r * d_in + k)));
+        let wv: [S::V; R] = std::array::from_fn(|r| S::load_w(w.add(r * d_in + k)));
         for i in 0..T {
             let xv = S::load(x.add(i * d_in + k));
             for r in 0..R {
@@ -195,7 +201,15 @@ unsafe fn dots_impl<S: Simd, const R: usize, const T: usize>(
     }
     if k < d_in {
         let n = d_in - k;
-        let wv: [S::V; R] = std::array::from_fn(|r| S::load_part(w.add(r * d_in + k), n));
+        // The tail widened on the stack: one partial step per row, where a masked load of
+        // 16-bit values would need AVX-512BW.
+        let wv: [S::V; R] = std::array::from_fn(|r| {
+            let mut wide = [0f32; 16];
+            for (j, v) in wide.iter_mut().take(n).enumerate() {
+                *v = (*w.add(r * d_in + k + j)).f32();
+            }
+            S::load(wide.as_ptr())
+        });
         for i in 0..T {
             let xv = S::load_part(x.add(i * d_in + k), n);
             for r in 0..R {
@@ -240,14 +254,18 @@ impl Simd for Avx512 {
     unsafe fn sum(v: Self::V) -> f32 {
         std::arch::x86_64::_mm512_reduce_add_ps(v)
     }
+    #[inline(always)]
+    unsafe fn load_w<W: Weight>(p: *const W) -> Self::V {
+        W::load16(p)
+    }
     #[target_feature(enable = "avx512f")]
-    unsafe fn dots<const R: usize, const T: usize>(
-        w: *const f32,
+    unsafe fn dots<W: Weight, const R: usize, const T: usize>(
+        w: *const W,
         x: *const f32,
         d_in: usize,
-        pf: *const f32,
+        pf: *const W,
     ) -> [[f32; T]; R] {
-        dots_impl::<Self, R, T>(w, x, d_in, pf)
+        dots_impl::<Self, W, R, T>(w, x, d_in, pf)
     }
 }
 
@@ -284,13 +302,17 @@ impl Simd for Avx2 {
         let d = _mm_add_ps(q, _mm_movehl_ps(q, q));
         _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)))
     }
+    #[inline(always)]
+    unsafe fn load_w<W: Weight>(p: *const W) -> Self::V {
+        W::load8(p)
+    }
     #[target_feature(enable = "avx2,fma")]
-    unsafe fn dots<const R: usize, const T: usize>(
-        w: *const f32,
+    unsafe fn dots<W: Weight, const R: usize, const T: usize>(
+        w: *const W,
         x: *const f32,
         d_in: usize,
-        pf: *const f32,
+        pf: *const W,
     ) -> [[f32; T]; R] {
-        dots_impl::<Self, R, T>(w, x, d_in, pf)
+        dots_impl::<Self, W, R, T>(w, x, d_in, pf)
     }
 }

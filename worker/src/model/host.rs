@@ -108,6 +108,8 @@ impl<'t, T: HostElem> Host<'t, T> {
 pub(crate) trait Weight: HostElem {
     /// The value as f32 (exact for both types).
     fn f32(self) -> f32;
+    /// The values themselves when they are f32 already.
+    fn as_f32(w: &[Self]) -> Option<&[f32]>;
     /// Eight values from `p` in an AVX register.
     ///
     /// # Safety
@@ -128,6 +130,9 @@ impl Weight for f32 {
     fn f32(self) -> f32 {
         self
     }
+    fn as_f32(w: &[Self]) -> Option<&[f32]> {
+        Some(w)
+    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
@@ -146,6 +151,9 @@ impl Weight for half::bf16 {
         // bf16 is the top half of an f32. (`half`'s own conversion also quiets NaNs, a
         // branch the loops do not need: loaded adapters are checked finite.)
         f32::from_bits((self.to_bits() as u32) << 16)
+    }
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
     }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]

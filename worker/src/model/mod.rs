@@ -18,7 +18,7 @@ use std::path::Path;
 
 use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::{linear_b, rms_norm, Embedding, Linear, RmsNorm, VarBuilder};
+use candle_nn::{linear_b, Embedding, Linear, RmsNorm, VarBuilder};
 use serde::Deserialize;
 
 use crate::formats::hf;
@@ -272,6 +272,8 @@ pub struct Decoder {
     sin: Tensor,
     device: Device,
     dtype: DType,
+    /// The dtype of the projections and the embedding.
+    weights: DType,
     /// CPU f32: attention and adapter updates run as fused host kernels.
     host: bool,
 }
@@ -286,11 +288,14 @@ impl Decoder {
         Self::new(cfg, vb)
     }
 
-    /// Builds the decoder from a VarBuilder rooted at the checkpoint's top level.
+    /// Builds the decoder from a VarBuilder rooted at the checkpoint's top level. The
+    /// projections and the embedding keep the VarBuilder's dtype; on the CPU, bf16 weights
+    /// compute in f32 (see [`compute_dtype`]).
     pub fn new(cfg: ModelConfig, vb: VarBuilder) -> Result<Self, ModelError> {
         let device = vb.device().clone();
-        let dtype = vb.dtype();
-        Self::build(cfg, &Dense(vb), device, dtype)
+        let dtype = compute_dtype(vb.dtype(), &device);
+        let weights = vb.dtype();
+        Self::build(cfg, &Dense { vb, act: dtype }, device, (weights, dtype))
     }
 
     /// Builds the decoder from GGUF tensors already renamed to HF names (rows of llama Q/K
@@ -305,15 +310,16 @@ impl Decoder {
             cfg,
             &Quantized(tensors, device.clone()),
             device.clone(),
-            DType::F32,
+            (DType::F32, DType::F32),
         )
     }
 
+    /// The decoder over `w`, with `dtypes` those of the weights and of compute.
     fn build(
         cfg: ModelConfig,
         w: &dyn Weights,
         device: Device,
-        dtype: DType,
+        (weights, dtype): (DType, DType),
     ) -> Result<Self, ModelError> {
         let family = cfg.family()?;
         let (h, hd, nh, nkv) = (
@@ -387,7 +393,8 @@ impl Decoder {
                 Some(dense::Isa::Avx2) => "direct AVX2",
                 None => "gemm",
             };
-            tracing::info!(base_product, "CPU f32 decode on host kernels");
+            let weights = weights.as_str();
+            tracing::info!(base_product, weights, "CPU decode in f32 on host kernels");
         }
         Ok(Self {
             cfg,
@@ -401,6 +408,7 @@ impl Decoder {
             host,
             device,
             dtype,
+            weights,
         })
     }
 
@@ -410,6 +418,12 @@ impl Decoder {
     /// for other devices and dtypes whatever is asked. Caches are not shared between modes.
     pub fn set_host_kernels(&mut self, on: bool) {
         self.host = on && self.device.is_cpu() && self.dtype == DType::F32;
+    }
+
+    /// The dtype of the projections and the embedding (the GGUF path: f32, what its
+    /// dequantized parts hold).
+    pub fn weight_dtype(&self) -> DType {
+        self.weights
     }
 
     /// The configuration.
@@ -422,7 +436,8 @@ impl Decoder {
         &self.device
     }
 
-    /// The dtype of the weights.
+    /// The dtype activations are computed in: that of the weights, except bf16 weights on
+    /// the CPU (f32, see [`compute_dtype`]).
     pub fn dtype(&self) -> DType {
         self.dtype
     }
@@ -496,7 +511,7 @@ impl Decoder {
         };
         let groups = &batch.groups;
         let ids = Tensor::new(ids.as_slice(), &self.device)?;
-        let mut x = self.embed.forward(&ids)?; // [T, h]
+        let mut x = self.embed.forward(&ids)?.to_dtype(self.dtype)?; // [T, h]
         for (li, layer) in self.layers.iter().enumerate() {
             let residual = x.clone();
             let hn = layer.input_norm.forward(&x)?;
@@ -891,6 +906,18 @@ pub fn argmax(logits: &Tensor) -> Result<u32, ModelError> {
     Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?)
 }
 
+/// The dtype a decoder computes in over weights of `weights`: the same, except bf16 on the
+/// CPU, which computes in f32. The host kernels read bf16 weights in place and widen them in
+/// registers (exact), so the weights keep half the memory and decode steps read half the
+/// bytes, where candle's CPU bf16 ops would be slower than f32 and round every activation.
+pub fn compute_dtype(weights: DType, device: &Device) -> DType {
+    if device.is_cpu() && weights == DType::BF16 {
+        DType::F32
+    } else {
+        weights
+    }
+}
+
 /// A projection: dense (candle `Linear`, any float dtype) or quantized (GGUF blocks, candle's
 /// quantized matmul; activations stay f32).
 pub enum Lin {
@@ -903,6 +930,13 @@ pub enum Lin {
 impl Module for Lin {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
+            // bf16 weights under f32 activations (the CPU): widened for this product only, so
+            // they stay at half the memory. Decode steps read them in place (`project`); this
+            // is prefill's path, where the copy costs little next to the arithmetic.
+            Lin::Dense(l) if l.weight().dtype() != x.dtype() => {
+                let w = l.weight().to_dtype(x.dtype())?;
+                Linear::new(w, l.bias().cloned()).forward(x)
+            }
             Lin::Dense(l) => l.forward(x),
             Lin::Quantized(w, b) => {
                 let y = w.forward(x)?;
@@ -925,17 +959,25 @@ trait Weights {
     fn tied_head(&self, name: &str, embed: Tensor) -> Result<Lin, ModelError>;
 }
 
-struct Dense<'a>(VarBuilder<'a>);
+/// Dense checkpoint tensors: projections and the embedding in the VarBuilder's dtype, biases
+/// and norms (small, and added to or multiplied with activations) in the compute dtype `act`.
+struct Dense<'a> {
+    vb: VarBuilder<'a>,
+    act: DType,
+}
 
 impl Weights for Dense<'_> {
     fn linear(&self, name: &str, d_in: usize, d_out: usize, bias: bool) -> Result<Lin, ModelError> {
-        Ok(Lin::Dense(linear_b(d_in, d_out, bias, self.0.pp(name))?))
+        let l = linear_b(d_in, d_out, bias, self.vb.pp(name))?;
+        let b = l.bias().map(|b| b.to_dtype(self.act)).transpose()?;
+        Ok(Lin::Dense(Linear::new(l.weight().clone(), b)))
     }
     fn norm(&self, name: &str, size: usize, eps: f64) -> Result<RmsNorm, ModelError> {
-        Ok(rms_norm(size, eps, self.0.pp(name))?)
+        let w = self.vb.pp(name).get(size, "weight")?.to_dtype(self.act)?;
+        Ok(RmsNorm::new(w, eps))
     }
     fn dense(&self, name: &str, shape: (usize, usize)) -> Result<Tensor, ModelError> {
-        Ok(self.0.get(shape, name)?)
+        Ok(self.vb.get(shape, name)?)
     }
     fn tied_head(&self, _: &str, embed: Tensor) -> Result<Lin, ModelError> {
         Ok(Lin::Dense(Linear::new(embed, None)))

@@ -18,7 +18,7 @@ use candle_core::{Module, Tensor};
 use rayon::prelude::*;
 
 use super::dense;
-use super::host::HostF32;
+use super::host::{Host, HostF32, Weight};
 use super::Lin;
 use crate::lora::{HostUpdates, UpdateTask, HOST_LORA_MAX_TOKENS};
 
@@ -48,9 +48,12 @@ pub(crate) fn host_projections(
         match lin {
             Lin::Dense(l) => {
                 let (d_out, w_in) = l.weight().dims2()?;
-                let (Some(w), bias) = (HostF32::of(l.weight()), l.bias()) else {
-                    return Ok(None);
+                let w = match (HostF32::of(l.weight()), Host::of(l.weight())) {
+                    (Some(w), _) => Base::F32(w),
+                    (None, Some(w)) => Base::Bf16(w),
+                    _ => return Ok(None),
                 };
+                let bias = l.bias();
                 let mut out = vec![0f32; t * d_out];
                 if let Some(b) = bias {
                     let Some(b) = HostF32::of(b) else {
@@ -104,7 +107,7 @@ pub(crate) fn host_projections(
                 let out = Columns::new(out, *d_out);
                 for lo in (0..*d_out).step_by(COLUMNS_PER_BLOCK) {
                     let hi = (lo + COLUMNS_PER_BLOCK).min(*d_out);
-                    blocks.push((w.slice(d_out * d_in), out, lo..hi, *bias));
+                    blocks.push((w.rows(d_out * d_in), out, lo..hi, *bias));
                 }
             }
         }
@@ -125,7 +128,7 @@ pub(crate) fn host_projections(
             Some((w, out, cols, bias)) => {
                 // SAFETY: every block is taken once (the counter) and blocks of one output
                 // cover disjoint columns, so no two threads write the same element.
-                unsafe { out.product(xs, t, d_in, w, cols.clone(), *bias, direct) };
+                unsafe { out.product(xs, t, d_in, *w, cols.clone(), *bias, direct) };
                 true
             }
             None => false,
@@ -154,6 +157,29 @@ pub(crate) fn host_projections(
         .map(Some)
 }
 
+/// A projection's base weights as held: f32, or bf16 widened to f32 as the kernel loads them.
+enum Base<'t> {
+    F32(HostF32<'t>),
+    Bf16(Host<'t, half::bf16>),
+}
+
+impl Base<'_> {
+    /// The first `n` weights.
+    fn rows(&self, n: usize) -> Rows<'_> {
+        match self {
+            Base::F32(w) => Rows::F32(w.slice(n)),
+            Base::Bf16(w) => Rows::Bf16(w.slice(n)),
+        }
+    }
+}
+
+/// Base weights `[rows, in]`, row-major, in their held type.
+#[derive(Clone, Copy)]
+enum Rows<'a> {
+    F32(&'a [f32]),
+    Bf16(&'a [half::bf16]),
+}
+
 /// A `[tokens, width]` row-major output that threads write in disjoint column blocks.
 #[derive(Clone, Copy)]
 struct Columns {
@@ -176,7 +202,8 @@ impl Columns {
 
     /// Columns `cols` of `x·Wᵀ` (added to what they hold when `accumulate`: the bias), with
     /// `W` `[width, in]` row-major, on the calling thread: by [`dense::product`] when
-    /// `direct` names an instruction set, else by gemm.
+    /// `direct` names an instruction set, else by gemm (bf16 weights widened first: gemm
+    /// has no bf16 kernel).
     ///
     /// # Safety
     /// The buffer is alive and no other thread reads or writes these columns meanwhile;
@@ -187,12 +214,33 @@ impl Columns {
         xs: &[f32],
         t: usize,
         d_in: usize,
-        w: &[f32],
+        w: Rows<'_>,
         cols: std::ops::Range<usize>,
         accumulate: bool,
         direct: Option<dense::Isa>,
     ) {
-        let w = &w[cols.start * d_in..cols.end * d_in];
+        let span = cols.start * d_in..cols.end * d_in;
+        match w {
+            Rows::F32(w) => self.product_of(xs, t, d_in, &w[span], cols, accumulate, direct),
+            Rows::Bf16(w) => self.product_of(xs, t, d_in, &w[span], cols, accumulate, direct),
+        }
+    }
+
+    /// [`product`](Self::product) of the block's own rows `w`.
+    ///
+    /// # Safety
+    /// As [`product`](Self::product).
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn product_of<W: Weight>(
+        self,
+        xs: &[f32],
+        t: usize,
+        d_in: usize,
+        w: &[W],
+        cols: std::ops::Range<usize>,
+        accumulate: bool,
+        direct: Option<dense::Isa>,
+    ) {
         #[cfg(target_arch = "x86_64")]
         if let Some(isa) = direct {
             dense::product(
@@ -208,8 +256,16 @@ impl Columns {
             return;
         }
         let _ = direct; // Other architectures: gemm only.
-                        // dst[i, j] = x[i, ·] · W[cols.start + j, ·]: lhs x `[t, in]`, rhs Wᵀ (column j is row
-                        // j of the block), dst a window of the output's rows.
+        let wide: Vec<f32>;
+        let w: &[f32] = match W::as_f32(w) {
+            Some(w) => w,
+            None => {
+                wide = w.iter().map(|v| v.f32()).collect();
+                &wide
+            }
+        };
+        // dst[i, j] = x[i, ·] · W[cols.start + j, ·]: lhs x `[t, in]`, rhs Wᵀ (column j is row
+        // j of the block), dst a window of the output's rows.
         gemm::gemm(
             t,
             cols.len(),
@@ -282,8 +338,8 @@ mod tests {
         }
     }
 
-    /// Every kernel of a column block (the direct ones the CPU has, and gemm) equals
-    /// the plain formula: widths that leave rows past the four-row blocks, inputs with a
+    /// Every kernel of a column block (the direct ones the CPU has, and gemm), over f32 and
+    /// bf16 weights, equals the plain formula: widths that leave rows past the four-row blocks, inputs with a
     /// partial sixteen-value step, every token count of a kernel call and more, onto zeros
     /// and accumulated onto what the output held.
     #[test]
@@ -299,8 +355,20 @@ mod tests {
         }
         kernels.dedup();
         eprintln!("kernels checked: {kernels:?} (None: gemm)");
-        for (d_in, width) in [(72, 19), (16, 8), (5, 6), (13, 10), (40, 1)] {
-            let w: Vec<f32> = (0..width * d_in).map(|i| val(i + 3)).collect();
+        let shapes = [(72, 19), (16, 8), (5, 6), (13, 10), (40, 1)];
+        for ((d_in, width), half) in shapes.into_iter().flat_map(|s| [(s, false), (s, true)]) {
+            // bf16 weights: the formula takes the values they hold, widened exactly.
+            let held: Vec<half::bf16> = (0..width * d_in)
+                .map(|i| half::bf16::from_f32(val(i + 3)))
+                .collect();
+            let w: Vec<f32> = match half {
+                true => held.iter().map(|v| v.to_f32()).collect(),
+                false => (0..width * d_in).map(|i| val(i + 3)).collect(),
+            };
+            let rows = match half {
+                true => Rows::Bf16(&held),
+                false => Rows::F32(&w),
+            };
             for t in [1, 2, 3, 4, 5, 9, 17] {
                 let xs: Vec<f32> = (0..t * d_in).map(|i| val(i + 17)).collect();
                 for accumulate in [false, true] {
@@ -321,7 +389,7 @@ mod tests {
                         for range in [0..mid.min(width), mid.min(width)..width] {
                             // SAFETY: `out` lives, this thread alone writes it; `direct`
                             // only where available.
-                            unsafe { cols.product(&xs, t, d_in, &w, range, accumulate, direct) };
+                            unsafe { cols.product(&xs, t, d_in, rows, range, accumulate, direct) };
                         }
                         for (g, want) in out.iter().zip(&want) {
                             // Sums of at most 72 products of values under 1.4: f32 rounding
@@ -330,7 +398,7 @@ mod tests {
                             assert!(
                                 (*g as f64 - want).abs() < 1e-4,
                                 "direct {direct:?}, in {d_in}, width {width}, t {t}, \
-                                 accumulate {accumulate}: {g} vs {want}"
+                                 accumulate {accumulate}, bf16 {half}: {g} vs {want}"
                             );
                         }
                     }
