@@ -229,9 +229,12 @@ fn tokens_per_s(
     Ok((steps * adapters.len()) as f64 / start.elapsed().as_secs_f64())
 }
 
+/// Measures `model`; `wide`, when given, is the same model with its weights widened to its
+/// compute dtype (bf16 weights on the CPU against f32 ones), timed merged beside it.
 fn bench_model(
     label: &str,
     model: &Decoder,
+    wide: Option<&Decoder>,
     model_dir: Option<&Path>,
     args: &DecodeBenchArgs,
     dev: &Device,
@@ -302,13 +305,23 @@ fn bench_model(
     }
     // Warm-up, then the contenders alternate over rounds and each keeps its best, so drift
     // of the machine affects all of them alike.
-    tokens_per_s(model, &configs[0], 2)?;
-    let mut best = vec![0f64; configs.len()];
+    let mut contenders: Vec<(&Decoder, &[Option<&LoraAdapter>])> =
+        configs.iter().map(|c| (model, c.as_slice())).collect();
+    let (one_none, sixteen_none) = ([None], [None; 16]);
+    if let Some(w) = wide {
+        contenders.push((w, &one_none));
+        contenders.push((w, &sixteen_none));
+    }
+    for (m, c) in &contenders[..] {
+        tokens_per_s(m, c, 2)?;
+    }
+    let mut best = vec![0f64; contenders.len()];
     for _ in 0..args.rounds {
-        for (b, c) in best.iter_mut().zip(&configs) {
-            *b = b.max(tokens_per_s(model, c, s)?);
+        for (b, (m, c)) in best.iter_mut().zip(&contenders) {
+            *b = b.max(tokens_per_s(m, c, s)?);
         }
     }
+    let wide_best = best.split_off(configs.len());
     let (base1, dyn1, base16, one16, mixed16) = (best[0], best[1], best[2], best[3], best[4]);
     // The goals: a GPU must come closer to merged and further ahead of transformers.
     let (near, ahead16) = if dev.is_cuda() {
@@ -349,6 +362,15 @@ fn bench_model(
             mixed_h / one_h
         );
     }
+    if let [wide1, wide16] = wide_best[..] {
+        let (w, c) = (model.weight_dtype(), model.dtype());
+        for (b, here, wide) in [(1, base1, wide1), (16, base16, wide16)] {
+            println!(
+                "| batch {b}: merged, weights widened to {c:?} | {wide:.1} | {w:?} weights {:.2}x of it | |",
+                here / wide
+            );
+        }
+    }
     println!(
         "| batch 16 ÷ batch 1 (merged) | | {:.2}x | |",
         base16 / base1
@@ -360,6 +382,12 @@ fn bench_model(
     );
     if let (Some(py), Some(dir)) = (&args.python, model_dir) {
         let threads = candle_core::utils::get_num_threads();
+        // transformers holds the weights in mole's weight dtype (and computes in it).
+        let hf_dtype = match model.weight_dtype() {
+            DType::BF16 => "bfloat16",
+            DType::F16 => "float16",
+            _ => "float32",
+        };
         let o = std::process::Command::new(py)
             .arg("-c")
             .arg(HF_SCRIPT)
@@ -368,11 +396,7 @@ fn bench_model(
             .arg(s.to_string())
             .arg(threads.to_string())
             .arg(if dev.is_cuda() { "cuda" } else { "cpu" })
-            .arg(match model.dtype() {
-                DType::BF16 => "bfloat16",
-                DType::F16 => "float16",
-                _ => "float32",
-            })
+            .arg(hf_dtype)
             .output()?;
         let last = String::from_utf8_lossy(&o.stdout)
             .lines()
@@ -386,7 +410,7 @@ fn bench_model(
         match (o.status.success(), nums.as_slice()) {
             (true, [hf1, hf16]) => {
                 println!(
-                    "| batch 1: transformers + PEFT generate ({threads} threads) | {hf1:.1} | mole dynamic {:.2}x of it | ≥ 1.0 |",
+                    "| batch 1: transformers + PEFT generate ({hf_dtype}, {threads} threads) | {hf1:.1} | mole dynamic {:.2}x of it | ≥ 1.0 |",
                     dyn1 / hf1
                 );
                 println!(
@@ -457,7 +481,18 @@ fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    let model = Decoder::new(cfg.clone(), VarBuilder::from_tensors(weights, dtype, &dev))?;
+    let model = Decoder::new(
+        cfg.clone(),
+        VarBuilder::from_tensors(weights.clone(), dtype, &dev),
+    )?;
+    // Held narrower than computed (bf16 on the CPU): the widened twin, timed beside it.
+    let wide = match model.weight_dtype() == model.dtype() {
+        true => None,
+        false => Some(Decoder::new(
+            cfg.clone(),
+            VarBuilder::from_tensors(weights.clone(), model.dtype(), &dev),
+        )?),
+    };
     let params: usize = {
         let (h, i, l) = (
             cfg.hidden_size,
@@ -471,13 +506,20 @@ fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
     bench_model(
         &format!("synthetic qwen3, {:.2}B params", params as f64 / 1e9),
         &model,
+        wide.as_ref(),
         saved_dir,
         args,
         &dev,
     )?;
+    drop((wide, model, weights));
     if let Some(dir) = &args.model {
         let m = Decoder::load(dir, dtype, &dev)?;
-        bench_model(&dir.display().to_string(), &m, Some(dir), args, &dev)?;
+        let wide = match m.weight_dtype() == m.dtype() {
+            true => None,
+            false => Some(Decoder::load(dir, m.dtype(), &dev)?),
+        };
+        let label = dir.display().to_string();
+        bench_model(&label, &m, wide.as_ref(), Some(dir), args, &dev)?;
     }
     Ok(())
 }
