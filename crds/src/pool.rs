@@ -97,9 +97,9 @@ pub struct BaseModel {
     #[schemars(length(max = 1024))]
     #[x_kube(validation = Rule::new("!self.startsWith('/') && !self.matches('(^|/)\\\\.\\\\.(/|$)')").message("baseModel.path must be relative and must not contain '..'"))]
     pub path: String,
-    /// Serving dtype of the weights. A GPU computes in it. A CPU holds `bf16` weights as
-    /// they are and computes in f32 over them (half the memory and half the bytes per decode
-    /// step of f32; each bf16 value widens to f32 exactly), and widens `f16` to f32.
+    /// Serving dtype of the weights. A GPU computes in it. A CPU holds `bf16` and `f16`
+    /// weights as they are and computes in f32 over them (half the memory and half the bytes
+    /// per decode step of f32; each value widens to f32 exactly).
     #[serde(default)]
     pub dtype: Dtype,
 }
@@ -165,8 +165,8 @@ pub struct DynamicSpec {
     #[serde(default = "default_max_lora_rank")]
     #[schemars(range(min = 1, max = 512))]
     pub max_lora_rank: u32,
-    /// Precision the dynamic pods hold adapter weights in. Unset: the serving dtype (bf16 on
-    /// a GPU, f32 on the CPU). `bf16` halves adapters' memory (device slots and the
+    /// Precision the dynamic pods hold adapter weights in. Unset: the dtype the pods compute
+    /// in (`baseModel.dtype` on a GPU, f32 on the CPU). `bf16` halves adapters' memory (device slots and the
     /// `maxCpuLoras` host tier) and the bytes a decode step reads per distinct adapter in its
     /// batch, at the price of rounding each weight to bf16 (8 significant bits), as vLLM's
     /// `--lora-dtype`. On the CPU `f32` and `bf16` run the fused kernels; `f16` runs tensor

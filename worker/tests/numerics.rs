@@ -294,39 +294,30 @@ fn adapters_held_in_bf16_stay_within_their_rounding() {
     }
 }
 
-/// bf16 weights on the CPU, as a worker serves a bf16 checkpoint there: held in bf16 (half
-/// the memory, half the bytes a decode step reads) and computed in f32. Reference: the f32
-/// decoder over the same checkpoint rounded to bf16 (the checks above tie that decoder to
-/// transformers). Every bf16 value widens to f32 exactly, so both compute the same sums of
-/// the same values, in the same order on the host kernels: the f32 tolerance (1e-4 of the
-/// logits' scale) holds, and greedy continuations are identical. Rows with each adapter
+/// bf16 and f16 weights on the CPU, as a worker serves such a checkpoint there: held as they
+/// are (half the memory, half the bytes a decode step reads) and computed in f32. Reference:
+/// the f32 decoder over the same checkpoint rounded to that type (the checks above tie that
+/// decoder to transformers). Every bf16 and f16 value widens to f32 exactly, so both compute
+/// the same sums of the same values, in the same order on the host kernels: the f32 tolerance
+/// (1e-4 of the logits' scale) holds, and greedy continuations are identical. Rows with each adapter
 /// (held in f32) and one without share a batch; the host kernels and the tensor ops (prefill's
 /// path, which widens each projection per call) are both checked.
 #[test]
-fn bf16_weights_compute_as_f32_over_the_rounded_checkpoint() {
+fn half_weights_compute_as_f32_over_the_rounded_checkpoint() {
     if !device().is_cpu() {
-        return; // A GPU computes in bf16 itself.
+        return; // A GPU computes in the weights' dtype itself.
     }
     let cpu = Device::Cpu;
-    for name in ["llama", "qwen2", "qwen3"] {
+    let cases = ["llama", "qwen2", "qwen3"].map(|n| [(n, DType::BF16), (n, DType::F16)]);
+    for (name, narrow) in cases.into_iter().flatten() {
         let dir = fixtures().join(name);
-        let mut held = Decoder::load(&dir, DType::BF16, &cpu).unwrap();
-        assert_eq!(
-            (held.weight_dtype(), held.dtype()),
-            (DType::BF16, DType::F32)
-        );
+        let mut held = Decoder::load(&dir, narrow, &cpu).unwrap();
+        assert_eq!((held.weight_dtype(), held.dtype()), (narrow, DType::F32));
+        let round = |t: Tensor| t.to_dtype(narrow)?.to_dtype(DType::F32);
         let rounded = candle_core::safetensors::load(dir.join("model.safetensors"), &cpu)
             .unwrap()
             .into_iter()
-            .map(|(k, t)| {
-                (
-                    k,
-                    t.to_dtype(DType::BF16)
-                        .unwrap()
-                        .to_dtype(DType::F32)
-                        .unwrap(),
-                )
-            })
+            .map(|(k, t)| (k, round(t).unwrap()))
             .collect();
         let cfg = ModelConfig::from_dir(&dir).unwrap();
         let mut want =
@@ -345,7 +336,7 @@ fn bf16_weights_compute_as_f32_over_the_rounded_checkpoint() {
             let (ours, ours_greedy) = run(&held, &batch, 8);
             let (theirs, their_greedy) = run(&want, &batch, 8);
             for (k, (o, t)) in ours.iter().zip(&theirs).enumerate() {
-                let label = format!("{name} bf16 weights row {k} (host kernels {host})");
+                let label = format!("{name} {narrow:?} weights row {k} (host kernels {host})");
                 let t: Vec<f32> = t.to_vec1().unwrap();
                 close(&label, o, &serde_json::json!(t));
                 assert_eq!(ours_greedy[k], their_greedy[k], "{label}: greedy");

@@ -1,9 +1,10 @@
 //! `bench decode`: decode throughput of mole's decoder, each line a ratio measured side by side
 //! in one run on one synthetic model (default ~0.5B parameters), on the device and in the dtype
-//! a worker serves with (the first CUDA GPU in bf16 when built with `cuda` and one is present,
-//! else the CPU in f32):
+//! a worker serves with (the first CUDA GPU when built with `cuda` and one is present, else the
+//! CPU; bf16 weights, which the CPU computes on in f32):
 //! dynamic LoRA ÷ merged (batch 1 and 16), 16 distinct adapters ÷ one adapter (batch 16),
-//! batch 16 ÷ batch 1, and adapter load ÷ raw read of its file.
+//! batch 16 ÷ batch 1, adapter load ÷ raw read of its file, and on the CPU half-type weights ÷
+//! the same widened to f32.
 //!
 //! "Merged" is the base model without adapter: a merged model has exactly the base's shapes,
 //! so its decode cost is the base's.
@@ -46,8 +47,8 @@ pub struct DecodeBenchArgs {
     /// batch 1 and 16, on as many threads and on the same device and dtype.
     #[arg(long, env = "MOLE_BENCH_PYTHON")]
     pub python: Option<std::path::PathBuf>,
-    /// Weights and activations: `auto` (as a worker serves: bf16 on a GPU, f32 on the CPU),
-    /// `f32`, `bf16` or `f16`.
+    /// The weights' dtype: `auto` (bf16, a pool's default), `f32`, `bf16` or `f16`. A GPU
+    /// computes in it; the CPU computes in f32 and also times the half types widened to f32.
     #[arg(long, env = "MOLE_BENCH_DTYPE", default_value = "auto")]
     pub dtype: String,
 }
@@ -66,7 +67,7 @@ fn synthetic_hidden(v: &str) -> Result<usize, String> {
 fn device_and_dtype(args: &DecodeBenchArgs) -> anyhow::Result<(Device, DType)> {
     let dev = crate::engine::default_device();
     let dtype = match args.dtype.to_ascii_lowercase().as_str() {
-        "auto" => crate::engine::serving_dtype(mole_crds::Dtype::Bf16, &dev),
+        "auto" => crate::engine::candle_dtype(mole_crds::Dtype::default()),
         other => crate::engine::candle_dtype(
             serde_json::from_value(serde_json::json!(other))
                 .map_err(|_| anyhow::anyhow!("--dtype {other}: expected auto, f32, bf16 or f16"))?,
@@ -278,7 +279,7 @@ fn bench_model(
             adapters.push(LoraAdapter::load(&dir, &cfg, model.dtype(), dev, &opts)?);
         }
     }
-    // With f32 weights (the CPU), the same adapters also held in bf16 (`loraDtype: bf16`):
+    // Computing in f32 (the CPU), the same adapters also held in bf16 (`loraDtype: bf16`):
     // half the bytes each distinct adapter adds to a step.
     let in_bf16: Vec<LoraAdapter> = if model.dtype() == DType::F32 {
         (0..16)

@@ -468,18 +468,8 @@ pub fn default_device() -> Device {
     Device::Cpu
 }
 
-/// Serving dtype of the weights: as configured on a GPU. On the CPU, bf16 stays bf16 (the
-/// decoder computes in f32 over it, see [`crate::model::compute_dtype`]) and f16 is widened
-/// to f32, where candle's half-precision matmuls are slower than f32 and less accurate.
-pub fn serving_dtype(configured: mole_crds::Dtype, device: &Device) -> DType {
-    if device.is_cpu() && configured == mole_crds::Dtype::F16 {
-        tracing::info!(configured = configured.as_str(), "CPU serving uses f32");
-        return DType::F32;
-    }
-    candle_dtype(configured)
-}
-
-/// candle's type for a configured dtype.
+/// candle's type for a configured dtype: the weights' serving dtype. A GPU computes in it; the
+/// CPU computes in f32 over half-type weights (see [`crate::model::compute_dtype`]).
 pub fn candle_dtype(configured: mole_crds::Dtype) -> DType {
     match configured {
         mole_crds::Dtype::Bf16 => DType::BF16,

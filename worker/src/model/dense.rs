@@ -1,7 +1,7 @@
 //! The base product of a host step's few tokens, `x·Wᵀ`, read straight from the weights'
-//! row-major `[out, in]` layout, with AVX-512 or AVX2. Weights are f32 or bf16; bf16 is
-//! widened to f32 in registers as it is loaded (exact), so a bf16 model reads half the bytes
-//! per step and sums in f32 as an f32 one does.
+//! row-major `[out, in]` layout, with AVX-512 or AVX2. Weights are f32, bf16 or f16; the
+//! half types are widened to f32 in registers as they are loaded (exact), so such a model
+//! reads half the bytes per step and sums in f32 as an f32 one does.
 //!
 //! Why not gemm: an outer-product kernel needs `W` in `k`-major panels, so gemm copies
 //! (packs) every weight block before it multiplies it. At decode sizes each block is used
@@ -23,7 +23,8 @@ pub(crate) fn available() -> Option<Isa> {
         if has!("avx512f") {
             return Some(Isa::Avx512);
         }
-        if has!("avx2") && has!("fma") {
+        // F16C for f16 weights: every AVX2 CPU has it.
+        if has!("avx2") && has!("fma") && has!("f16c") {
             return Some(Isa::Avx2);
         }
     }
@@ -306,7 +307,7 @@ impl Simd for Avx2 {
     unsafe fn load_w<W: Weight>(p: *const W) -> Self::V {
         W::load8(p)
     }
-    #[target_feature(enable = "avx2,fma")]
+    #[target_feature(enable = "avx2,fma,f16c")]
     unsafe fn dots<W: Weight, const R: usize, const T: usize>(
         w: *const W,
         x: *const f32,

@@ -67,6 +67,16 @@ impl HostElem for half::bf16 {
     }
 }
 
+impl HostElem for half::f16 {
+    const DTYPE: DType = DType::F16;
+    fn of_storage(s: &candle_core::CpuStorage) -> Option<&[Self]> {
+        match s {
+            candle_core::CpuStorage::F16(v) => Some(v),
+            _ => None,
+        }
+    }
+}
+
 /// A contiguous CPU tensor's storage, held for reading in place.
 pub(crate) struct Host<'t, T> {
     guard: candle_core::StorageRef<'t>,
@@ -104,7 +114,8 @@ impl<'t, T: HostElem> Host<'t, T> {
     }
 }
 
-/// Weights the kernels read as f32: f32 itself, or bf16 (adapters held at half the bytes).
+/// Weights the kernels read as f32: f32 itself, bf16 (adapters and base weights held at half
+/// the bytes) or f16 (base weights).
 pub(crate) trait Weight: HostElem {
     /// The value as f32 (exact for both types).
     fn f32(self) -> f32;
@@ -168,6 +179,30 @@ impl Weight for half::bf16 {
         use std::arch::x86_64::*;
         let h = _mm256_loadu_si256(p as *const __m256i);
         _mm512_castsi512_ps(_mm512_slli_epi32::<16>(_mm512_cvtepu16_epi32(h)))
+    }
+}
+
+impl Weight for half::f16 {
+    #[inline(always)]
+    fn f32(self) -> f32 {
+        self.to_f32()
+    }
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
+    /// Needs F16C besides AVX2: the direct kernel's AVX2 build enables it (see
+    /// `dense::available`).
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i))
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        _mm512_cvtph_ps(_mm256_loadu_si256(p as *const __m256i))
     }
 }
 

@@ -436,8 +436,8 @@ impl Decoder {
         &self.device
     }
 
-    /// The dtype activations are computed in: that of the weights, except bf16 weights on
-    /// the CPU (f32, see [`compute_dtype`]).
+    /// The dtype activations are computed in: that of the weights, except half-type weights
+    /// on the CPU (f32, see [`compute_dtype`]).
     pub fn dtype(&self) -> DType {
         self.dtype
     }
@@ -906,12 +906,13 @@ pub fn argmax(logits: &Tensor) -> Result<u32, ModelError> {
     Ok(logits.argmax(D::Minus1)?.to_scalar::<u32>()?)
 }
 
-/// The dtype a decoder computes in over weights of `weights`: the same, except bf16 on the
-/// CPU, which computes in f32. The host kernels read bf16 weights in place and widen them in
-/// registers (exact), so the weights keep half the memory and decode steps read half the
-/// bytes, where candle's CPU bf16 ops would be slower than f32 and round every activation.
+/// The dtype a decoder computes in over weights of `weights`: the same, except the half
+/// types on the CPU, which compute in f32. The host kernels read bf16 and f16 weights in place
+/// and widen them in registers (exact), so the weights keep half the memory and decode steps
+/// read half the bytes, where candle's CPU half-precision ops would be slower than f32 and
+/// round every activation (f16 also overflows past 65504).
 pub fn compute_dtype(weights: DType, device: &Device) -> DType {
-    if device.is_cpu() && weights == DType::BF16 {
+    if device.is_cpu() && matches!(weights, DType::BF16 | DType::F16) {
         DType::F32
     } else {
         weights
@@ -930,7 +931,7 @@ pub enum Lin {
 impl Module for Lin {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
-            // bf16 weights under f32 activations (the CPU): widened for this product only, so
+            // Half-type weights under f32 activations (the CPU): widened for this product only, so
             // they stay at half the memory. Decode steps read them in place (`project`); this
             // is prefill's path, where the copy costs little next to the arithmetic.
             Lin::Dense(l) if l.weight().dtype() != x.dtype() => {

@@ -48,9 +48,11 @@ pub(crate) fn host_projections(
         match lin {
             Lin::Dense(l) => {
                 let (d_out, w_in) = l.weight().dims2()?;
-                let w = match (HostF32::of(l.weight()), Host::of(l.weight())) {
-                    (Some(w), _) => Base::F32(w),
-                    (None, Some(w)) => Base::Bf16(w),
+                let w = l.weight();
+                let w = match (HostF32::of(w), Host::of(w), Host::of(w)) {
+                    (Some(w), _, _) => Base::F32(w),
+                    (_, Some(w), _) => Base::Bf16(w),
+                    (_, _, Some(w)) => Base::F16(w),
                     _ => return Ok(None),
                 };
                 let bias = l.bias();
@@ -157,10 +159,12 @@ pub(crate) fn host_projections(
         .map(Some)
 }
 
-/// A projection's base weights as held: f32, or bf16 widened to f32 as the kernel loads them.
+/// A projection's base weights as held: f32, or a half type widened to f32 as the kernel
+/// loads it.
 enum Base<'t> {
     F32(HostF32<'t>),
     Bf16(Host<'t, half::bf16>),
+    F16(Host<'t, half::f16>),
 }
 
 impl Base<'_> {
@@ -169,6 +173,7 @@ impl Base<'_> {
         match self {
             Base::F32(w) => Rows::F32(w.slice(n)),
             Base::Bf16(w) => Rows::Bf16(w.slice(n)),
+            Base::F16(w) => Rows::F16(w.slice(n)),
         }
     }
 }
@@ -178,6 +183,7 @@ impl Base<'_> {
 enum Rows<'a> {
     F32(&'a [f32]),
     Bf16(&'a [half::bf16]),
+    F16(&'a [half::f16]),
 }
 
 /// A `[tokens, width]` row-major output that threads write in disjoint column blocks.
@@ -202,8 +208,7 @@ impl Columns {
 
     /// Columns `cols` of `x·Wᵀ` (added to what they hold when `accumulate`: the bias), with
     /// `W` `[width, in]` row-major, on the calling thread: by [`dense::product`] when
-    /// `direct` names an instruction set, else by gemm (bf16 weights widened first: gemm
-    /// has no bf16 kernel).
+    /// `direct` names an instruction set, else by gemm (half-type weights widened first).
     ///
     /// # Safety
     /// The buffer is alive and no other thread reads or writes these columns meanwhile;
@@ -223,6 +228,7 @@ impl Columns {
         match w {
             Rows::F32(w) => self.product_of(xs, t, d_in, &w[span], cols, accumulate, direct),
             Rows::Bf16(w) => self.product_of(xs, t, d_in, &w[span], cols, accumulate, direct),
+            Rows::F16(w) => self.product_of(xs, t, d_in, &w[span], cols, accumulate, direct),
         }
     }
 
@@ -293,7 +299,7 @@ impl Columns {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use candle_core::{DType, Device};
     use candle_nn::Linear;
 
     /// The blocked product equals candle's matmul: widths that are not a multiple of the
@@ -338,8 +344,8 @@ mod tests {
         }
     }
 
-    /// Every kernel of a column block (the direct ones the CPU has, and gemm), over f32 and
-    /// bf16 weights, equals the plain formula: widths that leave rows past the four-row blocks, inputs with a
+    /// Every kernel of a column block (the direct ones the CPU has, and gemm), over f32,
+    /// bf16 and f16 weights, equals the plain formula: widths that leave rows past the four-row blocks, inputs with a
     /// partial sixteen-value step, every token count of a kernel call and more, onto zeros
     /// and accumulated onto what the output held.
     #[test]
@@ -356,18 +362,16 @@ mod tests {
         kernels.dedup();
         eprintln!("kernels checked: {kernels:?} (None: gemm)");
         let shapes = [(72, 19), (16, 8), (5, 6), (13, 10), (40, 1)];
-        for ((d_in, width), half) in shapes.into_iter().flat_map(|s| [(s, false), (s, true)]) {
-            // bf16 weights: the formula takes the values they hold, widened exactly.
-            let held: Vec<half::bf16> = (0..width * d_in)
-                .map(|i| half::bf16::from_f32(val(i + 3)))
-                .collect();
-            let w: Vec<f32> = match half {
-                true => held.iter().map(|v| v.to_f32()).collect(),
-                false => (0..width * d_in).map(|i| val(i + 3)).collect(),
-            };
-            let rows = match half {
-                true => Rows::Bf16(&held),
-                false => Rows::F32(&w),
+        let held = [DType::F32, DType::BF16, DType::F16];
+        for ((d_in, width), held) in shapes.into_iter().flat_map(|s| held.map(|h| (s, h))) {
+            // Half-type weights: the formula takes the values they hold, widened exactly.
+            let exact: Vec<f32> = (0..width * d_in).map(|i| val(i + 3)).collect();
+            let bf: Vec<half::bf16> = exact.iter().map(|&v| half::bf16::from_f32(v)).collect();
+            let hf: Vec<half::f16> = exact.iter().map(|&v| half::f16::from_f32(v)).collect();
+            let (w, rows): (Vec<f32>, Rows<'_>) = match held {
+                DType::BF16 => (bf.iter().map(|v| v.to_f32()).collect(), Rows::Bf16(&bf)),
+                DType::F16 => (hf.iter().map(|v| v.to_f32()).collect(), Rows::F16(&hf)),
+                _ => (exact.clone(), Rows::F32(&exact)),
             };
             for t in [1, 2, 3, 4, 5, 9, 17] {
                 let xs: Vec<f32> = (0..t * d_in).map(|i| val(i + 17)).collect();
@@ -398,7 +402,7 @@ mod tests {
                             assert!(
                                 (*g as f64 - want).abs() < 1e-4,
                                 "direct {direct:?}, in {d_in}, width {width}, t {t}, \
-                                 accumulate {accumulate}, bf16 {half}: {g} vs {want}"
+                                 accumulate {accumulate}, {held:?}: {g} vs {want}"
                             );
                         }
                     }

@@ -648,10 +648,10 @@ fn bearer(h: &HeaderMap) -> Option<&str> {
 /// Builds the engine for a config: the ONE place where the server meets the engine
 /// implementation.
 pub fn build_engine(cfg: &WorkerConfig) -> anyhow::Result<Arc<dyn InferenceEngine>> {
-    use crate::engine::{default_device, model_dir, serving_dtype, Engine, EngineOptions};
+    use crate::engine::{candle_dtype, default_device, model_dir, Engine, EngineOptions};
     let dir = model_dir(cfg)?;
     let device = default_device();
-    let dtype = serving_dtype(cfg.base_model.dtype, &device);
+    let dtype = candle_dtype(cfg.base_model.dtype);
     let l = &cfg.limits;
     let opts = EngineOptions {
         base_name: cfg.base_model.name.clone(),
@@ -693,7 +693,7 @@ pub fn build_local_merged(
     std::collections::HashMap<String, Arc<dyn InferenceEngine>>,
     Vec<String>,
 ) {
-    use crate::engine::{default_device, serving_dtype, Engine, EngineOptions};
+    use crate::engine::{candle_dtype, default_device, Engine, EngineOptions};
     let mut out = std::collections::HashMap::new();
     let mut errors = Vec::new();
     if cfg.mode != mole_crds::WorkerMode::Local {
@@ -738,7 +738,7 @@ pub fn build_local_merged(
                 merged: Some((a.name.clone(), a.version.clone())),
                 ..Default::default()
             };
-            let dtype = serving_dtype(cfg.base_model.dtype, &device);
+            let dtype = candle_dtype(cfg.base_model.dtype);
             Ok(Arc::new(Engine::load(&dir, dtype, &device, opts)?))
         })();
         match r {
