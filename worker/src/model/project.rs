@@ -1,5 +1,6 @@
-//! Host projections of a CPU f32 step of few tokens: the base matmuls of the projections
-//! that share an input and their adapters' updates, in one fork of the thread pool.
+//! Host projections of a CPU step of few tokens, computed in f32 over f32, bf16 or f16 base
+//! weights: the base matmuls of the projections that share an input and their adapters'
+//! updates, in one fork of the thread pool.
 //!
 //! Why one fork, and why a shared queue: a decode step makes a few hundred projections, and
 //! each fork of the pool costs a wake-up of the other threads (tens of microseconds on a VM)
@@ -28,9 +29,9 @@ use crate::lora::{HostUpdates, UpdateTask, HOST_LORA_MAX_TOKENS};
 const COLUMNS_PER_BLOCK: usize = 128;
 
 /// `x·Wᵀ + bias` plus the adapters' updates, for each `(lin, updates)` over the same input
-/// `x` `[tokens, in]`. None when the batch does not qualify (not CPU f32, no tokens or more
-/// than [`HOST_LORA_MAX_TOKENS`], or a quantized base whose output is not f32): the caller
-/// takes the tensor path.
+/// `x` `[tokens, in]`. None when the batch does not qualify (`x` not CPU f32, weights not
+/// f32/bf16/f16, no tokens or more than [`HOST_LORA_MAX_TOKENS`], or a quantized base whose
+/// output is not f32): the caller takes the tensor path.
 pub(crate) fn host_projections(
     x: &Tensor,
     lins: Vec<(&Lin, HostUpdates<'_>)>,
