@@ -345,6 +345,39 @@ fn half_weights_compute_as_f32_over_the_rounded_checkpoint() {
     }
 }
 
+/// Adapters held in f16 (`loraDtype: f16`) are not read by the host kernels: a decode batch
+/// with them takes the tensor ops for its projections even with the host kernels on. Both
+/// modes then compute the same updates, so they agree at the f32 tolerance; an adapter
+/// dropped on the host path would move the logits by its whole effect.
+#[test]
+fn adapters_held_in_f16_fall_back_to_tensor_ops() {
+    if !device().is_cpu() {
+        return;
+    }
+    let (mut model, adapters) = load_with("qwen3", DType::F16);
+    let p: Vec<Vec<u32>> = serde_json::from_value(reference()["qwen3"]["prompts"].clone()).unwrap();
+    let batch: Vec<(Vec<u32>, Option<&LoraAdapter>)> = adapters
+        .iter()
+        .map(|a| (p[0].clone(), Some(a)))
+        .chain([(p[1].clone(), None)])
+        .collect();
+    let mut per_mode = Vec::new();
+    for host in [true, false] {
+        model.set_host_kernels(host);
+        per_mode.push(run(&model, &batch, 4));
+    }
+    let ((host, host_greedy), (tensor, tensor_greedy)) = (&per_mode[0], &per_mode[1]);
+    for (k, (h, t)) in host.iter().zip(tensor).enumerate() {
+        let t: Vec<f32> = t.to_vec1().unwrap();
+        close(
+            &format!("qwen3 f16 adapters row {k}: host vs tensor"),
+            h,
+            &serde_json::json!(t),
+        );
+        assert_eq!(host_greedy[k], tensor_greedy[k], "row {k}: greedy");
+    }
+}
+
 #[test]
 fn adapters_are_validated_against_the_model() {
     let model = Decoder::load(&fixtures().join("qwen3"), DType::F32, &device()).unwrap();
