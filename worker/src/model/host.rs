@@ -117,10 +117,12 @@ impl<'t, T: HostElem> Host<'t, T> {
 /// Weights the kernels read as f32: f32 itself, bf16 (adapters and base weights held at half
 /// the bytes) or f16 (base weights).
 pub(crate) trait Weight: HostElem {
-    /// The value as f32 (exact for both types).
+    /// The value as f32 (exact for every type).
     fn f32(self) -> f32;
     /// The values themselves when they are f32 already.
-    fn as_f32(w: &[Self]) -> Option<&[f32]>;
+    fn as_f32(_: &[Self]) -> Option<&[f32]> {
+        None
+    }
     /// Eight values from `p` in an AVX register.
     ///
     /// # Safety
@@ -163,9 +165,6 @@ impl Weight for half::bf16 {
         // branch the loops do not need: loaded adapters are checked finite.)
         f32::from_bits((self.to_bits() as u32) << 16)
     }
-    fn as_f32(_: &[Self]) -> Option<&[f32]> {
-        None
-    }
     #[cfg(target_arch = "x86_64")]
     #[inline(always)]
     unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256 {
@@ -186,9 +185,6 @@ impl Weight for half::f16 {
     #[inline(always)]
     fn f32(self) -> f32 {
         self.to_f32()
-    }
-    fn as_f32(_: &[Self]) -> Option<&[f32]> {
-        None
     }
     /// Needs F16C besides AVX2: the direct kernel's AVX2 build enables it (see
     /// `dense::available`).

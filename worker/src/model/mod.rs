@@ -919,6 +919,14 @@ pub fn compute_dtype(weights: DType, device: &Device) -> DType {
     }
 }
 
+/// The largest absolute difference between two tensors of one shape (tests).
+#[cfg(test)]
+pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b)
+        .and_then(|d| d.abs()?.max_all()?.to_dtype(DType::F32)?.to_scalar::<f32>())
+        .expect("tensors of one shape")
+}
+
 /// Values of a half-type projection widened at once on the tensor path (64 MiB of f32).
 const WIDEN_MAX_VALUES: usize = 16 << 20;
 
@@ -1076,14 +1084,7 @@ mod tests {
             for max_values in [8, 80, 37 * 8, 1 << 20] {
                 let got = widened(&held, &x, max_values).unwrap();
                 assert_eq!(got.dims(), [5, 37]);
-                let err = (got - &whole)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
+                let err = max_abs_diff(&got, &whole);
                 // The same 8 products per output in any blocking: ~1e-7; a shifted or
                 // missing slice is ~1.
                 assert!(err < 1e-5, "{narrow:?}, {max_values} values a slice: {err}");

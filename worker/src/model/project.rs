@@ -325,14 +325,7 @@ mod tests {
             .expect("a CPU f32 batch of few tokens qualifies");
             for (lin, y) in [&wide, &narrow].into_iter().zip(got) {
                 let want = lin.forward(&x).unwrap();
-                let err = (y - &want)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .max_all()
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
+                let err = crate::model::max_abs_diff(&y, &want);
                 // Sums of 72 products of unit normals: f32 rounding in another order is
                 // ~1e-6 of the result; a wrong column or a missing bias is ~1.
                 assert!(err < 1e-4, "t={t}: max error {err}");
