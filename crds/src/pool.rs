@@ -165,12 +165,13 @@ pub struct DynamicSpec {
     #[serde(default = "default_max_lora_rank")]
     #[schemars(range(min = 1, max = 512))]
     pub max_lora_rank: u32,
-    /// Precision the dynamic pods hold adapter weights in. Unset: the dtype the pods compute
-    /// in (`baseModel.dtype` on a GPU, f32 on the CPU). `bf16` halves adapters' memory
-    /// (device slots and the `maxCpuLoras` host tier) and the bytes a decode step reads per
-    /// distinct adapter in its batch, at the price of rounding each weight to bf16 (8
-    /// significant bits), as vLLM's `--lora-dtype`. On the CPU `f32` and `bf16` run the fused
-    /// kernels; `f16` runs tensor ops.
+    /// Precision the dynamic pods hold adapter weights in, as vLLM's `--lora-dtype`. Unset:
+    /// `baseModel.dtype`, except f16 weights on the CPU (adapters in f32 there; a GGUF base:
+    /// f32). `bf16` (the default over bf16 weights) halves adapters' memory (device slots and
+    /// the `maxCpuLoras` host tier) and the bytes a decode step reads per distinct adapter in
+    /// its batch, at the price of rounding each weight to bf16 (8 significant bits), as the
+    /// base weights already are; `f32` keeps them exactly as PEFT trained them. On the CPU
+    /// `f32` and `bf16` run the fused kernels; `f16` runs tensor ops.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "lora_dtype_schema")]
     pub lora_dtype: Option<Dtype>,

@@ -212,8 +212,8 @@ pub struct WorkerLimits {
     /// Highest LoRA rank accepted.
     #[serde(default = "d_max_lora_rank")]
     pub max_lora_rank: u32,
-    /// Precision adapter weights are held in; unset: the dtype the worker computes in (see
-    /// the pool's `dynamic.loraDtype`).
+    /// Precision adapter weights are held in; unset: the weights' dtype where the worker's
+    /// kernels read it (see the pool's `dynamic.loraDtype`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub lora_dtype: Option<crate::Dtype>,
     /// Sequences decoded together.

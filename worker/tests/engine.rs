@@ -30,12 +30,17 @@ fn ids(v: &serde_json::Value) -> Vec<u32> {
 }
 
 fn engine(f: impl FnOnce(&mut EngineOptions)) -> Engine {
+    engine_over(DType::F32, f)
+}
+
+/// The llama fixture served from weights held in `weights`.
+fn engine_over(weights: DType, f: impl FnOnce(&mut EngineOptions)) -> Engine {
     let mut o = EngineOptions {
         base_name: "llama".into(),
         ..Default::default()
     };
     f(&mut o);
-    Engine::load(&fixtures().join("llama"), DType::F32, &Device::Cpu, o).unwrap()
+    Engine::load(&fixtures().join("llama"), weights, &Device::Cpu, o).unwrap()
 }
 
 fn spec(name: &str, version: &str, dir: &str) -> AdapterSpec {
@@ -541,14 +546,15 @@ fn the_engine_serves_past_the_window_with_dynamic_rope() {
     }
 }
 
-/// `loraDtype: bf16` on an f32 engine: the adapter is held at half the bytes and serves
-/// (its numerics against PEFT are checked in numerics.rs).
+/// Adapters are held in the weights' dtype where the host kernels read it (bf16 over bf16
+/// weights, f32 over f32 and f16 ones) unless `loraDtype` says otherwise; held in bf16 they take
+/// half the bytes and serve (their numerics against PEFT are checked in numerics.rs).
 #[test]
-fn adapters_can_be_held_in_bf16() {
+fn adapters_are_held_in_the_weights_dtype_unless_told() {
     let r = &reference()["llama"];
     let p = ids(&r["prompts"][0]);
-    let bytes = |lora_dtype: Option<DType>| {
-        let e = engine(|o| o.lora_dtype = lora_dtype);
+    let bytes = |weights: DType, lora_dtype: Option<DType>| {
+        let e = engine_over(weights, |o| o.lora_dtype = lora_dtype);
         e.load_adapter(spec("a", "v1", "a_r8_all")).unwrap();
         let out = collect(e.submit(greedy(p.clone(), Some("a"), 4)).unwrap());
         assert_eq!(out.tokens.len(), 4);
@@ -558,7 +564,18 @@ fn adapters_can_be_held_in_bf16() {
             .unwrap()
             .bytes
     };
-    let (full, half) = (bytes(None), bytes(Some(DType::BF16)));
+    let full = bytes(DType::F32, None);
     assert!(full > 0);
-    assert_eq!(half * 2, full);
+    for (weights, lora_dtype, want) in [
+        (DType::BF16, None, full / 2),
+        (DType::F16, None, full),
+        (DType::F32, Some(DType::BF16), full / 2),
+        (DType::BF16, Some(DType::F32), full),
+    ] {
+        assert_eq!(
+            bytes(weights, lora_dtype),
+            want,
+            "{weights:?} weights, loraDtype {lora_dtype:?}"
+        );
+    }
 }

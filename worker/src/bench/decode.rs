@@ -246,6 +246,8 @@ fn bench_model(
         max_rank: 512,
         expect_base: None,
     };
+    // Adapters held as a pool holds them by default (`loraDtype` unset).
+    let held = crate::model::adapter_dtype(model.weight_dtype(), dev);
     let mut adapters = Vec::new();
     let (mut load_ms, mut read_ms) = (f64::NAN, f64::NAN);
     for k in 0..16u64 {
@@ -269,27 +271,32 @@ fn bench_model(
                 read_s = read_s.min(t.elapsed().as_secs_f64());
                 drop(raw);
                 let t = Instant::now();
-                let a = LoraAdapter::load(&dir, &cfg, model.dtype(), dev, &opts)?;
+                let a = LoraAdapter::load(&dir, &cfg, held, dev, &opts)?;
                 load_s = load_s.min(t.elapsed().as_secs_f64());
                 loaded = Some(a);
             }
             (load_ms, read_ms) = (load_s * 1e3, read_s * 1e3);
             adapters.extend(loaded);
         } else {
-            adapters.push(LoraAdapter::load(&dir, &cfg, model.dtype(), dev, &opts)?);
+            adapters.push(LoraAdapter::load(&dir, &cfg, held, dev, &opts)?);
         }
     }
-    // Computing in f32 (the CPU), the same adapters also held in bf16 (`loraDtype: bf16`):
-    // half the bytes each distinct adapter adds to a step.
-    let in_bf16: Vec<LoraAdapter> = if model.dtype() == DType::F32 {
-        (0..16)
+    // Computing in f32 (the CPU), the same adapters also held in the other dtype the host
+    // kernels read (`loraDtype: f32` over bf16 weights, `bf16` over f32 ones): what each
+    // distinct adapter's bytes cost a step.
+    let alt = match (model.dtype(), held) {
+        (DType::F32, DType::BF16) => Some(DType::F32),
+        (DType::F32, _) => Some(DType::BF16),
+        _ => None,
+    };
+    let in_alt: Vec<LoraAdapter> = match alt {
+        Some(d) => (0..16)
             .map(|k| {
                 let dir = tmp.path().join(format!("a{k}"));
-                LoraAdapter::load(&dir, &cfg, DType::BF16, dev, &opts)
+                LoraAdapter::load(&dir, &cfg, d, dev, &opts)
             })
-            .collect::<Result<_, _>>()?
-    } else {
-        Vec::new()
+            .collect::<Result<_, _>>()?,
+        None => Vec::new(),
     };
     let s = args.steps;
     let distinct: Vec<Option<&LoraAdapter>> = adapters.iter().map(Some).collect();
@@ -300,9 +307,9 @@ fn bench_model(
         vec![Some(&adapters[0]); 16],
         distinct,
     ];
-    if let Some(first) = in_bf16.first() {
+    if let Some(first) = in_alt.first() {
         configs.push(vec![Some(first); 16]);
-        configs.push(in_bf16.iter().map(Some).collect());
+        configs.push(in_alt.iter().map(Some).collect());
     }
     // Warm-up, then the contenders alternate over rounds and each keeps its best, so drift
     // of the machine affects all of them alike.
@@ -331,7 +338,7 @@ fn bench_model(
         ("≥ 0.90", "≥ 1.0")
     };
     println!(
-        "bench decode: {label}, rank-{} LoRA on every linear module, {} on {}, {} decode steps",
+        "bench decode: {label}, rank-{} LoRA on every linear module held in {held:?} (a pool's default), {} on {}, {} decode steps",
         args.rank,
         dtypes(model),
         device_name(dev),
@@ -353,13 +360,13 @@ fn bench_model(
         "| batch 16: 16 distinct adapters | {mixed16:.1} | {:.2} of one adapter | ≥ 0.90 |",
         mixed16 / one16
     );
-    if let [one_h, mixed_h] = best[5..] {
+    if let ([one_h, mixed_h], Some(d)) = (&best[5..], alt) {
         println!(
-            "| batch 16: one dynamic adapter, held in bf16 | {one_h:.1} | {:.2} of merged | {near} |",
+            "| batch 16: one dynamic adapter, held in {d:?} | {one_h:.1} | {:.2} of merged | {near} |",
             one_h / base16
         );
         println!(
-            "| batch 16: 16 distinct adapters, held in bf16 | {mixed_h:.1} | {:.2} of one adapter in bf16 | ≥ 0.90 |",
+            "| batch 16: 16 distinct adapters, held in {d:?} | {mixed_h:.1} | {:.2} of one adapter in {d:?} | ≥ 0.90 |",
             mixed_h / one_h
         );
     }

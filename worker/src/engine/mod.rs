@@ -41,7 +41,8 @@ pub struct EngineOptions {
     pub max_cpu_loras: usize,
     /// Highest LoRA rank accepted.
     pub max_lora_rank: usize,
-    /// The dtype adapters' weights are held in; None: the serving dtype.
+    /// The dtype adapters' weights are held in; None: the weights' own where the kernels
+    /// read it (see [`crate::model::adapter_dtype`]).
     pub lora_dtype: Option<DType>,
     /// Prompt tokens processed per step across new sequences (chunked prefill).
     pub prefill_chunk: usize,
@@ -79,7 +80,8 @@ pub struct Shared {
     loads: std::sync::atomic::AtomicU64,
     load_failures: std::sync::atomic::AtomicU64,
     load_micros: std::sync::atomic::AtomicU64,
-    dtype: DType,
+    /// What adapters are held in: `opts.lora_dtype` or the model's default.
+    lora_dtype: DType,
     device: Device,
 }
 
@@ -126,7 +128,9 @@ impl Engine {
         opts.max_seq_len = opts.max_seq_len.min(model.config().max_positions()).max(2);
         let device = model.device().clone();
         let shared = Arc::new(Shared {
-            dtype: model.dtype(),
+            lora_dtype: opts
+                .lora_dtype
+                .unwrap_or(crate::model::adapter_dtype(model.weight_dtype(), &device)),
             device,
             registry: Registry::new(opts.max_loras, opts.max_cpu_loras, model.device().clone()),
             waiting: AtomicUsize::new(0),
@@ -159,7 +163,7 @@ impl Engine {
         let a = LoraAdapter::load(
             &spec.path,
             shared.model.config(),
-            shared.opts.lora_dtype.unwrap_or(shared.dtype),
+            shared.lora_dtype,
             &shared.device,
             &opts,
         )

@@ -919,6 +919,20 @@ pub fn compute_dtype(weights: DType, device: &Device) -> DType {
     }
 }
 
+/// The dtype adapters are held in when the pool does not say (`loraDtype` unset): that of
+/// the weights, as vLLM's `lora_dtype="auto"`, where the kernels read it. Over bf16 weights an
+/// adapter rounded to bf16 moves the output by 2⁻⁹ of its low-rank update only, far less than
+/// the weights' own rounding (2⁻⁹ of the whole product, the same a merged pod's baked weights
+/// carry), while it halves the adapter's memory and the bytes each distinct adapter adds to a
+/// decode step. The CPU's host kernels read f32 and bf16 adapters but not f16 ones, so over
+/// f16 weights a CPU holds them in f32; f32 and quantized (GGUF) bases keep f32 adapters.
+pub fn adapter_dtype(weights: DType, device: &Device) -> DType {
+    match weights {
+        DType::BF16 => DType::BF16,
+        w => compute_dtype(w, device),
+    }
+}
+
 /// The largest absolute difference between two tensors of one shape (tests).
 #[cfg(test)]
 pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
