@@ -179,7 +179,7 @@ impl Engine {
             .load_micros
             .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
         tracing::info!(adapter = %spec.name, version = %spec.version, rank = a.rank, bytes = a.bytes,
-            seconds = started.elapsed().as_secs_f64(), "adapter loaded");
+            dtype = ?shared.lora_dtype, seconds = started.elapsed().as_secs_f64(), "adapter loaded");
         Ok(Arc::new(a))
     }
 
