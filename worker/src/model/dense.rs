@@ -8,9 +8,10 @@
 //! for a handful of tokens only, and the packing was half of gemm's time. Here each output
 //! is a dot product of a weight row with a token's input, both contiguous in `k`: four rows
 //! times up to four tokens (two with AVX2's sixteen registers) in accumulators, the rows
-//! streamed from memory once and reused from L1 for the batch's other tokens. One core of the
-//! 2-CPU dev VM, SmolLM2's projections (540 MB, cold), 128-column blocks, AVX-512: 16 tokens
-//! 57 → 100 GFLOP/s, 4 tokens 21 → 58, 1 token 29 → 37 GB/s.
+//! streamed from memory once and reused from L1 for the batch's other tokens (half-type rows
+//! widened to f32 once per block for them). One core of the 2-CPU dev VM, SmolLM2's
+//! projections (540 MB, cold), 128-column blocks, AVX-512: 16 tokens 57 → 100 GFLOP/s, 4
+//! tokens 21 → 58, 1 token 29 → 37 GB/s.
 
 use super::host::Weight;
 
@@ -40,6 +41,17 @@ pub(crate) enum Isa {
     Avx2,
 }
 
+#[cfg(target_arch = "x86_64")]
+impl Isa {
+    /// Tokens per kernel call with four rows.
+    fn tokens(self) -> usize {
+        match self {
+            Isa::Avx512 => Avx512::TOKENS,
+            Isa::Avx2 => Avx2::TOKENS,
+        }
+    }
+}
+
 /// Weight rows per kernel call.
 const ROWS: usize = 4;
 /// Tokens per kernel call at most, of any instruction set (see [`Simd::TOKENS`]).
@@ -67,10 +79,13 @@ pub(crate) unsafe fn product<W: Weight>(
 ) {
     assert!(d_in > 0 && xs.len() >= t * d_in && w.len().is_multiple_of(d_in));
     let rows = w.len() / d_in;
-    let tokens = match isa {
-        Isa::Avx512 => Avx512::TOKENS,
-        Isa::Avx2 => Avx2::TOKENS,
-    };
+    let tokens = isa.tokens();
+    // Half-type rows that pass through the kernel more than once (more tokens than one call
+    // takes) are widened once per block into f32, and the passes read that: widening on every
+    // pass cost issue slots beside the FMAs, which bound a batch of 16 on AVX2 (where bf16
+    // weights ran no faster than f32 ones). The kernel sees the same values either way, so
+    // the sums are the same.
+    let widen = W::as_f32(w).is_none() && t > tokens;
     let mut c = 0;
     while c < rows {
         let rn = if rows - c >= ROWS { ROWS } else { 1 };
@@ -82,22 +97,79 @@ pub(crate) unsafe fn product<W: Weight>(
         } else {
             std::ptr::null()
         };
-        for t0 in (0..t).step_by(tokens) {
-            let tn = (t - t0).min(tokens);
-            let x = xs.as_ptr().add(t0 * d_in);
-            let pf = if t0 == 0 { next } else { std::ptr::null() };
-            let sums = match isa {
-                Isa::Avx512 => sums::<Avx512, W>(rn, tn, block, x, d_in, pf),
-                Isa::Avx2 => sums::<Avx2, W>(rn, tn, block, x, d_in, pf),
-            };
-            for (r, row) in sums.iter().enumerate().take(rn) {
-                for (i, s) in row.iter().enumerate().take(tn) {
-                    let d = dst.add((t0 + i) * stride + c + r);
-                    *d = if accumulate { *d + s } else { *s };
+        let out = dst.add(c);
+        if widen {
+            WIDE.with_borrow_mut(|wide| {
+                wide.clear();
+                wide.reserve(rn * d_in);
+                match isa {
+                    Isa::Avx512 => Avx512::widen(block, wide.as_mut_ptr(), rn * d_in, next),
+                    Isa::Avx2 => Avx2::widen(block, wide.as_mut_ptr(), rn * d_in, next),
                 }
-            }
+                // SAFETY: `widen` wrote every value of the reserved length.
+                wide.set_len(rn * d_in);
+                let p = wide.as_ptr();
+                passes(
+                    isa,
+                    rn,
+                    p,
+                    std::ptr::null(),
+                    xs,
+                    t,
+                    d_in,
+                    out,
+                    stride,
+                    accumulate,
+                );
+            });
+        } else {
+            passes(isa, rn, block, next, xs, t, d_in, out, stride, accumulate);
         }
         c += rn;
+    }
+}
+
+thread_local! {
+    #[cfg(target_arch = "x86_64")]
+    /// A block's rows widened to f32 (see [`product`]): at most four rows of the input size.
+    static WIDE: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// The kernel calls over `rn` rows at `block` for every token, `tokens` at a time, with `pf`
+/// (the next block, or null) prefetched during the first; sums go to `dst + i·stride + r`.
+///
+/// # Safety
+/// As [`product`], for these rows.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+unsafe fn passes<W: Weight>(
+    isa: Isa,
+    rn: usize,
+    block: *const W,
+    pf: *const W,
+    xs: &[f32],
+    t: usize,
+    d_in: usize,
+    dst: *mut f32,
+    stride: usize,
+    accumulate: bool,
+) {
+    let tokens = isa.tokens();
+    for t0 in (0..t).step_by(tokens) {
+        let tn = (t - t0).min(tokens);
+        let x = xs.as_ptr().add(t0 * d_in);
+        let pf = if t0 == 0 { pf } else { std::ptr::null() };
+        let sums = match isa {
+            Isa::Avx512 => sums::<Avx512, W>(rn, tn, block, x, d_in, pf),
+            Isa::Avx2 => sums::<Avx2, W>(rn, tn, block, x, d_in, pf),
+        };
+        for (r, row) in sums.iter().enumerate().take(rn) {
+            for (i, s) in row.iter().enumerate().take(tn) {
+                let d = dst.add((t0 + i) * stride + r);
+                *d = if accumulate { *d + s } else { *s };
+            }
+        }
     }
 }
 
@@ -156,6 +228,14 @@ trait Simd {
     unsafe fn load_part(p: *const f32, n: usize) -> Self::V;
     unsafe fn fma(a: Self::V, b: Self::V, c: Self::V) -> Self::V;
     unsafe fn sum(v: Self::V) -> f32;
+    unsafe fn store(p: *mut f32, v: Self::V);
+
+    /// `n` values at `src` widened to f32 at `dst` (capacity for `n`), prefetching as many
+    /// at `pf` (null: none) on the way.
+    ///
+    /// # Safety
+    /// The CPU has the set; `src` and `dst` hold `n` values, `pf` null or `n` readable ones.
+    unsafe fn widen<W: Weight>(src: *const W, dst: *mut f32, n: usize, pf: *const W);
 
     /// The `R × T` dot products of rows `w + r·d_in` with tokens `x + i·d_in`.
     ///
@@ -227,6 +307,25 @@ unsafe fn dots_impl<S: Simd, W: Weight, const R: usize, const T: usize>(
     out
 }
 
+/// The body of [`Simd::widen`].
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+unsafe fn widen_impl<S: Simd, W: Weight>(src: *const W, dst: *mut f32, n: usize, pf: *const W) {
+    use std::arch::x86_64::*;
+    let full = n / S::LANES * S::LANES;
+    let mut k = 0;
+    while k < full {
+        if !pf.is_null() && (k * size_of::<W>()).is_multiple_of(64) {
+            _mm_prefetch::<_MM_HINT_T0>(pf.wrapping_add(k).cast());
+        }
+        S::store(dst.add(k), S::load_w(src.add(k)));
+        k += S::LANES;
+    }
+    for j in k..n {
+        *dst.add(j) = (*src.add(j)).f32();
+    }
+}
+
 #[cfg(target_arch = "x86_64")]
 struct Avx512;
 
@@ -254,6 +353,14 @@ impl Simd for Avx512 {
     #[inline(always)]
     unsafe fn sum(v: Self::V) -> f32 {
         std::arch::x86_64::_mm512_reduce_add_ps(v)
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: Self::V) {
+        std::arch::x86_64::_mm512_storeu_ps(p, v)
+    }
+    #[target_feature(enable = "avx512f")]
+    unsafe fn widen<W: Weight>(src: *const W, dst: *mut f32, n: usize, pf: *const W) {
+        widen_impl::<Self, W>(src, dst, n, pf)
     }
     #[inline(always)]
     unsafe fn load_w<W: Weight>(p: *const W) -> Self::V {
@@ -302,6 +409,14 @@ impl Simd for Avx2 {
         let q = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps::<1>(v));
         let d = _mm_add_ps(q, _mm_movehl_ps(q, q));
         _mm_cvtss_f32(_mm_add_ss(d, _mm_movehdup_ps(d)))
+    }
+    #[inline(always)]
+    unsafe fn store(p: *mut f32, v: Self::V) {
+        std::arch::x86_64::_mm256_storeu_ps(p, v)
+    }
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn widen<W: Weight>(src: *const W, dst: *mut f32, n: usize, pf: *const W) {
+        widen_impl::<Self, W>(src, dst, n, pf)
     }
     #[inline(always)]
     unsafe fn load_w<W: Weight>(p: *const W) -> Self::V {

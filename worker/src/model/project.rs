@@ -380,15 +380,28 @@ mod tests {
                         })
                         .collect();
                     for &direct in &kernels {
-                        let mut out: Vec<f32> = (0..t * width).map(val).collect();
-                        let cols = Columns::new(&mut out, width);
-                        // Two blocks, split off the four-row grid.
-                        let mid = width / 2 + 1;
-                        for range in [0..mid.min(width), mid.min(width)..width] {
-                            // SAFETY: `out` lives, this thread alone writes it; `direct`
-                            // only where available.
-                            unsafe { cols.product(&xs, t, d_in, rows, range, accumulate, direct) };
-                        }
+                        let run = |rows: Rows<'_>| {
+                            let mut out: Vec<f32> = (0..t * width).map(val).collect();
+                            let cols = Columns::new(&mut out, width);
+                            // Two blocks, split off the four-row grid.
+                            let mid = width / 2 + 1;
+                            for range in [0..mid.min(width), mid.min(width)..width] {
+                                // SAFETY: `out` lives, this thread alone writes it; `direct`
+                                // only where available.
+                                unsafe {
+                                    cols.product(&xs, t, d_in, rows, range, accumulate, direct)
+                                };
+                            }
+                            out
+                        };
+                        let out = run(rows);
+                        // Half-type rows, widened on each pass or once per block, give the
+                        // sums the same kernel gives over the widened values, bit for bit.
+                        assert_eq!(
+                            out,
+                            run(Rows::F32(&w)),
+                            "direct {direct:?}, in {d_in}, width {width}, t {t}, {held:?}"
+                        );
                         for (g, want) in out.iter().zip(&want) {
                             // Sums of at most 72 products of values under 1.4: f32 rounding
                             // in any order stays under 1e-4; a wrong row, token or a
