@@ -5,21 +5,21 @@ use std::collections::BTreeMap;
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{Container, PodSpec, PodTemplateSpec, VolumeMount};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
-use mole_crds::constants::LABEL_ADAPTER;
-
-use crate::resources::{models_volume, restricted_container_security, restricted_pod_security};
 use mole_crds::{AdapterSpec, InferencePoolSpec};
+
+use crate::resources::{
+    models_volume, restricted_container_security, restricted_pod_security, ChildMeta,
+};
 
 use super::MergeKey;
 
 /// Finished merge Jobs are garbage-collected after a day; the Adapter's status keeps the result.
 const TTL_AFTER_FINISHED: i32 = 24 * 3600;
 
-/// Labels of every merge-down child of an adapter.
-pub fn labels(pool: &str, adapter: &str, component: &str) -> BTreeMap<String, String> {
-    let mut l = crate::resources::labels(pool, component);
-    l.insert(LABEL_ADAPTER.to_string(), adapter.to_string());
-    l
+/// The metadata of an adapter's `component` Job (created through a namespaced API, so
+/// without a namespace of its own).
+fn job_meta(pool: &str, adapter: &str, component: &str, owner: OwnerReference) -> ChildMeta {
+    ChildMeta::of_adapter(pool, None, adapter, component, owner)
 }
 
 fn join(mount: &str, rel: &str) -> String {
@@ -65,26 +65,23 @@ pub fn merge_job(
         args.push("--dtype".into());
         args.push(d.as_str().into());
     }
-    let labels = labels(pool_name, adapter, "merge");
+    let meta = job_meta(pool_name, adapter, "merge", owner);
     Job {
-        metadata: ObjectMeta {
-            name: Some(key.job_name.clone()),
-            labels: Some(labels.clone()),
-            annotations: Some(BTreeMap::from([
+        metadata: meta.annotated(
+            key.job_name.clone(),
+            BTreeMap::from([
                 ("mole.dev/merge-hash".to_string(), key.hash.clone()),
                 ("mole.dev/merge-output".to_string(), key.output.clone()),
                 ("mole.dev/adapter-version".to_string(), spec.version.clone()),
-            ])),
-            owner_references: Some(vec![owner]),
-            ..Default::default()
-        },
+            ]),
+        ),
         spec: Some(JobSpec {
             backoff_limit: Some(pool.merge.backoff_limit),
             active_deadline_seconds: Some(pool.merge.active_deadline_seconds),
             ttl_seconds_after_finished: Some(TTL_AFTER_FINISHED),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
-                    labels: Some(labels),
+                    labels: Some(meta.labels.clone()),
                     ..Default::default()
                 }),
                 spec: Some(PodSpec {
@@ -153,20 +150,15 @@ pub fn cleanup_job(
         join(mount, &format!("merged/{adapter}")),
     ];
     args.extend(sorted.iter().map(|o| join(mount, o)));
-    let labels = labels(pool_name, adapter, "cleanup");
+    let meta = job_meta(pool_name, adapter, "cleanup", owner);
     Some(Job {
-        metadata: ObjectMeta {
-            name: Some(format!("cleanup-{}-{hash}", short.trim_end_matches('-'))),
-            labels: Some(labels.clone()),
-            owner_references: Some(vec![owner]),
-            ..Default::default()
-        },
+        metadata: meta.named(format!("cleanup-{}-{hash}", short.trim_end_matches('-'))),
         spec: Some(JobSpec {
             backoff_limit: Some(3),
             ttl_seconds_after_finished: Some(3600),
             template: PodTemplateSpec {
                 metadata: Some(ObjectMeta {
-                    labels: Some(labels),
+                    labels: Some(meta.labels.clone()),
                     ..Default::default()
                 }),
                 spec: Some(PodSpec {

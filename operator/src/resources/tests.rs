@@ -1,7 +1,12 @@
 //! Builders: what gets created for a pool, and what must not restart pods.
 
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use mole_crds::constants::{ANNOTATION_SPEC_HASH, WORKER_CONFIG_MOUNT};
+use mole_crds::{Adapter, InferencePool, WorkerConfig, WorkerMode};
+
 use super::*;
-use mole_crds::constants::ANNOTATION_SPEC_HASH;
 
 fn pool() -> InferencePool {
     serde_yaml::from_str(

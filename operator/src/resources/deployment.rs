@@ -1,0 +1,67 @@
+//! Deployments of worker pods: `<pool>-dynamic` and an adapter's merged `<pool>-<adapter>`.
+
+use k8s_openapi::api::apps::v1::{
+    Deployment, DeploymentSpec, DeploymentStrategy, RollingUpdateDeployment,
+};
+use k8s_openapi::api::core::v1::PodTemplateSpec;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::LabelSelector;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use mole_crds::InferencePool;
+
+use super::configmap::config_map_name;
+use super::meta::ChildMeta;
+use super::pod::worker_pod;
+
+/// Name of the pool's dynamic Deployment (and its PDB).
+pub fn dynamic_name(pool: &str) -> String {
+    format!("{pool}-dynamic")
+}
+
+/// Name of an adapter's merged Deployment, Service and PDB: `<pool>-<adapter>`.
+pub fn merged_name(pool: &str, adapter: &str) -> String {
+    format!("{pool}-{adapter}")
+}
+
+/// The Deployment `<pool>-dynamic`.
+pub fn dynamic_deployment(pool: &InferencePool) -> Deployment {
+    let name = pool.metadata.name.clone().unwrap_or_default();
+    let meta = ChildMeta::of_pool(pool, "dynamic");
+    let template = worker_pod(pool, &config_map_name(&name), &meta);
+    worker_deployment(
+        &meta,
+        dynamic_name(&name),
+        pool.spec.dynamic.replicas,
+        template,
+    )
+}
+
+/// A Deployment `name` of `replicas` worker pods from `template`, selected by `meta`.
+pub fn worker_deployment(
+    meta: &ChildMeta,
+    name: String,
+    replicas: i32,
+    template: PodTemplateSpec,
+) -> Deployment {
+    Deployment {
+        metadata: meta.named(name),
+        spec: Some(DeploymentSpec {
+            replicas: Some(replicas),
+            selector: LabelSelector {
+                match_labels: Some(meta.selector.clone()),
+                ..Default::default()
+            },
+            // A GPU pod never starts before an old one is gone when the node pool is full;
+            // maxSurge 1 lets a rollout proceed when there is room.
+            strategy: Some(DeploymentStrategy {
+                type_: Some("RollingUpdate".into()),
+                rolling_update: Some(RollingUpdateDeployment {
+                    max_surge: Some(IntOrString::Int(1)),
+                    max_unavailable: Some(IntOrString::Int(0)),
+                }),
+            }),
+            template,
+            ..Default::default()
+        }),
+        status: None,
+    }
+}

@@ -1,0 +1,259 @@
+//! The worker pod template (dynamic and merged pods) and the pod-level pieces merge Jobs
+//! share with it: the model volume and the restricted security profile.
+
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::core::v1::{
+    Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
+    HTTPGetAction, PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
+    Probe, ResourceRequirements, SeccompProfile, SecretVolumeSource, SecurityContext, Volume,
+    VolumeMount,
+};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+use mole_crds::constants::{
+    ANNOTATION_SPEC_HASH, WORKER_CONFIG_KEY, WORKER_CONFIG_MOUNT, WORKER_PORT,
+};
+use mole_crds::{InferencePool, InferencePoolSpec};
+
+use super::meta::{short_hash, ChildMeta};
+use super::secret::{operator_token_secret_name, OPERATOR_TOKEN_MOUNT};
+
+/// Where the pool's auth Secret is mounted in worker pods. Not under `/etc/mole`: that is the
+/// ConfigMap's (read-only) volume, and a mount point cannot be created inside it.
+pub const AUTH_MOUNT: &str = "/var/run/mole/auth";
+
+/// Pod security "restricted": non-root, read-only root filesystem, no privilege escalation,
+/// all capabilities dropped, seccomp RuntimeDefault.
+pub fn restricted_container_security() -> SecurityContext {
+    SecurityContext {
+        allow_privilege_escalation: Some(false),
+        read_only_root_filesystem: Some(true),
+        run_as_non_root: Some(true),
+        capabilities: Some(Capabilities {
+            drop: Some(vec!["ALL".into()]),
+            ..Default::default()
+        }),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// Pod-level half of the restricted profile.
+pub fn restricted_pod_security() -> PodSecurityContext {
+    PodSecurityContext {
+        run_as_non_root: Some(true),
+        run_as_user: Some(65532),
+        run_as_group: Some(65532),
+        fs_group: Some(65532),
+        seccomp_profile: Some(SeccompProfile {
+            type_: "RuntimeDefault".into(),
+            ..Default::default()
+        }),
+        ..Default::default()
+    }
+}
+
+/// The pool's model volume (read-only for servers, read-write for merge Jobs).
+pub fn models_volume(pool: &InferencePoolSpec, read_only: bool) -> Volume {
+    Volume {
+        name: "models".into(),
+        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+            claim_name: pool.storage.claim_name.clone(),
+            read_only: Some(read_only),
+        }),
+        ..Default::default()
+    }
+}
+
+/// Hash of exactly the fields whose change must restart the pool's pods: base model, image,
+/// storage, GPU scheduling, resources and engine limits. Adapters are not in it: adding,
+/// updating or removing an adapter never restarts a pod.
+pub fn spec_hash(spec: &InferencePoolSpec) -> String {
+    let mut limits = serde_json::json!({
+        "maxLoras": spec.dynamic.max_loras,
+        "maxCpuLoras": spec.dynamic.max_cpu_loras,
+        "maxLoraRank": spec.dynamic.max_lora_rank,
+        "maxBatchSize": spec.dynamic.max_batch_size,
+        "maxSeqLen": spec.dynamic.max_seq_len,
+    });
+    // Only when set: pools that leave it unset keep the hash (and pods) they had before the
+    // field existed.
+    if let Some(d) = spec.dynamic.lora_dtype {
+        limits["loraDtype"] = serde_json::json!(d);
+    }
+    short_hash(&serde_json::json!({
+        "baseModel": spec.base_model,
+        "image": spec.image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "storage": spec.storage,
+        "gpu": spec.gpu,
+        "resources": spec.resources,
+        "limits": limits,
+        "auth": spec.auth,
+    }))
+}
+
+/// Container resources: the pool's, plus the GPU request and limit.
+fn resources(spec: &InferencePoolSpec) -> ResourceRequirements {
+    let mut r = spec.resources.clone().unwrap_or_default();
+    if spec.gpu.count > 0 {
+        let q = Quantity(spec.gpu.count.to_string());
+        r.limits
+            .get_or_insert_with(BTreeMap::new)
+            .insert(spec.gpu.resource_name.clone(), q.clone());
+        r.requests
+            .get_or_insert_with(BTreeMap::new)
+            .insert(spec.gpu.resource_name.clone(), q);
+    }
+    r
+}
+
+fn http_probe(path: &str, period: i32, failures: i32) -> Probe {
+    Probe {
+        http_get: Some(HTTPGetAction {
+            path: Some(path.into()),
+            port: IntOrString::String("http".into()),
+            ..Default::default()
+        }),
+        period_seconds: Some(period),
+        failure_threshold: Some(failures),
+        timeout_seconds: Some(3),
+        ..Default::default()
+    }
+}
+
+/// A read-only mount of volume `name` at `path`.
+fn read_only_mount(name: &str, path: &str) -> VolumeMount {
+    VolumeMount {
+        name: name.into(),
+        mount_path: path.into(),
+        read_only: Some(true),
+        ..Default::default()
+    }
+}
+
+/// The volumes of a worker pod and the worker container's mounts of them: the model volume
+/// read-only, the WorkerConfig, scratch space, the operator token and the pool's auth Secret.
+fn worker_volumes(pool: &InferencePool, config_map: &str) -> (Vec<Volume>, Vec<VolumeMount>) {
+    let name = pool.metadata.name.clone().unwrap_or_default();
+    let spec = &pool.spec;
+    let mut volumes = vec![
+        models_volume(spec, true),
+        Volume {
+            name: "config".into(),
+            config_map: Some(ConfigMapVolumeSource {
+                name: config_map.to_string(),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        // The root filesystem is read-only; the worker gets a scratch directory.
+        Volume {
+            name: "tmp".into(),
+            empty_dir: Some(EmptyDirVolumeSource::default()),
+            ..Default::default()
+        },
+    ];
+    let mut mounts = vec![
+        read_only_mount("models", &spec.storage.mount_path),
+        read_only_mount("config", WORKER_CONFIG_MOUNT),
+        VolumeMount {
+            name: "tmp".into(),
+            mount_path: "/tmp".into(),
+            ..Default::default()
+        },
+    ];
+    // The operator's token: constant for the pool's lifetime, so it never rolls the pods.
+    volumes.push(Volume {
+        name: "operator-token".into(),
+        secret: Some(SecretVolumeSource {
+            secret_name: Some(operator_token_secret_name(&name)),
+            default_mode: Some(0o440),
+            ..Default::default()
+        }),
+        ..Default::default()
+    });
+    mounts.push(read_only_mount("operator-token", OPERATOR_TOKEN_MOUNT));
+    if let Some(auth) = &spec.auth {
+        volumes.push(Volume {
+            name: "auth".into(),
+            secret: Some(SecretVolumeSource {
+                secret_name: Some(auth.secret_name.clone()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        });
+        mounts.push(read_only_mount("auth", AUTH_MOUNT));
+    }
+    (volumes, mounts)
+}
+
+/// The worker container: `mole-worker serve` on the mounted WorkerConfig.
+fn worker_container(spec: &InferencePoolSpec, mounts: Vec<VolumeMount>) -> Container {
+    Container {
+        name: "worker".into(),
+        image: Some(spec.image.clone()),
+        image_pull_policy: spec.image_pull_policy.clone(),
+        command: Some(vec!["mole-worker".into()]),
+        args: Some(vec![
+            "serve".into(),
+            "--config".into(),
+            format!("{WORKER_CONFIG_MOUNT}/{WORKER_CONFIG_KEY}"),
+            "--listen".into(),
+            format!("0.0.0.0:{WORKER_PORT}"),
+        ]),
+        env: Some(vec![EnvVar {
+            name: "MOLE_LOG_FORMAT".into(),
+            value: Some("json".into()),
+            ..Default::default()
+        }]),
+        ports: Some(vec![ContainerPort {
+            name: Some("http".into()),
+            container_port: WORKER_PORT as i32,
+            ..Default::default()
+        }]),
+        resources: Some(resources(spec)),
+        // Loading a large base model can take minutes: the startup probe allows 20.
+        startup_probe: Some(http_probe("/healthz", 10, 120)),
+        liveness_probe: Some(http_probe("/healthz", 10, 3)),
+        readiness_probe: Some(http_probe("/readyz", 5, 2)),
+        security_context: Some(restricted_container_security()),
+        volume_mounts: Some(mounts),
+        ..Default::default()
+    }
+}
+
+/// The pod template of a worker (dynamic or merged): `mole-worker serve` on the ConfigMap
+/// `config_map`, labelled as `meta`, with GPU scheduling, the model volume read-only, probes
+/// and restricted security.
+pub fn worker_pod(pool: &InferencePool, config_map: &str, meta: &ChildMeta) -> PodTemplateSpec {
+    let spec = &pool.spec;
+    let (volumes, mounts) = worker_volumes(pool, config_map);
+    PodTemplateSpec {
+        metadata: Some(ObjectMeta {
+            labels: Some(meta.labels.clone()),
+            annotations: Some(BTreeMap::from([(
+                ANNOTATION_SPEC_HASH.to_string(),
+                spec_hash(spec),
+            )])),
+            ..Default::default()
+        }),
+        spec: Some(PodSpec {
+            security_context: Some(restricted_pod_security()),
+            node_selector: (!spec.gpu.node_selector.is_empty())
+                .then(|| spec.gpu.node_selector.clone()),
+            tolerations: (!spec.gpu.tolerations.is_empty()).then(|| spec.gpu.tolerations.clone()),
+            affinity: spec.gpu.affinity.clone(),
+            // Long enough for in-flight generations to drain after SIGTERM.
+            termination_grace_period_seconds: Some(90),
+            containers: vec![worker_container(spec, mounts)],
+            volumes: Some(volumes),
+            ..Default::default()
+        }),
+    }
+}

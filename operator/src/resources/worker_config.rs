@@ -1,0 +1,118 @@
+//! The WorkerConfig the operator renders for a pool's pods: what the worker reads from its
+//! ConfigMap (`worker.json`).
+
+use mole_crds::{
+    Adapter, InferencePoolSpec, MergedModel, WorkerAdapter, WorkerAuth, WorkerBaseModel,
+    WorkerConfig, WorkerLimits, WorkerMode, WorkerRouter,
+};
+
+use super::pod::AUTH_MOUNT;
+use super::secret::operator_token_file;
+
+/// One adapter as registered in a pool: the Adapter and its allocated id.
+#[derive(Debug, Clone)]
+pub struct Registered<'a> {
+    /// The Adapter.
+    pub adapter: &'a Adapter,
+    /// Its pool-wide LoRA id.
+    pub lora_id: u32,
+}
+
+/// The WorkerConfig of a pool's dynamic pods: the base model, every registered adapter, the
+/// router and the limits. Adapters are sorted by name so the config (and its hash) is stable.
+pub fn worker_config(
+    name: &str,
+    spec: &InferencePoolSpec,
+    adapters: &[Registered<'_>],
+) -> WorkerConfig {
+    let mut list: Vec<WorkerAdapter> = adapters.iter().map(worker_adapter).collect();
+    list.sort_by(|a, b| a.name.cmp(&b.name));
+    let r = &spec.router;
+    WorkerConfig {
+        mode: WorkerMode::Dynamic,
+        pool: name.to_string(),
+        model_root: spec.storage.mount_path.clone(),
+        base_model: WorkerBaseModel {
+            name: spec.base_model.name.clone(),
+            path: spec.base_model.path.clone(),
+            dtype: spec.base_model.dtype,
+        },
+        merged: None,
+        adapters: list,
+        router: WorkerRouter {
+            strategies: r.strategies.clone(),
+            classifier_adapter: r.classifier_adapter.clone(),
+            min_confidence: r.min_confidence,
+            embedding_model: r.embedding_model.clone(),
+            embedding_threshold: r.embedding_threshold,
+            fallback: r.fallback,
+            prefer_merged: r.prefer_merged,
+            fallback_to_dynamic: r.fallback_to_dynamic,
+        },
+        limits: WorkerLimits {
+            max_loras: spec.dynamic.max_loras,
+            max_cpu_loras: spec.dynamic.max_cpu_loras,
+            max_lora_rank: spec.dynamic.max_lora_rank,
+            lora_dtype: spec.dynamic.lora_dtype,
+            max_batch_size: spec.dynamic.max_batch_size,
+            max_seq_len: spec.dynamic.max_seq_len,
+            max_queue: spec.dynamic.max_queue,
+            ..WorkerLimits::default()
+        },
+        // Every worker accepts the operator's token on the endpoints the operator calls.
+        auth: Some(WorkerAuth {
+            api_keys_file: spec
+                .auth
+                .as_ref()
+                .map(|a| format!("{AUTH_MOUNT}/{}", a.key)),
+            admin_token_file: spec
+                .auth
+                .as_ref()
+                .and_then(|a| a.admin_token_key.as_ref())
+                .map(|k| format!("{AUTH_MOUNT}/{k}")),
+            operator_token_file: Some(operator_token_file()),
+        }),
+    }
+}
+
+fn worker_adapter(r: &Registered<'_>) -> WorkerAdapter {
+    let a = &r.adapter.spec;
+    let status = r.adapter.status.as_ref();
+    WorkerAdapter {
+        name: r.adapter.metadata.name.clone().unwrap_or_default(),
+        version: a.version.clone(),
+        lora_id: r.lora_id,
+        path: a.source.path.clone(),
+        label: a.label.clone(),
+        description: a.description.clone(),
+        examples: a.examples.clone(),
+        domains: a.domains.clone(),
+        keywords: a.keywords.clone(),
+        extensions: a.extensions.clone(),
+        mode: a.serving.mode,
+        // The merge-down plan decides both (the Adapter controller records it in the
+        // status): forward to merged pods while they serve it, and keep it loaded in the
+        // dynamic pods unless the plan says otherwise. Deriving them here from the phase or
+        // serving mode deadlocks a merged → dynamic switch.
+        merged_endpoint: status.and_then(|s| s.merged_endpoint.clone()),
+        load: status.and_then(|s| s.load_dynamic).unwrap_or(true),
+    }
+}
+
+/// The WorkerConfig of a merged pod: the merged weights at `output`, served as `adapter`.
+pub fn merged_worker_config(
+    pool_name: &str,
+    spec: &InferencePoolSpec,
+    adapter: &str,
+    version: &str,
+    output: &str,
+) -> WorkerConfig {
+    let mut wc = worker_config(pool_name, spec, &[]);
+    wc.mode = WorkerMode::Merged;
+    wc.merged = Some(MergedModel {
+        adapter: adapter.to_string(),
+        version: version.to_string(),
+        path: output.to_string(),
+    });
+    wc
+}
