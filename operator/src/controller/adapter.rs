@@ -6,7 +6,7 @@
 //! adapter and asks the pods to unload it before the object goes.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
@@ -24,11 +24,14 @@ use mole_crds::{Adapter, AdapterPhase, AdapterStatus, InferencePool, LoraAdapter
 use super::apply::apply_if_changed;
 use super::context::{operator_token, ready_pods, Context};
 use super::ids;
+use super::reconcile::instrumented;
 use super::validate::validate_adapter;
 use crate::error::{Error, Result};
 use crate::mergedown::{self, set_condition};
 use crate::resources;
 
+/// The controller's name in metric labels and backoff keys.
+const CONTROLLER: &str = "adapter";
 const FM_STATUS: &str = "mole-operator/adapter-status";
 /// Retries of the optimistic-concurrency loop on the pool's id ledger.
 const LEDGER_RETRIES: usize = 8;
@@ -56,22 +59,23 @@ pub fn loaded_everywhere(
     )
 }
 
-fn key(a: &Adapter) -> String {
-    format!(
-        "adapter/{}/{}",
-        a.namespace().unwrap_or_default(),
-        a.name_any()
-    )
-}
-
 /// Reconciles one adapter (through the finalizer).
 pub async fn reconcile(adapter: Arc<Adapter>, ctx: Arc<Context>) -> Result<Action> {
-    let started = Instant::now();
-    ctx.metrics.reconciles.with_label_values(&["adapter"]).inc();
+    instrumented(
+        CONTROLLER,
+        adapter.as_ref(),
+        &ctx,
+        Box::pin(finalize(&adapter, &ctx)),
+    )
+    .await
+}
+
+/// Runs [`apply`] or, once the Adapter is being deleted, [`cleanup`] behind the finalizer.
+async fn finalize(adapter: &Arc<Adapter>, ctx: &Arc<Context>) -> Result<Action> {
     let ns = adapter.namespace().unwrap_or_default();
     let api: Api<Adapter> = Api::namespaced(ctx.client.clone(), &ns);
     let c = ctx.clone();
-    let result = finalizer(&api, ADAPTER_FINALIZER, adapter.clone(), |ev| async move {
+    finalizer(&api, ADAPTER_FINALIZER, adapter.clone(), |ev| async move {
         match ev {
             Finalizer::Apply(a) => apply(&a, &c).await,
             Finalizer::Cleanup(a) => cleanup(&a, &c).await,
@@ -82,17 +86,7 @@ pub async fn reconcile(adapter: Arc<Adapter>, ctx: Arc<Context>) -> Result<Actio
         kube::runtime::finalizer::Error::ApplyFailed(e)
         | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
         other => Error::Finalizer(other.to_string()),
-    });
-    ctx.metrics
-        .duration
-        .with_label_values(&["adapter"])
-        .observe(started.elapsed().as_secs_f64());
-    match &result {
-        Ok(_) => ctx.succeeded(&key(&adapter)),
-        // error_policy is synchronous: the Warning Event for a transient error goes out here.
-        Err(e) => super::error_event(&ctx, &adapter.object_ref(&()), e).await,
-    }
-    result
+    })
 }
 
 /// How often an adapter refused for a reason that depends on other objects (its pool is
@@ -595,15 +589,7 @@ async fn cleanup(adapter: &Adapter, ctx: &Context) -> Result<Action> {
 
 /// Error policy: invalid specs wait for a change; transient errors back off per object.
 pub fn error_policy(adapter: Arc<Adapter>, err: &Error, ctx: Arc<Context>) -> Action {
-    ctx.metrics
-        .errors
-        .with_label_values(&["adapter", err.code()])
-        .inc();
-    tracing::warn!(adapter = %adapter.name_any(), error = %err, "adapter reconcile failed");
-    match err {
-        Error::Invalid(_) => Action::await_change(),
-        _ => Action::requeue(ctx.backoff(&key(&adapter))),
-    }
+    super::reconcile::error_policy(CONTROLLER, adapter.as_ref(), err, &ctx)
 }
 
 #[cfg(test)]

@@ -6,6 +6,7 @@ pub mod apply;
 pub mod context;
 pub mod ids;
 pub mod pool;
+mod reconcile;
 pub mod validate;
 
 use std::sync::Arc;
@@ -21,29 +22,6 @@ use kube::{Api, Client, ResourceExt};
 use mole_crds::{Adapter, InferencePool};
 
 pub use context::{Context, PodClient};
-
-use crate::error::Error;
-
-/// Publishes the Warning Event of a failed reconcile (`ReconcileError`, the message starting
-/// with the error's stable name). Invalid specs are not reported here: they get a condition
-/// and their own Event naming the field.
-pub(crate) async fn error_event(
-    ctx: &Context,
-    on: &k8s_openapi::api::core::v1::ObjectReference,
-    e: &Error,
-) {
-    if matches!(e, Error::Invalid(_)) {
-        return;
-    }
-    ctx.event(
-        on,
-        true,
-        mole_crds::constants::reason::RECONCILE_ERROR,
-        "Reconcile",
-        format!("{}: {e}; retrying with backoff", e.code()),
-    )
-    .await;
-}
 
 /// Runs both controllers until shutdown. `namespace` None watches every namespace.
 pub async fn run(client: Client, namespace: Option<String>, ctx: Arc<Context>) {

@@ -5,7 +5,7 @@
 //! and each ready pod is told to reload.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
@@ -22,11 +22,14 @@ use mole_crds::{
 
 use super::apply::apply_if_changed;
 use super::context::{operator_token, ready_pods, Context, Reload};
+use super::reconcile::instrumented;
 use super::validate::{validate_adapter, validate_pool};
 use crate::error::{Error, Result};
 use crate::mergedown::set_condition;
 use crate::resources::{self, Registered};
 
+/// The controller's name in metric labels and backoff keys.
+const CONTROLLER: &str = "pool";
 /// Field managers: one per call site, so ownership of every field is clear in `managedFields`.
 const FM_CONFIG: &str = "mole-operator/pool-configmap";
 const FM_DEPLOY: &str = "mole-operator/pool-deployment";
@@ -125,27 +128,17 @@ pub fn registered<'a>(pool: &InferencePool, adapters: &'a [Adapter]) -> Vec<Regi
 
 /// Reconciles one pool.
 pub async fn reconcile(pool: Arc<InferencePool>, ctx: Arc<Context>) -> Result<Action> {
-    let started = Instant::now();
-    ctx.metrics.reconciles.with_label_values(&["pool"]).inc();
-    let result = reconcile_inner(&pool, &ctx).await;
-    ctx.metrics
-        .duration
-        .with_label_values(&["pool"])
-        .observe(started.elapsed().as_secs_f64());
-    match &result {
-        Ok(_) => ctx.succeeded(&key(&pool)),
-        // error_policy is synchronous: the Warning Event for a transient error goes out here.
-        Err(e) => super::error_event(&ctx, &pool.object_ref(&()), e).await,
-    }
-    result
+    instrumented(
+        CONTROLLER,
+        pool.as_ref(),
+        &ctx,
+        Box::pin(reconcile_inner(&pool, &ctx)),
+    )
+    .await
 }
 
 fn key(pool: &InferencePool) -> String {
-    format!(
-        "pool/{}/{}",
-        pool.namespace().unwrap_or_default(),
-        pool.name_any()
-    )
+    super::reconcile::key(CONTROLLER, pool)
 }
 
 async fn reconcile_inner(pool: &InferencePool, ctx: &Context) -> Result<Action> {
@@ -365,13 +358,5 @@ async fn write_status(
 
 /// Error policy: invalid specs wait for a change; transient errors back off per object.
 pub fn error_policy(pool: Arc<InferencePool>, err: &Error, ctx: Arc<Context>) -> Action {
-    ctx.metrics
-        .errors
-        .with_label_values(&["pool", err.code()])
-        .inc();
-    tracing::warn!(pool = %pool.name_any(), error = %err, "pool reconcile failed");
-    match err {
-        Error::Invalid(_) => Action::await_change(),
-        _ => Action::requeue(ctx.backoff(&key(&pool))),
-    }
+    super::reconcile::error_policy(CONTROLLER, pool.as_ref(), err, &ctx)
 }
