@@ -1,8 +1,11 @@
-//! Controllers: each a pipeline observe → validate → build → apply → status, with the pure
-//! steps (validate, build) in [`validate`], [`ids`] and `crate::resources`.
+//! Controllers: each a short driver over observe → validate → build → apply → status, one
+//! submodule per phase ([`pool`], [`adapter`]). Validation ([`validate`]) and the builds
+//! (`crate::resources`, `crate::mergedown`, [`ids`]) are pure; every reconcile runs in one
+//! shared wrapper (a tracing span, metrics, backoff, the Warning Event of a failure).
 
 pub mod adapter;
 pub mod apply;
+mod conditions;
 pub mod context;
 pub mod ids;
 pub mod pool;

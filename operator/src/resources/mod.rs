@@ -1,6 +1,6 @@
 //! Pure builders of every child object: one file per kind (ConfigMap, Deployment, Service,
 //! PodDisruptionBudget, Secret; the worker pod template and the WorkerConfig they carry), each
-//! starting from the shared metadata of [`meta`]. No client, no I/O: unit-tested directly.
+//! starting from the shared metadata of [`ChildMeta`]. No client, no I/O: unit-tested directly.
 //! The merge-down Jobs are built in `crate::mergedown::job` from the same pieces.
 
 mod configmap;

@@ -1,0 +1,203 @@
+//! Apply: the merge-down plan carried out — the merge Job, the merged ConfigMap, Deployment,
+//! Service and PDB (or their removal), and the cleanup Job of outputs that fell out of the
+//! history.
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+use kube::api::{DeleteParams, ListParams, PostParams};
+use kube::{Api, Resource, ResourceExt};
+use mole_crds::constants::{LABEL_ADAPTER, LABEL_APP_COMPONENT, LABEL_APP_INSTANCE};
+use mole_crds::{Adapter, InferencePool};
+
+use super::observe::observe_merged;
+use crate::controller::apply::apply_if_changed;
+use crate::controller::context::Context;
+use crate::error::Result;
+use crate::mergedown::{self, DeploymentAction, JobAction, Plan};
+use crate::resources;
+
+/// Field manager of merge-down writes.
+const FM_MERGED: &str = "mole-operator/adapter-merged";
+
+/// The adapter's children in its namespace, owned by it.
+struct Children<'a> {
+    ctx: &'a Context,
+    ns: String,
+    pool: &'a InferencePool,
+    pool_name: String,
+    adapter: &'a Adapter,
+    name: String,
+    owner: OwnerReference,
+}
+
+impl Children<'_> {
+    fn api<K>(&self) -> Api<K>
+    where
+        K: Resource<Scope = k8s_openapi::NamespaceResourceScope, DynamicType = ()>,
+    {
+        Api::namespaced(self.ctx.client.clone(), &self.ns)
+    }
+}
+
+/// Carries out `plan`; `live` is the merged Deployment as observed.
+pub(super) async fn apply_plan(
+    ctx: &Context,
+    adapter: &Adapter,
+    pool: &InferencePool,
+    plan: &Plan,
+    live: Option<&Deployment>,
+) -> Result<()> {
+    let c = Children {
+        ctx,
+        ns: adapter.namespace().unwrap_or_default(),
+        pool,
+        pool_name: pool.name_any(),
+        adapter,
+        name: adapter.name_any(),
+        owner: adapter
+            .controller_owner_ref(&())
+            .expect("adapters read from the API have a uid"),
+    };
+    apply_job(&c, &plan.job).await?;
+    match &plan.deployment {
+        DeploymentAction::Apply { output, version } => {
+            apply_merged(&c, plan, output, version, live).await?
+        }
+        DeploymentAction::Delete => delete_merged(&c).await?,
+        DeploymentAction::Keep => {}
+    }
+    let cleanup = mergedown::job::cleanup_job(
+        &c.pool_name,
+        &pool.spec,
+        &c.name,
+        &plan.cleanup,
+        c.owner.clone(),
+    );
+    if let Some(job) = cleanup {
+        create_ignoring_existing(&c.api(), &job).await?;
+    }
+    Ok(())
+}
+
+async fn apply_job(c: &Children<'_>, action: &JobAction) -> Result<()> {
+    let jobs: Api<Job> = c.api();
+    match action {
+        JobAction::Create(key) => {
+            let job = mergedown::job::merge_job(
+                &c.pool_name,
+                &c.pool.spec,
+                &c.name,
+                &c.adapter.spec,
+                key,
+                c.owner.clone(),
+            );
+            create_ignoring_existing(&jobs, &job).await
+        }
+        JobAction::DeleteFailed(name) => delete_ignoring_absent(&jobs, name).await,
+        JobAction::None => Ok(()),
+    }
+}
+
+/// The merged pods serving `output` at `version`, and the ConfigMaps of outputs nobody needs
+/// any more removed.
+async fn apply_merged(
+    c: &Children<'_>,
+    plan: &Plan,
+    output: &str,
+    version: &str,
+    live: Option<&Deployment>,
+) -> Result<()> {
+    let name = resources::merged_name(&c.pool_name, &c.name);
+    let (cm, d, s, p) = resources::merged_children(
+        c.pool,
+        &c.name,
+        version,
+        output,
+        c.adapter.spec.serving.replicas,
+        c.owner.clone(),
+    );
+    let cms: Api<ConfigMap> = c.api();
+    let svcs: Api<Service> = c.api();
+    let pdbs: Api<PodDisruptionBudget> = c.api();
+    // The ConfigMap of this output first: the pod template references it.
+    let cm_name = resources::merged_config_name(&c.pool_name, &c.name, output);
+    let live_cm = cms.get_opt(&cm_name).await?;
+    apply_if_changed(&cms, &cm_name, FM_MERGED, &cm, live_cm.as_ref()).await?;
+    apply_if_changed(&c.api::<Deployment>(), &name, FM_MERGED, &d, live).await?;
+    let live_svc = svcs.get_opt(&name).await?;
+    apply_if_changed(&svcs, &name, FM_MERGED, &s, live_svc.as_ref()).await?;
+    let live_pdb = pdbs.get_opt(&name).await?;
+    apply_if_changed(&pdbs, &name, FM_MERGED, &p, live_pdb.as_ref()).await?;
+    // ConfigMaps of outputs no history entry references any more (and that neither the
+    // Deployment's old pods nor its new ones mount) go.
+    let live_output = live.map(|d| observe_merged(d).output);
+    let keep = |o: &str| {
+        o == output
+            || live_output.as_deref() == Some(o)
+            || plan
+                .status
+                .history
+                .iter()
+                .any(|r| r.merged_output.as_deref() == Some(o))
+    };
+    for old in merged_config_maps(c).await? {
+        if !config_output(&old).is_some_and(keep) {
+            delete_ignoring_absent(&cms, &old.name_any()).await?;
+        }
+    }
+    Ok(())
+}
+
+/// The merged Deployment, Service, PDB and every merged ConfigMap removed.
+async fn delete_merged(c: &Children<'_>) -> Result<()> {
+    let name = resources::merged_name(&c.pool_name, &c.name);
+    delete_ignoring_absent(&c.api::<Deployment>(), &name).await?;
+    delete_ignoring_absent(&c.api::<Service>(), &name).await?;
+    delete_ignoring_absent(&c.api::<PodDisruptionBudget>(), &name).await?;
+    let cms: Api<ConfigMap> = c.api();
+    for old in merged_config_maps(c).await? {
+        delete_ignoring_absent(&cms, &old.name_any()).await?;
+    }
+    Ok(())
+}
+
+async fn delete_ignoring_absent<K>(api: &Api<K>, name: &str) -> Result<()>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    match api.delete(name, &DeleteParams::background()).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+async fn create_ignoring_existing(api: &Api<Job>, job: &Job) -> Result<()> {
+    match api.create(&PostParams::default(), job).await {
+        Ok(_) => Ok(()),
+        // Same inputs, same name: a restarted operator finds the Job instead of duplicating it.
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
+}
+
+/// The merged ConfigMaps of the adapter (one per output).
+async fn merged_config_maps(c: &Children<'_>) -> Result<Vec<ConfigMap>> {
+    let lp = ListParams::default().labels(&format!(
+        "{LABEL_APP_INSTANCE}={},{LABEL_APP_COMPONENT}=merged,{LABEL_ADAPTER}={}",
+        c.pool_name, c.name
+    ));
+    Ok(c.api::<ConfigMap>().list(&lp).await?.items)
+}
+
+/// The output a merged ConfigMap is for.
+fn config_output(cm: &ConfigMap) -> Option<&str> {
+    cm.metadata
+        .annotations
+        .as_ref()?
+        .get(resources::ANNOTATION_MERGED_OUTPUT)
+        .map(String::as_str)
+}

@@ -1,0 +1,150 @@
+//! The Adapter controller: observe → validate → build → apply → status.
+//!
+//! It validates the adapter, allocates its LoRA id once in the pool's ledger, and reports
+//! `Ready` only when every ready dynamic pod of the pool says (over HTTP,
+//! `GET /v1/lora_adapters`) that it serves this adapter version, or, for a merged adapter,
+//! when its merged pods serve it (see `crate::mergedown`). A finalizer unregisters the
+//! adapter and asks the pods to unload it before the object goes.
+
+mod apply;
+mod build;
+mod ledger;
+mod observe;
+mod status;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::runtime::controller::Action;
+use kube::runtime::finalizer::{finalizer, Event as Finalizer};
+use kube::{Api, Resource, ResourceExt};
+use mole_crds::constants::{reason, ADAPTER_FINALIZER};
+use mole_crds::{Adapter, InferencePool};
+
+pub use observe::{loaded_everywhere, observe_merged};
+
+use super::context::{operator_token, ready_pods, Context};
+use super::reconcile::instrumented;
+use super::validate::validate_adapter;
+use crate::error::{Error, Result};
+
+/// The controller's name in metric labels and backoff keys.
+const CONTROLLER: &str = "adapter";
+
+/// How often an adapter refused for a reason that depends on other objects (its pool is
+/// missing, another adapter holds its label) is checked again.
+pub const RECHECK_OTHERS: Duration = Duration::from_secs(60);
+
+/// Reconciles one adapter (through the finalizer).
+pub async fn reconcile(adapter: Arc<Adapter>, ctx: Arc<Context>) -> Result<Action> {
+    instrumented(
+        CONTROLLER,
+        adapter.as_ref(),
+        &ctx,
+        Box::pin(finalize(&adapter, &ctx)),
+    )
+    .await
+}
+
+/// Error policy: invalid specs wait for a change; transient errors back off per object.
+pub fn error_policy(adapter: Arc<Adapter>, err: &Error, ctx: Arc<Context>) -> Action {
+    super::reconcile::error_policy(CONTROLLER, adapter.as_ref(), err, &ctx)
+}
+
+/// What to do after a validation failure with `reason`: a missing pool may be created and a
+/// clashing adapter deleted, so those are checked again; a wrong field waits for an edit.
+pub fn invalid_action(reason: &str) -> Action {
+    if reason == reason::POOL_NOT_FOUND || reason == reason::DUPLICATE_LABEL {
+        Action::requeue(RECHECK_OTHERS)
+    } else {
+        Action::await_change()
+    }
+}
+
+/// Runs [`serve`] or, once the Adapter is being deleted, [`cleanup`] behind the finalizer.
+async fn finalize(adapter: &Arc<Adapter>, ctx: &Arc<Context>) -> Result<Action> {
+    let ns = adapter.namespace().unwrap_or_default();
+    let api: Api<Adapter> = Api::namespaced(ctx.client.clone(), &ns);
+    let c = ctx.clone();
+    finalizer(&api, ADAPTER_FINALIZER, adapter.clone(), |ev| async move {
+        match ev {
+            Finalizer::Apply(a) => serve(&a, &c).await,
+            Finalizer::Cleanup(a) => cleanup(&a, &c).await,
+        }
+    })
+    .await
+    .map_err(|e| match e {
+        kube::runtime::finalizer::Error::ApplyFailed(e)
+        | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
+        other => Error::Finalizer(other.to_string()),
+    })
+}
+
+/// The pipeline of a live adapter. Registration in the pool's id ledger is written between
+/// validation and the pods' observation: the pods load only registered adapters.
+async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
+    let now = chrono::Utc::now();
+    let (pool, siblings) = observe::pool_and_siblings(adapter, ctx).await?;
+    if let Err(fe) = validate_adapter(adapter, pool.as_ref(), &siblings) {
+        status::refuse(adapter, ctx, &fe, now).await?;
+        return Ok(invalid_action(fe.reason));
+    }
+    let pool = pool.expect("validated");
+    let known_id = adapter.status.as_ref().and_then(|s| s.lora_id);
+    let lora_id = ledger::register(adapter, ctx, known_id).await?;
+    let observed = observe::observe(adapter, &pool, ctx, now).await?;
+    let plan = build::plan(
+        adapter,
+        &pool,
+        &status::accepted(adapter, lora_id, now),
+        &observed,
+    );
+    apply::apply_plan(ctx, adapter, &pool, &plan, observed.merged.as_ref()).await?;
+    let next = status::report(adapter, &plan, &observed, now);
+    status::publish(adapter, ctx, &next, &plan, observed.load_error.as_deref()).await
+}
+
+/// Unregisters a deleted adapter and asks the pool's pods to unload it.
+async fn cleanup(adapter: &Adapter, ctx: &Context) -> Result<Action> {
+    let ns = adapter.namespace().unwrap_or_default();
+    let name = adapter.name_any();
+    // Leaving the ledger takes it out of the pool's WorkerConfig (and the id stays burnt).
+    ledger::unregister(adapter, ctx).await?;
+    // Without the pool there are no pods to unload it from.
+    let pools: Api<InferencePool> = Api::namespaced(ctx.client.clone(), &ns);
+    if let Some(pool) = pools.get_opt(&adapter.spec.pool).await? {
+        let token = operator_token(&ctx.client, &pool).await?;
+        for pod in ready_pods(&ctx.client, &ns, &adapter.spec.pool).await? {
+            if let Err(e) = ctx.pods.unload(&pod, &token, &name).await {
+                tracing::warn!(error = %e, "unload request failed; the config change unloads it");
+            }
+        }
+    }
+    ctx.event(
+        &adapter.object_ref(&()),
+        false,
+        reason::UNREGISTERED,
+        "Unregister",
+        format!("removed from pool {}", adapter.spec.pool),
+    )
+    .await;
+    Ok(Action::await_change())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn refusals_that_depend_on_other_objects_are_retried() {
+        assert_eq!(
+            invalid_action(reason::POOL_NOT_FOUND),
+            Action::requeue(RECHECK_OTHERS)
+        );
+        assert_eq!(
+            invalid_action(reason::DUPLICATE_LABEL),
+            Action::requeue(RECHECK_OTHERS)
+        );
+        assert_eq!(invalid_action(reason::INVALID_SPEC), Action::await_change());
+    }
+}

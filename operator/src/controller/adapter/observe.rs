@@ -1,0 +1,278 @@
+//! Observe: the pool and sibling adapters validation compares against, then what serves the
+//! adapter: every ready dynamic pod's report, the merge Job of the desired inputs and the
+//! merged Deployment.
+
+use chrono::{DateTime, Utc};
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::ListParams;
+use kube::{Api, ResourceExt};
+use mole_crds::{Adapter, InferencePool, LoraAdaptersResponse};
+
+use crate::controller::context::{operator_token, ready_pods, Context};
+use crate::error::Result;
+use crate::mergedown;
+use crate::resources;
+
+/// What validation needs: the adapter's pool (None: not found) and every Adapter of the
+/// namespace (label clashes).
+pub(super) async fn pool_and_siblings(
+    adapter: &Adapter,
+    ctx: &Context,
+) -> Result<(Option<InferencePool>, Vec<Adapter>)> {
+    let ns = adapter.namespace().unwrap_or_default();
+    let pools: Api<InferencePool> = Api::namespaced(ctx.client.clone(), &ns);
+    let adapters: Api<Adapter> = Api::namespaced(ctx.client.clone(), &ns);
+    let pool = pools.get_opt(&adapter.spec.pool).await?;
+    let siblings = adapters.list(&ListParams::default()).await?.items;
+    Ok((pool, siblings))
+}
+
+/// What serves the adapter now.
+pub(super) struct Observed {
+    /// Ready dynamic pods of the pool.
+    pub pods: usize,
+    /// Pods that report the desired version loaded.
+    pub loaded: usize,
+    /// Why pods could not be asked.
+    pub unreachable: Vec<String>,
+    /// The first reason a pod gave for not loading the desired version.
+    pub load_error: Option<String>,
+    /// The live merged Deployment `<pool>-<adapter>`.
+    pub merged: Option<Deployment>,
+    /// What the merge-down planner reads.
+    pub planner: mergedown::Observed,
+}
+
+/// Asks every ready dynamic pod what it serves and reads the merge Job and merged Deployment.
+pub(super) async fn observe(
+    adapter: &Adapter,
+    pool: &InferencePool,
+    ctx: &Context,
+    now: DateTime<Utc>,
+) -> Result<Observed> {
+    let ns = adapter.namespace().unwrap_or_default();
+    let name = adapter.name_any();
+    let token = operator_token(&ctx.client, pool).await?;
+    let pods = ready_pods(&ctx.client, &ns, &adapter.spec.pool).await?;
+    let mut reports = Vec::with_capacity(pods.len());
+    let mut unreachable = Vec::new();
+    for pod in &pods {
+        match ctx.pods.adapters(pod, &token).await {
+            Ok(r) => reports.push(r),
+            Err(e) => unreachable.push(e.to_string()),
+        }
+    }
+    let (all_loaded, loaded, load_error) =
+        loaded_everywhere(&reports, &name, &adapter.spec.version);
+    let key = mergedown::merge_key(&pool.spec, &name, &adapter.spec);
+    let merged = Api::<Deployment>::namespaced(ctx.client.clone(), &ns)
+        .get_opt(&resources::merged_name(&adapter.spec.pool, &name))
+        .await?;
+    let planner = mergedown::Observed {
+        job: observe_job(ctx, &ns, &key.job_name).await?,
+        deployment: merged.as_ref().map(observe_merged),
+        dynamic_loaded: all_loaded && unreachable.is_empty(),
+        now,
+    };
+    Ok(Observed {
+        pods: pods.len(),
+        loaded,
+        unreachable,
+        load_error,
+        merged,
+        planner,
+    })
+}
+
+/// Whether an adapter version is served by a set of pods: at least one pod, and every pod
+/// reports it loaded. Returns (ready, loaded count, first load error).
+pub fn loaded_everywhere(
+    reports: &[LoraAdaptersResponse],
+    name: &str,
+    version: &str,
+) -> (bool, usize, Option<String>) {
+    let loaded = reports
+        .iter()
+        .filter(|r| r.is_loaded(name, version))
+        .count();
+    let error = reports
+        .iter()
+        .flat_map(|r| r.data.iter())
+        .find(|a| a.name == name && a.version == version && a.error.is_some())
+        .and_then(|a| a.error.clone());
+    (
+        !reports.is_empty() && loaded == reports.len(),
+        loaded,
+        error,
+    )
+}
+
+/// What the cluster shows of the merge Job `name`, with the tool's reason when it failed.
+async fn observe_job(ctx: &Context, ns: &str, name: &str) -> Result<mergedown::JobState> {
+    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
+    let Some(job) = jobs.get_opt(name).await? else {
+        return Ok(mergedown::JobState::Absent);
+    };
+    let st = job.status.unwrap_or_default();
+    if st.succeeded.unwrap_or(0) > 0 {
+        return Ok(mergedown::JobState::Succeeded);
+    }
+    let failed = st
+        .conditions
+        .unwrap_or_default()
+        .into_iter()
+        .find(|c| c.type_ == "Failed" && c.status == "True");
+    let Some(cond) = failed else {
+        return Ok(mergedown::JobState::Running);
+    };
+    // `mole-worker merge` writes its one-line reason to /dev/termination-log.
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let lp = ListParams::default().labels(&format!("job-name={name}"));
+    let message = pods
+        .list(&lp)
+        .await?
+        .items
+        .into_iter()
+        .flat_map(|p| {
+            p.status
+                .and_then(|s| s.container_statuses)
+                .unwrap_or_default()
+        })
+        .filter_map(|c| c.state?.terminated?.message)
+        .find(|m| !m.trim().is_empty());
+    Ok(mergedown::JobState::Failed {
+        reason: message
+            .map(|m| m.trim().to_string())
+            .or(cond.message)
+            .unwrap_or_else(|| "merge Job failed".into()),
+    })
+}
+
+/// The merged Deployment of an adapter as the planner sees it. Its pods count as ready only
+/// for the current template: the Deployment controller has seen the latest generation, every
+/// pod runs the updated template (no old pod left, which could still be the one answering) and
+/// at least one of them is available. During a rolling update the old pods stay ready while the
+/// new ones start; counting them would call the new version serving too early.
+pub fn observe_merged(d: &Deployment) -> mergedown::DeploymentState {
+    let ann = d
+        .spec
+        .as_ref()
+        .and_then(|s| s.template.metadata.as_ref())
+        .and_then(|m| m.annotations.clone())
+        .unwrap_or_default();
+    let replicas = d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1);
+    let st = d.status.clone().unwrap_or_default();
+    let updated = st.updated_replicas.unwrap_or(0);
+    let available = st.available_replicas.unwrap_or(0);
+    let current = st.observed_generation.unwrap_or(0) >= d.metadata.generation.unwrap_or(0)
+        && updated == st.replicas.unwrap_or(0)
+        && available >= 1;
+    mergedown::DeploymentState {
+        output: ann
+            .get(resources::ANNOTATION_MERGED_OUTPUT)
+            .cloned()
+            .unwrap_or_default(),
+        version: ann
+            .get(resources::ANNOTATION_ADAPTER_VERSION)
+            .cloned()
+            .unwrap_or_default(),
+        replicas,
+        ready_replicas: if current { available.min(updated) } else { 0 },
+        serving_replicas: st.ready_replicas.unwrap_or(0),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mole_crds::{LoraAdapterInfo, Residency};
+
+    fn report(entries: &[(&str, &str, bool)]) -> LoraAdaptersResponse {
+        LoraAdaptersResponse {
+            object: "list".into(),
+            base_model: "b".into(),
+            data: entries
+                .iter()
+                .map(|(n, v, loaded)| LoraAdapterInfo {
+                    name: n.to_string(),
+                    version: v.to_string(),
+                    lora_id: 1,
+                    residency: Residency::Gpu,
+                    loaded: *loaded,
+                    rank: 8,
+                    bytes: 1,
+                    requests: 0,
+                    running: 0,
+                    error: None,
+                })
+                .collect(),
+        }
+    }
+
+    fn deployment(generation: i64, status: serde_json::Value) -> Deployment {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "vl-calendar", "generation": generation},
+            "spec": {"replicas": 2, "selector": {}, "template": {"metadata": {"annotations": {
+                "mole.dev/merged-output": "merged/calendar/v2-x", "mole.dev/adapter-version": "v2"}}}},
+            "status": status,
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn merged_pods_count_only_when_the_new_template_is_rolled_out() {
+        use serde_json::json;
+        let ready = |d: &Deployment| observe_merged(d).ready_replicas;
+        // The controller has not seen generation 3 yet: the counts are the old template's.
+        let stale = deployment(
+            3,
+            json!({"observedGeneration": 2, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2, "availableReplicas": 2}),
+        );
+        assert_eq!(ready(&stale), 0);
+        // Rolling: old pods ready, one new pod not available yet.
+        let rolling = deployment(
+            3,
+            json!({"observedGeneration": 3, "replicas": 3, "updatedReplicas": 1, "readyReplicas": 2, "availableReplicas": 2}),
+        );
+        assert_eq!(ready(&rolling), 0);
+        // Every pod updated, none available.
+        let starting = deployment(
+            3,
+            json!({"observedGeneration": 3, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 0, "availableReplicas": 0}),
+        );
+        assert_eq!(ready(&starting), 0);
+        let done = deployment(
+            3,
+            json!({"observedGeneration": 3, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2, "availableReplicas": 2}),
+        );
+        let st = observe_merged(&done);
+        assert_eq!(st.ready_replicas, 2);
+        assert_eq!(st.output, "merged/calendar/v2-x");
+        assert_eq!(st.version, "v2");
+    }
+
+    #[test]
+    fn ready_needs_every_pod_on_the_exact_version() {
+        let both = vec![
+            report(&[("cal", "v2", true)]),
+            report(&[("cal", "v2", true)]),
+        ];
+        assert_eq!(loaded_everywhere(&both, "cal", "v2"), (true, 2, None));
+        let one_old = vec![
+            report(&[("cal", "v2", true)]),
+            report(&[("cal", "v1", true)]),
+        ];
+        assert!(!loaded_everywhere(&one_old, "cal", "v2").0);
+        let loading = vec![report(&[("cal", "v2", false)])];
+        assert!(!loaded_everywhere(&loading, "cal", "v2").0);
+        assert!(!loaded_everywhere(&[], "cal", "v2").0, "no pod, not ready");
+        let mut bad = report(&[("cal", "v2", false)]);
+        bad.data[0].error = Some("rank 128 over limit 64".into());
+        assert_eq!(
+            loaded_everywhere(&[bad], "cal", "v2").2.as_deref(),
+            Some("rank 128 over limit 64")
+        );
+    }
+}

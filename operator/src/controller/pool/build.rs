@@ -1,0 +1,57 @@
+//! Build: the pool's children as they should be. Pure: no client.
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use kube::ResourceExt;
+use mole_crds::{Adapter, InferencePool};
+
+use crate::controller::validate::validate_adapter;
+use crate::resources::{self, Registered};
+
+/// The children of a pool as they should be.
+pub(super) struct Desired {
+    /// `<pool>-config` with the WorkerConfig.
+    pub config_map: ConfigMap,
+    /// Content hash of that WorkerConfig (what each pod is asked to reload to).
+    pub config_hash: String,
+    /// `<pool>-dynamic`.
+    pub deployment: Deployment,
+    /// The Service `<pool>`.
+    pub service: Service,
+    /// The PDB of the dynamic pods.
+    pub pdb: PodDisruptionBudget,
+}
+
+/// The adapters that belong in the pool's WorkerConfig: of this pool, not being deleted, valid,
+/// and holding an id in the pool's ledger (the Adapter controller allocates it).
+pub fn registered<'a>(pool: &InferencePool, adapters: &'a [Adapter]) -> Vec<Registered<'a>> {
+    let name = pool.name_any();
+    let ids = pool.status.as_ref().map(|s| &s.lora_ids);
+    adapters
+        .iter()
+        .filter(|a| a.spec.pool == name && a.metadata.deletion_timestamp.is_none())
+        .filter(|a| validate_adapter(a, Some(pool), adapters).is_ok())
+        .filter_map(|a| {
+            let id = ids?.get(&a.name_any())?;
+            Some(Registered {
+                adapter: a,
+                lora_id: *id,
+            })
+        })
+        .collect()
+}
+
+/// The pool's children, its WorkerConfig listing the registered ones of `adapters`.
+pub(super) fn desired(pool: &InferencePool, adapters: &[Adapter]) -> Desired {
+    let reg = registered(pool, adapters);
+    let config = resources::worker_config(&pool.name_any(), &pool.spec, &reg);
+    let (config_map, config_hash) = resources::config_map(pool, &config);
+    Desired {
+        config_map,
+        config_hash,
+        deployment: resources::dynamic_deployment(pool),
+        service: resources::service(pool),
+        pdb: resources::pdb(pool),
+    }
+}

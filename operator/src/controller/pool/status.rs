@@ -1,0 +1,324 @@
+//! Status: what the pool reports, computed from what was observed and applied (pure), then
+//! written with server-side apply and announced by Events.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use k8s_openapi::api::apps::v1::Deployment;
+use kube::api::{Patch, PatchParams};
+use kube::runtime::controller::Action;
+use kube::{Api, Resource, ResourceExt};
+use mole_crds::constants::{condition, reason, LABEL_ADAPTER};
+use mole_crds::{
+    Adapter, AdapterPhase, InferencePool, InferencePoolStatus, MergedDeploymentStatus, PoolPhase,
+};
+
+use super::apply::Applied;
+use super::observe::Observed;
+use crate::controller::conditions::{mark_invalid, mark_valid};
+use crate::controller::context::Context;
+use crate::error::{FieldError, Result};
+use crate::mergedown::set_condition;
+use crate::resources;
+
+const FM_STATUS: &str = "mole-operator/pool-status";
+/// How soon pods that have not accepted the current config are asked again.
+pub const RELOAD_RETRY: Duration = Duration::from_secs(5);
+/// How often a pool whose pods are all ready is looked at again.
+const RECHECK_READY: Duration = Duration::from_secs(300);
+/// How often a pool whose pods are not all ready is looked at again.
+const RECHECK_PROGRESSING: Duration = Duration::from_secs(15);
+
+/// The status a reconcile ends with.
+pub(super) struct Report {
+    /// The new status.
+    pub status: InferencePoolStatus,
+    /// Every desired dynamic pod is ready.
+    pub all_ready: bool,
+    /// `Ready` changed status or reason: an Event is warranted.
+    pub became: bool,
+    /// `<ready>/<desired> dynamic pods ready`.
+    pub message: String,
+}
+
+/// The pool's merged Deployments as `status.merged` lists them (sorted by adapter).
+pub fn merged_status(
+    namespace: &str,
+    pool: &str,
+    deploys: &[Deployment],
+) -> Vec<MergedDeploymentStatus> {
+    let mut out: Vec<MergedDeploymentStatus> = deploys
+        .iter()
+        .filter(|d| d.metadata.deletion_timestamp.is_none())
+        .filter_map(|d| {
+            let adapter = d.metadata.labels.as_ref()?.get(LABEL_ADAPTER)?.clone();
+            let version = d
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.metadata.as_ref())
+                .and_then(|m| m.annotations.as_ref())
+                .and_then(|a| a.get(resources::ANNOTATION_ADAPTER_VERSION))
+                .cloned()
+                .unwrap_or_default();
+            let st = d.status.clone().unwrap_or_default();
+            Some(MergedDeploymentStatus {
+                endpoint: Some(crate::mergedown::merged_endpoint(pool, &adapter, namespace)),
+                adapter,
+                version,
+                replicas: d.spec.as_ref().and_then(|s| s.replicas).unwrap_or(1),
+                ready_replicas: st.ready_replicas.unwrap_or(0),
+            })
+        })
+        .collect();
+    out.sort_by(|a, b| a.adapter.cmp(&b.adapter));
+    out
+}
+
+/// The pool's status so far, for this generation.
+fn current(pool: &InferencePool) -> InferencePoolStatus {
+    let mut status = pool.status.clone().unwrap_or_default();
+    status.observed_generation = pool.metadata.generation;
+    status
+}
+
+/// Records a refused spec: `Valid` and `Ready` false, phase `Failed`, and an Event when the
+/// refusal is new. Nothing already running is touched.
+pub(super) async fn refuse(
+    pool: &InferencePool,
+    ctx: &Context,
+    fe: &FieldError,
+    now: DateTime<Utc>,
+) -> Result<()> {
+    let mut status = current(pool);
+    let changed = mark_invalid(&mut status.conditions, fe, pool.metadata.generation, now);
+    status.phase = PoolPhase::Failed;
+    write_status(pool, ctx, &status).await?;
+    if changed {
+        ctx.event(
+            &pool.object_ref(&()),
+            true,
+            fe.reason,
+            "Validate",
+            fe.to_string(),
+        )
+        .await;
+    }
+    Ok(())
+}
+
+/// The status of an accepted pool: its dynamic pods, merged Deployments, adapter counts and
+/// readiness.
+pub(super) fn report(
+    pool: &InferencePool,
+    obs: &Observed,
+    applied: &Applied,
+    now: DateTime<Utc>,
+) -> Report {
+    let ns = pool.namespace().unwrap_or_default();
+    let name = pool.name_any();
+    let generation = pool.metadata.generation;
+    let mut status = current(pool);
+    mark_valid(&mut status.conditions, generation, now);
+    status.merged = merged_status(&ns, &name, &obs.merged);
+    let desired = pool.spec.dynamic.replicas;
+    // The applied Deployment's status, or the observed one's when nothing was written back.
+    let ready = applied
+        .deployment
+        .status
+        .as_ref()
+        .or(obs.deployment.as_ref().and_then(|d| d.status.as_ref()))
+        .and_then(|s| s.ready_replicas)
+        .unwrap_or(0);
+    status.dynamic.replicas = desired;
+    status.dynamic.ready_replicas = ready;
+    status.ready_display = Some(format!("{ready}/{desired}"));
+    let mine: Vec<&Adapter> = obs
+        .adapters
+        .iter()
+        .filter(|a| a.spec.pool == name && a.metadata.deletion_timestamp.is_none())
+        .collect();
+    status.adapters.total = mine.len() as u32;
+    status.adapters.ready = mine
+        .iter()
+        .filter(|a| {
+            a.status
+                .as_ref()
+                .is_some_and(|s| s.phase == AdapterPhase::Ready)
+        })
+        .count() as u32;
+    status.endpoint = Some(resources::endpoint(pool));
+    let all_ready = ready >= desired;
+    status.phase = if all_ready {
+        PoolPhase::Ready
+    } else {
+        PoolPhase::Progressing
+    };
+    let message = format!("{ready}/{desired} dynamic pods ready");
+    let became = set_condition(
+        &mut status.conditions,
+        condition::READY,
+        all_ready,
+        ready_reason(all_ready),
+        &message,
+        generation,
+        now,
+    );
+    Report {
+        status,
+        all_ready,
+        became,
+        message,
+    }
+}
+
+fn ready_reason(all_ready: bool) -> &'static str {
+    if all_ready {
+        reason::POOL_READY
+    } else {
+        reason::PODS_NOT_READY
+    }
+}
+
+/// Writes the status when it changed and announces a change of readiness.
+pub(super) async fn publish(pool: &InferencePool, ctx: &Context, report: &Report) -> Result<()> {
+    if report.status != pool.status.clone().unwrap_or_default() {
+        write_status(pool, ctx, &report.status).await?;
+    }
+    if report.became {
+        ctx.event(
+            &pool.object_ref(&()),
+            false,
+            ready_reason(report.all_ready),
+            "Reconcile",
+            report.message.clone(),
+        )
+        .await;
+    }
+    Ok(())
+}
+
+/// When to look again: soon while pods have not accepted the config, rarely once every pod is
+/// ready.
+pub(super) fn requeue(report: &Report, not_reloaded: &[String], config_hash: &str) -> Action {
+    Action::requeue(if !not_reloaded.is_empty() {
+        tracing::debug!(pods = ?not_reloaded, "pods not on config {config_hash} yet");
+        RELOAD_RETRY
+    } else if report.all_ready {
+        RECHECK_READY
+    } else {
+        RECHECK_PROGRESSING
+    })
+}
+
+/// Writes the pool status with server-side apply (the lora id ledger is written separately,
+/// with optimistic concurrency, by the Adapter controller).
+async fn write_status(
+    pool: &InferencePool,
+    ctx: &Context,
+    status: &InferencePoolStatus,
+) -> Result<()> {
+    let pools: Api<InferencePool> =
+        Api::namespaced(ctx.client.clone(), &pool.namespace().unwrap_or_default());
+    let mut status = status.clone();
+    // The id ledger is owned by the adapter controller's guarded writes; this writer must
+    // never move it backwards.
+    status.lora_ids.clear();
+    status.next_lora_id = None;
+    let patch = serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1",
+        "kind": "InferencePool",
+        "status": status,
+    });
+    pools
+        .patch_status(
+            &pool.name_any(),
+            &PatchParams::apply(FM_STATUS).force(),
+            &Patch::Apply(&patch),
+        )
+        .await?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+    use serde_json::json;
+
+    fn pool() -> InferencePool {
+        serde_json::from_value(json!({
+            "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
+            "metadata": {"name": "vl", "namespace": "ml", "generation": 3},
+            "spec": {"baseModel": {"name": "b", "path": "b"}, "storage": {"claimName": "m"},
+                     "image": "i", "gpu": {"count": 1}, "dynamic": {"replicas": 2}}
+        }))
+        .unwrap()
+    }
+
+    fn adapter(name: &str, pool: &str, phase: &str) -> Adapter {
+        serde_json::from_value(json!({
+            "apiVersion": "mole.dev/v1alpha1", "kind": "Adapter",
+            "metadata": {"name": name, "namespace": "ml"},
+            "spec": {"pool": pool, "version": "v1", "source": {"path": "a"}},
+            "status": {"phase": phase}
+        }))
+        .unwrap()
+    }
+
+    fn deployment(ready: i32) -> Deployment {
+        serde_json::from_value(json!({"metadata": {"name": "vl-dynamic"},
+                                      "status": {"readyReplicas": ready}}))
+        .unwrap()
+    }
+
+    fn observed(live: Option<Deployment>) -> Observed {
+        Observed {
+            adapters: vec![
+                adapter("a", "vl", "Ready"),
+                adapter("b", "vl", "Pending"),
+                adapter("c", "other", "Ready"),
+            ],
+            config_map: None,
+            deployment: live,
+            service: None,
+            pdb: None,
+            merged: Vec::new(),
+        }
+    }
+
+    fn applied(d: Deployment) -> Applied {
+        Applied {
+            deployment: d,
+            not_reloaded: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn readiness_counts_the_dynamic_pods_and_the_pools_own_adapters() {
+        let now = Utc.with_ymd_and_hms(2026, 11, 22, 12, 0, 0).unwrap();
+        let p = pool();
+        let r = report(&p, &observed(None), &applied(deployment(1)), now);
+        assert_eq!(r.status.phase, PoolPhase::Progressing);
+        assert!(!r.all_ready && r.became);
+        assert_eq!(r.message, "1/2 dynamic pods ready");
+        assert_eq!(r.status.ready_display.as_deref(), Some("1/2"));
+        assert_eq!((r.status.adapters.total, r.status.adapters.ready), (2, 1));
+        assert_eq!(r.status.observed_generation, Some(3));
+        let valid = r.status.conditions.iter().find(|c| c.type_ == "Valid");
+        assert_eq!(valid.unwrap().status, "True");
+        // The API server returned no status: the observed Deployment's counts.
+        let mut bare = deployment(0);
+        bare.status = None;
+        let r = report(&p, &observed(Some(deployment(2))), &applied(bare), now);
+        assert_eq!(r.status.phase, PoolPhase::Ready);
+        assert!(r.all_ready);
+        assert_eq!(
+            requeue(&r, &[], "h"),
+            Action::requeue(Duration::from_secs(300))
+        );
+        assert_eq!(
+            requeue(&r, &["p".into()], "h"),
+            Action::requeue(RELOAD_RETRY)
+        );
+    }
+}
