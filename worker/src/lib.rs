@@ -10,10 +10,11 @@
 //! - [`engine`]: the engine thread, continuous batching, sampling, text.
 //! - [`router`]: which adapter serves a request that names none.
 //! - [`config`], [`metrics`], [`telemetry`]: the worker's configuration and observability.
+//! - [`merge`]: the merge Job's tool, which a local worker also runs for its merged adapters.
 //! - [`server`]: the HTTP API.
 //!
-//! Tools on top, which nothing in the serving path imports: [`merge`], [`import`],
-//! [`inspect`], [`prune`], [`bench`].
+//! Tools on top, which nothing in the serving path imports: [`import`], [`inspect`],
+//! [`prune`], [`bench`]. `tests/layers.rs` holds every module to this order.
 
 pub mod bench;
 pub mod config;
