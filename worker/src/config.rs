@@ -101,6 +101,16 @@ pub fn resolve_in_root(root: &str, rel: &str) -> Result<PathBuf, ConfigError> {
     Ok(c)
 }
 
+/// The model directory a worker config serves: the merged output in a merged pod, else the
+/// base model.
+pub fn model_dir(cfg: &WorkerConfig) -> Result<PathBuf, ConfigError> {
+    let rel = match &cfg.merged {
+        Some(m) => &m.path,
+        None => &cfg.base_model.path,
+    };
+    resolve_in_root(&cfg.model_root, rel)
+}
+
 /// Checks names, limits and that every path stays inside `modelRoot`.
 pub fn validate(cfg: &WorkerConfig) -> Result<(), ConfigError> {
     if cfg.pool.trim().is_empty() {

@@ -7,8 +7,8 @@ use std::process::ExitCode;
 
 use serde::Serialize;
 
+use crate::formats::safetensors::to_f32;
 use crate::formats::{hf, peft};
-use crate::merge::to_f32;
 
 /// Arguments of `inspect`.
 #[derive(clap::Args, Debug)]
@@ -59,17 +59,12 @@ fn tensors_of(
 ) -> BTreeMap<String, (String, Vec<usize>)> {
     let mut out = BTreeMap::new();
     for f in files {
-        let file = match std::fs::File::open(f) {
-            Ok(x) => x,
+        let mmap = match crate::formats::safetensors::map(f) {
+            Ok(m) => m,
             Err(e) => {
                 r.problems.push(format!("{}: {e}", f.display()));
                 continue;
             }
-        };
-        // SAFETY: read-only inspection of a file nobody writes while we look.
-        let Ok(mmap) = (unsafe { memmap2::Mmap::map(&file) }) else {
-            r.problems.push(format!("{}: cannot map", f.display()));
-            continue;
         };
         match safetensors::SafeTensors::deserialize(&mmap) {
             Ok(st) => {

@@ -1,12 +1,20 @@
 //! mole worker: a candle engine with multi-LoRA batching, a router and an OpenAI-compatible
 //! HTTP API, plus the merge/import/inspect tools that run in merge Jobs.
 //!
-//! Module map (each owns one concern):
-//! - [`formats`]: on-disk formats shared by the tools and the engine (HF model dirs, PEFT
-//!   adapters, GGUF), with their validation rules.
-//! - [`merge`], [`import`], [`inspect`]: the offline tools.
-//! - [`model`], [`lora`], [`engine`]: the inference engine.
-//! - [`router`], [`server`], [`config`], [`metrics`]: the serving layer.
+//! Layers, from the ground up; each imports only those below it:
+//! - [`formats`]: on-disk formats (safetensors, HF model directories, PEFT adapters, GGUF)
+//!   with their validation rules.
+//! - [`kernels`]: CPU host kernels read in place from tensor storage.
+//! - [`model`]: the decoder, one struct per part, and how it applies adapters.
+//! - [`lora`]: adapters as served: loading and validation, and the registry of versions.
+//! - [`engine`]: the engine thread, continuous batching, sampling, text.
+//! - [`router`]: which adapter serves a request that names none.
+//! - [`config`], [`metrics`], [`telemetry`]: the worker's configuration and observability.
+//! - [`merge`]: the merge Job's tool, which a local worker also runs for its merged adapters.
+//! - [`server`]: the HTTP API.
+//!
+//! Tools on top, which nothing in the serving path imports: [`import`], [`inspect`],
+//! [`prune`], [`bench`]. `tests/layers.rs` holds every module to this order.
 
 pub mod bench;
 pub mod config;
@@ -14,6 +22,7 @@ pub mod engine;
 pub mod formats;
 pub mod import;
 pub mod inspect;
+pub mod kernels;
 pub mod lora;
 pub mod merge;
 pub mod metrics;

@@ -64,178 +64,134 @@ pub struct Metrics {
 impl Metrics {
     /// Registers every metric in a fresh registry.
     pub fn new() -> Self {
-        let registry = Registry::new();
-        let requests = IntCounterVec::new(
-            Opts::new("mole_requests_total", "Requests served"),
-            &["endpoint", "adapter", "mode", "route", "status"],
-        )
-        .expect("metric");
-        let errors = IntCounterVec::new(
-            Opts::new("mole_errors_total", "Errors by stable code"),
-            &["code"],
-        )
-        .expect("metric");
-        let latency = HistogramVec::new(
-            HistogramOpts::new("mole_request_duration_seconds", "Request latency"),
-            &["endpoint", "adapter"],
-        )
-        .expect("metric");
-        let ttft = HistogramVec::new(
-            HistogramOpts::new("mole_time_to_first_token_seconds", "Time to first token"),
-            &["adapter"],
-        )
-        .expect("metric");
+        let r = Registry::new();
         // Decode steps on CPU take tens of ms, on GPU a few: buckets cover both.
-        let itl = HistogramVec::new(
-            HistogramOpts::new(
-                "mole_inter_token_latency_seconds",
-                "Time between consecutive tokens of a request",
-            )
-            .buckets(vec![
-                0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
-            ]),
-            &["adapter"],
-        )
-        .expect("metric");
-        let route_confidence = HistogramVec::new(
-            HistogramOpts::new(
-                "mole_route_confidence",
-                "Router confidence of routed requests by strategy",
-            )
-            .buckets(vec![
-                0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0, 5.0,
-            ]),
-            &["strategy"],
-        )
-        .expect("metric");
-        let batch_size =
-            IntGauge::new("mole_batch_size", "Sequences in the last engine step").expect("metric");
-        let cancelled = IntCounter::new(
-            "mole_requests_cancelled_total",
-            "Requests cancelled because the client went away",
-        )
-        .expect("metric");
-        let residency = IntGaugeVec::new(
-            Opts::new("mole_adapter_versions", "Adapter versions by residency"),
-            &["residency"],
-        )
-        .expect("metric");
-        let adapter_loads = IntCounterVec::new(
-            Opts::new("mole_adapter_loads_total", "Adapter loads by result"),
-            &["result"],
-        )
-        .expect("metric");
-        let adapter_load_seconds = prometheus::Counter::new(
-            "mole_adapter_load_seconds_total",
-            "Seconds spent loading adapters",
-        )
-        .expect("metric");
-        let adapter_load_duration = HistogramVec::new(
-            HistogramOpts::new(
-                "mole_adapter_load_duration_seconds",
-                "Duration of adapter loads requested by the config or the load API",
-            )
-            .buckets(vec![
-                0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-            ]),
-            &["result"],
-        )
-        .expect("metric");
-        let restart_required = IntGauge::new(
-            "mole_config_restart_required",
-            "1 when the config changed a setting that needs a restart (base model, limits, mode)",
-        )
-        .expect("metric");
-        let config_reloads = IntCounterVec::new(
-            Opts::new("mole_config_reloads_total", "Config reloads by result"),
-            &["result"],
-        )
-        .expect("metric");
-        let ready = IntGauge::new("mole_ready", "1 when the worker is ready").expect("metric");
-        let adapter_evictions = IntCounter::new(
-            "mole_adapter_evictions_total",
-            "Adapters evicted to disk by the LRU",
-        )
-        .expect("metric");
-        let tokens = IntCounterVec::new(
-            Opts::new("mole_tokens_total", "Tokens processed"),
-            &["adapter", "kind"],
-        )
-        .expect("metric");
-        let routes = IntCounterVec::new(
-            Opts::new("mole_route_decisions_total", "Router decisions"),
-            &["reason", "adapter"],
-        )
-        .expect("metric");
-        let running = IntGauge::new("mole_requests_running", "Requests decoding").expect("metric");
-        let waiting = IntGauge::new("mole_requests_waiting", "Requests waiting").expect("metric");
-        let adapters_loaded =
-            IntGauge::new("mole_adapters_loaded", "Adapter versions loaded").expect("metric");
-        let proxy = IntCounterVec::new(
-            Opts::new("mole_merged_proxy_total", "Forwards to merged pods"),
-            &["adapter", "outcome"],
-        )
-        .expect("metric");
-        let lora_info = GaugeVec::new(
-            Opts::new(
-                "vllm:lora_requests_info",
-                "Running and waiting LoRA adapters",
-            ),
-            &["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
-        )
-        .expect("metric");
-        for c in [
-            Box::new(requests.clone()) as Box<dyn prometheus::core::Collector>,
-            Box::new(errors.clone()),
-            Box::new(latency.clone()),
-            Box::new(ttft.clone()),
-            Box::new(itl.clone()),
-            Box::new(route_confidence.clone()),
-            Box::new(batch_size.clone()),
-            Box::new(cancelled.clone()),
-            Box::new(residency.clone()),
-            Box::new(adapter_loads.clone()),
-            Box::new(adapter_load_seconds.clone()),
-            Box::new(adapter_load_duration.clone()),
-            Box::new(restart_required.clone()),
-            Box::new(config_reloads.clone()),
-            Box::new(ready.clone()),
-            Box::new(adapter_evictions.clone()),
-            Box::new(tokens.clone()),
-            Box::new(routes.clone()),
-            Box::new(running.clone()),
-            Box::new(waiting.clone()),
-            Box::new(adapters_loaded.clone()),
-            Box::new(proxy.clone()),
-            Box::new(lora_info.clone()),
-        ] {
-            registry.register(c).expect("register");
-        }
+        let itl_buckets = vec![
+            0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+        ];
+        let confidence_buckets = vec![0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0, 5.0];
+        let load_buckets = vec![
+            0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+        ];
         Self {
-            registry,
-            requests,
-            errors,
-            latency,
-            ttft,
-            itl,
-            route_confidence,
-            batch_size,
-            cancelled,
-            residency,
-            adapter_loads,
-            adapter_load_seconds,
-            adapter_load_duration,
-            restart_required,
-            config_reloads,
-            ready,
-            adapter_evictions,
-            tokens,
-            routes,
-            running,
-            waiting,
-            adapters_loaded,
-            proxy,
-            lora_info,
+            requests: counters(
+                &r,
+                "mole_requests_total",
+                "Requests served",
+                &["endpoint", "adapter", "mode", "route", "status"],
+            ),
+            errors: counters(&r, "mole_errors_total", "Errors by stable code", &["code"]),
+            latency: histograms(
+                &r,
+                HistogramOpts::new("mole_request_duration_seconds", "Request latency"),
+                &["endpoint", "adapter"],
+            ),
+            ttft: histograms(
+                &r,
+                HistogramOpts::new("mole_time_to_first_token_seconds", "Time to first token"),
+                &["adapter"],
+            ),
+            itl: histograms(
+                &r,
+                HistogramOpts::new(
+                    "mole_inter_token_latency_seconds",
+                    "Time between consecutive tokens of a request",
+                )
+                .buckets(itl_buckets),
+                &["adapter"],
+            ),
+            route_confidence: histograms(
+                &r,
+                HistogramOpts::new(
+                    "mole_route_confidence",
+                    "Router confidence of routed requests by strategy",
+                )
+                .buckets(confidence_buckets),
+                &["strategy"],
+            ),
+            batch_size: gauge(&r, "mole_batch_size", "Sequences in the last engine step"),
+            cancelled: registered(
+                &r,
+                IntCounter::new(
+                    "mole_requests_cancelled_total",
+                    "Requests cancelled because the client went away",
+                ),
+            ),
+            residency: registered(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new("mole_adapter_versions", "Adapter versions by residency"),
+                    &["residency"],
+                ),
+            ),
+            adapter_loads: counters(
+                &r,
+                "mole_adapter_loads_total",
+                "Adapter loads by result",
+                &["result"],
+            ),
+            adapter_load_seconds: registered(
+                &r,
+                prometheus::Counter::new(
+                    "mole_adapter_load_seconds_total",
+                    "Seconds spent loading adapters",
+                ),
+            ),
+            adapter_load_duration: histograms(
+                &r,
+                HistogramOpts::new(
+                    "mole_adapter_load_duration_seconds",
+                    "Duration of adapter loads requested by the config or the load API",
+                )
+                .buckets(load_buckets),
+                &["result"],
+            ),
+            restart_required: gauge(
+                &r,
+                "mole_config_restart_required",
+                "1 when the config changed a setting that needs a restart (base model, limits, mode)",
+            ),
+            config_reloads: counters(
+                &r,
+                "mole_config_reloads_total",
+                "Config reloads by result",
+                &["result"],
+            ),
+            ready: gauge(&r, "mole_ready", "1 when the worker is ready"),
+            adapter_evictions: registered(
+                &r,
+                IntCounter::new(
+                    "mole_adapter_evictions_total",
+                    "Adapters evicted to disk by the LRU",
+                ),
+            ),
+            tokens: counters(&r, "mole_tokens_total", "Tokens processed", &["adapter", "kind"]),
+            routes: counters(
+                &r,
+                "mole_route_decisions_total",
+                "Router decisions",
+                &["reason", "adapter"],
+            ),
+            running: gauge(&r, "mole_requests_running", "Requests decoding"),
+            waiting: gauge(&r, "mole_requests_waiting", "Requests waiting"),
+            adapters_loaded: gauge(&r, "mole_adapters_loaded", "Adapter versions loaded"),
+            proxy: counters(
+                &r,
+                "mole_merged_proxy_total",
+                "Forwards to merged pods",
+                &["adapter", "outcome"],
+            ),
+            lora_info: registered(
+                &r,
+                GaugeVec::new(
+                    Opts::new(
+                        "vllm:lora_requests_info",
+                        "Running and waiting LoRA adapters",
+                    ),
+                    &["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+                ),
+            ),
+            registry: r,
         }
     }
 
@@ -306,4 +262,31 @@ impl Default for Metrics {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// `metric`, registered in `r`. The names and labels are constants of this file: a failure
+/// is a programming error caught by every test that builds the metrics.
+fn registered<M: prometheus::core::Collector + Clone + 'static>(
+    r: &Registry,
+    metric: prometheus::Result<M>,
+) -> M {
+    let m = metric.expect("valid metric");
+    r.register(Box::new(m.clone()))
+        .expect("metric registered once");
+    m
+}
+
+/// A counter per label set.
+fn counters(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    registered(r, IntCounterVec::new(Opts::new(name, help), labels))
+}
+
+/// A histogram per label set.
+fn histograms(r: &Registry, opts: HistogramOpts, labels: &[&str]) -> HistogramVec {
+    registered(r, HistogramVec::new(opts, labels))
+}
+
+/// One gauge.
+fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
+    registered(r, IntGauge::new(name, help))
 }

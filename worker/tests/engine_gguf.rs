@@ -32,7 +32,8 @@ use candle_nn::VarBuilder;
 use mole_worker::engine::api::*;
 use mole_worker::engine::text::TextModel;
 use mole_worker::engine::{Engine, EngineOptions};
-use mole_worker::lora::{LoadOptions, LoraAdapter};
+use mole_worker::lora::{self, LoadOptions};
+use mole_worker::model::LoraAdapter;
 use mole_worker::model::{Decoder, ModelConfig, Row, SeqCache};
 
 const TOL: f32 = 0.06;
@@ -357,7 +358,7 @@ fn check(base: Base, dtype: GgmlDType) {
     let reference = write_gguf(&base, dtype, &path);
 
     // Exact: the GGUF read back dequantizes to the reference bit for bit.
-    let q = mole_worker::import::load_quantized(&path, &dev).unwrap();
+    let q = mole_worker::formats::gguf::load_quantized(&path, &dev).unwrap();
     assert_eq!(q.tensors.len(), reference.len(), "{label}");
     for (name, qt) in &q.tensors {
         assert_eq!(
@@ -394,7 +395,7 @@ fn check(base: Base, dtype: GgmlDType) {
         max_rank: 64,
         expect_base: None,
     };
-    let adapter_model = LoraAdapter::load(&base.adapter, &cfg, DType::F32, &dev, &opts).unwrap();
+    let adapter_model = lora::load(&base.adapter, &cfg, DType::F32, &dev, &opts).unwrap();
     let adapter = &adapter_model;
     let dense_copy = Decoder::new(
         cfg.clone(),

@@ -14,7 +14,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use mole_worker::lora::{LoadOptions, LoraAdapter};
+use mole_worker::lora::{self, LoadOptions};
+use mole_worker::model::LoraAdapter;
 use mole_worker::model::{argmax, Decoder, ModelConfig, Row, SeqCache};
 
 /// The device the tests run on: the CPU, or with `MOLE_TEST_DEVICE=cuda` the first GPU (a
@@ -115,7 +116,7 @@ fn load_with(name: &str, lora_dtype: DType) -> (Decoder, Vec<LoraAdapter>) {
     let adapters = ADAPTERS
         .iter()
         .map(|a| {
-            LoraAdapter::load(
+            lora::load(
                 &fixtures().join("adapters").join(name).join(a),
                 model.config(),
                 lora_dtype,
@@ -392,19 +393,19 @@ fn adapters_are_validated_against_the_model() {
         max_rank: 4,
         expect_base: None,
     };
-    let e = LoraAdapter::load(&dir, model.config(), DType::F32, &device(), &strict).unwrap_err();
+    let e = lora::load(&dir, model.config(), DType::F32, &device(), &strict).unwrap_err();
     assert_eq!(e.code(), "rank_over_limit");
     let other = LoadOptions {
         max_rank: 64,
         expect_base: Some("someone/else".into()),
     };
-    let e = LoraAdapter::load(&dir, model.config(), DType::F32, &device(), &other).unwrap_err();
+    let e = lora::load(&dir, model.config(), DType::F32, &device(), &other).unwrap_err();
     assert_eq!(e.code(), "wrong_base_model");
     // A llama adapter on the qwen3 model: shapes agree here, but a merge-tool fixture for a
     // smaller model does not fit.
     let small =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/merge/adapters/plain_r8");
-    let e = LoraAdapter::load(
+    let e = lora::load(
         &small,
         model.config(),
         DType::F32,
@@ -418,7 +419,7 @@ fn adapters_are_validated_against_the_model() {
     assert_eq!(e.code(), "shape_mismatch", "{e}");
     let nan =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/merge/adapters/bad_nan");
-    let e = LoraAdapter::load(
+    let e = lora::load(
         &nan,
         model.config(),
         DType::F32,
@@ -435,7 +436,7 @@ fn adapters_are_validated_against_the_model() {
     );
     let lm_head =
         Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/merge/adapters/save_lm_head");
-    let e = LoraAdapter::load(
+    let e = lora::load(
         &lm_head,
         model.config(),
         DType::F32,

@@ -17,7 +17,8 @@ use std::time::Instant;
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 
-use crate::lora::{LoadOptions, LoraAdapter};
+use crate::lora::{self, LoadOptions};
+use crate::model::LoraAdapter;
 use crate::model::{argmax, Decoder, ModelConfig, Row, SeqCache};
 
 /// Arguments of `bench decode`.
@@ -271,14 +272,14 @@ fn bench_model(
                 read_s = read_s.min(t.elapsed().as_secs_f64());
                 drop(raw);
                 let t = Instant::now();
-                let a = LoraAdapter::load(&dir, &cfg, held, dev, &opts)?;
+                let a = lora::load(&dir, &cfg, held, dev, &opts)?;
                 load_s = load_s.min(t.elapsed().as_secs_f64());
                 loaded = Some(a);
             }
             (load_ms, read_ms) = (load_s * 1e3, read_s * 1e3);
             adapters.extend(loaded);
         } else {
-            adapters.push(LoraAdapter::load(&dir, &cfg, held, dev, &opts)?);
+            adapters.push(lora::load(&dir, &cfg, held, dev, &opts)?);
         }
     }
     // Computing in f32 (the CPU), the same adapters also held in the other dtype the host
@@ -293,7 +294,7 @@ fn bench_model(
         Some(d) => (0..16)
             .map(|k| {
                 let dir = tmp.path().join(format!("a{k}"));
-                LoraAdapter::load(&dir, &cfg, d, dev, &opts)
+                lora::load(&dir, &cfg, d, dev, &opts)
             })
             .collect::<Result<_, _>>()?,
         None => Vec::new(),

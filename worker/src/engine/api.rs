@@ -7,6 +7,8 @@
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 
+pub use crate::lora::AdapterSpec;
+
 /// Why the engine refused or aborted a request. Stable names via [`EngineError::code`].
 #[derive(Debug, Clone, thiserror::Error, PartialEq)]
 pub enum EngineError {
@@ -227,20 +229,6 @@ pub struct EngineStats {
     pub adapter_load_seconds: f64,
     /// Adapters evicted to disk by the LRU.
     pub adapter_evictions: u64,
-}
-
-/// An adapter to load (from the worker config or `/v1/load_lora_adapter`).
-#[derive(Debug, Clone, PartialEq)]
-pub struct AdapterSpec {
-    /// Name requests use.
-    pub name: String,
-    /// Version (a new version loads beside the old one).
-    pub version: String,
-    /// Pool-wide id.
-    pub lora_id: u32,
-    /// Directory with adapter_config.json + adapter_model.safetensors (already confined to the
-    /// model root by the caller).
-    pub path: std::path::PathBuf,
 }
 
 /// The engine as the server sees it. Implemented by the real engine; object-safe so the

@@ -3,12 +3,11 @@
 //! [`api`]; [`Engine`] is the implementation.
 
 pub mod api;
-pub mod registry;
 pub mod sampler;
 pub mod scheduler;
 pub mod text;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
@@ -16,12 +15,12 @@ use candle_core::{DType, Device};
 use mole_crds::{LoraAdapterInfo, Residency};
 
 use self::api::*;
-use self::registry::{Lookup, Pinned, Registry};
 use self::sampler::Sampler;
 use self::scheduler::{Msg, Seq};
 use self::text::TextModel;
-use crate::lora::{LoadOptions, LoraAdapter};
-use crate::model::{Decoder, Row, SeqCache};
+use crate::lora::registry::{Lookup, Pinned, Registry};
+use crate::lora::LoadOptions;
+use crate::model::{Decoder, LoraAdapter, Row, SeqCache};
 
 /// Engine settings (from the worker config's limits).
 #[derive(Debug, Clone)]
@@ -115,7 +114,7 @@ impl Engine {
     ) -> Result<Self, EngineError> {
         let nr =
             |e: &dyn std::fmt::Display| EngineError::NotReady(format!("{}: {e}", path.display()));
-        let q = crate::import::load_quantized(path, device).map_err(|e| nr(&e))?;
+        let q = crate::formats::gguf::load_quantized(path, device).map_err(|e| nr(&e))?;
         let cfg = crate::model::ModelConfig::from_json(q.config.clone()).map_err(|e| nr(&e))?;
         let model = Decoder::from_quantized(cfg, q.tensors, device).map_err(|e| nr(&e))?;
         let text = TextModel::from_json(&q.tokenizer_json, q.tokenizer_config, &[q.config])
@@ -160,7 +159,7 @@ impl Engine {
             max_rank: shared.opts.max_lora_rank,
             expect_base: Some(shared.opts.base_name.clone()),
         };
-        let a = LoraAdapter::load(
+        let a = crate::lora::load(
             &spec.path,
             shared.model.config(),
             shared.lora_dtype,
@@ -480,14 +479,4 @@ pub fn candle_dtype(configured: mole_crds::Dtype) -> DType {
         mole_crds::Dtype::F16 => DType::F16,
         mole_crds::Dtype::F32 => DType::F32,
     }
-}
-
-/// The model directory a worker config serves: the merged output in a merged pod, else the
-/// base model.
-pub fn model_dir(cfg: &mole_crds::WorkerConfig) -> Result<PathBuf, crate::config::ConfigError> {
-    let rel = match &cfg.merged {
-        Some(m) => &m.path,
-        None => &cfg.base_model.path,
-    };
-    crate::config::resolve_in_root(&cfg.model_root, rel)
 }

@@ -16,10 +16,10 @@ use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{EngineError, FinishReason, TokenEvent, TokenLogprob, Usage};
-use super::registry::Pinned;
 use super::sampler::Sampler;
 use super::text::{Detokenizer, StopMatcher};
 use super::Shared;
+use crate::lora::registry::Pinned;
 use crate::model::{Row, SeqCache};
 
 /// One request inside the engine.

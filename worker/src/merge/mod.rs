@@ -19,10 +19,11 @@ use serde::Serialize;
 use sha2::{Digest, Sha256};
 
 use crate::formats::hf;
+use crate::formats::peft::weights::{MappedAdapter, WeightsError};
 use crate::formats::peft::{self, AdapterConfig};
-use tensors::MappedAdapter;
 
-pub use tensors::{bf16_ulp_distance, to_f32, OutDtype};
+pub use crate::formats::safetensors::to_f32;
+pub use tensors::{bf16_ulp_distance, OutDtype};
 
 /// Whether outputs are made durable (fdatasync) before the rename; see [`set_durable`].
 static DURABLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
@@ -144,6 +145,20 @@ impl MergeError {
             MergeError::Io { .. } => 1,
             MergeError::Base(hf::HfError::Io { .. }) => 1,
             _ => 2,
+        }
+    }
+}
+
+/// The adapter file's errors keep their names and messages in the merge's own terms.
+impl From<WeightsError> for MergeError {
+    fn from(e: WeightsError) -> Self {
+        match e {
+            WeightsError::Io { path, source } => MergeError::Io { path, source },
+            WeightsError::Safetensors { path, message } => {
+                MergeError::Safetensors { path, message }
+            }
+            WeightsError::Shape { module, message } => MergeError::Shape { module, message },
+            WeightsError::Unsupported(m) => MergeError::Unsupported(m),
         }
     }
 }
@@ -289,14 +304,17 @@ fn same_base(found: Option<&str>, expected: &str) -> bool {
     found.trim_end_matches('/') == expected.trim_end_matches('/') || last(found) == last(expected)
 }
 
-/// Merges `opts.adapter` into `opts.base`, writing `opts.out`.
-pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
-    let started = std::time::Instant::now();
-    let root = match &opts.root {
-        Some(r) => Some(r.canonicalize().map_err(io_err(r))?),
-        None => None,
-    };
-    let root = root.as_deref();
+/// The inputs of a merge, checked: every path confined to the root, no pickle files, a LoRA
+/// config mole merges, trained on the expected base.
+struct Inputs {
+    base: PathBuf,
+    shards: Vec<PathBuf>,
+    adapter_dir: PathBuf,
+    config: AdapterConfig,
+    weights: PathBuf,
+}
+
+fn check_inputs(opts: &MergeOptions, root: Option<&Path>) -> Result<Inputs, MergeError> {
     let base = confine(&opts.base, root)?;
     let adapter_dir = confine(&opts.adapter, root)?;
     check_no_pickle(&adapter_dir)?;
@@ -326,39 +344,68 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
             });
         }
     }
-    let weights_path = adapter_dir.join("adapter_model.safetensors");
-    if !weights_path.exists() {
+    let weights = adapter_dir.join("adapter_model.safetensors");
+    if !weights.exists() {
         return Err(MergeError::Io {
-            path: weights_path.display().to_string(),
+            path: weights.display().to_string(),
             source: std::io::Error::new(
                 std::io::ErrorKind::NotFound,
                 "adapter_model.safetensors not found",
             ),
         });
     }
-    let weights_path = confine(&weights_path, root)?;
-    let config_sha = sha256_file(&adapter_dir.join("adapter_config.json"))?;
-    let adapter_sha = sha256_file(&weights_path)?;
-    let base_sha = base_identity(&base, &shards)?;
-    let dtype_name = opts.dtype.map(|d| d.name()).unwrap_or("base").to_string();
-    let inputs_sha = {
-        let mut h = Sha256::new();
-        for part in [
-            adapter_sha.as_str(),
-            config_sha.as_str(),
-            base_sha.as_str(),
-            dtype_name.as_str(),
-            if opts.safe_merge { "safe" } else { "unsafe" },
-            opts.adapter_name.as_deref().unwrap_or(""),
-            opts.adapter_version.as_deref().unwrap_or(""),
-        ] {
-            h.update(part.as_bytes());
-            h.update([0]);
-        }
-        hex::encode(h.finalize())
-    };
+    let weights = confine(&weights, root)?;
+    Ok(Inputs {
+        base,
+        shards,
+        adapter_dir,
+        config,
+        weights,
+    })
+}
 
-    // Output location: its parent must exist inside the root; the output itself must not.
+/// What the output's provenance records of the inputs, and their hash together with the
+/// options that change the output (a re-run with the same hash is a no-op).
+struct Digests {
+    adapter: String,
+    config: String,
+    base: String,
+    dtype: String,
+    inputs: String,
+}
+
+fn digests(opts: &MergeOptions, inputs: &Inputs) -> Result<Digests, MergeError> {
+    let config = sha256_file(&inputs.adapter_dir.join("adapter_config.json"))?;
+    let adapter = sha256_file(&inputs.weights)?;
+    let base = base_identity(&inputs.base, &inputs.shards)?;
+    let dtype = opts.dtype.map(|d| d.name()).unwrap_or("base").to_string();
+    let mut h = Sha256::new();
+    for part in [
+        adapter.as_str(),
+        config.as_str(),
+        base.as_str(),
+        dtype.as_str(),
+        if opts.safe_merge { "safe" } else { "unsafe" },
+        opts.adapter_name.as_deref().unwrap_or(""),
+        opts.adapter_version.as_deref().unwrap_or(""),
+    ] {
+        h.update(part.as_bytes());
+        h.update([0]);
+    }
+    Ok(Digests {
+        adapter,
+        config,
+        base,
+        dtype,
+        inputs: hex::encode(h.finalize()),
+    })
+}
+
+/// The output's parent (created, confined to the root) and its name.
+fn output_parent(
+    opts: &MergeOptions,
+    root: Option<&Path>,
+) -> Result<(PathBuf, std::ffi::OsString), MergeError> {
     let out_name = opts
         .out
         .file_name()
@@ -373,7 +420,23 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
     std::fs::create_dir_all(parent).map_err(io_err(parent))?;
-    let parent = confine(parent, root)?;
+    Ok((confine(parent, root)?, out_name))
+}
+
+/// Merges `opts.adapter` into `opts.base`, writing `opts.out`.
+pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
+    let started = std::time::Instant::now();
+    let root = match &opts.root {
+        Some(r) => Some(r.canonicalize().map_err(io_err(r))?),
+        None => None,
+    };
+    let root = root.as_deref();
+    let inputs = check_inputs(opts, root)?;
+    let digests = digests(opts, &inputs)?;
+
+    // Output location: its parent must exist inside the root; the output itself must not,
+    // unless it was merged from the same inputs.
+    let (parent, out_name) = output_parent(opts, root)?;
     let out = parent.join(&out_name);
     if out.exists() {
         let meta_path = out.join("merge_metadata.json");
@@ -381,7 +444,7 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
             .ok()
             .and_then(|t| serde_json::from_str(&t).ok());
         return match existing {
-            Some(m) if m.inputs_sha256 == inputs_sha => Ok(MergeReport {
+            Some(m) if m.inputs_sha256 == digests.inputs => Ok(MergeReport {
                 metadata: m,
                 written: false,
             }),
@@ -389,7 +452,7 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
         };
     }
 
-    let adapter = MappedAdapter::open(&weights_path, &config)?;
+    let adapter = MappedAdapter::open(&inputs.weights, &inputs.config)?;
     for (module, lora) in &adapter.loras {
         let rank = lora.rank();
         if rank > opts.max_rank {
@@ -412,44 +475,64 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
     }
     let tmp = parent.join(format!("{tmp_prefix}{}", std::process::id()));
     std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
-    let result =
-        write_merged(&base, &shards, &adapter, &config, opts, &tmp, root).and_then(|stats| {
-            let metadata = MergeMetadata {
-                adapter_name: opts.adapter_name.clone(),
-                adapter_version: opts.adapter_version.clone(),
-                base_model: config.base_model_name_or_path.clone(),
-                adapter_sha256: adapter_sha,
-                adapter_config_sha256: config_sha,
-                base_index_sha256: base_sha,
-                safe_merge: opts.safe_merge,
-                dtype: dtype_name,
-                scales: adapter.scales_by_family(),
-                modules_merged: stats.modules_merged,
-                tensors_replaced: stats.tensors_replaced,
-                total_params: stats.total_params,
-                tool_version: env!("CARGO_PKG_VERSION").to_string(),
-                inputs_sha256: inputs_sha,
-                created_at: chrono::Utc::now().to_rfc3339(),
-                // To the millisecond: a short decimal parses back to the same f64 (serde_json
-                // does not round-trip every f64), so a re-run's read of the file equals it.
-                seconds: (started.elapsed().as_secs_f64() * 1e3).round() / 1e3,
-            };
-            let path = tmp.join("merge_metadata.json");
-            let text = serde_json::to_string_pretty(&metadata).expect("metadata serializes");
-            std::fs::write(&path, text).map_err(io_err(&path))?;
-            sync_file(&path)?;
-            sync_dir(&tmp)?;
-            std::fs::rename(&tmp, &out).map_err(io_err(&out))?;
-            sync_dir(&parent)?;
-            Ok(MergeReport {
-                metadata,
-                written: true,
-            })
-        });
+    let config = &inputs.config;
+    let result = write_merged(
+        &inputs.base,
+        &inputs.shards,
+        &adapter,
+        config,
+        opts,
+        &tmp,
+        root,
+    )
+    .and_then(|stats| {
+        let metadata = MergeMetadata {
+            adapter_name: opts.adapter_name.clone(),
+            adapter_version: opts.adapter_version.clone(),
+            base_model: config.base_model_name_or_path.clone(),
+            adapter_sha256: digests.adapter,
+            adapter_config_sha256: digests.config,
+            base_index_sha256: digests.base,
+            safe_merge: opts.safe_merge,
+            dtype: digests.dtype,
+            scales: tensors::scales_by_family(&adapter),
+            modules_merged: stats.modules_merged,
+            tensors_replaced: stats.tensors_replaced,
+            total_params: stats.total_params,
+            tool_version: env!("CARGO_PKG_VERSION").to_string(),
+            inputs_sha256: digests.inputs,
+            created_at: chrono::Utc::now().to_rfc3339(),
+            // To the millisecond: a short decimal parses back to the same f64 (serde_json
+            // does not round-trip every f64), so a re-run's read of the file equals it.
+            seconds: (started.elapsed().as_secs_f64() * 1e3).round() / 1e3,
+        };
+        publish(&metadata, &tmp, &out, &parent)?;
+        Ok(MergeReport {
+            metadata,
+            written: true,
+        })
+    });
     if result.is_err() {
         let _ = std::fs::remove_dir_all(&tmp);
     }
     result
+}
+
+/// Writes the metadata into the finished temporary directory, makes it durable and renames it
+/// into place.
+fn publish(
+    metadata: &MergeMetadata,
+    tmp: &Path,
+    out: &Path,
+    parent: &Path,
+) -> Result<(), MergeError> {
+    let path = tmp.join("merge_metadata.json");
+    let text = serde_json::to_string_pretty(metadata).expect("metadata serializes");
+    std::fs::write(&path, text).map_err(io_err(&path))?;
+    sync_file(&path)?;
+    sync_dir(tmp)?;
+    std::fs::rename(tmp, out).map_err(io_err(out))?;
+    sync_dir(parent)
 }
 
 fn sync_dir(dir: &Path) -> Result<(), MergeError> {
@@ -462,10 +545,7 @@ fn sync_dir(dir: &Path) -> Result<(), MergeError> {
 }
 
 fn map_shard(shard: &Path) -> Result<memmap2::Mmap, MergeError> {
-    let file = std::fs::File::open(shard).map_err(io_err(shard))?;
-    // SAFETY: base shards are read-only inputs; nothing in this process writes to them while
-    // the mapping lives.
-    unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(shard))
+    crate::formats::safetensors::map(shard).map_err(io_err(shard))
 }
 
 fn read_header(
@@ -504,7 +584,7 @@ fn write_merged(
             infos.insert(name, (info.shape.clone(), info.dtype));
         }
     }
-    let plan = adapter.plan(&infos, config)?;
+    let plan = tensors::plan(adapter, &infos, config)?;
 
     let mut stats = WriteStats {
         modules_merged: plan

@@ -1,12 +1,14 @@
 //! Adapter tensors, the merge plan, and the f32 kernels that apply it row block by row block.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
 
 use safetensors::Dtype;
 
-use super::{io_err, MergeError};
-use crate::formats::peft::{split_adapter_key, AdapterConfig};
+use super::MergeError;
+use crate::formats::peft::weights::{MappedAdapter, Raw};
+use crate::formats::peft::AdapterConfig;
+use crate::formats::safetensors::is_float;
+use crate::kernels::madd;
 
 /// Output dtype of merged weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,34 +56,6 @@ impl OutDtype {
     }
 }
 
-pub(crate) fn is_float(d: Dtype) -> bool {
-    matches!(d, Dtype::F32 | Dtype::BF16 | Dtype::F16 | Dtype::F64)
-}
-
-/// Elements per parallel chunk of the conversions (large enough to amortise scheduling).
-const CHUNK: usize = 1 << 16;
-
-/// Decodes a float tensor's little-endian bytes to f32.
-pub fn to_f32(dtype: Dtype, bytes: &[u8]) -> Option<Vec<f32>> {
-    let mut out = Vec::new();
-    decode_into(dtype, bytes, &mut out).then_some(out)
-}
-
-/// Decodes into `out` (resized), in parallel. False for non-float dtypes.
-fn decode_into(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) -> bool {
-    use rayon::prelude::*;
-    if !is_float(dtype) {
-        return false;
-    }
-    let size = dtype.bitsize() / 8;
-    out.clear();
-    out.resize(bytes.len() / size, 0.0);
-    out.par_chunks_mut(CHUNK)
-        .zip(bytes.par_chunks(CHUNK * size))
-        .for_each(|(dst, src)| decode_slice(dtype, src, dst));
-    true
-}
-
 /// f32 → bf16 bits, round to nearest even (as torch and `half` do), branch-free for finite
 /// values so the loop vectorises; NaN stays a quiet NaN.
 #[inline]
@@ -107,248 +81,6 @@ pub fn bf16_ulp_distance(a: u16, b: u16) -> u32 {
         }
     };
     (key(a) - key(b)).unsigned_abs()
-}
-
-/// Decodes little-endian `dtype` values into `out` (one per element of `out`).
-pub(crate) fn decode_slice(dtype: Dtype, src: &[u8], out: &mut [f32]) {
-    // Chunk sizes are constants in each arm so the loops vectorise (a runtime chunk size
-    // keeps them scalar).
-    match dtype {
-        // bf16 is the upper half of an f32: widening is exact.
-        Dtype::BF16 => out.iter_mut().zip(src.chunks_exact(2)).for_each(|(d, c)| {
-            *d = f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16)
-        }),
-        Dtype::F16 => out
-            .iter_mut()
-            .zip(src.chunks_exact(2))
-            .for_each(|(d, c)| *d = half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
-        Dtype::F64 => out
-            .iter_mut()
-            .zip(src.chunks_exact(8))
-            .for_each(|(d, c)| *d = f64::from_le_bytes(c.try_into().expect("8 bytes")) as f32),
-        _ => out
-            .iter_mut()
-            .zip(src.chunks_exact(4))
-            .for_each(|(d, c)| *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-    }
-}
-
-/// An f32 matrix read from the adapter.
-#[derive(Debug, Clone)]
-pub(crate) struct Mat {
-    pub data: Vec<f32>,
-    pub shape: Vec<usize>,
-}
-
-/// An adapter tensor left where it is in the adapter file: dtype, shape and byte range.
-#[derive(Debug, Clone)]
-pub(crate) struct Raw {
-    pub dtype: Dtype,
-    pub shape: Vec<usize>,
-    pub start: usize,
-    pub end: usize,
-}
-
-/// What grouping and planning need to know of a tensor, however it is held.
-pub(crate) trait Shaped {
-    fn shape(&self) -> &[usize];
-}
-impl Shaped for Mat {
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-}
-impl Shaped for Raw {
-    fn shape(&self) -> &[usize] {
-        &self.shape
-    }
-}
-
-/// One LoRA module of the adapter.
-#[derive(Debug)]
-pub(crate) struct Lora<T = Mat> {
-    pub a: Option<T>,
-    pub b: Option<T>,
-    pub b_bias: Option<T>,
-    pub embedding: bool,
-    pub scale: f64,
-}
-
-impl<T> Default for Lora<T> {
-    fn default() -> Self {
-        Self {
-            a: None,
-            b: None,
-            b_bias: None,
-            embedding: false,
-            scale: 0.0,
-        }
-    }
-}
-
-impl<T: Shaped> Lora<T> {
-    /// Rank (rows of A).
-    pub fn rank(&self) -> usize {
-        self.a.as_ref().map(|a| a.shape()[0]).unwrap_or(0)
-    }
-}
-
-/// A LoRA module as read from the adapter file (f32 tensors, or byte ranges of the file).
-type Grouped<T> = (BTreeMap<String, Lora<T>>, BTreeMap<String, T>);
-
-/// Sorts an adapter's tensors into LoRA modules and replacements of base tensors, checking
-/// that every module has both halves and is one the config targets.
-fn group<T: Shaped>(
-    entries: Vec<(String, T)>,
-    config: &AdapterConfig,
-) -> Result<Grouped<T>, MergeError> {
-    let mut loras: BTreeMap<String, Lora<T>> = BTreeMap::new();
-    let mut replacements = BTreeMap::new();
-    for (key, t) in entries {
-        if let Some((module, part)) = split_adapter_key(&key) {
-            let lora = loras.entry(module.clone()).or_default();
-            match part.as_str() {
-                "lora_A.weight" => lora.a = Some(t),
-                "lora_B.weight" => lora.b = Some(t),
-                "lora_B.bias" => lora.b_bias = Some(t),
-                "lora_embedding_A" => {
-                    lora.a = Some(t);
-                    lora.embedding = true;
-                }
-                "lora_embedding_B" => {
-                    lora.b = Some(t);
-                    lora.embedding = true;
-                }
-                p if p.starts_with("lora_magnitude_vector") => {
-                    return Err(MergeError::Unsupported(format!(
-                        "{module}: DoRA (lora_magnitude_vector) adapters are not merged by mole; \
-                         merge them with PEFT or train without use_dora"
-                    )))
-                }
-                other => {
-                    return Err(MergeError::Unsupported(format!(
-                        "{key}: unknown LoRA tensor {other}"
-                    )))
-                }
-            }
-            lora.scale = config.scale_for(&module);
-        } else {
-            let name = key.strip_prefix("base_model.model.").unwrap_or(&key);
-            let name = name
-                .replace(".modules_to_save.default", "")
-                .replace(".original_module", "")
-                .replace(".base_layer", "");
-            replacements.insert(name, t);
-        }
-    }
-    for (module, lora) in &loras {
-        if lora.a.is_none() || lora.b.is_none() {
-            return Err(MergeError::Shape {
-                module: module.clone(),
-                message: "adapter has only one of lora_A / lora_B".into(),
-            });
-        }
-        if !config.targets(module) {
-            return Err(MergeError::Shape {
-                module: module.clone(),
-                message: "adapter has LoRA weights for a module its target_modules do not name"
-                    .into(),
-            });
-        }
-    }
-    Ok((loras, replacements))
-}
-
-/// The bytes of an adapter file.
-enum AdapterBytes {
-    Mapped(memmap2::Mmap),
-    #[cfg_attr(not(test), allow(dead_code))]
-    Owned(Vec<u8>),
-}
-
-impl std::ops::Deref for AdapterBytes {
-    type Target = [u8];
-    fn deref(&self) -> &[u8] {
-        match self {
-            AdapterBytes::Mapped(m) => m,
-            AdapterBytes::Owned(v) => v,
-        }
-    }
-}
-
-/// A PEFT adapter file, memory-mapped, its tensors grouped by module but not decoded: the
-/// merge decodes one module at a time, so the adapter costs its file size in memory at most
-/// (an f32 copy of a bf16 adapter would double it).
-pub(crate) struct MappedAdapter {
-    bytes: AdapterBytes,
-    pub loras: BTreeMap<String, Lora<Raw>>,
-    /// Base tensor name → full replacement (modules_to_save, saved embeddings, biases).
-    pub replacements: BTreeMap<String, Raw>,
-}
-
-impl MappedAdapter {
-    /// Maps `adapter_model.safetensors` and indexes its tensors.
-    pub fn open(path: &Path, config: &AdapterConfig) -> Result<Self, MergeError> {
-        let file = std::fs::File::open(path).map_err(io_err(path))?;
-        // SAFETY: adapter files are read-only inputs; nothing in this process writes to them
-        // while the mapping lives.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(path))?;
-        Self::from_bytes(AdapterBytes::Mapped(map), path, config)
-    }
-
-    fn from_bytes(
-        bytes: AdapterBytes,
-        path: &Path,
-        config: &AdapterConfig,
-    ) -> Result<Self, MergeError> {
-        let st =
-            safetensors::SafeTensors::deserialize(&bytes).map_err(|e| MergeError::Safetensors {
-                path: path.display().to_string(),
-                message: e.to_string(),
-            })?;
-        let base = bytes.as_ptr() as usize;
-        let mut entries = Vec::new();
-        for (key, view) in st.iter() {
-            if !is_float(view.dtype()) {
-                return Err(MergeError::Shape {
-                    module: key.to_string(),
-                    message: format!("dtype {:?} is not a float type", view.dtype()),
-                });
-            }
-            let start = view.data().as_ptr() as usize - base;
-            entries.push((
-                key.to_string(),
-                Raw {
-                    dtype: view.dtype(),
-                    shape: view.shape().to_vec(),
-                    start,
-                    end: start + view.data().len(),
-                },
-            ));
-        }
-        drop(st);
-        let (loras, replacements) = group(entries, config)?;
-        Ok(Self {
-            bytes,
-            loras,
-            replacements,
-        })
-    }
-
-    /// The stored bytes of a tensor.
-    pub fn raw_bytes(&self, t: &Raw) -> &[u8] {
-        &self.bytes[t.start..t.end]
-    }
-
-    /// A tensor as f32.
-    pub fn decode(&self, t: &Raw) -> Mat {
-        let mut data = Vec::new();
-        decode_into(t.dtype, self.raw_bytes(t), &mut data);
-        Mat {
-            data,
-            shape: t.shape.clone(),
-        }
-    }
 }
 
 /// A low-rank update of one base tensor: `W += scale · (B·A)` (transposed for embeddings and
@@ -377,117 +109,115 @@ pub(crate) struct Plan<'a> {
     pub replacements: HashMap<String, &'a Raw>,
 }
 
-impl MappedAdapter {
-    /// Checks every module against the base's tensor shapes and returns the plan.
-    pub fn plan<'a>(
-        &'a self,
-        infos: &HashMap<String, (Vec<usize>, Dtype)>,
-        config: &AdapterConfig,
-    ) -> Result<Plan<'a>, MergeError> {
-        let mut plan = Plan {
-            deltas: HashMap::new(),
-            replacements: HashMap::new(),
-        };
-        for (name, t) in &self.replacements {
-            let (shape, _) = infos.get(name).ok_or_else(|| MergeError::Shape {
+/// Checks every module of `adapter` against the base's tensor shapes and returns the plan.
+pub(crate) fn plan<'a>(
+    adapter: &'a MappedAdapter,
+    infos: &HashMap<String, (Vec<usize>, Dtype)>,
+    config: &AdapterConfig,
+) -> Result<Plan<'a>, MergeError> {
+    let mut plan = Plan {
+        deltas: HashMap::new(),
+        replacements: HashMap::new(),
+    };
+    for (name, t) in &adapter.replacements {
+        let (shape, _) = infos.get(name).ok_or_else(|| MergeError::Shape {
+            module: name.clone(),
+            message: "adapter replaces a tensor the base model does not have".into(),
+        })?;
+        if *shape != t.shape {
+            return Err(MergeError::Shape {
                 module: name.clone(),
-                message: "adapter replaces a tensor the base model does not have".into(),
-            })?;
-            if *shape != t.shape {
-                return Err(MergeError::Shape {
-                    module: name.clone(),
-                    message: format!("replacement shape {:?}, base {:?}", t.shape, shape),
-                });
-            }
-            plan.replacements.insert(name.clone(), t);
+                message: format!("replacement shape {:?}, base {:?}", t.shape, shape),
+            });
         }
-        for (module, lora) in &self.loras {
-            let (a, b) = (
-                lora.a.as_ref().expect("checked"),
-                lora.b.as_ref().expect("checked"),
-            );
-            let weight = format!("{module}.weight");
-            let (shape, _) = infos.get(&weight).ok_or_else(|| MergeError::Shape {
+        plan.replacements.insert(name.clone(), t);
+    }
+    for (module, lora) in &adapter.loras {
+        let (a, b) = (
+            lora.a.as_ref().expect("checked"),
+            lora.b.as_ref().expect("checked"),
+        );
+        let weight = format!("{module}.weight");
+        let (shape, _) = infos.get(&weight).ok_or_else(|| MergeError::Shape {
+            module: module.clone(),
+            message: "targeted module is not in the base model".into(),
+        })?;
+        let bad = |message: String| MergeError::Shape {
+            module: module.clone(),
+            message,
+        };
+        if a.shape.len() != 2 || b.shape.len() != 2 || shape.len() != 2 {
+            return Err(bad("LoRA and base weights must be matrices".into()));
+        }
+        let r = a.shape[0];
+        if b.shape[1] != r {
+            return Err(bad(format!(
+                "lora_A is {:?} but lora_B is {:?}: ranks differ",
+                a.shape, b.shape
+            )));
+        }
+        let expected_r = config.rank_for(module) as usize;
+        if r != expected_r {
+            return Err(bad(format!(
+                "rank {r} in the weights, {expected_r} in adapter_config.json"
+            )));
+        }
+        let transpose = lora.embedding || config.fan_in_fan_out;
+        // delta = B·A is [b0, a1]; stored transposed for embeddings / fan_in_fan_out.
+        let delta_shape = if transpose {
+            vec![a.shape[1], b.shape[0]]
+        } else {
+            vec![b.shape[0], a.shape[1]]
+        };
+        if *shape != delta_shape {
+            return Err(bad(format!(
+                "base weight is {:?} but lora_B·lora_A gives {:?} (lora_A {:?}, lora_B {:?})",
+                shape, delta_shape, a.shape, b.shape
+            )));
+        }
+        plan.deltas.insert(
+            weight,
+            Delta::LowRank {
                 module: module.clone(),
-                message: "targeted module is not in the base model".into(),
-            })?;
-            let bad = |message: String| MergeError::Shape {
-                module: module.clone(),
-                message,
-            };
-            if a.shape.len() != 2 || b.shape.len() != 2 || shape.len() != 2 {
-                return Err(bad("LoRA and base weights must be matrices".into()));
-            }
-            let r = a.shape[0];
-            if b.shape[1] != r {
-                return Err(bad(format!(
-                    "lora_A is {:?} but lora_B is {:?}: ranks differ",
-                    a.shape, b.shape
-                )));
-            }
-            let expected_r = config.rank_for(module) as usize;
-            if r != expected_r {
-                return Err(bad(format!(
-                    "rank {r} in the weights, {expected_r} in adapter_config.json"
-                )));
-            }
-            let transpose = lora.embedding || config.fan_in_fan_out;
-            // delta = B·A is [b0, a1]; stored transposed for embeddings / fan_in_fan_out.
-            let delta_shape = if transpose {
-                vec![a.shape[1], b.shape[0]]
-            } else {
-                vec![b.shape[0], a.shape[1]]
-            };
-            if *shape != delta_shape {
-                return Err(bad(format!(
-                    "base weight is {:?} but lora_B·lora_A gives {:?} (lora_A {:?}, lora_B {:?})",
-                    shape, delta_shape, a.shape, b.shape
-                )));
+                a,
+                b,
+                scale: lora.scale,
+                transpose,
+            },
+        );
+        if let Some(bias) = &lora.b_bias {
+            let name = format!("{module}.bias");
+            match infos.get(&name) {
+                Some((s, _)) if *s == bias.shape => {}
+                _ => return Err(bad("lora_B has a bias but the base layer has none".into())),
             }
             plan.deltas.insert(
-                weight,
-                Delta::LowRank {
+                name,
+                Delta::Bias {
                     module: module.clone(),
-                    a,
-                    b,
+                    b: bias,
                     scale: lora.scale,
-                    transpose,
                 },
             );
-            if let Some(bias) = &lora.b_bias {
-                let name = format!("{module}.bias");
-                match infos.get(&name) {
-                    Some((s, _)) if *s == bias.shape => {}
-                    _ => return Err(bad("lora_B has a bias but the base layer has none".into())),
-                }
-                plan.deltas.insert(
-                    name,
-                    Delta::Bias {
-                        module: module.clone(),
-                        b: bias,
-                        scale: lora.scale,
-                    },
-                );
-            }
         }
-        Ok(plan)
     }
+    Ok(plan)
+}
 
-    /// Scales by module family (last name component), for the metadata.
-    pub fn scales_by_family(&self) -> BTreeMap<String, Vec<f64>> {
-        let mut out: BTreeMap<String, Vec<f64>> = BTreeMap::new();
-        for (module, lora) in &self.loras {
-            let family = module.rsplit('.').next().unwrap_or(module).to_string();
-            let v = out.entry(family).or_default();
-            if !v.contains(&lora.scale) {
-                v.push(lora.scale);
-            }
+/// Scales of `adapter` by module family (last name component), for the metadata.
+pub(crate) fn scales_by_family(adapter: &MappedAdapter) -> BTreeMap<String, Vec<f64>> {
+    let mut out: BTreeMap<String, Vec<f64>> = BTreeMap::new();
+    for (module, lora) in &adapter.loras {
+        let family = module.rsplit('.').next().unwrap_or(module).to_string();
+        let v = out.entry(family).or_default();
+        if !v.contains(&lora.scale) {
+            v.push(lora.scale);
         }
-        for v in out.values_mut() {
-            v.sort_by(|a, b| a.total_cmp(b));
-        }
-        out
     }
+    for v in out.values_mut() {
+        v.sort_by(|a, b| a.total_cmp(b));
+    }
+    out
 }
 
 /// A [`Delta`] with its adapter tensors decoded to f32 and laid out for row-wise application:
@@ -617,17 +347,6 @@ impl Elem for EF64 {
     fn store(v: f32, b: &mut [u8]) -> bool {
         b.copy_from_slice(&(v as f64).to_le_bytes());
         v.is_finite()
-    }
-}
-
-/// `a·b + c`, fused (one rounding, as BLAS kernels do) where the CPU has FMA (without the
-/// instruction `mul_add` is a libm call, so callers compiled for the baseline pass false).
-#[inline(always)]
-pub(crate) fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
-    if FMA {
-        a.mul_add(b, c)
-    } else {
-        a * b + c
     }
 }
 
@@ -826,6 +545,8 @@ pub(crate) fn merge_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::formats::peft::weights::Lora;
+    use crate::formats::safetensors::to_f32;
 
     fn raw_f32(bytes: &mut Vec<u8>, data: &[f32], shape: &[usize]) -> Raw {
         let start = bytes.len();
@@ -841,11 +562,7 @@ mod tests {
     }
 
     fn adapter(bytes: Vec<u8>) -> MappedAdapter {
-        MappedAdapter {
-            bytes: AdapterBytes::Owned(bytes),
-            loras: BTreeMap::new(),
-            replacements: BTreeMap::new(),
-        }
+        MappedAdapter::from_owned(bytes)
     }
 
     fn f32_bytes(v: &[f32]) -> Vec<u8> {
@@ -1128,13 +845,13 @@ mod tests {
             "h.0.attn.c_attn.weight".to_string(),
             (vec![3, 2], Dtype::F32),
         );
-        assert!(w.plan(&infos, &cfg).is_ok(), "Conv1D weight is [in, out]");
+        assert!(plan(&w, &infos, &cfg).is_ok(), "Conv1D weight is [in, out]");
         infos.insert(
             "h.0.attn.c_attn.weight".to_string(),
             (vec![2, 3], Dtype::F32),
         );
         assert!(matches!(
-            w.plan(&infos, &cfg),
+            plan(&w, &infos, &cfg),
             Err(MergeError::Shape { .. })
         ));
     }

@@ -22,8 +22,10 @@ use rayon::prelude::*;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype;
 
-use super::tensors::{is_float, merge_rows, Delta, MappedAdapter, Plan, Prepared, Raw};
+use super::tensors::{merge_rows, Delta, Plan, Prepared};
 use super::{io_err, MergeError, MergeOptions};
+use crate::formats::peft::weights::{MappedAdapter, Raw};
+use crate::formats::safetensors::is_float;
 
 /// Output bytes per task (a block of rows): small enough that the computed block is still in
 /// the computing CPU's own cache when that CPU writes it. Writes of this size also keep the page
@@ -85,66 +87,14 @@ pub(crate) fn write_shard(
     opts: &MergeOptions,
 ) -> Result<(ShardOutput, File), MergeError> {
     let file = File::open(shard).map_err(io_err(shard))?;
-    // SAFETY: base shards are read-only inputs; nothing in this process writes to them while
-    // the mapping lives.
-    let map = unsafe { memmap2::Mmap::map(&file) }.map_err(io_err(shard))?;
+    let map = crate::formats::safetensors::map_file(&file).map_err(io_err(shard))?;
     let _ = map.advise(memmap2::Advice::Sequential);
     let (header_len, meta) =
         safetensors::SafeTensors::read_metadata(&map).map_err(st_err(shard))?;
     let data_start = 8 + header_len;
 
-    let mut items = Vec::new();
-    let mut params = 0u64;
-    for name in meta.offset_keys() {
-        let info = meta.info(&name).expect("listed by the header").clone();
-        params += info.shape.iter().product::<usize>() as u64;
-        let out = match opts.dtype {
-            Some(d) if is_float(info.dtype) => d.safetensors(),
-            _ => info.dtype,
-        };
-        let item = Item {
-            replacement: plan.replacements.get(&name).copied(),
-            delta: plan.deltas.get(&name),
-            name,
-            info,
-            out,
-        };
-        if !item.passthrough() && !is_float(item.info.dtype) {
-            return Err(MergeError::Unsupported(format!(
-                "{}: cannot merge into a {:?} tensor",
-                item.name, item.info.dtype
-            )));
-        }
-        items.push(item);
-    }
-    // As safetensors writes them: larger alignments first, so every tensor stays aligned
-    // (a no-op unless --dtype changes some sizes); otherwise the base's order.
-    items.sort_by_key(|it| (Reverse(it.out), it.info.data_offsets.0));
-
-    let mut offset = 0usize;
-    let mut infos = Vec::with_capacity(items.len());
-    for it in &items {
-        let len = it.info.shape.iter().product::<usize>() * it.out.bitsize() / 8;
-        infos.push((
-            it.name.clone(),
-            TensorInfo {
-                dtype: it.out,
-                shape: it.info.shape.clone(),
-                data_offsets: (offset, offset + len),
-            },
-        ));
-        offset += len;
-    }
-    let data_bytes = offset as u64;
-    let out_meta = Metadata::new(meta.metadata().clone(), infos).map_err(st_err(dest))?;
-    let mut header = serde_json::to_vec(&out_meta).expect("metadata serializes");
-    header.resize(header.len().next_multiple_of(8), b' ');
-
-    let mut out = File::create(dest).map_err(io_err(dest))?;
-    out.write_all(&(header.len() as u64).to_le_bytes())
-        .and_then(|()| out.write_all(&header))
-        .map_err(io_err(dest))?;
-    let out_base = 8 + header.len() as u64;
+    let (items, params) = shard_items(&meta, plan, opts)?;
+    let (out, out_base, data_bytes) = create_output(dest, &meta, &items)?;
 
     let tasks = plan_tasks(&items, data_start);
     let windows = windows(&tasks);
@@ -240,6 +190,73 @@ pub(crate) fn write_shard(
         synced.map_err(io)
     })?;
     Ok((ShardOutput { params, data_bytes }, out))
+}
+
+/// The output's tensors, in the order they are written, and the shard's parameter count.
+fn shard_items<'p>(
+    meta: &Metadata,
+    plan: &'p Plan<'p>,
+    opts: &MergeOptions,
+) -> Result<(Vec<Item<'p>>, u64), MergeError> {
+    let mut items = Vec::new();
+    let mut params = 0u64;
+    for name in meta.offset_keys() {
+        let info = meta.info(&name).expect("listed by the header").clone();
+        params += info.shape.iter().product::<usize>() as u64;
+        let out = match opts.dtype {
+            Some(d) if is_float(info.dtype) => d.safetensors(),
+            _ => info.dtype,
+        };
+        let item = Item {
+            replacement: plan.replacements.get(&name).copied(),
+            delta: plan.deltas.get(&name),
+            name,
+            info,
+            out,
+        };
+        if !item.passthrough() && !is_float(item.info.dtype) {
+            return Err(MergeError::Unsupported(format!(
+                "{}: cannot merge into a {:?} tensor",
+                item.name, item.info.dtype
+            )));
+        }
+        items.push(item);
+    }
+    // As safetensors writes them: larger alignments first, so every tensor stays aligned
+    // (a no-op unless --dtype changes some sizes); otherwise the base's order.
+    items.sort_by_key(|it| (Reverse(it.out), it.info.data_offsets.0));
+    Ok((items, params))
+}
+
+/// Creates `dest` with the header of `items`; returns it, where its data starts and the
+/// data's length.
+fn create_output(
+    dest: &Path,
+    meta: &Metadata,
+    items: &[Item<'_>],
+) -> Result<(File, u64, u64), MergeError> {
+    let mut offset = 0usize;
+    let mut infos = Vec::with_capacity(items.len());
+    for it in items {
+        let len = it.info.shape.iter().product::<usize>() * it.out.bitsize() / 8;
+        infos.push((
+            it.name.clone(),
+            TensorInfo {
+                dtype: it.out,
+                shape: it.info.shape.clone(),
+                data_offsets: (offset, offset + len),
+            },
+        ));
+        offset += len;
+    }
+    let out_meta = Metadata::new(meta.metadata().clone(), infos).map_err(st_err(dest))?;
+    let mut header = serde_json::to_vec(&out_meta).expect("metadata serializes");
+    header.resize(header.len().next_multiple_of(8), b' ');
+    let mut out = File::create(dest).map_err(io_err(dest))?;
+    out.write_all(&(header.len() as u64).to_le_bytes())
+        .and_then(|()| out.write_all(&header))
+        .map_err(io_err(dest))?;
+    Ok((out, 8 + header.len() as u64, offset as u64))
 }
 
 /// Threads that compute and write the output: every CPU (writing costs as much CPU as

@@ -1,3 +1,6 @@
+//! The projections of a batch: each base product once for the whole batch plus each adapter
+//! group's update on its own rows ([`projs`]).
+//!
 //! Host projections of a CPU step of few tokens, computed in f32 over f32, bf16 or f16 base
 //! weights: the base matmuls of the projections that share an input and their adapters'
 //! updates, in one fork of the thread pool.
@@ -18,10 +21,60 @@ use std::sync::Mutex;
 use candle_core::{Module, Tensor};
 use rayon::prelude::*;
 
-use super::dense;
-use super::host::{Host, HostF32, Weight};
-use super::Lin;
-use crate::lora::{HostUpdates, UpdateTask, HOST_LORA_MAX_TOKENS};
+use super::batch::Group;
+use super::lora::{HostUpdates, UpdateTask, HOST_LORA_MAX_TOKENS};
+use super::{Lin, LoraAdapter, ModelError, Proj};
+use crate::kernels::dense;
+use crate::kernels::{Host, HostF32, Weight};
+
+/// Projections of one input for the whole batch: each base matmul once, plus each adapter
+/// group's low-rank update on its own rows only. On the host (CPU f32, few tokens) all of
+/// them run in one fork of the thread pool (see [`host_projections`]).
+pub(super) fn projs<const N: usize>(
+    host: bool,
+    lins: [(&Lin, Proj); N],
+    layer: usize,
+    x: &Tensor,
+    groups: &[Group<'_>],
+) -> Result<[Tensor; N], ModelError> {
+    if host {
+        let pairs: Vec<(&LoraAdapter, &[u32])> = groups
+            .iter()
+            .map(|g| (g.adapter, g.rows.as_slice()))
+            .collect();
+        let mut with_updates = Vec::with_capacity(N);
+        for &(lin, which) in &lins {
+            match HostUpdates::of(layer, which, &pairs)? {
+                Some(u) => with_updates.push((lin, u)),
+                None => break,
+            }
+        }
+        if with_updates.len() == N {
+            if let Some(out) = host_projections(x, with_updates)? {
+                return Ok(out.try_into().expect("one output per projection"));
+            }
+        }
+    }
+    let mut out = Vec::with_capacity(N);
+    for (lin, which) in lins {
+        out.push(tensor_updates(lin.forward(x)?, layer, which, x, groups)?);
+    }
+    Ok(out.try_into().expect("one output per projection"))
+}
+
+/// `out` plus each adapter group's update with tensor ops (GPU, other dtypes, prefill).
+fn tensor_updates(
+    mut out: Tensor,
+    layer: usize,
+    which: Proj,
+    x: &Tensor,
+    groups: &[Group<'_>],
+) -> Result<Tensor, ModelError> {
+    for g in groups {
+        out = g.adapter.apply(layer, which, x, &g.idx, &out)?;
+    }
+    Ok(out)
+}
 
 /// Output columns per block of a base product: enough blocks for every thread to take
 /// several (so they finish together), each block's weights (`in` × 128 × 4 bytes) within a
@@ -41,46 +94,9 @@ pub(crate) fn host_projections(
         return Ok(None);
     };
     let xs = xg.slice(t * d_in);
-    // Per projection: the weights to multiply here (None: `out` already holds the product,
-    // made by candle for a quantized base), the output and the updates' sum.
-    let mut weights = Vec::with_capacity(lins.len());
-    let mut outs = Vec::with_capacity(lins.len());
-    for (lin, _) in &lins {
-        match lin {
-            Lin::Dense(l) => {
-                let (d_out, w_in) = l.weight().dims2()?;
-                let w = l.weight();
-                let w = match (HostF32::of(w), Host::of(w), Host::of(w)) {
-                    (Some(w), _, _) => Base::F32(w),
-                    (_, Some(w), _) => Base::Bf16(w),
-                    (_, _, Some(w)) => Base::F16(w),
-                    _ => return Ok(None),
-                };
-                let bias = l.bias();
-                let mut out = vec![0f32; t * d_out];
-                if let Some(b) = bias {
-                    let Some(b) = HostF32::of(b) else {
-                        return Ok(None);
-                    };
-                    for row in out.chunks_mut(d_out) {
-                        row.copy_from_slice(b.slice(d_out));
-                    }
-                }
-                debug_assert_eq!(w_in, d_in);
-                weights.push(Some((w, d_out, bias.is_some())));
-                outs.push(out);
-            }
-            Lin::Quantized(..) => {
-                let y = lin.forward(x)?;
-                let Some(yg) = HostF32::of(&y) else {
-                    return Ok(None);
-                };
-                let d_out = y.dim(1)?;
-                weights.push(None);
-                outs.push(yg.slice(t * d_out).to_vec());
-            }
-        }
-    }
+    let Some((weights, mut outs)) = base_outputs(x, &lins)? else {
+        return Ok(None);
+    };
     let mut sums: Vec<Vec<f32>> = lins
         .iter()
         .zip(&outs)
@@ -158,6 +174,62 @@ pub(crate) fn host_projections(
         })
         .collect::<candle_core::Result<Vec<_>>>()
         .map(Some)
+}
+
+/// A projection's base weights for the kernels, its output width and whether its output
+/// starts from a bias; None where candle already computed the output (a quantized base).
+type BaseWork<'t> = Option<(Base<'t>, usize, bool)>;
+
+/// Per projection, its [`BaseWork`] and its output.
+type BaseOutputs<'t> = (Vec<BaseWork<'t>>, Vec<Vec<f32>>);
+
+/// Per projection of `lins`: the base weights to multiply here and the output, holding the
+/// bias or, for a quantized base, candle's product. None when a projection's weights, bias or
+/// quantized output cannot be read in place.
+fn base_outputs<'t>(
+    x: &Tensor,
+    lins: &[(&'t Lin, HostUpdates<'_>)],
+) -> candle_core::Result<Option<BaseOutputs<'t>>> {
+    let (t, d_in) = x.dims2()?;
+    let mut weights = Vec::with_capacity(lins.len());
+    let mut outs = Vec::with_capacity(lins.len());
+    for (lin, _) in lins {
+        match lin {
+            Lin::Dense(l) => {
+                let (d_out, w_in) = l.weight().dims2()?;
+                let w = l.weight();
+                let w = match (HostF32::of(w), Host::of(w), Host::of(w)) {
+                    (Some(w), _, _) => Base::F32(w),
+                    (_, Some(w), _) => Base::Bf16(w),
+                    (_, _, Some(w)) => Base::F16(w),
+                    _ => return Ok(None),
+                };
+                let bias = l.bias();
+                let mut out = vec![0f32; t * d_out];
+                if let Some(b) = bias {
+                    let Some(b) = HostF32::of(b) else {
+                        return Ok(None);
+                    };
+                    for row in out.chunks_mut(d_out) {
+                        row.copy_from_slice(b.slice(d_out));
+                    }
+                }
+                debug_assert_eq!(w_in, d_in);
+                weights.push(Some((w, d_out, bias.is_some())));
+                outs.push(out);
+            }
+            Lin::Quantized(..) => {
+                let y = lin.forward(x)?;
+                let Some(yg) = HostF32::of(&y) else {
+                    return Ok(None);
+                };
+                let d_out = y.dim(1)?;
+                weights.push(None);
+                outs.push(yg.slice(t * d_out).to_vec());
+            }
+        }
+    }
+    Ok(Some((weights, outs)))
 }
 
 /// A projection's base weights as held: f32, or a half type widened to f32 as the kernel

@@ -8,6 +8,7 @@
 //! `"rope_type"`) next to a top-level `rope_theta`. As in transformers, `rope_scaling` wins when
 //! both are present and the dict's own `rope_theta` wins over the top-level one.
 
+use candle_core::{DType, Device, Tensor};
 use serde_json::{Map, Value};
 
 use super::{ModelConfig, ModelError};
@@ -326,6 +327,34 @@ impl Rope {
     }
 }
 
+/// cos/sin `[t, head_dim/2]` of HF's non-interleaved rotary embedding for positions
+/// `start..start + t`, computed as transformers does: f32 angles `position × inv_freq`, cos and
+/// sin times the attention scaling (YaRN), then cast to the model's dtype. The frequencies of
+/// dynamic NTK use the length this span reaches.
+pub(super) fn rope_cos_sin(
+    rope: &Rope,
+    cfg: &ModelConfig,
+    start: usize,
+    t: usize,
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<(Tensor, Tensor)> {
+    let (inv, scale) = rope.inv_freq(start + t, cfg.max_position_embeddings);
+    let half = inv.len();
+    let inv: Vec<f32> = inv.into_iter().map(|f| f as f32).collect();
+    let inv = Tensor::from_vec(inv, (1, half), device)?;
+    let pos = Tensor::arange(start as u32, (start + t) as u32, device)?
+        .to_dtype(DType::F32)?
+        .reshape((t, 1))?;
+    let freqs = pos.broadcast_mul(&inv)?;
+    let (mut cos, mut sin) = (freqs.cos()?, freqs.sin()?);
+    if scale != 1.0 {
+        cos = (cos * scale)?;
+        sin = (sin * scale)?;
+    }
+    Ok((cos.to_dtype(dtype)?, sin.to_dtype(dtype)?))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -381,6 +410,21 @@ mod tests {
         let plain = Rope::from_config(&cfg(serde_json::json!({}))).unwrap();
         assert_eq!(d.inv_freq(100, 128), plain.inv_freq(100, 128));
         assert_ne!(d.inv_freq(129, 128), plain.inv_freq(129, 128));
+    }
+
+    /// The `rope_scaling` GGUF metadata becomes (see `formats::gguf`) is one the decoder
+    /// takes: positions stretched from 32768 to 4 × 32768.
+    #[test]
+    fn gguf_yarn_scaling_stretches_the_window() {
+        let cfg = crate::model::ModelConfig::from_json(serde_json::json!({
+            "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
+            "num_hidden_layers": 1, "num_attention_heads": 4, "rms_norm_eps": 1e-6,
+            "vocab_size": 16, "max_position_embeddings": 32768,
+            "rope_scaling": {"rope_type": "yarn", "factor": 4.0,
+                             "original_max_position_embeddings": 32768}
+        }))
+        .unwrap();
+        assert_eq!(cfg.max_positions(), 131072);
     }
 
     #[test]

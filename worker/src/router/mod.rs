@@ -237,8 +237,7 @@ mod tests {
     use super::*;
 
     fn cfg(strategies: &str, fallback: &str) -> WorkerConfig {
-        crate::config::parse(
-            &format!(
+        serde_yaml::from_str(&format!(
                 r#"
 pool: p
 baseModel: {{name: base, path: b}}
@@ -252,9 +251,7 @@ router:
   embeddingThreshold: 0.5
   fallback: {fallback}
 "#
-            ),
-            "t",
-        )
+        ))
         .unwrap()
     }
     fn none_s(_: &str, _: &str, _: &[String]) -> Option<Vec<f32>> {

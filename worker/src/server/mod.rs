@@ -648,7 +648,8 @@ fn bearer(h: &HeaderMap) -> Option<&str> {
 /// Builds the engine for a config: the ONE place where the server meets the engine
 /// implementation.
 pub fn build_engine(cfg: &WorkerConfig) -> anyhow::Result<Arc<dyn InferenceEngine>> {
-    use crate::engine::{candle_dtype, default_device, model_dir, Engine, EngineOptions};
+    use crate::config::model_dir;
+    use crate::engine::{candle_dtype, default_device, Engine, EngineOptions};
     let dir = model_dir(cfg)?;
     let device = default_device();
     let dtype = candle_dtype(cfg.base_model.dtype);

@@ -15,8 +15,21 @@ use std::time::Instant;
 
 use mole_crds::{LoraAdapterInfo, Residency};
 
-use super::api::AdapterSpec;
-use crate::lora::LoraAdapter;
+use crate::model::LoraAdapter;
+
+/// An adapter to load (from the worker config or `/v1/load_lora_adapter`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct AdapterSpec {
+    /// Name requests use.
+    pub name: String,
+    /// Version (a new version loads beside the old one).
+    pub version: String,
+    /// Pool-wide id.
+    pub lora_id: u32,
+    /// Directory with adapter_config.json + adapter_model.safetensors (already confined to the
+    /// model root by the caller).
+    pub path: std::path::PathBuf,
+}
 
 /// Request counters of one adapter version (shared with the sequences that pinned it).
 #[derive(Debug, Default)]

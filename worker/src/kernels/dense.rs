@@ -13,7 +13,7 @@
 //! projections (540 MB, cold), 128-column blocks, AVX-512: 16 tokens 57 → 100 GFLOP/s, 4
 //! tokens 21 → 58, 1 token 29 → 37 GB/s.
 
-use super::host::Weight;
+use super::Weight;
 
 /// The instruction set the kernel runs with on this CPU, None where it has neither (gemm
 /// then). The macro caches the CPUID answer.

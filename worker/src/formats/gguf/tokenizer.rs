@@ -2,7 +2,7 @@
 
 use serde_json::{json, Value};
 
-use super::{ImportError, Meta};
+use super::{GgufError, Meta};
 
 /// GGUF `tokenizer.ggml.token_type` values.
 const TOKEN_CONTROL: i64 = 3;
@@ -35,10 +35,10 @@ fn split_then_bytes(pattern: &str) -> Value {
 }
 
 /// Builds the tokenizer from GGUF metadata (`tokenizer.ggml.*`).
-pub(crate) fn build(meta: &Meta) -> Result<Built, ImportError> {
+pub(crate) fn build(meta: &Meta) -> Result<Built, GgufError> {
     let model = meta.string("tokenizer.ggml.model")?;
     if model != "gpt2" {
-        return Err(ImportError::Unsupported(format!(
+        return Err(GgufError::Unsupported(format!(
             "tokenizer model {model} (mole rebuilds byte-level BPE, tokenizer.ggml.model = gpt2)"
         )));
     }
@@ -64,7 +64,7 @@ pub(crate) fn build(meta: &Meta) -> Result<Built, ImportError> {
         "qwen2" => split_then_bytes(QWEN2_SPLIT),
         "llama-bpe" | "llama3" => split_then_bytes(LLAMA3_SPLIT),
         other => {
-            return Err(ImportError::Unsupported(format!(
+            return Err(GgufError::Unsupported(format!(
                 "tokenizer pre-type {other} (supported: default, gpt2, smollm, qwen2, llama-bpe)"
             )))
         }

@@ -11,6 +11,10 @@ use std::path::Path;
 use regex::Regex;
 use serde::{Deserialize, Serialize};
 
+pub mod weights;
+
+pub use self::weights::WeightsError;
+
 /// Errors reading or interpreting an adapter. Names are stable (see [`PeftError::code`]).
 #[derive(Debug, thiserror::Error)]
 pub enum PeftError {

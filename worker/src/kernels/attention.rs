@@ -1,0 +1,205 @@
+//! A token's attention over its sequence's token-major cache, one head at a time.
+
+use super::madd;
+
+/// The `R` dot products of `R` rows with one vector, all of one length: each sum in its own
+/// 8-lane accumulator, so `R` chains of fused multiply-adds run independently (one dot
+/// product alone waits on its own adds, four cycles each, and reaches a fraction of the
+/// core's throughput), and each loaded chunk of the vector feeds `R` of them. `FMA` is true
+/// only in the kernels' AVX2 + FMA build (see `kernel!`).
+#[inline(always)]
+fn dots<const FMA: bool, const R: usize>(rows: [&[f32]; R], v: &[f32]) -> [f32; R] {
+    let n = v.len();
+    assert!(rows.iter().all(|r| r.len() == n));
+    let full = n / 8 * 8;
+    let lanes: [[f32; 8]; R] = {
+        #[cfg(target_arch = "x86_64")]
+        if FMA {
+            // SAFETY: FMA is set only behind the run-time AVX2 + FMA check, and every row and
+            // the vector hold `full` values (asserted above).
+            unsafe { dots_fma(rows, v, full) }
+        } else {
+            dots_plain(rows, v, full)
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        dots_plain(rows, v, full)
+    };
+    std::array::from_fn(|i| {
+        let tail: f32 = v[full..]
+            .iter()
+            .zip(&rows[i][full..])
+            .map(|(x, y)| x * y)
+            .sum();
+        lanes[i].iter().sum::<f32>() + tail
+    })
+}
+
+/// The lane-wise partial sums of [`dots`] over the first `full` values (a multiple of 8), in
+/// plain code. The compiler's vectoriser packs these nested accumulators badly (scalar
+/// multiply-adds and shuffles), hence the explicit AVX path beside it.
+#[inline(always)]
+fn dots_plain<const R: usize>(rows: [&[f32]; R], v: &[f32], full: usize) -> [[f32; 8]; R] {
+    let mut acc = [[0f32; 8]; R];
+    for j in (0..full).step_by(8) {
+        for (a, row) in acc.iter_mut().zip(&rows) {
+            for l in 0..8 {
+                a[l] += v[j + l] * row[j + l];
+            }
+        }
+    }
+    acc
+}
+
+/// [`dots_plain`] in AVX registers: `R` accumulators, each chunk of the vector loaded once
+/// for the `R` rows.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA, and every row and the vector hold at least `full` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots_fma<const R: usize>(rows: [&[f32]; R], v: &[f32], full: usize) -> [[f32; 8]; R] {
+    use std::arch::x86_64::*;
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut j = 0;
+    while j < full {
+        let x = _mm256_loadu_ps(v.as_ptr().add(j));
+        for i in 0..R {
+            acc[i] = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[i].as_ptr().add(j)), acc[i]);
+        }
+        j += 8;
+    }
+    let mut out = [[0f32; 8]; R];
+    for i in 0..R {
+        _mm256_storeu_ps(out[i].as_mut_ptr(), acc[i]);
+    }
+    out
+}
+
+/// Where one head's keys and values lie in a token-major cache `[len, kv_heads, dim]`.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KvHead {
+    /// Floats per cached token (kv_heads × dim).
+    pub stride: usize,
+    /// This head's first float within a token.
+    pub offset: usize,
+    /// Score scale, 1/√dim.
+    pub scale: f32,
+}
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn attend_impl<const FMA: bool>(
+    q: &[f32],
+    keys: &[f32],
+    values: &[f32],
+    seen: usize,
+    h: KvHead,
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    let dim = q.len();
+    scores.resize(seen, 0.0);
+    let key = |j: usize| &keys[j * h.stride + h.offset..][..dim];
+    // Four keys at a time: independent sums (see `dots`) and `q` loaded once for four.
+    let mut blocks = scores.chunks_exact_mut(4);
+    for (b, s4) in (&mut blocks).enumerate() {
+        s4.copy_from_slice(&dots::<FMA, 4>(std::array::from_fn(|i| key(4 * b + i)), q));
+    }
+    let done = seen / 4 * 4;
+    for (j, s) in blocks.into_remainder().iter_mut().enumerate() {
+        *s = dots::<FMA, 1>([key(done + j)], q)[0];
+    }
+    let mut max = f32::NEG_INFINITY;
+    for s in scores.iter_mut() {
+        *s *= h.scale;
+        max = max.max(*s);
+    }
+    let mut sum = 0f32;
+    for s in scores.iter_mut() {
+        *s = (*s - max).exp();
+        sum += *s;
+    }
+    out.fill(0.0);
+    for (j, s) in scores.iter().enumerate() {
+        let p = s / sum;
+        let v = &values[j * h.stride + h.offset..][..dim];
+        for (o, x) in out.iter_mut().zip(v) {
+            *o = madd::<FMA>(p, *x, *o);
+        }
+    }
+}
+
+kernel! {
+    /// One query head's attention for one token: `q` `[dim]`, `keys`/`values` its sequence's
+    /// cache token-major `[len, kv_heads, dim]`, of which the first `seen` positions are
+    /// visible (causal: the token's own position + 1); writes `[dim]` into `out`. Softmax in
+    /// f32 with the maximum subtracted, as torch computes it. `scores` is scratch space.
+    attend_head = attend_impl(
+        q: &[f32],
+        keys: &[f32],
+        values: &[f32],
+        seen: usize,
+        h: KvHead,
+        out: &mut [f32],
+        scores: &mut Vec<f32>,
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn val(i: usize) -> f32 {
+        ((i * 7919 % 101) as f32 - 50.0) / 37.0
+    }
+
+    /// Attention equals the plain formula (both builds: the test machine picks one, the
+    /// baseline is called directly), for cache lengths that fill the four-key blocks and
+    /// leave every remainder.
+    #[test]
+    fn attention_matches_the_formula() {
+        let (nq, nkv, dim, len) = (4, 2, 12, 9);
+        let scale = 1.0 / (dim as f32).sqrt();
+        let q: Vec<f32> = (0..nq * dim).map(val).collect();
+        let keys: Vec<f32> = (0..len * nkv * dim).map(|i| val(i + 3)).collect();
+        let values: Vec<f32> = (0..len * nkv * dim).map(|i| val(i + 11)).collect();
+        let mut scores = Vec::new();
+        for seen in 1..=len {
+            for head in 0..nq {
+                let g = head / (nq / nkv);
+                let s: Vec<f64> = (0..seen)
+                    .map(|j| {
+                        (0..dim)
+                            .map(|d| {
+                                q[head * dim + d] as f64 * keys[(j * nkv + g) * dim + d] as f64
+                            })
+                            .sum::<f64>()
+                            * scale as f64
+                    })
+                    .collect();
+                let m = s.iter().cloned().fold(f64::MIN, f64::max);
+                let z: f64 = s.iter().map(|x| (x - m).exp()).sum();
+                let want: Vec<f32> = (0..dim)
+                    .map(|d| {
+                        (0..seen)
+                            .map(|j| (s[j] - m).exp() / z * values[(j * nkv + g) * dim + d] as f64)
+                            .sum::<f64>() as f32
+                    })
+                    .collect();
+                let kv = KvHead {
+                    stride: nkv * dim,
+                    offset: g * dim,
+                    scale,
+                };
+                let qh = &q[head * dim..(head + 1) * dim];
+                for run in [attend_head, attend_impl::<false>] {
+                    let mut out = vec![9f32; dim];
+                    run(qh, &keys, &values, seen, kv, &mut out, &mut scores);
+                    for (a, b) in out.iter().zip(&want) {
+                        assert!((a - b).abs() < 1e-5, "seen {seen}: {a} vs {b}");
+                    }
+                }
+            }
+        }
+    }
+}

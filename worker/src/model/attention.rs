@@ -1,0 +1,286 @@
+//! Self-attention of a decoder layer over every row's own cache. Projections, q/k norms and
+//! RoPE run once for the whole batch (each token rotated at its own position); the attention
+//! proper is per sequence: the host kernel on CPU f32 for rows of few new tokens, tensor ops
+//! (gemm) otherwise.
+
+use candle_core::{DType, Device, Module, Tensor};
+use candle_nn::RmsNorm;
+
+use super::batch::{Batch, Row};
+use super::cache::{append_kv, mixed_cache, LayerKv};
+use super::project::projs;
+use super::weights::Weights;
+use super::{Family, Lin, ModelConfig, ModelError, Proj};
+use crate::kernels;
+
+/// New tokens of a row at most for the host attention kernel; longer rows (prefill) use
+/// gemm, whose tiling wins once there are many queries per key.
+const HOST_ATTN_MAX_TOKENS: usize = 16;
+
+/// One layer's attention: q/k/v/o projections, Qwen3's per-head q/k norms, and the shape.
+pub(super) struct Attention {
+    q: Lin,
+    k: Lin,
+    v: Lin,
+    o: Lin,
+    q_norm: Option<RmsNorm>,
+    k_norm: Option<RmsNorm>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+}
+
+impl Attention {
+    /// The attention of `prefix` (`model.layers.{i}.self_attn`): Qwen2 has a bias on q/k/v
+    /// whatever `attention_bias` says, Qwen3 a norm on each head of q and k.
+    pub(super) fn new(
+        cfg: &ModelConfig,
+        w: &dyn Weights,
+        prefix: &str,
+    ) -> Result<Self, ModelError> {
+        let family = cfg.family()?;
+        let (h, hd, nh, nkv) = (
+            cfg.hidden_size,
+            cfg.head_dim(),
+            cfg.num_attention_heads,
+            cfg.kv_heads(),
+        );
+        let eps = cfg.rms_norm_eps;
+        let qkv_bias = cfg.attention_bias.unwrap_or(family == Family::Qwen2);
+        let o_bias = cfg.attention_bias.unwrap_or(false) && family != Family::Qwen2;
+        let (q_norm, k_norm) = if family == Family::Qwen3 {
+            (
+                Some(w.norm(&format!("{prefix}.q_norm"), hd, eps)?),
+                Some(w.norm(&format!("{prefix}.k_norm"), hd, eps)?),
+            )
+        } else {
+            (None, None)
+        };
+        Ok(Self {
+            q: w.linear(&format!("{prefix}.q_proj"), h, nh * hd, qkv_bias)?,
+            k: w.linear(&format!("{prefix}.k_proj"), h, nkv * hd, qkv_bias)?,
+            v: w.linear(&format!("{prefix}.v_proj"), h, nkv * hd, qkv_bias)?,
+            o: w.linear(&format!("{prefix}.o_proj"), nh * hd, h, o_bias)?,
+            q_norm,
+            k_norm,
+            heads: nh,
+            kv_heads: nkv,
+            head_dim: hd,
+        })
+    }
+
+    /// Attention of every row of the batch over its own cache (extended by the new keys and
+    /// values of layer `li`): `x` `[tokens, hidden]` → `[tokens, hidden]`.
+    pub(super) fn forward(
+        &self,
+        li: usize,
+        x: &Tensor,
+        rows: &mut [Row<'_>],
+        batch: &Batch<'_>,
+    ) -> Result<Tensor, ModelError> {
+        let groups = &batch.groups[..];
+        let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
+        let n = x.dim(0)?;
+        let qkv = [(&self.q, Proj::Q), (&self.k, Proj::K), (&self.v, Proj::V)];
+        let [q, k, v] = projs(batch.host, qkv, li, x, groups)?;
+        let mut q = q.reshape((n, nh, hd))?;
+        let mut k = k.reshape((n, nkv, hd))?;
+        let v = v.reshape((n, nkv, hd))?;
+        if let (Some(qn), Some(kn)) = (&self.q_norm, &self.k_norm) {
+            q = qn.forward(&q)?;
+            k = kn.forward(&k)?;
+        }
+        let rope = |x: &Tensor| {
+            candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?, &batch.cos, &batch.sin)?.squeeze(0)
+        };
+        let (q, k) = (rope(&q)?, rope(&k)?);
+        let out = if batch.host {
+            attend_host(li, &q, &k, &v, rows, batch)?
+        } else {
+            let mut outs = Vec::with_capacity(rows.len());
+            let mut off = 0;
+            for (ri, row) in rows.iter_mut().enumerate() {
+                let (t, start) = (batch.lens[ri], batch.starts[ri]);
+                // [t, heads, hd] → [heads, t, hd]
+                let heads = |x: &Tensor| x.narrow(0, off, t)?.transpose(0, 1)?.contiguous();
+                let (qr, kr, vr) = (heads(&q)?, heads(&k)?, heads(&v)?);
+                let slot = row.cache.layer_mut(li, batch.layers);
+                let (kr, vr) = match std::mem::take(slot) {
+                    LayerKv::Tensors(pk, pv) => {
+                        (Tensor::cat(&[&pk, &kr], 1)?, Tensor::cat(&[&pv, &vr], 1)?)
+                    }
+                    LayerKv::Empty => (kr, vr),
+                    LayerKv::Host(..) => return Err(mixed_cache()),
+                };
+                *slot = LayerKv::Tensors(kr.clone(), vr.clone());
+                outs.push(attend_tensors(&qr, &kr, &vr, start, batch)?);
+                off += t;
+            }
+            Tensor::cat(&outs, 0)?
+        };
+        let [o] = projs(batch.host, [(&self.o, Proj::O)], li, &out, groups)?;
+        Ok(o)
+    }
+}
+
+/// Scaled dot-product attention of one sequence with tensor ops: `q` `[heads, t, hd]` at
+/// positions `start..start + t` over keys/values `[kv_heads, start + t, hd]`; returns
+/// `[t, heads·hd]`.
+fn attend_tensors(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    start: usize,
+    batch: &Batch<'_>,
+) -> Result<Tensor, ModelError> {
+    let (nh, t, hd) = q.dims3()?;
+    let rep = nh / k.dim(0)?;
+    let (k, v) = (repeat_kv(k, rep)?, repeat_kv(v, rep)?);
+    let total = start + t;
+    let scale = 1.0 / (hd as f64).sqrt();
+    let mut att = (q.matmul(&k.t()?)? * scale)?; // [nh, t, total]
+    if t > 1 {
+        att = att.broadcast_add(&causal_mask(t, start, total, att.dtype(), batch.device)?)?;
+    }
+    let att =
+        candle_nn::ops::softmax_last_dim(&att.to_dtype(DType::F32)?)?.to_dtype(batch.dtype)?;
+    let o = att.matmul(&v)?; // [nh, t, hd]
+    Ok(o.transpose(0, 1)?.reshape((t, nh * hd))?)
+}
+
+/// Attention of a CPU f32 batch: new keys/values appended to each row's host cache, then
+/// every token of a row with at most [`HOST_ATTN_MAX_TOKENS`] new tokens attended by the
+/// host kernel (tokens × heads in parallel), longer rows (prefill) with tensor ops over
+/// their cache. `q` `[tokens, heads, hd]`, `k`/`v` `[tokens, kv_heads, hd]`.
+fn attend_host(
+    li: usize,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    rows: &mut [Row<'_>],
+    batch: &Batch<'_>,
+) -> Result<Tensor, ModelError> {
+    use rayon::prelude::*;
+    let (n, nh, hd) = q.dims3()?;
+    let nkv = k.dim(1)?;
+    let width = nkv * hd;
+    let (kg, vg) = match (kernels::HostF32::of(k), kernels::HostF32::of(v)) {
+        (Some(kg), Some(vg)) => (kg, vg),
+        _ => return Err(candle_core::Error::Msg("host attention: k/v not CPU f32".into()).into()),
+    };
+    let (ks, vs) = (kg.slice(n * width), vg.slice(n * width));
+    let mut off = 0;
+    for (ri, row) in rows.iter_mut().enumerate() {
+        let t = batch.lens[ri];
+        let slot = row.cache.layer_mut(li, batch.layers);
+        match slot {
+            LayerKv::Empty => *slot = LayerKv::Host(Vec::new(), Vec::new()),
+            LayerKv::Tensors(..) => return Err(mixed_cache()),
+            LayerKv::Host(..) => {}
+        }
+        if let LayerKv::Host(kc, vc) = slot {
+            append_kv(kc, &ks[off * width..(off + t) * width], width);
+            append_kv(vc, &vs[off * width..(off + t) * width], width);
+        }
+        off += t;
+    }
+    drop((kg, vg));
+    // Per token: its row's cache and how many positions it sees (causal).
+    // (keys, values, positions seen), or None for tokens of long rows.
+    type Visible<'c> = Option<(&'c [f32], &'c [f32], usize)>;
+    let mut tokens: Vec<Visible<'_>> = Vec::with_capacity(n);
+    let mut long = Vec::new();
+    let mut off = 0;
+    for (ri, row) in rows.iter().enumerate() {
+        let (t, start) = (batch.lens[ri], batch.starts[ri]);
+        let Some(LayerKv::Host(kc, vc)) = row.cache.layers.get(li) else {
+            unreachable!("filled above")
+        };
+        if t <= HOST_ATTN_MAX_TOKENS {
+            tokens.extend((0..t).map(|i| Some((&kc[..], &vc[..], start + i + 1))));
+        } else {
+            tokens.extend((0..t).map(|_| None));
+            long.push((ri, off));
+        }
+        off += t;
+    }
+    let qg = kernels::HostF32::of(q)
+        .ok_or_else(|| candle_core::Error::Msg("host attention: q not CPU f32".into()))?;
+    let qs = qg.slice(n * nh * hd);
+    let mut out = vec![0f32; n * nh * hd];
+    let scale = 1.0 / (hd as f32).sqrt();
+    let work: usize = tokens.iter().flatten().map(|t| t.2 * nh * hd * 2).sum();
+    let attend = |scores: &mut Vec<f32>, (c, o): (usize, &mut [f32])| {
+        let (tok, head) = (c / nh, c % nh);
+        if let Some((kc, vc, seen)) = tokens[tok] {
+            let kv = kernels::KvHead {
+                stride: width,
+                offset: (head / (nh / nkv)) * hd,
+                scale,
+            };
+            kernels::attend_head(&qs[c * hd..(c + 1) * hd], kc, vc, seen, kv, o, scores);
+        }
+    };
+    // One task per (token, head) when the batch is worth the threads: a batch-1 decode
+    // of a long sequence uses all of them, a short decode step none.
+    if work < kernels::PARALLEL_MIN_FMAS {
+        let mut scores = Vec::new();
+        out.chunks_mut(hd)
+            .enumerate()
+            .for_each(|c| attend(&mut scores, c));
+    } else {
+        out.par_chunks_mut(hd)
+            .enumerate()
+            .for_each_init(Vec::new, attend);
+    }
+    drop(qg);
+    for (ri, off) in long {
+        let (t, start) = (batch.lens[ri], batch.starts[ri]);
+        let Some(LayerKv::Host(kc, vc)) = rows[ri].cache.layers.get(li) else {
+            unreachable!("filled above")
+        };
+        let total = start + t;
+        let cached = |c: &[f32]| -> candle_core::Result<Tensor> {
+            Tensor::from_slice(&c[..total * width], (total, nkv, hd), batch.device)?
+                .transpose(0, 1)?
+                .contiguous()
+        };
+        let qr = q.narrow(0, off, t)?.transpose(0, 1)?.contiguous()?;
+        let o = attend_tensors(&qr, &cached(kc)?, &cached(vc)?, start, batch)?;
+        out[off * nh * hd..(off + t) * nh * hd]
+            .copy_from_slice(&o.flatten_all()?.to_vec1::<f32>()?);
+    }
+    Ok(Tensor::from_vec(out, (n, nh * hd), batch.device)?)
+}
+
+fn repeat_kv(x: &Tensor, rep: usize) -> candle_core::Result<Tensor> {
+    if rep == 1 {
+        return Ok(x.clone());
+    }
+    let (h, l, d) = x.dims3()?;
+    x.unsqueeze(1)?
+        .expand((h, rep, l, d))?
+        .reshape((h * rep, l, d))
+}
+
+/// -inf above the diagonal of the new block (position `start + i` sees keys up to itself).
+fn causal_mask(
+    t: usize,
+    start: usize,
+    total: usize,
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
+    let mask: Vec<f32> = (0..t)
+        .flat_map(|i| {
+            (0..total).map(move |j| {
+                if j > start + i {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            })
+        })
+        .collect();
+    Tensor::from_slice(&mask, (t, total), device)?.to_dtype(dtype)
+}

@@ -1,0 +1,66 @@
+//! The KV cache of one sequence: per layer, device tensors grown by concatenation, or on CPU
+//! f32 decoders token-major host vectors grown in place.
+
+use candle_core::Tensor;
+
+use super::ModelError;
+
+/// The KV cache of one sequence, per layer.
+#[derive(Debug, Default, Clone)]
+pub struct SeqCache {
+    pub(super) layers: Vec<LayerKv>,
+    pub(super) len: usize,
+}
+
+/// One layer's keys and values (after RoPE) for one sequence.
+#[derive(Debug, Default, Clone)]
+pub(super) enum LayerKv {
+    /// Nothing cached yet.
+    #[default]
+    Empty,
+    /// Device tensors `[kv_heads, len, head_dim]`, extended by concatenation.
+    Tensors(Tensor, Tensor),
+    /// CPU f32 decoders: token-major `[len, kv_heads, head_dim]` vectors that the host
+    /// attention kernel reads in place and new tokens extend in place (see [`append_kv`]; a
+    /// tensor cache is copied whole at every step).
+    Host(Vec<f32>, Vec<f32>),
+}
+
+impl SeqCache {
+    /// Tokens cached.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether nothing is cached.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Layer `li`'s keys and values, the cache sized for `layers` layers on first use.
+    pub(super) fn layer_mut(&mut self, li: usize, layers: usize) -> &mut LayerKv {
+        if self.layers.len() < layers {
+            self.layers.resize(layers, LayerKv::Empty);
+        }
+        &mut self.layers[li]
+    }
+}
+
+/// A sequence's cache was filled in the other attention mode (see
+/// [`Decoder::set_host_kernels`]).
+pub(super) fn mixed_cache() -> ModelError {
+    ModelError::Config("a sequence cache was filled by the other attention mode".into())
+}
+
+/// Spare room, in tokens, a host cache grows by when it is full.
+const KV_GROW_TOKENS: usize = 256;
+
+/// Appends new keys (or values) to a host cache. Growth is by [`KV_GROW_TOKENS`] past what is
+/// needed, not doubling: a sequence never holds more than that much spare room (doubling would
+/// hold up to its whole length again), and a reallocation every 256 tokens costs little next
+/// to the steps between.
+pub(super) fn append_kv(cache: &mut Vec<f32>, new: &[f32], width: usize) {
+    if cache.capacity() - cache.len() < new.len() {
+        cache.reserve_exact(new.len() + KV_GROW_TOKENS * width);
+    }
+    cache.extend_from_slice(new);
+}

@@ -1,0 +1,205 @@
+//! Where a decoder's weights come from and how a projection multiplies: dense checkpoint
+//! tensors (any float dtype, half types widened on the tensor path) or GGUF blocks (candle's
+//! quantized matmul), and the dtype policy that pairs weights with compute and adapters.
+
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Device, Module, Tensor, D};
+use candle_nn::{linear_b, Linear, RmsNorm, VarBuilder};
+
+use super::ModelError;
+
+/// The dtype a decoder computes in over weights of `weights`: the same, except the half
+/// types on the CPU, which compute in f32. The host kernels read bf16 and f16 weights in place
+/// and widen them in registers (exact), so the weights keep half the memory and decode steps
+/// read half the bytes, where candle's CPU half-precision ops would be slower than f32 and
+/// round every activation (f16 also overflows past 65504).
+pub fn compute_dtype(weights: DType, device: &Device) -> DType {
+    if device.is_cpu() && matches!(weights, DType::BF16 | DType::F16) {
+        DType::F32
+    } else {
+        weights
+    }
+}
+
+/// The dtype adapters are held in when the pool does not say (`loraDtype` unset): that of
+/// the weights, as vLLM's `lora_dtype="auto"`, where the kernels read it. Over bf16 weights an
+/// adapter rounded to bf16 moves the output by 2⁻⁹ of its low-rank update only, far less than
+/// the weights' own rounding (2⁻⁹ of the whole product, the same a merged pod's baked weights
+/// carry), while it halves the adapter's memory and the bytes each distinct adapter adds to a
+/// decode step. The CPU's host kernels read f32 and bf16 adapters but not f16 ones, so over
+/// f16 weights a CPU holds them in f32; f32 and quantized (GGUF) bases keep f32 adapters.
+pub fn adapter_dtype(weights: DType, device: &Device) -> DType {
+    match weights {
+        DType::BF16 => DType::BF16,
+        w => compute_dtype(w, device),
+    }
+}
+
+/// Values of a half-type projection widened at once on the tensor path (64 MiB of f32).
+const WIDEN_MAX_VALUES: usize = 16 << 20;
+
+/// `l` applied to `x` with its weights widened to `x`'s dtype, `max_values` of them at a time
+/// (whole rows, at least one).
+fn widened(l: &Linear, x: &Tensor, max_values: usize) -> candle_core::Result<Tensor> {
+    let (d_out, d_in) = l.weight().dims2()?;
+    let rows = (max_values / d_in).max(1);
+    let mut parts = Vec::with_capacity(d_out.div_ceil(rows));
+    for lo in (0..d_out).step_by(rows) {
+        let n = rows.min(d_out - lo);
+        let w = l.weight().narrow(0, lo, n)?.to_dtype(x.dtype())?;
+        let b = l.bias().map(|b| b.narrow(0, lo, n)).transpose()?;
+        parts.push(Linear::new(w, b).forward(x)?);
+    }
+    match parts.len() {
+        1 => Ok(parts.remove(0)),
+        _ => Tensor::cat(&parts, D::Minus1),
+    }
+}
+
+/// A projection: dense (candle `Linear`, any float dtype) or quantized (GGUF blocks, candle's
+/// quantized matmul; activations stay f32).
+pub enum Lin {
+    /// Dense weights.
+    Dense(Linear),
+    /// Quantized weights and an optional dense bias.
+    Quantized(QMatMul, Option<Tensor>),
+}
+
+impl Module for Lin {
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            // Half-type weights under f32 activations (the CPU): widened for this product only, so
+            // they stay at half the memory. Decode steps read them in place (`project`); this
+            // is prefill's path, where the copy costs little next to the arithmetic. A slice of
+            // rows at a time, so a large output head (Qwen3's is 389M values) never stands
+            // widened whole beside the model.
+            Lin::Dense(l) if l.weight().dtype() != x.dtype() => widened(l, x, WIDEN_MAX_VALUES),
+            Lin::Dense(l) => l.forward(x),
+            Lin::Quantized(w, b) => {
+                let y = w.forward(x)?;
+                match b {
+                    Some(b) => y.broadcast_add(b),
+                    None => Ok(y),
+                }
+            }
+        }
+    }
+}
+
+/// Where the decoder's weights come from (HF names, without the `.weight` suffix except for
+/// whole tensors).
+pub(super) trait Weights {
+    fn linear(&self, name: &str, d_in: usize, d_out: usize, bias: bool) -> Result<Lin, ModelError>;
+    fn norm(&self, name: &str, size: usize, eps: f64) -> Result<RmsNorm, ModelError>;
+    fn dense(&self, name: &str, shape: (usize, usize)) -> Result<Tensor, ModelError>;
+    /// The output head when it shares the embedding matrix `name` (dense: `embed`).
+    fn tied_head(&self, name: &str, embed: Tensor) -> Result<Lin, ModelError>;
+}
+
+/// Dense checkpoint tensors: projections and the embedding in the VarBuilder's dtype, biases
+/// and norms (small, and added to or multiplied with activations) in the compute dtype `act`.
+pub(super) struct Dense<'a> {
+    /// The checkpoint.
+    pub vb: VarBuilder<'a>,
+    /// The compute dtype.
+    pub act: DType,
+}
+
+impl Weights for Dense<'_> {
+    fn linear(&self, name: &str, d_in: usize, d_out: usize, bias: bool) -> Result<Lin, ModelError> {
+        let l = linear_b(d_in, d_out, bias, self.vb.pp(name))?;
+        let b = l.bias().map(|b| b.to_dtype(self.act)).transpose()?;
+        Ok(Lin::Dense(Linear::new(l.weight().clone(), b)))
+    }
+    fn norm(&self, name: &str, size: usize, eps: f64) -> Result<RmsNorm, ModelError> {
+        let w = self.vb.pp(name).get(size, "weight")?.to_dtype(self.act)?;
+        Ok(RmsNorm::new(w, eps))
+    }
+    fn dense(&self, name: &str, shape: (usize, usize)) -> Result<Tensor, ModelError> {
+        Ok(self.vb.get(shape, name)?)
+    }
+    fn tied_head(&self, _: &str, embed: Tensor) -> Result<Lin, ModelError> {
+        Ok(Lin::Dense(Linear::new(embed, None)))
+    }
+}
+
+pub(super) struct Quantized(pub std::collections::HashMap<String, QTensor>, pub Device);
+
+impl Quantized {
+    fn take(&self, name: &str) -> Result<&QTensor, ModelError> {
+        self.0
+            .get(name)
+            .ok_or_else(|| ModelError::Config(format!("GGUF has no tensor for {name}")))
+    }
+    fn deq(&self, name: &str) -> Result<Tensor, ModelError> {
+        Ok(self.take(name)?.dequantize(&self.1)?)
+    }
+}
+
+impl Weights for Quantized {
+    fn linear(&self, name: &str, d_in: usize, d_out: usize, bias: bool) -> Result<Lin, ModelError> {
+        let q = self.take(&format!("{name}.weight"))?;
+        if q.shape().dims() != [d_out, d_in] {
+            return Err(ModelError::Config(format!(
+                "{name}: GGUF shape {:?}, expected [{d_out}, {d_in}]",
+                q.shape().dims()
+            )));
+        }
+        let w = QMatMul::from_arc(std::sync::Arc::new(requantized(q)?))?;
+        let b = if bias {
+            Some(self.deq(&format!("{name}.bias"))?)
+        } else {
+            None
+        };
+        Ok(Lin::Quantized(w, b))
+    }
+    fn norm(&self, name: &str, _: usize, eps: f64) -> Result<RmsNorm, ModelError> {
+        Ok(RmsNorm::new(self.deq(&format!("{name}.weight"))?, eps))
+    }
+    fn dense(&self, name: &str, _: (usize, usize)) -> Result<Tensor, ModelError> {
+        self.deq(name)
+    }
+    fn tied_head(&self, name: &str, _: Tensor) -> Result<Lin, ModelError> {
+        Ok(Lin::Quantized(
+            QMatMul::from_arc(std::sync::Arc::new(requantized(self.take(name)?)?))?,
+            None,
+        ))
+    }
+}
+
+/// A copy of a quantized tensor (the map keeps the original for dequantized uses).
+fn requantized(q: &QTensor) -> Result<QTensor, ModelError> {
+    let storage = candle_core::quantized::QStorage::from_data(q.data()?, &q.device(), q.dtype())?;
+    Ok(QTensor::new(storage, q.shape().clone())?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::max_abs_diff;
+
+    /// The tensor path over half-type weights, widened a slice of rows at a time, equals the
+    /// product with the weights widened whole: slices that divide the rows and one that does
+    /// not, with a bias, for bf16 and f16.
+    #[test]
+    fn widened_slices_match_the_whole_product() {
+        let dev = Device::Cpu;
+        let w = Tensor::randn(0f32, 1.0, (37, 8), &dev).unwrap();
+        let b = Tensor::randn(0f32, 1.0, 37, &dev).unwrap();
+        let x = Tensor::randn(0f32, 1.0, (5, 8), &dev).unwrap();
+        for narrow in [DType::BF16, DType::F16] {
+            let held = Linear::new(w.to_dtype(narrow).unwrap(), Some(b.clone()));
+            let whole = Linear::new(held.weight().to_dtype(DType::F32).unwrap(), Some(b.clone()))
+                .forward(&x)
+                .unwrap();
+            for max_values in [8, 80, 37 * 8, 1 << 20] {
+                let got = widened(&held, &x, max_values).unwrap();
+                assert_eq!(got.dims(), [5, 37]);
+                let err = max_abs_diff(&got, &whole);
+                // The same 8 products per output in any blocking: ~1e-7; a shifted or
+                // missing slice is ~1.
+                assert!(err < 1e-5, "{narrow:?}, {max_values} values a slice: {err}");
+            }
+        }
+    }
+}
