@@ -5,7 +5,7 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::pool::Dtype;
+use mole_api::{Dtype, ServingMode};
 
 /// A versioned LoRA adapter served by an `InferencePool`, dynamically or merged into its own pods.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -78,19 +78,6 @@ pub struct AdapterSource {
     #[schemars(length(max = 1024))]
     #[x_kube(validation = Rule::new("self != '' && !self.startsWith('/') && !self.matches('(^|/)\\\\.\\\\.(/|$)')").message("source.path must be relative and must not contain '..'"))]
     pub path: String,
-}
-
-/// Serving mode of an adapter.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum ServingMode {
-    /// Loaded into the shared dynamic pods, switched per request.
-    #[default]
-    Dynamic,
-    /// Baked into the base weights by a merge Job and served by its own pods.
-    Merged,
-    /// The operator decides (merged when the gates allow it).
-    Auto,
 }
 
 /// How an adapter is served.

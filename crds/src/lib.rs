@@ -1,18 +1,22 @@
-//! The mole.dev API: the `InferencePool` and `Adapter` custom resources, the constants shared by
-//! the operator and the worker (conditions, labels, annotations), the runtime configuration the
-//! operator hands to worker pods ([`WorkerConfig`]) and the worker's adapter listing
-//! ([`LoraAdaptersResponse`]) that the operator reads to decide readiness.
+//! The mole.dev API: the `InferencePool` and `Adapter` custom resources and the constants of
+//! their children (conditions, labels, annotations). The pool embeds the router and engine
+//! limits of the operator→worker contract (`mole-api`), whose types are re-exported here, so
+//! the operator renders a [`WorkerConfig`] by copying them.
 //!
-//! This crate does no I/O and holds no Kubernetes client, so both binaries can depend on it.
+//! This crate does no I/O and holds no Kubernetes client.
 
 pub mod adapter;
 pub mod constants;
 pub mod pool;
-pub mod worker;
 
 pub use adapter::*;
 pub use pool::*;
-pub use worker::*;
+
+pub use mole_api::{
+    bounds, BoundsError, Dtype, EngineLimits, LoraAdapterInfo, LoraAdaptersResponse, MergedModel,
+    Residency, RouterFallback, RouterSpec, RouterStrategy, ServingMode, WorkerAdapter, WorkerAuth,
+    WorkerBaseModel, WorkerConfig, WorkerLimits, WorkerMode,
+};
 
 use kube::CustomResourceExt;
 

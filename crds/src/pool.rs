@@ -1,10 +1,12 @@
 //! `InferencePool`: one base model served by a set of GPU pods.
 
 use std::collections::BTreeMap;
+use std::ops::{Deref, DerefMut};
 
 use k8s_openapi::api::core::v1::{Affinity, ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, KubeSchema};
+use mole_api::{Dtype, EngineLimits, RouterSpec};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -58,30 +60,6 @@ pub struct InferencePoolSpec {
     /// API keys for the pool's HTTP API (optional).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth: Option<AuthSpec>,
-}
-
-/// Numeric type of model weights.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum Dtype {
-    /// bfloat16 (the default for GPU serving).
-    #[default]
-    Bf16,
-    /// IEEE half precision.
-    F16,
-    /// single precision.
-    F32,
-}
-
-impl Dtype {
-    /// The lowercase name used on the command line and in JSON.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Dtype::Bf16 => "bf16",
-            Dtype::F16 => "f16",
-            Dtype::F32 => "f32",
-        }
-    }
 }
 
 /// The base model of a pool.
@@ -153,179 +131,38 @@ pub struct DynamicSpec {
     #[serde(default = "one")]
     #[schemars(range(min = 0, max = 1000))]
     pub replicas: i32,
-    /// Adapters resident on the device at once.
-    #[serde(default = "default_max_loras")]
-    #[schemars(range(min = 1, max = 1024))]
-    pub max_loras: u32,
-    /// Adapters kept in host memory (LRU) besides the device-resident ones.
-    #[serde(default = "default_max_cpu_loras")]
-    #[schemars(range(min = 0, max = 4096))]
-    pub max_cpu_loras: u32,
-    /// Highest LoRA rank accepted.
-    #[serde(default = "default_max_lora_rank")]
-    #[schemars(range(min = 1, max = 512))]
-    pub max_lora_rank: u32,
-    /// Precision the dynamic pods hold adapter weights in, as vLLM's `--lora-dtype`. Unset:
-    /// `baseModel.dtype`, except f16 weights on the CPU (adapters in f32 there; a GGUF base:
-    /// f32). `bf16` (the default over bf16 weights) halves adapters' memory (device slots and
-    /// the `maxCpuLoras` host tier) and the bytes a decode step reads per distinct adapter in
-    /// its batch, at the price of rounding each weight to bf16 (8 significant bits), as the
-    /// base weights already are; `f32` keeps them exactly as PEFT trained them. On the CPU
-    /// `f32` and `bf16` run the fused kernels; `f16` runs tensor ops.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(schema_with = "lora_dtype_schema")]
-    pub lora_dtype: Option<Dtype>,
-    /// Sequences decoded together.
-    #[serde(default = "default_max_batch")]
-    #[schemars(range(min = 1, max = 1024))]
-    pub max_batch_size: u32,
-    /// Longest sequence (prompt + generation) in tokens.
-    #[serde(default = "default_max_seq_len")]
-    #[schemars(range(min = 16, max = 1048576))]
-    pub max_seq_len: u32,
-    /// Requests waiting for a batch slot before new ones get 429.
-    #[serde(default = "default_max_queue")]
-    #[schemars(range(min = 0, max = 100000))]
-    pub max_queue: u32,
+    /// The engine limits of each dynamic pod (`maxLoras`, `maxSeqLen`, ...), copied as they are
+    /// into the pods' WorkerConfig; defaults and bounds are the worker's own.
+    #[serde(flatten)]
+    pub limits: EngineLimits,
 }
 
 impl Default for DynamicSpec {
     fn default() -> Self {
         Self {
             replicas: 1,
-            max_loras: default_max_loras(),
-            max_cpu_loras: default_max_cpu_loras(),
-            max_lora_rank: default_max_lora_rank(),
-            lora_dtype: None,
-            max_batch_size: default_max_batch(),
-            max_seq_len: default_max_seq_len(),
-            max_queue: default_max_queue(),
+            limits: EngineLimits::default(),
         }
     }
 }
 
-/// The schema of `loraDtype` without a reference to [`Dtype`]: kube's hoisting of an optional
-/// enum would keep the enum's description ("Numeric type of model weights.") over the field's
-/// doc.
-fn lora_dtype_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
-    schemars::json_schema!({
-        "type": "string",
-        "enum": ["bf16", "f16", "f32"],
-        "nullable": true,
-    })
+// In YAML the limits sit beside `replicas`; `Deref` lets Rust read them the same way
+// (`spec.dynamic.max_loras`).
+impl Deref for DynamicSpec {
+    type Target = EngineLimits;
+    fn deref(&self) -> &EngineLimits {
+        &self.limits
+    }
+}
+
+impl DerefMut for DynamicSpec {
+    fn deref_mut(&mut self) -> &mut EngineLimits {
+        &mut self.limits
+    }
 }
 
 fn one() -> i32 {
     1
-}
-fn default_max_loras() -> u32 {
-    8
-}
-fn default_max_cpu_loras() -> u32 {
-    32
-}
-fn default_max_lora_rank() -> u32 {
-    64
-}
-fn default_max_batch() -> u32 {
-    16
-}
-fn default_max_seq_len() -> u32 {
-    4096
-}
-fn default_max_queue() -> u32 {
-    256
-}
-
-/// A routing strategy, tried in the order given.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
-#[serde(rename_all = "lowercase")]
-pub enum RouterStrategy {
-    /// The request names the adapter (`model`, `adapter` or `expert`).
-    Explicit,
-    /// The classifier adapter scores each adapter label in one forward pass.
-    Classifier,
-    /// Adapter keywords and file extensions found in the prompt.
-    Keywords,
-    /// Embedding similarity against each adapter's description and examples.
-    Embedding,
-}
-
-/// What happens to a request no strategy could route.
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
-#[serde(rename_all = "lowercase")]
-pub enum RouterFallback {
-    /// Serve it with the base model, no adapter.
-    #[default]
-    Base,
-    /// Refuse it with 422.
-    Reject,
-}
-
-/// The router of the pool.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, KubeSchema)]
-#[serde(rename_all = "camelCase")]
-#[x_kube(validation = Rule::new("!('classifier' in self.strategies) || has(self.classifierAdapter)").message("router.classifierAdapter is required when router.strategies contains classifier"))]
-#[x_kube(validation = Rule::new("!('embedding' in self.strategies) || has(self.embeddingModel)").message("router.embeddingModel is required when router.strategies contains embedding"))]
-pub struct RouterSpec {
-    /// Strategies in the order they are tried.
-    #[serde(default = "default_strategies")]
-    #[schemars(length(max = 4))]
-    #[x_kube(validation = Rule::new("self.all(s, self.exists_one(t, t == s))").message("router.strategies must not repeat a strategy"))]
-    pub strategies: Vec<RouterStrategy>,
-    /// Name of the Adapter used as classifier (required with the classifier strategy).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 253))]
-    pub classifier_adapter: Option<String>,
-    /// Lowest classifier probability accepted; below it the next strategy is tried.
-    #[serde(default = "default_min_confidence")]
-    #[schemars(range(min = 0.0, max = 1.0))]
-    pub min_confidence: f64,
-    /// Directory of the sentence-embedding model on the volume (required with the embedding strategy).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(max = 1024))]
-    pub embedding_model: Option<String>,
-    /// Lowest cosine similarity accepted by the embedding strategy.
-    #[serde(default = "default_embedding_threshold")]
-    #[schemars(range(min = -1.0, max = 1.0))]
-    pub embedding_threshold: f64,
-    /// What to do when no strategy routes a request.
-    #[serde(default)]
-    pub fallback: RouterFallback,
-    /// Forward requests for merged adapters to their merged pods.
-    #[serde(default = "yes")]
-    pub prefer_merged: bool,
-    /// Serve a merged adapter dynamically while its merged pods are unavailable.
-    #[serde(default = "yes")]
-    pub fallback_to_dynamic: bool,
-}
-
-impl Default for RouterSpec {
-    fn default() -> Self {
-        Self {
-            strategies: default_strategies(),
-            classifier_adapter: None,
-            min_confidence: default_min_confidence(),
-            embedding_model: None,
-            embedding_threshold: default_embedding_threshold(),
-            fallback: RouterFallback::Base,
-            prefer_merged: true,
-            fallback_to_dynamic: true,
-        }
-    }
-}
-
-fn default_strategies() -> Vec<RouterStrategy> {
-    vec![RouterStrategy::Explicit, RouterStrategy::Keywords]
-}
-fn default_min_confidence() -> f64 {
-    0.5
-}
-fn default_embedding_threshold() -> f64 {
-    0.35
-}
-fn yes() -> bool {
-    true
 }
 
 /// Merge Jobs of the pool.

@@ -77,7 +77,20 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
             "must be 0 or more",
         ));
     }
+    // The worker refuses a config outside these bounds: refuse the pool instead of rendering it.
+    if let Err(e) = spec.dynamic.limits.validate() {
+        return Err(FieldError::invalid(
+            format!("spec.dynamic.{}", e.field),
+            e.message,
+        ));
+    }
     let r = &spec.router;
+    if let Err(e) = r.validate() {
+        return Err(FieldError::invalid(
+            format!("spec.router.{}", e.field),
+            e.message,
+        ));
+    }
     if r.strategies.contains(&RouterStrategy::Classifier) && r.classifier_adapter.is_none() {
         return Err(FieldError::invalid(
             "spec.router.classifierAdapter",
@@ -281,6 +294,20 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
                 "spec.gpu.resourceName",
             ),
             (|p| p.spec.dynamic.replicas = -1, "spec.dynamic.replicas"),
+            (|p| p.spec.dynamic.max_loras = 0, "spec.dynamic.maxLoras"),
+            (|p| p.spec.dynamic.max_seq_len = 8, "spec.dynamic.maxSeqLen"),
+            (
+                |p| p.spec.dynamic.max_queue = 100_001,
+                "spec.dynamic.maxQueue",
+            ),
+            (
+                |p| p.spec.router.min_confidence = 1.5,
+                "spec.router.minConfidence",
+            ),
+            (
+                |p| p.spec.router.embedding_threshold = -2.0,
+                "spec.router.embeddingThreshold",
+            ),
             (
                 |p| p.spec.router.strategies.push(RouterStrategy::Classifier),
                 "spec.router.classifierAdapter",

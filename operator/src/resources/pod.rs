@@ -74,16 +74,17 @@ pub fn models_volume(pool: &InferencePoolSpec, read_only: bool) -> Volume {
 /// storage, GPU scheduling, resources and engine limits. Adapters are not in it: adding,
 /// updating or removing an adapter never restarts a pod.
 pub fn spec_hash(spec: &InferencePoolSpec) -> String {
+    let l = &spec.dynamic.limits;
     let mut limits = serde_json::json!({
-        "maxLoras": spec.dynamic.max_loras,
-        "maxCpuLoras": spec.dynamic.max_cpu_loras,
-        "maxLoraRank": spec.dynamic.max_lora_rank,
-        "maxBatchSize": spec.dynamic.max_batch_size,
-        "maxSeqLen": spec.dynamic.max_seq_len,
+        "maxLoras": l.max_loras,
+        "maxCpuLoras": l.max_cpu_loras,
+        "maxLoraRank": l.max_lora_rank,
+        "maxBatchSize": l.max_batch_size,
+        "maxSeqLen": l.max_seq_len,
     });
     // Only when set: pools that leave it unset keep the hash (and pods) they had before the
     // field existed.
-    if let Some(d) = spec.dynamic.lora_dtype {
+    if let Some(d) = l.lora_dtype {
         limits["loraDtype"] = serde_json::json!(d);
     }
     short_hash(&serde_json::json!({

@@ -3,7 +3,7 @@
 
 use mole_crds::{
     Adapter, InferencePoolSpec, MergedModel, WorkerAdapter, WorkerAuth, WorkerBaseModel,
-    WorkerConfig, WorkerLimits, WorkerMode, WorkerRouter,
+    WorkerConfig, WorkerLimits, WorkerMode,
 };
 
 use super::pod::AUTH_MOUNT;
@@ -20,6 +20,7 @@ pub struct Registered<'a> {
 
 /// The WorkerConfig of a pool's dynamic pods: the base model, every registered adapter, the
 /// router and the limits. Adapters are sorted by name so the config (and its hash) is stable.
+/// The router and the engine limits are the pool's own, copied: they are the same types.
 pub fn worker_config(
     name: &str,
     spec: &InferencePoolSpec,
@@ -27,7 +28,6 @@ pub fn worker_config(
 ) -> WorkerConfig {
     let mut list: Vec<WorkerAdapter> = adapters.iter().map(worker_adapter).collect();
     list.sort_by(|a, b| a.name.cmp(&b.name));
-    let r = &spec.router;
     WorkerConfig {
         mode: WorkerMode::Dynamic,
         pool: name.to_string(),
@@ -39,26 +39,8 @@ pub fn worker_config(
         },
         merged: None,
         adapters: list,
-        router: WorkerRouter {
-            strategies: r.strategies.clone(),
-            classifier_adapter: r.classifier_adapter.clone(),
-            min_confidence: r.min_confidence,
-            embedding_model: r.embedding_model.clone(),
-            embedding_threshold: r.embedding_threshold,
-            fallback: r.fallback,
-            prefer_merged: r.prefer_merged,
-            fallback_to_dynamic: r.fallback_to_dynamic,
-        },
-        limits: WorkerLimits {
-            max_loras: spec.dynamic.max_loras,
-            max_cpu_loras: spec.dynamic.max_cpu_loras,
-            max_lora_rank: spec.dynamic.max_lora_rank,
-            lora_dtype: spec.dynamic.lora_dtype,
-            max_batch_size: spec.dynamic.max_batch_size,
-            max_seq_len: spec.dynamic.max_seq_len,
-            max_queue: spec.dynamic.max_queue,
-            ..WorkerLimits::default()
-        },
+        router: spec.router.clone(),
+        limits: WorkerLimits::with_engine(spec.dynamic.limits.clone()),
         // Every worker accepts the operator's token on the endpoints the operator calls.
         auth: Some(WorkerAuth {
             api_keys_file: spec

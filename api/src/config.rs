@@ -1,0 +1,150 @@
+//! The runtime configuration the operator writes to a pool's ConfigMap (also the format of
+//! `config/local.yaml`), which the worker reads.
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use crate::enums::{Dtype, ServingMode, WorkerMode};
+use crate::limits::WorkerLimits;
+use crate::router::RouterSpec;
+
+/// Runtime configuration of a worker (JSON in the pool's ConfigMap, YAML or JSON locally).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WorkerConfig {
+    /// What this worker is.
+    #[serde(default)]
+    pub mode: WorkerMode,
+    /// Pool name: also accepted as `model` in requests (then the router decides).
+    pub pool: String,
+    /// Every model/adapter path must resolve (symlinks included) inside this directory.
+    /// Relative paths below are relative to it.
+    #[serde(default = "default_model_root")]
+    pub model_root: String,
+    /// The base model.
+    pub base_model: WorkerBaseModel,
+    /// The merged model this worker serves (merged mode only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merged: Option<MergedModel>,
+    /// Adapters of the pool.
+    #[serde(default)]
+    pub adapters: Vec<WorkerAdapter>,
+    /// Router settings (the pool's `spec.router`, copied).
+    #[serde(default)]
+    pub router: RouterSpec,
+    /// Limits (the pool's `spec.dynamic` engine limits, plus the request limits).
+    #[serde(default)]
+    pub limits: WorkerLimits,
+    /// API keys and admin token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub auth: Option<WorkerAuth>,
+}
+
+impl WorkerConfig {
+    /// Content hash of the config: the operator stores it in the ConfigMap's
+    /// `mole.dev/config-hash` annotation and sends it with `POST /admin/reload`; a worker
+    /// whose file (re-read and parsed) has another hash answers 409 `config_stale`, because
+    /// the kubelet refreshes a mounted ConfigMap up to a minute after it changed.
+    ///
+    /// Computed over the struct's own JSON serialization (field order fixed by the type, no
+    /// maps), so the operator and the worker agree whatever `serde_json` features either
+    /// binary was built with.
+    pub fn content_hash(&self) -> String {
+        let json = serde_json::to_string(self).expect("WorkerConfig serializes");
+        hex::encode(&Sha256::digest(json.as_bytes())[..8])
+    }
+}
+
+fn default_model_root() -> String {
+    "/models".into()
+}
+
+/// The base model of a worker.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WorkerBaseModel {
+    /// Identity (adapters must name the same base).
+    pub name: String,
+    /// HF directory (or a `.gguf` file), relative to `modelRoot` or absolute inside it.
+    pub path: String,
+    /// Serving dtype of the weights (see the pool's `baseModel.dtype`; ignored for GGUF
+    /// weights, which keep their quantization).
+    #[serde(default)]
+    pub dtype: Dtype,
+}
+
+/// The merged model served by a merged-mode worker.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MergedModel {
+    /// Adapter baked into the weights (requests name it as `model`).
+    pub adapter: String,
+    /// Its version.
+    pub version: String,
+    /// Merged HF directory, relative to `modelRoot`.
+    pub path: String,
+}
+
+/// One adapter of the pool as the worker sees it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WorkerAdapter {
+    /// Adapter name (requests name it as `model`).
+    pub name: String,
+    /// Version; a new version is loaded beside the old one, which is freed when its last
+    /// request ends.
+    pub version: String,
+    /// Pool-wide id (stable across versions).
+    pub lora_id: u32,
+    /// PEFT adapter directory, relative to `modelRoot`.
+    pub path: String,
+    /// Classifier label.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    /// What it does.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// Example prompts (embedding router).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub examples: Vec<String>,
+    /// Domains.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub domains: Vec<String>,
+    /// Keywords (keywords router).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keywords: Vec<String>,
+    /// File extensions (keywords router).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extensions: Vec<String>,
+    /// How it is served by the pool.
+    #[serde(default)]
+    pub mode: ServingMode,
+    /// URL of the merged Service, when merged pods serve it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub merged_endpoint: Option<String>,
+    /// Whether this worker loads the adapter itself (false when it is served merged only).
+    #[serde(default = "yes")]
+    pub load: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+/// Where a worker finds its secrets (files, so a Kubernetes Secret can be mounted).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WorkerAuth {
+    /// File with API keys, one per line; requests need `Authorization: Bearer <key>`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub api_keys_file: Option<String>,
+    /// File with the admin token for load/unload/reload endpoints.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub admin_token_file: Option<String>,
+    /// File with the operator's token (a Secret the operator creates per pool). It is accepted
+    /// on the endpoints the operator calls — `GET /v1/lora_adapters`, `POST /admin/reload`,
+    /// `POST /v1/unload_lora_adapter` — whatever the API keys and admin token are, so readiness
+    /// and reloads work on pools with `spec.auth` and without a user admin token.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub operator_token_file: Option<String>,
+}

@@ -1,0 +1,25 @@
+//! The contract between the mole operator and the mole worker, with no Kubernetes types so the
+//! worker builds without them:
+//!
+//! - [`WorkerConfig`]: what the operator renders into a pool's ConfigMap and the worker reads
+//!   (also the format of `config/local.yaml`);
+//! - [`RouterSpec`] and [`EngineLimits`]: the settings the `InferencePool` CRD embeds as
+//!   `spec.router` and `spec.dynamic`, copied as they are into the WorkerConfig, with one set
+//!   of defaults and one set of [`bounds`] both sides check;
+//! - [`LoraAdaptersResponse`]: what the worker serves at `GET /v1/lora_adapters` and the
+//!   operator reads to decide readiness;
+//! - the enums both sides name ([`Dtype`], [`ServingMode`], ...).
+
+pub mod bounds;
+mod config;
+mod enums;
+mod limits;
+mod listing;
+mod router;
+
+pub use bounds::BoundsError;
+pub use config::{MergedModel, WorkerAdapter, WorkerAuth, WorkerBaseModel, WorkerConfig};
+pub use enums::{Dtype, RouterFallback, RouterStrategy, ServingMode, WorkerMode};
+pub use limits::{EngineLimits, WorkerLimits};
+pub use listing::{LoraAdapterInfo, LoraAdaptersResponse, Residency};
+pub use router::RouterSpec;

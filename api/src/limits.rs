@@ -1,0 +1,193 @@
+//! Limits: [`EngineLimits`], which a pool sets (its `spec.dynamic` embeds them) and the worker
+//! reads, with one set of defaults and bounds; and [`WorkerLimits`], those plus the limits of
+//! one request, which only the worker's config carries.
+
+use std::ops::{Deref, DerefMut};
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+use crate::bounds::{self, BoundsError};
+use crate::enums::Dtype;
+
+/// The limits of a worker's engine, as a pool's `spec.dynamic` sets them.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct EngineLimits {
+    /// Adapters resident on the device at once.
+    #[serde(default = "default_max_loras")]
+    #[schemars(range(min = bounds::MAX_LORAS.min, max = bounds::MAX_LORAS.max))]
+    pub max_loras: u32,
+    /// Adapters kept in host memory (LRU) besides the device-resident ones.
+    #[serde(default = "default_max_cpu_loras")]
+    #[schemars(range(min = bounds::MAX_CPU_LORAS.min, max = bounds::MAX_CPU_LORAS.max))]
+    pub max_cpu_loras: u32,
+    /// Highest LoRA rank accepted.
+    #[serde(default = "default_max_lora_rank")]
+    #[schemars(range(min = bounds::MAX_LORA_RANK.min, max = bounds::MAX_LORA_RANK.max))]
+    pub max_lora_rank: u32,
+    /// Precision the dynamic pods hold adapter weights in, as vLLM's `--lora-dtype`. Unset:
+    /// `baseModel.dtype`, except f16 weights on the CPU (adapters in f32 there; a GGUF base:
+    /// f32). `bf16` (the default over bf16 weights) halves adapters' memory (device slots and
+    /// the `maxCpuLoras` host tier) and the bytes a decode step reads per distinct adapter in
+    /// its batch, at the price of rounding each weight to bf16 (8 significant bits), as the
+    /// base weights already are; `f32` keeps them exactly as PEFT trained them. On the CPU
+    /// `f32` and `bf16` run the fused kernels; `f16` runs tensor ops.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "lora_dtype_schema")]
+    pub lora_dtype: Option<Dtype>,
+    /// Sequences decoded together.
+    #[serde(default = "default_max_batch")]
+    #[schemars(range(min = bounds::MAX_BATCH_SIZE.min, max = bounds::MAX_BATCH_SIZE.max))]
+    pub max_batch_size: u32,
+    /// Longest sequence (prompt + generation) in tokens.
+    #[serde(default = "default_max_seq_len")]
+    #[schemars(range(min = bounds::MAX_SEQ_LEN.min, max = bounds::MAX_SEQ_LEN.max))]
+    pub max_seq_len: u32,
+    /// Requests waiting for a batch slot before new ones get 429.
+    #[serde(default = "default_max_queue")]
+    #[schemars(range(min = bounds::MAX_QUEUE.min, max = bounds::MAX_QUEUE.max))]
+    pub max_queue: u32,
+}
+
+impl Default for EngineLimits {
+    fn default() -> Self {
+        Self {
+            max_loras: default_max_loras(),
+            max_cpu_loras: default_max_cpu_loras(),
+            max_lora_rank: default_max_lora_rank(),
+            lora_dtype: None,
+            max_batch_size: default_max_batch(),
+            max_seq_len: default_max_seq_len(),
+            max_queue: default_max_queue(),
+        }
+    }
+}
+
+impl EngineLimits {
+    /// Checks every limit against its bounds in [`crate::bounds`].
+    pub fn validate(&self) -> Result<(), BoundsError> {
+        bounds::MAX_LORAS.check("maxLoras", self.max_loras)?;
+        bounds::MAX_CPU_LORAS.check("maxCpuLoras", self.max_cpu_loras)?;
+        bounds::MAX_LORA_RANK.check("maxLoraRank", self.max_lora_rank)?;
+        bounds::MAX_BATCH_SIZE.check("maxBatchSize", self.max_batch_size)?;
+        bounds::MAX_SEQ_LEN.check("maxSeqLen", self.max_seq_len)?;
+        bounds::MAX_QUEUE.check("maxQueue", self.max_queue)
+    }
+}
+
+/// The schema of `loraDtype` without a reference to [`Dtype`]: kube's hoisting of an optional
+/// enum would keep the enum's description ("Numeric type of model weights.") over the field's
+/// doc.
+fn lora_dtype_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    schemars::json_schema!({
+        "type": "string",
+        "enum": ["bf16", "f16", "f32"],
+        "nullable": true,
+    })
+}
+
+fn default_max_loras() -> u32 {
+    8
+}
+fn default_max_cpu_loras() -> u32 {
+    32
+}
+fn default_max_lora_rank() -> u32 {
+    64
+}
+fn default_max_batch() -> u32 {
+    16
+}
+fn default_max_seq_len() -> u32 {
+    4096
+}
+fn default_max_queue() -> u32 {
+    256
+}
+
+/// Limits of a worker: its engine's, and those of one request. In JSON they are one flat
+/// object (`limits: {maxLoras, ..., maxTokens}`), so the struct reads as one too: the engine
+/// limits are reached through `Deref` (`limits.max_loras`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WorkerLimits {
+    /// The engine's limits (from the pool's `spec.dynamic`).
+    #[serde(flatten)]
+    pub engine: EngineLimits,
+    /// Highest `max_tokens` a request may ask for.
+    #[serde(default = "default_max_tokens")]
+    pub max_tokens: u32,
+    /// Largest request body in bytes.
+    #[serde(default = "default_max_body")]
+    pub max_body_bytes: u64,
+    /// Longest a request may take, in seconds.
+    #[serde(default = "default_timeout")]
+    pub request_timeout_seconds: u64,
+}
+
+impl Default for WorkerLimits {
+    fn default() -> Self {
+        Self::with_engine(EngineLimits::default())
+    }
+}
+
+impl WorkerLimits {
+    /// `engine` with the request limits' defaults.
+    pub fn with_engine(engine: EngineLimits) -> Self {
+        Self {
+            engine,
+            max_tokens: default_max_tokens(),
+            max_body_bytes: default_max_body(),
+            request_timeout_seconds: default_timeout(),
+        }
+    }
+
+    /// Checks the engine's limits against their shared bounds, then the request limits: each
+    /// at least 1, and `maxTokens` no more than `maxSeqLen`.
+    pub fn validate(&self) -> Result<(), BoundsError> {
+        self.engine.validate()?;
+        for (field, v) in [
+            ("maxTokens", u64::from(self.max_tokens)),
+            ("maxBodyBytes", self.max_body_bytes),
+            ("requestTimeoutSeconds", self.request_timeout_seconds),
+        ] {
+            if v == 0 {
+                return Err(BoundsError {
+                    field,
+                    message: "must be > 0".into(),
+                });
+            }
+        }
+        if self.max_tokens > self.max_seq_len {
+            return Err(BoundsError {
+                field: "maxTokens",
+                message: format!("{} exceeds maxSeqLen {}", self.max_tokens, self.max_seq_len),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Deref for WorkerLimits {
+    type Target = EngineLimits;
+    fn deref(&self) -> &EngineLimits {
+        &self.engine
+    }
+}
+
+impl DerefMut for WorkerLimits {
+    fn deref_mut(&mut self) -> &mut EngineLimits {
+        &mut self.engine
+    }
+}
+
+fn default_max_tokens() -> u32 {
+    2048
+}
+fn default_max_body() -> u64 {
+    16 * 1024 * 1024
+}
+fn default_timeout() -> u64 {
+    300
+}

@@ -1,0 +1,62 @@
+//! The worker's adapter listing (`GET /v1/lora_adapters`), which the operator reads to decide
+//! readiness.
+
+use serde::{Deserialize, Serialize};
+
+/// Where an adapter's weights live in a worker.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum Residency {
+    /// In a device slot in GPU memory.
+    Gpu,
+    /// In host memory (the device slots of a CPU worker, or a GPU worker's host LRU).
+    Cpu,
+    /// Known but not in memory.
+    Disk,
+}
+
+/// One adapter version known to a worker (`GET /v1/lora_adapters`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct LoraAdapterInfo {
+    /// Adapter name.
+    pub name: String,
+    /// Version.
+    pub version: String,
+    /// Pool-wide id.
+    pub lora_id: u32,
+    /// Where its weights are.
+    pub residency: Residency,
+    /// Whether it can serve requests now.
+    pub loaded: bool,
+    /// LoRA rank (highest over modules).
+    pub rank: u32,
+    /// Bytes of adapter weights in memory.
+    pub bytes: u64,
+    /// Requests served (completed) with this version.
+    pub requests: u64,
+    /// Requests running now with this version.
+    pub running: u64,
+    /// Why it could not be loaded, when it could not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+}
+
+/// Response of `GET /v1/lora_adapters`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+pub struct LoraAdaptersResponse {
+    /// `"list"`, as OpenAI lists are.
+    pub object: String,
+    /// Base model name.
+    pub base_model: String,
+    /// Every adapter version the worker knows.
+    pub data: Vec<LoraAdapterInfo>,
+}
+
+impl LoraAdaptersResponse {
+    /// Whether `name` at `version` is loaded and can serve.
+    pub fn is_loaded(&self, name: &str, version: &str) -> bool {
+        self.data
+            .iter()
+            .any(|a| a.name == name && a.version == version && a.loaded)
+    }
+}
