@@ -6,7 +6,7 @@ use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use mole_crds::{WorkerAdapter, WorkerConfig};
+use mole_api::{WorkerAdapter, WorkerConfig};
 use sha2::{Digest, Sha256};
 
 use crate::engine::api::{AdapterSpec, InferenceEngine};
@@ -116,36 +116,13 @@ pub fn validate(cfg: &WorkerConfig) -> Result<(), ConfigError> {
     if cfg.pool.trim().is_empty() {
         return Err(ConfigError::Invalid("pool must not be empty".into()));
     }
-    let l = &cfg.limits;
-    for (name, v) in [
-        ("maxLoras", l.max_loras as u64),
-        ("maxBatchSize", l.max_batch_size as u64),
-        ("maxSeqLen", l.max_seq_len as u64),
-        ("maxTokens", l.max_tokens as u64),
-        ("maxBodyBytes", l.max_body_bytes),
-        ("requestTimeoutSeconds", l.request_timeout_seconds),
-        ("maxLoraRank", l.max_lora_rank as u64),
-    ] {
-        if v == 0 {
-            return Err(ConfigError::Invalid(format!("limits.{name} must be > 0")));
-        }
-    }
-    if l.max_tokens > l.max_seq_len {
-        return Err(ConfigError::Invalid(format!(
-            "limits.maxTokens {} exceeds maxSeqLen {}",
-            l.max_tokens, l.max_seq_len
-        )));
-    }
-    if !(0.0..=1.0).contains(&cfg.router.min_confidence) {
-        return Err(ConfigError::Invalid(
-            "router.minConfidence must be in [0,1]".into(),
-        ));
-    }
-    if !(-1.0..=1.0).contains(&cfg.router.embedding_threshold) {
-        return Err(ConfigError::Invalid(
-            "router.embeddingThreshold must be in [-1,1]".into(),
-        ));
-    }
+    // The bounds the operator checks too (mole_api::bounds), plus the request limits.
+    cfg.limits
+        .validate()
+        .map_err(|e| ConfigError::Invalid(format!("limits.{e}")))?;
+    cfg.router
+        .validate()
+        .map_err(|e| ConfigError::Invalid(format!("router.{e}")))?;
     let mut names = HashSet::new();
     let mut ids = HashMap::new();
     for a in &cfg.adapters {

@@ -196,7 +196,7 @@ impl Metrics {
     }
 
     /// Refreshes the engine gauges and renders the text exposition format.
-    pub fn render(&self, stats: &EngineStats, adapters: &[mole_crds::LoraAdapterInfo]) -> String {
+    pub fn render(&self, stats: &EngineStats, adapters: &[mole_api::LoraAdapterInfo]) -> String {
         self.running.set(stats.running as i64);
         self.waiting.set(stats.waiting as i64);
         self.batch_size.set(stats.last_batch_size as i64);

@@ -287,12 +287,12 @@ fn evicted_adapters_come_back_from_disk_with_the_same_output() {
             .unwrap()
             .residency
     };
-    assert_eq!(res("a"), mole_crds::Residency::Disk);
-    assert_eq!(res("c"), mole_crds::Residency::Cpu);
+    assert_eq!(res("a"), mole_api::Residency::Disk);
+    assert_eq!(res("c"), mole_api::Residency::Cpu);
     let out = collect(e.submit(greedy(p, Some("a"), 32)).unwrap());
     assert_eq!(out.tokens, ids(&r["adapters"]["a_r8_all"]["greedy"][1]));
-    assert_eq!(res("a"), mole_crds::Residency::Cpu);
-    assert_eq!(res("c"), mole_crds::Residency::Disk);
+    assert_eq!(res("a"), mole_api::Residency::Cpu);
+    assert_eq!(res("c"), mole_api::Residency::Disk);
 }
 
 #[test]
@@ -366,7 +366,7 @@ fn the_host_tier_keeps_evicted_adapters_off_the_disk() {
     e.load_adapter(spec("b", "v1", "b_r4_qv")).unwrap();
     // b on the device, c in host memory, a (least recently used) back on disk.
     let info = |n: &str| e.adapters().into_iter().find(|a| a.name == n).unwrap();
-    assert_eq!(info("a").residency, mole_crds::Residency::Disk);
+    assert_eq!(info("a").residency, mole_api::Residency::Disk);
     assert!(info("c").bytes > 0 && info("b").bytes > 0);
     assert_eq!(e.stats().adapter_loads, 3);
     assert_eq!(e.stats().adapter_evictions, 2);

@@ -745,7 +745,7 @@ async fn merged_pod_serves_the_merge_tool_output_as_the_adapter() {
     let (st, _, _) = post(&merged, "/v1/chat/completions", ask("llama")).await;
     assert_eq!(st, 404);
     // What the operator reads to mark the merged pods ready.
-    let l: mole_crds::LoraAdaptersResponse =
+    let l: mole_api::LoraAdaptersResponse =
         reqwest::get(format!("{}/v1/lora_adapters", merged.url))
             .await
             .unwrap()
@@ -823,7 +823,7 @@ impl InferenceEngine for GatedEngine {
     fn unload_adapter(&self, name: &str) -> Result<(), EngineError> {
         self.inner.unload_adapter(name)
     }
-    fn adapters(&self) -> Vec<mole_crds::LoraAdapterInfo> {
+    fn adapters(&self) -> Vec<mole_api::LoraAdapterInfo> {
         self.inner.adapters()
     }
     fn stats(&self) -> EngineStats {

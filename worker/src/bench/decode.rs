@@ -68,7 +68,7 @@ fn synthetic_hidden(v: &str) -> Result<usize, String> {
 fn device_and_dtype(args: &DecodeBenchArgs) -> anyhow::Result<(Device, DType)> {
     let dev = crate::engine::default_device();
     let dtype = match args.dtype.to_ascii_lowercase().as_str() {
-        "auto" => crate::engine::candle_dtype(mole_crds::Dtype::default()),
+        "auto" => crate::engine::candle_dtype(mole_api::Dtype::default()),
         other => crate::engine::candle_dtype(
             serde_json::from_value(serde_json::json!(other))
                 .map_err(|_| anyhow::anyhow!("--dtype {other}: expected auto, f32, bf16 or f16"))?,

@@ -260,7 +260,7 @@ pub trait InferenceEngine: Send + Sync + 'static {
     /// Unloads every version of an adapter; running requests finish on their pinned version.
     fn unload_adapter(&self, name: &str) -> Result<(), EngineError>;
     /// What the registry holds.
-    fn adapters(&self) -> Vec<mole_crds::LoraAdapterInfo>;
+    fn adapters(&self) -> Vec<mole_api::LoraAdapterInfo>;
     /// Scheduler snapshot.
     fn stats(&self) -> EngineStats;
     /// Base model name and max sequence length.

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
 use candle_core::{DType, Device};
-use mole_crds::{LoraAdapterInfo, Residency};
+use mole_api::{LoraAdapterInfo, Residency};
 
 use self::api::*;
 use self::sampler::Sampler;
@@ -473,10 +473,10 @@ pub fn default_device() -> Device {
 
 /// candle's type for a configured dtype: the weights' serving dtype. A GPU computes in it; the
 /// CPU computes in f32 over half-type weights (see [`crate::model::compute_dtype`]).
-pub fn candle_dtype(configured: mole_crds::Dtype) -> DType {
+pub fn candle_dtype(configured: mole_api::Dtype) -> DType {
     match configured {
-        mole_crds::Dtype::Bf16 => DType::BF16,
-        mole_crds::Dtype::F16 => DType::F16,
-        mole_crds::Dtype::F32 => DType::F32,
+        mole_api::Dtype::Bf16 => DType::BF16,
+        mole_api::Dtype::F16 => DType::F16,
+        mole_api::Dtype::F32 => DType::F32,
     }
 }

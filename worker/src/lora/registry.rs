@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 use std::time::Instant;
 
-use mole_crds::{LoraAdapterInfo, Residency};
+use mole_api::{LoraAdapterInfo, Residency};
 
 use crate::model::LoraAdapter;
 

@@ -4,7 +4,7 @@
 
 pub mod embed;
 
-use mole_crds::{RouterFallback, RouterStrategy, ServingMode, WorkerConfig};
+use mole_api::{RouterFallback, RouterStrategy, ServingMode, WorkerConfig};
 
 /// Why routing failed. Stable names via [`RouteError::code`].
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]

@@ -18,7 +18,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::Json;
-use mole_crds::WorkerConfig;
+use mole_api::WorkerConfig;
 use serde_json::json;
 
 use crate::config::{ApplyReport, LoadFailure, SharedConfig};
@@ -611,18 +611,18 @@ impl AppState {
 
     /// The engine's adapter listing plus configured versions refused before the engine saw
     /// them.
-    pub fn adapter_listing(&self) -> Vec<mole_crds::LoraAdapterInfo> {
+    pub fn adapter_listing(&self) -> Vec<mole_api::LoraAdapterInfo> {
         let mut out = self.engine.adapters();
         for f in self.refused.read().expect("lock").values() {
             if !out
                 .iter()
                 .any(|a| a.name == f.name && a.version == f.version)
             {
-                out.push(mole_crds::LoraAdapterInfo {
+                out.push(mole_api::LoraAdapterInfo {
                     name: f.name.clone(),
                     version: f.version.clone(),
                     lora_id: f.lora_id,
-                    residency: mole_crds::Residency::Disk,
+                    residency: mole_api::Residency::Disk,
                     loaded: false,
                     rank: 0,
                     bytes: 0,
@@ -697,13 +697,13 @@ pub fn build_local_merged(
     use crate::engine::{candle_dtype, default_device, Engine, EngineOptions};
     let mut out = std::collections::HashMap::new();
     let mut errors = Vec::new();
-    if cfg.mode != mole_crds::WorkerMode::Local {
+    if cfg.mode != mole_api::WorkerMode::Local {
         return (out, errors);
     }
     let wanted = cfg
         .adapters
         .iter()
-        .filter(|a| a.mode == mole_crds::ServingMode::Merged && a.merged_endpoint.is_none());
+        .filter(|a| a.mode == mole_api::ServingMode::Merged && a.merged_endpoint.is_none());
     for a in wanted {
         let r = (|| -> anyhow::Result<Arc<dyn InferenceEngine>> {
             let root = crate::config::resolve_in_root(&cfg.model_root, ".")?;

@@ -1161,7 +1161,7 @@ pub async fn lora_adapters(State(s): S, headers: HeaderMap) -> Response {
     if let Err(e) = s.check_listing(&headers) {
         return finish(&s, Err(e));
     }
-    Json(mole_crds::LoraAdaptersResponse {
+    Json(mole_api::LoraAdaptersResponse {
         object: "list".into(),
         base_model: s.cfg().base_model.name.clone(),
         data: s.adapter_listing(),
