@@ -133,11 +133,13 @@ impl Default for WorkerLimits {
 }
 
 impl WorkerLimits {
-    /// `engine` with the request limits' defaults.
+    /// `engine` with the request limits' defaults, `maxTokens` lowered to `maxSeqLen` when
+    /// that is shorter: a pool cannot set `maxTokens`, and a WorkerConfig whose `maxTokens`
+    /// exceeds its `maxSeqLen` is refused by the worker.
     pub fn with_engine(engine: EngineLimits) -> Self {
         Self {
+            max_tokens: default_max_tokens().min(engine.max_seq_len),
             engine,
-            max_tokens: default_max_tokens(),
             max_body_bytes: default_max_body(),
             request_timeout_seconds: default_timeout(),
         }

@@ -52,6 +52,9 @@ fn bounds_are_checked_once_for_both_sides() {
         max_seq_len: 1024,
         ..EngineLimits::default()
     });
+    // Rendered from a pool with a short maxSeqLen: maxTokens follows it.
+    assert_eq!((w.max_tokens, w.validate()), (1024, Ok(())));
+    w.max_tokens = 2048;
     assert_eq!(w.validate().unwrap_err().field, "maxTokens");
     w.max_tokens = 0;
     assert_eq!(

@@ -393,3 +393,17 @@ fn merged_config_maps_are_per_output() {
     );
     assert_eq!(cm1.metadata.owner_references.unwrap()[0].kind, "Adapter");
 }
+
+#[test]
+fn a_short_max_seq_len_gives_a_config_the_worker_accepts() {
+    let mut p = pool();
+    p.spec.dynamic.max_seq_len = 1024;
+    let wc = worker_config("vl", &p.spec, &[]);
+    assert_eq!(wc.limits.max_tokens, 1024);
+    assert_eq!(wc.limits.validate(), Ok(()));
+    // The default maxSeqLen keeps the default maxTokens (and the config hash).
+    assert_eq!(
+        worker_config("vl", &pool().spec, &[]).limits.max_tokens,
+        2048
+    );
+}
