@@ -2,7 +2,7 @@
 //! condition and the Event tell them exactly what to fix.
 
 use mole_crds::constants::reason;
-use mole_crds::{Adapter, InferencePool, InferencePoolSpec, RouterStrategy};
+use mole_crds::{Adapter, InferencePool, InferencePoolSpec, RouterSpec, RouterStrategy};
 
 use crate::error::FieldError;
 
@@ -84,7 +84,21 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
             e.message,
         ));
     }
-    let r = &spec.router;
+    validate_router(&spec.router)?;
+    if let Some(auth) = &spec.auth {
+        if auth.secret_name.trim().is_empty() {
+            return Err(FieldError::invalid(
+                "spec.auth.secretName",
+                "must name a Secret",
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Validates a pool's `spec.router`: the shared bounds, the strategies' prerequisites, no
+/// strategy twice.
+fn validate_router(r: &RouterSpec) -> Result<(), FieldError> {
     if let Err(e) = r.validate() {
         return Err(FieldError::invalid(
             format!("spec.router.{}", e.field),
@@ -123,14 +137,6 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
             ));
         }
         seen.push(*s);
-    }
-    if let Some(auth) = &spec.auth {
-        if auth.secret_name.trim().is_empty() {
-            return Err(FieldError::invalid(
-                "spec.auth.secretName",
-                "must name a Secret",
-            ));
-        }
     }
     Ok(())
 }
