@@ -19,7 +19,7 @@ use super::{ApiError, AppState};
 use crate::engine::api::{
     ChatMessage, FinishReason, GenerateRequest, Prompt, SamplingParams, TokenEvent, Usage,
 };
-use crate::router::{self, Decision, RouteInput};
+use crate::router::{self, Decision, Mode, RouteInput};
 
 type S = State<Arc<AppState>>;
 
@@ -281,7 +281,7 @@ fn decide(s: &AppState, c: &Common, text: &str) -> Result<Decision, ApiError> {
                 adapter: Some(n),
                 reason: "explicit".into(),
                 score: None,
-                mode: "dynamic".into(),
+                mode: Mode::Dynamic,
             })
         }
         r => r,
@@ -310,7 +310,7 @@ fn mole_headers(d: &Decision) -> HeaderMap {
     let mut h = HeaderMap::new();
     let v = |s: &str| HeaderValue::from_str(s).unwrap_or(HeaderValue::from_static("?"));
     h.insert("x-mole-adapter", v(d.adapter.as_deref().unwrap_or("")));
-    h.insert("x-mole-mode", v(&d.mode));
+    h.insert("x-mole-mode", v(d.mode.as_str()));
     h.insert("x-mole-route", v(&d.reason));
     h
 }
@@ -369,7 +369,7 @@ async fn serve(
         return Err(e);
     }
     let d = decide(&s, &common, &route_text)?;
-    let (adapter, mode, reason) = (d.adapter.clone(), d.mode.clone(), d.reason.clone());
+    let (adapter, mode, reason) = (d.adapter.clone(), d.mode, d.reason.clone());
     let r = serve_routed(
         s.clone(),
         headers,
@@ -390,7 +390,7 @@ async fn serve(
             .with_label_values(&[
                 endpoint,
                 adapter.as_deref().unwrap_or(""),
-                &mode,
+                mode.as_str(),
                 &reason,
                 e.status.as_str(),
             ])
@@ -418,7 +418,7 @@ async fn serve_routed(
         if let Some(ep) = a
             .and_then(|a| a.merged_endpoint.clone())
             .filter(|_| common.prefer_merged.unwrap_or(cfg.router.prefer_merged))
-            .filter(|_| d.mode == "merged")
+            .filter(|_| d.mode == Mode::Merged)
         {
             let path = if kind == Kind::Chat {
                 "/v1/chat/completions"
@@ -485,7 +485,7 @@ async fn serve_routed(
     // A merged adapter served here: by this process's own merged model when it has one (local
     // mode), else dynamically, and the answer says so.
     let mut engine = s.engine.clone();
-    if d.mode == "merged" && cfg.merged.is_none() {
+    if d.mode == Mode::Merged && cfg.merged.is_none() {
         // Only while it holds the configured version: after a config change it is stale and
         // the new version is served dynamically (a restart merges it).
         let local = d.adapter.as_ref().and_then(|n| {
@@ -498,7 +498,7 @@ async fn serve_routed(
         });
         match local {
             Some(e) => engine = e,
-            None => d.mode = "dynamic".into(),
+            None => d.mode = Mode::Dynamic,
         }
     }
     let rx = engine.submit(GenerateRequest {
@@ -823,7 +823,10 @@ async fn proxy(
     let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let ctype = r.headers().get("content-type").cloned();
     let mut h = mole_headers(d);
-    h.insert("x-mole-mode", HeaderValue::from_static("merged"));
+    h.insert(
+        "x-mole-mode",
+        HeaderValue::from_static(Mode::Merged.as_str()),
+    );
     let route = format!("{}+proxy", d.reason);
     h.insert(
         "x-mole-route",
@@ -842,7 +845,7 @@ async fn proxy(
         move |status: &str| {
             s.metrics
                 .requests
-                .with_label_values(&[endpoint, &adapter, "merged", &route, status])
+                .with_label_values(&[endpoint, &adapter, Mode::Merged.as_str(), &route, status])
                 .inc();
         }
     };
