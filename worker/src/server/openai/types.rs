@@ -1,0 +1,137 @@
+//! Wire types: the JSON bodies of the OpenAI-compatible and mole requests as clients send them.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+#[derive(Deserialize)]
+pub(super) struct Part {
+    #[serde(rename = "type")]
+    pub(super) kind: String,
+    #[serde(default)]
+    pub(super) text: Option<String>,
+}
+
+#[derive(Deserialize)]
+pub(super) struct InMessage {
+    pub(super) role: String,
+    #[serde(default)]
+    pub(super) content: Option<Content>,
+}
+
+/// Sampling fields shared by chat and completions.
+#[derive(Deserialize, Default)]
+pub(super) struct Common {
+    #[serde(default)]
+    pub(super) model: String,
+    #[serde(default)]
+    pub(super) adapter: Option<String>,
+    #[serde(default)]
+    pub(super) expert: Option<String>,
+    #[serde(default)]
+    pub(super) stream: bool,
+    pub(super) max_tokens: Option<u64>,
+    pub(super) max_completion_tokens: Option<u64>,
+    pub(super) temperature: Option<f32>,
+    pub(super) top_p: Option<f32>,
+    pub(super) top_k: Option<usize>,
+    pub(super) min_p: Option<f32>,
+    pub(super) presence_penalty: Option<f32>,
+    pub(super) frequency_penalty: Option<f32>,
+    pub(super) repetition_penalty: Option<f32>,
+    pub(super) seed: Option<u64>,
+    pub(super) stop: Option<StopField>,
+    /// Chat: bool; completions: an integer count. Kept raw and read per endpoint.
+    pub(super) logprobs: Option<Value>,
+    pub(super) top_logprobs: Option<usize>,
+    #[serde(default)]
+    pub(super) ignore_eos: bool,
+    /// vLLM extension: token ids that end generation besides EOS.
+    #[serde(default)]
+    pub(super) stop_token_ids: Vec<u32>,
+    /// mole extension: forward merged adapters to their pods (default: the router setting).
+    #[serde(default)]
+    pub(super) prefer_merged: Option<bool>,
+}
+
+#[derive(Deserialize)]
+pub(super) struct ChatBody {
+    pub(super) messages: Vec<InMessage>,
+    /// Extra chat-template variables (vLLM's field), e.g. `{"enable_thinking": false}`.
+    #[serde(default)]
+    pub(super) chat_template_kwargs: serde_json::Map<String, Value>,
+    #[serde(flatten)]
+    pub(super) common: Common,
+}
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(super) enum PromptField {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+}
+
+#[derive(Deserialize)]
+pub(super) struct CompletionBody {
+    pub(super) prompt: PromptField,
+    #[serde(flatten)]
+    pub(super) common: Common,
+}
+
+/// Which OpenAI object shape to answer with.
+#[derive(Clone, Copy, PartialEq)]
+pub(super) enum Kind {
+    Chat,
+    Completion,
+}
+
+#[derive(Deserialize)]
+pub(super) struct InferBody {
+    /// The task prompt (`input` is accepted as an alias).
+    #[serde(alias = "input")]
+    pub(super) prompt: String,
+    /// Base64 image (the seeds' field): checked, then refused until vision lands.
+    #[serde(default)]
+    pub(super) image_b64: Option<String>,
+    #[serde(flatten)]
+    pub(super) common: Common,
+}
+
+#[derive(Deserialize)]
+pub(super) struct RouteBody {
+    #[serde(default)]
+    pub(super) input: Option<String>,
+    #[serde(default)]
+    pub(super) messages: Option<Vec<InMessage>>,
+    #[serde(flatten)]
+    pub(super) common: Common,
+}
+
+#[derive(Deserialize)]
+pub(super) struct LoadBody {
+    pub(super) lora_name: String,
+    #[serde(default)]
+    pub(super) lora_path: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub(super) struct ReloadBody {
+    /// `WorkerConfig::content_hash()` the caller expects the file to have.
+    #[serde(default)]
+    pub(super) config_hash: Option<String>,
+}
