@@ -7,6 +7,7 @@ use axum::Json;
 use serde_json::json;
 
 use crate::engine::api::EngineError;
+use crate::router::RouteError;
 
 /// Why the server refused a request. Stable names via [`ApiError::code`].
 #[derive(Debug, Clone, thiserror::Error)]
@@ -31,6 +32,11 @@ impl ApiError {
             message: message.into(),
             retry_after: None,
         }
+    }
+    /// The same error, answered with `Retry-After: secs`.
+    pub fn with_retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
     }
     /// Stable name (metric label, JSON `code`).
     pub fn code(&self) -> &'static str {
@@ -66,6 +72,16 @@ impl From<EngineError> for ApiError {
             a.retry_after = Some(1);
         }
         a
+    }
+}
+
+impl From<RouteError> for ApiError {
+    fn from(e: RouteError) -> Self {
+        let status = match e {
+            RouteError::UnknownModel(_) => StatusCode::NOT_FOUND,
+            RouteError::NoRoute => StatusCode::UNPROCESSABLE_ENTITY,
+        };
+        ApiError::new(status, e.code(), e.to_string())
     }
 }
 

@@ -10,6 +10,8 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use serde_json::Value;
 
+use mole_crds::WorkerConfig;
+
 use super::{mole_headers, ApiError, AppState};
 use crate::router::{Decision, Mode};
 
@@ -20,23 +22,85 @@ pub const PROXY_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 /// Largest non-streamed answer read from a merged pod (they are a few KB).
 const PROXY_MAX_BODY: usize = 16 << 20;
 
+/// What the gateway forwards to merged pods.
+pub(super) struct Upstream<'a> {
+    /// Path of the same call on a merged pod.
+    pub(super) path: &'static str,
+    /// The `endpoint` metric label.
+    pub(super) endpoint: &'static str,
+    /// The body to send.
+    pub(super) body: &'a Value,
+    /// The client's headers (its `Authorization` goes along).
+    pub(super) headers: &'a HeaderMap,
+    /// The request's `prefer_merged` (None: the router's `preferMerged`).
+    pub(super) prefer_merged: Option<bool>,
+}
+
+/// Serves `d` from its merged pods when it is a merged adapter with a `mergedEndpoint` and
+/// merged pods are preferred. Ok(Some): their answer. Ok(None): serve it here (not forwarded,
+/// or the pods failed and the router falls back to the adapter loaded here). Err: the pods
+/// failed with no fallback, 503 `merged_unavailable`.
+pub(super) async fn forward(
+    s: &Arc<AppState>,
+    cfg: &WorkerConfig,
+    d: &Decision,
+    up: &Upstream<'_>,
+) -> Result<Option<Response>, ApiError> {
+    let Some(name) = &d.adapter else {
+        return Ok(None);
+    };
+    let a = cfg.adapters.iter().find(|a| &a.name == name);
+    let Some(ep) = a
+        .and_then(|a| a.merged_endpoint.clone())
+        .filter(|_| up.prefer_merged.unwrap_or(cfg.router.prefer_merged))
+        .filter(|_| d.mode == Mode::Merged)
+    else {
+        return Ok(None);
+    };
+    let reason = match proxy(s, &ep, d, up).await {
+        Ok(r) => {
+            s.metrics
+                .proxy
+                .with_label_values(&[name.as_str(), "ok"])
+                .inc();
+            return Ok(Some(r));
+        }
+        Err(reason) => reason,
+    };
+    s.metrics
+        .proxy
+        .with_label_values(&[name.as_str(), "failed"])
+        .inc();
+    let local = s
+        .engine
+        .adapters()
+        .iter()
+        .any(|x| &x.name == name && x.loaded);
+    if !(cfg.router.fallback_to_dynamic && local) {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "merged_unavailable",
+            format!("merged pods of {name} unavailable ({reason}) and no local fallback"),
+        )
+        .with_retry_after(5));
+    }
+    tracing::warn!(adapter = %name, %reason, "merged pods unavailable, serving locally");
+    Ok(None)
+}
+
 /// Forwards a request to a merged pod. Err carries the reason (connection failure, timeout,
 /// 5xx, or a non-streamed answer cut short) so the caller can fall back: a non-streamed answer
 /// is read whole before it is sent on. A stream is passed through as it comes; if the pod
 /// dies mid-stream the client gets an OpenAI-shaped error event and `data: [DONE]`.
-#[allow(clippy::too_many_arguments)]
-pub(super) async fn proxy(
+async fn proxy(
     s: &Arc<AppState>,
     ep: &str,
-    path: &str,
-    raw: &Value,
-    headers: &HeaderMap,
     d: &Decision,
-    endpoint: &'static str,
+    up: &Upstream<'_>,
 ) -> Result<Response, String> {
-    let url = format!("{}{}", ep.trim_end_matches('/'), path);
-    let mut req = s.http.post(&url).json(raw);
-    if let Some(a) = headers.get("authorization") {
+    let url = format!("{}{}", ep.trim_end_matches('/'), up.path);
+    let mut req = s.http.post(&url).json(up.body);
+    if let Some(a) = up.headers.get("authorization") {
         req = req.header("authorization", a.clone());
     }
     let r = req.send().await.map_err(|e| {
@@ -74,7 +138,7 @@ pub(super) async fn proxy(
         move |status: &str| {
             s.metrics
                 .requests
-                .with_label_values(&[endpoint, &adapter, Mode::Merged.as_str(), &route, status])
+                .with_label_values(&[up.endpoint, &adapter, Mode::Merged.as_str(), &route, status])
                 .inc();
         }
     };

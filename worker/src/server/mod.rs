@@ -56,15 +56,13 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
 async fn readyz(axum::extract::State(s): axum::extract::State<Arc<AppState>>) -> Response {
     match s.readiness() {
         Ok(()) => "ready".into_response(),
-        Err(why) => {
-            let mut e = ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "not_ready",
-                format!("not ready: {why}"),
-            );
-            e.retry_after = Some(1);
-            e.into_response()
-        }
+        Err(why) => ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready",
+            format!("not ready: {why}"),
+        )
+        .with_retry_after(1)
+        .into_response(),
     }
 }
 

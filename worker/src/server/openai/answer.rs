@@ -38,7 +38,6 @@ pub(super) struct Ctx {
     pub(super) id: String,
     pub(super) model: String,
     pub(super) kind: Kind,
-    pub(super) endpoint: &'static str,
     pub(super) start: Instant,
     pub(super) deadline: tokio::time::Instant,
     /// When the previous token arrived (inter-token latency).
@@ -63,7 +62,7 @@ impl Ctx {
         let m = &self.s.metrics;
         m.requests
             .with_label_values(&[
-                self.endpoint,
+                self.kind.endpoint(),
                 self.adapter_label(),
                 self.d.mode.as_str(),
                 self.d.reason.as_str(),
@@ -71,7 +70,7 @@ impl Ctx {
             ])
             .inc();
         m.latency
-            .with_label_values(&[self.endpoint, self.adapter_label()])
+            .with_label_values(&[self.kind.endpoint(), self.adapter_label()])
             .observe(self.start.elapsed().as_secs_f64());
         if let Some(u) = usage {
             m.tokens

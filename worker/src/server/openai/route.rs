@@ -4,35 +4,32 @@
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::http::{HeaderMap, StatusCode};
+use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
-use super::types::{Common, RouteBody};
+use super::types::RouteBody;
 use super::validate::{bad, last_user_text, messages, parse_body};
 use super::{finish, S};
 use crate::router::{self, Decision, Mode, RouteInput};
 use crate::server::{mole_headers, ApiError, AppState};
 
-pub(super) fn decide(s: &AppState, c: &Common, text: &str) -> Result<Decision, ApiError> {
+/// Routes a request: [`router::decide`] with the engine's classifier and the embedding model,
+/// plus adapters loaded through `/v1/load_lora_adapter` (not in the config, servable by
+/// explicit name, as in vLLM). Counts the decision.
+pub(super) fn decide(s: &AppState, input: &RouteInput<'_>) -> Result<Decision, ApiError> {
     let cfg = s.cfg();
     let engine = s.engine.clone();
-    // The classifier runs one forward pass: tell the runtime this worker thread blocks so
-    // other requests move to another thread meanwhile.
     let scorer = move |cls: &str, p: &str, labels: &[String]| {
-        let run = || engine.score_labels(Some(cls), p, labels).ok();
-        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(run),
-            _ => run(),
-        }
+        blocking(|| engine.score_labels(Some(cls), p, labels).ok())
     };
     // The request text is encoded each time; adapter descriptions and examples come from the
     // embedder's cache. Without a configured model the strategy falls through.
     let emb = s.embedder.get().cloned();
     let embedder = move |texts: &[String]| -> Option<Vec<Vec<f32>>> {
         let e = emb.as_ref()?;
-        let run = || {
+        blocking(|| {
             let q = e.encode(&texts[..1]).ok()?;
             let rest = e.encode_cached(&texts[1..]).ok()?;
             Some(
@@ -40,39 +37,21 @@ pub(super) fn decide(s: &AppState, c: &Common, text: &str) -> Result<Decision, A
                     .chain(rest.iter().map(|v| v.to_vec()))
                     .collect(),
             )
-        };
-        match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
-            Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(run),
-            _ => run(),
-        }
+        })
     };
-    let input = RouteInput {
-        model: &c.model,
-        adapter: c.adapter.as_deref().or(c.expert.as_deref()),
-        text,
-    };
-    let d = match router::decide(&cfg, &input, &scorer, &embedder) {
-        // Adapters loaded through /v1/load_lora_adapter are not in the config but are
-        // servable by explicit name, as in vLLM.
+    let d = match router::decide(&cfg, input, &scorer, &embedder) {
         Err(router::RouteError::UnknownModel(n))
             if s.engine.adapters().iter().any(|a| a.name == n && a.loaded) =>
         {
-            Ok(Decision {
+            Decision {
                 adapter: Some(n),
                 reason: "explicit".into(),
                 score: None,
                 mode: Mode::Dynamic,
-            })
+            }
         }
-        r => r,
-    }
-    .map_err(|e| {
-        let status = match e {
-            router::RouteError::UnknownModel(_) => StatusCode::NOT_FOUND,
-            router::RouteError::NoRoute => StatusCode::UNPROCESSABLE_ENTITY,
-        };
-        ApiError::new(status, e.code(), e.to_string())
-    })?;
+        r => r?,
+    };
     s.metrics
         .routes
         .with_label_values(&[d.reason.as_str(), d.adapter.as_deref().unwrap_or("")])
@@ -84,6 +63,15 @@ pub(super) fn decide(s: &AppState, c: &Common, text: &str) -> Result<Decision, A
             .observe(score);
     }
     Ok(d)
+}
+
+/// Runs `f` (a classifier pass, an embedding), telling a multi-threaded runtime that this worker
+/// thread blocks so other requests move to another thread meanwhile.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
 }
 
 /// `POST /v1/route`: the routing decision only, no generation.
@@ -100,7 +88,12 @@ pub async fn route(
             (None, Some(m)) => last_user_text(&messages(m)?),
             (None, None) => return Err(bad("invalid_request", "give input or messages")),
         };
-        let d = decide(&s, &b.common, &text)?;
+        let input = RouteInput {
+            model: &b.common.model,
+            adapter: b.common.named_adapter(),
+            text: &text,
+        };
+        let d = decide(&s, &input)?;
         Ok::<Response, ApiError>((mole_headers(&d), Json(json!({"adapter": d.adapter, "mode": d.mode, "route": d.reason, "score": d.score}))).into_response())
     }
     .await;

@@ -67,6 +67,13 @@ pub(super) struct Common {
     pub(super) prefer_merged: Option<bool>,
 }
 
+impl Common {
+    /// The explicitly named adapter: `adapter`, else the seeds' `expert`.
+    pub(super) fn named_adapter(&self) -> Option<&str> {
+        self.adapter.as_deref().or(self.expert.as_deref())
+    }
+}
+
 #[derive(Deserialize)]
 pub(super) struct ChatBody {
     pub(super) messages: Vec<InMessage>,
@@ -93,10 +100,36 @@ pub(super) struct CompletionBody {
 }
 
 /// Which OpenAI object shape to answer with.
-#[derive(Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Kind {
+    /// `chat.completion` (chat, and `/infer`).
     Chat,
+    /// `text_completion`.
     Completion,
+}
+
+impl Kind {
+    /// The `endpoint` metric label.
+    pub(super) fn endpoint(self) -> &'static str {
+        match self {
+            Kind::Chat => "chat",
+            Kind::Completion => "completions",
+        }
+    }
+    /// The path of the same call on a merged pod.
+    pub(super) fn path(self) -> &'static str {
+        match self {
+            Kind::Chat => "/v1/chat/completions",
+            Kind::Completion => "/v1/completions",
+        }
+    }
+    /// The prefix of answer ids.
+    pub(super) fn id_prefix(self) -> &'static str {
+        match self {
+            Kind::Chat => "chatcmpl",
+            Kind::Completion => "cmpl",
+        }
+    }
 }
 
 #[derive(Deserialize)]

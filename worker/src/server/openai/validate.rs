@@ -1,41 +1,264 @@
-//! Validation: wire bodies into what the engine takes, every refusal a stable 4xx.
+//! Validation, the shape of TGI's `validation.rs`: a wire body in, one [`ValidRequest`] out
+//! (prompt, sampling within the limits, adapter choice, stream flag), or a stable 4xx. The
+//! serving path takes nothing else.
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
-use axum::http::StatusCode;
-use serde_json::Value;
+use axum::http::{HeaderMap, StatusCode};
+use serde::de::DeserializeOwned;
+use serde_json::{json, Value};
 
-use super::types::{Common, Content, InMessage, StopField};
-use crate::engine::api::{ChatMessage, SamplingParams};
+use super::types::{
+    ChatBody, Common, CompletionBody, Content, InMessage, InferBody, Kind, PromptField, StopField,
+};
+use crate::engine::api::{ChatMessage, Prompt, SamplingParams};
+use crate::router::RouteInput;
+use crate::server::gateway::Upstream;
 use crate::server::{ApiError, AppState};
 
+/// A 400 with a stable code.
 pub(super) fn bad(code: &'static str, msg: impl Into<String>) -> ApiError {
     ApiError::new(StatusCode::BAD_REQUEST, code, msg)
 }
 
-/// Reads a JSON body, turning every failure into a stable 4xx.
-pub(super) fn parse_body<T: serde::de::DeserializeOwned>(
-    body: Result<Bytes, BytesRejection>,
-) -> Result<T, ApiError> {
-    let b = body.map_err(|r| {
-        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body_too_large",
-                "request body exceeds limits.maxBodyBytes",
-            )
-        } else {
-            bad("invalid_body", r.body_text())
-        }
-    })?;
-    let v: Value = serde_json::from_slice(&b)
-        .map_err(|e| bad("invalid_json", format!("body is not valid JSON: {e}")))?;
-    serde_json::from_value(v).map_err(|e| bad("invalid_request", e.to_string()))
+/// A JSON request body as read: typed, and as sent (what a merged pod is forwarded).
+pub(super) struct Wire<T> {
+    /// The body, typed.
+    pub(super) body: T,
+    /// The body as the client sent it.
+    pub(super) raw: Value,
 }
 
-pub(super) fn sampling(s: &AppState, c: &Common, chat: bool) -> Result<SamplingParams, ApiError> {
-    let cfg = s.cfg();
-    let cap = u64::from(cfg.limits.max_tokens);
+impl<T: DeserializeOwned> Wire<T> {
+    /// Reads a body, every failure a stable 4xx: 413 `body_too_large`, 400 `invalid_body`,
+    /// `invalid_json` (not JSON) or `invalid_request` (JSON of the wrong shape).
+    pub(super) fn read(body: Result<Bytes, BytesRejection>) -> Result<Self, ApiError> {
+        let b = body.map_err(|r| {
+            if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+                ApiError::new(
+                    StatusCode::PAYLOAD_TOO_LARGE,
+                    "body_too_large",
+                    "request body exceeds limits.maxBodyBytes",
+                )
+            } else {
+                bad("invalid_body", r.body_text())
+            }
+        })?;
+        let raw: Value = serde_json::from_slice(&b)
+            .map_err(|e| bad("invalid_json", format!("body is not valid JSON: {e}")))?;
+        let body = serde_json::from_value(raw.clone())
+            .map_err(|e| bad("invalid_request", e.to_string()))?;
+        Ok(Self { body, raw })
+    }
+}
+
+/// Reads a JSON body (see [`Wire::read`]) and keeps only the typed body.
+pub(super) fn parse_body<T: DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+) -> Result<T, ApiError> {
+    Wire::read(body).map(|w| w.body)
+}
+
+/// One generation request, validated: what chat, completion and `/infer` bodies become, and
+/// all the serving path takes.
+pub(super) struct ValidRequest {
+    /// The answer's shape (and the `endpoint` metric label).
+    pub(super) kind: Kind,
+    /// `model` as asked (empty: the router decides, and answers name the pool).
+    pub(super) model: String,
+    /// An explicit `adapter` (or the seeds' `expert`), which wins over `model`.
+    pub(super) adapter: Option<String>,
+    /// What the engine runs: a rendered chat template, text or token ids.
+    pub(super) prompt: Prompt,
+    /// What the router reads: the last user message, or the completion's text.
+    pub(super) route_text: String,
+    /// Sampling, `max_tokens` within `limits.maxTokens`.
+    pub(super) sampling: SamplingParams,
+    /// Whether the client set `max_tokens` (else the answer may use what the context leaves).
+    pub(super) max_tokens_explicit: bool,
+    /// Answer as server-sent events.
+    pub(super) stream: bool,
+    /// Forward merged adapters to their pods (None: the router's `preferMerged`).
+    pub(super) prefer_merged: Option<bool>,
+    /// The body a merged pod gets: the client's (for `/infer`, made a chat completion).
+    pub(super) forward: Value,
+}
+
+impl ValidRequest {
+    /// `POST /v1/chat/completions`: the messages rendered by the model's chat template.
+    pub(super) fn chat(s: &AppState, wire: Wire<ChatBody>) -> Result<Self, ApiError> {
+        let Wire { body: b, raw } = wire;
+        let msgs = messages(b.messages)?;
+        let sampling = sampling(&b.common, true, token_cap(s))?;
+        let route_text = last_user_text(&msgs);
+        let prompt = Prompt::Templated(
+            s.engine
+                .apply_chat_template(&msgs, &b.chat_template_kwargs)?,
+        );
+        Ok(Self::new(
+            Kind::Chat,
+            b.common,
+            prompt,
+            route_text,
+            sampling,
+            raw,
+        ))
+    }
+
+    /// `POST /v1/completions`: a string, a one-string array, or token ids of the vocabulary.
+    pub(super) fn completion(s: &AppState, wire: Wire<CompletionBody>) -> Result<Self, ApiError> {
+        let Wire { body: b, raw } = wire;
+        let sampling = sampling(&b.common, false, token_cap(s))?;
+        let prompt = completion_prompt(b.prompt, s.engine.model_info().vocab_size)?;
+        let route_text = match &prompt {
+            Prompt::Text(t) | Prompt::Templated(t) => t.clone(),
+            Prompt::Tokens(_) => String::new(),
+        };
+        Ok(Self::new(
+            Kind::Completion,
+            b.common,
+            prompt,
+            route_text,
+            sampling,
+            raw,
+        ))
+    }
+
+    /// `POST /infer`: the prompt as the one user message of a chat, never streamed. An image is
+    /// checked, then refused until vision lands.
+    pub(super) fn infer(s: &AppState, wire: Wire<InferBody>) -> Result<Self, ApiError> {
+        let Wire { body: mut b, raw } = wire;
+        if let Some(img) = &b.image_b64 {
+            use base64::Engine as _;
+            let data = img.split_once("base64,").map_or(img.as_str(), |(_, d)| d);
+            base64::engine::general_purpose::STANDARD
+                .decode(data.trim())
+                .map_err(|e| bad("invalid_image", format!("image_b64 is not base64: {e}")))?;
+            return Err(bad(
+                "images_not_supported",
+                "this worker serves text models; image inputs need a vision base model",
+            ));
+        }
+        b.common.stream = false;
+        let msgs = vec![ChatMessage {
+            role: "user".into(),
+            content: b.prompt.clone(),
+        }];
+        let sampling = sampling(&b.common, true, token_cap(s))?;
+        let prompt = Prompt::Templated(
+            s.engine
+                .apply_chat_template(&msgs, &serde_json::Map::new())?,
+        );
+        // Merged pods get it as a chat completion.
+        let mut forward = raw;
+        forward["messages"] = json!([{"role": "user", "content": b.prompt}]);
+        Ok(Self::new(
+            Kind::Chat,
+            b.common,
+            prompt,
+            b.prompt,
+            sampling,
+            forward,
+        ))
+    }
+
+    fn new(
+        kind: Kind,
+        c: Common,
+        prompt: Prompt,
+        route_text: String,
+        sampling: SamplingParams,
+        forward: Value,
+    ) -> Self {
+        Self {
+            kind,
+            max_tokens_explicit: c.max_tokens.is_some() || c.max_completion_tokens.is_some(),
+            model: c.model,
+            adapter: c.adapter.or(c.expert),
+            prompt,
+            route_text,
+            sampling,
+            stream: c.stream,
+            prefer_merged: c.prefer_merged,
+            forward,
+        }
+    }
+
+    /// What the router sees of the request.
+    pub(super) fn route_input(&self) -> RouteInput<'_> {
+        RouteInput {
+            model: &self.model,
+            adapter: self.adapter.as_deref(),
+            text: &self.route_text,
+        }
+    }
+
+    /// Fits the answer into a context of `max_seq` tokens: without an explicit `max_tokens` it
+    /// gets what the prompt leaves (as vLLM); a prompt plus `max_tokens` over it is refused with
+    /// 400 `prompt_too_long`, before queueing, so an oversize prompt costs nothing.
+    pub(super) fn fit_context(
+        &mut self,
+        prompt_tokens: usize,
+        max_seq: usize,
+    ) -> Result<(), ApiError> {
+        let sp = &mut self.sampling;
+        if !self.max_tokens_explicit && prompt_tokens < max_seq {
+            sp.max_tokens = sp.max_tokens.min(max_seq - prompt_tokens);
+        }
+        if prompt_tokens + sp.max_tokens > max_seq {
+            return Err(bad(
+                "prompt_too_long",
+                format!(
+                    "prompt ({prompt_tokens} tokens) + max_tokens ({}) exceeds {max_seq}",
+                    sp.max_tokens
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// What the gateway forwards to merged pods, with the client's `headers`.
+    pub(super) fn upstream<'a>(&'a self, headers: &'a HeaderMap) -> Upstream<'a> {
+        Upstream {
+            path: self.kind.path(),
+            endpoint: self.kind.endpoint(),
+            body: &self.forward,
+            headers,
+            prefer_merged: self.prefer_merged,
+        }
+    }
+}
+
+/// `limits.maxTokens` now.
+fn token_cap(s: &AppState) -> u64 {
+    u64::from(s.cfg().limits.max_tokens)
+}
+
+/// A completion's prompt: a string, a one-string array, or a non-empty array of token ids
+/// below `vocab` (0: unknown, not checked).
+fn completion_prompt(p: PromptField, vocab: usize) -> Result<Prompt, ApiError> {
+    match p {
+        PromptField::Text(t) => Ok(Prompt::Text(t)),
+        PromptField::Tokens(t) if !t.is_empty() => {
+            if let Some(bad_id) = t.iter().find(|&&i| vocab > 0 && i as usize >= vocab) {
+                return Err(bad(
+                    "invalid_token_id",
+                    format!("token id {bad_id} >= vocab size {vocab}"),
+                ));
+            }
+            Ok(Prompt::Tokens(t))
+        }
+        PromptField::Texts(mut v) if v.len() == 1 => Ok(Prompt::Text(v.remove(0))),
+        _ => Err(bad(
+            "invalid_prompt",
+            "prompt must be a string, one-string array or a non-empty token id array",
+        )),
+    }
+}
+
+/// The sampling fields, checked; `max_tokens` defaults to 256 and must be within `cap`
+/// (`limits.maxTokens`). `logprobs` is a bool in chat, a count in completions.
+pub(super) fn sampling(c: &Common, chat: bool, cap: u64) -> Result<SamplingParams, ApiError> {
     let mt = c
         .max_completion_tokens
         .or(c.max_tokens)
@@ -85,6 +308,7 @@ pub(super) fn sampling(s: &AppState, c: &Common, chat: bool) -> Result<SamplingP
     })
 }
 
+/// Chat messages: known roles (`developer` is read as `system`), text content only.
 pub(super) fn messages(msgs: Vec<InMessage>) -> Result<Vec<ChatMessage>, ApiError> {
     if msgs.is_empty() {
         return Err(bad("empty_messages", "messages must not be empty"));
@@ -132,10 +356,136 @@ pub(super) fn messages(msgs: Vec<InMessage>) -> Result<Vec<ChatMessage>, ApiErro
     Ok(out)
 }
 
+/// What the router reads of a chat: its last user message.
 pub(super) fn last_user_text(m: &[ChatMessage]) -> String {
     m.iter()
         .rev()
         .find(|m| m.role == "user")
         .map(|m| m.content.clone())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn common(v: Value) -> Common {
+        serde_json::from_value(v).unwrap()
+    }
+    fn refused<T: std::fmt::Debug>(r: Result<T, ApiError>) -> &'static str {
+        r.unwrap_err().code()
+    }
+
+    #[test]
+    fn sampling_defaults_and_bounds() {
+        let sp = sampling(&common(json!({})), true, 64).unwrap();
+        assert_eq!((sp.max_tokens, sp.temperature, sp.top_p), (64, 1.0, 1.0));
+        assert_eq!(
+            sampling(&common(json!({})), true, 4096).unwrap().max_tokens,
+            256
+        );
+        let sp = sampling(
+            &common(json!({"max_completion_tokens": 3, "max_tokens": 9})),
+            true,
+            64,
+        );
+        assert_eq!(sp.unwrap().max_tokens, 3);
+        for (body, code) in [
+            (json!({"max_tokens": 0}), "max_tokens_exceeded"),
+            (json!({"max_tokens": 65}), "max_tokens_exceeded"),
+            (json!({"temperature": 2.5}), "invalid_temperature"),
+            (json!({"top_p": 0.0}), "invalid_top_p"),
+            (json!({"stop": ["a", "b", "c", "d", "e"]}), "invalid_stop"),
+            (json!({"stop": ""}), "invalid_stop"),
+            (json!({"logprobs": 2}), "invalid_logprobs"),
+        ] {
+            assert_eq!(
+                refused(sampling(&common(body.clone()), true, 64)),
+                code,
+                "{body}"
+            );
+        }
+        // logprobs: a bool in chat, a count (at most 20) in completions.
+        let c = common(json!({"logprobs": true, "top_logprobs": 50}));
+        assert_eq!(sampling(&c, true, 64).unwrap().logprobs, Some(20));
+        assert_eq!(refused(sampling(&c, false, 64)), "invalid_logprobs");
+        let c = common(json!({"logprobs": 3, "stop": "x"}));
+        let sp = sampling(&c, false, 64).unwrap();
+        assert_eq!((sp.logprobs, sp.stop), (Some(3), vec!["x".to_string()]));
+    }
+
+    #[test]
+    fn messages_roles_and_parts() {
+        let m = |v: Value| messages(serde_json::from_value(v).unwrap());
+        let ok = m(json!([
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+            {"role": "assistant"},
+        ]))
+        .unwrap();
+        let got: Vec<(&str, &str)> = ok
+            .iter()
+            .map(|m| (m.role.as_str(), m.content.as_str()))
+            .collect();
+        assert_eq!(
+            got,
+            [("system", "be brief"), ("user", "ab"), ("assistant", "")]
+        );
+        assert_eq!(last_user_text(&ok), "ab");
+        assert_eq!(refused(m(json!([]))), "empty_messages");
+        assert_eq!(
+            refused(m(json!([{"role": "wizard", "content": "x"}]))),
+            "invalid_role"
+        );
+        let part = |t: &str| json!([{"role": "user", "content": [{"type": t}]}]);
+        assert_eq!(refused(m(part("image_url"))), "images_not_supported");
+        assert_eq!(refused(m(part("audio"))), "invalid_content_part");
+    }
+
+    #[test]
+    fn completion_prompts() {
+        let p = |v: Value, vocab| completion_prompt(serde_json::from_value(v).unwrap(), vocab);
+        assert_eq!(p(json!("hi"), 10).unwrap(), Prompt::Text("hi".into()));
+        assert_eq!(p(json!(["hi"]), 10).unwrap(), Prompt::Text("hi".into()));
+        assert_eq!(p(json!([1, 9]), 10).unwrap(), Prompt::Tokens(vec![1, 9]));
+        assert_eq!(p(json!([99]), 0).unwrap(), Prompt::Tokens(vec![99]));
+        assert_eq!(refused(p(json!([10]), 10)), "invalid_token_id");
+        assert_eq!(refused(p(json!([]), 10)), "invalid_prompt");
+        assert_eq!(refused(p(json!(["a", "b"]), 10)), "invalid_prompt");
+    }
+
+    #[test]
+    fn the_context_limit_trims_or_refuses() {
+        let req = |explicit: bool, max_tokens: usize| ValidRequest {
+            kind: Kind::Chat,
+            model: String::new(),
+            adapter: None,
+            prompt: Prompt::Tokens(vec![1]),
+            route_text: String::new(),
+            sampling: SamplingParams {
+                max_tokens,
+                ..Default::default()
+            },
+            max_tokens_explicit: explicit,
+            stream: false,
+            prefer_merged: None,
+            forward: Value::Null,
+        };
+        // No max_tokens asked: what the prompt leaves.
+        let mut r = req(false, 256);
+        r.fit_context(100, 128).unwrap();
+        assert_eq!(r.sampling.max_tokens, 28);
+        // Asked for: kept, or refused when it does not fit.
+        let mut r = req(true, 28);
+        r.fit_context(100, 128).unwrap();
+        assert_eq!(r.sampling.max_tokens, 28);
+        assert_eq!(
+            refused(req(true, 29).fit_context(100, 128)),
+            "prompt_too_long"
+        );
+        assert_eq!(
+            refused(req(false, 256).fit_context(128, 128)),
+            "prompt_too_long"
+        );
+    }
 }
