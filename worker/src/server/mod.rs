@@ -23,7 +23,7 @@ use axum::routing::{get, post};
 use crate::router::Decision;
 
 pub use auth::{Auth, AuthSource};
-pub use engines::{build_engine, build_local_merged};
+pub use engines::{build_engine, build_local_merged, BuildError};
 pub use error::ApiError;
 pub use gateway::PROXY_CONNECT_TIMEOUT;
 pub use reload::ReloadOutcome;
