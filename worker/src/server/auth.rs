@@ -2,9 +2,12 @@
 //! from files (mounted Secrets) and the environment, re-read when a file changes.
 
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::{Arc, RwLock};
 
+use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
 use mole_crds::WorkerConfig;
 
 use super::{ApiError, AppState};
@@ -179,29 +182,39 @@ fn bearer(h: &HeaderMap) -> Option<&str> {
         .map(str::trim)
 }
 
-impl AppState {
-    /// The secrets, re-read first when one of their files changed (a rotated Secret). A file
-    /// that cannot be read keeps the previous secrets.
-    pub fn auth(&self) -> Arc<Auth> {
-        let cur = self.auth.read().expect("auth lock").clone();
-        if !cur.changed() {
-            return cur;
-        }
-        match Auth::read(cur.source.clone()) {
-            Ok(a) => {
-                tracing::info!("credentials changed on disk: re-read");
-                let a = Arc::new(a);
-                *self.auth.write().expect("auth lock") = a.clone();
-                a
+/// Who may call an endpoint: the guard of each route (see [`super::app`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Access {
+    /// An API key, when keys are configured.
+    ApiKey,
+    /// An API key, or the operator or admin token (`GET /v1/lora_adapters`, which the
+    /// operator reads).
+    Listing,
+    /// The admin token only (`POST /v1/load_lora_adapter`).
+    Admin,
+    /// The admin or the operator token (reload, unload).
+    Operator,
+}
+
+impl Auth {
+    /// Whether the bearer token of `h` grants `access`; Err is the answer to give.
+    pub fn check(&self, access: Access, h: &HeaderMap) -> Result<(), ApiError> {
+        match access {
+            Access::ApiKey => self.check_api_key(h),
+            Access::Listing
+                if Self::token_ok(&self.operator_token, h)
+                    || Self::token_ok(&self.admin_token, h) =>
+            {
+                Ok(())
             }
-            Err(e) => {
-                tracing::warn!("credentials changed but cannot be read, keeping the old ones: {e}");
-                cur
-            }
+            Access::Listing => self.check_api_key(h),
+            Access::Admin => self.check_admin(h, &None),
+            Access::Operator => self.check_admin(h, &self.operator_token),
         }
     }
-    pub(super) fn check_api_key(&self, h: &HeaderMap) -> Result<(), ApiError> {
-        if self.auth().api_key_ok(h) {
+
+    fn check_api_key(&self, h: &HeaderMap) -> Result<(), ApiError> {
+        if self.api_key_ok(h) {
             return Ok(());
         }
         Err(ApiError::new(
@@ -210,25 +223,17 @@ impl AppState {
             "missing or invalid API key (Authorization: Bearer <key>)",
         ))
     }
-    /// Admin endpoints (`/v1/load_lora_adapter`): the admin token only.
-    pub(super) fn check_admin(&self, h: &HeaderMap) -> Result<(), ApiError> {
-        self.check_admin_or(h, false)
-    }
-    /// Endpoints the operator calls (reload, unload): the admin or the operator token.
-    pub(super) fn check_operator(&self, h: &HeaderMap) -> Result<(), ApiError> {
-        self.check_admin_or(h, true)
-    }
-    pub(super) fn check_admin_or(&self, h: &HeaderMap, operator: bool) -> Result<(), ApiError> {
-        let a = self.auth();
-        let op = if operator { &a.operator_token } else { &None };
-        if a.admin_token.is_none() && op.is_none() {
+
+    /// The admin token, or `operator` when the endpoint also takes the operator's.
+    fn check_admin(&self, h: &HeaderMap, operator: &Option<String>) -> Result<(), ApiError> {
+        if self.admin_token.is_none() && operator.is_none() {
             return Err(ApiError::new(
                 StatusCode::FORBIDDEN,
                 "admin_disabled",
                 "admin endpoints are disabled: no admin token configured",
             ));
         }
-        if Auth::token_ok(&a.admin_token, h) || Auth::token_ok(op, h) {
+        if Self::token_ok(&self.admin_token, h) || Self::token_ok(operator, h) {
             return Ok(());
         }
         Err(ApiError::new(
@@ -237,13 +242,70 @@ impl AppState {
             "missing or invalid admin token (Authorization: Bearer <token>)",
         ))
     }
-    /// `GET /v1/lora_adapters`: an API key, or the operator or admin token.
-    pub(super) fn check_listing(&self, h: &HeaderMap) -> Result<(), ApiError> {
-        let a = self.auth();
-        if Auth::token_ok(&a.operator_token, h) || Auth::token_ok(&a.admin_token, h) {
-            return Ok(());
+}
+
+/// The secrets in use: re-read when one of their files changes, replaced by a reload.
+pub(super) struct Secrets(RwLock<Arc<Auth>>);
+
+impl Secrets {
+    /// Holds `auth`.
+    pub(super) fn new(auth: Auth) -> Self {
+        Self(RwLock::new(Arc::new(auth)))
+    }
+
+    /// The secrets, re-read first when one of their files changed (a rotated Secret). A file
+    /// that cannot be read keeps the previous secrets.
+    pub(super) fn current(&self) -> Arc<Auth> {
+        let cur = self.0.read().expect("auth lock").clone();
+        if !cur.changed() {
+            return cur;
         }
-        self.check_api_key(h)
+        match Auth::read(cur.source.clone()) {
+            Ok(a) => {
+                tracing::info!("credentials changed on disk: re-read");
+                let a = Arc::new(a);
+                *self.0.write().expect("auth lock") = a.clone();
+                a
+            }
+            Err(e) => {
+                tracing::warn!("credentials changed but cannot be read, keeping the old ones: {e}");
+                cur
+            }
+        }
+    }
+
+    /// Reads the secrets a reloaded config names. The environment's keys were captured at
+    /// start; they stay. Secrets that cannot be read leave the old ones in place.
+    pub(super) fn reconfigure(&self, cfg: &WorkerConfig) {
+        let old_src = self.0.read().expect("auth lock").source.clone();
+        let mut src = AuthSource::new(cfg, &|_| None);
+        src.inline_keys = old_src.inline_keys;
+        src.env_keys_file = old_src.env_keys_file;
+        match Auth::read(src) {
+            Ok(a) => *self.0.write().expect("auth lock") = Arc::new(a),
+            Err(e) => tracing::warn!("new auth settings cannot be read, keeping the old: {e}"),
+        }
+    }
+}
+
+impl AppState {
+    /// The secrets, re-read first when one of their files changed (a rotated Secret). A file
+    /// that cannot be read keeps the previous secrets.
+    pub fn auth(&self) -> Arc<Auth> {
+        self.auth.current()
+    }
+}
+
+/// The guard layer (`from_fn_with_state` over the state and the route's [`Access`]): a request
+/// whose credentials do not grant the access is refused before its body is read.
+pub(super) async fn require(
+    State((s, access)): State<(Arc<AppState>, Access)>,
+    req: Request,
+    next: Next,
+) -> Response {
+    match s.auth().check(access, req.headers()) {
+        Ok(()) => next.run(req).await,
+        Err(e) => e.into_response(),
     }
 }
 

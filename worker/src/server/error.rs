@@ -1,11 +1,16 @@
 //! Errors of the HTTP layer: every refusal is an [`ApiError`], answered as OpenAI's
 //! `{error:{message,type,code}}` with a stable `code`.
 
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
+use super::AppState;
 use crate::engine::api::EngineError;
 use crate::router::RouteError;
 
@@ -85,12 +90,42 @@ impl From<RouteError> for ApiError {
     }
 }
 
+impl From<tokio::task::JoinError> for ApiError {
+    fn from(e: tokio::task::JoinError) -> Self {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            e.to_string(),
+        )
+    }
+}
+
+/// The code of the error a response answers, a response extension that [`count_errors`] reads.
+#[derive(Debug, Clone, Copy)]
+struct ErrorCode(&'static str);
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         let mut r = (self.status, Json(self.body())).into_response();
+        r.extensions_mut().insert(ErrorCode(self.code));
         if let Some(s) = self.retry_after {
             r.headers_mut().insert("retry-after", HeaderValue::from(s));
         }
         r
     }
+}
+
+/// The counting layer of the API routes (`from_fn_with_state`): every error answer, whichever
+/// step refused (guard, body, validation, routing, engine), counts in `mole_errors_total` by its
+/// code. Errors inside a stream already under way are counted where they happen.
+pub(super) async fn count_errors(
+    State(s): State<Arc<AppState>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let r = next.run(req).await;
+    if let Some(ErrorCode(code)) = r.extensions().get::<ErrorCode>() {
+        s.metrics.errors.with_label_values(&[code]).inc();
+    }
+    r
 }

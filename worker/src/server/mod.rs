@@ -17,31 +17,53 @@ use std::sync::Arc;
 
 use axum::extract::DefaultBodyLimit;
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::middleware::from_fn_with_state;
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{get, post, MethodRouter};
 
 use crate::router::Decision;
 
-pub use auth::{Auth, AuthSource};
+pub use auth::{Access, Auth, AuthSource};
 pub use engines::{build_engine, build_local_merged, BuildError};
 pub use error::ApiError;
 pub use gateway::PROXY_CONNECT_TIMEOUT;
 pub use reload::ReloadOutcome;
 pub use state::AppState;
 
-/// The HTTP routes.
+/// The HTTP routes. Every API endpoint sits behind two layers: the guard of its [`Access`]
+/// and the error counter; the probes and `/metrics` behind neither.
 pub fn app(state: Arc<AppState>) -> axum::Router {
+    use Access::{Admin, ApiKey, Listing, Operator};
     let limit = usize::try_from(state.cfg().limits.max_body_bytes).unwrap_or(usize::MAX);
+    let s = &state;
     axum::Router::new()
-        .route("/v1/chat/completions", post(openai::chat))
-        .route("/v1/completions", post(openai::completions))
-        .route("/infer", post(openai::infer))
-        .route("/v1/route", post(openai::route))
-        .route("/v1/models", get(openai::models))
-        .route("/v1/lora_adapters", get(openai::lora_adapters))
-        .route("/v1/load_lora_adapter", post(openai::load_lora))
-        .route("/v1/unload_lora_adapter", post(openai::unload_lora))
-        .route("/admin/reload", post(openai::admin_reload))
+        .route(
+            "/v1/chat/completions",
+            api(s, ApiKey, post(openai::generate::<openai::ChatBody>)),
+        )
+        .route(
+            "/v1/completions",
+            api(s, ApiKey, post(openai::generate::<openai::CompletionBody>)),
+        )
+        .route("/infer", api(s, ApiKey, post(openai::infer)))
+        .route("/v1/route", api(s, ApiKey, post(openai::route)))
+        .route("/v1/models", api(s, ApiKey, get(openai::models)))
+        .route(
+            "/v1/lora_adapters",
+            api(s, Listing, get(openai::lora_adapters)),
+        )
+        .route(
+            "/v1/load_lora_adapter",
+            api(s, Admin, post(openai::load_lora)),
+        )
+        .route(
+            "/v1/unload_lora_adapter",
+            api(s, Operator, post(openai::unload_lora)),
+        )
+        .route(
+            "/admin/reload",
+            api(s, Operator, post(openai::admin_reload)),
+        )
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -50,6 +72,18 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         })
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
+}
+
+/// An API endpoint behind its guard, then the error counter (which sees the guard's refusals
+/// too). Route layers, so a wrong method stays a plain 405.
+fn api(
+    s: &Arc<AppState>,
+    access: Access,
+    endpoint: MethodRouter<Arc<AppState>>,
+) -> MethodRouter<Arc<AppState>> {
+    endpoint
+        .route_layer(from_fn_with_state((s.clone(), access), auth::require))
+        .route_layer(from_fn_with_state(s.clone(), error::count_errors))
 }
 
 /// `GET /readyz`: 200 once [`AppState::readiness`] holds, else 503 `not_ready` with the reason.
@@ -86,4 +120,112 @@ fn mole_headers(d: &Decision) -> HeaderMap {
     h.insert("x-mole-mode", v(d.mode.as_str()));
     h.insert("x-mole-route", v(&d.reason));
     h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::api::{
+        AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest,
+        InferenceEngine, ModelInfo,
+    };
+    use axum::body::Body;
+    use axum::http::Request;
+    use tower::ServiceExt;
+
+    /// An engine that is never reached: the layers answer first.
+    struct Unreached;
+
+    impl InferenceEngine for Unreached {
+        fn submit(&self, _: GenerateRequest) -> Result<EventStream, EngineError> {
+            unreachable!("the layers answer first")
+        }
+        fn apply_chat_template(
+            &self,
+            _: &[ChatMessage],
+            _: &serde_json::Map<String, serde_json::Value>,
+        ) -> Result<String, EngineError> {
+            unreachable!("the layers answer first")
+        }
+        fn count_tokens(&self, _: &str) -> Result<usize, EngineError> {
+            unreachable!("the layers answer first")
+        }
+        fn score_labels(
+            &self,
+            _: Option<&str>,
+            _: &str,
+            _: &[String],
+        ) -> Result<Vec<f32>, EngineError> {
+            unreachable!("the layers answer first")
+        }
+        fn load_adapter(&self, _: AdapterSpec) -> Result<(), EngineError> {
+            unreachable!("the layers answer first")
+        }
+        fn unload_adapter(&self, _: &str) -> Result<(), EngineError> {
+            unreachable!("the layers answer first")
+        }
+        fn adapters(&self) -> Vec<mole_crds::LoraAdapterInfo> {
+            vec![]
+        }
+        fn stats(&self) -> EngineStats {
+            EngineStats::default()
+        }
+        fn model_info(&self) -> ModelInfo {
+            ModelInfo {
+                name: "b".into(),
+                max_seq_len: 128,
+                vocab_size: 256,
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn api_routes_are_guarded_and_their_errors_counted_probes_are_not() {
+        let d = tempfile::tempdir().unwrap();
+        let keys = d.path().join("keys");
+        std::fs::write(&keys, "k1\n").unwrap();
+        let yaml = format!(
+            "pool: p\nbaseModel: {{name: b, path: b}}\nlimits: {{maxBodyBytes: 64}}\nauth: {{apiKeysFile: {}}}\n",
+            keys.display()
+        );
+        let cfg = crate::config::parse(&yaml, "t").unwrap();
+        let auth = Auth::read(AuthSource::new(&cfg, &|_| None)).unwrap();
+        let s = AppState::new(cfg, Arc::new(Unreached), None, auth);
+        let call = |method: &str, path: &str, key: Option<&str>, body: String| {
+            let mut r = Request::builder().method(method).uri(path);
+            if let Some(k) = key {
+                r = r.header("authorization", format!("Bearer {k}"));
+            }
+            let r = r.body(Body::from(body)).unwrap();
+            let app = app(s.clone());
+            async move { app.oneshot(r).await.unwrap().status().as_u16() }
+        };
+        let errors = |code: &str| s.metrics.errors.with_label_values(&[code]).get();
+        // The guard answers before the body is read; the counter sees its refusals.
+        let big = "x".repeat(100);
+        let chat = "/v1/chat/completions";
+        assert_eq!(call("POST", chat, None, big.clone()).await, 401);
+        assert_eq!(
+            call("GET", "/v1/models", Some("k2"), String::new()).await,
+            401
+        );
+        assert_eq!(errors("invalid_api_key"), 2);
+        // Past the guard, the body: too large, not JSON.
+        assert_eq!(call("POST", chat, Some("k1"), big).await, 413);
+        assert_eq!(call("POST", chat, Some("k1"), "{".into()).await, 400);
+        assert_eq!((errors("body_too_large"), errors("invalid_json")), (1, 1));
+        // No admin or operator token: the admin endpoints are off, whatever the key.
+        let reload = call("POST", "/admin/reload", Some("k1"), String::new()).await;
+        assert_eq!((reload, errors("admin_disabled")), (403, 1));
+        // The listing takes an API key.
+        let listing = call("GET", "/v1/lora_adapters", Some("k1"), String::new()).await;
+        assert_eq!(listing, 200);
+        // A wrong method is a plain 405; probes and unknown paths are neither guarded nor
+        // counted.
+        assert_eq!(call("GET", chat, None, String::new()).await, 405);
+        assert_eq!(call("GET", "/healthz", None, String::new()).await, 200);
+        assert_eq!(call("GET", "/readyz", None, String::new()).await, 503);
+        assert_eq!(call("GET", "/nope", None, String::new()).await, 404);
+        assert_eq!((errors("not_ready"), errors("not_found")), (0, 0));
+    }
 }

@@ -7,7 +7,6 @@ use std::sync::{Arc, Mutex};
 use axum::http::StatusCode;
 use mole_crds::WorkerConfig;
 
-use super::auth::{Auth, AuthSource};
 use super::engines::build_local_merged;
 use super::{ApiError, AppState};
 use crate::config::ApplyReport;
@@ -157,15 +156,7 @@ impl AppState {
         let report = crate::config::apply_diff(self.engine.as_ref(), &new, &diff);
         self.record_apply(&new, &report);
         if new.auth != old.auth {
-            let old_src = self.auth.read().expect("auth lock").source.clone();
-            let mut src = AuthSource::new(&new, &|_| None);
-            // The environment's keys were captured at start; they stay.
-            src.inline_keys = old_src.inline_keys;
-            src.env_keys_file = old_src.env_keys_file;
-            match Auth::read(src) {
-                Ok(a) => *self.auth.write().expect("auth lock") = Arc::new(a),
-                Err(e) => tracing::warn!("new auth settings cannot be read, keeping the old: {e}"),
-            }
+            self.auth.reconfigure(&new);
         }
         *self.config.write().expect("config lock") = Arc::new(new);
         count("changed");

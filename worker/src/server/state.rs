@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use mole_crds::WorkerConfig;
 
-use super::auth::Auth;
+use super::auth::{Auth, Secrets};
 use super::gateway::PROXY_CONNECT_TIMEOUT;
 use crate::config::{LoadFailure, SharedConfig};
 use crate::engine::api::InferenceEngine;
@@ -25,7 +25,7 @@ pub struct AppState {
     /// Metrics.
     pub metrics: Metrics,
     /// Secrets, re-read when their files change.
-    pub(super) auth: RwLock<Arc<Auth>>,
+    pub(super) auth: Secrets,
     /// The configured adapters have been tried (loaded or refused) since start.
     pub(super) started: AtomicBool,
     /// Shutting down: not ready, new requests refused.
@@ -72,7 +72,7 @@ impl AppState {
             config: Arc::new(RwLock::new(Arc::new(cfg))),
             config_path,
             metrics: Metrics::new(),
-            auth: RwLock::new(Arc::new(auth)),
+            auth: Secrets::new(auth),
             started: AtomicBool::new(false),
             draining: AtomicBool::new(false),
             pending: Mutex::new(Vec::new()),

@@ -1,7 +1,6 @@
-//! `POST /v1/chat/completions` and `POST /infer` (the seeds' task call, served as a chat).
+//! Chats: `POST /v1/chat/completions`'s validation, and `POST /infer` (the seeds' task call,
+//! served as a chat).
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -9,23 +8,74 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use super::generate::serve;
-use super::validate::{ValidRequest, Wire};
-use super::{finish, S};
-use crate::server::ApiError;
+use super::types::{ChatBody, InferBody, Kind};
+use super::validate::{
+    bad, last_user_text, messages, sampling, token_cap, ValidRequest, Validate, Wire,
+};
+use super::S;
+use crate::engine::api::{ChatMessage, Prompt};
+use crate::server::{ApiError, AppState};
 
-/// `POST /v1/chat/completions`.
-pub async fn chat(
-    State(s): S,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let r = async {
-        s.check_api_key(&headers)?;
-        let req = ValidRequest::chat(&s, Wire::read(body)?)?;
-        serve(&s, &headers, req).await
+impl Validate for ChatBody {
+    /// The messages rendered by the model's chat template; the router reads the last user one.
+    fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
+        let Wire { body: b, raw } = wire;
+        let msgs = messages(b.messages)?;
+        let sampling = sampling(&b.common, true, token_cap(s))?;
+        let route_text = last_user_text(&msgs);
+        let prompt = Prompt::Templated(
+            s.engine
+                .apply_chat_template(&msgs, &b.chat_template_kwargs)?,
+        );
+        Ok(ValidRequest::new(
+            Kind::Chat,
+            b.common,
+            prompt,
+            route_text,
+            sampling,
+            raw,
+        ))
     }
-    .await;
-    finish(&s, r)
+}
+
+impl Validate for InferBody {
+    /// The prompt as the one user message of a chat, never streamed. An image is checked,
+    /// then refused until vision lands.
+    fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
+        let Wire { body: mut b, raw } = wire;
+        if let Some(img) = &b.image_b64 {
+            use base64::Engine as _;
+            let data = img.split_once("base64,").map_or(img.as_str(), |(_, d)| d);
+            base64::engine::general_purpose::STANDARD
+                .decode(data.trim())
+                .map_err(|e| bad("invalid_image", format!("image_b64 is not base64: {e}")))?;
+            return Err(bad(
+                "images_not_supported",
+                "this worker serves text models; image inputs need a vision base model",
+            ));
+        }
+        b.common.stream = false;
+        let msgs = vec![ChatMessage {
+            role: "user".into(),
+            content: b.prompt.clone(),
+        }];
+        let sampling = sampling(&b.common, true, token_cap(s))?;
+        let prompt = Prompt::Templated(
+            s.engine
+                .apply_chat_template(&msgs, &serde_json::Map::new())?,
+        );
+        // Merged pods get it as a chat completion.
+        let mut forward = raw;
+        forward["messages"] = json!([{"role": "user", "content": b.prompt}]);
+        Ok(ValidRequest::new(
+            Kind::Chat,
+            b.common,
+            prompt,
+            b.prompt,
+            sampling,
+            forward,
+        ))
+    }
 }
 
 /// `POST /infer`, the seeds' task call: `{prompt, image_b64?, expert?, prefer_merged?, ...}` →
@@ -34,19 +84,13 @@ pub async fn chat(
 pub async fn infer(
     State(s): S,
     headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let r = async {
-        s.check_api_key(&headers)?;
-        let req = ValidRequest::infer(&s, Wire::read(body)?)?;
-        let resp = serve(&s, &headers, req).await?;
-        if !resp.status().is_success() {
-            return Ok(resp);
-        }
-        task_answer(resp).await
+    wire: Wire<InferBody>,
+) -> Result<Response, ApiError> {
+    let answer = serve(&s, &headers, InferBody::validate(wire, &s)?).await?;
+    if !answer.status().is_success() {
+        return Ok(answer);
     }
-    .await;
-    finish(&s, r)
+    task_answer(answer).await
 }
 
 /// A chat completion (served here or by a merged pod) in the seeds' shape, status and headers

@@ -4,17 +4,29 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use mole_crds::WorkerConfig;
 
 use super::answer::{collect_response, req_id, stream_response, Ctx};
 use super::route::decide;
-use super::validate::ValidRequest;
+use super::validate::{ValidRequest, Validate, Wire};
+use super::S;
 use crate::engine::api::{GenerateRequest, InferenceEngine, Prompt};
 use crate::router::{Decision, Mode};
 use crate::server::gateway;
 use crate::server::{ApiError, AppState};
+
+/// `POST /v1/chat/completions` and `POST /v1/completions`: the body validated into one
+/// request, then served.
+pub async fn generate<B: Validate>(
+    State(s): S,
+    headers: HeaderMap,
+    wire: Wire<B>,
+) -> Result<Response, ApiError> {
+    serve(&s, &headers, B::validate(wire, &s)?).await
+}
 
 /// Serves a validated request: refused while the worker is not ready, routed, then answered by
 /// merged pods or the engine.

@@ -13,24 +13,15 @@ mod validate;
 use std::sync::Arc;
 
 use axum::extract::State;
-use axum::response::{IntoResponse, Response};
 
-use super::{ApiError, AppState};
+use super::AppState;
 
 pub(super) use admin::{admin_reload, load_lora, lora_adapters, unload_lora};
-pub(super) use chat::{chat, infer};
-pub(super) use completions::completions;
+pub(super) use chat::infer;
+pub(super) use generate::generate;
 pub(super) use models::models;
 pub(super) use route::route;
+pub(super) use types::{ChatBody, CompletionBody};
 
+/// The state extractor of every handler.
 type S = State<Arc<AppState>>;
-
-fn finish(s: &AppState, r: Result<Response, ApiError>) -> Response {
-    match r {
-        Ok(r) => r,
-        Err(e) => {
-            s.metrics.errors.with_label_values(&[e.code]).inc();
-            e.into_response()
-        }
-    }
-}

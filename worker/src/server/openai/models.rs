@@ -1,19 +1,14 @@
 //! `GET /v1/models`.
 
 use axum::extract::State;
-use axum::http::HeaderMap;
-use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::json;
+use serde_json::{json, Value};
 
 use super::answer::now;
-use super::{finish, S};
+use super::S;
 
 /// `GET /v1/models`: the pool, the base model and every adapter.
-pub async fn models(State(s): S, headers: HeaderMap) -> Response {
-    if let Err(e) = s.check_api_key(&headers) {
-        return finish(&s, Err(e));
-    }
+pub async fn models(State(s): S) -> Json<Value> {
     let cfg = s.cfg();
     let t = now();
     let mut data = vec![
@@ -26,5 +21,5 @@ pub async fn models(State(s): S, headers: HeaderMap) -> Response {
         data.push(json!({"id": a.name, "object": "model", "created": t, "owned_by": "mole", "root": cfg.base_model.name, "parent": cfg.base_model.name,
             "mole": {"kind": "adapter", "version": a.version, "mode": a.mode, "loaded": l, "description": a.description}}));
     }
-    Json(json!({"object": "list", "data": data})).into_response()
+    Json(json!({"object": "list", "data": data}))
 }

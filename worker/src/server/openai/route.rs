@@ -1,17 +1,14 @@
 //! Routing a request ([`crate::router::decide`] with the engine's scorer and the embedder),
 //! and `POST /v1/route`, the decision alone.
 
-use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
 use super::types::RouteBody;
-use super::validate::{bad, last_user_text, messages, parse_body};
-use super::{finish, S};
+use super::validate::{bad, last_user_text, messages, Wire};
+use super::S;
 use crate::router::{self, Decision, Mode, RouteInput};
 use crate::server::{mole_headers, ApiError, AppState};
 
@@ -77,25 +74,19 @@ fn blocking<T>(f: impl FnOnce() -> T) -> T {
 /// `POST /v1/route`: the routing decision only, no generation.
 pub async fn route(
     State(s): S,
-    headers: HeaderMap,
-    body: Result<Bytes, BytesRejection>,
-) -> Response {
-    let r = async {
-        s.check_api_key(&headers)?;
-        let b: RouteBody = parse_body(body)?;
-        let text = match (b.input, b.messages) {
-            (Some(t), _) => t,
-            (None, Some(m)) => last_user_text(&messages(m)?),
-            (None, None) => return Err(bad("invalid_request", "give input or messages")),
-        };
-        let input = RouteInput {
-            model: &b.common.model,
-            adapter: b.common.named_adapter(),
-            text: &text,
-        };
-        let d = decide(&s, &input)?;
-        Ok::<Response, ApiError>((mole_headers(&d), Json(json!({"adapter": d.adapter, "mode": d.mode, "route": d.reason, "score": d.score}))).into_response())
-    }
-    .await;
-    finish(&s, r)
+    Wire { body: b, .. }: Wire<RouteBody>,
+) -> Result<Response, ApiError> {
+    let text = match (b.input, b.messages) {
+        (Some(t), _) => t,
+        (None, Some(m)) => last_user_text(&messages(m)?),
+        (None, None) => return Err(bad("invalid_request", "give input or messages")),
+    };
+    let input = RouteInput {
+        model: &b.common.model,
+        adapter: b.common.named_adapter(),
+        text: &text,
+    };
+    let d = decide(&s, &input)?;
+    let body = json!({"adapter": d.adapter, "mode": d.mode, "route": d.reason, "score": d.score});
+    Ok((mole_headers(&d), Json(body)).into_response())
 }

@@ -5,20 +5,20 @@ use serde_json::Value;
 
 #[derive(Deserialize)]
 #[serde(untagged)]
-pub(super) enum StopField {
+pub(in crate::server) enum StopField {
     One(String),
     Many(Vec<String>),
 }
 
 #[derive(Deserialize)]
 #[serde(untagged)]
-pub(super) enum Content {
+pub(in crate::server) enum Content {
     Text(String),
     Parts(Vec<Part>),
 }
 
 #[derive(Deserialize)]
-pub(super) struct Part {
+pub(in crate::server) struct Part {
     #[serde(rename = "type")]
     pub(super) kind: String,
     #[serde(default)]
@@ -26,7 +26,7 @@ pub(super) struct Part {
 }
 
 #[derive(Deserialize)]
-pub(super) struct InMessage {
+pub(in crate::server) struct InMessage {
     pub(super) role: String,
     #[serde(default)]
     pub(super) content: Option<Content>,
@@ -34,7 +34,7 @@ pub(super) struct InMessage {
 
 /// Sampling fields shared by chat and completions.
 #[derive(Deserialize, Default)]
-pub(super) struct Common {
+pub(in crate::server) struct Common {
     #[serde(default)]
     pub(super) model: String,
     #[serde(default)]
@@ -75,7 +75,7 @@ impl Common {
 }
 
 #[derive(Deserialize)]
-pub(super) struct ChatBody {
+pub(in crate::server) struct ChatBody {
     pub(super) messages: Vec<InMessage>,
     /// Extra chat-template variables (vLLM's field), e.g. `{"enable_thinking": false}`.
     #[serde(default)]
@@ -86,14 +86,14 @@ pub(super) struct ChatBody {
 
 #[derive(Deserialize)]
 #[serde(untagged)]
-pub(super) enum PromptField {
+pub(in crate::server) enum PromptField {
     Text(String),
     Tokens(Vec<u32>),
     Texts(Vec<String>),
 }
 
 #[derive(Deserialize)]
-pub(super) struct CompletionBody {
+pub(in crate::server) struct CompletionBody {
     pub(super) prompt: PromptField,
     #[serde(flatten)]
     pub(super) common: Common,
@@ -101,7 +101,7 @@ pub(super) struct CompletionBody {
 
 /// Which OpenAI object shape to answer with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Kind {
+pub(in crate::server) enum Kind {
     /// `chat.completion` (chat, and `/infer`).
     Chat,
     /// `text_completion`.
@@ -133,7 +133,7 @@ impl Kind {
 }
 
 #[derive(Deserialize)]
-pub(super) struct InferBody {
+pub(in crate::server) struct InferBody {
     /// The task prompt (`input` is accepted as an alias).
     #[serde(alias = "input")]
     pub(super) prompt: String,
@@ -145,7 +145,7 @@ pub(super) struct InferBody {
 }
 
 #[derive(Deserialize)]
-pub(super) struct RouteBody {
+pub(in crate::server) struct RouteBody {
     #[serde(default)]
     pub(super) input: Option<String>,
     #[serde(default)]
@@ -155,7 +155,7 @@ pub(super) struct RouteBody {
 }
 
 #[derive(Deserialize)]
-pub(super) struct LoadBody {
+pub(in crate::server) struct LoadBody {
     pub(super) lora_name: String,
     #[serde(default)]
     pub(super) lora_path: Option<String>,
@@ -163,7 +163,7 @@ pub(super) struct LoadBody {
 
 #[derive(Deserialize, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub(super) struct ReloadBody {
+pub(in crate::server) struct ReloadBody {
     /// `WorkerConfig::content_hash()` the caller expects the file to have.
     #[serde(default)]
     pub(super) config_hash: Option<String>,

@@ -4,13 +4,12 @@
 
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
+use axum::extract::{FromRequest, Request};
 use axum::http::{HeaderMap, StatusCode};
 use serde::de::DeserializeOwned;
-use serde_json::{json, Value};
+use serde_json::Value;
 
-use super::types::{
-    ChatBody, Common, CompletionBody, Content, InMessage, InferBody, Kind, PromptField, StopField,
-};
+use super::types::{Common, Content, InMessage, Kind, StopField};
 use crate::engine::api::{ChatMessage, Prompt, SamplingParams};
 use crate::router::RouteInput;
 use crate::server::gateway::Upstream;
@@ -21,8 +20,9 @@ pub(super) fn bad(code: &'static str, msg: impl Into<String>) -> ApiError {
     ApiError::new(StatusCode::BAD_REQUEST, code, msg)
 }
 
-/// A JSON request body as read: typed, and as sent (what a merged pod is forwarded).
-pub(super) struct Wire<T> {
+/// A JSON request body (the extractor of every endpoint that takes one): typed, and as sent
+/// (what a merged pod is forwarded).
+pub(in crate::server) struct Wire<T> {
     /// The body, typed.
     pub(super) body: T,
     /// The body as the client sent it.
@@ -32,7 +32,7 @@ pub(super) struct Wire<T> {
 impl<T: DeserializeOwned> Wire<T> {
     /// Reads a body, every failure a stable 4xx: 413 `body_too_large`, 400 `invalid_body`,
     /// `invalid_json` (not JSON) or `invalid_request` (JSON of the wrong shape).
-    pub(super) fn read(body: Result<Bytes, BytesRejection>) -> Result<Self, ApiError> {
+    fn read(body: Result<Bytes, BytesRejection>) -> Result<Self, ApiError> {
         let b = body.map_err(|r| {
             if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
                 ApiError::new(
@@ -52,16 +52,42 @@ impl<T: DeserializeOwned> Wire<T> {
     }
 }
 
-/// Reads a JSON body (see [`Wire::read`]) and keeps only the typed body.
-pub(super) fn parse_body<T: DeserializeOwned>(
-    body: Result<Bytes, BytesRejection>,
-) -> Result<T, ApiError> {
-    Wire::read(body).map(|w| w.body)
+impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Wire<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        Self::read(Bytes::from_request(req, state).await)
+    }
+}
+
+/// A JSON body that may be left out: an empty or blank body reads as `T::default()`.
+pub(in crate::server) struct OptionalWire<T>(pub(super) T);
+
+impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalWire<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let body = Bytes::from_request(req, state).await;
+        if body
+            .as_ref()
+            .is_ok_and(|b| b.iter().all(u8::is_ascii_whitespace))
+        {
+            return Ok(Self(T::default()));
+        }
+        Wire::read(body).map(|w| Self(w.body))
+    }
+}
+
+/// A wire body that validation turns into a [`ValidRequest`]: the bodies of chat, completions
+/// and `/infer`.
+pub(in crate::server) trait Validate: DeserializeOwned + Sized {
+    /// The validated request, or the 4xx that refuses it.
+    fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError>;
 }
 
 /// One generation request, validated: what chat, completion and `/infer` bodies become, and
 /// all the serving path takes.
-pub(super) struct ValidRequest {
+pub(in crate::server) struct ValidRequest {
     /// The answer's shape (and the `endpoint` metric label).
     pub(super) kind: Kind,
     /// `model` as asked (empty: the router decides, and answers name the pool).
@@ -85,84 +111,8 @@ pub(super) struct ValidRequest {
 }
 
 impl ValidRequest {
-    /// `POST /v1/chat/completions`: the messages rendered by the model's chat template.
-    pub(super) fn chat(s: &AppState, wire: Wire<ChatBody>) -> Result<Self, ApiError> {
-        let Wire { body: b, raw } = wire;
-        let msgs = messages(b.messages)?;
-        let sampling = sampling(&b.common, true, token_cap(s))?;
-        let route_text = last_user_text(&msgs);
-        let prompt = Prompt::Templated(
-            s.engine
-                .apply_chat_template(&msgs, &b.chat_template_kwargs)?,
-        );
-        Ok(Self::new(
-            Kind::Chat,
-            b.common,
-            prompt,
-            route_text,
-            sampling,
-            raw,
-        ))
-    }
-
-    /// `POST /v1/completions`: a string, a one-string array, or token ids of the vocabulary.
-    pub(super) fn completion(s: &AppState, wire: Wire<CompletionBody>) -> Result<Self, ApiError> {
-        let Wire { body: b, raw } = wire;
-        let sampling = sampling(&b.common, false, token_cap(s))?;
-        let prompt = completion_prompt(b.prompt, s.engine.model_info().vocab_size)?;
-        let route_text = match &prompt {
-            Prompt::Text(t) | Prompt::Templated(t) => t.clone(),
-            Prompt::Tokens(_) => String::new(),
-        };
-        Ok(Self::new(
-            Kind::Completion,
-            b.common,
-            prompt,
-            route_text,
-            sampling,
-            raw,
-        ))
-    }
-
-    /// `POST /infer`: the prompt as the one user message of a chat, never streamed. An image is
-    /// checked, then refused until vision lands.
-    pub(super) fn infer(s: &AppState, wire: Wire<InferBody>) -> Result<Self, ApiError> {
-        let Wire { body: mut b, raw } = wire;
-        if let Some(img) = &b.image_b64 {
-            use base64::Engine as _;
-            let data = img.split_once("base64,").map_or(img.as_str(), |(_, d)| d);
-            base64::engine::general_purpose::STANDARD
-                .decode(data.trim())
-                .map_err(|e| bad("invalid_image", format!("image_b64 is not base64: {e}")))?;
-            return Err(bad(
-                "images_not_supported",
-                "this worker serves text models; image inputs need a vision base model",
-            ));
-        }
-        b.common.stream = false;
-        let msgs = vec![ChatMessage {
-            role: "user".into(),
-            content: b.prompt.clone(),
-        }];
-        let sampling = sampling(&b.common, true, token_cap(s))?;
-        let prompt = Prompt::Templated(
-            s.engine
-                .apply_chat_template(&msgs, &serde_json::Map::new())?,
-        );
-        // Merged pods get it as a chat completion.
-        let mut forward = raw;
-        forward["messages"] = json!([{"role": "user", "content": b.prompt}]);
-        Ok(Self::new(
-            Kind::Chat,
-            b.common,
-            prompt,
-            b.prompt,
-            sampling,
-            forward,
-        ))
-    }
-
-    fn new(
+    /// The request of a validated prompt and sampling, the rest as the client gave it.
+    pub(super) fn new(
         kind: Kind,
         c: Common,
         prompt: Prompt,
@@ -230,30 +180,8 @@ impl ValidRequest {
 }
 
 /// `limits.maxTokens` now.
-fn token_cap(s: &AppState) -> u64 {
+pub(super) fn token_cap(s: &AppState) -> u64 {
     u64::from(s.cfg().limits.max_tokens)
-}
-
-/// A completion's prompt: a string, a one-string array, or a non-empty array of token ids
-/// below `vocab` (0: unknown, not checked).
-fn completion_prompt(p: PromptField, vocab: usize) -> Result<Prompt, ApiError> {
-    match p {
-        PromptField::Text(t) => Ok(Prompt::Text(t)),
-        PromptField::Tokens(t) if !t.is_empty() => {
-            if let Some(bad_id) = t.iter().find(|&&i| vocab > 0 && i as usize >= vocab) {
-                return Err(bad(
-                    "invalid_token_id",
-                    format!("token id {bad_id} >= vocab size {vocab}"),
-                ));
-            }
-            Ok(Prompt::Tokens(t))
-        }
-        PromptField::Texts(mut v) if v.len() == 1 => Ok(Prompt::Text(v.remove(0))),
-        _ => Err(bad(
-            "invalid_prompt",
-            "prompt must be a string, one-string array or a non-empty token id array",
-        )),
-    }
 }
 
 /// The sampling fields, checked; `max_tokens` defaults to 256 and must be within `cap`
@@ -368,6 +296,7 @@ pub(super) fn last_user_text(m: &[ChatMessage]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
 
     fn common(v: Value) -> Common {
         serde_json::from_value(v).unwrap()
@@ -440,18 +369,6 @@ mod tests {
         let part = |t: &str| json!([{"role": "user", "content": [{"type": t}]}]);
         assert_eq!(refused(m(part("image_url"))), "images_not_supported");
         assert_eq!(refused(m(part("audio"))), "invalid_content_part");
-    }
-
-    #[test]
-    fn completion_prompts() {
-        let p = |v: Value, vocab| completion_prompt(serde_json::from_value(v).unwrap(), vocab);
-        assert_eq!(p(json!("hi"), 10).unwrap(), Prompt::Text("hi".into()));
-        assert_eq!(p(json!(["hi"]), 10).unwrap(), Prompt::Text("hi".into()));
-        assert_eq!(p(json!([1, 9]), 10).unwrap(), Prompt::Tokens(vec![1, 9]));
-        assert_eq!(p(json!([99]), 0).unwrap(), Prompt::Tokens(vec![99]));
-        assert_eq!(refused(p(json!([10]), 10)), "invalid_token_id");
-        assert_eq!(refused(p(json!([]), 10)), "invalid_prompt");
-        assert_eq!(refused(p(json!(["a", "b"]), 10)), "invalid_prompt");
     }
 
     #[test]
