@@ -108,6 +108,7 @@ async fn serve_routed(
         start: Instant::now(),
         deadline: tokio::time::Instant::now() + timeout,
         last_token: None,
+        version: None,
     };
     if req.stream {
         Ok(stream_response(ctx, rx))
