@@ -1,8 +1,9 @@
-//! The OpenAI-compatible HTTP API (axum). Handlers parse and check requests, route them
-//! ([`crate::router`]), forward merged adapters to their pods or submit to the engine, and
-//! stream the answer back. Every error is OpenAI-shaped (`{error:{message,type,code}}`) with a
-//! stable `code`; every answer names the adapter, mode and route (`x-mole-*` headers and a
-//! `mole` field).
+//! The OpenAI-compatible HTTP API (axum). A request passes two layers, the guard of its
+//! route's [`Access`] and the error counter (see [`app`]); its handler reads the JSON body,
+//! validation turns it into one typed request, the router ([`crate::router`]) picks the
+//! adapter, and the gateway forwards it to merged pods or the engine answers, whole or
+//! streamed. Every error is OpenAI-shaped (`{error:{message,type,code}}`) with a stable `code`;
+//! every answer names the adapter, mode and route (`x-mole-*` headers and a `mole` field).
 
 mod auth;
 pub mod cli;

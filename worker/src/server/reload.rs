@@ -26,6 +26,8 @@ pub struct ReloadOutcome {
 }
 
 impl AppState {
+    /// Records what an adapter load did: the load durations, and the refused versions
+    /// `/v1/lora_adapters` lists (forgotten once no longer configured).
     fn record_apply(&self, cfg: &WorkerConfig, report: &ApplyReport) {
         let m = &self.metrics.adapter_load_duration;
         for (_, secs) in &report.loaded {
@@ -137,30 +139,8 @@ impl AppState {
                 restart_required: restart,
             });
         }
-        let diff = crate::config::diff_adapters(&old.adapters, &new.adapters);
-        *self.pending.lock().expect("pending lock") = diff
-            .load
-            .iter()
-            .map(|a| (a.name.clone(), a.version.clone()))
-            .collect();
-        // Cleared whatever happens below (a panicking load must not leave the pod unready).
-        struct Clear<'a>(&'a Mutex<Vec<(String, String)>>);
-        impl Drop for Clear<'_> {
-            fn drop(&mut self) {
-                if let Ok(mut p) = self.0.lock() {
-                    p.clear();
-                }
-            }
-        }
-        let _clear = Clear(&self.pending);
-        let report = crate::config::apply_diff(self.engine.as_ref(), &new, &diff);
-        self.record_apply(&new, &report);
-        if new.auth != old.auth {
-            self.auth.reconfigure(&new);
-        }
-        *self.config.write().expect("config lock") = Arc::new(new);
+        let errors = self.apply(&old, new);
         count("changed");
-        let errors = report.errors();
         tracing::info!(hash = %hash, ?errors, "config reloaded");
         Ok(ReloadOutcome {
             changed: true,
@@ -169,8 +149,41 @@ impl AppState {
             restart_required: restart,
         })
     }
+
+    /// Swaps `new` in for `old`: adapters loaded and unloaded (listed as pending meanwhile),
+    /// secrets re-read when the auth settings moved, the config replaced. Returns what could
+    /// not be loaded.
+    fn apply(&self, old: &WorkerConfig, new: WorkerConfig) -> Vec<String> {
+        let diff = crate::config::diff_adapters(&old.adapters, &new.adapters);
+        *self.pending.lock().expect("pending lock") = diff
+            .load
+            .iter()
+            .map(|a| (a.name.clone(), a.version.clone()))
+            .collect();
+        let _clear = ClearPending(&self.pending);
+        let report = crate::config::apply_diff(self.engine.as_ref(), &new, &diff);
+        self.record_apply(&new, &report);
+        if new.auth != old.auth {
+            self.auth.reconfigure(&new);
+        }
+        *self.config.write().expect("config lock") = Arc::new(new);
+        report.errors()
+    }
 }
 
+/// Empties the pending list when dropped, whatever happens while the adapters load: a
+/// panicking load must not leave the pod unready.
+struct ClearPending<'a>(&'a Mutex<Vec<(String, String)>>);
+
+impl Drop for ClearPending<'_> {
+    fn drop(&mut self) {
+        if let Ok(mut p) = self.0.lock() {
+            p.clear();
+        }
+    }
+}
+
+/// 409 `config_stale`: the file on disk is not the one the caller expects.
 fn stale(path: &std::path::Path, hash: &str, want: &str) -> ApiError {
     ApiError::new(
         StatusCode::CONFLICT,

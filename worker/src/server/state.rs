@@ -45,6 +45,7 @@ pub struct AppState {
     pub local_merged: RwLock<HashMap<String, Arc<dyn InferenceEngine>>>,
     /// Sentence-embedding model of the embedding router (set once at start when configured).
     pub embedder: std::sync::OnceLock<Arc<crate::router::embed::SentenceEmbedder>>,
+    /// The id of the next adapter loaded through `/v1/load_lora_adapter`.
     pub(super) next_lora_id: AtomicU32,
 }
 

@@ -1,4 +1,5 @@
-//! Handlers of the OpenAI-compatible and mole endpoints.
+//! Handlers of the OpenAI-compatible and mole endpoints: wire types, validation into one
+//! request, routing, the serving path, answers, and the admin endpoints.
 
 mod admin;
 mod answer;

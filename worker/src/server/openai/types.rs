@@ -3,6 +3,7 @@
 use serde::Deserialize;
 use serde_json::Value;
 
+/// `stop`: one string or several.
 #[derive(Deserialize)]
 #[serde(untagged)]
 pub(in crate::server) enum StopField {
@@ -10,6 +11,7 @@ pub(in crate::server) enum StopField {
     Many(Vec<String>),
 }
 
+/// A message's `content`: text, or typed parts.
 #[derive(Deserialize)]
 #[serde(untagged)]
 pub(in crate::server) enum Content {
@@ -17,6 +19,7 @@ pub(in crate::server) enum Content {
     Parts(Vec<Part>),
 }
 
+/// One content part (`{"type": "text", "text": ...}`; images are refused).
 #[derive(Deserialize)]
 pub(in crate::server) struct Part {
     #[serde(rename = "type")]
@@ -25,6 +28,7 @@ pub(in crate::server) struct Part {
     pub(super) text: Option<String>,
 }
 
+/// A chat message as sent.
 #[derive(Deserialize)]
 pub(in crate::server) struct InMessage {
     pub(super) role: String,
@@ -32,7 +36,8 @@ pub(in crate::server) struct InMessage {
     pub(super) content: Option<Content>,
 }
 
-/// Sampling fields shared by chat and completions.
+/// The fields chat, completions, `/infer` and `/v1/route` share: the model or adapter asked
+/// for, and sampling.
 #[derive(Deserialize, Default)]
 pub(in crate::server) struct Common {
     #[serde(default)]
@@ -74,6 +79,7 @@ impl Common {
     }
 }
 
+/// `POST /v1/chat/completions`.
 #[derive(Deserialize)]
 pub(in crate::server) struct ChatBody {
     pub(super) messages: Vec<InMessage>,
@@ -84,6 +90,7 @@ pub(in crate::server) struct ChatBody {
     pub(super) common: Common,
 }
 
+/// A completion's `prompt`: text, token ids, or an array of texts (one is served).
 #[derive(Deserialize)]
 #[serde(untagged)]
 pub(in crate::server) enum PromptField {
@@ -92,6 +99,7 @@ pub(in crate::server) enum PromptField {
     Texts(Vec<String>),
 }
 
+/// `POST /v1/completions`.
 #[derive(Deserialize)]
 pub(in crate::server) struct CompletionBody {
     pub(super) prompt: PromptField,
@@ -132,6 +140,7 @@ impl Kind {
     }
 }
 
+/// `POST /infer`, the seeds' task call.
 #[derive(Deserialize)]
 pub(in crate::server) struct InferBody {
     /// The task prompt (`input` is accepted as an alias).
@@ -144,6 +153,7 @@ pub(in crate::server) struct InferBody {
     pub(super) common: Common,
 }
 
+/// `POST /v1/route`: `input`, or chat `messages` (the last user one is routed).
 #[derive(Deserialize)]
 pub(in crate::server) struct RouteBody {
     #[serde(default)]
@@ -154,6 +164,7 @@ pub(in crate::server) struct RouteBody {
     pub(super) common: Common,
 }
 
+/// `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's shape).
 #[derive(Deserialize)]
 pub(in crate::server) struct LoadBody {
     pub(super) lora_name: String,
@@ -161,6 +172,7 @@ pub(in crate::server) struct LoadBody {
     pub(super) lora_path: Option<String>,
 }
 
+/// `POST /admin/reload`'s optional body.
 #[derive(Deserialize, Default)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub(in crate::server) struct ReloadBody {
