@@ -36,8 +36,38 @@ pub struct Decision {
     pub reason: String,
     /// Confidence (classifier probability, embedding cosine) when the rule has one.
     pub score: Option<f64>,
-    /// `dynamic`, `merged` or `base`: how the adapter is configured to be served.
-    pub mode: String,
+    /// How the adapter is served.
+    pub mode: Mode,
+}
+
+/// How a routed request is served: the names are the `x-mole-mode` header, the `mode` JSON
+/// field and the `mode` metric label.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    /// A LoRA adapter applied at run time over the shared base weights.
+    Dynamic,
+    /// An adapter merged into its own copy of the weights (its pods, or this process).
+    Merged,
+    /// The base model, no adapter.
+    Base,
+}
+
+impl Mode {
+    /// The wire name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Dynamic => "dynamic",
+            Mode::Merged => "merged",
+            Mode::Base => "base",
+        }
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
 }
 
 /// What the router sees of a request.
@@ -56,15 +86,15 @@ pub type Scorer<'a> = &'a dyn Fn(&str, &str, &[String]) -> Option<Vec<f32>>;
 /// Embeds texts (L2-normalised); None when no embedding model is configured.
 pub type Embedder<'a> = &'a dyn Fn(&[String]) -> Option<Vec<Vec<f32>>>;
 
-fn mode_of(cfg: &WorkerConfig, adapter: &Option<String>) -> String {
+fn mode_of(cfg: &WorkerConfig, adapter: &Option<String>) -> Mode {
     if cfg.merged.is_some() && adapter.is_some() {
-        return "merged".into();
+        return Mode::Merged;
     }
     match adapter {
-        None => "base".into(),
+        None => Mode::Base,
         Some(n) => match cfg.adapters.iter().find(|a| &a.name == n).map(|a| a.mode) {
-            Some(ServingMode::Merged) => "merged".into(),
-            _ => "dynamic".into(),
+            Some(ServingMode::Merged) => Mode::Merged,
+            _ => Mode::Dynamic,
         },
     }
 }
@@ -273,11 +303,11 @@ router:
         let c = cfg("[explicit, keywords]", "base");
         let d = decide(&c, &inp("js", "bonjour"), &none_s, &none_e).unwrap();
         assert_eq!(
-            (d.adapter.as_deref(), d.reason.as_str(), d.mode.as_str()),
-            (Some("js"), "explicit", "merged")
+            (d.adapter.as_deref(), d.reason.as_str(), d.mode),
+            (Some("js"), "explicit", Mode::Merged)
         );
         let d = decide(&c, &inp("base", "bonjour"), &none_s, &none_e).unwrap();
-        assert_eq!((d.adapter, d.mode.as_str()), (None, "base"));
+        assert_eq!((d.adapter, d.mode), (None, Mode::Base));
         let e = decide(&c, &inp("nope", "x"), &none_s, &none_e).unwrap_err();
         assert_eq!(e.code(), "model_not_found");
         let i = RouteInput {
@@ -289,6 +319,18 @@ router:
             decide(&c, &i, &none_s, &none_e).unwrap().adapter.as_deref(),
             Some("fr")
         );
+    }
+
+    #[test]
+    fn modes_keep_their_wire_names() {
+        for (m, name) in [
+            (Mode::Dynamic, "dynamic"),
+            (Mode::Merged, "merged"),
+            (Mode::Base, "base"),
+        ] {
+            assert_eq!((m.as_str(), m.to_string()), (name, name.to_string()));
+            assert_eq!(serde_json::to_value(m).unwrap(), name);
+        }
     }
 
     #[test]

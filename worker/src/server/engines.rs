@@ -1,0 +1,154 @@
+//! Building the engines the server serves from: the base model's, and in local mode one per
+//! adapter configured `mode: merged`, merged in-process.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use mole_api::{ServingMode, WorkerAdapter, WorkerConfig, WorkerMode};
+
+use crate::config::model_dir;
+use crate::config::ConfigError;
+use crate::engine::api::{EngineError, InferenceEngine};
+use crate::engine::{candle_dtype, default_device, Engine, EngineOptions};
+use crate::merge::MergeError;
+
+/// Why an engine could not be built. Stable names via [`BuildError::code`].
+#[derive(Debug, thiserror::Error)]
+pub enum BuildError {
+    /// A configured path is unusable (outside the model root, missing).
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// The model did not load.
+    #[error(transparent)]
+    Engine(#[from] EngineError),
+    /// Merging an adapter in-process failed.
+    #[error(transparent)]
+    Merge(#[from] MergeError),
+}
+
+impl BuildError {
+    /// Stable name (metric label, log field).
+    pub fn code(&self) -> &'static str {
+        match self {
+            BuildError::Config(e) => e.code(),
+            BuildError::Engine(e) => e.code(),
+            BuildError::Merge(e) => e.code(),
+        }
+    }
+}
+
+/// The engine settings every engine of a config shares: names and the batch, context and queue
+/// limits.
+fn base_options(cfg: &WorkerConfig) -> EngineOptions {
+    let l = &cfg.limits;
+    EngineOptions {
+        base_name: cfg.base_model.name.clone(),
+        max_batch_size: l.max_batch_size as usize,
+        max_seq_len: l.max_seq_len as usize,
+        max_queue: l.max_queue as usize,
+        ..Default::default()
+    }
+}
+
+/// Builds the engine for a config: the ONE place where the server meets the engine
+/// implementation.
+pub fn build_engine(cfg: &WorkerConfig) -> Result<Arc<dyn InferenceEngine>, BuildError> {
+    let dir = model_dir(cfg)?;
+    let device = default_device();
+    let dtype = candle_dtype(cfg.base_model.dtype);
+    let l = &cfg.limits;
+    let opts = EngineOptions {
+        max_loras: l.max_loras as usize,
+        max_cpu_loras: l.max_cpu_loras as usize,
+        max_lora_rank: l.max_lora_rank as usize,
+        lora_dtype: l.lora_dtype.map(candle_dtype),
+        prefill_chunk: std::env::var("MOLE_PREFILL_CHUNK")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(512),
+        merged: cfg
+            .merged
+            .as_ref()
+            .map(|m| (m.adapter.clone(), m.version.clone())),
+        ..base_options(cfg)
+    };
+    let started = std::time::Instant::now();
+    // A `.gguf` base is served quantized; an HF directory in the configured dtype.
+    let engine = if dir.extension().is_some_and(|e| e == "gguf") {
+        Engine::load_gguf(&dir, &device, opts)?
+    } else {
+        Engine::load(&dir, dtype, &device, opts)?
+    };
+    tracing::info!(model = %dir.display(), ?device, ?dtype, seconds = started.elapsed().as_secs_f64(), "model loaded");
+    Ok(Arc::new(engine))
+}
+
+/// Local mode: merges every adapter configured `mode: merged` without a `mergedEndpoint` into
+/// `<modelRoot>/.mole-merged/<adapter>/<version>/` (once; reused while its metadata matches)
+/// and starts an engine on it, so one process serves merged and dynamic adapters side by side.
+/// Each merged model holds a full copy of the weights. Adapters that fail are reported and
+/// stay served dynamically.
+pub fn build_local_merged(
+    cfg: &WorkerConfig,
+) -> (HashMap<String, Arc<dyn InferenceEngine>>, Vec<String>) {
+    let mut out = HashMap::new();
+    let mut errors = Vec::new();
+    if cfg.mode != WorkerMode::Local {
+        return (out, errors);
+    }
+    let wanted = cfg
+        .adapters
+        .iter()
+        .filter(|a| a.mode == ServingMode::Merged && a.merged_endpoint.is_none());
+    for a in wanted {
+        match merged_engine(cfg, a) {
+            Ok(e) => {
+                out.insert(a.name.clone(), e);
+            }
+            Err(e) => errors.push(format!("merge {}: {e}", a.name)),
+        }
+    }
+    (out, errors)
+}
+
+/// An engine on adapter `a` merged into the base, merging first unless a merge of this version
+/// is already on disk.
+fn merged_engine(
+    cfg: &WorkerConfig,
+    a: &WorkerAdapter,
+) -> Result<Arc<dyn InferenceEngine>, BuildError> {
+    let root = crate::config::resolve_in_root(&cfg.model_root, ".")?;
+    let base = crate::config::resolve_in_root(&cfg.model_root, &cfg.base_model.path)?;
+    let adapter = crate::config::resolve_in_root(&cfg.model_root, &a.path)?;
+    let dir = root.join(".mole-merged").join(&a.name).join(&a.version);
+    let fresh = std::fs::read_to_string(dir.join("merge_metadata.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
+        .is_some_and(|m| m["adapter_version"] == a.version.as_str());
+    if !fresh {
+        let report = crate::merge::merge(&crate::merge::MergeOptions {
+            base,
+            adapter,
+            out: dir.clone(),
+            safe_merge: true,
+            dtype: None,
+            root: Some(root),
+            expect_base: Some(cfg.base_model.name.clone()),
+            max_rank: cfg.limits.max_lora_rank as usize,
+            adapter_name: Some(a.name.clone()),
+            adapter_version: Some(a.version.clone()),
+        })?;
+        tracing::info!(adapter = %a.name, version = %a.version, ?report, "merged in-process");
+    }
+    let opts = EngineOptions {
+        merged: Some((a.name.clone(), a.version.clone())),
+        ..base_options(cfg)
+    };
+    let dtype = candle_dtype(cfg.base_model.dtype);
+    Ok(Arc::new(Engine::load(
+        &dir,
+        dtype,
+        &default_device(),
+        opts,
+    )?))
+}

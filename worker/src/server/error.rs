@@ -1,0 +1,131 @@
+//! Errors of the HTTP layer: every refusal is an [`ApiError`], answered as OpenAI's
+//! `{error:{message,type,code}}` with a stable `code`.
+
+use std::sync::Arc;
+
+use axum::extract::{Request, State};
+use axum::http::{HeaderValue, StatusCode};
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+use super::AppState;
+use crate::engine::api::EngineError;
+use crate::router::RouteError;
+
+/// Why the server refused a request. Stable names via [`ApiError::code`].
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("{message}")]
+pub struct ApiError {
+    /// HTTP status.
+    pub status: StatusCode,
+    /// Stable code.
+    pub code: &'static str,
+    /// Human message.
+    pub message: String,
+    /// Seconds for Retry-After (429/503).
+    pub retry_after: Option<u64>,
+}
+
+impl ApiError {
+    /// A new error.
+    pub fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+        Self {
+            status,
+            code,
+            message: message.into(),
+            retry_after: None,
+        }
+    }
+    /// The same error, answered with `Retry-After: secs`.
+    pub fn with_retry_after(mut self, secs: u64) -> Self {
+        self.retry_after = Some(secs);
+        self
+    }
+    /// Stable name (metric label, JSON `code`).
+    pub fn code(&self) -> &'static str {
+        self.code
+    }
+    fn kind(&self) -> &'static str {
+        match self.status.as_u16() {
+            401 | 403 => "authentication_error",
+            404 => "not_found_error",
+            429 => "rate_limit_error",
+            400..=499 => "invalid_request_error",
+            _ => "server_error",
+        }
+    }
+    /// The OpenAI error body.
+    pub fn body(&self) -> serde_json::Value {
+        json!({"error": {"message": self.message, "type": self.kind(), "code": self.code}})
+    }
+}
+
+impl From<EngineError> for ApiError {
+    fn from(e: EngineError) -> Self {
+        let status = match &e {
+            EngineError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
+            EngineError::NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
+            EngineError::AdapterNotFound(_) => StatusCode::NOT_FOUND,
+            EngineError::InvalidAdapter { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            EngineError::InvalidRequest(_) => StatusCode::BAD_REQUEST,
+            EngineError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        };
+        let mut a = ApiError::new(status, e.code(), e.to_string());
+        if matches!(status.as_u16(), 429 | 503) {
+            a.retry_after = Some(1);
+        }
+        a
+    }
+}
+
+impl From<RouteError> for ApiError {
+    fn from(e: RouteError) -> Self {
+        let status = match e {
+            RouteError::UnknownModel(_) => StatusCode::NOT_FOUND,
+            RouteError::NoRoute => StatusCode::UNPROCESSABLE_ENTITY,
+        };
+        ApiError::new(status, e.code(), e.to_string())
+    }
+}
+
+impl From<tokio::task::JoinError> for ApiError {
+    fn from(e: tokio::task::JoinError) -> Self {
+        ApiError::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            e.to_string(),
+        )
+    }
+}
+
+/// The code of the error a response answers, a response extension that [`count_errors`] reads.
+#[derive(Debug, Clone, Copy)]
+struct ErrorCode(&'static str);
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let mut r = (self.status, Json(self.body())).into_response();
+        r.extensions_mut().insert(ErrorCode(self.code));
+        if let Some(s) = self.retry_after {
+            r.headers_mut().insert("retry-after", HeaderValue::from(s));
+        }
+        r
+    }
+}
+
+/// The counting layer of the API routes (`from_fn_with_state`): every error answer, whichever
+/// step refused (guard, body, validation, routing, engine), counts in `mole_errors_total` by its
+/// code. Errors inside a stream already under way are counted where they happen.
+pub(super) async fn count_errors(
+    State(s): State<Arc<AppState>>,
+    req: Request,
+    next: Next,
+) -> Response {
+    let r = next.run(req).await;
+    if let Some(ErrorCode(code)) = r.extensions().get::<ErrorCode>() {
+        s.metrics.errors.with_label_values(&[code]).inc();
+    }
+    r
+}

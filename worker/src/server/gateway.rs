@@ -1,0 +1,212 @@
+//! The gateway: requests for an adapter served by merged pods are forwarded to them, answers
+//! (streamed or not) passed back with the `x-mole-*` headers.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::body::{Body, Bytes};
+use axum::http::{HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use serde_json::Value;
+
+use mole_api::WorkerConfig;
+
+use super::{mole_headers, ApiError, AppState};
+use crate::router::{Decision, Mode};
+
+/// Connect timeout to merged pods: a Service without endpoints or a dead pod must fall back
+/// fast.
+pub const PROXY_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Largest non-streamed answer read from a merged pod (they are a few KB).
+const PROXY_MAX_BODY: usize = 16 << 20;
+
+/// What the gateway forwards to merged pods.
+pub(super) struct Upstream<'a> {
+    /// Path of the same call on a merged pod.
+    pub(super) path: &'static str,
+    /// The `endpoint` metric label.
+    pub(super) endpoint: &'static str,
+    /// The body to send.
+    pub(super) body: &'a Value,
+    /// The client's headers (its `Authorization` goes along).
+    pub(super) headers: &'a HeaderMap,
+    /// The request's `prefer_merged` (None: the router's `preferMerged`).
+    pub(super) prefer_merged: Option<bool>,
+}
+
+/// Serves `d` from its merged pods when it is a merged adapter with a `mergedEndpoint` and
+/// merged pods are preferred. Ok(Some): their answer. Ok(None): serve it here (not forwarded,
+/// or the pods failed and the router falls back to the adapter loaded here). Err: the pods
+/// failed with no fallback, 503 `merged_unavailable`.
+pub(super) async fn forward(
+    s: &Arc<AppState>,
+    cfg: &WorkerConfig,
+    d: &Decision,
+    up: &Upstream<'_>,
+) -> Result<Option<Response>, ApiError> {
+    let Some(name) = &d.adapter else {
+        return Ok(None);
+    };
+    let a = cfg.adapters.iter().find(|a| &a.name == name);
+    let Some(ep) = a
+        .and_then(|a| a.merged_endpoint.clone())
+        .filter(|_| up.prefer_merged.unwrap_or(cfg.router.prefer_merged))
+        .filter(|_| d.mode == Mode::Merged)
+    else {
+        return Ok(None);
+    };
+    let reason = match proxy(s, &ep, d, up).await {
+        Ok(r) => {
+            s.metrics
+                .proxy
+                .with_label_values(&[name.as_str(), "ok"])
+                .inc();
+            return Ok(Some(r));
+        }
+        Err(reason) => reason,
+    };
+    s.metrics
+        .proxy
+        .with_label_values(&[name.as_str(), "failed"])
+        .inc();
+    let local = s
+        .engine
+        .adapters()
+        .iter()
+        .any(|x| &x.name == name && x.loaded);
+    if !(cfg.router.fallback_to_dynamic && local) {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "merged_unavailable",
+            format!("merged pods of {name} unavailable ({reason}) and no local fallback"),
+        )
+        .with_retry_after(5));
+    }
+    tracing::warn!(adapter = %name, %reason, "merged pods unavailable, serving locally");
+    Ok(None)
+}
+
+/// Forwards a request to a merged pod. Err carries the reason (connection failure, timeout,
+/// 5xx, or a non-streamed answer cut short) so the caller can fall back: a non-streamed answer
+/// is read whole before it is sent on. A stream is passed through as it comes; if the pod
+/// dies mid-stream the client gets an OpenAI-shaped error event and `data: [DONE]`.
+async fn proxy(
+    s: &Arc<AppState>,
+    ep: &str,
+    d: &Decision,
+    up: &Upstream<'_>,
+) -> Result<Response, String> {
+    let url = format!("{}{}", ep.trim_end_matches('/'), up.path);
+    let mut req = s.http.post(&url).json(up.body);
+    if let Some(a) = up.headers.get("authorization") {
+        req = req.header("authorization", a.clone());
+    }
+    let r = req.send().await.map_err(|e| {
+        if e.is_timeout() {
+            format!("{url}: no answer in time ({e})")
+        } else {
+            format!("connect {url}: {e}")
+        }
+    })?;
+    if r.status().is_server_error() {
+        return Err(format!("{url} answered {}", r.status()));
+    }
+    let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
+    let ctype = r.headers().get("content-type").cloned();
+    let mut h = mole_headers(d);
+    h.insert(
+        "x-mole-mode",
+        HeaderValue::from_static(Mode::Merged.as_str()),
+    );
+    let route = format!("{}+proxy", d.reason);
+    h.insert(
+        "x-mole-route",
+        HeaderValue::from_str(&route).unwrap_or(HeaderValue::from_static("proxy")),
+    );
+    if let Some(c) = &ctype {
+        h.insert(
+            "content-type",
+            HeaderValue::from_bytes(c.as_bytes()).map_err(|e| e.to_string())?,
+        );
+    }
+    let adapter = d.adapter.clone().unwrap_or_default();
+    let count = {
+        let s = s.clone();
+        let route = route.clone();
+        move |status: &str| {
+            s.metrics
+                .requests
+                .with_label_values(&[up.endpoint, &adapter, Mode::Merged.as_str(), &route, status])
+                .inc();
+        }
+    };
+    let sse = ctype
+        .as_ref()
+        .and_then(|c| c.to_str().ok())
+        .is_some_and(|c| c.starts_with("text/event-stream"));
+    if !sse {
+        // Read whole: a pod that dies before the end is a failure we can still fall back from.
+        let mut body = Vec::new();
+        let mut st = r.bytes_stream();
+        use futures::StreamExt;
+        while let Some(chunk) = st.next().await {
+            let chunk = chunk.map_err(|e| format!("{url}: answer cut short ({e})"))?;
+            if body.len() + chunk.len() > PROXY_MAX_BODY {
+                return Err(format!("{url}: answer over {PROXY_MAX_BODY} bytes"));
+            }
+            body.extend_from_slice(&chunk);
+        }
+        count(status.as_str());
+        return Ok((status, h, Body::from(body)).into_response());
+    }
+    count(status.as_str());
+    Ok((
+        status,
+        h,
+        Body::from_stream(guard_sse(r.bytes_stream(), url)),
+    )
+        .into_response())
+}
+
+/// Passes an upstream SSE stream through; if it fails or ends before `data: [DONE]`, appends
+/// an OpenAI-shaped error event and `data: [DONE]` so clients see why the answer stopped.
+fn guard_sse<E: std::fmt::Display>(
+    upstream: impl futures::Stream<Item = Result<Bytes, E>> + Send + 'static,
+    url: String,
+) -> impl futures::Stream<Item = Result<Bytes, Infallible>> + Send + 'static {
+    use futures::StreamExt;
+    // State: upstream, the last bytes seen (to spot `[DONE]` across chunk boundaries), done.
+    futures::stream::unfold(
+        (Box::pin(upstream), Vec::<u8>::new(), false),
+        move |(mut up, mut tail, done)| {
+            let url = url.clone();
+            async move {
+                if done {
+                    return None;
+                }
+                let failure = match up.next().await {
+                    Some(Ok(b)) => {
+                        tail.extend_from_slice(&b);
+                        let keep = tail.len().saturating_sub(32);
+                        tail.drain(..keep);
+                        return Some((Ok(b), (up, tail, false)));
+                    }
+                    Some(Err(e)) => format!("merged pod {url} failed mid-stream: {e}"),
+                    None if tail_has_done(&tail) => return None,
+                    None => format!("merged pod {url} ended the stream early"),
+                };
+                tracing::warn!("{failure}");
+                let e = ApiError::new(StatusCode::BAD_GATEWAY, "upstream_error", failure);
+                let ev = format!("data: {}\n\ndata: [DONE]\n\n", e.body());
+                Some((Ok(Bytes::from(ev)), (up, tail, true)))
+            }
+        },
+    )
+}
+
+fn tail_has_done(tail: &[u8]) -> bool {
+    let t = String::from_utf8_lossy(tail);
+    t.trim_end().ends_with("data: [DONE]")
+}

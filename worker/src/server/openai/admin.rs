@@ -1,0 +1,111 @@
+//! The operator's and the admin's endpoints: the adapter listing, loading and unloading
+//! adapters, reloading the config file.
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+use super::types::{LoadBody, ReloadBody};
+use super::validate::{bad, OptionalWire, Wire};
+use super::S;
+use crate::server::ApiError;
+
+/// How long `POST /admin/reload` waits for the adapters to load before answering 202.
+const RELOAD_ANSWER_WITHIN: Duration = Duration::from_secs(2);
+
+/// `GET /v1/lora_adapters` (API key, or the operator or admin token): every version, loaded
+/// or refused with the reason.
+pub async fn lora_adapters(State(s): S) -> Json<mole_api::LoraAdaptersResponse> {
+    Json(mole_api::LoraAdaptersResponse {
+        object: "list".into(),
+        base_model: s.cfg().base_model.name.clone(),
+        data: s.adapter_listing(),
+    })
+}
+
+/// `POST /v1/load_lora_adapter` (vLLM shape). Admin only; path confined to the model root;
+/// safetensors weights only (pickle `.bin` files can run code).
+pub async fn load_lora(
+    State(s): S,
+    Wire { body: b, .. }: Wire<LoadBody>,
+) -> Result<Json<Value>, ApiError> {
+    let Some(p) = b.lora_path else {
+        return Err(bad("invalid_request", "lora_path is required"));
+    };
+    if b.lora_name.is_empty() || b.lora_name.contains(['/', ' ']) {
+        return Err(bad(
+            "invalid_adapter_name",
+            "lora_name must be non-empty without '/' or spaces",
+        ));
+    }
+    let cfg = s.cfg();
+    let path = crate::config::resolve_in_root(&cfg.model_root, &p)
+        .map_err(|e| bad(e.code(), e.to_string()))?;
+    if !path.join("adapter_model.safetensors").is_file() {
+        return Err(bad(
+            "safetensors_required",
+            "the adapter directory needs adapter_model.safetensors (pickle .bin is refused)",
+        ));
+    }
+    let spec = crate::engine::api::AdapterSpec {
+        name: b.lora_name.clone(),
+        version: "api".into(),
+        lora_id: s.next_lora_id.fetch_add(1, Ordering::SeqCst),
+        path,
+    };
+    let e = s.engine.clone();
+    let started = Instant::now();
+    let r = tokio::task::spawn_blocking(move || e.load_adapter(spec)).await?;
+    s.metrics
+        .adapter_load_duration
+        .with_label_values(&[if r.is_ok() { "ok" } else { "failed" }])
+        .observe(started.elapsed().as_secs_f64());
+    r?;
+    Ok(Json(json!({"status": "loaded", "lora_name": b.lora_name})))
+}
+
+/// `POST /v1/unload_lora_adapter` (vLLM shape). Admin or operator token.
+pub async fn unload_lora(
+    State(s): S,
+    Wire { body: b, .. }: Wire<LoadBody>,
+) -> Result<Json<Value>, ApiError> {
+    s.engine.unload_adapter(&b.lora_name)?;
+    Ok(Json(
+        json!({"status": "unloaded", "lora_name": b.lora_name}),
+    ))
+}
+
+/// `POST /admin/reload` (admin or operator token), optional body `{"configHash": H}`:
+/// re-reads the config file now. With H, a file whose parsed config hashes otherwise is
+/// refused with 409 `config_stale` (the kubelet refreshes a mounted ConfigMap late) and
+/// nothing changes; else it is applied and the answer carries the applied `configHash`.
+pub async fn admin_reload(
+    State(s): S,
+    OptionalWire(b): OptionalWire<ReloadBody>,
+) -> Result<Response, ApiError> {
+    // A stale file is answered at once (the operator retries), even while a watcher reload
+    // holds the reload lock.
+    if let Some(want) = b.config_hash.clone() {
+        let st = s.clone();
+        tokio::task::spawn_blocking(move || st.check_config_hash(&want)).await??;
+    }
+    let st = s.clone();
+    let want = b.config_hash.clone();
+    let job = tokio::task::spawn_blocking(move || st.reload(want.as_deref()));
+    // Loading large adapters can take longer than a caller should wait: after a while the
+    // reload goes on in the background and the answer is 202; `/v1/lora_adapters` says when
+    // each adapter is loaded.
+    match tokio::time::timeout(RELOAD_ANSWER_WITHIN, job).await {
+        Ok(joined) => Ok(Json(joined??).into_response()),
+        Err(_) => Ok((
+            StatusCode::ACCEPTED,
+            Json(json!({"applying": true, "configHash": b.config_hash})),
+        )
+            .into_response()),
+    }
+}

@@ -1,0 +1,115 @@
+//! Chats: `POST /v1/chat/completions`'s validation, and `POST /infer` (the seeds' task call,
+//! served as a chat).
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::{json, Value};
+
+use super::generate::serve;
+use super::types::{ChatBody, InferBody, Kind};
+use super::validate::{
+    bad, last_user_text, messages, sampling, token_cap, ValidRequest, Validate, Wire,
+};
+use super::S;
+use crate::engine::api::{ChatMessage, Prompt};
+use crate::server::{ApiError, AppState};
+
+impl Validate for ChatBody {
+    /// The messages rendered by the model's chat template; the router reads the last user one.
+    fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
+        let Wire { body: b, raw } = wire;
+        let msgs = messages(b.messages)?;
+        let sampling = sampling(&b.common, true, token_cap(s))?;
+        let route_text = last_user_text(&msgs);
+        let prompt = Prompt::Templated(
+            s.engine
+                .apply_chat_template(&msgs, &b.chat_template_kwargs)?,
+        );
+        Ok(ValidRequest::new(
+            Kind::Chat,
+            b.common,
+            prompt,
+            route_text,
+            sampling,
+            raw,
+        ))
+    }
+}
+
+impl Validate for InferBody {
+    /// The prompt as the one user message of a chat, never streamed. An image is checked,
+    /// then refused until vision lands.
+    fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
+        let Wire { body: mut b, raw } = wire;
+        if let Some(img) = &b.image_b64 {
+            use base64::Engine as _;
+            let data = img.split_once("base64,").map_or(img.as_str(), |(_, d)| d);
+            base64::engine::general_purpose::STANDARD
+                .decode(data.trim())
+                .map_err(|e| bad("invalid_image", format!("image_b64 is not base64: {e}")))?;
+            return Err(bad(
+                "images_not_supported",
+                "this worker serves text models; image inputs need a vision base model",
+            ));
+        }
+        b.common.stream = false;
+        let msgs = vec![ChatMessage {
+            role: "user".into(),
+            content: b.prompt.clone(),
+        }];
+        let sampling = sampling(&b.common, true, token_cap(s))?;
+        let prompt = Prompt::Templated(
+            s.engine
+                .apply_chat_template(&msgs, &serde_json::Map::new())?,
+        );
+        // Merged pods get it as a chat completion.
+        let mut forward = raw;
+        forward["messages"] = json!([{"role": "user", "content": b.prompt}]);
+        Ok(ValidRequest::new(
+            Kind::Chat,
+            b.common,
+            prompt,
+            b.prompt,
+            sampling,
+            forward,
+        ))
+    }
+}
+
+/// `POST /infer`, the seeds' task call: `{prompt, image_b64?, expert?, prefer_merged?, ...}` →
+/// `{task_output, routed_adapter, adapter_version, mode, route, usage}`. The prompt is one user
+/// message; `expert` names the adapter (else the router decides).
+pub async fn infer(
+    State(s): S,
+    headers: HeaderMap,
+    wire: Wire<InferBody>,
+) -> Result<Response, ApiError> {
+    let answer = serve(&s, &headers, InferBody::validate(wire, &s)?).await?;
+    if !answer.status().is_success() {
+        return Ok(answer);
+    }
+    task_answer(answer).await
+}
+
+/// A chat completion (served here or by a merged pod) in the seeds' shape, status and headers
+/// kept.
+async fn task_answer(resp: Response) -> Result<Response, ApiError> {
+    let upstream = |e: String| ApiError::new(StatusCode::BAD_GATEWAY, "invalid_upstream", e);
+    let (parts, body) = resp.into_parts();
+    let bytes = axum::body::to_bytes(body, usize::MAX)
+        .await
+        .map_err(|e| upstream(e.to_string()))?;
+    let v: Value = serde_json::from_slice(&bytes).map_err(|e| upstream(e.to_string()))?;
+    let out = json!({
+        "task_output": v["choices"][0]["message"]["content"],
+        "finish_reason": v["choices"][0]["finish_reason"],
+        "routed_adapter": v["mole"]["adapter"],
+        "adapter_version": v["mole"]["adapter_version"],
+        "mode": v["mole"]["mode"],
+        "route": v["mole"]["route"],
+        "usage": v["usage"],
+    });
+    Ok((parts.status, parts.headers, Json(out)).into_response())
+}

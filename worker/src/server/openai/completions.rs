@@ -1,0 +1,71 @@
+//! `POST /v1/completions`: its validation (the prompt forms).
+
+use super::types::{CompletionBody, Kind, PromptField};
+use super::validate::{bad, sampling, token_cap, ValidRequest, Validate, Wire};
+use crate::engine::api::Prompt;
+use crate::server::{ApiError, AppState};
+
+impl Validate for CompletionBody {
+    /// A string, a one-string array, or token ids of the vocabulary; the router reads the text.
+    fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
+        let Wire { body: b, raw } = wire;
+        let sampling = sampling(&b.common, false, token_cap(s))?;
+        let prompt = completion_prompt(b.prompt, s.engine.model_info().vocab_size)?;
+        let route_text = match &prompt {
+            Prompt::Text(t) | Prompt::Templated(t) => t.clone(),
+            Prompt::Tokens(_) => String::new(),
+        };
+        Ok(ValidRequest::new(
+            Kind::Completion,
+            b.common,
+            prompt,
+            route_text,
+            sampling,
+            raw,
+        ))
+    }
+}
+
+/// A completion's prompt: a string, a one-string array, or a non-empty array of token ids
+/// below `vocab` (0: unknown, not checked).
+fn completion_prompt(p: PromptField, vocab: usize) -> Result<Prompt, ApiError> {
+    match p {
+        PromptField::Text(t) => Ok(Prompt::Text(t)),
+        PromptField::Tokens(t) if !t.is_empty() => {
+            if let Some(bad_id) = t.iter().find(|&&i| vocab > 0 && i as usize >= vocab) {
+                return Err(bad(
+                    "invalid_token_id",
+                    format!("token id {bad_id} >= vocab size {vocab}"),
+                ));
+            }
+            Ok(Prompt::Tokens(t))
+        }
+        PromptField::Texts(mut v) if v.len() == 1 => Ok(Prompt::Text(v.remove(0))),
+        _ => Err(bad(
+            "invalid_prompt",
+            "prompt must be a string, one-string array or a non-empty token id array",
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::{json, Value};
+
+    fn refused<T: std::fmt::Debug>(r: Result<T, ApiError>) -> &'static str {
+        r.unwrap_err().code()
+    }
+
+    #[test]
+    fn completion_prompts() {
+        let p = |v: Value, vocab| completion_prompt(serde_json::from_value(v).unwrap(), vocab);
+        assert_eq!(p(json!("hi"), 10).unwrap(), Prompt::Text("hi".into()));
+        assert_eq!(p(json!(["hi"]), 10).unwrap(), Prompt::Text("hi".into()));
+        assert_eq!(p(json!([1, 9]), 10).unwrap(), Prompt::Tokens(vec![1, 9]));
+        assert_eq!(p(json!([99]), 0).unwrap(), Prompt::Tokens(vec![99]));
+        assert_eq!(refused(p(json!([10]), 10)), "invalid_token_id");
+        assert_eq!(refused(p(json!([]), 10)), "invalid_prompt");
+        assert_eq!(refused(p(json!(["a", "b"]), 10)), "invalid_prompt");
+    }
+}

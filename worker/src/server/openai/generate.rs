@@ -1,0 +1,140 @@
+//! The serving path of a validated request: readiness, routing, the gateway, the context limit,
+//! the engine.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use mole_api::WorkerConfig;
+
+use super::answer::{collect_response, req_id, stream_response, Ctx};
+use super::route::decide;
+use super::validate::{ValidRequest, Validate, Wire};
+use super::S;
+use crate::engine::api::{GenerateRequest, InferenceEngine, Prompt};
+use crate::router::{Decision, Mode};
+use crate::server::gateway;
+use crate::server::{ApiError, AppState};
+
+/// `POST /v1/chat/completions` and `POST /v1/completions`: the body validated into one
+/// request, then served.
+pub async fn generate<B: Validate>(
+    State(s): S,
+    headers: HeaderMap,
+    wire: Wire<B>,
+) -> Result<Response, ApiError> {
+    serve(&s, &headers, B::validate(wire, &s)?).await
+}
+
+/// Serves a validated request: refused while the worker is not ready, routed, then answered by
+/// merged pods or the engine.
+pub(super) async fn serve(
+    s: &Arc<AppState>,
+    headers: &HeaderMap,
+    req: ValidRequest,
+) -> Result<Response, ApiError> {
+    if !s.accepting() {
+        return Err(ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "not_ready",
+            format!(
+                "worker is not ready: {}",
+                s.readiness().err().unwrap_or_default()
+            ),
+        )
+        .with_retry_after(1));
+    }
+    let d = decide(s, &req.route_input())?;
+    let endpoint = req.kind.endpoint();
+    let (adapter, mode, reason) = (d.adapter.clone(), d.mode, d.reason.clone());
+    let r = serve_routed(s, headers, req, d).await;
+    // Refusals after routing (429, prompt too long, merged pods down) count per adapter too;
+    // answers count when they end (status of the stream's end).
+    if let Err(e) = &r {
+        s.metrics
+            .requests
+            .with_label_values(&[
+                endpoint,
+                adapter.as_deref().unwrap_or(""),
+                mode.as_str(),
+                &reason,
+                e.status.as_str(),
+            ])
+            .inc();
+    }
+    r
+}
+
+/// Serves a routed request: by the merged pods when the gateway forwards it, else by the engine
+/// within the context limit.
+async fn serve_routed(
+    s: &Arc<AppState>,
+    headers: &HeaderMap,
+    mut req: ValidRequest,
+    mut d: Decision,
+) -> Result<Response, ApiError> {
+    let cfg = s.cfg();
+    if let Some(r) = gateway::forward(s, &cfg, &d, &req.upstream(headers)).await? {
+        return Ok(r);
+    }
+    let prompt_tokens = match &req.prompt {
+        Prompt::Text(t) | Prompt::Templated(t) => s.engine.count_tokens(t)?,
+        Prompt::Tokens(t) => t.len(),
+    };
+    let max_seq = (cfg.limits.max_seq_len as usize).min(s.engine.model_info().max_seq_len.max(1));
+    req.fit_context(prompt_tokens, max_seq)?;
+    let id = req_id(req.kind.id_prefix());
+    let engine = engine_for(s, &cfg, &mut d);
+    let rx = engine.submit(GenerateRequest {
+        id: id.clone(),
+        prompt: req.prompt,
+        adapter: d.adapter.clone(),
+        sampling: req.sampling,
+    })?;
+    let timeout = Duration::from_secs(cfg.limits.request_timeout_seconds);
+    let model = if req.model.is_empty() {
+        cfg.pool.clone()
+    } else {
+        req.model
+    };
+    let ctx = Ctx {
+        s: s.clone(),
+        d,
+        id,
+        model,
+        kind: req.kind,
+        start: Instant::now(),
+        deadline: tokio::time::Instant::now() + timeout,
+        last_token: None,
+        version: None,
+    };
+    if req.stream {
+        Ok(stream_response(ctx, rx))
+    } else {
+        collect_response(ctx, rx).await
+    }
+}
+
+/// The engine that serves `d`. A merged adapter served here is served by this process's own
+/// merged model (local mode) while it holds the configured version: after a config change it is
+/// stale and the new version is served dynamically until a restart merges it. Otherwise the
+/// shared engine serves it dynamically, and `d` says so.
+fn engine_for(s: &AppState, cfg: &WorkerConfig, d: &mut Decision) -> Arc<dyn InferenceEngine> {
+    if d.mode != Mode::Merged || cfg.merged.is_some() {
+        return s.engine.clone();
+    }
+    let local = d.adapter.as_ref().and_then(|n| {
+        let want = &cfg.adapters.iter().find(|a| &a.name == n)?.version;
+        let e = s.local_merged.read().ok()?.get(n).cloned()?;
+        e.adapters()
+            .iter()
+            .any(|a| &a.name == n && &a.version == want)
+            .then_some(e)
+    });
+    local.unwrap_or_else(|| {
+        d.mode = Mode::Dynamic;
+        s.engine.clone()
+    })
+}

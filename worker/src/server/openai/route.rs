@@ -1,0 +1,92 @@
+//! Routing a request ([`crate::router::decide`] with the engine's scorer and the embedder),
+//! and `POST /v1/route`, the decision alone.
+
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde_json::json;
+
+use super::types::RouteBody;
+use super::validate::{bad, last_user_text, messages, Wire};
+use super::S;
+use crate::router::{self, Decision, Mode, RouteInput};
+use crate::server::{mole_headers, ApiError, AppState};
+
+/// Routes a request: [`router::decide`] with the engine's classifier and the embedding model,
+/// plus adapters loaded through `/v1/load_lora_adapter` (not in the config, servable by
+/// explicit name, as in vLLM). Counts the decision.
+pub(super) fn decide(s: &AppState, input: &RouteInput<'_>) -> Result<Decision, ApiError> {
+    let cfg = s.cfg();
+    let engine = s.engine.clone();
+    let scorer = move |cls: &str, p: &str, labels: &[String]| {
+        blocking(|| engine.score_labels(Some(cls), p, labels).ok())
+    };
+    // The request text is encoded each time; adapter descriptions and examples come from the
+    // embedder's cache. Without a configured model the strategy falls through.
+    let emb = s.embedder.get().cloned();
+    let embedder = move |texts: &[String]| -> Option<Vec<Vec<f32>>> {
+        let e = emb.as_ref()?;
+        blocking(|| {
+            let q = e.encode(&texts[..1]).ok()?;
+            let rest = e.encode_cached(&texts[1..]).ok()?;
+            Some(
+                q.into_iter()
+                    .chain(rest.iter().map(|v| v.to_vec()))
+                    .collect(),
+            )
+        })
+    };
+    let d = match router::decide(&cfg, input, &scorer, &embedder) {
+        Err(router::RouteError::UnknownModel(n))
+            if s.engine.adapters().iter().any(|a| a.name == n && a.loaded) =>
+        {
+            Decision {
+                adapter: Some(n),
+                reason: "explicit".into(),
+                score: None,
+                mode: Mode::Dynamic,
+            }
+        }
+        r => r?,
+    };
+    s.metrics
+        .routes
+        .with_label_values(&[d.reason.as_str(), d.adapter.as_deref().unwrap_or("")])
+        .inc();
+    if let Some(score) = d.score {
+        s.metrics
+            .route_confidence
+            .with_label_values(&[d.reason.as_str()])
+            .observe(score);
+    }
+    Ok(d)
+}
+
+/// Runs `f` (a classifier pass, an embedding), telling a multi-threaded runtime that this worker
+/// thread blocks so other requests move to another thread meanwhile.
+fn blocking<T>(f: impl FnOnce() -> T) -> T {
+    match tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor()) {
+        Ok(tokio::runtime::RuntimeFlavor::MultiThread) => tokio::task::block_in_place(f),
+        _ => f(),
+    }
+}
+
+/// `POST /v1/route`: the routing decision only, no generation.
+pub async fn route(
+    State(s): S,
+    Wire { body: b, .. }: Wire<RouteBody>,
+) -> Result<Response, ApiError> {
+    let text = match (b.input, b.messages) {
+        (Some(t), _) => t,
+        (None, Some(m)) => last_user_text(&messages(m)?),
+        (None, None) => return Err(bad("invalid_request", "give input or messages")),
+    };
+    let input = RouteInput {
+        model: &b.common.model,
+        adapter: b.common.named_adapter(),
+        text: &text,
+    };
+    let d = decide(&s, &input)?;
+    let body = json!({"adapter": d.adapter, "mode": d.mode, "route": d.reason, "score": d.score});
+    Ok((mole_headers(&d), Json(body)).into_response())
+}

@@ -1,0 +1,182 @@
+//! Wire types: the JSON bodies of the OpenAI-compatible and mole requests as clients send them.
+
+use serde::Deserialize;
+use serde_json::Value;
+
+/// `stop`: one string or several.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(in crate::server) enum StopField {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// A message's `content`: text, or typed parts.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(in crate::server) enum Content {
+    Text(String),
+    Parts(Vec<Part>),
+}
+
+/// One content part (`{"type": "text", "text": ...}`; images are refused).
+#[derive(Deserialize)]
+pub(in crate::server) struct Part {
+    #[serde(rename = "type")]
+    pub(super) kind: String,
+    #[serde(default)]
+    pub(super) text: Option<String>,
+}
+
+/// A chat message as sent.
+#[derive(Deserialize)]
+pub(in crate::server) struct InMessage {
+    pub(super) role: String,
+    #[serde(default)]
+    pub(super) content: Option<Content>,
+}
+
+/// The fields chat, completions, `/infer` and `/v1/route` share: the model or adapter asked
+/// for, and sampling.
+#[derive(Deserialize, Default)]
+pub(in crate::server) struct Common {
+    #[serde(default)]
+    pub(super) model: String,
+    #[serde(default)]
+    pub(super) adapter: Option<String>,
+    #[serde(default)]
+    pub(super) expert: Option<String>,
+    #[serde(default)]
+    pub(super) stream: bool,
+    pub(super) max_tokens: Option<u64>,
+    pub(super) max_completion_tokens: Option<u64>,
+    pub(super) temperature: Option<f32>,
+    pub(super) top_p: Option<f32>,
+    pub(super) top_k: Option<usize>,
+    pub(super) min_p: Option<f32>,
+    pub(super) presence_penalty: Option<f32>,
+    pub(super) frequency_penalty: Option<f32>,
+    pub(super) repetition_penalty: Option<f32>,
+    pub(super) seed: Option<u64>,
+    pub(super) stop: Option<StopField>,
+    /// Chat: bool; completions: an integer count. Kept raw and read per endpoint.
+    pub(super) logprobs: Option<Value>,
+    pub(super) top_logprobs: Option<usize>,
+    #[serde(default)]
+    pub(super) ignore_eos: bool,
+    /// vLLM extension: token ids that end generation besides EOS.
+    #[serde(default)]
+    pub(super) stop_token_ids: Vec<u32>,
+    /// mole extension: forward merged adapters to their pods (default: the router setting).
+    #[serde(default)]
+    pub(super) prefer_merged: Option<bool>,
+}
+
+impl Common {
+    /// The explicitly named adapter: `adapter`, else the seeds' `expert`.
+    pub(super) fn named_adapter(&self) -> Option<&str> {
+        self.adapter.as_deref().or(self.expert.as_deref())
+    }
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Deserialize)]
+pub(in crate::server) struct ChatBody {
+    pub(super) messages: Vec<InMessage>,
+    /// Extra chat-template variables (vLLM's field), e.g. `{"enable_thinking": false}`.
+    #[serde(default)]
+    pub(super) chat_template_kwargs: serde_json::Map<String, Value>,
+    #[serde(flatten)]
+    pub(super) common: Common,
+}
+
+/// A completion's `prompt`: text, token ids, or an array of texts (one is served).
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(in crate::server) enum PromptField {
+    Text(String),
+    Tokens(Vec<u32>),
+    Texts(Vec<String>),
+}
+
+/// `POST /v1/completions`.
+#[derive(Deserialize)]
+pub(in crate::server) struct CompletionBody {
+    pub(super) prompt: PromptField,
+    #[serde(flatten)]
+    pub(super) common: Common,
+}
+
+/// Which OpenAI object shape to answer with.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::server) enum Kind {
+    /// `chat.completion` (chat, and `/infer`).
+    Chat,
+    /// `text_completion`.
+    Completion,
+}
+
+impl Kind {
+    /// The `endpoint` metric label.
+    pub(super) fn endpoint(self) -> &'static str {
+        match self {
+            Kind::Chat => "chat",
+            Kind::Completion => "completions",
+        }
+    }
+    /// The path of the same call on a merged pod.
+    pub(super) fn path(self) -> &'static str {
+        match self {
+            Kind::Chat => "/v1/chat/completions",
+            Kind::Completion => "/v1/completions",
+        }
+    }
+    /// The prefix of answer ids.
+    pub(super) fn id_prefix(self) -> &'static str {
+        match self {
+            Kind::Chat => "chatcmpl",
+            Kind::Completion => "cmpl",
+        }
+    }
+}
+
+/// `POST /infer`, the seeds' task call.
+#[derive(Deserialize)]
+pub(in crate::server) struct InferBody {
+    /// The task prompt (`input` is accepted as an alias).
+    #[serde(alias = "input")]
+    pub(super) prompt: String,
+    /// Base64 image (the seeds' field): checked, then refused until vision lands.
+    #[serde(default)]
+    pub(super) image_b64: Option<String>,
+    #[serde(flatten)]
+    pub(super) common: Common,
+}
+
+/// `POST /v1/route`: `input`, or chat `messages` (the last user one is routed).
+#[derive(Deserialize)]
+pub(in crate::server) struct RouteBody {
+    #[serde(default)]
+    pub(super) input: Option<String>,
+    #[serde(default)]
+    pub(super) messages: Option<Vec<InMessage>>,
+    #[serde(flatten)]
+    pub(super) common: Common,
+}
+
+/// `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's shape).
+#[derive(Deserialize)]
+pub(in crate::server) struct LoadBody {
+    pub(super) lora_name: String,
+    #[serde(default)]
+    pub(super) lora_path: Option<String>,
+}
+
+/// `POST /admin/reload`'s optional body.
+#[derive(Deserialize, Default)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub(in crate::server) struct ReloadBody {
+    /// `WorkerConfig::content_hash()` the caller expects the file to have.
+    #[serde(default)]
+    pub(super) config_hash: Option<String>,
+}

@@ -1,0 +1,157 @@
+//! What the handlers share: the engine, the config, metrics, secrets and the readiness flags.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::Duration;
+
+use mole_api::WorkerConfig;
+
+use super::auth::{Auth, Secrets};
+use super::gateway::PROXY_CONNECT_TIMEOUT;
+use crate::config::{LoadFailure, SharedConfig};
+use crate::engine::api::InferenceEngine;
+use crate::metrics::Metrics;
+
+/// Everything the handlers share.
+pub struct AppState {
+    /// The engine.
+    pub engine: Arc<dyn InferenceEngine>,
+    /// The current config (swapped by the watcher and `/admin/reload`).
+    pub config: SharedConfig,
+    /// File the config came from (for `/admin/reload`).
+    pub config_path: Option<PathBuf>,
+    /// Metrics.
+    pub metrics: Metrics,
+    /// Secrets, re-read when their files change.
+    pub(super) auth: Secrets,
+    /// The configured adapters have been tried (loaded or refused) since start.
+    pub(super) started: AtomicBool,
+    /// Shutting down: not ready, new requests refused.
+    pub(super) draining: AtomicBool,
+    /// Adapter versions being loaded by a reload (`/readyz` is 503 meanwhile).
+    pub(super) pending: Mutex<Vec<(String, String)>>,
+    /// Configured versions refused before the engine saw them (path no longer in the root);
+    /// listed by `/v1/lora_adapters` beside the engine's own refusals.
+    pub(super) refused: RwLock<HashMap<String, LoadFailure>>,
+    /// Settings changed in the file that need a restart.
+    pub(super) restart_required: RwLock<Vec<&'static str>>,
+    /// One reload at a time (watcher, `/admin/reload`, start).
+    pub(super) reload_lock: Mutex<()>,
+    /// Client for merged pods.
+    pub http: reqwest::Client,
+    /// Local mode: merged models this process holds, by adapter name.
+    pub local_merged: RwLock<HashMap<String, Arc<dyn InferenceEngine>>>,
+    /// Sentence-embedding model of the embedding router (set once at start when configured).
+    pub embedder: std::sync::OnceLock<Arc<crate::router::embed::SentenceEmbedder>>,
+    /// The id of the next adapter loaded through `/v1/load_lora_adapter`.
+    pub(super) next_lora_id: AtomicU32,
+}
+
+impl AppState {
+    /// Builds the state. Not ready until the configured adapters were tried
+    /// ([`AppState::load_configured`], done by `serve_with`).
+    pub fn new(
+        cfg: WorkerConfig,
+        engine: Arc<dyn InferenceEngine>,
+        config_path: Option<PathBuf>,
+        auth: Auth,
+    ) -> Arc<Self> {
+        let timeout = Duration::from_secs(cfg.limits.request_timeout_seconds.max(1));
+        // A merged pod that accepts and never answers is caught by the read timeout (no byte
+        // for a whole request timeout: it would have answered 504 itself) and the overall
+        // timeout; then the request falls back to this worker.
+        let http = reqwest::Client::builder()
+            .connect_timeout(PROXY_CONNECT_TIMEOUT)
+            .read_timeout(timeout + Duration::from_secs(1))
+            .timeout(timeout + Duration::from_secs(2))
+            .build()
+            .unwrap_or_default();
+        Arc::new(Self {
+            engine,
+            config: Arc::new(RwLock::new(Arc::new(cfg))),
+            config_path,
+            metrics: Metrics::new(),
+            auth: Secrets::new(auth),
+            started: AtomicBool::new(false),
+            draining: AtomicBool::new(false),
+            pending: Mutex::new(Vec::new()),
+            refused: RwLock::new(HashMap::new()),
+            restart_required: RwLock::new(Vec::new()),
+            reload_lock: Mutex::new(()),
+            http,
+            embedder: std::sync::OnceLock::new(),
+            local_merged: Default::default(),
+            // Ids for adapters loaded through the API, far from the operator's ids.
+            next_lora_id: AtomicU32::new(1 << 30),
+        })
+    }
+    /// Marks the server as shutting down: `/readyz` answers 503 and new requests are refused
+    /// while in-flight ones finish.
+    pub fn start_draining(&self) {
+        self.draining.store(true, Ordering::SeqCst);
+    }
+    /// Whether requests are served (started and not draining).
+    pub fn accepting(&self) -> bool {
+        self.started.load(Ordering::SeqCst) && !self.draining.load(Ordering::SeqCst)
+    }
+    /// Readiness: the base model is loaded (the engine exists), every adapter configured at
+    /// start was tried (loaded, or refused for a reason reported by `/v1/lora_adapters`) and
+    /// the server is not shutting down. Err says why not.
+    ///
+    /// Adapters added later by a reload do not make a serving pod unready: every pod of a pool
+    /// reloads at about the same moment, and flipping readiness would empty the Service while
+    /// the base model and the other adapters can serve. Per-adapter readiness is what
+    /// `/v1/lora_adapters` reports (the operator reads it), and requests for an adapter still
+    /// loading wait for it or get its own error.
+    pub fn readiness(&self) -> Result<(), String> {
+        if self.draining.load(Ordering::SeqCst) {
+            return Err("shutting down".into());
+        }
+        if !self.started.load(Ordering::SeqCst) {
+            let p = self.pending.lock().expect("pending lock");
+            if p.is_empty() {
+                return Err("loading the configured adapters".into());
+            }
+            let l: Vec<String> = p.iter().map(|(n, v)| format!("{n} {v}")).collect();
+            return Err(format!("loading adapters: {}", l.join(", ")));
+        }
+        Ok(())
+    }
+    /// The current config.
+    pub fn cfg(&self) -> Arc<WorkerConfig> {
+        self.config.read().expect("config lock").clone()
+    }
+    /// Settings the config file changed that need a restart (empty when none).
+    pub fn restart_required(&self) -> Vec<&'static str> {
+        self.restart_required.read().expect("lock").clone()
+    }
+
+    /// The engine's adapter listing plus configured versions refused before the engine saw
+    /// them.
+    pub fn adapter_listing(&self) -> Vec<mole_api::LoraAdapterInfo> {
+        let mut out = self.engine.adapters();
+        for f in self.refused.read().expect("lock").values() {
+            if !out
+                .iter()
+                .any(|a| a.name == f.name && a.version == f.version)
+            {
+                out.push(mole_api::LoraAdapterInfo {
+                    name: f.name.clone(),
+                    version: f.version.clone(),
+                    lora_id: f.lora_id,
+                    residency: mole_api::Residency::Disk,
+                    loaded: false,
+                    rank: 0,
+                    bytes: 0,
+                    requests: 0,
+                    running: 0,
+                    error: Some(f.reason.clone()),
+                });
+            }
+        }
+        out.sort_by(|a, b| (&a.name, &a.version).cmp(&(&b.name, &b.version)));
+        out
+    }
+}
