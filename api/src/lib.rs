@@ -10,6 +10,8 @@
 //!   operator reads to decide readiness;
 //! - the enums both sides name ([`Dtype`], [`ServingMode`], ...).
 
+#![forbid(unsafe_code)]
+
 pub mod bounds;
 mod config;
 mod enums;

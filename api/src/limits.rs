@@ -2,8 +2,6 @@
 //! reads, with one set of defaults and bounds; and [`WorkerLimits`], those plus the limits of
 //! one request, which only the worker's config carries.
 
-use std::ops::{Deref, DerefMut};
-
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -107,8 +105,8 @@ fn default_max_queue() -> u32 {
 }
 
 /// Limits of a worker: its engine's, and those of one request. In JSON they are one flat
-/// object (`limits: {maxLoras, ..., maxTokens}`), so the struct reads as one too: the engine
-/// limits are reached through `Deref` (`limits.max_loras`).
+/// object (`limits: {maxLoras, ..., maxTokens}`); in Rust the engine limits are a field of their
+/// own (`limits.engine.max_loras`), the same struct the pool's `spec.dynamic` flattens.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct WorkerLimits {
@@ -161,26 +159,16 @@ impl WorkerLimits {
                 });
             }
         }
-        if self.max_tokens > self.max_seq_len {
+        if self.max_tokens > self.engine.max_seq_len {
             return Err(BoundsError {
                 field: "maxTokens",
-                message: format!("{} exceeds maxSeqLen {}", self.max_tokens, self.max_seq_len),
+                message: format!(
+                    "{} exceeds maxSeqLen {}",
+                    self.max_tokens, self.engine.max_seq_len
+                ),
             });
         }
         Ok(())
-    }
-}
-
-impl Deref for WorkerLimits {
-    type Target = EngineLimits;
-    fn deref(&self) -> &EngineLimits {
-        &self.engine
-    }
-}
-
-impl DerefMut for WorkerLimits {
-    fn deref_mut(&mut self) -> &mut EngineLimits {
-        &mut self.engine
     }
 }
 

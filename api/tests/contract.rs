@@ -1,6 +1,8 @@
 //! The contract's wire format: flat limits with one set of defaults, unknown fields refused on
 //! the worker's side, the shared bounds, and a content hash both sides agree on.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 use mole_api::{bounds, EngineLimits, RouterSpec, RouterStrategy, WorkerConfig, WorkerLimits};
 
 fn config(limits: &str) -> Result<WorkerConfig, serde_yaml::Error> {
@@ -12,9 +14,12 @@ fn config(limits: &str) -> Result<WorkerConfig, serde_yaml::Error> {
 #[test]
 fn limits_are_one_flat_object_with_one_set_of_defaults() {
     let c = config("{maxLoras: 4, maxTokens: 7}").unwrap();
-    assert_eq!(c.limits.max_loras, 4);
+    assert_eq!(c.limits.engine.max_loras, 4);
     assert_eq!(c.limits.max_tokens, 7);
-    assert_eq!(c.limits.max_seq_len, EngineLimits::default().max_seq_len);
+    assert_eq!(
+        c.limits.engine.max_seq_len,
+        EngineLimits::default().max_seq_len
+    );
     assert_eq!(config("{}").unwrap().limits, WorkerLimits::default());
     assert_eq!(WorkerLimits::default().engine, EngineLimits::default());
     // Flat on the wire, in the field order the hash was always computed over.
@@ -94,6 +99,6 @@ fn the_content_hash_is_stable() {
     let c = config("{maxLoras: 4}").unwrap();
     assert_eq!(c.content_hash(), c.clone().content_hash());
     let mut d = c.clone();
-    d.limits.max_loras = 5;
+    d.limits.engine.max_loras = 5;
     assert_ne!(c.content_hash(), d.content_hash());
 }

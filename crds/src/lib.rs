@@ -5,6 +5,8 @@
 //!
 //! This crate does no I/O and holds no Kubernetes client.
 
+#![forbid(unsafe_code)]
+
 pub mod adapter;
 pub mod constants;
 pub mod pool;

@@ -1,14 +1,12 @@
 //! `InferencePool`: one base model served by a set of GPU pods.
 
-use std::collections::BTreeMap;
-use std::ops::{Deref, DerefMut};
-
 use k8s_openapi::api::core::v1::{Affinity, ResourceRequirements, Toleration};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, KubeSchema};
 use mole_api::{Dtype, EngineLimits, RouterSpec};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 
 /// A base model served on a set of GPU pods. Dynamic pods hold the base once and switch
 /// LoRA adapters per request; hot adapters can be merged into their own Deployments.
@@ -143,21 +141,6 @@ impl Default for DynamicSpec {
             replicas: 1,
             limits: EngineLimits::default(),
         }
-    }
-}
-
-// In YAML the limits sit beside `replicas`; `Deref` lets Rust read them the same way
-// (`spec.dynamic.max_loras`).
-impl Deref for DynamicSpec {
-    type Target = EngineLimits;
-    fn deref(&self) -> &EngineLimits {
-        &self.limits
-    }
-}
-
-impl DerefMut for DynamicSpec {
-    fn deref_mut(&mut self) -> &mut EngineLimits {
-        &mut self.limits
     }
 }
 

@@ -1,6 +1,8 @@
 //! The committed CRDs in charts/mole/crds/ are exactly what `crdgen` generates (regenerate with
 //! `cargo run -p mole-crds --bin crdgen`), and `kubectl get` shows the documented columns.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 use std::path::Path;
 
 use k8s_openapi::apiextensions_apiserver::pkg::apis::apiextensions::v1::CustomResourceDefinition;

@@ -1,6 +1,8 @@
 //! mole operator: reconciles InferencePool and Adapter into ConfigMaps, Deployments,
 //! Services, PodDisruptionBudgets and merge Jobs.
 
+#![forbid(unsafe_code)]
+
 pub mod controller;
 pub mod error;
 pub mod leader;

@@ -1,5 +1,7 @@
 //! `mole-operator`: reconciles InferencePool and Adapter. Every flag is also an env var.
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;

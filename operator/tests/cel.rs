@@ -6,6 +6,8 @@
 //! exactly the rule its first line names. A rule that does not compile, errors, or yields a
 //! non-boolean fails the test, so a new rule cannot silently go unchecked.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 use std::path::{Path, PathBuf};
 
 use serde_json::Value;

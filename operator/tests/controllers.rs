@@ -2,6 +2,8 @@
 //! issue 2: create pool, add adapter, Ready when the pods report it, label clash, missing pool,
 //! delete with finalizer, id never reused, restart writes nothing new.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 mod support;
 
 use std::sync::{Arc, Mutex};

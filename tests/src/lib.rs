@@ -1,1 +1,3 @@
 //! Cross-crate and end-to-end tests for mole live in `tests/tests/`.
+
+#![forbid(unsafe_code)]

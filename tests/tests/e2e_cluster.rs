@@ -7,6 +7,8 @@
 //! that kind mounts into the node at `MOLE_E2E_MODELS_HOSTPATH` (default `/mole-models`); the
 //! test serves it through a hostPath PersistentVolume.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;

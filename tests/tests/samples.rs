@@ -3,6 +3,8 @@
 //! validation (which enforces the same rules as the CRD's CEL expressions); the invalid sample
 //! fails for the reason its first line states.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 use std::path::{Path, PathBuf};
 
 use mole_crds::{Adapter, InferencePool};

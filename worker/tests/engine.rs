@@ -3,6 +3,8 @@
 //! exact greedy tokens transformers + PEFT produced (reference.json), however requests are
 //! chunked, batched, interleaved, cancelled or reloaded under them.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 mod common;
 
 use std::path::{Path, PathBuf};

@@ -8,6 +8,8 @@
 //!   reason when PyPI is unreachable): mole's rendered and tokenized chat prompt equals the ids
 //!   transformers produced (tests/fixtures/import/smollm2_reference.json).
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 use std::path::{Path, PathBuf};
 
 use mole_worker::engine::api::ChatMessage;

@@ -23,6 +23,8 @@
 //! pick is within twice the tolerance of the reference's best (a near tie that 8-bit
 //! activations may break the other way; the gap is checked and printed).
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 

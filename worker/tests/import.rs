@@ -3,6 +3,8 @@
 //! (tests/fixtures/import/smollm2_reference.json, written by generate.py, which also checked
 //! that transformers' greedy output on the imported directory equals the GGUF's).
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 use std::path::{Path, PathBuf};
 
 use mole_worker::import::{import, ImportOptions};

@@ -2,6 +2,8 @@
 //! imports only modules of its own layer or below, and nothing in the serving path imports the
 //! tools on top. Read from the source text, test modules left out.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 

@@ -1,6 +1,8 @@
 //! mole's merge against PEFT's `merge_and_unload(safe_merge=True)` on committed fixtures
 //! (tests/fixtures/merge, written by generate.py), plus every bad input of issue 4.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 

@@ -10,6 +10,8 @@
 //!
 //! On a GPU: `MOLE_TEST_DEVICE=cuda cargo test -p mole-worker --features cuda --test numerics`.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};

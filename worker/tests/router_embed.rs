@@ -5,6 +5,8 @@
 //! Then the router itself: a request is sent to the adapter whose description and examples
 //! are closest, and unrelated text falls through to the fallback.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 use std::path::{Path, PathBuf};
 
 use mole_worker::router::embed::SentenceEmbedder;

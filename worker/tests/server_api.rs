@@ -3,6 +3,8 @@
 //! happy paths (chat, stream, completions, routing headers), the bad-input battery (each
 //! answer the right 4xx and the server keeps serving), admin endpoints, metrics, gateway.
 
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
 mod common;
 
 use std::path::Path;

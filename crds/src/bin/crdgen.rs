@@ -1,5 +1,7 @@
 //! Writes the CRDs to `charts/mole/crds/` (or the directory given as the first argument).
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {

@@ -2,7 +2,7 @@
 //! client, and per-object failure counts for backoff.
 
 use std::collections::HashMap;
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::{ObjectReference, Pod, Secret};
@@ -55,7 +55,7 @@ impl Context {
 
     /// The pods of `pool` that have not accepted `hash` yet (and forgets pods that are gone).
     pub fn pods_to_reload(&self, pool: &str, pods: &[ReadyPod], hash: &str) -> Vec<ReadyPod> {
-        let mut all = self.reloaded.lock().expect("not poisoned");
+        let mut all = self.reloaded.lock().unwrap_or_else(PoisonError::into_inner);
         let seen = all.entry(pool.to_string()).or_default();
         seen.retain(|k, _| pods.iter().any(|p| &p.key() == k));
         pods.iter()
@@ -68,7 +68,7 @@ impl Context {
     pub fn reload_accepted(&self, pool: &str, pod: &ReadyPod, hash: &str) {
         self.reloaded
             .lock()
-            .expect("not poisoned")
+            .unwrap_or_else(PoisonError::into_inner)
             .entry(pool.to_string())
             .or_default()
             .insert(pod.key(), hash.to_string());
@@ -102,7 +102,7 @@ impl Context {
     /// Backoff for the next retry of `key` after a transient failure: 5 s doubling, capped at
     /// 5 min.
     pub fn backoff(&self, key: &str) -> Duration {
-        let mut f = self.failures.lock().expect("not poisoned");
+        let mut f = self.failures.lock().unwrap_or_else(PoisonError::into_inner);
         let n = f.entry(key.to_string()).or_insert(0);
         *n = (*n + 1).min(16);
         Duration::from_secs((5u64 << (*n - 1)).min(300))
@@ -110,7 +110,10 @@ impl Context {
 
     /// Forgets the failures of `key` after a successful reconcile.
     pub fn succeeded(&self, key: &str) {
-        self.failures.lock().expect("not poisoned").remove(key);
+        self.failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(key);
     }
 }
 

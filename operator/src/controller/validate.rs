@@ -300,10 +300,16 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
                 "spec.gpu.resourceName",
             ),
             (|p| p.spec.dynamic.replicas = -1, "spec.dynamic.replicas"),
-            (|p| p.spec.dynamic.max_loras = 0, "spec.dynamic.maxLoras"),
-            (|p| p.spec.dynamic.max_seq_len = 8, "spec.dynamic.maxSeqLen"),
             (
-                |p| p.spec.dynamic.max_queue = 100_001,
+                |p| p.spec.dynamic.limits.max_loras = 0,
+                "spec.dynamic.maxLoras",
+            ),
+            (
+                |p| p.spec.dynamic.limits.max_seq_len = 8,
+                "spec.dynamic.maxSeqLen",
+            ),
+            (
+                |p| p.spec.dynamic.limits.max_queue = 100_001,
                 "spec.dynamic.maxQueue",
             ),
             (

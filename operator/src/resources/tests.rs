@@ -167,9 +167,9 @@ fn only_base_image_limits_and_resources_roll_the_pods() {
     let changes: Vec<fn(&mut InferencePool)> = vec![
         |p| p.spec.image = "ghcr.io/mole-dev/mole-worker:0.2.0".into(),
         |p| p.spec.base_model.path = "base/other".into(),
-        |p| p.spec.dynamic.max_loras = 8,
-        |p| p.spec.dynamic.max_seq_len = 8192,
-        |p| p.spec.dynamic.lora_dtype = Some(mole_crds::Dtype::Bf16),
+        |p| p.spec.dynamic.limits.max_loras = 8,
+        |p| p.spec.dynamic.limits.max_seq_len = 8192,
+        |p| p.spec.dynamic.limits.lora_dtype = Some(mole_crds::Dtype::Bf16),
         |p| p.spec.gpu.count = 2,
         |p| p.spec.resources = None,
     ];
@@ -206,12 +206,12 @@ fn worker_config_lists_adapters_sorted_with_ids_and_limits() {
     assert_eq!(names, vec![("calendar", 3), ("login-window", 7)]);
     assert_eq!(wc.adapters[1].version, "v2");
     assert_eq!(wc.adapters[0].keywords, vec!["calendar"]);
-    assert_eq!(wc.limits.max_loras, 4);
-    assert_eq!(wc.limits.lora_dtype, None);
+    assert_eq!(wc.limits.engine.max_loras, 4);
+    assert_eq!(wc.limits.engine.lora_dtype, None);
     let mut q = p.clone();
-    q.spec.dynamic.lora_dtype = Some(mole_crds::Dtype::Bf16);
+    q.spec.dynamic.limits.lora_dtype = Some(mole_crds::Dtype::Bf16);
     assert_eq!(
-        worker_config("vl", &q.spec, &reg).limits.lora_dtype,
+        worker_config("vl", &q.spec, &reg).limits.engine.lora_dtype,
         Some(mole_crds::Dtype::Bf16)
     );
     // The JSON round-trips through the worker's type.
@@ -397,7 +397,7 @@ fn merged_config_maps_are_per_output() {
 #[test]
 fn a_short_max_seq_len_gives_a_config_the_worker_accepts() {
     let mut p = pool();
-    p.spec.dynamic.max_seq_len = 1024;
+    p.spec.dynamic.limits.max_seq_len = 1024;
     let wc = worker_config("vl", &p.spec, &[]);
     assert_eq!(wc.limits.max_tokens, 1024);
     assert_eq!(wc.limits.validate(), Ok(()));

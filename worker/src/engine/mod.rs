@@ -9,7 +9,7 @@ pub mod text;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex};
+use std::sync::{mpsc, Arc, Mutex, PoisonError};
 
 use candle_core::{DType, Device};
 use mole_api::{LoraAdapterInfo, Residency};
@@ -437,7 +437,7 @@ impl InferenceEngine for Engine {
             .shared
             .stats
             .lock()
-            .unwrap_or_else(|p| p.into_inner())
+            .unwrap_or_else(PoisonError::into_inner)
             .clone();
         // Requests still on a loader thread count as waiting too.
         let sh = &self.shared;

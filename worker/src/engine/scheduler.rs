@@ -10,7 +10,7 @@
 use std::collections::VecDeque;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{Receiver, RecvTimeoutError};
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use tokio::sync::mpsc::UnboundedSender;
@@ -161,7 +161,7 @@ fn publish_stats(
         v.dedup();
         v
     };
-    let mut st = shared.stats.lock().unwrap_or_else(|p| p.into_inner());
+    let mut st = shared.stats.lock().unwrap_or_else(PoisonError::into_inner);
     st.running = running.len();
     st.cancelled += cancelled as u64;
     st.waiting = waiting.len();

@@ -16,7 +16,7 @@ use std::fs::File;
 use std::io::Write as _;
 use std::os::unix::fs::FileExt;
 use std::path::Path;
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use rayon::prelude::*;
 use safetensors::tensor::{Metadata, TensorInfo};
@@ -556,7 +556,7 @@ impl<'a> Outbox<'a> {
 /// Locks `m`; a thread that panicked while holding it cannot have left the queues in a state
 /// worse than incomplete, and the panic itself fails the merge.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
+    m.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Copies bytes `src_off..src_off + len` of `src` to `dst_off` of `dst`: in the kernel with

@@ -109,6 +109,7 @@ struct HostModule {
 // SAFETY: the pointers are into CPU storage the adapter owns (its `modules`) and never writes:
 // reading them from any thread while the adapter lives is reading immutable memory.
 unsafe impl Send for HostModule {}
+// SAFETY: as for Send: shared reads of memory nothing writes.
 unsafe impl Sync for HostModule {}
 
 impl HostModule {

@@ -16,7 +16,7 @@
 //! base weights, where two threads streaming adapters at once share the memory bus.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Mutex;
+use std::sync::{Mutex, PoisonError};
 
 use candle_core::{Module, Tensor};
 use rayon::prelude::*;
@@ -137,7 +137,7 @@ pub(crate) fn host_projections(
             let Some(task) = tasks.get(i) else {
                 return false;
             };
-            let task = task.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let task = task.lock().unwrap_or_else(PoisonError::into_inner).take();
             if let Some(task) = task {
                 task.run(xs, reads.get(i + 1).copied().unwrap_or([&[], &[]]));
             }
@@ -269,6 +269,7 @@ struct Columns {
 // SAFETY: shared only within `host_projections`, while the buffer lives, by threads that
 // write disjoint column blocks (see `product`).
 unsafe impl Send for Columns {}
+// SAFETY: as for Send: the threads that share it write disjoint elements.
 unsafe impl Sync for Columns {}
 
 impl Columns {

@@ -5,7 +5,7 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
@@ -136,7 +136,7 @@ impl SentenceEmbedder {
     /// Like [`SentenceEmbedder::encode`], reusing cached vectors of texts seen before.
     pub fn encode_cached(&self, texts: &[String]) -> Result<Vec<Arc<Vec<f32>>>, EmbedError> {
         let missing: Vec<String> = {
-            let c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+            let c = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
             let mut m: Vec<String> = texts
                 .iter()
                 .filter(|t| !c.contains_key(*t))
@@ -151,7 +151,7 @@ impl SentenceEmbedder {
         } else {
             self.encode(&missing)?
         };
-        let mut c = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        let mut c = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
         let mut extra: HashMap<&str, Arc<Vec<f32>>> = HashMap::new();
         for (t, v) in missing.iter().zip(fresh) {
             let v = Arc::new(v);

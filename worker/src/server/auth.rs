@@ -2,7 +2,7 @@
 //! from files (mounted Secrets) and the environment, re-read when a file changes.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, PoisonError, RwLock};
 
 use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode};
@@ -256,7 +256,11 @@ impl Secrets {
     /// The secrets, re-read first when one of their files changed (a rotated Secret). A file
     /// that cannot be read keeps the previous secrets.
     pub(super) fn current(&self) -> Arc<Auth> {
-        let cur = self.0.read().expect("auth lock").clone();
+        let cur = self
+            .0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone();
         if !cur.changed() {
             return cur;
         }
@@ -264,7 +268,7 @@ impl Secrets {
             Ok(a) => {
                 tracing::info!("credentials changed on disk: re-read");
                 let a = Arc::new(a);
-                *self.0.write().expect("auth lock") = a.clone();
+                *self.0.write().unwrap_or_else(PoisonError::into_inner) = a.clone();
                 a
             }
             Err(e) => {
@@ -277,12 +281,17 @@ impl Secrets {
     /// Reads the secrets a reloaded config names. The environment's keys were captured at
     /// start; they stay. Secrets that cannot be read leave the old ones in place.
     pub(super) fn reconfigure(&self, cfg: &WorkerConfig) {
-        let old_src = self.0.read().expect("auth lock").source.clone();
+        let old_src = self
+            .0
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .source
+            .clone();
         let mut src = AuthSource::new(cfg, &|_| None);
         src.inline_keys = old_src.inline_keys;
         src.env_keys_file = old_src.env_keys_file;
         match Auth::read(src) {
-            Ok(a) => *self.0.write().expect("auth lock") = Arc::new(a),
+            Ok(a) => *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(a),
             Err(e) => tracing::warn!("new auth settings cannot be read, keeping the old: {e}"),
         }
     }

@@ -43,9 +43,9 @@ fn base_options(cfg: &WorkerConfig) -> EngineOptions {
     let l = &cfg.limits;
     EngineOptions {
         base_name: cfg.base_model.name.clone(),
-        max_batch_size: l.max_batch_size as usize,
-        max_seq_len: l.max_seq_len as usize,
-        max_queue: l.max_queue as usize,
+        max_batch_size: l.engine.max_batch_size as usize,
+        max_seq_len: l.engine.max_seq_len as usize,
+        max_queue: l.engine.max_queue as usize,
         ..Default::default()
     }
 }
@@ -58,10 +58,10 @@ pub fn build_engine(cfg: &WorkerConfig) -> Result<Arc<dyn InferenceEngine>, Buil
     let dtype = candle_dtype(cfg.base_model.dtype);
     let l = &cfg.limits;
     let opts = EngineOptions {
-        max_loras: l.max_loras as usize,
-        max_cpu_loras: l.max_cpu_loras as usize,
-        max_lora_rank: l.max_lora_rank as usize,
-        lora_dtype: l.lora_dtype.map(candle_dtype),
+        max_loras: l.engine.max_loras as usize,
+        max_cpu_loras: l.engine.max_cpu_loras as usize,
+        max_lora_rank: l.engine.max_lora_rank as usize,
+        lora_dtype: l.engine.lora_dtype.map(candle_dtype),
         prefill_chunk: std::env::var("MOLE_PREFILL_CHUNK")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -134,7 +134,7 @@ fn merged_engine(
             dtype: None,
             root: Some(root),
             expect_base: Some(cfg.base_model.name.clone()),
-            max_rank: cfg.limits.max_lora_rank as usize,
+            max_rank: cfg.limits.engine.max_lora_rank as usize,
             adapter_name: Some(a.name.clone()),
             adapter_version: Some(a.version.clone()),
         })?;

@@ -2,7 +2,7 @@
 //! `POST /admin/reload`) that swap adapters, router and auth settings in place.
 
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use axum::http::StatusCode;
 use mole_api::WorkerConfig;
@@ -33,7 +33,7 @@ impl AppState {
         for (_, secs) in &report.loaded {
             m.with_label_values(&["ok"]).observe(*secs);
         }
-        let mut refused = self.refused.write().expect("lock");
+        let mut refused = self.refused.write().unwrap_or_else(PoisonError::into_inner);
         for (n, _) in &report.loaded {
             refused.remove(n);
         }
@@ -52,7 +52,10 @@ impl AppState {
     /// Loads the configured adapters (and, in local mode, merges the merged ones), then
     /// marks the worker started. Blocking: run it off the async runtime.
     pub fn load_configured(&self) {
-        let _g = self.reload_lock.lock().expect("reload lock");
+        let _g = self
+            .reload_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let cfg = self.cfg();
         let diff = crate::config::diff_adapters(&[], &cfg.adapters);
         let report = crate::config::apply_diff(self.engine.as_ref(), &cfg, &diff);
@@ -61,7 +64,10 @@ impl AppState {
         for err in &errors {
             tracing::warn!("served dynamically instead: {err}");
         }
-        *self.local_merged.write().expect("lock") = merged;
+        *self
+            .local_merged
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = merged;
         self.started.store(true, Ordering::SeqCst);
         tracing::info!(
             loaded = report.loaded.len(),
@@ -97,7 +103,10 @@ impl AppState {
     /// [`WorkerConfig::content_hash`] is refused with 409 `config_stale` and nothing changes.
     /// Blocking: run it off the async runtime.
     pub fn reload(&self, expect_hash: Option<&str>) -> Result<ReloadOutcome, ApiError> {
-        let _g = self.reload_lock.lock().expect("reload lock");
+        let _g = self
+            .reload_lock
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let count = |r: &str| self.metrics.config_reloads.with_label_values(&[r]).inc();
         let Some(path) = &self.config_path else {
             return Err(ApiError::new(
@@ -129,7 +138,10 @@ impl AppState {
                 "config changed settings that need a restart; serving with the old ones until then"
             );
         }
-        *self.restart_required.write().expect("lock") = restart.clone();
+        *self
+            .restart_required
+            .write()
+            .unwrap_or_else(PoisonError::into_inner) = restart.clone();
         if *old == new {
             count("unchanged");
             return Ok(ReloadOutcome {
@@ -155,7 +167,7 @@ impl AppState {
     /// not be loaded.
     fn apply(&self, old: &WorkerConfig, new: WorkerConfig) -> Vec<String> {
         let diff = crate::config::diff_adapters(&old.adapters, &new.adapters);
-        *self.pending.lock().expect("pending lock") = diff
+        *self.pending.lock().unwrap_or_else(PoisonError::into_inner) = diff
             .load
             .iter()
             .map(|a| (a.name.clone(), a.version.clone()))
@@ -166,7 +178,7 @@ impl AppState {
         if new.auth != old.auth {
             self.auth.reconfigure(&new);
         }
-        *self.config.write().expect("config lock") = Arc::new(new);
+        *self.config.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(new);
         report.errors()
     }
 }
@@ -177,9 +189,10 @@ struct ClearPending<'a>(&'a Mutex<Vec<(String, String)>>);
 
 impl Drop for ClearPending<'_> {
     fn drop(&mut self) {
-        if let Ok(mut p) = self.0.lock() {
-            p.clear();
-        }
+        self.0
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clear();
     }
 }
 

@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
-use std::sync::{Arc, Mutex, RwLock};
+use std::sync::{Arc, Mutex, PoisonError, RwLock};
 use std::time::Duration;
 
 use mole_api::WorkerConfig;
@@ -110,7 +110,7 @@ impl AppState {
             return Err("shutting down".into());
         }
         if !self.started.load(Ordering::SeqCst) {
-            let p = self.pending.lock().expect("pending lock");
+            let p = self.pending.lock().unwrap_or_else(PoisonError::into_inner);
             if p.is_empty() {
                 return Err("loading the configured adapters".into());
             }
@@ -121,18 +121,29 @@ impl AppState {
     }
     /// The current config.
     pub fn cfg(&self) -> Arc<WorkerConfig> {
-        self.config.read().expect("config lock").clone()
+        self.config
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
     /// Settings the config file changed that need a restart (empty when none).
     pub fn restart_required(&self) -> Vec<&'static str> {
-        self.restart_required.read().expect("lock").clone()
+        self.restart_required
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// The engine's adapter listing plus configured versions refused before the engine saw
     /// them.
     pub fn adapter_listing(&self) -> Vec<mole_api::LoraAdapterInfo> {
         let mut out = self.engine.adapters();
-        for f in self.refused.read().expect("lock").values() {
+        for f in self
+            .refused
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .values()
+        {
             if !out
                 .iter()
                 .any(|a| a.name == f.name && a.version == f.version)

@@ -1,7 +1,7 @@
 //! The serving path of a validated request: readiness, routing, the gateway, the context limit,
 //! the engine.
 
-use std::sync::Arc;
+use std::sync::{Arc, PoisonError};
 use std::time::{Duration, Instant};
 
 use axum::extract::State;
@@ -83,7 +83,8 @@ async fn serve_routed(
         Prompt::Text(t) | Prompt::Templated(t) => s.engine.count_tokens(t)?,
         Prompt::Tokens(t) => t.len(),
     };
-    let max_seq = (cfg.limits.max_seq_len as usize).min(s.engine.model_info().max_seq_len.max(1));
+    let max_seq =
+        (cfg.limits.engine.max_seq_len as usize).min(s.engine.model_info().max_seq_len.max(1));
     req.fit_context(prompt_tokens, max_seq)?;
     let id = req_id(req.kind.id_prefix());
     let engine = engine_for(s, &cfg, &mut d);
@@ -127,7 +128,12 @@ fn engine_for(s: &AppState, cfg: &WorkerConfig, d: &mut Decision) -> Arc<dyn Inf
     }
     let local = d.adapter.as_ref().and_then(|n| {
         let want = &cfg.adapters.iter().find(|a| &a.name == n)?.version;
-        let e = s.local_merged.read().ok()?.get(n).cloned()?;
+        let e = s
+            .local_merged
+            .read()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(n)
+            .cloned()?;
         e.adapters()
             .iter()
             .any(|a| &a.name == n && &a.version == want)
