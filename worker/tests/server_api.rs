@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use mole_worker::engine::api::{
     AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest,
-    InferenceEngine, ModelInfo,
+    InferenceEngine, ModelInfo, TokenEvent,
 };
 use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
 use serde_json::{json, Value};
@@ -782,10 +782,13 @@ async fn local_mode_merges_merged_adapters_in_process() {
     assert_eq!(content(&m), content(&d));
 }
 
-/// The real engine with adapter loads held until the gate opens (a slow load, in a test).
+/// The real engine with adapter loads held until the gate opens (a slow load, in a test), and,
+/// with `fail`, every request failing after it was accepted (as a failed forward pass fails
+/// its rows).
 struct GatedEngine {
     inner: Arc<dyn InferenceEngine>,
     open: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+    fail: bool,
 }
 
 impl GatedEngine {
@@ -797,7 +800,13 @@ impl GatedEngine {
 
 impl InferenceEngine for GatedEngine {
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
-        self.inner.submit(req)
+        if !self.fail {
+            return self.inner.submit(req);
+        }
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let failed = EngineError::Internal("forward pass failed".into());
+        tx.send(TokenEvent::Error(failed)).unwrap();
+        Ok(rx)
     }
     fn apply_chat_template(
         &self,
@@ -879,7 +888,13 @@ async fn readiness_waits_for_loads_and_a_refused_adapter_does_not_block_it() {
     let s = launch_with(
         dir,
         &yaml,
-        move |inner| Arc::new(GatedEngine { inner, open: g }),
+        move |inner| {
+            Arc::new(GatedEngine {
+                inner,
+                open: g,
+                fail: false,
+            })
+        },
         Duration::from_millis(100),
         false,
     )
@@ -1705,4 +1720,51 @@ async fn a_reload_that_outlasts_its_answer_is_accepted_and_completes_in_the_back
     let (st, h, b) = post(&s, "/v1/chat/completions", chat("slow")).await;
     assert_eq!(st, 200, "{b}");
     assert_eq!(h["x-mole-adapter"].to_str().unwrap(), "slow");
+}
+
+/// A request the engine fails after accepting it answers 500 `internal_error`, and counts
+/// once in `mole_errors_total` and once in `mole_requests_total`, whole or streamed.
+#[tokio::test]
+async fn an_engine_failure_is_counted_once() {
+    let open = Arc::new((std::sync::Mutex::new(true), std::sync::Condvar::new()));
+    let dir = fixture_root();
+    let yaml = config_yaml(dir.path(), "", 16, 64);
+    let s = launch_with(
+        dir,
+        &yaml,
+        move |inner| {
+            Arc::new(GatedEngine {
+                inner,
+                open,
+                fail: true,
+            })
+        },
+        Duration::from_millis(100),
+        true,
+    )
+    .await;
+    let ask = |stream: bool| json!({"model": "fr", "max_tokens": 2, "stream": stream, "messages": [{"role": "user", "content": "x"}]});
+    let (st, _, b) = post(&s, "/v1/chat/completions", ask(false)).await;
+    assert_eq!((st, code(&b)), (500, "internal_error"), "{b}");
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.url))
+        .json(&ask(true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let events = r.text().await.unwrap();
+    assert!(events.contains("internal_error"), "{events}");
+    let m = reqwest::get(format!("{}/metrics", s.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for want in [
+        "mole_errors_total{code=\"internal_error\"} 2",
+        "mole_requests_total{adapter=\"fr\",endpoint=\"chat\",mode=\"dynamic\",route=\"explicit\",status=\"500\"} 2",
+    ] {
+        assert!(m.contains(want), "{want}\n{m}");
+    }
 }

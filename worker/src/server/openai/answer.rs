@@ -98,6 +98,7 @@ impl Ctx {
     fn adapter_label(&self) -> &str {
         self.d.adapter.as_deref().unwrap_or("")
     }
+    /// Counts an answer that ended here: the request by its status, its latency, its tokens.
     fn record(&self, status: &str, usage: Option<Usage>) {
         let m = &self.s.metrics;
         m.requests
@@ -109,9 +110,7 @@ impl Ctx {
                 status,
             ])
             .inc();
-        m.latency
-            .with_label_values(&[self.kind.endpoint(), self.adapter_label()])
-            .observe(self.start.elapsed().as_secs_f64());
+        self.record_latency();
         if let Some(u) = usage {
             m.tokens
                 .with_label_values(&[self.adapter_label(), "prompt"])
@@ -121,6 +120,16 @@ impl Ctx {
                 .inc_by(u.completion_tokens as u64);
         }
     }
+    /// The request's latency alone: a whole answer that fails returns its error, which the
+    /// serving path counts by status and the error layer by code.
+    fn record_latency(&self) {
+        self.s
+            .metrics
+            .latency
+            .with_label_values(&[self.kind.endpoint(), self.adapter_label()])
+            .observe(self.start.elapsed().as_secs_f64());
+    }
+
     /// An answer object, or a chunk of a stream, around one choice.
     fn envelope(&self, chunk: bool, choice: Value) -> Value {
         let object = match (self.kind, chunk) {
@@ -244,7 +253,7 @@ pub(super) async fn collect_response(
         let ev = match ctx.next_event(&mut rx).await {
             Ok(ev) => ev,
             Err(e) => {
-                ctx.record(e.status.as_str(), None);
+                ctx.record_latency();
                 return Err(e);
             }
         };
@@ -260,10 +269,8 @@ pub(super) async fn collect_response(
                 lps.extend(logprob);
             }
             TokenEvent::Error(e) => {
-                let e = ApiError::from(e);
-                ctx.s.metrics.errors.with_label_values(&[e.code]).inc();
-                ctx.record(e.status.as_str(), None);
-                return Err(e);
+                ctx.record_latency();
+                return Err(ApiError::from(e));
             }
             TokenEvent::Finished { reason, usage } => {
                 ctx.record("200", Some(usage));
