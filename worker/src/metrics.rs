@@ -9,6 +9,17 @@ use prometheus::{
 
 use crate::engine::api::EngineStats;
 
+/// Inter-token latency buckets: decode steps on CPU take tens of ms, on GPU a few.
+const ITL_BUCKETS: [f64; 13] = [
+    0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
+];
+/// Router confidence buckets: probabilities and cosines below 1, keyword hits above.
+const CONFIDENCE_BUCKETS: [f64; 12] = [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0, 5.0];
+/// Adapter load duration buckets, from a page-cached small adapter to a cold large one.
+const LOAD_BUCKETS: [f64; 12] = [
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+
 /// Every metric the server records.
 pub struct Metrics {
     registry: Registry,
@@ -65,14 +76,6 @@ impl Metrics {
     /// Registers every metric in a fresh registry.
     pub fn new() -> Self {
         let r = Registry::new();
-        // Decode steps on CPU take tens of ms, on GPU a few: buckets cover both.
-        let itl_buckets = vec![
-            0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5,
-        ];
-        let confidence_buckets = vec![0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0, 5.0];
-        let load_buckets = vec![
-            0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
-        ];
         Self {
             requests: counters(
                 &r,
@@ -97,7 +100,7 @@ impl Metrics {
                     "mole_inter_token_latency_seconds",
                     "Time between consecutive tokens of a request",
                 )
-                .buckets(itl_buckets),
+                .buckets(ITL_BUCKETS.to_vec()),
                 &["adapter"],
             ),
             route_confidence: histograms(
@@ -106,7 +109,7 @@ impl Metrics {
                     "mole_route_confidence",
                     "Router confidence of routed requests by strategy",
                 )
-                .buckets(confidence_buckets),
+                .buckets(CONFIDENCE_BUCKETS.to_vec()),
                 &["strategy"],
             ),
             batch_size: gauge(&r, "mole_batch_size", "Sequences in the last engine step"),
@@ -143,7 +146,7 @@ impl Metrics {
                     "mole_adapter_load_duration_seconds",
                     "Duration of adapter loads requested by the config or the load API",
                 )
-                .buckets(load_buckets),
+                .buckets(LOAD_BUCKETS.to_vec()),
                 &["result"],
             ),
             restart_required: gauge(

@@ -141,97 +141,95 @@ pub fn decide(
         }
         return Err(RouteError::UnknownModel(named.into()));
     }
-    let text_l = input.text.to_lowercase();
     for s in &cfg.router.strategies {
-        match s {
-            RouterStrategy::Explicit => {}
-            RouterStrategy::Classifier => {
-                let Some(cls) = &cfg.router.classifier_adapter else {
-                    continue;
-                };
-                let labelled: Vec<(&str, String)> = cfg
-                    .adapters
-                    .iter()
-                    .filter_map(|a| a.label.clone().map(|l| (a.name.as_str(), l)))
-                    .collect();
-                if labelled.is_empty() {
-                    continue;
-                }
-                let labels: Vec<String> = labelled.iter().map(|(_, l)| l.clone()).collect();
-                let Some(p) = scorer(cls, input.text, &labels) else {
-                    continue;
-                };
-                if let Some((i, best)) = p
-                    .iter()
-                    .enumerate()
-                    .max_by(|a, b| a.1.total_cmp(b.1))
-                    .filter(|(_, v)| f64::from(**v) >= cfg.router.min_confidence)
-                {
-                    return Ok(done(
-                        cfg,
-                        Some(labelled[i].0.into()),
-                        "classifier",
-                        Some(f64::from(*best)),
-                    ));
-                }
-            }
-            RouterStrategy::Keywords => {
-                // Most keyword hits wins; ties go to config order so the result is stable.
-                let mut best: Option<(usize, &str)> = None;
-                for a in &cfg.adapters {
-                    let hits = a
-                        .keywords
-                        .iter()
-                        .filter(|k| !k.is_empty() && text_l.contains(&k.to_lowercase()))
-                        .count()
-                        + a.extensions
-                            .iter()
-                            .filter(|e| has_extension(&text_l, e))
-                            .count();
-                    if hits > 0 && best.is_none_or(|(b, _)| hits > b) {
-                        best = Some((hits, &a.name));
-                    }
-                }
-                if let Some((h, n)) = best {
-                    return Ok(done(cfg, Some(n.into()), "keywords", Some(h as f64)));
-                }
-            }
-            RouterStrategy::Embedding => {
-                let mut texts = vec![input.text.to_string()];
-                let mut owners = Vec::new();
-                for a in &cfg.adapters {
-                    for t in a.description.iter().chain(a.examples.iter()) {
-                        texts.push(t.clone());
-                        owners.push(a.name.as_str());
-                    }
-                }
-                if owners.is_empty() {
-                    continue;
-                }
-                let Some(v) = embedder(&texts) else { continue };
-                let q = &v[0];
-                let best = v[1..]
-                    .iter()
-                    .map(|e| q.iter().zip(e).map(|(a, b)| a * b).sum::<f32>())
-                    .enumerate()
-                    .max_by(|a, b| a.1.total_cmp(&b.1));
-                if let Some((i, s)) = best {
-                    if f64::from(s) >= cfg.router.embedding_threshold {
-                        return Ok(done(
-                            cfg,
-                            Some(owners[i].into()),
-                            "embedding",
-                            Some(f64::from(s)),
-                        ));
-                    }
-                }
-            }
+        let decided = match s {
+            RouterStrategy::Explicit => None,
+            RouterStrategy::Classifier => by_classifier(cfg, input.text, scorer),
+            RouterStrategy::Keywords => by_keywords(cfg, input.text),
+            RouterStrategy::Embedding => by_embedding(cfg, input.text, embedder),
+        };
+        if let Some(d) = decided {
+            return Ok(d);
         }
     }
     match cfg.router.fallback {
         RouterFallback::Base => Ok(done(cfg, None, "fallback", None)),
         RouterFallback::Reject => Err(RouteError::NoRoute),
     }
+}
+
+/// The classifier adapter's most likely label, when it reaches `minConfidence`.
+fn by_classifier(cfg: &WorkerConfig, text: &str, scorer: Scorer<'_>) -> Option<Decision> {
+    let cls = cfg.router.classifier_adapter.as_ref()?;
+    let labelled: Vec<(&str, String)> = cfg
+        .adapters
+        .iter()
+        .filter_map(|a| a.label.clone().map(|l| (a.name.as_str(), l)))
+        .collect();
+    if labelled.is_empty() {
+        return None;
+    }
+    let labels: Vec<String> = labelled.iter().map(|(_, l)| l.clone()).collect();
+    let p = scorer(cls, text, &labels)?;
+    let (i, best) = p
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .filter(|(_, v)| f64::from(**v) >= cfg.router.min_confidence)?;
+    Some(done(
+        cfg,
+        Some(labelled[i].0.into()),
+        "classifier",
+        Some(f64::from(*best)),
+    ))
+}
+
+/// The adapter with the most keyword and file-extension hits; ties go to config order so the
+/// result is stable.
+fn by_keywords(cfg: &WorkerConfig, text: &str) -> Option<Decision> {
+    let text_l = text.to_lowercase();
+    let mut best: Option<(usize, &str)> = None;
+    for a in &cfg.adapters {
+        let hits = a
+            .keywords
+            .iter()
+            .filter(|k| !k.is_empty() && text_l.contains(&k.to_lowercase()))
+            .count()
+            + a.extensions
+                .iter()
+                .filter(|e| has_extension(&text_l, e))
+                .count();
+        if hits > 0 && best.is_none_or(|(b, _)| hits > b) {
+            best = Some((hits, &a.name));
+        }
+    }
+    let (h, n) = best?;
+    Some(done(cfg, Some(n.into()), "keywords", Some(h as f64)))
+}
+
+/// The adapter whose description or example is nearest the prompt in meaning (cosine), when
+/// it reaches `embeddingThreshold`.
+fn by_embedding(cfg: &WorkerConfig, text: &str, embedder: Embedder<'_>) -> Option<Decision> {
+    let mut texts = vec![text.to_string()];
+    let mut owners = Vec::new();
+    for a in &cfg.adapters {
+        for t in a.description.iter().chain(a.examples.iter()) {
+            texts.push(t.clone());
+            owners.push(a.name.as_str());
+        }
+    }
+    if owners.is_empty() {
+        return None;
+    }
+    let v = embedder(&texts)?;
+    let q = &v[0];
+    let (i, s) = v[1..]
+        .iter()
+        .map(|e| q.iter().zip(e).map(|(a, b)| a * b).sum::<f32>())
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(&b.1))?;
+    (f64::from(s) >= cfg.router.embedding_threshold)
+        .then(|| done(cfg, Some(owners[i].into()), "embedding", Some(f64::from(s))))
 }
 
 /// The adapter whose `label` is `label` (exact first, then ignoring case; config order breaks
