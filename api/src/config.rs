@@ -1,6 +1,7 @@
 //! The runtime configuration the operator writes to a pool's ConfigMap (also the format of
 //! `config/local.yaml`), which the worker reads.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
@@ -98,24 +99,9 @@ pub struct WorkerAdapter {
     pub lora_id: u32,
     /// PEFT adapter directory, relative to `modelRoot`.
     pub path: String,
-    /// Classifier label.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub label: Option<String>,
-    /// What it does.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub description: Option<String>,
-    /// Example prompts (embedding router).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub examples: Vec<String>,
-    /// Domains.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub domains: Vec<String>,
-    /// Keywords (keywords router).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub keywords: Vec<String>,
-    /// File extensions (keywords router).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub extensions: Vec<String>,
+    /// What the router reads of it.
+    #[serde(flatten)]
+    pub routing: RoutingSignals,
     /// How it is served by the pool.
     #[serde(default)]
     pub mode: ServingMode,
@@ -125,6 +111,31 @@ pub struct WorkerAdapter {
     /// Whether this worker loads the adapter itself (false when it is served merged only).
     #[serde(default = "yes")]
     pub load: bool,
+}
+
+/// What the router reads of an adapter. The `Adapter` CRD's spec and the worker's config carry
+/// this one struct, so a signal added here reaches the worker without a copy in the operator.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct RoutingSignals {
+    /// Label the router's classifier predicts for this adapter (unique in the pool).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    /// What the adapter does (embedding strategy and `/v1/models`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub description: Option<String>,
+    /// Example prompts (embedding strategy).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub examples: Vec<String>,
+    /// Task domains (routing signal and documentation).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub domains: Vec<String>,
+    /// Words that route a prompt here (keywords strategy).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub keywords: Vec<String>,
+    /// File extensions (e.g. `.ics`) that route a prompt here (keywords strategy).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub extensions: Vec<String>,
 }
 
 fn yes() -> bool {

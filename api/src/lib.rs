@@ -20,7 +20,9 @@ mod listing;
 mod router;
 
 pub use bounds::BoundsError;
-pub use config::{MergedModel, WorkerAdapter, WorkerAuth, WorkerBaseModel, WorkerConfig};
+pub use config::{
+    MergedModel, RoutingSignals, WorkerAdapter, WorkerAuth, WorkerBaseModel, WorkerConfig,
+};
 pub use enums::{Dtype, RouterFallback, RouterStrategy, ServingMode, WorkerMode};
 pub use limits::{EngineLimits, WorkerLimits};
 pub use listing::{LoraAdapterInfo, LoraAdaptersResponse, Residency};

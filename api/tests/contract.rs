@@ -3,7 +3,9 @@
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 
-use mole_api::{bounds, EngineLimits, RouterSpec, RouterStrategy, WorkerConfig, WorkerLimits};
+use mole_api::{
+    bounds, EngineLimits, RouterSpec, RouterStrategy, WorkerAdapter, WorkerConfig, WorkerLimits,
+};
 
 fn config(limits: &str) -> Result<WorkerConfig, serde_yaml::Error> {
     serde_yaml::from_str(&format!(
@@ -101,4 +103,20 @@ fn the_content_hash_is_stable() {
     let mut d = c.clone();
     d.limits.engine.max_loras = 5;
     assert_ne!(c.content_hash(), d.content_hash());
+}
+
+/// An adapter's routing signals sit flat in the adapter, in the field order the hash was
+/// always computed over (an operator and a worker of other versions must agree on it), and an
+/// unknown field beside them is refused.
+#[test]
+fn routing_signals_are_flat_in_the_adapter_in_the_hashed_order() {
+    let yaml = "name: a\nversion: v1\nloraId: 3\npath: p\nlabel: l\ndescription: d\n\
+                examples: [e]\ndomains: [o]\nkeywords: [k]\nextensions: [.x]\n";
+    let a: WorkerAdapter = serde_yaml::from_str(yaml).unwrap();
+    assert_eq!(a.routing.keywords, ["k"]);
+    assert_eq!(
+        serde_json::to_string(&a).unwrap(),
+        r#"{"name":"a","version":"v1","loraId":3,"path":"p","label":"l","description":"d","examples":["e"],"domains":["o"],"keywords":["k"],"extensions":[".x"],"mode":"dynamic","load":true}"#
+    );
+    assert!(serde_yaml::from_str::<WorkerAdapter>(&format!("{yaml}keyword: [k]\n")).is_err());
 }

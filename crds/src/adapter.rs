@@ -5,7 +5,7 @@ use kube::{CustomResource, KubeSchema};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use mole_api::{Dtype, ServingMode};
+use mole_api::{Dtype, RoutingSignals, ServingMode};
 
 /// A versioned LoRA adapter served by an `InferencePool`, dynamically or merged into its own pods.
 #[derive(CustomResource, KubeSchema, Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -40,24 +40,10 @@ pub struct AdapterSpec {
     pub version: String,
     /// Where the adapter files are.
     pub source: AdapterSource,
-    /// Label the router's classifier predicts for this adapter (unique in the pool).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub label: Option<String>,
-    /// Task domains (routing signal and documentation).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub domains: Vec<String>,
-    /// Words that route a prompt here (keywords strategy).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub keywords: Vec<String>,
-    /// File extensions (e.g. `.ics`) that route a prompt here (keywords strategy).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub extensions: Vec<String>,
-    /// What the adapter does (embedding strategy and `/v1/models`).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub description: Option<String>,
-    /// Example prompts (embedding strategy).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub examples: Vec<String>,
+    /// Routing signals: classifier label (unique in the pool), description, examples,
+    /// domains, keywords and file extensions.
+    #[serde(flatten)]
+    pub routing: RoutingSignals,
     /// How the adapter is served.
     #[serde(default)]
     pub serving: ServingSpec,

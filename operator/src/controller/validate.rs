@@ -195,7 +195,7 @@ pub fn validate_adapter(
             ));
         }
     }
-    if let Some(label) = &spec.label {
+    if let Some(label) = &spec.routing.label {
         if label.trim().is_empty() {
             return Err(FieldError::invalid(
                 "spec.label",
@@ -205,7 +205,7 @@ pub fn validate_adapter(
         let me = created_key(adapter);
         let holder = siblings.iter().filter(|o| {
             o.spec.pool == spec.pool
-                && o.spec.label.as_deref() == Some(label.as_str())
+                && o.spec.routing.label.as_deref() == Some(label.as_str())
                 && o.metadata.name != adapter.metadata.name
                 && o.metadata.deletion_timestamp.is_none()
                 && created_key(o) < me
@@ -256,7 +256,7 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
 "#
         ))
         .unwrap();
-        a.spec.label = label.map(String::from);
+        a.spec.routing.label = label.map(String::from);
         a.metadata.creation_timestamp = Some(Time(
             k8s_openapi::jiff::Timestamp::from_second(created).unwrap(),
         ));
@@ -380,7 +380,7 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
                 },
                 "spec.evaluation.accuracy",
             ),
-            (|a| a.spec.label = Some(" ".into()), "spec.label"),
+            (|a| a.spec.routing.label = Some(" ".into()), "spec.label"),
         ];
         for (mutate, want) in cases {
             let mut a = adapter("calendar", None, 10);

@@ -205,7 +205,7 @@ fn worker_config_lists_adapters_sorted_with_ids_and_limits() {
         .collect();
     assert_eq!(names, vec![("calendar", 3), ("login-window", 7)]);
     assert_eq!(wc.adapters[1].version, "v2");
-    assert_eq!(wc.adapters[0].keywords, vec!["calendar"]);
+    assert_eq!(wc.adapters[0].routing.keywords, vec!["calendar"]);
     assert_eq!(wc.limits.engine.max_loras, 4);
     assert_eq!(wc.limits.engine.lora_dtype, None);
     let mut q = p.clone();

@@ -65,12 +65,7 @@ fn worker_adapter(r: &Registered<'_>) -> WorkerAdapter {
         version: a.version.clone(),
         lora_id: r.lora_id,
         path: a.source.path.clone(),
-        label: a.label.clone(),
-        description: a.description.clone(),
-        examples: a.examples.clone(),
-        domains: a.domains.clone(),
-        keywords: a.keywords.clone(),
-        extensions: a.extensions.clone(),
+        routing: a.routing.clone(),
         mode: a.serving.mode,
         // The merge-down plan decides both (the Adapter controller records it in the
         // status): forward to merged pods while they serve it, and keep it loaded in the

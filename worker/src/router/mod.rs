@@ -164,7 +164,7 @@ fn by_classifier(cfg: &WorkerConfig, text: &str, scorer: Scorer<'_>) -> Option<D
     let labelled: Vec<(&str, String)> = cfg
         .adapters
         .iter()
-        .filter_map(|a| a.label.clone().map(|l| (a.name.as_str(), l)))
+        .filter_map(|a| a.routing.label.clone().map(|l| (a.name.as_str(), l)))
         .collect();
     if labelled.is_empty() {
         return None;
@@ -191,11 +191,13 @@ fn by_keywords(cfg: &WorkerConfig, text: &str) -> Option<Decision> {
     let mut best: Option<(usize, &str)> = None;
     for a in &cfg.adapters {
         let hits = a
+            .routing
             .keywords
             .iter()
             .filter(|k| !k.is_empty() && text_l.contains(&k.to_lowercase()))
             .count()
-            + a.extensions
+            + a.routing
+                .extensions
                 .iter()
                 .filter(|e| has_extension(&text_l, e))
                 .count();
@@ -213,7 +215,12 @@ fn by_embedding(cfg: &WorkerConfig, text: &str, embedder: Embedder<'_>) -> Optio
     let mut texts = vec![text.to_string()];
     let mut owners = Vec::new();
     for a in &cfg.adapters {
-        for t in a.description.iter().chain(a.examples.iter()) {
+        for t in a
+            .routing
+            .description
+            .iter()
+            .chain(a.routing.examples.iter())
+        {
             texts.push(t.clone());
             owners.push(a.name.as_str());
         }
@@ -238,7 +245,7 @@ fn by_label<'a>(cfg: &'a WorkerConfig, label: &str) -> Option<&'a str> {
     let labelled = || {
         cfg.adapters
             .iter()
-            .filter_map(|a| Some((a.name.as_str(), a.label.as_deref()?)))
+            .filter_map(|a| Some((a.name.as_str(), a.routing.label.as_deref()?)))
     };
     labelled()
         .find(|(_, l)| *l == label)

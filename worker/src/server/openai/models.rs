@@ -19,7 +19,7 @@ pub async fn models(State(s): S) -> Json<Value> {
     for a in &cfg.adapters {
         let l = loaded.iter().any(|x| x.name == a.name && x.loaded);
         data.push(json!({"id": a.name, "object": "model", "created": t, "owned_by": "mole", "root": cfg.base_model.name, "parent": cfg.base_model.name,
-            "mole": {"kind": "adapter", "version": a.version, "mode": a.mode, "loaded": l, "description": a.description}}));
+            "mole": {"kind": "adapter", "version": a.version, "mode": a.mode, "loaded": l, "description": a.routing.description}}));
     }
     Json(json!({"object": "list", "data": data}))
 }
