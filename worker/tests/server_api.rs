@@ -870,6 +870,16 @@ async fn post_auth(s: &Srv, path: &str, token: Option<&str>, body: Value) -> (u1
     (r.status().as_u16(), r.json().await.unwrap_or(Value::Null))
 }
 
+/// The worker's `/metrics` text.
+async fn scrape(s: &Srv) -> String {
+    reqwest::get(format!("{}/metrics", s.url))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 fn code(b: &Value) -> &str {
     b["error"]["code"].as_str().unwrap_or("")
 }
@@ -1052,12 +1062,7 @@ async fn operator_token_and_reload_with_config_hash() {
     .await;
     assert_eq!(st, 200, "{b}");
     assert!(!s.engine.adapters().iter().any(|a| a.name == "fr"));
-    let m = reqwest::get(format!("{}/metrics", s.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = scrape(&s).await;
     for want in [
         "mole_config_reloads_total{result=\"stale\"} 1",
         "mole_config_reloads_total{result=\"changed\"} 1",
@@ -1201,15 +1206,7 @@ async fn restart_settings_are_reported_not_half_applied() {
     assert_eq!(post(&s, "/v1/chat/completions", ask(64)).await.0, 200);
     let (st, _, b) = post(&s, "/v1/chat/completions", ask(65)).await;
     assert_eq!((st, code(&b)), (400, "max_tokens_exceeded"));
-    let scrape = || async {
-        reqwest::get(format!("{}/metrics", s.url))
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-    };
-    assert!(scrape().await.contains("mole_config_restart_required 1"));
+    assert!(scrape(&s).await.contains("mole_config_restart_required 1"));
     // Back to the running settings: nothing left to restart for.
     let y = std::fs::read_to_string(&p)
         .unwrap()
@@ -1218,7 +1215,7 @@ async fn restart_settings_are_reported_not_half_applied() {
     std::fs::write(&p, y).unwrap();
     let (st, b) = post_auth(&s, "/admin/reload", Some("s3cret"), json!({})).await;
     assert_eq!((st, b["restartRequired"].clone()), (200, json!([])));
-    assert!(scrape().await.contains("mole_config_restart_required 0"));
+    assert!(scrape(&s).await.contains("mole_config_restart_required 0"));
 }
 
 #[tokio::test]
@@ -1640,12 +1637,7 @@ async fn gateway_streams_and_falls_back_from_hanging_or_dying_pods() {
     let (st, h, b) = post(&s, "/v1/chat/completions", ask("dying", false)).await;
     assert_eq!(st, 200, "{b}");
     assert_eq!(h["x-mole-route"], "explicit");
-    let m = reqwest::get(format!("{}/metrics", s.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = scrape(&s).await;
     assert!(m.contains("mole_requests_total{adapter=\"mg\",endpoint=\"chat\",mode=\"merged\",route=\"explicit+proxy\",status=\"200\"} 1"), "{m}");
 }
 
@@ -1755,12 +1747,7 @@ async fn an_engine_failure_is_counted_once() {
     assert_eq!(r.status().as_u16(), 200);
     let events = r.text().await.unwrap();
     assert!(events.contains("internal_error"), "{events}");
-    let m = reqwest::get(format!("{}/metrics", s.url))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let m = scrape(&s).await;
     for want in [
         "mole_errors_total{code=\"internal_error\"} 2",
         "mole_requests_total{adapter=\"fr\",endpoint=\"chat\",mode=\"dynamic\",route=\"explicit\",status=\"500\"} 2",
