@@ -70,6 +70,12 @@ pub struct Metrics {
     pub proxy: IntCounterVec,
     /// vLLM-compatible LoRA info gauge (value: scrape time in seconds).
     pub lora_info: GaugeVec,
+    /// Free blocks of the paged KV cache (tensor path only).
+    pub kv_blocks_free: IntGauge,
+    /// Blocks of the paged KV cache (tensor path only).
+    pub kv_blocks: IntGauge,
+    /// Sequences preempted because the KV cache was full.
+    pub preemptions: IntCounter,
 }
 
 impl Metrics {
@@ -194,6 +200,15 @@ impl Metrics {
                     &["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
                 ),
             ),
+            kv_blocks_free: gauge(&r, "mole_kv_blocks_free", "Free blocks of the paged KV cache"),
+            kv_blocks: gauge(&r, "mole_kv_blocks", "Blocks of the paged KV cache"),
+            preemptions: registered(
+                &r,
+                IntCounter::new(
+                    "mole_preemptions_total",
+                    "Sequences preempted (cache freed, recomputed later) because the KV cache was full",
+                ),
+            ),
             registry: r,
         }
     }
@@ -210,6 +225,11 @@ impl Metrics {
             }
         };
         follow(&self.cancelled, stats.cancelled);
+        follow(&self.preemptions, stats.preemptions);
+        if let Some((free, total)) = stats.kv_blocks {
+            self.kv_blocks_free.set(free as i64);
+            self.kv_blocks.set(total as i64);
+        }
         follow(&self.adapter_evictions, stats.adapter_evictions);
         follow(
             &self.adapter_loads.with_label_values(&["ok"]),

@@ -297,7 +297,9 @@ fn teacher_forced(
     rows: &[(Vec<u32>, Option<&LoraAdapter>)],
     feed: &[Vec<u32>],
 ) -> Vec<Vec<Tensor>> {
-    let mut caches = vec![SeqCache::default(); rows.len()];
+    let mut caches = (0..rows.len())
+        .map(|_| SeqCache::default())
+        .collect::<Vec<_>>();
     let mut out: Vec<Vec<Tensor>> = vec![Vec::new(); rows.len()];
     for step in 0..=feed[0].len() {
         let toks: Vec<Vec<u32>> = (0..rows.len())

@@ -18,7 +18,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use mole_worker::lora::{self, LoadOptions};
 use mole_worker::model::LoraAdapter;
-use mole_worker::model::{argmax, Decoder, ModelConfig, Row, SeqCache};
+use mole_worker::model::{argmax, Decoder, ModelConfig, Row, SeqCache, TensorPathOptions};
 
 /// The device the tests run on: the CPU, or with `MOLE_TEST_DEVICE=cuda` the first GPU (a
 /// `--features cuda` build), where the same tolerances hold: f32 matmuls run in full f32
@@ -59,7 +59,9 @@ fn run_steps(
     rows: &[(Vec<u32>, Option<&LoraAdapter>)],
     steps: usize,
 ) -> (Vec<Vec<Tensor>>, Vec<Vec<u32>>) {
-    let mut caches = vec![SeqCache::default(); rows.len()];
+    let mut caches = (0..rows.len())
+        .map(|_| SeqCache::default())
+        .collect::<Vec<_>>();
     let fwd = |toks: &[Vec<u32>], caches: &mut [SeqCache]| -> Vec<Tensor> {
         let mut batch: Vec<Row> = toks
             .iter()
@@ -518,4 +520,144 @@ fn unknown_rope_types_are_refused_by_name() {
     cfg["rope_parameters"] = serde_json::json!({"rope_type": "fancy", "rope_theta": 10000.0});
     let e = ModelConfig::from_json(cfg).unwrap_err();
     assert!(e.to_string().contains("\"fancy\""), "{e}");
+}
+
+/// The tensor path as a GPU runs it, on one ragged batch: 16 distinct adapters (the fixture's
+/// three, loaded several times over, each copy its own LoRA slot) and two base rows, prompts of
+/// eleven lengths, 90 greedy steps over KV blocks of 4 tokens (so every row crosses many block
+/// boundaries), and at step 40 two rows preempted: their caches dropped and recomputed from
+/// prompt and output inside the next batched step, beside rows that only decode. Every row's
+/// logits stay within the f32 tolerance of the same row run alone on the host kernels (tied to
+/// transformers by the tests above) and its greedy tokens are identical; rows on the
+/// fixture's full prompts also continue exactly as transformers + PEFT did.
+#[test]
+fn a_ragged_batch_of_16_adapters_on_the_paged_path_equals_each_row_alone() {
+    if !device().is_cpu() {
+        return; // The reference rows run on the host kernels.
+    }
+    let (mut model, _) = load("llama");
+    let r = &reference()["llama"];
+    let p: Vec<Vec<u32>> = serde_json::from_value(r["prompts"].clone()).unwrap();
+    let opts = LoadOptions {
+        max_rank: 64,
+        expect_base: None,
+    };
+    // 16 distinct adapter instances: a_r8_all ×6, b_r4_qv ×5, c_r16_mlp ×5.
+    let adapters: Vec<(usize, LoraAdapter)> = (0..16)
+        .map(|k| {
+            let ai = [0, 1, 2][k % 3];
+            let dir = fixtures().join("adapters/llama").join(ADAPTERS[ai]);
+            (
+                ai,
+                lora::load(&dir, model.config(), DType::F32, &device(), &opts).unwrap(),
+            )
+        })
+        .collect();
+    // Rows: (prompt, adapter). Prompts are the two fixture prompts and cuts of them.
+    let mut rows: Vec<(Vec<u32>, Option<usize>)> = (0..16)
+        .map(|k| {
+            let full = &p[k % 2];
+            let len = if k < 4 {
+                full.len()
+            } else {
+                2 + k % full.len()
+            };
+            (full[..len.min(full.len())].to_vec(), Some(k))
+        })
+        .collect();
+    rows.insert(3, (p[0].clone(), None));
+    rows.insert(9, (p[1][..4].to_vec(), None));
+    let steps = 90;
+
+    // Each row alone on the host kernels: the reference.
+    model.set_host_kernels(true);
+    let alone: Vec<(Vec<Tensor>, Vec<u32>)> = rows
+        .iter()
+        .map(|(prompt, a)| {
+            let a = a.map(|k| &adapters[k].1);
+            let (mut l, mut t) = run_steps(&model, &[(prompt.clone(), a)], steps);
+            (l.remove(0), t.remove(0))
+        })
+        .collect();
+
+    // All rows in one batch on the paged path, with small blocks.
+    model.set_host_kernels(false);
+    model.configure_tensor_path(TensorPathOptions {
+        block_size: 4,
+        kv_blocks: 1024,
+        lora_slots: 16,
+        lora_rank: 16,
+    });
+    let mut caches: Vec<SeqCache> = rows.iter().map(|_| SeqCache::default()).collect();
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); rows.len()];
+    let mut logits: Vec<Vec<Tensor>> = vec![Vec::new(); rows.len()];
+    for step in 0..steps {
+        if step == 40 {
+            for k in [5, 11] {
+                caches[k].clear();
+            }
+        }
+        // A row with nothing cached (a new or preempted sequence) prefills its prompt and what
+        // it generated; the others decode their last token.
+        let inputs: Vec<Vec<u32>> = rows
+            .iter()
+            .zip(&caches)
+            .zip(&out)
+            .map(|(((prompt, _), cache), o)| match cache.is_empty() {
+                true => prompt.iter().chain(o).copied().collect(),
+                false => vec![*o.last().unwrap()],
+            })
+            .collect();
+        let mut batch: Vec<Row> = inputs
+            .iter()
+            .zip(caches.iter_mut())
+            .zip(&rows)
+            .map(|((t, cache), (_, a))| Row {
+                tokens: t,
+                cache,
+                adapter: a.map(|k| &adapters[k].1),
+            })
+            .collect();
+        let step_logits = model.forward(&mut batch).unwrap();
+        drop(batch);
+        for (k, l) in step_logits.into_iter().enumerate() {
+            out[k].push(argmax(&l).unwrap());
+            logits[k].push(l);
+        }
+    }
+    assert!(caches.iter().all(|c| c.blocks() >= 2), "rows span blocks");
+    for (k, ((prompt, a), (want_logits, want_tokens))) in rows.iter().zip(&alone).enumerate() {
+        assert_eq!(&out[k], want_tokens, "row {k}: greedy tokens");
+        for (s, (ours, want)) in logits[k].iter().zip(want_logits).enumerate() {
+            let want: Vec<f32> = want.to_vec1().unwrap();
+            let err = max_rel_error(ours, &want);
+            assert!(err <= 1e-4, "row {k} step {s}: relative error {err}");
+        }
+        // Rows on a full fixture prompt: transformers' own greedy continuation.
+        if let Some(pi) = p.iter().position(|x| x == prompt) {
+            let want: Vec<u32> = match a {
+                None => serde_json::from_value(r["greedy"][pi].clone()).unwrap(),
+                Some(i) => serde_json::from_value(
+                    r["adapters"][ADAPTERS[adapters[*i].0]]["greedy"][pi].clone(),
+                )
+                .unwrap(),
+            };
+            assert_eq!(
+                out[k][..want.len()],
+                want[..],
+                "row {k}: transformers' greedy"
+            );
+        }
+    }
+}
+
+/// The largest difference over the largest magnitude of `want`.
+fn max_rel_error(ours: &Tensor, want: &[f32]) -> f32 {
+    let ours: Vec<f32> = ours.to_vec1().unwrap();
+    let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+    ours.iter()
+        .zip(want)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0f32, f32::max)
+        / scale
 }

@@ -191,7 +191,9 @@ fn tokens_per_s(
     adapters: &[Option<&LoraAdapter>],
     steps: usize,
 ) -> anyhow::Result<f64> {
-    let mut caches = vec![SeqCache::default(); adapters.len()];
+    let mut caches = (0..adapters.len())
+        .map(|_| SeqCache::default())
+        .collect::<Vec<_>>();
     let prompt: Vec<u32> = (1..9).collect();
     let mut next: Vec<u32> = {
         let mut rows: Vec<Row> = caches

@@ -229,6 +229,11 @@ pub struct EngineStats {
     pub adapter_load_seconds: f64,
     /// Adapters evicted to disk by the LRU.
     pub adapter_evictions: u64,
+    /// Sequences preempted (their cache freed, to be recomputed) because the KV cache was full.
+    pub preemptions: u64,
+    /// The paged KV cache's free and total blocks (tensor path; None on the CPU's host path,
+    /// whose caches grow per sequence).
+    pub kv_blocks: Option<(usize, usize)>,
 }
 
 /// The engine as the server sees it. Implemented by the real engine; object-safe so the

@@ -3,6 +3,7 @@
 //! [`api`]; [`Engine`] is the implementation.
 
 pub mod api;
+mod plan;
 pub mod sampler;
 pub mod scheduler;
 pub mod text;
@@ -20,7 +21,7 @@ use self::scheduler::{Msg, Seq};
 use self::text::TextModel;
 use crate::lora::registry::{Lookup, Pinned, Registry};
 use crate::lora::LoadOptions;
-use crate::model::{Decoder, LoraAdapter, Row, SeqCache};
+use crate::model::{Decoder, LoraAdapter, Row, SeqCache, TensorPathOptions};
 
 /// Engine settings (from the worker config's limits).
 #[derive(Debug, Clone)]
@@ -67,6 +68,19 @@ impl Default for EngineOptions {
     }
 }
 
+/// The tensor path's pools sized from the limits: KV blocks for a full batch of sequences at
+/// the longest length (so preemption only trims an overcommitted batch), and a LoRA slot per
+/// device-resident adapter at the highest rank accepted.
+fn tensor_path(opts: &EngineOptions) -> TensorPathOptions {
+    let block_size = TensorPathOptions::default().block_size;
+    TensorPathOptions {
+        block_size,
+        kv_blocks: opts.max_batch_size.max(1) * opts.max_seq_len.div_ceil(block_size),
+        lora_slots: opts.max_loras.max(1),
+        lora_rank: opts.max_lora_rank.max(1),
+    }
+}
+
 /// State shared by the engine handle and the engine thread.
 pub struct Shared {
     model: Decoder,
@@ -79,6 +93,8 @@ pub struct Shared {
     loads: std::sync::atomic::AtomicU64,
     load_failures: std::sync::atomic::AtomicU64,
     load_micros: std::sync::atomic::AtomicU64,
+    /// Sequences preempted because the KV cache was full (since start).
+    preemptions: std::sync::atomic::AtomicU64,
     /// What adapters are held in: `opts.lora_dtype` or the model's default.
     lora_dtype: DType,
     device: Device,
@@ -123,8 +139,9 @@ impl Engine {
     }
 
     /// Starts the engine thread over a loaded model.
-    pub fn start(model: Decoder, text: TextModel, mut opts: EngineOptions) -> Self {
+    pub fn start(mut model: Decoder, text: TextModel, mut opts: EngineOptions) -> Self {
         opts.max_seq_len = opts.max_seq_len.min(model.config().max_positions()).max(2);
+        model.configure_tensor_path(tensor_path(&opts));
         let device = model.device().clone();
         let shared = Arc::new(Shared {
             lora_dtype: opts
@@ -140,6 +157,7 @@ impl Engine {
             loads: Default::default(),
             load_failures: Default::default(),
             load_micros: Default::default(),
+            preemptions: Default::default(),
             model,
             text,
             opts,
@@ -446,6 +464,10 @@ impl InferenceEngine for Engine {
         s.adapter_load_failures = sh.load_failures.load(Ordering::Relaxed);
         s.adapter_load_seconds = sh.load_micros.load(Ordering::Relaxed) as f64 / 1e6;
         s.adapter_evictions = sh.registry.evictions.load(Ordering::Relaxed);
+        s.preemptions = sh.preemptions.load(Ordering::Relaxed);
+        if sh.model.paged() {
+            s.kv_blocks = Some((sh.model.free_blocks(), sh.model.tensor_path().kv_blocks));
+        }
         s
     }
 

@@ -16,6 +16,7 @@ use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{EngineError, FinishReason, TokenEvent, TokenLogprob, Usage};
+use super::plan::{self, Work};
 use super::sampler::Sampler;
 use super::text::{Detokenizer, StopMatcher};
 use super::Shared;
@@ -37,7 +38,13 @@ pub struct Seq {
     /// Tokens generated at most (already capped by the model's length).
     pub max_new: usize,
     pub(super) cache: SeqCache,
+    /// Tokens the cache must hold before decoding: the prompt, or after a preemption the
+    /// prompt and what was generated, recomputed.
+    pub(super) context: Vec<u32>,
+    /// Tokens of `context` in the cache.
     pub(super) prefilled: usize,
+    /// `Started` was sent (a recomputed sequence does not send it again).
+    pub(super) started: bool,
     pub(super) generated: Vec<u32>,
     pub(super) detok: Detokenizer,
     pub(super) stop: StopMatcher,
@@ -62,6 +69,8 @@ impl Seq {
             version,
             detok: Detokenizer::new(&prompt),
             id,
+            context: prompt.clone(),
+            started: false,
             prompt,
             adapter,
             sampler,
@@ -75,8 +84,17 @@ impl Seq {
         }
     }
 
-    fn cancelled(&self) -> bool {
+    pub(super) fn cancelled(&self) -> bool {
         self.tx.is_closed()
+    }
+
+    /// Frees the sequence's cache to be recomputed later from its prompt and what it generated
+    /// (preemption: the KV cache is full).
+    pub(super) fn preempt(&mut self) {
+        self.cache.clear();
+        self.context = self.prompt.clone();
+        self.context.extend_from_slice(&self.generated);
+        self.prefilled = 0;
     }
 }
 
@@ -92,14 +110,6 @@ impl Drop for Seq {
 pub enum Msg {
     /// A new request (already counted in `Shared::waiting`).
     Submit(Box<Seq>),
-}
-
-/// What one row of the step does for its sequence.
-enum Work {
-    /// Prompt tokens `[from, to)`; the last chunk of the prompt samples the first token.
-    Prefill(usize, usize),
-    /// One decode token.
-    Decode,
 }
 
 /// Runs until every sender is gone.
@@ -126,19 +136,19 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
         let dropped = before - waiting.len();
         shared.waiting.fetch_sub(dropped, Ordering::SeqCst);
         let mut cancelled = dropped;
-        while running.len() < shared.opts.max_batch_size {
-            let Some(s) = waiting.pop_front() else { break };
-            shared.waiting.fetch_sub(1, Ordering::SeqCst);
-            running.push(s);
-        }
+        plan::admit(&shared, &mut running, &mut waiting);
         let before = running.len();
         running.retain(|s| !s.cancelled());
         cancelled += before - running.len();
+        let (work, preempted) = plan::plan(&shared, &mut running, &mut waiting);
+        shared
+            .preemptions
+            .fetch_add(preempted as u64, Ordering::Relaxed);
         publish_stats(&shared, &running, &waiting, cancelled);
-        if running.is_empty() {
+        if work.is_empty() {
             continue;
         }
-        step(&shared, &mut running);
+        step(&shared, &mut running, &work);
         let before = running.len();
         running.retain(|s| s.done || !s.cancelled());
         let cancelled = before - running.len();
@@ -172,35 +182,21 @@ fn publish_stats(
     st.waiting_adapters = names(&mut waiting.iter());
 }
 
-/// One forward pass over every running sequence, then sampling and events.
-fn step(shared: &Shared, running: &mut [Box<Seq>]) {
-    let mut budget = shared.opts.prefill_chunk.max(1);
-    let mut work: Vec<(usize, Work)> = Vec::with_capacity(running.len());
-    for (i, s) in running.iter().enumerate() {
-        if s.prefilled < s.prompt.len() {
-            if budget == 0 {
-                continue;
-            }
-            let to = (s.prefilled + budget).min(s.prompt.len());
-            budget -= to - s.prefilled;
-            work.push((i, Work::Prefill(s.prefilled, to)));
-        } else {
-            work.push((i, Work::Decode));
-        }
-    }
+/// One forward pass over the planned rows, then sampling and events.
+fn step(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) {
     // Rows borrow each sequence's cache mutably: split the borrows by index order.
     let logits = {
         let mut rows: Vec<Row<'_>> = Vec::with_capacity(work.len());
         let mut rest: &mut [Box<Seq>] = running;
         let mut offset = 0;
-        for (i, w) in &work {
+        for (i, w) in work {
             let (_, tail) = std::mem::take(&mut rest).split_at_mut(i - offset);
             let (s, tail) = tail.split_first_mut().expect("index in range");
             rest = tail;
             offset = i + 1;
             let s: &mut Seq = s;
             let tokens: &[u32] = match w {
-                Work::Prefill(a, b) => &s.prompt[*a..*b],
+                Work::Prefill(a, b) => &s.context[*a..*b],
                 Work::Decode => std::slice::from_ref(s.generated.last().expect("decoding")),
             };
             rows.push(Row {
@@ -220,7 +216,7 @@ fn step(shared: &Shared, running: &mut [Box<Seq>]) {
         Err(e) => {
             // A failed step fails its rows, not the engine.
             tracing::error!(error = %e, "forward pass failed");
-            for (i, _) in &work {
+            for (i, _) in work {
                 let s = &mut running[*i];
                 let _ =
                     s.tx.send(TokenEvent::Error(EngineError::Internal(e.to_string())));
@@ -233,13 +229,16 @@ fn step(shared: &Shared, running: &mut [Box<Seq>]) {
         let s = &mut running[*i];
         if let Work::Prefill(_, to) = w {
             s.prefilled = *to;
-            if *to < s.prompt.len() {
+            if *to < s.context.len() {
                 continue;
             }
-            let _ = s.tx.send(TokenEvent::Started {
-                adapter_version: s.version.clone(),
-                prompt_tokens: s.prompt.len(),
-            });
+            if !s.started {
+                s.started = true;
+                let _ = s.tx.send(TokenEvent::Started {
+                    adapter_version: s.version.clone(),
+                    prompt_tokens: s.prompt.len(),
+                });
+            }
         }
         emit(shared, s, &l);
     }

@@ -1,13 +1,15 @@
 //! Self-attention of a decoder layer over every row's own cache. Projections, q/k norms and
-//! RoPE run once for the whole batch (each token rotated at its own position); the attention
-//! proper is per sequence: the host kernel on CPU f32 for rows of few new tokens, tensor ops
-//! (gemm) otherwise.
+//! RoPE run once for the whole batch (each token rotated at its own position). On the tensor
+//! path (GPUs, and the CPU when host kernels are off) the attention is one call for the whole
+//! batch over the paged cache: rows padded to one shape, keys gathered by block table, heads
+//! grouped for GQA, a masked softmax in f32 ([`attend_paged`]). CPU f32 decoders run the host
+//! kernel per token for rows of few new tokens, gemm per row for longer ones.
 
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
 
-use super::batch::{Batch, Row};
-use super::cache::{append_kv, mixed_cache, LayerKv};
+use super::batch::{Batch, Paged, Row};
+use super::cache::{append_kv, LayerKv};
 use super::project::projs;
 use super::weights::Weights;
 use super::{Family, Lin, ModelConfig, ModelError, Proj};
@@ -78,11 +80,10 @@ impl Attention {
         rows: &mut [Row<'_>],
         batch: &Batch<'_>,
     ) -> Result<Tensor, ModelError> {
-        let groups = &batch.groups[..];
         let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let n = x.dim(0)?;
         let qkv = [(&self.q, Proj::Q), (&self.k, Proj::K), (&self.v, Proj::V)];
-        let [q, k, v] = projs(batch.host, qkv, li, x, groups)?;
+        let [q, k, v] = projs(batch, qkv, li, x)?;
         let mut q = q.reshape((n, nh, hd))?;
         let mut k = k.reshape((n, nkv, hd))?;
         let v = v.reshape((n, nkv, hd))?;
@@ -94,33 +95,69 @@ impl Attention {
             candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?, &batch.cos, &batch.sin)?.squeeze(0)
         };
         let (q, k) = (rope(&q)?, rope(&k)?);
-        let out = if batch.host {
-            attend_host(li, &q, &k, &v, rows, batch)?
-        } else {
-            let mut outs = Vec::with_capacity(rows.len());
-            let mut off = 0;
-            for (ri, row) in rows.iter_mut().enumerate() {
-                let (t, start) = (batch.lens[ri], batch.starts[ri]);
-                // [t, heads, hd] → [heads, t, hd]
-                let heads = |x: &Tensor| x.narrow(0, off, t)?.transpose(0, 1)?.contiguous();
-                let (qr, kr, vr) = (heads(&q)?, heads(&k)?, heads(&v)?);
-                let slot = row.cache.layer_mut(li, batch.layers);
-                let (kr, vr) = match std::mem::take(slot) {
-                    LayerKv::Tensors(pk, pv) => {
-                        (Tensor::cat(&[&pk, &kr], 1)?, Tensor::cat(&[&pv, &vr], 1)?)
-                    }
-                    LayerKv::Empty => (kr, vr),
-                    LayerKv::Host(..) => return Err(mixed_cache()),
-                };
-                *slot = LayerKv::Tensors(kr.clone(), vr.clone());
-                outs.push(attend_tensors(&qr, &kr, &vr, start, batch)?);
-                off += t;
-            }
-            Tensor::cat(&outs, 0)?
+        let out = match &batch.paged {
+            Some(p) => attend_paged(li, &q, &k, &v, batch, p)?,
+            None => attend_host(li, &q, &k, &v, rows, batch)?,
         };
-        let [o] = projs(batch.host, [(&self.o, Proj::O)], li, &out, groups)?;
+        let [o] = projs(batch, [(&self.o, Proj::O)], li, &out)?;
         Ok(o)
     }
+}
+
+/// The attention of a whole tensor-path batch: the new keys and values written to their slots
+/// in place, every row's keys gathered by its block table, and one scaled dot-product over
+/// rows padded to `queries × keys`, the heads of a KV group sharing its keys (no copy per
+/// head), softmax in f32 under the causal mask. `q` `[tokens, heads, hd]`, `k`/`v`
+/// `[tokens, kv_heads, hd]`; returns `[tokens, heads·hd]`. The op count is the same for any
+/// batch: this is the reference a fused paged-attention kernel replaces.
+fn attend_paged(
+    li: usize,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    batch: &Batch<'_>,
+    p: &Paged<'_>,
+) -> Result<Tensor, ModelError> {
+    let (n, nh, hd) = q.dims3()?;
+    let nkv = k.dim(1)?;
+    let g = nh / nkv;
+    let (rows, tq, keys) = (p.rows, p.queries, p.keys);
+    p.pool.write(
+        li,
+        &k.reshape((n, nkv * hd))?,
+        &v.reshape((n, nkv * hd))?,
+        &p.write,
+    )?;
+    let (kc, vc) = p.pool.gather(li, &p.gather)?;
+    let heads = |c: Tensor| -> candle_core::Result<Tensor> {
+        c.reshape((rows, keys, nkv, hd))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let (kc, vc) = (heads(kc)?, heads(vc)?); // [rows, kv, keys, hd]
+                                             // [tokens, heads·hd] → [rows, kv, g·queries, hd]: a KV group's heads as more queries.
+    let qp = q
+        .reshape((n, nh * hd))?
+        .index_select(&p.pad, 0)?
+        .reshape((rows, tq, nkv, g, hd))?
+        .permute((0, 2, 3, 1, 4))?
+        .contiguous()?
+        .reshape((rows, nkv, g * tq, hd))?;
+    let scale = 1.0 / (hd as f64).sqrt();
+    let att = (qp.matmul(&kc.t()?)? * scale)?
+        .to_dtype(DType::F32)?
+        .reshape((rows, nkv, g, tq, keys))?
+        .broadcast_add(&p.mask)?;
+    let att = candle_nn::ops::softmax_last_dim(&att)?
+        .to_dtype(batch.dtype)?
+        .reshape((rows, nkv, g * tq, keys))?;
+    Ok(att
+        .matmul(&vc)? // [rows, kv, g·queries, hd]
+        .reshape((rows, nkv, g, tq, hd))?
+        .permute((0, 3, 1, 2, 4))?
+        .contiguous()?
+        .reshape((rows * tq, nh * hd))?
+        .index_select(&p.unpad, 0)?)
 }
 
 /// Scaled dot-product attention of one sequence with tensor ops: `q` `[heads, t, hd]` at
@@ -175,7 +212,6 @@ fn attend_host(
         let slot = row.cache.layer_mut(li, batch.layers);
         match slot {
             LayerKv::Empty => *slot = LayerKv::Host(Vec::new(), Vec::new()),
-            LayerKv::Tensors(..) => return Err(mixed_cache()),
             LayerKv::Host(..) => {}
         }
         if let LayerKv::Host(kc, vc) = slot {

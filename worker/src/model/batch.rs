@@ -2,6 +2,8 @@
 
 use candle_core::{DType, Device, Tensor};
 
+use super::kv::KvPool;
+use super::slots::LoraSlots;
 use super::{LoraAdapter, SeqCache};
 
 /// One sequence of a batch: its new tokens, its cache (the new tokens start at `cache.len()`)
@@ -20,6 +22,7 @@ pub struct Row<'a> {
 pub(super) struct Batch<'a> {
     pub lens: Vec<usize>,
     pub starts: Vec<usize>,
+    /// Host path: the rows sharing each adapter.
     pub groups: Vec<Group<'a>>,
     /// cos/sin `[tokens, head_dim/2]`: each token's rotation at its own position.
     pub cos: Tensor,
@@ -31,6 +34,32 @@ pub(super) struct Batch<'a> {
     pub device: &'a Device,
     /// The compute dtype.
     pub dtype: DType,
+    /// Tensor path: where the step's keys go and come from in the paged cache.
+    pub paged: Option<Paged<'a>>,
+    /// Tensor path, when a row has an adapter: the slot pool and each token's slot `[tokens]`.
+    pub lora: Option<(&'a LoraSlots, Tensor)>,
+}
+
+/// A tensor-path step's view of the paged cache: the rows padded to `queries` new tokens and
+/// `keys` cached ones each, so one attention call covers rows of any lengths.
+pub(super) struct Paged<'a> {
+    pub pool: &'a KvPool,
+    /// Each new token's slot, repeated across the cache's width: `[tokens, width]`.
+    pub write: Tensor,
+    /// Per row, the slots of its positions `0..keys` (past its length: any slot, masked):
+    /// `[rows · keys]`.
+    pub gather: Tensor,
+    /// Per row, the token each of its `queries` padded positions reads (its last past its
+    /// length): `[rows · queries]`.
+    pub pad: Tensor,
+    /// Each token's padded position, `row · queries + t`: `[tokens]`.
+    pub unpad: Tensor,
+    /// 0 where a padded query may see a key (causal, within the row), -1e30 elsewhere:
+    /// `[rows, 1, 1, queries, keys]`, f32.
+    pub mask: Tensor,
+    pub rows: usize,
+    pub queries: usize,
+    pub keys: usize,
 }
 
 /// Rows of a batch that share an adapter: the adapter and their token positions in the batch.

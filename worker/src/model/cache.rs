@@ -1,28 +1,26 @@
-//! The KV cache of one sequence: per layer, device tensors grown by concatenation, or on CPU
-//! f32 decoders token-major host vectors grown in place.
+//! The KV cache of one sequence: blocks of the decoder's paged pool on the tensor path (see
+//! [`super::kv`]), or on CPU f32 decoders running host kernels, token-major host vectors per
+//! layer grown in place.
 
-use candle_core::Tensor;
-
+use super::kv::BlockTable;
 use super::ModelError;
 
-/// The KV cache of one sequence, per layer.
-#[derive(Debug, Default, Clone)]
+/// The KV cache of one sequence. Dropping it frees its blocks.
+#[derive(Debug, Default)]
 pub struct SeqCache {
     pub(super) layers: Vec<LayerKv>,
+    pub(super) blocks: Option<BlockTable>,
     pub(super) len: usize,
 }
 
-/// One layer's keys and values (after RoPE) for one sequence.
+/// One layer's keys and values (after RoPE) for one sequence, on the host path.
 #[derive(Debug, Default, Clone)]
 pub(super) enum LayerKv {
     /// Nothing cached yet.
     #[default]
     Empty,
-    /// Device tensors `[kv_heads, len, head_dim]`, extended by concatenation.
-    Tensors(Tensor, Tensor),
-    /// CPU f32 decoders: token-major `[len, kv_heads, head_dim]` vectors that the host
-    /// attention kernel reads in place and new tokens extend in place (see [`append_kv`]; a
-    /// tensor cache is copied whole at every step).
+    /// Token-major `[len, kv_heads, head_dim]` vectors that the host attention kernel reads in
+    /// place and new tokens extend in place (see [`append_kv`]).
     Host(Vec<f32>, Vec<f32>),
 }
 
@@ -34,6 +32,16 @@ impl SeqCache {
     /// Whether nothing is cached.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// KV blocks held (tensor path).
+    pub fn blocks(&self) -> usize {
+        self.blocks.as_ref().map_or(0, |b| b.ids.len())
+    }
+
+    /// Forgets everything cached and frees its blocks (a preempted sequence is recomputed).
+    pub fn clear(&mut self) {
+        *self = Self::default();
     }
 
     /// Layer `li`'s keys and values, the cache sized for `layers` layers on first use.

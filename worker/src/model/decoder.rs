@@ -2,15 +2,20 @@
 //! each bring their own cache, position and adapter.
 
 use std::path::Path;
+use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 
 use super::batch::{Batch, Group, Row};
+use super::cache::{mixed_cache, LayerKv};
+use super::kv::{KvPool, TensorPathOptions};
 use super::layer::Layer;
 use super::project;
 use super::rope::rope_cos_sin;
+use super::slots::LoraSlots;
+use super::step;
 use super::weights::{compute_dtype, Dense, Quantized, Weights};
 use super::{HostUpdates, Lin, LoraAdapter, ModelConfig, ModelError, Rope};
 use crate::formats::hf;
@@ -32,6 +37,17 @@ pub struct Decoder {
     weights: DType,
     /// CPU f32: attention and adapter updates run as fused host kernels.
     host: bool,
+    /// How the tensor path's pools are sized.
+    tensor_opts: TensorPathOptions,
+    /// The tensor path's pools, allocated by its first step (a CPU decoder on host kernels
+    /// never allocates them).
+    tensor: Mutex<Option<Arc<TensorState>>>,
+}
+
+/// The tensor path's pools: the paged KV cache, and the LoRA slots once a step has an adapter.
+struct TensorState {
+    kv: KvPool,
+    slots: Mutex<Option<Arc<LoraSlots>>>,
 }
 
 impl Decoder {
@@ -124,7 +140,84 @@ impl Decoder {
             device,
             dtype,
             weights,
+            tensor_opts: TensorPathOptions::default(),
+            tensor: Mutex::new(None),
         })
+    }
+
+    /// Sizes the tensor path's pools (the KV blocks and the LoRA slots); before its first step.
+    pub fn configure_tensor_path(&mut self, opts: TensorPathOptions) {
+        self.tensor_opts = opts;
+        *self
+            .tensor
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner) = None;
+    }
+
+    /// How the tensor path's pools are sized.
+    pub fn tensor_path(&self) -> &TensorPathOptions {
+        &self.tensor_opts
+    }
+
+    /// Whether steps run on the tensor path (the paged KV cache), where the scheduler admits
+    /// by free blocks.
+    pub fn paged(&self) -> bool {
+        !self.host
+    }
+
+    /// Free KV blocks of the tensor path (all of them before its first step).
+    pub fn free_blocks(&self) -> usize {
+        match &*self.tensor.lock().unwrap_or_else(PoisonError::into_inner) {
+            Some(t) => t.kv.free_blocks(),
+            None => self.tensor_opts.kv_blocks,
+        }
+    }
+
+    /// The tensor path's pools, allocated on first use.
+    fn tensor_state(&self) -> Result<Arc<TensorState>, ModelError> {
+        let mut t = self.tensor.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(t) = &*t {
+            return Ok(t.clone());
+        }
+        let width = self.cfg.kv_heads() * self.cfg.head_dim();
+        let kv = KvPool::new(
+            self.layers.len(),
+            width,
+            &self.tensor_opts,
+            self.dtype,
+            &self.device,
+        )?;
+        let state = Arc::new(TensorState {
+            kv,
+            slots: Mutex::new(None),
+        });
+        *t = Some(state.clone());
+        Ok(state)
+    }
+
+    /// The LoRA slots, allocated when a step first has an adapter, computing in the wider of
+    /// the activations' dtype and that adapter's (f32 activations are never rounded to bf16).
+    fn lora_slots(
+        &self,
+        state: &TensorState,
+        first: &LoraAdapter,
+    ) -> Result<Arc<LoraSlots>, ModelError> {
+        let mut s = state.slots.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(s) = &*s {
+            return Ok(s.clone());
+        }
+        let dtype = match first.dtype() {
+            Some(DType::F32) => DType::F32,
+            _ => self.dtype,
+        };
+        let slots = Arc::new(LoraSlots::new(
+            &self.cfg,
+            &self.tensor_opts,
+            dtype,
+            &self.device,
+        )?);
+        *s = Some(slots.clone());
+        Ok(slots)
     }
 
     /// Whether a CPU f32 decoder runs attention and adapter updates as fused host kernels
@@ -172,25 +265,21 @@ impl Decoder {
     }
 
     fn forward_on_pool(&self, rows: &mut [Row<'_>]) -> Result<Vec<Tensor>, ModelError> {
-        let batch = self.batch(rows)?;
-        let ids: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
-        let ids = Tensor::new(ids.as_slice(), &self.device)?;
-        let mut x = self.embed.forward(&ids)?.to_dtype(self.dtype)?; // [T, h]
-        for layer in &self.layers {
-            x = layer.forward(x, rows, &batch)?;
-        }
-        for (r, (s, l)) in rows.iter_mut().zip(batch.starts.iter().zip(&batch.lens)) {
-            r.cache.len = s + l;
-        }
+        self.check(rows)?;
+        let (x, last) = if self.host {
+            let (batch, ids, last) = self.host_batch(rows)?;
+            (self.layers(rows, &batch, &ids)?, last)
+        } else {
+            let state = self.tensor_state()?;
+            let slots = match rows.iter().find_map(|r| r.adapter) {
+                Some(first) => Some(self.lora_slots(&state, first)?),
+                None => None,
+            };
+            let (batch, ids, last) = self.tensor_batch(rows, &state.kv, slots.as_deref())?;
+            (self.layers(rows, &batch, &ids)?, last)
+        };
         // Only each row's last position needs logits.
-        let mut last = Vec::with_capacity(rows.len());
-        let mut off = 0;
-        for l in &batch.lens {
-            off += l;
-            last.push((off - 1) as u32);
-        }
-        let idx = Tensor::new(last.as_slice(), &self.device)?;
-        let h = self.norm.forward(&x.index_select(&idx, 0)?)?;
+        let h = self.norm.forward(&x.index_select(&last, 0)?)?;
         let on_host = match self.host {
             true => project::host_projections(&h, vec![(&self.lm_head, HostUpdates::none())])?,
             false => None,
@@ -204,26 +293,60 @@ impl Decoder {
             .collect::<Result<_, _>>()?)
     }
 
-    /// What the layers share about `rows`, after checking that each has tokens and fits the
-    /// model's positions. Rows are grouped by adapter so each adapter's low-rank product runs
-    /// once per projection.
-    fn batch<'r>(&'r self, rows: &[Row<'r>]) -> Result<Batch<'r>, ModelError> {
-        let lens: Vec<usize> = rows.iter().map(|r| r.tokens.len()).collect();
-        let starts: Vec<usize> = rows.iter().map(|r| r.cache.len()).collect();
-        for (r, s) in rows.iter().zip(&starts) {
+    /// The embedded tokens through every layer; each row's cache then holds them.
+    fn layers(
+        &self,
+        rows: &mut [Row<'_>],
+        batch: &Batch<'_>,
+        ids: &Tensor,
+    ) -> Result<Tensor, ModelError> {
+        let mut x = self.embed.forward(ids)?.to_dtype(self.dtype)?; // [T, h]
+        for layer in &self.layers {
+            x = layer.forward(x, rows, batch)?;
+        }
+        for (r, (s, l)) in rows.iter_mut().zip(batch.starts.iter().zip(&batch.lens)) {
+            r.cache.len = s + l;
+        }
+        Ok(x)
+    }
+
+    /// Checks that every row has tokens, fits the model's positions, and has a cache of this
+    /// decoder's mode.
+    fn check(&self, rows: &[Row<'_>]) -> Result<(), ModelError> {
+        for r in rows {
+            let end = r.cache.len() + r.tokens.len();
             if r.tokens.is_empty() {
                 return Err(ModelError::Config("a row has no tokens".into()));
             }
-            if s + r.tokens.len() > self.cfg.max_positions() {
+            if end > self.cfg.max_positions() {
                 return Err(ModelError::Config(format!(
-                    "sequence of {} tokens exceeds the model's {} positions",
-                    s + r.tokens.len(),
+                    "sequence of {end} tokens exceeds the model's {} positions",
                     self.cfg.max_positions()
                 )));
             }
+            let host_filled = r
+                .cache
+                .layers
+                .iter()
+                .any(|l| matches!(l, LayerKv::Host(..)));
+            if (self.host && r.cache.blocks.is_some()) || (!self.host && host_filled) {
+                return Err(mixed_cache());
+            }
         }
+        Ok(())
+    }
+
+    /// The host path's batch, token ids and last-token indices. Rows are grouped by adapter so
+    /// each adapter's low-rank product runs once per projection.
+    fn host_batch<'r>(
+        &'r self,
+        rows: &[Row<'r>],
+    ) -> Result<(Batch<'r>, Tensor, Tensor), ModelError> {
+        let lens: Vec<usize> = rows.iter().map(|r| r.tokens.len()).collect();
+        let starts: Vec<usize> = rows.iter().map(|r| r.cache.len()).collect();
         let mut groups: Vec<(&LoraAdapter, Vec<u32>)> = Vec::new();
         let mut off = 0u32;
+        let mut last = Vec::with_capacity(rows.len());
         for r in rows {
             let n = r.tokens.len() as u32;
             if let Some(a) = r.adapter {
@@ -233,6 +356,7 @@ impl Decoder {
                 }
             }
             off += n;
+            last.push(off - 1);
         }
         let groups: Vec<Group> = groups
             .into_iter()
@@ -244,24 +368,89 @@ impl Decoder {
                 })
             })
             .collect::<Result<_, candle_core::Error>>()?;
-        let (cos, sin): (Vec<Tensor>, Vec<Tensor>) = starts
+        let (cos, sin) = self.rotary_rows(&starts, &lens)?;
+        let ids: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
+        let batch = Batch {
+            lens,
+            starts,
+            groups,
+            cos,
+            sin,
+            host: true,
+            layers: self.layers.len(),
+            device: &self.device,
+            dtype: self.dtype,
+            paged: None,
+            lora: None,
+        };
+        let ids = Tensor::new(ids.as_slice(), &self.device)?;
+        Ok((batch, ids, Tensor::new(last.as_slice(), &self.device)?))
+    }
+
+    /// The tensor path's batch, token ids and last-token indices: blocks reserved for every
+    /// row, adapters given LoRA slots, and the step's inputs uploaded in one copy (see
+    /// [`step`]); rotary cos/sin gathered by position.
+    fn tensor_batch<'b>(
+        &'b self,
+        rows: &mut [Row<'_>],
+        kv: &'b KvPool,
+        slots: Option<&'b LoraSlots>,
+    ) -> Result<(Batch<'b>, Tensor, Tensor), ModelError> {
+        for r in rows.iter_mut() {
+            kv.reserve(&mut r.cache.blocks, r.cache.len + r.tokens.len())?;
+        }
+        let rows: &[Row<'_>] = rows;
+        let row_slots = match slots {
+            Some(s) => Some(s.assign(&rows.iter().map(|r| r.adapter).collect::<Vec<_>>())?),
+            None => None,
+        };
+        let width = self.cfg.kv_heads() * self.cfg.head_dim();
+        let inputs = step::inputs(rows, kv, row_slots.as_deref(), width, &self.device)?;
+        let lens: Vec<usize> = rows.iter().map(|r| r.tokens.len()).collect();
+        let starts: Vec<usize> = rows.iter().map(|r| r.cache.len()).collect();
+        let beyond = starts
             .iter()
             .zip(&lens)
+            .any(|(s, l)| s + l > self.cos.dim(0).unwrap_or(0));
+        let (cos, sin) = if beyond {
+            self.rotary_rows(&starts, &lens)?
+        } else {
+            (
+                self.cos.index_select(&inputs.positions, 0)?,
+                self.sin.index_select(&inputs.positions, 0)?,
+            )
+        };
+        let batch = Batch {
+            lens,
+            starts,
+            groups: Vec::new(),
+            cos,
+            sin,
+            host: false,
+            layers: self.layers.len(),
+            device: &self.device,
+            dtype: self.dtype,
+            paged: Some(inputs.paged),
+            lora: slots.zip(inputs.slots),
+        };
+        Ok((batch, inputs.ids, inputs.last))
+    }
+
+    /// cos/sin `[tokens, head_dim/2]` of rows starting at `starts` with `lens` new tokens,
+    /// row by row (the host path, and dynamic-NTK rows past the table).
+    fn rotary_rows(
+        &self,
+        starts: &[usize],
+        lens: &[usize],
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let (cos, sin): (Vec<Tensor>, Vec<Tensor>) = starts
+            .iter()
+            .zip(lens)
             .map(|(&s, &t)| self.rotary(s, t))
             .collect::<Result<Vec<_>, _>>()?
             .into_iter()
             .unzip();
-        Ok(Batch {
-            lens,
-            starts,
-            groups,
-            cos: Tensor::cat(&cos, 0)?,
-            sin: Tensor::cat(&sin, 0)?,
-            host: self.host,
-            layers: self.layers.len(),
-            device: &self.device,
-            dtype: self.dtype,
-        })
+        Ok((Tensor::cat(&cos, 0)?, Tensor::cat(&sin, 0)?))
     }
 
     /// cos/sin `[t, head_dim/2]` for positions `start..start + t`: rows of the table, or for

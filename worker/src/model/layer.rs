@@ -27,11 +27,10 @@ impl Mlp {
     }
 
     fn forward(&self, li: usize, x: &Tensor, batch: &Batch<'_>) -> Result<Tensor, ModelError> {
-        let groups = &batch.groups[..];
         let gate_up = [(&self.gate, Proj::Gate), (&self.up, Proj::Up)];
-        let [gate, up] = projs(batch.host, gate_up, li, x, groups)?;
+        let [gate, up] = projs(batch, gate_up, li, x)?;
         let act = (candle_nn::ops::silu(&gate)? * up)?;
-        let [down] = projs(batch.host, [(&self.down, Proj::Down)], li, &act, groups)?;
+        let [down] = projs(batch, [(&self.down, Proj::Down)], li, &act)?;
         Ok(down)
     }
 }

@@ -73,6 +73,9 @@ impl Proj {
 /// [`kernels::RANK_ALIGN`] (a no-op for the usual ranks 8, 16, 32, 64).
 #[derive(Debug)]
 pub struct LoraAdapter {
+    /// Unique for the life of the process: the tensor path's slot pool knows which adapter a
+    /// slot holds by it (an address could be reused by a later adapter).
+    id: u64,
     modules: HashMap<(usize, Proj), (Tensor, Tensor)>,
     /// Per `layer · PROJS + proj`, where the host kernels read the module in place (None:
     /// absent, or not on the CPU in f32/bf16). A decode step looks up every adapter of its
@@ -182,13 +185,30 @@ impl LoraAdapter {
             all_host &= m.is_some();
             host[layer * PROJS + proj as usize] = m;
         }
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Self {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             modules,
             host,
             all_host,
             rank,
             bytes,
         }
+    }
+
+    /// The dtype its weights are held in (None: no module).
+    pub(super) fn dtype(&self) -> Option<DType> {
+        self.modules.values().next().map(|(a, _)| a.dtype())
+    }
+
+    /// This adapter's process-wide id.
+    pub(super) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// `Aᵀ` `[in, r]` and `s·B` `[out, r]` of `(layer, proj)`, when the adapter has it.
+    pub(super) fn module(&self, layer: usize, proj: Proj) -> Option<&(Tensor, Tensor)> {
+        self.modules.get(&(layer, proj))
     }
 
     /// The same weights on another device (the registry's host tier and its way back).

@@ -21,10 +21,13 @@ mod batch;
 mod cache;
 mod config;
 mod decoder;
+mod kv;
 mod layer;
 pub mod lora;
 mod project;
 pub mod rope;
+mod slots;
+mod step;
 mod weights;
 
 use candle_core::{Tensor, D};
@@ -33,6 +36,7 @@ pub use self::batch::Row;
 pub use self::cache::SeqCache;
 pub use self::config::{Family, ModelConfig};
 pub use self::decoder::Decoder;
+pub use self::kv::TensorPathOptions;
 pub use self::lora::{HostUpdates, LoraAdapter, Proj, UpdateTask, HOST_LORA_MAX_TOKENS};
 pub use self::rope::{Rope, RopeScaling};
 pub use self::weights::{adapter_dtype, compute_dtype, Lin};
@@ -51,6 +55,21 @@ pub enum ModelError {
     /// A tensor is missing or has the wrong shape, or a kernel failed.
     #[error("tensor: {0}")]
     Tensor(#[from] candle_core::Error),
+    /// The paged KV cache has too few free blocks for the step (the scheduler admits and
+    /// preempts so that this does not happen).
+    #[error("KV cache full: {needed} blocks needed, {free} free")]
+    KvCacheFull {
+        /// Blocks the step needed.
+        needed: usize,
+        /// Blocks free.
+        free: usize,
+    },
+    /// A step mixes more adapters than the LoRA slot pool holds.
+    #[error("a step mixes more adapters than the {slots} LoRA slots")]
+    TooManyAdapters {
+        /// Slots of the pool.
+        slots: usize,
+    },
 }
 
 impl ModelError {
@@ -60,6 +79,8 @@ impl ModelError {
             ModelError::Dir(_) => "model_dir",
             ModelError::Config(_) => "model_config",
             ModelError::Tensor(_) => "model_tensor",
+            ModelError::KvCacheFull { .. } => "kv_cache_full",
+            ModelError::TooManyAdapters { .. } => "too_many_adapters",
         }
     }
 }

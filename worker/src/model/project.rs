@@ -21,23 +21,30 @@ use std::sync::{Mutex, PoisonError};
 use candle_core::{Module, Tensor};
 use rayon::prelude::*;
 
-use super::batch::Group;
+use super::batch::{Batch, Group};
 use super::lora::{HostUpdates, UpdateTask, HOST_LORA_MAX_TOKENS};
+use super::slots::Group as Projections;
 use super::{Lin, LoraAdapter, ModelError, Proj};
 use crate::kernels::dense;
 use crate::kernels::{Host, HostF32, Weight};
 
-/// Projections of one input for the whole batch: each base matmul once, plus each adapter
-/// group's low-rank update on its own rows only. On the host (CPU f32, few tokens) all of
-/// them run in one fork of the thread pool (see [`host_projections`]).
+/// Projections of one input for the whole batch: each base matmul once, plus the adapters'
+/// low-rank updates. On the tensor path every token's update comes from its LoRA slot, one
+/// shrink for the projections of the input and one expand each, whatever adapters the batch
+/// mixes (see [`super::slots`]). On the host path (CPU f32, few tokens) all of them run in one
+/// fork of the thread pool (see [`host_projections`]); adapters the host kernels cannot read,
+/// and longer inputs, take tensor ops per adapter group.
 pub(super) fn projs<const N: usize>(
-    host: bool,
+    batch: &Batch<'_>,
     lins: [(&Lin, Proj); N],
     layer: usize,
     x: &Tensor,
-    groups: &[Group<'_>],
 ) -> Result<[Tensor; N], ModelError> {
-    if host {
+    if batch.paged.is_some() {
+        return slot_projs(batch, lins, layer, x);
+    }
+    let groups = &batch.groups[..];
+    if batch.host {
         let pairs: Vec<(&LoraAdapter, &[u32])> = groups
             .iter()
             .map(|g| (g.adapter, g.rows.as_slice()))
@@ -58,6 +65,31 @@ pub(super) fn projs<const N: usize>(
     let mut out = Vec::with_capacity(N);
     for (lin, which) in lins {
         out.push(tensor_updates(lin.forward(x)?, layer, which, x, groups)?);
+    }
+    Ok(out.try_into().expect("one output per projection"))
+}
+
+/// The tensor path's projections: base products, then, when a row has an adapter, the group's
+/// shrink once and each projection's expand from the tokens' slots.
+fn slot_projs<const N: usize>(
+    batch: &Batch<'_>,
+    lins: [(&Lin, Proj); N],
+    layer: usize,
+    x: &Tensor,
+) -> Result<[Tensor; N], ModelError> {
+    let mut out = Vec::with_capacity(N);
+    for (lin, _) in &lins {
+        out.push(lin.forward(x)?);
+    }
+    if let Some((slots, idx)) = &batch.lora {
+        let projs = lins.map(|(_, p)| p);
+        let group = Projections::of(&projs).expect("the projections of one input form a group");
+        let h = slots.shrink(layer, group, x, idx)?; // [tokens, N, 1, rank]
+        for (i, o) in out.iter_mut().enumerate() {
+            let hi = h.narrow(1, i, 1)?.squeeze(1)?.contiguous()?;
+            let update = slots.expand(layer, projs[i], &hi, idx, o.dtype())?;
+            *o = (&*o + update)?;
+        }
     }
     Ok(out.try_into().expect("one output per projection"))
 }

@@ -1,0 +1,127 @@
+//! What one step runs: which waiting sequences join, which prompt chunks and decode tokens
+//! the forward pass takes, and on the tensor path whether the paged KV cache holds them.
+//!
+//! On the tensor path memory is a fixed pool of KV blocks. A waiting sequence joins only when
+//! the free blocks hold its context besides one new block per running sequence; and when a
+//! step would need more blocks than are free (running sequences grew), the youngest running
+//! sequence is preempted: its blocks go back and it waits at the head of the queue, to be
+//! recomputed from its prompt and what it generated (vLLM's recompute preemption). The pool is
+//! never overrun, and no request fails for lack of memory that a later step would have.
+
+use std::collections::{HashSet, VecDeque};
+use std::sync::atomic::Ordering;
+
+use super::scheduler::Seq;
+use super::Shared;
+
+/// What one row of the step does for its sequence.
+pub(super) enum Work {
+    /// Context tokens `[from, to)`; the last chunk samples the next token.
+    Prefill(usize, usize),
+    /// One decode token.
+    Decode,
+}
+
+/// Moves waiting sequences into the batch, oldest first, while it has room (and, on the
+/// tensor path, while the free KV blocks hold their context).
+// Sequences stay boxed, as the scheduler keeps them: they move between the queue and the
+// batch, and a sequence is large.
+#[allow(clippy::vec_box)]
+pub(super) fn admit(
+    shared: &Shared,
+    running: &mut Vec<Box<Seq>>,
+    waiting: &mut VecDeque<Box<Seq>>,
+) {
+    let paged = shared.model.paged();
+    let mut free = shared.model.free_blocks();
+    let block = shared.model.tensor_path().block_size.max(1);
+    while running.len() < shared.opts.max_batch_size {
+        let Some(s) = waiting.front() else { break };
+        if paged {
+            // Room for its context, and for one new block of every running sequence.
+            let need = s.context.len().div_ceil(block) + running.len() + 1;
+            if need > free && !running.is_empty() {
+                break;
+            }
+            free = free.saturating_sub(s.context.len().div_ceil(block));
+        }
+        let s = waiting.pop_front().expect("peeked");
+        shared.waiting.fetch_sub(1, Ordering::SeqCst);
+        running.push(s);
+    }
+}
+
+/// The step's rows: prompt chunks within the prefill budget and a decode token for every
+/// sequence past its context. On the tensor path, at most as many adapters as the LoRA slots
+/// hold (a row of another waits a step), and if the step's new KV blocks are more than the
+/// free ones, the youngest sequences are preempted until they fit. Returns the rows and how
+/// many sequences were preempted.
+#[allow(clippy::vec_box)]
+pub(super) fn plan(
+    shared: &Shared,
+    running: &mut Vec<Box<Seq>>,
+    waiting: &mut VecDeque<Box<Seq>>,
+) -> (Vec<(usize, Work)>, usize) {
+    let mut preempted = 0;
+    loop {
+        let work = rows(shared, running);
+        if !shared.model.paged() || running.len() <= 1 {
+            return (work, preempted);
+        }
+        let block = shared.model.tensor_path().block_size.max(1);
+        let need: usize = work
+            .iter()
+            .map(|(i, w)| {
+                let s = &running[*i];
+                let tokens = s.cache.len()
+                    + match w {
+                        Work::Prefill(a, b) => b - a,
+                        Work::Decode => 1,
+                    };
+                tokens.div_ceil(block).saturating_sub(s.cache.blocks())
+            })
+            .sum();
+        if need <= shared.model.free_blocks() {
+            return (work, preempted);
+        }
+        let mut s = running.pop().expect("more than one running");
+        tracing::debug!(request = %s.id, need, "KV cache full: preempting the youngest sequence");
+        s.preempt();
+        shared.waiting.fetch_add(1, Ordering::SeqCst);
+        waiting.push_front(s);
+        preempted += 1;
+    }
+}
+
+/// Rows without regard to memory: chunks of contexts under the prefill budget, decode tokens.
+fn rows(shared: &Shared, running: &[Box<Seq>]) -> Vec<(usize, Work)> {
+    let mut budget = shared.opts.prefill_chunk.max(1);
+    let slots = shared
+        .model
+        .paged()
+        .then(|| shared.model.tensor_path().lora_slots);
+    let mut adapters = HashSet::new();
+    let mut work = Vec::with_capacity(running.len());
+    for (i, s) in running.iter().enumerate() {
+        let w = if s.prefilled < s.context.len() {
+            if budget == 0 {
+                continue;
+            }
+            Work::Prefill(s.prefilled, (s.prefilled + budget).min(s.context.len()))
+        } else {
+            Work::Decode
+        };
+        if let (Some(slots), Some(p)) = (slots, &s.adapter) {
+            let id = std::sync::Arc::as_ptr(&p.adapter) as usize;
+            if !adapters.contains(&id) && adapters.len() == slots {
+                continue;
+            }
+            adapters.insert(id);
+        }
+        if let Work::Prefill(a, b) = w {
+            budget -= b - a;
+        }
+        work.push((i, w));
+    }
+    work
+}
