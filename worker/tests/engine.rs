@@ -587,3 +587,56 @@ fn adapters_are_held_in_the_weights_dtype_unless_told() {
         );
     }
 }
+
+/// The engine on the tensor path (what a GPU runs) with a KV cache of 6 blocks (96 tokens) for
+/// four 44-token sequences: the scheduler admits what fits, preempts the youngest when the
+/// running ones outgrow the free blocks, and recomputes it later. Every request still gets the
+/// exact tokens transformers + PEFT produce, and each the same as alone.
+#[test]
+fn a_full_kv_cache_preempts_and_recomputes_without_changing_outputs() {
+    use mole_worker::engine::text::TextModel;
+    use mole_worker::model::Decoder;
+    let r = &reference()["llama"];
+    let (p0, p1) = (ids(&r["prompts"][0]), ids(&r["prompts"][1]));
+    let dir = fixtures().join("llama");
+    let mut model = Decoder::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    model.set_host_kernels(false);
+    let e = Engine::start(
+        model,
+        TextModel::load(&dir).unwrap(),
+        EngineOptions {
+            base_name: "llama".into(),
+            max_batch_size: 4,
+            kv_blocks: Some(6),
+            ..Default::default()
+        },
+    );
+    e.load_adapter(spec("task", "v1", "a_r8_all")).unwrap();
+    let jobs = [
+        (p0.clone(), None, ids(&r["greedy"][0])),
+        (p1.clone(), None, ids(&r["greedy"][1])),
+        (
+            p0,
+            Some("task"),
+            ids(&r["adapters"]["a_r8_all"]["greedy"][0]),
+        ),
+        (
+            p1,
+            Some("task"),
+            ids(&r["adapters"]["a_r8_all"]["greedy"][1]),
+        ),
+    ];
+    let streams: Vec<EventStream> = jobs
+        .iter()
+        .map(|(p, a, _)| e.submit(greedy(p.clone(), *a, 32)).unwrap())
+        .collect();
+    let together: Vec<Outcome> = streams.into_iter().map(collect).collect();
+    assert!(e.stats().preemptions > 0, "{:?}", e.stats());
+    for ((p, a, want), got) in jobs.iter().zip(&together) {
+        assert_eq!(&got.tokens, want, "{a:?} on a {}-token prompt", p.len());
+        let alone = collect(e.submit(greedy(p.clone(), *a, 32)).unwrap());
+        assert_eq!(alone.tokens, got.tokens);
+    }
+    // A finished sequence leaves the batch (and frees its blocks) at the end of its step.
+    wait_until("every block back", || e.stats().kv_blocks == Some((6, 6)));
+}

@@ -49,6 +49,9 @@ pub struct EngineOptions {
     /// In a merged pod: the adapter baked into the weights and its version (requests naming
     /// it run on the weights as they are).
     pub merged: Option<(String, String)>,
+    /// KV blocks of the tensor path's cache; None: enough for a full batch at the longest
+    /// length.
+    pub kv_blocks: Option<usize>,
 }
 
 impl Default for EngineOptions {
@@ -64,6 +67,7 @@ impl Default for EngineOptions {
             lora_dtype: None,
             prefill_chunk: 512,
             merged: None,
+            kv_blocks: None,
         }
     }
 }
@@ -75,7 +79,9 @@ fn tensor_path(opts: &EngineOptions) -> TensorPathOptions {
     let block_size = TensorPathOptions::default().block_size;
     TensorPathOptions {
         block_size,
-        kv_blocks: opts.max_batch_size.max(1) * opts.max_seq_len.div_ceil(block_size),
+        kv_blocks: opts
+            .kv_blocks
+            .unwrap_or(opts.max_batch_size.max(1) * opts.max_seq_len.div_ceil(block_size)),
         lora_slots: opts.max_loras.max(1),
         lora_rank: opts.max_lora_rank.max(1),
     }

@@ -205,13 +205,10 @@ fn step(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) {
                 adapter: s.adapter.as_ref().map(|p| p.adapter.as_ref()),
             });
         }
-        shared.model.forward(&mut rows)
+        shared.model.forward_batch(&mut rows)
     };
-    let logits = match logits.and_then(|l| {
-        l.iter()
-            .map(|t| t.to_vec1::<f32>().map_err(Into::into))
-            .collect::<Result<Vec<_>, crate::model::ModelError>>()
-    }) {
+    // The step's one copy back from the device: every row's logits.
+    let logits = match logits.and_then(|l| Ok(l.to_vec2::<f32>()?)) {
         Ok(l) => l,
         Err(e) => {
             // A failed step fails its rows, not the engine.

@@ -253,6 +253,15 @@ impl Decoder {
     /// Runs new tokens of several sequences in one pass; returns each row's logits at its last
     /// new position (`[vocab]`, f32) and extends each row's cache.
     pub fn forward(&self, rows: &mut [Row<'_>]) -> Result<Vec<Tensor>, ModelError> {
+        let logits = self.forward_batch(rows)?;
+        Ok((0..rows.len())
+            .map(|i| logits.get(i))
+            .collect::<Result<_, _>>()?)
+    }
+
+    /// As [`Decoder::forward`], the rows' logits as one `[rows, vocab]` f32 tensor: what a
+    /// step brings back from the device, in one copy.
+    pub fn forward_batch(&self, rows: &mut [Row<'_>]) -> Result<Tensor, ModelError> {
         // A CPU step forks the thread pool a few times per layer (projections, attention).
         // Forked from a pool thread, a fork is a push on that thread's own queue; from any
         // other thread, each one hands the work over and sleeps until it is done (tens of
@@ -264,7 +273,7 @@ impl Decoder {
         self.forward_on_pool(rows)
     }
 
-    fn forward_on_pool(&self, rows: &mut [Row<'_>]) -> Result<Vec<Tensor>, ModelError> {
+    fn forward_on_pool(&self, rows: &mut [Row<'_>]) -> Result<Tensor, ModelError> {
         self.check(rows)?;
         let (x, last) = if self.host {
             let (batch, ids, last) = self.host_batch(rows)?;
@@ -288,9 +297,7 @@ impl Decoder {
             Some(l) => l,
             None => self.lm_head.forward(&h)?.to_dtype(DType::F32)?,
         };
-        Ok((0..rows.len())
-            .map(|i| logits.get(i))
-            .collect::<Result<_, _>>()?)
+        Ok(logits)
     }
 
     /// The embedded tokens through every layer; each row's cache then holds them.
