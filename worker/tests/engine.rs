@@ -4,6 +4,7 @@
 //! chunked, batched, interleaved, cancelled or reloaded under them.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+#![allow(clippy::disallowed_methods)] // tests read results back from the device
 
 mod common;
 

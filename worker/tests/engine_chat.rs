@@ -9,6 +9,7 @@
 //!   transformers produced (tests/fixtures/import/smollm2_reference.json).
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+#![allow(clippy::disallowed_methods)] // tests read results back from the device
 
 use std::path::{Path, PathBuf};
 

@@ -2,6 +2,7 @@
 //! (tests/fixtures/merge, written by generate.py), plus every bad input of issue 4.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+#![allow(clippy::disallowed_methods)] // tests read results back from the device
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

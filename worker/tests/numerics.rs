@@ -11,6 +11,7 @@
 //! On a GPU: `MOLE_TEST_DEVICE=cuda cargo test -p mole-worker --features cuda --test numerics`.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+#![allow(clippy::disallowed_methods)] // tests read results back from the device
 
 use std::path::{Path, PathBuf};
 

@@ -6,6 +6,7 @@
 //! are closest, and unrelated text falls through to the fallback.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+#![allow(clippy::disallowed_methods)] // tests read results back from the device
 
 use std::path::{Path, PathBuf};
 

@@ -4,6 +4,7 @@
 //! answer the right 4xx and the server keeps serving), admin endpoints, metrics, gateway.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+#![allow(clippy::disallowed_methods)] // tests read results back from the device
 
 mod common;
 

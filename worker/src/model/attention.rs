@@ -189,6 +189,8 @@ fn attend_tensors(
 /// every token of a row with at most [`HOST_ATTN_MAX_TOKENS`] new tokens attended by the
 /// host kernel (tokens × heads in parallel), longer rows (prefill) with tensor ops over
 /// their cache. `q` `[tokens, heads, hd]`, `k`/`v` `[tokens, kv_heads, hd]`.
+// The CPU host path: its copies are memcpys and its concatenations never reach a GPU.
+#[allow(clippy::disallowed_methods)]
 fn attend_host(
     li: usize,
     q: &Tensor,

@@ -445,6 +445,9 @@ impl Decoder {
 
     /// cos/sin `[tokens, head_dim/2]` of rows starting at `starts` with `lens` new tokens,
     /// row by row (the host path, and dynamic-NTK rows past the table).
+    // The host path, and dynamic-NTK rows past the table (rare: a step past the original
+    // window), concatenate per-row cos/sin.
+    #[allow(clippy::disallowed_methods)]
     fn rotary_rows(
         &self,
         starts: &[usize],
@@ -472,6 +475,7 @@ impl Decoder {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::model::SeqCache;

@@ -403,6 +403,7 @@ impl Columns {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use candle_core::{DType, Device};

@@ -356,6 +356,7 @@ pub(super) fn rope_cos_sin(
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
 

@@ -40,6 +40,9 @@ const WIDEN_MAX_VALUES: usize = 16 << 20;
 
 /// `l` applied to `x` with its weights widened to `x`'s dtype, `max_values` of them at a time
 /// (whole rows, at least one).
+// Prefill over half-type CPU weights: the slices of a projection widened one after another
+// (a GPU computes in the weights' dtype and never comes here).
+#[allow(clippy::disallowed_methods)]
 fn widened(l: &Linear, x: &Tensor, max_values: usize) -> candle_core::Result<Tensor> {
     let (d_out, d_in) = l.weight().dims2()?;
     let rows = (max_values / d_in).max(1);
@@ -174,6 +177,7 @@ fn requantized(q: &QTensor) -> Result<QTensor, ModelError> {
 }
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
     use crate::model::max_abs_diff;
