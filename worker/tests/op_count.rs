@@ -12,7 +12,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use mole_worker::model::{Decoder, LoraAdapter, ModelConfig, Proj, Row, SeqCache};
+use mole_worker::model::{tensors_made, Decoder, LoraAdapter, ModelConfig, Proj, Row, SeqCache};
 
 const PROJS: [Proj; 7] = [
     Proj::Q,
@@ -87,17 +87,6 @@ fn adapter(m: &Decoder) -> LoraAdapter {
     LoraAdapter::from_modules(modules, 8, 0)
 }
 
-/// The next id candle's tensor counter gives (the probe itself takes one).
-fn next_id() -> usize {
-    let probe = Tensor::zeros((), DType::F32, &Device::Cpu).unwrap();
-    let id = format!("{:?}", probe.id());
-    id.trim_start_matches("TensorId(")
-        .trim_end_matches(')')
-        .parse::<usize>()
-        .unwrap()
-        + 1
-}
-
 /// Rows on `adapters` with prompts of 3 to 7 tokens; all but the last `prefilling` are
 /// prefilled first. Returns the tensors one step makes (it decodes one token of the first
 /// rows while the others prefill) and the dims of its logits.
@@ -136,9 +125,7 @@ fn ops_of_a_step(
             adapter: *a,
         })
         .collect();
-    let before = next_id();
-    let logits = m.forward_batch(&mut step).unwrap();
-    let ops = next_id() - 1 - before;
+    let (logits, ops) = tensors_made(|| m.forward_batch(&mut step).unwrap());
     (ops, logits.dims().to_vec())
 }
 

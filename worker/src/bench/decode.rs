@@ -19,7 +19,7 @@ use candle_nn::VarBuilder;
 
 use crate::lora::{self, LoadOptions};
 use crate::model::LoraAdapter;
-use crate::model::{argmax, Decoder, ModelConfig, Row, SeqCache};
+use crate::model::{argmax, Decoder, ModelConfig, Row, SeqCache, TensorPathOptions};
 
 /// Arguments of `bench decode`.
 #[derive(clap::Args, Debug)]
@@ -237,13 +237,14 @@ fn tokens_per_s(
 /// compute dtype (bf16 weights on the CPU against f32 ones), timed merged beside it.
 fn bench_model(
     label: &str,
-    model: &Decoder,
+    model: &mut Decoder,
     wide: Option<&Decoder>,
     model_dir: Option<&Path>,
     args: &DecodeBenchArgs,
     dev: &Device,
 ) -> anyhow::Result<()> {
     let cfg = model.config().clone();
+    model.configure_tensor_path(tensor_pools(args));
     let tmp = tempfile::tempdir()?;
     let opts = LoadOptions {
         max_rank: 512,
@@ -317,7 +318,7 @@ fn bench_model(
     // Warm-up, then the contenders alternate over rounds and each keeps its best, so drift
     // of the machine affects all of them alike.
     let mut contenders: Vec<(&Decoder, &[Option<&LoraAdapter>])> =
-        configs.iter().map(|c| (model, c.as_slice())).collect();
+        configs.iter().map(|c| (&*model, c.as_slice())).collect();
     let (one_none, sixteen_none) = ([None], [None; 16]);
     if let Some(w) = wide {
         contenders.push((w, &one_none));
@@ -386,6 +387,9 @@ fn bench_model(
         "| batch 16 ÷ batch 1 (merged) | | {:.2}x | |",
         base16 / base1
     );
+    if model.paged() {
+        print_ops(model, &adapters, args)?;
+    }
     println!(
         "| adapter load ÷ raw read of its file into new memory ({} MiB, from page cache: {load_ms:.1} ms ÷ {read_ms:.1} ms) | | {:.2} | ≤ 1.5 |",
         std::fs::metadata(tmp.path().join("a0/adapter_model.safetensors"))?.len() >> 20,
@@ -438,7 +442,98 @@ fn bench_model(
             ),
         }
     }
+    if !model.paged() {
+        drop(contenders);
+        tensor_path_table(model, &adapters, args)?;
+    }
     Ok(())
+}
+
+/// The tensor path's pools for a benchmark: 16 rows of an 8-token prompt and the timed steps,
+/// 16 adapters at the benchmark's rank.
+fn tensor_pools(args: &DecodeBenchArgs) -> TensorPathOptions {
+    let block_size = TensorPathOptions::default().block_size;
+    TensorPathOptions {
+        block_size,
+        kv_blocks: 16 * (9 + args.steps).div_ceil(block_size) + 16,
+        lora_slots: 16,
+        lora_rank: args.rank,
+    }
+}
+
+/// The candle ops of one tensor-path decode step at batch 16 on 16 distinct adapters (after a
+/// step that put them in their slots), per layer: what a GPU launches.
+fn print_ops(
+    model: &Decoder,
+    adapters: &[LoraAdapter],
+    args: &DecodeBenchArgs,
+) -> anyhow::Result<()> {
+    let distinct: Vec<Option<&LoraAdapter>> = adapters.iter().map(Some).collect();
+    tokens_per_s(model, &distinct, 1)?;
+    let (r, ops) = crate::model::tensors_made(|| tokens_per_s(model, &distinct, 1));
+    r?;
+    // The measured call also prefills and samples: that is a second step (a prefill has the
+    // same ops as a decode step) and 16 argmax reads.
+    let per_step = ops.saturating_sub(16 * 2) / 2;
+    println!(
+        "| ops per decode step (tensors candle makes, views included; {} layers, rank {}) | | {per_step} ({:.1} per layer) | the same at any batch |",
+        model.config().num_hidden_layers,
+        args.rank,
+        per_step as f64 / model.config().num_hidden_layers as f64
+    );
+    Ok(())
+}
+
+/// On the CPU, the same measurements on the tensor path, with the host kernels off: the path a
+/// GPU runs (paged KV cache, batched attention, LoRA slots), here as candle's CPU ops.
+fn tensor_path_table(
+    model: &mut Decoder,
+    adapters: &[LoraAdapter],
+    args: &DecodeBenchArgs,
+) -> anyhow::Result<()> {
+    model.set_host_kernels(false);
+    let distinct: Vec<Option<&LoraAdapter>> = adapters.iter().map(Some).collect();
+    let configs: [Vec<Option<&LoraAdapter>>; 5] = [
+        vec![None],
+        vec![Some(&adapters[0])],
+        vec![None; 16],
+        vec![Some(&adapters[0]); 16],
+        distinct,
+    ];
+    let model: &Decoder = model;
+    for c in &configs {
+        tokens_per_s(model, c, 2)?;
+    }
+    let mut best = [0f64; 5];
+    for _ in 0..args.rounds {
+        for (b, c) in best.iter_mut().zip(&configs) {
+            *b = b.max(tokens_per_s(model, c, args.steps)?);
+        }
+    }
+    let [base1, dyn1, base16, one16, mixed16] = best;
+    println!();
+    println!("tensor path on the CPU (host kernels off: what a GPU runs, as candle's CPU ops)");
+    println!("| measure | tokens/s | ratio | goal |");
+    println!("|---|---|---|---|");
+    println!("| batch 1: merged | {base1:.1} | | |");
+    println!(
+        "| batch 1: dynamic adapter | {dyn1:.1} | {:.2} of merged | ≥ 0.90 |",
+        dyn1 / base1
+    );
+    println!("| batch 16: merged | {base16:.1} | | |");
+    println!(
+        "| batch 16: one dynamic adapter | {one16:.1} | {:.2} of merged | ≥ 0.90 |",
+        one16 / base16
+    );
+    println!(
+        "| batch 16: 16 distinct adapters | {mixed16:.1} | {:.2} of one adapter | ≥ 0.90 |",
+        mixed16 / one16
+    );
+    println!(
+        "| batch 16 step ÷ batch 1 step (merged) | | {:.2} | |",
+        base1 * 16.0 / base16
+    );
+    print_ops(model, adapters, args)
 }
 
 /// transformers + PEFT decode tokens/s at batch 1 and 16: the same 8-token prompt, greedy,
@@ -492,7 +587,7 @@ fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
         }
         _ => None,
     };
-    let model = Decoder::new(
+    let mut model = Decoder::new(
         cfg.clone(),
         VarBuilder::from_tensors(weights.clone(), dtype, &dev),
     )?;
@@ -516,7 +611,7 @@ fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
     };
     bench_model(
         &format!("synthetic qwen3, {:.2}B params", params as f64 / 1e9),
-        &model,
+        &mut model,
         wide.as_ref(),
         saved_dir,
         args,
@@ -524,13 +619,13 @@ fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
     )?;
     drop((wide, model, weights));
     if let Some(dir) = &args.model {
-        let m = Decoder::load(dir, dtype, &dev)?;
+        let mut m = Decoder::load(dir, dtype, &dev)?;
         let wide = match m.weight_dtype() == m.dtype() {
             true => None,
             false => Some(Decoder::load(dir, m.dtype(), &dev)?),
         };
         let label = dir.display().to_string();
-        bench_model(&label, &m, wide.as_ref(), Some(dir), args, &dev)?;
+        bench_model(&label, &mut m, wide.as_ref(), Some(dir), args, &dev)?;
     }
     Ok(())
 }

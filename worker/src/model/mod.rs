@@ -85,6 +85,29 @@ impl ModelError {
     }
 }
 
+/// The tensors candle creates while `f` runs, process-wide: every candle op (views and
+/// uploads included) makes one, so while nothing else runs this counts the ops `f` issues.
+/// `bench decode` reports a step's ops with it, and `tests/op_count.rs` checks them.
+pub fn tensors_made<T>(f: impl FnOnce() -> T) -> (T, usize) {
+    let before = next_tensor_id();
+    let out = f();
+    // The second probe takes an id of its own.
+    (out, next_tensor_id() - before - 1)
+}
+
+/// The id candle gives the next tensor it creates (its counter is process-wide and not
+/// exposed, but a tensor's id prints as `TensorId(n)`).
+fn next_tensor_id() -> usize {
+    let probe = candle_core::Tensor::zeros((), candle_core::DType::U8, &candle_core::Device::Cpu)
+        .expect("a scalar on the CPU");
+    format!("{:?}", probe.id())
+        .trim_start_matches("TensorId(")
+        .trim_end_matches(')')
+        .parse::<usize>()
+        .expect("candle prints a tensor id as TensorId(n)")
+        + 1
+}
+
 /// Greedy argmax of a logits vector.
 // For tests and tools: the engine samples from the one copy of a step's logits.
 #[allow(clippy::disallowed_methods)]
