@@ -207,6 +207,10 @@ pub fn load(
         rank = rank.max(r);
         modules.insert(key, (at, b));
     }
+    // On a GPU the weights were uploaded on this (loader) thread: wait for the copies, so the
+    // engine thread, which reads them (into its LoRA slots) once the registry publishes the
+    // adapter, never reads a buffer still being written.
+    device.synchronize()?;
     Ok(LoraAdapter::from_modules(modules, rank, bytes))
 }
 

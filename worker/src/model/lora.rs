@@ -218,6 +218,8 @@ impl LoraAdapter {
             .iter()
             .map(|(k, (a, b))| Ok((*k, (a.to_device(device)?, b.to_device(device)?))))
             .collect::<candle_core::Result<_>>()?;
+        // Complete before another thread reads them (see `crate::lora::load`).
+        device.synchronize()?;
         Ok(Self::from_modules(modules, self.rank, self.bytes))
     }
 

@@ -48,6 +48,8 @@ pub(in crate::server) struct Common {
     pub(super) expert: Option<String>,
     #[serde(default)]
     pub(super) stream: bool,
+    /// Choices asked for: one is served (a larger `n` is refused rather than answered with one).
+    pub(super) n: Option<u64>,
     pub(super) max_tokens: Option<u64>,
     pub(super) max_completion_tokens: Option<u64>,
     pub(super) temperature: Option<f32>,

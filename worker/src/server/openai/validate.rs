@@ -197,6 +197,12 @@ pub(super) fn sampling(c: &Common, chat: bool, cap: u64) -> Result<SamplingParam
             format!("max_tokens must be between 1 and {cap}, got {mt}"),
         ));
     }
+    if c.n.unwrap_or(1) != 1 {
+        return Err(bad(
+            "unsupported_n",
+            "n must be 1: mole answers one choice per request; send n requests for n samples",
+        ));
+    }
     let temperature = c.temperature.unwrap_or(1.0);
     if !(0.0..=2.0).contains(&temperature) {
         return Err(bad("invalid_temperature", "temperature must be in [0, 2]"));
@@ -307,6 +313,11 @@ mod tests {
 
     #[test]
     fn sampling_defaults_and_bounds() {
+        for n in [0, 2] {
+            let e = sampling(&common(json!({"n": n})), true, 64).unwrap_err();
+            assert_eq!((e.status.as_u16(), e.code), (400, "unsupported_n"));
+        }
+        assert!(sampling(&common(json!({"n": 1})), true, 64).is_ok());
         let sp = sampling(&common(json!({})), true, 64).unwrap();
         assert_eq!((sp.max_tokens, sp.temperature, sp.top_p), (64, 1.0, 1.0));
         assert_eq!(
