@@ -62,6 +62,28 @@ impl Sampler {
         &self.p
     }
 
+    /// Whether the next token is the logits' argmax and nothing else is asked of them: greedy,
+    /// no penalty, no logprobs. Then the device can pick it and send back the id alone.
+    pub fn is_plain_greedy(&self) -> bool {
+        let p = &self.p;
+        p.temperature < GREEDY_BELOW
+            && p.logprobs.is_none()
+            && p.repetition_penalty == 1.0
+            && p.presence_penalty == 0.0
+            && p.frequency_penalty == 0.0
+    }
+
+    /// Records a token the device picked for a plain-greedy sequence (see
+    /// [`Sampler::is_plain_greedy`]), as [`Sampler::sample`] records its own.
+    pub fn record(&mut self, token: u32) -> Sampled {
+        *self.counts.entry(token).or_default() += 1;
+        Sampled {
+            token,
+            logprob: f32::NAN,
+            top: Vec::new(),
+        }
+    }
+
     /// Picks the next token from the last position's logits and records it.
     pub fn sample(&mut self, logits: &[f32]) -> Sampled {
         let (logprob_of, top) = match self.p.logprobs {

@@ -17,7 +17,7 @@ use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{EngineError, FinishReason, TokenEvent, TokenLogprob, Usage};
 use super::plan::{self, Work};
-use super::sampler::Sampler;
+use super::sampler::{Sampled, Sampler};
 use super::text::{Detokenizer, StopMatcher};
 use super::Shared;
 use crate::lora::registry::Pinned;
@@ -207,9 +207,8 @@ fn step(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) {
         }
         shared.model.forward_batch(&mut rows)
     };
-    // The step's one copy back from the device: every row's logits.
-    let logits = match logits.and_then(|l| Ok(l.to_vec2::<f32>()?)) {
-        Ok(l) => l,
+    let picked = match logits.and_then(|l| pick(running, work, &l)) {
+        Ok(p) => p,
         Err(e) => {
             // A failed step fails its rows, not the engine.
             tracing::error!(error = %e, "forward pass failed");
@@ -222,28 +221,69 @@ fn step(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) {
             return;
         }
     };
-    for ((i, w), l) in work.iter().zip(logits) {
+    for ((i, _), out) in work.iter().zip(picked) {
         let s = &mut running[*i];
-        if let Work::Prefill(_, to) = w {
-            s.prefilled = *to;
-            if *to < s.context.len() {
-                continue;
-            }
-            if !s.started {
-                s.started = true;
-                let _ = s.tx.send(TokenEvent::Started {
-                    adapter_version: s.version.clone(),
-                    prompt_tokens: s.prompt.len(),
-                });
-            }
+        let Some(out) = out else { continue };
+        if !s.started {
+            s.started = true;
+            let _ = s.tx.send(TokenEvent::Started {
+                adapter_version: s.version.clone(),
+                prompt_tokens: s.prompt.len(),
+            });
         }
-        emit(shared, s, &l);
+        emit(shared, s, out);
     }
 }
 
-/// Samples the next token of `s`, sends it and decides whether the sequence ends.
-fn emit(shared: &Shared, s: &mut Seq, logits: &[f32]) {
-    let out = s.sampler.sample(logits);
+/// Each row's next token (None for a row whose context is not all in the cache yet: a prompt
+/// chunk samples nothing), from the step's one copy back from the device: the argmax ids
+/// alone when every sampling row is plain greedy, else every row's logits, sampled on the
+/// host (rows in parallel).
+fn pick(
+    running: &mut [Box<Seq>],
+    work: &[(usize, Work)],
+    logits: &candle_core::Tensor,
+) -> Result<Vec<Option<Sampled>>, crate::model::ModelError> {
+    use rayon::prelude::*;
+    let mut sampling = vec![false; work.len()];
+    for (k, (i, w)) in work.iter().enumerate() {
+        let s = &mut running[*i];
+        if let Work::Prefill(_, to) = w {
+            s.prefilled = *to;
+        }
+        sampling[k] = s.prefilled == s.context.len();
+    }
+    let greedy = work
+        .iter()
+        .zip(&sampling)
+        .all(|((i, _), &samples)| !samples || running[*i].sampler.is_plain_greedy());
+    if greedy {
+        let ids = logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?;
+        return Ok(work
+            .iter()
+            .zip(ids)
+            .zip(&sampling)
+            .map(|(((i, _), id), &samples)| samples.then(|| running[*i].sampler.record(id)))
+            .collect());
+    }
+    let rows = logits.to_vec2::<f32>()?;
+    let mut seqs: Vec<Option<&mut Box<Seq>>> = running.iter_mut().map(Some).collect();
+    let jobs: Vec<(&mut Box<Seq>, Vec<f32>, bool)> = work
+        .iter()
+        .zip(rows)
+        .zip(&sampling)
+        .map(|(((i, _), row), &samples)| {
+            (seqs[*i].take().expect("a row per sequence"), row, samples)
+        })
+        .collect();
+    Ok(jobs
+        .into_par_iter()
+        .map(|(s, row, samples)| samples.then(|| s.sampler.sample(&row)))
+        .collect())
+}
+
+/// Sends the next token of `s` and decides whether the sequence ends.
+fn emit(shared: &Shared, s: &mut Seq, out: Sampled) {
     let tok = out.token;
     s.generated.push(tok);
     let p = s.sampler.params();
