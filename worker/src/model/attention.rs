@@ -10,8 +10,8 @@ use candle_nn::RmsNorm;
 
 use super::batch::{Batch, Paged, Row};
 use super::cache::{append_kv, LayerKv};
-use super::project::projs;
-use super::weights::Weights;
+use super::project::{fusable_projs, projs};
+use super::weights::{Fusable, Weights};
 use super::{Family, Lin, ModelConfig, ModelError, Proj};
 use crate::kernels;
 
@@ -21,9 +21,7 @@ const HOST_ATTN_MAX_TOKENS: usize = 16;
 
 /// One layer's attention: q/k/v/o projections, Qwen3's per-head q/k norms, and the shape.
 pub(super) struct Attention {
-    q: Lin,
-    k: Lin,
-    v: Lin,
+    qkv: Fusable<3>,
     o: Lin,
     q_norm: Option<RmsNorm>,
     k_norm: Option<RmsNorm>,
@@ -59,9 +57,11 @@ impl Attention {
             (None, None)
         };
         Ok(Self {
-            q: w.linear(&format!("{prefix}.q_proj"), h, nh * hd, qkv_bias)?,
-            k: w.linear(&format!("{prefix}.k_proj"), h, nkv * hd, qkv_bias)?,
-            v: w.linear(&format!("{prefix}.v_proj"), h, nkv * hd, qkv_bias)?,
+            qkv: Fusable::Apart([
+                w.linear(&format!("{prefix}.q_proj"), h, nh * hd, qkv_bias)?,
+                w.linear(&format!("{prefix}.k_proj"), h, nkv * hd, qkv_bias)?,
+                w.linear(&format!("{prefix}.v_proj"), h, nkv * hd, qkv_bias)?,
+            ]),
             o: w.linear(&format!("{prefix}.o_proj"), nh * hd, h, o_bias)?,
             q_norm,
             k_norm,
@@ -69,6 +69,14 @@ impl Attention {
             kv_heads: nkv,
             head_dim: hd,
         })
+    }
+
+    /// q/k/v fused into one product (the tensor path) or apart (the host path).
+    pub(super) fn fuse(&mut self, on: bool) -> candle_core::Result<()> {
+        match on {
+            true => self.qkv.fuse(),
+            false => self.qkv.unfuse(),
+        }
     }
 
     /// Attention of every row of the batch over its own cache (extended by the new keys and
@@ -82,8 +90,7 @@ impl Attention {
     ) -> Result<Tensor, ModelError> {
         let (nh, nkv, hd) = (self.heads, self.kv_heads, self.head_dim);
         let n = x.dim(0)?;
-        let qkv = [(&self.q, Proj::Q), (&self.k, Proj::K), (&self.v, Proj::V)];
-        let [q, k, v] = projs(batch, qkv, li, x)?;
+        let [q, k, v] = fusable_projs(batch, &self.qkv, [Proj::Q, Proj::K, Proj::V], li, x)?;
         let mut q = q.reshape((n, nh, hd))?;
         let mut k = k.reshape((n, nkv, hd))?;
         let v = v.reshape((n, nkv, hd))?;

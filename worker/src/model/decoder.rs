@@ -127,7 +127,7 @@ impl Decoder {
             let weights = weights.as_str();
             tracing::info!(base_product, weights, "CPU decode in f32 on host kernels");
         }
-        Ok(Self {
+        let mut decoder = Self {
             cfg,
             embed,
             layers,
@@ -142,7 +142,9 @@ impl Decoder {
             weights,
             tensor_opts: TensorPathOptions::default(),
             tensor: Mutex::new(None),
-        })
+        };
+        decoder.fuse_projections()?;
+        Ok(decoder)
     }
 
     /// Sizes the tensor path's pools (the KV blocks and the LoRA slots); before its first step.
@@ -226,8 +228,19 @@ impl Decoder {
     /// for other devices and dtypes whatever is asked. Caches are not shared between modes.
     pub fn set_host_kernels(&mut self, on: bool) {
         self.host = on && self.device.is_cpu() && self.dtype == DType::F32;
+        self.fuse_projections()
+            .expect("fusing and splitting loaded weights only copies them");
     }
 
+    /// The tensor path multiplies q/k/v and gate/up as one matrix each; the host path reads
+    /// them apart.
+    fn fuse_projections(&mut self) -> candle_core::Result<()> {
+        let fused = !self.host;
+        for l in &mut self.layers {
+            l.fuse(fused)?;
+        }
+        Ok(())
+    }
     /// The dtype of the projections and the embedding (the GGUF path: f32, what its
     /// dequantized parts hold).
     pub fn weight_dtype(&self) -> DType {

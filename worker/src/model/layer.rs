@@ -5,14 +5,13 @@ use candle_nn::RmsNorm;
 
 use super::attention::Attention;
 use super::batch::{Batch, Row};
-use super::project::projs;
-use super::weights::Weights;
+use super::project::{fusable_projs, projs};
+use super::weights::{Fusable, Weights};
 use super::{Lin, ModelConfig, ModelError, Proj};
 
 /// The MLP: `down(silu(gate(x)) · up(x))`.
 struct Mlp {
-    gate: Lin,
-    up: Lin,
+    gate_up: Fusable<2>,
     down: Lin,
 }
 
@@ -20,15 +19,16 @@ impl Mlp {
     fn new(cfg: &ModelConfig, w: &dyn Weights, prefix: &str) -> Result<Self, ModelError> {
         let (h, i) = (cfg.hidden_size, cfg.intermediate_size);
         Ok(Self {
-            gate: w.linear(&format!("{prefix}.gate_proj"), h, i, false)?,
-            up: w.linear(&format!("{prefix}.up_proj"), h, i, false)?,
+            gate_up: Fusable::Apart([
+                w.linear(&format!("{prefix}.gate_proj"), h, i, false)?,
+                w.linear(&format!("{prefix}.up_proj"), h, i, false)?,
+            ]),
             down: w.linear(&format!("{prefix}.down_proj"), i, h, false)?,
         })
     }
 
     fn forward(&self, li: usize, x: &Tensor, batch: &Batch<'_>) -> Result<Tensor, ModelError> {
-        let gate_up = [(&self.gate, Proj::Gate), (&self.up, Proj::Up)];
-        let [gate, up] = projs(batch, gate_up, li, x)?;
+        let [gate, up] = fusable_projs(batch, &self.gate_up, [Proj::Gate, Proj::Up], li, x)?;
         let act = (candle_nn::ops::silu(&gate)? * up)?;
         let [down] = projs(batch, [(&self.down, Proj::Down)], li, &act)?;
         Ok(down)
@@ -60,6 +60,15 @@ impl Layer {
             post_norm: w.norm(&format!("{l}.post_attention_layernorm"), h, eps)?,
             mlp: Mlp::new(cfg, w, &format!("{l}.mlp"))?,
         })
+    }
+
+    /// Projections that share an input fused (the tensor path) or apart (the host path).
+    pub(super) fn fuse(&mut self, on: bool) -> candle_core::Result<()> {
+        self.attn.fuse(on)?;
+        match on {
+            true => self.mlp.gate_up.fuse(),
+            false => self.mlp.gate_up.unfuse(),
+        }
     }
 
     /// `x` `[tokens, hidden]` through the layer, each row's cache extended.

@@ -18,12 +18,13 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, PoisonError};
 
-use candle_core::{Module, Tensor};
+use candle_core::{Module, Tensor, D};
 use rayon::prelude::*;
 
 use super::batch::{Batch, Group};
 use super::lora::{HostUpdates, UpdateTask, HOST_LORA_MAX_TOKENS};
 use super::slots::Group as Projections;
+use super::weights::Fusable;
 use super::{Lin, LoraAdapter, ModelError, Proj};
 use crate::kernels::dense;
 use crate::kernels::{Host, HostF32, Weight};
@@ -69,8 +70,8 @@ pub(super) fn projs<const N: usize>(
     Ok(out.try_into().expect("one output per projection"))
 }
 
-/// The tensor path's projections: base products, then, when a row has an adapter, the group's
-/// shrink once and each projection's expand from the tokens' slots.
+/// The tensor path's projections apart (quantized ones): base products, then the slots'
+/// updates.
 fn slot_projs<const N: usize>(
     batch: &Batch<'_>,
     lins: [(&Lin, Proj); N],
@@ -81,8 +82,50 @@ fn slot_projs<const N: usize>(
     for (lin, _) in &lins {
         out.push(lin.forward(x)?);
     }
+    let out: [Tensor; N] = out.try_into().expect("one output per projection");
+    slot_updates(batch, out, lins.map(|(_, p)| p), layer, x)
+}
+
+/// The projections of one input, held apart or fused (see [`Fusable`]): a fused matrix is
+/// one product, split by width.
+pub(super) fn fusable_projs<const N: usize>(
+    batch: &Batch<'_>,
+    f: &Fusable<N>,
+    projs: [Proj; N],
+    layer: usize,
+    x: &Tensor,
+) -> Result<[Tensor; N], ModelError> {
+    match f {
+        Fusable::Apart(lins) => self::projs(
+            batch,
+            std::array::from_fn(|i| (&lins[i], projs[i])),
+            layer,
+            x,
+        ),
+        Fusable::Fused(lin, widths) => {
+            let y = lin.forward(x)?;
+            let mut at = 0;
+            let mut out = Vec::with_capacity(N);
+            for &n in widths {
+                out.push(y.narrow(D::Minus1, at, n)?);
+                at += n;
+            }
+            let out: [Tensor; N] = out.try_into().expect("one output per projection");
+            slot_updates(batch, out, projs, layer, x)
+        }
+    }
+}
+
+/// `out` (the base products of `projs` over `x`) plus, when a row has an adapter, the slots'
+/// updates: the group's shrink once, then each projection's expand.
+fn slot_updates<const N: usize>(
+    batch: &Batch<'_>,
+    mut out: [Tensor; N],
+    projs: [Proj; N],
+    layer: usize,
+    x: &Tensor,
+) -> Result<[Tensor; N], ModelError> {
     if let Some((slots, idx)) = &batch.lora {
-        let projs = lins.map(|(_, p)| p);
         let group = Projections::of(&projs).expect("the projections of one input form a group");
         let h = slots.shrink(layer, group, x, idx)?; // [tokens, N, 1, rank]
         for (i, o) in out.iter_mut().enumerate() {
@@ -91,7 +134,7 @@ fn slot_projs<const N: usize>(
             *o = (&*o + update)?;
         }
     }
-    Ok(out.try_into().expect("one output per projection"))
+    Ok(out)
 }
 
 /// `out` plus each adapter group's update with tensor ops (GPU, other dtypes, prefill).

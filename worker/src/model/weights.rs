@@ -89,6 +89,79 @@ impl Module for Lin {
     }
 }
 
+/// Projections of one input (q/k/v, or gate/up): held apart, as the CPU's host kernels read
+/// them, or fused into one matrix whose one product the tensor path splits (one matmul where
+/// a GPU launched one per projection). Quantized projections stay apart.
+pub(super) enum Fusable<const N: usize> {
+    /// One projection each.
+    Apart([Lin; N]),
+    /// Rows of the projections stacked (a dense [`Lin`]), and each one's output width.
+    Fused(Lin, [usize; N]),
+}
+
+impl<const N: usize> Fusable<N> {
+    /// Stacks dense projections into one (biases too: zeros for a projection without one
+    /// beside others with one); quantized ones stay apart.
+    // Done once, when the decoder takes the tensor path: not in a step.
+    #[allow(clippy::disallowed_methods)]
+    pub fn fuse(&mut self) -> candle_core::Result<()> {
+        let Fusable::Apart(lins) = self else {
+            return Ok(());
+        };
+        let mut dense = Vec::with_capacity(N);
+        for l in lins.iter() {
+            match l {
+                Lin::Dense(d) => dense.push(d),
+                Lin::Quantized(..) => return Ok(()),
+            }
+        }
+        let widths: Vec<usize> = dense
+            .iter()
+            .map(|d| d.weight().dim(0))
+            .collect::<candle_core::Result<_>>()?;
+        let w = Tensor::cat(&dense.iter().map(|d| d.weight()).collect::<Vec<_>>(), 0)?;
+        let b = match dense.iter().find_map(|d| d.bias()) {
+            Some(like) => {
+                let parts = dense
+                    .iter()
+                    .zip(&widths)
+                    .map(|(d, &n)| match d.bias() {
+                        Some(b) => Ok(b.clone()),
+                        None => Tensor::zeros(n, like.dtype(), like.device()),
+                    })
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                Some(Tensor::cat(&parts, 0)?)
+            }
+            None => None,
+        };
+        *self = Fusable::Fused(
+            Lin::Dense(Linear::new(w, b)),
+            widths.try_into().expect("one width per projection"),
+        );
+        Ok(())
+    }
+
+    /// The projections apart again (the host path reads each in place).
+    pub fn unfuse(&mut self) -> candle_core::Result<()> {
+        let Fusable::Fused(Lin::Dense(l), widths) = self else {
+            return Ok(());
+        };
+        let mut lins = Vec::with_capacity(N);
+        let mut at = 0;
+        for &n in widths.iter() {
+            let w = l.weight().narrow(0, at, n)?.contiguous()?;
+            let b = l
+                .bias()
+                .map(|b| b.narrow(0, at, n)?.contiguous())
+                .transpose()?;
+            lins.push(Lin::Dense(Linear::new(w, b)));
+            at += n;
+        }
+        *self = Fusable::Apart(lins.try_into().ok().expect("one projection per width"));
+        Ok(())
+    }
+}
+
 /// Where the decoder's weights come from (HF names, without the `.weight` suffix except for
 /// whole tensors).
 pub(super) trait Weights {
