@@ -641,3 +641,38 @@ fn a_full_kv_cache_preempts_and_recomputes_without_changing_outputs() {
     // A finished sequence leaves the batch (and frees its blocks) at the end of its step.
     wait_until("every block back", || e.stats().kv_blocks == Some((6, 6)));
 }
+
+/// A pod given two devices runs an engine on each behind one (here two CPU engines): an
+/// adapter loads on both and is listed loaded once both hold it, requests go to the least
+/// loaded engine (two at once land on different engines), and each answer is exactly
+/// transformers + PEFT's.
+#[test]
+fn replicas_spread_requests_over_engines_that_all_hold_the_adapters() {
+    use mole_worker::engine::replicas::Replicas;
+    let r = &reference()["llama"];
+    let (p0, p1) = (ids(&r["prompts"][0]), ids(&r["prompts"][1]));
+    let one = || -> Box<dyn InferenceEngine> { Box::new(engine(|_| {})) };
+    let pod = Replicas::new(vec![one(), one()]);
+    pod.load_adapter(spec("task", "v1", "a_r8_all")).unwrap();
+    let listed = pod.adapters();
+    assert_eq!(listed.len(), 1);
+    assert!(listed[0].loaded, "{listed:?}");
+    let a = pod.submit(greedy(p0.clone(), Some("task"), 32)).unwrap();
+    let b = pod.submit(greedy(p1.clone(), Some("task"), 32)).unwrap();
+    assert_eq!(
+        collect(a).tokens,
+        ids(&r["adapters"]["a_r8_all"]["greedy"][0])
+    );
+    assert_eq!(
+        collect(b).tokens,
+        ids(&r["adapters"]["a_r8_all"]["greedy"][1])
+    );
+    // One request each (counted when it finished), two in the pod's listing.
+    wait_until("both requests counted", || pod.adapters()[0].requests == 2);
+    for e in pod.engines() {
+        assert_eq!(e.adapters()[0].requests, 1);
+    }
+    // An adapter one engine lacks is not loaded for the pod.
+    pod.engines()[1].unload_adapter("task").unwrap();
+    assert!(!pod.adapters().iter().any(|a| a.loaded));
+}

@@ -4,6 +4,7 @@
 
 pub mod api;
 mod plan;
+pub mod replicas;
 pub mod sampler;
 pub mod scheduler;
 pub mod text;
@@ -497,6 +498,20 @@ pub fn default_device() -> Device {
         }
     }
     Device::Cpu
+}
+
+/// The devices a pod's engines run on, one engine each: every CUDA GPU visible to the process
+/// (the ones the pod was given) when built with `cuda`, else the CPU.
+pub fn compute_devices() -> Vec<Device> {
+    #[cfg(feature = "cuda")]
+    {
+        let gpus: Vec<Device> = (0..64).map_while(|i| Device::new_cuda(i).ok()).collect();
+        if !gpus.is_empty() {
+            return gpus;
+        }
+        tracing::warn!("no CUDA device, serving on CPU");
+    }
+    vec![Device::Cpu]
 }
 
 /// candle's type for a configured dtype: the weights' serving dtype. A GPU computes in it; the

@@ -9,7 +9,8 @@ use mole_api::{ServingMode, WorkerAdapter, WorkerConfig, WorkerMode};
 use crate::config::model_dir;
 use crate::config::ConfigError;
 use crate::engine::api::{EngineError, InferenceEngine};
-use crate::engine::{candle_dtype, default_device, Engine, EngineOptions};
+use crate::engine::replicas::Replicas;
+use crate::engine::{candle_dtype, compute_devices, default_device, Engine, EngineOptions};
 use crate::merge::MergeError;
 
 /// Why an engine could not be built. Stable names via [`BuildError::code`].
@@ -54,7 +55,6 @@ fn base_options(cfg: &WorkerConfig) -> EngineOptions {
 /// implementation.
 pub fn build_engine(cfg: &WorkerConfig) -> Result<Arc<dyn InferenceEngine>, BuildError> {
     let dir = model_dir(cfg)?;
-    let device = default_device();
     let dtype = candle_dtype(cfg.base_model.dtype);
     let l = &cfg.limits;
     let opts = EngineOptions {
@@ -72,15 +72,23 @@ pub fn build_engine(cfg: &WorkerConfig) -> Result<Arc<dyn InferenceEngine>, Buil
             .map(|m| (m.adapter.clone(), m.version.clone())),
         ..base_options(cfg)
     };
-    let started = std::time::Instant::now();
-    // A `.gguf` base is served quantized; an HF directory in the configured dtype.
-    let engine = if dir.extension().is_some_and(|e| e == "gguf") {
-        Engine::load_gguf(&dir, &device, opts)?
-    } else {
-        Engine::load(&dir, dtype, &device, opts)?
-    };
-    tracing::info!(model = %dir.display(), ?device, ?dtype, seconds = started.elapsed().as_secs_f64(), "model loaded");
-    Ok(Arc::new(engine))
+    // One engine per device the pod was given (every visible GPU; the CPU is one).
+    let mut engines: Vec<Box<dyn InferenceEngine>> = Vec::new();
+    for device in compute_devices() {
+        let started = std::time::Instant::now();
+        // A `.gguf` base is served quantized; an HF directory in the configured dtype.
+        let engine = if dir.extension().is_some_and(|e| e == "gguf") {
+            Engine::load_gguf(&dir, &device, opts.clone())?
+        } else {
+            Engine::load(&dir, dtype, &device, opts.clone())?
+        };
+        tracing::info!(model = %dir.display(), ?device, ?dtype, seconds = started.elapsed().as_secs_f64(), "model loaded");
+        engines.push(Box::new(engine));
+    }
+    Ok(match engines.len() {
+        1 => Arc::from(engines.pop().expect("one engine")),
+        _ => Arc::new(Replicas::new(engines)),
+    })
 }
 
 /// Local mode: merges every adapter configured `mode: merged` without a `mergedEndpoint` into

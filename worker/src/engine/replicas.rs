@@ -1,0 +1,178 @@
+//! One engine per device of the pod, behind one [`InferenceEngine`]: a pod given several GPUs
+//! holds the model on each (data parallel; tensor parallelism does not exist yet) and sends
+//! each request to the least loaded engine. Adapters load on every engine, and the listing
+//! says an adapter is loaded only when every engine holds it, so the operator's readiness
+//! means the whole pod serves it.
+
+use std::collections::HashMap;
+
+use mole_api::LoraAdapterInfo;
+
+use super::api::{
+    AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest,
+    InferenceEngine, ModelInfo,
+};
+
+/// Engines of one model, one per device.
+pub struct Replicas {
+    engines: Vec<Box<dyn InferenceEngine>>,
+}
+
+impl Replicas {
+    /// Engines over the same model and options, each on its own device; at least one.
+    pub fn new(engines: Vec<Box<dyn InferenceEngine>>) -> Self {
+        assert!(!engines.is_empty(), "replicas of at least one engine");
+        Self { engines }
+    }
+
+    /// The engines, one per device.
+    pub fn engines(&self) -> &[Box<dyn InferenceEngine>] {
+        &self.engines
+    }
+
+    /// Engines behind this one.
+    pub fn len(&self) -> usize {
+        self.engines.len()
+    }
+
+    /// Whether there is none (never: [`Replicas::new`] refuses it).
+    pub fn is_empty(&self) -> bool {
+        self.engines.is_empty()
+    }
+
+    /// The engine with the fewest requests running and waiting (the first of equals).
+    fn least_loaded(&self) -> &dyn InferenceEngine {
+        self.engines
+            .iter()
+            .min_by_key(|e| {
+                let s = e.stats();
+                s.running + s.waiting
+            })
+            .expect("at least one engine")
+            .as_ref()
+    }
+}
+
+impl InferenceEngine for Replicas {
+    fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
+        self.least_loaded().submit(req)
+    }
+
+    fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, EngineError> {
+        self.engines[0].apply_chat_template(messages, kwargs)
+    }
+
+    fn count_tokens(&self, text: &str) -> Result<usize, EngineError> {
+        self.engines[0].count_tokens(text)
+    }
+
+    fn score_labels(
+        &self,
+        adapter: Option<&str>,
+        prompt: &str,
+        labels: &[String],
+    ) -> Result<Vec<f32>, EngineError> {
+        self.least_loaded().score_labels(adapter, prompt, labels)
+    }
+
+    /// Loads on every engine, in parallel; the first refusal is the answer (the engines
+    /// that took it keep it: a later load of the version or an unload settles them alike).
+    fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
+        std::thread::scope(|sc| {
+            let loads: Vec<_> = self
+                .engines
+                .iter()
+                .map(|e| {
+                    let spec = spec.clone();
+                    sc.spawn(move || e.load_adapter(spec))
+                })
+                .collect();
+            loads
+                .into_iter()
+                .map(|h| h.join().expect("a load does not panic"))
+                .collect::<Result<Vec<()>, _>>()
+                .map(|_| ())
+        })
+    }
+
+    fn unload_adapter(&self, name: &str) -> Result<(), EngineError> {
+        self.engines
+            .iter()
+            .map(|e| e.unload_adapter(name))
+            .collect::<Result<Vec<()>, _>>()
+            .map(|_| ())
+    }
+
+    /// Every version any engine knows: loaded when all of them hold it, requests summed,
+    /// bytes and residency of the first engine that has it.
+    fn adapters(&self) -> Vec<LoraAdapterInfo> {
+        let n = self.engines.len();
+        let mut seen: HashMap<(String, String), (LoraAdapterInfo, usize)> = HashMap::new();
+        let mut order = Vec::new();
+        for e in &self.engines {
+            for a in e.adapters() {
+                let key = (a.name.clone(), a.version.clone());
+                match seen.get_mut(&key) {
+                    Some((sum, loaded)) => {
+                        sum.requests += a.requests;
+                        sum.running += a.running;
+                        *loaded += usize::from(a.loaded);
+                        if sum.error.is_none() {
+                            sum.error = a.error;
+                        }
+                    }
+                    None => {
+                        order.push(key.clone());
+                        let loaded = usize::from(a.loaded);
+                        seen.insert(key, (a, loaded));
+                    }
+                }
+            }
+        }
+        order
+            .into_iter()
+            .filter_map(|k| seen.remove(&k))
+            .map(|(mut a, loaded)| {
+                a.loaded = loaded == n;
+                a
+            })
+            .collect()
+    }
+
+    /// Sums over the engines (the last batch: the largest).
+    fn stats(&self) -> EngineStats {
+        let mut out = EngineStats::default();
+        for e in &self.engines {
+            let s = e.stats();
+            out.running += s.running;
+            out.waiting += s.waiting;
+            out.last_batch_size = out.last_batch_size.max(s.last_batch_size);
+            out.running_adapters.extend(s.running_adapters);
+            out.waiting_adapters.extend(s.waiting_adapters);
+            out.max_loras = s.max_loras;
+            out.cancelled += s.cancelled;
+            out.adapter_loads += s.adapter_loads;
+            out.adapter_load_failures += s.adapter_load_failures;
+            out.adapter_load_seconds += s.adapter_load_seconds;
+            out.adapter_evictions += s.adapter_evictions;
+            out.preemptions += s.preemptions;
+            out.kv_blocks = match (out.kv_blocks, s.kv_blocks) {
+                (Some((f, t)), Some((f2, t2))) => Some((f + f2, t + t2)),
+                (a, b) => a.or(b),
+            };
+        }
+        for v in [&mut out.running_adapters, &mut out.waiting_adapters] {
+            v.sort_unstable();
+            v.dedup();
+        }
+        out
+    }
+
+    fn model_info(&self) -> ModelInfo {
+        self.engines[0].model_info()
+    }
+}
