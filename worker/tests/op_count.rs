@@ -14,16 +14,6 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use mole_worker::model::{tensors_made, Decoder, LoraAdapter, ModelConfig, Proj, Row, SeqCache};
 
-const PROJS: [Proj; 7] = [
-    Proj::Q,
-    Proj::K,
-    Proj::V,
-    Proj::O,
-    Proj::Gate,
-    Proj::Up,
-    Proj::Down,
-];
-
 /// A small random Qwen3 (GQA, q/k norm) on the tensor path.
 fn model() -> Decoder {
     let cfg = ModelConfig::from_json(serde_json::json!({
@@ -44,7 +34,7 @@ fn model() -> Decoder {
         Tensor::ones(64, DType::F32, &dev).unwrap(),
     );
     for l in 0..2 {
-        for p in PROJS {
+        for p in Proj::ALL {
             let (d_in, d_out) = p.dims(&cfg);
             let name = match p {
                 Proj::Q => "self_attn.q_proj",
@@ -77,7 +67,7 @@ fn model() -> Decoder {
 fn adapter(m: &Decoder) -> LoraAdapter {
     let mut modules = HashMap::new();
     for l in 0..m.config().num_hidden_layers {
-        for p in PROJS {
+        for p in Proj::ALL {
             let (d_in, d_out) = p.dims(m.config());
             let at = Tensor::randn(0f32, 0.1, (d_in, 8), &Device::Cpu).unwrap();
             let b = Tensor::randn(0f32, 0.1, (d_out, 8), &Device::Cpu).unwrap();

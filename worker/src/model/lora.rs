@@ -31,6 +31,17 @@ pub enum Proj {
 }
 
 impl Proj {
+    /// Every projection, in order.
+    pub const ALL: [Proj; 7] = [
+        Proj::Q,
+        Proj::K,
+        Proj::V,
+        Proj::O,
+        Proj::Gate,
+        Proj::Up,
+        Proj::Down,
+    ];
+
     /// The layer and projection of an HF module name (`model.layers.3.self_attn.q_proj`);
     /// None for modules outside the decoder layers' seven projections.
     pub fn parse(module: &str) -> Option<(usize, Proj)> {

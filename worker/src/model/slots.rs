@@ -87,7 +87,8 @@ impl LoraSlots {
                     let (d_in, _) = g.projs()[0].dims(cfg);
                     Tensor::zeros((slots * g.projs().len(), d_in, rank), dtype, device)
                 });
-                let b = PROJS.map(|p| Tensor::zeros((slots, p.dims(cfg).1, rank), dtype, device));
+                let b =
+                    Proj::ALL.map(|p| Tensor::zeros((slots, p.dims(cfg).1, rank), dtype, device));
                 Ok(LayerSlots {
                     a: unwrap_all(a)?,
                     b: unwrap_all(b)?,
@@ -226,17 +227,6 @@ impl LoraSlots {
             .to_dtype(dtype)
     }
 }
-
-/// The projections in `Proj` order.
-const PROJS: [Proj; 7] = [
-    Proj::Q,
-    Proj::K,
-    Proj::V,
-    Proj::O,
-    Proj::Gate,
-    Proj::Up,
-    Proj::Down,
-];
 
 fn unwrap_all<const N: usize>(
     ts: [candle_core::Result<Tensor>; N],
