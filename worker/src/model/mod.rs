@@ -28,6 +28,7 @@ mod project;
 pub mod rope;
 mod slots;
 mod step;
+pub mod vision;
 mod weights;
 
 use candle_core::{Tensor, D};
