@@ -320,6 +320,7 @@ fn teacher_forced(
                 tokens: t,
                 cache,
                 adapter: *adapter,
+                vision: None,
             })
             .collect();
         for (o, l) in out.iter_mut().zip(model.forward(&mut batch).unwrap()) {

@@ -201,6 +201,7 @@ fn greedy_matches_transformers(dir: &Path, reference: &serde_json::Value) {
                     tokens: &tokens,
                     cache: &mut cache,
                     adapter: None,
+                    vision: None,
                 }])
                 .unwrap();
             let t = argmax(&logits[0]).unwrap();
@@ -292,6 +293,7 @@ fn smollm2_served_quantized() {
                 tokens: &ids,
                 cache: &mut c,
                 adapter: None,
+                vision: None,
             }];
             m.forward(&mut rows).unwrap().remove(0)
         };

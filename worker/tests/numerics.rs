@@ -72,6 +72,7 @@ fn run_steps(
                 tokens: t,
                 cache,
                 adapter: *adapter,
+                vision: None,
             })
             .collect();
         model.forward(&mut batch).unwrap()
@@ -617,6 +618,7 @@ fn a_ragged_batch_of_16_adapters_on_the_paged_path_equals_each_row_alone() {
                 tokens: t,
                 cache,
                 adapter: a.map(|k| &adapters[k].1),
+                vision: None,
             })
             .collect();
         let step_logits = model.forward(&mut batch).unwrap();

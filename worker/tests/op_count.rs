@@ -98,6 +98,7 @@ fn ops_of_a_step(
             tokens,
             cache,
             adapter: *a,
+            vision: None,
         })
         .collect();
     if !first.is_empty() {
@@ -113,6 +114,7 @@ fn ops_of_a_step(
             tokens: if k < warm { &next } else { &prompts[k] },
             cache,
             adapter: *a,
+            vision: None,
         })
         .collect();
     let (logits, ops) = tensors_made(|| m.forward_batch(&mut step).unwrap());

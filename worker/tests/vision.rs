@@ -11,8 +11,10 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use mole_worker::lora::{self, LoadOptions};
 use mole_worker::model::vision::preprocess::{preprocess, ProcessorConfig};
-use mole_worker::model::vision::{VisionConfig, VisionTower};
+use mole_worker::model::vision::{mrope_positions, ImageEmbeds, VisionConfig, VisionTower};
+use mole_worker::model::{argmax, Decoder, LoraAdapter, Row, RowVision, SeqCache};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision")
@@ -102,5 +104,156 @@ fn the_vision_tower_equals_transformers() {
         let err = rel_error(d, &want[&format!("deepstack.{i}")]);
         eprintln!("deepstack {i}: relative error {err:.2e}");
         assert!(err <= 1e-4, "deepstack {i}: {err}");
+    }
+}
+
+/// A prompt of the fixture, ready for the decoder: its ids, its images' embeddings, its M-RoPE
+/// positions and offset, and its placeholders.
+struct Prompt {
+    ids: Vec<u32>,
+    embeds: Option<ImageEmbeds>,
+    positions: Vec<[u32; 3]>,
+    offset: i64,
+    image_tokens: Vec<(u32, u32)>,
+}
+
+fn prompt(model: &Decoder, name: &str) -> Prompt {
+    let r = reference();
+    let p = &r["prompts"][name];
+    let ids: Vec<u32> = serde_json::from_value(p["ids"].clone()).unwrap();
+    let images: Vec<String> = serde_json::from_value(p["images"].clone()).unwrap();
+    let cfg = processor();
+    let (mut values, mut grids) = (Vec::new(), Vec::new());
+    for name in &images {
+        let img = image(name);
+        let (w, h) = img.dimensions();
+        let patches = preprocess(&cfg, img.as_raw(), w as usize, h as usize).unwrap();
+        values.extend(patches.values);
+        grids.push(patches.grid);
+    }
+    let embeds = (!images.is_empty()).then(|| {
+        let n = values.len() / cfg.patch_len();
+        let pixels = Tensor::from_vec(values, (n, cfg.patch_len()), &Device::Cpu).unwrap();
+        model.vision().unwrap().forward(&pixels, &grids).unwrap()
+    });
+    let pad = r["image_pad"].as_u64().unwrap() as u32;
+    let (positions, offset) = mrope_positions(&ids, pad, &grids, cfg.merge_size).unwrap();
+    let image_tokens = ids
+        .iter()
+        .enumerate()
+        .filter(|(_, &t)| t == pad)
+        .enumerate()
+        .map(|(k, (i, _))| (i as u32, k as u32))
+        .collect();
+    Prompt {
+        ids,
+        embeds,
+        positions,
+        offset,
+        image_tokens,
+    }
+}
+
+impl Prompt {
+    fn vision(&self) -> Option<RowVision<'_>> {
+        self.embeds.as_ref().map(|embeds| RowVision {
+            positions: &self.positions,
+            image_tokens: &self.image_tokens,
+            embeds,
+            offset: self.offset,
+        })
+    }
+}
+
+/// Prefills the prompts as one batch, each row with its adapter, then decodes `steps` greedy
+/// tokens together: each row's prefill logits and tokens.
+fn run(
+    model: &Decoder,
+    rows: &[(&Prompt, Option<&LoraAdapter>)],
+    steps: usize,
+) -> (Vec<Tensor>, Vec<Vec<u32>>) {
+    let mut caches: Vec<SeqCache> = rows.iter().map(|_| SeqCache::default()).collect();
+    let mut batch: Vec<Row> = rows
+        .iter()
+        .zip(caches.iter_mut())
+        .map(|((p, a), cache)| Row {
+            tokens: &p.ids,
+            cache,
+            adapter: *a,
+            vision: p.vision(),
+        })
+        .collect();
+    let first = model.forward(&mut batch).unwrap();
+    drop(batch);
+    let mut out: Vec<Vec<u32>> = first.iter().map(|l| vec![argmax(l).unwrap()]).collect();
+    for _ in 1..steps {
+        let last: Vec<[u32; 1]> = out.iter().map(|o| [*o.last().unwrap()]).collect();
+        let mut batch: Vec<Row> = last
+            .iter()
+            .zip(caches.iter_mut())
+            .zip(rows)
+            .map(|((t, cache), (_, a))| Row {
+                tokens: t,
+                cache,
+                adapter: *a,
+                vision: None,
+            })
+            .collect();
+        let next = model.forward(&mut batch).unwrap();
+        for (o, l) in out.iter_mut().zip(next) {
+            o.push(argmax(&l).unwrap());
+        }
+    }
+    (first, out)
+}
+
+/// The language model on prompts with no image, one image and two images of different sizes
+/// (in one batch), each with and without the adapter, on the host kernels and on the tensor
+/// path: prefill logits within 1e-4 of their scale of transformers' (f32) and 12 greedy tokens
+/// equal (transformers' generate, which continues M-RoPE after the images).
+#[test]
+fn the_language_model_with_images_equals_transformers() {
+    let dir = fixtures().join("qwen3_vl");
+    let mut model = Decoder::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    let opts = LoadOptions {
+        max_rank: 64,
+        expect_base: None,
+    };
+    let adapter = lora::load(
+        &fixtures().join("adapter"),
+        model.config(),
+        DType::F32,
+        &Device::Cpu,
+        &opts,
+    )
+    .unwrap();
+    let r = reference();
+    let names = ["text", "one_image", "two_images"];
+    let prompts: Vec<Prompt> = names.iter().map(|n| prompt(&model, n)).collect();
+    for host in [true, false] {
+        model.set_host_kernels(host);
+        for label in ["base", "adapter"] {
+            let a = (label == "adapter").then_some(&adapter);
+            let rows: Vec<(&Prompt, Option<&LoraAdapter>)> =
+                prompts.iter().map(|p| (p, a)).collect();
+            let (logits, tokens) = run(&model, &rows, 12);
+            for (k, name) in names.iter().enumerate() {
+                let want_l = Tensor::new(
+                    serde_json::from_value::<Vec<f32>>(
+                        r["prompts"][name][label]["last_logits"].clone(),
+                    )
+                    .unwrap(),
+                    &Device::Cpu,
+                )
+                .unwrap();
+                let err = rel_error(&logits[k], &want_l);
+                let mode = if host { "host kernels" } else { "tensor path" };
+                eprintln!("{name} {label} ({mode}): relative logit error {err:.2e}");
+                assert!(err <= 1e-4, "{name} {label} ({mode}): {err}");
+                let want: Vec<u32> =
+                    serde_json::from_value(r["prompts"][name][label]["greedy"].clone()).unwrap();
+                assert_eq!(tokens[k], want, "{name} {label} ({mode}): greedy tokens");
+            }
+        }
     }
 }

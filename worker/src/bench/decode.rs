@@ -203,6 +203,7 @@ fn tokens_per_s(
                 tokens: &prompt,
                 cache,
                 adapter: *a,
+                vision: None,
             })
             .collect();
         model
@@ -222,6 +223,7 @@ fn tokens_per_s(
                 tokens: t,
                 cache,
                 adapter: *a,
+                vision: None,
             })
             .collect();
         next = model

@@ -394,6 +394,7 @@ impl InferenceEngine for Engine {
             tokens: &ids,
             cache: &mut cache,
             adapter: pinned.as_ref().map(|p| p.adapter.as_ref()),
+            vision: None,
         }];
         let logits = self
             .shared

@@ -203,6 +203,7 @@ fn step(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) {
                 tokens,
                 cache: &mut s.cache,
                 adapter: s.adapter.as_ref().map(|p| p.adapter.as_ref()),
+                vision: None,
             });
         }
         shared.model.forward_batch(&mut rows)

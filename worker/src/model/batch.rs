@@ -4,6 +4,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::kv::KvPool;
 use super::slots::LoraSlots;
+use super::vision::ImageEmbeds;
 use super::{LoraAdapter, SeqCache};
 
 /// One sequence of a batch: its new tokens, its cache (the new tokens start at `cache.len()`)
@@ -15,6 +16,23 @@ pub struct Row<'a> {
     pub cache: &'a mut SeqCache,
     /// The adapter version this sequence pinned, or None for the base model.
     pub adapter: Option<&'a LoraAdapter>,
+    /// A vision-language prompt's images, for the steps that prefill it.
+    pub vision: Option<RowVision<'a>>,
+}
+
+/// What a row of a vision-language prompt brings besides its tokens (Qwen3-VL prefill; see
+/// [`super::vision::mrope_positions`]).
+#[derive(Clone, Copy)]
+pub struct RowVision<'a> {
+    /// The M-RoPE (time, height, width) position of each of the row's new tokens.
+    pub positions: &'a [[u32; 3]],
+    /// The row's new tokens that are image placeholders: (index among the new tokens, row of
+    /// `embeds` it takes).
+    pub image_tokens: &'a [(u32, u32)],
+    /// The images' embeddings and DeepStack features.
+    pub embeds: &'a ImageEmbeds,
+    /// Position minus index of the tokens after the prompt (where decoding continues).
+    pub offset: i64,
 }
 
 /// Per-forward facts every layer shares: the rows' new and cached tokens, adapter groups,

@@ -11,6 +11,9 @@ pub struct SeqCache {
     pub(super) layers: Vec<LayerKv>,
     pub(super) blocks: Option<BlockTable>,
     pub(super) len: usize,
+    /// Position minus index of the tokens after a vision-language prompt (M-RoPE gives an
+    /// image fewer positions than tokens); 0 for text.
+    pub(super) pos_offset: i64,
 }
 
 /// One layer's keys and values (after RoPE) for one sequence, on the host path.

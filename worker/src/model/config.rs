@@ -4,6 +4,7 @@ use std::path::Path;
 
 use serde::Deserialize;
 
+use super::vision::VisionConfig;
 use super::{ModelError, Rope};
 use crate::formats::hf;
 
@@ -18,10 +19,28 @@ pub enum Family {
     Qwen3,
 }
 
+/// What a vision-language model (Qwen3-VL) adds to its text decoder: the vision tower's
+/// config, its special tokens, and the M-RoPE sections of the rotary frequencies.
+#[derive(Debug, Clone)]
+pub struct VisionSpec {
+    /// The vision tower.
+    pub config: VisionConfig,
+    /// The placeholder token each image token takes in the prompt.
+    pub image_token_id: u32,
+    /// The token before an image's placeholders.
+    pub vision_start_token_id: u32,
+    /// The token after them.
+    pub vision_end_token_id: u32,
+    /// Rotary frequencies that follow the temporal, height and width position (interleaved:
+    /// frequency `j` follows height when `j % 3 == 1` and `j < 3 · sections[1]`, width when
+    /// `j % 3 == 2` and `j < 3 · sections[2]`, else time).
+    pub mrope_section: [usize; 3],
+}
+
 /// `config.json` fields the decoder reads.
 #[derive(Debug, Clone, Deserialize)]
 pub struct ModelConfig {
-    /// `llama`, `qwen2` or `qwen3`.
+    /// `llama`, `qwen2` or `qwen3` (a Qwen3-VL's text decoder is a `qwen3`).
     pub model_type: String,
     /// Hidden size.
     pub hidden_size: usize,
@@ -66,6 +85,9 @@ pub struct ModelConfig {
     /// Share of the head that is rotated (only 1.0 is supported).
     #[serde(default)]
     pub partial_rotary_factor: Option<f64>,
+    /// A vision-language model's vision side (`model_type: qwen3_vl`).
+    #[serde(skip)]
+    pub vision: Option<VisionSpec>,
 }
 
 fn default_max_pos() -> usize {
@@ -80,6 +102,9 @@ impl ModelConfig {
 
     /// Parses and checks a `config.json` value.
     pub fn from_json(v: serde_json::Value) -> Result<Self, ModelError> {
+        if v.get("model_type").and_then(serde_json::Value::as_str) == Some("qwen3_vl") {
+            return Self::from_qwen3_vl(v);
+        }
         let cfg: ModelConfig =
             serde_json::from_value(v).map_err(|e| ModelError::Config(e.to_string()))?;
         cfg.family()?;
@@ -102,6 +127,75 @@ impl ModelConfig {
         cfg.rope()?;
         Ok(cfg)
     }
+    /// A Qwen3-VL `config.json`: its `text_config` is a Qwen3 decoder's (whose weights sit under
+    /// `model.language_model`), its `vision_config` the tower's.
+    fn from_qwen3_vl(v: serde_json::Value) -> Result<Self, ModelError> {
+        let bad = |m: &str| ModelError::Config(format!("qwen3_vl: {m}"));
+        let mut text = v
+            .get("text_config")
+            .cloned()
+            .filter(serde_json::Value::is_object)
+            .ok_or_else(|| bad("text_config is missing"))?;
+        text["model_type"] = "qwen3".into();
+        if text.get("tie_word_embeddings").is_none() {
+            text["tie_word_embeddings"] = v
+                .get("tie_word_embeddings")
+                .cloned()
+                .unwrap_or(false.into());
+        }
+        let rope = text.get("rope_parameters").cloned().unwrap_or_default();
+        let sections: [usize; 3] = rope
+            .get("mrope_section")
+            .cloned()
+            .and_then(|s| serde_json::from_value(s).ok())
+            .ok_or_else(|| bad("text_config.rope_parameters.mrope_section must be 3 integers"))?;
+        if rope
+            .get("mrope_interleaved")
+            .and_then(serde_json::Value::as_bool)
+            != Some(true)
+        {
+            return Err(bad(
+                "only interleaved M-RoPE (Qwen3-VL's) is supported; Qwen2-VL's contiguous sections are not",
+            ));
+        }
+        let mut cfg = Self::from_json(text)?;
+        if sections.iter().sum::<usize>() != cfg.head_dim() / 2 {
+            return Err(bad("mrope_section must sum to head_dim / 2"));
+        }
+        if cfg.rope()?.is_dynamic() {
+            return Err(bad("dynamic RoPE scaling is not supported with M-RoPE"));
+        }
+        let token = |k: &str| -> Result<u32, ModelError> {
+            v.get(k)
+                .and_then(serde_json::Value::as_u64)
+                .map(|t| t as u32)
+                .ok_or_else(|| bad(&format!("{k} is missing")))
+        };
+        let config: VisionConfig = serde_json::from_value(
+            v.get("vision_config")
+                .cloned()
+                .ok_or_else(|| bad("vision_config is missing"))?,
+        )
+        .map_err(|e| bad(&format!("vision_config: {e}")))?;
+        cfg.vision = Some(VisionSpec {
+            config,
+            image_token_id: token("image_token_id")?,
+            vision_start_token_id: token("vision_start_token_id")?,
+            vision_end_token_id: token("vision_end_token_id")?,
+            mrope_section: sections,
+        });
+        Ok(cfg)
+    }
+
+    /// Where the text decoder's tensors are named from: `model`, or a Qwen3-VL's
+    /// `model.language_model`.
+    pub fn text_prefix(&self) -> &'static str {
+        match self.vision {
+            Some(_) => "model.language_model",
+            None => "model",
+        }
+    }
+
     /// The family.
     pub fn family(&self) -> Result<Family, ModelError> {
         match self.model_type.as_str() {
@@ -109,7 +203,7 @@ impl ModelConfig {
             "qwen2" => Ok(Family::Qwen2),
             "qwen3" => Ok(Family::Qwen3),
             other => Err(ModelError::Config(format!(
-                "model_type {other} is not supported (llama, qwen2, qwen3)"
+                "model_type {other} is not supported (llama, qwen2, qwen3, qwen3_vl)"
             ))),
         }
     }

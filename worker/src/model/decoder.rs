@@ -16,6 +16,7 @@ use super::project;
 use super::rope::rope_cos_sin;
 use super::slots::LoraSlots;
 use super::step;
+use super::vision::{ImageEmbeds, VisionTower};
 use super::weights::{compute_dtype, Dense, Quantized, Weights};
 use super::{HostUpdates, Lin, LoraAdapter, ModelConfig, ModelError, Rope};
 use crate::formats::hf;
@@ -37,6 +38,11 @@ pub struct Decoder {
     weights: DType,
     /// CPU f32: attention and adapter updates run as fused host kernels.
     host: bool,
+    /// A vision-language model's vision tower.
+    vision: Option<VisionTower>,
+    /// M-RoPE: per rotary frequency, 1 where it follows time, height, width (`[1, head_dim/2]`
+    /// each, in the compute dtype).
+    mrope: Option<[Tensor; 3]>,
     /// How the tensor path's pools are sized.
     tensor_opts: TensorPathOptions,
     /// The tensor path's pools, allocated by its first step (a CPU decoder on host kernels
@@ -67,7 +73,22 @@ impl Decoder {
         let device = vb.device().clone();
         let dtype = compute_dtype(vb.dtype(), &device);
         let weights = vb.dtype();
-        Self::build(cfg, &Dense { vb, act: dtype }, device, (weights, dtype))
+        let vision = match &cfg.vision {
+            // The tower computes in the compute dtype (f32 on the CPU).
+            Some(v) => Some(VisionTower::new(
+                &v.config,
+                vb.clone().set_dtype(dtype).pp("model.visual"),
+            )?),
+            None => None,
+        };
+        let mut decoder = Self::build(cfg, &Dense { vb, act: dtype }, device, (weights, dtype))?;
+        decoder.vision = vision;
+        Ok(decoder)
+    }
+
+    /// A vision-language model's vision tower.
+    pub fn vision(&self) -> Option<&VisionTower> {
+        self.vision.as_ref()
     }
 
     /// Builds the decoder from GGUF tensors already renamed to HF names (rows of llama Q/K
@@ -95,14 +116,16 @@ impl Decoder {
     ) -> Result<Self, ModelError> {
         cfg.family()?;
         let h = cfg.hidden_size;
-        let embed_w = w.dense("model.embed_tokens.weight", (cfg.vocab_size, h))?;
+        let prefix = cfg.text_prefix();
+        let embed_name = format!("{prefix}.embed_tokens.weight");
+        let embed_w = w.dense(&embed_name, (cfg.vocab_size, h))?;
         let embed = Embedding::new(embed_w.clone(), h);
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| Layer::new(&cfg, w, i))
             .collect::<Result<_, _>>()?;
-        let norm = w.norm("model.norm", h, cfg.rms_norm_eps)?;
+        let norm = w.norm(&format!("{prefix}.norm"), h, cfg.rms_norm_eps)?;
         let lm_head = if cfg.tie_word_embeddings {
-            w.tied_head("model.embed_tokens.weight", embed_w)?
+            w.tied_head(&embed_name, embed_w)?
         } else {
             w.linear("lm_head", h, cfg.vocab_size, false)?
         };
@@ -115,6 +138,10 @@ impl Decoder {
             cfg.max_positions()
         };
         let (cos, sin) = rope_cos_sin(&rope, &cfg, 0, table_len, dtype, &device)?;
+        let mrope = match &cfg.vision {
+            Some(v) => Some(mrope_masks(v.mrope_section, dtype, &device)?),
+            None => None,
+        };
         let host = device.is_cpu() && dtype == DType::F32;
         if host {
             // Which kernel multiplies decode steps decides CPU speed (1.5-2x between the direct
@@ -140,6 +167,8 @@ impl Decoder {
             device,
             dtype,
             weights,
+            vision: None,
+            mrope,
             tensor_opts: TensorPathOptions::default(),
             tensor: Mutex::new(None),
         };
@@ -313,21 +342,120 @@ impl Decoder {
         Ok(logits)
     }
 
-    /// The embedded tokens through every layer; each row's cache then holds them.
+    /// The embedded tokens through every layer; each row's cache then holds them. Image
+    /// placeholders take their image's embeddings, and after the first layers their DeepStack
+    /// features are added.
     fn layers(
         &self,
         rows: &mut [Row<'_>],
         batch: &Batch<'_>,
         ids: &Tensor,
     ) -> Result<Tensor, ModelError> {
-        let mut x = self.embed.forward(ids)?.to_dtype(self.dtype)?; // [T, h]
-        for layer in &self.layers {
+        let x = self.embed.forward(ids)?.to_dtype(self.dtype)?; // [T, h]
+        let images = self.image_tokens(rows)?;
+        for (at, rows_of, embeds) in &images {
+            let e = embeds
+                .merged
+                .index_select(rows_of, 0)?
+                .to_dtype(self.dtype)?;
+            x.scatter_set(at, &e, 0)?;
+        }
+        let mut x = x;
+        for (li, layer) in self.layers.iter().enumerate() {
             x = layer.forward(x, rows, batch)?;
+            for (at, rows_of, embeds) in &images {
+                if let Some(d) = embeds.deepstack.get(li) {
+                    let d = d.index_select(rows_of, 0)?.to_dtype(self.dtype)?;
+                    x.scatter_add_set(at, &d, 0)?;
+                }
+            }
         }
         for (r, (s, l)) in rows.iter_mut().zip(batch.starts.iter().zip(&batch.lens)) {
             r.cache.len = s + l;
+            if let Some(v) = &r.vision {
+                r.cache.pos_offset = v.offset;
+            }
         }
         Ok(x)
+    }
+
+    /// Per row with image tokens in this step: where they are in the step (`[n, hidden]`, each
+    /// row the token's index), which rows of its embeddings they take, and the embeddings.
+    #[allow(clippy::type_complexity)]
+    fn image_tokens<'r>(
+        &self,
+        rows: &[Row<'r>],
+    ) -> candle_core::Result<Vec<(Tensor, Tensor, &'r ImageEmbeds)>> {
+        let h = self.cfg.hidden_size;
+        let mut out = Vec::new();
+        let mut off = 0u32;
+        for r in rows {
+            if let Some(v) = r.vision.filter(|v| !v.image_tokens.is_empty()) {
+                let n = v.image_tokens.len();
+                let at: Vec<u32> = v.image_tokens.iter().map(|(i, _)| off + i).collect();
+                let of: Vec<u32> = v.image_tokens.iter().map(|(_, e)| *e).collect();
+                let at = Tensor::from_vec(at, (n, 1), &self.device)?
+                    .broadcast_as((n, h))?
+                    .contiguous()?;
+                out.push((at, Tensor::from_vec(of, n, &self.device)?, v.embeds));
+            }
+            off += r.tokens.len() as u32;
+        }
+        Ok(out)
+    }
+
+    /// Every new token's rotary position: its time (or only) position, and with image tokens in
+    /// the step, the height and width positions too (M-RoPE). Text continues each cache at its
+    /// length plus its offset.
+    fn positions(&self, rows: &[Row<'_>]) -> Positions {
+        let spatial = rows.iter().any(|r| r.vision.is_some());
+        let mut p = Positions {
+            time: Vec::new(),
+            spatial: spatial.then(|| (Vec::new(), Vec::new())),
+        };
+        for r in rows {
+            let start = r.cache.len() as i64 + r.cache.pos_offset;
+            match (&r.vision, &mut p.spatial) {
+                (Some(v), Some((h, w))) => {
+                    p.time.extend(v.positions.iter().map(|x| x[0]));
+                    h.extend(v.positions.iter().map(|x| x[1]));
+                    w.extend(v.positions.iter().map(|x| x[2]));
+                }
+                (_, spatial) => {
+                    let text = (0..r.tokens.len() as i64).map(|i| (start + i).max(0) as u32);
+                    p.time.extend(text.clone());
+                    if let Some((h, w)) = spatial {
+                        h.extend(text.clone());
+                        w.extend(text);
+                    }
+                }
+            }
+        }
+        p
+    }
+
+    /// cos/sin `[tokens, head_dim/2]` at `time` (and with M-RoPE the spatial positions), rows
+    /// of the table gathered by position: a frequency takes the angle of its axis's position.
+    fn rotary_at(
+        &self,
+        time: &Tensor,
+        spatial: Option<(&Tensor, &Tensor)>,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        match (spatial, &self.mrope) {
+            (Some((h, w)), Some([mt, mh, mw])) => {
+                let mix = |table: &Tensor| -> candle_core::Result<Tensor> {
+                    let t = table.index_select(time, 0)?.broadcast_mul(mt)?;
+                    let h = table.index_select(h, 0)?.broadcast_mul(mh)?;
+                    let w = table.index_select(w, 0)?.broadcast_mul(mw)?;
+                    (t + h)? + w
+                };
+                Ok((mix(&self.cos)?, mix(&self.sin)?))
+            }
+            _ => Ok((
+                self.cos.index_select(time, 0)?,
+                self.sin.index_select(time, 0)?,
+            )),
+        }
     }
 
     /// Checks that every row has tokens, fits the model's positions, and has a cache of this
@@ -388,7 +516,22 @@ impl Decoder {
                 })
             })
             .collect::<Result<_, candle_core::Error>>()?;
-        let (cos, sin) = self.rotary_rows(&starts, &lens)?;
+        let positions = self.positions(rows);
+        let (cos, sin) = match &positions.spatial {
+            Some((h, w)) => {
+                let up = |v: &[u32]| Tensor::new(v, &self.device);
+                let (t, h, w) = (up(&positions.time)?, up(h)?, up(w)?);
+                self.rotary_at(&t, Some((&h, &w)))?
+            }
+            None => {
+                let offsets: Vec<usize> = rows
+                    .iter()
+                    .zip(&starts)
+                    .map(|(r, s)| (*s as i64 + r.cache.pos_offset).max(0) as usize)
+                    .collect();
+                self.rotary_rows(&offsets, &lens)?
+            }
+        };
         let ids: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
         let batch = Batch {
             lens,
@@ -425,20 +568,29 @@ impl Decoder {
             None => None,
         };
         let width = self.cfg.kv_heads() * self.cfg.head_dim();
-        let inputs = step::inputs(rows, kv, row_slots.as_deref(), width, &self.device)?;
+        let positions = self.positions(rows);
+        let inputs = step::inputs(
+            rows,
+            kv,
+            row_slots.as_deref(),
+            &positions,
+            width,
+            &self.device,
+        )?;
         let lens: Vec<usize> = rows.iter().map(|r| r.tokens.len()).collect();
         let starts: Vec<usize> = rows.iter().map(|r| r.cache.len()).collect();
-        let beyond = starts
-            .iter()
-            .zip(&lens)
-            .any(|(s, l)| s + l > self.cos.dim(0).unwrap_or(0));
-        let (cos, sin) = if beyond {
-            self.rotary_rows(&starts, &lens)?
+        let table = self.cos.dim(0)?;
+        let (cos, sin) = if positions.time.iter().any(|&p| p as usize >= table) {
+            // Dynamic NTK past the table (text only: M-RoPE refuses dynamic scaling).
+            let beyond: Vec<usize> = rows
+                .iter()
+                .zip(&starts)
+                .map(|(r, s)| (*s as i64 + r.cache.pos_offset).max(0) as usize)
+                .collect();
+            self.rotary_rows(&beyond, &lens)?
         } else {
-            (
-                self.cos.index_select(&inputs.positions, 0)?,
-                self.sin.index_select(&inputs.positions, 0)?,
-            )
+            let spatial = inputs.spatial.as_ref().map(|(h, w)| (h, w));
+            self.rotary_at(&inputs.positions, spatial)?
         };
         let batch = Batch {
             lens,
@@ -485,6 +637,38 @@ impl Decoder {
         }
         Ok((self.cos.narrow(0, start, t)?, self.sin.narrow(0, start, t)?))
     }
+}
+
+/// A step's rotary positions, one per new token.
+pub(super) struct Positions {
+    /// The time position (text: the only one).
+    pub time: Vec<u32>,
+    /// With image tokens in the step (M-RoPE): the height and width positions.
+    pub spatial: Option<(Vec<u32>, Vec<u32>)>,
+}
+
+/// Per rotary frequency (interleaved M-RoPE, see [`super::VisionSpec::mrope_section`]), 1
+/// where it follows time, height, width: `[1, head_dim/2]` each.
+fn mrope_masks(
+    sections: [usize; 3],
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<[Tensor; 3]> {
+    let half: usize = sections.iter().sum();
+    let axis = |j: usize| -> usize {
+        match j % 3 {
+            1 if j < 3 * sections[1] => 1,
+            2 if j < 3 * sections[2] => 2,
+            _ => 0,
+        }
+    };
+    let mask = |a: usize| -> candle_core::Result<Tensor> {
+        let v: Vec<f32> = (0..half)
+            .map(|j| f32::from(u8::from(axis(j) == a)))
+            .collect();
+        Tensor::from_vec(v, (1, half), device)?.to_dtype(dtype)
+    };
+    Ok([mask(0)?, mask(1)?, mask(2)?])
 }
 
 #[cfg(test)]
@@ -546,12 +730,14 @@ mod tests {
             tokens: &toks[..8],
             cache: &mut stepped,
             adapter: None,
+            vision: None,
         }]);
         for i in 8..toks.len() {
             last = fwd(&mut [Row {
                 tokens: &toks[i..i + 1],
                 cache: &mut stepped,
                 adapter: None,
+                vision: None,
             }]);
         }
         assert_eq!(stepped.len(), 308);
@@ -560,23 +746,27 @@ mod tests {
             tokens: &toks[..3],
             cache: &mut side,
             adapter: None,
+            vision: None,
         }]);
         let both = fwd(&mut [
             Row {
                 tokens: &toks,
                 cache: &mut whole,
                 adapter: None,
+                vision: None,
             },
             Row {
                 tokens: &toks[3..4],
                 cache: &mut side,
                 adapter: None,
+                vision: None,
             },
         ]);
         let alone = fwd(&mut [Row {
             tokens: &toks[..4],
             cache: &mut SeqCache::default(),
             adapter: None,
+            vision: None,
         }]);
         let rel = |a: &Tensor, b: &Tensor| {
             let d = (a - b).unwrap().abs().unwrap().max_all().unwrap();
@@ -604,6 +794,7 @@ mod tests {
                 tokens: t,
                 cache,
                 adapter: None,
+                vision: None,
             }])
         };
         let mut ops = step(&m, &toks[..8], &mut cache).unwrap();

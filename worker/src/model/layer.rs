@@ -52,7 +52,7 @@ impl Layer {
         index: usize,
     ) -> Result<Self, ModelError> {
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        let l = format!("model.layers.{index}");
+        let l = format!("{}.layers.{index}", cfg.text_prefix());
         Ok(Self {
             index,
             input_norm: w.norm(&format!("{l}.input_layernorm"), h, eps)?,

@@ -42,10 +42,13 @@ impl Proj {
         Proj::Down,
     ];
 
-    /// The layer and projection of an HF module name (`model.layers.3.self_attn.q_proj`);
+    /// The layer and projection of an HF module name (`model.layers.3.self_attn.q_proj`, or a
+    /// Qwen3-VL's `model.language_model.layers.3.self_attn.q_proj`);
     /// None for modules outside the decoder layers' seven projections.
     pub fn parse(module: &str) -> Option<(usize, Proj)> {
-        let rest = module.strip_prefix("model.layers.")?;
+        let rest = module
+            .strip_prefix("model.layers.")
+            .or_else(|| module.strip_prefix("model.language_model.layers."))?;
         let (layer, name) = rest.split_once('.')?;
         let p = match name {
             "self_attn.q_proj" => Proj::Q,

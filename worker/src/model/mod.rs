@@ -33,9 +33,9 @@ mod weights;
 
 use candle_core::{Tensor, D};
 
-pub use self::batch::Row;
+pub use self::batch::{Row, RowVision};
 pub use self::cache::SeqCache;
-pub use self::config::{Family, ModelConfig};
+pub use self::config::{Family, ModelConfig, VisionSpec};
 pub use self::decoder::Decoder;
 pub use self::kv::TensorPathOptions;
 pub use self::lora::{HostUpdates, LoraAdapter, Proj, UpdateTask, HOST_LORA_MAX_TOKENS};

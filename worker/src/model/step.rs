@@ -6,14 +6,17 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::batch::{Paged, Row};
+use super::decoder::Positions;
 use super::kv::{BlockTable, KvPool};
 
 /// A step's inputs on the device.
 pub(super) struct Inputs<'a> {
     /// Token ids `[tokens]`.
     pub ids: Tensor,
-    /// Each token's position `[tokens]`.
+    /// Each token's position `[tokens]` (M-RoPE: its time position).
     pub positions: Tensor,
+    /// M-RoPE: each token's height and width positions, when the step has image tokens.
+    pub spatial: Option<(Tensor, Tensor)>,
     /// Each row's last token `[rows]`.
     pub last: Tensor,
     /// Each token's LoRA slot `[tokens]`, when rows have adapters.
@@ -43,6 +46,7 @@ pub(super) fn inputs<'a>(
     rows: &[Row<'_>],
     kv: &'a KvPool,
     slots: Option<&[u32]>,
+    positions: &Positions,
     width: usize,
     device: &Device,
 ) -> candle_core::Result<Inputs<'a>> {
@@ -65,15 +69,15 @@ pub(super) fn inputs<'a>(
             Some(at)
         })
         .collect();
-    let mut buf = Vec::with_capacity(5 * n + 2 * b * tq + b * keys + keys + b);
+    let mut buf = Vec::with_capacity(7 * n + 2 * b * tq + b * keys + keys + b);
     let ids = section(&mut buf, rows.iter().flat_map(|r| r.tokens.iter().copied()));
-    let pos = section(
-        &mut buf,
-        starts
-            .iter()
-            .zip(&lens)
-            .flat_map(|(&s, &l)| (s..s + l).map(|p| p as u32)),
-    );
+    let pos = section(&mut buf, positions.time.iter().copied());
+    let hw = positions.spatial.as_ref().map(|(h, w)| {
+        (
+            section(&mut buf, h.iter().copied()),
+            section(&mut buf, w.iter().copied()),
+        )
+    });
     let write = section(
         &mut buf,
         rows.iter()
@@ -142,6 +146,10 @@ pub(super) fn inputs<'a>(
     Ok(Inputs {
         ids: view(ids)?,
         positions: view(pos)?,
+        spatial: match hw {
+            Some((h, w)) => Some((view(h)?, view(w)?)),
+            None => None,
+        },
         last: view(last)?,
         slots: lora.map(view).transpose()?,
         paged: Paged {

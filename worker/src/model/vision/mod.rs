@@ -387,6 +387,66 @@ impl VisionTower {
     }
 }
 
+/// M-RoPE positions of a prompt whose image placeholders are runs of `image_token`, one run
+/// per grid of `grids` in order (transformers' `get_rope_index` for images): text counts up
+/// on all three axes; an image's tokens take (start, start + row, start + column) over its
+/// merged grid, and the text after it continues at start + max(rows, columns). Returns the
+/// positions and the offset (position minus index) where the tokens after the prompt go.
+pub fn mrope_positions(
+    ids: &[u32],
+    image_token: u32,
+    grids: &[[usize; 3]],
+    merge: usize,
+) -> Result<(Vec<[u32; 3]>, i64), ModelError> {
+    let mut out = Vec::with_capacity(ids.len());
+    let mut grids = grids.iter();
+    let mut current = 0usize;
+    let mut i = 0;
+    while i < ids.len() {
+        if ids[i] != image_token {
+            out.push([current as u32; 3]);
+            current += 1;
+            i += 1;
+            continue;
+        }
+        let run = ids[i..].iter().take_while(|&&t| t == image_token).count();
+        let &[t, h, w] = grids.next().ok_or_else(|| {
+            ModelError::Config("the prompt has more image placeholders than images".into())
+        })?;
+        let (gh, gw) = (h / merge, w / merge);
+        if run != t * gh * gw {
+            return Err(ModelError::Config(format!(
+                "an image of {gh}×{gw} tokens has {run} placeholders"
+            )));
+        }
+        for tt in 0..t {
+            for r in 0..gh {
+                for c in 0..gw {
+                    out.push([
+                        (current + tt) as u32,
+                        (current + r) as u32,
+                        (current + c) as u32,
+                    ]);
+                }
+            }
+        }
+        current += gh.max(gw);
+        i += run;
+    }
+    if grids.next().is_some() {
+        return Err(ModelError::Config(
+            "the prompt has fewer image placeholders than images".into(),
+        ));
+    }
+    let next = out
+        .iter()
+        .flatten()
+        .copied()
+        .max()
+        .map_or(0, |m| m as i64 + 1);
+    Ok((out, next - ids.len() as i64))
+}
+
 /// Each frame's patches (start, length): attention stays within one frame of one image.
 fn spans(grids: &[[usize; 3]]) -> Vec<(usize, usize)> {
     let mut out = Vec::new();
