@@ -122,6 +122,20 @@ pub struct WorkerLimits {
     /// Longest a request may take, in seconds.
     #[serde(default = "default_timeout")]
     pub request_timeout_seconds: u64,
+    /// Largest image a request may carry, in bytes as sent (decoded from base64, or fetched).
+    #[serde(default = "default_max_image_bytes")]
+    pub max_image_bytes: u64,
+    /// Most pixels (width × height) of one image, checked from its header before it is
+    /// decoded: a small file that unpacks into a huge bitmap is refused unread.
+    #[serde(default = "default_max_image_pixels")]
+    pub max_image_pixels: u64,
+    /// Most images in one request.
+    #[serde(default = "default_max_images")]
+    pub max_images: u32,
+    /// Hosts whose `http(s)://` image URLs the worker fetches (exact names); empty: only
+    /// `data:` URLs and base64 are accepted, so a request cannot make the worker fetch.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_url_hosts: Vec<String>,
 }
 
 impl Default for WorkerLimits {
@@ -140,6 +154,10 @@ impl WorkerLimits {
             engine,
             max_body_bytes: default_max_body(),
             request_timeout_seconds: default_timeout(),
+            max_image_bytes: default_max_image_bytes(),
+            max_image_pixels: default_max_image_pixels(),
+            max_images: default_max_images(),
+            image_url_hosts: Vec::new(),
         }
     }
 
@@ -151,6 +169,9 @@ impl WorkerLimits {
             ("maxTokens", u64::from(self.max_tokens)),
             ("maxBodyBytes", self.max_body_bytes),
             ("requestTimeoutSeconds", self.request_timeout_seconds),
+            ("maxImageBytes", self.max_image_bytes),
+            ("maxImagePixels", self.max_image_pixels),
+            ("maxImages", u64::from(self.max_images)),
         ] {
             if v == 0 {
                 return Err(BoundsError {
@@ -180,4 +201,14 @@ fn default_max_body() -> u64 {
 }
 fn default_timeout() -> u64 {
     300
+}
+fn default_max_image_bytes() -> u64 {
+    16 * 1024 * 1024
+}
+/// 40 megapixels: an 8K screenshot (7680 × 4320) fits, a 100-megapixel bitmap does not.
+fn default_max_image_pixels() -> u64 {
+    40_000_000
+}
+fn default_max_images() -> u32 {
+    8
 }

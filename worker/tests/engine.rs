@@ -57,6 +57,7 @@ fn spec(name: &str, version: &str, dir: &str) -> AdapterSpec {
 
 fn greedy(prompt: Vec<u32>, adapter: Option<&str>, max_tokens: usize) -> GenerateRequest {
     GenerateRequest {
+        images: Vec::new(),
         id: "t".into(),
         prompt: Prompt::Tokens(prompt),
         adapter: adapter.map(String::from),
@@ -311,13 +312,7 @@ fn seeds_stop_strings_chat_template_and_classifier_scores() {
     assert_ne!(sampled(3), sampled(4));
     // The byte-level fixture tokenizer: text in, text out; the chat template is applied.
     let prompt = e
-        .apply_chat_template(
-            &[ChatMessage {
-                role: "user".into(),
-                content: "hi".into(),
-            }],
-            &serde_json::Map::new(),
-        )
+        .apply_chat_template(&[ChatMessage::text("user", "hi")], &serde_json::Map::new())
         .unwrap();
     assert_eq!(prompt, "<user>hi\n<assistant>");
     assert_eq!(e.count_tokens(&prompt).unwrap(), prompt.len());
@@ -345,12 +340,13 @@ fn seeds_stop_strings_chat_template_and_classifier_scores() {
             Some("cls"),
             "route me",
             &["x".into(), "y".into(), "z".into()],
+            &[],
         )
         .unwrap();
     assert_eq!(p.len(), 3);
     assert!((p.iter().sum::<f32>() - 1.0).abs() < 1e-5, "{p:?}");
     let base = e
-        .score_labels(None, "route me", &["x".into(), "y".into(), "z".into()])
+        .score_labels(None, "route me", &["x".into(), "y".into(), "z".into()], &[])
         .unwrap();
     assert_ne!(p, base, "the classifier adapter changes the scores");
 }

@@ -79,10 +79,7 @@ fn smollm2_chat_prompt_ids_equal_transformers() {
     let q = mole_worker::formats::gguf::load_quantized(&gguf, &candle_core::Device::Cpu).unwrap();
     let text = TextModel::from_json(&q.tokenizer_json, q.tokenizer_config, &[q.config]).unwrap();
     // The conversations of tests/fixtures/import/generate.py (PROMPTS), in order.
-    let m = |role: &str, content: &str| ChatMessage {
-        role: role.into(),
-        content: content.into(),
-    };
+    let m = |role: &str, content: &str| ChatMessage::text(role, content);
     let conversations = [
         vec![m("user", "What is the capital of France?")],
         vec![

@@ -332,6 +332,7 @@ fn teacher_forced(
 
 fn greedy_req(prompt: &[u32], adapter: Option<&str>, n: usize) -> GenerateRequest {
     GenerateRequest {
+        images: Vec::new(),
         id: "g".into(),
         prompt: Prompt::Tokens(prompt.to_vec()),
         adapter: adapter.map(String::from),
@@ -461,14 +462,8 @@ fn check(base: Base, dtype: GgmlDType) {
     qe.load_adapter(spec.clone()).unwrap();
     de.load_adapter(spec).unwrap();
     assert_eq!(
-        qe.apply_chat_template(
-            &[ChatMessage {
-                role: "user".into(),
-                content: "hi".into()
-            }],
-            &serde_json::Map::new()
-        )
-        .unwrap(),
+        qe.apply_chat_template(&[ChatMessage::text("user", "hi")], &serde_json::Map::new())
+            .unwrap(),
         "<user>hi\n<assistant>",
         "the chat template comes from the GGUF metadata"
     );

@@ -325,16 +325,14 @@ fn smollm2_served_quantized() {
     .unwrap();
     let prompt = e
         .apply_chat_template(
-            &[ChatMessage {
-                role: "user".into(),
-                content: "What is the capital of Italy?".into(),
-            }],
+            &[ChatMessage::text("user", "What is the capital of Italy?")],
             &serde_json::Map::new(),
         )
         .unwrap();
     let answer = |adapter: Option<&str>| {
         let mut rx = e
             .submit(GenerateRequest {
+                images: Vec::new(),
                 id: "q".into(),
                 prompt: Prompt::Templated(prompt.clone()),
                 adapter: adapter.map(String::from),

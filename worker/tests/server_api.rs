@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mole_worker::engine::api::{
-    AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest,
+    AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest, Image,
     InferenceEngine, ModelInfo, TokenEvent,
 };
 use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
@@ -347,7 +347,9 @@ async fn bad_input_battery_keeps_serving() {
         ),
         (
             "/v1/chat/completions",
-            msg(json!([{"type": "image_url", "image_url": {"url": "data:image/png;base64,@@@"}}])),
+            msg(
+                json!([{"type": "image_url", "image_url": {"url": "data:image/png;base64,aGVsbG8="}}]),
+            ),
             400,
             "images_not_supported",
         ),
@@ -824,8 +826,12 @@ impl InferenceEngine for GatedEngine {
         a: Option<&str>,
         p: &str,
         l: &[String],
+        i: &[Image],
     ) -> Result<Vec<f32>, EngineError> {
-        self.inner.score_labels(a, p, l)
+        self.inner.score_labels(a, p, l, i)
+    }
+    fn image_tokens(&self, w: u32, h: u32) -> Result<usize, EngineError> {
+        self.inner.image_tokens(w, h)
     }
     fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
         let (m, cv) = &*self.open;
@@ -1417,7 +1423,7 @@ async fn classifier_routes_with_one_scoring_pass() {
     let labels = ["french".to_string(), "json".to_string()];
     let p = s
         .engine
-        .score_labels(Some("fr"), "tell me", &labels)
+        .score_labels(Some("fr"), "tell me", &labels, &[])
         .unwrap();
     let (best, want) = if p[0] >= p[1] {
         (p[0], "fr")

@@ -32,6 +32,13 @@ pub enum EngineError {
     /// The request is invalid for this model (prompt too long, bad token id...): 400.
     #[error("invalid request: {0}")]
     InvalidRequest(String),
+    /// The request has images and the model takes none: 400.
+    #[error("this model does not accept images")]
+    ImagesNotSupported,
+    /// An image the model cannot take (no pixels, aspect ratio over 200) or whose
+    /// placeholders do not match the images: 400.
+    #[error("invalid image: {0}")]
+    InvalidImage(String),
     /// The model failed during the forward pass: 500.
     #[error("internal engine error: {0}")]
     Internal(String),
@@ -46,6 +53,8 @@ impl EngineError {
             EngineError::AdapterNotFound(_) => "adapter_not_found",
             EngineError::InvalidAdapter { .. } => "invalid_adapter",
             EngineError::InvalidRequest(_) => "invalid_request",
+            EngineError::ImagesNotSupported => "images_not_supported",
+            EngineError::InvalidImage(_) => "invalid_image",
             EngineError::Internal(_) => "internal_error",
         }
     }
@@ -63,13 +72,91 @@ pub enum Prompt {
     Templated(String),
 }
 
-/// One chat message (text content only; images are refused by the server until vision lands).
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// One chat message: its text, and where images go in it.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
 pub struct ChatMessage {
     /// `system`, `user`, `assistant` or `tool`.
     pub role: String,
-    /// Text content.
+    /// Text content (all text parts, in order).
     pub content: String,
+    /// Text and image parts in order, when the message has images (empty: `content` alone).
+    /// The template sees them as transformers' processors pass them: `{"type": "image"}` and
+    /// `{"type": "text", "text": ...}`; the images themselves go in
+    /// [`GenerateRequest::images`], in the order the parts of all messages name them.
+    #[serde(skip)]
+    pub parts: Vec<ContentPart>,
+}
+
+impl ChatMessage {
+    /// A text-only message.
+    pub fn text(role: impl Into<String>, content: impl Into<String>) -> Self {
+        Self {
+            role: role.into(),
+            content: content.into(),
+            parts: Vec::new(),
+        }
+    }
+
+    /// Images in the message.
+    pub fn images(&self) -> usize {
+        self.parts
+            .iter()
+            .filter(|p| matches!(p, ContentPart::Image))
+            .count()
+    }
+}
+
+/// A part of a chat message with images.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ContentPart {
+    /// Text.
+    Text(String),
+    /// The next image of the request.
+    Image,
+}
+
+impl Serialize for ChatMessage {
+    /// As a chat template reads a message: `content` a string, or a list of typed parts when
+    /// the message has images.
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(Some(2))?;
+        m.serialize_entry("role", &self.role)?;
+        if self.parts.is_empty() {
+            m.serialize_entry("content", &self.content)?;
+        } else {
+            let parts: Vec<serde_json::Value> = self
+                .parts
+                .iter()
+                .map(|p| match p {
+                    ContentPart::Text(t) => serde_json::json!({"type": "text", "text": t}),
+                    ContentPart::Image => serde_json::json!({"type": "image"}),
+                })
+                .collect();
+            m.serialize_entry("content", &parts)?;
+        }
+        m.end()
+    }
+}
+
+/// A decoded image (8-bit RGB, row-major), as the server hands it to the engine.
+#[derive(Clone, PartialEq)]
+pub struct Image {
+    /// Width in pixels.
+    pub width: u32,
+    /// Height in pixels.
+    pub height: u32,
+    /// `width × height × 3` bytes.
+    pub rgb: std::sync::Arc<[u8]>,
+    /// Digest of the bytes the client sent: an image sent twice in one request is encoded
+    /// once.
+    pub digest: [u8; 32],
+}
+
+impl std::fmt::Debug for Image {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Image({}×{})", self.width, self.height)
+    }
 }
 
 /// Sampling parameters. Defaults are greedy with no penalties.
@@ -134,6 +221,9 @@ pub struct GenerateRequest {
     pub adapter: Option<String>,
     /// Sampling.
     pub sampling: SamplingParams,
+    /// Images of the prompt, in the order its placeholders name them (a vision model's chat
+    /// template writes one placeholder per image).
+    pub images: Vec<Image>,
 }
 
 /// Log probability of one token.
@@ -253,13 +343,19 @@ pub trait InferenceEngine: Send + Sync + 'static {
     fn count_tokens(&self, text: &str) -> Result<usize, EngineError>;
     /// Log-probabilities of each candidate label as the next tokens after `prompt`, with
     /// `adapter` applied; one forward pass over the prompt (no generation). Returns a
-    /// probability per label (softmax over the labels' first-token logits).
+    /// probability per label (softmax over the labels' first-token logits). With `images`
+    /// (a vision model), the prompt is one user message of the images then the text, rendered
+    /// by the chat template, and the pass sees the images.
     fn score_labels(
         &self,
         adapter: Option<&str>,
         prompt: &str,
         labels: &[String],
+        images: &[Image],
     ) -> Result<Vec<f32>, EngineError>;
+    /// Tokens an image of `width × height` pixels takes in the prompt (`ImagesNotSupported`
+    /// when the model takes no images).
+    fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError>;
     /// Loads an adapter version (blocking until loaded or refused).
     fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError>;
     /// Unloads every version of an adapter; running requests finish on their pinned version.
@@ -281,4 +377,6 @@ pub struct ModelInfo {
     pub max_seq_len: usize,
     /// Vocabulary size.
     pub vocab_size: usize,
+    /// The model takes images.
+    pub vision: bool,
 }

@@ -3,6 +3,7 @@
 //! [`api`]; [`Engine`] is the implementation.
 
 pub mod api;
+mod images;
 mod plan;
 pub mod replicas;
 pub mod sampler;
@@ -17,6 +18,7 @@ use candle_core::{DType, Device};
 use mole_api::{LoraAdapterInfo, Residency};
 
 use self::api::*;
+use self::images::{ImageProcessor, ImagePrompt};
 use self::sampler::Sampler;
 use self::scheduler::{Msg, Seq};
 use self::text::TextModel;
@@ -105,6 +107,8 @@ pub struct Shared {
     /// What adapters are held in: `opts.lora_dtype` or the model's default.
     lora_dtype: DType,
     device: Device,
+    /// How a vision model takes images (None: a text model).
+    images: Option<ImageProcessor>,
 }
 
 /// The engine: a handle to the engine thread.
@@ -125,7 +129,11 @@ impl Engine {
         let model = Decoder::load(dir, dtype, device)
             .map_err(|e| EngineError::NotReady(format!("model {}: {e}", dir.display())))?;
         let text = TextModel::load(dir).map_err(|e| EngineError::NotReady(e.to_string()))?;
-        Ok(Self::start(model, text, opts))
+        let images = match &model.config().vision {
+            Some(spec) => Some(ImageProcessor::load(dir, spec)?),
+            None => None,
+        };
+        Ok(Self::spawn(model, text, images, opts))
     }
 
     /// Loads a GGUF file and serves it quantized (projections stay in their GGUF blocks; the
@@ -145,8 +153,23 @@ impl Engine {
         Ok(Self::start(model, text, opts))
     }
 
-    /// Starts the engine thread over a loaded model.
-    pub fn start(mut model: Decoder, text: TextModel, mut opts: EngineOptions) -> Self {
+    /// Starts the engine thread over a loaded model (a vision model takes images as Qwen3-VL's
+    /// processor prepares them).
+    pub fn start(model: Decoder, text: TextModel, opts: EngineOptions) -> Self {
+        let images = model
+            .config()
+            .vision
+            .as_ref()
+            .map(|spec| ImageProcessor::new(Default::default(), spec));
+        Self::spawn(model, text, images, opts)
+    }
+
+    fn spawn(
+        mut model: Decoder,
+        text: TextModel,
+        images: Option<ImageProcessor>,
+        mut opts: EngineOptions,
+    ) -> Self {
         opts.max_seq_len = opts.max_seq_len.min(model.config().max_positions()).max(2);
         model.configure_tensor_path(tensor_path(&opts));
         let device = model.device().clone();
@@ -168,6 +191,7 @@ impl Engine {
             model,
             text,
             opts,
+            images,
         });
         let (tx, rx) = mpsc::channel();
         let sh = shared.clone();
@@ -216,6 +240,28 @@ impl Engine {
             .map(|(_, v)| v.as_str())
     }
 
+    /// The prompt's tokens with its images' placeholders expanded, and the images as the
+    /// decoder takes them.
+    fn prompt(
+        &self,
+        prompt: &Prompt,
+        images: &[Image],
+    ) -> Result<(Vec<u32>, Option<Box<ImagePrompt>>), EngineError> {
+        let ids = self.tokens(prompt)?;
+        let Some(proc) = &self.shared.images else {
+            return match images.is_empty() {
+                true => Ok((ids, None)),
+                false => Err(EngineError::ImagesNotSupported),
+            };
+        };
+        // A placeholder without its image is refused too (by `prepare`).
+        if images.is_empty() && !proc.has_placeholders(&ids) {
+            return Ok((ids, None));
+        }
+        let (ids, img) = proc.prepare(&ids, images)?;
+        Ok((ids, Some(Box::new(img))))
+    }
+
     fn tokens(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
         let t = &self.shared.text;
         let ids = match prompt {
@@ -254,7 +300,7 @@ impl Engine {
 impl InferenceEngine for Engine {
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
         let sh = &self.shared;
-        let prompt = self.tokens(&req.prompt)?;
+        let (prompt, images) = self.prompt(&req.prompt, &req.images)?;
         if prompt.is_empty() {
             return Err(EngineError::InvalidRequest("the prompt is empty".into()));
         }
@@ -295,6 +341,7 @@ impl InferenceEngine for Engine {
             if merged_version.is_some() {
                 s.version = merged_version;
             }
+            s.images = images;
             Box::new(s)
         };
         let unqueue = || {
@@ -365,10 +412,31 @@ impl InferenceEngine for Engine {
         adapter: Option<&str>,
         prompt: &str,
         labels: &[String],
+        images: &[Image],
     ) -> Result<Vec<f32>, EngineError> {
         let t = &self.shared.text;
-        let mut ids = self.tokens(&Prompt::Text(prompt.into()))?;
-        ids.truncate(self.shared.opts.max_seq_len - 1);
+        let prompt = if images.is_empty() {
+            Prompt::Text(prompt.into())
+        } else {
+            // The images then the text, as one user message.
+            let mut parts = vec![ContentPart::Image; images.len()];
+            parts.push(ContentPart::Text(prompt.into()));
+            let msg = ChatMessage {
+                role: "user".into(),
+                content: prompt.into(),
+                parts,
+            };
+            Prompt::Templated(self.apply_chat_template(&[msg], &Default::default())?)
+        };
+        let (ids, mut img) = self.prompt(&prompt, images)?;
+        let max = self.shared.opts.max_seq_len - 1;
+        if ids.len() > max && img.is_some() {
+            return Err(EngineError::InvalidRequest(format!(
+                "the prompt and its images take {} tokens, over max_seq_len",
+                ids.len()
+            )));
+        }
+        let ids = &ids[..ids.len().min(max)];
         if ids.is_empty() || labels.is_empty() {
             return Err(EngineError::InvalidRequest("nothing to score".into()));
         }
@@ -387,24 +455,45 @@ impl InferenceEngine for Engine {
             Some(n) if self.is_merged(n).is_none() => Some(self.pin(n)?),
             _ => None,
         };
-        // One forward pass over the prompt, on the caller's thread with its own cache: no
-        // generation, nothing queued behind decode.
+        let internal = |e: crate::model::ModelError| EngineError::Internal(e.to_string());
+        // One forward pass over the prompt (and the tower over its images), on the caller's
+        // thread with its own cache: no generation, nothing queued behind decode.
+        if let (Some(img), Some(tower)) = (img.as_deref_mut(), self.shared.model.vision()) {
+            images::encode(tower, &self.shared.device, &mut [img]).map_err(internal)?;
+        }
+        let chunk = img.as_ref().map(|i| i.chunk(0, ids.len()));
         let mut cache = SeqCache::default();
         let mut rows = [Row {
-            tokens: &ids,
+            tokens: ids,
             cache: &mut cache,
             adapter: pinned.as_ref().map(|p| p.adapter.as_ref()),
-            vision: None,
+            vision: img
+                .as_ref()
+                .zip(chunk.as_ref())
+                .map(|(i, c)| crate::model::RowVision {
+                    positions: &c.positions,
+                    image_tokens: &c.image_tokens,
+                    embeds: i.embeds.as_ref().expect("encoded above"),
+                    offset: i.offset(),
+                }),
         }];
         let logits = self
             .shared
             .model
             .forward(&mut rows)
             .and_then(|l| Ok(l[0].to_vec1::<f32>()?))
-            .map_err(|e| EngineError::Internal(e.to_string()))?;
+            .map_err(internal)?;
         let picked: Vec<f32> = firsts.iter().map(|&i| logits[i as usize]).collect();
         let lp = sampler::log_softmax(&picked);
         Ok(lp.into_iter().map(f32::exp).collect())
+    }
+
+    fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError> {
+        self.shared
+            .images
+            .as_ref()
+            .ok_or(EngineError::ImagesNotSupported)?
+            .tokens(width, height)
     }
 
     fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
@@ -484,6 +573,7 @@ impl InferenceEngine for Engine {
             name: self.shared.opts.base_name.clone(),
             max_seq_len: self.shared.opts.max_seq_len,
             vocab_size: self.shared.model.config().vocab_size,
+            vision: self.shared.images.is_some(),
         }
     }
 }

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use mole_api::LoraAdapterInfo;
 
 use super::api::{
-    AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest,
+    AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest, Image,
     InferenceEngine, ModelInfo,
 };
 
@@ -75,8 +75,14 @@ impl InferenceEngine for Replicas {
         adapter: Option<&str>,
         prompt: &str,
         labels: &[String],
+        images: &[Image],
     ) -> Result<Vec<f32>, EngineError> {
-        self.least_loaded().score_labels(adapter, prompt, labels)
+        self.least_loaded()
+            .score_labels(adapter, prompt, labels, images)
+    }
+
+    fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError> {
+        self.engines[0].image_tokens(width, height)
     }
 
     /// Loads on every engine, in parallel; the first refusal is the answer (the engines

@@ -16,12 +16,13 @@ use std::time::Duration;
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{EngineError, FinishReason, TokenEvent, TokenLogprob, Usage};
+use super::images::{self, ImagePrompt};
 use super::plan::{self, Work};
 use super::sampler::{Sampled, Sampler};
 use super::text::{Detokenizer, StopMatcher};
 use super::Shared;
 use crate::lora::registry::Pinned;
-use crate::model::{Row, SeqCache};
+use crate::model::{ModelError, Row, RowVision, SeqCache};
 
 /// One request inside the engine.
 pub struct Seq {
@@ -51,6 +52,8 @@ pub struct Seq {
     pub(super) done: bool,
     /// Version reported in `Started`: the pinned adapter's, or the merged weights'.
     pub version: Option<String>,
+    /// The prompt's images (a vision model's request with images).
+    pub(super) images: Option<Box<ImagePrompt>>,
 }
 
 impl Seq {
@@ -81,6 +84,7 @@ impl Seq {
             generated: Vec::new(),
             stop,
             done: false,
+            images: None,
         }
     }
 
@@ -184,12 +188,20 @@ fn publish_stats(
 
 /// One forward pass over the planned rows, then sampling and events.
 fn step(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) {
-    // Rows borrow each sequence's cache mutably: split the borrows by index order.
-    let logits = {
+    let logits = encode_images(shared, running, work).and_then(|()| {
+        // Each prompt chunk's slice of its images' positions and placeholders.
+        let chunks: Vec<Option<images::Chunk>> = work
+            .iter()
+            .map(|(i, w)| match (w, &running[*i].images) {
+                (Work::Prefill(a, b), Some(img)) => Some(img.chunk(*a, *b)),
+                _ => None,
+            })
+            .collect();
+        // Rows borrow each sequence's cache mutably: split the borrows by index order.
         let mut rows: Vec<Row<'_>> = Vec::with_capacity(work.len());
         let mut rest: &mut [Box<Seq>] = running;
         let mut offset = 0;
-        for (i, w) in work {
+        for ((i, w), chunk) in work.iter().zip(&chunks) {
             let (_, tail) = std::mem::take(&mut rest).split_at_mut(i - offset);
             let (s, tail) = tail.split_first_mut().expect("index in range");
             rest = tail;
@@ -199,15 +211,24 @@ fn step(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) {
                 Work::Prefill(a, b) => &s.context[*a..*b],
                 Work::Decode => std::slice::from_ref(s.generated.last().expect("decoding")),
             };
+            let vision = match (chunk, &s.images) {
+                (Some(c), Some(img)) => Some(RowVision {
+                    positions: &c.positions,
+                    image_tokens: &c.image_tokens,
+                    embeds: img.embeds.as_ref().expect("encoded before the step"),
+                    offset: img.offset(),
+                }),
+                _ => None,
+            };
             rows.push(Row {
                 tokens,
                 cache: &mut s.cache,
                 adapter: s.adapter.as_ref().map(|p| p.adapter.as_ref()),
-                vision: None,
+                vision,
             });
         }
         shared.model.forward_batch(&mut rows)
-    };
+    });
     let picked = match logits.and_then(|l| pick(running, work, &l)) {
         Ok(p) => p,
         Err(e) => {
@@ -234,6 +255,31 @@ fn step(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) {
         }
         emit(shared, s, out);
     }
+}
+
+/// Runs the vision tower once over the images of the sequences whose prefill starts in this
+/// step.
+fn encode_images(
+    shared: &Shared,
+    running: &mut [Box<Seq>],
+    work: &[(usize, Work)],
+) -> Result<(), ModelError> {
+    let Some(tower) = shared.model.vision() else {
+        return Ok(());
+    };
+    let prefills: Vec<usize> = work
+        .iter()
+        .filter(|(_, w)| matches!(w, Work::Prefill(..)))
+        .map(|(i, _)| *i)
+        .collect();
+    let mut pending: Vec<&mut ImagePrompt> = running
+        .iter_mut()
+        .enumerate()
+        .filter(|(i, _)| prefills.contains(i))
+        .filter_map(|(_, s)| s.images.as_deref_mut())
+        .filter(|img| img.embeds.is_none())
+        .collect();
+    images::encode(tower, &shared.device, &mut pending)
 }
 
 /// Each row's next token (None for a row whose context is not all in the cache yet: a prompt

@@ -69,7 +69,9 @@ impl From<EngineError> for ApiError {
             EngineError::NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
             EngineError::AdapterNotFound(_) => StatusCode::NOT_FOUND,
             EngineError::InvalidAdapter { .. } => StatusCode::UNPROCESSABLE_ENTITY,
-            EngineError::InvalidRequest(_) => StatusCode::BAD_REQUEST,
+            EngineError::InvalidRequest(_)
+            | EngineError::ImagesNotSupported
+            | EngineError::InvalidImage(_) => StatusCode::BAD_REQUEST,
             EngineError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
         let mut a = ApiError::new(status, e.code(), e.to_string());

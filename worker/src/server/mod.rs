@@ -127,7 +127,7 @@ fn mole_headers(d: &Decision) -> HeaderMap {
 mod tests {
     use super::*;
     use crate::engine::api::{
-        AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest,
+        AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest, Image,
         InferenceEngine, ModelInfo,
     };
     use axum::body::Body;
@@ -156,7 +156,11 @@ mod tests {
             _: Option<&str>,
             _: &str,
             _: &[String],
+            _: &[Image],
         ) -> Result<Vec<f32>, EngineError> {
+            unreachable!("the layers answer first")
+        }
+        fn image_tokens(&self, _: u32, _: u32) -> Result<usize, EngineError> {
             unreachable!("the layers answer first")
         }
         fn load_adapter(&self, _: AdapterSpec) -> Result<(), EngineError> {
@@ -176,6 +180,7 @@ mod tests {
                 name: "b".into(),
                 max_seq_len: 128,
                 vocab_size: 256,
+                vision: false,
             }
         }
     }

@@ -8,73 +8,73 @@ use axum::Json;
 use serde_json::{json, Value};
 
 use super::generate::serve;
+use super::images::{self, ImageSource};
 use super::types::{ChatBody, InferBody, Kind};
 use super::validate::{
-    bad, last_user_text, messages, sampling, token_cap, ValidRequest, Validate, Wire,
+    last_user_text, messages, sampling, token_cap, ValidRequest, Validate, Wire,
 };
 use super::S;
-use crate::engine::api::{ChatMessage, Prompt};
+use crate::engine::api::{ChatMessage, ContentPart, Prompt};
 use crate::server::{ApiError, AppState};
 
 impl Validate for ChatBody {
-    /// The messages rendered by the model's chat template; the router reads the last user one.
+    /// The messages rendered by the model's chat template (an image part becomes the model's
+    /// image placeholder); the router reads the last user message and the images.
     fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
         let Wire { body: b, raw } = wire;
-        let msgs = messages(b.messages)?;
+        let (msgs, images) = messages(b.messages, &s.cfg().limits)?;
         let sampling = sampling(&b.common, true, token_cap(s))?;
         let route_text = last_user_text(&msgs);
         let prompt = Prompt::Templated(
             s.engine
                 .apply_chat_template(&msgs, &b.chat_template_kwargs)?,
         );
-        Ok(ValidRequest::new(
-            Kind::Chat,
-            b.common,
-            prompt,
-            route_text,
-            sampling,
-            raw,
-        ))
+        let mut req = ValidRequest::new(Kind::Chat, b.common, prompt, route_text, sampling, raw);
+        req.images = images;
+        Ok(req)
     }
 }
 
 impl Validate for InferBody {
-    /// The prompt as the one user message of a chat, never streamed. An image is checked,
-    /// then refused until vision lands.
+    /// The prompt as the one user message of a chat, its image (if any) before the text, never
+    /// streamed.
     fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
         let Wire { body: mut b, raw } = wire;
-        if let Some(img) = &b.image_b64 {
-            use base64::Engine as _;
-            let data = img.split_once("base64,").map_or(img.as_str(), |(_, d)| d);
-            base64::engine::general_purpose::STANDARD
-                .decode(data.trim())
-                .map_err(|e| bad("invalid_image", format!("image_b64 is not base64: {e}")))?;
-            return Err(bad(
-                "images_not_supported",
-                "this worker serves text models; image inputs need a vision base model",
-            ));
-        }
         b.common.stream = false;
-        let msgs = vec![ChatMessage {
-            role: "user".into(),
-            content: b.prompt.clone(),
-        }];
+        let mut msg = ChatMessage::text("user", b.prompt.clone());
+        let mut content = json!(b.prompt);
+        let mut images = Vec::new();
+        if let Some(img) = &b.image_b64 {
+            let src = images::source(img, "image_b64", &s.cfg().limits)?;
+            if let ImageSource::Bytes(bytes) = &src {
+                // Merged pods get it as a chat image part.
+                use base64::Engine as _;
+                let mime = image::guess_format(bytes).map_or("image/png", |f| f.to_mime_type());
+                let data = base64::engine::general_purpose::STANDARD.encode(bytes);
+                content = json!([
+                    {"type": "image_url", "image_url": {"url": format!("data:{mime};base64,{data}")}},
+                    {"type": "text", "text": b.prompt},
+                ]);
+            }
+            images.push(src);
+            msg.parts = vec![ContentPart::Image, ContentPart::Text(b.prompt.clone())];
+        }
         let sampling = sampling(&b.common, true, token_cap(s))?;
         let prompt = Prompt::Templated(
             s.engine
-                .apply_chat_template(&msgs, &serde_json::Map::new())?,
+                .apply_chat_template(&[msg], &serde_json::Map::new())?,
         );
         // Merged pods get it as a chat completion.
         let mut forward = raw;
-        forward["messages"] = json!([{"role": "user", "content": b.prompt}]);
-        Ok(ValidRequest::new(
-            Kind::Chat,
-            b.common,
-            prompt,
-            b.prompt,
-            sampling,
-            forward,
-        ))
+        forward["messages"] = json!([{"role": "user", "content": content}]);
+        if let Some(f) = forward.as_object_mut() {
+            for k in ["prompt", "input", "image_b64"] {
+                f.remove(k);
+            }
+        }
+        let mut req = ValidRequest::new(Kind::Chat, b.common, prompt, b.prompt, sampling, forward);
+        req.images = images;
+        Ok(req)
     }
 }
 

@@ -10,10 +10,11 @@ use axum::response::Response;
 use mole_api::WorkerConfig;
 
 use super::answer::{collect_response, req_id, stream_response, Ctx};
+use super::images;
 use super::route::decide;
 use super::validate::{ValidRequest, Validate, Wire};
 use super::S;
-use crate::engine::api::{GenerateRequest, InferenceEngine, Prompt};
+use crate::engine::api::{EngineError, GenerateRequest, Image, InferenceEngine, Prompt};
 use crate::router::{Decision, Mode};
 use crate::server::gateway;
 use crate::server::{ApiError, AppState};
@@ -33,7 +34,7 @@ pub async fn generate<B: Validate>(
 pub(super) async fn serve(
     s: &Arc<AppState>,
     headers: &HeaderMap,
-    req: ValidRequest,
+    mut req: ValidRequest,
 ) -> Result<Response, ApiError> {
     if !s.accepting() {
         return Err(ApiError::new(
@@ -46,10 +47,14 @@ pub(super) async fn serve(
         )
         .with_retry_after(1));
     }
-    let d = decide(s, &req.route_input())?;
+    if !req.images.is_empty() && !s.engine.model_info().vision {
+        return Err(EngineError::ImagesNotSupported.into());
+    }
+    let images = images::read_all(s, std::mem::take(&mut req.images)).await?;
+    let d = decide(s, &req.route_input(), &images)?;
     let endpoint = req.kind.endpoint();
     let (adapter, mode, reason) = (d.adapter.clone(), d.mode, d.reason.clone());
-    let r = serve_routed(s, headers, req, d).await;
+    let r = serve_routed(s, headers, req, images, d).await;
     // Refusals after routing (429, prompt too long, merged pods down) count per adapter too;
     // answers count when they end (status of the stream's end).
     if let Err(e) = &r {
@@ -73,16 +78,24 @@ async fn serve_routed(
     s: &Arc<AppState>,
     headers: &HeaderMap,
     mut req: ValidRequest,
+    images: Vec<Image>,
     mut d: Decision,
 ) -> Result<Response, ApiError> {
     let cfg = s.cfg();
     if let Some(r) = gateway::forward(s, &cfg, &d, &req.upstream(headers)).await? {
         return Ok(r);
     }
-    let prompt_tokens = match &req.prompt {
+    let mut prompt_tokens = match &req.prompt {
         Prompt::Text(t) | Prompt::Templated(t) => s.engine.count_tokens(t)?,
         Prompt::Tokens(t) => t.len(),
     };
+    // Each image's one placeholder becomes its tokens.
+    for img in &images {
+        prompt_tokens += s
+            .engine
+            .image_tokens(img.width, img.height)?
+            .saturating_sub(1);
+    }
     let max_seq =
         (cfg.limits.engine.max_seq_len as usize).min(s.engine.model_info().max_seq_len.max(1));
     req.fit_context(prompt_tokens, max_seq)?;
@@ -93,6 +106,7 @@ async fn serve_routed(
         prompt: req.prompt,
         adapter: d.adapter.clone(),
         sampling: req.sampling,
+        images,
     })?;
     let timeout = Duration::from_secs(cfg.limits.request_timeout_seconds);
     let model = if req.model.is_empty() {

@@ -6,6 +6,7 @@ mod answer;
 mod chat;
 mod completions;
 mod generate;
+mod images;
 mod models;
 mod route;
 mod types;

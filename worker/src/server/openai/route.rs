@@ -6,20 +6,27 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::json;
 
+use super::images;
 use super::types::RouteBody;
 use super::validate::{bad, last_user_text, messages, Wire};
 use super::S;
+use crate::engine::api::Image;
 use crate::router::{self, Decision, Mode, RouteInput};
 use crate::server::{mole_headers, ApiError, AppState};
 
-/// Routes a request: [`router::decide`] with the engine's classifier and the embedding model,
-/// plus adapters loaded through `/v1/load_lora_adapter` (not in the config, servable by
-/// explicit name, as in vLLM). Counts the decision.
-pub(super) fn decide(s: &AppState, input: &RouteInput<'_>) -> Result<Decision, ApiError> {
+/// Routes a request: [`router::decide`] with the engine's classifier (whose one pass sees the
+/// request's `images` too) and the embedding model, plus adapters loaded through
+/// `/v1/load_lora_adapter` (not in the config, servable by explicit name, as in vLLM). Counts
+/// the decision.
+pub(super) fn decide(
+    s: &AppState,
+    input: &RouteInput<'_>,
+    images: &[Image],
+) -> Result<Decision, ApiError> {
     let cfg = s.cfg();
     let engine = s.engine.clone();
     let scorer = move |cls: &str, p: &str, labels: &[String]| {
-        blocking(|| engine.score_labels(Some(cls), p, labels).ok())
+        blocking(|| engine.score_labels(Some(cls), p, labels, images).ok())
     };
     // The request text is encoded each time; adapter descriptions and examples come from the
     // embedder's cache. Without a configured model the strategy falls through.
@@ -76,17 +83,21 @@ pub async fn route(
     State(s): S,
     Wire { body: b, .. }: Wire<RouteBody>,
 ) -> Result<Response, ApiError> {
-    let text = match (b.input, b.messages) {
-        (Some(t), _) => t,
-        (None, Some(m)) => last_user_text(&messages(m)?),
+    let (text, images) = match (b.input, b.messages) {
+        (Some(t), _) => (t, Vec::new()),
+        (None, Some(m)) => {
+            let (msgs, images) = messages(m, &s.cfg().limits)?;
+            (last_user_text(&msgs), images)
+        }
         (None, None) => return Err(bad("invalid_request", "give input or messages")),
     };
+    let images = images::read_all(&s, images).await?;
     let input = RouteInput {
         model: &b.common.model,
         adapter: b.common.named_adapter(),
         text: &text,
     };
-    let d = decide(&s, &input)?;
+    let d = decide(&s, &input, &images)?;
     let body = json!({"adapter": d.adapter, "mode": d.mode, "route": d.reason, "score": d.score});
     Ok((mole_headers(&d), Json(body)).into_response())
 }

@@ -19,13 +19,49 @@ pub(in crate::server) enum Content {
     Parts(Vec<Part>),
 }
 
-/// One content part (`{"type": "text", "text": ...}`; images are refused).
+/// One content part: `{"type": "text", "text": ...}`, or an image as OpenAI's chat
+/// (`{"type": "image_url", "image_url": {"url": ...}}`) or Responses API
+/// (`{"type": "input_image", "image_url": ...}`) send it.
 #[derive(Deserialize)]
 pub(in crate::server) struct Part {
     #[serde(rename = "type")]
     pub(super) kind: String,
     #[serde(default)]
     pub(super) text: Option<String>,
+    #[serde(default)]
+    pub(super) image_url: Option<ImageUrl>,
+}
+
+/// An image part's `image_url`: `{"url": ..., "detail": ...}` or the URL alone.
+#[derive(Deserialize)]
+#[serde(untagged)]
+pub(in crate::server) enum ImageUrl {
+    Object { url: String },
+    Url(String),
+}
+
+impl ImageUrl {
+    /// The URL (a `data:` URL, or `http(s)://`).
+    pub(super) fn url(&self) -> &str {
+        match self {
+            ImageUrl::Object { url } | ImageUrl::Url(url) => url,
+        }
+    }
+}
+
+/// The seeds' `expert`: an adapter name or its router label, a string or an integer label
+/// (`"expert": 1`).
+fn name_or_label<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum NameOrLabel {
+        Name(String),
+        Label(i64),
+    }
+    Ok(Option::<NameOrLabel>::deserialize(d)?.map(|v| match v {
+        NameOrLabel::Name(s) => s,
+        NameOrLabel::Label(n) => n.to_string(),
+    }))
 }
 
 /// A chat message as sent.
@@ -44,7 +80,7 @@ pub(in crate::server) struct Common {
     pub(super) model: String,
     #[serde(default)]
     pub(super) adapter: Option<String>,
-    #[serde(default)]
+    #[serde(default, deserialize_with = "name_or_label")]
     pub(super) expert: Option<String>,
     #[serde(default)]
     pub(super) stream: bool,
@@ -148,7 +184,7 @@ pub(in crate::server) struct InferBody {
     /// The task prompt (`input` is accepted as an alias).
     #[serde(alias = "input")]
     pub(super) prompt: String,
-    /// Base64 image (the seeds' field): checked, then refused until vision lands.
+    /// The image (the seeds' field): base64 or a `data:` URL, placed before the prompt.
     #[serde(default)]
     pub(super) image_b64: Option<String>,
     #[serde(flatten)]

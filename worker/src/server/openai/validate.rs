@@ -9,8 +9,11 @@ use axum::http::{HeaderMap, StatusCode};
 use serde::de::DeserializeOwned;
 use serde_json::Value;
 
+use mole_api::WorkerLimits;
+
+use super::images::{self, ImageSource};
 use super::types::{Common, Content, InMessage, Kind, StopField};
-use crate::engine::api::{ChatMessage, Prompt, SamplingParams};
+use crate::engine::api::{ChatMessage, ContentPart, Prompt, SamplingParams};
 use crate::router::RouteInput;
 use crate::server::gateway::Upstream;
 use crate::server::{ApiError, AppState};
@@ -108,6 +111,9 @@ pub(in crate::server) struct ValidRequest {
     pub(super) prefer_merged: Option<bool>,
     /// The body a merged pod gets: the client's (for `/infer`, made a chat completion).
     pub(super) forward: Value,
+    /// The prompt's images, in the order of its placeholders (read by [`images::read_all`]
+    /// before routing).
+    pub(super) images: Vec<ImageSource>,
 }
 
 impl ValidRequest {
@@ -131,6 +137,7 @@ impl ValidRequest {
             stream: c.stream,
             prefer_merged: c.prefer_merged,
             forward,
+            images: Vec::new(),
         }
     }
 
@@ -242,34 +249,54 @@ pub(super) fn sampling(c: &Common, chat: bool, cap: u64) -> Result<SamplingParam
     })
 }
 
-/// Chat messages: known roles (`developer` is read as `system`), text content only.
-pub(super) fn messages(msgs: Vec<InMessage>) -> Result<Vec<ChatMessage>, ApiError> {
+/// Chat messages: known roles (`developer` is read as `system`), text and image parts; and the
+/// images in the order their parts name them (at most `limits.maxImages`).
+pub(super) fn messages(
+    msgs: Vec<InMessage>,
+    limits: &WorkerLimits,
+) -> Result<(Vec<ChatMessage>, Vec<ImageSource>), ApiError> {
     if msgs.is_empty() {
         return Err(bad("empty_messages", "messages must not be empty"));
     }
     let mut out = Vec::with_capacity(msgs.len());
-    for m in msgs {
+    let mut images = Vec::new();
+    for (i, m) in msgs.into_iter().enumerate() {
         if !matches!(
             m.role.as_str(),
             "system" | "user" | "assistant" | "tool" | "developer"
         ) {
             return Err(bad("invalid_role", format!("unknown role {:?}", m.role)));
         }
-        let content = match m.content {
-            None => String::new(),
-            Some(Content::Text(t)) => t,
+        let role = if m.role == "developer" {
+            "system".into()
+        } else {
+            m.role
+        };
+        let mut msg = ChatMessage::text(role, "");
+        match m.content {
+            None => {}
+            Some(Content::Text(t)) => msg.content = t,
             Some(Content::Parts(ps)) => {
-                let mut t = String::new();
-                for p in ps {
-                    match p.kind.as_str() {
-                        "text" => t.push_str(p.text.as_deref().unwrap_or("")),
-                        "image_url" | "input_image" | "image" => {
+                for (j, p) in ps.into_iter().enumerate() {
+                    match (p.kind.as_str(), p.image_url) {
+                        ("text" | "input_text", _) => {
+                            let t = p.text.unwrap_or_default();
+                            msg.content.push_str(&t);
+                            msg.parts.push(ContentPart::Text(t));
+                        }
+                        ("image_url" | "input_image", Some(u)) => {
+                            let field = format!("messages[{i}].content[{j}].image_url");
+                            images.push(images::source(u.url(), &field, limits)?);
+                            images::check_count(images.len(), limits)?;
+                            msg.parts.push(ContentPart::Image);
+                        }
+                        ("image_url" | "input_image", None) => {
                             return Err(bad(
-                                "images_not_supported",
-                                "this model does not accept images",
+                                "invalid_content_part",
+                                format!("messages[{i}].content[{j}] has no image_url"),
                             ))
                         }
-                        other => {
+                        (other, _) => {
                             return Err(bad(
                                 "invalid_content_part",
                                 format!("unsupported content part {other:?}"),
@@ -277,17 +304,15 @@ pub(super) fn messages(msgs: Vec<InMessage>) -> Result<Vec<ChatMessage>, ApiErro
                         }
                     }
                 }
-                t
+                // A message of text parts alone is plain text to the template.
+                if msg.images() == 0 {
+                    msg.parts.clear();
+                }
             }
-        };
-        let role = if m.role == "developer" {
-            "system".into()
-        } else {
-            m.role
-        };
-        out.push(ChatMessage { role, content });
+        }
+        out.push(msg);
     }
-    Ok(out)
+    Ok((out, images))
 }
 
 /// What the router reads of a chat: its last user message.
@@ -356,13 +381,18 @@ mod tests {
 
     #[test]
     fn messages_roles_and_parts() {
-        let m = |v: Value| messages(serde_json::from_value(v).unwrap());
-        let ok = m(json!([
+        let limits = WorkerLimits {
+            max_images: 2,
+            ..Default::default()
+        };
+        let m = |v: Value| messages(serde_json::from_value(v).unwrap(), &limits);
+        let (ok, images) = m(json!([
             {"role": "developer", "content": "be brief"},
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
             {"role": "assistant"},
         ]))
         .unwrap();
+        assert!(images.is_empty() && ok.iter().all(|m| m.parts.is_empty()));
         let got: Vec<(&str, &str)> = ok
             .iter()
             .map(|m| (m.role.as_str(), m.content.as_str()))
@@ -378,8 +408,34 @@ mod tests {
             "invalid_role"
         );
         let part = |t: &str| json!([{"role": "user", "content": [{"type": t}]}]);
-        assert_eq!(refused(m(part("image_url"))), "images_not_supported");
+        assert_eq!(refused(m(part("image_url"))), "invalid_content_part");
         assert_eq!(refused(m(part("audio"))), "invalid_content_part");
+        // Images keep their place among the text parts, in both wire shapes.
+        let img = |u: &str| json!({"type": "image_url", "image_url": {"url": u}});
+        let (ok, images) = m(json!([{"role": "user", "content": [
+            img("data:image/png;base64,AAEC"),
+            {"type": "text", "text": "what is this?"},
+            {"type": "input_image", "image_url": "AwQF"},
+        ]}]))
+        .unwrap();
+        assert_eq!(
+            images,
+            [
+                ImageSource::Bytes(vec![0, 1, 2]),
+                ImageSource::Bytes(vec![3, 4, 5])
+            ]
+        );
+        assert_eq!(
+            ok[0].parts,
+            [
+                ContentPart::Image,
+                ContentPart::Text("what is this?".into()),
+                ContentPart::Image
+            ]
+        );
+        assert_eq!(ok[0].content, "what is this?");
+        let three = json!([{"role": "user", "content": [img("AAEC"), img("AAEC"), img("AAEC")]}]);
+        assert_eq!(refused(m(three)), "too_many_images");
     }
 
     #[test]
@@ -398,6 +454,7 @@ mod tests {
             stream: false,
             prefer_merged: None,
             forward: Value::Null,
+            images: Vec::new(),
         };
         // No max_tokens asked: what the prompt leaves.
         let mut r = req(false, 256);

@@ -1,0 +1,321 @@
+//! Images in requests: `/infer`'s `image_b64` and chat `image_url` parts, read as `data:` URLs
+//! or bare base64 (remote URLs only from `limits.imageUrlHosts`), held to `limits.maxImages`,
+//! `maxImageBytes` and `maxImagePixels`, and decoded (PNG, JPEG, WebP) off the async runtime.
+//! Every refusal is a 400 or 413 with a stable code.
+
+use std::io::Cursor;
+use std::sync::Arc;
+
+use axum::http::StatusCode;
+use base64::Engine as _;
+use image::{ImageFormat, ImageReader};
+use mole_api::WorkerLimits;
+use sha2::{Digest, Sha256};
+
+use super::validate::bad;
+use crate::engine::api::Image;
+use crate::server::{ApiError, AppState};
+
+/// An image as a request names it, before it is read.
+#[derive(Debug, Clone, PartialEq)]
+pub(in crate::server) enum ImageSource {
+    /// Bytes of the file (from base64 or a `data:` URL).
+    Bytes(Vec<u8>),
+    /// An `http(s)://` URL on an allowed host.
+    Url(String),
+}
+
+/// A 413 with a stable code.
+fn too_large(code: &'static str, msg: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, code, msg)
+}
+
+/// Base64, padded or not, standard or URL-safe alphabet, whitespace ignored (clients wrap
+/// long lines).
+fn decode_base64(data: &str) -> Result<Vec<u8>, base64::DecodeError> {
+    use base64::engine::{general_purpose, DecodePaddingMode, GeneralPurpose};
+    let cfg = general_purpose::GeneralPurposeConfig::new()
+        .with_decode_padding_mode(DecodePaddingMode::Indifferent);
+    let compact: String = data.chars().filter(|c| !c.is_ascii_whitespace()).collect();
+    GeneralPurpose::new(&base64::alphabet::STANDARD, cfg)
+        .decode(&compact)
+        .or_else(|_| GeneralPurpose::new(&base64::alphabet::URL_SAFE, cfg).decode(&compact))
+}
+
+/// An image field's value: a `data:` URL, an `http(s)://` URL (allowed hosts only), or bare
+/// base64 (`/infer`'s `image_b64` as the seeds send it).
+pub(in crate::server) fn source(
+    value: &str,
+    field: &str,
+    limits: &WorkerLimits,
+) -> Result<ImageSource, ApiError> {
+    let v = value.trim();
+    if let Some(rest) = v.strip_prefix("http://").or(v.strip_prefix("https://")) {
+        let host = rest
+            .split(['/', '?', '#'])
+            .next()
+            .unwrap_or("")
+            .rsplit('@')
+            .next()
+            .unwrap_or("");
+        let name = host.split(':').next().unwrap_or("");
+        if limits
+            .image_url_hosts
+            .iter()
+            .any(|h| h.eq_ignore_ascii_case(name))
+        {
+            return Ok(ImageSource::Url(v.to_string()));
+        }
+        return Err(bad(
+            "image_url_not_allowed",
+            format!(
+                "{field}: remote image URLs are fetched only from limits.imageUrlHosts \
+                 ({name:?} is not listed); send the image as a data: URL or base64"
+            ),
+        ));
+    }
+    let data = match v.strip_prefix("data:") {
+        Some(rest) => {
+            let (meta, data) = rest.split_once(',').ok_or_else(|| {
+                bad(
+                    "invalid_image",
+                    format!("{field}: a data: URL needs a comma"),
+                )
+            })?;
+            if !meta.ends_with(";base64") {
+                return Err(bad(
+                    "invalid_image",
+                    format!("{field}: only base64 data: URLs are accepted"),
+                ));
+            }
+            data
+        }
+        None => v,
+    };
+    // Refuse before decoding what cannot fit: base64 is 4 characters per 3 bytes.
+    if data.len() as u64 / 4 * 3 > limits.max_image_bytes + 3 {
+        return Err(too_large(
+            "image_too_large",
+            format!(
+                "{field}: the image exceeds limits.maxImageBytes ({} bytes)",
+                limits.max_image_bytes
+            ),
+        ));
+    }
+    let bytes = decode_base64(data)
+        .map_err(|e| bad("invalid_image", format!("{field} is not valid base64: {e}")))?;
+    check_bytes(&bytes, field, limits)?;
+    Ok(ImageSource::Bytes(bytes))
+}
+
+fn check_bytes(bytes: &[u8], field: &str, limits: &WorkerLimits) -> Result<(), ApiError> {
+    if bytes.len() as u64 > limits.max_image_bytes {
+        return Err(too_large(
+            "image_too_large",
+            format!(
+                "{field}: {} bytes exceed limits.maxImageBytes ({})",
+                bytes.len(),
+                limits.max_image_bytes
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// Refuses more images than `limits.maxImages`.
+pub(in crate::server) fn check_count(n: usize, limits: &WorkerLimits) -> Result<(), ApiError> {
+    if n > limits.max_images as usize {
+        return Err(bad(
+            "too_many_images",
+            format!("{n} images exceed limits.maxImages ({})", limits.max_images),
+        ));
+    }
+    Ok(())
+}
+
+/// Fetches URL images, then decodes all of them on a blocking thread.
+pub(in crate::server) async fn read_all(
+    s: &Arc<AppState>,
+    sources: Vec<ImageSource>,
+) -> Result<Vec<Image>, ApiError> {
+    if sources.is_empty() {
+        return Ok(Vec::new());
+    }
+    let limits = s.cfg().limits.clone();
+    let mut files = Vec::with_capacity(sources.len());
+    for src in sources {
+        files.push(match src {
+            ImageSource::Bytes(b) => b,
+            ImageSource::Url(u) => fetch(s, &u, &limits).await?,
+        });
+    }
+    tokio::task::spawn_blocking(move || {
+        files
+            .iter()
+            .enumerate()
+            .map(|(i, f)| decode(f, &format!("image {}", i + 1), &limits))
+            .collect()
+    })
+    .await?
+}
+
+/// GETs an image from an allowed host, no more than `maxImageBytes` read.
+async fn fetch(s: &AppState, url: &str, limits: &WorkerLimits) -> Result<Vec<u8>, ApiError> {
+    let failed = |e: String| {
+        bad(
+            "image_fetch_failed",
+            format!("fetching the image at {url}: {e}"),
+        )
+    };
+    let mut resp = s
+        .http
+        .get(url)
+        .timeout(std::time::Duration::from_secs(30))
+        .send()
+        .await
+        .map_err(|e| failed(e.to_string()))?;
+    if !resp.status().is_success() {
+        return Err(failed(format!("HTTP {}", resp.status())));
+    }
+    let mut out = Vec::new();
+    while let Some(chunk) = resp.chunk().await.map_err(|e| failed(e.to_string()))? {
+        out.extend_from_slice(&chunk);
+        check_bytes(&out, url, limits)?;
+    }
+    Ok(out)
+}
+
+/// Decodes one image file into RGB: its format from its bytes (PNG, JPEG or WebP), its size
+/// from its header and held to `maxImagePixels` before any pixel is decoded.
+pub(in crate::server) fn decode(
+    bytes: &[u8],
+    field: &str,
+    limits: &WorkerLimits,
+) -> Result<Image, ApiError> {
+    let reader = ImageReader::new(Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| bad("invalid_image", format!("{field}: {e}")))?;
+    match reader.format() {
+        Some(ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP) => {}
+        Some(f) => {
+            return Err(bad(
+                "unsupported_image_format",
+                format!("{field}: {f:?} images are not accepted; send PNG, JPEG or WebP"),
+            ))
+        }
+        None => {
+            return Err(bad(
+                "unsupported_image_format",
+                format!("{field}: not a PNG, JPEG or WebP image"),
+            ))
+        }
+    }
+    let format = reader.format();
+    let (w, h) = reader
+        .into_dimensions()
+        .map_err(|e| bad("invalid_image", format!("{field}: {e}")))?;
+    let pixels = u64::from(w) * u64::from(h);
+    if pixels > limits.max_image_pixels {
+        return Err(too_large(
+            "image_too_large",
+            format!(
+                "{field}: {w}×{h} is {pixels} pixels, over limits.maxImagePixels ({})",
+                limits.max_image_pixels
+            ),
+        ));
+    }
+    let mut reader = ImageReader::new(Cursor::new(bytes));
+    reader.set_format(format.expect("checked above"));
+    let mut l = image::Limits::default();
+    l.max_image_width = Some(w);
+    l.max_image_height = Some(h);
+    // The decoder's own buffers besides the RGBA bitmap at most.
+    l.max_alloc = Some(pixels * 8 + (64 << 20));
+    reader.limits(l);
+    let img = reader
+        .decode()
+        .map_err(|e| bad("invalid_image", format!("{field}: {e}")))?;
+    let rgb = img.into_rgb8();
+    Ok(Image {
+        width: w,
+        height: h,
+        rgb: Arc::from(rgb.into_raw()),
+        digest: Sha256::digest(bytes).into(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn png(w: u32, h: u32) -> Vec<u8> {
+        let img = image::RgbImage::from_fn(w, h, |x, y| image::Rgb([x as u8, y as u8, 7]));
+        let mut out = Cursor::new(Vec::new());
+        img.write_to(&mut out, ImageFormat::Png).unwrap();
+        out.into_inner()
+    }
+
+    fn b64(b: &[u8]) -> String {
+        base64::engine::general_purpose::STANDARD.encode(b)
+    }
+
+    #[test]
+    fn sources_read_base64_and_data_urls_and_refuse_remote_hosts_not_listed() {
+        let mut limits = WorkerLimits::default();
+        let p = png(3, 2);
+        let want = ImageSource::Bytes(p.clone());
+        assert_eq!(source(&b64(&p), "f", &limits).unwrap(), want);
+        let url = format!("data:image/png;base64,{}", b64(&p));
+        assert_eq!(source(&url, "f", &limits).unwrap(), want);
+        let wrapped: String = b64(&p)
+            .as_bytes()
+            .chunks(10)
+            .map(|c| format!("{}\n", std::str::from_utf8(c).unwrap()))
+            .collect();
+        assert_eq!(source(&wrapped, "f", &limits).unwrap(), want);
+        let code = |r: Result<ImageSource, ApiError>| r.unwrap_err().code;
+        assert_eq!(code(source("not base64!", "f", &limits)), "invalid_image");
+        assert_eq!(
+            code(source("data:image/png,raw", "f", &limits)),
+            "invalid_image"
+        );
+        let remote = "https://img.example.com/a.png";
+        assert_eq!(code(source(remote, "f", &limits)), "image_url_not_allowed");
+        limits.image_url_hosts = vec!["img.example.com".into()];
+        assert_eq!(
+            source(remote, "f", &limits).unwrap(),
+            ImageSource::Url(remote.into())
+        );
+        limits.max_image_bytes = 10;
+        let e = source(&b64(&p), "f", &limits).unwrap_err();
+        assert_eq!((e.status.as_u16(), e.code), (413, "image_too_large"));
+    }
+
+    #[test]
+    fn decoding_checks_format_size_and_integrity() {
+        let mut limits = WorkerLimits::default();
+        let p = png(5, 4);
+        let img = decode(&p, "f", &limits).unwrap();
+        assert_eq!((img.width, img.height, img.rgb.len()), (5, 4, 60));
+        assert_eq!(&img.rgb[..3], &[0, 0, 7]);
+        assert_eq!(&img.rgb[3..6], &[1, 0, 7]);
+        let code = |r: Result<Image, ApiError>| {
+            let e = r.unwrap_err();
+            (e.status.as_u16(), e.code)
+        };
+        assert_eq!(
+            code(decode(&p[..p.len() / 2], "f", &limits)),
+            (400, "invalid_image")
+        );
+        assert_eq!(
+            code(decode(b"GIF89a\x01\x00\x01\x00", "f", &limits)),
+            (400, "unsupported_image_format")
+        );
+        assert_eq!(
+            code(decode(b"hello", "f", &limits)),
+            (400, "unsupported_image_format")
+        );
+        limits.max_image_pixels = 19;
+        assert_eq!(code(decode(&p, "f", &limits)), (413, "image_too_large"));
+    }
+}
