@@ -1003,3 +1003,100 @@ fn assert_streamed_output_is_exact(base: &Path, adapter: &Path, out: &Path, shar
         }
     }
 }
+
+/// A Qwen3-VL adapter (on the language model, under `model.language_model.`) merged into the
+/// checkpoint: every tensor PEFT's `merge_and_unload()` changes within 1e-6 of its scale, every
+/// other one (the vision tower included) the base's bytes; and the merged model, served with
+/// an image and no adapter, answers as the base with the adapter does in transformers.
+#[test]
+fn qwen3_vl_merges_match_peft_and_serve_images_as_the_adapter() {
+    use mole_worker::engine::api::{
+        ChatMessage, ContentPart, GenerateRequest, Image, InferenceEngine, Prompt, SamplingParams,
+        TokenEvent,
+    };
+    use sha2::Digest;
+    let vision = fixtures().join("../vision");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("merged");
+    let o = MergeOptions {
+        base: vision.join("qwen3_vl"),
+        adapter: vision.join("adapter"),
+        expect_base: Some("qwen3-vl-tiny".into()),
+        ..opts("base_f32", "plain_r8", &out)
+    };
+    merge(&o).unwrap();
+    let ours = read_dir_tensors(&out);
+    let base = read_dir_tensors(&vision.join("qwen3_vl"));
+    let peft = read_file_tensors(&vision.join("peft_merged.safetensors"));
+    assert_eq!(ours.len(), base.len());
+    for (name, (dt, shape, bytes)) in &ours {
+        match peft.get(name) {
+            Some((pdt, pshape, pbytes)) => {
+                assert_eq!((dt, shape), (pdt, pshape), "{name}");
+                let worst =
+                    scaled_error(&to_f32(*dt, bytes).unwrap(), &to_f32(*pdt, pbytes).unwrap());
+                assert!(worst <= 1e-6, "{name}: relative error {worst}");
+            }
+            None => assert_eq!(bytes, &base[name].2, "{name} changed but PEFT's did not"),
+        }
+    }
+    assert_eq!(peft.len(), 21);
+    // Served from the merged weights (the tokenizer, template and image processor come
+    // along): transformers' tokens with the adapter.
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "preprocessor_config.json",
+    ] {
+        assert!(out.join(f).exists(), "{f} not copied into the merged model");
+    }
+    let e = mole_worker::engine::Engine::load(
+        &out,
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+        Default::default(),
+    )
+    .unwrap();
+    let r: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(vision.join("chat_reference.json")).unwrap())
+            .unwrap();
+    let c = &r["infer_one_image"];
+    let png = std::fs::read(vision.join("images/square.png")).unwrap();
+    let rgb = image::load_from_memory(&png).unwrap().to_rgb8();
+    let img = Image {
+        width: rgb.width(),
+        height: rgb.height(),
+        rgb: std::sync::Arc::from(rgb.into_raw()),
+        digest: sha2::Sha256::digest(&png).into(),
+    };
+    let mut msg = ChatMessage::text("user", "What is on the screen?");
+    msg.parts = vec![
+        ContentPart::Image,
+        ContentPart::Text("What is on the screen?".into()),
+    ];
+    let text = e.apply_chat_template(&[msg], &Default::default()).unwrap();
+    let mut rx = e
+        .submit(GenerateRequest {
+            id: "m".into(),
+            prompt: Prompt::Templated(text),
+            adapter: None,
+            sampling: SamplingParams {
+                max_tokens: 8,
+                ignore_eos: true,
+                ..Default::default()
+            },
+            images: vec![img],
+        })
+        .unwrap();
+    let mut tokens = Vec::new();
+    while let Some(ev) = rx.blocking_recv() {
+        match ev {
+            TokenEvent::Token { token_id, .. } => tokens.push(token_id),
+            TokenEvent::Finished { .. } => break,
+            TokenEvent::Error(err) => panic!("{err}"),
+            TokenEvent::Started { .. } => {}
+        }
+    }
+    let want: Vec<u32> = serde_json::from_value(c["adapter"]["greedy"].clone()).unwrap();
+    assert_eq!(tokens, want);
+}
