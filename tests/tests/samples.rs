@@ -188,3 +188,112 @@ fn the_structural_check_catches_typos_types_and_enums() {
         assert!(all.contains(needle), "{needle} not in {all}");
     }
 }
+
+/// The sample Qwen3-VL pool and its six adapters, rendered into the worker config the operator
+/// gives the pool's dynamic pods, start a worker and serve screenshots: the model root holds
+/// the tiny generated Qwen3-VL where the sample names Qwen3-VL-8B (no real checkpoint can be
+/// fetched here) and the tiny adapter at each adapter's path.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sample_qwen3_vl_pool_starts_and_serves_screenshots() {
+    use base64::Engine as _;
+    use mole_operator::resources::{worker_config, Registered};
+    use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
+    let (_, pool_v) = load("pool-qwen3-vl-8b.yaml");
+    let pool: InferencePool = serde_json::from_value(pool_v).unwrap();
+    let adapters: Vec<Adapter> = ["calendar", "claim-window", "desktop", "login-window"]
+        .iter()
+        .map(|n| serde_json::from_value(load(&format!("adapter-{n}.yaml")).1).unwrap())
+        .collect();
+    let vision = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/vision");
+    let root = tempfile::tempdir().unwrap();
+    let copy = |from: &Path, to: &Path| {
+        std::fs::create_dir_all(to).unwrap();
+        for e in std::fs::read_dir(from).unwrap() {
+            let e = e.unwrap();
+            std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
+        }
+    };
+    copy(
+        &vision.join("qwen3_vl"),
+        &root.path().join(&pool.spec.base_model.path),
+    );
+    for a in &adapters {
+        let dir = root.path().join(&a.spec.source.path);
+        copy(&vision.join("adapter"), &dir);
+        // Trained on the pool's base, as the real adapters are.
+        let cfg = dir.join("adapter_config.json");
+        let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+        c["base_model_name_or_path"] = Value::from(pool.spec.base_model.name.clone());
+        std::fs::write(&cfg, c.to_string()).unwrap();
+    }
+    let registered: Vec<Registered> = adapters
+        .iter()
+        .enumerate()
+        .map(|(i, adapter)| Registered {
+            adapter,
+            lora_id: i as u32 + 1,
+        })
+        .collect();
+    let mut wc = worker_config("qwen3-vl", &pool.spec, &registered);
+    wc.model_root = root.path().display().to_string();
+    wc.auth = None;
+    let cfg_path = root.path().join("worker.json");
+    std::fs::write(&cfg_path, serde_json::to_string(&wc).unwrap()).unwrap();
+    let cfg = mole_worker::config::load(&cfg_path).unwrap();
+    let engine = build_engine(&cfg).unwrap();
+    assert!(engine.model_info().vision);
+    let auth = Auth::from_config(&cfg).unwrap();
+    let state = AppState::new(cfg, engine, Some(cfg_path.clone()), auth);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let (_stop, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve_with(
+        state,
+        l,
+        cfg_path,
+        std::time::Duration::ZERO,
+        async move {
+            let _ = rx.await;
+        },
+    ));
+    let c = reqwest::Client::new();
+    let mut ready = false;
+    for _ in 0..500 {
+        if let Ok(r) = c.get(format!("{url}/readyz")).send().await {
+            if r.status() == 200 {
+                ready = true;
+                break;
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(ready, "the sample pool's worker never became ready");
+    let png = std::fs::read(vision.join("images/wide.png")).unwrap();
+    let image_b64 = base64::engine::general_purpose::STANDARD.encode(&png);
+    for (body, adapter, route) in [
+        (
+            serde_json::json!({"prompt": "What meetings are on this calendar?", "image_b64": image_b64, "max_tokens": 4}),
+            "calendar",
+            "keywords",
+        ),
+        (
+            serde_json::json!({"prompt": "Read this.", "image_b64": image_b64, "expert": "login-window", "max_tokens": 4}),
+            "login-window",
+            "explicit",
+        ),
+    ] {
+        let r = c
+            .post(format!("{url}/infer"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["routed_adapter"], adapter, "{v}");
+        assert_eq!(v["route"], route, "{v}");
+        assert!(v["task_output"].is_string(), "{v}");
+        assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 20, "{v}");
+    }
+}
