@@ -510,3 +510,29 @@ fn crc32(bytes: &[u8]) -> u32 {
     }
     !c
 }
+
+/// Qwen-VL checkpoints ship their template in the processor's `chat_template.json`.
+#[test]
+fn a_chat_template_json_is_read() {
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["tokenizer.json", "config.json"] {
+        std::fs::copy(fixtures().join("qwen3_vl").join(f), dir.path().join(f)).unwrap();
+    }
+    let tcfg: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("qwen3_vl/tokenizer_config.json")).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("chat_template.json"),
+        json!({"chat_template": tcfg["chat_template"]}).to_string(),
+    )
+    .unwrap();
+    let t = mole_worker::engine::text::TextModel::load(dir.path()).unwrap();
+    let c = &reference()["infer_one_image"];
+    let (msgs, _) = conversation(c);
+    assert_eq!(
+        t.render_chat_with(&msgs, true, &Default::default())
+            .unwrap(),
+        c["text"].as_str().unwrap()
+    );
+}

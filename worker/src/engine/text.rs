@@ -123,8 +123,16 @@ impl TextModel {
             .iter()
             .filter_map(|f| read_json(&dir.join(f)))
             .collect();
-        // Newer checkpoints keep the template in its own file.
-        let template_file = std::fs::read_to_string(dir.join("chat_template.jinja")).ok();
+        // Newer checkpoints keep the template in its own file: `chat_template.jinja`, or the
+        // processor's `chat_template.json` (Qwen-VL checkpoints).
+        let template_file = std::fs::read_to_string(dir.join("chat_template.jinja"))
+            .ok()
+            .or_else(|| {
+                read_json(&dir.join("chat_template.json"))?
+                    .get("chat_template")?
+                    .as_str()
+                    .map(String::from)
+            });
         Self::from_parts(tokenizer, tcfg, &configs, template_file)
     }
 

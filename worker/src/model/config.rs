@@ -143,12 +143,17 @@ impl ModelConfig {
                 .cloned()
                 .unwrap_or(false.into());
         }
-        let rope = text.get("rope_parameters").cloned().unwrap_or_default();
+        // transformers 5 writes `rope_parameters`; the published checkpoints (4.57) `rope_scaling`.
+        let rope = text
+            .get("rope_parameters")
+            .or(text.get("rope_scaling"))
+            .cloned()
+            .unwrap_or_default();
         let sections: [usize; 3] = rope
             .get("mrope_section")
             .cloned()
             .and_then(|s| serde_json::from_value(s).ok())
-            .ok_or_else(|| bad("text_config.rope_parameters.mrope_section must be 3 integers"))?;
+            .ok_or_else(|| bad("text_config.rope_parameters (or rope_scaling).mrope_section must be 3 integers"))?;
         if rope
             .get("mrope_interleaved")
             .and_then(serde_json::Value::as_bool)
@@ -232,5 +237,70 @@ impl ModelConfig {
     pub fn head_dim(&self) -> usize {
         self.head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `config.json` of Qwen/Qwen3-VL-8B-Instruct as published (transformers 4.57 keys:
+    /// `rope_scaling` holds the M-RoPE sections).
+    const QWEN3_VL_8B: &str = r#"{
+      "architectures": ["Qwen3VLForConditionalGeneration"], "image_token_id": 151655,
+      "model_type": "qwen3_vl",
+      "text_config": {
+        "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 151643,
+        "dtype": "bfloat16", "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu",
+        "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
+        "max_position_embeddings": 262144, "model_type": "qwen3_vl_text",
+        "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8,
+        "rms_norm_eps": 1e-06,
+        "rope_scaling": {"mrope_interleaved": true, "mrope_section": [24, 20, 20], "rope_type": "default"},
+        "rope_theta": 5000000, "use_cache": true, "vocab_size": 151936
+      },
+      "tie_word_embeddings": false, "transformers_version": "4.57.0.dev0", "video_token_id": 151656,
+      "vision_config": {
+        "deepstack_visual_indexes": [8, 16, 24], "depth": 27, "hidden_act": "gelu_pytorch_tanh",
+        "hidden_size": 1152, "in_channels": 3, "initializer_range": 0.02, "intermediate_size": 4304,
+        "model_type": "qwen3_vl", "num_heads": 16, "num_position_embeddings": 2304,
+        "out_hidden_size": 4096, "patch_size": 16, "spatial_merge_size": 2, "temporal_patch_size": 2
+      },
+      "vision_end_token_id": 151653, "vision_start_token_id": 151652
+    }"#;
+
+    #[test]
+    fn the_published_qwen3_vl_8b_config_reads() {
+        let cfg = ModelConfig::from_json(serde_json::from_str(QWEN3_VL_8B).unwrap()).unwrap();
+        assert_eq!(
+            (cfg.hidden_size, cfg.num_hidden_layers, cfg.head_dim()),
+            (4096, 36, 128)
+        );
+        assert_eq!(cfg.rope_theta(), 5_000_000.0);
+        assert_eq!(cfg.max_positions(), 262_144);
+        let v = cfg.vision.as_ref().unwrap();
+        assert_eq!(v.mrope_section, [24, 20, 20]);
+        assert_eq!(
+            (
+                v.image_token_id,
+                v.vision_start_token_id,
+                v.vision_end_token_id
+            ),
+            (151_655, 151_652, 151_653)
+        );
+        assert_eq!(
+            (
+                v.config.depth,
+                v.config.hidden_size,
+                v.config.out_hidden_size
+            ),
+            (27, 1152, 4096)
+        );
+        assert_eq!(v.config.deepstack_visual_indexes, [8, 16, 24]);
+        // Qwen2-VL's contiguous sections are refused by name.
+        let mut old: serde_json::Value = serde_json::from_str(QWEN3_VL_8B).unwrap();
+        old["text_config"]["rope_scaling"]["mrope_interleaved"] = false.into();
+        let err = ModelConfig::from_json(old).unwrap_err().to_string();
+        assert!(err.contains("interleaved"), "{err}");
     }
 }
