@@ -4,7 +4,7 @@
 //! CPU; bf16 weights, which the CPU computes on in f32):
 //! dynamic LoRA ÷ merged (batch 1 and 16), 16 distinct adapters ÷ one adapter (batch 16),
 //! batch 16 ÷ batch 1, adapter load ÷ raw read of its file, and on the CPU half-type weights ÷
-//! the same widened to f32.
+//! the same widened to f32; then the image case (see [`super::image`]).
 //!
 //! "Merged" is the base model without adapter: a merged model has exactly the base's shapes,
 //! so its decode cost is the base's.
@@ -52,6 +52,26 @@ pub struct DecodeBenchArgs {
     /// computes in it; the CPU computes in f32 and also times the half types widened to f32.
     #[arg(long, env = "MOLE_BENCH_DTYPE", default_value = "auto")]
     pub dtype: String,
+    /// The image case: time to first token for one `WxH` screenshot on the synthetic model
+    /// with a vision tower (`none` skips it).
+    #[arg(long, env = "MOLE_BENCH_IMAGE", default_value = "1024x768", value_parser = super::image::parse_image)]
+    pub image: super::image::ImageSize,
+    /// Blocks of the image case's vision tower (Qwen3-VL-8B: 27).
+    #[arg(long, env = "MOLE_BENCH_VISION_DEPTH", default_value_t = 27)]
+    pub vision_depth: usize,
+    /// Width of the image case's vision tower, a multiple of 72 (Qwen3-VL-8B: 1152, 16 heads).
+    #[arg(long, env = "MOLE_BENCH_VISION_HIDDEN", default_value_t = 1152, value_parser = vision_hidden)]
+    pub vision_hidden: usize,
+}
+
+/// `--vision-hidden`: whole heads of 72.
+fn vision_hidden(v: &str) -> Result<usize, String> {
+    match v.parse::<usize>() {
+        Ok(h) if h > 0 && h.is_multiple_of(72) => Ok(h),
+        _ => Err(format!(
+            "{v}: the vision width must be a positive multiple of 72"
+        )),
+    }
 }
 
 /// `--hidden`: the synthetic model needs whole key/value heads.
@@ -78,7 +98,7 @@ fn device_and_dtype(args: &DecodeBenchArgs) -> anyhow::Result<(Device, DType)> {
 }
 
 /// The synthetic model's `config.json`, which transformers reads too.
-fn synthetic_json(hidden: usize, layers: usize) -> serde_json::Value {
+pub(super) fn synthetic_json(hidden: usize, layers: usize) -> serde_json::Value {
     serde_json::json!({
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
         "hidden_size": hidden, "intermediate_size": hidden * 11 / 4,
@@ -628,6 +648,9 @@ fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
         };
         let label = dir.display().to_string();
         bench_model(&label, &mut m, wide.as_ref(), Some(dir), args, &dev)?;
+    }
+    if let Some(size) = args.image.0 {
+        super::image::run(args, size, &dev, dtype)?;
     }
     Ok(())
 }

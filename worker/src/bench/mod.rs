@@ -2,6 +2,7 @@
 //! (DESIGN §5). Each kind lives in its own module.
 
 pub mod decode;
+pub mod image;
 pub mod merge;
 
 /// Arguments of `bench`.
