@@ -1100,3 +1100,35 @@ fn qwen3_vl_merges_match_peft_and_serve_images_as_the_adapter() {
     let want: Vec<u32> = serde_json::from_value(c["adapter"]["greedy"].clone()).unwrap();
     assert_eq!(tokens, want);
 }
+
+/// PEFT's `all-linear` adapter on Qwen3-VL, vision tower included (attention, MLPs, mergers):
+/// all 39 merged tensors within 1e-6 of PEFT's, everything else the base's bytes.
+#[test]
+fn qwen3_vl_all_linear_merges_match_peft_vision_tower_included() {
+    let vision = fixtures().join("../vision");
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("merged");
+    merge(&MergeOptions {
+        base: vision.join("qwen3_vl"),
+        adapter: vision.join("adapter_all_linear"),
+        expect_base: Some("qwen3-vl-tiny".into()),
+        ..opts("base_f32", "plain_r8", &out)
+    })
+    .unwrap();
+    let ours = read_dir_tensors(&out);
+    let base = read_dir_tensors(&vision.join("qwen3_vl"));
+    let peft = read_file_tensors(&vision.join("peft_merged_all_linear.safetensors"));
+    assert_eq!(peft.len(), 39);
+    assert!(peft.keys().any(|k| k.starts_with("model.visual.blocks.")));
+    for (name, (dt, shape, bytes)) in &ours {
+        match peft.get(name) {
+            Some((pdt, pshape, pbytes)) => {
+                assert_eq!((dt, shape), (pdt, pshape), "{name}");
+                let worst =
+                    scaled_error(&to_f32(*dt, bytes).unwrap(), &to_f32(*pdt, pbytes).unwrap());
+                assert!(worst <= 1e-6, "{name}: relative error {worst}");
+            }
+            None => assert_eq!(bytes, &base[name].2, "{name} changed but PEFT's did not"),
+        }
+    }
+}

@@ -94,7 +94,7 @@ fn the_vision_tower_equals_transformers() {
     let p = preprocess(&processor(), img.as_raw(), w as usize, h as usize).unwrap();
     let n = p.values.len() / processor().patch_len();
     let pixels = Tensor::from_vec(p.values, (n, processor().patch_len()), &dev).unwrap();
-    let out = tower.forward(&pixels, &[p.grid]).unwrap();
+    let out = tower.forward(&pixels, &[p.grid], None).unwrap();
     let want = load("vision.safetensors");
     let err = rel_error(&out.merged, &want["merged"]);
     eprintln!("merged embeddings: relative error {err:.2e}");
@@ -134,7 +134,11 @@ fn prompt(model: &Decoder, name: &str) -> Prompt {
     let embeds = (!images.is_empty()).then(|| {
         let n = values.len() / cfg.patch_len();
         let pixels = Tensor::from_vec(values, (n, cfg.patch_len()), &Device::Cpu).unwrap();
-        model.vision().unwrap().forward(&pixels, &grids).unwrap()
+        model
+            .vision()
+            .unwrap()
+            .forward(&pixels, &grids, None)
+            .unwrap()
     });
     let pad = r["image_pad"].as_u64().unwrap() as u32;
     let (positions, offset) = mrope_positions(&ids, pad, &grids, cfg.merge_size).unwrap();

@@ -536,3 +536,124 @@ fn a_chat_template_json_is_read() {
         c["text"].as_str().unwrap()
     );
 }
+
+fn all_linear_reference() -> Value {
+    serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("all_linear_reference.json")).unwrap(),
+    )
+    .unwrap()
+}
+
+/// An adapter on every linear module (PEFT's `all-linear`: the vision tower's attention, MLPs
+/// and mergers too) served dynamically in one batch beside the language-model-only adapter and
+/// the base: each request's tokens are transformers', so the tower ran once per adapter with
+/// the right one; the classifier pass with it equals transformers' logits.
+#[test]
+fn an_adapter_on_the_vision_tower_is_served_beside_others() {
+    let e = engine(512);
+    e.load_adapter(AdapterSpec {
+        name: "everything".into(),
+        version: "v1".into(),
+        lora_id: 2,
+        path: fixtures().join("adapter_all_linear"),
+    })
+    .unwrap();
+    let r = reference();
+    let all = all_linear_reference();
+    let mut pending = Vec::new();
+    for name in ["infer_one_image", "system_two_images"] {
+        let (msgs, images) = conversation(&r[name]);
+        let text = e.apply_chat_template(&msgs, &Default::default()).unwrap();
+        for adapter in [Some("everything"), Some("screens"), None] {
+            let rx = e
+                .submit(GenerateRequest {
+                    id: format!("{name}-{adapter:?}"),
+                    prompt: Prompt::Templated(text.clone()),
+                    adapter: adapter.map(String::from),
+                    sampling: SamplingParams {
+                        max_tokens: 8,
+                        ignore_eos: true,
+                        ..Default::default()
+                    },
+                    images: images.clone(),
+                })
+                .unwrap();
+            pending.push((name, adapter, rx));
+        }
+    }
+    for (name, adapter, rx) in pending {
+        let want = match adapter {
+            Some("everything") => ids(&all[name]["greedy"]),
+            Some(_) => ids(&r[name]["adapter"]["greedy"]),
+            None => ids(&r[name]["base"]["greedy"]),
+        };
+        assert_eq!(collect(rx).0, want, "{name} {adapter:?}");
+    }
+    // The classifier's pass: label probabilities from transformers' logits.
+    let logits: Vec<f32> =
+        serde_json::from_value(all["infer_one_image"]["last_logits"].clone()).unwrap();
+    let labels: Vec<String> = ["a", "b", "c", "d"].iter().map(|s| s.to_string()).collect();
+    let picked: Vec<f32> = labels
+        .iter()
+        .map(|l| logits[l.as_bytes()[0] as usize])
+        .collect();
+    let max = picked.iter().cloned().fold(f32::MIN, f32::max);
+    let z: f32 = picked.iter().map(|x| (x - max).exp()).sum();
+    let got = e
+        .score_labels(
+            Some("everything"),
+            "What is on the screen?",
+            &labels,
+            &[image("square")],
+        )
+        .unwrap();
+    for (g, x) in got.iter().zip(&picked) {
+        let w = (x - max).exp() / z;
+        assert!((g - w).abs() < 1e-4, "{got:?} vs {picked:?}");
+    }
+}
+
+/// A module the engine does not apply (here the patch embedding, a Conv3d PEFT can target by
+/// name) is refused with the way to serve it.
+#[test]
+fn an_adapter_on_an_unsupported_vision_module_is_refused_by_name() {
+    let e = engine(512);
+    let dir = tempfile::tempdir().unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(fixtures().join("adapter").join(f), dir.path().join(f)).unwrap();
+    }
+    let cfg_path = dir.path().join("adapter_config.json");
+    let mut cfg: Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg["target_modules"]
+        .as_array_mut()
+        .unwrap()
+        .push("patch_embed.proj".into());
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let path = dir.path().join("adapter_model.safetensors");
+    let mut tensors = candle_core::safetensors::load(&path, &Device::Cpu).unwrap();
+    let a = candle_core::Tensor::zeros((8, 1536), DType::F32, &Device::Cpu).unwrap();
+    let b = candle_core::Tensor::zeros((32, 8), DType::F32, &Device::Cpu).unwrap();
+    tensors.insert(
+        "base_model.model.model.visual.patch_embed.proj.lora_A.weight".into(),
+        a,
+    );
+    tensors.insert(
+        "base_model.model.model.visual.patch_embed.proj.lora_B.weight".into(),
+        b,
+    );
+    candle_core::safetensors::save(&tensors, &path).unwrap();
+    let err = e
+        .load_adapter(AdapterSpec {
+            name: "conv".into(),
+            version: "v1".into(),
+            lora_id: 3,
+            path: dir.path().into(),
+        })
+        .unwrap_err();
+    let msg = err.to_string();
+    assert!(
+        msg.contains("model.visual.patch_embed.proj") && msg.contains("serving.mode merged"),
+        "{msg}"
+    );
+}

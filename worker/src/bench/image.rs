@@ -138,7 +138,7 @@ pub(super) fn run(
     let t_decode = best(runs, decode)?;
     let pixels = Tensor::from_vec(patches.values.clone(), (n, proc.patch_len()), dev)?;
     let encode = || -> anyhow::Result<ImageEmbeds> {
-        let e = tower.forward(&pixels, &[patches.grid])?;
+        let e = tower.forward(&pixels, &[patches.grid], None)?;
         dev.synchronize()?;
         Ok(e)
     };

@@ -1,7 +1,8 @@
 //! Images of a request inside the engine: preprocessed at submit (the caller's thread), their
 //! placeholders expanded to one token per merged patch block, M-RoPE positions laid out; the
 //! vision tower runs once per engine step over the images of every sequence whose prefill
-//! starts in it, and each prompt chunk then takes its slice of positions and placeholders.
+//! starts in it (once per adapter among them that targets the tower), and each prompt chunk
+//! then takes its slice of positions and placeholders.
 
 use std::path::Path;
 
@@ -11,7 +12,7 @@ use rayon::prelude::*;
 use super::api::{EngineError, Image};
 use crate::model::vision::preprocess::{self, Patches, ProcessorConfig};
 use crate::model::vision::{mrope_positions, ImageEmbeds, VisionTower};
-use crate::model::{ModelError, VisionSpec};
+use crate::model::{LoraAdapter, ModelError, VisionSpec};
 
 /// How a vision model takes images: its processor's settings and its placeholder token.
 #[derive(Debug, Clone)]
@@ -196,29 +197,52 @@ pub(super) struct Chunk {
     pub(super) image_tokens: Vec<(u32, u32)>,
 }
 
-/// Runs the vision tower once over the images of `prompts` (those not encoded yet) and hands
-/// each its share of the output.
+/// Runs the vision tower over the images of `prompts` not encoded yet, once per adapter among
+/// them (once in all when no adapter targets the tower), and hands each prompt its share.
 pub(super) fn encode(
     tower: &VisionTower,
     device: &Device,
-    prompts: &mut [&mut ImagePrompt],
+    prompts: &mut [(&mut ImagePrompt, Option<&LoraAdapter>)],
 ) -> Result<(), ModelError> {
-    let todo: Vec<&mut &mut ImagePrompt> =
-        prompts.iter_mut().filter(|p| p.embeds.is_none()).collect();
-    let Some(first) = todo.first() else {
+    let mut todo: Vec<&mut (&mut ImagePrompt, Option<&LoraAdapter>)> = prompts
+        .iter_mut()
+        .filter(|(p, _)| p.embeds.is_none())
+        .collect();
+    // An adapter that leaves the tower alone encodes as the base does.
+    let key = |a: Option<&LoraAdapter>| a.filter(|a| a.has_vision()).map(|a| a as *const _);
+    while let Some((_, first)) = todo.first().map(|(p, a)| (p.patch_len, *a)) {
+        let group = key(first);
+        let (mine, rest): (Vec<_>, Vec<_>) = todo.into_iter().partition(|(_, a)| key(*a) == group);
+        todo = rest;
+        encode_group(tower, device, mine, first.filter(|a| a.has_vision()))?;
+    }
+    Ok(())
+}
+
+/// One tower pass over the images of `prompts`, with `adapter`.
+fn encode_group(
+    tower: &VisionTower,
+    device: &Device,
+    prompts: Vec<&mut (&mut ImagePrompt, Option<&LoraAdapter>)>,
+    adapter: Option<&LoraAdapter>,
+) -> Result<(), ModelError> {
+    let Some(patch_len) = prompts.first().map(|(p, _)| p.patch_len) else {
         return Ok(());
     };
-    let patch_len = first.patch_len;
     let mut pixels = Vec::new();
     let mut grids = Vec::new();
-    for p in &todo {
+    for (p, _) in &prompts {
         pixels.extend_from_slice(&p.pixels);
         grids.extend_from_slice(&p.grids);
     }
     let n = pixels.len() / patch_len;
-    let out = tower.forward(&Tensor::from_vec(pixels, (n, patch_len), device)?, &grids)?;
+    let out = tower.forward(
+        &Tensor::from_vec(pixels, (n, patch_len), device)?,
+        &grids,
+        adapter,
+    )?;
     let mut at = 0;
-    for p in todo {
+    for (p, _) in prompts {
         let len = p.rows;
         p.embeds = Some(ImageEmbeds {
             merged: out.merged.narrow(0, at, len)?,

@@ -459,7 +459,8 @@ impl InferenceEngine for Engine {
         // One forward pass over the prompt (and the tower over its images), on the caller's
         // thread with its own cache: no generation, nothing queued behind decode.
         if let (Some(img), Some(tower)) = (img.as_deref_mut(), self.shared.model.vision()) {
-            images::encode(tower, &self.shared.device, &mut [img]).map_err(internal)?;
+            let adapter = pinned.as_ref().map(|p| p.adapter.as_ref());
+            images::encode(tower, &self.shared.device, &mut [(img, adapter)]).map_err(internal)?;
         }
         let chunk = img.as_ref().map(|i| i.chunk(0, ids.len()));
         let mut cache = SeqCache::default();

@@ -272,12 +272,15 @@ fn encode_images(
         .filter(|(_, w)| matches!(w, Work::Prefill(..)))
         .map(|(i, _)| *i)
         .collect();
-    let mut pending: Vec<&mut ImagePrompt> = running
+    let mut pending: Vec<(&mut ImagePrompt, Option<&crate::model::LoraAdapter>)> = running
         .iter_mut()
         .enumerate()
         .filter(|(i, _)| prefills.contains(i))
-        .filter_map(|(_, s)| s.images.as_deref_mut())
-        .filter(|img| img.embeds.is_none())
+        .filter_map(|(_, s)| {
+            let adapter = s.adapter.as_ref().map(|p| p.adapter.as_ref());
+            s.images.as_deref_mut().map(|img| (img, adapter))
+        })
+        .filter(|(img, _)| img.embeds.is_none())
         .collect();
     images::encode(tower, &shared.device, &mut pending)
 }

@@ -143,22 +143,12 @@ pub fn load(
     // matrix from the mapped file (decode, transpose, scale and finiteness check fused).
     use rayon::prelude::*;
     // Per module: its key, (Aᵀ, s·B) and its rank.
-    type Loaded = ((usize, Proj), (Tensor, Tensor), usize);
+    type Loaded = (Target, (Tensor, Tensor), usize);
     let loaded: Vec<Loaded> = weights
         .loras
         .par_iter()
         .map(|(module, lora)| -> Result<_, LoraError> {
-            let (layer, proj) = Proj::parse(module).ok_or_else(|| {
-                LoraError::Unsupported(format!(
-                    "{module}: LoRA on this module needs serving.mode merged"
-                ))
-            })?;
-            if layer >= model.num_hidden_layers {
-                return Err(LoraError::Shape {
-                    module: module.clone(),
-                    message: format!("layer {layer} does not exist"),
-                });
-            }
+            let (target, (fin, fout)) = target(module, model)?;
             let (a, b) = (
                 lora.a.as_ref().expect("checked"),
                 lora.b.as_ref().expect("checked"),
@@ -171,7 +161,6 @@ pub fn load(
                     limit: opts.max_rank,
                 });
             }
-            let (fin, fout) = proj.dims(model);
             if a.shape != [r, fin] || b.shape != [fout, r] || r != cfg.rank_for(module) as usize {
                 return Err(LoraError::Shape {
                     module: module.clone(),
@@ -197,21 +186,57 @@ pub fn load(
             .ok_or_else(non_finite)?;
             let at = Tensor::from_vec(at, (fin, rp), device)?.to_dtype(dtype)?;
             let b = Tensor::from_vec(b, (fout, rp), device)?.to_dtype(dtype)?;
-            Ok(((layer, proj), (at, b), r))
+            Ok((target, (at, b), r))
         })
         .collect::<Result<_, _>>()?;
-    let mut modules = HashMap::new();
+    let (mut modules, mut vision) = (HashMap::new(), HashMap::new());
     let (mut rank, mut bytes) = (0usize, 0u64);
-    for (key, (at, b), r) in loaded {
+    for (target, (at, b), r) in loaded {
         bytes += ((at.elem_count() + b.elem_count()) * dtype.size_in_bytes()) as u64;
         rank = rank.max(r);
-        modules.insert(key, (at, b));
+        match target {
+            Target::Decoder(layer, proj) => modules.insert((layer, proj), (at, b)),
+            Target::Vision(path) => vision.insert(path, (at, b)),
+        };
     }
     // On a GPU the weights were uploaded on this (loader) thread: wait for the copies, so the
     // engine thread, which reads them (into its LoRA slots) once the registry publishes the
     // adapter, never reads a buffer still being written.
     device.synchronize()?;
-    Ok(LoraAdapter::from_modules(modules, rank, bytes))
+    Ok(LoraAdapter::from_modules(modules, rank, bytes).with_vision(vision))
+}
+
+/// Where an adapter module applies.
+enum Target {
+    /// A projection of a decoder layer.
+    Decoder(usize, Proj),
+    /// A linear layer of the vision tower, by its path under `model.visual.`.
+    Vision(String),
+}
+
+/// Where `module` applies in `model`, and its (in, out) features; modules the engine does
+/// not apply (embeddings, the output head, a patch embedding) are refused naming the way to
+/// serve them.
+fn target(module: &str, model: &ModelConfig) -> Result<(Target, (usize, usize)), LoraError> {
+    if let Some((layer, proj)) = Proj::parse(module) {
+        if layer >= model.num_hidden_layers {
+            return Err(LoraError::Shape {
+                module: module.into(),
+                message: format!("layer {layer} does not exist"),
+            });
+        }
+        return Ok((Target::Decoder(layer, proj), proj.dims(model)));
+    }
+    let vision = module.strip_prefix("model.visual.").and_then(|path| {
+        let spec = model.vision.as_ref()?;
+        let dims = crate::model::vision::linear_dims(&spec.config, path)?;
+        Some((Target::Vision(path.to_string()), dims))
+    });
+    vision.ok_or_else(|| {
+        LoraError::Unsupported(format!(
+            "{module}: LoRA on this module needs serving.mode merged"
+        ))
+    })
 }
 
 /// Whether every value is finite, without short-circuit so the check vectorises.

@@ -91,6 +91,10 @@ pub struct LoraAdapter {
     /// slot holds by it (an address could be reused by a later adapter).
     id: u64,
     modules: HashMap<(usize, Proj), (Tensor, Tensor)>,
+    /// Modules of a vision tower (`Aᵀ`, `s·B`), by their path under `model.visual.`
+    /// (`blocks.0.attn.qkv`, `merger.linear_fc1`...): applied when the tower encodes the
+    /// images of this adapter's requests.
+    vision: HashMap<String, (Tensor, Tensor)>,
     /// Per `layer · PROJS + proj`, where the host kernels read the module in place (None:
     /// absent, or not on the CPU in f32/bf16). A decode step looks up every adapter of its
     /// batch for every projection: through the tensors that is a chain of cold pointers and
@@ -203,11 +207,29 @@ impl LoraAdapter {
         Self {
             id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             modules,
+            vision: HashMap::new(),
             host,
             all_host,
             rank,
             bytes,
         }
+    }
+
+    /// The same adapter with modules of the vision tower too (see [`LoraAdapter::vision_module`]).
+    pub fn with_vision(mut self, vision: HashMap<String, (Tensor, Tensor)>) -> Self {
+        self.vision = vision;
+        self
+    }
+
+    /// `Aᵀ` `[in, r]` and `s·B` `[out, r]` of the vision tower's module `path` (under
+    /// `model.visual.`), when the adapter has it.
+    pub fn vision_module(&self, path: &str) -> Option<&(Tensor, Tensor)> {
+        self.vision.get(path)
+    }
+
+    /// Whether the adapter changes the vision tower.
+    pub fn has_vision(&self) -> bool {
+        !self.vision.is_empty()
     }
 
     /// The dtype its weights are held in (None: no module).
@@ -232,9 +254,14 @@ impl LoraAdapter {
             .iter()
             .map(|(k, (a, b))| Ok((*k, (a.to_device(device)?, b.to_device(device)?))))
             .collect::<candle_core::Result<_>>()?;
+        let vision = self
+            .vision
+            .iter()
+            .map(|(k, (a, b))| Ok((k.clone(), (a.to_device(device)?, b.to_device(device)?))))
+            .collect::<candle_core::Result<_>>()?;
         // Complete before another thread reads them (see `crate::lora::load`).
         device.synchronize()?;
-        Ok(Self::from_modules(modules, self.rank, self.bytes))
+        Ok(Self::from_modules(modules, self.rank, self.bytes).with_vision(vision))
     }
 
     /// Adds this adapter's low-rank update of `(layer, proj)` to the rows `idx` of `out`, whose

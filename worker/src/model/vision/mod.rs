@@ -13,7 +13,7 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{layer_norm, linear, LayerNorm, LayerNormConfig, Linear, VarBuilder};
 use serde::Deserialize;
 
-use super::ModelError;
+use super::{LoraAdapter, ModelError};
 
 /// `vision_config` of a Qwen3-VL `config.json`.
 #[derive(Debug, Clone, Deserialize)]
@@ -78,6 +78,77 @@ pub struct ImageEmbeds {
     pub deepstack: Vec<Tensor>,
 }
 
+/// A linear layer of the tower with the adapter's update when the adapter targets it: the
+/// modules PEFT's `target_modules="all-linear"` reaches (attention, MLPs, mergers).
+struct Lin {
+    linear: Linear,
+    /// The module's path under `model.visual.` (the adapter's key).
+    path: String,
+}
+
+impl Lin {
+    fn new(d_in: usize, d_out: usize, vb: VarBuilder) -> candle_core::Result<Self> {
+        let path = vb.prefix();
+        let path = path
+            .strip_prefix("model.visual.")
+            .unwrap_or(&path)
+            .to_string();
+        Ok(Self {
+            linear: linear(d_in, d_out, vb)?,
+            path,
+        })
+    }
+
+    fn forward(&self, x: &Tensor, lora: Option<&LoraAdapter>) -> candle_core::Result<Tensor> {
+        let y = self.linear.forward(x)?;
+        match lora.and_then(|a| a.vision_module(&self.path)) {
+            None => Ok(y),
+            // Computed in f32 when either side is (as the decoder's adapters are).
+            Some((at, b)) => {
+                let wide = match at.dtype() == DType::F32 || x.dtype() == DType::F32 {
+                    true => DType::F32,
+                    false => x.dtype(),
+                };
+                let u = x
+                    .to_dtype(wide)?
+                    .matmul(&at.to_dtype(wide)?)?
+                    .matmul(&b.to_dtype(wide)?.t()?)?;
+                let dtype = y.dtype();
+                y + u.to_dtype(dtype)?
+            }
+        }
+    }
+}
+
+/// `(in, out)` features of the tower's linear module `path` (under `model.visual.`), for an
+/// adapter's shapes; None for a path the tower has no linear layer at.
+pub fn linear_dims(cfg: &VisionConfig, path: &str) -> Option<(usize, usize)> {
+    let h = cfg.hidden_size;
+    let merged = h * cfg.spatial_merge_size.pow(2);
+    let merger = |name: &str| match name {
+        "linear_fc1" => Some((merged, merged)),
+        "linear_fc2" => Some((merged, cfg.out_hidden_size)),
+        _ => None,
+    };
+    if let Some(name) = path.strip_prefix("merger.") {
+        return merger(name);
+    }
+    let (head, rest) = path.split_once('.')?;
+    let (index, name) = rest.split_once('.')?;
+    let index: usize = index.parse().ok()?;
+    match head {
+        "blocks" if index < cfg.depth => match name {
+            "attn.qkv" => Some((h, 3 * h)),
+            "attn.proj" => Some((h, h)),
+            "mlp.linear_fc1" => Some((h, cfg.intermediate_size)),
+            "mlp.linear_fc2" => Some((cfg.intermediate_size, h)),
+            _ => None,
+        },
+        "deepstack_merger_list" if index < cfg.deepstack_visual_indexes.len() => merger(name),
+        _ => None,
+    }
+}
+
 /// Layer norms of the tower (transformers' `eps=1e-6`).
 fn norm(size: usize, vb: VarBuilder) -> candle_core::Result<LayerNorm> {
     layer_norm(
@@ -94,10 +165,10 @@ fn norm(size: usize, vb: VarBuilder) -> candle_core::Result<LayerNorm> {
 struct Block {
     norm1: LayerNorm,
     norm2: LayerNorm,
-    qkv: Linear,
-    proj: Linear,
-    fc1: Linear,
-    fc2: Linear,
+    qkv: Lin,
+    proj: Lin,
+    fc1: Lin,
+    fc2: Lin,
     heads: usize,
     tanh_gelu: bool,
 }
@@ -108,10 +179,10 @@ impl Block {
         Ok(Self {
             norm1: norm(h, vb.pp("norm1"))?,
             norm2: norm(h, vb.pp("norm2"))?,
-            qkv: linear(h, 3 * h, vb.pp("attn.qkv"))?,
-            proj: linear(h, h, vb.pp("attn.proj"))?,
-            fc1: linear(h, cfg.intermediate_size, vb.pp("mlp.linear_fc1"))?,
-            fc2: linear(cfg.intermediate_size, h, vb.pp("mlp.linear_fc2"))?,
+            qkv: Lin::new(h, 3 * h, vb.pp("attn.qkv"))?,
+            proj: Lin::new(h, h, vb.pp("attn.proj"))?,
+            fc1: Lin::new(h, cfg.intermediate_size, vb.pp("mlp.linear_fc1"))?,
+            fc2: Lin::new(cfg.intermediate_size, h, vb.pp("mlp.linear_fc2"))?,
             heads: cfg.num_heads,
             tanh_gelu: cfg.hidden_act != "gelu",
         })
@@ -124,14 +195,14 @@ impl Block {
         &self,
         x: &Tensor,
         spans: &[(usize, usize)],
-        cos: &Tensor,
-        sin: &Tensor,
+        (cos, sin): (&Tensor, &Tensor),
+        lora: Option<&LoraAdapter>,
     ) -> candle_core::Result<Tensor> {
         let (n, h) = x.dims2()?;
         let hd = h / self.heads;
         let qkv = self
             .qkv
-            .forward(&self.norm1.forward(x)?)?
+            .forward(&self.norm1.forward(x)?, lora)?
             .reshape((n, 3, self.heads, hd))?;
         let rot = |t: Tensor| -> candle_core::Result<Tensor> {
             // [n, heads, hd] in f32, as transformers rotates.
@@ -153,14 +224,14 @@ impl Block {
                 .to_dtype(x.dtype())?;
             outs.push(att.matmul(&v)?.transpose(0, 1)?.reshape((len, h))?);
         }
-        let x = (x + self.proj.forward(&Tensor::cat(&outs, 0)?)?)?;
-        let m = self.fc1.forward(&self.norm2.forward(&x)?)?;
+        let x = (x + self.proj.forward(&Tensor::cat(&outs, 0)?, lora)?)?;
+        let m = self.fc1.forward(&self.norm2.forward(&x)?, lora)?;
         let m = if self.tanh_gelu {
             m.gelu()?
         } else {
             m.gelu_erf()?
         };
-        x + self.fc2.forward(&m)?
+        x + self.fc2.forward(&m, lora)?
     }
 }
 
@@ -180,8 +251,8 @@ fn rotate_half(x: &Tensor) -> candle_core::Result<Tensor> {
 /// or with `postshuffle` over the merged block), then a GELU MLP.
 struct Merger {
     norm: LayerNorm,
-    fc1: Linear,
-    fc2: Linear,
+    fc1: Lin,
+    fc2: Lin,
     postshuffle: bool,
     merged: usize,
 }
@@ -194,20 +265,21 @@ impl Merger {
                 if postshuffle { merged } else { cfg.hidden_size },
                 vb.pp("norm"),
             )?,
-            fc1: linear(merged, merged, vb.pp("linear_fc1"))?,
-            fc2: linear(merged, cfg.out_hidden_size, vb.pp("linear_fc2"))?,
+            fc1: Lin::new(merged, merged, vb.pp("linear_fc1"))?,
+            fc2: Lin::new(merged, cfg.out_hidden_size, vb.pp("linear_fc2"))?,
             postshuffle,
             merged,
         })
     }
 
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+    fn forward(&self, x: &Tensor, lora: Option<&LoraAdapter>) -> candle_core::Result<Tensor> {
         let x = match self.postshuffle {
             true => self.norm.forward(&x.reshape(((), self.merged))?)?,
             false => self.norm.forward(x)?.reshape(((), self.merged))?,
         };
         // nn.GELU(): the exact (erf) form.
-        self.fc2.forward(&self.fc1.forward(&x)?.gelu_erf()?)
+        self.fc2
+            .forward(&self.fc1.forward(&x, lora)?.gelu_erf()?, lora)
     }
 }
 
@@ -286,10 +358,12 @@ impl VisionTower {
 
     /// The embeddings of images whose patches (in order, see [`preprocess`]) are `pixels`
     /// `[patches, patch_len]` and whose grids are `grids`.
+    /// `adapter`, when it targets modules of the tower, applies to them.
     pub fn forward(
         &self,
         pixels: &Tensor,
         grids: &[[usize; 3]],
+        adapter: Option<&LoraAdapter>,
     ) -> Result<ImageEmbeds, ModelError> {
         let dtype = self.patch_embed.weight().dtype();
         let x = self.patch_embed.forward(&pixels.to_dtype(dtype)?)?;
@@ -310,15 +384,15 @@ impl VisionTower {
         let spans = spans(grids);
         let mut deepstack = Vec::with_capacity(self.deepstack.len());
         for (i, block) in self.blocks.iter().enumerate() {
-            x = block.forward(&x, &spans, &cos, &sin)?;
+            x = block.forward(&x, &spans, (&cos, &sin), adapter)?;
             for (layer, merger) in &self.deepstack {
                 if *layer == i {
-                    deepstack.push(merger.forward(&x)?);
+                    deepstack.push(merger.forward(&x, adapter)?);
                 }
             }
         }
         Ok(ImageEmbeds {
-            merged: self.merger.forward(&x)?,
+            merged: self.merger.forward(&x, adapter)?,
             deepstack,
         })
     }
