@@ -33,6 +33,9 @@ chunks = list(c.chat.completions.create(model="json", messages=QUESTION, max_tok
 text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
 assert text == sample("json"), text
 assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
+# include_usage: the last chunk has no choices and the whole request's usage, as OpenAI's.
+assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens > 0, chunks[-1]
+assert all(ch.usage is None for ch in chunks[:-1])
 
 # The base model answers differently from both adapters.
 r = c.chat.completions.create(model="smollm2-135m-instruct", messages=QUESTION, max_tokens=20, temperature=0)

@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use mole_worker::engine::api::{
     AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest, Image,
-    InferenceEngine, ModelInfo, TokenEvent,
+    InferenceEngine, ModelInfo, Prompt, TokenEvent,
 };
 use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
 use serde_json::{json, Value};
@@ -269,29 +269,50 @@ async fn chat_routes_and_answers() {
 async fn stream_sends_chunks_usage_and_done() {
     let s = start("", 16, 64).await;
     let body = |stream: bool| json!({"model": "fr", "stream": stream, "max_tokens": 12, "ignore_eos": true, "temperature": 0, "messages": [{"role": "user", "content": "x y"}]});
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", s.url))
-        .json(&body(true))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    assert_eq!(r.headers()["x-mole-adapter"], "fr");
-    let text_body = r.text().await.unwrap();
-    let datas: Vec<&str> = text_body
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .collect();
-    assert_eq!(*datas.last().unwrap(), "[DONE]");
+    // The `data:` payloads of a streamed answer to `b`.
+    let events = |b: Value| {
+        let url = format!("{}/v1/chat/completions", s.url);
+        async move {
+            let r = reqwest::Client::new()
+                .post(url)
+                .json(&b)
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(r.status(), 200);
+            assert_eq!(r.headers()["x-mole-adapter"], "fr");
+            let text = r.text().await.unwrap();
+            let datas: Vec<String> = text
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: ").map(String::from))
+                .collect();
+            assert_eq!(datas.last().unwrap(), "[DONE]");
+            datas[..datas.len() - 1]
+                .iter()
+                .map(|d| serde_json::from_str::<Value>(d).unwrap())
+                .collect::<Vec<Value>>()
+        }
+    };
+    let chunks = events(body(true)).await;
     let mut text = String::new();
-    for d in &datas[..datas.len() - 1] {
-        let v: Value = serde_json::from_str(d).unwrap();
+    for v in &chunks {
         assert_eq!(v["object"], "chat.completion.chunk");
+        assert!(v.get("usage").is_none(), "usage only when asked: {v}");
         text.push_str(v["choices"][0]["delta"]["content"].as_str().unwrap_or(""));
     }
-    let last: Value = serde_json::from_str(datas[datas.len() - 2]).unwrap();
+    let last = chunks.last().unwrap();
     assert_eq!(last["choices"][0]["finish_reason"], "length");
-    assert_eq!(last["usage"]["completion_tokens"], 12);
+    assert_eq!(last["mole"]["adapter"], "fr");
+    // OpenAI's `include_usage`: one more chunk, no choices, the usage.
+    let mut asked = body(true);
+    asked["stream_options"] = json!({"include_usage": true});
+    let with_usage = events(asked).await;
+    assert_eq!(with_usage.len(), chunks.len() + 1);
+    let u = with_usage.last().unwrap();
+    assert_eq!(u["choices"], json!([]), "{u}");
+    assert_eq!(u["usage"]["completion_tokens"], 12, "{u}");
+    let finish = &with_usage[with_usage.len() - 2];
+    assert_eq!(finish["choices"][0]["finish_reason"], "length");
     // The stream carries exactly the text of the non-streamed answer.
     let (_, _, whole) = post(&s, "/v1/chat/completions", body(false)).await;
     assert_eq!(text, content(&whole));
@@ -818,8 +839,11 @@ impl InferenceEngine for GatedEngine {
     ) -> Result<String, EngineError> {
         self.inner.apply_chat_template(m, k)
     }
-    fn count_tokens(&self, t: &str) -> Result<usize, EngineError> {
-        self.inner.count_tokens(t)
+    fn tokenize(&self, p: &Prompt, i: &[Image]) -> Result<Vec<u32>, EngineError> {
+        self.inner.tokenize(p, i)
+    }
+    fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError> {
+        self.inner.detokenize(ids)
     }
     fn score_labels(
         &self,
@@ -1473,7 +1497,7 @@ async fn shutdown_drains_in_flight_requests() {
     let s = start("", 1, 4).await;
     let mut r = reqwest::Client::new()
         .post(format!("{}/v1/chat/completions", s.url))
-        .json(&json!({"model": "fr", "stream": true, "max_tokens": 64, "ignore_eos": true, "messages": [{"role": "user", "content": "x"}]}))
+        .json(&json!({"model": "fr", "stream": true, "stream_options": {"include_usage": true}, "max_tokens": 64, "ignore_eos": true, "messages": [{"role": "user", "content": "x"}]}))
         .send()
         .await
         .unwrap();
@@ -1760,5 +1784,68 @@ async fn an_engine_failure_is_counted_once() {
         "mole_requests_total{adapter=\"fr\",endpoint=\"chat\",mode=\"dynamic\",route=\"explicit\",status=\"500\"} 2",
     ] {
         assert!(m.contains(want), "{want}\n{m}");
+    }
+}
+
+/// vLLM's plain endpoints, which guidellm and vLLM's own clients call: `/health`,
+/// `/version`, `/tokenize` (a prompt, or messages as the chat endpoint renders them) and
+/// `/detokenize`.
+#[tokio::test]
+async fn vllm_plain_endpoints_answer_as_vllm() {
+    let s = start("", 16, 64).await;
+    let c = reqwest::Client::new();
+    let r = c.get(format!("{}/health", s.url)).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let v: Value = c
+        .get(format!("{}/version", s.url))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(v["version"], env!("CARGO_PKG_VERSION"));
+    // One token per byte in the fixtures' tokenizer.
+    let (st, _, v) = post(&s, "/tokenize", json!({"model": "fr", "prompt": "hi!"})).await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["tokens"], json!([104, 105, 33]));
+    assert_eq!(
+        (v["count"].as_u64(), v["max_model_len"].as_u64()),
+        (Some(3), Some(128))
+    );
+    // Messages count as the chat endpoint's prompt does.
+    let msgs = json!([{"role": "user", "content": "x y"}]);
+    let (_, _, v) = post(&s, "/tokenize", json!({"messages": msgs})).await;
+    let (_, _, chat) = post(
+        &s,
+        "/v1/chat/completions",
+        json!({"model": "fr", "messages": msgs, "max_tokens": 1}),
+    )
+    .await;
+    assert_eq!(v["count"], chat["usage"]["prompt_tokens"], "{v} {chat}");
+    let (_, _, bare) = post(
+        &s,
+        "/tokenize",
+        json!({"messages": msgs, "add_generation_prompt": false}),
+    )
+    .await;
+    assert!(bare["count"].as_u64() < v["count"].as_u64(), "{bare} {v}");
+    let (st, _, v) = post(&s, "/detokenize", json!({"tokens": [104, 105, 33]})).await;
+    assert_eq!((st, v["prompt"].as_str()), (200, Some("hi!")), "{v}");
+    for (path, body, code) in [
+        ("/detokenize", json!({"tokens": [99999]}), "invalid_request"),
+        ("/tokenize", json!({}), "invalid_request"),
+        (
+            "/tokenize",
+            json!({"prompt": "a", "messages": msgs}),
+            "invalid_request",
+        ),
+    ] {
+        let (st, _, v) = post(&s, path, body).await;
+        assert_eq!(
+            (st, v["error"]["code"].as_str()),
+            (400, Some(code)),
+            "{path} {v}"
+        );
     }
 }

@@ -657,3 +657,21 @@ fn an_adapter_on_an_unsupported_vision_module_is_refused_by_name() {
         "{msg}"
     );
 }
+
+/// `/tokenize` of a chat with a screenshot: transformers' processor's ids, the image's
+/// placeholders expanded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tokenize_expands_images_as_the_processor() {
+    let s = start(EXPLICIT, "").await;
+    let c = &reference()["infer_one_image"];
+    let (st, v) = post(
+        &s,
+        "/tokenize",
+        json!({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", b64(&png("square")))}},
+            {"type": "text", "text": "What is on the screen?"}]}]}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    assert_eq!(v["tokens"], c["ids"], "{v}");
+}

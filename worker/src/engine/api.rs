@@ -339,8 +339,18 @@ pub trait InferenceEngine: Send + Sync + 'static {
         messages: &[ChatMessage],
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, EngineError>;
-    /// Number of tokens of a text (for limits and usage).
-    fn count_tokens(&self, text: &str) -> Result<usize, EngineError>;
+    /// Token ids of `prompt` as the engine would run it (a text gets the tokenizer's special
+    /// tokens; templated text does not), each image placeholder expanded to its image's
+    /// tokens.
+    fn tokenize(&self, prompt: &Prompt, images: &[Image]) -> Result<Vec<u32>, EngineError>;
+    /// The text of token ids, special tokens left out.
+    fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError>;
+    /// Number of tokens of a text (for limits and usage); an image placeholder in it counts
+    /// one.
+    fn count_tokens(&self, text: &str) -> Result<usize, EngineError> {
+        self.tokenize(&Prompt::Text(text.into()), &[])
+            .map(|t| t.len())
+    }
     /// Log-probabilities of each candidate label as the next tokens after `prompt`, with
     /// `adapter` applied; one forward pass over the prompt (no generation). Returns a
     /// probability per label (softmax over the labels' first-token logits). With `images`

@@ -403,8 +403,26 @@ impl InferenceEngine for Engine {
             .map_err(|e| EngineError::InvalidRequest(e.to_string()))
     }
 
+    fn tokenize(&self, prompt: &Prompt, images: &[Image]) -> Result<Vec<u32>, EngineError> {
+        self.prompt(prompt, images).map(|(ids, _)| ids)
+    }
+
     fn count_tokens(&self, text: &str) -> Result<usize, EngineError> {
+        // The text alone: image placeholders count one each (the server adds their images).
         self.tokens(&Prompt::Text(text.into())).map(|t| t.len())
+    }
+
+    fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError> {
+        let vocab = self.shared.model.config().vocab_size;
+        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
+            return Err(EngineError::InvalidRequest(format!(
+                "token id {bad} is outside the vocabulary (size {vocab})"
+            )));
+        }
+        self.shared
+            .text
+            .decode(ids)
+            .map_err(|e| EngineError::InvalidRequest(e.to_string()))
     }
 
     fn score_labels(

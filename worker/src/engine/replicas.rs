@@ -10,7 +10,7 @@ use mole_api::LoraAdapterInfo;
 
 use super::api::{
     AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest, Image,
-    InferenceEngine, ModelInfo,
+    InferenceEngine, ModelInfo, Prompt,
 };
 
 /// Engines of one model, one per device.
@@ -64,6 +64,14 @@ impl InferenceEngine for Replicas {
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, EngineError> {
         self.engines[0].apply_chat_template(messages, kwargs)
+    }
+
+    fn tokenize(&self, prompt: &Prompt, images: &[Image]) -> Result<Vec<u32>, EngineError> {
+        self.engines[0].tokenize(prompt, images)
+    }
+
+    fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError> {
+        self.engines[0].detokenize(ids)
     }
 
     fn count_tokens(&self, text: &str) -> Result<usize, EngineError> {

@@ -234,12 +234,13 @@ impl TextModel {
             "eos_token".into(),
             self.eos.clone().unwrap_or_default().into(),
         );
+        ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
+        // A caller's variables win (`/tokenize` sets `add_generation_prompt` through them).
         ctx.extend(kwargs.iter().map(|(k, v)| (k.clone(), v.clone())));
         ctx.insert(
             "messages".into(),
             serde_json::to_value(messages).map_err(|e| TextError::Template(e.to_string()))?,
         );
-        ctx.insert("add_generation_prompt".into(), add_generation_prompt.into());
         tmpl.render(Value::from(minijinja::value::Serde(&ctx)))
             .map_err(|e| TextError::Template(e.to_string()))
     }

@@ -65,6 +65,11 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
             "/admin/reload",
             api(s, Operator, post(openai::admin_reload)),
         )
+        .route("/tokenize", api(s, ApiKey, post(openai::tokenize)))
+        .route("/detokenize", api(s, ApiKey, post(openai::detokenize)))
+        .route("/version", get(openai::version))
+        // vLLM's and TGI's liveness path, which their clients check before a run.
+        .route("/health", get(|| async { "" }))
         .route("/healthz", get(|| async { "ok" }))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
@@ -128,7 +133,7 @@ mod tests {
     use super::*;
     use crate::engine::api::{
         AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest, Image,
-        InferenceEngine, ModelInfo,
+        InferenceEngine, ModelInfo, Prompt,
     };
     use axum::body::Body;
     use axum::http::Request;
@@ -148,7 +153,10 @@ mod tests {
         ) -> Result<String, EngineError> {
             unreachable!("the layers answer first")
         }
-        fn count_tokens(&self, _: &str) -> Result<usize, EngineError> {
+        fn tokenize(&self, _: &Prompt, _: &[Image]) -> Result<Vec<u32>, EngineError> {
+            unreachable!("the layers answer first")
+        }
+        fn detokenize(&self, _: &[u32]) -> Result<String, EngineError> {
             unreachable!("the layers answer first")
         }
         fn score_labels(

@@ -57,6 +57,9 @@ pub(super) struct Ctx {
     pub(super) last_token: Option<Instant>,
     /// The adapter version serving it, known once the engine started it.
     pub(super) version: Option<String>,
+    /// A stream ends with a chunk of no choices that carries the usage (OpenAI's
+    /// `stream_options.include_usage`).
+    pub(super) include_usage: bool,
 }
 
 impl Ctx {
@@ -198,9 +201,17 @@ impl Ctx {
             Ok(TokenEvent::Finished { reason, usage }) => {
                 self.record("200", Some(usage));
                 let mut c = self.envelope(true, self.choice("", Some(reason), None, true));
-                c["usage"] = usage_json(&usage);
                 c["mole"] = self.mole();
-                (vec![data(c), done()], true)
+                let mut events = vec![data(c)];
+                if self.include_usage {
+                    // As OpenAI sends it: no choices, the whole request's usage.
+                    let mut u = self.envelope(true, Value::Null);
+                    u["choices"] = json!([]);
+                    u["usage"] = usage_json(&usage);
+                    events.push(data(u));
+                }
+                events.push(done());
+                (events, true)
             }
         }
     }

@@ -124,6 +124,7 @@ async fn serve_routed(
         deadline: tokio::time::Instant::now() + timeout,
         last_token: None,
         version: None,
+        include_usage: req.include_usage,
     };
     if req.stream {
         Ok(stream_response(ctx, rx))

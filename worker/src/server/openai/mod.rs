@@ -9,6 +9,7 @@ mod generate;
 mod images;
 mod models;
 mod route;
+mod tokens;
 mod types;
 mod validate;
 
@@ -23,6 +24,7 @@ pub(super) use chat::infer;
 pub(super) use generate::generate;
 pub(super) use models::models;
 pub(super) use route::route;
+pub(super) use tokens::{detokenize, tokenize, version};
 pub(super) use types::{ChatBody, CompletionBody};
 
 /// The state extractor of every handler.

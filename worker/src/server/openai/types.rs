@@ -72,6 +72,13 @@ pub(in crate::server) struct InMessage {
     pub(super) content: Option<Content>,
 }
 
+/// A stream's options.
+#[derive(Deserialize, Default)]
+pub(in crate::server) struct StreamOptions {
+    #[serde(default)]
+    pub(super) include_usage: bool,
+}
+
 /// The fields chat, completions, `/infer` and `/v1/route` share: the model or adapter asked
 /// for, and sampling.
 #[derive(Deserialize, Default)]
@@ -84,6 +91,9 @@ pub(in crate::server) struct Common {
     pub(super) expert: Option<String>,
     #[serde(default)]
     pub(super) stream: bool,
+    /// OpenAI's `{"include_usage": true}`: a stream's last chunk carries the usage.
+    #[serde(default)]
+    pub(super) stream_options: Option<StreamOptions>,
     /// Choices asked for: one is served (a larger `n` is refused rather than answered with one).
     pub(super) n: Option<u64>,
     pub(super) max_tokens: Option<u64>,

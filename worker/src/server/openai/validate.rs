@@ -107,6 +107,8 @@ pub(in crate::server) struct ValidRequest {
     pub(super) max_tokens_explicit: bool,
     /// Answer as server-sent events.
     pub(super) stream: bool,
+    /// End a stream with a usage chunk (`stream_options.include_usage`).
+    pub(super) include_usage: bool,
     /// Forward merged adapters to their pods (None: the router's `preferMerged`).
     pub(super) prefer_merged: Option<bool>,
     /// The body a merged pod gets: the client's (for `/infer`, made a chat completion).
@@ -135,6 +137,7 @@ impl ValidRequest {
             route_text,
             sampling,
             stream: c.stream,
+            include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
             prefer_merged: c.prefer_merged,
             forward,
             images: Vec::new(),
@@ -452,6 +455,7 @@ mod tests {
             },
             max_tokens_explicit: explicit,
             stream: false,
+            include_usage: false,
             prefer_merged: None,
             forward: Value::Null,
             images: Vec::new(),

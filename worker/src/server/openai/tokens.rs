@@ -1,0 +1,95 @@
+//! vLLM's plain endpoints, which its clients and benchmarks (guidellm) call on any
+//! OpenAI-compatible server: `POST /tokenize`, `POST /detokenize` and `GET /version` (`GET
+//! /health` sits with the probes).
+
+use axum::extract::State;
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+
+use super::images;
+use super::types::InMessage;
+use super::validate::{bad, messages, Wire};
+use super::S;
+use crate::engine::api::Prompt;
+use crate::server::ApiError;
+
+/// `POST /tokenize`: a completion's `prompt` or chat `messages` (vLLM's two shapes).
+#[derive(Deserialize)]
+pub(in crate::server) struct TokenizeBody {
+    /// Accepted and ignored: every model of a pool shares the base's tokenizer.
+    #[serde(default)]
+    #[allow(dead_code)]
+    model: Option<String>,
+    #[serde(default)]
+    prompt: Option<String>,
+    #[serde(default)]
+    messages: Option<Vec<InMessage>>,
+    /// Chat: end with the assistant's turn opening (vLLM's default: true).
+    #[serde(default)]
+    add_generation_prompt: Option<bool>,
+    /// The tokenizer's special tokens around the text (default: true for a prompt, false for
+    /// messages, whose template writes its own).
+    #[serde(default)]
+    add_special_tokens: Option<bool>,
+    #[serde(default)]
+    chat_template_kwargs: Map<String, Value>,
+}
+
+/// `POST /tokenize` → `{count, max_model_len, tokens}`: the ids the engine would run, image
+/// placeholders expanded to their images' tokens.
+pub async fn tokenize(
+    State(s): S,
+    Wire { body: b, .. }: Wire<TokenizeBody>,
+) -> Result<Json<Value>, ApiError> {
+    let (prompt, sources) = match (b.prompt, b.messages) {
+        (Some(p), None) => match b.add_special_tokens.unwrap_or(true) {
+            true => (Prompt::Text(p), Vec::new()),
+            false => (Prompt::Templated(p), Vec::new()),
+        },
+        (None, Some(m)) => {
+            let (msgs, sources) = messages(m, &s.cfg().limits)?;
+            let mut kwargs = b.chat_template_kwargs;
+            kwargs.insert(
+                "add_generation_prompt".into(),
+                b.add_generation_prompt.unwrap_or(true).into(),
+            );
+            let text = s.engine.apply_chat_template(&msgs, &kwargs)?;
+            match b.add_special_tokens.unwrap_or(false) {
+                true => (Prompt::Text(text), sources),
+                false => (Prompt::Templated(text), sources),
+            }
+        }
+        _ => return Err(bad("invalid_request", "give prompt or messages, not both")),
+    };
+    let images = images::read_all(&s, sources).await?;
+    let engine = s.engine.clone();
+    let ids = tokio::task::spawn_blocking(move || engine.tokenize(&prompt, &images)).await??;
+    Ok(Json(json!({
+        "count": ids.len(),
+        "max_model_len": s.engine.model_info().max_seq_len,
+        "tokens": ids,
+    })))
+}
+
+/// `POST /detokenize`.
+#[derive(Deserialize)]
+pub(in crate::server) struct DetokenizeBody {
+    #[serde(default)]
+    #[allow(dead_code)]
+    model: Option<String>,
+    tokens: Vec<u32>,
+}
+
+/// `POST /detokenize` → `{prompt}`: the text of token ids, special tokens left out.
+pub async fn detokenize(
+    State(s): S,
+    Wire { body: b, .. }: Wire<DetokenizeBody>,
+) -> Result<Json<Value>, ApiError> {
+    Ok(Json(json!({"prompt": s.engine.detokenize(&b.tokens)?})))
+}
+
+/// `GET /version` → `{version}`: the worker's version.
+pub async fn version() -> Json<Value> {
+    Json(json!({"version": env!("CARGO_PKG_VERSION")}))
+}
