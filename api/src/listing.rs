@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 
 /// Where an adapter's weights live in a worker.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 #[serde(rename_all = "lowercase")]
 pub enum Residency {
     /// In a device slot in GPU memory.
@@ -17,6 +18,7 @@ pub enum Residency {
 
 /// One adapter version known to a worker (`GET /v1/lora_adapters`).
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LoraAdapterInfo {
     /// Adapter name.
     pub name: String,
@@ -43,6 +45,7 @@ pub struct LoraAdapterInfo {
 
 /// Response of `GET /v1/lora_adapters`.
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
 pub struct LoraAdaptersResponse {
     /// `"list"`, as OpenAI lists are.
     pub object: String,

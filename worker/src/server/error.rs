@@ -8,7 +8,8 @@ use axum::http::{HeaderValue, StatusCode};
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::json;
+use serde::Serialize;
+use utoipa::ToSchema;
 
 use super::AppState;
 use crate::engine::api::EngineError;
@@ -58,8 +59,37 @@ impl ApiError {
     }
     /// The OpenAI error body.
     pub fn body(&self) -> serde_json::Value {
-        json!({"error": {"message": self.message, "type": self.kind(), "code": self.code}})
+        serde_json::to_value(self.reply()).unwrap_or_default()
     }
+    fn reply(&self) -> ErrorReply {
+        ErrorReply {
+            error: ErrorDetail {
+                message: self.message.clone(),
+                kind: self.kind(),
+                code: self.code,
+            },
+        }
+    }
+}
+
+/// OpenAI's error body, every refusal's answer.
+#[derive(Serialize, ToSchema)]
+pub(super) struct ErrorReply {
+    /// What went wrong.
+    error: ErrorDetail,
+}
+
+/// An error: the message for people, the stable `code` for programs.
+#[derive(Serialize, ToSchema)]
+pub(super) struct ErrorDetail {
+    /// For people.
+    message: String,
+    /// OpenAI's class: `invalid_request_error`, `authentication_error`, `not_found_error`,
+    /// `rate_limit_error` or `server_error`.
+    #[serde(rename = "type")]
+    kind: &'static str,
+    /// Stable name (also the `code` label of `mole_errors_total`).
+    code: &'static str,
 }
 
 impl From<EngineError> for ApiError {
@@ -108,7 +138,7 @@ struct ErrorCode(&'static str);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut r = (self.status, Json(self.body())).into_response();
+        let mut r = (self.status, Json(self.reply())).into_response();
         r.extensions_mut().insert(ErrorCode(self.code));
         if let Some(s) = self.retry_after {
             r.headers_mut().insert("retry-after", HeaderValue::from(s));

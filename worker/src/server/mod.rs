@@ -11,6 +11,7 @@ mod engines;
 mod error;
 mod gateway;
 mod openai;
+mod openapi;
 mod reload;
 mod state;
 
@@ -40,12 +41,9 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
     axum::Router::new()
         .route(
             "/v1/chat/completions",
-            api(s, ApiKey, post(openai::generate::<openai::ChatBody>)),
+            api(s, ApiKey, post(openai::chat_completions)),
         )
-        .route(
-            "/v1/completions",
-            api(s, ApiKey, post(openai::generate::<openai::CompletionBody>)),
-        )
+        .route("/v1/completions", api(s, ApiKey, post(openai::completions)))
         .route("/infer", api(s, ApiKey, post(openai::infer)))
         .route("/v1/route", api(s, ApiKey, post(openai::route)))
         .route("/v1/models", api(s, ApiKey, get(openai::models)))
@@ -68,9 +66,9 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         .route("/tokenize", api(s, ApiKey, post(openai::tokenize)))
         .route("/detokenize", api(s, ApiKey, post(openai::detokenize)))
         .route("/version", get(openai::version))
-        // vLLM's and TGI's liveness path, which their clients check before a run.
-        .route("/health", get(|| async { "" }))
-        .route("/healthz", get(|| async { "ok" }))
+        .route("/health", get(health))
+        .route("/healthz", get(healthz))
+        .route("/openapi.json", get(openapi::openapi_json))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .fallback(|| async {
@@ -92,7 +90,24 @@ fn api(
         .route_layer(from_fn_with_state(s.clone(), error::count_errors))
 }
 
+/// `GET /health`: vLLM's and TGI's liveness path, which their clients check before a run.
+#[utoipa::path(get, path = "/health", tag = "probes",
+    responses((status = 200, description = "The process serves HTTP")))]
+async fn health() {}
+
+/// `GET /healthz`: liveness.
+#[utoipa::path(get, path = "/healthz", tag = "probes",
+    responses((status = 200, description = "The process serves HTTP", body = String, content_type = "text/plain")))]
+async fn healthz() -> &'static str {
+    "ok"
+}
+
 /// `GET /readyz`: 200 once [`AppState::readiness`] holds, else 503 `not_ready` with the reason.
+#[utoipa::path(get, path = "/readyz", tag = "probes",
+    responses(
+        (status = 200, description = "Ready: the model and the configured adapters are loaded", body = String, content_type = "text/plain"),
+        (status = 503, description = "Not ready, with the reason", body = error::ErrorReply),
+    ))]
 async fn readyz(axum::extract::State(s): axum::extract::State<Arc<AppState>>) -> Response {
     match s.readiness() {
         Ok(()) => "ready".into_response(),
@@ -107,6 +122,8 @@ async fn readyz(axum::extract::State(s): axum::extract::State<Arc<AppState>>) ->
 }
 
 /// `GET /metrics`: the Prometheus text, with readiness and the engine's gauges read now.
+#[utoipa::path(get, path = "/metrics", tag = "probes",
+    responses((status = 200, description = "Prometheus text format", body = String, content_type = "text/plain")))]
 async fn metrics(axum::extract::State(s): axum::extract::State<Arc<AppState>>) -> Response {
     s.metrics.ready.set(i64::from(s.readiness().is_ok()));
     let body = s.metrics.render(&s.engine.stats(), &s.adapter_listing());

@@ -12,7 +12,7 @@ use super::{ApiError, AppState};
 use crate::config::ApplyReport;
 
 /// What `POST /admin/reload` (and the watcher) did.
-#[derive(Debug, Clone, serde::Serialize)]
+#[derive(Debug, Clone, serde::Serialize, utoipa::ToSchema)]
 #[serde(rename_all = "camelCase")]
 pub struct ReloadOutcome {
     /// Whether adapters, router or auth settings changed.

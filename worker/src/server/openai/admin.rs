@@ -8,11 +8,12 @@ use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::{json, Value};
 
+use super::replies::{LoraAnswer, ReloadApplying};
 use super::types::{LoadBody, ReloadBody};
 use super::validate::{bad, OptionalWire, Wire};
 use super::S;
+use crate::server::openapi::Refusals;
 use crate::server::ApiError;
 
 /// How long `POST /admin/reload` waits for the adapters to load before answering 202.
@@ -20,6 +21,9 @@ const RELOAD_ANSWER_WITHIN: Duration = Duration::from_secs(2);
 
 /// `GET /v1/lora_adapters` (API key, or the operator or admin token): every version, loaded
 /// or refused with the reason.
+#[utoipa::path(get, path = "/v1/lora_adapters", tag = "admin",
+    responses((status = 200, description = "Every adapter version, loaded or refused with the reason", body = mole_api::LoraAdaptersResponse), Refusals),
+    security(("bearer" = [])))]
 pub async fn lora_adapters(State(s): S) -> Json<mole_api::LoraAdaptersResponse> {
     Json(mole_api::LoraAdaptersResponse {
         object: "list".into(),
@@ -30,10 +34,14 @@ pub async fn lora_adapters(State(s): S) -> Json<mole_api::LoraAdaptersResponse> 
 
 /// `POST /v1/load_lora_adapter` (vLLM shape). Admin only; path confined to the model root;
 /// safetensors weights only (pickle `.bin` files can run code).
+#[utoipa::path(post, path = "/v1/load_lora_adapter", tag = "admin",
+    request_body = LoadBody,
+    responses((status = 200, description = "Loaded", body = LoraAnswer), Refusals),
+    security(("bearer" = [])))]
 pub async fn load_lora(
     State(s): S,
     Wire { body: b, .. }: Wire<LoadBody>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<LoraAnswer>, ApiError> {
     let Some(p) = b.lora_path else {
         return Err(bad("invalid_request", "lora_path is required"));
     };
@@ -66,24 +74,40 @@ pub async fn load_lora(
         .with_label_values(&[if r.is_ok() { "ok" } else { "failed" }])
         .observe(started.elapsed().as_secs_f64());
     r?;
-    Ok(Json(json!({"status": "loaded", "lora_name": b.lora_name})))
+    Ok(Json(LoraAnswer {
+        status: "loaded",
+        lora_name: b.lora_name,
+    }))
 }
 
 /// `POST /v1/unload_lora_adapter` (vLLM shape). Admin or operator token.
+#[utoipa::path(post, path = "/v1/unload_lora_adapter", tag = "admin",
+    request_body = LoadBody,
+    responses((status = 200, description = "Unloaded", body = LoraAnswer), Refusals),
+    security(("bearer" = [])))]
 pub async fn unload_lora(
     State(s): S,
     Wire { body: b, .. }: Wire<LoadBody>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<LoraAnswer>, ApiError> {
     s.engine.unload_adapter(&b.lora_name)?;
-    Ok(Json(
-        json!({"status": "unloaded", "lora_name": b.lora_name}),
-    ))
+    Ok(Json(LoraAnswer {
+        status: "unloaded",
+        lora_name: b.lora_name,
+    }))
 }
 
 /// `POST /admin/reload` (admin or operator token), optional body `{"configHash": H}`:
 /// re-reads the config file now. With H, a file whose parsed config hashes otherwise is
 /// refused with 409 `config_stale` (the kubelet refreshes a mounted ConfigMap late) and
 /// nothing changes; else it is applied and the answer carries the applied `configHash`.
+#[utoipa::path(post, path = "/admin/reload", tag = "admin",
+    request_body(content = Option<ReloadBody>, description = "Optional: the config hash expected"),
+    responses(
+        (status = 200, description = "Applied", body = crate::server::reload::ReloadOutcome),
+        (status = 202, description = "Applying: adapters still load", body = ReloadApplying),
+        Refusals,
+    ),
+    security(("bearer" = [])))]
 pub async fn admin_reload(
     State(s): S,
     OptionalWire(b): OptionalWire<ReloadBody>,
@@ -104,7 +128,10 @@ pub async fn admin_reload(
         Ok(joined) => Ok(Json(joined??).into_response()),
         Err(_) => Ok((
             StatusCode::ACCEPTED,
-            Json(json!({"applying": true, "configHash": b.config_hash})),
+            Json(ReloadApplying {
+                applying: true,
+                config_hash: b.config_hash,
+            }),
         )
             .into_response()),
     }

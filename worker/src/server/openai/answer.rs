@@ -10,17 +10,16 @@ use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::{json, Value};
+use serde::Serialize;
 
+use super::replies::{
+    Answer, AssistantMessage, ChatChoice, ChatLogprobs, ChunkChoice, Delta, Finish, MoleInfo,
+    TextChoice, TextLogprobs, TokenLogprob, TopLogprob, UsageInfo,
+};
 use super::types::Kind;
-use crate::engine::api::{EventStream, FinishReason, TokenEvent, Usage};
+use crate::engine::api::{self, EventStream, FinishReason, TokenEvent, Usage};
 use crate::router::Decision;
 use crate::server::{mole_headers, ApiError, AppState};
-
-/// The `mole` field of answers: how the request was routed and served.
-pub(super) fn mole_field(d: &Decision, version: &Option<String>) -> Value {
-    json!({"adapter": d.adapter, "adapter_version": version, "mode": d.mode, "route": d.reason, "score": d.score})
-}
 
 /// Seconds since the epoch (the `created` field).
 pub(super) fn now() -> u64 {
@@ -133,46 +132,105 @@ impl Ctx {
             .observe(self.start.elapsed().as_secs_f64());
     }
 
-    /// An answer object, or a chunk of a stream, around one choice.
-    fn envelope(&self, chunk: bool, choice: Value) -> Value {
-        let object = match (self.kind, chunk) {
-            (Kind::Chat, false) => "chat.completion",
-            (Kind::Chat, true) => "chat.completion.chunk",
-            (Kind::Completion, _) => "text_completion",
-        };
-        json!({"id": self.id, "object": object, "created": now(), "model": self.model, "choices": [choice]})
+    /// An answer object, or a chunk of a stream, around `choices`.
+    fn answer<C>(&self, object: &'static str, choices: Vec<C>) -> Answer<C> {
+        Answer {
+            id: self.id.clone(),
+            object,
+            created: now(),
+            model: self.model.clone(),
+            choices,
+            usage: None,
+            mole: None,
+        }
     }
-    fn choice(
-        &self,
-        text: &str,
-        finish: Option<FinishReason>,
-        logprobs: Option<Value>,
-        chunk: bool,
-    ) -> Value {
-        let finish = finish.map(|f| match f {
-            FinishReason::Stop => "stop",
-            FinishReason::Length => "length",
-            FinishReason::Cancelled => "cancelled",
-        });
-        match (self.kind, chunk) {
-            (Kind::Chat, false) => {
-                json!({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish, "logprobs": logprobs})
+    fn mole(&self) -> MoleInfo {
+        MoleInfo::new(&self.d, self.version.clone())
+    }
+    /// One chunk of a stream, serialized: `text` with its tokens' `lps`, the role on a chat's
+    /// first chunk, the finish and `mole` on the last. `choice: false` is the closing usage
+    /// chunk (no choices).
+    fn chunk(&self, c: Chunk<'_>) -> String {
+        fn data<C: Serialize>(mut a: Answer<C>, c: &Chunk<'_>, mole: MoleInfo) -> String {
+            a.mole = c.mole.then_some(mole);
+            a.usage = c.usage.map(usage_info);
+            serde_json::to_string(&a).unwrap_or_default()
+        }
+        let finish = finish_name(c.finish);
+        match self.kind {
+            Kind::Chat => {
+                let choice = ChunkChoice {
+                    index: 0,
+                    delta: Delta {
+                        role: c.role.then_some("assistant"),
+                        content: c.text.to_string(),
+                    },
+                    finish_reason: finish,
+                    logprobs: (!c.lps.is_empty()).then(|| chat_logprobs(c.lps)),
+                };
+                let choices = if c.choice { vec![choice] } else { vec![] };
+                data(
+                    self.answer("chat.completion.chunk", choices),
+                    &c,
+                    self.mole(),
+                )
             }
-            (Kind::Chat, true) => {
-                json!({"index": 0, "delta": {"content": text}, "finish_reason": finish, "logprobs": logprobs})
-            }
-            (Kind::Completion, _) => {
-                json!({"index": 0, "text": text, "finish_reason": finish, "logprobs": logprobs})
+            Kind::Completion => {
+                let choice = TextChoice {
+                    index: 0,
+                    text: c.text.to_string(),
+                    finish_reason: finish,
+                    logprobs: (!c.lps.is_empty()).then(|| text_logprobs(c.lps)),
+                };
+                let choices = if c.choice { vec![choice] } else { vec![] };
+                data(self.answer("text_completion", choices), &c, self.mole())
             }
         }
     }
-    fn mole(&self) -> Value {
-        mole_field(&self.d, &self.version)
+    /// The whole answer.
+    fn whole(
+        &self,
+        text: String,
+        finish: FinishReason,
+        lps: &[api::TokenLogprob],
+        u: &Usage,
+    ) -> Response {
+        let finish = finish_name(Some(finish));
+        let headers = mole_headers(&self.d);
+        match self.kind {
+            Kind::Chat => {
+                let choice = ChatChoice {
+                    index: 0,
+                    message: AssistantMessage {
+                        role: "assistant",
+                        content: text,
+                    },
+                    finish_reason: finish,
+                    logprobs: (!lps.is_empty()).then(|| chat_logprobs(lps)),
+                };
+                let mut a = self.answer("chat.completion", vec![choice]);
+                a.usage = Some(usage_info(u));
+                a.mole = Some(self.mole());
+                (headers, Json(a)).into_response()
+            }
+            Kind::Completion => {
+                let choice = TextChoice {
+                    index: 0,
+                    text,
+                    finish_reason: finish,
+                    logprobs: (!lps.is_empty()).then(|| text_logprobs(lps)),
+                };
+                let mut a = self.answer("text_completion", vec![choice]);
+                a.usage = Some(usage_info(u));
+                a.mole = Some(self.mole());
+                (headers, Json(a)).into_response()
+            }
+        }
     }
 
     /// The events one engine event becomes on a stream, and whether the stream ends there.
     fn stream_events(&mut self, ev: Result<TokenEvent, ApiError>) -> (Vec<Event>, bool) {
-        let data = |v: Value| Event::default().data(v.to_string());
+        let data = |v: String| Event::default().data(v);
         let done = || Event::default().data("[DONE]");
         match ev {
             Err(e) => self.stream_error(e),
@@ -184,31 +242,42 @@ impl Ctx {
                 if self.kind != Kind::Chat {
                     return (vec![], false);
                 }
-                let role = json!({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": null});
-                let mut c = self.envelope(true, role);
-                c["mole"] = self.mole();
-                (vec![data(c)], false)
+                let c = Chunk {
+                    role: true,
+                    mole: true,
+                    ..Chunk::default()
+                };
+                (vec![data(self.chunk(c))], false)
             }
             Ok(TokenEvent::Token { text, logprob, .. }) => {
                 self.on_token();
                 if text.is_empty() && logprob.is_none() {
                     return (vec![], false);
                 }
-                let lp = logprob.map(|l| lp_json(self.kind, &[l]));
-                let c = self.envelope(true, self.choice(&text, None, lp, true));
-                (vec![data(c)], false)
+                let lps: Vec<_> = logprob.into_iter().collect();
+                let c = Chunk {
+                    text: &text,
+                    lps: &lps,
+                    ..Chunk::default()
+                };
+                (vec![data(self.chunk(c))], false)
             }
             Ok(TokenEvent::Finished { reason, usage }) => {
                 self.record("200", Some(usage));
-                let mut c = self.envelope(true, self.choice("", Some(reason), None, true));
-                c["mole"] = self.mole();
-                let mut events = vec![data(c)];
+                let last = Chunk {
+                    finish: Some(reason),
+                    mole: true,
+                    ..Chunk::default()
+                };
+                let mut events = vec![data(self.chunk(last))];
                 if self.include_usage {
                     // As OpenAI sends it: no choices, the whole request's usage.
-                    let mut u = self.envelope(true, Value::Null);
-                    u["choices"] = json!([]);
-                    u["usage"] = usage_json(&usage);
-                    events.push(data(u));
+                    let u = Chunk {
+                        choice: false,
+                        usage: Some(&usage),
+                        ..Chunk::default()
+                    };
+                    events.push(data(self.chunk(u)));
                 }
                 events.push(done());
                 (events, true)
@@ -222,7 +291,7 @@ impl Ctx {
         self.s.metrics.errors.with_label_values(&[e.code]).inc();
         self.record(e.status.as_str(), None);
         let mut body = e.body();
-        body["mole"] = self.mole();
+        body["mole"] = serde_json::to_value(self.mole()).unwrap_or_default();
         (
             vec![
                 Event::default().data(body.to_string()),
@@ -233,23 +302,93 @@ impl Ctx {
     }
 }
 
-/// The `usage` object.
-fn usage_json(u: &Usage) -> Value {
-    json!({"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.prompt_tokens + u.completion_tokens})
+/// What one stream chunk carries.
+struct Chunk<'a> {
+    /// Text added.
+    text: &'a str,
+    /// Its tokens' log probabilities.
+    lps: &'a [api::TokenLogprob],
+    /// Why generation ended (the last content chunk).
+    finish: Option<FinishReason>,
+    /// The chat role (the first chunk).
+    role: bool,
+    /// With `mole` (the first and last content chunks).
+    mole: bool,
+    /// With a choice (all but the closing usage chunk).
+    choice: bool,
+    /// The usage (the closing usage chunk).
+    usage: Option<&'a Usage>,
 }
 
-/// The `logprobs` object of a choice, in the chat or the completion shape.
-fn lp_json(kind: Kind, lps: &[crate::engine::api::TokenLogprob]) -> Value {
-    match kind {
-        Kind::Chat => json!({"content": lps.iter().map(|l| json!({
-            "token": l.token, "logprob": l.logprob, "bytes": l.token.as_bytes(),
-            "top_logprobs": l.top.iter().map(|(_, t, p)| json!({"token": t, "logprob": p, "bytes": t.as_bytes()})).collect::<Vec<_>>()
-        })).collect::<Vec<_>>()}),
-        Kind::Completion => json!({
-            "tokens": lps.iter().map(|l| l.token.clone()).collect::<Vec<_>>(),
-            "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
-            "top_logprobs": lps.iter().map(|l| l.top.iter().map(|(_, t, p)| (t.clone(), json!(p))).collect::<serde_json::Map<_, _>>()).collect::<Vec<_>>(),
-        }),
+impl Default for Chunk<'_> {
+    fn default() -> Self {
+        Self {
+            text: "",
+            lps: &[],
+            finish: None,
+            role: false,
+            mole: false,
+            choice: true,
+            usage: None,
+        }
+    }
+}
+
+/// The wire name of a finish reason.
+fn finish_name(f: Option<FinishReason>) -> Finish {
+    f.map(|f| match f {
+        FinishReason::Stop => "stop",
+        FinishReason::Length => "length",
+        FinishReason::Cancelled => "cancelled",
+    })
+}
+
+/// The `usage` object.
+fn usage_info(u: &Usage) -> UsageInfo {
+    UsageInfo {
+        prompt_tokens: u.prompt_tokens,
+        completion_tokens: u.completion_tokens,
+        total_tokens: u.prompt_tokens + u.completion_tokens,
+    }
+}
+
+/// A chat choice's `logprobs`.
+fn chat_logprobs(lps: &[api::TokenLogprob]) -> ChatLogprobs {
+    ChatLogprobs {
+        content: lps
+            .iter()
+            .map(|l| TokenLogprob {
+                token: l.token.clone(),
+                logprob: l.logprob,
+                bytes: l.token.as_bytes().to_vec(),
+                top_logprobs: l
+                    .top
+                    .iter()
+                    .map(|(_, t, p)| TopLogprob {
+                        token: t.clone(),
+                        logprob: *p,
+                        bytes: t.as_bytes().to_vec(),
+                    })
+                    .collect(),
+            })
+            .collect(),
+    }
+}
+
+/// A completion choice's `logprobs`.
+fn text_logprobs(lps: &[api::TokenLogprob]) -> TextLogprobs {
+    TextLogprobs {
+        tokens: lps.iter().map(|l| l.token.clone()).collect(),
+        token_logprobs: lps.iter().map(|l| l.logprob).collect(),
+        top_logprobs: lps
+            .iter()
+            .map(|l| {
+                l.top
+                    .iter()
+                    .map(|(_, t, p)| (t.clone(), serde_json::json!(p)))
+                    .collect()
+            })
+            .collect(),
     }
 }
 
@@ -285,11 +424,7 @@ pub(super) async fn collect_response(
             }
             TokenEvent::Finished { reason, usage } => {
                 ctx.record("200", Some(usage));
-                let lp = (!lps.is_empty()).then(|| lp_json(ctx.kind, &lps));
-                let mut body = ctx.envelope(false, ctx.choice(&text, Some(reason), lp, false));
-                body["usage"] = usage_json(&usage);
-                body["mole"] = ctx.mole();
-                return Ok((mole_headers(&ctx.d), Json(body)).into_response());
+                return Ok(ctx.whole(text, reason, &lps, &usage));
             }
         }
     }

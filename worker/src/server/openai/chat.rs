@@ -9,12 +9,14 @@ use serde_json::{json, Value};
 
 use super::generate::serve;
 use super::images::{self, ImageSource};
+use super::replies::{TaskAnswer, UsageInfo};
 use super::types::{ChatBody, InferBody, Kind};
 use super::validate::{
     last_user_text, messages, sampling, token_cap, ValidRequest, Validate, Wire,
 };
 use super::S;
 use crate::engine::api::{ChatMessage, ContentPart, Prompt};
+use crate::server::openapi::Refusals;
 use crate::server::{ApiError, AppState};
 
 impl Validate for ChatBody {
@@ -81,6 +83,10 @@ impl Validate for InferBody {
 /// `POST /infer`, the seeds' task call: `{prompt, image_b64?, expert?, prefer_merged?, ...}` →
 /// `{task_output, routed_adapter, adapter_version, mode, route, usage}`. The prompt is one user
 /// message; `expert` names the adapter (else the router decides).
+#[utoipa::path(post, path = "/infer", tag = "mole",
+    request_body = InferBody,
+    responses((status = 200, description = "The task's answer", body = TaskAnswer), Refusals),
+    security(("bearer" = [])))]
 pub async fn infer(
     State(s): S,
     headers: HeaderMap,
@@ -102,14 +108,20 @@ async fn task_answer(resp: Response) -> Result<Response, ApiError> {
         .await
         .map_err(|e| upstream(e.to_string()))?;
     let v: Value = serde_json::from_slice(&bytes).map_err(|e| upstream(e.to_string()))?;
-    let out = json!({
-        "task_output": v["choices"][0]["message"]["content"],
-        "finish_reason": v["choices"][0]["finish_reason"],
-        "routed_adapter": v["mole"]["adapter"],
-        "adapter_version": v["mole"]["adapter_version"],
-        "mode": v["mole"]["mode"],
-        "route": v["mole"]["route"],
-        "usage": v["usage"],
-    });
+    let text = |v: &Value| v.as_str().map(str::to_string);
+    let count = |k: &str| v["usage"][k].as_u64().unwrap_or(0) as usize;
+    let out = TaskAnswer {
+        task_output: text(&v["choices"][0]["message"]["content"]).unwrap_or_default(),
+        finish_reason: text(&v["choices"][0]["finish_reason"]),
+        routed_adapter: text(&v["mole"]["adapter"]),
+        adapter_version: text(&v["mole"]["adapter_version"]),
+        mode: text(&v["mole"]["mode"]).unwrap_or_default(),
+        route: text(&v["mole"]["route"]).unwrap_or_default(),
+        usage: UsageInfo {
+            prompt_tokens: count("prompt_tokens"),
+            completion_tokens: count("completion_tokens"),
+            total_tokens: count("total_tokens"),
+        },
+    };
     Ok((parts.status, parts.headers, Json(out)).into_response())
 }

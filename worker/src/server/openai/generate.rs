@@ -11,17 +11,54 @@ use mole_api::WorkerConfig;
 
 use super::answer::{collect_response, req_id, stream_response, Ctx};
 use super::images;
+use super::replies::{Answer, ChatChoice, TextChoice};
 use super::route::decide;
+use super::types::{ChatBody, CompletionBody};
 use super::validate::{ValidRequest, Validate, Wire};
 use super::S;
 use crate::engine::api::{EngineError, GenerateRequest, Image, InferenceEngine, Prompt};
 use crate::router::{Decision, Mode};
 use crate::server::gateway;
+use crate::server::openapi::Refusals;
 use crate::server::{ApiError, AppState};
 
-/// `POST /v1/chat/completions` and `POST /v1/completions`: the body validated into one
-/// request, then served.
-pub async fn generate<B: Validate>(
+/// `POST /v1/chat/completions`: the messages through the model's chat template, routed
+/// (`model`, `adapter`, or the router), answered whole or streamed.
+#[utoipa::path(post, path = "/v1/chat/completions", tag = "openai",
+    request_body = ChatBody,
+    responses(
+        (status = 200, description = "The answer; with `stream: true`, `chat.completion.chunk` objects as server-sent events, then `data: [DONE]`",
+            content((Answer<ChatChoice> = "application/json"), (String = "text/event-stream"))),
+        Refusals,
+    ),
+    security(("bearer" = [])))]
+pub async fn chat_completions(
+    s: S,
+    headers: HeaderMap,
+    wire: Wire<ChatBody>,
+) -> Result<Response, ApiError> {
+    generate(s, headers, wire).await
+}
+
+/// `POST /v1/completions`: a prompt (text or token ids) continued, routed as chats are.
+#[utoipa::path(post, path = "/v1/completions", tag = "openai",
+    request_body = CompletionBody,
+    responses(
+        (status = 200, description = "The completion; with `stream: true`, `text_completion` chunks as server-sent events, then `data: [DONE]`",
+            content((Answer<TextChoice> = "application/json"), (String = "text/event-stream"))),
+        Refusals,
+    ),
+    security(("bearer" = [])))]
+pub async fn completions(
+    s: S,
+    headers: HeaderMap,
+    wire: Wire<CompletionBody>,
+) -> Result<Response, ApiError> {
+    generate(s, headers, wire).await
+}
+
+/// Chat and completions: the body validated into one request, then served.
+async fn generate<B: Validate>(
     State(s): S,
     headers: HeaderMap,
     wire: Wire<B>,

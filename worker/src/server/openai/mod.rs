@@ -1,16 +1,17 @@
 //! Handlers of the OpenAI-compatible and mole endpoints: wire types, validation into one
 //! request, routing, the serving path, answers, and the admin endpoints.
 
-mod admin;
+pub(in crate::server) mod admin;
 mod answer;
-mod chat;
+pub(in crate::server) mod chat;
 mod completions;
-mod generate;
+pub(in crate::server) mod generate;
 mod images;
-mod models;
-mod route;
-mod tokens;
-mod types;
+pub(in crate::server) mod models;
+pub(in crate::server) mod replies;
+pub(in crate::server) mod route;
+pub(in crate::server) mod tokens;
+pub(in crate::server) mod types;
 mod validate;
 
 use std::sync::Arc;
@@ -21,11 +22,10 @@ use super::AppState;
 
 pub(super) use admin::{admin_reload, load_lora, lora_adapters, unload_lora};
 pub(super) use chat::infer;
-pub(super) use generate::generate;
+pub(super) use generate::{chat_completions, completions};
 pub(super) use models::models;
 pub(super) use route::route;
 pub(super) use tokens::{detokenize, tokenize, version};
-pub(super) use types::{ChatBody, CompletionBody};
 
 /// The state extractor of every handler.
 type S = State<Arc<AppState>>;

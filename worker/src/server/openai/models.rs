@@ -2,24 +2,57 @@
 
 use axum::extract::State;
 use axum::Json;
-use serde_json::{json, Value};
 
 use super::answer::now;
+use super::replies::{ModelCard, ModelKind, ModelList};
 use super::S;
+use crate::server::openapi::Refusals;
 
 /// `GET /v1/models`: the pool, the base model and every adapter.
-pub async fn models(State(s): S) -> Json<Value> {
+#[utoipa::path(get, path = "/v1/models", tag = "openai",
+    responses((status = 200, description = "The servable models", body = ModelList), Refusals),
+    security(("bearer" = [])))]
+pub async fn models(State(s): S) -> Json<ModelList> {
     let cfg = s.cfg();
-    let t = now();
+    let created = now();
+    let base = &cfg.base_model.name;
+    let card = |id: &str, parent: Option<String>, mole: ModelKind| ModelCard {
+        id: id.to_string(),
+        object: "model",
+        created,
+        owned_by: "mole",
+        root: base.clone(),
+        parent,
+        mole,
+    };
+    let kind = |kind| ModelKind {
+        kind,
+        version: None,
+        mode: None,
+        loaded: None,
+        description: None,
+    };
     let mut data = vec![
-        json!({"id": cfg.pool, "object": "model", "created": t, "owned_by": "mole", "root": cfg.base_model.name, "mole": {"kind": "pool"}}),
-        json!({"id": cfg.base_model.name, "object": "model", "created": t, "owned_by": "mole", "root": cfg.base_model.name, "mole": {"kind": "base"}}),
+        card(&cfg.pool, None, kind("pool")),
+        card(base, None, kind("base")),
     ];
     let loaded = s.engine.adapters();
     for a in &cfg.adapters {
         let l = loaded.iter().any(|x| x.name == a.name && x.loaded);
-        data.push(json!({"id": a.name, "object": "model", "created": t, "owned_by": "mole", "root": cfg.base_model.name, "parent": cfg.base_model.name,
-            "mole": {"kind": "adapter", "version": a.version, "mode": a.mode, "loaded": l, "description": a.routing.description}}));
+        data.push(card(
+            &a.name,
+            Some(base.clone()),
+            ModelKind {
+                version: Some(a.version.clone()),
+                mode: Some(a.mode),
+                loaded: Some(l),
+                description: a.routing.description.clone(),
+                ..kind("adapter")
+            },
+        ));
     }
-    Json(json!({"object": "list", "data": data}))
+    Json(ModelList {
+        object: "list",
+        data,
+    })
 }

@@ -4,14 +4,15 @@
 use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::json;
 
 use super::images;
+use super::replies::MoleInfo;
 use super::types::RouteBody;
 use super::validate::{bad, last_user_text, messages, Wire};
 use super::S;
 use crate::engine::api::Image;
 use crate::router::{self, Decision, Mode, RouteInput};
+use crate::server::openapi::Refusals;
 use crate::server::{mole_headers, ApiError, AppState};
 
 /// Routes a request: [`router::decide`] with the engine's classifier (whose one pass sees the
@@ -79,6 +80,10 @@ fn blocking<T>(f: impl FnOnce() -> T) -> T {
 }
 
 /// `POST /v1/route`: the routing decision only, no generation.
+#[utoipa::path(post, path = "/v1/route", tag = "mole",
+    request_body = RouteBody,
+    responses((status = 200, description = "Where the request would go", body = MoleInfo), Refusals),
+    security(("bearer" = [])))]
 pub async fn route(
     State(s): S,
     Wire { body: b, .. }: Wire<RouteBody>,
@@ -98,6 +103,5 @@ pub async fn route(
         text: &text,
     };
     let d = decide(&s, &input, &images)?;
-    let body = json!({"adapter": d.adapter, "mode": d.mode, "route": d.reason, "score": d.score});
-    Ok((mole_headers(&d), Json(body)).into_response())
+    Ok((mole_headers(&d), Json(MoleInfo::new(&d, None))).into_response())
 }

@@ -5,17 +5,19 @@
 use axum::extract::State;
 use axum::Json;
 use serde::Deserialize;
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 
 use super::images;
+use super::replies::{DetokenizeAnswer, TokenizeAnswer, VersionAnswer};
 use super::types::InMessage;
 use super::validate::{bad, messages, Wire};
 use super::S;
 use crate::engine::api::Prompt;
+use crate::server::openapi::Refusals;
 use crate::server::ApiError;
 
 /// `POST /tokenize`: a completion's `prompt` or chat `messages` (vLLM's two shapes).
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 pub(in crate::server) struct TokenizeBody {
     /// Accepted and ignored: every model of a pool shares the base's tokenizer.
     #[serde(default)]
@@ -38,10 +40,14 @@ pub(in crate::server) struct TokenizeBody {
 
 /// `POST /tokenize` → `{count, max_model_len, tokens}`: the ids the engine would run, image
 /// placeholders expanded to their images' tokens.
+#[utoipa::path(post, path = "/tokenize", tag = "vllm",
+    request_body = TokenizeBody,
+    responses((status = 200, description = "The token ids", body = TokenizeAnswer), Refusals),
+    security(("bearer" = [])))]
 pub async fn tokenize(
     State(s): S,
     Wire { body: b, .. }: Wire<TokenizeBody>,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<TokenizeAnswer>, ApiError> {
     let (prompt, sources) = match (b.prompt, b.messages) {
         (Some(p), None) => match b.add_special_tokens.unwrap_or(true) {
             true => (Prompt::Text(p), Vec::new()),
@@ -65,15 +71,15 @@ pub async fn tokenize(
     let images = images::read_all(&s, sources).await?;
     let engine = s.engine.clone();
     let ids = tokio::task::spawn_blocking(move || engine.tokenize(&prompt, &images)).await??;
-    Ok(Json(json!({
-        "count": ids.len(),
-        "max_model_len": s.engine.model_info().max_seq_len,
-        "tokens": ids,
-    })))
+    Ok(Json(TokenizeAnswer {
+        count: ids.len(),
+        max_model_len: s.engine.model_info().max_seq_len,
+        tokens: ids,
+    }))
 }
 
 /// `POST /detokenize`.
-#[derive(Deserialize)]
+#[derive(Deserialize, utoipa::ToSchema)]
 pub(in crate::server) struct DetokenizeBody {
     #[serde(default)]
     #[allow(dead_code)]
@@ -82,14 +88,24 @@ pub(in crate::server) struct DetokenizeBody {
 }
 
 /// `POST /detokenize` → `{prompt}`: the text of token ids, special tokens left out.
+#[utoipa::path(post, path = "/detokenize", tag = "vllm",
+    request_body = DetokenizeBody,
+    responses((status = 200, description = "The text", body = DetokenizeAnswer), Refusals),
+    security(("bearer" = [])))]
 pub async fn detokenize(
     State(s): S,
     Wire { body: b, .. }: Wire<DetokenizeBody>,
-) -> Result<Json<Value>, ApiError> {
-    Ok(Json(json!({"prompt": s.engine.detokenize(&b.tokens)?})))
+) -> Result<Json<DetokenizeAnswer>, ApiError> {
+    Ok(Json(DetokenizeAnswer {
+        prompt: s.engine.detokenize(&b.tokens)?,
+    }))
 }
 
 /// `GET /version` → `{version}`: the worker's version.
-pub async fn version() -> Json<Value> {
-    Json(json!({"version": env!("CARGO_PKG_VERSION")}))
+#[utoipa::path(get, path = "/version", tag = "vllm",
+    responses((status = 200, description = "The worker's version", body = VersionAnswer)))]
+pub async fn version() -> Json<VersionAnswer> {
+    Json(VersionAnswer {
+        version: env!("CARGO_PKG_VERSION"),
+    })
 }

@@ -2,9 +2,10 @@
 
 use serde::Deserialize;
 use serde_json::Value;
+use utoipa::ToSchema;
 
 /// `stop`: one string or several.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(untagged)]
 pub(in crate::server) enum StopField {
     One(String),
@@ -12,7 +13,7 @@ pub(in crate::server) enum StopField {
 }
 
 /// A message's `content`: text, or typed parts.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(untagged)]
 pub(in crate::server) enum Content {
     Text(String),
@@ -22,7 +23,7 @@ pub(in crate::server) enum Content {
 /// One content part: `{"type": "text", "text": ...}`, or an image as OpenAI's chat
 /// (`{"type": "image_url", "image_url": {"url": ...}}`) or Responses API
 /// (`{"type": "input_image", "image_url": ...}`) send it.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 pub(in crate::server) struct Part {
     #[serde(rename = "type")]
     pub(super) kind: String,
@@ -33,7 +34,7 @@ pub(in crate::server) struct Part {
 }
 
 /// An image part's `image_url`: `{"url": ..., "detail": ...}` or the URL alone.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(untagged)]
 pub(in crate::server) enum ImageUrl {
     Object { url: String },
@@ -64,8 +65,36 @@ fn name_or_label<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String
     }))
 }
 
+/// `expert`'s schema: an adapter name or an integer label.
+fn name_or_label_schema() -> utoipa::openapi::schema::Schema {
+    use utoipa::openapi::schema::{OneOfBuilder, Type};
+    use utoipa::openapi::ObjectBuilder;
+    utoipa::openapi::schema::Schema::OneOf(
+        OneOfBuilder::new()
+            .item(ObjectBuilder::new().schema_type(Type::String))
+            .item(ObjectBuilder::new().schema_type(Type::Integer))
+            .item(ObjectBuilder::new().schema_type(Type::Null))
+            .description(Some(
+                "The adapter's name or router label (string or integer).",
+            ))
+            .build(),
+    )
+}
+
+/// `logprobs`' schema: chat's switch or a completion's count.
+fn logprobs_schema() -> utoipa::openapi::schema::Schema {
+    use utoipa::openapi::schema::{OneOfBuilder, Type};
+    use utoipa::openapi::ObjectBuilder;
+    utoipa::openapi::schema::Schema::OneOf(OneOfBuilder::new()
+        .item(ObjectBuilder::new().schema_type(Type::Boolean))
+        .item(ObjectBuilder::new().schema_type(Type::Integer).minimum(Some(0)))
+        .item(ObjectBuilder::new().schema_type(Type::Null))
+        .description(Some("Chat: whether to return log probabilities; completions: how many alternatives per token."))
+        .build())
+}
+
 /// A chat message as sent.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 pub(in crate::server) struct InMessage {
     pub(super) role: String,
     #[serde(default)]
@@ -73,7 +102,7 @@ pub(in crate::server) struct InMessage {
 }
 
 /// A stream's options.
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, ToSchema)]
 pub(in crate::server) struct StreamOptions {
     #[serde(default)]
     pub(super) include_usage: bool,
@@ -81,13 +110,14 @@ pub(in crate::server) struct StreamOptions {
 
 /// The fields chat, completions, `/infer` and `/v1/route` share: the model or adapter asked
 /// for, and sampling.
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, ToSchema)]
 pub(in crate::server) struct Common {
     #[serde(default)]
     pub(super) model: String,
     #[serde(default)]
     pub(super) adapter: Option<String>,
     #[serde(default, deserialize_with = "name_or_label")]
+    #[schema(schema_with = name_or_label_schema)]
     pub(super) expert: Option<String>,
     #[serde(default)]
     pub(super) stream: bool,
@@ -108,6 +138,7 @@ pub(in crate::server) struct Common {
     pub(super) seed: Option<u64>,
     pub(super) stop: Option<StopField>,
     /// Chat: bool; completions: an integer count. Kept raw and read per endpoint.
+    #[schema(schema_with = logprobs_schema)]
     pub(super) logprobs: Option<Value>,
     pub(super) top_logprobs: Option<usize>,
     #[serde(default)]
@@ -128,7 +159,7 @@ impl Common {
 }
 
 /// `POST /v1/chat/completions`.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 pub(in crate::server) struct ChatBody {
     pub(super) messages: Vec<InMessage>,
     /// Extra chat-template variables (vLLM's field), e.g. `{"enable_thinking": false}`.
@@ -139,7 +170,7 @@ pub(in crate::server) struct ChatBody {
 }
 
 /// A completion's `prompt`: text, token ids, or an array of texts (one is served).
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 #[serde(untagged)]
 pub(in crate::server) enum PromptField {
     Text(String),
@@ -148,7 +179,7 @@ pub(in crate::server) enum PromptField {
 }
 
 /// `POST /v1/completions`.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 pub(in crate::server) struct CompletionBody {
     pub(super) prompt: PromptField,
     #[serde(flatten)]
@@ -189,7 +220,7 @@ impl Kind {
 }
 
 /// `POST /infer`, the seeds' task call.
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 pub(in crate::server) struct InferBody {
     /// The task prompt (`input` is accepted as an alias).
     #[serde(alias = "input")]
@@ -202,7 +233,7 @@ pub(in crate::server) struct InferBody {
 }
 
 /// `POST /v1/route`: `input`, or chat `messages` (the last user one is routed).
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 pub(in crate::server) struct RouteBody {
     #[serde(default)]
     pub(super) input: Option<String>,
@@ -213,7 +244,7 @@ pub(in crate::server) struct RouteBody {
 }
 
 /// `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's shape).
-#[derive(Deserialize)]
+#[derive(Deserialize, ToSchema)]
 pub(in crate::server) struct LoadBody {
     pub(super) lora_name: String,
     #[serde(default)]
@@ -221,7 +252,7 @@ pub(in crate::server) struct LoadBody {
 }
 
 /// `POST /admin/reload`'s optional body.
-#[derive(Deserialize, Default)]
+#[derive(Deserialize, Default, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub(in crate::server) struct ReloadBody {
     /// `WorkerConfig::content_hash()` the caller expects the file to have.

@@ -1,0 +1,157 @@
+//! The worker's API as an OpenAPI 3.1 document (`GET /openapi.json`), derived from the
+//! handlers' own request and reply types and their `#[utoipa::path]` annotations, as TGI's
+//! router does: clients can be generated from it and the API fuzzed against it
+//! (`scripts/checks/openapi.sh`).
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use axum::extract::State;
+use axum::Json;
+use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
+use utoipa::openapi::{ContentBuilder, OpenApi as Document, Ref, RefOr, ResponseBuilder};
+use utoipa::OpenApi;
+
+use super::error::{ErrorDetail, ErrorReply};
+use super::openai;
+use super::AppState;
+
+/// The refusals an API endpoint may answer, each with OpenAI's error body and a stable `code`.
+pub(super) struct Refusals;
+
+impl utoipa::IntoResponses for Refusals {
+    fn responses() -> BTreeMap<String, RefOr<utoipa::openapi::Response>> {
+        [
+            (
+                "400",
+                "Invalid request: bad JSON, a field out of its limits, a bad image",
+            ),
+            ("401", "Missing or wrong bearer token"),
+            ("403", "The token does not grant this endpoint"),
+            ("404", "No such model or adapter"),
+            ("409", "The config file is not the one expected (reload)"),
+            ("413", "Body, image or prompt too large"),
+            ("422", "The adapter or the request cannot be served"),
+            ("429", "The queue is full (Retry-After)"),
+            ("500", "The engine failed the request"),
+            ("502", "A merged pod answered something else than an answer"),
+            (
+                "503",
+                "Not ready, or the merged pods are down (Retry-After)",
+            ),
+            ("504", "limits.requestTimeoutSeconds passed"),
+        ]
+        .into_iter()
+        .map(|(status, why)| {
+            let body = ContentBuilder::new()
+                .schema(Some(Ref::from_schema_name("ErrorReply")))
+                .build();
+            let r = ResponseBuilder::new()
+                .description(why)
+                .content("application/json", body)
+                .build();
+            (status.to_string(), RefOr::T(r))
+        })
+        .collect()
+    }
+}
+
+/// The endpoints and the schemas they name.
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "mole-worker",
+        description = "One pool's OpenAI-compatible API: chat and completions routed to LoRA adapters \
+            (explicit name, classifier, keywords, embeddings), mole's task and routing calls, vLLM's \
+            adapter and tokenizer endpoints, probes and metrics."
+    ),
+    paths(
+        openai::generate::chat_completions,
+        openai::generate::completions,
+        openai::chat::infer,
+        openai::route::route,
+        openai::models::models,
+        openai::tokens::tokenize,
+        openai::tokens::detokenize,
+        openai::tokens::version,
+        openai::admin::lora_adapters,
+        openai::admin::load_lora,
+        openai::admin::unload_lora,
+        openai::admin::admin_reload,
+        super::health,
+        super::healthz,
+        super::readyz,
+        super::metrics,
+        openapi_json,
+    ),
+    components(schemas(ErrorReply, ErrorDetail, openai::replies::Answer<openai::replies::ChunkChoice>)),
+    tags(
+        (name = "openai", description = "OpenAI's API"),
+        (name = "mole", description = "mole's task and routing calls"),
+        (name = "vllm", description = "vLLM's plain endpoints"),
+        (name = "admin", description = "Adapters and config (admin or operator token)"),
+        (name = "probes", description = "Liveness, readiness, metrics"),
+    )
+)]
+struct ApiDoc;
+
+/// The endpoints that always take the admin or operator token.
+const ADMIN_ONLY: [&str; 3] = [
+    "/v1/load_lora_adapter",
+    "/v1/unload_lora_adapter",
+    "/admin/reload",
+];
+
+/// The document as this worker serves it: the admin endpoints always take a bearer token; the
+/// others only when `api_keys` are required, so a client is not told to send a token nobody
+/// reads.
+pub(super) fn document(api_keys: bool) -> Document {
+    let mut doc = ApiDoc::openapi();
+    doc.info.version = env!("CARGO_PKG_VERSION").to_string();
+    let scheme = HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build();
+    doc.components
+        .get_or_insert_with(Default::default)
+        .add_security_scheme("bearer", SecurityScheme::Http(scheme));
+    for (path, item) in doc.paths.paths.iter_mut() {
+        if api_keys || ADMIN_ONLY.contains(&path.as_str()) {
+            continue;
+        }
+        for op in [&mut item.get, &mut item.post].into_iter().flatten() {
+            op.security = None;
+        }
+    }
+    doc
+}
+
+/// `GET /openapi.json`: this document (open, as vLLM's and TGI's are).
+#[utoipa::path(get, path = "/openapi.json", tag = "probes",
+    responses((status = 200, description = "This document", content_type = "application/json", body = Object)))]
+pub(super) async fn openapi_json(State(s): State<Arc<AppState>>) -> Json<Document> {
+    Json(document(s.auth().keys_required))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every route the app serves is in the document and nothing else is: the paths are read
+    /// from `app()`'s source, so a new route without `#[utoipa::path]` fails here.
+    #[test]
+    fn the_document_lists_every_route() {
+        let doc = serde_json::to_value(document(true)).unwrap();
+        assert!(doc["openapi"].as_str().unwrap().starts_with("3.1"));
+        let documented: std::collections::BTreeSet<String> =
+            doc["paths"].as_object().unwrap().keys().cloned().collect();
+        let src = include_str!("mod.rs");
+        let routed: std::collections::BTreeSet<String> = src
+            .split(".route(")
+            .skip(1)
+            .filter_map(|r| r.trim_start().strip_prefix('"')?.split('"').next())
+            .map(str::to_string)
+            .collect();
+        assert_eq!(documented, routed);
+        if let Ok(out) = std::env::var("MOLE_OPENAPI_OUT") {
+            std::fs::write(out, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
+        }
+    }
+}
