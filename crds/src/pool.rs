@@ -180,8 +180,9 @@ pub struct PoolMergeSpec {
     /// Tolerations of merge Jobs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
-    /// PriorityClass of merge Jobs (none by default: a merge is batch work and must not
-    /// preempt serving pods; the previous version keeps serving while it waits).
+    /// PriorityClass of merge Jobs. Not `gpu.priorityClassName`: a merge is batch work that
+    /// should not preempt serving pods (the previous version keeps serving while it waits), so
+    /// unset it gets the cluster's default priority.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub priority_class_name: Option<String>,
     /// Previous merged versions kept besides the active one (for instant rollback).
