@@ -15,6 +15,7 @@ use mole_api::{Dtype, RoutingSignals, ServingMode};
     kind = "Adapter",
     plural = "adapters",
     shortname = "lora",
+    category = "mole",
     namespaced,
     status = "AdapterStatus",
     derive = "PartialEq",

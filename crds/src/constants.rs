@@ -39,8 +39,12 @@ pub const ANNOTATION_CONFIG_HASH: &str = "mole.dev/config-hash";
 pub const WORKER_CONFIG_KEY: &str = "worker.json";
 /// Where the ConfigMap is mounted in worker pods.
 pub const WORKER_CONFIG_MOUNT: &str = "/etc/mole";
-/// Port every worker listens on.
+/// Port workers listen on unless the operator's `--worker-port` (`MOLE_WORKER_PORT`, the
+/// chart's `workerPort`) says otherwise.
 pub const WORKER_PORT: u16 = 8000;
+/// Port of every pool's Services (`<pool>`, `<pool>-<adapter>`) and so of the endpoints the
+/// operator publishes; they forward to the pods' named worker port, whatever its number.
+pub const SERVICE_PORT: u16 = 8000;
 
 /// Condition types.
 pub mod condition {

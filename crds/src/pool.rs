@@ -1,6 +1,8 @@
 //! `InferencePool`: one base model served by a set of GPU pods.
 
-use k8s_openapi::api::core::v1::{Affinity, ResourceRequirements, Toleration};
+use k8s_openapi::api::core::v1::{
+    Affinity, LocalObjectReference, ResourceRequirements, Toleration,
+};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use kube::{CustomResource, KubeSchema};
 use mole_api::{Dtype, EngineLimits, RouterSpec};
@@ -16,8 +18,12 @@ use std::collections::BTreeMap;
     version = "v1alpha1",
     kind = "InferencePool",
     plural = "inferencepools",
+    // `inferencepools` is also the plural of the Gateway API Inference Extension's kind: these
+    // short names (and the category) are unambiguous with both installed.
     shortname = "ipool",
-    shortname = "pools",
+    shortname = "mpool",
+    shortname = "molepool",
+    category = "mole",
     namespaced,
     status = "InferencePoolStatus",
     derive = "PartialEq",
@@ -58,6 +64,10 @@ pub struct InferencePoolSpec {
     /// API keys for the pool's HTTP API (optional).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth: Option<AuthSpec>,
+    /// Secrets (in the pool's namespace) to pull the image with, for worker pods and merge
+    /// Jobs alike (they run the same image).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub image_pull_secrets: Vec<LocalObjectReference>,
 }
 
 /// The base model of a pool.
@@ -115,6 +125,14 @@ pub struct GpuSpec {
     /// Affinity of the pool's pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub affinity: Option<Affinity>,
+    /// PriorityClass of the serving pods (dynamic and merged), so they can preempt batch work
+    /// on a full GPU node pool. Merge Jobs take `merge.priorityClassName` instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
+    /// RuntimeClass of the serving pods (e.g. `nvidia` where the GPU Operator does not make the
+    /// NVIDIA runtime the node's default). Merge Jobs need no GPU and run without it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub runtime_class_name: Option<String>,
 }
 
 fn default_gpu_resource() -> String {
@@ -162,6 +180,11 @@ pub struct PoolMergeSpec {
     /// Tolerations of merge Jobs.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub tolerations: Vec<Toleration>,
+    /// PriorityClass of merge Jobs. Not `gpu.priorityClassName`: a merge is batch work that
+    /// should not preempt serving pods (the previous version keeps serving while it waits), so
+    /// unset it gets the cluster's default priority.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub priority_class_name: Option<String>,
     /// Previous merged versions kept besides the active one (for instant rollback).
     #[serde(default = "default_keep_versions")]
     #[schemars(range(min = 0, max = 20))]
@@ -189,6 +212,7 @@ impl Default for PoolMergeSpec {
             resources: None,
             node_selector: BTreeMap::new(),
             tolerations: Vec::new(),
+            priority_class_name: None,
             keep_versions: default_keep_versions(),
             min_accuracy: None,
             backoff_limit: default_backoff_limit(),

@@ -191,3 +191,63 @@ fn the_cel_bound_check_catches_an_unbounded_list() {
     assert_eq!(errs.len(), 1, "{errs:?}");
     assert!(errs[0].contains("maxItems"));
 }
+
+/// The names `kubectl` resolves for the Gateway API Inference Extension's CRDs, from their CRD
+/// YAML in kubernetes-sigs/gateway-api-inference-extension (config/crd/bases at 84436a9, and
+/// the inference.networking.x-k8s.io CRDs before their removal): the plurals, singulars and
+/// kinds of InferencePool (both groups), InferencePoolImport, InferenceModel,
+/// InferenceObjective and InferenceModelRewrite, and the short names `infpool` (v1
+/// InferencePool), `xinfpool` (v1alpha2 InferencePool) and `infpimp` (InferencePoolImport);
+/// the other kinds have none, and none declares a category.
+const GIE_NAMES: &[&str] = &[
+    "inferencepools",
+    "inferencepool",
+    "infpool",
+    "xinfpool",
+    "inferencepoolimports",
+    "inferencepoolimport",
+    "infpimp",
+    "inferencemodels",
+    "inferencemodel",
+    "inferenceobjectives",
+    "inferenceobjective",
+    "inferencemodelrewrites",
+    "inferencemodelrewrite",
+];
+
+#[test]
+fn short_names_and_the_mole_category_are_unambiguous_beside_the_inference_extension() {
+    use kube::CustomResourceExt;
+    let pools = mole_crds::InferencePool::crd().spec.names;
+    let adapters = mole_crds::Adapter::crd().spec.names;
+    assert_eq!(
+        pools.short_names.as_deref(),
+        Some(&["ipool".to_string(), "mpool".into(), "molepool".into()][..])
+    );
+    assert_eq!(
+        adapters.short_names.as_deref(),
+        Some(&["lora".to_string()][..])
+    );
+    // `kubectl get mole` lists pools and adapters together.
+    for names in [&pools, &adapters] {
+        assert_eq!(names.categories.as_deref(), Some(&["mole".to_string()][..]));
+    }
+    // Every short name and the category name only mole's kinds, whatever else is installed
+    // (`inferencepools` itself stays ambiguous: that is what the short names are for).
+    for name in pools
+        .short_names
+        .iter()
+        .chain(adapters.short_names.iter())
+        .flatten()
+        .chain(pools.categories.iter().flatten())
+    {
+        assert!(
+            !GIE_NAMES.contains(&name.as_str()),
+            "{name} is also a Gateway API Inference Extension name"
+        );
+    }
+    assert!(
+        GIE_NAMES.contains(&pools.plural.as_str()),
+        "the clash this guards against"
+    );
+}

@@ -68,7 +68,8 @@ struct RunArgs {
     /// This replica's identity in the Lease (default: the pod name).
     #[arg(long, env = "POD_NAME")]
     identity: Option<String>,
-    /// Port of the worker pods' HTTP API.
+    /// Port of the worker pods' HTTP API: the port the operator renders into their pods
+    /// (`--listen`, the container port the probes and Services name) and polls them on.
     #[arg(long, env = "MOLE_WORKER_PORT", default_value_t = mole_crds::constants::WORKER_PORT)]
     worker_port: u16,
 }

@@ -159,6 +159,14 @@ async fn create_pool_applies_children_and_status_and_a_restart_changes_nothing()
     assert_eq!(p["status"]["phase"], "Progressing", "no pod is ready yet");
     assert_eq!(condition(&p, "Valid")["status"], "True");
     assert_eq!(p["status"]["endpoint"], "http://vl.ml.svc:8000");
+    // The pods listen where the operator polls them (here the fake worker's port, not 8000).
+    let port = e.worker.addr.port();
+    let c = &e.get(DEPLOY).unwrap()["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(c["ports"][0]["containerPort"], json!(port));
+    assert!(c["args"]
+        .as_array()
+        .unwrap()
+        .contains(&json!(format!("0.0.0.0:{port}"))));
     assert!(e
         .store
         .lock()
@@ -219,6 +227,47 @@ async fn invalid_pool_gets_a_condition_naming_the_field_and_no_children() {
         .unwrap()
         .events
         .contains(&"InvalidSpec".to_string()));
+}
+
+#[tokio::test]
+async fn malformed_pod_setting_names_are_refused_naming_the_field() {
+    for (field, path, value) in [
+        (
+            "spec.imagePullSecrets[0].name",
+            "/spec/imagePullSecrets",
+            json!([{"name": "Reg_Cred"}]),
+        ),
+        (
+            "spec.gpu.runtimeClassName",
+            "/spec/gpu/runtimeClassName",
+            json!("NVIDIA"),
+        ),
+        (
+            "spec.gpu.priorityClassName",
+            "/spec/gpu/priorityClassName",
+            json!("high priority"),
+        ),
+    ] {
+        let e = env().await;
+        let mut p = pool_obj();
+        let (parent, key) = path.rsplit_once('/').unwrap();
+        p.pointer_mut(parent).unwrap()[key] = value;
+        e.store.lock().unwrap().create(POOL, p);
+        e.reconcile_pool().await;
+        let p = e.get(POOL).unwrap();
+        let valid = condition(&p, "Valid");
+        assert_eq!(valid["status"], "False", "{field}");
+        assert!(
+            valid["message"].as_str().unwrap().starts_with(field),
+            "{field}: {}",
+            valid["message"]
+        );
+        assert!(
+            e.get(DEPLOY).is_none(),
+            "{field}: no pods without a valid name"
+        );
+        assert!(e.events().contains(&"InvalidSpec".to_string()), "{field}");
+    }
 }
 
 #[tokio::test]

@@ -151,6 +151,81 @@ fn every_valid_sample_passes_schema_and_validation() {
     assert_eq!(merged, 2, "calendar and claim-window are merged");
 }
 
+/// Every YAML document of `name` (the gateway sample holds two).
+fn documents(name: &str) -> Vec<Value> {
+    let text = std::fs::read_to_string(samples().join(name)).unwrap();
+    serde_yaml::Deserializer::from_str(&text)
+        .map(|d| serde::Deserialize::deserialize(d).unwrap())
+        .collect()
+}
+
+#[test]
+fn every_file_in_the_samples_is_checked_or_explicitly_skipped() {
+    let mut mole = 0;
+    let mut gateway = Vec::new();
+    for e in std::fs::read_dir(samples()).unwrap() {
+        let name = e.unwrap().file_name().to_string_lossy().to_string();
+        for v in documents(&name) {
+            let (api, kind) = (
+                v["apiVersion"].as_str().unwrap(),
+                v["kind"].as_str().unwrap(),
+            );
+            if api == "mole.dev/v1alpha1" {
+                let mut errs = Vec::new();
+                check(&v, &schema_of(kind), "", &mut errs);
+                assert!(errs.is_empty(), "{name}: {errs:?}");
+                mole += 1;
+            } else {
+                // Not a mole kind, so not checked against mole's CRDs: only the Gateway API
+                // sample may hold such objects (the GIE InferencePool and the HTTPRoute to
+                // it), checked against what the operator renders below.
+                assert_eq!(name, "gateway-inference.yaml", "{api} {kind}");
+                gateway.push(v);
+            }
+        }
+    }
+    assert_eq!(mole, 8, "the pool, six adapters and the invalid adapter");
+    assert_eq!(gateway.len(), 2);
+    let [gie, route] = &gateway[..] else {
+        unreachable!()
+    };
+    assert_eq!(
+        (gie["apiVersion"].as_str(), gie["kind"].as_str()),
+        (
+            Some("inference.networking.k8s.io/v1"),
+            Some("InferencePool")
+        )
+    );
+    assert_eq!(route["kind"], "HTTPRoute");
+    // The GIE pool selects exactly the sample pool's dynamic pods, on the port they listen on.
+    let (_, pool) = load("pool-qwen3-vl-8b.yaml");
+    let pool_name = pool["metadata"]["name"].as_str().unwrap();
+    let pod_labels = mole_operator::resources::labels(pool_name, "dynamic");
+    let selector = gie["spec"]["selector"]["matchLabels"].as_object().unwrap();
+    assert!(!selector.is_empty());
+    for (k, v) in selector {
+        assert_eq!(pod_labels.get(k).map(String::as_str), v.as_str(), "{k}");
+    }
+    let merged = mole_operator::resources::labels(pool_name, "merged");
+    assert!(
+        selector
+            .iter()
+            .any(|(k, v)| merged.get(k).map(String::as_str) != v.as_str()),
+        "merged pods are not selected"
+    );
+    assert_eq!(
+        gie["spec"]["targetPorts"],
+        serde_json::json!([{"number": mole_crds::constants::WORKER_PORT}])
+    );
+    assert_eq!(gie["metadata"]["namespace"], pool["metadata"]["namespace"]);
+    assert_ne!(gie["metadata"]["name"], pool["metadata"]["name"]);
+    assert!(gie["spec"]["endpointPickerRef"]["port"]["number"].is_u64());
+    let backend = &route["spec"]["rules"][0]["backendRefs"][0];
+    assert_eq!(backend["group"], "inference.networking.k8s.io");
+    assert_eq!(backend["kind"], "InferencePool");
+    assert_eq!(backend["name"], gie["metadata"]["name"]);
+}
+
 #[test]
 fn the_invalid_sample_fails_for_its_stated_reason() {
     let (text, v) = load("invalid-adapter.yaml");

@@ -162,6 +162,12 @@ impl PodClient {
         }
     }
 
+    /// The port workers are reached on, which is also the port the operator renders into their
+    /// pods (`--listen`, the container port the probes name): the two cannot disagree.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
     fn url(&self, pod: &ReadyPod, path: &str) -> String {
         format!("http://{}:{}{path}", pod.ip, self.port)
     }

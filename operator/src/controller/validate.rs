@@ -14,6 +14,57 @@ pub fn is_confined_relative(p: &str) -> bool {
     !p.is_empty() && !p.starts_with('/') && !p.split('/').any(|c| c == "..") && !p.contains('\0')
 }
 
+/// Whether `s` is a DNS-1123 subdomain, as the API server requires of the names of Secrets,
+/// PriorityClasses and RuntimeClasses: at most 253 characters, dot-separated labels of lower
+/// case alphanumerics and `-`, each starting and ending alphanumeric.
+pub fn is_dns1123_subdomain(s: &str) -> bool {
+    let alnum = |c: u8| c.is_ascii_lowercase() || c.is_ascii_digit();
+    !s.is_empty()
+        && s.len() <= 253
+        && s.split('.').all(|label| {
+            let b = label.as_bytes();
+            matches!((b.first(), b.last()), (Some(&f), Some(&l)) if alnum(f) && alnum(l))
+                && b.iter().all(|&c| alnum(c) || c == b'-')
+        })
+}
+
+/// `Err` naming `field` when `name` is not a DNS-1123 subdomain (the name of a `what`).
+fn dns_name(field: String, what: &str, name: &str) -> Result<(), FieldError> {
+    if is_dns1123_subdomain(name) {
+        return Ok(());
+    }
+    Err(FieldError::invalid(
+        field,
+        format!(
+            "{name:?} is not a valid {what} name (a DNS-1123 subdomain: lower case letters, \
+             digits, '-' and '.', starting and ending with a letter or digit, at most 253)"
+        ),
+    ))
+}
+
+/// The names the pods' specs refer to: the API server refuses a pod whose pull Secret,
+/// PriorityClass or RuntimeClass name is malformed, and a Deployment would then sit without
+/// pods and without saying why on the pool; refuse the pool instead, naming the field.
+fn validate_pod_names(spec: &InferencePoolSpec) -> Result<(), FieldError> {
+    for (i, s) in spec.image_pull_secrets.iter().enumerate() {
+        dns_name(
+            format!("spec.imagePullSecrets[{i}].name"),
+            "Secret",
+            &s.name,
+        )?;
+    }
+    if let Some(n) = &spec.gpu.priority_class_name {
+        dns_name("spec.gpu.priorityClassName".into(), "PriorityClass", n)?;
+    }
+    if let Some(n) = &spec.gpu.runtime_class_name {
+        dns_name("spec.gpu.runtimeClassName".into(), "RuntimeClass", n)?;
+    }
+    if let Some(n) = &spec.merge.priority_class_name {
+        dns_name("spec.merge.priorityClassName".into(), "PriorityClass", n)?;
+    }
+    Ok(())
+}
+
 /// Validates a pool's spec.
 pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
     let spec: &InferencePoolSpec = &pool.spec;
@@ -84,6 +135,7 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
             e.message,
         ));
     }
+    validate_pod_names(spec)?;
     validate_router(&spec.router)?;
     if let Some(auth) = &spec.auth {
         if auth.secret_name.trim().is_empty() {
@@ -228,6 +280,7 @@ pub fn validate_adapter(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use k8s_openapi::api::core::v1::LocalObjectReference;
     use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
     pub(crate) fn pool() -> InferencePool {
@@ -332,11 +385,92 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
                 |p| p.spec.router.strategies.push(RouterStrategy::Explicit),
                 "spec.router.strategies",
             ),
+            (
+                |p| {
+                    p.spec.image_pull_secrets = vec![
+                        LocalObjectReference {
+                            name: "regcred".into(),
+                        },
+                        LocalObjectReference {
+                            name: "Reg_Cred".into(),
+                        },
+                    ]
+                },
+                "spec.imagePullSecrets[1].name",
+            ),
+            (
+                |p| p.spec.image_pull_secrets = vec![LocalObjectReference { name: "".into() }],
+                "spec.imagePullSecrets[0].name",
+            ),
+            (
+                |p| p.spec.gpu.priority_class_name = Some("High Priority".into()),
+                "spec.gpu.priorityClassName",
+            ),
+            (
+                |p| p.spec.gpu.runtime_class_name = Some("-nvidia".into()),
+                "spec.gpu.runtimeClassName",
+            ),
+            (
+                |p| p.spec.merge.priority_class_name = Some("batch.".into()),
+                "spec.merge.priorityClassName",
+            ),
         ];
         for (mutate, want) in cases {
             let mut p = pool();
             mutate(&mut p);
             assert_eq!(field(validate_pool(&p)), want);
+        }
+    }
+
+    #[test]
+    fn pod_names_that_are_valid_pass() {
+        let mut p = pool();
+        p.spec.image_pull_secrets = vec![LocalObjectReference {
+            name: "ghcr.io-pull".into(),
+        }];
+        p.spec.gpu.priority_class_name = Some("gpu-serving".into());
+        p.spec.gpu.runtime_class_name = Some("nvidia".into());
+        p.spec.merge.priority_class_name = Some("batch-low".into());
+        assert_eq!(validate_pool(&p), Ok(()));
+        let e = {
+            p.spec.gpu.runtime_class_name = Some("NVIDIA".into());
+            validate_pool(&p).unwrap_err()
+        };
+        assert_eq!(e.reason, reason::INVALID_SPEC);
+        assert!(e
+            .message
+            .contains("\"NVIDIA\" is not a valid RuntimeClass name"));
+    }
+
+    #[test]
+    fn dns1123_subdomains() {
+        let long_ok = format!("{}.{}", "a".repeat(63), "b".repeat(189));
+        assert_eq!(long_ok.len(), 253);
+        for ok in [
+            "a",
+            "nvidia",
+            "gpu-high",
+            "a.b-c.d9",
+            "0x",
+            long_ok.as_str(),
+        ] {
+            assert!(is_dns1123_subdomain(ok), "{ok}");
+        }
+        let too_long = "a".repeat(254);
+        for bad in [
+            "",
+            "A",
+            "a_b",
+            "-a",
+            "a-",
+            "a..b",
+            ".a",
+            "a.",
+            "a b",
+            "é",
+            too_long.as_str(),
+        ] {
+            assert!(!is_dns1123_subdomain(bad), "{bad}");
         }
     }
 

@@ -8,7 +8,8 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use mole_crds::{AdapterSpec, InferencePoolSpec};
 
 use crate::resources::{
-    models_volume, restricted_container_security, restricted_pod_security, ChildMeta,
+    image_pull_secrets, models_volume, restricted_container_security, restricted_pod_security,
+    ChildMeta,
 };
 
 use super::MergeKey;
@@ -91,6 +92,11 @@ pub fn merge_job(
                         .then(|| pool.merge.node_selector.clone()),
                     tolerations: (!pool.merge.tolerations.is_empty())
                         .then(|| pool.merge.tolerations.clone()),
+                    // Its own class, not the serving pods': see `merge.priorityClassName`. No
+                    // runtimeClassName: merging needs no GPU, and a GPU runtime handler is
+                    // often missing on the CPU nodes a merge should run on.
+                    priority_class_name: pool.merge.priority_class_name.clone(),
+                    image_pull_secrets: image_pull_secrets(pool),
                     containers: vec![Container {
                         name: "merge".into(),
                         image: Some(pool.image.clone()),
@@ -168,6 +174,8 @@ pub fn cleanup_job(
                         .then(|| pool.merge.node_selector.clone()),
                     tolerations: (!pool.merge.tolerations.is_empty())
                         .then(|| pool.merge.tolerations.clone()),
+                    priority_class_name: pool.merge.priority_class_name.clone(),
+                    image_pull_secrets: image_pull_secrets(pool),
                     containers: vec![Container {
                         name: "cleanup".into(),
                         image: Some(pool.image.clone()),
@@ -204,8 +212,10 @@ baseModel: {name: Qwen/Qwen3-VL-8B-Instruct, path: base/qwen3-vl-8b}
 storage: {claimName: models, mountPath: /models}
 image: ghcr.io/mole-dev/mole-worker:0.1.0
 imagePullPolicy: IfNotPresent
-gpu: {count: 1}
+imagePullSecrets: [{name: regcred}]
+gpu: {count: 1, priorityClassName: gpu-serving, runtimeClassName: nvidia}
 merge:
+  priorityClassName: batch-low
   backoffLimit: 3
   activeDeadlineSeconds: 1800
   nodeSelector: {node-role/merge: "true"}
@@ -241,7 +251,18 @@ merge:
         assert_eq!(pod.restart_policy.as_deref(), Some("Never"));
         assert_eq!(pod.node_selector.unwrap()["node-role/merge"], "true");
         assert_eq!(pod.tolerations.unwrap()[0].key.as_deref(), Some("merge"));
+        assert_eq!(pod.image_pull_secrets.unwrap()[0].name, "regcred");
+        assert_eq!(
+            pod.priority_class_name.as_deref(),
+            Some("batch-low"),
+            "the merge class, not the serving pods'"
+        );
+        assert_eq!(pod.runtime_class_name, None, "merging needs no GPU runtime");
         let psec = pod.security_context.unwrap();
+        assert_eq!(
+            psec.fs_group_change_policy.as_deref(),
+            Some("OnRootMismatch")
+        );
         assert_eq!(psec.run_as_non_root, Some(true));
         assert_eq!(
             psec.seccomp_profile.unwrap().type_,
@@ -291,5 +312,20 @@ merge:
         assert_eq!(after("--out"), format!("/models/{}", key.output));
         assert_eq!(after("--dtype"), "bf16");
         assert!(args.contains(&"--safe-merge".to_string()));
+        // The cleanup Job runs the same image on the same nodes as the merge Job.
+        let cleanup = cleanup_job(
+            "vl",
+            &pool,
+            "calendar",
+            &["merged/calendar/v1-a".to_string()],
+            job.metadata.owner_references.unwrap()[0].clone(),
+        )
+        .unwrap();
+        let pod = cleanup.spec.unwrap().template.spec.unwrap();
+        assert_eq!(pod.image_pull_secrets.unwrap()[0].name, "regcred");
+        assert_eq!(pod.tolerations.unwrap()[0].key.as_deref(), Some("merge"));
+        assert_eq!(pod.node_selector.unwrap()["node-role/merge"], "true");
+        assert_eq!(pod.priority_class_name.as_deref(), Some("batch-low"));
+        assert_eq!(pod.runtime_class_name, None);
     }
 }

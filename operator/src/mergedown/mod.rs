@@ -219,7 +219,7 @@ pub fn gate(pool: &InferencePoolSpec, spec: &AdapterSpec) -> Option<String> {
 pub fn merged_endpoint(pool: &str, adapter: &str, namespace: &str) -> String {
     format!(
         "http://{pool}-{adapter}.{namespace}.svc:{}",
-        mole_crds::constants::WORKER_PORT
+        mole_crds::constants::SERVICE_PORT
     )
 }
 
@@ -369,7 +369,7 @@ fn plan_dynamic(
 fn pool_endpoint(pool: &str, namespace: &str) -> String {
     format!(
         "http://{pool}.{namespace}.svc:{}",
-        mole_crds::constants::WORKER_PORT
+        mole_crds::constants::SERVICE_PORT
     )
 }
 

@@ -22,11 +22,11 @@ pub fn merged_name(pool: &str, adapter: &str) -> String {
     format!("{pool}-{adapter}")
 }
 
-/// The Deployment `<pool>-dynamic`.
-pub fn dynamic_deployment(pool: &InferencePool) -> Deployment {
+/// The Deployment `<pool>-dynamic`, its workers listening on `port`.
+pub fn dynamic_deployment(pool: &InferencePool, port: u16) -> Deployment {
     let name = pool.metadata.name.clone().unwrap_or_default();
     let meta = ChildMeta::of_pool(pool, "dynamic");
-    let template = worker_pod(pool, &config_map_name(&name), &meta);
+    let template = worker_pod(pool, &config_map_name(&name), &meta, port);
     worker_deployment(
         &meta,
         dynamic_name(&name),

@@ -28,8 +28,8 @@ pub use meta::{
 };
 pub use pdb::{pdb, worker_pdb};
 pub use pod::{
-    models_volume, restricted_container_security, restricted_pod_security, spec_hash, worker_pod,
-    AUTH_MOUNT,
+    image_pull_secrets, models_volume, restricted_container_security, restricted_pod_security,
+    spec_hash, worker_pod, AUTH_MOUNT, WORKER_PORT_NAME,
 };
 pub use secret::{
     operator_token_file, operator_token_secret, operator_token_secret_name, OPERATOR_TOKEN_KEY,
@@ -38,8 +38,8 @@ pub use secret::{
 pub use service::{endpoint, service, worker_service};
 pub use worker_config::{merged_worker_config, worker_config, Registered};
 
-/// The merged children of an adapter: ConfigMap, Deployment, Service and PDB, owned by the
-/// Adapter (`owner`) so they go with it.
+/// The merged children of an adapter: ConfigMap, Deployment (workers listening on `port`),
+/// Service and PDB, owned by the Adapter (`owner`) so they go with it.
 pub fn merged_children(
     pool: &InferencePool,
     adapter: &str,
@@ -47,6 +47,7 @@ pub fn merged_children(
     output: &str,
     replicas: i32,
     owner: OwnerReference,
+    port: u16,
 ) -> (ConfigMap, Deployment, Service, PodDisruptionBudget) {
     let pool_name = pool.metadata.name.clone().unwrap_or_default();
     let name = merged_name(&pool_name, adapter);
@@ -60,7 +61,7 @@ pub fn merged_children(
     let wc = merged_worker_config(&pool_name, &pool.spec, adapter, version, output);
     let cm = merged_config_map(&meta, &pool_name, adapter, output, &wc);
     let cm_name = merged_config_name(&pool_name, adapter, output);
-    let mut template = worker_pod(pool, &cm_name, &meta);
+    let mut template = worker_pod(pool, &cm_name, &meta, port);
     // The output and version are in the template: switching them is a rolling update, and the
     // operator reads back what a Deployment serves from here.
     let ann = template

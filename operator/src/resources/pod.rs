@@ -5,16 +5,14 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
     Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
-    HTTPGetAction, PersistentVolumeClaimVolumeSource, PodSecurityContext, PodSpec, PodTemplateSpec,
-    Probe, ResourceRequirements, SeccompProfile, SecretVolumeSource, SecurityContext, Volume,
-    VolumeMount,
+    HTTPGetAction, LocalObjectReference, PersistentVolumeClaimVolumeSource, PodSecurityContext,
+    PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile, SecretVolumeSource,
+    SecurityContext, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use mole_crds::constants::{
-    ANNOTATION_SPEC_HASH, WORKER_CONFIG_KEY, WORKER_CONFIG_MOUNT, WORKER_PORT,
-};
+use mole_crds::constants::{ANNOTATION_SPEC_HASH, WORKER_CONFIG_KEY, WORKER_CONFIG_MOUNT};
 use mole_crds::{InferencePool, InferencePoolSpec};
 
 use super::meta::{short_hash, ChildMeta};
@@ -50,6 +48,10 @@ pub fn restricted_pod_security() -> PodSecurityContext {
         run_as_user: Some(65532),
         run_as_group: Some(65532),
         fs_group: Some(65532),
+        // The kubelet otherwise walks (and chowns) every file of the model volume at each pod
+        // start: minutes for a large checkpoint. Once the volume's root carries the group, it
+        // is left alone.
+        fs_group_change_policy: Some("OnRootMismatch".into()),
         seccomp_profile: Some(SeccompProfile {
             type_: "RuntimeDefault".into(),
             ..Default::default()
@@ -70,9 +72,15 @@ pub fn models_volume(pool: &InferencePoolSpec, read_only: bool) -> Volume {
     }
 }
 
-/// Hash of exactly the fields whose change must restart the pool's pods: base model, image,
-/// storage, GPU scheduling, resources and engine limits. Adapters are not in it: adding,
-/// updating or removing an adapter never restarts a pod.
+/// The pool's `imagePullSecrets` as a pod spec takes them (None when there are none).
+pub fn image_pull_secrets(pool: &InferencePoolSpec) -> Option<Vec<LocalObjectReference>> {
+    (!pool.image_pull_secrets.is_empty()).then(|| pool.image_pull_secrets.clone())
+}
+
+/// Hash of exactly the fields whose change must restart the pool's pods: base model, image
+/// and its pull secrets, storage, GPU scheduling (with priority and runtime class),
+/// resources and engine limits. Adapters are not in it: adding, updating or removing an
+/// adapter never restarts a pod.
 pub fn spec_hash(spec: &InferencePoolSpec) -> String {
     let l = &spec.dynamic.limits;
     let mut limits = serde_json::json!({
@@ -87,16 +95,22 @@ pub fn spec_hash(spec: &InferencePoolSpec) -> String {
     if let Some(d) = l.lora_dtype {
         limits["loraDtype"] = serde_json::json!(d);
     }
-    short_hash(&serde_json::json!({
+    let mut hashed = serde_json::json!({
         "baseModel": spec.base_model,
         "image": spec.image,
         "imagePullPolicy": spec.image_pull_policy,
         "storage": spec.storage,
+        // With its optional fields (priorityClassName, runtimeClassName) only when set, as
+        // serde writes it: pools that leave them unset keep their hash.
         "gpu": spec.gpu,
         "resources": spec.resources,
         "limits": limits,
         "auth": spec.auth,
-    }))
+    });
+    if !spec.image_pull_secrets.is_empty() {
+        hashed["imagePullSecrets"] = serde_json::json!(spec.image_pull_secrets);
+    }
+    short_hash(&hashed)
 }
 
 /// Container resources: the pool's, plus the GPU request and limit.
@@ -114,11 +128,16 @@ fn resources(spec: &InferencePoolSpec) -> ResourceRequirements {
     r
 }
 
+/// The name of the worker container's port, which probes and Services refer to: a Service
+/// reaches each pod on the port that pod declares, so a change of the worker port rolls
+/// without a window where the Service points at a port old pods do not listen on.
+pub const WORKER_PORT_NAME: &str = "http";
+
 fn http_probe(path: &str, period: i32, failures: i32) -> Probe {
     Probe {
         http_get: Some(HTTPGetAction {
             path: Some(path.into()),
-            port: IntOrString::String("http".into()),
+            port: IntOrString::String(WORKER_PORT_NAME.into()),
             ..Default::default()
         }),
         period_seconds: Some(period),
@@ -194,8 +213,8 @@ fn worker_volumes(pool: &InferencePool, config_map: &str) -> (Vec<Volume>, Vec<V
     (volumes, mounts)
 }
 
-/// The worker container: `mole-worker serve` on the mounted WorkerConfig.
-fn worker_container(spec: &InferencePoolSpec, mounts: Vec<VolumeMount>) -> Container {
+/// The worker container: `mole-worker serve` on the mounted WorkerConfig, listening on `port`.
+fn worker_container(spec: &InferencePoolSpec, mounts: Vec<VolumeMount>, port: u16) -> Container {
     Container {
         name: "worker".into(),
         image: Some(spec.image.clone()),
@@ -206,7 +225,7 @@ fn worker_container(spec: &InferencePoolSpec, mounts: Vec<VolumeMount>) -> Conta
             "--config".into(),
             format!("{WORKER_CONFIG_MOUNT}/{WORKER_CONFIG_KEY}"),
             "--listen".into(),
-            format!("0.0.0.0:{WORKER_PORT}"),
+            format!("0.0.0.0:{port}"),
         ]),
         env: Some(vec![EnvVar {
             name: "MOLE_LOG_FORMAT".into(),
@@ -214,8 +233,8 @@ fn worker_container(spec: &InferencePoolSpec, mounts: Vec<VolumeMount>) -> Conta
             ..Default::default()
         }]),
         ports: Some(vec![ContainerPort {
-            name: Some("http".into()),
-            container_port: WORKER_PORT as i32,
+            name: Some(WORKER_PORT_NAME.into()),
+            container_port: i32::from(port),
             ..Default::default()
         }]),
         resources: Some(resources(spec)),
@@ -230,9 +249,15 @@ fn worker_container(spec: &InferencePoolSpec, mounts: Vec<VolumeMount>) -> Conta
 }
 
 /// The pod template of a worker (dynamic or merged): `mole-worker serve` on the ConfigMap
-/// `config_map`, labelled as `meta`, with GPU scheduling, the model volume read-only, probes
-/// and restricted security.
-pub fn worker_pod(pool: &InferencePool, config_map: &str, meta: &ChildMeta) -> PodTemplateSpec {
+/// `config_map`, listening on `port` (the operator's `--worker-port`, which it polls pods on),
+/// labelled as `meta`, with GPU scheduling, the model volume read-only, probes and restricted
+/// security.
+pub fn worker_pod(
+    pool: &InferencePool,
+    config_map: &str,
+    meta: &ChildMeta,
+    port: u16,
+) -> PodTemplateSpec {
     let spec = &pool.spec;
     let (volumes, mounts) = worker_volumes(pool, config_map);
     PodTemplateSpec {
@@ -250,9 +275,12 @@ pub fn worker_pod(pool: &InferencePool, config_map: &str, meta: &ChildMeta) -> P
                 .then(|| spec.gpu.node_selector.clone()),
             tolerations: (!spec.gpu.tolerations.is_empty()).then(|| spec.gpu.tolerations.clone()),
             affinity: spec.gpu.affinity.clone(),
+            priority_class_name: spec.gpu.priority_class_name.clone(),
+            runtime_class_name: spec.gpu.runtime_class_name.clone(),
+            image_pull_secrets: image_pull_secrets(spec),
             // Long enough for in-flight generations to drain after SIGTERM.
             termination_grace_period_seconds: Some(90),
-            containers: vec![worker_container(spec, mounts)],
+            containers: vec![worker_container(spec, mounts, port)],
             volumes: Some(volumes),
             ..Default::default()
         }),

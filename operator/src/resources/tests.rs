@@ -1,9 +1,10 @@
 //! Builders: what gets created for a pool, and what must not restart pods.
 
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::{LocalObjectReference, PodSpec, Service};
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
-use mole_crds::constants::{ANNOTATION_SPEC_HASH, WORKER_CONFIG_MOUNT};
+use mole_crds::constants::{ANNOTATION_SPEC_HASH, SERVICE_PORT, WORKER_CONFIG_MOUNT, WORKER_PORT};
 use mole_crds::{Adapter, InferencePool, WorkerConfig, WorkerMode};
 
 use super::*;
@@ -64,7 +65,7 @@ fn template_hash(d: &Deployment) -> String {
 #[test]
 fn dynamic_deployment_runs_the_worker_on_gpus_securely() {
     let p = pool();
-    let d = dynamic_deployment(&p);
+    let d = dynamic_deployment(&p, WORKER_PORT);
     assert_eq!(d.metadata.name.as_deref(), Some("vl-dynamic"));
     assert_eq!(
         d.metadata.owner_references.as_ref().unwrap()[0].uid,
@@ -143,7 +144,7 @@ fn dynamic_deployment_runs_the_worker_on_gpus_securely() {
 #[test]
 fn only_base_image_limits_and_resources_roll_the_pods() {
     let p = pool();
-    let h = template_hash(&dynamic_deployment(&p));
+    let h = template_hash(&dynamic_deployment(&p, WORKER_PORT));
     // Adapters change the ConfigMap only.
     let a = [adapter("calendar", "v1")];
     let reg: Vec<Registered> = a
@@ -157,27 +158,175 @@ fn only_base_image_limits_and_resources_roll_the_pods() {
     let (_, hash0) = config_map(&p, &worker_config("vl", &p.spec, &[]));
     assert_ne!(hash1, hash0);
     assert!(cm1.data.unwrap()["worker.json"].contains("adapters/calendar/v1"));
-    assert_eq!(template_hash(&dynamic_deployment(&p)), h);
+    assert_eq!(template_hash(&dynamic_deployment(&p, WORKER_PORT)), h);
     // Replicas and router settings do not restart pods either.
     let mut q = p.clone();
     q.spec.dynamic.replicas = 5;
     q.spec.router.min_confidence = 0.9;
-    assert_eq!(template_hash(&dynamic_deployment(&q)), h);
-    // Each of these does.
+    assert_eq!(template_hash(&dynamic_deployment(&q, WORKER_PORT)), h);
+    // Merge Job settings are not read by serving pods.
+    q.spec.merge.priority_class_name = Some("batch".into());
+    assert_eq!(template_hash(&dynamic_deployment(&q, WORKER_PORT)), h);
+    // Each of these does: every field a pod reads when it starts.
     let changes: Vec<fn(&mut InferencePool)> = vec![
         |p| p.spec.image = "ghcr.io/mole-dev/mole-worker:0.2.0".into(),
+        |p| p.spec.image_pull_policy = Some("Always".into()),
+        |p| {
+            p.spec.image_pull_secrets = vec![LocalObjectReference {
+                name: "regcred".into(),
+            }]
+        },
         |p| p.spec.base_model.path = "base/other".into(),
+        |p| p.spec.storage.claim_name = "other".into(),
         |p| p.spec.dynamic.limits.max_loras = 8,
         |p| p.spec.dynamic.limits.max_seq_len = 8192,
         |p| p.spec.dynamic.limits.lora_dtype = Some(mole_crds::Dtype::Bf16),
         |p| p.spec.gpu.count = 2,
+        |p| p.spec.gpu.tolerations.clear(),
+        |p| p.spec.gpu.priority_class_name = Some("gpu-serving".into()),
+        |p| p.spec.gpu.runtime_class_name = Some("nvidia".into()),
         |p| p.spec.resources = None,
     ];
-    for change in changes {
+    for (i, change) in changes.into_iter().enumerate() {
         let mut q = p.clone();
         change(&mut q);
-        assert_ne!(template_hash(&dynamic_deployment(&q)), h);
+        assert_ne!(
+            template_hash(&dynamic_deployment(&q, WORKER_PORT)),
+            h,
+            "change {i}"
+        );
     }
+}
+
+#[test]
+fn new_optional_fields_left_unset_keep_the_spec_hash() {
+    // The hash of this spec before imagePullSecrets, priorityClassName and runtimeClassName
+    // existed (computed at commit 2b89c36): pools that do not use them keep their hash.
+    let p = pool();
+    assert_eq!(spec_hash(&p.spec), "f028a05930e894c4");
+}
+
+fn pod_of(d: &Deployment) -> PodSpec {
+    d.spec.clone().unwrap().template.spec.unwrap()
+}
+
+fn adapter_owner() -> OwnerReference {
+    OwnerReference {
+        api_version: "mole.dev/v1alpha1".into(),
+        kind: "Adapter".into(),
+        name: "calendar".into(),
+        uid: "uid-a".into(),
+        ..Default::default()
+    }
+}
+
+#[test]
+fn dynamic_and_merged_pods_carry_the_pools_pod_settings() {
+    let mut p = pool();
+    p.spec.image_pull_secrets = vec![LocalObjectReference {
+        name: "regcred".into(),
+    }];
+    p.spec.gpu.priority_class_name = Some("gpu-serving".into());
+    p.spec.gpu.runtime_class_name = Some("nvidia".into());
+    let (_, merged, _, _) = merged_children(
+        &p,
+        "calendar",
+        "v1",
+        "merged/calendar/v1-a",
+        1,
+        adapter_owner(),
+        WORKER_PORT,
+    );
+    for d in [dynamic_deployment(&p, WORKER_PORT), merged] {
+        let pod = pod_of(&d);
+        assert_eq!(pod.image_pull_secrets.unwrap()[0].name, "regcred");
+        assert_eq!(pod.priority_class_name.as_deref(), Some("gpu-serving"));
+        assert_eq!(pod.runtime_class_name.as_deref(), Some("nvidia"));
+        assert_eq!(
+            pod.tolerations.unwrap()[0].key.as_deref(),
+            Some("nvidia.com/gpu")
+        );
+        let sec = pod.security_context.unwrap();
+        assert_eq!(sec.fs_group, Some(65532));
+        assert_eq!(
+            sec.fs_group_change_policy.as_deref(),
+            Some("OnRootMismatch"),
+            "the model volume is not chowned at every start"
+        );
+    }
+    // Unset, they are absent (the API server's defaults apply).
+    let pod = pod_of(&dynamic_deployment(&pool(), WORKER_PORT));
+    assert_eq!(pod.image_pull_secrets, None);
+    assert_eq!(pod.priority_class_name, None);
+    assert_eq!(pod.runtime_class_name, None);
+}
+
+/// The container port named by `svc`'s targetPort in `pod`.
+fn target_port(svc: &Service, pod: &PodSpec) -> i32 {
+    let sp = &svc.spec.as_ref().unwrap().ports.as_ref().unwrap()[0];
+    let IntOrString::String(name) = sp.target_port.clone().unwrap() else {
+        panic!("the Service targets the port by name, so each pod resolves its own");
+    };
+    pod.containers[0]
+        .ports
+        .as_ref()
+        .unwrap()
+        .iter()
+        .find(|p| p.name.as_deref() == Some(name.as_str()))
+        .unwrap()
+        .container_port
+}
+
+#[test]
+fn a_non_default_worker_port_is_used_everywhere_a_pod_is_reached() {
+    let p = pool();
+    let port = 9123;
+    let (_, merged, merged_svc, _) = merged_children(
+        &p,
+        "calendar",
+        "v1",
+        "merged/calendar/v1-a",
+        1,
+        adapter_owner(),
+        port,
+    );
+    for (d, svc) in [
+        (dynamic_deployment(&p, port), service(&p)),
+        (merged, merged_svc),
+    ] {
+        let pod = pod_of(&d);
+        let c = &pod.containers[0];
+        let declared = c.ports.as_ref().unwrap();
+        assert_eq!(declared.len(), 1);
+        assert_eq!(declared[0].container_port, 9123);
+        let args = c.args.as_ref().unwrap();
+        let listen = &args[args.iter().position(|a| a == "--listen").unwrap() + 1];
+        assert_eq!(listen, "0.0.0.0:9123");
+        for probe in [&c.startup_probe, &c.liveness_probe, &c.readiness_probe] {
+            let get = probe.as_ref().unwrap().http_get.as_ref().unwrap();
+            assert_eq!(
+                get.port,
+                IntOrString::String(declared[0].name.clone().unwrap()),
+                "probes name the worker port"
+            );
+        }
+        assert_eq!(target_port(&svc, &pod), 9123);
+        // The Service itself keeps its port: the published endpoints do not change.
+        assert_eq!(
+            svc.spec.unwrap().ports.unwrap()[0].port,
+            i32::from(SERVICE_PORT)
+        );
+        assert!(
+            !serde_json::to_string(&d)
+                .unwrap()
+                .contains(&WORKER_PORT.to_string()),
+            "no trace of the default port in the pod template"
+        );
+    }
+    assert_eq!(endpoint(&p), format!("http://vl.ml.svc:{SERVICE_PORT}"));
+    // The default port renders the same way.
+    let pod = pod_of(&dynamic_deployment(&p, WORKER_PORT));
+    assert_eq!(target_port(&service(&p), &pod), 8000);
 }
 
 #[test]
@@ -227,7 +376,7 @@ fn service_and_pdb_select_the_dynamic_pods() {
     assert_eq!(s.metadata.name.as_deref(), Some("vl"));
     let spec = s.spec.unwrap();
     let sel = spec.selector.unwrap();
-    let pod_labels = dynamic_deployment(&p)
+    let pod_labels = dynamic_deployment(&p, WORKER_PORT)
         .spec
         .unwrap()
         .template
@@ -307,9 +456,16 @@ fn every_worker_pod_mounts_the_operator_token_and_its_config_names_it() {
         uid: "uid-a".into(),
         ..Default::default()
     };
-    let (merged_cm, merged, _, _) =
-        merged_children(&p, "calendar", "v1", "merged/calendar/v1-abc", 1, owner);
-    for d in [dynamic_deployment(&p), merged] {
+    let (merged_cm, merged, _, _) = merged_children(
+        &p,
+        "calendar",
+        "v1",
+        "merged/calendar/v1-abc",
+        1,
+        owner,
+        WORKER_PORT,
+    );
+    for d in [dynamic_deployment(&p, WORKER_PORT), merged] {
         let pod = d.spec.unwrap().template.spec.unwrap();
         let vol = pod
             .volumes
@@ -362,8 +518,17 @@ fn merged_config_maps_are_per_output() {
         "merged/calendar/v1-a",
         1,
         owner.clone(),
+        WORKER_PORT,
     );
-    let (cm2, d2, _, _) = merged_children(&p, "calendar", "v2", "merged/calendar/v2-b", 1, owner);
+    let (cm2, d2, _, _) = merged_children(
+        &p,
+        "calendar",
+        "v2",
+        "merged/calendar/v2-b",
+        1,
+        owner,
+        WORKER_PORT,
+    );
     assert_ne!(cm1.metadata.name, cm2.metadata.name);
     let mounted = |d: &Deployment| {
         d.spec

@@ -118,6 +118,7 @@ async fn apply_merged(
         output,
         c.adapter.spec.serving.replicas,
         c.owner.clone(),
+        c.ctx.pods.port(),
     );
     let cms: Api<ConfigMap> = c.api();
     let svcs: Api<Service> = c.api();

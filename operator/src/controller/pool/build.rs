@@ -42,15 +42,16 @@ pub fn registered<'a>(pool: &InferencePool, adapters: &'a [Adapter]) -> Vec<Regi
         .collect()
 }
 
-/// The pool's children, its WorkerConfig listing the registered ones of `adapters`.
-pub(super) fn desired(pool: &InferencePool, adapters: &[Adapter]) -> Desired {
+/// The pool's children, its WorkerConfig listing the registered ones of `adapters`, its
+/// workers listening on `port`.
+pub(super) fn desired(pool: &InferencePool, adapters: &[Adapter], port: u16) -> Desired {
     let reg = registered(pool, adapters);
     let config = resources::worker_config(&pool.name_any(), &pool.spec, &reg);
     let (config_map, config_hash) = resources::config_map(pool, &config);
     Desired {
         config_map,
         config_hash,
-        deployment: resources::dynamic_deployment(pool),
+        deployment: resources::dynamic_deployment(pool, port),
         service: resources::service(pool),
         pdb: resources::pdb(pool),
     }
