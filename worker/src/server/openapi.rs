@@ -9,7 +9,7 @@ use std::sync::Arc;
 use axum::extract::State;
 use axum::Json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
-use utoipa::openapi::{ContentBuilder, OpenApi as Document, Ref, RefOr, ResponseBuilder};
+use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
 use utoipa::OpenApi;
 
 use super::error::{ErrorDetail, ErrorReply};
@@ -105,7 +105,7 @@ const ADMIN_ONLY: [&str; 3] = [
 /// The document as this worker serves it: the admin endpoints always take a bearer token; the
 /// others only when `api_keys` are required, so a client is not told to send a token nobody
 /// reads.
-pub(super) fn document(api_keys: bool) -> Document {
+pub(super) fn document(api_keys: bool) -> serde_json::Value {
     let mut doc = ApiDoc::openapi();
     doc.info.version = env!("CARGO_PKG_VERSION").to_string();
     let scheme = HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build();
@@ -120,13 +120,60 @@ pub(super) fn document(api_keys: bool) -> Document {
             op.security = None;
         }
     }
-    doc
+    let mut v = serde_json::to_value(doc).unwrap_or_default();
+    // A `contentSchema` is its own document to validators (schemathesis resolves it apart from
+    // the components), so its references are inlined.
+    let schemas = v["components"]["schemas"].clone();
+    inline_content_schemas(&mut v, &schemas);
+    v
+}
+
+/// Turns every `x-content-schema` into `contentSchema` (a JSON Schema keyword utoipa has no
+/// field for) with its `$ref`s to `schemas` inlined.
+fn inline_content_schemas(v: &mut serde_json::Value, schemas: &serde_json::Value) {
+    match v {
+        serde_json::Value::Object(m) => {
+            if let Some(mut x) = m.remove("x-content-schema") {
+                inline_refs(&mut x, schemas, 0);
+                m.insert("contentSchema".to_string(), x);
+            }
+            m.values_mut()
+                .for_each(|x| inline_content_schemas(x, schemas));
+        }
+        serde_json::Value::Array(a) => a
+            .iter_mut()
+            .for_each(|x| inline_content_schemas(x, schemas)),
+        _ => {}
+    }
+}
+
+/// Replaces `{"$ref": "#/components/schemas/X"}` in `v` by X, recursively (the reply types
+/// have no cycles; `depth` stops one that would).
+fn inline_refs(v: &mut serde_json::Value, schemas: &serde_json::Value, depth: usize) {
+    if let Some(name) = v
+        .get("$ref")
+        .and_then(|r| r.as_str())
+        .and_then(|r| r.strip_prefix("#/components/schemas/"))
+    {
+        if depth < 16 {
+            *v = schemas[name].clone();
+        }
+    }
+    match v {
+        serde_json::Value::Object(m) => m
+            .values_mut()
+            .for_each(|x| inline_refs(x, schemas, depth + 1)),
+        serde_json::Value::Array(a) => a
+            .iter_mut()
+            .for_each(|x| inline_refs(x, schemas, depth + 1)),
+        _ => {}
+    }
 }
 
 /// `GET /openapi.json`: this document (open, as vLLM's and TGI's are).
 #[utoipa::path(get, path = "/openapi.json", tag = "probes",
     responses((status = 200, description = "This document", content_type = "application/json", body = Object)))]
-pub(super) async fn openapi_json(State(s): State<Arc<AppState>>) -> Json<Document> {
+pub(super) async fn openapi_json(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
     Json(document(s.auth().keys_required))
 }
 
@@ -138,7 +185,7 @@ mod tests {
     /// from `app()`'s source, so a new route without `#[utoipa::path]` fails here.
     #[test]
     fn the_document_lists_every_route() {
-        let doc = serde_json::to_value(document(true)).unwrap();
+        let doc = document(true);
         assert!(doc["openapi"].as_str().unwrap().starts_with("3.1"));
         let documented: std::collections::BTreeSet<String> =
             doc["paths"].as_object().unwrap().keys().cloned().collect();

@@ -11,7 +11,7 @@ use mole_api::WorkerConfig;
 
 use super::answer::{collect_response, req_id, stream_response, Ctx};
 use super::images;
-use super::replies::{Answer, ChatChoice, TextChoice};
+use super::replies::{Answer, ChatChoice, ChatEvent, TextChoice, TextEvent};
 use super::route::decide;
 use super::types::{ChatBody, CompletionBody};
 use super::validate::{ValidRequest, Validate, Wire};
@@ -28,7 +28,7 @@ use crate::server::{ApiError, AppState};
     request_body = ChatBody,
     responses(
         (status = 200, description = "The answer; with `stream: true`, `chat.completion.chunk` objects as server-sent events, then `data: [DONE]`",
-            content((Answer<ChatChoice> = "application/json"), (String = "text/event-stream"))),
+            content((Answer<ChatChoice> = "application/json"), (ChatEvent = "text/event-stream"))),
         Refusals,
     ),
     security(("bearer" = [])))]
@@ -45,7 +45,7 @@ pub async fn chat_completions(
     request_body = CompletionBody,
     responses(
         (status = 200, description = "The completion; with `stream: true`, `text_completion` chunks as server-sent events, then `data: [DONE]`",
-            content((Answer<TextChoice> = "application/json"), (String = "text/event-stream"))),
+            content((Answer<TextChoice> = "application/json"), (TextEvent = "text/event-stream"))),
         Refusals,
     ),
     security(("bearer" = [])))]

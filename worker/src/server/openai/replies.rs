@@ -302,3 +302,60 @@ pub(in crate::server) struct ReloadApplying {
     /// The hash the caller expected, if it gave one.
     pub(super) config_hash: Option<String>,
 }
+
+/// One server-sent event of a chat stream as a client's parser reads it (see [`event_schema`]).
+pub(in crate::server) struct ChatEvent;
+/// One server-sent event of a completion stream (see [`event_schema`]).
+pub(in crate::server) struct TextEvent;
+
+/// An event of a stream whose chunks are `chunk`: its `data` is a chunk (JSON), OpenAI's error
+/// body (a failure after the headers went out, with `mole`), or `[DONE]`, which ends the
+/// stream. Events carry no `event:` name, so they are `message`s. utoipa has no
+/// `contentSchema`, so it goes in as an extension that [`crate::server::openapi`] renames.
+fn event_schema(chunk: &str) -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+    use utoipa::openapi::extensions::ExtensionsBuilder;
+    use utoipa::openapi::schema::{ObjectBuilder, OneOfBuilder, Type};
+    let json = serde_json::json!({"oneOf": [
+        {"$ref": format!("#/components/schemas/{chunk}")},
+        {"$ref": "#/components/schemas/ErrorReply"},
+    ]});
+    let chunk = ObjectBuilder::new()
+        .schema_type(Type::String)
+        .description(Some("A chunk, or an error that ended the stream"))
+        .content_media_type("application/json")
+        .extensions(Some(
+            ExtensionsBuilder::new()
+                .add("x-content-schema", json)
+                .build(),
+        ));
+    let done = ObjectBuilder::new()
+        .schema_type(Type::String)
+        .description(Some("The stream's end"))
+        .enum_values(Some(["[DONE]"]));
+    let data = OneOfBuilder::new().item(chunk).item(done);
+    ObjectBuilder::new()
+        .schema_type(Type::Object)
+        .property("data", data)
+        .required("data")
+        .property(
+            "event",
+            ObjectBuilder::new()
+                .schema_type(Type::String)
+                .enum_values(Some(["message"])),
+        )
+        .into()
+}
+
+impl utoipa::PartialSchema for ChatEvent {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        event_schema("Answer_ChunkChoice")
+    }
+}
+impl ToSchema for ChatEvent {}
+
+impl utoipa::PartialSchema for TextEvent {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        event_schema("Answer_TextChoice")
+    }
+}
+impl ToSchema for TextEvent {}

@@ -4,12 +4,31 @@ use serde::Deserialize;
 use serde_json::Value;
 use utoipa::ToSchema;
 
-/// `stop`: one string or several.
-#[derive(Deserialize, ToSchema)]
+/// `stop`: one string or up to four, none empty.
+#[derive(Deserialize)]
 #[serde(untagged)]
 pub(in crate::server) enum StopField {
     One(String),
     Many(Vec<String>),
+}
+
+/// `stop`'s schema.
+fn stop_schema() -> utoipa::openapi::schema::Schema {
+    use utoipa::openapi::schema::{ArrayBuilder, OneOfBuilder, Type};
+    use utoipa::openapi::ObjectBuilder;
+    let one = || {
+        ObjectBuilder::new()
+            .schema_type(Type::String)
+            .min_length(Some(1))
+    };
+    utoipa::openapi::schema::Schema::OneOf(
+        OneOfBuilder::new()
+            .item(one())
+            .item(ArrayBuilder::new().items(one()).max_items(Some(4)))
+            .item(ObjectBuilder::new().schema_type(Type::Null))
+            .description(Some("One stop sequence or up to four, none empty."))
+            .build(),
+    )
 }
 
 /// A message's `content`: text, or typed parts.
@@ -25,7 +44,9 @@ pub(in crate::server) enum Content {
 /// (`{"type": "input_image", "image_url": ...}`) send it.
 #[derive(Deserialize, ToSchema)]
 pub(in crate::server) struct Part {
+    /// `text` (`input_text`) or `image_url` (`input_image`).
     #[serde(rename = "type")]
+    #[schema(schema_with = part_type_schema)]
     pub(super) kind: String,
     #[serde(default)]
     pub(super) text: Option<String>,
@@ -93,9 +114,29 @@ fn logprobs_schema() -> utoipa::openapi::schema::Schema {
         .build())
 }
 
+/// A string among `values`.
+fn one_of(values: &[&str]) -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::String)
+        .enum_values(Some(values.iter().copied()))
+        .build()
+}
+
+/// A message's `role`.
+fn role_schema() -> utoipa::openapi::Object {
+    one_of(&["system", "user", "assistant", "tool", "developer"])
+}
+
+/// A content part's `type`.
+fn part_type_schema() -> utoipa::openapi::Object {
+    one_of(&["text", "input_text", "image_url", "input_image"])
+}
+
 /// A chat message as sent.
 #[derive(Deserialize, ToSchema)]
 pub(in crate::server) struct InMessage {
+    /// `system`, `user`, `assistant`, `tool`, or `developer` (read as `system`).
+    #[schema(schema_with = role_schema)]
     pub(super) role: String,
     #[serde(default)]
     pub(super) content: Option<Content>,
@@ -125,10 +166,19 @@ pub(in crate::server) struct Common {
     #[serde(default)]
     pub(super) stream_options: Option<StreamOptions>,
     /// Choices asked for: one is served (a larger `n` is refused rather than answered with one).
+    #[schema(minimum = 1, maximum = 1)]
     pub(super) n: Option<u64>,
+    /// Tokens to generate at most, up to `limits.maxTokens` (default: 256 or that limit).
+    #[schema(minimum = 1)]
     pub(super) max_tokens: Option<u64>,
+    /// OpenAI's newer name of `max_tokens`; wins over it.
+    #[schema(minimum = 1)]
     pub(super) max_completion_tokens: Option<u64>,
+    /// Sampling temperature; 0 is greedy.
+    #[schema(minimum = 0, maximum = 2)]
     pub(super) temperature: Option<f32>,
+    /// Nucleus sampling mass.
+    #[schema(exclusive_minimum = 0, maximum = 1)]
     pub(super) top_p: Option<f32>,
     pub(super) top_k: Option<usize>,
     pub(super) min_p: Option<f32>,
@@ -136,6 +186,7 @@ pub(in crate::server) struct Common {
     pub(super) frequency_penalty: Option<f32>,
     pub(super) repetition_penalty: Option<f32>,
     pub(super) seed: Option<u64>,
+    #[schema(schema_with = stop_schema)]
     pub(super) stop: Option<StopField>,
     /// Chat: bool; completions: an integer count. Kept raw and read per endpoint.
     #[schema(schema_with = logprobs_schema)]
@@ -161,6 +212,8 @@ impl Common {
 /// `POST /v1/chat/completions`.
 #[derive(Deserialize, ToSchema)]
 pub(in crate::server) struct ChatBody {
+    /// The conversation, at least one message.
+    #[schema(min_items = 1)]
     pub(super) messages: Vec<InMessage>,
     /// Extra chat-template variables (vLLM's field), e.g. `{"enable_thinking": false}`.
     #[serde(default)]
