@@ -41,6 +41,10 @@ pub struct LoraAdapterInfo {
     /// Why it could not be loaded, when it could not.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
+    /// Loaded, but with something to look at: its `base_model_name_or_path` names another
+    /// model than the pool's though its shapes fit (a local training path, a renamed copy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub warning: Option<String>,
 }
 
 /// Response of `GET /v1/lora_adapters`.

@@ -37,7 +37,7 @@ fn copy_dir(from: &Path, to: &Path) {
 }
 
 /// A model root with the tiny Llama, its fixture adapters (fr, js, extra), an adapter of
-/// another base (wrongbase), a pickle-only one (binonly) and an admin token file.
+/// another base of the same shapes (wrongbase), one of other shapes (misfit), a pickle-only one (binonly) and an admin token file.
 fn fixture_root() -> tempfile::TempDir {
     let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine");
     let dir = tempfile::tempdir().unwrap();
@@ -46,8 +46,10 @@ fn fixture_root() -> tempfile::TempDir {
     copy_dir(&fx.join("adapters/llama/a_r8_all"), &root.join("fr"));
     copy_dir(&fx.join("adapters/llama/b_r4_qv"), &root.join("js"));
     copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("extra"));
-    // Trained on another base model: refused when loaded.
+    // Trained on another base whose shapes fit: served, with a warning.
     copy_dir(&fx.join("adapters/qwen2/a_r8_all"), &root.join("wrongbase"));
+    // Shapes of another model: refused when loaded.
+    copy_dir(&fx.join("../merge/adapters/plain_r8"), &root.join("misfit"));
     std::fs::create_dir_all(root.join("binonly")).unwrap();
     std::fs::write(root.join("binonly/adapter_config.json"), "{}").unwrap();
     std::fs::write(root.join("binonly/adapter_model.bin"), "x").unwrap();
@@ -450,16 +452,41 @@ async fn bad_input_battery_keeps_serving() {
             "{path}"
         );
     }
-    // A real adapter trained on another base: refused with the reason, nothing else changes.
-    let r = adm(json!({"lora_name": "x", "lora_path": "wrongbase"}))
+    // A real adapter of another model's shapes: refused with the reason, nothing else changes.
+    let r = adm(json!({"lora_name": "x", "lora_path": "misfit"}))
         .await
         .unwrap();
     assert_eq!(r.status(), 422);
     let e = r.json::<Value>().await.unwrap();
     assert_eq!(e["error"]["code"], "invalid_adapter", "{e}");
     assert!(
-        e["error"]["message"].as_str().unwrap().contains("qwen2"),
+        e["error"]["message"].as_str().unwrap().contains("lora_A"),
         "{e}"
+    );
+    // Trained on a base of another name whose shapes fit: served, the listing warns.
+    let r = adm(json!({"lora_name": "other", "lora_path": "wrongbase"}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let l: Value = c
+        .get(format!("{}/v1/lora_adapters", s.url))
+        .bearer_auth("s3cret")
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let other = l["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "other")
+        .unwrap();
+    assert_eq!(other["loaded"], true, "{other}");
+    assert!(
+        other["warning"].as_str().unwrap().contains("qwen2"),
+        "{other}"
     );
     let r = adm(json!({"lora_name": "extra", "lora_path": "extra"}))
         .await
@@ -485,10 +512,10 @@ async fn bad_input_battery_keeps_serving() {
         .map(|a| a["name"].as_str().unwrap())
         .collect();
     // The refused adapter is listed with its reason (the operator shows it on the Adapter).
-    assert_eq!(names, ["extra", "fr", "js", "x"]);
-    let x = &l["data"][3];
+    assert_eq!(names, ["extra", "fr", "js", "other", "x"]);
+    let x = &l["data"][4];
     assert_eq!(x["loaded"], false);
-    assert!(x["error"].as_str().unwrap().contains("qwen2"), "{x}");
+    assert!(x["error"].as_str().unwrap().contains("lora_A"), "{x}");
 }
 
 #[tokio::test]
@@ -921,7 +948,7 @@ async fn readiness_waits_for_loads_and_a_refused_adapter_does_not_block_it() {
     let dir = fixture_root();
     let yaml = config_yaml(
         dir.path(),
-        "  - {name: bad, version: v1, loraId: 3, path: wrongbase}",
+        "  - {name: bad, version: v1, loraId: 3, path: misfit}",
         16,
         64,
     );
@@ -960,8 +987,15 @@ async fn readiness_waits_for_loads_and_a_refused_adapter_does_not_block_it() {
         .find(|a| a["name"] == "bad")
         .unwrap();
     assert_eq!(bad["loaded"], false);
-    assert!(bad["error"].as_str().unwrap().contains("qwen2"), "{bad}");
+    assert!(bad["error"].as_str().unwrap().contains("lora_A"), "{bad}");
     assert_eq!(post(&s, "/v1/chat/completions", ask("fr")).await.0, 200);
+    // Asking for it says it failed to load, and why, instead of "not found".
+    let (st, _, b) = post(&s, "/v1/chat/completions", ask("bad")).await;
+    assert_eq!((st, code(&b)), (503, "adapter_load_failed"), "{b}");
+    assert!(
+        b["error"]["message"].as_str().unwrap().contains("lora_A"),
+        "{b}"
+    );
     // A reload that adds an adapter: the pod stays ready while it loads (every pod of a pool
     // reloads at once; unready pods would empty the Service) and keeps serving the others;
     // the new adapter is reported loaded only when it is.

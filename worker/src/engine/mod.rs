@@ -561,6 +561,7 @@ impl InferenceEngine for Engine {
                 requests: 0,
                 running: 0,
                 error: None,
+                warning: None,
             });
         }
         out

@@ -113,26 +113,12 @@ pub fn load(
             "DoRA adapters are not served by mole".into(),
         ));
     }
-    if let Some(expected) = &opts.expect_base {
-        // Hub ids are case-insensitive and pools name the model by its last segment.
-        let found = cfg.base_model_name_or_path.clone();
-        let last = |s: &str| {
-            s.trim_end_matches('/')
-                .rsplit('/')
-                .next()
-                .unwrap_or("")
-                .to_ascii_lowercase()
-        };
-        if !found
-            .as_deref()
-            .is_some_and(|f| f == expected || last(f) == last(expected))
-        {
-            return Err(LoraError::WrongBase {
-                found,
-                expected: expected.clone(),
-            });
-        }
-    }
+    // Compatibility is the architecture's shapes, checked per module below: a name that
+    // differs (a local training path such as `/data/my-base`, a renamed copy) is a warning.
+    let warning = opts
+        .expect_base
+        .as_deref()
+        .and_then(|expected| base_name_warning(cfg.base_model_name_or_path.as_deref(), expected));
     let weights = MappedAdapter::open(&dir.join("adapter_model.safetensors"), &cfg)?;
     if let Some(name) = weights.replacements.keys().next() {
         return Err(LoraError::Unsupported(format!(
@@ -203,7 +189,31 @@ pub fn load(
     // engine thread, which reads them (into its LoRA slots) once the registry publishes the
     // adapter, never reads a buffer still being written.
     device.synchronize()?;
-    Ok(LoraAdapter::from_modules(modules, rank, bytes).with_vision(vision))
+    let mut adapter = LoraAdapter::from_modules(modules, rank, bytes).with_vision(vision);
+    adapter.warning = warning;
+    Ok(adapter)
+}
+
+/// The warning an adapter trained on `found` gets in a pool of `expected`, None when they
+/// name the same model: equal, or the same last segment in any case (hub ids are
+/// case-insensitive and pools name the model by its last segment).
+pub fn base_name_warning(found: Option<&str>, expected: &str) -> Option<String> {
+    let last = |s: &str| {
+        s.trim_end_matches('/')
+            .rsplit('/')
+            .next()
+            .unwrap_or("")
+            .to_ascii_lowercase()
+    };
+    match found {
+        Some(f) if f == expected || last(f) == last(expected) => None,
+        Some(f) => Some(format!(
+            "base_model_name_or_path {f:?} names another model than the pool's {expected:?}; its shapes fit, so it is served"
+        )),
+        None => Some(format!(
+            "adapter_config.json has no base_model_name_or_path; its shapes fit {expected:?}, so it is served"
+        )),
+    }
 }
 
 /// Where an adapter module applies.

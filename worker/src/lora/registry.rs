@@ -74,6 +74,7 @@ struct Entry {
     host: Option<Arc<LoraAdapter>>,
     rank: usize,
     bytes: u64,
+    warning: Option<String>,
     stats: Arc<VersionStats>,
     last_used: Instant,
 }
@@ -155,7 +156,7 @@ impl Registry {
     pub fn insert(&self, spec: AdapterSpec, weights: Arc<LoraAdapter>) {
         let mut g = self.lock();
         g.failed.remove(&spec.name);
-        let (rank, bytes) = (weights.rank, weights.bytes);
+        let (rank, bytes, warning) = (weights.rank, weights.bytes, weights.warning.clone());
         let stats = match g.current.remove(&spec.name) {
             // Same version read back after an eviction: keep its counters.
             Some(old) if old.spec.version == spec.version => old.stats,
@@ -181,6 +182,7 @@ impl Registry {
                 host: None,
                 rank,
                 bytes,
+                warning,
                 stats,
                 last_used: Instant::now(),
             },
@@ -332,6 +334,7 @@ impl Registry {
                 requests: e.stats.requests.load(Ordering::Relaxed),
                 running: e.stats.running.load(Ordering::Relaxed),
                 error: None,
+                warning: e.warning.clone(),
             })
             .chain(g.draining.iter().map(|d| LoraAdapterInfo {
                 name: d.spec.name.clone(),
@@ -344,6 +347,7 @@ impl Registry {
                 requests: d.stats.requests.load(Ordering::Relaxed),
                 running: d.stats.running.load(Ordering::Relaxed),
                 error: None,
+                warning: None,
             }))
             .chain(g.failed.values().map(|(spec, reason)| LoraAdapterInfo {
                 name: spec.name.clone(),
@@ -356,6 +360,7 @@ impl Registry {
                 requests: 0,
                 running: 0,
                 error: Some(reason.clone()),
+                warning: None,
             }))
             .collect();
         out.sort_by(|a, b| (&a.name, &a.version).cmp(&(&b.name, &b.version)));

@@ -107,6 +107,8 @@ pub struct LoraAdapter {
     pub rank: usize,
     /// Bytes of weights held.
     pub bytes: u64,
+    /// What loading found worth a look though it loaded (see [`mole_api::LoraAdapterInfo`]).
+    pub warning: Option<String>,
 }
 
 /// Projections per layer, for [`LoraAdapter`]'s table.
@@ -212,6 +214,7 @@ impl LoraAdapter {
             all_host,
             rank,
             bytes,
+            warning: None,
         }
     }
 

@@ -159,6 +159,7 @@ impl AppState {
                     requests: 0,
                     running: 0,
                     error: Some(f.reason.clone()),
+                    warning: None,
                 });
             }
         }

@@ -206,6 +206,7 @@ mod tests {
                     requests: 0,
                     running: 0,
                     error: None,
+                    warning: None,
                 })
                 .collect(),
         }

@@ -138,13 +138,15 @@ async fn serve_routed(
     req.fit_context(prompt_tokens, max_seq)?;
     let id = req_id(req.kind.id_prefix());
     let engine = engine_for(s, &cfg, &mut d);
-    let rx = engine.submit(GenerateRequest {
-        id: id.clone(),
-        prompt: req.prompt,
-        adapter: d.adapter.clone(),
-        sampling: req.sampling,
-        images,
-    })?;
+    let rx = engine
+        .submit(GenerateRequest {
+            id: id.clone(),
+            prompt: req.prompt,
+            adapter: d.adapter.clone(),
+            sampling: req.sampling,
+            images,
+        })
+        .map_err(|e| load_failure(s, e, d.adapter.as_deref()))?;
     let timeout = Duration::from_secs(cfg.limits.request_timeout_seconds);
     let model = if req.model.is_empty() {
         cfg.pool.clone()
@@ -168,6 +170,30 @@ async fn serve_routed(
     } else {
         collect_response(ctx, rx).await
     }
+}
+
+/// The answer to an engine refusal. A configured adapter the engine does not hold because it
+/// failed to load is not "not found": it answers 503 `adapter_load_failed` with the loader's
+/// reason (`/v1/lora_adapters` lists it too) until a fixed version loads.
+fn load_failure(s: &AppState, e: EngineError, adapter: Option<&str>) -> ApiError {
+    if let (EngineError::AdapterNotFound(_), Some(name)) = (&e, adapter) {
+        let failed = s
+            .adapter_listing()
+            .into_iter()
+            .find(|a| a.name == name && !a.loaded && a.error.is_some());
+        if let Some(f) = failed {
+            return ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "adapter_load_failed",
+                format!(
+                    "adapter {name} version {} failed to load: {}",
+                    f.version,
+                    f.error.unwrap_or_default()
+                ),
+            );
+        }
+    }
+    e.into()
 }
 
 /// The engine that serves `d`. A merged adapter served here is served by this process's own
