@@ -826,6 +826,7 @@ async fn download(
 ) -> Result<u64, Broken> {
     let mut req = remote.get(client, f, revision);
     if have > 0 {
+        tracing::info!(file = %f.name, from = have, size = f.size, "resuming with a Range request");
         req = req.header(reqwest::header::RANGE, format!("bytes={have}-"));
     }
     let url = format!("{}:{}", remote_name(remote), f.key);
