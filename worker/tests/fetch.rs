@@ -226,7 +226,7 @@ fn assert_same(dest: &Path, files: &BTreeMap<String, File>) {
         .keys()
         .filter(|n| *n != ".gitattributes")
         .cloned()
-        .chain([MANIFEST.to_string()])
+        .chain([MANIFEST.to_string(), ".mole-fetch.lock".to_string()])
         .collect();
     want.sort();
     assert_eq!(on_disk, want);
@@ -275,6 +275,27 @@ async fn fetches_a_repository_pinned_to_its_commit() {
     assert!(!again.downloaded);
     assert_eq!(again.manifest, m);
     assert_eq!(resolves(&hub).len(), 4, "a rerun downloads nothing");
+}
+
+/// Two pods of a pool starting together on a shared volume: one downloads, the other waits
+/// for its lock and finds the manifest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_fetches_into_one_directory_download_once() {
+    let files = tiny_repo();
+    let (url, hub) = start(hub_with("org/tiny", files.clone())).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (a, b) = (
+        opts(&url, "hf://org/tiny", dir.path()),
+        opts(&url, "hf://org/tiny", dir.path()),
+    );
+    let (ra, rb) = tokio::join!(fetch(&a), fetch(&b));
+    let (ra, rb) = (ra.unwrap(), rb.unwrap());
+    assert!(
+        ra.downloaded != rb.downloaded,
+        "exactly one of them downloads"
+    );
+    assert_same(dir.path(), &files);
+    assert_eq!(resolves(&hub).len(), 4);
 }
 
 #[tokio::test]
@@ -363,7 +384,7 @@ async fn refuses_a_pickle_only_repository_naming_the_file() {
     assert_eq!(e.code(), "pickle_refused");
     assert!(e.to_string().contains("pytorch_model.bin"), "{e}");
     assert!(resolves(&hub).is_empty(), "nothing is downloaded");
-    assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 0);
+    assert!(!dir.path().join(MANIFEST).exists());
 }
 
 #[tokio::test]

@@ -455,7 +455,7 @@ fn safe_name(name: &str) -> Result<(), FetchError> {
     if !p.components().all(|c| matches!(c, Component::Normal(_))) {
         return Err(unsafe_path("is absolute or not normal"));
     }
-    if name.ends_with(".part") || name == MANIFEST {
+    if name.ends_with(".part") || name == MANIFEST || name == ".mole-fetch.lock" {
         return Err(unsafe_path("collides with the fetch's own files"));
     }
     Ok(())
@@ -625,6 +625,9 @@ pub async fn fetch(opts: &FetchOptions) -> Result<FetchReport, FetchError> {
         })?;
     let dest = &opts.dest;
     std::fs::create_dir_all(dest).map_err(FetchError::io(dest))?;
+    // Pods of one pool start together and fetch into the same directory of a shared volume:
+    // one downloads, the others wait and then find its manifest.
+    let _lock = lock(dest).await?;
 
     let listing = remote.list(&client).await?;
     let (mut keep, skipped) = select(&opts.source, listing.files.clone())?;
@@ -678,6 +681,34 @@ pub async fn fetch(opts: &FetchOptions) -> Result<FetchReport, FetchError> {
         downloaded: true,
         bytes: transferred,
     })
+}
+
+/// Holds an exclusive `flock` on `DEST/.mole-fetch.lock` until dropped (the file closes).
+async fn lock(dest: &Path) -> Result<std::fs::File, FetchError> {
+    use std::os::fd::AsRawFd;
+    let path = dest.join(".mole-fetch.lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(FetchError::io(&path))?;
+    let file = tokio::task::spawn_blocking(move || {
+        // SAFETY: flock on a descriptor this closure owns for the whole call.
+        let rc = unsafe { libc::flock(file.as_raw_fd(), libc::LOCK_EX) };
+        if rc == 0 {
+            Ok(file)
+        } else {
+            Err(std::io::Error::last_os_error())
+        }
+    })
+    .await
+    .map_err(|e| FetchError::Io {
+        path: path.display().to_string(),
+        source: std::io::Error::other(e.to_string()),
+    })?
+    .map_err(FetchError::io(&path))?;
+    Ok(file)
 }
 
 fn write_manifest(dest: &Path, m: &Manifest) -> Result<(), FetchError> {
