@@ -169,108 +169,13 @@ impl FetchError {
     }
 }
 
-/// A parsed source URI.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Source {
-    /// `hf://org/model[@revision]`.
-    Hf {
-        /// `org/model`.
-        repo: String,
-        /// Branch, tag or commit; `main` when not given.
-        revision: String,
-    },
-    /// `s3://bucket/prefix`.
-    S3 {
-        /// Bucket name.
-        bucket: String,
-        /// Key prefix (no leading slash; may be empty).
-        prefix: String,
-    },
-    /// `pvc://claim/path`: mounted by the operator.
-    Pvc {
-        /// Claim name.
-        claim: String,
-        /// Path inside the claim.
-        path: String,
-    },
-}
+pub use mole_api::ModelSource as Source;
 
-impl Source {
-    /// Parses `hf://`, `s3://` and `pvc://` URIs (the same rules the operator validates).
-    pub fn parse(uri: &str) -> Result<Source, FetchError> {
-        let bad = |reason: &str| FetchError::BadSource {
-            source_uri: uri.to_string(),
-            reason: reason.to_string(),
-        };
-        let (scheme, rest) = uri
-            .split_once("://")
-            .ok_or_else(|| bad("expected hf://, s3:// or pvc://"))?;
-        if rest.chars().any(|c| c.is_whitespace() || c.is_control()) {
-            return Err(bad("contains whitespace"));
-        }
-        let segments: Vec<&str> = rest.split('/').collect();
-        if segments
-            .iter()
-            .any(|s| *s == ".." || *s == "." || s.contains('\\'))
-        {
-            return Err(bad("contains a '.' or '..' segment"));
-        }
-        match scheme {
-            "hf" => {
-                let (path, revision) = match rest.split_once('@') {
-                    Some((p, r)) if !r.is_empty() => (p, r.to_string()),
-                    Some(_) => return Err(bad("empty revision after '@'")),
-                    None => (rest, "main".to_string()),
-                };
-                let parts: Vec<&str> = path.split('/').collect();
-                if parts.is_empty()
-                    || parts.len() > 2
-                    || parts.iter().any(|p| {
-                        p.is_empty()
-                            || !p
-                                .chars()
-                                .all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c))
-                    })
-                {
-                    return Err(bad("expected hf://org/model[@revision]"));
-                }
-                Ok(Source::Hf {
-                    repo: path.to_string(),
-                    revision,
-                })
-            }
-            "s3" => {
-                let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-                if bucket.len() < 3
-                    || bucket.len() > 63
-                    || !bucket
-                        .chars()
-                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "-.".contains(c))
-                {
-                    return Err(bad("expected s3://bucket/prefix with a valid bucket name"));
-                }
-                Ok(Source::S3 {
-                    bucket: bucket.to_string(),
-                    prefix: prefix.trim_matches('/').to_string(),
-                })
-            }
-            "pvc" => {
-                let (claim, path) = rest.split_once('/').unwrap_or((rest, ""));
-                if claim.is_empty()
-                    || !claim
-                        .chars()
-                        .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || "-.".contains(c))
-                {
-                    return Err(bad("expected pvc://claim/path with a valid claim name"));
-                }
-                Ok(Source::Pvc {
-                    claim: claim.to_string(),
-                    path: path.trim_matches('/').to_string(),
-                })
-            }
-            _ => Err(bad("the scheme must be hf://, s3:// or pvc://")),
-        }
-    }
+fn parse_source(uri: &str) -> Result<Source, FetchError> {
+    Source::parse(uri).map_err(|e| FetchError::BadSource {
+        source_uri: uri.to_string(),
+        reason: e.reason,
+    })
 }
 
 /// What the fetch needs besides the source and destination.
@@ -611,7 +516,7 @@ fn remote(opts: &FetchOptions, source: &Source) -> Result<Remote, FetchError> {
 
 /// Fetches `opts.source` into `opts.dest`. See the module documentation.
 pub async fn fetch(opts: &FetchOptions) -> Result<FetchReport, FetchError> {
-    let source = Source::parse(&opts.source)?;
+    let source = parse_source(&opts.source)?;
     let remote = remote(opts, &source)?;
     let client = reqwest::Client::builder()
         .connect_timeout(Duration::from_secs(30))
@@ -993,53 +898,6 @@ fn network(url: &str, e: reqwest::Error) -> FetchError {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn parses_the_three_schemes() {
-        assert_eq!(
-            Source::parse("hf://Qwen/Qwen3-8B@v1.0").unwrap(),
-            Source::Hf {
-                repo: "Qwen/Qwen3-8B".into(),
-                revision: "v1.0".into()
-            }
-        );
-        assert_eq!(
-            Source::parse("hf://gpt2").unwrap(),
-            Source::Hf {
-                repo: "gpt2".into(),
-                revision: "main".into()
-            }
-        );
-        assert_eq!(
-            Source::parse("s3://models/qwen/8b/").unwrap(),
-            Source::S3 {
-                bucket: "models".into(),
-                prefix: "qwen/8b".into()
-            }
-        );
-        assert_eq!(
-            Source::parse("pvc://weights/base").unwrap(),
-            Source::Pvc {
-                claim: "weights".into(),
-                path: "base".into()
-            }
-        );
-        for bad in [
-            "http://x/y",
-            "hf://",
-            "hf://a/b/c",
-            "hf://a/b@",
-            "hf://a/../b",
-            "s3://A_B/x",
-            "s3://bk/../x",
-            "pvc:///x",
-            "models/x",
-            "hf://a b/c",
-        ] {
-            let e = Source::parse(bad).unwrap_err();
-            assert_eq!(e.code(), "bad_source", "{bad}");
-        }
-    }
 
     #[test]
     fn classifies_files() {
