@@ -235,7 +235,7 @@ fn worker_container(spec: &InferencePoolSpec, mounts: Vec<VolumeMount>) -> Conta
 pub fn worker_pod(pool: &InferencePool, config_map: &str, meta: &ChildMeta) -> PodTemplateSpec {
     let spec = &pool.spec;
     let (volumes, mounts) = worker_volumes(pool, config_map);
-    PodTemplateSpec {
+    let mut template = PodTemplateSpec {
         metadata: Some(ObjectMeta {
             labels: Some(meta.labels.clone()),
             annotations: Some(BTreeMap::from([(
@@ -256,5 +256,7 @@ pub fn worker_pod(pool: &InferencePool, config_map: &str, meta: &ChildMeta) -> P
             volumes: Some(volumes),
             ..Default::default()
         }),
-    }
+    };
+    super::fetch::with_base_model_source(spec, template.spec.get_or_insert_with(Default::default));
+    template
 }
