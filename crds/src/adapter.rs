@@ -230,7 +230,11 @@ pub struct AdapterStatus {
     /// pods serve it (the pool's WorkerConfig follows it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub merged_endpoint: Option<String>,
-    /// Conditions (`Ready`, `Valid`, `Loaded`, `Merged`, `MergeGated`, `Degraded`).
+    /// The fetch (hash of `source.uri`, `source.path` and version) whose Job succeeded. The
+    /// pool's pods load an adapter with a `source.uri` only once this matches its spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fetched: Option<String>,
+    /// Conditions (`Ready`, `Valid`, `Fetched`, `Loaded`, `Merged`, `MergeGated`, `Degraded`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// Generation of the spec this status describes.

@@ -225,3 +225,141 @@ async fn an_adapter_with_a_bad_uri_gets_a_condition_naming_the_field() {
     );
     assert!(e.events().contains(&"InvalidSpec".to_string()));
 }
+
+const JOBS: &str = "/apis/batch/v1/namespaces/ml/jobs/";
+const CM: &str = "/api/v1/namespaces/ml/configmaps/vl-config";
+
+impl Env {
+    async fn reconcile_adapter(&self) {
+        for _ in 0..2 {
+            let a: Adapter = serde_json::from_value(self.get(ADAPTER).unwrap()).unwrap();
+            adapter::reconcile(Arc::new(a), self.ctx.clone())
+                .await
+                .unwrap();
+        }
+    }
+    async fn reconcile_pool(&self) {
+        let p: InferencePool = serde_json::from_value(self.get(POOL).unwrap()).unwrap();
+        pool::reconcile(Arc::new(p), self.ctx.clone())
+            .await
+            .unwrap();
+    }
+    fn jobs(&self) -> Vec<(String, Value)> {
+        let s = self.store.lock().unwrap();
+        s.objects
+            .iter()
+            .filter(|(k, _)| k.starts_with(JOBS))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
+    }
+    fn finish_job(&self, path: &str, status: Value) {
+        let mut s = self.store.lock().unwrap();
+        let mut v = s.get(path).unwrap();
+        v["status"] = status;
+        s.objects.insert(path.to_string(), v);
+    }
+    fn config_adapters(&self) -> Vec<String> {
+        let cm = self.get(CM).unwrap();
+        let wc: mole_crds::WorkerConfig =
+            serde_json::from_str(cm["data"]["worker.json"].as_str().unwrap()).unwrap();
+        wc.adapters.into_iter().map(|a| a.name).collect()
+    }
+}
+
+async fn fetching_adapter() -> (Env, String, String) {
+    let e = env(pool_obj(
+        json!({"name": "Qwen/Qwen3-8B", "path": "base/qwen3-8b"}),
+    ))
+    .await;
+    e.store.lock().unwrap().create(
+        ADAPTER,
+        json!({
+            "apiVersion": "mole.dev/v1alpha1", "kind": "Adapter",
+            "metadata": {"name": "calendar", "namespace": "ml", "generation": 1},
+            "spec": {"pool": "vl", "version": "v1",
+                     "source": {"path": "adapters/calendar/v1", "uri": "s3://adapters/calendar/v1",
+                                "secretRef": {"name": "s3-creds"}}}
+        }),
+    );
+    e.reconcile_adapter().await;
+    let jobs = e.jobs();
+    assert_eq!(jobs.len(), 1, "one fetch Job");
+    let (path, job) = jobs[0].clone();
+    let name = job["metadata"]["name"].as_str().unwrap().to_string();
+    assert!(name.starts_with("fetch-calendar-"), "{name}");
+    let c = &job["spec"]["template"]["spec"]["containers"][0];
+    assert_eq!(
+        c["args"],
+        json!([
+            "fetch",
+            "--source",
+            "s3://adapters/calendar/v1",
+            "--dest",
+            "/models/adapters/calendar/v1"
+        ])
+    );
+    assert_eq!(c["envFrom"][0]["secretRef"]["name"], "s3-creds");
+    let a = e.get(ADAPTER).unwrap();
+    assert_eq!(condition(&a, "Fetched")["reason"], "Fetching");
+    assert_eq!(a["status"]["phase"], "Pending");
+    // Registered (it has its id) but not loaded before its files are there.
+    e.reconcile_pool().await;
+    assert!(
+        e.config_adapters().is_empty(),
+        "not in the WorkerConfig while fetching"
+    );
+    (e, path, name)
+}
+
+#[tokio::test]
+async fn an_adapter_uri_is_fetched_by_a_job_before_the_pods_load_it() {
+    let (e, path, _) = fetching_adapter().await;
+    e.finish_job(&path, json!({"succeeded": 1}));
+    e.reconcile_adapter().await;
+    let a = e.get(ADAPTER).unwrap();
+    assert_eq!(condition(&a, "Fetched")["status"], "True");
+    assert!(a["status"]["fetched"].is_string());
+    assert!(e.events().contains(&"FetchSucceeded".to_string()));
+    e.reconcile_pool().await;
+    assert_eq!(e.config_adapters(), ["calendar"]);
+    // Done once: later passes create no Job and keep the status.
+    e.reconcile_adapter().await;
+    assert_eq!(e.jobs().len(), 1);
+    assert_eq!(
+        e.get(ADAPTER).unwrap()["status"]["fetched"],
+        a["status"]["fetched"]
+    );
+}
+
+#[tokio::test]
+async fn a_failed_fetch_puts_the_tools_reason_in_the_condition() {
+    let (e, path, name) = fetching_adapter().await;
+    e.finish_job(
+        &path,
+        json!({"failed": 4, "conditions": [{"type": "Failed", "status": "True", "reason": "BackoffLimitExceeded"}]}),
+    );
+    let line = "fetch failed (pickle_refused): adapter_model.bin: pickled weights are refused";
+    e.store.lock().unwrap().create(
+        &format!("/api/v1/namespaces/ml/pods/{name}-x"),
+        json!({"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": format!("{name}-x"), "namespace": "ml", "labels": {"job-name": name}},
+               "status": {"containerStatuses": [{"name": "fetch", "image": "i", "imageID": "", "ready": false,
+                   "restartCount": 0, "state": {"terminated": {"exitCode": 2, "message": line}}}]}}),
+    );
+    e.reconcile_adapter().await;
+    let a = e.get(ADAPTER).unwrap();
+    let c = condition(&a, "Fetched");
+    assert_eq!(
+        (c["status"].as_str(), c["reason"].as_str()),
+        (Some("False"), Some("FetchFailed"))
+    );
+    assert!(c["message"].as_str().unwrap().contains(line), "{c}");
+    assert_eq!(a["status"]["phase"], "Failed");
+    assert_eq!(
+        e.events().iter().filter(|r| *r == "FetchFailed").count(),
+        1,
+        "one Event for the failure, however often it is seen"
+    );
+    e.reconcile_pool().await;
+    assert!(e.config_adapters().is_empty());
+}

@@ -2,15 +2,21 @@
 //! pulled by a `fetch-model` init container running `mole-worker fetch` into
 //! `<mountPath>/<baseModel.path>` on the pool's volume; `pvc://claim/path` mounts that claim's
 //! directory read-only there instead. Either way the worker reads the model where it always
-//! does, so the WorkerConfig does not change.
+//! does, so the WorkerConfig does not change. An Adapter's `source.uri` is fetched the same
+//! way by a fetch Job per version, before the pool's pods are told to load it.
 
+use std::collections::BTreeMap;
+
+use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
-    Container, EnvFromSource, EnvVar, PersistentVolumeClaimVolumeSource, PodSpec, SecretEnvSource,
-    Volume, VolumeMount,
+    Container, EnvFromSource, EnvVar, PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec,
+    SecretEnvSource, Volume, VolumeMount,
 };
-use mole_crds::{InferencePoolSpec, ModelSource, SecretRef};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use mole_crds::{AdapterSpec, InferencePoolSpec, ModelSource, SecretRef};
 
-use super::pod::restricted_container_security;
+use super::meta::{short_hash, ChildMeta};
+use super::pod::{models_volume, restricted_container_security, restricted_pod_security};
 
 /// Name of the init container that fetches the base model.
 pub const FETCH_MODEL_CONTAINER: &str = "fetch-model";
@@ -134,10 +140,80 @@ pub fn with_base_model_source(spec: &InferencePoolSpec, pod: &mut PodSpec) {
     }
 }
 
+/// Identity of an adapter's fetch: its `source.uri`, `source.path` and version (None without
+/// a `uri`). A new value means a new Job.
+pub fn adapter_fetch_key(spec: &AdapterSpec) -> Option<String> {
+    let uri = spec.source.uri.as_ref()?;
+    Some(
+        short_hash(&serde_json::json!({
+            "uri": uri,
+            "path": spec.source.path,
+            "version": spec.version,
+        }))[..10]
+            .to_string(),
+    )
+}
+
+/// `fetch-<adapter>-<key>`, within the 63 characters of a label value (the Job controller
+/// labels its pods with the Job's name).
+pub fn adapter_fetch_job_name(adapter: &str, key: &str) -> String {
+    let room = 63 - "fetch-".len() - 1 - key.len();
+    let short: String = adapter.chars().take(room).collect();
+    format!("fetch-{}-{key}", short.trim_end_matches('-'))
+}
+
+/// Finished fetch Jobs go after a day; the Adapter's status keeps the result.
+const FETCH_TTL_AFTER_FINISHED: i32 = 24 * 3600;
+
+/// The fetch Job of an adapter version: `mole-worker fetch` of its `source.uri` into
+/// `<mountPath>/<source.path>` with the pool's volume read-write. None without a `uri`.
+pub fn adapter_fetch_job(
+    pool_name: &str,
+    pool: &InferencePoolSpec,
+    adapter: &str,
+    spec: &AdapterSpec,
+    owner: OwnerReference,
+) -> Option<Job> {
+    let uri = spec.source.uri.as_deref()?;
+    let key = adapter_fetch_key(spec)?;
+    let meta = ChildMeta::of_adapter(pool_name, None, adapter, "fetch", owner);
+    let dest = join(&pool.storage.mount_path, &spec.source.path);
+    let container = fetch_container("fetch", pool, uri, &dest, spec.source.secret_ref.as_ref());
+    Some(Job {
+        metadata: meta.annotated(
+            adapter_fetch_job_name(adapter, &key),
+            BTreeMap::from([
+                ("mole.dev/fetch-key".to_string(), key),
+                ("mole.dev/adapter-version".to_string(), spec.version.clone()),
+            ]),
+        ),
+        spec: Some(JobSpec {
+            // The tool resumes a broken download itself; a few pod retries cover the rest
+            // (a node lost mid-download), each resuming from the `.part`.
+            backoff_limit: Some(3),
+            ttl_seconds_after_finished: Some(FETCH_TTL_AFTER_FINISHED),
+            template: PodTemplateSpec {
+                metadata: Some(ObjectMeta {
+                    labels: Some(meta.labels.clone()),
+                    ..Default::default()
+                }),
+                spec: Some(PodSpec {
+                    restart_policy: Some("Never".into()),
+                    security_context: Some(restricted_pod_security()),
+                    containers: vec![container],
+                    volumes: Some(vec![models_volume(pool, false)]),
+                    ..Default::default()
+                }),
+            },
+            ..Default::default()
+        }),
+        status: None,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::resources::models_volume;
 
     fn spec(source: Option<&str>) -> InferencePoolSpec {
         let mut s: InferencePoolSpec = serde_yaml::from_str(
@@ -158,6 +234,50 @@ mod tests {
             volumes: Some(vec![models_volume(s, false)]),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn adapter_fetch_job_writes_the_version_into_its_path() {
+        let s = spec(None);
+        let mut a: AdapterSpec = serde_yaml::from_str(
+            "pool: vl\nversion: v1\nsource: {path: adapters/cal/v1, uri: 's3://b/cal/v1', secretRef: {name: s3}}\n",
+        )
+        .unwrap();
+        let owner = OwnerReference::default();
+        let job = adapter_fetch_job("vl", &s, "cal", &a, owner.clone()).unwrap();
+        let key = adapter_fetch_key(&a).unwrap();
+        assert_eq!(
+            job.metadata.name.as_deref(),
+            Some(format!("fetch-cal-{key}").as_str())
+        );
+        let pod = job.spec.unwrap().template.spec.unwrap();
+        let c = &pod.containers[0];
+        assert_eq!(
+            c.args.as_ref().unwrap()[..],
+            [
+                "fetch",
+                "--source",
+                "s3://b/cal/v1",
+                "--dest",
+                "/models/adapters/cal/v1"
+            ]
+        );
+        assert_eq!(
+            c.env_from.as_ref().unwrap()[0]
+                .secret_ref
+                .as_ref()
+                .unwrap()
+                .name,
+            "s3"
+        );
+        assert_eq!(pod.restart_policy.as_deref(), Some("Never"));
+        // A new version is a new fetch; no uri, no Job.
+        a.version = "v2".into();
+        assert_ne!(adapter_fetch_key(&a).unwrap(), key);
+        a.source.uri = None;
+        assert!(adapter_fetch_job("vl", &s, "cal", &a, owner).is_none());
+        let long = "a".repeat(100);
+        assert!(adapter_fetch_job_name(&long, &key).len() <= 63);
     }
 
     #[test]
