@@ -341,6 +341,27 @@ async fn resumes_the_part_file_a_killed_run_left() {
     assert_eq!(get.range.as_deref(), Some("bytes=12345-"));
 }
 
+/// A `.part` whose bytes are wrong (a crash that lost written pages) fails the check after
+/// the resume and is fetched again from scratch, once.
+#[tokio::test]
+async fn a_corrupt_part_from_a_killed_run_is_fetched_again() {
+    let files = tiny_repo();
+    let big = "model-00001-of-00002.safetensors";
+    let (url, hub) = start(hub_with("org/tiny", files.clone())).await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join(format!("{big}.part")), vec![0u8; 5_000]).unwrap();
+    fetch(&opts(&url, "hf://org/tiny", dir.path()))
+        .await
+        .unwrap();
+    assert_same(dir.path(), &files);
+    let gets: Vec<_> = resolves(&hub)
+        .into_iter()
+        .filter(|s| s.path.ends_with(big))
+        .map(|s| s.range)
+        .collect();
+    assert_eq!(gets, [Some("bytes=5000-".to_string()), None]);
+}
+
 #[tokio::test]
 async fn refuses_a_corrupted_file_and_leaves_nothing_in_place() {
     let files = tiny_repo();

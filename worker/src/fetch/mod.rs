@@ -651,14 +651,62 @@ async fn fetch_file(
         }
     }
     let part = part_path(target);
+    // A `.part` left by an earlier run: if its bytes turn out wrong (a crash that lost
+    // written pages), it is fetched again from scratch once rather than failing the run.
+    let inherited = std::fs::metadata(&part).is_ok_and(|m| m.len() > 0);
+    let fill = || {
+        fill_part(
+            client,
+            remote,
+            revision,
+            f,
+            &part,
+            retries,
+            (done_before, total),
+        )
+    };
+    let mut transferred = fill().await?;
+    let (sha, verified) = match verify(f, &part) {
+        Err(e) if inherited => {
+            tracing::warn!(file = %f.name, error = %e, "the earlier run's .part is corrupt; fetching it again");
+            std::fs::remove_file(&part).map_err(FetchError::io(&part))?;
+            transferred += fill().await?;
+            verify(f, &part)
+        }
+        other => other,
+    }
+    .inspect_err(|_| {
+        let _ = std::fs::remove_file(&part);
+    })?;
+    // The bytes reach the disk before the name does, so a crash cannot leave a torn file
+    // under the final name.
+    std::fs::File::open(&part)
+        .and_then(|file| file.sync_all())
+        .map_err(FetchError::io(&part))?;
+    std::fs::rename(&part, target).map_err(FetchError::io(target))?;
+    tracing::info!(file = %f.name, bytes = f.size, verified, "file done");
+    Ok((transferred, entry(f, sha, verified)))
+}
+
+/// Downloads what `part` lacks of the file, resuming with Range after a broken transfer (up to
+/// `retries` times). Returns the bytes transferred.
+async fn fill_part(
+    client: &reqwest::Client,
+    remote: &Remote,
+    revision: Option<&str>,
+    f: &RemoteFile,
+    part: &Path,
+    retries: u32,
+    (done_before, total): (u64, u64),
+) -> Result<u64, FetchError> {
     let mut transferred = 0u64;
     let mut attempt = 0u32;
     loop {
-        let have = match std::fs::metadata(&part) {
+        let have = match std::fs::metadata(part) {
             Ok(m) if m.len() <= f.size => m.len(),
             // Longer than the object: not a prefix of it.
             Ok(_) => {
-                std::fs::remove_file(&part).map_err(FetchError::io(&part))?;
+                std::fs::remove_file(part).map_err(FetchError::io(part))?;
                 0
             }
             Err(_) => 0,
@@ -671,7 +719,7 @@ async fn fetch_file(
             remote,
             revision,
             f,
-            &part,
+            part,
             have,
             (done_before, total),
         )
@@ -693,37 +741,32 @@ async fn fetch_file(
             }
         }
     }
-    let (sha, md5) = digest_file(&part, f.md5.is_some() && f.sha256.is_none())?;
-    let mismatch = |algorithm, expected: &String, actual: String| {
-        let _ = std::fs::remove_file(&part);
-        FetchError::ChecksumMismatch {
-            file: f.name.clone(),
-            algorithm,
-            expected: expected.clone(),
-            actual,
-        }
+    Ok(transferred)
+}
+
+/// Checks a complete `.part` against the source's digest. Returns its sha256 and what it was
+/// verified against.
+fn verify(f: &RemoteFile, part: &Path) -> Result<(String, &'static str), FetchError> {
+    let (sha, md5) = digest_file(part, f.md5.is_some() && f.sha256.is_none())?;
+    let mismatch = |algorithm, expected: &String, actual: String| FetchError::ChecksumMismatch {
+        file: f.name.clone(),
+        algorithm,
+        expected: expected.clone(),
+        actual,
     };
-    let verified = if let Some(want) = &f.sha256 {
+    if let Some(want) = &f.sha256 {
         if *want != sha {
             return Err(mismatch("sha256", want, sha));
         }
-        "sha256"
-    } else if let (Some(want), Some(got)) = (&f.md5, md5) {
+        return Ok((sha, "sha256"));
+    }
+    if let (Some(want), Some(got)) = (&f.md5, md5) {
         if *want != got {
             return Err(mismatch("md5", want, got));
         }
-        "md5"
-    } else {
-        "none"
-    };
-    // The bytes reach the disk before the name does, so a crash cannot leave a torn file
-    // under the final name.
-    std::fs::File::open(&part)
-        .and_then(|file| file.sync_all())
-        .map_err(FetchError::io(&part))?;
-    std::fs::rename(&part, target).map_err(FetchError::io(target))?;
-    tracing::info!(file = %f.name, bytes = f.size, verified, "file done");
-    Ok((transferred, entry(f, sha, verified)))
+        return Ok((sha, "md5"));
+    }
+    Ok((sha, "none"))
 }
 
 fn entry(f: &RemoteFile, sha256: String, verified: &str) -> ManifestFile {
