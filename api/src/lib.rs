@@ -8,6 +8,8 @@
 //!   of defaults and one set of [`bounds`] both sides check;
 //! - [`LoraAdaptersResponse`]: what the worker serves at `GET /v1/lora_adapters` and the
 //!   operator reads to decide readiness;
+//! - [`ModelSource`]: the `hf://`, `s3://` and `pvc://` URIs of models and adapters, parsed
+//!   by the operator's validation and the worker's `fetch` alike;
 //! - the enums both sides name ([`Dtype`], [`ServingMode`], ...).
 
 #![forbid(unsafe_code)]
@@ -18,6 +20,7 @@ mod enums;
 mod limits;
 mod listing;
 mod router;
+mod source;
 
 pub use bounds::BoundsError;
 pub use config::{
@@ -27,3 +30,4 @@ pub use enums::{Dtype, RouterFallback, RouterStrategy, ServingMode, WorkerMode};
 pub use limits::{EngineLimits, WorkerLimits};
 pub use listing::{LoraAdapterInfo, LoraAdaptersResponse, Residency};
 pub use router::RouterSpec;
+pub use source::{ModelSource, SourceError};

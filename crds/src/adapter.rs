@@ -61,10 +61,20 @@ pub struct AdapterSpec {
 #[serde(rename_all = "camelCase")]
 pub struct AdapterSource {
     /// Directory with `adapter_config.json` and `adapter_model.safetensors`, relative to the
-    /// pool's storage mount path.
+    /// pool's storage mount path (with a `uri`, the directory the fetch writes into).
     #[schemars(length(max = 1024))]
     #[x_kube(validation = Rule::new("self != '' && !self.startsWith('/') && !self.matches('(^|/)\\\\.\\\\.(/|$)')").message("source.path must be relative and must not contain '..'"))]
     pub path: String,
+    /// Where the files come from: `hf://org/adapter[@revision]` or `s3://bucket/prefix`. A
+    /// fetch Job per version writes them into `path` on the pool's volume before the adapter
+    /// is loaded. Unset: they are already at `path`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    #[x_kube(validation = Rule::new("self.startsWith('hf://') || self.startsWith('s3://')").message("source.uri must be an hf:// or s3:// URI"))]
+    pub uri: Option<String>,
+    /// Secret whose keys become the fetch Job's environment (`HF_TOKEN`, `AWS_*`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<crate::pool::SecretRef>,
 }
 
 /// How an adapter is served.
@@ -221,7 +231,11 @@ pub struct AdapterStatus {
     /// pods serve it (the pool's WorkerConfig follows it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub merged_endpoint: Option<String>,
-    /// Conditions (`Ready`, `Valid`, `Loaded`, `Merged`, `MergeGated`, `Degraded`).
+    /// The fetch (hash of `source.uri`, `source.path` and version) whose Job succeeded. The
+    /// pool's pods load an adapter with a `source.uri` only once this matches its spec.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fetched: Option<String>,
+    /// Conditions (`Ready`, `Valid`, `Fetched`, `Loaded`, `Merged`, `MergeGated`, `Degraded`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,
     /// Generation of the spec this status describes.

@@ -60,6 +60,8 @@ pub mod condition {
     pub const MERGE_GATED: &str = "MergeGated";
     /// Something serves, but not as asked (e.g. a failed merge with an older version serving).
     pub const DEGRADED: &str = "Degraded";
+    /// The adapter's files were fetched from its `source.uri` for the desired version.
+    pub const FETCHED: &str = "Fetched";
 }
 
 /// Condition/Event reasons. Stable names: also used as metric labels.
@@ -96,6 +98,12 @@ pub mod reason {
     pub const ROLLED_BACK: &str = "RolledBack";
     /// The adapter was removed from the pool and unloaded from its pods.
     pub const UNREGISTERED: &str = "Unregistered";
+    /// A fetch Job runs for the adapter's `source.uri`.
+    pub const FETCHING: &str = "Fetching";
+    /// A fetch Job succeeded: the pool's pods may load the version.
+    pub const FETCH_SUCCEEDED: &str = "FetchSucceeded";
+    /// A fetch Job failed; the message carries the tool's reason.
+    pub const FETCH_FAILED: &str = "FetchFailed";
     /// An API call failed; the operator retries with backoff.
     pub const RECONCILE_ERROR: &str = "ReconcileError";
 }

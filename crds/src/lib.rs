@@ -16,8 +16,9 @@ pub use pool::*;
 
 pub use mole_api::{
     bounds, BoundsError, Dtype, EngineLimits, LoraAdapterInfo, LoraAdaptersResponse, MergedModel,
-    Residency, RouterFallback, RouterSpec, RouterStrategy, RoutingSignals, ServingMode,
-    WorkerAdapter, WorkerAuth, WorkerBaseModel, WorkerConfig, WorkerLimits, WorkerMode,
+    ModelSource, Residency, RouterFallback, RouterSpec, RouterStrategy, RoutingSignals,
+    ServingMode, WorkerAdapter, WorkerAuth, WorkerBaseModel, WorkerConfig, WorkerLimits,
+    WorkerMode,
 };
 
 use kube::CustomResourceExt;

@@ -79,15 +79,40 @@ pub struct BaseModel {
     #[schemars(length(max = 256))]
     #[x_kube(validation = Rule::new("self != ''").message("baseModel.name must not be empty"))]
     pub name: String,
-    /// Directory of the HF checkpoint, relative to the storage mount path.
+    /// Directory of the HF checkpoint, relative to the storage mount path. With a `source`,
+    /// the directory the weights are fetched into (`hf://`, `s3://`) or where the source
+    /// claim is mounted (`pvc://`).
     #[schemars(length(max = 1024))]
     #[x_kube(validation = Rule::new("!self.startsWith('/') && !self.matches('(^|/)\\\\.\\\\.(/|$)')").message("baseModel.path must be relative and must not contain '..'"))]
     pub path: String,
+    /// Where the weights come from: `hf://org/model[@revision]` (a branch or tag is pinned
+    /// to its commit), `s3://bucket/prefix`, or `pvc://claim/path` (that claim mounted
+    /// read-only at `path`). Fetched sources are pulled by the `fetch-model` init container
+    /// of every pod (safetensors only, checksummed, resumed; a pod finding them already
+    /// fetched starts at once). Unset: the weights are already at `path` on the pool's volume.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 1024))]
+    #[x_kube(validation = Rule::new("self.startsWith('hf://') || self.startsWith('s3://') || self.startsWith('pvc://')").message("baseModel.source must be an hf://, s3:// or pvc:// URI"))]
+    pub source: Option<String>,
+    /// Secret whose keys become the fetch's environment: `HF_TOKEN` (and `HF_ENDPOINT`) for
+    /// `hf://`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`,
+    /// `AWS_ENDPOINT_URL` for `s3://`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub secret_ref: Option<SecretRef>,
     /// Serving dtype of the weights. A GPU computes in it. A CPU holds `bf16` and `f16`
     /// weights as they are and computes in f32 over them (half the memory and half the bytes
     /// per decode step of f32; each value widens to f32 exactly).
     #[serde(default)]
     pub dtype: Dtype,
+}
+
+/// A Secret in the object's namespace.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct SecretRef {
+    /// Name of the Secret.
+    #[schemars(length(min = 1, max = 253))]
+    pub name: String,
 }
 
 /// The volume with models, adapters and merged outputs.

@@ -165,6 +165,10 @@ fn the_pool_rules_refuse_what_they_say() {
             |p| p["spec"]["image"] = serde_json::json!(""),
             "image must not be empty",
         ),
+        (
+            |p| p["spec"]["baseModel"]["source"] = serde_json::json!("https://example.com/m"),
+            "baseModel.source must be an hf://, s3:// or pvc:// URI",
+        ),
     ];
     for (change, message) in cases {
         let mut p = pool.clone();
@@ -179,4 +183,14 @@ fn the_pool_rules_refuse_what_they_say() {
     let mut p = pool.clone();
     p["spec"]["baseModel"]["path"] = serde_json::json!("base/qwen3..vl/v1.0");
     assert_eq!(run("InferencePool", p).0, vec![]);
+    for uri in [
+        "hf://Qwen/Qwen3-VL-8B-Instruct@main",
+        "s3://models/qwen3",
+        "pvc://weights/q",
+    ] {
+        let mut p = pool.clone();
+        p["spec"]["baseModel"]["source"] = serde_json::json!(uri);
+        p["spec"]["baseModel"]["secretRef"] = serde_json::json!({"name": "creds"});
+        assert_eq!(run("InferencePool", p).0, vec![], "{uri}");
+    }
 }

@@ -14,7 +14,7 @@
 //! - [`server`]: the HTTP API.
 //!
 //! Tools on top, which nothing in the serving path imports: [`import`], [`inspect`],
-//! [`prune`], [`bench`]. `tests/layers.rs` holds every module to this order.
+//! [`prune`], [`bench`], [`fetch`] (pulls models and adapters from `hf://` and `s3://`). `tests/layers.rs` holds every module to this order.
 
 // clippy.toml keeps device→host copies and concatenation out of the decode path: model/ and
 // lora/. The rest of the worker (tools, server, the engine's one copy of a step's logits)
@@ -24,6 +24,7 @@
 pub mod bench;
 pub mod config;
 pub mod engine;
+pub mod fetch;
 pub mod formats;
 pub mod import;
 pub mod inspect;

@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "mole-worker",
     version,
-    about = "mole worker: serve, merge, import, inspect, bench"
+    about = "mole worker: serve, merge, import, inspect, bench, fetch"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -28,6 +28,8 @@ enum Command {
     Bench(mole_worker::bench::BenchArgs),
     /// Delete old merged outputs (the operator's cleanup Job), refusing paths outside --root.
     Prune(mole_worker::prune::PruneArgs),
+    /// Fetch a model or adapter (safetensors only, resumable, checksummed) from hf:// or s3://.
+    Fetch(mole_worker::fetch::cli::FetchArgs),
 }
 
 /// candle asks for its thread count on every matmul and, unless `RAYON_NUM_THREADS` is set,
@@ -61,5 +63,6 @@ fn main() -> std::process::ExitCode {
         Command::Inspect(a) => mole_worker::inspect::run(a),
         Command::Bench(a) => mole_worker::bench::run(a),
         Command::Prune(a) => mole_worker::prune::run(a),
+        Command::Fetch(a) => mole_worker::fetch::cli::run(a),
     }
 }

@@ -22,7 +22,7 @@ const LAYERS: &[&[&str]] = &[
     &["merge"],
     &["server"],
     // Tools: nothing below imports them.
-    &["import", "inspect", "prune", "bench"],
+    &["import", "inspect", "prune", "bench", "fetch"],
 ];
 
 fn layer(module: &str) -> Option<usize> {

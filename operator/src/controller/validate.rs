@@ -2,7 +2,9 @@
 //! condition and the Event tell them exactly what to fix.
 
 use mole_crds::constants::reason;
-use mole_crds::{Adapter, InferencePool, InferencePoolSpec, RouterSpec, RouterStrategy};
+use mole_crds::{
+    Adapter, InferencePool, InferencePoolSpec, ModelSource, RouterSpec, RouterStrategy, SecretRef,
+};
 
 use crate::error::FieldError;
 
@@ -95,6 +97,24 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
             "must name a PersistentVolumeClaim",
         ));
     }
+    if let Some(uri) = &spec.base_model.source {
+        let source = parse_source("spec.baseModel.source", uri)?;
+        if let ModelSource::Pvc { claim, .. } = &source {
+            if *claim == spec.storage.claim_name {
+                return Err(FieldError::invalid(
+                    "spec.baseModel.source",
+                    format!(
+                        "{uri:?} names the pool's own claim: set spec.baseModel.path to the \
+                         directory instead"
+                    ),
+                ));
+            }
+        }
+    }
+    validate_secret_ref(
+        "spec.baseModel.secretRef",
+        spec.base_model.secret_ref.as_ref(),
+    )?;
     if !spec.storage.mount_path.starts_with('/') {
         return Err(FieldError::invalid(
             "spec.storage.mountPath",
@@ -193,6 +213,21 @@ fn validate_router(r: &RouterSpec) -> Result<(), FieldError> {
     Ok(())
 }
 
+/// Parses a source URI with the worker's own rules, naming `field` when it is refused.
+pub fn parse_source(field: &str, uri: &str) -> Result<ModelSource, FieldError> {
+    ModelSource::parse(uri).map_err(|e| FieldError::invalid(field, format!("{uri:?}: {e}")))
+}
+
+fn validate_secret_ref(field: &str, r: Option<&SecretRef>) -> Result<(), FieldError> {
+    match r {
+        Some(r) if r.name.trim().is_empty() => Err(FieldError::invalid(
+            format!("{field}.name"),
+            "must name a Secret",
+        )),
+        _ => Ok(()),
+    }
+}
+
 fn created_key(a: &Adapter) -> (Option<i64>, String) {
     (
         a.metadata
@@ -233,6 +268,18 @@ pub fn validate_adapter(
             ),
         ));
     }
+    if let Some(uri) = &spec.source.uri {
+        if !parse_source("spec.source.uri", uri)?.is_fetched() {
+            return Err(FieldError::invalid(
+                "spec.source.uri",
+                format!(
+                    "{uri:?}: adapters are fetched from hf:// or s3:// into the pool's volume; \
+                     pvc:// is for base models"
+                ),
+            ));
+        }
+    }
+    validate_secret_ref("spec.source.secretRef", spec.source.secret_ref.as_ref())?;
     if spec.serving.replicas < 0 {
         return Err(FieldError::invalid(
             "spec.serving.replicas",
@@ -414,6 +461,26 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
                 |p| p.spec.merge.priority_class_name = Some("batch.".into()),
                 "spec.merge.priorityClassName",
             ),
+            (
+                |p| p.spec.base_model.source = Some("http://example.com/m".into()),
+                "spec.baseModel.source",
+            ),
+            (
+                |p| p.spec.base_model.source = Some("hf://org/m/extra".into()),
+                "spec.baseModel.source",
+            ),
+            (
+                |p| p.spec.base_model.source = Some("s3://Bad_Bucket/x".into()),
+                "spec.baseModel.source",
+            ),
+            (
+                |p| p.spec.base_model.source = Some("pvc://models/base".into()),
+                "spec.baseModel.source",
+            ),
+            (
+                |p| p.spec.base_model.secret_ref = Some(mole_crds::SecretRef { name: "".into() }),
+                "spec.baseModel.secretRef.name",
+            ),
         ];
         for (mutate, want) in cases {
             let mut p = pool();
@@ -475,6 +542,22 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
     }
 
     #[test]
+    fn sources_of_the_three_schemes_pass() {
+        for uri in [
+            "hf://Qwen/Qwen3-8B@main",
+            "s3://models/qwen3-8b",
+            "pvc://weights/qwen3",
+        ] {
+            let mut p = pool();
+            p.spec.base_model.source = Some(uri.into());
+            assert_eq!(validate_pool(&p), Ok(()), "{uri}");
+        }
+        let mut a = adapter("calendar", None, 10);
+        a.spec.source.uri = Some("s3://adapters/calendar/v1".into());
+        assert_eq!(validate_adapter(&a, Some(&pool()), &[]), Ok(()));
+    }
+
+    #[test]
     fn cpu_pools_need_the_explicit_annotation() {
         let mut p = pool();
         p.spec.gpu.count = 0;
@@ -515,6 +598,18 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
                 "spec.evaluation.accuracy",
             ),
             (|a| a.spec.routing.label = Some(" ".into()), "spec.label"),
+            (
+                |a| a.spec.source.uri = Some("ftp://x/y".into()),
+                "spec.source.uri",
+            ),
+            (
+                |a| a.spec.source.uri = Some("pvc://adapters/x".into()),
+                "spec.source.uri",
+            ),
+            (
+                |a| a.spec.source.secret_ref = Some(mole_crds::SecretRef { name: " ".into() }),
+                "spec.source.secretRef.name",
+            ),
         ];
         for (mutate, want) in cases {
             let mut a = adapter("calendar", None, 10);

@@ -9,7 +9,7 @@ use mole_crds::{AdapterSpec, InferencePoolSpec};
 
 use crate::resources::{
     image_pull_secrets, models_volume, restricted_container_security, restricted_pod_security,
-    ChildMeta,
+    with_base_model_source, ChildMeta,
 };
 
 use super::MergeKey;
@@ -67,7 +67,7 @@ pub fn merge_job(
         args.push(d.as_str().into());
     }
     let meta = job_meta(pool_name, adapter, "merge", owner);
-    Job {
+    let mut job = Job {
         metadata: meta.annotated(
             key.job_name.clone(),
             BTreeMap::from([
@@ -124,7 +124,13 @@ pub fn merge_job(
             ..Default::default()
         }),
         status: None,
+    };
+    // The merge reads the base model where the pods do: fetched first (a no-op when the pods
+    // already did) or the pvc:// claim mounted over its directory.
+    if let Some(pod) = job.spec.as_mut().and_then(|s| s.template.spec.as_mut()) {
+        with_base_model_source(pool, pod);
     }
+    job
 }
 
 /// A Job that deletes merged outputs that fell out of the history. The operator pod never

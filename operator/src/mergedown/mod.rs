@@ -38,13 +38,18 @@ pub struct MergeKey {
 /// Computes the merge identity. Any change of the base model, the adapter's source or version,
 /// or its merge settings gives a new hash, so a new Job and a new output directory.
 pub fn merge_key(pool: &InferencePoolSpec, adapter: &str, spec: &AdapterSpec) -> MergeKey {
-    let identity = serde_json::json!({
+    let mut identity = serde_json::json!({
         "base": {"name": pool.base_model.name, "path": pool.base_model.path},
         "source": spec.source.path,
         "version": spec.version,
         "safeMerge": spec.merge.safe_merge,
         "dtype": spec.merge.dtype.map(|d| d.as_str()),
     });
+    // Only when set, so adapters without one keep their hashes (and merged outputs): new files
+    // fetched into the same path under the same version are a new merge.
+    if let Some(uri) = &spec.source.uri {
+        identity["uri"] = serde_json::json!(uri);
+    }
     let digest = Sha256::digest(identity.to_string().as_bytes());
     let hash = hex::encode(&digest[..5]);
     let prefix = "merge-";

@@ -5,6 +5,7 @@
 
 mod configmap;
 mod deployment;
+mod fetch;
 mod meta;
 mod pdb;
 mod pod;
@@ -22,6 +23,10 @@ use mole_crds::InferencePool;
 
 pub use configmap::{config_map, config_map_name, merged_config_map, merged_config_name};
 pub use deployment::{dynamic_deployment, dynamic_name, merged_name, worker_deployment};
+pub use fetch::{
+    adapter_fetch_job, adapter_fetch_job_name, adapter_fetch_key, fetch_container, join,
+    with_base_model_source, BASE_MODEL_SOURCE_VOLUME, FETCH_MODEL_CONTAINER,
+};
 pub use meta::{
     labels, owner, selector, short_hash, ChildMeta, ANNOTATION_ADAPTER_VERSION,
     ANNOTATION_MERGED_OUTPUT,

@@ -260,7 +260,7 @@ pub fn worker_pod(
 ) -> PodTemplateSpec {
     let spec = &pool.spec;
     let (volumes, mounts) = worker_volumes(pool, config_map);
-    PodTemplateSpec {
+    let mut template = PodTemplateSpec {
         metadata: Some(ObjectMeta {
             labels: Some(meta.labels.clone()),
             annotations: Some(BTreeMap::from([(
@@ -284,5 +284,7 @@ pub fn worker_pod(
             volumes: Some(volumes),
             ..Default::default()
         }),
-    }
+    };
+    super::fetch::with_base_model_source(spec, template.spec.get_or_insert_with(Default::default));
+    template
 }

@@ -50,7 +50,7 @@ pub struct MergeArgs {
 
 /// Writes the failure reason where Kubernetes looks for it: the given path (created), or
 /// `/dev/termination-log` when it exists (a container's default `terminationMessagePath`).
-fn write_termination_log(given: Option<&std::path::Path>, line: &str) {
+pub(crate) fn write_termination_log(given: Option<&std::path::Path>, line: &str) {
     let default = std::path::Path::new("/dev/termination-log");
     let path = match given {
         Some(p) => p,

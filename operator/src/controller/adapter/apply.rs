@@ -176,7 +176,7 @@ where
     }
 }
 
-async fn create_ignoring_existing(api: &Api<Job>, job: &Job) -> Result<()> {
+pub(super) async fn create_ignoring_existing(api: &Api<Job>, job: &Job) -> Result<()> {
     match api.create(&PostParams::default(), job).await {
         Ok(_) => Ok(()),
         // Same inputs, same name: a restarted operator finds the Job instead of duplicating it.

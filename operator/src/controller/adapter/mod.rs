@@ -1,6 +1,7 @@
 //! The Adapter controller: observe → validate → build → apply → status.
 //!
-//! It validates the adapter, allocates its LoRA id once in the pool's ledger, and reports
+//! It validates the adapter, allocates its LoRA id once in the pool's ledger, fetches its files
+//! when it has a `source.uri` (`fetch.rs`), and reports
 //! `Ready` only when every ready dynamic pod of the pool says (over HTTP,
 //! `GET /v1/lora_adapters`) that it serves this adapter version, or, for a merged adapter,
 //! when its merged pods serve it (see `crate::mergedown`). A finalizer unregisters the
@@ -8,6 +9,7 @@
 
 mod apply;
 mod build;
+mod fetch;
 mod ledger;
 mod observe;
 mod status;
@@ -92,6 +94,10 @@ async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     let pool = pool.expect("validated");
     let known_id = adapter.status.as_ref().and_then(|s| s.lora_id);
     let lora_id = ledger::register(adapter, ctx, known_id).await?;
+    // Files fetched from a `source.uri` first: the pods load the version only after that.
+    if let Some(action) = fetch::ensure_fetched(adapter, &pool, ctx, lora_id, now).await? {
+        return Ok(action);
+    }
     let observed = observe::observe(adapter, &pool, ctx, now).await?;
     let plan = build::plan(
         adapter,

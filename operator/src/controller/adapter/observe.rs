@@ -71,7 +71,7 @@ pub(super) async fn observe(
         .get_opt(&resources::merged_name(&adapter.spec.pool, &name))
         .await?;
     let planner = mergedown::Observed {
-        job: observe_job(ctx, &ns, &key.job_name).await?,
+        job: observe_job(ctx, &ns, &key.job_name, "merge Job failed").await?,
         deployment: merged.as_ref().map(observe_merged),
         dynamic_loaded: all_loaded && unreachable.is_empty(),
         now,
@@ -109,8 +109,14 @@ pub fn loaded_everywhere(
     )
 }
 
-/// What the cluster shows of the merge Job `name`, with the tool's reason when it failed.
-async fn observe_job(ctx: &Context, ns: &str, name: &str) -> Result<mergedown::JobState> {
+/// What the cluster shows of the Job `name` (merge or fetch), with the tool's reason when it
+/// failed (`fallback` when it left none).
+pub(super) async fn observe_job(
+    ctx: &Context,
+    ns: &str,
+    name: &str,
+    fallback: &str,
+) -> Result<mergedown::JobState> {
     let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
     let Some(job) = jobs.get_opt(name).await? else {
         return Ok(mergedown::JobState::Absent);
@@ -127,7 +133,7 @@ async fn observe_job(ctx: &Context, ns: &str, name: &str) -> Result<mergedown::J
     let Some(cond) = failed else {
         return Ok(mergedown::JobState::Running);
     };
-    // `mole-worker merge` writes its one-line reason to /dev/termination-log.
+    // `mole-worker merge` and `fetch` write their one-line reason to /dev/termination-log.
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
     let lp = ListParams::default().labels(&format!("job-name={name}"));
     let message = pods
@@ -146,7 +152,7 @@ async fn observe_job(ctx: &Context, ns: &str, name: &str) -> Result<mergedown::J
         reason: message
             .map(|m| m.trim().to_string())
             .or(cond.message)
-            .unwrap_or_else(|| "merge Job failed".into()),
+            .unwrap_or_else(|| fallback.into()),
     })
 }
 

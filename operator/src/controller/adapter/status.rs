@@ -146,7 +146,11 @@ pub(super) async fn publish(
     Ok(Action::requeue(Duration::from_secs(secs)))
 }
 
-async fn write_status(adapter: &Adapter, ctx: &Context, status: &AdapterStatus) -> Result<()> {
+pub(super) async fn write_status(
+    adapter: &Adapter,
+    ctx: &Context,
+    status: &AdapterStatus,
+) -> Result<()> {
     let api: Api<Adapter> =
         Api::namespaced(ctx.client.clone(), &adapter.namespace().unwrap_or_default());
     let patch = serde_json::json!({

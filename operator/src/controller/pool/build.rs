@@ -24,7 +24,8 @@ pub(super) struct Desired {
 }
 
 /// The adapters that belong in the pool's WorkerConfig: of this pool, not being deleted, valid,
-/// and holding an id in the pool's ledger (the Adapter controller allocates it).
+/// fetched when it has a `source.uri`, and holding an id in the pool's ledger (the Adapter
+/// controller allocates it).
 pub fn registered<'a>(pool: &InferencePool, adapters: &'a [Adapter]) -> Vec<Registered<'a>> {
     let name = pool.name_any();
     let ids = pool.status.as_ref().map(|s| &s.lora_ids);
@@ -32,6 +33,12 @@ pub fn registered<'a>(pool: &InferencePool, adapters: &'a [Adapter]) -> Vec<Regi
         .iter()
         .filter(|a| a.spec.pool == name && a.metadata.deletion_timestamp.is_none())
         .filter(|a| validate_adapter(a, Some(pool), adapters).is_ok())
+        // An adapter fetched from a `source.uri` is loaded once its fetch Job succeeded.
+        .filter(|a| {
+            resources::adapter_fetch_key(&a.spec).is_none_or(|key| {
+                a.status.as_ref().and_then(|s| s.fetched.as_deref()) == Some(key.as_str())
+            })
+        })
         .filter_map(|a| {
             let id = ids?.get(&a.name_any())?;
             Some(Registered {

@@ -1,12 +1,12 @@
 //! Observe: what the pool controller reads before it builds anything.
 
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::ListParams;
 use kube::{Api, ResourceExt};
 use mole_crds::constants::{LABEL_APP_COMPONENT, LABEL_APP_INSTANCE};
-use mole_crds::{Adapter, InferencePool};
+use mole_crds::{Adapter, InferencePool, ModelSource};
 
 use crate::controller::context::Context;
 use crate::error::Result;
@@ -26,6 +26,49 @@ pub(super) struct Observed {
     pub pdb: Option<PodDisruptionBudget>,
     /// The pool's merged Deployments (owned by their Adapters, reported in the pool's status).
     pub merged: Vec<Deployment>,
+    /// With a fetched `baseModel.source`: what the pool's pods show of their `fetch-model`
+    /// init containers (None without one).
+    pub fetch: Option<FetchSeen>,
+}
+
+/// What the pool's pods show of the base model's fetch.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub(super) struct FetchSeen {
+    /// The tool's one line from a failed `fetch-model` container.
+    pub failure: Option<String>,
+    /// Some pod's `fetch-model` container finished successfully.
+    pub done: bool,
+}
+
+/// Reads the `fetch-model` init containers of the pool's pods: the first termination message
+/// of a failed run (current or last state) and whether any run succeeded.
+pub(super) fn fetch_seen(pods: &[Pod]) -> FetchSeen {
+    let statuses: Vec<_> = pods
+        .iter()
+        .filter_map(|p| p.status.as_ref()?.init_container_statuses.as_ref())
+        .flatten()
+        .filter(|c| c.name == resources::FETCH_MODEL_CONTAINER)
+        .collect();
+    let done = statuses.iter().any(|c| {
+        c.state
+            .as_ref()
+            .and_then(|s| s.terminated.as_ref())
+            .is_some_and(|t| t.exit_code == 0)
+    });
+    let failure = statuses
+        .iter()
+        .flat_map(|c| [c.state.as_ref(), c.last_state.as_ref()])
+        .flatten()
+        .filter_map(|s| s.terminated.as_ref())
+        .filter(|t| t.exit_code != 0)
+        .filter_map(|t| t.message.as_deref().map(str::trim))
+        .find(|m| !m.is_empty())
+        .map(String::from);
+    FetchSeen {
+        // A failure that a later run got past is history, not the state.
+        failure: failure.filter(|_| !done),
+        done,
+    }
 }
 
 /// Reads the pool's adapters and the live children the pool controller writes or reports.
@@ -38,7 +81,27 @@ pub(super) async fn observe(pool: &InferencePool, ctx: &Context) -> Result<Obser
     let merged = ListParams::default().labels(&format!(
         "{LABEL_APP_INSTANCE}={name},{LABEL_APP_COMPONENT}=merged"
     ));
+    let fetched = pool
+        .spec
+        .base_model
+        .source
+        .as_deref()
+        .and_then(|u| ModelSource::parse(u).ok())
+        .is_some_and(|s| s.is_fetched());
+    let fetch = if fetched {
+        let pods = ListParams::default().labels(&format!(
+            "{LABEL_APP_INSTANCE}={name},{LABEL_APP_COMPONENT}=dynamic"
+        ));
+        let pods = Api::<Pod>::namespaced(c.clone(), &ns)
+            .list(&pods)
+            .await?
+            .items;
+        Some(fetch_seen(&pods))
+    } else {
+        None
+    };
     Ok(Observed {
+        fetch,
         adapters: adapters.list(&ListParams::default()).await?.items,
         config_map: Api::<ConfigMap>::namespaced(c.clone(), &ns)
             .get_opt(&resources::config_map_name(&name))
@@ -52,4 +115,46 @@ pub(super) async fn observe(pool: &InferencePool, ctx: &Context) -> Result<Obser
             .await?,
         merged: deployments.list(&merged).await?.items,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pod(state: serde_json::Value, last: serde_json::Value) -> Pod {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "p"},
+            "status": {"initContainerStatuses": [{"name": "fetch-model", "image": "i", "imageID": "",
+                "ready": false, "restartCount": 1, "state": state, "lastState": last}]}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn a_failed_fetch_is_read_from_the_termination_message() {
+        let line = "fetch failed (unauthorized): https://huggingface.co/...: HTTP 401";
+        let failed = pod(
+            serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}}),
+            serde_json::json!({"terminated": {"exitCode": 1, "message": format!("{line}\n")}}),
+        );
+        assert_eq!(
+            fetch_seen(std::slice::from_ref(&failed)),
+            FetchSeen {
+                failure: Some(line.into()),
+                done: false
+            }
+        );
+        let ok = pod(
+            serde_json::json!({"terminated": {"exitCode": 0}}),
+            serde_json::json!({}),
+        );
+        assert_eq!(
+            fetch_seen(&[failed, ok]),
+            FetchSeen {
+                failure: None,
+                done: true
+            }
+        );
+        assert_eq!(fetch_seen(&[]), FetchSeen::default());
+    }
 }

@@ -39,6 +39,8 @@ pub(super) struct Report {
     pub became: bool,
     /// `<ready>/<desired> dynamic pods ready`.
     pub message: String,
+    /// The base model's fetch changed state: (warning, reason, message) of its Event.
+    pub fetch_event: Option<(bool, &'static str, String)>,
 }
 
 /// The pool's merged Deployments as `status.merged` lists them (sorted by adapter).
@@ -163,11 +165,42 @@ pub(super) fn report(
         generation,
         now,
     );
+    let fetch_event = obs.fetch.as_ref().and_then(|f| {
+        let source = pool.spec.base_model.source.as_deref().unwrap_or_default();
+        let (ok, why, msg) = match (&f.failure, f.done) {
+            (Some(line), _) => (
+                false,
+                reason::FETCH_FAILED,
+                format!("a pod could not fetch the base model from {source}: {line}"),
+            ),
+            (None, true) => (
+                true,
+                reason::FETCH_SUCCEEDED,
+                format!("the base model was fetched from {source}"),
+            ),
+            (None, false) => (
+                false,
+                reason::FETCHING,
+                format!("fetching the base model from {source}"),
+            ),
+        };
+        set_condition(
+            &mut status.conditions,
+            condition::FETCHED,
+            ok,
+            why,
+            &msg,
+            generation,
+            now,
+        )
+        .then_some((why == reason::FETCH_FAILED, why, msg))
+    });
     Report {
         status,
         all_ready,
         became,
         message,
+        fetch_event,
     }
 }
 
@@ -193,6 +226,10 @@ pub(super) async fn publish(pool: &InferencePool, ctx: &Context, report: &Report
             report.message.clone(),
         )
         .await;
+    }
+    if let Some((warning, why, msg)) = &report.fetch_event {
+        ctx.event(&pool.object_ref(&()), *warning, why, "Fetch", msg.clone())
+            .await;
     }
     Ok(())
 }
@@ -283,6 +320,7 @@ mod tests {
             service: None,
             pdb: None,
             merged: Vec::new(),
+            fetch: None,
         }
     }
 
@@ -320,5 +358,41 @@ mod tests {
             requeue(&r, &["p".into()], "h"),
             Action::requeue(RELOAD_RETRY)
         );
+    }
+
+    #[test]
+    fn a_failed_base_model_fetch_is_a_condition_and_one_warning() {
+        let now = Utc.with_ymd_and_hms(2026, 11, 22, 12, 0, 0).unwrap();
+        let mut p = pool();
+        p.spec.base_model.source = Some("hf://org/m".into());
+        let line = "fetch failed (not_found): hf://org/m: not found (HTTP 404)";
+        let mut obs = observed(None);
+        obs.fetch = Some(super::super::observe::FetchSeen {
+            failure: Some(line.into()),
+            done: false,
+        });
+        let r = report(&p, &obs, &applied(deployment(0)), now);
+        let c = r
+            .status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == "Fetched")
+            .unwrap();
+        assert_eq!(
+            (c.status.as_str(), c.reason.as_str()),
+            ("False", "FetchFailed")
+        );
+        assert!(c.message.ends_with(line), "{}", c.message);
+        let (warning, why, _) = r.fetch_event.clone().unwrap();
+        assert!(warning);
+        assert_eq!(why, "FetchFailed");
+        // Seen again: no new Event.
+        p.status = Some(r.status.clone());
+        assert!(report(&p, &obs, &applied(deployment(0)), now)
+            .fetch_event
+            .is_none());
+        // Without a fetched source there is no such condition.
+        let r = report(&pool(), &observed(None), &applied(deployment(0)), now);
+        assert!(r.status.conditions.iter().all(|c| c.type_ != "Fetched"));
     }
 }

@@ -1,0 +1,210 @@
+//! The fetch step of an Adapter with a `source.uri`: a `fetch-<adapter>-<key>` Job runs
+//! `mole-worker fetch` into `source.path` on the pool's volume, and only once it succeeded is
+//! the key recorded in `status.fetched`, which is what lets the pool's WorkerConfig list the
+//! adapter (`pool/build.rs`). A failure's one-line reason (the tool's termination message)
+//! becomes the `Fetched` condition and a `FetchFailed` Event; deleting the failed Job retries.
+
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use k8s_openapi::api::batch::v1::Job;
+use kube::runtime::controller::Action;
+use kube::{Api, Resource, ResourceExt};
+use mole_crds::constants::{condition, reason};
+use mole_crds::{Adapter, AdapterPhase, AdapterStatus, InferencePool};
+
+use super::{apply, observe, status};
+use crate::controller::context::Context;
+use crate::error::Result;
+use crate::mergedown::{set_condition, JobState};
+use crate::resources;
+
+/// How often a running fetch is looked at (the Job's own events wake the controller sooner).
+const FETCH_POLL: Duration = Duration::from_secs(15);
+
+/// What the fetch step decided for this reconcile.
+#[derive(Debug, PartialEq)]
+pub(super) struct Step {
+    /// Whether the `Fetched` condition changed (an Event is due).
+    pub changed: bool,
+    /// The Event's reason and whether it is a warning.
+    pub reason: &'static str,
+    pub warning: bool,
+    /// The condition's message.
+    pub message: String,
+    /// When to look again.
+    pub requeue: Option<Duration>,
+}
+
+/// Pure: the status of a fetch in `state` for `key`, written into `status`.
+pub(super) fn fetch_status(
+    adapter: &Adapter,
+    key: &str,
+    state: &JobState,
+    status: &mut AdapterStatus,
+    now: DateTime<Utc>,
+) -> Step {
+    let spec = &adapter.spec;
+    let uri = spec.source.uri.as_deref().unwrap_or_default();
+    let (ok, why, warning, message, requeue) = match state {
+        JobState::Absent | JobState::Running => (
+            false,
+            reason::FETCHING,
+            false,
+            format!(
+                "fetching version {} from {uri} into {}",
+                spec.version, spec.source.path
+            ),
+            Some(FETCH_POLL),
+        ),
+        JobState::Succeeded => {
+            status.fetched = Some(key.to_string());
+            (
+                true,
+                reason::FETCH_SUCCEEDED,
+                false,
+                format!(
+                    "version {} fetched from {uri} into {}",
+                    spec.version, spec.source.path
+                ),
+                // At once: the next pass carries on with the fetched status.
+                Some(Duration::from_secs(1)),
+            )
+        }
+        JobState::Failed { reason: why } => (
+            false,
+            reason::FETCH_FAILED,
+            true,
+            format!(
+                "version {} could not be fetched from {uri}: {why} (delete the Job {} to retry)",
+                spec.version,
+                resources::adapter_fetch_job_name(&adapter.name_any(), key)
+            ),
+            // A failed fetch waits for an edit or for its Job to be deleted (which wakes the
+            // controller: it owns the Job).
+            None,
+        ),
+    };
+    status.phase = match state {
+        JobState::Failed { .. } => AdapterPhase::Failed,
+        _ => AdapterPhase::Pending,
+    };
+    let changed = set_condition(
+        &mut status.conditions,
+        condition::FETCHED,
+        ok,
+        why,
+        &message,
+        adapter.metadata.generation,
+        now,
+    );
+    Step {
+        changed,
+        reason: why,
+        warning,
+        message,
+        requeue,
+    }
+}
+
+/// Runs the fetch step: None when the adapter needs none or it is done (carry on serving),
+/// else what to do instead of serving this pass.
+pub(super) async fn ensure_fetched(
+    adapter: &Adapter,
+    pool: &InferencePool,
+    ctx: &Context,
+    lora_id: u32,
+    now: DateTime<Utc>,
+) -> Result<Option<Action>> {
+    let Some(key) = resources::adapter_fetch_key(&adapter.spec) else {
+        return Ok(None);
+    };
+    if adapter.status.as_ref().and_then(|s| s.fetched.as_deref()) == Some(key.as_str()) {
+        return Ok(None);
+    }
+    let ns = adapter.namespace().unwrap_or_default();
+    let name = adapter.name_any();
+    let job_name = resources::adapter_fetch_job_name(&name, &key);
+    let state = observe::observe_job(ctx, &ns, &job_name, "fetch Job failed").await?;
+    if state == JobState::Absent {
+        let owner = adapter
+            .controller_owner_ref(&())
+            .expect("adapters read from the API have a uid");
+        let job =
+            resources::adapter_fetch_job(&pool.name_any(), &pool.spec, &name, &adapter.spec, owner)
+                .expect("the adapter has a source.uri");
+        let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
+        apply::create_ignoring_existing(&jobs, &job).await?;
+    }
+    let mut next = status::accepted(adapter, lora_id, now);
+    let step = fetch_status(adapter, &key, &state, &mut next, now);
+    if next != adapter.status.clone().unwrap_or_default() {
+        status::write_status(adapter, ctx, &next).await?;
+    }
+    if step.changed {
+        ctx.event(
+            &adapter.object_ref(&()),
+            step.warning,
+            step.reason,
+            "Fetch",
+            step.message,
+        )
+        .await;
+    }
+    Ok(Some(match step.requeue {
+        Some(d) => Action::requeue(d),
+        None => Action::await_change(),
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use chrono::TimeZone;
+
+    fn adapter() -> Adapter {
+        serde_json::from_value(serde_json::json!({
+            "apiVersion": "mole.dev/v1alpha1", "kind": "Adapter",
+            "metadata": {"name": "cal", "namespace": "ml", "generation": 3},
+            "spec": {"pool": "vl", "version": "v2",
+                     "source": {"path": "adapters/cal/v2", "uri": "hf://org/cal@v2"}}
+        }))
+        .unwrap()
+    }
+
+    fn fetched(s: &AdapterStatus) -> (&str, &str) {
+        let c = s.conditions.iter().find(|c| c.type_ == "Fetched").unwrap();
+        (c.status.as_str(), c.reason.as_str())
+    }
+
+    #[test]
+    fn each_job_state_gives_its_condition_and_only_success_records_the_key() {
+        let a = adapter();
+        let now = Utc.with_ymd_and_hms(2026, 11, 25, 12, 0, 0).unwrap();
+        let mut s = AdapterStatus::default();
+        let step = fetch_status(&a, "k1", &JobState::Running, &mut s, now);
+        assert_eq!(fetched(&s), ("False", reason::FETCHING));
+        assert!(step.changed && !step.warning);
+        assert_eq!(step.requeue, Some(FETCH_POLL));
+        assert_eq!(s.fetched, None);
+        assert_eq!(s.phase, AdapterPhase::Pending);
+
+        let failed = JobState::Failed {
+            reason: "fetch failed (pickle_refused): adapter_model.bin: ...".into(),
+        };
+        let step = fetch_status(&a, "k1", &failed, &mut s, now);
+        assert_eq!(fetched(&s), ("False", reason::FETCH_FAILED));
+        assert!(step.changed && step.warning);
+        assert!(step.message.contains("pickle_refused"), "{}", step.message);
+        assert_eq!(step.requeue, None);
+        assert_eq!(s.phase, AdapterPhase::Failed);
+        assert_eq!(s.fetched, None);
+        // The same failure again: no new Event.
+        assert!(!fetch_status(&a, "k1", &failed, &mut s, now).changed);
+
+        let step = fetch_status(&a, "k1", &JobState::Succeeded, &mut s, now);
+        assert_eq!(fetched(&s), ("True", reason::FETCH_SUCCEEDED));
+        assert_eq!(s.fetched.as_deref(), Some("k1"));
+        assert!(step.changed && !step.warning);
+    }
+}
