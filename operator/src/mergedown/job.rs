@@ -52,8 +52,9 @@ pub fn merge_job(
         join(mount, &key.output),
         "--root".into(),
         mount.clone(),
-        "--expect-base".into(),
-        pool.base_model.name.clone(),
+        // No `--expect-base`: the merge checks every module's shapes against the base, and a
+        // base named otherwise (a local training path) is compatible when they fit, as the
+        // dynamic pods serve it.
         "--adapter-name".into(),
         adapter.to_string(),
         "--adapter-version".into(),
