@@ -8,7 +8,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use mole_crds::{AdapterSpec, InferencePoolSpec};
 
 use crate::resources::{
-    models_volume, restricted_container_security, restricted_pod_security, ChildMeta,
+    models_volume, restricted_container_security, restricted_pod_security, ChildMeta, WorkerImages,
 };
 
 use super::MergeKey;
@@ -30,8 +30,9 @@ fn join(mount: &str, rel: &str) -> String {
     )
 }
 
-/// The merge Job of `key`: `mole-worker merge` with the pool volume read-write. The Job's
-/// name is deterministic, so a restarted operator finds it instead of creating a duplicate.
+/// The merge Job of `key`: `mole-worker merge` with the pool volume read-write, in the pool's
+/// Job image ([`WorkerImages::jobs`]). The Job's name is deterministic, so a restarted
+/// operator finds it instead of creating a duplicate.
 pub fn merge_job(
     pool_name: &str,
     pool: &InferencePoolSpec,
@@ -39,6 +40,7 @@ pub fn merge_job(
     spec: &AdapterSpec,
     key: &MergeKey,
     owner: OwnerReference,
+    images: &WorkerImages,
 ) -> Job {
     let mount = &pool.storage.mount_path;
     let mut args = vec![
@@ -93,7 +95,7 @@ pub fn merge_job(
                         .then(|| pool.merge.tolerations.clone()),
                     containers: vec![Container {
                         name: "merge".into(),
-                        image: Some(pool.image.clone()),
+                        image: Some(images.jobs(pool)),
                         image_pull_policy: pool.image_pull_policy.clone(),
                         command: Some(vec!["mole-worker".into()]),
                         args: Some(args),
@@ -123,13 +125,14 @@ pub fn merge_job(
 
 /// A Job that deletes merged outputs that fell out of the history. The operator pod never
 /// touches the volume itself; this Job runs `mole-worker prune`, which refuses any path outside
-/// `<mount>/merged/<adapter>/`.
+/// `<mount>/merged/<adapter>/`. Same image as the merge Job.
 pub fn cleanup_job(
     pool_name: &str,
     pool: &InferencePoolSpec,
     adapter: &str,
     outputs: &[String],
     owner: OwnerReference,
+    images: &WorkerImages,
 ) -> Option<Job> {
     if outputs.is_empty() {
         return None;
@@ -170,7 +173,8 @@ pub fn cleanup_job(
                         .then(|| pool.merge.tolerations.clone()),
                     containers: vec![Container {
                         name: "cleanup".into(),
-                        image: Some(pool.image.clone()),
+                        image: Some(images.jobs(pool)),
+                        image_pull_policy: pool.image_pull_policy.clone(),
                         command: Some(vec!["mole-worker".into()]),
                         args: Some(args),
                         security_context: Some(restricted_container_security()),
@@ -227,7 +231,15 @@ merge:
             controller: Some(true),
             block_owner_deletion: Some(true),
         };
-        let job = merge_job("vl", &pool, "calendar", &spec, &key, owner);
+        let job = merge_job(
+            "vl",
+            &pool,
+            "calendar",
+            &spec,
+            &key,
+            owner,
+            &WorkerImages::default(),
+        );
         assert_eq!(job.metadata.name.as_deref(), Some(key.job_name.as_str()));
         assert_eq!(
             job.metadata.owner_references.as_ref().unwrap()[0].kind,
@@ -291,5 +303,55 @@ merge:
         assert_eq!(after("--out"), format!("/models/{}", key.output));
         assert_eq!(after("--dtype"), "bf16");
         assert!(args.contains(&"--safe-merge".to_string()));
+        assert_eq!(
+            c.image.as_deref(),
+            Some("ghcr.io/mole-dev/mole-worker:0.1.0")
+        );
+    }
+
+    #[test]
+    fn jobs_of_a_gpu_pool_without_an_image_run_the_cpu_default() {
+        let mut pool: InferencePoolSpec = serde_yaml::from_str(
+            "baseModel: {name: m, path: base/m}\nstorage: {claimName: models}\ngpu: {count: 1}\n",
+        )
+        .unwrap();
+        let spec: AdapterSpec =
+            serde_yaml::from_str("pool: vl\nversion: v1\nsource: {path: adapters/a/v1}\n").unwrap();
+        let key = merge_key(&pool, "a", &spec);
+        let images = WorkerImages {
+            gpu: "reg/worker:1-cuda".into(),
+            cpu: "reg/worker:1-cpu".into(),
+        };
+        let image_of = |pool: &InferencePoolSpec| {
+            let jobs = [
+                merge_job(
+                    "vl",
+                    pool,
+                    "a",
+                    &spec,
+                    &key,
+                    OwnerReference::default(),
+                    &images,
+                ),
+                cleanup_job(
+                    "vl",
+                    pool,
+                    "a",
+                    &["merged/a/old".into()],
+                    OwnerReference::default(),
+                    &images,
+                )
+                .unwrap(),
+            ];
+            jobs.map(|j| {
+                j.spec.unwrap().template.spec.unwrap().containers[0]
+                    .image
+                    .clone()
+                    .unwrap()
+            })
+        };
+        assert_eq!(image_of(&pool), ["reg/worker:1-cpu"; 2]);
+        pool.image = Some("mine:2".into());
+        assert_eq!(image_of(&pool), ["mine:2"; 2]);
     }
 }

@@ -5,6 +5,7 @@
 
 mod configmap;
 mod deployment;
+mod image;
 mod meta;
 mod pdb;
 mod pod;
@@ -22,6 +23,9 @@ use mole_crds::InferencePool;
 
 pub use configmap::{config_map, config_map_name, merged_config_map, merged_config_name};
 pub use deployment::{dynamic_deployment, dynamic_name, merged_name, worker_deployment};
+pub use image::{
+    WorkerImages, DEFAULT_WORKER_IMAGE_CPU, DEFAULT_WORKER_IMAGE_GPU, WORKER_REPOSITORY,
+};
 pub use meta::{
     labels, owner, selector, short_hash, ChildMeta, ANNOTATION_ADAPTER_VERSION,
     ANNOTATION_MERGED_OUTPUT,
@@ -39,7 +43,7 @@ pub use service::{endpoint, service, worker_service};
 pub use worker_config::{merged_worker_config, worker_config, Registered};
 
 /// The merged children of an adapter: ConfigMap, Deployment, Service and PDB, owned by the
-/// Adapter (`owner`) so they go with it.
+/// Adapter (`owner`) so they go with it. The pods run the pool's image as the dynamic ones do.
 pub fn merged_children(
     pool: &InferencePool,
     adapter: &str,
@@ -47,6 +51,7 @@ pub fn merged_children(
     output: &str,
     replicas: i32,
     owner: OwnerReference,
+    images: &WorkerImages,
 ) -> (ConfigMap, Deployment, Service, PodDisruptionBudget) {
     let pool_name = pool.metadata.name.clone().unwrap_or_default();
     let name = merged_name(&pool_name, adapter);
@@ -60,7 +65,7 @@ pub fn merged_children(
     let wc = merged_worker_config(&pool_name, &pool.spec, adapter, version, output);
     let cm = merged_config_map(&meta, &pool_name, adapter, output, &wc);
     let cm_name = merged_config_name(&pool_name, adapter, output);
-    let mut template = worker_pod(pool, &cm_name, &meta);
+    let mut template = worker_pod(pool, &cm_name, &meta, images);
     // The output and version are in the template: switching them is a rolling update, and the
     // operator reads back what a Deployment serves from here.
     let ann = template

@@ -17,6 +17,7 @@ use mole_crds::constants::{
 };
 use mole_crds::{InferencePool, InferencePoolSpec};
 
+use super::image::WorkerImages;
 use super::meta::{short_hash, ChildMeta};
 use super::secret::{operator_token_secret_name, OPERATOR_TOKEN_MOUNT};
 
@@ -72,8 +73,9 @@ pub fn models_volume(pool: &InferencePoolSpec, read_only: bool) -> Volume {
 
 /// Hash of exactly the fields whose change must restart the pool's pods: base model, image,
 /// storage, GPU scheduling, resources and engine limits. Adapters are not in it: adding,
-/// updating or removing an adapter never restarts a pod.
-pub fn spec_hash(spec: &InferencePoolSpec) -> String {
+/// updating or removing an adapter never restarts a pod. `image` is the resolved one
+/// ([`WorkerImages::serving`]), so a new operator default rolls pools that rely on it.
+pub fn spec_hash(spec: &InferencePoolSpec, image: &str) -> String {
     let l = &spec.dynamic.limits;
     let mut limits = serde_json::json!({
         "maxLoras": l.max_loras,
@@ -89,7 +91,7 @@ pub fn spec_hash(spec: &InferencePoolSpec) -> String {
     }
     short_hash(&serde_json::json!({
         "baseModel": spec.base_model,
-        "image": spec.image,
+        "image": image,
         "imagePullPolicy": spec.image_pull_policy,
         "storage": spec.storage,
         "gpu": spec.gpu,
@@ -195,10 +197,14 @@ fn worker_volumes(pool: &InferencePool, config_map: &str) -> (Vec<Volume>, Vec<V
 }
 
 /// The worker container: `mole-worker serve` on the mounted WorkerConfig.
-fn worker_container(spec: &InferencePoolSpec, mounts: Vec<VolumeMount>) -> Container {
+fn worker_container(
+    spec: &InferencePoolSpec,
+    image: String,
+    mounts: Vec<VolumeMount>,
+) -> Container {
     Container {
         name: "worker".into(),
-        image: Some(spec.image.clone()),
+        image: Some(image),
         image_pull_policy: spec.image_pull_policy.clone(),
         command: Some(vec!["mole-worker".into()]),
         args: Some(vec![
@@ -231,16 +237,22 @@ fn worker_container(spec: &InferencePoolSpec, mounts: Vec<VolumeMount>) -> Conta
 
 /// The pod template of a worker (dynamic or merged): `mole-worker serve` on the ConfigMap
 /// `config_map`, labelled as `meta`, with GPU scheduling, the model volume read-only, probes
-/// and restricted security.
-pub fn worker_pod(pool: &InferencePool, config_map: &str, meta: &ChildMeta) -> PodTemplateSpec {
+/// and restricted security, running `spec.image` or the default of `images` for its hardware.
+pub fn worker_pod(
+    pool: &InferencePool,
+    config_map: &str,
+    meta: &ChildMeta,
+    images: &WorkerImages,
+) -> PodTemplateSpec {
     let spec = &pool.spec;
+    let image = images.serving(spec);
     let (volumes, mounts) = worker_volumes(pool, config_map);
     PodTemplateSpec {
         metadata: Some(ObjectMeta {
             labels: Some(meta.labels.clone()),
             annotations: Some(BTreeMap::from([(
                 ANNOTATION_SPEC_HASH.to_string(),
-                spec_hash(spec),
+                spec_hash(spec, &image),
             )])),
             ..Default::default()
         }),
@@ -252,7 +264,7 @@ pub fn worker_pod(pool: &InferencePool, config_map: &str, meta: &ChildMeta) -> P
             affinity: spec.gpu.affinity.clone(),
             // Long enough for in-flight generations to drain after SIGTERM.
             termination_grace_period_seconds: Some(90),
-            containers: vec![worker_container(spec, mounts)],
+            containers: vec![worker_container(spec, image, mounts)],
             volumes: Some(volumes),
             ..Default::default()
         }),

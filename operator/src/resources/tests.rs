@@ -64,7 +64,7 @@ fn template_hash(d: &Deployment) -> String {
 #[test]
 fn dynamic_deployment_runs_the_worker_on_gpus_securely() {
     let p = pool();
-    let d = dynamic_deployment(&p);
+    let d = dynamic_deployment(&p, &WorkerImages::default());
     assert_eq!(d.metadata.name.as_deref(), Some("vl-dynamic"));
     assert_eq!(
         d.metadata.owner_references.as_ref().unwrap()[0].uid,
@@ -143,7 +143,7 @@ fn dynamic_deployment_runs_the_worker_on_gpus_securely() {
 #[test]
 fn only_base_image_limits_and_resources_roll_the_pods() {
     let p = pool();
-    let h = template_hash(&dynamic_deployment(&p));
+    let h = template_hash(&dynamic_deployment(&p, &WorkerImages::default()));
     // Adapters change the ConfigMap only.
     let a = [adapter("calendar", "v1")];
     let reg: Vec<Registered> = a
@@ -157,15 +157,21 @@ fn only_base_image_limits_and_resources_roll_the_pods() {
     let (_, hash0) = config_map(&p, &worker_config("vl", &p.spec, &[]));
     assert_ne!(hash1, hash0);
     assert!(cm1.data.unwrap()["worker.json"].contains("adapters/calendar/v1"));
-    assert_eq!(template_hash(&dynamic_deployment(&p)), h);
+    assert_eq!(
+        template_hash(&dynamic_deployment(&p, &WorkerImages::default())),
+        h
+    );
     // Replicas and router settings do not restart pods either.
     let mut q = p.clone();
     q.spec.dynamic.replicas = 5;
     q.spec.router.min_confidence = 0.9;
-    assert_eq!(template_hash(&dynamic_deployment(&q)), h);
+    assert_eq!(
+        template_hash(&dynamic_deployment(&q, &WorkerImages::default())),
+        h
+    );
     // Each of these does.
     let changes: Vec<fn(&mut InferencePool)> = vec![
-        |p| p.spec.image = "ghcr.io/mole-dev/mole-worker:0.2.0".into(),
+        |p| p.spec.image = Some("ghcr.io/mole-dev/mole-worker:0.2.0".into()),
         |p| p.spec.base_model.path = "base/other".into(),
         |p| p.spec.dynamic.limits.max_loras = 8,
         |p| p.spec.dynamic.limits.max_seq_len = 8192,
@@ -176,7 +182,10 @@ fn only_base_image_limits_and_resources_roll_the_pods() {
     for change in changes {
         let mut q = p.clone();
         change(&mut q);
-        assert_ne!(template_hash(&dynamic_deployment(&q)), h);
+        assert_ne!(
+            template_hash(&dynamic_deployment(&q, &WorkerImages::default())),
+            h
+        );
     }
 }
 
@@ -227,7 +236,7 @@ fn service_and_pdb_select_the_dynamic_pods() {
     assert_eq!(s.metadata.name.as_deref(), Some("vl"));
     let spec = s.spec.unwrap();
     let sel = spec.selector.unwrap();
-    let pod_labels = dynamic_deployment(&p)
+    let pod_labels = dynamic_deployment(&p, &WorkerImages::default())
         .spec
         .unwrap()
         .template
@@ -307,9 +316,16 @@ fn every_worker_pod_mounts_the_operator_token_and_its_config_names_it() {
         uid: "uid-a".into(),
         ..Default::default()
     };
-    let (merged_cm, merged, _, _) =
-        merged_children(&p, "calendar", "v1", "merged/calendar/v1-abc", 1, owner);
-    for d in [dynamic_deployment(&p), merged] {
+    let (merged_cm, merged, _, _) = merged_children(
+        &p,
+        "calendar",
+        "v1",
+        "merged/calendar/v1-abc",
+        1,
+        owner,
+        &WorkerImages::default(),
+    );
+    for d in [dynamic_deployment(&p, &WorkerImages::default()), merged] {
         let pod = d.spec.unwrap().template.spec.unwrap();
         let vol = pod
             .volumes
@@ -362,8 +378,17 @@ fn merged_config_maps_are_per_output() {
         "merged/calendar/v1-a",
         1,
         owner.clone(),
+        &WorkerImages::default(),
     );
-    let (cm2, d2, _, _) = merged_children(&p, "calendar", "v2", "merged/calendar/v2-b", 1, owner);
+    let (cm2, d2, _, _) = merged_children(
+        &p,
+        "calendar",
+        "v2",
+        "merged/calendar/v2-b",
+        1,
+        owner,
+        &WorkerImages::default(),
+    );
     assert_ne!(cm1.metadata.name, cm2.metadata.name);
     let mounted = |d: &Deployment| {
         d.spec
@@ -405,5 +430,100 @@ fn a_short_max_seq_len_gives_a_config_the_worker_accepts() {
     assert_eq!(
         worker_config("vl", &pool().spec, &[]).limits.max_tokens,
         2048
+    );
+}
+
+fn image_of(d: &Deployment) -> String {
+    d.spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0]
+        .image
+        .clone()
+        .unwrap()
+}
+
+#[test]
+fn pools_without_an_image_run_the_cuda_default_on_gpus_and_the_cpu_default_otherwise() {
+    let mut gpu = pool();
+    gpu.spec.image = None;
+    let mut cpu = gpu.clone();
+    cpu.spec.gpu.count = 0;
+    let defaults = WorkerImages::default();
+    let v = env!("CARGO_PKG_VERSION");
+    let owner = OwnerReference {
+        kind: "Adapter".into(),
+        name: "calendar".into(),
+        uid: "uid-a".into(),
+        ..Default::default()
+    };
+    for (p, want) in [
+        (&gpu, format!("ghcr.io/mole-dev/mole-worker:{v}-cuda")),
+        (&cpu, format!("ghcr.io/mole-dev/mole-worker:{v}-cpu")),
+    ] {
+        assert_eq!(image_of(&dynamic_deployment(p, &defaults)), want);
+        let (_, merged, _, _) = merged_children(
+            p,
+            "calendar",
+            "v1",
+            "merged/calendar/v1-a",
+            1,
+            owner.clone(),
+            &defaults,
+        );
+        assert_eq!(
+            image_of(&merged),
+            want,
+            "merged pods run what dynamic ones run"
+        );
+    }
+    // The operator's flags replace the defaults; a pool's own image wins over both.
+    let flags = WorkerImages {
+        gpu: "registry.local/mole-worker:dev-cuda".into(),
+        cpu: "registry.local/mole-worker:dev-cpu".into(),
+    };
+    assert_eq!(
+        image_of(&dynamic_deployment(&gpu, &flags)),
+        "registry.local/mole-worker:dev-cuda"
+    );
+    assert_eq!(
+        image_of(&dynamic_deployment(&cpu, &flags)),
+        "registry.local/mole-worker:dev-cpu"
+    );
+    assert_eq!(
+        image_of(&dynamic_deployment(&pool(), &flags)),
+        "ghcr.io/mole-dev/mole-worker:0.1.0"
+    );
+}
+
+#[test]
+fn a_new_default_image_rolls_the_pools_that_use_it_and_only_those() {
+    let mut unset = pool();
+    unset.spec.image = None;
+    let old = WorkerImages::default();
+    let new = WorkerImages {
+        gpu: "ghcr.io/mole-dev/mole-worker:9.9.9-cuda".into(),
+        ..old.clone()
+    };
+    assert_ne!(
+        template_hash(&dynamic_deployment(&unset, &old)),
+        template_hash(&dynamic_deployment(&unset, &new)),
+        "the resolved image is in the spec hash"
+    );
+    // A pool that names its image keeps its pods.
+    assert_eq!(
+        template_hash(&dynamic_deployment(&pool(), &old)),
+        template_hash(&dynamic_deployment(&pool(), &new))
+    );
+    // Writing the default out explicitly is the same pod: no restart.
+    let mut explicit = unset.clone();
+    explicit.spec.image = Some(old.gpu.clone());
+    assert_eq!(
+        template_hash(&dynamic_deployment(&unset, &old)),
+        template_hash(&dynamic_deployment(&explicit, &old))
     );
 }
