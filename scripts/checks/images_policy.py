@@ -13,6 +13,7 @@ Usage: images_policy.py REPO_ROOT            check the repository, exit 1 on a v
                                              worker-cuda, worker-cpu); for the self-test
 """
 
+import fnmatch
 import re
 import sys
 from pathlib import Path
@@ -205,10 +206,20 @@ def main():
         errors += [f"{rel}: {e}" for e in check_dockerfile(role, path.read_text(), rust_version)]
     check_workflow(root, errors)
     ignore = (root / ".dockerignore")
-    lines = ignore.read_text().split() if ignore.exists() else []
+    lines = [l.strip() for l in (ignore.read_text() if ignore.exists() else "").splitlines()]
+    lines = [l for l in lines if l and not l.startswith("#")]
     for must in ("target", ".git", ".gpu", "tests/fixtures"):
         if must not in lines:
             errors.append(f".dockerignore does not keep {must} out of the build context")
+    # What `cargo build --locked -p ...` needs: every workspace member's manifest and sources.
+    members = re.search(r"members\s*=\s*\[([^\]]*)\]", cargo).group(1)
+    needed = ["Cargo.toml", "Cargo.lock"]
+    for m in re.findall(r'"([^"]+)"', members):
+        needed += [f"{m}/Cargo.toml", f"{m}/src"]
+    for pattern in lines:
+        for path in needed:
+            if fnmatch.fnmatch(path, pattern) or path.startswith(pattern.rstrip("/") + "/"):
+                errors.append(f".dockerignore pattern {pattern} drops {path}, which the build needs")
     for e in errors:
         print(e, file=sys.stderr)
     if not errors:
