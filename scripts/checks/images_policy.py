@@ -5,8 +5,9 @@ an @sha256 digest) or an earlier stage; the runtime (last) stage runs as a numer
 USER. Per image: the operator builds only mole-operator; the CUDA worker builds mole-worker
 with `--features cuda` for compute capability 90 on a CUDA devel image and runs on the runtime
 image of the same CUDA release; the CPU worker builds mole-worker without CUDA. The Rust images
-match the workspace's rust-version, and the workflow pushes each Dockerfile under the name and
-tag suffix the operator and the chart default to.
+match the workspace's rust-version, the workflow pushes each Dockerfile under the name and
+tag suffix the operator and the chart default to, and .dockerignore keeps build outputs out of
+the context but every workspace member's manifest and sources in.
 
 Usage: images_policy.py REPO_ROOT            check the repository, exit 1 on a violation
        images_policy.py --dockerfile ROLE F  check one Dockerfile F as ROLE (operator,
