@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Brings up a kind cluster, builds and loads the mole image, installs the chart and runs the
+# Brings up a kind cluster, builds and loads the operator and CPU worker images
+# (docker/operator.Dockerfile, docker/worker-cpu.Dockerfile), installs the chart with the CPU
+# worker as the operator's default (the test pools name no image) and runs the
 # real-cluster suite (tests/tests/e2e_cluster.rs). Needs docker, kind, kubectl and helm
 # (scripts/tools.sh provides helm and kubectl). Not part of scripts/test.sh: no cluster there.
 #
@@ -40,9 +42,12 @@ nodes:
 YAML
 
 kind create cluster --name "$cluster" --kubeconfig "$kubeconfig" --config "$kind_config" --wait 120s
-docker build -t mole:e2e .
-kind load docker-image mole:e2e --name "$cluster"
+docker build -f docker/operator.Dockerfile -t mole-operator:e2e .
+docker build -f docker/worker-cpu.Dockerfile -t mole-worker:e2e-cpu .
+kind load docker-image mole-operator:e2e mole-worker:e2e-cpu --name "$cluster"
 helm --kubeconfig "$kubeconfig" install mole charts/mole --namespace mole-system --create-namespace \
-  --set image.repository=mole --set image.tag=e2e --set image.pullPolicy=Never --wait --timeout 180s
+  --set image.repository=mole-operator --set image.tag=e2e --set image.pullPolicy=Never \
+  --set workerImage.cpu.repository=mole-worker --set workerImage.cpu.tag=e2e-cpu \
+  --wait --timeout 180s
 MOLE_E2E_KUBECONFIG="$kubeconfig" MOLE_E2E_MODELS_HOSTPATH=/mole-models \
   cargo test -p mole-tests --test e2e_cluster -- --nocapture --test-threads=1

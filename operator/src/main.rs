@@ -7,9 +7,11 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
+use clap::builder::NonEmptyStringValueParser;
 use clap::{Parser, Subcommand};
 use mole_operator::controller::{self, Context, PodClient};
 use mole_operator::leader::{self, LeaseConfig};
+use mole_operator::resources::{WorkerImages, DEFAULT_WORKER_IMAGE_CPU, DEFAULT_WORKER_IMAGE_GPU};
 use mole_operator::telemetry::{self, Health, Metrics};
 
 #[derive(Parser)]
@@ -72,6 +74,23 @@ struct RunArgs {
     /// (`--listen`, the container port the probes and Services name) and polls them on.
     #[arg(long, env = "MOLE_WORKER_PORT", default_value_t = mole_crds::constants::WORKER_PORT)]
     worker_port: u16,
+    /// Worker image of pools that request GPUs and leave `spec.image` unset (the CUDA build).
+    #[arg(
+        long,
+        env = "MOLE_WORKER_IMAGE_GPU",
+        default_value = DEFAULT_WORKER_IMAGE_GPU,
+        value_parser = NonEmptyStringValueParser::new()
+    )]
+    worker_image_gpu: String,
+    /// Worker image of pools without GPUs that leave `spec.image` unset, and of their merge
+    /// and cleanup Jobs (which need no GPU).
+    #[arg(
+        long,
+        env = "MOLE_WORKER_IMAGE_CPU",
+        default_value = DEFAULT_WORKER_IMAGE_CPU,
+        value_parser = NonEmptyStringValueParser::new()
+    )]
+    worker_image_cpu: String,
 }
 
 fn pod_namespace() -> String {
@@ -96,12 +115,23 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         .clone()
         .or_else(|| std::env::var("HOSTNAME").ok())
         .unwrap_or_else(|| format!("mole-operator-{}", std::process::id()));
-    let ctx = Arc::new(Context::new(
-        client.clone(),
-        identity.clone(),
-        metrics.clone(),
-        PodClient::new(args.worker_port),
-    ));
+    tracing::info!(
+        gpu = %args.worker_image_gpu,
+        cpu = %args.worker_image_cpu,
+        "default worker images"
+    );
+    let ctx = Arc::new(
+        Context::new(
+            client.clone(),
+            identity.clone(),
+            metrics.clone(),
+            PodClient::new(args.worker_port),
+        )
+        .with_worker_images(WorkerImages {
+            gpu: args.worker_image_gpu.clone(),
+            cpu: args.worker_image_cpu.clone(),
+        }),
+    );
     if args.leader_elect {
         let mut cfg = LeaseConfig::with_duration(
             args.lease_name.clone(),
@@ -154,5 +184,34 @@ async fn main() -> anyhow::Result<()> {
             Ok(())
         }
         Some(Command::Run) | None => run(cli.run).await,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn worker_image_flags_default_to_the_released_images_and_refuse_empty() {
+        // Run with neither MOLE_WORKER_IMAGE_* set (as `cargo test` does).
+        let cli = Cli::try_parse_from(["mole-operator"]).unwrap();
+        assert_eq!(cli.run.worker_image_gpu, DEFAULT_WORKER_IMAGE_GPU);
+        assert_eq!(cli.run.worker_image_cpu, DEFAULT_WORKER_IMAGE_CPU);
+        let cli = Cli::try_parse_from([
+            "mole-operator",
+            "--worker-image-gpu",
+            "reg/w:1-cuda",
+            "--worker-image-cpu",
+            "reg/w:1-cpu",
+        ])
+        .unwrap();
+        assert_eq!(
+            (
+                cli.run.worker_image_gpu.as_str(),
+                cli.run.worker_image_cpu.as_str()
+            ),
+            ("reg/w:1-cuda", "reg/w:1-cpu")
+        );
+        assert!(Cli::try_parse_from(["mole-operator", "--worker-image-gpu", ""]).is_err());
     }
 }

@@ -203,6 +203,38 @@ async fn create_pool_applies_children_and_status_and_a_restart_changes_nothing()
 }
 
 #[tokio::test]
+async fn a_pool_without_an_image_runs_the_operators_default_for_its_hardware() {
+    let mut e = env().await;
+    let images = mole_operator::resources::WorkerImages {
+        gpu: "registry.local/mole-worker:dev-cuda".into(),
+        cpu: "registry.local/mole-worker:dev-cpu".into(),
+    };
+    e.ctx = Arc::new(
+        Context::new(
+            e.ctx.client.clone(),
+            "test".into(),
+            Metrics::new(),
+            PodClient::new(e.worker.addr.port()),
+        )
+        .with_worker_images(images),
+    );
+    let mut obj = pool_obj();
+    obj["spec"].as_object_mut().unwrap().remove("image");
+    e.store.lock().unwrap().create(POOL, obj.clone());
+    e.reconcile_pool().await;
+    let image = |e: &Env| {
+        e.get(DEPLOY).unwrap()["spec"]["template"]["spec"]["containers"][0]["image"].clone()
+    };
+    assert_eq!(image(&e), "registry.local/mole-worker:dev-cuda");
+    // The same pool on CPU nodes gets the CPU build.
+    obj["metadata"]["annotations"] = json!({"mole.dev/allow-cpu": "true"});
+    obj["spec"]["gpu"]["count"] = json!(0);
+    e.store.lock().unwrap().create(POOL, obj);
+    e.reconcile_pool().await;
+    assert_eq!(image(&e), "registry.local/mole-worker:dev-cpu");
+}
+
+#[tokio::test]
 async fn invalid_pool_gets_a_condition_naming_the_field_and_no_children() {
     let e = env().await;
     let mut p = pool_obj();

@@ -65,7 +65,7 @@ async fn pool_and_adapter_lifecycle_on_a_real_cluster() {
         "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
         "metadata": {"name": "vl", "annotations": {"mole.dev/allow-cpu": "true"}},
         "spec": {"baseModel": {"name": "tiny", "path": "base/tiny"}, "storage": {"claimName": "models"},
-                 "image": "mole:e2e", "gpu": {"count": 0}, "dynamic": {"replicas": 1}}
+                 "gpu": {"count": 0}, "dynamic": {"replicas": 1}}
     }))
     .unwrap();
     pools.create(&PostParams::default(), &pool).await.unwrap();
@@ -222,7 +222,7 @@ async fn merge_serve_and_roll_back_on_a_real_cluster() {
         "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
         "metadata": {"name": "tiny", "annotations": {"mole.dev/allow-cpu": "true"}},
         "spec": {"baseModel": {"name": "llama", "path": "base/llama", "dtype": "f32"},
-                 "storage": {"claimName": "models"}, "image": "mole:e2e", "imagePullPolicy": "Never",
+                 "storage": {"claimName": "models"}, "imagePullPolicy": "Never",
                  "gpu": {"count": 0}, "dynamic": {"replicas": 1}}
     }))
     .unwrap();

@@ -24,3 +24,12 @@ app.kubernetes.io/component: operator
 {{- required "serviceAccount.name is required when serviceAccount.create is false" .Values.serviceAccount.name -}}
 {{- end -}}
 {{- end -}}
+
+{{/*
+A default worker image: repository:tag, the tag defaulting to the chart's appVersion plus the
+build's suffix (-cuda, -cpu), as .github/workflows/images.yml tags them.
+*/}}
+{{- define "mole.workerImage" -}}
+{{- $tag := .image.tag | default (printf "%s%s" .root.Chart.AppVersion .suffix) -}}
+{{- printf "%s:%s" .image.repository $tag -}}
+{{- end -}}

@@ -26,6 +26,8 @@ pub struct Context {
     pub metrics: Metrics,
     /// Talks to worker pods.
     pub pods: PodClient,
+    /// The worker images of pools that leave `spec.image` unset.
+    pub images: resources::WorkerImages,
     failures: Mutex<HashMap<String, u32>>,
     /// Per pool (`ns/pool`): the config hash each ready pod (`name@ip`) accepted on
     /// `POST /admin/reload`. In memory only: after a restart every pod is asked once more
@@ -48,9 +50,17 @@ impl Context {
             recorder,
             metrics,
             pods,
+            images: resources::WorkerImages::default(),
             failures: Mutex::default(),
             reloaded: Mutex::default(),
         }
+    }
+
+    /// The same context with `images` as the default worker images (instead of the released
+    /// ones at this operator's version).
+    pub fn with_worker_images(mut self, images: resources::WorkerImages) -> Self {
+        self.images = images;
+        self
     }
 
     /// The pods of `pool` that have not accepted `hash` yet (and forgets pods that are gone).

@@ -70,10 +70,10 @@ fn validate_pod_names(spec: &InferencePoolSpec) -> Result<(), FieldError> {
 /// Validates a pool's spec.
 pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
     let spec: &InferencePoolSpec = &pool.spec;
-    if spec.image.trim().is_empty() {
+    if spec.image.as_deref().is_some_and(|i| i.trim().is_empty()) {
         return Err(FieldError::invalid(
             "spec.image",
-            "must name the mole-worker image",
+            "must name the mole-worker image when set (leave it out for the operator's default)",
         ));
     }
     if spec.base_model.name.trim().is_empty() {
@@ -372,8 +372,12 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
     #[test]
     fn valid_pool_passes_and_every_field_is_named() {
         assert_eq!(validate_pool(&pool()), Ok(()));
+        // Unset is valid: the operator's default worker image applies.
+        let mut unset = pool();
+        unset.spec.image = None;
+        assert_eq!(validate_pool(&unset), Ok(()));
         let cases: Vec<(Mutation<InferencePool>, &str)> = vec![
-            (|p| p.spec.image = " ".into(), "spec.image"),
+            (|p| p.spec.image = Some(" ".into()), "spec.image"),
             (
                 |p| p.spec.base_model.name = "".into(),
                 "spec.baseModel.name",

@@ -9,7 +9,7 @@ use mole_crds::{AdapterSpec, InferencePoolSpec};
 
 use crate::resources::{
     image_pull_secrets, models_volume, restricted_container_security, restricted_pod_security,
-    with_base_model_source, ChildMeta,
+    with_base_model_source, ChildMeta, WorkerImages,
 };
 
 use super::MergeKey;
@@ -31,8 +31,9 @@ fn join(mount: &str, rel: &str) -> String {
     )
 }
 
-/// The merge Job of `key`: `mole-worker merge` with the pool volume read-write. The Job's
-/// name is deterministic, so a restarted operator finds it instead of creating a duplicate.
+/// The merge Job of `key`: `mole-worker merge` with the pool volume read-write, in the pool's
+/// Job image ([`WorkerImages::jobs`]). The Job's name is deterministic, so a restarted
+/// operator finds it instead of creating a duplicate.
 pub fn merge_job(
     pool_name: &str,
     pool: &InferencePoolSpec,
@@ -40,6 +41,7 @@ pub fn merge_job(
     spec: &AdapterSpec,
     key: &MergeKey,
     owner: OwnerReference,
+    images: &WorkerImages,
 ) -> Job {
     let mount = &pool.storage.mount_path;
     let mut args = vec![
@@ -100,7 +102,7 @@ pub fn merge_job(
                     image_pull_secrets: image_pull_secrets(pool),
                     containers: vec![Container {
                         name: "merge".into(),
-                        image: Some(pool.image.clone()),
+                        image: Some(images.jobs(pool)),
                         image_pull_policy: pool.image_pull_policy.clone(),
                         command: Some(vec!["mole-worker".into()]),
                         args: Some(args),
@@ -136,13 +138,14 @@ pub fn merge_job(
 
 /// A Job that deletes merged outputs that fell out of the history. The operator pod never
 /// touches the volume itself; this Job runs `mole-worker prune`, which refuses any path outside
-/// `<mount>/merged/<adapter>/`.
+/// `<mount>/merged/<adapter>/`. Same image as the merge Job.
 pub fn cleanup_job(
     pool_name: &str,
     pool: &InferencePoolSpec,
     adapter: &str,
     outputs: &[String],
     owner: OwnerReference,
+    images: &WorkerImages,
 ) -> Option<Job> {
     if outputs.is_empty() {
         return None;
@@ -185,7 +188,8 @@ pub fn cleanup_job(
                     image_pull_secrets: image_pull_secrets(pool),
                     containers: vec![Container {
                         name: "cleanup".into(),
-                        image: Some(pool.image.clone()),
+                        image: Some(images.jobs(pool)),
+                        image_pull_policy: pool.image_pull_policy.clone(),
                         command: Some(vec!["mole-worker".into()]),
                         args: Some(args),
                         security_context: Some(restricted_container_security()),
@@ -244,7 +248,15 @@ merge:
             controller: Some(true),
             block_owner_deletion: Some(true),
         };
-        let job = merge_job("vl", &pool, "calendar", &spec, &key, owner);
+        let job = merge_job(
+            "vl",
+            &pool,
+            "calendar",
+            &spec,
+            &key,
+            owner,
+            &WorkerImages::default(),
+        );
         assert_eq!(job.metadata.name.as_deref(), Some(key.job_name.as_str()));
         assert_eq!(
             job.metadata.owner_references.as_ref().unwrap()[0].kind,
@@ -326,6 +338,7 @@ merge:
             "calendar",
             &["merged/calendar/v1-a".to_string()],
             job.metadata.owner_references.unwrap()[0].clone(),
+            &WorkerImages::default(),
         )
         .unwrap();
         let pod = cleanup.spec.unwrap().template.spec.unwrap();
@@ -334,5 +347,55 @@ merge:
         assert_eq!(pod.node_selector.unwrap()["node-role/merge"], "true");
         assert_eq!(pod.priority_class_name.as_deref(), Some("batch-low"));
         assert_eq!(pod.runtime_class_name, None);
+        assert_eq!(
+            c.image.as_deref(),
+            Some("ghcr.io/mole-dev/mole-worker:0.1.0")
+        );
+    }
+
+    #[test]
+    fn jobs_of_a_gpu_pool_without_an_image_run_the_cpu_default() {
+        let mut pool: InferencePoolSpec = serde_yaml::from_str(
+            "baseModel: {name: m, path: base/m}\nstorage: {claimName: models}\ngpu: {count: 1}\n",
+        )
+        .unwrap();
+        let spec: AdapterSpec =
+            serde_yaml::from_str("pool: vl\nversion: v1\nsource: {path: adapters/a/v1}\n").unwrap();
+        let key = merge_key(&pool, "a", &spec);
+        let images = WorkerImages {
+            gpu: "reg/worker:1-cuda".into(),
+            cpu: "reg/worker:1-cpu".into(),
+        };
+        let image_of = |pool: &InferencePoolSpec| {
+            let jobs = [
+                merge_job(
+                    "vl",
+                    pool,
+                    "a",
+                    &spec,
+                    &key,
+                    OwnerReference::default(),
+                    &images,
+                ),
+                cleanup_job(
+                    "vl",
+                    pool,
+                    "a",
+                    &["merged/a/old".into()],
+                    OwnerReference::default(),
+                    &images,
+                )
+                .unwrap(),
+            ];
+            jobs.map(|j| {
+                j.spec.unwrap().template.spec.unwrap().containers[0]
+                    .image
+                    .clone()
+                    .unwrap()
+            })
+        };
+        assert_eq!(image_of(&pool), ["reg/worker:1-cpu"; 2]);
+        pool.image = Some("mine:2".into());
+        assert_eq!(image_of(&pool), ["mine:2"; 2]);
     }
 }

@@ -9,6 +9,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use mole_crds::InferencePool;
 
 use super::configmap::config_map_name;
+use super::image::WorkerImages;
 use super::meta::ChildMeta;
 use super::pod::worker_pod;
 
@@ -22,11 +23,12 @@ pub fn merged_name(pool: &str, adapter: &str) -> String {
     format!("{pool}-{adapter}")
 }
 
-/// The Deployment `<pool>-dynamic`, its workers listening on `port`.
-pub fn dynamic_deployment(pool: &InferencePool, port: u16) -> Deployment {
+/// The Deployment `<pool>-dynamic`, its pods running `spec.image` or the default of `images`
+/// and listening on `port`.
+pub fn dynamic_deployment(pool: &InferencePool, port: u16, images: &WorkerImages) -> Deployment {
     let name = pool.metadata.name.clone().unwrap_or_default();
     let meta = ChildMeta::of_pool(pool, "dynamic");
-    let template = worker_pod(pool, &config_map_name(&name), &meta, port);
+    let template = worker_pod(pool, &config_map_name(&name), &meta, port, images);
     worker_deployment(
         &meta,
         dynamic_name(&name),

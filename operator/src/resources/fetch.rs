@@ -38,13 +38,14 @@ pub fn join(mount: &str, rel: &str) -> String {
 pub fn fetch_container(
     name: &str,
     spec: &InferencePoolSpec,
+    image: String,
     uri: &str,
     dest: &str,
     secret: Option<&SecretRef>,
 ) -> Container {
     Container {
         name: name.into(),
-        image: Some(spec.image.clone()),
+        image: Some(image),
         image_pull_policy: spec.image_pull_policy.clone(),
         command: Some(vec!["mole-worker".into()]),
         args: Some(vec![
@@ -126,9 +127,17 @@ pub fn with_base_model_source(spec: &InferencePoolSpec, pod: &mut PodSpec) {
                     pvc.read_only = Some(false);
                 }
             }
+            // The pod's own image (resolved from the pool and the operator's defaults): it
+            // is pulled for the pod anyway.
+            let image = pod
+                .containers
+                .first()
+                .and_then(|c| c.image.clone())
+                .unwrap_or_default();
             let init = fetch_container(
                 FETCH_MODEL_CONTAINER,
                 spec,
+                image,
                 uri,
                 &target,
                 spec.base_model.secret_ref.as_ref(),
@@ -173,12 +182,21 @@ pub fn adapter_fetch_job(
     adapter: &str,
     spec: &AdapterSpec,
     owner: OwnerReference,
+    images: &super::WorkerImages,
 ) -> Option<Job> {
     let uri = spec.source.uri.as_deref()?;
     let key = adapter_fetch_key(spec)?;
     let meta = ChildMeta::of_adapter(pool_name, None, adapter, "fetch", owner);
     let dest = join(&pool.storage.mount_path, &spec.source.path);
-    let container = fetch_container("fetch", pool, uri, &dest, spec.source.secret_ref.as_ref());
+    // A Job that requests no GPU: the image for Jobs, as merge Jobs have.
+    let container = fetch_container(
+        "fetch",
+        pool,
+        images.jobs(pool),
+        uri,
+        &dest,
+        spec.source.secret_ref.as_ref(),
+    );
     Some(Job {
         metadata: meta.annotated(
             adapter_fetch_job_name(adapter, &key),
@@ -244,7 +262,15 @@ mod tests {
         )
         .unwrap();
         let owner = OwnerReference::default();
-        let job = adapter_fetch_job("vl", &s, "cal", &a, owner.clone()).unwrap();
+        let job = adapter_fetch_job(
+            "vl",
+            &s,
+            "cal",
+            &a,
+            owner.clone(),
+            &super::super::WorkerImages::default(),
+        )
+        .unwrap();
         let key = adapter_fetch_key(&a).unwrap();
         assert_eq!(
             job.metadata.name.as_deref(),
@@ -275,7 +301,15 @@ mod tests {
         a.version = "v2".into();
         assert_ne!(adapter_fetch_key(&a).unwrap(), key);
         a.source.uri = None;
-        assert!(adapter_fetch_job("vl", &s, "cal", &a, owner).is_none());
+        assert!(adapter_fetch_job(
+            "vl",
+            &s,
+            "cal",
+            &a,
+            owner,
+            &super::super::WorkerImages::default()
+        )
+        .is_none());
         let long = "a".repeat(100);
         assert!(adapter_fetch_job_name(&long, &key).len() <= 63);
     }

@@ -6,6 +6,7 @@
 mod configmap;
 mod deployment;
 mod fetch;
+mod image;
 mod meta;
 mod pdb;
 mod pod;
@@ -27,6 +28,9 @@ pub use fetch::{
     adapter_fetch_job, adapter_fetch_job_name, adapter_fetch_key, fetch_container, join,
     with_base_model_source, BASE_MODEL_SOURCE_VOLUME, FETCH_MODEL_CONTAINER,
 };
+pub use image::{
+    WorkerImages, DEFAULT_WORKER_IMAGE_CPU, DEFAULT_WORKER_IMAGE_GPU, WORKER_REPOSITORY,
+};
 pub use meta::{
     labels, owner, selector, short_hash, ChildMeta, ANNOTATION_ADAPTER_VERSION,
     ANNOTATION_MERGED_OUTPUT,
@@ -43,8 +47,18 @@ pub use secret::{
 pub use service::{endpoint, service, worker_service};
 pub use worker_config::{merged_worker_config, worker_config, Registered};
 
-/// The merged children of an adapter: ConfigMap, Deployment (workers listening on `port`),
-/// Service and PDB, owned by the Adapter (`owner`) so they go with it.
+/// What the operator sets on every worker pod beyond the pool's spec: the port they listen on
+/// (its `--worker-port`, which it polls them on) and the default images (`--worker-image-*`).
+#[derive(Clone, Copy, Debug)]
+pub struct PodDefaults<'a> {
+    /// The worker port.
+    pub port: u16,
+    /// The images of pools without `spec.image`.
+    pub images: &'a WorkerImages,
+}
+
+/// The merged children of an adapter: ConfigMap, Deployment, Service and PDB, owned by the
+/// Adapter (`owner`) so they go with it. The pods run the pool's image as the dynamic ones do.
 pub fn merged_children(
     pool: &InferencePool,
     adapter: &str,
@@ -52,7 +66,7 @@ pub fn merged_children(
     output: &str,
     replicas: i32,
     owner: OwnerReference,
-    port: u16,
+    pods: PodDefaults<'_>,
 ) -> (ConfigMap, Deployment, Service, PodDisruptionBudget) {
     let pool_name = pool.metadata.name.clone().unwrap_or_default();
     let name = merged_name(&pool_name, adapter);
@@ -66,7 +80,7 @@ pub fn merged_children(
     let wc = merged_worker_config(&pool_name, &pool.spec, adapter, version, output);
     let cm = merged_config_map(&meta, &pool_name, adapter, output, &wc);
     let cm_name = merged_config_name(&pool_name, adapter, output);
-    let mut template = worker_pod(pool, &cm_name, &meta, port);
+    let mut template = worker_pod(pool, &cm_name, &meta, pods.port, pods.images);
     // The output and version are in the template: switching them is a rolling update, and the
     // operator reads back what a Deployment serves from here.
     let ann = template

@@ -15,6 +15,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use mole_crds::constants::{ANNOTATION_SPEC_HASH, WORKER_CONFIG_KEY, WORKER_CONFIG_MOUNT};
 use mole_crds::{InferencePool, InferencePoolSpec};
 
+use super::image::WorkerImages;
 use super::meta::{short_hash, ChildMeta};
 use super::secret::{operator_token_secret_name, OPERATOR_TOKEN_MOUNT};
 
@@ -80,8 +81,9 @@ pub fn image_pull_secrets(pool: &InferencePoolSpec) -> Option<Vec<LocalObjectRef
 /// Hash of exactly the fields whose change must restart the pool's pods: base model, image
 /// and its pull secrets, storage, GPU scheduling (with priority and runtime class),
 /// resources and engine limits. Adapters are not in it: adding, updating or removing an
-/// adapter never restarts a pod.
-pub fn spec_hash(spec: &InferencePoolSpec) -> String {
+/// adapter never restarts a pod. `image` is the resolved one ([`WorkerImages::serving`]), so
+/// a new operator default rolls pools that rely on it.
+pub fn spec_hash(spec: &InferencePoolSpec, image: &str) -> String {
     let l = &spec.dynamic.limits;
     let mut limits = serde_json::json!({
         "maxLoras": l.max_loras,
@@ -97,7 +99,7 @@ pub fn spec_hash(spec: &InferencePoolSpec) -> String {
     }
     let mut hashed = serde_json::json!({
         "baseModel": spec.base_model,
-        "image": spec.image,
+        "image": image,
         "imagePullPolicy": spec.image_pull_policy,
         "storage": spec.storage,
         // With its optional fields (priorityClassName, runtimeClassName) only when set, as
@@ -214,10 +216,15 @@ fn worker_volumes(pool: &InferencePool, config_map: &str) -> (Vec<Volume>, Vec<V
 }
 
 /// The worker container: `mole-worker serve` on the mounted WorkerConfig, listening on `port`.
-fn worker_container(spec: &InferencePoolSpec, mounts: Vec<VolumeMount>, port: u16) -> Container {
+fn worker_container(
+    spec: &InferencePoolSpec,
+    image: String,
+    mounts: Vec<VolumeMount>,
+    port: u16,
+) -> Container {
     Container {
         name: "worker".into(),
-        image: Some(spec.image.clone()),
+        image: Some(image),
         image_pull_policy: spec.image_pull_policy.clone(),
         command: Some(vec!["mole-worker".into()]),
         args: Some(vec![
@@ -251,21 +258,23 @@ fn worker_container(spec: &InferencePoolSpec, mounts: Vec<VolumeMount>, port: u1
 /// The pod template of a worker (dynamic or merged): `mole-worker serve` on the ConfigMap
 /// `config_map`, listening on `port` (the operator's `--worker-port`, which it polls pods on),
 /// labelled as `meta`, with GPU scheduling, the model volume read-only, probes and restricted
-/// security.
+/// security, running `spec.image` or the default of `images` for its hardware.
 pub fn worker_pod(
     pool: &InferencePool,
     config_map: &str,
     meta: &ChildMeta,
     port: u16,
+    images: &WorkerImages,
 ) -> PodTemplateSpec {
     let spec = &pool.spec;
+    let image = images.serving(spec);
     let (volumes, mounts) = worker_volumes(pool, config_map);
     let mut template = PodTemplateSpec {
         metadata: Some(ObjectMeta {
             labels: Some(meta.labels.clone()),
             annotations: Some(BTreeMap::from([(
                 ANNOTATION_SPEC_HASH.to_string(),
-                spec_hash(spec),
+                spec_hash(spec, &image),
             )])),
             ..Default::default()
         }),
@@ -280,7 +289,7 @@ pub fn worker_pod(
             image_pull_secrets: image_pull_secrets(spec),
             // Long enough for in-flight generations to drain after SIGTERM.
             termination_grace_period_seconds: Some(90),
-            containers: vec![worker_container(spec, mounts, port)],
+            containers: vec![worker_container(spec, image, mounts, port)],
             volumes: Some(volumes),
             ..Default::default()
         }),

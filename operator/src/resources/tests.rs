@@ -65,7 +65,7 @@ fn template_hash(d: &Deployment) -> String {
 #[test]
 fn dynamic_deployment_runs_the_worker_on_gpus_securely() {
     let p = pool();
-    let d = dynamic_deployment(&p, WORKER_PORT);
+    let d = dynamic_deployment(&p, WORKER_PORT, &WorkerImages::default());
     assert_eq!(d.metadata.name.as_deref(), Some("vl-dynamic"));
     assert_eq!(
         d.metadata.owner_references.as_ref().unwrap()[0].uid,
@@ -144,7 +144,11 @@ fn dynamic_deployment_runs_the_worker_on_gpus_securely() {
 #[test]
 fn only_base_image_limits_and_resources_roll_the_pods() {
     let p = pool();
-    let h = template_hash(&dynamic_deployment(&p, WORKER_PORT));
+    let h = template_hash(&dynamic_deployment(
+        &p,
+        WORKER_PORT,
+        &WorkerImages::default(),
+    ));
     // Adapters change the ConfigMap only.
     let a = [adapter("calendar", "v1")];
     let reg: Vec<Registered> = a
@@ -158,18 +162,39 @@ fn only_base_image_limits_and_resources_roll_the_pods() {
     let (_, hash0) = config_map(&p, &worker_config("vl", &p.spec, &[]));
     assert_ne!(hash1, hash0);
     assert!(cm1.data.unwrap()["worker.json"].contains("adapters/calendar/v1"));
-    assert_eq!(template_hash(&dynamic_deployment(&p, WORKER_PORT)), h);
+    assert_eq!(
+        template_hash(&dynamic_deployment(
+            &p,
+            WORKER_PORT,
+            &WorkerImages::default()
+        )),
+        h
+    );
     // Replicas and router settings do not restart pods either.
     let mut q = p.clone();
     q.spec.dynamic.replicas = 5;
     q.spec.router.min_confidence = 0.9;
-    assert_eq!(template_hash(&dynamic_deployment(&q, WORKER_PORT)), h);
+    assert_eq!(
+        template_hash(&dynamic_deployment(
+            &q,
+            WORKER_PORT,
+            &WorkerImages::default()
+        )),
+        h
+    );
     // Merge Job settings are not read by serving pods.
     q.spec.merge.priority_class_name = Some("batch".into());
-    assert_eq!(template_hash(&dynamic_deployment(&q, WORKER_PORT)), h);
+    assert_eq!(
+        template_hash(&dynamic_deployment(
+            &q,
+            WORKER_PORT,
+            &WorkerImages::default()
+        )),
+        h
+    );
     // Each of these does: every field a pod reads when it starts.
     let changes: Vec<fn(&mut InferencePool)> = vec![
-        |p| p.spec.image = "ghcr.io/mole-dev/mole-worker:0.2.0".into(),
+        |p| p.spec.image = Some("ghcr.io/mole-dev/mole-worker:0.2.0".into()),
         |p| p.spec.image_pull_policy = Some("Always".into()),
         |p| {
             p.spec.image_pull_secrets = vec![LocalObjectReference {
@@ -191,7 +216,11 @@ fn only_base_image_limits_and_resources_roll_the_pods() {
         let mut q = p.clone();
         change(&mut q);
         assert_ne!(
-            template_hash(&dynamic_deployment(&q, WORKER_PORT)),
+            template_hash(&dynamic_deployment(
+                &q,
+                WORKER_PORT,
+                &WorkerImages::default()
+            )),
             h,
             "change {i}"
         );
@@ -203,7 +232,10 @@ fn new_optional_fields_left_unset_keep_the_spec_hash() {
     // The hash of this spec before imagePullSecrets, priorityClassName and runtimeClassName
     // existed (computed at commit 2b89c36): pools that do not use them keep their hash.
     let p = pool();
-    assert_eq!(spec_hash(&p.spec), "f028a05930e894c4");
+    assert_eq!(
+        spec_hash(&p.spec, p.spec.image.as_deref().unwrap()),
+        "f028a05930e894c4"
+    );
 }
 
 fn pod_of(d: &Deployment) -> PodSpec {
@@ -235,9 +267,15 @@ fn dynamic_and_merged_pods_carry_the_pools_pod_settings() {
         "merged/calendar/v1-a",
         1,
         adapter_owner(),
-        WORKER_PORT,
+        PodDefaults {
+            port: WORKER_PORT,
+            images: &WorkerImages::default(),
+        },
     );
-    for d in [dynamic_deployment(&p, WORKER_PORT), merged] {
+    for d in [
+        dynamic_deployment(&p, WORKER_PORT, &WorkerImages::default()),
+        merged,
+    ] {
         let pod = pod_of(&d);
         assert_eq!(pod.image_pull_secrets.unwrap()[0].name, "regcred");
         assert_eq!(pod.priority_class_name.as_deref(), Some("gpu-serving"));
@@ -255,7 +293,11 @@ fn dynamic_and_merged_pods_carry_the_pools_pod_settings() {
         );
     }
     // Unset, they are absent (the API server's defaults apply).
-    let pod = pod_of(&dynamic_deployment(&pool(), WORKER_PORT));
+    let pod = pod_of(&dynamic_deployment(
+        &pool(),
+        WORKER_PORT,
+        &WorkerImages::default(),
+    ));
     assert_eq!(pod.image_pull_secrets, None);
     assert_eq!(pod.priority_class_name, None);
     assert_eq!(pod.runtime_class_name, None);
@@ -288,10 +330,16 @@ fn a_non_default_worker_port_is_used_everywhere_a_pod_is_reached() {
         "merged/calendar/v1-a",
         1,
         adapter_owner(),
-        port,
+        PodDefaults {
+            port,
+            images: &WorkerImages::default(),
+        },
     );
     for (d, svc) in [
-        (dynamic_deployment(&p, port), service(&p)),
+        (
+            dynamic_deployment(&p, port, &WorkerImages::default()),
+            service(&p),
+        ),
         (merged, merged_svc),
     ] {
         let pod = pod_of(&d);
@@ -325,7 +373,11 @@ fn a_non_default_worker_port_is_used_everywhere_a_pod_is_reached() {
     }
     assert_eq!(endpoint(&p), format!("http://vl.ml.svc:{SERVICE_PORT}"));
     // The default port renders the same way.
-    let pod = pod_of(&dynamic_deployment(&p, WORKER_PORT));
+    let pod = pod_of(&dynamic_deployment(
+        &p,
+        WORKER_PORT,
+        &WorkerImages::default(),
+    ));
     assert_eq!(target_port(&service(&p), &pod), 8000);
 }
 
@@ -376,7 +428,7 @@ fn service_and_pdb_select_the_dynamic_pods() {
     assert_eq!(s.metadata.name.as_deref(), Some("vl"));
     let spec = s.spec.unwrap();
     let sel = spec.selector.unwrap();
-    let pod_labels = dynamic_deployment(&p, WORKER_PORT)
+    let pod_labels = dynamic_deployment(&p, WORKER_PORT, &WorkerImages::default())
         .spec
         .unwrap()
         .template
@@ -463,9 +515,15 @@ fn every_worker_pod_mounts_the_operator_token_and_its_config_names_it() {
         "merged/calendar/v1-abc",
         1,
         owner,
-        WORKER_PORT,
+        PodDefaults {
+            port: WORKER_PORT,
+            images: &WorkerImages::default(),
+        },
     );
-    for d in [dynamic_deployment(&p, WORKER_PORT), merged] {
+    for d in [
+        dynamic_deployment(&p, WORKER_PORT, &WorkerImages::default()),
+        merged,
+    ] {
         let pod = d.spec.unwrap().template.spec.unwrap();
         let vol = pod
             .volumes
@@ -518,7 +576,10 @@ fn merged_config_maps_are_per_output() {
         "merged/calendar/v1-a",
         1,
         owner.clone(),
-        WORKER_PORT,
+        PodDefaults {
+            port: WORKER_PORT,
+            images: &WorkerImages::default(),
+        },
     );
     let (cm2, d2, _, _) = merged_children(
         &p,
@@ -527,7 +588,10 @@ fn merged_config_maps_are_per_output() {
         "merged/calendar/v2-b",
         1,
         owner,
-        WORKER_PORT,
+        PodDefaults {
+            port: WORKER_PORT,
+            images: &WorkerImages::default(),
+        },
     );
     assert_ne!(cm1.metadata.name, cm2.metadata.name);
     let mounted = |d: &Deployment| {
@@ -570,5 +634,106 @@ fn a_short_max_seq_len_gives_a_config_the_worker_accepts() {
     assert_eq!(
         worker_config("vl", &pool().spec, &[]).limits.max_tokens,
         2048
+    );
+}
+
+fn image_of(d: &Deployment) -> String {
+    d.spec
+        .as_ref()
+        .unwrap()
+        .template
+        .spec
+        .as_ref()
+        .unwrap()
+        .containers[0]
+        .image
+        .clone()
+        .unwrap()
+}
+
+#[test]
+fn pools_without_an_image_run_the_cuda_default_on_gpus_and_the_cpu_default_otherwise() {
+    let mut gpu = pool();
+    gpu.spec.image = None;
+    let mut cpu = gpu.clone();
+    cpu.spec.gpu.count = 0;
+    let defaults = WorkerImages::default();
+    let v = env!("CARGO_PKG_VERSION");
+    let owner = OwnerReference {
+        kind: "Adapter".into(),
+        name: "calendar".into(),
+        uid: "uid-a".into(),
+        ..Default::default()
+    };
+    for (p, want) in [
+        (&gpu, format!("ghcr.io/mole-dev/mole-worker:{v}-cuda")),
+        (&cpu, format!("ghcr.io/mole-dev/mole-worker:{v}-cpu")),
+    ] {
+        assert_eq!(
+            image_of(&dynamic_deployment(p, WORKER_PORT, &defaults)),
+            want
+        );
+        let (_, merged, _, _) = merged_children(
+            p,
+            "calendar",
+            "v1",
+            "merged/calendar/v1-a",
+            1,
+            owner.clone(),
+            PodDefaults {
+                port: WORKER_PORT,
+                images: &defaults,
+            },
+        );
+        assert_eq!(
+            image_of(&merged),
+            want,
+            "merged pods run what dynamic ones run"
+        );
+    }
+    // The operator's flags replace the defaults; a pool's own image wins over both.
+    let flags = WorkerImages {
+        gpu: "registry.local/mole-worker:dev-cuda".into(),
+        cpu: "registry.local/mole-worker:dev-cpu".into(),
+    };
+    assert_eq!(
+        image_of(&dynamic_deployment(&gpu, WORKER_PORT, &flags)),
+        "registry.local/mole-worker:dev-cuda"
+    );
+    assert_eq!(
+        image_of(&dynamic_deployment(&cpu, WORKER_PORT, &flags)),
+        "registry.local/mole-worker:dev-cpu"
+    );
+    assert_eq!(
+        image_of(&dynamic_deployment(&pool(), WORKER_PORT, &flags)),
+        "ghcr.io/mole-dev/mole-worker:0.1.0"
+    );
+}
+
+#[test]
+fn a_new_default_image_rolls_the_pools_that_use_it_and_only_those() {
+    let mut unset = pool();
+    unset.spec.image = None;
+    let old = WorkerImages::default();
+    let new = WorkerImages {
+        gpu: "ghcr.io/mole-dev/mole-worker:9.9.9-cuda".into(),
+        ..old.clone()
+    };
+    assert_ne!(
+        template_hash(&dynamic_deployment(&unset, WORKER_PORT, &old)),
+        template_hash(&dynamic_deployment(&unset, WORKER_PORT, &new)),
+        "the resolved image is in the spec hash"
+    );
+    // A pool that names its image keeps its pods.
+    assert_eq!(
+        template_hash(&dynamic_deployment(&pool(), WORKER_PORT, &old)),
+        template_hash(&dynamic_deployment(&pool(), WORKER_PORT, &new))
+    );
+    // Writing the default out explicitly is the same pod: no restart.
+    let mut explicit = unset.clone();
+    explicit.spec.image = Some(old.gpu.clone());
+    assert_eq!(
+        template_hash(&dynamic_deployment(&unset, WORKER_PORT, &old)),
+        template_hash(&dynamic_deployment(&explicit, WORKER_PORT, &old))
     );
 }

@@ -75,6 +75,7 @@ pub(super) async fn apply_plan(
         &c.name,
         &plan.cleanup,
         c.owner.clone(),
+        &c.ctx.images,
     );
     if let Some(job) = cleanup {
         create_ignoring_existing(&c.api(), &job).await?;
@@ -93,6 +94,7 @@ async fn apply_job(c: &Children<'_>, action: &JobAction) -> Result<()> {
                 &c.adapter.spec,
                 key,
                 c.owner.clone(),
+                &c.ctx.images,
             );
             create_ignoring_existing(&jobs, &job).await
         }
@@ -118,7 +120,10 @@ async fn apply_merged(
         output,
         c.adapter.spec.serving.replicas,
         c.owner.clone(),
-        c.ctx.pods.port(),
+        resources::PodDefaults {
+            port: c.ctx.pods.port(),
+            images: &c.ctx.images,
+        },
     );
     let cms: Api<ConfigMap> = c.api();
     let svcs: Api<Service> = c.api();

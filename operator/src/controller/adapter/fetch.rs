@@ -130,9 +130,15 @@ pub(super) async fn ensure_fetched(
         let owner = adapter
             .controller_owner_ref(&())
             .expect("adapters read from the API have a uid");
-        let job =
-            resources::adapter_fetch_job(&pool.name_any(), &pool.spec, &name, &adapter.spec, owner)
-                .expect("the adapter has a source.uri");
+        let job = resources::adapter_fetch_job(
+            &pool.name_any(),
+            &pool.spec,
+            &name,
+            &adapter.spec,
+            owner,
+            &ctx.images,
+        )
+        .expect("the adapter has a source.uri");
         let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
         apply::create_ignoring_existing(&jobs, &job).await?;
     }

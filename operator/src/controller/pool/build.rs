@@ -7,7 +7,7 @@ use kube::ResourceExt;
 use mole_crds::{Adapter, InferencePool};
 
 use crate::controller::validate::validate_adapter;
-use crate::resources::{self, Registered};
+use crate::resources::{self, Registered, WorkerImages};
 
 /// The children of a pool as they should be.
 pub(super) struct Desired {
@@ -49,16 +49,21 @@ pub fn registered<'a>(pool: &InferencePool, adapters: &'a [Adapter]) -> Vec<Regi
         .collect()
 }
 
-/// The pool's children, its WorkerConfig listing the registered ones of `adapters`, its
-/// workers listening on `port`.
-pub(super) fn desired(pool: &InferencePool, adapters: &[Adapter], port: u16) -> Desired {
+/// The pool's children, its WorkerConfig listing the registered ones of `adapters`, its pods
+/// running `spec.image` or the default of `images` and listening on `port`.
+pub(super) fn desired(
+    pool: &InferencePool,
+    adapters: &[Adapter],
+    port: u16,
+    images: &WorkerImages,
+) -> Desired {
     let reg = registered(pool, adapters);
     let config = resources::worker_config(&pool.name_any(), &pool.spec, &reg);
     let (config_map, config_hash) = resources::config_map(pool, &config);
     Desired {
         config_map,
         config_hash,
-        deployment: resources::dynamic_deployment(pool, port),
+        deployment: resources::dynamic_deployment(pool, port, images),
         service: resources::service(pool),
         pdb: resources::pdb(pool),
     }
