@@ -39,6 +39,9 @@ pub(super) struct Observed {
     pub unreachable: Vec<String>,
     /// The first reason a pod gave for not loading the desired version.
     pub load_error: Option<String>,
+    /// What a pod that loaded the desired version found worth a look (another base name
+    /// whose shapes fit).
+    pub load_warning: Option<String>,
     /// The live merged Deployment `<pool>-<adapter>`.
     pub merged: Option<Deployment>,
     /// What the merge-down planner reads.
@@ -66,6 +69,11 @@ pub(super) async fn observe(
     }
     let (all_loaded, loaded, load_error) =
         loaded_everywhere(&reports, &name, &adapter.spec.version);
+    let load_warning = reports
+        .iter()
+        .flat_map(|r| r.data.iter())
+        .find(|a| a.name == name && a.version == adapter.spec.version && a.warning.is_some())
+        .and_then(|a| a.warning.clone());
     let key = mergedown::merge_key(&pool.spec, &name, &adapter.spec);
     let merged = Api::<Deployment>::namespaced(ctx.client.clone(), &ns)
         .get_opt(&resources::merged_name(&adapter.spec.pool, &name))
@@ -81,6 +89,7 @@ pub(super) async fn observe(
         loaded,
         unreachable,
         load_error,
+        load_warning,
         merged,
         planner,
     })

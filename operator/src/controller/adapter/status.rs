@@ -83,6 +83,9 @@ pub(super) fn report(
         if !obs.unreachable.is_empty() {
             m.push_str(&format!("; unreachable: {}", obs.unreachable.join("; ")));
         }
+        if let Some(w) = &obs.load_warning {
+            m.push_str(&format!("; warning: {w}"));
+        }
         m
     };
     let (why, msg) = match (&obs.load_error, dynamic_loaded, obs.pods == 0) {
@@ -206,6 +209,7 @@ mod tests {
             loaded,
             unreachable: Vec::new(),
             load_error: load_error.map(String::from),
+            load_warning: None,
             merged: None,
             planner: crate::mergedown::Observed {
                 job: JobState::Absent,
@@ -239,6 +243,19 @@ mod tests {
             )
         );
         assert_eq!(s.load_dynamic, Some(true));
+        // Trained on a base of another name whose shapes fit: loaded, and the message says so.
+        let mut warned = observed(2, 2, None);
+        warned.load_warning =
+            Some("base_model_name_or_path \"/data/my-base\" names another model".into());
+        let s = report(&a, &plan(AdapterStatus::default()), &warned, now());
+        let (st, why, msg) = loaded(&s);
+        assert_eq!((st.as_str(), why.as_str()), ("True", reason::LOADED));
+        assert!(
+            msg.ends_with(
+                "; warning: base_model_name_or_path \"/data/my-base\" names another model"
+            ),
+            "{msg}"
+        );
         let s = report(
             &a,
             &plan(AdapterStatus::default()),
