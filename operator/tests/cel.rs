@@ -111,7 +111,7 @@ fn every_sample_meets_the_crd_cel_rules_and_the_invalid_one_fails_its_rule() {
             checked += 1;
         }
     }
-    assert_eq!(checked, 8, "pool, six adapters and the invalid one");
+    assert_eq!(checked, 10, "two pools, seven adapters and the invalid one");
 }
 
 /// One mole object of the sample `name` (whose text is `text`) against its CRD's rules.

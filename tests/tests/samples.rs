@@ -118,6 +118,13 @@ fn every_valid_sample_passes_schema_and_validation() {
         pool.spec.gpu.node_selector["nvidia.com/gpu.product"],
         "NVIDIA-H100-80GB-HBM3"
     );
+    let (_, text_v) = load("pool-qwen3-4b.yaml");
+    let mut errs = Vec::new();
+    check(&text_v, &schema_of("InferencePool"), "", &mut errs);
+    assert!(errs.is_empty(), "{errs:?}");
+    let text: InferencePool = serde_json::from_value(text_v).unwrap();
+    assert_eq!(validate_pool(&text), Ok(()));
+    let pools = [pool, text];
 
     let mut adapters = Vec::new();
     for e in std::fs::read_dir(samples()).unwrap() {
@@ -133,12 +140,21 @@ fn every_valid_sample_passes_schema_and_validation() {
     }
     assert_eq!(
         adapters.len(),
-        6,
-        "calendar, claim-window, desktop, appointment, login-window, chart-screen"
+        7,
+        "calendar, claim-window, desktop, appointment, login-window, chart-screen; sql"
     );
     for a in &adapters {
+        let pool = pools
+            .iter()
+            .find(|p| p.metadata.name.as_deref() == Some(a.spec.pool.as_str()))
+            .unwrap();
+        let siblings: Vec<Adapter> = adapters
+            .iter()
+            .filter(|b| b.spec.pool == a.spec.pool)
+            .cloned()
+            .collect();
         assert_eq!(
-            validate_adapter(a, Some(&pool), &adapters),
+            validate_adapter(a, Some(pool), &siblings),
             Ok(()),
             "{:?}",
             a.metadata.name
@@ -184,7 +200,10 @@ fn every_file_in_the_samples_is_checked_or_explicitly_skipped() {
             }
         }
     }
-    assert_eq!(mole, 8, "the pool, six adapters and the invalid adapter");
+    assert_eq!(
+        mole, 10,
+        "two pools, six adapters of the VL one and one of the text one, the invalid adapter"
+    );
     assert_eq!(gateway.len(), 2);
     let [gie, route] = &gateway[..] else {
         unreachable!()
@@ -371,4 +390,227 @@ async fn the_sample_qwen3_vl_pool_starts_and_serves_screenshots() {
         assert!(v["task_output"].is_string(), "{v}");
         assert!(v["usage"]["prompt_tokens"].as_u64().unwrap() > 20, "{v}");
     }
+}
+
+/// A local server answering the Hugging Face Hub's two calls for `repos` (id → directory):
+/// the revision listing (`main` pinned to one commit sha, LFS sha256 for safetensors) and
+/// `resolve`. Returns its endpoint, for `HF_ENDPOINT`.
+async fn local_hub(repos: Vec<(&'static str, PathBuf)>) -> String {
+    use axum::extract::{Path as P, State};
+    use axum::routing::get;
+    use sha2::Digest;
+    use std::sync::Arc;
+    type Repos = Arc<Vec<(&'static str, PathBuf)>>;
+    const SHA: &str = "0123456789abcdef0123456789abcdef01234567";
+    fn dir(repos: &Repos, org: &str, name: &str) -> Option<PathBuf> {
+        let id = format!("{org}/{name}");
+        repos.iter().find(|(r, _)| *r == id).map(|(_, d)| d.clone())
+    }
+    async fn revision(
+        State(repos): State<Repos>,
+        P((org, name, _rev)): P<(String, String, String)>,
+    ) -> axum::response::Response {
+        use axum::response::IntoResponse;
+        let Some(d) = dir(&repos, &org, &name) else {
+            return axum::http::StatusCode::NOT_FOUND.into_response();
+        };
+        let mut siblings = Vec::new();
+        for e in std::fs::read_dir(d).unwrap() {
+            let e = e.unwrap();
+            let f = e.file_name().to_string_lossy().to_string();
+            let bytes = std::fs::read(e.path()).unwrap();
+            let mut s = serde_json::json!({"rfilename": f, "size": bytes.len()});
+            if f.ends_with(".safetensors") {
+                let sha = hex::encode(sha2::Sha256::digest(&bytes));
+                s["lfs"] = serde_json::json!({"sha256": sha, "size": bytes.len()});
+            }
+            siblings.push(s);
+        }
+        axum::Json(serde_json::json!({"sha": SHA, "siblings": siblings})).into_response()
+    }
+    async fn resolve(
+        State(repos): State<Repos>,
+        P((org, name, rev, file)): P<(String, String, String, String)>,
+    ) -> axum::response::Response {
+        use axum::response::IntoResponse;
+        match dir(&repos, &org, &name) {
+            Some(d) if rev == SHA => std::fs::read(d.join(file)).unwrap().into_response(),
+            _ => axum::http::StatusCode::NOT_FOUND.into_response(),
+        }
+    }
+    let app = axum::Router::new()
+        .route("/api/models/{org}/{name}/revision/{rev}", get(revision))
+        .route("/{org}/{name}/resolve/{rev}/{*file}", get(resolve))
+        .with_state(Arc::new(repos));
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(l, app).await.unwrap() });
+    url
+}
+
+/// Runs a fetch container as the operator renders it (`mole-worker fetch --source ... --dest
+/// <mount>/...`), its mount path at `root`, against `hub`.
+async fn run_fetch(c: &k8s_openapi::api::core::v1::Container, mount: &str, root: &Path, hub: &str) {
+    use clap::Parser;
+    let mut args: Vec<String> = c.command.clone().unwrap();
+    for a in c.args.clone().unwrap() {
+        args.push(match a.strip_prefix(mount) {
+            Some(rest) => format!("{}{rest}", root.display()),
+            None => a,
+        });
+    }
+    args.extend(["--hf-endpoint".to_string(), hub.to_string()]);
+    #[derive(clap::Parser)]
+    struct Fetch {
+        #[command(flatten)]
+        args: mole_worker::fetch::cli::FetchArgs,
+    }
+    // `mole-worker fetch ...`: "fetch" stands for the program name, the rest are its flags.
+    let fa = Fetch::parse_from(&args[1..]).args;
+    let code = tokio::task::spawn_blocking(move || mole_worker::fetch::cli::run(fa))
+        .await
+        .unwrap();
+    assert_eq!(code, std::process::ExitCode::SUCCESS, "{args:?}");
+}
+
+/// The README's text install path on one machine: the sample Qwen3 pool and its `sql`
+/// Adapter, both from `hf://`, rendered by the operator (the pool pod's `fetch-model` init
+/// container, the adapter's fetch Job), their fetches run against a local hub holding the
+/// tiny Qwen3 and its adapter under the samples' repository names, then the worker config the
+/// operator renders served: a chat named `sql` is answered by that adapter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sample_text_pool_fetches_from_hf_and_serves() {
+    use mole_operator::resources::{
+        adapter_fetch_job, dynamic_deployment, worker_config, Registered, WorkerImages,
+        FETCH_MODEL_CONTAINER,
+    };
+    use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
+    let (_, pool_v) = load("pool-qwen3-4b.yaml");
+    let mut pool: InferencePool = serde_json::from_value(pool_v).unwrap();
+    // As read back from the API server, which gives it a uid (its children's owner).
+    pool.metadata.uid = Some("uid-pool".into());
+    let adapter: Adapter = serde_json::from_value(load("adapter-qwen3-sql.yaml").1).unwrap();
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/engine");
+    // The adapter as its trainer published it: trained on the pool's base.
+    let published = tempfile::tempdir().unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(
+            fx.join("adapters/qwen3/a_r8_all").join(f),
+            published.path().join(f),
+        )
+        .unwrap();
+    }
+    let cfg = published.path().join("adapter_config.json");
+    let mut c: Value = serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    c["base_model_name_or_path"] = Value::from(pool.spec.base_model.name.clone());
+    std::fs::write(&cfg, c.to_string()).unwrap();
+    let hub = local_hub(vec![
+        ("Qwen/Qwen3-4B", fx.join("qwen3")),
+        ("your-org/qwen3-4b-sql-lora", published.path().to_path_buf()),
+    ])
+    .await;
+    let root = tempfile::tempdir().unwrap();
+    let mount = pool.spec.storage.mount_path.clone();
+    // The pool's pods: the init container the operator renders fetches the base model.
+    let d = dynamic_deployment(&pool, 8000, &WorkerImages::default());
+    let pod = d.spec.unwrap().template.spec.unwrap();
+    let init = pod
+        .init_containers
+        .unwrap()
+        .into_iter()
+        .find(|c| c.name == FETCH_MODEL_CONTAINER)
+        .expect("a pool with baseModel.source gets the fetch init container");
+    run_fetch(&init, &mount, root.path(), &hub).await;
+    assert!(root
+        .path()
+        .join(&pool.spec.base_model.path)
+        .join("model.safetensors")
+        .is_file());
+    // The adapter's fetch Job.
+    let job = adapter_fetch_job(
+        "qwen3",
+        &pool.spec,
+        "sql",
+        &adapter.spec,
+        Default::default(),
+        &WorkerImages::default(),
+    )
+    .expect("an adapter with source.uri gets a fetch Job");
+    let c = job
+        .spec
+        .unwrap()
+        .template
+        .spec
+        .unwrap()
+        .containers
+        .remove(0);
+    run_fetch(&c, &mount, root.path(), &hub).await;
+    // The worker config the pool's pods read, served.
+    let registered = [Registered {
+        adapter: &adapter,
+        lora_id: 1,
+    }];
+    let mut wc = worker_config("qwen3", &pool.spec, &registered);
+    wc.model_root = root.path().display().to_string();
+    wc.auth = None;
+    let cfg_path = root.path().join("worker.json");
+    std::fs::write(&cfg_path, serde_json::to_string(&wc).unwrap()).unwrap();
+    let cfg = mole_worker::config::load(&cfg_path).unwrap();
+    let engine = build_engine(&cfg).unwrap();
+    let auth = Auth::from_config(&cfg).unwrap();
+    let state = AppState::new(cfg, engine, Some(cfg_path.clone()), auth);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let (_stop, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve_with(
+        state,
+        l,
+        cfg_path,
+        std::time::Duration::ZERO,
+        async move {
+            let _ = rx.await;
+        },
+    ));
+    let c = reqwest::Client::new();
+    let mut ready = false;
+    for _ in 0..500 {
+        if let Ok(r) = c.get(format!("{url}/readyz")).send().await {
+            if r.status() == 200 {
+                ready = true;
+                break;
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(ready, "the text pool's worker never became ready");
+    let r = c
+        .post(format!("{url}/v1/chat/completions"))
+        .json(&serde_json::json!({"model": "sql", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "List the tables."}]}))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["mole"]["adapter"], "sql", "{v}");
+    assert_eq!(v["mole"]["adapter_version"], "v1", "{v}");
+    let (_, l) = {
+        let r = c
+            .get(format!("{url}/v1/lora_adapters"))
+            .send()
+            .await
+            .unwrap();
+        (r.status(), r.json::<Value>().await.unwrap())
+    };
+    let sql = &l["data"][0];
+    assert_eq!(
+        (sql["name"].as_str(), sql["loaded"].as_bool()),
+        (Some("sql"), Some(true)),
+        "{l}"
+    );
+    assert!(
+        sql.get("warning").is_none(),
+        "trained on the pool's base: {sql}"
+    );
 }
