@@ -4,6 +4,11 @@
 //! expired Lease, exactly one wins. A holder that could not renew for `renew_deadline`
 //! (shorter than `duration`, like client-go's renewDeadline) steps down, so it has stopped
 //! writing before another replica may take the Lease.
+//!
+//! Expiry is judged as Kubernetes' own leader election does: by how long the Lease record has
+//! gone unchanged on the candidate's own monotonic clock ([`Observer`]), never by comparing
+//! the holder's `renewTime` with the candidate's wall clock, which may be skewed by more than
+//! the Lease duration on another node.
 
 use std::time::Duration;
 
@@ -73,17 +78,37 @@ pub fn must_step_down(cfg: &LeaseConfig, since_renewal: Duration) -> bool {
     since_renewal >= cfg.renew_deadline
 }
 
-/// Whether a Lease may be taken by `me` at `now`.
-pub fn can_take(lease: &Lease, me: &str, now: Timestamp) -> bool {
-    let Some(spec) = &lease.spec else { return true };
-    match spec.holder_identity.as_deref() {
-        None | Some("") => true,
-        Some(h) if h == me => true,
-        Some(_) => {
-            let dur = spec.lease_duration_seconds.unwrap_or(15) as i64;
-            match &spec.renew_time {
-                Some(t) => t.0.as_second() + dur < now.as_second(),
-                None => true,
+/// What a candidate last saw of the Lease's record, and when it first saw it, by its own
+/// monotonic clock (client-go's `observedRecord` and `observedTime`).
+#[derive(Debug, Default)]
+pub struct Observer {
+    seen: Option<(LeaseSpec, std::time::Instant)>,
+}
+
+impl Observer {
+    /// Records `lease` as seen at `now`: the clock restarts only when the record changed.
+    pub fn observe(&mut self, lease: &Lease, now: std::time::Instant) {
+        let spec = lease.spec.clone().unwrap_or_default();
+        match &self.seen {
+            Some((s, _)) if *s == spec => {}
+            _ => self.seen = Some((spec, now)),
+        }
+    }
+
+    /// Whether `lease` may be taken by `me` at `now`: it is free or ours, or its record has
+    /// not changed for its `leaseDurationSeconds` since this candidate first saw it.
+    pub fn can_take(&mut self, lease: &Lease, me: &str, now: std::time::Instant) -> bool {
+        self.observe(lease, now);
+        let Some(spec) = &lease.spec else { return true };
+        match spec.holder_identity.as_deref() {
+            None | Some("") => true,
+            Some(h) if h == me => true,
+            Some(_) => {
+                let dur =
+                    Duration::from_secs(spec.lease_duration_seconds.unwrap_or(15).max(0) as u64);
+                self.seen
+                    .as_ref()
+                    .is_some_and(|(_, at)| now.saturating_duration_since(*at) > dur)
             }
         }
     }
@@ -108,8 +133,15 @@ fn spec_for(cfg: &LeaseConfig, now: Timestamp, prior: Option<&LeaseSpec>) -> Lea
     }
 }
 
-/// Tries once to acquire or renew the Lease. Ok(true): we hold it.
-pub async fn try_acquire(api: &Api<Lease>, cfg: &LeaseConfig) -> kube::Result<bool> {
+/// Tries once to acquire or renew the Lease. Ok(true): we hold it. `obs` carries what this
+/// replica saw of the Lease between calls.
+pub async fn try_acquire(
+    api: &Api<Lease>,
+    cfg: &LeaseConfig,
+    obs: &mut Observer,
+) -> kube::Result<bool> {
+    // renewTime and acquireTime are written for people and other tools; expiry is judged by
+    // `obs` on the local monotonic clock.
     let now = Timestamp::now();
     match api.get_opt(&cfg.name).await? {
         None => {
@@ -127,7 +159,7 @@ pub async fn try_acquire(api: &Api<Lease>, cfg: &LeaseConfig) -> kube::Result<bo
                 Err(e) => Err(e),
             }
         }
-        Some(lease) if can_take(&lease, &cfg.identity, now) => {
+        Some(lease) if obs.can_take(&lease, &cfg.identity, std::time::Instant::now()) => {
             let mut next = lease.clone();
             next.spec = Some(spec_for(cfg, now, lease.spec.as_ref()));
             // replace() sends metadata.resourceVersion: a concurrent writer gets 409.
@@ -144,8 +176,9 @@ pub async fn try_acquire(api: &Api<Lease>, cfg: &LeaseConfig) -> kube::Result<bo
 /// Blocks until this replica holds the Lease.
 pub async fn acquire(client: Client, cfg: &LeaseConfig) {
     let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
+    let mut obs = Observer::default();
     loop {
-        match try_acquire(&api, cfg).await {
+        match try_acquire(&api, cfg, &mut obs).await {
             Ok(true) => return,
             Ok(false) => tracing::info!(lease = %cfg.name, "another replica leads; waiting"),
             Err(e) => tracing::warn!(error = %e, "leader election failed; retrying"),
@@ -159,11 +192,12 @@ pub async fn acquire(client: Client, cfg: &LeaseConfig) {
 pub async fn hold(client: Client, cfg: LeaseConfig) {
     let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
     let mut last_ok = std::time::Instant::now();
+    let mut obs = Observer::default();
     loop {
         tokio::time::sleep(cfg.renew).await;
         // A renewal call that hangs must not carry us past the deadline.
         let left = cfg.renew_deadline.saturating_sub(last_ok.elapsed());
-        match tokio::time::timeout(left, try_acquire(&api, &cfg)).await {
+        match tokio::time::timeout(left, try_acquire(&api, &cfg, &mut obs)).await {
             Ok(Ok(true)) => last_ok = std::time::Instant::now(),
             Ok(Ok(false)) => {
                 tracing::error!(lease = %cfg.name, "leadership lost");
@@ -228,11 +262,40 @@ mod tests {
     }
 
     #[test]
-    fn takeover_only_after_expiry() {
-        let now = Timestamp::from_second(1000).unwrap();
-        assert!(can_take(&lease("me", 999, 15), "me", now));
-        assert!(!can_take(&lease("other", 990, 15), "me", now));
-        assert!(can_take(&lease("other", 980, 15), "me", now));
-        assert!(can_take(&Lease::default(), "me", now));
+    fn takeover_only_after_the_record_stood_still_for_the_duration_on_our_clock() {
+        let t0 = std::time::Instant::now();
+        let s = |n: u64| t0 + Duration::from_secs(n);
+        let mut obs = Observer::default();
+        assert!(obs.can_take(&lease("me", 999, 15), "me", s(0)), "ours");
+        assert!(
+            Observer::default().can_take(&Lease::default(), "me", s(0)),
+            "free"
+        );
+        // The holder renews every 5 s: never expired, however old its renewTime reads here.
+        let mut obs = Observer::default();
+        for (i, renewed) in [100, 105, 110, 115].into_iter().enumerate() {
+            let at = s(i as u64 * 5);
+            assert!(
+                !obs.can_take(&lease("other", renewed, 15), "me", at),
+                "{renewed}"
+            );
+        }
+        // It stops renewing (the record stays as last seen): takeable once 15 s passed here.
+        let last = lease("other", 115, 15);
+        assert!(!obs.can_take(&last, "me", s(25)));
+        assert!(!obs.can_take(&last, "me", s(30)));
+        assert!(obs.can_take(&last, "me", s(31)));
+        // A holder whose clock runs ahead (renewTime in our future) expires the same way.
+        let mut obs = Observer::default();
+        let ahead = lease("other", 4_000_000_000, 15);
+        assert!(!obs.can_take(&ahead, "me", s(0)));
+        assert!(!obs.can_take(&ahead, "me", s(15)));
+        assert!(obs.can_take(&ahead, "me", s(16)));
+        // One far behind (renewTime long past on our wall clock) is not taken while it renews.
+        let mut obs = Observer::default();
+        assert!(!obs.can_take(&lease("other", 1, 15), "me", s(0)));
+        assert!(!obs.can_take(&lease("other", 6, 15), "me", s(14)));
+        assert!(!obs.can_take(&lease("other", 6, 15), "me", s(28)));
+        assert!(obs.can_take(&lease("other", 6, 15), "me", s(30)));
     }
 }

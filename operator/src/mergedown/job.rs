@@ -193,6 +193,9 @@ pub fn cleanup_job(
                         command: Some(vec!["mole-worker".into()]),
                         args: Some(args),
                         security_context: Some(restricted_container_security()),
+                        // Deleting directories: a little CPU and memory, bounded so a node's
+                        // scheduler accounts for it and it cannot grow past a small limit.
+                        resources: Some(cleanup_resources()),
                         volume_mounts: Some(vec![VolumeMount {
                             name: "models".into(),
                             mount_path: mount.clone(),
@@ -208,6 +211,24 @@ pub fn cleanup_job(
         }),
         status: None,
     })
+}
+
+/// The cleanup container's requests and limits.
+fn cleanup_resources() -> k8s_openapi::api::core::v1::ResourceRequirements {
+    use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+    let q = |s: &str| Quantity(s.to_string());
+    k8s_openapi::api::core::v1::ResourceRequirements {
+        requests: Some(
+            [
+                ("cpu".to_string(), q("50m")),
+                ("memory".to_string(), q("64Mi")),
+            ]
+            .into_iter()
+            .collect(),
+        ),
+        limits: Some([("memory".to_string(), q("256Mi"))].into_iter().collect()),
+        ..Default::default()
+    }
 }
 
 #[cfg(test)]
@@ -347,6 +368,9 @@ merge:
         assert_eq!(pod.node_selector.unwrap()["node-role/merge"], "true");
         assert_eq!(pod.priority_class_name.as_deref(), Some("batch-low"));
         assert_eq!(pod.runtime_class_name, None);
+        let res = pod.containers[0].resources.clone().unwrap();
+        assert_eq!(res.requests.unwrap()["memory"].0, "64Mi");
+        assert_eq!(res.limits.unwrap()["memory"].0, "256Mi");
         assert_eq!(
             c.image.as_deref(),
             Some("ghcr.io/mole-dev/mole-worker:0.1.0")
