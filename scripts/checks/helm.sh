@@ -31,4 +31,10 @@ for k in Deployment ServiceAccount ClusterRole ClusterRoleBinding Role RoleBindi
   grep -q "^kind: $k$" "$out/default.yaml" || { echo "missing $k" >&2; exit 1; }
 done
 grep -q "^kind: ServiceMonitor$" "$out/all.yaml" || { echo "ServiceMonitor not rendered" >&2; exit 1; }
+# With watchNamespace the operator's role is bound in that namespace only.
+if grep -q "^kind: ClusterRoleBinding$" "$out/all.yaml"; then
+  echo "watchNamespace still binds the ClusterRole cluster-wide" >&2; exit 1
+fi
+grep -A4 "^kind: RoleBinding$" "$out/all.yaml" | grep -q "namespace: ml" \
+  || { echo "watchNamespace=ml: no RoleBinding in ml" >&2; exit 1; }
 echo "helm chart: lint, template, schema checks passed"

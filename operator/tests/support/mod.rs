@@ -7,6 +7,10 @@
 //! changes; or `/status`, where a manager's top-level fields it no longer applies are removed),
 //! JSON patch (finalizers), PUT with resourceVersion preconditions (409 on conflict), create
 //! (409 when the name is taken), and Event creation.
+//!
+//! It authorizes as the chart does: a request the chart's ClusterRole and Role
+//! (`charts/mole/templates/rbac.yaml`) do not grant is answered 403, so every scenario checks
+//! that the operator's RBAC covers each call it makes.
 
 #![allow(dead_code)]
 
@@ -36,6 +40,96 @@ pub struct Store {
     /// Top-level status fields each field manager applied last, by object path.
     status_owners: BTreeMap<(String, String), Vec<String>>,
     rv: u64,
+}
+
+/// One RBAC rule of the chart: API groups, resources (`res` or `res/sub`), verbs.
+#[derive(Debug)]
+pub struct Rule {
+    groups: Vec<String>,
+    resources: Vec<String>,
+    verbs: Vec<String>,
+}
+
+impl Rule {
+    fn grants(&self, (group, resource, verb): &(String, String, String)) -> bool {
+        self.groups.contains(group)
+            && self.resources.contains(resource)
+            && self.verbs.contains(verb)
+    }
+}
+
+/// The rules of the chart's ClusterRole and leader Role, read from the template (its
+/// `{{ ... }}` lines left out: the rules themselves are plain YAML).
+pub fn chart_rules() -> &'static [Rule] {
+    static RULES: std::sync::OnceLock<Vec<Rule>> = std::sync::OnceLock::new();
+    RULES.get_or_init(|| {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../charts/mole/templates/rbac.yaml"
+        );
+        let text: String = std::fs::read_to_string(path)
+            .unwrap()
+            .lines()
+            .filter(|l| !l.contains("{{"))
+            .map(|l| format!("{l}\n"))
+            .collect();
+        let mut rules = Vec::new();
+        for doc in serde_yaml::Deserializer::from_str(&text) {
+            let v: Value = serde::Deserialize::deserialize(doc).unwrap();
+            if !matches!(v["kind"].as_str(), Some("ClusterRole" | "Role")) {
+                continue;
+            }
+            let list = |r: &Value, k: &str| -> Vec<String> {
+                r[k].as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| x.as_str().unwrap().to_string())
+                    .collect()
+            };
+            for r in v["rules"].as_array().unwrap() {
+                rules.push(Rule {
+                    groups: list(r, "apiGroups"),
+                    resources: list(r, "resources"),
+                    verbs: list(r, "verbs"),
+                });
+            }
+        }
+        assert!(!rules.is_empty(), "no rules read from {path}");
+        rules
+    })
+}
+
+/// What a request asks of RBAC: (API group, resource or `resource/subresource`, verb).
+pub fn rbac_request(method: &str, path: &str, query: Option<&str>) -> (String, String, String) {
+    let parts: Vec<&str> = path.trim_matches('/').split('/').collect();
+    let (group, rest) = match parts.as_slice() {
+        ["api", _v, rest @ ..] => (String::new(), rest),
+        ["apis", g, _v, rest @ ..] => (g.to_string(), rest),
+        _ => panic!("not an API path: {path}"),
+    };
+    let rest = match rest {
+        ["namespaces", _ns, rest @ ..] if !rest.is_empty() => rest,
+        r => r,
+    };
+    let (resource, named) = match rest {
+        [res] => (res.to_string(), false),
+        [res, _name] => (res.to_string(), true),
+        [res, _name, sub] => (format!("{res}/{sub}"), true),
+        _ => panic!("unexpected API path: {path}"),
+    };
+    let watch = query.is_some_and(|q| q.split('&').any(|kv| kv == "watch=true"));
+    let verb = match (method, named) {
+        ("GET", true) => "get",
+        ("GET", false) if watch => "watch",
+        ("GET", false) => "list",
+        ("POST", _) => "create",
+        ("PUT", _) => "update",
+        ("PATCH", _) => "patch",
+        ("DELETE", true) => "delete",
+        ("DELETE", false) => "deletecollection",
+        (m, _) => panic!("unexpected method {m}"),
+    };
+    (group, resource, verb.to_string())
 }
 
 /// Shared handle on the store.
@@ -108,6 +202,25 @@ impl Store {
         query: Option<&str>,
         body: Value,
     ) -> Response<Body> {
+        let want = rbac_request(method, path, query);
+        // MOLE_RBAC_LOG=FILE lists every call the scenarios make (group, resource, verb), to
+        // see which granted verbs no call needs.
+        if let Ok(f) = std::env::var("MOLE_RBAC_LOG") {
+            use std::io::Write;
+            let mut f = std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(f)
+                .unwrap();
+            writeln!(f, "{}\t{}\t{}", want.0, want.1, want.2).unwrap();
+        }
+        if !chart_rules().iter().any(|r| r.grants(&want)) {
+            return status(
+                403,
+                "Forbidden",
+                &format!("the chart's RBAC does not grant {want:?}"),
+            );
+        }
         if self.failing.iter().any(|f| path.starts_with(f.as_str())) {
             return status(500, "InternalError", "injected failure");
         }
