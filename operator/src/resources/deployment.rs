@@ -19,9 +19,23 @@ pub fn dynamic_name(pool: &str) -> String {
 }
 
 /// Name of an adapter's merged Deployment, Service and PDB: `<pool>-<adapter>`.
+///
+/// Kept as it was rather than given a marker (`<pool>-m-<adapter>`): renaming would orphan
+/// every existing merged Deployment on upgrade, and no hyphen-joined scheme is unique across
+/// pools anyway (`a` + `b-dynamic` = `a-b` + `dynamic`). Uniqueness is enforced by validation
+/// instead: [`RESERVED_ADAPTER_NAMES`] and the 63-character limit
+/// (`crate::controller::validate`).
 pub fn merged_name(pool: &str, adapter: &str) -> String {
     format!("{pool}-{adapter}")
 }
+
+/// Adapter names whose merged name `<pool>-<adapter>` would be a name of the pool's own
+/// children of the same kinds (the Deployment and PDB `<pool>-dynamic`), refused by validation.
+pub const RESERVED_ADAPTER_NAMES: &[&str] = &["dynamic"];
+
+/// The longest merged name: the merged Service `<pool>-<adapter>` must be a DNS-1035 label,
+/// and the pool and adapter names are label values (`mole.dev/pool`, `mole.dev/adapter`).
+pub const MAX_CHILD_NAME: usize = 63;
 
 /// The Deployment `<pool>-dynamic`, its pods running `spec.image` or the default of `images`
 /// and listening on `port`.
