@@ -1412,3 +1412,43 @@ async fn an_adapter_never_deletes_a_same_named_object_it_does_not_own() {
         "Ready"
     );
 }
+
+/// Issue 25, item 4: a GPU pool's Deployment replaces pods in place by default (a full node
+/// pool has no GPU for a surge pod), `spec.rollout` overrides it, and a rollout that would
+/// take every pod down is refused naming the field, leaving the running Deployment as it was.
+#[tokio::test]
+async fn gpu_pools_roll_without_a_surge_pod_and_rollouts_are_validated() {
+    let e = env().await;
+    let mut p = pool_obj();
+    p["spec"]["dynamic"]["replicas"] = json!(3);
+    e.store.lock().unwrap().create(POOL, p);
+    e.reconcile_pool().await;
+    let ru = |e: &Env| e.get(DEPLOY).unwrap()["spec"]["strategy"]["rollingUpdate"].clone();
+    assert_eq!(ru(&e), json!({"maxSurge": 0, "maxUnavailable": 1}));
+
+    e.edit(POOL, |p| {
+        p["spec"]["rollout"] = json!({"maxSurge": "34%", "maxUnavailable": 0});
+        p["metadata"]["generation"] = json!(2);
+    });
+    e.reconcile_pool().await;
+    assert_eq!(ru(&e), json!({"maxSurge": "34%", "maxUnavailable": 0}));
+
+    e.edit(POOL, |p| {
+        p["spec"]["rollout"] = json!({"maxUnavailable": "100%"});
+        p["metadata"]["generation"] = json!(3);
+    });
+    e.reconcile_pool().await;
+    let pool = e.get(POOL).unwrap();
+    let valid = condition(&pool, "Valid");
+    assert_eq!(valid["status"], "False");
+    let msg = valid["message"].as_str().unwrap();
+    assert!(
+        msg.starts_with("spec.rollout.maxUnavailable") && msg.contains("3 of 3"),
+        "{msg}"
+    );
+    assert_eq!(
+        ru(&e),
+        json!({"maxSurge": "34%", "maxUnavailable": 0}),
+        "the refused spec is not applied"
+    );
+}

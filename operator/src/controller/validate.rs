@@ -7,7 +7,9 @@ use mole_crds::{
 };
 
 use crate::error::FieldError;
-use crate::resources::{merged_name, MAX_CHILD_NAME, RESERVED_ADAPTER_NAMES};
+use crate::resources::{
+    merged_name, rolling_update, scaled_value, MAX_CHILD_NAME, RESERVED_ADAPTER_NAMES,
+};
 
 /// Annotation that allows a pool without GPUs (`gpu.count: 0`), for CPU test clusters.
 pub const ALLOW_CPU_ANNOTATION: &str = "mole.dev/allow-cpu";
@@ -182,6 +184,7 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
         ));
     }
     validate_pod_names(spec)?;
+    validate_rollout(spec, spec.dynamic.replicas, "spec.dynamic.replicas")?;
     validate_router(&spec.router)?;
     if let Some(auth) = &spec.auth {
         if auth.secret_name.trim().is_empty() {
@@ -190,6 +193,49 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
                 "must name a Secret",
             ));
         }
+    }
+    Ok(())
+}
+
+/// Checks `spec.rollout` (with the hardware defaults filled in) for a Deployment of
+/// `replicas` (named `replicas_field`): well-formed values, a rollout that can progress (the
+/// Deployment controller cannot move with both at 0), and with several replicas at least one
+/// pod left serving.
+pub fn validate_rollout(
+    spec: &InferencePoolSpec,
+    replicas: i32,
+    replicas_field: &str,
+) -> Result<(), FieldError> {
+    let r = rolling_update(spec);
+    let resolve = |field: &str,
+                   v: Option<&k8s_openapi::apimachinery::pkg::util::intstr::IntOrString>,
+                   up: bool| {
+        let v = v.expect("rolling_update fills both");
+        scaled_value(v, replicas, up).map_err(|m| FieldError::invalid(field, m))
+    };
+    let surge = resolve("spec.rollout.maxSurge", r.max_surge.as_ref(), true)?;
+    let unavailable = resolve(
+        "spec.rollout.maxUnavailable",
+        r.max_unavailable.as_ref(),
+        false,
+    )?;
+    if surge == 0 && unavailable == 0 && replicas > 0 {
+        return Err(FieldError::invalid(
+            "spec.rollout",
+            format!(
+                "maxSurge and maxUnavailable are both 0 for {replicas} replicas: the rollout \
+                 could never replace a pod (allow one more pod, or one pod down)"
+            ),
+        ));
+    }
+    if replicas > 1 && unavailable >= replicas {
+        return Err(FieldError::invalid(
+            "spec.rollout.maxUnavailable",
+            format!(
+                "{unavailable} of {replicas} replicas ({replicas_field}) may go down at once: \
+                 it must leave at least one pod serving"
+            ),
+        ));
     }
     Ok(())
 }
@@ -375,6 +421,23 @@ pub fn validate_adapter(
             "spec.serving.replicas",
             "must be 0 or more",
         ));
+    }
+    // The merged Deployment rolls with the pool's `spec.rollout`: it must suit this adapter's
+    // replicas too.
+    if spec.serving.mode != mole_crds::ServingMode::Dynamic {
+        if let Some(pool) = pool {
+            validate_rollout(&pool.spec, spec.serving.replicas, "spec.serving.replicas").map_err(
+                |e| {
+                    FieldError::invalid(
+                        "spec.serving.replicas",
+                        format!(
+                            "does not fit pool {:?}'s {}: {}",
+                            spec.pool, e.field, e.message
+                        ),
+                    )
+                },
+            )?;
+        }
     }
     if let Some(acc) = spec.evaluation.as_ref().and_then(|e| e.accuracy) {
         if !(0.0..=1.0).contains(&acc) {
@@ -770,6 +833,63 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
             (reason::NAME_COLLISION, "metadata.name")
         );
         assert!(e.message.contains("\"b-c\""), "{}", e.message);
+    }
+
+    #[test]
+    fn rollouts_must_be_well_formed_progress_and_keep_a_pod_serving() {
+        use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+        let with = |surge: Option<IntOrString>, unavailable: Option<IntOrString>, replicas| {
+            let mut p = pool();
+            p.spec.dynamic.replicas = replicas;
+            p.spec.rollout = Some(mole_crds::RolloutSpec {
+                max_surge: surge,
+                max_unavailable: unavailable,
+            });
+            validate_pool(&p)
+        };
+        let s = |v: &str| Some(IntOrString::String(v.into()));
+        let i = |v: i32| Some(IntOrString::Int(v));
+        // The GPU default (0 surge, 1 down) with 1 or 3 replicas; surge on a roomy pool.
+        assert_eq!(with(None, None, 1), Ok(()));
+        assert_eq!(with(None, None, 3), Ok(()));
+        assert_eq!(with(i(1), i(0), 2), Ok(()));
+        assert_eq!(with(s("25%"), s("50%"), 4), Ok(()));
+        // One replica: its only pod may be replaced (there is nothing to keep).
+        assert_eq!(with(None, s("100%"), 1), Ok(()));
+        let cases = [
+            (with(s("ten"), None, 2), "spec.rollout.maxSurge"),
+            (with(None, i(-1), 2), "spec.rollout.maxUnavailable"),
+            (with(None, s("150%"), 2), "spec.rollout.maxUnavailable"),
+            (with(i(0), i(0), 2), "spec.rollout"),
+            // 25% of 3 rounds down to 0: nothing could move.
+            (with(i(0), s("25%"), 3), "spec.rollout"),
+            (with(None, i(2), 2), "spec.rollout.maxUnavailable"),
+            (with(None, s("100%"), 3), "spec.rollout.maxUnavailable"),
+        ];
+        for (r, want) in cases {
+            assert_eq!(field(r), want);
+        }
+        // A merged adapter with the pool's rollout: 2 down of its 2 replicas is refused.
+        let mut p = pool();
+        p.spec.rollout = Some(mole_crds::RolloutSpec {
+            max_surge: None,
+            max_unavailable: i(2),
+        });
+        let mut a = adapter("calendar", None, 10);
+        a.spec.serving.replicas = 2;
+        assert_eq!(
+            validate_adapter(&a, Some(&p), &[]),
+            Ok(()),
+            "dynamic: no merged pods"
+        );
+        a.spec.serving.mode = mole_crds::ServingMode::Merged;
+        let e = validate_adapter(&a, Some(&p), &[]).unwrap_err();
+        assert_eq!(e.field, "spec.serving.replicas");
+        assert!(
+            e.message.contains("spec.rollout.maxUnavailable"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]

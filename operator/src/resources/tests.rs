@@ -765,7 +765,8 @@ fn every_field_spec() -> serde_json::Value {
             "keepVersions": 2, "minAccuracy": 0.5, "backoffLimit": 2, "activeDeadlineSeconds": 3600,
             "unloadFromDynamic": false},
   "auth": {"secretName": "keys", "key": "api-keys", "adminTokenKey": "admin"},
-  "imagePullSecrets": [{"name": "regcred"}]
+  "imagePullSecrets": [{"name": "regcred"}],
+  "rollout": {"maxSurge": "25%", "maxUnavailable": 1}
 }"#,
     )
     .unwrap()
@@ -788,6 +789,10 @@ const NOT_HASHED: &[(&str, &str)] = &[
     (
         "merge.",
         "merge and cleanup Jobs only: they are built per run, serving pods never read it",
+    ),
+    (
+        "rollout.",
+        "the Deployments' strategy: how pods are replaced, not what they run",
     ),
 ];
 
@@ -959,4 +964,82 @@ fn start_only_fields_roll_the_pods_and_default_ones_keep_the_hash() {
     let mut r = p.clone();
     r.spec.router.min_confidence = 0.9;
     assert_eq!(spec_hash(&r.spec, &image), before, "the router reloads");
+}
+
+#[test]
+fn rollouts_fit_the_hardware_unless_the_pool_says_otherwise() {
+    let strategy = |p: &InferencePool| {
+        let d = dynamic_deployment(p, WORKER_PORT, &WorkerImages::default());
+        let ru = d.spec.unwrap().strategy.unwrap().rolling_update.unwrap();
+        (ru.max_surge.unwrap(), ru.max_unavailable.unwrap())
+    };
+    // A full GPU node pool has no GPU for a surge pod: replace in place.
+    let gpu = pool();
+    assert_eq!(strategy(&gpu), (IntOrString::Int(0), IntOrString::Int(1)));
+    // CPU pools surge and never lose a pod.
+    let mut cpu = pool();
+    cpu.spec.gpu.count = 0;
+    assert_eq!(strategy(&cpu), (IntOrString::Int(1), IntOrString::Int(0)));
+    // The pool's own values, one field falling back to the default.
+    let mut own = pool();
+    own.spec.rollout = Some(mole_crds::RolloutSpec {
+        max_surge: Some(IntOrString::String("50%".into())),
+        max_unavailable: None,
+    });
+    assert_eq!(
+        strategy(&own),
+        (IntOrString::String("50%".into()), IntOrString::Int(1))
+    );
+    // Merged Deployments roll the same way (same node pool).
+    let (_, merged, _, _) = merged_children(
+        &own,
+        "calendar",
+        "v1",
+        "merged/calendar/v1-a",
+        2,
+        adapter_owner(),
+        PodDefaults {
+            port: WORKER_PORT,
+            images: &WorkerImages::default(),
+        },
+    );
+    let ru = merged
+        .spec
+        .unwrap()
+        .strategy
+        .unwrap()
+        .rolling_update
+        .unwrap();
+    assert_eq!(ru.max_surge, Some(IntOrString::String("50%".into())));
+    assert_eq!(ru.max_unavailable, Some(IntOrString::Int(1)));
+    // The rollout is not in the pod template: changing it restarts nothing.
+    assert_eq!(
+        template_hash(&dynamic_deployment(
+            &own,
+            WORKER_PORT,
+            &WorkerImages::default()
+        )),
+        template_hash(&dynamic_deployment(
+            &gpu,
+            WORKER_PORT,
+            &WorkerImages::default()
+        ))
+    );
+}
+
+#[test]
+fn rollout_values_scale_as_the_deployment_controller_does() {
+    let v = |s: &str| IntOrString::String(s.into());
+    assert_eq!(scaled_value(&IntOrString::Int(2), 4, true), Ok(2));
+    assert_eq!(scaled_value(&v("25%"), 3, true), Ok(1), "surge rounds up");
+    assert_eq!(
+        scaled_value(&v("25%"), 3, false),
+        Ok(0),
+        "unavailable rounds down"
+    );
+    assert_eq!(scaled_value(&v("100%"), 3, false), Ok(3));
+    for bad in ["25", "x%", "101%", "-1%", ""] {
+        assert!(scaled_value(&v(bad), 3, true).is_err(), "{bad}");
+    }
+    assert!(scaled_value(&IntOrString::Int(-1), 3, true).is_err());
 }
