@@ -74,6 +74,9 @@ pub mod reason {
     pub const POOL_NOT_FOUND: &str = "PoolNotFound";
     /// Another Adapter of the pool already uses this label.
     pub const DUPLICATE_LABEL: &str = "DuplicateLabel";
+    /// The adapter's merged children (`<pool>-<adapter>`) would take the name of another
+    /// adapter's (of another pool); the older adapter keeps it.
+    pub const NAME_COLLISION: &str = "NameCollision";
     /// Waiting for pods to report the adapter loaded.
     pub const WAITING_FOR_PODS: &str = "WaitingForPods";
     /// Every ready pod reports the adapter loaded.

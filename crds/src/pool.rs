@@ -4,6 +4,7 @@ use k8s_openapi::api::core::v1::{
     Affinity, LocalObjectReference, ResourceRequirements, Toleration,
 };
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{CustomResource, KubeSchema};
 use mole_api::{Dtype, EngineLimits, RouterSpec};
 use schemars::JsonSchema;
@@ -58,6 +59,12 @@ pub struct InferencePoolSpec {
     /// The shared pods that serve adapters dynamically.
     #[serde(default)]
     pub dynamic: DynamicSpec,
+    /// How the pool's Deployments (dynamic and merged) replace their pods in a rollout or
+    /// rollback. Unset fields take the default for the pool's hardware: on GPU pools
+    /// `maxSurge: 0, maxUnavailable: 1` (a full node pool has no GPU for a surge pod, so a
+    /// surge would stall), on CPU pools `maxSurge: 1, maxUnavailable: 0`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rollout: Option<RolloutSpec>,
     /// How requests that do not name an adapter are routed.
     #[serde(default)]
     pub router: RouterSpec,
@@ -192,6 +199,21 @@ impl Default for DynamicSpec {
 
 fn one() -> i32 {
     1
+}
+
+/// The rolling-update strategy of the pool's Deployments, as in a Deployment's
+/// `strategy.rollingUpdate`: each an integer or a percentage of the replicas (`"25%"`).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RolloutSpec {
+    /// Pods created above the desired count during a rollout (rounded up). Needs a spare GPU
+    /// in the node pool for each.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_surge: Option<IntOrString>,
+    /// Pods that may be unavailable during a rollout (rounded down). Must leave at least one
+    /// pod serving when there are several replicas.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_unavailable: Option<IntOrString>,
 }
 
 /// Merge Jobs of the pool.

@@ -1297,3 +1297,158 @@ async fn pool_status_lists_its_merged_deployments() {
                 "endpoint": "http://vl-calendar.ml.svc:8000"}])
     );
 }
+
+/// Issue 25, item 1: an Adapter named `dynamic` would have `<pool>-dynamic`, the pool's GPU
+/// Deployment, as its merged Deployment; dynamic or merged, it is refused naming the field and
+/// the pool's children are never touched.
+#[tokio::test]
+async fn an_adapter_named_like_a_pool_child_is_refused_and_the_pool_is_untouched() {
+    for mode in ["dynamic", "merged"] {
+        let e = env().await;
+        e.store.lock().unwrap().create(POOL, pool_obj());
+        e.add_ready_pod();
+        e.reconcile_pool().await;
+        let before = e.get(DEPLOY).unwrap();
+        let mut a = adapter_obj("dynamic", "vl", "dynamic");
+        a["spec"]["serving"] = json!({"mode": mode, "replicas": 1});
+        e.store.lock().unwrap().create(&adapter_path("dynamic"), a);
+        // The pods even report it: a dynamic adapter that is loaded is what made the operator
+        // remove "its merged pods", i.e. the pool's Deployment.
+        e.worker_reports(&[("dynamic", "v1", 1)]);
+        for _ in 0..2 {
+            e.reconcile_adapter("dynamic").await;
+            e.reconcile_pool().await;
+        }
+        let a = e.get(&adapter_path("dynamic")).unwrap();
+        assert_eq!(a["status"]["phase"], "Failed", "{mode}");
+        let valid = condition(&a, "Valid");
+        assert_eq!(valid["status"], "False");
+        assert_eq!(valid["reason"], "InvalidSpec");
+        let msg = valid["message"].as_str().unwrap();
+        assert!(
+            msg.starts_with("metadata.name") && msg.contains("\"vl-dynamic\""),
+            "{msg}"
+        );
+        assert!(e.events().contains(&"InvalidSpec".to_string()));
+        let deletes: Vec<_> = e
+            .store
+            .lock()
+            .unwrap()
+            .writes
+            .iter()
+            .filter(|(verb, _)| verb == "DELETE")
+            .cloned()
+            .collect();
+        assert_eq!(deletes, vec![], "{mode}: nothing deleted");
+        assert_eq!(
+            e.get(DEPLOY).unwrap(),
+            before,
+            "{mode}: the pool's Deployment untouched"
+        );
+        assert!(e.jobs().is_empty(), "{mode}: no merge Job");
+        let wc: mole_crds::WorkerConfig =
+            serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap())
+                .unwrap();
+        assert!(wc.adapters.is_empty(), "not registered in the pool");
+    }
+}
+
+/// Issue 25, item 1: `<pool>-<adapter>` names the merged Service, a DNS-1035 label of at most
+/// 63 characters: a longer combination is refused saying so, before any merge.
+#[tokio::test]
+async fn a_merged_name_over_63_characters_is_refused_naming_the_limit() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    let name = "a".repeat(61); // vl- + 61 = 64
+    let mut a = adapter_obj(&name, "vl", "long");
+    a["spec"]["serving"] = json!({"mode": "merged", "replicas": 1});
+    e.store.lock().unwrap().create(&adapter_path(&name), a);
+    e.reconcile_adapter(&name).await;
+    let a = e.get(&adapter_path(&name)).unwrap();
+    let msg = condition(&a, "Valid")["message"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(
+        msg.starts_with("metadata.name") && msg.contains("limit of 63"),
+        "{msg}"
+    );
+    assert!(e.jobs().is_empty());
+}
+
+/// Issue 25, item 1: what validation cannot see (pool `vl` + adapter `x-dynamic` and pool
+/// `vl-x` both name `vl-x-dynamic`) is still never deleted: the adapter removes only merged
+/// children it owns.
+#[tokio::test]
+async fn an_adapter_never_deletes_a_same_named_object_it_does_not_own() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    let other = "/apis/mole.dev/v1alpha1/namespaces/ml/inferencepools/vl-x";
+    let mut p = pool_obj();
+    p["metadata"]["name"] = json!("vl-x");
+    e.store.lock().unwrap().create(other, p);
+    let other_pool: Arc<InferencePool> =
+        Arc::new(serde_json::from_value(e.get(other).unwrap()).unwrap());
+    pool::reconcile(other_pool, e.ctx.clone()).await.unwrap();
+    let theirs = "/apis/apps/v1/namespaces/ml/deployments/vl-x-dynamic";
+    let before = e.get(theirs).unwrap();
+    e.add_ready_pod();
+    e.store.lock().unwrap().create(
+        &adapter_path("x-dynamic"),
+        adapter_obj("x-dynamic", "vl", "x"),
+    );
+    e.worker_reports(&[("x-dynamic", "v1", 1)]);
+    e.reconcile_pool().await;
+    for _ in 0..2 {
+        e.reconcile_adapter("x-dynamic").await;
+    }
+    assert_eq!(
+        e.get(theirs).unwrap(),
+        before,
+        "the other pool's Deployment untouched"
+    );
+    assert_eq!(
+        e.get(&adapter_path("x-dynamic")).unwrap()["status"]["phase"],
+        "Ready"
+    );
+}
+
+/// Issue 25, item 4: a GPU pool's Deployment replaces pods in place by default (a full node
+/// pool has no GPU for a surge pod), `spec.rollout` overrides it, and a rollout that would
+/// take every pod down is refused naming the field, leaving the running Deployment as it was.
+#[tokio::test]
+async fn gpu_pools_roll_without_a_surge_pod_and_rollouts_are_validated() {
+    let e = env().await;
+    let mut p = pool_obj();
+    p["spec"]["dynamic"]["replicas"] = json!(3);
+    e.store.lock().unwrap().create(POOL, p);
+    e.reconcile_pool().await;
+    let ru = |e: &Env| e.get(DEPLOY).unwrap()["spec"]["strategy"]["rollingUpdate"].clone();
+    assert_eq!(ru(&e), json!({"maxSurge": 0, "maxUnavailable": 1}));
+
+    e.edit(POOL, |p| {
+        p["spec"]["rollout"] = json!({"maxSurge": "34%", "maxUnavailable": 0});
+        p["metadata"]["generation"] = json!(2);
+    });
+    e.reconcile_pool().await;
+    assert_eq!(ru(&e), json!({"maxSurge": "34%", "maxUnavailable": 0}));
+
+    e.edit(POOL, |p| {
+        p["spec"]["rollout"] = json!({"maxUnavailable": "100%"});
+        p["metadata"]["generation"] = json!(3);
+    });
+    e.reconcile_pool().await;
+    let pool = e.get(POOL).unwrap();
+    let valid = condition(&pool, "Valid");
+    assert_eq!(valid["status"], "False");
+    let msg = valid["message"].as_str().unwrap();
+    assert!(
+        msg.starts_with("spec.rollout.maxUnavailable") && msg.contains("3 of 3"),
+        "{msg}"
+    );
+    assert_eq!(
+        ru(&e),
+        json!({"maxSurge": "34%", "maxUnavailable": 0}),
+        "the refused spec is not applied"
+    );
+}

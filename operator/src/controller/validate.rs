@@ -7,6 +7,9 @@ use mole_crds::{
 };
 
 use crate::error::FieldError;
+use crate::resources::{
+    merged_name, rolling_update, scaled_value, MAX_CHILD_NAME, RESERVED_ADAPTER_NAMES,
+};
 
 /// Annotation that allows a pool without GPUs (`gpu.count: 0`), for CPU test clusters.
 pub const ALLOW_CPU_ANNOTATION: &str = "mole.dev/allow-cpu";
@@ -28,6 +31,18 @@ pub fn is_dns1123_subdomain(s: &str) -> bool {
             matches!((b.first(), b.last()), (Some(&f), Some(&l)) if alnum(f) && alnum(l))
                 && b.iter().all(|&c| alnum(c) || c == b'-')
         })
+}
+
+/// Whether `s` is a DNS-1035 label, as the API server requires of Service names: at most 63
+/// characters of lower case alphanumerics and `-`, starting with a letter and ending
+/// alphanumeric.
+pub fn is_dns1035_label(s: &str) -> bool {
+    let b = s.as_bytes();
+    matches!((b.first(), b.last()), (Some(f), Some(l)) if f.is_ascii_lowercase()
+        && (l.is_ascii_lowercase() || l.is_ascii_digit()))
+        && s.len() <= MAX_CHILD_NAME
+        && b.iter()
+            .all(|&c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
 }
 
 /// `Err` naming `field` when `name` is not a DNS-1123 subdomain (the name of a `what`).
@@ -70,6 +85,19 @@ fn validate_pod_names(spec: &InferencePoolSpec) -> Result<(), FieldError> {
 /// Validates a pool's spec.
 pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
     let spec: &InferencePoolSpec = &pool.spec;
+    // The pool's Service is `<pool>` and its name is a label value of every child: a name the
+    // API server would refuse there leaves the pool without a Service, so refuse it here.
+    let name = pool.metadata.name.as_deref().unwrap_or_default();
+    if !is_dns1035_label(name) {
+        return Err(FieldError::invalid(
+            "metadata.name",
+            format!(
+                "{name:?} cannot name the pool's Service: it must be a DNS-1035 label (lower \
+                 case letters, digits and '-', starting with a letter, at most \
+                 {MAX_CHILD_NAME} characters)"
+            ),
+        ));
+    }
     if spec.image.as_deref().is_some_and(|i| i.trim().is_empty()) {
         return Err(FieldError::invalid(
             "spec.image",
@@ -156,6 +184,7 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
         ));
     }
     validate_pod_names(spec)?;
+    validate_rollout(spec, spec.dynamic.replicas, "spec.dynamic.replicas")?;
     validate_router(&spec.router)?;
     if let Some(auth) = &spec.auth {
         if auth.secret_name.trim().is_empty() {
@@ -164,6 +193,49 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
                 "must name a Secret",
             ));
         }
+    }
+    Ok(())
+}
+
+/// Checks `spec.rollout` (with the hardware defaults filled in) for a Deployment of
+/// `replicas` (named `replicas_field`): well-formed values, a rollout that can progress (the
+/// Deployment controller cannot move with both at 0), and with several replicas at least one
+/// pod left serving.
+pub fn validate_rollout(
+    spec: &InferencePoolSpec,
+    replicas: i32,
+    replicas_field: &str,
+) -> Result<(), FieldError> {
+    let r = rolling_update(spec);
+    let resolve = |field: &str,
+                   v: Option<&k8s_openapi::apimachinery::pkg::util::intstr::IntOrString>,
+                   up: bool| {
+        let v = v.expect("rolling_update fills both");
+        scaled_value(v, replicas, up).map_err(|m| FieldError::invalid(field, m))
+    };
+    let surge = resolve("spec.rollout.maxSurge", r.max_surge.as_ref(), true)?;
+    let unavailable = resolve(
+        "spec.rollout.maxUnavailable",
+        r.max_unavailable.as_ref(),
+        false,
+    )?;
+    if surge == 0 && unavailable == 0 && replicas > 0 {
+        return Err(FieldError::invalid(
+            "spec.rollout",
+            format!(
+                "maxSurge and maxUnavailable are both 0 for {replicas} replicas: the rollout \
+                 could never replace a pod (allow one more pod, or one pod down)"
+            ),
+        ));
+    }
+    if replicas > 1 && unavailable >= replicas {
+        return Err(FieldError::invalid(
+            "spec.rollout.maxUnavailable",
+            format!(
+                "{unavailable} of {replicas} replicas ({replicas_field}) may go down at once: \
+                 it must leave at least one pod serving"
+            ),
+        ));
     }
     Ok(())
 }
@@ -228,6 +300,69 @@ fn validate_secret_ref(field: &str, r: Option<&SecretRef>) -> Result<(), FieldEr
     }
 }
 
+/// The adapter's merged children are named `<pool>-<adapter>` (Deployment, Service, PDB):
+/// that name must be a valid Service name, must not be one of the pool's own children and must
+/// not be another adapter's. Checked in every serving mode: the operator looks the merged
+/// Deployment up by that name to remove it when an adapter is served dynamically, so a
+/// colliding dynamic adapter would find (and delete) the other object too.
+fn validate_merged_name(adapter: &Adapter, siblings: &[Adapter]) -> Result<(), FieldError> {
+    let name = adapter.metadata.name.as_deref().unwrap_or_default();
+    let pool = adapter.spec.pool.as_str();
+    let merged = merged_name(pool, name);
+    if RESERVED_ADAPTER_NAMES.contains(&name) {
+        return Err(FieldError::invalid(
+            "metadata.name",
+            format!(
+                "{name:?} is reserved: the adapter's merged Deployment {merged:?} would be the \
+                 pool's own; rename the adapter (reserved names: {})",
+                RESERVED_ADAPTER_NAMES.join(", ")
+            ),
+        ));
+    }
+    if merged.len() > MAX_CHILD_NAME {
+        return Err(FieldError::invalid(
+            "metadata.name",
+            format!(
+                "the merged children's name {merged:?} (<pool>-<adapter>) has {} characters, \
+                 over the limit of {MAX_CHILD_NAME} (a Service name is a DNS-1035 label): \
+                 shorten the adapter's or the pool's name",
+                merged.len()
+            ),
+        ));
+    }
+    if !is_dns1035_label(&merged) {
+        return Err(FieldError::invalid(
+            "metadata.name",
+            format!(
+                "the merged children's name {merged:?} (<pool>-<adapter>) is not a DNS-1035 \
+                 label (lower case letters, digits and '-'): rename the adapter"
+            ),
+        ));
+    }
+    // Across pools, hyphens make names ambiguous (`a` + `b-c` = `a-b` + `c`): the older
+    // adapter keeps the name.
+    let me = created_key(adapter);
+    let holder = siblings.iter().filter(|o| {
+        o.metadata.name.as_deref() != Some(name)
+            && o.metadata.deletion_timestamp.is_none()
+            && merged_name(&o.spec.pool, o.metadata.name.as_deref().unwrap_or_default()) == merged
+            && created_key(o) < me
+    });
+    if let Some(other) = holder.min_by_key(|o| created_key(o)) {
+        return Err(FieldError {
+            reason: reason::NAME_COLLISION,
+            field: "metadata.name".into(),
+            message: format!(
+                "the merged children's name {merged:?} is already that of Adapter {:?} of \
+                 pool {:?}: rename one of them",
+                other.metadata.name.clone().unwrap_or_default(),
+                other.spec.pool
+            ),
+        });
+    }
+    Ok(())
+}
+
 fn created_key(a: &Adapter) -> (Option<i64>, String) {
     (
         a.metadata
@@ -256,6 +391,7 @@ pub fn validate_adapter(
             ),
         });
     }
+    validate_merged_name(adapter, siblings)?;
     if spec.version.trim().is_empty() {
         return Err(FieldError::invalid("spec.version", "must not be empty"));
     }
@@ -285,6 +421,23 @@ pub fn validate_adapter(
             "spec.serving.replicas",
             "must be 0 or more",
         ));
+    }
+    // The merged Deployment rolls with the pool's `spec.rollout`: it must suit this adapter's
+    // replicas too.
+    if spec.serving.mode != mole_crds::ServingMode::Dynamic {
+        if let Some(pool) = pool {
+            validate_rollout(&pool.spec, spec.serving.replicas, "spec.serving.replicas").map_err(
+                |e| {
+                    FieldError::invalid(
+                        "spec.serving.replicas",
+                        format!(
+                            "does not fit pool {:?}'s {}: {}",
+                            spec.pool, e.field, e.message
+                        ),
+                    )
+                },
+            )?;
+        }
     }
     if let Some(acc) = spec.evaluation.as_ref().and_then(|e| e.accuracy) {
         if !(0.0..=1.0).contains(&acc) {
@@ -636,6 +789,129 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         let mut other = new.clone();
         other.spec.pool = "other".into();
         assert_eq!(validate_adapter(&other, Some(&p), &all), Ok(()));
+    }
+
+    #[test]
+    fn merged_names_are_valid_unique_and_not_the_pools() {
+        let p = pool();
+        // `vl-dynamic` is the pool's dynamic Deployment and PDB: refused in every mode.
+        for mode in ["dynamic", "merged", "auto"] {
+            let mut a = adapter("dynamic", None, 10);
+            a.spec.serving.mode = serde_json::from_value(serde_json::json!(mode)).unwrap();
+            let e = validate_adapter(&a, Some(&p), &[]).unwrap_err();
+            assert_eq!(
+                (e.reason, e.field.as_str()),
+                (reason::INVALID_SPEC, "metadata.name"),
+                "{mode}"
+            );
+            assert!(e.message.contains("\"vl-dynamic\""), "{}", e.message);
+        }
+        // `vl-` + 60 = 63 characters fit, 61 do not, and the message says the limit.
+        let fits = adapter(&"a".repeat(60), None, 10);
+        assert_eq!(validate_adapter(&fits, Some(&p), &[]), Ok(()));
+        let e = validate_adapter(&adapter(&"a".repeat(61), None, 10), Some(&p), &[]).unwrap_err();
+        assert_eq!(e.field, "metadata.name");
+        assert!(
+            e.message.contains("64 characters") && e.message.contains("limit of 63"),
+            "{}",
+            e.message
+        );
+        // A dotted adapter name is a valid object name but not a Service name.
+        let e = validate_adapter(&adapter("cal.v2", None, 10), Some(&p), &[]).unwrap_err();
+        assert_eq!(e.field, "metadata.name");
+        // `vl` + `b-c` and `vl-b` + `c` share `vl-b-c`: the older adapter keeps it.
+        let old = adapter("b-c", None, 10);
+        let mut new = adapter("c", None, 20);
+        new.spec.pool = "vl-b".into();
+        let mut other_pool = pool();
+        other_pool.metadata.name = Some("vl-b".into());
+        let all = vec![old.clone(), new.clone()];
+        assert_eq!(validate_adapter(&old, Some(&p), &all), Ok(()));
+        let e = validate_adapter(&new, Some(&other_pool), &all).unwrap_err();
+        assert_eq!(
+            (e.reason, e.field.as_str()),
+            (reason::NAME_COLLISION, "metadata.name")
+        );
+        assert!(e.message.contains("\"b-c\""), "{}", e.message);
+    }
+
+    #[test]
+    fn rollouts_must_be_well_formed_progress_and_keep_a_pod_serving() {
+        use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
+        let with = |surge: Option<IntOrString>, unavailable: Option<IntOrString>, replicas| {
+            let mut p = pool();
+            p.spec.dynamic.replicas = replicas;
+            p.spec.rollout = Some(mole_crds::RolloutSpec {
+                max_surge: surge,
+                max_unavailable: unavailable,
+            });
+            validate_pool(&p)
+        };
+        let s = |v: &str| Some(IntOrString::String(v.into()));
+        let i = |v: i32| Some(IntOrString::Int(v));
+        // The GPU default (0 surge, 1 down) with 1 or 3 replicas; surge on a roomy pool.
+        assert_eq!(with(None, None, 1), Ok(()));
+        assert_eq!(with(None, None, 3), Ok(()));
+        assert_eq!(with(i(1), i(0), 2), Ok(()));
+        assert_eq!(with(s("25%"), s("50%"), 4), Ok(()));
+        // One replica: its only pod may be replaced (there is nothing to keep).
+        assert_eq!(with(None, s("100%"), 1), Ok(()));
+        let cases = [
+            (with(s("ten"), None, 2), "spec.rollout.maxSurge"),
+            (with(None, i(-1), 2), "spec.rollout.maxUnavailable"),
+            (with(None, s("150%"), 2), "spec.rollout.maxUnavailable"),
+            (with(i(0), i(0), 2), "spec.rollout"),
+            // 25% of 3 rounds down to 0: nothing could move.
+            (with(i(0), s("25%"), 3), "spec.rollout"),
+            (with(None, i(2), 2), "spec.rollout.maxUnavailable"),
+            (with(None, s("100%"), 3), "spec.rollout.maxUnavailable"),
+        ];
+        for (r, want) in cases {
+            assert_eq!(field(r), want);
+        }
+        // A merged adapter with the pool's rollout: 2 down of its 2 replicas is refused.
+        let mut p = pool();
+        p.spec.rollout = Some(mole_crds::RolloutSpec {
+            max_surge: None,
+            max_unavailable: i(2),
+        });
+        let mut a = adapter("calendar", None, 10);
+        a.spec.serving.replicas = 2;
+        assert_eq!(
+            validate_adapter(&a, Some(&p), &[]),
+            Ok(()),
+            "dynamic: no merged pods"
+        );
+        a.spec.serving.mode = mole_crds::ServingMode::Merged;
+        let e = validate_adapter(&a, Some(&p), &[]).unwrap_err();
+        assert_eq!(e.field, "spec.serving.replicas");
+        assert!(
+            e.message.contains("spec.rollout.maxUnavailable"),
+            "{}",
+            e.message
+        );
+    }
+
+    #[test]
+    fn pool_names_must_fit_a_service_name() {
+        for bad in ["1vl", "v.l", &"p".repeat(64)] {
+            let mut p = pool();
+            p.metadata.name = Some(bad.to_string());
+            assert_eq!(field(validate_pool(&p)), "metadata.name", "{bad}");
+        }
+        let mut p = pool();
+        p.metadata.name = Some("p".repeat(63));
+        assert_eq!(validate_pool(&p), Ok(()));
+    }
+
+    #[test]
+    fn dns1035_labels() {
+        for ok in ["a", "vl-dynamic", "a1", &"a".repeat(63)] {
+            assert!(is_dns1035_label(ok), "{ok}");
+        }
+        for bad in ["", "1a", "a-", "-a", "a.b", "A", "a_b", &"a".repeat(64)] {
+            assert!(!is_dns1035_label(bad), "{bad}");
+        }
     }
 
     #[test]

@@ -23,7 +23,10 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use mole_crds::InferencePool;
 
 pub use configmap::{config_map, config_map_name, merged_config_map, merged_config_name};
-pub use deployment::{dynamic_deployment, dynamic_name, merged_name, worker_deployment};
+pub use deployment::{
+    dynamic_deployment, dynamic_name, merged_name, rolling_update, scaled_value, worker_deployment,
+    MAX_CHILD_NAME, RESERVED_ADAPTER_NAMES,
+};
 pub use fetch::{
     adapter_fetch_job, adapter_fetch_job_name, adapter_fetch_key, fetch_container, join,
     with_base_model_source, BASE_MODEL_SOURCE_VOLUME, FETCH_MODEL_CONTAINER,
@@ -90,7 +93,13 @@ pub fn merged_children(
         .get_or_insert_with(BTreeMap::new);
     ann.insert(ANNOTATION_MERGED_OUTPUT.to_string(), output.to_string());
     ann.insert(ANNOTATION_ADAPTER_VERSION.to_string(), version.to_string());
-    let deploy = worker_deployment(&meta, name.clone(), replicas, template);
+    let deploy = worker_deployment(
+        &meta,
+        name.clone(),
+        replicas,
+        template,
+        deployment::rolling_update(&pool.spec),
+    );
     let svc = worker_service(&meta, name.clone());
     let pdb = worker_pdb(&meta, name);
     (cm, deploy, svc, pdb)

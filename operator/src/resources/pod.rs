@@ -13,7 +13,7 @@ use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use mole_crds::constants::{ANNOTATION_SPEC_HASH, WORKER_CONFIG_KEY, WORKER_CONFIG_MOUNT};
-use mole_crds::{InferencePool, InferencePoolSpec};
+use mole_crds::{EngineLimits, InferencePool, InferencePoolSpec};
 
 use super::image::WorkerImages;
 use super::meta::{short_hash, ChildMeta};
@@ -78,11 +78,15 @@ pub fn image_pull_secrets(pool: &InferencePoolSpec) -> Option<Vec<LocalObjectRef
     (!pool.image_pull_secrets.is_empty()).then(|| pool.image_pull_secrets.clone())
 }
 
-/// Hash of exactly the fields whose change must restart the pool's pods: base model, image
-/// and its pull secrets, storage, GPU scheduling (with priority and runtime class),
-/// resources and engine limits. Adapters are not in it: adding, updating or removing an
-/// adapter never restarts a pod. `image` is the resolved one ([`WorkerImages::serving`]), so
-/// a new operator default rolls pools that rely on it.
+/// Hash of exactly the fields whose change must restart the pool's pods: what the pod spec
+/// carries (base model source, image and its pull secrets, storage, GPU scheduling with
+/// priority and runtime class, resources, auth) and what the worker reads only at start (its
+/// `restart_required` settings: base model, model root, every engine limit, the router's
+/// embedding model). Adapters are not in it: adding, updating or removing an adapter never
+/// restarts a pod; nor are the router's other settings, which the worker reloads. `image` is
+/// the resolved one ([`WorkerImages::serving`]), so a new operator default rolls pools that
+/// rely on it. `spec_hash_covers_every_start_only_field` (tests) walks every field of the spec
+/// against this.
 pub fn spec_hash(spec: &InferencePoolSpec, image: &str) -> String {
     let l = &spec.dynamic.limits;
     let mut limits = serde_json::json!({
@@ -96,6 +100,11 @@ pub fn spec_hash(spec: &InferencePoolSpec, image: &str) -> String {
     // field existed.
     if let Some(d) = l.lora_dtype {
         limits["loraDtype"] = serde_json::json!(d);
+    }
+    // Added after the fact, so only away from its default: a pool at the default keeps its
+    // hash, and any change still changes it (default <-> absent is one-to-one).
+    if l.max_queue != EngineLimits::default().max_queue {
+        limits["maxQueue"] = serde_json::json!(l.max_queue);
     }
     let mut hashed = serde_json::json!({
         "baseModel": spec.base_model,
@@ -111,6 +120,11 @@ pub fn spec_hash(spec: &InferencePoolSpec, image: &str) -> String {
     });
     if !spec.image_pull_secrets.is_empty() {
         hashed["imagePullSecrets"] = serde_json::json!(spec.image_pull_secrets);
+    }
+    // The worker builds its embedding router at start (`router.embeddingModel` needs a
+    // restart); the rest of the router is reloaded.
+    if let Some(m) = &spec.router.embedding_model {
+        hashed["embeddingModel"] = serde_json::json!(m);
     }
     short_hash(&hashed)
 }

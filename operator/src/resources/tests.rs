@@ -737,3 +737,309 @@ fn a_new_default_image_rolls_the_pools_that_use_it_and_only_those() {
         template_hash(&dynamic_deployment(&explicit, WORKER_PORT, &old))
     );
 }
+
+/// A spec with every field of `InferencePoolSpec` set (k8s types with a few fields), so that
+/// [`spec_hash_covers_every_start_only_field`] can mutate each one.
+fn every_field_spec() -> serde_json::Value {
+    serde_json::from_str::<serde_json::Value>(
+        r#"{
+  "baseModel": {"name": "Qwen/Qwen3-8B", "path": "base/qwen3", "source": "hf://Qwen/Qwen3-8B@main",
+                "secretRef": {"name": "hf-token"}, "dtype": "bf16"},
+  "storage": {"claimName": "models", "mountPath": "/models"},
+  "image": "ghcr.io/mole-dev/mole-worker:0.1.0",
+  "imagePullPolicy": "IfNotPresent",
+  "gpu": {"resourceName": "nvidia.com/gpu", "count": 1,
+          "nodeSelector": {"nvidia.com/gpu.product": "H100"},
+          "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+          "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution":
+              {"nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
+          "priorityClassName": "gpu-serving", "runtimeClassName": "nvidia"},
+  "resources": {"requests": {"cpu": "4"}, "limits": {"memory": "64Gi"}},
+  "dynamic": {"replicas": 2, "maxLoras": 4, "maxCpuLoras": 16, "maxLoraRank": 32, "loraDtype": "f16",
+              "maxBatchSize": 8, "maxSeqLen": 2048, "maxQueue": 128},
+  "router": {"strategies": ["explicit", "embedding"], "classifierAdapter": "cls", "minConfidence": 0.5,
+             "embeddingModel": "embed/minilm", "embeddingThreshold": 0.25, "fallback": "base",
+             "preferMerged": true, "fallbackToDynamic": true},
+  "merge": {"resources": {"requests": {"cpu": "2"}}, "nodeSelector": {"pool": "cpu"},
+            "tolerations": [{"key": "batch", "operator": "Exists"}], "priorityClassName": "batch",
+            "keepVersions": 2, "minAccuracy": 0.5, "backoffLimit": 2, "activeDeadlineSeconds": 3600,
+            "unloadFromDynamic": false},
+  "auth": {"secretName": "keys", "key": "api-keys", "adminTokenKey": "admin"},
+  "imagePullSecrets": [{"name": "regcred"}],
+  "rollout": {"maxSurge": "25%", "maxUnavailable": 1}
+}"#,
+    )
+    .unwrap()
+}
+
+/// Spec fields that are deliberately not in the spec hash, with why: changing them must not
+/// restart a pod. Everything else must change the hash. Prefixes cover their subtree.
+const NOT_HASHED: &[(&str, &str)] = &[
+    (
+        "dynamic.replicas",
+        "the Deployment's replica count, not its pod template",
+    ),
+    ("router.strategies", "reloaded: the worker swaps its router"),
+    ("router.classifierAdapter", "reloaded with the router"),
+    ("router.minConfidence", "reloaded with the router"),
+    ("router.embeddingThreshold", "reloaded with the router"),
+    ("router.fallback", "reloaded with the router"),
+    ("router.preferMerged", "reloaded with the router"),
+    ("router.fallbackToDynamic", "reloaded with the router"),
+    (
+        "merge.",
+        "merge and cleanup Jobs only: they are built per run, serving pods never read it",
+    ),
+    (
+        "rollout.",
+        "the Deployments' strategy: how pods are replaced, not what they run",
+    ),
+];
+
+/// Leaf paths of a JSON value (`a.b`, `a.list[]`), with the pointer to each leaf.
+fn leaves(v: &serde_json::Value, path: &str, ptr: &str, out: &mut Vec<(String, String)>) {
+    match v {
+        serde_json::Value::Object(m) => {
+            for (k, x) in m {
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                let key = k.replace('~', "~0").replace('/', "~1");
+                leaves(x, &p, &format!("{ptr}/{key}"), out);
+            }
+        }
+        serde_json::Value::Array(a) => {
+            for (i, x) in a.iter().enumerate() {
+                leaves(x, &format!("{path}[]"), &format!("{ptr}/{i}"), out);
+            }
+        }
+        _ => out.push((path.to_string(), ptr.to_string())),
+    }
+}
+
+/// Leaf paths of the CRD's schema of `spec`. Kubernetes' own types (affinity, tolerations,
+/// resources, pull secrets, maps) are one leaf each: the spec fixture sets something in them.
+fn schema_leaves(s: &serde_json::Value, path: &str, out: &mut Vec<String>) {
+    const OPAQUE: &[&str] = &[
+        "gpu.affinity",
+        "gpu.tolerations",
+        "gpu.nodeSelector",
+        "resources",
+        "merge.resources",
+        "merge.tolerations",
+        "merge.nodeSelector",
+        "imagePullSecrets",
+    ];
+    if let Some(props) = s.get("properties").and_then(|p| p.as_object()) {
+        if !OPAQUE.contains(&path) {
+            for (k, x) in props {
+                let p = if path.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{path}.{k}")
+                };
+                schema_leaves(x, &p, out);
+            }
+            return;
+        }
+    }
+    if let (Some(items), false) = (s.get("items"), OPAQUE.contains(&path)) {
+        return schema_leaves(items, &format!("{path}[]"), out);
+    }
+    out.push(path.to_string());
+}
+
+/// Another valid value for a leaf: the next member of its enum, or the value changed.
+fn mutated(v: &serde_json::Value) -> serde_json::Value {
+    const ENUMS: &[&[&str]] = &[
+        &["bf16", "f16", "f32"],
+        &["explicit", "classifier", "keywords", "embedding"],
+        &["base", "reject"],
+        &["IfNotPresent", "Always", "Never"],
+    ];
+    match v {
+        serde_json::Value::String(s) => ENUMS
+            .iter()
+            .find_map(|e| {
+                let i = e.iter().position(|x| x == s)?;
+                Some(serde_json::json!(e[(i + 1) % e.len()]))
+            })
+            .unwrap_or_else(|| serde_json::json!(format!("{s}x"))),
+        serde_json::Value::Bool(b) => serde_json::json!(!b),
+        serde_json::Value::Number(n) if n.is_f64() => serde_json::json!(n.as_f64().unwrap() / 2.0),
+        serde_json::Value::Number(n) => serde_json::json!(n.as_i64().unwrap() + 1),
+        other => panic!("no mutation for {other}"),
+    }
+}
+
+#[test]
+fn spec_hash_covers_every_start_only_field() {
+    use mole_crds::InferencePoolSpec;
+    let full = every_field_spec();
+    let base: InferencePoolSpec = serde_json::from_value(full.clone()).unwrap();
+    assert_eq!(
+        serde_json::to_value(&base).unwrap(),
+        full,
+        "the fixture round-trips: every field it sets exists"
+    );
+    let mut paths = Vec::new();
+    leaves(&full, "", "", &mut paths);
+    // Every field of the CRD is set in the fixture, so a new field cannot be forgotten here.
+    let crd = serde_json::to_value(<InferencePool as kube::CustomResourceExt>::crd()).unwrap();
+    let spec_schema =
+        &crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"];
+    let mut schema = Vec::new();
+    schema_leaves(spec_schema, "", &mut schema);
+    assert!(schema.len() > 30, "{schema:?}");
+    for s in &schema {
+        assert!(
+            paths
+                .iter()
+                .any(|(p, _)| p == s || p.starts_with(&format!("{s}.")) || p.starts_with(&format!("{s}["))),
+            "spec.{s} is not set in every_field_spec(): set it, then hash it or list it in NOT_HASHED"
+        );
+    }
+    let images = WorkerImages::default();
+    let hash = |s: &InferencePoolSpec| spec_hash(s, &images.serving(s));
+    let before = hash(&base);
+    let mut allowed_seen = Vec::new();
+    for (path, ptr) in &paths {
+        let mut v = full.clone();
+        let leaf = v.pointer_mut(ptr).unwrap();
+        *leaf = mutated(leaf);
+        let changed: InferencePoolSpec = serde_json::from_value(v)
+            .unwrap_or_else(|e| panic!("spec.{path}: the mutation does not parse: {e}"));
+        assert_ne!(changed, base, "spec.{path}: the mutation changed nothing");
+        let allowed = NOT_HASHED.iter().find(|(p, _)| {
+            path == p
+                || path.starts_with(&format!("{p}["))
+                || (p.ends_with('.') && path.starts_with(p))
+        });
+        match (hash(&changed) != before, allowed) {
+            (true, None) => {}
+            (false, Some((p, _))) => allowed_seen.push(*p),
+            (true, Some((p, why))) => panic!(
+                "spec.{path} rolls the pods but NOT_HASHED lists {p:?} ({why}): remove it there"
+            ),
+            (false, None) => panic!(
+                "spec.{path} does not change the spec hash: a worker reads it only at start \
+                 (config::restart_required) or it is in the pod spec, so add it to spec_hash; \
+                 or list it in NOT_HASHED with the reason it is reloaded"
+            ),
+        }
+    }
+    for (p, _) in NOT_HASHED {
+        assert!(
+            allowed_seen.contains(p),
+            "NOT_HASHED {p:?} matches no field"
+        );
+    }
+}
+
+#[test]
+fn start_only_fields_roll_the_pods_and_default_ones_keep_the_hash() {
+    let p = pool();
+    let image = p.spec.image.clone().unwrap();
+    let before = spec_hash(&p.spec, &image);
+    // maxQueue at its default is left out: the pinned hash above still holds for it.
+    let mut same = p.clone();
+    same.spec.dynamic.limits.max_queue = mole_crds::EngineLimits::default().max_queue;
+    assert_eq!(spec_hash(&same.spec, &image), before);
+    let mut q = p.clone();
+    q.spec.dynamic.limits.max_queue = 64;
+    assert_ne!(
+        spec_hash(&q.spec, &image),
+        before,
+        "maxQueue rolls the pods"
+    );
+    let mut e = p.clone();
+    e.spec.router.embedding_model = Some("embed/minilm".into());
+    assert_ne!(
+        spec_hash(&e.spec, &image),
+        before,
+        "embeddingModel rolls the pods"
+    );
+    let mut r = p.clone();
+    r.spec.router.min_confidence = 0.9;
+    assert_eq!(spec_hash(&r.spec, &image), before, "the router reloads");
+}
+
+#[test]
+fn rollouts_fit_the_hardware_unless_the_pool_says_otherwise() {
+    let strategy = |p: &InferencePool| {
+        let d = dynamic_deployment(p, WORKER_PORT, &WorkerImages::default());
+        let ru = d.spec.unwrap().strategy.unwrap().rolling_update.unwrap();
+        (ru.max_surge.unwrap(), ru.max_unavailable.unwrap())
+    };
+    // A full GPU node pool has no GPU for a surge pod: replace in place.
+    let gpu = pool();
+    assert_eq!(strategy(&gpu), (IntOrString::Int(0), IntOrString::Int(1)));
+    // CPU pools surge and never lose a pod.
+    let mut cpu = pool();
+    cpu.spec.gpu.count = 0;
+    assert_eq!(strategy(&cpu), (IntOrString::Int(1), IntOrString::Int(0)));
+    // The pool's own values, one field falling back to the default.
+    let mut own = pool();
+    own.spec.rollout = Some(mole_crds::RolloutSpec {
+        max_surge: Some(IntOrString::String("50%".into())),
+        max_unavailable: None,
+    });
+    assert_eq!(
+        strategy(&own),
+        (IntOrString::String("50%".into()), IntOrString::Int(1))
+    );
+    // Merged Deployments roll the same way (same node pool).
+    let (_, merged, _, _) = merged_children(
+        &own,
+        "calendar",
+        "v1",
+        "merged/calendar/v1-a",
+        2,
+        adapter_owner(),
+        PodDefaults {
+            port: WORKER_PORT,
+            images: &WorkerImages::default(),
+        },
+    );
+    let ru = merged
+        .spec
+        .unwrap()
+        .strategy
+        .unwrap()
+        .rolling_update
+        .unwrap();
+    assert_eq!(ru.max_surge, Some(IntOrString::String("50%".into())));
+    assert_eq!(ru.max_unavailable, Some(IntOrString::Int(1)));
+    // The rollout is not in the pod template: changing it restarts nothing.
+    assert_eq!(
+        template_hash(&dynamic_deployment(
+            &own,
+            WORKER_PORT,
+            &WorkerImages::default()
+        )),
+        template_hash(&dynamic_deployment(
+            &gpu,
+            WORKER_PORT,
+            &WorkerImages::default()
+        ))
+    );
+}
+
+#[test]
+fn rollout_values_scale_as_the_deployment_controller_does() {
+    let v = |s: &str| IntOrString::String(s.into());
+    assert_eq!(scaled_value(&IntOrString::Int(2), 4, true), Ok(2));
+    assert_eq!(scaled_value(&v("25%"), 3, true), Ok(1), "surge rounds up");
+    assert_eq!(
+        scaled_value(&v("25%"), 3, false),
+        Ok(0),
+        "unavailable rounds down"
+    );
+    assert_eq!(scaled_value(&v("100%"), 3, false), Ok(3));
+    for bad in ["25", "x%", "101%", "-1%", ""] {
+        assert!(scaled_value(&v(bad), 3, true).is_err(), "{bad}");
+    }
+    assert!(scaled_value(&IntOrString::Int(-1), 3, true).is_err());
+}

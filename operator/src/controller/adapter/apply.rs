@@ -12,7 +12,7 @@ use kube::{Api, Resource, ResourceExt};
 use mole_crds::constants::{LABEL_ADAPTER, LABEL_APP_COMPONENT, LABEL_APP_INSTANCE};
 use mole_crds::{Adapter, InferencePool};
 
-use super::observe::observe_merged;
+use super::observe::{observe_merged, owned_by};
 use crate::controller::apply::apply_if_changed;
 use crate::controller::context::Context;
 use crate::error::Result;
@@ -157,17 +157,45 @@ async fn apply_merged(
     Ok(())
 }
 
-/// The merged Deployment, Service, PDB and every merged ConfigMap removed.
+/// The merged Deployment, Service, PDB and every merged ConfigMap removed: only those the
+/// adapter owns, so a name shared with another object never deletes that object.
 async fn delete_merged(c: &Children<'_>) -> Result<()> {
     let name = resources::merged_name(&c.pool_name, &c.name);
-    delete_ignoring_absent(&c.api::<Deployment>(), &name).await?;
-    delete_ignoring_absent(&c.api::<Service>(), &name).await?;
-    delete_ignoring_absent(&c.api::<PodDisruptionBudget>(), &name).await?;
+    delete_owned(&c.api::<Deployment>(), &name, c.adapter).await?;
+    delete_owned(&c.api::<Service>(), &name, c.adapter).await?;
+    delete_owned(&c.api::<PodDisruptionBudget>(), &name, c.adapter).await?;
     let cms: Api<ConfigMap> = c.api();
     for old in merged_config_maps(c).await? {
         delete_ignoring_absent(&cms, &old.name_any()).await?;
     }
     Ok(())
+}
+
+/// Deletes `name` when it exists and `adapter` owns it, with the uid as precondition (so a
+/// replacement created in between is not deleted either).
+async fn delete_owned<K>(api: &Api<K>, name: &str, adapter: &Adapter) -> Result<()>
+where
+    K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
+{
+    let Some(live) = api.get_opt(name).await? else {
+        return Ok(());
+    };
+    if !owned_by(live.meta(), adapter) {
+        tracing::warn!(name, "not deleting an object the adapter does not own");
+        return Ok(());
+    }
+    let dp = DeleteParams {
+        preconditions: Some(kube::api::Preconditions {
+            uid: live.meta().uid.clone(),
+            resource_version: None,
+        }),
+        ..DeleteParams::background()
+    };
+    match api.delete(name, &dp).await {
+        Ok(_) => Ok(()),
+        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 async fn delete_ignoring_absent<K>(api: &Api<K>, name: &str) -> Result<()>

@@ -56,7 +56,10 @@ pub fn error_policy(adapter: Arc<Adapter>, err: &Error, ctx: Arc<Context>) -> Ac
 /// What to do after a validation failure with `reason`: a missing pool may be created and a
 /// clashing adapter deleted, so those are checked again; a wrong field waits for an edit.
 pub fn invalid_action(reason: &str) -> Action {
-    if reason == reason::POOL_NOT_FOUND || reason == reason::DUPLICATE_LABEL {
+    if reason == reason::POOL_NOT_FOUND
+        || reason == reason::DUPLICATE_LABEL
+        || reason == reason::NAME_COLLISION
+    {
         Action::requeue(RECHECK_OTHERS)
     } else {
         Action::await_change()
@@ -149,6 +152,10 @@ mod tests {
         );
         assert_eq!(
             invalid_action(reason::DUPLICATE_LABEL),
+            Action::requeue(RECHECK_OTHERS)
+        );
+        assert_eq!(
+            invalid_action(reason::NAME_COLLISION),
             Action::requeue(RECHECK_OTHERS)
         );
         assert_eq!(invalid_action(reason::INVALID_SPEC), Action::await_change());

@@ -75,9 +75,13 @@ pub(super) async fn observe(
         .find(|a| a.name == name && a.version == adapter.spec.version && a.warning.is_some())
         .and_then(|a| a.warning.clone());
     let key = mergedown::merge_key(&pool.spec, &name, &adapter.spec);
+    // Only a Deployment this adapter owns is its merged one: one of the same name owned by
+    // something else (a pool's, after a collision validation could not see) is never
+    // rolled or deleted as if it were.
     let merged = Api::<Deployment>::namespaced(ctx.client.clone(), &ns)
         .get_opt(&resources::merged_name(&adapter.spec.pool, &name))
-        .await?;
+        .await?
+        .filter(|d| owned_by(&d.metadata, adapter));
     let planner = mergedown::Observed {
         job: observe_job(ctx, &ns, &key.job_name, "merge Job failed").await?,
         deployment: merged.as_ref().map(observe_merged),
@@ -93,6 +97,17 @@ pub(super) async fn observe(
         merged,
         planner,
     })
+}
+
+/// Whether the object with `meta` is owned by `adapter` (an owner reference with its uid).
+pub(super) fn owned_by(
+    meta: &k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta,
+    adapter: &Adapter,
+) -> bool {
+    let Some(uid) = adapter.metadata.uid.as_deref() else {
+        return false;
+    };
+    meta.owner_references.iter().flatten().any(|o| o.uid == uid)
 }
 
 /// Whether an adapter version is served by a set of pods: at least one pod, and every pod
