@@ -13,7 +13,10 @@
 #   merged/                  (written by the merge Jobs)
 # made writable for the pods' uid 65532, and kind mounts it into the node at /mole-models
 # (extraMounts). The test serves it through a hostPath PersistentVolume bound to the PVC
-# `models` of its namespace (MOLE_E2E_MODELS_HOSTPATH names the node path). On a real
+# `models` of its namespace (MOLE_E2E_MODELS_HOSTPATH names the node path); the S3 scenario
+# uploads base/llama from there to an in-cluster moto server and fetches it back into
+# base/llama-from-s3-<pid> (pods pull python:3.12-slim from Docker Hub and pip-install
+# moto[server] and boto3: both must be reachable from the node). On a real
 # cluster, fill a ReadWriteMany volume the same way (e.g. `kubectl cp` into a pod that
 # mounts the PVC) and point the pool's spec.storage.claimName at it.
 set -euo pipefail

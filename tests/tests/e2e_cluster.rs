@@ -6,6 +6,10 @@
 //! copies `tests/fixtures/engine/llama` (base) and two llama adapters into a host directory
 //! that kind mounts into the node at `MOLE_E2E_MODELS_HOSTPATH` (default `/mole-models`); the
 //! test serves it through a hostPath PersistentVolume.
+//!
+//! The S3 scenario runs moto's S3 server in the test's namespace (the `python:3.12-slim` image
+//! from Docker Hub, `moto[server]` and `boto3` from PyPI, installed at start), uploads the
+//! llama fixture from that volume into it and has a pool fetch its base model from there.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 
@@ -13,8 +17,12 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, Namespace, PersistentVolume, PersistentVolumeClaim};
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::{
+    ConfigMap, Namespace, PersistentVolume, PersistentVolumeClaim, Pod, Secret, Service,
+};
+use k8s_openapi::api::events::v1::Event;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
+use kube::api::{DeleteParams, ListParams, LogParams, Patch, PatchParams, PostParams};
 use kube::config::{KubeConfigOptions, Kubeconfig};
 use kube::{Api, Client, Config};
 use mole_crds::{Adapter, AdapterPhase, InferencePool};
@@ -44,6 +52,60 @@ where
         tokio::time::sleep(Duration::from_secs(1)).await;
     }
     panic!("timed out waiting for {what}");
+}
+
+/// Creates the namespace `ns`.
+async fn create_namespace(client: &Client, ns: &str) {
+    let nss: Api<Namespace> = Api::all(client.clone());
+    nss.create(
+        &PostParams::default(),
+        &serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+}
+
+/// The fixtures' directory on the node (`MOLE_E2E_MODELS_HOSTPATH`), as a PV bound to the
+/// PVC `models` of `ns`; returns the PV's name.
+async fn models_claim(client: &Client, ns: &str) -> String {
+    let host_path =
+        std::env::var("MOLE_E2E_MODELS_HOSTPATH").unwrap_or_else(|_| "/mole-models".into());
+    let pv_name = format!("{ns}-models");
+    let pvs: Api<PersistentVolume> = Api::all(client.clone());
+    pvs.create(
+        &PostParams::default(),
+        &serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name},
+            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
+                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
+                     "hostPath": {"path": host_path, "type": "Directory"},
+                     "claimRef": {"namespace": ns, "name": "models"}}}))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), ns);
+    pvcs.create(
+        &PostParams::default(),
+        &serde_json::from_value(serde_json::json!({
+            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
+            "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv_name,
+                     "resources": {"requests": {"storage": "1Gi"}}}}))
+        .unwrap(),
+    )
+    .await
+    .unwrap();
+    pv_name
+}
+
+/// Deletes the namespace and the PV that [`models_claim`] made for it.
+async fn delete_namespace_and_volume(client: &Client, ns: &str, pv_name: &str) {
+    let nss: Api<Namespace> = Api::all(client.clone());
+    nss.delete(ns, &DeleteParams::default()).await.unwrap();
+    let pvs: Api<PersistentVolume> = Api::all(client.clone());
+    pvs.delete(pv_name, &DeleteParams::default()).await.unwrap();
 }
 
 #[tokio::test]
@@ -177,44 +239,9 @@ async fn served_output(deploys: &Api<Deployment>) -> String {
 #[tokio::test]
 async fn merge_serve_and_roll_back_on_a_real_cluster() {
     let Some(client) = client().await else { return };
-    let host_path =
-        std::env::var("MOLE_E2E_MODELS_HOSTPATH").unwrap_or_else(|_| "/mole-models".into());
     let ns = format!("mole-e2e-merge-{}", std::process::id());
-    let nss: Api<Namespace> = Api::all(client.clone());
-    nss.create(
-        &PostParams::default(),
-        &serde_json::from_value(serde_json::json!({
-            "apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}))
-        .unwrap(),
-    )
-    .await
-    .unwrap();
-    // The fixtures' directory on the node, as a PV bound to the PVC `models` of this namespace.
-    let pv_name = format!("{ns}-models");
-    let pvs: Api<PersistentVolume> = Api::all(client.clone());
-    pvs.create(
-        &PostParams::default(),
-        &serde_json::from_value(serde_json::json!({
-            "apiVersion": "v1", "kind": "PersistentVolume", "metadata": {"name": pv_name},
-            "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteMany"],
-                     "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "",
-                     "hostPath": {"path": host_path, "type": "Directory"},
-                     "claimRef": {"namespace": ns, "name": "models"}}}))
-        .unwrap(),
-    )
-    .await
-    .unwrap();
-    let pvcs: Api<PersistentVolumeClaim> = Api::namespaced(client.clone(), &ns);
-    pvcs.create(
-        &PostParams::default(),
-        &serde_json::from_value(serde_json::json!({
-            "apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": "models"},
-            "spec": {"accessModes": ["ReadWriteMany"], "storageClassName": "", "volumeName": pv_name,
-                     "resources": {"requests": {"storage": "1Gi"}}}}))
-        .unwrap(),
-    )
-    .await
-    .unwrap();
+    create_namespace(&client, &ns).await;
+    let pv_name = models_claim(&client, &ns).await;
 
     // kubectl apply -f pool.yaml: the tiny llama fixture on CPU.
     let pools: Api<InferencePool> = Api::namespaced(client.clone(), &ns);
@@ -324,8 +351,370 @@ async fn merge_serve_and_roll_back_on_a_real_cluster() {
             .then_some(())
     })
     .await;
-    nss.delete(&ns, &DeleteParams::default()).await.unwrap();
-    pvs.delete(&pv_name, &DeleteParams::default())
+    delete_namespace_and_volume(&client, &ns, &pv_name).await;
+}
+
+/// The image of the in-cluster S3 server, its uploader and the chat client (one pull for all
+/// three). Pinned by its minor line's tag.
+const PYTHON_IMAGE: &str = "python:3.12-slim";
+
+/// moto's S3 server and the client, at the versions scripts/checks/fetch-s3.sh runs
+/// `mole-worker fetch` against.
+const MOTO: &str = "moto[server]==5.2.5";
+/// See [`MOTO`].
+const BOTO3: &str = "boto3==1.44.8";
+
+/// `pip install` of `packages` into the user site (`$PYTHONUSERBASE`: the pods run as a
+/// non-root user that cannot write the image's site-packages), then `exec` of `then`.
+fn pip_then(packages: &[&str], then: &str) -> String {
+    let quoted: Vec<String> = packages.iter().map(|p| format!("'{p}'")).collect();
+    format!(
+        "pip install --quiet --no-cache-dir --user {} && exec {then}",
+        quoted.join(" ")
+    )
+}
+
+/// Uploads every file of `$SRC` (the llama fixture, from the suite's volume) to
+/// `s3://models/llama/`, with boto3 configured by the pool's own Secret (`AWS_*`, endpoint
+/// included), so a wrong Secret fails here first.
+const S3_UPLOAD: &str = r#"
+import os, boto3
+s3 = boto3.client("s3")
+s3.create_bucket(Bucket="models")
+src = os.environ["SRC"]
+for name in sorted(os.listdir(src)):
+    s3.upload_file(os.path.join(src, name), "models", "llama/" + name)
+    print("uploaded", name, os.path.getsize(os.path.join(src, name)), flush=True)
+"#;
+
+/// One chat completion against `$URL`: prints the status, then the body on one line; exits 0
+/// only on 200. Connection errors (the Service's endpoints not programmed yet) are retried
+/// for a minute, an HTTP error is not.
+const CHAT: &str = r#"
+import json, os, sys, time, urllib.error, urllib.request
+body = json.dumps({"model": os.environ["MODEL"], "max_tokens": 4,
+                   "messages": [{"role": "user", "content": "Hello"}]}).encode()
+for attempt in range(60):
+    req = urllib.request.Request(os.environ["URL"] + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            print(r.status)
+            print(r.read().decode().replace("\n", " "), flush=True)
+            sys.exit(0 if r.status == 200 else 1)
+    except urllib.error.HTTPError as e:
+        print(e.code)
+        print(e.read().decode().replace("\n", " "), flush=True)
+        sys.exit(1)
+    except (urllib.error.URLError, ConnectionError) as e:
+        print("retrying:", e, file=sys.stderr, flush=True)
+        time.sleep(1)
+sys.exit(1)
+"#;
+
+/// The restricted pod security profile, for the pods this suite runs itself (the operator's
+/// own pods have it already).
+fn restricted_pod() -> serde_json::Value {
+    serde_json::json!({"runAsNonRoot": true, "runAsUser": 65532, "runAsGroup": 65532,
+                       "seccompProfile": {"type": "RuntimeDefault"}})
+}
+
+/// A container of the python image running `python -c <script>` (or `sh -c` with `shell`).
+fn python_container(
+    name: &str,
+    shell: bool,
+    script: &str,
+    more: serde_json::Value,
+) -> serde_json::Value {
+    let command = [if shell { "sh" } else { "python" }, "-c"];
+    let mut c = serde_json::json!({
+        "name": name, "image": PYTHON_IMAGE, "imagePullPolicy": "IfNotPresent",
+        "command": command, "args": [script],
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "PYTHONUSERBASE", "value": "/tmp/py"},
+                {"name": "PIP_DISABLE_PIP_VERSION_CHECK", "value": "1"}],
+        "securityContext": {"allowPrivilegeEscalation": false, "capabilities": {"drop": ["ALL"]}}
+    });
+    let obj = c.as_object_mut().unwrap();
+    for (k, v) in more.as_object().unwrap() {
+        if k == "env" {
+            let env = obj["env"].as_array_mut().unwrap();
+            env.extend(v.as_array().unwrap().iter().cloned());
+        } else {
+            obj.insert(k.clone(), v.clone());
+        }
+    }
+    c
+}
+
+/// Creates a one-pod Job running `container`, waits until it finished and returns its pod's
+/// log; a failed Job fails the test with that log.
+async fn run_job(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    container: serde_json::Value,
+    volumes: serde_json::Value,
+    secs: u64,
+) -> String {
+    let jobs: Api<Job> = Api::namespaced(client.clone(), ns);
+    let job: Job = serde_json::from_value(serde_json::json!({
+        "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name},
+        "spec": {"backoffLimit": 0, "template": {"spec": {
+            "restartPolicy": "Never", "securityContext": restricted_pod(),
+            "containers": [container], "volumes": volumes}}}}))
+    .unwrap();
+    jobs.create(&PostParams::default(), &job).await.unwrap();
+    let ok = wait(secs, &format!("Job {name} finished"), || async {
+        let st = jobs.get(name).await.ok()?.status?;
+        if st.succeeded.unwrap_or(0) > 0 {
+            Some(true)
+        } else if st.failed.unwrap_or(0) > 0 {
+            Some(false)
+        } else {
+            None
+        }
+    })
+    .await;
+    let pods: Api<Pod> = Api::namespaced(client.clone(), ns);
+    let pod = pods
+        .list(&ListParams::default().labels(&format!("job-name={name}")))
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .next()
+        .and_then(|p| p.metadata.name)
+        .unwrap();
+    let log = pods.logs(&pod, &LogParams::default()).await.unwrap();
+    assert!(ok, "Job {name} failed:\n{log}");
+    log
+}
+
+/// The pool's condition `type_`, once it exists.
+async fn pool_condition(pools: &Api<InferencePool>, pool: &str, type_: &str) -> Option<Condition> {
+    pools
+        .get(pool)
+        .await
+        .ok()?
+        .status?
+        .conditions
+        .into_iter()
+        .find(|c| c.type_ == type_)
+}
+
+#[tokio::test]
+async fn base_model_fetched_from_an_in_cluster_s3_server() {
+    let Some(client) = client().await else { return };
+    let ns = format!("mole-e2e-s3-{}", std::process::id());
+    create_namespace(&client, &ns).await;
+    // The suite's volume: the llama fixture to upload, and where the pool fetches into.
+    let pv_name = models_claim(&client, &ns).await;
+
+    // moto's S3 server as the Deployment and Service `s3`.
+    let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    let server = python_container(
+        "s3",
+        true,
+        // Its buckets live in memory: a restarted server is an empty one, so the upload
+        // runs once it is up.
+        &pip_then(&[MOTO, BOTO3], "python -m moto.server -H 0.0.0.0 -p 5000"),
+        serde_json::json!({
+            "ports": [{"name": "s3", "containerPort": 5000}],
+            // moto reads the first label of any other host name than localhost, an IP, a
+            // dotless name or `*.svc.cluster.local` as a virtual-hosted bucket: the pool's
+            // endpoint `s3.<ns>.svc` would name the bucket `s3`. mole-worker fetch addresses
+            // buckets by path, as S3-compatible stores expect.
+            "env": [{"name": "S3_IGNORE_SUBDOMAIN_BUCKETNAME", "value": "true"}],
+            "readinessProbe": {"tcpSocket": {"port": 5000}, "periodSeconds": 2}
+        }),
+    );
+    let d: Deployment = serde_json::from_value(serde_json::json!({
+        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "s3"},
+        "spec": {"replicas": 1, "selector": {"matchLabels": {"app": "s3"}},
+                 "template": {"metadata": {"labels": {"app": "s3"}},
+                              "spec": {"securityContext": restricted_pod(), "containers": [server]}}}}))
+    .unwrap();
+    deploys.create(&PostParams::default(), &d).await.unwrap();
+    let svcs: Api<Service> = Api::namespaced(client.clone(), &ns);
+    let svc: Service = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Service", "metadata": {"name": "s3"},
+        "spec": {"selector": {"app": "s3"}, "ports": [{"name": "s3", "port": 5000, "targetPort": 5000}]}}))
+    .unwrap();
+    svcs.create(&PostParams::default(), &svc).await.unwrap();
+
+    // kubectl create secret generic s3-creds --from-literal=AWS_ACCESS_KEY_ID=... (moto takes
+    // any keys).
+    let secrets: Api<Secret> = Api::namespaced(client.clone(), &ns);
+    let creds: Secret = serde_json::from_value(serde_json::json!({
+        "apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s3-creds"},
+        "stringData": {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_REGION": "us-east-1",
+                       "AWS_ENDPOINT_URL": format!("http://s3.{ns}.svc:5000")}}))
+    .unwrap();
+    secrets
+        .create(&PostParams::default(), &creds)
         .await
         .unwrap();
+
+    // pip install from PyPI first: minutes on a slow link.
+    wait(600, "the S3 server ready", || async {
+        let st = deploys.get("s3").await.ok()?.status?;
+        (st.ready_replicas.unwrap_or(0) >= 1).then_some(())
+    })
+    .await;
+    let uploader = python_container(
+        "upload",
+        true,
+        &pip_then(&[BOTO3], "python -c \"$SCRIPT\""),
+        serde_json::json!({
+            // boto3 reads the region from AWS_DEFAULT_REGION, not the Secret's AWS_REGION.
+            "env": [{"name": "SRC", "value": "/src/base/llama"},
+                    {"name": "AWS_DEFAULT_REGION", "value": "us-east-1"},
+                    {"name": "SCRIPT", "value": S3_UPLOAD}],
+            "envFrom": [{"secretRef": {"name": "s3-creds"}}],
+            "volumeMounts": [{"name": "models", "mountPath": "/src", "readOnly": true}]
+        }),
+    );
+    let log = run_job(
+        &client,
+        &ns,
+        "upload",
+        uploader,
+        serde_json::json!([{"name": "models", "persistentVolumeClaim": {"claimName": "models", "readOnly": true}}]),
+        600,
+    )
+    .await;
+    assert!(log.contains("uploaded model.safetensors"), "{log}");
+
+    // The pool: its base model from s3:// into a directory of its own on the volume (the
+    // node's directory outlives the namespace; a fresh path makes every run download).
+    let pools: Api<InferencePool> = Api::namespaced(client.clone(), &ns);
+    let path = format!("base/llama-from-s3-{}", std::process::id());
+    let pool: InferencePool = serde_json::from_value(serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
+        "metadata": {"name": "tiny-s3", "annotations": {"mole.dev/allow-cpu": "true"}},
+        "spec": {"baseModel": {"name": "llama", "path": path, "dtype": "f32",
+                               "source": "s3://models/llama", "secretRef": {"name": "s3-creds"}},
+                 "storage": {"claimName": "models"}, "imagePullPolicy": "Never",
+                 "gpu": {"count": 0}, "dynamic": {"replicas": 1}}
+    }))
+    .unwrap();
+    pools.create(&PostParams::default(), &pool).await.unwrap();
+    wait(300, "pool tiny-s3 Ready", || async {
+        let p = pools.get("tiny-s3").await.ok()?;
+        (p.status?.phase == mole_crds::PoolPhase::Ready).then_some(())
+    })
+    .await;
+    let fetched = wait(120, "tiny-s3 Fetched=True", || async {
+        pool_condition(&pools, "tiny-s3", "Fetched")
+            .await
+            .filter(|c| c.status == "True")
+    })
+    .await;
+    assert_eq!(fetched.reason, "FetchSucceeded", "{fetched:?}");
+    assert!(fetched.message.contains("s3://models/llama"), "{fetched:?}");
+    // The pod's init container did the fetch (and the worker then loaded what it wrote).
+    let pods: Api<Pod> = Api::namespaced(client.clone(), &ns);
+    let pod = pods
+        .list(
+            &ListParams::default()
+                .labels("app.kubernetes.io/instance=tiny-s3,app.kubernetes.io/component=dynamic"),
+        )
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .find(|p| p.metadata.deletion_timestamp.is_none())
+        .unwrap();
+    let init = pod
+        .status
+        .as_ref()
+        .unwrap()
+        .init_container_statuses
+        .as_ref()
+        .unwrap();
+    let fetch = init.iter().find(|c| c.name == "fetch-model").unwrap();
+    let exit = fetch
+        .state
+        .as_ref()
+        .and_then(|s| s.terminated.as_ref())
+        .map(|t| t.exit_code);
+    assert_eq!(exit, Some(0), "{fetch:?}");
+    let fetch_log = pods
+        .logs(
+            pod.metadata.name.as_deref().unwrap(),
+            &LogParams {
+                container: Some("fetch-model".into()),
+                ..Default::default()
+            },
+        )
+        .await
+        .unwrap();
+    assert!(fetch_log.contains("from s3://models/llama"), "{fetch_log}");
+
+    // A chat completion through the pool's Service, from inside the cluster.
+    let chat = python_container(
+        "chat",
+        false,
+        CHAT,
+        serde_json::json!({"env": [
+            {"name": "URL", "value": format!("http://tiny-s3.{ns}.svc:8000")},
+            {"name": "MODEL", "value": "llama"}]}),
+    );
+    let log = run_job(&client, &ns, "chat", chat, serde_json::json!([]), 300).await;
+    let mut lines = log.lines().filter(|l| !l.starts_with("retrying:"));
+    assert_eq!(lines.next(), Some("200"), "{log}");
+    let v: serde_json::Value = serde_json::from_str(lines.next().unwrap()).unwrap();
+    assert!(v["choices"][0]["message"]["content"].is_string(), "{v}");
+    assert_eq!(v["object"], "chat.completion", "{v}");
+
+    // A source naming a prefix with no objects: the pod's fetch fails with the tool's line,
+    // which becomes the condition and a FetchFailed Event.
+    let missing: InferencePool = serde_json::from_value(serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
+        "metadata": {"name": "missing", "annotations": {"mole.dev/allow-cpu": "true"}},
+        "spec": {"baseModel": {"name": "llama", "path": format!("{path}-missing"), "dtype": "f32",
+                               "source": "s3://models/nothing-here", "secretRef": {"name": "s3-creds"}},
+                 "storage": {"claimName": "models"}, "imagePullPolicy": "Never",
+                 "gpu": {"count": 0}, "dynamic": {"replicas": 1}}
+    }))
+    .unwrap();
+    pools
+        .create(&PostParams::default(), &missing)
+        .await
+        .unwrap();
+    let failed = wait(300, "missing Fetched=False FetchFailed", || async {
+        pool_condition(&pools, "missing", "Fetched")
+            .await
+            .filter(|c| c.status == "False" && c.reason == "FetchFailed")
+    })
+    .await;
+    assert!(
+        failed.message.contains("fetch failed (not_found)")
+            && failed.message.contains("s3://models/nothing-here"),
+        "{failed:?}"
+    );
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    let ev = wait(60, "a FetchFailed Event on missing", || async {
+        events
+            .list(&ListParams::default())
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .find(|e| {
+                e.reason.as_deref() == Some("FetchFailed")
+                    && e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("missing")
+            })
+    })
+    .await;
+    assert_eq!(ev.type_.as_deref(), Some("Warning"), "{ev:?}");
+    assert!(
+        ev.note.as_deref().unwrap_or_default().contains("not_found"),
+        "{ev:?}"
+    );
+    let p = pools.get("missing").await.unwrap().status.unwrap();
+    assert_ne!(p.phase, mole_crds::PoolPhase::Ready);
+
+    delete_namespace_and_volume(&client, &ns, &pv_name).await;
 }
