@@ -89,6 +89,11 @@ pub mod reason {
     pub const POOL_READY: &str = "PoolReady";
     /// The pool's pods are not all ready yet.
     pub const PODS_NOT_READY: &str = "PodsNotReady";
+    /// A pod of the pool cannot become ready by itself: unschedulable, crash-looping, its
+    /// image not pulled, its config not mountable. The message names the pod and why.
+    pub const PODS_FAILING: &str = "PodsFailing";
+    /// `dynamic.replicas` is 0: nothing serves the pool's Service.
+    pub const SCALED_TO_ZERO: &str = "ScaledToZero";
     /// A merge Job was created.
     pub const MERGE_STARTED: &str = "MergeStarted";
     /// A merge Job succeeded.

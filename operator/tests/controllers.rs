@@ -1452,3 +1452,43 @@ async fn gpu_pools_roll_without_a_surge_pod_and_rollouts_are_validated() {
         "the refused spec is not applied"
     );
 }
+
+#[tokio::test]
+async fn a_crash_looping_worker_puts_its_reason_in_the_pools_ready_condition() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    // The worker refuses the model and exits; the kubelet keeps its last log line.
+    let pod = json!({
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": "vl-dynamic-abc", "namespace": "ml",
+                     "labels": {"app.kubernetes.io/instance": "vl", "app.kubernetes.io/component": "dynamic"}},
+        "status": {"containerStatuses": [{"name": "worker", "image": "i", "imageID": "",
+            "ready": false, "restartCount": 4,
+            "state": {"waiting": {"reason": "CrashLoopBackOff"}},
+            "lastState": {"terminated": {"exitCode": 1,
+                "message": "Error: model refused (missing_weights): model.safetensors not found"}}}]}
+    });
+    e.store
+        .lock()
+        .unwrap()
+        .create("/api/v1/namespaces/ml/pods/vl-dynamic-abc", pod);
+    e.reconcile_pool().await;
+    let p = e.get(POOL).unwrap();
+    let ready = condition(&p, "Ready");
+    assert_eq!(ready["status"], "False");
+    assert_eq!(ready["reason"], "PodsFailing");
+    assert!(
+        ready["message"]
+            .as_str()
+            .unwrap()
+            .ends_with("vl-dynamic-abc: worker CrashLoopBackOff: Error: model refused (missing_weights): model.safetensors not found"),
+        "{ready}"
+    );
+    let notes = e.store.lock().unwrap().event_notes.clone();
+    assert!(
+        notes
+            .iter()
+            .any(|(r, n)| r == "PodsFailing" && n.contains("missing_weights")),
+        "{notes:?}"
+    );
+}

@@ -259,6 +259,10 @@ fn worker_container(
             ..Default::default()
         }]),
         resources: Some(resources(spec)),
+        // A worker that refuses its model exits with the reason as its last log line: the
+        // kubelet keeps it as the termination message, which the pool's `Ready` condition
+        // shows (`PodsFailing`).
+        termination_message_policy: Some("FallbackToLogsOnError".into()),
         // Loading a large base model can take minutes: the startup probe allows 20.
         startup_probe: Some(http_probe("/healthz", 10, 120)),
         liveness_probe: Some(http_probe("/healthz", 10, 3)),

@@ -35,9 +35,12 @@ pub(super) struct Report {
     pub status: InferencePoolStatus,
     /// Every desired dynamic pod is ready.
     pub all_ready: bool,
+    /// The `Ready` condition's reason (`PoolReady`, `PodsNotReady`, `PodsFailing`,
+    /// `ScaledToZero`).
+    pub ready_reason: &'static str,
     /// `Ready` changed status or reason: an Event is warranted.
     pub became: bool,
-    /// `<ready>/<desired> dynamic pods ready`.
+    /// `<ready>/<desired> dynamic pods ready`, and a failing pod's name and why.
     pub message: String,
     /// The base model's fetch changed state: (warning, reason, message) of its Event.
     pub fetch_event: Option<(bool, &'static str, String)>,
@@ -149,18 +152,28 @@ pub(super) fn report(
         })
         .count() as u32;
     status.endpoint = Some(resources::endpoint(pool));
-    let all_ready = ready >= desired;
+    // A pool scaled to zero serves nothing: not Ready, though nothing is missing.
+    let all_ready = desired > 0 && ready >= desired;
     status.phase = if all_ready {
         PoolPhase::Ready
     } else {
         PoolPhase::Progressing
     };
-    let message = format!("{ready}/{desired} dynamic pods ready");
+    let mut message = format!("{ready}/{desired} dynamic pods ready");
+    let why = match (&obs.pod_problem, all_ready, desired) {
+        (_, true, _) => reason::POOL_READY,
+        (_, false, 0) => reason::SCALED_TO_ZERO,
+        (Some(p), false, _) => {
+            message.push_str(&format!("; {p}"));
+            reason::PODS_FAILING
+        }
+        (None, false, _) => reason::PODS_NOT_READY,
+    };
     let became = set_condition(
         &mut status.conditions,
         condition::READY,
         all_ready,
-        ready_reason(all_ready),
+        why,
         &message,
         generation,
         now,
@@ -198,17 +211,10 @@ pub(super) fn report(
     Report {
         status,
         all_ready,
+        ready_reason: why,
         became,
         message,
         fetch_event,
-    }
-}
-
-fn ready_reason(all_ready: bool) -> &'static str {
-    if all_ready {
-        reason::POOL_READY
-    } else {
-        reason::PODS_NOT_READY
     }
 }
 
@@ -220,8 +226,8 @@ pub(super) async fn publish(pool: &InferencePool, ctx: &Context, report: &Report
     if report.became {
         ctx.event(
             &pool.object_ref(&()),
-            false,
-            ready_reason(report.all_ready),
+            report.ready_reason == reason::PODS_FAILING,
+            report.ready_reason,
             "Reconcile",
             report.message.clone(),
         )
@@ -321,6 +327,7 @@ mod tests {
             pdb: None,
             merged: Vec::new(),
             fetch: None,
+            pod_problem: None,
         }
     }
 
@@ -329,6 +336,38 @@ mod tests {
             deployment: d,
             not_reloaded: Vec::new(),
         }
+    }
+
+    #[test]
+    fn a_pool_scaled_to_zero_or_with_a_failing_pod_is_not_ready_and_says_why() {
+        let now = Utc.with_ymd_and_hms(2026, 11, 22, 12, 0, 0).unwrap();
+        let mut p = pool();
+        let ready = |r: &Report| {
+            let c = r
+                .status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Ready")
+                .unwrap();
+            (c.status.clone(), c.reason.clone(), c.message.clone())
+        };
+        let mut obs = observed(None);
+        obs.pod_problem = Some("vl-dynamic-1: Unschedulable: 0/4 nodes are available".into());
+        let r = report(&p, &obs, &applied(deployment(1)), now);
+        assert_eq!(
+            ready(&r),
+            (
+                "False".into(),
+                reason::PODS_FAILING.into(),
+                "1/2 dynamic pods ready; vl-dynamic-1: Unschedulable: 0/4 nodes are available"
+                    .into()
+            )
+        );
+        assert_eq!(r.ready_reason, reason::PODS_FAILING);
+        p.spec.dynamic.replicas = 0;
+        let r = report(&p, &observed(None), &applied(deployment(0)), now);
+        assert!(!r.all_ready);
+        assert_eq!(ready(&r).1, reason::SCALED_TO_ZERO);
     }
 
     #[test]
