@@ -283,6 +283,45 @@ fn the_structural_check_catches_typos_types_and_enums() {
     }
 }
 
+/// Serves `wc` (a worker config the operator rendered, its model root set) as a pool's pod
+/// would, and waits until it is ready. Returns its URL and the sender whose drop stops it.
+async fn serve_rendered(
+    wc: &mole_crds::WorkerConfig,
+    root: &Path,
+    vision: bool,
+) -> (String, tokio::sync::oneshot::Sender<()>) {
+    use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
+    let cfg_path = root.join("worker.json");
+    std::fs::write(&cfg_path, serde_json::to_string(wc).unwrap()).unwrap();
+    let cfg = mole_worker::config::load(&cfg_path).unwrap();
+    let engine = build_engine(&cfg).unwrap();
+    assert_eq!(engine.model_info().vision, vision);
+    let auth = Auth::from_config(&cfg).unwrap();
+    let state = AppState::new(cfg, engine, Some(cfg_path.clone()), auth);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", l.local_addr().unwrap());
+    let (stop, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve_with(
+        state,
+        l,
+        cfg_path,
+        std::time::Duration::ZERO,
+        async move {
+            let _ = rx.await;
+        },
+    ));
+    let c = reqwest::Client::new();
+    for _ in 0..500 {
+        if let Ok(r) = c.get(format!("{url}/readyz")).send().await {
+            if r.status() == 200 {
+                return (url, stop);
+            }
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    panic!("the worker of the rendered config never became ready");
+}
+
 /// The sample Qwen3-VL pool and its six adapters, rendered into the worker config the operator
 /// gives the pool's dynamic pods, start a worker and serve screenshots: the model root holds
 /// the tiny generated Qwen3-VL where the sample names Qwen3-VL-8B (no real checkpoint can be
@@ -291,7 +330,6 @@ fn the_structural_check_catches_typos_types_and_enums() {
 async fn the_sample_qwen3_vl_pool_starts_and_serves_screenshots() {
     use base64::Engine as _;
     use mole_operator::resources::{worker_config, Registered};
-    use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
     let (_, pool_v) = load("pool-qwen3-vl-8b.yaml");
     let pool: InferencePool = serde_json::from_value(pool_v).unwrap();
     let adapters: Vec<Adapter> = ["calendar", "claim-window", "desktop", "login-window"]
@@ -331,37 +369,8 @@ async fn the_sample_qwen3_vl_pool_starts_and_serves_screenshots() {
     let mut wc = worker_config("qwen3-vl", &pool.spec, &registered);
     wc.model_root = root.path().display().to_string();
     wc.auth = None;
-    let cfg_path = root.path().join("worker.json");
-    std::fs::write(&cfg_path, serde_json::to_string(&wc).unwrap()).unwrap();
-    let cfg = mole_worker::config::load(&cfg_path).unwrap();
-    let engine = build_engine(&cfg).unwrap();
-    assert!(engine.model_info().vision);
-    let auth = Auth::from_config(&cfg).unwrap();
-    let state = AppState::new(cfg, engine, Some(cfg_path.clone()), auth);
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let (_stop, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve_with(
-        state,
-        l,
-        cfg_path,
-        std::time::Duration::ZERO,
-        async move {
-            let _ = rx.await;
-        },
-    ));
+    let (url, _stop) = serve_rendered(&wc, root.path(), true).await;
     let c = reqwest::Client::new();
-    let mut ready = false;
-    for _ in 0..500 {
-        if let Ok(r) = c.get(format!("{url}/readyz")).send().await {
-            if r.status() == 200 {
-                ready = true;
-                break;
-            }
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    assert!(ready, "the sample pool's worker never became ready");
     let png = std::fs::read(vision.join("images/wide.png")).unwrap();
     let image_b64 = base64::engine::general_purpose::STANDARD.encode(&png);
     for (body, adapter, route) in [
@@ -484,7 +493,6 @@ async fn the_sample_text_pool_fetches_from_hf_and_serves() {
         adapter_fetch_job, dynamic_deployment, worker_config, Registered, WorkerImages,
         FETCH_MODEL_CONTAINER,
     };
-    use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
     let (_, pool_v) = load("pool-qwen3-4b.yaml");
     let mut pool: InferencePool = serde_json::from_value(pool_v).unwrap();
     // As read back from the API server, which gives it a uid (its children's owner).
@@ -553,36 +561,8 @@ async fn the_sample_text_pool_fetches_from_hf_and_serves() {
     let mut wc = worker_config("qwen3", &pool.spec, &registered);
     wc.model_root = root.path().display().to_string();
     wc.auth = None;
-    let cfg_path = root.path().join("worker.json");
-    std::fs::write(&cfg_path, serde_json::to_string(&wc).unwrap()).unwrap();
-    let cfg = mole_worker::config::load(&cfg_path).unwrap();
-    let engine = build_engine(&cfg).unwrap();
-    let auth = Auth::from_config(&cfg).unwrap();
-    let state = AppState::new(cfg, engine, Some(cfg_path.clone()), auth);
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let (_stop, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve_with(
-        state,
-        l,
-        cfg_path,
-        std::time::Duration::ZERO,
-        async move {
-            let _ = rx.await;
-        },
-    ));
+    let (url, _stop) = serve_rendered(&wc, root.path(), false).await;
     let c = reqwest::Client::new();
-    let mut ready = false;
-    for _ in 0..500 {
-        if let Ok(r) = c.get(format!("{url}/readyz")).send().await {
-            if r.status() == 200 {
-                ready = true;
-                break;
-            }
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    assert!(ready, "the text pool's worker never became ready");
     let r = c
         .post(format!("{url}/v1/chat/completions"))
         .json(&serde_json::json!({"model": "sql", "max_tokens": 4,
