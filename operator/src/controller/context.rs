@@ -463,3 +463,67 @@ pub async fn operator_token(client: &Client, pool: &InferencePool) -> Result<Str
         Err(e) => Err(e.into()),
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A context whose API server answers nothing (the reload bookkeeping needs none).
+    fn context() -> Context {
+        let svc = tower::service_fn(|_req: http::Request<kube::client::Body>| async {
+            Err::<http::Response<kube::client::Body>, std::io::Error>(std::io::Error::other(
+                "no API server in this test",
+            ))
+        });
+        Context::new(
+            Client::new(svc, "ml"),
+            "test".into(),
+            Metrics::new(),
+            PodClient::new(8000),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_failing_pod_is_asked_again_after_a_doubling_capped_delay() {
+        let ctx = context();
+        let pod = ReadyPod {
+            name: "p".into(),
+            ip: "10.0.0.1".into(),
+        };
+        let failure = ReloadFailure {
+            pod: "p".into(),
+            code: "config_invalid".into(),
+            message: "bad".into(),
+        };
+        assert!(ctx.reload_due("ml/vl", &pod, "h1"));
+        let delays: Vec<u64> = (0..7)
+            .map(|_| {
+                ctx.reload_failed("ml/vl", &pod, "h1", failure.clone())
+                    .as_secs()
+            })
+            .collect();
+        assert_eq!(delays, [10, 20, 40, 80, 160, 300, 300]);
+        assert!(!ctx.reload_due("ml/vl", &pod, "h1"), "within its backoff");
+        assert!(
+            ctx.reload_due("ml/vl", &pod, "h2"),
+            "a new config is asked at once"
+        );
+        let (failed, next) = ctx.reload_failures("ml/vl");
+        assert_eq!(failed, vec![failure]);
+        assert!(next.unwrap() <= Duration::from_secs(300));
+        // An answer (stale file or accepted) forgets the failures; a pod gone is forgotten.
+        ctx.reload_answered("ml/vl", &pod);
+        assert!(ctx.reload_failures("ml/vl").0.is_empty());
+        ctx.reload_failed("ml/vl", &pod, "h1", failure_of("p"));
+        assert!(ctx.pods_to_reload("ml/vl", &[], "h1").is_empty());
+        assert!(ctx.reload_failures("ml/vl").0.is_empty());
+    }
+
+    fn failure_of(pod: &str) -> ReloadFailure {
+        ReloadFailure {
+            pod: pod.into(),
+            code: "pod_unreachable".into(),
+            message: "connection refused".into(),
+        }
+    }
+}
