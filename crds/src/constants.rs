@@ -62,6 +62,9 @@ pub mod condition {
     pub const DEGRADED: &str = "Degraded";
     /// The adapter's files were fetched from its `source.uri` for the desired version.
     pub const FETCHED: &str = "Fetched";
+    /// Every ready dynamic pod of the pool runs the pool's current WorkerConfig (its adapters
+    /// and router): each accepted `POST /admin/reload` of it.
+    pub const ADAPTERS_SYNCED: &str = "AdaptersSynced";
 }
 
 /// Condition/Event reasons. Stable names: also used as metric labels.
@@ -94,6 +97,20 @@ pub mod reason {
     pub const PODS_FAILING: &str = "PodsFailing";
     /// `dynamic.replicas` is 0: nothing serves the pool's Service.
     pub const SCALED_TO_ZERO: &str = "ScaledToZero";
+    /// A worker exits at start because the base model does not fit the device memory budget
+    /// (its termination message starts with `model_does_not_fit:`).
+    pub const MODEL_DOES_NOT_FIT: &str = "ModelDoesNotFit";
+    /// A worker exits at start because it refuses its WorkerConfig (`config_io`,
+    /// `config_parse`, `config_invalid`) or a path in it (`path_outside_root`).
+    pub const WORKER_CONFIG_REFUSED: &str = "WorkerConfigRefused";
+    /// Every ready dynamic pod accepted the pool's current config.
+    pub const CONFIG_APPLIED: &str = "ConfigApplied";
+    /// Ready pods still read an older copy of the config file (the kubelet refreshes mounted
+    /// ConfigMaps up to a minute late); they are asked again every few seconds.
+    pub const RELOADING: &str = "Reloading";
+    /// A ready pod refused `POST /admin/reload` or did not answer; the message names the pod
+    /// and the worker's error code. Asked again with a backoff.
+    pub const RELOAD_FAILED: &str = "ReloadFailed";
     /// A merge Job was created.
     pub const MERGE_STARTED: &str = "MergeStarted";
     /// A merge Job succeeded.

@@ -3,7 +3,7 @@
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{ObjectReference, Pod, Secret};
 use kube::api::{ListParams, PostParams};
@@ -33,6 +33,45 @@ pub struct Context {
     /// `POST /admin/reload`. In memory only: after a restart every pod is asked once more
     /// (a reload of an unchanged file is a no-op for the worker, and no API write).
     reloaded: Mutex<HashMap<String, HashMap<String, String>>>,
+    /// Per pool (`ns/pool`): ready pods (`name@ip`) whose last reload failed, with when to ask
+    /// again. In memory only, like `reloaded`.
+    reload_failures: Mutex<HashMap<String, HashMap<String, Failing>>>,
+    /// First retry delay of a failed reload and its cap (doubling in between).
+    reload_backoff: (Duration, Duration),
+}
+
+/// First retry delay of a failed reload: a refusal does not go away by asking every 5 s.
+pub const RELOAD_BACKOFF_FIRST: Duration = Duration::from_secs(10);
+/// Longest delay between two reloads of a pod that keeps refusing.
+pub const RELOAD_BACKOFF_MAX: Duration = Duration::from_secs(300);
+
+/// A pod whose reload failed: how often in a row, when to ask again, and the last failure.
+#[derive(Debug, Clone)]
+struct Failing {
+    /// The config hash the pod failed to take: a new config is asked for at once.
+    hash: String,
+    attempts: u32,
+    retry_at: Instant,
+    failure: ReloadFailure,
+}
+
+/// Why a ready pod does not run the pool's current config: it refused `POST /admin/reload`
+/// (anything but 409 `config_stale`) or did not answer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReloadFailure {
+    /// Pod name.
+    pub pod: String,
+    /// The worker's JSON error `code` (`config_invalid`, `unauthorized`, ...); `http_<status>`
+    /// when its answer carried none; `pod_unreachable` when it did not answer.
+    pub code: String,
+    /// What the worker said, or why it could not be reached.
+    pub message: String,
+}
+
+impl std::fmt::Display for ReloadFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({}): {}", self.pod, self.code, self.message)
+    }
 }
 
 impl Context {
@@ -53,7 +92,16 @@ impl Context {
             images: resources::WorkerImages::default(),
             failures: Mutex::default(),
             reloaded: Mutex::default(),
+            reload_failures: Mutex::default(),
+            reload_backoff: (RELOAD_BACKOFF_FIRST, RELOAD_BACKOFF_MAX),
         }
+    }
+
+    /// The same context retrying failed reloads after `first`, doubling up to `max` (instead
+    /// of [`RELOAD_BACKOFF_FIRST`] and [`RELOAD_BACKOFF_MAX`]).
+    pub fn with_reload_backoff(mut self, first: Duration, max: Duration) -> Self {
+        self.reload_backoff = (first, max);
+        self
     }
 
     /// The same context with `images` as the default worker images (instead of the released
@@ -68,14 +116,96 @@ impl Context {
         let mut all = self.reloaded.lock().unwrap_or_else(PoisonError::into_inner);
         let seen = all.entry(pool.to_string()).or_default();
         seen.retain(|k, _| pods.iter().any(|p| &p.key() == k));
+        self.reload_failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(pool.to_string())
+            .or_default()
+            .retain(|k, _| pods.iter().any(|p| &p.key() == k));
         pods.iter()
             .filter(|p| seen.get(&p.key()).map(String::as_str) != Some(hash))
             .cloned()
             .collect()
     }
 
-    /// Records that `pod` of `pool` runs the config `hash`.
+    /// Whether `pod` of `pool` may be asked to reload `hash` now: it has not failed, or failed
+    /// on another config, or its backoff has run out.
+    pub fn reload_due(&self, pool: &str, pod: &ReadyPod, hash: &str) -> bool {
+        self.reload_failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(pool)
+            .and_then(|m| m.get(&pod.key()))
+            .is_none_or(|f| f.hash != hash || f.retry_at <= Instant::now())
+    }
+
+    /// Records a failed reload of `hash` by `pod`; returns how long until it is asked again
+    /// (the first delay doubling with each failure in a row, capped).
+    pub fn reload_failed(
+        &self,
+        pool: &str,
+        pod: &ReadyPod,
+        hash: &str,
+        failure: ReloadFailure,
+    ) -> Duration {
+        let (first, max) = self.reload_backoff;
+        let mut all = self
+            .reload_failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let f = all
+            .entry(pool.to_string())
+            .or_default()
+            .entry(pod.key())
+            .or_insert(Failing {
+                hash: hash.to_string(),
+                attempts: 0,
+                retry_at: Instant::now(),
+                failure: failure.clone(),
+            });
+        f.attempts = (f.attempts + 1).min(16);
+        let delay = first.saturating_mul(1 << (f.attempts - 1)).min(max);
+        f.retry_at = Instant::now() + delay;
+        f.failure = failure;
+        f.hash = hash.to_string();
+        delay
+    }
+
+    /// Forgets the failures of `pod` of `pool`: it answered (a stale file is no failure).
+    pub fn reload_answered(&self, pool: &str, pod: &ReadyPod) {
+        if let Some(m) = self
+            .reload_failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get_mut(pool)
+        {
+            m.remove(&pod.key());
+        }
+    }
+
+    /// The pods of `pool` whose last reload failed (sorted by pod), and how long until the
+    /// first of them is asked again.
+    pub fn reload_failures(&self, pool: &str) -> (Vec<ReloadFailure>, Option<Duration>) {
+        let all = self
+            .reload_failures
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let Some(m) = all.get(pool) else {
+            return (Vec::new(), None);
+        };
+        let mut failures: Vec<ReloadFailure> = m.values().map(|f| f.failure.clone()).collect();
+        failures.sort_by(|a, b| a.pod.cmp(&b.pod));
+        let now = Instant::now();
+        let next = m
+            .values()
+            .map(|f| f.retry_at.saturating_duration_since(now))
+            .min();
+        (failures, next)
+    }
+
+    /// Records that `pod` of `pool` runs the config `hash` (and forgets its failures).
     pub fn reload_accepted(&self, pool: &str, pod: &ReadyPod, hash: &str) {
+        self.reload_answered(pool, pod);
         self.reloaded
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -143,13 +273,21 @@ impl ReadyPod {
 }
 
 /// What a worker answered to `POST /admin/reload`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Reload {
     /// It re-read its file, which has the expected hash, and applied it.
     Applied,
     /// 409 `config_stale`: its mounted file is older than the ConfigMap (the kubelet refreshes
     /// it up to a minute later). Ask again shortly; this is no error.
     Stale,
+    /// Any other error answer: the worker's JSON error `code` (or `http_<status>`) and
+    /// message. Asking again at once would get the same answer.
+    Refused {
+        /// The worker's error code.
+        code: String,
+        /// The HTTP status and the worker's message.
+        message: String,
+    },
 }
 
 /// HTTP client of the worker pods (`/v1/lora_adapters`, `/admin/reload`, unload).
@@ -221,13 +359,19 @@ impl PodClient {
         if status.is_success() {
             return Ok(Reload::Applied);
         }
-        if status == reqwest::StatusCode::CONFLICT {
-            let body: serde_json::Value = r.json().await.unwrap_or_default();
-            if body["error"]["code"] == "config_stale" {
-                return Ok(Reload::Stale);
-            }
+        // The worker's errors are `{"error": {"code", "message", ...}}` (OpenAI's shape).
+        let body: serde_json::Value = r.json().await.unwrap_or_default();
+        let code = body["error"]["code"].as_str();
+        if status == reqwest::StatusCode::CONFLICT && code == Some("config_stale") {
+            return Ok(Reload::Stale);
         }
-        Err(Self::err(pod, format!("/admin/reload answered {status}")))
+        let said = body["error"]["message"]
+            .as_str()
+            .unwrap_or("no error message");
+        Ok(Reload::Refused {
+            code: code.map_or_else(|| format!("http_{}", status.as_u16()), String::from),
+            message: format!("/admin/reload answered {status}: {said}"),
+        })
     }
 
     /// `POST /v1/unload_lora_adapter` (vLLM's shape).
@@ -317,5 +461,69 @@ pub async fn operator_token(client: &Client, pool: &InferencePool) -> Result<Str
             token_of(&api.get(&name).await?).ok_or_else(missing)
         }
         Err(e) => Err(e.into()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A context whose API server answers nothing (the reload bookkeeping needs none).
+    fn context() -> Context {
+        let svc = tower::service_fn(|_req: http::Request<kube::client::Body>| async {
+            Err::<http::Response<kube::client::Body>, std::io::Error>(std::io::Error::other(
+                "no API server in this test",
+            ))
+        });
+        Context::new(
+            Client::new(svc, "ml"),
+            "test".into(),
+            Metrics::new(),
+            PodClient::new(8000),
+        )
+    }
+
+    #[tokio::test]
+    async fn a_failing_pod_is_asked_again_after_a_doubling_capped_delay() {
+        let ctx = context();
+        let pod = ReadyPod {
+            name: "p".into(),
+            ip: "10.0.0.1".into(),
+        };
+        let failure = ReloadFailure {
+            pod: "p".into(),
+            code: "config_invalid".into(),
+            message: "bad".into(),
+        };
+        assert!(ctx.reload_due("ml/vl", &pod, "h1"));
+        let delays: Vec<u64> = (0..7)
+            .map(|_| {
+                ctx.reload_failed("ml/vl", &pod, "h1", failure.clone())
+                    .as_secs()
+            })
+            .collect();
+        assert_eq!(delays, [10, 20, 40, 80, 160, 300, 300]);
+        assert!(!ctx.reload_due("ml/vl", &pod, "h1"), "within its backoff");
+        assert!(
+            ctx.reload_due("ml/vl", &pod, "h2"),
+            "a new config is asked at once"
+        );
+        let (failed, next) = ctx.reload_failures("ml/vl");
+        assert_eq!(failed, vec![failure]);
+        assert!(next.unwrap() <= Duration::from_secs(300));
+        // An answer (stale file or accepted) forgets the failures; a pod gone is forgotten.
+        ctx.reload_answered("ml/vl", &pod);
+        assert!(ctx.reload_failures("ml/vl").0.is_empty());
+        ctx.reload_failed("ml/vl", &pod, "h1", failure_of("p"));
+        assert!(ctx.pods_to_reload("ml/vl", &[], "h1").is_empty());
+        assert!(ctx.reload_failures("ml/vl").0.is_empty());
+    }
+
+    fn failure_of(pod: &str) -> ReloadFailure {
+        ReloadFailure {
+            pod: pod.into(),
+            code: "pod_unreachable".into(),
+            message: "connection refused".into(),
+        }
     }
 }

@@ -8,6 +8,7 @@ pub mod apply;
 mod conditions;
 pub mod context;
 pub mod ids;
+pub mod pods;
 pub mod pool;
 mod reconcile;
 pub mod validate;

@@ -149,6 +149,23 @@ fn resources(spec: &InferencePoolSpec) -> ResourceRequirements {
 /// without a window where the Service points at a port old pods do not listen on.
 pub const WORKER_PORT_NAME: &str = "http";
 
+/// How long a probe waits for an answer. `/healthz` and `/readyz` read a few atomics and never
+/// wait behind inference (the engine runs on its own thread, blocking work leaves the async
+/// runtime), so a slow answer means a starved node (a CPU prefill on every core, a swapping
+/// host), not a broken pod: 3 s made such pods flap out of their Service and back.
+pub const PROBE_TIMEOUT_SECONDS: i32 = 10;
+/// The readiness probe: every 10 s, 3 failures in a row (about 30 s of failing or timing out)
+/// before a pod leaves its Service's endpoints.
+pub const READINESS_PERIOD_SECONDS: i32 = 10;
+/// See [`READINESS_PERIOD_SECONDS`].
+pub const READINESS_FAILURES: i32 = 3;
+/// The liveness probe: every 10 s, 6 failures in a row (about a minute) before the kubelet
+/// restarts the worker. A restart costs a model load (minutes on a GPU), so only an HTTP
+/// server that stays wedged is restarted.
+pub const LIVENESS_PERIOD_SECONDS: i32 = 10;
+/// See [`LIVENESS_PERIOD_SECONDS`].
+pub const LIVENESS_FAILURES: i32 = 6;
+
 fn http_probe(path: &str, period: i32, failures: i32) -> Probe {
     Probe {
         http_get: Some(HTTPGetAction {
@@ -158,7 +175,7 @@ fn http_probe(path: &str, period: i32, failures: i32) -> Probe {
         }),
         period_seconds: Some(period),
         failure_threshold: Some(failures),
-        timeout_seconds: Some(3),
+        timeout_seconds: Some(PROBE_TIMEOUT_SECONDS),
         ..Default::default()
     }
 }
@@ -265,8 +282,16 @@ fn worker_container(
         termination_message_policy: Some("FallbackToLogsOnError".into()),
         // Loading a large base model can take minutes: the startup probe allows 20.
         startup_probe: Some(http_probe("/healthz", 10, 120)),
-        liveness_probe: Some(http_probe("/healthz", 10, 3)),
-        readiness_probe: Some(http_probe("/readyz", 5, 2)),
+        liveness_probe: Some(http_probe(
+            "/healthz",
+            LIVENESS_PERIOD_SECONDS,
+            LIVENESS_FAILURES,
+        )),
+        readiness_probe: Some(http_probe(
+            "/readyz",
+            READINESS_PERIOD_SECONDS,
+            READINESS_FAILURES,
+        )),
         security_context: Some(restricted_container_security()),
         volume_mounts: Some(mounts),
         ..Default::default()

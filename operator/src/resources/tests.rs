@@ -1043,3 +1043,34 @@ fn rollout_values_scale_as_the_deployment_controller_does() {
     }
     assert!(scaled_value(&IntOrString::Int(-1), 3, true).is_err());
 }
+
+/// The probes tolerate a busy pod: a probe that times out after 3 s, twice in 10 s, took a pod
+/// under a long prefill on a starved node out of its Service and back (issue 25). A pod leaves
+/// the endpoints only after ~30 s of failures and is restarted only after ~60 s.
+#[test]
+fn probes_tolerate_a_busy_pod_for_30_seconds_before_it_leaves_the_service() {
+    let d = dynamic_deployment(&pool(), WORKER_PORT, &WorkerImages::default());
+    let c = pod_of(&d).containers[0].clone();
+    let seen = |p: &Option<k8s_openapi::api::core::v1::Probe>| {
+        let p = p.as_ref().unwrap();
+        (
+            p.http_get.as_ref().unwrap().path.clone().unwrap(),
+            p.period_seconds.unwrap(),
+            p.timeout_seconds.unwrap(),
+            p.failure_threshold.unwrap(),
+        )
+    };
+    assert_eq!(seen(&c.readiness_probe), ("/readyz".into(), 10, 10, 3));
+    assert_eq!(seen(&c.liveness_probe), ("/healthz".into(), 10, 10, 6));
+    assert_eq!(seen(&c.startup_probe), ("/healthz".into(), 10, 10, 120));
+    for p in [&c.readiness_probe, &c.liveness_probe] {
+        let (_, period, timeout, failures) = seen(p);
+        // The kubelet does not overlap probes: a timing-out probe takes max(period, timeout).
+        let out_after = period.max(timeout) * failures;
+        assert!(out_after >= 30, "{p:?} gives up after {out_after} s");
+        assert!(
+            timeout <= period,
+            "a timeout over the period would stretch it"
+        );
+    }
+}

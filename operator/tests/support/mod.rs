@@ -10,7 +10,11 @@
 //!
 //! It authorizes as the chart does: a request the chart's ClusterRole and Role
 //! (`charts/mole/templates/rbac.yaml`) do not grant is answered 403, so every scenario checks
-//! that the operator's RBAC covers each call it makes.
+//! that the operator's RBAC covers each call it makes. A write that sets `blockOwnerDeletion`
+//! also needs `update` on the owner's `finalizers` (the API server's
+//! OwnerReferencesPermissionEnforcement). What each thread's scenarios asked is kept
+//! ([`rbac_used`]), so a test can check the other way round: that the chart grants nothing no
+//! scenario needs.
 
 #![allow(dead_code)]
 
@@ -97,6 +101,58 @@ pub fn chart_rules() -> &'static [Rule] {
         assert!(!rules.is_empty(), "no rules read from {path}");
         rules
     })
+}
+
+/// (API group, resource or `resource/subresource`, verb), as RBAC sees a request.
+pub type Access = (String, String, String);
+
+thread_local! {
+    /// What the requests served on this thread asked of RBAC. A `#[tokio::test]` runs on a
+    /// current-thread runtime, so its API calls are served on its own thread.
+    static USED: std::cell::RefCell<std::collections::BTreeSet<Access>> = Default::default();
+    /// The requests refused 403 on this thread.
+    static DENIED: std::cell::RefCell<Vec<Access>> = Default::default();
+}
+
+/// What the requests served on this thread so far asked of RBAC.
+pub fn rbac_used() -> std::collections::BTreeSet<Access> {
+    USED.with(|u| u.borrow().clone())
+}
+
+/// The requests refused 403 on this thread so far.
+pub fn rbac_denied() -> Vec<Access> {
+    DENIED.with(|d| d.borrow().clone())
+}
+
+/// Every (group, resource, verb) the chart's ClusterRole and Role grant.
+pub fn granted() -> std::collections::BTreeSet<Access> {
+    let mut out = std::collections::BTreeSet::new();
+    for r in chart_rules() {
+        for g in &r.groups {
+            for res in &r.resources {
+                for v in &r.verbs {
+                    out.insert((g.clone(), res.clone(), v.clone()));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The `update` on `<owner>/finalizers` that setting `blockOwnerDeletion` on a reference to
+/// the owner needs (the owner's resource named as its kind, lowercased, plural).
+fn owner_finalizers(reference: &Value) -> Access {
+    let group = reference["apiVersion"]
+        .as_str()
+        .unwrap_or("")
+        .rsplit_once('/')
+        .map_or("", |(g, _)| g);
+    let kind = reference["kind"].as_str().unwrap_or("").to_lowercase();
+    (
+        group.to_string(),
+        format!("{kind}s/finalizers"),
+        "update".to_string(),
+    )
 }
 
 /// What a request asks of RBAC: (API group, resource or `resource/subresource`, verb).
@@ -202,29 +258,50 @@ impl Store {
         query: Option<&str>,
         body: Value,
     ) -> Response<Body> {
+        // MOLE_FAKE_TRACE=1 prints every request, to see what a scenario asks.
+        if std::env::var_os("MOLE_FAKE_TRACE").is_some() {
+            eprintln!("fake api: {method} {path}?{}", query.unwrap_or(""));
+        }
         let mut want = rbac_request(method, path, query);
+        let is_apply = method == "PATCH"
+            && body.get("__json_patch").is_none()
+            && body.get("__merge_patch").is_none();
         // A server-side apply that creates the object is authorized as `create`, as the API
         // server does.
-        if want.2 == "patch" && !want.1.contains('/') && !self.objects.contains_key(path) {
+        if is_apply && !want.1.contains('/') && !self.objects.contains_key(path) {
             want.2 = "create".into();
         }
-        // MOLE_RBAC_LOG=FILE lists every call the scenarios make (group, resource, verb), to
-        // see which granted verbs no call needs.
-        if let Ok(f) = std::env::var("MOLE_RBAC_LOG") {
-            use std::io::Write;
-            let mut f = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(f)
-                .unwrap();
-            writeln!(f, "{}\t{}\t{}", want.0, want.1, want.2).unwrap();
-        }
-        if !chart_rules().iter().any(|r| r.grants(&want)) {
-            return status(
-                403,
-                "Forbidden",
-                &format!("the chart's RBAC does not grant {want:?}"),
+        let mut asks = vec![want.clone()];
+        if method == "POST" || (is_apply && !want.1.contains('/')) {
+            asks.extend(
+                body["metadata"]["ownerReferences"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .filter(|o| o["blockOwnerDeletion"] == json!(true))
+                    .map(owner_finalizers),
             );
+        }
+        for ask in asks {
+            // MOLE_RBAC_LOG=FILE lists every call the scenarios make (group, resource, verb).
+            if let Ok(f) = std::env::var("MOLE_RBAC_LOG") {
+                use std::io::Write;
+                let mut f = std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(f)
+                    .unwrap();
+                writeln!(f, "{}\t{}\t{}", ask.0, ask.1, ask.2).unwrap();
+            }
+            USED.with(|u| u.borrow_mut().insert(ask.clone()));
+            if !chart_rules().iter().any(|r| r.grants(&ask)) {
+                DENIED.with(|d| d.borrow_mut().push(ask.clone()));
+                return status(
+                    403,
+                    "Forbidden",
+                    &format!("the chart's RBAC does not grant {ask:?}"),
+                );
+            }
         }
         if self.failing.iter().any(|f| path.starts_with(f.as_str())) {
             return status(500, "InternalError", "injected failure");
@@ -234,6 +311,14 @@ impl Store {
             None => (path.to_string(), None),
         };
         match method {
+            "GET" if want.2 == "watch" => {
+                // A watch that ends at once without events (the watcher asks again later).
+                Response::builder()
+                    .status(200)
+                    .header("content-type", "application/json")
+                    .body(Body::empty())
+                    .unwrap()
+            }
             "GET" => {
                 if let Some(o) = self.objects.get(&base) {
                     return ok(o);
@@ -263,6 +348,20 @@ impl Store {
                 self.events.push(reason.clone());
                 self.event_notes.push((reason, note));
                 ok(&body)
+            }
+            "PATCH" if body.get("__merge_patch").is_some() => {
+                // A repeated Event (kube's Recorder patches its series); Events are not kept.
+                if path.contains("/events/") {
+                    return ok(&body["__merge_patch"]);
+                }
+                let Some(mut obj) = self.objects.get(&base).cloned() else {
+                    return status(404, "NotFound", "not found");
+                };
+                merge(&mut obj, &body["__merge_patch"]);
+                self.writes.push(("PATCH".into(), path.into()));
+                self.bump(&mut obj);
+                self.objects.insert(base, obj.clone());
+                ok(&obj)
             }
             "PATCH" if body.get("__json_patch").is_some() => {
                 let Some(mut obj) = self.objects.get(&base).cloned() else {
@@ -430,10 +529,13 @@ pub fn client(store: Shared) -> kube::Client {
             let method = req.method().to_string();
             let path = req.uri().path().to_string();
             let query = req.uri().query().map(str::to_string);
-            let json_patch = req
+            let content_type = req
                 .headers()
                 .get("content-type")
-                .is_some_and(|c| c.as_bytes().starts_with(b"application/json-patch"));
+                .map(|c| c.as_bytes().to_vec())
+                .unwrap_or_default();
+            let json_patch = content_type.starts_with(b"application/json-patch");
+            let merge_patch = content_type.starts_with(b"application/merge-patch");
             let bytes = req.into_body().collect().await.unwrap().to_bytes();
             let mut body: Value = if bytes.is_empty() {
                 Value::Null
@@ -442,6 +544,8 @@ pub fn client(store: Shared) -> kube::Client {
             };
             if json_patch {
                 body = json!({"__json_patch": body});
+            } else if merge_patch {
+                body = json!({"__merge_patch": body});
             }
             let resp = store
                 .lock()
@@ -480,6 +584,9 @@ pub struct FakeWorker {
     pub applied: Arc<Mutex<Vec<String>>>,
     /// Requests refused for a missing or wrong token.
     pub unauthorized: Arc<Mutex<usize>>,
+    /// When set, `POST /admin/reload` answers this status and JSON body (a worker refusing
+    /// the config) instead of applying or answering `config_stale`.
+    pub reload_error: Arc<Mutex<Option<(u16, Value)>>>,
 }
 
 /// Starts a [`FakeWorker`] on 127.0.0.1 that checks tokens against `store`.
@@ -494,6 +601,7 @@ pub async fn fake_worker(store: Shared) -> FakeWorker {
     let file_hash: Arc<Mutex<Option<String>>> = Arc::default();
     let applied: Arc<Mutex<Vec<String>>> = Arc::default();
     let unauthorized: Arc<Mutex<usize>> = Arc::default();
+    let reload_error: Arc<Mutex<Option<(u16, Value)>>> = Arc::default();
     let authorized = {
         let (store, unauthorized) = (store.clone(), unauthorized.clone());
         move |h: &HeaderMap| {
@@ -513,12 +621,13 @@ pub async fn fake_worker(store: Shared) -> FakeWorker {
         )
             .into_response()
     };
-    let (a, c1, c2, fh, ap) = (
+    let (a, c1, c2, fh, ap, re) = (
         adapters.clone(),
         calls.clone(),
         calls.clone(),
         file_hash.clone(),
         applied.clone(),
+        reload_error.clone(),
     );
     let (auth1, auth2, auth3) = (authorized.clone(), authorized.clone(), authorized);
     let app = axum::Router::new()
@@ -538,13 +647,17 @@ pub async fn fake_worker(store: Shared) -> FakeWorker {
         .route(
             "/admin/reload",
             post(move |h: HeaderMap, axum::Json(b): axum::Json<Value>| {
-                let (c, fh, ap) = (c1.clone(), fh.clone(), ap.clone());
+                let (c, fh, ap, re) = (c1.clone(), fh.clone(), ap.clone(), re.clone());
                 let ok = auth2(&h);
                 async move {
                     if !ok {
                         return denied();
                     }
                     c.lock().unwrap().push(("/admin/reload".into(), b.clone()));
+                    if let Some((code, body)) = re.lock().unwrap().clone() {
+                        return (StatusCode::from_u16(code).unwrap(), axum::Json(body))
+                            .into_response();
+                    }
                     let want = b["configHash"].as_str().unwrap_or("").to_string();
                     if fh.lock().unwrap().as_deref() == Some(want.as_str()) {
                         ap.lock().unwrap().push(want);
@@ -585,5 +698,6 @@ pub async fn fake_worker(store: Shared) -> FakeWorker {
         file_hash,
         applied,
         unauthorized,
+        reload_error,
     }
 }

@@ -11,6 +11,7 @@ use kube::{Api, ResourceExt};
 use mole_crds::{Adapter, InferencePool, LoraAdaptersResponse};
 
 use crate::controller::context::{operator_token, ready_pods, Context};
+use crate::controller::pods::{pod_problem, PodProblem};
 use crate::error::Result;
 use crate::mergedown;
 use crate::resources;
@@ -44,6 +45,8 @@ pub(super) struct Observed {
     pub load_warning: Option<String>,
     /// The live merged Deployment `<pool>-<adapter>`.
     pub merged: Option<Deployment>,
+    /// Why one of the merged Deployment's pods cannot become ready by itself, when one cannot.
+    pub merged_problem: Option<PodProblem>,
     /// What the merge-down planner reads.
     pub planner: mergedown::Observed,
 }
@@ -82,6 +85,10 @@ pub(super) async fn observe(
         .get_opt(&resources::merged_name(&adapter.spec.pool, &name))
         .await?
         .filter(|d| owned_by(&d.metadata, adapter));
+    let merged_problem = match &merged {
+        Some(d) => pod_problem(&merged_pods(ctx, &ns, d).await?),
+        None => None,
+    };
     let planner = mergedown::Observed {
         job: observe_job(ctx, &ns, &key.job_name, "merge Job failed").await?,
         deployment: merged.as_ref().map(observe_merged),
@@ -95,8 +102,27 @@ pub(super) async fn observe(
         load_error,
         load_warning,
         merged,
+        merged_problem,
         planner,
     })
+}
+
+/// The pods of a merged Deployment (those its selector picks).
+async fn merged_pods(ctx: &Context, ns: &str, d: &Deployment) -> Result<Vec<Pod>> {
+    let Some(labels) = d
+        .spec
+        .as_ref()
+        .and_then(|s| s.selector.match_labels.as_ref())
+        .filter(|l| !l.is_empty())
+    else {
+        return Ok(Vec::new());
+    };
+    let selector: Vec<String> = labels.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let lp = ListParams::default().labels(&selector.join(","));
+    Ok(Api::<Pod>::namespaced(ctx.client.clone(), ns)
+        .list(&lp)
+        .await?
+        .items)
 }
 
 /// Whether the object with `meta` is owned by `adapter` (an owner reference with its uid).

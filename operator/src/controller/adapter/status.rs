@@ -13,6 +13,7 @@ use mole_crds::{Adapter, AdapterPhase, AdapterStatus};
 use super::observe::Observed;
 use crate::controller::conditions::{mark_invalid, mark_valid};
 use crate::controller::context::Context;
+use crate::controller::pods;
 use crate::error::{FieldError, Result};
 use crate::mergedown::{set_condition, Plan};
 
@@ -109,6 +110,31 @@ pub(super) fn report(
         adapter.metadata.generation,
         now,
     );
+    // Merged pods that cannot start (unschedulable, crash-looping, the worker refusing the
+    // model) would otherwise leave `Ready` waiting for them with no word of why.
+    if let Some(p) = &obs.merged_problem {
+        let waiting = status
+            .conditions
+            .iter()
+            .find(|c| {
+                c.type_ == condition::READY
+                    && c.status == "False"
+                    && (c.reason == reason::WAITING_FOR_PODS || pods::is_failure(&c.reason))
+            })
+            .map(|c| c.message.clone());
+        if let Some(waiting) = waiting {
+            let waiting = waiting.split("; merged pod ").next().unwrap_or_default();
+            set_condition(
+                &mut status.conditions,
+                condition::READY,
+                false,
+                p.reason,
+                &format!("{waiting}; merged pod {}", p.message),
+                adapter.metadata.generation,
+                now,
+            );
+        }
+    }
     if obs.load_error.is_some() && status.phase != AdapterPhase::Ready {
         // Nothing serves this version and a pod says why: that is a failure, not a wait.
         status.phase = if status.active_version.is_some() {
@@ -141,6 +167,19 @@ pub(super) async fn publish(
     if let (Some(err), true) = (load_error, status.phase != old.phase) {
         ctx.event(&oref, true, reason::LOAD_FAILED, "Load", err.to_string())
             .await;
+    }
+    // `Ready` newly says that a merged pod fails: a Warning with the pod and why.
+    let ready = |s: &AdapterStatus| {
+        s.conditions
+            .iter()
+            .find(|c| c.type_ == condition::READY)
+            .map(|c| (c.reason.clone(), c.message.clone()))
+    };
+    if let Some((why, msg)) = ready(status) {
+        let was = ready(&old).map(|(r, _)| r);
+        if pods::is_failure(&why) && was.as_deref() != Some(why.as_str()) {
+            ctx.event(&oref, true, &why, "Serve", msg).await;
+        }
     }
     let secs = plan
         .requeue_after_secs
@@ -211,6 +250,7 @@ mod tests {
             load_error: load_error.map(String::from),
             load_warning: None,
             merged: None,
+            merged_problem: None,
             planner: crate::mergedown::Observed {
                 job: JobState::Absent,
                 deployment: None,

@@ -10,7 +10,9 @@ use mole_crds::InferencePool;
 use super::build::Desired;
 use super::observe::Observed;
 use crate::controller::apply::apply_if_changed;
-use crate::controller::context::{operator_token, ready_pods, Context, Reload};
+use std::time::Duration;
+
+use crate::controller::context::{operator_token, ready_pods, Context, Reload, ReloadFailure};
 use crate::error::Result;
 use crate::resources;
 
@@ -24,8 +26,22 @@ const FM_PDB: &str = "mole-operator/pool-pdb";
 pub(super) struct Applied {
     /// The dynamic Deployment as the API server holds it now.
     pub deployment: Deployment,
-    /// Ready pods that have not accepted the current config yet.
-    pub not_reloaded: Vec<String>,
+    /// Where the ready pods stand with the current config.
+    pub reload: Reloads,
+}
+
+/// Where the ready pods stand with the current config after asking them to reload.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub(super) struct Reloads {
+    /// How many pods are ready.
+    pub ready: usize,
+    /// Ready pods whose mounted file is older than the ConfigMap (409 `config_stale`): asked
+    /// again shortly.
+    pub stale: Vec<String>,
+    /// Ready pods whose last reload failed otherwise, with why.
+    pub failed: Vec<ReloadFailure>,
+    /// When the first failed pod is asked again.
+    pub retry_in: Option<Duration>,
 }
 
 /// Writes the children that differ from what was observed, then brings every ready pod onto
@@ -39,11 +55,8 @@ pub(super) async fn apply(
     // The operator's token for the pods' API: created once, mounted by every worker pod.
     let token = operator_token(&ctx.client, pool).await?;
     let deployment = apply_children(pool, ctx, obs, desired).await?;
-    let not_reloaded = reload(pool, ctx, &token, &desired.config_hash).await?;
-    Ok(Applied {
-        deployment,
-        not_reloaded,
-    })
+    let reload = reload(pool, ctx, &token, &desired.config_hash).await?;
+    Ok(Applied { deployment, reload })
 }
 
 /// Applies ConfigMap, Deployment, Service and PDB (nothing is written when the live objects
@@ -92,28 +105,51 @@ async fn apply_children(
     Ok(deployment)
 }
 
-/// Asks every ready pod to reload until it has accepted `config_hash`; returns the pods that
-/// have not yet. Right after the ConfigMap changed the kubelet has not refreshed the mounted
-/// file: the pod answers 409 config_stale and is asked again a few seconds later.
+/// Asks every ready pod to reload until it has accepted `config_hash`. Right after the
+/// ConfigMap changed the kubelet has not refreshed the mounted file: the pod answers 409
+/// config_stale and is asked again a few seconds later. Any other failure (a refusal, no
+/// answer) would not go away by asking every few seconds: the pod is asked again with a
+/// backoff, and the failure is reported (the pool's `AdaptersSynced` condition).
 async fn reload(
     pool: &InferencePool,
     ctx: &Context,
     token: &str,
     config_hash: &str,
-) -> Result<Vec<String>> {
+) -> Result<Reloads> {
     let ns = pool.namespace().unwrap_or_default();
     let key = super::key(pool);
     let pods = ready_pods(&ctx.client, &ns, &pool.name_any()).await?;
-    let mut not_reloaded = Vec::new();
+    let mut stale = Vec::new();
     for pod in ctx.pods_to_reload(&key, &pods, config_hash) {
-        match ctx.pods.reload(&pod, token, config_hash).await {
-            Ok(Reload::Applied) => ctx.reload_accepted(&key, &pod, config_hash),
-            Ok(Reload::Stale) => not_reloaded.push(pod.name.clone()),
-            Err(e) => {
-                tracing::warn!(error = %e, "reload request failed; retrying");
-                not_reloaded.push(pod.name.clone());
-            }
+        if !ctx.reload_due(&key, &pod, config_hash) {
+            continue;
         }
+        let failure = |code: String, message: String| ReloadFailure {
+            pod: pod.name.clone(),
+            code,
+            message,
+        };
+        let failed = match ctx.pods.reload(&pod, token, config_hash).await {
+            Ok(Reload::Applied) => {
+                ctx.reload_accepted(&key, &pod, config_hash);
+                continue;
+            }
+            Ok(Reload::Stale) => {
+                ctx.reload_answered(&key, &pod);
+                stale.push(pod.name.clone());
+                continue;
+            }
+            Ok(Reload::Refused { code, message }) => failure(code, message),
+            Err(e) => failure(e.code().into(), e.to_string()),
+        };
+        let delay = ctx.reload_failed(&key, &pod, config_hash, failed.clone());
+        tracing::warn!(failure = %failed, retry_in = ?delay, "reload failed");
     }
-    Ok(not_reloaded)
+    let (failed, retry_in) = ctx.reload_failures(&key);
+    Ok(Reloads {
+        ready: pods.len(),
+        stale,
+        failed,
+        retry_in,
+    })
 }

@@ -59,7 +59,7 @@ async fn reconcile_inner(pool: &InferencePool, ctx: &Context) -> Result<Action> 
     status::publish(pool, ctx, &report).await?;
     Ok(status::requeue(
         &report,
-        &applied.not_reloaded,
+        &applied.reload,
         &desired.config_hash,
     ))
 }

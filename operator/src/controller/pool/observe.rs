@@ -9,6 +9,7 @@ use mole_crds::constants::{LABEL_APP_COMPONENT, LABEL_APP_INSTANCE};
 use mole_crds::{Adapter, InferencePool, ModelSource};
 
 use crate::controller::context::Context;
+use crate::controller::pods::{pod_problem, PodProblem};
 use crate::error::Result;
 use crate::resources;
 
@@ -29,60 +30,8 @@ pub(super) struct Observed {
     /// With a fetched `baseModel.source`: what the pool's pods show of their `fetch-model`
     /// init containers (None without one).
     pub fetch: Option<FetchSeen>,
-    /// Why a dynamic pod cannot become ready by itself, when one cannot ([`pod_problem`]).
-    pub pod_problem: Option<String>,
-}
-
-/// Waiting reasons of a container that will not go away by waiting.
-const STUCK: [&str; 6] = [
-    "CrashLoopBackOff",
-    "ImagePullBackOff",
-    "ErrImagePull",
-    "InvalidImageName",
-    "CreateContainerConfigError",
-    "CreateContainerError",
-];
-
-/// The first pod of `pods` that cannot become ready by itself, and why: unschedulable (the
-/// scheduler's message), or a container stuck waiting (`CrashLoopBackOff` with its last
-/// termination message, which holds the worker's own refusal of the model, image pulls...).
-pub(super) fn pod_problem(pods: &[Pod]) -> Option<String> {
-    pods.iter().find_map(|p| {
-        let name = p.metadata.name.as_deref().unwrap_or("?");
-        let st = p.status.as_ref()?;
-        let unschedulable = st.conditions.iter().flatten().find(|c| {
-            c.type_ == "PodScheduled"
-                && c.status == "False"
-                && c.reason.as_deref() == Some("Unschedulable")
-        });
-        if let Some(c) = unschedulable {
-            return Some(format!(
-                "{name}: Unschedulable: {}",
-                c.message.as_deref().unwrap_or("no node fits")
-            ));
-        }
-        let containers = st
-            .init_container_statuses
-            .iter()
-            .flatten()
-            .chain(st.container_statuses.iter().flatten());
-        containers.into_iter().find_map(|c| {
-            let w = c.state.as_ref()?.waiting.as_ref()?;
-            let why = w.reason.as_deref().filter(|r| STUCK.contains(r))?;
-            let last = c
-                .last_state
-                .as_ref()
-                .and_then(|s| s.terminated.as_ref())
-                .and_then(|t| t.message.as_deref())
-                .or(w.message.as_deref())
-                .map(|m| m.trim().lines().last().unwrap_or("").to_string())
-                .filter(|m| !m.is_empty());
-            Some(match last {
-                Some(m) => format!("{name}: {} {why}: {m}", c.name),
-                None => format!("{name}: {} {why}", c.name),
-            })
-        })
-    })
+    /// Why a dynamic pod cannot become ready by itself, when one cannot.
+    pub pod_problem: Option<PodProblem>,
 }
 
 /// What the pool's pods show of the base model's fetch.
@@ -179,51 +128,6 @@ mod tests {
                 "ready": false, "restartCount": 1, "state": state, "lastState": last}]}
         }))
         .unwrap()
-    }
-
-    fn stuck(status: serde_json::Value) -> Pod {
-        serde_json::from_value(serde_json::json!({
-            "metadata": {"name": "vl-dynamic-1"}, "status": status
-        }))
-        .unwrap()
-    }
-
-    #[test]
-    fn pods_that_cannot_become_ready_are_named_with_why() {
-        let unschedulable = stuck(serde_json::json!({"conditions": [{"type": "PodScheduled",
-            "status": "False", "reason": "Unschedulable",
-            "message": "0/4 nodes are available: 4 Insufficient nvidia.com/gpu."}]}));
-        assert_eq!(
-            pod_problem(&[unschedulable]).unwrap(),
-            "vl-dynamic-1: Unschedulable: 0/4 nodes are available: 4 Insufficient nvidia.com/gpu."
-        );
-        let crash = stuck(
-            serde_json::json!({"containerStatuses": [{"name": "worker", "image": "i",
-            "imageID": "", "ready": false, "restartCount": 3,
-            "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s"}},
-            "lastState": {"terminated": {"exitCode": 1,
-                "message": "loading\nError: model refused (unsupported_architecture): model_type mamba"}}}]}),
-        );
-        assert_eq!(
-            pod_problem(&[crash]).unwrap(),
-            "vl-dynamic-1: worker CrashLoopBackOff: Error: model refused (unsupported_architecture): model_type mamba"
-        );
-        let pull = stuck(
-            serde_json::json!({"containerStatuses": [{"name": "worker", "image": "i",
-            "imageID": "", "ready": false, "restartCount": 0,
-            "state": {"waiting": {"reason": "ImagePullBackOff", "message": "pull access denied"}}}]}),
-        );
-        assert_eq!(
-            pod_problem(&[pull]).unwrap(),
-            "vl-dynamic-1: worker ImagePullBackOff: pull access denied"
-        );
-        // Starting up is not a problem.
-        let starting = stuck(
-            serde_json::json!({"containerStatuses": [{"name": "worker", "image": "i",
-            "imageID": "", "ready": false, "restartCount": 0,
-            "state": {"waiting": {"reason": "ContainerCreating"}}}]}),
-        );
-        assert_eq!(pod_problem(&[starting]), None);
     }
 
     #[test]

@@ -13,10 +13,11 @@ use mole_crds::{
     Adapter, AdapterPhase, InferencePool, InferencePoolStatus, MergedDeploymentStatus, PoolPhase,
 };
 
-use super::apply::Applied;
+use super::apply::{Applied, Reloads};
 use super::observe::Observed;
 use crate::controller::conditions::{mark_invalid, mark_valid};
 use crate::controller::context::Context;
+use crate::controller::pods;
 use crate::error::{FieldError, Result};
 use crate::mergedown::set_condition;
 use crate::resources;
@@ -35,8 +36,8 @@ pub(super) struct Report {
     pub status: InferencePoolStatus,
     /// Every desired dynamic pod is ready.
     pub all_ready: bool,
-    /// The `Ready` condition's reason (`PoolReady`, `PodsNotReady`, `PodsFailing`,
-    /// `ScaledToZero`).
+    /// The `Ready` condition's reason (`PoolReady`, `PodsNotReady`, `ScaledToZero`, or why a
+    /// pod fails: `PodsFailing`, `ModelDoesNotFit`, `WorkerConfigRefused`).
     pub ready_reason: &'static str,
     /// `Ready` changed status or reason: an Event is warranted.
     pub became: bool,
@@ -44,6 +45,8 @@ pub(super) struct Report {
     pub message: String,
     /// The base model's fetch changed state: (warning, reason, message) of its Event.
     pub fetch_event: Option<(bool, &'static str, String)>,
+    /// `AdaptersSynced` changed: (warning, reason, message) of its Event.
+    pub reload_event: Option<(bool, &'static str, String)>,
 }
 
 /// The pool's merged Deployments as `status.merged` lists them (sorted by adapter).
@@ -164,8 +167,8 @@ pub(super) fn report(
         (_, true, _) => reason::POOL_READY,
         (_, false, 0) => reason::SCALED_TO_ZERO,
         (Some(p), false, _) => {
-            message.push_str(&format!("; {p}"));
-            reason::PODS_FAILING
+            message.push_str(&format!("; {}", p.message));
+            p.reason
         }
         (None, false, _) => reason::PODS_NOT_READY,
     };
@@ -208,6 +211,7 @@ pub(super) fn report(
         )
         .then_some((why == reason::FETCH_FAILED, why, msg))
     });
+    let reload_event = adapters_synced(&mut status.conditions, &applied.reload, generation, now);
     Report {
         status,
         all_ready,
@@ -215,6 +219,72 @@ pub(super) fn report(
         became,
         message,
         fetch_event,
+        reload_event,
+    }
+}
+
+/// Sets `AdaptersSynced` from where the ready pods stand with the current config; returns the
+/// Event of a change (a Warning when a pod fails, a Normal one when the pool recovers from a
+/// failure; a pending kubelet refresh is routine and gets none).
+fn adapters_synced(
+    conditions: &mut Vec<k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition>,
+    r: &Reloads,
+    generation: Option<i64>,
+    now: DateTime<Utc>,
+) -> Option<(bool, &'static str, String)> {
+    let was_failing = conditions
+        .iter()
+        .any(|c| c.type_ == condition::ADAPTERS_SYNCED && c.reason == reason::RELOAD_FAILED);
+    let (ok, why, msg) = if let Some(first) = r.failed.first() {
+        let more = match r.failed.len() {
+            1 => String::new(),
+            n => format!(" (and {} more pods)", n - 1),
+        };
+        let retry = r
+            .retry_in
+            .map(|d| format!("; asked again in {} s", d.as_secs().max(1)))
+            .unwrap_or_default();
+        (
+            false,
+            reason::RELOAD_FAILED,
+            format!("{first}{more}: the pod keeps serving its previous config{retry}"),
+        )
+    } else if !r.stale.is_empty() {
+        (
+            false,
+            reason::RELOADING,
+            format!(
+                "{}/{} ready pods still read an older copy of the config (the kubelet refreshes it within a minute)",
+                r.stale.len(),
+                r.ready
+            ),
+        )
+    } else if r.ready == 0 {
+        (
+            true,
+            reason::CONFIG_APPLIED,
+            "no ready pod yet; pods read the current config when they start".to_string(),
+        )
+    } else {
+        (
+            true,
+            reason::CONFIG_APPLIED,
+            format!("{} ready pods run the current config", r.ready),
+        )
+    };
+    let changed = set_condition(
+        conditions,
+        condition::ADAPTERS_SYNCED,
+        ok,
+        why,
+        &msg,
+        generation,
+        now,
+    );
+    match why {
+        reason::RELOAD_FAILED if changed => Some((true, why, msg)),
+        reason::CONFIG_APPLIED if was_failing => Some((false, why, msg)),
+        _ => None,
     }
 }
 
@@ -226,7 +296,7 @@ pub(super) async fn publish(pool: &InferencePool, ctx: &Context, report: &Report
     if report.became {
         ctx.event(
             &pool.object_ref(&()),
-            report.ready_reason == reason::PODS_FAILING,
+            pods::is_failure(report.ready_reason),
             report.ready_reason,
             "Reconcile",
             report.message.clone(),
@@ -237,20 +307,26 @@ pub(super) async fn publish(pool: &InferencePool, ctx: &Context, report: &Report
         ctx.event(&pool.object_ref(&()), *warning, why, "Fetch", msg.clone())
             .await;
     }
+    if let Some((warning, why, msg)) = &report.reload_event {
+        ctx.event(&pool.object_ref(&()), *warning, why, "Reload", msg.clone())
+            .await;
+    }
     Ok(())
 }
 
-/// When to look again: soon while pods have not accepted the config, rarely once every pod is
-/// ready.
-pub(super) fn requeue(report: &Report, not_reloaded: &[String], config_hash: &str) -> Action {
-    Action::requeue(if !not_reloaded.is_empty() {
-        tracing::debug!(pods = ?not_reloaded, "pods not on config {config_hash} yet");
-        RELOAD_RETRY
-    } else if report.all_ready {
+/// When to look again: soon while pods read a stale config file, when the backoff of a pod
+/// whose reload failed runs out, rarely once every pod is ready.
+pub(super) fn requeue(report: &Report, reload: &Reloads, config_hash: &str) -> Action {
+    if !reload.stale.is_empty() {
+        tracing::debug!(pods = ?reload.stale, "pods not on config {config_hash} yet");
+        return Action::requeue(RELOAD_RETRY);
+    }
+    let recheck = if report.all_ready {
         RECHECK_READY
     } else {
         RECHECK_PROGRESSING
-    })
+    };
+    Action::requeue(reload.retry_in.map_or(recheck, |r| r.min(recheck)))
 }
 
 /// Writes the pool status with server-side apply (the lora id ledger is written separately,
@@ -334,7 +410,7 @@ mod tests {
     fn applied(d: Deployment) -> Applied {
         Applied {
             deployment: d,
-            not_reloaded: Vec::new(),
+            reload: Reloads::default(),
         }
     }
 
@@ -352,7 +428,10 @@ mod tests {
             (c.status.clone(), c.reason.clone(), c.message.clone())
         };
         let mut obs = observed(None);
-        obs.pod_problem = Some("vl-dynamic-1: Unschedulable: 0/4 nodes are available".into());
+        obs.pod_problem = Some(pods::PodProblem {
+            reason: reason::PODS_FAILING,
+            message: "vl-dynamic-1: Unschedulable: 0/4 nodes are available".into(),
+        });
         let r = report(&p, &obs, &applied(deployment(1)), now);
         assert_eq!(
             ready(&r),
@@ -390,12 +469,95 @@ mod tests {
         assert_eq!(r.status.phase, PoolPhase::Ready);
         assert!(r.all_ready);
         assert_eq!(
-            requeue(&r, &[], "h"),
+            requeue(&r, &Reloads::default(), "h"),
             Action::requeue(Duration::from_secs(300))
         );
+        let stale = Reloads {
+            stale: vec!["p".into()],
+            ..Default::default()
+        };
+        assert_eq!(requeue(&r, &stale, "h"), Action::requeue(RELOAD_RETRY));
+        // A failed pod is asked again when its backoff runs out, not every 5 s.
+        let failed = Reloads {
+            retry_in: Some(Duration::from_secs(40)),
+            ..Default::default()
+        };
         assert_eq!(
-            requeue(&r, &["p".into()], "h"),
-            Action::requeue(RELOAD_RETRY)
+            requeue(&r, &failed, "h"),
+            Action::requeue(Duration::from_secs(40))
+        );
+    }
+
+    #[test]
+    fn adapters_synced_says_which_pod_refused_the_config_and_announces_changes() {
+        use crate::controller::context::ReloadFailure;
+        let now = Utc.with_ymd_and_hms(2026, 11, 22, 12, 0, 0).unwrap();
+        let synced = |c: &[k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition]| {
+            let c = c.iter().find(|c| c.type_ == "AdaptersSynced").unwrap();
+            (c.status.clone(), c.reason.clone(), c.message.clone())
+        };
+        let mut conditions = Vec::new();
+        let ok = Reloads {
+            ready: 2,
+            ..Default::default()
+        };
+        assert_eq!(adapters_synced(&mut conditions, &ok, None, now), None);
+        assert_eq!(
+            synced(&conditions),
+            (
+                "True".into(),
+                reason::CONFIG_APPLIED.into(),
+                "2 ready pods run the current config".into()
+            )
+        );
+        let stale = Reloads {
+            ready: 2,
+            stale: vec!["p1".into()],
+            ..Default::default()
+        };
+        assert_eq!(
+            adapters_synced(&mut conditions, &stale, None, now),
+            None,
+            "a late kubelet refresh is routine"
+        );
+        assert_eq!(synced(&conditions).1, reason::RELOADING);
+        let failed = Reloads {
+            ready: 2,
+            failed: vec![
+                ReloadFailure {
+                    pod: "p1".into(),
+                    code: "config_invalid".into(),
+                    message: "/admin/reload answered 422 Unprocessable Entity: bad router".into(),
+                },
+                ReloadFailure {
+                    pod: "p2".into(),
+                    code: "pod_unreachable".into(),
+                    message: "connection refused".into(),
+                },
+            ],
+            retry_in: Some(Duration::from_secs(40)),
+            ..Default::default()
+        };
+        let msg = "p1 (config_invalid): /admin/reload answered 422 Unprocessable Entity: bad router \
+                   (and 1 more pods): the pod keeps serving its previous config; asked again in 40 s";
+        assert_eq!(
+            adapters_synced(&mut conditions, &failed, None, now),
+            Some((true, reason::RELOAD_FAILED, msg.into()))
+        );
+        assert_eq!(
+            synced(&conditions),
+            ("False".into(), reason::RELOAD_FAILED.into(), msg.into())
+        );
+        // Still failing: no second Event.
+        assert_eq!(adapters_synced(&mut conditions, &failed, None, now), None);
+        // Recovered: a Normal Event.
+        assert_eq!(
+            adapters_synced(&mut conditions, &ok, None, now),
+            Some((
+                false,
+                reason::CONFIG_APPLIED,
+                "2 ready pods run the current config".into()
+            ))
         );
     }
 
