@@ -30,9 +30,12 @@ use mole_api::{Dtype, RoutingSignals, ServingMode};
 )]
 #[serde(rename_all = "camelCase")]
 pub struct AdapterSpec {
-    /// Name of the InferencePool (same namespace) that serves this adapter.
+    /// Name of the InferencePool (same namespace) that serves this adapter. Immutable: the
+    /// adapter's merged pods, Jobs and outputs belong to that pool, so moving it is a delete
+    /// and a create (the finalizer then cleans up after the old pool).
     #[schemars(length(max = 253))]
     #[x_kube(validation = Rule::new("self != ''").message("pool must not be empty"))]
+    #[x_kube(validation = Rule::new("self == oldSelf").message("pool is immutable: to move the adapter to another pool, delete it and create it again naming that pool"))]
     pub pool: String,
     /// Version of the adapter. Changing it rolls forward; setting it back to a version kept in
     /// `status.history` rolls back without a new merge.

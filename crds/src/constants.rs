@@ -117,6 +117,10 @@ pub mod reason {
     pub const MERGE_SUCCEEDED: &str = "MergeSucceeded";
     /// A merge Job failed; the message carries the tool's reason.
     pub const MERGE_FAILED: &str = "MergeFailed";
+    /// The merge of one set of inputs failed `MAX_MERGE_ATTEMPTS` times in a row and is not
+    /// retried until they change (version, source, merge settings, base model); the message
+    /// carries the tool's last reason.
+    pub const MERGE_GAVE_UP: &str = "MergeGaveUp";
     /// The adapter's accuracy is under the pool's `minAccuracy`.
     pub const BELOW_MIN_ACCURACY: &str = "BelowMinAccuracy";
     /// Rolled back to a version kept in history without a merge.

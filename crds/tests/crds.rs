@@ -83,6 +83,8 @@ fn cel_rules_are_in_the_schema() {
         "!('classifier' in self.strategies) || has(self.classifierAdapter)",
         "source.path must be relative and must not contain '..'",
         "version must not be empty",
+        "self == oldSelf",
+        "pool is immutable: to move the adapter to another pool, delete it and create it again",
     ] {
         assert!(all.contains(rule), "missing CEL rule or message: {rule}");
     }

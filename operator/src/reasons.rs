@@ -6,3 +6,16 @@ pub const PROMOTED: &str = "Promoted";
 /// The merged Deployment, Service, PDB and ConfigMaps were removed (the adapter is served
 /// dynamically again).
 pub const MERGED_REMOVED: &str = "MergedPodsRemoved";
+/// A merge Job of an older merge key (or of an adapter now served dynamically) was deleted
+/// while it ran: nobody would serve its output.
+pub const MERGE_SUPERSEDED: &str = "MergeSuperseded";
+/// The adapter's pool is gone: its merged Deployment, Service, PDB, ConfigMaps and unfinished
+/// Jobs, which the pool's deletion does not garbage-collect (the Adapter owns them), were
+/// removed.
+pub const POOL_CHILDREN_REMOVED: &str = "PoolChildrenRemoved";
+/// The deleted adapter's merged outputs are pruned by a cleanup Job (owned by the pool, so it
+/// outlives the Adapter).
+pub const PRUNING_MERGED_OUTPUTS: &str = "PruningMergedOutputs";
+/// The deleted adapter's merged outputs stay on the volume: its pool is gone, so no Job can
+/// mount the volume to delete them.
+pub const MERGED_OUTPUTS_LEFT: &str = "MergedOutputsLeft";

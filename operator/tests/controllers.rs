@@ -1871,3 +1871,221 @@ async fn children_edited_by_hand_are_put_back() {
     assert_eq!(e.get(SVC).unwrap()["spec"], svc["spec"]);
     assert_eq!(e.get(PDB).unwrap()["spec"], pdb["spec"]);
 }
+
+// Issue 25 item 2: nothing an adapter starts outlives what it was for.
+
+const MERGED_SVC: &str = "/api/v1/namespaces/ml/services/vl-calendar";
+const MERGED_PDB: &str = "/apis/policy/v1/namespaces/ml/poddisruptionbudgets/vl-calendar";
+
+impl Env {
+    /// Names of the unfinished Jobs whose name starts with `prefix`.
+    fn running_jobs(&self, prefix: &str) -> Vec<String> {
+        self.jobs()
+            .into_iter()
+            .filter(|(_, j)| j["status"]["succeeded"] != 1 && j["status"]["conditions"].is_null())
+            .map(|(_, j)| j["metadata"]["name"].as_str().unwrap().to_string())
+            .filter(|n| n.starts_with(prefix))
+            .collect()
+    }
+    /// `kubectl delete adapter`: the API server sets deletionTimestamp and waits for the
+    /// finalizer.
+    fn delete_adapter(&self, name: &str) {
+        self.edit(&adapter_path(name), |a| {
+            a["metadata"]["deletionTimestamp"] = json!("2026-11-22T12:30:00Z")
+        });
+    }
+    /// The last merge failed long ago: its backoff has run out.
+    fn backoff_elapsed(&self) {
+        self.edit(&adapter_path("calendar"), |a| {
+            a["status"]["merge"]["lastFailureAt"] = json!("2000-01-01T00:00:00Z")
+        });
+    }
+    fn note_of(&self, reason: &str) -> String {
+        let notes = self.store.lock().unwrap().event_notes.clone();
+        notes
+            .into_iter()
+            .find(|(r, _)| r == reason)
+            .unwrap_or_else(|| panic!("no {reason} Event"))
+            .1
+    }
+}
+
+#[tokio::test]
+async fn deleting_the_pool_removes_the_merged_pods_and_merge_jobs_the_adapter_owns() {
+    let e = merged_env().await;
+    merged_ready_on_v1(&e).await;
+    let v1_out = e.merged_output();
+    let merged_cm = cm_path(&e.merged_config_name());
+    // v2 merges while the pool is deleted.
+    e.set_version("v2");
+    e.reconcile_adapter("calendar").await;
+    let v2_job = e.running_jobs("merge-calendar-");
+    assert_eq!(v2_job.len(), 1);
+    assert!(e.get(MERGED_SVC).is_some() && e.get(MERGED_PDB).is_some());
+
+    // Kubernetes collects the pool's own children; the adapter's have the Adapter as owner.
+    e.store.lock().unwrap().objects.remove(POOL);
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(condition(&a, "Valid")["reason"], "PoolNotFound");
+    for (what, path) in [
+        ("merged Deployment", MERGED),
+        ("merged Service", MERGED_SVC),
+        ("merged PDB", MERGED_PDB),
+        ("merged ConfigMap", merged_cm.as_str()),
+    ] {
+        assert!(e.get(path).is_none(), "{what} left behind");
+    }
+    assert!(
+        e.running_jobs("merge-").is_empty(),
+        "running merge Job left"
+    );
+    assert_eq!(e.count_events("PoolChildrenRemoved"), 1, "{:?}", e.events());
+    let note = e.note_of("PoolChildrenRemoved");
+    assert!(
+        note.contains("Deployment/vl-calendar") && note.contains(&format!("Job/{}", v2_job[0])),
+        "{note}"
+    );
+    // The history keeps its outputs: a pool re-created on the volume serves them again.
+    assert_eq!(a["status"]["history"][0]["mergedOutput"], json!(v1_out));
+
+    // Deleting the adapter now does not wait for the pool; its outputs are reported left.
+    e.delete_adapter("calendar");
+    e.reconcile_adapter("calendar").await;
+    assert!(e.get(&adapter_path("calendar")).is_none(), "finalizer done");
+    assert!(e.note_of("MergedOutputsLeft").contains(&v1_out));
+    assert!(e.jobs().iter().all(|(p, _)| !p.contains("/cleanup-")));
+}
+
+#[tokio::test]
+async fn a_merge_job_of_superseded_inputs_is_deleted() {
+    let e = merged_env().await;
+    merged_ready_on_v1(&e).await;
+    drop_finished_jobs(&e);
+    e.set_version("v2");
+    e.reconcile_adapter("calendar").await;
+    let v2 = e.running_jobs("merge-calendar-");
+    assert_eq!(v2.len(), 1);
+    // v3 is applied while v2 still merges: v2's Job is deleted, v3's runs.
+    e.set_version("v3");
+    e.reconcile_adapter("calendar").await;
+    let v3 = e.running_jobs("merge-calendar-");
+    assert_eq!(v3.len(), 1, "{v3:?}");
+    assert_ne!(v3, v2);
+    assert!(e
+        .store
+        .lock()
+        .unwrap()
+        .writes
+        .contains(&("DELETE".into(), format!("{JOBS}/{}", v2[0]))));
+    assert_eq!(e.count_events("MergeSuperseded"), 1);
+    assert!(e.note_of("MergeSuperseded").contains(&v2[0]));
+    assert!(e.merged_output().contains("/v1-"), "v1 keeps serving");
+    // Served dynamically again while v3 merges: v3's Job is superseded too.
+    e.edit(&adapter_path("calendar"), |a| {
+        a["spec"]["serving"]["mode"] = json!("dynamic")
+    });
+    e.reconcile_adapter("calendar").await;
+    assert!(e.running_jobs("merge-").is_empty());
+    assert!(e
+        .store
+        .lock()
+        .unwrap()
+        .writes
+        .contains(&("DELETE".into(), format!("{JOBS}/{}", v3[0]))));
+}
+
+#[tokio::test]
+async fn deleting_an_adapter_prunes_its_merged_outputs_with_a_job_the_pool_owns() {
+    let e = merged_env().await;
+    merged_ready_on_v1(&e).await;
+    let v1_out = e.merged_output();
+    // v2 merges when the adapter is deleted.
+    e.set_version("v2");
+    e.reconcile_adapter("calendar").await;
+    let v2_job = e.running_jobs("merge-calendar-");
+    assert_eq!(v2_job.len(), 1);
+    let v2_out = e.get(&format!("{JOBS}/{}", v2_job[0])).unwrap()["metadata"]["annotations"]
+        ["mole.dev/merge-output"]
+        .as_str()
+        .unwrap()
+        .to_string();
+
+    e.delete_adapter("calendar");
+    e.reconcile_adapter("calendar").await;
+    assert!(e.get(&adapter_path("calendar")).is_none(), "finalizer done");
+    assert!(
+        e.running_jobs("merge-").is_empty(),
+        "the merge stops before the prune"
+    );
+    let cleanup: Vec<Value> = e
+        .jobs()
+        .into_iter()
+        .filter(|(p, _)| p.contains("/cleanup-calendar-"))
+        .map(|(_, j)| j)
+        .collect();
+    assert_eq!(cleanup.len(), 1, "one cleanup Job");
+    let job = &cleanup[0];
+    // The Adapter is gone: the Job must not be collected with it.
+    let owners = job["metadata"]["ownerReferences"].as_array().unwrap();
+    assert_eq!(owners.len(), 1);
+    assert_eq!(owners[0]["kind"], "InferencePool");
+    assert_eq!(owners[0]["name"], "vl");
+    let args: Vec<String> =
+        serde_json::from_value(job["spec"]["template"]["spec"]["containers"][0]["args"].clone())
+            .unwrap();
+    let mut want = [format!("/models/{v1_out}"), format!("/models/{v2_out}")];
+    want.sort();
+    assert_eq!(args[..3], ["prune", "--root", "/models/merged/calendar"]);
+    assert_eq!(args[3..], want[..]);
+    assert!(e.note_of("PruningMergedOutputs").contains(&v1_out));
+    assert!(e.events().contains(&"Unregistered".to_string()));
+}
+
+#[tokio::test]
+async fn a_merge_that_keeps_failing_is_given_up_until_the_version_changes() {
+    let e = merged_env().await;
+    e.worker_reports(&[("calendar", "v1", 1)]);
+    e.reconcile_adapter("calendar").await;
+    let why = "merge failed (shape_mismatch): model.layers.0.self_attn.q_proj: lora_B is 8x64, the base expects 96";
+    for attempt in 1..=mole_operator::mergedown::MAX_MERGE_ATTEMPTS {
+        e.finish_only_job(false, why);
+        e.reconcile_adapter("calendar").await;
+        assert!(
+            e.jobs().is_empty(),
+            "attempt {attempt}: the failed Job is deleted"
+        );
+        e.backoff_elapsed();
+        e.reconcile_adapter("calendar").await;
+    }
+    // Given up: however long ago the last failure was, no Job comes back.
+    e.backoff_elapsed();
+    e.reconcile_adapter("calendar").await;
+    assert!(e.jobs().is_empty(), "no sixth attempt");
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(condition(&a, "Merged")["status"], "False");
+    assert_eq!(condition(&a, "Merged")["reason"], "MergeGaveUp");
+    assert!(condition(&a, "Merged")["message"]
+        .as_str()
+        .unwrap()
+        .contains("shape_mismatch"));
+    assert_eq!(condition(&a, "Degraded")["reason"], "MergeGaveUp");
+    assert_eq!(
+        a["status"]["phase"], "Degraded",
+        "the dynamic pods keep serving it"
+    );
+    // (The recorder folds repeats of one reason into a series: one MergeFailed Event.)
+    assert_eq!(e.count_events("MergeFailed"), 1);
+    assert_eq!(e.count_events("MergeGaveUp"), 1);
+    assert!(e.note_of("MergeGaveUp").contains("failed 5 times"));
+    // The pool still lists it for the dynamic pods.
+    e.reconcile_pool().await;
+    let wc: mole_crds::WorkerConfig =
+        serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap()).unwrap();
+    assert!(wc.adapters.iter().any(|a| a.name == "calendar" && a.load));
+
+    // A new version is a new merge.
+    e.set_version("v2");
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.running_jobs("merge-calendar-").len(), 1);
+}

@@ -167,6 +167,16 @@ async fn pool_and_adapter_lifecycle_on_a_real_cluster() {
     })
     .await;
     assert_eq!(id, 1);
+    // Change-pool: the API server refuses a move (CEL transition rule); delete and re-create.
+    let err = adapters
+        .patch(
+            "calendar",
+            &PatchParams::default(),
+            &Patch::Merge(&serde_json::json!({"spec": {"pool": "other"}})),
+        )
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("pool is immutable"), "{err}");
     wait(60, "config lists calendar", || async {
         let cm = cms.get("vl-config").await.ok()?;
         cm.data?
@@ -343,6 +353,83 @@ async fn merge_serve_and_roll_back_on_a_real_cluster() {
         .await
         .unwrap();
     wait(120, "calendar deleted", || async {
+        adapters
+            .get_opt("calendar")
+            .await
+            .ok()?
+            .is_none()
+            .then_some(())
+    })
+    .await;
+    // Its merged outputs are pruned by a cleanup Job the pool owns (it outlives the Adapter).
+    let want = [format!("/models/{v1_out}"), format!("/models/{v2_out}")];
+    wait(300, "the deleted adapter's outputs pruned", || async {
+        let lp = ListParams::default()
+            .labels("mole.dev/adapter=calendar,app.kubernetes.io/component=cleanup");
+        jobs.list(&lp).await.ok()?.items.into_iter().find(|j| {
+            let args = j
+                .spec
+                .as_ref()
+                .and_then(|s| s.template.spec.as_ref()?.containers[0].args.clone());
+            let owner = j.metadata.owner_references.as_ref().and_then(|o| o.first());
+            args.is_some_and(|a| want.iter().all(|w| a.contains(w)))
+                && owner.is_some_and(|o| o.kind == "InferencePool")
+                && j.status.as_ref().and_then(|s| s.succeeded) == Some(1)
+        })
+    })
+    .await;
+    delete_namespace_and_volume(&client, &ns, &pv_name).await;
+}
+
+#[tokio::test]
+async fn deleting_a_pool_removes_its_merged_pods_on_a_real_cluster() {
+    let Some(client) = client().await else { return };
+    let ns = format!("mole-e2e-orphans-{}", std::process::id());
+    create_namespace(&client, &ns).await;
+    let pv_name = models_claim(&client, &ns).await;
+    let pools: Api<InferencePool> = Api::namespaced(client.clone(), &ns);
+    let pool: InferencePool = serde_json::from_value(serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
+        "metadata": {"name": "tiny", "annotations": {"mole.dev/allow-cpu": "true"}},
+        "spec": {"baseModel": {"name": "llama", "path": "base/llama", "dtype": "f32"},
+                 "storage": {"claimName": "models"}, "imagePullPolicy": "Never",
+                 "gpu": {"count": 0}, "dynamic": {"replicas": 1}}
+    }))
+    .unwrap();
+    pools.create(&PostParams::default(), &pool).await.unwrap();
+    let adapters: Api<Adapter> = Api::namespaced(client.clone(), &ns);
+    let cal: Adapter = serde_json::from_value(serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1", "kind": "Adapter", "metadata": {"name": "calendar"},
+        "spec": {"pool": "tiny", "version": "v1", "source": {"path": "adapters/calendar/v1"},
+                 "label": "calendar", "serving": {"mode": "merged"}}}))
+    .unwrap();
+    adapters.create(&PostParams::default(), &cal).await.unwrap();
+    wait_merged_ready(&adapters, "v1").await;
+    let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    let svcs: Api<Service> = Api::namespaced(client.clone(), &ns);
+    assert!(deploys.get_opt("tiny-calendar").await.unwrap().is_some());
+
+    // kubectl delete inferencepool tiny: the merged Deployment and Service (owned by the
+    // Adapter, so not garbage-collected with the pool) go too, within the adapter's recheck.
+    pools
+        .delete("tiny", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait(180, "merged pods removed with the pool", || async {
+        let d = deploys.get_opt("tiny-calendar").await.ok()?;
+        let s = svcs.get_opt("tiny-calendar").await.ok()?;
+        (d.is_none() && s.is_none()).then_some(())
+    })
+    .await;
+    let st = adapters.get("calendar").await.unwrap().status.unwrap();
+    let valid = st.conditions.iter().find(|c| c.type_ == "Valid").unwrap();
+    assert_eq!(valid.reason, "PoolNotFound");
+    // And the adapter's deletion does not wait for the pool.
+    adapters
+        .delete("calendar", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait(120, "calendar deleted without its pool", || async {
         adapters
             .get_opt("calendar")
             .await

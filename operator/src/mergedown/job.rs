@@ -213,6 +213,32 @@ pub fn cleanup_job(
     })
 }
 
+/// Whether a Job has finished: succeeded, or failed for good (a `Complete` or `Failed`
+/// condition). Only an unfinished Job still runs, or will run, pods worth stopping.
+pub fn finished(job: &Job) -> bool {
+    let Some(st) = &job.status else {
+        return false;
+    };
+    st.succeeded.unwrap_or(0) > 0
+        || st
+            .conditions
+            .iter()
+            .flatten()
+            .any(|c| matches!(c.type_.as_str(), "Complete" | "Failed") && c.status == "True")
+}
+
+/// The names of the unfinished `jobs` other than `keep`: merge Jobs superseded by a newer
+/// merge key (or by the adapter going dynamic, `keep` None), whose output nobody will serve.
+/// Finished Jobs are left to their TTL: they run nothing, and a succeeded one is what a
+/// restarted operator reads its result from.
+pub fn superseded(jobs: &[Job], keep: Option<&str>) -> Vec<String> {
+    jobs.iter()
+        .filter(|j| !finished(j))
+        .filter_map(|j| j.metadata.name.clone())
+        .filter(|n| Some(n.as_str()) != keep)
+        .collect()
+}
+
 /// The cleanup container's requests and limits.
 fn cleanup_resources() -> k8s_openapi::api::core::v1::ResourceRequirements {
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
@@ -374,6 +400,35 @@ merge:
         assert_eq!(
             c.image.as_deref(),
             Some("ghcr.io/mole-dev/mole-worker:0.1.0")
+        );
+    }
+
+    #[test]
+    fn only_unfinished_jobs_other_than_the_current_one_are_superseded() {
+        let job = |name: &str, status: serde_json::Value| -> Job {
+            serde_json::from_value(serde_json::json!({
+                "metadata": {"name": name}, "status": status,
+            }))
+            .unwrap()
+        };
+        let jobs = [
+            job("merge-a-old", serde_json::json!({"active": 1})),
+            job("merge-a-new", serde_json::json!({"active": 1})),
+            job("merge-a-done", serde_json::json!({"succeeded": 1})),
+            job(
+                "merge-a-failed",
+                serde_json::json!({"failed": 3, "conditions": [{"type": "Failed", "status": "True"}]}),
+            ),
+            job("merge-a-pending", serde_json::json!({})),
+        ];
+        assert_eq!(
+            superseded(&jobs, Some("merge-a-new")),
+            ["merge-a-old", "merge-a-pending"]
+        );
+        assert_eq!(
+            superseded(&jobs, None),
+            ["merge-a-old", "merge-a-new", "merge-a-pending"],
+            "served dynamically: no merge Job is wanted"
         );
     }
 

@@ -10,12 +10,16 @@ use mole_crds::{AdapterSpec, VersionRecord};
 use super::{
     backoff, merge_key, merged_endpoint, pool_endpoint, remove_condition, set_condition,
     DeploymentAction, JobAction, JobState, MergeKey, Observed, Plan, PlannedEvent, Subject,
+    MAX_MERGE_ATTEMPTS,
 };
 
 /// Seconds between looks at a running merge Job.
 const POLL_JOB_SECS: i64 = 15;
 /// Seconds between looks while the merged pods do not serve the desired version yet.
 const POLL_PODS_SECS: i64 = 10;
+/// Seconds between looks once the merge was given up: only a spec change (a watch event)
+/// or the dynamic pods' state can change anything.
+const GAVE_UP_RECHECK_SECS: i64 = 60;
 
 /// What every phase reads: the adapter, what was observed, and the identity of its merge.
 struct Inputs<'a> {
@@ -90,11 +94,12 @@ pub(super) fn plan_merged(
     if serving.desired {
         record_served(&cx, kept, status);
     }
-    let failed_reason = status
+    let this_key = status
         .merge
         .as_ref()
-        .filter(|m| m.job.as_deref() == Some(cx.key.job_name.as_str()))
-        .and_then(|m| m.last_failure_reason.clone());
+        .filter(|m| m.job.as_deref() == Some(cx.key.job_name.as_str()));
+    let failed_reason = this_key.and_then(|m| m.last_failure_reason.clone());
+    let gave_up = this_key.is_some_and(|m| m.failures.unwrap_or(0) >= MAX_MERGE_ATTEMPTS);
     let merging = matches!(step.job, JobAction::Create(_)) || obs.job == JobState::Running;
     status.phase = phase(
         serving,
@@ -103,13 +108,8 @@ pub(super) fn plan_merged(
         merging,
     );
     report_serving(&cx, serving, status, events);
-    set_conditions(
-        &cx,
-        failed_reason.as_deref(),
-        serving.desired,
-        kept.is_some(),
-        status,
-    );
+    let failure = failed_reason.as_deref().map(|why| Failure { why, gave_up });
+    set_conditions(&cx, failure, serving.desired, kept.is_some(), status);
 
     // The dynamic pods keep the adapter until the merged pods serve it, so promotion never
     // fails a request; afterwards unloading is the pool's choice.
@@ -120,6 +120,7 @@ pub(super) fn plan_merged(
         job: step.job,
         deployment,
         cleanup: Vec::new(),
+        merge_job: None,
         status: AdapterStatus::default(),
         events: Vec::new(),
         requeue_after_secs: step
@@ -185,6 +186,13 @@ fn start_merge(
     } else {
         0
     };
+    if failures >= MAX_MERGE_ATTEMPTS {
+        // Given up on these inputs: no Job until they change (a new key).
+        return JobStep {
+            job: JobAction::None,
+            requeue: Some(GAVE_UP_RECHECK_SECS),
+        };
+    }
     let wait = retry_wait(merge, failures, cx.obs.now);
     if !same_key {
         *merge = MergeStatus {
@@ -272,17 +280,35 @@ fn record_failure(
     merge.failures = Some(failures);
     merge.last_failure_at = Some(cx.obs.now.to_rfc3339());
     merge.last_failure_reason = Some(why.to_string());
+    // The failed Job goes either way: kept, it would be counted again on the next look.
+    let job = JobAction::DeleteFailed(key.job_name.clone());
+    if failures >= MAX_MERGE_ATTEMPTS {
+        events.push(PlannedEvent {
+            warning: true,
+            reason: reason::MERGE_GAVE_UP,
+            note: format!(
+                "merge of version {} failed {failures} times; not retried until the version, \
+                 source or merge settings change: {why}",
+                cx.spec.version
+            ),
+        });
+        return JobStep {
+            job,
+            requeue: Some(GAVE_UP_RECHECK_SECS),
+        };
+    }
     events.push(PlannedEvent {
         warning: true,
         reason: reason::MERGE_FAILED,
         note: format!(
-            "merge of version {} failed (attempt {failures}, retry in {}s): {why}",
+            "merge of version {} failed (attempt {failures} of {MAX_MERGE_ATTEMPTS}, retry in \
+             {}s): {why}",
             cx.spec.version,
             backoff(failures).num_seconds()
         ),
     });
     JobStep {
-        job: JobAction::DeleteFailed(key.job_name.clone()),
+        job,
         requeue: Some(backoff(failures).num_seconds()),
     }
 }
@@ -381,23 +407,44 @@ fn report_serving(
     }
 }
 
+/// The last failure of the current merge key.
+#[derive(Clone, Copy)]
+struct Failure<'a> {
+    /// The tool's one-line reason.
+    why: &'a str,
+    /// It failed [`MAX_MERGE_ATTEMPTS`] times: not retried until the inputs change.
+    gave_up: bool,
+}
+
 /// `Merged`, `Degraded` and `Ready` as the merge and the merged pods stand.
 fn set_conditions(
     cx: &Inputs<'_>,
-    failed_reason: Option<&str>,
+    failure: Option<Failure<'_>>,
     desired_serving: bool,
     kept: bool,
     status: &mut AdapterStatus,
 ) {
     let (key, gen, now) = (&cx.key, cx.subject.generation, cx.obs.now);
-    match (failed_reason, desired_serving) {
-        (Some(why), false) => {
+    match (failure, desired_serving) {
+        (Some(Failure { why, gave_up }), false) => {
+            let (why_reason, merged_msg, retry) = if gave_up {
+                (
+                    reason::MERGE_GAVE_UP,
+                    format!(
+                        "gave up after {MAX_MERGE_ATTEMPTS} failed attempts; change the version, \
+                         source or merge settings to retry: {why}"
+                    ),
+                    "; not retried until the version, source or merge settings change",
+                )
+            } else {
+                (reason::MERGE_FAILED, why.to_string(), "")
+            };
             set_condition(
                 &mut status.conditions,
                 condition::MERGED,
                 false,
-                reason::MERGE_FAILED,
-                why,
+                why_reason,
+                &merged_msg,
                 gen,
                 now,
             );
@@ -405,9 +452,10 @@ fn set_conditions(
                 &mut status.conditions,
                 condition::DEGRADED,
                 true,
-                reason::MERGE_FAILED,
+                why_reason,
                 &format!(
-                    "version {} could not be merged; the previous version keeps serving: {why}",
+                    "version {} could not be merged; the previous version keeps serving{retry}: \
+                     {why}",
                     cx.spec.version
                 ),
                 gen,

@@ -21,8 +21,13 @@ use sha2::{Digest, Sha256};
 const MAX_NAME: usize = 63;
 /// First retry of a failed merge after this many seconds, doubling per failure.
 const BACKOFF_BASE_SECS: i64 = 30;
-/// The retry delay never exceeds this (no hot loop, no give-up either).
+/// The retry delay never exceeds this (no hot loop).
 const BACKOFF_CAP_SECS: i64 = 30 * 60;
+/// Failed merges of one merge key before the operator gives up on it (`MergeGaveUp`): with
+/// the backoff that is 30 s + 1 + 2 + 4 min between the five attempts. A merge that failed
+/// that often fails for its inputs (a broken adapter, a base it does not fit), not by chance;
+/// new inputs (a new key) start over.
+pub const MAX_MERGE_ATTEMPTS: u32 = 5;
 
 /// Identity of one merge: the inputs that determine the merged weights.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -198,6 +203,10 @@ pub struct Plan {
     pub deployment: DeploymentAction,
     /// Merged outputs that fell out of the history: a cleanup Job deletes them.
     pub cleanup: Vec<String>,
+    /// The one merge Job of the adapter this plan keeps (its current key's, when it should
+    /// be served merged): any other unfinished merge Job of the adapter is superseded (an
+    /// older version's, or any while it is served dynamically) and is deleted.
+    pub merge_job: Option<String>,
     /// The new status.
     pub status: AdapterStatus,
     /// Events for the transitions this plan makes.
@@ -284,6 +293,7 @@ pub fn plan(
         plan_dynamic(pool_name, subject, obs, &mut status, &mut events)
     };
     plan.cleanup = trim_history(&mut status.history, pool.merge.keep_versions, obs);
+    plan.merge_job = want_merged.then(|| merge_key(pool, subject.name, spec).job_name);
     plan.status = status;
     plan.events = events;
     plan
@@ -365,6 +375,7 @@ fn plan_dynamic(
         job: JobAction::None,
         deployment,
         cleanup: Vec::new(),
+        merge_job: None,
         status: AdapterStatus::default(),
         events: Vec::new(),
         requeue_after_secs: (!obs.dynamic_loaded).then_some(10),

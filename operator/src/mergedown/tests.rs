@@ -583,3 +583,100 @@ fn the_plan_decides_what_the_dynamic_pods_load() {
     assert!(back.merged_endpoint.is_some());
     assert_eq!(back.deployment, DeploymentAction::Keep);
 }
+
+#[test]
+fn a_merge_that_keeps_failing_is_given_up_until_its_inputs_change() {
+    let p = pool();
+    let v1 = merged_status(&p, "v1", &AdapterStatus::default());
+    let k1 = merge_key(&p, "calendar", &adapter("v1", "merged"));
+    let a2 = adapter("v2", "merged");
+    let k2 = merge_key(&p, "calendar", &a2);
+    let mut o = obs(JobState::Absent);
+    o.deployment = Some(serving(&k1.output, "v1"));
+    let mut status = run(&p, &a2, &v1, &o).status;
+    let mut now = t0();
+    for attempt in 1..=MAX_MERGE_ATTEMPTS {
+        o.job = JobState::Failed {
+            reason: format!("merge failed (shape_mismatch): attempt {attempt}"),
+        };
+        o.now = now;
+        let failed = run(&p, &a2, &status, &o);
+        assert_eq!(failed.job, JobAction::DeleteFailed(k2.job_name.clone()));
+        let last = attempt == MAX_MERGE_ATTEMPTS;
+        let reasons: Vec<_> = failed.events.iter().map(|e| e.reason).collect();
+        let want = if last {
+            reason::MERGE_GAVE_UP
+        } else {
+            reason::MERGE_FAILED
+        };
+        assert_eq!(reasons, [want], "attempt {attempt}");
+        status = failed.status;
+        // The Job is gone; after the backoff the next attempt is created, except after the last.
+        o.job = JobState::Absent;
+        now += backoff(attempt) + Duration::seconds(1);
+        o.now = now;
+        let next = run(&p, &a2, &status, &o);
+        if last {
+            assert_eq!(next.job, JobAction::None, "given up: no new Job");
+            assert!(next.events.is_empty(), "announced once");
+            status = next.status;
+        } else {
+            assert_eq!(next.job, JobAction::Create(k2.clone()), "attempt {attempt}");
+            status = next.status;
+        }
+    }
+    // Hours later still nothing: the cap does not start it over.
+    o.now = now + Duration::hours(6);
+    let later = run(&p, &a2, &status, &o);
+    assert_eq!(later.job, JobAction::None);
+    assert_eq!(later.status.phase, AdapterPhase::Degraded);
+    assert_eq!(
+        later.deployment,
+        DeploymentAction::Apply {
+            output: k1.output.clone(),
+            version: "v1".into()
+        },
+        "v1 keeps serving"
+    );
+    for t in [condition::MERGED, condition::DEGRADED] {
+        let c = cond(&later.status, t).unwrap();
+        assert_eq!(c.reason, reason::MERGE_GAVE_UP, "{t}");
+        assert!(c.message.contains("attempt 5"), "{t}: {}", c.message);
+    }
+    assert_eq!(later.requeue_after_secs, Some(60));
+
+    // New inputs (a version bump) start over with a Job of their own.
+    let a3 = adapter("v3", "merged");
+    let retry = run(&p, &a3, &later.status, &o);
+    assert_eq!(retry.job, JobAction::Create(merge_key(&p, "calendar", &a3)));
+    assert_eq!(retry.status.merge.as_ref().unwrap().failures, None);
+    assert_ne!(
+        cond(&retry.status, condition::MERGED).unwrap().reason,
+        reason::MERGE_GAVE_UP
+    );
+}
+
+#[test]
+fn the_plan_names_the_one_merge_job_it_keeps() {
+    let p = pool();
+    let merged = adapter("v2", "merged");
+    let plan = run(
+        &p,
+        &merged,
+        &AdapterStatus::default(),
+        &obs(JobState::Absent),
+    );
+    assert_eq!(
+        plan.merge_job,
+        Some(merge_key(&p, "calendar", &merged).job_name),
+        "the current key's Job: any other is superseded"
+    );
+    let dynamic = adapter("v2", "dynamic");
+    let plan = run(
+        &p,
+        &dynamic,
+        &AdapterStatus::default(),
+        &obs(JobState::Absent),
+    );
+    assert_eq!(plan.merge_job, None, "served dynamically: no merge Job");
+}

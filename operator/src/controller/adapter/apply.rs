@@ -1,6 +1,7 @@
-//! Apply: the merge-down plan carried out — the merge Job, the merged ConfigMap, Deployment,
-//! Service and PDB (or their removal), and the cleanup Job of outputs that fell out of the
-//! history.
+//! Apply: the merge-down plan carried out — the merge Job (superseded ones deleted), the
+//! merged ConfigMap, Deployment, Service and PDB (or their removal), and the cleanup Job of
+//! outputs that fell out of the history; and what an adapter leaves behind when its pool goes
+//! or it is deleted.
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
@@ -62,6 +63,17 @@ pub(super) async fn apply_plan(
             .expect("adapters read from the API have a uid"),
     };
     apply_job(&c, &plan.job).await?;
+    let selector = format!("{LABEL_ADAPTER}={},{LABEL_APP_COMPONENT}=merge", c.name);
+    for job in delete_unfinished_jobs(ctx, adapter, &selector, plan.merge_job.as_deref()).await? {
+        ctx.event(
+            &adapter.object_ref(&()),
+            false,
+            crate::reasons::MERGE_SUPERSEDED,
+            "Merge",
+            format!("deleted the merge Job {job}: its inputs are no longer the adapter's"),
+        )
+        .await;
+    }
     match &plan.deployment {
         DeploymentAction::Apply { output, version } => {
             apply_merged(&c, plan, output, version, live).await?
@@ -69,18 +81,139 @@ pub(super) async fn apply_plan(
         DeploymentAction::Delete => delete_merged(&c).await?,
         DeploymentAction::Keep => {}
     }
+    // Owned by the pool: a cleanup Job deleted with the Adapter could stop halfway.
     let cleanup = mergedown::job::cleanup_job(
         &c.pool_name,
         &pool.spec,
         &c.name,
         &plan.cleanup,
-        c.owner.clone(),
+        resources::owner(pool),
         &c.ctx.images,
     );
     if let Some(job) = cleanup {
         create_ignoring_existing(&c.api(), &job).await?;
     }
     Ok(())
+}
+
+/// Deletes the adapter's unfinished Jobs matching `selector` other than `keep`, with their
+/// pods (background propagation); returns their names. Only Jobs the adapter owns.
+async fn delete_unfinished_jobs(
+    ctx: &Context,
+    adapter: &Adapter,
+    selector: &str,
+    keep: Option<&str>,
+) -> Result<Vec<String>> {
+    let jobs: Api<Job> =
+        Api::namespaced(ctx.client.clone(), &adapter.namespace().unwrap_or_default());
+    let owned: Vec<Job> = jobs
+        .list(&ListParams::default().labels(selector))
+        .await?
+        .items
+        .into_iter()
+        .filter(|j| owned_by(&j.metadata, adapter))
+        .collect();
+    let names = mergedown::job::superseded(&owned, keep);
+    for name in &names {
+        delete_ignoring_absent(&jobs, name).await?;
+    }
+    Ok(names)
+}
+
+/// Removes what the adapter owns for its pool once the pool is gone: the merged Deployment,
+/// Service, PDB and ConfigMaps and the unfinished merge and fetch Jobs. The pool's deletion
+/// does not garbage-collect them (their owner is the Adapter, which lives on), so without this
+/// the merged pods would keep their GPUs. Returns `Kind/name` of each object removed. Merged
+/// outputs stay on the volume and in the history: a pool re-created on the same volume serves
+/// them again without a merge.
+pub(super) async fn remove_pool_children(ctx: &Context, adapter: &Adapter) -> Result<Vec<String>> {
+    let ns = adapter.namespace().unwrap_or_default();
+    let name = adapter.name_any();
+    let pool = &adapter.spec.pool;
+    let mut removed = Vec::new();
+    let merged = resources::merged_name(pool, &name);
+    if delete_owned(
+        &Api::<Deployment>::namespaced(ctx.client.clone(), &ns),
+        &merged,
+        adapter,
+    )
+    .await?
+    {
+        removed.push(format!("Deployment/{merged}"));
+    }
+    if delete_owned(
+        &Api::<Service>::namespaced(ctx.client.clone(), &ns),
+        &merged,
+        adapter,
+    )
+    .await?
+    {
+        removed.push(format!("Service/{merged}"));
+    }
+    if delete_owned(
+        &Api::<PodDisruptionBudget>::namespaced(ctx.client.clone(), &ns),
+        &merged,
+        adapter,
+    )
+    .await?
+    {
+        removed.push(format!("PodDisruptionBudget/{merged}"));
+    }
+    let cms: Api<ConfigMap> = Api::namespaced(ctx.client.clone(), &ns);
+    let lp = ListParams::default().labels(&format!(
+        "{LABEL_APP_INSTANCE}={pool},{LABEL_APP_COMPONENT}=merged,{LABEL_ADAPTER}={name}"
+    ));
+    for cm in cms.list(&lp).await?.items {
+        if delete_owned(&cms, &cm.name_any(), adapter).await? {
+            removed.push(format!("ConfigMap/{}", cm.name_any()));
+        }
+    }
+    for component in ["merge", "fetch"] {
+        let selector = format!(
+            "{LABEL_APP_INSTANCE}={pool},{LABEL_APP_COMPONENT}={component},{LABEL_ADAPTER}={name}"
+        );
+        let jobs = delete_unfinished_jobs(ctx, adapter, &selector, None).await?;
+        removed.extend(jobs.into_iter().map(|j| format!("Job/{j}")));
+    }
+    Ok(removed)
+}
+
+/// Launches the deleted adapter's last cleanup Job: `mole-worker prune` of every merged output
+/// its status names (the history, and the merge in progress). The Job is owned by the pool, so
+/// it outlives the Adapter. Unfinished merge Jobs are deleted first, so none writes an output
+/// after the prune. Returns the Job's name and the outputs, None when there is nothing to
+/// prune.
+pub(super) async fn prune_outputs(
+    ctx: &Context,
+    adapter: &Adapter,
+    pool: &InferencePool,
+) -> Result<Option<(String, Vec<String>)>> {
+    let name = adapter.name_any();
+    let selector = format!("{LABEL_ADAPTER}={name},{LABEL_APP_COMPONENT}=merge");
+    delete_unfinished_jobs(ctx, adapter, &selector, None).await?;
+    let status = adapter.status.clone().unwrap_or_default();
+    let mut outputs: Vec<String> = status
+        .history
+        .iter()
+        .filter_map(|r| r.merged_output.clone())
+        .chain(status.merge.and_then(|m| m.output))
+        .collect();
+    outputs.sort();
+    outputs.dedup();
+    let Some(job) = mergedown::job::cleanup_job(
+        &pool.name_any(),
+        &pool.spec,
+        &name,
+        &outputs,
+        resources::owner(pool),
+        &ctx.images,
+    ) else {
+        return Ok(None);
+    };
+    let jobs: Api<Job> =
+        Api::namespaced(ctx.client.clone(), &adapter.namespace().unwrap_or_default());
+    create_ignoring_existing(&jobs, &job).await?;
+    Ok(Some((job.name_any(), outputs)))
 }
 
 async fn apply_job(c: &Children<'_>, action: &JobAction) -> Result<()> {
@@ -173,16 +306,16 @@ async fn delete_merged(c: &Children<'_>) -> Result<()> {
 
 /// Deletes `name` when it exists and `adapter` owns it, with the uid as precondition (so a
 /// replacement created in between is not deleted either).
-async fn delete_owned<K>(api: &Api<K>, name: &str, adapter: &Adapter) -> Result<()>
+async fn delete_owned<K>(api: &Api<K>, name: &str, adapter: &Adapter) -> Result<bool>
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {
     let Some(live) = api.get_opt(name).await? else {
-        return Ok(());
+        return Ok(false);
     };
     if !owned_by(live.meta(), adapter) {
         tracing::warn!(name, "not deleting an object the adapter does not own");
-        return Ok(());
+        return Ok(false);
     }
     let dp = DeleteParams {
         preconditions: Some(kube::api::Preconditions {
@@ -192,8 +325,8 @@ where
         ..DeleteParams::background()
     };
     match api.delete(name, &dp).await {
-        Ok(_) => Ok(()),
-        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(()),
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(e)) if e.code == 404 || e.code == 409 => Ok(false),
         Err(e) => Err(e.into()),
     }
 }

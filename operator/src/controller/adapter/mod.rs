@@ -5,7 +5,8 @@
 //! `Ready` only when every ready dynamic pod of the pool says (over HTTP,
 //! `GET /v1/lora_adapters`) that it serves this adapter version, or, for a merged adapter,
 //! when its merged pods serve it (see `crate::mergedown`). A finalizer unregisters the
-//! adapter and asks the pods to unload it before the object goes.
+//! adapter, asks the pods to unload it and has its merged outputs pruned before the object
+//! goes. When its pool is gone it removes the merged pods and Jobs it owns for that pool.
 
 mod apply;
 mod build;
@@ -91,6 +92,9 @@ async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     let now = chrono::Utc::now();
     let (pool, siblings) = observe::pool_and_siblings(adapter, ctx).await?;
     if let Err(fe) = validate_adapter(adapter, pool.as_ref(), &siblings) {
+        if pool.is_none() && fe.reason == reason::POOL_NOT_FOUND {
+            remove_pool_children(adapter, ctx).await?;
+        }
         status::refuse(adapter, ctx, &fe, now).await?;
         return Ok(invalid_action(fe.reason));
     }
@@ -113,20 +117,77 @@ async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     status::publish(adapter, ctx, &next, &plan, observed.load_error.as_deref()).await
 }
 
-/// Unregisters a deleted adapter and asks the pool's pods to unload it.
+/// The pool of a live adapter is gone: what the adapter owns for it goes too (the pool's
+/// deletion does not collect it), announced once per removal.
+async fn remove_pool_children(adapter: &Adapter, ctx: &Context) -> Result<()> {
+    let removed = apply::remove_pool_children(ctx, adapter).await?;
+    if !removed.is_empty() {
+        ctx.event(
+            &adapter.object_ref(&()),
+            false,
+            crate::reasons::POOL_CHILDREN_REMOVED,
+            "Cleanup",
+            format!(
+                "pool {} is gone: removed {}",
+                adapter.spec.pool,
+                removed.join(", ")
+            ),
+        )
+        .await;
+    }
+    Ok(())
+}
+
+/// Unregisters a deleted adapter, asks the pool's pods to unload it and has its merged
+/// outputs pruned. Without the pool (or with the pool being deleted) nothing can be unloaded
+/// or pruned, and deletion goes on: it never waits for a pool that may not come back.
 async fn cleanup(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     let ns = adapter.namespace().unwrap_or_default();
     let name = adapter.name_any();
     // Leaving the ledger takes it out of the pool's WorkerConfig (and the id stays burnt).
     ledger::unregister(adapter, ctx).await?;
-    // Without the pool there are no pods to unload it from.
     let pools: Api<InferencePool> = Api::namespaced(ctx.client.clone(), &ns);
-    if let Some(pool) = pools.get_opt(&adapter.spec.pool).await? {
-        let token = operator_token(&ctx.client, &pool).await?;
+    let pool = pools
+        .get_opt(&adapter.spec.pool)
+        .await?
+        .filter(|p| p.metadata.deletion_timestamp.is_none());
+    if let Some(pool) = &pool {
+        let token = operator_token(&ctx.client, pool).await?;
         for pod in ready_pods(&ctx.client, &ns, &adapter.spec.pool).await? {
             if let Err(e) = ctx.pods.unload(&pod, &token, &name).await {
                 tracing::warn!(error = %e, "unload request failed; the config change unloads it");
             }
+        }
+        if let Some((job, outputs)) = apply::prune_outputs(ctx, adapter, pool).await? {
+            ctx.event(
+                &adapter.object_ref(&()),
+                false,
+                crate::reasons::PRUNING_MERGED_OUTPUTS,
+                "Cleanup",
+                format!("the Job {job} deletes {}", outputs.join(", ")),
+            )
+            .await;
+        }
+    } else {
+        let status = adapter.status.clone().unwrap_or_default();
+        let outputs: Vec<String> = status
+            .history
+            .iter()
+            .filter_map(|r| r.merged_output.clone())
+            .collect();
+        if !outputs.is_empty() {
+            ctx.event(
+                &adapter.object_ref(&()),
+                true,
+                crate::reasons::MERGED_OUTPUTS_LEFT,
+                "Cleanup",
+                format!(
+                    "pool {} is gone, so no Job can mount its volume: {} stay there",
+                    adapter.spec.pool,
+                    outputs.join(", ")
+                ),
+            )
+            .await;
         }
     }
     ctx.event(

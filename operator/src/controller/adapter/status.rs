@@ -236,6 +236,7 @@ mod tests {
             job: JobAction::None,
             deployment: DeploymentAction::Keep,
             cleanup: Vec::new(),
+            merge_job: None,
             status,
             events: Vec::new(),
             requeue_after_secs: None,
