@@ -672,3 +672,85 @@ fn replicas_spread_requests_over_engines_that_all_hold_the_adapters() {
     pod.engines()[1].unload_adapter("task").unwrap();
     assert!(!pod.adapters().iter().any(|a| a.loaded));
 }
+
+/// The tensor path samples on the device: seeded requests batched beside greedy ones give the
+/// same tokens twice and different tokens for another seed, with logprobs of the model's
+/// distribution, and the greedy rows in the batch still give transformers' tokens.
+#[test]
+fn seeded_sampling_on_the_tensor_path_repeats_and_seeds_differ() {
+    use mole_worker::engine::text::TextModel;
+    use mole_worker::model::Decoder;
+    let r = &reference()["llama"];
+    let dir = fixtures().join("llama");
+    let mut model = Decoder::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    model.set_host_kernels(false);
+    let e = Engine::start(
+        model,
+        TextModel::load(&dir).unwrap(),
+        EngineOptions {
+            base_name: "llama".into(),
+            ..Default::default()
+        },
+    );
+    let sampled = |seed: u64| {
+        let mut req = greedy(vec![5, 17, 99], None, 16);
+        let s = &mut req.sampling;
+        s.temperature = 0.9;
+        s.top_k = 40;
+        s.top_p = 0.9;
+        s.repetition_penalty = 1.1;
+        s.frequency_penalty = 0.2;
+        s.logprobs = Some(2);
+        s.seed = Some(seed);
+        req
+    };
+    // Three sampled requests and a greedy one in one batch, twice.
+    let batch = || {
+        let p0 = ids(&r["prompts"][0]);
+        let streams = [
+            e.submit(sampled(3)).unwrap(),
+            e.submit(sampled(4)).unwrap(),
+            e.submit(greedy(p0, None, 32)).unwrap(),
+            e.submit(sampled(3)).unwrap(),
+        ];
+        streams
+            .map(|mut rx| {
+                let mut out = Vec::new();
+                loop {
+                    match rx.blocking_recv().unwrap() {
+                        TokenEvent::Token {
+                            token_id, logprob, ..
+                        } => out.push((token_id, logprob)),
+                        TokenEvent::Finished { .. } => return out,
+                        TokenEvent::Error(e) => panic!("{e}"),
+                        TokenEvent::Started { .. } => {}
+                    }
+                }
+            })
+            .to_vec()
+    };
+    let (one, two) = (batch(), batch());
+    let tokens = |v: &Vec<(u32, Option<TokenLogprob>)>| v.iter().map(|t| t.0).collect::<Vec<_>>();
+    assert_eq!(
+        tokens(&one[2]),
+        ids(&r["greedy"][0]),
+        "greedy beside sampled rows"
+    );
+    assert_eq!(tokens(&one[0]), tokens(&one[3]), "one seed, one batch");
+    assert_eq!(tokens(&one[0]), tokens(&two[0]), "one seed, two runs");
+    assert_ne!(tokens(&one[0]), tokens(&one[1]), "two seeds");
+    for (id, lp) in &one[0] {
+        let lp = lp.as_ref().expect("logprobs asked");
+        assert_eq!(lp.token_id, *id);
+        assert!(lp.logprob.is_finite() && lp.logprob <= 0.0, "{lp:?}");
+        assert_eq!(lp.top.len(), 2);
+        assert!(
+            lp.top[0].2 >= lp.top[1].2 && lp.top[0].2 >= lp.logprob,
+            "{lp:?}"
+        );
+    }
+    // Parameters either path cannot sample with are refused at submit.
+    let mut bad = sampled(1);
+    bad.sampling.min_p = 1.5;
+    assert!(matches!(e.submit(bad), Err(EngineError::InvalidRequest(_))));
+}

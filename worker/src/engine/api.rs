@@ -176,7 +176,9 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     /// OpenAI frequency penalty.
     pub frequency_penalty: f32,
-    /// Seed: same seed, same tokens.
+    /// Seed: same seed, same tokens (on one path: the host sampler walks the kept tokens best
+    /// first, the tensor path's device sampler in vocabulary order, so the same seed may give
+    /// other tokens on the other path; both draw the same uniforms from it).
     pub seed: Option<u64>,
     /// Tokens to generate at most.
     pub max_tokens: usize,

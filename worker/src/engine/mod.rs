@@ -6,6 +6,7 @@ pub mod api;
 mod images;
 mod plan;
 pub mod replicas;
+pub mod sample_ops;
 pub mod sampler;
 pub mod scheduler;
 pub mod text;
@@ -311,6 +312,7 @@ impl InferenceEngine for Engine {
                 prompt.len()
             )));
         }
+        sampler::validate(&req.sampling).map_err(EngineError::InvalidRequest)?;
         if req.sampling.max_tokens == 0 {
             return Err(EngineError::InvalidRequest(
                 "max_tokens must be at least 1".into(),

@@ -2,16 +2,70 @@
 //! through top-k, min-p and top-p, with a per-request seeded generator so the same seed gives
 //! the same tokens. Logprobs are those of the model's distribution (before penalties and
 //! temperature), as vLLM reports them by default.
+//!
+//! The host path samples here, one row per thread; the tensor path samples on the device
+//! ([`super::sample_ops`]) from what [`Sampler::device_row`] packs, by the same rules, and
+//! both accept only what [`validate`] accepts.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::api::SamplingParams;
+use super::sample_ops::{Penalty, RowSampling};
 
 /// Below this temperature sampling is greedy (as in vLLM), avoiding a division blow-up.
-const GREEDY_BELOW: f32 = 1e-5;
+pub const GREEDY_BELOW: f32 = 1e-5;
+
+/// The most top logprobs a request may ask for (OpenAI's `top_logprobs` bound).
+pub const MAX_LOGPROBS: usize = 20;
+
+/// Checks sampling parameters for both paths: what the rules are defined for (a min-p above 1
+/// or a top-p of 0 would keep no token, a repetition penalty of 0 or below divides by zero or
+/// flips signs, a non-finite value poisons every logit it touches).
+pub fn validate(p: &SamplingParams) -> Result<(), String> {
+    let finite = [
+        ("temperature", p.temperature),
+        ("top_p", p.top_p),
+        ("min_p", p.min_p),
+        ("repetition_penalty", p.repetition_penalty),
+        ("presence_penalty", p.presence_penalty),
+        ("frequency_penalty", p.frequency_penalty),
+    ];
+    if let Some((name, x)) = finite.iter().find(|(_, x)| !x.is_finite()) {
+        return Err(format!("{name} must be a finite number, got {x}"));
+    }
+    if p.temperature < 0.0 {
+        return Err(format!("temperature must be >= 0, got {}", p.temperature));
+    }
+    if !(p.top_p > 0.0 && p.top_p <= 1.0) {
+        return Err(format!("top_p must be in (0, 1], got {}", p.top_p));
+    }
+    if !(0.0..=1.0).contains(&p.min_p) {
+        return Err(format!("min_p must be in [0, 1], got {}", p.min_p));
+    }
+    if p.repetition_penalty <= 0.0 {
+        return Err(format!(
+            "repetition_penalty must be > 0, got {}",
+            p.repetition_penalty
+        ));
+    }
+    for (name, x) in [
+        ("presence_penalty", p.presence_penalty),
+        ("frequency_penalty", p.frequency_penalty),
+    ] {
+        if !(-2.0..=2.0).contains(&x) {
+            return Err(format!("{name} must be in [-2, 2], got {x}"));
+        }
+    }
+    if let Some(n) = p.logprobs.filter(|&n| n > MAX_LOGPROBS) {
+        return Err(format!(
+            "top logprobs must be at most {MAX_LOGPROBS}, got {n}"
+        ));
+    }
+    Ok(())
+}
 
 /// The chosen token and, when asked, its logprob and the top alternatives.
 #[derive(Debug, Clone, PartialEq)]
@@ -76,11 +130,58 @@ impl Sampler {
     /// Records a token the device picked for a plain-greedy sequence (see
     /// [`Sampler::is_plain_greedy`]), as [`Sampler::sample`] records its own.
     pub fn record(&mut self, token: u32) -> Sampled {
-        *self.counts.entry(token).or_default() += 1;
-        Sampled {
+        self.record_picked(Sampled {
             token,
             logprob: f32::NAN,
             top: Vec::new(),
+        })
+    }
+
+    /// Records what the device sampler picked from [`Sampler::device_row`]'s inputs.
+    pub fn record_picked(&mut self, picked: Sampled) -> Sampled {
+        *self.counts.entry(picked.token).or_default() += 1;
+        picked
+    }
+
+    /// This step's inputs to the device sampler: the parameters, the penalised tokens (each
+    /// once, with the factor and the subtraction [`Sampler::sample`] would apply) and, when
+    /// the row samples, the next uniform of the request's generator, the one number the host
+    /// draw would take from it: a seed gives the same stream on both paths.
+    pub fn device_row(&mut self) -> RowSampling {
+        let greedy = self.p.temperature < GREEDY_BELOW;
+        let u = if greedy {
+            0.0
+        } else {
+            self.rng.random::<f32>()
+        };
+        let p = &self.p;
+        let rp = p.repetition_penalty;
+        let repeat = rp != 1.0 && rp > 0.0;
+        let (pp, fp) = (p.presence_penalty, p.frequency_penalty);
+        let mut tokens: BTreeMap<u32, Penalty> = BTreeMap::new();
+        let entry = |token| Penalty {
+            token,
+            factor: if repeat { rp } else { 1.0 },
+            minus: 0.0,
+        };
+        if repeat {
+            for &t in self.prompt.iter().chain(self.counts.keys()) {
+                tokens.entry(t).or_insert_with(|| entry(t));
+            }
+        }
+        if pp != 0.0 || fp != 0.0 {
+            for (&t, &c) in &self.counts {
+                tokens.entry(t).or_insert_with(|| entry(t)).minus = pp + fp * c as f32;
+            }
+        }
+        RowSampling {
+            temperature: p.temperature,
+            top_k: p.top_k,
+            top_p: p.top_p,
+            min_p: p.min_p,
+            logprobs: p.logprobs,
+            penalties: tokens.into_values().collect(),
+            u,
         }
     }
 
@@ -133,7 +234,22 @@ impl Sampler {
     }
 
     /// Temperature, top-k, min-p, top-p, then one draw.
-    fn draw(&mut self, mut l: Vec<f32>) -> u32 {
+    fn draw(&mut self, l: Vec<f32>) -> u32 {
+        let (idx, probs) = self.filtered(l);
+        let total: f32 = probs.iter().sum();
+        let mut u = self.rng.random::<f32>() * total;
+        for (i, p) in probs.iter().enumerate() {
+            if u < *p {
+                return idx[i];
+            }
+            u -= p;
+        }
+        idx[probs.len() - 1]
+    }
+
+    /// The tokens a draw chooses among, best first, with their probabilities before the last
+    /// renormalisation: temperature, top-k, min-p and top-p over penalised logits `l`.
+    pub(crate) fn filtered(&self, mut l: Vec<f32>) -> (Vec<u32>, Vec<f32>) {
         let t = self.p.temperature;
         for x in l.iter_mut() {
             *x /= t;
@@ -175,15 +291,8 @@ impl Sampler {
             }
             probs.truncate(keep.max(1));
         }
-        let total: f32 = probs.iter().sum();
-        let mut u = self.rng.random::<f32>() * total;
-        for (i, p) in probs.iter().enumerate() {
-            if u < *p {
-                return idx[i];
-            }
-            u -= p;
-        }
-        idx[probs.len() - 1]
+        idx.truncate(probs.len());
+        (idx, probs)
     }
 }
 

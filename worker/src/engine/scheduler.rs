@@ -18,6 +18,7 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::api::{EngineError, FinishReason, TokenEvent, TokenLogprob, Usage};
 use super::images::{self, ImagePrompt};
 use super::plan::{self, Work};
+use super::sample_ops::{self, BatchSampler, CandleSampler, RowSampling};
 use super::sampler::{Sampled, Sampler};
 use super::text::{Detokenizer, StopMatcher};
 use super::Shared;
@@ -120,6 +121,8 @@ pub enum Msg {
 pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
     let mut waiting: VecDeque<Box<Seq>> = VecDeque::new();
     let mut running: Vec<Box<Seq>> = Vec::new();
+    // The tensor path samples on the device; the host path's logits are already on the host.
+    let device = shared.model.paged().then(CandleSampler::new);
     loop {
         // Block only when there is nothing to do; otherwise take what arrived and go on.
         if running.is_empty() && waiting.is_empty() {
@@ -152,7 +155,7 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
         if work.is_empty() {
             continue;
         }
-        step(&shared, &mut running, &work);
+        step(&shared, &mut running, &work, device.as_ref());
         let before = running.len();
         running.retain(|s| s.done || !s.cancelled());
         let cancelled = before - running.len();
@@ -187,7 +190,12 @@ fn publish_stats(
 }
 
 /// One forward pass over the planned rows, then sampling and events.
-fn step(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) {
+fn step(
+    shared: &Shared,
+    running: &mut [Box<Seq>],
+    work: &[(usize, Work)],
+    device: Option<&CandleSampler>,
+) {
     let logits = encode_images(shared, running, work).and_then(|()| {
         // Each prompt chunk's slice of its images' positions and placeholders.
         let chunks: Vec<Option<images::Chunk>> = work
@@ -229,7 +237,7 @@ fn step(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) {
         }
         shared.model.forward_batch(&mut rows)
     });
-    let picked = match logits.and_then(|l| pick(running, work, &l)) {
+    let picked = match logits.and_then(|l| pick(running, work, &l, device)) {
         Ok(p) => p,
         Err(e) => {
             // A failed step fails its rows, not the engine.
@@ -287,12 +295,14 @@ fn encode_images(
 
 /// Each row's next token (None for a row whose context is not all in the cache yet: a prompt
 /// chunk samples nothing), from the step's one copy back from the device: the argmax ids
-/// alone when every sampling row is plain greedy, else every row's logits, sampled on the
-/// host (rows in parallel).
+/// alone when every sampling row is plain greedy; else, with a `device` sampler (the tensor
+/// path), each row's pick (and logprobs) sampled there; else every row's logits, sampled on
+/// the host (rows in parallel).
 fn pick(
     running: &mut [Box<Seq>],
     work: &[(usize, Work)],
     logits: &candle_core::Tensor,
+    device: Option<&CandleSampler>,
 ) -> Result<Vec<Option<Sampled>>, crate::model::ModelError> {
     use rayon::prelude::*;
     let mut sampling = vec![false; work.len()];
@@ -314,6 +324,23 @@ fn pick(
             .zip(ids)
             .zip(&sampling)
             .map(|(((i, _), id), &samples)| samples.then(|| running[*i].sampler.record(id)))
+            .collect());
+    }
+    if let Some(sampler) = device {
+        let rows: Vec<RowSampling> = work
+            .iter()
+            .zip(&sampling)
+            .map(|((i, _), &samples)| match samples {
+                true => running[*i].sampler.device_row(),
+                false => RowSampling::idle(),
+            })
+            .collect();
+        let picked = sample_ops::read(&sampler.sample(logits, &rows)?, &rows)?;
+        return Ok(work
+            .iter()
+            .zip(picked)
+            .zip(&sampling)
+            .map(|(((i, _), p), &samples)| samples.then(|| running[*i].sampler.record_picked(p)))
             .collect());
     }
     let rows = logits.to_vec2::<f32>()?;
