@@ -2,8 +2,10 @@
 //! every ready pod asked to reload the config.
 
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::{Api, ResourceExt};
 use mole_crds::InferencePool;
 
@@ -19,6 +21,7 @@ const FM_CONFIG: &str = "mole-operator/pool-configmap";
 const FM_DEPLOY: &str = "mole-operator/pool-deployment";
 const FM_SERVICE: &str = "mole-operator/pool-service";
 const FM_PDB: &str = "mole-operator/pool-pdb";
+const FM_HPA: &str = "mole-operator/pool-hpa";
 
 /// What applying left behind.
 pub(super) struct Applied {
@@ -89,6 +92,23 @@ async fn apply_children(
         obs.pdb.as_ref(),
     )
     .await?;
+    let hpas = Api::<HorizontalPodAutoscaler>::namespaced(client.clone(), &ns);
+    let hpa_name = resources::dynamic_name(&name);
+    match (&desired.hpa, &obs.hpa) {
+        (Some(hpa), live) => {
+            apply_if_changed(&hpas, &hpa_name, FM_HPA, hpa, live.as_ref()).await?;
+        }
+        // Autoscaling turned off: an HPA left behind would keep resizing the Deployment
+        // against the count the operator applies again. Only the pool's own goes.
+        (None, Some(live)) if owned_by_pool(&live.metadata, pool) => {
+            match hpas.delete(&hpa_name, &Default::default()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        (None, _) => {}
+    }
     Ok(deployment)
 }
 
@@ -116,4 +136,12 @@ async fn reload(
         }
     }
     Ok(not_reloaded)
+}
+
+/// Whether `meta` has an owner reference to `pool` (by uid).
+fn owned_by_pool(meta: &ObjectMeta, pool: &InferencePool) -> bool {
+    let Some(uid) = pool.metadata.uid.as_deref() else {
+        return false;
+    };
+    meta.owner_references.iter().flatten().any(|o| o.uid == uid)
 }
