@@ -764,7 +764,7 @@ async fn an_autoscaled_pool_leaves_its_replicas_to_the_hpa() {
             m.manager.as_deref() == Some("mole-operator/pool-deployment")
                 && m.fields_v1
                     .as_ref()
-                    .is_some_and(|f| f.0.to_string().contains("f:replicas"))
+                    .is_some_and(|f| f.0["f:spec"].get("f:replicas").is_some())
         })
     };
     assert!(!owns_replicas(&d), "the operator applies no replicas");
@@ -842,6 +842,43 @@ async fn an_autoscaled_pool_leaves_its_replicas_to_the_hpa() {
             .replicas,
         Some(2)
     );
+
+    // A pool with a fixed count turning autoscaling on keeps its pods: the operator's apply
+    // owned `replicas`, and dropping it must not reset the count to 1.
+    let fixed: InferencePool = serde_json::from_value(serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
+        "metadata": {"name": "fx", "annotations": {"mole.dev/allow-cpu": "true"}},
+        "spec": {"baseModel": {"name": "tiny", "path": "base/tiny"}, "storage": {"claimName": "models"},
+                 "gpu": {"count": 0}, "dynamic": {"replicas": 2}}
+    }))
+    .unwrap();
+    pools.create(&PostParams::default(), &fixed).await.unwrap();
+    let d = wait(60, "fx-dynamic with 2 replicas", || async {
+        let d = deploys.get_opt("fx-dynamic").await.ok().flatten()?;
+        (d.spec.as_ref()?.replicas == Some(2)).then_some(d)
+    })
+    .await;
+    assert!(owns_replicas(&d));
+    pools
+        .patch(
+            "fx",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"dynamic": {"replicas": null,
+                "autoscaling": {"minReplicas": 1, "maxReplicas": 3}}}})),
+        )
+        .await
+        .unwrap();
+    let d = wait(60, "the operator gave up fx-dynamic's replicas", || async {
+        let d = deploys.get("fx-dynamic").await.ok()?;
+        assert_eq!(d.spec.as_ref()?.replicas, Some(2), "the count never drops");
+        (!owns_replicas(&d)).then_some(d)
+    })
+    .await;
+    assert_eq!(d.spec.unwrap().replicas, Some(2));
+    wait(60, "HPA fx-dynamic", || async {
+        hpas.get_opt("fx-dynamic").await.ok().flatten()
+    })
+    .await;
     let nss: Api<Namespace> = Api::all(client.clone());
     nss.delete(&ns, &DeleteParams::default()).await.unwrap();
 }
