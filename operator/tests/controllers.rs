@@ -1678,3 +1678,45 @@ async fn an_autoscaled_pool_gets_an_hpa_and_leaves_it_the_replicas() {
     assert!(e.get(HPA).is_none(), "the HPA is deleted");
     assert_eq!(e.get(DEPLOY).unwrap()["spec"]["replicas"], 2);
 }
+
+/// A pool turning autoscaling on hands its count over before the Deployment apply drops
+/// `replicas` (which the operator's apply owned: the API server would reset it to 1): the
+/// count goes to the scale subresource under a second manager, then the Deployment is applied
+/// even though nothing else changed; once released, reconciles write nothing more.
+#[tokio::test]
+async fn turning_autoscaling_on_hands_the_count_over_first() {
+    let e = env().await;
+    let mut obj = pool_obj();
+    obj["spec"]["dynamic"] = json!({"replicas": 2});
+    e.store.lock().unwrap().create(POOL, obj);
+    e.reconcile_pool().await;
+    // What the API server records of the operator's apply (the fake keeps no managedFields).
+    {
+        let mut s = e.store.lock().unwrap();
+        let mut d = s.get(DEPLOY).unwrap();
+        assert_eq!(d["spec"]["replicas"], 2);
+        d["metadata"]["managedFields"] = json!([{"manager": "mole-operator/pool-deployment",
+            "operation": "Apply", "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
+            "fieldsV1": {"f:spec": {"f:replicas": {}, "f:template": {}}}}]);
+        s.objects.insert(DEPLOY.into(), d);
+    }
+    let mut p = e.get(POOL).unwrap();
+    p["spec"]["dynamic"] = json!({"autoscaling": {"minReplicas": 1, "maxReplicas": 3}});
+    e.store.lock().unwrap().objects.insert(POOL.into(), p);
+    let writes = e.writes();
+    e.reconcile_pool().await;
+    let new: Vec<(String, String)> = e.store.lock().unwrap().writes[writes..].to_vec();
+    let at = |path: &str| new.iter().position(|(m, p)| m == "APPLY" && p == path);
+    let scale = at(&format!("{DEPLOY}/scale")).expect("the count applied to /scale");
+    let deploy = at(DEPLOY).expect("the Deployment applied without replicas");
+    assert!(scale < deploy, "{new:?}");
+    assert!(at(HPA).is_some(), "{new:?}");
+    let writes = e.writes();
+    e.reconcile_pool().await;
+    let again: Vec<_> = e.store.lock().unwrap().writes[writes..]
+        .iter()
+        .filter(|(_, p)| !p.ends_with("/status"))
+        .cloned()
+        .collect();
+    assert_eq!(again, [], "handed over once");
+}

@@ -71,13 +71,15 @@ async fn apply_children(
     )
     .await?;
     let deploys = Api::<Deployment>::namespaced(client.clone(), &ns);
-    hand_replicas_over(&deploys, desired, obs.deployment.as_ref()).await?;
+    // After a handover the apply must run even when nothing else changed: only a write
+    // without `replicas` gives up the operator's ownership of it.
+    let handed_over = hand_replicas_over(&deploys, desired, obs.deployment.as_ref()).await?;
     let deployment = apply_if_changed(
         &deploys,
         &resources::dynamic_name(&name),
         FM_DEPLOY,
         &desired.deployment,
-        obs.deployment.as_ref(),
+        obs.deployment.as_ref().filter(|_| !handed_over),
     )
     .await?;
     apply_if_changed(
@@ -147,19 +149,20 @@ async fn reload(
 /// the API server's default of 1, stopping every pod but one until the HPA scales back up.
 /// Applying the same count to the scale subresource under a second manager first makes that
 /// manager co-own it, so the next apply only gives up the operator's share and the count stays.
+/// Returns whether it handed the count over.
 async fn hand_replicas_over(
     deploys: &Api<Deployment>,
     desired: &super::build::Desired,
     live: Option<&Deployment>,
-) -> Result<()> {
+) -> Result<bool> {
     let wanted = desired.deployment.spec.as_ref().and_then(|s| s.replicas);
-    let Some(live) = live else { return Ok(()) };
+    let Some(live) = live else { return Ok(false) };
     let count = live.spec.as_ref().and_then(|s| s.replicas);
     let (None, Some(count)) = (wanted, count) else {
-        return Ok(());
+        return Ok(false);
     };
     if !owns_replicas(live, FM_DEPLOY) {
-        return Ok(());
+        return Ok(false);
     }
     let scale = serde_json::json!({
         "apiVersion": "autoscaling/v1", "kind": "Scale",
@@ -173,7 +176,7 @@ async fn hand_replicas_over(
             &Patch::Apply(&scale),
         )
         .await?;
-    Ok(())
+    Ok(true)
 }
 
 /// Whether the apply of field manager `manager` owns `spec.replicas` of `d`.
