@@ -175,26 +175,78 @@ fn default_gpu_resource() -> String {
 }
 
 /// The shared dynamic pods.
-#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema, Default)]
 #[serde(rename_all = "camelCase")]
 pub struct DynamicSpec {
-    /// Number of dynamic pods.
-    #[serde(default = "one")]
+    /// Number of dynamic pods; unset: 1. Leave it unset with `autoscaling`, which then owns the
+    /// count (the operator stops applying `replicas` to the Deployment).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 0, max = 1000))]
-    pub replicas: i32,
+    pub replicas: Option<i32>,
+    /// Scale the dynamic pods on their queue: the operator creates a HorizontalPodAutoscaler
+    /// (`autoscaling/v2`) for the `<pool>-dynamic` Deployment on the workers'
+    /// `mole_requests_waiting` gauge, served by the custom metrics API (prometheus-adapter; the
+    /// chart ships its rule, `autoscaling.prometheusAdapter.enabled`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub autoscaling: Option<AutoscalingSpec>,
     /// The engine limits of each dynamic pod (`maxLoras`, `maxSeqLen`, ...), copied as they are
     /// into the pods' WorkerConfig; defaults and bounds are the worker's own.
     #[serde(flatten)]
     pub limits: EngineLimits,
 }
 
-impl Default for DynamicSpec {
-    fn default() -> Self {
-        Self {
-            replicas: 1,
-            limits: EngineLimits::default(),
+impl DynamicSpec {
+    /// The replica count the operator applies to the dynamic Deployment: None when
+    /// `autoscaling` owns it.
+    pub fn applied_replicas(&self) -> Option<i32> {
+        match self.autoscaling {
+            Some(_) => None,
+            None => Some(self.replicas.unwrap_or(1)),
         }
     }
+
+    /// The fewest and the most dynamic pods the pool runs: `replicas` twice, or the
+    /// autoscaler's bounds.
+    pub fn replica_range(&self) -> (i32, i32) {
+        match &self.autoscaling {
+            Some(a) => (a.min_replicas, a.max_replicas),
+            None => {
+                let r = self.replicas.unwrap_or(1);
+                (r, r)
+            }
+        }
+    }
+}
+
+/// The HorizontalPodAutoscaler of the dynamic pods.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct AutoscalingSpec {
+    /// The fewest dynamic pods (at least 1: the HPA cannot bring a pool back from 0).
+    #[serde(default = "one")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub min_replicas: i32,
+    /// The most dynamic pods (each takes `gpu.count` GPUs); at least `minReplicas`.
+    #[schemars(range(min = 1, max = 1000))]
+    pub max_replicas: i32,
+    /// Requests waiting per pod, on average (the workers' `mole_requests_waiting` gauge), above
+    /// which the HPA adds pods.
+    #[serde(default = "default_target_queue_depth")]
+    #[schemars(range(min = 1, max = 10000))]
+    pub target_queue_depth: i32,
+    /// Seconds of lower recommendations the HPA waits for before it removes pods (a GPU pod
+    /// is slow to come back: it loads the base model again).
+    #[serde(default = "default_scale_down_window")]
+    #[schemars(range(min = 0, max = 3600))]
+    pub scale_down_stabilization_seconds: i32,
+}
+
+fn default_target_queue_depth() -> i32 {
+    4
+}
+
+fn default_scale_down_window() -> i32 {
+    600
 }
 
 fn one() -> i32 {

@@ -53,6 +53,9 @@ pub enum Error {
     /// The pool's operator-token Secret is unusable.
     #[error("operator token: {0}")]
     OperatorToken(String),
+    /// The cache of pools or Adapters has no feed (its watch ended before a first list).
+    #[error("object cache: {0}")]
+    StoreClosed(String),
 }
 
 impl Error {
@@ -66,6 +69,7 @@ impl Error {
             Error::Serialization(_) => "serialization",
             Error::Finalizer(_) => "finalizer",
             Error::OperatorToken(_) => "operator_token",
+            Error::StoreClosed(_) => "store_closed",
         }
     }
 }

@@ -3,7 +3,6 @@
 #![forbid(unsafe_code)]
 
 use std::net::SocketAddr;
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context as _;
@@ -120,18 +119,16 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         cpu = %args.worker_image_cpu,
         "default worker images"
     );
-    let ctx = Arc::new(
-        Context::new(
-            client.clone(),
-            identity.clone(),
-            metrics.clone(),
-            PodClient::new(args.worker_port),
-        )
-        .with_worker_images(WorkerImages {
-            gpu: args.worker_image_gpu.clone(),
-            cpu: args.worker_image_cpu.clone(),
-        }),
-    );
+    let ctx = Context::new(
+        client.clone(),
+        identity.clone(),
+        metrics.clone(),
+        PodClient::new(args.worker_port),
+    )
+    .with_worker_images(WorkerImages {
+        gpu: args.worker_image_gpu.clone(),
+        cpu: args.worker_image_cpu.clone(),
+    });
     if args.leader_elect {
         let mut cfg = LeaseConfig::with_duration(
             args.lease_name.clone(),

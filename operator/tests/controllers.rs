@@ -10,7 +10,7 @@ use std::sync::{Arc, Mutex};
 
 use kube::runtime::controller::Action;
 use mole_crds::{Adapter, InferencePool};
-use mole_operator::controller::{adapter, pool, Context, PodClient};
+use mole_operator::controller::{adapter, pool, Context, PodClient, StoreWriters, Stores};
 use mole_operator::telemetry::Metrics;
 use serde_json::{json, Value};
 use support::{FakeWorker, Shared, Store};
@@ -52,21 +52,37 @@ struct Env {
     store: Shared,
     ctx: Arc<Context>,
     worker: FakeWorker,
+    stores: Stores,
+    writers: Mutex<StoreWriters>,
 }
 
 async fn env() -> Env {
     let store: Shared = Arc::new(Mutex::new(Store::default()));
     let worker = support::fake_worker(store.clone()).await;
-    let ctx = Arc::new(Context::new(
-        support::client(store.clone()),
-        "test".into(),
-        Metrics::new(),
-        PodClient::new(worker.addr.port()),
-    ));
-    Env { store, ctx, worker }
+    let (stores, writers) = Stores::new();
+    let ctx = Arc::new(
+        Context::new(
+            support::client(store.clone()),
+            "test".into(),
+            Metrics::new(),
+            PodClient::new(worker.addr.port()),
+        )
+        .with_stores(stores.clone()),
+    );
+    Env {
+        store,
+        ctx,
+        worker,
+        stores,
+        writers: Mutex::new(writers),
+    }
 }
 
 impl Env {
+    /// The controllers' stores catch up with the API server (their watches would).
+    fn sync(&self) {
+        support::sync_stores(&self.store, &mut self.writers.lock().unwrap());
+    }
     fn get(&self, path: &str) -> Option<Value> {
         self.store.lock().unwrap().get(path)
     }
@@ -78,6 +94,7 @@ impl Env {
             .map(|v| Arc::new(serde_json::from_value(v).unwrap()))
     }
     async fn reconcile_pool(&self) -> Action {
+        self.sync();
         pool::reconcile(self.pool(), self.ctx.clone())
             .await
             .unwrap()
@@ -108,6 +125,7 @@ impl Env {
     async fn reconcile_adapter(&self, name: &str) {
         for _ in 0..2 {
             if let Some(a) = self.adapter(name) {
+                self.sync();
                 adapter::reconcile(a, self.ctx.clone()).await.unwrap();
             }
         }
@@ -182,12 +200,16 @@ async fn create_pool_applies_children_and_status_and_a_restart_changes_nothing()
         .collect();
     let writes = e.writes();
     let events = e.store.lock().unwrap().events.len();
-    let restarted = Arc::new(Context::new(
-        support::client(e.store.clone()),
-        "test-2".into(),
-        Metrics::new(),
-        PodClient::new(e.worker.addr.port()),
-    ));
+    let restarted = Arc::new(
+        Context::new(
+            support::client(e.store.clone()),
+            "test-2".into(),
+            Metrics::new(),
+            PodClient::new(e.worker.addr.port()),
+        )
+        .with_stores(e.stores.clone()),
+    );
+    e.sync();
     pool::reconcile(e.pool(), restarted).await.unwrap();
     let after: Vec<Value> = [CM, DEPLOY, SVC, PDB]
         .iter()
@@ -216,7 +238,8 @@ async fn a_pool_without_an_image_runs_the_operators_default_for_its_hardware() {
             Metrics::new(),
             PodClient::new(e.worker.addr.port()),
         )
-        .with_worker_images(images),
+        .with_worker_images(images)
+        .with_stores(e.stores.clone()),
     );
     let mut obj = pool_obj();
     obj["spec"].as_object_mut().unwrap().remove("image");
@@ -1190,14 +1213,20 @@ async fn a_restarted_operator_writes_nothing_for_a_serving_merged_adapter() {
     e.reconcile_pool().await;
     let writes = e.writes();
     let events = e.events().len();
-    let restarted = Arc::new(Context::new(
-        support::client(e.store.clone()),
-        "test-2".into(),
-        Metrics::new(),
-        PodClient::new(e.worker.addr.port()),
-    ));
+    let restarted = Arc::new(
+        Context::new(
+            support::client(e.store.clone()),
+            "test-2".into(),
+            Metrics::new(),
+            PodClient::new(e.worker.addr.port()),
+        )
+        .with_stores(e.stores.clone()),
+    );
+    e.sync();
     for _ in 0..2 {
+        e.sync();
         pool::reconcile(e.pool(), restarted.clone()).await.unwrap();
+        e.sync();
         adapter::reconcile(e.adapter("calendar").unwrap(), restarted.clone())
             .await
             .unwrap();
@@ -1230,6 +1259,7 @@ async fn adapters_refused_because_of_other_objects_are_checked_again() {
     for n in ["calendar", "copy", "orphan", "bad"] {
         for _ in 0..2 {
             let a = e.adapter(n).unwrap();
+            e.sync();
             actions.insert(n, adapter::reconcile(a, e.ctx.clone()).await.unwrap());
         }
     }
@@ -1261,6 +1291,7 @@ async fn transient_errors_publish_a_warning_event() {
         .unwrap()
         .failing
         .push("/apis/apps/v1/namespaces/ml/deployments".into());
+    e.sync();
     let err = pool::reconcile(e.pool(), e.ctx.clone()).await.unwrap_err();
     assert_eq!(err.code(), "kube_api");
     let notes = e.store.lock().unwrap().event_notes.clone();
@@ -1271,12 +1302,14 @@ async fn transient_errors_publish_a_warning_event() {
         &adapter_path("calendar"),
         adapter_obj("calendar", "vl", "calendar"),
     );
+    e.sync();
     assert!(
         adapter::reconcile(e.adapter("calendar").unwrap(), e.ctx.clone())
             .await
             .is_ok(),
         "adds the finalizer"
     );
+    e.sync();
     assert!(
         adapter::reconcile(e.adapter("calendar").unwrap(), e.ctx.clone())
             .await
@@ -1389,6 +1422,7 @@ async fn an_adapter_never_deletes_a_same_named_object_it_does_not_own() {
     e.store.lock().unwrap().create(other, p);
     let other_pool: Arc<InferencePool> =
         Arc::new(serde_json::from_value(e.get(other).unwrap()).unwrap());
+    e.sync();
     pool::reconcile(other_pool, e.ctx.clone()).await.unwrap();
     let theirs = "/apis/apps/v1/namespaces/ml/deployments/vl-x-dynamic";
     let before = e.get(theirs).unwrap();
@@ -1507,7 +1541,8 @@ async fn a_refused_reload_is_a_condition_an_event_and_a_backoff_and_a_success_cl
             Metrics::new(),
             PodClient::new(e.worker.addr.port()),
         )
-        .with_reload_backoff(Duration::from_millis(400), Duration::from_secs(2)),
+        .with_reload_backoff(Duration::from_millis(400), Duration::from_secs(2))
+        .with_stores(e.stores.clone()),
     );
     e.store.lock().unwrap().create(POOL, pool_obj());
     e.add_ready_pod();
@@ -1616,11 +1651,15 @@ async fn a_ready_pod_that_does_not_answer_reloads_is_named_in_the_condition() {
 async fn the_controllers_list_and_watch_what_they_own_and_the_chart_grants_it() {
     let e = env().await;
     e.store.lock().unwrap().create(POOL, pool_obj());
-    let run = mole_operator::controller::run(
+    // `run` feeds its own stores into the context it is given.
+    let ctx = Context::new(
         support::client(e.store.clone()),
-        Some("ml".into()),
-        e.ctx.clone(),
+        "test".into(),
+        Metrics::new(),
+        PodClient::new(e.worker.addr.port()),
     );
+    let run =
+        mole_operator::controller::run(support::client(e.store.clone()), Some("ml".into()), ctx);
     let watched: Vec<support::Access> = [
         ("mole.dev", "inferencepools"),
         ("mole.dev", "adapters"),
@@ -1628,6 +1667,7 @@ async fn the_controllers_list_and_watch_what_they_own_and_the_chart_grants_it() 
         ("apps", "deployments"),
         ("", "services"),
         ("policy", "poddisruptionbudgets"),
+        ("autoscaling", "horizontalpodautoscalers"),
         ("batch", "jobs"),
     ]
     .iter()
@@ -1726,6 +1766,14 @@ const RBAC_SCENARIOS: &[(&str, fn())] = &[
     (
         "leader",
         leader_election_reads_creates_and_renews_its_lease_as_the_chart_grants,
+    ),
+    (
+        "autoscaling",
+        an_autoscaled_pool_gets_an_hpa_and_leaves_it_the_replicas,
+    ),
+    (
+        "autoscaling_handover",
+        turning_autoscaling_on_hands_the_count_over_first,
     ),
 ];
 
@@ -2088,4 +2136,205 @@ async fn a_merge_that_keeps_failing_is_given_up_until_the_version_changes() {
     e.set_version("v2");
     e.reconcile_adapter("calendar").await;
     assert_eq!(e.running_jobs("merge-calendar-").len(), 1);
+}
+
+/// Issue 25 item 6: an Adapter reconcile reads its pool and siblings from the controllers'
+/// stores, so it costs the same API calls, reading the same objects, with 5 or 500 Adapters
+/// in the namespace, and never LISTs Adapters (each of n reconciles listing n Adapters was
+/// O(n²)); the pool's reconcile reads its Adapters from the store too.
+#[tokio::test]
+async fn reconciles_cost_the_same_api_calls_with_5_or_500_adapters() {
+    type Calls = Vec<(String, String)>;
+    async fn cost(n: usize) -> (Calls, usize, Calls, usize) {
+        let e = env().await;
+        e.store.lock().unwrap().create(POOL, pool_obj());
+        for i in 0..n {
+            let name = format!("a{i}");
+            e.store
+                .lock()
+                .unwrap()
+                .create(&adapter_path(&name), adapter_obj(&name, "vl", &name));
+        }
+        e.reconcile_pool().await;
+        e.add_ready_pod();
+        e.worker_reports(&[("a0", "v1", 1)]);
+        // Finalizer, registration: then a steady reconcile of each is measured.
+        e.reconcile_adapter("a0").await;
+        e.reconcile_pool().await;
+        let mark = |e: &Env| {
+            let s = e.store.lock().unwrap();
+            (s.requests.len(), s.objects_read)
+        };
+        let since = |e: &Env, (r, o): (usize, usize)| {
+            let s = e.store.lock().unwrap();
+            (s.requests[r..].to_vec(), s.objects_read - o)
+        };
+        e.sync();
+        let m = mark(&e);
+        adapter::reconcile(e.adapter("a0").unwrap(), e.ctx.clone())
+            .await
+            .unwrap();
+        let (adapter_calls, adapter_read) = since(&e, m);
+        let m = mark(&e);
+        pool::reconcile(e.pool(), e.ctx.clone()).await.unwrap();
+        let (pool_calls, pool_read) = since(&e, m);
+        let a0 = e.get(&adapter_path("a0")).unwrap();
+        assert_eq!(condition(&a0, "Ready")["status"], "True", "{a0}");
+        (adapter_calls, adapter_read, pool_calls, pool_read)
+    }
+    let (a5, read5, p5, pread5) = cost(5).await;
+    let (a500, read500, p500, pread500) = cost(500).await;
+    let lists_adapters = |c: &Calls| c.iter().any(|(v, r)| v == "list" && r == "adapters");
+    assert!(
+        !lists_adapters(&a500),
+        "an adapter reconcile lists Adapters: {a500:?}"
+    );
+    assert!(
+        !lists_adapters(&p500),
+        "a pool reconcile lists Adapters: {p500:?}"
+    );
+    assert_eq!(a5, a500, "adapter reconcile: the same calls");
+    assert_eq!(read5, read500, "adapter reconcile: objects read");
+    assert_eq!(p5, p500, "pool reconcile: the same calls");
+    assert_eq!(pread5, pread500, "pool reconcile: objects read");
+    assert!(!a500.is_empty() && a500.len() < 20, "{a500:?}");
+}
+
+const HPA: &str = "/apis/autoscaling/v2/namespaces/ml/horizontalpodautoscalers/vl-dynamic";
+
+/// Issue 25 item 6: `spec.dynamic.autoscaling` gets an HPA on the workers' queue gauge for
+/// the dynamic Deployment, whose `replicas` the operator then leaves alone (the count the HPA
+/// set survives reconciles); both `replicas` and `autoscaling` set is refused naming the field;
+/// autoscaling turned off removes the HPA and the operator applies the count again.
+#[tokio::test]
+async fn an_autoscaled_pool_gets_an_hpa_and_leaves_it_the_replicas() {
+    let e = env().await;
+    let mut obj = pool_obj();
+    obj["spec"]["dynamic"] = json!({"autoscaling": {"minReplicas": 1, "maxReplicas": 4}});
+    e.store.lock().unwrap().create(POOL, obj.clone());
+    e.reconcile_pool().await;
+    let hpa = e.get(HPA).expect("an HPA for the dynamic Deployment");
+    assert_eq!(
+        hpa["spec"]["scaleTargetRef"],
+        json!({"apiVersion": "apps/v1", "kind": "Deployment", "name": "vl-dynamic"})
+    );
+    assert_eq!(
+        (&hpa["spec"]["minReplicas"], &hpa["spec"]["maxReplicas"]),
+        (&json!(1), &json!(4))
+    );
+    let metric = &hpa["spec"]["metrics"][0];
+    assert_eq!(metric["type"], "Pods");
+    assert_eq!(metric["pods"]["metric"]["name"], "mole_requests_waiting");
+    assert_eq!(
+        metric["pods"]["target"],
+        json!({"type": "AverageValue", "averageValue": "4"})
+    );
+    assert_eq!(
+        hpa["spec"]["behavior"]["scaleDown"]["stabilizationWindowSeconds"],
+        600
+    );
+    assert_eq!(
+        hpa["metadata"]["ownerReferences"][0]["kind"],
+        "InferencePool"
+    );
+    let deploy = e.get(DEPLOY).unwrap();
+    assert!(
+        deploy["spec"].get("replicas").is_none(),
+        "the operator applies no replicas: {}",
+        deploy["spec"]
+    );
+    // The HPA scales the Deployment to 3; the next reconciles write nothing and keep it.
+    {
+        let mut s = e.store.lock().unwrap();
+        let mut d = s.get(DEPLOY).unwrap();
+        d["spec"]["replicas"] = json!(3);
+        s.objects.insert(DEPLOY.into(), d);
+    }
+    let writes = e.writes();
+    e.reconcile_pool().await;
+    e.reconcile_pool().await;
+    let new: Vec<_> = e.store.lock().unwrap().writes[writes..]
+        .iter()
+        .filter(|(_, p)| !p.ends_with("/status"))
+        .cloned()
+        .collect();
+    assert_eq!(new, [], "nothing but status written");
+    assert_eq!(e.get(DEPLOY).unwrap()["spec"]["replicas"], 3);
+    assert_eq!(e.get(POOL).unwrap()["status"]["dynamic"]["replicas"], 3);
+    // A new bound reaches the HPA; the Deployment's count stays the HPA's.
+    e.edit(POOL, |p| {
+        p["spec"]["dynamic"]["autoscaling"]["maxReplicas"] = json!(6)
+    });
+    e.reconcile_pool().await;
+    assert_eq!(e.get(HPA).unwrap()["spec"]["maxReplicas"], 6);
+    assert_eq!(e.get(DEPLOY).unwrap()["spec"]["replicas"], 3);
+    // replicas and autoscaling together: refused, naming the field.
+    let mut both = e.get(POOL).unwrap();
+    both["spec"]["dynamic"]["replicas"] = json!(2);
+    e.store.lock().unwrap().objects.insert(POOL.into(), both);
+    e.reconcile_pool().await;
+    let p = e.get(POOL).unwrap();
+    assert_eq!(condition(&p, "Valid")["status"], "False");
+    assert!(
+        condition(&p, "Valid")["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("spec.dynamic.replicas"),
+        "{p}"
+    );
+    assert!(e.events().contains(&"InvalidSpec".to_string()));
+    assert_eq!(
+        e.get(DEPLOY).unwrap()["spec"]["replicas"],
+        3,
+        "a refused spec changes nothing"
+    );
+    // Autoscaling off, two fixed replicas: the HPA goes, the operator owns the count again.
+    let mut fixed = e.get(POOL).unwrap();
+    fixed["spec"]["dynamic"] = json!({"replicas": 2});
+    e.store.lock().unwrap().objects.insert(POOL.into(), fixed);
+    e.reconcile_pool().await;
+    assert!(e.get(HPA).is_none(), "the HPA is deleted");
+    assert_eq!(e.get(DEPLOY).unwrap()["spec"]["replicas"], 2);
+}
+
+/// A pool turning autoscaling on hands its count over before the Deployment apply drops
+/// `replicas` (which the operator's apply owned: the API server would reset it to 1): the
+/// count goes to the scale subresource under a second manager, then the Deployment is applied
+/// even though nothing else changed; once released, reconciles write nothing more.
+#[tokio::test]
+async fn turning_autoscaling_on_hands_the_count_over_first() {
+    let e = env().await;
+    let mut obj = pool_obj();
+    obj["spec"]["dynamic"] = json!({"replicas": 2});
+    e.store.lock().unwrap().create(POOL, obj);
+    e.reconcile_pool().await;
+    // What the API server records of the operator's apply (the fake keeps no managedFields).
+    {
+        let mut s = e.store.lock().unwrap();
+        let mut d = s.get(DEPLOY).unwrap();
+        assert_eq!(d["spec"]["replicas"], 2);
+        d["metadata"]["managedFields"] = json!([{"manager": "mole-operator/pool-deployment",
+            "operation": "Apply", "apiVersion": "apps/v1", "fieldsType": "FieldsV1",
+            "fieldsV1": {"f:spec": {"f:replicas": {}, "f:template": {}}}}]);
+        s.objects.insert(DEPLOY.into(), d);
+    }
+    let mut p = e.get(POOL).unwrap();
+    p["spec"]["dynamic"] = json!({"autoscaling": {"minReplicas": 1, "maxReplicas": 3}});
+    e.store.lock().unwrap().objects.insert(POOL.into(), p);
+    let writes = e.writes();
+    e.reconcile_pool().await;
+    let new: Vec<(String, String)> = e.store.lock().unwrap().writes[writes..].to_vec();
+    let at = |path: &str| new.iter().position(|(m, p)| m == "APPLY" && p == path);
+    let scale = at(&format!("{DEPLOY}/scale")).expect("the count applied to /scale");
+    let deploy = at(DEPLOY).expect("the Deployment applied without replicas");
+    assert!(scale < deploy, "{new:?}");
+    assert!(at(HPA).is_some(), "{new:?}");
+    let writes = e.writes();
+    e.reconcile_pool().await;
+    let again: Vec<_> = e.store.lock().unwrap().writes[writes..]
+        .iter()
+        .filter(|(_, p)| !p.ends_with("/status"))
+        .cloned()
+        .collect();
+    assert_eq!(again, [], "handed over once");
 }

@@ -9,7 +9,7 @@ mod support;
 use std::sync::{Arc, Mutex};
 
 use mole_crds::{Adapter, InferencePool};
-use mole_operator::controller::{adapter, pool, Context, PodClient};
+use mole_operator::controller::{adapter, pool, Context, PodClient, StoreWriters, Stores};
 use mole_operator::telemetry::Metrics;
 use serde_json::{json, Value};
 use support::{Shared, Store};
@@ -35,25 +35,39 @@ fn pool_obj(base_model: Value) -> Value {
 struct Env {
     store: Shared,
     ctx: Arc<Context>,
+    writers: Mutex<StoreWriters>,
 }
 
 async fn env(pool: Value) -> Env {
     let store: Shared = Arc::new(Mutex::new(Store::default()));
     let worker = support::fake_worker(store.clone()).await;
-    let ctx = Arc::new(Context::new(
-        support::client(store.clone()),
-        "test".into(),
-        Metrics::new(),
-        PodClient::new(worker.addr.port()),
-    ));
+    let (stores, writers) = Stores::new();
+    let ctx = Arc::new(
+        Context::new(
+            support::client(store.clone()),
+            "test".into(),
+            Metrics::new(),
+            PodClient::new(worker.addr.port()),
+        )
+        .with_stores(stores),
+    );
     store.lock().unwrap().create(POOL, pool);
-    let e = Env { store, ctx };
+    let e = Env {
+        store,
+        ctx,
+        writers: Mutex::new(writers),
+    };
+    e.sync();
     let p: InferencePool = serde_json::from_value(e.get(POOL).unwrap()).unwrap();
     pool::reconcile(Arc::new(p), e.ctx.clone()).await.unwrap();
     e
 }
 
 impl Env {
+    /// The controllers' stores catch up with the API server (their watches would).
+    fn sync(&self) {
+        support::sync_stores(&self.store, &mut self.writers.lock().unwrap());
+    }
     fn get(&self, path: &str) -> Option<Value> {
         self.store.lock().unwrap().get(path)
     }
@@ -209,6 +223,7 @@ async fn an_adapter_with_a_bad_uri_gets_a_condition_naming_the_field() {
     );
     for _ in 0..2 {
         let a: Adapter = serde_json::from_value(e.get(ADAPTER).unwrap()).unwrap();
+        e.sync();
         adapter::reconcile(Arc::new(a), e.ctx.clone())
             .await
             .unwrap();
@@ -233,6 +248,7 @@ impl Env {
     async fn reconcile_adapter(&self) {
         for _ in 0..2 {
             let a: Adapter = serde_json::from_value(self.get(ADAPTER).unwrap()).unwrap();
+            self.sync();
             adapter::reconcile(Arc::new(a), self.ctx.clone())
                 .await
                 .unwrap();
@@ -240,6 +256,7 @@ impl Env {
     }
     async fn reconcile_pool(&self) {
         let p: InferencePool = serde_json::from_value(self.get(POOL).unwrap()).unwrap();
+        self.sync();
         pool::reconcile(Arc::new(p), self.ctx.clone())
             .await
             .unwrap();

@@ -805,3 +805,167 @@ async fn base_model_fetched_from_an_in_cluster_s3_server() {
 
     delete_namespace_and_volume(&client, &ns, &pv_name).await;
 }
+
+/// A pool with `spec.dynamic.autoscaling` gets an HPA for its dynamic Deployment, and the
+/// operator leaves the Deployment's count to whoever scales it: a `kubectl scale` (the scale
+/// subresource, as the HPA writes it) survives the operator re-applying the Deployment. No
+/// custom metrics API is needed for that: without one the HPA keeps the count it finds.
+#[tokio::test]
+async fn an_autoscaled_pool_leaves_its_replicas_to_the_hpa() {
+    use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
+    let Some(client) = client().await else { return };
+    let ns = format!("mole-e2e-hpa-{}", std::process::id());
+    create_namespace(&client, &ns).await;
+    let pools: Api<InferencePool> = Api::namespaced(client.clone(), &ns);
+    let pool: InferencePool = serde_json::from_value(serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
+        "metadata": {"name": "vl", "annotations": {"mole.dev/allow-cpu": "true"}},
+        "spec": {"baseModel": {"name": "tiny", "path": "base/tiny"}, "storage": {"claimName": "models"},
+                 "gpu": {"count": 0},
+                 "dynamic": {"autoscaling": {"minReplicas": 1, "maxReplicas": 3, "targetQueueDepth": 2}}}
+    }))
+    .unwrap();
+    pools.create(&PostParams::default(), &pool).await.unwrap();
+    let hpas: Api<HorizontalPodAutoscaler> = Api::namespaced(client.clone(), &ns);
+    let hpa = wait(60, "HPA vl-dynamic", || async {
+        hpas.get_opt("vl-dynamic").await.ok().flatten()
+    })
+    .await;
+    let spec = hpa.spec.unwrap();
+    assert_eq!(spec.scale_target_ref.kind, "Deployment");
+    assert_eq!(spec.scale_target_ref.name, "vl-dynamic");
+    assert_eq!((spec.min_replicas, spec.max_replicas), (Some(1), 3));
+    let metric = &spec.metrics.unwrap()[0];
+    assert_eq!(
+        metric.pods.as_ref().unwrap().metric.name,
+        "mole_requests_waiting"
+    );
+
+    let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    let d = wait(60, "vl-dynamic", || async {
+        deploys.get_opt("vl-dynamic").await.ok().flatten()
+    })
+    .await;
+    let owns_replicas = |d: &Deployment| {
+        d.metadata.managed_fields.iter().flatten().any(|m| {
+            m.manager.as_deref() == Some("mole-operator/pool-deployment")
+                && m.fields_v1
+                    .as_ref()
+                    .is_some_and(|f| f.0["f:spec"].get("f:replicas").is_some())
+        })
+    };
+    assert!(!owns_replicas(&d), "the operator applies no replicas");
+    // `kubectl scale deployment vl-dynamic --replicas 2`.
+    deploys
+        .patch_scale(
+            "vl-dynamic",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"replicas": 2}})),
+        )
+        .await
+        .unwrap();
+    let hash = |d: &Deployment| {
+        d.spec
+            .as_ref()?
+            .template
+            .metadata
+            .as_ref()?
+            .annotations
+            .as_ref()?
+            .get("mole.dev/spec-hash")
+            .cloned()
+    };
+    let before = hash(&d);
+    // A start-only engine limit changes the pod template: the operator applies the Deployment
+    // again, and the count it does not own stays.
+    pools
+        .patch(
+            "vl",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"dynamic": {"maxQueue": 64}}})),
+        )
+        .await
+        .unwrap();
+    let d = wait(60, "the Deployment re-applied", || async {
+        let d = deploys.get("vl-dynamic").await.ok()?;
+        (hash(&d) != before).then_some(d)
+    })
+    .await;
+    assert_eq!(
+        d.spec.unwrap().replicas,
+        Some(2),
+        "the scaled count survives"
+    );
+    wait(60, "status reports the HPA's count", || async {
+        (pools.get("vl").await.ok()?.status?.dynamic.replicas == 2).then_some(())
+    })
+    .await;
+    // Both replicas and autoscaling: refused, naming the field; the count is untouched.
+    pools
+        .patch(
+            "vl",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"dynamic": {"replicas": 1}}})),
+        )
+        .await
+        .unwrap();
+    let valid = wait(60, "Valid=False", || async {
+        pool_condition(&pools, "vl", "Valid")
+            .await
+            .filter(|c| c.status == "False")
+    })
+    .await;
+    assert!(
+        valid.message.starts_with("spec.dynamic.replicas"),
+        "{valid:?}"
+    );
+    assert_eq!(
+        deploys
+            .get("vl-dynamic")
+            .await
+            .unwrap()
+            .spec
+            .unwrap()
+            .replicas,
+        Some(2)
+    );
+
+    // A pool with a fixed count turning autoscaling on keeps its pods: the operator's apply
+    // owned `replicas`, and dropping it must not reset the count to 1.
+    let fixed: InferencePool = serde_json::from_value(serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
+        "metadata": {"name": "fx", "annotations": {"mole.dev/allow-cpu": "true"}},
+        "spec": {"baseModel": {"name": "tiny", "path": "base/tiny"}, "storage": {"claimName": "models"},
+                 "gpu": {"count": 0}, "dynamic": {"replicas": 2}}
+    }))
+    .unwrap();
+    pools.create(&PostParams::default(), &fixed).await.unwrap();
+    let d = wait(60, "fx-dynamic with 2 replicas", || async {
+        let d = deploys.get_opt("fx-dynamic").await.ok().flatten()?;
+        (d.spec.as_ref()?.replicas == Some(2)).then_some(d)
+    })
+    .await;
+    assert!(owns_replicas(&d));
+    pools
+        .patch(
+            "fx",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"dynamic": {"replicas": null,
+                "autoscaling": {"minReplicas": 1, "maxReplicas": 3}}}})),
+        )
+        .await
+        .unwrap();
+    let d = wait(60, "the operator gave up fx-dynamic's replicas", || async {
+        let d = deploys.get("fx-dynamic").await.ok()?;
+        assert_eq!(d.spec.as_ref()?.replicas, Some(2), "the count never drops");
+        (!owns_replicas(&d)).then_some(d)
+    })
+    .await;
+    assert_eq!(d.spec.unwrap().replicas, Some(2));
+    wait(60, "HPA fx-dynamic", || async {
+        hpas.get_opt("fx-dynamic").await.ok().flatten()
+    })
+    .await;
+    let nss: Api<Namespace> = Api::all(client.clone());
+    nss.delete(&ns, &DeleteParams::default()).await.unwrap();
+}

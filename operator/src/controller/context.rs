@@ -1,5 +1,6 @@
-//! What every reconcile shares: the client, the Event recorder, metrics, the worker-pod HTTP
-//! client, and per-object failure counts for backoff.
+//! What every reconcile shares: the client, the reflector stores of pools and Adapters, the
+//! Event recorder, metrics, the worker-pod HTTP client, and per-object failure counts for
+//! backoff.
 
 use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
@@ -8,18 +9,97 @@ use std::time::{Duration, Instant};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod, Secret};
 use kube::api::{ListParams, PostParams};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{self, ObjectRef, Store};
 use kube::{Api, Client, ResourceExt};
 use mole_crds::constants::{LABEL_APP_COMPONENT, LABEL_APP_INSTANCE};
-use mole_crds::{InferencePool, LoraAdaptersResponse};
+use mole_crds::{Adapter, InferencePool, LoraAdaptersResponse};
 
 use crate::error::{Error, Result};
 use crate::resources;
 use crate::telemetry::Metrics;
 
+/// The controllers' caches of every InferencePool and Adapter they watch, kept current by the
+/// controllers' own watches. Reconciles read pools and Adapters from them instead of the API
+/// server: listing every Adapter of the namespace in each Adapter reconcile made n reconciles
+/// cost n LISTs of n objects.
+#[derive(Clone)]
+pub struct Stores {
+    /// The pool controller's store.
+    pub pools: Store<InferencePool>,
+    /// The Adapter controller's store.
+    pub adapters: Store<Adapter>,
+}
+
+/// The write ends of [`Stores`] made by [`Stores::new`], fed by hand
+/// (`Writer::apply_watcher_event`), as tests do from their in-memory API server.
+pub struct StoreWriters {
+    /// Feeds [`Stores::pools`].
+    pub pools: reflector::store::Writer<InferencePool>,
+    /// Feeds [`Stores::adapters`].
+    pub adapters: reflector::store::Writer<Adapter>,
+}
+
+impl Stores {
+    /// Empty stores and their writers.
+    pub fn new() -> (Self, StoreWriters) {
+        let (pools, pw) = reflector::store();
+        let (adapters, aw) = reflector::store();
+        (
+            Self { pools, adapters },
+            StoreWriters {
+                pools: pw,
+                adapters: aw,
+            },
+        )
+    }
+
+    /// Waits until both stores hold a first full list: before that an empty store would read as
+    /// "no sibling, no pool" and refuse adapters that are fine.
+    pub async fn ready(&self) -> Result<()> {
+        self.pools
+            .wait_until_ready()
+            .await
+            .map_err(|e| Error::StoreClosed(e.to_string()))?;
+        self.adapters
+            .wait_until_ready()
+            .await
+            .map_err(|e| Error::StoreClosed(e.to_string()))
+    }
+
+    /// The pool `name` of namespace `ns` (None: not in the cache).
+    pub fn pool(&self, ns: &str, name: &str) -> Option<InferencePool> {
+        self.pools
+            .get(&ObjectRef::new(name).within(ns))
+            .map(|p| p.as_ref().clone())
+    }
+
+    /// Every Adapter of namespace `ns`.
+    pub fn adapters_in(&self, ns: &str) -> Vec<Adapter> {
+        self.adapters
+            .state()
+            .iter()
+            .filter(|a| a.metadata.namespace.as_deref() == Some(ns))
+            .map(|a| a.as_ref().clone())
+            .collect()
+    }
+
+    /// The Adapters of namespace `ns` that name pool `pool`.
+    pub fn adapters_of(&self, ns: &str, pool: &str) -> Vec<Adapter> {
+        self.adapters
+            .state()
+            .iter()
+            .filter(|a| a.metadata.namespace.as_deref() == Some(ns) && a.spec.pool == pool)
+            .map(|a| a.as_ref().clone())
+            .collect()
+    }
+}
+
 /// Shared state of the controllers.
 pub struct Context {
     /// Kubernetes client.
     pub client: Client,
+    /// The pools and Adapters the controllers watch ([`Context::with_stores`]).
+    pub stores: Stores,
     /// Event publisher.
     pub recorder: Recorder,
     /// Operator metrics.
@@ -75,7 +155,9 @@ impl std::fmt::Display for ReloadFailure {
 }
 
 impl Context {
-    /// A context for `client`, reporting Events as `instance`.
+    /// A context for `client`, reporting Events as `instance`. Its stores are unfed until
+    /// [`Context::with_stores`] gives it the controllers' (`controller::run` does): a reconcile
+    /// against unfed stores fails with `store_closed` rather than reading them as empty.
     pub fn new(client: Client, instance: String, metrics: Metrics, pods: PodClient) -> Self {
         let recorder = Recorder::new(
             client.clone(),
@@ -84,8 +166,11 @@ impl Context {
                 instance: Some(instance),
             },
         );
+        // The writers go at once: `Stores::ready` then fails instead of waiting forever.
+        let (stores, _) = Stores::new();
         Self {
             client,
+            stores,
             recorder,
             metrics,
             pods,
@@ -101,6 +186,12 @@ impl Context {
     /// of [`RELOAD_BACKOFF_FIRST`] and [`RELOAD_BACKOFF_MAX`]).
     pub fn with_reload_backoff(mut self, first: Duration, max: Duration) -> Self {
         self.reload_backoff = (first, max);
+        self
+    }
+
+    /// The same context reading pools and Adapters from `stores`.
+    pub fn with_stores(mut self, stores: Stores) -> Self {
+        self.stores = stores;
         self
     }
 

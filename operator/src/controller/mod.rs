@@ -17,6 +17,7 @@ use std::sync::Arc;
 
 use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
@@ -25,10 +26,13 @@ use kube::runtime::{watcher, Controller};
 use kube::{Api, Client, ResourceExt};
 use mole_crds::{Adapter, InferencePool};
 
-pub use context::{Context, PodClient};
+pub use context::{Context, PodClient, StoreWriters, Stores};
 
-/// Runs both controllers until shutdown. `namespace` None watches every namespace.
-pub async fn run(client: Client, namespace: Option<String>, ctx: Arc<Context>) {
+/// Runs both controllers until shutdown. `namespace` None watches every namespace. `ctx` gets
+/// the controllers' own stores of pools and Adapters (each controller's watch of its kind
+/// feeds one), so reconciles read them without API calls; each controller waits for its store
+/// to be filled before reconciling, and reconciles wait for the other's (`Stores::ready`).
+pub async fn run(client: Client, namespace: Option<String>, ctx: Context) {
     let api = |c: &Client| -> (Api<InferencePool>, Api<Adapter>) {
         match &namespace {
             Some(ns) => (
@@ -45,15 +49,17 @@ pub async fn run(client: Client, namespace: Option<String>, ctx: Arc<Context>) {
             Api::<Deployment>::namespaced(c.clone(), ns),
             Api::<Service>::namespaced(c.clone(), ns),
             Api::<PodDisruptionBudget>::namespaced(c.clone(), ns),
+            Api::<HorizontalPodAutoscaler>::namespaced(c.clone(), ns),
         ),
         None => (
             Api::all(c.clone()),
             Api::all(c.clone()),
             Api::all(c.clone()),
             Api::all(c.clone()),
+            Api::all(c.clone()),
         ),
     };
-    let (cms, deploys, svcs, pdbs) = owned(&client);
+    let (cms, deploys, svcs, pdbs, hpas) = owned(&client);
     let jobs: Api<Job> = match &namespace {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
@@ -62,11 +68,18 @@ pub async fn run(client: Client, namespace: Option<String>, ctx: Arc<Context>) {
     // An Adapter change re-renders its pool's WorkerConfig.
     let pool_of =
         |a: Adapter| Some(ObjectRef::new(&a.spec.pool).within(&a.namespace().unwrap_or_default()));
-    let pool_ctl = Controller::new(pools.clone(), watcher::Config::default())
+    let pool_ctl = Controller::new(pools.clone(), watcher::Config::default());
+    let adapter_ctl = Controller::new(adapters.clone(), watcher::Config::default());
+    let ctx = Arc::new(ctx.with_stores(Stores {
+        pools: pool_ctl.store(),
+        adapters: adapter_ctl.store(),
+    }));
+    let pool_ctl = pool_ctl
         .owns(cms, managed.clone())
         .owns(deploys.clone(), managed.clone())
         .owns(svcs, managed.clone())
         .owns(pdbs, managed.clone())
+        .owns(hpas, managed.clone())
         .watches(adapters.clone(), watcher::Config::default(), pool_of)
         .shutdown_on_signal()
         .run(pool::reconcile, pool::error_policy, ctx.clone())
@@ -77,7 +90,7 @@ pub async fn run(client: Client, namespace: Option<String>, ctx: Arc<Context>) {
         });
     // Merge Jobs and merged Deployments are owned by their Adapter: a Job finishing or a
     // Deployment's pods becoming ready (or either being deleted) reconciles it at once.
-    let adapter_ctl = Controller::new(adapters, watcher::Config::default())
+    let adapter_ctl = adapter_ctl
         .owns(jobs, managed.clone())
         .owns(deploys, managed)
         .shutdown_on_signal()

@@ -170,12 +170,7 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
             "must not be empty",
         ));
     }
-    if spec.dynamic.replicas < 0 {
-        return Err(FieldError::invalid(
-            "spec.dynamic.replicas",
-            "must be 0 or more",
-        ));
-    }
+    validate_scaling(&spec.dynamic)?;
     // The worker refuses a config outside these bounds: refuse the pool instead of rendering it.
     if let Err(e) = spec.dynamic.limits.validate() {
         return Err(FieldError::invalid(
@@ -184,7 +179,17 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
         ));
     }
     validate_pod_names(spec)?;
-    validate_rollout(spec, spec.dynamic.replicas, "spec.dynamic.replicas")?;
+    // Percentages round differently at each count: every count the autoscaler may pick has
+    // to roll out.
+    let (min, max) = spec.dynamic.replica_range();
+    let field = if spec.dynamic.autoscaling.is_some() {
+        "spec.dynamic.autoscaling"
+    } else {
+        "spec.dynamic.replicas"
+    };
+    for replicas in min..=max {
+        validate_rollout(spec, replicas, field)?;
+    }
     validate_router(&spec.router)?;
     if let Some(auth) = &spec.auth {
         if auth.secret_name.trim().is_empty() {
@@ -235,6 +240,61 @@ pub fn validate_rollout(
                 "{unavailable} of {replicas} replicas ({replicas_field}) may go down at once: \
                  it must leave at least one pod serving"
             ),
+        ));
+    }
+    Ok(())
+}
+
+/// Validates `spec.dynamic.replicas` and `spec.dynamic.autoscaling`: exclusive (both set,
+/// the operator and the HPA would fight over the Deployment's count), and bounds the HPA
+/// accepts.
+pub fn validate_scaling(d: &mole_crds::DynamicSpec) -> Result<(), FieldError> {
+    if d.replicas.is_some_and(|r| r < 0) {
+        return Err(FieldError::invalid(
+            "spec.dynamic.replicas",
+            "must be 0 or more",
+        ));
+    }
+    let Some(a) = &d.autoscaling else {
+        return Ok(());
+    };
+    if d.replicas.is_some() {
+        return Err(FieldError::invalid(
+            "spec.dynamic.replicas",
+            "must be unset with spec.dynamic.autoscaling: the HorizontalPodAutoscaler owns the \
+             count (bound it with autoscaling.minReplicas/maxReplicas; `replicas: null` removes \
+             the `replicas: 1` that pools created by earlier CRDs carry as a default)",
+        ));
+    }
+    let f = |k: &str| format!("spec.dynamic.autoscaling.{k}");
+    if a.min_replicas < 1 {
+        return Err(FieldError::invalid(
+            f("minReplicas"),
+            "must be at least 1 (an HPA does not scale from 0)",
+        ));
+    }
+    if a.max_replicas < a.min_replicas {
+        return Err(FieldError::invalid(
+            f("maxReplicas"),
+            format!("{} is below minReplicas {}", a.max_replicas, a.min_replicas),
+        ));
+    }
+    if a.max_replicas > 1000 {
+        return Err(FieldError::invalid(
+            f("maxReplicas"),
+            "must be 1000 or less",
+        ));
+    }
+    if a.target_queue_depth < 1 {
+        return Err(FieldError::invalid(
+            f("targetQueueDepth"),
+            "must be at least 1 request waiting per pod",
+        ));
+    }
+    if !(0..=3600).contains(&a.scale_down_stabilization_seconds) {
+        return Err(FieldError::invalid(
+            f("scaleDownStabilizationSeconds"),
+            "must be 0 to 3600 (the HPA's bounds)",
         ));
     }
     Ok(())
@@ -518,6 +578,15 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
 
     type Mutation<T> = fn(&mut T);
 
+    fn autoscaling(min: i32, max: i32) -> mole_crds::AutoscalingSpec {
+        mole_crds::AutoscalingSpec {
+            min_replicas: min,
+            max_replicas: max,
+            target_queue_depth: 4,
+            scale_down_stabilization_seconds: 600,
+        }
+    }
+
     fn field(r: Result<(), FieldError>) -> String {
         r.unwrap_err().field
     }
@@ -556,7 +625,56 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
                 |p| p.spec.gpu.resource_name = "".into(),
                 "spec.gpu.resourceName",
             ),
-            (|p| p.spec.dynamic.replicas = -1, "spec.dynamic.replicas"),
+            (
+                |p| p.spec.dynamic.replicas = Some(-1),
+                "spec.dynamic.replicas",
+            ),
+            (
+                |p| {
+                    p.spec.dynamic.replicas = Some(2);
+                    p.spec.dynamic.autoscaling = Some(autoscaling(1, 4));
+                },
+                "spec.dynamic.replicas",
+            ),
+            (
+                |p| p.spec.dynamic.autoscaling = Some(autoscaling(0, 4)),
+                "spec.dynamic.autoscaling.minReplicas",
+            ),
+            (
+                |p| p.spec.dynamic.autoscaling = Some(autoscaling(3, 2)),
+                "spec.dynamic.autoscaling.maxReplicas",
+            ),
+            (
+                |p| {
+                    let mut a = autoscaling(1, 2);
+                    a.target_queue_depth = 0;
+                    p.spec.dynamic.autoscaling = Some(a);
+                },
+                "spec.dynamic.autoscaling.targetQueueDepth",
+            ),
+            (
+                |p| {
+                    let mut a = autoscaling(1, 2);
+                    a.scale_down_stabilization_seconds = 3601;
+                    p.spec.dynamic.autoscaling = Some(a);
+                },
+                "spec.dynamic.autoscaling.scaleDownStabilizationSeconds",
+            ),
+            (
+                // 100% down is fine for one pod, not for the autoscaler's second.
+                |p| {
+                    p.spec.dynamic.autoscaling = Some(autoscaling(1, 2));
+                    p.spec.rollout = Some(mole_crds::RolloutSpec {
+                        max_surge: None,
+                        max_unavailable: Some(
+                            k8s_openapi::apimachinery::pkg::util::intstr::IntOrString::String(
+                                "100%".into(),
+                            ),
+                        ),
+                    });
+                },
+                "spec.rollout.maxUnavailable",
+            ),
             (
                 |p| p.spec.dynamic.limits.max_loras = 0,
                 "spec.dynamic.maxLoras",
@@ -840,7 +958,7 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
         let with = |surge: Option<IntOrString>, unavailable: Option<IntOrString>, replicas| {
             let mut p = pool();
-            p.spec.dynamic.replicas = replicas;
+            p.spec.dynamic.replicas = Some(replicas);
             p.spec.rollout = Some(mole_crds::RolloutSpec {
                 max_surge: surge,
                 max_unavailable: unavailable,

@@ -38,7 +38,8 @@ pub const RESERVED_ADAPTER_NAMES: &[&str] = &["dynamic"];
 pub const MAX_CHILD_NAME: usize = 63;
 
 /// The Deployment `<pool>-dynamic`, its pods running `spec.image` or the default of `images`
-/// and listening on `port`.
+/// and listening on `port`. With `spec.dynamic.autoscaling` it carries no `replicas`: the
+/// operator's forced apply would otherwise take the count back from the HPA on every write.
 pub fn dynamic_deployment(pool: &InferencePool, port: u16, images: &WorkerImages) -> Deployment {
     let name = pool.metadata.name.clone().unwrap_or_default();
     let meta = ChildMeta::of_pool(pool, "dynamic");
@@ -46,7 +47,7 @@ pub fn dynamic_deployment(pool: &InferencePool, port: u16, images: &WorkerImages
     worker_deployment(
         &meta,
         dynamic_name(&name),
-        pool.spec.dynamic.replicas,
+        pool.spec.dynamic.applied_replicas(),
         template,
         rolling_update(&pool.spec),
     )
@@ -95,18 +96,18 @@ pub fn scaled_value(v: &IntOrString, replicas: i32, round_up: bool) -> Result<i3
 }
 
 /// A Deployment `name` of `replicas` worker pods from `template`, selected by `meta`, rolled
-/// by `rolling_update`.
+/// by `rolling_update` (`replicas` None: left to whoever scales it).
 pub fn worker_deployment(
     meta: &ChildMeta,
     name: String,
-    replicas: i32,
+    replicas: Option<i32>,
     template: PodTemplateSpec,
     rolling_update: RollingUpdateDeployment,
 ) -> Deployment {
     Deployment {
         metadata: meta.named(name),
         spec: Some(DeploymentSpec {
-            replicas: Some(replicas),
+            replicas,
             selector: LabelSelector {
                 match_labels: Some(meta.selector.clone()),
                 ..Default::default()

@@ -1,11 +1,12 @@
 //! Pure builders of every child object: one file per kind (ConfigMap, Deployment, Service,
-//! PodDisruptionBudget, Secret; the worker pod template and the WorkerConfig they carry), each
+//! PodDisruptionBudget, HorizontalPodAutoscaler, Secret; the worker pod template and the WorkerConfig they carry), each
 //! starting from the shared metadata of [`ChildMeta`]. No client, no I/O: unit-tested directly.
 //! The merge-down Jobs are built in `crate::mergedown::job` from the same pieces.
 
 mod configmap;
 mod deployment;
 mod fetch;
+mod hpa;
 mod image;
 mod meta;
 mod pdb;
@@ -31,6 +32,7 @@ pub use fetch::{
     adapter_fetch_job, adapter_fetch_job_name, adapter_fetch_key, fetch_container, join,
     with_base_model_source, BASE_MODEL_SOURCE_VOLUME, FETCH_MODEL_CONTAINER,
 };
+pub use hpa::{hpa, QUEUE_METRIC};
 pub use image::{
     WorkerImages, DEFAULT_WORKER_IMAGE_CPU, DEFAULT_WORKER_IMAGE_GPU, WORKER_REPOSITORY,
 };
@@ -96,7 +98,7 @@ pub fn merged_children(
     let deploy = worker_deployment(
         &meta,
         name.clone(),
-        replicas,
+        Some(replicas),
         template,
         deployment::rolling_update(&pool.spec),
     );

@@ -172,7 +172,7 @@ fn only_base_image_limits_and_resources_roll_the_pods() {
     );
     // Replicas and router settings do not restart pods either.
     let mut q = p.clone();
-    q.spec.dynamic.replicas = 5;
+    q.spec.dynamic.replicas = Some(5);
     q.spec.router.min_confidence = 0.9;
     assert_eq!(
         template_hash(&dynamic_deployment(
@@ -755,7 +755,8 @@ fn every_field_spec() -> serde_json::Value {
               {"nodeSelectorTerms": [{"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}]}}},
           "priorityClassName": "gpu-serving", "runtimeClassName": "nvidia"},
   "resources": {"requests": {"cpu": "4"}, "limits": {"memory": "64Gi"}},
-  "dynamic": {"replicas": 2, "maxLoras": 4, "maxCpuLoras": 16, "maxLoraRank": 32, "loraDtype": "f16",
+  "dynamic": {"replicas": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 3,
+              "targetQueueDepth": 2, "scaleDownStabilizationSeconds": 60}, "maxLoras": 4, "maxCpuLoras": 16, "maxLoraRank": 32, "loraDtype": "f16",
               "maxBatchSize": 8, "maxSeqLen": 2048, "maxQueue": 128},
   "router": {"strategies": ["explicit", "embedding"], "classifierAdapter": "cls", "minConfidence": 0.5,
              "embeddingModel": "embed/minilm", "embeddingThreshold": 0.25, "fallback": "base",
@@ -778,6 +779,10 @@ const NOT_HASHED: &[(&str, &str)] = &[
     (
         "dynamic.replicas",
         "the Deployment's replica count, not its pod template",
+    ),
+    (
+        "dynamic.autoscaling.",
+        "the HPA's settings: how many pods, not what they run",
     ),
     ("router.strategies", "reloaded: the worker swaps its router"),
     ("router.classifierAdapter", "reloaded with the router"),

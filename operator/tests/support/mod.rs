@@ -41,6 +41,10 @@ pub struct Store {
     pub event_notes: Vec<(String, String)>,
     /// Requests to paths starting with one of these fail with 500 (an API outage).
     pub failing: Vec<String>,
+    /// Every request: (verb, resource) as RBAC names them (`list`, `adapters`).
+    pub requests: Vec<(String, String)>,
+    /// Objects the API server sent back to GETs: 1 per object read, the items of each LIST.
+    pub objects_read: usize,
     /// Top-level status fields each field manager applied last, by object path.
     status_owners: BTreeMap<(String, String), Vec<String>>,
     rv: u64,
@@ -282,6 +286,7 @@ impl Store {
                     .map(owner_finalizers),
             );
         }
+        self.requests.push((want.2.clone(), want.1.clone()));
         for ask in asks {
             // MOLE_RBAC_LOG=FILE lists every call the scenarios make (group, resource, verb).
             if let Ok(f) = std::env::var("MOLE_RBAC_LOG") {
@@ -321,6 +326,7 @@ impl Store {
             }
             "GET" => {
                 if let Some(o) = self.objects.get(&base) {
+                    self.objects_read += 1;
                     return ok(o);
                 }
                 if !self.is_collection_path(&base) {
@@ -335,6 +341,7 @@ impl Store {
                     .map(|(_, v)| v.clone())
                     .filter(|v| matches_selector(v, sel.as_deref()))
                     .collect();
+                self.objects_read += items.len();
                 ok(&json!({"kind": "List", "apiVersion": "v1",
                            "metadata": {"resourceVersion": self.rv.to_string()}, "items": items}))
             }
@@ -519,6 +526,32 @@ pub fn merge(into: &mut Value, from: &Value) {
         }
         (a, b) => *a = b.clone(),
     }
+}
+
+/// Brings the controllers' stores up to date with the objects `store` holds, as their watches
+/// would (a fresh list: Init, InitApply each, InitDone), without a request to the API server.
+pub fn sync_stores(store: &Shared, w: &mut mole_operator::controller::StoreWriters) {
+    use kube::runtime::watcher::Event;
+    let s = store.lock().unwrap();
+    let of = |kind: &str| -> Vec<Value> {
+        s.objects
+            .iter()
+            .filter(|(k, _)| k.starts_with("/apis/mole.dev/") && k.split('/').nth(6) == Some(kind))
+            .map(|(_, v)| v.clone())
+            .collect()
+    };
+    w.pools.apply_watcher_event(&Event::Init);
+    for p in of("inferencepools") {
+        w.pools
+            .apply_watcher_event(&Event::InitApply(serde_json::from_value(p).unwrap()));
+    }
+    w.pools.apply_watcher_event(&Event::InitDone);
+    w.adapters.apply_watcher_event(&Event::Init);
+    for a in of("adapters") {
+        w.adapters
+            .apply_watcher_event(&Event::InitApply(serde_json::from_value(a).unwrap()));
+    }
+    w.adapters.apply_watcher_event(&Event::InitDone);
 }
 
 /// A kube Client whose API server is `store`.

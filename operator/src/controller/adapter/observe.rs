@@ -17,17 +17,18 @@ use crate::mergedown;
 use crate::resources;
 
 /// What validation needs: the adapter's pool (None: not found) and every Adapter of the
-/// namespace (label clashes).
+/// namespace (label clashes), both read from the controllers' stores: no API call, whatever
+/// the number of Adapters.
 pub(super) async fn pool_and_siblings(
     adapter: &Adapter,
     ctx: &Context,
 ) -> Result<(Option<InferencePool>, Vec<Adapter>)> {
+    ctx.stores.ready().await?;
     let ns = adapter.namespace().unwrap_or_default();
-    let pools: Api<InferencePool> = Api::namespaced(ctx.client.clone(), &ns);
-    let adapters: Api<Adapter> = Api::namespaced(ctx.client.clone(), &ns);
-    let pool = pools.get_opt(&adapter.spec.pool).await?;
-    let siblings = adapters.list(&ListParams::default()).await?.items;
-    Ok((pool, siblings))
+    Ok((
+        ctx.stores.pool(&ns, &adapter.spec.pool),
+        ctx.stores.adapters_in(&ns),
+    ))
 }
 
 /// What serves the adapter now.

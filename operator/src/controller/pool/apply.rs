@@ -2,8 +2,11 @@
 //! every ready pod asked to reload the config.
 
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use kube::api::{Patch, PatchParams};
 use kube::{Api, ResourceExt};
 use mole_crds::InferencePool;
 
@@ -21,6 +24,8 @@ const FM_CONFIG: &str = "mole-operator/pool-configmap";
 const FM_DEPLOY: &str = "mole-operator/pool-deployment";
 const FM_SERVICE: &str = "mole-operator/pool-service";
 const FM_PDB: &str = "mole-operator/pool-pdb";
+const FM_HPA: &str = "mole-operator/pool-hpa";
+const FM_REPLICAS_HANDOFF: &str = "mole-operator/pool-replicas-handoff";
 
 /// What applying left behind.
 pub(super) struct Applied {
@@ -78,12 +83,16 @@ async fn apply_children(
         obs.config_map.as_ref(),
     )
     .await?;
+    let deploys = Api::<Deployment>::namespaced(client.clone(), &ns);
+    // After a handover the apply must run even when nothing else changed: only a write
+    // without `replicas` gives up the operator's ownership of it.
+    let handed_over = hand_replicas_over(&deploys, desired, obs.deployment.as_ref()).await?;
     let deployment = apply_if_changed(
-        &Api::<Deployment>::namespaced(client.clone(), &ns),
+        &deploys,
         &resources::dynamic_name(&name),
         FM_DEPLOY,
         &desired.deployment,
-        obs.deployment.as_ref(),
+        obs.deployment.as_ref().filter(|_| !handed_over),
     )
     .await?;
     apply_if_changed(
@@ -102,6 +111,23 @@ async fn apply_children(
         obs.pdb.as_ref(),
     )
     .await?;
+    let hpas = Api::<HorizontalPodAutoscaler>::namespaced(client.clone(), &ns);
+    let hpa_name = resources::dynamic_name(&name);
+    match (&desired.hpa, &obs.hpa) {
+        (Some(hpa), live) => {
+            apply_if_changed(&hpas, &hpa_name, FM_HPA, hpa, live.as_ref()).await?;
+        }
+        // Autoscaling turned off: an HPA left behind would keep resizing the Deployment
+        // against the count the operator applies again. Only the pool's own goes.
+        (None, Some(live)) if owned_by_pool(&live.metadata, pool) => {
+            match hpas.delete(&hpa_name, &Default::default()).await {
+                Ok(_) => {}
+                Err(kube::Error::Api(e)) if e.code == 404 => {}
+                Err(e) => return Err(e.into()),
+            }
+        }
+        (None, _) => {}
+    }
     Ok(deployment)
 }
 
@@ -152,4 +178,96 @@ async fn reload(
         failed,
         retry_in,
     })
+}
+
+/// Before the first apply without `replicas` (a pool that just turned autoscaling on): if the
+/// operator's apply owns the live count alone, dropping it from the apply would reset it to
+/// the API server's default of 1, stopping every pod but one until the HPA scales back up.
+/// Applying the same count to the scale subresource under a second manager first makes that
+/// manager co-own it, so the next apply only gives up the operator's share and the count stays.
+/// Returns whether it handed the count over.
+async fn hand_replicas_over(
+    deploys: &Api<Deployment>,
+    desired: &super::build::Desired,
+    live: Option<&Deployment>,
+) -> Result<bool> {
+    let wanted = desired.deployment.spec.as_ref().and_then(|s| s.replicas);
+    let Some(live) = live else { return Ok(false) };
+    let count = live.spec.as_ref().and_then(|s| s.replicas);
+    let (None, Some(count)) = (wanted, count) else {
+        return Ok(false);
+    };
+    if !owns_replicas(live, FM_DEPLOY) {
+        return Ok(false);
+    }
+    let scale = serde_json::json!({
+        "apiVersion": "autoscaling/v1", "kind": "Scale",
+        "metadata": {"name": live.metadata.name},
+        "spec": {"replicas": count},
+    });
+    deploys
+        .patch_scale(
+            live.metadata.name.as_deref().unwrap_or_default(),
+            &PatchParams::apply(FM_REPLICAS_HANDOFF).force(),
+            &Patch::Apply(&scale),
+        )
+        .await?;
+    Ok(true)
+}
+
+/// Whether the apply of field manager `manager` owns `spec.replicas` of `d`.
+pub(super) fn owns_replicas(d: &Deployment, manager: &str) -> bool {
+    d.metadata.managed_fields.iter().flatten().any(|m| {
+        m.manager.as_deref() == Some(manager)
+            && m.operation.as_deref() == Some("Apply")
+            && m.fields_v1
+                .as_ref()
+                .is_some_and(|f| f.0["f:spec"].get("f:replicas").is_some())
+    })
+}
+
+/// Whether `meta` has an owner reference to `pool` (by uid).
+fn owned_by_pool(meta: &ObjectMeta, pool: &InferencePool) -> bool {
+    let Some(uid) = pool.metadata.uid.as_deref() else {
+        return false;
+    };
+    meta.owner_references.iter().flatten().any(|o| o.uid == uid)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn deployment(managed: serde_json::Value) -> Deployment {
+        serde_json::from_value(serde_json::json!({
+            "metadata": {"name": "vl-dynamic", "managedFields": managed},
+            "spec": {"replicas": 3, "selector": {}, "template": {}}
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn the_replicas_owner_is_read_from_managed_fields() {
+        let entry = |manager: &str, op: &str, fields: serde_json::Value| {
+            serde_json::json!({"manager": manager, "operation": op, "apiVersion": "apps/v1",
+                               "fieldsType": "FieldsV1", "fieldsV1": fields})
+        };
+        let with_replicas = serde_json::json!({"f:spec": {"f:replicas": {}, "f:template": {}}});
+        let without = serde_json::json!({"f:spec": {"f:template": {}}});
+        let owned = deployment(serde_json::json!([entry(
+            FM_DEPLOY,
+            "Apply",
+            with_replicas.clone()
+        )]));
+        assert!(owns_replicas(&owned, FM_DEPLOY));
+        let released = deployment(serde_json::json!([entry(FM_DEPLOY, "Apply", without)]));
+        assert!(!owns_replicas(&released, FM_DEPLOY));
+        // The HPA's scale updates are another manager's.
+        let hpa = deployment(serde_json::json!([entry(
+            "kube-controller-manager",
+            "Update",
+            with_replicas
+        )]));
+        assert!(!owns_replicas(&hpa, FM_DEPLOY));
+    }
 }

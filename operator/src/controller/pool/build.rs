@@ -1,6 +1,7 @@
 //! Build: the pool's children as they should be. Pure: no client.
 
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{ConfigMap, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::ResourceExt;
@@ -21,6 +22,8 @@ pub(super) struct Desired {
     pub service: Service,
     /// The PDB of the dynamic pods.
     pub pdb: PodDisruptionBudget,
+    /// The dynamic pods' autoscaler (None: the pool has a fixed count, and a live one goes).
+    pub hpa: Option<HorizontalPodAutoscaler>,
 }
 
 /// The adapters that belong in the pool's WorkerConfig: of this pool, not being deleted, valid,
@@ -66,5 +69,6 @@ pub(super) fn desired(
         deployment: resources::dynamic_deployment(pool, port, images),
         service: resources::service(pool),
         pdb: resources::pdb(pool),
+        hpa: resources::hpa(pool),
     }
 }

@@ -1,6 +1,7 @@
 //! Observe: what the pool controller reads before it builds anything.
 
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::ListParams;
@@ -15,7 +16,8 @@ use crate::resources;
 
 /// What the pool controller observed.
 pub(super) struct Observed {
-    /// Every Adapter of the namespace (the pool's are picked when building).
+    /// Every Adapter of the namespace, from the Adapter store (the pool's are picked when
+    /// building).
     pub adapters: Vec<Adapter>,
     /// The live `<pool>-config`.
     pub config_map: Option<ConfigMap>,
@@ -25,6 +27,8 @@ pub(super) struct Observed {
     pub service: Option<Service>,
     /// The live PDB of the dynamic pods.
     pub pdb: Option<PodDisruptionBudget>,
+    /// The live HPA of the dynamic pods.
+    pub hpa: Option<HorizontalPodAutoscaler>,
     /// The pool's merged Deployments (owned by their Adapters, reported in the pool's status).
     pub merged: Vec<Deployment>,
     /// With a fetched `baseModel.source`: what the pool's pods show of their `fetch-model`
@@ -79,7 +83,7 @@ pub(super) async fn observe(pool: &InferencePool, ctx: &Context) -> Result<Obser
     let ns = pool.namespace().unwrap_or_default();
     let name = pool.name_any();
     let c = &ctx.client;
-    let adapters: Api<Adapter> = Api::namespaced(c.clone(), &ns);
+    ctx.stores.ready().await?;
     let deployments: Api<Deployment> = Api::namespaced(c.clone(), &ns);
     let merged = ListParams::default().labels(&format!(
         "{LABEL_APP_INSTANCE}={name},{LABEL_APP_COMPONENT}=merged"
@@ -102,7 +106,7 @@ pub(super) async fn observe(pool: &InferencePool, ctx: &Context) -> Result<Obser
     Ok(Observed {
         fetch,
         pod_problem: pod_problem(&pods),
-        adapters: adapters.list(&ListParams::default()).await?.items,
+        adapters: ctx.stores.adapters_in(&ns),
         config_map: Api::<ConfigMap>::namespaced(c.clone(), &ns)
             .get_opt(&resources::config_map_name(&name))
             .await?,
@@ -111,6 +115,9 @@ pub(super) async fn observe(pool: &InferencePool, ctx: &Context) -> Result<Obser
             .get_opt(&name)
             .await?,
         pdb: Api::<PodDisruptionBudget>::namespaced(c.clone(), &ns)
+            .get_opt(&resources::dynamic_name(&name))
+            .await?,
+        hpa: Api::<HorizontalPodAutoscaler>::namespaced(c.clone(), &ns)
             .get_opt(&resources::dynamic_name(&name))
             .await?,
         merged: deployments.list(&merged).await?.items,

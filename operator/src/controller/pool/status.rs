@@ -128,7 +128,16 @@ pub(super) fn report(
     let mut status = current(pool);
     mark_valid(&mut status.conditions, generation, now);
     status.merged = merged_status(&ns, &name, &obs.merged);
-    let desired = pool.spec.dynamic.replicas;
+    // With an autoscaler the count is whatever it set on the Deployment (its minimum until it
+    // has run).
+    let desired = pool.spec.dynamic.applied_replicas().unwrap_or_else(|| {
+        applied
+            .deployment
+            .spec
+            .as_ref()
+            .and_then(|s| s.replicas)
+            .unwrap_or(pool.spec.dynamic.replica_range().0)
+    });
     // The applied Deployment's status, or the observed one's when nothing was written back.
     let ready = applied
         .deployment
@@ -401,6 +410,7 @@ mod tests {
             deployment: live,
             service: None,
             pdb: None,
+            hpa: None,
             merged: Vec::new(),
             fetch: None,
             pod_problem: None,
@@ -443,7 +453,7 @@ mod tests {
             )
         );
         assert_eq!(r.ready_reason, reason::PODS_FAILING);
-        p.spec.dynamic.replicas = 0;
+        p.spec.dynamic.replicas = Some(0);
         let r = report(&p, &observed(None), &applied(deployment(0)), now);
         assert!(!r.all_ready);
         assert_eq!(ready(&r).1, reason::SCALED_TO_ZERO);
