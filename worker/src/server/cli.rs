@@ -19,6 +19,15 @@ pub struct ServeArgs {
     /// Seconds between config file checks (0 disables the watcher).
     #[arg(long, env = "MOLE_CONFIG_POLL_SECONDS", default_value_t = 2)]
     pub config_poll_seconds: u64,
+    /// Share of each GPU's memory the worker may use, overriding the config's
+    /// `limits.gpuMemoryUtilization` (0.05-1.0).
+    #[arg(long, env = "MOLE_GPU_MEMORY_UTILIZATION")]
+    pub gpu_memory_utilization: Option<f64>,
+    /// Where a startup failure's one line (`code: message`) is also written (Kubernetes
+    /// copies it into the Pod's termination message). Default: /dev/termination-log, when it
+    /// exists.
+    #[arg(long, env = "MOLE_TERMINATION_LOG")]
+    pub termination_log: Option<PathBuf>,
 }
 
 /// Runs the subcommand.
@@ -30,17 +39,30 @@ pub fn run(args: ServeArgs) -> std::process::ExitCode {
             return std::process::ExitCode::from(1);
         }
     };
+    let termination_log = args.termination_log.clone();
     match rt.block_on(serve(args)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
+            // The engine's refusals carry a stable code for the pool's condition.
+            let line = match e.downcast_ref::<super::BuildError>() {
+                Some(b) => format!("{}: {b}", b.code()),
+                None => format!("{e:#}"),
+            };
+            crate::merge::cli::write_termination_log(termination_log.as_deref(), &line);
             std::process::ExitCode::from(1)
         }
     }
 }
 
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let cfg = crate::config::load(&args.config)?;
+    let mut cfg = crate::config::load(&args.config)?;
+    if let Some(f) = args.gpu_memory_utilization {
+        mole_api::bounds::GPU_MEMORY_UTILIZATION
+            .check("gpuMemoryUtilization", f)
+            .map_err(|e| anyhow::anyhow!("--gpu-memory-utilization: {e}"))?;
+        cfg.limits.engine.gpu_memory_utilization = f;
+    }
     let auth = Auth::from_config(&cfg)?;
     let engine = build_engine(&cfg)?;
     let state = AppState::new(cfg.clone(), engine.clone(), Some(args.config.clone()), auth);
