@@ -80,6 +80,12 @@ pub const MAX_QUEUE: Bounds = Bounds {
     min: 0,
     max: 100_000,
 };
+/// Share of a GPU's memory the worker may use (weights, KV cache, adapters, activations), as
+/// vLLM's `--gpu-memory-utilization`.
+pub const GPU_MEMORY_UTILIZATION: RealBounds = RealBounds {
+    min: 0.05,
+    max: 1.0,
+};
 /// Lowest classifier probability accepted.
 pub const MIN_CONFIDENCE: RealBounds = RealBounds { min: 0.0, max: 1.0 };
 /// Lowest cosine similarity accepted by the embedding strategy.

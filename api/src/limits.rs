@@ -46,6 +46,18 @@ pub struct EngineLimits {
     #[serde(default = "default_max_queue")]
     #[schemars(range(min = bounds::MAX_QUEUE.min, max = bounds::MAX_QUEUE.max))]
     pub max_queue: u32,
+    /// Share of each GPU's total memory the worker may use, as vLLM's
+    /// `--gpu-memory-utilization`: what is left of it after the weights (and whatever else
+    /// holds device memory), the LoRA slots and an activation estimate becomes the paged KV
+    /// cache, up to what `maxBatchSize` sequences of `maxSeqLen` can use. A worker whose share
+    /// cannot hold the weights, or one sequence of `maxSeqLen`, refuses to start
+    /// (`model_does_not_fit`). Ignored on the CPU, where the cache is sized from the limits.
+    #[serde(default = "default_gpu_memory_utilization")]
+    #[schemars(range(
+        min = bounds::GPU_MEMORY_UTILIZATION.min,
+        max = bounds::GPU_MEMORY_UTILIZATION.max
+    ))]
+    pub gpu_memory_utilization: f64,
 }
 
 impl Default for EngineLimits {
@@ -58,6 +70,7 @@ impl Default for EngineLimits {
             max_batch_size: default_max_batch(),
             max_seq_len: default_max_seq_len(),
             max_queue: default_max_queue(),
+            gpu_memory_utilization: default_gpu_memory_utilization(),
         }
     }
 }
@@ -70,7 +83,8 @@ impl EngineLimits {
         bounds::MAX_LORA_RANK.check("maxLoraRank", self.max_lora_rank)?;
         bounds::MAX_BATCH_SIZE.check("maxBatchSize", self.max_batch_size)?;
         bounds::MAX_SEQ_LEN.check("maxSeqLen", self.max_seq_len)?;
-        bounds::MAX_QUEUE.check("maxQueue", self.max_queue)
+        bounds::MAX_QUEUE.check("maxQueue", self.max_queue)?;
+        bounds::GPU_MEMORY_UTILIZATION.check("gpuMemoryUtilization", self.gpu_memory_utilization)
     }
 }
 
@@ -102,6 +116,9 @@ fn default_max_seq_len() -> u32 {
 }
 fn default_max_queue() -> u32 {
     256
+}
+fn default_gpu_memory_utilization() -> f64 {
+    0.9
 }
 
 /// Limits of a worker: its engine's, and those of one request. In JSON they are one flat

@@ -28,7 +28,7 @@ fn limits_are_one_flat_object_with_one_set_of_defaults() {
     let json = serde_json::to_string(&WorkerLimits::default()).unwrap();
     assert_eq!(
         json,
-        r#"{"maxLoras":8,"maxCpuLoras":32,"maxLoraRank":64,"maxBatchSize":16,"maxSeqLen":4096,"maxQueue":256,"maxTokens":2048,"maxBodyBytes":16777216,"requestTimeoutSeconds":300,"maxImageBytes":16777216,"maxImagePixels":40000000,"maxImages":8}"#
+        r#"{"maxLoras":8,"maxCpuLoras":32,"maxLoraRank":64,"maxBatchSize":16,"maxSeqLen":4096,"maxQueue":256,"gpuMemoryUtilization":0.9,"maxTokens":2048,"maxBodyBytes":16777216,"requestTimeoutSeconds":300,"maxImageBytes":16777216,"maxImagePixels":40000000,"maxImages":8}"#
     );
     let back: WorkerLimits = serde_json::from_str(&json).unwrap();
     assert_eq!(back, WorkerLimits::default());
@@ -48,6 +48,15 @@ fn bounds_are_checked_once_for_both_sides() {
     assert_eq!(EngineLimits::default().validate(), Ok(()));
     assert_eq!(WorkerLimits::default().validate(), Ok(()));
     assert_eq!(RouterSpec::default().validate(), Ok(()));
+    let g = EngineLimits {
+        gpu_memory_utilization: 1.5,
+        ..Default::default()
+    };
+    assert_eq!(
+        g.validate().unwrap_err().field,
+        "gpuMemoryUtilization",
+        "a share above the device's memory is refused"
+    );
     let l = EngineLimits {
         max_loras: bounds::MAX_LORAS.max + 1,
         ..EngineLimits::default()

@@ -74,6 +74,8 @@ pub struct Metrics {
     pub kv_blocks_free: IntGauge,
     /// Blocks of the paged KV cache (tensor path only).
     pub kv_blocks: IntGauge,
+    /// Bytes of the paged KV cache (tensor path only).
+    pub kv_cache_bytes: IntGauge,
     /// Sequences preempted because the KV cache was full.
     pub preemptions: IntCounter,
 }
@@ -202,6 +204,11 @@ impl Metrics {
             ),
             kv_blocks_free: gauge(&r, "mole_kv_blocks_free", "Free blocks of the paged KV cache"),
             kv_blocks: gauge(&r, "mole_kv_blocks", "Blocks of the paged KV cache"),
+            kv_cache_bytes: gauge(
+                &r,
+                "mole_kv_cache_bytes",
+                "Bytes of the paged KV cache (keys and values of every layer)",
+            ),
             preemptions: registered(
                 &r,
                 IntCounter::new(
@@ -229,6 +236,9 @@ impl Metrics {
         if let Some((free, total)) = stats.kv_blocks {
             self.kv_blocks_free.set(free as i64);
             self.kv_blocks.set(total as i64);
+        }
+        if let Some(bytes) = stats.kv_cache_bytes {
+            self.kv_cache_bytes.set(bytes as i64);
         }
         follow(&self.adapter_evictions, stats.adapter_evictions);
         follow(

@@ -106,6 +106,11 @@ pub fn spec_hash(spec: &InferencePoolSpec, image: &str) -> String {
     if l.max_queue != EngineLimits::default().max_queue {
         limits["maxQueue"] = serde_json::json!(l.max_queue);
     }
+    // Read at startup (the KV cache's size): a change rolls the pods. Away from its default
+    // only, as maxQueue.
+    if l.gpu_memory_utilization != EngineLimits::default().gpu_memory_utilization {
+        limits["gpuMemoryUtilization"] = serde_json::json!(l.gpu_memory_utilization);
+    }
     let mut hashed = serde_json::json!({
         "baseModel": spec.base_model,
         "image": image,

@@ -757,7 +757,8 @@ fn every_field_spec() -> serde_json::Value {
   "resources": {"requests": {"cpu": "4"}, "limits": {"memory": "64Gi"}},
   "dynamic": {"replicas": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 3,
               "targetQueueDepth": 2, "scaleDownStabilizationSeconds": 60}, "maxLoras": 4, "maxCpuLoras": 16, "maxLoraRank": 32, "loraDtype": "f16",
-              "maxBatchSize": 8, "maxSeqLen": 2048, "maxQueue": 128},
+              "maxBatchSize": 8, "maxSeqLen": 2048, "maxQueue": 128,
+              "gpuMemoryUtilization": 0.8},
   "router": {"strategies": ["explicit", "embedding"], "classifierAdapter": "cls", "minConfidence": 0.5,
              "embeddingModel": "embed/minilm", "embeddingThreshold": 0.25, "fallback": "base",
              "preferMerged": true, "fallbackToDynamic": true},
@@ -958,6 +959,13 @@ fn start_only_fields_roll_the_pods_and_default_ones_keep_the_hash() {
         spec_hash(&q.spec, &image),
         before,
         "maxQueue rolls the pods"
+    );
+    let mut g = p.clone();
+    g.spec.dynamic.limits.gpu_memory_utilization = 0.8;
+    assert_ne!(
+        spec_hash(&g.spec, &image),
+        before,
+        "gpuMemoryUtilization rolls the pods"
     );
     let mut e = p.clone();
     e.spec.router.embedding_model = Some("embed/minilm".into());

@@ -62,6 +62,10 @@ pub struct DecodeBenchArgs {
     /// Width of the image case's vision tower, a multiple of 72 (Qwen3-VL-8B: 1152, 16 heads).
     #[arg(long, env = "MOLE_BENCH_VISION_HIDDEN", default_value_t = 1152, value_parser = vision_hidden)]
     pub vision_hidden: usize,
+    /// On the CPU, time the tensor path's table alone (no host-path table, no f32 twin, no
+    /// image case, no transformers): about a third of the full run.
+    #[arg(long, env = "MOLE_BENCH_TENSOR_ONLY")]
+    pub tensor_only: bool,
 }
 
 /// `--vision-hidden`: whole heads of 72.
@@ -324,6 +328,9 @@ fn bench_model(
             .collect::<Result<_, _>>()?,
         None => Vec::new(),
     };
+    if args.tensor_only && !model.paged() {
+        return tensor_path_table(model, &adapters, args);
+    }
     let s = args.steps;
     let distinct: Vec<Option<&LoraAdapter>> = adapters.iter().map(Some).collect();
     let mut configs: Vec<Vec<Option<&LoraAdapter>>> = vec![
@@ -614,7 +621,7 @@ fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
         VarBuilder::from_tensors(weights.clone(), dtype, &dev),
     )?;
     // Held narrower than computed (bf16 on the CPU): the widened twin, timed beside it.
-    let wide = match model.weight_dtype() == model.dtype() {
+    let wide = match model.weight_dtype() == model.dtype() || args.tensor_only {
         true => None,
         false => Some(Decoder::new(
             cfg.clone(),
@@ -649,7 +656,7 @@ fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
         let label = dir.display().to_string();
         bench_model(&label, &mut m, wide.as_ref(), Some(dir), args, &dev)?;
     }
-    if let Some(size) = args.image.0 {
+    if let (Some(size), false) = (args.image.0, args.tensor_only) {
         super::image::run(args, size, &dev, dtype)?;
     }
     Ok(())

@@ -39,6 +39,10 @@ pub enum EngineError {
     /// placeholders do not match the images: 400.
     #[error("invalid image: {0}")]
     InvalidImage(String),
+    /// The model does not fit the device's memory budget (`gpuMemoryUtilization`): the
+    /// worker refuses to start.
+    #[error("{0}")]
+    ModelDoesNotFit(String),
     /// The model failed during the forward pass: 500.
     #[error("internal engine error: {0}")]
     Internal(String),
@@ -55,6 +59,7 @@ impl EngineError {
             EngineError::InvalidRequest(_) => "invalid_request",
             EngineError::ImagesNotSupported => "images_not_supported",
             EngineError::InvalidImage(_) => "invalid_image",
+            EngineError::ModelDoesNotFit(_) => "model_does_not_fit",
             EngineError::Internal(_) => "internal_error",
         }
     }
@@ -326,6 +331,8 @@ pub struct EngineStats {
     /// The paged KV cache's free and total blocks (tensor path; None on the CPU's host path,
     /// whose caches grow per sequence).
     pub kv_blocks: Option<(usize, usize)>,
+    /// Bytes of the paged KV cache (tensor path).
+    pub kv_cache_bytes: Option<u64>,
 }
 
 /// The engine as the server sees it. Implemented by the real engine; object-safe so the

@@ -25,7 +25,10 @@ use self::scheduler::{Msg, Seq};
 use self::text::TextModel;
 use crate::lora::registry::{Lookup, Pinned, Registry};
 use crate::lora::LoadOptions;
-use crate::model::{Decoder, LoraAdapter, Row, SeqCache, TensorPathOptions};
+use crate::model::{
+    Decoder, DeviceMemory, KvBudget, LoraAdapter, ModelError, Proj, Row, SeqCache,
+    TensorPathOptions,
+};
 
 /// Engine settings (from the worker config's limits).
 #[derive(Debug, Clone)]
@@ -53,9 +56,11 @@ pub struct EngineOptions {
     /// In a merged pod: the adapter baked into the weights and its version (requests naming
     /// it run on the weights as they are).
     pub merged: Option<(String, String)>,
-    /// KV blocks of the tensor path's cache; None: enough for a full batch at the longest
-    /// length.
+    /// KV blocks of the tensor path's cache; None: sized by [`Engine::load`] from the
+    /// device's memory ([`KvBudget`]), else enough for a full batch at the longest length.
     pub kv_blocks: Option<usize>,
+    /// Share of a GPU's total memory the worker may use (`gpuMemoryUtilization`).
+    pub gpu_memory_utilization: f64,
 }
 
 impl Default for EngineOptions {
@@ -72,6 +77,7 @@ impl Default for EngineOptions {
             prefill_chunk: 512,
             merged: None,
             kv_blocks: None,
+            gpu_memory_utilization: 0.9,
         }
     }
 }
@@ -88,6 +94,107 @@ fn tensor_path(opts: &EngineOptions) -> TensorPathOptions {
             .unwrap_or(opts.max_batch_size.max(1) * opts.max_seq_len.div_ceil(block_size)),
         lora_slots: opts.max_loras.max(1),
         lora_rank: opts.max_lora_rank.max(1),
+    }
+}
+
+/// The device as logs and messages name it (`cpu`, `cuda:0`).
+pub fn device_name(device: &Device) -> String {
+    match device.location() {
+        candle_core::DeviceLocation::Cpu => "cpu".into(),
+        candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
+        candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
+    }
+}
+
+/// What sizes the KV cache of `model` under `opts` (see [`KvBudget`]), with the device's
+/// memory as it is now (after the weights were loaded). The activation headroom is an
+/// estimate, not a profile: a prefill chunk's hidden states and MLP activations in f32, the
+/// batch's logits, and the attention scores of a chunk against the longest sequence (twice:
+/// scores and softmax), plus 256 MiB for the CUDA context's and cuBLAS's workspaces.
+fn kv_budget(
+    model: &Decoder,
+    opts: &EngineOptions,
+    lora_dtype: DType,
+    weights_bytes: u64,
+) -> Result<KvBudget, ModelError> {
+    let cfg = model.config();
+    let tp = tensor_path(opts);
+    let layers = cfg.num_hidden_layers as u64;
+    let width = (cfg.kv_heads() * cfg.head_dim()) as u64;
+    let kv_size = model.dtype().size_in_bytes() as u64;
+    let bytes_per_block = layers * 2 * tp.block_size as u64 * width * kv_size;
+    // The slots compute in the wider of the activations' dtype and the adapters'.
+    let slot_size = kv_size.max(lora_dtype.size_in_bytes() as u64);
+    let rank = tp.lora_rank.div_ceil(crate::kernels::RANK_ALIGN) * crate::kernels::RANK_ALIGN;
+    let per_slot: u64 = Proj::ALL
+        .iter()
+        .map(|p| {
+            let (i, o) = p.dims(cfg);
+            (i + o) as u64
+        })
+        .sum::<u64>()
+        * rank as u64
+        * layers
+        * slot_size;
+    let lora_bytes = (tp.lora_slots as u64 + 1) * per_slot;
+    let tokens = opts.prefill_chunk.max(opts.max_batch_size).max(1) as u64;
+    let (hidden, inter) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
+    let heads = cfg.num_attention_heads as u64;
+    let activation_bytes = tokens * (8 * hidden + 4 * inter) * 4
+        + opts.max_batch_size as u64 * cfg.vocab_size as u64 * 4 * 2
+        + 2 * heads * opts.prefill_chunk.max(1) as u64 * opts.max_seq_len as u64 * 4
+        + (256 << 20);
+    let seq_blocks = opts.max_seq_len.div_ceil(tp.block_size);
+    Ok(KvBudget {
+        device: device_name(model.device()),
+        memory: DeviceMemory::of(model.device())?,
+        fraction: opts.gpu_memory_utilization,
+        weights_bytes,
+        lora_bytes,
+        activation_bytes,
+        bytes_per_block,
+        wanted_blocks: tensor_path(opts).kv_blocks,
+        min_blocks: seq_blocks,
+    })
+}
+
+/// Sizes the KV cache from the device's memory unless `opts` fixes it: refuses
+/// (`model_does_not_fit`) when one sequence of the longest length does not fit, logs the size.
+fn size_kv_cache(
+    model: &Decoder,
+    opts: &mut EngineOptions,
+    weights_bytes: u64,
+) -> Result<(), EngineError> {
+    if opts.kv_blocks.is_some() {
+        return Ok(());
+    }
+    let lora_dtype = opts.lora_dtype.unwrap_or(crate::model::adapter_dtype(
+        model.weight_dtype(),
+        model.device(),
+    ));
+    let mut o = opts.clone();
+    o.max_seq_len = o.max_seq_len.min(model.config().max_positions()).max(2);
+    let budget = kv_budget(model, &o, lora_dtype, weights_bytes).map_err(model_error)?;
+    let blocks = budget.blocks().map_err(model_error)?;
+    tracing::info!(
+        device = %budget.device,
+        blocks,
+        block_tokens = tensor_path(&o).block_size,
+        bytes = blocks as u64 * budget.bytes_per_block,
+        budget_bytes = budget.budget_bytes(),
+        weights_bytes,
+        gpu_memory_utilization = o.gpu_memory_utilization,
+        "KV cache sized"
+    );
+    opts.kv_blocks = Some(blocks);
+    Ok(())
+}
+
+/// A model error at load: `model_does_not_fit` keeps its code, the rest are "not ready".
+fn model_error(e: ModelError) -> EngineError {
+    match e {
+        ModelError::DoesNotFit { .. } => EngineError::ModelDoesNotFit(e.to_string()),
+        e => EngineError::NotReady(e.to_string()),
     }
 }
 
@@ -125,10 +232,26 @@ impl Engine {
         dir: &Path,
         dtype: DType,
         device: &Device,
-        opts: EngineOptions,
+        mut opts: EngineOptions,
     ) -> Result<Self, EngineError> {
-        let model = Decoder::load(dir, dtype, device)
-            .map_err(|e| EngineError::NotReady(format!("model {}: {e}", dir.display())))?;
+        let nr = |e: &dyn std::fmt::Display| {
+            EngineError::NotReady(format!("model {}: {e}", dir.display()))
+        };
+        // The weights' size from the files' headers, refused before anything is allocated
+        // when it exceeds the device's share.
+        let files = crate::formats::hf::safetensors_files(dir).map_err(|e| nr(&e))?;
+        let weights_bytes = crate::formats::hf::safetensors_elements(&files).map_err(|e| nr(&e))?
+            * dtype.size_in_bytes() as u64;
+        let memory = DeviceMemory::of(device).map_err(model_error)?;
+        KvBudget::check_weights(
+            &device_name(device),
+            memory,
+            opts.gpu_memory_utilization,
+            weights_bytes,
+        )
+        .map_err(model_error)?;
+        let model = Decoder::load(dir, dtype, device).map_err(|e| nr(&e))?;
+        size_kv_cache(&model, &mut opts, weights_bytes)?;
         let text = TextModel::load(dir).map_err(|e| EngineError::NotReady(e.to_string()))?;
         let images = match &model.config().vision {
             Some(spec) => Some(ImageProcessor::load(dir, spec)?),
@@ -142,15 +265,26 @@ impl Engine {
     pub fn load_gguf(
         path: &Path,
         device: &Device,
-        opts: EngineOptions,
+        mut opts: EngineOptions,
     ) -> Result<Self, EngineError> {
         let nr =
             |e: &dyn std::fmt::Display| EngineError::NotReady(format!("{}: {e}", path.display()));
+        let file_bytes = std::fs::metadata(path).map_err(|e| nr(&e))?.len();
+        let memory = DeviceMemory::of(device).map_err(model_error)?;
+        // A GGUF file's tensors stay in their blocks: the file's size is the weights'.
+        KvBudget::check_weights(
+            &device_name(device),
+            memory,
+            opts.gpu_memory_utilization,
+            file_bytes,
+        )
+        .map_err(model_error)?;
         let q = crate::formats::gguf::load_quantized(path, device).map_err(|e| nr(&e))?;
         let cfg = crate::model::ModelConfig::from_json(q.config.clone()).map_err(|e| nr(&e))?;
         let model = Decoder::from_quantized(cfg, q.tensors, device).map_err(|e| nr(&e))?;
         let text = TextModel::from_json(&q.tokenizer_json, q.tokenizer_config, &[q.config])
             .map_err(|e| nr(&e))?;
+        size_kv_cache(&model, &mut opts, file_bytes)?;
         Ok(Self::start(model, text, opts))
     }
 
@@ -585,7 +719,16 @@ impl InferenceEngine for Engine {
         s.adapter_evictions = sh.registry.evictions.load(Ordering::Relaxed);
         s.preemptions = sh.preemptions.load(Ordering::Relaxed);
         if sh.model.paged() {
-            s.kv_blocks = Some((sh.model.free_blocks(), sh.model.tensor_path().kv_blocks));
+            let tp = sh.model.tensor_path();
+            s.kv_blocks = Some((sh.model.free_blocks(), tp.kv_blocks));
+            let cfg = sh.model.config();
+            let per_block = 2
+                * cfg.num_hidden_layers
+                * tp.block_size
+                * cfg.kv_heads()
+                * cfg.head_dim()
+                * sh.model.dtype().size_in_bytes();
+            s.kv_cache_bytes = Some((tp.kv_blocks * per_block) as u64);
         }
         s
     }

@@ -178,6 +178,10 @@ impl InferenceEngine for Replicas {
                 (Some((f, t)), Some((f2, t2))) => Some((f + f2, t + t2)),
                 (a, b) => a.or(b),
             };
+            out.kv_cache_bytes = match (out.kv_cache_bytes, s.kv_cache_bytes) {
+                (Some(a), Some(b)) => Some(a + b),
+                (a, b) => a.or(b),
+            };
         }
         for v in [&mut out.running_adapters, &mut out.waiting_adapters] {
             v.sort_unstable();

@@ -49,6 +49,46 @@ pub struct SafetensorsIndex {
     pub metadata: serde_json::Value,
 }
 
+/// Elements of every tensor in `files`, read from their safetensors headers alone (no tensor
+/// data is read): what the weights will take once loaded, before any is allocated.
+pub fn safetensors_elements(files: &[PathBuf]) -> Result<u64, HfError> {
+    use std::io::Read;
+    let mut total = 0u64;
+    for f in files {
+        let path = f.display().to_string();
+        let io = |source| HfError::Io {
+            path: path.clone(),
+            source,
+        };
+        let bad = |message: String| HfError::Json {
+            path: path.clone(),
+            message,
+        };
+        let mut file = std::fs::File::open(f).map_err(io)?;
+        let mut len = [0u8; 8];
+        file.read_exact(&mut len).map_err(io)?;
+        let len = u64::from_le_bytes(len);
+        // safetensors caps its header at 100 MB; a larger one is not a safetensors file.
+        if len > 100_000_000 {
+            return Err(bad(format!("a header of {len} bytes")));
+        }
+        let mut header = vec![0u8; len as usize];
+        file.read_exact(&mut header).map_err(io)?;
+        let header: BTreeMap<String, serde_json::Value> =
+            serde_json::from_slice(&header).map_err(|e| bad(e.to_string()))?;
+        for (name, t) in header.iter().filter(|(n, _)| *n != "__metadata__") {
+            let shape = t["shape"]
+                .as_array()
+                .ok_or_else(|| bad(format!("tensor {name} has no shape")))?;
+            total += shape
+                .iter()
+                .map(|d| d.as_u64().unwrap_or(0))
+                .product::<u64>();
+        }
+    }
+    Ok(total)
+}
+
 /// The weight files of a model directory, in shard order.
 pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
     let index = dir.join("model.safetensors.index.json");

@@ -3,7 +3,7 @@
 use candle_core::{DType, Device, Tensor};
 
 use super::kv::KvPool;
-use super::slots::LoraSlots;
+use super::slots::{LoraSlots, StepSlots};
 use super::vision::ImageEmbeds;
 use super::{LoraAdapter, SeqCache};
 
@@ -54,8 +54,9 @@ pub(super) struct Batch<'a> {
     pub dtype: DType,
     /// Tensor path: where the step's keys go and come from in the paged cache.
     pub paged: Option<Paged<'a>>,
-    /// Tensor path, when a row has an adapter: the slot pool and each token's slot `[tokens]`.
-    pub lora: Option<(&'a LoraSlots, Tensor)>,
+    /// Tensor path, when a row has an adapter: the slot pool and where each token meets its
+    /// slot.
+    pub lora: Option<(&'a LoraSlots, StepSlots)>,
 }
 
 /// A tensor-path step's view of the paged cache: the rows padded to `queries` new tokens and

@@ -572,7 +572,7 @@ impl Decoder {
         let inputs = step::inputs(
             rows,
             kv,
-            row_slots.as_deref(),
+            row_slots.as_deref().zip(slots.map(LoraSlots::dtype)),
             &positions,
             width,
             &self.device,

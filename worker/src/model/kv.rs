@@ -36,6 +36,135 @@ impl Default for TensorPathOptions {
     }
 }
 
+/// A device's memory as its driver reports it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DeviceMemory {
+    /// Bytes free now (after whatever this process and others hold).
+    pub free: u64,
+    /// Bytes the device has.
+    pub total: u64,
+}
+
+impl DeviceMemory {
+    /// The memory of `device`: a GPU's free and total bytes; None on the CPU, where the
+    /// limits alone size the cache (a host's "free memory" says little about what the
+    /// process may use: page cache, cgroup limits, overcommit).
+    pub fn of(device: &Device) -> Result<Option<Self>, ModelError> {
+        #[cfg(feature = "cuda")]
+        if let Device::Cuda(d) = device {
+            let (free, total) = d
+                .cuda_stream()
+                .context()
+                .mem_get_info()
+                .map_err(|e| ModelError::Tensor(candle_core::Error::wrap(e)))?;
+            return Ok(Some(Self {
+                free: free as u64,
+                total: total as u64,
+            }));
+        }
+        let _ = device;
+        Ok(None)
+    }
+}
+
+/// How many KV blocks a device can hold: the `gpuMemoryUtilization`-style budget (the share
+/// `fraction` of the device's total memory, less what is already used there, the LoRA slots
+/// and an activation estimate), capped by what the limits can ever use. One pure function
+/// of numbers, so it is tested without a GPU.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KvBudget {
+    /// The device, as logs name it.
+    pub device: String,
+    /// The device's memory after the weights were loaded; None (CPU): the limits decide.
+    pub memory: Option<DeviceMemory>,
+    /// Share of the device's total memory the worker may use.
+    pub fraction: f64,
+    /// The weights' bytes (for the message; they are already in `memory.free`).
+    pub weights_bytes: u64,
+    /// The LoRA slots' bytes (allocated on the first step with an adapter).
+    pub lora_bytes: u64,
+    /// Headroom for a step's activations.
+    pub activation_bytes: u64,
+    /// Bytes of one block across every layer (keys and values).
+    pub bytes_per_block: u64,
+    /// Blocks the limits can ever use (`maxBatchSize` sequences of `maxSeqLen`).
+    pub wanted_blocks: usize,
+    /// Blocks of one sequence of `maxSeqLen`: fewer and the worker refuses to start.
+    pub min_blocks: usize,
+}
+
+impl KvBudget {
+    /// The bytes the cache may take (0 when the rest already exceeds the share).
+    pub fn budget_bytes(&self) -> Option<u64> {
+        let m = self.memory?;
+        let share = share(m.total, self.fraction);
+        let used = m.total.saturating_sub(m.free);
+        Some(
+            share
+                .saturating_sub(used)
+                .saturating_sub(self.lora_bytes)
+                .saturating_sub(self.activation_bytes),
+        )
+    }
+
+    /// The block count, or `DoesNotFit` when the budget cannot hold one sequence of the
+    /// longest length.
+    pub fn blocks(&self) -> Result<usize, ModelError> {
+        let Some(budget) = self.budget_bytes() else {
+            return Ok(self.wanted_blocks.max(1));
+        };
+        let fits = (budget / self.bytes_per_block.max(1)).min(usize::MAX as u64) as usize;
+        if fits < self.min_blocks {
+            return Err(ModelError::DoesNotFit {
+                device: self.device.clone(),
+                weights_bytes: self.weights_bytes,
+                budget_bytes: budget,
+                why: format!(
+                    "the KV cache needs {} bytes for one sequence of the longest length, \
+                     {} fit beside the weights, the LoRA slots ({} bytes) and activations \
+                     ({} bytes); lower maxSeqLen or raise gpuMemoryUtilization ({})",
+                    self.min_blocks as u64 * self.bytes_per_block,
+                    budget,
+                    self.lora_bytes,
+                    self.activation_bytes,
+                    self.fraction
+                ),
+            });
+        }
+        Ok(fits.min(self.wanted_blocks).max(1))
+    }
+
+    /// `DoesNotFit` when weights of `weights_bytes` alone exceed the share of `memory`
+    /// (checked from the files' headers, before anything is allocated).
+    pub fn check_weights(
+        device: &str,
+        memory: Option<DeviceMemory>,
+        fraction: f64,
+        weights_bytes: u64,
+    ) -> Result<(), ModelError> {
+        let Some(m) = memory else { return Ok(()) };
+        let share = share(m.total, fraction);
+        if weights_bytes > share {
+            return Err(ModelError::DoesNotFit {
+                device: device.to_string(),
+                weights_bytes,
+                budget_bytes: share,
+                why: format!(
+                    "the weights exceed gpuMemoryUtilization {fraction} of the device's {} bytes",
+                    m.total
+                ),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// `fraction` of `total` bytes, in millionths so that round fractions give round bytes.
+fn share(total: u64, fraction: f64) -> u64 {
+    let millionths = (fraction.clamp(0.0, 1.0) * 1e6).round() as u128;
+    (total as u128 * millionths / 1_000_000) as u64
+}
+
 /// Free block ids, shared by the pool and every block table drawn from it.
 type FreeList = Arc<Mutex<Vec<u32>>>;
 
@@ -155,6 +284,83 @@ impl KvPool {
 #[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
+
+    const GIB: u64 = 1 << 30;
+
+    fn budget(free: u64, total: u64) -> KvBudget {
+        KvBudget {
+            device: "cuda:0".into(),
+            memory: Some(DeviceMemory { free, total }),
+            fraction: 0.9,
+            weights_bytes: 16 * GIB,
+            lora_bytes: GIB,
+            activation_bytes: GIB,
+            bytes_per_block: 2 * 1024 * 1024,
+            wanted_blocks: 16 * 256,
+            min_blocks: 256,
+        }
+    }
+
+    #[test]
+    fn the_budget_is_the_share_less_what_is_used_the_slots_and_activations() {
+        // 80 GiB, 17 GiB used (weights and the context): 72 - 17 - 1 - 1 = 53 GiB.
+        let b = budget(63 * GIB, 80 * GIB);
+        assert_eq!(b.budget_bytes(), Some(53 * GIB));
+        // 53 GiB of 2 MiB blocks: 27,136, capped by the limits' 4,096.
+        assert_eq!(b.blocks().unwrap(), 4096);
+        let mut wide = b.clone();
+        wide.wanted_blocks = 100_000;
+        assert_eq!(wide.blocks().unwrap(), 27_136);
+        // Another process holding 40 GiB more leaves 13 GiB: 6,656 blocks.
+        let mut shared = wide.clone();
+        shared.memory = Some(DeviceMemory {
+            free: 23 * GIB,
+            total: 80 * GIB,
+        });
+        assert_eq!(shared.blocks().unwrap(), 6656);
+    }
+
+    #[test]
+    fn a_budget_short_of_one_long_sequence_refuses_with_the_numbers() {
+        // 24 GiB device at 0.9: 21.6 - 17 - 2 = 2.6 GiB: 1,331 blocks, fine; at 0.75:
+        // 18 - 19 < 0: nothing.
+        let mut b = budget(7 * GIB, 24 * GIB);
+        assert_eq!(b.blocks().unwrap(), 1331);
+        b.fraction = 0.75;
+        match b.blocks() {
+            Err(e @ ModelError::DoesNotFit { .. }) => {
+                assert_eq!(e.code(), "model_does_not_fit");
+                let m = e.to_string();
+                assert!(
+                    m.contains("cuda:0") && m.contains("weights 17179869184 bytes"),
+                    "{m}"
+                );
+                assert!(m.contains("budget 0 bytes"), "{m}");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn the_cpu_sizes_from_the_limits() {
+        let mut b = budget(0, 0);
+        b.memory = None;
+        assert_eq!(b.budget_bytes(), None);
+        assert_eq!(b.blocks().unwrap(), 4096);
+        assert!(KvBudget::check_weights("cpu", None, 0.9, u64::MAX).is_ok());
+    }
+
+    #[test]
+    fn weights_beyond_the_share_refuse_before_loading() {
+        let m = Some(DeviceMemory {
+            free: 80 * GIB,
+            total: 80 * GIB,
+        });
+        assert!(KvBudget::check_weights("cuda:0", m, 0.9, 70 * GIB).is_ok());
+        let e = KvBudget::check_weights("cuda:0", m, 0.9, 73 * GIB).unwrap_err();
+        assert_eq!(e.code(), "model_does_not_fit");
+        assert!(e.to_string().contains("weights exceed"), "{e}");
+    }
 
     #[test]
     fn blocks_are_reserved_all_or_nothing_and_return_when_a_table_drops() {

@@ -37,7 +37,7 @@ pub use self::batch::{Row, RowVision};
 pub use self::cache::SeqCache;
 pub use self::config::{Family, ModelConfig, VisionSpec};
 pub use self::decoder::Decoder;
-pub use self::kv::TensorPathOptions;
+pub use self::kv::{DeviceMemory, KvBudget, TensorPathOptions};
 pub use self::lora::{HostUpdates, LoraAdapter, Proj, UpdateTask, HOST_LORA_MAX_TOKENS};
 pub use self::rope::{Rope, RopeScaling};
 pub use self::weights::{adapter_dtype, compute_dtype, Lin};
@@ -65,6 +65,22 @@ pub enum ModelError {
         /// Blocks free.
         free: usize,
     },
+    /// The device's memory budget (`gpuMemoryUtilization` of its total) cannot hold the
+    /// weights, or the weights and one sequence of the longest length.
+    #[error(
+        "model does not fit on {device}: weights {weights_bytes} bytes, budget {budget_bytes} \
+         bytes; {why}"
+    )]
+    DoesNotFit {
+        /// The device, as the worker names it.
+        device: String,
+        /// The weights' bytes as loaded.
+        weights_bytes: u64,
+        /// The bytes the worker may use there.
+        budget_bytes: u64,
+        /// What does not fit.
+        why: String,
+    },
     /// A step mixes more adapters than the LoRA slot pool holds.
     #[error("a step mixes more adapters than the {slots} LoRA slots")]
     TooManyAdapters {
@@ -82,6 +98,7 @@ impl ModelError {
             ModelError::Tensor(_) => "model_tensor",
             ModelError::KvCacheFull { .. } => "kv_cache_full",
             ModelError::TooManyAdapters { .. } => "too_many_adapters",
+            ModelError::DoesNotFit { .. } => "model_does_not_fit",
         }
     }
 }

@@ -125,12 +125,11 @@ fn slot_updates<const N: usize>(
     layer: usize,
     x: &Tensor,
 ) -> Result<[Tensor; N], ModelError> {
-    if let Some((slots, idx)) = &batch.lora {
+    if let Some((slots, step)) = &batch.lora {
         let group = Projections::of(&projs).expect("the projections of one input form a group");
-        let h = slots.shrink(layer, group, x, idx)?; // [tokens, N, 1, rank]
+        let h = slots.shrink(layer, group, x, step)?; // [N, distinct, rows, rank]
         for (i, o) in out.iter_mut().enumerate() {
-            let hi = h.narrow(1, i, 1)?.squeeze(1)?.contiguous()?;
-            let update = slots.expand(layer, projs[i], &hi, idx, o.dtype())?;
+            let update = slots.expand(layer, projs[i], &h, i, step, o.dtype())?;
             *o = (&*o + update)?;
         }
     }

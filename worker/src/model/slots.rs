@@ -1,9 +1,18 @@
 //! The LoRA slot pool of the tensor path: every adapter a step may use sits in a slot of
-//! stacked weights, `Aᵀ` `[slots, in, rank]` and `s·B` `[slots, out, rank]` per layer and
-//! projection, and each token names its slot (slot 0 holds zeros: base rows). A projection's
-//! update is then one gather and one batched product for the shrink, the same for the expand,
-//! whatever adapters the batch mixes (Punica's BGMV, in candle ops: the reference a CUDA
-//! kernel replaces). q/k/v share one shrink, as do gate/up: their `Aᵀ` sit side by side.
+//! stacked weights, `Aᵀ` `[n · slots, in, rank]` (n the projections of a group) and `s·B`
+//! `[slots, out, rank]` per layer and projection (slot 0 holds zeros). A step groups its
+//! tokens by adapter: the host packer ([`SlotPlan`]) lists the step's distinct slots
+//! `U` in a fixed order and lays each one's tokens out in a padded block of `rows` rows. A
+//! projection group's update is then one gather of `x` into those blocks, one gather of the
+//! `U` slots' `Aᵀ` and one batched product `[n·U, rows, in] × [n·U, in, rank]` for the shrink,
+//! and per projection one gather of the `U` slots' `B`, one batched product and one gather
+//! back to token order for the expand (Punica's SGMV, in candle ops: the reference a CUDA
+//! kernel replaces). Each distinct adapter's weights are read once per step, not once per
+//! token, and the op count depends on neither the batch size nor how many adapters it mixes
+//! (only the shapes do). q/k/v share one shrink, as do gate/up.
+//!
+//! Base rows belong to no block: they read a padding row, whose shrink is zeroed by a mask, so
+//! they cost nothing beyond that row.
 //!
 //! Slots are filled in place when a step first needs an adapter (least recently used slot not
 //! in the step), so a step's cost does not depend on how many distinct adapters it holds.
@@ -47,8 +56,9 @@ impl Group {
     }
 }
 
-/// One layer's pools: per group `Aᵀ` `[slots · n, in, rank]` (n its projections), per
-/// projection `s·B` `[slots, out, rank]`.
+/// One layer's pools: per group `Aᵀ` `[n · slots, in, rank]` (n its projections, projection
+/// major, so one gather along the slots takes every projection's part), per projection `s·B`
+/// `[slots, out, rank]`.
 struct LayerSlots {
     a: [Tensor; 4],
     b: [Tensor; 7],
@@ -107,6 +117,11 @@ impl LoraSlots {
         })
     }
 
+    /// The dtype the slots hold and compute in.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
     /// Each row's slot (0: base), loading adapters the slots do not hold into the least
     /// recently used slots this step does not need.
     pub fn assign(&self, adapters: &[Option<&LoraAdapter>]) -> Result<Vec<u32>, ModelError> {
@@ -150,7 +165,7 @@ impl LoraSlots {
                     let m = adapter.module(li, p);
                     let (_, d_in, _) = a_pool.dims3()?;
                     let at = self.fit(m.map(|m| &m.0), d_in, a_pool.device())?;
-                    a_pool.slice_set(&at, 0, slot * g.projs().len() + i)?;
+                    a_pool.slice_set(&at, 0, i * self.slots + slot)?;
                     let b_pool = &l.b[p as usize];
                     let (_, d_out, _) = b_pool.dims3()?;
                     let b = self.fit(m.map(|m| &m.1), d_out, b_pool.device())?;
@@ -180,51 +195,185 @@ impl LoraSlots {
             .contiguous()?)
     }
 
-    /// The shrink of a group: `x` `[tokens, in]` times each token's slot's `Aᵀ` of every
-    /// projection of the group, `[tokens, n, 1, rank]`.
+    /// The shrink of a group: each block of `step` (`x` `[tokens, in]` gathered into `U`
+    /// blocks of `rows`) times its slot's `Aᵀ` of every projection of the group, padding rows
+    /// zeroed: `[n, U, rows, rank]`.
     pub fn shrink(
         &self,
         li: usize,
         group: Group,
         x: &Tensor,
-        slots: &Tensor,
+        step: &StepSlots,
     ) -> candle_core::Result<Tensor> {
         let pool = &self.layers[li].a[group as usize];
         let n = group.projs().len();
         let (_, d_in, r) = pool.dims3()?;
-        let t = x.dim(0)?;
+        let (u, rows) = (step.distinct, step.rows);
         let a = pool
-            .reshape((self.slots, n * d_in * r))?
-            .index_select(slots, 0)?
-            .reshape((t, n, d_in, r))?;
+            .reshape((n, self.slots, d_in * r))?
+            .index_select(&step.slots, 1)?
+            .reshape((n * u, d_in, r))?;
         let x = x
+            .index_select(&step.gather, 0)?
             .to_dtype(self.dtype)?
-            .reshape((t, 1, 1, d_in))?
-            .broadcast_as((t, n, 1, d_in))?
-            .contiguous()?;
-        x.matmul(&a)
+            .reshape((1, u, rows, d_in))?;
+        // One copy of the gathered `x` per projection: it is `rows · U` tokens, far smaller
+        // than the weights the product reads (a group of one projection needs no copy).
+        let x = match n {
+            1 => x,
+            _ => x.broadcast_as((n, u, rows, d_in))?.contiguous()?,
+        };
+        x.reshape((n * u, rows, d_in))?
+            .matmul(&a)?
+            .reshape((n, u, rows, r))?
+            .broadcast_mul(&step.keep)
     }
 
-    /// The expand of one projection: `h` `[tokens, 1, rank]` (its part of the shrink) times
-    /// each token's slot's `s·B`, `[tokens, out]` in `dtype`.
+    /// The expand of the group's `i`th projection `proj`: its part of the shrink `h` times its
+    /// block's slot's `s·B`, back in token order: `[tokens, out]` in `dtype`.
     pub fn expand(
         &self,
         li: usize,
         proj: Proj,
         h: &Tensor,
-        slots: &Tensor,
+        i: usize,
+        step: &StepSlots,
         dtype: DType,
     ) -> candle_core::Result<Tensor> {
         let pool = &self.layers[li].b[proj as usize];
         let (_, d_out, r) = pool.dims3()?;
-        let t = h.dim(0)?;
+        let (u, rows) = (step.distinct, step.rows);
         let b = pool
             .reshape((self.slots, d_out * r))?
-            .index_select(slots, 0)?
-            .reshape((t, d_out, r))?;
-        h.matmul(&b.transpose(1, 2)?)?
-            .reshape((t, d_out))?
+            .index_select(&step.slots, 0)?
+            .reshape((u, d_out, r))?;
+        h.narrow(0, i, 1)?
+            .reshape((u, rows, r))?
+            .matmul(&b.transpose(1, 2)?)?
+            .reshape((u * rows, d_out))?
+            .index_select(&step.scatter, 0)?
             .to_dtype(dtype)
+    }
+}
+
+/// Where a step's tokens meet their slots, as the host lays them out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct SlotPlan {
+    /// The step's distinct adapter slots `U`, in order of first appearance (never slot 0; at
+    /// least one entry: a step without adapters gets slot 0 with every row masked).
+    pub slots: Vec<u32>,
+    /// Rows of every slot's block: its most tokens, plus one when base tokens need a padding
+    /// row and no block has one.
+    pub rows: usize,
+    /// Per block row (`U · rows`), the token it takes (padding: token 0).
+    pub gather: Vec<u32>,
+    /// Per block row, 1 for a token's row and 0 for padding (the shrink's mask).
+    pub keep: Vec<u32>,
+    /// Per token, its block row (base tokens: a padding row, whose update is zero).
+    pub scatter: Vec<u32>,
+}
+
+impl SlotPlan {
+    /// The plan of tokens whose slots are `token_slots` (0: base).
+    pub fn new(token_slots: &[u32]) -> Self {
+        let mut slots: Vec<u32> = Vec::new();
+        let mut counts: Vec<usize> = Vec::new();
+        let block: Vec<Option<usize>> = token_slots
+            .iter()
+            .map(|&s| {
+                (s != 0).then(|| match slots.iter().position(|&u| u == s) {
+                    Some(b) => {
+                        counts[b] += 1;
+                        b
+                    }
+                    None => {
+                        slots.push(s);
+                        counts.push(1);
+                        slots.len() - 1
+                    }
+                })
+            })
+            .collect();
+        if slots.is_empty() {
+            // No adapter row: one masked block of the zero slot keeps the step's ops the same.
+            slots.push(0);
+            counts.push(0);
+        }
+        let most = counts.iter().copied().max().unwrap_or(0);
+        let base = block.iter().any(Option::is_none);
+        let rows = match base && counts.iter().all(|&c| c == most) {
+            true => most + 1,
+            false => most.max(1),
+        };
+        let pad = counts
+            .iter()
+            .position(|&c| c < rows)
+            .map(|b| b * rows + rows - 1);
+        let mut gather = vec![0u32; slots.len() * rows];
+        let mut keep = vec![0u32; slots.len() * rows];
+        let mut next: Vec<usize> = (0..slots.len()).map(|b| b * rows).collect();
+        let scatter = block
+            .iter()
+            .enumerate()
+            .map(|(t, b)| {
+                let at = match b {
+                    Some(b) => {
+                        let at = next[*b];
+                        next[*b] += 1;
+                        gather[at] = t as u32;
+                        keep[at] = 1;
+                        at
+                    }
+                    None => pad.expect("a padding row exists when base tokens do"),
+                };
+                at as u32
+            })
+            .collect();
+        Self {
+            slots,
+            rows,
+            gather,
+            keep,
+            scatter,
+        }
+    }
+}
+
+/// A step's [`SlotPlan`] on the device (views of the step's one upload).
+pub(super) struct StepSlots {
+    /// `U` `[distinct]`.
+    pub slots: Tensor,
+    /// `[distinct · rows]`.
+    pub gather: Tensor,
+    /// The mask, `[1, distinct, rows, 1]` in the pool's dtype.
+    pub keep: Tensor,
+    /// `[tokens]`.
+    pub scatter: Tensor,
+    /// Distinct slots `U`.
+    pub distinct: usize,
+    /// Rows of each slot's block.
+    pub rows: usize,
+}
+
+impl StepSlots {
+    /// The device side of `plan` from its uploaded sections; `dtype` the pool's.
+    pub fn new(
+        plan: &SlotPlan,
+        slots: Tensor,
+        gather: Tensor,
+        keep: Tensor,
+        scatter: Tensor,
+        dtype: DType,
+    ) -> candle_core::Result<Self> {
+        let (distinct, rows) = (plan.slots.len(), plan.rows);
+        Ok(Self {
+            slots,
+            gather,
+            keep: keep.to_dtype(dtype)?.reshape((1, distinct, rows, 1))?,
+            scatter,
+            distinct,
+            rows,
+        })
     }
 }
 
@@ -233,4 +382,54 @@ fn unwrap_all<const N: usize>(
 ) -> candle_core::Result<[Tensor; N]> {
     let v = ts.into_iter().collect::<candle_core::Result<Vec<_>>>()?;
     Ok(v.try_into().expect("N tensors"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn one_adapter_is_one_block_of_its_tokens() {
+        let p = SlotPlan::new(&[3, 3, 3]);
+        assert_eq!(p.slots, [3]);
+        assert_eq!(p.rows, 3);
+        assert_eq!(p.gather, [0, 1, 2]);
+        assert_eq!(p.keep, [1, 1, 1]);
+        assert_eq!(p.scatter, [0, 1, 2]);
+    }
+
+    #[test]
+    fn distinct_adapters_get_blocks_in_order_of_first_appearance_padded_to_the_largest() {
+        let p = SlotPlan::new(&[5, 2, 5, 7]);
+        assert_eq!(p.slots, [5, 2, 7]);
+        assert_eq!(p.rows, 2);
+        assert_eq!(p.gather, [0, 2, 1, 0, 3, 0]);
+        assert_eq!(p.keep, [1, 1, 1, 0, 1, 0]);
+        assert_eq!(p.scatter, [0, 2, 1, 4]);
+    }
+
+    #[test]
+    fn base_tokens_read_a_masked_padding_row_added_when_no_block_has_one() {
+        // Every block full: one more row each.
+        let p = SlotPlan::new(&[4, 0, 6]);
+        assert_eq!(p.slots, [4, 6]);
+        assert_eq!(p.rows, 2);
+        assert_eq!(p.keep, [1, 0, 1, 0]);
+        assert_eq!(p.scatter, [0, 1, 2]);
+        assert_eq!(p.keep[p.scatter[1] as usize], 0);
+        // A block with room: its last row.
+        let p = SlotPlan::new(&[4, 4, 0, 6]);
+        assert_eq!(p.rows, 2);
+        assert_eq!(p.scatter, [0, 1, 3, 2]);
+        assert_eq!(p.keep[3], 0);
+    }
+
+    #[test]
+    fn a_step_without_adapters_is_one_masked_block_of_the_zero_slot() {
+        let p = SlotPlan::new(&[0, 0]);
+        assert_eq!(p.slots, [0]);
+        assert_eq!(p.rows, 1);
+        assert_eq!(p.keep, [0]);
+        assert_eq!(p.scatter, [0, 0]);
+    }
 }

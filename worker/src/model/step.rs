@@ -8,6 +8,7 @@ use candle_core::{DType, Device, Tensor};
 use super::batch::{Paged, Row};
 use super::decoder::Positions;
 use super::kv::{BlockTable, KvPool};
+use super::slots::{SlotPlan, StepSlots};
 
 /// A step's inputs on the device.
 pub(super) struct Inputs<'a> {
@@ -19,8 +20,8 @@ pub(super) struct Inputs<'a> {
     pub spatial: Option<(Tensor, Tensor)>,
     /// Each row's last token `[rows]`.
     pub last: Tensor,
-    /// Each token's LoRA slot `[tokens]`, when rows have adapters.
-    pub slots: Option<Tensor>,
+    /// Where each token meets its LoRA slot, when rows have adapters.
+    pub slots: Option<StepSlots>,
     /// The paged cache's indices.
     pub paged: Paged<'a>,
 }
@@ -41,11 +42,12 @@ fn section(buf: &mut Vec<u32>, values: impl IntoIterator<Item = u32>) -> (usize,
 }
 
 /// The inputs of `rows` (their blocks already reserved in `kv`), with `slots` the LoRA slot of
-/// each row when any row has an adapter, and `width` the cache's width (kv heads × head dim).
+/// each row and the slot pool's dtype when any row has an adapter, and `width` the cache's
+/// width (kv heads × head dim).
 pub(super) fn inputs<'a>(
     rows: &[Row<'_>],
     kv: &'a KvPool,
-    slots: Option<&[u32]>,
+    slots: Option<(&[u32], DType)>,
     positions: &Positions,
     width: usize,
     device: &Device,
@@ -122,13 +124,20 @@ pub(super) fn inputs<'a>(
         &mut buf,
         offs.iter().zip(&lens).map(|(o, l)| (o + l - 1) as u32),
     );
-    let lora = slots.map(|s| {
-        section(
-            &mut buf,
-            s.iter()
-                .zip(&lens)
-                .flat_map(|(&s, &l)| std::iter::repeat_n(s, l)),
-        )
+    let lora = slots.map(|(s, dtype)| {
+        let per_token: Vec<u32> = s
+            .iter()
+            .zip(&lens)
+            .flat_map(|(&s, &l)| std::iter::repeat_n(s, l))
+            .collect();
+        let plan = SlotPlan::new(&per_token);
+        let at = [
+            section(&mut buf, plan.slots.iter().copied()),
+            section(&mut buf, plan.gather.iter().copied()),
+            section(&mut buf, plan.keep.iter().copied()),
+            section(&mut buf, plan.scatter.iter().copied()),
+        ];
+        (plan, at, dtype)
     });
     let len = buf.len();
     let all = Tensor::from_vec(buf, len, device)?;
@@ -151,7 +160,17 @@ pub(super) fn inputs<'a>(
             None => None,
         },
         last: view(last)?,
-        slots: lora.map(view).transpose()?,
+        slots: match lora {
+            Some((plan, [s, g, k, t], dtype)) => Some(StepSlots::new(
+                &plan,
+                view(s)?,
+                view(g)?,
+                view(k)?,
+                view(t)?,
+                dtype,
+            )?),
+            None => None,
+        },
         paged: Paged {
             pool: kv,
             write,

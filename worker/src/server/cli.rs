@@ -19,6 +19,15 @@ pub struct ServeArgs {
     /// Seconds between config file checks (0 disables the watcher).
     #[arg(long, env = "MOLE_CONFIG_POLL_SECONDS", default_value_t = 2)]
     pub config_poll_seconds: u64,
+    /// Share of each GPU's memory the worker may use, overriding the config's
+    /// `limits.gpuMemoryUtilization` (0.05-1.0).
+    #[arg(long, env = "MOLE_GPU_MEMORY_UTILIZATION")]
+    pub gpu_memory_utilization: Option<f64>,
+    /// Where a startup failure's one line (`code: message`) is also written (Kubernetes
+    /// copies it into the Pod's termination message). Default: /dev/termination-log, when it
+    /// exists.
+    #[arg(long, env = "MOLE_TERMINATION_LOG")]
+    pub termination_log: Option<PathBuf>,
 }
 
 /// Runs the subcommand.
@@ -30,17 +39,39 @@ pub fn run(args: ServeArgs) -> std::process::ExitCode {
             return std::process::ExitCode::from(1);
         }
     };
+    let termination_log = args.termination_log.clone();
     match rt.block_on(serve(args)) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            let line = startup_line(&e);
+            eprintln!("error: {line}");
+            crate::merge::cli::write_termination_log(termination_log.as_deref(), &line);
             std::process::ExitCode::from(1)
         }
     }
 }
 
+/// The one line a failed start leaves for the pool's condition: `code: message` when the
+/// failure has a stable code (the operator maps `model_does_not_fit` and the `config_*` codes
+/// to their own Ready reasons), the whole chain otherwise.
+fn startup_line(e: &anyhow::Error) -> String {
+    if let Some(b) = e.downcast_ref::<super::BuildError>() {
+        return format!("{}: {b}", b.code());
+    }
+    if let Some(c) = e.downcast_ref::<crate::config::ConfigError>() {
+        return format!("{}: {c}", c.code());
+    }
+    format!("{e:#}")
+}
+
 async fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let cfg = crate::config::load(&args.config)?;
+    let mut cfg = crate::config::load(&args.config)?;
+    if let Some(f) = args.gpu_memory_utilization {
+        mole_api::bounds::GPU_MEMORY_UTILIZATION
+            .check("gpuMemoryUtilization", f)
+            .map_err(|e| anyhow::anyhow!("--gpu-memory-utilization: {e}"))?;
+        cfg.limits.engine.gpu_memory_utilization = f;
+    }
     let auth = Auth::from_config(&cfg)?;
     let engine = build_engine(&cfg)?;
     let state = AppState::new(cfg.clone(), engine.clone(), Some(args.config.clone()), auth);
@@ -133,5 +164,30 @@ async fn shutdown_signal() {
     tokio::select! {
         _ = tokio::signal::ctrl_c() => {},
         _ = term => {},
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failed_start_names_its_code_first() {
+        let missing = std::path::Path::new("/nonexistent/mole/worker.yaml");
+        let e = anyhow::Error::from(crate::config::load(missing).unwrap_err());
+        assert!(
+            startup_line(&e).starts_with("config_io: "),
+            "{}",
+            startup_line(&e)
+        );
+        let build = super::super::BuildError::Config(crate::config::ConfigError::Invalid(
+            "limits.maxSeqLen: 0".into(),
+        ));
+        assert_eq!(
+            startup_line(&anyhow::Error::from(build)),
+            "config_invalid: invalid config: limits.maxSeqLen: 0"
+        );
+        let plain = anyhow::anyhow!("bind failed").context("listening");
+        assert_eq!(startup_line(&plain), "listening: bind failed");
     }
 }

@@ -47,6 +47,7 @@ fn base_options(cfg: &WorkerConfig) -> EngineOptions {
         max_batch_size: l.engine.max_batch_size as usize,
         max_seq_len: l.engine.max_seq_len as usize,
         max_queue: l.engine.max_queue as usize,
+        gpu_memory_utilization: l.engine.gpu_memory_utilization,
         ..Default::default()
     }
 }
