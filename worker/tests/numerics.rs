@@ -536,7 +536,9 @@ fn unknown_rope_types_are_refused_by_name() {
 /// three, loaded several times over, each copy its own LoRA slot) and two base rows, prompts of
 /// eleven lengths, 90 greedy steps over KV blocks of 4 tokens (so every row crosses many block
 /// boundaries), and at step 40 two rows preempted: their caches dropped and recomputed from
-/// prompt and output inside the next batched step, beside rows that only decode. Every row's
+/// prompt and output inside the next batched step, beside rows that only decode. From step 60
+/// only four adapter rows go on, whose slots (1, 6, 10, 16) are too spread to read as one
+/// range: the steps before read the slots in place, those after gather them. Every row's
 /// logits stay within the f32 tolerance of the same row run alone on the host kernels (tied to
 /// transformers by the tests above) and its greedy tokens are identical; rows on the
 /// fixture's full prompts also continue exactly as transformers + PEFT did.
@@ -601,6 +603,9 @@ fn a_ragged_batch_of_16_adapters_on_the_paged_path_equals_each_row_alone() {
     let mut caches: Vec<SeqCache> = rows.iter().map(|_| SeqCache::default()).collect();
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); rows.len()];
     let mut logits: Vec<Vec<Tensor>> = vec![Vec::new(); rows.len()];
+    // Adapter k holds slot k + 1 (slots are taken in the batch's order on first use).
+    let goes_on =
+        |a: &Option<usize>, step: usize| step < 60 || a.is_none_or(|k| [0, 5, 9, 15].contains(&k));
     for step in 0..steps {
         if step == 40 {
             for k in [5, 11] {
@@ -618,10 +623,14 @@ fn a_ragged_batch_of_16_adapters_on_the_paged_path_equals_each_row_alone() {
                 false => vec![*o.last().unwrap()],
             })
             .collect();
+        let active: Vec<usize> = (0..rows.len())
+            .filter(|&k| goes_on(&rows[k].1, step))
+            .collect();
         let mut batch: Vec<Row> = inputs
             .iter()
             .zip(caches.iter_mut())
             .zip(&rows)
+            .filter(|(_, (_, a))| goes_on(a, step))
             .map(|((t, cache), (_, a))| Row {
                 tokens: t,
                 cache,
@@ -631,14 +640,19 @@ fn a_ragged_batch_of_16_adapters_on_the_paged_path_equals_each_row_alone() {
             .collect();
         let step_logits = model.forward(&mut batch).unwrap();
         drop(batch);
-        for (k, l) in step_logits.into_iter().enumerate() {
+        for (&k, l) in active.iter().zip(step_logits) {
             out[k].push(argmax(&l).unwrap());
             logits[k].push(l);
         }
     }
+    assert_eq!(out.iter().filter(|o| o.len() == steps).count(), 6);
     assert!(caches.iter().all(|c| c.blocks() >= 2), "rows span blocks");
     for (k, ((prompt, a), (want_logits, want_tokens))) in rows.iter().zip(&alone).enumerate() {
-        assert_eq!(&out[k], want_tokens, "row {k}: greedy tokens");
+        assert_eq!(
+            out[k],
+            want_tokens[..out[k].len()],
+            "row {k}: greedy tokens"
+        );
         for (s, (ours, want)) in logits[k].iter().zip(want_logits).enumerate() {
             let want: Vec<f32> = want.to_vec1().unwrap();
             let err = max_rel_error(ours, &want);

@@ -1,15 +1,19 @@
 //! The LoRA slot pool of the tensor path: every adapter a step may use sits in a slot of
-//! stacked weights, `Aᵀ` `[n · slots, in, rank]` (n the projections of a group) and `s·B`
-//! `[slots, out, rank]` per layer and projection (slot 0 holds zeros). A step groups its
-//! tokens by adapter: the host packer ([`SlotPlan`]) lists the step's distinct slots
-//! `U` in a fixed order and lays each one's tokens out in a padded block of `rows` rows. A
-//! projection group's update is then one gather of `x` into those blocks, one gather of the
-//! `U` slots' `Aᵀ` and one batched product `[n·U, rows, in] × [n·U, in, rank]` for the shrink,
-//! and per projection one gather of the `U` slots' `B`, one batched product and one gather
-//! back to token order for the expand (Punica's SGMV, in candle ops: the reference a CUDA
-//! kernel replaces). Each distinct adapter's weights are read once per step, not once per
-//! token, and the op count depends on neither the batch size nor how many adapters it mixes
-//! (only the shapes do). q/k/v share one shrink, as do gate/up.
+//! stacked weights, `Aᵀ` `[slots · n, in, rank]` (n the projections of a group, slot major)
+//! and `s·B` `[slots, out, rank]` per layer and projection (slot 0 holds zeros). A step groups
+//! its tokens by adapter: the host packer ([`SlotPlan`]) lists the step's slots `U` in
+//! ascending order and lays each one's tokens out in a padded block of `rows` rows. A
+//! projection group's update is then one gather of `x` into those blocks, one selection of
+//! the `U` slots' `Aᵀ` and one batched product `[U·n, rows, in] × [U·n, in, rank]` for the
+//! shrink, and per projection one selection of the `U` slots' `B`, one batched product and
+//! one gather back to token order for the expand (Punica's SGMV, in candle ops: the reference
+//! a CUDA kernel replaces). Each distinct adapter's weights are read once per step, not once
+//! per token, and the op count depends on neither the batch size nor how many adapters it
+//! mixes (only the shapes do). q/k/v share one shrink, as do gate/up.
+//!
+//! When the step's slots lie in one short range of the pool (as adapters loaded together do)
+//! the selection is a view of that range, read in place; otherwise it is a gather, which
+//! copies the `U` slots' weights once more before the product reads them. Both are one op.
 //!
 //! Base rows belong to no block: they read a padding row, whose shrink is zeroed by a mask, so
 //! they cost nothing beyond that row.
@@ -56,9 +60,9 @@ impl Group {
     }
 }
 
-/// One layer's pools: per group `Aᵀ` `[n · slots, in, rank]` (n its projections, projection
-/// major, so one gather along the slots takes every projection's part), per projection `s·B`
-/// `[slots, out, rank]`.
+/// One layer's pools: per group `Aᵀ` `[slots · n, in, rank]` (n its projections, slot major,
+/// so a slot's projections sit together and a range of slots is one contiguous view), per
+/// projection `s·B` `[slots, out, rank]`.
 struct LayerSlots {
     a: [Tensor; 4],
     b: [Tensor; 7],
@@ -165,7 +169,7 @@ impl LoraSlots {
                     let m = adapter.module(li, p);
                     let (_, d_in, _) = a_pool.dims3()?;
                     let at = self.fit(m.map(|m| &m.0), d_in, a_pool.device())?;
-                    a_pool.slice_set(&at, 0, i * self.slots + slot)?;
+                    a_pool.slice_set(&at, 0, slot * g.projs().len() + i)?;
                     let b_pool = &l.b[p as usize];
                     let (_, d_out, _) = b_pool.dims3()?;
                     let b = self.fit(m.map(|m| &m.1), d_out, b_pool.device())?;
@@ -209,23 +213,24 @@ impl LoraSlots {
         let n = group.projs().len();
         let (_, d_in, r) = pool.dims3()?;
         let (u, rows) = (step.distinct, step.rows);
-        let a = pool
-            .reshape((n, self.slots, d_in * r))?
-            .index_select(&step.slots, 1)?
-            .reshape((n * u, d_in, r))?;
+        let a = step
+            .select(&pool.reshape((self.slots, n * d_in * r))?)?
+            .reshape((u * n, d_in, r))?;
         let x = x
             .index_select(&step.gather, 0)?
             .to_dtype(self.dtype)?
-            .reshape((1, u, rows, d_in))?;
+            .reshape((u, 1, rows, d_in))?;
         // One copy of the gathered `x` per projection: it is `rows · U` tokens, far smaller
         // than the weights the product reads (a group of one projection needs no copy).
         let x = match n {
             1 => x,
-            _ => x.broadcast_as((n, u, rows, d_in))?.contiguous()?,
+            _ => x.broadcast_as((u, n, rows, d_in))?.contiguous()?,
         };
-        x.reshape((n * u, rows, d_in))?
+        // Projection major again for the expands; the mask's product makes it contiguous.
+        x.reshape((u * n, rows, d_in))?
             .matmul(&a)?
-            .reshape((n, u, rows, r))?
+            .reshape((u, n, rows, r))?
+            .transpose(0, 1)?
             .broadcast_mul(&step.keep)
     }
 
@@ -243,10 +248,7 @@ impl LoraSlots {
         let pool = &self.layers[li].b[proj as usize];
         let (_, d_out, r) = pool.dims3()?;
         let (u, rows) = (step.distinct, step.rows);
-        let b = pool
-            .reshape((self.slots, d_out * r))?
-            .index_select(&step.slots, 0)?
-            .reshape((u, d_out, r))?;
+        let b = step.select(pool)?;
         h.narrow(0, i, 1)?
             .reshape((u, rows, r))?
             .matmul(&b.transpose(1, 2)?)?
@@ -259,9 +261,13 @@ impl LoraSlots {
 /// Where a step's tokens meet their slots, as the host lays them out.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct SlotPlan {
-    /// The step's distinct adapter slots `U`, in order of first appearance (never slot 0; at
-    /// least one entry: a step without adapters gets slot 0 with every row masked).
+    /// The step's blocks' slots `U`, ascending: its distinct adapter slots (never slot 0; at
+    /// least one entry: a step without adapters gets slot 0 with every row masked), or, when
+    /// those lie in a range at most [`RANGE_SPREAD`] times their number, every slot of that
+    /// range (the ones no token uses are blocks of padding).
     pub slots: Vec<u32>,
+    /// The first slot when `slots` is a range: the weights are then read in place.
+    pub first: Option<u32>,
     /// Rows of every slot's block: its most tokens, plus one when base tokens need a padding
     /// row and no block has one.
     pub rows: usize,
@@ -276,29 +282,33 @@ pub(super) struct SlotPlan {
 impl SlotPlan {
     /// The plan of tokens whose slots are `token_slots` (0: base).
     pub fn new(token_slots: &[u32]) -> Self {
-        let mut slots: Vec<u32> = Vec::new();
-        let mut counts: Vec<usize> = Vec::new();
-        let block: Vec<Option<usize>> = token_slots
-            .iter()
-            .map(|&s| {
-                (s != 0).then(|| match slots.iter().position(|&u| u == s) {
-                    Some(b) => {
-                        counts[b] += 1;
-                        b
-                    }
-                    None => {
-                        slots.push(s);
-                        counts.push(1);
-                        slots.len() - 1
-                    }
-                })
-            })
-            .collect();
+        let mut slots: Vec<u32> = token_slots.iter().copied().filter(|&s| s != 0).collect();
+        slots.sort_unstable();
+        slots.dedup();
         if slots.is_empty() {
             // No adapter row: one masked block of the zero slot keeps the step's ops the same.
             slots.push(0);
-            counts.push(0);
         }
+        let (lo, hi) = (slots[0], slots[slots.len() - 1]);
+        let spread = (hi - lo + 1) as usize;
+        // Reading a few idle slots in place costs less than copying the used ones first.
+        let first = (spread <= RANGE_SPREAD * slots.len()).then(|| {
+            slots = (lo..=hi).collect();
+            lo
+        });
+        let mut counts = vec![0usize; slots.len()];
+        let block: Vec<Option<usize>> = token_slots
+            .iter()
+            .map(|&s| {
+                (s != 0).then(|| {
+                    let b = slots
+                        .binary_search(&s)
+                        .expect("every used slot has a block");
+                    counts[b] += 1;
+                    b
+                })
+            })
+            .collect();
         let most = counts.iter().copied().max().unwrap_or(0);
         let base = block.iter().any(Option::is_none);
         let rows = match base && counts.iter().all(|&c| c == most) {
@@ -331,6 +341,7 @@ impl SlotPlan {
             .collect();
         Self {
             slots,
+            first,
             rows,
             gather,
             keep,
@@ -338,6 +349,10 @@ impl SlotPlan {
         }
     }
 }
+
+/// A step's slots are read as one range when it spans at most this many times the slots the
+/// step uses (at most half of what is read idle), else gathered.
+pub(super) const RANGE_SPREAD: usize = 2;
 
 /// A step's [`SlotPlan`] on the device (views of the step's one upload).
 pub(super) struct StepSlots {
@@ -353,6 +368,8 @@ pub(super) struct StepSlots {
     pub distinct: usize,
     /// Rows of each slot's block.
     pub rows: usize,
+    /// The first slot when the blocks' slots are a range (read in place).
+    pub first: Option<usize>,
 }
 
 impl StepSlots {
@@ -373,7 +390,17 @@ impl StepSlots {
             scatter,
             distinct,
             rows,
+            first: plan.first.map(|f| f as usize),
         })
+    }
+
+    /// The step's slots of `pool` (slots along its first dimension): a view of their range,
+    /// or a gather of them.
+    pub fn select(&self, pool: &Tensor) -> candle_core::Result<Tensor> {
+        match self.first {
+            Some(first) => pool.narrow(0, first, self.distinct),
+            None => pool.index_select(&self.slots, 0),
+        }
     }
 }
 
@@ -399,26 +426,44 @@ mod tests {
     }
 
     #[test]
-    fn distinct_adapters_get_blocks_in_order_of_first_appearance_padded_to_the_largest() {
-        let p = SlotPlan::new(&[5, 2, 5, 7]);
-        assert_eq!(p.slots, [5, 2, 7]);
+    fn distinct_adapters_get_blocks_in_slot_order_padded_to_the_largest() {
+        let p = SlotPlan::new(&[5, 2, 5, 9]);
+        assert_eq!((p.slots.as_slice(), p.first), (&[2, 5, 9][..], None));
         assert_eq!(p.rows, 2);
-        assert_eq!(p.gather, [0, 2, 1, 0, 3, 0]);
-        assert_eq!(p.keep, [1, 1, 1, 0, 1, 0]);
-        assert_eq!(p.scatter, [0, 2, 1, 4]);
+        assert_eq!(p.gather, [1, 0, 0, 2, 3, 0]);
+        assert_eq!(p.keep, [1, 0, 1, 1, 1, 0]);
+        assert_eq!(p.scatter, [2, 0, 3, 4]);
+    }
+
+    #[test]
+    fn slots_in_a_short_range_are_read_in_place_idle_ones_as_padding() {
+        // 5..=7: three slots for two used, within the spread.
+        let p = SlotPlan::new(&[7, 5, 7]);
+        assert_eq!((p.slots.as_slice(), p.first), (&[5, 6, 7][..], Some(5)));
+        assert_eq!(p.rows, 2);
+        assert_eq!(p.keep, [1, 0, 0, 0, 1, 1]);
+        assert_eq!(p.scatter, [4, 0, 5]);
+        // 1..=16 all used: the whole range, no idle slot.
+        let all: Vec<u32> = (1..=16).rev().collect();
+        let p = SlotPlan::new(&all);
+        assert_eq!(p.first, Some(1));
+        assert_eq!(p.slots, (1..=16).collect::<Vec<_>>());
+        assert_eq!(p.scatter, (0..16).rev().collect::<Vec<_>>());
+        // One adapter is its own range.
+        assert_eq!(SlotPlan::new(&[3, 0]).first, Some(3));
     }
 
     #[test]
     fn base_tokens_read_a_masked_padding_row_added_when_no_block_has_one() {
         // Every block full: one more row each.
-        let p = SlotPlan::new(&[4, 0, 6]);
-        assert_eq!(p.slots, [4, 6]);
+        let p = SlotPlan::new(&[4, 0, 9]);
+        assert_eq!(p.slots, [4, 9]);
         assert_eq!(p.rows, 2);
         assert_eq!(p.keep, [1, 0, 1, 0]);
         assert_eq!(p.scatter, [0, 1, 2]);
         assert_eq!(p.keep[p.scatter[1] as usize], 0);
         // A block with room: its last row.
-        let p = SlotPlan::new(&[4, 4, 0, 6]);
+        let p = SlotPlan::new(&[4, 4, 0, 9]);
         assert_eq!(p.rows, 2);
         assert_eq!(p.scatter, [0, 1, 3, 2]);
         assert_eq!(p.keep[3], 0);
