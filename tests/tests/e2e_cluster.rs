@@ -141,6 +141,41 @@ async fn pool_and_adapter_lifecycle_on_a_real_cluster() {
 
     // The API server itself refuses an absolute source path (CEL rule).
     let adapters: Api<Adapter> = Api::namespaced(client.clone(), &ns);
+
+    // Collision: an Adapter named `dynamic` would have a merged Deployment named like the
+    // pool's own (`vl-dynamic`): refused with a condition naming the field, and the pool's
+    // Deployment is left alone (the same object, never deleted and re-created).
+    let dynamic_uid = deploys.get("vl-dynamic").await.unwrap().metadata.uid;
+    let clash: Adapter = serde_json::from_value(serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1", "kind": "Adapter", "metadata": {"name": "dynamic"},
+        "spec": {"pool": "vl", "version": "v1", "source": {"path": "adapters/calendar/v1"},
+                 "serving": {"mode": "merged"}}}))
+    .unwrap();
+    adapters
+        .create(&PostParams::default(), &clash)
+        .await
+        .unwrap();
+    let refused = wait(60, "the clashing adapter refused", || async {
+        let st = adapters.get("dynamic").await.ok()?.status?;
+        st.conditions
+            .into_iter()
+            .find(|c| c.type_ == "Valid" && c.status == "False")
+    })
+    .await;
+    assert!(
+        refused.message.starts_with("metadata.name") && refused.message.contains("reserved"),
+        "{refused:?}"
+    );
+    tokio::time::sleep(std::time::Duration::from_secs(10)).await;
+    assert_eq!(
+        deploys.get("vl-dynamic").await.unwrap().metadata.uid,
+        dynamic_uid,
+        "the pool's Deployment is untouched"
+    );
+    adapters
+        .delete("dynamic", &DeleteParams::default())
+        .await
+        .unwrap();
     let bad: Adapter = serde_json::from_value(serde_json::json!({
         "apiVersion": "mole.dev/v1alpha1", "kind": "Adapter", "metadata": {"name": "bad"},
         "spec": {"pool": "vl", "version": "v1", "source": {"path": "/etc/passwd"}}}))
@@ -968,4 +1003,104 @@ async fn an_autoscaled_pool_leaves_its_replicas_to_the_hpa() {
     .await;
     let nss: Api<Namespace> = Api::all(client.clone());
     nss.delete(&ns, &DeleteParams::default()).await.unwrap();
+}
+
+/// Full-pool rollout: the node advertises exactly the GPUs the pool's two pods take (a fake
+/// extended resource, as a device plugin would advertise `nvidia.com/gpu`), so no surge pod
+/// can be scheduled. A change that rolls the pods (`maxQueue`) must still complete: the GPU
+/// default strategy (maxSurge 0, maxUnavailable 1) replaces one pod at a time, where
+/// maxSurge 1 / maxUnavailable 0 would wait forever on an unschedulable surge pod.
+#[tokio::test]
+async fn a_rollout_completes_on_a_full_gpu_pool() {
+    use k8s_openapi::api::core::v1::Node;
+    let Some(client) = client().await else { return };
+    let ns = format!("mole-e2e-fullpool-{}", std::process::id());
+    create_namespace(&client, &ns).await;
+    let pv_name = models_claim(&client, &ns).await;
+    const GPU: &str = "mole.dev/e2e-gpu";
+    let nodes: Api<Node> = Api::all(client.clone());
+    let node = nodes.list(&Default::default()).await.unwrap().items;
+    assert_eq!(node.len(), 1, "the kind suite runs one node");
+    let node = node[0].metadata.name.clone().unwrap();
+    nodes
+        .patch_status(
+            &node,
+            &PatchParams::default(),
+            &Patch::Merge(&serde_json::json!({"status": {"capacity": {GPU: "2"}}})),
+        )
+        .await
+        .unwrap();
+    let pools: Api<InferencePool> = Api::namespaced(client.clone(), &ns);
+    let pool: InferencePool = serde_json::from_value(serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
+        "metadata": {"name": "full"},
+        "spec": {"baseModel": {"name": "llama", "path": "base/llama", "dtype": "f32"},
+                 "storage": {"claimName": "models"}, "imagePullPolicy": "Never",
+                 // The CPU image serves the tiny model; the GPUs here only fill the node.
+                 "image": "mole-worker:e2e-cpu",
+                 "gpu": {"count": 1, "resourceName": GPU}, "dynamic": {"replicas": 2}}
+    }))
+    .unwrap();
+    pools.create(&PostParams::default(), &pool).await.unwrap();
+    let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
+    let rolled_out = |d: Deployment, template: Option<String>| {
+        let st = d.status.clone().unwrap_or_default();
+        let hash = d
+            .spec
+            .as_ref()
+            .and_then(|s| s.template.metadata.as_ref())
+            .and_then(|m| m.annotations.as_ref())
+            .and_then(|a| a.get(mole_crds::constants::ANNOTATION_SPEC_HASH).cloned());
+        let done = st.observed_generation.unwrap_or(0) >= d.metadata.generation.unwrap_or(0)
+            && st.updated_replicas == Some(2)
+            && st.available_replicas == Some(2)
+            && st.replicas == Some(2)
+            && (template.is_none() || hash != template);
+        done.then_some(hash)
+    };
+    let first = wait(300, "two pods on the full pool", || async {
+        rolled_out(deploys.get_opt("full-dynamic").await.ok()??, None)
+    })
+    .await;
+    let strategy = deploys
+        .get("full-dynamic")
+        .await
+        .unwrap()
+        .spec
+        .unwrap()
+        .strategy;
+    let ru = strategy.unwrap().rolling_update.unwrap();
+    assert_eq!(
+        serde_json::to_value(&ru).unwrap(),
+        serde_json::json!({"maxSurge": 0, "maxUnavailable": 1})
+    );
+    pools
+        .patch(
+            "full",
+            &PatchParams::default(),
+            &Patch::Merge(&serde_json::json!({"spec": {"dynamic": {"maxQueue": 77}}})),
+        )
+        .await
+        .unwrap();
+    wait(400, "the rollout to complete on the full pool", || async {
+        rolled_out(deploys.get_opt("full-dynamic").await.ok()??, first.clone())
+    })
+    .await;
+    pools
+        .delete("full", &DeleteParams::default())
+        .await
+        .unwrap();
+    nodes
+        .patch_status(
+            &node,
+            &PatchParams::default(),
+            &Patch::Json::<()>(
+                serde_json::from_value(serde_json::json!([
+                    {"op": "remove", "path": "/status/capacity/mole.dev~1e2e-gpu"}]))
+                .unwrap(),
+            ),
+        )
+        .await
+        .unwrap();
+    delete_namespace_and_volume(&client, &ns, &pv_name).await;
 }
