@@ -67,6 +67,37 @@ async fn create_namespace(client: &Client, ns: &str) {
     .unwrap();
 }
 
+/// `kubectl apply -f pool.yaml` of pool `name` in `ns`: the tiny llama fixture from the
+/// `models` claim, one pod on CPU; `gpu_spec` replaces that with spec fields of a GPU pool
+/// (no CPU annotation then).
+async fn create_llama_pool(
+    client: &Client,
+    ns: &str,
+    name: &str,
+    gpu_spec: Option<serde_json::Value>,
+) -> Api<InferencePool> {
+    let mut pool = serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
+        "metadata": {"name": name, "annotations": {"mole.dev/allow-cpu": "true"}},
+        "spec": {"baseModel": {"name": "llama", "path": "base/llama", "dtype": "f32"},
+                 "storage": {"claimName": "models"}, "imagePullPolicy": "Never",
+                 "gpu": {"count": 0}, "dynamic": {"replicas": 1}}
+    });
+    if let Some(fields) = gpu_spec {
+        pool["metadata"]
+            .as_object_mut()
+            .unwrap()
+            .remove("annotations");
+        for (k, v) in fields.as_object().unwrap() {
+            pool["spec"][k] = v.clone();
+        }
+    }
+    let pools: Api<InferencePool> = Api::namespaced(client.clone(), ns);
+    let pool: InferencePool = serde_json::from_value(pool).unwrap();
+    pools.create(&PostParams::default(), &pool).await.unwrap();
+    pools
+}
+
 /// The fixtures' directory on the node (`MOLE_E2E_MODELS_HOSTPATH`), as a PV bound to the
 /// PVC `models` of `ns`; returns the PV's name.
 async fn models_claim(client: &Client, ns: &str) -> String {
@@ -289,16 +320,7 @@ async fn merge_serve_and_roll_back_on_a_real_cluster() {
     let pv_name = models_claim(&client, &ns).await;
 
     // kubectl apply -f pool.yaml: the tiny llama fixture on CPU.
-    let pools: Api<InferencePool> = Api::namespaced(client.clone(), &ns);
-    let pool: InferencePool = serde_json::from_value(serde_json::json!({
-        "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
-        "metadata": {"name": "tiny", "annotations": {"mole.dev/allow-cpu": "true"}},
-        "spec": {"baseModel": {"name": "llama", "path": "base/llama", "dtype": "f32"},
-                 "storage": {"claimName": "models"}, "imagePullPolicy": "Never",
-                 "gpu": {"count": 0}, "dynamic": {"replicas": 1}}
-    }))
-    .unwrap();
-    pools.create(&PostParams::default(), &pool).await.unwrap();
+    let pools = create_llama_pool(&client, &ns, "tiny", None).await;
     wait(300, "pool Ready", || async {
         let p = pools.get("tiny").await.ok()?;
         (p.status?.phase == mole_crds::PoolPhase::Ready).then_some(())
@@ -422,16 +444,7 @@ async fn deleting_a_pool_removes_its_merged_pods_on_a_real_cluster() {
     let ns = format!("mole-e2e-orphans-{}", std::process::id());
     create_namespace(&client, &ns).await;
     let pv_name = models_claim(&client, &ns).await;
-    let pools: Api<InferencePool> = Api::namespaced(client.clone(), &ns);
-    let pool: InferencePool = serde_json::from_value(serde_json::json!({
-        "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
-        "metadata": {"name": "tiny", "annotations": {"mole.dev/allow-cpu": "true"}},
-        "spec": {"baseModel": {"name": "llama", "path": "base/llama", "dtype": "f32"},
-                 "storage": {"claimName": "models"}, "imagePullPolicy": "Never",
-                 "gpu": {"count": 0}, "dynamic": {"replicas": 1}}
-    }))
-    .unwrap();
-    pools.create(&PostParams::default(), &pool).await.unwrap();
+    let pools = create_llama_pool(&client, &ns, "tiny", None).await;
     let adapters: Api<Adapter> = Api::namespaced(client.clone(), &ns);
     let cal: Adapter = serde_json::from_value(serde_json::json!({
         "apiVersion": "mole.dev/v1alpha1", "kind": "Adapter", "metadata": {"name": "calendar"},
@@ -1030,18 +1043,10 @@ async fn a_rollout_completes_on_a_full_gpu_pool() {
         )
         .await
         .unwrap();
-    let pools: Api<InferencePool> = Api::namespaced(client.clone(), &ns);
-    let pool: InferencePool = serde_json::from_value(serde_json::json!({
-        "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
-        "metadata": {"name": "full"},
-        "spec": {"baseModel": {"name": "llama", "path": "base/llama", "dtype": "f32"},
-                 "storage": {"claimName": "models"}, "imagePullPolicy": "Never",
-                 // The CPU image serves the tiny model; the GPUs here only fill the node.
-                 "image": "mole-worker:e2e-cpu",
-                 "gpu": {"count": 1, "resourceName": GPU}, "dynamic": {"replicas": 2}}
-    }))
-    .unwrap();
-    pools.create(&PostParams::default(), &pool).await.unwrap();
+    // The CPU image serves the tiny model; the GPUs here only fill the node.
+    let gpus = serde_json::json!({"image": "mole-worker:e2e-cpu",
+        "gpu": {"count": 1, "resourceName": GPU}, "dynamic": {"replicas": 2}});
+    let pools = create_llama_pool(&client, &ns, "full", Some(gpus)).await;
     let deploys: Api<Deployment> = Api::namespaced(client.clone(), &ns);
     let rolled_out = |d: Deployment, template: Option<String>| {
         let st = d.status.clone().unwrap_or_default();
