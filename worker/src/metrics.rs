@@ -78,6 +78,8 @@ pub struct Metrics {
     pub kv_cache_bytes: IntGauge,
     /// Sequences preempted because the KV cache was full.
     pub preemptions: IntCounter,
+    /// Engine steps (forward passes).
+    pub steps: IntCounter,
 }
 
 impl Metrics {
@@ -216,6 +218,13 @@ impl Metrics {
                     "Sequences preempted (cache freed, recomputed later) because the KV cache was full",
                 ),
             ),
+            steps: registered(
+                &r,
+                IntCounter::new(
+                    "mole_engine_steps_total",
+                    "Engine steps: forward passes over the running batch (tokens ÷ steps is the mean batch)",
+                ),
+            ),
             registry: r,
         }
     }
@@ -233,6 +242,7 @@ impl Metrics {
         };
         follow(&self.cancelled, stats.cancelled);
         follow(&self.preemptions, stats.preemptions);
+        follow(&self.steps, stats.steps);
         if let Some((free, total)) = stats.kv_blocks {
             self.kv_blocks_free.set(free as i64);
             self.kv_blocks.set(total as i64);

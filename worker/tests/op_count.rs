@@ -12,7 +12,9 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use mole_worker::model::{tensors_made, Decoder, LoraAdapter, ModelConfig, Proj, Row, SeqCache};
+use mole_worker::model::{
+    tensors_made, transfers_made, Decoder, LoraAdapter, ModelConfig, Proj, Row, SeqCache, Transfers,
+};
 
 /// A small random Qwen3 (GQA, q/k norm) on the tensor path.
 fn model() -> Decoder {
@@ -117,7 +119,16 @@ fn ops_of_a_step(
             vision: None,
         })
         .collect();
-    let (logits, ops) = tensors_made(|| m.forward_batch(&mut step).unwrap());
+    let ((logits, ops), copies) =
+        transfers_made(|| tensors_made(|| m.forward_batch(&mut step).unwrap()));
+    assert_eq!(
+        copies,
+        Transfers {
+            uploads: 1,
+            downloads: 0
+        },
+        "a step's inputs go up in one copy (its logits come back in the engine's one read)"
+    );
     (ops, logits.dims().to_vec())
 }
 

@@ -19,7 +19,7 @@ use candle_nn::VarBuilder;
 
 use crate::lora::{self, LoadOptions};
 use crate::model::LoraAdapter;
-use crate::model::{argmax, Decoder, ModelConfig, Row, SeqCache, TensorPathOptions};
+use crate::model::{Decoder, ModelConfig, Row, SeqCache, TensorPathOptions};
 
 /// Arguments of `bench decode`.
 #[derive(clap::Args, Debug)]
@@ -209,7 +209,8 @@ fn write_adapter(
 }
 
 /// Decode tokens/s of a batch whose row `k` uses `adapters[k]`: an 8-token prefill, then
-/// `steps` timed decode steps.
+/// `steps` timed decode steps, each read back as the engine reads a greedy step (one argmax
+/// over the batch, one copy).
 fn tokens_per_s(
     model: &Decoder,
     adapters: &[Option<&LoraAdapter>],
@@ -230,11 +231,7 @@ fn tokens_per_s(
                 vision: None,
             })
             .collect();
-        model
-            .forward(&mut rows)?
-            .iter()
-            .map(argmax)
-            .collect::<Result<_, _>>()?
+        greedy(model, &mut rows)?
     };
     let start = Instant::now();
     for _ in 0..steps {
@@ -250,13 +247,17 @@ fn tokens_per_s(
                 vision: None,
             })
             .collect();
-        next = model
-            .forward(&mut rows)?
-            .iter()
-            .map(argmax)
-            .collect::<Result<_, _>>()?;
+        next = greedy(model, &mut rows)?;
     }
     Ok((steps * adapters.len()) as f64 / start.elapsed().as_secs_f64())
+}
+
+/// One step of `rows` and its greedy tokens, in one copy back.
+fn greedy(model: &Decoder, rows: &mut [Row<'_>]) -> anyhow::Result<Vec<u32>> {
+    let logits = model.forward_batch(rows)?;
+    Ok(crate::model::download(
+        &logits.argmax(candle_core::D::Minus1)?,
+    )?)
 }
 
 /// Measures `model`; `wide`, when given, is the same model with its weights widened to its
@@ -501,9 +502,9 @@ fn print_ops(
     tokens_per_s(model, &distinct, 1)?;
     let (r, ops) = crate::model::tensors_made(|| tokens_per_s(model, &distinct, 1));
     r?;
-    // The measured call also prefills and samples: that is a second step (a prefill has the
-    // same ops as a decode step) and 16 argmax reads.
-    let per_step = ops.saturating_sub(16 * 2) / 2;
+    // The measured call also prefills: that is a second step (a prefill has the same ops as a
+    // decode step); each step's argmax is one more.
+    let per_step = ops.saturating_sub(2) / 2;
     println!(
         "| ops per decode step (tensors candle makes, views included; {} layers, rank {}) | | {per_step} ({:.1} per layer) | the same at any batch |",
         model.config().num_hidden_layers,

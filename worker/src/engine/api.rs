@@ -328,6 +328,8 @@ pub struct EngineStats {
     pub adapter_evictions: u64,
     /// Sequences preempted (their cache freed, to be recomputed) because the KV cache was full.
     pub preemptions: u64,
+    /// Forward passes (engine steps) run since start: with the tokens counted, the mean batch.
+    pub steps: u64,
     /// The paged KV cache's free and total blocks (tensor path; None on the CPU's host path,
     /// whose caches grow per sequence).
     pub kv_blocks: Option<(usize, usize)>,

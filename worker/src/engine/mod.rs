@@ -27,7 +27,7 @@ use crate::lora::registry::{Lookup, Pinned, Registry};
 use crate::lora::LoadOptions;
 use crate::model::{
     Decoder, DeviceMemory, KvBudget, LoraAdapter, ModelError, Proj, Row, SeqCache,
-    TensorPathOptions,
+    TensorPathOptions, MAX_KV_SLOTS,
 };
 
 /// Engine settings (from the worker config's limits).
@@ -84,14 +84,16 @@ impl Default for EngineOptions {
 
 /// The tensor path's pools sized from the limits: KV blocks for a full batch of sequences at
 /// the longest length (so preemption only trims an overcommitted batch), and a LoRA slot per
-/// device-resident adapter at the highest rank accepted.
+/// device-resident adapter at the highest rank accepted. The cache never exceeds
+/// [`MAX_KV_SLOTS`] tokens.
 fn tensor_path(opts: &EngineOptions) -> TensorPathOptions {
     let block_size = TensorPathOptions::default().block_size;
     TensorPathOptions {
         block_size,
         kv_blocks: opts
             .kv_blocks
-            .unwrap_or(opts.max_batch_size.max(1) * opts.max_seq_len.div_ceil(block_size)),
+            .unwrap_or(opts.max_batch_size.max(1) * opts.max_seq_len.div_ceil(block_size))
+            .min(MAX_KV_SLOTS / block_size),
         lora_slots: opts.max_loras.max(1),
         lora_rank: opts.max_lora_rank.max(1),
     }
@@ -212,6 +214,8 @@ pub struct Shared {
     load_micros: std::sync::atomic::AtomicU64,
     /// Sequences preempted because the KV cache was full (since start).
     preemptions: std::sync::atomic::AtomicU64,
+    /// Forward passes run (since start).
+    steps: std::sync::atomic::AtomicU64,
     /// What adapters are held in: `opts.lora_dtype` or the model's default.
     lora_dtype: DType,
     device: Device,
@@ -323,6 +327,7 @@ impl Engine {
             load_failures: Default::default(),
             load_micros: Default::default(),
             preemptions: Default::default(),
+            steps: Default::default(),
             model,
             text,
             opts,
@@ -718,6 +723,7 @@ impl InferenceEngine for Engine {
         s.adapter_load_seconds = sh.load_micros.load(Ordering::Relaxed) as f64 / 1e6;
         s.adapter_evictions = sh.registry.evictions.load(Ordering::Relaxed);
         s.preemptions = sh.preemptions.load(Ordering::Relaxed);
+        s.steps = sh.steps.load(Ordering::Relaxed);
         if sh.model.paged() {
             let tp = sh.model.tensor_path();
             s.kv_blocks = Some((sh.model.free_blocks(), tp.kv_blocks));

@@ -174,6 +174,7 @@ impl InferenceEngine for Replicas {
             out.adapter_load_seconds += s.adapter_load_seconds;
             out.adapter_evictions += s.adapter_evictions;
             out.preemptions += s.preemptions;
+            out.steps += s.steps;
             out.kv_blocks = match (out.kv_blocks, s.kv_blocks) {
                 (Some((f, t)), Some((f2, t2))) => Some((f + f2, t + t2)),
                 (a, b) => a.or(b),

@@ -1,6 +1,7 @@
 //! Sampling on the device, for the tensor path: a step's rows pick their tokens with batched
-//! candle ops whose number does not depend on the batch size, from one upload of the step's
-//! sampling inputs, and send back one small tensor (`[rows, 1]`, or `[rows, 2 + 2n]` with
+//! candle ops whose number does not depend on the batch size, from the step's sampling inputs
+//! ([`SamplePlan::pack`], which the step's one upload carries beside the model's own inputs),
+//! and send back one small tensor (`[rows, 1]`, or `[rows, 2 + 2n]` with
 //! logprobs) in one copy instead of `[rows, vocab]` logits.
 //!
 //! The rules are those of [`super::sampler::Sampler`] (penalties, temperature, top-k, min-p,
@@ -9,9 +10,9 @@
 //! - **Penalties** come as a per-step list of `(token, repetition factor, subtracted)` entries
 //!   per row (the prompt's tokens for the repetition penalty, the output's counts for the
 //!   presence and frequency penalties, transformers' and OpenAI's rules), gathered, changed
-//!   and scattered back in place. The list is rebuilt each step from the sequence's counts
-//!   rather than kept on the device: it changes every step, only rows with penalties have
-//!   one, and it travels in the step's one upload anyway.
+//!   and scattered back in place. The list is kept up to date on the host as tokens are
+//!   recorded ([`super::sampler::Sampler`]) rather than on the device: it changes every
+//!   step, only rows with penalties have one, and it travels in the step's one upload anyway.
 //! - **Top-k and top-p** are cut-offs on the (tempered) logits found by [`BISECT_STEPS`]
 //!   steps of bisection per row, each a compare and a sum over `[rows, vocab]`: top-k keeps
 //!   the tokens at or above the highest value that at least `k` tokens reach, top-p those at
@@ -64,6 +65,18 @@ pub struct Penalty {
     pub minus: f32,
 }
 
+impl Penalty {
+    /// The penalised logit (the host's rule; the device computes the same).
+    pub fn apply(&self, x: f32) -> f32 {
+        let x = if x > 0.0 {
+            x / self.factor
+        } else {
+            x * self.factor
+        };
+        x - self.minus
+    }
+}
+
 /// A row's sampling inputs for one step.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RowSampling {
@@ -103,18 +116,134 @@ impl RowSampling {
     }
 }
 
+/// What sampling a step's rows takes, decided on the host: which stages run (any penalty,
+/// any sampled row, any top-k, any top-p, the largest logprobs `n`) and the layout of the
+/// inputs [`SamplePlan::pack`] writes for the device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SamplePlan {
+    rows: usize,
+    vocab: usize,
+    sampled: bool,
+    top_k: bool,
+    top_p: bool,
+    top_n: Option<usize>,
+    /// Penalty entries per row (the longest list; shorter ones are padded).
+    entries: usize,
+}
+
+/// A row's penalties inside a vocabulary of `v` (the host sampler skips the others too).
+fn in_vocab(r: &RowSampling, v: usize) -> impl Iterator<Item = &Penalty> + Clone {
+    r.penalties.iter().filter(move |p| (p.token as usize) < v)
+}
+
+impl SamplePlan {
+    /// The plan for `rows` over a vocabulary of `vocab` tokens.
+    pub fn new(rows: &[RowSampling], vocab: usize) -> Self {
+        Self {
+            rows: rows.len(),
+            vocab,
+            sampled: rows.iter().any(|r| !r.greedy()),
+            top_k: rows
+                .iter()
+                .any(|r| !r.greedy() && r.top_k > 0 && r.top_k < vocab),
+            top_p: rows.iter().any(|r| !r.greedy() && r.top_p < 1.0),
+            top_n: rows.iter().filter_map(|r| r.logprobs).max(),
+            entries: rows
+                .iter()
+                .map(|r| in_vocab(r, vocab).count())
+                .max()
+                .unwrap_or(0),
+        }
+    }
+
+    /// Values [`SamplePlan::pack`] writes.
+    pub fn len(&self) -> usize {
+        self.rows * (FIELDS + 3 * self.entries)
+    }
+
+    /// Whether the plan packs nothing (no rows).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Appends the rows' inputs to `buf`: each row's fields, then the penalty entries as three
+    /// `[rows, entries]` planes (a short list is padded with its last entry again, which
+    /// writes the same value twice, or with a no-op entry on token 0).
+    pub fn pack(&self, rows: &[RowSampling], buf: &mut Vec<f32>) {
+        let v = self.vocab;
+        buf.reserve(self.len());
+        for r in rows {
+            let greedy = r.greedy();
+            let k = if r.top_k == 0 || r.top_k >= v {
+                v
+            } else {
+                r.top_k
+            };
+            buf.extend([
+                if greedy { 1.0 } else { r.temperature },
+                if greedy { 1.0 } else { 0.0 },
+                k as f32,
+                if greedy { 1.0 } else { r.top_p },
+                if greedy { 0.0 } else { r.min_p },
+                if greedy { 0.0 } else { r.u },
+            ]);
+        }
+        let noop = Penalty {
+            token: 0,
+            factor: 1.0,
+            minus: 0.0,
+        };
+        for plane in 0..3 {
+            for r in rows {
+                let list = in_vocab(r, v);
+                let pad = *list.clone().last().unwrap_or(&noop);
+                buf.extend(
+                    list.chain(std::iter::repeat(&pad))
+                        .take(self.entries)
+                        .map(|p| match plane {
+                            0 => p.token as f32,
+                            1 => p.factor,
+                            _ => p.minus,
+                        }),
+                );
+            }
+        }
+    }
+}
+
 /// Samples a step's rows on the logits' device. Implementations issue a number of device ops
 /// that does not depend on the number of rows, and return one small tensor for [`read`].
 pub trait BatchSampler: Send + Sync {
     /// The rows' picks from `logits` (`[rows, vocab]`, f32) as one f32 tensor: `[rows, 1]`
     /// token ids, or with logprobs asked by any row `[rows, 2 + 2n]`: id, its logprob, the top
-    /// `n` ids, their logprobs (ids are exact in f32 below 2^24).
-    fn sample(&self, logits: &Tensor, rows: &[RowSampling]) -> candle_core::Result<Tensor>;
+    /// `n` ids, their logprobs (ids are exact in f32 below 2^24). `inputs` is what
+    /// `plan.pack` wrote, `[plan.len()]` on the logits' device (a view of the step's upload).
+    fn sample_packed(
+        &self,
+        logits: &Tensor,
+        plan: &SamplePlan,
+        inputs: &Tensor,
+    ) -> candle_core::Result<Tensor>;
+
+    /// As [`BatchSampler::sample_packed`], packing and uploading the rows' inputs itself
+    /// (tools and tests; the engine's step carries them in its one upload instead).
+    fn sample(&self, logits: &Tensor, rows: &[RowSampling]) -> candle_core::Result<Tensor> {
+        let (b, v) = logits.dims2()?;
+        if rows.len() != b {
+            candle_core::bail!("{} sampling rows for {b} rows of logits", rows.len());
+        }
+        let plan = SamplePlan::new(rows, v);
+        let mut buf = Vec::with_capacity(plan.len());
+        plan.pack(rows, &mut buf);
+        let len = buf.len();
+        let inputs = Tensor::from_vec(buf, len, logits.device())?;
+        self.sample_packed(logits, &plan, &inputs)
+    }
 }
 
 /// Reads [`BatchSampler::sample`]'s tensor back: the step's one device→host copy.
 pub fn read(picked: &Tensor, rows: &[RowSampling]) -> candle_core::Result<Vec<Sampled>> {
-    let table = picked.to_vec2::<f32>()?;
+    let table = crate::model::download_rows::<f32>(picked)?;
     Ok(rows
         .iter()
         .zip(table)
@@ -239,74 +368,35 @@ fn bisect(
 }
 
 impl BatchSampler for CandleSampler {
-    fn sample(&self, logits: &Tensor, rows: &[RowSampling]) -> candle_core::Result<Tensor> {
+    fn sample_packed(
+        &self,
+        logits: &Tensor,
+        plan: &SamplePlan,
+        inputs: &Tensor,
+    ) -> candle_core::Result<Tensor> {
         let (b, v) = logits.dims2()?;
-        if rows.len() != b {
-            candle_core::bail!("{} sampling rows for {b} rows of logits", rows.len());
+        if plan.rows != b || plan.vocab != v || inputs.dims1()? != plan.len() {
+            candle_core::bail!(
+                "a sampling plan of {} rows over {} tokens ({} inputs) for logits {:?} and {} \
+                 inputs",
+                plan.rows,
+                plan.vocab,
+                plan.len(),
+                logits.dims(),
+                inputs.dims1()?
+            );
         }
         let device = logits.device();
         let c = self.consts(v, device)?;
         let raw = logits.to_dtype(DType::F32)?;
-        let sampled = rows.iter().any(|r| !r.greedy());
-        let top_k = rows
-            .iter()
-            .any(|r| !r.greedy() && r.top_k > 0 && r.top_k < v);
-        let top_p = rows.iter().any(|r| !r.greedy() && r.top_p < 1.0);
-        let top_n = rows.iter().filter_map(|r| r.logprobs).max();
-        // Entries per row, padded to the longest list; only tokens inside the vocabulary (the
-        // host sampler skips the others too).
-        let lists: Vec<Vec<Penalty>> = rows
-            .iter()
-            .map(|r| {
-                r.penalties
-                    .iter()
-                    .filter(|p| (p.token as usize) < v)
-                    .copied()
-                    .collect()
-            })
-            .collect();
-        let entries = lists.iter().map(Vec::len).max().unwrap_or(0);
-
-        // One upload: each row's fields, then the penalty entries as three [rows, entries]
-        // planes (a short list is padded with its last entry again, which writes the same
-        // value twice, or with a no-op entry on token 0).
-        let mut buf = Vec::with_capacity(b * (FIELDS + 3 * entries));
-        for r in rows {
-            let greedy = r.greedy();
-            let k = if r.top_k == 0 || r.top_k >= v {
-                v
-            } else {
-                r.top_k
-            };
-            buf.extend([
-                if greedy { 1.0 } else { r.temperature },
-                if greedy { 1.0 } else { 0.0 },
-                k as f32,
-                if greedy { 1.0 } else { r.top_p },
-                if greedy { 0.0 } else { r.min_p },
-                if greedy { 0.0 } else { r.u },
-            ]);
-        }
-        let noop = Penalty {
-            token: 0,
-            factor: 1.0,
-            minus: 0.0,
-        };
-        let padded = |l: &Vec<Penalty>, i: usize| *l.get(i).or(l.last()).unwrap_or(&noop);
-        for plane in 0..3 {
-            for l in &lists {
-                buf.extend((0..entries).map(|i| {
-                    let p = padded(l, i);
-                    match plane {
-                        0 => p.token as f32,
-                        1 => p.factor,
-                        _ => p.minus,
-                    }
-                }));
-            }
-        }
-        let len = buf.len();
-        let all = Tensor::from_vec(buf, len, device)?;
+        let (sampled, top_k, top_p, top_n, entries) = (
+            plan.sampled,
+            plan.top_k,
+            plan.top_p,
+            plan.top_n,
+            plan.entries,
+        );
+        let all = inputs;
         let fields = all.narrow(0, 0, b * FIELDS)?.reshape((b, FIELDS))?;
         let field = |i: usize| fields.narrow(1, i, 1);
         let plane = |i: usize| {

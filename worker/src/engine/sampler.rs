@@ -7,7 +7,7 @@
 //! ([`super::sample_ops`]) from what [`Sampler::device_row`] packs, by the same rules, and
 //! both accept only what [`validate`] accepts.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -85,8 +85,13 @@ pub struct Sampler {
     rng: StdRng,
     /// Generated-token counts (presence/frequency penalties).
     counts: HashMap<u32, u32>,
-    /// Prompt tokens (the repetition penalty covers prompt and output, as in transformers).
-    prompt: Vec<u32>,
+    /// The penalised tokens, each once: the repetition factor on the prompt's and the
+    /// output's tokens (as in transformers), the presence and frequency subtraction on the
+    /// output's. Kept up to date as tokens are recorded, so a step reads it rather than
+    /// rebuilding it from the prompt; empty when no penalty is asked.
+    penalties: Vec<Penalty>,
+    /// Where each token of `penalties` is.
+    penalised: HashMap<u32, usize>,
 }
 
 impl Sampler {
@@ -96,18 +101,66 @@ impl Sampler {
             Some(s) => StdRng::seed_from_u64(s),
             None => StdRng::from_os_rng(),
         };
-        let mut prompt = if p.repetition_penalty != 1.0 {
-            prompt.to_vec()
-        } else {
-            Vec::new()
-        };
-        prompt.sort_unstable();
-        prompt.dedup();
-        Self {
+        let mut s = Self {
             p,
             rng,
             counts: HashMap::new(),
-            prompt,
+            penalties: Vec::new(),
+            penalised: HashMap::new(),
+        };
+        if s.repeats() {
+            for &t in prompt {
+                s.penalty_of(t);
+            }
+        }
+        s
+    }
+
+    /// Whether the repetition penalty applies.
+    fn repeats(&self) -> bool {
+        let rp = self.p.repetition_penalty;
+        rp != 1.0 && rp > 0.0
+    }
+
+    /// Whether the presence or frequency penalty applies.
+    fn subtracts(&self) -> bool {
+        self.p.presence_penalty != 0.0 || self.p.frequency_penalty != 0.0
+    }
+
+    /// The entry of `token` in `penalties`, added (with the repetition factor, nothing
+    /// subtracted) if it has none.
+    fn penalty_of(&mut self, token: u32) -> &mut Penalty {
+        let factor = match self.repeats() {
+            true => self.p.repetition_penalty,
+            false => 1.0,
+        };
+        let penalties = &mut self.penalties;
+        let at = *self.penalised.entry(token).or_insert_with(|| {
+            penalties.push(Penalty {
+                token,
+                factor,
+                minus: 0.0,
+            });
+            penalties.len() - 1
+        });
+        &mut self.penalties[at]
+    }
+
+    /// Counts a generated token and updates its penalty.
+    fn note(&mut self, token: u32) {
+        let count = {
+            let c = self.counts.entry(token).or_default();
+            *c += 1;
+            *c
+        };
+        if !(self.repeats() || self.subtracts()) {
+            return;
+        }
+        let (pp, fp) = (self.p.presence_penalty, self.p.frequency_penalty);
+        let subtracts = self.subtracts();
+        let entry = self.penalty_of(token);
+        if subtracts {
+            entry.minus = pp + fp * count as f32;
         }
     }
 
@@ -139,7 +192,7 @@ impl Sampler {
 
     /// Records what the device sampler picked from [`Sampler::device_row`]'s inputs.
     pub fn record_picked(&mut self, picked: Sampled) -> Sampled {
-        *self.counts.entry(picked.token).or_default() += 1;
+        self.note(picked.token);
         picked
     }
 
@@ -155,32 +208,13 @@ impl Sampler {
             self.rng.random::<f32>()
         };
         let p = &self.p;
-        let rp = p.repetition_penalty;
-        let repeat = rp != 1.0 && rp > 0.0;
-        let (pp, fp) = (p.presence_penalty, p.frequency_penalty);
-        let mut tokens: BTreeMap<u32, Penalty> = BTreeMap::new();
-        let entry = |token| Penalty {
-            token,
-            factor: if repeat { rp } else { 1.0 },
-            minus: 0.0,
-        };
-        if repeat {
-            for &t in self.prompt.iter().chain(self.counts.keys()) {
-                tokens.entry(t).or_insert_with(|| entry(t));
-            }
-        }
-        if pp != 0.0 || fp != 0.0 {
-            for (&t, &c) in &self.counts {
-                tokens.entry(t).or_insert_with(|| entry(t)).minus = pp + fp * c as f32;
-            }
-        }
         RowSampling {
             temperature: p.temperature,
             top_k: p.top_k,
             top_p: p.top_p,
             min_p: p.min_p,
             logprobs: p.logprobs,
-            penalties: tokens.into_values().collect(),
+            penalties: self.penalties.clone(),
             u,
         }
     }
@@ -202,7 +236,7 @@ impl Sampler {
         } else {
             self.draw(l)
         };
-        *self.counts.entry(token).or_default() += 1;
+        self.note(token);
         Sampled {
             token,
             logprob: logprob_of.map_or(f32::NAN, |lp| lp[token as usize]),
@@ -211,24 +245,9 @@ impl Sampler {
     }
 
     fn apply_penalties(&self, l: &mut [f32]) {
-        let rp = self.p.repetition_penalty;
-        if rp != 1.0 && rp > 0.0 {
-            let ids = self.prompt.iter().chain(self.counts.keys());
-            let mut done = std::collections::HashSet::new();
-            for &t in ids {
-                if let Some(x) = l.get_mut(t as usize) {
-                    if done.insert(t) {
-                        *x = if *x > 0.0 { *x / rp } else { *x * rp };
-                    }
-                }
-            }
-        }
-        let (pp, fp) = (self.p.presence_penalty, self.p.frequency_penalty);
-        if pp != 0.0 || fp != 0.0 {
-            for (&t, &c) in &self.counts {
-                if let Some(x) = l.get_mut(t as usize) {
-                    *x -= pp + fp * c as f32;
-                }
+        for p in &self.penalties {
+            if let Some(x) = l.get_mut(p.token as usize) {
+                *x = p.apply(*x);
             }
         }
     }

@@ -18,12 +18,12 @@ use tokio::sync::mpsc::UnboundedSender;
 use super::api::{EngineError, FinishReason, TokenEvent, TokenLogprob, Usage};
 use super::images::{self, ImagePrompt};
 use super::plan::{self, Work};
-use super::sample_ops::{self, BatchSampler, CandleSampler, RowSampling};
+use super::sample_ops::{self, BatchSampler, CandleSampler, RowSampling, SamplePlan};
 use super::sampler::{Sampled, Sampler};
 use super::text::{Detokenizer, StopMatcher};
 use super::Shared;
 use crate::lora::registry::Pinned;
-use crate::model::{ModelError, Row, RowVision, SeqCache};
+use crate::model::{ModelError, Row, RowVision, SeqCache, StepOutput};
 
 /// One request inside the engine.
 pub struct Seq {
@@ -155,6 +155,7 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
         if work.is_empty() {
             continue;
         }
+        shared.steps.fetch_add(1, Ordering::Relaxed);
         step(&shared, &mut running, &work, device.as_ref());
         let before = running.len();
         running.retain(|s| s.done || !s.cancelled());
@@ -196,7 +197,12 @@ fn step(
     work: &[(usize, Work)],
     device: Option<&CandleSampler>,
 ) {
-    let logits = encode_images(shared, running, work).and_then(|()| {
+    let (sampling, picking) = prepare(running, work, device, shared.model.config().vocab_size);
+    let mut extra = Vec::new();
+    if let Picking::Device(rows, plan) = &picking {
+        plan.pack(rows, &mut extra);
+    }
+    let out = encode_images(shared, running, work).and_then(|()| {
         // Each prompt chunk's slice of its images' positions and placeholders.
         let chunks: Vec<Option<images::Chunk>> = work
             .iter()
@@ -235,9 +241,9 @@ fn step(
                 vision,
             });
         }
-        shared.model.forward_batch(&mut rows)
+        shared.model.forward_step(&mut rows, &extra)
     });
-    let picked = match logits.and_then(|l| pick(running, work, &l, device)) {
+    let picked = match out.and_then(|o| pick(running, work, &sampling, picking, o, device)) {
         Ok(p) => p,
         Err(e) => {
             // A failed step fails its rows, not the engine.
@@ -293,70 +299,121 @@ fn encode_images(
     images::encode(tower, &shared.device, &mut pending)
 }
 
-/// Each row's next token (None for a row whose context is not all in the cache yet: a prompt
-/// chunk samples nothing), from the step's one copy back from the device: the argmax ids
-/// alone when every sampling row is plain greedy; else, with a `device` sampler (the tensor
-/// path), each row's pick (and logprobs) sampled there; else every row's logits, sampled on
-/// the host (rows in parallel).
-fn pick(
+/// How a step's rows pick their tokens, decided before its forward pass so that the device
+/// sampler's inputs travel in the step's one upload.
+enum Picking {
+    /// Every sampling row is plain greedy: the argmax ids come back alone.
+    Greedy,
+    /// The tensor path samples on the device from these rows' inputs.
+    Device(Vec<RowSampling>, SamplePlan),
+    /// The host path: every row's logits come back and are sampled on the host.
+    Host,
+}
+
+/// Which rows sample this step (a prompt chunk that leaves part of its context out of the
+/// cache samples nothing) and how. `vocab` is the logits' width.
+fn prepare(
     running: &mut [Box<Seq>],
     work: &[(usize, Work)],
-    logits: &candle_core::Tensor,
     device: Option<&CandleSampler>,
-) -> Result<Vec<Option<Sampled>>, crate::model::ModelError> {
-    use rayon::prelude::*;
-    let mut sampling = vec![false; work.len()];
-    for (k, (i, w)) in work.iter().enumerate() {
-        let s = &mut running[*i];
-        if let Work::Prefill(_, to) = w {
-            s.prefilled = *to;
-        }
-        sampling[k] = s.prefilled == s.context.len();
-    }
+    vocab: usize,
+) -> (Vec<bool>, Picking) {
+    let sampling: Vec<bool> = work
+        .iter()
+        .map(|(i, w)| {
+            let s = &running[*i];
+            match w {
+                Work::Prefill(_, to) => *to == s.context.len(),
+                Work::Decode => s.prefilled == s.context.len(),
+            }
+        })
+        .collect();
     let greedy = work
         .iter()
         .zip(&sampling)
         .all(|((i, _), &samples)| !samples || running[*i].sampler.is_plain_greedy());
-    if greedy {
-        let ids = logits.argmax(candle_core::D::Minus1)?.to_vec1::<u32>()?;
-        return Ok(work
-            .iter()
-            .zip(ids)
-            .zip(&sampling)
-            .map(|(((i, _), id), &samples)| samples.then(|| running[*i].sampler.record(id)))
-            .collect());
+    let picking = match (greedy, device) {
+        (true, _) => Picking::Greedy,
+        (false, Some(_)) => {
+            let rows: Vec<RowSampling> = work
+                .iter()
+                .zip(&sampling)
+                .map(|((i, _), &samples)| match samples {
+                    true => running[*i].sampler.device_row(),
+                    false => RowSampling::idle(),
+                })
+                .collect();
+            let plan = SamplePlan::new(&rows, vocab);
+            Picking::Device(rows, plan)
+        }
+        (false, None) => Picking::Host,
+    };
+    (sampling, picking)
+}
+
+/// Each row's next token (None for a row that does not sample this step), from the step's
+/// one copy back from the device: the argmax ids alone when every sampling row is plain
+/// greedy; else, with a `device` sampler (the tensor path), each row's pick (and logprobs)
+/// sampled there from the inputs the step uploaded; else every row's logits, sampled on the
+/// host (rows in parallel).
+fn pick(
+    running: &mut [Box<Seq>],
+    work: &[(usize, Work)],
+    sampling: &[bool],
+    picking: Picking,
+    out: StepOutput,
+    device: Option<&CandleSampler>,
+) -> Result<Vec<Option<Sampled>>, ModelError> {
+    use rayon::prelude::*;
+    for (i, w) in work {
+        if let Work::Prefill(_, to) = w {
+            running[*i].prefilled = *to;
+        }
     }
-    if let Some(sampler) = device {
-        let rows: Vec<RowSampling> = work
-            .iter()
-            .zip(&sampling)
-            .map(|((i, _), &samples)| match samples {
-                true => running[*i].sampler.device_row(),
-                false => RowSampling::idle(),
-            })
-            .collect();
-        let picked = sample_ops::read(&sampler.sample(logits, &rows)?, &rows)?;
-        return Ok(work
-            .iter()
-            .zip(picked)
-            .zip(&sampling)
-            .map(|(((i, _), p), &samples)| samples.then(|| running[*i].sampler.record_picked(p)))
-            .collect());
+    let logits = &out.logits;
+    match (picking, device, &out.extra) {
+        (Picking::Greedy, _, _) => {
+            let argmax = logits.argmax(candle_core::D::Minus1)?;
+            let ids = crate::model::download::<u32>(&argmax)?;
+            Ok(work
+                .iter()
+                .zip(ids)
+                .zip(sampling)
+                .map(|(((i, _), id), &samples)| samples.then(|| running[*i].sampler.record(id)))
+                .collect())
+        }
+        (Picking::Device(rows, plan), Some(sampler), Some(inputs)) => {
+            let picked = sample_ops::read(&sampler.sample_packed(logits, &plan, inputs)?, &rows)?;
+            Ok(work
+                .iter()
+                .zip(picked)
+                .zip(sampling)
+                .map(|(((i, _), p), &samples)| {
+                    samples.then(|| running[*i].sampler.record_picked(p))
+                })
+                .collect())
+        }
+        (Picking::Device(..), _, _) => Err(candle_core::Error::Msg(
+            "a device-sampled step came back without its sampling inputs".into(),
+        )
+        .into()),
+        (Picking::Host, _, _) => {
+            let rows = crate::model::download_rows::<f32>(logits)?;
+            let mut seqs: Vec<Option<&mut Box<Seq>>> = running.iter_mut().map(Some).collect();
+            let jobs: Vec<(&mut Box<Seq>, Vec<f32>, bool)> = work
+                .iter()
+                .zip(rows)
+                .zip(sampling)
+                .map(|(((i, _), row), &samples)| {
+                    (seqs[*i].take().expect("a row per sequence"), row, samples)
+                })
+                .collect();
+            Ok(jobs
+                .into_par_iter()
+                .map(|(s, row, samples)| samples.then(|| s.sampler.sample(&row)))
+                .collect())
+        }
     }
-    let rows = logits.to_vec2::<f32>()?;
-    let mut seqs: Vec<Option<&mut Box<Seq>>> = running.iter_mut().map(Some).collect();
-    let jobs: Vec<(&mut Box<Seq>, Vec<f32>, bool)> = work
-        .iter()
-        .zip(rows)
-        .zip(&sampling)
-        .map(|(((i, _), row), &samples)| {
-            (seqs[*i].take().expect("a row per sequence"), row, samples)
-        })
-        .collect();
-    Ok(jobs
-        .into_par_iter()
-        .map(|(s, row, samples)| samples.then(|| s.sampler.sample(&row)))
-        .collect())
 }
 
 /// Sends the next token of `s` and decides whether the sequence ends.

@@ -309,6 +309,7 @@ fn repeat_kv(x: &Tensor, rep: usize) -> candle_core::Result<Tensor> {
 }
 
 /// -inf above the diagonal of the new block (position `start + i` sees keys up to itself).
+#[allow(clippy::disallowed_methods)] // the CPU host path's prefill
 fn causal_mask(
     t: usize,
     start: usize,

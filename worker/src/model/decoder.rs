@@ -56,6 +56,54 @@ struct TensorState {
     slots: Mutex<Option<Arc<LoraSlots>>>,
 }
 
+/// What a step computed: the rows' logits and, on the device, the caller's extra inputs.
+pub struct StepOutput {
+    /// `[rows, vocab]` f32: each row's logits at its last new position.
+    pub logits: Tensor,
+    /// The `extra` given to [`Decoder::forward_step`], `[len]` f32 on the device (None when
+    /// empty).
+    pub extra: Option<Tensor>,
+}
+
+/// The tensor path's inputs besides its batch: token ids, each row's last token, the image
+/// placeholders and the caller's extra inputs (views of the step's one upload).
+struct TensorInputs {
+    ids: Tensor,
+    last: Tensor,
+    images: Vec<(Tensor, Tensor)>,
+    extra: Option<Tensor>,
+}
+
+/// Per row with image tokens in this step: where they are among the step's tokens, which rows
+/// of its embeddings they take, and the embeddings.
+fn image_indices<'r>(rows: &[Row<'r>]) -> (step::ImageIndices, Vec<&'r ImageEmbeds>) {
+    let mut indices = Vec::new();
+    let mut embeds = Vec::new();
+    let mut off = 0u32;
+    for r in rows {
+        if let Some(v) = r.vision.filter(|v| !v.image_tokens.is_empty()) {
+            let at = v.image_tokens.iter().map(|(i, _)| off + i).collect();
+            let of = v.image_tokens.iter().map(|(_, e)| *e).collect();
+            indices.push((at, of));
+            embeds.push(v.embeds);
+        }
+        off += r.tokens.len() as u32;
+    }
+    (indices, embeds)
+}
+
+/// Each row's image placeholders on the device beside its embeddings.
+fn attach(
+    images: Vec<(Tensor, Tensor)>,
+    embeds: Vec<&ImageEmbeds>,
+) -> Vec<(Tensor, Tensor, &ImageEmbeds)> {
+    images
+        .into_iter()
+        .zip(embeds)
+        .map(|((at, of), e)| (at, of, e))
+        .collect()
+}
+
 impl Decoder {
     /// Loads an HF directory (safetensors, sharded or not) in `dtype` on `device`.
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self, ModelError> {
@@ -304,30 +352,55 @@ impl Decoder {
     /// As [`Decoder::forward`], the rows' logits as one `[rows, vocab]` f32 tensor: what a
     /// step brings back from the device, in one copy.
     pub fn forward_batch(&self, rows: &mut [Row<'_>]) -> Result<Tensor, ModelError> {
+        Ok(self.forward_step(rows, &[])?.logits)
+    }
+
+    /// As [`Decoder::forward_batch`], with `extra`: the caller's own f32 inputs to the step
+    /// (the engine's sampling parameters), uploaded on the tensor path in the step's one copy
+    /// and handed back on the device as [`StepOutput::extra`].
+    pub fn forward_step(
+        &self,
+        rows: &mut [Row<'_>],
+        extra: &[f32],
+    ) -> Result<StepOutput, ModelError> {
         // A CPU step forks the thread pool a few times per layer (projections, attention).
         // Forked from a pool thread, a fork is a push on that thread's own queue; from any
         // other thread, each one hands the work over and sleeps until it is done (tens of
         // microseconds each, most of a dynamic adapter's cost at batch 1), so the whole step
         // runs on the pool.
         if self.device.is_cpu() && rayon::current_thread_index().is_none() {
-            return rayon::scope(|_| self.forward_on_pool(rows));
+            return rayon::scope(|_| self.forward_on_pool(rows, extra));
         }
-        self.forward_on_pool(rows)
+        self.forward_on_pool(rows, extra)
     }
 
-    fn forward_on_pool(&self, rows: &mut [Row<'_>]) -> Result<Tensor, ModelError> {
+    fn forward_on_pool(
+        &self,
+        rows: &mut [Row<'_>],
+        extra: &[f32],
+    ) -> Result<StepOutput, ModelError> {
         self.check(rows)?;
-        let (x, last) = if self.host {
+        let (indices, embeds) = image_indices(rows);
+        let (x, last, extra) = if self.host {
             let (batch, ids, last) = self.host_batch(rows)?;
-            (self.layers(rows, &batch, &ids)?, last)
+            let images = self.host_images(&indices)?;
+            let images = attach(images, embeds);
+            let extra = self.host_extra(extra)?;
+            (self.layers(rows, &batch, &ids, &images)?, last, extra)
         } else {
             let state = self.tensor_state()?;
             let slots = match rows.iter().find_map(|r| r.adapter) {
                 Some(first) => Some(self.lora_slots(&state, first)?),
                 None => None,
             };
-            let (batch, ids, last) = self.tensor_batch(rows, &state.kv, slots.as_deref())?;
-            (self.layers(rows, &batch, &ids)?, last)
+            let (batch, inputs) =
+                self.tensor_batch(rows, &state.kv, slots.as_deref(), &indices, extra)?;
+            let images = attach(inputs.images, embeds);
+            (
+                self.layers(rows, &batch, &inputs.ids, &images)?,
+                inputs.last,
+                inputs.extra,
+            )
         };
         // Only each row's last position needs logits.
         let h = self.norm.forward(&x.index_select(&last, 0)?)?;
@@ -339,7 +412,7 @@ impl Decoder {
             Some(l) => l,
             None => self.lm_head.forward(&h)?.to_dtype(DType::F32)?,
         };
-        Ok(logits)
+        Ok(StepOutput { logits, extra })
     }
 
     /// The embedded tokens through every layer; each row's cache then holds them. Image
@@ -350,10 +423,10 @@ impl Decoder {
         rows: &mut [Row<'_>],
         batch: &Batch<'_>,
         ids: &Tensor,
+        images: &[(Tensor, Tensor, &ImageEmbeds)],
     ) -> Result<Tensor, ModelError> {
         let x = self.embed.forward(ids)?.to_dtype(self.dtype)?; // [T, h]
-        let images = self.image_tokens(rows)?;
-        for (at, rows_of, embeds) in &images {
+        for (at, rows_of, embeds) in images {
             let e = embeds
                 .merged
                 .index_select(rows_of, 0)?
@@ -363,7 +436,7 @@ impl Decoder {
         let mut x = x;
         for (li, layer) in self.layers.iter().enumerate() {
             x = layer.forward(x, rows, batch)?;
-            for (at, rows_of, embeds) in &images {
+            for (at, rows_of, embeds) in images {
                 if let Some(d) = embeds.deepstack.get(li) {
                     let d = d.index_select(rows_of, 0)?.to_dtype(self.dtype)?;
                     x.scatter_add_set(at, &d, 0)?;
@@ -379,29 +452,34 @@ impl Decoder {
         Ok(x)
     }
 
-    /// Per row with image tokens in this step: where they are in the step (`[n, hidden]`, each
-    /// row the token's index), which rows of its embeddings they take, and the embeddings.
-    #[allow(clippy::type_complexity)]
-    fn image_tokens<'r>(
+    /// The host path's image placeholders on the device (see [`step::Inputs::images`]): its
+    /// steps upload as they go.
+    #[allow(clippy::disallowed_methods)] // the host path (CPU) uploads as it goes
+    fn host_images(
         &self,
-        rows: &[Row<'r>],
-    ) -> candle_core::Result<Vec<(Tensor, Tensor, &'r ImageEmbeds)>> {
+        indices: &step::ImageIndices,
+    ) -> candle_core::Result<Vec<(Tensor, Tensor)>> {
         let h = self.cfg.hidden_size;
-        let mut out = Vec::new();
-        let mut off = 0u32;
-        for r in rows {
-            if let Some(v) = r.vision.filter(|v| !v.image_tokens.is_empty()) {
-                let n = v.image_tokens.len();
-                let at: Vec<u32> = v.image_tokens.iter().map(|(i, _)| off + i).collect();
-                let of: Vec<u32> = v.image_tokens.iter().map(|(_, e)| *e).collect();
-                let at = Tensor::from_vec(at, (n, 1), &self.device)?
+        indices
+            .iter()
+            .map(|(at, of)| {
+                let n = at.len();
+                let at = Tensor::new(at.as_slice(), &self.device)?
+                    .reshape((n, 1))?
                     .broadcast_as((n, h))?
                     .contiguous()?;
-                out.push((at, Tensor::from_vec(of, n, &self.device)?, v.embeds));
-            }
-            off += r.tokens.len() as u32;
+                Ok((at, Tensor::new(of.as_slice(), &self.device)?))
+            })
+            .collect()
+    }
+
+    /// The host path's copy of the caller's step inputs.
+    #[allow(clippy::disallowed_methods)] // the host path (CPU) uploads as it goes
+    fn host_extra(&self, extra: &[f32]) -> candle_core::Result<Option<Tensor>> {
+        match extra.is_empty() {
+            true => Ok(None),
+            false => Ok(Some(Tensor::new(extra, &self.device)?)),
         }
-        Ok(out)
     }
 
     /// Every new token's rotary position: its time (or only) position, and with image tokens in
@@ -486,6 +564,7 @@ impl Decoder {
 
     /// The host path's batch, token ids and last-token indices. Rows are grouped by adapter so
     /// each adapter's low-rank product runs once per projection.
+    #[allow(clippy::disallowed_methods)] // the host path (CPU) uploads as it goes
     fn host_batch<'r>(
         &'r self,
         rows: &[Row<'r>],
@@ -550,15 +629,17 @@ impl Decoder {
         Ok((batch, ids, Tensor::new(last.as_slice(), &self.device)?))
     }
 
-    /// The tensor path's batch, token ids and last-token indices: blocks reserved for every
-    /// row, adapters given LoRA slots, and the step's inputs uploaded in one copy (see
-    /// [`step`]); rotary cos/sin gathered by position.
+    /// The tensor path's batch and the rest of its inputs: blocks reserved for every row,
+    /// adapters given LoRA slots, and the step's inputs (`images` and the caller's `extra`
+    /// too) uploaded in one copy (see [`step`]); rotary cos/sin gathered by position.
     fn tensor_batch<'b>(
         &'b self,
         rows: &mut [Row<'_>],
         kv: &'b KvPool,
         slots: Option<&'b LoraSlots>,
-    ) -> Result<(Batch<'b>, Tensor, Tensor), ModelError> {
+        images: &step::ImageIndices,
+        extra: &[f32],
+    ) -> Result<(Batch<'b>, TensorInputs), ModelError> {
         for r in rows.iter_mut() {
             kv.reserve(&mut r.cache.blocks, r.cache.len + r.tokens.len())?;
         }
@@ -575,6 +656,9 @@ impl Decoder {
             row_slots.as_deref().zip(slots.map(LoraSlots::dtype)),
             &positions,
             width,
+            images,
+            self.cfg.hidden_size,
+            extra,
             &self.device,
         )?;
         let lens: Vec<usize> = rows.iter().map(|r| r.tokens.len()).collect();
@@ -605,7 +689,13 @@ impl Decoder {
             paged: Some(inputs.paged),
             lora: slots.zip(inputs.slots),
         };
-        Ok((batch, inputs.ids, inputs.last))
+        let rest = TensorInputs {
+            ids: inputs.ids,
+            last: inputs.last,
+            images: inputs.images,
+            extra: inputs.extra,
+        };
+        Ok((batch, rest))
     }
 
     /// cos/sin `[tokens, head_dim/2]` of rows starting at `starts` with `lens` new tokens,
@@ -649,6 +739,7 @@ pub(super) struct Positions {
 
 /// Per rotary frequency (interleaved M-RoPE, see [`super::VisionSpec::mrope_section`]), 1
 /// where it follows time, height, width: `[1, head_dim/2]` each.
+#[allow(clippy::disallowed_methods)] // made once, at load
 fn mrope_masks(
     sections: [usize; 3],
     dtype: DType,
@@ -713,6 +804,45 @@ mod tests {
             }
         }
         Decoder::new(cfg, VarBuilder::from_tensors(t, DType::F32, &dev)).unwrap()
+    }
+
+    /// The caller's extra inputs come back unchanged on either path (on the tensor path from
+    /// the step's one upload, after the indices), and do not change the logits.
+    #[test]
+    fn a_steps_extra_inputs_come_back_as_given() {
+        let extra = [1.5f32, -3.25, 0.0, 1e-7, 16_777_217.0, f32::MAX];
+        for host in [true, false] {
+            let mut m = random_qwen3(64);
+            m.set_host_kernels(host);
+            let toks = [3u32, 9, 27, 4];
+            // (Uploads are counted in tests/op_count_transfers.rs, where nothing runs beside.)
+            let run = |extra: &[f32]| {
+                let mut cache = SeqCache::default();
+                m.forward_step(
+                    &mut [Row {
+                        tokens: &toks,
+                        cache: &mut cache,
+                        adapter: None,
+                        vision: None,
+                    }],
+                    extra,
+                )
+                .unwrap()
+            };
+            let (with, without) = (run(&extra), run(&[]));
+            assert!(without.extra.is_none());
+            let back = with.extra.unwrap().to_vec1::<f32>().unwrap();
+            assert_eq!(back, extra, "host kernels {host}");
+            let d = (with.logits - without.logits)
+                .unwrap()
+                .abs()
+                .unwrap()
+                .max_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert_eq!(d, 0.0, "host kernels {host}");
+        }
     }
 
     /// The host path's two ways of attending agree past a growth of the token-major cache:

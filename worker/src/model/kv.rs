@@ -10,6 +10,11 @@ use candle_core::{DType, Device, Tensor};
 
 use super::ModelError;
 
+/// The most token slots a paged cache holds (every layer's keys and values): a step's slot
+/// indices travel in its one f32 upload, exact below 2^24 (see `model/step.rs`). Sixteen
+/// million tokens is more than any device holds for a model of useful size.
+pub const MAX_KV_SLOTS: usize = super::step::EXACT_F32;
+
 /// How the tensor path's pools are sized.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorPathOptions {
@@ -205,6 +210,12 @@ impl KvPool {
     ) -> Result<Self, ModelError> {
         let (block_size, blocks) = (opts.block_size.max(1), opts.kv_blocks.max(1));
         let slots = block_size * blocks;
+        if slots > MAX_KV_SLOTS {
+            return Err(ModelError::Config(format!(
+                "a KV cache of {blocks} blocks of {block_size} tokens exceeds {MAX_KV_SLOTS} \
+                 token slots"
+            )));
+        }
         let zeros = || Tensor::zeros((slots, width), dtype, device);
         let k = (0..layers).map(|_| zeros()).collect::<Result<_, _>>()?;
         let v = (0..layers).map(|_| zeros()).collect::<Result<_, _>>()?;
@@ -385,6 +396,23 @@ mod tests {
         assert_eq!(pool.free_blocks(), 1, "still inside its second block");
         drop(a);
         assert_eq!(pool.free_blocks(), 3);
+    }
+
+    /// A cache past what a step's f32 indices address exactly is refused before anything is
+    /// allocated; one at the bound is not.
+    #[test]
+    fn a_cache_beyond_the_exact_slots_is_refused() {
+        let at = |kv_blocks| TensorPathOptions {
+            block_size: 16,
+            kv_blocks,
+            ..Default::default()
+        };
+        match KvPool::new(1, 1, &at(MAX_KV_SLOTS / 16 + 1), DType::U8, &Device::Cpu) {
+            Err(ModelError::Config(m)) => assert!(m.contains("16777216"), "{m}"),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("a cache of more than 2^24 slots was allocated"),
+        }
+        assert!(KvPool::new(1, 1, &at(MAX_KV_SLOTS / 16), DType::U8, &Device::Cpu).is_ok());
     }
 
     #[test]

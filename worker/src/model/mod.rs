@@ -28,6 +28,7 @@ mod project;
 pub mod rope;
 mod slots;
 mod step;
+mod transfer;
 pub mod vision;
 mod weights;
 
@@ -36,10 +37,11 @@ use candle_core::{Tensor, D};
 pub use self::batch::{Row, RowVision};
 pub use self::cache::SeqCache;
 pub use self::config::{Family, ModelConfig, VisionSpec};
-pub use self::decoder::Decoder;
-pub use self::kv::{DeviceMemory, KvBudget, TensorPathOptions};
+pub use self::decoder::{Decoder, StepOutput};
+pub use self::kv::{DeviceMemory, KvBudget, TensorPathOptions, MAX_KV_SLOTS};
 pub use self::lora::{HostUpdates, LoraAdapter, Proj, UpdateTask, HOST_LORA_MAX_TOKENS};
 pub use self::rope::{Rope, RopeScaling};
+pub use self::transfer::{download, download_rows, transfers_made, Transfers};
 pub use self::weights::{adapter_dtype, compute_dtype, Lin};
 
 use crate::formats::hf;

@@ -159,6 +159,7 @@ const COLUMNS_PER_BLOCK: usize = 128;
 /// `x` `[tokens, in]`. None when the batch does not qualify (`x` not CPU f32, weights not
 /// f32/bf16/f16, no tokens or more than [`HOST_LORA_MAX_TOKENS`], or a quantized base whose
 /// output is not f32): the caller takes the tensor path.
+#[allow(clippy::disallowed_methods)] // the CPU host path: its "upload" is a move
 pub(crate) fn host_projections(
     x: &Tensor,
     lins: Vec<(&Lin, HostUpdates<'_>)>,

@@ -331,6 +331,9 @@ impl Rope {
 /// `start..start + t`, computed as transformers does: f32 angles `position × inv_freq`, cos and
 /// sin times the attention scaling (YaRN), then cast to the model's dtype. The frequencies of
 /// dynamic NTK use the length this span reaches.
+// The table is made at load; a step computes a span only past the table (dynamic NTK beyond
+// the original window), rare enough that its upload is not packed.
+#[allow(clippy::disallowed_methods)]
 pub(super) fn rope_cos_sin(
     rope: &Rope,
     cfg: &ModelConfig,

@@ -1,7 +1,12 @@
 //! What a tensor-path step sends to the device: token ids, positions, where each new key goes
-//! and which slots each row's attention reads, the padding maps, the mask's inputs and each
-//! token's LoRA slot, packed into one buffer and uploaded once (on a GPU every upload is a
-//! synchronizing copy; the views below are free).
+//! and which slots each row's attention reads, the padding maps, the mask's inputs, each
+//! token's LoRA slot, where image placeholders take their embeddings, and the caller's own
+//! f32 inputs (the engine's sampling parameters), packed into one buffer and uploaded once
+//! (on a GPU every upload is a synchronizing copy; the views below are free).
+//!
+//! The buffer is f32, since candle cannot reinterpret a device buffer's bytes as another
+//! dtype: the indices travel as f32 (exact below 2^24, [`EXACT_F32`], which bounds the
+//! cache's slots and is checked here for every value) and become u32 in one cast.
 
 use candle_core::{DType, Device, Tensor};
 
@@ -9,6 +14,10 @@ use super::batch::{Paged, Row};
 use super::decoder::Positions;
 use super::kv::{BlockTable, KvPool};
 use super::slots::{SlotPlan, StepSlots};
+use super::transfer;
+
+/// Integers an f32 holds exactly: every index a step uploads is below it.
+pub(super) const EXACT_F32: usize = 1 << 24;
 
 /// A step's inputs on the device.
 pub(super) struct Inputs<'a> {
@@ -24,6 +33,12 @@ pub(super) struct Inputs<'a> {
     pub slots: Option<StepSlots>,
     /// The paged cache's indices.
     pub paged: Paged<'a>,
+    /// Per row with image placeholders (in the order given): where they are among the step's
+    /// tokens (`[n, hidden]`, each row the token's index) and which embedding rows they take
+    /// (`[n]`).
+    pub images: Vec<(Tensor, Tensor)>,
+    /// The caller's f32 inputs, `[len]`, when it gave any.
+    pub extra: Option<Tensor>,
 }
 
 /// A row's block table, reserved before the step.
@@ -34,22 +49,45 @@ fn blocks<'r>(r: &'r Row<'_>) -> &'r BlockTable {
         .expect("blocks are reserved before a step's inputs")
 }
 
-/// Appends one section to the buffer; returns its offset and length.
-fn section(buf: &mut Vec<u32>, values: impl IntoIterator<Item = u32>) -> (usize, usize) {
-    let at = buf.len();
-    buf.extend(values);
-    (at, buf.len() - at)
+/// The index part of a step's buffer, as f32.
+struct Packer {
+    buf: Vec<f32>,
+    /// The largest index packed.
+    max: u32,
 }
 
+impl Packer {
+    /// Appends one section; returns its offset and length.
+    fn section(&mut self, values: impl IntoIterator<Item = u32>) -> (usize, usize) {
+        let at = self.buf.len();
+        let mut max = self.max;
+        self.buf.extend(values.into_iter().map(|v| {
+            max = max.max(v);
+            v as f32
+        }));
+        self.max = max;
+        (at, self.buf.len() - at)
+    }
+}
+
+/// Host-side image placeholders of a step's rows: per row with any, their indices among the
+/// step's tokens and the embedding rows they take.
+pub(super) type ImageIndices = Vec<(Vec<u32>, Vec<u32>)>;
+
 /// The inputs of `rows` (their blocks already reserved in `kv`), with `slots` the LoRA slot of
-/// each row and the slot pool's dtype when any row has an adapter, and `width` the cache's
-/// width (kv heads × head dim).
+/// each row and the slot pool's dtype when any row has an adapter, `width` the cache's width
+/// (kv heads × head dim), `images` the rows' image placeholders (`hidden` the embeddings'
+/// width) and `extra` the caller's own inputs.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn inputs<'a>(
     rows: &[Row<'_>],
     kv: &'a KvPool,
     slots: Option<(&[u32], DType)>,
     positions: &Positions,
     width: usize,
+    images: &ImageIndices,
+    hidden: usize,
+    extra: &[f32],
     device: &Device,
 ) -> candle_core::Result<Inputs<'a>> {
     let lens: Vec<usize> = rows.iter().map(|r| r.tokens.len()).collect();
@@ -71,17 +109,17 @@ pub(super) fn inputs<'a>(
             Some(at)
         })
         .collect();
-    let mut buf = Vec::with_capacity(7 * n + 2 * b * tq + b * keys + keys + b);
-    let ids = section(&mut buf, rows.iter().flat_map(|r| r.tokens.iter().copied()));
-    let pos = section(&mut buf, positions.time.iter().copied());
-    let hw = positions.spatial.as_ref().map(|(h, w)| {
-        (
-            section(&mut buf, h.iter().copied()),
-            section(&mut buf, w.iter().copied()),
-        )
-    });
-    let write = section(
-        &mut buf,
+    let mut p = Packer {
+        buf: Vec::with_capacity(7 * n + 2 * b * tq + b * keys + keys + b + extra.len()),
+        max: 0,
+    };
+    let ids = p.section(rows.iter().flat_map(|r| r.tokens.iter().copied()));
+    let pos = p.section(positions.time.iter().copied());
+    let hw = positions
+        .spatial
+        .as_ref()
+        .map(|(h, w)| (p.section(h.iter().copied()), p.section(w.iter().copied())));
+    let write = p.section(
         rows.iter()
             .zip(starts.iter().zip(&lens))
             .flat_map(|(r, (&s, &l))| {
@@ -89,8 +127,7 @@ pub(super) fn inputs<'a>(
                 (s..s + l).map(move |p| kv.slot(t, p))
             }),
     );
-    let gather = section(
-        &mut buf,
+    let gather = p.section(
         rows.iter()
             .zip(starts.iter().zip(&lens))
             .flat_map(|(r, (&s, &l))| {
@@ -98,32 +135,26 @@ pub(super) fn inputs<'a>(
                 (0..keys).map(move |j| if j < s + l { kv.slot(t, j) } else { 0 })
             }),
     );
-    let pad = section(
-        &mut buf,
+    let pad = p.section(
         offs.iter()
             .zip(&lens)
             .flat_map(|(&o, &l)| (0..tq).map(move |t| (o + t.min(l - 1)) as u32)),
     );
-    let unpad = section(
-        &mut buf,
+    let unpad = p.section(
         lens.iter()
             .enumerate()
             .flat_map(|(i, &l)| (0..l).map(move |t| (i * tq + t) as u32)),
     );
     // A padded query past its row's end sees what the row's last token sees: every mask row
     // keeps at least one key, so the softmax never divides by zero.
-    let qpos = section(
-        &mut buf,
+    let qpos = p.section(
         starts
             .iter()
             .zip(&lens)
             .flat_map(|(&s, &l)| (0..tq).map(move |t| (s + t.min(l - 1)) as u32)),
     );
-    let key_pos = section(&mut buf, 0..keys as u32);
-    let last = section(
-        &mut buf,
-        offs.iter().zip(&lens).map(|(o, l)| (o + l - 1) as u32),
-    );
+    let key_pos = p.section(0..keys as u32);
+    let last = p.section(offs.iter().zip(&lens).map(|(o, l)| (o + l - 1) as u32));
     let lora = slots.map(|(s, dtype)| {
         let per_token: Vec<u32> = s
             .iter()
@@ -132,16 +163,29 @@ pub(super) fn inputs<'a>(
             .collect();
         let plan = SlotPlan::new(&per_token);
         let at = [
-            section(&mut buf, plan.slots.iter().copied()),
-            section(&mut buf, plan.gather.iter().copied()),
-            section(&mut buf, plan.keep.iter().copied()),
-            section(&mut buf, plan.scatter.iter().copied()),
+            p.section(plan.slots.iter().copied()),
+            p.section(plan.gather.iter().copied()),
+            p.section(plan.keep.iter().copied()),
+            p.section(plan.scatter.iter().copied()),
         ];
         (plan, at, dtype)
     });
-    let len = buf.len();
-    let all = Tensor::from_vec(buf, len, device)?;
-    let view = |(at, len): (usize, usize)| all.narrow(0, at, len);
+    let image_at: Vec<[(usize, usize); 2]> = images
+        .iter()
+        .map(|(at, of)| [p.section(at.iter().copied()), p.section(of.iter().copied())])
+        .collect();
+    if p.max as usize >= EXACT_F32 {
+        candle_core::bail!(
+            "a step index of {} is not exact in f32 (the cache has too many slots)",
+            p.max
+        );
+    }
+    let indices = p.buf.len();
+    let mut buf = p.buf;
+    buf.extend_from_slice(extra);
+    let all = transfer::upload(buf, device)?;
+    let index = all.narrow(0, 0, indices)?.to_dtype(DType::U32)?;
+    let view = |(at, len): (usize, usize)| index.narrow(0, at, len);
     let write = view(write)?
         .reshape((n, 1))?
         .broadcast_as((n, width))?
@@ -181,6 +225,23 @@ pub(super) fn inputs<'a>(
             rows: b,
             queries: tq,
             keys,
+        },
+        images: image_at
+            .into_iter()
+            .map(|[at, of]| {
+                let n = at.1;
+                Ok((
+                    view(at)?
+                        .reshape((n, 1))?
+                        .broadcast_as((n, hidden))?
+                        .contiguous()?,
+                    view(of)?,
+                ))
+            })
+            .collect::<candle_core::Result<_>>()?,
+        extra: match extra.is_empty() {
+            true => None,
+            false => Some(all.narrow(0, indices, extra.len())?),
         },
     })
 }

@@ -359,6 +359,9 @@ impl VisionTower {
     /// The embeddings of images whose patches (in order, see [`preprocess`]) are `pixels`
     /// `[patches, patch_len]` and whose grids are `grids`.
     /// `adapter`, when it targets modules of the tower, applies to them.
+    // The tower runs once per image, before the step that prefills it, on inputs made from
+    // the image's grid; its uploads (the pixels', these) are the image's, not the step's.
+    #[allow(clippy::disallowed_methods)]
     pub fn forward(
         &self,
         pixels: &Tensor,
@@ -440,6 +443,7 @@ impl VisionTower {
 
     /// cos/sin `[patches, head_dim]` of the 2-D rotary embedding: a row's angles on the first
     /// quarter of each half, its column's on the second.
+    #[allow(clippy::disallowed_methods)] // once per image (see `forward`)
     fn rotary(&self, hw: &[(usize, usize)]) -> candle_core::Result<(Tensor, Tensor)> {
         let f = self.inv_freq.len();
         let mut cos = Vec::with_capacity(hw.len() * 4 * f);

@@ -1,0 +1,186 @@
+//! The tensor path's engine (what a GPU runs) copies between host and device exactly twice a
+//! step, whatever the step holds: its inputs (token ids, positions, cache slots, LoRA slots
+//! and the sampling parameters) go up in one upload, and its tokens (or sampled tokens with
+//! logprobs) come back in one download. The copies are counted where they happen
+//! (`model::transfer`; clippy.toml bans candle's own constructors and readers in `model/` and
+//! `lora/`), process-wide, so this file holds one test and nothing else copies while it runs.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+#![allow(clippy::disallowed_methods)] // tests read results back from the device
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use candle_core::{DType, Device};
+use mole_worker::engine::api::*;
+use mole_worker::engine::text::TextModel;
+use mole_worker::engine::{Engine, EngineOptions};
+use mole_worker::model::{Decoder, Transfers};
+
+fn fixtures() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine")
+}
+
+fn ids(v: &serde_json::Value) -> Vec<u32> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap() as u32)
+        .collect()
+}
+
+fn request(
+    prompt: Vec<u32>,
+    adapter: Option<&str>,
+    f: impl FnOnce(&mut SamplingParams),
+) -> GenerateRequest {
+    let mut sampling = SamplingParams {
+        max_tokens: 32,
+        ignore_eos: true,
+        ..Default::default()
+    };
+    f(&mut sampling);
+    GenerateRequest {
+        images: Vec::new(),
+        id: "t".into(),
+        prompt: Prompt::Tokens(prompt),
+        adapter: adapter.map(String::from),
+        sampling,
+    }
+}
+
+/// The tokens and each token's logprob.
+fn collect(mut rx: EventStream) -> (Vec<u32>, Vec<f32>) {
+    let (mut tokens, mut logprobs) = (Vec::new(), Vec::new());
+    loop {
+        match rx.blocking_recv().expect("a final event") {
+            TokenEvent::Started { .. } => {}
+            TokenEvent::Token {
+                token_id, logprob, ..
+            } => {
+                tokens.push(token_id);
+                logprobs.push(logprob.map_or(f32::NAN, |l| l.logprob));
+            }
+            TokenEvent::Finished { .. } => return (tokens, logprobs),
+            other => panic!("{other:?}"),
+        }
+    }
+}
+
+fn wait_until(what: &str, f: impl Fn() -> bool) {
+    let t = Instant::now();
+    while !f() {
+        assert!(
+            t.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Steps that prefill in chunks beside rows that decode, mix two adapters and base rows,
+/// sample on the device (temperature, top-k/p, penalties, logprobs) beside greedy rows,
+/// penalise greedy rows, and preempt and recompute when the 6-block cache is full; then steps
+/// whose rows are all plain greedy. Every step makes one upload and one download.
+#[test]
+fn op_count_transfers_are_one_upload_and_one_download_per_step() {
+    let reference: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(fixtures().join("reference.json")).unwrap())
+            .unwrap();
+    let r = &reference["llama"];
+    let (p0, p1) = (ids(&r["prompts"][0]), ids(&r["prompts"][1]));
+    let dir = fixtures().join("llama");
+    let mut model = Decoder::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    model.set_host_kernels(false);
+    let e = Engine::start(
+        model,
+        TextModel::load(&dir).unwrap(),
+        EngineOptions {
+            base_name: "llama".into(),
+            max_batch_size: 4,
+            prefill_chunk: 5,
+            kv_blocks: Some(6),
+            ..Default::default()
+        },
+    );
+    for a in ["a_r8_all", "b_r4_qv"] {
+        e.load_adapter(AdapterSpec {
+            name: a.into(),
+            version: "v1".into(),
+            lora_id: 1,
+            path: fixtures().join("adapters/llama").join(a),
+        })
+        .unwrap();
+    }
+    let count = |f: &dyn Fn()| {
+        let (steps, before) = (e.stats().steps, Transfers::now());
+        f();
+        wait_until("an idle engine", || {
+            let s = e.stats();
+            s.running == 0 && s.waiting == 0
+        });
+        (e.stats().steps - steps, Transfers::now().since(before))
+    };
+
+    let (steps, mixed) = count(&|| {
+        let streams = [
+            e.submit(request(p0.clone(), None, |_| {})).unwrap(),
+            e.submit(request(p1.clone(), Some("a_r8_all"), |_| {}))
+                .unwrap(),
+            e.submit(request(p0.clone(), Some("b_r4_qv"), |s| {
+                s.temperature = 0.8;
+                s.top_k = 20;
+                s.top_p = 0.9;
+                s.repetition_penalty = 1.2;
+                s.presence_penalty = 0.5;
+                s.frequency_penalty = 0.3;
+                s.logprobs = Some(2);
+                s.seed = Some(7);
+            }))
+            .unwrap(),
+            e.submit(request(p1.clone(), None, |s| s.repetition_penalty = 1.3))
+                .unwrap(),
+        ];
+        let out = streams.map(collect);
+        // The plain greedy rows are still transformers' tokens; the sampled row's logprobs
+        // came from the device sampler.
+        assert_eq!(out[0].0, ids(&r["greedy"][0]));
+        assert_eq!(out[1].0, ids(&r["adapters"]["a_r8_all"]["greedy"][1]));
+        assert!(
+            out[2].1.iter().all(|l| l.is_finite() && *l <= 0.0),
+            "{:?}",
+            out[2].1
+        );
+        assert_eq!(out[2].0.len(), 32);
+    });
+    assert!(e.stats().preemptions > 0, "{:?}", e.stats());
+    eprintln!("mixed steps: {steps}, {mixed:?}");
+    assert!(steps >= 32, "{steps} steps");
+    assert_eq!(
+        mixed,
+        Transfers {
+            uploads: steps as usize,
+            downloads: steps as usize
+        },
+        "one upload and one download per step"
+    );
+
+    let (steps, greedy) = count(&|| {
+        let a = e.submit(request(p0.clone(), None, |_| {})).unwrap();
+        let b = e
+            .submit(request(p1.clone(), Some("a_r8_all"), |_| {}))
+            .unwrap();
+        assert_eq!(collect(a).0, ids(&r["greedy"][0]));
+        assert_eq!(collect(b).0, ids(&r["adapters"]["a_r8_all"]["greedy"][1]));
+    });
+    eprintln!("greedy steps: {steps}, {greedy:?}");
+    assert!(steps >= 32, "{steps} steps");
+    assert_eq!(
+        greedy,
+        Transfers {
+            uploads: steps as usize,
+            downloads: steps as usize
+        },
+        "one upload and one download per step"
+    );
+}
