@@ -8,29 +8,12 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
-
 use candle_core::{DType, Device};
+use common::{
+    engine_fixtures as fixtures, engine_reference as reference, ids, tensor_engine, wait_until,
+};
 use mole_worker::engine::api::*;
 use mole_worker::engine::{Engine, EngineOptions};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine")
-}
-
-fn reference() -> serde_json::Value {
-    serde_json::from_str(&std::fs::read_to_string(fixtures().join("reference.json")).unwrap())
-        .unwrap()
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
 
 fn engine(f: impl FnOnce(&mut EngineOptions)) -> Engine {
     engine_over(DType::F32, f)
@@ -111,17 +94,6 @@ fn next_token(rx: &mut EventStream) -> u32 {
         if let TokenEvent::Token { token_id, .. } = rx.blocking_recv().unwrap() {
             return token_id;
         }
-    }
-}
-
-fn wait_until(what: &str, f: impl Fn() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
     }
 }
 
@@ -591,23 +563,12 @@ fn adapters_are_held_in_the_weights_dtype_unless_told() {
 /// exact tokens transformers + PEFT produce, and each the same as alone.
 #[test]
 fn a_full_kv_cache_preempts_and_recomputes_without_changing_outputs() {
-    use mole_worker::engine::text::TextModel;
-    use mole_worker::model::Decoder;
     let r = &reference()["llama"];
     let (p0, p1) = (ids(&r["prompts"][0]), ids(&r["prompts"][1]));
-    let dir = fixtures().join("llama");
-    let mut model = Decoder::load(&dir, DType::F32, &Device::Cpu).unwrap();
-    model.set_host_kernels(false);
-    let e = Engine::start(
-        model,
-        TextModel::load(&dir).unwrap(),
-        EngineOptions {
-            base_name: "llama".into(),
-            max_batch_size: 4,
-            kv_blocks: Some(6),
-            ..Default::default()
-        },
-    );
+    let e = tensor_engine(|o| {
+        o.max_batch_size = 4;
+        o.kv_blocks = Some(6);
+    });
     e.load_adapter(spec("task", "v1", "a_r8_all")).unwrap();
     let jobs = [
         (p0.clone(), None, ids(&r["greedy"][0])),
@@ -678,20 +639,8 @@ fn replicas_spread_requests_over_engines_that_all_hold_the_adapters() {
 /// distribution, and the greedy rows in the batch still give transformers' tokens.
 #[test]
 fn seeded_sampling_on_the_tensor_path_repeats_and_seeds_differ() {
-    use mole_worker::engine::text::TextModel;
-    use mole_worker::model::Decoder;
     let r = &reference()["llama"];
-    let dir = fixtures().join("llama");
-    let mut model = Decoder::load(&dir, DType::F32, &Device::Cpu).unwrap();
-    model.set_host_kernels(false);
-    let e = Engine::start(
-        model,
-        TextModel::load(&dir).unwrap(),
-        EngineOptions {
-            base_name: "llama".into(),
-            ..Default::default()
-        },
-    );
+    let e = tensor_engine(|_| {});
     let sampled = |seed: u64| {
         let mut req = greedy(vec![5, 17, 99], None, 16);
         let s = &mut req.sampling;

@@ -8,26 +8,11 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
-use std::path::{Path, PathBuf};
-use std::time::{Duration, Instant};
+mod common;
 
-use candle_core::{DType, Device};
+use common::{engine_fixtures, engine_reference, ids, tensor_engine, wait_until};
 use mole_worker::engine::api::*;
-use mole_worker::engine::text::TextModel;
-use mole_worker::engine::{Engine, EngineOptions};
-use mole_worker::model::{Decoder, Transfers};
-
-fn fixtures() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine")
-}
-
-fn ids(v: &serde_json::Value) -> Vec<u32> {
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|x| x.as_u64().unwrap() as u32)
-        .collect()
-}
+use mole_worker::model::Transfers;
 
 fn request(
     prompt: Vec<u32>,
@@ -67,48 +52,26 @@ fn collect(mut rx: EventStream) -> (Vec<u32>, Vec<f32>) {
     }
 }
 
-fn wait_until(what: &str, f: impl Fn() -> bool) {
-    let t = Instant::now();
-    while !f() {
-        assert!(
-            t.elapsed() < Duration::from_secs(20),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
-}
-
 /// Steps that prefill in chunks beside rows that decode, mix two adapters and base rows,
 /// sample on the device (temperature, top-k/p, penalties, logprobs) beside greedy rows,
 /// penalise greedy rows, and preempt and recompute when the 6-block cache is full; then steps
 /// whose rows are all plain greedy. Every step makes one upload and one download.
 #[test]
 fn op_count_transfers_are_one_upload_and_one_download_per_step() {
-    let reference: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(fixtures().join("reference.json")).unwrap())
-            .unwrap();
+    let reference = engine_reference();
     let r = &reference["llama"];
     let (p0, p1) = (ids(&r["prompts"][0]), ids(&r["prompts"][1]));
-    let dir = fixtures().join("llama");
-    let mut model = Decoder::load(&dir, DType::F32, &Device::Cpu).unwrap();
-    model.set_host_kernels(false);
-    let e = Engine::start(
-        model,
-        TextModel::load(&dir).unwrap(),
-        EngineOptions {
-            base_name: "llama".into(),
-            max_batch_size: 4,
-            prefill_chunk: 5,
-            kv_blocks: Some(6),
-            ..Default::default()
-        },
-    );
+    let e = tensor_engine(|o| {
+        o.max_batch_size = 4;
+        o.prefill_chunk = 5;
+        o.kv_blocks = Some(6);
+    });
     for a in ["a_r8_all", "b_r4_qv"] {
         e.load_adapter(AdapterSpec {
             name: a.into(),
             version: "v1".into(),
             lora_id: 1,
-            path: fixtures().join("adapters/llama").join(a),
+            path: engine_fixtures().join("adapters/llama").join(a),
         })
         .unwrap();
     }

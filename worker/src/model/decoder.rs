@@ -833,14 +833,7 @@ mod tests {
             assert!(without.extra.is_none());
             let back = with.extra.unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(back, extra, "host kernels {host}");
-            let d = (with.logits - without.logits)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .max_all()
-                .unwrap()
-                .to_scalar::<f32>()
-                .unwrap();
+            let d = crate::model::max_abs_diff(&with.logits, &without.logits);
             assert_eq!(d, 0.0, "host kernels {host}");
         }
     }
