@@ -703,3 +703,61 @@ fn seeded_sampling_on_the_tensor_path_repeats_and_seeds_differ() {
     bad.sampling.min_p = 1.5;
     assert!(matches!(e.submit(bad), Err(EngineError::InvalidRequest(_))));
 }
+
+/// A request of three choices (`n`): the first computes the prompt and the others take its
+/// cache (on the tensor path its two whole blocks, shared, not copied), each computing only the
+/// rest. Each choice is exactly what a request of its own with the seed plus its index gives;
+/// on the tensor path the three fit a 6-block cache that three separate copies of the prompt
+/// would overflow (no preemption), and every block is free again at the end. Greedy choices
+/// are transformers' tokens, and `n` beyond the batch is refused.
+#[test]
+fn choices_share_the_prompt_and_each_is_the_request_of_its_seed() {
+    let r = &reference()["llama"];
+    let long: Vec<u32> = (0..40).map(|i| (i * 37 + 11) % 250 + 3).collect();
+    let sampled = |seed: u64, max_tokens: usize| {
+        let mut req = greedy(long.clone(), Some("task"), max_tokens);
+        let s = &mut req.sampling;
+        s.temperature = 0.9;
+        s.top_p = 0.95;
+        s.repetition_penalty = 1.1;
+        s.seed = Some(seed);
+        req
+    };
+    for tensor in [false, true] {
+        let e = if tensor {
+            tensor_engine(|o| {
+                o.max_batch_size = 4;
+                o.kv_blocks = Some(6);
+            })
+        } else {
+            engine(|o| o.max_batch_size = 4)
+        };
+        e.load_adapter(spec("task", "v1", "a_r8_all")).unwrap();
+        let path = if tensor { "tensor path" } else { "host path" };
+        let choices: Vec<Outcome> = e
+            .submit_n(sampled(11, 7), 3)
+            .unwrap()
+            .into_iter()
+            .map(collect)
+            .collect();
+        if tensor {
+            assert_eq!(e.stats().preemptions, 0, "the prompt's blocks are shared");
+            wait_until("every block back", || e.stats().kv_blocks == Some((6, 6)));
+        }
+        for (i, got) in choices.iter().enumerate() {
+            let alone = collect(e.submit(sampled(11 + i as u64, 7)).unwrap());
+            assert_eq!(got.tokens, alone.tokens, "{path}: choice {i}");
+            assert_eq!(got.tokens.len(), 7);
+            assert_eq!(got.version.as_deref(), Some("v1"));
+        }
+        assert_ne!(choices[0].tokens, choices[1].tokens, "{path}: seeds differ");
+        let p0 = ids(&r["prompts"][0]);
+        for got in e.submit_n(greedy(p0, None, 32), 2).unwrap() {
+            assert_eq!(collect(got).tokens, ids(&r["greedy"][0]), "{path}");
+        }
+        match e.submit_n(sampled(1, 4), 5) {
+            Err(EngineError::InvalidRequest(m)) => assert!(m.contains("maxBatchSize"), "{m}"),
+            other => panic!("{path}: {other:?}"),
+        }
+    }
+}

@@ -233,6 +233,13 @@ pub struct GenerateRequest {
     pub images: Vec<Image>,
 }
 
+/// Choice `i` of `req`: the same request, its seed (when it has one) plus `i`.
+pub fn choice(req: &GenerateRequest, i: usize) -> GenerateRequest {
+    let mut r = req.clone();
+    r.sampling.seed = r.sampling.seed.map(|s| s.wrapping_add(i as u64));
+    r
+}
+
 /// Log probability of one token.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TokenLogprob {
@@ -342,6 +349,12 @@ pub struct EngineStats {
 pub trait InferenceEngine: Send + Sync + 'static {
     /// Queues a request. Fails at once with `Overloaded` when the waiting queue is full.
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError>;
+    /// Queues a request for `n` choices (OpenAI's `n`): one stream each, choice `i` sampled
+    /// with the request's seed plus `i` (as vLLM seeds them). By default each choice is a
+    /// request of its own; an engine that can computes the prompt once for all of them.
+    fn submit_n(&self, req: GenerateRequest, n: usize) -> Result<Vec<EventStream>, EngineError> {
+        (0..n).map(|i| self.submit(choice(&req, i))).collect()
+    }
     /// Renders chat messages with the model's chat template (`add_generation_prompt`);
     /// `kwargs` become template variables (vLLM's `chat_template_kwargs`, e.g. Qwen3's
     /// `enable_thinking`).

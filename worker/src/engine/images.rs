@@ -139,7 +139,8 @@ impl ImageProcessor {
     }
 }
 
-/// A prompt's images as the decoder takes them.
+/// A prompt's images as the decoder takes them (a request's choices each hold a copy).
+#[derive(Clone)]
 pub(super) struct ImagePrompt {
     /// Patch values of the distinct images, `[patches, patch_len]` row-major, in order.
     pixels: Vec<f32>,

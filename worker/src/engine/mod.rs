@@ -439,7 +439,22 @@ impl Engine {
 
 impl InferenceEngine for Engine {
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
+        let mut streams = self.submit_n(req, 1)?;
+        Ok(streams.pop().expect("one choice, one stream"))
+    }
+
+    /// The choices share the prompt: the first computes it, and when it is in the cache the
+    /// others take its blocks (on the tensor path, no copy; on the host path, a copy) and each
+    /// computes only what is left, at least the prompt's last token, for logits of its own.
+    /// A request of `n` choices joins the batch when it has room for all of them.
+    fn submit_n(&self, req: GenerateRequest, n: usize) -> Result<Vec<EventStream>, EngineError> {
         let sh = &self.shared;
+        if n == 0 || n > sh.opts.max_batch_size {
+            return Err(EngineError::InvalidRequest(format!(
+                "n must be between 1 and maxBatchSize ({}), got {n}",
+                sh.opts.max_batch_size
+            )));
+        }
         let (prompt, images) = self.prompt(&req.prompt, &req.images)?;
         if prompt.is_empty() {
             return Err(EngineError::InvalidRequest("the prompt is empty".into()));
@@ -472,18 +487,39 @@ impl InferenceEngine for Engine {
             sh.waiting.fetch_sub(1, Ordering::SeqCst);
             return Err(EngineError::Overloaded(queued));
         }
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        let sampler = Sampler::new(req.sampling, &prompt);
+        let mut streams = Vec::with_capacity(n);
+        let choices: Vec<(Sampler, tokio::sync::mpsc::UnboundedSender<TokenEvent>)> = (0..n)
+            .map(|i| {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                streams.push(rx);
+                (Sampler::new(choice(&req, i).sampling, &prompt), tx)
+            })
+            .collect();
+        let id = req.id;
+        // The first choice, carrying the others until its prompt is in the cache.
         let seq = move |adapter: Option<Pinned>| {
-            if let Some(p) = &adapter {
-                p.start();
-            }
-            let mut s = Seq::new(req.id, prompt, adapter, sampler, tx, max_new);
-            if merged_version.is_some() {
-                s.version = merged_version;
-            }
-            s.images = images;
-            Box::new(s)
+            let mut seqs: Vec<Box<Seq>> = choices
+                .into_iter()
+                .enumerate()
+                .map(|(i, (sampler, tx))| {
+                    if let Some(p) = &adapter {
+                        p.start();
+                    }
+                    let id = match i {
+                        0 => id.clone(),
+                        i => format!("{id}/{i}"),
+                    };
+                    let mut s = Seq::new(id, prompt.clone(), adapter.clone(), sampler, tx, max_new);
+                    if merged_version.is_some() {
+                        s.version = merged_version.clone();
+                    }
+                    s.images = images.clone();
+                    Box::new(s)
+                })
+                .collect();
+            let mut first = seqs.remove(0);
+            first.forks = seqs;
+            first
         };
         let unqueue = || {
             sh.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -522,15 +558,15 @@ impl InferenceEngine for Engine {
                             Ok(_) | Err(_) => {
                                 shared.waiting.fetch_sub(1, Ordering::SeqCst);
                                 let err = res.err().unwrap_or(EngineError::AdapterNotFound(name));
-                                let s = seq(None);
-                                let _ = s.tx.send(TokenEvent::Error(err));
+                                let mut s = seq(None);
+                                s.fail(&err);
                             }
                         }
                     });
                 }
             },
         }
-        Ok(rx)
+        Ok(streams)
     }
 
     fn apply_chat_template(

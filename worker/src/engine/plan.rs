@@ -22,8 +22,8 @@ pub(super) enum Work {
     Decode,
 }
 
-/// Moves waiting sequences into the batch, oldest first, while it has room (and, on the
-/// tensor path, while the free KV blocks hold their context).
+/// Moves waiting sequences into the batch, oldest first, while it has room (for every choice
+/// of a request) and, on the tensor path, while the free KV blocks hold their context.
 // Sequences stay boxed, as the scheduler keeps them: they move between the queue and the
 // batch, and a sequence is large.
 #[allow(clippy::vec_box)]
@@ -35,11 +35,16 @@ pub(super) fn admit(
     let paged = shared.model.paged();
     let mut free = shared.model.free_blocks();
     let block = shared.model.tensor_path().block_size.max(1);
-    while running.len() < shared.opts.max_batch_size {
-        let Some(s) = waiting.front() else { break };
+    while let Some(s) = waiting.front() {
+        // A request of several choices joins with room for all of them.
+        let width = 1 + s.forks.len();
+        if running.len() + width > shared.opts.max_batch_size {
+            break;
+        }
         if paged {
-            // Room for its context, and for one new block of every running sequence.
-            let need = s.context.len().div_ceil(block) + running.len() + 1;
+            // Room for its context, and for one new block of every running sequence and of
+            // each of its other choices.
+            let need = s.context.len().div_ceil(block) + running.len() + width;
             if need > free && !running.is_empty() {
                 break;
             }

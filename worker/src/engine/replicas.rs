@@ -58,6 +58,11 @@ impl InferenceEngine for Replicas {
         self.least_loaded().submit(req)
     }
 
+    fn submit_n(&self, req: GenerateRequest, n: usize) -> Result<Vec<EventStream>, EngineError> {
+        // One engine serves every choice, so they share the prompt's cache there.
+        self.least_loaded().submit_n(req, n)
+    }
+
     fn apply_chat_template(
         &self,
         messages: &[ChatMessage],

@@ -55,6 +55,11 @@ pub struct Seq {
     pub version: Option<String>,
     /// The prompt's images (a vision model's request with images).
     pub(super) images: Option<Box<ImagePrompt>>,
+    /// The request's other choices (`n` > 1), until this one's prompt is in the cache: then
+    /// each takes its blocks and joins the batch ([`Seq::fork`]). Boxed as the batch holds
+    /// them.
+    #[allow(clippy::vec_box)]
+    pub(super) forks: Vec<Box<Seq>>,
 }
 
 impl Seq {
@@ -86,11 +91,21 @@ impl Seq {
             stop,
             done: false,
             images: None,
+            forks: Vec::new(),
         }
     }
 
     pub(super) fn cancelled(&self) -> bool {
         self.tx.is_closed()
+    }
+
+    /// Ends the sequence, and the choices it still carries, with `err`.
+    pub(super) fn fail(&mut self, err: &EngineError) {
+        for f in self.forks.drain(..) {
+            let _ = f.tx.send(TokenEvent::Error(err.clone()));
+        }
+        let _ = self.tx.send(TokenEvent::Error(err.clone()));
+        self.done = true;
     }
 
     /// Frees the sequence's cache to be recomputed later from its prompt and what it generated
@@ -100,6 +115,23 @@ impl Seq {
         self.context = self.prompt.clone();
         self.context.extend_from_slice(&self.generated);
         self.prefilled = 0;
+    }
+
+    /// The choices this sequence carries, now that its prompt is in the cache: each takes the
+    /// cached prompt but its last token (shared blocks on the tensor path) and computes the
+    /// rest itself.
+    #[allow(clippy::vec_box)] // the batch holds sequences boxed
+    pub(super) fn fork(&mut self, model: &crate::model::Decoder) -> Vec<Box<Seq>> {
+        let forks = std::mem::take(&mut self.forks);
+        forks
+            .into_iter()
+            .map(|mut f| {
+                let (cache, held) = model.fork_cache(&self.cache, f.context.len() - 1);
+                f.cache = cache;
+                f.prefilled = held;
+                f
+            })
+            .collect()
     }
 }
 
@@ -157,6 +189,14 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
         }
         shared.steps.fetch_add(1, Ordering::Relaxed);
         step(&shared, &mut running, &work, device.as_ref());
+        // Choices waiting for their prompt join once it is in the cache (admission kept room).
+        let mut forked = Vec::new();
+        for s in running.iter_mut() {
+            if !s.forks.is_empty() && s.prefilled == s.context.len() && !s.cancelled() {
+                forked.extend(s.fork(&shared.model));
+            }
+        }
+        running.extend(forked);
         let before = running.len();
         running.retain(|s| s.done || !s.cancelled());
         let cancelled = before - running.len();
@@ -249,10 +289,7 @@ fn step(
             // A failed step fails its rows, not the engine.
             tracing::error!(error = %e, "forward pass failed");
             for (i, _) in work {
-                let s = &mut running[*i];
-                let _ =
-                    s.tx.send(TokenEvent::Error(EngineError::Internal(e.to_string())));
-                s.done = true;
+                running[*i].fail(&EngineError::Internal(e.to_string()));
             }
             return;
         }

@@ -42,6 +42,47 @@ impl SeqCache {
         self.blocks.as_ref().map_or(0, |b| b.ids.len())
     }
 
+    /// A cache holding this one's first tokens, for another sequence that continues the same
+    /// context: with the paged cache (`block_size` given) the whole blocks among the first
+    /// `tokens`, shared, not copied (full blocks are never written again); on the host path
+    /// the first `tokens`, copied (`width` floats per token). Returns it and the tokens it
+    /// holds.
+    pub(super) fn prefix(
+        &self,
+        tokens: usize,
+        width: usize,
+        block_size: Option<usize>,
+    ) -> (SeqCache, usize) {
+        let tokens = tokens.min(self.len);
+        let mut out = SeqCache::default();
+        if tokens == 0 {
+            return (out, 0);
+        }
+        match (&self.blocks, block_size) {
+            (Some(table), Some(bs)) => {
+                let blocks = tokens / bs.max(1);
+                out.blocks = Some(table.share(blocks));
+                out.len = blocks * bs;
+            }
+            _ => {
+                out.layers = self
+                    .layers
+                    .iter()
+                    .map(|l| match l {
+                        LayerKv::Host(k, v) => LayerKv::Host(
+                            k[..tokens * width].to_vec(),
+                            v[..tokens * width].to_vec(),
+                        ),
+                        LayerKv::Empty => LayerKv::Empty,
+                    })
+                    .collect();
+                out.len = tokens;
+            }
+        }
+        let held = out.len;
+        (out, held)
+    }
+
     /// Forgets everything cached and frees its blocks (a preempted sequence is recomputed).
     pub fn clear(&mut self) {
         *self = Self::default();

@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 
 use super::batch::{Batch, Group, Row};
-use super::cache::{mixed_cache, LayerKv};
+use super::cache::{mixed_cache, LayerKv, SeqCache};
 use super::kv::{KvPool, TensorPathOptions};
 use super::layer::Layer;
 use super::project;
@@ -297,6 +297,15 @@ impl Decoder {
         )?);
         *s = Some(slots.clone());
         Ok(slots)
+    }
+
+    /// A cache for another choice of the prompt in `cache`: at most its first `tokens` tokens,
+    /// shared on the tensor path (its whole blocks among them, no copy) and copied on the host
+    /// path. Returns it and the tokens it holds; the new sequence computes the rest itself.
+    pub fn fork_cache(&self, cache: &SeqCache, tokens: usize) -> (SeqCache, usize) {
+        let width = self.cfg.kv_heads() * self.cfg.head_dim();
+        let paged = (!self.host).then_some(self.tensor_opts.block_size.max(1));
+        cache.prefix(tokens, width, paged)
     }
 
     /// Whether a CPU f32 decoder runs attention and adapter updates as fused host kernels
@@ -766,7 +775,6 @@ fn mrope_masks(
 #[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
-    use crate::model::SeqCache;
 
     /// A small random Qwen3 (GQA, q/k norm) with room for long sequences.
     fn random_qwen3(max_pos: usize) -> Decoder {

@@ -170,23 +170,52 @@ fn share(total: u64, fraction: f64) -> u64 {
     (total as u128 * millionths / 1_000_000) as u64
 }
 
-/// Free block ids, shared by the pool and every block table drawn from it.
-type FreeList = Arc<Mutex<Vec<u32>>>;
+/// The pool's blocks: which are free, and how many tables hold each (choices of one request
+/// share their prompt's full blocks).
+#[derive(Debug)]
+struct Blocks {
+    free: Vec<u32>,
+    holders: Vec<u32>,
+}
 
-/// A sequence's blocks, in position order; they go back to the pool when the table is dropped
-/// (a finished, cancelled or preempted sequence frees its cache by dropping it).
+/// The blocks, shared by the pool and every block table drawn from it.
+type FreeList = Arc<Mutex<Blocks>>;
+
+/// A sequence's blocks, in position order; each goes back to the pool when the last table
+/// holding it is dropped (a finished, cancelled or preempted sequence frees its cache by
+/// dropping it).
 #[derive(Debug)]
 pub(super) struct BlockTable {
     pub ids: Vec<u32>,
     free: FreeList,
 }
 
+impl BlockTable {
+    /// A table holding this one's first `blocks` blocks too: they must be full, since both
+    /// sequences read them and neither writes them again.
+    pub fn share(&self, blocks: usize) -> BlockTable {
+        let ids = self.ids[..blocks.min(self.ids.len())].to_vec();
+        let mut b = self.free.lock().unwrap_or_else(PoisonError::into_inner);
+        for &id in &ids {
+            b.holders[id as usize] += 1;
+        }
+        BlockTable {
+            ids,
+            free: self.free.clone(),
+        }
+    }
+}
+
 impl Drop for BlockTable {
     fn drop(&mut self) {
-        self.free
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .extend(self.ids.drain(..));
+        let mut b = self.free.lock().unwrap_or_else(PoisonError::into_inner);
+        for id in self.ids.drain(..) {
+            let held = &mut b.holders[id as usize];
+            *held -= 1;
+            if *held == 0 {
+                b.free.push(id);
+            }
+        }
     }
 }
 
@@ -225,7 +254,10 @@ impl KvPool {
             block_size,
             k,
             v,
-            free: Arc::new(Mutex::new(free)),
+            free: Arc::new(Mutex::new(Blocks {
+                free,
+                holders: vec![0; blocks],
+            })),
         })
     }
 
@@ -234,6 +266,7 @@ impl KvPool {
         self.free
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
+            .free
             .len()
     }
 
@@ -252,15 +285,19 @@ impl KvPool {
         if need == 0 {
             return Ok(());
         }
-        let mut free = self.free.lock().unwrap_or_else(PoisonError::into_inner);
-        if free.len() < need {
+        let mut b = self.free.lock().unwrap_or_else(PoisonError::into_inner);
+        if b.free.len() < need {
             return Err(ModelError::KvCacheFull {
                 needed: need,
-                free: free.len(),
+                free: b.free.len(),
             });
         }
-        let at = free.len() - need;
-        table.ids.extend(free.drain(at..).rev());
+        let at = b.free.len() - need;
+        let taken: Vec<u32> = b.free.drain(at..).rev().collect();
+        for &id in &taken {
+            b.holders[id as usize] = 1;
+        }
+        table.ids.extend(taken);
         Ok(())
     }
 
@@ -396,6 +433,30 @@ mod tests {
         assert_eq!(pool.free_blocks(), 1, "still inside its second block");
         drop(a);
         assert_eq!(pool.free_blocks(), 3);
+    }
+
+    /// Shared blocks go back to the pool only when the last table holding them drops.
+    #[test]
+    fn a_shared_block_is_free_once_every_holder_dropped_it() {
+        let opts = TensorPathOptions {
+            block_size: 4,
+            kv_blocks: 4,
+            ..Default::default()
+        };
+        let pool = KvPool::new(1, 2, &opts, DType::F32, &Device::Cpu).unwrap();
+        let mut a = None;
+        pool.reserve(&mut a, 10).unwrap();
+        assert_eq!(pool.free_blocks(), 1);
+        let mut b = Some(a.as_ref().unwrap().share(2));
+        assert_eq!(b.as_ref().unwrap().ids, [0, 1]);
+        assert_eq!(pool.free_blocks(), 1, "sharing takes no block");
+        pool.reserve(&mut b, 9).unwrap();
+        assert_eq!(b.as_ref().unwrap().ids, [0, 1, 3]);
+        assert_eq!(pool.free_blocks(), 0);
+        drop(a);
+        assert_eq!(pool.free_blocks(), 1, "only block 2 was a's alone");
+        drop(b);
+        assert_eq!(pool.free_blocks(), 4);
     }
 
     /// A cache past what a step's f32 indices address exactly is refused before anything is
