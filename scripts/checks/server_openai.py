@@ -61,6 +61,18 @@ assert len(lp) == r.usage.completion_tokens and all(len(t.top_logprobs) == 2 for
 assert all(t.logprob <= 0 for t in lp)
 a, b = (c.chat.completions.create(model="json", messages=QUESTION, max_tokens=12, temperature=0.9, seed=7).choices[0].message.content for _ in range(2))
 assert a == b, (a, b)
+# n choices: choice i is the request of seed 7 + i, whole and streamed.
+r = c.chat.completions.create(model="json", messages=QUESTION, max_tokens=12, temperature=0.9, seed=7, n=2)
+alone = [c.chat.completions.create(model="json", messages=QUESTION, max_tokens=12, temperature=0.9, seed=s) for s in (7, 8)]
+assert [ch.index for ch in r.choices] == [0, 1], r
+assert [ch.message.content for ch in r.choices] == [x.choices[0].message.content for x in alone], (r, alone)
+assert r.usage.completion_tokens == sum(x.usage.completion_tokens for x in alone), (r.usage, alone)
+assert r.usage.prompt_tokens == alone[0].usage.prompt_tokens, (r.usage, alone)
+streamed = ["", ""]
+for ch in c.chat.completions.create(model="json", messages=QUESTION, max_tokens=12, temperature=0.9, seed=7, n=2, stream=True):
+    for choice in ch.choices:
+        streamed[choice.index] += choice.delta.content or ""
+assert streamed == [ch.message.content for ch in r.choices], (streamed, r)
 
 # Errors come back as the client's typed exceptions with our codes.
 try:

@@ -57,6 +57,93 @@ fn fixture_root() -> tempfile::TempDir {
     dir
 }
 
+/// `n` choices: answered whole (every choice indexed, each the text of a request of its own
+/// with the seed plus its index, the usage counting the prompt once and every choice's
+/// tokens) and streamed (chunks of both choices interleaved by index, each closing with its
+/// finish, then one usage chunk and `[DONE]`); more than `maxBatchSize` is refused.
+#[tokio::test]
+async fn n_choices_are_answered_whole_and_streamed() {
+    let s = start("", 4, 64).await;
+    let body = |n: u64, seed: u64, stream: bool| {
+        json!({"model": "fr", "n": n, "seed": seed, "stream": stream, "max_tokens": 6,
+               "ignore_eos": true, "temperature": 0.9,
+               "stream_options": if stream { json!({"include_usage": true}) } else { Value::Null },
+               "messages": [{"role": "user", "content": "x y"}]})
+    };
+    let (status, _, whole) = post(&s, "/v1/chat/completions", body(3, 5, false)).await;
+    assert_eq!(status, 200, "{whole}");
+    let choices = whole["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 3, "{whole}");
+    let (_, _, one) = post(&s, "/v1/chat/completions", body(1, 5, false)).await;
+    for (i, c) in choices.iter().enumerate() {
+        assert_eq!(c["index"], i, "{whole}");
+        assert_eq!(c["finish_reason"], "length");
+        let (_, _, alone) = post(&s, "/v1/chat/completions", body(1, 5 + i as u64, false)).await;
+        assert_eq!(
+            c["message"]["content"], alone["choices"][0]["message"]["content"],
+            "choice {i}"
+        );
+    }
+    assert_eq!(whole["usage"]["completion_tokens"], 18, "{whole}");
+    assert_eq!(
+        whole["usage"]["prompt_tokens"],
+        one["usage"]["prompt_tokens"]
+    );
+
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.url))
+        .json(&body(2, 5, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    let datas: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .collect();
+    assert_eq!(datas.last(), Some(&"[DONE]"));
+    let chunks: Vec<Value> = datas[..datas.len() - 1]
+        .iter()
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect();
+    let mut texts = [String::new(), String::new()];
+    let mut finished = [0, 0];
+    for c in &chunks[..chunks.len() - 1] {
+        let choice = &c["choices"][0];
+        let i = choice["index"].as_u64().unwrap() as usize;
+        texts[i].push_str(choice["delta"]["content"].as_str().unwrap_or(""));
+        if choice["finish_reason"] == "length" {
+            finished[i] += 1;
+        }
+    }
+    assert_eq!(finished, [1, 1], "each choice closes once");
+    for (i, t) in texts.iter().enumerate() {
+        assert_eq!(
+            t,
+            choices[i]["message"]["content"].as_str().unwrap(),
+            "streamed choice {i}"
+        );
+    }
+    let usage = chunks.last().unwrap();
+    assert_eq!(usage["choices"], json!([]));
+    assert_eq!(usage["usage"]["completion_tokens"], 12, "{usage}");
+
+    let (status, _, refused) = post(&s, "/v1/chat/completions", body(5, 5, false)).await;
+    assert_eq!((status, code(&refused)), (400, "invalid_n"), "{refused}");
+    assert!(refused["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("maxBatchSize"));
+    let (status, _, refused) = post(
+        &s,
+        "/v1/completions",
+        json!({"model": "fr", "prompt": "x", "n": 0}),
+    )
+    .await;
+    assert_eq!((status, code(&refused)), (400, "invalid_n"), "{refused}");
+}
+
 /// The worker config of [`start`]: adapters fr, js (and whatever `extra_adapters` adds);
 /// `batch`/`queue` set the engine's batch and queue sizes.
 fn config_yaml(root: &Path, extra_adapters: &str, batch: u32, queue: u32) -> String {

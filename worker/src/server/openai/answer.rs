@@ -1,6 +1,7 @@
 //! Answers: engine events into OpenAI completion objects, whole or streamed as server-sent
 //! events, with each answer's per-adapter metrics (requests, latency, time to first token,
-//! inter-token latency, tokens).
+//! inter-token latency, tokens). A request of `n` choices reads its choices' streams as one,
+//! each event tagged with its choice's index.
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -10,6 +11,8 @@ use axum::http::StatusCode;
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
+use futures::stream::{BoxStream, SelectAll};
+use futures::StreamExt;
 use serde::Serialize;
 
 use super::replies::{
@@ -36,6 +39,20 @@ pub(super) fn req_id(prefix: &str) -> String {
     format!("{prefix}-{n:016x}")
 }
 
+/// A request's choices' events as one stream, each with its choice's index. Dropping it drops
+/// every choice's receiver, which cancels them in the engine.
+pub(super) type Choices = SelectAll<BoxStream<'static, (usize, TokenEvent)>>;
+
+/// The choices' streams (choice `i` the `i`-th) read as one.
+pub(super) fn choices(streams: Vec<EventStream>) -> Choices {
+    futures::stream::select_all(streams.into_iter().enumerate().map(|(i, rx)| {
+        futures::stream::unfold(rx, move |mut rx| async move {
+            rx.recv().await.map(|ev| ((i, ev), rx))
+        })
+        .boxed()
+    }))
+}
+
 /// An answer under way: what its events and metrics need.
 pub(super) struct Ctx {
     /// The shared state (metrics).
@@ -52,8 +69,12 @@ pub(super) struct Ctx {
     pub(super) start: Instant,
     /// `limits.requestTimeoutSeconds` after the start.
     pub(super) deadline: tokio::time::Instant,
-    /// When the previous token arrived (inter-token latency).
-    pub(super) last_token: Option<Instant>,
+    /// Per choice, when its previous token arrived (inter-token latency).
+    pub(super) last_token: Vec<Option<Instant>>,
+    /// Choices not finished yet.
+    pub(super) left: usize,
+    /// The finished choices' usage: the prompt's tokens once, every choice's completion.
+    pub(super) usage: Usage,
     /// The adapter version serving it, known once the engine started it.
     pub(super) version: Option<String>,
     /// A stream ends with a chunk of no choices that carries the usage (OpenAI's
@@ -64,8 +85,8 @@ pub(super) struct Ctx {
 impl Ctx {
     /// The next engine event. Err: the deadline passed (504 `request_timeout`) or the engine
     /// dropped the request (500 `engine_closed`); engine errors come as events.
-    async fn next_event(&self, rx: &mut EventStream) -> Result<TokenEvent, ApiError> {
-        match tokio::time::timeout_at(self.deadline, rx.recv()).await {
+    async fn next_event(&self, rx: &mut Choices) -> Result<(usize, TokenEvent), ApiError> {
+        match tokio::time::timeout_at(self.deadline, rx.next()).await {
             Err(_) => Err(ApiError::new(
                 StatusCode::GATEWAY_TIMEOUT,
                 "request_timeout",
@@ -79,7 +100,11 @@ impl Ctx {
             Ok(Some(ev)) => Ok(ev),
         }
     }
+    /// A choice started; the first to start is the request's time to first token.
     fn on_started(&mut self, version: Option<String>) {
+        if self.version.is_some() {
+            return;
+        }
         self.s
             .metrics
             .ttft
@@ -87,9 +112,12 @@ impl Ctx {
             .observe(self.start.elapsed().as_secs_f64());
         self.version = version;
     }
-    fn on_token(&mut self) {
+    fn on_token(&mut self, choice: usize) {
         let now = Instant::now();
-        if let Some(prev) = self.last_token.replace(now) {
+        let Some(last) = self.last_token.get_mut(choice) else {
+            return;
+        };
+        if let Some(prev) = last.replace(now) {
             self.s
                 .metrics
                 .itl
@@ -121,6 +149,13 @@ impl Ctx {
                 .with_label_values(&[self.adapter_label(), "completion"])
                 .inc_by(u.completion_tokens as u64);
         }
+    }
+    /// Counts choice `i`'s end; true when it was the last.
+    fn on_finished(&mut self, u: Usage) -> bool {
+        self.usage.prompt_tokens = u.prompt_tokens;
+        self.usage.completion_tokens += u.completion_tokens;
+        self.left = self.left.saturating_sub(1);
+        self.left == 0
     }
     /// The request's latency alone: a whole answer that fails returns its error, which the
     /// serving path counts by status and the error layer by code.
@@ -160,7 +195,7 @@ impl Ctx {
         match self.kind {
             Kind::Chat => {
                 let choice = ChunkChoice {
-                    index: 0,
+                    index: c.index,
                     delta: Delta {
                         role: c.role.then_some("assistant"),
                         content: c.text.to_string(),
@@ -177,7 +212,7 @@ impl Ctx {
             }
             Kind::Completion => {
                 let choice = TextChoice {
-                    index: 0,
+                    index: c.index,
                     text: c.text.to_string(),
                     finish_reason: finish,
                     logprobs: (!c.lps.is_empty()).then(|| text_logprobs(c.lps)),
@@ -187,40 +222,41 @@ impl Ctx {
             }
         }
     }
-    /// The whole answer.
-    fn whole(
-        &self,
-        text: String,
-        finish: FinishReason,
-        lps: &[api::TokenLogprob],
-        u: &Usage,
-    ) -> Response {
-        let finish = finish_name(Some(finish));
+    /// The whole answer: each choice's text, finish and logprobs, in order.
+    fn whole(&self, choices: Vec<Whole>, u: &Usage) -> Response {
         let headers = mole_headers(&self.d);
         match self.kind {
             Kind::Chat => {
-                let choice = ChatChoice {
-                    index: 0,
-                    message: AssistantMessage {
-                        role: "assistant",
-                        content: text,
-                    },
-                    finish_reason: finish,
-                    logprobs: (!lps.is_empty()).then(|| chat_logprobs(lps)),
-                };
-                let mut a = self.answer("chat.completion", vec![choice]);
+                let choices = choices
+                    .into_iter()
+                    .enumerate()
+                    .map(|(index, c)| ChatChoice {
+                        index: index as u32,
+                        message: AssistantMessage {
+                            role: "assistant",
+                            content: c.text,
+                        },
+                        finish_reason: finish_name(c.finish),
+                        logprobs: (!c.lps.is_empty()).then(|| chat_logprobs(&c.lps)),
+                    })
+                    .collect();
+                let mut a = self.answer("chat.completion", choices);
                 a.usage = Some(usage_info(u));
                 a.mole = Some(self.mole());
                 (headers, Json(a)).into_response()
             }
             Kind::Completion => {
-                let choice = TextChoice {
-                    index: 0,
-                    text,
-                    finish_reason: finish,
-                    logprobs: (!lps.is_empty()).then(|| text_logprobs(lps)),
-                };
-                let mut a = self.answer("text_completion", vec![choice]);
+                let choices = choices
+                    .into_iter()
+                    .enumerate()
+                    .map(|(index, c)| TextChoice {
+                        index: index as u32,
+                        text: c.text,
+                        finish_reason: finish_name(c.finish),
+                        logprobs: (!c.lps.is_empty()).then(|| text_logprobs(&c.lps)),
+                    })
+                    .collect();
+                let mut a = self.answer("text_completion", choices);
                 a.usage = Some(usage_info(u));
                 a.mole = Some(self.mole());
                 (headers, Json(a)).into_response()
@@ -229,47 +265,57 @@ impl Ctx {
     }
 
     /// The events one engine event becomes on a stream, and whether the stream ends there.
-    fn stream_events(&mut self, ev: Result<TokenEvent, ApiError>) -> (Vec<Event>, bool) {
+    fn stream_events(&mut self, ev: Result<(usize, TokenEvent), ApiError>) -> (Vec<Event>, bool) {
         let data = |v: String| Event::default().data(v);
         let done = || Event::default().data("[DONE]");
+        let (index, ev) = match ev {
+            Err(e) => return self.stream_error(e),
+            Ok((i, ev)) => (i as u32, ev),
+        };
         match ev {
-            Err(e) => self.stream_error(e),
-            Ok(TokenEvent::Error(e)) => self.stream_error(e.into()),
-            Ok(TokenEvent::Started {
+            TokenEvent::Error(e) => self.stream_error(e.into()),
+            TokenEvent::Started {
                 adapter_version, ..
-            }) => {
+            } => {
                 self.on_started(adapter_version);
                 if self.kind != Kind::Chat {
                     return (vec![], false);
                 }
                 let c = Chunk {
+                    index,
                     role: true,
                     mole: true,
                     ..Chunk::default()
                 };
                 (vec![data(self.chunk(c))], false)
             }
-            Ok(TokenEvent::Token { text, logprob, .. }) => {
-                self.on_token();
+            TokenEvent::Token { text, logprob, .. } => {
+                self.on_token(index as usize);
                 if text.is_empty() && logprob.is_none() {
                     return (vec![], false);
                 }
                 let lps: Vec<_> = logprob.into_iter().collect();
                 let c = Chunk {
+                    index,
                     text: &text,
                     lps: &lps,
                     ..Chunk::default()
                 };
                 (vec![data(self.chunk(c))], false)
             }
-            Ok(TokenEvent::Finished { reason, usage }) => {
-                self.record("200", Some(usage));
+            TokenEvent::Finished { reason, usage } => {
                 let last = Chunk {
+                    index,
                     finish: Some(reason),
                     mole: true,
                     ..Chunk::default()
                 };
                 let mut events = vec![data(self.chunk(last))];
+                if !self.on_finished(usage) {
+                    return (events, false);
+                }
+                let usage = self.usage;
+                self.record("200", Some(usage));
                 if self.include_usage {
                     // As OpenAI sends it: no choices, the whole request's usage.
                     let u = Chunk {
@@ -304,6 +350,8 @@ impl Ctx {
 
 /// What one stream chunk carries.
 struct Chunk<'a> {
+    /// The choice it belongs to.
+    index: u32,
     /// Text added.
     text: &'a str,
     /// Its tokens' log probabilities.
@@ -323,6 +371,7 @@ struct Chunk<'a> {
 impl Default for Chunk<'_> {
     fn default() -> Self {
         Self {
+            index: 0,
             text: "",
             lps: &[],
             finish: None,
@@ -392,15 +441,20 @@ fn text_logprobs(lps: &[api::TokenLogprob]) -> TextLogprobs {
     }
 }
 
-/// Collects an answer whole: the completion object, or the error that ended it.
-pub(super) async fn collect_response(
-    mut ctx: Ctx,
-    mut rx: EventStream,
-) -> Result<Response, ApiError> {
-    let mut text = String::new();
-    let mut lps = Vec::new();
+/// One choice of a whole answer.
+#[derive(Default)]
+struct Whole {
+    text: String,
+    finish: Option<FinishReason>,
+    lps: Vec<api::TokenLogprob>,
+}
+
+/// Collects an answer whole: the completion object once every choice finished, or the error
+/// that ended one of them.
+pub(super) async fn collect_response(mut ctx: Ctx, mut rx: Choices) -> Result<Response, ApiError> {
+    let mut out: Vec<Whole> = (0..ctx.left).map(|_| Whole::default()).collect();
     loop {
-        let ev = match ctx.next_event(&mut rx).await {
+        let (i, ev) = match ctx.next_event(&mut rx).await {
             Ok(ev) => ev,
             Err(e) => {
                 ctx.record_latency();
@@ -414,17 +468,21 @@ pub(super) async fn collect_response(
             TokenEvent::Token {
                 text: t, logprob, ..
             } => {
-                ctx.on_token();
-                text.push_str(&t);
-                lps.extend(logprob);
+                ctx.on_token(i);
+                out[i].text.push_str(&t);
+                out[i].lps.extend(logprob);
             }
             TokenEvent::Error(e) => {
                 ctx.record_latency();
                 return Err(ApiError::from(e));
             }
             TokenEvent::Finished { reason, usage } => {
-                ctx.record("200", Some(usage));
-                return Ok(ctx.whole(text, reason, &lps, &usage));
+                out[i].finish = Some(reason);
+                if ctx.on_finished(usage) {
+                    let usage = ctx.usage;
+                    ctx.record("200", Some(usage));
+                    return Ok(ctx.whole(out, &usage));
+                }
             }
         }
     }
@@ -432,8 +490,7 @@ pub(super) async fn collect_response(
 
 /// Streams an answer as server-sent events. Dropping the stream (the client went away) drops
 /// the receiver, which cancels the request in the engine.
-pub(super) fn stream_response(ctx: Ctx, rx: EventStream) -> Response {
-    use futures::StreamExt;
+pub(super) fn stream_response(ctx: Ctx, rx: Choices) -> Response {
     let headers = mole_headers(&ctx.d);
     let st = futures::stream::unfold((ctx, rx, false), |(mut ctx, mut rx, done)| async move {
         if done {

@@ -9,7 +9,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
 use mole_api::WorkerConfig;
 
-use super::answer::{collect_response, req_id, stream_response, Ctx};
+use super::answer::{choices, collect_response, req_id, stream_response, Ctx};
 use super::images;
 use super::replies::{Answer, ChatChoice, ChatEvent, TextChoice, TextEvent};
 use super::route::decide;
@@ -138,14 +138,25 @@ async fn serve_routed(
     req.fit_context(prompt_tokens, max_seq)?;
     let id = req_id(req.kind.id_prefix());
     let engine = engine_for(s, &cfg, &mut d);
+    let n = req.n.max(1);
+    let batch = cfg.limits.engine.max_batch_size as usize;
+    if n > batch {
+        return Err(super::validate::bad(
+            "invalid_n",
+            format!("n must be at most the pool's maxBatchSize ({batch}), got {n}"),
+        ));
+    }
     let rx = engine
-        .submit(GenerateRequest {
-            id: id.clone(),
-            prompt: req.prompt,
-            adapter: d.adapter.clone(),
-            sampling: req.sampling,
-            images,
-        })
+        .submit_n(
+            GenerateRequest {
+                id: id.clone(),
+                prompt: req.prompt,
+                adapter: d.adapter.clone(),
+                sampling: req.sampling,
+                images,
+            },
+            n,
+        )
         .map_err(|e| load_failure(s, e, d.adapter.as_deref()))?;
     let timeout = Duration::from_secs(cfg.limits.request_timeout_seconds);
     let model = if req.model.is_empty() {
@@ -161,10 +172,13 @@ async fn serve_routed(
         kind: req.kind,
         start: Instant::now(),
         deadline: tokio::time::Instant::now() + timeout,
-        last_token: None,
+        last_token: vec![None; n],
+        left: n,
+        usage: Default::default(),
         version: None,
         include_usage: req.include_usage,
     };
+    let rx = choices(rx);
     if req.stream {
         Ok(stream_response(ctx, rx))
     } else {

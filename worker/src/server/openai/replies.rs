@@ -88,7 +88,7 @@ pub(super) type Finish = Option<&'static str>;
 /// A whole chat answer's choice.
 #[derive(Serialize, ToSchema, Debug)]
 pub(in crate::server) struct ChatChoice {
-    /// Always 0.
+    /// The choice's place, 0 to `n - 1`.
     pub(super) index: u32,
     /// The assistant's message.
     pub(super) message: AssistantMessage,
@@ -111,7 +111,7 @@ pub(in crate::server) struct AssistantMessage {
 /// A chat stream chunk's choice.
 #[derive(Serialize, ToSchema, Debug)]
 pub(in crate::server) struct ChunkChoice {
-    /// Always 0.
+    /// The choice's place, 0 to `n - 1`.
     pub(super) index: u32,
     /// The text added by this chunk (the first chunk names the role).
     pub(super) delta: Delta,
@@ -135,7 +135,7 @@ pub(in crate::server) struct Delta {
 /// A completion's choice (whole, or a stream chunk's).
 #[derive(Serialize, ToSchema, Debug)]
 pub(in crate::server) struct TextChoice {
-    /// Always 0.
+    /// The choice's place, 0 to `n - 1`.
     pub(super) index: u32,
     /// The generated text (a chunk's part of it).
     pub(super) text: String,

@@ -165,8 +165,9 @@ pub(in crate::server) struct Common {
     /// OpenAI's `{"include_usage": true}`: a stream's last chunk carries the usage.
     #[serde(default)]
     pub(super) stream_options: Option<StreamOptions>,
-    /// Choices asked for: one is served (a larger `n` is refused rather than answered with one).
-    #[schema(minimum = 1, maximum = 1)]
+    /// Choices asked for (default 1): they share the prompt's computation, choice `i` sampled
+    /// with `seed + i`; at most 128, and at most the pool's `maxBatchSize`.
+    #[schema(minimum = 1, maximum = 128)]
     pub(super) n: Option<u64>,
     /// Tokens to generate at most, up to `limits.maxTokens` (default: 256 or that limit).
     #[schema(minimum = 1)]

@@ -103,6 +103,8 @@ pub(in crate::server) struct ValidRequest {
     pub(super) route_text: String,
     /// Sampling, `max_tokens` within `limits.maxTokens`.
     pub(super) sampling: SamplingParams,
+    /// Choices (OpenAI's `n`, checked by [`sampling`]).
+    pub(super) n: usize,
     /// Whether the client set `max_tokens` (else the answer may use what the context leaves).
     pub(super) max_tokens_explicit: bool,
     /// Answer as server-sent events.
@@ -136,6 +138,7 @@ impl ValidRequest {
             prompt,
             route_text,
             sampling,
+            n: c.n.unwrap_or(1) as usize,
             stream: c.stream,
             include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
             prefer_merged: c.prefer_merged,
@@ -194,6 +197,10 @@ pub(super) fn token_cap(s: &AppState) -> u64 {
     u64::from(s.cfg().limits.max_tokens)
 }
 
+/// The most choices one request may ask for (OpenAI's bound); the engine also holds it to
+/// `maxBatchSize`.
+pub(super) const MAX_N: u64 = 128;
+
 /// The sampling fields, checked; `max_tokens` defaults to 256 and must be within `cap`
 /// (`limits.maxTokens`). `logprobs` is a bool in chat, a count in completions.
 pub(super) fn sampling(c: &Common, chat: bool, cap: u64) -> Result<SamplingParams, ApiError> {
@@ -207,10 +214,11 @@ pub(super) fn sampling(c: &Common, chat: bool, cap: u64) -> Result<SamplingParam
             format!("max_tokens must be between 1 and {cap}, got {mt}"),
         ));
     }
-    if c.n.unwrap_or(1) != 1 {
+    let n = c.n.unwrap_or(1);
+    if !(1..=MAX_N).contains(&n) {
         return Err(bad(
-            "unsupported_n",
-            "n must be 1: mole answers one choice per request; send n requests for n samples",
+            "invalid_n",
+            format!("n must be between 1 and {MAX_N}, got {n}"),
         ));
     }
     let temperature = c.temperature.unwrap_or(1.0);
@@ -341,11 +349,13 @@ mod tests {
 
     #[test]
     fn sampling_defaults_and_bounds() {
-        for n in [0, 2] {
+        for n in [0, 129] {
             let e = sampling(&common(json!({"n": n})), true, 64).unwrap_err();
-            assert_eq!((e.status.as_u16(), e.code), (400, "unsupported_n"));
+            assert_eq!((e.status.as_u16(), e.code), (400, "invalid_n"));
         }
-        assert!(sampling(&common(json!({"n": 1})), true, 64).is_ok());
+        for n in [1, 2, 128] {
+            assert!(sampling(&common(json!({"n": n})), true, 64).is_ok());
+        }
         let sp = sampling(&common(json!({})), true, 64).unwrap();
         assert_eq!((sp.max_tokens, sp.temperature, sp.top_p), (64, 1.0, 1.0));
         assert_eq!(
@@ -454,6 +464,7 @@ mod tests {
                 ..Default::default()
             },
             max_tokens_explicit: explicit,
+            n: 1,
             stream: false,
             include_usage: false,
             prefer_merged: None,
