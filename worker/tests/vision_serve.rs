@@ -375,6 +375,27 @@ async fn infer_and_chat_with_images_answer_as_transformers() {
     assert_eq!(st, 200, "{v}");
     assert_eq!(v["choices"][0]["message"]["content"], want.as_str(), "{v}");
     assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens, "{v}");
+    // Three choices of the same image prompt: the others continue the first's cache (its
+    // image's positions and embeddings), each still transformers' greedy tokens.
+    let (st, v) = post(
+        &s,
+        "/v1/chat/completions",
+        json!({"model": "screens", "max_tokens": 8, "temperature": 0, "ignore_eos": true, "n": 3,
+               "messages": [{"role": "user", "content": [
+                   {"type": "image_url", "image_url": {"url": url}},
+                   {"type": "text", "text": "What is on the screen?"}]}]}),
+    )
+    .await;
+    assert_eq!(st, 200, "{v}");
+    for i in 0..3 {
+        assert_eq!(
+            v["choices"][i]["message"]["content"],
+            want.as_str(),
+            "choice {i}: {v}"
+        );
+    }
+    assert_eq!(v["usage"]["prompt_tokens"], prompt_tokens, "{v}");
+    assert_eq!(v["usage"]["completion_tokens"], 24, "{v}");
     // Two images of different sizes and a system message, base model.
     let c = &reference()["system_two_images"];
     let part = |n: &str| json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{}", b64(&png(n)))}});

@@ -129,6 +129,8 @@ impl Seq {
                 let (cache, held) = model.fork_cache(&self.cache, f.context.len() - 1);
                 f.cache = cache;
                 f.prefilled = held;
+                // With the images' embeddings the tower computed for this one.
+                f.images.clone_from(&self.images);
                 f
             })
             .collect()
