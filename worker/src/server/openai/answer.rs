@@ -71,6 +71,8 @@ pub(super) struct Ctx {
     pub(super) deadline: tokio::time::Instant,
     /// Per choice, when its previous token arrived (inter-token latency).
     pub(super) last_token: Vec<Option<Instant>>,
+    /// Whether a choice has started (the request's time to first token is taken).
+    pub(super) started: bool,
     /// Choices not finished yet.
     pub(super) left: usize,
     /// The finished choices' usage: the prompt's tokens once, every choice's completion.
@@ -102,7 +104,7 @@ impl Ctx {
     }
     /// A choice started; the first to start is the request's time to first token.
     fn on_started(&mut self, version: Option<String>) {
-        if self.version.is_some() {
+        if std::mem::replace(&mut self.started, true) {
             return;
         }
         self.s

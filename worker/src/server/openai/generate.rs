@@ -173,6 +173,7 @@ async fn serve_routed(
         start: Instant::now(),
         deadline: tokio::time::Instant::now() + timeout,
         last_token: vec![None; n],
+        started: false,
         left: n,
         usage: Default::default(),
         version: None,
