@@ -496,7 +496,9 @@ impl InferenceEngine for Engine {
             })
             .collect();
         let id = req.id;
-        // The first choice, carrying the others until its prompt is in the cache.
+        // The first choice, carrying the others until its prompt is in the cache (then they
+        // take its images, embeddings included: see `Seq::fork`).
+        let mut images = images;
         let seq = move |adapter: Option<Pinned>| {
             let mut seqs: Vec<Box<Seq>> = choices
                 .into_iter()
@@ -513,7 +515,9 @@ impl InferenceEngine for Engine {
                     if merged_version.is_some() {
                         s.version = merged_version.clone();
                     }
-                    s.images = images.clone();
+                    if i == 0 {
+                        s.images = images.take();
+                    }
                     Box::new(s)
                 })
                 .collect();

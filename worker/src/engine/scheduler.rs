@@ -129,7 +129,7 @@ impl Seq {
                 let (cache, held) = model.fork_cache(&self.cache, f.context.len() - 1);
                 f.cache = cache;
                 f.prefilled = held;
-                // With the images' embeddings the tower computed for this one.
+                // Its images, with the embeddings the tower computed for this one.
                 f.images.clone_from(&self.images);
                 f
             })
@@ -241,7 +241,7 @@ fn step(
 ) {
     let (sampling, picking) = prepare(running, work, device, shared.model.config().vocab_size);
     let mut extra = Vec::new();
-    if let Picking::Device(rows, plan) = &picking {
+    if let Picking::Device(_, rows, plan) = &picking {
         plan.pack(rows, &mut extra);
     }
     let out = encode_images(shared, running, work).and_then(|()| {
@@ -285,7 +285,7 @@ fn step(
         }
         shared.model.forward_step(&mut rows, &extra)
     });
-    let picked = match out.and_then(|o| pick(running, work, &sampling, picking, o, device)) {
+    let picked = match out.and_then(|o| pick(running, work, &sampling, picking, o)) {
         Ok(p) => p,
         Err(e) => {
             // A failed step fails its rows, not the engine.
@@ -340,23 +340,23 @@ fn encode_images(
 
 /// How a step's rows pick their tokens, decided before its forward pass so that the device
 /// sampler's inputs travel in the step's one upload.
-enum Picking {
+enum Picking<'s> {
     /// Every sampling row is plain greedy: the argmax ids come back alone.
     Greedy,
     /// The tensor path samples on the device from these rows' inputs.
-    Device(Vec<RowSampling>, SamplePlan),
+    Device(&'s CandleSampler, Vec<RowSampling>, SamplePlan),
     /// The host path: every row's logits come back and are sampled on the host.
     Host,
 }
 
 /// Which rows sample this step (a prompt chunk that leaves part of its context out of the
 /// cache samples nothing) and how. `vocab` is the logits' width.
-fn prepare(
+fn prepare<'s>(
     running: &mut [Box<Seq>],
     work: &[(usize, Work)],
-    device: Option<&CandleSampler>,
+    device: Option<&'s CandleSampler>,
     vocab: usize,
-) -> (Vec<bool>, Picking) {
+) -> (Vec<bool>, Picking<'s>) {
     let sampling: Vec<bool> = work
         .iter()
         .map(|(i, w)| {
@@ -373,7 +373,7 @@ fn prepare(
         .all(|((i, _), &samples)| !samples || running[*i].sampler.is_plain_greedy());
     let picking = match (greedy, device) {
         (true, _) => Picking::Greedy,
-        (false, Some(_)) => {
+        (false, Some(sampler)) => {
             let rows: Vec<RowSampling> = work
                 .iter()
                 .zip(&sampling)
@@ -383,7 +383,7 @@ fn prepare(
                 })
                 .collect();
             let plan = SamplePlan::new(&rows, vocab);
-            Picking::Device(rows, plan)
+            Picking::Device(sampler, rows, plan)
         }
         (false, None) => Picking::Host,
     };
@@ -399,9 +399,8 @@ fn pick(
     running: &mut [Box<Seq>],
     work: &[(usize, Work)],
     sampling: &[bool],
-    picking: Picking,
+    picking: Picking<'_>,
     out: StepOutput,
-    device: Option<&CandleSampler>,
 ) -> Result<Vec<Option<Sampled>>, ModelError> {
     use rayon::prelude::*;
     for (i, w) in work {
@@ -410,8 +409,8 @@ fn pick(
         }
     }
     let logits = &out.logits;
-    match (picking, device, &out.extra) {
-        (Picking::Greedy, _, _) => {
+    match (picking, &out.extra) {
+        (Picking::Greedy, _) => {
             let argmax = logits.argmax(candle_core::D::Minus1)?;
             let ids = crate::model::download::<u32>(&argmax)?;
             Ok(work
@@ -421,7 +420,7 @@ fn pick(
                 .map(|(((i, _), id), &samples)| samples.then(|| running[*i].sampler.record(id)))
                 .collect())
         }
-        (Picking::Device(rows, plan), Some(sampler), Some(inputs)) => {
+        (Picking::Device(sampler, rows, plan), Some(inputs)) => {
             let picked = sample_ops::read(&sampler.sample_packed(logits, &plan, inputs)?, &rows)?;
             Ok(work
                 .iter()
@@ -432,11 +431,11 @@ fn pick(
                 })
                 .collect())
         }
-        (Picking::Device(..), _, _) => Err(candle_core::Error::Msg(
+        (Picking::Device(..), None) => Err(candle_core::Error::Msg(
             "a device-sampled step came back without its sampling inputs".into(),
         )
         .into()),
-        (Picking::Host, _, _) => {
+        (Picking::Host, _) => {
             let rows = crate::model::download_rows::<f32>(logits)?;
             let mut seqs: Vec<Option<&mut Box<Seq>>> = running.iter_mut().map(Some).collect();
             let jobs: Vec<(&mut Box<Seq>, Vec<f32>, bool)> = work

@@ -335,6 +335,15 @@ mod tests {
 
     const GIB: u64 = 1 << 30;
 
+    /// Pool options of `kv_blocks` blocks of `block_size` tokens.
+    fn blocks_of(block_size: usize, kv_blocks: usize) -> TensorPathOptions {
+        TensorPathOptions {
+            block_size,
+            kv_blocks,
+            ..Default::default()
+        }
+    }
+
     fn budget(free: u64, total: u64) -> KvBudget {
         KvBudget {
             device: "cuda:0".into(),
@@ -412,11 +421,7 @@ mod tests {
 
     #[test]
     fn blocks_are_reserved_all_or_nothing_and_return_when_a_table_drops() {
-        let opts = TensorPathOptions {
-            block_size: 4,
-            kv_blocks: 3,
-            ..Default::default()
-        };
+        let opts = blocks_of(4, 3);
         let pool = KvPool::new(1, 2, &opts, DType::F32, &Device::Cpu).unwrap();
         let mut a = None;
         pool.reserve(&mut a, 5).unwrap();
@@ -438,11 +443,7 @@ mod tests {
     /// Shared blocks go back to the pool only when the last table holding them drops.
     #[test]
     fn a_shared_block_is_free_once_every_holder_dropped_it() {
-        let opts = TensorPathOptions {
-            block_size: 4,
-            kv_blocks: 4,
-            ..Default::default()
-        };
+        let opts = blocks_of(4, 4);
         let pool = KvPool::new(1, 2, &opts, DType::F32, &Device::Cpu).unwrap();
         let mut a = None;
         pool.reserve(&mut a, 10).unwrap();
@@ -463,11 +464,7 @@ mod tests {
     /// allocated; one at the bound is not.
     #[test]
     fn a_cache_beyond_the_exact_slots_is_refused() {
-        let at = |kv_blocks| TensorPathOptions {
-            block_size: 16,
-            kv_blocks,
-            ..Default::default()
-        };
+        let at = |kv_blocks| blocks_of(16, kv_blocks);
         match KvPool::new(1, 1, &at(MAX_KV_SLOTS / 16 + 1), DType::U8, &Device::Cpu) {
             Err(ModelError::Config(m)) => assert!(m.contains("16777216"), "{m}"),
             Err(e) => panic!("{e}"),
@@ -478,11 +475,7 @@ mod tests {
 
     #[test]
     fn writes_land_in_their_slots_and_gathers_read_them() {
-        let opts = TensorPathOptions {
-            block_size: 2,
-            kv_blocks: 4,
-            ..Default::default()
-        };
+        let opts = blocks_of(2, 4);
         let dev = Device::Cpu;
         let pool = KvPool::new(2, 3, &opts, DType::F32, &dev).unwrap();
         let k = Tensor::new(&[[1f32, 2., 3.], [4., 5., 6.]], &dev).unwrap();
