@@ -198,6 +198,11 @@ pub struct MergeStatus {
     /// The merge tool's reason for the last failure (from the pod's termination message).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_failure_reason: Option<String>,
+    /// The uid of the failed Job last counted in `failures`: a failed Job is counted once,
+    /// and kept until its backoff ran out, so a reconcile reading an older copy of this
+    /// status counts the same Job to the same number instead of starting a new one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub failed_job_uid: Option<String>,
 }
 
 /// Observed state of an adapter.
@@ -222,6 +227,11 @@ pub struct AdapterStatus {
     /// Merge of the desired version.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub merge: Option<MergeStatus>,
+    /// Merged outputs that fell out of the history and were handed to a cleanup Job (the
+    /// most recent last, at most 32). A merge whose output is listed here is never taken as
+    /// done: a rollback to that version merges again into a new directory.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pruned_outputs: Vec<String>,
     /// URL that serves this adapter (the merged Service, or the pool's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub endpoint: Option<String>,
@@ -238,6 +248,12 @@ pub struct AdapterStatus {
     /// pool's pods load an adapter with a `source.uri` only once this matches its spec.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fetched: Option<String>,
+    /// The uid of the fetch Job whose success `fetched` records. A fetch Job counts only when
+    /// it was started after that one (its `mole.dev/fetched-after` annotation names it): a Job
+    /// of an earlier fetch into the same path, kept for a day, is never taken for the files
+    /// there now.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fetched_job_uid: Option<String>,
     /// Conditions (`Ready`, `Valid`, `Fetched`, `Loaded`, `Merged`, `MergeGated`, `Degraded`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,

@@ -121,6 +121,25 @@ impl Env {
     fn unauthorized(&self) -> usize {
         *self.worker.unauthorized.lock().unwrap()
     }
+    /// One pass from what the watches deliver now.
+    async fn reconcile_adapter_once(&self, name: &str) {
+        self.sync();
+        adapter::reconcile(self.adapter(name).unwrap(), self.ctx.clone())
+            .await
+            .unwrap();
+    }
+    /// One pass from what a lagging watch delivers: the stores and the Adapter as they were
+    /// at `snapshot` (taken before the last passes wrote).
+    async fn reconcile_adapter_lagging(
+        &self,
+        name: &str,
+        snapshot: &std::collections::BTreeMap<String, Value>,
+    ) {
+        support::sync_stores_to(snapshot, &mut self.writers.lock().unwrap());
+        let stale: Arc<Adapter> =
+            Arc::new(serde_json::from_value(snapshot[&adapter_path(name)].clone()).unwrap());
+        adapter::reconcile(stale, self.ctx.clone()).await.unwrap();
+    }
     /// Two passes, as the controller would run them: the first adds the finalizer.
     async fn reconcile_adapter(&self, name: &str) {
         for _ in 0..2 {
@@ -747,8 +766,8 @@ async fn failed_version_bump_keeps_the_old_version_serving_and_rollback_needs_no
     assert_eq!(a["status"]["activeVersion"], "v1");
     assert_eq!(e.merged_output(), v1_out);
     assert!(
-        e.jobs().is_empty(),
-        "the failed Job {v2_job} is deleted so a retry can reuse its name"
+        e.running_jobs("merge-").is_empty() && e.jobs().len() == 1,
+        "the failed Job {v2_job} stays (failed) through its backoff"
     );
     assert!(e
         .store
@@ -758,13 +777,14 @@ async fn failed_version_bump_keeps_the_old_version_serving_and_rollback_needs_no
         .contains(&"MergeFailed".into()));
     // Within the backoff nothing is retried.
     e.reconcile_adapter("calendar").await;
-    assert!(e.jobs().is_empty(), "no hot loop");
+    assert!(e.running_jobs("merge-").is_empty(), "no hot loop");
+    assert_eq!(e.jobs().len(), 1, "nor deleted");
 
     // Roll back by applying v1 again: no Job, the Deployment serves v1, Ready.
     e.set_version("v1");
     e.reconcile_adapter("calendar").await;
     assert!(
-        e.jobs().is_empty(),
+        e.running_jobs("merge-").is_empty(),
         "rollback to a kept version needs no merge"
     );
     assert_eq!(e.merged_output(), v1_out);
@@ -1750,6 +1770,10 @@ const RBAC_SCENARIOS: &[(&str, fn())] = &[
         "failed_merge",
         failed_version_bump_keeps_the_old_version_serving_and_rollback_needs_no_job,
     ),
+    (
+        "failed_merge_retried",
+        a_failing_merge_backs_off_and_gives_up_even_when_the_watch_lags,
+    ),
     ("drift", children_edited_by_hand_are_put_back),
     (
         "config_maps_per_output",
@@ -2100,16 +2124,17 @@ async fn a_merge_that_keeps_failing_is_given_up_until_the_version_changes() {
         e.finish_only_job(false, why);
         e.reconcile_adapter("calendar").await;
         assert!(
-            e.jobs().is_empty(),
-            "attempt {attempt}: the failed Job is deleted"
+            e.running_jobs("merge-").is_empty(),
+            "attempt {attempt}: the failed Job waits out its backoff"
         );
         e.backoff_elapsed();
+        // The counted Job is deleted, then its retry created.
         e.reconcile_adapter("calendar").await;
     }
     // Given up: however long ago the last failure was, no Job comes back.
     e.backoff_elapsed();
     e.reconcile_adapter("calendar").await;
-    assert!(e.jobs().is_empty(), "no sixth attempt");
+    assert!(e.running_jobs("merge-").is_empty(), "no sixth attempt");
     let a = e.get(&adapter_path("calendar")).unwrap();
     assert_eq!(condition(&a, "Merged")["status"], "False");
     assert_eq!(condition(&a, "Merged")["reason"], "MergeGaveUp");
@@ -2337,4 +2362,185 @@ async fn turning_autoscaling_on_hands_the_count_over_first() {
         .cloned()
         .collect();
     assert_eq!(again, [], "handed over once");
+}
+
+impl Env {
+    /// The output the merge Job `name` writes (its annotation).
+    fn job_output(&self, name: &str) -> String {
+        self.get(&format!("{JOBS}/{name}")).unwrap()["metadata"]["annotations"]
+            ["mole.dev/merge-output"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    }
+    /// The merge Job `name` succeeded.
+    fn job_succeeded(&self, name: &str) {
+        self.edit(&format!("{JOBS}/{name}"), |j| {
+            j["status"] = json!({"succeeded": 1})
+        });
+    }
+    /// The paths every cleanup Job deletes.
+    fn pruned_paths(&self) -> Vec<String> {
+        self.jobs()
+            .into_iter()
+            .filter(|(p, _)| p.contains("/cleanup-"))
+            .flat_map(|(_, j)| {
+                let args: Vec<String> = serde_json::from_value(
+                    j["spec"]["template"]["spec"]["containers"][0]["args"].clone(),
+                )
+                .unwrap();
+                args.into_iter().skip(3).collect::<Vec<_>>()
+            })
+            .collect()
+    }
+    /// Every merged output the adapter's status names (history and merge in progress).
+    fn recorded_outputs(&self, name: &str) -> Vec<String> {
+        let a = self.get(&adapter_path(name)).unwrap();
+        let mut out: Vec<String> = a["status"]["history"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|r| r["mergedOutput"].as_str().map(String::from))
+            .collect();
+        out.extend(a["status"]["merge"]["output"].as_str().map(String::from));
+        out
+    }
+}
+
+/// Issue 34 item 1: with `keepVersions: 0`, v1's merged output is pruned once v2 serves.
+/// Applying v1 again within the day its finished merge Job is kept must not take that Job as
+/// the merge of v1 (its output is gone): v1 is merged again into a new directory while v2
+/// keeps serving, and the merged pods are never pointed at the pruned one.
+#[tokio::test]
+async fn rollback_to_a_pruned_version_merges_it_again_into_a_new_directory() {
+    let e = merged_env().await;
+    e.edit(POOL, |p| p["spec"]["merge"] = json!({"keepVersions": 0}));
+    merged_ready_on_v1(&e).await;
+    let v1_out = e.merged_output();
+    e.set_version("v2");
+    e.reconcile_adapter("calendar").await;
+    let v2_job = e.running_jobs("merge-calendar-");
+    assert_eq!(v2_job.len(), 1);
+    e.job_succeeded(&v2_job[0]);
+    e.reconcile_adapter("calendar").await;
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    let v2_out = e.merged_output();
+    assert_ne!(v2_out, v1_out);
+    assert!(
+        e.pruned_paths().contains(&format!("/models/{v1_out}")),
+        "v1's output is pruned: {:?}",
+        e.pruned_paths()
+    );
+
+    // Back to v1 while v1's succeeded merge Job is still there (its TTL is a day).
+    e.set_version("v1");
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(
+        e.merged_output(),
+        v2_out,
+        "the merged pods stay on v2 while v1 is merged again, never on the pruned directory"
+    );
+    assert!(
+        !e.recorded_outputs("calendar").contains(&v1_out),
+        "the pruned output is never recorded again"
+    );
+    let again = e.running_jobs("merge-calendar-");
+    assert_eq!(again.len(), 1, "v1 is merged again: {again:?}");
+    let v1_again = e.job_output(&again[0]);
+    assert_ne!(v1_again, v1_out, "into a new directory");
+    e.job_succeeded(&again[0]);
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.merged_output(), v1_again);
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["phase"], "Ready");
+    assert_eq!(a["status"]["activeVersion"], "v1");
+    assert!(!e.recorded_outputs("calendar").contains(&v1_out));
+}
+
+/// Issue 34 item 1: an Adapter deleted and created again under the same name, with the same
+/// spec, has its own merge: its predecessor's succeeded merge Job (kept a day) is not its
+/// merge, and its output directory is not the one its predecessor's cleanup Job (owned by the
+/// pool, running on) deletes.
+#[tokio::test]
+async fn a_recreated_adapter_never_merges_into_what_its_predecessors_cleanup_deletes() {
+    let e = merged_env().await;
+    merged_ready_on_v1(&e).await;
+    let v1_out = e.merged_output();
+    e.delete_adapter("calendar");
+    e.reconcile_adapter("calendar").await;
+    assert!(e.get(&adapter_path("calendar")).is_none(), "finalizer done");
+    let pruned = e.pruned_paths();
+    assert!(pruned.contains(&format!("/models/{v1_out}")), "{pruned:?}");
+
+    let mut a = adapter_obj("calendar", "vl", "calendar");
+    a["spec"]["serving"] = json!({"mode": "merged", "replicas": 1});
+    e.store.lock().unwrap().create(&adapter_path("calendar"), a);
+    e.reconcile_adapter("calendar").await;
+    let jobs = e.running_jobs("merge-calendar-");
+    assert_eq!(jobs.len(), 1, "a merge of its own: {jobs:?}");
+    let out = e.job_output(&jobs[0]);
+    assert!(
+        !pruned.contains(&format!("/models/{out}")),
+        "{out} is being deleted by the old Adapter's cleanup Job"
+    );
+    assert!(!e.recorded_outputs("calendar").contains(&v1_out));
+}
+
+/// Issue 34 item 2: a failed merge is counted once and backs off, and the merge is given up
+/// after `MAX_MERGE_ATTEMPTS` failures, even when the watch lags: each pass that sees a
+/// failure is followed by one from the Adapter as it was before that pass wrote (the Job's
+/// own event re-queues the Adapter before the reflector has its new status).
+#[tokio::test]
+async fn a_failing_merge_backs_off_and_gives_up_even_when_the_watch_lags() {
+    use mole_operator::mergedown::MAX_MERGE_ATTEMPTS;
+    let e = merged_env().await;
+    e.worker_reports(&[("calendar", "v1", 1)]);
+    e.reconcile_adapter("calendar").await;
+    let why = "merge failed (shape_mismatch): lora_B is 8x64, the base expects 96";
+    let created = |e: &Env| {
+        e.store
+            .lock()
+            .unwrap()
+            .writes
+            .iter()
+            .filter(|(m, p)| m == "POST" && p.starts_with(&format!("{JOBS}/merge-calendar-")))
+            .count()
+    };
+    for attempt in 1..=MAX_MERGE_ATTEMPTS {
+        e.finish_only_job(false, why);
+        let lagging = support::snapshot(&e.store);
+        e.reconcile_adapter_once("calendar").await;
+        e.reconcile_adapter_lagging("calendar", &lagging).await;
+        assert!(
+            e.running_jobs("merge-").is_empty(),
+            "attempt {attempt}: retried at once, within its backoff"
+        );
+        let a = e.get(&adapter_path("calendar")).unwrap();
+        assert_eq!(
+            a["status"]["merge"]["failures"],
+            json!(attempt),
+            "attempt {attempt}: counted once"
+        );
+        e.backoff_elapsed();
+        for _ in 0..2 {
+            let lagging = support::snapshot(&e.store);
+            e.reconcile_adapter_once("calendar").await;
+            e.reconcile_adapter_lagging("calendar", &lagging).await;
+        }
+        if attempt < MAX_MERGE_ATTEMPTS {
+            assert_eq!(
+                e.running_jobs("merge-calendar-").len(),
+                1,
+                "attempt {attempt}: retried once the backoff ran out"
+            );
+        }
+    }
+    assert!(e.running_jobs("merge-").is_empty(), "no sixth attempt");
+    assert_eq!(created(&e), MAX_MERGE_ATTEMPTS as usize);
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(condition(&a, "Merged")["reason"], "MergeGaveUp");
+    assert_eq!(a["status"]["merge"]["failures"], json!(MAX_MERGE_ATTEMPTS));
 }

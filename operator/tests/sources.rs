@@ -380,3 +380,71 @@ async fn a_failed_fetch_puts_the_tools_reason_in_the_condition() {
     e.reconcile_pool().await;
     assert!(e.config_adapters().is_empty());
 }
+
+/// Issue 34 item 1: versions fetched into one `source.path` overwrite each other's files. A
+/// rollback within the day a finished fetch Job is kept must not take v1's old Job as v1's
+/// files being there (v2's are): v1 is fetched again before the pods are told to load it.
+#[tokio::test]
+async fn a_rollback_to_a_version_fetched_into_a_shared_path_fetches_it_again() {
+    let e = env(pool_obj(
+        json!({"name": "Qwen/Qwen3-8B", "path": "base/qwen3-8b"}),
+    ))
+    .await;
+    let spec = |v: &str| {
+        json!({"pool": "vl", "version": v,
+               "source": {"path": "adapters/calendar", "uri": format!("hf://org/calendar@{v}")}})
+    };
+    e.store.lock().unwrap().create(
+        ADAPTER,
+        json!({"apiVersion": "mole.dev/v1alpha1", "kind": "Adapter",
+               "metadata": {"name": "calendar", "namespace": "ml"}, "spec": spec("v1")}),
+    );
+    let set = |v: &str| {
+        let mut s = e.store.lock().unwrap();
+        let mut a = s.get(ADAPTER).unwrap();
+        a["spec"] = spec(v);
+        let g = a["metadata"]["generation"].as_i64().unwrap_or(1);
+        a["metadata"]["generation"] = json!(g + 1);
+        s.objects.insert(ADAPTER.into(), a);
+    };
+    let running = |e: &Env| -> Vec<String> {
+        e.jobs()
+            .into_iter()
+            .filter(|(_, j)| j["status"].get("succeeded").is_none())
+            .map(|(p, _)| p)
+            .collect()
+    };
+    let fetched = |e: &Env| e.get(ADAPTER).unwrap()["status"]["fetched"].clone();
+    e.reconcile_adapter().await;
+    let v1_job = running(&e);
+    assert_eq!(v1_job.len(), 1);
+    e.finish_job(&v1_job[0], json!({"succeeded": 1}));
+    e.reconcile_adapter().await;
+    let v1_key = fetched(&e);
+    assert!(v1_key.is_string());
+
+    set("v2");
+    e.reconcile_adapter().await;
+    let v2_job = running(&e);
+    assert_eq!(v2_job.len(), 1);
+    e.finish_job(&v2_job[0], json!({"succeeded": 1}));
+    e.reconcile_adapter().await;
+    let v2_key = fetched(&e);
+    assert_ne!(v2_key, v1_key);
+
+    // Back to v1: adapters/calendar holds v2's files, whatever v1's old Job says.
+    set("v1");
+    e.reconcile_adapter().await;
+    assert_ne!(fetched(&e), v1_key, "v1's files are not there any more");
+    let again = running(&e);
+    assert_eq!(again.len(), 1, "v1 is fetched again: {:?}", e.jobs());
+    let a = e.get(ADAPTER).unwrap();
+    assert_eq!(condition(&a, "Fetched")["reason"], "Fetching");
+    e.reconcile_pool().await;
+    assert!(e.config_adapters().is_empty(), "not loaded from v2's files");
+    e.finish_job(&again[0], json!({"succeeded": 1}));
+    e.reconcile_adapter().await;
+    assert_eq!(fetched(&e), v1_key);
+    e.reconcile_pool().await;
+    assert_eq!(e.config_adapters(), ["calendar"]);
+}

@@ -8,9 +8,8 @@ use mole_crds::{AdapterPhase, AdapterStatus, InferencePoolSpec, MergeStatus, Ser
 use mole_crds::{AdapterSpec, VersionRecord};
 
 use super::{
-    backoff, merge_key, merged_endpoint, pool_endpoint, remove_condition, set_condition,
-    DeploymentAction, JobAction, JobState, MergeKey, Observed, Plan, PlannedEvent, Subject,
-    MAX_MERGE_ATTEMPTS,
+    backoff, merged_endpoint, pool_endpoint, remove_condition, set_condition, DeploymentAction,
+    JobAction, JobState, MergeKey, Observed, Plan, PlannedEvent, Subject, MAX_MERGE_ATTEMPTS,
 };
 
 /// Seconds between looks at a running merge Job.
@@ -54,6 +53,7 @@ pub(super) fn plan_merged(
     pool: &InferencePoolSpec,
     subject: Subject<'_>,
     obs: &Observed,
+    key: MergeKey,
     status: &mut AdapterStatus,
     events: &mut Vec<PlannedEvent>,
 ) -> Plan {
@@ -62,7 +62,7 @@ pub(super) fn plan_merged(
         subject,
         spec: subject.spec,
         obs,
-        key: merge_key(pool, subject.name, subject.spec),
+        key,
         endpoint: merged_endpoint(pool_name, subject.name, subject.namespace),
     };
 
@@ -168,7 +168,7 @@ fn advance_job(
                 requeue: None,
             }
         }
-        JobState::Failed { reason: why } => record_failure(cx, why, status, events),
+        JobState::Failed { reason: why, uid } => record_failure(cx, why, uid, status, events),
     }
 }
 
@@ -262,10 +262,19 @@ fn record_success(cx: &Inputs<'_>, status: &mut AdapterStatus, events: &mut Vec<
     );
 }
 
-/// The Job failed: count it, delete it and retry after the backoff.
+/// The Job failed: count it once, keep it through the backoff, then delete it so the retry
+/// can take its name.
+///
+/// The failed Job is the durable record of the failure: deleted at once, a reconcile started
+/// by its deletion could read an Adapter from a reflector that has not seen the new count yet,
+/// find no Job and retry at once (and write the old count back). Kept, every reconcile finds
+/// it, and one reading an older status counts the same Job (its uid) to the same number. It is
+/// deleted only by a reconcile whose status already counted it, and the stores never go back
+/// behind what a reconcile read. Its pod's logs stay readable through the backoff, too.
 fn record_failure(
     cx: &Inputs<'_>,
     why: &str,
+    uid: &str,
     status: &mut AdapterStatus,
     events: &mut Vec<PlannedEvent>,
 ) -> JobStep {
@@ -273,17 +282,43 @@ fn record_failure(
     let merge = status.merge.get_or_insert_with(MergeStatus::default);
     if merge.job.as_deref() != Some(key.job_name.as_str()) {
         merge.failures = None;
+        merge.failed_job_uid = None;
     }
     merge.job = Some(key.job_name.clone());
     merge.output = Some(key.output.clone());
-    let failures = merge.failures.unwrap_or(0) + 1;
-    merge.failures = Some(failures);
-    merge.last_failure_at = Some(cx.obs.now.to_rfc3339());
-    merge.last_failure_reason = Some(why.to_string());
-    // The failed Job goes either way: kept, it would be counted again on the next look.
-    let job = JobAction::DeleteFailed(key.job_name.clone());
+    if merge.failed_job_uid.as_deref() != Some(uid) {
+        let failures = merge.failures.unwrap_or(0) + 1;
+        merge.failures = Some(failures);
+        merge.failed_job_uid = Some(uid.to_string());
+        merge.last_failure_at = Some(cx.obs.now.to_rfc3339());
+        merge.last_failure_reason = Some(why.to_string());
+        events.push(failure_event(cx, failures, why));
+    }
+    let failures = merge.failures.unwrap_or(0);
     if failures >= MAX_MERGE_ATTEMPTS {
-        events.push(PlannedEvent {
+        // Given up: the Job stays for its TTL (its logs tell why), nothing is retried.
+        return JobStep {
+            job: JobAction::None,
+            requeue: Some(GAVE_UP_RECHECK_SECS),
+        };
+    }
+    match retry_wait(merge, failures, cx.obs.now) {
+        Some(wait) => JobStep {
+            job: JobAction::None,
+            requeue: Some(wait.num_seconds().max(1)),
+        },
+        // Its deletion wakes the controller (it owns the Job), which then creates the retry.
+        None => JobStep {
+            job: JobAction::DeleteFailed(key.job_name.clone()),
+            requeue: Some(1),
+        },
+    }
+}
+
+/// `MergeFailed`, or `MergeGaveUp` at the last attempt.
+fn failure_event(cx: &Inputs<'_>, failures: u32, why: &str) -> PlannedEvent {
+    if failures >= MAX_MERGE_ATTEMPTS {
+        return PlannedEvent {
             warning: true,
             reason: reason::MERGE_GAVE_UP,
             note: format!(
@@ -291,13 +326,9 @@ fn record_failure(
                  source or merge settings change: {why}",
                 cx.spec.version
             ),
-        });
-        return JobStep {
-            job,
-            requeue: Some(GAVE_UP_RECHECK_SECS),
         };
     }
-    events.push(PlannedEvent {
+    PlannedEvent {
         warning: true,
         reason: reason::MERGE_FAILED,
         note: format!(
@@ -306,10 +337,6 @@ fn record_failure(
             cx.spec.version,
             backoff(failures).num_seconds()
         ),
-    });
-    JobStep {
-        job,
-        requeue: Some(backoff(failures).num_seconds()),
     }
 }
 

@@ -40,9 +40,47 @@ pub struct MergeKey {
     pub output: String,
 }
 
-/// Computes the merge identity. Any change of the base model, the adapter's source or version,
-/// or its merge settings gives a new hash, so a new Job and a new output directory.
+/// Pruned outputs an adapter's status remembers ([`AdapterStatus::pruned_outputs`]): enough
+/// for every rollback within the day a finished merge Job is kept, and a bound on the status.
+pub const MAX_PRUNED_OUTPUTS: usize = 32;
+
+/// The merge identity of `spec` in round 0 for an adapter without a uid (see [`current_key`]).
 pub fn merge_key(pool: &InferencePoolSpec, adapter: &str, spec: &AdapterSpec) -> MergeKey {
+    key_of(pool, adapter, spec, None, 0)
+}
+
+/// The merge identity of the adapter `adapter` (uid `uid`) for `spec`: the first round whose
+/// output is not among `pruned`. Any change of the base model, the adapter's source or
+/// version, or its merge settings gives a new hash, so a new Job and a new output directory;
+/// so does a new incarnation of the Adapter (a new uid: its predecessor's merge Job is not its
+/// merge, and its predecessor's cleanup Job deletes only its predecessor's directories), and
+/// a rollback to a version whose output was pruned (the next round: the old Job, kept a day,
+/// names a directory that is gone or being deleted).
+pub fn current_key(
+    pool: &InferencePoolSpec,
+    adapter: &str,
+    uid: Option<&str>,
+    spec: &AdapterSpec,
+    pruned: &[String],
+) -> MergeKey {
+    let mut round = 0;
+    loop {
+        let key = key_of(pool, adapter, spec, uid, round);
+        // `pruned` is bounded, so this ends after at most its length + 1 rounds.
+        if !pruned.contains(&key.output) || round as usize > pruned.len() {
+            return key;
+        }
+        round += 1;
+    }
+}
+
+fn key_of(
+    pool: &InferencePoolSpec,
+    adapter: &str,
+    spec: &AdapterSpec,
+    uid: Option<&str>,
+    round: u32,
+) -> MergeKey {
     let mut identity = serde_json::json!({
         "base": {"name": pool.base_model.name, "path": pool.base_model.path},
         "source": spec.source.path,
@@ -54,6 +92,12 @@ pub fn merge_key(pool: &InferencePoolSpec, adapter: &str, spec: &AdapterSpec) ->
     // fetched into the same path under the same version are a new merge.
     if let Some(uri) = &spec.source.uri {
         identity["uri"] = serde_json::json!(uri);
+    }
+    if let Some(uid) = uid {
+        identity["adapterUid"] = serde_json::json!(uid);
+    }
+    if round > 0 {
+        identity["round"] = serde_json::json!(round);
     }
     let digest = Sha256::digest(identity.to_string().as_bytes());
     let hash = hex::encode(&digest[..5]);
@@ -97,6 +141,8 @@ pub enum JobState {
     Failed {
         /// One-line reason written by `mole-worker merge` to `/dev/termination-log`.
         reason: String,
+        /// The Job's uid: a failure is counted once per Job.
+        uid: String,
     },
 }
 
@@ -144,6 +190,8 @@ pub struct Subject<'a> {
     pub name: &'a str,
     /// Namespace.
     pub namespace: &'a str,
+    /// `metadata.uid` (None only in tests): part of the merge identity.
+    pub uid: Option<&'a str>,
     /// `metadata.generation`.
     pub generation: Option<i64>,
     /// Spec.
@@ -159,7 +207,7 @@ pub enum JobAction {
     None,
     /// Create the Job for this key (same name after a restart: creation is idempotent).
     Create(MergeKey),
-    /// Delete the failed Job so a retry can reuse its name after the backoff.
+    /// Delete the failed Job, counted and past its backoff, so the retry can reuse its name.
     DeleteFailed(String),
 }
 
@@ -287,13 +335,29 @@ pub fn plan(
         }
     }
 
+    let key = current_key(
+        pool,
+        subject.name,
+        subject.uid,
+        spec,
+        &subject.status.pruned_outputs,
+    );
     let mut plan = if want_merged {
-        merged::plan_merged(pool_name, pool, subject, obs, &mut status, &mut events)
+        merged::plan_merged(
+            pool_name,
+            pool,
+            subject,
+            obs,
+            key.clone(),
+            &mut status,
+            &mut events,
+        )
     } else {
         plan_dynamic(pool_name, subject, obs, &mut status, &mut events)
     };
     plan.cleanup = trim_history(&mut status.history, pool.merge.keep_versions, obs);
-    plan.merge_job = want_merged.then(|| merge_key(pool, subject.name, spec).job_name);
+    remember_pruned(&mut status.pruned_outputs, &plan.cleanup);
+    plan.merge_job = want_merged.then_some(key.job_name);
     plan.status = status;
     plan.events = events;
     plan
@@ -416,6 +480,17 @@ fn promote(
             time: Some(now.to_rfc3339()),
         },
     );
+}
+
+/// Adds the outputs handed to a cleanup Job to the pruned ones, keeping the most recent
+/// [`MAX_PRUNED_OUTPUTS`].
+fn remember_pruned(pruned: &mut Vec<String>, cleanup: &[String]) {
+    for o in cleanup {
+        pruned.retain(|p| p != o);
+        pruned.push(o.clone());
+    }
+    let over = pruned.len().saturating_sub(MAX_PRUNED_OUTPUTS);
+    pruned.drain(..over);
 }
 
 /// Keeps the active entry plus `keep` previous ones; returns merged outputs to delete. Nothing

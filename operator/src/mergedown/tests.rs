@@ -51,6 +51,7 @@ fn run(pool: &InferencePoolSpec, spec: &AdapterSpec, status: &AdapterStatus, o: 
         Subject {
             name: "calendar",
             namespace: "ml",
+            uid: None,
             generation: Some(3),
             spec,
             status,
@@ -262,10 +263,15 @@ fn failure_with_a_previous_version_degrades_backs_off_and_keeps_serving() {
 
     o.job = JobState::Failed {
         reason: "NaN in model.layers.0.self_attn.q_proj (safe merge)".into(),
+        uid: "job-1".into(),
     };
     let failed = run(&p, &a2, &started.status, &o);
     assert_eq!(failed.status.phase, AdapterPhase::Degraded);
-    assert_eq!(failed.job, JobAction::DeleteFailed(k2.job_name.clone()));
+    assert_eq!(
+        failed.job,
+        JobAction::None,
+        "the failed Job stays through its backoff"
+    );
     assert_eq!(
         failed.deployment,
         DeploymentAction::Apply {
@@ -287,23 +293,36 @@ fn failure_with_a_previous_version_degrades_backs_off_and_keeps_serving() {
         .events
         .iter()
         .any(|e| e.warning && e.reason == reason::MERGE_FAILED));
+    // Seen again (by a later pass, or one from an older copy of the status): counted once.
+    let again = run(&p, &a2, &failed.status, &o);
+    assert_eq!(again.status.merge.as_ref().unwrap().failures, Some(1));
+    assert!(again.events.is_empty());
+    let stale = run(&p, &a2, &started.status, &o);
+    assert_eq!(
+        stale.status.merge, failed.status.merge,
+        "an older status counts the same Job to the same number"
+    );
+    assert_eq!(stale.job, JobAction::None);
 
-    // Job deleted; before the backoff elapses nothing is created (no hot loop).
-    o.job = JobState::Absent;
+    // Before the backoff elapses nothing is deleted or created (no hot loop).
     o.now = t0() + Duration::seconds(10);
     let waiting = run(&p, &a2, &failed.status, &o);
     assert_eq!(waiting.job, JobAction::None);
     assert_eq!(waiting.requeue_after_secs, Some(20));
     assert_eq!(waiting.status.phase, AdapterPhase::Degraded);
 
-    // After the backoff the same Job name is created again.
+    // After the backoff the counted Job is deleted, then the same Job name is created again.
     o.now = t0() + Duration::seconds(31);
-    let retry = run(&p, &a2, &waiting.status, &o);
+    let delete = run(&p, &a2, &waiting.status, &o);
+    assert_eq!(delete.job, JobAction::DeleteFailed(k2.job_name.clone()));
+    o.job = JobState::Absent;
+    let retry = run(&p, &a2, &delete.status, &o);
     assert_eq!(retry.job, JobAction::Create(k2.clone()));
 
-    // A second failure doubles the wait.
+    // A second failure (another Job) doubles the wait.
     o.job = JobState::Failed {
         reason: "again".into(),
+        uid: "job-2".into(),
     };
     let second = run(&p, &a2, &retry.status, &o);
     assert_eq!(second.status.merge.as_ref().unwrap().failures, Some(2));
@@ -323,6 +342,7 @@ fn failure_without_anything_serving_is_failed() {
     let a = adapter("v1", "merged");
     let mut o = obs(JobState::Failed {
         reason: "shape mismatch".into(),
+        uid: "job-1".into(),
     });
     o.dynamic_loaded = false;
     let plan = run(&p, &a, &AdapterStatus::default(), &o);
@@ -598,10 +618,11 @@ fn a_merge_that_keeps_failing_is_given_up_until_its_inputs_change() {
     for attempt in 1..=MAX_MERGE_ATTEMPTS {
         o.job = JobState::Failed {
             reason: format!("merge failed (shape_mismatch): attempt {attempt}"),
+            uid: format!("job-{attempt}"),
         };
         o.now = now;
         let failed = run(&p, &a2, &status, &o);
-        assert_eq!(failed.job, JobAction::DeleteFailed(k2.job_name.clone()));
+        assert_eq!(failed.job, JobAction::None, "kept through its backoff");
         let last = attempt == MAX_MERGE_ATTEMPTS;
         let reasons: Vec<_> = failed.events.iter().map(|e| e.reason).collect();
         let want = if last {
@@ -611,21 +632,33 @@ fn a_merge_that_keeps_failing_is_given_up_until_its_inputs_change() {
         };
         assert_eq!(reasons, [want], "attempt {attempt}");
         status = failed.status;
-        // The Job is gone; after the backoff the next attempt is created, except after the last.
-        o.job = JobState::Absent;
+        // After the backoff the Job is deleted and the next attempt created, except after
+        // the last.
         now += backoff(attempt) + Duration::seconds(1);
         o.now = now;
         let next = run(&p, &a2, &status, &o);
+        assert!(next.events.is_empty(), "announced once");
+        status = next.status;
         if last {
-            assert_eq!(next.job, JobAction::None, "given up: no new Job");
-            assert!(next.events.is_empty(), "announced once");
-            status = next.status;
+            assert_eq!(
+                next.job,
+                JobAction::None,
+                "given up: the Job stays, no new one"
+            );
         } else {
-            assert_eq!(next.job, JobAction::Create(k2.clone()), "attempt {attempt}");
-            status = next.status;
+            assert_eq!(next.job, JobAction::DeleteFailed(k2.job_name.clone()));
+            o.job = JobState::Absent;
+            let create = run(&p, &a2, &status, &o);
+            assert_eq!(
+                create.job,
+                JobAction::Create(k2.clone()),
+                "attempt {attempt}"
+            );
+            status = create.status;
         }
     }
-    // Hours later still nothing: the cap does not start it over.
+    o.job = JobState::Absent; // its TTL removed the last Job
+                              // Hours later still nothing: the cap does not start it over.
     o.now = now + Duration::hours(6);
     let later = run(&p, &a2, &status, &o);
     assert_eq!(later.job, JobAction::None);
@@ -679,4 +712,86 @@ fn the_plan_names_the_one_merge_job_it_keeps() {
         &obs(JobState::Absent),
     );
     assert_eq!(plan.merge_job, None, "served dynamically: no merge Job");
+}
+
+#[test]
+fn the_merge_key_names_the_adapters_incarnation_and_skips_pruned_outputs() {
+    let p = pool();
+    let a = adapter("v1", "merged");
+    let base = merge_key(&p, "calendar", &a);
+    assert_eq!(current_key(&p, "calendar", None, &a, &[]), base);
+    let one = current_key(&p, "calendar", Some("uid-1"), &a, &[]);
+    let two = current_key(&p, "calendar", Some("uid-2"), &a, &[]);
+    assert_ne!(
+        one.output, two.output,
+        "a recreated Adapter merges elsewhere"
+    );
+    assert_ne!(one.job_name, two.job_name);
+    // Its output was pruned: the next round, a new Job and directory; and the one after.
+    let again = current_key(
+        &p,
+        "calendar",
+        Some("uid-1"),
+        &a,
+        std::slice::from_ref(&one.output),
+    );
+    assert_ne!(again.output, one.output);
+    assert_ne!(again.job_name, one.job_name);
+    let third = current_key(
+        &p,
+        "calendar",
+        Some("uid-1"),
+        &a,
+        &[one.output.clone(), again.output.clone()],
+    );
+    assert!(third != one && third != again);
+    assert!(third.output.starts_with("merged/calendar/v1-"));
+}
+
+#[test]
+fn pruned_outputs_are_remembered_and_a_rollback_to_one_merges_again() {
+    let mut p = pool();
+    p.merge.keep_versions = 0;
+    let mut st = AdapterStatus::default();
+    for v in ["v1", "v2"] {
+        let spec = adapter(v, "merged");
+        let key = current_key(&p, "calendar", None, &spec, &st.pruned_outputs);
+        let a = run(&p, &spec, &st, &obs(JobState::Succeeded));
+        let mut o = obs(JobState::Succeeded);
+        o.deployment = Some(serving(&key.output, v));
+        st = run(&p, &spec, &a.status, &o).status;
+    }
+    let v1 = adapter("v1", "merged");
+    let k1 = merge_key(&p, "calendar", &v1);
+    assert_eq!(st.pruned_outputs, vec![k1.output.clone()]);
+    assert!(st
+        .history
+        .iter()
+        .all(|r| r.merged_output != Some(k1.output.clone())));
+    // Applying v1 again: a new key, whose Job is absent, so a merge, not a switch.
+    let k1b = current_key(&p, "calendar", None, &v1, &st.pruned_outputs);
+    assert_ne!(k1b, k1);
+    let mut o = obs(JobState::Absent);
+    o.deployment = Some(serving(&st.history[0].merged_output.clone().unwrap(), "v2"));
+    let plan = run(&p, &v1, &st, &o);
+    assert_eq!(plan.job, JobAction::Create(k1b.clone()));
+    assert_eq!(plan.merge_job.as_deref(), Some(k1b.job_name.as_str()));
+    match &plan.deployment {
+        DeploymentAction::Apply { output, .. } => assert_ne!(output, &k1.output),
+        DeploymentAction::Keep => {}
+        other => panic!("{other:?}"),
+    }
+}
+
+#[test]
+fn the_pruned_list_is_bounded() {
+    let mut pruned = Vec::new();
+    for i in 0..(MAX_PRUNED_OUTPUTS + 5) {
+        remember_pruned(&mut pruned, &[format!("merged/a/{i}")]);
+    }
+    assert_eq!(pruned.len(), MAX_PRUNED_OUTPUTS);
+    assert_eq!(pruned[0], "merged/a/5", "the oldest go first");
+    remember_pruned(&mut pruned, &["merged/a/5".into()]);
+    assert_eq!(pruned.len(), MAX_PRUNED_OUTPUTS, "no duplicates");
+    assert_eq!(pruned.last().unwrap(), "merged/a/5");
 }

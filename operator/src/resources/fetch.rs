@@ -174,6 +174,10 @@ pub fn adapter_fetch_job_name(adapter: &str, key: &str) -> String {
 /// Finished fetch Jobs go after a day; the Adapter's status keeps the result.
 const FETCH_TTL_AFTER_FINISHED: i32 = 24 * 3600;
 
+/// Annotation of a fetch Job: the uid of the fetch Job whose files it replaces (empty: none),
+/// the adapter's `status.fetchedJobUid` when it was created (set by the Adapter controller).
+pub const ANNOTATION_FETCHED_AFTER: &str = "mole.dev/fetched-after";
+
 /// The fetch Job of an adapter version: `mole-worker fetch` of its `source.uri` into
 /// `<mountPath>/<source.path>` with the pool's volume read-write. None without a `uri`.
 pub fn adapter_fetch_job(

@@ -30,7 +30,8 @@ pub use deployment::{
 };
 pub use fetch::{
     adapter_fetch_job, adapter_fetch_job_name, adapter_fetch_key, fetch_container, join,
-    with_base_model_source, BASE_MODEL_SOURCE_VOLUME, FETCH_MODEL_CONTAINER,
+    with_base_model_source, ANNOTATION_FETCHED_AFTER, BASE_MODEL_SOURCE_VOLUME,
+    FETCH_MODEL_CONTAINER,
 };
 pub use hpa::{hpa, QUEUE_METRIC};
 pub use image::{

@@ -492,7 +492,9 @@ impl Store {
                 }
                 self.writes.push(("POST".into(), item.clone()));
                 let mut o = body;
-                o["metadata"]["uid"] = json!(format!("uid-{name}"));
+                // Unique per creation, as the API server's: an object deleted and created
+                // again under its name is another object.
+                o["metadata"]["uid"] = json!(format!("uid-{name}-{}", self.rv + 1));
                 self.bump(&mut o);
                 self.objects.insert(item, o.clone());
                 Response::builder()
@@ -531,10 +533,26 @@ pub fn merge(into: &mut Value, from: &Value) {
 /// Brings the controllers' stores up to date with the objects `store` holds, as their watches
 /// would (a fresh list: Init, InitApply each, InitDone), without a request to the API server.
 pub fn sync_stores(store: &Shared, w: &mut mole_operator::controller::StoreWriters) {
+    let objects = store.lock().unwrap().objects.clone();
+    sync_stores_to(&objects, w);
+}
+
+/// What the API server holds now, for a lagging watch to deliver later
+/// ([`sync_stores_to`]).
+pub fn snapshot(store: &Shared) -> BTreeMap<String, Value> {
+    store.lock().unwrap().objects.clone()
+}
+
+/// Brings the controllers' stores to the objects of `objects` (a [`snapshot`] taken earlier:
+/// a watch that lags behind the API server, as a reflector does between a write and its
+/// watch event).
+pub fn sync_stores_to(
+    objects: &BTreeMap<String, Value>,
+    w: &mut mole_operator::controller::StoreWriters,
+) {
     use kube::runtime::watcher::Event;
-    let s = store.lock().unwrap();
     let of = |kind: &str| -> Vec<Value> {
-        s.objects
+        objects
             .iter()
             .filter(|(k, _)| k.starts_with("/apis/mole.dev/") && k.split('/').nth(6) == Some(kind))
             .map(|(_, v)| v.clone())

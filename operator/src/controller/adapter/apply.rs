@@ -331,7 +331,7 @@ where
     }
 }
 
-async fn delete_ignoring_absent<K>(api: &Api<K>, name: &str) -> Result<()>
+pub(super) async fn delete_ignoring_absent<K>(api: &Api<K>, name: &str) -> Result<()>
 where
     K: Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug,
 {

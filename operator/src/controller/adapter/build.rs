@@ -23,6 +23,7 @@ pub(super) fn plan(
         mergedown::Subject {
             name: &name,
             namespace: &ns,
+            uid: adapter.metadata.uid.as_deref(),
             generation: adapter.metadata.generation,
             spec: &adapter.spec,
             status,

@@ -71,7 +71,7 @@ pub(super) fn fetch_status(
                 Some(Duration::from_secs(1)),
             )
         }
-        JobState::Failed { reason: why } => (
+        JobState::Failed { reason: why, .. } => (
             false,
             reason::FETCH_FAILED,
             true,
@@ -125,12 +125,31 @@ pub(super) async fn ensure_fetched(
     let ns = adapter.namespace().unwrap_or_default();
     let name = adapter.name_any();
     let job_name = resources::adapter_fetch_job_name(&name, &key);
-    let state = observe::observe_job(ctx, &ns, &job_name, "fetch Job failed").await?;
+    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
+    let after = adapter
+        .status
+        .as_ref()
+        .and_then(|s| s.fetched_job_uid.as_deref());
+    let live = jobs.get_opt(&job_name).await?;
+    let (state, uid) = match &live {
+        Some(job) if is_current(job, adapter, after) => (
+            observe::observe_job(ctx, &ns, &job_name, "fetch Job failed").await?,
+            job.metadata.uid.clone(),
+        ),
+        // A Job of this key from before the fetch now recorded (a rollback within the day the
+        // Job is kept, to a version fetched into a path another version overwrote since), or
+        // of an Adapter of this name deleted before: its files are not what the path holds.
+        Some(_) => {
+            apply::delete_ignoring_absent(&jobs, &job_name).await?;
+            (JobState::Absent, None)
+        }
+        None => (JobState::Absent, None),
+    };
     if state == JobState::Absent {
         let owner = adapter
             .controller_owner_ref(&())
             .expect("adapters read from the API have a uid");
-        let job = resources::adapter_fetch_job(
+        let mut job = resources::adapter_fetch_job(
             &pool.name_any(),
             &pool.spec,
             &name,
@@ -139,11 +158,17 @@ pub(super) async fn ensure_fetched(
             &ctx.images,
         )
         .expect("the adapter has a source.uri");
-        let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), &ns);
+        job.annotations_mut().insert(
+            resources::ANNOTATION_FETCHED_AFTER.to_string(),
+            after.unwrap_or_default().to_string(),
+        );
         apply::create_ignoring_existing(&jobs, &job).await?;
     }
     let mut next = status::accepted(adapter, lora_id, now);
     let step = fetch_status(adapter, &key, &state, &mut next, now);
+    if state == JobState::Succeeded {
+        next.fetched_job_uid = uid;
+    }
     if next != adapter.status.clone().unwrap_or_default() {
         status::write_status(adapter, ctx, &next).await?;
     }
@@ -161,6 +186,20 @@ pub(super) async fn ensure_fetched(
         Some(d) => Action::requeue(d),
         None => Action::await_change(),
     }))
+}
+
+/// Whether the fetch Job `job` writes what the adapter's path should hold now: the
+/// adapter's own (not a deleted namesake's) and started after the fetch its status records
+/// (`after`, the uid of that fetch's Job).
+fn is_current(job: &Job, adapter: &Adapter, after: Option<&str>) -> bool {
+    let started_after = job
+        .metadata
+        .annotations
+        .as_ref()
+        .and_then(|a| a.get(resources::ANNOTATION_FETCHED_AFTER))
+        .map(String::as_str)
+        .unwrap_or_default();
+    observe::owned_by(&job.metadata, adapter) && started_after == after.unwrap_or_default()
 }
 
 #[cfg(test)]
@@ -196,6 +235,7 @@ mod tests {
         assert_eq!(s.phase, AdapterPhase::Pending);
 
         let failed = JobState::Failed {
+            uid: "u1".into(),
             reason: "fetch failed (pickle_refused): adapter_model.bin: ...".into(),
         };
         let step = fetch_status(&a, "k1", &failed, &mut s, now);

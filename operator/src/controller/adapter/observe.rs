@@ -78,7 +78,18 @@ pub(super) async fn observe(
         .flat_map(|r| r.data.iter())
         .find(|a| a.name == name && a.version == adapter.spec.version && a.warning.is_some())
         .and_then(|a| a.warning.clone());
-    let key = mergedown::merge_key(&pool.spec, &name, &adapter.spec);
+    let pruned = adapter
+        .status
+        .as_ref()
+        .map(|s| s.pruned_outputs.as_slice())
+        .unwrap_or_default();
+    let key = mergedown::current_key(
+        &pool.spec,
+        &name,
+        adapter.metadata.uid.as_deref(),
+        &adapter.spec,
+        pruned,
+    );
     // Only a Deployment this adapter owns is its merged one: one of the same name owned by
     // something else (a pool's, after a collision validation could not see) is never
     // rolled or deleted as if it were.
@@ -200,6 +211,7 @@ pub(super) async fn observe_job(
         .filter_map(|c| c.state?.terminated?.message)
         .find(|m| !m.trim().is_empty());
     Ok(mergedown::JobState::Failed {
+        uid: job.metadata.uid.clone().unwrap_or_default(),
         reason: message
             .map(|m| m.trim().to_string())
             .or(cond.message)
