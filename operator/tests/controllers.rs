@@ -2544,3 +2544,81 @@ async fn a_failing_merge_backs_off_and_gives_up_even_when_the_watch_lags() {
     assert_eq!(condition(&a, "Merged")["reason"], "MergeGaveUp");
     assert_eq!(a["status"]["merge"]["failures"], json!(MAX_MERGE_ATTEMPTS));
 }
+
+/// Issue 34 item 3: validation of an Adapter reads its pool (`serving.replicas` against the
+/// pool's `rollout`), so a change of the pool's spec re-queues the pool's Adapters: an Adapter
+/// the new pool refuses says so (and the pool's WorkerConfig drops it), and once the pool is
+/// fixed it is accepted again (and listed again); the Adapter's status and the WorkerConfig
+/// agree at every step. Status-only changes of the pool re-queue nothing.
+#[tokio::test]
+async fn changing_or_fixing_a_pool_revalidates_its_adapters() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    e.add_ready_pod();
+    let mut a = adapter_obj("calendar", "vl", "calendar");
+    a["spec"]["serving"] = json!({"mode": "merged", "replicas": 2});
+    e.store.lock().unwrap().create(&adapter_path("calendar"), a);
+    let trigger = adapter::PoolTrigger::default();
+    let mapped = |e: &Env| -> Vec<String> {
+        e.sync();
+        trigger
+            .adapters(&e.pool(), &e.stores.adapters)
+            .into_iter()
+            .map(|r| r.name)
+            .collect()
+    };
+    let listed = |e: &Env| -> bool {
+        let wc: mole_crds::WorkerConfig =
+            serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap())
+                .unwrap();
+        wc.adapters.iter().any(|a| a.name == "calendar")
+    };
+    let valid = |e: &Env| -> String {
+        let a = e.get(&adapter_path("calendar")).unwrap();
+        condition(&a, "Valid")["status"]
+            .as_str()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(mapped(&e), ["calendar"], "first sight of the pool");
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    assert_eq!(valid(&e), "True");
+    assert!(listed(&e));
+    // The pool's status moves on (its reconcile wrote it): nothing to re-validate.
+    e.reconcile_pool().await;
+    assert!(
+        mapped(&e).is_empty(),
+        "a status change re-queues no Adapter"
+    );
+
+    // A rollout that may take both merged pods down at once.
+    e.edit(POOL, |p| {
+        p["spec"]["rollout"] = json!({"maxSurge": 0, "maxUnavailable": "100%"});
+        p["metadata"]["generation"] = json!(2);
+    });
+    assert_eq!(mapped(&e), ["calendar"]);
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(valid(&e), "False");
+    assert!(
+        condition(&a, "Valid")["message"]
+            .as_str()
+            .unwrap()
+            .contains("spec.serving.replicas"),
+        "{a}"
+    );
+    assert!(!listed(&e), "refused, and not loaded either");
+
+    // The pool is fixed: its Adapter is accepted again without any change of its own.
+    e.edit(POOL, |p| {
+        p["spec"]["rollout"] = json!({"maxSurge": 0, "maxUnavailable": 1});
+        p["metadata"]["generation"] = json!(3);
+    });
+    assert_eq!(mapped(&e), ["calendar"]);
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    assert_eq!(valid(&e), "True");
+    assert!(listed(&e));
+}

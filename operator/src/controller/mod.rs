@@ -90,9 +90,14 @@ pub async fn run(client: Client, namespace: Option<String>, ctx: Context) {
         });
     // Merge Jobs and merged Deployments are owned by their Adapter: a Job finishing or a
     // Deployment's pods becoming ready (or either being deleted) reconciles it at once.
+    // A pool's new spec re-validates its Adapters (see `adapter::PoolTrigger`).
+    let trigger = adapter::PoolTrigger::default();
+    let adapter_store = ctx.stores.adapters.clone();
+    let adapters_of_pool = move |p: InferencePool| trigger.adapters(&p, &adapter_store);
     let adapter_ctl = adapter_ctl
         .owns(jobs, managed.clone())
         .owns(deploys, managed)
+        .watches(pools, watcher::Config::default(), adapters_of_pool)
         .shutdown_on_signal()
         .run(adapter::reconcile, adapter::error_policy, ctx)
         .for_each(|r| async move {

@@ -15,11 +15,13 @@ mod ledger;
 mod observe;
 mod status;
 
-use std::sync::Arc;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use kube::runtime::controller::Action;
 use kube::runtime::finalizer::{finalizer, Event as Finalizer};
+use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Resource, ResourceExt};
 use mole_crds::constants::{reason, ADAPTER_FINALIZER};
 use mole_crds::{Adapter, InferencePool};
@@ -38,6 +40,49 @@ const CONTROLLER: &str = "adapter";
 /// missing, another adapter holds its label) is checked again.
 pub const RECHECK_OTHERS: Duration = Duration::from_secs(60);
 
+/// Maps a pool's watch events to its Adapters, so that a change of the pool's spec re-validates
+/// them: validation reads the pool (`serving.replicas` against its `rollout`, and what the pool
+/// names), and a refusal otherwise waits for a change of the Adapter, while the pool's
+/// WorkerConfig, validating with the new pool, would already load (or drop) it.
+///
+/// Only a new generation of the pool (or its deletion starting) triggers, as controller-runtime's
+/// `GenerationChangedPredicate` does: the pool's status changes with every Adapter's readiness,
+/// and re-queueing every Adapter of the pool for each would make one Adapter's change cost a
+/// reconcile (and a round of pod requests) of all of them.
+#[derive(Default)]
+pub struct PoolTrigger {
+    /// The generation last seen of each pool (`ns/name`).
+    seen: Mutex<HashMap<String, Option<i64>>>,
+}
+
+impl PoolTrigger {
+    /// The Adapters of `pool` (read from the Adapter controller's store) to reconcile for this
+    /// event of it: all of them when its generation is new to this trigger or it is being
+    /// deleted, none otherwise.
+    pub fn adapters(
+        &self,
+        pool: &InferencePool,
+        adapters: &Store<Adapter>,
+    ) -> Vec<ObjectRef<Adapter>> {
+        let ns = pool.namespace().unwrap_or_default();
+        let name = pool.name_any();
+        let generation = pool.metadata.generation;
+        let changed = {
+            let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+            seen.insert(format!("{ns}/{name}"), generation) != Some(generation)
+        };
+        if !changed && pool.metadata.deletion_timestamp.is_none() {
+            return Vec::new();
+        }
+        adapters
+            .state()
+            .iter()
+            .filter(|a| a.metadata.namespace.as_deref() == Some(ns.as_str()) && a.spec.pool == name)
+            .map(|a| ObjectRef::from_obj(a.as_ref()))
+            .collect()
+    }
+}
+
 /// Reconciles one adapter (through the finalizer).
 pub async fn reconcile(adapter: Arc<Adapter>, ctx: Arc<Context>) -> Result<Action> {
     instrumented(
@@ -55,7 +100,8 @@ pub fn error_policy(adapter: Arc<Adapter>, err: &Error, ctx: Arc<Context>) -> Ac
 }
 
 /// What to do after a validation failure with `reason`: a missing pool may be created and a
-/// clashing adapter deleted, so those are checked again; a wrong field waits for an edit.
+/// clashing adapter deleted, so those are checked again; a wrong field waits for an edit (or
+/// for a change of the pool, see [`PoolTrigger`]).
 pub fn invalid_action(reason: &str) -> Action {
     if reason == reason::POOL_NOT_FOUND
         || reason == reason::DUPLICATE_LABEL
