@@ -2622,3 +2622,131 @@ async fn changing_or_fixing_a_pool_revalidates_its_adapters() {
     assert_eq!(valid(&e), "True");
     assert!(listed(&e));
 }
+/// Issue 34 item 4: an Adapter deleted and created again gets a new LoRA id (ids are never
+/// reused); until the pods report the adapter under that id, what they report is the old
+/// Adapter's load, and the new one is not Ready.
+#[tokio::test]
+async fn a_recreated_adapter_is_not_ready_from_its_predecessors_load() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    e.add_ready_pod();
+    e.store.lock().unwrap().create(
+        &adapter_path("calendar"),
+        adapter_obj("calendar", "vl", "calendar"),
+    );
+    e.worker_reports(&[("calendar", "v1", 1)]);
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(
+        e.get(&adapter_path("calendar")).unwrap()["status"]["phase"],
+        "Ready"
+    );
+    e.delete_adapter("calendar");
+    e.reconcile_adapter("calendar").await;
+    assert!(e.get(&adapter_path("calendar")).is_none());
+    e.store.lock().unwrap().create(
+        &adapter_path("calendar"),
+        adapter_obj("calendar", "vl", "calendar"),
+    );
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["loraId"], 2);
+    assert_ne!(
+        a["status"]["phase"], "Ready",
+        "the pod still reports the old Adapter (lora id 1)"
+    );
+    assert_eq!(condition(&a, "Ready")["status"], "False");
+    e.worker_reports(&[("calendar", "v1", 2)]);
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(
+        e.get(&adapter_path("calendar")).unwrap()["status"]["phase"],
+        "Ready"
+    );
+}
+
+/// Issue 34 item 4: workers load a version once (a reload of the same name and version is a
+/// no-op), so an edit of `source.path` without a new `spec.version` is never loaded by the
+/// running pods: the Adapter must not read Ready from their load of the old files, and says
+/// why.
+#[tokio::test]
+async fn a_source_changed_without_a_version_bump_is_not_ready_from_the_old_load() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    e.add_ready_pod();
+    e.store.lock().unwrap().create(
+        &adapter_path("calendar"),
+        adapter_obj("calendar", "vl", "calendar"),
+    );
+    e.worker_reports(&[("calendar", "v1", 1)]);
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(
+        e.get(&adapter_path("calendar")).unwrap()["status"]["phase"],
+        "Ready"
+    );
+    e.edit(&adapter_path("calendar"), |a| {
+        a["spec"]["source"]["path"] = json!("adapters/calendar/v1-retrained");
+        a["metadata"]["generation"] = json!(2);
+    });
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_ne!(a["status"]["phase"], "Ready", "{}", a["status"]);
+    let ready = condition(&a, "Ready");
+    assert_eq!(ready["status"], "False");
+    assert!(
+        ready["message"].as_str().unwrap().contains("spec.version"),
+        "{ready}"
+    );
+    // A new version is loaded and Ready once the pods report it.
+    e.edit(&adapter_path("calendar"), |a| {
+        a["spec"]["version"] = json!("v2");
+        a["metadata"]["generation"] = json!(3);
+    });
+    e.worker_reports(&[("calendar", "v2", 1)]);
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(
+        e.get(&adapter_path("calendar")).unwrap()["status"]["phase"],
+        "Ready"
+    );
+}
+
+/// Issue 34 item 4: the API server stores quantities in canonical form ("1000m" as "1",
+/// "1024Mi" as "1Gi"); the "unchanged" check compares them by value, so a pool written with
+/// other spellings is not applied again on every reconcile.
+#[tokio::test]
+async fn canonicalized_quantities_are_not_a_change() {
+    let e = env().await;
+    let mut p = pool_obj();
+    p["spec"]["resources"] =
+        json!({"requests": {"cpu": "1000m", "memory": "1024Mi"}, "limits": {"memory": "0.5Gi"}});
+    e.store.lock().unwrap().create(POOL, p);
+    e.reconcile_pool().await;
+    let res = |e: &Env| {
+        e.get(DEPLOY).unwrap()["spec"]["template"]["spec"]["containers"][0]["resources"].clone()
+    };
+    assert_eq!(res(&e)["requests"]["cpu"], "1000m");
+    // What the API server keeps of them.
+    e.edit(DEPLOY, |d| {
+        let r = &mut d["spec"]["template"]["spec"]["containers"][0]["resources"];
+        r["requests"]["cpu"] = json!("1");
+        r["requests"]["memory"] = json!("1Gi");
+        r["limits"]["memory"] = json!("512Mi");
+    });
+    let before = e.writes();
+    e.reconcile_pool().await;
+    let deploy_writes: Vec<_> = e.store.lock().unwrap().writes[before..]
+        .iter()
+        .filter(|(_, p)| p == DEPLOY)
+        .cloned()
+        .collect();
+    assert_eq!(
+        deploy_writes,
+        [],
+        "the same quantities, spelled canonically"
+    );
+    // A real change is still applied.
+    e.edit(POOL, |p| {
+        p["spec"]["resources"]["requests"]["cpu"] = json!("2");
+        p["metadata"]["generation"] = json!(2);
+    });
+    e.reconcile_pool().await;
+    assert_eq!(res(&e)["requests"]["cpu"], "2");
+}

@@ -355,7 +355,11 @@ pub fn plan(
     } else {
         plan_dynamic(pool_name, subject, obs, &mut status, &mut events)
     };
-    plan.cleanup = trim_history(&mut status.history, pool.merge.keep_versions, obs);
+    let target = match &plan.deployment {
+        DeploymentAction::Apply { output, .. } => Some(output.as_str()),
+        _ => None,
+    };
+    plan.cleanup = trim_history(&mut status.history, pool.merge.keep_versions, obs, target);
     remember_pruned(&mut status.pruned_outputs, &plan.cleanup);
     plan.merge_job = want_merged.then_some(key.job_name);
     plan.status = status;
@@ -388,7 +392,41 @@ fn plan_dynamic(
         _ => DeploymentAction::Keep,
     };
     let still_merged = obs.deployment.as_ref().filter(|_| !obs.dynamic_loaded);
-    if obs.dynamic_loaded {
+    // What the pods hold of this version was loaded from the source its history entry names:
+    // a worker loads a version once (a reload of the same name and version is a no-op), so a
+    // new source under the same version is not what they serve.
+    let stale_source = status
+        .history
+        .first()
+        .filter(|r| {
+            r.version == spec.version && r.merged_output.is_none() && r.source != spec.source.path
+        })
+        .map(|r| r.source.clone());
+    if let (true, Some(old)) = (obs.dynamic_loaded, &stale_source) {
+        status.phase = AdapterPhase::Degraded;
+        let msg = format!(
+            "spec.source.path changed from {old:?} to {:?} without a new spec.version: the \
+             pods keep serving the files they loaded for version {} (a worker loads a version \
+             once); set a new spec.version to load the new source",
+            spec.source.path, spec.version
+        );
+        let changed = set_condition(
+            &mut status.conditions,
+            condition::READY,
+            false,
+            crate::reasons::SOURCE_CHANGED_WITHOUT_VERSION,
+            &msg,
+            subject.generation,
+            obs.now,
+        );
+        if changed {
+            events.push(PlannedEvent {
+                warning: true,
+                reason: crate::reasons::SOURCE_CHANGED_WITHOUT_VERSION,
+                note: msg,
+            });
+        }
+    } else if obs.dynamic_loaded {
         if status.active_version.as_deref() != Some(spec.version.as_str())
             || status.serving_mode != Some(ServingMode::Dynamic)
         {
@@ -495,9 +533,15 @@ fn remember_pruned(pruned: &mut Vec<String>, cleanup: &[String]) {
 
 /// Keeps the active entry plus `keep` previous ones; returns merged outputs to delete. Nothing
 /// is trimmed while the Deployment rolls to the newest entry's output, and an entry whose
-/// output the Deployment still serves stays, so outputs are cleaned up later instead of being
-/// deleted under running pods or forgotten.
-fn trim_history(history: &mut Vec<VersionRecord>, keep: u32, obs: &Observed) -> Vec<String> {
+/// output the Deployment still serves, or is being switched to (`target`: a rollback in this
+/// same plan), stays, so outputs are cleaned up later instead of being deleted under running
+/// pods or forgotten.
+fn trim_history(
+    history: &mut Vec<VersionRecord>,
+    keep: u32,
+    obs: &Observed,
+    target: Option<&str>,
+) -> Vec<String> {
     let limit = 1 + keep as usize;
     if history.len() <= limit {
         return Vec::new();
@@ -514,9 +558,10 @@ fn trim_history(history: &mut Vec<VersionRecord>, keep: u32, obs: &Observed) -> 
     }
     let serving = obs.deployment.as_ref().map(|d| d.output.clone());
     let dropped = history.split_off(limit);
-    let (still_served, gone): (Vec<_>, Vec<_>) = dropped
-        .into_iter()
-        .partition(|r| r.merged_output.is_some() && r.merged_output == serving);
+    let (still_served, gone): (Vec<_>, Vec<_>) = dropped.into_iter().partition(|r| {
+        r.merged_output.is_some()
+            && (r.merged_output == serving || r.merged_output.as_deref() == target)
+    });
     history.extend(still_served);
     let kept: Vec<_> = history
         .iter()

@@ -795,3 +795,42 @@ fn the_pruned_list_is_bounded() {
     assert_eq!(pruned.len(), MAX_PRUNED_OUTPUTS, "no duplicates");
     assert_eq!(pruned.last().unwrap(), "merged/a/5");
 }
+
+/// Issue 34 item 4: a rollback to a version in the history keeps that version's output even
+/// when the same plan trims the history (here `keepVersions` lowered to 0 with the rollback):
+/// the Deployment is switched to it, so it is never handed to a cleanup Job.
+#[test]
+fn a_rollback_target_is_never_trimmed_by_its_own_plan() {
+    let mut p = pool();
+    let v1 = merged_status(&p, "v1", &AdapterStatus::default());
+    let v2 = merged_status(&p, "v2", &v1);
+    let k1 = merge_key(&p, "calendar", &adapter("v1", "merged"));
+    let k2 = merge_key(&p, "calendar", &adapter("v2", "merged"));
+    p.merge.keep_versions = 0;
+    let mut o = obs(JobState::Absent);
+    o.deployment = Some(serving(&k2.output, "v2"));
+    let plan = run(&p, &adapter("v1", "merged"), &v2, &o);
+    assert_eq!(
+        plan.deployment,
+        DeploymentAction::Apply {
+            output: k1.output.clone(),
+            version: "v1".into()
+        }
+    );
+    assert!(
+        !plan.cleanup.contains(&k1.output),
+        "the rollback target is deleted under the pods switched to it: {:?}",
+        plan.cleanup
+    );
+    assert!(plan
+        .status
+        .history
+        .iter()
+        .any(|r| r.merged_output.as_deref() == Some(k1.output.as_str())));
+    // Once v1 serves, v2 falls out (keepVersions 0) and goes to the cleanup Job.
+    o.deployment = Some(serving(&k1.output, "v1"));
+    let done = run(&p, &adapter("v1", "merged"), &plan.status, &o);
+    assert_eq!(done.cleanup, vec![k2.output.clone()]);
+    assert_eq!(done.status.history.len(), 1);
+    assert_eq!(done.status.active_version.as_deref(), Some("v1"));
+}

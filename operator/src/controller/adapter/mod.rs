@@ -151,7 +151,7 @@ async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     if let Some(action) = fetch::ensure_fetched(adapter, &pool, ctx, lora_id, now).await? {
         return Ok(action);
     }
-    let observed = observe::observe(adapter, &pool, ctx, now).await?;
+    let observed = observe::observe(adapter, &pool, lora_id, ctx, now).await?;
     let plan = build::plan(
         adapter,
         &pool,

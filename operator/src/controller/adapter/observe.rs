@@ -56,6 +56,7 @@ pub(super) struct Observed {
 pub(super) async fn observe(
     adapter: &Adapter,
     pool: &InferencePool,
+    lora_id: u32,
     ctx: &Context,
     now: DateTime<Utc>,
 ) -> Result<Observed> {
@@ -72,7 +73,7 @@ pub(super) async fn observe(
         }
     }
     let (all_loaded, loaded, load_error) =
-        loaded_everywhere(&reports, &name, &adapter.spec.version);
+        loaded_everywhere(&reports, &name, &adapter.spec.version, lora_id);
     let load_warning = reports
         .iter()
         .flat_map(|r| r.data.iter())
@@ -149,15 +150,22 @@ pub(super) fn owned_by(
 }
 
 /// Whether an adapter version is served by a set of pods: at least one pod, and every pod
-/// reports it loaded. Returns (ready, loaded count, first load error).
+/// reports it loaded under the adapter's `lora_id` (an entry of the same name and version
+/// under another id is a load of an Adapter of the same name deleted before, whose files may
+/// not be this one's). Returns (ready, loaded count, first load error).
 pub fn loaded_everywhere(
     reports: &[LoraAdaptersResponse],
     name: &str,
     version: &str,
+    lora_id: u32,
 ) -> (bool, usize, Option<String>) {
     let loaded = reports
         .iter()
-        .filter(|r| r.is_loaded(name, version))
+        .filter(|r| {
+            r.data
+                .iter()
+                .any(|a| a.name == name && a.version == version && a.lora_id == lora_id && a.loaded)
+        })
         .count();
     let error = reports
         .iter()
@@ -329,19 +337,24 @@ mod tests {
             report(&[("cal", "v2", true)]),
             report(&[("cal", "v2", true)]),
         ];
-        assert_eq!(loaded_everywhere(&both, "cal", "v2"), (true, 2, None));
+        assert_eq!(loaded_everywhere(&both, "cal", "v2", 1), (true, 2, None));
         let one_old = vec![
             report(&[("cal", "v2", true)]),
             report(&[("cal", "v1", true)]),
         ];
-        assert!(!loaded_everywhere(&one_old, "cal", "v2").0);
+        assert!(!loaded_everywhere(&one_old, "cal", "v2", 1).0);
         let loading = vec![report(&[("cal", "v2", false)])];
-        assert!(!loaded_everywhere(&loading, "cal", "v2").0);
-        assert!(!loaded_everywhere(&[], "cal", "v2").0, "no pod, not ready");
+        assert!(!loaded_everywhere(&loading, "cal", "v2", 1).0);
+        assert!(
+            !loaded_everywhere(&[], "cal", "v2", 1).0,
+            "no pod, not ready"
+        );
+        // The same name and version under another id: an Adapter deleted before this one.
+        assert_eq!(loaded_everywhere(&both, "cal", "v2", 2), (false, 0, None));
         let mut bad = report(&[("cal", "v2", false)]);
         bad.data[0].error = Some("rank 128 over limit 64".into());
         assert_eq!(
-            loaded_everywhere(&[bad], "cal", "v2").2.as_deref(),
+            loaded_everywhere(&[bad], "cal", "v2", 1).2.as_deref(),
             Some("rank 128 over limit 64")
         );
     }
