@@ -80,6 +80,9 @@ pub mod reason {
     /// The adapter's merged children (`<pool>-<adapter>`) would take the name of another
     /// adapter's (of another pool); the older adapter keeps it.
     pub const NAME_COLLISION: &str = "NameCollision";
+    /// The adapter's `source.path` is, contains or lies inside another Adapter's of the same
+    /// pool; the older adapter keeps it.
+    pub const SOURCE_PATH_IN_USE: &str = "SourcePathInUse";
     /// Waiting for pods to report the adapter loaded.
     pub const WAITING_FOR_PODS: &str = "WaitingForPods";
     /// Every ready pod reports the adapter loaded.

@@ -2622,6 +2622,37 @@ async fn changing_or_fixing_a_pool_revalidates_its_adapters() {
     assert_eq!(valid(&e), "True");
     assert!(listed(&e));
 }
+
+/// Issue 33 item 3: an Adapter whose `source.path` is its pool's base model (a fetch Job
+/// would overwrite the base's weights, config and template) is refused with a condition and a
+/// Warning Event naming the field; no fetch Job is created and the pool does not list it.
+#[tokio::test]
+async fn an_adapter_whose_source_is_the_base_model_is_refused_naming_the_field() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    let mut a = adapter_obj("calendar", "vl", "calendar");
+    a["spec"]["source"] = json!({"path": "base/qwen3-vl-8b", "uri": "hf://org/calendar"});
+    e.store.lock().unwrap().create(&adapter_path("calendar"), a);
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["phase"], "Failed");
+    let valid = condition(&a, "Valid");
+    assert_eq!(valid["status"], "False");
+    assert_eq!(valid["reason"], "InvalidSpec");
+    let msg = valid["message"].as_str().unwrap();
+    assert!(
+        msg.contains("spec.source.path") && msg.contains("spec.baseModel.path"),
+        "{msg}"
+    );
+    let note = e.note_of("InvalidSpec");
+    assert!(note.contains("spec.source.path"), "{note}");
+    assert!(e.jobs().is_empty(), "no fetch Job writes over the base");
+    e.reconcile_pool().await;
+    let wc: mole_crds::WorkerConfig =
+        serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap()).unwrap();
+    assert!(wc.adapters.is_empty());
+}
+
 /// Issue 34 item 4: an Adapter deleted and created again gets a new LoRA id (ids are never
 /// reused); until the pods report the adapter under that id, what they report is the old
 /// Adapter's load, and the new one is not Ready.

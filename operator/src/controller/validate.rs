@@ -433,6 +433,87 @@ fn created_key(a: &Adapter) -> (Option<i64>, String) {
     )
 }
 
+/// The directory of the pool's volume that holds merged outputs (`merged/<adapter>/...`).
+const MERGED_DIR: &str = "merged";
+
+/// The components of a relative path as the filesystem resolves them (empty and `.` dropped).
+fn components(p: &str) -> Vec<&str> {
+    p.split('/')
+        .filter(|c| !c.is_empty() && *c != ".")
+        .collect()
+}
+
+/// Whether one of two paths (as [`components`]) is the other or lies inside it.
+fn overlaps(a: &[&str], b: &[&str]) -> bool {
+    let n = a.len().min(b.len());
+    a[..n] == b[..n]
+}
+
+/// `spec.source.path` is the adapter's own directory on the pool's volume: the pods read it,
+/// and for a `source.uri` a fetch Job writes it. So it must not be, contain or lie inside the
+/// volume's root, the base model (`spec.baseModel.path`), the merged outputs (`merged/`) or
+/// another Adapter's source of the same pool (the older adapter keeps a contested path, as
+/// it keeps a label): a fetch there would overwrite the base model's weights, config and
+/// template, another adapter's files or a merged output that pods serve.
+fn validate_source_path(
+    adapter: &Adapter,
+    pool: &InferencePool,
+    siblings: &[Adapter],
+) -> Result<(), FieldError> {
+    let spec = &adapter.spec;
+    let path = &spec.source.path;
+    let mine = components(path);
+    let refuse = |why: String| {
+        Err(FieldError::invalid(
+            "spec.source.path",
+            format!(
+                "{path:?} {why}; each adapter needs a directory of its own, such as \
+                 adapters/<name>/<version>"
+            ),
+        ))
+    };
+    if mine.is_empty() {
+        return refuse("is the root of the pool's volume".into());
+    }
+    if mine[0] == MERGED_DIR {
+        return refuse(format!(
+            "lies in {MERGED_DIR}/, where the operator's merge Jobs write"
+        ));
+    }
+    let base = &pool.spec.base_model.path;
+    if overlaps(&mine, &components(base)) {
+        return refuse(format!(
+            "overlaps the pool's spec.baseModel.path {base:?}: a fetch would overwrite the \
+             base model"
+        ));
+    }
+    let me = created_key(adapter);
+    let holder = siblings
+        .iter()
+        .filter(|o| {
+            o.spec.pool == spec.pool
+                && o.metadata.name != adapter.metadata.name
+                && o.metadata.deletion_timestamp.is_none()
+                && created_key(o) < me
+                && overlaps(&mine, &components(&o.spec.source.path))
+        })
+        .min_by_key(|o| created_key(o));
+    if let Some(other) = holder {
+        return Err(FieldError {
+            reason: reason::SOURCE_PATH_IN_USE,
+            field: "spec.source.path".into(),
+            message: format!(
+                "{path:?} overlaps {:?}, the source path of Adapter {:?} in pool {:?}; each \
+                 adapter needs a directory of its own, such as adapters/<name>/<version>",
+                other.spec.source.path,
+                other.metadata.name.clone().unwrap_or_default(),
+                spec.pool
+            ),
+        });
+    }
+    Ok(())
+}
+
 /// Validates an adapter against its pool (None: not found) and the other adapters of the
 /// namespace. When two adapters of a pool claim one label, the older keeps it.
 pub fn validate_adapter(
@@ -463,6 +544,9 @@ pub fn validate_adapter(
                 spec.source.path
             ),
         ));
+    }
+    if let Some(pool) = pool {
+        validate_source_path(adapter, pool, siblings)?;
     }
     if let Some(uri) = &spec.source.uri {
         if !parse_source("spec.source.uri", uri)?.is_fetched() {
@@ -1040,5 +1124,95 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         for bad in ["", "/a", "..", "a/../b", "a/.."] {
             assert!(!is_confined_relative(bad), "{bad}");
         }
+    }
+
+    /// Issue 33 item 3: an adapter's source path is a directory of its own on the pool's
+    /// volume (base model at `base/qwen3-vl-8b`).
+    #[test]
+    fn source_paths_keep_off_the_root_the_base_merged_outputs_and_other_adapters() {
+        let p = pool();
+        let refused = |path: &str| -> Option<FieldError> {
+            let mut a = adapter("calendar", None, 10);
+            a.spec.source.path = path.into();
+            validate_adapter(&a, Some(&p), &[]).err()
+        };
+        for ok in [
+            "adapters/calendar/v1",
+            "adapters/calendar",
+            "loras/calendar",
+            "base/qwen3-vl-8b-v2",
+            "base-adapters/x",
+            "mergedx/a",
+        ] {
+            assert_eq!(refused(ok), None, "{ok}");
+        }
+        for (bad, says) in [
+            (".", "root of the pool's volume"),
+            ("./", "root of the pool's volume"),
+            ("base/qwen3-vl-8b", "spec.baseModel.path"),
+            ("base/qwen3-vl-8b/", "spec.baseModel.path"),
+            ("./base//qwen3-vl-8b", "spec.baseModel.path"),
+            ("base", "spec.baseModel.path"),
+            ("base/qwen3-vl-8b/lora", "spec.baseModel.path"),
+            ("merged", "merged/"),
+            ("merged/calendar/v1-abc", "merged/"),
+            ("./merged/x", "merged/"),
+        ] {
+            let e = refused(bad).unwrap_or_else(|| panic!("{bad} accepted"));
+            assert_eq!(
+                (e.reason, e.field.as_str()),
+                (reason::INVALID_SPEC, "spec.source.path"),
+                "{bad}"
+            );
+            assert!(e.message.contains(says), "{bad}: {}", e.message);
+        }
+        // Another adapter's directory, the one it lies in or one inside it: the newer is
+        // refused, naming the older; other pools and adapters being deleted do not count.
+        let mut old = adapter("calendar", None, 10);
+        old.spec.source.path = "adapters/calendar".into();
+        for (path, clash) in [
+            ("adapters/calendar", true),
+            ("adapters/calendar/v2", true),
+            ("adapters", true),
+            ("./adapters/calendar/", true),
+            ("adapters/calendar-2", false),
+            ("adapters/cal", false),
+        ] {
+            let mut new = adapter("calendar-2", None, 20);
+            new.spec.source.path = path.into();
+            let all = vec![old.clone(), new.clone()];
+            assert_eq!(
+                validate_adapter(&old, Some(&p), &all),
+                Ok(()),
+                "the older keeps it"
+            );
+            let got = validate_adapter(&new, Some(&p), &all);
+            if clash {
+                let e = got.unwrap_err();
+                assert_eq!(
+                    (e.reason, e.field.as_str()),
+                    (reason::SOURCE_PATH_IN_USE, "spec.source.path"),
+                    "{path}"
+                );
+                assert!(e.message.contains("\"calendar\""), "{}", e.message);
+            } else {
+                assert_eq!(got, Ok(()), "{path}");
+            }
+        }
+        let mut new = adapter("calendar-2", None, 20);
+        new.spec.source.path = "adapters/calendar/v2".into();
+        let mut elsewhere = old.clone();
+        elsewhere.spec.pool = "other".into();
+        assert_eq!(
+            validate_adapter(&new, Some(&p), &[elsewhere, new.clone()]),
+            Ok(())
+        );
+        let mut leaving = old.clone();
+        leaving.metadata.deletion_timestamp =
+            Some(Time(k8s_openapi::jiff::Timestamp::from_second(30).unwrap()));
+        assert_eq!(
+            validate_adapter(&new, Some(&p), &[leaving, new.clone()]),
+            Ok(())
+        );
     }
 }

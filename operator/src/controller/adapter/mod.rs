@@ -100,12 +100,13 @@ pub fn error_policy(adapter: Arc<Adapter>, err: &Error, ctx: Arc<Context>) -> Ac
 }
 
 /// What to do after a validation failure with `reason`: a missing pool may be created and a
-/// clashing adapter deleted, so those are checked again; a wrong field waits for an edit (or
-/// for a change of the pool, see [`PoolTrigger`]).
+/// clashing adapter (label, name, source path) deleted, so those are checked again; a wrong
+/// field waits for an edit (or for a change of the pool, see [`PoolTrigger`]).
 pub fn invalid_action(reason: &str) -> Action {
     if reason == reason::POOL_NOT_FOUND
         || reason == reason::DUPLICATE_LABEL
         || reason == reason::NAME_COLLISION
+        || reason == reason::SOURCE_PATH_IN_USE
     {
         Action::requeue(RECHECK_OTHERS)
     } else {
@@ -263,6 +264,10 @@ mod tests {
         );
         assert_eq!(
             invalid_action(reason::NAME_COLLISION),
+            Action::requeue(RECHECK_OTHERS)
+        );
+        assert_eq!(
+            invalid_action(reason::SOURCE_PATH_IN_USE),
             Action::requeue(RECHECK_OTHERS)
         );
         assert_eq!(invalid_action(reason::INVALID_SPEC), Action::await_change());
