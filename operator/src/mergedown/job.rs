@@ -91,6 +91,8 @@ pub fn merge_job(
                 spec: Some(PodSpec {
                     restart_policy: Some("Never".into()),
                     security_context: Some(restricted_pod_security()),
+                    // It never calls the Kubernetes API: no token for a compromised process.
+                    automount_service_account_token: Some(false),
                     node_selector: (!pool.merge.node_selector.is_empty())
                         .then(|| pool.merge.node_selector.clone()),
                     tolerations: (!pool.merge.tolerations.is_empty())
@@ -180,6 +182,8 @@ pub fn cleanup_job(
                 spec: Some(PodSpec {
                     restart_policy: Some("Never".into()),
                     security_context: Some(restricted_pod_security()),
+                    // It never calls the Kubernetes API: no token for a compromised process.
+                    automount_service_account_token: Some(false),
                     node_selector: (!pool.merge.node_selector.is_empty())
                         .then(|| pool.merge.node_selector.clone()),
                     tolerations: (!pool.merge.tolerations.is_empty())

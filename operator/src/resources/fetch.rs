@@ -222,6 +222,8 @@ pub fn adapter_fetch_job(
                 spec: Some(PodSpec {
                     restart_policy: Some("Never".into()),
                     security_context: Some(restricted_pod_security()),
+                    // It never calls the Kubernetes API: no token for a compromised process to use.
+                    automount_service_account_token: Some(false),
                     containers: vec![container],
                     volumes: Some(vec![models_volume(pool, false)]),
                     ..Default::default()

@@ -328,6 +328,8 @@ pub fn worker_pod(
         }),
         spec: Some(PodSpec {
             security_context: Some(restricted_pod_security()),
+            // It never calls the Kubernetes API: no token for a compromised process to use.
+            automount_service_account_token: Some(false),
             node_selector: (!spec.gpu.node_selector.is_empty())
                 .then(|| spec.gpu.node_selector.clone()),
             tolerations: (!spec.gpu.tolerations.is_empty()).then(|| spec.gpu.tolerations.clone()),

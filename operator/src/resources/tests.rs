@@ -1087,3 +1087,86 @@ fn probes_tolerate_a_busy_pod_for_30_seconds_before_it_leaves_the_service() {
         );
     }
 }
+
+/// Issue 33 item 6: no pod the operator starts talks to the Kubernetes API (the worker reads
+/// its config and tokens from mounted files; merge, fetch and cleanup work on the volume), so
+/// none mounts a service-account token a compromised process could use.
+#[test]
+fn no_pod_mounts_a_service_account_token() {
+    let p = pool();
+    let pods = PodDefaults {
+        port: WORKER_PORT,
+        images: &WorkerImages::default(),
+    };
+    let mut specs = vec![
+        (
+            "dynamic",
+            pod_of(&dynamic_deployment(
+                &p,
+                WORKER_PORT,
+                &WorkerImages::default(),
+            )),
+        ),
+        (
+            "merged",
+            pod_of(
+                &merged_children(
+                    &p,
+                    "calendar",
+                    "v1",
+                    "merged/calendar/v1-a",
+                    1,
+                    adapter_owner(),
+                    pods,
+                )
+                .1,
+            ),
+        ),
+    ];
+    let mut fetched = adapter("calendar", "v1");
+    fetched.spec.source.uri = Some("hf://org/calendar".into());
+    let jobs = [
+        (
+            "fetch",
+            adapter_fetch_job(
+                "vl",
+                &p.spec,
+                "calendar",
+                &fetched.spec,
+                adapter_owner(),
+                &WorkerImages::default(),
+            )
+            .unwrap(),
+        ),
+        (
+            "merge",
+            crate::mergedown::job::merge_job(
+                "vl",
+                &p.spec,
+                "calendar",
+                &fetched.spec,
+                &crate::mergedown::merge_key(&p.spec, "calendar", &fetched.spec),
+                adapter_owner(),
+                &WorkerImages::default(),
+            ),
+        ),
+        (
+            "cleanup",
+            crate::mergedown::job::cleanup_job(
+                "vl",
+                &p.spec,
+                "calendar",
+                &["merged/calendar/v0-a".into()],
+                adapter_owner(),
+                &WorkerImages::default(),
+            )
+            .unwrap(),
+        ),
+    ];
+    for (what, job) in jobs {
+        specs.push((what, job.spec.unwrap().template.spec.unwrap()));
+    }
+    for (what, pod) in specs {
+        assert_eq!(pod.automount_service_account_token, Some(false), "{what}");
+    }
+}
