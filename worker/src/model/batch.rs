@@ -87,3 +87,43 @@ pub(super) struct Group<'a> {
     pub idx: Tensor,
     pub rows: Vec<u32>,
 }
+
+/// A step's rotary positions, one per new token.
+pub(super) struct Positions {
+    /// The time position (text: the only one).
+    pub time: Vec<u32>,
+    /// With image tokens in the step (M-RoPE): the height and width positions.
+    pub spatial: Option<(Vec<u32>, Vec<u32>)>,
+}
+
+impl Positions {
+    /// Every new token's rotary position: its time (or only) position, and with image tokens in
+    /// the step, the height and width positions too (M-RoPE). Text continues each cache at its
+    /// length plus its offset.
+    pub(super) fn of(rows: &[Row<'_>]) -> Self {
+        let spatial = rows.iter().any(|r| r.vision.is_some());
+        let mut p = Positions {
+            time: Vec::new(),
+            spatial: spatial.then(|| (Vec::new(), Vec::new())),
+        };
+        for r in rows {
+            let start = r.cache.len() as i64 + r.cache.pos_offset;
+            match (&r.vision, &mut p.spatial) {
+                (Some(v), Some((h, w))) => {
+                    p.time.extend(v.positions.iter().map(|x| x[0]));
+                    h.extend(v.positions.iter().map(|x| x[1]));
+                    w.extend(v.positions.iter().map(|x| x[2]));
+                }
+                (_, spatial) => {
+                    let text = (0..r.tokens.len() as i64).map(|i| (start + i).max(0) as u32);
+                    p.time.extend(text.clone());
+                    if let Some((h, w)) = spatial {
+                        h.extend(text.clone());
+                        w.extend(text);
+                    }
+                }
+            }
+        }
+        p
+    }
+}
