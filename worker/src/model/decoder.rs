@@ -8,7 +8,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 
-use super::batch::{Batch, Group, Positions, Row};
+use super::batch::{Batch, Group, Positions, Row, StepPath};
 use super::cache::{mixed_cache, LayerKv, SeqCache};
 use super::kv::{KvPool, TensorPathOptions};
 use super::layer::Layer;
@@ -594,15 +594,12 @@ impl Decoder {
         let batch = Batch {
             lens,
             starts,
-            groups,
             cos,
             sin,
-            host: true,
             layers: self.layers.len(),
             device: &self.device,
             dtype: self.dtype,
-            paged: None,
-            lora: None,
+            path: StepPath::Host { groups },
         };
         let ids = Tensor::new(ids.as_slice(), &self.device)?;
         Ok((batch, ids, Tensor::new(last.as_slice(), &self.device)?))
@@ -658,15 +655,15 @@ impl Decoder {
         let batch = Batch {
             lens,
             starts,
-            groups: Vec::new(),
             cos,
             sin,
-            host: false,
             layers: self.layers.len(),
             device: &self.device,
             dtype: self.dtype,
-            paged: Some(inputs.paged),
-            lora: slots.zip(inputs.slots),
+            path: StepPath::Tensor {
+                paged: inputs.paged,
+                lora: slots.zip(inputs.slots),
+            },
         };
         let rest = TensorInputs {
             ids: inputs.ids,
