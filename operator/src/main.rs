@@ -24,6 +24,12 @@ struct Cli {
     command: Option<Command>,
     #[command(flatten)]
     run: RunArgs,
+    /// Export traces (every reconcile's span) over OTLP/HTTP to this collector
+    /// (`http://collector:4318`, or the full `.../v1/traces` URL); off when unset. The `OTEL_*`
+    /// variables of the OpenTelemetry SDK (service name, resource attributes, sampler,
+    /// headers) apply.
+    #[arg(long, global = true, env = "MOLE_OTLP_TRACES_ENDPOINT")]
+    otlp_traces_endpoint: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -166,13 +172,10 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
 
 #[tokio::main]
 async fn main() -> anyhow::Result<()> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("MOLE_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .init();
     let cli = Cli::parse();
+    // Held until main returns: dropping it exports the spans still buffered.
+    let _telemetry = mole_telemetry::init("mole-operator", cli.otlp_traces_endpoint.as_deref())
+        .map_err(|e| anyhow::anyhow!("{}: {e}", e.code()))?;
     match cli.command {
         Some(Command::Crd) => {
             for (_, yaml) in mole_crds::crds_yaml()? {

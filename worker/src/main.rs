@@ -12,6 +12,11 @@ use clap::{Parser, Subcommand};
 struct Cli {
     #[command(subcommand)]
     command: Command,
+    /// Export traces over OTLP/HTTP to this collector (`http://collector:4318`, or the full
+    /// `.../v1/traces` URL); off when unset. The `OTEL_*` variables of the OpenTelemetry SDK
+    /// (service name, resource attributes, sampler, headers) apply.
+    #[arg(long, global = true, env = "MOLE_OTLP_TRACES_ENDPOINT")]
+    otlp_traces_endpoint: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -54,8 +59,15 @@ fn pin_thread_count() {
 
 fn main() -> std::process::ExitCode {
     pin_thread_count();
-    mole_worker::telemetry::init();
     let cli = Cli::parse();
+    // Held until main returns: dropping it exports the spans still buffered.
+    let _telemetry = match mole_worker::telemetry::init(cli.otlp_traces_endpoint.as_deref()) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("{}: {e}", e.code());
+            return std::process::ExitCode::from(2);
+        }
+    };
     match cli.command {
         Command::Serve(a) => mole_worker::server::cli::run(a),
         Command::Merge(a) => mole_worker::merge::cli::run(a),

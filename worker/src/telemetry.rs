@@ -1,19 +1,9 @@
-//! Logging setup shared by every subcommand.
+//! Logs and traces of every subcommand: the subscriber `mole-telemetry` installs (shared with
+//! the operator), under the service name `mole-worker`.
 
-/// Installs a tracing subscriber: human-readable by default, JSON with `MOLE_LOG_FORMAT=json`;
-/// the filter comes from `MOLE_LOG` (or `RUST_LOG`), default `info`.
-pub fn init() {
-    use tracing_subscriber::{fmt, EnvFilter};
-    let filter = std::env::var("MOLE_LOG")
-        .ok()
-        .and_then(|v| EnvFilter::try_new(v).ok())
-        .or_else(|| EnvFilter::try_from_default_env().ok())
-        .unwrap_or_else(|| EnvFilter::new("info"));
-    let json = std::env::var("MOLE_LOG_FORMAT").is_ok_and(|v| v == "json");
-    let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
-    let _ = if json {
-        builder.json().try_init()
-    } else {
-        builder.try_init()
-    };
+pub use mole_telemetry::{continue_trace, inject, Telemetry, TelemetryError};
+
+/// Installs the logs, and the OTLP trace export when `otlp_traces_endpoint` is set.
+pub fn init(otlp_traces_endpoint: Option<&str>) -> Result<Telemetry, TelemetryError> {
+    mole_telemetry::init("mole-worker", otlp_traces_endpoint)
 }

@@ -11,7 +11,6 @@
 
 use std::collections::HashMap;
 use std::path::Path;
-use std::process::ExitCode;
 use std::time::Instant;
 
 use candle_core::{DType, Device, Tensor};
@@ -54,8 +53,8 @@ pub struct DecodeBenchArgs {
     pub dtype: String,
     /// The image case: time to first token for one `WxH` screenshot on the synthetic model
     /// with a vision tower (`none` skips it).
-    #[arg(long, env = "MOLE_BENCH_IMAGE", default_value = "1024x768", value_parser = super::image::parse_image)]
-    pub image: super::image::ImageSize,
+    #[arg(long, env = "MOLE_BENCH_IMAGE", default_value = "1024x768", value_parser = parse_image)]
+    pub image: ImageSize,
     /// Blocks of the image case's vision tower (Qwen3-VL-8B: 27).
     #[arg(long, env = "MOLE_BENCH_VISION_DEPTH", default_value_t = 27)]
     pub vision_depth: usize,
@@ -88,8 +87,30 @@ fn synthetic_hidden(v: &str) -> Result<usize, String> {
     }
 }
 
+/// `--image`: a screenshot's width and height, or None to skip the case.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ImageSize(pub Option<(u32, u32)>);
+
+/// `--image`: `WxH`, or `none` to skip the case.
+pub(super) fn parse_image(v: &str) -> Result<ImageSize, String> {
+    parse_size(v).map(ImageSize)
+}
+
+fn parse_size(v: &str) -> Result<Option<(u32, u32)>, String> {
+    if v.eq_ignore_ascii_case("none") {
+        return Ok(None);
+    }
+    let (w, h) = v
+        .split_once(['x', 'X', '×'])
+        .ok_or_else(|| format!("{v}: expected WxH (e.g. 1024x768) or none"))?;
+    match (w.parse(), h.parse()) {
+        (Ok(w), Ok(h)) if w > 0 && h > 0 => Ok(Some((w, h))),
+        _ => Err(format!("{v}: expected WxH with positive integers")),
+    }
+}
+
 /// The device and dtype of a run: the worker's own choice, or `--dtype` as given.
-fn device_and_dtype(args: &DecodeBenchArgs) -> anyhow::Result<(Device, DType)> {
+pub(super) fn device_and_dtype(args: &DecodeBenchArgs) -> anyhow::Result<(Device, DType)> {
     let dev = crate::engine::default_device();
     let dtype = match args.dtype.to_ascii_lowercase().as_str() {
         "auto" => crate::engine::candle_dtype(mole_api::Dtype::default()),
@@ -599,7 +620,8 @@ def tps(b):
 print(tps(1), tps(16))
 "#;
 
-fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
+/// The decode case (the image case runs after it, see [`super::image`]).
+pub(super) fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
     let (dev, dtype) = device_and_dtype(args)?;
     let cfg = synthetic_config(args.hidden, args.layers);
     let weights = synthetic_weights(&cfg, &dev)?;
@@ -657,9 +679,6 @@ fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
         let label = dir.display().to_string();
         bench_model(&label, &mut m, wide.as_ref(), Some(dir), args, &dev)?;
     }
-    if let (Some(size), false) = (args.image.0, args.tensor_only) {
-        super::image::run(args, size, &dev, dtype)?;
-    }
     Ok(())
 }
 
@@ -676,16 +695,5 @@ fn device_name(dev: &Device) -> &'static str {
         "CUDA GPU 0"
     } else {
         "CPU"
-    }
-}
-
-/// Runs the benchmark.
-pub fn run(args: DecodeBenchArgs) -> ExitCode {
-    match bench(&args) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("bench decode failed: {e:#}");
-            ExitCode::FAILURE
-        }
     }
 }

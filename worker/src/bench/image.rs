@@ -20,28 +20,6 @@ const IMAGE_TOKEN: u32 = 31_990;
 /// Text tokens before and after the image (a short instruction, as the seeds send).
 const TEXT: usize = 16;
 
-/// `--image`: a screenshot's width and height, or None to skip the case.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct ImageSize(pub Option<(u32, u32)>);
-
-/// `--image`: `WxH`, or `none` to skip the case.
-pub(super) fn parse_image(v: &str) -> Result<ImageSize, String> {
-    parse_size(v).map(ImageSize)
-}
-
-fn parse_size(v: &str) -> Result<Option<(u32, u32)>, String> {
-    if v.eq_ignore_ascii_case("none") {
-        return Ok(None);
-    }
-    let (w, h) = v
-        .split_once(['x', 'X', '×'])
-        .ok_or_else(|| format!("{v}: expected WxH (e.g. 1024x768) or none"))?;
-    match (w.parse(), h.parse()) {
-        (Ok(w), Ok(h)) if w > 0 && h > 0 => Ok(Some((w, h))),
-        _ => Err(format!("{v}: expected WxH with positive integers")),
-    }
-}
-
 /// A synthetic Qwen3-VL: the decode case's text model, M-RoPE sections in Qwen3-VL's
 /// proportions, and a vision tower of `depth` blocks of width `hidden` (Qwen3-VL-8B: 27 and
 /// 1152, 16 heads, MLP 4304, DeepStack after blocks 8, 16 and 24).
@@ -111,7 +89,7 @@ fn best<T>(runs: usize, mut f: impl FnMut() -> anyhow::Result<T>) -> anyhow::Res
     Ok(best)
 }
 
-/// Runs the image case.
+/// Runs the image case (after the decode case, on its device and dtype).
 pub(super) fn run(
     args: &DecodeBenchArgs,
     (w, h): (u32, u32),

@@ -24,6 +24,22 @@ enum BenchKind {
 pub fn run(args: BenchArgs) -> std::process::ExitCode {
     match args.what {
         BenchKind::Merge(a) => merge::run(a),
-        BenchKind::Decode(a) => decode::run(a),
+        BenchKind::Decode(a) => match decode_and_image(&a) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bench decode failed: {e:#}");
+                std::process::ExitCode::FAILURE
+            }
+        },
     }
+}
+
+/// `bench decode`: the decode case, then the image case unless told otherwise.
+fn decode_and_image(args: &decode::DecodeBenchArgs) -> anyhow::Result<()> {
+    decode::bench(args)?;
+    if let (Some(size), false) = (args.image.0, args.tensor_only) {
+        let (dev, dtype) = decode::device_and_dtype(args)?;
+        image::run(args, size, &dev, dtype)?;
+    }
+    Ok(())
 }

@@ -10,6 +10,7 @@ pub mod sample_ops;
 pub mod sampler;
 pub mod scheduler;
 pub mod text;
+mod trace;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -496,10 +497,14 @@ impl InferenceEngine for Engine {
             })
             .collect();
         let id = req.id;
+        // The sequences' spans go under the caller's (the server's request span), also when a
+        // loader thread creates them.
+        let caller = tracing::Span::current();
         // The first choice, carrying the others until its prompt is in the cache (then they
         // take its images, embeddings included: see `Seq::fork`).
         let mut images = images;
         let seq = move |adapter: Option<Pinned>| {
+            let _in = caller.enter();
             let mut seqs: Vec<Box<Seq>> = choices
                 .into_iter()
                 .enumerate()

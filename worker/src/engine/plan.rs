@@ -50,8 +50,9 @@ pub(super) fn admit(
             }
             free = free.saturating_sub(s.context.len().div_ceil(block));
         }
-        let s = waiting.pop_front().expect("peeked");
+        let mut s = waiting.pop_front().expect("peeked");
         shared.waiting.fetch_sub(1, Ordering::SeqCst);
+        s.trace.prefilling(s.context.len());
         running.push(s);
     }
 }

@@ -21,6 +21,7 @@ use super::plan::{self, Work};
 use super::sample_ops::{self, BatchSampler, CandleSampler, RowSampling, SamplePlan};
 use super::sampler::{Sampled, Sampler};
 use super::text::{Detokenizer, StopMatcher};
+use super::trace::Phases;
 use super::Shared;
 use crate::lora::registry::Pinned;
 use crate::model::{ModelError, Row, RowVision, SeqCache, StepOutput};
@@ -60,6 +61,8 @@ pub struct Seq {
     /// them.
     #[allow(clippy::vec_box)]
     pub(super) forks: Vec<Box<Seq>>,
+    /// Its spans (queue, prefill, decode) under the request's.
+    pub(super) trace: Phases,
 }
 
 impl Seq {
@@ -92,6 +95,7 @@ impl Seq {
             done: false,
             images: None,
             forks: Vec::new(),
+            trace: Phases::new(tracing::Span::current()),
         }
     }
 
@@ -105,6 +109,7 @@ impl Seq {
             let _ = f.tx.send(TokenEvent::Error(err.clone()));
         }
         let _ = self.tx.send(TokenEvent::Error(err.clone()));
+        self.trace.failed(err);
         self.done = true;
     }
 
@@ -115,6 +120,7 @@ impl Seq {
         self.context = self.prompt.clone();
         self.context.extend_from_slice(&self.generated);
         self.prefilled = 0;
+        self.trace.queued();
     }
 
     /// The choices this sequence carries, now that its prompt is in the cache: each takes the
@@ -129,6 +135,7 @@ impl Seq {
                 let (cache, held) = model.fork_cache(&self.cache, f.context.len() - 1);
                 f.cache = cache;
                 f.prefilled = held;
+                f.trace.prefilling(f.context.len());
                 // Its images, with the embeddings the tower computed for this one.
                 f.images.clone_from(&self.images);
                 f
@@ -458,6 +465,7 @@ fn pick(
 fn emit(shared: &Shared, s: &mut Seq, out: Sampled) {
     let tok = out.token;
     s.generated.push(tok);
+    s.trace.decoding();
     let p = s.sampler.params();
     let eos = !p.ignore_eos && shared.text.eos_ids.contains(&tok);
     let stop_id = p.stop_token_ids.contains(&tok);
@@ -516,6 +524,7 @@ fn emit(shared: &Shared, s: &mut Seq, out: Sampled) {
         if let Some(p) = s.adapter.take() {
             p.finish();
         }
+        s.trace.finished(reason, s.generated.len());
         let _ = s.tx.send(TokenEvent::Finished {
             reason,
             usage: Usage {

@@ -8,7 +8,7 @@
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
 
-use super::batch::{Batch, Paged, Row};
+use super::batch::{Batch, Paged, Row, StepPath};
 use super::cache::{append_kv, LayerKv};
 use super::project::{fusable_projs, projs};
 use super::weights::{Fusable, Weights};
@@ -102,9 +102,9 @@ impl Attention {
             candle_nn::rotary_emb::rope_thd(&x.unsqueeze(0)?, &batch.cos, &batch.sin)?.squeeze(0)
         };
         let (q, k) = (rope(&q)?, rope(&k)?);
-        let out = match &batch.paged {
-            Some(p) => attend_paged(li, &q, &k, &v, batch, p)?,
-            None => attend_host(li, &q, &k, &v, rows, batch)?,
+        let out = match &batch.path {
+            StepPath::Tensor { paged, .. } => attend_paged(li, &q, &k, &v, batch, paged)?,
+            StepPath::Host { .. } => attend_host(li, &q, &k, &v, rows, batch)?,
         };
         let [o] = projs(batch, [(&self.o, Proj::O)], li, &out)?;
         Ok(o)

@@ -35,28 +35,36 @@ pub struct RowVision<'a> {
     pub offset: i64,
 }
 
-/// Per-forward facts every layer shares: the rows' new and cached tokens, adapter groups,
-/// each token's rotary cos/sin at its own position, and how the step computes.
+/// Per-forward facts every layer shares: the rows' new and cached tokens, each token's rotary
+/// cos/sin at its own position, and the path the step computes on.
 pub(super) struct Batch<'a> {
     pub lens: Vec<usize>,
     pub starts: Vec<usize>,
-    /// Host path: the rows sharing each adapter.
-    pub groups: Vec<Group<'a>>,
     /// cos/sin `[tokens, head_dim/2]`: each token's rotation at its own position.
     pub cos: Tensor,
     pub sin: Tensor,
-    /// CPU f32: attention and adapter updates run as fused host kernels.
-    pub host: bool,
     /// Layers of the model (a cache is sized for them on first use).
     pub layers: usize,
     pub device: &'a Device,
     /// The compute dtype.
     pub dtype: DType,
-    /// Tensor path: where the step's keys go and come from in the paged cache.
-    pub paged: Option<Paged<'a>>,
-    /// Tensor path, when a row has an adapter: the slot pool and where each token meets its
-    /// slot.
-    pub lora: Option<(&'a LoraSlots, StepSlots)>,
+    /// How the step computes: what one path needs, the other cannot have.
+    pub path: StepPath<'a>,
+}
+
+/// The two ways a step computes. The host path is the CPU's in f32: each row's cache of its
+/// own, attention and adapter updates as fused host kernels over the rows grouped by adapter.
+/// The tensor path is a GPU's (and the CPU's reference of it): the paged cache, and the LoRA
+/// slot pool each token reads its adapter from.
+pub(super) enum StepPath<'a> {
+    /// The host path: the rows sharing each adapter.
+    Host { groups: Vec<Group<'a>> },
+    /// The tensor path: where the step's keys go and come from in the paged cache, and, when a
+    /// row has an adapter, the slot pool and where each token meets its slot.
+    Tensor {
+        paged: Paged<'a>,
+        lora: Option<(&'a LoraSlots, StepSlots)>,
+    },
 }
 
 /// A tensor-path step's view of the paged cache: the rows padded to `queries` new tokens and
@@ -86,4 +94,44 @@ pub(super) struct Group<'a> {
     pub adapter: &'a LoraAdapter,
     pub idx: Tensor,
     pub rows: Vec<u32>,
+}
+
+/// A step's rotary positions, one per new token.
+pub(super) struct Positions {
+    /// The time position (text: the only one).
+    pub time: Vec<u32>,
+    /// With image tokens in the step (M-RoPE): the height and width positions.
+    pub spatial: Option<(Vec<u32>, Vec<u32>)>,
+}
+
+impl Positions {
+    /// Every new token's rotary position: its time (or only) position, and with image tokens in
+    /// the step, the height and width positions too (M-RoPE). Text continues each cache at its
+    /// length plus its offset.
+    pub(super) fn of(rows: &[Row<'_>]) -> Self {
+        let spatial = rows.iter().any(|r| r.vision.is_some());
+        let mut p = Positions {
+            time: Vec::new(),
+            spatial: spatial.then(|| (Vec::new(), Vec::new())),
+        };
+        for r in rows {
+            let start = r.cache.len() as i64 + r.cache.pos_offset;
+            match (&r.vision, &mut p.spatial) {
+                (Some(v), Some((h, w))) => {
+                    p.time.extend(v.positions.iter().map(|x| x[0]));
+                    h.extend(v.positions.iter().map(|x| x[1]));
+                    w.extend(v.positions.iter().map(|x| x[2]));
+                }
+                (_, spatial) => {
+                    let text = (0..r.tokens.len() as i64).map(|i| (start + i).max(0) as u32);
+                    p.time.extend(text.clone());
+                    if let Some((h, w)) = spatial {
+                        h.extend(text.clone());
+                        w.extend(text);
+                    }
+                }
+            }
+        }
+        p
+    }
 }

@@ -5,7 +5,7 @@ use std::path::Path;
 use serde::Deserialize;
 
 use super::vision::VisionConfig;
-use super::{ModelError, Rope};
+use super::ModelError;
 use crate::formats::hf;
 
 /// The decoder families mole runs.
@@ -211,23 +211,6 @@ impl ModelConfig {
                 "model_type {other} is not supported (llama, qwen2, qwen3, qwen3_vl)"
             ))),
         }
-    }
-    /// RoPE base: the RoPE dict's `rope_theta`, else the top-level one, else 10000.
-    pub fn rope_theta(&self) -> f64 {
-        self.rope()
-            .map(|r| r.theta)
-            .unwrap_or(self.rope_theta.unwrap_or(10_000.0))
-    }
-    /// RoPE base and scaling (`rope_scaling` or `rope_parameters`), as transformers reads them.
-    pub fn rope(&self) -> Result<Rope, ModelError> {
-        Rope::from_config(self)
-    }
-    /// Longest sequence the model accepts: `max_position_embeddings`, stretched by `linear`,
-    /// `dynamic` and `yarn` RoPE scaling (see [`Rope::max_positions`]).
-    pub fn max_positions(&self) -> usize {
-        self.rope()
-            .map(|r| r.max_positions(self.max_position_embeddings))
-            .unwrap_or(self.max_position_embeddings)
     }
     /// Key/value heads.
     pub fn kv_heads(&self) -> usize {

@@ -8,7 +8,7 @@ use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 
-use super::batch::{Batch, Group, Row};
+use super::batch::{Batch, Group, Positions, Row, StepPath};
 use super::cache::{mixed_cache, LayerKv, SeqCache};
 use super::kv::{KvPool, TensorPathOptions};
 use super::layer::Layer;
@@ -491,36 +491,6 @@ impl Decoder {
         }
     }
 
-    /// Every new token's rotary position: its time (or only) position, and with image tokens in
-    /// the step, the height and width positions too (M-RoPE). Text continues each cache at its
-    /// length plus its offset.
-    fn positions(&self, rows: &[Row<'_>]) -> Positions {
-        let spatial = rows.iter().any(|r| r.vision.is_some());
-        let mut p = Positions {
-            time: Vec::new(),
-            spatial: spatial.then(|| (Vec::new(), Vec::new())),
-        };
-        for r in rows {
-            let start = r.cache.len() as i64 + r.cache.pos_offset;
-            match (&r.vision, &mut p.spatial) {
-                (Some(v), Some((h, w))) => {
-                    p.time.extend(v.positions.iter().map(|x| x[0]));
-                    h.extend(v.positions.iter().map(|x| x[1]));
-                    w.extend(v.positions.iter().map(|x| x[2]));
-                }
-                (_, spatial) => {
-                    let text = (0..r.tokens.len() as i64).map(|i| (start + i).max(0) as u32);
-                    p.time.extend(text.clone());
-                    if let Some((h, w)) = spatial {
-                        h.extend(text.clone());
-                        w.extend(text);
-                    }
-                }
-            }
-        }
-        p
-    }
-
     /// cos/sin `[tokens, head_dim/2]` at `time` (and with M-RoPE the spatial positions), rows
     /// of the table gathered by position: a frequency takes the angle of its axis's position.
     fn rotary_at(
@@ -604,7 +574,7 @@ impl Decoder {
                 })
             })
             .collect::<Result<_, candle_core::Error>>()?;
-        let positions = self.positions(rows);
+        let positions = Positions::of(rows);
         let (cos, sin) = match &positions.spatial {
             Some((h, w)) => {
                 let up = |v: &[u32]| Tensor::new(v, &self.device);
@@ -624,15 +594,12 @@ impl Decoder {
         let batch = Batch {
             lens,
             starts,
-            groups,
             cos,
             sin,
-            host: true,
             layers: self.layers.len(),
             device: &self.device,
             dtype: self.dtype,
-            paged: None,
-            lora: None,
+            path: StepPath::Host { groups },
         };
         let ids = Tensor::new(ids.as_slice(), &self.device)?;
         Ok((batch, ids, Tensor::new(last.as_slice(), &self.device)?))
@@ -658,7 +625,7 @@ impl Decoder {
             None => None,
         };
         let width = self.cfg.kv_heads() * self.cfg.head_dim();
-        let positions = self.positions(rows);
+        let positions = Positions::of(rows);
         let inputs = step::inputs(
             rows,
             kv,
@@ -688,15 +655,15 @@ impl Decoder {
         let batch = Batch {
             lens,
             starts,
-            groups: Vec::new(),
             cos,
             sin,
-            host: false,
             layers: self.layers.len(),
             device: &self.device,
             dtype: self.dtype,
-            paged: Some(inputs.paged),
-            lora: slots.zip(inputs.slots),
+            path: StepPath::Tensor {
+                paged: inputs.paged,
+                lora: slots.zip(inputs.slots),
+            },
         };
         let rest = TensorInputs {
             ids: inputs.ids,
@@ -736,14 +703,6 @@ impl Decoder {
         }
         Ok((self.cos.narrow(0, start, t)?, self.sin.narrow(0, start, t)?))
     }
-}
-
-/// A step's rotary positions, one per new token.
-pub(super) struct Positions {
-    /// The time position (text: the only one).
-    pub time: Vec<u32>,
-    /// With image tokens in the step (M-RoPE): the height and width positions.
-    pub spatial: Option<(Vec<u32>, Vec<u32>)>,
 }
 
 /// Per rotary frequency (interleaved M-RoPE, see [`super::VisionSpec::mrope_section`]), 1

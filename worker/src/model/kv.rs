@@ -13,7 +13,7 @@ use super::ModelError;
 /// The most token slots a paged cache holds (every layer's keys and values): a step's slot
 /// indices travel in its one f32 upload, exact below 2^24 (see `model/step.rs`). Sixteen
 /// million tokens is more than any device holds for a model of useful size.
-pub const MAX_KV_SLOTS: usize = super::step::EXACT_F32;
+pub const MAX_KV_SLOTS: usize = super::transfer::EXACT_F32;
 
 /// How the tensor path's pools are sized.
 #[derive(Debug, Clone, PartialEq, Eq)]

@@ -21,7 +21,7 @@ use std::sync::{Mutex, PoisonError};
 use candle_core::{Module, Tensor, D};
 use rayon::prelude::*;
 
-use super::batch::{Batch, Group};
+use super::batch::{Batch, Group, StepPath};
 use super::lora::{HostUpdates, UpdateTask, HOST_LORA_MAX_TOKENS};
 use super::slots::Group as Projections;
 use super::weights::Fusable;
@@ -41,26 +41,24 @@ pub(super) fn projs<const N: usize>(
     layer: usize,
     x: &Tensor,
 ) -> Result<[Tensor; N], ModelError> {
-    if batch.paged.is_some() {
-        return slot_projs(batch, lins, layer, x);
-    }
-    let groups = &batch.groups[..];
-    if batch.host {
-        let pairs: Vec<(&LoraAdapter, &[u32])> = groups
-            .iter()
-            .map(|g| (g.adapter, g.rows.as_slice()))
-            .collect();
-        let mut with_updates = Vec::with_capacity(N);
-        for &(lin, which) in &lins {
-            match HostUpdates::of(layer, which, &pairs)? {
-                Some(u) => with_updates.push((lin, u)),
-                None => break,
-            }
+    let groups = match &batch.path {
+        StepPath::Tensor { .. } => return slot_projs(batch, lins, layer, x),
+        StepPath::Host { groups } => &groups[..],
+    };
+    let pairs: Vec<(&LoraAdapter, &[u32])> = groups
+        .iter()
+        .map(|g| (g.adapter, g.rows.as_slice()))
+        .collect();
+    let mut with_updates = Vec::with_capacity(N);
+    for &(lin, which) in &lins {
+        match HostUpdates::of(layer, which, &pairs)? {
+            Some(u) => with_updates.push((lin, u)),
+            None => break,
         }
-        if with_updates.len() == N {
-            if let Some(out) = host_projections(x, with_updates)? {
-                return Ok(out.try_into().expect("one output per projection"));
-            }
+    }
+    if with_updates.len() == N {
+        if let Some(out) = host_projections(x, with_updates)? {
+            return Ok(out.try_into().expect("one output per projection"));
         }
     }
     let mut out = Vec::with_capacity(N);
@@ -116,8 +114,9 @@ pub(super) fn fusable_projs<const N: usize>(
     }
 }
 
-/// `out` (the base products of `projs` over `x`) plus, when a row has an adapter, the slots'
-/// updates: the group's shrink once, then each projection's expand.
+/// `out` (the base products of `projs` over `x`) plus the rows' adapters' updates: on the
+/// tensor path, when a row has an adapter, the group's shrink once from the slots, then each
+/// projection's expand; on the host path, each adapter group's by tensor ops.
 fn slot_updates<const N: usize>(
     batch: &Batch<'_>,
     mut out: [Tensor; N],
@@ -125,12 +124,25 @@ fn slot_updates<const N: usize>(
     layer: usize,
     x: &Tensor,
 ) -> Result<[Tensor; N], ModelError> {
-    if let Some((slots, step)) = &batch.lora {
-        let group = Projections::of(&projs).expect("the projections of one input form a group");
-        let h = slots.shrink(layer, group, x, step)?; // [N, distinct, rows, rank]
-        for (i, o) in out.iter_mut().enumerate() {
-            let update = slots.expand(layer, projs[i], &h, i, step, o.dtype())?;
-            *o = (&*o + update)?;
+    match &batch.path {
+        StepPath::Tensor {
+            lora: Some((slots, step)),
+            ..
+        } => {
+            let group =
+                Projections::of(&projs).expect("the projections of one input form a group");
+            let h = slots.shrink(layer, group, x, step)?; // [N, distinct, rows, rank]
+            for (i, o) in out.iter_mut().enumerate() {
+                let update = slots.expand(layer, projs[i], &h, i, step, o.dtype())?;
+                *o = (&*o + update)?;
+            }
+        }
+        StepPath::Tensor { lora: None, .. } => {}
+        // Fused weights on the host path: each adapter group's update by tensor ops.
+        StepPath::Host { groups } => {
+            for (o, &which) in out.iter_mut().zip(&projs) {
+                *o = tensor_updates(o.clone(), layer, which, x, groups)?;
+            }
         }
     }
     Ok(out)

@@ -77,6 +77,28 @@ fn num(d: &Map<String, Value>, key: &str) -> Option<f64> {
     d.get(key).and_then(Value::as_f64)
 }
 
+/// What the config says of rotary positions, read here so that the config itself knows
+/// nothing of RoPE's rules.
+impl ModelConfig {
+    /// RoPE base: the RoPE dict's `rope_theta`, else the top-level one, else 10000.
+    pub fn rope_theta(&self) -> f64 {
+        self.rope()
+            .map(|r| r.theta)
+            .unwrap_or(self.rope_theta.unwrap_or(10_000.0))
+    }
+    /// RoPE base and scaling (`rope_scaling` or `rope_parameters`), as transformers reads them.
+    pub fn rope(&self) -> Result<Rope, ModelError> {
+        Rope::from_config(self)
+    }
+    /// Longest sequence the model accepts: `max_position_embeddings`, stretched by `linear`,
+    /// `dynamic` and `yarn` RoPE scaling (see [`Rope::max_positions`]).
+    pub fn max_positions(&self) -> usize {
+        self.rope()
+            .map(|r| r.max_positions(self.max_position_embeddings))
+            .unwrap_or(self.max_position_embeddings)
+    }
+}
+
 /// The dict transformers would read: `rope_scaling` when set, else `rope_parameters`; a dict
 /// nested by layer type (`{"full_attention": {...}}`) is accepted when every layer type has the
 /// same parameters.

@@ -10,14 +10,10 @@
 
 use candle_core::{DType, Device, Tensor};
 
-use super::batch::{Paged, Row};
-use super::decoder::Positions;
+use super::batch::{Paged, Positions, Row};
 use super::kv::{BlockTable, KvPool};
 use super::slots::{SlotPlan, StepSlots};
-use super::transfer;
-
-/// Integers an f32 holds exactly: every index a step uploads is below it.
-pub(super) const EXACT_F32: usize = 1 << 24;
+use super::transfer::{self, EXACT_F32};
 
 /// A step's inputs on the device.
 pub(super) struct Inputs<'a> {

@@ -11,6 +11,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use candle_core::{Device, Tensor, WithDType};
 
+/// Integers an f32 holds exactly: every index a step uploads (they travel as f32, see
+/// [`super::step`]) is below it.
+pub(super) const EXACT_F32: usize = 1 << 24;
+
 static UPLOADS: AtomicUsize = AtomicUsize::new(0);
 static DOWNLOADS: AtomicUsize = AtomicUsize::new(0);
 

@@ -57,7 +57,22 @@ pub(super) async fn forward(
     else {
         return Ok(None);
     };
-    let reason = match proxy(s, &ep, d, up).await {
+    let span = tracing::info_span!(
+        "gateway",
+        otel.name = "gateway forward",
+        otel.kind = "client",
+        otel.status_code = tracing::field::Empty,
+        mole.adapter = %name,
+        server.address = %ep,
+    );
+    let forwarded = {
+        use tracing::Instrument;
+        proxy(s, &ep, d, up, &span).instrument(span.clone()).await
+    };
+    if forwarded.is_err() {
+        span.record("otel.status_code", "ERROR");
+    }
+    let reason = match forwarded {
         Ok(r) => {
             s.metrics
                 .proxy
@@ -97,12 +112,24 @@ async fn proxy(
     ep: &str,
     d: &Decision,
     up: &Upstream<'_>,
+    span: &tracing::Span,
 ) -> Result<Response, String> {
     let url = format!("{}{}", ep.trim_end_matches('/'), up.path);
     let mut req = s.http.post(&url).json(up.body);
     if let Some(a) = up.headers.get("authorization") {
         req = req.header("authorization", a.clone());
     }
+    // The merged pod continues this trace; with export off here, the client's own trace
+    // headers go on as they came.
+    let mut trace = HeaderMap::new();
+    if !crate::telemetry::inject(span, &mut trace) {
+        for h in ["traceparent", "tracestate"] {
+            if let Some(v) = up.headers.get(h) {
+                trace.insert(h, v.clone());
+            }
+        }
+    }
+    req = req.headers(trace);
     let r = req.send().await.map_err(|e| {
         if e.is_timeout() {
             format!("{url}: no answer in time ({e})")

@@ -89,6 +89,10 @@ pub(super) async fn serve(
     }
     let images = images::read_all(s, std::mem::take(&mut req.images)).await?;
     let d = decide(s, &req.route_input(), &images)?;
+    let span = tracing::Span::current();
+    span.record("mole.adapter", d.adapter.as_deref().unwrap_or(""));
+    span.record("mole.mode", d.mode.as_str());
+    span.record("mole.route", d.reason.as_str());
     let endpoint = req.kind.endpoint();
     let (adapter, mode, reason) = (d.adapter.clone(), d.mode, d.reason.clone());
     let r = serve_routed(s, headers, req, images, d).await;
