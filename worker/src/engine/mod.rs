@@ -2,6 +2,7 @@
 //! model instance and a registry of LoRA adapters. The server talks to it only through
 //! [`api`]; [`Engine`] is the implementation.
 
+mod adapters;
 pub mod api;
 mod images;
 mod plan;
@@ -23,11 +24,10 @@ use self::images::{ImageProcessor, ImagePrompt};
 use self::sampler::Sampler;
 use self::scheduler::{Msg, Seq};
 use self::text::TextModel;
-use crate::lora::registry::{Lookup, Pinned, Registry};
-use crate::lora::LoadOptions;
+use crate::lora::registry::Registry;
 use crate::model::{
-    Decoder, DeviceMemory, KvBudget, LoraAdapter, ModelError, Proj, Row, SeqCache,
-    TensorPathOptions, MAX_KV_SLOTS,
+    Decoder, DeviceMemory, KvBudget, ModelError, Proj, Row, SeqCache, TensorPathOptions,
+    MAX_KV_SLOTS,
 };
 
 /// Engine settings (from the worker config's limits).
@@ -204,7 +204,7 @@ fn model_error(e: ModelError) -> EngineError {
 pub struct Shared {
     model: Decoder,
     text: TextModel,
-    registry: Registry,
+    registry: Registry<adapters::Waiter>,
     opts: EngineOptions,
     /// Requests submitted and not yet admitted to the batch.
     waiting: AtomicUsize,
@@ -342,35 +342,6 @@ impl Engine {
         Self { shared, tx }
     }
 
-    fn load_weights(shared: &Shared, spec: &AdapterSpec) -> Result<Arc<LoraAdapter>, EngineError> {
-        let started = std::time::Instant::now();
-        let opts = LoadOptions {
-            max_rank: shared.opts.max_lora_rank,
-            expect_base: Some(shared.opts.base_name.clone()),
-        };
-        let a = crate::lora::load(
-            &spec.path,
-            shared.model.config(),
-            shared.lora_dtype,
-            &shared.device,
-            &opts,
-        )
-        .map_err(|e| {
-            shared.load_failures.fetch_add(1, Ordering::Relaxed);
-            EngineError::InvalidAdapter {
-                name: spec.name.clone(),
-                reason: e.to_string(),
-            }
-        })?;
-        shared.loads.fetch_add(1, Ordering::Relaxed);
-        shared
-            .load_micros
-            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
-        tracing::info!(adapter = %spec.name, version = %spec.version, rank = a.rank, bytes = a.bytes,
-            dtype = ?shared.lora_dtype, seconds = started.elapsed().as_secs_f64(), "adapter loaded");
-        Ok(Arc::new(a))
-    }
-
     fn is_merged(&self, name: &str) -> Option<&str> {
         self.shared
             .opts
@@ -418,22 +389,6 @@ impl Engine {
             }
         };
         ids.map_err(|e| EngineError::InvalidRequest(e.to_string()))
-    }
-
-    /// Pins the adapter for a request, reading it back from disk when it was evicted.
-    fn pin(&self, name: &str) -> Result<Pinned, EngineError> {
-        match self.shared.registry.lookup(name) {
-            Lookup::Ready(p) => Ok(p),
-            Lookup::Unknown => Err(EngineError::AdapterNotFound(name.into())),
-            Lookup::Evicted(spec) => {
-                let w = Self::load_weights(&self.shared, &spec)?;
-                self.shared.registry.insert(spec, w);
-                match self.shared.registry.lookup(name) {
-                    Lookup::Ready(p) => Ok(p),
-                    _ => Err(EngineError::AdapterNotFound(name.into())),
-                }
-            }
-        }
     }
 }
 
@@ -488,88 +443,26 @@ impl InferenceEngine for Engine {
             return Err(EngineError::Overloaded(queued));
         }
         let mut streams = Vec::with_capacity(n);
-        let choices: Vec<(Sampler, tokio::sync::mpsc::UnboundedSender<TokenEvent>)> = (0..n)
+        // The first choice, carrying the others until its prompt is in the cache (then they
+        // take its images, embeddings included: see `Seq::fork`).
+        let mut seqs: Vec<Box<Seq>> = (0..n)
             .map(|i| {
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
                 streams.push(rx);
-                (Sampler::new(choice(&req, i).sampling, &prompt), tx)
+                let sampler = Sampler::new(choice(&req, i).sampling, &prompt);
+                let id = match i {
+                    0 => req.id.clone(),
+                    i => format!("{}/{i}", req.id),
+                };
+                let mut s = Seq::new(id, prompt.clone(), None, sampler, tx, max_new);
+                s.version.clone_from(&merged_version);
+                Box::new(s)
             })
             .collect();
-        let id = req.id;
-        // The first choice, carrying the others until its prompt is in the cache (then they
-        // take its images, embeddings included: see `Seq::fork`).
-        let mut images = images;
-        let seq = move |adapter: Option<Pinned>| {
-            let mut seqs: Vec<Box<Seq>> = choices
-                .into_iter()
-                .enumerate()
-                .map(|(i, (sampler, tx))| {
-                    if let Some(p) = &adapter {
-                        p.start();
-                    }
-                    let id = match i {
-                        0 => id.clone(),
-                        i => format!("{id}/{i}"),
-                    };
-                    let mut s = Seq::new(id, prompt.clone(), adapter.clone(), sampler, tx, max_new);
-                    if merged_version.is_some() {
-                        s.version = merged_version.clone();
-                    }
-                    if i == 0 {
-                        s.images = images.take();
-                    }
-                    Box::new(s)
-                })
-                .collect();
-            let mut first = seqs.remove(0);
-            first.forks = seqs;
-            first
-        };
-        let unqueue = || {
-            sh.waiting.fetch_sub(1, Ordering::SeqCst);
-        };
-        match adapter_name {
-            None => {
-                self.tx.send(Msg::Submit(seq(None))).map_err(|_| {
-                    unqueue();
-                    EngineError::NotReady("engine stopped".into())
-                })?;
-            }
-            Some(name) => match sh.registry.lookup(name) {
-                Lookup::Ready(p) => {
-                    self.tx.send(Msg::Submit(seq(Some(p)))).map_err(|_| {
-                        unqueue();
-                        EngineError::NotReady("engine stopped".into())
-                    })?;
-                }
-                Lookup::Unknown => {
-                    unqueue();
-                    return Err(EngineError::AdapterNotFound(name.into()));
-                }
-                Lookup::Evicted(spec) => {
-                    // Read it back on a loader thread so neither the caller's async runtime
-                    // nor the decode loop waits on the disk; the request queues meanwhile.
-                    let (shared, etx, name) = (sh.clone(), self.tx.clone(), name.to_string());
-                    std::thread::spawn(move || {
-                        let res = Self::load_weights(&shared, &spec).map(|w| {
-                            shared.registry.insert(spec, w);
-                            shared.registry.lookup(&name)
-                        });
-                        match res {
-                            Ok(Lookup::Ready(p)) => {
-                                let _ = etx.send(Msg::Submit(seq(Some(p))));
-                            }
-                            Ok(_) | Err(_) => {
-                                shared.waiting.fetch_sub(1, Ordering::SeqCst);
-                                let err = res.err().unwrap_or(EngineError::AdapterNotFound(name));
-                                let mut s = seq(None);
-                                s.fail(&err);
-                            }
-                        }
-                    });
-                }
-            },
-        }
+        let mut first = seqs.remove(0);
+        first.images = images;
+        first.forks = seqs;
+        self.queue(first, adapter_name)?;
         Ok(streams)
     }
 
@@ -697,30 +590,11 @@ impl InferenceEngine for Engine {
     }
 
     fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
-        if self.is_merged(&spec.name).is_some()
-            || self.shared.registry.is_current(&spec.name, &spec.version)
-        {
-            return Ok(());
-        }
-        match Self::load_weights(&self.shared, &spec) {
-            Ok(w) => {
-                self.shared.registry.insert(spec, w);
-                Ok(())
-            }
-            Err(e) => {
-                // Reported by /v1/lora_adapters so the operator can show why.
-                self.shared.registry.record_failure(spec, e.to_string());
-                Err(e)
-            }
-        }
+        self.load_version(spec)
     }
 
     fn unload_adapter(&self, name: &str) -> Result<(), EngineError> {
-        if self.shared.registry.remove(name) {
-            Ok(())
-        } else {
-            Err(EngineError::AdapterNotFound(name.into()))
-        }
+        self.unload(name)
     }
 
     fn adapters(&self) -> Vec<LoraAdapterInfo> {

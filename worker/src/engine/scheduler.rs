@@ -95,6 +95,16 @@ impl Seq {
         }
     }
 
+    /// Pins `p` for this request and the choices it carries (each counted running).
+    pub(super) fn pin(&mut self, p: Pinned) {
+        for f in &mut self.forks {
+            f.pin(p.clone());
+        }
+        p.start();
+        self.version = Some(p.version.clone());
+        self.adapter = Some(p);
+    }
+
     pub(super) fn cancelled(&self) -> bool {
         self.tx.is_closed()
     }
@@ -202,7 +212,12 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
         let before = running.len();
         running.retain(|s| s.done || !s.cancelled());
         let cancelled = before - running.len();
+        let live = running.len();
         running.retain(|s| !s.done);
+        if cancelled > 0 || running.len() < live {
+            // Adapters the finished requests held may be over capacity: evict them now.
+            shared.registry.trim();
+        }
         publish_stats(&shared, &running, &waiting, cancelled);
     }
 }
