@@ -317,6 +317,9 @@ pub struct EngineStats {
     pub waiting: usize,
     /// Size of the last batch.
     pub last_batch_size: usize,
+    /// Sequences of the largest batch since start, a request's choices each counted (never
+    /// more than `maxBatchSize`).
+    pub largest_batch: usize,
     /// Adapters with running requests.
     pub running_adapters: Vec<String>,
     /// Adapters with waiting requests.

@@ -216,6 +216,8 @@ pub struct Shared {
     preemptions: std::sync::atomic::AtomicU64,
     /// Forward passes run (since start).
     steps: std::sync::atomic::AtomicU64,
+    /// Sequences of the largest batch (since start).
+    largest_batch: AtomicUsize,
     /// What adapters are held in: `opts.lora_dtype` or the model's default.
     lora_dtype: DType,
     device: Device,
@@ -328,6 +330,7 @@ impl Engine {
             load_micros: Default::default(),
             preemptions: Default::default(),
             steps: Default::default(),
+            largest_batch: Default::default(),
             model,
             text,
             opts,
@@ -638,6 +641,7 @@ impl InferenceEngine for Engine {
         s.adapter_evictions = sh.registry.evictions.load(Ordering::Relaxed);
         s.preemptions = sh.preemptions.load(Ordering::Relaxed);
         s.steps = sh.steps.load(Ordering::Relaxed);
+        s.largest_batch = sh.largest_batch.load(Ordering::Relaxed);
         if sh.model.paged() {
             let tp = sh.model.tensor_path();
             s.kv_blocks = Some((sh.model.free_blocks(), tp.kv_blocks));

@@ -170,6 +170,7 @@ impl InferenceEngine for Replicas {
             out.running += s.running;
             out.waiting += s.waiting;
             out.last_batch_size = out.last_batch_size.max(s.last_batch_size);
+            out.largest_batch = out.largest_batch.max(s.largest_batch);
             out.running_adapters.extend(s.running_adapters);
             out.waiting_adapters.extend(s.waiting_adapters);
             out.max_loras = s.max_loras;

@@ -187,7 +187,7 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
         let dropped = before - waiting.len();
         shared.waiting.fetch_sub(dropped, Ordering::SeqCst);
         let mut cancelled = dropped;
-        plan::admit(&shared, &mut running, &mut waiting);
+        let admitted = plan::admit(&shared, &mut running, &mut waiting);
         let before = running.len();
         running.retain(|s| !s.cancelled());
         cancelled += before - running.len();
@@ -196,6 +196,9 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
             .preemptions
             .fetch_add(preempted as u64, Ordering::Relaxed);
         publish_stats(&shared, &running, &waiting, cancelled);
+        // Off the waiting count only now that the batch holding them is published: the load
+        // a router reads (running + waiting) never misses them.
+        shared.waiting.fetch_sub(admitted, Ordering::SeqCst);
         if work.is_empty() {
             continue;
         }
@@ -236,6 +239,8 @@ fn publish_stats(
         v.dedup();
         v
     };
+    let batch: usize = running.iter().map(|s| 1 + s.forks.len()).sum();
+    shared.largest_batch.fetch_max(batch, Ordering::Relaxed);
     let mut st = shared.stats.lock().unwrap_or_else(PoisonError::into_inner);
     st.running = running.len();
     st.cancelled += cancelled as u64;
