@@ -10,17 +10,13 @@ use std::sync::{mpsc, Arc};
 use super::api::{AdapterSpec, EngineError};
 use super::scheduler::{Msg, Seq};
 use super::{Engine, Shared};
-use crate::lora::registry::{LoadTicket, Lookup, Missed, Pinned, Settled};
+use crate::lora::registry::{LoadTicket, Lookup, Missed, Settled};
 use crate::lora::LoadOptions;
 use crate::model::LoraAdapter;
 
-/// What waits for an adapter's read from disk.
-pub(super) enum Waiter {
-    /// A request's sequence (with the choices it carries), queued once the adapter is pinned.
-    Request(Box<Seq>),
-    /// A caller blocked until the adapter is pinned.
-    Pin(mpsc::Sender<Result<Pinned, EngineError>>),
-}
+/// What waits for an adapter's read from disk: a request's sequence (with the choices it
+/// carries, or a classifier's scoring), queued once the adapter is pinned.
+pub(super) type Waiter = Box<Seq>;
 
 /// The error a request waiting for an adapter gets.
 fn missed(m: Missed) -> EngineError {
@@ -65,22 +61,19 @@ pub(super) fn load_weights(
 }
 
 /// Hands each waiter what it got: a request is queued with its adapter pinned, or ends with
-/// the error; a blocked caller is woken.
+/// the error.
 fn settle(shared: &Shared, tx: &mpsc::Sender<Msg>, settled: Settled<Waiter>) {
     for (waiter, got) in settled {
         match (waiter, got) {
-            (Waiter::Request(mut s), Ok(p)) => {
+            (mut s, Ok(p)) => {
                 s.pin(p);
                 if tx.send(Msg::Submit(s)).is_err() {
                     shared.waiting.fetch_sub(1, Ordering::SeqCst);
                 }
             }
-            (Waiter::Request(mut s), Err(m)) => {
+            (mut s, Err(m)) => {
                 shared.waiting.fetch_sub(1, Ordering::SeqCst);
                 s.fail(&missed(m));
-            }
-            (Waiter::Pin(reply), got) => {
-                let _ = reply.send(got.map_err(missed));
             }
         }
     }
@@ -90,11 +83,7 @@ impl Engine {
     /// Queues a request (counted in `waiting`) for the base model or, when it names one, an
     /// adapter: at once when the adapter is resident (or in host memory), after its one read
     /// from disk otherwise.
-    pub(super) fn queue(
-        &self,
-        mut seq: Box<Seq>,
-        adapter: Option<&str>,
-    ) -> Result<(), EngineError> {
+    pub(super) fn queue(&self, seq: Box<Seq>, adapter: Option<&str>) -> Result<(), EngineError> {
         let sh = &self.shared;
         let unqueue = || {
             sh.waiting.fetch_sub(1, Ordering::SeqCst);
@@ -105,16 +94,15 @@ impl Engine {
                 EngineError::NotReady("engine stopped".into())
             });
         };
-        match sh.registry.lookup(name, Waiter::Request(seq)) {
-            Lookup::Ready(p, Waiter::Request(s)) => {
-                seq = s;
+        match sh.registry.lookup(name, seq) {
+            Lookup::Ready(p, mut seq) => {
                 seq.pin(p);
                 self.tx.send(Msg::Submit(seq)).map_err(|_| {
                     unqueue();
                     EngineError::NotReady("engine stopped".into())
                 })
             }
-            Lookup::Ready(..) | Lookup::Unknown(_) => {
+            Lookup::Unknown(_) => {
                 unqueue();
                 Err(EngineError::AdapterNotFound(name.into()))
             }
@@ -138,20 +126,6 @@ impl Engine {
             let settled = shared.registry.loaded(ticket, weights);
             settle(&shared, &tx, settled);
         });
-    }
-
-    /// Pins the adapter `name` for work done on the caller's thread, waiting for its read from
-    /// disk when it is there.
-    pub(super) fn pin(&self, name: &str) -> Result<Pinned, EngineError> {
-        let (reply, got) = mpsc::channel();
-        match self.shared.registry.lookup(name, Waiter::Pin(reply)) {
-            Lookup::Ready(p, _) => return Ok(p),
-            Lookup::Unknown(_) => return Err(EngineError::AdapterNotFound(name.into())),
-            Lookup::Load(ticket) => self.read(ticket),
-            Lookup::Queued => {}
-        }
-        got.recv()
-            .unwrap_or_else(|_| Err(EngineError::NotReady("engine stopped".into())))
     }
 
     /// Loads `spec` as the adapter's current version (a no-op when it already is); requests

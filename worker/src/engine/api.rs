@@ -379,7 +379,8 @@ pub trait InferenceEngine: Send + Sync + 'static {
             .map(|t| t.len())
     }
     /// Log-probabilities of each candidate label as the next tokens after `prompt`, with
-    /// `adapter` applied; one forward pass over the prompt (no generation). Returns a
+    /// `adapter` applied; one prefill of the prompt (no generation), run by the engine in a
+    /// step like any other request's (it waits in the queue like them). Returns a
     /// probability per label (softmax over the labels' first-token logits). With `images`
     /// (a vision model), the prompt is one user message of the images then the text, rendered
     /// by the chat template, and the pass sees the images.

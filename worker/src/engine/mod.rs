@@ -26,8 +26,7 @@ use self::scheduler::{Msg, Seq};
 use self::text::TextModel;
 use crate::lora::registry::Registry;
 use crate::model::{
-    Decoder, DeviceMemory, KvBudget, ModelError, Proj, Row, SeqCache, TensorPathOptions,
-    MAX_KV_SLOTS,
+    Decoder, DeviceMemory, KvBudget, ModelError, Proj, TensorPathOptions, MAX_KV_SLOTS,
 };
 
 /// Engine settings (from the worker config's limits).
@@ -523,7 +522,7 @@ impl InferenceEngine for Engine {
             };
             Prompt::Templated(self.apply_chat_template(&[msg], &Default::default())?)
         };
-        let (ids, mut img) = self.prompt(&prompt, images)?;
+        let (ids, img) = self.prompt(&prompt, images)?;
         let max = self.shared.opts.max_seq_len - 1;
         if ids.len() > max && img.is_some() {
             return Err(EngineError::InvalidRequest(format!(
@@ -546,42 +545,39 @@ impl InferenceEngine for Engine {
                     })
             })
             .collect::<Result<Vec<u32>, _>>()?;
-        let pinned = match adapter {
-            Some(n) if self.is_merged(n).is_none() => Some(self.pin(n)?),
-            _ => None,
-        };
-        let internal = |e: crate::model::ModelError| EngineError::Internal(e.to_string());
-        // One forward pass over the prompt (and the tower over its images), on the caller's
-        // thread with its own cache: no generation, nothing queued behind decode.
-        if let (Some(img), Some(tower)) = (img.as_deref_mut(), self.shared.model.vision()) {
-            let adapter = pinned.as_ref().map(|p| p.adapter.as_ref());
-            images::encode(tower, &self.shared.device, &mut [(img, adapter)]).map_err(internal)?;
+        // One prefill of the prompt on the engine thread, riding in its next step like any
+        // other row: the LoRA slots, the KV cache and the device are touched by that thread
+        // alone (a pass of its own here could reload a slot a running step reads).
+        let sh = &self.shared;
+        let queued = sh.waiting.fetch_add(1, Ordering::SeqCst);
+        if queued >= sh.opts.max_queue {
+            sh.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(EngineError::Overloaded(queued));
         }
-        let chunk = img.as_ref().map(|i| i.chunk(0, ids.len()));
-        let mut cache = SeqCache::default();
-        let mut rows = [Row {
-            tokens: ids,
-            cache: &mut cache,
-            adapter: pinned.as_ref().map(|p| p.adapter.as_ref()),
-            vision: img
-                .as_ref()
-                .zip(chunk.as_ref())
-                .map(|(i, c)| crate::model::RowVision {
-                    positions: &c.positions,
-                    image_tokens: &c.image_tokens,
-                    embeds: i.embeds.as_ref().expect("encoded above"),
-                    offset: i.offset(),
-                }),
-        }];
-        let logits = self
-            .shared
-            .model
-            .forward(&mut rows)
-            .and_then(|l| Ok(l[0].to_vec1::<f32>()?))
-            .map_err(internal)?;
-        let picked: Vec<f32> = firsts.iter().map(|&i| logits[i as usize]).collect();
-        let lp = sampler::log_softmax(&picked);
-        Ok(lp.into_iter().map(f32::exp).collect())
+        let (reply, answer) = mpsc::channel();
+        let (tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+        let sampling = SamplingParams {
+            max_tokens: 1,
+            ..Default::default()
+        };
+        let sampler = Sampler::new(sampling, ids);
+        let mut seq = Seq::new("score".into(), ids.to_vec(), None, sampler, tx, 1);
+        seq.images = img;
+        seq.score = Some(scheduler::Score {
+            labels: firsts,
+            reply,
+        });
+        self.queue(
+            Box::new(seq),
+            adapter.filter(|n| self.is_merged(n).is_none()),
+        )?;
+        answer.recv().unwrap_or_else(|_| {
+            // Ended without scores: the reason went to its events.
+            Err(match events.try_recv() {
+                Ok(TokenEvent::Error(e)) => e,
+                _ => EngineError::Internal("the scoring pass ended without an answer".into()),
+            })
+        })
     }
 
     fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError> {

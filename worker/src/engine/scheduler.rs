@@ -60,6 +60,17 @@ pub struct Seq {
     /// them.
     #[allow(clippy::vec_box)]
     pub(super) forks: Vec<Box<Seq>>,
+    /// A classifier's scoring: no tokens, the labels' probabilities once the prompt is in.
+    pub(super) score: Option<Score>,
+}
+
+/// What a scoring sequence answers: the probabilities of `labels` (token ids) as the next
+/// token after its prompt.
+pub(super) struct Score {
+    /// Each label's first token.
+    pub(super) labels: Vec<u32>,
+    /// Where the probabilities go.
+    pub(super) reply: std::sync::mpsc::Sender<Result<Vec<f32>, EngineError>>,
 }
 
 impl Seq {
@@ -92,6 +103,7 @@ impl Seq {
             done: false,
             images: None,
             forks: Vec::new(),
+            score: None,
         }
     }
 
@@ -305,7 +317,11 @@ fn step(
         }
         shared.model.forward_step(&mut rows, &extra)
     });
-    let picked = match out.and_then(|o| pick(running, work, &sampling, picking, o)) {
+    let picked = out.and_then(|o| {
+        let scores = scores(running, work, &sampling, &o.logits)?;
+        Ok((pick(running, work, &sampling, picking, o)?, scores))
+    });
+    let (picked, scores) = match picked {
         Ok(p) => p,
         Err(e) => {
             // A failed step fails its rows, not the engine.
@@ -316,9 +332,18 @@ fn step(
             return;
         }
     };
+    for (i, probs) in scores {
+        let s = &mut running[i];
+        if let Some(score) = s.score.take() {
+            let _ = score.reply.send(Ok(probs));
+        }
+        s.done = true;
+    }
     for ((i, _), out) in work.iter().zip(picked) {
         let s = &mut running[*i];
-        let Some(out) = out else { continue };
+        let Some(out) = out.filter(|_| !s.done) else {
+            continue;
+        };
         if !s.started {
             s.started = true;
             let _ = s.tx.send(TokenEvent::Started {
@@ -328,6 +353,30 @@ fn step(
         }
         emit(shared, s, out);
     }
+}
+
+/// The labels' probabilities of each scoring row whose prompt is now in the cache (a softmax
+/// over the labels' first-token logits at its last position), by the row's sequence.
+fn scores(
+    running: &[Box<Seq>],
+    work: &[(usize, Work)],
+    sampling: &[bool],
+    logits: &candle_core::Tensor,
+) -> Result<Vec<(usize, Vec<f32>)>, ModelError> {
+    let mut out = Vec::new();
+    for (k, ((i, _), &samples)) in work.iter().zip(sampling).enumerate() {
+        let Some(score) = running[*i].score.as_ref().filter(|_| samples) else {
+            continue;
+        };
+        let row = crate::model::download::<f32>(&logits.get(k)?)?;
+        let picked: Vec<f32> = score.labels.iter().map(|&t| row[t as usize]).collect();
+        let probs = super::sampler::log_softmax(&picked)
+            .into_iter()
+            .map(f32::exp)
+            .collect();
+        out.push((*i, probs));
+    }
+    Ok(out)
 }
 
 /// Runs the vision tower once over the images of the sequences whose prefill starts in this
