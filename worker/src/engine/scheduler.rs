@@ -410,8 +410,10 @@ fn encode_images(
 /// How a step's rows pick their tokens, decided before its forward pass so that the device
 /// sampler's inputs travel in the step's one upload.
 enum Picking<'s> {
-    /// Every sampling row is plain greedy: the argmax ids come back alone.
-    Greedy,
+    /// Every sampling row is plain greedy: the argmax ids come back alone (the first of tied
+    /// values, as the device sampler's greedy rows take, so a greedy request's tokens do not
+    /// depend on whether another row samples).
+    Greedy(Option<&'s CandleSampler>),
     /// The tensor path samples on the device from these rows' inputs.
     Device(&'s CandleSampler, Vec<RowSampling>, SamplePlan),
     /// The host path: every row's logits come back and are sampled on the host.
@@ -441,7 +443,7 @@ fn prepare<'s>(
         .zip(&sampling)
         .all(|((i, _), &samples)| !samples || running[*i].sampler.is_plain_greedy());
     let picking = match (greedy, device) {
-        (true, _) => Picking::Greedy,
+        (true, device) => Picking::Greedy(device),
         (false, Some(sampler)) => {
             let rows: Vec<RowSampling> = work
                 .iter()
@@ -479,8 +481,12 @@ fn pick(
     }
     let logits = &out.logits;
     match (picking, &out.extra) {
-        (Picking::Greedy, _) => {
-            let argmax = logits.argmax(candle_core::D::Minus1)?;
+        (Picking::Greedy(device), _) => {
+            // The host path runs on the CPU, whose argmax takes the first of tied values.
+            let argmax = match device {
+                Some(sampler) => sampler.greedy(logits)?,
+                None => logits.argmax(candle_core::D::Minus1)?,
+            };
             let ids = crate::model::download::<u32>(&argmax)?;
             Ok(work
                 .iter()
