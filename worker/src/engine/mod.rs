@@ -222,6 +222,8 @@ pub struct Shared {
     device: Device,
     /// How a vision model takes images (None: a text model).
     images: Option<ImageProcessor>,
+    /// Digests of images the vision tower is made to fail on ([`Engine::fail_images_for_tests`]).
+    failing_images: Mutex<Vec<[u8; 32]>>,
 }
 
 /// The engine: a handle to the engine thread.
@@ -334,6 +336,7 @@ impl Engine {
             text,
             opts,
             images,
+            failing_images: Mutex::default(),
         });
         let (tx, rx) = mpsc::channel();
         let sh = shared.clone();
@@ -342,6 +345,17 @@ impl Engine {
             .spawn(move || scheduler::run(sh, rx))
             .expect("spawn engine thread");
         Self { shared, tx }
+    }
+
+    /// Makes the vision tower fail on every image with `digest` from now on: the seam by which
+    /// tests make one request's input fail deterministically inside a step.
+    #[doc(hidden)]
+    pub fn fail_images_for_tests(&self, digest: [u8; 32]) {
+        self.shared
+            .failing_images
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(digest);
     }
 
     fn is_merged(&self, name: &str) -> Option<&str> {

@@ -15,6 +15,7 @@ use super::scheduler::Seq;
 use super::Shared;
 
 /// What one row of the step does for its sequence.
+#[derive(Clone, Copy)]
 pub(super) enum Work {
     /// Context tokens `[from, to)`; the last chunk samples the next token.
     Prefill(usize, usize),

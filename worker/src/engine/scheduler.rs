@@ -271,12 +271,29 @@ fn step(
     work: &[(usize, Work)],
     device: Option<&CandleSampler>,
 ) {
+    // Images first: a sequence whose images the tower cannot encode fails alone.
+    let failed = encode_images(shared, running, work);
+    let kept: Vec<(usize, Work)>;
+    let work = match failed.is_empty() {
+        true => work,
+        false => {
+            kept = work
+                .iter()
+                .filter(|(i, _)| !failed.contains(i))
+                .cloned()
+                .collect();
+            &kept
+        }
+    };
+    if work.is_empty() {
+        return;
+    }
     let (sampling, picking) = prepare(running, work, device, shared.model.config().vocab_size);
     let mut extra = Vec::new();
     if let Picking::Device(_, rows, plan) = &picking {
         plan.pack(rows, &mut extra);
     }
-    let out = encode_images(shared, running, work).and_then(|()| {
+    let out = {
         // Each prompt chunk's slice of its images' positions and placeholders.
         let chunks: Vec<Option<images::Chunk>> = work
             .iter()
@@ -316,7 +333,7 @@ fn step(
             });
         }
         shared.model.forward_step(&mut rows, &extra)
-    });
+    };
     let picked = out.and_then(|o| {
         let scores = scores(running, work, &sampling, &o.logits)?;
         Ok((pick(running, work, &sampling, picking, o)?, scores))
@@ -380,31 +397,89 @@ fn scores(
 }
 
 /// Runs the vision tower once over the images of the sequences whose prefill starts in this
-/// step.
-fn encode_images(
-    shared: &Shared,
-    running: &mut [Box<Seq>],
-    work: &[(usize, Work)],
-) -> Result<(), ModelError> {
-    let Some(tower) = shared.model.vision() else {
-        return Ok(());
-    };
-    let prefills: Vec<usize> = work
+/// step. When that fails, each sequence's images are encoded alone, and a sequence whose images
+/// fail ends with the error: returns those sequences (the step goes on without them), so one
+/// bad image never fails its batch-mates.
+fn encode_images(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) -> Vec<usize> {
+    if shared.model.vision().is_none() {
+        return Vec::new();
+    }
+    let pending: Vec<usize> = work
         .iter()
-        .filter(|(_, w)| matches!(w, Work::Prefill(..)))
+        .filter(|(i, w)| {
+            matches!(w, Work::Prefill(..))
+                && running[*i]
+                    .images
+                    .as_ref()
+                    .is_some_and(|img| img.embeds.is_none())
+        })
         .map(|(i, _)| *i)
         .collect();
-    let mut pending: Vec<(&mut ImagePrompt, Option<&crate::model::LoraAdapter>)> = running
+    let mut all: Vec<(&mut ImagePrompt, Option<&crate::model::LoraAdapter>)> = running
         .iter_mut()
         .enumerate()
-        .filter(|(i, _)| prefills.contains(i))
+        .filter(|(i, _)| pending.contains(i))
         .filter_map(|(_, s)| {
             let adapter = s.adapter.as_ref().map(|p| p.adapter.as_ref());
             s.images.as_deref_mut().map(|img| (img, adapter))
         })
-        .filter(|(img, _)| img.embeds.is_none())
         .collect();
-    images::encode(tower, &shared.device, &mut pending)
+    let Err(e) = encode(shared, &mut all) else {
+        return Vec::new();
+    };
+    drop(all);
+    if pending.len() > 1 {
+        tracing::warn!(error = %e, "the vision tower failed on a step's images: each request's alone");
+    }
+    let mut failed = Vec::new();
+    for i in pending {
+        let s: &mut Seq = &mut running[i];
+        let adapter = s.adapter.as_ref().map(|p| p.adapter.as_ref());
+        let Some(img) = s.images.as_deref_mut() else {
+            continue;
+        };
+        if let Err(e) = encode(shared, &mut [(img, adapter)]) {
+            tracing::error!(request = %s.id, error = %e, "the vision tower failed on the request's images");
+            s.fail(&EngineError::Internal(format!(
+                "the vision tower failed on the request's images: {e}"
+            )));
+            failed.push(i);
+        }
+    }
+    failed
+}
+
+/// One tower pass (per adapter) over `group`'s images.
+fn encode(
+    shared: &Shared,
+    group: &mut [(&mut ImagePrompt, Option<&crate::model::LoraAdapter>)],
+) -> Result<(), ModelError> {
+    let Some(tower) = shared.model.vision() else {
+        return Ok(());
+    };
+    made_to_fail(shared, group)?;
+    images::encode(tower, &shared.device, group)
+}
+
+/// An error when one of `pending`'s images is one a test made the tower fail on
+/// ([`super::Engine::fail_images_for_tests`]).
+fn made_to_fail(
+    shared: &Shared,
+    pending: &[(&mut ImagePrompt, Option<&crate::model::LoraAdapter>)],
+) -> Result<(), ModelError> {
+    let failing = shared
+        .failing_images
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    match pending
+        .iter()
+        .any(|(p, _)| p.digests.iter().any(|d| failing.contains(d)))
+    {
+        true => {
+            Err(candle_core::Error::Msg("an image a test made the tower fail on".into()).into())
+        }
+        false => Ok(()),
+    }
 }
 
 /// How a step's rows pick their tokens, decided before its forward pass so that the device
