@@ -317,6 +317,9 @@ pub struct EngineStats {
     pub waiting: usize,
     /// Size of the last batch.
     pub last_batch_size: usize,
+    /// Sequences of the largest batch since start, a request's choices each counted (never
+    /// more than `maxBatchSize`).
+    pub largest_batch: usize,
     /// Adapters with running requests.
     pub running_adapters: Vec<String>,
     /// Adapters with waiting requests.
@@ -376,7 +379,8 @@ pub trait InferenceEngine: Send + Sync + 'static {
             .map(|t| t.len())
     }
     /// Log-probabilities of each candidate label as the next tokens after `prompt`, with
-    /// `adapter` applied; one forward pass over the prompt (no generation). Returns a
+    /// `adapter` applied; one prefill of the prompt (no generation), run by the engine in a
+    /// step like any other request's (it waits in the queue like them). Returns a
     /// probability per label (softmax over the labels' first-token logits). With `images`
     /// (a vision model), the prompt is one user message of the images then the text, rendered
     /// by the chat template, and the pass sees the images.

@@ -126,6 +126,7 @@ impl ImageProcessor {
         Ok((
             expanded,
             ImagePrompt {
+                digests: distinct.iter().map(|d| d.digest).collect(),
                 grids: patches.iter().map(|p| p.grid).collect(),
                 pixels: patches.into_iter().flat_map(|p| p.values).collect(),
                 patch_len,
@@ -142,6 +143,8 @@ impl ImageProcessor {
 /// A prompt's images as the decoder takes them (a request's choices each hold a copy).
 #[derive(Clone)]
 pub(super) struct ImagePrompt {
+    /// Digests of the distinct images.
+    pub(super) digests: Vec<[u8; 32]>,
     /// Patch values of the distinct images, `[patches, patch_len]` row-major, in order.
     pixels: Vec<f32>,
     patch_len: usize,

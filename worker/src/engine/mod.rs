@@ -2,6 +2,7 @@
 //! model instance and a registry of LoRA adapters. The server talks to it only through
 //! [`api`]; [`Engine`] is the implementation.
 
+mod adapters;
 pub mod api;
 mod images;
 mod plan;
@@ -24,11 +25,9 @@ use self::images::{ImageProcessor, ImagePrompt};
 use self::sampler::Sampler;
 use self::scheduler::{Msg, Seq};
 use self::text::TextModel;
-use crate::lora::registry::{Lookup, Pinned, Registry};
-use crate::lora::LoadOptions;
+use crate::lora::registry::Registry;
 use crate::model::{
-    Decoder, DeviceMemory, KvBudget, LoraAdapter, ModelError, Proj, Row, SeqCache,
-    TensorPathOptions, MAX_KV_SLOTS,
+    Decoder, DeviceMemory, KvBudget, ModelError, Proj, TensorPathOptions, MAX_KV_SLOTS,
 };
 
 /// Engine settings (from the worker config's limits).
@@ -205,7 +204,7 @@ fn model_error(e: ModelError) -> EngineError {
 pub struct Shared {
     model: Decoder,
     text: TextModel,
-    registry: Registry,
+    registry: Registry<adapters::Waiter>,
     opts: EngineOptions,
     /// Requests submitted and not yet admitted to the batch.
     waiting: AtomicUsize,
@@ -217,11 +216,15 @@ pub struct Shared {
     preemptions: std::sync::atomic::AtomicU64,
     /// Forward passes run (since start).
     steps: std::sync::atomic::AtomicU64,
+    /// Sequences of the largest batch (since start).
+    largest_batch: AtomicUsize,
     /// What adapters are held in: `opts.lora_dtype` or the model's default.
     lora_dtype: DType,
     device: Device,
     /// How a vision model takes images (None: a text model).
     images: Option<ImageProcessor>,
+    /// Digests of images the vision tower is made to fail on ([`Engine::fail_images_for_tests`]).
+    failing_images: Mutex<Vec<[u8; 32]>>,
 }
 
 /// The engine: a handle to the engine thread.
@@ -329,10 +332,12 @@ impl Engine {
             load_micros: Default::default(),
             preemptions: Default::default(),
             steps: Default::default(),
+            largest_batch: Default::default(),
             model,
             text,
             opts,
             images,
+            failing_images: Mutex::default(),
         });
         let (tx, rx) = mpsc::channel();
         let sh = shared.clone();
@@ -343,33 +348,15 @@ impl Engine {
         Self { shared, tx }
     }
 
-    fn load_weights(shared: &Shared, spec: &AdapterSpec) -> Result<Arc<LoraAdapter>, EngineError> {
-        let started = std::time::Instant::now();
-        let opts = LoadOptions {
-            max_rank: shared.opts.max_lora_rank,
-            expect_base: Some(shared.opts.base_name.clone()),
-        };
-        let a = crate::lora::load(
-            &spec.path,
-            shared.model.config(),
-            shared.lora_dtype,
-            &shared.device,
-            &opts,
-        )
-        .map_err(|e| {
-            shared.load_failures.fetch_add(1, Ordering::Relaxed);
-            EngineError::InvalidAdapter {
-                name: spec.name.clone(),
-                reason: e.to_string(),
-            }
-        })?;
-        shared.loads.fetch_add(1, Ordering::Relaxed);
-        shared
-            .load_micros
-            .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
-        tracing::info!(adapter = %spec.name, version = %spec.version, rank = a.rank, bytes = a.bytes,
-            dtype = ?shared.lora_dtype, seconds = started.elapsed().as_secs_f64(), "adapter loaded");
-        Ok(Arc::new(a))
+    /// Makes the vision tower fail on every image with `digest` from now on: the seam by which
+    /// tests make one request's input fail deterministically inside a step.
+    #[doc(hidden)]
+    pub fn fail_images_for_tests(&self, digest: [u8; 32]) {
+        self.shared
+            .failing_images
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(digest);
     }
 
     fn is_merged(&self, name: &str) -> Option<&str> {
@@ -419,22 +406,6 @@ impl Engine {
             }
         };
         ids.map_err(|e| EngineError::InvalidRequest(e.to_string()))
-    }
-
-    /// Pins the adapter for a request, reading it back from disk when it was evicted.
-    fn pin(&self, name: &str) -> Result<Pinned, EngineError> {
-        match self.shared.registry.lookup(name) {
-            Lookup::Ready(p) => Ok(p),
-            Lookup::Unknown => Err(EngineError::AdapterNotFound(name.into())),
-            Lookup::Evicted(spec) => {
-                let w = Self::load_weights(&self.shared, &spec)?;
-                self.shared.registry.insert(spec, w);
-                match self.shared.registry.lookup(name) {
-                    Lookup::Ready(p) => Ok(p),
-                    _ => Err(EngineError::AdapterNotFound(name.into())),
-                }
-            }
-        }
     }
 }
 
@@ -489,92 +460,26 @@ impl InferenceEngine for Engine {
             return Err(EngineError::Overloaded(queued));
         }
         let mut streams = Vec::with_capacity(n);
-        let choices: Vec<(Sampler, tokio::sync::mpsc::UnboundedSender<TokenEvent>)> = (0..n)
+        // The first choice, carrying the others until its prompt is in the cache (then they
+        // take its images, embeddings included: see `Seq::fork`).
+        let mut seqs: Vec<Box<Seq>> = (0..n)
             .map(|i| {
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
                 streams.push(rx);
-                (Sampler::new(choice(&req, i).sampling, &prompt), tx)
+                let sampler = Sampler::new(choice(&req, i).sampling, &prompt);
+                let id = match i {
+                    0 => req.id.clone(),
+                    i => format!("{}/{i}", req.id),
+                };
+                let mut s = Seq::new(id, prompt.clone(), None, sampler, tx, max_new);
+                s.version.clone_from(&merged_version);
+                Box::new(s)
             })
             .collect();
-        let id = req.id;
-        // The sequences' spans go under the caller's (the server's request span), also when a
-        // loader thread creates them.
-        let caller = tracing::Span::current();
-        // The first choice, carrying the others until its prompt is in the cache (then they
-        // take its images, embeddings included: see `Seq::fork`).
-        let mut images = images;
-        let seq = move |adapter: Option<Pinned>| {
-            let _in = caller.enter();
-            let mut seqs: Vec<Box<Seq>> = choices
-                .into_iter()
-                .enumerate()
-                .map(|(i, (sampler, tx))| {
-                    if let Some(p) = &adapter {
-                        p.start();
-                    }
-                    let id = match i {
-                        0 => id.clone(),
-                        i => format!("{id}/{i}"),
-                    };
-                    let mut s = Seq::new(id, prompt.clone(), adapter.clone(), sampler, tx, max_new);
-                    if merged_version.is_some() {
-                        s.version = merged_version.clone();
-                    }
-                    if i == 0 {
-                        s.images = images.take();
-                    }
-                    Box::new(s)
-                })
-                .collect();
-            let mut first = seqs.remove(0);
-            first.forks = seqs;
-            first
-        };
-        let unqueue = || {
-            sh.waiting.fetch_sub(1, Ordering::SeqCst);
-        };
-        match adapter_name {
-            None => {
-                self.tx.send(Msg::Submit(seq(None))).map_err(|_| {
-                    unqueue();
-                    EngineError::NotReady("engine stopped".into())
-                })?;
-            }
-            Some(name) => match sh.registry.lookup(name) {
-                Lookup::Ready(p) => {
-                    self.tx.send(Msg::Submit(seq(Some(p)))).map_err(|_| {
-                        unqueue();
-                        EngineError::NotReady("engine stopped".into())
-                    })?;
-                }
-                Lookup::Unknown => {
-                    unqueue();
-                    return Err(EngineError::AdapterNotFound(name.into()));
-                }
-                Lookup::Evicted(spec) => {
-                    // Read it back on a loader thread so neither the caller's async runtime
-                    // nor the decode loop waits on the disk; the request queues meanwhile.
-                    let (shared, etx, name) = (sh.clone(), self.tx.clone(), name.to_string());
-                    std::thread::spawn(move || {
-                        let res = Self::load_weights(&shared, &spec).map(|w| {
-                            shared.registry.insert(spec, w);
-                            shared.registry.lookup(&name)
-                        });
-                        match res {
-                            Ok(Lookup::Ready(p)) => {
-                                let _ = etx.send(Msg::Submit(seq(Some(p))));
-                            }
-                            Ok(_) | Err(_) => {
-                                shared.waiting.fetch_sub(1, Ordering::SeqCst);
-                                let err = res.err().unwrap_or(EngineError::AdapterNotFound(name));
-                                let mut s = seq(None);
-                                s.fail(&err);
-                            }
-                        }
-                    });
-                }
-            },
-        }
+        let mut first = seqs.remove(0);
+        first.images = images;
+        first.forks = seqs;
+        self.queue(first, adapter_name)?;
         Ok(streams)
     }
 
@@ -632,7 +537,7 @@ impl InferenceEngine for Engine {
             };
             Prompt::Templated(self.apply_chat_template(&[msg], &Default::default())?)
         };
-        let (ids, mut img) = self.prompt(&prompt, images)?;
+        let (ids, img) = self.prompt(&prompt, images)?;
         let max = self.shared.opts.max_seq_len - 1;
         if ids.len() > max && img.is_some() {
             return Err(EngineError::InvalidRequest(format!(
@@ -655,42 +560,39 @@ impl InferenceEngine for Engine {
                     })
             })
             .collect::<Result<Vec<u32>, _>>()?;
-        let pinned = match adapter {
-            Some(n) if self.is_merged(n).is_none() => Some(self.pin(n)?),
-            _ => None,
-        };
-        let internal = |e: crate::model::ModelError| EngineError::Internal(e.to_string());
-        // One forward pass over the prompt (and the tower over its images), on the caller's
-        // thread with its own cache: no generation, nothing queued behind decode.
-        if let (Some(img), Some(tower)) = (img.as_deref_mut(), self.shared.model.vision()) {
-            let adapter = pinned.as_ref().map(|p| p.adapter.as_ref());
-            images::encode(tower, &self.shared.device, &mut [(img, adapter)]).map_err(internal)?;
+        // One prefill of the prompt on the engine thread, riding in its next step like any
+        // other row: the LoRA slots, the KV cache and the device are touched by that thread
+        // alone (a pass of its own here could reload a slot a running step reads).
+        let sh = &self.shared;
+        let queued = sh.waiting.fetch_add(1, Ordering::SeqCst);
+        if queued >= sh.opts.max_queue {
+            sh.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(EngineError::Overloaded(queued));
         }
-        let chunk = img.as_ref().map(|i| i.chunk(0, ids.len()));
-        let mut cache = SeqCache::default();
-        let mut rows = [Row {
-            tokens: ids,
-            cache: &mut cache,
-            adapter: pinned.as_ref().map(|p| p.adapter.as_ref()),
-            vision: img
-                .as_ref()
-                .zip(chunk.as_ref())
-                .map(|(i, c)| crate::model::RowVision {
-                    positions: &c.positions,
-                    image_tokens: &c.image_tokens,
-                    embeds: i.embeds.as_ref().expect("encoded above"),
-                    offset: i.offset(),
-                }),
-        }];
-        let logits = self
-            .shared
-            .model
-            .forward(&mut rows)
-            .and_then(|l| Ok(l[0].to_vec1::<f32>()?))
-            .map_err(internal)?;
-        let picked: Vec<f32> = firsts.iter().map(|&i| logits[i as usize]).collect();
-        let lp = sampler::log_softmax(&picked);
-        Ok(lp.into_iter().map(f32::exp).collect())
+        let (reply, answer) = mpsc::channel();
+        let (tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+        let sampling = SamplingParams {
+            max_tokens: 1,
+            ..Default::default()
+        };
+        let sampler = Sampler::new(sampling, ids);
+        let mut seq = Seq::new("score".into(), ids.to_vec(), None, sampler, tx, 1);
+        seq.images = img;
+        seq.score = Some(scheduler::Score {
+            labels: firsts,
+            reply,
+        });
+        self.queue(
+            Box::new(seq),
+            adapter.filter(|n| self.is_merged(n).is_none()),
+        )?;
+        answer.recv().unwrap_or_else(|_| {
+            // Ended without scores: the reason went to its events.
+            Err(match events.try_recv() {
+                Ok(TokenEvent::Error(e)) => e,
+                _ => EngineError::Internal("the scoring pass ended without an answer".into()),
+            })
+        })
     }
 
     fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError> {
@@ -702,30 +604,11 @@ impl InferenceEngine for Engine {
     }
 
     fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
-        if self.is_merged(&spec.name).is_some()
-            || self.shared.registry.is_current(&spec.name, &spec.version)
-        {
-            return Ok(());
-        }
-        match Self::load_weights(&self.shared, &spec) {
-            Ok(w) => {
-                self.shared.registry.insert(spec, w);
-                Ok(())
-            }
-            Err(e) => {
-                // Reported by /v1/lora_adapters so the operator can show why.
-                self.shared.registry.record_failure(spec, e.to_string());
-                Err(e)
-            }
-        }
+        self.load_version(spec)
     }
 
     fn unload_adapter(&self, name: &str) -> Result<(), EngineError> {
-        if self.shared.registry.remove(name) {
-            Ok(())
-        } else {
-            Err(EngineError::AdapterNotFound(name.into()))
-        }
+        self.unload(name)
     }
 
     fn adapters(&self) -> Vec<LoraAdapterInfo> {
@@ -769,6 +652,7 @@ impl InferenceEngine for Engine {
         s.adapter_evictions = sh.registry.evictions.load(Ordering::Relaxed);
         s.preemptions = sh.preemptions.load(Ordering::Relaxed);
         s.steps = sh.steps.load(Ordering::Relaxed);
+        s.largest_batch = sh.largest_batch.load(Ordering::Relaxed);
         if sh.model.paged() {
             let tp = sh.model.tensor_path();
             s.kv_blocks = Some((sh.model.free_blocks(), tp.kv_blocks));

@@ -15,6 +15,7 @@ use super::scheduler::Seq;
 use super::Shared;
 
 /// What one row of the step does for its sequence.
+#[derive(Clone, Copy)]
 pub(super) enum Work {
     /// Context tokens `[from, to)`; the last chunk samples the next token.
     Prefill(usize, usize),
@@ -23,7 +24,11 @@ pub(super) enum Work {
 }
 
 /// Moves waiting sequences into the batch, oldest first, while it has room (for every choice
-/// of a request) and, on the tensor path, while the free KV blocks hold their context.
+/// of a request) and, on the tensor path, while the free KV blocks hold their context. A
+/// request's choices count as rows from admission on, while the first still carries them: they
+/// join after its prompt is in the cache, so the batch never grows past `maxBatchSize` then.
+/// Returns how many were admitted (the caller takes them off the waiting count once the batch
+/// that holds them is published, so a request is never counted in neither).
 // Sequences stay boxed, as the scheduler keeps them: they move between the queue and the
 // batch, and a sequence is large.
 #[allow(clippy::vec_box)]
@@ -31,30 +36,34 @@ pub(super) fn admit(
     shared: &Shared,
     running: &mut Vec<Box<Seq>>,
     waiting: &mut VecDeque<Box<Seq>>,
-) {
+) -> usize {
     let paged = shared.model.paged();
     let mut free = shared.model.free_blocks();
     let block = shared.model.tensor_path().block_size.max(1);
+    let mut rows: usize = running.iter().map(|s| 1 + s.forks.len()).sum();
+    let mut admitted = 0;
     while let Some(s) = waiting.front() {
         // A request of several choices joins with room for all of them.
         let width = 1 + s.forks.len();
-        if running.len() + width > shared.opts.max_batch_size {
+        if rows + width > shared.opts.max_batch_size {
             break;
         }
         if paged {
-            // Room for its context, and for one new block of every running sequence and of
-            // each of its other choices.
-            let need = s.context.len().div_ceil(block) + running.len() + width;
+            // Room for its context, and for one new block of every row and of each of its
+            // other choices.
+            let need = s.context.len().div_ceil(block) + rows + width;
             if need > free && !running.is_empty() {
                 break;
             }
             free = free.saturating_sub(s.context.len().div_ceil(block));
         }
         let mut s = waiting.pop_front().expect("peeked");
-        shared.waiting.fetch_sub(1, Ordering::SeqCst);
         s.trace.prefilling(s.context.len());
+        rows += width;
+        admitted += 1;
         running.push(s);
     }
+    admitted
 }
 
 /// The step's rows: prompt chunks within the prefill budget and a decode token for every

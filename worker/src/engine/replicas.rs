@@ -5,6 +5,7 @@
 //! means the whole pod serves it.
 
 use std::collections::HashMap;
+use std::sync::{Mutex, PoisonError};
 
 use mole_api::LoraAdapterInfo;
 
@@ -16,13 +17,18 @@ use super::api::{
 /// Engines of one model, one per device.
 pub struct Replicas {
     engines: Vec<Box<dyn InferenceEngine>>,
+    /// Requests sent to each engine whose submit has not returned yet (after it, the engine
+    /// counts them itself); the lock makes reading the loads and choosing one step, so
+    /// requests routed at the same moment do not all read the same idle engine.
+    routing: Mutex<Vec<usize>>,
 }
 
 impl Replicas {
     /// Engines over the same model and options, each on its own device; at least one.
     pub fn new(engines: Vec<Box<dyn InferenceEngine>>) -> Self {
         assert!(!engines.is_empty(), "replicas of at least one engine");
-        Self { engines }
+        let routing = Mutex::new(vec![0; engines.len()]);
+        Self { engines, routing }
     }
 
     /// The engines, one per device.
@@ -40,27 +46,34 @@ impl Replicas {
         self.engines.is_empty()
     }
 
-    /// The engine with the fewest requests running and waiting (the first of equals).
-    fn least_loaded(&self) -> &dyn InferenceEngine {
-        self.engines
-            .iter()
-            .min_by_key(|e| {
-                let s = e.stats();
-                s.running + s.waiting
-            })
-            .expect("at least one engine")
-            .as_ref()
+    /// Runs `f` on the engine with the fewest requests running, waiting and being sent to it
+    /// (the first of equals), counting it as sent to that engine until `f` returns.
+    fn on_least_loaded<T>(&self, f: impl FnOnce(&dyn InferenceEngine) -> T) -> T {
+        let i = {
+            let mut sending = self.routing.lock().unwrap_or_else(PoisonError::into_inner);
+            let i = (0..self.engines.len())
+                .min_by_key(|&i| {
+                    let s = self.engines[i].stats();
+                    s.running + s.waiting + sending[i]
+                })
+                .expect("at least one engine");
+            sending[i] += 1;
+            i
+        };
+        let out = f(self.engines[i].as_ref());
+        self.routing.lock().unwrap_or_else(PoisonError::into_inner)[i] -= 1;
+        out
     }
 }
 
 impl InferenceEngine for Replicas {
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
-        self.least_loaded().submit(req)
+        self.on_least_loaded(|e| e.submit(req))
     }
 
     fn submit_n(&self, req: GenerateRequest, n: usize) -> Result<Vec<EventStream>, EngineError> {
         // One engine serves every choice, so they share the prompt's cache there.
-        self.least_loaded().submit_n(req, n)
+        self.on_least_loaded(|e| e.submit_n(req, n))
     }
 
     fn apply_chat_template(
@@ -90,8 +103,7 @@ impl InferenceEngine for Replicas {
         labels: &[String],
         images: &[Image],
     ) -> Result<Vec<f32>, EngineError> {
-        self.least_loaded()
-            .score_labels(adapter, prompt, labels, images)
+        self.on_least_loaded(|e| e.score_labels(adapter, prompt, labels, images))
     }
 
     fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError> {
@@ -118,12 +130,24 @@ impl InferenceEngine for Replicas {
         })
     }
 
+    /// Unloads from every engine, whatever one of them answers: done when some engine held
+    /// it and none failed otherwise; `adapter_not_found` when none held it; else the first
+    /// failure (after every engine was tried).
     fn unload_adapter(&self, name: &str) -> Result<(), EngineError> {
-        self.engines
+        let results: Vec<Result<(), EngineError>> = self
+            .engines
             .iter()
             .map(|e| e.unload_adapter(name))
-            .collect::<Result<Vec<()>, _>>()
-            .map(|_| ())
+            .collect();
+        let failed = results
+            .iter()
+            .filter_map(|r| r.as_ref().err())
+            .find(|e| !matches!(e, EngineError::AdapterNotFound(_)));
+        match failed {
+            Some(e) => Err(e.clone()),
+            None if results.iter().any(Result::is_ok) => Ok(()),
+            None => Err(EngineError::AdapterNotFound(name.into())),
+        }
     }
 
     /// Every version any engine knows: loaded when all of them hold it, requests summed,
@@ -170,6 +194,7 @@ impl InferenceEngine for Replicas {
             out.running += s.running;
             out.waiting += s.waiting;
             out.last_batch_size = out.last_batch_size.max(s.last_batch_size);
+            out.largest_batch = out.largest_batch.max(s.largest_batch);
             out.running_adapters.extend(s.running_adapters);
             out.waiting_adapters.extend(s.waiting_adapters);
             out.max_loras = s.max_loras;

@@ -326,6 +326,17 @@ impl CandleSampler {
         Self::default()
     }
 
+    /// Each row's greedy token (`[rows]` u32): the first of its largest logits on every device,
+    /// the rule of this sampler's greedy rows beside sampled ones and of the host sampler, so a
+    /// greedy request gets the same tokens whatever its batch-mates sample (candle's argmax
+    /// takes the first of tied values on the CPU but any of them on CUDA, and ties are common
+    /// in bf16 logits).
+    pub fn greedy(&self, logits: &Tensor) -> candle_core::Result<Tensor> {
+        let raw = logits.to_dtype(DType::F32)?;
+        let c = self.consts(raw.dims2()?.1, raw.device())?;
+        first_max(&raw, &c)?.squeeze(1)?.to_dtype(DType::U32)
+    }
+
     fn consts(&self, vocab: usize, device: &Device) -> candle_core::Result<Arc<Consts>> {
         let mut c = self.consts.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(c) = &*c {
@@ -617,6 +628,29 @@ mod tests {
         }
         let last = ws.iter().rposition(|&x| x > 0.0).unwrap() as u32;
         (pick.unwrap_or(last), near)
+    }
+
+    /// A greedy row's tie goes to the lowest index both ways a step picks greedy tokens: a
+    /// step of greedy rows alone ([`CandleSampler::greedy`]) and the device sampler's greedy
+    /// rows beside a sampled row; the host sampler's argmax agrees.
+    #[test]
+    fn greedy_ties_go_to_the_lowest_index_alone_and_beside_sampled_rows() {
+        let vocab = 8;
+        let tied = [0.0, 1.0, 3.0, -1.0, 3.0, 2.0, 3.0, 0.5];
+        let other = [0.5, 2.0, 0.0, 1.0, 0.0, 4.0, 1.0, 0.0];
+        let s = CandleSampler::new();
+        let one = Tensor::from_vec(tied.to_vec(), (1, vocab), &Device::Cpu).unwrap();
+        let alone = crate::model::download::<u32>(&s.greedy(&one).unwrap()).unwrap();
+        assert_eq!(alone, [2]);
+        let sampled = RowSampling {
+            temperature: 1.0,
+            u: 0.5,
+            ..RowSampling::idle()
+        };
+        let both: Vec<f32> = tied.iter().chain(&other).copied().collect();
+        let picked = device(&both, vocab, &[RowSampling::idle(), sampled]);
+        assert_eq!(picked[0].token, 2, "beside a sampled row");
+        assert_eq!(super::super::sampler::argmax(&tied), 2, "the host sampler");
     }
 
     /// Random rows: every parameter combination the rules distinguish, with penalties.

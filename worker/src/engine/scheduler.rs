@@ -63,6 +63,17 @@ pub struct Seq {
     pub(super) forks: Vec<Box<Seq>>,
     /// Its spans (queue, prefill, decode) under the request's.
     pub(super) trace: Phases,
+    /// A classifier's scoring: no tokens, the labels' probabilities once the prompt is in.
+    pub(super) score: Option<Score>,
+}
+
+/// What a scoring sequence answers: the probabilities of `labels` (token ids) as the next
+/// token after its prompt.
+pub(super) struct Score {
+    /// Each label's first token.
+    pub(super) labels: Vec<u32>,
+    /// Where the probabilities go.
+    pub(super) reply: std::sync::mpsc::Sender<Result<Vec<f32>, EngineError>>,
 }
 
 impl Seq {
@@ -96,7 +107,18 @@ impl Seq {
             images: None,
             forks: Vec::new(),
             trace: Phases::new(tracing::Span::current()),
+            score: None,
         }
+    }
+
+    /// Pins `p` for this request and the choices it carries (each counted running).
+    pub(super) fn pin(&mut self, p: Pinned) {
+        for f in &mut self.forks {
+            f.pin(p.clone());
+        }
+        p.start();
+        self.version = Some(p.version.clone());
+        self.adapter = Some(p);
     }
 
     pub(super) fn cancelled(&self) -> bool {
@@ -184,7 +206,7 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
         let dropped = before - waiting.len();
         shared.waiting.fetch_sub(dropped, Ordering::SeqCst);
         let mut cancelled = dropped;
-        plan::admit(&shared, &mut running, &mut waiting);
+        let admitted = plan::admit(&shared, &mut running, &mut waiting);
         let before = running.len();
         running.retain(|s| !s.cancelled());
         cancelled += before - running.len();
@@ -193,6 +215,9 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
             .preemptions
             .fetch_add(preempted as u64, Ordering::Relaxed);
         publish_stats(&shared, &running, &waiting, cancelled);
+        // Off the waiting count only now that the batch holding them is published: the load
+        // a router reads (running + waiting) never misses them.
+        shared.waiting.fetch_sub(admitted, Ordering::SeqCst);
         if work.is_empty() {
             continue;
         }
@@ -209,7 +234,12 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
         let before = running.len();
         running.retain(|s| s.done || !s.cancelled());
         let cancelled = before - running.len();
+        let live = running.len();
         running.retain(|s| !s.done);
+        if cancelled > 0 || running.len() < live {
+            // Adapters the finished requests held may be over capacity: evict them now.
+            shared.registry.trim();
+        }
         publish_stats(&shared, &running, &waiting, cancelled);
     }
 }
@@ -228,6 +258,8 @@ fn publish_stats(
         v.dedup();
         v
     };
+    let batch: usize = running.iter().map(|s| 1 + s.forks.len()).sum();
+    shared.largest_batch.fetch_max(batch, Ordering::Relaxed);
     let mut st = shared.stats.lock().unwrap_or_else(PoisonError::into_inner);
     st.running = running.len();
     st.cancelled += cancelled as u64;
@@ -246,12 +278,29 @@ fn step(
     work: &[(usize, Work)],
     device: Option<&CandleSampler>,
 ) {
+    // Images first: a sequence whose images the tower cannot encode fails alone.
+    let failed = encode_images(shared, running, work);
+    let kept: Vec<(usize, Work)>;
+    let work = match failed.is_empty() {
+        true => work,
+        false => {
+            kept = work
+                .iter()
+                .filter(|(i, _)| !failed.contains(i))
+                .cloned()
+                .collect();
+            &kept
+        }
+    };
+    if work.is_empty() {
+        return;
+    }
     let (sampling, picking) = prepare(running, work, device, shared.model.config().vocab_size);
     let mut extra = Vec::new();
     if let Picking::Device(_, rows, plan) = &picking {
         plan.pack(rows, &mut extra);
     }
-    let out = encode_images(shared, running, work).and_then(|()| {
+    let out = {
         // Each prompt chunk's slice of its images' positions and placeholders.
         let chunks: Vec<Option<images::Chunk>> = work
             .iter()
@@ -291,8 +340,12 @@ fn step(
             });
         }
         shared.model.forward_step(&mut rows, &extra)
+    };
+    let picked = out.and_then(|o| {
+        let scores = scores(running, work, &sampling, &o.logits)?;
+        Ok((pick(running, work, &sampling, picking, o)?, scores))
     });
-    let picked = match out.and_then(|o| pick(running, work, &sampling, picking, o)) {
+    let (picked, scores) = match picked {
         Ok(p) => p,
         Err(e) => {
             // A failed step fails its rows, not the engine.
@@ -303,9 +356,18 @@ fn step(
             return;
         }
     };
+    for (i, probs) in scores {
+        let s = &mut running[i];
+        if let Some(score) = s.score.take() {
+            let _ = score.reply.send(Ok(probs));
+        }
+        s.done = true;
+    }
     for ((i, _), out) in work.iter().zip(picked) {
         let s = &mut running[*i];
-        let Some(out) = out else { continue };
+        let Some(out) = out.filter(|_| !s.done) else {
+            continue;
+        };
         if !s.started {
             s.started = true;
             let _ = s.tx.send(TokenEvent::Started {
@@ -317,39 +379,123 @@ fn step(
     }
 }
 
-/// Runs the vision tower once over the images of the sequences whose prefill starts in this
-/// step.
-fn encode_images(
-    shared: &Shared,
-    running: &mut [Box<Seq>],
+/// The labels' probabilities of each scoring row whose prompt is now in the cache (a softmax
+/// over the labels' first-token logits at its last position), by the row's sequence.
+fn scores(
+    running: &[Box<Seq>],
     work: &[(usize, Work)],
-) -> Result<(), ModelError> {
-    let Some(tower) = shared.model.vision() else {
-        return Ok(());
-    };
-    let prefills: Vec<usize> = work
+    sampling: &[bool],
+    logits: &candle_core::Tensor,
+) -> Result<Vec<(usize, Vec<f32>)>, ModelError> {
+    let mut out = Vec::new();
+    for (k, ((i, _), &samples)) in work.iter().zip(sampling).enumerate() {
+        let Some(score) = running[*i].score.as_ref().filter(|_| samples) else {
+            continue;
+        };
+        let row = crate::model::download::<f32>(&logits.get(k)?)?;
+        let picked: Vec<f32> = score.labels.iter().map(|&t| row[t as usize]).collect();
+        let probs = super::sampler::log_softmax(&picked)
+            .into_iter()
+            .map(f32::exp)
+            .collect();
+        out.push((*i, probs));
+    }
+    Ok(out)
+}
+
+/// Runs the vision tower once over the images of the sequences whose prefill starts in this
+/// step. When that fails, each sequence's images are encoded alone, and a sequence whose images
+/// fail ends with the error: returns those sequences (the step goes on without them), so one
+/// bad image never fails its batch-mates.
+fn encode_images(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) -> Vec<usize> {
+    if shared.model.vision().is_none() {
+        return Vec::new();
+    }
+    let pending: Vec<usize> = work
         .iter()
-        .filter(|(_, w)| matches!(w, Work::Prefill(..)))
+        .filter(|(i, w)| {
+            matches!(w, Work::Prefill(..))
+                && running[*i]
+                    .images
+                    .as_ref()
+                    .is_some_and(|img| img.embeds.is_none())
+        })
         .map(|(i, _)| *i)
         .collect();
-    let mut pending: Vec<(&mut ImagePrompt, Option<&crate::model::LoraAdapter>)> = running
+    let mut all: Vec<(&mut ImagePrompt, Option<&crate::model::LoraAdapter>)> = running
         .iter_mut()
         .enumerate()
-        .filter(|(i, _)| prefills.contains(i))
+        .filter(|(i, _)| pending.contains(i))
         .filter_map(|(_, s)| {
             let adapter = s.adapter.as_ref().map(|p| p.adapter.as_ref());
             s.images.as_deref_mut().map(|img| (img, adapter))
         })
-        .filter(|(img, _)| img.embeds.is_none())
         .collect();
-    images::encode(tower, &shared.device, &mut pending)
+    let Err(e) = encode(shared, &mut all) else {
+        return Vec::new();
+    };
+    drop(all);
+    if pending.len() > 1 {
+        tracing::warn!(error = %e, "the vision tower failed on a step's images: each request's alone");
+    }
+    let mut failed = Vec::new();
+    for i in pending {
+        let s: &mut Seq = &mut running[i];
+        let adapter = s.adapter.as_ref().map(|p| p.adapter.as_ref());
+        let Some(img) = s.images.as_deref_mut() else {
+            continue;
+        };
+        if let Err(e) = encode(shared, &mut [(img, adapter)]) {
+            tracing::error!(request = %s.id, error = %e, "the vision tower failed on the request's images");
+            s.fail(&EngineError::Internal(format!(
+                "the vision tower failed on the request's images: {e}"
+            )));
+            failed.push(i);
+        }
+    }
+    failed
+}
+
+/// One tower pass (per adapter) over `group`'s images.
+fn encode(
+    shared: &Shared,
+    group: &mut [(&mut ImagePrompt, Option<&crate::model::LoraAdapter>)],
+) -> Result<(), ModelError> {
+    let Some(tower) = shared.model.vision() else {
+        return Ok(());
+    };
+    made_to_fail(shared, group)?;
+    images::encode(tower, &shared.device, group)
+}
+
+/// An error when one of `pending`'s images is one a test made the tower fail on
+/// ([`super::Engine::fail_images_for_tests`]).
+fn made_to_fail(
+    shared: &Shared,
+    pending: &[(&mut ImagePrompt, Option<&crate::model::LoraAdapter>)],
+) -> Result<(), ModelError> {
+    let failing = shared
+        .failing_images
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    match pending
+        .iter()
+        .any(|(p, _)| p.digests.iter().any(|d| failing.contains(d)))
+    {
+        true => {
+            Err(candle_core::Error::Msg("an image a test made the tower fail on".into()).into())
+        }
+        false => Ok(()),
+    }
 }
 
 /// How a step's rows pick their tokens, decided before its forward pass so that the device
 /// sampler's inputs travel in the step's one upload.
 enum Picking<'s> {
-    /// Every sampling row is plain greedy: the argmax ids come back alone.
-    Greedy,
+    /// Every sampling row is plain greedy: the argmax ids come back alone (the first of tied
+    /// values, as the device sampler's greedy rows take, so a greedy request's tokens do not
+    /// depend on whether another row samples).
+    Greedy(Option<&'s CandleSampler>),
     /// The tensor path samples on the device from these rows' inputs.
     Device(&'s CandleSampler, Vec<RowSampling>, SamplePlan),
     /// The host path: every row's logits come back and are sampled on the host.
@@ -379,7 +525,7 @@ fn prepare<'s>(
         .zip(&sampling)
         .all(|((i, _), &samples)| !samples || running[*i].sampler.is_plain_greedy());
     let picking = match (greedy, device) {
-        (true, _) => Picking::Greedy,
+        (true, device) => Picking::Greedy(device),
         (false, Some(sampler)) => {
             let rows: Vec<RowSampling> = work
                 .iter()
@@ -417,8 +563,12 @@ fn pick(
     }
     let logits = &out.logits;
     match (picking, &out.extra) {
-        (Picking::Greedy, _) => {
-            let argmax = logits.argmax(candle_core::D::Minus1)?;
+        (Picking::Greedy(device), _) => {
+            // The host path runs on the CPU, whose argmax takes the first of tied values.
+            let argmax = match device {
+                Some(sampler) => sampler.greedy(logits)?,
+                None => logits.argmax(candle_core::D::Minus1)?,
+            };
             let ids = crate::model::download::<u32>(&argmax)?;
             Ok(work
                 .iter()

@@ -7,6 +7,14 @@
 //! adapters, the least recently used idle one moves to a host-memory tier of `maxCpuLoras`
 //! (a copy back to the device is a memcpy, not a file read); beyond that it goes back to disk,
 //! keeping its spec, and is read again on its next request.
+//!
+//! A request for an adapter on disk waits for one read however many requests ask for it
+//! (single flight: the first starts the read, the others queue behind it), and whatever it
+//! is answered with is pinned before anything is evicted, so a request for a known adapter is
+//! never refused for lack of a slot: with every slot held by requests, the registry stays over
+//! capacity until one of them finishes (as vLLM and S-LoRA keep a running batch's adapters).
+//! A read carries the generation of the version it was started for, and is dropped when the
+//! adapter was replaced or unloaded meanwhile.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -65,9 +73,12 @@ impl Pinned {
     }
 }
 
-#[derive(Debug)]
-struct Entry {
+struct Entry<W> {
     spec: AdapterSpec,
+    /// Set anew by every insert: a read from disk started for another is stale.
+    generation: u64,
+    /// Requests waiting for the read from disk under way (None: no read under way).
+    loading: Option<Vec<W>>,
     /// On the compute device.
     weights: Option<Arc<LoraAdapter>>,
     /// In host memory (evicted from the device, not yet to disk).
@@ -89,20 +100,49 @@ struct Draining {
     stats: Arc<VersionStats>,
 }
 
-/// Result of looking an adapter up for a new request.
-pub enum Lookup {
-    /// Resident: pinned.
-    Ready(Pinned),
-    /// Known but evicted: load `spec` from disk, then [`Registry::insert`] it.
-    Evicted(AdapterSpec),
-    /// Not known.
-    Unknown,
+/// Result of looking an adapter up for a new request that waits as `W`.
+pub enum Lookup<W> {
+    /// Resident (or back from host memory): pinned, and the waiter handed back.
+    Ready(Pinned, W),
+    /// On disk: the waiter waits for the read this caller must start: read `ticket.spec`
+    /// (off the caller's thread), then hand the result to [`Registry::loaded`].
+    Load(LoadTicket),
+    /// On disk with a read under way: the waiter waits for it.
+    Queued,
+    /// Not known: the waiter handed back.
+    Unknown(W),
 }
 
-/// The registry (interior mutability; shared by the server threads and the engine).
+/// A read from disk to start: the version to read and the generation it is for.
 #[derive(Debug)]
-pub struct Registry {
-    inner: Mutex<Inner>,
+pub struct LoadTicket {
+    /// The version to read.
+    pub spec: AdapterSpec,
+    generation: u64,
+}
+
+/// Why a waiting request gets no adapter.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Missed {
+    /// The adapter was unloaded while the request waited.
+    Unloaded(String),
+    /// The read from disk failed (the next request reads it again).
+    Failed {
+        /// Adapter name.
+        name: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+/// Waiters whose wait ended, with what they got: the caller hands each its result (outside
+/// the registry's lock).
+pub type Settled<W> = Vec<(W, Result<Pinned, Missed>)>;
+
+/// The registry (interior mutability; shared by the server threads and the engine). `W` is
+/// what a request waiting for a read from disk is held as.
+pub struct Registry<W> {
+    inner: Mutex<Inner<W>>,
     capacity: usize,
     host_capacity: usize,
     device: candle_core::Device,
@@ -111,15 +151,55 @@ pub struct Registry {
     pub evictions: AtomicU64,
 }
 
-#[derive(Debug, Default)]
-struct Inner {
-    current: HashMap<String, Entry>,
+struct Inner<W> {
+    current: HashMap<String, Entry<W>>,
     draining: Vec<Draining>,
     /// The last refused load of each adapter (cleared when a version of it loads).
     failed: HashMap<String, (AdapterSpec, String)>,
+    /// The last generation given out.
+    generation: u64,
 }
 
-impl Registry {
+impl<W> Default for Inner<W> {
+    fn default() -> Self {
+        Self {
+            current: HashMap::new(),
+            draining: Vec::new(),
+            failed: HashMap::new(),
+            generation: 0,
+        }
+    }
+}
+
+impl<W> Entry<W> {
+    /// Pins the resident weights for a request.
+    fn pin(&mut self) -> Option<Pinned> {
+        let w = self.weights.clone()?;
+        Some(self.pin_weights(w))
+    }
+
+    /// Pins `w`, this entry's resident weights.
+    fn pin_weights(&mut self, w: Arc<LoraAdapter>) -> Pinned {
+        self.last_used = Instant::now();
+        Pinned {
+            name: self.spec.name.clone(),
+            version: self.spec.version.clone(),
+            adapter: w,
+            stats: self.stats.clone(),
+        }
+    }
+}
+
+impl<W> std::fmt::Debug for Registry<W> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Registry")
+            .field("capacity", &self.capacity)
+            .field("host_capacity", &self.host_capacity)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<W> Registry<W> {
     /// A registry keeping at most `capacity` adapters on `device` and `host_capacity` more in
     /// host memory. Device slots are reported `gpu` on a GPU and `cpu` on a CPU worker.
     pub fn new(capacity: usize, host_capacity: usize, device: candle_core::Device) -> Self {
@@ -138,7 +218,7 @@ impl Registry {
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner<W>> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -152,45 +232,105 @@ impl Registry {
     }
 
     /// Makes `weights` the current version of `spec.name`; the version it replaces drains.
-    /// Evicts least-recently-used idle adapters beyond capacity.
-    pub fn insert(&self, spec: AdapterSpec, weights: Arc<LoraAdapter>) {
+    /// Requests waiting for a read of the adapter from disk get this version (and the read,
+    /// when it ends, is dropped). Evicts least-recently-used idle adapters beyond capacity.
+    pub fn insert(&self, spec: AdapterSpec, weights: Arc<LoraAdapter>) -> Settled<W> {
         let mut g = self.lock();
         g.failed.remove(&spec.name);
+        g.generation += 1;
+        let generation = g.generation;
         let (rank, bytes, warning) = (weights.rank, weights.bytes, weights.warning.clone());
+        let mut waiters = Vec::new();
         let stats = match g.current.remove(&spec.name) {
-            // Same version read back after an eviction: keep its counters.
-            Some(old) if old.spec.version == spec.version => old.stats,
             Some(old) => {
-                if let Some(w) = old.weights {
-                    g.draining.push(Draining {
-                        spec: old.spec,
-                        weights: Arc::downgrade(&w),
-                        rank: old.rank,
-                        bytes: old.bytes,
-                        stats: old.stats,
-                    });
+                waiters = old.loading.unwrap_or_default();
+                match old.weights {
+                    // Same version read back after an eviction: keep its counters.
+                    _ if old.spec.version == spec.version => old.stats,
+                    Some(w) => {
+                        g.draining.push(Draining {
+                            spec: old.spec,
+                            weights: Arc::downgrade(&w),
+                            rank: old.rank,
+                            bytes: old.bytes,
+                            stats: old.stats,
+                        });
+                        Arc::default()
+                    }
+                    None => Arc::default(),
                 }
-                Arc::default()
             }
             None => Arc::default(),
         };
-        g.current.insert(
-            spec.name.clone(),
-            Entry {
-                spec,
-                weights: Some(weights),
-                host: None,
-                rank,
-                bytes,
-                warning,
-                stats,
-                last_used: Instant::now(),
-            },
-        );
+        let mut e = Entry {
+            spec,
+            generation,
+            loading: None,
+            weights: Some(weights.clone()),
+            host: None,
+            rank,
+            bytes,
+            warning,
+            stats,
+            last_used: Instant::now(),
+        };
+        // Pinned before anything is evicted: the waiters' version stays.
+        let settled = waiters
+            .into_iter()
+            .map(|w| (w, Ok(e.pin_weights(weights.clone()))))
+            .collect();
+        // Only the pins hold it now: unpinned, it may be evicted like any idle adapter.
+        drop(weights);
+        g.current.insert(e.spec.name.clone(), e);
         self.evict(&mut g);
+        settled
     }
 
-    fn evict(&self, g: &mut Inner) {
+    /// Ends the read from disk `ticket` was given for: its waiters get the weights, pinned
+    /// before anything is evicted (or the failure's reason). A read whose adapter was
+    /// replaced or unloaded since it started is dropped: it never makes its version current
+    /// again.
+    pub fn loaded(
+        &self,
+        ticket: LoadTicket,
+        weights: Result<Arc<LoraAdapter>, String>,
+    ) -> Settled<W> {
+        let mut g = self.lock();
+        let Some(e) = g
+            .current
+            .get_mut(&ticket.spec.name)
+            .filter(|e| e.generation == ticket.generation)
+        else {
+            tracing::info!(adapter = %ticket.spec.name, version = %ticket.spec.version,
+                "read from disk dropped: the adapter changed meanwhile");
+            return Vec::new();
+        };
+        let waiters = e.loading.take().unwrap_or_default();
+        let settled = match weights {
+            Ok(weights) => {
+                e.weights = Some(weights.clone());
+                e.host = None;
+                waiters
+                    .into_iter()
+                    .map(|w| (w, Ok(e.pin_weights(weights.clone()))))
+                    .collect()
+            }
+            Err(reason) => waiters
+                .into_iter()
+                .map(|w| {
+                    let missed = Missed::Failed {
+                        name: e.spec.name.clone(),
+                        reason: reason.clone(),
+                    };
+                    (w, Err(missed))
+                })
+                .collect(),
+        };
+        self.evict(&mut g);
+        settled
+    }
+
+    fn evict(&self, g: &mut Inner<W>) {
         // Device tier: only adapters no request holds can go; if all are busy the registry
         // stays over capacity until one finishes (never drops weights a request is using).
         loop {
@@ -239,38 +379,41 @@ impl Registry {
         }
     }
 
-    /// Pins the current version of `name` for a new request.
-    pub fn lookup(&self, name: &str) -> Lookup {
+    /// Pins the current version of `name` for a new request that waits as `waiter`: at once
+    /// when it is on the device or in host memory (copied back; pinned before anything is
+    /// evicted), else after the one read from disk (see [`Lookup`]).
+    pub fn lookup(&self, name: &str, waiter: W) -> Lookup<W> {
         let mut g = self.lock();
-        // In host memory: back onto the device (a copy on a GPU, nothing on a CPU).
-        if let Some(e) = g.current.get_mut(name) {
-            if e.weights.is_none() {
-                if let Some(h) = e.host.take() {
-                    let back = if self.device.is_cpu() {
-                        Ok(h)
-                    } else {
-                        h.to_device(&self.device).map(Arc::new)
-                    };
-                    e.weights = back.ok();
-                    e.last_used = Instant::now();
-                    self.evict(&mut g);
-                }
+        let Some(e) = g.current.get_mut(name) else {
+            return Lookup::Unknown(waiter);
+        };
+        if e.weights.is_none() {
+            // In host memory: back onto the device (a copy on a GPU, nothing on a CPU).
+            if let Some(h) = e.host.take() {
+                let back = if self.device.is_cpu() {
+                    Ok(h)
+                } else {
+                    h.to_device(&self.device).map(Arc::new)
+                };
+                e.weights = back.ok();
             }
         }
-        match g.current.get_mut(name) {
-            None => Lookup::Unknown,
-            Some(e) => match &e.weights {
-                Some(w) => {
-                    e.last_used = Instant::now();
-                    Lookup::Ready(Pinned {
-                        name: e.spec.name.clone(),
-                        version: e.spec.version.clone(),
-                        adapter: w.clone(),
-                        stats: e.stats.clone(),
-                    })
-                }
-                None => Lookup::Evicted(e.spec.clone()),
-            },
+        if let Some(p) = e.pin() {
+            self.evict(&mut g);
+            return Lookup::Ready(p, waiter);
+        }
+        match &mut e.loading {
+            Some(waiters) => {
+                waiters.push(waiter);
+                Lookup::Queued
+            }
+            None => {
+                e.loading = Some(vec![waiter]);
+                Lookup::Load(LoadTicket {
+                    spec: e.spec.clone(),
+                    generation: e.generation,
+                })
+            }
         }
     }
 
@@ -280,12 +423,19 @@ impl Registry {
         g.failed.insert(spec.name.clone(), (spec, reason));
     }
 
-    /// Removes `name`; requests holding it finish on it. False when it was not known.
-    pub fn remove(&self, name: &str) -> bool {
+    /// Removes `name`; requests holding it finish on it, requests waiting for its read from
+    /// disk are refused. False when it was not known.
+    pub fn remove(&self, name: &str) -> (bool, Settled<W>) {
         let mut g = self.lock();
         let had_failure = g.failed.remove(name).is_some();
         match g.current.remove(name) {
             Some(e) => {
+                let settled = e
+                    .loading
+                    .unwrap_or_default()
+                    .into_iter()
+                    .map(|w| (w, Err(Missed::Unloaded(name.to_string()))))
+                    .collect();
                 if let Some(w) = e.weights {
                     g.draining.push(Draining {
                         spec: e.spec,
@@ -295,9 +445,9 @@ impl Registry {
                         stats: e.stats,
                     });
                 }
-                true
+                (true, settled)
             }
-            None => had_failure,
+            None => (had_failure, Vec::new()),
         }
     }
 

@@ -1,0 +1,164 @@
+//! Adapters for requests: reading a version from disk, pinning it for a request, and the
+//! requests that wait for a read. A request for an adapter on disk waits in the registry (no
+//! thread of its own) for the one read that the first such request started on a loader
+//! thread; when the read ends, every waiter is queued with the weights pinned, or refused
+//! with the read's reason (see [`crate::lora::registry`]).
+
+use std::sync::atomic::Ordering;
+use std::sync::{mpsc, Arc};
+
+use super::api::{AdapterSpec, EngineError};
+use super::scheduler::{Msg, Seq};
+use super::{Engine, Shared};
+use crate::lora::registry::{LoadTicket, Lookup, Missed, Settled};
+use crate::lora::LoadOptions;
+use crate::model::LoraAdapter;
+
+/// What waits for an adapter's read from disk: a request's sequence (with the choices it
+/// carries, or a classifier's scoring), queued once the adapter is pinned.
+pub(super) type Waiter = Box<Seq>;
+
+/// The error a request waiting for an adapter gets.
+fn missed(m: Missed) -> EngineError {
+    match m {
+        Missed::Unloaded(name) => EngineError::AdapterNotFound(name),
+        Missed::Failed { name, reason } => EngineError::InvalidAdapter { name, reason },
+    }
+}
+
+/// Reads `spec` from disk into the engine's adapter dtype and device (counted in the load
+/// metrics).
+pub(super) fn load_weights(
+    shared: &Shared,
+    spec: &AdapterSpec,
+) -> Result<Arc<LoraAdapter>, EngineError> {
+    let started = std::time::Instant::now();
+    let opts = LoadOptions {
+        max_rank: shared.opts.max_lora_rank,
+        expect_base: Some(shared.opts.base_name.clone()),
+    };
+    let a = crate::lora::load(
+        &spec.path,
+        shared.model.config(),
+        shared.lora_dtype,
+        &shared.device,
+        &opts,
+    )
+    .map_err(|e| {
+        shared.load_failures.fetch_add(1, Ordering::Relaxed);
+        EngineError::InvalidAdapter {
+            name: spec.name.clone(),
+            reason: e.to_string(),
+        }
+    })?;
+    shared.loads.fetch_add(1, Ordering::Relaxed);
+    shared
+        .load_micros
+        .fetch_add(started.elapsed().as_micros() as u64, Ordering::Relaxed);
+    tracing::info!(adapter = %spec.name, version = %spec.version, rank = a.rank, bytes = a.bytes,
+        dtype = ?shared.lora_dtype, seconds = started.elapsed().as_secs_f64(), "adapter loaded");
+    Ok(Arc::new(a))
+}
+
+/// Hands each waiter what it got: a request is queued with its adapter pinned, or ends with
+/// the error.
+fn settle(shared: &Shared, tx: &mpsc::Sender<Msg>, settled: Settled<Waiter>) {
+    for (waiter, got) in settled {
+        match (waiter, got) {
+            (mut s, Ok(p)) => {
+                s.pin(p);
+                if tx.send(Msg::Submit(s)).is_err() {
+                    shared.waiting.fetch_sub(1, Ordering::SeqCst);
+                }
+            }
+            (mut s, Err(m)) => {
+                shared.waiting.fetch_sub(1, Ordering::SeqCst);
+                s.fail(&missed(m));
+            }
+        }
+    }
+}
+
+impl Engine {
+    /// Queues a request (counted in `waiting`) for the base model or, when it names one, an
+    /// adapter: at once when the adapter is resident (or in host memory), after its one read
+    /// from disk otherwise.
+    pub(super) fn queue(&self, seq: Box<Seq>, adapter: Option<&str>) -> Result<(), EngineError> {
+        let sh = &self.shared;
+        let unqueue = || {
+            sh.waiting.fetch_sub(1, Ordering::SeqCst);
+        };
+        let Some(name) = adapter else {
+            return self.tx.send(Msg::Submit(seq)).map_err(|_| {
+                unqueue();
+                EngineError::NotReady("engine stopped".into())
+            });
+        };
+        match sh.registry.lookup(name, seq) {
+            Lookup::Ready(p, mut seq) => {
+                seq.pin(p);
+                self.tx.send(Msg::Submit(seq)).map_err(|_| {
+                    unqueue();
+                    EngineError::NotReady("engine stopped".into())
+                })
+            }
+            Lookup::Unknown(_) => {
+                unqueue();
+                Err(EngineError::AdapterNotFound(name.into()))
+            }
+            Lookup::Load(ticket) => {
+                self.read(ticket);
+                Ok(())
+            }
+            Lookup::Queued => Ok(()),
+        }
+    }
+
+    /// Starts the read of `ticket` on a loader thread, so that neither the caller's async
+    /// runtime nor the decode loop waits on the disk; its waiters are settled when it ends.
+    fn read(&self, ticket: LoadTicket) {
+        let (shared, tx) = (self.shared.clone(), self.tx.clone());
+        std::thread::spawn(move || {
+            let weights = load_weights(&shared, &ticket.spec).map_err(|e| match e {
+                EngineError::InvalidAdapter { reason, .. } => reason,
+                e => e.to_string(),
+            });
+            let settled = shared.registry.loaded(ticket, weights);
+            settle(&shared, &tx, settled);
+        });
+    }
+
+    /// Loads `spec` as the adapter's current version (a no-op when it already is); requests
+    /// waiting for a read of the adapter get it.
+    pub(super) fn load_version(&self, spec: AdapterSpec) -> Result<(), EngineError> {
+        let sh = &self.shared;
+        if self.is_merged(&spec.name).is_some() || sh.registry.is_current(&spec.name, &spec.version)
+        {
+            return Ok(());
+        }
+        match load_weights(sh, &spec) {
+            Ok(w) => {
+                let settled = sh.registry.insert(spec, w);
+                settle(sh, &self.tx, settled);
+                Ok(())
+            }
+            Err(e) => {
+                // Reported by /v1/lora_adapters so the operator can show why.
+                sh.registry.record_failure(spec, e.to_string());
+                Err(e)
+            }
+        }
+    }
+
+    /// Unloads `name`: requests holding it finish on it, requests waiting for its read are
+    /// refused `adapter_not_found`.
+    pub(super) fn unload(&self, name: &str) -> Result<(), EngineError> {
+        let (known, settled) = self.shared.registry.remove(name);
+        settle(&self.shared, &self.tx, settled);
+        if known {
+            Ok(())
+        } else {
+            Err(EngineError::AdapterNotFound(name.into()))
+        }
+    }
+}

@@ -1,0 +1,180 @@
+//! One engine per device behind [`Replicas`], on the committed tiny Llama
+//! (tests/fixtures/engine): concurrent requests are spread over the engines, and an unload
+//! reaches every engine.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+#![allow(clippy::disallowed_methods)] // tests read results back from the device
+
+mod common;
+
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
+use candle_core::{DType, Device};
+use common::{engine_fixtures as fixtures, engine_reference as reference, ids, wait_until};
+use mole_worker::engine::api::*;
+use mole_worker::engine::replicas::Replicas;
+use mole_worker::engine::{Engine, EngineOptions};
+
+fn engine() -> Engine {
+    let o = EngineOptions {
+        base_name: "llama".into(),
+        ..Default::default()
+    };
+    Engine::load(&fixtures().join("llama"), DType::F32, &Device::Cpu, o).unwrap()
+}
+
+fn spec(name: &str) -> AdapterSpec {
+    AdapterSpec {
+        name: name.into(),
+        version: "v1".into(),
+        lora_id: 1,
+        path: fixtures().join("adapters/llama/a_r8_all"),
+    }
+}
+
+fn greedy(prompt: Vec<u32>, adapter: Option<&str>, max_tokens: usize) -> GenerateRequest {
+    GenerateRequest {
+        images: Vec::new(),
+        id: "t".into(),
+        prompt: Prompt::Tokens(prompt),
+        adapter: adapter.map(String::from),
+        sampling: SamplingParams {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    }
+}
+
+fn tokens(mut rx: EventStream) -> Vec<u32> {
+    let mut out = Vec::new();
+    loop {
+        match rx.blocking_recv().expect("a final event") {
+            TokenEvent::Token { token_id, .. } => out.push(token_id),
+            TokenEvent::Finished { .. } => return out,
+            TokenEvent::Error(e) => panic!("{e}"),
+            TokenEvent::Started { .. } => {}
+        }
+    }
+}
+
+/// Holds the first two reads of the wrapped engine's stats, each taken, until both are taken
+/// (or half a second passed): the interleaving of two requests routed at the same moment, both
+/// reading the loads before either is sent, made deterministic. Everything else is the real
+/// engine's.
+struct Rendezvous {
+    engine: Engine,
+    readers: Mutex<usize>,
+    met: Condvar,
+}
+
+impl InferenceEngine for Rendezvous {
+    fn stats(&self) -> EngineStats {
+        let stats = self.engine.stats();
+        let mut n = self.readers.lock().unwrap();
+        *n += 1;
+        if *n <= 2 {
+            self.met.notify_all();
+            let (_n, _) = self
+                .met
+                .wait_timeout_while(n, Duration::from_millis(500), |n| *n < 2)
+                .unwrap();
+        }
+        stats
+    }
+    fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
+        self.engine.submit(req)
+    }
+    fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, EngineError> {
+        self.engine.apply_chat_template(messages, kwargs)
+    }
+    fn tokenize(&self, prompt: &Prompt, images: &[Image]) -> Result<Vec<u32>, EngineError> {
+        self.engine.tokenize(prompt, images)
+    }
+    fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError> {
+        self.engine.detokenize(ids)
+    }
+    fn score_labels(
+        &self,
+        adapter: Option<&str>,
+        prompt: &str,
+        labels: &[String],
+        images: &[Image],
+    ) -> Result<Vec<f32>, EngineError> {
+        self.engine.score_labels(adapter, prompt, labels, images)
+    }
+    fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError> {
+        self.engine.image_tokens(width, height)
+    }
+    fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
+        self.engine.load_adapter(spec)
+    }
+    fn unload_adapter(&self, name: &str) -> Result<(), EngineError> {
+        self.engine.unload_adapter(name)
+    }
+    fn adapters(&self) -> Vec<mole_api::LoraAdapterInfo> {
+        self.engine.adapters()
+    }
+    fn model_info(&self) -> ModelInfo {
+        self.engine.model_info()
+    }
+}
+
+/// Two requests routed at the same moment, both reading the engines' loads before either is
+/// counted: they go to different engines (was: both read two idle engines and both went to
+/// the first).
+#[test]
+fn requests_routed_at_once_go_to_different_engines() {
+    let r = &reference()["llama"];
+    let first = Rendezvous {
+        engine: engine(),
+        readers: Mutex::new(0),
+        met: Condvar::new(),
+    };
+    let pod = Arc::new(Replicas::new(vec![Box::new(first), Box::new(engine())]));
+    pod.load_adapter(spec("task")).unwrap();
+    let routed: Vec<_> = (0..2)
+        .map(|i| {
+            let (pod, p) = (pod.clone(), ids(&r["prompts"][i]));
+            std::thread::spawn(move || pod.submit(greedy(p, Some("task"), 8)).unwrap())
+        })
+        .collect();
+    for (i, h) in routed.into_iter().enumerate() {
+        let got = tokens(h.join().unwrap());
+        assert_eq!(got, ids(&r["adapters"]["a_r8_all"]["greedy"][i])[..8]);
+    }
+    wait_until("both requests counted", || pod.adapters()[0].requests == 2);
+    let per_engine: Vec<u64> = pod
+        .engines()
+        .iter()
+        .map(|e| e.adapters()[0].requests)
+        .collect();
+    assert_eq!(per_engine, [1, 1], "one request per engine");
+}
+
+/// An unload reaches every engine, even past one that does not hold the adapter (was: it
+/// stopped at the first engine's `adapter_not_found`, and the second kept serving it).
+#[test]
+fn an_unload_reaches_every_engine() {
+    let r = &reference()["llama"];
+    let pod = Replicas::new(vec![Box::new(engine()), Box::new(engine())]);
+    pod.load_adapter(spec("task")).unwrap();
+    pod.engines()[0].unload_adapter("task").unwrap();
+    pod.unload_adapter("task").unwrap();
+    for e in pod.engines() {
+        assert!(e.adapters().is_empty(), "{:?}", e.adapters());
+    }
+    assert!(matches!(
+        pod.submit(greedy(ids(&r["prompts"][0]), Some("task"), 1)),
+        Err(EngineError::AdapterNotFound(_))
+    ));
+    assert!(matches!(
+        pod.unload_adapter("task"),
+        Err(EngineError::AdapterNotFound(_))
+    ));
+}
