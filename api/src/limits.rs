@@ -149,10 +149,18 @@ pub struct WorkerLimits {
     /// Most images in one request.
     #[serde(default = "default_max_images")]
     pub max_images: u32,
-    /// Hosts whose `http(s)://` image URLs the worker fetches (exact names); empty: only
-    /// `data:` URLs and base64 are accepted, so a request cannot make the worker fetch.
+    /// Hosts whose `http(s)://` image URLs the worker fetches: exact names or IP literals,
+    /// compared with the host the URL's parser (the HTTP client's) reads; on the scheme's
+    /// default port only, unless an entry names its port (`host:8080`). Empty: only `data:`
+    /// URLs and base64 are accepted, so a request cannot make the worker fetch.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub image_url_hosts: Vec<String>,
+    /// Fetch images from listed hosts that resolve to non-public addresses (private,
+    /// loopback, link-local, CGNAT, multicast, ...). Off: such a URL is refused
+    /// (`image_url_not_allowed`) after its host is resolved, whatever the list says, so that a
+    /// listed name cannot be pointed at the cloud metadata service or the pod's neighbours.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub image_url_allow_private: bool,
 }
 
 impl Default for WorkerLimits {
@@ -175,6 +183,7 @@ impl WorkerLimits {
             max_image_pixels: default_max_image_pixels(),
             max_images: default_max_images(),
             image_url_hosts: Vec::new(),
+            image_url_allow_private: false,
         }
     }
 

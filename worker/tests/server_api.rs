@@ -493,6 +493,14 @@ async fn bad_input_battery_keeps_serving() {
             401,
             "invalid_admin_token",
         ),
+        (
+            "/v1/chat/completions",
+            msg(
+                json!([{"type": "image_url", "image_url": {"url": "http://169.254.169.254\\@img.example.com/x.png"}}]),
+            ),
+            400,
+            "image_url_not_allowed",
+        ),
     ];
     for (path, body, status, code) in cases {
         let (st, _, b) = post(&s, path, body.clone()).await;

@@ -12,6 +12,7 @@ use image::{ImageFormat, ImageReader};
 use mole_api::WorkerLimits;
 use sha2::{Digest, Sha256};
 
+use super::image_url;
 use super::validate::bad;
 use crate::engine::api::Image;
 use crate::server::{ApiError, AppState};
@@ -21,8 +22,8 @@ use crate::server::{ApiError, AppState};
 pub(in crate::server) enum ImageSource {
     /// Bytes of the file (from base64 or a `data:` URL).
     Bytes(Vec<u8>),
-    /// An `http(s)://` URL on an allowed host.
-    Url(String),
+    /// An `http(s)://` URL on an allowed host and port.
+    Url(url::Url),
 }
 
 /// A 413 with a stable code.
@@ -50,29 +51,11 @@ pub(in crate::server) fn source(
     limits: &WorkerLimits,
 ) -> Result<ImageSource, ApiError> {
     let v = value.trim();
-    if let Some(rest) = v.strip_prefix("http://").or(v.strip_prefix("https://")) {
-        let host = rest
-            .split(['/', '?', '#'])
-            .next()
-            .unwrap_or("")
-            .rsplit('@')
-            .next()
-            .unwrap_or("");
-        let name = host.split(':').next().unwrap_or("");
-        if limits
-            .image_url_hosts
-            .iter()
-            .any(|h| h.eq_ignore_ascii_case(name))
-        {
-            return Ok(ImageSource::Url(v.to_string()));
-        }
-        return Err(bad(
-            "image_url_not_allowed",
-            format!(
-                "{field}: remote image URLs are fetched only from limits.imageUrlHosts \
-                 ({name:?} is not listed); send the image as a data: URL or base64"
-            ),
-        ));
+    let scheme = v.split_once(':').map(|(s, _)| s.to_ascii_lowercase());
+    if matches!(scheme.as_deref(), Some("http" | "https")) {
+        return Ok(ImageSource::Url(image_url::parse_allowed(
+            v, field, limits,
+        )?));
     }
     let data = match v.strip_prefix("data:") {
         Some(rest) => {
@@ -143,10 +126,12 @@ pub(in crate::server) async fn read_all(
     }
     let limits = s.cfg().limits.clone();
     let mut files = Vec::with_capacity(sources.len());
-    for src in sources {
+    for (i, src) in sources.into_iter().enumerate() {
         files.push(match src {
             ImageSource::Bytes(b) => b,
-            ImageSource::Url(u) => fetch(s, &u, &limits).await?,
+            ImageSource::Url(u) => {
+                image_url::fetch(&u, &format!("image {}", i + 1), &limits).await?
+            }
         });
     }
     tokio::task::spawn_blocking(move || {
@@ -157,32 +142,6 @@ pub(in crate::server) async fn read_all(
             .collect()
     })
     .await?
-}
-
-/// GETs an image from an allowed host, no more than `maxImageBytes` read.
-async fn fetch(s: &AppState, url: &str, limits: &WorkerLimits) -> Result<Vec<u8>, ApiError> {
-    let failed = |e: String| {
-        bad(
-            "image_fetch_failed",
-            format!("fetching the image at {url}: {e}"),
-        )
-    };
-    let mut resp = s
-        .http
-        .get(url)
-        .timeout(std::time::Duration::from_secs(30))
-        .send()
-        .await
-        .map_err(|e| failed(e.to_string()))?;
-    if !resp.status().is_success() {
-        return Err(failed(format!("HTTP {}", resp.status())));
-    }
-    let mut out = Vec::new();
-    while let Some(chunk) = resp.chunk().await.map_err(|e| failed(e.to_string()))? {
-        out.extend_from_slice(&chunk);
-        check_bytes(&out, url, limits)?;
-    }
-    Ok(out)
 }
 
 /// Decodes one image file into RGB: its format from its bytes (PNG, JPEG or WebP), its size
@@ -284,7 +243,7 @@ mod tests {
         limits.image_url_hosts = vec!["img.example.com".into()];
         assert_eq!(
             source(remote, "f", &limits).unwrap(),
-            ImageSource::Url(remote.into())
+            ImageSource::Url(remote.parse().unwrap())
         );
         limits.max_image_bytes = 10;
         let e = source(&b64(&p), "f", &limits).unwrap_err();

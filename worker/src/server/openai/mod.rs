@@ -6,6 +6,7 @@ mod answer;
 pub(in crate::server) mod chat;
 mod completions;
 pub(in crate::server) mod generate;
+mod image_url;
 mod images;
 pub(in crate::server) mod models;
 pub(in crate::server) mod replies;
