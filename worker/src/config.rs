@@ -82,23 +82,13 @@ pub fn load(path: &Path) -> Result<WorkerConfig, ConfigError> {
 /// Resolves `rel` against `root` (symlinks included) and refuses anything outside `root`.
 /// The target must exist, since canonicalisation is the only reliable symlink check.
 pub fn resolve_in_root(root: &str, rel: &str) -> Result<PathBuf, ConfigError> {
-    let err = |reason: String| ConfigError::PathOutsideRoot {
-        path: rel.into(),
-        root: root.into(),
-        reason,
-    };
-    let root_c = std::fs::canonicalize(root).map_err(|e| err(format!("model root: {e}")))?;
-    let p = Path::new(rel);
-    let joined = if p.is_absolute() {
-        p.to_path_buf()
-    } else {
-        root_c.join(p)
-    };
-    let c = std::fs::canonicalize(&joined).map_err(|e| err(e.to_string()))?;
-    if !c.starts_with(&root_c) {
-        return Err(err(format!("resolves to {}", c.display())));
-    }
-    Ok(c)
+    crate::formats::paths::resolve_within(Path::new(root), Path::new(rel)).map_err(|reason| {
+        ConfigError::PathOutsideRoot {
+            path: rel.into(),
+            root: root.into(),
+            reason,
+        }
+    })
 }
 
 /// The model directory a worker config serves: the merged output in a merged pod, else the

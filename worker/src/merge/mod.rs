@@ -125,6 +125,7 @@ impl MergeError {
     pub fn code(&self) -> &'static str {
         match self {
             MergeError::Io { .. } => "io_error",
+            MergeError::Base(hf::HfError::OutsideDir { .. }) => "path_outside_root",
             MergeError::Base(_) => "invalid_base",
             MergeError::AdapterConfig(_) => "invalid_adapter_config",
             MergeError::Pickle(_) => "pickle_refused",
@@ -159,6 +160,7 @@ impl From<WeightsError> for MergeError {
             }
             WeightsError::Shape { module, message } => MergeError::Shape { module, message },
             WeightsError::Unsupported(m) => MergeError::Unsupported(m),
+            WeightsError::OutsideDir { path, dir } => MergeError::OutsideRoot { path, root: dir },
         }
     }
 }
