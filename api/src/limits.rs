@@ -149,6 +149,19 @@ pub struct WorkerLimits {
     /// Most images in one request.
     #[serde(default = "default_max_images")]
     pub max_images: u32,
+    /// Most pixels of all of one request's images together, read from their headers before
+    /// any is decoded (413 `image_pixels_exceeded`). Default 64 Mi pixels (about 192 MiB as
+    /// RGB): four images at Qwen3-VL's largest processed size (16 Mi pixels), or one image of
+    /// `maxImagePixels`.
+    #[serde(default = "default_max_request_image_pixels")]
+    pub max_request_image_pixels: u64,
+    /// Most pixels of the images all requests hold at once, decoding or decoded (the worker's
+    /// memory for images is about 3 bytes a pixel of this, plus the decoders' buffers). A
+    /// request whose images do not fit in what is left is answered 429 `images_busy` at
+    /// once, not queued. Default 128 Mi pixels (about 384 MiB as RGB); at least
+    /// `maxRequestImagePixels`. Read at start.
+    #[serde(default = "default_max_inflight_image_pixels")]
+    pub max_inflight_image_pixels: u64,
     /// Hosts whose `http(s)://` image URLs the worker fetches: exact names or IP literals,
     /// compared with the host the URL's parser (the HTTP client's) reads; on the scheme's
     /// default port only, unless an entry names its port (`host:8080`). Empty: only `data:`
@@ -182,6 +195,8 @@ impl WorkerLimits {
             max_image_bytes: default_max_image_bytes(),
             max_image_pixels: default_max_image_pixels(),
             max_images: default_max_images(),
+            max_request_image_pixels: default_max_request_image_pixels(),
+            max_inflight_image_pixels: default_max_inflight_image_pixels(),
             image_url_hosts: Vec::new(),
             image_url_allow_private: false,
         }
@@ -198,6 +213,8 @@ impl WorkerLimits {
             ("maxImageBytes", self.max_image_bytes),
             ("maxImagePixels", self.max_image_pixels),
             ("maxImages", u64::from(self.max_images)),
+            ("maxRequestImagePixels", self.max_request_image_pixels),
+            ("maxInflightImagePixels", self.max_inflight_image_pixels),
         ] {
             if v == 0 {
                 return Err(BoundsError {
@@ -205,6 +222,15 @@ impl WorkerLimits {
                     message: "must be > 0".into(),
                 });
             }
+        }
+        if self.max_request_image_pixels > self.max_inflight_image_pixels {
+            return Err(BoundsError {
+                field: "maxRequestImagePixels",
+                message: format!(
+                    "{} exceeds maxInflightImagePixels {}: such a request could never run",
+                    self.max_request_image_pixels, self.max_inflight_image_pixels
+                ),
+            });
         }
         if self.max_tokens > self.engine.max_seq_len {
             return Err(BoundsError {
@@ -237,4 +263,13 @@ fn default_max_image_pixels() -> u64 {
 }
 fn default_max_images() -> u32 {
     8
+}
+/// 64 Mi pixels: 4 × Qwen3-VL's `longest_edge` (16 Mi pixels, the most its processor keeps of
+/// one image), above one image of the default `maxImagePixels`.
+fn default_max_request_image_pixels() -> u64 {
+    64 << 20
+}
+/// 128 Mi pixels: two requests at the default `maxRequestImagePixels`.
+fn default_max_inflight_image_pixels() -> u64 {
+    128 << 20
 }

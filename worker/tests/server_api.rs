@@ -501,6 +501,12 @@ async fn bad_input_battery_keeps_serving() {
             400,
             "image_url_not_allowed",
         ),
+        (
+            "/v1/completions",
+            json!({"model": "demo", "prompt": "x", "stop_token_ids": (0..65).collect::<Vec<u32>>()}),
+            400,
+            "invalid_stop_token_ids",
+        ),
     ];
     for (path, body, status, code) in cases {
         let (st, _, b) = post(&s, path, body.clone()).await;

@@ -1,8 +1,10 @@
 //! Hostile requests against the real server on the committed tiny Llama: image URLs that try to
 //! reach what `limits.imageUrlHosts` does not list (a backslash in the authority, a redirect, a
 //! loopback address, an odd port), each refused with nothing fetched from the host it aims at
-//! (local HTTP servers count their hits), and fetch failures that do not echo the remote.
-//! Images go through `POST /v1/route`, which reads a request's images as chat does.
+//! (local HTTP servers count their hits), and fetch failures that do not echo the remote;
+//! requests that cost memory or time out of proportion (a million `stop_token_ids`, a request's
+//! images over the pixel budget, big bodies on the small endpoints). Images go through
+//! `POST /v1/route`, which reads a request's images as chat does.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 
@@ -230,4 +232,81 @@ async fn image_urls_are_checked_by_the_host_reached_and_redirects_are_not_follow
     let (st, code, msg) = route_image(&s, &format!("http://127.0.0.1:{}/img.png", a.port)).await;
     assert_eq!((st, code.as_str()), (200, ""), "{msg}");
     assert_eq!(a.hits.load(Ordering::SeqCst), 3);
+}
+
+/// POSTs `body` to `path`: the status and the error code.
+async fn post(s: &Srv, path: &str, body: String) -> (u16, String) {
+    let r = reqwest::Client::new()
+        .post(format!("{}{path}", s.url))
+        .header("content-type", "application/json")
+        .bearer_auth("s3cret")
+        .body(body)
+        .send()
+        .await
+        .unwrap();
+    let st = r.status().as_u16();
+    let b: Value = r.json().await.unwrap_or(Value::Null);
+    (st, b["error"]["code"].as_str().unwrap_or("").to_string())
+}
+
+/// `stop_token_ids` is checked against every token a shared batch generates: a million of
+/// them is refused, and so is one over 64.
+#[tokio::test]
+async fn stop_token_ids_are_bounded() {
+    let s = start("").await;
+    let body = |ids: Vec<u32>| {
+        json!({"model": "llama", "prompt": "x", "max_tokens": 1, "stop_token_ids": ids}).to_string()
+    };
+    let (st, code) = post(&s, "/v1/completions", body(vec![7; 1_000_000])).await;
+    assert_eq!((st, code.as_str()), (400, "invalid_stop_token_ids"));
+    let (st, code) = post(&s, "/v1/completions", body((0..65).collect())).await;
+    assert_eq!((st, code.as_str()), (400, "invalid_stop_token_ids"));
+    // 64 are accepted, duplicates among them.
+    let many: Vec<u32> = (0..32).cycle().take(64).collect();
+    let (st, code) = post(&s, "/v1/completions", body(many)).await;
+    assert_eq!((st, code.as_str()), (200, ""));
+}
+
+/// The endpoints that take small bodies (tokenize, detokenize, route, admin) refuse a big one
+/// with the JSON 413, far below the chat endpoints' `maxBodyBytes`.
+#[tokio::test]
+async fn small_endpoints_refuse_big_bodies() {
+    let s = start("").await;
+    let big = |field: &str| json!({"model": "llama", field: "x ".repeat(600_000)}).to_string();
+    for (path, body) in [
+        ("/tokenize", big("prompt")),
+        ("/detokenize", big("tokens")),
+        ("/v1/route", big("input")),
+        ("/v1/load_lora_adapter", big("lora_name")),
+    ] {
+        let (st, code) = post(&s, path, body).await;
+        assert_eq!((st, code.as_str()), (413, "body_too_large"), "{path}");
+    }
+    // The chat endpoint still takes a body of that size (and refuses the prompt by length).
+    let chat = json!({"model": "llama", "prompt": "x ".repeat(600_000), "max_tokens": 1});
+    let (st, code) = post(&s, "/v1/completions", chat.to_string()).await;
+    assert_eq!((st, code.as_str()), (400, "prompt_too_long"));
+}
+
+/// A request's images together are held to `limits.maxRequestImagePixels`, read from their
+/// headers before any is decoded.
+#[tokio::test]
+async fn a_requests_images_are_held_to_a_pixel_budget() {
+    use base64::Engine as _;
+    let s = start("maxRequestImagePixels: 5000000").await;
+    let img = format!(
+        "data:image/png;base64,{}",
+        base64::engine::general_purpose::STANDARD.encode(png(2000, 1000))
+    );
+    let body = |n: usize| {
+        let mut parts: Vec<Value> = (0..n)
+            .map(|_| json!({"type": "image_url", "image_url": {"url": img}}))
+            .collect();
+        parts.push(json!({"type": "text", "text": "what is this"}));
+        json!({"model": "llama", "messages": [{"role": "user", "content": parts}]}).to_string()
+    };
+    let (st, code) = post(&s, "/v1/route", body(2)).await;
+    assert_eq!((st, code.as_str()), (200, ""));
+    let (st, code) = post(&s, "/v1/route", body(3)).await;
+    assert_eq!((st, code.as_str()), (413, "image_pixels_exceeded"));
 }
