@@ -3,7 +3,8 @@
 //! loopback address, an odd port), each refused with nothing fetched from the host it aims at
 //! (local HTTP servers count their hits), and fetch failures that do not echo the remote;
 //! requests that cost memory or time out of proportion (a million `stop_token_ids`, a request's
-//! images over the pixel budget, big bodies on the small endpoints). Images go through
+//! images over the pixel budget, big bodies on the small endpoints); adapters whose directory
+//! overlaps the base model's, `merged/` or another adapter's. Images go through
 //! `POST /v1/route`, which reads a request's images as chat does.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
@@ -309,4 +310,60 @@ async fn a_requests_images_are_held_to_a_pixel_budget() {
     assert_eq!((st, code.as_str()), (200, ""));
     let (st, code) = post(&s, "/v1/route", body(3)).await;
     assert_eq!((st, code.as_str()), (413, "image_pixels_exceeded"));
+}
+
+/// An adapter's directory must not equal, contain or lie inside the base model's, the
+/// `merged/` tree or another adapter's: refused in the config and by `/v1/load_lora_adapter`.
+#[tokio::test]
+async fn adapter_directories_must_not_overlap() {
+    let dir = model_root();
+    let root = dir.path();
+    std::fs::create_dir_all(root.join("merged/fr-v1")).unwrap();
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine/adapters/llama");
+    copy_dir(&fx.join("a_r8_all"), &root.join("base/lora"));
+    copy_dir(&fx.join("a_r8_all"), &root.join("adapters/fr/inner"));
+    let with = |path: &str| {
+        config_yaml(root, "").replace(
+            "path: adapters/fr}",
+            &format!("path: adapters/fr}}\n  - {{name: x, version: v1, loraId: 2, path: {path}}}"),
+        )
+    };
+    for path in [
+        "base",
+        "base/lora",
+        ".",
+        "merged/fr-v1",
+        "adapters/fr",
+        "adapters/fr/inner",
+        "adapters",
+    ] {
+        let e = mole_worker::config::parse(&with(path), "t")
+            .and_then(|c| mole_worker::config::validate(&c))
+            .err()
+            .unwrap_or_else(|| panic!("{path} was accepted"));
+        assert_eq!(e.code(), "adapter_path_overlaps", "{path}: {e}");
+    }
+    mole_worker::config::validate(&mole_worker::config::parse(&with("adapters/js"), "t").unwrap())
+        .unwrap();
+
+    let s = start_in(dir, "").await;
+    for path in [
+        "base/lora",
+        "adapters/fr/inner",
+        "adapters/fr",
+        "merged/../base/lora",
+    ] {
+        let body = json!({"lora_name": "x", "lora_path": path}).to_string();
+        let (st, code) = post(&s, "/v1/load_lora_adapter", body).await;
+        assert_eq!(
+            (st, code.as_str()),
+            (400, "adapter_path_overlaps"),
+            "{path}"
+        );
+    }
+    let body = json!({"lora_name": "x", "lora_path": "adapters/js"}).to_string();
+    assert_eq!(
+        post(&s, "/v1/load_lora_adapter", body).await,
+        (200, String::new())
+    );
 }
