@@ -153,14 +153,20 @@ pub struct WorkerLimits {
     /// any is decoded (413 `image_pixels_exceeded`). Default 64 Mi pixels (about 192 MiB as
     /// RGB): four images at Qwen3-VL's largest processed size (16 Mi pixels), or one image of
     /// `maxImagePixels`.
-    #[serde(default = "default_max_request_image_pixels")]
+    #[serde(
+        default = "default_max_request_image_pixels",
+        skip_serializing_if = "is_default_request_image_pixels"
+    )]
     pub max_request_image_pixels: u64,
     /// Most pixels of the images all requests hold at once, decoding or decoded (the worker's
     /// memory for images is about 3 bytes a pixel of this, plus the decoders' buffers). A
     /// request whose images do not fit in what is left is answered 429 `images_busy` at
     /// once, not queued. Default 128 Mi pixels (about 384 MiB as RGB); at least
     /// `maxRequestImagePixels`. Read at start.
-    #[serde(default = "default_max_inflight_image_pixels")]
+    #[serde(
+        default = "default_max_inflight_image_pixels",
+        skip_serializing_if = "is_default_inflight_image_pixels"
+    )]
     pub max_inflight_image_pixels: u64,
     /// Hosts whose `http(s)://` image URLs the worker fetches: exact names or IP literals,
     /// compared with the host the URL's parser (the HTTP client's) reads; on the scheme's
@@ -272,4 +278,49 @@ fn default_max_request_image_pixels() -> u64 {
 /// 128 Mi pixels: two requests at the default `maxRequestImagePixels`.
 fn default_max_inflight_image_pixels() -> u64 {
     128 << 20
+}
+// The image budgets are left out of the wire format at their defaults, so that a config's
+// content hash (which both sides compute over it) is what it was before they existed.
+fn is_default_request_image_pixels(v: &u64) -> bool {
+    *v == default_max_request_image_pixels()
+}
+fn is_default_inflight_image_pixels(v: &u64) -> bool {
+    *v == default_max_inflight_image_pixels()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The image budgets are on the wire only when set, read back as set, and a request budget
+    /// over the in-flight one is refused.
+    #[test]
+    fn image_budgets_round_trip_and_are_checked() {
+        let l = WorkerLimits {
+            max_request_image_pixels: 1000,
+            max_inflight_image_pixels: 2000,
+            image_url_allow_private: true,
+            ..WorkerLimits::default()
+        };
+        let json = serde_json::to_value(&l).expect("serializes");
+        assert_eq!(json["maxRequestImagePixels"], 1000);
+        assert_eq!(json["maxInflightImagePixels"], 2000);
+        assert_eq!(json["imageUrlAllowPrivate"], true);
+        assert_eq!(
+            serde_json::from_value::<WorkerLimits>(json).ok(),
+            Some(l.clone())
+        );
+        let d = serde_json::to_value(WorkerLimits::default()).expect("serializes");
+        assert!(
+            d.get("maxRequestImagePixels").is_none() && d.get("imageUrlAllowPrivate").is_none()
+        );
+        let over = WorkerLimits {
+            max_request_image_pixels: 3000,
+            ..l
+        };
+        assert_eq!(
+            over.validate().map_err(|e| e.field),
+            Err("maxRequestImagePixels")
+        );
+    }
 }
