@@ -149,10 +149,37 @@ pub struct WorkerLimits {
     /// Most images in one request.
     #[serde(default = "default_max_images")]
     pub max_images: u32,
-    /// Hosts whose `http(s)://` image URLs the worker fetches (exact names); empty: only
-    /// `data:` URLs and base64 are accepted, so a request cannot make the worker fetch.
+    /// Most pixels of all of one request's images together, read from their headers before
+    /// any is decoded (413 `image_pixels_exceeded`). Default 64 Mi pixels (about 192 MiB as
+    /// RGB): four images at Qwen3-VL's largest processed size (16 Mi pixels), or one image of
+    /// `maxImagePixels`.
+    #[serde(
+        default = "default_max_request_image_pixels",
+        skip_serializing_if = "is_default_request_image_pixels"
+    )]
+    pub max_request_image_pixels: u64,
+    /// Most pixels of the images all requests hold at once, decoding or decoded (the worker's
+    /// memory for images is about 3 bytes a pixel of this, plus the decoders' buffers). A
+    /// request whose images do not fit in what is left is answered 429 `images_busy` at
+    /// once, not queued. Default 128 Mi pixels (about 384 MiB as RGB); at least
+    /// `maxRequestImagePixels`. Read at start.
+    #[serde(
+        default = "default_max_inflight_image_pixels",
+        skip_serializing_if = "is_default_inflight_image_pixels"
+    )]
+    pub max_inflight_image_pixels: u64,
+    /// Hosts whose `http(s)://` image URLs the worker fetches: exact names or IP literals,
+    /// compared with the host the URL's parser (the HTTP client's) reads; on the scheme's
+    /// default port only, unless an entry names its port (`host:8080`). Empty: only `data:`
+    /// URLs and base64 are accepted, so a request cannot make the worker fetch.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub image_url_hosts: Vec<String>,
+    /// Fetch images from listed hosts that resolve to non-public addresses (private,
+    /// loopback, link-local, CGNAT, multicast, ...). Off: such a URL is refused
+    /// (`image_url_not_allowed`) after its host is resolved, whatever the list says, so that a
+    /// listed name cannot be pointed at the cloud metadata service or the pod's neighbours.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub image_url_allow_private: bool,
 }
 
 impl Default for WorkerLimits {
@@ -174,7 +201,10 @@ impl WorkerLimits {
             max_image_bytes: default_max_image_bytes(),
             max_image_pixels: default_max_image_pixels(),
             max_images: default_max_images(),
+            max_request_image_pixels: default_max_request_image_pixels(),
+            max_inflight_image_pixels: default_max_inflight_image_pixels(),
             image_url_hosts: Vec::new(),
+            image_url_allow_private: false,
         }
     }
 
@@ -189,6 +219,8 @@ impl WorkerLimits {
             ("maxImageBytes", self.max_image_bytes),
             ("maxImagePixels", self.max_image_pixels),
             ("maxImages", u64::from(self.max_images)),
+            ("maxRequestImagePixels", self.max_request_image_pixels),
+            ("maxInflightImagePixels", self.max_inflight_image_pixels),
         ] {
             if v == 0 {
                 return Err(BoundsError {
@@ -196,6 +228,15 @@ impl WorkerLimits {
                     message: "must be > 0".into(),
                 });
             }
+        }
+        if self.max_request_image_pixels > self.max_inflight_image_pixels {
+            return Err(BoundsError {
+                field: "maxRequestImagePixels",
+                message: format!(
+                    "{} exceeds maxInflightImagePixels {}: such a request could never run",
+                    self.max_request_image_pixels, self.max_inflight_image_pixels
+                ),
+            });
         }
         if self.max_tokens > self.engine.max_seq_len {
             return Err(BoundsError {
@@ -228,4 +269,58 @@ fn default_max_image_pixels() -> u64 {
 }
 fn default_max_images() -> u32 {
     8
+}
+/// 64 Mi pixels: 4 × Qwen3-VL's `longest_edge` (16 Mi pixels, the most its processor keeps of
+/// one image), above one image of the default `maxImagePixels`.
+fn default_max_request_image_pixels() -> u64 {
+    64 << 20
+}
+/// 128 Mi pixels: two requests at the default `maxRequestImagePixels`.
+fn default_max_inflight_image_pixels() -> u64 {
+    128 << 20
+}
+// The image budgets are left out of the wire format at their defaults, so that a config's
+// content hash (which both sides compute over it) is what it was before they existed.
+fn is_default_request_image_pixels(v: &u64) -> bool {
+    *v == default_max_request_image_pixels()
+}
+fn is_default_inflight_image_pixels(v: &u64) -> bool {
+    *v == default_max_inflight_image_pixels()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The image budgets are on the wire only when set, read back as set, and a request budget
+    /// over the in-flight one is refused.
+    #[test]
+    fn image_budgets_round_trip_and_are_checked() {
+        let l = WorkerLimits {
+            max_request_image_pixels: 1000,
+            max_inflight_image_pixels: 2000,
+            image_url_allow_private: true,
+            ..WorkerLimits::default()
+        };
+        let json = serde_json::to_value(&l).expect("serializes");
+        assert_eq!(json["maxRequestImagePixels"], 1000);
+        assert_eq!(json["maxInflightImagePixels"], 2000);
+        assert_eq!(json["imageUrlAllowPrivate"], true);
+        assert_eq!(
+            serde_json::from_value::<WorkerLimits>(json).ok(),
+            Some(l.clone())
+        );
+        let d = serde_json::to_value(WorkerLimits::default()).expect("serializes");
+        assert!(
+            d.get("maxRequestImagePixels").is_none() && d.get("imageUrlAllowPrivate").is_none()
+        );
+        let over = WorkerLimits {
+            max_request_image_pixels: 3000,
+            ..l
+        };
+        assert_eq!(
+            over.validate().map_err(|e| e.field),
+            Err("maxRequestImagePixels")
+        );
+    }
 }

@@ -40,6 +40,16 @@ pub enum ConfigError {
         /// Why.
         reason: String,
     },
+    /// An adapter's directory equals, contains or lies inside the base model's, the
+    /// `merged/` tree or another adapter's: loading or fetching it would read or overwrite
+    /// another model's files.
+    #[error("adapter path {path} overlaps {other}; an adapter needs a directory of its own")]
+    AdapterPathOverlaps {
+        /// The adapter's path as configured or requested.
+        path: String,
+        /// What it overlaps (the base model, `merged/` or adapter NAME), with its path.
+        other: String,
+    },
     /// A semantic rule is broken (duplicate names, zero limits...).
     #[error("invalid config: {0}")]
     Invalid(String),
@@ -52,6 +62,7 @@ impl ConfigError {
             ConfigError::Io { .. } => "config_io",
             ConfigError::Parse { .. } => "config_parse",
             ConfigError::PathOutsideRoot { .. } => "path_outside_root",
+            ConfigError::AdapterPathOverlaps { .. } => "adapter_path_overlaps",
             ConfigError::Invalid(_) => "config_invalid",
         }
     }
@@ -82,23 +93,13 @@ pub fn load(path: &Path) -> Result<WorkerConfig, ConfigError> {
 /// Resolves `rel` against `root` (symlinks included) and refuses anything outside `root`.
 /// The target must exist, since canonicalisation is the only reliable symlink check.
 pub fn resolve_in_root(root: &str, rel: &str) -> Result<PathBuf, ConfigError> {
-    let err = |reason: String| ConfigError::PathOutsideRoot {
-        path: rel.into(),
-        root: root.into(),
-        reason,
-    };
-    let root_c = std::fs::canonicalize(root).map_err(|e| err(format!("model root: {e}")))?;
-    let p = Path::new(rel);
-    let joined = if p.is_absolute() {
-        p.to_path_buf()
-    } else {
-        root_c.join(p)
-    };
-    let c = std::fs::canonicalize(&joined).map_err(|e| err(e.to_string()))?;
-    if !c.starts_with(&root_c) {
-        return Err(err(format!("resolves to {}", c.display())));
-    }
-    Ok(c)
+    crate::formats::paths::resolve_within(Path::new(root), Path::new(rel)).map_err(|reason| {
+        ConfigError::PathOutsideRoot {
+            path: rel.into(),
+            root: root.into(),
+            reason,
+        }
+    })
 }
 
 /// The model directory a worker config serves: the merged output in a merged pod, else the
@@ -162,6 +163,49 @@ pub fn validate(cfg: &WorkerConfig) -> Result<(), ConfigError> {
         }
     }
     resolve_in_root(&cfg.model_root, &cfg.base_model.path)?;
+    for a in cfg.adapters.iter().filter(|a| a.load) {
+        let path = resolve_in_root(&cfg.model_root, &a.path)?;
+        check_adapter_dir(cfg, &a.path, &path, Some(&a.name))?;
+    }
+    Ok(())
+}
+
+/// The rule the operator holds Adapters' source paths to, on the worker's side: an adapter's
+/// directory (`resolved`, as [`resolve_in_root`] gives it; `path` as configured or
+/// requested) must not equal, contain or lie inside the base model's directory, the
+/// `<modelRoot>/merged` tree or another loaded adapter's directory (`except` names the
+/// adapter itself). Paths are compared resolved, so symlinks and `..` do not hide an overlap.
+pub fn check_adapter_dir(
+    cfg: &WorkerConfig,
+    path: &str,
+    resolved: &Path,
+    except: Option<&str>,
+) -> Result<(), ConfigError> {
+    let overlaps = |other: &Path| resolved.starts_with(other) || other.starts_with(resolved);
+    let refuse = |other: String| ConfigError::AdapterPathOverlaps {
+        path: path.to_string(),
+        other,
+    };
+    let root = resolve_in_root(&cfg.model_root, ".")?;
+    let base = resolve_in_root(&cfg.model_root, &cfg.base_model.path)?;
+    if overlaps(&base) {
+        return Err(refuse(format!("the base model ({})", cfg.base_model.path)));
+    }
+    let merged = std::fs::canonicalize(root.join("merged")).unwrap_or(root.join("merged"));
+    if overlaps(&merged) {
+        return Err(refuse("the merged/ tree".into()));
+    }
+    for o in cfg
+        .adapters
+        .iter()
+        .filter(|o| o.load && Some(o.name.as_str()) != except)
+    {
+        if let Ok(p) = resolve_in_root(&cfg.model_root, &o.path) {
+            if overlaps(&p) {
+                return Err(refuse(format!("adapter {} ({})", o.name, o.path)));
+            }
+        }
+    }
     Ok(())
 }
 

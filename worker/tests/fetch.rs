@@ -515,3 +515,44 @@ async fn the_command_reports_failures_in_the_termination_log() {
     );
     assert_same(&dir.path().join("tiny"), &tiny_repo());
 }
+
+/// An S3 endpoint whose listing names keys outside the prefix asked for (one shorter than the
+/// prefix, one of another "directory"): the fetch fails with `bad_listing`, no panic, nothing
+/// written.
+#[tokio::test]
+async fn an_s3_listing_with_keys_outside_the_prefix_is_refused() {
+    for key in [
+        "a",
+        "other/model.safetensors",
+        "models/xy/model.safetensors",
+    ] {
+        let xml = format!(
+            r#"<?xml version="1.0" encoding="UTF-8"?>
+<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">
+<Name>bucket</Name><Prefix>models/x/</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>
+<IsTruncated>false</IsTruncated>
+<Contents><Key>{key}</Key><LastModified>2024-01-01T00:00:00.000Z</LastModified>
+<ETag>"d41d8cd98f00b204e9800998ecf8427e"</ETag><Size>4</Size>
+<StorageClass>STANDARD</StorageClass></Contents>
+</ListBucketResult>"#
+        );
+        let app = axum::Router::new().fallback(move || {
+            let xml = xml.clone();
+            async move { ([("content-type", "application/xml")], xml) }
+        });
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+        let dest = tempfile::tempdir().unwrap();
+        let o = FetchOptions {
+            source: "s3://bucket/models/x".into(),
+            dest: dest.path().join("m"),
+            s3_endpoint: Some(url),
+            retries: 0,
+            ..Default::default()
+        };
+        let e = fetch(&o).await.expect_err(key);
+        assert_eq!(e.code(), "bad_listing", "{key}: {e}");
+        assert!(!dest.path().join("m/model.safetensors").exists());
+    }
+}

@@ -46,6 +46,11 @@ fn fixture_root() -> tempfile::TempDir {
     copy_dir(&fx.join("adapters/llama/a_r8_all"), &root.join("fr"));
     copy_dir(&fx.join("adapters/llama/b_r4_qv"), &root.join("js"));
     copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("extra"));
+    // The same weights in directories of their own, for configs that serve them under other
+    // names (an adapter's directory must not be another's).
+    copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("extra2"));
+    copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("extra3"));
+    copy_dir(&fx.join("adapters/llama/a_r8_all"), &root.join("fr2"));
     // Trained on another base whose shapes fit: served, with a warning.
     copy_dir(&fx.join("adapters/qwen2/a_r8_all"), &root.join("wrongbase"));
     // Shapes of another model: refused when loaded.
@@ -493,6 +498,20 @@ async fn bad_input_battery_keeps_serving() {
             401,
             "invalid_admin_token",
         ),
+        (
+            "/v1/completions",
+            json!({"model": "demo", "prompt": "x", "stop_token_ids": (0..65).collect::<Vec<u32>>()}),
+            400,
+            "invalid_stop_token_ids",
+        ),
+        (
+            "/v1/chat/completions",
+            msg(
+                json!([{"type": "image_url", "image_url": {"url": "http://169.254.169.254\\@img.example.com/x.png"}}]),
+            ),
+            400,
+            "image_url_not_allowed",
+        ),
     ];
     for (path, body, status, code) in cases {
         let (st, _, b) = post(&s, path, body.clone()).await;
@@ -528,6 +547,8 @@ async fn bad_input_battery_keeps_serving() {
         ("../../etc", "path_outside_root"),
         ("/etc", "path_outside_root"),
         ("binonly", "safetensors_required"),
+        ("base", "adapter_path_overlaps"),
+        ("fr", "adapter_path_overlaps"),
     ] {
         let r = adm(json!({"lora_name": "x", "lora_path": path}))
             .await
@@ -796,7 +817,7 @@ async fn merged_adapter_is_proxied_and_falls_back() {
         64,
     )
     .await;
-    let extra = format!("  - {{name: mg, version: v1, loraId: 3, path: extra, mode: merged, mergedEndpoint: \"{}\", keywords: [merge]}}\n  - {{name: dead, version: v1, loraId: 4, path: extra, mode: merged, mergedEndpoint: \"http://127.0.0.1:1\", load: false}}\n  - {{name: dead2, version: v1, loraId: 5, path: extra, mode: merged, mergedEndpoint: \"http://127.0.0.1:1\"}}", up.url);
+    let extra = format!("  - {{name: mg, version: v1, loraId: 3, path: extra, mode: merged, mergedEndpoint: \"{}\", keywords: [merge]}}\n  - {{name: dead, version: v1, loraId: 4, path: extra, mode: merged, mergedEndpoint: \"http://127.0.0.1:1\", load: false}}\n  - {{name: dead2, version: v1, loraId: 5, path: extra2, mode: merged, mergedEndpoint: \"http://127.0.0.1:1\"}}", up.url);
     let s = start(&extra, 16, 64).await;
     // Forwarded to the upstream, which serves mg itself: the same answer as asking it directly.
     let ask = json!({"model": "mg", "max_tokens": 8, "temperature": 0, "messages": [{"role": "user", "content": "x"}]});
@@ -900,7 +921,7 @@ async fn local_mode_merges_merged_adapters_in_process() {
     // fm: the fr adapter configured `mode: merged` with no merged pods: a local worker merges it
     // itself and serves it from the merged weights, beside fr served dynamically.
     let s = start(
-        "  - {name: fm, version: v1, loraId: 3, path: fr, mode: merged}",
+        "  - {name: fm, version: v1, loraId: 3, path: fr2, mode: merged}",
         16,
         64,
     )
@@ -1713,7 +1734,7 @@ async fn gateway_streams_and_falls_back_from_hanging_or_dying_pods() {
     let (hang, _h1) = hanging_upstream().await;
     let (dying, _h2) = dying_upstream().await;
     let extra = format!(
-        "  - {{name: mg, version: v1, loraId: 3, path: extra, mode: merged, mergedEndpoint: \"{}\"}}\n  - {{name: hang, version: v1, loraId: 4, path: extra, mode: merged, mergedEndpoint: \"{hang}\"}}\n  - {{name: hangnl, version: v1, loraId: 5, path: extra, mode: merged, mergedEndpoint: \"{hang}\", load: false}}\n  - {{name: dying, version: v1, loraId: 6, path: extra, mode: merged, mergedEndpoint: \"{dying}\"}}",
+        "  - {{name: mg, version: v1, loraId: 3, path: extra, mode: merged, mergedEndpoint: \"{}\"}}\n  - {{name: hang, version: v1, loraId: 4, path: extra2, mode: merged, mergedEndpoint: \"{hang}\"}}\n  - {{name: hangnl, version: v1, loraId: 5, path: extra, mode: merged, mergedEndpoint: \"{hang}\", load: false}}\n  - {{name: dying, version: v1, loraId: 6, path: extra3, mode: merged, mergedEndpoint: \"{dying}\"}}",
         up.url
     );
     // A short request timeout: a pod silent that long is given up on.

@@ -262,7 +262,11 @@ struct Srv {
 async fn start(router: &str, limits: &str) -> Srv {
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    for (from, to) in [("qwen3_vl", "base"), ("adapter", "screens")] {
+    for (from, to) in [
+        ("qwen3_vl", "base"),
+        ("adapter", "screens"),
+        ("adapter", "charts"),
+    ] {
         let to = root.join(to);
         std::fs::create_dir_all(&to).unwrap();
         for e in std::fs::read_dir(fixtures().join(from)).unwrap() {
@@ -277,7 +281,7 @@ modelRoot: {root}
 baseModel: {{name: qwen3-vl-tiny, path: base, dtype: f32}}
 adapters:
   - {{name: screens, version: v1, loraId: 1, path: screens, label: "1"}}
-  - {{name: charts, version: v1, loraId: 2, path: screens, label: "2"}}
+  - {{name: charts, version: v1, loraId: 2, path: charts, label: "2"}}
 router: {router}
 limits: {{maxTokens: 16, maxSeqLen: 512, requestTimeoutSeconds: 30{limits}}}
 "#,

@@ -23,6 +23,9 @@ pub enum TextError {
     /// The chat template failed to compile or render (including `raise_exception`).
     #[error("chat template: {0}")]
     Template(String),
+    /// A file of the model directory resolves outside it (a symlink to elsewhere).
+    #[error(transparent)]
+    OutsideDir(crate::formats::hf::HfError),
 }
 
 impl TextError {
@@ -32,6 +35,7 @@ impl TextError {
             TextError::Tokenizer(_) => "tokenizer_error",
             TextError::NoChatTemplate => "no_chat_template",
             TextError::Template(_) => "chat_template_error",
+            TextError::OutsideDir(e) => e.code(),
         }
     }
 }
@@ -116,19 +120,23 @@ impl TextModel {
     /// Loads `tokenizer.json`, `tokenizer_config.json` (chat template, special tokens) and the
     /// EOS ids of `config.json` and `generation_config.json` from a model directory.
     pub fn load(dir: &Path) -> Result<Self, TextError> {
-        let tokenizer = Tokenizer::from_file(dir.join("tokenizer.json"))
+        // Every file confined to the directory: a symlink out of it is refused, not read.
+        let file =
+            |name: &str| crate::formats::hf::confine(dir, name).map_err(TextError::OutsideDir);
+        let tokenizer = Tokenizer::from_file(file("tokenizer.json")?)
             .map_err(|e| TextError::Tokenizer(format!("{}: {e}", dir.display())))?;
-        let tcfg = read_json(&dir.join("tokenizer_config.json")).unwrap_or(Json::Null);
-        let configs: Vec<Json> = ["generation_config.json", "config.json"]
-            .iter()
-            .filter_map(|f| read_json(&dir.join(f)))
-            .collect();
+        let tcfg = read_json(&file("tokenizer_config.json")?).unwrap_or(Json::Null);
+        let mut configs = Vec::new();
+        for f in ["generation_config.json", "config.json"] {
+            configs.extend(read_json(&file(f)?));
+        }
         // Newer checkpoints keep the template in its own file: `chat_template.jinja`, or the
         // processor's `chat_template.json` (Qwen-VL checkpoints).
-        let template_file = std::fs::read_to_string(dir.join("chat_template.jinja"))
+        let template_json = file("chat_template.json")?;
+        let template_file = std::fs::read_to_string(file("chat_template.jinja")?)
             .ok()
             .or_else(|| {
-                read_json(&dir.join("chat_template.json"))?
+                read_json(&template_json)?
                     .get("chat_template")?
                     .as_str()
                     .map(String::from)

@@ -14,7 +14,7 @@ pub mod cli;
 mod hf;
 mod s3;
 
-use std::path::{Component, Path, PathBuf};
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use futures::StreamExt;
@@ -347,19 +347,7 @@ fn safe_name(name: &str) -> Result<(), FetchError> {
         name: name.to_string(),
         reason: reason.to_string(),
     };
-    if name.is_empty() || name.contains('\\') || name.contains('\0') {
-        return Err(unsafe_path("not a plain relative path"));
-    }
-    if name
-        .split('/')
-        .any(|s| s.is_empty() || s == "." || s == "..")
-    {
-        return Err(unsafe_path("has an empty, '.' or '..' component"));
-    }
-    let p = Path::new(name);
-    if !p.components().all(|c| matches!(c, Component::Normal(_))) {
-        return Err(unsafe_path("is absolute or not normal"));
-    }
+    crate::formats::paths::plain_relative(name).map_err(unsafe_path)?;
     if name.ends_with(".part") || name == MANIFEST || name == ".mole-fetch.lock" {
         return Err(unsafe_path("collides with the fetch's own files"));
     }

@@ -103,7 +103,15 @@ impl Store {
                 if o.key.ends_with('/') {
                     continue;
                 }
-                let name = o.key[prefix.len()..].to_string();
+                // A store that answers keys outside the prefix asked for is broken or hostile:
+                // refused, not sliced (a short key would panic, a foreign one be misnamed).
+                let Some(name) = o.key.strip_prefix(prefix.as_str()) else {
+                    return Err(FetchError::Listing {
+                        url: shown,
+                        reason: format!("the listing names key {:?} outside the prefix", o.key),
+                    });
+                };
+                let name = name.to_string();
                 files.push(RemoteFile {
                     name,
                     size: o.size.unwrap_or(0),

@@ -6,6 +6,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
+use super::paths;
+
 /// Errors reading a model directory.
 #[derive(Debug, thiserror::Error)]
 pub enum HfError {
@@ -37,6 +39,68 @@ pub enum HfError {
         /// Directory.
         dir: String,
     },
+    /// A file the directory names (an index's shard, a symlinked tokenizer) lies outside it.
+    #[error("{name} is not inside the model directory {dir}: {reason}")]
+    OutsideDir {
+        /// The name as the directory's files give it.
+        name: String,
+        /// The model directory.
+        dir: String,
+        /// Why.
+        reason: String,
+    },
+}
+
+impl HfError {
+    /// Stable name (metric label, log field).
+    pub fn code(&self) -> &'static str {
+        match self {
+            HfError::Io { .. } => "model_io",
+            HfError::Json { .. } => "model_json_invalid",
+            HfError::Pickle { .. } => "pickle_refused",
+            HfError::NoWeights { .. } => "no_weights",
+            HfError::OutsideDir { .. } => "path_outside_root",
+        }
+    }
+}
+
+/// The files besides the weights that mole reads from a model directory.
+pub const MODEL_FILES: &[&str] = &[
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+];
+
+/// `name` in `dir`: a plain relative name ([`paths::plain_relative`]) that, when it exists,
+/// resolves (symlinks followed) inside `dir` ([`paths::resolve_within`]); a missing file is
+/// returned as joined, for the caller to treat as missing.
+pub fn confine(dir: &Path, name: &str) -> Result<PathBuf, HfError> {
+    let outside = |reason: String| HfError::OutsideDir {
+        name: name.to_string(),
+        dir: dir.display().to_string(),
+        reason,
+    };
+    paths::plain_relative(name).map_err(|r| outside(r.to_string()))?;
+    let joined = dir.join(name);
+    if std::fs::symlink_metadata(&joined).is_err() {
+        return Ok(joined);
+    }
+    paths::resolve_within(dir, Path::new(name)).map_err(outside)
+}
+
+/// Checks every file mole reads from a model directory lies inside it: the shards of its
+/// index and [`MODEL_FILES`].
+pub fn check_confined(dir: &Path) -> Result<(), HfError> {
+    for f in MODEL_FILES {
+        confine(dir, f)?;
+    }
+    safetensors_files(dir).map(|_| ())
 }
 
 /// `model.safetensors.index.json`.
@@ -68,9 +132,12 @@ pub fn safetensors_elements(files: &[PathBuf]) -> Result<u64, HfError> {
         let mut len = [0u8; 8];
         file.read_exact(&mut len).map_err(io)?;
         let len = u64::from_le_bytes(len);
-        // safetensors caps its header at 100 MB; a larger one is not a safetensors file.
+        // safetensors caps its header at 100 MB; a larger one is not a safetensors file (the
+        // length is not printed: it is the first bytes of a file that may not be ours).
         if len > 100_000_000 {
-            return Err(bad(format!("a header of {len} bytes")));
+            return Err(bad(
+                "not a safetensors file (header length over 100 MB)".into()
+            ));
         }
         let mut header = vec![0u8; len as usize];
         file.read_exact(&mut header).map_err(io)?;
@@ -89,17 +156,18 @@ pub fn safetensors_elements(files: &[PathBuf]) -> Result<u64, HfError> {
     Ok(total)
 }
 
-/// The weight files of a model directory, in shard order.
+/// The weight files of a model directory, in shard order, each confined to it ([`confine`]:
+/// a fetched index may name `/etc/...` or `../..`).
 pub fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, HfError> {
-    let index = dir.join("model.safetensors.index.json");
+    let index = confine(dir, "model.safetensors.index.json")?;
     if index.exists() {
         let idx = read_index(&index)?;
         let mut files: Vec<String> = idx.weight_map.values().cloned().collect();
         files.sort();
         files.dedup();
-        return Ok(files.into_iter().map(|f| dir.join(f)).collect());
+        return files.iter().map(|f| confine(dir, f)).collect();
     }
-    let single = dir.join("model.safetensors");
+    let single = confine(dir, "model.safetensors")?;
     if single.exists() {
         return Ok(vec![single]);
     }
@@ -138,7 +206,7 @@ pub fn find_pickle(dir: &Path) -> Option<PathBuf> {
 
 /// Reads `config.json` as JSON.
 pub fn read_config(dir: &Path) -> Result<serde_json::Value, HfError> {
-    let path = dir.join("config.json");
+    let path = confine(dir, "config.json")?;
     let text = std::fs::read_to_string(&path).map_err(|source| HfError::Io {
         path: path.display().to_string(),
         source,

@@ -125,6 +125,7 @@ impl MergeError {
     pub fn code(&self) -> &'static str {
         match self {
             MergeError::Io { .. } => "io_error",
+            MergeError::Base(hf::HfError::OutsideDir { .. }) => "path_outside_root",
             MergeError::Base(_) => "invalid_base",
             MergeError::AdapterConfig(_) => "invalid_adapter_config",
             MergeError::Pickle(_) => "pickle_refused",
@@ -159,6 +160,7 @@ impl From<WeightsError> for MergeError {
             }
             WeightsError::Shape { module, message } => MergeError::Shape { module, message },
             WeightsError::Unsupported(m) => MergeError::Unsupported(m),
+            WeightsError::OutsideDir { path, dir } => MergeError::OutsideRoot { path, root: dir },
         }
     }
 }
@@ -419,6 +421,30 @@ fn output_parent(
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
+    // Confined before anything is created: the deepest existing ancestor lies inside the root
+    // and the directories still to create are plain names (no `..` that would climb out).
+    if root.is_some() {
+        let existing = parent
+            .ancestors()
+            .find(|a| a.as_os_str().is_empty() || a.exists())
+            .unwrap_or(Path::new("."));
+        let existing = if existing.as_os_str().is_empty() {
+            Path::new(".")
+        } else {
+            existing
+        };
+        confine(existing, root)?;
+        let rest = parent.strip_prefix(existing).unwrap_or(parent);
+        if !rest
+            .components()
+            .all(|c| matches!(c, std::path::Component::Normal(_)))
+        {
+            return Err(MergeError::OutsideRoot {
+                path: opts.out.display().to_string(),
+                root: root.map(|r| r.display().to_string()).unwrap_or_default(),
+            });
+        }
+    }
     std::fs::create_dir_all(parent).map_err(io_err(parent))?;
     Ok((confine(parent, root)?, out_name))
 }

@@ -11,6 +11,7 @@ use crate::config::ConfigError;
 use crate::engine::api::{EngineError, InferenceEngine};
 use crate::engine::replicas::Replicas;
 use crate::engine::{candle_dtype, compute_devices, default_device, Engine, EngineOptions};
+use crate::formats::hf::{self, HfError};
 use crate::merge::MergeError;
 
 /// Why an engine could not be built. Stable names via [`BuildError::code`].
@@ -25,6 +26,9 @@ pub enum BuildError {
     /// Merging an adapter in-process failed.
     #[error(transparent)]
     Merge(#[from] MergeError),
+    /// The model directory is unusable: a file it names lies outside it.
+    #[error(transparent)]
+    Dir(#[from] HfError),
 }
 
 impl BuildError {
@@ -34,6 +38,7 @@ impl BuildError {
             BuildError::Config(e) => e.code(),
             BuildError::Engine(e) => e.code(),
             BuildError::Merge(e) => e.code(),
+            BuildError::Dir(e) => e.code(),
         }
     }
 }
@@ -56,6 +61,12 @@ fn base_options(cfg: &WorkerConfig) -> EngineOptions {
 /// implementation.
 pub fn build_engine(cfg: &WorkerConfig) -> Result<Arc<dyn InferenceEngine>, BuildError> {
     let dir = model_dir(cfg)?;
+    let gguf = dir.extension().is_some_and(|e| e == "gguf");
+    // Every file the directory names (index shards, tokenizer, templates) inside it, refused
+    // by name before the engine reads any.
+    if !gguf {
+        hf::check_confined(&dir)?;
+    }
     let dtype = candle_dtype(cfg.base_model.dtype);
     let l = &cfg.limits;
     let opts = EngineOptions {
@@ -78,7 +89,7 @@ pub fn build_engine(cfg: &WorkerConfig) -> Result<Arc<dyn InferenceEngine>, Buil
     for device in compute_devices() {
         let started = std::time::Instant::now();
         // A `.gguf` base is served quantized; an HF directory in the configured dtype.
-        let engine = if dir.extension().is_some_and(|e| e == "gguf") {
+        let engine = if gguf {
             Engine::load_gguf(&dir, &device, opts.clone())?
         } else {
             Engine::load(&dir, dtype, &device, opts.clone())?
@@ -154,6 +165,7 @@ fn merged_engine(
         ..base_options(cfg)
     };
     let dtype = candle_dtype(cfg.base_model.dtype);
+    hf::check_confined(&dir)?;
     Ok(Arc::new(Engine::load(
         &dir,
         dtype,

@@ -37,6 +37,10 @@ pub use state::AppState;
 pub fn app(state: Arc<AppState>) -> axum::Router {
     use Access::{Admin, ApiKey, Listing, Operator};
     let limit = usize::try_from(state.cfg().limits.max_body_bytes).unwrap_or(usize::MAX);
+    // Bodies of the endpoints that never carry a prompt's worth of images: a request cannot
+    // make them parse, template or tokenize `maxBodyBytes`.
+    let small = DefaultBodyLimit::max(limit.min(SMALL_BODY_BYTES));
+    let admin = DefaultBodyLimit::max(limit.min(ADMIN_BODY_BYTES));
     let s = &state;
     axum::Router::new()
         .route(
@@ -45,7 +49,10 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         )
         .route("/v1/completions", api(s, ApiKey, post(openai::completions)))
         .route("/infer", api(s, ApiKey, post(openai::infer)))
-        .route("/v1/route", api(s, ApiKey, post(openai::route)))
+        .route(
+            "/v1/route",
+            api(s, ApiKey, post(openai::route)).layer(small),
+        )
         .route("/v1/models", api(s, ApiKey, get(openai::models)))
         .route(
             "/v1/lora_adapters",
@@ -53,18 +60,24 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         )
         .route(
             "/v1/load_lora_adapter",
-            api(s, Admin, post(openai::load_lora)),
+            api(s, Admin, post(openai::load_lora)).layer(admin),
         )
         .route(
             "/v1/unload_lora_adapter",
-            api(s, Operator, post(openai::unload_lora)),
+            api(s, Operator, post(openai::unload_lora)).layer(admin),
         )
         .route(
             "/admin/reload",
-            api(s, Operator, post(openai::admin_reload)),
+            api(s, Operator, post(openai::admin_reload)).layer(admin),
         )
-        .route("/tokenize", api(s, ApiKey, post(openai::tokenize)))
-        .route("/detokenize", api(s, ApiKey, post(openai::detokenize)))
+        .route(
+            "/tokenize",
+            api(s, ApiKey, post(openai::tokenize)).layer(small),
+        )
+        .route(
+            "/detokenize",
+            api(s, ApiKey, post(openai::detokenize)).layer(small),
+        )
         .route("/version", get(openai::version))
         .route("/health", get(health))
         .route("/healthz", get(healthz))
@@ -77,6 +90,12 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }
+
+/// The body limit of `/tokenize`, `/detokenize` and `/v1/route` (or `limits.maxBodyBytes` when
+/// lower): a context's worth of text; images go by URL there.
+pub const SMALL_BODY_BYTES: usize = 1 << 20;
+/// The body limit of the admin and operator endpoints (or `limits.maxBodyBytes` when lower).
+pub const ADMIN_BODY_BYTES: usize = 64 << 10;
 
 /// An API endpoint behind its guard, then the error counter (which sees the guard's refusals
 /// too). Route layers, so a wrong method stays a plain 405.

@@ -47,6 +47,12 @@ pub struct AppState {
     pub embedder: std::sync::OnceLock<Arc<crate::router::embed::SentenceEmbedder>>,
     /// The id of the next adapter loaded through `/v1/load_lora_adapter`.
     pub(super) next_lora_id: AtomicU32,
+    /// Pixels the images of requests in flight may hold together
+    /// (`limits.maxInflightImagePixels` at start, in permits of
+    /// [`super::openai::PIXEL_UNIT`] pixels).
+    pub(super) image_budget: Arc<tokio::sync::Semaphore>,
+    /// Image decodes running at once: one per core (the blocking pool would run hundreds).
+    pub(super) decode_pool: Arc<tokio::sync::Semaphore>,
 }
 
 impl AppState {
@@ -59,6 +65,12 @@ impl AppState {
         auth: Auth,
     ) -> Arc<Self> {
         let timeout = Duration::from_secs(cfg.limits.request_timeout_seconds.max(1));
+        let pixel_units = cfg
+            .limits
+            .max_inflight_image_pixels
+            .div_ceil(super::openai::PIXEL_UNIT)
+            .min(tokio::sync::Semaphore::MAX_PERMITS as u64) as usize;
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         // A merged pod that accepts and never answers is caught by the read timeout (no byte
         // for a whole request timeout: it would have answered 504 itself) and the overall
         // timeout; then the request falls back to this worker.
@@ -85,6 +97,8 @@ impl AppState {
             local_merged: Default::default(),
             // Ids for adapters loaded through the API, far from the operator's ids.
             next_lora_id: AtomicU32::new(1 << 30),
+            image_budget: Arc::new(tokio::sync::Semaphore::new(pixel_units)),
+            decode_pool: Arc::new(tokio::sync::Semaphore::new(cores)),
         })
     }
     /// Marks the server as shutting down: `/readyz` answers 503 and new requests are refused

@@ -217,19 +217,41 @@ fn hparams(meta: &Meta, vocab: usize) -> Result<Hparams, GgufError> {
     let k = |s: &str| format!("{arch_name}.{s}");
     let hidden = meta.u64(&k("embedding_length"))? as usize;
     let heads = meta.u64(&k("attention.head_count"))? as usize;
+    let kv_heads = meta
+        .opt_u64(&k("attention.head_count_kv"))
+        .unwrap_or(heads as u64) as usize;
+    // Shapes are divided by these: a file that says zero (or heads that do not group) is
+    // refused here rather than dividing by zero later.
+    let bad = |key: &str, message: String| GgufError::Metadata {
+        key: k(key),
+        message,
+    };
+    if heads == 0 {
+        return Err(bad("attention.head_count", "zero heads".into()));
+    }
+    if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+        return Err(bad(
+            "attention.head_count_kv",
+            format!("{kv_heads} KV heads do not divide {heads} heads"),
+        ));
+    }
+    let head_dim = meta
+        .opt_u64(&k("attention.key_length"))
+        .map_or(hidden / heads, |x| x as usize);
+    if head_dim == 0 || !head_dim.is_multiple_of(2) {
+        return Err(bad(
+            "attention.key_length",
+            format!("head dimension {head_dim} is not a positive even number"),
+        ));
+    }
     Ok(Hparams {
         arch,
         layers: meta.u64(&k("block_count"))? as usize,
         hidden,
         intermediate: meta.u64(&k("feed_forward_length"))? as usize,
         heads,
-        kv_heads: meta
-            .opt_u64(&k("attention.head_count_kv"))
-            .unwrap_or(heads as u64) as usize,
-        head_dim: meta
-            .opt_u64(&k("attention.key_length"))
-            .map(|x| x as usize)
-            .unwrap_or(hidden / heads),
+        kv_heads,
+        head_dim,
         rms_eps: meta.f64(&k("attention.layer_norm_rms_epsilon"))?,
         rope_theta: meta.f64(&k("rope.freq_base")).unwrap_or(10_000.0),
         rope_scaling: rope_scaling(meta, &arch_name)?,
@@ -414,7 +436,17 @@ pub struct QuantizedModel {
 pub fn load_quantized(path: &Path, device: &Device) -> Result<QuantizedModel, GgufError> {
     let (gguf, mut f) = Opened::read(path)?;
     let mut tensors = HashMap::new();
-    for gname in gguf.content.tensor_infos.keys() {
+    for (gname, info) in &gguf.content.tensor_infos {
+        // The reader multiplies the dimensions: a file's are checked first (no overflow).
+        if info
+            .shape
+            .dims()
+            .iter()
+            .try_fold(1usize, |n, &d| n.checked_mul(d))
+            .is_none()
+        {
+            return Err(GgufError::Gguf(format!("{gname}: its shape overflows")));
+        }
         let (hf, permute_heads) = gguf.hf_name(gname)?;
         let gg = |e: candle_core::Error| GgufError::Gguf(format!("{gname}: {e}"));
         let mut q = gguf.content.tensor(&mut f, gname, device).map_err(gg)?;

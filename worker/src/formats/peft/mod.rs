@@ -32,6 +32,9 @@ pub enum PeftError {
     /// The adapter uses a feature mole does not support.
     #[error("unsupported adapter: {0}")]
     Unsupported(String),
+    /// `adapter_config.json` resolves outside the adapter's directory (a symlink).
+    #[error(transparent)]
+    OutsideDir(crate::formats::hf::HfError),
 }
 
 impl PeftError {
@@ -41,6 +44,7 @@ impl PeftError {
             PeftError::Io { .. } => "adapter_io",
             PeftError::Config(_) => "adapter_config_invalid",
             PeftError::Unsupported(_) => "adapter_unsupported",
+            PeftError::OutsideDir(e) => e.code(),
         }
     }
 }
@@ -143,7 +147,8 @@ fn matches_targets(targets: &TargetModules, module: &str) -> bool {
 impl AdapterConfig {
     /// Reads `adapter_config.json` from an adapter directory.
     pub fn from_dir(dir: &Path) -> Result<Self, PeftError> {
-        let path = dir.join("adapter_config.json");
+        let path = crate::formats::hf::confine(dir, "adapter_config.json")
+            .map_err(PeftError::OutsideDir)?;
         let text = std::fs::read_to_string(&path).map_err(|source| PeftError::Io {
             path: path.display().to_string(),
             source,

@@ -39,6 +39,14 @@ pub enum WeightsError {
     /// A tensor kind mole does not read (DoRA magnitudes, unknown LoRA parts).
     #[error("unsupported adapter: {0}")]
     Unsupported(String),
+    /// The file resolves outside the adapter's directory (a symlink to elsewhere).
+    #[error("{path} resolves outside the adapter directory {dir}")]
+    OutsideDir {
+        /// File.
+        path: String,
+        /// The adapter's directory.
+        dir: String,
+    },
 }
 
 impl WeightsError {
@@ -49,6 +57,7 @@ impl WeightsError {
             WeightsError::Safetensors { .. } => "invalid_safetensors",
             WeightsError::Shape { .. } => "shape_mismatch",
             WeightsError::Unsupported(_) => "unsupported_adapter",
+            WeightsError::OutsideDir { .. } => "path_outside_root",
         }
     }
 }
@@ -210,6 +219,13 @@ pub(crate) struct MappedAdapter {
 impl MappedAdapter {
     /// Maps `adapter_model.safetensors` and indexes its tensors.
     pub fn open(path: &Path, config: &AdapterConfig) -> Result<Self, WeightsError> {
+        // Confined to the directory it was named in: a symlink out of it is refused, not read.
+        let dir = path.parent().unwrap_or(Path::new("."));
+        let name = path.file_name().unwrap_or_default().to_string_lossy();
+        crate::formats::hf::confine(dir, &name).map_err(|_| WeightsError::OutsideDir {
+            path: path.display().to_string(),
+            dir: dir.display().to_string(),
+        })?;
         let map = safetensors::map(path).map_err(|source| WeightsError::Io {
             path: path.display().to_string(),
             source,

@@ -53,6 +53,10 @@ pub async fn load_lora(
     }
     let cfg = s.cfg();
     let path = crate::config::resolve_in_root(&cfg.model_root, &p)
+        .and_then(|path| {
+            crate::config::check_adapter_dir(&cfg, &p, &path, None)?;
+            Ok(path)
+        })
         .map_err(|e| bad(e.code(), e.to_string()))?;
     if !path.join("adapter_model.safetensors").is_file() {
         return Err(bad(

@@ -12,7 +12,7 @@ use super::images::{self, ImageSource};
 use super::replies::{TaskAnswer, UsageInfo};
 use super::types::{ChatBody, InferBody, Kind};
 use super::validate::{
-    last_user_text, messages, sampling, token_cap, ValidRequest, Validate, Wire,
+    last_user_text, messages, sampling, token_cap, validate_blocking, ValidRequest, Validate, Wire,
 };
 use super::S;
 use crate::engine::api::{ChatMessage, ContentPart, Prompt};
@@ -92,7 +92,7 @@ pub async fn infer(
     headers: HeaderMap,
     wire: Wire<InferBody>,
 ) -> Result<Response, ApiError> {
-    let answer = serve(&s, &headers, InferBody::validate(wire, &s)?).await?;
+    let answer = serve(&s, &headers, validate_blocking(wire, &s).await?).await?;
     if !answer.status().is_success() {
         return Ok(answer);
     }

@@ -14,7 +14,7 @@ use super::images;
 use super::replies::{Answer, ChatChoice, ChatEvent, TextChoice, TextEvent};
 use super::route::decide;
 use super::types::{ChatBody, CompletionBody};
-use super::validate::{ValidRequest, Validate, Wire};
+use super::validate::{validate_blocking, ValidRequest, Validate, Wire};
 use super::S;
 use crate::engine::api::{EngineError, GenerateRequest, Image, InferenceEngine, Prompt};
 use crate::router::{Decision, Mode};
@@ -63,7 +63,7 @@ async fn generate<B: Validate>(
     headers: HeaderMap,
     wire: Wire<B>,
 ) -> Result<Response, ApiError> {
-    serve(&s, &headers, B::validate(wire, &s)?).await
+    serve(&s, &headers, validate_blocking(wire, &s).await?).await
 }
 
 /// Serves a validated request: refused while the worker is not ready, routed, then answered by
@@ -87,7 +87,7 @@ pub(super) async fn serve(
     if !req.images.is_empty() && !s.engine.model_info().vision {
         return Err(EngineError::ImagesNotSupported.into());
     }
-    let images = images::read_all(s, std::mem::take(&mut req.images)).await?;
+    let (images, held) = images::read_all(s, std::mem::take(&mut req.images)).await?;
     let d = decide(s, &req.route_input(), &images)?;
     let span = tracing::Span::current();
     span.record("mole.adapter", d.adapter.as_deref().unwrap_or(""));
@@ -95,7 +95,10 @@ pub(super) async fn serve(
     span.record("mole.route", d.reason.as_str());
     let endpoint = req.kind.endpoint();
     let (adapter, mode, reason) = (d.adapter.clone(), d.mode, d.reason.clone());
-    let r = serve_routed(s, headers, req, images, d).await;
+    // The images' pixels stay held until the answer is sent, streamed ones with the stream.
+    let r = serve_routed(s, headers, req, images, d)
+        .await
+        .map(|resp| holding(resp, held));
     // Refusals after routing (429, prompt too long, merged pods down) count per adapter too;
     // answers count when they end (status of the stream's end).
     if let Err(e) = &r {
@@ -113,6 +116,20 @@ pub(super) async fn serve(
     r
 }
 
+/// `resp` with `held` dropped only when its body is: at once for a whole answer once sent, at
+/// the end for a stream.
+fn holding(resp: Response, held: images::HeldPixels) -> Response {
+    if !held.holds() {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let body = futures::StreamExt::map(body.into_data_stream(), move |chunk| {
+        let _held = &held;
+        chunk
+    });
+    Response::from_parts(parts, axum::body::Body::from_stream(body))
+}
+
 /// Serves a routed request: by the merged pods when the gateway forwards it, else by the engine
 /// within the context limit.
 async fn serve_routed(
@@ -127,7 +144,11 @@ async fn serve_routed(
         return Ok(r);
     }
     let mut prompt_tokens = match &req.prompt {
-        Prompt::Text(t) | Prompt::Templated(t) => s.engine.count_tokens(t)?,
+        // Tokenizing a long prompt takes long: off the async runtime.
+        Prompt::Text(t) | Prompt::Templated(t) => {
+            let (engine, t) = (s.engine.clone(), t.clone());
+            tokio::task::spawn_blocking(move || engine.count_tokens(&t)).await??
+        }
         Prompt::Tokens(t) => t.len(),
     };
     // Each image's one placeholder becomes its tokens.

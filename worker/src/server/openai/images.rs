@@ -1,7 +1,9 @@
 //! Images in requests: `/infer`'s `image_b64` and chat `image_url` parts, read as `data:` URLs
-//! or bare base64 (remote URLs only from `limits.imageUrlHosts`), held to `limits.maxImages`,
-//! `maxImageBytes` and `maxImagePixels`, and decoded (PNG, JPEG, WebP) off the async runtime.
-//! Every refusal is a 400 or 413 with a stable code.
+//! or bare base64 (remote URLs only as [`image_url`] allows), held to `limits.maxImages`,
+//! `maxImageBytes`, `maxImagePixels` and `maxRequestImagePixels`, counted against the worker's
+//! in-flight budget (`maxInflightImagePixels`, 429 when spent), and decoded (PNG, JPEG, WebP)
+//! off the async runtime, one decode per core at a time. Every refusal is a 4xx with a stable
+//! code.
 
 use std::io::Cursor;
 use std::sync::Arc;
@@ -11,7 +13,9 @@ use base64::Engine as _;
 use image::{ImageFormat, ImageReader};
 use mole_api::WorkerLimits;
 use sha2::{Digest, Sha256};
+use tokio::sync::OwnedSemaphorePermit;
 
+use super::image_url;
 use super::validate::bad;
 use crate::engine::api::Image;
 use crate::server::{ApiError, AppState};
@@ -21,8 +25,8 @@ use crate::server::{ApiError, AppState};
 pub(in crate::server) enum ImageSource {
     /// Bytes of the file (from base64 or a `data:` URL).
     Bytes(Vec<u8>),
-    /// An `http(s)://` URL on an allowed host.
-    Url(String),
+    /// An `http(s)://` URL on an allowed host and port.
+    Url(url::Url),
 }
 
 /// A 413 with a stable code.
@@ -50,29 +54,11 @@ pub(in crate::server) fn source(
     limits: &WorkerLimits,
 ) -> Result<ImageSource, ApiError> {
     let v = value.trim();
-    if let Some(rest) = v.strip_prefix("http://").or(v.strip_prefix("https://")) {
-        let host = rest
-            .split(['/', '?', '#'])
-            .next()
-            .unwrap_or("")
-            .rsplit('@')
-            .next()
-            .unwrap_or("");
-        let name = host.split(':').next().unwrap_or("");
-        if limits
-            .image_url_hosts
-            .iter()
-            .any(|h| h.eq_ignore_ascii_case(name))
-        {
-            return Ok(ImageSource::Url(v.to_string()));
-        }
-        return Err(bad(
-            "image_url_not_allowed",
-            format!(
-                "{field}: remote image URLs are fetched only from limits.imageUrlHosts \
-                 ({name:?} is not listed); send the image as a data: URL or base64"
-            ),
-        ));
+    let scheme = v.split_once(':').map(|(s, _)| s.to_ascii_lowercase());
+    if matches!(scheme.as_deref(), Some("http" | "https")) {
+        return Ok(ImageSource::Url(image_url::parse_allowed(
+            v, field, limits,
+        )?));
     }
     let data = match v.strip_prefix("data:") {
         Some(rest) => {
@@ -133,70 +119,101 @@ pub(in crate::server) fn check_count(n: usize, limits: &WorkerLimits) -> Result<
     Ok(())
 }
 
-/// Fetches URL images, then decodes all of them on a blocking thread.
+/// The share of `limits.maxInflightImagePixels` a request's images hold (in units of
+/// [`PIXEL_UNIT`] pixels), given back when it is dropped: with the answer, or with the stream
+/// when the answer is streamed.
+pub(in crate::server) struct HeldPixels(Option<OwnedSemaphorePermit>);
+
+impl HeldPixels {
+    /// Whether any pixels are held (the request had images).
+    pub(in crate::server) fn holds(&self) -> bool {
+        self.0.is_some()
+    }
+}
+
+/// Pixels per permit of the in-flight image budget (a semaphore counts in `u32`).
+pub(in crate::server) const PIXEL_UNIT: u64 = 1024;
+
+/// Fetches URL images, holds the request's pixels against the in-flight budget (429
+/// `images_busy` when it is spent: refused at once, not queued), then decodes them, one
+/// decode per core at a time across requests.
 pub(in crate::server) async fn read_all(
     s: &Arc<AppState>,
     sources: Vec<ImageSource>,
-) -> Result<Vec<Image>, ApiError> {
+) -> Result<(Vec<Image>, HeldPixels), ApiError> {
     if sources.is_empty() {
-        return Ok(Vec::new());
+        return Ok((Vec::new(), HeldPixels(None)));
     }
     let limits = s.cfg().limits.clone();
     let mut files = Vec::with_capacity(sources.len());
-    for src in sources {
+    for (i, src) in sources.into_iter().enumerate() {
         files.push(match src {
             ImageSource::Bytes(b) => b,
-            ImageSource::Url(u) => fetch(s, &u, &limits).await?,
+            ImageSource::Url(u) => {
+                image_url::fetch(&u, &format!("image {}", i + 1), &limits).await?
+            }
         });
     }
-    tokio::task::spawn_blocking(move || {
-        files
-            .iter()
-            .enumerate()
-            .map(|(i, f)| decode(f, &format!("image {}", i + 1), &limits))
-            .collect()
-    })
-    .await?
+    // Every size from its header, before any pixel is decoded.
+    let mut total = 0u64;
+    for (i, f) in files.iter().enumerate() {
+        let (_, w, h) = header(f, &format!("image {}", i + 1), &limits)?;
+        total += u64::from(w) * u64::from(h);
+    }
+    if total > limits.max_request_image_pixels {
+        return Err(too_large(
+            "image_pixels_exceeded",
+            format!(
+                "the request's images have {total} pixels together, over \
+                 limits.maxRequestImagePixels ({})",
+                limits.max_request_image_pixels
+            ),
+        ));
+    }
+    let units = u32::try_from(total.div_ceil(PIXEL_UNIT)).unwrap_or(u32::MAX);
+    let held = s
+        .image_budget
+        .clone()
+        .try_acquire_many_owned(units)
+        .map_err(|_| {
+            ApiError::new(
+                StatusCode::TOO_MANY_REQUESTS,
+                "images_busy",
+                "the images of the requests in flight fill limits.maxInflightImagePixels; \
+                 retry shortly",
+            )
+            .with_retry_after(1)
+        })?;
+    let mut images = Vec::with_capacity(files.len());
+    for (i, f) in files.into_iter().enumerate() {
+        let _slot = s.decode_pool.acquire().await.map_err(|_| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "shutting_down",
+                "the server is shutting down",
+            )
+        })?;
+        let limits = limits.clone();
+        images.push(
+            tokio::task::spawn_blocking(move || decode(&f, &format!("image {}", i + 1), &limits))
+                .await??,
+        );
+    }
+    Ok((images, HeldPixels(Some(held))))
 }
 
-/// GETs an image from an allowed host, no more than `maxImageBytes` read.
-async fn fetch(s: &AppState, url: &str, limits: &WorkerLimits) -> Result<Vec<u8>, ApiError> {
-    let failed = |e: String| {
-        bad(
-            "image_fetch_failed",
-            format!("fetching the image at {url}: {e}"),
-        )
-    };
-    let mut resp = s
-        .http
-        .get(url)
-        .timeout(std::time::Duration::from_secs(30))
-        .send()
-        .await
-        .map_err(|e| failed(e.to_string()))?;
-    if !resp.status().is_success() {
-        return Err(failed(format!("HTTP {}", resp.status())));
-    }
-    let mut out = Vec::new();
-    while let Some(chunk) = resp.chunk().await.map_err(|e| failed(e.to_string()))? {
-        out.extend_from_slice(&chunk);
-        check_bytes(&out, url, limits)?;
-    }
-    Ok(out)
-}
-
-/// Decodes one image file into RGB: its format from its bytes (PNG, JPEG or WebP), its size
-/// from its header and held to `maxImagePixels` before any pixel is decoded.
-pub(in crate::server) fn decode(
+/// An image file's format (PNG, JPEG or WebP) and size from its header, the size held to
+/// `maxImagePixels`.
+fn header(
     bytes: &[u8],
     field: &str,
     limits: &WorkerLimits,
-) -> Result<Image, ApiError> {
+) -> Result<(ImageFormat, u32, u32), ApiError> {
     let reader = ImageReader::new(Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|e| bad("invalid_image", format!("{field}: {e}")))?;
-    match reader.format() {
-        Some(ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP) => {}
+    let format = match reader.format() {
+        Some(f @ (ImageFormat::Png | ImageFormat::Jpeg | ImageFormat::WebP)) => f,
         Some(f) => {
             return Err(bad(
                 "unsupported_image_format",
@@ -209,8 +226,7 @@ pub(in crate::server) fn decode(
                 format!("{field}: not a PNG, JPEG or WebP image"),
             ))
         }
-    }
-    let format = reader.format();
+    };
     let (w, h) = reader
         .into_dimensions()
         .map_err(|e| bad("invalid_image", format!("{field}: {e}")))?;
@@ -224,8 +240,20 @@ pub(in crate::server) fn decode(
             ),
         ));
     }
+    Ok((format, w, h))
+}
+
+/// Decodes one image file into RGB: its format from its bytes (PNG, JPEG or WebP), its size
+/// from its header and held to `maxImagePixels` before any pixel is decoded.
+pub(in crate::server) fn decode(
+    bytes: &[u8],
+    field: &str,
+    limits: &WorkerLimits,
+) -> Result<Image, ApiError> {
+    let (format, w, h) = header(bytes, field, limits)?;
+    let pixels = u64::from(w) * u64::from(h);
     let mut reader = ImageReader::new(Cursor::new(bytes));
-    reader.set_format(format.expect("checked above"));
+    reader.set_format(format);
     let mut l = image::Limits::default();
     l.max_image_width = Some(w);
     l.max_image_height = Some(h);
@@ -284,7 +312,7 @@ mod tests {
         limits.image_url_hosts = vec!["img.example.com".into()];
         assert_eq!(
             source(remote, "f", &limits).unwrap(),
-            ImageSource::Url(remote.into())
+            ImageSource::Url(remote.parse().unwrap())
         );
         limits.max_image_bytes = 10;
         let e = source(&b64(&p), "f", &limits).unwrap_err();

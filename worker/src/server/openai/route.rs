@@ -96,7 +96,7 @@ pub async fn route(
         }
         (None, None) => return Err(bad("invalid_request", "give input or messages")),
     };
-    let images = images::read_all(&s, images).await?;
+    let (images, _held) = images::read_all(&s, images).await?;
     let input = RouteInput {
         model: &b.common.model,
         adapter: b.common.named_adapter(),

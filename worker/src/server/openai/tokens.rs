@@ -60,7 +60,11 @@ pub async fn tokenize(
                 "add_generation_prompt".into(),
                 b.add_generation_prompt.unwrap_or(true).into(),
             );
-            let text = s.engine.apply_chat_template(&msgs, &kwargs)?;
+            // Templating a large body takes long: off the async runtime.
+            let engine = s.engine.clone();
+            let text =
+                tokio::task::spawn_blocking(move || engine.apply_chat_template(&msgs, &kwargs))
+                    .await??;
             match b.add_special_tokens.unwrap_or(false) {
                 true => (Prompt::Text(text), sources),
                 false => (Prompt::Templated(text), sources),
@@ -68,7 +72,7 @@ pub async fn tokenize(
         }
         _ => return Err(bad("invalid_request", "give prompt or messages, not both")),
     };
-    let images = images::read_all(&s, sources).await?;
+    let (images, _held) = images::read_all(&s, sources).await?;
     let engine = s.engine.clone();
     let ids = tokio::task::spawn_blocking(move || engine.tokenize(&prompt, &images)).await??;
     Ok(Json(TokenizeAnswer {
@@ -96,8 +100,9 @@ pub async fn detokenize(
     State(s): S,
     Wire { body: b, .. }: Wire<DetokenizeBody>,
 ) -> Result<Json<DetokenizeAnswer>, ApiError> {
+    let engine = s.engine.clone();
     Ok(Json(DetokenizeAnswer {
-        prompt: s.engine.detokenize(&b.tokens)?,
+        prompt: tokio::task::spawn_blocking(move || engine.detokenize(&b.tokens)).await??,
     }))
 }
 

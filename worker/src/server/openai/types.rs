@@ -195,8 +195,10 @@ pub(in crate::server) struct Common {
     pub(super) top_logprobs: Option<usize>,
     #[serde(default)]
     pub(super) ignore_eos: bool,
-    /// vLLM extension: token ids that end generation besides EOS.
+    /// vLLM extension: token ids that end generation besides EOS; at most 64
+    /// (400 `invalid_stop_token_ids`).
     #[serde(default)]
+    #[schema(max_items = 64)]
     pub(super) stop_token_ids: Vec<u32>,
     /// mole extension: forward merged adapters to their pods (default: the router setting).
     #[serde(default)]

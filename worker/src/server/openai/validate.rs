@@ -41,7 +41,8 @@ impl<T: DeserializeOwned> Wire<T> {
                 ApiError::new(
                     StatusCode::PAYLOAD_TOO_LARGE,
                     "body_too_large",
-                    "request body exceeds limits.maxBodyBytes",
+                    "request body exceeds this endpoint's limit (limits.maxBodyBytes for \
+                     generation, 1 MiB for tokenize, detokenize and route, 64 KiB for admin)",
                 )
             } else {
                 bad("invalid_body", r.body_text())
@@ -83,9 +84,21 @@ impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalW
 
 /// A wire body that validation turns into a [`ValidRequest`]: the bodies of chat, completions
 /// and `/infer`.
-pub(in crate::server) trait Validate: DeserializeOwned + Sized {
+pub(in crate::server) trait Validate:
+    DeserializeOwned + Sized + Send + 'static
+{
     /// The validated request, or the 4xx that refuses it.
     fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError>;
+}
+
+/// [`Validate::validate`] on a blocking thread: the chat template and the prompt of a body of
+/// up to `maxBodyBytes` take long, and the async runtime also answers the probes.
+pub(super) async fn validate_blocking<B: Validate>(
+    wire: Wire<B>,
+    s: &std::sync::Arc<AppState>,
+) -> Result<ValidRequest, ApiError> {
+    let s = s.clone();
+    tokio::task::spawn_blocking(move || B::validate(wire, &s)).await?
 }
 
 /// One generation request, validated: what chat, completion and `/infer` bodies become, and
@@ -201,6 +214,10 @@ pub(super) fn token_cap(s: &AppState) -> u64 {
 /// `maxBatchSize`.
 pub(super) const MAX_N: u64 = 128;
 
+/// The most `stop_token_ids` a request may list (vLLM has no bound; a model's special tokens
+/// are a handful).
+pub(super) const MAX_STOP_TOKEN_IDS: usize = 64;
+
 /// The sampling fields, checked; `max_tokens` defaults to 256 and must be within `cap`
 /// (`limits.maxTokens`). `logprobs` is a bool in chat, a count in completions.
 pub(super) fn sampling(c: &Common, chat: bool, cap: u64) -> Result<SamplingParams, ApiError> {
@@ -243,6 +260,20 @@ pub(super) fn sampling(c: &Common, chat: bool, cap: u64) -> Result<SamplingParam
     if stop.len() > 4 || stop.iter().any(String::is_empty) {
         return Err(bad("invalid_stop", "stop: at most 4 non-empty strings"));
     }
+    // Checked against every token the shared batch generates: bounded, sorted and without
+    // duplicates (the engine scans the list).
+    if c.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
+        return Err(bad(
+            "invalid_stop_token_ids",
+            format!(
+                "stop_token_ids: at most {MAX_STOP_TOKEN_IDS} ids, got {}",
+                c.stop_token_ids.len()
+            ),
+        ));
+    }
+    let mut stop_token_ids = c.stop_token_ids.clone();
+    stop_token_ids.sort_unstable();
+    stop_token_ids.dedup();
     Ok(SamplingParams {
         temperature,
         top_p,
@@ -254,7 +285,7 @@ pub(super) fn sampling(c: &Common, chat: bool, cap: u64) -> Result<SamplingParam
         seed: c.seed,
         max_tokens: mt as usize,
         stop,
-        stop_token_ids: c.stop_token_ids.clone(),
+        stop_token_ids,
         logprobs,
         ignore_eos: c.ignore_eos,
     })
