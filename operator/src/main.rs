@@ -10,7 +10,9 @@ use clap::builder::NonEmptyStringValueParser;
 use clap::{Parser, Subcommand};
 use mole_operator::controller::{self, Context, PodClient};
 use mole_operator::leader::{self, LeaseConfig};
-use mole_operator::resources::{WorkerImages, DEFAULT_WORKER_IMAGE_CPU, DEFAULT_WORKER_IMAGE_GPU};
+use mole_operator::resources::{
+    WorkerDefaults, DEFAULT_WORKER_IMAGE_CPU, DEFAULT_WORKER_IMAGE_GPU,
+};
 use mole_operator::telemetry::{self, Health, Metrics};
 
 #[derive(Parser)]
@@ -96,6 +98,10 @@ struct RunArgs {
         value_parser = NonEmptyStringValueParser::new()
     )]
     worker_image_cpu: String,
+    /// The OTLP/HTTP trace collector the worker pods export to (their
+    /// `MOLE_OTLP_TRACES_ENDPOINT`); unset: they export nothing.
+    #[arg(long, env = "MOLE_WORKER_OTLP_TRACES_ENDPOINT")]
+    worker_otlp_traces_endpoint: Option<String>,
 }
 
 fn pod_namespace() -> String {
@@ -131,9 +137,13 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         metrics.clone(),
         PodClient::new(args.worker_port),
     )
-    .with_worker_images(WorkerImages {
+    .with_worker_defaults(WorkerDefaults {
         gpu: args.worker_image_gpu.clone(),
         cpu: args.worker_image_cpu.clone(),
+        otlp_traces_endpoint: args
+            .worker_otlp_traces_endpoint
+            .clone()
+            .filter(|e| !e.trim().is_empty()),
     });
     if args.leader_elect {
         let mut cfg = LeaseConfig::with_duration(

@@ -246,9 +246,10 @@ async fn create_pool_applies_children_and_status_and_a_restart_changes_nothing()
 #[tokio::test]
 async fn a_pool_without_an_image_runs_the_operators_default_for_its_hardware() {
     let mut e = env().await;
-    let images = mole_operator::resources::WorkerImages {
+    let images = mole_operator::resources::WorkerDefaults {
         gpu: "registry.local/mole-worker:dev-cuda".into(),
         cpu: "registry.local/mole-worker:dev-cpu".into(),
+        ..Default::default()
     };
     e.ctx = Arc::new(
         Context::new(
@@ -257,7 +258,7 @@ async fn a_pool_without_an_image_runs_the_operators_default_for_its_hardware() {
             Metrics::new(),
             PodClient::new(e.worker.addr.port()),
         )
-        .with_worker_images(images)
+        .with_worker_defaults(images)
         .with_stores(e.stores.clone()),
     );
     let mut obj = pool_obj();

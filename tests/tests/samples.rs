@@ -490,7 +490,7 @@ async fn run_fetch(c: &k8s_openapi::api::core::v1::Container, mount: &str, root:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sample_text_pool_fetches_from_hf_and_serves() {
     use mole_operator::resources::{
-        adapter_fetch_job, dynamic_deployment, worker_config, Registered, WorkerImages,
+        adapter_fetch_job, dynamic_deployment, worker_config, Registered, WorkerDefaults,
         FETCH_MODEL_CONTAINER,
     };
     let (_, pool_v) = load("pool-qwen3-4b.yaml");
@@ -520,7 +520,7 @@ async fn the_sample_text_pool_fetches_from_hf_and_serves() {
     let root = tempfile::tempdir().unwrap();
     let mount = pool.spec.storage.mount_path.clone();
     // The pool's pods: the init container the operator renders fetches the base model.
-    let d = dynamic_deployment(&pool, 8000, &WorkerImages::default());
+    let d = dynamic_deployment(&pool, 8000, &WorkerDefaults::default());
     let pod = d.spec.unwrap().template.spec.unwrap();
     let init = pod
         .init_containers
@@ -541,7 +541,7 @@ async fn the_sample_text_pool_fetches_from_hf_and_serves() {
         "sql",
         &adapter.spec,
         Default::default(),
-        &WorkerImages::default(),
+        &WorkerDefaults::default(),
     )
     .expect("an adapter with source.uri gets a fetch Job");
     let c = job

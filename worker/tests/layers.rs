@@ -1,11 +1,13 @@
 //! The worker's layers point one way (docs/architecture.md): each module of `worker/src`
-//! imports only modules of its own layer or below, and nothing in the serving path imports the
-//! tools on top. Read from the source text, test modules left out.
+//! imports only modules of its own layer or below, nothing in the serving path imports the
+//! tools on top, and inside a layer no files import each other in a circle (a type lives in
+//! the file that owns it, and the files of a module can be read from the bottom up). Read from
+//! the source text, test modules left out.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 /// Layers from the ground up; a module may use `crate::M` only for `M` at its layer or below.
@@ -101,4 +103,396 @@ fn the_checker_sees_imports() {
                 #[cfg(test)]\nmod tests { use crate::server; }\n";
     let got: Vec<String> = uses(&code(text)).into_iter().collect();
     assert_eq!(got, ["merge", "model"]);
+}
+
+/// A file of `worker/src`: its path, its module's path (`model/kv.rs`: `model::kv`;
+/// `model/mod.rs`: `model`) and its code.
+struct Source {
+    rel: String,
+    module: Vec<String>,
+    code: String,
+}
+
+fn module_of(rel: &Path) -> Vec<String> {
+    let mut m: Vec<String> = rel
+        .iter()
+        .map(|c| c.to_string_lossy().trim_end_matches(".rs").to_string())
+        .collect();
+    if m.last().is_some_and(|l| l == "mod") {
+        m.pop();
+    }
+    m
+}
+
+/// The `use` declarations of `code`: whether each is a re-export (`pub use`, any visibility)
+/// and the paths it brings in (`a::{b, c::d as e}`: `a::b`, `a::c::d`; a glob ends in `*`).
+fn use_decls(code: &str) -> Vec<(bool, Vec<Vec<String>>)> {
+    let mut out = Vec::new();
+    let mut rest = code;
+    while let Some(i) = rest.find("use ") {
+        let before = &rest[..i];
+        let starts_item = before
+            .chars()
+            .last()
+            .is_none_or(|c| c.is_whitespace() || c == ';' || c == '{' || c == '}');
+        let Some(end) = rest[i..].find(';') else {
+            break;
+        };
+        let body = &rest[i + 4..i + end];
+        rest = &rest[i + end + 1..];
+        if !starts_item || body.contains('(') || body.contains('=') {
+            continue;
+        }
+        let line_start = before.rfind('\n').map_or(0, |n| n + 1);
+        let reexport = before[line_start..].trim_start().starts_with("pub");
+        let mut paths = Vec::new();
+        expand(
+            &[],
+            &body.split_whitespace().collect::<Vec<_>>().join(" "),
+            &mut paths,
+        );
+        out.push((reexport, paths));
+    }
+    out
+}
+
+/// Expands one use tree under `prefix` into paths.
+fn expand(prefix: &[String], tree: &str, out: &mut Vec<Vec<String>>) {
+    let tree = tree.trim();
+    if let Some(open) = tree.find('{') {
+        let head: Vec<String> = tree[..open]
+            .split("::")
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .map(String::from)
+            .collect();
+        let inner = &tree[open + 1..tree.rfind('}').unwrap_or(tree.len())];
+        let mut depth = 0;
+        let mut from = 0;
+        let mut parts = Vec::new();
+        for (i, c) in inner.char_indices() {
+            match c {
+                '{' => depth += 1,
+                '}' => depth -= 1,
+                ',' if depth == 0 => {
+                    parts.push(&inner[from..i]);
+                    from = i + 1;
+                }
+                _ => {}
+            }
+        }
+        parts.push(&inner[from..]);
+        let mut p = prefix.to_vec();
+        p.extend(head);
+        for part in parts.into_iter().filter(|s| !s.trim().is_empty()) {
+            expand(&p, part, out);
+        }
+        return;
+    }
+    let name = tree.split(" as ").next().unwrap_or(tree).trim();
+    let mut p = prefix.to_vec();
+    p.extend(
+        name.split("::")
+            .map(str::trim)
+            .filter(|s| !s.is_empty() && *s != "self")
+            .map(String::from),
+    );
+    out.push(p);
+}
+
+/// The paths `code` names outside its `use` declarations: `crate::a::b`, `super::a`,
+/// `self::a`, and `child::a` for a child module of its own.
+fn inline_paths(code: &str) -> Vec<Vec<String>> {
+    let mut out = Vec::new();
+    let bytes = code.as_bytes();
+    let ident = |b: u8| b.is_ascii_alphanumeric() || b == b'_';
+    let mut i = 0;
+    while i < bytes.len() {
+        if !ident(bytes[i]) || (i > 0 && (ident(bytes[i - 1]) || bytes[i - 1] == b'$')) {
+            i += 1;
+            continue;
+        }
+        let mut segs = Vec::new();
+        let mut j = i;
+        loop {
+            let s = j;
+            while j < bytes.len() && ident(bytes[j]) {
+                j += 1;
+            }
+            segs.push(code[s..j].to_string());
+            if code[j..].starts_with("::") && bytes.get(j + 2).is_some_and(|&b| ident(b)) {
+                j += 2;
+            } else {
+                break;
+            }
+        }
+        if segs.len() > 1 {
+            out.push(segs);
+        }
+        i = j.max(i + 1);
+    }
+    out
+}
+
+/// `path` as named in `file`, from the crate root; None for other crates and local names.
+fn absolute(
+    module: &[String],
+    path: &[String],
+    modules: &HashMap<Vec<String>, usize>,
+) -> Option<Vec<String>> {
+    let first = path.first()?;
+    let mut base: Vec<String> = match first.as_str() {
+        "crate" => Vec::new(),
+        "self" => module.to_vec(),
+        "super" => {
+            let mut b = module.to_vec();
+            let mut rest = path;
+            while rest.first().is_some_and(|s| s == "super") {
+                b.pop();
+                rest = &rest[1..];
+            }
+            b.extend(rest.iter().cloned());
+            return Some(b);
+        }
+        _ => {
+            let mut child = module.to_vec();
+            child.push(first.clone());
+            if !modules.contains_key(&child) {
+                return None;
+            }
+            module.to_vec()
+        }
+    };
+    let skip = usize::from(matches!(first.as_str(), "crate" | "self"));
+    base.extend(path[skip..].iter().cloned());
+    Some(base)
+}
+
+/// The file that defines what `abs` names: the deepest module file on its path, through the
+/// re-exports of that file (`pub use x::Y` makes `Y` the file of `x`'s).
+fn resolve(
+    abs: &[String],
+    modules: &HashMap<Vec<String>, usize>,
+    reexports: &[HashMap<String, Vec<String>>],
+    depth: usize,
+) -> Option<usize> {
+    let k = (0..=abs.len())
+        .rev()
+        .find(|&k| k > 0 && modules.contains_key(&abs[..k]))?;
+    let f = modules[&abs[..k]];
+    if let Some(name) = abs.get(k) {
+        if let Some(target) = reexports[f].get(name).filter(|_| depth < 8) {
+            let mut next = target.clone();
+            next.extend(abs[k + 1..].iter().cloned());
+            return resolve(&next, modules, reexports, depth + 1).or(Some(f));
+        }
+    }
+    Some(f)
+}
+
+/// The circles of files inside one top-level module: each strongly connected set of more than
+/// one file, with the names its imports take from each other. What a file takes from its
+/// module's own file (`mod.rs`, the parent that declares it) does not count.
+fn circles(files: &[Source]) -> Vec<Vec<String>> {
+    let modules: HashMap<Vec<String>, usize> = files
+        .iter()
+        .enumerate()
+        .map(|(i, f)| (f.module.clone(), i))
+        .collect();
+    let decls: Vec<Vec<(bool, Vec<Vec<String>>)>> =
+        files.iter().map(|f| use_decls(&f.code)).collect();
+    let reexports: Vec<HashMap<String, Vec<String>>> = files
+        .iter()
+        .zip(&decls)
+        .map(|(f, d)| {
+            d.iter()
+                .filter(|(re, _)| *re)
+                .flat_map(|(_, paths)| paths)
+                .filter_map(|p| {
+                    let abs = absolute(&f.module, p, &modules)?;
+                    Some((abs.last()?.clone(), abs))
+                })
+                .collect()
+        })
+        .collect();
+    // Edges: file -> file it takes names from, inside the same top-level module.
+    let mut edges: BTreeMap<(usize, usize), BTreeSet<String>> = BTreeMap::new();
+    for (i, f) in files.iter().enumerate() {
+        let mut without_uses = f.code.clone();
+        for (_, paths) in decls[i].iter().filter(|(re, _)| !*re) {
+            for p in paths {
+                record(i, f, p, &modules, &reexports, files, &mut edges);
+            }
+        }
+        // Inline paths outside use declarations (a re-export is no use of its own).
+        while let Some(s) = without_uses.find("use ") {
+            let e = without_uses[s..]
+                .find(';')
+                .map_or(without_uses.len(), |e| s + e + 1);
+            without_uses.replace_range(s..e, " ");
+        }
+        for p in inline_paths(&without_uses) {
+            record(i, f, &p, &modules, &reexports, files, &mut edges);
+        }
+    }
+    // Strongly connected components (Tarjan).
+    let n = files.len();
+    let adj: Vec<Vec<usize>> = (0..n)
+        .map(|a| {
+            edges
+                .keys()
+                .filter(|(x, _)| *x == a)
+                .map(|(_, b)| *b)
+                .collect()
+        })
+        .collect();
+    let mut index = vec![usize::MAX; n];
+    let mut low = vec![0; n];
+    let mut on = vec![false; n];
+    let mut stack = Vec::new();
+    let mut next = 0;
+    let mut comps: Vec<Vec<usize>> = Vec::new();
+    #[allow(clippy::too_many_arguments)]
+    fn visit(
+        v: usize,
+        adj: &[Vec<usize>],
+        index: &mut [usize],
+        low: &mut [usize],
+        on: &mut [bool],
+        stack: &mut Vec<usize>,
+        next: &mut usize,
+        comps: &mut Vec<Vec<usize>>,
+    ) {
+        index[v] = *next;
+        low[v] = *next;
+        *next += 1;
+        stack.push(v);
+        on[v] = true;
+        for &w in &adj[v] {
+            if index[w] == usize::MAX {
+                visit(w, adj, index, low, on, stack, next, comps);
+                low[v] = low[v].min(low[w]);
+            } else if on[w] {
+                low[v] = low[v].min(index[w]);
+            }
+        }
+        if low[v] == index[v] {
+            let mut comp = Vec::new();
+            while let Some(w) = stack.pop() {
+                on[w] = false;
+                comp.push(w);
+                if w == v {
+                    break;
+                }
+            }
+            comps.push(comp);
+        }
+    }
+    for v in 0..n {
+        if index[v] == usize::MAX {
+            visit(
+                v, &adj, &mut index, &mut low, &mut on, &mut stack, &mut next, &mut comps,
+            );
+        }
+    }
+    comps
+        .into_iter()
+        .filter(|c| c.len() > 1)
+        .map(|c| {
+            let mut lines: Vec<String> = edges
+                .iter()
+                .filter(|((a, b), _)| c.contains(a) && c.contains(b))
+                .map(|((a, b), names)| {
+                    let names: Vec<&str> = names.iter().map(String::as_str).collect();
+                    format!(
+                        "{} -> {}: {}",
+                        files[*a].rel,
+                        files[*b].rel,
+                        names.join(", ")
+                    )
+                })
+                .collect();
+            lines.sort();
+            lines
+        })
+        .collect()
+}
+
+/// Records that file `i` takes what `path` names, when it lies in another file of its own
+/// top-level module.
+fn record(
+    i: usize,
+    f: &Source,
+    path: &[String],
+    modules: &HashMap<Vec<String>, usize>,
+    reexports: &[HashMap<String, Vec<String>>],
+    files: &[Source],
+    edges: &mut BTreeMap<(usize, usize), BTreeSet<String>>,
+) {
+    let Some(abs) = absolute(&f.module, path, modules) else {
+        return;
+    };
+    let Some(t) = resolve(&abs, modules, reexports, 0) else {
+        return;
+    };
+    // A module's own file (`mod.rs`) declares and drives its children, which may use what it
+    // holds for them all (its error type, shared state): only files beside each other count.
+    let ancestor = files[t].module.len() < f.module.len() && f.module.starts_with(&files[t].module);
+    if t != i && !ancestor && files[t].module.first() == f.module.first() {
+        let name = path.last().cloned().unwrap_or_default();
+        edges.entry((i, t)).or_default().insert(name);
+    }
+}
+
+fn worker_sources() -> Vec<Source> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut paths = Vec::new();
+    sources(&src, &mut paths);
+    paths
+        .iter()
+        .map(|p| {
+            let rel = p.strip_prefix(&src).unwrap();
+            Source {
+                rel: rel.display().to_string(),
+                module: module_of(rel),
+                code: code(&std::fs::read_to_string(p).unwrap()),
+            }
+        })
+        .filter(|s| !matches!(s.rel.as_str(), "lib.rs" | "main.rs"))
+        .collect()
+}
+
+#[test]
+fn no_files_of_a_layer_import_each_other_in_a_circle() {
+    let found = circles(&worker_sources());
+    assert!(
+        found.is_empty(),
+        "files that import each other in a circle (move a type to the file that owns it): {found:#?}"
+    );
+}
+
+/// The checker sees a circle through a parent's re-export and an inline path, and no circle
+/// where imports point one way.
+#[test]
+fn the_circle_checker_follows_reexports() {
+    let file = |rel: &str, code: &str| Source {
+        rel: rel.into(),
+        module: module_of(Path::new(rel)),
+        code: code.into(),
+    };
+    let tree = |y: &str| {
+        vec![
+            file("a/mod.rs", "mod x;\nmod y;\npub use self::x::X;\n"),
+            file("a/x.rs", "use super::y::{Y, Z as W};\npub struct X;\n"),
+            file("a/y.rs", y),
+            file("b.rs", "use crate::a::X;\n"),
+        ]
+    };
+    let found = circles(&tree("pub struct Y;\nfn f() -> super::X { todo!() }\n"));
+    assert_eq!(
+        found,
+        [["a/x.rs -> a/y.rs: Y, Z", "a/y.rs -> a/x.rs: X"]],
+        "a circle through a/mod.rs's re-export"
+    );
+    assert!(circles(&tree("pub struct Y;\nuse std::fmt::Debug;\n")).is_empty());
 }

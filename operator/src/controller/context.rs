@@ -107,7 +107,7 @@ pub struct Context {
     /// Talks to worker pods.
     pub pods: PodClient,
     /// The worker images of pools that leave `spec.image` unset.
-    pub images: resources::WorkerImages,
+    pub images: resources::WorkerDefaults,
     failures: Mutex<HashMap<String, u32>>,
     /// Per pool (`ns/pool`): the config hash each ready pod (`name@ip`) accepted on
     /// `POST /admin/reload`. In memory only: after a restart every pod is asked once more
@@ -174,7 +174,7 @@ impl Context {
             recorder,
             metrics,
             pods,
-            images: resources::WorkerImages::default(),
+            images: resources::WorkerDefaults::default(),
             failures: Mutex::default(),
             reloaded: Mutex::default(),
             reload_failures: Mutex::default(),
@@ -197,7 +197,7 @@ impl Context {
 
     /// The same context with `images` as the default worker images (instead of the released
     /// ones at this operator's version).
-    pub fn with_worker_images(mut self, images: resources::WorkerImages) -> Self {
+    pub fn with_worker_defaults(mut self, images: resources::WorkerDefaults) -> Self {
         self.images = images;
         self
     }

@@ -9,7 +9,7 @@ use mole_crds::{AdapterSpec, InferencePoolSpec};
 
 use crate::resources::{
     image_pull_secrets, models_volume, restricted_container_security, restricted_pod_security,
-    with_base_model_source, ChildMeta, WorkerImages,
+    with_base_model_source, ChildMeta, WorkerDefaults,
 };
 
 use super::MergeKey;
@@ -32,7 +32,7 @@ fn join(mount: &str, rel: &str) -> String {
 }
 
 /// The merge Job of `key`: `mole-worker merge` with the pool volume read-write, in the pool's
-/// Job image ([`WorkerImages::jobs`]). The Job's name is deterministic, so a restarted
+/// Job image ([`WorkerDefaults::jobs`]). The Job's name is deterministic, so a restarted
 /// operator finds it instead of creating a duplicate.
 pub fn merge_job(
     pool_name: &str,
@@ -41,7 +41,7 @@ pub fn merge_job(
     spec: &AdapterSpec,
     key: &MergeKey,
     owner: OwnerReference,
-    images: &WorkerImages,
+    images: &WorkerDefaults,
 ) -> Job {
     let mount = &pool.storage.mount_path;
     let mut args = vec![
@@ -147,7 +147,7 @@ pub fn cleanup_job(
     adapter: &str,
     outputs: &[String],
     owner: OwnerReference,
-    images: &WorkerImages,
+    images: &WorkerDefaults,
 ) -> Option<Job> {
     if outputs.is_empty() {
         return None;
@@ -306,7 +306,7 @@ merge:
             &spec,
             &key,
             owner,
-            &WorkerImages::default(),
+            &WorkerDefaults::default(),
         );
         assert_eq!(job.metadata.name.as_deref(), Some(key.job_name.as_str()));
         assert_eq!(
@@ -389,7 +389,7 @@ merge:
             "calendar",
             &["merged/calendar/v1-a".to_string()],
             job.metadata.owner_references.unwrap()[0].clone(),
-            &WorkerImages::default(),
+            &WorkerDefaults::default(),
         )
         .unwrap();
         let pod = cleanup.spec.unwrap().template.spec.unwrap();
@@ -445,9 +445,10 @@ merge:
         let spec: AdapterSpec =
             serde_yaml::from_str("pool: vl\nversion: v1\nsource: {path: adapters/a/v1}\n").unwrap();
         let key = merge_key(&pool, "a", &spec);
-        let images = WorkerImages {
+        let images = WorkerDefaults {
             gpu: "reg/worker:1-cuda".into(),
             cpu: "reg/worker:1-cpu".into(),
+            ..Default::default()
         };
         let image_of = |pool: &InferencePoolSpec| {
             let jobs = [

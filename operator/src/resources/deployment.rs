@@ -9,7 +9,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use mole_crds::{InferencePool, InferencePoolSpec};
 
 use super::configmap::config_map_name;
-use super::image::WorkerImages;
+use super::image::WorkerDefaults;
 use super::meta::ChildMeta;
 use super::pod::worker_pod;
 
@@ -40,7 +40,7 @@ pub const MAX_CHILD_NAME: usize = 63;
 /// The Deployment `<pool>-dynamic`, its pods running `spec.image` or the default of `images`
 /// and listening on `port`. With `spec.dynamic.autoscaling` it carries no `replicas`: the
 /// operator's forced apply would otherwise take the count back from the HPA on every write.
-pub fn dynamic_deployment(pool: &InferencePool, port: u16, images: &WorkerImages) -> Deployment {
+pub fn dynamic_deployment(pool: &InferencePool, port: u16, images: &WorkerDefaults) -> Deployment {
     let name = pool.metadata.name.clone().unwrap_or_default();
     let meta = ChildMeta::of_pool(pool, "dynamic");
     let template = worker_pod(pool, &config_map_name(&name), &meta, port, images);

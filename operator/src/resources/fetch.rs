@@ -186,7 +186,7 @@ pub fn adapter_fetch_job(
     adapter: &str,
     spec: &AdapterSpec,
     owner: OwnerReference,
-    images: &super::WorkerImages,
+    images: &super::WorkerDefaults,
 ) -> Option<Job> {
     let uri = spec.source.uri.as_deref()?;
     let key = adapter_fetch_key(spec)?;
@@ -274,7 +274,7 @@ mod tests {
             "cal",
             &a,
             owner.clone(),
-            &super::super::WorkerImages::default(),
+            &super::super::WorkerDefaults::default(),
         )
         .unwrap();
         let key = adapter_fetch_key(&a).unwrap();
@@ -313,7 +313,7 @@ mod tests {
             "cal",
             &a,
             owner,
-            &super::super::WorkerImages::default()
+            &super::super::WorkerDefaults::default()
         )
         .is_none());
         let long = "a".repeat(100);

@@ -25,25 +25,31 @@ pub const DEFAULT_WORKER_IMAGE_CPU: &str = concat!(
     "-cpu"
 );
 
-/// The operator's default worker images (`--worker-image-gpu`, `--worker-image-cpu`).
+/// What the operator's flags set in the worker pods it starts: the default images
+/// (`--worker-image-gpu`, `--worker-image-cpu`) and the trace collector
+/// (`--worker-otlp-traces-endpoint`).
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub struct WorkerImages {
+pub struct WorkerDefaults {
     /// For pools with `spec.gpu.count` > 0.
     pub gpu: String,
     /// For pools with `spec.gpu.count` 0, and for merge and cleanup Jobs.
     pub cpu: String,
+    /// The OTLP/HTTP collector the serving pods export their traces to (their
+    /// `MOLE_OTLP_TRACES_ENDPOINT`); None: no export.
+    pub otlp_traces_endpoint: Option<String>,
 }
 
-impl Default for WorkerImages {
+impl Default for WorkerDefaults {
     fn default() -> Self {
         Self {
             gpu: DEFAULT_WORKER_IMAGE_GPU.into(),
             cpu: DEFAULT_WORKER_IMAGE_CPU.into(),
+            otlp_traces_endpoint: None,
         }
     }
 }
 
-impl WorkerImages {
+impl WorkerDefaults {
     /// The image of the pool's serving pods (dynamic and merged): `spec.image`, or the GPU
     /// default when the pool requests GPUs and the CPU default otherwise.
     pub fn serving(&self, spec: &InferencePoolSpec) -> String {
@@ -80,16 +86,17 @@ mod tests {
     #[test]
     fn defaults_carry_the_crate_version_and_the_hardware_suffix() {
         let v = env!("CARGO_PKG_VERSION");
-        let d = WorkerImages::default();
+        let d = WorkerDefaults::default();
         assert_eq!(d.gpu, format!("{WORKER_REPOSITORY}:{v}-cuda"));
         assert_eq!(d.cpu, format!("{WORKER_REPOSITORY}:{v}-cpu"));
     }
 
     #[test]
     fn unset_image_follows_the_gpu_count_and_a_set_one_wins() {
-        let i = WorkerImages {
+        let i = WorkerDefaults {
             gpu: "reg/w:gpu".into(),
             cpu: "reg/w:cpu".into(),
+            ..Default::default()
         };
         assert_eq!(i.serving(&spec(None, 1)), "reg/w:gpu");
         assert_eq!(i.serving(&spec(None, 8)), "reg/w:gpu");

@@ -35,7 +35,7 @@ pub use fetch::{
 };
 pub use hpa::{hpa, QUEUE_METRIC};
 pub use image::{
-    WorkerImages, DEFAULT_WORKER_IMAGE_CPU, DEFAULT_WORKER_IMAGE_GPU, WORKER_REPOSITORY,
+    WorkerDefaults, DEFAULT_WORKER_IMAGE_CPU, DEFAULT_WORKER_IMAGE_GPU, WORKER_REPOSITORY,
 };
 pub use meta::{
     labels, owner, selector, short_hash, ChildMeta, ANNOTATION_ADAPTER_VERSION,
@@ -60,7 +60,7 @@ pub struct PodDefaults<'a> {
     /// The worker port.
     pub port: u16,
     /// The images of pools without `spec.image`.
-    pub images: &'a WorkerImages,
+    pub images: &'a WorkerDefaults,
 }
 
 /// The merged children of an adapter: ConfigMap, Deployment, Service and PDB, owned by the

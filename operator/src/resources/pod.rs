@@ -15,7 +15,7 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use mole_crds::constants::{ANNOTATION_SPEC_HASH, WORKER_CONFIG_KEY, WORKER_CONFIG_MOUNT};
 use mole_crds::{EngineLimits, InferencePool, InferencePoolSpec};
 
-use super::image::WorkerImages;
+use super::image::WorkerDefaults;
 use super::meta::{short_hash, ChildMeta};
 use super::secret::{operator_token_secret_name, OPERATOR_TOKEN_MOUNT};
 
@@ -84,7 +84,7 @@ pub fn image_pull_secrets(pool: &InferencePoolSpec) -> Option<Vec<LocalObjectRef
 /// `restart_required` settings: base model, model root, every engine limit, the router's
 /// embedding model). Adapters are not in it: adding, updating or removing an adapter never
 /// restarts a pod; nor are the router's other settings, which the worker reloads. `image` is
-/// the resolved one ([`WorkerImages::serving`]), so a new operator default rolls pools that
+/// the resolved one ([`WorkerDefaults::serving`]), so a new operator default rolls pools that
 /// rely on it. `spec_hash_covers_every_start_only_field` (tests) walks every field of the spec
 /// against this.
 pub fn spec_hash(spec: &InferencePoolSpec, image: &str) -> String {
@@ -257,7 +257,20 @@ fn worker_container(
     image: String,
     mounts: Vec<VolumeMount>,
     port: u16,
+    otlp_traces_endpoint: Option<&str>,
 ) -> Container {
+    let mut env = vec![EnvVar {
+        name: "MOLE_LOG_FORMAT".into(),
+        value: Some("json".into()),
+        ..Default::default()
+    }];
+    if let Some(endpoint) = otlp_traces_endpoint {
+        env.push(EnvVar {
+            name: "MOLE_OTLP_TRACES_ENDPOINT".into(),
+            value: Some(endpoint.into()),
+            ..Default::default()
+        });
+    }
     Container {
         name: "worker".into(),
         image: Some(image),
@@ -270,11 +283,7 @@ fn worker_container(
             "--listen".into(),
             format!("0.0.0.0:{port}"),
         ]),
-        env: Some(vec![EnvVar {
-            name: "MOLE_LOG_FORMAT".into(),
-            value: Some("json".into()),
-            ..Default::default()
-        }]),
+        env: Some(env),
         ports: Some(vec![ContainerPort {
             name: Some(WORKER_PORT_NAME.into()),
             container_port: i32::from(port),
@@ -312,7 +321,7 @@ pub fn worker_pod(
     config_map: &str,
     meta: &ChildMeta,
     port: u16,
-    images: &WorkerImages,
+    images: &WorkerDefaults,
 ) -> PodTemplateSpec {
     let spec = &pool.spec;
     let image = images.serving(spec);
@@ -339,7 +348,13 @@ pub fn worker_pod(
             image_pull_secrets: image_pull_secrets(spec),
             // Long enough for in-flight generations to drain after SIGTERM.
             termination_grace_period_seconds: Some(90),
-            containers: vec![worker_container(spec, image, mounts, port)],
+            containers: vec![worker_container(
+                spec,
+                image,
+                mounts,
+                port,
+                images.otlp_traces_endpoint.as_deref(),
+            )],
             volumes: Some(volumes),
             ..Default::default()
         }),

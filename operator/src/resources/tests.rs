@@ -65,7 +65,7 @@ fn template_hash(d: &Deployment) -> String {
 #[test]
 fn dynamic_deployment_runs_the_worker_on_gpus_securely() {
     let p = pool();
-    let d = dynamic_deployment(&p, WORKER_PORT, &WorkerImages::default());
+    let d = dynamic_deployment(&p, WORKER_PORT, &WorkerDefaults::default());
     assert_eq!(d.metadata.name.as_deref(), Some("vl-dynamic"));
     assert_eq!(
         d.metadata.owner_references.as_ref().unwrap()[0].uid,
@@ -147,7 +147,7 @@ fn only_base_image_limits_and_resources_roll_the_pods() {
     let h = template_hash(&dynamic_deployment(
         &p,
         WORKER_PORT,
-        &WorkerImages::default(),
+        &WorkerDefaults::default(),
     ));
     // Adapters change the ConfigMap only.
     let a = [adapter("calendar", "v1")];
@@ -166,7 +166,7 @@ fn only_base_image_limits_and_resources_roll_the_pods() {
         template_hash(&dynamic_deployment(
             &p,
             WORKER_PORT,
-            &WorkerImages::default()
+            &WorkerDefaults::default()
         )),
         h
     );
@@ -178,7 +178,7 @@ fn only_base_image_limits_and_resources_roll_the_pods() {
         template_hash(&dynamic_deployment(
             &q,
             WORKER_PORT,
-            &WorkerImages::default()
+            &WorkerDefaults::default()
         )),
         h
     );
@@ -188,7 +188,7 @@ fn only_base_image_limits_and_resources_roll_the_pods() {
         template_hash(&dynamic_deployment(
             &q,
             WORKER_PORT,
-            &WorkerImages::default()
+            &WorkerDefaults::default()
         )),
         h
     );
@@ -219,7 +219,7 @@ fn only_base_image_limits_and_resources_roll_the_pods() {
             template_hash(&dynamic_deployment(
                 &q,
                 WORKER_PORT,
-                &WorkerImages::default()
+                &WorkerDefaults::default()
             )),
             h,
             "change {i}"
@@ -269,11 +269,11 @@ fn dynamic_and_merged_pods_carry_the_pools_pod_settings() {
         adapter_owner(),
         PodDefaults {
             port: WORKER_PORT,
-            images: &WorkerImages::default(),
+            images: &WorkerDefaults::default(),
         },
     );
     for d in [
-        dynamic_deployment(&p, WORKER_PORT, &WorkerImages::default()),
+        dynamic_deployment(&p, WORKER_PORT, &WorkerDefaults::default()),
         merged,
     ] {
         let pod = pod_of(&d);
@@ -296,7 +296,7 @@ fn dynamic_and_merged_pods_carry_the_pools_pod_settings() {
     let pod = pod_of(&dynamic_deployment(
         &pool(),
         WORKER_PORT,
-        &WorkerImages::default(),
+        &WorkerDefaults::default(),
     ));
     assert_eq!(pod.image_pull_secrets, None);
     assert_eq!(pod.priority_class_name, None);
@@ -332,12 +332,12 @@ fn a_non_default_worker_port_is_used_everywhere_a_pod_is_reached() {
         adapter_owner(),
         PodDefaults {
             port,
-            images: &WorkerImages::default(),
+            images: &WorkerDefaults::default(),
         },
     );
     for (d, svc) in [
         (
-            dynamic_deployment(&p, port, &WorkerImages::default()),
+            dynamic_deployment(&p, port, &WorkerDefaults::default()),
             service(&p),
         ),
         (merged, merged_svc),
@@ -376,7 +376,7 @@ fn a_non_default_worker_port_is_used_everywhere_a_pod_is_reached() {
     let pod = pod_of(&dynamic_deployment(
         &p,
         WORKER_PORT,
-        &WorkerImages::default(),
+        &WorkerDefaults::default(),
     ));
     assert_eq!(target_port(&service(&p), &pod), 8000);
 }
@@ -428,7 +428,7 @@ fn service_and_pdb_select_the_dynamic_pods() {
     assert_eq!(s.metadata.name.as_deref(), Some("vl"));
     let spec = s.spec.unwrap();
     let sel = spec.selector.unwrap();
-    let pod_labels = dynamic_deployment(&p, WORKER_PORT, &WorkerImages::default())
+    let pod_labels = dynamic_deployment(&p, WORKER_PORT, &WorkerDefaults::default())
         .spec
         .unwrap()
         .template
@@ -517,11 +517,11 @@ fn every_worker_pod_mounts_the_operator_token_and_its_config_names_it() {
         owner,
         PodDefaults {
             port: WORKER_PORT,
-            images: &WorkerImages::default(),
+            images: &WorkerDefaults::default(),
         },
     );
     for d in [
-        dynamic_deployment(&p, WORKER_PORT, &WorkerImages::default()),
+        dynamic_deployment(&p, WORKER_PORT, &WorkerDefaults::default()),
         merged,
     ] {
         let pod = d.spec.unwrap().template.spec.unwrap();
@@ -578,7 +578,7 @@ fn merged_config_maps_are_per_output() {
         owner.clone(),
         PodDefaults {
             port: WORKER_PORT,
-            images: &WorkerImages::default(),
+            images: &WorkerDefaults::default(),
         },
     );
     let (cm2, d2, _, _) = merged_children(
@@ -590,7 +590,7 @@ fn merged_config_maps_are_per_output() {
         owner,
         PodDefaults {
             port: WORKER_PORT,
-            images: &WorkerImages::default(),
+            images: &WorkerDefaults::default(),
         },
     );
     assert_ne!(cm1.metadata.name, cm2.metadata.name);
@@ -657,7 +657,7 @@ fn pools_without_an_image_run_the_cuda_default_on_gpus_and_the_cpu_default_other
     gpu.spec.image = None;
     let mut cpu = gpu.clone();
     cpu.spec.gpu.count = 0;
-    let defaults = WorkerImages::default();
+    let defaults = WorkerDefaults::default();
     let v = env!("CARGO_PKG_VERSION");
     let owner = OwnerReference {
         kind: "Adapter".into(),
@@ -692,9 +692,10 @@ fn pools_without_an_image_run_the_cuda_default_on_gpus_and_the_cpu_default_other
         );
     }
     // The operator's flags replace the defaults; a pool's own image wins over both.
-    let flags = WorkerImages {
+    let flags = WorkerDefaults {
         gpu: "registry.local/mole-worker:dev-cuda".into(),
         cpu: "registry.local/mole-worker:dev-cpu".into(),
+        ..Default::default()
     };
     assert_eq!(
         image_of(&dynamic_deployment(&gpu, WORKER_PORT, &flags)),
@@ -714,8 +715,8 @@ fn pools_without_an_image_run_the_cuda_default_on_gpus_and_the_cpu_default_other
 fn a_new_default_image_rolls_the_pools_that_use_it_and_only_those() {
     let mut unset = pool();
     unset.spec.image = None;
-    let old = WorkerImages::default();
-    let new = WorkerImages {
+    let old = WorkerDefaults::default();
+    let new = WorkerDefaults {
         gpu: "ghcr.io/mole-dev/mole-worker:9.9.9-cuda".into(),
         ..old.clone()
     };
@@ -907,7 +908,7 @@ fn spec_hash_covers_every_start_only_field() {
             "spec.{s} is not set in every_field_spec(): set it, then hash it or list it in NOT_HASHED"
         );
     }
-    let images = WorkerImages::default();
+    let images = WorkerDefaults::default();
     let hash = |s: &InferencePoolSpec| spec_hash(s, &images.serving(s));
     let before = hash(&base);
     let mut allowed_seen = Vec::new();
@@ -982,7 +983,7 @@ fn start_only_fields_roll_the_pods_and_default_ones_keep_the_hash() {
 #[test]
 fn rollouts_fit_the_hardware_unless_the_pool_says_otherwise() {
     let strategy = |p: &InferencePool| {
-        let d = dynamic_deployment(p, WORKER_PORT, &WorkerImages::default());
+        let d = dynamic_deployment(p, WORKER_PORT, &WorkerDefaults::default());
         let ru = d.spec.unwrap().strategy.unwrap().rolling_update.unwrap();
         (ru.max_surge.unwrap(), ru.max_unavailable.unwrap())
     };
@@ -1013,7 +1014,7 @@ fn rollouts_fit_the_hardware_unless_the_pool_says_otherwise() {
         adapter_owner(),
         PodDefaults {
             port: WORKER_PORT,
-            images: &WorkerImages::default(),
+            images: &WorkerDefaults::default(),
         },
     );
     let ru = merged
@@ -1030,12 +1031,12 @@ fn rollouts_fit_the_hardware_unless_the_pool_says_otherwise() {
         template_hash(&dynamic_deployment(
             &own,
             WORKER_PORT,
-            &WorkerImages::default()
+            &WorkerDefaults::default()
         )),
         template_hash(&dynamic_deployment(
             &gpu,
             WORKER_PORT,
-            &WorkerImages::default()
+            &WorkerDefaults::default()
         ))
     );
 }
@@ -1062,7 +1063,7 @@ fn rollout_values_scale_as_the_deployment_controller_does() {
 /// the endpoints only after ~30 s of failures and is restarted only after ~60 s.
 #[test]
 fn probes_tolerate_a_busy_pod_for_30_seconds_before_it_leaves_the_service() {
-    let d = dynamic_deployment(&pool(), WORKER_PORT, &WorkerImages::default());
+    let d = dynamic_deployment(&pool(), WORKER_PORT, &WorkerDefaults::default());
     let c = pod_of(&d).containers[0].clone();
     let seen = |p: &Option<k8s_openapi::api::core::v1::Probe>| {
         let p = p.as_ref().unwrap();
@@ -1096,7 +1097,7 @@ fn no_pod_mounts_a_service_account_token() {
     let p = pool();
     let pods = PodDefaults {
         port: WORKER_PORT,
-        images: &WorkerImages::default(),
+        images: &WorkerDefaults::default(),
     };
     let mut specs = vec![
         (
@@ -1104,7 +1105,7 @@ fn no_pod_mounts_a_service_account_token() {
             pod_of(&dynamic_deployment(
                 &p,
                 WORKER_PORT,
-                &WorkerImages::default(),
+                &WorkerDefaults::default(),
             )),
         ),
         (
@@ -1134,7 +1135,7 @@ fn no_pod_mounts_a_service_account_token() {
                 "calendar",
                 &fetched.spec,
                 adapter_owner(),
-                &WorkerImages::default(),
+                &WorkerDefaults::default(),
             )
             .unwrap(),
         ),
@@ -1147,7 +1148,7 @@ fn no_pod_mounts_a_service_account_token() {
                 &fetched.spec,
                 &crate::mergedown::merge_key(&p.spec, "calendar", &fetched.spec),
                 adapter_owner(),
-                &WorkerImages::default(),
+                &WorkerDefaults::default(),
             ),
         ),
         (
@@ -1158,7 +1159,7 @@ fn no_pod_mounts_a_service_account_token() {
                 "calendar",
                 &["merged/calendar/v0-a".into()],
                 adapter_owner(),
-                &WorkerImages::default(),
+                &WorkerDefaults::default(),
             )
             .unwrap(),
         ),
@@ -1169,4 +1170,32 @@ fn no_pod_mounts_a_service_account_token() {
     for (what, pod) in specs {
         assert_eq!(pod.automount_service_account_token, Some(false), "{what}");
     }
+}
+
+#[test]
+fn worker_pods_export_traces_where_the_operator_says_and_nowhere_by_default() {
+    let env = |d: &WorkerDefaults| -> Vec<(String, Option<String>)> {
+        let dep = dynamic_deployment(&pool(), WORKER_PORT, d);
+        let pod = dep.spec.unwrap().template.spec.unwrap();
+        pod.containers[0]
+            .env
+            .clone()
+            .unwrap_or_default()
+            .into_iter()
+            .map(|e| (e.name, e.value))
+            .collect()
+    };
+    let off = env(&WorkerDefaults::default());
+    assert!(
+        off.iter().all(|(n, _)| n != "MOLE_OTLP_TRACES_ENDPOINT"),
+        "{off:?}"
+    );
+    let on = env(&WorkerDefaults {
+        otlp_traces_endpoint: Some("http://otel-collector.observability:4318".into()),
+        ..Default::default()
+    });
+    assert!(on.contains(&(
+        "MOLE_OTLP_TRACES_ENDPOINT".into(),
+        Some("http://otel-collector.observability:4318".into())
+    )));
 }

@@ -129,8 +129,7 @@ fn slot_updates<const N: usize>(
             lora: Some((slots, step)),
             ..
         } => {
-            let group =
-                Projections::of(&projs).expect("the projections of one input form a group");
+            let group = Projections::of(&projs).expect("the projections of one input form a group");
             let h = slots.shrink(layer, group, x, step)?; // [N, distinct, rows, rank]
             for (i, o) in out.iter_mut().enumerate() {
                 let update = slots.expand(layer, projs[i], &h, i, step, o.dtype())?;

@@ -8,7 +8,7 @@ use kube::ResourceExt;
 use mole_crds::{Adapter, InferencePool};
 
 use crate::controller::validate::validate_adapter;
-use crate::resources::{self, Registered, WorkerImages};
+use crate::resources::{self, Registered, WorkerDefaults};
 
 /// The children of a pool as they should be.
 pub(super) struct Desired {
@@ -58,7 +58,7 @@ pub(super) fn desired(
     pool: &InferencePool,
     adapters: &[Adapter],
     port: u16,
-    images: &WorkerImages,
+    images: &WorkerDefaults,
 ) -> Desired {
     let reg = registered(pool, adapters);
     let config = resources::worker_config(&pool.name_any(), &pool.spec, &reg);
