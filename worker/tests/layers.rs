@@ -496,3 +496,30 @@ fn the_circle_checker_follows_reexports() {
     );
     assert!(circles(&tree("pub struct Y;\nuse std::fmt::Debug;\n")).is_empty());
 }
+
+/// A file that grows past this many lines (before its tests) is split by what its parts own:
+/// past it, a change means reading more than anyone holds in mind at once.
+const MAX_LINES: usize = 800;
+
+#[test]
+fn no_file_is_over_800_lines_before_its_tests() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    sources(&src, &mut files);
+    let long: Vec<String> = files
+        .iter()
+        .filter_map(|f| {
+            let text = std::fs::read_to_string(f).unwrap();
+            let lines = text
+                .lines()
+                .take_while(|l| !l.starts_with("#[cfg(test)]"))
+                .count();
+            (lines > MAX_LINES)
+                .then(|| format!("{} ({lines})", f.strip_prefix(&src).unwrap().display()))
+        })
+        .collect();
+    assert!(
+        long.is_empty(),
+        "files over {MAX_LINES} lines before their tests: {long:?}"
+    );
+}

@@ -8,7 +8,8 @@ use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
 use super::api::{AdapterSpec, EngineError};
-use super::scheduler::{Msg, Seq};
+use super::scheduler::Msg;
+use super::seq::Seq;
 use super::{Engine, Shared};
 use crate::lora::registry::{LoadTicket, Lookup, Missed, Settled};
 use crate::lora::LoadOptions;

@@ -9,7 +9,9 @@ mod plan;
 pub mod replicas;
 pub mod sample_ops;
 pub mod sampler;
+mod sampling;
 pub mod scheduler;
+mod seq;
 pub mod text;
 mod trace;
 
@@ -23,7 +25,8 @@ use mole_api::{LoraAdapterInfo, Residency};
 use self::api::*;
 use self::images::{ImageProcessor, ImagePrompt};
 use self::sampler::Sampler;
-use self::scheduler::{Msg, Seq};
+use self::scheduler::Msg;
+use self::seq::{Score, Seq};
 use self::text::TextModel;
 use crate::lora::registry::Registry;
 use crate::model::{
@@ -578,7 +581,7 @@ impl InferenceEngine for Engine {
         let sampler = Sampler::new(sampling, ids);
         let mut seq = Seq::new("score".into(), ids.to_vec(), None, sampler, tx, 1);
         seq.images = img;
-        seq.score = Some(scheduler::Score {
+        seq.score = Some(Score {
             labels: firsts,
             reply,
         });

@@ -11,7 +11,7 @@
 use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 
-use super::scheduler::Seq;
+use super::seq::Seq;
 use super::Shared;
 
 /// What one row of the step does for its sequence.

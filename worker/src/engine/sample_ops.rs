@@ -40,7 +40,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{DType, Device, Tensor, D};
 
-use super::sampler::{Sampled, GREEDY_BELOW};
+use super::sampling::Sampled;
+pub use super::sampling::{Penalty, RowSampling};
 
 /// Bisection steps of a top-k or top-p cut-off: enough to separate any two logits further
 /// apart than `(max - min) / 2^32` of the row.
@@ -52,69 +53,6 @@ const BLOCK: usize = 512;
 
 /// Per-row fields of the packed upload, in order.
 const FIELDS: usize = 6;
-
-/// One penalised token of a row: its logit `x` becomes `x / factor` when positive, `x × factor`
-/// otherwise (the repetition penalty; 1 leaves it), then `x - minus` (presence and frequency).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Penalty {
-    /// Token id.
-    pub token: u32,
-    /// Repetition factor (1: none).
-    pub factor: f32,
-    /// Subtracted after the factor: `presence + frequency × count` for output tokens.
-    pub minus: f32,
-}
-
-impl Penalty {
-    /// The penalised logit (the host's rule; the device computes the same).
-    pub fn apply(&self, x: f32) -> f32 {
-        let x = if x > 0.0 {
-            x / self.factor
-        } else {
-            x * self.factor
-        };
-        x - self.minus
-    }
-}
-
-/// A row's sampling inputs for one step.
-#[derive(Debug, Clone, PartialEq)]
-pub struct RowSampling {
-    /// Temperature; below [`GREEDY_BELOW`] the row is greedy.
-    pub temperature: f32,
-    /// Top-k (0: off).
-    pub top_k: usize,
-    /// Top-p (1: off).
-    pub top_p: f32,
-    /// Min-p (0: off).
-    pub min_p: f32,
-    /// The row's uniform draw in `[0, 1)` (unused when greedy).
-    pub u: f32,
-    /// Top logprobs asked (None: no logprobs).
-    pub logprobs: Option<usize>,
-    /// Penalised tokens, each at most once.
-    pub penalties: Vec<Penalty>,
-}
-
-impl RowSampling {
-    /// A row that samples nothing this step (a prompt chunk): greedy, nothing asked.
-    pub fn idle() -> Self {
-        Self {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            u: 0.0,
-            logprobs: None,
-            penalties: Vec::new(),
-        }
-    }
-
-    /// Whether the row takes the largest (penalised) logit.
-    pub fn greedy(&self) -> bool {
-        self.temperature < GREEDY_BELOW
-    }
-}
 
 /// What sampling a step's rows takes, decided on the host: which stages run (any penalty,
 /// any sampled row, any top-k, any top-p, the largest logprobs `n`) and the layout of the

@@ -13,10 +13,8 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::api::SamplingParams;
-use super::sample_ops::{Penalty, RowSampling};
-
-/// Below this temperature sampling is greedy (as in vLLM), avoiding a division blow-up.
-pub const GREEDY_BELOW: f32 = 1e-5;
+use super::sampling::{Penalty, RowSampling};
+pub use super::sampling::{Sampled, GREEDY_BELOW};
 
 /// The most top logprobs a request may ask for (OpenAI's `top_logprobs` bound).
 pub const MAX_LOGPROBS: usize = 20;
@@ -65,17 +63,6 @@ pub fn validate(p: &SamplingParams) -> Result<(), String> {
         ));
     }
     Ok(())
-}
-
-/// The chosen token and, when asked, its logprob and the top alternatives.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Sampled {
-    /// Token id.
-    pub token: u32,
-    /// Its log-probability under the model (NaN when logprobs were not asked).
-    pub logprob: f32,
-    /// Top alternatives (id, logprob), best first.
-    pub top: Vec<(u32, f32)>,
 }
 
 /// Sampling state of one sequence.

@@ -4,13 +4,10 @@
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, PoisonError, RwLock};
 
-use axum::extract::{Request, State};
 use axum::http::{HeaderMap, StatusCode};
-use axum::middleware::Next;
-use axum::response::{IntoResponse, Response};
 use mole_api::WorkerConfig;
 
-use super::{ApiError, AppState};
+use super::ApiError;
 
 /// Identity of a secret file's current content (a rotated Kubernetes Secret is a symlink swap
 /// to new files: inode, mtime or size moves).
@@ -294,27 +291,6 @@ impl Secrets {
             Ok(a) => *self.0.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(a),
             Err(e) => tracing::warn!("new auth settings cannot be read, keeping the old: {e}"),
         }
-    }
-}
-
-impl AppState {
-    /// The secrets, re-read first when one of their files changed (a rotated Secret). A file
-    /// that cannot be read keeps the previous secrets.
-    pub fn auth(&self) -> Arc<Auth> {
-        self.auth.current()
-    }
-}
-
-/// The guard layer (`from_fn_with_state` over the state and the route's [`Access`]): a request
-/// whose credentials do not grant the access is refused before its body is read.
-pub(super) async fn require(
-    State((s, access)): State<(Arc<AppState>, Access)>,
-    req: Request,
-    next: Next,
-) -> Response {
-    match s.auth().check(access, req.headers()) {
-        Ok(()) => next.run(req).await,
-        Err(e) => e.into_response(),
     }
 }
 

@@ -1,17 +1,12 @@
 //! Errors of the HTTP layer: every refusal is an [`ApiError`], answered as OpenAI's
 //! `{error:{message,type,code}}` with a stable `code`.
 
-use std::sync::Arc;
-
-use axum::extract::{Request, State};
 use axum::http::{HeaderValue, StatusCode};
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
 use utoipa::ToSchema;
 
-use super::AppState;
 use crate::engine::api::EngineError;
 use crate::router::RouteError;
 
@@ -134,9 +129,15 @@ impl From<tokio::task::JoinError> for ApiError {
     }
 }
 
-/// The code of the error a response answers, a response extension that [`count_errors`] reads.
+/// A 400 with a stable code.
+pub(in crate::server) fn bad(code: &'static str, msg: impl Into<String>) -> ApiError {
+    ApiError::new(StatusCode::BAD_REQUEST, code, msg)
+}
+
+/// The code of the error a response answers, a response extension that the error counter
+/// ([`super::layers::count_errors`]) reads.
 #[derive(Debug, Clone, Copy)]
-struct ErrorCode(&'static str);
+pub(super) struct ErrorCode(pub(super) &'static str);
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
@@ -147,19 +148,4 @@ impl IntoResponse for ApiError {
         }
         r
     }
-}
-
-/// The counting layer of the API routes (`from_fn_with_state`): every error answer, whichever
-/// step refused (guard, body, validation, routing, engine), counts in `mole_errors_total` by its
-/// code. Errors inside a stream already under way are counted where they happen.
-pub(super) async fn count_errors(
-    State(s): State<Arc<AppState>>,
-    req: Request,
-    next: Next,
-) -> Response {
-    let r = next.run(req).await;
-    if let Some(ErrorCode(code)) = r.extensions().get::<ErrorCode>() {
-        s.metrics.errors.with_label_values(&[code]).inc();
-    }
-    r
 }

@@ -3,7 +3,6 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
@@ -14,10 +13,6 @@ use mole_api::WorkerConfig;
 
 use super::{mole_headers, ApiError, AppState};
 use crate::router::{Decision, Mode};
-
-/// Connect timeout to merged pods: a Service without endpoints or a dead pod must fall back
-/// fast.
-pub const PROXY_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Largest non-streamed answer read from a merged pod (they are a few KB).
 const PROXY_MAX_BODY: usize = 16 << 20;

@@ -10,6 +10,7 @@ pub mod cli;
 mod engines;
 mod error;
 mod gateway;
+mod layers;
 mod openai;
 mod openapi;
 mod reload;
@@ -28,9 +29,9 @@ use crate::router::Decision;
 pub use auth::{Access, Auth, AuthSource};
 pub use engines::{build_engine, build_local_merged, BuildError};
 pub use error::ApiError;
-pub use gateway::PROXY_CONNECT_TIMEOUT;
 pub use reload::ReloadOutcome;
 pub use state::AppState;
+pub use state::PROXY_CONNECT_TIMEOUT;
 
 /// The HTTP routes. Every API endpoint sits behind two layers: the guard of its [`Access`]
 /// and the error counter; the probes and `/metrics` behind neither.
@@ -105,42 +106,9 @@ fn api(
     endpoint: MethodRouter<Arc<AppState>>,
 ) -> MethodRouter<Arc<AppState>> {
     endpoint
-        .route_layer(from_fn_with_state((s.clone(), access), auth::require))
-        .route_layer(from_fn_with_state(s.clone(), error::count_errors))
-        .route_layer(axum::middleware::from_fn(traced))
-}
-
-/// Runs an API request inside its `request` span, which continues the caller's trace
-/// (`traceparent`) and is the parent of the gateway's and the engine's spans. The engine's
-/// sequences hold it, so a streamed answer's span ends with its last token. Probes and
-/// `/metrics` get none: a probe every few seconds is not a trace anyone reads.
-async fn traced(req: axum::extract::Request, next: axum::middleware::Next) -> Response {
-    use tracing::field::Empty;
-    use tracing::Instrument;
-    let route = req
-        .extensions()
-        .get::<axum::extract::MatchedPath>()
-        .map_or_else(|| req.uri().path().to_string(), |p| p.as_str().to_string());
-    let method = req.method().clone();
-    let span = tracing::info_span!(
-        "request",
-        otel.name = %format_args!("{method} {route}"),
-        otel.kind = "server",
-        otel.status_code = Empty,
-        http.request.method = %method,
-        http.route = %route,
-        http.response.status_code = Empty,
-        mole.adapter = Empty,
-        mole.mode = Empty,
-        mole.route = Empty,
-    );
-    crate::telemetry::continue_trace(&span, req.headers());
-    let resp = next.run(req).instrument(span.clone()).await;
-    span.record("http.response.status_code", resp.status().as_u16());
-    if resp.status().is_server_error() {
-        span.record("otel.status_code", "ERROR");
-    }
-    resp
+        .route_layer(from_fn_with_state((s.clone(), access), layers::require))
+        .route_layer(from_fn_with_state(s.clone(), layers::count_errors))
+        .route_layer(axum::middleware::from_fn(layers::traced))
 }
 
 /// `GET /health`: vLLM's and TGI's liveness path, which their clients check before a run.

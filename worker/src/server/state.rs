@@ -9,10 +9,16 @@ use std::time::Duration;
 use mole_api::WorkerConfig;
 
 use super::auth::{Auth, Secrets};
-use super::gateway::PROXY_CONNECT_TIMEOUT;
 use crate::config::{LoadFailure, SharedConfig};
 use crate::engine::api::InferenceEngine;
 use crate::metrics::Metrics;
+
+/// Connect timeout to merged pods: a Service without endpoints or a dead pod must fall back
+/// fast.
+pub const PROXY_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// Pixels per permit of the in-flight image budget (a semaphore counts in `u32`).
+pub(in crate::server) const PIXEL_UNIT: u64 = 1024;
 
 /// Everything the handlers share.
 pub struct AppState {
@@ -49,7 +55,7 @@ pub struct AppState {
     pub(super) next_lora_id: AtomicU32,
     /// Pixels the images of requests in flight may hold together
     /// (`limits.maxInflightImagePixels` at start, in permits of
-    /// [`super::openai::PIXEL_UNIT`] pixels).
+    /// [`PIXEL_UNIT`] pixels).
     pub(super) image_budget: Arc<tokio::sync::Semaphore>,
     /// Image decodes running at once: one per core (the blocking pool would run hundreds).
     pub(super) decode_pool: Arc<tokio::sync::Semaphore>,
@@ -68,7 +74,7 @@ impl AppState {
         let pixel_units = cfg
             .limits
             .max_inflight_image_pixels
-            .div_ceil(super::openai::PIXEL_UNIT)
+            .div_ceil(PIXEL_UNIT)
             .min(tokio::sync::Semaphore::MAX_PERMITS as u64) as usize;
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         // A merged pod that accepts and never answers is caught by the read timeout (no byte
@@ -179,5 +185,13 @@ impl AppState {
         }
         out.sort_by(|a, b| (&a.name, &a.version).cmp(&(&b.name, &b.version)));
         out
+    }
+}
+
+impl AppState {
+    /// The secrets, re-read first when one of their files changed (a rotated Secret). A file
+    /// that cannot be read keeps the previous secrets.
+    pub fn auth(&self) -> Arc<Auth> {
+        self.auth.current()
     }
 }

@@ -11,8 +11,9 @@ use axum::Json;
 
 use super::replies::{LoraAnswer, ReloadApplying};
 use super::types::{LoadBody, ReloadBody};
-use super::validate::{bad, OptionalWire, Wire};
+use super::validate::{OptionalWire, Wire};
 use super::S;
+use crate::server::error::bad;
 use crate::server::openapi::Refusals;
 use crate::server::ApiError;
 

@@ -1,8 +1,9 @@
 //! `POST /v1/completions`: its validation (the prompt forms).
 
 use super::types::{CompletionBody, Kind, PromptField};
-use super::validate::{bad, sampling, token_cap, ValidRequest, Validate, Wire};
+use super::validate::{sampling, token_cap, ValidRequest, Validate, Wire};
 use crate::engine::api::Prompt;
+use crate::server::error::bad;
 use crate::server::{ApiError, AppState};
 
 impl Validate for CompletionBody {

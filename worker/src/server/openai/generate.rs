@@ -166,7 +166,7 @@ async fn serve_routed(
     let n = req.n.max(1);
     let batch = cfg.limits.engine.max_batch_size as usize;
     if n > batch {
-        return Err(super::validate::bad(
+        return Err(crate::server::error::bad(
             "invalid_n",
             format!("n must be at most the pool's maxBatchSize ({batch}), got {n}"),
         ));

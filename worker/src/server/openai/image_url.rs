@@ -13,7 +13,7 @@ use axum::http::StatusCode;
 use mole_api::WorkerLimits;
 use url::{Host, Url};
 
-use super::validate::bad;
+use crate::server::error::bad;
 use crate::server::ApiError;
 
 /// Longest a connection to an image host may take to open.

@@ -16,8 +16,9 @@ use sha2::{Digest, Sha256};
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::image_url;
-use super::validate::bad;
 use crate::engine::api::Image;
+use crate::server::error::bad;
+use crate::server::state::PIXEL_UNIT;
 use crate::server::{ApiError, AppState};
 
 /// An image as a request names it, before it is read.
@@ -130,9 +131,6 @@ impl HeldPixels {
         self.0.is_some()
     }
 }
-
-/// Pixels per permit of the in-flight image budget (a semaphore counts in `u32`).
-pub(in crate::server) const PIXEL_UNIT: u64 = 1024;
 
 /// Fetches URL images, holds the request's pixels against the in-flight budget (429
 /// `images_busy` when it is spent: refused at once, not queued), then decodes them, one

@@ -24,7 +24,7 @@ use super::AppState;
 pub(super) use admin::{admin_reload, load_lora, lora_adapters, unload_lora};
 pub(super) use chat::infer;
 pub(super) use generate::{chat_completions, completions};
-pub(super) use images::PIXEL_UNIT;
+
 pub(super) use models::models;
 pub(super) use route::route;
 pub(super) use tokens::{detokenize, tokenize, version};

@@ -8,10 +8,11 @@ use axum::Json;
 use super::images;
 use super::replies::MoleInfo;
 use super::types::RouteBody;
-use super::validate::{bad, last_user_text, messages, Wire};
+use super::validate::{last_user_text, messages, Wire};
 use super::S;
 use crate::engine::api::Image;
 use crate::router::{self, Decision, Mode, RouteInput};
+use crate::server::error::bad;
 use crate::server::openapi::Refusals;
 use crate::server::{mole_headers, ApiError, AppState};
 

@@ -10,9 +10,10 @@ use serde_json::{Map, Value};
 use super::images;
 use super::replies::{DetokenizeAnswer, TokenizeAnswer, VersionAnswer};
 use super::types::InMessage;
-use super::validate::{bad, messages, Wire};
+use super::validate::{messages, Wire};
 use super::S;
 use crate::engine::api::Prompt;
+use crate::server::error::bad;
 use crate::server::openapi::Refusals;
 use crate::server::ApiError;
 

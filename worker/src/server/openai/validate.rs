@@ -15,13 +15,9 @@ use super::images::{self, ImageSource};
 use super::types::{Common, Content, InMessage, Kind, StopField};
 use crate::engine::api::{ChatMessage, ContentPart, Prompt, SamplingParams};
 use crate::router::RouteInput;
+use crate::server::error::bad;
 use crate::server::gateway::Upstream;
 use crate::server::{ApiError, AppState};
-
-/// A 400 with a stable code.
-pub(super) fn bad(code: &'static str, msg: impl Into<String>) -> ApiError {
-    ApiError::new(StatusCode::BAD_REQUEST, code, msg)
-}
 
 /// A JSON request body (the extractor of every endpoint that takes one): typed, and as sent
 /// (what a merged pod is forwarded).
