@@ -26,6 +26,11 @@ pub struct LoraAdapterInfo {
     pub version: String,
     /// Pool-wide id.
     pub lora_id: u32,
+    /// The directory its weights were read from, as the worker resolved it inside its model
+    /// root (absent for merged weights and from workers before 0.1.1): a new source under the
+    /// same version is a new load, and the operator reads Ready from this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<String>,
     /// Where its weights are.
     pub residency: Residency,
     /// Whether it can serve requests now.

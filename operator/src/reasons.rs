@@ -19,6 +19,3 @@ pub const PRUNING_MERGED_OUTPUTS: &str = "PruningMergedOutputs";
 /// The deleted adapter's merged outputs stay on the volume: its pool is gone, so no Job can
 /// mount the volume to delete them.
 pub const MERGED_OUTPUTS_LEFT: &str = "MergedOutputsLeft";
-/// `spec.source.path` changed without a new `spec.version`: workers load a version once, so
-/// the pods keep the files they loaded and the Adapter is not Ready until the version changes.
-pub const SOURCE_CHANGED_WITHOUT_VERSION: &str = "SourceChangedWithoutVersion";

@@ -170,6 +170,17 @@ impl Env {
         *self.worker.adapters.lock().unwrap() =
             json!({"object": "list", "base_model": "b", "data": data});
     }
+
+    /// As [`Env::worker_reports`], each entry also naming the directory it was read from.
+    fn worker_reports_from(&self, entries: &[(&str, &str, u32, &str)]) {
+        let data: Vec<Value> = entries
+            .iter()
+            .map(|(n, v, id, path)| json!({"name": n, "version": v, "lora_id": id, "path": path,
+                "residency": "gpu", "loaded": true, "rank": 8, "bytes": 1000, "requests": 0, "running": 0}))
+            .collect();
+        *self.worker.adapters.lock().unwrap() =
+            json!({"object": "list", "base_model": "b", "data": data});
+    }
 }
 
 fn condition<'a>(obj: &'a Value, t: &str) -> &'a Value {
@@ -2695,10 +2706,9 @@ async fn a_recreated_adapter_is_not_ready_from_its_predecessors_load() {
     );
 }
 
-/// Issue 34 item 4: workers load a version once (a reload of the same name and version is a
-/// no-op), so an edit of `source.path` without a new `spec.version` is never loaded by the
-/// running pods: the Adapter must not read Ready from their load of the old files, and says
-/// why.
+/// Issue 34 item 4: an edit of `source.path` without a new `spec.version` is a new load for the
+/// pods (their listing names the directory each version was read from); the Adapter must not
+/// read Ready from their load of the old files, and reads Ready once they hold the new ones.
 #[tokio::test]
 async fn a_source_changed_without_a_version_bump_is_not_ready_from_the_old_load() {
     let e = env().await;
@@ -2708,7 +2718,11 @@ async fn a_source_changed_without_a_version_bump_is_not_ready_from_the_old_load(
         &adapter_path("calendar"),
         adapter_obj("calendar", "vl", "calendar"),
     );
-    e.worker_reports(&[("calendar", "v1", 1)]);
+    let old = e.get(&adapter_path("calendar")).unwrap()["spec"]["source"]["path"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    e.worker_reports_from(&[("calendar", "v1", 1, &format!("/models/{old}"))]);
     e.reconcile_adapter("calendar").await;
     assert_eq!(
         e.get(&adapter_path("calendar")).unwrap()["status"]["phase"],
@@ -2718,25 +2732,30 @@ async fn a_source_changed_without_a_version_bump_is_not_ready_from_the_old_load(
         a["spec"]["source"]["path"] = json!("adapters/calendar/v1-retrained");
         a["metadata"]["generation"] = json!(2);
     });
+    // The pods still hold the old directory's files under v1: not Ready from them.
     e.reconcile_adapter("calendar").await;
     let a = e.get(&adapter_path("calendar")).unwrap();
     assert_ne!(a["status"]["phase"], "Ready", "{}", a["status"]);
-    let ready = condition(&a, "Ready");
-    assert_eq!(ready["status"], "False");
+    assert_eq!(condition(&a, "Ready")["status"], "False");
+    // The worker config names the new directory, which the pods load anew under v1.
+    e.reconcile_pool().await;
+    let cm = e.get(CM).unwrap();
     assert!(
-        ready["message"].as_str().unwrap().contains("spec.version"),
-        "{ready}"
+        cm.to_string().contains("adapters/calendar/v1-retrained"),
+        "the pods are told to load the new source: {cm}"
     );
-    // A new version is loaded and Ready once the pods report it.
-    e.edit(&adapter_path("calendar"), |a| {
-        a["spec"]["version"] = json!("v2");
-        a["metadata"]["generation"] = json!(3);
-    });
-    e.worker_reports(&[("calendar", "v2", 1)]);
+    e.worker_reports_from(&[(
+        "calendar",
+        "v1",
+        1,
+        "/models/adapters/calendar/v1-retrained",
+    )]);
     e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["phase"], "Ready", "{}", a["status"]);
     assert_eq!(
-        e.get(&adapter_path("calendar")).unwrap()["status"]["phase"],
-        "Ready"
+        a["status"]["history"][0]["source"], "adapters/calendar/v1-retrained",
+        "the new source is recorded"
     );
 }
 

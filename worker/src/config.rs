@@ -233,7 +233,9 @@ pub fn diff_adapters(old: &[WorkerAdapter], new: &[WorkerAdapter]) -> AdapterDif
     let mut d = AdapterDiff::default();
     for a in new.iter().filter(|a| a.load) {
         match old_m.get(a.name.as_str()) {
-            Some(o) if o.version == a.version && o.path == a.path => {}
+            // A new id (the Adapter was recreated) is a new load too: the operator reads
+            // readiness by it.
+            Some(o) if o.version == a.version && o.path == a.path && o.lora_id == a.lora_id => {}
             _ => d.load.push(a.clone()),
         }
     }
@@ -468,6 +470,20 @@ mod tests {
             diff_adapters(&[a("x", "1")], &[a("x", "1")]),
             AdapterDiff::default()
         );
+        // The same version from another directory, or under a new id (a recreated Adapter),
+        // loads anew.
+        let moved = WorkerAdapter {
+            path: "x-retrained".into(),
+            ..a("x", "1")
+        };
+        let renumbered = WorkerAdapter {
+            lora_id: 7,
+            ..a("x", "1")
+        };
+        for new in [moved, renumbered] {
+            let d = diff_adapters(&[a("x", "1")], std::slice::from_ref(&new));
+            assert_eq!(d.load, [new]);
+        }
     }
 
     #[test]

@@ -356,3 +356,38 @@ fn an_unload_during_a_read_from_disk_leaves_the_adapter_unloaded() {
         Err(EngineError::AdapterNotFound(_))
     ));
 }
+
+/// The same version from another directory is a new load (the operator edits `source.path`
+/// without a new version): the new files serve, the listing names their directory, and loading
+/// the same version from the same directory again reads nothing.
+#[test]
+fn the_same_version_from_another_directory_loads_anew() {
+    let r = &reference()["llama"];
+    let p = ids(&r["prompts"][0]);
+    let e = host_engine(|_| {});
+    let (a, c) = (spec("x", "v1", "a_r8_all"), spec("x", "v1", "c_r16_mlp"));
+    e.load_adapter(a.clone()).unwrap();
+    let path_of = |e: &Engine| {
+        e.adapters()
+            .into_iter()
+            .find(|i| i.name == "x" && i.loaded)
+            .and_then(|i| i.path)
+    };
+    assert_eq!(path_of(&e), Some(a.path.display().to_string()));
+    let loads = e.stats().adapter_loads;
+    e.load_adapter(a).unwrap();
+    assert_eq!(e.stats().adapter_loads, loads, "the same files: no read");
+    e.load_adapter(c.clone()).unwrap();
+    assert_eq!(
+        e.stats().adapter_loads,
+        loads + 1,
+        "another directory: read"
+    );
+    assert_eq!(path_of(&e), Some(c.path.display().to_string()));
+    let (tokens, version) = outcome(e.submit(greedy(p, Some("x"), 4)).unwrap()).unwrap();
+    let want = ids(&r["adapters"]["c_r16_mlp"]["greedy"][0]);
+    assert_eq!(
+        (tokens, version.as_deref()),
+        (want[..4].to_vec(), Some("v1"))
+    );
+}

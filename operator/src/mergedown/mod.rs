@@ -392,41 +392,7 @@ fn plan_dynamic(
         _ => DeploymentAction::Keep,
     };
     let still_merged = obs.deployment.as_ref().filter(|_| !obs.dynamic_loaded);
-    // What the pods hold of this version was loaded from the source its history entry names:
-    // a worker loads a version once (a reload of the same name and version is a no-op), so a
-    // new source under the same version is not what they serve.
-    let stale_source = status
-        .history
-        .first()
-        .filter(|r| {
-            r.version == spec.version && r.merged_output.is_none() && r.source != spec.source.path
-        })
-        .map(|r| r.source.clone());
-    if let (true, Some(old)) = (obs.dynamic_loaded, &stale_source) {
-        status.phase = AdapterPhase::Degraded;
-        let msg = format!(
-            "spec.source.path changed from {old:?} to {:?} without a new spec.version: the \
-             pods keep serving the files they loaded for version {} (a worker loads a version \
-             once); set a new spec.version to load the new source",
-            spec.source.path, spec.version
-        );
-        let changed = set_condition(
-            &mut status.conditions,
-            condition::READY,
-            false,
-            crate::reasons::SOURCE_CHANGED_WITHOUT_VERSION,
-            &msg,
-            subject.generation,
-            obs.now,
-        );
-        if changed {
-            events.push(PlannedEvent {
-                warning: true,
-                reason: crate::reasons::SOURCE_CHANGED_WITHOUT_VERSION,
-                note: msg,
-            });
-        }
-    } else if obs.dynamic_loaded {
+    if obs.dynamic_loaded {
         if status.active_version.as_deref() != Some(spec.version.as_str())
             || status.serving_mode != Some(ServingMode::Dynamic)
         {

@@ -133,8 +133,7 @@ impl Engine {
     /// waiting for a read of the adapter get it.
     pub(super) fn load_version(&self, spec: AdapterSpec) -> Result<(), EngineError> {
         let sh = &self.shared;
-        if self.is_merged(&spec.name).is_some() || sh.registry.is_current(&spec.name, &spec.version)
-        {
+        if self.is_merged(&spec.name).is_some() || sh.registry.is_current(&spec) {
             return Ok(());
         }
         match load_weights(sh, &spec) {

@@ -622,6 +622,7 @@ impl InferenceEngine for Engine {
                 name: name.clone(),
                 version: version.clone(),
                 lora_id: 0,
+                path: None,
                 residency: if self.shared.device.is_cpu() {
                     Residency::Cpu
                 } else {

@@ -222,13 +222,13 @@ impl<W> Registry<W> {
         self.inner.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Whether `name` at `version` is current and resident (a reload of the same version is a
-    /// no-op).
-    pub fn is_current(&self, name: &str, version: &str) -> bool {
+    /// Whether `spec` (its version, from its directory, under its id) is current and resident:
+    /// a reload of it is a no-op, while the same version from another directory loads anew.
+    pub fn is_current(&self, spec: &AdapterSpec) -> bool {
         let g = self.lock();
         g.current
-            .get(name)
-            .is_some_and(|e| e.spec.version == version && e.weights.is_some())
+            .get(&spec.name)
+            .is_some_and(|e| e.spec == *spec && e.weights.is_some())
     }
 
     /// Makes `weights` the current version of `spec.name`; the version it replaces drains.
@@ -245,8 +245,9 @@ impl<W> Registry<W> {
             Some(old) => {
                 waiters = old.loading.unwrap_or_default();
                 match old.weights {
-                    // Same version read back after an eviction: keep its counters.
-                    _ if old.spec.version == spec.version => old.stats,
+                    // Same version read back after an eviction: keep its counters. (The same
+                    // version from another directory is a new load: the old one drains.)
+                    _ if old.spec == spec => old.stats,
                     Some(w) => {
                         g.draining.push(Draining {
                             spec: old.spec,
@@ -469,6 +470,7 @@ impl<W> Registry<W> {
                 name: e.spec.name.clone(),
                 version: e.spec.version.clone(),
                 lora_id: e.spec.lora_id,
+                path: Some(e.spec.path.display().to_string()),
                 residency: match (&e.weights, &e.host) {
                     (Some(_), _) => self.residency,
                     (None, Some(_)) => Residency::Cpu,
@@ -490,6 +492,7 @@ impl<W> Registry<W> {
                 name: d.spec.name.clone(),
                 version: d.spec.version.clone(),
                 lora_id: d.spec.lora_id,
+                path: Some(d.spec.path.display().to_string()),
                 residency: self.residency,
                 loaded: false,
                 rank: d.rank as u32,
@@ -503,6 +506,7 @@ impl<W> Registry<W> {
                 name: spec.name.clone(),
                 version: spec.version.clone(),
                 lora_id: spec.lora_id,
+                path: Some(spec.path.display().to_string()),
                 residency: Residency::Disk,
                 loaded: false,
                 rank: 0,

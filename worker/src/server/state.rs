@@ -172,6 +172,7 @@ impl AppState {
                     name: f.name.clone(),
                     version: f.version.clone(),
                     lora_id: f.lora_id,
+                    path: None,
                     residency: mole_api::Residency::Disk,
                     loaded: false,
                     rank: 0,

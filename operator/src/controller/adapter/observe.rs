@@ -72,8 +72,13 @@ pub(super) async fn observe(
             Err(e) => unreachable.push(e.to_string()),
         }
     }
-    let (all_loaded, loaded, load_error) =
-        loaded_everywhere(&reports, &name, &adapter.spec.version, lora_id);
+    let (all_loaded, loaded, load_error) = loaded_everywhere(
+        &reports,
+        &name,
+        &adapter.spec.version,
+        lora_id,
+        &adapter.spec.source.path,
+    );
     let load_warning = reports
         .iter()
         .flat_map(|r| r.data.iter())
@@ -149,22 +154,46 @@ pub(super) fn owned_by(
     meta.owner_references.iter().flatten().any(|o| o.uid == uid)
 }
 
+/// Whether the directory a worker reports (absolute, inside its model root) is `source` (a
+/// path relative to the pool's volume): the same last components.
+fn same_dir(reported: &str, source: &str) -> bool {
+    use std::path::{Component, Path};
+    let normal = |p: &str| -> Vec<String> {
+        Path::new(p)
+            .components()
+            .filter_map(|c| match c {
+                Component::Normal(s) => Some(s.to_string_lossy().into_owned()),
+                _ => None,
+            })
+            .collect()
+    };
+    let (r, s) = (normal(reported), normal(source));
+    !s.is_empty() && r.ends_with(&s)
+}
+
 /// Whether an adapter version is served by a set of pods: at least one pod, and every pod
 /// reports it loaded under the adapter's `lora_id` (an entry of the same name and version
 /// under another id is a load of an Adapter of the same name deleted before, whose files may
-/// not be this one's). Returns (ready, loaded count, first load error).
+/// not be this one's) from the directory `source` names (a new source under the same version
+/// is loaded anew; a pod still on the old one does not serve this spec; workers that report no
+/// path are taken at their word). Returns (ready, loaded count, first load error).
 pub fn loaded_everywhere(
     reports: &[LoraAdaptersResponse],
     name: &str,
     version: &str,
     lora_id: u32,
+    source: &str,
 ) -> (bool, usize, Option<String>) {
     let loaded = reports
         .iter()
         .filter(|r| {
-            r.data
-                .iter()
-                .any(|a| a.name == name && a.version == version && a.lora_id == lora_id && a.loaded)
+            r.data.iter().any(|a| {
+                a.name == name
+                    && a.version == version
+                    && a.lora_id == lora_id
+                    && a.loaded
+                    && a.path.as_deref().is_none_or(|p| same_dir(p, source))
+            })
         })
         .count();
     let error = reports
@@ -276,6 +305,7 @@ mod tests {
                     name: n.to_string(),
                     version: v.to_string(),
                     lora_id: 1,
+                    path: Some(format!("/models/adapters/{n}/{v}")),
                     residency: Residency::Gpu,
                     loaded: *loaded,
                     rank: 8,
@@ -337,25 +367,51 @@ mod tests {
             report(&[("cal", "v2", true)]),
             report(&[("cal", "v2", true)]),
         ];
-        assert_eq!(loaded_everywhere(&both, "cal", "v2", 1), (true, 2, None));
+        assert_eq!(
+            loaded_everywhere(&both, "cal", "v2", 1, "adapters/cal/v2"),
+            (true, 2, None)
+        );
         let one_old = vec![
             report(&[("cal", "v2", true)]),
             report(&[("cal", "v1", true)]),
         ];
-        assert!(!loaded_everywhere(&one_old, "cal", "v2", 1).0);
+        assert!(!loaded_everywhere(&one_old, "cal", "v2", 1, "adapters/cal/v2").0);
         let loading = vec![report(&[("cal", "v2", false)])];
-        assert!(!loaded_everywhere(&loading, "cal", "v2", 1).0);
+        assert!(!loaded_everywhere(&loading, "cal", "v2", 1, "adapters/cal/v2").0);
         assert!(
-            !loaded_everywhere(&[], "cal", "v2", 1).0,
+            !loaded_everywhere(&[], "cal", "v2", 1, "adapters/cal/v2").0,
             "no pod, not ready"
         );
         // The same name and version under another id: an Adapter deleted before this one.
-        assert_eq!(loaded_everywhere(&both, "cal", "v2", 2), (false, 0, None));
+        assert_eq!(
+            loaded_everywhere(&both, "cal", "v2", 2, "adapters/cal/v2"),
+            (false, 0, None)
+        );
         let mut bad = report(&[("cal", "v2", false)]);
         bad.data[0].error = Some("rank 128 over limit 64".into());
         assert_eq!(
-            loaded_everywhere(&[bad], "cal", "v2", 1).2.as_deref(),
+            loaded_everywhere(&[bad], "cal", "v2", 1, "adapters/cal/v2")
+                .2
+                .as_deref(),
             Some("rank 128 over limit 64")
         );
+    }
+
+    #[test]
+    fn ready_needs_every_pod_on_the_source_the_spec_names() {
+        let both = vec![report(&[("cal", "v2", true)])];
+        let ready = |source: &str| loaded_everywhere(&both, "cal", "v2", 1, source).0;
+        assert!(ready("adapters/cal/v2"));
+        assert!(
+            ready("./adapters/cal/v2/"),
+            "the same directory, spelled otherwise"
+        );
+        // The source moved under the same version: the pods still hold the old files.
+        assert!(!ready("adapters/cal/v2-retrained"));
+        assert!(!ready("cal"), "a name alone is no directory's tail");
+        // A worker that reports no path is taken at its word.
+        let mut old = report(&[("cal", "v2", true)]);
+        old.data[0].path = None;
+        assert!(loaded_everywhere(&[old], "cal", "v2", 1, "anything").0);
     }
 }

@@ -65,6 +65,17 @@ pub async fn load_lora(
             "the adapter directory needs adapter_model.safetensors (pickle .bin is refused)",
         ));
     }
+    // The same directory under the same name again: already served (no new id, no read).
+    let shown = path.display().to_string();
+    let held = s.engine.adapters().into_iter().any(|a| {
+        a.name == b.lora_name && a.version == "api" && a.loaded && a.path.as_ref() == Some(&shown)
+    });
+    if held {
+        return Ok(Json(LoraAnswer {
+            status: "loaded",
+            lora_name: b.lora_name,
+        }));
+    }
     let spec = crate::engine::api::AdapterSpec {
         name: b.lora_name.clone(),
         version: "api".into(),
