@@ -10,7 +10,8 @@ mod common;
 
 use candle_core::{DType, Device};
 use common::{
-    engine_fixtures as fixtures, engine_reference as reference, ids, tensor_engine, wait_until,
+    engine_fixtures as fixtures, engine_reference as reference, greedy, ids, tensor_engine,
+    wait_until,
 };
 use mole_worker::engine::api::*;
 use mole_worker::engine::{Engine, EngineOptions};
@@ -35,20 +36,6 @@ fn spec(name: &str, version: &str, dir: &str) -> AdapterSpec {
         version: version.into(),
         lora_id: 1,
         path: fixtures().join("adapters/llama").join(dir),
-    }
-}
-
-fn greedy(prompt: Vec<u32>, adapter: Option<&str>, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        images: Vec::new(),
-        id: "t".into(),
-        prompt: Prompt::Tokens(prompt),
-        adapter: adapter.map(String::from),
-        sampling: SamplingParams {
-            max_tokens,
-            ignore_eos: true,
-            ..Default::default()
-        },
     }
 }
 

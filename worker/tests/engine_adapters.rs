@@ -13,19 +13,12 @@ mod common;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use candle_core::{DType, Device};
-use common::{engine_fixtures as fixtures, engine_reference as reference, ids, tensor_engine};
+use common::{
+    engine_fixtures as fixtures, engine_reference as reference, greedy, host_engine, ids,
+    tensor_engine,
+};
 use mole_worker::engine::api::*;
 use mole_worker::engine::{Engine, EngineOptions};
-
-fn host_engine(f: impl FnOnce(&mut EngineOptions)) -> Engine {
-    let mut o = EngineOptions {
-        base_name: "llama".into(),
-        ..Default::default()
-    };
-    f(&mut o);
-    Engine::load(&fixtures().join("llama"), DType::F32, &Device::Cpu, o).unwrap()
-}
 
 /// The engine on the host path (`tensor: false`, the CPU's) or the tensor path (a GPU's).
 fn engine(tensor: bool, f: impl FnOnce(&mut EngineOptions)) -> Engine {
@@ -47,20 +40,6 @@ fn spec_at(name: &str, version: &str, path: PathBuf) -> AdapterSpec {
 
 fn spec(name: &str, version: &str, dir: &str) -> AdapterSpec {
     spec_at(name, version, fixtures().join("adapters/llama").join(dir))
-}
-
-fn greedy(prompt: Vec<u32>, adapter: Option<&str>, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        images: Vec::new(),
-        id: "t".into(),
-        prompt: Prompt::Tokens(prompt),
-        adapter: adapter.map(String::from),
-        sampling: SamplingParams {
-            max_tokens,
-            ignore_eos: true,
-            ..Default::default()
-        },
-    }
 }
 
 /// A request's tokens and pinned version, or the error that ended it; panics when nothing

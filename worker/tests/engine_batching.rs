@@ -7,45 +7,9 @@
 
 mod common;
 
-use candle_core::{DType, Device};
-use common::{engine_fixtures as fixtures, engine_reference as reference, ids, tensor_engine};
+use common::{engine_reference as reference, greedy, host_engine, ids, tensor_engine, tokens};
 use mole_worker::engine::api::*;
-use mole_worker::engine::{Engine, EngineOptions};
-
-fn host_engine(f: impl FnOnce(&mut EngineOptions)) -> Engine {
-    let mut o = EngineOptions {
-        base_name: "llama".into(),
-        ..Default::default()
-    };
-    f(&mut o);
-    Engine::load(&fixtures().join("llama"), DType::F32, &Device::Cpu, o).unwrap()
-}
-
-fn greedy(prompt: Vec<u32>, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        images: Vec::new(),
-        id: "t".into(),
-        prompt: Prompt::Tokens(prompt),
-        adapter: None,
-        sampling: SamplingParams {
-            max_tokens,
-            ignore_eos: true,
-            ..Default::default()
-        },
-    }
-}
-
-fn tokens(mut rx: EventStream) -> Vec<u32> {
-    let mut out = Vec::new();
-    loop {
-        match rx.blocking_recv().expect("a final event") {
-            TokenEvent::Token { token_id, .. } => out.push(token_id),
-            TokenEvent::Finished { .. } => return out,
-            TokenEvent::Error(e) => panic!("{e}"),
-            TokenEvent::Started { .. } => {}
-        }
-    }
-}
+use mole_worker::engine::EngineOptions;
 
 /// A request of four choices whose prompt takes many steps to prefill (one token a step),
 /// and three requests submitted meanwhile, with `maxBatchSize: 4`: the four choices hold the
@@ -66,9 +30,9 @@ fn a_request_of_n_choices_never_pushes_a_step_past_max_batch_size() {
         } else {
             host_engine(opts)
         };
-        let choices = e.submit_n(greedy(p0.clone(), 8), 4).unwrap();
+        let choices = e.submit_n(greedy(p0.clone(), None, 8), 4).unwrap();
         let others: Vec<_> = (0..3)
-            .map(|_| e.submit(greedy(p1.clone(), 8)).unwrap())
+            .map(|_| e.submit(greedy(p1.clone(), None, 8)).unwrap())
             .collect();
         for rx in choices {
             assert_eq!(tokens(rx), ids(&r["greedy"][0])[..8]);

@@ -7,43 +7,8 @@
 
 mod common;
 
-use common::{engine_fixtures as fixtures, engine_reference as reference, ids, tensor_engine};
+use common::{engine_reference as reference, fixture_adapter, greedy, ids, tensor_engine, tokens};
 use mole_worker::engine::api::*;
-
-fn spec(name: &str, dir: &str) -> AdapterSpec {
-    AdapterSpec {
-        name: name.into(),
-        version: "v1".into(),
-        lora_id: 1,
-        path: fixtures().join("adapters/llama").join(dir),
-    }
-}
-
-fn greedy(prompt: Vec<u32>, adapter: &str, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        images: Vec::new(),
-        id: "t".into(),
-        prompt: Prompt::Tokens(prompt),
-        adapter: Some(adapter.into()),
-        sampling: SamplingParams {
-            max_tokens,
-            ignore_eos: true,
-            ..Default::default()
-        },
-    }
-}
-
-fn tokens(mut rx: EventStream) -> Vec<u32> {
-    let mut out = Vec::new();
-    loop {
-        match rx.blocking_recv().expect("a final event") {
-            TokenEvent::Token { token_id, .. } => out.push(token_id),
-            TokenEvent::Finished { .. } => return out,
-            TokenEvent::Error(e) => panic!("{e}"),
-            TokenEvent::Started { .. } => {}
-        }
-    }
-}
 
 /// One LoRA slot, three adapters: a classifier and two it routes to. Two threads route
 /// requests (score, then generate with the adapter the scores pick) while requests for both
@@ -60,9 +25,10 @@ fn classifier_scoring_beside_adapter_requests_changes_no_answer() {
         o.max_batch_size = 8;
     });
     let dirs = [("b", "b_r4_qv"), ("c", "c_r16_mlp")];
-    e.load_adapter(spec("cls", "a_r8_all")).unwrap();
+    e.load_adapter(fixture_adapter("cls", "v1", "a_r8_all"))
+        .unwrap();
     for (name, dir) in dirs {
-        e.load_adapter(spec(name, dir)).unwrap();
+        e.load_adapter(fixture_adapter(name, "v1", dir)).unwrap();
     }
     let dir = |name: &str| dirs.iter().find(|(n, _)| *n == name).unwrap().1;
     let want = |name: &str, p: usize| ids(&r["adapters"][dir(name)]["greedy"][p]);
@@ -93,7 +59,8 @@ fn classifier_scoring_beside_adapter_requests_changes_no_answer() {
                         let best = (scores[1] > scores[0]) as usize;
                         let p = round % 2;
                         let prompt = ids(&r["prompts"][p]);
-                        let got = tokens(e.submit(greedy(prompt, &labels[best], 12)).unwrap());
+                        let got =
+                            tokens(e.submit(greedy(prompt, Some(&labels[best]), 12)).unwrap());
                         assert_eq!(
                             got,
                             want(&labels[best], p)[..12],
@@ -113,7 +80,8 @@ fn classifier_scoring_beside_adapter_requests_changes_no_answer() {
                     (
                         *a,
                         p,
-                        e.submit(greedy(ids(&r["prompts"][p]), a, 24)).unwrap(),
+                        e.submit(greedy(ids(&r["prompts"][p]), Some(a), 24))
+                            .unwrap(),
                     )
                 })
                 .collect();

@@ -26,6 +26,10 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
+mod common;
+
+use common::byte_tokens;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -153,29 +157,6 @@ fn synthetic_llama() -> Base {
         name: "synthetic".into(),
         _tmp: Some(tmp),
     }
-}
-
-/// GPT-2's byte-to-unicode alphabet: the byte-level fixture tokenizer's 256 tokens.
-fn byte_tokens() -> Vec<String> {
-    let mut bs: Vec<u32> = (b'!'..=b'~')
-        .chain(0xA1..=0xAC)
-        .chain(0xAE..=0xFF)
-        .map(u32::from)
-        .collect();
-    let mut cs = bs.clone();
-    let mut n = 0;
-    for b in 0..256u32 {
-        if !bs.contains(&b) {
-            bs.push(b);
-            cs.push(256 + n);
-            n += 1;
-        }
-    }
-    let mut tokens = vec![String::new(); 256];
-    for (b, c) in bs.into_iter().zip(cs) {
-        tokens[b as usize] = char::from_u32(c).unwrap().to_string();
-    }
-    tokens
 }
 
 /// llama.cpp's row order for Q/K: per head, HF's [first half | second half] interleaved.

@@ -11,7 +11,9 @@ use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
 use candle_core::{DType, Device};
-use common::{engine_fixtures as fixtures, engine_reference as reference, ids, wait_until};
+use common::{
+    engine_fixtures as fixtures, engine_reference as reference, greedy, ids, tokens, wait_until,
+};
 use mole_worker::engine::api::*;
 use mole_worker::engine::replicas::Replicas;
 use mole_worker::engine::{Engine, EngineOptions};
@@ -30,32 +32,6 @@ fn spec(name: &str) -> AdapterSpec {
         version: "v1".into(),
         lora_id: 1,
         path: fixtures().join("adapters/llama/a_r8_all"),
-    }
-}
-
-fn greedy(prompt: Vec<u32>, adapter: Option<&str>, max_tokens: usize) -> GenerateRequest {
-    GenerateRequest {
-        images: Vec::new(),
-        id: "t".into(),
-        prompt: Prompt::Tokens(prompt),
-        adapter: adapter.map(String::from),
-        sampling: SamplingParams {
-            max_tokens,
-            ignore_eos: true,
-            ..Default::default()
-        },
-    }
-}
-
-fn tokens(mut rx: EventStream) -> Vec<u32> {
-    let mut out = Vec::new();
-    loop {
-        match rx.blocking_recv().expect("a final event") {
-            TokenEvent::Token { token_id, .. } => out.push(token_id),
-            TokenEvent::Finished { .. } => return out,
-            TokenEvent::Error(e) => panic!("{e}"),
-            TokenEvent::Started { .. } => {}
-        }
     }
 }
 

@@ -4,33 +4,14 @@
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 
+mod common;
+
+use common::byte_tokens;
+
 use std::path::Path;
 
 use candle_core::quantized::gguf_file;
 use candle_core::Device;
-
-/// GPT-2's byte-to-unicode alphabet: a 256-token byte-level vocabulary.
-fn byte_tokens() -> Vec<String> {
-    let mut bs: Vec<u32> = (b'!'..=b'~')
-        .chain(0xA1..=0xAC)
-        .chain(0xAE..=0xFF)
-        .map(u32::from)
-        .collect();
-    let mut cs = bs.clone();
-    let mut n = 0;
-    for b in 0..256u32 {
-        if !bs.contains(&b) {
-            bs.push(b);
-            cs.push(256 + n);
-            n += 1;
-        }
-    }
-    let mut tokens = vec![String::new(); 256];
-    for (b, c) in bs.into_iter().zip(cs) {
-        tokens[b as usize] = char::from_u32(c).unwrap().to_string();
-    }
-    tokens
-}
 
 /// A metadata-only llama GGUF (no tensors) with `heads` and `kv_heads` attention heads.
 fn gguf(path: &Path, heads: u32, kv_heads: u32) {

@@ -7,6 +7,8 @@
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 
+mod common;
+
 use std::collections::HashMap;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
@@ -18,8 +20,6 @@ use opentelemetry_proto::tonic::common::v1::any_value::Value as AnyValue;
 use opentelemetry_proto::tonic::trace::v1::Span;
 use prost::Message as _;
 use serde_json::json;
-
-use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
 
 /// A span as the collector received it.
 #[derive(Debug, Clone)]
@@ -110,28 +110,8 @@ async fn worker(mg_line: &str) -> (String, tempfile::TempDir, tokio::sync::onesh
         "pool: demo\nmodelRoot: {}\nbaseModel: {{name: llama, path: base, dtype: f32}}\nadapters:\n  - {mg_line}\nrouter: {{strategies: [explicit], fallback: base}}\nlimits: {{maxTokens: 16, maxSeqLen: 128}}\n",
         root.display()
     );
-    let cfg_path = root.join("config.yaml");
-    std::fs::write(&cfg_path, yaml).unwrap();
-    let cfg = mole_worker::config::load(&cfg_path).unwrap();
-    let engine = build_engine(&cfg).unwrap();
-    let auth = Auth::from_config(&cfg).unwrap();
-    let state = AppState::new(cfg, engine, Some(cfg_path.clone()), auth);
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve_with(state, l, cfg_path, Duration::ZERO, async move {
-        let _ = rx.await;
-    }));
-    let c = reqwest::Client::new();
-    for _ in 0..500 {
-        if let Ok(r) = c.get(format!("{url}/readyz")).send().await {
-            if r.status() == 200 {
-                return (url, dir, tx);
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    panic!("{url} never became ready");
+    let (url, tx) = common::serve_config(root, &yaml).await;
+    (url, dir, tx)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

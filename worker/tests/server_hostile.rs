@@ -9,13 +9,13 @@
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 
+mod common;
+
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use axum::response::IntoResponse;
-use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
 use serde_json::{json, Value};
 
 struct Srv {
@@ -71,27 +71,7 @@ async fn start(limits: &str) -> Srv {
 /// [`start`] on the model root `dir`.
 async fn start_in(dir: tempfile::TempDir, limits: &str) -> Srv {
     let yaml = config_yaml(dir.path(), limits);
-    let cfg_path = dir.path().join("config.yaml");
-    std::fs::write(&cfg_path, yaml).unwrap();
-    let cfg = mole_worker::config::load(&cfg_path).unwrap();
-    let engine = build_engine(&cfg).unwrap();
-    let auth = Auth::from_config(&cfg).unwrap();
-    let state = AppState::new(cfg, engine, Some(cfg_path.clone()), auth);
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve_with(state, l, cfg_path, Duration::ZERO, async move {
-        let _ = rx.await;
-    }));
-    let c = reqwest::Client::new();
-    for _ in 0..500 {
-        if let Ok(r) = c.get(format!("{url}/readyz")).send().await {
-            if r.status() == 200 {
-                break;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (url, tx) = common::serve_config(dir.path(), &yaml).await;
     Srv {
         url,
         _dir: dir,

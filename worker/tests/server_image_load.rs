@@ -7,11 +7,11 @@
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 
+mod common;
+
 use std::path::Path;
-use std::time::Duration;
 
 use base64::Engine as _;
-use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
 use serde_json::{json, Value};
 
 /// The largest growth of peak RSS the burst may cause: the default in-flight budget
@@ -42,29 +42,8 @@ async fn a_burst_of_image_requests_stays_in_memory_bounds_and_gets_429() {
          limits: {{maxSeqLen: 256, maxTokens: 64}}\n",
         dir.path().display()
     );
-    let cfg_path = dir.path().join("config.yaml");
-    std::fs::write(&cfg_path, yaml).unwrap();
-    let cfg = mole_worker::config::load(&cfg_path).unwrap();
-    let engine = build_engine(&cfg).unwrap();
-    let auth = Auth::from_config(&cfg).unwrap();
-    let state = AppState::new(cfg, engine, Some(cfg_path.clone()), auth);
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let (_stop, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve_with(state, l, cfg_path, Duration::ZERO, async move {
-        let _ = rx.await;
-    }));
+    let (url, _stop) = common::serve_config(dir.path(), &yaml).await;
     let c = reqwest::Client::new();
-    for _ in 0..500 {
-        if c.get(format!("{url}/readyz"))
-            .send()
-            .await
-            .is_ok_and(|r| r.status() == 200)
-        {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
 
     // A compressible PNG: flat colour with a few lines, so the decoder does real work.
     let img = image::RgbImage::from_fn(2000, 2000, |x, y| {

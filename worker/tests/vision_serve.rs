@@ -9,15 +9,15 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::Duration;
 
 use base64::Engine as _;
 use candle_core::{DType, Device};
 use mole_worker::engine::api::*;
 use mole_worker::engine::{Engine, EngineOptions};
-use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
 use serde_json::{json, Value};
 use sha2::Digest;
 
@@ -287,27 +287,7 @@ limits: {{maxTokens: 16, maxSeqLen: 512, requestTimeoutSeconds: 30{limits}}}
 "#,
         root = root.display()
     );
-    let cfg_path = root.join("config.yaml");
-    std::fs::write(&cfg_path, yaml).unwrap();
-    let cfg = mole_worker::config::load(&cfg_path).unwrap();
-    let engine = build_engine(&cfg).unwrap();
-    let auth = Auth::from_config(&cfg).unwrap();
-    let state = AppState::new(cfg, engine, Some(cfg_path.clone()), auth);
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", l.local_addr().unwrap());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    tokio::spawn(serve_with(state, l, cfg_path, Duration::ZERO, async move {
-        let _ = rx.await;
-    }));
-    let c = reqwest::Client::new();
-    for _ in 0..500 {
-        if let Ok(r) = c.get(format!("{url}/readyz")).send().await {
-            if r.status() == 200 {
-                break;
-            }
-        }
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    let (url, tx) = common::serve_config(root, &yaml).await;
     Srv {
         url,
         _dir: dir,

@@ -83,3 +83,133 @@ pub fn tensor_engine(
     let text = mole_worker::engine::text::TextModel::load(&dir).expect("its tokenizer loads");
     mole_worker::engine::Engine::start(model, text, opts)
 }
+
+/// A worker serving `yaml` (written to `<dir>/config.yaml`, paths relative to `dir`) on a
+/// random loopback port, ready (`/readyz` 200, 10 s at most); it stops when the returned
+/// sender is dropped. Returns its base URL and that sender.
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub async fn serve_config(dir: &Path, yaml: &str) -> (String, tokio::sync::oneshot::Sender<()>) {
+    use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
+    let cfg_path = dir.join("config.yaml");
+    std::fs::write(&cfg_path, yaml).expect("the config is written");
+    let cfg = mole_worker::config::load(&cfg_path).expect("the config loads");
+    let engine = build_engine(&cfg).expect("the engine starts");
+    let auth = Auth::from_config(&cfg).expect("the auth settings read");
+    let state = AppState::new(cfg, engine, Some(cfg_path.clone()), auth);
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("a loopback port");
+    let url = format!("http://{}", l.local_addr().expect("a bound address"));
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    tokio::spawn(serve_with(state, l, cfg_path, Duration::ZERO, async move {
+        let _ = rx.await;
+    }));
+    let c = reqwest::Client::new();
+    let t = Instant::now();
+    loop {
+        if let Ok(r) = c.get(format!("{url}/readyz")).send().await {
+            if r.status() == 200 {
+                return (url, tx);
+            }
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "{url} never became ready"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The llama fixture's engine on the host path (the CPU's), its options set by `f`.
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub fn host_engine(
+    f: impl FnOnce(&mut mole_worker::engine::EngineOptions),
+) -> mole_worker::engine::Engine {
+    let mut o = mole_worker::engine::EngineOptions {
+        base_name: "llama".into(),
+        ..Default::default()
+    };
+    f(&mut o);
+    mole_worker::engine::Engine::load(
+        &engine_fixtures().join("llama"),
+        candle_core::DType::F32,
+        &candle_core::Device::Cpu,
+        o,
+    )
+    .expect("the llama fixture loads")
+}
+
+/// The fixture adapter `dir` (under `adapters/llama`) as `name` at `version`, LoRA id 1.
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub fn fixture_adapter(
+    name: &str,
+    version: &str,
+    dir: &str,
+) -> mole_worker::engine::api::AdapterSpec {
+    mole_worker::engine::api::AdapterSpec {
+        name: name.into(),
+        version: version.into(),
+        lora_id: 1,
+        path: engine_fixtures().join("adapters/llama").join(dir),
+    }
+}
+
+/// A greedy request for `max_tokens` tokens (EOS ignored) after `prompt`, with `adapter`.
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub fn greedy(
+    prompt: Vec<u32>,
+    adapter: Option<&str>,
+    max_tokens: usize,
+) -> mole_worker::engine::api::GenerateRequest {
+    use mole_worker::engine::api::{GenerateRequest, Prompt, SamplingParams};
+    GenerateRequest {
+        images: Vec::new(),
+        id: "t".into(),
+        prompt: Prompt::Tokens(prompt),
+        adapter: adapter.map(String::from),
+        sampling: SamplingParams {
+            max_tokens,
+            ignore_eos: true,
+            ..Default::default()
+        },
+    }
+}
+
+/// The tokens a request's stream carries to its end (panics on an error event).
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub fn tokens(mut rx: mole_worker::engine::api::EventStream) -> Vec<u32> {
+    use mole_worker::engine::api::TokenEvent;
+    let mut out = Vec::new();
+    loop {
+        match rx.blocking_recv().expect("a final event") {
+            TokenEvent::Token { token_id, .. } => out.push(token_id),
+            TokenEvent::Finished { .. } => return out,
+            TokenEvent::Error(e) => panic!("{e}"),
+            TokenEvent::Started { .. } => {}
+        }
+    }
+}
+
+/// GPT-2's byte-to-unicode alphabet: the byte-level fixture tokenizer's 256 tokens.
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub fn byte_tokens() -> Vec<String> {
+    let mut bs: Vec<u32> = (b'!'..=b'~')
+        .chain(0xA1..=0xAC)
+        .chain(0xAE..=0xFF)
+        .map(u32::from)
+        .collect();
+    let mut cs = bs.clone();
+    let mut n = 0;
+    for b in 0..256u32 {
+        if !bs.contains(&b) {
+            bs.push(b);
+            cs.push(256 + n);
+            n += 1;
+        }
+    }
+    let mut tokens = vec![String::new(); 256];
+    for (b, c) in bs.into_iter().zip(cs) {
+        tokens[b as usize] = char::from_u32(c).expect("a byte's code point").to_string();
+    }
+    tokens
+}
