@@ -342,10 +342,11 @@ async fn chat_routes_and_answers() {
     )
     .await;
     assert_eq!(b["routed_adapter"], "js");
+    // A text model refuses any image first (a vision model reads it: vision_serve).
     let (st, _, b) = post(&s, "/infer", json!({"prompt": "x", "image_b64": "@@@"})).await;
     assert_eq!(
         (st, b["error"]["code"].as_str()),
-        (400, Some("invalid_image"))
+        (400, Some("images_not_supported"))
     );
     let (st, _, b) = post(
         &s,
@@ -503,6 +504,45 @@ async fn bad_input_battery_keeps_serving() {
             json!({"model": "demo", "prompt": "x", "stop_token_ids": (0..65).collect::<Vec<u32>>()}),
             400,
             "invalid_stop_token_ids",
+        ),
+        // OpenAI and vLLM answer at most 20 top logprobs, and only when logprobs are asked.
+        (
+            "/v1/chat/completions",
+            json!({"model": "demo", "logprobs": true, "top_logprobs": 100, "messages": [{"role": "user", "content": "x"}]}),
+            400,
+            "invalid_top_logprobs",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "demo", "top_logprobs": 2, "messages": [{"role": "user", "content": "x"}]}),
+            400,
+            "invalid_top_logprobs",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "demo", "prompt": "x", "logprobs": 21}),
+            400,
+            "invalid_logprobs",
+        ),
+        // Only an assistant message may come without content (its tool calls say the rest).
+        (
+            "/v1/chat/completions",
+            json!({"model": "demo", "messages": [{"role": "user", "content": null}]}),
+            400,
+            "missing_content",
+        ),
+        (
+            "/tokenize",
+            json!({"model": "demo"}),
+            400,
+            "invalid_request",
+        ),
+        // The router validates the messages it is given, even beside an input.
+        (
+            "/v1/route",
+            json!({"input": "x", "messages": [{"role": "wizard", "content": "x"}]}),
+            400,
+            "invalid_role",
         ),
         (
             "/v1/chat/completions",

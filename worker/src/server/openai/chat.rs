@@ -15,7 +15,7 @@ use super::validate::{
     last_user_text, messages, sampling, token_cap, validate_blocking, ValidRequest, Validate, Wire,
 };
 use super::S;
-use crate::engine::api::{ChatMessage, ContentPart, Prompt};
+use crate::engine::api::{ChatMessage, ContentPart, EngineError, Prompt};
 use crate::server::openapi::Refusals;
 use crate::server::{ApiError, AppState};
 
@@ -25,6 +25,10 @@ impl Validate for ChatBody {
     fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
         let Wire { body: b, raw } = wire;
         let (msgs, images) = messages(b.messages, &s.cfg().limits)?;
+        // Refused before the template, which a text model's cannot render image parts with.
+        if !images.is_empty() && !s.engine.model_info().vision {
+            return Err(EngineError::ImagesNotSupported.into());
+        }
         let sampling = sampling(&b.common, true, token_cap(s))?;
         let route_text = last_user_text(&msgs);
         let prompt = Prompt::Templated(
@@ -47,6 +51,9 @@ impl Validate for InferBody {
         let mut content = json!(b.prompt);
         let mut images = Vec::new();
         if let Some(img) = &b.image_b64 {
+            if !s.engine.model_info().vision {
+                return Err(EngineError::ImagesNotSupported.into());
+            }
             let src = images::source(img, "image_b64", &s.cfg().limits)?;
             if let ImageSource::Bytes(bytes) = &src {
                 // Merged pods get it as a chat image part.

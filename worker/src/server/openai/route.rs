@@ -89,12 +89,14 @@ pub async fn route(
     State(s): S,
     Wire { body: b, .. }: Wire<RouteBody>,
 ) -> Result<Response, ApiError> {
-    let (text, images) = match (b.input, b.messages) {
+    // Messages are validated whenever they are sent, also beside an `input` (which wins).
+    let given = match b.messages {
+        Some(m) => Some(messages(m, &s.cfg().limits)?),
+        None => None,
+    };
+    let (text, images) = match (b.input, given) {
         (Some(t), _) => (t, Vec::new()),
-        (None, Some(m)) => {
-            let (msgs, images) = messages(m, &s.cfg().limits)?;
-            (last_user_text(&msgs), images)
-        }
+        (None, Some((msgs, images))) => (last_user_text(&msgs), images),
         (None, None) => return Err(bad("invalid_request", "give input or messages")),
     };
     let (images, _held) = images::read_all(&s, images).await?;

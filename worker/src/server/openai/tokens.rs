@@ -56,6 +56,9 @@ pub async fn tokenize(
         },
         (None, Some(m)) => {
             let (msgs, sources) = messages(m, &s.cfg().limits)?;
+            if !sources.is_empty() && !s.engine.model_info().vision {
+                return Err(crate::engine::api::EngineError::ImagesNotSupported.into());
+            }
             let mut kwargs = b.chat_template_kwargs;
             kwargs.insert(
                 "add_generation_prompt".into(),
@@ -71,7 +74,10 @@ pub async fn tokenize(
                 false => (Prompt::Templated(text), sources),
             }
         }
-        _ => return Err(bad("invalid_request", "give prompt or messages, not both")),
+        (Some(_), Some(_)) => {
+            return Err(bad("invalid_request", "give prompt or messages, not both"))
+        }
+        (None, None) => return Err(bad("invalid_request", "give prompt or messages")),
     };
     let (images, _held) = images::read_all(&s, sources).await?;
     let engine = s.engine.clone();

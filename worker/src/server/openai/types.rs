@@ -108,7 +108,7 @@ fn logprobs_schema() -> utoipa::openapi::schema::Schema {
     use utoipa::openapi::ObjectBuilder;
     utoipa::openapi::schema::Schema::OneOf(OneOfBuilder::new()
         .item(ObjectBuilder::new().schema_type(Type::Boolean))
-        .item(ObjectBuilder::new().schema_type(Type::Integer).minimum(Some(0)))
+        .item(ObjectBuilder::new().schema_type(Type::Integer).minimum(Some(0)).maximum(Some(20)))
         .item(ObjectBuilder::new().schema_type(Type::Null))
         .description(Some("Chat: whether to return log probabilities; completions: how many alternatives per token."))
         .build())
@@ -192,6 +192,9 @@ pub(in crate::server) struct Common {
     /// Chat: bool; completions: an integer count. Kept raw and read per endpoint.
     #[schema(schema_with = logprobs_schema)]
     pub(super) logprobs: Option<Value>,
+    /// Chat, beside `logprobs: true`: the most likely alternatives per token, at most 20
+    /// (400 `invalid_top_logprobs` otherwise, as OpenAI and vLLM answer).
+    #[schema(maximum = 20)]
     pub(super) top_logprobs: Option<usize>,
     #[serde(default)]
     pub(super) ignore_eos: bool,

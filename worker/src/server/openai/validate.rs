@@ -14,6 +14,7 @@ use mole_api::WorkerLimits;
 use super::images::{self, ImageSource};
 use super::types::{Common, Content, InMessage, Kind, StopField};
 use crate::engine::api::{ChatMessage, ContentPart, Prompt, SamplingParams};
+use crate::engine::sampler::MAX_LOGPROBS;
 use crate::router::RouteInput;
 use crate::server::error::bad;
 use crate::server::gateway::Upstream;
@@ -242,12 +243,40 @@ pub(super) fn sampling(c: &Common, chat: bool, cap: u64) -> Result<SamplingParam
     if !(top_p > 0.0 && top_p <= 1.0) {
         return Err(bad("invalid_top_p", "top_p must be in (0, 1]"));
     }
+    // OpenAI's and vLLM's bounds: at most MAX_LOGPROBS alternatives, and top_logprobs only
+    // beside `logprobs: true`.
     let logprobs = match (&c.logprobs, chat) {
         (None, _) | (Some(Value::Null), _) | (Some(Value::Bool(false)), true) => None,
-        (Some(Value::Bool(true)), true) => Some(c.top_logprobs.unwrap_or(0).min(20)),
-        (Some(Value::Number(n)), false) => Some(n.as_u64().unwrap_or(0).min(20) as usize),
+        (Some(Value::Bool(true)), true) => Some(c.top_logprobs.unwrap_or(0)),
+        (Some(Value::Number(n)), false) => match n.as_u64() {
+            Some(n) if n as usize <= MAX_LOGPROBS => Some(n as usize),
+            _ => {
+                return Err(bad(
+                    "invalid_logprobs",
+                    format!("logprobs must be an integer between 0 and {MAX_LOGPROBS}"),
+                ))
+            }
+        },
         _ => return Err(bad("invalid_logprobs", "logprobs has the wrong type")),
     };
+    match (c.top_logprobs, chat && logprobs.is_some()) {
+        (Some(n), true) if n > MAX_LOGPROBS => {
+            return Err(bad(
+                "invalid_top_logprobs",
+                format!("top_logprobs must be between 0 and {MAX_LOGPROBS}, got {n}"),
+            ))
+        }
+        (Some(_), false) => {
+            return Err(bad(
+                "invalid_top_logprobs",
+                match chat {
+                    true => "top_logprobs needs logprobs: true",
+                    false => "top_logprobs is a chat field: completions take logprobs: <count>",
+                },
+            ))
+        }
+        _ => {}
+    }
     let stop = match &c.stop {
         None => vec![],
         Some(StopField::One(s)) => vec![s.clone()],
@@ -312,6 +341,13 @@ pub(super) fn messages(
         };
         let mut msg = ChatMessage::text(role, "");
         match m.content {
+            // An assistant turn may carry only its tool calls; every other role says something.
+            None if msg.role != "assistant" => {
+                return Err(bad(
+                    "missing_content",
+                    format!("messages[{i}].content is required for role {}", msg.role),
+                ))
+            }
             None => {}
             Some(Content::Text(t)) => msg.content = t,
             Some(Content::Parts(ps)) => {
@@ -410,10 +446,27 @@ mod tests {
                 "{body}"
             );
         }
-        // logprobs: a bool in chat, a count (at most 20) in completions.
-        let c = common(json!({"logprobs": true, "top_logprobs": 50}));
+        // logprobs: a bool in chat with at most 20 top_logprobs beside it, a count (at most
+        // 20) in completions.
+        let c = common(json!({"logprobs": true, "top_logprobs": 20}));
         assert_eq!(sampling(&c, true, 64).unwrap().logprobs, Some(20));
         assert_eq!(refused(sampling(&c, false, 64)), "invalid_logprobs");
+        for (body, chat) in [
+            (json!({"logprobs": true, "top_logprobs": 21}), true),
+            (json!({"top_logprobs": 1}), true),
+            (json!({"logprobs": false, "top_logprobs": 1}), true),
+            (json!({"logprobs": 2, "top_logprobs": 1}), false),
+        ] {
+            assert_eq!(
+                refused(sampling(&common(body.clone()), chat, 64)),
+                "invalid_top_logprobs",
+                "{body}"
+            );
+        }
+        assert_eq!(
+            refused(sampling(&common(json!({"logprobs": 21})), false, 64)),
+            "invalid_logprobs"
+        );
         let c = common(json!({"logprobs": 3, "stop": "x"}));
         let sp = sampling(&c, false, 64).unwrap();
         assert_eq!((sp.logprobs, sp.stop), (Some(3), vec!["x".to_string()]));
