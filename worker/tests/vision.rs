@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use mole_worker::lora::{self, LoadOptions};
-use mole_worker::model::vision::preprocess::{preprocess, ProcessorConfig};
+use mole_worker::model::vision::preprocess::{preprocess, resize_bicubic, ProcessorConfig};
 use mole_worker::model::vision::{mrope_positions, ImageEmbeds, VisionConfig, VisionTower};
 use mole_worker::model::{argmax, Decoder, LoraAdapter, Row, RowVision, SeqCache};
 
@@ -74,6 +74,46 @@ fn preprocessing_equals_transformers_for_every_patch() {
             "{name}: every value as transformers computes it"
         );
     }
+}
+
+/// Pillow's bicubic resize, byte for byte, whichever order Pillow runs its two passes in:
+/// each axis growing and shrinking, and the boundary where Pillow switches to the vertical
+/// pass first (tests/fixtures/vision/make_resize.py).
+#[test]
+fn resize_equals_pillow_in_both_pass_orders() {
+    let dir = fixtures().join("resize");
+    let cases: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+    let mut wrong = Vec::new();
+    for (name, size) in cases["cases"].as_object().unwrap() {
+        let (nw, nh) = (size[0].as_u64().unwrap(), size[1].as_u64().unwrap());
+        let input = image::open(dir.join(format!("{name}.in.png")))
+            .unwrap()
+            .to_rgb8();
+        let want = image::open(dir.join(format!("{name}.out.png")))
+            .unwrap()
+            .to_rgb8();
+        let (w, h) = input.dimensions();
+        assert_eq!(want.dimensions(), (nw as u32, nh as u32), "{name}");
+        let got = resize_bicubic(
+            input.as_raw(),
+            w as usize,
+            h as usize,
+            nw as usize,
+            nh as usize,
+        );
+        let differ = got
+            .iter()
+            .zip(want.as_raw())
+            .filter(|(a, b)| a != b)
+            .count();
+        if differ > 0 {
+            wrong.push(format!(
+                "{name} ({w}×{h} → {nw}×{nh}): {differ} bytes differ"
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "not Pillow's bytes: {wrong:#?}");
 }
 
 #[test]

@@ -273,43 +273,74 @@ fn clip8(sum: i64) -> u8 {
     (sum >> PRECISION_BITS).clamp(0, 255) as u8
 }
 
-/// PIL's `Image.resize(BICUBIC)` of an RGB image: a horizontal pass into 8-bit rows, then a
-/// vertical pass, each a fixed-point convolution rounded to bytes (so the result equals PIL's
-/// byte for byte).
+/// PIL's `Image.resize(BICUBIC)` of an RGB image: two passes, each a fixed-point convolution
+/// rounded to bytes, so the result equals Pillow's byte for byte. The order of the passes
+/// changes the bytes, so it is Pillow's (`ImagingResampleInner`, Pillow 13): horizontal first,
+/// unless the height shrinks by more than twice what the width shrinks (a width that grows
+/// while the height shrinks included), where the vertical pass runs first over whole columns.
 pub fn resize_bicubic(rgb: &[u8], w: usize, h: usize, nw: usize, nh: usize) -> Vec<u8> {
-    let half = 1i64 << (PRECISION_BITS - 1);
     let horizontal = coefficients(w, nw);
     let vertical = coefficients(h, nh);
+    let shrink_h = h as i64 - nh as i64;
+    let shrink_w = w as i64 - nw as i64;
+    if shrink_h > 0 && shrink_h > shrink_w * 2 {
+        let mid = vertical_pass(rgb, w, &vertical, 0);
+        return if nw == w {
+            mid
+        } else {
+            horizontal_pass(&mid, w, 0..nh, &horizontal)
+        };
+    }
     // The rows the vertical pass reads: from the first row of the first output row's kernel
-    // to the last of the last's (PIL resamples only those horizontally).
+    // to the last of the last's (Pillow resamples only those horizontally).
     let first = vertical.first().map_or(0, |(y, _)| *y);
     let last = vertical.last().map_or(0, |(y, k)| y + k.len());
-    let mut mid = vec![0u8; (last - first) * nw * 3];
-    if nw != w {
-        for y in first..last {
-            let row = &rgb[y * w * 3..(y + 1) * w * 3];
-            for (xx, (xmin, k)) in horizontal.iter().enumerate() {
-                for c in 0..3 {
-                    let sum = k.iter().enumerate().fold(half, |s, (i, &k)| {
-                        s + row[(xmin + i) * 3 + c] as i64 * k as i64
-                    });
-                    mid[((y - first) * nw + xx) * 3 + c] = clip8(sum);
-                }
-            }
-        }
+    let mid = if nw == w {
+        rgb[first * w * 3..last * w * 3].to_vec()
     } else {
-        mid.copy_from_slice(&rgb[first * w * 3..last * w * 3]);
-    }
+        horizontal_pass(rgb, w, first..last, &horizontal)
+    };
     if nh == h {
         return mid;
     }
-    let mut out = vec![0u8; nh * nw * 3];
-    for (yy, (ymin, k)) in vertical.iter().enumerate() {
-        for x in 0..nw * 3 {
+    vertical_pass(&mid, nw, &vertical, first)
+}
+
+/// Rows `rows` of `src` (`w` pixels wide) resampled to `coeffs.len()` pixels each.
+fn horizontal_pass(
+    src: &[u8],
+    w: usize,
+    rows: std::ops::Range<usize>,
+    coeffs: &[(usize, Vec<i32>)],
+) -> Vec<u8> {
+    let half = 1i64 << (PRECISION_BITS - 1);
+    let nw = coeffs.len();
+    let mut out = vec![0u8; rows.len() * nw * 3];
+    for (r, y) in rows.enumerate() {
+        let row = &src[y * w * 3..(y + 1) * w * 3];
+        for (xx, (xmin, k)) in coeffs.iter().enumerate() {
+            for c in 0..3 {
+                let sum = k.iter().enumerate().fold(half, |s, (i, &k)| {
+                    s + row[(xmin + i) * 3 + c] as i64 * k as i64
+                });
+                out[(r * nw + xx) * 3 + c] = clip8(sum);
+            }
+        }
+    }
+    out
+}
+
+/// `src` (`width` pixels wide, its first row being row `first` of the image the kernels'
+/// bounds index) resampled to `coeffs.len()` rows.
+fn vertical_pass(src: &[u8], width: usize, coeffs: &[(usize, Vec<i32>)], first: usize) -> Vec<u8> {
+    let half = 1i64 << (PRECISION_BITS - 1);
+    let mut out = vec![0u8; coeffs.len() * width * 3];
+    for (yy, (ymin, k)) in coeffs.iter().enumerate() {
+        for x in 0..width * 3 {
             let sum = k.iter().enumerate().fold(half, |s, (i, &k)| {
-                s + mid[(ymin - first + i) * nw * 3 + x] as i64 * k as i64
+                s + src[(ymin - first + i) * width * 3 + x] as i64 * k as i64
             });
-            out[yy * nw * 3 + x] = clip8(sum);
+            out[yy * width * 3 + x] = clip8(sum);
         }
     }
     out
