@@ -8,8 +8,11 @@
 # Your own checkpoint (any model the worker serves, Qwen3-VL included) and PEFT adapters, in
 # place (nothing is copied):
 #   bash scripts/run-local.sh --model DIR [--name NAME] [--adapter NAME[:LABEL]=DIR]... [--dtype bf16|f16|f32]
+#     [--image-processor torchvision|pil]
 # NAME defaults to DIR's last component and must match the adapters' base_model_name_or_path
 # (last component, any case); LABEL is what the router's `expert` may name (e.g. 1).
+# --image-processor: which of transformers' Qwen-VL image processors the pixels equal
+# (torchvision, the default, as transformers 5 and vLLM; pil as qwen-vl-utils).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Release by default (decode is ~2.5x faster than a debug build); MOLE_BIN runs a binary
@@ -24,12 +27,13 @@ build() {
 }
 listen="${MOLE_LISTEN:-127.0.0.1:8000}"
 if [ $# -gt 0 ]; then
-  model="" name="" dtype="bf16" adapters=()
+  model="" name="" dtype="bf16" processor="torchvision" adapters=()
   while [ $# -gt 0 ]; do
     case "$1" in
       --model) model="$2"; shift 2 ;;
       --name) name="$2"; shift 2 ;;
       --dtype) dtype="$2"; shift 2 ;;
+      --image-processor) processor="$2"; shift 2 ;;
       --adapter) adapters+=("$2"); shift 2 ;;
       *) echo "run-local: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
     esac
@@ -45,7 +49,7 @@ if [ $# -gt 0 ]; then
     echo "mode: local"
     echo "pool: local"
     echo "modelRoot: /"
-    echo "baseModel: {name: \"$name\", path: \"${model#/}\", dtype: $dtype}"
+    echo "baseModel: {name: \"$name\", path: \"${model#/}\", dtype: $dtype, imageProcessor: $processor}"
     echo "adapters:"
     i=0
     for a in ${adapters[@]+"${adapters[@]}"}; do

@@ -5,7 +5,7 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::enums::{Dtype, ServingMode, WorkerMode};
+use crate::enums::{Dtype, ImageProcessor, ServingMode, WorkerMode};
 use crate::limits::WorkerLimits;
 use crate::router::RouterSpec;
 
@@ -72,6 +72,10 @@ pub struct WorkerBaseModel {
     /// weights, which keep their quantization).
     #[serde(default)]
     pub dtype: Dtype,
+    /// Which of transformers' image processors a vision model's pixels equal (see the pool's
+    /// `baseModel.imageProcessor`); ignored by text models.
+    #[serde(default, skip_serializing_if = "ImageProcessor::is_default")]
+    pub image_processor: ImageProcessor,
 }
 
 /// The merged model served by a merged-mode worker.

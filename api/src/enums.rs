@@ -28,6 +28,27 @@ impl Dtype {
     }
 }
 
+/// Which of transformers' Qwen2-VL image processors a vision model's pixels equal: they resize
+/// with different arithmetic, and a model sees slightly different pixels from each.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum ImageProcessor {
+    /// The torchvision ("fast") processor: what transformers 5 loads by default and vLLM
+    /// serves Qwen2/2.5/3-VL with.
+    #[default]
+    Torchvision,
+    /// The PIL ("slow") processor, as Qwen's `qwen-vl-utils` and images pre-resized with
+    /// Pillow see them.
+    Pil,
+}
+
+impl ImageProcessor {
+    /// Whether this is the default (kept off the wire at its default).
+    pub fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
 /// A routing strategy, tried in the order given.
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, JsonSchema)]
 #[serde(rename_all = "lowercase")]

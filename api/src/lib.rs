@@ -26,7 +26,7 @@ pub use bounds::BoundsError;
 pub use config::{
     MergedModel, RoutingSignals, WorkerAdapter, WorkerAuth, WorkerBaseModel, WorkerConfig,
 };
-pub use enums::{Dtype, RouterFallback, RouterStrategy, ServingMode, WorkerMode};
+pub use enums::{Dtype, ImageProcessor, RouterFallback, RouterStrategy, ServingMode, WorkerMode};
 pub use limits::{EngineLimits, WorkerLimits};
 pub use listing::{LoraAdapterInfo, LoraAdaptersResponse, Residency};
 pub use router::RouterSpec;

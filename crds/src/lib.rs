@@ -15,10 +15,10 @@ pub use adapter::*;
 pub use pool::*;
 
 pub use mole_api::{
-    bounds, BoundsError, Dtype, EngineLimits, LoraAdapterInfo, LoraAdaptersResponse, MergedModel,
-    ModelSource, Residency, RouterFallback, RouterSpec, RouterStrategy, RoutingSignals,
-    ServingMode, WorkerAdapter, WorkerAuth, WorkerBaseModel, WorkerConfig, WorkerLimits,
-    WorkerMode,
+    bounds, BoundsError, Dtype, EngineLimits, ImageProcessor, LoraAdapterInfo,
+    LoraAdaptersResponse, MergedModel, ModelSource, Residency, RouterFallback, RouterSpec,
+    RouterStrategy, RoutingSignals, ServingMode, WorkerAdapter, WorkerAuth, WorkerBaseModel,
+    WorkerConfig, WorkerLimits, WorkerMode,
 };
 
 use kube::CustomResourceExt;

@@ -6,7 +6,7 @@ use k8s_openapi::api::core::v1::{
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition;
 use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use kube::{CustomResource, KubeSchema};
-use mole_api::{Dtype, EngineLimits, RouterSpec};
+use mole_api::{Dtype, EngineLimits, ImageProcessor, RouterSpec};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -114,6 +114,13 @@ pub struct BaseModel {
     /// per decode step of f32; each value widens to f32 exactly).
     #[serde(default)]
     pub dtype: Dtype,
+    /// For a vision-language base: which of transformers' Qwen2-VL image processors the pixels
+    /// the model sees equal. `torchvision` (default) is the processor transformers 5 loads and
+    /// vLLM serves these models with; `pil` is Qwen's `qwen-vl-utils` and the older default,
+    /// for adapters trained on images resized with Pillow. Both resize with bicubic filters
+    /// that round differently, so a model sees slightly different pixels from each.
+    #[serde(default, skip_serializing_if = "ImageProcessor::is_default")]
+    pub image_processor: ImageProcessor,
 }
 
 /// A Secret in the object's namespace.

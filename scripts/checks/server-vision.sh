@@ -18,7 +18,7 @@ port="${MOLE_TEST_VISION_PORT:-18735}"
 log="$(mktemp)"
 fx=tests/fixtures/vision
 MOLE_BIN="$bin" MOLE_LISTEN="127.0.0.1:$port" MOLE_CONFIG_POLL_SECONDS=0 bash scripts/run-local.sh \
-  --model "$fx/qwen3_vl" --name qwen3-vl-tiny --dtype f32 --adapter "screens:1=$fx/adapter" >"$log" 2>&1 &
+  --model "$fx/qwen3_vl" --name qwen3-vl-tiny --dtype f32 --image-processor pil --adapter "screens:1=$fx/adapter" >"$log" 2>&1 &
 pid=$!
 trap 'kill $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -f "$log"' EXIT
 for _ in $(seq 240); do

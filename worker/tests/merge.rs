@@ -1054,7 +1054,11 @@ fn qwen3_vl_merges_match_peft_and_serve_images_as_the_adapter() {
         &out,
         candle_core::DType::F32,
         &candle_core::Device::Cpu,
-        Default::default(),
+        mole_worker::engine::EngineOptions {
+            // The references were computed with transformers' PIL backend.
+            image_processor: mole_api::ImageProcessor::Pil,
+            ..Default::default()
+        },
     )
     .unwrap();
     let r: serde_json::Value =

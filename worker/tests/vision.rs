@@ -11,8 +11,11 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use mole_api::ImageProcessor;
 use mole_worker::lora::{self, LoadOptions};
-use mole_worker::model::vision::preprocess::{preprocess, resize_bicubic, ProcessorConfig};
+use mole_worker::model::vision::preprocess::{
+    preprocess, resize_bicubic, resize_bicubic_torch, ProcessorConfig,
+};
 use mole_worker::model::vision::{mrope_positions, ImageEmbeds, VisionConfig, VisionTower};
 use mole_worker::model::{argmax, Decoder, LoraAdapter, Row, RowVision, SeqCache};
 
@@ -25,11 +28,15 @@ fn reference() -> serde_json::Value {
         .unwrap()
 }
 
+/// The fixture's processor settings with the PIL backend, which generate.py's references
+/// (preprocessed.safetensors, the tower's and the language model's) were computed with.
 fn processor() -> ProcessorConfig {
-    serde_json::from_str(
+    let mut cfg: ProcessorConfig = serde_json::from_str(
         &std::fs::read_to_string(fixtures().join("qwen3_vl/preprocessor_config.json")).unwrap(),
     )
-    .unwrap()
+    .unwrap();
+    cfg.backend = ImageProcessor::Pil;
+    cfg
 }
 
 /// The fixture image `name`, decoded.
@@ -76,32 +83,38 @@ fn preprocessing_equals_transformers_for_every_patch() {
     }
 }
 
-/// Pillow's bicubic resize, byte for byte, whichever order Pillow runs its two passes in:
-/// each axis growing and shrinking, and the boundary where Pillow switches to the vertical
-/// pass first (tests/fixtures/vision/make_resize.py).
-#[test]
-fn resize_equals_pillow_in_both_pass_orders() {
+/// The resize cases of tests/fixtures/vision/make_resize.py: name, input, and the size.
+fn resize_cases() -> Vec<(String, image::RgbImage, (usize, usize))> {
     let dir = fixtures().join("resize");
     let cases: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("cases.json")).unwrap()).unwrap();
+    cases["cases"]
+        .as_object()
+        .unwrap()
+        .iter()
+        .map(|(name, size)| {
+            let input = image::open(dir.join(format!("{name}.in.png")))
+                .unwrap()
+                .to_rgb8();
+            let size = (
+                size[0].as_u64().unwrap() as usize,
+                size[1].as_u64().unwrap() as usize,
+            );
+            (name.clone(), input, size)
+        })
+        .collect()
+}
+
+/// Each resize case by `resize` against the bytes of `backend` (`pil` or `torchvision`).
+fn resize_equals(backend: &str, resize: fn(&[u8], usize, usize, usize, usize) -> Vec<u8>) {
     let mut wrong = Vec::new();
-    for (name, size) in cases["cases"].as_object().unwrap() {
-        let (nw, nh) = (size[0].as_u64().unwrap(), size[1].as_u64().unwrap());
-        let input = image::open(dir.join(format!("{name}.in.png")))
+    for (name, input, (nw, nh)) in resize_cases() {
+        let want = image::open(fixtures().join(format!("resize/{name}.{backend}.png")))
             .unwrap()
             .to_rgb8();
-        let want = image::open(dir.join(format!("{name}.out.png")))
-            .unwrap()
-            .to_rgb8();
-        let (w, h) = input.dimensions();
         assert_eq!(want.dimensions(), (nw as u32, nh as u32), "{name}");
-        let got = resize_bicubic(
-            input.as_raw(),
-            w as usize,
-            h as usize,
-            nw as usize,
-            nh as usize,
-        );
+        let (w, h) = input.dimensions();
+        let got = resize(input.as_raw(), w as usize, h as usize, nw, nh);
         let differ = got
             .iter()
             .zip(want.as_raw())
@@ -113,7 +126,59 @@ fn resize_equals_pillow_in_both_pass_orders() {
             ));
         }
     }
-    assert!(wrong.is_empty(), "not Pillow's bytes: {wrong:#?}");
+    assert!(wrong.is_empty(), "not {backend}'s bytes: {wrong:#?}");
+}
+
+/// Pillow's bicubic resize, byte for byte, whichever order Pillow runs its two passes in:
+/// each axis growing and shrinking, and the boundary where Pillow switches to the vertical
+/// pass first.
+#[test]
+fn resize_equals_pillow_in_both_pass_orders() {
+    resize_equals("pil", resize_bicubic);
+}
+
+/// torchvision's antialiased bicubic resize of 8-bit images (transformers' fast processor),
+/// byte for byte, on the same cases.
+#[test]
+fn resize_equals_torchvision() {
+    resize_equals("torchvision", resize_bicubic_torch);
+}
+
+/// Every patch value of the torchvision backend (transformers 5's `Qwen2VLImageProcessor`),
+/// its fused rescale-and-normalize included: with Qwen3-VL's mean and deviation, and with
+/// Qwen2-VL's CLIP ones.
+#[test]
+fn torchvision_preprocessing_equals_transformers_for_every_patch() {
+    let want = load("preprocessed_torchvision.safetensors");
+    let manifest: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("resize/cases.json")).unwrap(),
+    )
+    .unwrap();
+    let p = &manifest["processor"];
+    let mut clip = processor();
+    clip.image_mean = serde_json::from_value(p["clip"]["image_mean"].clone()).unwrap();
+    clip.image_std = serde_json::from_value(p["clip"]["image_std"].clone()).unwrap();
+    for (key, img, mut cfg) in [
+        ("square", image("square"), processor()),
+        ("wide", image("wide"), processor()),
+        (
+            "clip_grow_w_shrink_h",
+            image::open(fixtures().join("resize/grow_w_shrink_h.in.png"))
+                .unwrap()
+                .to_rgb8(),
+            clip,
+        ),
+    ] {
+        cfg.backend = ImageProcessor::Torchvision;
+        let (w, h) = img.dimensions();
+        let got = preprocess(&cfg, img.as_raw(), w as usize, h as usize).unwrap();
+        let grid: Vec<usize> = serde_json::from_value(p["grids"][key].clone()).unwrap();
+        assert_eq!(got.grid.to_vec(), grid, "{key}: grid");
+        let want: Vec<f32> = want[key].flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(got.values.len(), want.len(), "{key}: values");
+        let differ = got.values.iter().zip(&want).filter(|(a, b)| a != b).count();
+        assert_eq!(differ, 0, "{key}: every value as transformers computes it");
+    }
 }
 
 #[test]

@@ -16,6 +16,7 @@ use std::sync::Arc;
 
 use base64::Engine as _;
 use candle_core::{DType, Device};
+use mole_api::ImageProcessor;
 use mole_worker::engine::api::*;
 use mole_worker::engine::{Engine, EngineOptions};
 use serde_json::{json, Value};
@@ -87,6 +88,8 @@ fn engine(prefill_chunk: usize) -> Engine {
         base_name: "qwen3-vl-tiny".into(),
         prefill_chunk,
         max_seq_len: 512,
+        // The references were computed with transformers' PIL backend.
+        image_processor: ImageProcessor::Pil,
         ..Default::default()
     };
     let e = Engine::load(&fixtures().join("qwen3_vl"), DType::F32, &Device::Cpu, o).unwrap();
@@ -278,7 +281,7 @@ async fn start(router: &str, limits: &str) -> Srv {
         r#"
 pool: screens-pool
 modelRoot: {root}
-baseModel: {{name: qwen3-vl-tiny, path: base, dtype: f32}}
+baseModel: {{name: qwen3-vl-tiny, path: base, dtype: f32, imageProcessor: pil}}
 adapters:
   - {{name: screens, version: v1, loraId: 1, path: screens, label: "1"}}
   - {{name: charts, version: v1, loraId: 2, path: charts, label: "2"}}

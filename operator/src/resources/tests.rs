@@ -399,6 +399,17 @@ fn worker_config_lists_adapters_sorted_with_ids_and_limits() {
     assert_eq!(wc.mode, WorkerMode::Dynamic);
     assert_eq!(wc.model_root, "/models");
     assert_eq!(wc.base_model.path, "base/qwen3-vl-8b");
+    assert_eq!(
+        wc.base_model.image_processor,
+        mole_crds::ImageProcessor::Torchvision
+    );
+    let mut pil = p.spec.clone();
+    pil.base_model.image_processor = mole_crds::ImageProcessor::Pil;
+    assert_eq!(
+        worker_config("vl", &pil, &reg).base_model.image_processor,
+        mole_crds::ImageProcessor::Pil,
+        "the pool's imageProcessor reaches the pods"
+    );
     let names: Vec<_> = wc
         .adapters
         .iter()

@@ -36,6 +36,7 @@ pub fn worker_config(
             name: spec.base_model.name.clone(),
             path: spec.base_model.path.clone(),
             dtype: spec.base_model.dtype,
+            image_processor: spec.base_model.image_processor,
         },
         merged: None,
         adapters: list,

@@ -23,14 +23,19 @@ pub(super) struct ImageProcessor {
 
 impl ImageProcessor {
     /// The processor of a model directory (`preprocessor_config.json`; Qwen3-VL's settings when
-    /// the file is missing).
-    pub(super) fn load(dir: &Path, spec: &VisionSpec) -> Result<Self, EngineError> {
+    /// the file is missing), computing as transformers' `backend` does.
+    pub(super) fn load(
+        dir: &Path,
+        spec: &VisionSpec,
+        backend: mole_api::ImageProcessor,
+    ) -> Result<Self, EngineError> {
         let path = dir.join("preprocessor_config.json");
-        let cfg = match std::fs::read_to_string(&path) {
+        let mut cfg: ProcessorConfig = match std::fs::read_to_string(&path) {
             Ok(s) => serde_json::from_str(&s)
                 .map_err(|e| EngineError::NotReady(format!("{}: {e}", path.display())))?,
             Err(_) => ProcessorConfig::default(),
         };
+        cfg.backend = backend;
         Ok(Self::new(cfg, spec))
     }
 

@@ -64,6 +64,8 @@ pub struct EngineOptions {
     pub kv_blocks: Option<usize>,
     /// Share of a GPU's total memory the worker may use (`gpuMemoryUtilization`).
     pub gpu_memory_utilization: f64,
+    /// Which of transformers' image processors a vision model's pixels equal.
+    pub image_processor: mole_api::ImageProcessor,
 }
 
 impl Default for EngineOptions {
@@ -81,6 +83,7 @@ impl Default for EngineOptions {
             merged: None,
             kv_blocks: None,
             gpu_memory_utilization: 0.9,
+            image_processor: mole_api::ImageProcessor::default(),
         }
     }
 }
@@ -265,7 +268,7 @@ impl Engine {
         size_kv_cache(&model, &mut opts, weights_bytes)?;
         let text = TextModel::load(dir).map_err(|e| EngineError::NotReady(e.to_string()))?;
         let images = match &model.config().vision {
-            Some(spec) => Some(ImageProcessor::load(dir, spec)?),
+            Some(spec) => Some(ImageProcessor::load(dir, spec, opts.image_processor)?),
             None => None,
         };
         Ok(Self::spawn(model, text, images, opts))
@@ -302,11 +305,13 @@ impl Engine {
     /// Starts the engine thread over a loaded model (a vision model takes images as Qwen3-VL's
     /// processor prepares them).
     pub fn start(model: Decoder, text: TextModel, opts: EngineOptions) -> Self {
-        let images = model
-            .config()
-            .vision
-            .as_ref()
-            .map(|spec| ImageProcessor::new(Default::default(), spec));
+        let images = model.config().vision.as_ref().map(|spec| {
+            let cfg = crate::model::vision::preprocess::ProcessorConfig {
+                backend: opts.image_processor,
+                ..Default::default()
+            };
+            ImageProcessor::new(cfg, spec)
+        });
         Self::spawn(model, text, images, opts)
     }
 

@@ -53,6 +53,7 @@ fn base_options(cfg: &WorkerConfig) -> EngineOptions {
         max_seq_len: l.engine.max_seq_len as usize,
         max_queue: l.engine.max_queue as usize,
         gpu_memory_utilization: l.engine.gpu_memory_utilization,
+        image_processor: cfg.base_model.image_processor,
         ..Default::default()
     }
 }

@@ -1,11 +1,17 @@
 //! Images as Qwen-VL models take them, computed as transformers' Qwen2-VL image processor
-//! computes them with its PIL backend (what Qwen's own `qwen-vl-utils` does too): resized to
-//! multiples of `patch_size × merge_size` within a pixel budget, keeping the aspect ratio
-//! ("smart resize"), with PIL's bicubic filter; scaled to [0, 1] and normalized per channel;
-//! cut into `patch_size` squares repeated `temporal_patch_size` times (an image is a one-frame
-//! video), in spatial-merge-block order. The values equal the processor's to the last bit,
-//! so the vision tower sees what the model was trained on.
+//! computes them: resized to multiples of `patch_size × merge_size` within a pixel budget,
+//! keeping the aspect ratio ("smart resize"), with a bicubic filter; scaled to [0, 1] and
+//! normalized per channel; cut into `patch_size` squares repeated `temporal_patch_size` times
+//! (an image is a one-frame video), in spatial-merge-block order. The processor has two
+//! backends whose resizes round differently, and both are here, each equal to its own to the
+//! last bit, so the vision tower sees what the model was trained on:
+//! - torchvision (transformers 5's default, what vLLM serves Qwen-VL models with): torch's
+//!   antialiased bicubic over 8-bit pixels, whose weights are 16-bit integers at as many bits
+//!   as the largest fits, horizontal pass first; then one fused rescale-and-normalize in f32;
+//! - PIL (Qwen's `qwen-vl-utils`, transformers 4's default): Pillow's bicubic with 22-bit
+//!   weights, in Pillow's order of passes; rescaled in f64, normalized in f32.
 
+use mole_api::ImageProcessor;
 use serde::Deserialize;
 
 /// Why an image cannot be preprocessed. Stable names via [`PreprocessError::code`].
@@ -61,6 +67,9 @@ pub struct ProcessorConfig {
     /// The budget's older spelling.
     #[serde(default)]
     pub max_pixels: Option<usize>,
+    /// Which backend's arithmetic the values follow: the pool's choice, not the file's.
+    #[serde(skip)]
+    pub backend: ImageProcessor,
 }
 
 /// The processor's pixel budget.
@@ -100,6 +109,7 @@ impl Default for ProcessorConfig {
             }),
             min_pixels: None,
             max_pixels: None,
+            backend: ImageProcessor::default(),
         }
     }
 }
@@ -184,13 +194,25 @@ pub fn preprocess(
     let resized = if (nh, nw) == (height, width) {
         rgb.to_vec()
     } else {
-        resize_bicubic(rgb, width, height, nw, nh)
+        match cfg.backend {
+            ImageProcessor::Torchvision => resize_bicubic_torch(rgb, width, height, nw, nh),
+            ImageProcessor::Pil => resize_bicubic(rgb, width, height, nw, nh),
+        }
     };
-    // transformers rescales in f64, then casts to f32 and normalizes in f32.
+    // The PIL backend rescales in f64, then casts to f32 and normalizes in f32; torchvision's
+    // fuses both into one normalize in f32 by a mean and deviation scaled by 255 (in f32).
+    let fused: [(f32, f32); 3] =
+        std::array::from_fn(|c| (cfg.image_mean[c] * 255.0, cfg.image_std[c] * 255.0));
     let scale = 1.0f64 / 255.0;
     let value = |y: usize, x: usize, c: usize| -> f32 {
-        let v = (resized[(y * nw + x) * 3 + c] as f64 * scale) as f32;
-        (v - cfg.image_mean[c]) / cfg.image_std[c]
+        let byte = resized[(y * nw + x) * 3 + c];
+        match cfg.backend {
+            ImageProcessor::Torchvision => (byte as f32 - fused[c].0) / fused[c].1,
+            ImageProcessor::Pil => {
+                let v = (byte as f64 * scale) as f32;
+                (v - cfg.image_mean[c]) / cfg.image_std[c]
+            }
+        }
     };
     let (gh, gw) = (nh / p, nw / p);
     let mut values = Vec::with_capacity(gh * gw * cfg.patch_len());
@@ -241,6 +263,7 @@ fn coefficients(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i32>)> {
     let scale = in_size as f64 / out_size as f64;
     let filter_scale = scale.max(1.0);
     let support = 2.0 * filter_scale;
+    let inverse = 1.0 / filter_scale;
     (0..out_size)
         .map(|xx| {
             let center = (xx as f64 + 0.5) * scale;
@@ -248,7 +271,7 @@ fn coefficients(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i32>)> {
             let xmin = ((center - support + 0.5) as i64).max(0) as usize;
             let xmax = ((center + support + 0.5) as i64).min(in_size as i64) as usize;
             let w: Vec<f64> = (xmin..xmax)
-                .map(|x| bicubic((x as f64 - center + 0.5) / filter_scale))
+                .map(|x| bicubic((x as f64 - center + 0.5) * inverse))
                 .collect();
             let total: f64 = w.iter().sum();
             let fixed = w
@@ -268,9 +291,79 @@ fn coefficients(in_size: usize, out_size: usize) -> Vec<(usize, Vec<i32>)> {
         .collect()
 }
 
-/// A fixed-point sum back to a byte, as PIL's `clip8`.
-fn clip8(sum: i64) -> u8 {
-    (sum >> PRECISION_BITS).clamp(0, 255) as u8
+/// A sum of `bits` fraction bits back to a byte.
+fn clip(sum: i64, bits: u32) -> u8 {
+    (sum >> bits).clamp(0, 255) as u8
+}
+
+/// torch's antialiased bicubic weights for its 8-bit kernel (`_upsample_bicubic2d_aa` on CPU):
+/// Pillow's kernel and bounds in f64, then rounded to 16-bit integers at the most fraction
+/// bits (below 22) at which the axis's largest weight still fits; returns those bits.
+fn coefficients_torch(in_size: usize, out_size: usize) -> (Vec<(usize, Vec<i32>)>, u32) {
+    let scale = in_size as f64 / out_size as f64;
+    let (support, inverse) = if scale >= 1.0 {
+        (2.0 * scale, 1.0 / scale)
+    } else {
+        (2.0, 1.0)
+    };
+    // torch sizes its weight rows by the support rounded up in f32.
+    let max_taps = (support as f32).ceil() as i64 * 2 + 1;
+    let mut largest = 0f64;
+    let rows: Vec<(usize, Vec<f64>)> = (0..out_size)
+        .map(|i| {
+            let center = scale * (i as f64 + 0.5);
+            let xmin = ((center - support + 0.5) as i64).max(0);
+            let taps =
+                (((center + support + 0.5) as i64).min(in_size as i64) - xmin).clamp(0, max_taps);
+            let mut w: Vec<f64> = (0..taps)
+                .map(|j| bicubic(((j + xmin) as f64 - center + 0.5) * inverse))
+                .collect();
+            let total: f64 = w.iter().sum();
+            if total != 0.0 {
+                for k in &mut w {
+                    *k /= total;
+                    largest = largest.max(*k);
+                }
+            }
+            (xmin as usize, w)
+        })
+        .collect();
+    let mut bits = 0u32;
+    while bits < 22 && ((0.5 + largest * (1u32 << (bits + 1)) as f64) as i64) < 1 << 15 {
+        bits += 1;
+    }
+    let fixed = rows
+        .into_iter()
+        .map(|(xmin, w)| {
+            let k = w
+                .iter()
+                .map(|&k| {
+                    let v = k * (1u32 << bits) as f64;
+                    // The weights are int16 in torch's kernel.
+                    (if v < 0.0 { v - 0.5 } else { v + 0.5 }) as i16 as i32
+                })
+                .collect();
+            (xmin, k)
+        })
+        .collect();
+    (fixed, bits)
+}
+
+/// torchvision's `resize(BICUBIC, antialias=True)` of an 8-bit RGB image on the CPU (torch's
+/// AVX2 kernel for 8-bit images, which transformers' fast processor runs): the horizontal pass
+/// over every row into 8-bit rows, then the vertical pass, each rounded to bytes.
+pub fn resize_bicubic_torch(rgb: &[u8], w: usize, h: usize, nw: usize, nh: usize) -> Vec<u8> {
+    let mid = if nw == w {
+        rgb.to_vec()
+    } else {
+        let (k, bits) = coefficients_torch(w, nw);
+        convolve_rows(rgb, w, 0..h, &k, bits)
+    };
+    if nh == h {
+        return mid;
+    }
+    let (k, bits) = coefficients_torch(h, nh);
+    convolve_columns(&mid, nw, &k, 0, bits)
 }
 
 /// PIL's `Image.resize(BICUBIC)` of an RGB image: two passes, each a fixed-point convolution
@@ -284,11 +377,11 @@ pub fn resize_bicubic(rgb: &[u8], w: usize, h: usize, nw: usize, nh: usize) -> V
     let shrink_h = h as i64 - nh as i64;
     let shrink_w = w as i64 - nw as i64;
     if shrink_h > 0 && shrink_h > shrink_w * 2 {
-        let mid = vertical_pass(rgb, w, &vertical, 0);
+        let mid = convolve_columns(rgb, w, &vertical, 0, PRECISION_BITS);
         return if nw == w {
             mid
         } else {
-            horizontal_pass(&mid, w, 0..nh, &horizontal)
+            convolve_rows(&mid, w, 0..nh, &horizontal, PRECISION_BITS)
         };
     }
     // The rows the vertical pass reads: from the first row of the first output row's kernel
@@ -298,22 +391,24 @@ pub fn resize_bicubic(rgb: &[u8], w: usize, h: usize, nw: usize, nh: usize) -> V
     let mid = if nw == w {
         rgb[first * w * 3..last * w * 3].to_vec()
     } else {
-        horizontal_pass(rgb, w, first..last, &horizontal)
+        convolve_rows(rgb, w, first..last, &horizontal, PRECISION_BITS)
     };
     if nh == h {
         return mid;
     }
-    vertical_pass(&mid, nw, &vertical, first)
+    convolve_columns(&mid, nw, &vertical, first, PRECISION_BITS)
 }
 
-/// Rows `rows` of `src` (`w` pixels wide) resampled to `coeffs.len()` pixels each.
-fn horizontal_pass(
+/// Rows `rows` of `src` (`w` pixels wide) resampled to `coeffs.len()` pixels each, by weights
+/// of `bits` fraction bits.
+fn convolve_rows(
     src: &[u8],
     w: usize,
     rows: std::ops::Range<usize>,
     coeffs: &[(usize, Vec<i32>)],
+    bits: u32,
 ) -> Vec<u8> {
-    let half = 1i64 << (PRECISION_BITS - 1);
+    let half = 1i64 << (bits - 1);
     let nw = coeffs.len();
     let mut out = vec![0u8; rows.len() * nw * 3];
     for (r, y) in rows.enumerate() {
@@ -323,7 +418,7 @@ fn horizontal_pass(
                 let sum = k.iter().enumerate().fold(half, |s, (i, &k)| {
                     s + row[(xmin + i) * 3 + c] as i64 * k as i64
                 });
-                out[(r * nw + xx) * 3 + c] = clip8(sum);
+                out[(r * nw + xx) * 3 + c] = clip(sum, bits);
             }
         }
     }
@@ -331,16 +426,22 @@ fn horizontal_pass(
 }
 
 /// `src` (`width` pixels wide, its first row being row `first` of the image the kernels'
-/// bounds index) resampled to `coeffs.len()` rows.
-fn vertical_pass(src: &[u8], width: usize, coeffs: &[(usize, Vec<i32>)], first: usize) -> Vec<u8> {
-    let half = 1i64 << (PRECISION_BITS - 1);
+/// bounds index) resampled to `coeffs.len()` rows, by weights of `bits` fraction bits.
+fn convolve_columns(
+    src: &[u8],
+    width: usize,
+    coeffs: &[(usize, Vec<i32>)],
+    first: usize,
+    bits: u32,
+) -> Vec<u8> {
+    let half = 1i64 << (bits - 1);
     let mut out = vec![0u8; coeffs.len() * width * 3];
     for (yy, (ymin, k)) in coeffs.iter().enumerate() {
         for x in 0..width * 3 {
             let sum = k.iter().enumerate().fold(half, |s, (i, &k)| {
                 s + src[(ymin - first + i) * width * 3 + x] as i64 * k as i64
             });
-            out[yy * width * 3 + x] = clip8(sum);
+            out[yy * width * 3 + x] = clip(sum, bits);
         }
     }
     out
