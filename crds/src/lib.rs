@@ -9,15 +9,17 @@
 
 pub mod adapter;
 pub mod constants;
+pub mod fleet;
 pub mod pool;
 
 pub use adapter::*;
+pub use fleet::*;
 pub use pool::*;
 
 pub use mole_api::{
-    bounds, BoundsError, Dtype, EngineLimits, LoraAdapterInfo, LoraAdaptersResponse, MergedModel,
+    bounds, AdapterCounters, BoundsError, Dtype, EngineLimits, LoraAdapterInfo, LoraAdaptersResponse, MergedModel,
     ModelSource, Residency, RouterFallback, RouterSpec, RouterStrategy, RoutingSignals,
-    ServingMode, WorkerAdapter, WorkerAuth, WorkerBaseModel, WorkerConfig, WorkerLimits,
+    ServingMode, WorkerAdapter, LATENCY_BUCKETS_MS, WorkerAuth, WorkerBaseModel, WorkerConfig, WorkerLimits,
     WorkerMode,
 };
 
