@@ -24,10 +24,10 @@ pub struct SimulateArgs {
     #[arg(long, env = "MOLE_SIM_ZIPF", default_value_t = 1.1)]
     zipf: f64,
     /// Seconds of generated traffic.
-    #[arg(long, env = "MOLE_SIM_DURATION", default_value_t = 7200.0)]
+    #[arg(long, env = "MOLE_SIM_DURATION", default_value_t = 3600.0)]
     duration: f64,
     /// Mean requests per second of a generated trace.
-    #[arg(long, env = "MOLE_SIM_RATE", default_value_t = 3.0)]
+    #[arg(long, env = "MOLE_SIM_RATE", default_value_t = 2.0)]
     rate: f64,
     /// Diurnal swing of the rate (0: flat; 0.5: from half to 1.5 times the mean).
     #[arg(long, env = "MOLE_SIM_DIURNAL", default_value_t = 0.5)]
@@ -42,13 +42,13 @@ pub struct SimulateArgs {
     #[arg(long, env = "MOLE_SIM_SEED", default_value_t = 37)]
     seed: u64,
     /// GPUs of the pool (comma-separated for several runs: `8,6`).
-    #[arg(long, env = "MOLE_SIM_GPUS", default_value = "8", value_delimiter = ',')]
+    #[arg(long, env = "MOLE_SIM_GPUS", default_value = "8,7,6", value_delimiter = ',')]
     gpus: Vec<usize>,
     /// Share of the pool's tokens at which the traffic policy promotes an adapter.
-    #[arg(long, env = "MOLE_SIM_PROMOTE_SHARE", default_value_t = 0.06)]
+    #[arg(long, env = "MOLE_SIM_PROMOTE_SHARE", default_value_t = 0.15)]
     promote_share: f64,
     /// Share below which it demotes one.
-    #[arg(long, env = "MOLE_SIM_DEMOTE_SHARE", default_value_t = 0.03)]
+    #[arg(long, env = "MOLE_SIM_DEMOTE_SHARE", default_value_t = 0.06)]
     demote_share: f64,
     /// Write the per-minute figures here (CSV).
     #[arg(long, env = "MOLE_SIM_CSV")]

@@ -194,6 +194,8 @@ impl Pod {
             };
             match admitted {
                 Some((served, start)) => {
+                    // Arrivals of a step are routed at its start.
+                    let start = start.max(r.at);
                     self.queue.remove(i);
                     self.active.push(Active {
                         adapter: r.adapter,

@@ -173,8 +173,10 @@ impl SimConfig {
             gpus,
             min_dynamic,
             merge: merge::Policy {
-                promote_share: 0.06,
-                demote_share: 0.03,
+                // About one GPU's share of the pool: an adapter below that would leave its
+                // merged GPU mostly idle.
+                promote_share: 0.15,
+                demote_share: 0.06,
                 window_secs: 300,
                 min_hold_secs: 900,
                 budget_gpus: gpus.saturating_sub(min_dynamic) as u32,
