@@ -17,10 +17,10 @@ pub use fleet::*;
 pub use pool::*;
 
 pub use mole_api::{
-    bounds, AdapterCounters, BoundsError, Dtype, EngineLimits, LoraAdapterInfo, LoraAdaptersResponse, MergedModel,
-    ModelSource, Residency, RouterFallback, RouterSpec, RouterStrategy, RoutingSignals,
-    ServingMode, WorkerAdapter, LATENCY_BUCKETS_MS, WorkerAuth, WorkerBaseModel, WorkerConfig, WorkerLimits,
-    WorkerMode,
+    bounds, AdapterCounters, BoundsError, Dtype, EngineLimits, LoraAdapterInfo,
+    LoraAdaptersResponse, MergedModel, ModelSource, Residency, RouterFallback, RouterSpec,
+    RouterStrategy, RoutingSignals, ServingMode, WorkerAdapter, WorkerAuth, WorkerBaseModel,
+    WorkerConfig, WorkerLimits, WorkerMode, LATENCY_BUCKETS_MS,
 };
 
 use kube::CustomResourceExt;

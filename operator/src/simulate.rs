@@ -42,7 +42,12 @@ pub struct SimulateArgs {
     #[arg(long, env = "MOLE_SIM_SEED", default_value_t = 37)]
     seed: u64,
     /// GPUs of the pool (comma-separated for several runs: `8,6`).
-    #[arg(long, env = "MOLE_SIM_GPUS", default_value = "8,7,6", value_delimiter = ',')]
+    #[arg(
+        long,
+        env = "MOLE_SIM_GPUS",
+        default_value = "8,7,6",
+        value_delimiter = ','
+    )]
     gpus: Vec<usize>,
     /// Share of the pool's tokens at which the traffic policy promotes an adapter.
     #[arg(long, env = "MOLE_SIM_PROMOTE_SHARE", default_value_t = 0.15)]
@@ -68,7 +73,11 @@ pub fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
             let text = std::fs::read_to_string(path)
                 .with_context(|| format!("reading {}", path.display()))?;
             let reqs = trace::from_csv(&text)?;
-            let n = reqs.iter().map(|r| r.adapter as usize + 1).max().unwrap_or(0);
+            let n = reqs
+                .iter()
+                .map(|r| r.adapter as usize + 1)
+                .max()
+                .unwrap_or(0);
             (reqs, n)
         }
         None => {
@@ -92,11 +101,20 @@ pub fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
     }
     let mut outcomes = Vec::new();
     let first = a.gpus.first().copied().unwrap_or(8);
-    for s in [Strategy::AllDynamic, Strategy::DynamicPlaced, Strategy::AllMerged] {
+    for s in [
+        Strategy::AllDynamic,
+        Strategy::DynamicPlaced,
+        Strategy::AllMerged,
+    ] {
         outcomes.push(sim::run(s, &config(&a, first), &requests, adapters)?);
     }
     for &g in &a.gpus {
-        outcomes.push(sim::run(Strategy::Traffic, &config(&a, g), &requests, adapters)?);
+        outcomes.push(sim::run(
+            Strategy::Traffic,
+            &config(&a, g),
+            &requests,
+            adapters,
+        )?);
     }
     println!(
         "{} requests over {adapters} adapters, {:.0} s\n",

@@ -2810,9 +2810,7 @@ impl Env {
             json!({"name": n, "version": "v1", "lora_id": id, "residency": "gpu", "loaded": loaded,
                    "rank": 8, "bytes": 1000, "requests": 0, "running": 0})
         };
-        let count = |n: &str, tokens: u64| {
-            json!({"name": n, "version": "v1", "requests": tokens / 100, "tokens": tokens, "errors": 0})
-        };
+        let count = |n: &str, tokens: u64| json!({"name": n, "version": "v1", "requests": tokens / 100, "tokens": tokens, "errors": 0});
         *self.worker.adapters.lock().unwrap() = json!({
             "object": "list", "base_model": "b",
             "data": [entry("calendar", 1, calendar_loaded), entry("mail", 2, true)],
@@ -2822,9 +2820,12 @@ impl Env {
 
     /// Whether the pool's WorkerConfig has the dynamic pods load `name`.
     fn dynamic_loads(&self, name: &str) -> bool {
-        let wc: mole_crds::WorkerConfig =
-            serde_json::from_str(self.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap())
-                .unwrap();
+        let wc: mole_crds::WorkerConfig = serde_json::from_str(
+            self.get(CM).unwrap()["data"]["worker.json"]
+                .as_str()
+                .unwrap(),
+        )
+        .unwrap();
         wc.adapters.iter().any(|a| a.name == name && a.load)
     }
 }
@@ -2843,7 +2844,10 @@ async fn traffic_rises_to_merged_and_falls_back_to_dynamic_without_a_gap() {
     e.add_ready_pod();
     let mut cal = adapter_obj("calendar", "vl", "calendar");
     cal["spec"]["serving"] = json!({"mode": "auto"});
-    e.store.lock().unwrap().create(&adapter_path("calendar"), cal);
+    e.store
+        .lock()
+        .unwrap()
+        .create(&adapter_path("calendar"), cal);
     e.store
         .lock()
         .unwrap()
@@ -2875,10 +2879,17 @@ async fn traffic_rises_to_merged_and_falls_back_to_dynamic_without_a_gap() {
         .unwrap()
         .1
         .clone();
-    assert!(note.contains("% of the pool's") && note.contains("promote at 50.0%"), "{note}");
+    assert!(
+        note.contains("% of the pool's") && note.contains("promote at 50.0%"),
+        "{note}"
+    );
     let a = e.get(&adapter_path("calendar")).unwrap();
     assert_eq!(a["status"]["fleet"]["merged"], true);
-    assert!(a["status"]["fleet"]["share"].as_f64().unwrap() > 0.9, "{}", a["status"]);
+    assert!(
+        a["status"]["fleet"]["share"].as_f64().unwrap() > 0.9,
+        "{}",
+        a["status"]
+    );
     assert_eq!(a["status"]["traffic"]["pods"], json!(["vl-dynamic-abc"]));
     // Its rates are not written again within the status write interval (1 s here).
     assert_eq!(a["status"]["traffic"]["tokensPerMinute"], 0.0);
@@ -2908,13 +2919,25 @@ async fn traffic_rises_to_merged_and_falls_back_to_dynamic_without_a_gap() {
     assert_eq!(e.count_events("TrafficDemoted"), 1, "{:?}", e.events());
     let a = e.get(&adapter_path("calendar")).unwrap();
     assert_eq!(a["status"]["fleet"]["merged"], false);
-    assert!(a["status"]["traffic"]["tokensPerMinute"].as_f64().unwrap() > 0.0, "{}", a["status"]);
-    assert!(e.get(&adapter_path("mail")).unwrap()["status"]["traffic"]["tokensPerMinute"].as_f64().unwrap() > 0.0);
+    assert!(
+        a["status"]["traffic"]["tokensPerMinute"].as_f64().unwrap() > 0.0,
+        "{}",
+        a["status"]
+    );
+    assert!(
+        e.get(&adapter_path("mail")).unwrap()["status"]["traffic"]["tokensPerMinute"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
     // The dynamic pod does not hold it (it reports it not loaded): the merged pods stay.
     assert!(e.get(MERGED).is_some(), "no window without a serving pod");
     e.worker_traffic(true, 100_000, 10_000_000);
     e.reconcile_adapter("calendar").await;
-    assert!(e.get(MERGED).is_none(), "merged pods go once the dynamic pods hold it");
+    assert!(
+        e.get(MERGED).is_none(),
+        "merged pods go once the dynamic pods hold it"
+    );
     let a = e.get(&adapter_path("calendar")).unwrap();
     assert_eq!(a["status"]["servingMode"], "dynamic");
     assert_eq!(a["status"]["phase"], "Ready");

@@ -1531,7 +1531,11 @@ async fn models_and_lora_adapters_fields() {
         .iter()
         .find(|a| a["name"] == "fr" && a["version"] == "v1")
         .unwrap();
-    assert_eq!((fr["requests"].as_u64(), fr["errors"].as_u64()), (Some(1), Some(0)), "{fr}");
+    assert_eq!(
+        (fr["requests"].as_u64(), fr["errors"].as_u64()),
+        (Some(1), Some(0)),
+        "{fr}"
+    );
     assert!(fr["tokens"].as_u64().unwrap() > 0, "{fr}");
     let buckets: Vec<u64> = serde_json::from_value(fr["latency_ms"].clone()).unwrap();
     assert_eq!(buckets.len(), mole_api::LATENCY_BUCKETS_MS.len() + 1);

@@ -271,7 +271,11 @@ pub fn validate_traffic(t: &mole_crds::TrafficMergeSpec) -> Result<(), FieldErro
     }
     if t.window_seconds < 0 || t.min_hold_seconds < 0 {
         return Err(FieldError::invalid(
-            f(if t.window_seconds < 0 { "windowSeconds" } else { "minHoldSeconds" }),
+            f(if t.window_seconds < 0 {
+                "windowSeconds"
+            } else {
+                "minHoldSeconds"
+            }),
             "must be 0 or more",
         ));
     }

@@ -78,10 +78,16 @@ pub fn analyse(bounds: &Bounds, stable: &VersionCounts, canary: &VersionCounts) 
         "canary {} requests, {:.2}% errors{}; stable {} requests, {:.2}% errors{}",
         canary.requests,
         100.0 * canary.error_rate(),
-        canary.p95_ms.map(|p| format!(", p95 {p:.0} ms")).unwrap_or_default(),
+        canary
+            .p95_ms
+            .map(|p| format!(", p95 {p:.0} ms"))
+            .unwrap_or_default(),
         stable.requests,
         100.0 * stable.error_rate(),
-        stable.p95_ms.map(|p| format!(", p95 {p:.0} ms")).unwrap_or_default(),
+        stable
+            .p95_ms
+            .map(|p| format!(", p95 {p:.0} ms"))
+            .unwrap_or_default(),
     );
     if canary.requests < bounds.min_requests {
         return Verdict::Continue(format!(
@@ -175,7 +181,10 @@ mod tests {
         let bad = analyse(&b, &v(1000, 10, 800.0), &v(100, 5, 800.0));
         assert_eq!(bad.reason(), "CanaryRolledBack");
         let n = bad.note();
-        assert!(n.contains("canary 100 requests, 5.00% errors, p95 800 ms"), "{n}");
+        assert!(
+            n.contains("canary 100 requests, 5.00% errors, p95 800 ms"),
+            "{n}"
+        );
         assert!(n.contains("stable 1000 requests, 1.00% errors"), "{n}");
         assert!(n.contains("4.00 points above"), "{n}");
     }

@@ -166,8 +166,8 @@ pub fn decide(
                 0.0
             };
             let mut state = c.state;
-            state.above_since = (share >= policy.promote_share)
-                .then(|| c.state.above_since.unwrap_or(now));
+            state.above_since =
+                (share >= policy.promote_share).then(|| c.state.above_since.unwrap_or(now));
             state.below_since =
                 (share < policy.demote_share).then(|| c.state.below_since.unwrap_or(now));
             let lasted = |t: Option<DateTime<Utc>>| t.is_some_and(|t| now - t >= window);
@@ -494,7 +494,10 @@ mod tests {
             big,
         ];
         let d = decide(&p, 1800.0, &cands, t(600));
-        let got: Vec<_> = d.iter().map(|d| (d.name.as_str(), d.action, d.reason)).collect();
+        let got: Vec<_> = d
+            .iter()
+            .map(|d| (d.name.as_str(), d.action, d.reason))
+            .collect();
         // Per GPU: b 400, a 300, big 250, c 200; two GPUs: b and a.
         assert_eq!(
             got,
@@ -519,15 +522,24 @@ mod tests {
         let d = decide(
             &p,
             1000.0,
-            &[cand("old", 300.0, merged_since(0)), cand("new", 360.0, sustained())],
+            &[
+                cand("old", 300.0, merged_since(0)),
+                cand("new", 360.0, sustained()),
+            ],
             t(2000),
         );
-        assert_eq!((d[0].action, d[1].action, d[1].reason), (Action::Stay, Action::Stay, BUDGET_EXHAUSTED));
+        assert_eq!(
+            (d[0].action, d[1].action, d[1].reason),
+            (Action::Stay, Action::Stay, BUDGET_EXHAUSTED)
+        );
         // Newcomer at 400: 1.33x; takes the GPU.
         let d = decide(
             &p,
             1000.0,
-            &[cand("old", 300.0, merged_since(0)), cand("new", 400.0, sustained())],
+            &[
+                cand("old", 300.0, merged_since(0)),
+                cand("new", 400.0, sustained()),
+            ],
             t(2000),
         );
         assert_eq!(
@@ -538,10 +550,16 @@ mod tests {
         let d = decide(
             &p,
             1000.0,
-            &[cand("old", 300.0, merged_since(1500)), cand("new", 900.0, sustained())],
+            &[
+                cand("old", 300.0, merged_since(1500)),
+                cand("new", 900.0, sustained()),
+            ],
             t(2000),
         );
-        assert_eq!((d[0].action, d[1].action, d[1].reason), (Action::Stay, Action::Stay, BUDGET_EXHAUSTED));
+        assert_eq!(
+            (d[0].action, d[1].action, d[1].reason),
+            (Action::Stay, Action::Stay, BUDGET_EXHAUSTED)
+        );
     }
 
     #[test]
@@ -570,7 +588,11 @@ mod tests {
                 (Action::Demote, GATE_DEMOTED),
             ]
         );
-        assert!(d[0].note.contains("accuracy 0.7 (gate 0.8)"), "{}", d[0].note);
+        assert!(
+            d[0].note.contains("accuracy 0.7 (gate 0.8)"),
+            "{}",
+            d[0].note
+        );
     }
 
     #[test]
@@ -580,10 +602,25 @@ mod tests {
         assert_eq!(d[0].action, Action::Promote);
         assert!((d[0].share - 0.25).abs() < 1e-9);
         let n = &d[0].note;
-        for part in ["25.0% of the pool's 2000 tokens/min", "500 tokens/min", "5.0 requests/min", "p95 800 ms", "promote at 10.0%", "window 300s"] {
+        for part in [
+            "25.0% of the pool's 2000 tokens/min",
+            "500 tokens/min",
+            "5.0 requests/min",
+            "p95 800 ms",
+            "promote at 10.0%",
+            "window 300s",
+        ] {
             assert!(n.contains(part), "{part} not in {n}");
         }
-        let d = decide(&p, 0.0, &[cand("a", 0.0, sustained()), cand("b", 0.0, State::default())], t(600));
+        let d = decide(
+            &p,
+            0.0,
+            &[
+                cand("a", 0.0, sustained()),
+                cand("b", 0.0, State::default()),
+            ],
+            t(600),
+        );
         assert!(d.iter().all(|d| d.action == Action::Stay && d.share == 0.0));
     }
 }

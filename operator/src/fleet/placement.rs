@@ -87,7 +87,13 @@ pub fn place(policy: &Policy, traffic: &[(String, f64)], pods: &[String]) -> Pla
     let mut load: BTreeMap<&str, usize> = pods.iter().map(|p| (p.as_str(), 0)).collect();
     // The most replicated first (they need the most distinct pods with room), then by hash.
     let mut order: Vec<usize> = (0..traffic.len()).collect();
-    order.sort_by_key(|&i| (std::cmp::Reverse(reps[i]), stable_hash(&[traffic[i].0.as_str()]), i));
+    order.sort_by_key(|&i| {
+        (
+            std::cmp::Reverse(reps[i]),
+            stable_hash(&[traffic[i].0.as_str()]),
+            i,
+        )
+    });
     for i in order {
         let name = &traffic[i].0;
         let mut ranked: Vec<&String> = pods.iter().collect();
@@ -106,11 +112,12 @@ pub fn place(policy: &Policy, traffic: &[(String, f64)], pods: &[String]) -> Pla
         // slack: the pods' capacity, not the load factor, set it); then the least loaded other
         // pods take it one over the bound, holding it in host memory or on disk.
         while chosen.len() < reps[i] {
-            let Some(p) = pods
-                .iter()
-                .filter(|p| !chosen.contains(p))
-                .min_by_key(|p| (load.get(p.as_str()).copied().unwrap_or(0), stable_hash(&[name.as_str(), p.as_str()])))
-            else {
+            let Some(p) = pods.iter().filter(|p| !chosen.contains(p)).min_by_key(|p| {
+                (
+                    load.get(p.as_str()).copied().unwrap_or(0),
+                    stable_hash(&[name.as_str(), p.as_str()]),
+                )
+            }) else {
                 break;
             };
             *load.entry(p.as_str()).or_insert(0) += 1;
@@ -191,7 +198,10 @@ mod tests {
             let n_pods = rng.random_range(1..=24);
             let n_adapters = rng.random_range(1..=600);
             let capacity = rng.random_range(4..=128);
-            let p = Policy { capacity, ..policy() };
+            let p = Policy {
+                capacity,
+                ..policy()
+            };
             let t = zipf(n_adapters);
             let pl = place(&p, &t, &pods(n_pods));
             let reps = replicas(&p, &t, n_pods);
@@ -237,7 +247,10 @@ mod tests {
             let gone = place(&p, &t, &pods(n_pods - 1));
             let held = loads(&before)[&pods(n_pods)[n_pods - 1]] as f64;
             let moved = moves(&before, &gone) as f64;
-            assert!(moved <= 2.0 * held.max(1.0), "{moved} moves for a pod that held {held}");
+            assert!(
+                moved <= 2.0 * held.max(1.0),
+                "{moved} moves for a pod that held {held}"
+            );
         }
         assert!(worst > 0.0);
     }

@@ -150,9 +150,12 @@ impl Smoother {
         // The weight of this interval: an interval as long as the window counts for 63%.
         let a = 1.0 - (-dt / self.window_secs).exp();
         let ewma = |old: f64, new: f64| old + a * (new - old);
-        self.rates.requests_per_min =
-            ewma(self.rates.requests_per_min, delta.requests as f64 * 60.0 / dt);
-        self.rates.tokens_per_min = ewma(self.rates.tokens_per_min, delta.tokens as f64 * 60.0 / dt);
+        self.rates.requests_per_min = ewma(
+            self.rates.requests_per_min,
+            delta.requests as f64 * 60.0 / dt,
+        );
+        self.rates.tokens_per_min =
+            ewma(self.rates.tokens_per_min, delta.tokens as f64 * 60.0 / dt);
         self.errors_per_sec = ewma(self.errors_per_sec, delta.errors as f64 / dt);
         let req_per_sec = self.rates.requests_per_min / 60.0;
         // Below one request per hour there is too little to say anything about success.
@@ -182,7 +185,11 @@ pub fn percentile(hist: &[f64], q: f64) -> Option<f64> {
     let mut seen = 0.0;
     for (i, &n) in hist.iter().enumerate() {
         if n > 0.0 && seen + n >= target {
-            let lo = if i == 0 { 0.0 } else { LATENCY_BUCKETS_MS[i - 1] };
+            let lo = if i == 0 {
+                0.0
+            } else {
+                LATENCY_BUCKETS_MS[i - 1]
+            };
             let Some(&hi) = LATENCY_BUCKETS_MS.get(i) else {
                 return Some(lo);
             };
@@ -239,7 +246,8 @@ impl WriteRule {
         if age >= self.max_interval_secs {
             return true;
         }
-        let moved = |a: f64, b: f64, floor: f64| (a - b).abs() > self.rel_change * a.abs().max(floor);
+        let moved =
+            |a: f64, b: f64, floor: f64| (a - b).abs() > self.rel_change * a.abs().max(floor);
         let idle = |r: &Rates| r.requests_per_min < 0.01;
         moved(old.requests_per_min, new.requests_per_min, 1.0)
             || moved(old.tokens_per_min, new.tokens_per_min, 100.0)
@@ -280,7 +288,10 @@ mod tests {
     fn steady_traffic_converges_to_its_rate_and_first_readings_count_nothing() {
         let mut s = Smoother::new(300.0, Rates::default());
         // Lifetime totals of pods seen for the first time are not a rate.
-        s.observe(t(0), &pods(&[("a", 1000, 100_000, 0), ("b", 500, 50_000, 0)]));
+        s.observe(
+            t(0),
+            &pods(&[("a", 1000, 100_000, 0), ("b", 500, 50_000, 0)]),
+        );
         assert_eq!(s.rates().requests_per_min, 0.0);
         // 200 requests per minute over both pods, 100 tokens each, 1% errors.
         for i in 1..=60 {
@@ -354,10 +365,19 @@ mod tests {
         assert!(rule.due(None, &r(1.0), None), "first write");
         assert!(!rule.due(Some(&r(1.0)), &r(100.0), Some(10)), "too soon");
         assert!(rule.due(Some(&r(10.0)), &r(20.0), Some(30)), "doubled");
-        assert!(!rule.due(Some(&r(10.0)), &r(11.0), Some(300)), "10%: not worth it");
+        assert!(
+            !rule.due(Some(&r(10.0)), &r(11.0), Some(300)),
+            "10%: not worth it"
+        );
         assert!(rule.due(Some(&r(10.0)), &r(11.0), Some(600)), "heartbeat");
-        assert!(!rule.due(Some(&r(0.0)), &r(0.001), Some(60)), "noise while idle");
-        assert!(rule.due(Some(&r(0.0)), &r(0.5), Some(60)), "started being used");
+        assert!(
+            !rule.due(Some(&r(0.0)), &r(0.001), Some(60)),
+            "noise while idle"
+        );
+        assert!(
+            rule.due(Some(&r(0.0)), &r(0.5), Some(60)),
+            "started being used"
+        );
         // 500 adapters all changing all the time still write at most once per interval each.
         let writes: usize = (0..500)
             .map(|i| {

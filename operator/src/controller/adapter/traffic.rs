@@ -250,7 +250,9 @@ pub(super) fn record(
     let fresh = TrafficStatus {
         requests_per_minute: round(rates.requests_per_min),
         tokens_per_minute: round(rates.tokens_per_min),
-        success_rate: rates.success_rate.map(|s| (s * 10_000.0).round() / 10_000.0),
+        success_rate: rates
+            .success_rate
+            .map(|s| (s * 10_000.0).round() / 10_000.0),
         p50_ms: rates.p50_ms.map(f64::round),
         p95_ms: rates.p95_ms.map(f64::round),
         last_used: rates.last_used.map(rfc3339),
@@ -259,8 +261,7 @@ pub(super) fn record(
         updated_at: Some(rfc3339(now)),
     };
     let placement_changed = old_traffic.is_some_and(|t| t.pods != fresh.pods || t.merged != merged);
-    let due = placement_changed
-        || rule.due(old_traffic.map(recorded).as_ref(), rates, age);
+    let due = placement_changed || rule.due(old_traffic.map(recorded).as_ref(), rates, age);
     next.traffic = if due {
         Some(fresh)
     } else {
@@ -381,12 +382,22 @@ mod tests {
         ];
         // 600 of 1500 tokens/min: 40%, above 20% with a zero window: promoted.
         let d = decide_for(&me, &p, &others, &rates(600.0), t(0)).unwrap();
-        assert_eq!((d.action, d.reason), (Action::Promote, merge::reason::TRAFFIC_PROMOTED));
+        assert_eq!(
+            (d.action, d.reason),
+            (Action::Promote, merge::reason::TRAFFIC_PROMOTED)
+        );
         assert!((d.share - 0.4).abs() < 1e-9);
         // The budget (1 GPU) went to the more valuable one.
         let d = decide_for(&me, &p, &others, &rates(300.0), t(0)).unwrap();
         assert_eq!(d.reason, merge::reason::BUDGET_EXHAUSTED, "{}", d.note);
-        assert!(decide_for(&adapter("x", "dynamic", 0.0), &p, &others, &rates(900.0), t(0)).is_none());
+        assert!(decide_for(
+            &adapter("x", "dynamic", 0.0),
+            &p,
+            &others,
+            &rates(900.0),
+            t(0)
+        )
+        .is_none());
         let mut plain = p.clone();
         plain.spec.merge.traffic = None;
         assert!(decide_for(&me, &plain, &others, &rates(900.0), t(0)).is_none());
@@ -395,7 +406,18 @@ mod tests {
     #[test]
     fn traffic_is_written_at_a_bounded_rate_and_a_decision_makes_an_event() {
         let mut next = AdapterStatus::default();
-        let ev = record(&mut next, None, Reading { rates: &rates(600.0), holding: vec!["p1".into()], merged: false }, None, WriteRule::default(), t(0));
+        let ev = record(
+            &mut next,
+            None,
+            Reading {
+                rates: &rates(600.0),
+                holding: vec!["p1".into()],
+                merged: false,
+            },
+            None,
+            WriteRule::default(),
+            t(0),
+        );
         assert!(ev.is_none());
         let first = next.traffic.clone().unwrap();
         assert_eq!(first.tokens_per_minute, 600.0);
@@ -403,19 +425,57 @@ mod tests {
         // 10 s later, doubled: too soon, the old figures stay (no write).
         let old = next.clone();
         let mut again = AdapterStatus::default();
-        record(&mut again, Some(&old), Reading { rates: &rates(1200.0), holding: vec!["p1".into()], merged: false }, None, WriteRule::default(), t(10));
+        record(
+            &mut again,
+            Some(&old),
+            Reading {
+                rates: &rates(1200.0),
+                holding: vec!["p1".into()],
+                merged: false,
+            },
+            None,
+            WriteRule::default(),
+            t(10),
+        );
         assert_eq!(again.traffic, Some(first.clone()));
         // The pods holding it changed: written at once.
-        record(&mut again, Some(&old), Reading { rates: &rates(1200.0), holding: vec!["p1".into(), "p2".into()], merged: false }, None, WriteRule::default(), t(10));
+        record(
+            &mut again,
+            Some(&old),
+            Reading {
+                rates: &rates(1200.0),
+                holding: vec!["p1".into(), "p2".into()],
+                merged: false,
+            },
+            None,
+            WriteRule::default(),
+            t(10),
+        );
         assert_eq!(again.traffic.unwrap().tokens_per_minute, 1200.0);
         // A promotion: an Event with the numbers and the state recorded.
         let p = pool();
         let me = adapter("hot", "auto", 0.0);
         let d = decide_for(&me, &p, std::slice::from_ref(&me), &rates(600.0), t(40)).unwrap();
         let mut next = AdapterStatus::default();
-        let ev = record(&mut next, Some(&old), Reading { rates: &rates(600.0), holding: vec![], merged: false }, Some(&d), WriteRule::default(), t(40)).unwrap();
+        let ev = record(
+            &mut next,
+            Some(&old),
+            Reading {
+                rates: &rates(600.0),
+                holding: vec![],
+                merged: false,
+            },
+            Some(&d),
+            WriteRule::default(),
+            t(40),
+        )
+        .unwrap();
         assert_eq!(ev.reason, "TrafficPromoted");
-        assert!(ev.note.contains("100.0% of the pool's 600 tokens/min"), "{}", ev.note);
+        assert!(
+            ev.note.contains("100.0% of the pool's 600 tokens/min"),
+            "{}",
+            ev.note
+        );
         let f = next.fleet.unwrap();
         assert!(f.merged);
         assert_eq!(f.since.as_deref(), Some("2026-11-27T12:00:40Z"));

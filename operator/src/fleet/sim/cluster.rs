@@ -141,7 +141,8 @@ impl Pod {
         let rate = match self.kind {
             Kind::Merged(_) => m.merged_rate(b),
             Kind::Dynamic => {
-                let mut distinct: Vec<u32> = running.iter().map(|&i| self.active[i].adapter).collect();
+                let mut distinct: Vec<u32> =
+                    running.iter().map(|&i| self.active[i].adapter).collect();
                 distinct.sort_unstable();
                 distinct.dedup();
                 m.dynamic_rate(b, distinct.len())
@@ -288,7 +289,8 @@ pub fn route(pods: &[Pod], placed: Option<&[usize]>, adapter: u32, now: f64) -> 
     let dynamic = |i: &usize| pods[*i].kind == Kind::Dynamic && pods[*i].serving(now);
     let score = |i: usize| 2 * pods[i].load() + usize::from(pods[i].residency(adapter));
     let any = (0..pods.len()).filter(dynamic).min_by_key(|&i| score(i));
-    let from_placed = placed.and_then(|p| p.iter().copied().filter(dynamic).min_by_key(|&i| score(i)));
+    let from_placed =
+        placed.and_then(|p| p.iter().copied().filter(dynamic).min_by_key(|&i| score(i)));
     match (from_placed, any) {
         (Some(p), Some(a)) if pods[p].load() > pods[a].load() + SPILL => Some(a),
         (Some(p), _) => Some(p),

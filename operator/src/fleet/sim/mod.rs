@@ -202,10 +202,17 @@ impl SimConfig {
             )));
         }
         if !(self.dt > 0.0 && self.dt <= 1.0 && self.control_s >= self.dt) {
-            return Err(SimError::Invalid("step must be in (0, 1] s and at most the control period".into()));
+            return Err(SimError::Invalid(
+                "step must be in (0, 1] s and at most the control period".into(),
+            ));
         }
-        if !(0.0 < self.merge.demote_share && self.merge.demote_share < self.merge.promote_share && self.merge.promote_share <= 1.0) {
-            return Err(SimError::Invalid("need 0 < demote share < promote share <= 1".into()));
+        if !(0.0 < self.merge.demote_share
+            && self.merge.demote_share < self.merge.promote_share
+            && self.merge.promote_share <= 1.0)
+        {
+            return Err(SimError::Invalid(
+                "need 0 < demote share < promote share <= 1".into(),
+            ));
         }
         Ok(())
     }
@@ -263,7 +270,9 @@ fn quantile(sorted: &[f64], q: f64) -> f64 {
 }
 
 fn clock(t: f64) -> DateTime<Utc> {
-    Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0).single().unwrap_or_default()
+    Utc.with_ymd_and_hms(2026, 1, 1, 0, 0, 0)
+        .single()
+        .unwrap_or_default()
         + Duration::milliseconds((t * 1000.0) as i64)
 }
 
@@ -276,7 +285,13 @@ pub fn run(
 ) -> Result<Outcome, SimError> {
     cfg.check()?;
     let m = &cfg.model;
-    let adapters = adapters.max(trace.iter().map(|r| r.adapter as usize + 1).max().unwrap_or(0));
+    let adapters = adapters.max(
+        trace
+            .iter()
+            .map(|r| r.adapter as usize + 1)
+            .max()
+            .unwrap_or(0),
+    );
     let mut pods: Vec<Pod> = match strategy {
         Strategy::AllMerged => (0..adapters)
             .map(|a| Pod::new(format!("pod-{a}"), Kind::Merged(a as u32), 0.0))
@@ -326,7 +341,10 @@ pub fn run(
             next += 1;
         }
         for r in arriving {
-            let placed_pods = placed.as_ref().and_then(|p| p.get(r.adapter as usize)).map(Vec::as_slice);
+            let placed_pods = placed
+                .as_ref()
+                .and_then(|p| p.get(r.adapter as usize))
+                .map(Vec::as_slice);
             match route(&pods, placed_pods, r.adapter, t) {
                 Some(i) => pods[i].push(r, t),
                 None => unrouted.push(r),
@@ -344,12 +362,17 @@ pub fn run(
             }
         }
         // Merge Jobs that finished take a GPU from the least loaded dynamic pod.
-        let (finished, running): (Vec<(f64, u32)>, Vec<(f64, u32)>) =
-            merging.drain(..).partition(|(at, _)| *at <= t);
-        merging = running;
-        waiting_gpu.extend(finished.into_iter().map(|(_, a)| a));
+        merging.retain(|&(at, a)| {
+            if at <= t {
+                waiting_gpu.push(a);
+            }
+            at > t
+        });
         while let Some(&a) = waiting_gpu.first() {
-            let dynamic = pods.iter().filter(|p| p.kind == Kind::Dynamic && p.draining.is_none()).count();
+            let dynamic = pods
+                .iter()
+                .filter(|p| p.kind == Kind::Dynamic && p.draining.is_none())
+                .count();
             if dynamic <= cfg.min_dynamic {
                 break;
             }
@@ -369,7 +392,11 @@ pub fn run(
             for (a, s) in smoothers.iter_mut().enumerate() {
                 let per_pod: BTreeMap<String, Counters> = pods
                     .iter()
-                    .filter_map(|p| p.counters.get(&(a as u32)).map(|c| (p.name.clone(), c.clone())))
+                    .filter_map(|p| {
+                        p.counters
+                            .get(&(a as u32))
+                            .map(|c| (p.name.clone(), c.clone()))
+                    })
                     .collect();
                 s.observe(now, &per_pod);
             }
@@ -389,7 +416,10 @@ pub fn run(
                     })
                     .collect();
                 let total: f64 = cands.iter().map(|c| c.tokens_per_min).sum();
-                for (a, d) in merge::decide(&cfg.merge, total, &cands, now).into_iter().enumerate() {
+                for (a, d) in merge::decide(&cfg.merge, total, &cands, now)
+                    .into_iter()
+                    .enumerate()
+                {
                     states[a] = d.state;
                     let a = a as u32;
                     match d.action {
@@ -422,16 +452,32 @@ pub fn run(
             let names: Vec<String> = serving.iter().map(|&i| pods[i].name.clone()).collect();
             let traffic: Vec<(String, f64)> = (0..adapters)
                 .map(|a| {
-                    let w = if states[a].merged { 0.0 } else { smoothers[a].rates().tokens_per_min };
+                    let w = if states[a].merged {
+                        0.0
+                    } else {
+                        smoothers[a].rates().tokens_per_min
+                    };
                     (format!("adapter-{a}"), w)
                 })
                 .collect();
             let by_name = placement::place(&cfg.placement, &traffic, &names);
-            let index: BTreeMap<&str, usize> = serving.iter().map(|&i| (pods[i].name.as_str(), i)).collect();
+            let index: BTreeMap<&str, usize> = serving
+                .iter()
+                .map(|&i| (pods[i].name.as_str(), i))
+                .collect();
             placed = Some(
                 traffic
                     .iter()
-                    .map(|(n, _)| by_name.get(n).map(|ps| ps.iter().filter_map(|p| index.get(p.as_str()).copied()).collect()).unwrap_or_default())
+                    .map(|(n, _)| {
+                        by_name
+                            .get(n)
+                            .map(|ps| {
+                                ps.iter()
+                                    .filter_map(|p| index.get(p.as_str()).copied())
+                                    .collect()
+                            })
+                            .unwrap_or_default()
+                    })
                     .collect(),
             );
         }
@@ -439,7 +485,10 @@ pub fn run(
         if merged_at_minute.len() <= minute {
             merged_at_minute.resize(minute + 1, 0);
         }
-        merged_at_minute[minute] = pods.iter().filter(|p| matches!(p.kind, Kind::Merged(_)) && p.serving(t)).count();
+        merged_at_minute[minute] = pods
+            .iter()
+            .filter(|p| matches!(p.kind, Kind::Merged(_)) && p.serving(t))
+            .count();
         if next >= trace.len() && unrouted.is_empty() && pods.iter().all(Pod::idle) {
             break;
         }

@@ -49,7 +49,9 @@ pub fn csv(outcomes: &[Outcome]) -> String {
     s
 }
 
-const COLORS: [&str; 6] = ["#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b"];
+const COLORS: [&str; 6] = [
+    "#d62728", "#1f77b4", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b",
+];
 
 /// An SVG plot: p99 wait per minute (log scale) of each run above, arrivals per minute and the
 /// `traffic` runs' merged pods below.
@@ -58,7 +60,12 @@ pub fn svg(outcomes: &[Outcome], title: &str) -> String {
     let (left, right, top) = (70.0, 20.0, 40.0);
     let plot_w = w - left - right;
     let (upper_h, lower_top, lower_h) = (300.0, 390.0, 130.0);
-    let minutes = outcomes.iter().map(|o| o.timeline.len()).max().unwrap_or(1).max(2);
+    let minutes = outcomes
+        .iter()
+        .map(|o| o.timeline.len())
+        .max()
+        .unwrap_or(1)
+        .max(2);
     let x = |i: usize| left + plot_w * i as f64 / (minutes - 1) as f64;
     // Log scale from 10 ms to the worst p99 (at least 10 s).
     let lo: f64 = 0.01;
@@ -176,5 +183,7 @@ pub fn svg(outcomes: &[Outcome], title: &str) -> String {
 }
 
 fn escape(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
 }

@@ -47,8 +47,16 @@ fn the_traffic_policy_promotes_a_hot_adapter_and_demotes_it_when_it_cools() {
     assert_eq!(o.completed, trace.len(), "every request served");
     assert_eq!(o.promotions, 1, "{:#?}", o.events);
     assert_eq!(o.demotions, 1, "{:#?}", o.events);
-    assert!(o.events[0].contains("adapter-0 TrafficPromoted"), "{}", o.events[0]);
-    assert!(o.events[1].contains("adapter-0 TrafficDemoted"), "{}", o.events[1]);
+    assert!(
+        o.events[0].contains("adapter-0 TrafficPromoted"),
+        "{}",
+        o.events[0]
+    );
+    assert!(
+        o.events[1].contains("adapter-0 TrafficDemoted"),
+        "{}",
+        o.events[1]
+    );
     assert!(o.served[0] > 0.2, "a share served merged: {:?}", o.served);
     // A merged pod served while it was hot, none at the end.
     assert!(o.timeline.iter().any(|m| m.merged_pods == 1));
@@ -68,7 +76,11 @@ fn static_policies_serve_everything_and_all_merged_takes_a_gpu_per_adapter() {
         burst_s: 60.0,
         ..TraceSpec::default()
     });
-    for s in [Strategy::AllDynamic, Strategy::DynamicPlaced, Strategy::AllMerged] {
+    for s in [
+        Strategy::AllDynamic,
+        Strategy::DynamicPlaced,
+        Strategy::AllMerged,
+    ] {
         let o = run(s, &cfg, &trace, 20).unwrap();
         assert_eq!(o.completed, trace.len(), "{}", s.name());
         assert_eq!(o.promotions + o.demotions, 0);

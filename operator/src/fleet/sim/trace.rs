@@ -223,7 +223,10 @@ mod tests {
     #[test]
     fn bad_lines_are_refused_with_their_number() {
         let e = from_csv("at_s,adapter,tokens\n1.0,3,10\n2.0,x,10\n").unwrap_err();
-        assert_eq!(e.to_string(), "trace line 3: a bad adapter index in \"2.0,x,10\"");
+        assert_eq!(
+            e.to_string(),
+            "trace line 3: a bad adapter index in \"2.0,x,10\""
+        );
         assert!(from_csv("1,adapter-2,5\n").is_ok());
         assert!(from_csv("-1,2,5\n").is_err());
         assert!(from_csv("1,2,0\n").is_err());
