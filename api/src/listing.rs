@@ -62,6 +62,39 @@ pub struct LoraAdaptersResponse {
     pub base_model: String,
     /// Every adapter version the worker knows.
     pub data: Vec<LoraAdapterInfo>,
+    /// Cumulative traffic per adapter version since the worker started, which the operator
+    /// turns into rates (`status.traffic`). Absent from workers that do not count it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub traffic: Vec<AdapterCounters>,
+}
+
+/// Upper bounds (milliseconds) of the request latency histogram in [`AdapterCounters`]; one
+/// more, open-ended bucket follows the last. Roughly logarithmic from 25 ms to 2 min: the
+/// operator reads p50 and p95 from it, interpolating within a bucket.
+pub const LATENCY_BUCKETS_MS: [f64; 14] = [
+    25.0, 50.0, 100.0, 250.0, 500.0, 1_000.0, 2_500.0, 5_000.0, 10_000.0, 20_000.0, 30_000.0,
+    60_000.0, 90_000.0, 120_000.0,
+];
+
+/// Cumulative counters of one adapter version in one worker, since the worker started.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct AdapterCounters {
+    /// Adapter name.
+    pub name: String,
+    /// Version.
+    pub version: String,
+    /// Requests completed, successfully or not.
+    pub requests: u64,
+    /// Tokens generated.
+    pub tokens: u64,
+    /// Requests that ended in an error (the engine's, not the client's: a refused request
+    /// never reached the adapter).
+    pub errors: u64,
+    /// Completed requests per latency bucket ([`LATENCY_BUCKETS_MS`] and one open bucket):
+    /// `LATENCY_BUCKETS_MS.len() + 1` entries, or none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub latency_ms: Vec<u64>,
 }
 
 impl LoraAdaptersResponse {

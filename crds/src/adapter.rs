@@ -254,6 +254,13 @@ pub struct AdapterStatus {
     /// there now.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fetched_job_uid: Option<String>,
+    /// Live traffic, read from the pods that serve it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traffic: Option<crate::fleet::TrafficStatus>,
+    /// The traffic-driven merge-down's state (an `auto` adapter of a pool with
+    /// `merge.traffic`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fleet: Option<crate::fleet::FleetStatus>,
     /// Conditions (`Ready`, `Valid`, `Fetched`, `Loaded`, `Merged`, `MergeGated`, `Degraded`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,

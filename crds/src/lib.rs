@@ -9,16 +9,18 @@
 
 pub mod adapter;
 pub mod constants;
+pub mod fleet;
 pub mod pool;
 
 pub use adapter::*;
+pub use fleet::*;
 pub use pool::*;
 
 pub use mole_api::{
-    bounds, BoundsError, Dtype, EngineLimits, ImageProcessor, LoraAdapterInfo,
+    bounds, AdapterCounters, BoundsError, Dtype, EngineLimits, ImageProcessor, LoraAdapterInfo,
     LoraAdaptersResponse, MergedModel, ModelSource, Residency, RouterFallback, RouterSpec,
     RouterStrategy, RoutingSignals, ServingMode, WorkerAdapter, WorkerAuth, WorkerBaseModel,
-    WorkerConfig, WorkerLimits, WorkerMode,
+    WorkerConfig, WorkerLimits, WorkerMode, LATENCY_BUCKETS_MS,
 };
 
 use kube::CustomResourceExt;

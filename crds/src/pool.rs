@@ -313,6 +313,10 @@ pub struct PoolMergeSpec {
     /// Unload a merged adapter from the dynamic pods once its merged pods are ready.
     #[serde(default)]
     pub unload_from_dynamic: bool,
+    /// Traffic-driven merge-down of `serving.mode: auto` adapters. Unset: `auto` merges an
+    /// adapter when `minAccuracy` is set and its accuracy passes, whatever its traffic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traffic: Option<crate::fleet::TrafficMergeSpec>,
 }
 
 impl Default for PoolMergeSpec {
@@ -327,6 +331,7 @@ impl Default for PoolMergeSpec {
             backoff_limit: default_backoff_limit(),
             active_deadline_seconds: default_active_deadline(),
             unload_from_dynamic: false,
+            traffic: None,
         }
     }
 }

@@ -5,6 +5,7 @@
 
 pub mod controller;
 pub mod error;
+pub mod fleet;
 pub mod leader;
 pub mod mergedown;
 pub mod reasons;

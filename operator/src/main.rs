@@ -2,6 +2,8 @@
 
 #![forbid(unsafe_code)]
 
+mod simulate;
+
 use std::net::SocketAddr;
 use std::time::Duration;
 
@@ -40,6 +42,8 @@ enum Command {
     Run,
     /// Print the CustomResourceDefinitions as YAML.
     Crd,
+    /// Play a request trace against a simulated pool under the fleet policies.
+    Simulate(simulate::SimulateArgs),
 }
 
 #[derive(clap::Args, Clone)]
@@ -193,6 +197,7 @@ async fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
+        Some(Command::Simulate(a)) => simulate::simulate(a),
         Some(Command::Run) | None => run(cli.run).await,
     }
 }

@@ -2801,3 +2801,145 @@ async fn canonicalized_quantities_are_not_a_change() {
     e.reconcile_pool().await;
     assert_eq!(res(&e)["requests"]["cpu"], "2");
 }
+
+impl Env {
+    /// The dynamic pod lists `calendar` and `mail` (calendar loaded or not) with these
+    /// cumulative token counts (one request per 100 tokens).
+    fn worker_traffic(&self, calendar_loaded: bool, calendar_tokens: u64, mail_tokens: u64) {
+        let entry = |n: &str, id: u32, loaded: bool| {
+            json!({"name": n, "version": "v1", "lora_id": id, "residency": "gpu", "loaded": loaded,
+                   "rank": 8, "bytes": 1000, "requests": 0, "running": 0})
+        };
+        let count = |n: &str, tokens: u64| json!({"name": n, "version": "v1", "requests": tokens / 100, "tokens": tokens, "errors": 0});
+        *self.worker.adapters.lock().unwrap() = json!({
+            "object": "list", "base_model": "b",
+            "data": [entry("calendar", 1, calendar_loaded), entry("mail", 2, true)],
+            "traffic": [count("calendar", calendar_tokens), count("mail", mail_tokens)],
+        });
+    }
+
+    /// Whether the pool's WorkerConfig has the dynamic pods load `name`.
+    fn dynamic_loads(&self, name: &str) -> bool {
+        let wc: mole_crds::WorkerConfig = serde_json::from_str(
+            self.get(CM).unwrap()["data"]["worker.json"]
+                .as_str()
+                .unwrap(),
+        )
+        .unwrap();
+        wc.adapters.iter().any(|a| a.name == name && a.load)
+    }
+}
+
+/// Issue 37: an `auto` adapter whose traffic rises gets merged pods, while the dynamic pods
+/// keep serving it until they are ready; when its traffic falls it goes back to the dynamic
+/// pods, and the merged pods go only once the dynamic pods report it loaded again. Each
+/// decision is an Event with its numbers.
+#[tokio::test]
+async fn traffic_rises_to_merged_and_falls_back_to_dynamic_without_a_gap() {
+    let e = env().await;
+    let mut pool = pool_obj();
+    pool["spec"]["merge"] = json!({"traffic": {"promoteShare": 0.5, "demoteShare": 0.2,
+        "windowSeconds": 0, "minHoldSeconds": 0, "maxMergedGpus": 1}});
+    e.store.lock().unwrap().create(POOL, pool);
+    e.add_ready_pod();
+    let mut cal = adapter_obj("calendar", "vl", "calendar");
+    cal["spec"]["serving"] = json!({"mode": "auto"});
+    e.store
+        .lock()
+        .unwrap()
+        .create(&adapter_path("calendar"), cal);
+    e.store
+        .lock()
+        .unwrap()
+        .create(&adapter_path("mail"), adapter_obj("mail", "vl", "mail"));
+    e.worker_traffic(true, 0, 0);
+    e.reconcile_pool().await;
+    // Ids in order of registration: calendar 1, mail 2, as the pod reports them.
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_adapter("mail").await;
+    e.reconcile_pool().await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["servingMode"], "dynamic");
+    assert_eq!(a["status"]["fleet"]["merged"], false);
+    assert_eq!(e.count_events("TrafficPromoted"), 0);
+
+    // Calendar's traffic rises: 99% of the pool's tokens.
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    e.worker_traffic(true, 100_000, 1_000);
+    e.reconcile_adapter("mail").await;
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.count_events("TrafficPromoted"), 1);
+    let note = e
+        .store
+        .lock()
+        .unwrap()
+        .event_notes
+        .iter()
+        .find(|(r, _)| r == "TrafficPromoted")
+        .unwrap()
+        .1
+        .clone();
+    assert!(
+        note.contains("% of the pool's") && note.contains("promote at 50.0%"),
+        "{note}"
+    );
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["fleet"]["merged"], true);
+    assert!(
+        a["status"]["fleet"]["share"].as_f64().unwrap() > 0.9,
+        "{}",
+        a["status"]
+    );
+    assert_eq!(a["status"]["traffic"]["pods"], json!(["vl-dynamic-abc"]));
+    // Its rates are not written again within the status write interval (1 s here).
+    assert_eq!(a["status"]["traffic"]["tokensPerMinute"], 0.0);
+    assert_eq!(e.jobs().len(), 1, "a merge Job");
+    // Until the merged pods are ready the dynamic pods serve it.
+    e.reconcile_pool().await;
+    assert!(e.dynamic_loads("calendar"));
+    e.finish_only_job(true, "");
+    e.reconcile_adapter("calendar").await;
+    assert!(e.get(MERGED).is_some());
+    e.reconcile_pool().await;
+    assert!(e.dynamic_loads("calendar"), "merged pods not ready yet");
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["servingMode"], "merged");
+    assert_eq!(a["status"]["phase"], "Ready");
+    e.reconcile_pool().await;
+    assert!(e.dynamic_loads("calendar"), "kept as the fallback");
+
+    // Its traffic falls: mail takes nearly all of it. Past the status write interval (a tenth
+    // of the window, at least 1 s) mail's new rate is recorded for calendar to read.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    e.worker_traffic(false, 100_000, 10_000_000);
+    e.reconcile_adapter("mail").await;
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.count_events("TrafficDemoted"), 1, "{:?}", e.events());
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["fleet"]["merged"], false);
+    assert!(
+        a["status"]["traffic"]["tokensPerMinute"].as_f64().unwrap() > 0.0,
+        "{}",
+        a["status"]
+    );
+    assert!(
+        e.get(&adapter_path("mail")).unwrap()["status"]["traffic"]["tokensPerMinute"]
+            .as_f64()
+            .unwrap()
+            > 0.0
+    );
+    // The dynamic pod does not hold it (it reports it not loaded): the merged pods stay.
+    assert!(e.get(MERGED).is_some(), "no window without a serving pod");
+    e.worker_traffic(true, 100_000, 10_000_000);
+    e.reconcile_adapter("calendar").await;
+    assert!(
+        e.get(MERGED).is_none(),
+        "merged pods go once the dynamic pods hold it"
+    );
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["servingMode"], "dynamic");
+    assert_eq!(a["status"]["phase"], "Ready");
+    assert_eq!(e.count_events("TrafficDemoted"), 1, "decided once");
+}

@@ -1523,6 +1523,23 @@ async fn models_and_lora_adapters_fields() {
         .unwrap();
     assert_eq!(js["rank"], 4, "{js}");
     assert_eq!(js["requests"], 0);
+    // Its traffic, which the operator turns into rates (issue 37): the one request, the
+    // tokens it generated and its latency in one bucket.
+    let fr = l["traffic"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["name"] == "fr" && a["version"] == "v1")
+        .unwrap();
+    assert_eq!(
+        (fr["requests"].as_u64(), fr["errors"].as_u64()),
+        (Some(1), Some(0)),
+        "{fr}"
+    );
+    assert!(fr["tokens"].as_u64().unwrap() > 0, "{fr}");
+    let buckets: Vec<u64> = serde_json::from_value(fr["latency_ms"].clone()).unwrap();
+    assert_eq!(buckets.len(), mole_api::LATENCY_BUCKETS_MS.len() + 1);
+    assert_eq!(buckets.iter().sum::<u64>(), 1, "{fr}");
 }
 
 #[tokio::test]

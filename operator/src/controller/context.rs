@@ -118,6 +118,10 @@ pub struct Context {
     reload_failures: Mutex<HashMap<String, HashMap<String, Failing>>>,
     /// First retry delay of a failed reload and its cap (doubling in between).
     reload_backoff: (Duration, Duration),
+    /// Each adapter's traffic smoothing (`ns/name`): the rates between readings of the pods'
+    /// counters. Lost on restart, when the smoothing starts again from the rates the status
+    /// recorded.
+    pub traffic: Mutex<HashMap<String, crate::fleet::traffic::Smoother>>,
 }
 
 /// First retry delay of a failed reload: a refusal does not go away by asking every 5 s.
@@ -179,6 +183,7 @@ impl Context {
             reloaded: Mutex::default(),
             reload_failures: Mutex::default(),
             reload_backoff: (RELOAD_BACKOFF_FIRST, RELOAD_BACKOFF_MAX),
+            traffic: Mutex::default(),
         }
     }
 

@@ -171,6 +171,9 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
         ));
     }
     validate_scaling(&spec.dynamic)?;
+    if let Some(t) = &spec.merge.traffic {
+        validate_traffic(t)?;
+    }
     // The worker refuses a config outside these bounds: refuse the pool instead of rendering it.
     if let Err(e) = spec.dynamic.limits.validate() {
         return Err(FieldError::invalid(
@@ -240,6 +243,40 @@ pub fn validate_rollout(
                 "{unavailable} of {replicas} replicas ({replicas_field}) may go down at once: \
                  it must leave at least one pod serving"
             ),
+        ));
+    }
+    Ok(())
+}
+
+/// Validates `spec.merge.traffic`: shares in [0, 1] with demotion below promotion (the band
+/// between them is the hysteresis), non-negative times.
+pub fn validate_traffic(t: &mole_crds::TrafficMergeSpec) -> Result<(), FieldError> {
+    let f = |k: &str| format!("spec.merge.traffic.{k}");
+    let share = |x: f64| (0.0..=1.0).contains(&x);
+    if !share(t.promote_share) || t.promote_share == 0.0 {
+        return Err(FieldError::invalid(
+            f("promoteShare"),
+            format!("{} must be in (0, 1]", t.promote_share),
+        ));
+    }
+    if !share(t.demote_share) || t.demote_share >= t.promote_share {
+        return Err(FieldError::invalid(
+            f("demoteShare"),
+            format!(
+                "{} must be 0 or more and below promoteShare {} (the band between them keeps an \
+                 adapter from flapping)",
+                t.demote_share, t.promote_share
+            ),
+        ));
+    }
+    if t.window_seconds < 0 || t.min_hold_seconds < 0 {
+        return Err(FieldError::invalid(
+            f(if t.window_seconds < 0 {
+                "windowSeconds"
+            } else {
+                "minHoldSeconds"
+            }),
+            "must be 0 or more",
         ));
     }
     Ok(())
@@ -671,6 +708,23 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         }
     }
 
+    fn traffic(promote: f64, demote: f64) -> mole_crds::TrafficMergeSpec {
+        mole_crds::TrafficMergeSpec {
+            promote_share: promote,
+            demote_share: demote,
+            window_seconds: 300,
+            min_hold_seconds: 900,
+            max_merged_gpus: 2,
+        }
+    }
+
+    #[test]
+    fn a_traffic_policy_with_a_band_is_valid() {
+        let mut p = pool();
+        p.spec.merge.traffic = Some(traffic(0.1, 0.04));
+        assert_eq!(validate_pool(&p), Ok(()));
+    }
+
     fn field(r: Result<(), FieldError>) -> String {
         r.unwrap_err().field
     }
@@ -723,6 +777,26 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
             (
                 |p| p.spec.dynamic.autoscaling = Some(autoscaling(0, 4)),
                 "spec.dynamic.autoscaling.minReplicas",
+            ),
+            (
+                |p| p.spec.merge.traffic = Some(traffic(0.05, 0.05)),
+                "spec.merge.traffic.demoteShare",
+            ),
+            (
+                |p| p.spec.merge.traffic = Some(traffic(0.0, 0.0)),
+                "spec.merge.traffic.promoteShare",
+            ),
+            (
+                |p| p.spec.merge.traffic = Some(traffic(1.5, 0.1)),
+                "spec.merge.traffic.promoteShare",
+            ),
+            (
+                |p| {
+                    let mut t = traffic(0.1, 0.04);
+                    t.min_hold_seconds = -1;
+                    p.spec.merge.traffic = Some(t);
+                },
+                "spec.merge.traffic.minHoldSeconds",
             ),
             (
                 |p| p.spec.dynamic.autoscaling = Some(autoscaling(3, 2)),

@@ -179,6 +179,10 @@ pub struct Observed {
     pub deployment: Option<DeploymentState>,
     /// Every ready dynamic pod reports this adapter version loaded.
     pub dynamic_loaded: bool,
+    /// For an `auto` adapter of a pool with `merge.traffic`: whether the traffic-driven
+    /// policy ([`crate::fleet::merge`]) wants it merged. None: `auto` merges on the accuracy
+    /// gate alone, as without that policy.
+    pub fleet_merged: Option<bool>,
     /// Clock (injected so the plan stays pure).
     pub now: DateTime<Utc>,
 }
@@ -305,9 +309,13 @@ pub fn plan(
     let gated = gate(pool, spec);
     let want_merged = match spec.serving.mode {
         ServingMode::Merged => gated.is_none(),
-        // `auto` merges only when a gate is configured and passed: merging is a cost the
-        // operator should not pay for adapters nobody vouched for.
-        ServingMode::Auto => pool.merge.min_accuracy.is_some() && gated.is_none(),
+        // With the pool's traffic policy, `auto` follows its decision (the gate still applies).
+        // Without it `auto` merges only when a gate is configured and passed: merging is a
+        // cost the operator should not pay for adapters nobody vouched for.
+        ServingMode::Auto => match obs.fleet_merged {
+            Some(merged) => merged && gated.is_none(),
+            None => pool.merge.min_accuracy.is_some() && gated.is_none(),
+        },
         ServingMode::Dynamic => false,
     };
     let asked_merged = spec.serving.mode != ServingMode::Dynamic;

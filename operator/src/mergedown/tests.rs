@@ -40,6 +40,7 @@ fn obs(job: JobState) -> Observed {
         job,
         deployment: None,
         dynamic_loaded: true,
+        fleet_merged: None,
         now: t0(),
     }
 }

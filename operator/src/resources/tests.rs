@@ -777,7 +777,9 @@ fn every_field_spec() -> serde_json::Value {
   "merge": {"resources": {"requests": {"cpu": "2"}}, "nodeSelector": {"pool": "cpu"},
             "tolerations": [{"key": "batch", "operator": "Exists"}], "priorityClassName": "batch",
             "keepVersions": 2, "minAccuracy": 0.5, "backoffLimit": 2, "activeDeadlineSeconds": 3600,
-            "unloadFromDynamic": false},
+            "unloadFromDynamic": false,
+            "traffic": {"promoteShare": 0.1, "demoteShare": 0.04, "windowSeconds": 300,
+                        "minHoldSeconds": 900, "maxMergedGpus": 2}},
   "auth": {"secretName": "keys", "key": "api-keys", "adminTokenKey": "admin"},
   "imagePullSecrets": [{"name": "regcred"}],
   "rollout": {"maxSurge": "25%", "maxUnavailable": 1}

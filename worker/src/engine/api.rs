@@ -400,6 +400,10 @@ pub trait InferenceEngine: Send + Sync + 'static {
     fn unload_adapter(&self, name: &str) -> Result<(), EngineError>;
     /// What the registry holds.
     fn adapters(&self) -> Vec<mole_api::LoraAdapterInfo>;
+    /// Cumulative traffic per adapter version (none from an engine that does not count it).
+    fn adapter_counters(&self) -> Vec<mole_api::AdapterCounters> {
+        Vec::new()
+    }
     /// Scheduler snapshot.
     fn stats(&self) -> EngineStats;
     /// Base model name and max sequence length.

@@ -645,6 +645,10 @@ impl InferenceEngine for Engine {
         out
     }
 
+    fn adapter_counters(&self) -> Vec<mole_api::AdapterCounters> {
+        self.shared.registry.counters()
+    }
+
     fn stats(&self) -> EngineStats {
         let mut s = self
             .shared

@@ -150,6 +150,33 @@ impl InferenceEngine for Replicas {
         }
     }
 
+    /// Every engine's traffic per adapter version, summed.
+    fn adapter_counters(&self) -> Vec<mole_api::AdapterCounters> {
+        let mut out: Vec<mole_api::AdapterCounters> = Vec::new();
+        for e in &self.engines {
+            for c in e.adapter_counters() {
+                match out
+                    .iter_mut()
+                    .find(|x| x.name == c.name && x.version == c.version)
+                {
+                    Some(x) => {
+                        x.requests += c.requests;
+                        x.tokens += c.tokens;
+                        x.errors += c.errors;
+                        if x.latency_ms.len() < c.latency_ms.len() {
+                            x.latency_ms.resize(c.latency_ms.len(), 0);
+                        }
+                        for (a, b) in x.latency_ms.iter_mut().zip(&c.latency_ms) {
+                            *a += b;
+                        }
+                    }
+                    None => out.push(c),
+                }
+            }
+        }
+        out
+    }
+
     /// Every version any engine knows: loaded when all of them hold it, requests summed,
     /// bytes and residency of the first engine that has it.
     fn adapters(&self) -> Vec<LoraAdapterInfo> {

@@ -520,7 +520,7 @@ fn emit(shared: &Shared, s: &mut Seq, out: Sampled) {
         // `/v1/lora_adapters` right after its answer sees its request counted; this also
         // releases the pinned version now rather than when the step's bookkeeping ends.
         if let Some(p) = s.adapter.take() {
-            p.finish();
+            p.completed(s.generated.len());
         }
         s.trace.finished(reason, s.generated.len());
         let _ = s.tx.send(TokenEvent::Finished {

@@ -117,6 +117,9 @@ impl Seq {
             let _ = f.tx.send(TokenEvent::Error(err.clone()));
         }
         let _ = self.tx.send(TokenEvent::Error(err.clone()));
+        if let Some(p) = self.adapter.take() {
+            p.failed();
+        }
         self.trace.failed(err);
         self.done = true;
     }

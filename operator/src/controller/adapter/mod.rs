@@ -14,6 +14,7 @@ mod fetch;
 mod ledger;
 mod observe;
 mod status;
+pub mod traffic;
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
@@ -152,15 +153,34 @@ async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     if let Some(action) = fetch::ensure_fetched(adapter, &pool, ctx, lora_id, now).await? {
         return Ok(action);
     }
-    let observed = observe::observe(adapter, &pool, lora_id, ctx, now).await?;
-    let plan = build::plan(
+    let mut observed = observe::observe(adapter, &pool, lora_id, ctx, now).await?;
+    let rates = traffic::smooth(ctx, adapter, &pool, &observed.counters, now);
+    let decision = traffic::decide_for(adapter, &pool, &siblings, &rates, now);
+    observed.planner.fleet_merged = decision.as_ref().map(|d| d.merged());
+    let mut plan = build::plan(
         adapter,
         &pool,
         &status::accepted(adapter, lora_id, now),
         &observed,
     );
     apply::apply_plan(ctx, adapter, &pool, &plan, observed.merged.as_ref()).await?;
-    let next = status::report(adapter, &plan, &observed, now);
+    let mut next = status::report(adapter, &plan, &observed, now);
+    let merged_serving = plan.merged_endpoint.is_some();
+    let holding = std::mem::take(&mut observed.holding);
+    if let Some(ev) = traffic::record(
+        &mut next,
+        adapter.status.as_ref(),
+        traffic::Reading {
+            rates: &rates,
+            holding,
+            merged: merged_serving,
+        },
+        decision.as_ref(),
+        traffic::write_rule(&pool.spec),
+        now,
+    ) {
+        plan.events.insert(0, ev);
+    }
     status::publish(adapter, ctx, &next, &plan, observed.load_error.as_deref()).await
 }
 
@@ -193,6 +213,7 @@ async fn cleanup(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     let name = adapter.name_any();
     // Leaving the ledger takes it out of the pool's WorkerConfig (and the id stays burnt).
     ledger::unregister(adapter, ctx).await?;
+    traffic::forget(ctx, adapter);
     let pools: Api<InferencePool> = Api::namespaced(ctx.client.clone(), &ns);
     let pool = pools
         .get_opt(&adapter.spec.pool)

@@ -48,6 +48,11 @@ pub(super) struct Observed {
     pub merged: Option<Deployment>,
     /// Why one of the merged Deployment's pods cannot become ready by itself, when one cannot.
     pub merged_problem: Option<PodProblem>,
+    /// This adapter's cumulative counters in each pod that reports it (dynamic and merged),
+    /// by pod name.
+    pub counters: std::collections::BTreeMap<String, crate::fleet::traffic::Counters>,
+    /// The ready dynamic pods that hold it loaded (any version).
+    pub holding: Vec<String>,
     /// What the merge-down planner reads.
     pub planner: mergedown::Observed,
 }
@@ -66,9 +71,19 @@ pub(super) async fn observe(
     let pods = ready_pods(&ctx.client, &ns, &adapter.spec.pool).await?;
     let mut reports = Vec::with_capacity(pods.len());
     let mut unreachable = Vec::new();
+    let mut counters = std::collections::BTreeMap::new();
+    let mut holding = Vec::new();
     for pod in &pods {
         match ctx.pods.adapters(pod, &token).await {
-            Ok(r) => reports.push(r),
+            Ok(r) => {
+                if let Some(c) = super::traffic::counters_of(&r, &name) {
+                    counters.insert(pod.name.clone(), c);
+                }
+                if r.data.iter().any(|a| a.name == name && a.loaded) {
+                    holding.push(pod.name.clone());
+                }
+                reports.push(r)
+            }
             Err(e) => unreachable.push(e.to_string()),
         }
     }
@@ -104,13 +119,26 @@ pub(super) async fn observe(
         .await?
         .filter(|d| owned_by(&d.metadata, adapter));
     let merged_problem = match &merged {
-        Some(d) => pod_problem(&merged_pods(ctx, &ns, d).await?),
+        Some(d) => {
+            let mpods = merged_pods(ctx, &ns, d).await?;
+            // The merged pods' traffic is the adapter's too; one that does not answer only
+            // leaves its share out of this reading.
+            for pod in mpods.iter().filter_map(crate::controller::context::ready) {
+                if let Ok(r) = ctx.pods.adapters(&pod, &token).await {
+                    if let Some(c) = super::traffic::counters_of(&r, &name) {
+                        counters.insert(pod.name.clone(), c);
+                    }
+                }
+            }
+            pod_problem(&mpods)
+        }
         None => None,
     };
     let planner = mergedown::Observed {
         job: observe_job(ctx, &ns, &key.job_name, "merge Job failed").await?,
         deployment: merged.as_ref().map(observe_merged),
         dynamic_loaded: all_loaded && unreachable.is_empty(),
+        fleet_merged: None,
         now,
     };
     Ok(Observed {
@@ -121,6 +149,8 @@ pub(super) async fn observe(
         load_warning,
         merged,
         merged_problem,
+        counters,
+        holding,
         planner,
     })
 }
@@ -316,6 +346,7 @@ mod tests {
                     warning: None,
                 })
                 .collect(),
+            traffic: Vec::new(),
         }
     }
 

@@ -252,10 +252,13 @@ mod tests {
             load_warning: None,
             merged: None,
             merged_problem: None,
+            counters: Default::default(),
+            holding: Vec::new(),
             planner: crate::mergedown::Observed {
                 job: JobState::Absent,
                 deployment: None,
                 dynamic_loaded: pods > 0 && loaded == pods,
+                fleet_merged: None,
                 now: now(),
             },
         }

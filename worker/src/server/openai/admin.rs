@@ -30,6 +30,7 @@ pub async fn lora_adapters(State(s): S) -> Json<mole_api::LoraAdaptersResponse> 
         object: "list".into(),
         base_model: s.cfg().base_model.name.clone(),
         data: s.adapter_listing(),
+        traffic: s.engine.adapter_counters(),
     })
 }
 
