@@ -351,3 +351,198 @@ fn merging_onto_a_quantized_base_is_refused() {
     assert!(err.to_string().contains("AWQ"), "{err}");
     assert!(!tmp.path().join("out").exists());
 }
+
+/// GGUF files quantized by llama.cpp's own Python package (tests/fixtures/quant/make_gguf.py):
+/// one all Q4_1 (mole's kernel), one mixing Q4_0, Q8_0 and Q4_1 per tensor (candle's products
+/// and mole's). Their logits equal those of the same decoder on candle's dequantization of the
+/// same blocks within the 6% bound above (the 8-bit activations), on both paths, batched and
+/// alone, with and without a LoRA adapter; a step's rows share one quantized product per
+/// projection (tests/op_count_quantized.rs counts them).
+#[test]
+fn gguf_files_written_by_gguf_py_serve_like_their_dequantized_weights() {
+    let dev = Device::Cpu;
+    for name in ["llama_q4_1.gguf", "llama_mixed.gguf"] {
+        let q = mole_worker::formats::gguf::load_quantized(&fixture(name), &dev).unwrap();
+        let cfg = ModelConfig::from_json(q.config.clone()).unwrap();
+        let reference: HashMap<String, Tensor> = q
+            .tensors
+            .iter()
+            .map(|(k, t)| (k.clone(), t.dequantize(&dev).unwrap()))
+            .collect();
+        let mut types: Vec<String> = q
+            .tensors
+            .values()
+            .filter(|t| t.rank() == 2)
+            .map(|t| format!("{:?}", t.dtype()))
+            .collect();
+        types.sort();
+        types.dedup();
+        let mut quant = Decoder::from_quantized(cfg.clone(), q.tensors, &dev).unwrap();
+        let mut dense = Decoder::new(
+            cfg.clone(),
+            VarBuilder::from_tensors(reference, DType::F32, &dev),
+        )
+        .unwrap();
+        let a = adapter(&cfg);
+        let (pa, pb) = (
+            vec![5u32, 17, 99, 3, 250, 42, 7, 7, 128, 64, 33, 1],
+            vec![200u32, 11, 90, 4, 4, 180, 2],
+        );
+        let feed: Vec<u32> = (0..6).map(|i| (31 + 37 * i) % 256).collect();
+        for host in [true, false] {
+            quant.set_host_kernels(host);
+            dense.set_host_kernels(host);
+            let batched = vec![
+                (pa.clone(), None),
+                (pa.clone(), Some(&a)),
+                (pb.clone(), Some(&a)),
+            ];
+            let want = teacher_forced(&dense, &batched, &feed);
+            let got = teacher_forced(&quant, &batched, &feed);
+            let mut worst = 0f32;
+            for (w, g) in want.iter().zip(&got) {
+                for (x, y) in g.iter().zip(w) {
+                    worst = worst.max(max_rel(x, y));
+                }
+            }
+            for (i, row) in batched.iter().enumerate() {
+                let alone = teacher_forced(&quant, std::slice::from_ref(row), &feed);
+                for (x, y) in alone[0].iter().zip(&want[i]) {
+                    worst = worst.max(max_rel(x, y));
+                }
+            }
+            let lora_effect = max_rel(&want[1][0], &want[0][0]);
+            eprintln!(
+                "{name} ({}) host={host}: logits within {:.2}% of scale (bound {:.0}%), the \
+                 adapter moves them {:.0}%",
+                types.join("+"),
+                worst * 100.0,
+                TOL * 100.0,
+                lora_effect * 100.0
+            );
+            assert!(worst < TOL, "{name} host={host}: {worst}");
+            assert!(
+                lora_effect > 4.0 * TOL,
+                "{name}: adapter effect {lora_effect}"
+            );
+        }
+    }
+}
+
+/// The k-quants (blocks of 256, which gguf-py does not quantize: candle's quantizer, which
+/// follows llama.cpp's) on a Llama whose rows are multiples of 256: the same bound on both
+/// paths, batched and alone, with and without an adapter. Their products are candle's.
+#[test]
+fn k_quant_bases_serve_like_their_dequantized_weights_on_both_paths() {
+    use candle_core::quantized::{GgmlDType, QTensor};
+    let dev = Device::Cpu;
+    let cfg = ModelConfig::from_json(serde_json::json!({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 256,
+        "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 64, "rms_norm_eps": 1e-6, "rope_theta": 10000.0,
+        "vocab_size": 256, "max_position_embeddings": 128, "tie_word_embeddings": false,
+    }))
+    .unwrap();
+    let mut seed = 11u64;
+    let mut r = |shape: (usize, usize), scale: f32| {
+        let v: Vec<f32> = (0..shape.0 * shape.1)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                ((seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &dev).unwrap()
+    };
+    let mut dense_w: HashMap<String, Tensor> = HashMap::new();
+    dense_w.insert("model.embed_tokens.weight".into(), r((256, 256), 1.0));
+    dense_w.insert(
+        "lm_head.weight".into(),
+        r((256, 256), (3.0f32 / 256.0).sqrt()),
+    );
+    let ones = |r: Tensor| (r.squeeze(0).unwrap() + 1.0).unwrap();
+    dense_w.insert("model.norm.weight".into(), ones(r((1, 256), 0.1)));
+    for l in 0..2 {
+        let p = format!("model.layers.{l}");
+        for n in ["input_layernorm", "post_attention_layernorm"] {
+            dense_w.insert(format!("{p}.{n}.weight"), ones(r((1, 256), 0.1)));
+        }
+        for proj in Proj::ALL {
+            let (d_in, d_out) = proj.dims(&cfg);
+            let name = match proj {
+                Proj::Q => "self_attn.q_proj",
+                Proj::K => "self_attn.k_proj",
+                Proj::V => "self_attn.v_proj",
+                Proj::O => "self_attn.o_proj",
+                Proj::Gate => "mlp.gate_proj",
+                Proj::Up => "mlp.up_proj",
+                Proj::Down => "mlp.down_proj",
+            };
+            let w = r((d_out, d_in), (3.0 / d_in as f32).sqrt());
+            dense_w.insert(format!("{p}.{name}.weight"), w);
+        }
+    }
+    let a = adapter(&cfg);
+    let (pa, pb) = (vec![5u32, 17, 99, 3, 250, 42, 7], vec![200u32, 11, 90, 4]);
+    let feed: Vec<u32> = (0..5).map(|i| (31 + 37 * i) % 256).collect();
+    for dtype in [GgmlDType::Q4K, GgmlDType::Q5K, GgmlDType::Q6K] {
+        let q: HashMap<String, QTensor> = dense_w
+            .iter()
+            .map(|(k, t)| {
+                let d = if t.rank() == 2 && k != "model.embed_tokens.weight" {
+                    dtype
+                } else {
+                    GgmlDType::F32
+                };
+                (k.clone(), QTensor::quantize(t, d).unwrap())
+            })
+            .collect();
+        let reference: HashMap<String, Tensor> = q
+            .iter()
+            .map(|(k, t)| (k.clone(), t.dequantize(&dev).unwrap()))
+            .collect();
+        let mut quant = Decoder::from_quantized(cfg.clone(), q, &dev).unwrap();
+        let mut dense = Decoder::new(
+            cfg.clone(),
+            VarBuilder::from_tensors(reference, DType::F32, &dev),
+        )
+        .unwrap();
+        for host in [true, false] {
+            quant.set_host_kernels(host);
+            dense.set_host_kernels(host);
+            let batched = vec![
+                (pa.clone(), None),
+                (pa.clone(), Some(&a)),
+                (pb.clone(), Some(&a)),
+            ];
+            let want = teacher_forced(&dense, &batched, &feed);
+            let got = teacher_forced(&quant, &batched, &feed);
+            let mut worst = 0f32;
+            for (w, g) in want.iter().zip(&got) {
+                for (x, y) in g.iter().zip(w) {
+                    worst = worst.max(max_rel(x, y));
+                }
+            }
+            for (i, row) in batched.iter().enumerate() {
+                let alone = teacher_forced(&quant, std::slice::from_ref(row), &feed);
+                for (x, y) in alone[0].iter().zip(&want[i]) {
+                    worst = worst.max(max_rel(x, y));
+                }
+            }
+            let lora_effect = max_rel(&want[1][0], &want[0][0]);
+            eprintln!(
+                "{dtype:?} host={host}: logits within {:.2}% of scale (bound {:.0}%), the \
+                 adapter moves them {:.0}%",
+                worst * 100.0,
+                TOL * 100.0,
+                lora_effect * 100.0
+            );
+            assert!(worst < TOL, "{dtype:?} host={host}: {worst}");
+            assert!(
+                lora_effect > 4.0 * TOL,
+                "{dtype:?}: adapter effect {lora_effect}"
+            );
+        }
+    }
+}
