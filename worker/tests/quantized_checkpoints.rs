@@ -25,6 +25,7 @@
 //! error.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+#![allow(clippy::disallowed_methods)] // tests read results back from the device
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};

@@ -295,7 +295,9 @@ mod tests {
                 gz[g * d_out / 8 + o / 8] |= ((z[g * d_out + o] + 15) % 16) << (4 * (o % 8));
             }
         }
-        let cases: [(QuantFormat, Vec<u8>, Vec<u8>, fn(u32) -> u32); 2] = [
+        // Format, qweight, qzeros, and the zero point each stored zero reads back as.
+        type Case = (QuantFormat, Vec<u8>, Vec<u8>, fn(u32) -> u32);
+        let cases: [Case; 2] = [
             (
                 QuantFormat::Awq,
                 awq(d_in, &|i, o| q[o * d_in + i]),
