@@ -76,6 +76,8 @@ pub struct Metrics {
     pub kv_blocks: IntGauge,
     /// Bytes of the paged KV cache (tensor path only).
     pub kv_cache_bytes: IntGauge,
+    /// Bytes of the base model's weights as held.
+    pub weights_bytes: IntGauge,
     /// Sequences preempted because the KV cache was full.
     pub preemptions: IntCounter,
     /// Engine steps (forward passes).
@@ -204,6 +206,11 @@ impl Metrics {
                     &["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
                 ),
             ),
+            weights_bytes: gauge(
+                &r,
+                "mole_weights_bytes",
+                "Bytes the base model's weights hold as loaded (a quantized base: its quantized blocks)",
+            ),
             kv_blocks_free: gauge(&r, "mole_kv_blocks_free", "Free blocks of the paged KV cache"),
             kv_blocks: gauge(&r, "mole_kv_blocks", "Blocks of the paged KV cache"),
             kv_cache_bytes: gauge(
@@ -246,6 +253,9 @@ impl Metrics {
         if let Some((free, total)) = stats.kv_blocks {
             self.kv_blocks_free.set(free as i64);
             self.kv_blocks.set(total as i64);
+        }
+        if let Some(bytes) = stats.weights_bytes {
+            self.weights_bytes.set(bytes as i64);
         }
         if let Some(bytes) = stats.kv_cache_bytes {
             self.kv_cache_bytes.set(bytes as i64);

@@ -61,6 +61,11 @@ pub struct DecodeBenchArgs {
     /// Width of the image case's vision tower, a multiple of 72 (Qwen3-VL-8B: 1152, 16 heads).
     #[arg(long, env = "MOLE_BENCH_VISION_HIDDEN", default_value_t = 1152, value_parser = vision_hidden)]
     pub vision_hidden: usize,
+    /// A GGUF file: time it served quantized against its own bf16 import, side by side, on
+    /// both paths (prefill and decode, batch 1 and 16, with and without an adapter), instead
+    /// of the synthetic model and the image case.
+    #[arg(long, env = "MOLE_BENCH_GGUF")]
+    pub gguf: Option<std::path::PathBuf>,
     /// On the CPU, time the tensor path's table alone (no host-path table, no f32 twin, no
     /// image case, no transformers): about a third of the full run.
     #[arg(long, env = "MOLE_BENCH_TENSOR_ONLY")]
@@ -180,7 +185,7 @@ fn synthetic_weights(
 }
 
 /// Writes a PEFT adapter of rank `r` on every linear module for `cfg` into `dir`.
-fn write_adapter(
+pub(super) fn write_adapter(
     dir: &Path,
     cfg: &ModelConfig,
     r: usize,
@@ -232,7 +237,7 @@ fn write_adapter(
 /// Decode tokens/s of a batch whose row `k` uses `adapters[k]`: an 8-token prefill, then
 /// `steps` timed decode steps, each read back as the engine reads a greedy step (one argmax
 /// over the batch, one copy).
-fn tokens_per_s(
+pub(super) fn tokens_per_s(
     model: &Decoder,
     adapters: &[Option<&LoraAdapter>],
     steps: usize,

@@ -2,6 +2,7 @@
 //! (DESIGN §5). Each kind lives in its own module.
 
 pub mod decode;
+mod gguf;
 pub mod image;
 pub mod merge;
 
@@ -36,6 +37,10 @@ pub fn run(args: BenchArgs) -> std::process::ExitCode {
 
 /// `bench decode`: the decode case, then the image case unless told otherwise.
 fn decode_and_image(args: &decode::DecodeBenchArgs) -> anyhow::Result<()> {
+    if let Some(file) = &args.gguf {
+        let (dev, _) = decode::device_and_dtype(args)?;
+        return gguf::bench(file, args, &dev);
+    }
     decode::bench(args)?;
     if let (Some(size), false) = (args.image.0, args.tensor_only) {
         let (dev, dtype) = decode::device_and_dtype(args)?;

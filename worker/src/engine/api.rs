@@ -43,6 +43,10 @@ pub enum EngineError {
     /// worker refuses to start.
     #[error("{0}")]
     ModelDoesNotFit(String),
+    /// A pre-quantized checkpoint mole does not serve (AWQ/GPTQ variant named in the
+    /// message): the worker refuses to start.
+    #[error("{0}")]
+    UnsupportedQuantization(String),
     /// The model failed during the forward pass: 500.
     #[error("internal engine error: {0}")]
     Internal(String),
@@ -61,6 +65,7 @@ impl EngineError {
             EngineError::InvalidImage(_) => "invalid_image",
             EngineError::ModelDoesNotFit(_) => "model_does_not_fit",
             EngineError::Internal(_) => "internal_error",
+            EngineError::UnsupportedQuantization(_) => "unsupported_quantization",
         }
     }
 }
@@ -345,6 +350,8 @@ pub struct EngineStats {
     pub kv_blocks: Option<(usize, usize)>,
     /// Bytes of the paged KV cache (tensor path).
     pub kv_cache_bytes: Option<u64>,
+    /// Bytes the base model's weights hold as loaded (a quantized base: its blocks).
+    pub weights_bytes: Option<u64>,
 }
 
 /// The engine as the server sees it. Implemented by the real engine; object-safe so the

@@ -202,6 +202,9 @@ fn size_kv_cache(
 fn model_error(e: ModelError) -> EngineError {
     match e {
         ModelError::DoesNotFit { .. } => EngineError::ModelDoesNotFit(e.to_string()),
+        ModelError::UnsupportedQuantization(_) => {
+            EngineError::UnsupportedQuantization(e.to_string())
+        }
         e => EngineError::NotReady(e.to_string()),
     }
 }
@@ -251,6 +254,17 @@ impl Engine {
         let nr = |e: &dyn std::fmt::Display| {
             EngineError::NotReady(format!("model {}: {e}", dir.display()))
         };
+        // A quantized checkpoint is recognized (and refused, when mole does not serve its
+        // variant) before its tensors are read or sized.
+        // Other configuration errors are reported where they were (after the files' checks).
+        if let Err(e @ ModelError::UnsupportedQuantization(_)) =
+            crate::model::ModelConfig::from_dir(dir)
+        {
+            return Err(EngineError::UnsupportedQuantization(format!(
+                "model {}: {e}",
+                dir.display()
+            )));
+        }
         // The weights' size from the files' headers, refused before anything is allocated
         // when it exceeds the device's share.
         let files = crate::formats::hf::safetensors_files(dir).map_err(|e| nr(&e))?;
@@ -265,7 +279,7 @@ impl Engine {
         )
         .map_err(model_error)?;
         let model = Decoder::load(dir, dtype, device).map_err(|e| nr(&e))?;
-        size_kv_cache(&model, &mut opts, weights_bytes)?;
+        size_kv_cache(&model, &mut opts, model.weight_bytes())?;
         let text = TextModel::load(dir).map_err(|e| EngineError::NotReady(e.to_string()))?;
         let images = match &model.config().vision {
             Some(spec) => Some(ImageProcessor::load(dir, spec, opts.image_processor)?),
@@ -298,7 +312,7 @@ impl Engine {
         let model = Decoder::from_quantized(cfg, q.tensors, device).map_err(|e| nr(&e))?;
         let text = TextModel::from_json(&q.tokenizer_json, q.tokenizer_config, &[q.config])
             .map_err(|e| nr(&e))?;
-        size_kv_cache(&model, &mut opts, file_bytes)?;
+        size_kv_cache(&model, &mut opts, model.weight_bytes())?;
         Ok(Self::start(model, text, opts))
     }
 
@@ -322,6 +336,13 @@ impl Engine {
         mut opts: EngineOptions,
     ) -> Self {
         opts.max_seq_len = opts.max_seq_len.min(model.config().max_positions()).max(2);
+        tracing::info!(
+            weights_bytes = model.weight_bytes(),
+            weights = model
+                .quantization()
+                .map_or_else(|| format!("{:?}", model.weight_dtype()), String::from),
+            "base weights held"
+        );
         model.configure_tensor_path(tensor_path(&opts));
         let device = model.device().clone();
         let shared = Arc::new(Shared {
@@ -666,6 +687,7 @@ impl InferenceEngine for Engine {
         s.preemptions = sh.preemptions.load(Ordering::Relaxed);
         s.steps = sh.steps.load(Ordering::Relaxed);
         s.largest_batch = sh.largest_batch.load(Ordering::Relaxed);
+        s.weights_bytes = Some(sh.model.weight_bytes());
         if sh.model.paged() {
             let tp = sh.model.tensor_path();
             s.kv_blocks = Some((sh.model.free_blocks(), tp.kv_blocks));

@@ -240,6 +240,11 @@ impl InferenceEngine for Replicas {
                 (Some(a), Some(b)) => Some(a + b),
                 (a, b) => a.or(b),
             };
+            // Each replica holds its own copy of the weights.
+            out.weights_bytes = match (out.weights_bytes, s.weights_bytes) {
+                (Some(a), Some(b)) => Some(a + b),
+                (a, b) => a.or(b),
+            };
         }
         for v in [&mut out.running_adapters, &mut out.waiting_adapters] {
             v.sort_unstable();

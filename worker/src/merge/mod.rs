@@ -118,6 +118,10 @@ pub enum MergeError {
     /// The output directory exists and was made from other inputs.
     #[error("{0} exists and was merged from different inputs; refusing to overwrite it")]
     OutputExists(String),
+    /// The base is a quantized checkpoint (AWQ/GPTQ), which mole serves but does not merge
+    /// onto.
+    #[error("base model is a quantized checkpoint ({0}); mole merges onto dense bases only (merge onto the unquantized model and quantize after)")]
+    QuantizedBase(String),
 }
 
 impl MergeError {
@@ -137,6 +141,7 @@ impl MergeError {
             MergeError::Unsupported(_) => "unsupported_adapter",
             MergeError::NonFinite { .. } => "non_finite_weights",
             MergeError::OutputExists(_) => "output_exists",
+            MergeError::QuantizedBase(_) => "quantized_base",
         }
     }
 
@@ -326,6 +331,18 @@ fn check_inputs(opts: &MergeOptions, root: Option<&Path>) -> Result<Inputs, Merg
         confine(&index, root)?;
     }
     let shards = hf::safetensors_files(&base)?;
+    // A quantized base's projections are packed integers: merging into them would write
+    // garbage, so it is refused, naming the format.
+    let base_config = confine(&base.join("config.json"), root)?;
+    if base_config.exists() {
+        if let Some(q) = hf::read_config(&base)?.get("quantization_config") {
+            let method = q
+                .get("quant_method")
+                .and_then(|m| m.as_str())
+                .unwrap_or("unnamed");
+            return Err(MergeError::QuantizedBase(method.to_ascii_uppercase()));
+        }
+    }
     let shards = shards
         .iter()
         .map(|s| confine(s, root))

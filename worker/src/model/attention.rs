@@ -72,6 +72,11 @@ impl Attention {
     }
 
     /// q/k/v fused into one product (the tensor path) or apart (the host path).
+    /// The bytes its projections hold.
+    pub(super) fn bytes(&self) -> u64 {
+        self.qkv.bytes() + self.o.bytes()
+    }
+
     pub(super) fn fuse(&mut self, on: bool) -> candle_core::Result<()> {
         match on {
             true => self.qkv.fuse(),

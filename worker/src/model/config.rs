@@ -102,6 +102,11 @@ impl ModelConfig {
 
     /// Parses and checks a `config.json` value.
     pub fn from_json(v: serde_json::Value) -> Result<Self, ModelError> {
+        // The quantized checkpoints mole serves load in `Decoder::load`; others are refused
+        // here, naming their format, before any tensor is looked for.
+        if let Err(why) = crate::formats::quant::scheme(&v) {
+            return Err(ModelError::UnsupportedQuantization(why));
+        }
         if v.get("model_type").and_then(serde_json::Value::as_str) == Some("qwen3_vl") {
             return Self::from_qwen3_vl(v);
         }

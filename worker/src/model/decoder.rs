@@ -17,7 +17,7 @@ use super::rope::rope_cos_sin;
 use super::slots::LoraSlots;
 use super::step;
 use super::vision::{ImageEmbeds, VisionTower};
-use super::weights::{compute_dtype, Dense, Quantized, Weights};
+use super::weights::{compute_dtype, tensor_bytes, Dense, Prequantized, Quantized, Weights};
 use super::{HostUpdates, Lin, LoraAdapter, ModelConfig, ModelError, Rope};
 use crate::formats::hf;
 use crate::kernels;
@@ -36,6 +36,9 @@ pub struct Decoder {
     dtype: DType,
     /// The dtype of the projections and the embedding.
     weights: DType,
+    /// How the projections are held when quantized (e.g. "GGUF Q4_1", "AWQ 4-bit, group
+    /// size 128, as Q4_1 blocks").
+    quantization: Option<String>,
     /// CPU f32: attention and adapter updates run as fused host kernels.
     host: bool,
     /// A vision-language model's vision tower.
@@ -106,12 +109,41 @@ fn attach(
 
 impl Decoder {
     /// Loads an HF directory (safetensors, sharded or not) in `dtype` on `device`.
+    /// An AWQ or GPTQ checkpoint (`quantization_config` in config.json) keeps its projections
+    /// 4-bit, repacked into Q4_1 blocks (see [`crate::formats::quant_blocks`]); the rest of it
+    /// loads in `dtype`.
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self, ModelError> {
-        let cfg = ModelConfig::from_dir(dir)?;
+        let raw = hf::read_config(dir)?;
+        let scheme =
+            crate::formats::quant::scheme(&raw).map_err(ModelError::UnsupportedQuantization)?;
+        let cfg = ModelConfig::from_json(raw)?;
         let files = hf::safetensors_files(dir)?;
         // SAFETY: weight files are read-only inputs for the life of the model.
         let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device)? };
-        Self::new(cfg, vb)
+        match scheme {
+            None => Self::new(cfg, vb),
+            Some(scheme) => {
+                let blocks = crate::formats::quant_blocks::load_blocks(&files, scheme, device)
+                    .map_err(|e| match e {
+                        crate::formats::quant_blocks::QuantError::Unsupported(why) => {
+                            ModelError::UnsupportedQuantization(why)
+                        }
+                        e => ModelError::Config(format!("{}: {e}", scheme.format.name())),
+                    })?;
+                let act = compute_dtype(dtype, device);
+                let w = Prequantized {
+                    blocks,
+                    dense: Dense { vb, act },
+                };
+                let mut d = Self::build(cfg, &w, device.clone(), (dtype, act))?;
+                d.quantization = Some(format!(
+                    "{} 4-bit, group size {}, as Q4_1 blocks",
+                    scheme.format.name(),
+                    scheme.group_size
+                ));
+                Ok(d)
+            }
+        }
     }
 
     /// Builds the decoder from a VarBuilder rooted at the checkpoint's top level. The
@@ -147,12 +179,21 @@ impl Decoder {
         tensors: std::collections::HashMap<String, QTensor>,
         device: &Device,
     ) -> Result<Self, ModelError> {
-        Self::build(
+        let mut types: Vec<String> = tensors
+            .values()
+            .filter(|t| t.rank() == 2)
+            .map(|t| format!("{:?}", t.dtype()))
+            .collect();
+        types.sort();
+        types.dedup();
+        let mut d = Self::build(
             cfg,
             &Quantized(tensors, device.clone()),
             device.clone(),
             (DType::F32, DType::F32),
-        )
+        )?;
+        d.quantization = Some(format!("GGUF {}", types.join("+")));
+        Ok(d)
     }
 
     /// The decoder over `w`, with `dtypes` those of the weights and of compute.
@@ -215,6 +256,7 @@ impl Decoder {
             device,
             dtype,
             weights,
+            quantization: None,
             vision: None,
             mrope,
             tensor_opts: TensorPathOptions::default(),
@@ -331,6 +373,26 @@ impl Decoder {
     /// dequantized parts hold).
     pub fn weight_dtype(&self) -> DType {
         self.weights
+    }
+
+    /// The bytes the weights hold on the device as loaded: quantized projections as their
+    /// blocks, dense ones, the embedding and the head in their dtype (a head tied to the
+    /// embedding counted once where it shares its tensor), the norms in the compute dtype.
+    /// The vision tower, when there is one, is not counted.
+    pub fn weight_bytes(&self) -> u64 {
+        let embed = self.embed.embeddings();
+        // A dense tied head is the embedding's tensor itself (`Weights::tied_head`).
+        let shared_head = self.cfg.tie_word_embeddings && matches!(&self.lm_head, Lin::Dense(_));
+        let head = if shared_head { 0 } else { self.lm_head.bytes() };
+        let norms = (2 * self.layers.len() as u64 + 1)
+            * self.cfg.hidden_size as u64
+            * self.dtype.size_in_bytes() as u64;
+        tensor_bytes(embed) + head + norms + self.layers.iter().map(|l| l.bytes()).sum::<u64>()
+    }
+
+    /// How the projections are held when quantized (None: dense, [`Self::weight_dtype`]).
+    pub fn quantization(&self) -> Option<&str> {
+        self.quantization.as_deref()
     }
 
     /// The configuration.

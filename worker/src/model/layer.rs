@@ -62,6 +62,11 @@ impl Layer {
         })
     }
 
+    /// The bytes its projections hold.
+    pub(super) fn bytes(&self) -> u64 {
+        self.attn.bytes() + self.mlp.gate_up.bytes() + self.mlp.down.bytes()
+    }
+
     /// Projections that share an input fused (the tensor path) or apart (the host path).
     pub(super) fn fuse(&mut self, on: bool) -> candle_core::Result<()> {
         self.attn.fuse(on)?;

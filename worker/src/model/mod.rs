@@ -83,6 +83,9 @@ pub enum ModelError {
         /// What does not fit.
         why: String,
     },
+    /// A pre-quantized checkpoint mole does not serve (named in the message).
+    #[error("unsupported quantized checkpoint: {0}")]
+    UnsupportedQuantization(String),
     /// A step mixes more adapters than the LoRA slot pool holds.
     #[error("a step mixes more adapters than the {slots} LoRA slots")]
     TooManyAdapters {
@@ -101,6 +104,7 @@ impl ModelError {
             ModelError::KvCacheFull { .. } => "kv_cache_full",
             ModelError::TooManyAdapters { .. } => "too_many_adapters",
             ModelError::DoesNotFit { .. } => "model_does_not_fit",
+            ModelError::UnsupportedQuantization(_) => "unsupported_quantization",
         }
     }
 }

@@ -2,7 +2,7 @@
 //! tensors (any float dtype, half types widened on the tensor path) or GGUF blocks (candle's
 //! quantized matmul), and the dtype policy that pairs weights with compute and adapters.
 
-use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{linear_b, Linear, RmsNorm, VarBuilder};
 
@@ -68,6 +68,28 @@ pub enum Lin {
     Quantized(QMatMul, Option<Tensor>),
 }
 
+/// Bytes of a tensor as held.
+pub(super) fn tensor_bytes(t: &Tensor) -> u64 {
+    (t.elem_count() * t.dtype().size_in_bytes()) as u64
+}
+
+impl Lin {
+    /// The bytes its weights and bias hold: quantized blocks as stored, dense tensors in
+    /// their dtype.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Lin::Dense(l) => tensor_bytes(l.weight()) + l.bias().map_or(0, tensor_bytes),
+            Lin::Quantized(w, b) => {
+                let w = match w {
+                    QMatMul::QTensor(q) => q.storage_size_in_bytes() as u64,
+                    QMatMul::Tensor(t) | QMatMul::TensorF16(t) => tensor_bytes(t),
+                };
+                w + b.as_ref().map_or(0, tensor_bytes)
+            }
+        }
+    }
+}
+
 impl Module for Lin {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         match self {
@@ -79,7 +101,10 @@ impl Module for Lin {
             Lin::Dense(l) if l.weight().dtype() != x.dtype() => widened(l, x, WIDEN_MAX_VALUES),
             Lin::Dense(l) => l.forward(x),
             Lin::Quantized(w, b) => {
-                let y = w.forward(x)?;
+                let y = match q4_1_product(w, x)? {
+                    Some(y) => y,
+                    None => w.forward(x)?,
+                };
                 match b {
                     Some(b) => y.broadcast_add(b),
                     None => Ok(y),
@@ -87,6 +112,44 @@ impl Module for Lin {
             }
         }
     }
+}
+
+/// The Q4_1 blocks of a quantized projection held on the CPU, as bytes (see
+/// [`crate::kernels::q4_1`]), when the CPU runs their kernel; None otherwise (other block
+/// types, a GPU, no AVX2: candle's quantized matmul).
+pub(super) fn q4_1_blocks(w: &QMatMul) -> Option<(&QTensor, usize, usize)> {
+    let QMatMul::QTensor(q) = w else {
+        return None;
+    };
+    let (n, k) = q.shape().dims2().ok()?;
+    (q.dtype() == GgmlDType::Q4_1
+        && q.device().is_cpu()
+        && k.is_multiple_of(crate::kernels::q4_1::BLOCK)
+        && crate::kernels::q4_1::available())
+    .then_some((q.as_ref(), n, k))
+}
+
+/// `x·Wᵀ` by mole's Q4_1 kernel where it applies ([`q4_1_blocks`], `x` f32 on the CPU):
+/// candle's Q4_1 product is scalar on x86.
+#[allow(clippy::disallowed_methods)] // the CPU: its "upload" is a move
+fn q4_1_product(w: &QMatMul, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    let Some((q, n, k)) = q4_1_blocks(w) else {
+        return Ok(None);
+    };
+    let x = x.contiguous()?;
+    let Some(xs) = crate::kernels::HostF32::of(&x) else {
+        return Ok(None);
+    };
+    let t = x.elem_count() / k;
+    let data = q.data()?;
+    let Some(y) = crate::kernels::q4_1::matmul(xs.slice(t * k), t, k, &data, n) else {
+        return Ok(None);
+    };
+    let mut dims = x.dims().to_vec();
+    if let Some(last) = dims.last_mut() {
+        *last = n;
+    }
+    Tensor::from_vec(y, dims, x.device()).map(Some)
 }
 
 /// Projections of one input (q/k/v, or gate/up): held apart, as the CPU's host kernels read
@@ -139,6 +202,14 @@ impl<const N: usize> Fusable<N> {
             widths.try_into().expect("one width per projection"),
         );
         Ok(())
+    }
+
+    /// The bytes its projections hold.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Fusable::Apart(lins) => lins.iter().map(Lin::bytes).sum(),
+            Fusable::Fused(l, _) => l.bytes(),
+        }
     }
 
     /// The projections apart again (the host path reads each in place).
@@ -240,6 +311,53 @@ impl Weights for Quantized {
             QMatMul::from_arc(std::sync::Arc::new(requantized(self.take(name)?)?))?,
             None,
         ))
+    }
+}
+
+/// A pre-quantized (AWQ/GPTQ) checkpoint: its quantized projections repacked into blocks
+/// (by name with `.weight`), everything else (embedding, norms, an unquantized head, biases)
+/// dense as in any checkpoint.
+pub(super) struct Prequantized<'a> {
+    /// The repacked projections.
+    pub blocks: std::collections::HashMap<String, QTensor>,
+    /// The checkpoint's other tensors.
+    pub dense: Dense<'a>,
+}
+
+impl Weights for Prequantized<'_> {
+    fn linear(&self, name: &str, d_in: usize, d_out: usize, bias: bool) -> Result<Lin, ModelError> {
+        let Some(q) = self.blocks.get(&format!("{name}.weight")) else {
+            return self.dense.linear(name, d_in, d_out, bias);
+        };
+        if q.shape().dims() != [d_out, d_in] {
+            return Err(ModelError::Config(format!(
+                "{name}: quantized shape {:?}, expected [{d_out}, {d_in}]",
+                q.shape().dims()
+            )));
+        }
+        let b = match bias {
+            true => Some(
+                self.dense
+                    .vb
+                    .pp(name)
+                    .get(d_out, "bias")?
+                    .to_dtype(self.dense.act)?,
+            ),
+            false => None,
+        };
+        Ok(Lin::Quantized(
+            QMatMul::from_arc(std::sync::Arc::new(requantized(q)?))?,
+            b,
+        ))
+    }
+    fn norm(&self, name: &str, size: usize, eps: f64) -> Result<RmsNorm, ModelError> {
+        self.dense.norm(name, size, eps)
+    }
+    fn dense(&self, name: &str, shape: (usize, usize)) -> Result<Tensor, ModelError> {
+        self.dense.dense(name, shape)
+    }
+    fn tied_head(&self, name: &str, embed: Tensor) -> Result<Lin, ModelError> {
+        self.dense.tied_head(name, embed)
     }
 }
 

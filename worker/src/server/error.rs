@@ -97,9 +97,9 @@ impl From<EngineError> for ApiError {
             EngineError::InvalidRequest(_)
             | EngineError::ImagesNotSupported
             | EngineError::InvalidImage(_) => StatusCode::BAD_REQUEST,
-            EngineError::ModelDoesNotFit(_) | EngineError::Internal(_) => {
-                StatusCode::INTERNAL_SERVER_ERROR
-            }
+            EngineError::ModelDoesNotFit(_)
+            | EngineError::UnsupportedQuantization(_)
+            | EngineError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         };
         let mut a = ApiError::new(status, e.code(), e.to_string());
         if matches!(status.as_u16(), 429 | 503) {

@@ -43,7 +43,12 @@ pub(crate) fn build(meta: &Meta) -> Result<Built, GgufError> {
         )));
     }
     let tokens = meta.strings("tokenizer.ggml.tokens")?;
-    let merges = meta.strings("tokenizer.ggml.merges")?;
+    // A vocabulary without merges is a valid BPE; llama.cpp's gguf-py writes no key for an
+    // empty list.
+    let merges = match meta.0.get("tokenizer.ggml.merges") {
+        Some(_) => meta.strings("tokenizer.ggml.merges")?,
+        None => Vec::new(),
+    };
     let types = meta
         .ints("tokenizer.ggml.token_type")
         .unwrap_or_else(|_| vec![1; tokens.len()]);

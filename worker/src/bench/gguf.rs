@@ -1,0 +1,177 @@
+//! `bench decode --gguf FILE`: a GGUF base served quantized against its own bf16 import (the
+//! same weights dequantized by `mole-worker import`), side by side in one run: the contenders
+//! alternate over rounds and each keeps its best. The quantized base runs twice: with mole's
+//! Q4_1 kernel and with candle's quantized product alone (how Q4_1 was served before it; other
+//! block types take candle's product either way, so the two columns agree for them). Measured on the host path (the CPU's own
+//! kernels) and on the tensor path (what a GPU runs, here as candle's CPU ops): prefill of a
+//! 158-token prompt (the guidellm prompts), and decode at batch 1 and 16 without and
+//! with a LoRA adapter on every projection.
+
+use std::path::Path;
+use std::time::Instant;
+
+use candle_core::{DType, Device};
+
+use super::decode::{tokens_per_s, write_adapter, DecodeBenchArgs};
+use crate::lora::{self, LoadOptions};
+use crate::model::{Decoder, LoraAdapter, ModelConfig, Row, SeqCache};
+
+/// Tokens of the timed prompt.
+const PROMPT: usize = 158;
+
+/// Prompt tokens/s of `rows` fresh sequences prefilling [`PROMPT`] tokens each in one step.
+fn prefill_per_s(
+    model: &Decoder,
+    adapter: Option<&LoraAdapter>,
+    rows: usize,
+) -> anyhow::Result<f64> {
+    let vocab = model.config().vocab_size as u32;
+    let prompts: Vec<Vec<u32>> = (0..rows)
+        .map(|r| {
+            (0..PROMPT as u32)
+                .map(|i| (i * 7 + r as u32 * 13 + 1) % vocab)
+                .collect()
+        })
+        .collect();
+    let mut caches: Vec<SeqCache> = (0..rows).map(|_| SeqCache::default()).collect();
+    let mut batch: Vec<Row> = caches
+        .iter_mut()
+        .zip(&prompts)
+        .map(|(cache, p)| Row {
+            tokens: p,
+            cache,
+            adapter,
+            vision: None,
+        })
+        .collect();
+    let t = Instant::now();
+    let logits = model.forward_batch(&mut batch)?;
+    crate::model::download::<u32>(&logits.argmax(candle_core::D::Minus1)?)?;
+    Ok((rows * PROMPT) as f64 / t.elapsed().as_secs_f64())
+}
+
+/// One measurement of a contender.
+#[derive(Clone, Copy)]
+enum Case {
+    Prefill(usize),
+    Decode(usize, bool),
+}
+
+impl Case {
+    const ALL: [Case; 6] = [
+        Case::Prefill(1),
+        Case::Prefill(4),
+        Case::Decode(1, false),
+        Case::Decode(1, true),
+        Case::Decode(16, false),
+        Case::Decode(16, true),
+    ];
+
+    fn label(self) -> String {
+        match self {
+            Case::Prefill(b) => format!("prefill, {b} × {PROMPT}-token prompt (prompt tokens/s)"),
+            Case::Decode(b, false) => format!("decode batch {b}, no adapter"),
+            Case::Decode(b, true) => format!("decode batch {b}, one LoRA adapter"),
+        }
+    }
+
+    fn run(self, model: &Decoder, adapter: &LoraAdapter, steps: usize) -> anyhow::Result<f64> {
+        match self {
+            Case::Prefill(b) => prefill_per_s(model, None, b),
+            Case::Decode(b, with) => {
+                let rows = vec![with.then_some(adapter); b];
+                tokens_per_s(model, &rows, steps)
+            }
+        }
+    }
+}
+
+/// The GGUF case of `bench decode`.
+pub(super) fn bench(file: &Path, args: &DecodeBenchArgs, dev: &Device) -> anyhow::Result<()> {
+    let q = crate::formats::gguf::load_quantized(file, dev)?;
+    let types: std::collections::BTreeSet<String> = q
+        .tensors
+        .values()
+        .filter(|t| t.rank() == 2)
+        .map(|t| format!("{:?}", t.dtype()))
+        .collect();
+    let types = types.into_iter().collect::<Vec<_>>().join("+");
+    let cfg = ModelConfig::from_json(q.config.clone())?;
+    let mut quant = Decoder::from_quantized(cfg.clone(), q.tensors, dev)?;
+    let tmp = tempfile::tempdir()?;
+    let dir = tmp.path().join("bf16");
+    crate::import::import(&crate::import::ImportOptions {
+        gguf: file.to_path_buf(),
+        out: dir.clone(),
+        dtype: crate::merge::OutDtype::Bf16,
+    })?;
+    let mut dense = Decoder::load(&dir, DType::BF16, dev)?;
+    let adir = tmp.path().join("a0");
+    write_adapter(&adir, &cfg, args.rank, 0, dev)?;
+    let opts = LoadOptions {
+        max_rank: 512,
+        expect_base: None,
+    };
+    let held = |m: &Decoder| crate::model::adapter_dtype(m.weight_dtype(), dev);
+    let a_quant = lora::load(&adir, &cfg, held(&quant), dev, &opts)?;
+    let a_dense = lora::load(&adir, &cfg, held(&dense), dev, &opts)?;
+    let paths: &[bool] = if dev.is_cpu() {
+        &[true, false]
+    } else {
+        &[false]
+    };
+    for &host in paths {
+        quant.set_host_kernels(host);
+        dense.set_host_kernels(host);
+        // The quantized base with mole's Q4_1 kernel, with candle's product alone (what
+        // served a Q4_1 base before the kernel), and the bf16 import.
+        let contenders = [
+            (&quant, &a_quant, true),
+            (&quant, &a_quant, false),
+            (&dense, &a_dense, true),
+        ];
+        let run = |case: Case, (m, a, kernel): (&Decoder, &LoraAdapter, bool), steps| {
+            crate::kernels::q4_1::set_enabled(kernel);
+            let r = case.run(m, a, steps);
+            crate::kernels::q4_1::set_enabled(true);
+            r
+        };
+        for case in Case::ALL {
+            for c in contenders {
+                run(case, c, 2)?;
+            }
+        }
+        let mut best = vec![[0f64; 3]; Case::ALL.len()];
+        for _ in 0..args.rounds {
+            for (b, case) in best.iter_mut().zip(Case::ALL) {
+                for (slot, c) in b.iter_mut().zip(contenders) {
+                    *slot = slot.max(run(case, c, args.steps)?);
+                }
+            }
+        }
+        println!();
+        println!(
+            "bench decode --gguf: {} ({}) quantized vs its bf16 import, {} path on {}, rank-{} LoRA, {} decode steps, best of {} rounds",
+            file.display(),
+            types,
+            if host { "host" } else { "tensor" },
+            if dev.is_cuda() { "CUDA GPU 0" } else { "CPU" },
+            args.rank,
+            args.steps,
+            args.rounds,
+        );
+        println!(
+            "| measure | quantized, mole's Q4_1 kernel | quantized, candle's product only | bf16 import | quantized ÷ bf16 | kernel ÷ candle |"
+        );
+        println!("|---|---|---|---|---|---|");
+        for (case, [q, c, d]) in Case::ALL.into_iter().zip(&best) {
+            println!(
+                "| {} | {q:.1} | {c:.1} | {d:.1} | {:.2} | {:.2} |",
+                case.label(),
+                q / d,
+                q / c
+            );
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,205 @@
+//! The tensor path's step over a quantized base (GGUF blocks, as `Engine::load_gguf` serves
+//! them) issues the same candle ops whatever the batch, as tests/op_count.rs checks for a
+//! dense base: one quantized matmul per projection over all the step's rows, one row or
+//! sixteen, one adapter or sixteen distinct ones, rows that decode beside rows that prefill.
+//! This file holds one test, so no other test makes tensors in the process while it counts.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+#![allow(clippy::disallowed_methods)] // tests read results back from the device
+
+use std::collections::HashMap;
+
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::{DType, Device, Tensor};
+use mole_worker::model::{
+    tensors_made, transfers_made, Decoder, LoraAdapter, ModelConfig, Proj, Row, SeqCache, Transfers,
+};
+
+/// A small random Qwen3 (GQA, q/k norm) on the tensor path, its projections quantized to
+/// `dtype` (the rest in f32, as a GGUF file's norms are).
+fn model(dtype: GgmlDType) -> Decoder {
+    let cfg = ModelConfig::from_json(serde_json::json!({
+        "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-6, "vocab_size": 50,
+        "max_position_embeddings": 256, "tie_word_embeddings": true
+    }))
+    .unwrap();
+    let dev = Device::Cpu;
+    let mut t = HashMap::new();
+    t.insert(
+        "model.embed_tokens.weight".to_string(),
+        Tensor::randn(0f32, 0.2, (50, 64), &dev).unwrap(),
+    );
+    t.insert(
+        "model.norm.weight".to_string(),
+        Tensor::ones(64, DType::F32, &dev).unwrap(),
+    );
+    for l in 0..2 {
+        for p in Proj::ALL {
+            let (d_in, d_out) = p.dims(&cfg);
+            let name = match p {
+                Proj::Q => "self_attn.q_proj",
+                Proj::K => "self_attn.k_proj",
+                Proj::V => "self_attn.v_proj",
+                Proj::O => "self_attn.o_proj",
+                Proj::Gate => "mlp.gate_proj",
+                Proj::Up => "mlp.up_proj",
+                Proj::Down => "mlp.down_proj",
+            };
+            let w = Tensor::randn(0f32, 0.2, (d_out, d_in), &dev).unwrap();
+            t.insert(format!("model.layers.{l}.{name}.weight"), w);
+        }
+        for (n, size) in [
+            ("input_layernorm", 64),
+            ("post_attention_layernorm", 64),
+            ("self_attn.q_norm", 16),
+            ("self_attn.k_norm", 16),
+        ] {
+            let ones = Tensor::ones(size, DType::F32, &dev).unwrap();
+            t.insert(format!("model.layers.{l}.{n}.weight"), ones);
+        }
+    }
+    let q = t
+        .into_iter()
+        .map(|(k, v)| {
+            let d = if v.rank() == 2 && k.contains("layers") {
+                dtype
+            } else {
+                GgmlDType::F32
+            };
+            (k, QTensor::quantize(&v, d).unwrap())
+        })
+        .collect();
+    let mut m = Decoder::from_quantized(cfg, q, &dev).unwrap();
+    m.set_host_kernels(false);
+    m
+}
+
+/// A random adapter of rank 8 on every projection.
+fn adapter(m: &Decoder) -> LoraAdapter {
+    let mut modules = HashMap::new();
+    for l in 0..m.config().num_hidden_layers {
+        for p in Proj::ALL {
+            let (d_in, d_out) = p.dims(m.config());
+            let at = Tensor::randn(0f32, 0.1, (d_in, 8), &Device::Cpu).unwrap();
+            let b = Tensor::randn(0f32, 0.1, (d_out, 8), &Device::Cpu).unwrap();
+            modules.insert((l, p), (at, b));
+        }
+    }
+    LoraAdapter::from_modules(modules, 8, 0)
+}
+
+/// Rows on `adapters` with prompts of 3 to 7 tokens; all but the last `prefilling` are
+/// prefilled first. Returns the tensors one step makes (it decodes one token of the first
+/// rows while the others prefill) and the dims of its logits.
+fn ops_of_a_step(
+    m: &Decoder,
+    adapters: &[Option<&LoraAdapter>],
+    prefilling: usize,
+) -> (usize, Vec<usize>) {
+    let prompts: Vec<Vec<u32>> = (0..adapters.len())
+        .map(|k| (1..4 + (k as u32 % 5)).collect())
+        .collect();
+    let mut caches: Vec<SeqCache> = adapters.iter().map(|_| SeqCache::default()).collect();
+    let warm = adapters.len() - prefilling;
+    let mut first: Vec<Row> = caches[..warm]
+        .iter_mut()
+        .zip(&prompts)
+        .zip(adapters)
+        .map(|((cache, tokens), a)| Row {
+            tokens,
+            cache,
+            adapter: *a,
+            vision: None,
+        })
+        .collect();
+    if !first.is_empty() {
+        m.forward_batch(&mut first).unwrap();
+    }
+    drop(first);
+    let next = [7u32];
+    let mut step: Vec<Row> = caches
+        .iter_mut()
+        .enumerate()
+        .zip(adapters)
+        .map(|((k, cache), a)| Row {
+            tokens: if k < warm { &next } else { &prompts[k] },
+            cache,
+            adapter: *a,
+            vision: None,
+        })
+        .collect();
+    let ((logits, ops), copies) =
+        transfers_made(|| tensors_made(|| m.forward_batch(&mut step).unwrap()));
+    assert_eq!(
+        copies,
+        Transfers {
+            uploads: 1,
+            downloads: 0
+        },
+        "a step's inputs go up in one copy (its logits come back in the engine's one read)"
+    );
+    (ops, logits.dims().to_vec())
+}
+
+/// The count is the same for 2, 8 and 16 rows, for 16 rows on one adapter and on 16 distinct
+/// ones, and for ragged batches (some rows prefilling prompts of several lengths beside rows
+/// that decode) of 8 and 16 rows with one or many adapters. A single row makes a few fewer:
+/// copies that lay out one row's data are already laid out, and candle skips them (a GPU
+/// launches nothing for them either).
+#[test]
+fn op_count_of_a_quantized_step_is_the_same_for_any_batch_and_any_adapters() {
+    // Q4_1 runs mole's kernel (on CPUs with AVX2), Q8_0 candle's quantized matmul.
+    for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+        counts(model(dtype));
+    }
+}
+
+fn counts(m: Decoder) {
+    let adapters: Vec<LoraAdapter> = (0..16).map(|_| adapter(&m)).collect();
+    let shared = |n: usize| vec![Some(&adapters[0]); n];
+    let distinct = |n: usize| -> Vec<Option<&LoraAdapter>> {
+        let mut v: Vec<_> = adapters[..n].iter().map(Some).collect();
+        v[n / 2] = None; // and a base row
+        v
+    };
+    // Warm-up: the pools are allocated and every adapter loaded into its slot by a first step
+    // (per-process and per-adapter costs, not per-step ones).
+    ops_of_a_step(&m, &distinct(16), 0);
+    let count = |rows: &[Option<&LoraAdapter>], prefilling: usize| {
+        let (ops, dims) = ops_of_a_step(&m, rows, prefilling);
+        assert_eq!(
+            dims,
+            [rows.len(), 50],
+            "one tensor of logits: one copy back"
+        );
+        ops
+    };
+    let decode = [
+        ("1 row", count(&shared(1), 0)),
+        ("2 rows, one adapter", count(&shared(2), 0)),
+        ("8 rows, one adapter", count(&shared(8), 0)),
+        ("16 rows, one adapter", count(&shared(16), 0)),
+        (
+            "16 rows, 15 distinct adapters and a base row",
+            count(&distinct(16), 0),
+        ),
+    ];
+    let ragged = [
+        ("8 rows, 3 prefilling, one adapter", count(&shared(8), 3)),
+        ("8 rows, 3 prefilling, distinct", count(&distinct(8), 3)),
+        ("16 rows, 4 prefilling, one adapter", count(&shared(16), 4)),
+        ("16 rows, 4 prefilling, distinct", count(&distinct(16), 4)),
+    ];
+    eprintln!("tensors made by a step of a 2-layer model: {decode:?}; {ragged:?}");
+    let (one, sixteen) = (decode[0].1, decode[3].1);
+    assert!(one > 100, "the count sees the step's ops: {one}");
+    assert!(one <= sixteen, "{decode:?}");
+    for (what, ops) in &decode[1..] {
+        assert_eq!(*ops, sixteen, "{what}: {decode:?}");
+    }
+    for (what, ops) in &ragged {
+        assert_eq!(*ops, ragged[0].1, "{what}: {ragged:?}");
+    }
+}
