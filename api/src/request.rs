@@ -56,14 +56,24 @@ impl RealField {
             return Ok(());
         }
         let open = if self.min_exclusive { '(' } else { '[' };
-        let range = match self.max >= f64::from(f32::MAX) {
-            true => format!("{open}{}, a finite number]", self.min),
-            false => format!("{open}{}, {}]", self.min, self.max),
-        };
         Err(RequestError::new(
             self.code,
-            format!("{} must be in {range}, got {v}", self.field),
+            format!(
+                "{} must be in {open}{}, {}], got {v}",
+                self.field, self.min, self.max
+            ),
         ))
+    }
+
+    /// An f32 the engine holds checked against the bounds as f32: what [`RealField::check`]
+    /// accepted stays accepted once rounded to f32 (rounding is monotonic).
+    pub fn check_f32(&self, v: f32) -> Result<(), RequestError> {
+        let bounds = RealField {
+            min: f64::from(self.min as f32),
+            max: f64::from(self.max as f32),
+            ..*self
+        };
+        bounds.check(f64::from(v))
     }
 }
 
@@ -75,12 +85,13 @@ pub const TEMPERATURE: RealField = RealField {
     min_exclusive: false,
     max: 2.0,
 };
-/// Nucleus mass: 0 would keep no token.
+/// Nucleus mass: 0 would keep no token, so at least the smallest positive normal f32 (what a
+/// smaller positive number would round to, or below, in the engine's f32).
 pub const TOP_P: RealField = RealField {
     field: "top_p",
     code: "invalid_top_p",
-    min: 0.0,
-    min_exclusive: true,
+    min: f32::MIN_POSITIVE as f64,
+    min_exclusive: false,
     max: 1.0,
 };
 /// Min-p (vLLM's bound): above 1 would keep no token.
@@ -107,14 +118,15 @@ pub const FREQUENCY_PENALTY: RealField = RealField {
     min_exclusive: false,
     max: 2.0,
 };
-/// vLLM's multiplicative repetition penalty: 0 or below divides by zero or flips signs; no
-/// upper bound but a finite f32.
+/// vLLM's multiplicative repetition penalty (1 disables): 0 or below divides by zero or flips
+/// signs. vLLM takes any positive value; mole holds it to [0.01, 100] so that a penalised
+/// logit stays finite in f32 (a logit divided by 1e-40 is infinite, and poisons the row).
 pub const REPETITION_PENALTY: RealField = RealField {
     field: "repetition_penalty",
     code: "invalid_repetition_penalty",
-    min: 0.0,
-    min_exclusive: true,
-    max: f32::MAX as f64,
+    min: 0.01,
+    min_exclusive: false,
+    max: 100.0,
 };
 
 /// Every real-valued sampling field, in the order the engine's assertion reads them.
@@ -167,6 +179,16 @@ mod tests {
         );
         assert_eq!(TOP_P.check(0.0).unwrap_err().code, "invalid_top_p");
         assert!(TOP_P.check(1e-9).is_ok());
+        // A positive f64 that an f32 holds as 0 (or a subnormal) is refused.
+        assert!(TOP_P.check(5e-324).is_err() && TOP_P.check(1e-40).is_err());
+        // What is accepted stays accepted as the engine's f32.
+        for b in REAL_FIELDS {
+            for v in [b.min, b.max, 0.01, 0.1, 0.3, 1.0 / 3.0, 1.1, 1.7] {
+                if b.check(v).is_ok() {
+                    assert!(b.check_f32(v as f32).is_ok(), "{} {v}", b.field);
+                }
+            }
+        }
         assert_eq!(MIN_P.check(1.5).unwrap_err().code, "invalid_min_p");
         assert_eq!(MIN_P.check(f64::NAN).unwrap_err().code, "invalid_min_p");
         let e = PRESENCE_PENALTY.check(-2.5).unwrap_err();
@@ -183,9 +205,9 @@ mod tests {
             REPETITION_PENALTY.check(0.0).unwrap_err().code,
             "invalid_repetition_penalty"
         );
-        // Beyond an f32 it would become infinite in the engine.
-        assert!(REPETITION_PENALTY.check(1e30).is_ok());
+        assert!(REPETITION_PENALTY.check(100.0).is_ok());
         assert!(REPETITION_PENALTY.check(1e39).is_err());
+        assert!(REPETITION_PENALTY.check(5e-324).is_err());
         assert!(REPETITION_PENALTY.check(f64::INFINITY).is_err());
     }
 

@@ -33,7 +33,7 @@ pub fn validate(p: &SamplingParams) -> Result<(), mole_api::request::RequestErro
         p.repetition_penalty,
     ];
     for (bounds, v) in mole_api::request::REAL_FIELDS.iter().zip(values) {
-        bounds.check(f64::from(v))?;
+        bounds.check_f32(v)?;
     }
     if let Some(n) = p.logprobs.filter(|&n| n > MAX_LOGPROBS) {
         return Err(mole_api::request::RequestError::new(

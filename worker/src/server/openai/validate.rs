@@ -49,9 +49,36 @@ impl<T: DeserializeOwned> Wire<T> {
         })?;
         let raw: Value = serde_json::from_slice(&b)
             .map_err(|e| bad("invalid_json", format!("body is not valid JSON: {e}")))?;
-        let body = serde_json::from_value(raw.clone())
-            .map_err(|e| bad("invalid_request", e.to_string()))?;
+        // Every body is an object (serde would read a struct from an array too).
+        if !raw.is_object() {
+            return Err(bad("invalid_request", "the body must be a JSON object"));
+        }
+        let mut typed = raw.clone();
+        integral(&mut typed);
+        let body =
+            serde_json::from_value(typed).map_err(|e| bad("invalid_request", e.to_string()))?;
         Ok(Self { body, raw })
+    }
+}
+
+/// Integral floats (`10.0`) made integers, as JSON Schema's `integer` and vLLM's (pydantic's)
+/// `int` fields take them; a chat template's variables are left as sent.
+fn integral(v: &mut Value) {
+    match v {
+        Value::Number(n) if n.is_f64() => {
+            let f = n.as_f64().unwrap_or(f64::NAN);
+            if f.fract() == 0.0 && f >= 0.0 && f < u64::MAX as f64 {
+                *v = Value::from(f as u64);
+            } else if f.fract() == 0.0 && f < 0.0 && f >= i64::MIN as f64 {
+                *v = Value::from(f as i64);
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(integral),
+        Value::Object(m) => m
+            .iter_mut()
+            .filter(|(k, _)| k.as_str() != "chat_template_kwargs")
+            .for_each(|(_, x)| integral(x)),
+        _ => {}
     }
 }
 
@@ -63,7 +90,8 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Wire<T> {
     }
 }
 
-/// A JSON body that may be left out: an empty or blank body reads as `T::default()`.
+/// A JSON body that may be left out: an empty or blank body, or JSON `null`, reads as
+/// `T::default()`.
 pub(in crate::server) struct OptionalWire<T>(pub(super) T);
 
 impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalWire<T> {
@@ -73,7 +101,7 @@ impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalW
         let body = Bytes::from_request(req, state).await;
         if body
             .as_ref()
-            .is_ok_and(|b| b.iter().all(u8::is_ascii_whitespace))
+            .is_ok_and(|b| b.iter().all(u8::is_ascii_whitespace) || b.trim_ascii() == b"null")
         {
             return Ok(Self(T::default()));
         }
@@ -276,16 +304,22 @@ pub(super) fn refusal(e: RequestError) -> ApiError {
 /// a bool in chat, a count in completions.
 pub(super) fn sampling(c: &Common, chat: bool, caps: &Caps) -> Result<SamplingParams, ApiError> {
     let cap = caps.max_tokens;
+    // Each one sent is checked, also the max_tokens that max_completion_tokens overrides.
+    for (field, v) in [
+        ("max_tokens", c.max_tokens),
+        ("max_completion_tokens", c.max_completion_tokens),
+    ] {
+        if let Some(mt) = v.filter(|&mt| mt == 0 || mt > cap) {
+            return Err(bad(
+                "max_tokens_exceeded",
+                format!("{field} must be between 1 and {cap}, got {mt}"),
+            ));
+        }
+    }
     let mt = c
         .max_completion_tokens
         .or(c.max_tokens)
         .unwrap_or(cap.min(256));
-    if mt == 0 || mt > cap {
-        return Err(bad(
-            "max_tokens_exceeded",
-            format!("max_tokens must be between 1 and {cap}, got {mt}"),
-        ));
-    }
     request::check_n(c.n.unwrap_or(1), caps.max_batch_size).map_err(refusal)?;
     let temperature = real(c.temperature, 1.0, &request::TEMPERATURE)?;
     let top_p = real(c.top_p, 1.0, &request::TOP_P)?;
@@ -498,6 +532,10 @@ mod tests {
         for (body, code) in [
             (json!({"max_tokens": 0}), "max_tokens_exceeded"),
             (json!({"max_tokens": 65}), "max_tokens_exceeded"),
+            (
+                json!({"max_tokens": 0, "max_completion_tokens": 5}),
+                "max_tokens_exceeded",
+            ),
             (json!({"temperature": 2.5}), "invalid_temperature"),
             (json!({"top_p": 0.0}), "invalid_top_p"),
             (json!({"stop": ["a", "b", "c", "d", "e"]}), "invalid_stop"),
@@ -610,6 +648,26 @@ mod tests {
         assert_eq!(ok[0].content, "what is this?");
         let three = json!([{"role": "user", "content": [img("AAEC"), img("AAEC"), img("AAEC")]}]);
         assert_eq!(refused(m(three)), "too_many_images");
+    }
+
+    #[test]
+    fn integral_floats_are_integers() {
+        let mut v =
+            json!({"n": 10.0, "t": 0.5, "ids": [1.0, -2.0], "chat_template_kwargs": {"x": 1.0}});
+        integral(&mut v);
+        assert_eq!(
+            v,
+            json!({"n": 10, "t": 0.5, "ids": [1, -2], "chat_template_kwargs": {"x": 1.0}})
+        );
+        let c: Common = {
+            let mut v = json!({"n": 2.0, "max_tokens": 3.0, "temperature": 1.0});
+            integral(&mut v);
+            serde_json::from_value(v).unwrap()
+        };
+        assert_eq!(
+            (c.n, c.max_tokens, c.temperature),
+            (Some(2), Some(3), Some(1.0))
+        );
     }
 
     #[test]
