@@ -10,6 +10,8 @@
 //!   operator reads to decide readiness;
 //! - [`ModelSource`]: the `hf://`, `s3://` and `pvc://` URIs of models and adapters, parsed
 //!   by the operator's validation and the worker's `fetch` alike;
+//! - [`request`]: the bounds of a generation request's fields, which the worker's validation
+//!   checks and its OpenAPI document states;
 //! - the enums both sides name ([`Dtype`], [`ServingMode`], ...).
 
 #![forbid(unsafe_code)]
@@ -19,6 +21,7 @@ mod config;
 mod enums;
 mod limits;
 mod listing;
+pub mod request;
 mod router;
 mod source;
 

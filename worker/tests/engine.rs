@@ -274,7 +274,10 @@ fn seeds_stop_strings_chat_template_and_classifier_scores() {
         .apply_chat_template(&[ChatMessage::text("user", "hi")], &serde_json::Map::new())
         .unwrap();
     assert_eq!(prompt, "<user>hi\n<assistant>");
-    assert_eq!(e.count_tokens(&prompt).unwrap(), prompt.len());
+    assert_eq!(
+        e.encode(&Prompt::Text(prompt.clone())).unwrap().len(),
+        prompt.len()
+    );
     let mut req = greedy(vec![], None, 32);
     req.prompt = Prompt::Templated(prompt);
     let full = collect(e.submit(req.clone()).unwrap());
@@ -685,10 +688,12 @@ fn seeded_sampling_on_the_tensor_path_repeats_and_seeds_differ() {
             "{lp:?}"
         );
     }
-    // Parameters either path cannot sample with are refused at submit.
+    // Parameters either path cannot sample with are outside the bounds the server's
+    // validation checks before routing (the engine asserts them in debug builds).
     let mut bad = sampled(1);
     bad.sampling.min_p = 1.5;
-    assert!(matches!(e.submit(bad), Err(EngineError::InvalidRequest(_))));
+    let refused = mole_worker::engine::sampler::validate(&bad.sampling).unwrap_err();
+    assert_eq!(refused.code, "invalid_min_p");
 }
 
 /// A request of three choices (`n`): the first computes the prompt and the others take its

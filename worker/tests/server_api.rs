@@ -552,6 +552,56 @@ async fn bad_input_battery_keeps_serving() {
             400,
             "image_url_not_allowed",
         ),
+        // Every sampling bound is checked before routing, each with its own code (these were
+        // the engine's plain invalid_request after routing, or the router's 404 first).
+        (
+            "/v1/chat/completions",
+            json!({"model": "demo", "min_p": 1.5, "messages": [{"role": "user", "content": "x"}]}),
+            400,
+            "invalid_min_p",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "demo", "prompt": "x", "presence_penalty": -2.5}),
+            400,
+            "invalid_presence_penalty",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "demo", "prompt": "x", "frequency_penalty": 2.5}),
+            400,
+            "invalid_frequency_penalty",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "demo", "repetition_penalty": 0, "messages": [{"role": "user", "content": "x"}]}),
+            400,
+            "invalid_repetition_penalty",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "nope", "min_p": -0.5, "messages": [{"role": "user", "content": "x"}]}),
+            400,
+            "invalid_min_p",
+        ),
+        (
+            "/v1/chat/completions",
+            json!({"model": "nope", "n": 17, "messages": [{"role": "user", "content": "x"}]}),
+            400,
+            "invalid_n",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "nope", "prompt": "w ".repeat(250), "max_tokens": 10}),
+            400,
+            "prompt_too_long",
+        ),
+        (
+            "/v1/completions",
+            json!({"model": "demo", "prompt": ""}),
+            400,
+            "invalid_prompt",
+        ),
     ];
     for (path, body, status, code) in cases {
         let (st, _, b) = post(&s, path, body.clone()).await;
@@ -2046,5 +2096,141 @@ async fn vllm_plain_endpoints_answer_as_vllm() {
             (400, Some(code)),
             "{path} {v}"
         );
+    }
+}
+
+/// Issue 35 item 6: every OpenAI and vLLM request field is served, refused with a 400 that
+/// names it, or harmless to ignore; a field of neither API is refused. Structured outputs,
+/// tools and reasoning fields are refused here until they are served (never silently ignored).
+#[tokio::test]
+async fn request_fields_are_served_refused_or_harmlessly_ignored() {
+    let s = start("", 16, 64).await;
+    let chat = |extra: Value| {
+        let mut b = json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let completion = |extra: Value| {
+        let mut b = json!({"model": "demo", "max_tokens": 2, "prompt": "x"});
+        b.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        b
+    };
+    let schema = json!({"type": "object", "properties": {"a": {"type": "string"}}});
+    let tool = json!([{"type": "function", "function": {"name": "f", "parameters": {}}}]);
+    let refused_chat = [
+        ("response_format", json!({"type": "json_object"})),
+        (
+            "response_format",
+            json!({"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}),
+        ),
+        ("structured_outputs", json!({"json": schema})),
+        ("guided_json", schema.clone()),
+        ("guided_regex", json!("[a-z]+")),
+        ("guided_choice", json!(["a", "b"])),
+        ("guided_grammar", json!("root ::= \"a\"")),
+        ("guided_decoding_backend", json!("xgrammar")),
+        ("tools", tool.clone()),
+        ("tool_choice", json!("required")),
+        ("parallel_tool_calls", json!(false)),
+        ("functions", json!([{"name": "f"}])),
+        ("function_call", json!("auto")),
+        ("reasoning_effort", json!("low")),
+        ("logit_bias", json!({"5": 10})),
+        ("modalities", json!(["text", "audio"])),
+        ("audio", json!({"voice": "alloy", "format": "wav"})),
+        ("prediction", json!({"type": "content", "content": "x"})),
+        ("web_search_options", json!({})),
+        ("echo", json!(true)),
+        ("min_tokens", json!(3)),
+        ("skip_special_tokens", json!(false)),
+        ("include_stop_str_in_output", json!(true)),
+        ("chat_template", json!("{{ messages }}")),
+        ("continue_final_message", json!(true)),
+        ("documents", json!([{"text": "d"}])),
+        ("priority", json!(1)),
+        ("truncate_prompt_tokens", json!(4)),
+        ("prompt_logprobs", json!(1)),
+        ("return_tokens_as_token_ids", json!(true)),
+        ("mm_processor_kwargs", json!({"fps": 1})),
+        ("logits_processors", json!(["x"])),
+        ("kv_transfer_params", json!({"do_remote_decode": true})),
+        ("use_beam_search", json!(true)),
+        ("bad_words", json!(["x"])),
+        ("allowed_token_ids", json!([1, 2])),
+    ];
+    for (field, v) in refused_chat {
+        let (st, _, b) = post(&s, "/v1/chat/completions", chat(json!({ field: v }))).await;
+        assert_eq!(
+            (st, b["error"]["code"].as_str().unwrap_or("")),
+            (400, "unsupported_field"),
+            "{field}: {b}"
+        );
+        let m = b["error"]["message"].as_str().unwrap();
+        assert!(m.starts_with(field), "{field}: {m}");
+    }
+    for (field, v) in [
+        ("response_format", json!({"type": "json_object"})),
+        ("guided_regex", json!("a")),
+        ("echo", json!(true)),
+        ("best_of", json!(3)),
+        ("suffix", json!("}")),
+        ("logit_bias", json!({"5": -100})),
+        ("prompt_embeds", json!("AAAA")),
+    ] {
+        let (st, _, b) = post(&s, "/v1/completions", completion(json!({ field: v }))).await;
+        assert_eq!(
+            (st, b["error"]["code"].as_str().unwrap_or("")),
+            (400, "unsupported_field"),
+            "{field}: {b}"
+        );
+        assert!(b["error"]["message"].as_str().unwrap().starts_with(field));
+    }
+    // Harmless to ignore (documented), and the values that ask for nothing: answered.
+    let harmless = json!({
+        "user": "u-1", "safety_identifier": "s", "metadata": {"k": "v"}, "store": true,
+        "service_tier": "auto", "prompt_cache_key": "k", "request_id": "r-1", "cache_salt": "x",
+        "tools": [], "tool_choice": "none", "response_format": {"type": "text"},
+        "echo": false, "modalities": ["text"], "logit_bias": {}, "skip_special_tokens": true,
+        "min_tokens": 0, "priority": 0, "parallel_tool_calls": null,
+        "add_generation_prompt": true, "add_special_tokens": false,
+    });
+    let (st, _, b) = post(&s, "/v1/chat/completions", chat(harmless)).await;
+    assert_eq!(st, 200, "{b}");
+    let (st, _, b) = post(
+        &s,
+        "/v1/completions",
+        completion(json!({"user": "u", "best_of": 1, "suffix": null, "echo": false, "add_special_tokens": false})),
+    )
+    .await;
+    assert_eq!(st, 200, "{b}");
+    // A field of neither API, or of the other endpoint: refused, named.
+    for (path, body, field) in [
+        (
+            "/v1/chat/completions",
+            chat(json!({"temprature": 0.5})),
+            "temprature",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"suffix": "x"})),
+            "suffix",
+        ),
+        (
+            "/v1/completions",
+            completion(json!({"messages": []})),
+            "messages",
+        ),
+    ] {
+        let (st, _, b) = post(&s, path, body).await;
+        assert_eq!(
+            (st, b["error"]["code"].as_str().unwrap_or("")),
+            (400, "unknown_field"),
+            "{field}: {b}"
+        );
+        assert!(b["error"]["message"].as_str().unwrap().starts_with(field));
     }
 }

@@ -379,11 +379,12 @@ pub trait InferenceEngine: Send + Sync + 'static {
     fn tokenize(&self, prompt: &Prompt, images: &[Image]) -> Result<Vec<u32>, EngineError>;
     /// The text of token ids, special tokens left out.
     fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError>;
-    /// Number of tokens of a text (for limits and usage); an image placeholder in it counts
-    /// one.
-    fn count_tokens(&self, text: &str) -> Result<usize, EngineError> {
-        self.tokenize(&Prompt::Text(text.into()), &[])
-            .map(|t| t.len())
+    /// Token ids of `prompt` alone, as [`InferenceEngine::tokenize`] reads it but with each
+    /// image placeholder left as its one token: what the server's validation tokenizes once and
+    /// hands the engine as [`Prompt::Tokens`] (the engine expands the placeholders with the
+    /// request's images).
+    fn encode(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
+        self.tokenize(prompt, &[])
     }
     /// Log-probabilities of each candidate label as the next tokens after `prompt`, with
     /// `adapter` applied; one prefill of the prompt (no generation), run by the engine in a

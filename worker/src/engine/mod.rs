@@ -467,7 +467,13 @@ impl InferenceEngine for Engine {
                 prompt.len()
             )));
         }
-        sampler::validate(&req.sampling).map_err(EngineError::InvalidRequest)?;
+        // The server's validation checked these bounds before routing (each refusal with its
+        // own code); the engine takes the request as given.
+        debug_assert!(
+            sampler::validate(&req.sampling).is_ok(),
+            "unvalidated sampling: {:?}",
+            sampler::validate(&req.sampling)
+        );
         if req.sampling.max_tokens == 0 {
             return Err(EngineError::InvalidRequest(
                 "max_tokens must be at least 1".into(),
@@ -527,9 +533,10 @@ impl InferenceEngine for Engine {
         self.prompt(prompt, images).map(|(ids, _)| ids)
     }
 
-    fn count_tokens(&self, text: &str) -> Result<usize, EngineError> {
-        // The text alone: image placeholders count one each (the server adds their images).
-        self.tokens(&Prompt::Text(text.into())).map(|t| t.len())
+    fn encode(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
+        // The text alone: image placeholders stay one token each (the server adds their
+        // images' tokens, the engine expands them at submit).
+        self.tokens(prompt)
     }
 
     fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError> {

@@ -92,8 +92,8 @@ impl InferenceEngine for Replicas {
         self.engines[0].detokenize(ids)
     }
 
-    fn count_tokens(&self, text: &str) -> Result<usize, EngineError> {
-        self.engines[0].count_tokens(text)
+    fn encode(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
+        self.engines[0].encode(prompt)
     }
 
     fn score_labels(

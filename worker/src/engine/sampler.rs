@@ -16,50 +16,29 @@ use super::api::SamplingParams;
 use super::sampling::{Penalty, RowSampling};
 pub use super::sampling::{Sampled, GREEDY_BELOW};
 
-/// The most top logprobs a request may ask for (OpenAI's `top_logprobs` bound).
-pub const MAX_LOGPROBS: usize = 20;
+pub use mole_api::request::MAX_LOGPROBS;
 
-/// Checks sampling parameters for both paths: what the rules are defined for (a min-p above 1
-/// or a top-p of 0 would keep no token, a repetition penalty of 0 or below divides by zero or
-/// flips signs, a non-finite value poisons every logit it touches).
-pub fn validate(p: &SamplingParams) -> Result<(), String> {
-    let finite = [
-        ("temperature", p.temperature),
-        ("top_p", p.top_p),
-        ("min_p", p.min_p),
-        ("repetition_penalty", p.repetition_penalty),
-        ("presence_penalty", p.presence_penalty),
-        ("frequency_penalty", p.frequency_penalty),
+/// Whether sampling parameters are within the bounds both paths are defined for (a min-p above
+/// 1 or a top-p of 0 would keep no token, a repetition penalty of 0 or below divides by zero or
+/// flips signs, a non-finite value poisons every logit it touches): the bounds of
+/// [`mole_api::request`], which the server's validation checks before a request is routed.
+/// The engine takes a validated request as given and asserts this in debug builds.
+pub fn validate(p: &SamplingParams) -> Result<(), mole_api::request::RequestError> {
+    let values = [
+        p.temperature,
+        p.top_p,
+        p.min_p,
+        p.presence_penalty,
+        p.frequency_penalty,
+        p.repetition_penalty,
     ];
-    if let Some((name, x)) = finite.iter().find(|(_, x)| !x.is_finite()) {
-        return Err(format!("{name} must be a finite number, got {x}"));
-    }
-    if p.temperature < 0.0 {
-        return Err(format!("temperature must be >= 0, got {}", p.temperature));
-    }
-    if !(p.top_p > 0.0 && p.top_p <= 1.0) {
-        return Err(format!("top_p must be in (0, 1], got {}", p.top_p));
-    }
-    if !(0.0..=1.0).contains(&p.min_p) {
-        return Err(format!("min_p must be in [0, 1], got {}", p.min_p));
-    }
-    if p.repetition_penalty <= 0.0 {
-        return Err(format!(
-            "repetition_penalty must be > 0, got {}",
-            p.repetition_penalty
-        ));
-    }
-    for (name, x) in [
-        ("presence_penalty", p.presence_penalty),
-        ("frequency_penalty", p.frequency_penalty),
-    ] {
-        if !(-2.0..=2.0).contains(&x) {
-            return Err(format!("{name} must be in [-2, 2], got {x}"));
-        }
+    for (bounds, v) in mole_api::request::REAL_FIELDS.iter().zip(values) {
+        bounds.check_f32(v)?;
     }
     if let Some(n) = p.logprobs.filter(|&n| n > MAX_LOGPROBS) {
-        return Err(format!(
-            "top logprobs must be at most {MAX_LOGPROBS}, got {n}"
+        return Err(mole_api::request::RequestError::new(
+            "invalid_logprobs",
+            format!("top logprobs must be at most {MAX_LOGPROBS}, got {n}"),
         ));
     }
     Ok(())

@@ -13,6 +13,7 @@ mod gateway;
 mod layers;
 mod openai;
 mod openapi;
+mod openapi_requests;
 mod reload;
 mod state;
 

@@ -14,6 +14,7 @@ use utoipa::OpenApi;
 
 use super::error::{ErrorDetail, ErrorReply};
 use super::openai;
+use super::openapi_requests::{enforce, RequestLimits};
 use super::AppState;
 
 /// The refusals an API endpoint may answer, each with OpenAI's error body and a stable `code`.
@@ -95,7 +96,18 @@ impl utoipa::IntoResponses for Refusals {
 )]
 struct ApiDoc;
 
-/// The endpoints that always take the admin or operator token.
+/// Which secrets this worker has: what its document asks clients for.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct DocAuth {
+    /// API keys are required.
+    pub(super) api_keys: bool,
+    /// An admin token is set.
+    pub(super) admin_token: bool,
+    /// An operator token is set.
+    pub(super) operator_token: bool,
+}
+
+/// The endpoints that take the admin or operator token (the first the admin token alone).
 const ADMIN_ONLY: [&str; 3] = [
     "/v1/load_lora_adapter",
     "/v1/unload_lora_adapter",
@@ -104,8 +116,8 @@ const ADMIN_ONLY: [&str; 3] = [
 
 /// The document as this worker serves it: the admin endpoints always take a bearer token; the
 /// others only when `api_keys` are required, so a client is not told to send a token nobody
-/// reads.
-pub(super) fn document(api_keys: bool) -> serde_json::Value {
+/// reads. The request bodies state this worker's `limits` (see [`enforce`]).
+pub(super) fn document(auth: DocAuth, limits: &RequestLimits) -> serde_json::Value {
     let mut doc = ApiDoc::openapi();
     doc.info.version = env!("CARGO_PKG_VERSION").to_string();
     let scheme = HttpBuilder::new().scheme(HttpAuthScheme::Bearer).build();
@@ -113,7 +125,12 @@ pub(super) fn document(api_keys: bool) -> serde_json::Value {
         .get_or_insert_with(Default::default)
         .add_security_scheme("bearer", SecurityScheme::Http(scheme));
     for (path, item) in doc.paths.paths.iter_mut() {
-        if api_keys || ADMIN_ONLY.contains(&path.as_str()) {
+        // An admin endpoint whose tokens are all unset answers 403 admin_disabled whatever is
+        // sent: no token is asked for.
+        let admin = ADMIN_ONLY.contains(&path.as_str());
+        let disabled =
+            !auth.admin_token && (path.as_str() == ADMIN_ONLY[0] || !auth.operator_token);
+        if (admin && !disabled) || (!admin && auth.api_keys) {
             continue;
         }
         for op in [&mut item.get, &mut item.post].into_iter().flatten() {
@@ -121,6 +138,7 @@ pub(super) fn document(api_keys: bool) -> serde_json::Value {
         }
     }
     let mut v = serde_json::to_value(doc).unwrap_or_default();
+    enforce(&mut v, limits);
     // A `contentSchema` is its own document to validators (schemathesis resolves it apart from
     // the components), so its references are inlined.
     let schemas = v["components"]["schemas"].clone();
@@ -174,7 +192,23 @@ fn inline_refs(v: &mut serde_json::Value, schemas: &serde_json::Value, depth: us
 #[utoipa::path(get, path = "/openapi.json", tag = "probes",
     responses((status = 200, description = "This document", content_type = "application/json", body = Object)))]
 pub(super) async fn openapi_json(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    Json(document(s.auth().keys_required))
+    let cfg = s.cfg();
+    let info = s.engine.model_info();
+    let limits = RequestLimits {
+        max_tokens: u64::from(cfg.limits.max_tokens),
+        max_batch_size: cfg.limits.engine.max_batch_size,
+        max_seq: (cfg.limits.engine.max_seq_len as usize).min(info.max_seq_len.max(1)),
+        vocab: info.vocab_size,
+        vision: info.vision,
+        max_images: cfg.limits.max_images,
+    };
+    let a = s.auth();
+    let auth = DocAuth {
+        api_keys: a.keys_required,
+        admin_token: a.admin_token.is_some(),
+        operator_token: a.operator_token.is_some(),
+    };
+    Json(document(auth, &limits))
 }
 
 #[cfg(test)]
@@ -185,7 +219,12 @@ mod tests {
     /// from `app()`'s source, so a new route without `#[utoipa::path]` fails here.
     #[test]
     fn the_document_lists_every_route() {
-        let doc = document(true);
+        let auth = DocAuth {
+            api_keys: true,
+            admin_token: true,
+            operator_token: false,
+        };
+        let doc = document(auth, &RequestLimits::default());
         assert!(doc["openapi"].as_str().unwrap().starts_with("3.1"));
         let documented: std::collections::BTreeSet<String> =
             doc["paths"].as_object().unwrap().keys().cloned().collect();

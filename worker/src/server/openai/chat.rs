@@ -7,12 +7,14 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Value};
 
+use super::fields::{self, On};
 use super::generate::serve;
 use super::images::{self, ImageSource};
 use super::replies::{TaskAnswer, UsageInfo};
 use super::types::{ChatBody, InferBody, Kind};
 use super::validate::{
-    last_user_text, messages, sampling, token_cap, validate_blocking, ValidRequest, Validate, Wire,
+    last_user_text, messages, sampling, validate_blocking, Caps, Parts, ValidRequest, Validate,
+    Wire,
 };
 use super::S;
 use crate::engine::api::{ChatMessage, ContentPart, EngineError, Prompt};
@@ -23,21 +25,39 @@ impl Validate for ChatBody {
     /// The messages rendered by the model's chat template (an image part becomes the model's
     /// image placeholder); the router reads the last user message and the images.
     fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
-        let Wire { body: b, raw } = wire;
+        fields::check(
+            wire.raw.as_object().unwrap_or(&Default::default()),
+            On::Chat,
+        )?;
+        let Wire { body: mut b, raw } = wire;
         let (msgs, images) = messages(b.messages, &s.cfg().limits)?;
         // Refused before the template, which a text model's cannot render image parts with.
         if !images.is_empty() && !s.engine.model_info().vision {
             return Err(EngineError::ImagesNotSupported.into());
         }
-        let sampling = sampling(&b.common, true, token_cap(s))?;
+        // The sampling bounds first: the template is the costly part.
+        sampling(&b.common, true, &Caps::of(s))?;
         let route_text = last_user_text(&msgs);
-        let prompt = Prompt::Templated(
-            s.engine
-                .apply_chat_template(&msgs, &b.chat_template_kwargs)?,
-        );
-        let mut req = ValidRequest::new(Kind::Chat, b.common, prompt, route_text, sampling, raw);
-        req.images = images;
-        Ok(req)
+        if let Some(g) = b.add_generation_prompt {
+            b.chat_template_kwargs
+                .insert("add_generation_prompt".into(), g.into());
+        }
+        let text = s
+            .engine
+            .apply_chat_template(&msgs, &b.chat_template_kwargs)?;
+        let prompt = match b.add_special_tokens.unwrap_or(false) {
+            true => Prompt::Text(text),
+            false => Prompt::Templated(text),
+        };
+        let parts = Parts {
+            kind: Kind::Chat,
+            prompt,
+            route_text,
+            forward: raw,
+            images,
+            whole: false,
+        };
+        ValidRequest::new(s, b.common, parts)
     }
 }
 
@@ -45,8 +65,7 @@ impl Validate for InferBody {
     /// The prompt as the one user message of a chat, its image (if any) before the text, never
     /// streamed.
     fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
-        let Wire { body: mut b, raw } = wire;
-        b.common.stream = false;
+        let Wire { body: b, raw } = wire;
         let mut msg = ChatMessage::text("user", b.prompt.clone());
         let mut content = json!(b.prompt);
         let mut images = Vec::new();
@@ -68,7 +87,7 @@ impl Validate for InferBody {
             images.push(src);
             msg.parts = vec![ContentPart::Image, ContentPart::Text(b.prompt.clone())];
         }
-        let sampling = sampling(&b.common, true, token_cap(s))?;
+        sampling(&b.common, true, &Caps::of(s))?;
         let prompt = Prompt::Templated(
             s.engine
                 .apply_chat_template(&[msg], &serde_json::Map::new())?,
@@ -81,9 +100,15 @@ impl Validate for InferBody {
                 f.remove(k);
             }
         }
-        let mut req = ValidRequest::new(Kind::Chat, b.common, prompt, b.prompt, sampling, forward);
-        req.images = images;
-        Ok(req)
+        let parts = Parts {
+            kind: Kind::Chat,
+            prompt,
+            route_text: b.prompt,
+            forward,
+            images,
+            whole: true,
+        };
+        ValidRequest::new(s, b.common, parts)
     }
 }
 

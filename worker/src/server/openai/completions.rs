@@ -1,7 +1,8 @@
 //! `POST /v1/completions`: its validation (the prompt forms).
 
+use super::fields::{self, On};
 use super::types::{CompletionBody, Kind, PromptField};
-use super::validate::{sampling, token_cap, ValidRequest, Validate, Wire};
+use super::validate::{Parts, ValidRequest, Validate, Wire};
 use crate::engine::api::Prompt;
 use crate::server::error::bad;
 use crate::server::{ApiError, AppState};
@@ -9,21 +10,28 @@ use crate::server::{ApiError, AppState};
 impl Validate for CompletionBody {
     /// A string, a one-string array, or token ids of the vocabulary; the router reads the text.
     fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
+        fields::check(
+            wire.raw.as_object().unwrap_or(&Default::default()),
+            On::Completions,
+        )?;
         let Wire { body: b, raw } = wire;
-        let sampling = sampling(&b.common, false, token_cap(s))?;
-        let prompt = completion_prompt(b.prompt, s.engine.model_info().vocab_size)?;
+        let prompt = match completion_prompt(b.prompt, s.engine.model_info().vocab_size)? {
+            Prompt::Text(t) if b.add_special_tokens == Some(false) => Prompt::Templated(t),
+            p => p,
+        };
         let route_text = match &prompt {
             Prompt::Text(t) | Prompt::Templated(t) => t.clone(),
             Prompt::Tokens(_) => String::new(),
         };
-        Ok(ValidRequest::new(
-            Kind::Completion,
-            b.common,
+        let parts = Parts {
+            kind: Kind::Completion,
             prompt,
             route_text,
-            sampling,
-            raw,
-        ))
+            forward: raw,
+            images: Vec::new(),
+            whole: false,
+        };
+        ValidRequest::new(s, b.common, parts)
     }
 }
 

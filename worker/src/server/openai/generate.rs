@@ -14,9 +14,11 @@ use super::images;
 use super::replies::{Answer, ChatChoice, ChatEvent, TextChoice, TextEvent};
 use super::route::decide;
 use super::types::{ChatBody, CompletionBody};
-use super::validate::{validate_blocking, ValidRequest, Validate, Wire};
+use super::validate::{max_seq, validate_blocking, ValidRequest, Validate, Wire};
 use super::S;
-use crate::engine::api::{EngineError, GenerateRequest, Image, InferenceEngine, Prompt};
+use crate::engine::api::{
+    EngineError, GenerateRequest, Image, InferenceEngine, Prompt, SamplingParams,
+};
 use crate::router::{Decision, Mode};
 use crate::server::gateway;
 use crate::server::openapi::Refusals;
@@ -84,9 +86,7 @@ pub(super) async fn serve(
         )
         .with_retry_after(1));
     }
-    if !req.images.is_empty() && !s.engine.model_info().vision {
-        return Err(EngineError::ImagesNotSupported.into());
-    }
+    // The sources become pixels (the request keeps the rest).
     let (images, held) = images::read_all(s, std::mem::take(&mut req.images)).await?;
     let d = decide(s, &req.route_input(), &images)?;
     let span = tracing::Span::current();
@@ -135,7 +135,7 @@ fn holding(resp: Response, held: images::HeldPixels) -> Response {
 async fn serve_routed(
     s: &Arc<AppState>,
     headers: &HeaderMap,
-    mut req: ValidRequest,
+    req: ValidRequest,
     images: Vec<Image>,
     mut d: Decision,
 ) -> Result<Response, ApiError> {
@@ -143,41 +143,29 @@ async fn serve_routed(
     if let Some(r) = gateway::forward(s, &cfg, &d, &req.upstream(headers)).await? {
         return Ok(r);
     }
-    let mut prompt_tokens = match &req.prompt {
-        // Tokenizing a long prompt takes long: off the async runtime.
-        Prompt::Text(t) | Prompt::Templated(t) => {
-            let (engine, t) = (s.engine.clone(), t.clone());
-            tokio::task::spawn_blocking(move || engine.count_tokens(&t)).await??
-        }
-        Prompt::Tokens(t) => t.len(),
-    };
-    // Each image's one placeholder becomes its tokens.
+    // The prompt was tokenized by validation; each image's one placeholder becomes its
+    // tokens.
+    let mut prompt_tokens = req.prompt.len();
     for img in &images {
         prompt_tokens += s
             .engine
             .image_tokens(img.width, img.height)?
             .saturating_sub(1);
     }
-    let max_seq =
-        (cfg.limits.engine.max_seq_len as usize).min(s.engine.model_info().max_seq_len.max(1));
-    req.fit_context(prompt_tokens, max_seq)?;
+    let max_tokens = req.fit_context(prompt_tokens, max_seq(s))?;
     let id = req_id(req.kind.id_prefix());
     let engine = engine_for(s, &cfg, &mut d);
-    let n = req.n.max(1);
-    let batch = cfg.limits.engine.max_batch_size as usize;
-    if n > batch {
-        return Err(crate::server::error::bad(
-            "invalid_n",
-            format!("n must be at most the pool's maxBatchSize ({batch}), got {n}"),
-        ));
-    }
+    let n = req.n;
     let rx = engine
         .submit_n(
             GenerateRequest {
                 id: id.clone(),
-                prompt: req.prompt,
+                prompt: Prompt::Tokens(req.prompt),
                 adapter: d.adapter.clone(),
-                sampling: req.sampling,
+                sampling: SamplingParams {
+                    max_tokens,
+                    ..req.sampling
+                },
                 images,
             },
             n,

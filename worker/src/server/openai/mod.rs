@@ -5,6 +5,7 @@ pub(in crate::server) mod admin;
 mod answer;
 pub(in crate::server) mod chat;
 mod completions;
+pub(in crate::server) mod fields;
 pub(in crate::server) mod generate;
 mod image_url;
 mod images;

@@ -177,15 +177,15 @@ pub(in crate::server) struct Common {
     pub(super) max_completion_tokens: Option<u64>,
     /// Sampling temperature; 0 is greedy.
     #[schema(minimum = 0, maximum = 2)]
-    pub(super) temperature: Option<f32>,
+    pub(super) temperature: Option<f64>,
     /// Nucleus sampling mass.
     #[schema(exclusive_minimum = 0, maximum = 1)]
-    pub(super) top_p: Option<f32>,
+    pub(super) top_p: Option<f64>,
     pub(super) top_k: Option<usize>,
-    pub(super) min_p: Option<f32>,
-    pub(super) presence_penalty: Option<f32>,
-    pub(super) frequency_penalty: Option<f32>,
-    pub(super) repetition_penalty: Option<f32>,
+    pub(super) min_p: Option<f64>,
+    pub(super) presence_penalty: Option<f64>,
+    pub(super) frequency_penalty: Option<f64>,
+    pub(super) repetition_penalty: Option<f64>,
     pub(super) seed: Option<u64>,
     #[schema(schema_with = stop_schema)]
     pub(super) stop: Option<StopField>,
@@ -224,6 +224,13 @@ pub(in crate::server) struct ChatBody {
     /// Extra chat-template variables (vLLM's field), e.g. `{"enable_thinking": false}`.
     #[serde(default)]
     pub(super) chat_template_kwargs: serde_json::Map<String, Value>,
+    /// vLLM's: end the prompt with the assistant's turn opening (default true).
+    #[serde(default)]
+    pub(super) add_generation_prompt: Option<bool>,
+    /// vLLM's: the tokenizer's special tokens (BOS) around the rendered template (default
+    /// false: the template writes its own).
+    #[serde(default)]
+    pub(super) add_special_tokens: Option<bool>,
     #[serde(flatten)]
     pub(super) common: Common,
 }
@@ -241,6 +248,9 @@ pub(in crate::server) enum PromptField {
 #[derive(Deserialize, ToSchema)]
 pub(in crate::server) struct CompletionBody {
     pub(super) prompt: PromptField,
+    /// vLLM's: the tokenizer's special tokens (BOS) around a text prompt (default true).
+    #[serde(default)]
+    pub(super) add_special_tokens: Option<bool>,
     #[serde(flatten)]
     pub(super) common: Common,
 }

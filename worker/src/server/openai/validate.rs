@@ -14,11 +14,13 @@ use mole_api::WorkerLimits;
 use super::images::{self, ImageSource};
 use super::types::{Common, Content, InMessage, Kind, StopField};
 use crate::engine::api::{ChatMessage, ContentPart, Prompt, SamplingParams};
-use crate::engine::sampler::MAX_LOGPROBS;
 use crate::router::RouteInput;
 use crate::server::error::bad;
 use crate::server::gateway::Upstream;
 use crate::server::{ApiError, AppState};
+use mole_api::request::{
+    self, RealField, RequestError, MAX_LOGPROBS, MAX_STOP, MAX_STOP_TOKEN_IDS,
+};
 
 /// A JSON request body (the extractor of every endpoint that takes one): typed, and as sent
 /// (what a merged pod is forwarded).
@@ -47,9 +49,36 @@ impl<T: DeserializeOwned> Wire<T> {
         })?;
         let raw: Value = serde_json::from_slice(&b)
             .map_err(|e| bad("invalid_json", format!("body is not valid JSON: {e}")))?;
-        let body = serde_json::from_value(raw.clone())
-            .map_err(|e| bad("invalid_request", e.to_string()))?;
+        // Every body is an object (serde would read a struct from an array too).
+        if !raw.is_object() {
+            return Err(bad("invalid_request", "the body must be a JSON object"));
+        }
+        let mut typed = raw.clone();
+        integral(&mut typed);
+        let body =
+            serde_json::from_value(typed).map_err(|e| bad("invalid_request", e.to_string()))?;
         Ok(Self { body, raw })
+    }
+}
+
+/// Integral floats (`10.0`) made integers, as JSON Schema's `integer` and vLLM's (pydantic's)
+/// `int` fields take them; a chat template's variables are left as sent.
+fn integral(v: &mut Value) {
+    match v {
+        Value::Number(n) if n.is_f64() => {
+            let f = n.as_f64().unwrap_or(f64::NAN);
+            if f.fract() == 0.0 && f >= 0.0 && f < u64::MAX as f64 {
+                *v = Value::from(f as u64);
+            } else if f.fract() == 0.0 && f < 0.0 && f >= i64::MIN as f64 {
+                *v = Value::from(f as i64);
+            }
+        }
+        Value::Array(a) => a.iter_mut().for_each(integral),
+        Value::Object(m) => m
+            .iter_mut()
+            .filter(|(k, _)| k.as_str() != "chat_template_kwargs")
+            .for_each(|(_, x)| integral(x)),
+        _ => {}
     }
 }
 
@@ -61,7 +90,8 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Wire<T> {
     }
 }
 
-/// A JSON body that may be left out: an empty or blank body reads as `T::default()`.
+/// A JSON body that may be left out: an empty or blank body, or JSON `null`, reads as
+/// `T::default()`.
 pub(in crate::server) struct OptionalWire<T>(pub(super) T);
 
 impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalWire<T> {
@@ -71,7 +101,7 @@ impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalW
         let body = Bytes::from_request(req, state).await;
         if body
             .as_ref()
-            .is_ok_and(|b| b.iter().all(u8::is_ascii_whitespace))
+            .is_ok_and(|b| b.iter().all(u8::is_ascii_whitespace) || b.trim_ascii() == b"null")
         {
             return Ok(Self(T::default()));
         }
@@ -99,7 +129,8 @@ pub(super) async fn validate_blocking<B: Validate>(
 }
 
 /// One generation request, validated: what chat, completion and `/infer` bodies become, and
-/// all the serving path takes.
+/// all the serving path takes. Built once, every bound checked ([`mole_api::request`]), the
+/// prompt tokenized; nothing changes it afterwards.
 pub(in crate::server) struct ValidRequest {
     /// The answer's shape (and the `endpoint` metric label).
     pub(super) kind: Kind,
@@ -107,13 +138,15 @@ pub(in crate::server) struct ValidRequest {
     pub(super) model: String,
     /// An explicit `adapter` (or the seeds' `expert`), which wins over `model`.
     pub(super) adapter: Option<String>,
-    /// What the engine runs: a rendered chat template, text or token ids.
-    pub(super) prompt: Prompt,
+    /// The prompt's token ids, tokenized once here (a rendered chat template without BOS
+    /// again, a completion's text with the tokenizer's special tokens), each image placeholder
+    /// one token that the engine expands with its image.
+    pub(super) prompt: Vec<u32>,
     /// What the router reads: the last user message, or the completion's text.
     pub(super) route_text: String,
-    /// Sampling, `max_tokens` within `limits.maxTokens`.
+    /// Sampling, `max_tokens` within `limits.maxTokens` (see [`ValidRequest::fit_context`]).
     pub(super) sampling: SamplingParams,
-    /// Choices (OpenAI's `n`, checked by [`sampling`]).
+    /// Choices (OpenAI's `n`), within [`mole_api::request::MAX_N`] and `maxBatchSize`.
     pub(super) n: usize,
     /// Whether the client set `max_tokens` (else the answer may use what the context leaves).
     pub(super) max_tokens_explicit: bool,
@@ -126,35 +159,59 @@ pub(in crate::server) struct ValidRequest {
     /// The body a merged pod gets: the client's (for `/infer`, made a chat completion).
     pub(super) forward: Value,
     /// The prompt's images, in the order of its placeholders (read by [`images::read_all`]
-    /// before routing).
+    /// after validation, before routing).
     pub(super) images: Vec<ImageSource>,
 }
 
+/// The parts of a [`ValidRequest`] each body validates its own way.
+pub(super) struct Parts {
+    /// The answer's shape.
+    pub(super) kind: Kind,
+    /// The prompt: rendered chat text, a completion's text or its token ids.
+    pub(super) prompt: Prompt,
+    /// What the router reads.
+    pub(super) route_text: String,
+    /// The body a merged pod gets.
+    pub(super) forward: Value,
+    /// The prompt's images.
+    pub(super) images: Vec<ImageSource>,
+    /// Never streamed (`/infer`), whatever the body says.
+    pub(super) whole: bool,
+}
+
 impl ValidRequest {
-    /// The request of a validated prompt and sampling, the rest as the client gave it.
-    pub(super) fn new(
-        kind: Kind,
-        c: Common,
-        prompt: Prompt,
-        route_text: String,
-        sampling: SamplingParams,
-        forward: Value,
-    ) -> Self {
-        Self {
-            kind,
+    /// The request of `c`'s fields and a body's `parts`: every sampling bound checked, the
+    /// prompt tokenized once (on the calling thread: validation runs on a blocking one), a
+    /// prompt that cannot fit the context with its `max_tokens` refused.
+    pub(super) fn new(s: &AppState, c: Common, parts: Parts) -> Result<Self, ApiError> {
+        let chat = parts.kind == Kind::Chat;
+        let sampling = sampling(&c, chat, &Caps::of(s))?;
+        let prompt = match parts.prompt {
+            Prompt::Tokens(ids) => ids,
+            text => s.engine.encode(&text)?,
+        };
+        if prompt.is_empty() {
+            return Err(bad("invalid_prompt", "the prompt has no tokens"));
+        }
+        let req = Self {
+            kind: parts.kind,
             max_tokens_explicit: c.max_tokens.is_some() || c.max_completion_tokens.is_some(),
             model: c.model,
             adapter: c.adapter.or(c.expert),
             prompt,
-            route_text,
+            route_text: parts.route_text,
             sampling,
             n: c.n.unwrap_or(1) as usize,
-            stream: c.stream,
+            stream: c.stream && !parts.whole,
             include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
             prefer_merged: c.prefer_merged,
-            forward,
-            images: Vec::new(),
-        }
+            forward: parts.forward,
+            images: parts.images,
+        };
+        // Images only add tokens: a prompt too long without them is too long with them, and
+        // is refused before routing.
+        req.fit_context(req.prompt.len(), max_seq(s))?;
+        Ok(req)
     }
 
     /// What the router sees of the request.
@@ -166,28 +223,28 @@ impl ValidRequest {
         }
     }
 
-    /// Fits the answer into a context of `max_seq` tokens: without an explicit `max_tokens` it
-    /// gets what the prompt leaves (as vLLM); a prompt plus `max_tokens` over it is refused with
-    /// 400 `prompt_too_long`, before queueing, so an oversize prompt costs nothing.
+    /// The `max_tokens` of an answer in a context of `max_seq` tokens after `prompt_tokens`:
+    /// without an explicit `max_tokens`, what the prompt leaves (as vLLM); a prompt plus
+    /// `max_tokens` over it is refused with 400 `prompt_too_long`, before queueing, so an
+    /// oversize prompt costs nothing.
     pub(super) fn fit_context(
-        &mut self,
+        &self,
         prompt_tokens: usize,
         max_seq: usize,
-    ) -> Result<(), ApiError> {
-        let sp = &mut self.sampling;
+    ) -> Result<usize, ApiError> {
+        let mut max_tokens = self.sampling.max_tokens;
         if !self.max_tokens_explicit && prompt_tokens < max_seq {
-            sp.max_tokens = sp.max_tokens.min(max_seq - prompt_tokens);
+            max_tokens = max_tokens.min(max_seq - prompt_tokens);
         }
-        if prompt_tokens + sp.max_tokens > max_seq {
+        if prompt_tokens + max_tokens > max_seq {
             return Err(bad(
                 "prompt_too_long",
                 format!(
-                    "prompt ({prompt_tokens} tokens) + max_tokens ({}) exceeds {max_seq}",
-                    sp.max_tokens
+                    "prompt ({prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds {max_seq}"
                 ),
             ));
         }
-        Ok(())
+        Ok(max_tokens)
     }
 
     /// What the gateway forwards to merged pods, with the client's `headers`.
@@ -202,47 +259,74 @@ impl ValidRequest {
     }
 }
 
-/// `limits.maxTokens` now.
-pub(super) fn token_cap(s: &AppState) -> u64 {
-    u64::from(s.cfg().limits.max_tokens)
+/// The longest sequence a request may take here: `limits.maxSeqLen` within the model's.
+pub(super) fn max_seq(s: &AppState) -> usize {
+    (s.cfg().limits.engine.max_seq_len as usize).min(s.engine.model_info().max_seq_len.max(1))
 }
 
-/// The most choices one request may ask for (OpenAI's bound); the engine also holds it to
-/// `maxBatchSize`.
-pub(super) const MAX_N: u64 = 128;
+/// The pool's limits a request is held to.
+pub(super) struct Caps {
+    /// `limits.maxTokens`.
+    pub(super) max_tokens: u64,
+    /// `limits.maxBatchSize`: the most choices (`n`) one request may take.
+    pub(super) max_batch_size: u32,
+}
 
-/// The most `stop_token_ids` a request may list (vLLM has no bound; a model's special tokens
-/// are a handful).
-pub(super) const MAX_STOP_TOKEN_IDS: usize = 64;
+impl Caps {
+    /// The limits of the config now.
+    pub(super) fn of(s: &AppState) -> Self {
+        let cfg = s.cfg();
+        Self {
+            max_tokens: u64::from(cfg.limits.max_tokens),
+            max_batch_size: cfg.limits.engine.max_batch_size,
+        }
+    }
+}
 
-/// The sampling fields, checked; `max_tokens` defaults to 256 and must be within `cap`
-/// (`limits.maxTokens`). `logprobs` is a bool in chat, a count in completions.
-pub(super) fn sampling(c: &Common, chat: bool, cap: u64) -> Result<SamplingParams, ApiError> {
+/// A real-valued field checked against its bounds, as the engine's f32.
+fn real(v: Option<f64>, default: f32, bounds: &RealField) -> Result<f32, ApiError> {
+    match v {
+        None => Ok(default),
+        Some(v) => {
+            bounds.check(v).map_err(refusal)?;
+            Ok(v as f32)
+        }
+    }
+}
+
+/// A bound's refusal as the 400 it answers.
+pub(super) fn refusal(e: RequestError) -> ApiError {
+    bad(e.code, e.message)
+}
+
+/// The sampling fields, checked against [`mole_api::request`]'s bounds, each refusal with its
+/// own code; `max_tokens` defaults to 256 and must be within `caps.max_tokens`. `logprobs` is
+/// a bool in chat, a count in completions.
+pub(super) fn sampling(c: &Common, chat: bool, caps: &Caps) -> Result<SamplingParams, ApiError> {
+    let cap = caps.max_tokens;
+    // Each one sent is checked, also the max_tokens that max_completion_tokens overrides.
+    for (field, v) in [
+        ("max_tokens", c.max_tokens),
+        ("max_completion_tokens", c.max_completion_tokens),
+    ] {
+        if let Some(mt) = v.filter(|&mt| mt == 0 || mt > cap) {
+            return Err(bad(
+                "max_tokens_exceeded",
+                format!("{field} must be between 1 and {cap}, got {mt}"),
+            ));
+        }
+    }
     let mt = c
         .max_completion_tokens
         .or(c.max_tokens)
         .unwrap_or(cap.min(256));
-    if mt == 0 || mt > cap {
-        return Err(bad(
-            "max_tokens_exceeded",
-            format!("max_tokens must be between 1 and {cap}, got {mt}"),
-        ));
-    }
-    let n = c.n.unwrap_or(1);
-    if !(1..=MAX_N).contains(&n) {
-        return Err(bad(
-            "invalid_n",
-            format!("n must be between 1 and {MAX_N}, got {n}"),
-        ));
-    }
-    let temperature = c.temperature.unwrap_or(1.0);
-    if !(0.0..=2.0).contains(&temperature) {
-        return Err(bad("invalid_temperature", "temperature must be in [0, 2]"));
-    }
-    let top_p = c.top_p.unwrap_or(1.0);
-    if !(top_p > 0.0 && top_p <= 1.0) {
-        return Err(bad("invalid_top_p", "top_p must be in (0, 1]"));
-    }
+    request::check_n(c.n.unwrap_or(1), caps.max_batch_size).map_err(refusal)?;
+    let temperature = real(c.temperature, 1.0, &request::TEMPERATURE)?;
+    let top_p = real(c.top_p, 1.0, &request::TOP_P)?;
+    let min_p = real(c.min_p, 0.0, &request::MIN_P)?;
+    let presence_penalty = real(c.presence_penalty, 0.0, &request::PRESENCE_PENALTY)?;
+    let frequency_penalty = real(c.frequency_penalty, 0.0, &request::FREQUENCY_PENALTY)?;
+    let repetition_penalty = real(c.repetition_penalty, 1.0, &request::REPETITION_PENALTY)?;
     // OpenAI's and vLLM's bounds: at most MAX_LOGPROBS alternatives, and top_logprobs only
     // beside `logprobs: true`.
     let logprobs = match (&c.logprobs, chat) {
@@ -282,8 +366,11 @@ pub(super) fn sampling(c: &Common, chat: bool, cap: u64) -> Result<SamplingParam
         Some(StopField::One(s)) => vec![s.clone()],
         Some(StopField::Many(v)) => v.clone(),
     };
-    if stop.len() > 4 || stop.iter().any(String::is_empty) {
-        return Err(bad("invalid_stop", "stop: at most 4 non-empty strings"));
+    if stop.len() > MAX_STOP || stop.iter().any(String::is_empty) {
+        return Err(bad(
+            "invalid_stop",
+            format!("stop: at most {MAX_STOP} non-empty strings"),
+        ));
     }
     // Checked against every token the shared batch generates: bounded, sorted and without
     // duplicates (the engine scans the list).
@@ -299,21 +386,24 @@ pub(super) fn sampling(c: &Common, chat: bool, cap: u64) -> Result<SamplingParam
     let mut stop_token_ids = c.stop_token_ids.clone();
     stop_token_ids.sort_unstable();
     stop_token_ids.dedup();
-    Ok(SamplingParams {
+    let sp = SamplingParams {
         temperature,
         top_p,
         top_k: c.top_k.unwrap_or(0),
-        min_p: c.min_p.unwrap_or(0.0),
-        repetition_penalty: c.repetition_penalty.unwrap_or(1.0),
-        presence_penalty: c.presence_penalty.unwrap_or(0.0),
-        frequency_penalty: c.frequency_penalty.unwrap_or(0.0),
+        min_p,
+        repetition_penalty,
+        presence_penalty,
+        frequency_penalty,
         seed: c.seed,
         max_tokens: mt as usize,
         stop,
         stop_token_ids,
         logprobs,
         ignore_eos: c.ignore_eos,
-    })
+    };
+    // What the engine asserts is what was checked here.
+    debug_assert!(crate::engine::sampler::validate(&sp).is_ok());
+    Ok(sp)
 }
 
 /// Chat messages: known roles (`developer` is read as `system`), text and image parts; and the
@@ -409,39 +499,68 @@ mod tests {
     fn refused<T: std::fmt::Debug>(r: Result<T, ApiError>) -> &'static str {
         r.unwrap_err().code()
     }
+    fn caps(max_tokens: u64) -> Caps {
+        Caps {
+            max_tokens,
+            max_batch_size: 128,
+        }
+    }
 
     #[test]
     fn sampling_defaults_and_bounds() {
         for n in [0, 129] {
-            let e = sampling(&common(json!({"n": n})), true, 64).unwrap_err();
+            let e = sampling(&common(json!({"n": n})), true, &caps(64)).unwrap_err();
             assert_eq!((e.status.as_u16(), e.code), (400, "invalid_n"));
         }
         for n in [1, 2, 128] {
-            assert!(sampling(&common(json!({"n": n})), true, 64).is_ok());
+            assert!(sampling(&common(json!({"n": n})), true, &caps(64)).is_ok());
         }
-        let sp = sampling(&common(json!({})), true, 64).unwrap();
+        let sp = sampling(&common(json!({})), true, &caps(64)).unwrap();
         assert_eq!((sp.max_tokens, sp.temperature, sp.top_p), (64, 1.0, 1.0));
         assert_eq!(
-            sampling(&common(json!({})), true, 4096).unwrap().max_tokens,
+            sampling(&common(json!({})), true, &caps(4096))
+                .unwrap()
+                .max_tokens,
             256
         );
         let sp = sampling(
             &common(json!({"max_completion_tokens": 3, "max_tokens": 9})),
             true,
-            64,
+            &caps(64),
         );
         assert_eq!(sp.unwrap().max_tokens, 3);
         for (body, code) in [
             (json!({"max_tokens": 0}), "max_tokens_exceeded"),
             (json!({"max_tokens": 65}), "max_tokens_exceeded"),
+            (
+                json!({"max_tokens": 0, "max_completion_tokens": 5}),
+                "max_tokens_exceeded",
+            ),
             (json!({"temperature": 2.5}), "invalid_temperature"),
             (json!({"top_p": 0.0}), "invalid_top_p"),
             (json!({"stop": ["a", "b", "c", "d", "e"]}), "invalid_stop"),
             (json!({"stop": ""}), "invalid_stop"),
             (json!({"logprobs": 2}), "invalid_logprobs"),
+            (json!({"min_p": 1.5}), "invalid_min_p"),
+            (
+                json!({"presence_penalty": -2.5}),
+                "invalid_presence_penalty",
+            ),
+            (
+                json!({"frequency_penalty": 2.5}),
+                "invalid_frequency_penalty",
+            ),
+            (
+                json!({"repetition_penalty": 0.0}),
+                "invalid_repetition_penalty",
+            ),
+            (
+                json!({"repetition_penalty": 1e39}),
+                "invalid_repetition_penalty",
+            ),
         ] {
             assert_eq!(
-                refused(sampling(&common(body.clone()), true, 64)),
+                refused(sampling(&common(body.clone()), true, &caps(64))),
                 code,
                 "{body}"
             );
@@ -449,8 +568,8 @@ mod tests {
         // logprobs: a bool in chat with at most 20 top_logprobs beside it, a count (at most
         // 20) in completions.
         let c = common(json!({"logprobs": true, "top_logprobs": 20}));
-        assert_eq!(sampling(&c, true, 64).unwrap().logprobs, Some(20));
-        assert_eq!(refused(sampling(&c, false, 64)), "invalid_logprobs");
+        assert_eq!(sampling(&c, true, &caps(64)).unwrap().logprobs, Some(20));
+        assert_eq!(refused(sampling(&c, false, &caps(64))), "invalid_logprobs");
         for (body, chat) in [
             (json!({"logprobs": true, "top_logprobs": 21}), true),
             (json!({"top_logprobs": 1}), true),
@@ -458,17 +577,17 @@ mod tests {
             (json!({"logprobs": 2, "top_logprobs": 1}), false),
         ] {
             assert_eq!(
-                refused(sampling(&common(body.clone()), chat, 64)),
+                refused(sampling(&common(body.clone()), chat, &caps(64))),
                 "invalid_top_logprobs",
                 "{body}"
             );
         }
         assert_eq!(
-            refused(sampling(&common(json!({"logprobs": 21})), false, 64)),
+            refused(sampling(&common(json!({"logprobs": 21})), false, &caps(64))),
             "invalid_logprobs"
         );
         let c = common(json!({"logprobs": 3, "stop": "x"}));
-        let sp = sampling(&c, false, 64).unwrap();
+        let sp = sampling(&c, false, &caps(64)).unwrap();
         assert_eq!((sp.logprobs, sp.stop), (Some(3), vec!["x".to_string()]));
     }
 
@@ -532,12 +651,32 @@ mod tests {
     }
 
     #[test]
+    fn integral_floats_are_integers() {
+        let mut v =
+            json!({"n": 10.0, "t": 0.5, "ids": [1.0, -2.0], "chat_template_kwargs": {"x": 1.0}});
+        integral(&mut v);
+        assert_eq!(
+            v,
+            json!({"n": 10, "t": 0.5, "ids": [1, -2], "chat_template_kwargs": {"x": 1.0}})
+        );
+        let c: Common = {
+            let mut v = json!({"n": 2.0, "max_tokens": 3.0, "temperature": 1.0});
+            integral(&mut v);
+            serde_json::from_value(v).unwrap()
+        };
+        assert_eq!(
+            (c.n, c.max_tokens, c.temperature),
+            (Some(2), Some(3), Some(1.0))
+        );
+    }
+
+    #[test]
     fn the_context_limit_trims_or_refuses() {
         let req = |explicit: bool, max_tokens: usize| ValidRequest {
             kind: Kind::Chat,
             model: String::new(),
             adapter: None,
-            prompt: Prompt::Tokens(vec![1]),
+            prompt: vec![1],
             route_text: String::new(),
             sampling: SamplingParams {
                 max_tokens,
@@ -552,13 +691,9 @@ mod tests {
             images: Vec::new(),
         };
         // No max_tokens asked: what the prompt leaves.
-        let mut r = req(false, 256);
-        r.fit_context(100, 128).unwrap();
-        assert_eq!(r.sampling.max_tokens, 28);
+        assert_eq!(req(false, 256).fit_context(100, 128).unwrap(), 28);
         // Asked for: kept, or refused when it does not fit.
-        let mut r = req(true, 28);
-        r.fit_context(100, 128).unwrap();
-        assert_eq!(r.sampling.max_tokens, 28);
+        assert_eq!(req(true, 28).fit_context(100, 128).unwrap(), 28);
         assert_eq!(
             refused(req(true, 29).fit_context(100, 128)),
             "prompt_too_long"

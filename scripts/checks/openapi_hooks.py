@@ -1,0 +1,88 @@
+"""schemathesis hooks for scripts/checks/openapi.sh (loaded through SCHEMATHESIS_HOOKS).
+
+The document says an image is a `data:` URL, base64 or an http(s) URL; that its bytes decode
+to an image of a format the worker reads is beyond a JSON schema. So in positive cases only
+(data the document calls valid, which must be answered 2xx), every image this generator wrote
+is replaced by a real 2x2 PNG, as a client would send one. Negative cases are sent as
+generated. Likewise the document states that a request takes at most `limits.maxImages`
+images in all its messages, a count JSON Schema cannot make across arrays: a positive case's
+images past that many become empty text parts (MOLE_OPENAPI_MAX_IMAGES, the config's value,
+kept at 2 so that the images' tokens leave room in the tiny model's 512-token context: how many
+tokens a prompt takes is a limit the document states but cannot check).
+For the same reason a positive chat keeps its first 4 messages with at most 48 characters of
+text each (a random string of 48 characters is at most ~200 byte-level tokens). And a path to
+load an adapter from must hold one: it becomes MOLE_OPENAPI_ADAPTER, a copy of
+the fixture adapter that no configured adapter uses."""
+
+import base64
+import os
+import struct
+import zlib
+
+import schemathesis
+
+
+def _png() -> bytes:
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    raw = b"".join(b"\x00" + bytes([200, 30, 30] * 2) for _ in range(2))
+    ihdr = struct.pack(">IIBBBBB", 2, 2, 8, 2, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", ihdr)
+        + chunk(b"IDAT", zlib.compress(raw))
+        + chunk(b"IEND", b"")
+    )
+
+
+B64 = base64.b64encode(_png()).decode()
+URL = "data:image/png;base64," + B64
+
+
+MAX_IMAGES = int(os.environ.get("MOLE_OPENAPI_MAX_IMAGES", "8"))
+
+
+def _images(v, seen):
+    """Replaces the images of messages, in place; past MAX_IMAGES, by empty text parts."""
+    if isinstance(v, dict):
+        if v.get("type") in ("image_url", "input_image") and "image_url" in v:
+            seen[0] += 1
+            if seen[0] > MAX_IMAGES:
+                v.clear()
+                v.update({"type": "text", "text": ""})
+                return
+            v["image_url"] = {"url": URL} if isinstance(v["image_url"], dict) else URL
+        for x in v.values():
+            _images(x, seen)
+    elif isinstance(v, list):
+        for x in v:
+            _images(x, seen)
+
+
+@schemathesis.hook
+def before_call(context, case, kwargs):
+    meta = getattr(case, "meta", None)
+    if meta is None or not meta.generation.mode.is_positive:
+        return
+    body = case.body
+    if not isinstance(body, dict):
+        return
+    msgs = body.get("messages")
+    if isinstance(msgs, list):
+        del msgs[4:]
+        for m in msgs:
+            if isinstance(m, dict) and isinstance(m.get("content"), str):
+                m["content"] = m["content"][:48]
+            elif isinstance(m, dict) and isinstance(m.get("content"), list):
+                del m["content"][4:]
+                for p in m["content"]:
+                    if isinstance(p, dict) and isinstance(p.get("text"), str):
+                        p["text"] = p["text"][:48]
+    _images(msgs, [0])
+    if isinstance(body.get("image_b64"), str):
+        body["image_b64"] = B64
+    # An adapter to load: a directory of one, as an operator would name it.
+    if isinstance(body.get("lora_path"), str) and os.environ.get("MOLE_OPENAPI_ADAPTER"):
+        body["lora_path"] = os.environ["MOLE_OPENAPI_ADAPTER"]

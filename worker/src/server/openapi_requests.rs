@@ -1,0 +1,370 @@
+//! The generation bodies' schemas as validation enforces them, no more and no less: the
+//! sampling bounds of [`mole_api::request`], the pool's own limits (`maxTokens`,
+//! `maxBatchSize`, the context and the vocabulary), chat's and completions' own `logprobs`,
+//! the messages a role may send without content, and every field of the field table
+//! ([`super::openai::fields`]): a refused field takes only null or its no-op values, an
+//! ignored one anything, and a field in neither is refused (`additionalProperties: false`).
+
+use serde_json::{json, Map, Value};
+
+use mole_api::request::{self, RealField, MAX_LOGPROBS, MAX_STOP, MAX_STOP_TOKEN_IDS};
+
+use super::openai::fields::{On, Treatment, FIELDS};
+
+/// The limits of this worker that bound a request.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct RequestLimits {
+    /// `limits.maxTokens`.
+    pub(super) max_tokens: u64,
+    /// `limits.maxBatchSize` (the most choices).
+    pub(super) max_batch_size: u32,
+    /// The longest sequence (the model's within `limits.maxSeqLen`).
+    pub(super) max_seq: usize,
+    /// The vocabulary (token ids below it; 0: unknown).
+    pub(super) vocab: usize,
+    /// The model takes images.
+    pub(super) vision: bool,
+    /// `limits.maxImages`.
+    pub(super) max_images: u32,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        let l = mole_api::WorkerLimits::default();
+        Self {
+            max_tokens: u64::from(l.max_tokens),
+            max_batch_size: l.engine.max_batch_size,
+            max_seq: l.engine.max_seq_len as usize,
+            vocab: 0,
+            vision: true,
+            max_images: l.max_images,
+        }
+    }
+}
+
+/// A real field's schema from its bounds (null: the default).
+fn real(b: &RealField) -> Value {
+    let mut s = json!({"type": ["number", "null"], "maximum": b.max});
+    let key = match b.min_exclusive {
+        true => "exclusiveMinimum",
+        false => "minimum",
+    };
+    s[key] = json!(b.min);
+    s
+}
+
+/// An optional integer within `[min, max]`.
+fn int(min: u64, max: u64) -> Value {
+    json!({"type": ["integer", "null"], "minimum": min, "maximum": max})
+}
+
+/// `schema` with its `allOf` parts (a `#[serde(flatten)]`ed struct) and their references
+/// merged into one object schema.
+fn merged(schema: &Value, schemas: &Value) -> Map<String, Value> {
+    let mut out = Map::new();
+    let mut props = Map::new();
+    let mut required: Vec<Value> = Vec::new();
+    let mut parts = vec![schema.clone()];
+    while let Some(mut p) = parts.pop() {
+        if let Some(name) = p["$ref"]
+            .as_str()
+            .and_then(|r| r.strip_prefix("#/components/schemas/"))
+        {
+            p = schemas[name].clone();
+        }
+        if let Some(all) = p["allOf"].as_array() {
+            parts.extend(all.iter().cloned());
+        }
+        if let Some(m) = p["properties"].as_object() {
+            props.extend(m.clone());
+        }
+        if let Some(r) = p["required"].as_array() {
+            required.extend(r.iter().cloned());
+        }
+        if let Some(d) = p.get("description") {
+            out.entry("description").or_insert(d.clone());
+        }
+    }
+    out.insert("type".into(), json!("object"));
+    out.insert("required".into(), Value::Array(required));
+    out.insert("properties".into(), Value::Object(props));
+    out
+}
+
+/// `expert`: an adapter's name or its integer label (an i64).
+fn expert() -> Value {
+    json!({"oneOf": [
+        {"type": "string"},
+        {"type": "integer", "minimum": i64::MIN, "maximum": i64::MAX},
+        {"type": "null"},
+    ], "description": "The adapter's name or router label (string or integer)."})
+}
+
+/// The sampling fields' schemas, shared by chat and completions.
+fn sampling(props: &mut Map<String, Value>, lim: &RequestLimits) {
+    props.insert("expert".into(), expert());
+    for b in request::REAL_FIELDS {
+        let mut s = real(&b);
+        if let Some(d) = props.get(b.field).and_then(|p| p.get("description")) {
+            s["description"] = d.clone();
+        }
+        props.insert(b.field.into(), s);
+    }
+    props.insert("seed".into(), int(0, u64::MAX));
+    props.insert("top_k".into(), int(0, u64::MAX));
+    let most_n = request::MAX_N.min(u64::from(lim.max_batch_size));
+    props.insert("n".into(), int(1, most_n));
+    props.insert("max_tokens".into(), int(1, lim.max_tokens));
+    props.insert("max_completion_tokens".into(), int(1, lim.max_tokens));
+    props.insert(
+        "stop".into(),
+        json!({"oneOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP},
+            {"type": "null"},
+        ]}),
+    );
+    props.insert(
+        "stop_token_ids".into(),
+        json!({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": u32::MAX},
+               "maxItems": MAX_STOP_TOKEN_IDS}),
+    );
+}
+
+/// The field table's refused and ignored fields of `endpoint`, and no others.
+fn table(out: &mut Map<String, Value>, endpoint: On) {
+    let Some(props) = out.get_mut("properties").and_then(Value::as_object_mut) else {
+        return;
+    };
+    for f in FIELDS
+        .iter()
+        .filter(|f| f.on == endpoint || f.on == On::Both)
+    {
+        match f.treatment {
+            Treatment::Served => {}
+            Treatment::Ignored(why) => {
+                props.insert(
+                    f.name.into(),
+                    json!({"description": format!("Accepted and ignored ({}): {why}.", f.from)}),
+                );
+            }
+            Treatment::Refused { why, noop } => {
+                let mut values = vec![Value::Null];
+                values.extend(noop.iter().filter_map(|n| serde_json::from_str(n).ok()));
+                props.insert(
+                    f.name.into(),
+                    json!({
+                        "enum": values,
+                        "description": format!(
+                            "Not supported ({}: {why}): any other value is refused with 400 unsupported_field.",
+                            f.from
+                        ),
+                    }),
+                );
+            }
+        }
+    }
+    out.insert("additionalProperties".into(), json!(false));
+}
+
+/// A chat message: every role but `assistant` says something.
+fn message(vision: bool) -> Value {
+    let image = json!({"type": "string", "description":
+        "The image: a `data:image/...;base64,` URL, base64 alone, or an http(s) URL of an allowed host."});
+    let image_url = json!({"oneOf": [
+        {"type": "object", "required": ["url"], "properties": {"url": image}},
+        image,
+    ]});
+    let text_part = json!({"type": "object", "required": ["type"], "properties": {
+        "type": {"enum": ["text", "input_text"]},
+        "text": {"type": ["string", "null"]},
+        "image_url": {"oneOf": [image_url, {"type": "null"}]},
+    }});
+    let image_part = json!({"type": "object", "required": ["type", "image_url"], "properties": {
+        "type": {"enum": ["image_url", "input_image"]},
+        "image_url": image_url,
+    }});
+    let parts = match vision {
+        true => json!({"oneOf": [text_part, image_part]}),
+        false => text_part,
+    };
+    let content = json!({"oneOf": [{"type": "string"}, {"type": "array", "items": parts}]});
+    json!({"oneOf": [
+        {"type": "object", "required": ["role"], "properties": {
+            "role": {"const": "assistant"},
+            "content": {"oneOf": [content, {"type": "null"}]},
+        }},
+        {"type": "object", "required": ["role", "content"], "properties": {
+            "role": {"enum": ["system", "user", "tool", "developer"]},
+            "content": content,
+        }},
+    ], "description": "A chat message: `developer` is read as `system`; only an `assistant` message may leave out its content."})
+}
+
+/// The prompt of a completion: non-empty text, one text, or token ids of the vocabulary.
+fn prompt(lim: &RequestLimits) -> Value {
+    let mut ids = json!({"type": "integer", "minimum": 0});
+    if lim.vocab > 0 {
+        ids["maximum"] = json!(lim.vocab - 1);
+    }
+    json!({"oneOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "items": ids, "minItems": 1, "maxItems": lim.max_seq.saturating_sub(1).max(1)},
+        {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1, "maxItems": 1},
+    ]})
+}
+
+/// Rewrites the request schemas of `doc` (the document as JSON) to what validation enforces.
+pub(super) fn enforce(doc: &mut Value, lim: &RequestLimits) {
+    let schemas = doc["components"]["schemas"].clone();
+    let msg = message(lim.vision);
+    let messages = json!({"type": "array", "items": msg, "minItems": 1, "description": format!(
+        "The conversation. Its image parts, in all messages, are at most limits.maxImages ({}); \
+         more are refused with 400 too_many_images.", lim.max_images)});
+    // Chat.
+    let mut chat = merged(&schemas["ChatBody"], &schemas);
+    if let Some(p) = chat.get_mut("properties").and_then(Value::as_object_mut) {
+        sampling(p, lim);
+        p.insert("messages".into(), messages.clone());
+        p.insert(
+            "logprobs".into(),
+            json!({"type": ["boolean", "null"], "description": "Whether to return log probabilities."}),
+        );
+        p.insert("top_logprobs".into(), int(0, MAX_LOGPROBS as u64));
+    }
+    // top_logprobs only beside logprobs: true.
+    chat.insert(
+        "dependentSchemas".into(),
+        json!({"top_logprobs": {"anyOf": [
+            {"properties": {"top_logprobs": {"type": "null"}}},
+            {"required": ["logprobs"], "properties": {"logprobs": {"const": true}}},
+        ]}}),
+    );
+    table(&mut chat, On::Chat);
+    doc["components"]["schemas"]["ChatBody"] = Value::Object(chat);
+    // Completions.
+    let mut completion = merged(&schemas["CompletionBody"], &schemas);
+    if let Some(p) = completion
+        .get_mut("properties")
+        .and_then(Value::as_object_mut)
+    {
+        sampling(p, lim);
+        p.insert("prompt".into(), prompt(lim));
+        p.insert(
+            "logprobs".into(),
+            json!({"oneOf": [int(0, MAX_LOGPROBS as u64)], "description": "How many alternatives per token."}),
+        );
+        p.insert(
+            "top_logprobs".into(),
+            json!({"type": "null", "description": "A chat field: completions take `logprobs: <count>`."}),
+        );
+    }
+    table(&mut completion, On::Completions);
+    doc["components"]["schemas"]["CompletionBody"] = Value::Object(completion);
+    // The router: input or messages (validated whenever sent), and the model or adapter asked
+    // for; the other fields of a chat body sent here are ignored (nothing is generated).
+    let mut route = merged(&schemas["RouteBody"], &schemas);
+    if let Some(p) = route.get_mut("properties").and_then(Value::as_object_mut) {
+        p.retain(|k, _| ["input", "messages", "model", "adapter", "expert"].contains(&k.as_str()));
+        p.insert("expert".into(), expert());
+        p.insert(
+            "messages".into(),
+            json!({"oneOf": [messages, {"type": "null"}]}),
+        );
+    }
+    route.insert(
+        "anyOf".into(),
+        json!([
+            {"required": ["input"], "properties": {"input": {"type": "string"}}},
+            {"required": ["messages"], "properties": {"messages": {"type": "array"}}},
+        ]),
+    );
+    doc["components"]["schemas"]["RouteBody"] = Value::Object(route);
+    // The seeds' task call: chat's sampling (its other fields are mole's own).
+    let mut infer = merged(&schemas["InferBody"], &schemas);
+    if let Some(p) = infer.get_mut("properties").and_then(Value::as_object_mut) {
+        sampling(p, lim);
+        p.insert("logprobs".into(), json!({"type": ["boolean", "null"]}));
+        p.insert("top_logprobs".into(), int(0, MAX_LOGPROBS as u64));
+        if !lim.vision {
+            p.insert(
+                "image_b64".into(),
+                json!({"type": "null", "description": "This model takes no images."}),
+            );
+        }
+    }
+    infer.insert(
+        "dependentSchemas".into(),
+        json!({"top_logprobs": {"anyOf": [
+            {"properties": {"top_logprobs": {"type": "null"}}},
+            {"required": ["logprobs"], "properties": {"logprobs": {"const": true}}},
+        ]}}),
+    );
+    doc["components"]["schemas"]["InferBody"] = Value::Object(infer);
+    // vLLM's tokenizer calls: a prompt or messages, not both; ids of the vocabulary.
+    let tokenize = &mut doc["components"]["schemas"]["TokenizeBody"];
+    tokenize["properties"]["messages"] = json!({"oneOf": [messages, {"type": "null"}]});
+    tokenize["oneOf"] = json!([
+        {"required": ["prompt"], "properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}},
+        {"required": ["messages"], "properties": {"messages": {"type": "array"}, "prompt": {"type": "null"}}},
+    ]);
+    if lim.vocab > 0 {
+        doc["components"]["schemas"]["DetokenizeBody"]["properties"]["tokens"]["items"] =
+            json!({"type": "integer", "minimum": 0, "maximum": lim.vocab - 1});
+    }
+    doc["components"]["schemas"]["InMessage"] = msg;
+    // Loading takes a path (unloading does not); a name without '/' or spaces.
+    let mut load = doc["components"]["schemas"]["LoadBody"].clone();
+    load["required"] = json!(["lora_name", "lora_path"]);
+    load["properties"]["lora_name"] = json!({"type": "string", "pattern": "^[^/ ]+$",
+        "description": "The adapter's name: not empty, without '/' or spaces."});
+    load["properties"]["lora_path"] = json!({"type": "string", "description":
+        "The adapter's directory under modelRoot, holding adapter_model.safetensors; not a configured adapter's."});
+    doc["components"]["schemas"]["LoadAdapterBody"] = load;
+    let body = &mut doc["paths"]["/v1/load_lora_adapter"]["post"]["requestBody"]["content"]
+        ["application/json"]["schema"];
+    if body.is_object() {
+        *body = json!({"$ref": "#/components/schemas/LoadAdapterBody"});
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every field the table serves is in the body's schema, and every property of the schema
+    /// is in the table: the document and the table cannot drift apart.
+    #[test]
+    fn the_bodies_and_the_table_agree() {
+        let auth = crate::server::openapi::DocAuth {
+            api_keys: true,
+            admin_token: true,
+            operator_token: false,
+        };
+        let doc = crate::server::openapi::document(auth, &RequestLimits::default());
+        for (name, endpoint) in [("ChatBody", On::Chat), ("CompletionBody", On::Completions)] {
+            let body = &doc["components"]["schemas"][name];
+            assert_eq!(body["additionalProperties"], false, "{name}");
+            let props = body["properties"].as_object().unwrap();
+            for f in FIELDS
+                .iter()
+                .filter(|f| f.on == endpoint || f.on == On::Both)
+            {
+                assert!(props.contains_key(f.name), "{name} lacks {}", f.name);
+            }
+            for p in props.keys() {
+                assert!(
+                    crate::server::openai::fields::field(p, endpoint).is_some(),
+                    "{name}.{p} is not in the field table"
+                );
+            }
+        }
+        let chat = &doc["components"]["schemas"]["ChatBody"]["properties"];
+        assert_eq!(chat["min_p"]["maximum"], 1.0);
+        assert_eq!(chat["top_p"]["minimum"], f64::from(f32::MIN_POSITIVE));
+        assert_eq!(chat["repetition_penalty"]["maximum"], 100.0);
+        // n: OpenAI's 128 within the pool's batch.
+        let batch = RequestLimits::default().max_batch_size;
+        assert_eq!(chat["n"]["maximum"], 128.min(batch));
+    }
+}
