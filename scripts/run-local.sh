@@ -8,8 +8,11 @@
 # Your own checkpoint (any model the worker serves, Qwen3-VL included) and PEFT adapters, in
 # place (nothing is copied):
 #   bash scripts/run-local.sh --model DIR [--name NAME] [--adapter NAME[:LABEL]=DIR]... [--dtype bf16|f16|f32]
+#     [--tool-call-parser hermes] [--reasoning-parser qwen3|deepseek_r1]
 # NAME defaults to DIR's last component and must match the adapters' base_model_name_or_path
-# (last component, any case); LABEL is what the router's `expert` may name (e.g. 1).
+# (last component, any case); LABEL is what the router's `expert` may name (e.g. 1). The
+# parsers name the model's tool-call and reasoning formats when its chat template does not
+# (a template naming <tool_call> or </think> is detected; docs/server.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Release by default (decode is ~2.5x faster than a debug build); MOLE_BIN runs a binary
@@ -24,13 +27,15 @@ build() {
 }
 listen="${MOLE_LISTEN:-127.0.0.1:8000}"
 if [ $# -gt 0 ]; then
-  model="" name="" dtype="bf16" adapters=()
+  model="" name="" dtype="bf16" adapters=() parsers=""
   while [ $# -gt 0 ]; do
     case "$1" in
       --model) model="$2"; shift 2 ;;
       --name) name="$2"; shift 2 ;;
       --dtype) dtype="$2"; shift 2 ;;
       --adapter) adapters+=("$2"); shift 2 ;;
+      --tool-call-parser) parsers="$parsers, toolCallParser: $2"; shift 2 ;;
+      --reasoning-parser) parsers="$parsers, reasoningParser: $2"; shift 2 ;;
       *) echo "run-local: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
     esac
   done
@@ -45,7 +50,7 @@ if [ $# -gt 0 ]; then
     echo "mode: local"
     echo "pool: local"
     echo "modelRoot: /"
-    echo "baseModel: {name: \"$name\", path: \"${model#/}\", dtype: $dtype}"
+    echo "baseModel: {name: \"$name\", path: \"${model#/}\", dtype: $dtype$parsers}"
     echo "adapters:"
     i=0
     for a in ${adapters[@]+"${adapters[@]}"}; do

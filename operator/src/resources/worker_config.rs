@@ -36,6 +36,8 @@ pub fn worker_config(
             name: spec.base_model.name.clone(),
             path: spec.base_model.path.clone(),
             dtype: spec.base_model.dtype,
+            tool_call_parser: None,
+            reasoning_parser: None,
         },
         merged: None,
         adapters: list,

@@ -15,6 +15,7 @@ use super::validate::{
     last_user_text, messages, sampling, token_cap, validate_blocking, ValidRequest, Validate, Wire,
 };
 use super::S;
+use super::{guided, outputs};
 use crate::engine::api::{ChatMessage, ContentPart, EngineError, Prompt};
 use crate::server::openapi::Refusals;
 use crate::server::{ApiError, AppState};
@@ -24,19 +25,25 @@ impl Validate for ChatBody {
     /// image placeholder); the router reads the last user message and the images.
     fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
         let Wire { body: b, raw } = wire;
-        let (msgs, images) = messages(b.messages, &s.cfg().limits)?;
+        let (mut msgs, images) = messages(b.messages, &s.cfg().limits)?;
         // Refused before the template, which a text model's cannot render image parts with.
         if !images.is_empty() && !s.engine.model_info().vision {
             return Err(EngineError::ImagesNotSupported.into());
         }
-        let sampling = sampling(&b.common, true, token_cap(s))?;
+        let mut sampling = sampling(&b.common, true, token_cap(s))?;
         let route_text = last_user_text(&msgs);
-        let prompt = Prompt::Templated(
-            s.engine
-                .apply_chat_template(&msgs, &b.chat_template_kwargs)?,
-        );
+        // Tools, their history and the answer's shape (structured outputs, reasoning).
+        let formats = outputs::Formats::for_pool(s);
+        outputs::message_extras(&raw, &mut msgs)?;
+        let mut kwargs = b.chat_template_kwargs;
+        let tools = outputs::tools(&raw, &formats, &mut msgs, &mut kwargs)?;
+        let guide = guided::guide(&raw)?;
+        let text = s.engine.apply_chat_template(&msgs, &kwargs)?;
+        let parse = outputs::finish(&text, &formats, guide, tools.as_ref(), &mut sampling)?;
+        let prompt = Prompt::Templated(text);
         let mut req = ValidRequest::new(Kind::Chat, b.common, prompt, route_text, sampling, raw);
         req.images = images;
+        req.parse = parse;
         Ok(req)
     }
 }

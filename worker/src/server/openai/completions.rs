@@ -3,6 +3,7 @@
 use super::types::{CompletionBody, Kind, PromptField};
 use super::validate::{sampling, token_cap, ValidRequest, Validate, Wire};
 use crate::engine::api::Prompt;
+use crate::engine::grammar::Guided;
 use crate::server::error::bad;
 use crate::server::{ApiError, AppState};
 
@@ -10,7 +11,8 @@ impl Validate for CompletionBody {
     /// A string, a one-string array, or token ids of the vocabulary; the router reads the text.
     fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
         let Wire { body: b, raw } = wire;
-        let sampling = sampling(&b.common, false, token_cap(s))?;
+        let mut sampling = sampling(&b.common, false, token_cap(s))?;
+        sampling.guide = super::guided::guide(&raw)?.map(|guide| Guided { guide, after: None });
         let prompt = completion_prompt(b.prompt, s.engine.model_info().vocab_size)?;
         let route_text = match &prompt {
             Prompt::Text(t) | Prompt::Templated(t) => t.clone(),

@@ -128,6 +128,8 @@ pub(in crate::server) struct ValidRequest {
     /// The prompt's images, in the order of its placeholders (read by [`images::read_all`]
     /// before routing).
     pub(super) images: Vec<ImageSource>,
+    /// How a chat's answer splits into reasoning, answer and tool calls (None: all answer).
+    pub(super) parse: Option<super::parse::ParseSpec>,
 }
 
 impl ValidRequest {
@@ -154,6 +156,7 @@ impl ValidRequest {
             prefer_merged: c.prefer_merged,
             forward,
             images: Vec::new(),
+            parse: None,
         }
     }
 
@@ -313,6 +316,7 @@ pub(super) fn sampling(c: &Common, chat: bool, cap: u64) -> Result<SamplingParam
         stop_token_ids,
         logprobs,
         ignore_eos: c.ignore_eos,
+        guide: None,
     })
 }
 
@@ -550,6 +554,7 @@ mod tests {
             prefer_merged: None,
             forward: Value::Null,
             images: Vec::new(),
+            parse: None,
         };
         // No max_tokens asked: what the prompt leaves.
         let mut r = req(false, 256);
