@@ -24,7 +24,8 @@ fn request(
     f: impl FnOnce(&mut SamplingParams),
 ) -> GenerateRequest {
     let mut sampling = SamplingParams {
-        max_tokens: 48,
+        // Enough for the longest answer of `schema()` (54 bytes).
+        max_tokens: 64,
         guide: guide.map(|guide| Guided { guide, after: None }),
         ..Default::default()
     };

@@ -172,12 +172,13 @@ impl Grammars {
             // after `</think>`).
             Guide::Json(schema) if g.after.is_some() => (
                 TopLevelGrammar::from_lark(format!(
-                    "start: json | WS json\nWS: /[ \\t\\r\\n]{{1,4}}/\njson: %json {schema}\n"
+                    "start: json | WS json\nWS: /[ \\t\\r\\n]{{1,4}}/\njson: %json {}\n",
+                    compact(schema)
                 )),
                 GrammarError::Schema,
             ),
             Guide::Json(schema) => (
-                TopLevelGrammar::from_json_schema(schema.clone()),
+                TopLevelGrammar::from_json_schema(compact(schema)),
                 GrammarError::Schema,
             ),
             Guide::Regex(rx) => (TopLevelGrammar::from_regex(rx), GrammarError::Grammar),
@@ -202,6 +203,26 @@ impl Grammars {
             gate,
         })
     }
+}
+
+/// `schema` with llguidance's JSON options set as OpenAI and vLLM write JSON (unless the
+/// schema sets its own `x-guidance`): no free whitespace (a model may otherwise emit tabs or
+/// newlines without end), `", "` between items and `": "` after keys.
+pub fn compact(schema: &Json) -> Json {
+    let mut s = match schema {
+        Json::Bool(true) => serde_json::json!({}),
+        other => other.clone(),
+    };
+    if let Some(o) = s.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({
+                "whitespace_flexible": false,
+                "item_separator": ", ",
+                "key_separator": ": ",
+            })
+        });
+    }
+    s
 }
 
 /// The placeholder bytes of token `i` (a special token no grammar names).

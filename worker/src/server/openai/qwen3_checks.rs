@@ -46,7 +46,7 @@ fn parsed(t: &TextModel, prompt: &[u32], ids: &[u32], spec: ParseSpec) -> (Parse
     let mut d = Detokenizer::new(prompt);
     let mut p = OutputParser::new(spec);
     let mut streamed = Parsed::default();
-    let mut add = |o: Parsed, into: &mut Parsed| {
+    let add = |o: Parsed, into: &mut Parsed| {
         into.content.push_str(&o.content);
         into.reasoning.push_str(&o.reasoning);
         into.calls.extend(o.calls);

@@ -168,10 +168,10 @@ pub(super) fn call_grammar(funcs: &[(&str, Value)], parallel: bool) -> Guide {
             })
         })
         .collect();
-    let schema = match alts.len() {
+    let schema = crate::engine::grammar::compact(&match alts.len() {
         1 => alts[0].clone(),
         _ => json!({"anyOf": alts}),
-    };
+    });
     let calls = if parallel {
         "call (\"\\n\" call)*"
     } else {
