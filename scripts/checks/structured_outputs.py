@@ -92,7 +92,7 @@ def chat(model, name, seed=None, stream=False):
     return c.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": ASK[name]}],
-        max_tokens=200,
+        max_tokens=120,
         response_format={"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMAS[name], "strict": True}},
         **kw,
     )
@@ -105,12 +105,13 @@ def free(i):
 
 
 jobs = []
-with ThreadPoolExecutor(max_workers=24) as pool:
-    frees = [pool.submit(free, i) for i in range(6)]
+# One batch: per schema a greedy answer of the base and a sampled one of an adapter, beside
+# two free requests (a debug build on two cores: kept small enough for requestTimeoutSeconds).
+with ThreadPoolExecutor(max_workers=10) as pool:
+    frees = [pool.submit(free, i) for i in range(2)]
     for name in SCHEMAS:
-        for model in (BASE, "french"):
-            for seed in (None, 1, 2):
-                jobs.append((name, model, seed, pool.submit(chat, model, name, seed)))
+        for model, seed in ((BASE, None), ("french", 1)):
+            jobs.append((name, model, seed, pool.submit(chat, model, name, seed)))
     results = [(n, m, s, f.result()) for n, m, s, f in jobs]
     for f in frees:
         assert f.result().choices[0].message.content, f.result()
@@ -126,7 +127,7 @@ for name, model, seed, r in results:
     jsonschema.validate(v, SCHEMAS[name])
     stopped += 1
 print(f"json_schema: {stopped} of {len(results)} answers complete and valid")
-assert stopped >= len(results) * 3 // 4, "most answers should end within 200 tokens"
+assert stopped >= len(results) * 3 // 4, "most answers should end within 120 tokens"
 
 # json_object: any JSON object.
 r = c.chat.completions.create(model=BASE, messages=[{"role": "user", "content": "Give me a JSON object about cats."}],
@@ -196,8 +197,8 @@ TIME = {"type": "function", "function": {"name": "get_time", "description": "The
 PARAMS = {t["function"]["name"]: t["function"]["parameters"] for t in (WEATHER, TIME)}
 ASK_TOOL = [{"role": "user", "content": "What is the weather in Paris?"}]
 for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
-    for model in (BASE, "french"):
-        for seed in (None, 3):
+    for model, seed in ((BASE, None), ("french", 3)):
+        if True:
             kw = dict(temperature=0) if seed is None else dict(temperature=1.0, seed=seed)
             r = c.chat.completions.create(model=model, messages=ASK_TOOL, tools=[WEATHER, TIME], tool_choice=choice,
                                           max_tokens=120, **kw)
