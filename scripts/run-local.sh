@@ -8,11 +8,13 @@
 # Your own checkpoint (any model the worker serves, Qwen3-VL included) and PEFT adapters, in
 # place (nothing is copied):
 #   bash scripts/run-local.sh --model DIR [--name NAME] [--adapter NAME[:LABEL]=DIR]... [--dtype bf16|f16|f32]
-#     [--image-processor torchvision|pil]
+#     [--image-processor torchvision|pil] [--tool-call-parser hermes] [--reasoning-parser qwen3|deepseek_r1]
 # NAME defaults to DIR's last component and must match the adapters' base_model_name_or_path
 # (last component, any case); LABEL is what the router's `expert` may name (e.g. 1).
 # --image-processor: which of transformers' Qwen-VL image processors the pixels equal
-# (torchvision, the default, as transformers 5 and vLLM; pil as qwen-vl-utils).
+# (torchvision, the default, as transformers 5 and vLLM; pil as qwen-vl-utils). The parsers
+# name the model's tool-call and reasoning formats when its chat template does not (a template
+# naming <tool_call> or </think> is detected; docs/server.md).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # Release by default (decode is ~2.5x faster than a debug build); MOLE_BIN runs a binary
@@ -27,7 +29,7 @@ build() {
 }
 listen="${MOLE_LISTEN:-127.0.0.1:8000}"
 if [ $# -gt 0 ]; then
-  model="" name="" dtype="bf16" processor="torchvision" adapters=()
+  model="" name="" dtype="bf16" processor="torchvision" adapters=() parsers=""
   while [ $# -gt 0 ]; do
     case "$1" in
       --model) model="$2"; shift 2 ;;
@@ -35,6 +37,8 @@ if [ $# -gt 0 ]; then
       --dtype) dtype="$2"; shift 2 ;;
       --image-processor) processor="$2"; shift 2 ;;
       --adapter) adapters+=("$2"); shift 2 ;;
+      --tool-call-parser) parsers="$parsers, toolCallParser: $2"; shift 2 ;;
+      --reasoning-parser) parsers="$parsers, reasoningParser: $2"; shift 2 ;;
       *) echo "run-local: unknown argument $1 (see the header of $0)" >&2; exit 2 ;;
     esac
   done
@@ -49,7 +53,7 @@ if [ $# -gt 0 ]; then
     echo "mode: local"
     echo "pool: local"
     echo "modelRoot: /"
-    echo "baseModel: {name: \"$name\", path: \"${model#/}\", dtype: $dtype, imageProcessor: $processor}"
+    echo "baseModel: {name: \"$name\", path: \"${model#/}\", dtype: $dtype, imageProcessor: $processor$parsers}"
     echo "adapters:"
     i=0
     for a in ${adapters[@]+"${adapters[@]}"}; do

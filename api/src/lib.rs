@@ -27,7 +27,8 @@ mod source;
 
 pub use bounds::BoundsError;
 pub use config::{
-    MergedModel, RoutingSignals, WorkerAdapter, WorkerAuth, WorkerBaseModel, WorkerConfig,
+    MergedModel, ReasoningParser, RoutingSignals, ToolCallParser, WorkerAdapter, WorkerAuth,
+    WorkerBaseModel, WorkerConfig,
 };
 pub use enums::{Dtype, ImageProcessor, RouterFallback, RouterStrategy, ServingMode, WorkerMode};
 pub use limits::{EngineLimits, WorkerLimits};

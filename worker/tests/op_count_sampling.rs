@@ -29,6 +29,7 @@ fn everything(k: usize) -> RowSampling {
                 minus: 0.1,
             })
             .collect(),
+        mask: None,
     }
 }
 

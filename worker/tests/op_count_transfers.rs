@@ -1,6 +1,6 @@
 //! The tensor path's engine (what a GPU runs) copies between host and device exactly twice a
 //! step, whatever the step holds: its inputs (token ids, positions, cache slots, LoRA slots
-//! and the sampling parameters) go up in one upload, and its tokens (or sampled tokens with
+//! the sampling parameters and grammar masks) go up in one upload, and its tokens (or sampled tokens with
 //! logprobs) come back in one download. The copies are counted where they happen
 //! (`model::transfer`; clippy.toml bans candle's own constructors and readers in `model/` and
 //! `lora/`), process-wide, so this file holds one test and nothing else copies while it runs.
@@ -126,6 +126,60 @@ fn op_count_transfers_are_one_upload_and_one_download_per_step() {
             downloads: steps as usize
         },
         "one upload and one download per step"
+    );
+
+    // Grammar masks (structured outputs) travel in the same upload: a constrained greedy row
+    // (not plain greedy any more: its mask goes up) beside a free greedy row and a sampled
+    // constrained row with an adapter.
+    let (steps, constrained) = count(&|| {
+        let guide = |rx: &str| {
+            Some(mole_worker::engine::grammar::Guided {
+                guide: mole_worker::engine::grammar::Guide::Regex(rx.into()),
+                after: None,
+            })
+        };
+        let a = e
+            .submit(request(p0.clone(), None, |s| {
+                s.guide = guide("[a-z]{20,30}");
+                s.ignore_eos = false;
+            }))
+            .unwrap();
+        let b = e.submit(request(p1.clone(), None, |_| {})).unwrap();
+        let c = e
+            .submit(request(p1.clone(), Some("b_r4_qv"), |s| {
+                s.guide = guide("[0-9 ]{20,30}");
+                s.ignore_eos = false;
+                s.temperature = 0.9;
+                s.seed = Some(4);
+            }))
+            .unwrap();
+        // Token id = byte; a final EOS (id 2, allowed once the regex accepts) is no text.
+        let text = |mut t: Vec<u32>| {
+            if t.last() == Some(&2) {
+                t.pop();
+            }
+            String::from_utf8(t.iter().map(|&b| b as u8).collect()).unwrap()
+        };
+        let (a, c) = (text(collect(a).0), text(collect(c).0));
+        assert!(
+            a.len() >= 20 && a.bytes().all(|b| b.is_ascii_lowercase()),
+            "{a:?}"
+        );
+        assert!(
+            c.len() >= 20 && c.bytes().all(|b| b == b' ' || b.is_ascii_digit()),
+            "{c:?}"
+        );
+        assert_eq!(collect(b).0, ids(&r["greedy"][1]));
+    });
+    eprintln!("constrained steps: {steps}, {constrained:?}");
+    assert!(steps >= 20, "{steps} steps");
+    assert_eq!(
+        constrained,
+        Transfers {
+            uploads: steps as usize,
+            downloads: steps as usize
+        },
+        "one upload and one download per step with grammar masks"
     );
 
     let (steps, greedy) = count(&|| {

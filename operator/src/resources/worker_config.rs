@@ -37,6 +37,8 @@ pub fn worker_config(
             path: spec.base_model.path.clone(),
             dtype: spec.base_model.dtype,
             image_processor: spec.base_model.image_processor,
+            tool_call_parser: None,
+            reasoning_parser: None,
         },
         merged: None,
         adapters: list,

@@ -683,6 +683,8 @@ pub(super) fn bench(args: &DecodeBenchArgs) -> anyhow::Result<()> {
         };
         let label = dir.display().to_string();
         bench_model(&label, &mut m, wide.as_ref(), Some(dir), args, &dev)?;
+        drop((m, wide));
+        super::constrained::bench(dir, dtype, &dev, args.steps * 4, args.rounds)?;
     }
     Ok(())
 }

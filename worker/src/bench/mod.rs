@@ -1,6 +1,7 @@
 //! `mole-worker bench`: benchmarks that print ratios measured side by side in one run
 //! (DESIGN §5). Each kind lives in its own module.
 
+mod constrained;
 pub mod decode;
 mod gguf;
 pub mod image;

@@ -39,6 +39,15 @@ pub enum EngineError {
     /// placeholders do not match the images: 400.
     #[error("invalid image: {0}")]
     InvalidImage(String),
+    /// A structured-output guide that does not compile (`code`: `invalid_schema`,
+    /// `invalid_grammar`, `structured_outputs_unsupported`): 400.
+    #[error("{message}")]
+    InvalidGuide {
+        /// Stable name.
+        code: &'static str,
+        /// What is wrong, naming the keyword or position llguidance reports.
+        message: String,
+    },
     /// The model does not fit the device's memory budget (`gpuMemoryUtilization`): the
     /// worker refuses to start.
     #[error("{0}")]
@@ -63,6 +72,7 @@ impl EngineError {
             EngineError::InvalidRequest(_) => "invalid_request",
             EngineError::ImagesNotSupported => "images_not_supported",
             EngineError::InvalidImage(_) => "invalid_image",
+            EngineError::InvalidGuide { code, .. } => code,
             EngineError::ModelDoesNotFit(_) => "model_does_not_fit",
             EngineError::Internal(_) => "internal_error",
             EngineError::UnsupportedQuantization(_) => "unsupported_quantization",
@@ -95,6 +105,11 @@ pub struct ChatMessage {
     /// [`GenerateRequest::images`], in the order the parts of all messages name them.
     #[serde(skip)]
     pub parts: Vec<ContentPart>,
+    /// Other fields the template reads, as the client sent them: an assistant turn's
+    /// `tool_calls` (each `function.arguments` parsed into an object, as vLLM hands them to
+    /// templates), a tool result's `tool_call_id` and `name`.
+    #[serde(skip)]
+    pub extra: serde_json::Map<String, serde_json::Value>,
 }
 
 impl ChatMessage {
@@ -104,6 +119,7 @@ impl ChatMessage {
             role: role.into(),
             content: content.into(),
             parts: Vec::new(),
+            extra: serde_json::Map::new(),
         }
     }
 
@@ -130,8 +146,11 @@ impl Serialize for ChatMessage {
     /// the message has images.
     fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
         use serde::ser::SerializeMap;
-        let mut m = s.serialize_map(Some(2))?;
+        let mut m = s.serialize_map(Some(2 + self.extra.len()))?;
         m.serialize_entry("role", &self.role)?;
+        for (k, v) in &self.extra {
+            m.serialize_entry(k, v)?;
+        }
         if self.parts.is_empty() {
             m.serialize_entry("content", &self.content)?;
         } else {
@@ -200,6 +219,8 @@ pub struct SamplingParams {
     pub logprobs: Option<usize>,
     /// Keep generating past EOS.
     pub ignore_eos: bool,
+    /// Structured outputs: the grammar the answer follows (None: free text).
+    pub guide: Option<super::grammar::Guided>,
 }
 
 impl Default for SamplingParams {
@@ -218,6 +239,7 @@ impl Default for SamplingParams {
             stop_token_ids: Vec::new(),
             logprobs: None,
             ignore_eos: false,
+            guide: None,
         }
     }
 }
@@ -373,6 +395,11 @@ pub trait InferenceEngine: Send + Sync + 'static {
         messages: &[ChatMessage],
         kwargs: &serde_json::Map<String, serde_json::Value>,
     ) -> Result<String, EngineError>;
+    /// The chat template's source (None: no template, or an engine that does not say). The
+    /// server reads the tool-call and reasoning formats a pool does not name from it.
+    fn chat_template(&self) -> Option<String> {
+        None
+    }
     /// Token ids of `prompt` as the engine would run it (a text gets the tokenizer's special
     /// tokens; templated text does not), each image placeholder expanded to its image's
     /// tokens.

@@ -4,8 +4,10 @@
 
 mod adapters;
 pub mod api;
+pub mod grammar;
 mod images;
 mod plan;
+pub mod pyjson;
 pub mod replicas;
 pub mod sample_ops;
 pub mod sampler;
@@ -234,6 +236,8 @@ pub struct Shared {
     images: Option<ImageProcessor>,
     /// Digests of images the vision tower is made to fail on ([`Engine::fail_images_for_tests`]).
     failing_images: Mutex<Vec<[u8; 32]>>,
+    /// Structured outputs' grammars over this model's tokens (built on first use).
+    grammars: grammar::Grammars,
 }
 
 /// The engine: a handle to the engine thread.
@@ -362,6 +366,11 @@ impl Engine {
             preemptions: Default::default(),
             steps: Default::default(),
             largest_batch: Default::default(),
+            grammars: grammar::Grammars::new(
+                text.tokenizer().clone(),
+                &text.eos_ids,
+                model.config().vocab_size,
+            ),
             model,
             text,
             opts,
@@ -480,6 +489,18 @@ impl InferenceEngine for Engine {
             ));
         }
         let max_new = req.sampling.max_tokens.min(max_seq - prompt.len());
+        // Compiled once for every choice; a grammar that does not compile is refused here.
+        let guide = match &req.sampling.guide {
+            Some(g) => Some(
+                sh.grammars
+                    .compile(g)
+                    .map_err(|e| EngineError::InvalidGuide {
+                        code: e.code(),
+                        message: e.to_string(),
+                    })?,
+            ),
+            None => None,
+        };
         let merged_version = req
             .adapter
             .as_deref()
@@ -501,7 +522,10 @@ impl InferenceEngine for Engine {
             .map(|i| {
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
                 streams.push(rx);
-                let sampler = Sampler::new(choice(&req, i).sampling, &prompt);
+                let mut sampler = Sampler::new(choice(&req, i).sampling, &prompt);
+                if let Some(g) = &guide {
+                    sampler = sampler.with_constraint(g.start());
+                }
                 let id = match i {
                     0 => req.id.clone(),
                     i => format!("{}/{i}", req.id),
@@ -527,6 +551,10 @@ impl InferenceEngine for Engine {
             .text
             .render_chat_with(messages, true, kwargs)
             .map_err(|e| EngineError::InvalidRequest(e.to_string()))
+    }
+
+    fn chat_template(&self) -> Option<String> {
+        self.shared.text.chat_template().map(String::from)
     }
 
     fn tokenize(&self, prompt: &Prompt, images: &[Image]) -> Result<Vec<u32>, EngineError> {
@@ -570,6 +598,7 @@ impl InferenceEngine for Engine {
                 role: "user".into(),
                 content: prompt.into(),
                 parts,
+                extra: Default::default(),
             };
             Prompt::Templated(self.apply_chat_template(&[msg], &Default::default())?)
         };

@@ -84,6 +84,10 @@ impl InferenceEngine for Replicas {
         self.engines[0].apply_chat_template(messages, kwargs)
     }
 
+    fn chat_template(&self) -> Option<String> {
+        self.engines[0].chat_template()
+    }
+
     fn tokenize(&self, prompt: &Prompt, images: &[Image]) -> Result<Vec<u32>, EngineError> {
         self.engines[0].tokenize(prompt, images)
     }

@@ -27,6 +27,11 @@
 //!   (block sums over `[rows, blocks, 512]`, a cumulative sum over blocks, then within the
 //!   chosen block) by two small triangular matmuls, since one over the vocabulary would be a
 //!   `vocab × vocab` matrix.
+//! - **Grammar masks** (structured outputs, [`super::grammar`]): when a row of the step has
+//!   one, every row's allowed tokens travel as [`MASK_BITS`] bits per f32 (an unconstrained
+//!   row all ones), unpacked by a gather, a scale by powers of two and a parity (all exact in
+//!   f32), and the refused tokens' penalised logits become -inf before the greedy pick and the
+//!   draw. A step without a constrained row packs and runs none of it.
 //! - **Greedy** rows (penalised or not) take the first largest logit, as the host does, by a
 //!   max and a masked min of positions (candle's CUDA argmax picks any of tied values).
 //! - **Logprobs** are of the raw logits (log-softmax on the device), the chosen token's and
@@ -40,6 +45,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{DType, Device, Tensor, D};
 
+use super::grammar::{pack_mask, MASK_BITS};
 use super::sampling::Sampled;
 pub use super::sampling::{Penalty, RowSampling};
 
@@ -67,6 +73,8 @@ pub struct SamplePlan {
     top_n: Option<usize>,
     /// Penalty entries per row (the longest list; shorter ones are padded).
     entries: usize,
+    /// Whether any row has a grammar mask (then every row packs one).
+    masked: bool,
 }
 
 /// A row's penalties inside a vocabulary of `v` (the host sampler skips the others too).
@@ -91,12 +99,21 @@ impl SamplePlan {
                 .map(|r| in_vocab(r, vocab).count())
                 .max()
                 .unwrap_or(0),
+            masked: rows.iter().any(|r| r.mask.is_some()),
+        }
+    }
+
+    /// Packed f32 values of one row's mask.
+    fn mask_words(&self) -> usize {
+        match self.masked {
+            true => self.vocab.div_ceil(MASK_BITS),
+            false => 0,
         }
     }
 
     /// Values [`SamplePlan::pack`] writes.
     pub fn len(&self) -> usize {
-        self.rows * (FIELDS + 3 * self.entries)
+        self.rows * (FIELDS + 3 * self.entries + self.mask_words())
     }
 
     /// Whether the plan packs nothing (no rows).
@@ -106,7 +123,8 @@ impl SamplePlan {
 
     /// Appends the rows' inputs to `buf`: each row's fields, then the penalty entries as three
     /// `[rows, entries]` planes (a short list is padded with its last entry again, which
-    /// writes the same value twice, or with a no-op entry on token 0).
+    /// writes the same value twice, or with a no-op entry on token 0), then, when a row has a
+    /// grammar mask, every row's mask as a `[rows, words]` plane.
     pub fn pack(&self, rows: &[RowSampling], buf: &mut Vec<f32>) {
         let v = self.vocab;
         buf.reserve(self.len());
@@ -144,6 +162,11 @@ impl SamplePlan {
                             _ => p.minus,
                         }),
                 );
+            }
+        }
+        if self.masked {
+            for r in rows {
+                pack_mask(r.mask.as_deref(), v, buf);
             }
         }
     }
@@ -223,6 +246,12 @@ struct Consts {
     /// cumulative sum.
     upper_blocks: Tensor,
     upper_block: Tensor,
+    /// `[vocab]` u32: the packed mask value holding each token's bit.
+    mask_word: Tensor,
+    /// `[1, vocab]`: `2^-(t % MASK_BITS)`, which brings token `t`'s bit to the ones place.
+    mask_scale: Tensor,
+    /// `[1, vocab]`: -inf, a refused token's logit.
+    refused: Tensor,
 }
 
 impl Consts {
@@ -248,6 +277,21 @@ impl Consts {
             block_no: count(1, blocks)?,
             upper_blocks: upper(blocks)?,
             upper_block: upper(BLOCK)?,
+            mask_word: Tensor::from_vec(
+                (0..vocab)
+                    .map(|t| (t / MASK_BITS) as u32)
+                    .collect::<Vec<_>>(),
+                vocab,
+                device,
+            )?,
+            mask_scale: Tensor::from_vec(
+                (0..vocab)
+                    .map(|t| 0.5f32.powi((t % MASK_BITS) as i32))
+                    .collect::<Vec<_>>(),
+                (1, vocab),
+                device,
+            )?,
+            refused: Tensor::from_vec(vec![f32::NEG_INFINITY; vocab], (1, vocab), device)?,
         })
     }
 }
@@ -297,6 +341,20 @@ fn first_max(x: &Tensor, c: &Consts) -> candle_core::Result<Tensor> {
         &c.past.broadcast_as(shape)?,
     )?
     .min_keepdim(D::Minus1)
+}
+
+/// `logits` with the tokens whose bit in `packed` (`[rows, words]`, [`MASK_BITS`] bits per
+/// value) is clear set to -inf.
+fn masked(logits: &Tensor, packed: &Tensor, c: &Consts) -> candle_core::Result<Tensor> {
+    let shape = logits.dims();
+    let x = packed
+        .index_select(&c.mask_word, 1)?
+        .broadcast_mul(&c.mask_scale)?
+        .floor()?;
+    // The ones bit of floor(word / 2^k): x - 2 floor(x / 2).
+    let bit = (&x - x.affine(0.5, 0.0)?.floor()?.affine(2.0, 0.0)?)?;
+    bit.gt(0.5)?
+        .where_cond(logits, &c.refused.broadcast_as(shape)?)
 }
 
 /// The largest `t` in `[lo, hi]` (per row) with `ok(t)`, where `ok` holds at `lo` and, once
@@ -368,9 +426,18 @@ impl BatchSampler for CandleSampler {
         } else {
             raw.clone()
         };
+        let logits = if plan.masked {
+            let words = plan.mask_words();
+            let packed = all
+                .narrow(0, b * (FIELDS + 3 * entries), b * words)?
+                .reshape((b, words))?;
+            masked(&logits, &packed, &c)?
+        } else {
+            logits
+        };
         let greedy = first_max(&logits, &c)?;
         let token = if sampled {
-            let drawn = draw(&logits, &c, &field, top_k, top_p)?;
+            let drawn = draw(&logits, &c, &field, top_k, top_p, plan.masked)?;
             field(1)?.to_dtype(DType::U8)?.where_cond(&greedy, &drawn)?
         } else {
             greedy
@@ -406,10 +473,20 @@ fn draw(
     field: &dyn Fn(usize) -> candle_core::Result<Tensor>,
     top_k: bool,
     top_p: bool,
+    masked: bool,
 ) -> candle_core::Result<Tensor> {
     let (b, v) = logits.dims2()?;
     let z = logits.broadcast_div(&field(0)?)?;
-    let (max, min) = (z.max_keepdim(1)?, z.min_keepdim(1)?);
+    let max = z.max_keepdim(1)?;
+    // The cut-offs bisect between the smallest and largest allowed logit (a refused token's
+    // -inf would leave bisection nothing to halve).
+    let min = match masked {
+        true => z
+            .broadcast_gt(&c.refused)?
+            .where_cond(&z, &max.broadcast_as((b, v))?)?
+            .min_keepdim(1)?,
+        false => z.min_keepdim(1)?,
+    };
     let e = z.broadcast_sub(&max)?.exp()?;
     let zeros = e.zeros_like()?;
     // min-p: exp(z - max) is a token's probability over the best one's.
@@ -614,6 +691,7 @@ mod tests {
             u: rng.random::<f32>(),
             logprobs: [None, Some(0), Some(3)][rng.random_range(0..3)],
             penalties,
+            mask: None,
         }
     }
 
@@ -702,6 +780,7 @@ mod tests {
                     u: (i as f32 + 0.5) / n as f32,
                     logprobs: None,
                     penalties: Vec::new(),
+                    mask: None,
                 })
                 .collect();
             let all: Vec<f32> = (0..n).flat_map(|_| logits).collect();

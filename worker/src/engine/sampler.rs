@@ -13,6 +13,7 @@ use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
 use super::api::SamplingParams;
+use super::grammar::{self, Constraint};
 use super::sampling::{Penalty, RowSampling};
 pub use super::sampling::{Sampled, GREEDY_BELOW};
 
@@ -58,6 +59,11 @@ pub struct Sampler {
     penalties: Vec<Penalty>,
     /// Where each token of `penalties` is.
     penalised: HashMap<u32, usize>,
+    /// The request's grammar (structured outputs), if any.
+    constraint: Option<Constraint>,
+    /// This step's allowed tokens (llguidance's bit words), computed by
+    /// [`Sampler::prepare_mask`] before the step and used by its pick.
+    mask: Option<Vec<u32>>,
 }
 
 impl Sampler {
@@ -73,6 +79,8 @@ impl Sampler {
             counts: HashMap::new(),
             penalties: Vec::new(),
             penalised: HashMap::new(),
+            constraint: None,
+            mask: None,
         };
         if s.repeats() {
             for &t in prompt {
@@ -80,6 +88,29 @@ impl Sampler {
             }
         }
         s
+    }
+
+    /// The sampler with a grammar its tokens must follow.
+    pub fn with_constraint(mut self, c: Constraint) -> Self {
+        self.constraint = Some(c);
+        self
+    }
+
+    /// The request's grammar, if any.
+    pub fn constraint(&self) -> Option<&Constraint> {
+        self.constraint.as_ref()
+    }
+
+    /// Whether this row has a grammar that may mask its next token: such rows compute the
+    /// mask before the step (in parallel, [`Sampler::prepare_mask`]).
+    pub fn constrained(&self) -> bool {
+        self.constraint.is_some()
+    }
+
+    /// Computes this step's mask of allowed tokens (nothing for an unconstrained row, or a
+    /// grammar that has not started).
+    pub fn prepare_mask(&mut self) {
+        self.mask = self.constraint.as_mut().and_then(Constraint::mask);
     }
 
     /// Whether the repetition penalty applies.
@@ -112,8 +143,12 @@ impl Sampler {
         &mut self.penalties[at]
     }
 
-    /// Counts a generated token and updates its penalty.
+    /// Counts a generated token, updates its penalty and advances the grammar.
     fn note(&mut self, token: u32) {
+        self.mask = None;
+        if let Some(c) = &mut self.constraint {
+            c.consume(token);
+        }
         let count = {
             let c = self.counts.entry(token).or_default();
             *c += 1;
@@ -144,6 +179,7 @@ impl Sampler {
             && p.repetition_penalty == 1.0
             && p.presence_penalty == 0.0
             && p.frequency_penalty == 0.0
+            && self.mask.is_none()
     }
 
     /// Records a token the device picked for a plain-greedy sequence (see
@@ -182,6 +218,7 @@ impl Sampler {
             logprobs: p.logprobs,
             penalties: self.penalties.clone(),
             u,
+            mask: self.mask.clone(),
         }
     }
 
@@ -197,6 +234,14 @@ impl Sampler {
         };
         let mut l = logits.to_vec();
         self.apply_penalties(&mut l);
+        if let Some(m) = &self.mask {
+            // Tokens the grammar refuses are out (logprobs stay the model's own).
+            for (t, x) in l.iter_mut().enumerate() {
+                if !grammar::allowed(m, t) {
+                    *x = f32::NEG_INFINITY;
+                }
+            }
+        }
         let token = if self.p.temperature < GREEDY_BELOW {
             argmax(&l)
         } else {

@@ -57,6 +57,9 @@ pub struct RowSampling {
     pub logprobs: Option<usize>,
     /// Penalised tokens, each at most once.
     pub penalties: Vec<Penalty>,
+    /// The tokens a grammar allows (llguidance's 32-bit words, token `t` at bit `t % 32` of
+    /// word `t / 32`); None: every token.
+    pub mask: Option<Vec<u32>>,
 }
 
 impl RowSampling {
@@ -70,6 +73,7 @@ impl RowSampling {
             u: 0.0,
             logprobs: None,
             penalties: Vec::new(),
+            mask: None,
         }
     }
 

@@ -368,6 +368,7 @@ fn prepare<'s>(
             }
         })
         .collect();
+    masks(running, work, &sampling);
     let greedy = work
         .iter()
         .zip(&sampling)
@@ -389,6 +390,29 @@ fn prepare<'s>(
         (false, None) => Picking::Host,
     };
     (sampling, picking)
+}
+
+/// The grammar masks of the step's sampling rows that have a grammar, computed on the host
+/// before the forward pass, the rows in parallel (llguidance takes tens of microseconds to a
+/// few milliseconds per row), so that the tensor path's mask bits travel in the step's one
+/// upload and the host path's sampler finds them ready. Rows without a grammar cost nothing.
+fn masks(running: &mut [Box<Seq>], work: &[(usize, Work)], sampling: &[bool]) {
+    use rayon::prelude::*;
+    let mut wanted = vec![false; running.len()];
+    for ((i, _), &samples) in work.iter().zip(sampling) {
+        wanted[*i] = samples && running[*i].sampler.constrained();
+    }
+    let mut rows: Vec<&mut super::sampler::Sampler> = running
+        .iter_mut()
+        .zip(wanted)
+        .filter(|(_, w)| *w)
+        .map(|(s, _)| &mut s.sampler)
+        .collect();
+    match rows.len() {
+        0 => {}
+        1 => rows[0].prepare_mask(),
+        _ => rows.par_iter_mut().for_each(|s| s.prepare_mask()),
+    }
 }
 
 /// Each row's next token (None for a row that does not sample this step), from the step's
@@ -490,8 +514,19 @@ fn emit(shared: &Shared, s: &mut Seq, out: Sampled) {
             }
         }
     };
+    if let Some(why) = s.sampler.constraint().and_then(|c| c.failure()) {
+        let err = EngineError::Internal(format!("the request's grammar failed: {why}"));
+        tracing::error!(request = %s.id, error = %err, "structured output");
+        let _ = s.tx.send(TokenEvent::Error(err.clone()));
+        s.trace.failed(&err);
+        s.done = true;
+        return;
+    }
+    // A complete grammar allows nothing but EOS: the answer ends here, whether or not the
+    // model has an EOS token.
+    let complete = s.sampler.constraint().is_some_and(|c| c.complete());
     let (mut text, hit) = s.stop.push(&delta);
-    let mut reason = if eos || stop_id || hit {
+    let mut reason = if eos || stop_id || hit || complete {
         Some(FinishReason::Stop)
     } else if s.generated.len() >= s.max_new {
         Some(FinishReason::Length)

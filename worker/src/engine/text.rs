@@ -44,6 +44,9 @@ impl TextError {
 pub struct TextModel {
     tokenizer: Tokenizer,
     template: Option<Environment<'static>>,
+    /// The chat template's source (what the server reads the tool-call and reasoning formats
+    /// from).
+    template_source: Option<String>,
     bos: Option<String>,
     eos: Option<String>,
     /// Token ids that end generation (EOS from every config that names one).
@@ -108,6 +111,19 @@ fn chat_env(source: String) -> Result<Environment<'static>, TextError> {
     env.add_function("raise_exception", |msg: String| -> Result<Value, _> {
         Err(minijinja::Error::new(ErrorKind::InvalidOperation, msg))
     });
+    // transformers' tojson is Python's json.dumps (", " and ": ", nothing HTML-escaped),
+    // not minijinja's compact, HTML-safe one: tools rendered by `tool | tojson` read as the
+    // model saw them in training.
+    env.add_filter(
+        "tojson",
+        |v: Value, kwargs: minijinja::value::Kwargs| -> Result<Value, minijinja::Error> {
+            let indent: Option<usize> = kwargs.get("indent")?;
+            kwargs.assert_all_used()?;
+            let json = serde_json::to_value(&v)
+                .map_err(|e| minijinja::Error::new(ErrorKind::InvalidOperation, e.to_string()))?;
+            Ok(Value::from_safe_string(super::pyjson::dumps(&json, indent)))
+        },
+    );
     env.add_function("strftime_now", |fmt: String| {
         chrono::Local::now().format(&fmt).to_string()
     });
@@ -173,17 +189,29 @@ impl TextModel {
         }
         eos_ids.sort_unstable();
         eos_ids.dedup();
-        let template = match pick_template(tcfg.get("chat_template")).or(template_file) {
-            Some(src) => Some(chat_env(src)?),
+        let template_source = pick_template(tcfg.get("chat_template")).or(template_file);
+        let template = match &template_source {
+            Some(src) => Some(chat_env(src.clone())?),
             None => None,
         };
         Ok(Self {
             tokenizer,
             template,
+            template_source,
             bos,
             eos,
             eos_ids,
         })
+    }
+
+    /// The chat template's source, if the model has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.template_source.as_deref()
+    }
+
+    /// The tokenizer.
+    pub fn tokenizer(&self) -> &Tokenizer {
+        &self.tokenizer
     }
 
     /// Vocabulary size including added tokens.

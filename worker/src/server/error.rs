@@ -96,7 +96,8 @@ impl From<EngineError> for ApiError {
             EngineError::InvalidAdapter { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             EngineError::InvalidRequest(_)
             | EngineError::ImagesNotSupported
-            | EngineError::InvalidImage(_) => StatusCode::BAD_REQUEST,
+            | EngineError::InvalidImage(_)
+            | EngineError::InvalidGuide { .. } => StatusCode::BAD_REQUEST,
             EngineError::ModelDoesNotFit(_)
             | EngineError::UnsupportedQuantization(_)
             | EngineError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,

@@ -15,9 +15,10 @@ use futures::stream::{BoxStream, SelectAll};
 use futures::StreamExt;
 use serde::Serialize;
 
+use super::parse::{OutputParser, ParseSpec, Parsed};
 use super::replies::{
-    Answer, AssistantMessage, ChatChoice, ChatLogprobs, ChunkChoice, Delta, Finish, MoleInfo,
-    TextChoice, TextLogprobs, TokenLogprob, TopLogprob, UsageInfo,
+    Answer, AssistantMessage, ChatChoice, ChatLogprobs, ChunkChoice, Delta, Finish, FunctionCall,
+    MoleInfo, TextChoice, TextLogprobs, TokenLogprob, ToolCallOut, TopLogprob, UsageInfo,
 };
 use super::types::Kind;
 use crate::engine::api::{self, EventStream, FinishReason, TokenEvent, Usage};
@@ -82,6 +83,10 @@ pub(super) struct Ctx {
     /// A stream ends with a chunk of no choices that carries the usage (OpenAI's
     /// `stream_options.include_usage`).
     pub(super) include_usage: bool,
+    /// How a chat's answers split into reasoning, answer and tool calls (None: all answer).
+    pub(super) parse: Option<ParseSpec>,
+    /// Each choice's parser of a streamed chat with `parse`.
+    pub(super) parsers: Vec<OutputParser>,
 }
 
 impl Ctx {
@@ -201,8 +206,15 @@ impl Ctx {
                     delta: Delta {
                         role: c.role.then_some("assistant"),
                         content: c.text.to_string(),
+                        reasoning: (!c.reasoning.is_empty()).then(|| c.reasoning.to_string()),
+                        reasoning_content: (!c.reasoning.is_empty())
+                            .then(|| c.reasoning.to_string()),
+                        tool_calls: (!c.calls.is_empty()).then(|| c.calls.to_vec()),
                     },
-                    finish_reason: finish,
+                    finish_reason: match c.tool_calls_made {
+                        true => finish.map(|f| if f == "stop" { "tool_calls" } else { f }),
+                        false => finish,
+                    },
                     logprobs: (!c.lps.is_empty()).then(|| chat_logprobs(c.lps)),
                 };
                 let choices = if c.choice { vec![choice] } else { vec![] };
@@ -232,14 +244,18 @@ impl Ctx {
                 let choices = choices
                     .into_iter()
                     .enumerate()
-                    .map(|(index, c)| ChatChoice {
-                        index: index as u32,
-                        message: AssistantMessage {
-                            role: "assistant",
-                            content: c.text,
-                        },
-                        finish_reason: finish_name(c.finish),
-                        logprobs: (!c.lps.is_empty()).then(|| chat_logprobs(&c.lps)),
+                    .map(|(index, c)| {
+                        let (message, calls) = message(self.parse, c.text);
+                        let finish = match (finish_name(c.finish), calls) {
+                            (Some("stop"), true) => Some("tool_calls"),
+                            (f, _) => f,
+                        };
+                        ChatChoice {
+                            index: index as u32,
+                            message,
+                            finish_reason: finish,
+                            logprobs: (!c.lps.is_empty()).then(|| chat_logprobs(&c.lps)),
+                        }
                     })
                     .collect();
                 let mut a = self.answer("chat.completion", choices);
@@ -297,6 +313,12 @@ impl Ctx {
                     return (vec![], false);
                 }
                 let lps: Vec<_> = logprob.into_iter().collect();
+                if let Some(p) = self.parsers.get_mut(index as usize) {
+                    let parsed = p.push(&text);
+                    let made = p.calls() - parsed.calls.len();
+                    let events = self.parsed_chunks(index, parsed, made, &lps);
+                    return (events.into_iter().map(data).collect(), false);
+                }
                 let c = Chunk {
                     index,
                     text: &text,
@@ -306,13 +328,26 @@ impl Ctx {
                 (vec![data(self.chunk(c))], false)
             }
             TokenEvent::Finished { reason, usage } => {
+                let mut events = Vec::new();
+                let mut tool_calls_made = false;
+                if let Some(p) = self.parsers.get_mut(index as usize) {
+                    let parsed = p.finish();
+                    tool_calls_made = p.calls() > 0;
+                    let made = p.calls() - parsed.calls.len();
+                    events.extend(
+                        self.parsed_chunks(index, parsed, made, &[])
+                            .into_iter()
+                            .map(data),
+                    );
+                }
                 let last = Chunk {
                     index,
                     finish: Some(reason),
                     mole: true,
+                    tool_calls_made,
                     ..Chunk::default()
                 };
-                let mut events = vec![data(self.chunk(last))];
+                events.push(data(self.chunk(last)));
                 if !self.on_finished(usage) {
                     return (events, false);
                 }
@@ -331,6 +366,60 @@ impl Ctx {
                 (events, true)
             }
         }
+    }
+
+    /// The chunks of what a parser decided: reasoning and answer text (with the token's
+    /// logprobs), then each call as OpenAI streams it: its id, type and name with empty
+    /// arguments, then its arguments. `made`: the choice's calls before these.
+    fn parsed_chunks(
+        &self,
+        index: u32,
+        p: Parsed,
+        made: usize,
+        lps: &[api::TokenLogprob],
+    ) -> Vec<String> {
+        let mut out = Vec::new();
+        if !p.content.is_empty() || !p.reasoning.is_empty() || !lps.is_empty() {
+            out.push(self.chunk(Chunk {
+                index,
+                text: &p.content,
+                reasoning: &p.reasoning,
+                lps,
+                ..Chunk::default()
+            }));
+        }
+        for (k, call) in p.calls.into_iter().enumerate() {
+            let at = Some((made + k) as u32);
+            let head = [ToolCallOut {
+                index: at,
+                id: Some(call.id),
+                kind: Some("function"),
+                function: FunctionCall {
+                    name: Some(call.name),
+                    arguments: String::new(),
+                },
+            }];
+            out.push(self.chunk(Chunk {
+                index,
+                calls: &head,
+                ..Chunk::default()
+            }));
+            let args = [ToolCallOut {
+                index: at,
+                id: None,
+                kind: None,
+                function: FunctionCall {
+                    name: None,
+                    arguments: call.arguments,
+                },
+            }];
+            out.push(self.chunk(Chunk {
+                index,
+                calls: &args,
+                ..Chunk::default()
+            }));
+        }
+        out
     }
 
     /// A stream that fails after its headers went out ends with the OpenAI error as an event,
@@ -368,6 +457,12 @@ struct Chunk<'a> {
     choice: bool,
     /// The usage (the closing usage chunk).
     usage: Option<&'a Usage>,
+    /// Reasoning text added.
+    reasoning: &'a str,
+    /// Tool-call pieces.
+    calls: &'a [ToolCallOut],
+    /// The choice made tool calls (a `stop` finish reads `tool_calls`).
+    tool_calls_made: bool,
 }
 
 impl Default for Chunk<'_> {
@@ -381,8 +476,59 @@ impl Default for Chunk<'_> {
             mole: false,
             choice: true,
             usage: None,
+            reasoning: "",
+            calls: &[],
+            tool_calls_made: false,
         }
     }
+}
+
+/// A whole chat answer's message from its text, split by `spec`; and whether it made tool
+/// calls.
+fn message(spec: Option<ParseSpec>, text: String) -> (AssistantMessage, bool) {
+    let Some(spec) = spec else {
+        let m = AssistantMessage {
+            role: "assistant",
+            content: Some(text),
+            reasoning: None,
+            reasoning_content: None,
+            tool_calls: None,
+        };
+        return (m, false);
+    };
+    let mut p = OutputParser::new(spec);
+    let mut all = p.push(&text);
+    let rest = p.finish();
+    all.content.push_str(&rest.content);
+    all.reasoning.push_str(&rest.reasoning);
+    all.calls.extend(rest.calls);
+    let calls: Vec<ToolCallOut> = all
+        .calls
+        .into_iter()
+        .map(|c| ToolCallOut {
+            index: None,
+            id: Some(c.id),
+            kind: Some("function"),
+            function: FunctionCall {
+                name: Some(c.name),
+                arguments: c.arguments,
+            },
+        })
+        .collect();
+    let made = !calls.is_empty();
+    let reasoning =
+        (spec.reasoning.is_some() && !all.reasoning.is_empty()).then_some(all.reasoning);
+    let m = AssistantMessage {
+        role: "assistant",
+        content: match (made, all.content.is_empty()) {
+            (true, true) => None,
+            _ => Some(all.content),
+        },
+        reasoning_content: reasoning.clone(),
+        reasoning,
+        tool_calls: made.then_some(calls),
+    };
+    (m, made)
 }
 
 /// The wire name of a finish reason.

@@ -17,6 +17,7 @@ use super::validate::{
     Wire,
 };
 use super::S;
+use super::{guided, outputs};
 use crate::engine::api::{ChatMessage, ContentPart, EngineError, Prompt};
 use crate::server::openapi::Refusals;
 use crate::server::{ApiError, AppState};
@@ -30,21 +31,26 @@ impl Validate for ChatBody {
             On::Chat,
         )?;
         let Wire { body: mut b, raw } = wire;
-        let (msgs, images) = messages(b.messages, &s.cfg().limits)?;
+        let (mut msgs, images) = messages(b.messages, &s.cfg().limits)?;
         // Refused before the template, which a text model's cannot render image parts with.
         if !images.is_empty() && !s.engine.model_info().vision {
             return Err(EngineError::ImagesNotSupported.into());
         }
         // The sampling bounds first: the template is the costly part.
-        sampling(&b.common, true, &Caps::of(s))?;
+        let mut sp = sampling(&b.common, true, &Caps::of(s))?;
         let route_text = last_user_text(&msgs);
         if let Some(g) = b.add_generation_prompt {
             b.chat_template_kwargs
                 .insert("add_generation_prompt".into(), g.into());
         }
-        let text = s
-            .engine
-            .apply_chat_template(&msgs, &b.chat_template_kwargs)?;
+        // Tools, their history and the answer's shape (structured outputs, reasoning).
+        let formats = outputs::Formats::for_pool(s);
+        outputs::message_extras(&raw, &mut msgs)?;
+        let mut kwargs = b.chat_template_kwargs;
+        let tools = outputs::tools(&raw, &formats, &mut msgs, &mut kwargs)?;
+        let guide = guided::guide(&raw)?;
+        let text = s.engine.apply_chat_template(&msgs, &kwargs)?;
+        let parse = outputs::finish(&text, &formats, guide, tools.as_ref(), &mut sp)?;
         let prompt = match b.add_special_tokens.unwrap_or(false) {
             true => Prompt::Text(text),
             false => Prompt::Templated(text),
@@ -56,6 +62,8 @@ impl Validate for ChatBody {
             forward: raw,
             images,
             whole: false,
+            guide: sp.guide,
+            parse,
         };
         ValidRequest::new(s, b.common, parts)
     }
@@ -107,6 +115,8 @@ impl Validate for InferBody {
             forward,
             images,
             whole: true,
+            guide: None,
+            parse: None,
         };
         ValidRequest::new(s, b.common, parts)
     }

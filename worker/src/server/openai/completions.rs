@@ -4,6 +4,7 @@ use super::fields::{self, On};
 use super::types::{CompletionBody, Kind, PromptField};
 use super::validate::{Parts, ValidRequest, Validate, Wire};
 use crate::engine::api::Prompt;
+use crate::engine::grammar::Guided;
 use crate::server::error::bad;
 use crate::server::{ApiError, AppState};
 
@@ -15,6 +16,7 @@ impl Validate for CompletionBody {
             On::Completions,
         )?;
         let Wire { body: b, raw } = wire;
+        let guide = super::guided::guide(&raw)?.map(|guide| Guided { guide, after: None });
         let prompt = match completion_prompt(b.prompt, s.engine.model_info().vocab_size)? {
             Prompt::Text(t) if b.add_special_tokens == Some(false) => Prompt::Templated(t),
             p => p,
@@ -30,6 +32,8 @@ impl Validate for CompletionBody {
             forward: raw,
             images: Vec::new(),
             whole: false,
+            guide,
+            parse: None,
         };
         ValidRequest::new(s, b.common, parts)
     }

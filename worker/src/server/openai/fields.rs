@@ -115,16 +115,10 @@ pub(in crate::server) const FIELDS: &[Field] = &[
     served("temperature", "OpenAI", Both),
     served("top_p", "OpenAI", Both),
     refused("logit_bias", "OpenAI", Both, "biases token logits", &["{}"]),
-    refused(
-        "response_format",
-        "OpenAI",
-        Both,
-        "structured output (JSON mode or a JSON schema)",
-        &[r#"{"type":"text"}"#],
-    ),
-    refused("tools", "OpenAI", Chat, "tool calls", &["[]"]),
-    refused("tool_choice", "OpenAI", Chat, "tool calls", &[r#""none""#]),
-    refused("parallel_tool_calls", "OpenAI", Chat, "tool calls", &[]),
+    served("response_format", "OpenAI", Both),
+    served("tools", "OpenAI", Chat),
+    served("tool_choice", "OpenAI", Chat),
+    served("parallel_tool_calls", "OpenAI", Chat),
     refused(
         "functions",
         "OpenAI",
@@ -284,41 +278,11 @@ pub(in crate::server) const FIELDS: &[Field] = &[
         "documents for a RAG chat template",
         &[],
     ),
-    refused(
-        "structured_outputs",
-        "vLLM",
-        Both,
-        "structured output (json, regex, choice, grammar)",
-        &[],
-    ),
-    refused(
-        "guided_json",
-        "vLLM",
-        Both,
-        "structured output (JSON schema)",
-        &[],
-    ),
-    refused(
-        "guided_regex",
-        "vLLM",
-        Both,
-        "structured output (regex)",
-        &[],
-    ),
-    refused(
-        "guided_choice",
-        "vLLM",
-        Both,
-        "structured output (choice)",
-        &[],
-    ),
-    refused(
-        "guided_grammar",
-        "vLLM",
-        Both,
-        "structured output (grammar)",
-        &[],
-    ),
+    served("structured_outputs", "vLLM", Both),
+    served("guided_json", "vLLM", Both),
+    served("guided_regex", "vLLM", Both),
+    served("guided_choice", "vLLM", Both),
+    served("guided_grammar", "vLLM", Both),
     refused(
         "guided_decoding_backend",
         "vLLM",
@@ -547,11 +511,11 @@ mod tests {
     #[test]
     fn refused_unknown_and_noop_values() {
         assert_eq!(
-            code(json!({"tools": [{"type": "function"}]}), Chat),
+            code(json!({"functions": [{"name": "f"}]}), Chat),
             Some("unsupported_field")
         );
-        assert_eq!(code(json!({"tools": []}), Chat), None);
-        assert_eq!(code(json!({"tools": null}), Chat), None);
+        assert_eq!(code(json!({"functions": []}), Chat), None);
+        assert_eq!(code(json!({"functions": null}), Chat), None);
         assert_eq!(
             code(json!({"echo": true}), Completions),
             Some("unsupported_field")
@@ -568,14 +532,8 @@ mod tests {
             code(json!({"messages": []}), Completions),
             Some("unknown_field")
         );
-        let e = check(
-            json!({"response_format": {"type": "json_object"}})
-                .as_object()
-                .unwrap(),
-            Chat,
-        )
-        .unwrap_err();
-        assert!(e.message.contains("response_format"), "{}", e.message);
+        let e = check(json!({"logit_bias": {"1": 5}}).as_object().unwrap(), Chat).unwrap_err();
+        assert!(e.message.contains("logit_bias"), "{}", e.message);
     }
 
     /// `docs/server.md` shows this table as it is.

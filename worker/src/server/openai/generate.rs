@@ -11,6 +11,7 @@ use mole_api::WorkerConfig;
 
 use super::answer::{choices, collect_response, req_id, stream_response, Ctx};
 use super::images;
+use super::parse::OutputParser;
 use super::replies::{Answer, ChatChoice, ChatEvent, TextChoice, TextEvent};
 use super::route::decide;
 use super::types::{ChatBody, CompletionBody};
@@ -191,6 +192,11 @@ async fn serve_routed(
         usage: Default::default(),
         version: None,
         include_usage: req.include_usage,
+        parse: req.parse,
+        parsers: match (req.stream, req.parse) {
+            (true, Some(spec)) => (0..n).map(|_| OutputParser::new(spec)).collect(),
+            _ => Vec::new(),
+        },
     };
     let rx = choices(rx);
     if req.stream {

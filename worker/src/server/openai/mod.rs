@@ -7,12 +7,18 @@ pub(in crate::server) mod chat;
 mod completions;
 pub(in crate::server) mod fields;
 pub(in crate::server) mod generate;
+pub(in crate::server) mod guided;
 mod image_url;
 mod images;
 pub(in crate::server) mod models;
+mod outputs;
+mod parse;
+#[cfg(test)]
+mod qwen3_checks;
 pub(in crate::server) mod replies;
 pub(in crate::server) mod route;
 pub(in crate::server) mod tokens;
+pub(in crate::server) mod tools;
 pub(in crate::server) mod types;
 mod validate;
 

@@ -104,8 +104,45 @@ pub(in crate::server) struct ChatChoice {
 pub(in crate::server) struct AssistantMessage {
     /// `assistant`.
     pub(super) role: &'static str,
-    /// The generated text.
-    pub(super) content: String,
+    /// The generated text (the answer after the reasoning); null when the answer is tool
+    /// calls alone.
+    pub(super) content: Option<String>,
+    /// The reasoning (`<think>`...`</think>` of Qwen3, QwQ, DeepSeek-R1), vLLM's field.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) reasoning: Option<String>,
+    /// The same, under vLLM's older name, for clients that read it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) reasoning_content: Option<String>,
+    /// The tool calls the model made.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) tool_calls: Option<Vec<ToolCallOut>>,
+}
+
+/// A tool call, whole (`tool_calls` of a message) or a stream's piece of it (`index` set;
+/// the first piece has the id, type and name, the next the arguments).
+#[derive(Serialize, ToSchema, Debug, Clone, PartialEq)]
+pub(in crate::server) struct ToolCallOut {
+    /// The call's place among the choice's calls (stream deltas only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) index: Option<u32>,
+    /// `call_...` (the first piece).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) id: Option<String>,
+    /// `function` (the first piece).
+    #[serde(rename = "type", skip_serializing_if = "Option::is_none")]
+    pub(super) kind: Option<&'static str>,
+    /// The function's name and arguments (a JSON object's text).
+    pub(super) function: FunctionCall,
+}
+
+/// A tool call's function.
+#[derive(Serialize, ToSchema, Debug, Clone, PartialEq)]
+pub(in crate::server) struct FunctionCall {
+    /// The function's name (a stream's first piece).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) name: Option<String>,
+    /// Its arguments (JSON text; a stream's later pieces).
+    pub(super) arguments: String,
 }
 
 /// A chat stream chunk's choice.
@@ -130,6 +167,15 @@ pub(in crate::server) struct Delta {
     pub(super) role: Option<&'static str>,
     /// Text.
     pub(super) content: String,
+    /// Reasoning text (vLLM's `delta.reasoning`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) reasoning: Option<String>,
+    /// The same, under vLLM's older name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) reasoning_content: Option<String>,
+    /// Tool-call pieces.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) tool_calls: Option<Vec<ToolCallOut>>,
 }
 
 /// A completion's choice (whole, or a stream chunk's).

@@ -206,6 +206,10 @@ pub(in crate::server) struct Common {
     /// mole extension: forward merged adapters to their pods (default: the router setting).
     #[serde(default)]
     pub(super) prefer_merged: Option<bool>,
+    /// Structured outputs (chat and completions).
+    #[serde(flatten)]
+    #[allow(dead_code)] // validation reads them from the raw body (guided.rs)
+    pub(super) guided: super::guided::GuidedFields,
 }
 
 impl Common {
@@ -231,6 +235,10 @@ pub(in crate::server) struct ChatBody {
     /// false: the template writes its own).
     #[serde(default)]
     pub(super) add_special_tokens: Option<bool>,
+    /// Tools the model may call.
+    #[serde(flatten)]
+    #[allow(dead_code)] // validation reads them from the raw body (tools.rs)
+    pub(super) tools: super::tools::ToolFields,
     #[serde(flatten)]
     pub(super) common: Common,
 }

@@ -161,6 +161,8 @@ pub(in crate::server) struct ValidRequest {
     /// The prompt's images, in the order of its placeholders (read by [`images::read_all`]
     /// after validation, before routing).
     pub(super) images: Vec<ImageSource>,
+    /// How a chat's answer splits into reasoning, answer and tool calls (None: all answer).
+    pub(super) parse: Option<super::parse::ParseSpec>,
 }
 
 /// The parts of a [`ValidRequest`] each body validates its own way.
@@ -177,6 +179,10 @@ pub(super) struct Parts {
     pub(super) images: Vec<ImageSource>,
     /// Never streamed (`/infer`), whatever the body says.
     pub(super) whole: bool,
+    /// The grammar the answer follows (structured outputs, a forced tool call).
+    pub(super) guide: Option<crate::engine::grammar::Guided>,
+    /// How a chat's answer splits into reasoning, answer and tool calls.
+    pub(super) parse: Option<super::parse::ParseSpec>,
 }
 
 impl ValidRequest {
@@ -185,7 +191,8 @@ impl ValidRequest {
     /// prompt that cannot fit the context with its `max_tokens` refused.
     pub(super) fn new(s: &AppState, c: Common, parts: Parts) -> Result<Self, ApiError> {
         let chat = parts.kind == Kind::Chat;
-        let sampling = sampling(&c, chat, &Caps::of(s))?;
+        let mut sampling = sampling(&c, chat, &Caps::of(s))?;
+        sampling.guide = parts.guide;
         let prompt = match parts.prompt {
             Prompt::Tokens(ids) => ids,
             text => s.engine.encode(&text)?,
@@ -207,6 +214,7 @@ impl ValidRequest {
             prefer_merged: c.prefer_merged,
             forward: parts.forward,
             images: parts.images,
+            parse: parts.parse,
         };
         // Images only add tokens: a prompt too long without them is too long with them, and
         // is refused before routing.
@@ -400,6 +408,7 @@ pub(super) fn sampling(c: &Common, chat: bool, caps: &Caps) -> Result<SamplingPa
         stop_token_ids,
         logprobs,
         ignore_eos: c.ignore_eos,
+        guide: None,
     };
     // What the engine asserts is what was checked here.
     debug_assert!(crate::engine::sampler::validate(&sp).is_ok());
@@ -689,6 +698,7 @@ mod tests {
             prefer_merged: None,
             forward: Value::Null,
             images: Vec::new(),
+            parse: None,
         };
         // No max_tokens asked: what the prompt leaves.
         assert_eq!(req(false, 256).fit_context(100, 128).unwrap(), 28);

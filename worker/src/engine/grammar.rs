@@ -1,0 +1,367 @@
+//! Structured outputs: a request's grammar (a JSON schema, a regex, a list of choices, a Lark
+//! grammar) compiled by llguidance into a per-sequence matcher whose token mask the sampler
+//! applies (the host sampler in [`super::sampler`], the device sampler in
+//! [`super::sample_ops`], whose mask bits travel in the step's one upload).
+//!
+//! llguidance is what vLLM, SGLang, llama.cpp and mistral.rs use: an Earley parser over a
+//! lexer of derivative-based regexes, computing a mask over a token trie in tens of
+//! microseconds. Its token trie is built here from the model's `tokenizer.json` with
+//! llguidance's own `token_bytes_from_tokenizer_json` (tokens marked `special` are reachable
+//! only by name, so a grammar never emits `<|im_end|>` inside a JSON string), padded to the
+//! logits' width, with the model's EOS ids as the trie's end tokens: EOS is allowed exactly
+//! where the grammar accepts.
+//!
+//! A grammar may start after a gate token (Qwen3's `</think>`): until the sequence samples it,
+//! the row is unconstrained (reasoning is free text), then the matcher starts.
+
+use std::sync::{Arc, OnceLock};
+
+use llguidance::api::TopLevelGrammar;
+use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
+use llguidance::{Matcher, ParserFactory, TokenParser};
+use serde_json::Value as Json;
+
+/// What a request constrains its answer to.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Guide {
+    /// A JSON schema (OpenAI's `json_schema`, vLLM's `json` / `guided_json`); `{"type":
+    /// "object"}` for `json_object`.
+    Json(Json),
+    /// A regular expression the whole answer matches.
+    Regex(String),
+    /// Exactly one of these strings.
+    Choice(Vec<String>),
+    /// A Lark grammar (llguidance's dialect: `%json {...}` embeds a schema).
+    Lark(String),
+}
+
+/// A request's guide and where it starts.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Guided {
+    /// The grammar.
+    pub guide: Guide,
+    /// A token (its text, e.g. `</think>`) after which the grammar starts; None: from the
+    /// first generated token.
+    pub after: Option<String>,
+}
+
+/// Why a guide was refused. Stable names via [`GrammarError::code`].
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum GrammarError {
+    /// A JSON schema llguidance cannot compile (bad schema, unsupported keyword).
+    #[error("invalid JSON schema: {0}")]
+    Schema(String),
+    /// A regex, choice list or Lark grammar that does not compile.
+    #[error("invalid grammar: {0}")]
+    Grammar(String),
+    /// The tokenizer cannot be turned into a token trie (neither byte-level nor byte-fallback).
+    #[error("structured outputs are not available for this tokenizer: {0}")]
+    Tokenizer(String),
+}
+
+impl GrammarError {
+    /// Stable name (JSON `code`).
+    pub fn code(&self) -> &'static str {
+        match self {
+            GrammarError::Schema(_) => "invalid_schema",
+            GrammarError::Grammar(_) => "invalid_grammar",
+            GrammarError::Tokenizer(_) => "structured_outputs_unsupported",
+        }
+    }
+}
+
+/// The token trie of a model's tokenizer, tokenizing with the tokenizer itself.
+struct Env {
+    trie: TokTrie,
+    tokenizer: tokenizers::Tokenizer,
+}
+
+impl TokenizerEnv for Env {
+    fn tok_trie(&self) -> &TokTrie {
+        &self.trie
+    }
+
+    fn tokenize_bytes(&self, s: &[u8]) -> Vec<TokenId> {
+        self.trie.tokenize_with_greedy_fallback(s, |s| {
+            self.tokenizer
+                .encode(s, false)
+                .map(|e| e.get_ids().to_vec())
+                .unwrap_or_default()
+        })
+    }
+}
+
+/// Compiles guides for one model: the token trie and llguidance's parser factory, built on
+/// first use (a pool that never sees a constrained request never builds them).
+pub struct Grammars {
+    tokenizer: tokenizers::Tokenizer,
+    eos: Vec<u32>,
+    vocab: usize,
+    factory: OnceLock<Result<ParserFactory, GrammarError>>,
+}
+
+impl std::fmt::Debug for Grammars {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Grammars(vocab {})", self.vocab)
+    }
+}
+
+impl Grammars {
+    /// Guides over `tokenizer`'s tokens, for logits `vocab` wide (at least the tokenizer's
+    /// size: a padded embedding's extra rows are never allowed), ending at `eos`.
+    pub fn new(tokenizer: tokenizers::Tokenizer, eos: &[u32], vocab: usize) -> Self {
+        Self {
+            tokenizer,
+            eos: eos.to_vec(),
+            vocab,
+            factory: OnceLock::new(),
+        }
+    }
+
+    fn factory(&self) -> Result<&ParserFactory, GrammarError> {
+        self.factory
+            .get_or_init(|| self.build())
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    fn build(&self) -> Result<ParserFactory, GrammarError> {
+        let bad = |e: String| GrammarError::Tokenizer(e);
+        let json: Json = serde_json::from_str(
+            &self
+                .tokenizer
+                .to_string(false)
+                .map_err(|e| bad(e.to_string()))?,
+        )
+        .map_err(|e| bad(e.to_string()))?;
+        let mut words =
+            llguidance::token_bytes_from_tokenizer_json(&json).map_err(|e| bad(e.to_string()))?;
+        // Without an EOS id the trie gets one of its own past the logits (never sampled): a
+        // grammar then ends when it is complete (the engine stops the row).
+        let n = words.len().max(self.vocab) + usize::from(self.eos.is_empty());
+        // Ids the tokenizer leaves unnamed (and a padded embedding's rows) become specials no
+        // grammar names.
+        for (i, w) in words.iter_mut().enumerate() {
+            if w.is_empty() {
+                *w = unnamed(i);
+            }
+        }
+        while words.len() < n {
+            words.push(unnamed(words.len()));
+        }
+        let eos = self.eos.first().copied().unwrap_or(n as u32 - 1);
+        let info = TokRxInfo::new(n as u32, eos);
+        let mut trie = TokTrie::from(&info, &words);
+        if self.eos.len() > 1 {
+            trie = trie.with_eos_tokens(&self.eos);
+        }
+        let env: TokEnv = Arc::new(Env {
+            trie,
+            tokenizer: self.tokenizer.clone(),
+        });
+        let mut f = ParserFactory::new_simple(&env).map_err(|e| bad(e.to_string()))?;
+        f.quiet();
+        Ok(f)
+    }
+
+    /// Compiles `g`: a parser each of a request's choices starts a matcher from.
+    pub fn compile(&self, g: &Guided) -> Result<Compiled, GrammarError> {
+        let f = self.factory()?;
+        let (grammar, err): (TopLevelGrammar, fn(String) -> GrammarError) = match &g.guide {
+            // After reasoning a few whitespace characters may come first (Qwen3 writes "\n\n"
+            // after `</think>`).
+            Guide::Json(schema) if g.after.is_some() => (
+                TopLevelGrammar::from_lark(format!(
+                    "start: json | WS json\nWS: /[ \\t\\r\\n]{{1,4}}/\njson: %json {}\n",
+                    compact(schema)
+                )),
+                GrammarError::Schema,
+            ),
+            Guide::Json(schema) => (
+                TopLevelGrammar::from_json_schema(compact(schema)),
+                GrammarError::Schema,
+            ),
+            Guide::Regex(rx) => (TopLevelGrammar::from_regex(rx), GrammarError::Grammar),
+            Guide::Choice(c) => (
+                TopLevelGrammar::from_lark(choice_lark(c)?),
+                GrammarError::Grammar,
+            ),
+            Guide::Lark(src) => (
+                TopLevelGrammar::from_lark(src.clone()),
+                GrammarError::Grammar,
+            ),
+        };
+        let parser = f.create_parser(grammar).map_err(|e| err(e.to_string()))?;
+        let gate = match &g.after {
+            None => None,
+            Some(t) => Some(self.tokenizer.token_to_id(t).ok_or_else(|| {
+                GrammarError::Grammar(format!("{t:?} is not one token of this tokenizer"))
+            })?),
+        };
+        Ok(Compiled {
+            parser: Arc::new(parser),
+            gate,
+        })
+    }
+}
+
+/// `schema` with llguidance's JSON options set as OpenAI and vLLM write JSON (unless the
+/// schema sets its own `x-guidance`): no free whitespace (a model may otherwise emit tabs or
+/// newlines without end), `", "` between items and `": "` after keys.
+pub fn compact(schema: &Json) -> Json {
+    let mut s = match schema {
+        Json::Bool(true) => serde_json::json!({}),
+        other => other.clone(),
+    };
+    if let Some(o) = s.as_object_mut() {
+        o.entry("x-guidance").or_insert_with(|| {
+            serde_json::json!({
+                "whitespace_flexible": false,
+                "item_separator": ", ",
+                "key_separator": ": ",
+            })
+        });
+    }
+    s
+}
+
+/// The placeholder bytes of token `i` (a special token no grammar names).
+fn unnamed(i: usize) -> Vec<u8> {
+    let mut w = format!(".<[unnamed {i}]>").into_bytes();
+    w[0] = TokTrie::SPECIAL_TOKEN_MARKER;
+    w
+}
+
+/// A Lark grammar accepting exactly one of `choices`.
+fn choice_lark(choices: &[String]) -> Result<String, GrammarError> {
+    if choices.is_empty() {
+        return Err(GrammarError::Grammar(
+            "choice needs at least one string".into(),
+        ));
+    }
+    // A JSON string literal is a Lark string literal.
+    let alts: Vec<String> = choices
+        .iter()
+        .map(|c| serde_json::to_string(c).unwrap_or_default())
+        .collect();
+    Ok(format!("start: {}\n", alts.join(" | ")))
+}
+
+/// A compiled guide: shared by a request's choices, each of which clones a matcher from it.
+#[derive(Clone)]
+pub struct Compiled {
+    parser: Arc<TokenParser>,
+    gate: Option<u32>,
+}
+
+impl std::fmt::Debug for Compiled {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "Compiled(gate {:?})", self.gate)
+    }
+}
+
+impl Compiled {
+    /// A fresh constraint for one sequence.
+    pub fn start(&self) -> Constraint {
+        Constraint {
+            matcher: Matcher::new(Ok(self.parser.deep_clone())),
+            waiting: self.gate,
+            failed: None,
+        }
+    }
+}
+
+/// One sequence's grammar state.
+pub struct Constraint {
+    matcher: Matcher,
+    /// The gate token not sampled yet (the grammar has not started).
+    waiting: Option<u32>,
+    failed: Option<String>,
+}
+
+impl std::fmt::Debug for Constraint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "Constraint(waiting {:?}, stopped {})",
+            self.waiting,
+            self.matcher.is_stopped()
+        )
+    }
+}
+
+impl Constraint {
+    /// The tokens allowed next, or None while the grammar has not started (or has failed).
+    /// Once the grammar is complete only EOS is allowed.
+    pub fn mask(&mut self) -> Option<Vec<u32>> {
+        if self.waiting.is_some() || self.failed.is_some() {
+            return None;
+        }
+        match self.matcher.compute_mask_or_eos() {
+            Ok(m) => Some(m.as_slice().to_vec()),
+            Err(e) => {
+                self.failed = Some(e.to_string());
+                None
+            }
+        }
+    }
+
+    /// Records a generated token: it opens the gate, or advances the grammar.
+    pub fn consume(&mut self, token: u32) {
+        if let Some(gate) = self.waiting {
+            if token == gate {
+                self.waiting = None;
+            }
+            return;
+        }
+        if self.failed.is_some() || self.matcher.is_stopped() {
+            return;
+        }
+        if let Err(e) = self.matcher.consume_token(token) {
+            self.failed = Some(e.to_string());
+        }
+    }
+
+    /// The grammar is complete: nothing but EOS may follow.
+    pub fn complete(&self) -> bool {
+        self.waiting.is_none() && self.failed.is_none() && self.matcher.is_stopped()
+    }
+
+    /// Why the grammar failed (a token it refused, an internal limit), if it did.
+    pub fn failure(&self) -> Option<&str> {
+        self.failed.as_deref()
+    }
+}
+
+/// Packs `mask` (llguidance's 32-bit words, token `t` at bit `t % 32` of word `t / 32`) into `vocab` bits of [`MASK_BITS`] per f32, the
+/// values exact integers below 2^24, as the device sampler unpacks them; `None` allows every
+/// token.
+pub fn pack_mask(mask: Option<&[u32]>, vocab: usize, out: &mut Vec<f32>) {
+    let words = vocab.div_ceil(MASK_BITS);
+    let Some(m) = mask else {
+        out.extend(std::iter::repeat_n(((1u32 << MASK_BITS) - 1) as f32, words));
+        return;
+    };
+    let src = m;
+    let at = |i: usize| u64::from(src.get(i).copied().unwrap_or(0));
+    let full = (1u64 << MASK_BITS) - 1;
+    for w in 0..words {
+        let s = w * MASK_BITS;
+        // The 24 bits from token s on, read from the two 32-bit words they span.
+        let pair = at(s / 32) | (at(s / 32 + 1) << 32);
+        let mut v = (pair >> (s % 32)) & full;
+        let left = vocab - s;
+        if left < MASK_BITS {
+            v &= (1u64 << left) - 1;
+        }
+        out.push(v as f32);
+    }
+}
+
+/// Mask bits per packed f32: integers below 2^24 are exact in f32.
+pub const MASK_BITS: usize = 24;
+
+/// Whether token `t` is allowed by `mask` (llguidance's words).
+pub fn allowed(mask: &[u32], t: usize) -> bool {
+    mask.get(t / 32).is_some_and(|w| (w >> (t % 32)) & 1 == 1)
+}

@@ -1,0 +1,191 @@
+//! What a chat asks of its answer's shape, read at validation: the tool-call and reasoning
+//! formats of the pool (`baseModel.toolCallParser`, `baseModel.reasoningParser`, else detected
+//! from the chat template), the tools and their history handed to the template, the grammar
+//! of structured outputs or of a forced tool call (starting after the reasoning), and how the
+//! answer is split ([`super::parse`]).
+
+use serde_json::{Map, Value};
+
+use mole_api::{ReasoningParser, ToolCallParser};
+
+use super::parse::{ParseSpec, Start};
+use super::tools::{self, ToolRequest};
+use crate::engine::api::{ChatMessage, SamplingParams};
+use crate::engine::grammar::{Guide, Guided};
+use crate::server::error::bad;
+use crate::server::{ApiError, AppState};
+
+/// The pool's output formats.
+#[derive(Debug, Clone, PartialEq)]
+pub(super) struct Formats {
+    /// How tool calls are written (None: unknown; tools are refused).
+    pub(super) tools: Option<ToolCallParser>,
+    /// How reasoning is marked (None: no reasoning parsed).
+    pub(super) reasoning: Option<ReasoningParser>,
+    /// The chat template renders `tools` itself.
+    pub(super) template_tools: bool,
+}
+
+impl Formats {
+    /// The pool's settings, else what `template` names: `<tool_call>` (Hermes: Qwen2.5,
+    /// Qwen3, QwQ) and `</think>` (Qwen3; a template that opens `<think>` in its generation
+    /// prompt is DeepSeek-R1's and QwQ's shape).
+    pub(super) fn of(
+        tools: Option<ToolCallParser>,
+        reasoning: Option<ReasoningParser>,
+        template: Option<&str>,
+    ) -> Self {
+        let t = template.unwrap_or("");
+        let detected_reasoning = match (t.contains("</think>"), t.contains("'<think>\\n'")) {
+            (false, _) => None,
+            (true, false) => Some(ReasoningParser::Qwen3),
+            (true, true) => Some(ReasoningParser::DeepseekR1),
+        };
+        Self {
+            tools: tools.or(t.contains("<tool_call>").then_some(ToolCallParser::Hermes)),
+            reasoning: reasoning.or(detected_reasoning),
+            template_tools: t.contains("tools"),
+        }
+    }
+
+    /// The formats of the pool `s` serves.
+    pub(super) fn for_pool(s: &AppState) -> Self {
+        let cfg = s.cfg();
+        Self::of(
+            cfg.base_model.tool_call_parser,
+            cfg.base_model.reasoning_parser,
+            s.engine.chat_template().as_deref(),
+        )
+    }
+}
+
+/// The template's fields of each message beside role and content, from the body as sent:
+/// an assistant turn's `tool_calls` (arguments parsed into objects, as vLLM hands them to
+/// templates), a tool result's `tool_call_id` and `name`, a reasoning turn's
+/// `reasoning_content`.
+pub(super) fn message_extras(raw: &Value, msgs: &mut [ChatMessage]) -> Result<(), ApiError> {
+    let Some(sent) = raw.get("messages").and_then(Value::as_array) else {
+        return Ok(());
+    };
+    for (i, (m, v)) in msgs.iter_mut().zip(sent).enumerate() {
+        if let Some(calls) = v.get("tool_calls").filter(|c| !c.is_null()) {
+            let Some(list) = calls.as_array() else {
+                return Err(bad(
+                    "invalid_tool_calls",
+                    format!("messages[{i}].tool_calls must be an array"),
+                ));
+            };
+            let mut out = Vec::with_capacity(list.len());
+            for c in list {
+                let mut c = c.clone();
+                if let Some(Value::String(a)) = c.pointer("/function/arguments") {
+                    let parsed: Value = serde_json::from_str(a).map_err(|e| {
+                        bad(
+                            "invalid_tool_calls",
+                            format!("messages[{i}].tool_calls: arguments are not JSON: {e}"),
+                        )
+                    })?;
+                    c["function"]["arguments"] = parsed;
+                }
+                out.push(c);
+            }
+            m.extra.insert("tool_calls".into(), Value::Array(out));
+        }
+        for k in ["tool_call_id", "name", "reasoning_content"] {
+            if let Some(x) = v.get(k).filter(|x| x.is_string()) {
+                m.extra.insert(k.into(), x.clone());
+            }
+        }
+        if let Some(x) = v.get("reasoning").filter(|x| x.is_string()) {
+            m.extra
+                .entry("reasoning_content")
+                .or_insert_with(|| x.clone());
+        }
+    }
+    Ok(())
+}
+
+/// A chat's tools, read and handed to the template: as its `tools` variable when it renders
+/// them, else as Qwen's tools section at the start of the system prompt.
+pub(super) fn tools(
+    raw: &Value,
+    f: &Formats,
+    msgs: &mut Vec<ChatMessage>,
+    kwargs: &mut Map<String, Value>,
+) -> Result<Option<ToolRequest>, ApiError> {
+    let Some(t) = tools::read(raw, f.tools)? else {
+        return Ok(None);
+    };
+    if f.template_tools {
+        kwargs.insert("tools".into(), Value::Array(t.tools.clone()));
+    } else {
+        let section = tools::system_section(&t.tools);
+        match msgs.first_mut().filter(|m| m.role == "system") {
+            Some(sys) => {
+                sys.content = format!("{}\n\n{section}", sys.content);
+            }
+            None => msgs.insert(0, ChatMessage::text("system", section)),
+        }
+    }
+    Ok(Some(t))
+}
+
+/// The answer's grammar and split, once the prompt is rendered: structured outputs (`guide`)
+/// or a forced tool call, starting after the reasoning when the model reasons.
+pub(super) fn finish(
+    prompt: &str,
+    f: &Formats,
+    guide: Option<Guide>,
+    tools: Option<&ToolRequest>,
+    sampling: &mut SamplingParams,
+) -> Result<Option<ParseSpec>, ApiError> {
+    let forced = tools.and_then(|t| t.forced.clone());
+    if guide.is_some() && forced.is_some() {
+        return Err(bad(
+            "conflicting_guides",
+            "a structured output and a forced tool call (tool_choice required or named) \
+             cannot both shape one answer",
+        ));
+    }
+    let start = f.reasoning.map(|r| Start::after(prompt, r));
+    if let Some(g) = guide.or(forced) {
+        sampling.guide = Some(Guided {
+            guide: g,
+            after: match start {
+                Some(Start::Reasoning | Start::Sniff) => Some("</think>".into()),
+                _ => None,
+            },
+        });
+    }
+    let tools = tools.is_some_and(|t| t.parse);
+    Ok((start.is_some() || tools).then_some(ParseSpec {
+        reasoning: start,
+        tools,
+    }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_come_from_the_pool_or_the_template() {
+        let qwen3 = "{%- if tools %}<tool_call>{%- endif %}{{ '</think>' }}";
+        let f = Formats::of(None, None, Some(qwen3));
+        assert_eq!(f.tools, Some(ToolCallParser::Hermes));
+        assert_eq!(f.reasoning, Some(ReasoningParser::Qwen3));
+        assert!(f.template_tools);
+        let f = Formats::of(None, None, Some("{{ messages }}"));
+        assert_eq!(
+            (f.tools, f.reasoning, f.template_tools),
+            (None, None, false)
+        );
+        let f = Formats::of(
+            Some(ToolCallParser::Hermes),
+            Some(ReasoningParser::DeepseekR1),
+            Some("{{ messages }}"),
+        );
+        assert_eq!(f.tools, Some(ToolCallParser::Hermes));
+        assert_eq!(f.reasoning, Some(ReasoningParser::DeepseekR1));
+    }
+}
