@@ -21,8 +21,14 @@ fn committed_crds_match_the_generated_ones() {
                 path.display()
             )
         });
+        // The same document with its keys in another order is not stale: a workspace build
+        // turns on serde_json's `preserve_order` (the worker's grammar engine needs it), which
+        // orders some generated schema keys as declared instead of sorted.
+        let same = committed == yaml
+            || serde_yaml::from_str::<serde_yaml::Value>(&committed).unwrap()
+                == serde_yaml::from_str::<serde_yaml::Value>(&yaml).unwrap();
         assert!(
-            committed == yaml,
+            same,
             "{} is stale; run `cargo run -p mole-crds --bin crdgen` and commit the result",
             path.display()
         );

@@ -99,7 +99,7 @@ fn key_of(
     if round > 0 {
         identity["round"] = serde_json::json!(round);
     }
-    let digest = Sha256::digest(identity.to_string().as_bytes());
+    let digest = Sha256::digest(crate::resources::canonical_json(&identity).as_bytes());
     let hash = hex::encode(&digest[..5]);
     let prefix = "merge-";
     let room = MAX_NAME - prefix.len() - 1 - hash.len();

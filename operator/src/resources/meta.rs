@@ -47,7 +47,30 @@ pub fn owner(pool: &InferencePool) -> OwnerReference {
 
 /// Short sha256 of a JSON value (annotations, names).
 pub fn short_hash(v: &serde_json::Value) -> String {
-    hex::encode(&Sha256::digest(v.to_string().as_bytes())[..8])
+    hex::encode(&Sha256::digest(canonical_json(v).as_bytes())[..8])
+}
+
+/// `v` as text with every object's keys sorted: what serde_json writes without its
+/// `preserve_order` feature. A hash of it must not change with the build's features (the
+/// worker's grammar engine turns `preserve_order` on for the whole workspace), or an upgraded
+/// operator would see every pool's pods and merge outputs as changed.
+pub fn canonical_json(v: &serde_json::Value) -> String {
+    fn sorted(v: &serde_json::Value) -> serde_json::Value {
+        match v {
+            serde_json::Value::Object(m) => {
+                let mut keys: Vec<&String> = m.keys().collect();
+                keys.sort();
+                serde_json::Value::Object(
+                    keys.into_iter()
+                        .map(|k| (k.clone(), sorted(&m[k])))
+                        .collect(),
+                )
+            }
+            serde_json::Value::Array(a) => serde_json::Value::Array(a.iter().map(sorted).collect()),
+            other => other.clone(),
+        }
+    }
+    sorted(v).to_string()
 }
 
 /// What a set of sibling children share: namespace, labels, the selector of their pods and

@@ -38,7 +38,7 @@ pub use image::{
     WorkerDefaults, DEFAULT_WORKER_IMAGE_CPU, DEFAULT_WORKER_IMAGE_GPU, WORKER_REPOSITORY,
 };
 pub use meta::{
-    labels, owner, selector, short_hash, ChildMeta, ANNOTATION_ADAPTER_VERSION,
+    canonical_json, labels, owner, selector, short_hash, ChildMeta, ANNOTATION_ADAPTER_VERSION,
     ANNOTATION_MERGED_OUTPUT,
 };
 pub use pdb::{pdb, worker_pdb};

@@ -756,7 +756,7 @@ fn every_field_spec() -> serde_json::Value {
     serde_json::from_str::<serde_json::Value>(
         r#"{
   "baseModel": {"name": "Qwen/Qwen3-8B", "path": "base/qwen3", "source": "hf://Qwen/Qwen3-8B@main",
-                "secretRef": {"name": "hf-token"}, "dtype": "bf16"},
+                "secretRef": {"name": "hf-token"}, "dtype": "bf16", "imageProcessor": "pil"},
   "storage": {"claimName": "models", "mountPath": "/models"},
   "image": "ghcr.io/mole-dev/mole-worker:0.1.0",
   "imagePullPolicy": "IfNotPresent",
@@ -878,6 +878,7 @@ fn mutated(v: &serde_json::Value) -> serde_json::Value {
         &["explicit", "classifier", "keywords", "embedding"],
         &["base", "reject"],
         &["IfNotPresent", "Always", "Never"],
+        &["torchvision", "pil"],
     ];
     match v {
         serde_json::Value::String(s) => ENUMS
