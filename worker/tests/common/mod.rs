@@ -1,5 +1,7 @@
 //! Helpers shared by the integration tests.
 
+pub mod steps;
+
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
