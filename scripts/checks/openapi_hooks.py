@@ -12,7 +12,12 @@ tokens a prompt takes is a limit the document states but cannot check).
 For the same reason a positive chat keeps its first 4 messages with at most 48 characters of
 text each (a random string of 48 characters is at most ~200 byte-level tokens). And a path to
 load an adapter from must hold one: it becomes MOLE_OPENAPI_ADAPTER, a copy of
-the fixture adapter that no configured adapter uses."""
+the fixture adapter that no configured adapter uses.
+What shapes an answer (response_format, structured_outputs, guided_*, tools, tool_choice) is
+valid only when its schema, regex or Lark grammar compiles, when one request carries at most
+one of them, and when a named tool_choice names a tool sent: rules a JSON schema cannot state.
+A positive case keeps guided_choice (any non-empty list of strings compiles) and drops the
+others; engine_structured and scripts/structured-outputs.sh send valid ones."""
 
 import base64
 import os
@@ -83,6 +88,9 @@ def before_call(context, case, kwargs):
     _images(msgs, [0])
     if isinstance(body.get("image_b64"), str):
         body["image_b64"] = B64
+    for k in ("response_format", "structured_outputs", "guided_json", "guided_regex",
+              "guided_grammar", "tools", "tool_choice", "parallel_tool_calls"):
+        body.pop(k, None)
     # An adapter to load: a directory of one, as an operator would name it.
     if isinstance(body.get("lora_path"), str) and os.environ.get("MOLE_OPENAPI_ADAPTER"):
         body["lora_path"] = os.environ["MOLE_OPENAPI_ADAPTER"]

@@ -2099,6 +2099,29 @@ async fn vllm_plain_endpoints_answer_as_vllm() {
     }
 }
 
+/// `/infer` takes the structured-output fields as chat does (its document listed them while the
+/// handler ignored them: schemathesis's "schema-violating request accepted" found it).
+#[tokio::test]
+async fn infer_answers_follow_a_guide() {
+    let s = start("", 16, 64).await;
+    let (st, _, b) = post(
+        &s,
+        "/infer",
+        json!({"prompt": "yes or no?", "max_tokens": 8, "temperature": 0,
+               "guided_choice": ["maybe", "never"]}),
+    )
+    .await;
+    assert_eq!(st, 200, "{b}");
+    let out = b["task_output"].as_str().unwrap();
+    assert!(out == "maybe" || out == "never", "{b}");
+    let (st, _, b) = post(&s, "/infer", json!({"prompt": "x", "guided_choice": []})).await;
+    assert_eq!(
+        (st, b["error"]["code"].as_str()),
+        (400, Some("invalid_grammar")),
+        "{b}"
+    );
+}
+
 /// Issue 35 item 6: every OpenAI and vLLM request field is served, refused with a 400 that
 /// names it, or harmless to ignore; a field of neither API is refused. (Structured outputs and
 /// tools are served: engine_structured and the structured-outputs check test them.)

@@ -95,11 +95,15 @@ impl Validate for InferBody {
             images.push(src);
             msg.parts = vec![ContentPart::Image, ContentPart::Text(b.prompt.clone())];
         }
-        sampling(&b.common, true, &Caps::of(s))?;
-        let prompt = Prompt::Templated(
-            s.engine
-                .apply_chat_template(&[msg], &serde_json::Map::new())?,
-        );
+        let mut sp = sampling(&b.common, true, &Caps::of(s))?;
+        // Structured outputs shape the task's answer as a chat's (after any reasoning).
+        let guide = guided::guide(&raw)?;
+        let text = s
+            .engine
+            .apply_chat_template(&[msg], &serde_json::Map::new())?;
+        let formats = outputs::Formats::for_pool(s);
+        let parse = outputs::finish(&text, &formats, guide, None, &mut sp)?;
+        let prompt = Prompt::Templated(text);
         // Merged pods get it as a chat completion.
         let mut forward = raw;
         forward["messages"] = json!([{"role": "user", "content": content}]);
@@ -115,8 +119,8 @@ impl Validate for InferBody {
             forward,
             images,
             whole: true,
-            guide: None,
-            parse: None,
+            guide: sp.guide,
+            parse,
         };
         ValidRequest::new(s, b.common, parts)
     }

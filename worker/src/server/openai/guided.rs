@@ -31,6 +31,7 @@ pub(in crate::server) struct GuidedFields {
     pub(super) guided_regex: Option<String>,
     /// vLLM's older field: the answer is one of these strings.
     #[serde(default)]
+    #[schema(min_items = 1)]
     pub(super) guided_choice: Option<Vec<String>>,
     /// vLLM's older field: a Lark grammar (llguidance's dialect).
     #[serde(default)]
