@@ -74,6 +74,21 @@ fn config() -> ProptestConfig {
     }
 }
 
+/// A case the GGUF proptest found (session 24): one byte of a tensor's shape set to 16 made
+/// candle's reader overflow multiplying the elements' blocks by their bytes (a panic in a
+/// debug build, a wrapped size in a release one); it is refused first.
+#[test]
+fn a_gguf_shape_whose_bytes_overflow_is_an_error() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("m.gguf");
+    std::fs::write(
+        &p,
+        mutate(valid_gguf(), &[(11247974116238595067, 16)], None),
+    )
+    .unwrap();
+    assert!(mole_worker::formats::gguf::load_quantized(&p, &Device::Cpu).is_err());
+}
+
 proptest! {
     #![proptest_config(config())]
 

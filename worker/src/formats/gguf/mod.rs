@@ -437,14 +437,17 @@ pub fn load_quantized(path: &Path, device: &Device) -> Result<QuantizedModel, Gg
     let (gguf, mut f) = Opened::read(path)?;
     let mut tensors = HashMap::new();
     for (gname, info) in &gguf.content.tensor_infos {
-        // The reader multiplies the dimensions: a file's are checked first (no overflow).
-        if info
+        // The reader multiplies the dimensions, then the blocks by their bytes: a file's are
+        // checked first (no overflow).
+        let bytes = info
             .shape
             .dims()
             .iter()
             .try_fold(1usize, |n, &d| n.checked_mul(d))
-            .is_none()
-        {
+            .and_then(|n| {
+                (n / info.ggml_dtype.block_size()).checked_mul(info.ggml_dtype.type_size())
+            });
+        if bytes.is_none() {
             return Err(GgufError::Gguf(format!("{gname}: its shape overflows")));
         }
         let (hf, permute_heads) = gguf.hf_name(gname)?;
