@@ -13,6 +13,8 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
@@ -21,16 +23,10 @@ use mole_worker::lora::{self, LoadOptions};
 use mole_worker::model::LoraAdapter;
 use mole_worker::model::{argmax, Decoder, ModelConfig, Row, SeqCache, TensorPathOptions};
 
-/// The device the tests run on: the CPU, or with `MOLE_TEST_DEVICE=cuda` the first GPU (a
-/// `--features cuda` build), where the same tolerances hold: f32 matmuls run in full f32
-/// (candle leaves cuBLAS's reduced-precision f32 off).
+/// The device the tests run on (`MOLE_TEST_DEVICE`), where the same tolerances hold: f32
+/// matmuls run in full f32 (candle leaves cuBLAS's reduced-precision f32 off).
 fn device() -> Device {
-    match std::env::var("MOLE_TEST_DEVICE").as_deref() {
-        Err(_) | Ok("") | Ok("cpu") => Device::Cpu,
-        Ok("cuda") => Device::new_cuda(0)
-            .expect("MOLE_TEST_DEVICE=cuda needs a --features cuda build and a GPU"),
-        Ok(other) => panic!("MOLE_TEST_DEVICE={other}: expected cpu or cuda"),
-    }
+    common::test_device()
 }
 
 fn fixtures() -> PathBuf {

@@ -7,6 +7,8 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
@@ -50,9 +52,10 @@ fn load(file: &str) -> std::collections::HashMap<String, Tensor> {
     candle_core::safetensors::load(fixtures().join(file), &Device::Cpu).unwrap()
 }
 
-/// The largest difference over the largest magnitude of `want`.
+/// The largest difference over the largest magnitude of `want` (on the host).
 fn rel_error(ours: &Tensor, want: &Tensor) -> f32 {
-    let d = (ours - want).unwrap().abs().unwrap().max_all().unwrap();
+    let ours = ours.to_device(&Device::Cpu).unwrap();
+    let d = (&ours - want).unwrap().abs().unwrap().max_all().unwrap();
     let s = want.abs().unwrap().max_all().unwrap();
     d.to_scalar::<f32>().unwrap() / s.to_scalar::<f32>().unwrap()
 }
@@ -187,7 +190,7 @@ fn the_vision_tower_equals_transformers() {
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap()).unwrap();
     let vcfg: VisionConfig = serde_json::from_value(config["vision_config"].clone()).unwrap();
-    let dev = Device::Cpu;
+    let dev = common::test_device();
     // SAFETY: the fixture is a read-only input for the life of the test.
     let vb = unsafe {
         VarBuilder::from_mmaped_safetensors(&[dir.join("model.safetensors")], DType::F32, &dev)
@@ -238,7 +241,7 @@ fn prompt(model: &Decoder, name: &str) -> Prompt {
     }
     let embeds = (!images.is_empty()).then(|| {
         let n = values.len() / cfg.patch_len();
-        let pixels = Tensor::from_vec(values, (n, cfg.patch_len()), &Device::Cpu).unwrap();
+        let pixels = Tensor::from_vec(values, (n, cfg.patch_len()), model.device()).unwrap();
         model
             .vision()
             .unwrap()
@@ -323,7 +326,8 @@ fn run(
 #[test]
 fn the_language_model_with_images_equals_transformers() {
     let dir = fixtures().join("qwen3_vl");
-    let mut model = Decoder::load(&dir, DType::F32, &Device::Cpu).unwrap();
+    let dev = common::test_device();
+    let mut model = Decoder::load(&dir, DType::F32, &dev).unwrap();
     let opts = LoadOptions {
         max_rank: 64,
         expect_base: None,
@@ -332,14 +336,20 @@ fn the_language_model_with_images_equals_transformers() {
         &fixtures().join("adapter"),
         model.config(),
         DType::F32,
-        &Device::Cpu,
+        &dev,
         &opts,
     )
     .unwrap();
     let r = reference();
     let names = ["text", "one_image", "two_images"];
     let prompts: Vec<Prompt> = names.iter().map(|n| prompt(&model, n)).collect();
-    for host in [true, false] {
+    // The host kernels are the CPU's; a GPU runs the tensor path only.
+    let paths: &[bool] = if dev.is_cuda() {
+        &[false]
+    } else {
+        &[true, false]
+    };
+    for &host in paths {
         model.set_host_kernels(host);
         for label in ["base", "adapter"] {
             let a = (label == "adapter").then_some(&adapter);

@@ -66,6 +66,18 @@ pub fn engine_reference() -> serde_json::Value {
     serde_json::from_str(&text).expect("reference.json is JSON")
 }
 
+/// The device a test runs on: the CPU, or with `MOLE_TEST_DEVICE=cuda` the first GPU (a
+/// `--features cuda` build; `scripts/gpu-bundle.sh` bundles the tests that read this).
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub fn test_device() -> candle_core::Device {
+    match std::env::var("MOLE_TEST_DEVICE").as_deref() {
+        Err(_) | Ok("") | Ok("cpu") => candle_core::Device::Cpu,
+        Ok("cuda") => candle_core::Device::new_cuda(0)
+            .expect("MOLE_TEST_DEVICE=cuda needs a --features cuda build and a GPU"),
+        Ok(other) => panic!("MOLE_TEST_DEVICE={other}: expected cpu or cuda"),
+    }
+}
+
 /// An engine over the llama fixture on the tensor path (what a GPU runs: the host kernels
 /// off), its options set by `f`.
 #[allow(dead_code)] // each test crate uses some of these helpers
@@ -74,7 +86,7 @@ pub fn tensor_engine(
 ) -> mole_worker::engine::Engine {
     let dir = engine_fixtures().join("llama");
     let mut model =
-        mole_worker::model::Decoder::load(&dir, candle_core::DType::F32, &candle_core::Device::Cpu)
+        mole_worker::model::Decoder::load(&dir, candle_core::DType::F32, &test_device())
             .expect("the llama fixture loads");
     model.set_host_kernels(false);
     let mut opts = mole_worker::engine::EngineOptions {
