@@ -24,10 +24,11 @@ summary=()
 for stage in $STAGES; do
   case $stage in
   tests)
-    for t in numerics vision op_count_transfers; do
+    for t in numerics:120 vision:60 op_count_transfers:60; do
+      limit=${t#*:} t=${t%:*}
       [ -x ".gpu/$t" ] || { summary+=("$t: not bundled"); continue; }
       s=$(date +%s)
-      MOLE_TEST_DEVICE=cuda timeout 180 ".gpu/$t" --test-threads 4 >"$OUT/test-$t.log" 2>&1
+      MOLE_TEST_DEVICE=cuda timeout "$limit" ".gpu/$t" --test-threads 4 >"$OUT/test-$t.log" 2>&1
       rc=$?
       summary+=("$t (rc $rc, $(($(date +%s) - s)) s): $(grep -E '^test result' "$OUT/test-$t.log" | tail -1)")
       grep -E 'relative|error|FAILED|panicked' "$OUT/test-$t.log" | head -20
@@ -35,12 +36,12 @@ for stage in $STAGES; do
     ;;
   small)
     s=$(date +%s)
-    timeout 240 .gpu/mole-worker bench decode --dtype bf16 --python python3 2>&1 | tee "$OUT/bench-0.5b.log"
+    timeout 180 .gpu/mole-worker bench decode --dtype bf16 --python python3 2>&1 | tee "$OUT/bench-0.5b.log"
     summary+=("bench 0.5B: rc $? in $(($(date +%s) - s)) s")
     ;;
   large)
     s=$(date +%s)
-    timeout 300 .gpu/mole-worker bench decode --dtype bf16 --hidden 4096 --layers 32 --image none \
+    timeout 240 .gpu/mole-worker bench decode --dtype bf16 --hidden 4096 --layers 32 --image none \
       --python python3 2>&1 | tee "$OUT/bench-5.9b.log"
     summary+=("bench 5.9B: rc $? in $(($(date +%s) - s)) s")
     ;;
