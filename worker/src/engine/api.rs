@@ -384,9 +384,9 @@ pub struct EngineStats {
 }
 
 /// The engine as request handlers call it: generation and the classifier router's scoring,
-/// the two things that run the model. TGI's backend and mistral.rs's engine handle show the
-/// same seam: what serves requests knows nothing of adapter files or tokenizers. Object-safe:
-/// handlers hold `Arc<dyn Serving>`.
+/// the two things that run the model. TGI's router draws the same line (its `Backend` schedules
+/// validated requests; validation holds the tokenizer): what serves requests knows nothing of
+/// adapter files or tokenizers. Object-safe: handlers hold `Arc<dyn Serving>`.
 pub trait Serving: Send + Sync + 'static {
     /// Queues a request. Fails at once with `Overloaded` when the waiting queue is full.
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError>;
@@ -429,7 +429,7 @@ pub trait AdapterAdmin: Send + Sync + 'static {
 
 /// What the engine is and how loaded it is: read by `/metrics`, validation's context and
 /// vocabulary bounds, the OpenAPI document's limits, and [`crate::engine::replicas`] to pick
-/// the least loaded engine. Cheap snapshots that never wait on the engine thread.
+/// the least loaded engine. Cheap snapshots that never wait for a step.
 pub trait EngineInfo: Send + Sync + 'static {
     /// Scheduler snapshot.
     fn stats(&self) -> EngineStats;
@@ -493,7 +493,7 @@ pub struct EngineHandles {
     pub serving: Arc<dyn Serving>,
     /// What the admin endpoints and the config reload call.
     pub admin: Arc<dyn AdapterAdmin>,
-    /// What metrics, `/v1/models` and validation's limits read.
+    /// What metrics, validation's limits and the OpenAPI document read.
     pub info: Arc<dyn EngineInfo>,
     /// The tokenizer and chat template validation uses.
     pub codec: Arc<dyn PromptCodec>,
