@@ -295,7 +295,7 @@ async fn serve_rendered(
     std::fs::write(&cfg_path, serde_json::to_string(wc).unwrap()).unwrap();
     let cfg = mole_worker::config::load(&cfg_path).unwrap();
     let engine = build_engine(&cfg).unwrap();
-    assert_eq!(engine.model_info().vision, vision);
+    assert_eq!(engine.info.model_info().vision, vision);
     let auth = Auth::from_config(&cfg).unwrap();
     let state = AppState::new(cfg, engine, Some(cfg_path.clone()), auth);
     let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use mole_api::{WorkerAdapter, WorkerConfig};
 use sha2::{Digest, Sha256};
 
-use crate::engine::api::{AdapterSpec, InferenceEngine};
+use crate::engine::api::{AdapterAdmin, AdapterSpec};
 
 /// Why a configuration was refused. Stable names via [`ConfigError::code`].
 #[derive(Debug, thiserror::Error)]
@@ -294,11 +294,11 @@ impl ApplyReport {
     }
 }
 
-/// Applies a diff through the engine. Loads before unloads so a renamed adapter never leaves a
-/// gap; the engine keeps old versions alive for requests already pinned to them. An adapter
-/// that fails is reported and the others are applied.
+/// Applies a diff through the engine's adapter admin. Loads before unloads so a renamed
+/// adapter never leaves a gap; the engine keeps old versions alive for requests already pinned
+/// to them. An adapter that fails is reported and the others are applied.
 pub fn apply_diff(
-    engine: &dyn InferenceEngine,
+    engine: &dyn AdapterAdmin,
     cfg: &WorkerConfig,
     diff: &AdapterDiff,
 ) -> ApplyReport {

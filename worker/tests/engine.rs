@@ -598,7 +598,7 @@ fn replicas_spread_requests_over_engines_that_all_hold_the_adapters() {
     use mole_worker::engine::replicas::Replicas;
     let r = &reference()["llama"];
     let (p0, p1) = (ids(&r["prompts"][0]), ids(&r["prompts"][1]));
-    let one = || -> Box<dyn InferenceEngine> { Box::new(engine(|_| {})) };
+    let one = || -> std::sync::Arc<dyn Backend> { std::sync::Arc::new(engine(|_| {})) };
     let pod = Replicas::new(vec![one(), one()]);
     pod.load_adapter(spec("task", "v1", "a_r8_all")).unwrap();
     let listed = pod.adapters();

@@ -45,7 +45,7 @@ struct Rendezvous {
     met: Condvar,
 }
 
-impl InferenceEngine for Rendezvous {
+impl EngineInfo for Rendezvous {
     fn stats(&self) -> EngineStats {
         let stats = self.engine.stats();
         let mut n = self.readers.lock().unwrap();
@@ -59,21 +59,14 @@ impl InferenceEngine for Rendezvous {
         }
         stats
     }
+    fn model_info(&self) -> ModelInfo {
+        self.engine.model_info()
+    }
+}
+
+impl Serving for Rendezvous {
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
         self.engine.submit(req)
-    }
-    fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        kwargs: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<String, EngineError> {
-        self.engine.apply_chat_template(messages, kwargs)
-    }
-    fn tokenize(&self, prompt: &Prompt, images: &[Image]) -> Result<Vec<u32>, EngineError> {
-        self.engine.tokenize(prompt, images)
-    }
-    fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError> {
-        self.engine.detokenize(ids)
     }
     fn score_labels(
         &self,
@@ -84,9 +77,9 @@ impl InferenceEngine for Rendezvous {
     ) -> Result<Vec<f32>, EngineError> {
         self.engine.score_labels(adapter, prompt, labels, images)
     }
-    fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError> {
-        self.engine.image_tokens(width, height)
-    }
+}
+
+impl AdapterAdmin for Rendezvous {
     fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
         self.engine.load_adapter(spec)
     }
@@ -95,9 +88,6 @@ impl InferenceEngine for Rendezvous {
     }
     fn adapters(&self) -> Vec<mole_api::LoraAdapterInfo> {
         self.engine.adapters()
-    }
-    fn model_info(&self) -> ModelInfo {
-        self.engine.model_info()
     }
 }
 
@@ -112,7 +102,7 @@ fn requests_routed_at_once_go_to_different_engines() {
         readers: Mutex::new(0),
         met: Condvar::new(),
     };
-    let pod = Arc::new(Replicas::new(vec![Box::new(first), Box::new(engine())]));
+    let pod = Arc::new(Replicas::new(vec![Arc::new(first), Arc::new(engine())]));
     pod.load_adapter(spec("task")).unwrap();
     let routed: Vec<_> = (0..2)
         .map(|i| {
@@ -138,7 +128,7 @@ fn requests_routed_at_once_go_to_different_engines() {
 #[test]
 fn an_unload_reaches_every_engine() {
     let r = &reference()["llama"];
-    let pod = Replicas::new(vec![Box::new(engine()), Box::new(engine())]);
+    let pod = Replicas::new(vec![Arc::new(engine()), Arc::new(engine())]);
     pod.load_adapter(spec("task")).unwrap();
     pod.engines()[0].unload_adapter("task").unwrap();
     pod.unload_adapter("task").unwrap();

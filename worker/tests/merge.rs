@@ -1011,8 +1011,8 @@ fn assert_streamed_output_is_exact(base: &Path, adapter: &Path, out: &Path, shar
 #[test]
 fn qwen3_vl_merges_match_peft_and_serve_images_as_the_adapter() {
     use mole_worker::engine::api::{
-        ChatMessage, ContentPart, GenerateRequest, Image, InferenceEngine, Prompt, SamplingParams,
-        TokenEvent,
+        ChatMessage, ContentPart, GenerateRequest, Image, Prompt, PromptCodec, SamplingParams,
+        Serving, TokenEvent,
     };
     use sha2::Digest;
     let vision = fixtures().join("../vision");

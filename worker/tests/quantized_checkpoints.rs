@@ -315,7 +315,7 @@ fn a_served_checkpoint_starts_an_engine() {
         EngineOptions::default(),
     )
     .unwrap();
-    use mole_worker::engine::api::InferenceEngine;
+    use mole_worker::engine::api::EngineInfo;
     let held = e.stats().weights_bytes.unwrap();
     // Per layer q, k, v, o, gate, up, down: 147,456 weights held as 4-bit blocks (20 bytes per
     // 32), not widened (4 bytes each); the embedding and the head in f32; norms and slack 8 KiB.

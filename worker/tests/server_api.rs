@@ -13,15 +13,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use mole_worker::engine::api::{
-    AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest, Image,
-    InferenceEngine, ModelInfo, Prompt, TokenEvent,
+    AdapterAdmin, AdapterSpec, EngineError, EngineHandles, EventStream, GenerateRequest, Image,
+    Serving, TokenEvent,
 };
 use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
 use serde_json::{json, Value};
 
 struct Srv {
     url: String,
-    engine: Arc<dyn InferenceEngine>,
+    engine: EngineHandles,
     state: Arc<AppState>,
     _dir: tempfile::TempDir,
     _stop: tokio::sync::oneshot::Sender<()>,
@@ -196,7 +196,7 @@ async fn launch(dir: tempfile::TempDir, yaml: &str) -> Srv {
 async fn launch_with(
     dir: tempfile::TempDir,
     yaml: &str,
-    wrap: impl FnOnce(Arc<dyn InferenceEngine>) -> Arc<dyn InferenceEngine>,
+    wrap: impl FnOnce(EngineHandles) -> EngineHandles,
     poll: Duration,
     wait_ready: bool,
 ) -> Srv {
@@ -756,7 +756,7 @@ async fn overload_gives_429_and_disconnect_cancels() {
     // finish 100 tokens before the server sees the connection close (a write or two later),
     // so a few tries: one cancellation proves it, none in all of them is a failure.
     let long = json!({"model": "fr", "stream": true, "max_tokens": 100, "ignore_eos": true, "messages": [{"role": "user", "content": "a"}]});
-    let before = s.engine.stats().cancelled;
+    let before = s.engine.info.stats().cancelled;
     for _ in 0..20 {
         let mut r1 = c
             .post(format!("{}/v1/chat/completions", s.url))
@@ -768,17 +768,17 @@ async fn overload_gives_429_and_disconnect_cancels() {
         r1.chunk().await.unwrap();
         drop(r1);
         for _ in 0..25 {
-            if s.engine.stats().cancelled > before || s.engine.stats().running == 0 {
+            if s.engine.info.stats().cancelled > before || s.engine.info.stats().running == 0 {
                 break;
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        if s.engine.stats().cancelled > before {
+        if s.engine.info.stats().cancelled > before {
             break;
         }
     }
     assert!(
-        s.engine.stats().cancelled > before,
+        s.engine.info.stats().cancelled > before,
         "client disconnect must cancel"
     );
     // And the server keeps serving.
@@ -881,7 +881,7 @@ async fn metrics_models_and_reload() {
         "",
     );
     std::fs::write(&p, y).unwrap();
-    let has_js = || s.engine.adapters().iter().any(|a| a.name == "js");
+    let has_js = || s.engine.admin.adapters().iter().any(|a| a.name == "js");
     for _ in 0..50 {
         if !has_js() {
             break;
@@ -1033,9 +1033,9 @@ async fn local_mode_merges_merged_adapters_in_process() {
 
 /// The real engine with adapter loads held until the gate opens (a slow load, in a test), and,
 /// with `fail`, every request failing after it was accepted (as a failed forward pass fails
-/// its rows).
+/// its rows). Only serving and adapter admin are wrapped; the rest is the real engine's.
 struct GatedEngine {
-    inner: Arc<dyn InferenceEngine>,
+    inner: EngineHandles,
     open: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
     fail: bool,
 }
@@ -1045,30 +1045,35 @@ impl GatedEngine {
         *gate.0.lock().unwrap() = open;
         gate.1.notify_all();
     }
+
+    /// `inner` with its serving and adapter admin gated.
+    fn wrap(
+        inner: EngineHandles,
+        open: Arc<(std::sync::Mutex<bool>, std::sync::Condvar)>,
+        fail: bool,
+    ) -> EngineHandles {
+        let gated = Arc::new(GatedEngine {
+            inner: inner.clone(),
+            open,
+            fail,
+        });
+        EngineHandles {
+            serving: gated.clone(),
+            admin: gated,
+            ..inner
+        }
+    }
 }
 
-impl InferenceEngine for GatedEngine {
+impl Serving for GatedEngine {
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
         if !self.fail {
-            return self.inner.submit(req);
+            return self.inner.serving.submit(req);
         }
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let failed = EngineError::Internal("forward pass failed".into());
         tx.send(TokenEvent::Error(failed)).unwrap();
         Ok(rx)
-    }
-    fn apply_chat_template(
-        &self,
-        m: &[ChatMessage],
-        k: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<String, EngineError> {
-        self.inner.apply_chat_template(m, k)
-    }
-    fn tokenize(&self, p: &Prompt, i: &[Image]) -> Result<Vec<u32>, EngineError> {
-        self.inner.tokenize(p, i)
-    }
-    fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError> {
-        self.inner.detokenize(ids)
     }
     fn score_labels(
         &self,
@@ -1077,27 +1082,21 @@ impl InferenceEngine for GatedEngine {
         l: &[String],
         i: &[Image],
     ) -> Result<Vec<f32>, EngineError> {
-        self.inner.score_labels(a, p, l, i)
+        self.inner.serving.score_labels(a, p, l, i)
     }
-    fn image_tokens(&self, w: u32, h: u32) -> Result<usize, EngineError> {
-        self.inner.image_tokens(w, h)
-    }
+}
+
+impl AdapterAdmin for GatedEngine {
     fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
         let (m, cv) = &*self.open;
         let _g = cv.wait_while(m.lock().unwrap(), |open| !*open).unwrap();
-        self.inner.load_adapter(spec)
+        self.inner.admin.load_adapter(spec)
     }
     fn unload_adapter(&self, name: &str) -> Result<(), EngineError> {
-        self.inner.unload_adapter(name)
+        self.inner.admin.unload_adapter(name)
     }
     fn adapters(&self) -> Vec<mole_api::LoraAdapterInfo> {
-        self.inner.adapters()
-    }
-    fn stats(&self) -> EngineStats {
-        self.inner.stats()
-    }
-    fn model_info(&self) -> ModelInfo {
-        self.inner.model_info()
+        self.inner.admin.adapters()
     }
 }
 
@@ -1154,13 +1153,7 @@ async fn readiness_waits_for_loads_and_a_refused_adapter_does_not_block_it() {
     let s = launch_with(
         dir,
         &yaml,
-        move |inner| {
-            Arc::new(GatedEngine {
-                inner,
-                open: g,
-                fail: false,
-            })
-        },
+        move |inner| GatedEngine::wrap(inner, g, false),
         Duration::from_millis(100),
         false,
     )
@@ -1300,7 +1293,7 @@ async fn operator_token_and_reload_with_config_hash() {
         msg.contains(&file_hash) && msg.contains("0123456789abcdef"),
         "{msg}"
     );
-    assert!(s.engine.adapters().iter().any(|a| a.name == "js"));
+    assert!(s.engine.admin.adapters().iter().any(|a| a.name == "js"));
     // The expected content: applied, and the answer carries the applied hash.
     let (st, b) = post_auth(
         &s,
@@ -1314,7 +1307,7 @@ async fn operator_token_and_reload_with_config_hash() {
         (b["changed"].as_bool(), b["configHash"].as_str()),
         (Some(true), Some(file_hash.as_str()))
     );
-    assert!(!s.engine.adapters().iter().any(|a| a.name == "js"));
+    assert!(!s.engine.admin.adapters().iter().any(|a| a.name == "js"));
     // Unload through the operator token.
     let (st, b) = post_auth(
         &s,
@@ -1324,7 +1317,7 @@ async fn operator_token_and_reload_with_config_hash() {
     )
     .await;
     assert_eq!(st, 200, "{b}");
-    assert!(!s.engine.adapters().iter().any(|a| a.name == "fr"));
+    assert!(!s.engine.admin.adapters().iter().any(|a| a.name == "fr"));
     let m = scrape(&s).await;
     for want in [
         "mole_config_reloads_total{result=\"stale\"} 1",
@@ -1386,7 +1379,7 @@ async fn admin_token_reload_without_body_and_unload_disabled_without_tokens() {
         .await;
         assert_eq!((st, code(&b)), (403, "admin_disabled"), "{path}");
     }
-    assert!(s.engine.adapters().iter().any(|a| a.name == "js"));
+    assert!(s.engine.admin.adapters().iter().any(|a| a.name == "js"));
 }
 
 #[tokio::test]
@@ -1461,7 +1454,7 @@ async fn restart_settings_are_reported_not_half_applied() {
     assert_eq!(st, 200, "{b}");
     assert_eq!(b["restartRequired"], json!(["baseModel", "limits"]));
     // The adapter change applied; the base model and the limits are the old ones.
-    assert!(!s.engine.adapters().iter().any(|a| a.name == "js"));
+    assert!(!s.engine.admin.adapters().iter().any(|a| a.name == "js"));
     assert_eq!(get(&s, "/readyz", None).await.0, 200);
     let (_, m) = get(&s, "/v1/models", None).await;
     assert_eq!(m["data"][1]["id"], "llama");
@@ -1696,6 +1689,7 @@ async fn classifier_routes_with_one_scoring_pass() {
     let labels = ["french".to_string(), "json".to_string()];
     let p = s
         .engine
+        .serving
         .score_labels(Some("fr"), "tell me", &labels, &[])
         .unwrap();
     let (best, want) = if p[0] >= p[1] {
@@ -2004,13 +1998,7 @@ async fn an_engine_failure_is_counted_once() {
     let s = launch_with(
         dir,
         &yaml,
-        move |inner| {
-            Arc::new(GatedEngine {
-                inner,
-                open,
-                fail: true,
-            })
-        },
+        move |inner| GatedEngine::wrap(inner, open, true),
         Duration::from_millis(100),
         true,
     )

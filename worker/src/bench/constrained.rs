@@ -7,7 +7,9 @@ use std::time::Instant;
 
 use candle_core::{DType, Device};
 
-use crate::engine::api::{GenerateRequest, InferenceEngine, Prompt, SamplingParams, TokenEvent};
+use crate::engine::api::{
+    GenerateRequest, Prompt, PromptCodec, SamplingParams, Serving, TokenEvent,
+};
 use crate::engine::grammar::{Guide, Guided};
 use crate::engine::{Engine, EngineOptions};
 

@@ -1,8 +1,15 @@
 //! The contract between the HTTP server and the engine. The server builds a
-//! [`GenerateRequest`], calls [`InferenceEngine::submit`] and reads [`TokenEvent`]s from the
+//! [`GenerateRequest`], calls [`Serving::submit`] and reads [`TokenEvent`]s from the
 //! returned stream; dropping the stream cancels the request.
 //!
+//! The engine is split by who calls it, each part a trait the caller depends on alone:
+//! [`Serving`] (request handlers), [`AdapterAdmin`] (admin endpoints, config reload),
+//! [`EngineInfo`] (metrics, `/v1/models`, limits) and [`PromptCodec`] (tokenizer and chat
+//! template, taken once at startup by validation). [`EngineHandles`] carries the four.
+//!
 //! Types here are shared by the engine and the server: extend them, do not change their meaning.
+
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
@@ -376,9 +383,11 @@ pub struct EngineStats {
     pub weights_bytes: Option<u64>,
 }
 
-/// The engine as the server sees it. Implemented by the real engine; object-safe so the
-/// server can hold `Arc<dyn InferenceEngine>`.
-pub trait InferenceEngine: Send + Sync + 'static {
+/// The engine as request handlers call it: generation and the classifier router's scoring,
+/// the two things that run the model. TGI's router draws the same line (its `Backend` schedules
+/// validated requests; validation holds the tokenizer): what serves requests knows nothing of
+/// adapter files or tokenizers. Object-safe: handlers hold `Arc<dyn Serving>`.
+pub trait Serving: Send + Sync + 'static {
     /// Queues a request. Fails at once with `Overloaded` when the waiting queue is full.
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError>;
     /// Queues a request for `n` choices (OpenAI's `n`): one stream each, choice `i` sampled
@@ -386,32 +395,6 @@ pub trait InferenceEngine: Send + Sync + 'static {
     /// request of its own; an engine that can computes the prompt once for all of them.
     fn submit_n(&self, req: GenerateRequest, n: usize) -> Result<Vec<EventStream>, EngineError> {
         (0..n).map(|i| self.submit(choice(&req, i))).collect()
-    }
-    /// Renders chat messages with the model's chat template (`add_generation_prompt`);
-    /// `kwargs` become template variables (vLLM's `chat_template_kwargs`, e.g. Qwen3's
-    /// `enable_thinking`).
-    fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        kwargs: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<String, EngineError>;
-    /// The chat template's source (None: no template, or an engine that does not say). The
-    /// server reads the tool-call and reasoning formats a pool does not name from it.
-    fn chat_template(&self) -> Option<String> {
-        None
-    }
-    /// Token ids of `prompt` as the engine would run it (a text gets the tokenizer's special
-    /// tokens; templated text does not), each image placeholder expanded to its image's
-    /// tokens.
-    fn tokenize(&self, prompt: &Prompt, images: &[Image]) -> Result<Vec<u32>, EngineError>;
-    /// The text of token ids, special tokens left out.
-    fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError>;
-    /// Token ids of `prompt` alone, as [`InferenceEngine::tokenize`] reads it but with each
-    /// image placeholder left as its one token: what the server's validation tokenizes once and
-    /// hands the engine as [`Prompt::Tokens`] (the engine expands the placeholders with the
-    /// request's images).
-    fn encode(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
-        self.tokenize(prompt, &[])
     }
     /// Log-probabilities of each candidate label as the next tokens after `prompt`, with
     /// `adapter` applied; one prefill of the prompt (no generation), run by the engine in a
@@ -426,9 +409,12 @@ pub trait InferenceEngine: Send + Sync + 'static {
         labels: &[String],
         images: &[Image],
     ) -> Result<Vec<f32>, EngineError>;
-    /// Tokens an image of `width × height` pixels takes in the prompt (`ImagesNotSupported`
-    /// when the model takes no images).
-    fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError>;
+}
+
+/// The engine's adapters as the admin endpoints, the config reload and the router's "is it
+/// loaded" checks call them. Apart from [`Serving`] because loads block for seconds and are
+/// the operator's business, not a request's; a test can slow them without touching serving.
+pub trait AdapterAdmin: Send + Sync + 'static {
     /// Loads an adapter version (blocking until loaded or refused).
     fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError>;
     /// Unloads every version of an adapter; running requests finish on their pinned version.
@@ -439,10 +425,96 @@ pub trait InferenceEngine: Send + Sync + 'static {
     fn adapter_counters(&self) -> Vec<mole_api::AdapterCounters> {
         Vec::new()
     }
+}
+
+/// What the engine is and how loaded it is: read by `/metrics`, validation's context and
+/// vocabulary bounds, the OpenAPI document's limits, and [`crate::engine::replicas`] to pick
+/// the least loaded engine. Cheap snapshots that never wait for a step.
+pub trait EngineInfo: Send + Sync + 'static {
     /// Scheduler snapshot.
     fn stats(&self) -> EngineStats;
     /// Base model name and max sequence length.
     fn model_info(&self) -> ModelInfo;
+}
+
+/// The model's text side: chat template, tokenizer, detokenizer, and how many tokens an image
+/// takes. The server takes it once at startup and validation uses it before routing, so a
+/// request is tokenized once and the engine gets token ids. Apart from the engine's other parts
+/// because none of this runs on the engine thread or differs between a pod's replicas (one
+/// handle serves them all), and because the image placeholders' expansion that
+/// [`PromptCodec::tokenize`] does needs [`PromptCodec::image_tokens`]: both count a prompt's
+/// tokens the way the engine will run it.
+pub trait PromptCodec: Send + Sync + 'static {
+    /// Renders chat messages with the model's chat template (`add_generation_prompt`);
+    /// `kwargs` become template variables (vLLM's `chat_template_kwargs`, e.g. Qwen3's
+    /// `enable_thinking`).
+    fn apply_chat_template(
+        &self,
+        messages: &[ChatMessage],
+        kwargs: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<String, EngineError>;
+    /// The chat template's source (None: no template, or a codec that does not say). The
+    /// server reads the tool-call and reasoning formats a pool does not name from it.
+    fn chat_template(&self) -> Option<String> {
+        None
+    }
+    /// Token ids of `prompt` as the engine would run it (a text gets the tokenizer's special
+    /// tokens; templated text does not), each image placeholder expanded to its image's
+    /// tokens.
+    fn tokenize(&self, prompt: &Prompt, images: &[Image]) -> Result<Vec<u32>, EngineError>;
+    /// The text of token ids, special tokens left out.
+    fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError>;
+    /// Token ids of `prompt` alone, as [`PromptCodec::tokenize`] reads it but with each
+    /// image placeholder left as its one token: what the server's validation tokenizes once and
+    /// hands the engine as [`Prompt::Tokens`] (the engine expands the placeholders with the
+    /// request's images).
+    fn encode(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
+        self.tokenize(prompt, &[])
+    }
+    /// Tokens an image of `width × height` pixels takes in the prompt (`ImagesNotSupported`
+    /// when the model takes no images).
+    fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError>;
+}
+
+/// One running engine with everything but its text side: what a pod's
+/// [`crate::engine::replicas::Replicas`] hold one per device, and what a local worker holds
+/// per merged model. Implemented for every type that is the three parts; callers that need
+/// one part take that trait instead (an `Arc<dyn Backend>` upcasts to each).
+pub trait Backend: Serving + AdapterAdmin + EngineInfo {}
+
+impl<T: Serving + AdapterAdmin + EngineInfo + ?Sized> Backend for T {}
+
+/// The engine's parts as the server holds them, each used by the callers named on its trait.
+/// Built once at startup (the server's `build_engine`); the parts may be one object (the
+/// engine) or several (replicas behind one codec, a test's wrapper of one part).
+#[derive(Clone)]
+pub struct EngineHandles {
+    /// What request handlers call.
+    pub serving: Arc<dyn Serving>,
+    /// What the admin endpoints and the config reload call.
+    pub admin: Arc<dyn AdapterAdmin>,
+    /// What metrics, validation's limits and the OpenAPI document read.
+    pub info: Arc<dyn EngineInfo>,
+    /// The tokenizer and chat template validation uses.
+    pub codec: Arc<dyn PromptCodec>,
+}
+
+impl EngineHandles {
+    /// The parts of one engine that is all four (the real engine, a test's mock).
+    pub fn of<E: Backend + PromptCodec>(engine: Arc<E>) -> Self {
+        let codec: Arc<dyn PromptCodec> = engine.clone();
+        Self::with_codec(engine, codec)
+    }
+
+    /// The parts of `engine`, its text side from `codec` (replicas: the first engine's).
+    pub fn with_codec<E: Backend>(engine: Arc<E>, codec: Arc<dyn PromptCodec>) -> Self {
+        Self {
+            serving: engine.clone(),
+            admin: engine.clone(),
+            info: engine,
+            codec,
+        }
+    }
 }
 
 /// Static facts about the loaded model.

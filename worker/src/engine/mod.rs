@@ -4,6 +4,7 @@
 
 mod adapters;
 pub mod api;
+mod codec;
 pub mod grammar;
 mod images;
 mod plan;
@@ -25,7 +26,7 @@ use candle_core::{DType, Device};
 use mole_api::{LoraAdapterInfo, Residency};
 
 use self::api::*;
-use self::images::{ImageProcessor, ImagePrompt};
+use self::images::ImageProcessor;
 use self::sampler::Sampler;
 use self::scheduler::Msg;
 use self::seq::{Score, Seq};
@@ -405,49 +406,10 @@ impl Engine {
             .filter(|(n, _)| n == name)
             .map(|(_, v)| v.as_str())
     }
-
-    /// The prompt's tokens with its images' placeholders expanded, and the images as the
-    /// decoder takes them.
-    fn prompt(
-        &self,
-        prompt: &Prompt,
-        images: &[Image],
-    ) -> Result<(Vec<u32>, Option<Box<ImagePrompt>>), EngineError> {
-        let ids = self.tokens(prompt)?;
-        let Some(proc) = &self.shared.images else {
-            return match images.is_empty() {
-                true => Ok((ids, None)),
-                false => Err(EngineError::ImagesNotSupported),
-            };
-        };
-        // A placeholder without its image is refused too (by `prepare`).
-        if images.is_empty() && !proc.has_placeholders(&ids) {
-            return Ok((ids, None));
-        }
-        let (ids, img) = proc.prepare(&ids, images)?;
-        Ok((ids, Some(Box::new(img))))
-    }
-
-    fn tokens(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
-        let t = &self.shared.text;
-        let ids = match prompt {
-            Prompt::Text(s) => t.encode(s, true),
-            Prompt::Templated(s) => t.encode(s, false),
-            Prompt::Tokens(ids) => {
-                let vocab = self.shared.model.config().vocab_size;
-                if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-                    return Err(EngineError::InvalidRequest(format!(
-                        "token id {bad} is outside the vocabulary (size {vocab})"
-                    )));
-                }
-                Ok(ids.clone())
-            }
-        };
-        ids.map_err(|e| EngineError::InvalidRequest(e.to_string()))
-    }
 }
 
-impl InferenceEngine for Engine {
+/// Every forward pass, the classifier's scoring included, is work queued to the engine thread.
+impl Serving for Engine {
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
         let mut streams = self.submit_n(req, 1)?;
         Ok(streams.pop().expect("one choice, one stream"))
@@ -542,44 +504,6 @@ impl InferenceEngine for Engine {
         Ok(streams)
     }
 
-    fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        kwargs: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<String, EngineError> {
-        self.shared
-            .text
-            .render_chat_with(messages, true, kwargs)
-            .map_err(|e| EngineError::InvalidRequest(e.to_string()))
-    }
-
-    fn chat_template(&self) -> Option<String> {
-        self.shared.text.chat_template().map(String::from)
-    }
-
-    fn tokenize(&self, prompt: &Prompt, images: &[Image]) -> Result<Vec<u32>, EngineError> {
-        self.prompt(prompt, images).map(|(ids, _)| ids)
-    }
-
-    fn encode(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
-        // The text alone: image placeholders stay one token each (the server adds their
-        // images' tokens, the engine expands them at submit).
-        self.tokens(prompt)
-    }
-
-    fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError> {
-        let vocab = self.shared.model.config().vocab_size;
-        if let Some(bad) = ids.iter().find(|&&i| i as usize >= vocab) {
-            return Err(EngineError::InvalidRequest(format!(
-                "token id {bad} is outside the vocabulary (size {vocab})"
-            )));
-        }
-        self.shared
-            .text
-            .decode(ids)
-            .map_err(|e| EngineError::InvalidRequest(e.to_string()))
-    }
-
     fn score_labels(
         &self,
         adapter: Option<&str>,
@@ -659,15 +583,11 @@ impl InferenceEngine for Engine {
             })
         })
     }
+}
 
-    fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError> {
-        self.shared
-            .images
-            .as_ref()
-            .ok_or(EngineError::ImagesNotSupported)?
-            .tokens(width, height)
-    }
-
+/// Loads read on the caller's thread into the registry; the engine thread only sees the
+/// adapter pinned by the requests that name it.
+impl AdapterAdmin for Engine {
     fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
         self.load_version(spec)
     }
@@ -705,7 +625,10 @@ impl InferenceEngine for Engine {
     fn adapter_counters(&self) -> Vec<mole_api::AdapterCounters> {
         self.shared.registry.counters()
     }
+}
 
+/// Snapshots of counters the engine thread keeps; reading them never waits on a step.
+impl EngineInfo for Engine {
     fn stats(&self) -> EngineStats {
         let mut s = self
             .shared

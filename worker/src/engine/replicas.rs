@@ -1,22 +1,24 @@
-//! One engine per device of the pod, behind one [`InferenceEngine`]: a pod given several GPUs
+//! One engine per device of the pod, behind one [`Backend`]: a pod given several GPUs
 //! holds the model on each (data parallel; tensor parallelism does not exist yet) and sends
 //! each request to the least loaded engine. Adapters load on every engine, and the listing
 //! says an adapter is loaded only when every engine holds it, so the operator's readiness
-//! means the whole pod serves it.
+//! means the whole pod serves it. The text side is not here: every engine holds the same
+//! tokenizer and template, so the server takes the first engine's
+//! [`PromptCodec`](super::api::PromptCodec) as the pod's.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 
 use mole_api::LoraAdapterInfo;
 
 use super::api::{
-    AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest, Image,
-    InferenceEngine, ModelInfo, Prompt,
+    AdapterAdmin, AdapterSpec, Backend, EngineError, EngineInfo, EngineStats, EventStream,
+    GenerateRequest, Image, ModelInfo, Serving,
 };
 
 /// Engines of one model, one per device.
 pub struct Replicas {
-    engines: Vec<Box<dyn InferenceEngine>>,
+    engines: Vec<Arc<dyn Backend>>,
     /// Requests sent to each engine whose submit has not returned yet (after it, the engine
     /// counts them itself); the lock makes reading the loads and choosing one step, so
     /// requests routed at the same moment do not all read the same idle engine.
@@ -25,14 +27,14 @@ pub struct Replicas {
 
 impl Replicas {
     /// Engines over the same model and options, each on its own device; at least one.
-    pub fn new(engines: Vec<Box<dyn InferenceEngine>>) -> Self {
+    pub fn new(engines: Vec<Arc<dyn Backend>>) -> Self {
         assert!(!engines.is_empty(), "replicas of at least one engine");
         let routing = Mutex::new(vec![0; engines.len()]);
         Self { engines, routing }
     }
 
     /// The engines, one per device.
-    pub fn engines(&self) -> &[Box<dyn InferenceEngine>] {
+    pub fn engines(&self) -> &[Arc<dyn Backend>] {
         &self.engines
     }
 
@@ -48,7 +50,7 @@ impl Replicas {
 
     /// Runs `f` on the engine with the fewest requests running, waiting and being sent to it
     /// (the first of equals), counting it as sent to that engine until `f` returns.
-    fn on_least_loaded<T>(&self, f: impl FnOnce(&dyn InferenceEngine) -> T) -> T {
+    fn on_least_loaded<T>(&self, f: impl FnOnce(&dyn Backend) -> T) -> T {
         let i = {
             let mut sending = self.routing.lock().unwrap_or_else(PoisonError::into_inner);
             let i = (0..self.engines.len())
@@ -66,7 +68,7 @@ impl Replicas {
     }
 }
 
-impl InferenceEngine for Replicas {
+impl Serving for Replicas {
     fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
         self.on_least_loaded(|e| e.submit(req))
     }
@@ -74,30 +76,6 @@ impl InferenceEngine for Replicas {
     fn submit_n(&self, req: GenerateRequest, n: usize) -> Result<Vec<EventStream>, EngineError> {
         // One engine serves every choice, so they share the prompt's cache there.
         self.on_least_loaded(|e| e.submit_n(req, n))
-    }
-
-    fn apply_chat_template(
-        &self,
-        messages: &[ChatMessage],
-        kwargs: &serde_json::Map<String, serde_json::Value>,
-    ) -> Result<String, EngineError> {
-        self.engines[0].apply_chat_template(messages, kwargs)
-    }
-
-    fn chat_template(&self) -> Option<String> {
-        self.engines[0].chat_template()
-    }
-
-    fn tokenize(&self, prompt: &Prompt, images: &[Image]) -> Result<Vec<u32>, EngineError> {
-        self.engines[0].tokenize(prompt, images)
-    }
-
-    fn detokenize(&self, ids: &[u32]) -> Result<String, EngineError> {
-        self.engines[0].detokenize(ids)
-    }
-
-    fn encode(&self, prompt: &Prompt) -> Result<Vec<u32>, EngineError> {
-        self.engines[0].encode(prompt)
     }
 
     fn score_labels(
@@ -109,11 +87,9 @@ impl InferenceEngine for Replicas {
     ) -> Result<Vec<f32>, EngineError> {
         self.on_least_loaded(|e| e.score_labels(adapter, prompt, labels, images))
     }
+}
 
-    fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError> {
-        self.engines[0].image_tokens(width, height)
-    }
-
+impl AdapterAdmin for Replicas {
     /// Loads on every engine, in parallel; the first refusal is the answer (the engines
     /// that took it keep it: a later load of the version or an unload settles them alike).
     fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
@@ -216,7 +192,9 @@ impl InferenceEngine for Replicas {
             })
             .collect()
     }
+}
 
+impl EngineInfo for Replicas {
     /// Sums over the engines (the last batch: the largest).
     fn stats(&self) -> EngineStats {
         let mut out = EngineStats::default();

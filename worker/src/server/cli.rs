@@ -74,7 +74,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     let auth = Auth::from_config(&cfg)?;
     let engine = build_engine(&cfg)?;
-    let state = AppState::new(cfg.clone(), engine.clone(), Some(args.config.clone()), auth);
+    let state = AppState::new(cfg.clone(), engine, Some(args.config.clone()), auth);
     if let Some(rel) = &cfg.router.embedding_model {
         let dir = crate::config::resolve_in_root(&cfg.model_root, rel)?;
         let e =

@@ -8,7 +8,7 @@ use mole_api::{ServingMode, WorkerAdapter, WorkerConfig, WorkerMode};
 
 use crate::config::model_dir;
 use crate::config::ConfigError;
-use crate::engine::api::{EngineError, InferenceEngine};
+use crate::engine::api::{Backend, EngineError, EngineHandles, PromptCodec};
 use crate::engine::replicas::Replicas;
 use crate::engine::{candle_dtype, compute_devices, default_device, Engine, EngineOptions};
 use crate::formats::hf::{self, HfError};
@@ -58,9 +58,9 @@ fn base_options(cfg: &WorkerConfig) -> EngineOptions {
     }
 }
 
-/// Builds the engine for a config: the ONE place where the server meets the engine
-/// implementation.
-pub fn build_engine(cfg: &WorkerConfig) -> Result<Arc<dyn InferenceEngine>, BuildError> {
+/// Builds the engine for a config, as the parts the server holds: the ONE place where the
+/// server meets the engine implementation.
+pub fn build_engine(cfg: &WorkerConfig) -> Result<EngineHandles, BuildError> {
     let dir = model_dir(cfg)?;
     let gguf = dir.extension().is_some_and(|e| e == "gguf");
     // Every file the directory names (index shards, tokenizer, templates) inside it, refused
@@ -86,7 +86,7 @@ pub fn build_engine(cfg: &WorkerConfig) -> Result<Arc<dyn InferenceEngine>, Buil
         ..base_options(cfg)
     };
     // One engine per device the pod was given (every visible GPU; the CPU is one).
-    let mut engines: Vec<Box<dyn InferenceEngine>> = Vec::new();
+    let mut engines: Vec<Arc<Engine>> = Vec::new();
     for device in compute_devices() {
         let started = std::time::Instant::now();
         // A `.gguf` base is served quantized; an HF directory in the configured dtype.
@@ -96,11 +96,16 @@ pub fn build_engine(cfg: &WorkerConfig) -> Result<Arc<dyn InferenceEngine>, Buil
             Engine::load(&dir, dtype, &device, opts.clone())?
         };
         tracing::info!(model = %dir.display(), ?device, ?dtype, seconds = started.elapsed().as_secs_f64(), "model loaded");
-        engines.push(Box::new(engine));
+        engines.push(Arc::new(engine));
     }
+    // Every engine holds the same tokenizer and template: the first one's is the pod's.
+    let codec: Arc<dyn PromptCodec> = engines[0].clone();
     Ok(match engines.len() {
-        1 => Arc::from(engines.pop().expect("one engine")),
-        _ => Arc::new(Replicas::new(engines)),
+        1 => EngineHandles::of(engines.pop().expect("one engine")),
+        _ => {
+            let engines = engines.into_iter().map(|e| e as Arc<dyn Backend>);
+            EngineHandles::with_codec(Arc::new(Replicas::new(engines.collect())), codec)
+        }
     })
 }
 
@@ -109,9 +114,7 @@ pub fn build_engine(cfg: &WorkerConfig) -> Result<Arc<dyn InferenceEngine>, Buil
 /// and starts an engine on it, so one process serves merged and dynamic adapters side by side.
 /// Each merged model holds a full copy of the weights. Adapters that fail are reported and
 /// stay served dynamically.
-pub fn build_local_merged(
-    cfg: &WorkerConfig,
-) -> (HashMap<String, Arc<dyn InferenceEngine>>, Vec<String>) {
+pub fn build_local_merged(cfg: &WorkerConfig) -> (HashMap<String, Arc<dyn Backend>>, Vec<String>) {
     let mut out = HashMap::new();
     let mut errors = Vec::new();
     if cfg.mode != WorkerMode::Local {
@@ -134,10 +137,7 @@ pub fn build_local_merged(
 
 /// An engine on adapter `a` merged into the base, merging first unless a merge of this version
 /// is already on disk.
-fn merged_engine(
-    cfg: &WorkerConfig,
-    a: &WorkerAdapter,
-) -> Result<Arc<dyn InferenceEngine>, BuildError> {
+fn merged_engine(cfg: &WorkerConfig, a: &WorkerAdapter) -> Result<Arc<dyn Backend>, BuildError> {
     let root = crate::config::resolve_in_root(&cfg.model_root, ".")?;
     let base = crate::config::resolve_in_root(&cfg.model_root, &cfg.base_model.path)?;
     let adapter = crate::config::resolve_in_root(&cfg.model_root, &a.path)?;

@@ -82,7 +82,7 @@ pub(super) async fn forward(
         .with_label_values(&[name.as_str(), "failed"])
         .inc();
     let local = s
-        .engine
+        .admin
         .adapters()
         .iter()
         .any(|x| &x.name == name && x.loaded);

@@ -148,7 +148,7 @@ async fn readyz(axum::extract::State(s): axum::extract::State<Arc<AppState>>) ->
     responses((status = 200, description = "Prometheus text format", body = String, content_type = "text/plain")))]
 async fn metrics(axum::extract::State(s): axum::extract::State<Arc<AppState>>) -> Response {
     s.metrics.ready.set(i64::from(s.readiness().is_ok()));
-    let body = s.metrics.render(&s.engine.stats(), &s.adapter_listing());
+    let body = s.metrics.render(&s.info.stats(), &s.adapter_listing());
     (
         [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
         body,
@@ -171,20 +171,33 @@ fn mole_headers(d: &Decision) -> HeaderMap {
 mod tests {
     use super::*;
     use crate::engine::api::{
-        AdapterSpec, ChatMessage, EngineError, EngineStats, EventStream, GenerateRequest, Image,
-        InferenceEngine, ModelInfo, Prompt,
+        AdapterAdmin, AdapterSpec, ChatMessage, EngineError, EngineHandles, EngineInfo,
+        EngineStats, EventStream, GenerateRequest, Image, ModelInfo, Prompt, PromptCodec, Serving,
     };
     use axum::body::Body;
     use axum::http::Request;
     use tower::ServiceExt;
 
-    /// An engine that is never reached: the layers answer first.
+    /// An engine that is never asked to serve or tokenize: the layers answer first. Only
+    /// what `/metrics` and the listings read answers.
     struct Unreached;
 
-    impl InferenceEngine for Unreached {
+    impl Serving for Unreached {
         fn submit(&self, _: GenerateRequest) -> Result<EventStream, EngineError> {
             unreachable!("the layers answer first")
         }
+        fn score_labels(
+            &self,
+            _: Option<&str>,
+            _: &str,
+            _: &[String],
+            _: &[Image],
+        ) -> Result<Vec<f32>, EngineError> {
+            unreachable!("the layers answer first")
+        }
+    }
+
+    impl PromptCodec for Unreached {
         fn apply_chat_template(
             &self,
             _: &[ChatMessage],
@@ -198,18 +211,12 @@ mod tests {
         fn detokenize(&self, _: &[u32]) -> Result<String, EngineError> {
             unreachable!("the layers answer first")
         }
-        fn score_labels(
-            &self,
-            _: Option<&str>,
-            _: &str,
-            _: &[String],
-            _: &[Image],
-        ) -> Result<Vec<f32>, EngineError> {
-            unreachable!("the layers answer first")
-        }
         fn image_tokens(&self, _: u32, _: u32) -> Result<usize, EngineError> {
             unreachable!("the layers answer first")
         }
+    }
+
+    impl AdapterAdmin for Unreached {
         fn load_adapter(&self, _: AdapterSpec) -> Result<(), EngineError> {
             unreachable!("the layers answer first")
         }
@@ -219,6 +226,9 @@ mod tests {
         fn adapters(&self) -> Vec<mole_api::LoraAdapterInfo> {
             vec![]
         }
+    }
+
+    impl EngineInfo for Unreached {
         fn stats(&self) -> EngineStats {
             EngineStats::default()
         }
@@ -243,7 +253,7 @@ mod tests {
         );
         let cfg = crate::config::parse(&yaml, "t").unwrap();
         let auth = Auth::read(AuthSource::new(&cfg, &|_| None)).unwrap();
-        let s = AppState::new(cfg, Arc::new(Unreached), None, auth);
+        let s = AppState::new(cfg, EngineHandles::of(Arc::new(Unreached)), None, auth);
         let call = |method: &str, path: &str, key: Option<&str>, body: String| {
             let mut r = Request::builder().method(method).uri(path);
             if let Some(k) = key {

@@ -193,7 +193,7 @@ fn inline_refs(v: &mut serde_json::Value, schemas: &serde_json::Value, depth: us
     responses((status = 200, description = "This document", content_type = "application/json", body = Object)))]
 pub(super) async fn openapi_json(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
     let cfg = s.cfg();
-    let info = s.engine.model_info();
+    let info = s.info.model_info();
     let limits = RequestLimits {
         max_tokens: u64::from(cfg.limits.max_tokens),
         max_batch_size: cfg.limits.engine.max_batch_size,

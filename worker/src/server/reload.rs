@@ -58,7 +58,7 @@ impl AppState {
             .unwrap_or_else(PoisonError::into_inner);
         let cfg = self.cfg();
         let diff = crate::config::diff_adapters(&[], &cfg.adapters);
-        let report = crate::config::apply_diff(self.engine.as_ref(), &cfg, &diff);
+        let report = crate::config::apply_diff(self.admin.as_ref(), &cfg, &diff);
         self.record_apply(&cfg, &report);
         let (merged, errors) = build_local_merged(&cfg);
         for err in &errors {
@@ -173,7 +173,7 @@ impl AppState {
             .map(|a| (a.name.clone(), a.version.clone()))
             .collect();
         let _clear = ClearPending(&self.pending);
-        let report = crate::config::apply_diff(self.engine.as_ref(), &new, &diff);
+        let report = crate::config::apply_diff(self.admin.as_ref(), &new, &diff);
         self.record_apply(&new, &report);
         if new.auth != old.auth {
             self.auth.reconfigure(&new);

@@ -1,4 +1,5 @@
-//! What the handlers share: the engine, the config, metrics, secrets and the readiness flags.
+//! What the handlers share: the engine's parts, the config, metrics, secrets and the readiness
+//! flags.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -10,7 +11,7 @@ use mole_api::WorkerConfig;
 
 use super::auth::{Auth, Secrets};
 use crate::config::{LoadFailure, SharedConfig};
-use crate::engine::api::InferenceEngine;
+use crate::engine::api::{AdapterAdmin, Backend, EngineHandles, EngineInfo, PromptCodec, Serving};
 use crate::metrics::Metrics;
 
 /// Connect timeout to merged pods: a Service without endpoints or a dead pod must fall back
@@ -22,8 +23,14 @@ pub(in crate::server) const PIXEL_UNIT: u64 = 1024;
 
 /// Everything the handlers share.
 pub struct AppState {
-    /// The engine.
-    pub engine: Arc<dyn InferenceEngine>,
+    /// The engine as request handlers call it (generation, the classifier's scoring).
+    pub serving: Arc<dyn Serving>,
+    /// The engine's adapters as the admin endpoints, the reload and routing's checks see them.
+    pub admin: Arc<dyn AdapterAdmin>,
+    /// The engine's load and model facts (metrics, validation's limits).
+    pub info: Arc<dyn EngineInfo>,
+    /// The tokenizer and chat template, taken once at startup: validation tokenizes with it.
+    pub codec: Arc<dyn PromptCodec>,
     /// The current config (swapped by the watcher and `/admin/reload`).
     pub config: SharedConfig,
     /// File the config came from (for `/admin/reload`).
@@ -48,7 +55,7 @@ pub struct AppState {
     /// Client for merged pods.
     pub http: reqwest::Client,
     /// Local mode: merged models this process holds, by adapter name.
-    pub local_merged: RwLock<HashMap<String, Arc<dyn InferenceEngine>>>,
+    pub local_merged: RwLock<HashMap<String, Arc<dyn Backend>>>,
     /// Sentence-embedding model of the embedding router (set once at start when configured).
     pub embedder: std::sync::OnceLock<Arc<crate::router::embed::SentenceEmbedder>>,
     /// The id of the next adapter loaded through `/v1/load_lora_adapter`.
@@ -66,7 +73,7 @@ impl AppState {
     /// ([`AppState::load_configured`], done by `serve_with`).
     pub fn new(
         cfg: WorkerConfig,
-        engine: Arc<dyn InferenceEngine>,
+        engine: EngineHandles,
         config_path: Option<PathBuf>,
         auth: Auth,
     ) -> Arc<Self> {
@@ -86,8 +93,17 @@ impl AppState {
             .timeout(timeout + Duration::from_secs(2))
             .build()
             .unwrap_or_default();
+        let EngineHandles {
+            serving,
+            admin,
+            info,
+            codec,
+        } = engine;
         Arc::new(Self {
-            engine,
+            serving,
+            admin,
+            info,
+            codec,
             config: Arc::new(RwLock::new(Arc::new(cfg))),
             config_path,
             metrics: Metrics::new(),
@@ -157,7 +173,7 @@ impl AppState {
     /// The engine's adapter listing plus configured versions refused before the engine saw
     /// them.
     pub fn adapter_listing(&self) -> Vec<mole_api::LoraAdapterInfo> {
-        let mut out = self.engine.adapters();
+        let mut out = self.admin.adapters();
         for f in self
             .refused
             .read()

@@ -30,7 +30,7 @@ pub async fn lora_adapters(State(s): S) -> Json<mole_api::LoraAdaptersResponse> 
         object: "list".into(),
         base_model: s.cfg().base_model.name.clone(),
         data: s.adapter_listing(),
-        traffic: s.engine.adapter_counters(),
+        traffic: s.admin.adapter_counters(),
     })
 }
 
@@ -68,7 +68,7 @@ pub async fn load_lora(
     }
     // The same directory under the same name again: already served (no new id, no read).
     let shown = path.display().to_string();
-    let held = s.engine.adapters().into_iter().any(|a| {
+    let held = s.admin.adapters().into_iter().any(|a| {
         a.name == b.lora_name && a.version == "api" && a.loaded && a.path.as_ref() == Some(&shown)
     });
     if held {
@@ -83,7 +83,7 @@ pub async fn load_lora(
         lora_id: s.next_lora_id.fetch_add(1, Ordering::SeqCst),
         path,
     };
-    let e = s.engine.clone();
+    let e = s.admin.clone();
     let started = Instant::now();
     let r = tokio::task::spawn_blocking(move || e.load_adapter(spec)).await?;
     s.metrics
@@ -106,7 +106,7 @@ pub async fn unload_lora(
     State(s): S,
     Wire { body: b, .. }: Wire<LoadBody>,
 ) -> Result<Json<LoraAnswer>, ApiError> {
-    s.engine.unload_adapter(&b.lora_name)?;
+    s.admin.unload_adapter(&b.lora_name)?;
     Ok(Json(LoraAnswer {
         status: "unloaded",
         lora_name: b.lora_name,

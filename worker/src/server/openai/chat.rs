@@ -33,7 +33,7 @@ impl Validate for ChatBody {
         let Wire { body: mut b, raw } = wire;
         let (mut msgs, images) = messages(b.messages, &s.cfg().limits)?;
         // Refused before the template, which a text model's cannot render image parts with.
-        if !images.is_empty() && !s.engine.model_info().vision {
+        if !images.is_empty() && !s.info.model_info().vision {
             return Err(EngineError::ImagesNotSupported.into());
         }
         // The sampling bounds first: the template is the costly part.
@@ -49,7 +49,7 @@ impl Validate for ChatBody {
         let mut kwargs = b.chat_template_kwargs;
         let tools = outputs::tools(&raw, &formats, &mut msgs, &mut kwargs)?;
         let guide = guided::guide(&raw)?;
-        let text = s.engine.apply_chat_template(&msgs, &kwargs)?;
+        let text = s.codec.apply_chat_template(&msgs, &kwargs)?;
         let parse = outputs::finish(&text, &formats, guide, tools.as_ref(), &mut sp)?;
         let prompt = match b.add_special_tokens.unwrap_or(false) {
             true => Prompt::Text(text),
@@ -78,7 +78,7 @@ impl Validate for InferBody {
         let mut content = json!(b.prompt);
         let mut images = Vec::new();
         if let Some(img) = &b.image_b64 {
-            if !s.engine.model_info().vision {
+            if !s.info.model_info().vision {
                 return Err(EngineError::ImagesNotSupported.into());
             }
             let src = images::source(img, "image_b64", &s.cfg().limits)?;
@@ -99,7 +99,7 @@ impl Validate for InferBody {
         // Structured outputs shape the task's answer as a chat's (after any reasoning).
         let guide = guided::guide(&raw)?;
         let text = s
-            .engine
+            .codec
             .apply_chat_template(&[msg], &serde_json::Map::new())?;
         let formats = outputs::Formats::for_pool(s);
         let parse = outputs::finish(&text, &formats, guide, None, &mut sp)?;

@@ -17,7 +17,7 @@ impl Validate for CompletionBody {
         )?;
         let Wire { body: b, raw } = wire;
         let guide = super::guided::guide(&raw)?.map(|guide| Guided { guide, after: None });
-        let prompt = match completion_prompt(b.prompt, s.engine.model_info().vocab_size)? {
+        let prompt = match completion_prompt(b.prompt, s.info.model_info().vocab_size)? {
             Prompt::Text(t) if b.add_special_tokens == Some(false) => Prompt::Templated(t),
             p => p,
         };

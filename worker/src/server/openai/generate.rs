@@ -17,9 +17,7 @@ use super::route::decide;
 use super::types::{ChatBody, CompletionBody};
 use super::validate::{max_seq, validate_blocking, ValidRequest, Validate, Wire};
 use super::S;
-use crate::engine::api::{
-    EngineError, GenerateRequest, Image, InferenceEngine, Prompt, SamplingParams,
-};
+use crate::engine::api::{EngineError, GenerateRequest, Image, Prompt, SamplingParams, Serving};
 use crate::router::{Decision, Mode};
 use crate::server::gateway;
 use crate::server::openapi::Refusals;
@@ -149,7 +147,7 @@ async fn serve_routed(
     let mut prompt_tokens = req.prompt.len();
     for img in &images {
         prompt_tokens += s
-            .engine
+            .codec
             .image_tokens(img.width, img.height)?
             .saturating_sub(1);
     }
@@ -234,9 +232,9 @@ fn load_failure(s: &AppState, e: EngineError, adapter: Option<&str>) -> ApiError
 /// merged model (local mode) while it holds the configured version: after a config change it is
 /// stale and the new version is served dynamically until a restart merges it. Otherwise the
 /// shared engine serves it dynamically, and `d` says so.
-fn engine_for(s: &AppState, cfg: &WorkerConfig, d: &mut Decision) -> Arc<dyn InferenceEngine> {
+fn engine_for(s: &AppState, cfg: &WorkerConfig, d: &mut Decision) -> Arc<dyn Serving> {
     if d.mode != Mode::Merged || cfg.merged.is_some() {
-        return s.engine.clone();
+        return s.serving.clone();
     }
     let local = d.adapter.as_ref().and_then(|n| {
         let want = &cfg.adapters.iter().find(|a| &a.name == n)?.version;
@@ -249,10 +247,10 @@ fn engine_for(s: &AppState, cfg: &WorkerConfig, d: &mut Decision) -> Arc<dyn Inf
         e.adapters()
             .iter()
             .any(|a| &a.name == n && &a.version == want)
-            .then_some(e)
+            .then_some(e as Arc<dyn Serving>)
     });
     local.unwrap_or_else(|| {
         d.mode = Mode::Dynamic;
-        s.engine.clone()
+        s.serving.clone()
     })
 }

@@ -36,7 +36,7 @@ pub async fn models(State(s): S) -> Json<ModelList> {
         card(&cfg.pool, None, kind("pool")),
         card(base, None, kind("base")),
     ];
-    let loaded = s.engine.adapters();
+    let loaded = s.admin.adapters();
     for a in &cfg.adapters {
         let l = loaded.iter().any(|x| x.name == a.name && x.loaded);
         data.push(card(

@@ -54,7 +54,7 @@ impl Formats {
         Self::of(
             cfg.base_model.tool_call_parser,
             cfg.base_model.reasoning_parser,
-            s.engine.chat_template().as_deref(),
+            s.codec.chat_template().as_deref(),
         )
     }
 }

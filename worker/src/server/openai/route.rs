@@ -26,9 +26,9 @@ pub(super) fn decide(
     images: &[Image],
 ) -> Result<Decision, ApiError> {
     let cfg = s.cfg();
-    let engine = s.engine.clone();
+    let serving = s.serving.clone();
     let scorer = move |cls: &str, p: &str, labels: &[String]| {
-        blocking(|| engine.score_labels(Some(cls), p, labels, images).ok())
+        blocking(|| serving.score_labels(Some(cls), p, labels, images).ok())
     };
     // The request text is encoded each time; adapter descriptions and examples come from the
     // embedder's cache. Without a configured model the strategy falls through.
@@ -47,7 +47,7 @@ pub(super) fn decide(
     };
     let d = match router::decide(&cfg, input, &scorer, &embedder) {
         Err(router::RouteError::UnknownModel(n))
-            if s.engine.adapters().iter().any(|a| a.name == n && a.loaded) =>
+            if s.admin.adapters().iter().any(|a| a.name == n && a.loaded) =>
         {
             Decision {
                 adapter: Some(n),

@@ -56,7 +56,7 @@ pub async fn tokenize(
         },
         (None, Some(m)) => {
             let (msgs, sources) = messages(m, &s.cfg().limits)?;
-            if !sources.is_empty() && !s.engine.model_info().vision {
+            if !sources.is_empty() && !s.info.model_info().vision {
                 return Err(crate::engine::api::EngineError::ImagesNotSupported.into());
             }
             let mut kwargs = b.chat_template_kwargs;
@@ -65,9 +65,9 @@ pub async fn tokenize(
                 b.add_generation_prompt.unwrap_or(true).into(),
             );
             // Templating a large body takes long: off the async runtime.
-            let engine = s.engine.clone();
+            let codec = s.codec.clone();
             let text =
-                tokio::task::spawn_blocking(move || engine.apply_chat_template(&msgs, &kwargs))
+                tokio::task::spawn_blocking(move || codec.apply_chat_template(&msgs, &kwargs))
                     .await??;
             match b.add_special_tokens.unwrap_or(false) {
                 true => (Prompt::Text(text), sources),
@@ -80,11 +80,11 @@ pub async fn tokenize(
         (None, None) => return Err(bad("invalid_request", "give prompt or messages")),
     };
     let (images, _held) = images::read_all(&s, sources).await?;
-    let engine = s.engine.clone();
-    let ids = tokio::task::spawn_blocking(move || engine.tokenize(&prompt, &images)).await??;
+    let codec = s.codec.clone();
+    let ids = tokio::task::spawn_blocking(move || codec.tokenize(&prompt, &images)).await??;
     Ok(Json(TokenizeAnswer {
         count: ids.len(),
-        max_model_len: s.engine.model_info().max_seq_len,
+        max_model_len: s.info.model_info().max_seq_len,
         tokens: ids,
     }))
 }
@@ -107,9 +107,9 @@ pub async fn detokenize(
     State(s): S,
     Wire { body: b, .. }: Wire<DetokenizeBody>,
 ) -> Result<Json<DetokenizeAnswer>, ApiError> {
-    let engine = s.engine.clone();
+    let codec = s.codec.clone();
     Ok(Json(DetokenizeAnswer {
-        prompt: tokio::task::spawn_blocking(move || engine.detokenize(&b.tokens)).await??,
+        prompt: tokio::task::spawn_blocking(move || codec.detokenize(&b.tokens)).await??,
     }))
 }
 

@@ -195,7 +195,7 @@ impl ValidRequest {
         sampling.guide = parts.guide;
         let prompt = match parts.prompt {
             Prompt::Tokens(ids) => ids,
-            text => s.engine.encode(&text)?,
+            text => s.codec.encode(&text)?,
         };
         if prompt.is_empty() {
             return Err(bad("invalid_prompt", "the prompt has no tokens"));
@@ -269,7 +269,7 @@ impl ValidRequest {
 
 /// The longest sequence a request may take here: `limits.maxSeqLen` within the model's.
 pub(super) fn max_seq(s: &AppState) -> usize {
-    (s.cfg().limits.engine.max_seq_len as usize).min(s.engine.model_info().max_seq_len.max(1))
+    (s.cfg().limits.engine.max_seq_len as usize).min(s.info.model_info().max_seq_len.max(1))
 }
 
 /// The pool's limits a request is held to.
