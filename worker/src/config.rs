@@ -154,6 +154,22 @@ pub fn validate(cfg: &WorkerConfig) -> Result<(), ConfigError> {
         if a.load {
             resolve_in_root(&cfg.model_root, &a.path)?;
         }
+        if let Some(c) = &a.canary {
+            if c.weight > 100 {
+                return Err(ConfigError::Invalid(format!(
+                    "adapter {}: canary weight {} is over 100",
+                    a.name, c.weight
+                )));
+            }
+            if c.version == a.version || c.version.is_empty() {
+                return Err(ConfigError::Invalid(format!(
+                    "adapter {}: canary version {:?} must be set and differ from the stable version",
+                    a.name, c.version
+                )));
+            }
+            let path = resolve_in_root(&cfg.model_root, &c.path)?;
+            check_adapter_dir(cfg, &c.path, &path, Some(&a.name))?;
+        }
     }
     if let Some(c) = &cfg.router.classifier_adapter {
         if !names.contains(c) {
@@ -218,8 +234,38 @@ pub struct AdapterDiff {
     pub unload: Vec<String>,
 }
 
-/// Diffs adapter lists, considering only adapters this worker loads.
+/// What the engine holds for a configured adapter list: each adapter this worker loads, and
+/// each canary version as an adapter of its own under
+/// [`canary_key`](crate::lora::registry::canary_key) (loaded whether or not the stable version
+/// is: a merged adapter's canary share is served here).
+pub fn units(adapters: &[WorkerAdapter]) -> Vec<WorkerAdapter> {
+    let mut out = Vec::with_capacity(adapters.len());
+    for a in adapters {
+        if a.load {
+            out.push(WorkerAdapter {
+                canary: None,
+                ..a.clone()
+            });
+        }
+        if let Some(c) = &a.canary {
+            out.push(WorkerAdapter {
+                name: crate::lora::registry::canary_key(&a.name),
+                version: c.version.clone(),
+                path: c.path.clone(),
+                load: true,
+                canary: None,
+                merged_endpoint: None,
+                ..a.clone()
+            });
+        }
+    }
+    out
+}
+
+/// Diffs adapter lists, considering only what this worker loads ([`units`]: canary versions
+/// are loaded and unloaded on their own).
 pub fn diff_adapters(old: &[WorkerAdapter], new: &[WorkerAdapter]) -> AdapterDiff {
+    let (old, new) = (&units(old)[..], &units(new)[..]);
     let old_m: HashMap<&str, &WorkerAdapter> = old
         .iter()
         .filter(|a| a.load)
@@ -459,6 +505,7 @@ mod tests {
             mode: Default::default(),
             merged_endpoint: None,
             load: true,
+            canary: None,
         };
         let d = diff_adapters(&[a("x", "1"), a("y", "1")], &[a("x", "2"), a("z", "1")]);
         assert_eq!(
@@ -484,6 +531,32 @@ mod tests {
             let d = diff_adapters(&[a("x", "1")], std::slice::from_ref(&new));
             assert_eq!(d.load, [new]);
         }
+        // A canary loads and unloads on its own, under its key, whatever the stable one does;
+        // a new weight alone changes nothing the engine holds.
+        let canary = |w: u32| WorkerAdapter {
+            canary: Some(mole_api::WorkerCanary {
+                version: "2".into(),
+                path: "x2".into(),
+                weight: w,
+            }),
+            ..a("x", "1")
+        };
+        let d = diff_adapters(&[a("x", "1")], &[canary(10)]);
+        assert_eq!(
+            d.load
+                .iter()
+                .map(|a| (a.name.as_str(), a.version.as_str(), a.path.as_str()))
+                .collect::<Vec<_>>(),
+            [("x/canary", "2", "x2")]
+        );
+        assert!(d.unload.is_empty());
+        assert_eq!(
+            diff_adapters(&[canary(10)], &[canary(50)]),
+            AdapterDiff::default()
+        );
+        let back = diff_adapters(&[canary(10)], &[a("x", "1")]);
+        assert!(back.load.is_empty());
+        assert_eq!(back.unload, ["x/canary"]);
     }
 
     #[test]

@@ -76,6 +76,10 @@ fn worker_adapter(r: &Registered<'_>) -> WorkerAdapter {
         // serving mode deadlocks a merged → dynamic switch.
         merged_endpoint: status.and_then(|s| s.merged_endpoint.clone()),
         load: status.and_then(|s| s.load_dynamic).unwrap_or(true),
+        canary: crate::controller::adapter::canary::worker_canary(
+            a,
+            status.and_then(|s| s.canary.as_ref()),
+        ),
     }
 }
 

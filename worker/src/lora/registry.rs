@@ -25,10 +25,25 @@ use mole_api::{LoraAdapterInfo, Residency};
 
 use crate::model::LoraAdapter;
 
+/// What a canary version's key ends with: the registry holds it beside the stable version under
+/// `<name>/canary`, a key no adapter name can be ('/' is refused in names), so both versions are
+/// current at once and each keeps its own counters.
+pub const CANARY_SUFFIX: &str = "/canary";
+
+/// The registry key of `name`'s canary version.
+pub fn canary_key(name: &str) -> String {
+    format!("{name}{CANARY_SUFFIX}")
+}
+
+/// The adapter name behind a registry key (what listings, counters and answers show).
+pub fn public_name(key: &str) -> &str {
+    key.strip_suffix(CANARY_SUFFIX).unwrap_or(key)
+}
+
 /// An adapter to load (from the worker config or `/v1/load_lora_adapter`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdapterSpec {
-    /// Name requests use.
+    /// Name requests use (for a canary version, its [`canary_key`]).
     pub name: String,
     /// Version (a new version loads beside the old one).
     pub version: String,
@@ -230,7 +245,7 @@ impl<W> Entry<W> {
     fn pin_weights(&mut self, w: Arc<LoraAdapter>) -> Pinned {
         self.last_used = Instant::now();
         Pinned {
-            name: self.spec.name.clone(),
+            name: public_name(&self.spec.name).to_string(),
             version: self.spec.version.clone(),
             adapter: w,
             stats: self.stats.clone(),
@@ -514,12 +529,11 @@ impl<W> Registry<W> {
         g.draining.retain(|d| d.weights.strong_count() > 0);
         g.current
             .values()
-            .map(|e| e.stats.counters(&e.spec.name, &e.spec.version))
-            .chain(
-                g.draining
-                    .iter()
-                    .map(|d| d.stats.counters(&d.spec.name, &d.spec.version)),
-            )
+            .map(|e| e.stats.counters(public_name(&e.spec.name), &e.spec.version))
+            .chain(g.draining.iter().map(|d| {
+                d.stats
+                    .counters(public_name(&d.spec.name), &d.spec.version)
+            }))
             .collect()
     }
 
@@ -532,7 +546,7 @@ impl<W> Registry<W> {
             .current
             .values()
             .map(|e| LoraAdapterInfo {
-                name: e.spec.name.clone(),
+                name: public_name(&e.spec.name).to_string(),
                 version: e.spec.version.clone(),
                 lora_id: e.spec.lora_id,
                 path: Some(e.spec.path.display().to_string()),
@@ -554,7 +568,7 @@ impl<W> Registry<W> {
                 warning: e.warning.clone(),
             })
             .chain(g.draining.iter().map(|d| LoraAdapterInfo {
-                name: d.spec.name.clone(),
+                name: public_name(&d.spec.name).to_string(),
                 version: d.spec.version.clone(),
                 lora_id: d.spec.lora_id,
                 path: Some(d.spec.path.display().to_string()),
@@ -568,7 +582,7 @@ impl<W> Registry<W> {
                 warning: None,
             }))
             .chain(g.failed.values().map(|(spec, reason)| LoraAdapterInfo {
-                name: spec.name.clone(),
+                name: public_name(&spec.name).to_string(),
                 version: spec.version.clone(),
                 lora_id: spec.lora_id,
                 path: Some(spec.path.display().to_string()),

@@ -10,6 +10,7 @@
 
 mod apply;
 mod build;
+pub mod canary;
 mod fetch;
 mod ledger;
 mod observe;
@@ -181,6 +182,14 @@ async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     ) {
         plan.events.insert(0, ev);
     }
+    let (canary, ev) = canary::step(
+        &adapter.spec,
+        adapter.status.as_ref().and_then(|s| s.canary.as_ref()),
+        &observed.versions,
+        &now.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+    );
+    next.canary = canary;
+    plan.events.extend(ev);
     status::publish(adapter, ctx, &next, &plan, observed.load_error.as_deref()).await
 }
 

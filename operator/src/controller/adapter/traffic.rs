@@ -61,6 +61,35 @@ pub(super) fn counters_of(r: &LoraAdaptersResponse, name: &str) -> Option<Counte
     Some(c)
 }
 
+/// Adds this adapter's counters in one pod's report to `into`, per version (what the canary
+/// analysis compares). Versions a worker lists without counting traffic count their
+/// completed requests.
+pub(super) fn add_versions(
+    into: &mut BTreeMap<String, Counters>,
+    r: &LoraAdaptersResponse,
+    name: &str,
+) {
+    let mut counted = false;
+    for x in r.traffic.iter().filter(|c| c.name == name) {
+        counted = true;
+        let c = into.entry(x.version.clone()).or_default();
+        c.requests += x.requests;
+        c.tokens += x.tokens;
+        c.errors += x.errors;
+        if c.latency.len() < x.latency_ms.len() {
+            c.latency.resize(x.latency_ms.len(), 0);
+        }
+        for (a, b) in c.latency.iter_mut().zip(&x.latency_ms) {
+            *a += b;
+        }
+    }
+    if !counted {
+        for a in r.data.iter().filter(|a| a.name == name) {
+            into.entry(a.version.clone()).or_default().requests += a.requests;
+        }
+    }
+}
+
 fn window_secs(pool: &InferencePoolSpec) -> i64 {
     pool.merge
         .traffic
