@@ -2943,3 +2943,126 @@ async fn traffic_rises_to_merged_and_falls_back_to_dynamic_without_a_gap() {
     assert_eq!(a["status"]["phase"], "Ready");
     assert_eq!(e.count_events("TrafficDemoted"), 1, "decided once");
 }
+
+/// The `calendar` entry of the pool's WorkerConfig.
+fn worker_entry(e: &Env, name: &str) -> Option<mole_crds::WorkerAdapter> {
+    let wc: mole_crds::WorkerConfig =
+        serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap())
+            .unwrap();
+    wc.adapters.into_iter().find(|a| a.name == name)
+}
+
+/// Issue 37, item 3: an adapter with a canary version gets both versions into the pool's
+/// WorkerConfig (the canary at its weight); when the pods' per-version counters show the canary
+/// erring beyond its bound over `minRequests`, the operator rolls it back by itself: a Warning
+/// Event with the numbers, `status.canary` RolledBack at weight 0, and the canary out of the
+/// WorkerConfig. A bad canary is refused with `Valid=False` and an Event naming the field.
+#[tokio::test]
+async fn a_canary_that_errors_is_rolled_back_automatically_with_an_event() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    e.add_ready_pod();
+    let mut cal = adapter_obj("calendar", "vl", "calendar");
+    cal["spec"]["canary"] = json!({"version": "v2", "source": {"path": "adapters/calendar/v2"},
+        "weight": 10, "analysis": {"minRequests": 50, "maxErrorRateIncrease": 0.05}});
+    e.store
+        .lock()
+        .unwrap()
+        .create(&adapter_path("calendar"), cal);
+    let report = |v1: (u64, u64), v2: (u64, u64)| {
+        let entry = |v: &str| json!({"name": "calendar", "version": v, "lora_id": 1, "residency": "gpu",
+            "loaded": true, "rank": 8, "bytes": 1000, "requests": 0, "running": 0});
+        let count = |v: &str, (r, err): (u64, u64)| json!({"name": "calendar", "version": v,
+            "requests": r, "tokens": r * 10, "errors": err, "latency_ms": []});
+        *e.worker.adapters.lock().unwrap() = json!({
+            "object": "list", "base_model": "b",
+            "data": [entry("v1"), entry("v2")],
+            "traffic": [count("v1", v1), count("v2", v2)],
+        });
+    };
+    report((0, 0), (0, 0));
+    e.reconcile_pool().await;
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["phase"], "Ready", "{}", a["status"]);
+    assert_eq!(a["status"]["canary"]["phase"], "Progressing");
+    assert_eq!(a["status"]["canary"]["weight"], 10);
+    assert_eq!(e.count_events("CanaryStarted"), 1);
+    let w = worker_entry(&e, "calendar").unwrap();
+    assert_eq!((w.version.as_str(), w.path.as_str()), ("v1", "adapters/calendar/v1"));
+    assert_eq!(
+        w.canary,
+        Some(mole_crds::WorkerCanary {
+            version: "v2".into(),
+            path: "adapters/calendar/v2".into(),
+            weight: 10
+        })
+    );
+
+    // Below minRequests, however bad: it goes on.
+    report((400, 2), (40, 40));
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.count_events("CanaryRolledBack"), 0);
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["canary"]["canary"]["requests"], 40);
+    assert_eq!(a["status"]["canary"]["stable"]["requests"], 400);
+
+    // 60 requests, 12 errors (20%) against the stable 0.5%: rolled back.
+    report((900, 4), (60, 12));
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.count_events("CanaryRolledBack"), 1, "{:?}", e.events());
+    let note = e
+        .store
+        .lock()
+        .unwrap()
+        .event_notes
+        .iter()
+        .find(|(r, _)| r == "CanaryRolledBack")
+        .unwrap()
+        .1
+        .clone();
+    assert!(
+        note.contains("canary 60 requests, 20.00% errors")
+            && note.contains("stable 900 requests, 0.44% errors")
+            && note.contains("bound 5.00"),
+        "{note}"
+    );
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["canary"]["phase"], "RolledBack");
+    assert_eq!(a["status"]["canary"]["weight"], 0);
+    assert_eq!(a["status"]["phase"], "Ready", "the stable version serves");
+    e.reconcile_pool().await;
+    let w = worker_entry(&e, "calendar").unwrap();
+    assert_eq!(w.canary, None, "all traffic back to v1");
+    assert_eq!(w.version, "v1");
+    // It stays rolled back, announced once, while the spec still names it.
+    report((1000, 4), (0, 0));
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    assert_eq!(e.count_events("CanaryRolledBack"), 1);
+    assert_eq!(worker_entry(&e, "calendar").unwrap().canary, None);
+
+    // A canary of the stable version itself: refused, naming the field.
+    let mut bad = e.get(&adapter_path("calendar")).unwrap();
+    bad["spec"]["canary"]["version"] = json!("v1");
+    bad["metadata"]["generation"] = json!(bad["metadata"]["generation"].as_i64().unwrap_or(1) + 1);
+    e.store
+        .lock()
+        .unwrap()
+        .objects
+        .insert(adapter_path("calendar"), bad);
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    let valid = condition(&a, "Valid");
+    assert_eq!(valid["status"], "False");
+    assert!(
+        valid["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("spec.canary.version"),
+        "{}",
+        valid["message"]
+    );
+    assert!(e.events().contains(&"InvalidSpec".to_string()));
+}
