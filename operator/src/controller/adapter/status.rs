@@ -254,6 +254,7 @@ mod tests {
             merged_problem: None,
             counters: Default::default(),
             holding: Vec::new(),
+            versions: Default::default(),
             planner: crate::mergedown::Observed {
                 job: JobState::Absent,
                 deployment: None,
