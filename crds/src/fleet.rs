@@ -36,6 +36,25 @@ pub struct TrafficMergeSpec {
     pub max_merged_gpus: u32,
 }
 
+/// Scale to zero of merged Deployments (a pool's `merge.scaleToZero`): an adapter served by
+/// merged pods that had no request for `idleSeconds` is loaded into the dynamic pods again, and
+/// once every ready dynamic pod holds it its merged Deployment goes to 0 replicas (kept, with
+/// its merged output, so it comes back without a merge). A request for it then runs on the
+/// dynamic pods, and the Deployment scales back to `serving.replicas`; the dynamic pods serve
+/// until its pods are ready.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ScaleToZeroSpec {
+    /// Seconds without a request after which merged pods are scaled to zero.
+    #[serde(default = "default_idle")]
+    #[schemars(range(min = 60, max = 604800))]
+    pub idle_seconds: i64,
+}
+
+fn default_idle() -> i64 {
+    1800
+}
+
 fn default_promote_share() -> f64 {
     0.10
 }

@@ -317,6 +317,11 @@ pub struct PoolMergeSpec {
     /// adapter when `minAccuracy` is set and its accuracy passes, whatever its traffic.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traffic: Option<crate::fleet::TrafficMergeSpec>,
+    /// Scale the merged Deployments of idle adapters to zero: their requests fall back to the
+    /// dynamic pods, and they scale back up when requests return. Unset: merged pods run
+    /// whatever their traffic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_to_zero: Option<crate::fleet::ScaleToZeroSpec>,
 }
 
 impl Default for PoolMergeSpec {
@@ -332,6 +337,7 @@ impl Default for PoolMergeSpec {
             active_deadline_seconds: default_active_deadline(),
             unload_from_dynamic: false,
             traffic: None,
+            scale_to_zero: None,
         }
     }
 }

@@ -33,3 +33,8 @@ pub const CANARY_ROLLED_BACK: &str = "CanaryRolledBack";
 pub const CANARY_PROMOTED: &str = "CanaryPromoted";
 /// An apply dropped `spec.canary` without promoting it: the stable version takes all requests.
 pub const CANARY_REMOVED: &str = "CanaryRemoved";
+/// An idle adapter's merged pods were scaled to zero (the pool's `merge.scaleToZero`); the
+/// dynamic pods serve it. Also the `Ready` reason while it stays so.
+pub const SCALED_TO_ZERO: &str = "ScaledToZero";
+/// Requests came back for an adapter whose merged pods were scaled to zero: they scale up again.
+pub const SCALED_FROM_ZERO: &str = "ScaledFromZero";

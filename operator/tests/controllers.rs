@@ -3066,3 +3066,97 @@ async fn a_canary_that_errors_is_rolled_back_automatically_with_an_event() {
     );
     assert!(e.events().contains(&"InvalidSpec".to_string()));
 }
+
+/// Issue 37, item 6: with the pool's `merge.scaleToZero`, an idle merged adapter is loaded into
+/// the dynamic pods again, and only once they report it does its merged Deployment go to 0
+/// replicas (kept, with its Service) and the dynamic pods stop forwarding to it; requests for it
+/// (counted by the dynamic pods) bring the Deployment back, and the forwarding returns only once
+/// its pods are ready. At no step is the adapter neither loaded in the dynamic pods nor
+/// forwarded to ready merged pods.
+#[tokio::test]
+async fn idle_merged_pods_scale_to_zero_behind_the_dynamic_pods_and_come_back_with_requests() {
+    let e = env().await;
+    let mut pool = pool_obj();
+    pool["spec"]["merge"] = json!({"unloadFromDynamic": true});
+    e.store.lock().unwrap().create(POOL, pool);
+    e.add_ready_pod();
+    let mut a = adapter_obj("calendar", "vl", "calendar");
+    a["spec"]["serving"] = json!({"mode": "merged", "replicas": 1});
+    // Last used long ago (what a restarted operator reads back).
+    a["status"] = json!({"traffic": {"requestsPerMinute": 0.0, "tokensPerMinute": 0.0,
+        "merged": true, "lastUsed": "2026-01-01T00:00:00Z"}});
+    e.store.lock().unwrap().create(&adapter_path("calendar"), a);
+    e.reconcile_pool().await;
+    merged_ready_on_v1(&e).await;
+    e.reconcile_pool().await;
+    assert!(!e.dynamic_loads("calendar"), "served by the merged pods only");
+    assert!(worker_entry(&e, "calendar").unwrap().merged_endpoint.is_some());
+    // The dynamic pod unloaded it.
+    let report = |loaded: bool, requests: u64| {
+        let data: Vec<Value> = loaded
+            .then(|| json!({"name": "calendar", "version": "v1", "lora_id": 1, "residency": "gpu",
+                "loaded": true, "rank": 8, "bytes": 1000, "requests": requests, "running": 0}))
+            .into_iter()
+            .collect();
+        *e.worker.adapters.lock().unwrap() = json!({"object": "list", "base_model": "b",
+            "data": data, "traffic": [{"name": "calendar", "version": "v1", "requests": requests,
+            "tokens": requests * 10, "errors": 0}]});
+    };
+    report(false, 0);
+    e.reconcile_adapter("calendar").await;
+
+    // The pool asks for scale to zero after 60 idle seconds: calendar is idle.
+    e.edit(POOL, |p| {
+        p["spec"]["merge"]["scaleToZero"] = json!({"idleSeconds": 60});
+        p["metadata"]["generation"] = json!(p["metadata"]["generation"].as_i64().unwrap_or(1) + 1);
+    });
+    e.reconcile_pool().await;
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    // First the dynamic pods load it; the merged pods keep serving and forwarding goes on.
+    assert!(e.dynamic_loads("calendar"));
+    assert!(worker_entry(&e, "calendar").unwrap().merged_endpoint.is_some());
+    assert_eq!(e.get(MERGED).unwrap()["spec"]["replicas"], 1);
+    assert_eq!(e.count_events("ScaledToZero"), 0);
+
+    // The dynamic pod reports it loaded: scaled to zero, forwarding dropped, still Ready.
+    report(true, 0);
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    assert_eq!(e.get(MERGED).unwrap()["spec"]["replicas"], 0, "kept at 0, not deleted");
+    assert!(e
+        .get("/api/v1/namespaces/ml/services/vl-calendar")
+        .is_some());
+    assert_eq!(e.count_events("ScaledToZero"), 1);
+    let w = worker_entry(&e, "calendar").unwrap();
+    assert!(w.load && w.merged_endpoint.is_none(), "{w:?}");
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["phase"], "Ready");
+    assert_eq!(a["status"]["servingMode"], "dynamic");
+    assert_eq!(condition(&a, "Ready")["reason"], "ScaledToZero");
+    // The Deployment controller took its pods away.
+    e.edit(MERGED, |d| {
+        let g = d["metadata"]["generation"].as_i64().unwrap_or(1);
+        d["status"] = json!({"observedGeneration": g, "replicas": 0});
+    });
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.count_events("ScaledToZero"), 1, "announced once");
+
+    // Requests return (the dynamic pod counts them): scaled back up; the dynamic pods serve
+    // until the merged pods are ready, then the forwarding returns.
+    report(true, 5);
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    assert_eq!(e.count_events("ScaledFromZero"), 1, "{:?}", e.events());
+    assert_eq!(e.get(MERGED).unwrap()["spec"]["replicas"], 1);
+    let w = worker_entry(&e, "calendar").unwrap();
+    assert!(w.load && w.merged_endpoint.is_none(), "{w:?}");
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    let w = worker_entry(&e, "calendar").unwrap();
+    assert!(w.merged_endpoint.is_some(), "{w:?}");
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["servingMode"], "merged");
+    assert_eq!(a["status"]["phase"], "Ready");
+}

@@ -145,6 +145,7 @@ pub(super) async fn observe(
         deployment: merged.as_ref().map(observe_merged),
         dynamic_loaded: all_loaded && unreachable.is_empty(),
         fleet_merged: None,
+        idle: false,
         now,
     };
     Ok(Observed {

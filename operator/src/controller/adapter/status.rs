@@ -240,6 +240,7 @@ mod tests {
             status,
             events: Vec::new(),
             requeue_after_secs: None,
+            merged_replicas: None,
         }
     }
 
@@ -260,6 +261,7 @@ mod tests {
                 deployment: None,
                 dynamic_loaded: pods > 0 && loaded == pods,
                 fleet_merged: None,
+                idle: false,
                 now: now(),
             },
         }
