@@ -174,6 +174,18 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
     if let Some(t) = &spec.merge.traffic {
         validate_traffic(t)?;
     }
+    if let Some(z) = &spec.merge.scale_to_zero {
+        if z.idle_seconds < 60 {
+            return Err(FieldError::invalid(
+                "spec.merge.scaleToZero.idleSeconds",
+                format!(
+                    "{} must be at least 60: the operator reads traffic about once a minute, \
+                     so a shorter idle time would park adapters between two requests",
+                    z.idle_seconds
+                ),
+            ));
+        }
+    }
     // The worker refuses a config outside these bounds: refuse the pool instead of rendering it.
     if let Err(e) = spec.dynamic.limits.validate() {
         return Err(FieldError::invalid(
@@ -873,6 +885,13 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
             (
                 |p| p.spec.merge.traffic = Some(traffic(0.05, 0.05)),
                 "spec.merge.traffic.demoteShare",
+            ),
+            (
+                |p| {
+                    p.spec.merge.scale_to_zero =
+                        Some(mole_crds::ScaleToZeroSpec { idle_seconds: 30 })
+                },
+                "spec.merge.scaleToZero.idleSeconds",
             ),
             (
                 |p| p.spec.merge.traffic = Some(traffic(0.0, 0.0)),
