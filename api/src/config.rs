@@ -149,6 +149,18 @@ pub struct WorkerAdapter {
     /// that loads the adapter loads both versions.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub canary: Option<WorkerCanary>,
+    /// The dynamic pods this adapter is placed on (the pool's `dynamic.placement`): they load
+    /// it at once; every other pod registers it and reads it from disk on its first request,
+    /// so no request fails for landing elsewhere. Empty: every pod loads it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<String>,
+}
+
+impl WorkerAdapter {
+    /// Whether pod `pod` (None: unknown, as in local mode) loads this adapter at once.
+    pub fn placed_on(&self, pod: Option<&str>) -> bool {
+        self.pods.is_empty() || pod.is_some_and(|p| self.pods.iter().any(|x| x == p))
+    }
 }
 
 /// A canary version of an adapter: loaded beside the stable version, it takes `weight`

@@ -51,6 +51,32 @@ pub struct ScaleToZeroSpec {
     pub idle_seconds: i64,
 }
 
+/// Placement of adapters on the dynamic pods (a pool's `dynamic.placement`): each adapter is
+/// loaded at once only by a subset of the pods, chosen by rendezvous hashing with bounded load
+/// and replicated by its traffic (one replica per pod's fair share of the pool's tokens, at
+/// least `minReplicas`); a pod holds at most `loadFactor` times the mean number of adapters,
+/// and at most `maxLoras + maxCpuLoras`. The other pods know the adapter and read it from disk
+/// on its first request. Unset: every pod loads every adapter.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct PlacementSpec {
+    /// Fewest pods an adapter is loaded on (2: a pod's restart never leaves it cold).
+    #[serde(default = "default_min_replicas")]
+    #[schemars(range(min = 1, max = 1000))]
+    pub min_replicas: u32,
+    /// No pod holds more than this times the mean number of adapters per pod (above 1).
+    #[serde(default = "default_load_factor")]
+    #[schemars(range(min = 1.0, max = 10.0))]
+    pub load_factor: f64,
+}
+
+fn default_min_replicas() -> u32 {
+    2
+}
+fn default_load_factor() -> f64 {
+    1.25
+}
+
 fn default_idle() -> i64 {
     1800
 }

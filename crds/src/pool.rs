@@ -196,6 +196,10 @@ pub struct DynamicSpec {
     /// chart ships its rule, `autoscaling.prometheusAdapter.enabled`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autoscaling: Option<AutoscalingSpec>,
+    /// Load each adapter at once on a subset of the pods only (by its traffic), the others
+    /// reading it from disk on its first request. Unset: every pod loads every adapter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<crate::fleet::PlacementSpec>,
     /// The engine limits of each dynamic pod (`maxLoras`, `maxSeqLen`, ...), copied as they are
     /// into the pods' WorkerConfig; defaults and bounds are the worker's own.
     #[serde(flatten)]

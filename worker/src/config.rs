@@ -281,7 +281,12 @@ pub fn diff_adapters(old: &[WorkerAdapter], new: &[WorkerAdapter]) -> AdapterDif
         match old_m.get(a.name.as_str()) {
             // A new id (the Adapter was recreated) is a new load too: the operator reads
             // readiness by it.
-            Some(o) if o.version == a.version && o.path == a.path && o.lora_id == a.lora_id => {}
+            // A new placement is a new load too: a pod it now lands on reads it at once.
+            Some(o)
+                if o.version == a.version
+                    && o.path == a.path
+                    && o.lora_id == a.lora_id
+                    && o.pods == a.pods => {}
             _ => d.load.push(a.clone()),
         }
     }
@@ -349,11 +354,18 @@ pub fn apply_diff(
     diff: &AdapterDiff,
 ) -> ApplyReport {
     let mut report = ApplyReport::default();
+    let pod = this_pod();
     for a in &diff.load {
         let started = std::time::Instant::now();
-        let r = adapter_spec(cfg, a)
+        let placed = a.placed_on(pod.as_deref());
+        let r = adapter_spec(cfg, a).map_err(|e| e.to_string()).and_then(|s| {
+            if placed {
+                engine.load_adapter(s)
+            } else {
+                engine.register_adapter(s)
+            }
             .map_err(|e| e.to_string())
-            .and_then(|s| engine.load_adapter(s).map_err(|e| e.to_string()));
+        });
         match r {
             Ok(()) => report
                 .loaded
@@ -372,6 +384,15 @@ pub fn apply_diff(
         }
     }
     report
+}
+
+/// The name of the pod this worker runs in: `MOLE_POD_NAME` (the operator sets it from the
+/// downward API), else `HOSTNAME` (a pod's hostname is its name); None outside a pod. It picks
+/// the adapters placed on this pod ([`WorkerAdapter::placed_on`]).
+pub fn this_pod() -> Option<String> {
+    ["MOLE_POD_NAME", "HOSTNAME"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
 }
 
 /// Shared current config, swapped atomically by the watcher and `/admin/reload`.
@@ -506,6 +527,7 @@ mod tests {
             merged_endpoint: None,
             load: true,
             canary: None,
+            pods: Vec::new(),
         };
         let d = diff_adapters(&[a("x", "1"), a("y", "1")], &[a("x", "2"), a("z", "1")]);
         assert_eq!(

@@ -431,6 +431,12 @@ pub trait InferenceEngine: Send + Sync + 'static {
     fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError>;
     /// Loads an adapter version (blocking until loaded or refused).
     fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError>;
+    /// Makes an adapter placed on other pods known without reading it: its first request reads
+    /// it from disk. An engine without lazy adapters (and any engine, for a name it already
+    /// holds in another version) loads it at once.
+    fn register_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
+        self.load_adapter(spec)
+    }
     /// Unloads every version of an adapter; running requests finish on their pinned version.
     fn unload_adapter(&self, name: &str) -> Result<(), EngineError>;
     /// What the registry holds.

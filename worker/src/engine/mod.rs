@@ -672,6 +672,14 @@ impl InferenceEngine for Engine {
         self.load_version(spec)
     }
 
+    fn register_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
+        if self.is_merged(&spec.name).is_some() || self.shared.registry.knows(&spec.name) {
+            return self.load_version(spec);
+        }
+        self.shared.registry.register(spec);
+        Ok(())
+    }
+
     fn unload_adapter(&self, name: &str) -> Result<(), EngineError> {
         self.unload(name)
     }

@@ -295,6 +295,40 @@ impl<W> Registry<W> {
             .is_some_and(|e| e.spec == *spec && e.weights.is_some())
     }
 
+    /// Whether `name` has a current version (resident, in host memory or on disk).
+    pub fn knows(&self, name: &str) -> bool {
+        self.lock().current.contains_key(name)
+    }
+
+    /// Makes `spec` the current version of a name the registry does not know yet, on disk:
+    /// nothing is read until a request asks for it (an adapter placed on other pods). False
+    /// when the name is known (the caller loads the new version instead).
+    pub fn register(&self, spec: AdapterSpec) -> bool {
+        let mut g = self.lock();
+        if g.current.contains_key(&spec.name) {
+            return false;
+        }
+        g.failed.remove(&spec.name);
+        g.generation += 1;
+        let generation = g.generation;
+        g.current.insert(
+            spec.name.clone(),
+            Entry {
+                spec,
+                generation,
+                loading: None,
+                weights: None,
+                host: None,
+                rank: 0,
+                bytes: 0,
+                warning: None,
+                stats: Arc::default(),
+                last_used: Instant::now(),
+            },
+        );
+        true
+    }
+
     /// Makes `weights` the current version of `spec.name`; the version it replaces drains.
     /// Requests waiting for a read of the adapter from disk get this version (and the read,
     /// when it ends, is dropped). Evicts least-recently-used idle adapters beyond capacity.
@@ -373,6 +407,9 @@ impl<W> Registry<W> {
         let waiters = e.loading.take().unwrap_or_default();
         let settled = match weights {
             Ok(weights) => {
+                // A registered adapter's first read is where its shape is learnt.
+                (e.rank, e.bytes, e.warning) =
+                    (weights.rank, weights.bytes, weights.warning.clone());
                 e.weights = Some(weights.clone());
                 e.host = None;
                 waiters

@@ -19,6 +19,8 @@ pub(super) struct Observed {
     /// Every Adapter of the namespace, from the Adapter store (the pool's are picked when
     /// building).
     pub adapters: Vec<Adapter>,
+    /// Names of the dynamic pods not being deleted (where `dynamic.placement` places adapters).
+    pub pods: Vec<String>,
     /// The live `<pool>-config`.
     pub config_map: Option<ConfigMap>,
     /// The live `<pool>-dynamic` Deployment.
@@ -103,8 +105,14 @@ pub(super) async fn observe(pool: &InferencePool, ctx: &Context) -> Result<Obser
         .await?
         .items;
     let fetch = fetched.then(|| fetch_seen(&pods));
+    let names = pods
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
     Ok(Observed {
         fetch,
+        pods: names,
         pod_problem: pod_problem(&pods),
         adapters: ctx.stores.adapters_in(&ns),
         config_map: Api::<ConfigMap>::namespaced(c.clone(), &ns)

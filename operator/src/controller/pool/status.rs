@@ -406,6 +406,7 @@ mod tests {
                 adapter("b", "vl", "Pending"),
                 adapter("c", "other", "Ready"),
             ],
+            pods: Vec::new(),
             config_map: None,
             deployment: live,
             service: None,
