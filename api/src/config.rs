@@ -39,6 +39,11 @@ pub struct WorkerConfig {
     /// API keys and admin token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth: Option<WorkerAuth>,
+    /// The pool's ready dynamic pods by name, with their base URL (`http://<pod IP>:<port>`):
+    /// a pod forwards a request for an adapter placed elsewhere (`adapters[].pods`) to one that
+    /// holds it. Written with the pool's `dynamic.placement` only.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub peers: std::collections::BTreeMap<String, String>,
 }
 
 impl WorkerConfig {

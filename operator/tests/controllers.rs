@@ -2947,8 +2947,7 @@ async fn traffic_rises_to_merged_and_falls_back_to_dynamic_without_a_gap() {
 /// The `calendar` entry of the pool's WorkerConfig.
 fn worker_entry(e: &Env, name: &str) -> Option<mole_crds::WorkerAdapter> {
     let wc: mole_crds::WorkerConfig =
-        serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap())
-            .unwrap();
+        serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap()).unwrap();
     wc.adapters.into_iter().find(|a| a.name == name)
 }
 
@@ -2970,10 +2969,14 @@ async fn a_canary_that_errors_is_rolled_back_automatically_with_an_event() {
         .unwrap()
         .create(&adapter_path("calendar"), cal);
     let report = |v1: (u64, u64), v2: (u64, u64)| {
-        let entry = |v: &str| json!({"name": "calendar", "version": v, "lora_id": 1, "residency": "gpu",
-            "loaded": true, "rank": 8, "bytes": 1000, "requests": 0, "running": 0});
-        let count = |v: &str, (r, err): (u64, u64)| json!({"name": "calendar", "version": v,
-            "requests": r, "tokens": r * 10, "errors": err, "latency_ms": []});
+        let entry = |v: &str| {
+            json!({"name": "calendar", "version": v, "lora_id": 1, "residency": "gpu",
+            "loaded": true, "rank": 8, "bytes": 1000, "requests": 0, "running": 0})
+        };
+        let count = |v: &str, (r, err): (u64, u64)| {
+            json!({"name": "calendar", "version": v,
+            "requests": r, "tokens": r * 10, "errors": err, "latency_ms": []})
+        };
         *e.worker.adapters.lock().unwrap() = json!({
             "object": "list", "base_model": "b",
             "data": [entry("v1"), entry("v2")],
@@ -2990,7 +2993,10 @@ async fn a_canary_that_errors_is_rolled_back_automatically_with_an_event() {
     assert_eq!(a["status"]["canary"]["weight"], 10);
     assert_eq!(e.count_events("CanaryStarted"), 1);
     let w = worker_entry(&e, "calendar").unwrap();
-    assert_eq!((w.version.as_str(), w.path.as_str()), ("v1", "adapters/calendar/v1"));
+    assert_eq!(
+        (w.version.as_str(), w.path.as_str()),
+        ("v1", "adapters/calendar/v1")
+    );
     assert_eq!(
         w.canary,
         Some(mole_crds::WorkerCanary {
@@ -3089,13 +3095,21 @@ async fn idle_merged_pods_scale_to_zero_behind_the_dynamic_pods_and_come_back_wi
     e.reconcile_pool().await;
     merged_ready_on_v1(&e).await;
     e.reconcile_pool().await;
-    assert!(!e.dynamic_loads("calendar"), "served by the merged pods only");
-    assert!(worker_entry(&e, "calendar").unwrap().merged_endpoint.is_some());
+    assert!(
+        !e.dynamic_loads("calendar"),
+        "served by the merged pods only"
+    );
+    assert!(worker_entry(&e, "calendar")
+        .unwrap()
+        .merged_endpoint
+        .is_some());
     // The dynamic pod unloaded it.
     let report = |loaded: bool, requests: u64| {
         let data: Vec<Value> = loaded
-            .then(|| json!({"name": "calendar", "version": "v1", "lora_id": 1, "residency": "gpu",
-                "loaded": true, "rank": 8, "bytes": 1000, "requests": requests, "running": 0}))
+            .then(|| {
+                json!({"name": "calendar", "version": "v1", "lora_id": 1, "residency": "gpu",
+                "loaded": true, "rank": 8, "bytes": 1000, "requests": requests, "running": 0})
+            })
             .into_iter()
             .collect();
         *e.worker.adapters.lock().unwrap() = json!({"object": "list", "base_model": "b",
@@ -3115,7 +3129,10 @@ async fn idle_merged_pods_scale_to_zero_behind_the_dynamic_pods_and_come_back_wi
     e.reconcile_pool().await;
     // First the dynamic pods load it; the merged pods keep serving and forwarding goes on.
     assert!(e.dynamic_loads("calendar"));
-    assert!(worker_entry(&e, "calendar").unwrap().merged_endpoint.is_some());
+    assert!(worker_entry(&e, "calendar")
+        .unwrap()
+        .merged_endpoint
+        .is_some());
     assert_eq!(e.get(MERGED).unwrap()["spec"]["replicas"], 1);
     assert_eq!(e.count_events("ScaledToZero"), 0);
 
@@ -3123,7 +3140,11 @@ async fn idle_merged_pods_scale_to_zero_behind_the_dynamic_pods_and_come_back_wi
     report(true, 0);
     e.reconcile_adapter("calendar").await;
     e.reconcile_pool().await;
-    assert_eq!(e.get(MERGED).unwrap()["spec"]["replicas"], 0, "kept at 0, not deleted");
+    assert_eq!(
+        e.get(MERGED).unwrap()["spec"]["replicas"],
+        0,
+        "kept at 0, not deleted"
+    );
     assert!(e
         .get("/api/v1/namespaces/ml/services/vl-calendar")
         .is_some());

@@ -358,14 +358,16 @@ pub fn apply_diff(
     for a in &diff.load {
         let started = std::time::Instant::now();
         let placed = a.placed_on(pod.as_deref());
-        let r = adapter_spec(cfg, a).map_err(|e| e.to_string()).and_then(|s| {
-            if placed {
-                engine.load_adapter(s)
-            } else {
-                engine.register_adapter(s)
-            }
+        let r = adapter_spec(cfg, a)
             .map_err(|e| e.to_string())
-        });
+            .and_then(|s| {
+                if placed {
+                    engine.load_adapter(s)
+                } else {
+                    engine.register_adapter(s)
+                }
+                .map_err(|e| e.to_string())
+            });
         match r {
             Ok(()) => report
                 .loaded

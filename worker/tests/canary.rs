@@ -87,7 +87,12 @@ async fn one(
 }
 
 /// Sends `n` requests without a session, `parallel` at a time; counts per version served.
-async fn burst(c: &reqwest::Client, url: &str, n: usize, parallel: usize) -> BTreeMap<String, usize> {
+async fn burst(
+    c: &reqwest::Client,
+    url: &str,
+    n: usize,
+    parallel: usize,
+) -> BTreeMap<String, usize> {
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let counts = Arc::new(Mutex::new(BTreeMap::<String, usize>::new()));
     let mut tasks = Vec::new();
@@ -165,8 +170,16 @@ async fn a_canary_takes_its_weight_sessions_stick_and_a_rollback_by_apply_fails_
     assert!((160..=240).contains(&v2), "{counts:?}");
     // The counters the operator reads count each version's own requests.
     let by_version = counted(&c, &url).await;
-    assert_eq!(by_version.get("v2").copied(), Some(v2 as u64), "{by_version:?}");
-    assert_eq!(by_version.get("v1").copied(), Some(v1 as u64), "{by_version:?}");
+    assert_eq!(
+        by_version.get("v2").copied(),
+        Some(v2 as u64),
+        "{by_version:?}"
+    );
+    assert_eq!(
+        by_version.get("v1").copied(),
+        Some(v1 as u64),
+        "{by_version:?}"
+    );
 
     // Sessions stick: 60 sessions by header and 20 by `user`, 5 requests each, each answered
     // by one version every time; both versions get some sessions.
@@ -188,7 +201,10 @@ async fn a_canary_takes_its_weight_sessions_stick_and_a_rollback_by_apply_fails_
         }
     }
     eprintln!("sessions on the canary: {on_canary} of 80");
-    assert!((1..80).contains(&on_canary), "{on_canary} of 80 sessions on v2");
+    assert!(
+        (1..80).contains(&on_canary),
+        "{on_canary} of 80 sessions on v2"
+    );
 
     // A rollback by apply while requests keep coming: the canary leaves the config, the
     // worker reloads it; no request fails, and every request after the reload is v1's.
@@ -239,7 +255,12 @@ async fn a_canary_takes_its_weight_sessions_stick_and_a_rollback_by_apply_fails_
         t.await.unwrap();
     }
     let failed = failures.lock().unwrap().clone();
-    assert!(failed.is_empty(), "{} failed: {:?}", failed.len(), &failed[..failed.len().min(3)]);
+    assert!(
+        failed.is_empty(),
+        "{} failed: {:?}",
+        failed.len(),
+        &failed[..failed.len().min(3)]
+    );
     assert!(served.load(Ordering::SeqCst) > 20, "requests kept coming");
     let after = burst(&c, &url, 200, 8).await;
     assert_eq!(after.get("v1").copied(), Some(200), "{after:?}");

@@ -90,3 +90,107 @@ async fn a_pod_loads_its_share_and_answers_for_the_others_after_a_read() {
     assert_eq!(fr, "cpu");
     assert!(fr_bytes > 0);
 }
+
+/// Residency-aware forwarding (issue 37, item 5): a request for an adapter placed on other pods
+/// that this pod holds only on disk goes to the placed pods in order: a stopped peer is skipped,
+/// the next one answers. With every peer gone it is served here after a read: no request fails
+/// for where it landed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_for_an_adapter_held_elsewhere_is_forwarded_past_a_stopped_peer() {
+    std::env::set_var("MOLE_POD_NAME", "pool-dynamic-b");
+    let fx = common::engine_fixtures();
+    let root = |dir: &Path| {
+        copy_dir(&fx.join("llama"), &dir.join("base"));
+        copy_dir(
+            &fx.join("adapters/llama/a_r8_all"),
+            &dir.join("adapters/fr"),
+        );
+        copy_dir(&fx.join("adapters/llama/b_r4_qv"), &dir.join("adapters/js"));
+    };
+    let cfg = |dir: &Path, fr_pods: &str, peers: &str| {
+        format!(
+            "pool: p\nmodelRoot: {root}\nbaseModel: {{name: llama, path: base, dtype: f32}}\n\
+             adapters:\n\
+             \x20 - {{name: fr, version: v1, loraId: 1, path: adapters/fr, pods: [{fr_pods}]}}\n\
+             \x20 - {{name: js, version: v1, loraId: 2, path: adapters/js}}\n\
+             router: {{strategies: [explicit], fallback: base}}\n\
+             limits: {{maxSeqLen: 128, maxTokens: 8}}\n{peers}",
+            root = dir.display()
+        )
+    };
+    // The peer that holds fr (its own config places fr everywhere).
+    let peer_dir = tempfile::tempdir().unwrap();
+    root(peer_dir.path());
+    let (peer, peer_stop) =
+        common::serve_config(peer_dir.path(), &cfg(peer_dir.path(), "", "")).await;
+    // A stopped peer: a port nothing listens on.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let dir = tempfile::tempdir().unwrap();
+    root(dir.path());
+    let peers = format!("peers: {{pool-dynamic-a: \"{dead}\", pool-dynamic-c: \"{peer}\"}}\n");
+    let (url, _stop) = common::serve_config(
+        dir.path(),
+        &cfg(dir.path(), "pool-dynamic-a, pool-dynamic-c", &peers),
+    )
+    .await;
+    let c = reqwest::Client::new();
+    assert_eq!(residency(&c, &url, "fr").await, ("disk".to_string(), 0));
+    let served_by_peer = |c: reqwest::Client, peer: String| async move {
+        let b: Value = c
+            .get(format!("{peer}/v1/lora_adapters"))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        b["traffic"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|t| t["name"] == "fr")
+            .map(|t| t["requests"].as_u64().unwrap())
+            .sum::<u64>()
+    };
+    for i in 1..=3u64 {
+        let r = c
+            .post(format!("{url}/v1/completions"))
+            .json(&json!({"model": "fr", "prompt": "hello", "max_tokens": 1}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 200);
+        assert_eq!(
+            r.headers()["x-mole-route"].to_str().unwrap(),
+            "explicit+peer"
+        );
+        let b: Value = r.json().await.unwrap();
+        assert_eq!(b["mole"]["adapter_version"], "v1", "{b}");
+        assert_eq!(served_by_peer(c.clone(), peer.clone()).await, i);
+    }
+    // Never read here while a peer answered.
+    assert_eq!(residency(&c, &url, "fr").await, ("disk".to_string(), 0));
+    // js is placed everywhere: served here.
+    let r = c
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"model": "js", "prompt": "hello", "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.headers()["x-mole-route"].to_str().unwrap(), "explicit");
+    // Every peer stopped: served here, after a read.
+    drop(peer_stop);
+    tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    let r = c
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"model": "fr", "prompt": "hello", "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["x-mole-route"].to_str().unwrap(), "explicit");
+    assert_eq!(residency(&c, &url, "fr").await.0, "cpu");
+}

@@ -1180,7 +1180,11 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         assert_eq!(validate_adapter(&ok, Some(&p), &[]), Ok(()));
         let analysis = ok.spec.canary.as_ref().unwrap().analysis.clone().unwrap();
         assert_eq!(
-            (analysis.min_requests, analysis.max_error_rate_increase, analysis.max_latency_ratio),
+            (
+                analysis.min_requests,
+                analysis.max_error_rate_increase,
+                analysis.max_latency_ratio
+            ),
             (100, 0.01, 1.5),
             "defaults"
         );
@@ -1189,11 +1193,26 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
             (|c| c.version = " ".into(), "spec.canary.version"),
             (|c| c.weight = 101, "spec.canary.weight"),
             (|c| c.source.path = "/abs".into(), "spec.canary.source.path"),
-            (|c| c.source.path = "a/../../b".into(), "spec.canary.source.path"),
-            (|c| c.source.path = "adapters/calendar/v1".into(), "spec.canary.source.path"),
-            (|c| c.source.path = "adapters/calendar/v1/x".into(), "spec.canary.source.path"),
-            (|c| c.source.path = "merged/x".into(), "spec.canary.source.path"),
-            (|c| c.source.path = "base/qwen3-vl-8b/x".into(), "spec.canary.source.path"),
+            (
+                |c| c.source.path = "a/../../b".into(),
+                "spec.canary.source.path",
+            ),
+            (
+                |c| c.source.path = "adapters/calendar/v1".into(),
+                "spec.canary.source.path",
+            ),
+            (
+                |c| c.source.path = "adapters/calendar/v1/x".into(),
+                "spec.canary.source.path",
+            ),
+            (
+                |c| c.source.path = "merged/x".into(),
+                "spec.canary.source.path",
+            ),
+            (
+                |c| c.source.path = "base/qwen3-vl-8b/x".into(),
+                "spec.canary.source.path",
+            ),
             (
                 |c| c.analysis.as_mut().unwrap().min_requests = 0,
                 "spec.canary.analysis.minRequests",
@@ -1211,7 +1230,12 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
             let mut a = adapter("calendar", None, 10);
             with_canary(&mut a, mutate);
             let e = validate_adapter(&a, Some(&p), &[]).unwrap_err();
-            assert_eq!((e.reason, e.field.as_str()), (reason::INVALID_SPEC, want), "{}", e.message);
+            assert_eq!(
+                (e.reason, e.field.as_str()),
+                (reason::INVALID_SPEC, want),
+                "{}",
+                e.message
+            );
         }
     }
 

@@ -433,12 +433,10 @@ fn scale_to_zero(
     }
     // Idle: the dynamic pods hold it again before anything else changes.
     p.load_dynamic = true;
-    if !obs.dynamic_loaded {
-        if !parked {
-            return;
-        }
-        // Parked, yet a dynamic pod lost it (a new pod still loading): keep it parked, the
-        // dynamic pods load it.
+    // Parked already, a dynamic pod may lack it (a new pod still loading): it stays parked and
+    // the dynamic pods load it; not parked yet, the merged pods wait for the dynamic ones.
+    if !obs.dynamic_loaded && !parked {
+        return;
     }
     p.merged_replicas = Some(0);
     p.merged_endpoint = None;

@@ -865,20 +865,55 @@ fn idle_merged_pods_scale_to_zero_only_behind_the_dynamic_pods_and_come_back() {
     }
     let rows = [
         // Busy and served merged: nothing changes (the pool unloads it from dynamic pods).
-        Row { idle: false, dynamic_loaded: false, deployment: at(1, 1), replicas: None,
-              forwards: true, load_dynamic: false, event: None },
+        Row {
+            idle: false,
+            dynamic_loaded: false,
+            deployment: at(1, 1),
+            replicas: None,
+            forwards: true,
+            load_dynamic: false,
+            event: None,
+        },
         // Idle, but the dynamic pods do not hold it: they load it first, merged pods stay.
-        Row { idle: true, dynamic_loaded: false, deployment: at(1, 1), replicas: None,
-              forwards: true, load_dynamic: true, event: None },
+        Row {
+            idle: true,
+            dynamic_loaded: false,
+            deployment: at(1, 1),
+            replicas: None,
+            forwards: true,
+            load_dynamic: true,
+            event: None,
+        },
         // Idle and the dynamic pods hold it: scaled to zero, no more forwarding.
-        Row { idle: true, dynamic_loaded: true, deployment: at(1, 1), replicas: Some(0),
-              forwards: false, load_dynamic: true, event: Some("ScaledToZero") },
+        Row {
+            idle: true,
+            dynamic_loaded: true,
+            deployment: at(1, 1),
+            replicas: Some(0),
+            forwards: false,
+            load_dynamic: true,
+            event: Some("ScaledToZero"),
+        },
         // Stays parked, announced once.
-        Row { idle: true, dynamic_loaded: true, deployment: at(0, 0), replicas: Some(0),
-              forwards: false, load_dynamic: true, event: None },
+        Row {
+            idle: true,
+            dynamic_loaded: true,
+            deployment: at(0, 0),
+            replicas: Some(0),
+            forwards: false,
+            load_dynamic: true,
+            event: None,
+        },
         // Requests again: scaled back up; the dynamic pods keep it until the pods are ready.
-        Row { idle: false, dynamic_loaded: true, deployment: at(0, 0), replicas: None,
-              forwards: false, load_dynamic: true, event: Some("ScaledFromZero") },
+        Row {
+            idle: false,
+            dynamic_loaded: true,
+            deployment: at(0, 0),
+            replicas: None,
+            forwards: false,
+            load_dynamic: true,
+            event: Some("ScaledFromZero"),
+        },
     ];
     for (i, r) in rows.iter().enumerate() {
         let mut o = obs(JobState::Succeeded);
@@ -909,8 +944,14 @@ fn idle_merged_pods_scale_to_zero_only_behind_the_dynamic_pods_and_come_back() {
             assert_eq!(plan.status.phase, AdapterPhase::Ready, "row {i}");
             assert_eq!(plan.status.serving_mode, Some(ServingMode::Dynamic));
             let ready = cond(&plan.status, condition::READY).unwrap();
-            assert_eq!((ready.status.as_str(), ready.reason.as_str()), ("True", "ScaledToZero"));
-            assert_eq!(plan.status.endpoint.as_deref(), Some(pool_endpoint("vl", "ml").as_str()));
+            assert_eq!(
+                (ready.status.as_str(), ready.reason.as_str()),
+                ("True", "ScaledToZero")
+            );
+            assert_eq!(
+                plan.status.endpoint.as_deref(),
+                Some(pool_endpoint("vl", "ml").as_str())
+            );
         }
     }
     // A merge under way for a new version is never parked.

@@ -1247,17 +1247,27 @@ fn placement_puts_each_adapter_on_a_share_of_the_pods() {
         .collect();
     let pods: Vec<String> = (0..4).map(|i| format!("vl-dynamic-{i}")).collect();
     // a0 carries half the pool's tokens: it goes on more pods.
-    let traffic: std::collections::BTreeMap<String, f64> =
-        [("a0".to_string(), 1500.0)].into_iter().chain(names[1..].iter().map(|n| (n.clone(), 100.0))).collect();
+    let traffic: std::collections::BTreeMap<String, f64> = [("a0".to_string(), 1500.0)]
+        .into_iter()
+        .chain(names[1..].iter().map(|n| (n.clone(), 100.0)))
+        .collect();
     let mut plain = worker_config("vl", &p.spec, &reg);
-    place_adapters(&mut plain, &p.spec, &traffic, &pods);
-    assert!(plain.adapters.iter().all(|a| a.pods.is_empty()), "not asked");
+    place_adapters(&mut plain, &p.spec, &traffic, &pods, &Default::default());
+    assert!(
+        plain.adapters.iter().all(|a| a.pods.is_empty()),
+        "not asked"
+    );
     p.spec.dynamic.placement = Some(mole_crds::PlacementSpec {
         min_replicas: 2,
         load_factor: 1.25,
     });
+    let peers: std::collections::BTreeMap<String, String> = pods
+        .iter()
+        .map(|p| (p.clone(), format!("http://{p}:8000")))
+        .collect();
     let mut wc = worker_config("vl", &p.spec, &reg);
-    place_adapters(&mut wc, &p.spec, &traffic, &pods);
+    place_adapters(&mut wc, &p.spec, &traffic, &pods, &peers);
+    assert_eq!(wc.peers, peers, "the pods forward to each other");
     let mut per_pod = std::collections::BTreeMap::<&str, usize>::new();
     for a in &wc.adapters {
         let want = if a.name == "a0" { 3 } else { 2 };
@@ -1272,9 +1282,9 @@ fn placement_puts_each_adapter_on_a_share_of_the_pods() {
     let mut shuffled = pods.clone();
     shuffled.reverse();
     let mut again = worker_config("vl", &p.spec, &reg);
-    place_adapters(&mut again, &p.spec, &traffic, &shuffled);
+    place_adapters(&mut again, &p.spec, &traffic, &shuffled, &peers);
     assert_eq!(again, wc);
     let mut none = worker_config("vl", &p.spec, &reg);
-    place_adapters(&mut none, &p.spec, &traffic, &[]);
+    place_adapters(&mut none, &p.spec, &traffic, &[], &Default::default());
     assert!(none.adapters.iter().all(|a| a.pods.is_empty()));
 }

@@ -57,22 +57,27 @@ pub fn worker_config(
                 .map(|k| format!("{AUTH_MOUNT}/{k}")),
             operator_token_file: Some(operator_token_file()),
         }),
+        // Set by `place_adapters` for a pool with `dynamic.placement`.
+        peers: Default::default(),
     }
 }
 
 /// Places `wc`'s adapters that the dynamic pods load on `pods` (the pool's
 /// `dynamic.placement`; nothing without it or without pods): each adapter's `pods` from
 /// [`crate::fleet::placement::place`] with its tokens per minute from `traffic` (adapter name
-/// → tokens/min, absent: 0). Pods are taken sorted, so the same pods give the same config.
+/// → tokens/min, absent: 0), and `peers` (ready pod → URL) for the pods' forwarding. Pods are
+/// taken sorted, so the same pods give the same config.
 pub fn place_adapters(
     wc: &mut WorkerConfig,
     spec: &InferencePoolSpec,
     traffic: &std::collections::BTreeMap<String, f64>,
     pods: &[String],
+    peers: &std::collections::BTreeMap<String, String>,
 ) {
     let Some(p) = &spec.dynamic.placement else {
         return;
     };
+    wc.peers = peers.clone();
     if pods.is_empty() {
         return;
     }

@@ -567,10 +567,11 @@ impl<W> Registry<W> {
         g.current
             .values()
             .map(|e| e.stats.counters(public_name(&e.spec.name), &e.spec.version))
-            .chain(g.draining.iter().map(|d| {
-                d.stats
-                    .counters(public_name(&d.spec.name), &d.spec.version)
-            }))
+            .chain(
+                g.draining
+                    .iter()
+                    .map(|d| d.stats.counters(public_name(&d.spec.name), &d.spec.version)),
+            )
             .collect()
     }
 

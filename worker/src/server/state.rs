@@ -168,10 +168,9 @@ impl AppState {
             .unwrap_or_else(PoisonError::into_inner)
             .values()
         {
-            if !out
-                .iter()
-                .any(|a| a.name == crate::lora::registry::public_name(&f.name) && a.version == f.version)
-            {
+            if !out.iter().any(|a| {
+                a.name == crate::lora::registry::public_name(&f.name) && a.version == f.version
+            }) {
                 out.push(mole_api::LoraAdapterInfo {
                     name: crate::lora::registry::public_name(&f.name).to_string(),
                     version: f.version.clone(),

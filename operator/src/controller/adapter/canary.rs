@@ -105,9 +105,17 @@ pub fn step(
         )
     });
     let (phase, reason, message) = match &verdict {
-        Some(Verdict::RollBack(n)) => (CanaryPhase::RolledBack, reasons::CANARY_ROLLED_BACK, n.clone()),
+        Some(Verdict::RollBack(n)) => (
+            CanaryPhase::RolledBack,
+            reasons::CANARY_ROLLED_BACK,
+            n.clone(),
+        ),
         Some(Verdict::Promote(n)) => (CanaryPhase::Passed, reasons::CANARY_PASSED, n.clone()),
-        Some(Verdict::Continue(n)) => (CanaryPhase::Progressing, reasons::CANARY_PROGRESSING, n.clone()),
+        Some(Verdict::Continue(n)) => (
+            CanaryPhase::Progressing,
+            reasons::CANARY_PROGRESSING,
+            n.clone(),
+        ),
         None => (
             CanaryPhase::Progressing,
             reasons::CANARY_PROGRESSING,
@@ -202,25 +210,54 @@ mod tests {
         // Table: (stable, canary) counts → phase, weight to the pods, Event.
         let cases: &[(Counters, Counters, CanaryPhase, Option<&str>)] = &[
             // Too few requests, however bad.
-            (c(1000, 0), c(99, 99), CanaryPhase::Progressing, Some("CanaryStarted")),
+            (
+                c(1000, 0),
+                c(99, 99),
+                CanaryPhase::Progressing,
+                Some("CanaryStarted"),
+            ),
             // 4 points above stable at 100 requests: within 5.
-            (c(1000, 10), c(100, 5), CanaryPhase::Passed, Some("CanaryPassed")),
+            (
+                c(1000, 10),
+                c(100, 5),
+                CanaryPhase::Passed,
+                Some("CanaryPassed"),
+            ),
             // 6 points above: rolled back.
-            (c(1000, 10), c(100, 7), CanaryPhase::RolledBack, Some("CanaryRolledBack")),
+            (
+                c(1000, 10),
+                c(100, 7),
+                CanaryPhase::RolledBack,
+                Some("CanaryRolledBack"),
+            ),
         ];
         for (stable, canary, phase, event) in cases {
             let (st, ev) = step(&s, None, &read(stable.clone(), canary.clone()), "t0");
             let st = st.unwrap();
             assert_eq!(st.phase, *phase, "{}", st.message);
             assert_eq!(ev.as_ref().map(|e| e.reason), *event);
-            assert_eq!(st.weight, if *phase == CanaryPhase::RolledBack { 0 } else { 10 });
-            assert_eq!((st.stable.requests, st.canary.requests), (stable.requests, canary.requests));
+            assert_eq!(
+                st.weight,
+                if *phase == CanaryPhase::RolledBack {
+                    0
+                } else {
+                    10
+                }
+            );
+            assert_eq!(
+                (st.stable.requests, st.canary.requests),
+                (stable.requests, canary.requests)
+            );
         }
         // The rollback's Event is a Warning with the numbers.
         let (st, ev) = step(&s, None, &read(c(1000, 10), c(100, 7)), "t0");
         let ev = ev.unwrap();
         assert!(ev.warning);
-        assert!(ev.note.contains("canary 100 requests, 7.00% errors"), "{}", ev.note);
+        assert!(
+            ev.note.contains("canary 100 requests, 7.00% errors"),
+            "{}",
+            ev.note
+        );
         assert!(ev.note.contains("6.00 points above"), "{}", ev.note);
         // Rolled back stays rolled back (the pods unloaded it): no new Event, no traffic, even
         // when the counts look fine now.
@@ -266,8 +303,17 @@ mod tests {
         let (none, ev) = step(&promoted, Some(&st), &BTreeMap::new(), "t3");
         assert!(none.is_none());
         assert_eq!(ev.unwrap().reason, "CanaryPromoted");
-        let (_, ev) = step(&spec(serde_json::Value::Null), Some(&st), &BTreeMap::new(), "t3");
+        let (_, ev) = step(
+            &spec(serde_json::Value::Null),
+            Some(&st),
+            &BTreeMap::new(),
+            "t3",
+        );
         assert_eq!(ev.unwrap().reason, "CanaryRemoved");
-        assert!(step(&spec(serde_json::Value::Null), None, &BTreeMap::new(), "t3").1.is_none());
+        assert!(
+            step(&spec(serde_json::Value::Null), None, &BTreeMap::new(), "t3")
+                .1
+                .is_none()
+        );
     }
 }

@@ -405,7 +405,10 @@ mod tests {
             last_used: secs.map(t),
             ..Default::default()
         };
-        assert!(!idle(&p.spec, None, &used(Some(0)), t(100_000)), "not asked");
+        assert!(
+            !idle(&p.spec, None, &used(Some(0)), t(100_000)),
+            "not asked"
+        );
         p.spec.merge.scale_to_zero = Some(mole_crds::ScaleToZeroSpec { idle_seconds: 600 });
         assert!(!idle(&p.spec, None, &used(Some(0)), t(599)));
         assert!(idle(&p.spec, None, &used(Some(0)), t(600)));

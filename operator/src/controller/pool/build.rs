@@ -58,6 +58,7 @@ pub(super) fn desired(
     pool: &InferencePool,
     adapters: &[Adapter],
     pods: &[String],
+    peers: &std::collections::BTreeMap<String, String>,
     port: u16,
     images: &WorkerDefaults,
 ) -> Desired {
@@ -72,7 +73,7 @@ pub(super) fn desired(
             (r.adapter.name_any(), t.map_or(0.0, |t| t.tokens_per_minute))
         })
         .collect();
-    resources::place_adapters(&mut config, &pool.spec, &traffic, pods);
+    resources::place_adapters(&mut config, &pool.spec, &traffic, pods, peers);
     let (config_map, config_hash) = resources::config_map(pool, &config);
     Desired {
         config_map,

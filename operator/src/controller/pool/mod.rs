@@ -57,6 +57,7 @@ async fn reconcile_inner(pool: &InferencePool, ctx: &Context) -> Result<Action> 
         pool,
         &observed.adapters,
         &observed.pods,
+        &observed.peers(ctx.pods.port()),
         ctx.pods.port(),
         &ctx.images,
     );

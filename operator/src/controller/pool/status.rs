@@ -407,6 +407,7 @@ mod tests {
                 adapter("c", "other", "Ready"),
             ],
             pods: Vec::new(),
+            ready: Default::default(),
             config_map: None,
             deployment: live,
             service: None,

@@ -148,6 +148,8 @@ async fn serve_routed(
         d.mode = Mode::Dynamic;
     } else if let Some(r) = gateway::forward(s, &cfg, &d, &req.upstream(headers)).await? {
         return Ok(r);
+    } else if let Some(r) = gateway::forward_to_peer(s, &cfg, &d, &req.upstream(headers)).await {
+        return Ok(r);
     }
     // The prompt was tokenized by validation; each image's one placeholder becomes its
     // tokens.
