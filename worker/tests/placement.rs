@@ -57,21 +57,41 @@ async fn a_pod_loads_its_share_and_answers_for_the_others_after_a_read() {
         &fx.join("adapters/llama/b_r4_qv"),
         &dir.path().join("adapters/js"),
     );
-    let yaml = format!(
-        "pool: p\nmodelRoot: {root}\nbaseModel: {{name: llama, path: base, dtype: f32}}\n\
-         adapters:\n\
-         \x20 - {{name: fr, version: v1, loraId: 1, path: adapters/fr, pods: [pool-dynamic-a, pool-dynamic-c]}}\n\
-         \x20 - {{name: js, version: v1, loraId: 2, path: adapters/js, pods: [pool-dynamic-b]}}\n\
-         router: {{strategies: [explicit], fallback: base}}\n\
-         limits: {{maxSeqLen: 128, maxTokens: 8}}\n",
-        root = dir.path().display()
-    );
-    let (url, _stop) = common::serve_config(dir.path(), &yaml).await;
+    std::fs::write(dir.path().join("admin"), "s3cret\n").unwrap();
+    let yaml = |fr_pods: &str| {
+        format!(
+            "pool: p\nmodelRoot: {root}\nbaseModel: {{name: llama, path: base, dtype: f32}}\n\
+             adapters:\n\
+             \x20 - {{name: fr, version: v1, loraId: 1, path: adapters/fr, pods: [{fr_pods}]}}\n\
+             \x20 - {{name: js, version: v1, loraId: 2, path: adapters/js, pods: [pool-dynamic-b]}}\n\
+             router: {{strategies: [explicit], fallback: base}}\n\
+             auth: {{adminTokenFile: {root}/admin}}\n\
+             limits: {{maxSeqLen: 128, maxTokens: 8}}\n",
+            root = dir.path().display()
+        )
+    };
+    let (url, _stop) =
+        common::serve_config(dir.path(), &yaml("pool-dynamic-a, pool-dynamic-c")).await;
     let c = reqwest::Client::new();
     // Its own share is in memory; the other adapter is known, on disk.
     let (js, js_bytes) = residency(&c, &url, "js").await;
     assert_eq!(js, "cpu");
     assert!(js_bytes > 0);
+    assert_eq!(residency(&c, &url, "fr").await, ("disk".to_string(), 0));
+    // Its placement moves between other pods (a pod joined): still not read here.
+    std::fs::write(
+        dir.path().join("config.yaml"),
+        yaml("pool-dynamic-a, pool-dynamic-d"),
+    )
+    .unwrap();
+    let r = c
+        .post(format!("{url}/admin/reload"))
+        .bearer_auth("s3cret")
+        .json(&json!({}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
     assert_eq!(residency(&c, &url, "fr").await, ("disk".to_string(), 0));
     // A request for it is answered (after one read), and it is in memory since.
     for _ in 0..3 {

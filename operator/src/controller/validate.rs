@@ -174,6 +174,23 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
     if let Some(t) = &spec.merge.traffic {
         validate_traffic(t)?;
     }
+    if let Some(p) = &spec.dynamic.placement {
+        if p.min_replicas < 1 {
+            return Err(FieldError::invalid(
+                "spec.dynamic.placement.minReplicas",
+                "must be at least 1: every adapter is loaded by some pod",
+            ));
+        }
+        if !(p.load_factor >= 1.0 && p.load_factor.is_finite()) {
+            return Err(FieldError::invalid(
+                "spec.dynamic.placement.loadFactor",
+                format!(
+                    "{} must be at least 1: no pod can hold less than the mean",
+                    p.load_factor
+                ),
+            ));
+        }
+    }
     if let Some(z) = &spec.merge.scale_to_zero {
         if z.idle_seconds < 60 {
             return Err(FieldError::invalid(
@@ -894,6 +911,24 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
                 "spec.merge.scaleToZero.idleSeconds",
             ),
             (
+                |p| {
+                    p.spec.dynamic.placement = Some(mole_crds::PlacementSpec {
+                        min_replicas: 2,
+                        load_factor: 0.5,
+                    })
+                },
+                "spec.dynamic.placement.loadFactor",
+            ),
+            (
+                |p| {
+                    p.spec.dynamic.placement = Some(mole_crds::PlacementSpec {
+                        min_replicas: 0,
+                        load_factor: 1.25,
+                    })
+                },
+                "spec.dynamic.placement.minReplicas",
+            ),
+            (
                 |p| p.spec.merge.traffic = Some(traffic(0.0, 0.0)),
                 "spec.merge.traffic.promoteShare",
             ),
@@ -1162,7 +1197,7 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         }
     }
 
-    fn with_canary(a: &mut Adapter, f: fn(&mut mole_crds::CanarySpec)) {
+    fn with_canary(a: &mut Adapter, f: Mutation<mole_crds::CanarySpec>) {
         let mut c: mole_crds::CanarySpec = serde_json::from_value(serde_json::json!({
             "version": "v2", "source": {"path": "adapters/calendar/v2"}, "weight": 10,
             "analysis": {}
@@ -1188,7 +1223,7 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
             (100, 0.01, 1.5),
             "defaults"
         );
-        let cases: Vec<(fn(&mut mole_crds::CanarySpec), &str)> = vec![
+        let cases: Vec<(Mutation<mole_crds::CanarySpec>, &str)> = vec![
             (|c| c.version = "v1".into(), "spec.canary.version"),
             (|c| c.version = " ".into(), "spec.canary.version"),
             (|c| c.weight = 101, "spec.canary.weight"),

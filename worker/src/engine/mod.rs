@@ -673,6 +673,10 @@ impl InferenceEngine for Engine {
     }
 
     fn register_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
+        // Placed elsewhere now, it stays where it is (read, or still on disk).
+        if self.shared.registry.holds(&spec) {
+            return Ok(());
+        }
         if self.is_merged(&spec.name).is_some() || self.shared.registry.knows(&spec.name) {
             return self.load_version(spec);
         }

@@ -300,6 +300,14 @@ impl<W> Registry<W> {
         self.lock().current.contains_key(name)
     }
 
+    /// Whether `spec` is the current version of its name, wherever its weights are.
+    pub fn holds(&self, spec: &AdapterSpec) -> bool {
+        self.lock()
+            .current
+            .get(&spec.name)
+            .is_some_and(|e| e.spec == *spec)
+    }
+
     /// Makes `spec` the current version of a name the registry does not know yet, on disk:
     /// nothing is read until a request asks for it (an adapter placed on other pods). False
     /// when the name is known (the caller loads the new version instead).

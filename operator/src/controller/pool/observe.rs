@@ -140,6 +140,23 @@ pub(super) async fn observe(pool: &InferencePool, ctx: &Context) -> Result<Obser
     })
 }
 
+impl Observed {
+    /// The ready dynamic pods' base URLs on `port`, by name (the WorkerConfig's `peers`).
+    pub(super) fn peers(&self, port: u16) -> std::collections::BTreeMap<String, String> {
+        self.ready
+            .iter()
+            .map(|(name, ip)| {
+                let host = if ip.contains(':') {
+                    format!("[{ip}]")
+                } else {
+                    ip.clone()
+                };
+                (name.clone(), format!("http://{host}:{port}"))
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -179,22 +196,5 @@ mod tests {
             }
         );
         assert_eq!(fetch_seen(&[]), FetchSeen::default());
-    }
-}
-
-impl Observed {
-    /// The ready dynamic pods' base URLs on `port`, by name (the WorkerConfig's `peers`).
-    pub(super) fn peers(&self, port: u16) -> std::collections::BTreeMap<String, String> {
-        self.ready
-            .iter()
-            .map(|(name, ip)| {
-                let host = if ip.contains(':') {
-                    format!("[{ip}]")
-                } else {
-                    ip.clone()
-                };
-                (name.clone(), format!("http://{host}:{port}"))
-            })
-            .collect()
     }
 }
