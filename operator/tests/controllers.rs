@@ -3181,3 +3181,106 @@ async fn idle_merged_pods_scale_to_zero_behind_the_dynamic_pods_and_come_back_wi
     assert_eq!(a["status"]["servingMode"], "merged");
     assert_eq!(a["status"]["phase"], "Ready");
 }
+
+/// Issue 37, items 4 and 5, through the pool controller: with `dynamic.placement` the pool's
+/// WorkerConfig places each adapter on its share of the dynamic pods (every pod not being
+/// deleted, ready or not) and lists the ready pods' addresses for forwarding; a pod joining
+/// moves few adapters; without `placement` neither is written.
+#[tokio::test]
+async fn placement_writes_each_adapters_pods_and_the_peers_into_the_worker_config() {
+    let e = env().await;
+    let mut pool = pool_obj();
+    pool["spec"]["dynamic"]["placement"] = json!({"minReplicas": 2, "loadFactor": 1.25});
+    e.store.lock().unwrap().create(POOL, pool);
+    e.add_ready_pod();
+    let pod = |name: &str, ready: bool| {
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "ml",
+                "labels": {"app.kubernetes.io/instance": "vl", "app.kubernetes.io/component": "dynamic"}},
+            "status": {"podIP": "10.0.0.9", "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]}})
+    };
+    for (name, ready) in [("vl-dynamic-def", true), ("vl-dynamic-ghi", false)] {
+        e.store.lock().unwrap().create(
+            &format!("/api/v1/namespaces/ml/pods/{name}"),
+            pod(name, ready),
+        );
+    }
+    let names: Vec<String> = (0..6).map(|i| format!("a{i}")).collect();
+    for n in &names {
+        e.store
+            .lock()
+            .unwrap()
+            .create(&adapter_path(n), adapter_obj(n, "vl", n));
+    }
+    e.reconcile_pool().await;
+    for n in &names {
+        e.reconcile_adapter(n).await;
+    }
+    e.reconcile_pool().await;
+    let wc: mole_crds::WorkerConfig =
+        serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap()).unwrap();
+    assert_eq!(wc.adapters.len(), 6);
+    let mut per_pod = std::collections::BTreeMap::<String, usize>::new();
+    for a in &wc.adapters {
+        assert_eq!(a.pods.len(), 2, "{}: {:?}", a.name, a.pods);
+        for p in &a.pods {
+            *per_pod.entry(p.clone()).or_default() += 1;
+        }
+    }
+    // 12 replicas over 3 pods, none over ceil(1.25 x 4) = 5; the unready pod takes its share.
+    assert_eq!(per_pod.len(), 3, "{per_pod:?}");
+    assert!(per_pod.values().all(|n| *n <= 5), "{per_pod:?}");
+    let port = wc.peers["vl-dynamic-abc"]
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        wc.peers.keys().collect::<Vec<_>>(),
+        ["vl-dynamic-abc", "vl-dynamic-def"],
+        "ready pods only"
+    );
+    assert_eq!(
+        wc.peers["vl-dynamic-def"],
+        format!("http://10.0.0.9:{port}")
+    );
+    let before: std::collections::BTreeMap<String, Vec<String>> = wc
+        .adapters
+        .iter()
+        .map(|a| (a.name.clone(), a.pods.clone()))
+        .collect();
+
+    // A fourth pod joins: few adapters move.
+    e.store.lock().unwrap().create(
+        "/api/v1/namespaces/ml/pods/vl-dynamic-jkl",
+        pod("vl-dynamic-jkl", true),
+    );
+    e.reconcile_pool().await;
+    let wc: mole_crds::WorkerConfig =
+        serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap()).unwrap();
+    let moved: usize = wc
+        .adapters
+        .iter()
+        .map(|a| {
+            a.pods
+                .iter()
+                .filter(|p| !before[&a.name].contains(p))
+                .count()
+        })
+        .sum();
+    assert!(moved >= 1 && moved <= 5, "{moved} replicas moved of 12");
+
+    // Without placement: every pod loads every adapter, no peers.
+    e.edit(POOL, |p| {
+        p["spec"]["dynamic"]
+            .as_object_mut()
+            .unwrap()
+            .remove("placement");
+        p["metadata"]["generation"] = json!(p["metadata"]["generation"].as_i64().unwrap_or(1) + 1);
+    });
+    e.reconcile_pool().await;
+    let wc: mole_crds::WorkerConfig =
+        serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap()).unwrap();
+    assert!(wc.adapters.iter().all(|a| a.pods.is_empty()));
+    assert!(wc.peers.is_empty());
+}
