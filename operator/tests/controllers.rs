@@ -3268,7 +3268,7 @@ async fn placement_writes_each_adapters_pods_and_the_peers_into_the_worker_confi
                 .count()
         })
         .sum();
-    assert!(moved >= 1 && moved <= 5, "{moved} replicas moved of 12");
+    assert!((1..=5).contains(&moved), "{moved} replicas moved of 12");
 
     // Without placement: every pod loads every adapter, no peers.
     e.edit(POOL, |p| {
