@@ -39,6 +39,11 @@ pub struct WorkerConfig {
     /// API keys and admin token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub auth: Option<WorkerAuth>,
+    /// The pool's ready dynamic pods by name, with their base URL (`http://<pod IP>:<port>`):
+    /// a pod forwards a request for an adapter placed elsewhere (`adapters[].pods`) to one that
+    /// holds it. Written with the pool's `dynamic.placement` only.
+    #[serde(default, skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub peers: std::collections::BTreeMap<String, String>,
 }
 
 impl WorkerConfig {
@@ -144,6 +149,67 @@ pub struct WorkerAdapter {
     /// Whether this worker loads the adapter itself (false when it is served merged only).
     #[serde(default = "yes")]
     pub load: bool,
+    /// A canary version served beside this one to a share of the adapter's requests (the
+    /// Adapter's `spec.canary`, while it is neither rolled back nor at weight 0). A worker
+    /// that loads the adapter loads both versions.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub canary: Option<WorkerCanary>,
+    /// The dynamic pods this adapter is placed on (the pool's `dynamic.placement`): they load
+    /// it at once; every other pod registers it and reads it from disk on its first request,
+    /// so no request fails for landing elsewhere. Empty: every pod loads it.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pods: Vec<String>,
+}
+
+impl WorkerAdapter {
+    /// Whether pod `pod` (None: unknown, as in local mode) loads this adapter at once.
+    pub fn placed_on(&self, pod: Option<&str>) -> bool {
+        self.pods.is_empty() || pod.is_some_and(|p| self.pods.iter().any(|x| x == p))
+    }
+}
+
+/// A canary version of an adapter: loaded beside the stable version, it takes `weight`
+/// percent of the adapter's requests. A request that names a session (the `x-session-id`
+/// header, else the OpenAI `user` field) always gets the same version for the same weight; the
+/// others are split by a counter, so the share is exact over any run of requests.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct WorkerCanary {
+    /// Its version (not the stable one's).
+    pub version: String,
+    /// Its PEFT adapter directory, relative to `modelRoot`.
+    pub path: String,
+    /// Percent of the adapter's requests it serves, 0 to 100.
+    pub weight: u32,
+}
+
+/// The header that names a session for the canary split (ahead of the body's `user`).
+pub const SESSION_HEADER: &str = "x-session-id";
+
+/// Whether a request with session `key` (None: none named) goes to a canary at `weight`
+/// percent of adapter `name`: a session's bucket is a stable hash of (adapter, key) in 0..100,
+/// so a session stays on one version while the weight stays and a raised weight only moves
+/// sessions from stable to canary; a request without a session takes the canary when the
+/// running `count` of such requests crosses a multiple of `100 / weight`, which gives exactly
+/// `weight` percent of every 100.
+pub fn canary_pick(name: &str, weight: u32, key: Option<&str>, count: u64) -> bool {
+    let weight = u64::from(weight.min(100));
+    match key {
+        Some(k) => session_bucket(name, k) < weight,
+        None => (count + 1) * weight / 100 > count * weight / 100,
+    }
+}
+
+/// The bucket (0..100) of session `key` for adapter `name`: FNV-1a, fixed so that every pod
+/// and release puts a session in the same bucket.
+pub fn session_bucket(name: &str, key: &str) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in name.bytes().chain([0xff]).chain(key.bytes()) {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    // The low bits of FNV-1a are weak on short keys: fold the high half in.
+    (h ^ (h >> 32)) % 100
 }
 
 /// What the router reads of an adapter. The `Adapter` CRD's spec and the worker's config carry
@@ -191,4 +257,43 @@ pub struct WorkerAuth {
     /// and reloads work on pools with `spec.auth` and without a user admin token.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub operator_token_file: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_canary_split_is_exact_without_sessions_and_sticky_with_them() {
+        for weight in [0u32, 1, 10, 33, 50, 100] {
+            let canary = (0..1000)
+                .filter(|n| canary_pick("cal", weight, None, *n))
+                .count();
+            assert_eq!(canary as u32, weight * 10, "weight {weight}");
+        }
+        // Every 10 in a row carry exactly one canary at weight 10.
+        for start in 0..50u64 {
+            let c = (start..start + 10)
+                .filter(|n| canary_pick("cal", 10, None, *n))
+                .count();
+            assert_eq!(c, 1, "from {start}");
+        }
+        // Sessions: the same answer every time, about `weight` percent of them, none at 0,
+        // all at 100, and raising the weight only moves sessions to the canary.
+        let keys: Vec<String> = (0..10_000).map(|i| format!("user-{i}")).collect();
+        let share = |w: u32| {
+            keys.iter()
+                .filter(|k| canary_pick("cal", w, Some(k), 0))
+                .count()
+        };
+        let s10 = share(10);
+        assert!((900..=1100).contains(&s10), "{s10} of 10000 at weight 10");
+        assert_eq!(share(0), 0);
+        assert_eq!(share(100), keys.len());
+        for k in &keys {
+            let at10 = canary_pick("cal", 10, Some(k), 0);
+            assert_eq!(at10, canary_pick("cal", 10, Some(k), 77), "{k}");
+            assert!(!at10 || canary_pick("cal", 20, Some(k), 0), "{k}");
+        }
+    }
 }

@@ -27,8 +27,8 @@ mod source;
 
 pub use bounds::BoundsError;
 pub use config::{
-    MergedModel, ReasoningParser, RoutingSignals, ToolCallParser, WorkerAdapter, WorkerAuth,
-    WorkerBaseModel, WorkerConfig,
+    canary_pick, session_bucket, MergedModel, ReasoningParser, RoutingSignals, ToolCallParser,
+    WorkerAdapter, WorkerAuth, WorkerBaseModel, WorkerCanary, WorkerConfig, SESSION_HEADER,
 };
 pub use enums::{Dtype, ImageProcessor, RouterFallback, RouterStrategy, ServingMode, WorkerMode};
 pub use limits::{EngineLimits, WorkerLimits};

@@ -57,6 +57,9 @@ pub struct AdapterSpec {
     /// Offline evaluation results (gate for merging).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub evaluation: Option<Evaluation>,
+    /// A canary version served beside `version` to a share of the requests.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub canary: Option<crate::fleet::CanarySpec>,
 }
 
 /// Location of the adapter files.
@@ -261,6 +264,9 @@ pub struct AdapterStatus {
     /// `merge.traffic`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub fleet: Option<crate::fleet::FleetStatus>,
+    /// The canary version's state, while `spec.canary` names one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub canary: Option<crate::fleet::CanaryStatus>,
     /// Conditions (`Ready`, `Valid`, `Fetched`, `Loaded`, `Merged`, `MergeGated`, `Degraded`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub conditions: Vec<Condition>,

@@ -20,7 +20,7 @@ pub use mole_api::{
     bounds, AdapterCounters, BoundsError, Dtype, EngineLimits, ImageProcessor, LoraAdapterInfo,
     LoraAdaptersResponse, MergedModel, ModelSource, Residency, RouterFallback, RouterSpec,
     RouterStrategy, RoutingSignals, ServingMode, WorkerAdapter, WorkerAuth, WorkerBaseModel,
-    WorkerConfig, WorkerLimits, WorkerMode, LATENCY_BUCKETS_MS,
+    WorkerCanary, WorkerConfig, WorkerLimits, WorkerMode, LATENCY_BUCKETS_MS,
 };
 
 use kube::CustomResourceExt;

@@ -196,6 +196,10 @@ pub struct DynamicSpec {
     /// chart ships its rule, `autoscaling.prometheusAdapter.enabled`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub autoscaling: Option<AutoscalingSpec>,
+    /// Load each adapter at once on a subset of the pods only (by its traffic), the others
+    /// reading it from disk on its first request. Unset: every pod loads every adapter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub placement: Option<crate::fleet::PlacementSpec>,
     /// The engine limits of each dynamic pod (`maxLoras`, `maxSeqLen`, ...), copied as they are
     /// into the pods' WorkerConfig; defaults and bounds are the worker's own.
     #[serde(flatten)]
@@ -317,6 +321,11 @@ pub struct PoolMergeSpec {
     /// adapter when `minAccuracy` is set and its accuracy passes, whatever its traffic.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub traffic: Option<crate::fleet::TrafficMergeSpec>,
+    /// Scale the merged Deployments of idle adapters to zero: their requests fall back to the
+    /// dynamic pods, and they scale back up when requests return. Unset: merged pods run
+    /// whatever their traffic.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub scale_to_zero: Option<crate::fleet::ScaleToZeroSpec>,
 }
 
 impl Default for PoolMergeSpec {
@@ -332,6 +341,7 @@ impl Default for PoolMergeSpec {
             active_deadline_seconds: default_active_deadline(),
             unload_from_dynamic: false,
             traffic: None,
+            scale_to_zero: None,
         }
     }
 }

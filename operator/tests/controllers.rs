@@ -2943,3 +2943,344 @@ async fn traffic_rises_to_merged_and_falls_back_to_dynamic_without_a_gap() {
     assert_eq!(a["status"]["phase"], "Ready");
     assert_eq!(e.count_events("TrafficDemoted"), 1, "decided once");
 }
+
+/// The `calendar` entry of the pool's WorkerConfig.
+fn worker_entry(e: &Env, name: &str) -> Option<mole_crds::WorkerAdapter> {
+    let wc: mole_crds::WorkerConfig =
+        serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap()).unwrap();
+    wc.adapters.into_iter().find(|a| a.name == name)
+}
+
+/// Issue 37, item 3: an adapter with a canary version gets both versions into the pool's
+/// WorkerConfig (the canary at its weight); when the pods' per-version counters show the canary
+/// erring beyond its bound over `minRequests`, the operator rolls it back by itself: a Warning
+/// Event with the numbers, `status.canary` RolledBack at weight 0, and the canary out of the
+/// WorkerConfig. A bad canary is refused with `Valid=False` and an Event naming the field.
+#[tokio::test]
+async fn a_canary_that_errors_is_rolled_back_automatically_with_an_event() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    e.add_ready_pod();
+    let mut cal = adapter_obj("calendar", "vl", "calendar");
+    cal["spec"]["canary"] = json!({"version": "v2", "source": {"path": "adapters/calendar/v2"},
+        "weight": 10, "analysis": {"minRequests": 50, "maxErrorRateIncrease": 0.05}});
+    e.store
+        .lock()
+        .unwrap()
+        .create(&adapter_path("calendar"), cal);
+    let report = |v1: (u64, u64), v2: (u64, u64)| {
+        let entry = |v: &str| {
+            json!({"name": "calendar", "version": v, "lora_id": 1, "residency": "gpu",
+            "loaded": true, "rank": 8, "bytes": 1000, "requests": 0, "running": 0})
+        };
+        let count = |v: &str, (r, err): (u64, u64)| {
+            json!({"name": "calendar", "version": v,
+            "requests": r, "tokens": r * 10, "errors": err, "latency_ms": []})
+        };
+        *e.worker.adapters.lock().unwrap() = json!({
+            "object": "list", "base_model": "b",
+            "data": [entry("v1"), entry("v2")],
+            "traffic": [count("v1", v1), count("v2", v2)],
+        });
+    };
+    report((0, 0), (0, 0));
+    e.reconcile_pool().await;
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["phase"], "Ready", "{}", a["status"]);
+    assert_eq!(a["status"]["canary"]["phase"], "Progressing");
+    assert_eq!(a["status"]["canary"]["weight"], 10);
+    assert_eq!(e.count_events("CanaryStarted"), 1);
+    let w = worker_entry(&e, "calendar").unwrap();
+    assert_eq!(
+        (w.version.as_str(), w.path.as_str()),
+        ("v1", "adapters/calendar/v1")
+    );
+    assert_eq!(
+        w.canary,
+        Some(mole_crds::WorkerCanary {
+            version: "v2".into(),
+            path: "adapters/calendar/v2".into(),
+            weight: 10
+        })
+    );
+
+    // Below minRequests, however bad: it goes on.
+    report((400, 2), (40, 40));
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.count_events("CanaryRolledBack"), 0);
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["canary"]["canary"]["requests"], 40);
+    assert_eq!(a["status"]["canary"]["stable"]["requests"], 400);
+
+    // 60 requests, 12 errors (20%) against the stable 0.5%: rolled back.
+    report((900, 4), (60, 12));
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.count_events("CanaryRolledBack"), 1, "{:?}", e.events());
+    let note = e
+        .store
+        .lock()
+        .unwrap()
+        .event_notes
+        .iter()
+        .find(|(r, _)| r == "CanaryRolledBack")
+        .unwrap()
+        .1
+        .clone();
+    assert!(
+        note.contains("canary 60 requests, 20.00% errors")
+            && note.contains("stable 900 requests, 0.44% errors")
+            && note.contains("bound 5.00"),
+        "{note}"
+    );
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["canary"]["phase"], "RolledBack");
+    assert_eq!(a["status"]["canary"]["weight"], 0);
+    assert_eq!(a["status"]["phase"], "Ready", "the stable version serves");
+    e.reconcile_pool().await;
+    let w = worker_entry(&e, "calendar").unwrap();
+    assert_eq!(w.canary, None, "all traffic back to v1");
+    assert_eq!(w.version, "v1");
+    // It stays rolled back, announced once, while the spec still names it.
+    report((1000, 4), (0, 0));
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    assert_eq!(e.count_events("CanaryRolledBack"), 1);
+    assert_eq!(worker_entry(&e, "calendar").unwrap().canary, None);
+
+    // A canary of the stable version itself: refused, naming the field.
+    let mut bad = e.get(&adapter_path("calendar")).unwrap();
+    bad["spec"]["canary"]["version"] = json!("v1");
+    bad["metadata"]["generation"] = json!(bad["metadata"]["generation"].as_i64().unwrap_or(1) + 1);
+    e.store
+        .lock()
+        .unwrap()
+        .objects
+        .insert(adapter_path("calendar"), bad);
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    let valid = condition(&a, "Valid");
+    assert_eq!(valid["status"], "False");
+    assert!(
+        valid["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("spec.canary.version"),
+        "{}",
+        valid["message"]
+    );
+    assert!(e.events().contains(&"InvalidSpec".to_string()));
+}
+
+/// Issue 37, item 6: with the pool's `merge.scaleToZero`, an idle merged adapter is loaded into
+/// the dynamic pods again, and only once they report it does its merged Deployment go to 0
+/// replicas (kept, with its Service) and the dynamic pods stop forwarding to it; requests for it
+/// (counted by the dynamic pods) bring the Deployment back, and the forwarding returns only once
+/// its pods are ready. At no step is the adapter neither loaded in the dynamic pods nor
+/// forwarded to ready merged pods.
+#[tokio::test]
+async fn idle_merged_pods_scale_to_zero_behind_the_dynamic_pods_and_come_back_with_requests() {
+    let e = env().await;
+    let mut pool = pool_obj();
+    pool["spec"]["merge"] = json!({"unloadFromDynamic": true});
+    e.store.lock().unwrap().create(POOL, pool);
+    e.add_ready_pod();
+    let mut a = adapter_obj("calendar", "vl", "calendar");
+    a["spec"]["serving"] = json!({"mode": "merged", "replicas": 1});
+    // Last used long ago (what a restarted operator reads back).
+    a["status"] = json!({"traffic": {"requestsPerMinute": 0.0, "tokensPerMinute": 0.0,
+        "merged": true, "lastUsed": "2026-01-01T00:00:00Z"}});
+    e.store.lock().unwrap().create(&adapter_path("calendar"), a);
+    e.reconcile_pool().await;
+    merged_ready_on_v1(&e).await;
+    e.reconcile_pool().await;
+    assert!(
+        !e.dynamic_loads("calendar"),
+        "served by the merged pods only"
+    );
+    assert!(worker_entry(&e, "calendar")
+        .unwrap()
+        .merged_endpoint
+        .is_some());
+    // The dynamic pod unloaded it.
+    let report = |loaded: bool, requests: u64| {
+        let data: Vec<Value> = loaded
+            .then(|| {
+                json!({"name": "calendar", "version": "v1", "lora_id": 1, "residency": "gpu",
+                "loaded": true, "rank": 8, "bytes": 1000, "requests": requests, "running": 0})
+            })
+            .into_iter()
+            .collect();
+        *e.worker.adapters.lock().unwrap() = json!({"object": "list", "base_model": "b",
+            "data": data, "traffic": [{"name": "calendar", "version": "v1", "requests": requests,
+            "tokens": requests * 10, "errors": 0}]});
+    };
+    report(false, 0);
+    e.reconcile_adapter("calendar").await;
+
+    // The pool asks for scale to zero after 60 idle seconds: calendar is idle.
+    e.edit(POOL, |p| {
+        p["spec"]["merge"]["scaleToZero"] = json!({"idleSeconds": 60});
+        p["metadata"]["generation"] = json!(p["metadata"]["generation"].as_i64().unwrap_or(1) + 1);
+    });
+    e.reconcile_pool().await;
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    // First the dynamic pods load it; the merged pods keep serving and forwarding goes on.
+    assert!(e.dynamic_loads("calendar"));
+    assert!(worker_entry(&e, "calendar")
+        .unwrap()
+        .merged_endpoint
+        .is_some());
+    assert_eq!(e.get(MERGED).unwrap()["spec"]["replicas"], 1);
+    assert_eq!(e.count_events("ScaledToZero"), 0);
+
+    // The dynamic pod reports it loaded: scaled to zero, forwarding dropped, still Ready.
+    report(true, 0);
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    assert_eq!(
+        e.get(MERGED).unwrap()["spec"]["replicas"],
+        0,
+        "kept at 0, not deleted"
+    );
+    assert!(e
+        .get("/api/v1/namespaces/ml/services/vl-calendar")
+        .is_some());
+    assert_eq!(e.count_events("ScaledToZero"), 1);
+    let w = worker_entry(&e, "calendar").unwrap();
+    assert!(w.load && w.merged_endpoint.is_none(), "{w:?}");
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["phase"], "Ready");
+    assert_eq!(a["status"]["servingMode"], "dynamic");
+    assert_eq!(condition(&a, "Ready")["reason"], "ScaledToZero");
+    // The Deployment controller took its pods away.
+    e.edit(MERGED, |d| {
+        let g = d["metadata"]["generation"].as_i64().unwrap_or(1);
+        d["status"] = json!({"observedGeneration": g, "replicas": 0});
+    });
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.count_events("ScaledToZero"), 1, "announced once");
+
+    // Requests return (the dynamic pod counts them): scaled back up; the dynamic pods serve
+    // until the merged pods are ready, then the forwarding returns.
+    report(true, 5);
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    assert_eq!(e.count_events("ScaledFromZero"), 1, "{:?}", e.events());
+    assert_eq!(e.get(MERGED).unwrap()["spec"]["replicas"], 1);
+    let w = worker_entry(&e, "calendar").unwrap();
+    assert!(w.load && w.merged_endpoint.is_none(), "{w:?}");
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_pool().await;
+    let w = worker_entry(&e, "calendar").unwrap();
+    assert!(w.merged_endpoint.is_some(), "{w:?}");
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["servingMode"], "merged");
+    assert_eq!(a["status"]["phase"], "Ready");
+}
+
+/// Issue 37, items 4 and 5, through the pool controller: with `dynamic.placement` the pool's
+/// WorkerConfig places each adapter on its share of the dynamic pods (every pod not being
+/// deleted, ready or not) and lists the ready pods' addresses for forwarding; a pod joining
+/// moves few adapters; without `placement` neither is written.
+#[tokio::test]
+async fn placement_writes_each_adapters_pods_and_the_peers_into_the_worker_config() {
+    let e = env().await;
+    let mut pool = pool_obj();
+    pool["spec"]["dynamic"]["placement"] = json!({"minReplicas": 2, "loadFactor": 1.25});
+    e.store.lock().unwrap().create(POOL, pool);
+    e.add_ready_pod();
+    let pod = |name: &str, ready: bool| {
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": "ml",
+                "labels": {"app.kubernetes.io/instance": "vl", "app.kubernetes.io/component": "dynamic"}},
+            "status": {"podIP": "10.0.0.9", "conditions": [{"type": "Ready", "status": if ready { "True" } else { "False" }}]}})
+    };
+    for (name, ready) in [("vl-dynamic-def", true), ("vl-dynamic-ghi", false)] {
+        e.store.lock().unwrap().create(
+            &format!("/api/v1/namespaces/ml/pods/{name}"),
+            pod(name, ready),
+        );
+    }
+    let names: Vec<String> = (0..6).map(|i| format!("a{i}")).collect();
+    for n in &names {
+        e.store
+            .lock()
+            .unwrap()
+            .create(&adapter_path(n), adapter_obj(n, "vl", n));
+    }
+    e.reconcile_pool().await;
+    for n in &names {
+        e.reconcile_adapter(n).await;
+    }
+    e.reconcile_pool().await;
+    let wc: mole_crds::WorkerConfig =
+        serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap()).unwrap();
+    assert_eq!(wc.adapters.len(), 6);
+    let mut per_pod = std::collections::BTreeMap::<String, usize>::new();
+    for a in &wc.adapters {
+        assert_eq!(a.pods.len(), 2, "{}: {:?}", a.name, a.pods);
+        for p in &a.pods {
+            *per_pod.entry(p.clone()).or_default() += 1;
+        }
+    }
+    // 12 replicas over 3 pods, none over ceil(1.25 x 4) = 5; the unready pod takes its share.
+    assert_eq!(per_pod.len(), 3, "{per_pod:?}");
+    assert!(per_pod.values().all(|n| *n <= 5), "{per_pod:?}");
+    let port = wc.peers["vl-dynamic-abc"]
+        .rsplit(':')
+        .next()
+        .unwrap()
+        .to_string();
+    assert_eq!(
+        wc.peers.keys().collect::<Vec<_>>(),
+        ["vl-dynamic-abc", "vl-dynamic-def"],
+        "ready pods only"
+    );
+    assert_eq!(
+        wc.peers["vl-dynamic-def"],
+        format!("http://10.0.0.9:{port}")
+    );
+    let before: std::collections::BTreeMap<String, Vec<String>> = wc
+        .adapters
+        .iter()
+        .map(|a| (a.name.clone(), a.pods.clone()))
+        .collect();
+
+    // A fourth pod joins: few adapters move.
+    e.store.lock().unwrap().create(
+        "/api/v1/namespaces/ml/pods/vl-dynamic-jkl",
+        pod("vl-dynamic-jkl", true),
+    );
+    e.reconcile_pool().await;
+    let wc: mole_crds::WorkerConfig =
+        serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap()).unwrap();
+    let moved: usize = wc
+        .adapters
+        .iter()
+        .map(|a| {
+            a.pods
+                .iter()
+                .filter(|p| !before[&a.name].contains(p))
+                .count()
+        })
+        .sum();
+    assert!((1..=5).contains(&moved), "{moved} replicas moved of 12");
+
+    // Without placement: every pod loads every adapter, no peers.
+    e.edit(POOL, |p| {
+        p["spec"]["dynamic"]
+            .as_object_mut()
+            .unwrap()
+            .remove("placement");
+        p["metadata"]["generation"] = json!(p["metadata"]["generation"].as_i64().unwrap_or(1) + 1);
+    });
+    e.reconcile_pool().await;
+    let wc: mole_crds::WorkerConfig =
+        serde_json::from_str(e.get(CM).unwrap()["data"]["worker.json"].as_str().unwrap()).unwrap();
+    assert!(wc.adapters.iter().all(|a| a.pods.is_empty()));
+    assert!(wc.peers.is_empty());
+}

@@ -438,6 +438,82 @@ async fn merge_serve_and_roll_back_on_a_real_cluster() {
     delete_namespace_and_volume(&client, &ns, &pv_name).await;
 }
 
+/// Issue 37, item 3 on a real cluster: an Adapter with a canary gets both versions loaded by
+/// the pool's pod (the WorkerConfig carries the canary, `status.canary` counts each version),
+/// and a rollback by apply (the canary dropped) takes it out of the config with a
+/// `CanaryRemoved` Event.
+#[tokio::test]
+async fn a_canary_is_loaded_beside_the_stable_version_and_rolled_back_by_apply_on_a_real_cluster() {
+    let Some(client) = client().await else { return };
+    let ns = format!("mole-e2e-canary-{}", std::process::id());
+    create_namespace(&client, &ns).await;
+    let pv_name = models_claim(&client, &ns).await;
+    let pools = create_llama_pool(&client, &ns, "tiny", None).await;
+    wait(300, "pool Ready", || async {
+        let p = pools.get("tiny").await.ok()?;
+        (p.status?.phase == mole_crds::PoolPhase::Ready).then_some(())
+    })
+    .await;
+    let adapters: Api<Adapter> = Api::namespaced(client.clone(), &ns);
+    let cal: Adapter = serde_json::from_value(serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1", "kind": "Adapter", "metadata": {"name": "calendar"},
+        "spec": {"pool": "tiny", "version": "v1", "source": {"path": "adapters/calendar/v1"},
+                 "canary": {"version": "v2", "source": {"path": "adapters/calendar/v2"},
+                            "weight": 10, "analysis": {"minRequests": 50}}}}))
+    .unwrap();
+    adapters.create(&PostParams::default(), &cal).await.unwrap();
+    let st = wait(300, "calendar Ready with its canary", || async {
+        let st = adapters.get("calendar").await.ok()?.status?;
+        (st.phase == AdapterPhase::Ready && st.canary.is_some()).then_some(st)
+    })
+    .await;
+    let canary = st.canary.unwrap();
+    assert_eq!((canary.version.as_str(), canary.weight), ("v2", 10));
+    assert_eq!(canary.phase, mole_crds::CanaryPhase::Progressing);
+    let cms: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+    let config = || async {
+        let cm = cms.get("tiny-config").await.unwrap();
+        let wc: mole_crds::WorkerConfig =
+            serde_json::from_str(&cm.data.unwrap()["worker.json"]).unwrap();
+        wc.adapters
+            .into_iter()
+            .find(|a| a.name == "calendar")
+            .unwrap()
+    };
+    assert_eq!(config().await.canary.unwrap().version, "v2");
+    // Roll back by apply: kubectl patch adapter calendar --type json -p '[{"op":"remove","path":"/spec/canary"}]'
+    adapters
+        .patch(
+            "calendar",
+            &PatchParams::default(),
+            &Patch::<()>::Json(
+                serde_json::from_value(
+                    serde_json::json!([{"op": "remove", "path": "/spec/canary"}]),
+                )
+                .unwrap(),
+            ),
+        )
+        .await
+        .unwrap();
+    wait(120, "the canary gone from status and config", || async {
+        let st = adapters.get("calendar").await.ok()?.status?;
+        (st.canary.is_none() && config().await.canary.is_none()).then_some(())
+    })
+    .await;
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    wait(60, "a CanaryRemoved Event", || async {
+        events
+            .list(&ListParams::default())
+            .await
+            .ok()?
+            .items
+            .into_iter()
+            .find(|e| e.reason.as_deref() == Some("CanaryRemoved"))
+    })
+    .await;
+    delete_namespace_and_volume(&client, &ns, &pv_name).await;
+}
+
 #[tokio::test]
 async fn deleting_a_pool_removes_its_merged_pods_on_a_real_cluster() {
     let Some(client) = client().await else { return };

@@ -154,6 +154,22 @@ pub fn validate(cfg: &WorkerConfig) -> Result<(), ConfigError> {
         if a.load {
             resolve_in_root(&cfg.model_root, &a.path)?;
         }
+        if let Some(c) = &a.canary {
+            if c.weight > 100 {
+                return Err(ConfigError::Invalid(format!(
+                    "adapter {}: canary weight {} is over 100",
+                    a.name, c.weight
+                )));
+            }
+            if c.version == a.version || c.version.is_empty() {
+                return Err(ConfigError::Invalid(format!(
+                    "adapter {}: canary version {:?} must be set and differ from the stable version",
+                    a.name, c.version
+                )));
+            }
+            let path = resolve_in_root(&cfg.model_root, &c.path)?;
+            check_adapter_dir(cfg, &c.path, &path, Some(&a.name))?;
+        }
     }
     if let Some(c) = &cfg.router.classifier_adapter {
         if !names.contains(c) {
@@ -218,8 +234,38 @@ pub struct AdapterDiff {
     pub unload: Vec<String>,
 }
 
-/// Diffs adapter lists, considering only adapters this worker loads.
+/// What the engine holds for a configured adapter list: each adapter this worker loads, and
+/// each canary version as an adapter of its own under
+/// [`canary_key`](crate::lora::registry::canary_key) (loaded whether or not the stable version
+/// is: a merged adapter's canary share is served here).
+pub fn units(adapters: &[WorkerAdapter]) -> Vec<WorkerAdapter> {
+    let mut out = Vec::with_capacity(adapters.len());
+    for a in adapters {
+        if a.load {
+            out.push(WorkerAdapter {
+                canary: None,
+                ..a.clone()
+            });
+        }
+        if let Some(c) = &a.canary {
+            out.push(WorkerAdapter {
+                name: crate::lora::registry::canary_key(&a.name),
+                version: c.version.clone(),
+                path: c.path.clone(),
+                load: true,
+                canary: None,
+                merged_endpoint: None,
+                ..a.clone()
+            });
+        }
+    }
+    out
+}
+
+/// Diffs adapter lists, considering only what this worker loads ([`units`]: canary versions
+/// are loaded and unloaded on their own).
 pub fn diff_adapters(old: &[WorkerAdapter], new: &[WorkerAdapter]) -> AdapterDiff {
+    let (old, new) = (&units(old)[..], &units(new)[..]);
     let old_m: HashMap<&str, &WorkerAdapter> = old
         .iter()
         .filter(|a| a.load)
@@ -235,7 +281,12 @@ pub fn diff_adapters(old: &[WorkerAdapter], new: &[WorkerAdapter]) -> AdapterDif
         match old_m.get(a.name.as_str()) {
             // A new id (the Adapter was recreated) is a new load too: the operator reads
             // readiness by it.
-            Some(o) if o.version == a.version && o.path == a.path && o.lora_id == a.lora_id => {}
+            // A new placement is a new load too: a pod it now lands on reads it at once.
+            Some(o)
+                if o.version == a.version
+                    && o.path == a.path
+                    && o.lora_id == a.lora_id
+                    && o.pods == a.pods => {}
             _ => d.load.push(a.clone()),
         }
     }
@@ -303,11 +354,20 @@ pub fn apply_diff(
     diff: &AdapterDiff,
 ) -> ApplyReport {
     let mut report = ApplyReport::default();
+    let pod = this_pod();
     for a in &diff.load {
         let started = std::time::Instant::now();
+        let placed = a.placed_on(pod.as_deref());
         let r = adapter_spec(cfg, a)
             .map_err(|e| e.to_string())
-            .and_then(|s| engine.load_adapter(s).map_err(|e| e.to_string()));
+            .and_then(|s| {
+                if placed {
+                    engine.load_adapter(s)
+                } else {
+                    engine.register_adapter(s)
+                }
+                .map_err(|e| e.to_string())
+            });
         match r {
             Ok(()) => report
                 .loaded
@@ -326,6 +386,15 @@ pub fn apply_diff(
         }
     }
     report
+}
+
+/// The name of the pod this worker runs in: `MOLE_POD_NAME` (the operator sets it from the
+/// downward API), else `HOSTNAME` (a pod's hostname is its name); None outside a pod. It picks
+/// the adapters placed on this pod ([`WorkerAdapter::placed_on`]).
+pub fn this_pod() -> Option<String> {
+    ["MOLE_POD_NAME", "HOSTNAME"]
+        .iter()
+        .find_map(|k| std::env::var(k).ok().filter(|v| !v.is_empty()))
 }
 
 /// Shared current config, swapped atomically by the watcher and `/admin/reload`.
@@ -459,6 +528,8 @@ mod tests {
             mode: Default::default(),
             merged_endpoint: None,
             load: true,
+            canary: None,
+            pods: Vec::new(),
         };
         let d = diff_adapters(&[a("x", "1"), a("y", "1")], &[a("x", "2"), a("z", "1")]);
         assert_eq!(
@@ -484,6 +555,32 @@ mod tests {
             let d = diff_adapters(&[a("x", "1")], std::slice::from_ref(&new));
             assert_eq!(d.load, [new]);
         }
+        // A canary loads and unloads on its own, under its key, whatever the stable one does;
+        // a new weight alone changes nothing the engine holds.
+        let canary = |w: u32| WorkerAdapter {
+            canary: Some(mole_api::WorkerCanary {
+                version: "2".into(),
+                path: "x2".into(),
+                weight: w,
+            }),
+            ..a("x", "1")
+        };
+        let d = diff_adapters(&[a("x", "1")], &[canary(10)]);
+        assert_eq!(
+            d.load
+                .iter()
+                .map(|a| (a.name.as_str(), a.version.as_str(), a.path.as_str()))
+                .collect::<Vec<_>>(),
+            [("x/canary", "2", "x2")]
+        );
+        assert!(d.unload.is_empty());
+        assert_eq!(
+            diff_adapters(&[canary(10)], &[canary(50)]),
+            AdapterDiff::default()
+        );
+        let back = diff_adapters(&[canary(10)], &[a("x", "1")]);
+        assert!(back.load.is_empty());
+        assert_eq!(back.unload, ["x/canary"]);
     }
 
     #[test]

@@ -70,6 +70,13 @@ pub struct Metrics {
     pub proxy: IntCounterVec,
     /// vLLM-compatible LoRA info gauge (value: scrape time in seconds).
     pub lora_info: GaugeVec,
+    /// `vllm:num_requests_waiting` and `vllm:num_requests_running`, the queue gauges a Gateway
+    /// API Inference Extension endpoint picker reads by default (the same values as
+    /// `mole_requests_waiting` and `mole_requests_running`).
+    pub vllm_queue: (IntGauge, IntGauge),
+    /// `vllm:kv_cache_usage_perc`: the fraction (0-1) of the paged KV cache in use, which the
+    /// endpoint picker's KV-cache scorer reads (0 on the CPU path, which has no paged cache).
+    pub vllm_kv_usage: prometheus::Gauge,
     /// Free blocks of the paged KV cache (tensor path only).
     pub kv_blocks_free: IntGauge,
     /// Blocks of the paged KV cache (tensor path only).
@@ -206,6 +213,17 @@ impl Metrics {
                     &["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
                 ),
             ),
+            vllm_queue: (
+                gauge(&r, "vllm:num_requests_waiting", "Requests waiting (vLLM's name)"),
+                gauge(&r, "vllm:num_requests_running", "Requests decoding (vLLM's name)"),
+            ),
+            vllm_kv_usage: registered(
+                &r,
+                prometheus::Gauge::new(
+                    "vllm:kv_cache_usage_perc",
+                    "Fraction of the paged KV cache in use, 0-1 (vLLM's name)",
+                ),
+            ),
             weights_bytes: gauge(
                 &r,
                 "mole_weights_bytes",
@@ -240,6 +258,8 @@ impl Metrics {
     pub fn render(&self, stats: &EngineStats, adapters: &[mole_api::LoraAdapterInfo]) -> String {
         self.running.set(stats.running as i64);
         self.waiting.set(stats.waiting as i64);
+        self.vllm_queue.0.set(stats.waiting as i64);
+        self.vllm_queue.1.set(stats.running as i64);
         self.batch_size.set(stats.last_batch_size as i64);
         // The engine keeps cumulative counts; the counters follow them.
         let follow = |c: &IntCounter, v: u64| {
@@ -253,6 +273,9 @@ impl Metrics {
         if let Some((free, total)) = stats.kv_blocks {
             self.kv_blocks_free.set(free as i64);
             self.kv_blocks.set(total as i64);
+            if total > 0 {
+                self.vllm_kv_usage.set(1.0 - free as f64 / total as f64);
+            }
         }
         if let Some(bytes) = stats.weights_bytes {
             self.weights_bytes.set(bytes as i64);

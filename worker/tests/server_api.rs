@@ -845,6 +845,10 @@ async fn metrics_models_and_reload() {
         "mole_adapter_versions{residency=\"cpu\"} 2",
         "mole_requests_cancelled_total 0",
         "mole_batch_size 1",
+        // What a Gateway API Inference Extension endpoint picker reads by default.
+        "vllm:num_requests_waiting 0",
+        "vllm:num_requests_running 0",
+        "vllm:kv_cache_usage_perc ",
     ] {
         assert!(m.contains(want), "{want} missing:\n{m}");
     }

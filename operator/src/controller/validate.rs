@@ -174,6 +174,35 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
     if let Some(t) = &spec.merge.traffic {
         validate_traffic(t)?;
     }
+    if let Some(p) = &spec.dynamic.placement {
+        if p.min_replicas < 1 {
+            return Err(FieldError::invalid(
+                "spec.dynamic.placement.minReplicas",
+                "must be at least 1: every adapter is loaded by some pod",
+            ));
+        }
+        if !(p.load_factor >= 1.0 && p.load_factor.is_finite()) {
+            return Err(FieldError::invalid(
+                "spec.dynamic.placement.loadFactor",
+                format!(
+                    "{} must be at least 1: no pod can hold less than the mean",
+                    p.load_factor
+                ),
+            ));
+        }
+    }
+    if let Some(z) = &spec.merge.scale_to_zero {
+        if z.idle_seconds < 60 {
+            return Err(FieldError::invalid(
+                "spec.merge.scaleToZero.idleSeconds",
+                format!(
+                    "{} must be at least 60: the operator reads traffic about once a minute, \
+                     so a shorter idle time would park adapters between two requests",
+                    z.idle_seconds
+                ),
+            ));
+        }
+    }
     // The worker refuses a config outside these bounds: refuse the pool instead of rendering it.
     if let Err(e) = spec.dynamic.limits.validate() {
         return Err(FieldError::invalid(
@@ -492,6 +521,95 @@ fn overlaps(a: &[&str], b: &[&str]) -> bool {
 /// another Adapter's source of the same pool (the older adapter keeps a contested path, as
 /// it keeps a label): a fetch there would overwrite the base model's weights, config and
 /// template, another adapter's files or a merged output that pods serve.
+/// A canary is another version in a directory of its own, at a weight in 0..=100, with
+/// analysis bounds that can be met. Pure.
+fn validate_canary(
+    spec: &mole_crds::AdapterSpec,
+    canary: &mole_crds::CanarySpec,
+    pool: &InferencePool,
+) -> Result<(), FieldError> {
+    if canary.version.trim().is_empty() {
+        return Err(FieldError::invalid(
+            "spec.canary.version",
+            "must not be empty",
+        ));
+    }
+    if canary.version == spec.version {
+        return Err(FieldError::invalid(
+            "spec.canary.version",
+            format!(
+                "{:?} is spec.version: a canary is another version (to promote it, set \
+                 spec.version and spec.source to the canary's and drop spec.canary)",
+                canary.version
+            ),
+        ));
+    }
+    if canary.weight > 100 {
+        return Err(FieldError::invalid(
+            "spec.canary.weight",
+            format!("{} is a percentage: 0 to 100", canary.weight),
+        ));
+    }
+    let path = &canary.source.path;
+    if !is_confined_relative(path) {
+        return Err(FieldError::invalid(
+            "spec.canary.source.path",
+            format!("{path:?} must be a relative path inside the pool's volume, without '..'"),
+        ));
+    }
+    let mine = components(path);
+    let clash = if mine.is_empty() {
+        Some("is the root of the pool's volume".to_string())
+    } else if mine[0] == MERGED_DIR {
+        Some(format!(
+            "lies in {MERGED_DIR}/, where the operator's merge Jobs write"
+        ))
+    } else if overlaps(&mine, &components(&pool.spec.base_model.path)) {
+        Some("overlaps the pool's spec.baseModel.path".to_string())
+    } else if overlaps(&mine, &components(&spec.source.path)) {
+        Some(format!(
+            "overlaps spec.source.path {:?}: the canary's files must be its own",
+            spec.source.path
+        ))
+    } else {
+        None
+    };
+    if let Some(why) = clash {
+        return Err(FieldError::invalid(
+            "spec.canary.source.path",
+            format!("{path:?} {why}"),
+        ));
+    }
+    if let Some(a) = &canary.analysis {
+        if a.min_requests == 0 {
+            return Err(FieldError::invalid(
+                "spec.canary.analysis.minRequests",
+                "must be at least 1: a verdict needs requests",
+            ));
+        }
+        if !(0.0..=1.0).contains(&a.max_error_rate_increase) {
+            return Err(FieldError::invalid(
+                "spec.canary.analysis.maxErrorRateIncrease",
+                format!(
+                    "{} is a fraction of requests: 0 to 1 (0.01 is one point)",
+                    a.max_error_rate_increase
+                ),
+            ));
+        }
+        if !(a.max_latency_ratio >= 1.0 && a.max_latency_ratio.is_finite()) {
+            return Err(FieldError::invalid(
+                "spec.canary.analysis.maxLatencyRatio",
+                format!(
+                    "{} must be at least 1: below it a canary as fast as the stable version \
+                     is rolled back",
+                    a.max_latency_ratio
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
 fn validate_source_path(
     adapter: &Adapter,
     pool: &InferencePool,
@@ -597,6 +715,9 @@ pub fn validate_adapter(
         }
     }
     validate_secret_ref("spec.source.secretRef", spec.source.secret_ref.as_ref())?;
+    if let (Some(canary), Some(pool)) = (&spec.canary, pool) {
+        validate_canary(spec, canary, pool)?;
+    }
     if spec.serving.replicas < 0 {
         return Err(FieldError::invalid(
             "spec.serving.replicas",
@@ -781,6 +902,31 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
             (
                 |p| p.spec.merge.traffic = Some(traffic(0.05, 0.05)),
                 "spec.merge.traffic.demoteShare",
+            ),
+            (
+                |p| {
+                    p.spec.merge.scale_to_zero =
+                        Some(mole_crds::ScaleToZeroSpec { idle_seconds: 30 })
+                },
+                "spec.merge.scaleToZero.idleSeconds",
+            ),
+            (
+                |p| {
+                    p.spec.dynamic.placement = Some(mole_crds::PlacementSpec {
+                        min_replicas: 2,
+                        load_factor: 0.5,
+                    })
+                },
+                "spec.dynamic.placement.loadFactor",
+            ),
+            (
+                |p| {
+                    p.spec.dynamic.placement = Some(mole_crds::PlacementSpec {
+                        min_replicas: 0,
+                        load_factor: 1.25,
+                    })
+                },
+                "spec.dynamic.placement.minReplicas",
             ),
             (
                 |p| p.spec.merge.traffic = Some(traffic(0.0, 0.0)),
@@ -1048,6 +1194,83 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
             let mut a = adapter("calendar", None, 10);
             mutate(&mut a);
             assert_eq!(field(validate_adapter(&a, Some(&p), &[])), want);
+        }
+    }
+
+    fn with_canary(a: &mut Adapter, f: Mutation<mole_crds::CanarySpec>) {
+        let mut c: mole_crds::CanarySpec = serde_json::from_value(serde_json::json!({
+            "version": "v2", "source": {"path": "adapters/calendar/v2"}, "weight": 10,
+            "analysis": {}
+        }))
+        .unwrap();
+        f(&mut c);
+        a.spec.canary = Some(c);
+    }
+
+    #[test]
+    fn canary_errors_name_the_field() {
+        let p = pool();
+        let mut ok = adapter("calendar", None, 10);
+        with_canary(&mut ok, |_| {});
+        assert_eq!(validate_adapter(&ok, Some(&p), &[]), Ok(()));
+        let analysis = ok.spec.canary.as_ref().unwrap().analysis.clone().unwrap();
+        assert_eq!(
+            (
+                analysis.min_requests,
+                analysis.max_error_rate_increase,
+                analysis.max_latency_ratio
+            ),
+            (100, 0.01, 1.5),
+            "defaults"
+        );
+        let cases: Vec<(Mutation<mole_crds::CanarySpec>, &str)> = vec![
+            (|c| c.version = "v1".into(), "spec.canary.version"),
+            (|c| c.version = " ".into(), "spec.canary.version"),
+            (|c| c.weight = 101, "spec.canary.weight"),
+            (|c| c.source.path = "/abs".into(), "spec.canary.source.path"),
+            (
+                |c| c.source.path = "a/../../b".into(),
+                "spec.canary.source.path",
+            ),
+            (
+                |c| c.source.path = "adapters/calendar/v1".into(),
+                "spec.canary.source.path",
+            ),
+            (
+                |c| c.source.path = "adapters/calendar/v1/x".into(),
+                "spec.canary.source.path",
+            ),
+            (
+                |c| c.source.path = "merged/x".into(),
+                "spec.canary.source.path",
+            ),
+            (
+                |c| c.source.path = "base/qwen3-vl-8b/x".into(),
+                "spec.canary.source.path",
+            ),
+            (
+                |c| c.analysis.as_mut().unwrap().min_requests = 0,
+                "spec.canary.analysis.minRequests",
+            ),
+            (
+                |c| c.analysis.as_mut().unwrap().max_error_rate_increase = 1.5,
+                "spec.canary.analysis.maxErrorRateIncrease",
+            ),
+            (
+                |c| c.analysis.as_mut().unwrap().max_latency_ratio = 0.9,
+                "spec.canary.analysis.maxLatencyRatio",
+            ),
+        ];
+        for (mutate, want) in cases {
+            let mut a = adapter("calendar", None, 10);
+            with_canary(&mut a, mutate);
+            let e = validate_adapter(&a, Some(&p), &[]).unwrap_err();
+            assert_eq!(
+                (e.reason, e.field.as_str()),
+                (reason::INVALID_SPEC, want),
+                "{}",
+                e.message
+            );
         }
     }
 

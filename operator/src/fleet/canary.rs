@@ -4,8 +4,9 @@
 //!
 //! The canary is rolled back when, over at least `min_requests` of its own requests, its error
 //! rate is above the stable version's by more than `max_error_rate_increase` (absolute), or its
-//! p95 latency is above `max_latency_ratio` times the stable version's. It is promoted when it
-//! has served `promote_after` requests without either. Until then it goes on.
+//! p95 latency is above `max_latency_ratio` times the stable version's. It passes when it has
+//! served `promote_after` requests without either (ready for a promotion, which is an apply).
+//! Until then it goes on.
 
 /// Counts of one version over the analysis interval.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
@@ -48,18 +49,19 @@ pub struct Bounds {
 pub enum Verdict {
     /// Not enough requests yet, or healthy and not yet `promote_after`.
     Continue(String),
-    /// Healthy over `promote_after` requests: make it the stable version.
+    /// Healthy over `promote_after` requests: ready to be made the stable version.
     Promote(String),
     /// Worse than the stable version beyond a bound: send all traffic back.
     RollBack(String),
 }
 
 impl Verdict {
-    /// Stable reason (Event): `CanaryProgressing`, `CanaryPromoted`, `CanaryRolledBack`.
+    /// Stable reason (Event, `status.canary.reason`): `CanaryProgressing`, `CanaryPassed`,
+    /// `CanaryRolledBack`. (`CanaryPromoted` is the apply that makes it stable.)
     pub fn reason(&self) -> &'static str {
         match self {
             Verdict::Continue(_) => "CanaryProgressing",
-            Verdict::Promote(_) => "CanaryPromoted",
+            Verdict::Promote(_) => "CanaryPassed",
             Verdict::RollBack(_) => "CanaryRolledBack",
         }
     }
@@ -158,7 +160,7 @@ mod tests {
             // 1.2x exactly: within.
             (v(200, 0, 960.0), "CanaryProgressing"),
             // Healthy past promote_after.
-            (v(500, 5, 700.0), "CanaryPromoted"),
+            (v(500, 5, 700.0), "CanaryPassed"),
             // Errors late in its life still roll it back rather than promote it.
             (v(800, 30, 700.0), "CanaryRolledBack"),
         ];
@@ -177,7 +179,7 @@ mod tests {
             p95_ms: None,
         };
         let canary = v(600, 0, 50_000.0);
-        assert_eq!(analyse(&b, &stable, &canary).reason(), "CanaryPromoted");
+        assert_eq!(analyse(&b, &stable, &canary).reason(), "CanaryPassed");
         let bad = analyse(&b, &v(1000, 10, 800.0), &v(100, 5, 800.0));
         assert_eq!(bad.reason(), "CanaryRolledBack");
         let n = bad.note();

@@ -126,6 +126,7 @@ pub(super) fn plan_merged(
         requeue_after_secs: step
             .requeue
             .or((!serving.desired).then_some(POLL_PODS_SECS)),
+        merged_replicas: None,
     }
 }
 

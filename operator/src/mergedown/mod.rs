@@ -183,6 +183,9 @@ pub struct Observed {
     /// policy ([`crate::fleet::merge`]) wants it merged. None: `auto` merges on the accuracy
     /// gate alone, as without that policy.
     pub fleet_merged: Option<bool>,
+    /// No request for the pool's `merge.scaleToZero.idleSeconds` (always false without it):
+    /// the merged pods may be scaled to zero ([`scale_to_zero`]).
+    pub idle: bool,
     /// Clock (injected so the plan stays pure).
     pub now: DateTime<Utc>,
 }
@@ -265,6 +268,8 @@ pub struct Plan {
     pub events: Vec<PlannedEvent>,
     /// Reconcile again after this many seconds (backoff, polling a running Job).
     pub requeue_after_secs: Option<i64>,
+    /// Replicas of the merged Deployment when not `serving.replicas`: 0 while scaled to zero.
+    pub merged_replicas: Option<i32>,
 }
 
 /// Whether the pool's gate keeps this adapter from being merged, with the reason.
@@ -351,7 +356,7 @@ pub fn plan(
         &subject.status.pruned_outputs,
     );
     let mut plan = if want_merged {
-        merged::plan_merged(
+        let mut p = merged::plan_merged(
             pool_name,
             pool,
             subject,
@@ -359,7 +364,17 @@ pub fn plan(
             key.clone(),
             &mut status,
             &mut events,
-        )
+        );
+        scale_to_zero(
+            pool_name,
+            subject,
+            obs,
+            &key.output,
+            &mut p,
+            &mut status,
+            &mut events,
+        );
+        p
     } else {
         plan_dynamic(pool_name, subject, obs, &mut status, &mut events)
     };
@@ -373,6 +388,86 @@ pub fn plan(
     plan.status = status;
     plan.events = events;
     plan
+}
+
+/// Scale to zero of an idle adapter's merged pods (the pool's `merge.scaleToZero`), on top of
+/// the merged plan `p`. Idle, the adapter goes back into the dynamic pods first; only once every
+/// ready dynamic pod reports it loaded does the Deployment go to 0 replicas and the dynamic pods
+/// stop forwarding to it, so no request finds no pod (as a demotion does, but the Deployment,
+/// its Service and its merged output stay). Not idle any more, the merged plan scales it back to
+/// `serving.replicas`; the dynamic pods hold the adapter and serve it until its pods are ready
+/// (the merged plan's `load_dynamic` while they are not). Only a Deployment already at the
+/// desired output is parked: a roll or a merge under way goes on.
+fn scale_to_zero(
+    pool_name: &str,
+    subject: Subject<'_>,
+    obs: &Observed,
+    desired: &str,
+    p: &mut Plan,
+    status: &mut AdapterStatus,
+    events: &mut Vec<PlannedEvent>,
+) {
+    let Some(d) = &obs.deployment else { return };
+    let DeploymentAction::Apply { output, .. } = &p.deployment else {
+        return;
+    };
+    // The last good output while a new version merges is not the desired one: parking it now
+    // would only scale it up again for the roll.
+    if d.output != *output || output != desired {
+        return;
+    }
+    let parked = d.replicas == 0;
+    if !obs.idle {
+        if parked {
+            events.push(PlannedEvent {
+                warning: false,
+                reason: crate::reasons::SCALED_FROM_ZERO,
+                note: format!(
+                    "requests again: merged pods scaled to {}; the dynamic pods serve it until \
+                     they are ready",
+                    subject.spec.serving.replicas
+                ),
+            });
+        }
+        return;
+    }
+    // Idle: the dynamic pods hold it again before anything else changes.
+    p.load_dynamic = true;
+    // Parked already, a dynamic pod may lack it (a new pod still loading): it stays parked and
+    // the dynamic pods load it; not parked yet, the merged pods wait for the dynamic ones.
+    if !obs.dynamic_loaded && !parked {
+        return;
+    }
+    p.merged_replicas = Some(0);
+    p.merged_endpoint = None;
+    p.requeue_after_secs = None;
+    if !parked {
+        events.push(PlannedEvent {
+            warning: false,
+            reason: crate::reasons::SCALED_TO_ZERO,
+            note: format!(
+                "no request for the pool's merge.scaleToZero.idleSeconds: merged pods ({}) \
+                 scaled to 0; the dynamic pods serve version {}",
+                d.output, subject.spec.version
+            ),
+        });
+    }
+    status.phase = if obs.dynamic_loaded {
+        AdapterPhase::Ready
+    } else {
+        AdapterPhase::Pending
+    };
+    status.serving_mode = Some(ServingMode::Dynamic);
+    status.endpoint = Some(pool_endpoint(pool_name, subject.namespace));
+    set_condition(
+        &mut status.conditions,
+        condition::READY,
+        obs.dynamic_loaded,
+        crate::reasons::SCALED_TO_ZERO,
+        "merged pods scaled to zero while the adapter is idle; the dynamic pods serve it",
+        subject.generation,
+        obs.now,
+    );
 }
 
 fn plan_dynamic(
@@ -455,6 +550,7 @@ fn plan_dynamic(
         status: AdapterStatus::default(),
         events: Vec::new(),
         requeue_after_secs: (!obs.dynamic_loaded).then_some(10),
+        merged_replicas: None,
     }
 }
 

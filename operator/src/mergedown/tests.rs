@@ -41,6 +41,7 @@ fn obs(job: JobState) -> Observed {
         deployment: None,
         dynamic_loaded: true,
         fleet_merged: None,
+        idle: false,
         now: t0(),
     }
 }
@@ -834,4 +835,130 @@ fn a_rollback_target_is_never_trimmed_by_its_own_plan() {
     assert_eq!(done.cleanup, vec![k2.output.clone()]);
     assert_eq!(done.status.history.len(), 1);
     assert_eq!(done.status.active_version.as_deref(), Some("v1"));
+}
+
+/// Issue 37, item 6: an idle merged adapter goes back into the dynamic pods, and only once they
+/// all hold it is its Deployment scaled to 0 (kept, with its output) and the forwarding
+/// dropped; requests again scale it back up, with the dynamic pods serving until it is ready.
+#[test]
+fn idle_merged_pods_scale_to_zero_only_behind_the_dynamic_pods_and_come_back() {
+    let mut p = pool();
+    p.merge.unload_from_dynamic = true;
+    let spec = adapter("v1", "merged");
+    let key = merge_key(&p, "calendar", &spec);
+    let serving_status = merged_status(&p, "v1", &AdapterStatus::default());
+    let at = |replicas: i32, ready: i32| DeploymentState {
+        replicas,
+        ready_replicas: ready,
+        serving_replicas: ready,
+        ..serving(&key.output, "v1")
+    };
+    struct Row {
+        idle: bool,
+        dynamic_loaded: bool,
+        deployment: DeploymentState,
+        // What the plan does: merged replicas override, forwarding, dynamic load, Event.
+        replicas: Option<i32>,
+        forwards: bool,
+        load_dynamic: bool,
+        event: Option<&'static str>,
+    }
+    let rows = [
+        // Busy and served merged: nothing changes (the pool unloads it from dynamic pods).
+        Row {
+            idle: false,
+            dynamic_loaded: false,
+            deployment: at(1, 1),
+            replicas: None,
+            forwards: true,
+            load_dynamic: false,
+            event: None,
+        },
+        // Idle, but the dynamic pods do not hold it: they load it first, merged pods stay.
+        Row {
+            idle: true,
+            dynamic_loaded: false,
+            deployment: at(1, 1),
+            replicas: None,
+            forwards: true,
+            load_dynamic: true,
+            event: None,
+        },
+        // Idle and the dynamic pods hold it: scaled to zero, no more forwarding.
+        Row {
+            idle: true,
+            dynamic_loaded: true,
+            deployment: at(1, 1),
+            replicas: Some(0),
+            forwards: false,
+            load_dynamic: true,
+            event: Some("ScaledToZero"),
+        },
+        // Stays parked, announced once.
+        Row {
+            idle: true,
+            dynamic_loaded: true,
+            deployment: at(0, 0),
+            replicas: Some(0),
+            forwards: false,
+            load_dynamic: true,
+            event: None,
+        },
+        // Requests again: scaled back up; the dynamic pods keep it until the pods are ready.
+        Row {
+            idle: false,
+            dynamic_loaded: true,
+            deployment: at(0, 0),
+            replicas: None,
+            forwards: false,
+            load_dynamic: true,
+            event: Some("ScaledFromZero"),
+        },
+    ];
+    for (i, r) in rows.iter().enumerate() {
+        let mut o = obs(JobState::Succeeded);
+        o.idle = r.idle;
+        o.dynamic_loaded = r.dynamic_loaded;
+        o.deployment = Some(r.deployment.clone());
+        let plan = run(&p, &spec, &serving_status, &o);
+        assert_eq!(
+            plan.deployment,
+            DeploymentAction::Apply {
+                output: key.output.clone(),
+                version: "v1".into()
+            },
+            "row {i}: the Deployment is kept"
+        );
+        assert_eq!(plan.merged_replicas, r.replicas, "row {i}");
+        assert_eq!(plan.merged_endpoint.is_some(), r.forwards, "row {i}");
+        assert_eq!(plan.load_dynamic, r.load_dynamic, "row {i}");
+        let reasons: Vec<_> = plan.events.iter().map(|e| e.reason).collect();
+        match r.event {
+            Some(e) => assert!(reasons.contains(&e), "row {i}: {reasons:?}"),
+            None => assert!(
+                !reasons.contains(&"ScaledToZero") && !reasons.contains(&"ScaledFromZero"),
+                "row {i}: {reasons:?}"
+            ),
+        }
+        if r.replicas == Some(0) {
+            assert_eq!(plan.status.phase, AdapterPhase::Ready, "row {i}");
+            assert_eq!(plan.status.serving_mode, Some(ServingMode::Dynamic));
+            let ready = cond(&plan.status, condition::READY).unwrap();
+            assert_eq!(
+                (ready.status.as_str(), ready.reason.as_str()),
+                ("True", "ScaledToZero")
+            );
+            assert_eq!(
+                plan.status.endpoint.as_deref(),
+                Some(pool_endpoint("vl", "ml").as_str())
+            );
+        }
+    }
+    // A merge under way for a new version is never parked.
+    let v2 = adapter("v2", "merged");
+    let mut o = obs(JobState::Running);
+    o.idle = true;
+    o.deployment = Some(at(1, 1));
+    let plan = run(&p, &v2, &serving_status, &o);
+    assert_eq!(plan.merged_replicas, None);
 }

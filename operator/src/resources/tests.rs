@@ -770,7 +770,7 @@ fn every_field_spec() -> serde_json::Value {
   "dynamic": {"replicas": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 3,
               "targetQueueDepth": 2, "scaleDownStabilizationSeconds": 60}, "maxLoras": 4, "maxCpuLoras": 16, "maxLoraRank": 32, "loraDtype": "f16",
               "maxBatchSize": 8, "maxSeqLen": 2048, "maxQueue": 128,
-              "gpuMemoryUtilization": 0.8},
+              "gpuMemoryUtilization": 0.8, "placement": {"minReplicas": 2, "loadFactor": 1.25}},
   "router": {"strategies": ["explicit", "embedding"], "classifierAdapter": "cls", "minConfidence": 0.5,
              "embeddingModel": "embed/minilm", "embeddingThreshold": 0.25, "fallback": "base",
              "preferMerged": true, "fallbackToDynamic": true},
@@ -779,7 +779,8 @@ fn every_field_spec() -> serde_json::Value {
             "keepVersions": 2, "minAccuracy": 0.5, "backoffLimit": 2, "activeDeadlineSeconds": 3600,
             "unloadFromDynamic": false,
             "traffic": {"promoteShare": 0.1, "demoteShare": 0.04, "windowSeconds": 300,
-                        "minHoldSeconds": 900, "maxMergedGpus": 2}},
+                        "minHoldSeconds": 900, "maxMergedGpus": 2},
+            "scaleToZero": {"idleSeconds": 1800}},
   "auth": {"secretName": "keys", "key": "api-keys", "adminTokenKey": "admin"},
   "imagePullSecrets": [{"name": "regcred"}],
   "rollout": {"maxSurge": "25%", "maxUnavailable": 1}
@@ -798,6 +799,10 @@ const NOT_HASHED: &[(&str, &str)] = &[
     (
         "dynamic.autoscaling.",
         "the HPA's settings: how many pods, not what they run",
+    ),
+    (
+        "dynamic.placement.",
+        "which adapters each pod loads: the WorkerConfig, reloaded",
     ),
     ("router.strategies", "reloaded: the worker swaps its router"),
     ("router.classifierAdapter", "reloaded with the router"),
@@ -1212,4 +1217,74 @@ fn worker_pods_export_traces_where_the_operator_says_and_nowhere_by_default() {
         "MOLE_OTLP_TRACES_ENDPOINT".into(),
         Some("http://otel-collector.observability:4318".into())
     )));
+}
+
+/// Issue 37, item 4: with `dynamic.placement` each adapter the dynamic pods load is placed on
+/// `minReplicas` of them (more with more traffic), no pod over the bound, the same pods in any
+/// order giving the same config; without it (or without pods) every pod loads every adapter.
+#[test]
+fn placement_puts_each_adapter_on_a_share_of_the_pods() {
+    let mut p = pool();
+    let names: Vec<String> = (0..12).map(|i| format!("a{i}")).collect();
+    let adapters: Vec<Adapter> = names
+        .iter()
+        .map(|n| {
+            serde_json::from_value(serde_json::json!({
+                "apiVersion": "mole.dev/v1alpha1", "kind": "Adapter",
+                "metadata": {"name": n, "namespace": "ml"},
+                "spec": {"pool": "vl", "version": "v1", "source": {"path": format!("adapters/{n}")}}
+            }))
+            .unwrap()
+        })
+        .collect();
+    let reg: Vec<Registered<'_>> = adapters
+        .iter()
+        .enumerate()
+        .map(|(i, a)| Registered {
+            adapter: a,
+            lora_id: i as u32 + 1,
+        })
+        .collect();
+    let pods: Vec<String> = (0..4).map(|i| format!("vl-dynamic-{i}")).collect();
+    // a0 carries half the pool's tokens: it goes on more pods.
+    let traffic: std::collections::BTreeMap<String, f64> = [("a0".to_string(), 1500.0)]
+        .into_iter()
+        .chain(names[1..].iter().map(|n| (n.clone(), 100.0)))
+        .collect();
+    let mut plain = worker_config("vl", &p.spec, &reg);
+    place_adapters(&mut plain, &p.spec, &traffic, &pods, &Default::default());
+    assert!(
+        plain.adapters.iter().all(|a| a.pods.is_empty()),
+        "not asked"
+    );
+    p.spec.dynamic.placement = Some(mole_crds::PlacementSpec {
+        min_replicas: 2,
+        load_factor: 1.25,
+    });
+    let peers: std::collections::BTreeMap<String, String> = pods
+        .iter()
+        .map(|p| (p.clone(), format!("http://{p}:8000")))
+        .collect();
+    let mut wc = worker_config("vl", &p.spec, &reg);
+    place_adapters(&mut wc, &p.spec, &traffic, &pods, &peers);
+    assert_eq!(wc.peers, peers, "the pods forward to each other");
+    let mut per_pod = std::collections::BTreeMap::<&str, usize>::new();
+    for a in &wc.adapters {
+        let want = if a.name == "a0" { 3 } else { 2 };
+        assert_eq!(a.pods.len(), want, "{}: {:?}", a.name, a.pods);
+        for pod in &a.pods {
+            *per_pod.entry(pod.as_str()).or_default() += 1;
+        }
+    }
+    // 25 replicas over 4 pods: at most ceil(1.25 x 25 / 4) = 8 per pod.
+    assert_eq!(per_pod.len(), 4, "{per_pod:?}");
+    assert!(per_pod.values().all(|n| *n <= 8), "{per_pod:?}");
+    let mut shuffled = pods.clone();
+    shuffled.reverse();
+    let mut again = worker_config("vl", &p.spec, &reg);
+    place_adapters(&mut again, &p.spec, &traffic, &shuffled, &peers);
+    assert_eq!(again, wc);
+    let mut none = worker_config("vl", &p.spec, &reg);
+    place_adapters(&mut none, &p.spec, &traffic, &[], &Default::default());
+    assert!(none.adapters.iter().all(|a| a.pods.is_empty()));
 }

@@ -57,6 +57,50 @@ pub fn worker_config(
                 .map(|k| format!("{AUTH_MOUNT}/{k}")),
             operator_token_file: Some(operator_token_file()),
         }),
+        // Set by `place_adapters` for a pool with `dynamic.placement`.
+        peers: Default::default(),
+    }
+}
+
+/// Places `wc`'s adapters that the dynamic pods load on `pods` (the pool's
+/// `dynamic.placement`; nothing without it or without pods): each adapter's `pods` from
+/// [`crate::fleet::placement::place`] with its tokens per minute from `traffic` (adapter name
+/// → tokens/min, absent: 0), and `peers` (ready pod → URL) for the pods' forwarding. Pods are
+/// taken sorted, so the same pods give the same config.
+pub fn place_adapters(
+    wc: &mut WorkerConfig,
+    spec: &InferencePoolSpec,
+    traffic: &std::collections::BTreeMap<String, f64>,
+    pods: &[String],
+    peers: &std::collections::BTreeMap<String, String>,
+) {
+    let Some(p) = &spec.dynamic.placement else {
+        return;
+    };
+    wc.peers = peers.clone();
+    if pods.is_empty() {
+        return;
+    }
+    let mut pods = pods.to_vec();
+    pods.sort();
+    pods.dedup();
+    let policy = crate::fleet::placement::Policy {
+        min_replicas: p.min_replicas as usize,
+        load_factor: p.load_factor,
+        capacity: (spec.dynamic.limits.max_loras + spec.dynamic.limits.max_cpu_loras).max(1)
+            as usize,
+    };
+    let load: Vec<(String, f64)> = wc
+        .adapters
+        .iter()
+        .filter(|a| a.load || a.canary.is_some())
+        .map(|a| (a.name.clone(), traffic.get(&a.name).copied().unwrap_or(0.0)))
+        .collect();
+    let mut placed = crate::fleet::placement::place(&policy, &load, &pods);
+    for a in &mut wc.adapters {
+        if let Some(on) = placed.remove(&a.name) {
+            a.pods = on;
+        }
     }
 }
 
@@ -76,6 +120,12 @@ fn worker_adapter(r: &Registered<'_>) -> WorkerAdapter {
         // serving mode deadlocks a merged → dynamic switch.
         merged_endpoint: status.and_then(|s| s.merged_endpoint.clone()),
         load: status.and_then(|s| s.load_dynamic).unwrap_or(true),
+        canary: crate::controller::adapter::canary::worker_canary(
+            a,
+            status.and_then(|s| s.canary.as_ref()),
+        ),
+        // Set by `place_adapters` for a pool with `dynamic.placement`.
+        pods: Vec::new(),
     }
 }
 

@@ -417,6 +417,12 @@ pub trait Serving: Send + Sync + 'static {
 pub trait AdapterAdmin: Send + Sync + 'static {
     /// Loads an adapter version (blocking until loaded or refused).
     fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError>;
+    /// Makes an adapter placed on other pods known without reading it: its first request reads
+    /// it from disk. An engine without lazy adapters (and any engine, for a name it already
+    /// holds in another version) loads it at once.
+    fn register_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
+        self.load_adapter(spec)
+    }
     /// Unloads every version of an adapter; running requests finish on their pinned version.
     fn unload_adapter(&self, name: &str) -> Result<(), EngineError>;
     /// What the registry holds.

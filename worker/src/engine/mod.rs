@@ -592,6 +592,18 @@ impl AdapterAdmin for Engine {
         self.load_version(spec)
     }
 
+    fn register_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
+        // Placed elsewhere now, it stays where it is (read, or still on disk).
+        if self.shared.registry.holds(&spec) {
+            return Ok(());
+        }
+        if self.is_merged(&spec.name).is_some() || self.shared.registry.knows(&spec.name) {
+            return self.load_version(spec);
+        }
+        self.shared.registry.register(spec);
+        Ok(())
+    }
+
     fn unload_adapter(&self, name: &str) -> Result<(), EngineError> {
         self.unload(name)
     }

@@ -110,6 +110,14 @@ impl AdapterAdmin for Replicas {
         })
     }
 
+    /// Registers on every engine (each reads it on its own first request).
+    fn register_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
+        for e in &self.engines {
+            e.register_adapter(spec.clone())?;
+        }
+        Ok(())
+    }
+
     /// Unloads from every engine, whatever one of them answers: done when some engine held
     /// it and none failed otherwise; `adapter_not_found` when none held it; else the first
     /// failure (after every engine was tried).

@@ -25,10 +25,25 @@ use mole_api::{LoraAdapterInfo, Residency};
 
 use crate::model::LoraAdapter;
 
+/// What a canary version's key ends with: the registry holds it beside the stable version under
+/// `<name>/canary`, a key no adapter name can be ('/' is refused in names), so both versions are
+/// current at once and each keeps its own counters.
+pub const CANARY_SUFFIX: &str = "/canary";
+
+/// The registry key of `name`'s canary version.
+pub fn canary_key(name: &str) -> String {
+    format!("{name}{CANARY_SUFFIX}")
+}
+
+/// The adapter name behind a registry key (what listings, counters and answers show).
+pub fn public_name(key: &str) -> &str {
+    key.strip_suffix(CANARY_SUFFIX).unwrap_or(key)
+}
+
 /// An adapter to load (from the worker config or `/v1/load_lora_adapter`).
 #[derive(Debug, Clone, PartialEq)]
 pub struct AdapterSpec {
-    /// Name requests use.
+    /// Name requests use (for a canary version, its [`canary_key`]).
     pub name: String,
     /// Version (a new version loads beside the old one).
     pub version: String,
@@ -230,7 +245,7 @@ impl<W> Entry<W> {
     fn pin_weights(&mut self, w: Arc<LoraAdapter>) -> Pinned {
         self.last_used = Instant::now();
         Pinned {
-            name: self.spec.name.clone(),
+            name: public_name(&self.spec.name).to_string(),
             version: self.spec.version.clone(),
             adapter: w,
             stats: self.stats.clone(),
@@ -278,6 +293,48 @@ impl<W> Registry<W> {
         g.current
             .get(&spec.name)
             .is_some_and(|e| e.spec == *spec && e.weights.is_some())
+    }
+
+    /// Whether `name` has a current version (resident, in host memory or on disk).
+    pub fn knows(&self, name: &str) -> bool {
+        self.lock().current.contains_key(name)
+    }
+
+    /// Whether `spec` is the current version of its name, wherever its weights are.
+    pub fn holds(&self, spec: &AdapterSpec) -> bool {
+        self.lock()
+            .current
+            .get(&spec.name)
+            .is_some_and(|e| e.spec == *spec)
+    }
+
+    /// Makes `spec` the current version of a name the registry does not know yet, on disk:
+    /// nothing is read until a request asks for it (an adapter placed on other pods). False
+    /// when the name is known (the caller loads the new version instead).
+    pub fn register(&self, spec: AdapterSpec) -> bool {
+        let mut g = self.lock();
+        if g.current.contains_key(&spec.name) {
+            return false;
+        }
+        g.failed.remove(&spec.name);
+        g.generation += 1;
+        let generation = g.generation;
+        g.current.insert(
+            spec.name.clone(),
+            Entry {
+                spec,
+                generation,
+                loading: None,
+                weights: None,
+                host: None,
+                rank: 0,
+                bytes: 0,
+                warning: None,
+                stats: Arc::default(),
+                last_used: Instant::now(),
+            },
+        );
+        true
     }
 
     /// Makes `weights` the current version of `spec.name`; the version it replaces drains.
@@ -358,6 +415,9 @@ impl<W> Registry<W> {
         let waiters = e.loading.take().unwrap_or_default();
         let settled = match weights {
             Ok(weights) => {
+                // A registered adapter's first read is where its shape is learnt.
+                (e.rank, e.bytes, e.warning) =
+                    (weights.rank, weights.bytes, weights.warning.clone());
                 e.weights = Some(weights.clone());
                 e.host = None;
                 waiters
@@ -514,11 +574,11 @@ impl<W> Registry<W> {
         g.draining.retain(|d| d.weights.strong_count() > 0);
         g.current
             .values()
-            .map(|e| e.stats.counters(&e.spec.name, &e.spec.version))
+            .map(|e| e.stats.counters(public_name(&e.spec.name), &e.spec.version))
             .chain(
                 g.draining
                     .iter()
-                    .map(|d| d.stats.counters(&d.spec.name, &d.spec.version)),
+                    .map(|d| d.stats.counters(public_name(&d.spec.name), &d.spec.version)),
             )
             .collect()
     }
@@ -532,7 +592,7 @@ impl<W> Registry<W> {
             .current
             .values()
             .map(|e| LoraAdapterInfo {
-                name: e.spec.name.clone(),
+                name: public_name(&e.spec.name).to_string(),
                 version: e.spec.version.clone(),
                 lora_id: e.spec.lora_id,
                 path: Some(e.spec.path.display().to_string()),
@@ -554,7 +614,7 @@ impl<W> Registry<W> {
                 warning: e.warning.clone(),
             })
             .chain(g.draining.iter().map(|d| LoraAdapterInfo {
-                name: d.spec.name.clone(),
+                name: public_name(&d.spec.name).to_string(),
                 version: d.spec.version.clone(),
                 lora_id: d.spec.lora_id,
                 path: Some(d.spec.path.display().to_string()),
@@ -568,7 +628,7 @@ impl<W> Registry<W> {
                 warning: None,
             }))
             .chain(g.failed.values().map(|(spec, reason)| LoraAdapterInfo {
-                name: spec.name.clone(),
+                name: public_name(&spec.name).to_string(),
                 version: spec.version.clone(),
                 lora_id: spec.lora_id,
                 path: Some(spec.path.display().to_string()),

@@ -62,7 +62,9 @@ pub(super) async fn forward(
     );
     let forwarded = {
         use tracing::Instrument;
-        proxy(s, &ep, d, up, &span).instrument(span.clone()).await
+        proxy(s, &ep, d, up, Hop::Merged, &span)
+            .instrument(span.clone())
+            .await
     };
     if forwarded.is_err() {
         span.record("otel.status_code", "ERROR");
@@ -98,7 +100,82 @@ pub(super) async fn forward(
     Ok(None)
 }
 
-/// Forwards a request to a merged pod. Err carries the reason (connection failure, timeout,
+/// The header a pod sets on a request it forwards to a peer: the peer serves it itself, so a
+/// request is forwarded at most once.
+pub const FORWARDED_HEADER: &str = "x-mole-forwarded";
+
+/// Where a request is forwarded.
+#[derive(Clone, Copy, PartialEq)]
+enum Hop {
+    /// To the adapter's merged pods.
+    Merged,
+    /// To a dynamic pod the adapter is placed on.
+    Peer,
+}
+
+/// Serves `d` from a peer when its adapter is placed on other dynamic pods
+/// (`adapters[].pods`) and this pod holds it only on disk: the placed pods are tried in their
+/// placement order (best first), those without an address in `peers` or that fail (refused,
+/// timed out, 5xx) skipped. None: serve it here (after a read from disk), also when every peer
+/// failed, so no request fails for where it landed. A request a peer forwarded is never
+/// forwarded again.
+pub(super) async fn forward_to_peer(
+    s: &Arc<AppState>,
+    cfg: &WorkerConfig,
+    d: &Decision,
+    up: &Upstream<'_>,
+) -> Option<Response> {
+    let name = d.adapter.as_ref()?;
+    if up.headers.contains_key(FORWARDED_HEADER) || cfg.peers.is_empty() {
+        return None;
+    }
+    let a = cfg.adapters.iter().find(|a| &a.name == name)?;
+    let me = crate::config::this_pod();
+    if a.placed_on(me.as_deref()) {
+        return None;
+    }
+    let resident = s.admin.adapters().iter().any(|x| {
+        &x.name == name
+            && x.version == a.version
+            && x.loaded
+            && x.residency != mole_api::Residency::Disk
+    });
+    if resident {
+        return None;
+    }
+    for pod in a.pods.iter().filter(|p| Some(p.as_str()) != me.as_deref()) {
+        let Some(ep) = cfg.peers.get(pod) else {
+            continue;
+        };
+        let span = tracing::info_span!(
+            "peer",
+            otel.name = "peer forward",
+            otel.kind = "client",
+            mole.adapter = %name,
+            server.address = %ep,
+        );
+        let forwarded = {
+            use tracing::Instrument;
+            proxy(s, ep, d, up, Hop::Peer, &span)
+                .instrument(span.clone())
+                .await
+        };
+        let outcome = if forwarded.is_ok() { "ok" } else { "failed" };
+        s.metrics
+            .proxy
+            .with_label_values(&[name.as_str(), outcome])
+            .inc();
+        match forwarded {
+            Ok(r) => return Some(r),
+            Err(reason) => {
+                tracing::warn!(adapter = %name, peer = %pod, %reason, "peer skipped");
+            }
+        }
+    }
+    None
+}
+
+/// Forwards a request to a merged pod or a peer. Err carries the reason (connection failure, timeout,
 /// 5xx, or a non-streamed answer cut short) so the caller can fall back: a non-streamed answer
 /// is read whole before it is sent on. A stream is passed through as it comes; if the pod
 /// dies mid-stream the client gets an OpenAI-shaped error event and `data: [DONE]`.
@@ -107,10 +184,21 @@ async fn proxy(
     ep: &str,
     d: &Decision,
     up: &Upstream<'_>,
+    hop: Hop,
     span: &tracing::Span,
 ) -> Result<Response, String> {
     let url = format!("{}{}", ep.trim_end_matches('/'), up.path);
     let mut req = s.http.post(&url).json(up.body);
+    if hop == Hop::Peer {
+        req = req.header(
+            FORWARDED_HEADER,
+            crate::config::this_pod().unwrap_or_else(|| "peer".into()),
+        );
+        // The session goes along, so the peer's canary split sees it.
+        if let Some(v) = up.headers.get(mole_api::SESSION_HEADER) {
+            req = req.header(mole_api::SESSION_HEADER, v.clone());
+        }
+    }
     if let Some(a) = up.headers.get("authorization") {
         req = req.header("authorization", a.clone());
     }
@@ -138,11 +226,15 @@ async fn proxy(
     let status = StatusCode::from_u16(r.status().as_u16()).unwrap_or(StatusCode::BAD_GATEWAY);
     let ctype = r.headers().get("content-type").cloned();
     let mut h = mole_headers(d);
-    h.insert(
-        "x-mole-mode",
-        HeaderValue::from_static(Mode::Merged.as_str()),
-    );
-    let route = format!("{}+proxy", d.reason);
+    let mode = match hop {
+        Hop::Merged => Mode::Merged,
+        Hop::Peer => Mode::Dynamic,
+    };
+    h.insert("x-mole-mode", HeaderValue::from_static(mode.as_str()));
+    let route = match hop {
+        Hop::Merged => format!("{}+proxy", d.reason),
+        Hop::Peer => format!("{}+peer", d.reason),
+    };
     h.insert(
         "x-mole-route",
         HeaderValue::from_str(&route).unwrap_or(HeaderValue::from_static("proxy")),
@@ -160,7 +252,7 @@ async fn proxy(
         move |status: &str| {
             s.metrics
                 .requests
-                .with_label_values(&[up.endpoint, &adapter, Mode::Merged.as_str(), &route, status])
+                .with_label_values(&[up.endpoint, &adapter, mode.as_str(), &route, status])
                 .inc();
         }
     };

@@ -42,8 +42,9 @@ impl AppState {
             tracing::warn!(adapter = %f.name, version = %f.version, "adapter not loaded: {}", f.reason);
             refused.insert(f.name.clone(), f.clone());
         }
+        let units = crate::config::units(&cfg.adapters);
         refused.retain(|n, f| {
-            cfg.adapters
+            units
                 .iter()
                 .any(|a| &a.name == n && a.version == f.version && a.load)
         });

@@ -66,6 +66,9 @@ pub struct AppState {
     pub(super) image_budget: Arc<tokio::sync::Semaphore>,
     /// Image decodes running at once: one per core (the blocking pool would run hundreds).
     pub(super) decode_pool: Arc<tokio::sync::Semaphore>,
+    /// Requests without a session so far, per adapter with a canary: the count that splits
+    /// them exactly by the canary's weight ([`mole_api::canary_pick`]).
+    pub(super) canary_counts: Mutex<HashMap<String, u64>>,
 }
 
 impl AppState {
@@ -121,6 +124,7 @@ impl AppState {
             next_lora_id: AtomicU32::new(1 << 30),
             image_budget: Arc::new(tokio::sync::Semaphore::new(pixel_units)),
             decode_pool: Arc::new(tokio::sync::Semaphore::new(cores)),
+            canary_counts: Mutex::default(),
         })
     }
     /// Marks the server as shutting down: `/readyz` answers 503 and new requests are refused
@@ -180,12 +184,11 @@ impl AppState {
             .unwrap_or_else(PoisonError::into_inner)
             .values()
         {
-            if !out
-                .iter()
-                .any(|a| a.name == f.name && a.version == f.version)
-            {
+            if !out.iter().any(|a| {
+                a.name == crate::lora::registry::public_name(&f.name) && a.version == f.version
+            }) {
                 out.push(mole_api::LoraAdapterInfo {
-                    name: f.name.clone(),
+                    name: crate::lora::registry::public_name(&f.name).to_string(),
                     version: f.version.clone(),
                     lora_id: f.lora_id,
                     path: None,

@@ -251,7 +251,8 @@ async fn apply_merged(
         &c.name,
         version,
         output,
-        c.adapter.spec.serving.replicas,
+        plan.merged_replicas
+            .unwrap_or(c.adapter.spec.serving.replicas),
         c.owner.clone(),
         resources::PodDefaults {
             port: c.ctx.pods.port(),

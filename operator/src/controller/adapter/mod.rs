@@ -10,6 +10,7 @@
 
 mod apply;
 mod build;
+pub mod canary;
 mod fetch;
 mod ledger;
 mod observe;
@@ -157,6 +158,7 @@ async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     let rates = traffic::smooth(ctx, adapter, &pool, &observed.counters, now);
     let decision = traffic::decide_for(adapter, &pool, &siblings, &rates, now);
     observed.planner.fleet_merged = decision.as_ref().map(|d| d.merged());
+    observed.planner.idle = traffic::idle(&pool.spec, adapter.status.as_ref(), &rates, now);
     let mut plan = build::plan(
         adapter,
         &pool,
@@ -181,6 +183,14 @@ async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     ) {
         plan.events.insert(0, ev);
     }
+    let (canary, ev) = canary::step(
+        &adapter.spec,
+        adapter.status.as_ref().and_then(|s| s.canary.as_ref()),
+        &observed.versions,
+        &now.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
+    );
+    next.canary = canary;
+    plan.events.extend(ev);
     status::publish(adapter, ctx, &next, &plan, observed.load_error.as_deref()).await
 }
 

@@ -53,6 +53,9 @@ pub(super) struct Observed {
     pub counters: std::collections::BTreeMap<String, crate::fleet::traffic::Counters>,
     /// The ready dynamic pods that hold it loaded (any version).
     pub holding: Vec<String>,
+    /// This adapter's cumulative counters per version, summed over the pods (dynamic and
+    /// merged): what the canary analysis compares.
+    pub versions: std::collections::BTreeMap<String, crate::fleet::traffic::Counters>,
     /// What the merge-down planner reads.
     pub planner: mergedown::Observed,
 }
@@ -73,12 +76,14 @@ pub(super) async fn observe(
     let mut unreachable = Vec::new();
     let mut counters = std::collections::BTreeMap::new();
     let mut holding = Vec::new();
+    let mut versions = std::collections::BTreeMap::new();
     for pod in &pods {
         match ctx.pods.adapters(pod, &token).await {
             Ok(r) => {
                 if let Some(c) = super::traffic::counters_of(&r, &name) {
                     counters.insert(pod.name.clone(), c);
                 }
+                super::traffic::add_versions(&mut versions, &r, &name);
                 if r.data.iter().any(|a| a.name == name && a.loaded) {
                     holding.push(pod.name.clone());
                 }
@@ -128,6 +133,7 @@ pub(super) async fn observe(
                     if let Some(c) = super::traffic::counters_of(&r, &name) {
                         counters.insert(pod.name.clone(), c);
                     }
+                    super::traffic::add_versions(&mut versions, &r, &name);
                 }
             }
             pod_problem(&mpods)
@@ -139,6 +145,7 @@ pub(super) async fn observe(
         deployment: merged.as_ref().map(observe_merged),
         dynamic_loaded: all_loaded && unreachable.is_empty(),
         fleet_merged: None,
+        idle: false,
         now,
     };
     Ok(Observed {
@@ -151,6 +158,7 @@ pub(super) async fn observe(
         merged_problem,
         counters,
         holding,
+        versions,
         planner,
     })
 }

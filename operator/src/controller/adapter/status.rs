@@ -240,6 +240,7 @@ mod tests {
             status,
             events: Vec::new(),
             requeue_after_secs: None,
+            merged_replicas: None,
         }
     }
 
@@ -254,11 +255,13 @@ mod tests {
             merged_problem: None,
             counters: Default::default(),
             holding: Vec::new(),
+            versions: Default::default(),
             planner: crate::mergedown::Observed {
                 job: JobState::Absent,
                 deployment: None,
                 dynamic_loaded: pods > 0 && loaded == pods,
                 fleet_merged: None,
+                idle: false,
                 now: now(),
             },
         }

@@ -61,6 +61,35 @@ pub(super) fn counters_of(r: &LoraAdaptersResponse, name: &str) -> Option<Counte
     Some(c)
 }
 
+/// Adds this adapter's counters in one pod's report to `into`, per version (what the canary
+/// analysis compares). Versions a worker lists without counting traffic count their
+/// completed requests.
+pub(super) fn add_versions(
+    into: &mut BTreeMap<String, Counters>,
+    r: &LoraAdaptersResponse,
+    name: &str,
+) {
+    let mut counted = false;
+    for x in r.traffic.iter().filter(|c| c.name == name) {
+        counted = true;
+        let c = into.entry(x.version.clone()).or_default();
+        c.requests += x.requests;
+        c.tokens += x.tokens;
+        c.errors += x.errors;
+        if c.latency.len() < x.latency_ms.len() {
+            c.latency.resize(x.latency_ms.len(), 0);
+        }
+        for (a, b) in c.latency.iter_mut().zip(&x.latency_ms) {
+            *a += b;
+        }
+    }
+    if !counted {
+        for a in r.data.iter().filter(|a| a.name == name) {
+            into.entry(a.version.clone()).or_default().requests += a.requests;
+        }
+    }
+}
+
 fn window_secs(pool: &InferencePoolSpec) -> i64 {
     pool.merge
         .traffic
@@ -126,6 +155,27 @@ pub(super) fn forget(ctx: &Context, adapter: &Adapter) {
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .remove(&key);
+}
+
+/// Whether the adapter counts as idle for the pool's `merge.scaleToZero`: no request ran for
+/// `idleSeconds`, counted from its last use or, never used since the operator started watching,
+/// from when its active version started serving (so a fresh merge is not parked at once).
+/// Always false without `merge.scaleToZero`. Pure.
+pub fn idle(
+    pool: &InferencePoolSpec,
+    status: Option<&AdapterStatus>,
+    rates: &Rates,
+    now: DateTime<Utc>,
+) -> bool {
+    let Some(z) = &pool.merge.scale_to_zero else {
+        return false;
+    };
+    let since = rates.last_used.or_else(|| {
+        status
+            .and_then(|s| s.history.first())
+            .and_then(|r| parse(r.time.as_deref()))
+    });
+    since.is_some_and(|t| (now - t).num_seconds() >= z.idle_seconds)
 }
 
 /// The pool's merge policy for `auto` adapters, when it has `merge.traffic`.
@@ -346,6 +396,30 @@ mod tests {
             tokens_per_min: tpm,
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn idle_counts_from_the_last_use_or_the_active_version() {
+        let mut p = pool();
+        let used = |secs: Option<i64>| Rates {
+            last_used: secs.map(t),
+            ..Default::default()
+        };
+        assert!(
+            !idle(&p.spec, None, &used(Some(0)), t(100_000)),
+            "not asked"
+        );
+        p.spec.merge.scale_to_zero = Some(mole_crds::ScaleToZeroSpec { idle_seconds: 600 });
+        assert!(!idle(&p.spec, None, &used(Some(0)), t(599)));
+        assert!(idle(&p.spec, None, &used(Some(0)), t(600)));
+        // Never used: from when the active version started serving; unknown: not idle.
+        let status: AdapterStatus = serde_json::from_value(json!({
+            "history": [{"version": "v1", "source": "a", "time": "2026-11-27T12:00:00Z"}]
+        }))
+        .unwrap();
+        assert!(!idle(&p.spec, Some(&status), &used(None), t(300)));
+        assert!(idle(&p.spec, Some(&status), &used(None), t(900)));
+        assert!(!idle(&p.spec, None, &used(None), t(100_000)));
     }
 
     #[test]

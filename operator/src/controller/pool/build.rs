@@ -52,16 +52,28 @@ pub fn registered<'a>(pool: &InferencePool, adapters: &'a [Adapter]) -> Vec<Regi
         .collect()
 }
 
-/// The pool's children, its WorkerConfig listing the registered ones of `adapters`, its pods
-/// running `spec.image` or the default of `images` and listening on `port`.
+/// The pool's children, its WorkerConfig listing the registered ones of `adapters` (placed on
+/// `pods`, the dynamic pods, with `dynamic.placement`), its pods running `spec.image` or the default of `images` and listening on `port`.
 pub(super) fn desired(
     pool: &InferencePool,
     adapters: &[Adapter],
+    pods: &[String],
+    peers: &std::collections::BTreeMap<String, String>,
     port: u16,
     images: &WorkerDefaults,
 ) -> Desired {
     let reg = registered(pool, adapters);
-    let config = resources::worker_config(&pool.name_any(), &pool.spec, &reg);
+    let mut config = resources::worker_config(&pool.name_any(), &pool.spec, &reg);
+    // Placement by the traffic each adapter's status records (written at a bounded rate, so
+    // the config does not churn with every reading).
+    let traffic = reg
+        .iter()
+        .map(|r| {
+            let t = r.adapter.status.as_ref().and_then(|s| s.traffic.as_ref());
+            (r.adapter.name_any(), t.map_or(0.0, |t| t.tokens_per_minute))
+        })
+        .collect();
+    resources::place_adapters(&mut config, &pool.spec, &traffic, pods, peers);
     let (config_map, config_hash) = resources::config_map(pool, &config);
     Desired {
         config_map,

@@ -53,7 +53,14 @@ async fn reconcile_inner(pool: &InferencePool, ctx: &Context) -> Result<Action> 
         return Ok(Action::await_change());
     }
     let observed = observe::observe(pool, ctx).await?;
-    let desired = build::desired(pool, &observed.adapters, ctx.pods.port(), &ctx.images);
+    let desired = build::desired(
+        pool,
+        &observed.adapters,
+        &observed.pods,
+        &observed.peers(ctx.pods.port()),
+        ctx.pods.port(),
+        &ctx.images,
+    );
     let applied = apply::apply(pool, ctx, &observed, &desired).await?;
     let report = status::report(pool, &observed, &applied, now);
     status::publish(pool, ctx, &report).await?;

@@ -19,6 +19,10 @@ pub(super) struct Observed {
     /// Every Adapter of the namespace, from the Adapter store (the pool's are picked when
     /// building).
     pub adapters: Vec<Adapter>,
+    /// Names of the dynamic pods not being deleted (where `dynamic.placement` places adapters).
+    pub pods: Vec<String>,
+    /// The ready dynamic pods: name → pod IP.
+    pub ready: std::collections::BTreeMap<String, String>,
     /// The live `<pool>-config`.
     pub config_map: Option<ConfigMap>,
     /// The live `<pool>-dynamic` Deployment.
@@ -103,8 +107,20 @@ pub(super) async fn observe(pool: &InferencePool, ctx: &Context) -> Result<Obser
         .await?
         .items;
     let fetch = fetched.then(|| fetch_seen(&pods));
+    let names = pods
+        .iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .filter_map(|p| p.metadata.name.clone())
+        .collect();
+    let ready = pods
+        .iter()
+        .filter_map(crate::controller::context::ready)
+        .map(|p| (p.name, p.ip))
+        .collect();
     Ok(Observed {
         fetch,
+        pods: names,
+        ready,
         pod_problem: pod_problem(&pods),
         adapters: ctx.stores.adapters_in(&ns),
         config_map: Api::<ConfigMap>::namespaced(c.clone(), &ns)
@@ -122,6 +138,23 @@ pub(super) async fn observe(pool: &InferencePool, ctx: &Context) -> Result<Obser
             .await?,
         merged: deployments.list(&merged).await?.items,
     })
+}
+
+impl Observed {
+    /// The ready dynamic pods' base URLs on `port`, by name (the WorkerConfig's `peers`).
+    pub(super) fn peers(&self, port: u16) -> std::collections::BTreeMap<String, String> {
+        self.ready
+            .iter()
+            .map(|(name, ip)| {
+                let host = if ip.contains(':') {
+                    format!("[{ip}]")
+                } else {
+                    ip.clone()
+                };
+                (name.clone(), format!("http://{host}:{port}"))
+            })
+            .collect()
+    }
 }
 
 #[cfg(test)]

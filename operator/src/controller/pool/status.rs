@@ -406,6 +406,8 @@ mod tests {
                 adapter("b", "vl", "Pending"),
                 adapter("c", "other", "Ready"),
             ],
+            pods: Vec::new(),
+            ready: Default::default(),
             config_map: None,
             deployment: live,
             service: None,

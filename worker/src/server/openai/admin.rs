@@ -107,6 +107,10 @@ pub async fn unload_lora(
     Wire { body: b, .. }: Wire<LoadBody>,
 ) -> Result<Json<LoraAnswer>, ApiError> {
     s.admin.unload_adapter(&b.lora_name)?;
+    // Its canary version goes with it (the config, until changed, loads it again).
+    let _ = s
+        .admin
+        .unload_adapter(&crate::lora::registry::canary_key(&b.lora_name));
     Ok(Json(LoraAnswer {
         status: "unloaded",
         lora_name: b.lora_name,

@@ -188,7 +188,7 @@ pub(in crate::server) const FIELDS: &[Field] = &[
         "user",
         "OpenAI",
         Both,
-        "an end-user id for OpenAI's abuse monitoring; mole logs no end users",
+        "an end-user id for OpenAI's abuse monitoring; mole logs no end users, and reads it only as the session that keeps a canary split sticky (after the `x-session-id` header)",
     ),
     ignored(
         "safety_identifier",

@@ -139,7 +139,14 @@ async fn serve_routed(
     mut d: Decision,
 ) -> Result<Response, ApiError> {
     let cfg = s.cfg();
-    if let Some(r) = gateway::forward(s, &cfg, &d, &req.upstream(headers)).await? {
+    let canary = canary_for(s, &cfg, &d, headers, &req.forward);
+    if canary.is_some() {
+        // The canary version is served here (dynamically), never by the stable version's
+        // merged pods.
+        d.mode = Mode::Dynamic;
+    } else if let Some(r) = gateway::forward(s, &cfg, &d, &req.upstream(headers)).await? {
+        return Ok(r);
+    } else if let Some(r) = gateway::forward_to_peer(s, &cfg, &d, &req.upstream(headers)).await {
         return Ok(r);
     }
     // The prompt was tokenized by validation; each image's one placeholder becomes its
@@ -160,7 +167,7 @@ async fn serve_routed(
             GenerateRequest {
                 id: id.clone(),
                 prompt: Prompt::Tokens(req.prompt),
-                adapter: d.adapter.clone(),
+                adapter: canary.or_else(|| d.adapter.clone()),
                 sampling: SamplingParams {
                     max_tokens,
                     ..req.sampling
@@ -202,6 +209,54 @@ async fn serve_routed(
     } else {
         collect_response(ctx, rx).await
     }
+}
+
+/// The engine key of `d`'s canary version when this request goes to it: the adapter has a
+/// canary at a weight above 0 that this worker holds, and [`mole_api::canary_pick`] picks it
+/// for the request's session (the `x-session-id` header, else the body's OpenAI `user`) or, with
+/// none, for its place in the adapter's count. A canary that failed to load takes nothing: its
+/// share goes to the stable version, so no request fails for it.
+fn canary_for(
+    s: &AppState,
+    cfg: &WorkerConfig,
+    d: &Decision,
+    headers: &HeaderMap,
+    body: &serde_json::Value,
+) -> Option<String> {
+    let name = d.adapter.as_ref()?;
+    let c = cfg
+        .adapters
+        .iter()
+        .find(|a| &a.name == name)?
+        .canary
+        .as_ref()
+        .filter(|c| c.weight > 0)?;
+    let session = headers
+        .get(mole_api::SESSION_HEADER)
+        .and_then(|v| v.to_str().ok())
+        .or_else(|| body.get("user").and_then(serde_json::Value::as_str))
+        .filter(|k| !k.is_empty());
+    let count = match session {
+        Some(_) => 0,
+        None => {
+            let mut counts = s
+                .canary_counts
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner);
+            let n = counts.entry(name.clone()).or_default();
+            *n += 1;
+            *n - 1
+        }
+    };
+    if !mole_api::canary_pick(name, c.weight, session, count) {
+        return None;
+    }
+    let held = s
+        .admin
+        .adapters()
+        .iter()
+        .any(|a| &a.name == name && a.version == c.version && a.loaded);
+    held.then(|| crate::lora::registry::canary_key(name))
 }
 
 /// The answer to an engine refusal. A configured adapter the engine does not hold because it
