@@ -105,7 +105,15 @@ mod tests {
         let other = chain(BlockHash::MAX, &[1, 2, 3, 4], &[]);
         assert_ne!(other[0], a[0], "another seed, other hashes");
         let mut part = chain(base, &[1, 2, 3, 4], &[]);
-        extend(&mut part, base, 4, 2, &[1, 2, 3, 4, 5, 6, 7, 8, 9], &[], None);
+        extend(
+            &mut part,
+            base,
+            4,
+            2,
+            &[1, 2, 3, 4, 5, 6, 7, 8, 9],
+            &[],
+            None,
+        );
         assert_eq!(part, a, "extending goes on from where the chain was");
     }
 }

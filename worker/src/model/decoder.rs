@@ -11,8 +11,8 @@ use candle_nn::{Embedding, RmsNorm, VarBuilder};
 use super::batch::{Batch, Group, Positions, Row, StepPath};
 use super::cache::{mixed_cache, LayerKv, SeqCache};
 use super::kv::{KvPool, TensorPathOptions};
-use super::prefix::{BlockHash, HostBlocks};
 use super::layer::Layer;
+use super::prefix::{BlockHash, HostBlocks};
 use super::project;
 use super::rope::rope_cos_sin;
 use super::slots::LoraSlots;
@@ -369,7 +369,10 @@ impl Decoder {
             cache.len = blocks * bs;
             return Ok(cache.len);
         }
-        let mut store = self.host_blocks.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut store = self
+            .host_blocks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let Some(store) = store.as_mut() else {
             return Ok(0);
         };
@@ -401,7 +404,11 @@ impl Decoder {
     /// that later sequences reuse them: on the tensor path the blocks themselves, kept when
     /// the cache drops until the pool needs them; on the host path a copy in a store of at
     /// most `kv_blocks` blocks, least recently used evicted.
-    pub fn store_prefix(&self, cache: &mut SeqCache, hashes: &[BlockHash]) -> Result<(), ModelError> {
+    pub fn store_prefix(
+        &self,
+        cache: &mut SeqCache,
+        hashes: &[BlockHash],
+    ) -> Result<(), ModelError> {
         let bs = self.tensor_opts.block_size.max(1);
         let full = cache.len;
         if !self.host {
@@ -416,7 +423,10 @@ impl Decoder {
             return Ok(());
         }
         let w = bs * self.cfg.kv_heads() * self.cfg.head_dim();
-        let mut store = self.host_blocks.lock().unwrap_or_else(PoisonError::into_inner);
+        let mut store = self
+            .host_blocks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
         let store = store.get_or_insert_with(|| HostBlocks::new(self.tensor_opts.kv_blocks));
         for (i, &h) in hashes.iter().enumerate().take(upto).skip(cache.hashed) {
             store.insert(h, |buf| {

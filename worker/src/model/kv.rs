@@ -338,7 +338,9 @@ impl KvPool {
     /// block `i`'s, and only blocks of `full` tokens' worth are cached (their keys and values
     /// are written and never written again).
     pub fn register(&self, table: &mut BlockTable, hashes: &[BlockHash], full: usize) {
-        let upto = (full / self.block_size).min(hashes.len()).min(table.ids.len());
+        let upto = (full / self.block_size)
+            .min(hashes.len())
+            .min(table.ids.len());
         if upto <= table.hashed {
             return;
         }
@@ -548,15 +550,27 @@ mod tests {
         pool.register(a.as_mut().unwrap(), &[7, 8, 9], 10);
         assert_eq!(a.as_ref().unwrap().hashed, 2, "the third block is not full");
         drop(a);
-        assert_eq!(pool.free_blocks(), 4, "cached blocks nobody holds count as free");
+        assert_eq!(
+            pool.free_blocks(),
+            4,
+            "cached blocks nobody holds count as free"
+        );
         assert_eq!(pool.cached_idle_blocks(), 2);
         let mut b = None;
         assert_eq!(pool.reuse(&mut b, &[7, 8, 9]), 2);
         assert_eq!(b.as_ref().unwrap().ids, [0, 1]);
         assert_eq!(pool.free_blocks(), 2, "held again: out of the free count");
         let mut c = None;
-        assert_eq!(pool.reuse(&mut c, &[7, 6]), 1, "the run stops at the first miss");
-        assert_eq!(pool.free_blocks(), 2, "a block someone holds costs nothing more");
+        assert_eq!(
+            pool.reuse(&mut c, &[7, 6]),
+            1,
+            "the run stops at the first miss"
+        );
+        assert_eq!(
+            pool.free_blocks(),
+            2,
+            "a block someone holds costs nothing more"
+        );
         drop(b);
         assert_eq!(pool.free_blocks(), 3, "c still holds block 0");
         drop(c);
