@@ -229,3 +229,27 @@ fn choices_and_later_requests_share_a_prompts_blocks() {
         assert_eq!(counts(&on, "b").1, 2 * BLOCK as u64);
     }
 }
+
+/// vLLM's `cache_salt`: a request with a salt never reuses blocks of a request without it, or
+/// with another salt; requests with the same salt do.
+#[test]
+fn a_cache_salt_isolates_its_requests() {
+    let prompt = long_prompt(40);
+    let salted = |salt: Option<&str>| {
+        let mut req = greedy(prompt.clone(), None, 2);
+        req.sampling.cache_salt = salt.map(String::from);
+        req
+    };
+    for tensor in [true, false] {
+        let on = engine(tensor, true, |_| {});
+        for (salt, hits) in [(None, 0), (Some("x"), 0), (Some("y"), 0), (Some("x"), 32)] {
+            let (_, before) = counts(&on, "");
+            collect(on.submit(salted(salt)).unwrap());
+            assert_eq!(
+                counts(&on, "").1 - before,
+                hits,
+                "tensor path {tensor}, salt {salt:?}"
+            );
+        }
+    }
+}

@@ -221,6 +221,10 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Structured outputs: the grammar the answer follows (None: free text).
     pub guide: Option<super::grammar::Guided>,
+    /// vLLM's `cache_salt`: mixed into the request's prefix-cache keys, so that requests
+    /// with different salts (or one with a salt and one without) never share cached blocks.
+    /// Not a sampling setting; it travels here with the request's other per-call knobs.
+    pub cache_salt: Option<String>,
 }
 
 impl Default for SamplingParams {
@@ -240,6 +244,7 @@ impl Default for SamplingParams {
             logprobs: None,
             ignore_eos: false,
             guide: None,
+            cache_salt: None,
         }
     }
 }

@@ -27,9 +27,15 @@ fn truncate(d: &[u8]) -> BlockHash {
 /// The hash a chain of blocks starts from: the weights that compute its keys and values.
 /// The base model's, or an adapter's name, version and process-wide load id (a version
 /// loaded again from another directory is other weights; a block of an unloaded adapter is
-/// then never found again, and is evicted in its turn).
-pub(super) fn seed(adapter: Option<&Pinned>) -> BlockHash {
+/// then never found again, and is evicted in its turn); and the request's `cache_salt`
+/// when it has one (vLLM's: requests of different salts share nothing).
+pub(super) fn seed(adapter: Option<&Pinned>, salt: Option<&str>) -> BlockHash {
     let mut h = Sha256::new();
+    if let Some(salt) = salt {
+        h.update(b"mole/prefix/salt\0");
+        h.update((salt.len() as u64).to_le_bytes());
+        h.update(salt.as_bytes());
+    }
     match adapter {
         None => h.update(b"mole/prefix/base"),
         Some(p) => {
@@ -93,7 +99,8 @@ mod tests {
 
     #[test]
     fn a_block_hash_covers_its_whole_prefix_and_the_weights() {
-        let base = seed(None);
+        let base = seed(None, None);
+        assert_ne!(seed(None, Some("x")), base, "a salt changes the seed");
         let a = chain(base, &[1, 2, 3, 4, 5, 6, 7, 8, 9], &[]);
         assert_eq!(a.len(), 2, "the partial third block has no hash");
         let b = chain(base, &[1, 2, 3, 4, 5, 6, 7, 9], &[]);

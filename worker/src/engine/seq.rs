@@ -78,7 +78,7 @@ impl Seq {
     ) -> Self {
         let stop = StopMatcher::new(&sampler.params().stop);
         let version = adapter.as_ref().map(|p| p.version.clone());
-        let seed = super::prefix::seed(adapter.as_ref());
+        let seed = super::prefix::seed(adapter.as_ref(), sampler.params().cache_salt.as_deref());
         Self {
             seed,
             hashes: Vec::new(),
@@ -110,7 +110,7 @@ impl Seq {
             f.pin(p.clone());
         }
         p.start();
-        self.seed = super::prefix::seed(Some(&p));
+        self.seed = super::prefix::seed(Some(&p), self.sampler.params().cache_salt.as_deref());
         self.hashes.clear();
         self.version = Some(p.version.clone());
         self.adapter = Some(p);
