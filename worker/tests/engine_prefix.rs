@@ -253,3 +253,82 @@ fn a_cache_salt_isolates_its_requests() {
         }
     }
 }
+
+/// The tiny Qwen3-VL fixture's image `file`, with its digest.
+fn vision_image(file: &str, digest: u8) -> Image {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision");
+    let bytes = std::fs::read(dir.join("images").join(file)).unwrap();
+    let rgb = image::load_from_memory(&bytes).unwrap().to_rgb8();
+    Image {
+        width: rgb.width(),
+        height: rgb.height(),
+        rgb: std::sync::Arc::from(rgb.into_raw()),
+        digest: [digest; 32],
+    }
+}
+
+/// The tiny Qwen3-VL on the tensor or host path, prefix caching on or off.
+fn vision_engine(tensor: bool, caching: bool) -> Engine {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision/qwen3_vl");
+    let opts = EngineOptions {
+        base_name: "qwen3-vl-tiny".into(),
+        max_seq_len: 512,
+        prefix_caching: caching,
+        ..Default::default()
+    };
+    let mut model =
+        mole_worker::model::Decoder::load(&dir, candle_core::DType::F32, &candle_core::Device::Cpu)
+            .unwrap();
+    model.set_host_kernels(!tensor);
+    let text = mole_worker::engine::text::TextModel::load(&dir).unwrap();
+    Engine::start(model, text, opts)
+}
+
+/// Images: a second question about the same image reuses the blocks of the image and the
+/// text before the question, and answers as computed; a question about another image with the
+/// same text reuses nothing (the image starts in the first block, and an image's content is
+/// in its blocks' keys).
+#[test]
+fn image_blocks_are_reused_only_for_the_same_image() {
+    for tensor in [true, false] {
+        let on = vision_engine(tensor, true);
+        let off = vision_engine(tensor, false);
+        let ask = |e: &Engine, img: &Image, q: &str| {
+            let msg = ChatMessage {
+                role: "user".into(),
+                content: q.into(),
+                parts: vec![ContentPart::Image, ContentPart::Text(q.into())],
+                extra: Default::default(),
+            };
+            let text = e.apply_chat_template(&[msg], &Default::default()).unwrap();
+            let req = GenerateRequest {
+                id: "vision".into(),
+                prompt: Prompt::Templated(text),
+                adapter: None,
+                sampling: SamplingParams {
+                    max_tokens: 4,
+                    ignore_eos: true,
+                    logprobs: Some(0),
+                    ..Default::default()
+                },
+                images: vec![img.clone()],
+            };
+            collect(e.submit(req).unwrap())
+        };
+        let (square, wide) = (vision_image("square.png", 1), vision_image("wide.png", 2));
+        let q1 = "Describe what is on this screen, every window and every button on it, in detail.";
+        let q2 = "Describe what is on this screen, every window and every button on it, briefly!";
+        ask(&on, &square, q1);
+        let (_, before) = counts(&on, "");
+        let got = ask(&on, &square, q2);
+        assert_same(&got, &ask(&off, &square, q2), &format!("tensor {tensor}, same image"));
+        let hit = counts(&on, "").1 - before;
+        assert!(hit >= 2 * BLOCK as u64, "tensor {tensor}: the image's blocks reused: {hit}");
+        let (_, before) = counts(&on, "");
+        let got = ask(&on, &wide, q1);
+        assert_same(&got, &ask(&off, &wide, q1), &format!("tensor {tensor}, another image"));
+        let hit = counts(&on, "").1 - before;
+        // The image starts within the first block: nothing before it is a whole block.
+        assert_eq!(hit, 0, "tensor {tensor}: another image's blocks");
+    }
+}
