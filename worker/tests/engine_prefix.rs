@@ -238,6 +238,7 @@ fn a_cache_salt_isolates_its_requests() {
     let salted = |salt: Option<&str>| {
         let mut req = greedy(prompt.clone(), None, 2);
         req.sampling.cache_salt = salt.map(String::from);
+        req.sampling.logprobs = Some(0);
         req
     };
     for tensor in [true, false] {
