@@ -270,7 +270,8 @@ fn vision_image(file: &str, digest: u8) -> Image {
 
 /// The tiny Qwen3-VL on the tensor or host path, prefix caching on or off.
 fn vision_engine(tensor: bool, caching: bool) -> Engine {
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision/qwen3_vl");
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision/qwen3_vl");
     let opts = EngineOptions {
         base_name: "qwen3-vl-tiny".into(),
         max_seq_len: 512,
@@ -322,12 +323,23 @@ fn image_blocks_are_reused_only_for_the_same_image() {
         ask(&on, &square, q1);
         let (_, before) = counts(&on, "");
         let got = ask(&on, &square, q2);
-        assert_same(&got, &ask(&off, &square, q2), &format!("tensor {tensor}, same image"));
+        assert_same(
+            &got,
+            &ask(&off, &square, q2),
+            &format!("tensor {tensor}, same image"),
+        );
         let hit = counts(&on, "").1 - before;
-        assert!(hit >= 2 * BLOCK as u64, "tensor {tensor}: the image's blocks reused: {hit}");
+        assert!(
+            hit >= 2 * BLOCK as u64,
+            "tensor {tensor}: the image's blocks reused: {hit}"
+        );
         let (_, before) = counts(&on, "");
         let got = ask(&on, &wide, q1);
-        assert_same(&got, &ask(&off, &wide, q1), &format!("tensor {tensor}, another image"));
+        assert_same(
+            &got,
+            &ask(&off, &wide, q1),
+            &format!("tensor {tensor}, another image"),
+        );
         let hit = counts(&on, "").1 - before;
         // The image starts within the first block: nothing before it is a whole block.
         assert_eq!(hit, 0, "tensor {tensor}: another image's blocks");

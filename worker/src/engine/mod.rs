@@ -732,17 +732,7 @@ impl InferenceEngine for Engine {
         s.steps = sh.steps.load(Ordering::Relaxed);
         s.largest_batch = sh.largest_batch.load(Ordering::Relaxed);
         s.weights_bytes = Some(sh.model.weight_bytes());
-        s.prefix_cache = sh
-            .prefix_counts
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .iter()
-            .map(|(adapter, &(queries, hits))| PrefixCacheCounts {
-                adapter: adapter.clone(),
-                queries,
-                hits,
-            })
-            .collect();
+        s.prefix_cache = plan::prefix_counts(sh);
         s.prefix_cached_blocks = sh.model.cached_blocks();
         if sh.model.paged() {
             let tp = sh.model.tensor_path();

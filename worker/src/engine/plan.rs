@@ -113,6 +113,24 @@ fn count_prefix(shared: &Shared, s: &Seq, hit: usize) {
     c.1 += hit as u64;
 }
 
+/// The prefix-cache counts so far, by adapter.
+pub(super) fn prefix_counts(shared: &Shared) -> Vec<super::api::PrefixCacheCounts> {
+    let counts = shared
+        .prefix_counts
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    counts
+        .iter()
+        .map(
+            |(adapter, &(queries, hits))| super::api::PrefixCacheCounts {
+                adapter: adapter.clone(),
+                queries,
+                hits,
+            },
+        )
+        .collect()
+}
+
 /// Tells the prefix cache the full blocks the step just computed for the sequences of `work`
 /// (their hashes as they are, under each one's adapter), so that later requests reuse them.
 pub(super) fn store_prefixes(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) {
