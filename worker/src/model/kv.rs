@@ -345,8 +345,11 @@ impl KvPool {
             return;
         }
         let mut b = self.free.lock().unwrap_or_else(PoisonError::into_inner);
-        for i in table.hashed..upto {
-            b.cached.insert(table.ids[i], hashes[i]);
+        for (&id, &h) in table.ids[table.hashed..upto]
+            .iter()
+            .zip(&hashes[table.hashed..upto])
+        {
+            b.cached.insert(id, h);
         }
         table.hashed = upto;
     }
