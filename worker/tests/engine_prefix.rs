@@ -345,3 +345,27 @@ fn image_blocks_are_reused_only_for_the_same_image() {
         assert_eq!(hit, 0, "tensor {tensor}: another image's blocks");
     }
 }
+
+/// The classifier router's scoring pass is a request like any other: a second scoring of a
+/// prompt under the classifier adapter reuses the first one's blocks, and scores as it did.
+#[test]
+fn the_classifier_prompt_reuses_its_blocks() {
+    let text = "Classify this request about invoices, refunds and shipping delays for the shop.";
+    let labels = ["a".to_string(), "b".to_string()];
+    for tensor in [true, false] {
+        let on = engine(tensor, true, |_| {});
+        let first = on.score_labels(Some("a"), text, &labels, &[]).unwrap();
+        let (_, before) = counts(&on, "a");
+        let again = on.score_labels(Some("a"), text, &labels, &[]).unwrap();
+        assert!(
+            counts(&on, "a").1 - before >= BLOCK as u64,
+            "tensor path {tensor}"
+        );
+        for (x, y) in first.iter().zip(&again) {
+            assert!(
+                (x - y).abs() < 1e-5,
+                "tensor path {tensor}: {first:?} then {again:?}"
+            );
+        }
+    }
+}
