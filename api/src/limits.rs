@@ -58,6 +58,19 @@ pub struct EngineLimits {
         max = bounds::GPU_MEMORY_UTILIZATION.max
     ))]
     pub gpu_memory_utilization: f64,
+    /// Automatic prefix caching, as vLLM's `--enable-prefix-caching` (on by default, as
+    /// there): full KV blocks (16 tokens) stay cached, keyed by a hash of their tokens, their
+    /// images and everything before them, and of the adapter and version that computed them
+    /// (a block is never reused under another adapter, version, or the base); a request whose
+    /// prompt starts with cached blocks (a shared system prompt, a conversation's earlier
+    /// turns, the classifier router's instructions, `n` choices) computes only the rest.
+    /// Cached blocks no request holds are evicted least recently used when the cache needs
+    /// room. On a GPU (the paged cache) the blocks themselves are shared; on the CPU's host
+    /// path a hit copies them from a store of at most as many blocks as the paged cache would
+    /// hold. `false` recomputes every prompt.
+    // Written only when off: configs (and their hashes) at the default stay as they were.
+    #[serde(default = "default_true", skip_serializing_if = "is_true")]
+    pub enable_prefix_caching: bool,
 }
 
 impl Default for EngineLimits {
@@ -71,6 +84,7 @@ impl Default for EngineLimits {
             max_seq_len: default_max_seq_len(),
             max_queue: default_max_queue(),
             gpu_memory_utilization: default_gpu_memory_utilization(),
+            enable_prefix_caching: true,
         }
     }
 }
@@ -116,6 +130,13 @@ fn default_max_seq_len() -> u32 {
 }
 fn default_max_queue() -> u32 {
     256
+}
+fn default_true() -> bool {
+    true
+}
+#[allow(clippy::trivially_copy_pass_by_ref)] // serde's skip_serializing_if passes a reference
+fn is_true(b: &bool) -> bool {
+    *b
 }
 fn default_gpu_memory_utilization() -> f64 {
     0.9

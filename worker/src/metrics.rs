@@ -89,6 +89,12 @@ pub struct Metrics {
     pub preemptions: IntCounter,
     /// Engine steps (forward passes).
     pub steps: IntCounter,
+    /// Prefix-cache queries in prompt tokens, by adapter (vLLM's `prefix_cache_queries`).
+    pub prefix_cache_queries: IntCounterVec,
+    /// Prefix-cache hits in prompt tokens, by adapter (vLLM's `prefix_cache_hits`).
+    pub prefix_cache_hits: IntCounterVec,
+    /// Cached KV blocks no running request holds.
+    pub prefix_cache_blocks: IntGauge,
 }
 
 impl Metrics {
@@ -250,6 +256,23 @@ impl Metrics {
                     "Engine steps: forward passes over the running batch (tokens ÷ steps is the mean batch)",
                 ),
             ),
+            prefix_cache_queries: counters(
+                &r,
+                "mole_prefix_cache_queries_total",
+                "Prefix-cache queries: prompt tokens of the requests admitted, by adapter (vLLM's prefix_cache_queries)",
+                &["adapter"],
+            ),
+            prefix_cache_hits: counters(
+                &r,
+                "mole_prefix_cache_hits_total",
+                "Prefix-cache hits: prompt tokens whose KV blocks came from the cache, by adapter (vLLM's prefix_cache_hits)",
+                &["adapter"],
+            ),
+            prefix_cache_blocks: gauge(
+                &r,
+                "mole_prefix_cache_blocks",
+                "Cached KV blocks no running request holds (reusable until evicted)",
+            ),
             registry: r,
         }
     }
@@ -283,6 +306,18 @@ impl Metrics {
         if let Some(bytes) = stats.kv_cache_bytes {
             self.kv_cache_bytes.set(bytes as i64);
         }
+        for c in &stats.prefix_cache {
+            follow(
+                &self.prefix_cache_queries.with_label_values(&[&c.adapter]),
+                c.queries,
+            );
+            follow(
+                &self.prefix_cache_hits.with_label_values(&[&c.adapter]),
+                c.hits,
+            );
+        }
+        self.prefix_cache_blocks
+            .set(stats.prefix_cached_blocks as i64);
         follow(&self.adapter_evictions, stats.adapter_evictions);
         follow(
             &self.adapter_loads.with_label_values(&["ok"]),
@@ -365,4 +400,46 @@ fn histograms(r: &Registry, opts: HistogramOpts, labels: &[&str]) -> HistogramVe
 /// One gauge.
 fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
     registered(r, IntGauge::new(name, help))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::api::PrefixCacheCounts;
+
+    /// The engine's cumulative prefix-cache counts become counters per adapter, by vLLM's
+    /// names under mole's prefix.
+    #[test]
+    fn prefix_cache_counts_are_counters_per_adapter() {
+        let m = Metrics::new();
+        let mut stats = EngineStats {
+            prefix_cache: vec![
+                PrefixCacheCounts {
+                    adapter: String::new(),
+                    queries: 40,
+                    hits: 32,
+                },
+                PrefixCacheCounts {
+                    adapter: "a".into(),
+                    queries: 10,
+                    hits: 0,
+                },
+            ],
+            prefix_cached_blocks: 3,
+            ..Default::default()
+        };
+        m.render(&stats, &[]);
+        stats.prefix_cache[0].queries = 80;
+        stats.prefix_cache[0].hits = 64;
+        let text = m.render(&stats, &[]);
+        for line in [
+            "mole_prefix_cache_queries_total{adapter=\"\"} 80",
+            "mole_prefix_cache_hits_total{adapter=\"\"} 64",
+            "mole_prefix_cache_queries_total{adapter=\"a\"} 10",
+            "mole_prefix_cache_hits_total{adapter=\"a\"} 0",
+            "mole_prefix_cache_blocks 3",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
+        }
+    }
 }

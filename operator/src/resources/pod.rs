@@ -111,6 +111,10 @@ pub fn spec_hash(spec: &InferencePoolSpec, image: &str) -> String {
     if l.gpu_memory_utilization != EngineLimits::default().gpu_memory_utilization {
         limits["gpuMemoryUtilization"] = serde_json::json!(l.gpu_memory_utilization);
     }
+    // Read at startup (the engine's options); written only when off, as maxQueue.
+    if !l.enable_prefix_caching {
+        limits["enablePrefixCaching"] = serde_json::json!(false);
+    }
     let mut hashed = serde_json::json!({
         "baseModel": spec.base_model,
         "image": image,

@@ -770,7 +770,8 @@ fn every_field_spec() -> serde_json::Value {
   "dynamic": {"replicas": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 3,
               "targetQueueDepth": 2, "scaleDownStabilizationSeconds": 60}, "maxLoras": 4, "maxCpuLoras": 16, "maxLoraRank": 32, "loraDtype": "f16",
               "maxBatchSize": 8, "maxSeqLen": 2048, "maxQueue": 128,
-              "gpuMemoryUtilization": 0.8, "placement": {"minReplicas": 2, "loadFactor": 1.25}},
+              "gpuMemoryUtilization": 0.8, "enablePrefixCaching": false,
+              "placement": {"minReplicas": 2, "loadFactor": 1.25}},
   "router": {"strategies": ["explicit", "embedding"], "classifierAdapter": "cls", "minConfidence": 0.5,
              "embeddingModel": "embed/minilm", "embeddingThreshold": 0.25, "fallback": "base",
              "preferMerged": true, "fallbackToDynamic": true},
@@ -986,6 +987,13 @@ fn start_only_fields_roll_the_pods_and_default_ones_keep_the_hash() {
         spec_hash(&g.spec, &image),
         before,
         "gpuMemoryUtilization rolls the pods"
+    );
+    let mut c = p.clone();
+    c.spec.dynamic.limits.enable_prefix_caching = false;
+    assert_ne!(
+        spec_hash(&c.spec, &image),
+        before,
+        "turning prefix caching off rolls the pods"
     );
     let mut e = p.clone();
     e.spec.router.embedding_model = Some("embed/minilm".into());

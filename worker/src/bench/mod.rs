@@ -6,6 +6,7 @@ pub mod decode;
 mod gguf;
 pub mod image;
 pub mod merge;
+pub mod prefix;
 
 /// Arguments of `bench`.
 #[derive(clap::Args, Debug)]
@@ -20,12 +21,21 @@ enum BenchKind {
     Merge(merge::MergeBenchArgs),
     /// Decode throughput: dynamic vs merged, mixed vs one adapter, batch 16 vs 1, load vs read.
     Decode(decode::DecodeBenchArgs),
+    /// Time to first token with a long system prompt seen before vs new (prefix caching).
+    Prefix(prefix::PrefixBenchArgs),
 }
 
 /// Runs a benchmark.
 pub fn run(args: BenchArgs) -> std::process::ExitCode {
     match args.what {
         BenchKind::Merge(a) => merge::run(a),
+        BenchKind::Prefix(a) => match prefix::run(&a) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bench prefix failed: {e:#}");
+                std::process::ExitCode::FAILURE
+            }
+        },
         BenchKind::Decode(a) => match decode_and_image(&a) {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(e) => {

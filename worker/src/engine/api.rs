@@ -228,6 +228,10 @@ pub struct SamplingParams {
     pub ignore_eos: bool,
     /// Structured outputs: the grammar the answer follows (None: free text).
     pub guide: Option<super::grammar::Guided>,
+    /// vLLM's `cache_salt`: mixed into the request's prefix-cache keys, so that requests
+    /// with different salts (or one with a salt and one without) never share cached blocks.
+    /// Not a sampling setting; it travels here with the request's other per-call knobs.
+    pub cache_salt: Option<String>,
 }
 
 impl Default for SamplingParams {
@@ -247,6 +251,7 @@ impl Default for SamplingParams {
             logprobs: None,
             ignore_eos: false,
             guide: None,
+            cache_salt: None,
         }
     }
 }
@@ -381,6 +386,24 @@ pub struct EngineStats {
     pub kv_cache_bytes: Option<u64>,
     /// Bytes the base model's weights hold as loaded (a quantized base: its blocks).
     pub weights_bytes: Option<u64>,
+    /// Prefix-cache queries and hits in tokens, per adapter (since start; empty when prefix
+    /// caching is off).
+    pub prefix_cache: Vec<PrefixCacheCounts>,
+    /// Full KV blocks cached that no running request holds (reusable; on the tensor path also
+    /// counted free, as a new request may evict them).
+    pub prefix_cached_blocks: usize,
+}
+
+/// One adapter's prefix-cache counts, in tokens, as vLLM's `prefix_cache_queries` and
+/// `prefix_cache_hits`.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct PrefixCacheCounts {
+    /// The adapter ("" for the base model).
+    pub adapter: String,
+    /// Prompt tokens of the requests admitted (each admission, a recomputed one included).
+    pub queries: u64,
+    /// Of those, the tokens whose keys and values came from the cache.
+    pub hits: u64,
 }
 
 /// The engine as request handlers call it: generation and the classifier router's scoring,

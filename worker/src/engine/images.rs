@@ -132,6 +132,7 @@ impl ImageProcessor {
             expanded,
             ImagePrompt {
                 digests: distinct.iter().map(|d| d.digest).collect(),
+                first_rows: first_row,
                 grids: patches.iter().map(|p| p.grid).collect(),
                 pixels: patches.into_iter().flat_map(|p| p.values).collect(),
                 patch_len,
@@ -150,6 +151,8 @@ impl ImageProcessor {
 pub(super) struct ImagePrompt {
     /// Digests of the distinct images.
     pub(super) digests: Vec<[u8; 32]>,
+    /// The first embedding row of each distinct image.
+    first_rows: Vec<u32>,
     /// Patch values of the distinct images, `[patches, patch_len]` row-major, in order.
     pixels: Vec<f32>,
     patch_len: usize,
@@ -190,6 +193,27 @@ impl ImagePrompt {
             positions,
             image_tokens,
         }
+    }
+
+    /// What identifies the image content at the placeholders among prompt tokens
+    /// `from..to` (prefix caching's block hashes): each one's index, its image's digest and
+    /// the image's embedding row it takes.
+    pub(super) fn keys_in(
+        &self,
+        from: usize,
+        to: usize,
+    ) -> impl Iterator<Item = (u32, [u8; 32], u32)> + '_ {
+        // Placeholders are in prompt order.
+        let start = self
+            .image_tokens
+            .partition_point(|(i, _)| (*i as usize) < from);
+        self.image_tokens[start..]
+            .iter()
+            .take_while(move |(i, _)| (*i as usize) < to)
+            .map(|&(i, row)| {
+                let u = self.first_rows.partition_point(|&r| r <= row) - 1;
+                (i, self.digests[u], row - self.first_rows[u])
+            })
     }
 
     /// Where decoding continues: position minus index after the prompt.

@@ -8,6 +8,7 @@ mod codec;
 pub mod grammar;
 mod images;
 mod plan;
+mod prefix;
 pub mod pyjson;
 pub mod replicas;
 pub mod sample_ops;
@@ -69,6 +70,9 @@ pub struct EngineOptions {
     pub gpu_memory_utilization: f64,
     /// Which of transformers' image processors a vision model's pixels equal.
     pub image_processor: mole_api::ImageProcessor,
+    /// Automatic prefix caching (vLLM's `enable_prefix_caching`): full KV blocks stay cached
+    /// by the hash of their tokens, images and adapter, and later requests reuse them.
+    pub prefix_caching: bool,
 }
 
 impl Default for EngineOptions {
@@ -87,6 +91,7 @@ impl Default for EngineOptions {
             kv_blocks: None,
             gpu_memory_utilization: 0.9,
             image_processor: mole_api::ImageProcessor::default(),
+            prefix_caching: true,
         }
     }
 }
@@ -239,6 +244,8 @@ pub struct Shared {
     failing_images: Mutex<Vec<[u8; 32]>>,
     /// Structured outputs' grammars over this model's tokens (built on first use).
     grammars: grammar::Grammars,
+    /// Prefix-cache queries and hits in tokens, by adapter ("" for the base model).
+    prefix_counts: Mutex<std::collections::BTreeMap<String, (u64, u64)>>,
 }
 
 /// The engine: a handle to the engine thread.
@@ -377,6 +384,7 @@ impl Engine {
             opts,
             images,
             failing_images: Mutex::default(),
+            prefix_counts: Mutex::default(),
         });
         let (tx, rx) = mpsc::channel();
         let sh = shared.clone();
@@ -659,6 +667,8 @@ impl EngineInfo for Engine {
         s.steps = sh.steps.load(Ordering::Relaxed);
         s.largest_batch = sh.largest_batch.load(Ordering::Relaxed);
         s.weights_bytes = Some(sh.model.weight_bytes());
+        s.prefix_cache = plan::prefix_counts(sh);
+        s.prefix_cached_blocks = sh.model.cached_blocks();
         if sh.model.paged() {
             let tp = sh.model.tensor_path();
             s.kv_blocks = Some((sh.model.free_blocks(), tp.kv_blocks));

@@ -42,28 +42,110 @@ pub(super) fn admit(
     let block = shared.model.tensor_path().block_size.max(1);
     let mut rows: usize = running.iter().map(|s| 1 + s.forks.len()).sum();
     let mut admitted = 0;
-    while let Some(s) = waiting.front() {
+    while let Some(s) = waiting.front_mut() {
         // A request of several choices joins with room for all of them.
         let width = 1 + s.forks.len();
         if rows + width > shared.opts.max_batch_size {
             break;
         }
+        let before = shared.model.free_blocks();
+        let reused = reuse_prefix(shared, s);
         if paged {
-            // Room for its context, and for one new block of every row and of each of its
-            // other choices.
-            let need = s.context.len().div_ceil(block) + rows + width;
+            // Cached blocks nobody held were counted free: they are held now.
+            free = free.saturating_sub(before.saturating_sub(shared.model.free_blocks()));
+            // Room for the blocks of its context not in the cache, and for one new block of
+            // every row and of each of its other choices.
+            let new = s.context.len().div_ceil(block) - s.cache.blocks();
+            let need = new + rows + width;
             if need > free && !running.is_empty() {
+                // It waits; the blocks it found go back (still cached).
+                s.cache.clear();
+                s.prefilled = 0;
                 break;
             }
-            free = free.saturating_sub(s.context.len().div_ceil(block));
+            free = free.saturating_sub(new);
         }
         let mut s = waiting.pop_front().expect("peeked");
+        if let Some(tokens) = reused {
+            count_prefix(shared, &s, tokens);
+        }
         s.trace.prefilling(s.context.len());
         rows += width;
         admitted += 1;
         running.push(s);
     }
     admitted
+}
+
+/// Starts `s`'s empty cache with the longest run of its context's full blocks that the prefix
+/// cache holds, leaving at least its last token to compute (the step needs that token's
+/// logits). Returns the tokens reused, or None when prefix caching is off.
+fn reuse_prefix(shared: &Shared, s: &mut Seq) -> Option<usize> {
+    if !shared.opts.prefix_caching || !s.cache.is_empty() {
+        return None;
+    }
+    let block = shared.model.tensor_path().block_size.max(1);
+    let blocks = (s.context.len() - 1) / block;
+    let blocks = s.block_hashes(block, blocks).len();
+    let reused = match shared.model.reuse_prefix(&mut s.cache, &s.hashes[..blocks]) {
+        Ok(n) => n,
+        Err(e) => {
+            // The cache's failure only costs the recomputation.
+            tracing::warn!(request = %s.id, error = %e, "prefix cache lookup failed");
+            s.cache.clear();
+            0
+        }
+    };
+    s.prefilled = reused;
+    Some(reused)
+}
+
+/// Counts an admitted sequence's prefix-cache query and hit, in tokens (vLLM's
+/// `prefix_cache_queries` and `prefix_cache_hits`), under its adapter.
+fn count_prefix(shared: &Shared, s: &Seq, hit: usize) {
+    let adapter = s.adapter.as_ref().map_or("", |p| p.name.as_str());
+    let mut counts = shared
+        .prefix_counts
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let c = counts.entry(adapter.to_string()).or_default();
+    c.0 += s.context.len() as u64;
+    c.1 += hit as u64;
+}
+
+/// The prefix-cache counts so far, by adapter.
+pub(super) fn prefix_counts(shared: &Shared) -> Vec<super::api::PrefixCacheCounts> {
+    let counts = shared
+        .prefix_counts
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    counts
+        .iter()
+        .map(
+            |(adapter, &(queries, hits))| super::api::PrefixCacheCounts {
+                adapter: adapter.clone(),
+                queries,
+                hits,
+            },
+        )
+        .collect()
+}
+
+/// Tells the prefix cache the full blocks the step just computed for the sequences of `work`
+/// (their hashes as they are, under each one's adapter), so that later requests reuse them.
+pub(super) fn store_prefixes(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) {
+    if !shared.opts.prefix_caching {
+        return;
+    }
+    let block = shared.model.tensor_path().block_size.max(1);
+    for (i, _) in work {
+        let s: &mut Seq = &mut running[*i];
+        let blocks = s.cache.len() / block;
+        s.block_hashes(block, blocks);
+        if let Err(e) = shared.model.store_prefix(&mut s.cache, &s.hashes) {
+            tracing::warn!(request = %s.id, error = %e, "prefix cache store failed");
+        }
+    }
 }
 
 /// The step's rows: prompt chunks within the prefill budget and a decode token for every

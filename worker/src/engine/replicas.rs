@@ -235,7 +235,18 @@ impl EngineInfo for Replicas {
                 (Some(a), Some(b)) => Some(a + b),
                 (a, b) => a.or(b),
             };
+            out.prefix_cached_blocks += s.prefix_cached_blocks;
+            for c in s.prefix_cache {
+                match out.prefix_cache.iter_mut().find(|o| o.adapter == c.adapter) {
+                    Some(o) => {
+                        o.queries += c.queries;
+                        o.hits += c.hits;
+                    }
+                    None => out.prefix_cache.push(c),
+                }
+            }
         }
+        out.prefix_cache.sort_by(|a, b| a.adapter.cmp(&b.adapter));
         for v in [&mut out.running_adapters, &mut out.waiting_adapters] {
             v.sort_unstable();
             v.dedup();

@@ -189,6 +189,9 @@ fn step(
         }
         shared.model.forward_step(&mut rows, &extra)
     };
+    if out.is_ok() {
+        plan::store_prefixes(shared, running, work);
+    }
     let picked = out.and_then(|o| {
         let scores = scores(running, work, &sampling, &o.logits)?;
         Ok((pick(running, work, &sampling, picking, o)?, scores))

@@ -10,7 +10,7 @@ use super::sampler::Sampler;
 use super::text::{Detokenizer, StopMatcher};
 use super::trace::Phases;
 use crate::lora::registry::Pinned;
-use crate::model::SeqCache;
+use crate::model::{BlockHash, SeqCache};
 
 /// One request inside the engine.
 pub struct Seq {
@@ -51,6 +51,10 @@ pub struct Seq {
     pub(super) trace: Phases,
     /// A classifier's scoring: no tokens, the labels' probabilities once the prompt is in.
     pub(super) score: Option<Score>,
+    /// Where the hashes of its KV blocks start: the weights it runs on (prefix caching).
+    pub(super) seed: BlockHash,
+    /// The hashes of its full blocks computed so far (see [`super::prefix`]).
+    pub(super) hashes: Vec<BlockHash>,
 }
 
 /// What a scoring sequence answers: the probabilities of `labels` (token ids) as the next
@@ -74,7 +78,10 @@ impl Seq {
     ) -> Self {
         let stop = StopMatcher::new(&sampler.params().stop);
         let version = adapter.as_ref().map(|p| p.version.clone());
+        let seed = super::prefix::seed(adapter.as_ref(), sampler.params().cache_salt.as_deref());
         Self {
+            seed,
+            hashes: Vec::new(),
             version,
             detok: Detokenizer::new(&prompt),
             id,
@@ -103,6 +110,8 @@ impl Seq {
             f.pin(p.clone());
         }
         p.start();
+        self.seed = super::prefix::seed(Some(&p), self.sampler.params().cache_salt.as_deref());
+        self.hashes.clear();
         self.version = Some(p.version.clone());
         self.adapter = Some(p);
     }
@@ -122,6 +131,20 @@ impl Seq {
         }
         self.trace.failed(err);
         self.done = true;
+    }
+
+    /// The hashes of its first `blocks` full blocks (fewer when it has fewer tokens).
+    pub(super) fn block_hashes(&mut self, block: usize, blocks: usize) -> &[BlockHash] {
+        super::prefix::extend(
+            &mut self.hashes,
+            self.seed,
+            block,
+            blocks,
+            &self.prompt,
+            &self.generated,
+            self.images.as_deref(),
+        );
+        &self.hashes[..blocks.min(self.hashes.len())]
     }
 
     /// Frees the sequence's cache to be recomputed later from its prompt and what it generated

@@ -14,6 +14,8 @@ pub struct SeqCache {
     /// Position minus index of the tokens after a vision-language prompt (M-RoPE gives an
     /// image fewer positions than tokens); 0 for text.
     pub(super) pos_offset: i64,
+    /// Host path: leading blocks the prefix cache has (see [`super::Decoder::store_prefix`]).
+    pub(super) hashed: usize,
 }
 
 /// One layer's keys and values (after RoPE) for one sequence, on the host path.

@@ -9,9 +9,10 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{Embedding, RmsNorm, VarBuilder};
 
 use super::batch::{Batch, Group, Positions, Row, StepPath};
-use super::cache::{mixed_cache, LayerKv, SeqCache};
+use super::cache::{mixed_cache, LayerKv};
 use super::kv::{KvPool, TensorPathOptions};
 use super::layer::Layer;
+use super::prefix::HostBlocks;
 use super::project;
 use super::rope::rope_cos_sin;
 use super::slots::LoraSlots;
@@ -21,6 +22,8 @@ use super::weights::{compute_dtype, tensor_bytes, Dense, Prequantized, Quantized
 use super::{HostUpdates, Lin, LoraAdapter, ModelConfig, ModelError, Rope};
 use crate::formats::hf;
 use crate::kernels;
+
+mod prefix_cache;
 
 /// The decoder.
 pub struct Decoder {
@@ -51,6 +54,8 @@ pub struct Decoder {
     /// The tensor path's pools, allocated by its first step (a CPU decoder on host kernels
     /// never allocates them).
     tensor: Mutex<Option<Arc<TensorState>>>,
+    /// The host path's cached blocks, made on first use (at most `tensor_opts.kv_blocks`).
+    host_blocks: Mutex<Option<HostBlocks>>,
 }
 
 /// The tensor path's pools: the paged KV cache, and the LoRA slots once a step has an adapter.
@@ -261,6 +266,7 @@ impl Decoder {
             mrope,
             tensor_opts: TensorPathOptions::default(),
             tensor: Mutex::new(None),
+            host_blocks: Mutex::new(None),
         };
         decoder.fuse_projections()?;
         Ok(decoder)
@@ -271,6 +277,10 @@ impl Decoder {
         self.tensor_opts = opts;
         *self
             .tensor
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner) = None;
+        *self
+            .host_blocks
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner) = None;
     }
@@ -339,15 +349,6 @@ impl Decoder {
         )?);
         *s = Some(slots.clone());
         Ok(slots)
-    }
-
-    /// A cache for another choice of the prompt in `cache`: at most its first `tokens` tokens,
-    /// shared on the tensor path (its whole blocks among them, no copy) and copied on the host
-    /// path. Returns it and the tokens it holds; the new sequence computes the rest itself.
-    pub fn fork_cache(&self, cache: &SeqCache, tokens: usize) -> (SeqCache, usize) {
-        let width = self.cfg.kv_heads() * self.cfg.head_dim();
-        let paged = (!self.host).then_some(self.tensor_opts.block_size.max(1));
-        cache.prefix(tokens, width, paged)
     }
 
     /// Whether a CPU f32 decoder runs attention and adapter updates as fused host kernels
@@ -796,6 +797,7 @@ fn mrope_masks(
 #[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
+    use crate::model::SeqCache;
 
     /// A small random Qwen3 (GQA, q/k norm) with room for long sequences.
     fn random_qwen3(max_pos: usize) -> Decoder {

@@ -8,6 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{DType, Device, Tensor};
 
+use super::prefix::{BlockHash, PrefixIndex};
 use super::ModelError;
 
 /// The most token slots a paged cache holds (every layer's keys and values): a step's slot
@@ -170,12 +171,42 @@ fn share(total: u64, fraction: f64) -> u64 {
     (total as u128 * millionths / 1_000_000) as u64
 }
 
-/// The pool's blocks: which are free, and how many tables hold each (choices of one request
-/// share their prompt's full blocks).
+/// The pool's blocks: which are free, how many tables hold each (choices of one request and
+/// requests of one cached prefix share full blocks), and which full blocks are cached by
+/// their hash (those nobody holds stay until the pool needs them, least recently used first).
 #[derive(Debug)]
 struct Blocks {
+    /// Blocks nobody holds whose content is not cached.
     free: Vec<u32>,
     holders: Vec<u32>,
+    cached: PrefixIndex,
+}
+
+impl Blocks {
+    /// Blocks a reservation can take: the free ones, then the cached ones nobody holds.
+    fn available(&self) -> usize {
+        self.free.len() + self.cached.idle()
+    }
+
+    /// One block for a table (its holder count set to 1): a free one, else the least recently
+    /// used cached one, its hash forgotten.
+    fn take(&mut self) -> Option<u32> {
+        let id = self.free.pop().or_else(|| self.cached.evict())?;
+        self.holders[id as usize] = 1;
+        Some(id)
+    }
+
+    /// One holder fewer for `id`; nobody left: back to the pool (cached blocks stay found).
+    fn release(&mut self, id: u32) {
+        let held = &mut self.holders[id as usize];
+        *held -= 1;
+        if *held == 0 {
+            match self.cached.is_cached(id) {
+                true => self.cached.release(id),
+                false => self.free.push(id),
+            }
+        }
+    }
 }
 
 /// The blocks, shared by the pool and every block table drawn from it.
@@ -187,6 +218,8 @@ type FreeList = Arc<Mutex<Blocks>>;
 #[derive(Debug)]
 pub(super) struct BlockTable {
     pub ids: Vec<u32>,
+    /// Leading blocks whose hash the prefix cache has been told (or that came from it).
+    pub hashed: usize,
     free: FreeList,
 }
 
@@ -200,6 +233,7 @@ impl BlockTable {
             b.holders[id as usize] += 1;
         }
         BlockTable {
+            hashed: self.hashed.min(ids.len()),
             ids,
             free: self.free.clone(),
         }
@@ -210,11 +244,7 @@ impl Drop for BlockTable {
     fn drop(&mut self) {
         let mut b = self.free.lock().unwrap_or_else(PoisonError::into_inner);
         for id in self.ids.drain(..) {
-            let held = &mut b.holders[id as usize];
-            *held -= 1;
-            if *held == 0 {
-                b.free.push(id);
-            }
+            b.release(id);
         }
     }
 }
@@ -257,17 +287,71 @@ impl KvPool {
             free: Arc::new(Mutex::new(Blocks {
                 free,
                 holders: vec![0; blocks],
+                cached: PrefixIndex::default(),
             })),
         })
     }
 
-    /// Blocks no sequence holds.
+    /// Blocks no sequence holds: free ones and cached ones a reservation may evict.
     pub fn free_blocks(&self) -> usize {
         self.free
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .free
-            .len()
+            .available()
+    }
+
+    /// Cached blocks no sequence holds (counted in [`Self::free_blocks`] too).
+    pub fn cached_idle_blocks(&self) -> usize {
+        self.free
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .cached
+            .idle()
+    }
+
+    /// Starts `table` (empty, or None) with the cached blocks of the longest run of `hashes`
+    /// from the first, each held; returns how many. Blocks nobody held leave the eviction
+    /// order, so the free count drops by those alone.
+    pub fn reuse(&self, table: &mut Option<BlockTable>, hashes: &[BlockHash]) -> usize {
+        let table = table.get_or_insert_with(|| BlockTable {
+            ids: Vec::new(),
+            hashed: 0,
+            free: self.free.clone(),
+        });
+        if !table.ids.is_empty() {
+            return 0;
+        }
+        let mut b = self.free.lock().unwrap_or_else(PoisonError::into_inner);
+        for &h in hashes {
+            let Some(id) = b.cached.get(h) else { break };
+            if b.holders[id as usize] == 0 {
+                b.cached.hold(id);
+            }
+            b.holders[id as usize] += 1;
+            table.ids.push(id);
+        }
+        table.hashed = table.ids.len();
+        table.ids.len()
+    }
+
+    /// Tells the cache the hashes of `table`'s full blocks past those it knows: `hashes[i]` is
+    /// block `i`'s, and only blocks of `full` tokens' worth are cached (their keys and values
+    /// are written and never written again).
+    pub fn register(&self, table: &mut BlockTable, hashes: &[BlockHash], full: usize) {
+        let upto = (full / self.block_size)
+            .min(hashes.len())
+            .min(table.ids.len());
+        if upto <= table.hashed {
+            return;
+        }
+        let mut b = self.free.lock().unwrap_or_else(PoisonError::into_inner);
+        for (&id, &h) in table.ids[table.hashed..upto]
+            .iter()
+            .zip(&hashes[table.hashed..upto])
+        {
+            b.cached.insert(id, h);
+        }
+        table.hashed = upto;
     }
 
     /// Blocks a sequence of `tokens` tokens holds.
@@ -279,6 +363,7 @@ impl KvPool {
     pub fn reserve(&self, table: &mut Option<BlockTable>, tokens: usize) -> Result<(), ModelError> {
         let table = table.get_or_insert_with(|| BlockTable {
             ids: Vec::new(),
+            hashed: 0,
             free: self.free.clone(),
         });
         let need = self.blocks_for(tokens).saturating_sub(table.ids.len());
@@ -286,18 +371,16 @@ impl KvPool {
             return Ok(());
         }
         let mut b = self.free.lock().unwrap_or_else(PoisonError::into_inner);
-        if b.free.len() < need {
+        if b.available() < need {
             return Err(ModelError::KvCacheFull {
                 needed: need,
-                free: b.free.len(),
+                free: b.available(),
             });
         }
-        let at = b.free.len() - need;
-        let taken: Vec<u32> = b.free.drain(at..).rev().collect();
-        for &id in &taken {
-            b.holders[id as usize] = 1;
+        for _ in 0..need {
+            let id = b.take().expect("counted available");
+            table.ids.push(id);
         }
-        table.ids.extend(taken);
         Ok(())
     }
 
@@ -458,6 +541,69 @@ mod tests {
         assert_eq!(pool.free_blocks(), 1, "only block 2 was a's alone");
         drop(b);
         assert_eq!(pool.free_blocks(), 4);
+    }
+
+    /// A finished sequence's hashed full blocks stay found; a new table takes them held,
+    /// without counting them as new; a partial block is never cached.
+    #[test]
+    fn cached_blocks_outlive_their_table_and_are_reused_held() {
+        let pool = KvPool::new(1, 2, &blocks_of(4, 4), DType::F32, &Device::Cpu).unwrap();
+        let mut a = None;
+        pool.reserve(&mut a, 10).unwrap();
+        pool.register(a.as_mut().unwrap(), &[7, 8, 9], 10);
+        assert_eq!(a.as_ref().unwrap().hashed, 2, "the third block is not full");
+        drop(a);
+        assert_eq!(
+            pool.free_blocks(),
+            4,
+            "cached blocks nobody holds count as free"
+        );
+        assert_eq!(pool.cached_idle_blocks(), 2);
+        let mut b = None;
+        assert_eq!(pool.reuse(&mut b, &[7, 8, 9]), 2);
+        assert_eq!(b.as_ref().unwrap().ids, [0, 1]);
+        assert_eq!(pool.free_blocks(), 2, "held again: out of the free count");
+        let mut c = None;
+        assert_eq!(
+            pool.reuse(&mut c, &[7, 6]),
+            1,
+            "the run stops at the first miss"
+        );
+        assert_eq!(
+            pool.free_blocks(),
+            2,
+            "a block someone holds costs nothing more"
+        );
+        drop(b);
+        assert_eq!(pool.free_blocks(), 3, "c still holds block 0");
+        drop(c);
+        assert_eq!(pool.free_blocks(), 4);
+    }
+
+    /// When the free blocks run out, a reservation evicts the least recently released cached
+    /// block (its hash forgotten), never one a table holds.
+    #[test]
+    fn reservations_evict_cached_blocks_least_recently_used_first() {
+        let pool = KvPool::new(1, 2, &blocks_of(4, 3), DType::F32, &Device::Cpu).unwrap();
+        let (mut a, mut b) = (None, None);
+        pool.reserve(&mut a, 4).unwrap();
+        pool.reserve(&mut b, 4).unwrap();
+        pool.register(a.as_mut().unwrap(), &[1], 4);
+        pool.register(b.as_mut().unwrap(), &[2], 4);
+        drop(a);
+        drop(b);
+        let mut held = None;
+        assert_eq!(pool.reuse(&mut held, &[2]), 1);
+        let mut c = None;
+        pool.reserve(&mut c, 8).unwrap();
+        assert_eq!(c.as_ref().unwrap().ids, [2, 0], "the free block, then a's");
+        let mut again = None;
+        assert_eq!(pool.reuse(&mut again, &[1]), 0, "a's block was evicted");
+        assert_eq!(pool.reuse(&mut again, &[2]), 1, "b's, held, was not");
+        match pool.reserve(&mut None, 4) {
+            Err(ModelError::KvCacheFull { needed: 1, free: 0 }) => {}
+            other => panic!("{other:?}"),
+        }
     }
 
     /// A cache past what a step's f32 indices address exactly is refused before anything is

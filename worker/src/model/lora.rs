@@ -240,8 +240,9 @@ impl LoraAdapter {
         self.modules.values().next().map(|(a, _)| a.dtype())
     }
 
-    /// This adapter's process-wide id.
-    pub(super) fn id(&self) -> u64 {
+    /// This adapter's process-wide id: a new one for every load, so it tells apart weights
+    /// that share a name and version (the same version loaded again from another directory).
+    pub fn id(&self) -> u64 {
         self.id
     }
 

@@ -54,6 +54,7 @@ fn base_options(cfg: &WorkerConfig) -> EngineOptions {
         max_queue: l.engine.max_queue as usize,
         gpu_memory_utilization: l.engine.gpu_memory_utilization,
         image_processor: cfg.base_model.image_processor,
+        prefix_caching: l.engine.enable_prefix_caching,
         ..Default::default()
     }
 }

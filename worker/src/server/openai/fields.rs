@@ -310,12 +310,7 @@ pub(in crate::server) const FIELDS: &[Field] = &[
         Both,
         "vLLM's id for its logs; mole's answer and logs carry mole's own id",
     ),
-    ignored(
-        "cache_salt",
-        "vLLM",
-        Both,
-        "isolates a client's prefix-cache entries; mole shares no cache between requests",
-    ),
+    served("cache_salt", "vLLM", Both),
     refused(
         "truncate_prompt_tokens",
         "vLLM",

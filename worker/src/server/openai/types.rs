@@ -203,6 +203,10 @@ pub(in crate::server) struct Common {
     #[serde(default)]
     #[schema(max_items = 64)]
     pub(super) stop_token_ids: Vec<u32>,
+    /// vLLM's: a salt mixed into the prompt's prefix-cache keys; requests with different
+    /// salts never share cached KV blocks. A non-empty string (400 `invalid_cache_salt`).
+    #[schema(min_length = 1)]
+    pub(super) cache_salt: Option<String>,
     /// mole extension: forward merged adapters to their pods (default: the router setting).
     #[serde(default)]
     pub(super) prefer_merged: Option<bool>,

@@ -391,6 +391,12 @@ pub(super) fn sampling(c: &Common, chat: bool, caps: &Caps) -> Result<SamplingPa
             ),
         ));
     }
+    if c.cache_salt.as_deref() == Some("") {
+        return Err(bad(
+            "invalid_cache_salt",
+            "cache_salt must be a non-empty string when given",
+        ));
+    }
     let mut stop_token_ids = c.stop_token_ids.clone();
     stop_token_ids.sort_unstable();
     stop_token_ids.dedup();
@@ -409,6 +415,7 @@ pub(super) fn sampling(c: &Common, chat: bool, caps: &Caps) -> Result<SamplingPa
         logprobs,
         ignore_eos: c.ignore_eos,
         guide: None,
+        cache_salt: c.cache_salt.clone(),
     };
     // What the engine asserts is what was checked here.
     debug_assert!(crate::engine::sampler::validate(&sp).is_ok());

@@ -1,0 +1,196 @@
+//! Automatic prefix caching: full KV blocks kept after the sequences that computed them are
+//! gone, found again by the hash of their content, as vLLM's automatic prefix caching does.
+//!
+//! A block's hash ([`BlockHash`]) is given by the engine: it chains the hash of the block
+//! before it with the block's tokens (and images) and starts from the adapter's identity, so
+//! equal hashes mean the same tokens after the same prefix under the same weights. This file
+//! only keeps which block holds which hash, and which cached blocks nobody holds, least
+//! recently used first: the tensor path's pool takes those last, evicting their hashes
+//! ([`super::kv`]); the host path keeps copies of cached blocks in a [`HostBlocks`] store.
+
+use std::collections::{BTreeMap, HashMap};
+
+/// The identity of a full block's content: its tokens, its images, the blocks before it and
+/// the weights that computed it. 128 bits of SHA-256 (see `engine::prefix`).
+pub type BlockHash = u128;
+
+/// Which block holds which hash, and the cached blocks no sequence holds by the time they
+/// were last used (the LRU order of eviction).
+#[derive(Debug, Default)]
+pub(super) struct PrefixIndex {
+    by_hash: HashMap<BlockHash, u32>,
+    hash_of: HashMap<u32, BlockHash>,
+    /// Cached blocks nobody holds, by the tick they were released at.
+    idle: BTreeMap<u64, u32>,
+    idle_since: HashMap<u32, u64>,
+    clock: u64,
+}
+
+impl PrefixIndex {
+    /// The block holding `hash`, if any.
+    pub fn get(&self, hash: BlockHash) -> Option<u32> {
+        self.by_hash.get(&hash).copied()
+    }
+
+    /// Whether `block` holds a hash.
+    pub fn is_cached(&self, block: u32) -> bool {
+        self.hash_of.contains_key(&block)
+    }
+
+    /// Records that `block` holds `hash`. A hash already held by another block (two sequences
+    /// computed the same block at once) keeps its first block, and this one stays uncached:
+    /// returns whether it was recorded.
+    pub fn insert(&mut self, block: u32, hash: BlockHash) -> bool {
+        if self.by_hash.contains_key(&hash) || self.hash_of.contains_key(&block) {
+            return false;
+        }
+        self.by_hash.insert(hash, block);
+        self.hash_of.insert(block, hash);
+        true
+    }
+
+    /// Cached blocks nobody holds.
+    pub fn idle(&self) -> usize {
+        self.idle.len()
+    }
+
+    /// Marks cached `block` as held by nobody, the most recently used.
+    pub fn release(&mut self, block: u32) {
+        self.hold(block);
+        self.clock += 1;
+        self.idle.insert(self.clock, block);
+        self.idle_since.insert(block, self.clock);
+    }
+
+    /// Marks cached `block` as held (out of the eviction order).
+    pub fn hold(&mut self, block: u32) {
+        if let Some(t) = self.idle_since.remove(&block) {
+            self.idle.remove(&t);
+        }
+    }
+
+    /// Evicts the least recently used idle block: forgets its hash and returns it.
+    pub fn evict(&mut self) -> Option<u32> {
+        let (_, block) = self.idle.pop_first()?;
+        self.idle_since.remove(&block);
+        if let Some(h) = self.hash_of.remove(&block) {
+            self.by_hash.remove(&h);
+        }
+        Some(block)
+    }
+}
+
+/// The host path's cached blocks: copies of full blocks' keys and values of every layer
+/// (`layers × 2 × block_size × width` f32 each), at most `capacity` blocks, evicted least
+/// recently used. A host-path sequence grows its own token-major cache, which its attention
+/// kernel reads in place; a hit copies the blocks into it, which costs far less than
+/// computing them (a copy of 46 KB per token for SmolLM2 against its forward pass).
+#[derive(Debug)]
+pub(super) struct HostBlocks {
+    index: PrefixIndex,
+    data: Vec<Vec<f32>>,
+    capacity: usize,
+}
+
+impl HostBlocks {
+    /// An empty store of at most `capacity` blocks.
+    pub fn new(capacity: usize) -> Self {
+        Self {
+            index: PrefixIndex::default(),
+            data: Vec::new(),
+            capacity: capacity.max(1),
+        }
+    }
+
+    /// The blocks cached for the longest run of `hashes` from the first: each marked most
+    /// recently used.
+    pub fn lookup(&mut self, hashes: &[BlockHash]) -> Vec<u32> {
+        let found: Vec<u32> = hashes.iter().map_while(|&h| self.index.get(h)).collect();
+        for &b in &found {
+            self.index.release(b);
+        }
+        found
+    }
+
+    /// A block's data.
+    pub fn data(&self, block: u32) -> &[f32] {
+        &self.data[block as usize]
+    }
+
+    /// Whether `hash` is cached (marked most recently used when it is).
+    pub fn touch(&mut self, hash: BlockHash) -> bool {
+        match self.index.get(hash) {
+            Some(b) => {
+                self.index.release(b);
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Stores a block under `hash`, `fill` writing its data into the buffer it is given
+    /// (cleared, with room for the block); evicts the least recently used block when full.
+    pub fn insert(&mut self, hash: BlockHash, fill: impl FnOnce(&mut Vec<f32>)) {
+        if self.touch(hash) {
+            return;
+        }
+        let block = match self.data.len() < self.capacity {
+            true => {
+                self.data.push(Vec::new());
+                (self.data.len() - 1) as u32
+            }
+            false => match self.index.evict() {
+                Some(b) => b,
+                None => return,
+            },
+        };
+        let buf = &mut self.data[block as usize];
+        buf.clear();
+        fill(buf);
+        self.index.insert(block, hash);
+        self.index.release(block);
+    }
+
+    /// Blocks cached.
+    pub fn len(&self) -> usize {
+        self.index.idle()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn idle_blocks_are_evicted_least_recently_used_first_and_lose_their_hash() {
+        let mut ix = PrefixIndex::default();
+        for (b, h) in [(0, 10), (1, 11), (2, 12)] {
+            assert!(ix.insert(b, h));
+        }
+        assert!(!ix.insert(3, 10), "a hash keeps its first block");
+        ix.release(1);
+        ix.release(0);
+        ix.release(2);
+        ix.hold(0);
+        assert_eq!(ix.idle(), 2);
+        assert_eq!(ix.evict(), Some(1));
+        assert_eq!(ix.get(11), None);
+        assert_eq!(ix.evict(), Some(2));
+        assert_eq!(ix.evict(), None, "a held block is never evicted");
+        assert_eq!(ix.get(10), Some(0));
+    }
+
+    #[test]
+    fn the_host_store_finds_the_longest_run_and_evicts_the_least_recently_used() {
+        let mut s = HostBlocks::new(2);
+        s.insert(1, |b| b.push(1.0));
+        s.insert(2, |b| b.push(2.0));
+        assert_eq!(s.lookup(&[1, 2, 3]), [0, 1]);
+        // 1 was used before 2 in that lookup: it goes first.
+        s.insert(3, |b| b.push(3.0));
+        assert_eq!(s.lookup(&[1]), Vec::<u32>::new());
+        assert_eq!(s.lookup(&[2, 3]), [1, 0]);
+        assert_eq!(s.data(0), [3.0]);
+        assert_eq!(s.len(), 2);
+    }
+}

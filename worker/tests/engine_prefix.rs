@@ -1,0 +1,371 @@
+//! Automatic prefix caching on the committed tiny Llama (tests/fixtures/engine), on the
+//! tensor path (the paged cache a GPU runs) and the host path (the CPU's): a request whose
+//! prompt starts with blocks another request computed reuses them and answers as if it had
+//! computed them; a block computed under one adapter is never reused under another or under
+//! the base; a small cache evicts cached blocks and loses no request.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+
+mod common;
+
+use common::{
+    engine_reference as reference, fixture_adapter, greedy, host_engine, ids, tensor_engine,
+    wait_until,
+};
+use mole_worker::engine::api::*;
+use mole_worker::engine::{Engine, EngineOptions};
+
+/// Tokens per KV block (the engine's).
+const BLOCK: usize = 16;
+
+/// The fixture's prompts one after another until `len` tokens.
+fn long_prompt(len: usize) -> Vec<u32> {
+    let r = &reference()["llama"];
+    let parts = [ids(&r["prompts"][0]), ids(&r["prompts"][1])];
+    parts.iter().cycle().flatten().copied().take(len).collect()
+}
+
+/// The llama fixture's engine on the tensor or the host path, prefix caching on or off,
+/// with the fixture adapters `a` and `b` loaded.
+fn engine(tensor: bool, caching: bool, f: impl Fn(&mut EngineOptions)) -> Engine {
+    let opts = |o: &mut EngineOptions| {
+        o.prefix_caching = caching;
+        f(o);
+    };
+    let e = match tensor {
+        true => tensor_engine(opts),
+        false => host_engine(opts),
+    };
+    e.load_adapter(fixture_adapter("a", "v1", "a_r8_all"))
+        .unwrap();
+    let mut b = fixture_adapter("b", "v1", "b_r4_qv");
+    b.lora_id = 2;
+    e.load_adapter(b).unwrap();
+    e
+}
+
+/// A greedy answer's tokens and their log-probabilities.
+fn answer(e: &Engine, prompt: &[u32], adapter: Option<&str>, max_tokens: usize) -> Vec<(u32, f32)> {
+    let mut req = greedy(prompt.to_vec(), adapter, max_tokens);
+    req.sampling.logprobs = Some(0);
+    collect(e.submit(req).unwrap())
+}
+
+fn collect(mut rx: EventStream) -> Vec<(u32, f32)> {
+    let mut out = Vec::new();
+    loop {
+        match rx.blocking_recv().expect("a final event") {
+            TokenEvent::Token {
+                token_id, logprob, ..
+            } => out.push((token_id, logprob.expect("logprobs asked").logprob)),
+            TokenEvent::Finished { .. } => return out,
+            TokenEvent::Error(e) => panic!("{e}"),
+            TokenEvent::Started { .. } => {}
+        }
+    }
+}
+
+/// The same tokens, and log-probabilities within 1e-5 (a reused block's keys and values were
+/// computed in another batch shape; the arithmetic is the same up to the order of sums).
+fn assert_same(got: &[(u32, f32)], want: &[(u32, f32)], what: &str) {
+    let tokens = |v: &[(u32, f32)]| v.iter().map(|x| x.0).collect::<Vec<_>>();
+    assert_eq!(tokens(got), tokens(want), "{what}: tokens");
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        assert!(
+            (g.1 - w.1).abs() < 1e-5,
+            "{what}: token {i}'s logprob {} against {} computed",
+            g.1,
+            w.1
+        );
+    }
+}
+
+/// Prefix-cache (queries, hits) in tokens of `adapter` ("" the base).
+fn counts(e: &Engine, adapter: &str) -> (u64, u64) {
+    e.stats()
+        .prefix_cache
+        .iter()
+        .find(|c| c.adapter == adapter)
+        .map_or((0, 0), |c| (c.queries, c.hits))
+}
+
+/// A second prompt sharing the first's leading 38 tokens reuses their two full blocks (32
+/// tokens) and answers, tokens and log-probabilities, as the engine without the cache does:
+/// on both paths, with the base and with an adapter. Then the same prompt again reuses every
+/// full block but the one holding its last token (the step needs that token's logits).
+#[test]
+fn a_reused_prefix_answers_as_a_computed_one() {
+    let shared = long_prompt(38);
+    let first: Vec<u32> = shared.iter().copied().chain([5, 6, 7]).collect();
+    let second: Vec<u32> = shared.iter().copied().chain([9, 10]).collect();
+    let whole: Vec<u32> = long_prompt(48);
+    for tensor in [true, false] {
+        let on = engine(tensor, true, |_| {});
+        let off = engine(tensor, false, |_| {});
+        for adapter in [None, Some("a")] {
+            let what = format!("tensor path {tensor}, adapter {adapter:?}");
+            let label = adapter.unwrap_or("");
+            let before = counts(&on, label);
+            answer(&on, &first, adapter, 4);
+            let got = answer(&on, &second, adapter, 6);
+            assert_same(&got, &answer(&off, &second, adapter, 6), &what);
+            let (q, h) = counts(&on, label);
+            assert_eq!(
+                (q - before.0, h - before.1),
+                ((first.len() + second.len()) as u64, 2 * BLOCK as u64),
+                "{what}: queries and hits in tokens"
+            );
+            answer(&on, &whole, adapter, 3);
+            let (_, h) = counts(&on, label);
+            let got = answer(&on, &whole, adapter, 3);
+            assert_same(&got, &answer(&off, &whole, adapter, 3), &what);
+            let (_, h2) = counts(&on, label);
+            assert_eq!(
+                h2 - h,
+                2 * BLOCK as u64,
+                "{what}: 48 tokens, the last block recomputed"
+            );
+        }
+        assert!(
+            off.stats().prefix_cache.is_empty(),
+            "nothing counted when off"
+        );
+        assert!(on.stats().prefix_cached_blocks > 0);
+    }
+}
+
+/// A prompt computed under adapter `a` is asked again under the base, under `b` and under
+/// `a`: only `a` reuses its blocks (the others' answers are their own, as the engine without
+/// the cache gives them). Fails when the adapter is left out of the blocks' key.
+#[test]
+fn a_block_is_never_reused_under_another_adapter_or_the_base() {
+    let prompt = long_prompt(40);
+    for tensor in [true, false] {
+        let on = engine(tensor, true, |_| {});
+        let off = engine(tensor, false, |_| {});
+        answer(&on, &prompt, Some("a"), 2);
+        for who in [None, Some("b"), Some("a")] {
+            let what = format!("tensor path {tensor}, computed under a, asked under {who:?}");
+            let got = answer(&on, &prompt, who, 4);
+            assert_same(&got, &answer(&off, &prompt, who, 4), &what);
+        }
+        assert_eq!(counts(&on, "").1, 0, "the base reused a's blocks");
+        assert_eq!(counts(&on, "b").1, 0, "b reused a's blocks");
+        assert_eq!(counts(&on, "a").1, 2 * BLOCK as u64, "a reuses its own");
+    }
+}
+
+/// Eight KV blocks (128 tokens) and requests of three or four blocks each, many at once and
+/// then again: cached blocks are evicted as new requests need room, the running ones are
+/// preempted when the step outgrows the pool, and every answer is still the uncached one.
+/// The host path's store is bounded by the same count.
+#[test]
+fn a_small_cache_evicts_and_loses_no_request() {
+    let prompts: Vec<Vec<u32>> = (0..6)
+        .map(|i| {
+            let mut p = long_prompt(36 + i);
+            p[0] = 3 + i as u32;
+            p
+        })
+        .collect();
+    for tensor in [true, false] {
+        let small = |o: &mut EngineOptions| {
+            o.kv_blocks = Some(8);
+            o.max_seq_len = 128;
+            o.max_batch_size = 4;
+        };
+        let on = engine(tensor, true, small);
+        let off = engine(tensor, false, small);
+        let want: Vec<_> = prompts.iter().map(|p| answer(&off, p, None, 12)).collect();
+        for round in 0..2 {
+            let streams: Vec<_> = prompts
+                .iter()
+                .map(|p| {
+                    let mut req = greedy(p.clone(), None, 12);
+                    req.sampling.logprobs = Some(0);
+                    on.submit(req).unwrap()
+                })
+                .collect();
+            for (i, rx) in streams.into_iter().enumerate() {
+                let what = format!("tensor path {tensor}, round {round}, request {i}");
+                assert_same(&collect(rx), &want[i], &what);
+            }
+        }
+        // The engine retires a sequence just after its last token is sent.
+        wait_until("the batch is empty", || on.stats().running == 0);
+        let s = on.stats();
+        assert!(s.prefix_cached_blocks <= 8, "{s:?}");
+        if let Some((free, total)) = s.kv_blocks {
+            assert_eq!((free, total), (8, 8), "every block back: {s:?}");
+        }
+        // The last prompt alone after the others: its blocks were among the last cached.
+        let (_, before) = counts(&on, "");
+        let got = answer(&on, &prompts[5], None, 12);
+        assert_same(&got, &want[5], &format!("tensor path {tensor}, last again"));
+        assert_eq!(counts(&on, "").1 - before, 2 * BLOCK as u64, "{s:?}");
+    }
+}
+
+/// `n` choices share their prompt's blocks, and a later request with that prompt finds them
+/// cached.
+#[test]
+fn choices_and_later_requests_share_a_prompts_blocks() {
+    let prompt = long_prompt(35);
+    for tensor in [true, false] {
+        let on = engine(tensor, true, |_| {});
+        let off = engine(tensor, false, |_| {});
+        let want = answer(&off, &prompt, Some("b"), 5);
+        let mut req = greedy(prompt.clone(), Some("b"), 5);
+        req.sampling.logprobs = Some(0);
+        for rx in on.submit_n(req, 3).unwrap() {
+            assert_same(
+                &collect(rx),
+                &want,
+                &format!("tensor path {tensor}, a choice"),
+            );
+        }
+        let got = answer(&on, &prompt, Some("b"), 5);
+        assert_same(&got, &want, &format!("tensor path {tensor}, later"));
+        assert_eq!(counts(&on, "b").1, 2 * BLOCK as u64);
+    }
+}
+
+/// vLLM's `cache_salt`: a request with a salt never reuses blocks of a request without it, or
+/// with another salt; requests with the same salt do.
+#[test]
+fn a_cache_salt_isolates_its_requests() {
+    let prompt = long_prompt(40);
+    let salted = |salt: Option<&str>| {
+        let mut req = greedy(prompt.clone(), None, 2);
+        req.sampling.cache_salt = salt.map(String::from);
+        req.sampling.logprobs = Some(0);
+        req
+    };
+    for tensor in [true, false] {
+        let on = engine(tensor, true, |_| {});
+        for (salt, hits) in [(None, 0), (Some("x"), 0), (Some("y"), 0), (Some("x"), 32)] {
+            let (_, before) = counts(&on, "");
+            collect(on.submit(salted(salt)).unwrap());
+            assert_eq!(
+                counts(&on, "").1 - before,
+                hits,
+                "tensor path {tensor}, salt {salt:?}"
+            );
+        }
+    }
+}
+
+/// The tiny Qwen3-VL fixture's image `file`, with its digest.
+fn vision_image(file: &str, digest: u8) -> Image {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision");
+    let bytes = std::fs::read(dir.join("images").join(file)).unwrap();
+    let rgb = image::load_from_memory(&bytes).unwrap().to_rgb8();
+    Image {
+        width: rgb.width(),
+        height: rgb.height(),
+        rgb: std::sync::Arc::from(rgb.into_raw()),
+        digest: [digest; 32],
+    }
+}
+
+/// The tiny Qwen3-VL on the tensor or host path, prefix caching on or off.
+fn vision_engine(tensor: bool, caching: bool) -> Engine {
+    let dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision/qwen3_vl");
+    let opts = EngineOptions {
+        base_name: "qwen3-vl-tiny".into(),
+        max_seq_len: 512,
+        prefix_caching: caching,
+        ..Default::default()
+    };
+    let mut model =
+        mole_worker::model::Decoder::load(&dir, candle_core::DType::F32, &candle_core::Device::Cpu)
+            .unwrap();
+    model.set_host_kernels(!tensor);
+    let text = mole_worker::engine::text::TextModel::load(&dir).unwrap();
+    Engine::start(model, text, opts)
+}
+
+/// Images: a second question about the same image reuses the blocks of the image and the
+/// text before the question, and answers as computed; a question about another image with the
+/// same text reuses nothing (the image starts in the first block, and an image's content is
+/// in its blocks' keys).
+#[test]
+fn image_blocks_are_reused_only_for_the_same_image() {
+    for tensor in [true, false] {
+        let on = vision_engine(tensor, true);
+        let off = vision_engine(tensor, false);
+        let ask = |e: &Engine, img: &Image, q: &str| {
+            let msg = ChatMessage {
+                role: "user".into(),
+                content: q.into(),
+                parts: vec![ContentPart::Image, ContentPart::Text(q.into())],
+                extra: Default::default(),
+            };
+            let text = e.apply_chat_template(&[msg], &Default::default()).unwrap();
+            let req = GenerateRequest {
+                id: "vision".into(),
+                prompt: Prompt::Templated(text),
+                adapter: None,
+                sampling: SamplingParams {
+                    max_tokens: 4,
+                    ignore_eos: true,
+                    logprobs: Some(0),
+                    ..Default::default()
+                },
+                images: vec![img.clone()],
+            };
+            collect(e.submit(req).unwrap())
+        };
+        let (square, wide) = (vision_image("square.png", 1), vision_image("wide.png", 2));
+        let q1 = "Describe what is on this screen, every window and every button on it, in detail.";
+        let q2 = "Describe what is on this screen, every window and every button on it, briefly!";
+        ask(&on, &square, q1);
+        let (_, before) = counts(&on, "");
+        let got = ask(&on, &square, q2);
+        assert_same(
+            &got,
+            &ask(&off, &square, q2),
+            &format!("tensor {tensor}, same image"),
+        );
+        let hit = counts(&on, "").1 - before;
+        assert!(
+            hit >= 2 * BLOCK as u64,
+            "tensor {tensor}: the image's blocks reused: {hit}"
+        );
+        let (_, before) = counts(&on, "");
+        let got = ask(&on, &wide, q1);
+        assert_same(
+            &got,
+            &ask(&off, &wide, q1),
+            &format!("tensor {tensor}, another image"),
+        );
+        let hit = counts(&on, "").1 - before;
+        // The image starts within the first block: nothing before it is a whole block.
+        assert_eq!(hit, 0, "tensor {tensor}: another image's blocks");
+    }
+}
+
+/// The classifier router's scoring pass is a request like any other: a second scoring of a
+/// prompt under the classifier adapter reuses the first one's blocks, and scores as it did.
+#[test]
+fn the_classifier_prompt_reuses_its_blocks() {
+    let text = "Classify this request about invoices, refunds and shipping delays for the shop.";
+    let labels = ["a".to_string(), "b".to_string()];
+    for tensor in [true, false] {
+        let on = engine(tensor, true, |_| {});
+        let first = on.score_labels(Some("a"), text, &labels, &[]).unwrap();
+        let (_, before) = counts(&on, "a");
+        let again = on.score_labels(Some("a"), text, &labels, &[]).unwrap();
+        assert!(
+            counts(&on, "a").1 - before >= BLOCK as u64,
+            "tensor path {tensor}"
+        );
+        for (x, y) in first.iter().zip(&again) {
+            assert!(
+                (x - y).abs() < 1e-5,
+                "tensor path {tensor}: {first:?} then {again:?}"
+            );
+        }
+    }
+}
