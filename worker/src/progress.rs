@@ -30,6 +30,8 @@ pub struct Progress {
     bar: Option<indicatif::ProgressBar>,
     last_line: Mutex<Instant>,
     every: Duration,
+    /// No lines at all ([`Progress::bar_only`] without a terminal).
+    quiet: bool,
 }
 
 impl Progress {
@@ -56,6 +58,27 @@ impl Progress {
             bar,
             last_line: Mutex::new(Instant::now()),
             every: interval(),
+            quiet: false,
+        }
+    }
+
+    /// A bar on a terminal and nothing otherwise: for a task that logs its own progress
+    /// lines (`fetch` names the file in each).
+    pub fn bar_only(task: &'static str, unit: &'static str, total: u64) -> Self {
+        let mut p = Self::new(task, unit, total);
+        if p.bar.is_none() {
+            p.every = Duration::MAX;
+            p.quiet = true;
+        }
+        p
+    }
+
+    /// Sets the units done (a task that knows its position, e.g. bytes of a resumed download).
+    pub fn set(&self, done: u64) {
+        let before = self.done.swap(done, Ordering::Relaxed);
+        match &self.bar {
+            Some(bar) => bar.set_position(done),
+            None => self.maybe_line(done.max(before)),
         }
     }
 
@@ -69,13 +92,15 @@ impl Progress {
         let done = self.done.fetch_add(n, Ordering::Relaxed) + n;
         match &self.bar {
             Some(bar) => bar.inc(n),
-            None => {
-                let mut last = self.last_line.lock().unwrap_or_else(|e| e.into_inner());
-                if last.elapsed() >= self.every {
-                    *last = Instant::now();
-                    self.line(done);
-                }
-            }
+            None => self.maybe_line(done),
+        }
+    }
+
+    fn maybe_line(&self, done: u64) {
+        let mut last = self.last_line.lock().unwrap_or_else(|e| e.into_inner());
+        if last.elapsed() >= self.every {
+            *last = Instant::now();
+            self.line(done);
         }
     }
 
@@ -99,7 +124,8 @@ impl Progress {
     pub fn finish(&self) {
         match &self.bar {
             Some(bar) => bar.finish_and_clear(),
-            None => self.line(self.done()),
+            None if !self.quiet => self.line(self.done()),
+            None => {}
         }
     }
 }

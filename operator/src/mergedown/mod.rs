@@ -95,7 +95,8 @@ fn key_of(
     }
     // Only when set, as `uri`: adapters merged without quantization keep their hashes.
     if let Some(q) = &spec.merge.quantize {
-        identity["quantize"] = serde_json::json!({"type": q.quant_type.as_str(), "maxDrift": q.max_drift});
+        identity["quantize"] =
+            serde_json::json!({"type": q.quant_type.as_str(), "maxDrift": q.max_drift});
     }
     if let Some(uid) = uid {
         identity["adapterUid"] = serde_json::json!(uid);

@@ -20,6 +20,7 @@ pub(super) async fn fetch_file(
     target: &Path,
     retries: u32,
     (done_before, total): (u64, u64),
+    progress: &crate::progress::Progress,
 ) -> Result<(u64, ManifestFile), FetchError> {
     // A file a crashed run already verified and renamed: check it rather than fetch it again.
     if let Some(sha) = &f.sha256 {
@@ -44,6 +45,7 @@ pub(super) async fn fetch_file(
             &part,
             retries,
             (done_before, total),
+            progress,
         )
     };
     let mut transferred = fill().await?;
@@ -79,6 +81,7 @@ async fn fill_part(
     part: &Path,
     retries: u32,
     (done_before, total): (u64, u64),
+    progress: &crate::progress::Progress,
 ) -> Result<u64, FetchError> {
     let mut transferred = 0u64;
     let mut attempt = 0u32;
@@ -103,6 +106,7 @@ async fn fill_part(
             part,
             have,
             (done_before, total),
+            progress,
         )
         .await
         {
@@ -183,6 +187,7 @@ async fn download(
     part: &Path,
     have: u64,
     (done_before, total): (u64, u64),
+    progress: &crate::progress::Progress,
 ) -> Result<u64, Broken> {
     let mut req = remote.get(client, f, revision);
     if have > 0 {
@@ -255,6 +260,7 @@ async fn download(
             .map_err(|e| Broken::Fatal(FetchError::io(part)(e)))?;
         offset += chunk.len() as u64;
         written += chunk.len() as u64;
+        progress.set(done_before + offset);
         if last_log.elapsed() >= Duration::from_secs(5) {
             last_log = Instant::now();
             tracing::info!(

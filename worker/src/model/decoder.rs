@@ -196,17 +196,6 @@ impl Decoder {
         Ok(d)
     }
 
-    /// Loads a directory written by `mole-worker quantize`: config.json as in any HF
-    /// directory, the weights from its one GGUF file under HF names
-    /// ([`crate::formats::gguf::QUANTIZED_FILE`]), served as [`Decoder::from_quantized`] does.
-    pub fn load_quantized_dir(dir: &Path, device: &Device) -> Result<Self, ModelError> {
-        let cfg = ModelConfig::from_dir(dir)?;
-        let file = dir.join(crate::formats::gguf::QUANTIZED_FILE);
-        let tensors = crate::formats::gguf::load_hf_named(&file, device)
-            .map_err(|e| ModelError::Config(format!("{}: {e}", file.display())))?;
-        Self::from_quantized(cfg, tensors, device)
-    }
-
     /// The decoder over `w`, with `dtypes` those of the weights and of compute.
     fn build(
         cfg: ModelConfig,

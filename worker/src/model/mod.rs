@@ -25,6 +25,7 @@ mod kv;
 mod layer;
 pub mod lora;
 mod project;
+mod quantized_dir;
 pub mod rope;
 mod slots;
 mod step;
