@@ -556,8 +556,7 @@ pub async fn fetch(opts: &FetchOptions) -> Result<FetchReport, FetchError> {
             f,
             &target,
             opts.retries,
-            (done_before, total),
-            &progress,
+            (done_before, total, &progress),
         )
         .await?;
         transferred += written;
