@@ -754,6 +754,26 @@ async fn quantized_merge_is_served_and_its_drift_refusal_is_reported() {
     assert_eq!(after("--quantize"), "q4_k");
     assert_eq!(after("--max-drift"), "0.05");
     let out = after("--out");
+    // While it runs, its last progress line is in the Merged condition.
+    let job_name = jobs[0].1["metadata"]["name"].as_str().unwrap().to_string();
+    let pod = format!("/api/v1/namespaces/ml/pods/{job_name}-run");
+    e.store.lock().unwrap().create(
+        &pod,
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": format!("{job_name}-run"), "namespace": "ml", "labels": {"job-name": job_name}},
+            "status": {"phase": "Running"}}),
+    );
+    e.store.lock().unwrap().objects.insert(
+        format!("{pod}/log"),
+        json!("{\"fields\":{\"message\":\"progress\",\"task\":\"quantize\",\"unit\":\"tensors\",\"done\":120,\"total\":272,\"percent\":44.1}}\n"),
+    );
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert!(condition(&a, "Merged")["message"]
+        .as_str()
+        .unwrap()
+        .ends_with("in progress: quantize: 44.1% (120 of 272 tensors)"));
+    e.store.lock().unwrap().objects.remove(&pod);
     e.finish_only_job(true, "");
     e.reconcile_adapter("calendar").await;
     assert_eq!(
@@ -1864,6 +1884,10 @@ const RBAC_SCENARIOS: &[(&str, fn())] = &[
     (
         "failed_merge",
         failed_version_bump_keeps_the_old_version_serving_and_rollback_needs_no_job,
+    ),
+    (
+        "quantized_merge",
+        quantized_merge_is_served_and_its_drift_refusal_is_reported,
     ),
     (
         "failed_merge_retried",

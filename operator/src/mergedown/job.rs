@@ -118,6 +118,13 @@ pub fn merge_job(
                         image_pull_policy: pool.image_pull_policy.clone(),
                         command: Some(vec!["mole-worker".into()]),
                         args: Some(args),
+                        // JSON log lines: the operator reads the last `progress` line of a
+                        // running merge into the Adapter's `Merged` condition.
+                        env: Some(vec![k8s_openapi::api::core::v1::EnvVar {
+                            name: "MOLE_LOG_FORMAT".into(),
+                            value: Some("json".into()),
+                            ..Default::default()
+                        }]),
                         resources: pool.merge.resources.clone(),
                         security_context: Some(restricted_container_security()),
                         // The tool writes its one-line reason there; the operator copies it

@@ -259,6 +259,7 @@ mod tests {
                 deployment: None,
                 dynamic_loaded: pods > 0 && loaded == pods,
                 fleet_merged: None,
+                job_progress: None,
                 now: now(),
             },
         }
