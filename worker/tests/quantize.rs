@@ -306,7 +306,8 @@ fn leftovers(parent: &Path, name: &str) -> Vec<String> {
 }
 
 /// A run that fails — here after the whole file was written, on the drift bound — leaves no
-/// output and no temporary directory; a bound it meets keeps the output.
+/// output and no temporary directory; a killed run's leftovers go with the next run; a bound
+/// it meets keeps the output.
 #[test]
 fn a_failed_run_leaves_nothing() {
     let tmp = tempfile::tempdir().unwrap();
@@ -322,6 +323,9 @@ fn a_failed_run_leaves_nothing() {
         "{:?}",
         leftovers(tmp.path(), "q")
     );
+    // What a killed run leaves (its temporary sibling) is removed by the next run.
+    std::fs::create_dir(tmp.path().join(".q.tmp-999999")).unwrap();
+    std::fs::write(tmp.path().join(".q.tmp-999999/model.gguf"), b"partial").unwrap();
     o.max_drift = Some(0.5);
     let r = quantize(&o).unwrap();
     assert_eq!(r.metadata.max_drift, Some(0.5));
@@ -456,9 +460,14 @@ fn merge_then_quantize_writes_the_quantized_merge_only() {
     let again = mole_worker::merge::cli::merge_then_quantize(&opts, QuantType::Q8_0, Some(0.5), 16)
         .unwrap();
     assert!(!again.written);
-    let e = mole_worker::merge::cli::merge_then_quantize(&opts, QuantType::Q4_0, Some(0.5), 16)
-        .unwrap_err();
-    assert_eq!(e.code(), "output_exists");
+    for (t, bound, tokens) in [
+        (QuantType::Q4_0, Some(0.5), 16),
+        (QuantType::Q8_0, None, 16),
+        (QuantType::Q8_0, Some(0.5), 8),
+    ] {
+        let e = mole_worker::merge::cli::merge_then_quantize(&opts, t, bound, tokens).unwrap_err();
+        assert_eq!(e.code(), "output_exists", "{t:?} {bound:?} {tokens}");
+    }
     // A merge that fails keeps the merge's own name.
     let mut bad = opts.clone();
     bad.out = tmp.path().join("other");

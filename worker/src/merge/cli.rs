@@ -185,9 +185,14 @@ pub fn merge_then_quantize(
                 .ok()
                 .and_then(|t| serde_json::from_str(&t).ok());
         let quantized = crate::quantize::read_metadata(&opts.out);
+        // The dense merge is gone: its identity is the merge's inputs, and the quantization's
+        // the options it was made with.
         let same = matches!((&merged, &quantized), (Some(m), Some(q))
-            if m.inputs_sha256 == digest && q.quant_type == quant.name() && q.max_drift == max_drift
-                && q.drift.as_ref().map_or(0, |d| d.prompts.min(1)) == usize::from(drift_tokens > 0));
+            if m.inputs_sha256 == digest
+                && q.merge_inputs_sha256.as_deref() == Some(digest.as_str())
+                && q.quant_type == quant.name()
+                && q.max_drift == max_drift
+                && q.drift_tokens == drift_tokens);
         return match (same, quantized) {
             (true, Some(metadata)) => Ok(crate::quantize::QuantizeReport {
                 metadata,

@@ -251,6 +251,9 @@ pub struct QuantizeMetadata {
     pub drift: Option<Drift>,
     /// The bound the drift was held to.
     pub max_drift: Option<f64>,
+    /// Tokens of each drift prompt (0: drift not measured).
+    #[serde(default)]
+    pub drift_tokens: usize,
     /// `mole-worker` version.
     pub tool_version: String,
     /// Identity of the inputs and options; a re-run with the same value is a no-op.
@@ -659,6 +662,7 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport, QuantizeError>
             gguf_sha256,
             drift,
             max_drift: opts.max_drift,
+            drift_tokens: opts.drift_tokens,
             tool_version: env!("CARGO_PKG_VERSION").to_string(),
             inputs_sha256: digest.clone(),
             created_at: chrono::Utc::now().to_rfc3339(),
