@@ -119,6 +119,13 @@ pub struct AdapterMergeSpec {
     /// Dtype of the merged weights (default: the base's).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dtype: Option<Dtype>,
+    /// Quantize the merged model after the merge: the merge Job runs `mole-worker merge
+    /// --quantize`, writes only the quantized model (GGUF blocks), and the merged Deployment
+    /// serves it. Its drift against the dense merge (mean next-token KL divergence on a fixed
+    /// prompt set) is written in the output's `quantize_metadata.json`; above `maxDrift` the
+    /// Job fails and the adapter keeps its previous version.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub quantize: Option<MergeQuantize>,
 }
 
 impl Default for AdapterMergeSpec {
@@ -126,6 +133,59 @@ impl Default for AdapterMergeSpec {
         Self {
             safe_merge: true,
             dtype: None,
+            quantize: None,
+        }
+    }
+}
+
+/// Quantization after the merge.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MergeQuantize {
+    /// Block type (llama.cpp's): `q8_0`, `q4_0`, `q4_1`, `q4_k`, `q5_k` or `q6_k`. Norms and
+    /// biases stay f32 and the output head is q6_k (q8_0 with `q8_0`), as llama.cpp does.
+    #[serde(rename = "type")]
+    pub quant_type: QuantizeType,
+    /// Highest mean next-token KL divergence (nats) against the dense merge that is served;
+    /// above it the merge Job fails with `drift_over_bound`. Unset: measured and recorded,
+    /// never refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_drift: Option<f64>,
+}
+
+/// The block types `mole-worker quantize` writes.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, JsonSchema)]
+pub enum QuantizeType {
+    /// 8-bit blocks of 32 (8.5 bits per weight).
+    #[serde(rename = "q8_0")]
+    Q8_0,
+    /// 4-bit blocks of 32 with a scale (4.5 bits per weight).
+    #[serde(rename = "q4_0")]
+    Q4_0,
+    /// 4-bit blocks of 32 with a scale and a minimum (5 bits per weight).
+    #[serde(rename = "q4_1")]
+    Q4_1,
+    /// 4-bit k-quant (4.5 bits per weight).
+    #[serde(rename = "q4_k")]
+    Q4K,
+    /// 5-bit k-quant (5.5 bits per weight).
+    #[serde(rename = "q5_k")]
+    Q5K,
+    /// 6-bit k-quant (6.56 bits per weight).
+    #[serde(rename = "q6_k")]
+    Q6K,
+}
+
+impl QuantizeType {
+    /// The name `mole-worker quantize --type` takes.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            QuantizeType::Q8_0 => "q8_0",
+            QuantizeType::Q4_0 => "q4_0",
+            QuantizeType::Q4_1 => "q4_1",
+            QuantizeType::Q4K => "q4_k",
+            QuantizeType::Q5K => "q5_k",
+            QuantizeType::Q6K => "q6_k",
         }
     }
 }

@@ -730,6 +730,109 @@ async fn merge_job_then_merged_deployment_then_ready_and_forwarded() {
     );
 }
 
+/// `spec.merge.quantize`: the merge Job runs `merge --quantize` into the output the merged
+/// Deployment then serves; a drift over the bound fails the Job and the Adapter says why; a
+/// bound that is not positive is refused by a condition and an Event naming the field.
+#[tokio::test]
+async fn quantized_merge_is_served_and_its_drift_refusal_is_reported() {
+    let e = merged_env().await;
+    e.edit(&adapter_path("calendar"), |a| {
+        a["spec"]["merge"] = json!({"quantize": {"type": "q4_k", "maxDrift": 0.05}});
+    });
+    e.worker_reports(&[("calendar", "v1", 1)]);
+    e.reconcile_adapter("calendar").await;
+    let jobs = e.jobs();
+    assert_eq!(jobs.len(), 1);
+    let args: Vec<String> = serde_json::from_value(
+        jobs[0].1["spec"]["template"]["spec"]["containers"][0]["args"].clone(),
+    )
+    .unwrap();
+    let after = |flag: &str| {
+        let i = args.iter().position(|a| a == flag).unwrap();
+        args[i + 1].clone()
+    };
+    assert_eq!(after("--quantize"), "q4_k");
+    assert_eq!(after("--max-drift"), "0.05");
+    let out = after("--out");
+    // While it runs, its last progress line is in the Merged condition.
+    let job_name = jobs[0].1["metadata"]["name"].as_str().unwrap().to_string();
+    let pod = format!("/api/v1/namespaces/ml/pods/{job_name}-run");
+    e.store.lock().unwrap().create(
+        &pod,
+        json!({"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": format!("{job_name}-run"), "namespace": "ml", "labels": {"job-name": job_name}},
+            "status": {"phase": "Running"}}),
+    );
+    e.store.lock().unwrap().objects.insert(
+        format!("{pod}/log"),
+        json!("{\"fields\":{\"message\":\"progress\",\"task\":\"quantize\",\"unit\":\"tensors\",\"done\":120,\"total\":272,\"percent\":44.1}}\n"),
+    );
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert!(condition(&a, "Merged")["message"]
+        .as_str()
+        .unwrap()
+        .ends_with("in progress: quantize: 44.1% (120 of 272 tensors)"));
+    e.store.lock().unwrap().objects.remove(&pod);
+    e.finish_only_job(true, "");
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(
+        format!("/models/{}", e.merged_output()),
+        out,
+        "the merged Deployment serves the quantized output"
+    );
+
+    // v2 drifts too far: the Job fails, v1 (quantized) keeps serving, the reason is shown.
+    e.merged_ready();
+    e.reconcile_adapter("calendar").await;
+    e.set_version("v2");
+    e.reconcile_adapter("calendar").await;
+    {
+        let mut s = e.store.lock().unwrap();
+        let done: Vec<String> = s
+            .objects
+            .iter()
+            .filter(|(k, v)| k.contains("/jobs/") && v["status"]["succeeded"] == 1)
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in done {
+            s.objects.remove(&k);
+        }
+    }
+    e.finish_only_job(
+        false,
+        "quantize failed (drift_over_bound): mean next-token KL divergence 0.081000 is over the bound 0.05 (--max-drift); the output was not kept",
+    );
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    assert_eq!(a["status"]["phase"], "Degraded");
+    assert!(condition(&a, "Degraded")["message"]
+        .as_str()
+        .unwrap()
+        .contains("drift_over_bound"));
+    assert_eq!(a["status"]["activeVersion"], "v1");
+
+    // A bound that is not a positive number: refused, naming the field.
+    e.edit(&adapter_path("calendar"), |a| {
+        a["spec"]["merge"] = json!({"quantize": {"type": "q4_k", "maxDrift": -1.0}});
+        let g = a["metadata"]["generation"].as_i64().unwrap_or(1);
+        a["metadata"]["generation"] = json!(g + 1);
+    });
+    e.reconcile_adapter("calendar").await;
+    let a = e.get(&adapter_path("calendar")).unwrap();
+    let valid = condition(&a, "Valid");
+    assert_eq!(valid["status"], "False");
+    assert!(
+        valid["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("spec.merge.quantize.maxDrift"),
+        "{}",
+        valid["message"]
+    );
+    assert!(e.events().contains(&"InvalidSpec".to_string()));
+}
+
 #[tokio::test]
 async fn failed_version_bump_keeps_the_old_version_serving_and_rollback_needs_no_job() {
     let e = merged_env().await;
@@ -1781,6 +1884,10 @@ const RBAC_SCENARIOS: &[(&str, fn())] = &[
     (
         "failed_merge",
         failed_version_bump_keeps_the_old_version_serving_and_rollback_needs_no_job,
+    ),
+    (
+        "quantized_merge",
+        quantized_merge_is_served_and_its_drift_refusal_is_reported,
     ),
     (
         "failed_merge_retried",

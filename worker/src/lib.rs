@@ -10,7 +10,9 @@
 //! - [`engine`]: the engine thread, continuous batching, sampling, text.
 //! - [`router`]: which adapter serves a request that names none.
 //! - [`config`], [`metrics`], [`telemetry`]: the worker's configuration and observability.
-//! - [`merge`]: the merge Job's tool, which a local worker also runs for its merged adapters.
+//! - [`progress`]: progress bars and lines of the long-running tools.
+//! - [`merge`]: the merge Job's tool, which a local worker also runs for its merged adapters;
+//!   [`quantize`] quantizes its output after it (`merge --quantize` in the Job).
 //! - [`server`]: the HTTP API.
 //!
 //! Tools on top, which nothing in the serving path imports: [`import`], [`inspect`],
@@ -35,7 +37,9 @@ pub mod merge;
 pub mod metrics;
 #[warn(clippy::disallowed_methods)]
 pub mod model;
+pub mod progress;
 pub mod prune;
+pub mod quantize;
 pub mod router;
 pub mod server;
 pub mod telemetry;

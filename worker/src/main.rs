@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "mole-worker",
     version,
-    about = "mole worker: serve, merge, import, inspect, bench, fetch"
+    about = "mole worker: serve, merge, quantize, import, inspect, bench, fetch"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -25,6 +25,8 @@ enum Command {
     Serve(mole_worker::server::cli::ServeArgs),
     /// Merge a PEFT LoRA adapter into base HF safetensors weights.
     Merge(mole_worker::merge::cli::MergeArgs),
+    /// Quantize a merged (dense) HF model to GGUF blocks, measuring its drift.
+    Quantize(mole_worker::quantize::cli::QuantizeArgs),
     /// Convert a GGUF model into an HF safetensors directory.
     Import(mole_worker::import::cli::ImportArgs),
     /// Describe a model or adapter directory and report validation problems.
@@ -71,6 +73,7 @@ fn main() -> std::process::ExitCode {
     match cli.command {
         Command::Serve(a) => mole_worker::server::cli::run(a),
         Command::Merge(a) => mole_worker::merge::cli::run(a),
+        Command::Quantize(a) => mole_worker::quantize::cli::run(a),
         Command::Import(a) => mole_worker::import::cli::run(a),
         Command::Inspect(a) => mole_worker::inspect::run(a),
         Command::Bench(a) => mole_worker::bench::run(a),

@@ -18,10 +18,10 @@ const LAYERS: &[&[&str]] = &[
     &["lora"],
     &["engine"],
     &["router"],
-    &["config", "metrics", "telemetry"],
+    &["config", "metrics", "telemetry", "progress"],
     // The merge (formats and kernels below it): the merge Job's tool, which a local worker
     // also runs in-process for its `mode: merged` adapters. Nothing of the engine imports it.
-    &["merge"],
+    &["merge", "quantize"],
     &["server"],
     // Tools: nothing below imports them.
     &["import", "inspect", "prune", "bench", "fetch"],

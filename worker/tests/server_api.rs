@@ -872,6 +872,14 @@ async fn metrics_models_and_reload() {
         .map(|m| m["id"].as_str().unwrap())
         .collect();
     assert_eq!(ids, ["demo", "llama", "fr", "js"]);
+    // The weights as held, on the pool's and the base's cards (the gauge's number), not on
+    // the adapters'.
+    let held = s.engine.info.stats().weights_bytes.unwrap();
+    assert!(held > 0);
+    assert_eq!(models["data"][0]["mole"]["weights_bytes"], json!(held));
+    assert_eq!(models["data"][1]["mole"]["weights_bytes"], json!(held));
+    assert!(models["data"][2]["mole"].get("weights_bytes").is_none());
+    assert!(m.contains(&format!("mole_weights_bytes {held}")), "{m}");
     // Admin reload without token: 401; the watcher picks up a removed adapter.
     let r = c
         .post(format!("{}/admin/reload", s.url))

@@ -741,6 +741,30 @@ pub fn validate_adapter(
             )?;
         }
     }
+    if let Some(q) = &spec.merge.quantize {
+        if let Some(bound) = q.max_drift {
+            if !(bound.is_finite() && bound > 0.0) {
+                return Err(FieldError::invalid(
+                    "spec.merge.quantize.maxDrift",
+                    format!("{bound} must be a positive number of nats"),
+                ));
+            }
+        }
+        // A quantized base is served as it is: the merge onto it is refused, and quantizing
+        // the result again would compound two roundings.
+        if let Some(pool) = pool {
+            let path = &pool.spec.base_model.path;
+            if path.ends_with(".gguf") {
+                return Err(FieldError::invalid(
+                    "spec.merge.quantize",
+                    format!(
+                        "pool {:?} serves a GGUF base ({path}); merges are made onto dense bases, quantize after merging needs one",
+                        spec.pool
+                    ),
+                ));
+            }
+        }
+    }
     if let Some(acc) = spec.evaluation.as_ref().and_then(|e| e.accuracy) {
         if !(0.0..=1.0).contains(&acc) {
             return Err(FieldError::invalid(
@@ -1146,6 +1170,23 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         assert_eq!(validate_pool(&p), Ok(()));
     }
 
+    /// Quantize after merge: a bound that is a positive number passes; a pool serving a
+    /// GGUF base refuses it, naming the field (the merge is made onto dense bases only).
+    #[test]
+    fn merge_quantize_needs_a_positive_bound_and_a_dense_base() {
+        let mut a = adapter("calendar", None, 10);
+        a.spec.merge.quantize = Some(mole_crds::MergeQuantize {
+            quant_type: mole_crds::QuantizeType::Q4K,
+            max_drift: Some(0.05),
+        });
+        assert_eq!(validate_adapter(&a, Some(&pool()), &[]), Ok(()));
+        let mut p = pool();
+        p.spec.base_model.path = "base/model.Q4_1.gguf".into();
+        let e = validate_adapter(&a, Some(&p), &[]).unwrap_err();
+        assert_eq!(e.field, "spec.merge.quantize");
+        assert!(e.message.contains("GGUF"), "{}", e.message);
+    }
+
     #[test]
     fn adapter_errors_name_the_field_and_reason() {
         let p = pool();
@@ -1177,6 +1218,24 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
                 "spec.evaluation.accuracy",
             ),
             (|a| a.spec.routing.label = Some(" ".into()), "spec.label"),
+            (
+                |a| {
+                    a.spec.merge.quantize = Some(mole_crds::MergeQuantize {
+                        quant_type: mole_crds::QuantizeType::Q4K,
+                        max_drift: Some(-0.1),
+                    })
+                },
+                "spec.merge.quantize.maxDrift",
+            ),
+            (
+                |a| {
+                    a.spec.merge.quantize = Some(mole_crds::MergeQuantize {
+                        quant_type: mole_crds::QuantizeType::Q8_0,
+                        max_drift: Some(f64::NAN),
+                    })
+                },
+                "spec.merge.quantize.maxDrift",
+            ),
             (
                 |a| a.spec.source.uri = Some("ftp://x/y".into()),
                 "spec.source.uri",

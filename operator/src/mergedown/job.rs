@@ -69,6 +69,16 @@ pub fn merge_job(
         args.push("--dtype".into());
         args.push(d.as_str().into());
     }
+    // The Job writes only the quantized model to the output the merged Deployment serves;
+    // a drift over the bound fails the Job with `drift_over_bound` in its termination message.
+    if let Some(q) = &spec.merge.quantize {
+        args.push("--quantize".into());
+        args.push(q.quant_type.as_str().into());
+        if let Some(bound) = q.max_drift {
+            args.push("--max-drift".into());
+            args.push(bound.to_string());
+        }
+    }
     let meta = job_meta(pool_name, adapter, "merge", owner);
     let mut job = Job {
         metadata: meta.annotated(
@@ -108,6 +118,13 @@ pub fn merge_job(
                         image_pull_policy: pool.image_pull_policy.clone(),
                         command: Some(vec!["mole-worker".into()]),
                         args: Some(args),
+                        // JSON log lines: the operator reads the last `progress` line of a
+                        // running merge into the Adapter's `Merged` condition.
+                        env: Some(vec![k8s_openapi::api::core::v1::EnvVar {
+                            name: "MOLE_LOG_FORMAT".into(),
+                            value: Some("json".into()),
+                            ..Default::default()
+                        }]),
                         resources: pool.merge.resources.clone(),
                         security_context: Some(restricted_container_security()),
                         // The tool writes its one-line reason there; the operator copies it
@@ -405,6 +422,65 @@ merge:
             c.image.as_deref(),
             Some("ghcr.io/mole-dev/mole-worker:0.1.0")
         );
+    }
+
+    /// `spec.merge.quantize` adds `--quantize` (and the bound) to the merge Job, and is a new
+    /// merge: another hash, another output directory. Unset, the hash is what it was.
+    #[test]
+    fn quantize_after_merge_is_in_the_job_and_the_hash() {
+        let pool: InferencePoolSpec = serde_yaml::from_str(
+            "baseModel: {name: m, path: base/m}\nstorage: {claimName: models}\ngpu: {count: 1}\n",
+        )
+        .unwrap();
+        let plain: AdapterSpec =
+            serde_yaml::from_str("pool: p\nversion: v1\nsource: {path: adapters/a/v1}\n").unwrap();
+        let quantized: AdapterSpec = serde_yaml::from_str(
+            "pool: p\nversion: v1\nsource: {path: adapters/a/v1}\nmerge: {quantize: {type: q4_k, maxDrift: 0.05}}\n",
+        )
+        .unwrap();
+        let unbounded: AdapterSpec = serde_yaml::from_str(
+            "pool: p\nversion: v1\nsource: {path: adapters/a/v1}\nmerge: {quantize: {type: q8_0}}\n",
+        )
+        .unwrap();
+        let args = |spec: &AdapterSpec| {
+            let key = merge_key(&pool, "a", spec);
+            let job = merge_job(
+                "p",
+                &pool,
+                "a",
+                spec,
+                &key,
+                OwnerReference::default(),
+                &WorkerDefaults::default(),
+            );
+            (
+                key,
+                job.spec.unwrap().template.spec.unwrap().containers[0]
+                    .args
+                    .clone()
+                    .unwrap(),
+            )
+        };
+        let (k0, a0) = args(&plain);
+        let (k1, a1) = args(&quantized);
+        let (k2, a2) = args(&unbounded);
+        assert!(!a0.contains(&"--quantize".to_string()));
+        let after = |args: &[String], flag: &str| {
+            args.iter()
+                .position(|a| a == flag)
+                .map(|i| args[i + 1].clone())
+        };
+        assert_eq!(after(&a1, "--quantize").as_deref(), Some("q4_k"));
+        assert_eq!(after(&a1, "--max-drift").as_deref(), Some("0.05"));
+        assert_eq!(after(&a2, "--quantize").as_deref(), Some("q8_0"));
+        assert_eq!(after(&a2, "--max-drift"), None);
+        assert_ne!(k0.hash, k1.hash);
+        assert_ne!(k1.hash, k2.hash);
+        assert_ne!(k0.output, k1.output);
+        // The dense merge's identity is unchanged by the new field's existence.
+        let mut same = plain.clone();
+        same.merge.quantize = None;
+        assert_eq!(merge_key(&pool, "a", &same).hash, k0.hash);
     }
 
     #[test]

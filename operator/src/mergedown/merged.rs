@@ -502,7 +502,10 @@ fn set_conditions(
                 (
                     false,
                     reason::MERGE_STARTED,
-                    format!("merge Job {} in progress", key.job_name),
+                    match &cx.obs.job_progress {
+                        Some(p) => format!("merge Job {} in progress: {p}", key.job_name),
+                        None => format!("merge Job {} in progress", key.job_name),
+                    },
                 )
             };
             set_condition(

@@ -93,6 +93,11 @@ fn key_of(
     if let Some(uri) = &spec.source.uri {
         identity["uri"] = serde_json::json!(uri);
     }
+    // Only when set, as `uri`: adapters merged without quantization keep their hashes.
+    if let Some(q) = &spec.merge.quantize {
+        identity["quantize"] =
+            serde_json::json!({"type": q.quant_type.as_str(), "maxDrift": q.max_drift});
+    }
     if let Some(uid) = uid {
         identity["adapterUid"] = serde_json::json!(uid);
     }
@@ -186,6 +191,9 @@ pub struct Observed {
     /// No request for the pool's `merge.scaleToZero.idleSeconds` (always false without it):
     /// the merged pods may be scaled to zero ([`scale_to_zero`]).
     pub idle: bool,
+    /// A running merge Job's last progress line, summarized (`merge: 41.2% (110 of 267
+    /// MB)`), read from its pod's log tail; None when it logged none yet or cannot be read.
+    pub job_progress: Option<String>,
     /// Clock (injected so the plan stays pure).
     pub now: DateTime<Utc>,
 }
@@ -687,3 +695,26 @@ fn remove_condition(conditions: &mut Vec<Condition>, type_: &str) {
 
 #[cfg(test)]
 mod tests;
+
+/// The last structured `progress` line (JSON, as the merge Job logs with
+/// `MOLE_LOG_FORMAT=json`) of a log tail, as one phrase for a condition message:
+/// `quantize: 44.1% (120 of 272 tensors)`. None when the tail has none.
+pub fn progress_of(log_tail: &str) -> Option<String> {
+    log_tail.lines().rev().find_map(|line| {
+        let v: serde_json::Value = serde_json::from_str(line.trim()).ok()?;
+        let f = v.get("fields")?;
+        if f.get("message")?.as_str()? != "progress" {
+            return None;
+        }
+        let task = f.get("task")?.as_str()?;
+        let unit = f.get("unit")?.as_str()?;
+        let (done, total) = (f.get("done")?.as_u64()?, f.get("total")?.as_u64()?);
+        let percent = f.get("percent")?.as_f64()?;
+        Some(if unit == "bytes" {
+            let mb = |b: u64| b / 1_000_000;
+            format!("{task}: {percent:.1}% ({} of {} MB)", mb(done), mb(total))
+        } else {
+            format!("{task}: {percent:.1}% ({done} of {total} {unit})")
+        })
+    })
+}

@@ -42,6 +42,7 @@ fn obs(job: JobState) -> Observed {
         dynamic_loaded: true,
         fleet_merged: None,
         idle: false,
+        job_progress: None,
         now: t0(),
     }
 }
@@ -137,6 +138,46 @@ fn running_job_is_left_alone() {
     assert_eq!(plan.job, JobAction::None);
     assert_eq!(plan.status.phase, AdapterPhase::Merging);
     assert!(plan.events.is_empty());
+}
+
+/// A running merge's progress, read from its log, is in the `Merged` condition's message.
+#[test]
+fn a_running_merge_shows_its_progress() {
+    let p = pool();
+    let a = adapter("v1", "merged");
+    let first = run(&p, &a, &AdapterStatus::default(), &obs(JobState::Absent));
+    let mut o = obs(JobState::Running);
+    let tail = concat!(
+        "{\"timestamp\":\"t\",\"level\":\"INFO\",\"fields\":{\"message\":\"progress\",\"task\":\"merge\",\"unit\":\"bytes\",\"done\":10000000,\"total\":269000000,\"percent\":3.7}}\n",
+        "{\"timestamp\":\"t\",\"level\":\"INFO\",\"fields\":{\"message\":\"progress\",\"task\":\"quantize\",\"unit\":\"tensors\",\"done\":120,\"total\":272,\"percent\":44.1}}\n",
+        "{\"timestamp\":\"t\",\"level\":\"INFO\",\"fields\":{\"message\":\"quantization drift\"}}\n",
+        "not json\n",
+    );
+    o.job_progress = crate::mergedown::progress_of(tail);
+    assert_eq!(
+        o.job_progress.as_deref(),
+        Some("quantize: 44.1% (120 of 272 tensors)"),
+        "the last progress line"
+    );
+    let plan = run(&p, &a, &first.status, &o);
+    let merged = plan
+        .status
+        .conditions
+        .iter()
+        .find(|c| c.type_ == "Merged")
+        .unwrap();
+    assert!(
+        merged
+            .message
+            .ends_with("in progress: quantize: 44.1% (120 of 272 tensors)"),
+        "{}",
+        merged.message
+    );
+    assert_eq!(
+        crate::mergedown::progress_of(&tail.lines().take(1).collect::<String>()).as_deref(),
+        Some("merge: 3.7% (10 of 269 MB)")
+    );
+    assert_eq!(crate::mergedown::progress_of("plain text\n"), None);
 }
 
 #[test]

@@ -327,6 +327,14 @@ impl Store {
             "GET" => {
                 if let Some(o) = self.objects.get(&base) {
                     self.objects_read += 1;
+                    // A text subresource (a pod's log) is stored as a string, served as is.
+                    if let Some(text) = o.as_str() {
+                        return Response::builder()
+                            .status(200)
+                            .header("content-type", "text/plain")
+                            .body(Body::from(text.as_bytes().to_vec()))
+                            .unwrap();
+                    }
                     return ok(o);
                 }
                 if !self.is_collection_path(&base) {

@@ -8,7 +8,9 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-use crate::engine::api::{GenerateRequest, InferenceEngine, Prompt, SamplingParams, TokenEvent};
+use crate::engine::api::{
+    GenerateRequest, Prompt, PromptCodec, SamplingParams, Serving, TokenEvent,
+};
 
 /// Arguments of `bench prefix`.
 #[derive(clap::Args, Debug)]
@@ -26,11 +28,7 @@ pub struct PrefixBenchArgs {
 }
 
 /// A system prompt of `tokens` tokens, distinct per `round` from its first token on.
-fn system_prompt(
-    engine: &dyn InferenceEngine,
-    round: usize,
-    tokens: usize,
-) -> anyhow::Result<Vec<u32>> {
+fn system_prompt(codec: &dyn PromptCodec, round: usize, tokens: usize) -> anyhow::Result<Vec<u32>> {
     let mut text =
         format!("Session {round}. You are the support assistant of shop number {round}.");
     let mut i = 0;
@@ -44,14 +42,14 @@ fn system_prompt(
                 i * 7 + round
             ));
         }
-        ids = engine.encode(&Prompt::Text(text.clone()))?;
+        ids = codec.encode(&Prompt::Text(text.clone()))?;
     }
     ids.truncate(tokens);
     Ok(ids)
 }
 
 /// The time from submission to the first token of a greedy one-token answer to `prompt`.
-fn ttft(engine: &dyn InferenceEngine, prompt: Vec<u32>) -> anyhow::Result<Duration> {
+fn ttft(engine: &dyn Serving, prompt: Vec<u32>) -> anyhow::Result<Duration> {
     let req = GenerateRequest {
         id: "bench-prefix".into(),
         prompt: Prompt::Tokens(prompt),
@@ -88,22 +86,26 @@ pub fn run(args: &PrefixBenchArgs) -> anyhow::Result<()> {
         .with_context(|| format!("config {}", args.config.display()))?;
     let caching = cfg.limits.engine.enable_prefix_caching;
     let engine = crate::server::build_engine(&cfg)?;
-    let question = |q: &str| engine.encode(&Prompt::Text(format!("\nQuestion: {q}\nAnswer:")));
+    let question = |q: &str| {
+        engine
+            .codec
+            .encode(&Prompt::Text(format!("\nQuestion: {q}\nAnswer:")))
+    };
     let (qa, qb) = (
         question("where is my order?")?,
         question("can I return it?")?,
     );
     // One request first: threads, allocations and page faults are not the cold prompt's.
     ttft(
-        engine.as_ref(),
-        system_prompt(engine.as_ref(), 1_000_000, 64)?,
+        engine.serving.as_ref(),
+        system_prompt(engine.codec.as_ref(), 1_000_000, 64)?,
     )?;
     let (mut cold, mut warm) = (Vec::new(), Vec::new());
     for round in 0..args.rounds.max(1) {
-        let sys = system_prompt(engine.as_ref(), round, args.prompt_tokens)?;
+        let sys = system_prompt(engine.codec.as_ref(), round, args.prompt_tokens)?;
         let with = |q: &[u32]| sys.iter().chain(q).copied().collect::<Vec<u32>>();
-        let c = ttft(engine.as_ref(), with(&qa))?;
-        let w = ttft(engine.as_ref(), with(&qb))?;
+        let c = ttft(engine.serving.as_ref(), with(&qa))?;
+        let w = ttft(engine.serving.as_ref(), with(&qb))?;
         println!(
             "round {round}: system prompt of {} tokens, new {:.1} ms, seen before {:.1} ms",
             sys.len(),
@@ -113,7 +115,7 @@ pub fn run(args: &PrefixBenchArgs) -> anyhow::Result<()> {
         cold.push(c);
         warm.push(w);
     }
-    let stats = engine.stats();
+    let stats = engine.info.stats();
     let (queries, hits) = stats
         .prefix_cache
         .iter()

@@ -328,6 +328,33 @@ impl Engine {
         Ok(Self::start(model, text, opts))
     }
 
+    /// Loads a directory written by `mole-worker quantize` (a merged model quantized after the
+    /// merge): HF config and tokenizer files, the weights in one GGUF file under HF names,
+    /// served quantized as [`Engine::load_gguf`] serves a GGUF base.
+    pub fn load_quantized_dir(
+        dir: &Path,
+        device: &Device,
+        mut opts: EngineOptions,
+    ) -> Result<Self, EngineError> {
+        let nr =
+            |e: &dyn std::fmt::Display| EngineError::NotReady(format!("{}: {e}", dir.display()));
+        let file = dir.join(crate::formats::gguf::QUANTIZED_FILE);
+        let file_bytes = std::fs::metadata(&file).map_err(|e| nr(&e))?.len();
+        let memory = DeviceMemory::of(device).map_err(model_error)?;
+        // As a GGUF base: the tensors stay in their blocks, the file's size is the weights'.
+        KvBudget::check_weights(
+            &device_name(device),
+            memory,
+            opts.gpu_memory_utilization,
+            file_bytes,
+        )
+        .map_err(model_error)?;
+        let model = Decoder::load_quantized_dir(dir, device).map_err(|e| nr(&e))?;
+        let text = TextModel::load(dir).map_err(|e| EngineError::NotReady(e.to_string()))?;
+        size_kv_cache(&model, &mut opts, model.weight_bytes())?;
+        Ok(Self::start(model, text, opts))
+    }
+
     /// Starts the engine thread over a loaded model (a vision model takes images as Qwen3-VL's
     /// processor prepares them).
     pub fn start(model: Decoder, text: TextModel, opts: EngineOptions) -> Self {

@@ -544,6 +544,9 @@ pub async fn fetch(opts: &FetchOptions) -> Result<FetchReport, FetchError> {
     let mut done_before = 0u64;
     let mut transferred = 0u64;
     let mut files = Vec::new();
+    // The bar only: without a terminal, the transfer's own "downloading" lines (every 5 s,
+    // with the file's name) are the progress lines.
+    let progress = crate::progress::Progress::bar_only("fetch", "bytes", total);
     for f in &keep {
         let target = prepare_parent(dest, &f.name)?;
         let (written, entry) = transfer::fetch_file(
@@ -553,13 +556,14 @@ pub async fn fetch(opts: &FetchOptions) -> Result<FetchReport, FetchError> {
             f,
             &target,
             opts.retries,
-            (done_before, total),
+            (done_before, total, &progress),
         )
         .await?;
         transferred += written;
         done_before += f.size;
         files.push(entry);
     }
+    progress.finish();
     let manifest = Manifest {
         source: opts.source.clone(),
         revision: listing.revision,

@@ -19,7 +19,7 @@ pub(super) async fn fetch_file(
     f: &RemoteFile,
     target: &Path,
     retries: u32,
-    (done_before, total): (u64, u64),
+    (done_before, total, progress): (u64, u64, &crate::progress::Progress),
 ) -> Result<(u64, ManifestFile), FetchError> {
     // A file a crashed run already verified and renamed: check it rather than fetch it again.
     if let Some(sha) = &f.sha256 {
@@ -43,7 +43,7 @@ pub(super) async fn fetch_file(
             f,
             &part,
             retries,
-            (done_before, total),
+            (done_before, total, progress),
         )
     };
     let mut transferred = fill().await?;
@@ -78,7 +78,7 @@ async fn fill_part(
     f: &RemoteFile,
     part: &Path,
     retries: u32,
-    (done_before, total): (u64, u64),
+    (done_before, total, progress): (u64, u64, &crate::progress::Progress),
 ) -> Result<u64, FetchError> {
     let mut transferred = 0u64;
     let mut attempt = 0u32;
@@ -102,7 +102,7 @@ async fn fill_part(
             f,
             part,
             have,
-            (done_before, total),
+            (done_before, total, progress),
         )
         .await
         {
@@ -182,7 +182,7 @@ async fn download(
     f: &RemoteFile,
     part: &Path,
     have: u64,
-    (done_before, total): (u64, u64),
+    (done_before, total, progress): (u64, u64, &crate::progress::Progress),
 ) -> Result<u64, Broken> {
     let mut req = remote.get(client, f, revision);
     if have > 0 {
@@ -255,6 +255,7 @@ async fn download(
             .map_err(|e| Broken::Fatal(FetchError::io(part)(e)))?;
         offset += chunk.len() as u64;
         written += chunk.len() as u64;
+        progress.set(done_before + offset);
         if last_log.elapsed() >= Duration::from_secs(5) {
             last_log = Instant::now();
             tracing::info!(

@@ -100,6 +100,10 @@ pub fn check_confined(dir: &Path) -> Result<(), HfError> {
     for f in MODEL_FILES {
         confine(dir, f)?;
     }
+    // A directory quantized by `mole-worker quantize` holds one GGUF file instead of shards.
+    if super::gguf::is_quantized_dir(dir) {
+        return confine(dir, super::gguf::QUANTIZED_FILE).map(|_| ());
+    }
     safetensors_files(dir).map(|_| ())
 }
 

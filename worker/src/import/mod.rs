@@ -94,6 +94,7 @@ struct LazyGguf<'a> {
     shape: Vec<usize>,
     dtype: safetensors::Dtype,
     failure: &'a std::cell::RefCell<Option<ImportError>>,
+    progress: &'a crate::progress::Progress,
 }
 
 impl LazyGguf<'_> {
@@ -146,7 +147,9 @@ impl View for LazyGguf<'_> {
         &self.shape
     }
     fn data(&self) -> Cow<'_, [u8]> {
-        match self.compute() {
+        let computed = self.compute();
+        self.progress.inc(1);
+        match computed {
             Ok(b) => Cow::Owned(b),
             Err(e) => {
                 let mut slot = self.failure.borrow_mut();
@@ -202,6 +205,8 @@ fn write_all(opts: &ImportOptions, gguf: &Opened, dir: &Path) -> Result<ImportRe
         crate::merge::OutDtype::F16 => safetensors::Dtype::F16,
     };
     let failure = std::cell::RefCell::new(None);
+    let progress =
+        crate::progress::Progress::new("import", "tensors", content.tensor_infos.len() as u64);
     let mut views = Vec::new();
     let mut params = 0u64;
     let mut names: Vec<&String> = content.tensor_infos.keys().collect();
@@ -222,6 +227,7 @@ fn write_all(opts: &ImportOptions, gguf: &Opened, dir: &Path) -> Result<ImportRe
                 shape,
                 dtype,
                 failure: &failure,
+                progress: &progress,
             },
         ));
     }
@@ -232,6 +238,7 @@ fn write_all(opts: &ImportOptions, gguf: &Opened, dir: &Path) -> Result<ImportRe
         path: dest.display().to_string(),
         source: std::io::Error::other(e.to_string()),
     })?;
+    progress.finish();
     if let Some(e) = failure.borrow_mut().take() {
         return Err(e);
     }

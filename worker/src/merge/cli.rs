@@ -46,6 +46,17 @@ pub struct MergeArgs {
     /// Pod's termination message). Default: /dev/termination-log, when it exists.
     #[arg(long, env = "MOLE_TERMINATION_LOG")]
     pub termination_log: Option<PathBuf>,
+    /// Quantize the merged model (q8_0, q4_0, q4_1, q4_k, q5_k, q6_k) and write only the
+    /// quantized model to --out (the dense merge goes to a temporary sibling, removed after).
+    #[arg(long, env = "MOLE_MERGE_QUANTIZE")]
+    pub quantize: Option<String>,
+    /// With --quantize: refuse the output when its mean next-token KL divergence against the
+    /// dense merge (nats) is above this.
+    #[arg(long, env = "MOLE_QUANTIZE_MAX_DRIFT", requires = "quantize")]
+    pub max_drift: Option<f64>,
+    /// With --quantize: tokens of each of the 8 drift prompts (0: drift not measured).
+    #[arg(long, env = "MOLE_QUANTIZE_DRIFT_TOKENS", default_value_t = crate::quantize::cli::DEFAULT_DRIFT_TOKENS)]
+    pub drift_tokens: usize,
 }
 
 /// Writes the failure reason where Kubernetes looks for it: the given path (created), or
@@ -81,6 +92,19 @@ pub fn run(args: MergeArgs) -> ExitCode {
         adapter_name: args.adapter_name,
         adapter_version: args.adapter_version,
     };
+    if let Some(t) = &args.quantize {
+        let quant = match crate::quantize::QuantType::parse(t) {
+            Ok(q) => q,
+            Err(e) => return quantize_failed(termination_log.as_deref(), e),
+        };
+        return match merge_then_quantize(&opts, quant, args.max_drift, args.drift_tokens) {
+            Ok(r) => {
+                crate::quantize::cli::print_report(&r, &opts.out);
+                ExitCode::SUCCESS
+            }
+            Err(e) => quantize_failed(termination_log.as_deref(), e),
+        };
+    }
     let result = merge(&opts);
     if std::env::var_os("MOLE_MERGE_REPORT_RSS").is_some() {
         // For `bench merge`: the high-water mark of resident memory of this process.
@@ -122,4 +146,79 @@ pub fn run(args: MergeArgs) -> ExitCode {
             ExitCode::from(e.exit_code())
         }
     }
+}
+
+fn quantize_failed(
+    termination_log: Option<&std::path::Path>,
+    e: crate::quantize::QuantizeError,
+) -> ExitCode {
+    let line = match &e {
+        crate::quantize::QuantizeError::Merge(m) => format!("merge failed ({}): {m}", m.code()),
+        e => format!("quantize failed ({}): {e}", e.code()),
+    };
+    eprintln!("{line}");
+    write_termination_log(termination_log, &line);
+    ExitCode::from(e.exit_code())
+}
+
+/// The merge Job with `spec.merge.quantize`: merges into a temporary sibling of `--out`,
+/// quantizes that into `--out` (atomic, measured against the dense merge), and removes the
+/// dense merge whatever happened. An `--out` that already holds the quantization of this
+/// merge is a no-op; one made from other inputs is refused.
+pub fn merge_then_quantize(
+    opts: &MergeOptions,
+    quant: crate::quantize::QuantType,
+    max_drift: Option<f64>,
+    drift_tokens: usize,
+) -> Result<crate::quantize::QuantizeReport, crate::quantize::QuantizeError> {
+    use crate::quantize::{QuantizeError, QuantizeOptions};
+    let name = opts
+        .out
+        .file_name()
+        .ok_or_else(|| QuantizeError::Input(format!("{}: no directory name", opts.out.display())))?
+        .to_string_lossy()
+        .to_string();
+    if opts.out.exists() {
+        let digest = super::inputs_digest(opts)?;
+        let merged: Option<super::MergeMetadata> =
+            std::fs::read_to_string(opts.out.join("merge_metadata.json"))
+                .ok()
+                .and_then(|t| serde_json::from_str(&t).ok());
+        let quantized = crate::quantize::read_metadata(&opts.out);
+        // The dense merge is gone: its identity is the merge's inputs, and the quantization's
+        // the options it was made with.
+        let same = matches!((&merged, &quantized), (Some(m), Some(q))
+            if m.inputs_sha256 == digest
+                && q.merge_inputs_sha256.as_deref() == Some(digest.as_str())
+                && q.quant_type == quant.name()
+                && q.max_drift == max_drift
+                && q.drift_tokens == drift_tokens);
+        return match (same, quantized) {
+            (true, Some(metadata)) => Ok(crate::quantize::QuantizeReport {
+                metadata,
+                written: false,
+            }),
+            _ => Err(QuantizeError::OutputExists(opts.out.display().to_string())),
+        };
+    }
+    // A sibling whose name starts like the quantize's temporaries: a crashed run's is removed
+    // by the next run's clean-up.
+    let dense = opts.out.with_file_name(format!(".{name}.tmp-dense"));
+    let _ = std::fs::remove_dir_all(&dense);
+    let mut dense_opts = opts.clone();
+    dense_opts.out = dense.clone();
+    let result = merge(&dense_opts)
+        .map_err(QuantizeError::from)
+        .and_then(|_| {
+            crate::quantize::quantize(&QuantizeOptions {
+                input: dense.clone(),
+                out: opts.out.clone(),
+                qtype: quant,
+                root: opts.root.clone(),
+                drift_tokens,
+                max_drift,
+            })
+        });
+    let _ = std::fs::remove_dir_all(&dense);
+    result
 }

@@ -35,7 +35,7 @@ pub fn set_durable(on: bool) {
     DURABLE.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-fn durable() -> bool {
+pub(crate) fn durable() -> bool {
     DURABLE.load(std::sync::atomic::Ordering::Relaxed)
 }
 
@@ -249,7 +249,7 @@ pub struct MergeReport {
 }
 
 /// Resolves `p` (symlinks included) and checks it lies inside `root`.
-fn confine(p: &Path, root: Option<&Path>) -> Result<PathBuf, MergeError> {
+pub(crate) fn confine(p: &Path, root: Option<&Path>) -> Result<PathBuf, MergeError> {
     let real = p.canonicalize().map_err(io_err(p))?;
     if let Some(root) = root {
         if !real.starts_with(root) {
@@ -262,7 +262,7 @@ fn confine(p: &Path, root: Option<&Path>) -> Result<PathBuf, MergeError> {
     Ok(real)
 }
 
-fn sha256_file(path: &Path) -> Result<String, MergeError> {
+pub(crate) fn sha256_file(path: &Path) -> Result<String, MergeError> {
     let mut f = std::fs::File::open(path).map_err(io_err(path))?;
     let mut h = Sha256::new();
     std::io::copy(&mut f, &mut h).map_err(io_err(path))?;
@@ -271,7 +271,7 @@ fn sha256_file(path: &Path) -> Result<String, MergeError> {
 
 /// Hash that identifies the base weights cheaply: the index file, or a single file's header
 /// (names, dtypes, shapes and offsets) plus its size.
-fn base_identity(base: &Path, shards: &[PathBuf]) -> Result<String, MergeError> {
+pub(crate) fn base_identity(base: &Path, shards: &[PathBuf]) -> Result<String, MergeError> {
     let index = base.join("model.safetensors.index.json");
     if index.exists() {
         return sha256_file(&index);
@@ -290,7 +290,7 @@ fn base_identity(base: &Path, shards: &[PathBuf]) -> Result<String, MergeError> 
     Ok(hex::encode(h.finalize()))
 }
 
-fn check_no_pickle(dir: &Path) -> Result<(), MergeError> {
+pub(crate) fn check_no_pickle(dir: &Path) -> Result<(), MergeError> {
     match hf::find_pickle(dir) {
         Some(p) => Err(MergeError::Pickle(p.display().to_string())),
         None => Ok(()),
@@ -420,21 +420,31 @@ fn digests(opts: &MergeOptions, inputs: &Inputs) -> Result<Digests, MergeError> 
     })
 }
 
+/// The identity of a merge's inputs and options (`inputs_sha256` of its metadata), computed
+/// without merging: how a merge followed by a quantization recognizes an output it already
+/// wrote.
+pub fn inputs_digest(opts: &MergeOptions) -> Result<String, MergeError> {
+    let root = match &opts.root {
+        Some(r) => Some(r.canonicalize().map_err(io_err(r))?),
+        None => None,
+    };
+    let inputs = check_inputs(opts, root.as_deref())?;
+    Ok(digests(opts, &inputs)?.inputs)
+}
+
 /// The output's parent (created, confined to the root) and its name.
-fn output_parent(
-    opts: &MergeOptions,
+pub(crate) fn output_parent(
+    out: &Path,
     root: Option<&Path>,
 ) -> Result<(PathBuf, std::ffi::OsString), MergeError> {
-    let out_name = opts
-        .out
+    let out_name = out
         .file_name()
         .ok_or_else(|| MergeError::OutsideRoot {
-            path: opts.out.display().to_string(),
+            path: out.display().to_string(),
             root: root.map(|r| r.display().to_string()).unwrap_or_default(),
         })?
         .to_owned();
-    let parent = opts
-        .out
+    let parent = out
         .parent()
         .filter(|p| !p.as_os_str().is_empty())
         .unwrap_or(Path::new("."));
@@ -457,7 +467,7 @@ fn output_parent(
             .all(|c| matches!(c, std::path::Component::Normal(_)))
         {
             return Err(MergeError::OutsideRoot {
-                path: opts.out.display().to_string(),
+                path: out.display().to_string(),
                 root: root.map(|r| r.display().to_string()).unwrap_or_default(),
             });
         }
@@ -479,7 +489,7 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
 
     // Output location: its parent must exist inside the root; the output itself must not,
     // unless it was merged from the same inputs.
-    let (parent, out_name) = output_parent(opts, root)?;
+    let (parent, out_name) = output_parent(&opts.out, root)?;
     let out = parent.join(&out_name);
     if out.exists() {
         let meta_path = out.join("merge_metadata.json");
@@ -578,7 +588,7 @@ fn publish(
     sync_dir(parent)
 }
 
-fn sync_dir(dir: &Path) -> Result<(), MergeError> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<(), MergeError> {
     if !durable() {
         return Ok(());
     }
@@ -639,13 +649,27 @@ fn write_merged(
         total_params: 0,
     };
     let mut total_size: u64 = 0;
+    // The bytes to write: every base tensor in the output dtype.
+    let to_write: u64 = infos
+        .values()
+        .map(|(shape, dtype)| {
+            let size = match opts.dtype {
+                Some(OutDtype::F32) => 4,
+                Some(_) => 2,
+                None => dtype.bitsize() / 8,
+            };
+            shape.iter().product::<usize>() as u64 * size as u64
+        })
+        .sum();
+    let progress = crate::progress::Progress::new("merge", "bytes", to_write);
     // Each written shard is made durable (fdatasync) in the background while the next one is
     // computed; all of them before the directory is renamed into place.
     std::thread::scope(|sc| -> Result<(), MergeError> {
         let mut syncs = Vec::new();
         for shard in shards {
             let dest = tmp.join(shard.file_name().expect("shard files have names"));
-            let (written, file) = writer::write_shard(shard, &dest, &plan, adapter, opts)?;
+            let (written, file) =
+                writer::write_shard(shard, &dest, &plan, adapter, opts, &progress)?;
             stats.total_params += written.params;
             total_size += written.data_bytes;
             if durable() {
@@ -659,6 +683,7 @@ fn write_merged(
         }
         Ok(())
     })?;
+    progress.finish();
 
     // Index (same shard layout as the base) and every non-weight file, copied.
     let index = base.join("model.safetensors.index.json");
@@ -703,7 +728,7 @@ fn write_merged(
     Ok(stats)
 }
 
-fn sync_file(path: &Path) -> Result<(), MergeError> {
+pub(crate) fn sync_file(path: &Path) -> Result<(), MergeError> {
     if !durable() {
         return Ok(());
     }

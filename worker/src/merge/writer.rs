@@ -85,6 +85,7 @@ pub(crate) fn write_shard(
     plan: &Plan<'_>,
     adapter: &MappedAdapter,
     opts: &MergeOptions,
+    progress: &crate::progress::Progress,
 ) -> Result<(ShardOutput, File), MergeError> {
     let file = File::open(shard).map_err(io_err(shard))?;
     let map = crate::formats::safetensors::map_file(&file).map_err(io_err(shard))?;
@@ -173,7 +174,9 @@ pub(crate) fn write_shard(
                     .iter()
                     .filter_map(|t| t.mapped_input(&items, data_start));
                 consumed = span.reduce(|(a, b), (c, d)| (a.min(c), b.max(d)));
-                unsynced += window.iter().map(|t| t.len).sum::<u64>();
+                let written = window.iter().map(|t| t.len).sum::<u64>();
+                progress.inc(written);
+                unsynced += written;
                 if unsynced >= SYNC_EVERY {
                     // A flush already pending covers these bytes too.
                     let _ = sync_tx.try_send(());

@@ -26,6 +26,7 @@ mod layer;
 pub mod lora;
 mod prefix;
 mod project;
+mod quantized_dir;
 pub mod rope;
 mod slots;
 mod step;

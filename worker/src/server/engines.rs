@@ -64,6 +64,8 @@ fn base_options(cfg: &WorkerConfig) -> EngineOptions {
 pub fn build_engine(cfg: &WorkerConfig) -> Result<EngineHandles, BuildError> {
     let dir = model_dir(cfg)?;
     let gguf = dir.extension().is_some_and(|e| e == "gguf");
+    // A directory written by `mole-worker quantize` (a merged model quantized after the merge).
+    let quantized_dir = !gguf && crate::formats::gguf::is_quantized_dir(&dir);
     // Every file the directory names (index shards, tokenizer, templates) inside it, refused
     // by name before the engine reads any.
     if !gguf {
@@ -93,6 +95,8 @@ pub fn build_engine(cfg: &WorkerConfig) -> Result<EngineHandles, BuildError> {
         // A `.gguf` base is served quantized; an HF directory in the configured dtype.
         let engine = if gguf {
             Engine::load_gguf(&dir, &device, opts.clone())?
+        } else if quantized_dir {
+            Engine::load_quantized_dir(&dir, &device, opts.clone())?
         } else {
             Engine::load(&dir, dtype, &device, opts.clone())?
         };

@@ -140,12 +140,18 @@ pub(super) async fn observe(
         }
         None => None,
     };
+    let job = observe_job(ctx, &ns, &key.job_name, "merge Job failed").await?;
+    let job_progress = match job {
+        mergedown::JobState::Running => job_progress(ctx, &ns, &key.job_name).await,
+        _ => None,
+    };
     let planner = mergedown::Observed {
-        job: observe_job(ctx, &ns, &key.job_name, "merge Job failed").await?,
+        job,
         deployment: merged.as_ref().map(observe_merged),
         dynamic_loaded: all_loaded && unreachable.is_empty(),
         fleet_merged: None,
         idle: false,
+        job_progress,
         now,
     };
     Ok(Observed {
@@ -244,6 +250,29 @@ pub fn loaded_everywhere(
         loaded,
         error,
     )
+}
+
+/// A running Job's progress from its pod's last log lines (the merge Job logs a JSON
+/// `progress` line every few seconds): one list of its pods and one read of 20 lines per
+/// reconcile while it runs. Best effort: a pod not started yet, or a log that cannot be read,
+/// gives None and never fails the reconcile.
+async fn job_progress(ctx: &Context, ns: &str, name: &str) -> Option<String> {
+    let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
+    let lp = ListParams::default().labels(&format!("job-name={name}"));
+    let pod = pods
+        .list(&lp)
+        .await
+        .ok()?
+        .items
+        .into_iter()
+        .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+        .find_map(|p| p.metadata.name)?;
+    let params = kube::api::LogParams {
+        tail_lines: Some(20),
+        ..Default::default()
+    };
+    let tail = pods.logs(&pod, &params).await.ok()?;
+    mergedown::progress_of(&tail)
 }
 
 /// What the cluster shows of the Job `name` (merge or fetch), with the tool's reason when it

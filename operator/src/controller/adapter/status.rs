@@ -262,6 +262,7 @@ mod tests {
                 dynamic_loaded: pods > 0 && loaded == pods,
                 fleet_merged: None,
                 idle: false,
+                job_progress: None,
                 now: now(),
             },
         }

@@ -6,6 +6,7 @@
 //! halves); they are permuted back here, as transformers' GGUF loader does.
 
 pub(crate) mod tokenizer;
+pub mod writer;
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -437,19 +438,7 @@ pub fn load_quantized(path: &Path, device: &Device) -> Result<QuantizedModel, Gg
     let (gguf, mut f) = Opened::read(path)?;
     let mut tensors = HashMap::new();
     for (gname, info) in &gguf.content.tensor_infos {
-        // The reader multiplies the dimensions, then the blocks by their bytes: a file's are
-        // checked first (no overflow).
-        let bytes = info
-            .shape
-            .dims()
-            .iter()
-            .try_fold(1usize, |n, &d| n.checked_mul(d))
-            .and_then(|n| {
-                (n / info.ggml_dtype.block_size()).checked_mul(info.ggml_dtype.type_size())
-            });
-        if bytes.is_none() {
-            return Err(GgufError::Gguf(format!("{gname}: its shape overflows")));
-        }
+        check_size(gname, info)?;
         let (hf, permute_heads) = gguf.hf_name(gname)?;
         let gg = |e: candle_core::Error| GgufError::Gguf(format!("{gname}: {e}"));
         let mut q = gguf.content.tensor(&mut f, gname, device).map_err(gg)?;
@@ -465,6 +454,52 @@ pub fn load_quantized(path: &Path, device: &Device) -> Result<QuantizedModel, Gg
         tokenizer_config: gguf.tok.tokenizer_config,
         tensors,
     })
+}
+
+/// The file of a model quantized by `mole-worker quantize`: an HF directory (config.json,
+/// tokenizer files) whose weights are this one GGUF file, its tensors under their HF names.
+pub const QUANTIZED_FILE: &str = "model.gguf";
+
+/// Whether `dir` is a directory quantized by `mole-worker quantize` (it holds
+/// [`QUANTIZED_FILE`] and no safetensors weights).
+pub fn is_quantized_dir(dir: &Path) -> bool {
+    dir.join(QUANTIZED_FILE).is_file()
+        && !dir.join("model.safetensors").exists()
+        && !dir.join("model.safetensors.index.json").exists()
+}
+
+/// Reads every tensor of a GGUF file written with HF names (see [`QUANTIZED_FILE`]) as is:
+/// no renaming, no row permutation.
+pub fn load_hf_named(
+    path: &Path,
+    device: &Device,
+) -> Result<HashMap<String, candle_core::quantized::QTensor>, GgufError> {
+    let mut f = std::fs::File::open(path).map_err(io_err(path))?;
+    let content = gguf_file::Content::read(&mut f).map_err(|e| GgufError::Gguf(e.to_string()))?;
+    let mut tensors = HashMap::new();
+    for (name, info) in &content.tensor_infos {
+        check_size(name, info)?;
+        let q = content
+            .tensor(&mut f, name, device)
+            .map_err(|e| GgufError::Gguf(format!("{name}: {e}")))?;
+        tensors.insert(name.clone(), q);
+    }
+    Ok(tensors)
+}
+
+/// The reader multiplies the dimensions, then the blocks by their bytes: a file's are checked
+/// first (no overflow).
+fn check_size(name: &str, info: &gguf_file::TensorInfo) -> Result<(), GgufError> {
+    let bytes = info
+        .shape
+        .dims()
+        .iter()
+        .try_fold(1usize, |n, &d| n.checked_mul(d))
+        .and_then(|n| (n / info.ggml_dtype.block_size()).checked_mul(info.ggml_dtype.type_size()));
+    match bytes {
+        Some(_) => Ok(()),
+        None => Err(GgufError::Gguf(format!("{name}: its shape overflows"))),
+    }
 }
 
 /// [`unpermute`] on quantized rows: HF row `h·d + a·d/2 + b` is GGUF row `h·d + 2b + a`.

@@ -31,10 +31,26 @@ pub async fn models(State(s): S) -> Json<ModelList> {
         mode: None,
         loaded: None,
         description: None,
+        weights_bytes: None,
     };
+    let held = s.info.stats().weights_bytes;
     let mut data = vec![
-        card(&cfg.pool, None, kind("pool")),
-        card(base, None, kind("base")),
+        card(
+            &cfg.pool,
+            None,
+            ModelKind {
+                weights_bytes: held,
+                ..kind("pool")
+            },
+        ),
+        card(
+            base,
+            None,
+            ModelKind {
+                weights_bytes: held,
+                ..kind("base")
+            },
+        ),
     ];
     let loaded = s.admin.adapters();
     for a in &cfg.adapters {

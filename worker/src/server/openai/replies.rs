@@ -303,6 +303,12 @@ pub(in crate::server) struct ModelKind {
     /// An adapter's description.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) description: Option<String>,
+    /// The pool's and the base's cards: bytes the base model's weights hold in this pod's
+    /// engine as loaded — a quantized base (GGUF, AWQ/GPTQ, a `quantize` output) counted as its
+    /// blocks, not as its dense size; the vision tower is not counted. The same number as the
+    /// `mole_weights_bytes` gauge and the "base weights held" startup log line.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) weights_bytes: Option<u64>,
 }
 
 /// `POST /tokenize`.
