@@ -25,11 +25,20 @@ trap 'rm -f "$scrape"' EXIT
 # --workspace: the same feature set as the test command's build, so nothing is rebuilt.
 MOLE_SCRAPE_OUT="$scrape" cargo test -q --workspace --test server_api metrics_models_and_reload >/dev/null
 test -s "$scrape" || { echo "server.sh: no scrape written"; exit 1; }
-grep -q '^vllm:lora_requests_info{' "$scrape" || { echo "server.sh: vllm:lora_requests_info missing"; exit 1; }
-# promtool flags recording-rule style names; vllm:lora_requests_info must keep vLLM's name
-# (gateways read it), so that one finding is expected and every other finding fails.
+# vLLM's names that a Gateway API Inference Extension endpoint picker reads: each must be
+# scraped under that very name, colon included.
+VLLM='vllm:lora_requests_info vllm:num_requests_waiting vllm:num_requests_running vllm:kv_cache_usage_perc'
+for m in $VLLM; do
+  grep -q "^$m[{ ]" "$scrape" || { echo "server.sh: $m missing"; exit 1; }
+done
+# promtool flags recording-rule style names (a colon); for those vLLM names that one finding is
+# expected and every other finding fails.
 out="$("$promtool" check metrics <"$scrape" 2>&1 || true)"
-other="$(printf '%s\n' "$out" | grep -v '^vllm:lora_requests_info metric names should not contain' | grep -v '^$' || true)"
+other="$(printf '%s\n' "$out" | grep -v '^$' || true)"
+for m in $VLLM; do
+  other="$(printf '%s\n' "$other" | grep -vx "$m metric names should not contain ':'" || true)"
+done
+other="$(printf '%s\n' "$other" | grep -v '^$' || true)"
 if [ -n "$other" ]; then
   printf '%s\n' "$other"
   exit 1
