@@ -17,25 +17,17 @@ use std::sync::{Arc, Mutex};
 
 use serde_json::{json, Value};
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-    }
-}
-
 /// A model root: the tiny Llama in `base`, `fr` v1 and v2 (two different fixture adapters), an
 /// admin token.
 fn model_root() -> tempfile::TempDir {
     let fx = common::engine_fixtures();
     let dir = tempfile::tempdir().unwrap();
-    copy_dir(&fx.join("llama"), &dir.path().join("base"));
-    copy_dir(
+    common::copy_dir(&fx.join("llama"), &dir.path().join("base"));
+    common::copy_dir(
         &fx.join("adapters/llama/a_r8_all"),
         &dir.path().join("adapters/fr/v1"),
     );
-    copy_dir(
+    common::copy_dir(
         &fx.join("adapters/llama/b_r4_qv"),
         &dir.path().join("adapters/fr/v2"),
     );

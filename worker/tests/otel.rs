@@ -90,22 +90,14 @@ fn got_span(s: &Span, service: &str) -> Got {
     }
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-    }
-}
-
 /// A worker on the tiny Llama fixture serving adapter `mg` (the fixture's c_r16_mlp) as
 /// `mg_line` configures it; the returned sender stops it when dropped.
 async fn worker(mg_line: &str) -> (String, tempfile::TempDir, tokio::sync::oneshot::Sender<()>) {
     let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine");
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    copy_dir(&fx.join("llama"), &root.join("base"));
-    copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("mg"));
+    common::copy_dir(&fx.join("llama"), &root.join("base"));
+    common::copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("mg"));
     let yaml = format!(
         "pool: demo\nmodelRoot: {}\nbaseModel: {{name: llama, path: base, dtype: f32}}\nadapters:\n  - {mg_line}\nrouter: {{strategies: [explicit], fallback: base}}\nlimits: {{maxTokens: 16, maxSeqLen: 128}}\n",
         root.display()

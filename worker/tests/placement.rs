@@ -11,14 +11,6 @@ use std::path::Path;
 
 use serde_json::{json, Value};
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-    }
-}
-
 /// `name` → (residency, bytes) in `/v1/lora_adapters`.
 async fn residency(c: &reqwest::Client, url: &str, name: &str) -> (String, u64) {
     let b: Value = c
@@ -48,12 +40,12 @@ async fn a_pod_loads_its_share_and_answers_for_the_others_after_a_read() {
     std::env::set_var("MOLE_POD_NAME", "pool-dynamic-b");
     let fx = common::engine_fixtures();
     let dir = tempfile::tempdir().unwrap();
-    copy_dir(&fx.join("llama"), &dir.path().join("base"));
-    copy_dir(
+    common::copy_dir(&fx.join("llama"), &dir.path().join("base"));
+    common::copy_dir(
         &fx.join("adapters/llama/a_r8_all"),
         &dir.path().join("adapters/fr"),
     );
-    copy_dir(
+    common::copy_dir(
         &fx.join("adapters/llama/b_r4_qv"),
         &dir.path().join("adapters/js"),
     );
@@ -120,12 +112,12 @@ async fn a_request_for_an_adapter_held_elsewhere_is_forwarded_past_a_stopped_pee
     std::env::set_var("MOLE_POD_NAME", "pool-dynamic-b");
     let fx = common::engine_fixtures();
     let root = |dir: &Path| {
-        copy_dir(&fx.join("llama"), &dir.join("base"));
-        copy_dir(
+        common::copy_dir(&fx.join("llama"), &dir.join("base"));
+        common::copy_dir(
             &fx.join("adapters/llama/a_r8_all"),
             &dir.join("adapters/fr"),
         );
-        copy_dir(&fx.join("adapters/llama/b_r4_qv"), &dir.join("adapters/js"));
+        common::copy_dir(&fx.join("adapters/llama/b_r4_qv"), &dir.join("adapters/js"));
     };
     let cfg = |dir: &Path, fr_pods: &str, peers: &str| {
         format!(

@@ -28,33 +28,25 @@ struct Srv {
     served: tokio::task::JoinHandle<anyhow::Result<()>>,
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-    }
-}
-
 /// A model root with the tiny Llama, its fixture adapters (fr, js, extra), an adapter of
 /// another base of the same shapes (wrongbase), one of other shapes (misfit), a pickle-only one (binonly) and an admin token file.
 fn fixture_root() -> tempfile::TempDir {
     let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine");
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    copy_dir(&fx.join("llama"), &root.join("base"));
-    copy_dir(&fx.join("adapters/llama/a_r8_all"), &root.join("fr"));
-    copy_dir(&fx.join("adapters/llama/b_r4_qv"), &root.join("js"));
-    copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("extra"));
+    common::copy_dir(&fx.join("llama"), &root.join("base"));
+    common::copy_dir(&fx.join("adapters/llama/a_r8_all"), &root.join("fr"));
+    common::copy_dir(&fx.join("adapters/llama/b_r4_qv"), &root.join("js"));
+    common::copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("extra"));
     // The same weights in directories of their own, for configs that serve them under other
     // names (an adapter's directory must not be another's).
-    copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("extra2"));
-    copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("extra3"));
-    copy_dir(&fx.join("adapters/llama/a_r8_all"), &root.join("fr2"));
+    common::copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("extra2"));
+    common::copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("extra3"));
+    common::copy_dir(&fx.join("adapters/llama/a_r8_all"), &root.join("fr2"));
     // Trained on another base whose shapes fit: served, with a warning.
-    copy_dir(&fx.join("adapters/qwen2/a_r8_all"), &root.join("wrongbase"));
+    common::copy_dir(&fx.join("adapters/qwen2/a_r8_all"), &root.join("wrongbase"));
     // Shapes of another model: refused when loaded.
-    copy_dir(&fx.join("../merge/adapters/plain_r8"), &root.join("misfit"));
+    common::copy_dir(&fx.join("../merge/adapters/plain_r8"), &root.join("misfit"));
     std::fs::create_dir_all(root.join("binonly")).unwrap();
     std::fs::write(root.join("binonly/adapter_config.json"), "{}").unwrap();
     std::fs::write(root.join("binonly/adapter_model.bin"), "x").unwrap();

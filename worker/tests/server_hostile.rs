@@ -24,25 +24,17 @@ struct Srv {
     _stop: tokio::sync::oneshot::Sender<()>,
 }
 
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        std::fs::copy(e.path(), to.join(e.file_name())).unwrap();
-    }
-}
-
 /// A model root: the tiny Llama in `base`, its adapters in `adapters/fr` and `adapters/js`,
 /// an admin token in `admin`.
 fn model_root() -> tempfile::TempDir {
     let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine");
     let dir = tempfile::tempdir().unwrap();
-    copy_dir(&fx.join("llama"), &dir.path().join("base"));
-    copy_dir(
+    common::copy_dir(&fx.join("llama"), &dir.path().join("base"));
+    common::copy_dir(
         &fx.join("adapters/llama/a_r8_all"),
         &dir.path().join("adapters/fr"),
     );
-    copy_dir(
+    common::copy_dir(
         &fx.join("adapters/llama/b_r4_qv"),
         &dir.path().join("adapters/js"),
     );
@@ -300,8 +292,8 @@ async fn adapter_directories_must_not_overlap() {
     let root = dir.path();
     std::fs::create_dir_all(root.join("merged/fr-v1")).unwrap();
     let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine/adapters/llama");
-    copy_dir(&fx.join("a_r8_all"), &root.join("base/lora"));
-    copy_dir(&fx.join("a_r8_all"), &root.join("adapters/fr/inner"));
+    common::copy_dir(&fx.join("a_r8_all"), &root.join("base/lora"));
+    common::copy_dir(&fx.join("a_r8_all"), &root.join("adapters/fr/inner"));
     let with = |path: &str| {
         config_yaml(root, "").replace(
             "path: adapters/fr}",

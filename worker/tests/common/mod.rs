@@ -29,6 +29,16 @@ pub fn feed_fifo(fifo: &Path, bytes: &[u8], reader_alive: impl Fn() -> bool) {
     std::io::Write::write_all(&mut w, bytes).unwrap();
 }
 
+/// Copies the files of directory `from` (not its subdirectories) into `to`, created.
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub fn copy_dir(from: &Path, to: &Path) {
+    std::fs::create_dir_all(to).expect("the target directory is created");
+    for e in std::fs::read_dir(from).expect("the fixture directory reads") {
+        let e = e.expect("a directory entry");
+        std::fs::copy(e.path(), to.join(e.file_name())).expect("a fixture file copies");
+    }
+}
+
 /// The token ids of a JSON array (the fixtures' reference files).
 #[allow(dead_code)] // each test crate uses some of these helpers
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {
