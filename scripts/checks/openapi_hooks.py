@@ -17,7 +17,7 @@ What shapes an answer (response_format, structured_outputs, guided_*, tools, too
 valid only when its schema, regex or Lark grammar compiles, when one request carries at most
 one of them, and when a named tool_choice names a tool sent: rules a JSON schema cannot state.
 A positive case keeps guided_choice (any non-empty list of strings compiles) and drops the
-others; engine_structured and scripts/structured-outputs.sh send valid ones."""
+others; engine_structured and scripts/checks/structured-outputs.sh send valid ones."""
 
 import base64
 import os
