@@ -261,3 +261,36 @@ fn max_tokens_cuts_a_schema_with_length_and_bad_schemas_are_refused() {
         assert!(matches_regex(&text), "{text:?}");
     }
 }
+
+/// A choice may hold any string JSON can carry, control characters (C0, DEL, C1) and quotes
+/// included: schemathesis sent `"\u0015j\u008f\u007f"`, and the Lark literal written for it
+/// carried the raw DEL and C1 bytes, which llguidance's lexer refuses (400 `invalid_grammar`
+/// for a valid request). The greedy answer is one of the choices.
+#[test]
+fn choices_with_control_characters_and_quotes_compile_and_answer_one_of_them() {
+    let e = host_engine(|_| {});
+    let p = ids(&engine_reference()["llama"]["prompts"][0]);
+    let choices: Vec<String> = [
+        "\u{15}j\u{8f}\u{7f}",
+        "",
+        "say \"hi\" \\ there",
+        "tab\there\nnew line",
+        "\u{9f}\u{85}\u{2028}",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let (_, text, _) = collect(
+        e.submit(request(
+            p,
+            None,
+            Some(Guide::Choice(choices.clone())),
+            |s| s.max_tokens = 64,
+        ))
+        .unwrap(),
+    );
+    assert!(
+        choices.contains(&text),
+        "{text:?} is not one of {choices:?}"
+    );
+}

@@ -239,12 +239,26 @@ fn choice_lark(choices: &[String]) -> Result<String, GrammarError> {
             "choice needs at least one string".into(),
         ));
     }
-    // A JSON string literal is a Lark string literal.
-    let alts: Vec<String> = choices
-        .iter()
-        .map(|c| serde_json::to_string(c).unwrap_or_default())
-        .collect();
+    let alts: Vec<String> = choices.iter().map(|c| lark_literal(c)).collect();
     Ok(format!("start: {}\n", alts.join(" | ")))
+}
+
+/// `s` as a Lark string literal. Every control character (C0, DEL and C1) is written as a
+/// `\uXXXX` escape: llguidance's lexer reads the escape but refuses the raw character, and a
+/// choice may hold any string JSON carries.
+fn lark_literal(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if c.is_control() => out.push_str(&format!("\\u{:04x}", u32::from(c))),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
 }
 
 /// A compiled guide: shared by a request's choices, each of which clones a matcher from it.
