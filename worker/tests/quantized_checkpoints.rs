@@ -328,29 +328,270 @@ fn a_served_checkpoint_starts_an_engine() {
     );
 }
 
-/// The merge tool refuses a quantized base naming its format (merging into packed integers
-/// would write garbage); before, it failed looking for `q_proj.weight`.
-#[test]
-fn merging_onto_a_quantized_base_is_refused() {
-    let tmp = tempfile::tempdir().unwrap();
-    let adapter = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../tests/fixtures/engine/adapters/llama/a_r8_all");
-    let err = mole_worker::merge::merge(&mole_worker::merge::MergeOptions {
-        base: fixture("awq_g32"),
+/// A PEFT LoRA adapter for the quantized fixtures' shapes (hidden 128, MLP 256, 2 layers), of
+/// rank 8 on the `targets` projections, with seeded weights moving outputs by a good fraction
+/// of their scale; written as PEFT saves one.
+fn peft_adapter(dir: &Path, targets: &[&str]) {
+    let dev = Device::Cpu;
+    std::fs::create_dir_all(dir).unwrap();
+    let config = serde_json::json!({
+        "peft_type": "LORA", "r": 8, "lora_alpha": 16, "target_modules": targets,
+        "base_model_name_or_path": "quant-fixture", "fan_in_fan_out": false, "bias": "none",
+        "use_rslora": false, "use_dora": false, "task_type": "CAUSAL_LM"
+    });
+    std::fs::write(dir.join("adapter_config.json"), config.to_string()).unwrap();
+    let dims = |p: &str| match p {
+        "q_proj" | "o_proj" => (128, 128),
+        "k_proj" | "v_proj" => (128, 64),
+        "gate_proj" | "up_proj" => (128, 256),
+        _ => (256, 128),
+    };
+    let mut t = HashMap::new();
+    let mut seed = 11u64;
+    let mut r = |n: usize, scale: f32| {
+        (0..n)
+            .map(|_| {
+                seed ^= seed << 13;
+                seed ^= seed >> 7;
+                seed ^= seed << 17;
+                ((seed >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+            })
+            .collect::<Vec<f32>>()
+    };
+    for l in 0..2 {
+        for p in targets {
+            let family =
+                if p.ends_with("gate_proj") || p.ends_with("up_proj") || p.ends_with("down_proj") {
+                    "mlp"
+                } else {
+                    "self_attn"
+                };
+            let (d_in, d_out) = dims(p);
+            let key = format!("base_model.model.model.layers.{l}.{family}.{p}");
+            let a =
+                Tensor::from_vec(r(8 * d_in, (3.0 / d_in as f32).sqrt()), (8, d_in), &dev).unwrap();
+            let b = Tensor::from_vec(r(d_out * 8, 0.05), (d_out, 8), &dev).unwrap();
+            t.insert(format!("{key}.lora_A.weight"), a);
+            t.insert(format!("{key}.lora_B.weight"), b);
+        }
+    }
+    candle_core::safetensors::save(&t, dir.join("adapter_model.safetensors")).unwrap();
+}
+
+fn merge_opts(base: PathBuf, adapter: PathBuf, out: PathBuf) -> mole_worker::merge::MergeOptions {
+    mole_worker::merge::MergeOptions {
+        base,
         adapter,
-        out: tmp.path().join("out"),
+        out,
         safe_merge: true,
-        dtype: None,
+        dtype: Some(mole_worker::merge::OutDtype::F32),
         root: None,
         expect_base: None,
         max_rank: 64,
         adapter_name: None,
         adapter_version: None,
-    })
+    }
+}
+
+/// A quantized variant mole cannot serve is not merged onto either, naming why.
+#[test]
+fn merging_onto_an_unsupported_quantized_base_is_refused_naming_why() {
+    let tmp = tempfile::tempdir().unwrap();
+    let base = edited("gptq_g64", |q| q["desc_act"] = true.into());
+    peft_adapter(&tmp.path().join("lora"), &["q_proj", "v_proj"]);
+    let err = mole_worker::merge::merge(&merge_opts(
+        base.path().to_path_buf(),
+        tmp.path().join("lora"),
+        tmp.path().join("out"),
+    ))
     .unwrap_err();
     assert_eq!(err.code(), "quantized_base", "{err}");
-    assert!(err.to_string().contains("AWQ"), "{err}");
+    assert!(err.to_string().contains("act-order"), "{err}");
     assert!(!tmp.path().join("out").exists());
+}
+
+/// The dense twin of quantized fixture `name`: its unquantized tensors and the reference
+/// dequantization of its projections (what transformers serves), without
+/// `quantization_config`.
+fn dense_twin(name: &str) -> tempfile::TempDir {
+    let dir = fixture(name);
+    let tmp = tempfile::tempdir().unwrap();
+    for e in std::fs::read_dir(&dir).unwrap() {
+        let e = e.unwrap();
+        let f = e.file_name().to_string_lossy().to_string();
+        if f.ends_with(".json") {
+            std::fs::copy(e.path(), tmp.path().join(&f)).unwrap();
+        }
+    }
+    let cfg_path = tmp.path().join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg_path).unwrap()).unwrap();
+    cfg.as_object_mut().unwrap().remove("quantization_config");
+    std::fs::write(&cfg_path, cfg.to_string()).unwrap();
+    let dev = Device::Cpu;
+    let mut t = HashMap::new();
+    for file in ["model.safetensors", "reference.safetensors"] {
+        for (k, v) in candle_core::safetensors::load(dir.join(file), &dev).unwrap() {
+            if [".qweight", ".qzeros", ".scales", ".g_idx"]
+                .iter()
+                .all(|s| !k.ends_with(s))
+            {
+                t.insert(k, v);
+            }
+        }
+    }
+    candle_core::safetensors::save(&t, tmp.path().join("model.safetensors")).unwrap();
+    tmp
+}
+
+/// Merging onto an AWQ or GPTQ base dequantizes the modules the adapter touches, `(q - z)·s`
+/// in f32 (exact: |q - z| ≤ 15 and an f16 scale need at most 15 significant bits), adds the
+/// update, and writes them dense; untouched projections stay packed, byte for byte, and
+/// `quantization_config.modules_to_not_convert` names the dense ones.
+///
+/// Reference: mole's dense merge (checked against PEFT by tests/merge_reference.rs) of the
+/// same adapter onto the fixture's dense twin, whose projections are the fp16 reference
+/// dequantization. The only difference allowed is that fp16 rounding, at most 2⁻¹¹ of a
+/// weight (half an f16 ulp; 2⁻²⁵ for subnormals), plus f32 rounding of the sum (2⁻²³ of it).
+/// Served, the merged model's logits equal the dense merge's within the Q4_1 bound (TOL) of
+/// the projections still packed.
+#[test]
+fn merging_onto_awq_and_gptq_dequantizes_the_touched_modules_exactly() {
+    let dev = Device::Cpu;
+    for name in ["awq_g32", "gptq_g64"] {
+        let twin = dense_twin(name);
+        let all = [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ];
+        for (adapter, targets, touched) in [("all", &all[..], 14usize), ("q", &all[..1], 2)] {
+            let tmp = tempfile::tempdir().unwrap();
+            let (out_q, out_d) = (tmp.path().join("q"), tmp.path().join("d"));
+            let lora = tmp.path().join("lora");
+            peft_adapter(&lora, targets);
+            let report =
+                mole_worker::merge::merge(&merge_opts(fixture(name), lora.clone(), out_q.clone()))
+                    .unwrap_or_else(|e| panic!("{name} + {adapter}: {} {e}", e.code()));
+            assert_eq!(
+                report.metadata.dequantized_modules, touched,
+                "{name} + {adapter}"
+            );
+            mole_worker::merge::merge(&merge_opts(twin.path().to_path_buf(), lora, out_d.clone()))
+                .unwrap();
+
+            let got =
+                candle_core::safetensors::load(out_q.join("model.safetensors"), &dev).unwrap();
+            let want =
+                candle_core::safetensors::load(out_d.join("model.safetensors"), &dev).unwrap();
+            let base =
+                candle_core::safetensors::load(fixture(name).join("model.safetensors"), &dev)
+                    .unwrap();
+            let reference =
+                candle_core::safetensors::load(fixture(name).join("reference.safetensors"), &dev)
+                    .unwrap();
+            let cfg: serde_json::Value =
+                serde_json::from_str(&std::fs::read_to_string(out_q.join("config.json")).unwrap())
+                    .unwrap();
+            let mut dense: Vec<String> = cfg["quantization_config"]["modules_to_not_convert"]
+                .as_array()
+                .unwrap_or_else(|| panic!("{name} + {adapter}: {cfg}"))
+                .iter()
+                .map(|m| m.as_str().unwrap().to_string())
+                .collect();
+            dense.sort();
+            let mut merged_dense = Vec::new();
+            for (k, w) in &want {
+                let module = k.strip_suffix(".weight").unwrap_or(k);
+                match got.get(k) {
+                    Some(g) if reference.contains_key(k) => {
+                        // A touched projection, now dense.
+                        merged_dense.push(module.to_string());
+                        let r = reference[k].to_dtype(DType::F32).unwrap();
+                        let diff = (g - w).unwrap().abs().unwrap();
+                        let bound = ((r.abs().unwrap() * (1.0 / 2048.0)).unwrap()
+                            + (w.abs().unwrap() * (1.0 / 4_194_304.0)).unwrap())
+                        .unwrap()
+                        .affine(1.0, 1.0 / 33_554_432.0)
+                        .unwrap();
+                        let over: f32 = (diff - bound)
+                            .unwrap()
+                            .max_all()
+                            .unwrap()
+                            .to_scalar()
+                            .unwrap();
+                        assert!(
+                            over <= 0.0,
+                            "{name} + {adapter} {k}: over the bound by {over}"
+                        );
+                    }
+                    Some(g) => {
+                        let same: f32 = (g - w)
+                            .unwrap()
+                            .abs()
+                            .unwrap()
+                            .max_all()
+                            .unwrap()
+                            .to_scalar()
+                            .unwrap();
+                        assert_eq!(
+                            same, 0.0,
+                            "{name} + {adapter} {k}: an unquantized tensor changed"
+                        );
+                    }
+                    None => {
+                        // Untouched: still packed, every part byte for byte.
+                        assert!(reference.contains_key(k), "{name} + {adapter}: {k} missing");
+                        for part in ["qweight", "qzeros", "scales"] {
+                            let key = format!("{module}.{part}");
+                            let (a, b) = (&got[&key], &base[&key]);
+                            assert_eq!(a.dtype(), b.dtype(), "{key}");
+                            let eq: u8 = a
+                                .to_dtype(DType::F32)
+                                .unwrap()
+                                .eq(&b.to_dtype(DType::F32).unwrap())
+                                .unwrap()
+                                .min_all()
+                                .unwrap()
+                                .to_scalar()
+                                .unwrap();
+                            assert_eq!(eq, 1, "{name} + {adapter}: {key} changed");
+                        }
+                    }
+                }
+            }
+            merged_dense.sort();
+            assert_eq!(merged_dense.len(), touched, "{name} + {adapter}");
+            assert_eq!(
+                dense, merged_dense,
+                "{name} + {adapter}: modules_to_not_convert"
+            );
+
+            // Served: the packed rest within the Q4_1 bound of the dense merge.
+            let q = Decoder::load(&out_q, DType::F32, &dev).unwrap();
+            let d = Decoder::load(&out_d, DType::F32, &dev).unwrap();
+            let rows = vec![(vec![5u32, 17, 99, 3, 250, 42, 7, 7], None)];
+            let feed: Vec<u32> = (0..4).map(|i| (31 + 37 * i) % 256).collect();
+            let (a, b) = (
+                teacher_forced(&q, &rows, &feed),
+                teacher_forced(&d, &rows, &feed),
+            );
+            let worst = a[0]
+                .iter()
+                .zip(&b[0])
+                .map(|(x, y)| max_rel(x, y))
+                .fold(0f32, f32::max);
+            eprintln!(
+                "{name} + {adapter}: served logits within {:.3}% of the dense merge",
+                worst * 100.0
+            );
+            assert!(worst < TOL, "{name} + {adapter}: {worst}");
+        }
+    }
 }
 
 /// GGUF files quantized by llama.cpp's own Python package (tests/fixtures/quant/make_gguf.py):

@@ -17,6 +17,7 @@
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
+use ::safetensors::tensor::TensorView;
 use ::safetensors::{Dtype, SafeTensors};
 use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
@@ -68,8 +69,8 @@ const BLOCK_BYTES: usize = 20;
 /// into nibble `k`).
 const AWQ_NIBBLE: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
 
-/// One quantized projection as its checkpoint holds it.
-struct Packed<'a> {
+/// One quantized projection as its checkpoint holds it, its layout checked.
+pub(crate) struct Packed<'a> {
     format: QuantFormat,
     qweight: &'a [u8],
     qzeros: &'a [u8],
@@ -89,6 +90,24 @@ fn word(bytes: &[u8], at: usize) -> u32 {
 }
 
 impl Packed<'_> {
+    /// `[out, in]`: the dense weight's shape.
+    pub(crate) fn shape(&self) -> [usize; 2] {
+        [self.d_out, self.d_in]
+    }
+
+    /// Output rows `r0..r0 + out.len() / d_in` of the weight, `(q - z)·s`, in f32. Exact: `q - z`
+    /// is an integer of magnitude at most 15 (4 bits) and `s` an f16 with an 11-bit
+    /// significand, so the product needs at most 15 significant bits, which f32 holds.
+    pub(crate) fn dequantize_rows(&self, r0: usize, out: &mut [f32]) {
+        for (k, row) in out.chunks_exact_mut(self.d_in).enumerate() {
+            let o = r0 + k;
+            for (i, w) in row.iter_mut().enumerate() {
+                let g = i / self.group;
+                *w = (self.q(o, i) as f32 - self.z(g, o) as f32) * self.s(g, o).to_f32();
+            }
+        }
+    }
+
     /// The 4-bit value of output `o`, input `i`.
     fn q(&self, o: usize, i: usize) -> u8 {
         let (w, nibble) = match self.format {
@@ -185,13 +204,32 @@ fn repack(
     scheme: QuantScheme,
     path: &Path,
 ) -> Result<Blocks, QuantError> {
+    let packed = packed(
+        |part| st.tensor(&format!("{module}.{part}")).ok(),
+        module,
+        scheme,
+        &path.display().to_string(),
+    )?;
+    Ok(Blocks {
+        bytes: packed.q4_1(),
+        d_out: packed.d_out,
+        d_in: packed.d_in,
+    })
+}
+
+/// Projection `module` of a checkpoint in `scheme`, its parts read by `get` (`"qweight"`,
+/// `"qzeros"`, `"scales"`, `"g_idx"`), with their shapes, dtypes and (GPTQ) group index
+/// checked against the format. `origin` names where they come from in messages.
+pub(crate) fn packed<'a>(
+    get: impl Fn(&str) -> Option<TensorView<'a>>,
+    module: &str,
+    scheme: QuantScheme,
+    origin: &str,
+) -> Result<Packed<'a>, QuantError> {
     let fmt = scheme.format.name();
     let get = |part: &str, dtype: Dtype| {
-        let t = st.tensor(&format!("{module}.{part}")).map_err(|_| {
-            QuantError::Layout(format!(
-                "{}: {fmt} module {module} has no {part}",
-                path.display()
-            ))
+        let t = get(part).ok_or_else(|| {
+            QuantError::Layout(format!("{origin}: {fmt} module {module} has no {part}"))
         })?;
         if t.dtype() != dtype || (t.shape().len() != 2 && part != "g_idx") {
             return Err(QuantError::Layout(format!(
@@ -239,7 +277,7 @@ fn repack(
             }
         }
     }
-    let packed = Packed {
+    Ok(Packed {
         format: scheme.format,
         qweight: qweight.data(),
         qzeros: qzeros.data(),
@@ -247,11 +285,6 @@ fn repack(
         d_in,
         d_out,
         group,
-    };
-    Ok(Blocks {
-        bytes: packed.q4_1(),
-        d_out,
-        d_in,
     })
 }
 
@@ -331,6 +364,17 @@ mod tests {
             .into_qtensor(&Device::Cpu)
             .unwrap();
             let got: Vec<Vec<f32>> = t.dequantize(&Device::Cpu).unwrap().to_vec2().unwrap();
+            // The merge's dequantization (rows 3.. of the weight): the formula, exactly (f64
+            // holds every product; f32 must too).
+            let mut exact = vec![0f32; (d_out - 3) * d_in];
+            p.dequantize_rows(3, &mut exact);
+            for (k, w) in exact.iter().enumerate() {
+                let (o, i) = (3 + k / d_in, k % d_in);
+                let g = i / group;
+                let want = (q[o * d_in + i] as f64 - zero(z[g * d_out + o]) as f64)
+                    * s[g * d_out + o].to_f64();
+                assert_eq!(*w as f64, want, "{format:?} o {o} i {i}");
+            }
             for o in 0..d_out {
                 for i in 0..d_in {
                     let g = i / group;

@@ -131,6 +131,14 @@ pub fn run(args: MergeArgs) -> ExitCode {
                     opts.out.display(),
                     m.seconds
                 );
+                if m.dequantized_modules > 0 {
+                    println!(
+                        "dequantized {} modules of the quantized base exactly and wrote them \
+                         dense (quantization_config.modules_to_not_convert); the rest stays \
+                         packed",
+                        m.dequantized_modules
+                    );
+                }
             } else {
                 println!(
                     "{} already holds this merge; nothing to do",

@@ -9,6 +9,7 @@
 //! a no-op.
 
 pub mod cli;
+mod quant;
 pub(crate) mod tensors;
 mod writer;
 
@@ -118,9 +119,9 @@ pub enum MergeError {
     /// The output directory exists and was made from other inputs.
     #[error("{0} exists and was merged from different inputs; refusing to overwrite it")]
     OutputExists(String),
-    /// The base is a quantized checkpoint (AWQ/GPTQ), which mole serves but does not merge
-    /// onto.
-    #[error("base model is a quantized checkpoint ({0}); mole merges onto dense bases only (merge onto the unquantized model and quantize after)")]
+    /// The base is a quantized checkpoint of a variant mole does not read (act-order GPTQ,
+    /// 3 bits, ...): its weights cannot be dequantized, so nothing is merged onto them.
+    #[error("base model is a quantized checkpoint mole cannot merge onto: {0}")]
     QuantizedBase(String),
 }
 
@@ -227,6 +228,11 @@ pub struct MergeMetadata {
     pub modules_merged: usize,
     /// Base tensors replaced by the adapter (`modules_to_save`, saved embeddings, biases).
     pub tensors_replaced: usize,
+    /// Modules of a quantized (AWQ/GPTQ) base the adapter touched, dequantized exactly and
+    /// written dense (`quantization_config.modules_to_not_convert` names them); 0 on a dense
+    /// base.
+    #[serde(default)]
+    pub dequantized_modules: usize,
     /// Parameters in the output.
     pub total_params: u64,
     /// `mole-worker` version.
@@ -315,6 +321,7 @@ fn same_base(found: Option<&str>, expected: &str) -> bool {
 /// config mole merges, trained on the expected base.
 struct Inputs {
     base: PathBuf,
+    quant: Option<crate::formats::quant::QuantScheme>,
     shards: Vec<PathBuf>,
     adapter_dir: PathBuf,
     config: AdapterConfig,
@@ -331,18 +338,15 @@ fn check_inputs(opts: &MergeOptions, root: Option<&Path>) -> Result<Inputs, Merg
         confine(&index, root)?;
     }
     let shards = hf::safetensors_files(&base)?;
-    // A quantized base's projections are packed integers: merging into them would write
-    // garbage, so it is refused, naming the format.
+    // A quantized base's touched projections are dequantized exactly and written dense (see
+    // `quant`); a variant mole cannot read is refused here, naming why, before anything runs.
     let base_config = confine(&base.join("config.json"), root)?;
-    if base_config.exists() {
-        if let Some(q) = hf::read_config(&base)?.get("quantization_config") {
-            let method = q
-                .get("quant_method")
-                .and_then(|m| m.as_str())
-                .unwrap_or("unnamed");
-            return Err(MergeError::QuantizedBase(method.to_ascii_uppercase()));
-        }
-    }
+    let quant = if base_config.exists() {
+        crate::formats::quant::scheme(&hf::read_config(&base)?)
+            .map_err(MergeError::QuantizedBase)?
+    } else {
+        None
+    };
     let shards = shards
         .iter()
         .map(|s| confine(s, root))
@@ -376,6 +380,7 @@ fn check_inputs(opts: &MergeOptions, root: Option<&Path>) -> Result<Inputs, Merg
     let weights = confine(&weights, root)?;
     Ok(Inputs {
         base,
+        quant,
         shards,
         adapter_dir,
         config,
@@ -529,16 +534,7 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
     let tmp = parent.join(format!("{tmp_prefix}{}", std::process::id()));
     std::fs::create_dir_all(&tmp).map_err(io_err(&tmp))?;
     let config = &inputs.config;
-    let result = write_merged(
-        &inputs.base,
-        &inputs.shards,
-        &adapter,
-        config,
-        opts,
-        &tmp,
-        root,
-    )
-    .and_then(|stats| {
+    let result = write_merged(&inputs, &adapter, opts, &tmp, root).and_then(|stats| {
         let metadata = MergeMetadata {
             adapter_name: opts.adapter_name.clone(),
             adapter_version: opts.adapter_version.clone(),
@@ -551,6 +547,7 @@ pub fn merge(opts: &MergeOptions) -> Result<MergeReport, MergeError> {
             scales: tensors::scales_by_family(&adapter),
             modules_merged: stats.modules_merged,
             tensors_replaced: stats.tensors_replaced,
+            dequantized_modules: stats.dequantized_modules,
             total_params: stats.total_params,
             tool_version: env!("CARGO_PKG_VERSION").to_string(),
             inputs_sha256: digests.inputs,
@@ -613,20 +610,19 @@ fn read_header(
 
 struct WriteStats {
     modules_merged: usize,
+    dequantized_modules: usize,
     tensors_replaced: usize,
     total_params: u64,
 }
 
-#[allow(clippy::too_many_arguments)]
 fn write_merged(
-    base: &Path,
-    shards: &[PathBuf],
+    inputs: &Inputs,
     adapter: &MappedAdapter,
-    config: &AdapterConfig,
     opts: &MergeOptions,
     tmp: &Path,
     root: Option<&Path>,
 ) -> Result<WriteStats, MergeError> {
+    let (base, shards, config) = (&inputs.base, &inputs.shards, &inputs.config);
     // Every targeted module and every replacement must exist in the base with the right shape
     // before anything is written: collect the base's tensor infos from the shard headers.
     let mut infos: HashMap<String, (Vec<usize>, safetensors::Dtype)> = HashMap::new();
@@ -637,9 +633,25 @@ fn write_merged(
             infos.insert(name, (info.shape.clone(), info.dtype));
         }
     }
+    let dense = match inputs.quant {
+        Some(scheme) => quant::add_dense_infos(&mut infos, scheme),
+        None => Default::default(),
+    };
     let plan = tensors::plan(adapter, &infos, config)?;
+    let mapped = quant::Shards::open(if inputs.quant.is_some() { shards } else { &[] })?;
+    let parsed = quant::parse(&mapped)?;
+    let quant = match inputs.quant {
+        Some(scheme) => quant::QuantBase::read(&mapped, &parsed, &plan, &dense, scheme)?,
+        None => quant::QuantBase::default(),
+    };
+    // What the output holds: not the touched modules' packed parts, not the dense names of
+    // the packed modules left alone.
+    infos.retain(|k, _| {
+        !(quant.dropped.contains(k) || dense.contains(k) && !quant.touched.contains_key(k))
+    });
 
     let mut stats = WriteStats {
+        dequantized_modules: quant.touched.len(),
         modules_merged: plan
             .deltas
             .values()
@@ -669,7 +681,7 @@ fn write_merged(
         for shard in shards {
             let dest = tmp.join(shard.file_name().expect("shard files have names"));
             let (written, file) =
-                writer::write_shard(shard, &dest, &plan, adapter, opts, &progress)?;
+                writer::write_shard(shard, &dest, &plan, &quant, adapter, opts, &progress)?;
             stats.total_params += written.params;
             total_size += written.data_bytes;
             if durable() {
@@ -699,6 +711,7 @@ fn write_merged(
         if let Some(meta) = json.get_mut("metadata").and_then(|m| m.as_object_mut()) {
             meta.insert("total_size".into(), total_size.into());
         }
+        quant::rewrite_index(&mut json, &quant);
         let dest = tmp.join("model.safetensors.index.json");
         std::fs::write(&dest, serde_json::to_string_pretty(&json).expect("json"))
             .map_err(io_err(&dest))?;
@@ -718,6 +731,9 @@ fn write_merged(
     }
     if let Some(d) = opts.dtype {
         rewrite_config_dtype(tmp, d)?;
+    }
+    if !quant.touched.is_empty() {
+        quant::rewrite_config(tmp, &quant)?;
     }
     for entry in std::fs::read_dir(tmp).map_err(io_err(tmp))? {
         let path = entry.map_err(io_err(tmp))?.path();

@@ -22,9 +22,11 @@ use rayon::prelude::*;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype;
 
+use super::quant::QuantBase;
 use super::tensors::{merge_rows, Delta, Plan, Prepared};
 use super::{io_err, MergeError, MergeOptions};
 use crate::formats::peft::weights::{MappedAdapter, Raw};
+use crate::formats::quant_blocks::Packed;
 use crate::formats::safetensors::is_float;
 
 /// Output bytes per task (a block of rows): small enough that the computed block is still in
@@ -62,11 +64,16 @@ struct Item<'p> {
     out: Dtype,
     replacement: Option<&'p Raw>,
     delta: Option<&'p Delta<'p>>,
+    /// A packed module of a quantized base, dequantized row by row (see `merge::quant`).
+    dequant: Option<&'p Packed<'p>>,
 }
 
 impl Item<'_> {
     fn passthrough(&self) -> bool {
-        self.replacement.is_none() && self.delta.is_none() && self.out == self.info.dtype
+        self.replacement.is_none()
+            && self.delta.is_none()
+            && self.dequant.is_none()
+            && self.out == self.info.dtype
     }
 }
 
@@ -83,6 +90,7 @@ pub(crate) fn write_shard(
     shard: &Path,
     dest: &Path,
     plan: &Plan<'_>,
+    quant: &QuantBase<'_>,
     adapter: &MappedAdapter,
     opts: &MergeOptions,
     progress: &crate::progress::Progress,
@@ -94,7 +102,7 @@ pub(crate) fn write_shard(
         safetensors::SafeTensors::read_metadata(&map).map_err(st_err(shard))?;
     let data_start = 8 + header_len;
 
-    let (items, params) = shard_items(&meta, plan, opts)?;
+    let (items, params) = shard_items(&meta, plan, quant, opts)?;
     let (out, out_base, data_bytes) = create_output(dest, &meta, &items)?;
 
     let tasks = plan_tasks(&items, data_start);
@@ -199,20 +207,39 @@ pub(crate) fn write_shard(
 fn shard_items<'p>(
     meta: &Metadata,
     plan: &'p Plan<'p>,
+    quant: &'p QuantBase<'p>,
     opts: &MergeOptions,
 ) -> Result<(Vec<Item<'p>>, u64), MergeError> {
     let mut items = Vec::new();
     let mut params = 0u64;
     for name in meta.offset_keys() {
-        let info = meta.info(&name).expect("listed by the header").clone();
+        let mut info = meta.info(&name).expect("listed by the header").clone();
+        // A touched packed module: its dense weight takes its qweight's place, the other
+        // parts leave.
+        let (name, dequant) = match quant.replaces.get(&name) {
+            Some(dense) => {
+                let p = &quant.touched[dense];
+                info = TensorInfo {
+                    dtype: meta
+                        .info(&format!("{}.scales", dense.trim_end_matches(".weight")))
+                        .map_or(Dtype::F16, |s| s.dtype),
+                    shape: p.shape().to_vec(),
+                    data_offsets: info.data_offsets,
+                };
+                (dense.clone(), Some(p))
+            }
+            None if quant.dropped.contains(&name) => continue,
+            None => (name, None),
+        };
         params += info.shape.iter().product::<usize>() as u64;
         let out = match opts.dtype {
-            Some(d) if is_float(info.dtype) => d.safetensors(),
+            Some(d) if is_float(info.dtype) && !quant.kept.contains(&name) => d.safetensors(),
             _ => info.dtype,
         };
         let item = Item {
             replacement: plan.replacements.get(&name).copied(),
             delta: plan.deltas.get(&name),
+            dequant,
             name,
             info,
             out,
@@ -297,7 +324,7 @@ impl Task {
             return None;
         };
         let it = &items[item];
-        if it.replacement.is_some() {
+        if it.replacement.is_some() || it.dequant.is_some() {
             return None;
         }
         let row = it.cols() * it.info.dtype.bitsize() / 8;
@@ -420,23 +447,31 @@ impl Ctx<'_, '_> {
             }),
             Piece::Rows { item, r0, r1 } => {
                 let it = &self.items[item];
-                let (src_dtype, src): (Dtype, &[u8]) = match it.replacement {
-                    Some(r) => (r.dtype, self.adapter.raw_bytes(r)),
-                    None => {
-                        let (s, e) = it.info.data_offsets;
-                        (
-                            it.info.dtype,
-                            &self.map[self.data_start + s..self.data_start + e],
-                        )
+                let cols = it.cols();
+                let dequantized;
+                let (src_dtype, src): (Dtype, &[u8]) = match (it.replacement, it.dequant) {
+                    (Some(r), _) => {
+                        let row = cols * r.dtype.bitsize() / 8;
+                        (r.dtype, &self.adapter.raw_bytes(r)[r0 * row..r1 * row])
+                    }
+                    (None, Some(p)) => {
+                        let mut w = vec![0f32; (r1 - r0) * cols];
+                        p.dequantize_rows(r0, &mut w);
+                        dequantized = w.iter().flat_map(|v| v.to_le_bytes()).collect::<Vec<u8>>();
+                        (Dtype::F32, &dequantized)
+                    }
+                    (None, None) => {
+                        let (s, _) = it.info.data_offsets;
+                        let row = cols * it.info.dtype.bitsize() / 8;
+                        let at = self.data_start + s;
+                        (it.info.dtype, &self.map[at + r0 * row..at + r1 * row])
                     }
                 };
-                let cols = it.cols();
-                let in_row = cols * src_dtype.bitsize() / 8;
                 let mut buf = self.outbox.buffer();
                 buf.resize(task.len as usize, 0);
                 let finite = merge_rows(
                     src_dtype,
-                    &src[r0 * in_row..r1 * in_row],
+                    src,
                     it.out,
                     &mut buf,
                     r0,
@@ -656,6 +691,7 @@ mod tests {
             out: if changed { Dtype::F32 } else { dtype },
             replacement: None,
             delta: None,
+            dequant: None,
         }
     }
 
