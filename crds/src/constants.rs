@@ -106,6 +106,11 @@ pub mod reason {
     /// A worker exits at start because it refuses its WorkerConfig (`config_io`,
     /// `config_parse`, `config_invalid`) or a path in it (`path_outside_root`).
     pub const WORKER_CONFIG_REFUSED: &str = "WorkerConfigRefused";
+    /// A worker exits at start because its base is a quantized checkpoint of a variant it does
+    /// not serve (act-order GPTQ, 3-bit, AWQ GEMV packing...; its termination message starts
+    /// with `unsupported_quantization:` and names the variant). No restart fixes it: the pool
+    /// needs another checkpoint.
+    pub const UNSUPPORTED_QUANTIZATION: &str = "UnsupportedQuantization";
     /// Every ready dynamic pod accepted the pool's current config.
     pub const CONFIG_APPLIED: &str = "ConfigApplied";
     /// Ready pods still read an older copy of the config file (the kubelet refreshes mounted

@@ -788,3 +788,42 @@ fn k_quant_bases_serve_like_their_dequantized_weights_on_both_paths() {
         }
     }
 }
+
+/// `mole-worker serve` on a checkpoint it cannot serve exits 1 and leaves one line,
+/// `unsupported_quantization: …` naming the variant, in its termination log: the line the
+/// operator turns into the pool's `UnsupportedQuantization` condition
+/// (operator/src/controller/pods.rs reads it from the Pod's last termination message).
+#[test]
+fn serve_leaves_the_refusal_in_the_termination_log() {
+    let base = edited("gptq_g64", |q| q["desc_act"] = true.into());
+    let tmp = tempfile::tempdir().unwrap();
+    let cfg = tmp.path().join("worker.yaml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "mode: local\npool: q\nmodelRoot: {}\nbaseModel: {{name: tiny, path: ., dtype: f32}}\n\
+             adapters: []\nrouter: {{strategies: [explicit], fallback: base}}\n",
+            base.path().display()
+        ),
+    )
+    .unwrap();
+    let log = tmp.path().join("termination-log");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mole-worker"))
+        .args(["serve", "--listen", "127.0.0.1:0"])
+        .arg("--config")
+        .arg(&cfg)
+        .env("MOLE_TERMINATION_LOG", &log)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let line = std::fs::read_to_string(&log).unwrap();
+    assert!(
+        line.starts_with("unsupported_quantization: ") && line.contains("act-order"),
+        "{line}"
+    );
+}

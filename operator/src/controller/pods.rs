@@ -16,8 +16,9 @@ const STUCK: [&str; 6] = [
 
 /// Stable error codes the worker exits with at start (the line of its termination message that
 /// begins `<code>:`), and the condition reason each becomes. Any other crash is `PodsFailing`.
-const WORKER_START_CODES: [(&str, &str); 5] = [
+const WORKER_START_CODES: [(&str, &str); 6] = [
     ("model_does_not_fit", reason::MODEL_DOES_NOT_FIT),
+    ("unsupported_quantization", reason::UNSUPPORTED_QUANTIZATION),
     ("config_io", reason::WORKER_CONFIG_REFUSED),
     ("config_parse", reason::WORKER_CONFIG_REFUSED),
     ("config_invalid", reason::WORKER_CONFIG_REFUSED),
@@ -28,7 +29,7 @@ const WORKER_START_CODES: [(&str, &str); 5] = [
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PodProblem {
     /// The condition and Event reason: `PodsFailing`, or a worker start-up refusal
-    /// (`ModelDoesNotFit`, `WorkerConfigRefused`).
+    /// (`ModelDoesNotFit`, `UnsupportedQuantization`, `WorkerConfigRefused`).
     pub reason: &'static str,
     /// The pod's name and why (`<pod>: <container> CrashLoopBackOff: <the worker's line>`).
     pub message: String,
@@ -192,6 +193,12 @@ mod tests {
                 "error: path_outside_root: path base/x is not inside model root /models: not found",
                 reason::WORKER_CONFIG_REFUSED,
                 "error: path_outside_root: path base/x is not inside model root /models: not found",
+            ),
+            // The worker's line for a checkpoint it cannot serve (as `startup_line` writes it).
+            (
+                "loading base/qwq-32b-awq\nerror: unsupported_quantization: unsupported quantized checkpoint: GPTQ with act-order (desc_act true)\n",
+                reason::UNSUPPORTED_QUANTIZATION,
+                "error: unsupported_quantization: unsupported quantized checkpoint: GPTQ with act-order (desc_act true)",
             ),
             // An unknown code, or a code further inside a line, is a generic failure.
             (
