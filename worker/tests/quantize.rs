@@ -356,8 +356,20 @@ fn bad_inputs_are_refused_by_name() {
         code(quantize(&opts(&tmp.path().join("missing"), &out, QuantType::Q8_0)).unwrap_err()),
         "invalid_input"
     );
-    let awq = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/quant/awq_g32");
-    let e = quantize(&opts(&awq, &out, QuantType::Q8_0)).unwrap_err();
+    // A quantized checkpoint of a variant mole cannot read (act-order GPTQ).
+    let gptq = tmp.path().join("gptq");
+    std::fs::create_dir_all(&gptq).unwrap();
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/quant/gptq_g64");
+    for e in std::fs::read_dir(&src).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), gptq.join(e.file_name())).unwrap();
+    }
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(gptq.join("config.json")).unwrap()).unwrap();
+    cfg["quantization_config"]["desc_act"] = true.into();
+    std::fs::write(gptq.join("config.json"), cfg.to_string()).unwrap();
+    let e = quantize(&opts(&gptq, &out, QuantType::Q8_0)).unwrap_err();
+    assert!(e.to_string().contains("act-order"), "{e}");
     assert_eq!(code(e), "quantized_input");
     // A quantize output is not quantized again.
     let q = tmp.path().join("first");
@@ -476,4 +488,78 @@ fn merge_then_quantize_writes_the_quantized_merge_only() {
         mole_worker::merge::cli::merge_then_quantize(&bad, QuantType::Q8_0, None, 16).unwrap_err();
     assert_eq!(e.code(), "io_error");
     assert!(leftovers(tmp.path(), "other").is_empty());
+}
+
+/// An AWQ or GPTQ input (a base, or a merge onto one whose touched modules are dense): its
+/// packed projections go into the GGUF as the Q4_1 blocks the loader repacks them into (the
+/// same bytes, so no second rounding of 4-bit weights), the dense tensors are quantized to the
+/// type asked, and the output serves like the checkpoint itself: logits within the q8_0 bound
+/// of its embedding and head (0.6% RMS per tensor, see `bound`; 3% of the logits' scale
+/// allowed over 2 layers), and its config no longer claims AWQ/GPTQ.
+#[test]
+fn packed_awq_and_gptq_projections_stay_4_bit_as_q4_1_blocks() {
+    use mole_worker::model::{Decoder, Row, SeqCache};
+    let dev = Device::Cpu;
+    for name in ["awq_g32", "gptq_g64"] {
+        let input = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/quant")
+            .join(name);
+        let tmp = tempfile::tempdir().unwrap();
+        let out = tmp.path().join("q8");
+        quantize(&opts(&input, &out, QuantType::Q8_0))
+            .unwrap_or_else(|e| panic!("{name}: {} {e}", e.code()));
+        let raw: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(input.join("config.json")).unwrap())
+                .unwrap();
+        let scheme = mole_worker::formats::quant::scheme(&raw).unwrap().unwrap();
+        let blocks = mole_worker::formats::quant_blocks::load_blocks(
+            &[input.join("model.safetensors")],
+            scheme,
+            &dev,
+        )
+        .unwrap();
+        let got = gguf_tensors(&out);
+        for (k, want) in &blocks {
+            let g = &got[k];
+            assert_eq!(g.dtype(), GgmlDType::Q4_1, "{name} {k}");
+            assert_eq!(
+                g.data().unwrap(),
+                want.data().unwrap(),
+                "{name} {k}: not the loader's blocks"
+            );
+        }
+        let cfg: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(out.join("config.json")).unwrap())
+                .unwrap();
+        assert!(cfg.get("quantization_config").is_none(), "{name}: {cfg}");
+
+        let logits = |d: &Decoder| {
+            let mut cache = SeqCache::default();
+            let toks = [5u32, 17, 99, 3, 250, 42];
+            let mut rows = vec![Row {
+                tokens: &toks,
+                cache: &mut cache,
+                adapter: None,
+                vision: None,
+            }];
+            d.forward(&mut rows).unwrap().remove(0)
+        };
+        let q = Decoder::load_quantized_dir(&out, &dev).unwrap();
+        let base = Decoder::load(&input, candle_core::DType::F32, &dev).unwrap();
+        let (a, b) = (logits(&q), logits(&base));
+        let d: f32 = (&a - &b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap()
+            .to_scalar()
+            .unwrap();
+        let s: f32 = b.abs().unwrap().max_all().unwrap().to_scalar().unwrap();
+        eprintln!(
+            "{name}: logits within {:.2}% of the checkpoint's",
+            100.0 * d / s
+        );
+        assert!(d / s < 0.03, "{name}: {d} of {s}");
+    }
 }

@@ -136,7 +136,7 @@ impl Packed<'_> {
     }
 
     /// The Q4_1 blocks, row-major: `d_out` rows of `d_in / 32` blocks.
-    fn q4_1(&self) -> Vec<u8> {
+    pub(crate) fn q4_1(&self) -> Vec<u8> {
         let per_row = self.d_in / BLOCK;
         let mut out = vec![0u8; self.d_out * per_row * BLOCK_BYTES];
         for (o, row) in out.chunks_mut(per_row * BLOCK_BYTES).enumerate() {

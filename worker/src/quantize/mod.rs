@@ -22,6 +22,7 @@
 
 pub mod cli;
 mod drift;
+mod packed;
 
 pub use drift::{kl, measure_drift, Drift, DRIFT_PROMPTS};
 
@@ -121,7 +122,9 @@ pub enum QuantizeError {
     /// The input directory is unusable (missing, no config.json or weights, bad paths).
     #[error("input: {0}")]
     Input(String),
-    /// The input is already quantized (AWQ/GPTQ, GGUF, or a `quantize` output).
+    /// The input is already quantized in a way `quantize` does not read: a `quantize` output,
+    /// or an AWQ/GPTQ variant mole does not serve (AWQ/GPTQ it serves is read, see
+    /// [`packed`]).
     #[error("input is already quantized ({0}); quantize the dense merged model")]
     QuantizedInput(String),
     /// A model mole's quantized path does not serve (a vision tower).
@@ -304,6 +307,8 @@ pub fn tensor_type(name: &str, shape: &[usize], qtype: QuantType, tied: bool) ->
 /// One input tensor to write.
 struct Planned {
     shard: usize,
+    /// A packed projection (AWQ/GPTQ) written as its Q4_1 repack: the module's name.
+    packed: Option<String>,
     name: String,
     shape: Vec<usize>,
     dtype: safetensors::Dtype,
@@ -315,6 +320,8 @@ struct Input {
     dir: PathBuf,
     shards: Vec<PathBuf>,
     tied: bool,
+    /// The scheme of an AWQ/GPTQ input's packed projections.
+    packed: Option<crate::formats::quant::QuantScheme>,
 }
 
 fn check_input(opts: &QuantizeOptions, root: Option<&Path>) -> Result<Input, QuantizeError> {
@@ -340,13 +347,7 @@ fn check_input(opts: &QuantizeOptions, root: Option<&Path>) -> Result<Input, Qua
     crate::merge::check_no_pickle(&dir).map_err(QuantizeError::of_merge)?;
     hf::check_confined(&dir).map_err(|e| QuantizeError::Input(e.to_string()))?;
     let raw = hf::read_config(&dir).map_err(|e| QuantizeError::Input(e.to_string()))?;
-    if let Some(q) = raw.get("quantization_config") {
-        let method = q
-            .get("quant_method")
-            .and_then(|m| m.as_str())
-            .unwrap_or("unnamed");
-        return Err(QuantizeError::QuantizedInput(method.to_ascii_uppercase()));
-    }
+    let packed = crate::formats::quant::scheme(&raw).map_err(QuantizeError::QuantizedInput)?;
     let cfg = crate::model::ModelConfig::from_json(raw)
         .map_err(|e| QuantizeError::Input(e.to_string()))?;
     if cfg.vision.is_some() {
@@ -363,6 +364,7 @@ fn check_input(opts: &QuantizeOptions, root: Option<&Path>) -> Result<Input, Qua
         dir,
         shards,
         tied: cfg.tie_word_embeddings,
+        packed,
     })
 }
 
@@ -384,6 +386,23 @@ fn plan(input: &Input, qtype: QuantType) -> Result<Vec<Planned>, QuantizeError> 
         let mut names: Vec<String> = st.names().into_iter().map(String::from).collect();
         names.sort();
         for name in names {
+            if let Some(scheme) = input.packed {
+                match packed::plan(&st, &name, scheme) {
+                    packed::Part::Skip => continue,
+                    packed::Part::Projection { module, shape } => {
+                        out.push(Planned {
+                            shard: i,
+                            name: format!("{module}.weight"),
+                            packed: Some(module),
+                            shape,
+                            dtype: safetensors::Dtype::I32,
+                            ggml: GgmlDType::Q4_1,
+                        });
+                        continue;
+                    }
+                    packed::Part::Dense => {}
+                }
+            }
             let view = st.tensor(&name).map_err(|e| QuantizeError::Tensor {
                 tensor: name.clone(),
                 message: e.to_string(),
@@ -398,6 +417,7 @@ fn plan(input: &Input, qtype: QuantType) -> Result<Vec<Planned>, QuantizeError> 
             let ggml = tensor_type(&name, &shape, qtype, input.tied);
             out.push(Planned {
                 shard: i,
+                packed: None,
                 name,
                 shape,
                 dtype: view.dtype(),
@@ -500,6 +520,12 @@ fn write_gguf(
         let (_, mmap) = current.as_ref().expect("mapped above");
         let path = &input.shards[p.shard];
         let st = parse(path, mmap)?;
+        if let (Some(module), Some(scheme)) = (&p.packed, input.packed) {
+            let bytes = packed::q4_1(&st, module, scheme, path)?;
+            w.tensor(&bytes).map_err(io_err(dest))?;
+            progress.inc(1);
+            continue;
+        }
         let view = st.tensor(&p.name).map_err(|e| QuantizeError::Tensor {
             tensor: p.name.clone(),
             message: e.to_string(),
@@ -621,6 +647,9 @@ pub fn quantize(opts: &QuantizeOptions) -> Result<QuantizeReport, QuantizeError>
             write_gguf(&input, &planned, opts.qtype, &dest, &progress)?;
         progress.finish();
         copy_side_files(&input.dir, &tmp, root)?;
+        if input.packed.is_some() {
+            packed::drop_quantization_config(&tmp)?;
+        }
         let drift = if opts.drift_tokens > 0 {
             let d = measure_drift(&input.dir, &tmp, opts.drift_tokens)?;
             tracing::info!(
