@@ -2291,7 +2291,10 @@ async fn a_streamed_tool_call_sends_its_arguments_in_pieces() {
         .collect();
     let first = deltas.first().expect("tool_calls deltas");
     assert_eq!(first["index"], 0, "{first}");
-    assert!(first["id"].as_str().unwrap().starts_with("call_"), "{first}");
+    assert!(
+        first["id"].as_str().unwrap().starts_with("call_"),
+        "{first}"
+    );
     assert_eq!(first["type"], "function", "{first}");
     assert_eq!(first["function"]["name"], "get_weather", "{first}");
     assert_eq!(first["function"]["arguments"], "", "{first}");
@@ -2299,7 +2302,10 @@ async fn a_streamed_tool_call_sends_its_arguments_in_pieces() {
         .iter()
         .map(|d| {
             assert_eq!(d["index"], 0, "{d}");
-            assert!(d.get("id").is_none() && d["function"].get("name").is_none(), "{d}");
+            assert!(
+                d.get("id").is_none() && d["function"].get("name").is_none(),
+                "{d}"
+            );
             d["function"]["arguments"].as_str().unwrap()
         })
         .collect();
@@ -2308,7 +2314,11 @@ async fn a_streamed_tool_call_sends_its_arguments_in_pieces() {
         "the arguments came in {} piece(s): {pieces:?}",
         pieces.len()
     );
-    assert_eq!(pieces.concat(), args, "the pieces reassemble to the whole answer");
+    assert_eq!(
+        pieces.concat(),
+        args,
+        "the pieces reassemble to the whole answer"
+    );
     let content: String = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
