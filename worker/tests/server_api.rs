@@ -2233,6 +2233,23 @@ async fn request_fields_are_served_refused_or_harmlessly_ignored() {
     }
 }
 
+/// The JSON chunks of a streamed chat answer to `body` (the `data:` payloads before `[DONE]`).
+async fn stream_chunks(s: &Srv, body: &Value) -> Vec<Value> {
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.url))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
 /// Issue 35 item 2: a tool call streams as OpenAI streams it. The tiny Llama's template is
 /// given a tools section naming `<tool_call>` (so the Hermes format is detected from it), and
 /// the named function forces one call by grammar, a byte a token: the first `tool_calls` delta
@@ -2270,20 +2287,7 @@ async fn a_streamed_tool_call_sends_its_arguments_in_pieces() {
     let parsed: Value = serde_json::from_str(&args).unwrap();
     assert!(parsed["city"].is_string(), "{args}");
 
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", s.url))
-        .json(&body(true))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let text = r.text().await.unwrap();
-    let chunks: Vec<Value> = text
-        .lines()
-        .filter_map(|l| l.strip_prefix("data: "))
-        .filter(|d| *d != "[DONE]")
-        .map(|d| serde_json::from_str(d).unwrap())
-        .collect();
+    let chunks = stream_chunks(&s, &body(true)).await;
     let deltas: Vec<&Value> = chunks
         .iter()
         .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())

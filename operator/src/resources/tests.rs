@@ -1030,20 +1030,21 @@ fn start_only_fields_roll_the_pods_and_default_ones_keep_the_hash() {
     );
     // The worker reads its output formats at start (baseModel is restart_required); unset,
     // they leave the pinned hash above as it was.
-    let mut t = p.clone();
-    t.spec.base_model.tool_call_parser = Some("hermes".into());
-    assert_ne!(
-        spec_hash(&t.spec, &image),
-        before,
-        "toolCallParser rolls the pods"
-    );
-    let mut t = p.clone();
-    t.spec.base_model.reasoning_parser = Some("qwen3".into());
-    assert_ne!(
-        spec_hash(&t.spec, &image),
-        before,
-        "reasoningParser rolls the pods"
-    );
+    let formats: [(fn(&mut InferencePool), &str); 2] = [
+        (
+            |t| t.spec.base_model.tool_call_parser = Some("hermes".into()),
+            "toolCallParser",
+        ),
+        (
+            |t| t.spec.base_model.reasoning_parser = Some("qwen3".into()),
+            "reasoningParser",
+        ),
+    ];
+    for (set, field) in formats {
+        let mut t = p.clone();
+        set(&mut t);
+        assert_ne!(spec_hash(&t.spec, &image), before, "{field} rolls the pods");
+    }
     let mut e = p.clone();
     e.spec.router.embedding_model = Some("embed/minilm".into());
     assert_ne!(

@@ -452,6 +452,14 @@ mod tests {
         (whole, calls)
     }
 
+    /// Each call's name and arguments.
+    fn named(calls: &[ToolCall]) -> Vec<(&str, &str)> {
+        calls
+            .iter()
+            .map(|c| (c.name.as_str(), c.arguments.as_str()))
+            .collect()
+    }
+
     /// `text` pushed `size` characters at a time.
     fn streamed(s: ParseSpec, text: &str, size: usize) -> Parsed {
         let mut p = OutputParser::new(s);
@@ -493,10 +501,7 @@ mod tests {
         let out = "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"t\", \"arguments\": {}}\n</tool_call>";
         let (p, calls) = both(spec(Some(Start::Sniff), true), out);
         assert_eq!(p.content, "");
-        let got: Vec<(&str, &str)> = calls
-            .iter()
-            .map(|c| (c.name.as_str(), c.arguments.as_str()))
-            .collect();
+        let got = named(&calls);
         // The arguments as the model wrote them.
         assert_eq!(got, [("get_weather", "{\"city\": \"Paris\"}"), ("t", "{}")]);
         assert!(calls[0].id.starts_with("call_") && calls[0].id.len() == 29);
@@ -522,10 +527,7 @@ mod tests {
              <tool_call>{\"name\": \"g\", \"arguments\": \"{\\\"b\\\": 2}\"}</tool_call>",
         );
         assert_eq!(p.content, "");
-        let got: Vec<(&str, &str)> = calls
-            .iter()
-            .map(|c| (c.name.as_str(), c.arguments.as_str()))
-            .collect();
+        let got = named(&calls);
         assert_eq!(got, [("f", "{\"a\": 1}"), ("g", "{\"b\": 2}")]);
         // A `</tool_call>` inside a JSON string is text of the arguments.
         let (_, calls) = both(
