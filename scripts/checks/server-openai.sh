@@ -8,8 +8,9 @@ set -euo pipefail
 cd "$(dirname "$0")/../.."
 source scripts/checks/local-worker.bash
 local_prepare server-openai.sh
-# The worker binary of the test command's build (same features: nothing is recompiled).
-bin="${CARGO_TARGET_DIR:-target}/debug/mole-worker"
+# The worker binary of the test command's build (same features: nothing is recompiled);
+# MOLE_BIN serves another binary instead, as in structured-outputs.sh.
+bin="${MOLE_BIN:-${CARGO_TARGET_DIR:-target}/debug/mole-worker}"
 [ -x "$bin" ] || cargo test --workspace --no-run -q
 local_serve server-openai.sh "$bin" "${MOLE_TEST_PORT:-18734}"
 "$py" scripts/checks/server_openai.py "$url" || { tail -20 "$log"; exit 1; }
