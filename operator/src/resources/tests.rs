@@ -1030,7 +1030,8 @@ fn start_only_fields_roll_the_pods_and_default_ones_keep_the_hash() {
     );
     // The worker reads its output formats at start (baseModel is restart_required); unset,
     // they leave the pinned hash above as it was.
-    let formats: [(fn(&mut InferencePool), &str); 2] = [
+    type Set = fn(&mut InferencePool);
+    let formats: [(Set, &str); 2] = [
         (
             |t| t.spec.base_model.tool_call_parser = Some("hermes".into()),
             "toolCallParser",
