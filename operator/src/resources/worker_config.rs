@@ -2,8 +2,8 @@
 //! ConfigMap (`worker.json`).
 
 use mole_crds::{
-    Adapter, InferencePoolSpec, MergedModel, WorkerAdapter, WorkerAuth, WorkerBaseModel,
-    WorkerConfig, WorkerLimits, WorkerMode,
+    Adapter, InferencePoolSpec, MergedModel, ReasoningParser, ToolCallParser, WorkerAdapter,
+    WorkerAuth, WorkerBaseModel, WorkerConfig, WorkerLimits, WorkerMode,
 };
 
 use super::pod::AUTH_MOUNT;
@@ -37,8 +37,18 @@ pub fn worker_config(
             path: spec.base_model.path.clone(),
             dtype: spec.base_model.dtype,
             image_processor: spec.base_model.image_processor,
-            tool_call_parser: None,
-            reasoning_parser: None,
+            // Validated by the pool's controller before anything is rendered; an unknown name
+            // cannot reach here, and would leave the worker to detect the format.
+            tool_call_parser: spec
+                .base_model
+                .tool_call_parser
+                .as_deref()
+                .and_then(tool_call_parser),
+            reasoning_parser: spec
+                .base_model
+                .reasoning_parser
+                .as_deref()
+                .and_then(reasoning_parser),
         },
         merged: None,
         adapters: list,
@@ -60,6 +70,18 @@ pub fn worker_config(
         // Set by `place_adapters` for a pool with `dynamic.placement`.
         peers: Default::default(),
     }
+}
+
+/// The tool-call format a pool's `baseModel.toolCallParser` names (vLLM's
+/// `--tool-call-parser` names; None: not one the worker parses).
+pub fn tool_call_parser(name: &str) -> Option<ToolCallParser> {
+    serde_json::from_value(serde_json::Value::String(name.to_string())).ok()
+}
+
+/// The reasoning format a pool's `baseModel.reasoningParser` names (vLLM's
+/// `--reasoning-parser` names; None: not one the worker parses).
+pub fn reasoning_parser(name: &str) -> Option<ReasoningParser> {
+    serde_json::from_value(serde_json::Value::String(name.to_string())).ok()
 }
 
 /// Places `wc`'s adapters that the dynamic pods load on `pods` (the pool's

@@ -15,7 +15,7 @@ use futures::stream::{BoxStream, SelectAll};
 use futures::StreamExt;
 use serde::Serialize;
 
-use super::parse::{OutputParser, ParseSpec, Parsed};
+use super::parse::{join, OutputParser, ParseSpec, Parsed};
 use super::replies::{
     Answer, AssistantMessage, ChatChoice, ChatLogprobs, ChunkChoice, Delta, Finish, FunctionCall,
     MoleInfo, TextChoice, TextLogprobs, TokenLogprob, ToolCallOut, TopLogprob, UsageInfo,
@@ -315,8 +315,7 @@ impl Ctx {
                 let lps: Vec<_> = logprob.into_iter().collect();
                 if let Some(p) = self.parsers.get_mut(index as usize) {
                     let parsed = p.push(&text);
-                    let made = p.calls() - parsed.calls.len();
-                    let events = self.parsed_chunks(index, parsed, made, &lps);
+                    let events = self.parsed_chunks(index, parsed, &lps);
                     return (events.into_iter().map(data).collect(), false);
                 }
                 let c = Chunk {
@@ -333,12 +332,7 @@ impl Ctx {
                 if let Some(p) = self.parsers.get_mut(index as usize) {
                     let parsed = p.finish();
                     tool_calls_made = p.calls() > 0;
-                    let made = p.calls() - parsed.calls.len();
-                    events.extend(
-                        self.parsed_chunks(index, parsed, made, &[])
-                            .into_iter()
-                            .map(data),
-                    );
+                    events.extend(self.parsed_chunks(index, parsed, &[]).into_iter().map(data));
                 }
                 let last = Chunk {
                     index,
@@ -369,15 +363,10 @@ impl Ctx {
     }
 
     /// The chunks of what a parser decided: reasoning and answer text (with the token's
-    /// logprobs), then each call as OpenAI streams it: its id, type and name with empty
-    /// arguments, then its arguments. `made`: the choice's calls before these.
-    fn parsed_chunks(
-        &self,
-        index: u32,
-        p: Parsed,
-        made: usize,
-        lps: &[api::TokenLogprob],
-    ) -> Vec<String> {
+    /// logprobs), then each piece of a call as OpenAI streams it: the head with the call's
+    /// index, id, type and name and empty arguments, then pieces of its arguments under its
+    /// index alone.
+    fn parsed_chunks(&self, index: u32, p: Parsed, lps: &[api::TokenLogprob]) -> Vec<String> {
         let mut out = Vec::new();
         if !p.content.is_empty() || !p.reasoning.is_empty() || !lps.is_empty() {
             out.push(self.chunk(Chunk {
@@ -388,34 +377,23 @@ impl Ctx {
                 ..Chunk::default()
             }));
         }
-        for (k, call) in p.calls.into_iter().enumerate() {
-            let at = Some((made + k) as u32);
-            let head = [ToolCallOut {
-                index: at,
-                id: Some(call.id),
-                kind: Some("function"),
+        for piece in p.calls {
+            let (id, kind, name) = match piece.head {
+                Some(h) => (Some(h.id), Some("function"), Some(h.name)),
+                None => (None, None, None),
+            };
+            let call = [ToolCallOut {
+                index: Some(piece.index as u32),
+                id,
+                kind,
                 function: FunctionCall {
-                    name: Some(call.name),
-                    arguments: String::new(),
+                    name,
+                    arguments: piece.arguments,
                 },
             }];
             out.push(self.chunk(Chunk {
                 index,
-                calls: &head,
-                ..Chunk::default()
-            }));
-            let args = [ToolCallOut {
-                index: at,
-                id: None,
-                kind: None,
-                function: FunctionCall {
-                    name: None,
-                    arguments: call.arguments,
-                },
-            }];
-            out.push(self.chunk(Chunk {
-                index,
-                calls: &args,
+                calls: &call,
                 ..Chunk::default()
             }));
         }
@@ -496,14 +474,11 @@ fn message(spec: Option<ParseSpec>, text: String) -> (AssistantMessage, bool) {
         };
         return (m, false);
     };
+    // The stream's parser, its pieces joined: a whole answer's calls are its stream's.
     let mut p = OutputParser::new(spec);
     let mut all = p.push(&text);
-    let rest = p.finish();
-    all.content.push_str(&rest.content);
-    all.reasoning.push_str(&rest.reasoning);
-    all.calls.extend(rest.calls);
-    let calls: Vec<ToolCallOut> = all
-        .calls
+    all.extend(p.finish());
+    let calls: Vec<ToolCallOut> = join(std::mem::take(&mut all.calls))
         .into_iter()
         .map(|c| ToolCallOut {
             index: None,

@@ -3,6 +3,7 @@
 
 pub(in crate::server) mod admin;
 mod answer;
+mod call_json;
 pub(in crate::server) mod chat;
 mod completions;
 pub(in crate::server) mod fields;

@@ -12,7 +12,7 @@ use mole_api::{ReasoningParser, ToolCallParser};
 use serde_json::json;
 
 use super::outputs::Formats;
-use super::parse::{OutputParser, ParseSpec, Parsed, Start};
+use super::parse::{join, OutputParser, ParseSpec, Parsed, Start};
 use super::tools::{call_grammar, read};
 use crate::engine::api::ChatMessage;
 use crate::engine::grammar::{allowed, Grammars, Guide, Guided};
@@ -46,22 +46,17 @@ fn parsed(t: &TextModel, prompt: &[u32], ids: &[u32], spec: ParseSpec) -> (Parse
     let mut d = Detokenizer::new(prompt);
     let mut p = OutputParser::new(spec);
     let mut streamed = Parsed::default();
-    let add = |o: Parsed, into: &mut Parsed| {
-        into.content.push_str(&o.content);
-        into.reasoning.push_str(&o.reasoning);
-        into.calls.extend(o.calls);
-    };
     for &id in ids {
         let delta = d.push(t, id).unwrap();
-        add(p.push(&delta), &mut streamed);
+        streamed.extend(p.push(&delta));
     }
     let rest = d.finish(t).unwrap();
-    add(p.push(&rest), &mut streamed);
-    add(p.finish(), &mut streamed);
+    streamed.extend(p.push(&rest));
+    streamed.extend(p.finish());
     let mut whole = Parsed::default();
     let mut p = OutputParser::new(spec);
-    add(p.push(&t.decode(ids).unwrap()), &mut whole);
-    add(p.finish(), &mut whole);
+    whole.extend(p.push(&t.decode(ids).unwrap()));
+    whole.extend(p.finish());
     (streamed, whole)
 }
 
@@ -106,10 +101,20 @@ fn qwen3_reasoning_and_an_auto_tool_call_parse_whole_and_streamed() {
             "\nThe user wants the weather. I will call get_weather.\n"
         );
         assert_eq!(p.content, "");
-        assert_eq!(p.calls.len(), 1);
-        assert_eq!(p.calls[0].name, "get_weather");
-        assert_eq!(p.calls[0].arguments, "{\"city\":\"Paris\"}");
+        let calls = join(p.calls.clone());
+        assert_eq!(calls.len(), 1);
+        assert_eq!(calls[0].name, "get_weather");
+        assert_eq!(calls[0].arguments, "{\"city\": \"Paris\"}");
     }
+    // Token by token the arguments stream in pieces, as Qwen3's tokens write them.
+    let pieces: Vec<&str> = streamed
+        .calls
+        .iter()
+        .filter(|c| c.head.is_none())
+        .map(|c| c.arguments.as_str())
+        .collect();
+    assert!(pieces.len() > 1, "{pieces:?}");
+    assert_eq!(pieces.concat(), "{\"city\": \"Paris\"}");
     // Without thinking the template closes the reasoning in the prompt: all answer.
     let mut off = serde_json::Map::new();
     off.insert("enable_thinking".into(), json!(false));

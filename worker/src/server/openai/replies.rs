@@ -119,7 +119,8 @@ pub(in crate::server) struct AssistantMessage {
 }
 
 /// A tool call, whole (`tool_calls` of a message) or a stream's piece of it (`index` set;
-/// the first piece has the id, type and name, the next the arguments).
+/// the first piece has the id, type and name with empty arguments, the later ones more of the
+/// arguments as the model writes them).
 #[derive(Serialize, ToSchema, Debug, Clone, PartialEq)]
 pub(in crate::server) struct ToolCallOut {
     /// The call's place among the choice's calls (stream deltas only).
