@@ -155,7 +155,10 @@ pub(super) fn bench(file: &Path, args: &DecodeBenchArgs, dev: &Device) -> anyhow
         for _ in 0..args.rounds {
             for (b, case) in best.iter_mut().zip(Case::ALL) {
                 for (slot, c) in b.iter_mut().zip(all) {
-                    if contenders.iter().any(|k| k.2 == c.2 && std::ptr::eq(k.0, c.0)) {
+                    if contenders
+                        .iter()
+                        .any(|k| k.2 == c.2 && std::ptr::eq(k.0, c.0))
+                    {
                         *slot = slot.max(run(case, c, args.steps)?);
                     }
                 }

@@ -86,10 +86,7 @@ fn child(kind: &str, path: &Path) -> anyhow::Result<()> {
         one_request(e)?;
     }
     let served = resident()?;
-    println!(
-        "MEMORY {} {} {} {}",
-        loaded.0, loaded.1, served.0, served.1
-    );
+    println!("MEMORY {} {} {} {}", loaded.0, loaded.1, served.0, served.1);
     Ok(())
 }
 
@@ -106,10 +103,7 @@ fn measure(kind: &str, path: &Path) -> anyhow::Result<[u64; 4]> {
         .lines()
         .find_map(|l| l.strip_prefix("MEMORY "))
         .ok_or_else(|| anyhow::anyhow!("the {kind} child printed no readings"))?;
-    let v: Vec<u64> = line
-        .split(' ')
-        .map(str::parse)
-        .collect::<Result<_, _>>()?;
+    let v: Vec<u64> = line.split(' ').map(str::parse).collect::<Result<_, _>>()?;
     v.try_into()
         .map_err(|_| anyhow::anyhow!("the {kind} child printed {line:?}"))
 }
@@ -136,9 +130,15 @@ pub fn run(args: &MemoryBenchArgs) -> anyhow::Result<()> {
         "bench memory: {} served quantized vs its bf16 import (CPU engine, one process each)",
         args.gguf.display()
     );
-    println!("| process | VmRSS loaded | VmHWM loaded | VmRSS after a request | VmHWM after a request |");
+    println!(
+        "| process | VmRSS loaded | VmHWM loaded | VmRSS after a request | VmHWM after a request |"
+    );
     println!("|---|---|---|---|---|");
-    for (name, v) in [("no model", none), ("GGUF, quantized", quant), ("bf16 import", dense)] {
+    for (name, v) in [
+        ("no model", none),
+        ("GGUF, quantized", quant),
+        ("bf16 import", dense),
+    ] {
         println!(
             "| {name} | {:.1} MiB | {:.1} MiB | {:.1} MiB | {:.1} MiB |",
             mib(v[0]),

@@ -357,7 +357,10 @@ unsafe fn dots_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize)
     use std::arch::x86_64::*;
     let nb = x.k / BLOCK;
     let bb = [18, 20, 34][F as usize];
-    assert!(w.len() >= nb * bb && x.qs.len() >= (i + R) * x.k, "out of bounds");
+    assert!(
+        w.len() >= nb * bb && x.qs.len() >= (i + R) * x.k,
+        "out of bounds"
+    );
     let qs: [*const i8; R] = std::array::from_fn(|r| x.qs[(i + r) * x.k..].as_ptr());
     let ds: [&[f32]; R] = std::array::from_fn(|r| &x.d[(i + r) * nb..(i + r + 1) * nb]);
     let ss: [&[f32]; R] = std::array::from_fn(|r| &x.s[(i + r) * nb..(i + r + 1) * nb]);
@@ -543,9 +546,7 @@ mod tests {
         }
         // Accumulated onto what `out` held: take it off again for the checks (exact: the
         // kernel's value is the f32 closest to the sum minus the start, within rounding).
-        out.iter_mut()
-            .enumerate()
-            .for_each(|(e, o)| *o -= val(e));
+        out.iter_mut().enumerate().for_each(|(e, o)| *o -= val(e));
         out
     }
 
@@ -566,13 +567,18 @@ mod tests {
             let (w, deq) = weights(f, n, k);
             // One row, a partial tile, and more than an L1 tile of rows.
             for t in [1, 6, 2 * ROW_TILE + 3] {
-                let xs: Vec<f32> = (0..t * k).map(|i| val(i + 3) * (1 + i % 5) as f32).collect();
+                let xs: Vec<f32> = (0..t * k)
+                    .map(|i| val(i + 3) * (1 + i % 5) as f32)
+                    .collect();
                 let x8 = Q8Rows::of(&xs, t, k);
                 let got = run(Isa::Scalar, f, &x8, &w, n, TILE);
                 for &isa in &isas {
                     for tile in 1..=TILE {
                         let other = run(isa, f, &x8, &w, n, tile);
-                        let same = got.iter().zip(&other).all(|(a, b)| a.to_bits() == b.to_bits());
+                        let same = got
+                            .iter()
+                            .zip(&other)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
                         assert!(same, "{f:?} t={t}: {isa:?} with tiles of {tile} differs");
                     }
                 }
@@ -612,7 +618,9 @@ mod tests {
     #[test]
     fn activation_rows_round_within_half_a_step() {
         let (t, k) = (3, 64);
-        let mut xs: Vec<f32> = (0..t * k).map(|i| val(i) * 10f32.powi(i as i32 % 7 - 3)).collect();
+        let mut xs: Vec<f32> = (0..t * k)
+            .map(|i| val(i) * 10f32.powi(i as i32 % 7 - 3))
+            .collect();
         xs[..BLOCK].fill(0.0);
         let x = Q8Rows::of(&xs, t, k);
         for (b, v) in xs.chunks(BLOCK).enumerate() {
@@ -620,7 +628,10 @@ mod tests {
             let amax = v.iter().fold(0f32, |m, v| m.max(v.abs()));
             assert_eq!(x.d[b], amax / 127.0);
             for (q, v) in q.iter().zip(v) {
-                assert!((x.d[b] * *q as f32 - v).abs() <= x.d[b] / 2.0 * 1.0001, "{b}");
+                assert!(
+                    (x.d[b] * *q as f32 - v).abs() <= x.d[b] / 2.0 * 1.0001,
+                    "{b}"
+                );
             }
             let sum: i32 = q.iter().map(|&q| q as i32).sum();
             assert_eq!(x.s[b], x.d[b] * sum as f32);

@@ -383,7 +383,8 @@ impl Decoder {
         // A tied head is the embedding's tensor or blocks themselves (`Weights::tied_head`),
         // but for a GPU's GGUF base, whose table is dequantized beside the head's blocks.
         let shared_head = self.cfg.tie_word_embeddings
-            && (matches!(&self.lm_head, Lin::Dense(_)) || matches!(self.embed, Embed::Quantized(_)));
+            && (matches!(&self.lm_head, Lin::Dense(_))
+                || matches!(self.embed, Embed::Quantized(_)));
         let head = if shared_head { 0 } else { self.lm_head.bytes() };
         let norms = (2 * self.layers.len() as u64 + 1)
             * self.cfg.hidden_size as u64

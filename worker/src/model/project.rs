@@ -421,7 +421,16 @@ impl Columns {
                 let row = f.row_bytes(d_in);
                 let w = &w[cols.start * row..cols.end * row];
                 // SAFETY: `isa` is the CPU's; the caller owns these columns of the live buffer.
-                quant::product(quant::isa(), f, q8, w, cols, self.ptr, self.width, accumulate);
+                quant::product(
+                    quant::isa(),
+                    f,
+                    q8,
+                    w,
+                    cols,
+                    self.ptr,
+                    self.width,
+                    accumulate,
+                );
             }
             Rows::F32(w) => self.product_of(xs, t, d_in, &w[span], cols, accumulate, direct),
             Rows::Bf16(w) => self.product_of(xs, t, d_in, &w[span], cols, accumulate, direct),

@@ -125,8 +125,12 @@ pub(super) fn quant_blocks(w: &QMatMul) -> Option<(&QTensor, Format, usize, usiz
     };
     let (n, k) = q.shape().dims2().ok()?;
     let f = Format::of(q.dtype())?;
-    (q.device().is_cpu() && k.is_multiple_of(quant::BLOCK) && quant::available(f))
-        .then_some((q.as_ref(), f, n, k))
+    (q.device().is_cpu() && k.is_multiple_of(quant::BLOCK) && quant::available(f)).then_some((
+        q.as_ref(),
+        f,
+        n,
+        k,
+    ))
 }
 
 /// `x·Wᵀ` by mole's kernel where it applies ([`quant_blocks`], `x` f32 on the CPU): it
@@ -296,7 +300,10 @@ pub(super) trait Weights {
     fn dense(&self, name: &str, shape: (usize, usize)) -> Result<Tensor, ModelError>;
     /// The token embedding table `name`.
     fn embedding(&self, name: &str, shape: (usize, usize)) -> Result<Embed, ModelError> {
-        Ok(Embed::Dense(Embedding::new(self.dense(name, shape)?, shape.1)))
+        Ok(Embed::Dense(Embedding::new(
+            self.dense(name, shape)?,
+            shape.1,
+        )))
     }
     /// The output head when it shares the embedding matrix `name` (held as `embed`).
     fn tied_head(&self, name: &str, embed: &Embed) -> Result<Lin, ModelError>;
@@ -398,7 +405,10 @@ impl Weights for Quantized {
         let q = map
             .get(name)
             .ok_or_else(|| ModelError::Config(format!("GGUF has no tensor for {name}")))?;
-        Ok(Embed::Dense(Embedding::new(q.dequantize(&self.1)?, shape.1)))
+        Ok(Embed::Dense(Embedding::new(
+            q.dequantize(&self.1)?,
+            shape.1,
+        )))
     }
     fn tied_head(&self, name: &str, embed: &Embed) -> Result<Lin, ModelError> {
         let q = match embed {
