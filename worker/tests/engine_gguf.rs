@@ -1,9 +1,10 @@
-//! Quantized GGUF bases (q4_0, q8_0, q4_k) served with and without a LoRA, against the same
+//! Quantized GGUF bases (q4_0, q4_1, q8_0, q4_k) served with and without a LoRA, against the same
 //! decoder and engine on the dequantized weights in f32.
 //!
 //! Each test quantizes a model with candle (`QTensor::quantize`), writes a GGUF file the way
 //! llama.cpp lays one out (llama Q/K rows permuted, tokenizer and chat template in the
-//! metadata) and serves it through `Engine::load_gguf`. q4_0 and q8_0 (blocks of 32) run on the
+//! metadata) and serves it through `Engine::load_gguf`. q4_0, q4_1 and q8_0 (blocks of 32: on
+//! x86 with AVX2 mole's own tiled kernel, `kernels::quant`) run on the
 //! committed tiny Llama; q4_k needs rows that are multiples of 256, so it runs on a synthetic
 //! Llama built in the test (hidden 256, MLP 512, seeded weights and adapter).
 //!
@@ -11,8 +12,9 @@
 //! dequantizes bit for bit to the reference weights.
 //!
 //! Tolerance: the reference has the same weights (dequantized), so the one difference left is
-//! that candle's quantized matmul, like llama.cpp, rounds each activation row to 8 bits (Q8_0
-//! blocks of 32 for q4_0/q8_0, Q8_K blocks of 256 for q4_k) before the integer dot products.
+//! that the quantized matmul (mole's kernel or candle's), like llama.cpp, rounds each activation
+//! row to 8 bits (blocks of 32 for q4_0/q4_1/q8_0, Q8_K blocks of 256 for q4_k) before the
+//! integer dot products.
 //! Each activation moves by at most 1/254 of its block's largest magnitude; with the block
 //! maximum a few times the RMS, a projection's output moves by up to ~1% of its scale. Errors
 //! add along the chain of projections a token goes through (q/k/v, o, gate/up, down per layer,
@@ -483,6 +485,11 @@ fn check(base: Base, dtype: GgmlDType) {
 #[test]
 fn q4_0_base_serves_like_its_dequantized_weights() {
     check(tiny_llama(), GgmlDType::Q4_0);
+}
+
+#[test]
+fn q4_1_base_serves_like_its_dequantized_weights() {
+    check(tiny_llama(), GgmlDType::Q4_1);
 }
 
 #[test]

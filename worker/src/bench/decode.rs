@@ -70,6 +70,10 @@ pub struct DecodeBenchArgs {
     /// image case, no transformers): about a third of the full run.
     #[arg(long, env = "MOLE_BENCH_TENSOR_ONLY")]
     pub tensor_only: bool,
+    /// With `--gguf`: the host path's table alone, and without candle's quantized product as
+    /// a contender (its scalar Q4_1 product takes minutes per round on two cores).
+    #[arg(long, env = "MOLE_BENCH_GGUF_QUICK")]
+    pub gguf_quick: bool,
 }
 
 /// `--vision-hidden`: whole heads of 72.

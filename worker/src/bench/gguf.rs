@@ -1,8 +1,9 @@
 //! `bench decode --gguf FILE`: a GGUF base served quantized against its own bf16 import (the
 //! same weights dequantized by `mole-worker import`), side by side in one run: the contenders
-//! alternate over rounds and each keeps its best. The quantized base runs twice: with mole's
-//! Q4_1 kernel and with candle's quantized product alone (how Q4_1 was served before it; other
-//! block types take candle's product either way, so the two columns agree for them). Measured on the host path (the CPU's own
+//! alternate over rounds and each keeps its best. The quantized base runs three times: with
+//! mole's tiled kernel (q4_0, q4_1, q8_0 blocks), the same kernel one activation row at a time
+//! (how the Q4_1 kernel ran before the tiles) and candle's quantized product alone (block types
+//! the kernel does not cover take candle's product in all three). Measured on the host path (the CPU's own
 //! kernels) and on the tensor path (what a GPU runs, here as candle's CPU ops): prefill of a
 //! 158-token prompt (the guidellm prompts), and decode at batch 1 and 16 without and
 //! with a LoRA adapter on every projection.
@@ -115,7 +116,9 @@ pub(super) fn bench(file: &Path, args: &DecodeBenchArgs, dev: &Device) -> anyhow
     let held = |m: &Decoder| crate::model::adapter_dtype(m.weight_dtype(), dev);
     let a_quant = lora::load(&adir, &cfg, held(&quant), dev, &opts)?;
     let a_dense = lora::load(&adir, &cfg, held(&dense), dev, &opts)?;
-    let paths: &[bool] = if dev.is_cpu() {
+    let paths: &[bool] = if dev.is_cpu() && args.gguf_quick {
+        &[true]
+    } else if dev.is_cpu() {
         &[true, false]
     } else {
         &[false]
@@ -123,29 +126,41 @@ pub(super) fn bench(file: &Path, args: &DecodeBenchArgs, dev: &Device) -> anyhow
     for &host in paths {
         quant.set_host_kernels(host);
         dense.set_host_kernels(host);
-        // The quantized base with mole's Q4_1 kernel, with candle's product alone (what
-        // served a Q4_1 base before the kernel), and the bf16 import.
-        let contenders = [
-            (&quant, &a_quant, true),
-            (&quant, &a_quant, false),
-            (&dense, &a_dense, true),
+        // The quantized base with mole's kernel tiled, one row at a time, with candle's
+        // product alone, and the bf16 import.
+        use crate::kernels::quant::{set_mode, Mode};
+        let all = [
+            (&quant, &a_quant, Mode::Tiled),
+            (&quant, &a_quant, Mode::Untiled),
+            (&quant, &a_quant, Mode::Off),
+            (&dense, &a_dense, Mode::Tiled),
         ];
-        let run = |case: Case, (m, a, kernel): (&Decoder, &LoraAdapter, bool), steps| {
-            crate::kernels::q4_1::set_enabled(kernel);
+        let contenders: Vec<_> = all
+            .into_iter()
+            .filter(|c| !(args.gguf_quick && c.2 == Mode::Off))
+            .collect();
+        let run = |case: Case, (m, a, mode): (&Decoder, &LoraAdapter, Mode), steps| {
+            set_mode(mode);
             let r = case.run(m, a, steps);
-            crate::kernels::q4_1::set_enabled(true);
+            set_mode(Mode::Tiled);
             r
         };
         for case in Case::ALL {
-            for c in contenders {
+            for &c in &contenders {
                 run(case, c, 2)?;
             }
         }
-        let mut best = vec![[0f64; 3]; Case::ALL.len()];
+        // Contenders left out (`--gguf-quick`) read as 0.
+        let mut best = vec![[0f64; 4]; Case::ALL.len()];
         for _ in 0..args.rounds {
             for (b, case) in best.iter_mut().zip(Case::ALL) {
-                for (slot, c) in b.iter_mut().zip(contenders) {
-                    *slot = slot.max(run(case, c, args.steps)?);
+                for (slot, c) in b.iter_mut().zip(all) {
+                    if contenders
+                        .iter()
+                        .any(|k| k.2 == c.2 && std::ptr::eq(k.0, c.0))
+                    {
+                        *slot = slot.max(run(case, c, args.steps)?);
+                    }
                 }
             }
         }
@@ -161,15 +176,16 @@ pub(super) fn bench(file: &Path, args: &DecodeBenchArgs, dev: &Device) -> anyhow
             args.rounds,
         );
         println!(
-            "| measure | quantized, mole's Q4_1 kernel | quantized, candle's product only | bf16 import | quantized ÷ bf16 | kernel ÷ candle |"
+            "| measure | quantized, tiled kernel | quantized, kernel row by row | quantized, candle's product | bf16 import | tiled ÷ bf16 | row by row ÷ bf16 | candle ÷ bf16 |"
         );
-        println!("|---|---|---|---|---|---|");
-        for (case, [q, c, d]) in Case::ALL.into_iter().zip(&best) {
+        println!("|---|---|---|---|---|---|---|---|");
+        for (case, [q, u, c, d]) in Case::ALL.into_iter().zip(&best) {
             println!(
-                "| {} | {q:.1} | {c:.1} | {d:.1} | {:.2} | {:.2} |",
+                "| {} | {q:.1} | {u:.1} | {c:.1} | {d:.1} | {:.2} | {:.2} | {:.2} |",
                 case.label(),
                 q / d,
-                q / c
+                u / d,
+                c / d
             );
         }
     }

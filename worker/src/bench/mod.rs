@@ -5,6 +5,7 @@ mod constrained;
 pub mod decode;
 mod gguf;
 pub mod image;
+pub mod memory;
 pub mod merge;
 pub mod prefix;
 
@@ -23,6 +24,8 @@ enum BenchKind {
     Decode(decode::DecodeBenchArgs),
     /// Time to first token with a long system prompt seen before vs new (prefix caching).
     Prefix(prefix::PrefixBenchArgs),
+    /// Resident memory of a GGUF base served quantized vs its bf16 import.
+    Memory(memory::MemoryBenchArgs),
 }
 
 /// Runs a benchmark.
@@ -33,6 +36,13 @@ pub fn run(args: BenchArgs) -> std::process::ExitCode {
             Ok(()) => std::process::ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("bench prefix failed: {e:#}");
+                std::process::ExitCode::FAILURE
+            }
+        },
+        BenchKind::Memory(a) => match memory::run(&a) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("bench memory failed: {e:#}");
                 std::process::ExitCode::FAILURE
             }
         },

@@ -38,7 +38,7 @@ macro_rules! kernel {
 pub(crate) mod attention;
 pub(crate) mod dense;
 pub(crate) mod lora;
-pub(crate) mod q4_1;
+pub(crate) mod quant;
 
 pub(crate) use self::attention::{attend_head, KvHead};
 pub(crate) use self::lora::{lora_tokens, lora_tokens_bf16, RANK_ALIGN};

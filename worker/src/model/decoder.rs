@@ -6,7 +6,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{Embedding, RmsNorm, VarBuilder};
+use candle_nn::{RmsNorm, VarBuilder};
 
 use super::batch::{Batch, Group, Positions, Row, StepPath};
 use super::cache::{mixed_cache, LayerKv};
@@ -18,7 +18,7 @@ use super::rope::rope_cos_sin;
 use super::slots::LoraSlots;
 use super::step;
 use super::vision::{ImageEmbeds, VisionTower};
-use super::weights::{compute_dtype, tensor_bytes, Dense, Prequantized, Quantized, Weights};
+use super::weights::{compute_dtype, Dense, Embed, Prequantized, Quantized, Weights};
 use super::{HostUpdates, Lin, LoraAdapter, ModelConfig, ModelError, Rope};
 use crate::formats::hf;
 use crate::kernels;
@@ -28,7 +28,7 @@ mod prefix_cache;
 /// The decoder.
 pub struct Decoder {
     cfg: ModelConfig,
-    embed: Embedding,
+    embed: Embed,
     layers: Vec<Layer>,
     norm: RmsNorm,
     lm_head: Lin,
@@ -193,7 +193,7 @@ impl Decoder {
         types.dedup();
         let mut d = Self::build(
             cfg,
-            &Quantized(tensors, device.clone()),
+            &Quantized(std::cell::RefCell::new(tensors), device.clone()),
             device.clone(),
             (DType::F32, DType::F32),
         )?;
@@ -212,14 +212,13 @@ impl Decoder {
         let h = cfg.hidden_size;
         let prefix = cfg.text_prefix();
         let embed_name = format!("{prefix}.embed_tokens.weight");
-        let embed_w = w.dense(&embed_name, (cfg.vocab_size, h))?;
-        let embed = Embedding::new(embed_w.clone(), h);
+        let embed = w.embedding(&embed_name, (cfg.vocab_size, h))?;
         let layers = (0..cfg.num_hidden_layers)
             .map(|i| Layer::new(&cfg, w, i))
             .collect::<Result<_, _>>()?;
         let norm = w.norm(&format!("{prefix}.norm"), h, cfg.rms_norm_eps)?;
         let lm_head = if cfg.tie_word_embeddings {
-            w.tied_head(&embed_name, embed_w)?
+            w.tied_head(&embed_name, &embed)?
         } else {
             w.linear("lm_head", h, cfg.vocab_size, false)?
         };
@@ -381,14 +380,16 @@ impl Decoder {
     /// embedding counted once where it shares its tensor), the norms in the compute dtype.
     /// The vision tower, when there is one, is not counted.
     pub fn weight_bytes(&self) -> u64 {
-        let embed = self.embed.embeddings();
-        // A dense tied head is the embedding's tensor itself (`Weights::tied_head`).
-        let shared_head = self.cfg.tie_word_embeddings && matches!(&self.lm_head, Lin::Dense(_));
+        // A tied head is the embedding's tensor or blocks themselves (`Weights::tied_head`),
+        // but for a GPU's GGUF base, whose table is dequantized beside the head's blocks.
+        let shared_head = self.cfg.tie_word_embeddings
+            && (matches!(&self.lm_head, Lin::Dense(_))
+                || matches!(self.embed, Embed::Quantized(_)));
         let head = if shared_head { 0 } else { self.lm_head.bytes() };
         let norms = (2 * self.layers.len() as u64 + 1)
             * self.cfg.hidden_size as u64
             * self.dtype.size_in_bytes() as u64;
-        tensor_bytes(embed) + head + norms + self.layers.iter().map(|l| l.bytes()).sum::<u64>()
+        self.embed.bytes() + head + norms + self.layers.iter().map(|l| l.bytes()).sum::<u64>()
     }
 
     /// How the projections are held when quantized (None: dense, [`Self::weight_dtype`]).

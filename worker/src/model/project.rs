@@ -24,10 +24,10 @@ use rayon::prelude::*;
 use super::batch::{Batch, Group, StepPath};
 use super::lora::{HostUpdates, UpdateTask, HOST_LORA_MAX_TOKENS};
 use super::slots::Group as Projections;
-use super::weights::{q4_1_blocks, Fusable};
+use super::weights::{quant_blocks, Fusable};
 use super::{Lin, LoraAdapter, ModelError, Proj};
 use crate::kernels::dense;
-use crate::kernels::q4_1::{self, Q8Rows};
+use crate::kernels::quant::{self, Format, Q8Rows};
 use crate::kernels::{Host, HostF32, Weight};
 
 /// Projections of one input for the whole batch: each base matmul once, plus the adapters'
@@ -207,10 +207,10 @@ pub(crate) fn host_projections(
             .into_iter()
             .map(|task| Mutex::new(Some(task)))
             .collect();
-        // Q4_1 weights multiply the input rounded to 8 bits, once for all of them.
+        // Quantized weights multiply the input rounded to 8 bits, once for all of them.
         let q8 = weights
             .iter()
-            .any(|w| matches!(w, Some((Base::Q4_1(_), ..))))
+            .any(|w| matches!(w, Some((Base::Quant(..), ..))))
             .then(|| Q8Rows::of(xs, t, d_in));
         let mut blocks = Vec::new();
         for (w, out) in weights.iter().zip(outs.iter_mut()) {
@@ -310,8 +310,8 @@ fn base_outputs<'t>(
                 weights.push(Some((w, d_out, bias.is_some())));
                 outs.push(out);
             }
-            Lin::Quantized(w, bias) if q4_1_blocks(w).is_some() => {
-                let Some((q, d_out, _)) = q4_1_blocks(w) else {
+            Lin::Quantized(w, bias) if quant_blocks(w).is_some() => {
+                let Some((q, f, d_out, _)) = quant_blocks(w) else {
                     unreachable!("matched")
                 };
                 let mut out = vec![0f32; t * d_out];
@@ -323,7 +323,7 @@ fn base_outputs<'t>(
                         row.copy_from_slice(b.slice(d_out));
                     }
                 }
-                weights.push(Some((Base::Q4_1(q.data()?), d_out, bias.is_some())));
+                weights.push(Some((Base::Quant(q.data()?, f), d_out, bias.is_some())));
                 outs.push(out);
             }
             Lin::Quantized(..) => {
@@ -341,23 +341,27 @@ fn base_outputs<'t>(
 }
 
 /// A projection's base weights as held: f32, or a half type widened to f32 as the kernel
-/// loads it, or Q4_1 blocks (multiplied with the input rounded to 8 bits, see
-/// [`crate::kernels::q4_1`]).
+/// loads it, or quantized blocks (multiplied with the input rounded to 8 bits, see
+/// [`crate::kernels::quant`]).
 enum Base<'t> {
     F32(HostF32<'t>),
     Bf16(Host<'t, half::bf16>),
     F16(Host<'t, half::f16>),
-    Q4_1(std::borrow::Cow<'t, [u8]>),
+    Quant(std::borrow::Cow<'t, [u8]>, Format),
 }
 
 impl Base<'_> {
-    /// The first `n` weights; `q8` the input rounded for Q4_1 weights.
+    /// The first `n` weights; `q8` the input rounded for quantized weights.
     fn rows<'a>(&'a self, n: usize, q8: Option<&'a Q8Rows>) -> Rows<'a> {
         match self {
             Base::F32(w) => Rows::F32(w.slice(n)),
             Base::Bf16(w) => Rows::Bf16(w.slice(n)),
             Base::F16(w) => Rows::F16(w.slice(n)),
-            Base::Q4_1(w) => Rows::Q4_1(w, q8.expect("the input is rounded for Q4_1 weights")),
+            Base::Quant(w, f) => Rows::Quant(
+                w,
+                *f,
+                q8.expect("the input is rounded for quantized weights"),
+            ),
         }
     }
 }
@@ -368,8 +372,8 @@ enum Rows<'a> {
     F32(&'a [f32]),
     Bf16(&'a [half::bf16]),
     F16(&'a [half::f16]),
-    /// Q4_1 blocks of every row, and the input rounded to 8 bits.
-    Q4_1(&'a [u8], &'a Q8Rows),
+    /// Blocks of every row, their format, and the input rounded to 8 bits.
+    Quant(&'a [u8], Format, &'a Q8Rows),
 }
 
 /// A `[tokens, width]` row-major output that threads write in disjoint column blocks.
@@ -413,16 +417,21 @@ impl Columns {
     ) {
         let span = cols.start * d_in..cols.end * d_in;
         match w {
-            #[cfg(target_arch = "x86_64")]
-            Rows::Q4_1(w, q8) => {
-                let row = d_in / q4_1::BLOCK * q4_1::BLOCK_BYTES;
+            Rows::Quant(w, f, q8) => {
+                let row = f.row_bytes(d_in);
                 let w = &w[cols.start * row..cols.end * row];
-                // SAFETY: Q4_1 weights are taken only where the kernel runs (`q4_1_blocks`);
-                // the caller owns these columns of the live buffer.
-                q4_1::product(q8, w, cols, self.ptr, self.width, accumulate);
+                // SAFETY: `isa` is the CPU's; the caller owns these columns of the live buffer.
+                quant::product(
+                    quant::isa(),
+                    f,
+                    q8,
+                    w,
+                    cols,
+                    self.ptr,
+                    self.width,
+                    accumulate,
+                );
             }
-            #[cfg(not(target_arch = "x86_64"))]
-            Rows::Q4_1(..) => unreachable!("Q4_1 weights take candle's product off x86-64"),
             Rows::F32(w) => self.product_of(xs, t, d_in, &w[span], cols, accumulate, direct),
             Rows::Bf16(w) => self.product_of(xs, t, d_in, &w[span], cols, accumulate, direct),
             Rows::F16(w) => self.product_of(xs, t, d_in, &w[span], cols, accumulate, direct),

@@ -2,11 +2,12 @@
 //! tensors (any float dtype, half types widened on the tensor path) or GGUF blocks (candle's
 //! quantized matmul), and the dtype policy that pairs weights with compute and adapters.
 
-use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::quantized::{QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Tensor, D};
-use candle_nn::{linear_b, Linear, RmsNorm, VarBuilder};
+use candle_nn::{linear_b, Embedding, Linear, RmsNorm, VarBuilder};
 
 use super::ModelError;
+use crate::kernels::quant::{self, Format};
 
 /// The dtype a decoder computes in over weights of `weights`: the same, except the half
 /// types on the CPU, which compute in f32. The host kernels read bf16 and f16 weights in place
@@ -101,7 +102,7 @@ impl Module for Lin {
             Lin::Dense(l) if l.weight().dtype() != x.dtype() => widened(l, x, WIDEN_MAX_VALUES),
             Lin::Dense(l) => l.forward(x),
             Lin::Quantized(w, b) => {
-                let y = match q4_1_product(w, x)? {
+                let y = match quant_product(w, x)? {
                     Some(y) => y,
                     None => w.forward(x)?,
                 };
@@ -114,26 +115,29 @@ impl Module for Lin {
     }
 }
 
-/// The Q4_1 blocks of a quantized projection held on the CPU, as bytes (see
-/// [`crate::kernels::q4_1`]), when the CPU runs their kernel; None otherwise (other block
-/// types, a GPU, no AVX2: candle's quantized matmul).
-pub(super) fn q4_1_blocks(w: &QMatMul) -> Option<(&QTensor, usize, usize)> {
+/// The blocks of a quantized projection held on the CPU, as a tensor, their format, and its
+/// output and input widths, when mole's kernel multiplies them (see
+/// [`crate::kernels::quant`]); None otherwise (other block types, a GPU: candle's quantized
+/// matmul).
+pub(super) fn quant_blocks(w: &QMatMul) -> Option<(&QTensor, Format, usize, usize)> {
     let QMatMul::QTensor(q) = w else {
         return None;
     };
     let (n, k) = q.shape().dims2().ok()?;
-    (q.dtype() == GgmlDType::Q4_1
-        && q.device().is_cpu()
-        && k.is_multiple_of(crate::kernels::q4_1::BLOCK)
-        && crate::kernels::q4_1::available())
-    .then_some((q.as_ref(), n, k))
+    let f = Format::of(q.dtype())?;
+    (q.device().is_cpu() && k.is_multiple_of(quant::BLOCK) && quant::available(f)).then_some((
+        q.as_ref(),
+        f,
+        n,
+        k,
+    ))
 }
 
-/// `x·Wᵀ` by mole's Q4_1 kernel where it applies ([`q4_1_blocks`], `x` f32 on the CPU):
-/// candle's Q4_1 product is scalar on x86.
+/// `x·Wᵀ` by mole's kernel where it applies ([`quant_blocks`], `x` f32 on the CPU): it
+/// rounds each activation row once and reuses each unpacked weight block for several rows.
 #[allow(clippy::disallowed_methods)] // the CPU: its "upload" is a move
-fn q4_1_product(w: &QMatMul, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
-    let Some((q, n, k)) = q4_1_blocks(w) else {
+fn quant_product(w: &QMatMul, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
+    let Some((q, f, n, k)) = quant_blocks(w) else {
         return Ok(None);
     };
     let x = x.contiguous()?;
@@ -142,7 +146,7 @@ fn q4_1_product(w: &QMatMul, x: &Tensor) -> candle_core::Result<Option<Tensor>> 
     };
     let t = x.elem_count() / k;
     let data = q.data()?;
-    let Some(y) = crate::kernels::q4_1::matmul(xs.slice(t * k), t, k, &data, n) else {
+    let Some(y) = quant::matmul(f, xs.slice(t * k), t, k, &data, n) else {
         return Ok(None);
     };
     let mut dims = x.dims().to_vec();
@@ -233,14 +237,86 @@ impl<const N: usize> Fusable<N> {
     }
 }
 
+/// The token embedding table: dense, or a GGUF base's blocks on the CPU, of which a step
+/// dequantizes the rows its tokens take. Widened whole to f32, the table held 4-7x the bytes
+/// of its blocks (113 MiB for SmolLM2-135M's 49152 × 576, more than all of its quantized
+/// projections), which kept a 4-bit base's memory far above a third of its bf16 form's.
+pub enum Embed {
+    /// A dense table.
+    Dense(Embedding),
+    /// Blocks, shared with a tied output head.
+    Quantized(std::sync::Arc<QTensor>),
+}
+
+impl Embed {
+    /// The rows of the tokens `ids` (any shape): `[..ids, hidden]`, f32 for a quantized table.
+    #[allow(clippy::disallowed_methods)] // quantized tables are held on the CPU only
+    pub fn forward(&self, ids: &Tensor) -> candle_core::Result<Tensor> {
+        let q = match self {
+            Embed::Dense(e) => return e.forward(ids),
+            Embed::Quantized(q) => q,
+        };
+        let (vocab, h) = q.shape().dims2()?;
+        let mut dims = ids.dims().to_vec();
+        dims.push(h);
+        let ids: Vec<u32> = ids.flatten_all()?.to_dtype(DType::U32)?.to_vec1()?;
+        if ids.is_empty() {
+            return Tensor::zeros(dims, DType::F32, &Device::Cpu);
+        }
+        let data = q.data()?;
+        let row = data.len() / vocab;
+        let mut rows = Vec::with_capacity(ids.len() * row);
+        for &i in &ids {
+            let i = i as usize;
+            if i >= vocab {
+                candle_core::bail!("token {i} is outside the vocabulary of {vocab}");
+            }
+            rows.extend_from_slice(&data[i * row..(i + 1) * row]);
+        }
+        let storage = candle_core::quantized::QStorage::from_data(
+            std::borrow::Cow::Owned(rows),
+            &Device::Cpu,
+            q.dtype(),
+        )?;
+        QTensor::new(storage, (ids.len(), h))?
+            .dequantize(&Device::Cpu)?
+            .reshape(dims)
+    }
+
+    /// The bytes the table holds.
+    pub fn bytes(&self) -> u64 {
+        match self {
+            Embed::Dense(e) => tensor_bytes(e.embeddings()),
+            Embed::Quantized(q) => q.storage_size_in_bytes() as u64,
+        }
+    }
+}
+
 /// Where the decoder's weights come from (HF names, without the `.weight` suffix except for
 /// whole tensors).
 pub(super) trait Weights {
     fn linear(&self, name: &str, d_in: usize, d_out: usize, bias: bool) -> Result<Lin, ModelError>;
     fn norm(&self, name: &str, size: usize, eps: f64) -> Result<RmsNorm, ModelError>;
     fn dense(&self, name: &str, shape: (usize, usize)) -> Result<Tensor, ModelError>;
-    /// The output head when it shares the embedding matrix `name` (dense: `embed`).
-    fn tied_head(&self, name: &str, embed: Tensor) -> Result<Lin, ModelError>;
+    /// The token embedding table `name`.
+    fn embedding(&self, name: &str, shape: (usize, usize)) -> Result<Embed, ModelError> {
+        Ok(Embed::Dense(Embedding::new(
+            self.dense(name, shape)?,
+            shape.1,
+        )))
+    }
+    /// The output head when it shares the embedding matrix `name` (held as `embed`).
+    fn tied_head(&self, name: &str, embed: &Embed) -> Result<Lin, ModelError>;
+}
+
+/// The output head that is a dense embedding table itself.
+fn dense_tied_head(name: &str, embed: &Embed) -> Result<Lin, ModelError> {
+    match embed {
+        Embed::Dense(e) => Ok(Lin::Dense(Linear::new(e.embeddings().clone(), None))),
+        Embed::Quantized(_) => Err(ModelError::Config(format!(
+            "{name}: a quantized embedding outside a GGUF base"
+        ))),
+    }
 }
 
 /// Dense checkpoint tensors: projections and the embedding in the VarBuilder's dtype, biases
@@ -265,17 +341,23 @@ impl Weights for Dense<'_> {
     fn dense(&self, name: &str, shape: (usize, usize)) -> Result<Tensor, ModelError> {
         Ok(self.vb.get(shape, name)?)
     }
-    fn tied_head(&self, _: &str, embed: Tensor) -> Result<Lin, ModelError> {
-        Ok(Lin::Dense(Linear::new(embed, None)))
+    fn tied_head(&self, name: &str, embed: &Embed) -> Result<Lin, ModelError> {
+        dense_tied_head(name, embed)
     }
 }
 
-pub(super) struct Quantized(pub std::collections::HashMap<String, QTensor>, pub Device);
+/// A GGUF base's tensors, each taken out of the map as the decoder takes it (no copy: the
+/// blocks are held once, during the load as after it).
+pub(super) struct Quantized(
+    pub std::cell::RefCell<std::collections::HashMap<String, QTensor>>,
+    pub Device,
+);
 
 impl Quantized {
-    fn take(&self, name: &str) -> Result<&QTensor, ModelError> {
+    fn take(&self, name: &str) -> Result<QTensor, ModelError> {
         self.0
-            .get(name)
+            .borrow_mut()
+            .remove(name)
             .ok_or_else(|| ModelError::Config(format!("GGUF has no tensor for {name}")))
     }
     fn deq(&self, name: &str) -> Result<Tensor, ModelError> {
@@ -292,7 +374,7 @@ impl Weights for Quantized {
                 q.shape().dims()
             )));
         }
-        let w = QMatMul::from_arc(std::sync::Arc::new(requantized(q)?))?;
+        let w = QMatMul::from_arc(std::sync::Arc::new(q))?;
         let b = if bias {
             Some(self.deq(&format!("{name}.bias"))?)
         } else {
@@ -306,11 +388,34 @@ impl Weights for Quantized {
     fn dense(&self, name: &str, _: (usize, usize)) -> Result<Tensor, ModelError> {
         self.deq(name)
     }
-    fn tied_head(&self, name: &str, _: Tensor) -> Result<Lin, ModelError> {
-        Ok(Lin::Quantized(
-            QMatMul::from_arc(std::sync::Arc::new(requantized(self.take(name)?)?))?,
-            None,
-        ))
+    /// On the CPU the table stays in its blocks (see [`Embed`]); on a GPU it is dequantized,
+    /// and left in the map for a tied head.
+    fn embedding(&self, name: &str, shape: (usize, usize)) -> Result<Embed, ModelError> {
+        if self.1.is_cpu() {
+            let q = self.take(name)?;
+            if q.shape().dims() != [shape.0, shape.1] {
+                return Err(ModelError::Config(format!(
+                    "{name}: GGUF shape {:?}, expected {shape:?}",
+                    q.shape().dims()
+                )));
+            }
+            return Ok(Embed::Quantized(std::sync::Arc::new(q)));
+        }
+        let map = self.0.borrow();
+        let q = map
+            .get(name)
+            .ok_or_else(|| ModelError::Config(format!("GGUF has no tensor for {name}")))?;
+        Ok(Embed::Dense(Embedding::new(
+            q.dequantize(&self.1)?,
+            shape.1,
+        )))
+    }
+    fn tied_head(&self, name: &str, embed: &Embed) -> Result<Lin, ModelError> {
+        let q = match embed {
+            Embed::Quantized(q) => q.clone(),
+            Embed::Dense(_) => std::sync::Arc::new(self.take(name)?),
+        };
+        Ok(Lin::Quantized(QMatMul::from_arc(q)?, None))
     }
 }
 
@@ -356,7 +461,7 @@ impl Weights for Prequantized<'_> {
     fn dense(&self, name: &str, shape: (usize, usize)) -> Result<Tensor, ModelError> {
         self.dense.dense(name, shape)
     }
-    fn tied_head(&self, name: &str, embed: Tensor) -> Result<Lin, ModelError> {
+    fn tied_head(&self, name: &str, embed: &Embed) -> Result<Lin, ModelError> {
         self.dense.tied_head(name, embed)
     }
 }

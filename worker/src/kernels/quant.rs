@@ -1,0 +1,640 @@
+//! Products with GGML block-quantized weights (GGUF q4_0, q4_1 and q8_0 files, and AWQ/GPTQ
+//! checkpoints repacked into Q4_1 blocks) on the CPU.
+//!
+//! llama.cpp's arithmetic: each activation row is rounded once per product to 8 bits per
+//! block of 32 ([`Q8Rows`]: scale `d = max|x| / 127`, and `s = d·Σq`), then each weight block
+//! meets each activation block as `d_w·d_x·Σ q_w·q_x` (+ `m_w·s_x` for Q4_1's minimum), the
+//! 4- or 8-bit × 8-bit products summed exactly in integers (AVX2 `maddubs`/`madd`).
+//!
+//! Why it is tiled: a decode step of 16 rows multiplies every weight block with 16 activation
+//! rows. Unpacking the block (nibbles to bytes, two f16 scales to f32) is as much work as one
+//! row's integer dot, so the block is unpacked once for a tile of [`TILE`] rows, whose
+//! accumulators are independent (the FMA latency of one row's chain no longer bounds the loop).
+//! candle 0.11 computes each (weight row, activation row) dot on its own (and Q4_1's with its
+//! generic scalar loop on x86).
+//!
+//! The scalar build ([`Isa::Scalar`], CPUs without AVX2, FMA and F16C) gives the AVX2 build's
+//! results bit for bit: it sums the same integer products into the same eight lanes and adds
+//! the lanes in the AVX2 reduction's order. The activation scales stay f32 where ggml rounds
+//! them to f16, so the error is at most the 8-bit rounding's (see [`Q8Rows`]).
+
+use std::sync::atomic::{AtomicU8, Ordering};
+
+use candle_core::quantized::GgmlDType;
+
+/// Values per block.
+pub(crate) const BLOCK: usize = 32;
+/// Activation rows multiplied with the weight rows of a column block while they are in L1.
+const ROW_TILE: usize = 16;
+/// Activation rows that share one unpacked weight block: four accumulators, the unpacked
+/// block and the loads fit AVX2's sixteen registers.
+const TILE: usize = 4;
+
+/// A block format the kernel multiplies.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Format {
+    /// `d` (f16), 16 bytes of nibbles: `d·(q - 8)`.
+    Q4_0,
+    /// `d`, `m` (f16), 16 bytes of nibbles: `d·q + m`.
+    Q4_1,
+    /// `d` (f16), 32 signed bytes: `d·q`.
+    Q8_0,
+}
+
+impl Format {
+    /// The format of GGML blocks of type `t`, where the kernel covers it.
+    pub(crate) fn of(t: GgmlDType) -> Option<Self> {
+        match t {
+            GgmlDType::Q4_0 => Some(Self::Q4_0),
+            GgmlDType::Q4_1 => Some(Self::Q4_1),
+            GgmlDType::Q8_0 => Some(Self::Q8_0),
+            _ => None,
+        }
+    }
+
+    /// Bytes per block.
+    pub(crate) const fn block_bytes(self) -> usize {
+        match self {
+            Self::Q4_0 => 18,
+            Self::Q4_1 => 20,
+            Self::Q8_0 => 34,
+        }
+    }
+
+    /// Bytes of a weight row of `k` values.
+    pub(crate) const fn row_bytes(self, k: usize) -> usize {
+        k / BLOCK * self.block_bytes()
+    }
+
+    /// As a const-generic parameter.
+    const fn id(self) -> u8 {
+        self as u8
+    }
+}
+
+const Q4_0: u8 = Format::Q4_0.id();
+const Q4_1: u8 = Format::Q4_1.id();
+const Q8_0: u8 = Format::Q8_0.id();
+
+/// How quantized products are computed in this process: `bench decode --gguf` times them side
+/// by side.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Mode {
+    /// The tiled kernel (the default).
+    Tiled = 0,
+    /// The same kernel one activation row at a time (each weight block unpacked once per
+    /// row, as the Q4_1 kernel before the tiles did).
+    Untiled = 1,
+    /// candle's quantized product.
+    Off = 2,
+}
+
+static MODE: AtomicU8 = AtomicU8::new(Mode::Tiled as u8);
+
+/// Sets how quantized products are computed for the process (a benchmark's contenders).
+pub(crate) fn set_mode(m: Mode) {
+    MODE.store(m as u8, Ordering::Relaxed);
+}
+
+fn mode() -> Mode {
+    match MODE.load(Ordering::Relaxed) {
+        0 => Mode::Tiled,
+        1 => Mode::Untiled,
+        _ => Mode::Off,
+    }
+}
+
+/// The instruction set a product runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Isa {
+    /// Portable Rust, equal to [`Isa::Avx2`] bit for bit.
+    Scalar,
+    /// AVX2, FMA and F16C.
+    Avx2,
+}
+
+/// The best instruction set the CPU has for these kernels.
+pub(crate) fn isa() -> Isa {
+    #[cfg(target_arch = "x86_64")]
+    {
+        // The macro caches the CPUID answer.
+        if std::arch::is_x86_feature_detected!("avx2")
+            && std::arch::is_x86_feature_detected!("fma")
+            && std::arch::is_x86_feature_detected!("f16c")
+        {
+            return Isa::Avx2;
+        }
+    }
+    Isa::Scalar
+}
+
+/// Whether weights of format `f` take this kernel: with AVX2 all of them; without, Q4_1 only
+/// (candle has SIMD products of its own for q4_0 and q8_0 on ARM and older x86, but runs Q4_1
+/// through a scalar loop that the scalar build here beats by summing in integers).
+pub(crate) fn available(f: Format) -> bool {
+    mode() != Mode::Off && (isa() == Isa::Avx2 || f == Format::Q4_1)
+}
+
+/// Activation rows rounded to 8 bits per block of 32.
+///
+/// Bound: a value `v` of a block becomes `d·q` with `d = max|x|/127` and `q = round(v/d)`,
+/// so it moves by at most `d/2 = max|x|/254`; a product with weights `w` moves by at most
+/// `Σ_blocks d/2 · Σ|w|` (tested on the kernel against the dequantized f32 product).
+pub(crate) struct Q8Rows {
+    /// Per block: its scale.
+    d: Vec<f32>,
+    /// Per block: its scale times the sum of its values.
+    s: Vec<f32>,
+    /// The values, `k` per row.
+    qs: Vec<i8>,
+    /// Values per row.
+    k: usize,
+}
+
+impl Q8Rows {
+    /// `t` rows of `k` values (`k` a multiple of 32) from `xs` row-major.
+    pub(crate) fn of(xs: &[f32], t: usize, k: usize) -> Self {
+        debug_assert!(k.is_multiple_of(BLOCK) && xs.len() >= t * k);
+        let blocks = t * k / BLOCK;
+        let mut d = Vec::with_capacity(blocks);
+        let mut s = Vec::with_capacity(blocks);
+        let mut qs = vec![0i8; t * k];
+        for (x, q) in xs[..t * k]
+            .chunks_exact(BLOCK)
+            .zip(qs.chunks_exact_mut(BLOCK))
+        {
+            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = amax / 127.0;
+            let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
+            let mut sum = 0i32;
+            for (q, v) in q.iter_mut().zip(x) {
+                // |v·inv| ≤ 127 (up to rounding, which the saturating cast absorbs): the
+                // values stay in -127..=127, so `maddubs` pairs cannot saturate.
+                *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+                sum += *q as i32;
+            }
+            d.push(scale);
+            s.push(scale * sum as f32);
+        }
+        Self { d, s, qs, k }
+    }
+
+    /// Rows held.
+    pub(crate) fn rows(&self) -> usize {
+        self.qs.len() / self.k.max(1)
+    }
+}
+
+/// `out[i·width + c]` (added to what it holds when `accumulate`) = row `i` of `x` · weight row
+/// `c` for every row of `x` and every column `c` of `cols`, whose weight rows `w` holds
+/// (`cols.len()` rows of `k / 32` blocks of `f`).
+///
+/// # Safety
+/// `isa` is one the CPU has ([`isa`]); `out` is valid for writes of `x.rows()` rows of
+/// `width` values, and no other thread touches these columns meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn product(
+    isa: Isa,
+    f: Format,
+    x: &Q8Rows,
+    w: &[u8],
+    cols: std::ops::Range<usize>,
+    out: *mut f32,
+    width: usize,
+    accumulate: bool,
+) {
+    let tile = if mode() == Mode::Untiled { 1 } else { TILE };
+    // SAFETY: the caller's guarantees.
+    unsafe { product_by(isa, f, x, w, cols, out, width, accumulate, tile) }
+}
+
+/// [`product`] with `tile` activation rows (1..=[`TILE`]) per unpacked weight block.
+///
+/// # Safety
+/// As [`product`].
+#[allow(clippy::too_many_arguments)]
+unsafe fn product_by(
+    isa: Isa,
+    f: Format,
+    x: &Q8Rows,
+    w: &[u8],
+    cols: std::ops::Range<usize>,
+    out: *mut f32,
+    width: usize,
+    accumulate: bool,
+    tile: usize,
+) {
+    let row_bytes = f.row_bytes(x.k);
+    assert!(w.len() >= cols.len() * row_bytes, "weight rows missing");
+    let rows = x.rows();
+    for lo in (0..rows).step_by(ROW_TILE) {
+        let hi = (lo + ROW_TILE).min(rows);
+        for (j, c) in cols.clone().enumerate() {
+            let wr = &w[j * row_bytes..(j + 1) * row_bytes];
+            let mut i = lo;
+            while i < hi {
+                let n = (hi - i).min(tile);
+                // SAFETY: the caller's guarantee on `isa`.
+                let v = unsafe { dots(isa, f, wr, x, i, n) };
+                for (r, v) in v[..n].iter().enumerate() {
+                    // SAFETY: within the rows and columns the caller owns.
+                    unsafe {
+                        let o = out.add((i + r) * width + c);
+                        *o = if accumulate { *o + v } else { *v };
+                    }
+                }
+                i += n;
+            }
+        }
+    }
+}
+
+/// Weight row `w` · activation rows `i..i + n` (`n` ≤ [`TILE`]), in the first `n` values.
+///
+/// # Safety
+/// `isa` is one the CPU has.
+unsafe fn dots(isa: Isa, f: Format, w: &[u8], x: &Q8Rows, i: usize, n: usize) -> [f32; TILE] {
+    macro_rules! by_rows {
+        ($run:ident, $f:expr) => {
+            match n {
+                1 => widen($run::<$f, 1>(w, x, i)),
+                2 => widen($run::<$f, 2>(w, x, i)),
+                3 => widen($run::<$f, 3>(w, x, i)),
+                _ => widen($run::<$f, 4>(w, x, i)),
+            }
+        };
+    }
+    macro_rules! by_format {
+        ($run:ident) => {
+            match f {
+                Format::Q4_0 => by_rows!($run, Q4_0),
+                Format::Q4_1 => by_rows!($run, Q4_1),
+                Format::Q8_0 => by_rows!($run, Q8_0),
+            }
+        };
+    }
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller's guarantee: the CPU has AVX2, FMA and F16C.
+        Isa::Avx2 => unsafe { by_format!(dots_avx2) },
+        #[cfg(not(target_arch = "x86_64"))]
+        Isa::Avx2 => unreachable!("AVX2 is never detected off x86-64"),
+        Isa::Scalar => by_format!(dots_scalar),
+    }
+}
+
+/// `R` values in the first `R` of a tile.
+fn widen<const R: usize>(v: [f32; R]) -> [f32; TILE] {
+    let mut out = [0f32; TILE];
+    out[..R].copy_from_slice(&v);
+    out
+}
+
+/// The f16 at `p` (little-endian) as f32.
+fn f16_at(p: &[u8]) -> f32 {
+    half::f16::from_le_bytes([p[0], p[1]]).to_f32()
+}
+
+/// Weight block `blk` of format `F` as its 32 integer values (Q4_1: 0..16, to be scaled and
+/// shifted by its minimum; Q4_0: -8..8; Q8_0: the bytes), its scale and its minimum (0 but for
+/// Q4_1).
+fn unpack<const F: u8>(blk: &[u8]) -> ([i32; BLOCK], f32, f32) {
+    let mut q = [0i32; BLOCK];
+    match F {
+        Q8_0 => {
+            for (q, &b) in q.iter_mut().zip(&blk[2..2 + BLOCK]) {
+                *q = b as i8 as i32;
+            }
+            (q, f16_at(blk), 0.0)
+        }
+        _ => {
+            let (at, shift) = if F == Q4_1 { (4, 0) } else { (2, 8) };
+            for j in 0..BLOCK / 2 {
+                let b = blk[at + j];
+                q[j] = (b & 0x0F) as i32 - shift;
+                q[j + BLOCK / 2] = (b >> 4) as i32 - shift;
+            }
+            let m = if F == Q4_1 { f16_at(&blk[2..]) } else { 0.0 };
+            (q, f16_at(blk), m)
+        }
+    }
+}
+
+/// [`dots`] in portable Rust: the AVX2 build's arithmetic, lane for lane (see the module).
+fn dots_scalar<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize) -> [f32; R] {
+    let nb = x.k / BLOCK;
+    let bb = [18, 20, 34][F as usize];
+    let mut lanes = [[0f32; 8]; R];
+    let mut mins = [0f32; R];
+    for b in 0..nb {
+        let (q, dw, mw) = unpack::<F>(&w[b * bb..(b + 1) * bb]);
+        for r in 0..R {
+            let xq = &x.qs[(i + r) * x.k + b * BLOCK..][..BLOCK];
+            let scale = dw * x.d[(i + r) * nb + b];
+            for (l, acc) in lanes[r].iter_mut().enumerate() {
+                let sum: i32 = (4 * l..4 * l + 4).map(|p| q[p] * xq[p] as i32).sum();
+                *acc = (sum as f32).mul_add(scale, *acc);
+            }
+            if F == Q4_1 {
+                mins[r] += mw * x.s[(i + r) * nb + b];
+            }
+        }
+    }
+    std::array::from_fn(|r| {
+        let a = &lanes[r];
+        let v = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+        (v[0] + v[2]) + (v[1] + v[3]) + mins[r]
+    })
+}
+
+/// [`dots`] with AVX2.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let nb = x.k / BLOCK;
+    let bb = [18, 20, 34][F as usize];
+    assert!(
+        w.len() >= nb * bb && x.qs.len() >= (i + R) * x.k,
+        "out of bounds"
+    );
+    let qs: [*const i8; R] = std::array::from_fn(|r| x.qs[(i + r) * x.k..].as_ptr());
+    let ds: [&[f32]; R] = std::array::from_fn(|r| &x.d[(i + r) * nb..(i + r + 1) * nb]);
+    let ss: [&[f32]; R] = std::array::from_fn(|r| &x.s[(i + r) * nb..(i + r + 1) * nb]);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut mins = [0f32; R];
+    let low = _mm256_set1_epi8(0x0F);
+    let ones = _mm256_set1_epi16(1);
+    for b in 0..nb {
+        // SAFETY: block `b` lies within `w` (asserted above).
+        let blk = unsafe { w.as_ptr().add(b * bb) };
+        // The block's f16 scale (and Q4_1's minimum after it), widened by F16C.
+        // SAFETY: a block starts with 4 readable bytes (its scales, or a scale and data).
+        let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
+            std::ptr::read_unaligned(blk as *const i32)
+        }));
+        let dw = _mm_cvtss_f32(dm);
+        let mw = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+        // The 32 values as bytes: unsigned (Q4_1) for `maddubs` directly; signed (Q4_0,
+        // Q8_0) as their magnitudes, the signs moved onto the activations per row.
+        let q = match F {
+            // SAFETY: 32 bytes of values at blk[2..34].
+            Q8_0 => unsafe { _mm256_loadu_si256(blk.add(2) as *const __m256i) },
+            _ => {
+                let at = if F == Q4_1 { 4 } else { 2 };
+                // SAFETY: 16 bytes of nibbles at blk[at..at + 16].
+                let nib = unsafe { _mm_loadu_si128(blk.add(at) as *const __m128i) };
+                // Values 0..16 from the low nibbles, 16..32 from the high ones.
+                let q = _mm256_and_si256(
+                    low,
+                    _mm256_insertf128_si256::<1>(
+                        _mm256_castsi128_si256(nib),
+                        _mm_srli_epi16(nib, 4),
+                    ),
+                );
+                if F == Q4_1 {
+                    q
+                } else {
+                    _mm256_sub_epi8(q, _mm256_set1_epi8(8))
+                }
+            }
+        };
+        let mag = if F == Q4_1 { q } else { _mm256_abs_epi8(q) };
+        for r in 0..R {
+            // SAFETY: block `b` of row `i + r` lies within `x.qs` (asserted above).
+            let xq = unsafe { _mm256_loadu_si256(qs[r].add(b * BLOCK) as *const __m256i) };
+            let xq = if F == Q4_1 {
+                xq
+            } else {
+                _mm256_sign_epi8(xq, q)
+            };
+            // Pairs: at most 128·127·2 < 2¹⁵ (activations stay within ±127): exact.
+            let sums = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(mag, xq));
+            let scale = _mm256_set1_ps(dw * ds[r][b]);
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+            if F == Q4_1 {
+                mins[r] += mw * ss[r][b];
+            }
+        }
+    }
+    // A loop, not `from_fn`: a closure would not be compiled for AVX2.
+    let mut out = [0f32; R];
+    for (o, (acc, mins)) in out.iter_mut().zip(acc.iter().zip(mins)) {
+        let hi = _mm256_extractf128_ps::<1>(*acc);
+        let v = _mm_add_ps(_mm256_castps256_ps128(*acc), hi);
+        let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        let v = _mm_add_ss(v, _mm_movehdup_ps(v));
+        *o = _mm_cvtss_f32(v) + mins;
+    }
+    out
+}
+
+/// `x·Wᵀ` for `x` `[t, k]` row-major and `W` `n` rows of blocks of `f`: `[t, n]`, column
+/// blocks spread over the thread pool. None where the kernel does not take `f`
+/// ([`available`]).
+pub(crate) fn matmul(
+    f: Format,
+    xs: &[f32],
+    t: usize,
+    k: usize,
+    w: &[u8],
+    n: usize,
+) -> Option<Vec<f32>> {
+    use rayon::prelude::*;
+    if !available(f) {
+        return None;
+    }
+    let isa = isa();
+    let x = Q8Rows::of(xs, t, k);
+    let mut out = vec![0f32; t * n];
+    let ptr = Out(out.as_mut_ptr());
+    let row_bytes = f.row_bytes(k);
+    // Enough blocks for every thread to take several, each long enough to cost little to
+    // start.
+    let per = 64usize;
+    (0..n.div_ceil(per)).into_par_iter().for_each(|b| {
+        let cols = b * per..((b + 1) * per).min(n);
+        let ptr = &ptr;
+        // SAFETY: `isa` is the CPU's; `out` holds t × n values and each block of columns is
+        // written by one task only.
+        unsafe {
+            product(
+                isa,
+                f,
+                &x,
+                &w[cols.start * row_bytes..cols.end * row_bytes],
+                cols,
+                ptr.0,
+                n,
+                false,
+            )
+        };
+    });
+    Some(out)
+}
+
+/// The output of [`matmul`], shared by the tasks that write its disjoint column blocks.
+struct Out(*mut f32);
+// SAFETY: the tasks that share it write disjoint elements while the buffer lives.
+unsafe impl Sync for Out {}
+// SAFETY: as for Sync.
+unsafe impl Send for Out {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Deterministic values in about -1.35..1.35.
+    fn val(i: usize) -> f32 {
+        ((i * 7919 % 101) as f32 - 50.0) / 37.0
+    }
+
+    /// `n` weight rows of `k` values in format `f`, and their values dequantized.
+    fn weights(f: Format, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+        let mut w = Vec::new();
+        let mut deq = vec![0f32; n * k];
+        for c in 0..n {
+            for b in 0..k / BLOCK {
+                let d = half::f16::from_f32(0.01 + (c + b) as f32 * 0.001);
+                let m = half::f16::from_f32(-0.05 * ((c * 3 + b) % 7) as f32);
+                w.extend(d.to_le_bytes());
+                if f == Format::Q4_1 {
+                    w.extend(m.to_le_bytes());
+                }
+                let at = |j: usize| c * k + b * BLOCK + j;
+                match f {
+                    Format::Q8_0 => {
+                        for j in 0..BLOCK {
+                            // The whole byte range, -128 included.
+                            let q = ((c * 31 + b * 17 + j * 53) % 256) as u8 as i8;
+                            w.push(q as u8);
+                            deq[at(j)] = d.to_f32() * q as f32;
+                        }
+                    }
+                    _ => {
+                        let q = |j: usize| ((c * 31 + b * 17 + j * 5) % 16) as u8;
+                        for j in 0..16 {
+                            w.push(q(j) | (q(j + 16) << 4));
+                        }
+                        for j in 0..BLOCK {
+                            deq[at(j)] = match f {
+                                Format::Q4_1 => d.to_f32() * q(j) as f32 + m.to_f32(),
+                                _ => d.to_f32() * (q(j) as f32 - 8.0),
+                            };
+                        }
+                    }
+                }
+            }
+        }
+        assert_eq!(w.len(), n * f.row_bytes(k));
+        (w, deq)
+    }
+
+    /// Runs the product of all of `x`'s rows with `n` weight rows, in two column blocks.
+    fn run(isa: Isa, f: Format, x: &Q8Rows, w: &[u8], n: usize, tile: usize) -> Vec<f32> {
+        let mut out: Vec<f32> = (0..x.rows() * n).map(val).collect();
+        let mid = n / 2 + 1;
+        let row = f.row_bytes(x.k);
+        for cols in [0..mid, mid..n] {
+            let w = &w[cols.start * row..cols.end * row];
+            // SAFETY: `isa` is the CPU's (the caller checks); `out` holds every row and
+            // column and this thread alone writes it.
+            unsafe { product_by(isa, f, x, w, cols, out.as_mut_ptr(), n, true, tile) };
+        }
+        // Accumulated onto what `out` held: take it off again for the checks (exact: the
+        // kernel's value is the f32 closest to the sum minus the start, within rounding).
+        out.iter_mut().enumerate().for_each(|(e, o)| *o -= val(e));
+        out
+    }
+
+    /// Every format against the formula over its dequantized weights: with the 8-bit
+    /// activations it multiplies (the same products summed in another order), and with the f32
+    /// activations within the 8-bit rounding's bound. Scalar and AVX2 builds, tiled and one row
+    /// at a time, agree bit for bit.
+    #[test]
+    fn products_match_the_formula_and_each_other() {
+        let (k, n) = (96, 67);
+        let mut isas = vec![Isa::Scalar];
+        if isa() == Isa::Avx2 {
+            isas.push(Isa::Avx2);
+        } else {
+            eprintln!("no AVX2: the scalar build alone is checked");
+        }
+        for f in [Format::Q4_0, Format::Q4_1, Format::Q8_0] {
+            let (w, deq) = weights(f, n, k);
+            // One row, a partial tile, and more than an L1 tile of rows.
+            for t in [1, 6, 2 * ROW_TILE + 3] {
+                let xs: Vec<f32> = (0..t * k)
+                    .map(|i| val(i + 3) * (1 + i % 5) as f32)
+                    .collect();
+                let x8 = Q8Rows::of(&xs, t, k);
+                let got = run(Isa::Scalar, f, &x8, &w, n, TILE);
+                for &isa in &isas {
+                    for tile in 1..=TILE {
+                        let other = run(isa, f, &x8, &w, n, tile);
+                        let same = got
+                            .iter()
+                            .zip(&other)
+                            .all(|(a, b)| a.to_bits() == b.to_bits());
+                        assert!(same, "{f:?} t={t}: {isa:?} with tiles of {tile} differs");
+                    }
+                }
+                for i in 0..t {
+                    for c in 0..n {
+                        let (mut exact, mut f32_dot, mut scale, mut rounding) =
+                            (0f64, 0f64, 0f64, 0f64);
+                        for kk in 0..k {
+                            let b = i * k / BLOCK + kk / BLOCK;
+                            let wv = deq[c * k + kk] as f64;
+                            let xq = x8.d[b] as f64 * x8.qs[i * k + kk] as f64;
+                            exact += xq * wv;
+                            f32_dot += xs[i * k + kk] as f64 * wv;
+                            scale += (xq * wv).abs();
+                            rounding += x8.d[b] as f64 / 2.0 * wv.abs();
+                        }
+                        let g = got[i * n + c] as f64;
+                        // The same products in another order, and the accumulation onto
+                        // the output: f32 rounding, ~1e-6 of the sum of magnitudes.
+                        assert!(
+                            (g - exact).abs() <= 1e-5 * scale + 1e-5,
+                            "{f:?} {i},{c}: {g} vs {exact}"
+                        );
+                        // Each activation moves by at most half its block's step
+                        // (d/2 = max|x|/254): the product by at most Σ d/2·|w|.
+                        assert!(
+                            (g - f32_dot).abs() <= rounding + 1e-5 * scale + 1e-5,
+                            "{f:?} {i},{c}: {g} vs f32 {f32_dot}, bound {rounding}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    /// The 8-bit rows: every value within half a step of its activation, sums as held.
+    #[test]
+    fn activation_rows_round_within_half_a_step() {
+        let (t, k) = (3, 64);
+        let mut xs: Vec<f32> = (0..t * k)
+            .map(|i| val(i) * 10f32.powi(i as i32 % 7 - 3))
+            .collect();
+        xs[..BLOCK].fill(0.0);
+        let x = Q8Rows::of(&xs, t, k);
+        for (b, v) in xs.chunks(BLOCK).enumerate() {
+            let q = &x.qs[b * BLOCK..][..BLOCK];
+            let amax = v.iter().fold(0f32, |m, v| m.max(v.abs()));
+            assert_eq!(x.d[b], amax / 127.0);
+            for (q, v) in q.iter().zip(v) {
+                assert!(
+                    (x.d[b] * *q as f32 - v).abs() <= x.d[b] / 2.0 * 1.0001,
+                    "{b}"
+                );
+            }
+            let sum: i32 = q.iter().map(|&q| q as i32).sum();
+            assert_eq!(x.s[b], x.d[b] * sum as f32);
+        }
+    }
+}
