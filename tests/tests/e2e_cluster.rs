@@ -98,6 +98,15 @@ async fn create_llama_pool(
     pools
 }
 
+/// Waits (5 minutes at most) until the pool `name` is Ready.
+async fn wait_pool_ready(pools: &Api<InferencePool>, name: &str) {
+    wait(300, &format!("pool {name} Ready"), || async {
+        let p = pools.get(name).await.ok()?;
+        (p.status?.phase == mole_crds::PoolPhase::Ready).then_some(())
+    })
+    .await;
+}
+
 /// The fixtures' directory on the node (`MOLE_E2E_MODELS_HOSTPATH`), as a PV bound to the
 /// PVC `models` of `ns`; returns the PV's name.
 async fn models_claim(client: &Client, ns: &str) -> String {
@@ -321,11 +330,7 @@ async fn merge_serve_and_roll_back_on_a_real_cluster() {
 
     // kubectl apply -f pool.yaml: the tiny llama fixture on CPU.
     let pools = create_llama_pool(&client, &ns, "tiny", None).await;
-    wait(300, "pool Ready", || async {
-        let p = pools.get("tiny").await.ok()?;
-        (p.status?.phase == mole_crds::PoolPhase::Ready).then_some(())
-    })
-    .await;
+    wait_pool_ready(&pools, "tiny").await;
 
     // kubectl apply -f adapter-calendar.yaml (dynamic first): Ready once the pod loaded it,
     // which needs the operator's token on GET /v1/lora_adapters and a reload.
@@ -449,11 +454,7 @@ async fn a_canary_is_loaded_beside_the_stable_version_and_rolled_back_by_apply_o
     create_namespace(&client, &ns).await;
     let pv_name = models_claim(&client, &ns).await;
     let pools = create_llama_pool(&client, &ns, "tiny", None).await;
-    wait(300, "pool Ready", || async {
-        let p = pools.get("tiny").await.ok()?;
-        (p.status?.phase == mole_crds::PoolPhase::Ready).then_some(())
-    })
-    .await;
+    wait_pool_ready(&pools, "tiny").await;
     let adapters: Api<Adapter> = Api::namespaced(client.clone(), &ns);
     let cal: Adapter = serde_json::from_value(serde_json::json!({
         "apiVersion": "mole.dev/v1alpha1", "kind": "Adapter", "metadata": {"name": "calendar"},
@@ -1248,11 +1249,7 @@ async fn an_auto_adapter_is_promoted_under_traffic_with_no_failed_request_on_a_r
         )
         .await
         .unwrap();
-    wait(300, "pool Ready", || async {
-        let p = pools.get("tiny").await.ok()?;
-        (p.status?.phase == mole_crds::PoolPhase::Ready).then_some(())
-    })
-    .await;
+    wait_pool_ready(&pools, "tiny").await;
     let adapters: Api<Adapter> = Api::namespaced(client.clone(), &ns);
     let cal: Adapter = serde_json::from_value(serde_json::json!({
         "apiVersion": "mole.dev/v1alpha1", "kind": "Adapter", "metadata": {"name": "calendar"},
