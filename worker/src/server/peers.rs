@@ -423,9 +423,12 @@ mod tests {
         assert_eq!(p.otherwise, LocalPeersFailed);
     }
 
+    /// A peer of a table row: name, placement position, what is known of it.
+    type Peer<'a> = (&'a str, Option<usize>, Seen);
+
     #[test]
     fn equal_residency_goes_by_waiting_then_running_then_placement() {
-        let cases: &[(&[(&str, Option<usize>, Seen)], &[&str])] = &[
+        let cases: &[(&[Peer], &[&str])] = &[
             (
                 &[
                     ("a", Some(0), holds(Residency::Cpu, 3, 0)),
