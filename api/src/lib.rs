@@ -33,7 +33,8 @@ pub use config::{
 pub use enums::{Dtype, ImageProcessor, RouterFallback, RouterStrategy, ServingMode, WorkerMode};
 pub use limits::{EngineLimits, WorkerLimits};
 pub use listing::{
-    AdapterCounters, LoraAdapterInfo, LoraAdaptersResponse, Residency, LATENCY_BUCKETS_MS,
+    AdapterCounters, LoraAdapterInfo, LoraAdaptersResponse, Residency, ResidencyReport,
+    ResidentAdapter, LATENCY_BUCKETS_MS,
 };
 pub use router::RouterSpec;
 pub use source::{ModelSource, SourceError};

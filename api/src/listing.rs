@@ -105,3 +105,45 @@ impl LoraAdaptersResponse {
             .any(|a| a.name == name && a.version == version && a.loaded)
     }
 }
+
+/// Response of `GET /v1/residency`: what one worker holds in memory and how busy it is, the
+/// small report its peers poll every second or so to pick where a request for an adapter
+/// goes (see the worker's `server::peers`). Only adapter versions in memory are listed (an
+/// adapter a worker does not list is on its disk at best), so the report stays a few hundred
+/// bytes at 500 registered adapters, where `/v1/lora_adapters` with its counters is hundreds
+/// of KB.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ResidencyReport {
+    /// Whether the worker takes requests (its `/readyz`): a draining or starting peer is
+    /// skipped.
+    pub ready: bool,
+    /// Requests waiting for a batch slot or an adapter load (`vllm:num_requests_waiting`).
+    pub waiting: u64,
+    /// Requests decoding now (`vllm:num_requests_running`).
+    pub running: u64,
+    /// The adapter versions in memory and where.
+    pub adapters: Vec<ResidentAdapter>,
+}
+
+/// One adapter version in a worker's memory ([`ResidencyReport`]).
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+#[cfg_attr(feature = "openapi", derive(utoipa::ToSchema))]
+pub struct ResidentAdapter {
+    /// Adapter name.
+    pub name: String,
+    /// Version.
+    pub version: String,
+    /// `gpu` (a device slot) or `cpu` (host memory), never `disk`.
+    pub residency: Residency,
+}
+
+impl ResidencyReport {
+    /// Where `name` at `version` is in this worker's memory (None: not in memory).
+    pub fn residency_of(&self, name: &str, version: &str) -> Option<Residency> {
+        self.adapters
+            .iter()
+            .find(|a| a.name == name && a.version == version)
+            .map(|a| a.residency)
+    }
+}

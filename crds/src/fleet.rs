@@ -272,4 +272,8 @@ pub struct CanaryStatus {
     /// When this canary version started (RFC 3339).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub since: Option<String>,
+    /// When this status was last written (RFC 3339): counts alone are rewritten at the rate
+    /// `status.traffic` is, a change of phase or weight at once.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub updated_at: Option<String>,
 }

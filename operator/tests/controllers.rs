@@ -1781,7 +1781,9 @@ async fn a_ready_pod_that_does_not_answer_reloads_is_named_in_the_condition() {
 }
 
 /// What the controllers' watches ask: every watched kind is listed and watched (the runtime,
-/// not a reconcile, makes these calls), each granted by the chart.
+/// not a reconcile, makes these calls), each granted by the chart. Pods too: a pool's dynamic
+/// pod turning ready reconciles the pool at once (its address joins the WorkerConfig's
+/// `peers`), not at the next requeue.
 #[tokio::test]
 async fn the_controllers_list_and_watch_what_they_own_and_the_chart_grants_it() {
     let e = env().await;
@@ -1804,6 +1806,7 @@ async fn the_controllers_list_and_watch_what_they_own_and_the_chart_grants_it() 
         ("policy", "poddisruptionbudgets"),
         ("autoscaling", "horizontalpodautoscalers"),
         ("batch", "jobs"),
+        ("", "pods"),
     ]
     .iter()
     .flat_map(|(g, r)| ["list", "watch"].map(|v| (g.to_string(), r.to_string(), v.to_string())))

@@ -98,6 +98,15 @@ async fn create_llama_pool(
     pools
 }
 
+/// Waits (5 minutes at most) until the pool `name` is Ready.
+async fn wait_pool_ready(pools: &Api<InferencePool>, name: &str) {
+    wait(300, &format!("pool {name} Ready"), || async {
+        let p = pools.get(name).await.ok()?;
+        (p.status?.phase == mole_crds::PoolPhase::Ready).then_some(())
+    })
+    .await;
+}
+
 /// The fixtures' directory on the node (`MOLE_E2E_MODELS_HOSTPATH`), as a PV bound to the
 /// PVC `models` of `ns`; returns the PV's name.
 async fn models_claim(client: &Client, ns: &str) -> String {
@@ -321,11 +330,7 @@ async fn merge_serve_and_roll_back_on_a_real_cluster() {
 
     // kubectl apply -f pool.yaml: the tiny llama fixture on CPU.
     let pools = create_llama_pool(&client, &ns, "tiny", None).await;
-    wait(300, "pool Ready", || async {
-        let p = pools.get("tiny").await.ok()?;
-        (p.status?.phase == mole_crds::PoolPhase::Ready).then_some(())
-    })
-    .await;
+    wait_pool_ready(&pools, "tiny").await;
 
     // kubectl apply -f adapter-calendar.yaml (dynamic first): Ready once the pod loaded it,
     // which needs the operator's token on GET /v1/lora_adapters and a reload.
@@ -449,11 +454,7 @@ async fn a_canary_is_loaded_beside_the_stable_version_and_rolled_back_by_apply_o
     create_namespace(&client, &ns).await;
     let pv_name = models_claim(&client, &ns).await;
     let pools = create_llama_pool(&client, &ns, "tiny", None).await;
-    wait(300, "pool Ready", || async {
-        let p = pools.get("tiny").await.ok()?;
-        (p.status?.phase == mole_crds::PoolPhase::Ready).then_some(())
-    })
-    .await;
+    wait_pool_ready(&pools, "tiny").await;
     let adapters: Api<Adapter> = Api::namespaced(client.clone(), &ns);
     let cal: Adapter = serde_json::from_value(serde_json::json!({
         "apiVersion": "mole.dev/v1alpha1", "kind": "Adapter", "metadata": {"name": "calendar"},
@@ -1183,5 +1184,129 @@ async fn a_rollout_completes_on_a_full_gpu_pool() {
         )
         .await
         .unwrap();
+    delete_namespace_and_volume(&client, &ns, &pv_name).await;
+}
+
+/// Steady traffic for `$MODEL` through `$URL` (the pool's Service): one chat completion after
+/// another, each answer's `x-mole-mode` printed; exits 1 at the first answer that is not 200
+/// (a request failed by the promotion), 0 once 20 answers in a row came from merged pods, 1
+/// after `$SECONDS_MAX` without that. Connection errors before the first answer (the Service's
+/// endpoints not programmed yet) are retried.
+const TRAFFIC: &str = r#"
+import json, os, sys, time, urllib.error, urllib.request
+body = json.dumps({"model": os.environ["MODEL"], "max_tokens": 4,
+                   "messages": [{"role": "user", "content": "Hello"}]}).encode()
+deadline = time.time() + int(os.environ["SECONDS_MAX"])
+answered, merged_run = 0, 0
+while time.time() < deadline:
+    req = urllib.request.Request(os.environ["URL"] + "/v1/chat/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            mode = r.headers.get("x-mole-mode")
+            r.read()
+    except urllib.error.HTTPError as e:
+        print("failed", e.code, e.read().decode().replace("\n", " "), flush=True)
+        sys.exit(1)
+    except (urllib.error.URLError, ConnectionError) as e:
+        if answered:
+            print("failed", e, flush=True)
+            sys.exit(1)
+        time.sleep(1)
+        continue
+    answered += 1
+    merged_run = merged_run + 1 if mode == "merged" else 0
+    if answered % 50 == 0 or merged_run == 1:
+        print(answered, mode, flush=True)
+    if merged_run >= 20:
+        print("merged", answered, flush=True)
+        sys.exit(0)
+print("never merged after", answered, flush=True)
+sys.exit(1)
+"#;
+
+/// Issue 37, item 2 on a real cluster: an `auto` adapter that takes all of a pool's traffic
+/// (`merge.traffic`) is promoted to its own merged Deployment under load, and the traffic moves
+/// to it with no failed request: a Job in the cluster sends requests through the pool's Service
+/// the whole time and fails at the first answer that is not 200. Written and compiled here; it
+/// runs where docker and kind do (scripts/kind-e2e.sh).
+#[tokio::test]
+async fn an_auto_adapter_is_promoted_under_traffic_with_no_failed_request_on_a_real_cluster() {
+    let Some(client) = client().await else { return };
+    let ns = format!("mole-e2e-promote-{}", std::process::id());
+    create_namespace(&client, &ns).await;
+    let pv_name = models_claim(&client, &ns).await;
+    // The tiny CPU pool, with the traffic policy: calendar takes all the traffic, so its
+    // share (1.0) passes promoteShare once sustained for the 60 s window.
+    let pools = create_llama_pool(&client, &ns, "tiny", None).await;
+    pools
+        .patch(
+            "tiny",
+            &PatchParams::default(),
+            &Patch::Merge(serde_json::json!({"spec": {"merge": {"traffic": {
+                "promoteShare": 0.5, "demoteShare": 0.1, "windowSeconds": 60,
+                "minHoldSeconds": 0, "maxMergedGpus": 1}}}})),
+        )
+        .await
+        .unwrap();
+    wait_pool_ready(&pools, "tiny").await;
+    let adapters: Api<Adapter> = Api::namespaced(client.clone(), &ns);
+    let cal: Adapter = serde_json::from_value(serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1", "kind": "Adapter", "metadata": {"name": "calendar"},
+        "spec": {"pool": "tiny", "version": "v1", "source": {"path": "adapters/calendar/v1"},
+                 "serving": {"mode": "auto"}}}))
+    .unwrap();
+    adapters.create(&PostParams::default(), &cal).await.unwrap();
+    wait(300, "calendar Ready (dynamic)", || async {
+        let st = adapters.get("calendar").await.ok()?.status?;
+        (st.phase == AdapterPhase::Ready).then_some(())
+    })
+    .await;
+    // The traffic runs in the cluster until 20 answers in a row came from the merged pods.
+    let traffic = python_container(
+        "traffic",
+        false,
+        TRAFFIC,
+        serde_json::json!({"env": [
+            {"name": "URL", "value": format!("http://tiny.{ns}.svc:8000")},
+            {"name": "MODEL", "value": "calendar"},
+            {"name": "SECONDS_MAX", "value": "1200"}]}),
+    );
+    let log = run_job(
+        &client,
+        &ns,
+        "traffic",
+        traffic,
+        serde_json::json!([]),
+        1300,
+    )
+    .await;
+    assert!(log.lines().any(|l| l.starts_with("merged ")), "{log}");
+    // What moved it: the fleet decision in the status, and its Event with the numbers.
+    let st = adapters.get("calendar").await.unwrap().status.unwrap();
+    assert!(
+        st.fleet.as_ref().is_some_and(|f| f.merged),
+        "{:?}",
+        st.fleet
+    );
+    assert_eq!(
+        st.serving_mode,
+        Some(mole_crds::ServingMode::Merged),
+        "{st:?}"
+    );
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    let promoted = events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some("calendar"))
+        .filter_map(|e| e.reason)
+        .collect::<Vec<_>>();
+    assert!(
+        promoted.iter().any(|r| r == "Promoted"),
+        "no Promoted Event: {promoted:?}"
+    );
     delete_namespace_and_volume(&client, &ns, &pv_name).await;
 }

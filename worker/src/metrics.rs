@@ -68,6 +68,14 @@ pub struct Metrics {
     pub adapters_loaded: IntGauge,
     /// Proxy attempts to merged pods by outcome.
     pub proxy: IntCounterVec,
+    /// Where requests for an adapter this pod does not hold went, by the
+    /// `server::peers::RouteReason` that sent them (`mole_peer_routes_total{reason}`).
+    pub peer_routes: IntCounterVec,
+    /// 1 for a peer whose last poll of `/v1/residency` answered ready within the staleness
+    /// bound, 0 for one marked down or not heard from (`mole_peer_up{peer}`).
+    pub peer_up: IntGaugeVec,
+    /// A peer's waiting requests as its last poll saw them (`mole_peer_waiting{peer}`).
+    pub peer_waiting: IntGaugeVec,
     /// vLLM-compatible LoRA info gauge (value: scrape time in seconds).
     pub lora_info: GaugeVec,
     /// `vllm:num_requests_waiting` and `vllm:num_requests_running`, the queue gauges a Gateway
@@ -208,6 +216,29 @@ impl Metrics {
                 "mole_merged_proxy_total",
                 "Forwards to merged pods",
                 &["adapter", "outcome"],
+            ),
+            peer_routes: counters(
+                &r,
+                "mole_peer_routes_total",
+                "Requests for an adapter this pod does not hold, by where they went and why",
+                &["reason"],
+            ),
+            peer_up: registered(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "mole_peer_up",
+                        "1 when the peer's last poll answered ready within the staleness bound",
+                    ),
+                    &["peer"],
+                ),
+            ),
+            peer_waiting: registered(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new("mole_peer_waiting", "The peer's waiting requests at its last poll"),
+                    &["peer"],
+                ),
             ),
             lora_info: registered(
                 &r,

@@ -20,16 +20,13 @@ use serde_json::{json, Value};
 /// A model root: the tiny Llama in `base`, `fr` v1 and v2 (two different fixture adapters), an
 /// admin token.
 fn model_root() -> tempfile::TempDir {
-    let fx = common::engine_fixtures();
     let dir = tempfile::tempdir().unwrap();
-    common::copy_dir(&fx.join("llama"), &dir.path().join("base"));
-    common::copy_dir(
-        &fx.join("adapters/llama/a_r8_all"),
-        &dir.path().join("adapters/fr/v1"),
-    );
-    common::copy_dir(
-        &fx.join("adapters/llama/b_r4_qv"),
-        &dir.path().join("adapters/fr/v2"),
+    common::llama_root(
+        dir.path(),
+        &[
+            ("a_r8_all", "adapters/fr/v1"),
+            ("b_r4_qv", "adapters/fr/v2"),
+        ],
     );
     std::fs::write(dir.path().join("admin"), "s3cret\n").unwrap();
     dir
@@ -106,22 +103,7 @@ async fn burst(
 
 /// The `/v1/lora_adapters` traffic counters: requests per version of `fr`.
 async fn counted(c: &reqwest::Client, url: &str) -> BTreeMap<String, u64> {
-    let b: Value = c
-        .get(format!("{url}/v1/lora_adapters"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    let mut out = BTreeMap::new();
-    for t in b["traffic"].as_array().unwrap() {
-        if t["name"] == "fr" {
-            *out.entry(t["version"].as_str().unwrap().to_string())
-                .or_default() += t["requests"].as_u64().unwrap();
-        }
-    }
-    out
+    common::served(c, url, "fr").await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
@@ -131,14 +113,7 @@ async fn a_canary_takes_its_weight_sessions_stick_and_a_rollback_by_apply_fails_
     let c = reqwest::Client::new();
 
     // Both versions are listed loaded under the adapter's own name.
-    let listed: Value = c
-        .get(format!("{url}/v1/lora_adapters"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let listed = common::get_json(&c, &format!("{url}/v1/lora_adapters")).await;
     let versions: Vec<(&str, &str, bool)> = listed["data"]
         .as_array()
         .unwrap()

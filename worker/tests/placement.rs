@@ -13,14 +13,7 @@ use serde_json::{json, Value};
 
 /// `name` → (residency, bytes) in `/v1/lora_adapters`.
 async fn residency(c: &reqwest::Client, url: &str, name: &str) -> (String, u64) {
-    let b: Value = c
-        .get(format!("{url}/v1/lora_adapters"))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let b = common::get_json(c, &format!("{url}/v1/lora_adapters")).await;
     let a = b["data"]
         .as_array()
         .unwrap()
@@ -34,32 +27,107 @@ async fn residency(c: &reqwest::Client, url: &str, name: &str) -> (String, u64) 
     )
 }
 
+/// Requests for `name` (every version) the worker at `url` has completed.
+async fn served(c: &reqwest::Client, url: &str, name: &str) -> u64 {
+    common::served(c, url, name).await.values().sum()
+}
+
+/// The fixture model and its two adapters as `fr` and `js` under `dir`.
+fn fixture_root(dir: &Path) {
+    common::llama_root(
+        dir,
+        &[("a_r8_all", "adapters/fr"), ("b_r4_qv", "adapters/js")],
+    );
+}
+
+/// A WorkerConfig over [`fixture_root`] with `fr` placed on `fr_pods`, `extra` adapters and
+/// `tail` (peers, auth) appended.
+fn placed_config(dir: &Path, fr_pods: &str, extra: &str, tail: &str) -> String {
+    format!(
+        "pool: p\nmodelRoot: {root}\nbaseModel: {{name: llama, path: base, dtype: f32}}\n\
+         adapters:\n\
+         \x20 - {{name: fr, version: v1, loraId: 1, path: adapters/fr, pods: [{fr_pods}]}}\n\
+         \x20 - {{name: js, version: v1, loraId: 2, path: adapters/js}}\n{extra}\
+         router: {{strategies: [explicit], fallback: base}}\n\
+         limits: {{maxSeqLen: 128, maxTokens: 8}}\n{tail}",
+        root = dir.display()
+    )
+}
+
+/// A loopback worker over its own [`fixture_root`] (`prepare` adds to it first) serving
+/// [`placed_config`]: its model root, URL and stop handle.
+struct Pod {
+    dir: tempfile::TempDir,
+    url: String,
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+async fn pod(fr_pods: &str, extra: &str, tail: &str, prepare: impl FnOnce(&Path)) -> Pod {
+    let dir = tempfile::tempdir().unwrap();
+    fixture_root(dir.path());
+    prepare(dir.path());
+    let yaml = placed_config(dir.path(), fr_pods, extra, tail);
+    let (url, stop) = common::serve_config(dir.path(), &yaml).await;
+    Pod {
+        dir,
+        url,
+        _stop: stop,
+    }
+}
+
+/// The `peers` line naming `c` and `d` as pods `pool-dynamic-c` and `pool-dynamic-d`.
+fn peers(c: &str, d: &str) -> String {
+    format!("peers: {{pool-dynamic-c: \"{c}\", pool-dynamic-d: \"{d}\"}}\n")
+}
+
+/// Sends one completion for `model` to `url`: its status, `x-mole-route` and `x-mole-peer`.
+async fn complete(c: &reqwest::Client, url: &str, model: &str) -> (u16, String, Option<String>) {
+    let r = c
+        .post(format!("{url}/v1/completions"))
+        .json(&json!({"model": model, "prompt": "hello", "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    let header = |h: &str| r.headers().get(h).map(|v| v.to_str().unwrap().to_string());
+    let (route, peer) = (
+        header("x-mole-route").unwrap_or_default(),
+        header("x-mole-peer"),
+    );
+    let status = r.status().as_u16();
+    let b: Value = r.json().await.unwrap();
+    if status == 200 {
+        assert_eq!(b["mole"]["adapter"], model, "{b}");
+    }
+    (status, route, peer)
+}
+
+/// Waits (10 s at most) until the `/metrics` of `url` has every line of `lines`: a pod's first
+/// polls of its peers. Not an assertion: a pod that does not know its peers forwards by
+/// placement order, which the tests' own assertions catch.
+async fn settle(c: &reqwest::Client, url: &str, lines: &[String]) {
+    let t = std::time::Instant::now();
+    while t.elapsed() < std::time::Duration::from_secs(10) {
+        let m = common::scrape(c, url).await;
+        if lines.iter().all(|l| m.lines().any(|x| x == l)) {
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pod_loads_its_share_and_answers_for_the_others_after_a_read() {
-    // This process is pod `pool-dynamic-b` (the only test of this binary sets it).
+    // This process is pod `pool-dynamic-b` (every test of this binary sets the same name).
     std::env::set_var("MOLE_POD_NAME", "pool-dynamic-b");
-    let fx = common::engine_fixtures();
     let dir = tempfile::tempdir().unwrap();
-    common::copy_dir(&fx.join("llama"), &dir.path().join("base"));
-    common::copy_dir(
-        &fx.join("adapters/llama/a_r8_all"),
-        &dir.path().join("adapters/fr"),
-    );
-    common::copy_dir(
-        &fx.join("adapters/llama/b_r4_qv"),
-        &dir.path().join("adapters/js"),
-    );
+    fixture_root(dir.path());
     std::fs::write(dir.path().join("admin"), "s3cret\n").unwrap();
+    let auth = format!("auth: {{adminTokenFile: {}/admin}}\n", dir.path().display());
+    // js placed on this pod alone, fr elsewhere.
     let yaml = |fr_pods: &str| {
-        format!(
-            "pool: p\nmodelRoot: {root}\nbaseModel: {{name: llama, path: base, dtype: f32}}\n\
-             adapters:\n\
-             \x20 - {{name: fr, version: v1, loraId: 1, path: adapters/fr, pods: [{fr_pods}]}}\n\
-             \x20 - {{name: js, version: v1, loraId: 2, path: adapters/js, pods: [pool-dynamic-b]}}\n\
-             router: {{strategies: [explicit], fallback: base}}\n\
-             auth: {{adminTokenFile: {root}/admin}}\n\
-             limits: {{maxSeqLen: 128, maxTokens: 8}}\n",
-            root = dir.path().display()
+        placed_config(dir.path(), fr_pods, "", &auth).replace(
+            "path: adapters/js}",
+            "path: adapters/js, pods: [pool-dynamic-b]}",
         )
     };
     let (url, _stop) =
@@ -103,106 +171,162 @@ async fn a_pod_loads_its_share_and_answers_for_the_others_after_a_read() {
     assert!(fr_bytes > 0);
 }
 
-/// Residency-aware forwarding (issue 37, item 5): a request for an adapter placed on other pods
-/// that this pod holds only on disk goes to the placed pods in order: a stopped peer is skipped,
-/// the next one answers. With every peer gone it is served here after a read: no request fails
-/// for where it landed.
+/// A request for an adapter placed on other pods that this pod holds only on disk is
+/// forwarded: a stopped peer is skipped, the next one answers. With every peer gone it is
+/// served here after a read: no request fails for where it landed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_for_an_adapter_held_elsewhere_is_forwarded_past_a_stopped_peer() {
     std::env::set_var("MOLE_POD_NAME", "pool-dynamic-b");
-    let fx = common::engine_fixtures();
-    let root = |dir: &Path| {
-        common::copy_dir(&fx.join("llama"), &dir.join("base"));
-        common::copy_dir(
-            &fx.join("adapters/llama/a_r8_all"),
-            &dir.join("adapters/fr"),
-        );
-        common::copy_dir(&fx.join("adapters/llama/b_r4_qv"), &dir.join("adapters/js"));
-    };
-    let cfg = |dir: &Path, fr_pods: &str, peers: &str| {
-        format!(
-            "pool: p\nmodelRoot: {root}\nbaseModel: {{name: llama, path: base, dtype: f32}}\n\
-             adapters:\n\
-             \x20 - {{name: fr, version: v1, loraId: 1, path: adapters/fr, pods: [{fr_pods}]}}\n\
-             \x20 - {{name: js, version: v1, loraId: 2, path: adapters/js}}\n\
-             router: {{strategies: [explicit], fallback: base}}\n\
-             limits: {{maxSeqLen: 128, maxTokens: 8}}\n{peers}",
-            root = dir.display()
-        )
-    };
     // The peer that holds fr (its own config places fr everywhere).
-    let peer_dir = tempfile::tempdir().unwrap();
-    root(peer_dir.path());
-    let (peer, peer_stop) =
-        common::serve_config(peer_dir.path(), &cfg(peer_dir.path(), "", "")).await;
+    let peer = pod("", "", "", |_| {}).await;
     // A stopped peer: a port nothing listens on.
     let dead = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         format!("http://{}", l.local_addr().unwrap())
     };
-    let dir = tempfile::tempdir().unwrap();
-    root(dir.path());
-    let peers = format!("peers: {{pool-dynamic-a: \"{dead}\", pool-dynamic-c: \"{peer}\"}}\n");
-    let (url, _stop) = common::serve_config(
-        dir.path(),
-        &cfg(dir.path(), "pool-dynamic-a, pool-dynamic-c", &peers),
-    )
-    .await;
+    let peers = format!(
+        "peers: {{pool-dynamic-a: \"{dead}\", pool-dynamic-c: \"{}\"}}\n",
+        peer.url
+    );
+    let me = pod("pool-dynamic-a, pool-dynamic-c", "", &peers, |_| {}).await;
+    let url = &me.url;
     let c = reqwest::Client::new();
-    assert_eq!(residency(&c, &url, "fr").await, ("disk".to_string(), 0));
-    let served_by_peer = |c: reqwest::Client, peer: String| async move {
-        let b: Value = c
-            .get(format!("{peer}/v1/lora_adapters"))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        b["traffic"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .filter(|t| t["name"] == "fr")
-            .map(|t| t["requests"].as_u64().unwrap())
-            .sum::<u64>()
-    };
+    assert_eq!(residency(&c, url, "fr").await, ("disk".to_string(), 0));
     for i in 1..=3u64 {
-        let r = c
-            .post(format!("{url}/v1/completions"))
-            .json(&json!({"model": "fr", "prompt": "hello", "max_tokens": 1}))
-            .send()
-            .await
-            .unwrap();
-        assert_eq!(r.status(), 200);
-        assert_eq!(
-            r.headers()["x-mole-route"].to_str().unwrap(),
-            "explicit+peer"
-        );
-        let b: Value = r.json().await.unwrap();
-        assert_eq!(b["mole"]["adapter_version"], "v1", "{b}");
-        assert_eq!(served_by_peer(c.clone(), peer.clone()).await, i);
+        let (status, route, by) = complete(&c, url, "fr").await;
+        assert_eq!((status, route.as_str()), (200, "explicit+peer"));
+        assert_eq!(by.as_deref(), Some("pool-dynamic-c"));
+        assert_eq!(served(&c, &peer.url, "fr").await, i);
     }
     // Never read here while a peer answered.
-    assert_eq!(residency(&c, &url, "fr").await, ("disk".to_string(), 0));
+    assert_eq!(residency(&c, url, "fr").await, ("disk".to_string(), 0));
     // js is placed everywhere: served here.
-    let r = c
-        .post(format!("{url}/v1/completions"))
-        .json(&json!({"model": "js", "prompt": "hello", "max_tokens": 1}))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.headers()["x-mole-route"].to_str().unwrap(), "explicit");
+    assert_eq!(complete(&c, url, "js").await.1, "explicit");
     // Every peer stopped: served here, after a read.
-    drop(peer_stop);
+    drop(peer);
     tokio::time::sleep(std::time::Duration::from_millis(200)).await;
-    let r = c
-        .post(format!("{url}/v1/completions"))
-        .json(&json!({"model": "fr", "prompt": "hello", "max_tokens": 1}))
-        .send()
+    assert_eq!(
+        complete(&c, url, "fr").await,
+        (200, "explicit".into(), None)
+    );
+    assert_eq!(residency(&c, url, "fr").await.0, "cpu");
+}
+
+/// Residency-aware forwarding (issue 37, item 5): a request for an adapter this pod holds only
+/// on disk goes to the peer that holds it in memory, though placement lists a peer that holds
+/// it only on disk first (forwarding by placement order sent it there, to be read from disk).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_goes_to_the_peer_holding_its_adapter_in_memory_before_placement_order() {
+    std::env::set_var("MOLE_POD_NAME", "pool-dynamic-b");
+    // Peer c: fr placed on another pod, so on its disk; peer d: fr everywhere, in memory.
+    let pc = pod("pool-dynamic-x", "", "", |_| {}).await;
+    let pd = pod("", "", "", |_| {}).await;
+    let c = reqwest::Client::new();
+    assert_eq!(residency(&c, &pc.url, "fr").await.0, "disk");
+    assert_eq!(residency(&c, &pd.url, "fr").await.0, "cpu");
+    // This pod: fr placed on c, then d.
+    let me = pod(
+        "pool-dynamic-c, pool-dynamic-d",
+        "",
+        &peers(&pc.url, &pd.url),
+        |_| {},
+    )
+    .await;
+    settle(
+        &c,
+        &me.url,
+        &[
+            "mole_peer_up{peer=\"pool-dynamic-c\"} 1".into(),
+            "mole_peer_up{peer=\"pool-dynamic-d\"} 1".into(),
+        ],
+    )
+    .await;
+    for i in 1..=3u64 {
+        let (status, route, by) = complete(&c, &me.url, "fr").await;
+        assert_eq!((status, route.as_str()), (200, "explicit+peer"));
+        assert_eq!(
+            (
+                served(&c, &pc.url, "fr").await,
+                served(&c, &pd.url, "fr").await
+            ),
+            (0, i),
+            "request {i} (served by c, by d); answered by {by:?}"
+        );
+        assert_eq!(by.as_deref(), Some("pool-dynamic-d"));
+    }
+    // Neither this pod nor c read it.
+    assert_eq!(residency(&c, &me.url, "fr").await.0, "disk");
+    assert_eq!(residency(&c, &pc.url, "fr").await.0, "disk");
+    let m = common::scrape(&c, &me.url).await;
+    assert!(
+        m.lines()
+            .any(|l| l == "mole_peer_routes_total{reason=\"peer_cpu\"} 3"),
+        "{m}"
+    );
+}
+
+/// Between peers holding the adapter alike, the one with fewer waiting requests takes it: d,
+/// placed first, has a request waiting on an adapter load (held by a FIFO), c none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn between_peers_holding_it_alike_the_one_with_fewer_waiting_requests_takes_it() {
+    std::env::set_var("MOLE_POD_NAME", "pool-dynamic-b");
+    let pc = pod("", "", "", |_| {}).await;
+    // Peer d also holds fr, and registers `slow` on disk (placed on another pod), whose
+    // adapter_config.json is a FIFO: a request for it waits on the load until the test feeds it.
+    let mut fifo = std::path::PathBuf::new();
+    let slow =
+        "  - {name: slow, version: v1, loraId: 3, path: adapters/slow, pods: [pool-dynamic-x]}\n";
+    let pd = pod("", slow, "", |root| {
+        fifo = common::fifo_adapter(&root.join("adapters/fr"), &root.join("adapters/slow"));
+    })
+    .await;
+    let c = reqwest::Client::new();
+    let held = {
+        let (c, url) = (c.clone(), pd.url.clone());
+        tokio::spawn(async move { complete(&c, &url, "slow").await.0 })
+    };
+    let t = std::time::Instant::now();
+    while !common::scrape(&c, &pd.url)
+        .await
+        .lines()
+        .any(|l| l == "mole_requests_waiting 1")
+    {
+        assert!(t.elapsed().as_secs() < 20, "d never had a waiting request");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    // This pod: fr placed on d, then c.
+    let me = pod(
+        "pool-dynamic-d, pool-dynamic-c",
+        "",
+        &peers(&pc.url, &pd.url),
+        |_| {},
+    )
+    .await;
+    settle(
+        &c,
+        &me.url,
+        &[
+            "mole_peer_waiting{peer=\"pool-dynamic-c\"} 0".into(),
+            "mole_peer_waiting{peer=\"pool-dynamic-d\"} 1".into(),
+        ],
+    )
+    .await;
+    for i in 1..=3u64 {
+        let (status, _, by) = complete(&c, &me.url, "fr").await;
+        assert_eq!(status, 200);
+        assert_eq!(
+            (
+                served(&c, &pc.url, "fr").await,
+                served(&c, &pd.url, "fr").await
+            ),
+            (i, 0),
+            "request {i} (served by c, by d); answered by {by:?}"
+        );
+    }
+    // The held load goes through, and its request is answered.
+    let config = std::fs::read(pd.dir.path().join("adapters/fr/adapter_config.json")).unwrap();
+    tokio::task::spawn_blocking(move || common::feed_fifo(&fifo, &config, || true))
         .await
         .unwrap();
-    assert_eq!(r.status(), 200);
-    assert_eq!(r.headers()["x-mole-route"].to_str().unwrap(), "explicit");
-    assert_eq!(residency(&c, &url, "fr").await.0, "cpu");
+    assert_eq!(held.await.unwrap(), 200);
 }

@@ -31,18 +31,22 @@ struct Srv {
 /// A model root with the tiny Llama, its fixture adapters (fr, js, extra), an adapter of
 /// another base of the same shapes (wrongbase), one of other shapes (misfit), a pickle-only one (binonly) and an admin token file.
 fn fixture_root() -> tempfile::TempDir {
-    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine");
+    let fx = common::engine_fixtures();
     let dir = tempfile::tempdir().unwrap();
     let root = dir.path();
-    common::copy_dir(&fx.join("llama"), &root.join("base"));
-    common::copy_dir(&fx.join("adapters/llama/a_r8_all"), &root.join("fr"));
-    common::copy_dir(&fx.join("adapters/llama/b_r4_qv"), &root.join("js"));
-    common::copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("extra"));
-    // The same weights in directories of their own, for configs that serve them under other
-    // names (an adapter's directory must not be another's).
-    common::copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("extra2"));
-    common::copy_dir(&fx.join("adapters/llama/c_r16_mlp"), &root.join("extra3"));
-    common::copy_dir(&fx.join("adapters/llama/a_r8_all"), &root.join("fr2"));
+    // fr2, extra2 and extra3: the same weights in directories of their own, for configs that
+    // serve them under other names (an adapter's directory must not be another's).
+    common::llama_root(
+        root,
+        &[
+            ("a_r8_all", "fr"),
+            ("b_r4_qv", "js"),
+            ("c_r16_mlp", "extra"),
+            ("c_r16_mlp", "extra2"),
+            ("c_r16_mlp", "extra3"),
+            ("a_r8_all", "fr2"),
+        ],
+    );
     // Trained on another base whose shapes fit: served, with a warning.
     common::copy_dir(&fx.join("adapters/qwen2/a_r8_all"), &root.join("wrongbase"));
     // Shapes of another model: refused when loaded.
@@ -1931,19 +1935,7 @@ async fn a_reload_that_outlasts_its_answer_is_accepted_and_completes_in_the_back
     let yaml = config_yaml(&root, "", 16, 64);
     // Watcher off: only the admin call applies the change.
     let s = launch_with(dir, &yaml, |e| e, Duration::ZERO, true).await;
-    let slow = root.join("slow");
-    std::fs::create_dir(&slow).unwrap();
-    std::fs::copy(
-        root.join("fr/adapter_model.safetensors"),
-        slow.join("adapter_model.safetensors"),
-    )
-    .unwrap();
-    let fifo = slow.join("adapter_config.json");
-    assert!(std::process::Command::new("mkfifo")
-        .arg(&fifo)
-        .status()
-        .unwrap()
-        .success());
+    let fifo = common::fifo_adapter(&root.join("fr"), &root.join("slow"));
     std::fs::write(
         root.join("config.yaml"),
         config_yaml(

@@ -19,7 +19,7 @@ use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, Service};
+use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::runtime::reflector::ObjectRef;
 use kube::runtime::{watcher, Controller};
@@ -64,7 +64,14 @@ pub async fn run(client: Client, namespace: Option<String>, ctx: Context) {
         Some(ns) => Api::namespaced(client.clone(), ns),
         None => Api::all(client.clone()),
     };
+    let pods: Api<Pod> = match &namespace {
+        Some(ns) => Api::namespaced(client.clone(), ns),
+        None => Api::all(client.clone()),
+    };
     let managed = watcher::Config::default().labels("app.kubernetes.io/managed-by=mole-operator");
+    // A dynamic pod turning ready or going reconciles its pool at once, so the WorkerConfig's
+    // `peers` (where the pods forward requests) follow the pods, not the next requeue.
+    let dynamic_pods = watcher::Config::default().labels(&pool::dynamic_pods_selector());
     // An Adapter change re-renders its pool's WorkerConfig.
     let pool_of =
         |a: Adapter| Some(ObjectRef::new(&a.spec.pool).within(&a.namespace().unwrap_or_default()));
@@ -81,6 +88,7 @@ pub async fn run(client: Client, namespace: Option<String>, ctx: Context) {
         .owns(pdbs, managed.clone())
         .owns(hpas, managed.clone())
         .watches(adapters.clone(), watcher::Config::default(), pool_of)
+        .watches(pods, dynamic_pods, |p: Pod| pool::pool_of_pod(&p))
         .shutdown_on_signal()
         .run(pool::reconcile, pool::error_policy, ctx.clone())
         .for_each(|r| async move {

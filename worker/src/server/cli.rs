@@ -28,6 +28,11 @@ pub struct ServeArgs {
     /// exists.
     #[arg(long, env = "MOLE_TERMINATION_LOG")]
     pub termination_log: Option<PathBuf>,
+    /// Milliseconds between two polls of the peers' `/v1/residency` (their adapters in memory
+    /// and queues), by which a request for an adapter this pod does not hold is forwarded; 0
+    /// turns polling off (peers are then tried in placement order).
+    #[arg(long, env = "MOLE_PEER_POLL_MS", default_value_t = 1000)]
+    pub peer_poll_ms: u64,
 }
 
 /// Runs the subcommand.
@@ -75,6 +80,9 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let auth = Auth::from_config(&cfg)?;
     let engine = build_engine(&cfg)?;
     let state = AppState::new(cfg.clone(), engine, Some(args.config.clone()), auth);
+    state
+        .peers
+        .set_interval(Duration::from_millis(args.peer_poll_ms));
     if let Some(rel) = &cfg.router.embedding_model {
         let dir = crate::config::resolve_in_root(&cfg.model_root, rel)?;
         let e =
@@ -119,6 +127,8 @@ pub async fn serve_with(
             watch(config_path, st, poll, first).await;
         }
     });
+    // Peers are polled from the start, beside the configured adapters' loads.
+    let polling = tokio::spawn(super::peers::poll_loop(state.clone()));
     let st = state.clone();
     let r = axum::serve(listener, app(state))
         .with_graceful_shutdown(async move {
@@ -128,6 +138,7 @@ pub async fn serve_with(
         })
         .await;
     background.abort();
+    polling.abort();
     r?;
     Ok(())
 }

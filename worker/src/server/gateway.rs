@@ -11,7 +11,7 @@ use serde_json::Value;
 
 use mole_api::WorkerConfig;
 
-use super::{mole_headers, ApiError, AppState};
+use super::{mole_headers, peers, ApiError, AppState};
 use crate::router::{Decision, Mode};
 
 /// Largest non-streamed answer read from a merged pod (they are a few KB).
@@ -114,11 +114,13 @@ enum Hop {
 }
 
 /// Serves `d` from a peer when its adapter is placed on other dynamic pods
-/// (`adapters[].pods`) and this pod holds it only on disk: the placed pods are tried in their
-/// placement order (best first), those without an address in `peers` or that fail (refused,
-/// timed out, 5xx) skipped. None: serve it here (after a read from disk), also when every peer
-/// failed, so no request fails for where it landed. A request a peer forwarded is never
-/// forwarded again.
+/// (`adapters[].pods`) and this pod holds it only on disk: the peers are tried in the order
+/// [`peers::choose`] gives from their polled residency and queues (a device slot, then host
+/// memory, then the fewest waiting requests; placed peers not heard from lately after those),
+/// a peer that fails (refused, timed out, 5xx) marked down and the next tried. None: serve it
+/// here after a read from disk — when no peer holds it in memory, every one that does is much
+/// busier, or every peer failed — so no request fails for where it landed. A request a peer
+/// forwarded is never forwarded again. Each decision counts once in `mole_peer_routes_total`.
 pub(super) async fn forward_to_peer(
     s: &Arc<AppState>,
     cfg: &WorkerConfig,
@@ -143,7 +145,25 @@ pub(super) async fn forward_to_peer(
     if resident {
         return None;
     }
-    for pod in a.pods.iter().filter(|p| Some(p.as_str()) != me.as_deref()) {
+    let views: Vec<peers::PeerView<'_>> = cfg
+        .peers
+        .iter()
+        .filter(|(pod, _)| Some(pod.as_str()) != me.as_deref())
+        .map(|(pod, url)| peers::PeerView {
+            pod: pod.as_str(),
+            placed: a.pods.iter().position(|p| p == pod),
+            seen: s.peers.seen(pod, url, name, &a.version),
+        })
+        .collect();
+    let margin = u64::from(cfg.limits.engine.max_batch_size).max(1);
+    let pick = peers::choose(s.info.stats().waiting as u64, margin, &views);
+    let count = |why: peers::RouteReason| {
+        s.metrics
+            .peer_routes
+            .with_label_values(&[why.as_str()])
+            .inc();
+    };
+    for (pod, why) in pick.tries {
         let Some(ep) = cfg.peers.get(pod) else {
             continue;
         };
@@ -166,14 +186,25 @@ pub(super) async fn forward_to_peer(
             .with_label_values(&[name.as_str(), outcome])
             .inc();
         match forwarded {
-            Ok(r) => return Some(r),
+            Ok(mut r) => {
+                count(why);
+                if let Ok(v) = HeaderValue::from_str(pod) {
+                    r.headers_mut().insert(PEER_HEADER, v);
+                }
+                return Some(r);
+            }
             Err(reason) => {
                 tracing::warn!(adapter = %name, peer = %pod, %reason, "peer skipped");
+                s.peers.mark_down(pod, ep, reason);
             }
         }
     }
+    count(pick.otherwise);
     None
 }
+
+/// The header of an answer a peer gave: the peer's pod name.
+pub const PEER_HEADER: &str = "x-mole-peer";
 
 /// Forwards a request to a merged pod or a peer. Err carries the reason (connection failure, timeout,
 /// 5xx, or a non-streamed answer cut short) so the caller can fall back: a non-streamed answer

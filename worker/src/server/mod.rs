@@ -14,6 +14,7 @@ mod layers;
 mod openai;
 mod openapi;
 mod openapi_requests;
+pub mod peers;
 mod reload;
 mod state;
 
@@ -86,6 +87,7 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         .route("/openapi.json", get(openapi::openapi_json))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
+        .route("/v1/residency", get(peers::residency))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })

@@ -83,6 +83,7 @@ impl utoipa::IntoResponses for Refusals {
         super::healthz,
         super::readyz,
         super::metrics,
+        super::peers::residency,
         openapi_json,
     ),
     components(schemas(ErrorReply, ErrorDetail, openai::replies::Answer<openai::replies::ChunkChoice>)),

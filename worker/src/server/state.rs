@@ -69,6 +69,9 @@ pub struct AppState {
     /// Requests without a session so far, per adapter with a canary: the count that splits
     /// them exactly by the canary's weight ([`mole_api::canary_pick`]).
     pub(super) canary_counts: Mutex<HashMap<String, u64>>,
+    /// The peers' live state (residency and queue), polled in the background: where a request
+    /// for an adapter this pod does not hold is forwarded.
+    pub peers: super::peers::Peers,
 }
 
 impl AppState {
@@ -118,6 +121,7 @@ impl AppState {
             restart_required: RwLock::new(Vec::new()),
             reload_lock: Mutex::new(()),
             http,
+            peers: Default::default(),
             embedder: std::sync::OnceLock::new(),
             local_merged: Default::default(),
             // Ids for adapters loaded through the API, far from the operator's ids.

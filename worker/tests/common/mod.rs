@@ -39,6 +39,80 @@ pub fn copy_dir(from: &Path, to: &Path) {
     }
 }
 
+/// The tiny Llama fixture as `<dir>/base` and the fixture adapters `(fixture, dest)` (a
+/// directory under `adapters/llama`, a path under `dir`): a loopback worker's model root.
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub fn llama_root(dir: &Path, adapters: &[(&str, &str)]) {
+    let fx = engine_fixtures();
+    copy_dir(&fx.join("llama"), &dir.join("base"));
+    for (fixture, dest) in adapters {
+        copy_dir(&fx.join("adapters/llama").join(fixture), &dir.join(dest));
+    }
+}
+
+/// A PEFT directory `dir` holding the weights of the adapter directory `from` and a FIFO as
+/// its `adapter_config.json` (returned): a load of it blocks until the test writes the real
+/// config into the FIFO ([`feed_fifo`]), which holds a load mid-read deterministically.
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub fn fifo_adapter(from: &Path, dir: &Path) -> PathBuf {
+    std::fs::create_dir_all(dir).expect("the adapter directory is created");
+    std::fs::copy(
+        from.join("adapter_model.safetensors"),
+        dir.join("adapter_model.safetensors"),
+    )
+    .expect("the weights copy");
+    let fifo = dir.join("adapter_config.json");
+    let made = std::process::Command::new("mkfifo")
+        .arg(&fifo)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success(), "mkfifo {}", fifo.display());
+    fifo
+}
+
+/// `GET url` as JSON.
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub async fn get_json(c: &reqwest::Client, url: &str) -> serde_json::Value {
+    c.get(url)
+        .send()
+        .await
+        .expect("the worker answers")
+        .json()
+        .await
+        .expect("a JSON answer")
+}
+
+/// The `/metrics` text of the worker at `url`.
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub async fn scrape(c: &reqwest::Client, url: &str) -> String {
+    c.get(format!("{url}/metrics"))
+        .send()
+        .await
+        .expect("the worker answers")
+        .text()
+        .await
+        .expect("a text answer")
+}
+
+/// Requests completed per version of adapter `name` by the worker at `url` (the traffic
+/// counters of its `/v1/lora_adapters`, which the operator reads).
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub async fn served(
+    c: &reqwest::Client,
+    url: &str,
+    name: &str,
+) -> std::collections::BTreeMap<String, u64> {
+    let b = get_json(c, &format!("{url}/v1/lora_adapters")).await;
+    let mut out = std::collections::BTreeMap::new();
+    for t in b["traffic"].as_array().into_iter().flatten() {
+        if t["name"] == name {
+            *out.entry(t["version"].as_str().unwrap_or_default().to_string())
+                .or_default() += t["requests"].as_u64().unwrap_or_default();
+        }
+    }
+    out
+}
+
 /// The token ids of a JSON array (the fixtures' reference files).
 #[allow(dead_code)] // each test crate uses some of these helpers
 pub fn ids(v: &serde_json::Value) -> Vec<u32> {

@@ -9,10 +9,12 @@
 
 use std::collections::BTreeMap;
 
+use chrono::{DateTime, Utc};
+
 use mole_crds::{AdapterSpec, CanaryPhase, CanaryStatus, VersionTraffic, WorkerCanary};
 
 use crate::fleet::canary::{analyse, Bounds, Verdict, VersionCounts};
-use crate::fleet::traffic::{percentile, Counters};
+use crate::fleet::traffic::{percentile, Counters, WriteRule};
 use crate::mergedown::PlannedEvent;
 use crate::reasons;
 
@@ -127,6 +129,7 @@ pub fn step(
         ),
     };
     let next = CanaryStatus {
+        updated_at: None,
         version: c.version.clone(),
         weight: if phase == CanaryPhase::RolledBack {
             0
@@ -172,6 +175,55 @@ pub fn step(
         _ => None,
     };
     (Some(next), ev)
+}
+
+/// `next` as the status should record it, after `old` (written at `old.updatedAt`): a change
+/// of version, phase, weight or reason is written at once; counts alone (every request moves
+/// them) wait for `rule` as `status.traffic` does (`min_interval_secs` since the last write,
+/// then a relative change of either version's requests beyond `rel_change`, a new error, or
+/// `max_interval_secs`), so 500 adapters with canaries under load do not write their statuses
+/// on every reconcile. A written status carries `updatedAt: now`. Pure.
+pub fn throttle(
+    old: Option<&CanaryStatus>,
+    next: Option<CanaryStatus>,
+    rule: &WriteRule,
+    now: DateTime<Utc>,
+) -> Option<CanaryStatus> {
+    let mut next = next?;
+    let stamp = |mut s: CanaryStatus| {
+        s.updated_at = Some(now.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
+        Some(s)
+    };
+    let Some(o) = old else {
+        return stamp(next);
+    };
+    let same_state = o.version == next.version
+        && o.phase == next.phase
+        && o.weight == next.weight
+        && o.reason == next.reason;
+    let age = o
+        .updated_at
+        .as_deref()
+        .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+        .map(|t| (now - t.with_timezone(&Utc)).num_seconds());
+    let Some(age) = age.filter(|_| same_state) else {
+        return stamp(next);
+    };
+    next.updated_at.clone_from(&o.updated_at);
+    if next == *o || age < rule.min_interval_secs {
+        return Some(o.clone());
+    }
+    let moved = |a: u64, b: u64| (a.abs_diff(b) as f64) > rule.rel_change * (a.max(10) as f64);
+    let due = age >= rule.max_interval_secs
+        || moved(o.stable.requests, next.stable.requests)
+        || moved(o.canary.requests, next.canary.requests)
+        || o.stable.errors != next.stable.errors
+        || o.canary.errors != next.canary.errors;
+    if due {
+        stamp(next)
+    } else {
+        Some(o.clone())
+    }
 }
 
 #[cfg(test)]
@@ -315,5 +367,69 @@ mod tests {
                 .1
                 .is_none()
         );
+    }
+
+    #[test]
+    fn counts_alone_are_written_at_the_traffic_rate_and_a_verdict_at_once() {
+        use chrono::TimeZone;
+        let t = |secs: i64| {
+            Utc.with_ymd_and_hms(2026, 11, 27, 12, 0, 0).unwrap() + chrono::Duration::seconds(secs)
+        };
+        let rule = WriteRule::for_window(300);
+        assert_eq!((rule.min_interval_secs, rule.max_interval_secs), (30, 600));
+        let s = spec(analysed());
+        let at = |stable: Counters, canary: Counters, old: Option<&CanaryStatus>, secs: i64| {
+            let (next, _) = step(&s, old, &read(stable, canary), "t0");
+            throttle(old, next, &rule, t(secs))
+        };
+        let first = at(c(100, 0), c(10, 0), None, 0).unwrap();
+        assert_eq!(first.updated_at.as_deref(), Some("2026-11-27T12:00:00Z"));
+        // Table: (stable, canary, seconds since the first write) → rewritten?
+        let cases: &[(Counters, Counters, i64, bool, &str)] = &[
+            (c(100, 0), c(10, 0), 5, false, "nothing moved"),
+            (c(200, 0), c(30, 0), 5, false, "moved, but too soon"),
+            (c(200, 0), c(30, 0), 30, true, "moved beyond 20% after 30 s"),
+            (
+                c(110, 0),
+                c(11, 0),
+                300,
+                false,
+                "10% after 5 min: not worth it",
+            ),
+            (c(110, 0), c(11, 0), 600, true, "heartbeat"),
+            (c(101, 1), c(10, 0), 30, true, "a new error"),
+            (c(100, 1), c(10, 0), 5, false, "a new error, too soon"),
+            (c(1000, 10), c(100, 7), 1, true, "rolled back: at once"),
+            (c(1000, 0), c(150, 0), 1, true, "passed: at once"),
+        ];
+        for (stable, canary, secs, written, why) in cases {
+            let got = at(stable.clone(), canary.clone(), Some(&first), *secs).unwrap();
+            assert_eq!(got != first, *written, "{why}: {got:?}");
+            if *written {
+                assert_eq!(
+                    got.updated_at,
+                    Some(t(*secs).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+                    "{why}"
+                );
+                assert_eq!(got.canary.requests, canary.requests, "{why}");
+            }
+        }
+        // One adapter reconciled every 5 s for 10 minutes with requests flowing (its canary
+        // passes at 100 requests, on the way): written about once per 30 s, not 120 times. At
+        // 500 such adapters: under 20 status writes a second instead of 100.
+        let mut writes = 0;
+        let mut last = first.clone();
+        for k in 1..=120i64 {
+            let n = 10 + k as u64;
+            let next = at(c(100 + 10 * n, 0), c(n, 0), Some(&last), 5 * k).unwrap();
+            if next != last {
+                writes += 1;
+                last = next;
+            }
+        }
+        assert!(writes <= 22, "{writes} writes in 10 minutes");
+        assert!(writes >= 2, "{writes}: the counts still move");
+        // No canary: nothing.
+        assert_eq!(throttle(Some(&first), None, &rule, t(1)), None);
     }
 }

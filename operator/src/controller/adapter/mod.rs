@@ -189,7 +189,12 @@ async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
         &observed.versions,
         &now.to_rfc3339_opts(chrono::SecondsFormat::Secs, true),
     );
-    next.canary = canary;
+    next.canary = canary::throttle(
+        adapter.status.as_ref().and_then(|s| s.canary.as_ref()),
+        canary,
+        &traffic::write_rule(&pool.spec),
+        now,
+    );
     plan.events.extend(ev);
     status::publish(adapter, ctx, &next, &plan, observed.load_error.as_deref()).await
 }
