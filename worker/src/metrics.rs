@@ -89,6 +89,8 @@ pub struct Metrics {
     pub preemptions: IntCounter,
     /// Engine steps (forward passes).
     pub steps: IntCounter,
+    /// Images the vision tower encoded.
+    pub vision_encodes: IntCounter,
     /// Prefix-cache queries in prompt tokens, by adapter (vLLM's `prefix_cache_queries`).
     pub prefix_cache_queries: IntCounterVec,
     /// Prefix-cache hits in prompt tokens, by adapter (vLLM's `prefix_cache_hits`).
@@ -256,6 +258,13 @@ impl Metrics {
                     "Engine steps: forward passes over the running batch (tokens ÷ steps is the mean batch)",
                 ),
             ),
+            vision_encodes: registered(
+                &r,
+                IntCounter::new(
+                    "mole_vision_encodes_total",
+                    "Images the vision tower encoded (an image whose KV blocks all came from the prefix cache is not)",
+                ),
+            ),
             prefix_cache_queries: counters(
                 &r,
                 "mole_prefix_cache_queries_total",
@@ -293,6 +302,7 @@ impl Metrics {
         follow(&self.cancelled, stats.cancelled);
         follow(&self.preemptions, stats.preemptions);
         follow(&self.steps, stats.steps);
+        follow(&self.vision_encodes, stats.vision_encodes);
         if let Some((free, total)) = stats.kv_blocks {
             self.kv_blocks_free.set(free as i64);
             self.kv_blocks.set(total as i64);
