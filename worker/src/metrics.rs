@@ -418,7 +418,7 @@ mod tests {
     use crate::engine::api::PrefixCacheCounts;
 
     /// The engine's cumulative prefix-cache counts become counters per adapter, by vLLM's
-    /// names under mole's prefix.
+    /// names under mole's prefix; its count of images encoded a counter.
     #[test]
     fn prefix_cache_counts_are_counters_per_adapter() {
         let m = Metrics::new();
@@ -436,11 +436,13 @@ mod tests {
                 },
             ],
             prefix_cached_blocks: 3,
+            vision_encodes: 2,
             ..Default::default()
         };
         m.render(&stats, &[]);
         stats.prefix_cache[0].queries = 80;
         stats.prefix_cache[0].hits = 64;
+        stats.vision_encodes = 5;
         let text = m.render(&stats, &[]);
         for line in [
             "mole_prefix_cache_queries_total{adapter=\"\"} 80",
@@ -448,6 +450,7 @@ mod tests {
             "mole_prefix_cache_queries_total{adapter=\"a\"} 10",
             "mole_prefix_cache_hits_total{adapter=\"a\"} 0",
             "mole_prefix_cache_blocks 3",
+            "mole_vision_encodes_total 5",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
         }

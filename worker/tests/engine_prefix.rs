@@ -422,7 +422,10 @@ fn an_image_whose_blocks_were_all_reused_is_not_encoded() {
         };
         // Where the image's placeholders are, and where the reuse of a prompt after `q1`'s
         // ends (whole blocks of the shared tokens, the last token always computed).
-        let ids = |q: &str| on.tokenize(&prompt(&on, q), &[square.clone()]).unwrap();
+        let ids = |q: &str| {
+            on.tokenize(&prompt(&on, q), std::slice::from_ref(&square))
+                .unwrap()
+        };
         let first = ids(q1);
         let image_token = *first
             .iter()

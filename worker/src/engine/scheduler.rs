@@ -386,7 +386,7 @@ fn forward_and_masks(
     if masking.is_empty() {
         return shared.model.forward_step(rows, extra);
     }
-    let masks = move || match masking.len() {
+    let mut masks = move || match masking.len() {
         1 => masking[0].prepare_mask(),
         _ => masking.par_iter_mut().for_each(|s| s.prepare_mask()),
     };
