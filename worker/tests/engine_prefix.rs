@@ -395,7 +395,8 @@ fn an_image_whose_blocks_were_all_reused_is_not_encoded() {
     for tensor in [true, false] {
         let on = vision_engine(tensor, true);
         let off = vision_engine(tensor, false);
-        let square = vision_image("square.png", 1);
+        // 30 placeholders (160 × 192 after the resize), over more than one block.
+        let image = vision_image("large.png", 3);
         let prompt = |e: &Engine, q: &str| {
             let msg = ChatMessage {
                 role: "user".into(),
@@ -416,22 +417,19 @@ fn an_image_whose_blocks_were_all_reused_is_not_encoded() {
                     logprobs: Some(0),
                     ..Default::default()
                 },
-                images: vec![square.clone()],
+                images: vec![image.clone()],
             };
             collect(e.submit(req).unwrap())
         };
         // Where the image's placeholders are, and where the reuse of a prompt after `q1`'s
         // ends (whole blocks of the shared tokens, the last token always computed).
         let ids = |q: &str| {
-            on.tokenize(&prompt(&on, q), std::slice::from_ref(&square))
+            on.tokenize(&prompt(&on, q), std::slice::from_ref(&image))
                 .unwrap()
         };
         let first = ids(q1);
-        let image_token = *first
-            .iter()
-            .max_by_key(|&&t| first.iter().filter(|&&u| u == t).count())
-            .unwrap();
-        let image = (
+        let image_token = 250; // the fixture's config.json `image_token_id`
+        let placeholders = (
             first.iter().position(|&t| t == image_token).unwrap(),
             first.iter().rposition(|&t| t == image_token).unwrap(),
         );
@@ -440,10 +438,21 @@ fn an_image_whose_blocks_were_all_reused_is_not_encoded() {
             let shared = first.iter().zip(&other).take_while(|(a, b)| a == b).count();
             shared.min(other.len() - 1) / BLOCK * BLOCK
         };
-        assert!(reuse(q2) > image.1, "{image:?} within {}", reuse(q2));
+        let tokens = on.image_tokens(image.width, image.height).unwrap();
+        assert_eq!(
+            placeholders.1 + 1 - placeholders.0,
+            tokens,
+            "one run of placeholders"
+        );
+        assert!(tokens > BLOCK, "the image spans blocks: {tokens} tokens");
         assert!(
-            (image.0 + 1..=image.1).contains(&reuse(q3)),
-            "{image:?} split at {}",
+            reuse(q2) > placeholders.1,
+            "{placeholders:?} within {}",
+            reuse(q2)
+        );
+        assert!(
+            (placeholders.0 + 1..=placeholders.1).contains(&reuse(q3)),
+            "{placeholders:?} split at {}",
             reuse(q3)
         );
 
