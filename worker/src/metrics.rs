@@ -97,6 +97,8 @@ pub struct Metrics {
     pub preemptions: IntCounter,
     /// Engine steps (forward passes).
     pub steps: IntCounter,
+    /// Images the vision tower encoded.
+    pub vision_encodes: IntCounter,
     /// Prefix-cache queries in prompt tokens, by adapter (vLLM's `prefix_cache_queries`).
     pub prefix_cache_queries: IntCounterVec,
     /// Prefix-cache hits in prompt tokens, by adapter (vLLM's `prefix_cache_hits`).
@@ -287,6 +289,13 @@ impl Metrics {
                     "Engine steps: forward passes over the running batch (tokens ÷ steps is the mean batch)",
                 ),
             ),
+            vision_encodes: registered(
+                &r,
+                IntCounter::new(
+                    "mole_vision_encodes_total",
+                    "Images the vision tower encoded (an image whose KV blocks all came from the prefix cache is not)",
+                ),
+            ),
             prefix_cache_queries: counters(
                 &r,
                 "mole_prefix_cache_queries_total",
@@ -324,6 +333,7 @@ impl Metrics {
         follow(&self.cancelled, stats.cancelled);
         follow(&self.preemptions, stats.preemptions);
         follow(&self.steps, stats.steps);
+        follow(&self.vision_encodes, stats.vision_encodes);
         if let Some((free, total)) = stats.kv_blocks {
             self.kv_blocks_free.set(free as i64);
             self.kv_blocks.set(total as i64);
@@ -439,7 +449,7 @@ mod tests {
     use crate::engine::api::PrefixCacheCounts;
 
     /// The engine's cumulative prefix-cache counts become counters per adapter, by vLLM's
-    /// names under mole's prefix.
+    /// names under mole's prefix; its count of images encoded a counter.
     #[test]
     fn prefix_cache_counts_are_counters_per_adapter() {
         let m = Metrics::new();
@@ -457,11 +467,13 @@ mod tests {
                 },
             ],
             prefix_cached_blocks: 3,
+            vision_encodes: 2,
             ..Default::default()
         };
         m.render(&stats, &[]);
         stats.prefix_cache[0].queries = 80;
         stats.prefix_cache[0].hits = 64;
+        stats.vision_encodes = 5;
         let text = m.render(&stats, &[]);
         for line in [
             "mole_prefix_cache_queries_total{adapter=\"\"} 80",
@@ -469,6 +481,7 @@ mod tests {
             "mole_prefix_cache_queries_total{adapter=\"a\"} 10",
             "mole_prefix_cache_hits_total{adapter=\"a\"} 0",
             "mole_prefix_cache_blocks 3",
+            "mole_vision_encodes_total 5",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
         }

@@ -206,6 +206,44 @@ fn a_small_cache_evicts_and_loses_no_request() {
     }
 }
 
+/// A request preempted when the paged cache fills is queried once: readmitted, it looks its
+/// blocks up again, but its prompt is not added to `prefix_cache_queries` (nor its blocks to the
+/// hits) a second time, as vLLM counts a resumed request's lookups apart from new requests'.
+#[test]
+fn a_preempted_request_counts_its_prefix_query_once() {
+    let prompts: Vec<Vec<u32>> = (0..6)
+        .map(|i| {
+            let mut p = long_prompt(36 + i);
+            p[0] = 3 + i as u32;
+            p
+        })
+        .collect();
+    // As op_count_transfers preempts: short prompts growing past a 6-block cache.
+    let prompts: Vec<Vec<u32>> = prompts.iter().map(|p| p[..6].to_vec()).collect();
+    let on = engine(true, true, |o| {
+        o.kv_blocks = Some(6);
+        o.prefill_chunk = 5;
+        o.max_batch_size = 4;
+    });
+    let streams: Vec<_> = prompts
+        .iter()
+        .map(|p| on.submit(greedy(p.clone(), None, 32)).unwrap())
+        .collect();
+    for rx in streams {
+        common::tokens(rx);
+    }
+    wait_until("the batch is empty", || on.stats().running == 0);
+    let s = on.stats();
+    assert!(s.preemptions > 0, "the test needs a preemption: {s:?}");
+    let prompted: usize = prompts.iter().map(Vec::len).sum();
+    assert_eq!(
+        counts(&on, "").0,
+        prompted as u64,
+        "queries: each prompt once, {} preemptions",
+        s.preemptions
+    );
+}
+
 /// `n` choices share their prompt's blocks, and a later request with that prompt finds them
 /// cached.
 #[test]
@@ -343,6 +381,104 @@ fn image_blocks_are_reused_only_for_the_same_image() {
         let hit = counts(&on, "").1 - before;
         // The image starts within the first block: nothing before it is a whole block.
         assert_eq!(hit, 0, "tensor {tensor}: another image's blocks");
+    }
+}
+
+/// The vision tower runs only for an image some placeholder of which is computed: a second
+/// question about an image whose blocks were all reused encodes nothing, one whose reuse ends
+/// inside the image encodes it (whole: the tower attends over all its patches; the step takes
+/// the rows of its uncomputed placeholders), and both answer as computed without the cache.
+/// On both paths; `vision_encodes` counts the images the tower encoded.
+#[test]
+fn an_image_whose_blocks_were_all_reused_is_not_encoded() {
+    let q1 = "Describe what is on this screen, every window and every button on it, in detail.";
+    let q2 = "Describe what is on this screen, every window and every button on it, briefly!";
+    let q3 = "List the windows on this screen.";
+    for tensor in [true, false] {
+        let on = vision_engine(tensor, true);
+        let off = vision_engine(tensor, false);
+        // Its placeholders span more than one block.
+        let image = vision_image("large.png", 3);
+        // Text before the image shifts it so that a reuse ending where the questions part
+        // falls inside it: the first of these leads that does.
+        let prompt_with = |e: &Engine, lead: &str, q: &str| {
+            let msg = ChatMessage {
+                role: "user".into(),
+                content: q.into(),
+                parts: vec![
+                    ContentPart::Text(lead.into()),
+                    ContentPart::Image,
+                    ContentPart::Text(q.into()),
+                ],
+                extra: Default::default(),
+            };
+            Prompt::Templated(e.apply_chat_template(&[msg], &Default::default()).unwrap())
+        };
+        let leads = [
+            "Look.",
+            "Look at this.",
+            "Please look at this.",
+            "Here, look at it now.",
+        ];
+        let geometry = |lead: &str| {
+            let ids = |q: &str| {
+                on.tokenize(&prompt_with(&on, lead, q), std::slice::from_ref(&image))
+                    .unwrap()
+            };
+            let first = ids(q1);
+            let at = |q: &str| {
+                let other = ids(q);
+                let shared = first.iter().zip(&other).take_while(|(a, b)| a == b).count();
+                shared.min(other.len() - 1) / BLOCK * BLOCK
+            };
+            let image_token = 250; // the fixture's config.json `image_token_id`
+            let placeholders = (
+                first.iter().position(|&t| t == image_token).unwrap(),
+                first.iter().rposition(|&t| t == image_token).unwrap(),
+            );
+            (placeholders, at(q2), at(q3))
+        };
+        let lead = *leads
+            .iter()
+            .find(|l| {
+                let ((a, b), covered, split) = geometry(l);
+                covered > b && (a + 1..=b).contains(&split)
+            })
+            .expect("a lead that splits the image");
+        let prompt = |e: &Engine, q: &str| prompt_with(e, lead, q);
+        let ask = |e: &Engine, q: &str| {
+            let req = GenerateRequest {
+                id: "vision".into(),
+                prompt: prompt(e, q),
+                adapter: None,
+                sampling: SamplingParams {
+                    max_tokens: 4,
+                    ignore_eos: true,
+                    logprobs: Some(0),
+                    ..Default::default()
+                },
+                images: vec![image.clone()],
+            };
+            collect(e.submit(req).unwrap())
+        };
+        let ((first, last), _, _) = geometry(lead);
+        let tokens = on.image_tokens(image.width, image.height).unwrap();
+        assert_eq!(last + 1 - first, tokens, "one run of placeholders");
+
+        let encodes = || on.stats().vision_encodes;
+        ask(&on, q1);
+        assert_eq!(encodes(), 1, "tensor {tensor}: the first question");
+        let got = ask(&on, q2);
+        assert_same(&got, &ask(&off, q2), &format!("tensor {tensor}, covered"));
+        assert_eq!(encodes(), 1, "tensor {tensor}: an image all reused");
+        let got = ask(&on, q3);
+        assert_same(&got, &ask(&off, q3), &format!("tensor {tensor}, split"));
+        assert_eq!(encodes(), 2, "tensor {tensor}: an image partly reused");
+        assert_eq!(
+            off.stats().vision_encodes,
+            2,
+            "tensor {tensor}: without the cache"
+        );
     }
 }
 

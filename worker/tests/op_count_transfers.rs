@@ -1,7 +1,8 @@
 //! The tensor path's engine (what a GPU runs) copies between host and device exactly twice a
-//! step, whatever the step holds: its inputs (token ids, positions, cache slots, LoRA slots
-//! the sampling parameters and grammar masks) go up in one upload, and its tokens (or sampled tokens with
-//! logprobs) come back in one download. The copies are counted where they happen
+//! step, whatever the step holds: its inputs (token ids, positions, cache slots, LoRA slots,
+//! the sampling parameters) go up in one upload, and its tokens (or sampled tokens with
+//! logprobs) come back in one download. A step with rows that follow a grammar uploads their
+//! masks once more, after its forward pass is queued: they are computed while it runs. The copies are counted where they happen
 //! (`model::transfer`; clippy.toml bans candle's own constructors and readers in `model/` and
 //! `lora/`), process-wide, so this file holds one test and nothing else copies while it runs.
 
@@ -55,7 +56,8 @@ fn collect(mut rx: EventStream) -> (Vec<u32>, Vec<f32>) {
 /// Steps that prefill in chunks beside rows that decode, mix two adapters and base rows,
 /// sample on the device (temperature, top-k/p, penalties, logprobs) beside greedy rows,
 /// penalise greedy rows, and preempt and recompute when the 6-block cache is full; then steps
-/// whose rows are all plain greedy. Every step makes one upload and one download.
+/// whose rows are all plain greedy. Every step makes one upload and one download (and one more
+/// upload, of the masks, where it samples rows that follow a grammar).
 #[test]
 fn op_count_transfers_are_one_upload_and_one_download_per_step() {
     let reference = engine_reference();
@@ -128,9 +130,13 @@ fn op_count_transfers_are_one_upload_and_one_download_per_step() {
         "one upload and one download per step"
     );
 
-    // Grammar masks (structured outputs) travel in the same upload: a constrained greedy row
-    // (not plain greedy any more: its mask goes up) beside a free greedy row and a sampled
-    // constrained row with an adapter.
+    // Grammar masks (structured outputs), computed while the forward pass runs, go up in one
+    // more upload in each step that samples a constrained row, never more: a constrained
+    // greedy row (not plain greedy any more: its mask goes up) beside a free greedy row and a
+    // sampled constrained row with an adapter.
+    // The steps that sampled a masked row: at least those of the longer answer, at most one
+    // per token of either (each token of theirs was sampled in a step whose masks went up).
+    let masked = std::cell::Cell::new((0, 0));
     let (steps, constrained) = count(&|| {
         let guide = |rx: &str| {
             Some(mole_worker::engine::grammar::Guided {
@@ -160,7 +166,9 @@ fn op_count_transfers_are_one_upload_and_one_download_per_step() {
             }
             String::from_utf8(t.iter().map(|&b| b as u8).collect()).unwrap()
         };
-        let (a, c) = (text(collect(a).0), text(collect(c).0));
+        let (a, c) = (collect(a).0, collect(c).0);
+        masked.set((a.len().max(c.len()), a.len() + c.len()));
+        let (a, c) = (text(a), text(c));
         assert!(
             a.len() >= 20 && a.bytes().all(|b| b.is_ascii_lowercase()),
             "{a:?}"
@@ -174,12 +182,14 @@ fn op_count_transfers_are_one_upload_and_one_download_per_step() {
     eprintln!("constrained steps: {steps}, {constrained:?}");
     assert!(steps >= 20, "{steps} steps");
     assert_eq!(
-        constrained,
-        Transfers {
-            uploads: steps as usize,
-            downloads: steps as usize
-        },
-        "one upload and one download per step with grammar masks"
+        constrained.downloads, steps as usize,
+        "one download per step with grammar masks"
+    );
+    let masked = masked.get();
+    assert!(
+        (masked.0..=masked.1).contains(&(constrained.uploads - steps as usize)),
+        "one upload per step and one per step with masks: {constrained:?} in {steps} steps, \
+         {masked:?} masked"
     );
 
     let (steps, greedy) = count(&|| {

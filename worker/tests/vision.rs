@@ -271,7 +271,7 @@ impl Prompt {
         self.embeds.as_ref().map(|embeds| RowVision {
             positions: &self.positions,
             image_tokens: &self.image_tokens,
-            embeds,
+            embeds: Some(embeds),
             offset: self.offset,
         })
     }

@@ -134,7 +134,7 @@ pub(super) fn run(
     let vision = RowVision {
         positions: &positions,
         image_tokens: &image_tokens,
-        embeds: &embeds,
+        embeds: Some(&embeds),
         offset,
     };
     prefill(&model, &ids, Some(vision))?;

@@ -379,6 +379,10 @@ pub struct EngineStats {
     pub preemptions: u64,
     /// Forward passes (engine steps) run since start: with the tokens counted, the mean batch.
     pub steps: u64,
+    /// Images the vision tower encoded since start (an image a request repeats is encoded
+    /// once per request; one whose placeholders all lie in KV blocks reused from the prefix
+    /// cache is not encoded).
+    pub vision_encodes: u64,
     /// The paged KV cache's free and total blocks (tensor path; None on the CPU's host path,
     /// whose caches grow per sequence).
     pub kv_blocks: Option<(usize, usize)>,
@@ -400,7 +404,8 @@ pub struct EngineStats {
 pub struct PrefixCacheCounts {
     /// The adapter ("" for the base model).
     pub adapter: String,
-    /// Prompt tokens of the requests admitted (each admission, a recomputed one included).
+    /// Prompt tokens of the requests admitted (once each: a request preempted and readmitted
+    /// is not queried again).
     pub queries: u64,
     /// Of those, the tokens whose keys and values came from the cache.
     pub hits: u64,

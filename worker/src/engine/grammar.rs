@@ -305,6 +305,12 @@ impl std::fmt::Debug for Constraint {
 }
 
 impl Constraint {
+    /// Whether [`Constraint::mask`] gives a mask now: the grammar has started and not failed.
+    /// Cheap, so a step decides how it samples before the masks are computed.
+    pub fn masks_next(&self) -> bool {
+        self.waiting.is_none() && self.failed.is_none()
+    }
+
     /// The tokens allowed next, or None while the grammar has not started (or has failed).
     /// Once the grammar is complete only EOS is allowed.
     pub fn mask(&mut self) -> Option<Vec<u32>> {

@@ -3,6 +3,13 @@
 //! vision tower runs once per engine step over the images of every sequence whose prefill
 //! starts in it (once per adapter among them that targets the tower), and each prompt chunk
 //! then takes its slice of positions and placeholders.
+//!
+//! Only images with a placeholder the prefill computes are encoded: an image whose
+//! placeholders all lie in blocks the prefix cache gave the sequence is never needed again
+//! (its keys and values are cached; the M-RoPE positions after it come from its grid, not its
+//! embeddings), so the tower skips it. An image the reused prefix covers in part is encoded
+//! whole (the tower attends across all of an image's patches, so its uncomputed rows cannot be
+//! had without the others) and the step takes the rows of its uncomputed placeholders.
 
 use std::path::Path;
 
@@ -141,6 +148,7 @@ impl ImageProcessor {
                 offset,
                 image_tokens,
                 embeds: None,
+                encoded: vec![None; distinct.len()],
             },
         ))
     }
@@ -166,14 +174,47 @@ pub(super) struct ImagePrompt {
     offset: i64,
     /// The prompt's placeholder tokens: (index in the prompt, row of the embeddings).
     image_tokens: Vec<(u32, u32)>,
-    /// The tower's output, once it ran (kept while the sequence lives: a preempted sequence
-    /// recomputes its prompt from it).
+    /// The tower's output for the images it encoded, once it ran (kept while the sequence
+    /// lives: a preempted sequence recomputes its prompt from it).
     pub(super) embeds: Option<ImageEmbeds>,
+    /// Per distinct image, its first row in `embeds` (None: not encoded, as an image whose
+    /// placeholders the prefix cache held all of is not).
+    encoded: Vec<Option<u32>>,
 }
 
 impl ImagePrompt {
-    /// Positions and placeholders (indices relative to `from`) of context tokens
-    /// `from..to`; tokens past the prompt (recomputed after a preemption) are text.
+    /// The distinct image whose embedding rows hold `row`.
+    fn image_of(&self, row: u32) -> usize {
+        self.first_rows.partition_point(|&r| r <= row) - 1
+    }
+
+    /// Per distinct image, whether a placeholder of it is at or after context token `from`:
+    /// the images a prefill from `from` needs embedded.
+    fn needed_from(&self, from: usize) -> Vec<bool> {
+        let mut needed = vec![false; self.digests.len()];
+        let start = self
+            .image_tokens
+            .partition_point(|(i, _)| (*i as usize) < from);
+        for &(_, row) in &self.image_tokens[start..] {
+            needed[self.image_of(row)] = true;
+        }
+        needed
+    }
+
+    /// Whether a prefill from context token `from` needs an image the tower has not encoded
+    /// for this sequence (at its first chunk; or after a preemption that lost cached blocks
+    /// of an image skipped before).
+    pub(super) fn needs_encoding(&self, from: usize) -> bool {
+        self.needed_from(from)
+            .iter()
+            .zip(&self.encoded)
+            .any(|(&n, e)| n && e.is_none())
+    }
+
+    /// Positions and placeholders (indices relative to `from`, rows of `embeds`) of context
+    /// tokens `from..to`; tokens past the prompt (recomputed after a preemption) are text.
+    /// Every image with a placeholder among them is encoded ([`ImagePrompt::needs_encoding`]
+    /// was false).
     pub(super) fn chunk(&self, from: usize, to: usize) -> Chunk {
         let positions = (from..to)
             .map(|i| {
@@ -187,7 +228,11 @@ impl ImagePrompt {
             .image_tokens
             .iter()
             .filter(|(i, _)| (from..to).contains(&(*i as usize)))
-            .map(|&(i, row)| (i - from as u32, row))
+            .map(|&(i, row)| {
+                let u = self.image_of(row);
+                let at = self.encoded[u].expect("the chunk's images encoded before the step");
+                (i - from as u32, at + row - self.first_rows[u])
+            })
             .collect();
         Chunk {
             positions,
@@ -211,7 +256,7 @@ impl ImagePrompt {
             .iter()
             .take_while(move |(i, _)| (*i as usize) < to)
             .map(|&(i, row)| {
-                let u = self.first_rows.partition_point(|&r| r <= row) - 1;
+                let u = self.image_of(row);
                 (i, self.digests[u], row - self.first_rows[u])
             })
     }
@@ -230,43 +275,67 @@ pub(super) struct Chunk {
     pub(super) image_tokens: Vec<(u32, u32)>,
 }
 
-/// Runs the vision tower over the images of `prompts` not encoded yet, once per adapter among
-/// them (once in all when no adapter targets the tower), and hands each prompt its share.
+/// A sequence's images to encode before a step: its prompt's images, the adapter it runs
+/// with, and the context token its prefill goes on from (the images wholly before it are not
+/// encoded).
+pub(super) type Pending<'a> = (&'a mut ImagePrompt, Option<&'a LoraAdapter>, usize);
+
+/// Runs the vision tower over the images `prompts` need and have not encoded, once per
+/// adapter among them (once in all when no adapter targets the tower), and hands each prompt
+/// its share. Returns the images encoded.
 pub(super) fn encode(
     tower: &VisionTower,
     device: &Device,
-    prompts: &mut [(&mut ImagePrompt, Option<&LoraAdapter>)],
-) -> Result<(), ModelError> {
-    let mut todo: Vec<&mut (&mut ImagePrompt, Option<&LoraAdapter>)> = prompts
+    prompts: &mut [Pending<'_>],
+) -> Result<usize, ModelError> {
+    let mut todo: Vec<&mut Pending<'_>> = prompts
         .iter_mut()
-        .filter(|(p, _)| p.embeds.is_none())
+        .filter(|(p, _, from)| p.needs_encoding(*from))
         .collect();
     // An adapter that leaves the tower alone encodes as the base does.
     let key = |a: Option<&LoraAdapter>| a.filter(|a| a.has_vision()).map(|a| a as *const _);
-    while let Some((_, first)) = todo.first().map(|(p, a)| (p.patch_len, *a)) {
+    let mut images = 0;
+    while let Some(first) = todo.first().map(|(_, a, _)| *a) {
         let group = key(first);
-        let (mine, rest): (Vec<_>, Vec<_>) = todo.into_iter().partition(|(_, a)| key(*a) == group);
+        let (mine, rest): (Vec<_>, Vec<_>) =
+            todo.into_iter().partition(|(_, a, _)| key(*a) == group);
         todo = rest;
-        encode_group(tower, device, mine, first.filter(|a| a.has_vision()))?;
+        images += encode_group(tower, device, mine, first.filter(|a| a.has_vision()))?;
     }
-    Ok(())
+    Ok(images)
 }
 
-/// One tower pass over the images of `prompts`, with `adapter`.
+/// One tower pass over the images `prompts` need, with `adapter`; returns how many.
 fn encode_group(
     tower: &VisionTower,
     device: &Device,
-    prompts: Vec<&mut (&mut ImagePrompt, Option<&LoraAdapter>)>,
+    prompts: Vec<&mut Pending<'_>>,
     adapter: Option<&LoraAdapter>,
-) -> Result<(), ModelError> {
-    let Some(patch_len) = prompts.first().map(|(p, _)| p.patch_len) else {
-        return Ok(());
+) -> Result<usize, ModelError> {
+    let Some(patch_len) = prompts.first().map(|(p, _, _)| p.patch_len) else {
+        return Ok(0);
     };
     let mut pixels = Vec::new();
     let mut grids = Vec::new();
-    for (p, _) in &prompts {
-        pixels.extend_from_slice(&p.pixels);
-        grids.extend_from_slice(&p.grids);
+    // Per prompt: which of its images go in, and the embedding rows they take.
+    let mut plans = Vec::with_capacity(prompts.len());
+    for (p, _, from) in &prompts {
+        let needed = p.needed_from(*from);
+        let mut at = 0usize;
+        let mut rows = 0u32;
+        let mut encoded = vec![None; needed.len()];
+        for (u, grid) in p.grids.iter().enumerate() {
+            let patches = grid.iter().product::<usize>();
+            if needed[u] {
+                pixels.extend_from_slice(&p.pixels[at * patch_len..(at + patches) * patch_len]);
+                grids.push(*grid);
+                encoded[u] = Some(rows);
+                let end = p.first_rows.get(u + 1).map_or(p.rows as u32, |&r| r);
+                rows += end - p.first_rows[u];
+            }
+            at += patches;
+        }
+        plans.push((encoded, rows as usize));
     }
     let n = pixels.len() / patch_len;
     let out = tower.forward(
@@ -275,8 +344,7 @@ fn encode_group(
         adapter,
     )?;
     let mut at = 0;
-    for (p, _) in prompts {
-        let len = p.rows;
+    for ((p, _, _), (encoded, len)) in prompts.into_iter().zip(plans) {
         p.embeds = Some(ImageEmbeds {
             merged: out.merged.narrow(0, at, len)?,
             deepstack: out
@@ -285,7 +353,8 @@ fn encode_group(
                 .map(|d| d.narrow(0, at, len))
                 .collect::<candle_core::Result<_>>()?,
         });
+        p.encoded = encoded;
         at += len;
     }
-    Ok(())
+    Ok(grids.len())
 }

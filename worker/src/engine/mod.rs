@@ -233,6 +233,11 @@ pub struct Shared {
     preemptions: std::sync::atomic::AtomicU64,
     /// Forward passes run (since start).
     steps: std::sync::atomic::AtomicU64,
+    /// Images the vision tower encoded (since start).
+    vision_encodes: std::sync::atomic::AtomicU64,
+    /// Grammar masks are computed while the forward pass runs (else before it: the
+    /// benchmark's baseline, [`Engine::overlap_masks_for_bench`]).
+    overlap_masks: std::sync::atomic::AtomicBool,
     /// Sequences of the largest batch (since start).
     largest_batch: AtomicUsize,
     /// What adapters are held in: `opts.lora_dtype` or the model's default.
@@ -400,6 +405,8 @@ impl Engine {
             load_micros: Default::default(),
             preemptions: Default::default(),
             steps: Default::default(),
+            vision_encodes: Default::default(),
+            overlap_masks: std::sync::atomic::AtomicBool::new(true),
             largest_batch: Default::default(),
             grammars: grammar::Grammars::new(
                 text.tokenizer().clone(),
@@ -431,6 +438,14 @@ impl Engine {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .push(digest);
+    }
+
+    /// Computes the grammar masks of constrained rows while the step's forward pass runs
+    /// (`true`, the default) or before it: the seam by which `bench decode` measures the
+    /// overlap against the order it replaced, in one run.
+    #[doc(hidden)]
+    pub fn overlap_masks_for_bench(&self, on: bool) {
+        self.shared.overlap_masks.store(on, Ordering::Relaxed);
     }
 
     fn is_merged(&self, name: &str) -> Option<&str> {
@@ -692,6 +707,7 @@ impl EngineInfo for Engine {
         s.adapter_evictions = sh.registry.evictions.load(Ordering::Relaxed);
         s.preemptions = sh.preemptions.load(Ordering::Relaxed);
         s.steps = sh.steps.load(Ordering::Relaxed);
+        s.vision_encodes = sh.vision_encodes.load(Ordering::Relaxed);
         s.largest_batch = sh.largest_batch.load(Ordering::Relaxed);
         s.weights_bytes = Some(sh.model.weight_bytes());
         s.prefix_cache = plan::prefix_counts(sh);

@@ -66,8 +66,12 @@ pub(super) fn admit(
             free = free.saturating_sub(new);
         }
         let mut s = waiting.pop_front().expect("peeked");
-        if let Some(tokens) = reused {
+        // A preempted sequence readmitted looks its blocks up again, but its prompt was
+        // counted when it first came in: vLLM counts a resumed request's lookups apart from
+        // `prefix_cache_queries`, whose hit rate is then that of requests as clients sent them.
+        if let Some(tokens) = reused.filter(|_| !s.queried) {
             count_prefix(shared, &s, tokens);
+            s.queried = true;
         }
         s.trace.prefilling(s.context.len());
         rows += width;

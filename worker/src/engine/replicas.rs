@@ -222,6 +222,7 @@ impl EngineInfo for Replicas {
             out.adapter_evictions += s.adapter_evictions;
             out.preemptions += s.preemptions;
             out.steps += s.steps;
+            out.vision_encodes += s.vision_encodes;
             out.kv_blocks = match (out.kv_blocks, s.kv_blocks) {
                 (Some((f, t)), Some((f2, t2))) => Some((f + f2, t + t2)),
                 (a, b) => a.or(b),

@@ -31,7 +31,10 @@
 //!   one, every row's allowed tokens travel as [`MASK_BITS`] bits per f32 (an unconstrained
 //!   row all ones), unpacked by a gather, a scale by powers of two and a parity (all exact in
 //!   f32), and the refused tokens' penalised logits become -inf before the greedy pick and the
-//!   draw. A step without a constrained row packs and runs none of it.
+//!   draw. A step without a constrained row packs and runs none of it. The mask plane follows
+//!   the other inputs in one upload ([`SamplePlan::pack`]), or, when the engine computes the
+//!   masks while the forward pass runs ([`SamplePlan::masks_apart`]), goes up on its own
+//!   after them ([`SamplePlan::pack_masks`]).
 //! - **Greedy** rows (penalised or not) take the first largest logit, as the host does, by a
 //!   max and a masked min of positions (candle's CUDA argmax picks any of tied values).
 //! - **Logprobs** are of the raw logits (log-softmax on the device), the chosen token's and
@@ -75,6 +78,8 @@ pub struct SamplePlan {
     entries: usize,
     /// Whether any row has a grammar mask (then every row packs one).
     masked: bool,
+    /// The mask plane travels apart from the other inputs ([`SamplePlan::masks_apart`]).
+    apart: bool,
 }
 
 /// A row's penalties inside a vocabulary of `v` (the host sampler skips the others too).
@@ -100,7 +105,23 @@ impl SamplePlan {
                 .max()
                 .unwrap_or(0),
             masked: rows.iter().any(|r| r.mask.is_some()),
+            apart: false,
         }
+    }
+
+    /// The plan with the rows' grammar masks uploaded apart from the other inputs (when
+    /// `masked`: some row has a grammar that masks this step): the engine computes them while
+    /// the forward pass runs, after the step's inputs went up, and packs them with
+    /// [`SamplePlan::pack_masks`]; [`SamplePlan::pack`] then leaves them out.
+    pub fn masks_apart(mut self, masked: bool) -> Self {
+        self.masked = masked;
+        self.apart = masked;
+        self
+    }
+
+    /// Whether the mask plane travels apart ([`SamplePlan::masks_apart`]).
+    pub fn has_masks_apart(&self) -> bool {
+        self.apart
     }
 
     /// Packed f32 values of one row's mask.
@@ -113,7 +134,11 @@ impl SamplePlan {
 
     /// Values [`SamplePlan::pack`] writes.
     pub fn len(&self) -> usize {
-        self.rows * (FIELDS + 3 * self.entries + self.mask_words())
+        let inline = match self.apart {
+            true => 0,
+            false => self.mask_words(),
+        };
+        self.rows * (FIELDS + 3 * self.entries + inline)
     }
 
     /// Whether the plan packs nothing (no rows).
@@ -124,7 +149,8 @@ impl SamplePlan {
     /// Appends the rows' inputs to `buf`: each row's fields, then the penalty entries as three
     /// `[rows, entries]` planes (a short list is padded with its last entry again, which
     /// writes the same value twice, or with a no-op entry on token 0), then, when a row has a
-    /// grammar mask, every row's mask as a `[rows, words]` plane.
+    /// grammar mask, every row's mask as a `[rows, words]` plane (unless the plan has
+    /// [`SamplePlan::masks_apart`]).
     pub fn pack(&self, rows: &[RowSampling], buf: &mut Vec<f32>) {
         let v = self.vocab;
         buf.reserve(self.len());
@@ -164,10 +190,23 @@ impl SamplePlan {
                 );
             }
         }
-        if self.masked {
+        if self.masked && !self.apart {
             for r in rows {
                 pack_mask(r.mask.as_deref(), v, buf);
             }
+        }
+    }
+
+    /// Appends the mask plane of a plan with [`SamplePlan::masks_apart`]: each row's allowed
+    /// tokens in row order (None: every token), `[rows, words]`.
+    pub fn pack_masks<'m>(
+        &self,
+        masks: impl Iterator<Item = Option<&'m [u32]>>,
+        buf: &mut Vec<f32>,
+    ) {
+        buf.reserve(self.rows * self.mask_words());
+        for m in masks {
+            pack_mask(m, self.vocab, buf);
         }
     }
 }
@@ -178,12 +217,14 @@ pub trait BatchSampler: Send + Sync {
     /// The rows' picks from `logits` (`[rows, vocab]`, f32) as one f32 tensor: `[rows, 1]`
     /// token ids, or with logprobs asked by any row `[rows, 2 + 2n]`: id, its logprob, the top
     /// `n` ids, their logprobs (ids are exact in f32 below 2^24). `inputs` is what
-    /// `plan.pack` wrote, `[plan.len()]` on the logits' device (a view of the step's upload).
+    /// `plan.pack` wrote, `[plan.len()]` on the logits' device (a view of the step's upload);
+    /// `masks`, what `plan.pack_masks` wrote when the plan has [`SamplePlan::masks_apart`].
     fn sample_packed(
         &self,
         logits: &Tensor,
         plan: &SamplePlan,
         inputs: &Tensor,
+        masks: Option<&Tensor>,
     ) -> candle_core::Result<Tensor>;
 
     /// As [`BatchSampler::sample_packed`], packing and uploading the rows' inputs itself
@@ -198,7 +239,7 @@ pub trait BatchSampler: Send + Sync {
         plan.pack(rows, &mut buf);
         let len = buf.len();
         let inputs = Tensor::from_vec(buf, len, logits.device())?;
-        self.sample_packed(logits, &plan, &inputs)
+        self.sample_packed(logits, &plan, &inputs, None)
     }
 }
 
@@ -380,6 +421,7 @@ impl BatchSampler for CandleSampler {
         logits: &Tensor,
         plan: &SamplePlan,
         inputs: &Tensor,
+        masks: Option<&Tensor>,
     ) -> candle_core::Result<Tensor> {
         let (b, v) = logits.dims2()?;
         if plan.rows != b || plan.vocab != v || inputs.dims1()? != plan.len() {
@@ -428,10 +470,15 @@ impl BatchSampler for CandleSampler {
         };
         let logits = if plan.masked {
             let words = plan.mask_words();
-            let packed = all
-                .narrow(0, b * (FIELDS + 3 * entries), b * words)?
-                .reshape((b, words))?;
-            masked(&logits, &packed, &c)?
+            let packed = match (plan.apart, masks) {
+                (false, _) => all.narrow(0, b * (FIELDS + 3 * entries), b * words)?,
+                (true, Some(m)) if m.dims1()? == b * words => m.clone(),
+                (true, m) => candle_core::bail!(
+                    "a plan with {b} masks apart of {words} values each, given {:?}",
+                    m.map(|m| m.dims().to_vec())
+                ),
+            };
+            masked(&logits, &packed.reshape((b, words))?, &c)?
         } else {
             logits
         };

@@ -62,7 +62,7 @@ pub struct Sampler {
     /// The request's grammar (structured outputs), if any.
     constraint: Option<Constraint>,
     /// This step's allowed tokens (llguidance's bit words), computed by
-    /// [`Sampler::prepare_mask`] before the step and used by its pick.
+    /// [`Sampler::prepare_mask`] while the step's forward pass runs and used by its pick.
     mask: Option<Vec<u32>>,
 }
 
@@ -101,16 +101,27 @@ impl Sampler {
         self.constraint.as_ref()
     }
 
-    /// Whether this row has a grammar that may mask its next token: such rows compute the
-    /// mask before the step (in parallel, [`Sampler::prepare_mask`]).
+    /// Whether this row has a grammar that may mask its next token.
     pub fn constrained(&self) -> bool {
         self.constraint.is_some()
+    }
+
+    /// Whether [`Sampler::prepare_mask`] computes a mask for the next token: the row has a
+    /// grammar that has started and not failed. Known before the mask is, so a step decides
+    /// how it samples (and what it uploads) before computing masks during its forward pass.
+    pub fn masks_next(&self) -> bool {
+        self.constraint.as_ref().is_some_and(Constraint::masks_next)
     }
 
     /// Computes this step's mask of allowed tokens (nothing for an unconstrained row, or a
     /// grammar that has not started).
     pub fn prepare_mask(&mut self) {
         self.mask = self.constraint.as_mut().and_then(Constraint::mask);
+    }
+
+    /// This step's mask, once [`Sampler::prepare_mask`] computed it.
+    pub fn mask(&self) -> Option<&[u32]> {
+        self.mask.as_deref()
     }
 
     /// Whether the repetition penalty applies.
@@ -171,7 +182,8 @@ impl Sampler {
     }
 
     /// Whether the next token is the logits' argmax and nothing else is asked of them: greedy,
-    /// no penalty, no logprobs. Then the device can pick it and send back the id alone.
+    /// no penalty, no logprobs, no grammar mask (now or to be computed this step). Then the
+    /// device can pick it and send back the id alone.
     pub fn is_plain_greedy(&self) -> bool {
         let p = &self.p;
         p.temperature < GREEDY_BELOW
@@ -180,6 +192,7 @@ impl Sampler {
             && p.presence_penalty == 0.0
             && p.frequency_penalty == 0.0
             && self.mask.is_none()
+            && !self.masks_next()
     }
 
     /// Records a token the device picked for a plain-greedy sequence (see

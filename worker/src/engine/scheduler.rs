@@ -14,10 +14,10 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use super::api::{EngineError, FinishReason, TokenEvent, TokenLogprob, Usage};
-use super::images::{self, ImagePrompt};
+use super::images;
 use super::plan::{self, Work};
 use super::sample_ops::{self, BatchSampler, CandleSampler, RowSampling, SamplePlan};
-use super::sampler::Sampled;
+use super::sampler::{Sampled, Sampler};
 use super::seq::Seq;
 use super::Shared;
 use crate::model::{ModelError, Row, RowVision, StepOutput};
@@ -157,11 +157,13 @@ fn step(
                 _ => None,
             })
             .collect();
-        // Rows borrow each sequence's cache mutably: split the borrows by index order.
+        // Rows borrow each sequence's cache mutably: split the borrows by index order. The
+        // samplers of the rows whose grammar masks this step are borrowed beside them.
         let mut rows: Vec<Row<'_>> = Vec::with_capacity(work.len());
+        let mut masking: Vec<&mut Sampler> = Vec::new();
         let mut rest: &mut [Box<Seq>] = running;
         let mut offset = 0;
-        for ((i, w), chunk) in work.iter().zip(&chunks) {
+        for (((i, w), chunk), &samples) in work.iter().zip(&chunks).zip(&sampling) {
             let (_, tail) = std::mem::take(&mut rest).split_at_mut(i - offset);
             let (s, tail) = tail.split_first_mut().expect("index in range");
             rest = tail;
@@ -175,11 +177,14 @@ fn step(
                 (Some(c), Some(img)) => Some(RowVision {
                     positions: &c.positions,
                     image_tokens: &c.image_tokens,
-                    embeds: img.embeds.as_ref().expect("encoded before the step"),
+                    embeds: img.embeds.as_ref(),
                     offset: img.offset(),
                 }),
                 _ => None,
             };
+            if samples && s.sampler.masks_next() {
+                masking.push(&mut s.sampler);
+            }
             rows.push(Row {
                 tokens,
                 cache: &mut s.cache,
@@ -187,7 +192,7 @@ fn step(
                 vision,
             });
         }
-        shared.model.forward_step(&mut rows, &extra)
+        forward_and_masks(shared, &mut rows, &extra, masking)
     };
     if out.is_ok() {
         plan::store_prefixes(shared, running, work);
@@ -254,32 +259,44 @@ fn scores(
     Ok(out)
 }
 
-/// Runs the vision tower once over the images of the sequences whose prefill starts in this
-/// step. When that fails, each sequence's images are encoded alone, and a sequence whose images
-/// fail ends with the error: returns those sequences (the step goes on without them), so one
-/// bad image never fails its batch-mates.
+/// Runs the vision tower once over the images that the prefills of this step need and that
+/// were not encoded yet (an image whose placeholders all lie in blocks reused from the prefix
+/// cache is never encoded: see [`images`]). When that fails, each sequence's images are
+/// encoded alone, and a sequence whose images fail ends with the error: returns those
+/// sequences (the step goes on without them), so one bad image never fails its batch-mates.
 fn encode_images(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work)]) -> Vec<usize> {
     if shared.model.vision().is_none() {
         return Vec::new();
     }
-    let pending: Vec<usize> = work
-        .iter()
-        .filter(|(i, w)| {
-            matches!(w, Work::Prefill(..))
-                && running[*i]
-                    .images
-                    .as_ref()
-                    .is_some_and(|img| img.embeds.is_none())
+    // The context token each prefilling sequence with images goes on from.
+    let from = |i: usize| {
+        work.iter().find_map(|(j, w)| match w {
+            Work::Prefill(a, _) if *j == i => Some(*a),
+            _ => None,
         })
-        .map(|(i, _)| *i)
+    };
+    let pending: Vec<(usize, usize)> = work
+        .iter()
+        .filter_map(|(i, w)| match w {
+            Work::Prefill(a, _) => running[*i]
+                .images
+                .as_ref()
+                .filter(|img| img.needs_encoding(*a))
+                .map(|_| (*i, *a)),
+            Work::Decode => None,
+        })
         .collect();
-    let mut all: Vec<(&mut ImagePrompt, Option<&crate::model::LoraAdapter>)> = running
+    if pending.is_empty() {
+        return Vec::new();
+    }
+    let mut all: Vec<images::Pending<'_>> = running
         .iter_mut()
         .enumerate()
-        .filter(|(i, _)| pending.contains(i))
-        .filter_map(|(_, s)| {
+        .filter(|(i, _)| pending.iter().any(|(j, _)| j == i))
+        .filter_map(|(i, s)| {
             let adapter = s.adapter.as_ref().map(|p| p.adapter.as_ref());
-            s.images.as_deref_mut().map(|img| (img, adapter))
+            let from = from(i)?;
+            s.images.as_deref_mut().map(|img| (img, adapter, from))
         })
         .collect();
     let Err(e) = encode(shared, &mut all) else {
@@ -290,13 +307,13 @@ fn encode_images(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work
         tracing::warn!(error = %e, "the vision tower failed on a step's images: each request's alone");
     }
     let mut failed = Vec::new();
-    for i in pending {
+    for (i, from) in pending {
         let s: &mut Seq = &mut running[i];
         let adapter = s.adapter.as_ref().map(|p| p.adapter.as_ref());
         let Some(img) = s.images.as_deref_mut() else {
             continue;
         };
-        if let Err(e) = encode(shared, &mut [(img, adapter)]) {
+        if let Err(e) = encode(shared, &mut [(img, adapter, from)]) {
             tracing::error!(request = %s.id, error = %e, "the vision tower failed on the request's images");
             s.fail(&EngineError::Internal(format!(
                 "the vision tower failed on the request's images: {e}"
@@ -307,31 +324,29 @@ fn encode_images(shared: &Shared, running: &mut [Box<Seq>], work: &[(usize, Work
     failed
 }
 
-/// One tower pass (per adapter) over `group`'s images.
-fn encode(
-    shared: &Shared,
-    group: &mut [(&mut ImagePrompt, Option<&crate::model::LoraAdapter>)],
-) -> Result<(), ModelError> {
+/// One tower pass (per adapter) over `group`'s images, counted.
+fn encode(shared: &Shared, group: &mut [images::Pending<'_>]) -> Result<(), ModelError> {
     let Some(tower) = shared.model.vision() else {
         return Ok(());
     };
     made_to_fail(shared, group)?;
-    images::encode(tower, &shared.device, group)
+    let encoded = images::encode(tower, &shared.device, group)?;
+    shared
+        .vision_encodes
+        .fetch_add(encoded as u64, Ordering::Relaxed);
+    Ok(())
 }
 
 /// An error when one of `pending`'s images is one a test made the tower fail on
 /// ([`super::Engine::fail_images_for_tests`]).
-fn made_to_fail(
-    shared: &Shared,
-    pending: &[(&mut ImagePrompt, Option<&crate::model::LoraAdapter>)],
-) -> Result<(), ModelError> {
+fn made_to_fail(shared: &Shared, pending: &[images::Pending<'_>]) -> Result<(), ModelError> {
     let failing = shared
         .failing_images
         .lock()
         .unwrap_or_else(PoisonError::into_inner);
     match pending
         .iter()
-        .any(|(p, _)| p.digests.iter().any(|d| failing.contains(d)))
+        .any(|(p, _, _)| p.digests.iter().any(|d| failing.contains(d)))
     {
         true => {
             Err(candle_core::Error::Msg("an image a test made the tower fail on".into()).into())
@@ -353,8 +368,42 @@ enum Picking<'s> {
     Host,
 }
 
+/// Runs the step's forward pass while the grammar masks of `masking` (its constrained rows)
+/// are computed on the host: the masks are wanted only when the step samples, and llguidance
+/// takes tens of microseconds to a few milliseconds a row, time the step otherwise waits. The
+/// forward pass stays on the engine thread (on the tensor path it queues the device's work,
+/// which runs while the host goes on) and the masks go to the thread pool, the rows in
+/// parallel; on the host path the forward pass runs on the pool too, whose threads take the
+/// masks between its parallel parts. Joined before the step samples. A step without
+/// constrained rows runs its forward pass alone.
+fn forward_and_masks(
+    shared: &Shared,
+    rows: &mut [Row<'_>],
+    extra: &[f32],
+    mut masking: Vec<&mut Sampler>,
+) -> Result<StepOutput, ModelError> {
+    use rayon::prelude::*;
+    if masking.is_empty() {
+        return shared.model.forward_step(rows, extra);
+    }
+    let mut masks = move || match masking.len() {
+        1 => masking[0].prepare_mask(),
+        _ => masking.par_iter_mut().for_each(|s| s.prepare_mask()),
+    };
+    if !shared.overlap_masks.load(Ordering::Relaxed) {
+        masks();
+        return shared.model.forward_step(rows, extra);
+    }
+    rayon::in_place_scope(|scope| {
+        scope.spawn(move |_| masks());
+        shared.model.forward_step(rows, extra)
+    })
+}
+
 /// Which rows sample this step (a prompt chunk that leaves part of its context out of the
-/// cache samples nothing) and how. `vocab` is the logits' width.
+/// cache samples nothing) and how. `vocab` is the logits' width. The grammar masks are not
+/// computed yet ([`forward_and_masks`]): a row whose grammar masks this step is never plain
+/// greedy, and on the tensor path its mask goes up after the forward pass.
 fn prepare<'s>(
     running: &mut [Box<Seq>],
     work: &[(usize, Work)],
@@ -371,7 +420,6 @@ fn prepare<'s>(
             }
         })
         .collect();
-    masks(running, work, &sampling);
     let greedy = work
         .iter()
         .zip(&sampling)
@@ -387,35 +435,16 @@ fn prepare<'s>(
                     false => RowSampling::idle(),
                 })
                 .collect();
-            let plan = SamplePlan::new(&rows, vocab);
+            let masked = work
+                .iter()
+                .zip(&sampling)
+                .any(|((i, _), &samples)| samples && running[*i].sampler.masks_next());
+            let plan = SamplePlan::new(&rows, vocab).masks_apart(masked);
             Picking::Device(sampler, rows, plan)
         }
         (false, None) => Picking::Host,
     };
     (sampling, picking)
-}
-
-/// The grammar masks of the step's sampling rows that have a grammar, computed on the host
-/// before the forward pass, the rows in parallel (llguidance takes tens of microseconds to a
-/// few milliseconds per row), so that the tensor path's mask bits travel in the step's one
-/// upload and the host path's sampler finds them ready. Rows without a grammar cost nothing.
-fn masks(running: &mut [Box<Seq>], work: &[(usize, Work)], sampling: &[bool]) {
-    use rayon::prelude::*;
-    let mut wanted = vec![false; running.len()];
-    for ((i, _), &samples) in work.iter().zip(sampling) {
-        wanted[*i] = samples && running[*i].sampler.constrained();
-    }
-    let mut rows: Vec<&mut super::sampler::Sampler> = running
-        .iter_mut()
-        .zip(wanted)
-        .filter(|(_, w)| *w)
-        .map(|(s, _)| &mut s.sampler)
-        .collect();
-    match rows.len() {
-        0 => {}
-        1 => rows[0].prepare_mask(),
-        _ => rows.par_iter_mut().for_each(|s| s.prepare_mask()),
-    }
 }
 
 /// Each row's next token (None for a row that does not sample this step), from the step's
@@ -453,7 +482,27 @@ fn pick(
                 .collect())
         }
         (Picking::Device(sampler, rows, plan), Some(inputs)) => {
-            let picked = sample_ops::read(&sampler.sample_packed(logits, &plan, inputs)?, &rows)?;
+            // The masks computed during the forward pass go up now, in one copy.
+            let masks = match plan.has_masks_apart() {
+                true => {
+                    let mut buf = Vec::new();
+                    plan.pack_masks(
+                        work.iter()
+                            .zip(sampling)
+                            .map(|((i, _), &samples)| match samples {
+                                true => running[*i].sampler.mask(),
+                                false => None,
+                            }),
+                        &mut buf,
+                    );
+                    Some(crate::model::upload(buf, logits.device())?)
+                }
+                false => None,
+            };
+            let picked = sample_ops::read(
+                &sampler.sample_packed(logits, &plan, inputs, masks.as_ref())?,
+                &rows,
+            )?;
             Ok(work
                 .iter()
                 .zip(picked)

@@ -55,6 +55,9 @@ pub struct Seq {
     pub(super) seed: BlockHash,
     /// The hashes of its full blocks computed so far (see [`super::prefix`]).
     pub(super) hashes: Vec<BlockHash>,
+    /// Its prefix-cache query was counted (at its first admission; not again after a
+    /// preemption).
+    pub(super) queried: bool,
 }
 
 /// What a scoring sequence answers: the probabilities of `labels` (token ids) as the next
@@ -82,6 +85,7 @@ impl Seq {
         Self {
             seed,
             hashes: Vec::new(),
+            queried: false,
             version,
             detok: Detokenizer::new(&prompt),
             id,

@@ -29,8 +29,9 @@ pub struct RowVision<'a> {
     /// The row's new tokens that are image placeholders: (index among the new tokens, row of
     /// `embeds` it takes).
     pub image_tokens: &'a [(u32, u32)],
-    /// The images' embeddings and DeepStack features.
-    pub embeds: &'a ImageEmbeds,
+    /// The images' embeddings and DeepStack features; None when `image_tokens` is empty and
+    /// the tower never ran (every placeholder's keys and values came from the prefix cache).
+    pub embeds: Option<&'a ImageEmbeds>,
     /// Position minus index of the tokens after the prompt (where decoding continues).
     pub offset: i64,
 }

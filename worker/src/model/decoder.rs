@@ -84,20 +84,25 @@ struct TensorInputs {
 
 /// Per row with image tokens in this step: where they are among the step's tokens, which rows
 /// of its embeddings they take, and the embeddings.
-fn image_indices<'r>(rows: &[Row<'r>]) -> (step::ImageIndices, Vec<&'r ImageEmbeds>) {
+fn image_indices<'r>(
+    rows: &[Row<'r>],
+) -> candle_core::Result<(step::ImageIndices, Vec<&'r ImageEmbeds>)> {
     let mut indices = Vec::new();
     let mut embeds = Vec::new();
     let mut off = 0u32;
     for r in rows {
         if let Some(v) = r.vision.filter(|v| !v.image_tokens.is_empty()) {
+            let Some(e) = v.embeds else {
+                candle_core::bail!("a row's image placeholders came without their embeddings");
+            };
             let at = v.image_tokens.iter().map(|(i, _)| off + i).collect();
             let of = v.image_tokens.iter().map(|(_, e)| *e).collect();
             indices.push((at, of));
-            embeds.push(v.embeds);
+            embeds.push(e);
         }
         off += r.tokens.len() as u32;
     }
-    (indices, embeds)
+    Ok((indices, embeds))
 }
 
 /// Each row's image placeholders on the device beside its embeddings.
@@ -453,7 +458,7 @@ impl Decoder {
         extra: &[f32],
     ) -> Result<StepOutput, ModelError> {
         self.check(rows)?;
-        let (indices, embeds) = image_indices(rows);
+        let (indices, embeds) = image_indices(rows)?;
         let (x, last, extra) = if self.host {
             let (batch, ids, last) = self.host_batch(rows)?;
             let images = self.host_images(&indices)?;
