@@ -6,7 +6,8 @@
 #   mole on the bf16 import of that file (what `scripts/run-local.sh` serves).
 # Each contender serves alone on the machine, one after the other, with the same 24 requests
 # (188 prompt tokens for 64 output tokens, guidellm's synthetic data with a fixed seed) sent
-# again at concurrency 1, 4 and 16, as benchmark and chat clients resend a prompt. Prints a
+# again at concurrency 1, 4 and 16 (one guidellm run per level, so each level resends the
+# prompts of the one before), as benchmark and chat clients resend a prompt. Prints a
 # markdown table (time to first token, median; output tokens/s; ratios to llama.cpp with its
 # cache) and writes it with the raw guidellm JSON under $MOLE_BENCH_OUT (default
 # target/bench-llama). Not part of the test command: the first run builds llama-server (about
@@ -88,16 +89,21 @@ for c in "${contenders[@]}"; do
     sleep 0.5
   done
   echo "bench-llama: $c (model $model) at concurrency $streams" >&2
-  # HF_HUB_OFFLINE: the tokenizer is the import's local directory; nothing is fetched.
-  HF_HUB_OFFLINE=1 "$venv/bin/guidellm" run \
-    --backend "kind=openai_http,target=http://127.0.0.1:$port,model=$model" \
-    --profile "kind=concurrent" --override profile.streams "$streams" \
-    --constraint "kind=max_requests,count=$requests" \
-    --data "kind=synthetic_text,prompt_tokens=$prompt,output_tokens=$output" \
-    --seed "kind=static,value=42" \
-    --tokenizer "kind=huggingface_auto,model=$root/smollm2-135m-instruct" \
-    --output "kind=json,path=$out/$c.json" --disable-progress >"$out/$c.guidellm.txt" 2>&1 \
-    || { tail -30 "$out/$c.guidellm.txt"; exit 1; }
+  # One guidellm run per level: each run draws the same 24 prompts (the seed), so a level
+  # resends the prompts of the level before it, as the measurement did and as chat
+  # clients resend a conversation; a server's prompt cache may serve them.
+  for s in ${streams//,/ }; do
+    # HF_HUB_OFFLINE: the tokenizer is the import's local directory; nothing is fetched.
+    HF_HUB_OFFLINE=1 "$venv/bin/guidellm" run \
+      --backend "kind=openai_http,target=http://127.0.0.1:$port,model=$model" \
+      --profile "kind=concurrent,streams=$s" \
+      --constraint "kind=max_requests,count=$requests" \
+      --data "kind=synthetic_text,prompt_tokens=$prompt,output_tokens=$output" \
+      --seed "kind=static,value=42" \
+      --tokenizer "kind=huggingface_auto,model=$root/smollm2-135m-instruct" \
+      --output "kind=json,path=$out/$c-$s.json" --disable-progress >"$out/$c-$s.guidellm.txt" 2>&1 \
+      || { tail -30 "$out/$c-$s.guidellm.txt"; exit 1; }
+  done
   stop
 done
 "$venv/bin/python" scripts/bench_llama_table.py "$out" "$output" "${contenders[@]}" | tee "$out/table.md"

@@ -30,7 +30,21 @@ def streams_of(bench):
     raise KeyError(f"no concurrency in the strategy {strategy}")
 
 
-def read(path):
+def read(out, contender):
+    """Every level's run of `contender`: one file per level (`<contender>-<streams>.json`)."""
+    rows = {}
+    whole = out / f"{contender}.json"  # one run over every level
+    if whole.exists():
+        rows.update(read_file(whole))
+    for path in sorted(out.glob(f"{contender}-*.json")):
+        if path.stem[len(contender) + 1 :].isdigit():
+            rows.update(read_file(path))
+    if not rows:
+        raise SystemExit(f"no guidellm output for {contender} in {out}")
+    return rows
+
+
+def read_file(path):
     rows = {}
     for bench in json.loads(path.read_text())["benchmarks"]:
         metrics = bench["metrics"]
@@ -54,7 +68,7 @@ def main():
     out = Path(sys.argv[1])
     OUTPUT = int(sys.argv[2])
     contenders = sys.argv[3:]
-    data = {c: read(out / f"{c}.json") for c in contenders}
+    data = {c: read(out, c) for c in contenders}
     levels = sorted({s for rows in data.values() for s in rows})
     print("| contender | " + " | ".join(f"concurrency {s}: TTFT / out tok/s" for s in levels) + " |")
     print("|---|" + "---|" * len(levels))
