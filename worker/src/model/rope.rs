@@ -380,6 +380,31 @@ pub(super) fn rope_cos_sin(
     Ok((cos.to_dtype(dtype)?, sin.to_dtype(dtype)?))
 }
 
+/// Per rotary frequency (interleaved M-RoPE, see [`super::VisionSpec::mrope_section`]), 1
+/// where it follows time, height, width: `[1, head_dim/2]` each.
+#[allow(clippy::disallowed_methods)] // made once, at load
+pub(super) fn mrope_masks(
+    sections: [usize; 3],
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<[Tensor; 3]> {
+    let half: usize = sections.iter().sum();
+    let axis = |j: usize| -> usize {
+        match j % 3 {
+            1 if j < 3 * sections[1] => 1,
+            2 if j < 3 * sections[2] => 2,
+            _ => 0,
+        }
+    };
+    let mask = |a: usize| -> candle_core::Result<Tensor> {
+        let v: Vec<f32> = (0..half)
+            .map(|j| f32::from(u8::from(axis(j) == a)))
+            .collect();
+        Tensor::from_vec(v, (1, half), device)?.to_dtype(dtype)
+    };
+    Ok([mask(0)?, mask(1)?, mask(2)?])
+}
+
 #[cfg(test)]
 #[allow(clippy::disallowed_methods)]
 mod tests {

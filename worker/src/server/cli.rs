@@ -128,7 +128,7 @@ pub async fn serve_with(
         }
     });
     // Peers are polled from the start, beside the configured adapters' loads.
-    let polling = tokio::spawn(super::peers::poll_loop(state.clone()));
+    let polling = tokio::spawn(super::residency::poll_loop(state.clone()));
     let st = state.clone();
     let r = axum::serve(listener, app(state))
         .with_graceful_shutdown(async move {

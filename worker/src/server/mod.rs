@@ -16,6 +16,7 @@ mod openapi;
 mod openapi_requests;
 pub mod peers;
 mod reload;
+mod residency;
 mod state;
 
 use std::sync::Arc;
@@ -87,7 +88,7 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         .route("/openapi.json", get(openapi::openapi_json))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
-        .route("/v1/residency", get(peers::residency))
+        .route("/v1/residency", get(residency::residency))
         .fallback(|| async {
             ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint")
         })

@@ -83,7 +83,7 @@ impl utoipa::IntoResponses for Refusals {
         super::healthz,
         super::readyz,
         super::metrics,
-        super::peers::residency,
+        super::residency::residency,
         openapi_json,
     ),
     components(schemas(ErrorReply, ErrorDetail, openai::replies::Answer<openai::replies::ChunkChoice>)),

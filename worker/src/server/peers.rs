@@ -34,14 +34,10 @@
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, PoisonError, RwLock};
+use std::sync::{PoisonError, RwLock};
 use std::time::{Duration, Instant};
 
-use axum::extract::State;
-use axum::Json;
-use mole_api::{Residency, ResidencyReport, ResidentAdapter};
-
-use super::AppState;
+use mole_api::{Residency, ResidencyReport};
 
 /// Default time between two polls of the peers.
 pub const DEFAULT_POLL: Duration = Duration::from_secs(1);
@@ -197,20 +193,20 @@ pub fn choose<'a>(local_waiting: u64, margin: u64, peers: &[PeerView<'a>]) -> Pi
 
 /// The last word from one peer.
 #[derive(Clone, Debug)]
-struct Heard {
+pub(super) struct Heard {
     /// The address it was heard at (a peer re-created under its name at another address is
     /// unknown until polled there).
-    url: String,
+    pub(super) url: String,
     /// When.
     at: Instant,
     /// Its report, or why it is down.
-    report: Result<ResidencyReport, String>,
+    pub(super) report: Result<ResidencyReport, String>,
 }
 
-/// The peers' live state, kept by [`poll_loop`] and the forwards' failures.
+/// The peers' live state, kept by [`super::residency::poll_loop`] and the forwards' failures.
 pub struct Peers {
     poll_ms: AtomicU64,
-    heard: RwLock<HashMap<String, Heard>>,
+    pub(super) heard: RwLock<HashMap<String, Heard>>,
     client: reqwest::Client,
 }
 
@@ -275,7 +271,7 @@ impl Peers {
         self.record(pod, url, Err(why));
     }
 
-    fn record(&self, pod: &str, url: &str, report: Result<ResidencyReport, String>) {
+    pub(super) fn record(&self, pod: &str, url: &str, report: Result<ResidencyReport, String>) {
         self.heard
             .write()
             .unwrap_or_else(PoisonError::into_inner)
@@ -290,7 +286,7 @@ impl Peers {
     }
 
     /// One poll of the peer at `url`.
-    async fn fetch(&self, url: &str) -> Result<ResidencyReport, String> {
+    pub(super) async fn fetch(&self, url: &str) -> Result<ResidencyReport, String> {
         let u = format!("{}/v1/residency", url.trim_end_matches('/'));
         let r = self
             .client
@@ -305,96 +301,10 @@ impl Peers {
     }
 }
 
-/// Polls the peers of the current config until the task is dropped: every interval, each peer's
-/// `/v1/residency`, [`POLL_CONCURRENCY`] at once; peers no longer configured are forgotten and
-/// their metric series removed.
-pub async fn poll_loop(s: Arc<AppState>) {
-    use futures::StreamExt;
-    loop {
-        let every = s.peers.interval();
-        if every.is_zero() {
-            return;
-        }
-        let cfg = s.cfg();
-        let me = crate::config::this_pod();
-        let targets: Vec<(String, String)> = cfg
-            .peers
-            .iter()
-            .filter(|(pod, _)| Some(pod.as_str()) != me.as_deref())
-            .map(|(p, u)| (p.clone(), u.clone()))
-            .collect();
-        s.peers
-            .heard
-            .write()
-            .unwrap_or_else(PoisonError::into_inner)
-            .retain(|pod, _| targets.iter().any(|(p, _)| p == pod));
-        // Owned pairs: a spawned task's stream cannot lend out borrows of `targets`.
-        futures::stream::iter(targets.clone())
-            .map(|(pod, url)| {
-                let s = s.clone();
-                async move {
-                    let r = s.peers.fetch(&url).await;
-                    if let Err(e) = &r {
-                        tracing::debug!(peer = %pod, "peer poll failed: {e}");
-                    }
-                    s.peers.record(&pod, &url, r);
-                }
-            })
-            .buffer_unordered(POLL_CONCURRENCY)
-            .collect::<()>()
-            .await;
-        s.metrics.peer_up.reset();
-        s.metrics.peer_waiting.reset();
-        for (pod, url) in &targets {
-            let heard = s.peers.heard.read().unwrap_or_else(PoisonError::into_inner);
-            let report = heard
-                .get(pod)
-                .filter(|h| &h.url == url)
-                .and_then(|h| h.report.as_ref().ok());
-            let up = report.is_some_and(|r| r.ready);
-            s.metrics
-                .peer_up
-                .with_label_values(&[pod.as_str()])
-                .set(i64::from(up));
-            if let Some(r) = report {
-                s.metrics
-                    .peer_waiting
-                    .with_label_values(&[pod.as_str()])
-                    .set(r.waiting as i64);
-            }
-        }
-        tokio::time::sleep(every).await;
-    }
-}
-
-/// `GET /v1/residency`: what this worker holds in memory and how busy it is, the report its
-/// peers poll to forward requests (no key, as `/metrics`, which tells as much).
-#[utoipa::path(get, path = "/v1/residency", tag = "probes",
-    responses((status = 200, description = "Adapters in memory and the queue", body = ResidencyReport)))]
-pub(super) async fn residency(State(s): State<Arc<AppState>>) -> Json<ResidencyReport> {
-    let stats = s.info.stats();
-    let adapters = s
-        .admin
-        .adapters()
-        .into_iter()
-        .filter(|a| a.loaded && a.residency != Residency::Disk)
-        .map(|a| ResidentAdapter {
-            name: a.name,
-            version: a.version,
-            residency: a.residency,
-        })
-        .collect();
-    Json(ResidencyReport {
-        ready: s.readiness().is_ok(),
-        waiting: stats.waiting as u64,
-        running: stats.running as u64,
-        adapters,
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use mole_api::ResidentAdapter;
     use RouteReason::*;
 
     fn holds(residency: Residency, waiting: u64, running: u64) -> Seen {
