@@ -89,10 +89,22 @@ fn counts(e: &Engine, adapter: &str) -> (u64, u64) {
         .map_or((0, 0), |c| (c.queries, c.hits))
 }
 
+/// Tokens reused of a `len`-token prompt all of whose tokens were computed before: on the
+/// tensor path its full blocks but the one holding its last token (whole blocks only, as
+/// vLLM), on the host path every token but its last (its blocks are also found by tokens).
+fn reused(tensor: bool, len: usize) -> u64 {
+    match tensor {
+        true => ((len - 1) / BLOCK * BLOCK) as u64,
+        false => (len - 1) as u64,
+    }
+}
+
 /// A second prompt sharing the first's leading 38 tokens reuses their two full blocks (32
-/// tokens) and answers, tokens and log-probabilities, as the engine without the cache does:
-/// on both paths, with the base and with an adapter. Then the same prompt again reuses every
-/// full block but the one holding its last token (the step needs that token's logits).
+/// tokens; on the host path also the 6 tokens after them, found by their tokens) and answers,
+/// tokens and log-probabilities, as the engine without the cache does: on both paths, with
+/// the base and with an adapter. Then the same prompt again reuses every full block but the
+/// one holding its last token (the step needs that token's logits; the host path reuses all
+/// its tokens but that one).
 #[test]
 fn a_reused_prefix_answers_as_a_computed_one() {
     let shared = long_prompt(38);
@@ -112,7 +124,13 @@ fn a_reused_prefix_answers_as_a_computed_one() {
             let (q, h) = counts(&on, label);
             assert_eq!(
                 (q - before.0, h - before.1),
-                ((first.len() + second.len()) as u64, 2 * BLOCK as u64),
+                (
+                    (first.len() + second.len()) as u64,
+                    match tensor {
+                        true => 2 * BLOCK,
+                        false => shared.len(),
+                    } as u64
+                ),
                 "{what}: queries and hits in tokens"
             );
             answer(&on, &whole, adapter, 3);
@@ -122,8 +140,8 @@ fn a_reused_prefix_answers_as_a_computed_one() {
             let (_, h2) = counts(&on, label);
             assert_eq!(
                 h2 - h,
-                2 * BLOCK as u64,
-                "{what}: 48 tokens, the last block recomputed"
+                reused(tensor, whole.len()),
+                "{what}: 48 tokens, the last token recomputed"
             );
         }
         assert!(
@@ -131,6 +149,48 @@ fn a_reused_prefix_answers_as_a_computed_one() {
             "nothing counted when off"
         );
         assert!(on.stats().prefix_cached_blocks > 0);
+    }
+}
+
+/// On the host path a prompt seen before is reused up to its last token, as llama.cpp's
+/// prompt cache and SGLang's radix cache reuse it, not only its full blocks: the block that
+/// holds its end is found by its tokens among the cached blocks that followed the same full
+/// blocks, a finished request's last partial block among them. A conversation that goes on
+/// (the prompt, the answer, a new turn) reuses everything the previous request computed. The
+/// answers are the uncached engine's.
+#[test]
+fn the_host_path_reuses_a_prompt_up_to_its_last_token() {
+    let on = engine(false, true, |_| {});
+    let off = engine(false, false, |_| {});
+    for adapter in [None, Some("a")] {
+        let what = format!("adapter {adapter:?}");
+        let label = adapter.unwrap_or("");
+        // Two full blocks and 10 tokens; after 8 tokens the cache holds 49 (the last token
+        // sampled is never fed back): three full blocks and one token.
+        let prompt = long_prompt(42);
+        answer(&on, &prompt, adapter, 8);
+        let (_, before) = counts(&on, label);
+        let got = answer(&on, &prompt, adapter, 8);
+        assert_same(&got, &answer(&off, &prompt, adapter, 8), &what);
+        assert_eq!(
+            counts(&on, label).1 - before,
+            41,
+            "{what}: the same prompt again, every token but its last"
+        );
+        let turn: Vec<u32> = prompt
+            .iter()
+            .copied()
+            .chain(got.iter().map(|t| t.0))
+            .chain([5, 6, 7])
+            .collect();
+        let (_, before) = counts(&on, label);
+        let next = answer(&on, &turn, adapter, 4);
+        assert_same(&next, &answer(&off, &turn, adapter, 4), &what);
+        assert_eq!(
+            counts(&on, label).1 - before,
+            49,
+            "{what}: the next turn, all the previous request computed"
+        );
     }
 }
 
@@ -151,7 +211,11 @@ fn a_block_is_never_reused_under_another_adapter_or_the_base() {
         }
         assert_eq!(counts(&on, "").1, 0, "the base reused a's blocks");
         assert_eq!(counts(&on, "b").1, 0, "b reused a's blocks");
-        assert_eq!(counts(&on, "a").1, 2 * BLOCK as u64, "a reuses its own");
+        assert_eq!(
+            counts(&on, "a").1,
+            reused(tensor, prompt.len()),
+            "a reuses its own"
+        );
     }
 }
 
@@ -202,7 +266,8 @@ fn a_small_cache_evicts_and_loses_no_request() {
         let (_, before) = counts(&on, "");
         let got = answer(&on, &prompts[5], None, 12);
         assert_same(&got, &want[5], &format!("tensor path {tensor}, last again"));
-        assert_eq!(counts(&on, "").1 - before, 2 * BLOCK as u64, "{s:?}");
+        let hits = counts(&on, "").1 - before;
+        assert_eq!(hits, reused(tensor, prompts[5].len()), "{s:?}");
     }
 }
 
@@ -264,7 +329,7 @@ fn choices_and_later_requests_share_a_prompts_blocks() {
         }
         let got = answer(&on, &prompt, Some("b"), 5);
         assert_same(&got, &want, &format!("tensor path {tensor}, later"));
-        assert_eq!(counts(&on, "b").1, 2 * BLOCK as u64);
+        assert_eq!(counts(&on, "b").1, reused(tensor, prompt.len()));
     }
 }
 
@@ -281,7 +346,8 @@ fn a_cache_salt_isolates_its_requests() {
     };
     for tensor in [true, false] {
         let on = engine(tensor, true, |_| {});
-        for (salt, hits) in [(None, 0), (Some("x"), 0), (Some("y"), 0), (Some("x"), 32)] {
+        let again = reused(tensor, prompt.len());
+        for (salt, hits) in [(None, 0), (Some("x"), 0), (Some("y"), 0), (Some("x"), again)] {
             let (_, before) = counts(&on, "");
             collect(on.submit(salted(salt)).unwrap());
             assert_eq!(

@@ -91,7 +91,16 @@ fn reuse_prefix(shared: &Shared, s: &mut Seq) -> Option<usize> {
     let block = shared.model.tensor_path().block_size.max(1);
     let blocks = (s.context.len() - 1) / block;
     let blocks = s.block_hashes(block, blocks).len();
-    let reused = match shared.model.reuse_prefix(&mut s.cache, &s.hashes[..blocks]) {
+    // Every token but the last may be reused; found by their tokens past the full blocks
+    // (host path) when no image is among them.
+    let mut cache = std::mem::take(&mut s.cache);
+    let tokens = s.plain_tokens(s.context.len() - 1);
+    let reused = shared
+        .model
+        .reuse_prefix(&mut cache, &s.hashes[..blocks], s.seed, tokens.as_deref());
+    drop(tokens);
+    s.cache = cache;
+    let reused = match reused {
         Ok(n) => n,
         Err(e) => {
             // The cache's failure only costs the recomputation.
@@ -146,9 +155,33 @@ pub(super) fn store_prefixes(shared: &Shared, running: &mut [Box<Seq>], work: &[
         let s: &mut Seq = &mut running[*i];
         let blocks = s.cache.len() / block;
         s.block_hashes(block, blocks);
-        if let Err(e) = shared.model.store_prefix(&mut s.cache, &s.hashes) {
+        // The host path's store also finds blocks by their tokens; the tensor path's does not.
+        let mut cache = std::mem::take(&mut s.cache);
+        let tokens = match shared.model.paged() {
+            true => None,
+            false => s.plain_tokens(blocks * block),
+        };
+        let stored = shared
+            .model
+            .store_prefix(&mut cache, &s.hashes, s.seed, tokens.as_deref());
+        drop(tokens);
+        s.cache = cache;
+        if let Err(e) = stored {
             tracing::warn!(request = %s.id, error = %e, "prefix cache store failed");
         }
+    }
+}
+
+/// Offers the prefix cache the last, partial block of a sequence that is done, so that the
+/// same prompt again, or the conversation going on, reuses it (host path).
+pub(super) fn store_partial(shared: &Shared, s: &Seq) {
+    if !shared.opts.prefix_caching || shared.model.paged() {
+        return;
+    }
+    if let Some(tokens) = s.plain_tokens(s.cache.len()) {
+        shared
+            .model
+            .store_partial(&s.cache, &s.hashes, s.seed, &tokens);
     }
 }
 

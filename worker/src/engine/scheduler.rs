@@ -83,6 +83,9 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
         running.retain(|s| s.done || !s.cancelled());
         let cancelled = before - running.len();
         let live = running.len();
+        for s in running.iter().filter(|s| s.done) {
+            plan::store_partial(&shared, s);
+        }
         running.retain(|s| !s.done);
         if cancelled > 0 || running.len() < live {
             // Adapters the finished requests held may be over capacity: evict them now.

@@ -137,6 +137,20 @@ impl Seq {
         self.done = true;
     }
 
+    /// Its first `upto` tokens, prompt then generated, when the prefix cache may match them
+    /// by their tokens alone: None for a prompt with images (its placeholders' tokens do not
+    /// say which image).
+    pub(super) fn plain_tokens(&self, upto: usize) -> Option<std::borrow::Cow<'_, [u32]>> {
+        if self.images.is_some() {
+            return None;
+        }
+        if upto <= self.context.len() {
+            return Some(std::borrow::Cow::Borrowed(&self.context[..upto]));
+        }
+        let known = self.prompt.iter().chain(&self.generated);
+        Some(std::borrow::Cow::Owned(known.take(upto).copied().collect()))
+    }
+
     /// The hashes of its first `blocks` full blocks (fewer when it has fewer tokens).
     pub(super) fn block_hashes(&mut self, block: usize, blocks: usize) -> &[BlockHash] {
         super::prefix::extend(

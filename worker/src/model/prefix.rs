@@ -80,16 +80,46 @@ impl PrefixIndex {
     }
 }
 
-/// The host path's cached blocks: copies of full blocks' keys and values of every layer
-/// (`layers × 2 × block_size × width` f32 each), at most `capacity` blocks, evicted least
+/// The host path's cached blocks: copies of blocks' keys and values of every layer
+/// (`layers × 2 × tokens × width` f32 each), at most `capacity` blocks, evicted least
 /// recently used. A host-path sequence grows its own token-major cache, which its attention
 /// kernel reads in place; a hit copies the blocks into it, which costs far less than
 /// computing them (a copy of 46 KB per token for SmolLM2 against its forward pass).
+///
+/// Besides the full blocks found by their hash chain, the store finds a block by its tokens
+/// among the blocks cached after the same parent (the hash of the full block before it), and
+/// keeps a finished sequence's last, partial block that way: a prompt sent again, or a
+/// conversation going on, reuses every token computed before but the one whose logits the
+/// step needs, as llama.cpp's prompt cache and SGLang's radix cache do, where whole blocks
+/// alone leave up to a block's tokens to compute again.
 #[derive(Debug)]
 pub(super) struct HostBlocks {
     index: PrefixIndex,
     data: Vec<Vec<f32>>,
+    meta: Vec<Option<Meta>>,
+    /// The blocks that follow each parent, findable by their tokens.
+    children: HashMap<BlockHash, Vec<u32>>,
+    /// Keys of partial blocks (which have no hash of their own), counting down from the top
+    /// of the hash space.
+    partial_keys: BlockHash,
     capacity: usize,
+}
+
+/// What finds a cached block by its tokens.
+#[derive(Debug)]
+struct Meta {
+    parent: BlockHash,
+    tokens: Vec<u32>,
+}
+
+/// Where a block stored in the host store goes: its parent (the hash of the full block
+/// before it, or the chain's seed) and its tokens, when it may be found by them (a block
+/// holding an image's placeholders may not: its tokens do not say which image).
+pub struct BlockKey<'t> {
+    /// The hash of the block before it, or the chain's seed for the first.
+    pub parent: BlockHash,
+    /// Its tokens; None when it may be found by its hash only.
+    pub tokens: Option<&'t [u32]>,
 }
 
 impl HostBlocks {
@@ -98,6 +128,9 @@ impl HostBlocks {
         Self {
             index: PrefixIndex::default(),
             data: Vec::new(),
+            meta: Vec::new(),
+            children: HashMap::new(),
+            partial_keys: BlockHash::MAX,
             capacity: capacity.max(1),
         }
     }
@@ -112,9 +145,35 @@ impl HostBlocks {
         found
     }
 
+    /// The cached block after `parent` whose tokens start with the longest run of `tokens`
+    /// (at least one), marked most recently used, and the length of that run.
+    pub fn longest(&mut self, parent: BlockHash, tokens: &[u32]) -> Option<(u32, usize)> {
+        let common = |b: &u32| {
+            let m = self.meta[*b as usize].as_ref()?;
+            let n = m.tokens.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+            Some((*b, n))
+        };
+        let best = self
+            .children
+            .get(&parent)?
+            .iter()
+            .filter_map(common)
+            .max_by_key(|&(_, n)| n)
+            .filter(|&(_, n)| n > 0)?;
+        self.index.release(best.0);
+        Some(best)
+    }
+
     /// A block's data.
     pub fn data(&self, block: u32) -> &[f32] {
         &self.data[block as usize]
+    }
+
+    /// Tokens a block holds (a partial block fewer than a full one).
+    pub fn tokens(&self, block: u32, full: usize) -> usize {
+        self.meta[block as usize]
+            .as_ref()
+            .map_or(full, |m| m.tokens.len())
     }
 
     /// Whether `hash` is cached (marked most recently used when it is).
@@ -128,27 +187,73 @@ impl HostBlocks {
         }
     }
 
-    /// Stores a block under `hash`, `fill` writing its data into the buffer it is given
+    /// Stores a full block under `hash`, `fill` writing its data into the buffer it is given
     /// (cleared, with room for the block); evicts the least recently used block when full.
-    pub fn insert(&mut self, hash: BlockHash, fill: impl FnOnce(&mut Vec<f32>)) {
+    pub fn insert(&mut self, hash: BlockHash, key: BlockKey<'_>, fill: impl FnOnce(&mut Vec<f32>)) {
         if self.touch(hash) {
             return;
         }
+        self.put(hash, key, fill);
+    }
+
+    /// Stores a partial block (`key.tokens`, fewer than a full block's), found by its tokens
+    /// after `key.parent` only; nothing when a block after the same parent already starts
+    /// with those tokens.
+    pub fn insert_partial(&mut self, key: BlockKey<'_>, fill: impl FnOnce(&mut Vec<f32>)) {
+        let Some(tokens) = key.tokens.filter(|t| !t.is_empty()) else {
+            return;
+        };
+        if let Some((b, n)) = self.longest(key.parent, tokens) {
+            if n == tokens.len() {
+                self.index.release(b);
+                return;
+            }
+        }
+        self.partial_keys -= 1;
+        let hash = self.partial_keys;
+        self.put(hash, key, fill);
+    }
+
+    fn put(&mut self, hash: BlockHash, key: BlockKey<'_>, fill: impl FnOnce(&mut Vec<f32>)) {
         let block = match self.data.len() < self.capacity {
             true => {
                 self.data.push(Vec::new());
+                self.meta.push(None);
                 (self.data.len() - 1) as u32
             }
             false => match self.index.evict() {
-                Some(b) => b,
+                Some(b) => {
+                    self.forget(b);
+                    b
+                }
                 None => return,
             },
         };
         let buf = &mut self.data[block as usize];
         buf.clear();
         fill(buf);
+        if let Some(tokens) = key.tokens {
+            self.children.entry(key.parent).or_default().push(block);
+            self.meta[block as usize] = Some(Meta {
+                parent: key.parent,
+                tokens: tokens.to_vec(),
+            });
+        }
         self.index.insert(block, hash);
         self.index.release(block);
+    }
+
+    /// Takes an evicted block out of the index by tokens.
+    fn forget(&mut self, block: u32) {
+        let Some(m) = self.meta[block as usize].take() else {
+            return;
+        };
+        if let Some(v) = self.children.get_mut(&m.parent) {
+            v.retain(|&b| b != block);
+            if v.is_empty() {
+                self.children.remove(&m.parent);
+            }
+        }
     }
 
     /// Blocks cached.
@@ -160,6 +265,10 @@ impl HostBlocks {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn key(parent: BlockHash, tokens: Option<&[u32]>) -> BlockKey<'_> {
+        BlockKey { parent, tokens }
+    }
 
     #[test]
     fn idle_blocks_are_evicted_least_recently_used_first_and_lose_their_hash() {
@@ -183,14 +292,40 @@ mod tests {
     #[test]
     fn the_host_store_finds_the_longest_run_and_evicts_the_least_recently_used() {
         let mut s = HostBlocks::new(2);
-        s.insert(1, |b| b.push(1.0));
-        s.insert(2, |b| b.push(2.0));
+        s.insert(1, key(0, None), |b| b.push(1.0));
+        s.insert(2, key(1, None), |b| b.push(2.0));
         assert_eq!(s.lookup(&[1, 2, 3]), [0, 1]);
         // 1 was used before 2 in that lookup: it goes first.
-        s.insert(3, |b| b.push(3.0));
+        s.insert(3, key(2, None), |b| b.push(3.0));
         assert_eq!(s.lookup(&[1]), Vec::<u32>::new());
         assert_eq!(s.lookup(&[2, 3]), [1, 0]);
         assert_eq!(s.data(0), [3.0]);
         assert_eq!(s.len(), 2);
+    }
+
+    #[test]
+    fn the_host_store_finds_a_block_by_its_tokens_after_the_same_parent() {
+        let mut s = HostBlocks::new(3);
+        s.insert(10, key(7, Some(&[1, 2, 3, 4])), |b| b.push(10.0));
+        s.insert(11, key(7, Some(&[1, 2, 9, 9])), |b| b.push(11.0));
+        s.insert(12, key(8, None), |b| b.push(12.0));
+        assert_eq!(s.longest(7, &[1, 2, 3]), Some((0, 3)), "the longest run");
+        assert_eq!(s.longest(7, &[1, 2, 9, 9]), Some((1, 4)));
+        assert_eq!(s.longest(7, &[5]), None, "no token in common");
+        assert_eq!(s.longest(9, &[1]), None, "another parent");
+        assert_eq!(s.longest(8, &[1]), None, "found by its hash only");
+        // A partial block already covered is not stored again.
+        s.insert_partial(key(7, Some(&[1, 2, 3])), |b| b.push(0.0));
+        assert_eq!(s.len(), 3);
+        // A new one evicts the least recently used (12), and then is found by its tokens.
+        s.insert_partial(key(7, Some(&[1, 5])), |b| b.push(13.0));
+        assert!(!s.touch(12));
+        assert_eq!(s.longest(7, &[1, 5, 6]), Some((2, 2)));
+        assert_eq!(s.tokens(2, 4), 2);
+        assert_eq!(s.data(2), [13.0]);
+        // Evicted, a block is no longer found by its tokens: 10 then 11 go.
+        s.insert(20, key(1, None), |b| b.push(20.0));
+        s.insert(21, key(1, None), |b| b.push(21.0));
+        assert_eq!(s.longest(7, &[1, 2, 3]), Some((2, 1)), "only the partial one is left");
     }
 }

@@ -5,7 +5,7 @@
 use std::sync::PoisonError;
 
 use super::super::cache::{LayerKv, SeqCache};
-use super::super::prefix::{BlockHash, HostBlocks};
+use super::super::prefix::{BlockHash, BlockKey, HostBlocks};
 use super::super::ModelError;
 use super::Decoder;
 
@@ -13,18 +13,26 @@ impl Decoder {
     /// Starts the empty `cache` with the longest run of `hashes` from the first that the
     /// prefix cache holds (`hashes[i]` is the hash of the sequence's block `i`, see
     /// [`BlockHash`]): on the tensor path those blocks are shared, held by the cache until it
-    /// drops; on the host path their keys and values are copied in. Returns the tokens the
-    /// cache then holds, whole blocks.
+    /// drops; on the host path their keys and values are copied in. On the host path, with
+    /// `tokens` given (the tokens that may be reused: the context but its last token, found by
+    /// their tokens only when they hold no image), the block after them is then looked for by
+    /// its tokens under `seed`'s chain, and its leading tokens in common are copied too.
+    /// Returns the tokens the cache then holds.
     pub fn reuse_prefix(
         &self,
         cache: &mut SeqCache,
         hashes: &[BlockHash],
+        seed: BlockHash,
+        tokens: Option<&[u32]>,
     ) -> Result<usize, ModelError> {
-        if !cache.is_empty() || hashes.is_empty() {
+        if !cache.is_empty() || (hashes.is_empty() && tokens.is_none_or(<[u32]>::is_empty)) {
             return Ok(0);
         }
         let bs = self.tensor_opts.block_size.max(1);
         if !self.host {
+            if hashes.is_empty() {
+                return Ok(0);
+            }
             let state = self.tensor_state()?;
             let blocks = state.kv.reuse(&mut cache.blocks, hashes);
             cache.len = blocks * bs;
@@ -38,25 +46,36 @@ impl Decoder {
             return Ok(0);
         };
         let found = store.lookup(hashes);
-        if found.is_empty() {
+        let n = found.len();
+        // The block after the full ones, by its tokens: (block, tokens in common).
+        let partial = tokens.and_then(|t| {
+            let tail = t.get(n * bs..((n + 1) * bs).min(t.len()))?;
+            let parent = n.checked_sub(1).map_or(seed, |i| hashes[i]);
+            store.longest(parent, tail)
+        });
+        if n == 0 && partial.is_none() {
             return Ok(0);
         }
-        let w = bs * self.cfg.kv_heads() * self.cfg.head_dim();
-        let tokens = found.len() * bs;
+        let w = self.cfg.kv_heads() * self.cfg.head_dim();
+        let extra = partial.map_or(0, |p| p.1);
+        let tokens = n * bs + extra;
         cache.layers = (0..self.layers.len())
             .map(|li| {
-                let mut k = Vec::with_capacity(found.len() * w);
-                let mut v = Vec::with_capacity(found.len() * w);
-                for &b in &found {
-                    let d = store.data(b);
-                    k.extend_from_slice(&d[2 * li * w..(2 * li + 1) * w]);
-                    v.extend_from_slice(&d[(2 * li + 1) * w..(2 * li + 2) * w]);
+                let mut k = Vec::with_capacity(tokens * w);
+                let mut v = Vec::with_capacity(tokens * w);
+                let blocks = found.iter().map(|&b| (b, bs));
+                for (b, take) in blocks.chain(partial) {
+                    // A block's data: per layer its keys then its values, `held` tokens each.
+                    let held = store.tokens(b, bs) * w;
+                    let d = &store.data(b)[2 * li * held..2 * (li + 1) * held];
+                    k.extend_from_slice(&d[..take * w]);
+                    v.extend_from_slice(&d[held..held + take * w]);
                 }
                 LayerKv::Host(k, v)
             })
             .collect();
         cache.len = tokens;
-        cache.hashed = found.len();
+        cache.hashed = n;
         Ok(tokens)
     }
 
@@ -64,11 +83,15 @@ impl Decoder {
     /// (`hashes[i]` is block `i`'s; blocks the cache does not hold whole are left out), so
     /// that later sequences reuse them: on the tensor path the blocks themselves, kept when
     /// the cache drops until the pool needs them; on the host path a copy in a store of at
-    /// most `kv_blocks` blocks, least recently used evicted.
+    /// most `kv_blocks` blocks, least recently used evicted, findable also by its tokens
+    /// (`tokens`: the sequence's, when they hold no image) after the block before it (the
+    /// chain's `seed` for the first).
     pub fn store_prefix(
         &self,
         cache: &mut SeqCache,
         hashes: &[BlockHash],
+        seed: BlockHash,
+        tokens: Option<&[u32]>,
     ) -> Result<(), ModelError> {
         let bs = self.tensor_opts.block_size.max(1);
         let full = cache.len;
@@ -83,25 +106,53 @@ impl Decoder {
         if upto <= cache.hashed {
             return Ok(());
         }
-        let w = bs * self.cfg.kv_heads() * self.cfg.head_dim();
         let mut store = self
             .host_blocks
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         let store = store.get_or_insert_with(|| HostBlocks::new(self.tensor_opts.kv_blocks));
+        let w = self.cfg.kv_heads() * self.cfg.head_dim();
         for (i, &h) in hashes.iter().enumerate().take(upto).skip(cache.hashed) {
-            store.insert(h, |buf| {
-                buf.reserve_exact(2 * cache.layers.len() * w);
-                for l in &cache.layers {
-                    if let LayerKv::Host(k, v) = l {
-                        buf.extend_from_slice(&k[i * w..(i + 1) * w]);
-                        buf.extend_from_slice(&v[i * w..(i + 1) * w]);
-                    }
-                }
-            });
+            let key = BlockKey {
+                parent: i.checked_sub(1).map_or(seed, |p| hashes[p]),
+                tokens: tokens.and_then(|t| t.get(i * bs..(i + 1) * bs)),
+            };
+            store.insert(h, key, |buf| host_block(buf, cache, w, i * bs, bs));
         }
         cache.hashed = upto;
         Ok(())
+    }
+
+    /// Offers the prefix cache a finished sequence's last, partial block (its tokens after
+    /// its full blocks, whose hashes are `hashes`), findable by `tokens` after the block
+    /// before it (host path; the tensor path caches full blocks only, as vLLM does). Its
+    /// full blocks must have been offered first ([`Self::store_prefix`]).
+    pub fn store_partial(
+        &self,
+        cache: &SeqCache,
+        hashes: &[BlockHash],
+        seed: BlockHash,
+        tokens: &[u32],
+    ) {
+        let bs = self.tensor_opts.block_size.max(1);
+        let full = cache.len / bs;
+        if !self.host || cache.len % bs == 0 || cache.hashed != full || hashes.len() < full {
+            return;
+        }
+        let Some(tail) = tokens.get(full * bs..cache.len) else {
+            return;
+        };
+        let mut store = self
+            .host_blocks
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let store = store.get_or_insert_with(|| HostBlocks::new(self.tensor_opts.kv_blocks));
+        let w = self.cfg.kv_heads() * self.cfg.head_dim();
+        let key = BlockKey {
+            parent: full.checked_sub(1).map_or(seed, |p| hashes[p]),
+            tokens: Some(tail),
+        };
+        store.insert_partial(key, |buf| host_block(buf, cache, w, full * bs, tail.len()));
     }
 
     /// Blocks the prefix cache holds that no sequence holds (the tensor path's cached free
@@ -128,5 +179,17 @@ impl Decoder {
         let width = self.cfg.kv_heads() * self.cfg.head_dim();
         let paged = (!self.host).then_some(self.tensor_opts.block_size.max(1));
         cache.prefix(tokens, width, paged)
+    }
+}
+
+/// Writes the keys and values of `cache`'s tokens `[from, from + len)` (`w` floats each)
+/// into `buf`: per layer its keys then its values.
+fn host_block(buf: &mut Vec<f32>, cache: &SeqCache, w: usize, from: usize, len: usize) {
+    buf.reserve_exact(2 * cache.layers.len() * len * w);
+    for l in &cache.layers {
+        if let LayerKv::Host(k, v) = l {
+            buf.extend_from_slice(&k[from * w..(from + len) * w]);
+            buf.extend_from_slice(&v[from * w..(from + len) * w]);
+        }
     }
 }
