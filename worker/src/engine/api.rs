@@ -212,9 +212,10 @@ pub struct SamplingParams {
     pub presence_penalty: f32,
     /// OpenAI frequency penalty.
     pub frequency_penalty: f32,
-    /// Seed: same seed, same tokens (on one path: the host sampler walks the kept tokens best
-    /// first, the tensor path's device sampler in vocabulary order, so the same seed may give
-    /// other tokens on the other path; both draw the same uniforms from it).
+    /// Seed: same seed, same tokens (on one path: both samplers draw the same uniforms from it
+    /// and walk the kept tokens in vocabulary order, but their probabilities are summed in
+    /// other orders, so where a uniform falls near a boundary the other path may pick the
+    /// neighbouring token).
     pub seed: Option<u64>,
     /// Tokens to generate at most.
     pub max_tokens: usize,
