@@ -25,10 +25,11 @@ fn truncate(d: &[u8]) -> BlockHash {
 }
 
 /// The hash a chain of blocks starts from: the weights that compute its keys and values.
-/// The base model's, or an adapter's name, version and process-wide load id (a version
-/// loaded again from another directory is other weights; a block of an unloaded adapter is
-/// then never found again, and is evicted in its turn); and the request's `cache_salt`
-/// when it has one (vLLM's: requests of different salts share nothing).
+/// The base model's, or an adapter's name, version and the identity of its weights (of the
+/// files it was read from, as they were: a version loaded again from the same unchanged
+/// files finds its blocks again, one loaded from other files is other weights); and the
+/// request's `cache_salt` when it has one (vLLM's: requests of different salts share
+/// nothing).
 pub(super) fn seed(adapter: Option<&Pinned>, salt: Option<&str>) -> BlockHash {
     let mut h = Sha256::new();
     if let Some(salt) = salt {
@@ -44,7 +45,7 @@ pub(super) fn seed(adapter: Option<&Pinned>, salt: Option<&str>) -> BlockHash {
             h.update([0]);
             h.update(p.version.as_bytes());
             h.update([0]);
-            h.update(p.adapter.id().to_le_bytes());
+            h.update(p.adapter.weights_key().to_le_bytes());
         }
     }
     truncate(&h.finalize())

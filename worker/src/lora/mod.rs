@@ -191,8 +191,45 @@ pub fn load(
     // adapter, never reads a buffer still being written.
     device.synchronize()?;
     let mut adapter = LoraAdapter::from_modules(modules, rank, bytes).with_vision(vision);
+    if let Some(key) = files_key(dir) {
+        adapter = adapter.with_weights_key(key);
+    }
     adapter.warning = warning;
     Ok(adapter)
+}
+
+/// A digest of the identity of `dir`'s adapter files as they are now: their paths, sizes,
+/// modification times and inodes. Reading the weights again from files where none of these
+/// changed reads the same bytes; hashing the bytes themselves would cost more than the load
+/// (a load reads 18 MB in about 2 ms). None when a file's metadata cannot be read (the
+/// adapter is then known by its load alone).
+fn files_key(dir: &Path) -> Option<u128> {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update(b"mole/adapter-files\0");
+    for name in ["adapter_model.safetensors", "adapter_config.json"] {
+        let path = dir.join(name).canonicalize().ok()?;
+        let meta = std::fs::metadata(&path).ok()?;
+        let modified = meta
+            .modified()
+            .ok()?
+            .duration_since(std::time::UNIX_EPOCH)
+            .ok()?;
+        h.update(path.as_os_str().as_encoded_bytes());
+        h.update([0]);
+        h.update(meta.len().to_le_bytes());
+        h.update(modified.as_nanos().to_le_bytes());
+        #[cfg(unix)]
+        {
+            use std::os::unix::fs::MetadataExt;
+            h.update(meta.dev().to_le_bytes());
+            h.update(meta.ino().to_le_bytes());
+        }
+    }
+    let d = h.finalize();
+    let mut key = [0u8; 16];
+    key.copy_from_slice(&d[..16]);
+    Some(u128::from_le_bytes(key))
 }
 
 /// The warning an adapter trained on `found` gets in a pool of `expected`, None when they

@@ -87,9 +87,14 @@ impl Proj {
 /// [`kernels::RANK_ALIGN`] (a no-op for the usual ranks 8, 16, 32, 64).
 #[derive(Debug)]
 pub struct LoraAdapter {
-    /// Unique for the life of the process: the tensor path's slot pool knows which adapter a
-    /// slot holds by it (an address could be reused by a later adapter).
+    /// Unique to a load for the life of the process (its copies on another device share it:
+    /// the same weights): the tensor path's slot pool knows which adapter a slot holds by it
+    /// (an address could be reused by a later adapter).
     id: u64,
+    /// The identity of the weights for the prefix cache: the files they were read from as
+    /// they were then (see [`LoraAdapter::with_weights_key`]), so that the same files loaded
+    /// again find the blocks computed before; else unique to the load.
+    weights_key: u128,
     modules: HashMap<(usize, Proj), (Tensor, Tensor)>,
     /// Modules of a vision tower (`Aᵀ`, `s·B`), by their path under `model.visual.`
     /// (`blocks.0.attn.qkv`, `merger.linear_fc1`...): applied when the tower encodes the
@@ -206,8 +211,10 @@ impl LoraAdapter {
             host[layer * PROJS + proj as usize] = m;
         }
         static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        let id = NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Self {
-            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            id,
+            weights_key: u128::from(id),
             modules,
             vision: HashMap::new(),
             host,
@@ -246,6 +253,19 @@ impl LoraAdapter {
         self.id
     }
 
+    /// The identity of its weights for the prefix cache (see [`Self::with_weights_key`]).
+    pub fn weights_key(&self) -> u128 {
+        self.weights_key
+    }
+
+    /// The same adapter, its weights known by `key`: a digest of the files they were read
+    /// from, as they were (path, size, modification time, inode), so that an adapter evicted
+    /// and loaded again from the same unchanged files keeps its cached KV blocks.
+    pub fn with_weights_key(mut self, key: u128) -> Self {
+        self.weights_key = key;
+        self
+    }
+
     /// `Aᵀ` `[in, r]` and `s·B` `[out, r]` of `(layer, proj)`, when the adapter has it.
     pub(super) fn module(&self, layer: usize, proj: Proj) -> Option<&(Tensor, Tensor)> {
         self.modules.get(&(layer, proj))
@@ -265,7 +285,12 @@ impl LoraAdapter {
             .collect::<candle_core::Result<_>>()?;
         // Complete before another thread reads them (see `crate::lora::load`).
         device.synchronize()?;
-        Ok(Self::from_modules(modules, self.rank, self.bytes).with_vision(vision))
+        let mut copy = Self::from_modules(modules, self.rank, self.bytes).with_vision(vision);
+        // The same weights: the same identity for the slot pool and the prefix cache.
+        copy.id = self.id;
+        copy.weights_key = self.weights_key;
+        copy.warning.clone_from(&self.warning);
+        Ok(copy)
     }
 
     /// Adds this adapter's low-rank update of `(layer, proj)` to the rows `idx` of `out`, whose
