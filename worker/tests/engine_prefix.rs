@@ -219,6 +219,42 @@ fn a_block_is_never_reused_under_another_adapter_or_the_base() {
     }
 }
 
+/// An adapter unloaded and loaded again from the same unchanged files finds the blocks it
+/// computed before (its blocks are keyed by its files' identity, not by the load), while the
+/// same name and version loaded from another directory (other weights) reuses nothing.
+#[test]
+fn an_adapter_loaded_again_from_the_same_files_finds_its_blocks() {
+    let prompt = long_prompt(40);
+    for tensor in [true, false] {
+        let what = format!("tensor path {tensor}");
+        let on = engine(tensor, true, |_| {});
+        let off = engine(tensor, false, |_| {});
+        answer(&on, &prompt, Some("a"), 2);
+        on.unload_adapter("a").unwrap();
+        on.load_adapter(fixture_adapter("a", "v1", "a_r8_all"))
+            .unwrap();
+        let (_, before) = counts(&on, "a");
+        let got = answer(&on, &prompt, Some("a"), 4);
+        assert_same(&got, &answer(&off, &prompt, Some("a"), 4), &what);
+        assert_eq!(
+            counts(&on, "a").1 - before,
+            reused(tensor, prompt.len()),
+            "{what}: loaded again from the same files"
+        );
+        on.unload_adapter("a").unwrap();
+        on.load_adapter(fixture_adapter("a", "v1", "b_r4_qv"))
+            .unwrap();
+        let (_, before) = counts(&on, "a");
+        let got = answer(&on, &prompt, Some("a"), 4);
+        assert_same(&got, &answer(&off, &prompt, Some("b"), 4), &what);
+        assert_eq!(
+            counts(&on, "a").1 - before,
+            0,
+            "{what}: the same version from other files"
+        );
+    }
+}
+
 /// Eight KV blocks (128 tokens) and requests of three or four blocks each, many at once and
 /// then again: cached blocks are evicted as new requests need room, the running ones are
 /// preempted when the step outgrows the pool, and every answer is still the uncached one.
@@ -347,7 +383,12 @@ fn a_cache_salt_isolates_its_requests() {
     for tensor in [true, false] {
         let on = engine(tensor, true, |_| {});
         let again = reused(tensor, prompt.len());
-        for (salt, hits) in [(None, 0), (Some("x"), 0), (Some("y"), 0), (Some("x"), again)] {
+        for (salt, hits) in [
+            (None, 0),
+            (Some("x"), 0),
+            (Some("y"), 0),
+            (Some("x"), again),
+        ] {
             let (_, before) = counts(&on, "");
             collect(on.submit(salted(salt)).unwrap());
             assert_eq!(

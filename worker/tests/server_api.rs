@@ -267,11 +267,18 @@ async fn chat_routes_and_answers() {
     assert_eq!(b["usage"]["completion_tokens"], 10);
     // The byte-level template: "<user>say bonjour\n<assistant>" is 29 tokens.
     assert_eq!(b["usage"]["prompt_tokens"], 29);
+    assert_eq!(b["usage"]["prompt_tokens_details"]["cached_tokens"], 0);
     assert_eq!(b["mole"]["adapter_version"], "v1");
     // Greedy is deterministic; the adapter changes the answer.
     let routed = content(&b);
     let (_, _, again) = post(&s, "/v1/chat/completions", ask("fr", "say bonjour", 10)).await;
     assert_eq!(content(&again), routed);
+    // The same prompt under the same adapter: every token but its last from the prefix
+    // cache, reported as OpenAI, vLLM and llama.cpp report it.
+    assert_eq!(
+        again["usage"]["prompt_tokens_details"]["cached_tokens"], 28,
+        "{again}"
+    );
     let (_, h, base) = post(&s, "/v1/chat/completions", ask("llama", "say bonjour", 10)).await;
     assert_eq!(h["x-mole-mode"], "base");
     assert_ne!(

@@ -312,6 +312,9 @@ pub struct Usage {
     pub prompt_tokens: usize,
     /// Generated tokens.
     pub completion_tokens: usize,
+    /// Prompt tokens whose keys and values the prefix cache gave, found when the request
+    /// was first admitted (OpenAI's `prompt_tokens_details.cached_tokens`).
+    pub cached_tokens: usize,
 }
 
 /// What the engine sends back for a request.

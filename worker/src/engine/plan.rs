@@ -72,6 +72,7 @@ pub(super) fn admit(
         if let Some(tokens) = reused.filter(|_| !s.queried) {
             count_prefix(shared, &s, tokens);
             s.queried = true;
+            s.cached = tokens;
         }
         s.trace.prefilling(s.context.len());
         rows += width;
@@ -95,9 +96,10 @@ fn reuse_prefix(shared: &Shared, s: &mut Seq) -> Option<usize> {
     // (host path) when no image is among them.
     let mut cache = std::mem::take(&mut s.cache);
     let tokens = s.plain_tokens(s.context.len() - 1);
-    let reused = shared
-        .model
-        .reuse_prefix(&mut cache, &s.hashes[..blocks], s.seed, tokens.as_deref());
+    let reused =
+        shared
+            .model
+            .reuse_prefix(&mut cache, &s.hashes[..blocks], s.seed, tokens.as_deref());
     drop(tokens);
     s.cache = cache;
     let reused = match reused {

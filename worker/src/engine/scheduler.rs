@@ -618,6 +618,7 @@ fn emit(shared: &Shared, s: &mut Seq, out: Sampled) {
             usage: Usage {
                 prompt_tokens: s.prompt.len(),
                 completion_tokens: s.generated.len(),
+                cached_tokens: s.cached,
             },
         });
         s.done = true;

@@ -58,6 +58,8 @@ pub struct Seq {
     /// Its prefix-cache query was counted (at its first admission; not again after a
     /// preemption).
     pub(super) queried: bool,
+    /// Prompt tokens the prefix cache gave it at that query.
+    pub(super) cached: usize,
 }
 
 /// What a scoring sequence answers: the probabilities of `labels` (token ids) as the next
@@ -86,6 +88,7 @@ impl Seq {
             seed,
             hashes: Vec::new(),
             queried: false,
+            cached: 0,
             version,
             detok: Detokenizer::new(&prompt),
             id,

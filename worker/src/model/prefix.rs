@@ -150,7 +150,12 @@ impl HostBlocks {
     pub fn longest(&mut self, parent: BlockHash, tokens: &[u32]) -> Option<(u32, usize)> {
         let common = |b: &u32| {
             let m = self.meta[*b as usize].as_ref()?;
-            let n = m.tokens.iter().zip(tokens).take_while(|(a, b)| a == b).count();
+            let n = m
+                .tokens
+                .iter()
+                .zip(tokens)
+                .take_while(|(a, b)| a == b)
+                .count();
             Some((*b, n))
         };
         let best = self
@@ -326,6 +331,10 @@ mod tests {
         // Evicted, a block is no longer found by its tokens: 10 then 11 go.
         s.insert(20, key(1, None), |b| b.push(20.0));
         s.insert(21, key(1, None), |b| b.push(21.0));
-        assert_eq!(s.longest(7, &[1, 2, 3]), Some((2, 1)), "only the partial one is left");
+        assert_eq!(
+            s.longest(7, &[1, 2, 3]),
+            Some((2, 1)),
+            "only the partial one is left"
+        );
     }
 }

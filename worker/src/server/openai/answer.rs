@@ -18,7 +18,8 @@ use serde::Serialize;
 use super::parse::{join, OutputParser, ParseSpec, Parsed};
 use super::replies::{
     Answer, AssistantMessage, ChatChoice, ChatLogprobs, ChunkChoice, Delta, Finish, FunctionCall,
-    MoleInfo, TextChoice, TextLogprobs, TokenLogprob, ToolCallOut, TopLogprob, UsageInfo,
+    MoleInfo, PromptTokensDetails, TextChoice, TextLogprobs, TokenLogprob, ToolCallOut, TopLogprob,
+    UsageInfo,
 };
 use super::types::Kind;
 use crate::engine::api::{self, EventStream, FinishReason, TokenEvent, Usage};
@@ -161,6 +162,8 @@ impl Ctx {
     fn on_finished(&mut self, u: Usage) -> bool {
         self.usage.prompt_tokens = u.prompt_tokens;
         self.usage.completion_tokens += u.completion_tokens;
+        // The choices share the prompt; the first computed it, the others reused it.
+        self.usage.cached_tokens = self.usage.cached_tokens.max(u.cached_tokens);
         self.left = self.left.saturating_sub(1);
         self.left == 0
     }
@@ -521,6 +524,9 @@ fn usage_info(u: &Usage) -> UsageInfo {
         prompt_tokens: u.prompt_tokens,
         completion_tokens: u.completion_tokens,
         total_tokens: u.prompt_tokens + u.completion_tokens,
+        prompt_tokens_details: PromptTokensDetails {
+            cached_tokens: u.cached_tokens,
+        },
     }
 }
 

@@ -10,7 +10,7 @@ use serde_json::{json, Value};
 use super::fields::{self, On};
 use super::generate::serve;
 use super::images::{self, ImageSource};
-use super::replies::{TaskAnswer, UsageInfo};
+use super::replies::{PromptTokensDetails, TaskAnswer, UsageInfo};
 use super::types::{ChatBody, InferBody, Kind};
 use super::validate::{
     last_user_text, messages, sampling, validate_blocking, Caps, Parts, ValidRequest, Validate,
@@ -167,6 +167,11 @@ async fn task_answer(resp: Response) -> Result<Response, ApiError> {
             prompt_tokens: count("prompt_tokens"),
             completion_tokens: count("completion_tokens"),
             total_tokens: count("total_tokens"),
+            prompt_tokens_details: PromptTokensDetails {
+                cached_tokens: v["usage"]["prompt_tokens_details"]["cached_tokens"]
+                    .as_u64()
+                    .unwrap_or(0) as usize,
+            },
         },
     };
     Ok((parts.status, parts.headers, Json(out)).into_response())

@@ -56,6 +56,16 @@ pub(in crate::server) struct UsageInfo {
     pub(super) completion_tokens: usize,
     /// Their sum.
     pub(super) total_tokens: usize,
+    /// What the prompt's count is made of.
+    pub(super) prompt_tokens_details: PromptTokensDetails,
+}
+
+/// OpenAI's `usage.prompt_tokens_details`.
+#[derive(Serialize, ToSchema, Clone, Copy, Debug, Default)]
+pub(in crate::server) struct PromptTokensDetails {
+    /// Prompt tokens whose keys and values came from the prefix cache rather than being
+    /// computed (as OpenAI, vLLM and llama.cpp report them).
+    pub(super) cached_tokens: usize,
 }
 
 /// An OpenAI completion object, whole or one chunk of a stream, around choices `C`.
