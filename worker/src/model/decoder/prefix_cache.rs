@@ -136,7 +136,8 @@ impl Decoder {
     ) {
         let bs = self.tensor_opts.block_size.max(1);
         let full = cache.len / bs;
-        if !self.host || cache.len.is_multiple_of(bs) || cache.hashed != full || hashes.len() < full {
+        if !self.host || cache.len.is_multiple_of(bs) || cache.hashed != full || hashes.len() < full
+        {
             return;
         }
         let Some(tail) = tokens.get(full * bs..cache.len) else {
