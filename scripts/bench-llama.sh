@@ -17,7 +17,9 @@
 # contenders: llama-cache llama-nocache mole-gguf mole-gguf-lora mole-bf16 (default: all)
 # env: MOLE_BENCH_REQUESTS (24), MOLE_BENCH_PROMPT (188), MOLE_BENCH_OUTPUT (64),
 #      MOLE_BENCH_STREAMS (1,4,16), MOLE_BENCH_THREADS (2: both servers' compute threads),
-#      MOLE_BIN (a worker binary already built; default: build the release one).
+#      MOLE_BIN (a worker binary already built; default: build the release one),
+#      MOLE_BENCH_PIN=1 (each server on the last core alone with one compute thread, guidellm
+#      on the others: the client never takes a server's core; MOLE_BENCH_THREADS is then 1).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export MOLE_CACHE="${MOLE_CACHE:-$HOME/.cache/mole}"
@@ -26,6 +28,14 @@ prompt="${MOLE_BENCH_PROMPT:-188}"
 output="${MOLE_BENCH_OUTPUT:-64}"
 streams="${MOLE_BENCH_STREAMS:-1,4,16}"
 threads="${MOLE_BENCH_THREADS:-2}"
+# Pinning: the servers on the last core, the client on the rest (taskset execs the command,
+# so a server's pid is the one started).
+server_pin=() client_pin=()
+if [ -n "${MOLE_BENCH_PIN:-}" ]; then
+  last=$(($(nproc) - 1))
+  [ "$last" -ge 1 ] || { echo "bench-llama: MOLE_BENCH_PIN needs 2 cores" >&2; exit 2; }
+  server_pin=(taskset -c "$last") client_pin=(taskset -c "0-$((last - 1))") threads=1
+fi
 out="${MOLE_BENCH_OUT:-${CARGO_TARGET_DIR:-target}/bench-llama}"
 contenders=("$@")
 [ ${#contenders[@]} -gt 0 ] || contenders=(llama-cache llama-nocache mole-gguf mole-gguf-lora mole-bf16)
@@ -72,13 +82,13 @@ trap stop EXIT
 for c in "${contenders[@]}"; do
   model=smollm2-135m-instruct
   case "$c" in
-    llama-cache) LD_LIBRARY_PATH="$(dirname "$llama")" "$llama" -m "$gguf" --port "$port" -np 16 -c 32768 -t "$threads" >"$out/$c.log" 2>&1 & ;;
-    llama-nocache) LD_LIBRARY_PATH="$(dirname "$llama")" "$llama" -m "$gguf" --port "$port" -np 16 -c 32768 -t "$threads" \
+    llama-cache) LD_LIBRARY_PATH="$(dirname "$llama")" "${server_pin[@]}" "$llama" -m "$gguf" --port "$port" -np 16 -c 32768 -t "$threads" >"$out/$c.log" 2>&1 & ;;
+    llama-nocache) LD_LIBRARY_PATH="$(dirname "$llama")" "${server_pin[@]}" "$llama" -m "$gguf" --port "$port" -np 16 -c 32768 -t "$threads" \
         --no-cache-prompt --cache-ram 0 >"$out/$c.log" 2>&1 & ;;
     mole-gguf | mole-gguf-lora | mole-bf16)
       cfg="$out/${c%-lora}.yaml"
       [ "$c" = mole-gguf-lora ] && model=french
-      RAYON_NUM_THREADS="$threads" "$bin" serve --config "$cfg" \
+      RAYON_NUM_THREADS="$threads" "${server_pin[@]}" "$bin" serve --config "$cfg" \
         --listen "127.0.0.1:$port" >"$out/$c.log" 2>&1 & ;;
     *) echo "bench-llama: unknown contender $c" >&2; exit 2 ;;
   esac
@@ -94,7 +104,7 @@ for c in "${contenders[@]}"; do
   # clients resend a conversation; a server's prompt cache may serve them.
   for s in ${streams//,/ }; do
     # HF_HUB_OFFLINE: the tokenizer is the import's local directory; nothing is fetched.
-    HF_HUB_OFFLINE=1 "$venv/bin/guidellm" run \
+    HF_HUB_OFFLINE=1 "${client_pin[@]}" "$venv/bin/guidellm" run \
       --backend "kind=openai_http,target=http://127.0.0.1:$port,model=$model" \
       --profile "kind=concurrent,streams=$s" \
       --constraint "kind=max_requests,count=$requests" \
