@@ -227,6 +227,49 @@ pub(crate) fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     }
 }
 
+/// `out[i, j] = x[i, ·] · w[j, ·]` (added to what `out` holds when `accumulate`) for the `t`
+/// rows of `x` `[t, k]` and the `n` rows of `w` `[n, k]`, both row-major, into an output of
+/// `stride` floats per row: gemm on the calling thread (`w`'s rows are the product's
+/// columns, read in place).
+///
+/// # Safety
+/// `out` is valid for writes of `t` rows of `stride` floats from its start, `n ≤ stride`, and
+/// no other thread reads or writes those `t × n` values meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub(crate) unsafe fn gemm_by_rows(
+    t: usize,
+    n: usize,
+    k: usize,
+    out: *mut f32,
+    stride: usize,
+    accumulate: bool,
+    x: &[f32],
+    w: &[f32],
+) {
+    assert!(x.len() >= t * k && w.len() >= n * k, "operands too short");
+    gemm::gemm(
+        t,
+        n,
+        k,
+        out,
+        1,
+        stride as isize,
+        accumulate,
+        x.as_ptr(),
+        1,
+        k as isize,
+        w.as_ptr(),
+        k as isize,
+        1,
+        1.0,
+        1.0,
+        false,
+        false,
+        false,
+        gemm::Parallelism::None,
+    )
+}
+
 /// Whether the CPU has AVX2 and FMA (the kernels' fast build).
 #[cfg(target_arch = "x86_64")]
 pub(crate) fn avx2_fma() -> bool {

@@ -475,27 +475,7 @@ pub(crate) fn matmul(
                 // SAFETY: `out` holds t × n values, each block of columns written by one task
                 // only; `xs` holds t × k values and `wide` the block's cols × k.
                 unsafe {
-                    gemm::gemm(
-                        t,
-                        cols.len(),
-                        k,
-                        ptr.0.add(cols.start),
-                        1,
-                        n as isize,
-                        false,
-                        xs.as_ptr(),
-                        1,
-                        k as isize,
-                        wide.as_ptr(),
-                        k as isize,
-                        1,
-                        1.0,
-                        1.0,
-                        false,
-                        false,
-                        false,
-                        gemm::Parallelism::None,
-                    )
+                    super::gemm_by_rows(t, cols.len(), k, ptr.0.add(cols.start), n, false, xs, wide)
                 };
             });
         return Some(out);

@@ -476,28 +476,16 @@ impl Columns {
                 &wide
             }
         };
-        // dst[i, j] = x[i, ·] · W[cols.start + j, ·]: lhs x `[t, in]`, rhs Wᵀ (column j is row
-        // j of the block), dst a window of the output's rows.
-        gemm::gemm(
+        // Columns `cols` of the output are the block's rows; its window starts at cols.start.
+        crate::kernels::gemm_by_rows(
             t,
             cols.len(),
             d_in,
             self.ptr.add(cols.start),
-            1,
-            self.width as isize,
+            self.width,
             accumulate,
-            xs.as_ptr(),
-            1,
-            d_in as isize,
-            w.as_ptr(),
-            d_in as isize,
-            1,
-            1.0,
-            1.0,
-            false,
-            false,
-            false,
-            gemm::Parallelism::None,
+            xs,
+            w,
         );
     }
 }

@@ -106,19 +106,15 @@ impl Decoder {
         if upto <= cache.hashed {
             return Ok(());
         }
-        let mut store = self
-            .host_blocks
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        let store = store.get_or_insert_with(|| HostBlocks::new(self.tensor_opts.kv_blocks));
-        let w = self.cfg.kv_heads() * self.cfg.head_dim();
-        for (i, &h) in hashes.iter().enumerate().take(upto).skip(cache.hashed) {
-            let key = BlockKey {
-                parent: i.checked_sub(1).map_or(seed, |p| hashes[p]),
-                tokens: tokens.and_then(|t| t.get(i * bs..(i + 1) * bs)),
-            };
-            store.insert(h, key, |buf| host_block(buf, cache, w, i * bs, bs));
-        }
+        self.host_store(|store, w| {
+            for (i, &h) in hashes.iter().enumerate().take(upto).skip(cache.hashed) {
+                let key = BlockKey {
+                    parent: i.checked_sub(1).map_or(seed, |p| hashes[p]),
+                    tokens: tokens.and_then(|t| t.get(i * bs..(i + 1) * bs)),
+                };
+                store.insert(h, key, |buf| host_block(buf, cache, w, i * bs, bs));
+            }
+        });
         cache.hashed = upto;
         Ok(())
     }
@@ -143,17 +139,24 @@ impl Decoder {
         let Some(tail) = tokens.get(full * bs..cache.len) else {
             return;
         };
+        let key = BlockKey {
+            parent: full.checked_sub(1).map_or(seed, |p| hashes[p]),
+            tokens: Some(tail),
+        };
+        self.host_store(|store, w| {
+            store.insert_partial(key, |buf| host_block(buf, cache, w, full * bs, tail.len()));
+        });
+    }
+
+    /// Runs `f` on the host path's store (made on first use, at most `kv_blocks` blocks) with
+    /// the floats each cached token holds per layer.
+    fn host_store<R>(&self, f: impl FnOnce(&mut HostBlocks, usize) -> R) -> R {
         let mut store = self
             .host_blocks
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         let store = store.get_or_insert_with(|| HostBlocks::new(self.tensor_opts.kv_blocks));
-        let w = self.cfg.kv_heads() * self.cfg.head_dim();
-        let key = BlockKey {
-            parent: full.checked_sub(1).map_or(seed, |p| hashes[p]),
-            tokens: Some(tail),
-        };
-        store.insert_partial(key, |buf| host_block(buf, cache, w, full * bs, tail.len()));
+        f(store, self.cfg.kv_heads() * self.cfg.head_dim())
     }
 
     /// Blocks the prefix cache holds that no sequence holds (the tensor path's cached free
