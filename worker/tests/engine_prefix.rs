@@ -169,13 +169,19 @@ fn the_host_path_reuses_a_prompt_up_to_its_last_token() {
         // sampled is never fed back): three full blocks and one token.
         let prompt = long_prompt(42);
         answer(&on, &prompt, adapter, 8);
-        let (_, before) = counts(&on, label);
-        let got = answer(&on, &prompt, adapter, 8);
-        assert_same(&got, &answer(&off, &prompt, adapter, 8), &what);
-        assert_eq!(
-            counts(&on, label).1 - before,
+        // Answers `p` as the uncached engine does, having reused `want` of its tokens.
+        let reuses = |p: &[u32], max_tokens: usize, want: u64, why: &str| {
+            let (_, before) = counts(&on, label);
+            let got = answer(&on, p, adapter, max_tokens);
+            assert_same(&got, &answer(&off, p, adapter, max_tokens), &what);
+            assert_eq!(counts(&on, label).1 - before, want, "{what}: {why}");
+            got
+        };
+        let got = reuses(
+            &prompt,
+            8,
             41,
-            "{what}: the same prompt again, every token but its last"
+            "the same prompt again, every token but its last",
         );
         let turn: Vec<u32> = prompt
             .iter()
@@ -183,13 +189,11 @@ fn the_host_path_reuses_a_prompt_up_to_its_last_token() {
             .chain(got.iter().map(|t| t.0))
             .chain([5, 6, 7])
             .collect();
-        let (_, before) = counts(&on, label);
-        let next = answer(&on, &turn, adapter, 4);
-        assert_same(&next, &answer(&off, &turn, adapter, 4), &what);
-        assert_eq!(
-            counts(&on, label).1 - before,
+        reuses(
+            &turn,
+            4,
             49,
-            "{what}: the next turn, all the previous request computed"
+            "the next turn, all the previous request computed",
         );
     }
 }
@@ -230,28 +234,28 @@ fn an_adapter_loaded_again_from_the_same_files_finds_its_blocks() {
         let on = engine(tensor, true, |_| {});
         let off = engine(tensor, false, |_| {});
         answer(&on, &prompt, Some("a"), 2);
-        on.unload_adapter("a").unwrap();
-        on.load_adapter(fixture_adapter("a", "v1", "a_r8_all"))
-            .unwrap();
-        let (_, before) = counts(&on, "a");
-        let got = answer(&on, &prompt, Some("a"), 4);
-        assert_same(&got, &answer(&off, &prompt, Some("a"), 4), &what);
-        assert_eq!(
-            counts(&on, "a").1 - before,
-            reused(tensor, prompt.len()),
-            "{what}: loaded again from the same files"
-        );
-        on.unload_adapter("a").unwrap();
-        on.load_adapter(fixture_adapter("a", "v1", "b_r4_qv"))
-            .unwrap();
-        let (_, before) = counts(&on, "a");
-        let got = answer(&on, &prompt, Some("a"), 4);
-        assert_same(&got, &answer(&off, &prompt, Some("b"), 4), &what);
-        assert_eq!(
-            counts(&on, "a").1 - before,
-            0,
-            "{what}: the same version from other files"
-        );
+        // (files "a" is loaded from, the adapter of `off` with those weights, tokens reused)
+        let again = [
+            (
+                "a_r8_all",
+                "a",
+                reused(tensor, prompt.len()),
+                "the same files",
+            ),
+            ("b_r4_qv", "b", 0, "other files"),
+        ];
+        for (dir, same, want, from) in again {
+            on.unload_adapter("a").unwrap();
+            on.load_adapter(fixture_adapter("a", "v1", dir)).unwrap();
+            let (_, before) = counts(&on, "a");
+            let got = answer(&on, &prompt, Some("a"), 4);
+            assert_same(&got, &answer(&off, &prompt, Some(same), 4), &what);
+            assert_eq!(
+                counts(&on, "a").1 - before,
+                want,
+                "{what}: loaded again from {from}"
+            );
+        }
     }
 }
 
