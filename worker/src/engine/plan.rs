@@ -157,12 +157,14 @@ pub(super) fn store_prefixes(shared: &Shared, running: &mut [Box<Seq>], work: &[
         let s: &mut Seq = &mut running[*i];
         let blocks = s.cache.len() / block;
         s.block_hashes(block, blocks);
-        // The host path's store also finds blocks by their tokens; the tensor path's does not.
+        // The host path's store also finds blocks by their tokens (gathered only when it has
+        // a new full block to take); the tensor path's does not.
+        let host = !shared.model.paged();
+        if host && blocks <= s.cache.blocks_offered() {
+            continue;
+        }
         let mut cache = std::mem::take(&mut s.cache);
-        let tokens = match shared.model.paged() {
-            true => None,
-            false => s.plain_tokens(blocks * block),
-        };
+        let tokens = host.then(|| s.plain_tokens(blocks * block)).flatten();
         let stored = shared
             .model
             .store_prefix(&mut cache, &s.hashes, s.seed, tokens.as_deref());

@@ -315,7 +315,12 @@ impl Sampler {
             .iter()
             .map(|&i| l[i as usize])
             .fold(f32::NEG_INFINITY, f32::max);
-        let prob = |i: u32| (l[i as usize] - max).exp();
+        // Each candidate's weight, computed once (0 for the tokens top-k left out).
+        let mut w = vec![0f32; l.len()];
+        for &i in &idx {
+            w[i as usize] = (l[i as usize] - max).exp();
+        }
+        let prob = |i: u32| w[i as usize];
         // min-p: drop tokens less likely than min_p times the best one (whose weight is 1).
         // Masked tokens (weight 0) go with them.
         let floor = self.p.min_p.max(0.0);

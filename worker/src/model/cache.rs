@@ -39,6 +39,11 @@ impl SeqCache {
         self.len() == 0
     }
 
+    /// Full blocks already offered to the host path's prefix store.
+    pub fn blocks_offered(&self) -> usize {
+        self.hashed
+    }
+
     /// KV blocks held (tensor path).
     pub fn blocks(&self) -> usize {
         self.blocks.as_ref().map_or(0, |b| b.ids.len())
