@@ -208,11 +208,12 @@ impl HostBlocks {
         let Some(tokens) = key.tokens.filter(|t| !t.is_empty()) else {
             return;
         };
-        if let Some((b, n)) = self.longest(key.parent, tokens) {
-            if n == tokens.len() {
-                self.index.release(b);
-                return;
-            }
+        // A block that already starts with these tokens covers them (`longest` marked it used).
+        if self
+            .longest(key.parent, tokens)
+            .is_some_and(|(_, n)| n == tokens.len())
+        {
+            return;
         }
         self.partial_keys -= 1;
         let hash = self.partial_keys;
