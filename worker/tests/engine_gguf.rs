@@ -1,27 +1,28 @@
-//! Quantized GGUF bases (q4_0, q4_1, q8_0, q4_k) served with and without a LoRA, against the same
+//! Quantized GGUF bases (q4_0, q4_1, q8_0, q4_k, q5_k, q6_k) served with and without a LoRA, against the same
 //! decoder and engine on the dequantized weights in f32.
 //!
 //! Each test quantizes a model with candle (`QTensor::quantize`), writes a GGUF file the way
 //! llama.cpp lays one out (llama Q/K rows permuted, tokenizer and chat template in the
 //! metadata) and serves it through `Engine::load_gguf`. q4_0, q4_1 and q8_0 (blocks of 32: on
-//! x86 with AVX2 mole's own tiled kernel, `kernels::quant`) run on the
-//! committed tiny Llama; q4_k needs rows that are multiples of 256, so it runs on a synthetic
-//! Llama built in the test (hidden 256, MLP 512, seeded weights and adapter).
+//! x86 with AVX2 mole's own tiled kernel, `kernels::quant`) run on the committed tiny Llama;
+//! the k-quants (candle's product, faster than mole's tiles for them: `bench decode
+//! --gguf-synthetic`) need rows that are multiples of 256, so they run on a synthetic Llama
+//! built in the test (hidden 256, MLP 512, seeded weights and adapter).
 //!
 //! Exact: every tensor read back from the GGUF (renamed, Q/K rows moved back byte-wise)
 //! dequantizes bit for bit to the reference weights.
 //!
 //! Tolerance: the reference has the same weights (dequantized), so the one difference left is
 //! that the quantized matmul (mole's kernel or candle's), like llama.cpp, rounds each activation
-//! row to 8 bits (blocks of 32 for q4_0/q4_1/q8_0, Q8_K blocks of 256 for q4_k) before the
-//! integer dot products.
+//! row to 8 bits (blocks of 32 for q4_0/q4_1/q8_0, Q8_K blocks of 256 for the k-quants) before
+//! the integer dot products.
 //! Each activation moves by at most 1/254 of its block's largest magnitude; with the block
 //! maximum a few times the RMS, a projection's output moves by up to ~1% of its scale. Errors
 //! add along the chain of projections a token goes through (q/k/v, o, gate/up, down per layer,
 //! then lm_head: 9 chained ~1% steps for 2 layers, RMSNorm keeping them relative), so logits
-//! must stay within 6% of their scale (measured 2.1% for q4_0, 2.3% for q8_0, 3.8% for q4_k,
-//! printed). The LoRA moves the logits by 70-126% of their scale, so an adapter lost on a
-//! quantized base fails. Greedy tokens must be identical until a step where the quantized
+//! must stay within 6% of their scale (measured 2.1% for q4_0, 1.0% for q4_1, 2.0% for q8_0,
+//! 3.8% for q4_k, 2.9% for q5_k and q6_k, printed). The LoRA moves the logits by 70-126% of
+//! their scale, so an adapter lost on a quantized base fails. Greedy tokens must be identical until a step where the quantized
 //! pick is within twice the tolerance of the reference's best (a near tie that 8-bit
 //! activations may break the other way; the gap is checked and printed).
 
@@ -500,4 +501,14 @@ fn q8_0_base_serves_like_its_dequantized_weights() {
 #[test]
 fn q4_k_base_serves_like_its_dequantized_weights() {
     check(synthetic_llama(), GgmlDType::Q4K);
+}
+
+#[test]
+fn q5_k_base_serves_like_its_dequantized_weights() {
+    check(synthetic_llama(), GgmlDType::Q5K);
+}
+
+#[test]
+fn q6_k_base_serves_like_its_dequantized_weights() {
+    check(synthetic_llama(), GgmlDType::Q6K);
 }

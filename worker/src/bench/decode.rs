@@ -74,6 +74,59 @@ pub struct DecodeBenchArgs {
     /// a contender (its scalar Q4_1 product takes minutes per round on two cores).
     #[arg(long, env = "MOLE_BENCH_GGUF_QUICK")]
     pub gguf_quick: bool,
+    /// Instead of a GGUF file, the synthetic model (`--hidden`, `--layers`) quantized in
+    /// memory: `q4_k_m` (llama.cpp's Q4_K_M mix: q4_K, with q6_K for every `v_proj` and
+    /// `down_proj` and the tied embedding/head), or one type for every matrix (`q4_0`, `q4_1`,
+    /// `q8_0`, `q4_k`, `q5_k`, `q6_k`); the same tables as `--gguf`. The k-quants need rows
+    /// that are multiples of 256, which no small real model here has (SmolLM2's 576).
+    #[arg(long, env = "MOLE_BENCH_GGUF_SYNTHETIC", value_parser = synthetic_quant)]
+    pub gguf_synthetic: Option<SyntheticQuant>,
+}
+
+/// What `--gguf-synthetic` quantizes the synthetic model to.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum SyntheticQuant {
+    /// llama.cpp's Q4_K_M mix (see `--gguf-synthetic`).
+    Q4KM,
+    /// One block type for every matrix.
+    All(candle_core::quantized::GgmlDType),
+}
+
+impl SyntheticQuant {
+    /// The block type of the matrix `name` (an HF name).
+    pub fn of(self, name: &str) -> candle_core::quantized::GgmlDType {
+        use candle_core::quantized::GgmlDType;
+        match self {
+            Self::All(t) => t,
+            Self::Q4KM
+                if name.ends_with("v_proj.weight")
+                    || name.ends_with("down_proj.weight")
+                    || name == "model.embed_tokens.weight" =>
+            {
+                GgmlDType::Q6K
+            }
+            Self::Q4KM => GgmlDType::Q4K,
+        }
+    }
+}
+
+/// `--gguf-synthetic`.
+fn synthetic_quant(v: &str) -> Result<SyntheticQuant, String> {
+    use candle_core::quantized::GgmlDType as T;
+    Ok(match v.to_ascii_lowercase().as_str() {
+        "q4_k_m" => SyntheticQuant::Q4KM,
+        "q4_0" => SyntheticQuant::All(T::Q4_0),
+        "q4_1" => SyntheticQuant::All(T::Q4_1),
+        "q8_0" => SyntheticQuant::All(T::Q8_0),
+        "q4_k" => SyntheticQuant::All(T::Q4K),
+        "q5_k" => SyntheticQuant::All(T::Q5K),
+        "q6_k" => SyntheticQuant::All(T::Q6K),
+        _ => {
+            return Err(format!(
+                "{v}: expected q4_k_m, q4_0, q4_1, q8_0, q4_k, q5_k or q6_k"
+            ))
+        }
+    })
 }
 
 /// `--vision-hidden`: whole heads of 72.
@@ -142,12 +195,12 @@ pub(super) fn synthetic_json(hidden: usize, layers: usize) -> serde_json::Value 
     })
 }
 
-fn synthetic_config(hidden: usize, layers: usize) -> ModelConfig {
+pub(super) fn synthetic_config(hidden: usize, layers: usize) -> ModelConfig {
     serde_json::from_value(synthetic_json(hidden, layers)).expect("valid config")
 }
 
 /// Random weights for every tensor the decoder asks for.
-fn synthetic_weights(
+pub(super) fn synthetic_weights(
     cfg: &ModelConfig,
     dev: &Device,
 ) -> candle_core::Result<HashMap<String, Tensor>> {

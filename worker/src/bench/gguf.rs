@@ -8,12 +8,17 @@
 //! 158-token prompt (the guidellm prompts), and decode at batch 1 and 16 without and
 //! with a LoRA adapter on every projection.
 
+use std::collections::HashMap;
 use std::path::Path;
 use std::time::Instant;
 
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device};
 
-use super::decode::{tokens_per_s, write_adapter, DecodeBenchArgs};
+use super::decode::{
+    synthetic_config, synthetic_weights, tokens_per_s, write_adapter, DecodeBenchArgs,
+    SyntheticQuant,
+};
 use crate::lora::{self, LoadOptions};
 use crate::model::{Decoder, LoraAdapter, ModelConfig, Row, SeqCache};
 
@@ -90,15 +95,9 @@ impl Case {
 /// The GGUF case of `bench decode`.
 pub(super) fn bench(file: &Path, args: &DecodeBenchArgs, dev: &Device) -> anyhow::Result<()> {
     let q = crate::formats::gguf::load_quantized(file, dev)?;
-    let types: std::collections::BTreeSet<String> = q
-        .tensors
-        .values()
-        .filter(|t| t.rank() == 2)
-        .map(|t| format!("{:?}", t.dtype()))
-        .collect();
-    let types = types.into_iter().collect::<Vec<_>>().join("+");
+    let types = types_of(&q.tensors);
     let cfg = ModelConfig::from_json(q.config.clone())?;
-    let mut quant = Decoder::from_quantized(cfg.clone(), q.tensors, dev)?;
+    let quant = Decoder::from_quantized(cfg.clone(), q.tensors, dev)?;
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("bf16");
     crate::import::import(&crate::import::ImportOptions {
@@ -106,16 +105,86 @@ pub(super) fn bench(file: &Path, args: &DecodeBenchArgs, dev: &Device) -> anyhow
         out: dir.clone(),
         dtype: crate::merge::OutDtype::Bf16,
     })?;
-    let mut dense = Decoder::load(&dir, DType::BF16, dev)?;
+    let dense = Decoder::load(&dir, DType::BF16, dev)?;
+    let label = format!("{} ({types})", file.display());
+    compare(&label, &cfg, quant, dense, args, dev)
+}
+
+/// The block types of a model's matrices, joined by `+`.
+fn types_of(tensors: &HashMap<String, QTensor>) -> String {
+    let types: std::collections::BTreeSet<String> = tensors
+        .values()
+        .filter(|t| t.rank() == 2)
+        .map(|t| format!("{:?}", t.dtype()))
+        .collect();
+    types.into_iter().collect::<Vec<_>>().join("+")
+}
+
+/// `--gguf-synthetic`: the synthetic model quantized in memory against the same quantized
+/// values widened to bf16 (what `import` makes of a GGUF), as [`bench`] compares a file.
+pub(super) fn bench_synthetic(
+    spec: SyntheticQuant,
+    args: &DecodeBenchArgs,
+    dev: &Device,
+) -> anyhow::Result<()> {
+    let cfg = synthetic_config(args.hidden, args.layers);
+    let weights = synthetic_weights(&cfg, &Device::Cpu)?;
+    let mut quantized = HashMap::new();
+    let mut widened = HashMap::new();
+    for (name, w) in weights {
+        let t = if w.rank() == 2 {
+            spec.of(&name)
+        } else {
+            GgmlDType::F32
+        };
+        let q = QTensor::quantize(&w, t)?;
+        widened.insert(
+            name.clone(),
+            q.dequantize(&Device::Cpu)?
+                .to_dtype(DType::BF16)?
+                .to_device(dev)?,
+        );
+        let q = if dev.is_cpu() {
+            q
+        } else {
+            let dims = q.shape().dims().to_vec();
+            candle_core::quantized::ggml_file::qtensor_from_ggml(t, &q.data()?, dims, dev)?
+        };
+        quantized.insert(name, q);
+    }
+    let label = format!(
+        "synthetic hidden {} × {} layers, {spec:?} ({})",
+        args.hidden,
+        args.layers,
+        types_of(&quantized)
+    );
+    let quant = Decoder::from_quantized(cfg.clone(), quantized, dev)?;
+    let dense = Decoder::new(
+        cfg.clone(),
+        candle_nn::VarBuilder::from_tensors(widened, DType::BF16, dev),
+    )?;
+    compare(&label, &cfg, quant, dense, args, dev)
+}
+
+/// Times `quant` against `dense` (the same weights widened), side by side.
+fn compare(
+    label: &str,
+    cfg: &ModelConfig,
+    mut quant: Decoder,
+    mut dense: Decoder,
+    args: &DecodeBenchArgs,
+    dev: &Device,
+) -> anyhow::Result<()> {
+    let tmp = tempfile::tempdir()?;
     let adir = tmp.path().join("a0");
-    write_adapter(&adir, &cfg, args.rank, 0, dev)?;
+    write_adapter(&adir, cfg, args.rank, 0, dev)?;
     let opts = LoadOptions {
         max_rank: 512,
         expect_base: None,
     };
     let held = |m: &Decoder| crate::model::adapter_dtype(m.weight_dtype(), dev);
-    let a_quant = lora::load(&adir, &cfg, held(&quant), dev, &opts)?;
-    let a_dense = lora::load(&adir, &cfg, held(&dense), dev, &opts)?;
+    let a_quant = lora::load(&adir, cfg, held(&quant), dev, &opts)?;
+    let a_dense = lora::load(&adir, cfg, held(&dense), dev, &opts)?;
     let paths: &[bool] = if dev.is_cpu() && args.gguf_quick {
         &[true]
     } else if dev.is_cpu() {
@@ -166,9 +235,7 @@ pub(super) fn bench(file: &Path, args: &DecodeBenchArgs, dev: &Device) -> anyhow
         }
         println!();
         println!(
-            "bench decode --gguf: {} ({}) quantized vs its bf16 import, {} path on {}, rank-{} LoRA, {} decode steps, best of {} rounds",
-            file.display(),
-            types,
+            "bench decode --gguf: {label} quantized vs its bf16 import, {} path on {}, rank-{} LoRA, {} decode steps, best of {} rounds",
             if host { "host" } else { "tensor" },
             if dev.is_cuda() { "CUDA GPU 0" } else { "CPU" },
             args.rank,

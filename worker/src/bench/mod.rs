@@ -62,6 +62,10 @@ fn decode_and_image(args: &decode::DecodeBenchArgs) -> anyhow::Result<()> {
         let (dev, _) = decode::device_and_dtype(args)?;
         return gguf::bench(file, args, &dev);
     }
+    if let Some(quant) = args.gguf_synthetic {
+        let (dev, _) = decode::device_and_dtype(args)?;
+        return gguf::bench_synthetic(quant, args, &dev);
+    }
     decode::bench(args)?;
     if let (Some(size), false) = (args.image.0, args.tensor_only) {
         let (dev, dtype) = decode::device_and_dtype(args)?;
