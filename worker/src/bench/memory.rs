@@ -4,6 +4,12 @@
 //! binary again, `--child`), so each reading is one engine's alone: `VmRSS` and `VmHWM` from
 //! `/proc/self/status` after the load and after a request (a 158-token prompt, 16 tokens).
 //! A third process loads nothing: what the binary holds before any model.
+//!
+//! With `--synthetic TYPE` the contenders are instead a synthetic model of `--hidden` ×
+//! `--layers` (the GGUF's tokenizer and vocabulary, random weights) written in bf16, against
+//! the same quantized by `mole-worker quantize --type TYPE`: a base the size of the ones mole
+//! is for, where the binary's own pages weigh little, and all of it in the type asked for (the
+//! tied embedding in q6_k, as llama.cpp and `quantize` keep it).
 
 use std::path::{Path, PathBuf};
 
@@ -18,8 +24,18 @@ pub struct MemoryBenchArgs {
     /// The GGUF file served quantized, against its bf16 import.
     #[arg(long)]
     gguf: PathBuf,
+    /// A synthetic model quantized to this type (`q4_k`, `q4_0`, … as `quantize --type`)
+    /// against its bf16 form, instead of the GGUF's own weights.
+    #[arg(long, env = "MOLE_BENCH_MEMORY_SYNTHETIC")]
+    synthetic: Option<String>,
+    /// The synthetic model's hidden size (a multiple of 256).
+    #[arg(long, env = "MOLE_BENCH_HIDDEN", default_value_t = 2048)]
+    hidden: usize,
+    /// The synthetic model's layers.
+    #[arg(long, env = "MOLE_BENCH_LAYERS", default_value_t = 16)]
+    layers: usize,
     /// Internal: measure one contender in this process: `gguf`, `dir` (an HF directory in
-    /// bf16) or `none`, reading `--path`.
+    /// bf16), `quantized` (a `quantize` output) or `none`, reading `--path`.
     #[arg(long, hide = true)]
     child: Option<String>,
     /// Internal: the file or directory the child loads.
@@ -79,6 +95,7 @@ fn child(kind: &str, path: &Path) -> anyhow::Result<()> {
     let engine = match kind {
         "gguf" => Some(Engine::load_gguf(path, &dev, opts)?),
         "dir" => Some(Engine::load(path, DType::BF16, &dev, opts)?),
+        "quantized" => Some(Engine::load_quantized_dir(path, &dev, opts)?),
         _ => None,
     };
     let loaded = resident()?;
@@ -122,23 +139,49 @@ pub fn run(args: &MemoryBenchArgs) -> anyhow::Result<()> {
         dtype: crate::merge::OutDtype::Bf16,
     })?;
     let none = measure("none", Path::new("-"))?;
-    let quant = measure("gguf", &args.gguf)?;
-    let dense = measure("dir", &dir)?;
+    let (label, quant, dense) = match &args.synthetic {
+        None => (
+            format!(
+                "{} served quantized vs its bf16 import",
+                args.gguf.display()
+            ),
+            measure("gguf", &args.gguf)?,
+            measure("dir", &dir)?,
+        ),
+        Some(t) => {
+            let qtype = crate::quantize::QuantType::parse(t)?;
+            let syn = tmp.path().join("synthetic");
+            write_synthetic(&dir, &syn, args.hidden, args.layers)?;
+            let qdir = tmp.path().join("synthetic-q");
+            let report = crate::quantize::quantize(&crate::quantize::QuantizeOptions {
+                input: syn.clone(),
+                out: qdir.clone(),
+                qtype,
+                root: None,
+                drift_tokens: 0,
+                max_drift: None,
+            })?;
+            let m = &report.metadata;
+            let label = format!(
+                "a synthetic model of hidden {} × {} layers ({:.0} MiB in bf16) quantized to {} ({:.0} MiB: {:?}) vs its bf16 form",
+                args.hidden,
+                args.layers,
+                m.source_bytes as f64 / (1 << 20) as f64,
+                m.quant_type,
+                m.output_bytes as f64 / (1 << 20) as f64,
+                m.tensor_types,
+            );
+            (label, measure("quantized", &qdir)?, measure("dir", &syn)?)
+        }
+    };
     let mib = |b: u64| b as f64 / (1 << 20) as f64;
     println!();
-    println!(
-        "bench memory: {} served quantized vs its bf16 import (CPU engine, one process each)",
-        args.gguf.display()
-    );
+    println!("bench memory: {label} (CPU engine, one process each)");
     println!(
         "| process | VmRSS loaded | VmHWM loaded | VmRSS after a request | VmHWM after a request |"
     );
     println!("|---|---|---|---|---|");
-    for (name, v) in [
-        ("no model", none),
-        ("GGUF, quantized", quant),
-        ("bf16 import", dense),
-    ] {
+    for (name, v) in [("no model", none), ("quantized", quant), ("bf16", dense)] {
         println!(
             "| {name} | {:.1} MiB | {:.1} MiB | {:.1} MiB | {:.1} MiB |",
             mib(v[0]),
@@ -165,5 +208,36 @@ pub fn run(args: &MemoryBenchArgs) -> anyhow::Result<()> {
         net(2),
         net(3)
     );
+    Ok(())
+}
+
+/// Writes into `out` a synthetic model of `hidden` × `layers` in bf16 with the tokenizer files
+/// and vocabulary of the model directory `like`.
+fn write_synthetic(like: &Path, out: &Path, hidden: usize, layers: usize) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        hidden > 0 && hidden.is_multiple_of(256),
+        "--hidden {hidden}: a positive multiple of 256"
+    );
+    std::fs::create_dir_all(out)?;
+    let like_cfg: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(like.join("config.json"))?)?;
+    let mut cfg = super::decode::synthetic_json(hidden, layers);
+    cfg["vocab_size"] = like_cfg["vocab_size"].clone();
+    for f in [
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    ] {
+        if like.join(f).is_file() {
+            std::fs::copy(like.join(f), out.join(f))?;
+        }
+    }
+    std::fs::write(out.join("config.json"), serde_json::to_vec_pretty(&cfg)?)?;
+    let config: crate::model::ModelConfig = serde_json::from_value(cfg)?;
+    let weights = super::decode::synthetic_weights(&config, &Device::Cpu)?
+        .into_iter()
+        .map(|(k, v)| Ok((k, v.to_dtype(DType::BF16)?)))
+        .collect::<candle_core::Result<std::collections::HashMap<_, _>>>()?;
+    candle_core::safetensors::save(&weights, out.join("model.safetensors"))?;
     Ok(())
 }

@@ -1,5 +1,5 @@
-//! Products with GGML block-quantized weights (GGUF q4_0, q4_1 and q8_0 files, and AWQ/GPTQ
-//! checkpoints repacked into Q4_1 blocks) on the CPU.
+//! Products with GGML block-quantized weights (GGUF q4_0, q4_1, q8_0, q4_K, q5_K and q6_K files,
+//! and AWQ/GPTQ checkpoints repacked into Q4_1 blocks) on the CPU.
 //!
 //! llama.cpp's arithmetic: each activation row is rounded once per product to 8 bits per
 //! block of 32 ([`Q8Rows`]: scale `d = max|x| / 127`, and `s = d·Σq`), then each weight block
@@ -22,6 +22,22 @@
 //! and the result is candle's dequantized reference's up to the order of the sums, with no
 //! 8-bit rounding of the activations.
 //!
+//! The k-quants (super-blocks of 256 values) meet the same 8-bit activation blocks of 32: a
+//! q4_K or q5_K super-block is eight sub-blocks of 32 values, each `d·sc·q - dmin·m` with its
+//! own 6-bit scale and minimum, so each sub-block is a Q4_1 block with another packing; a q6_K
+//! super-block has a signed 8-bit scale per 16 values, so the two halves of a block of 32 take
+//! two scales (the integer sums of four values per lane never straddle them). llama.cpp
+//! instead rounds the activations once per 256 values (`block_q8_K`); blocks of 32 round them
+//! finer, within the same bound per block as the other formats.
+//!
+//! Why mole multiplies the k-quants itself although candle 0.11.1 has fast products for them:
+//! candle repacks q4_K (and q6_K, for more than one row) on first use into expanded tiles that
+//! it keeps beside the blocks for the tensor's life, so a q4_K base's memory about doubles
+//! after its first request (tests/quantized_memory.rs), while `/v1/models`, the startup log
+//! and the KV-cache budget count the blocks. Those tiles are faster at batch 16 (`bench decode
+//! --gguf-synthetic q4_k_m`, 2 cores: 463 tokens/s against 221 here, 374 for the bf16 form);
+//! at batch 1 the two run alike (129 and 128).
+//!
 //! The scalar build ([`Isa::Scalar`], CPUs without AVX2, FMA and F16C) gives the AVX2 build's
 //! results bit for bit: it sums the same integer products into the same eight lanes and adds
 //! the lanes in the AVX2 reduction's order. The activation scales stay f32 where ggml rounds
@@ -31,8 +47,10 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use candle_core::quantized::GgmlDType;
 
-/// Values per block.
+/// Values per block (and per activation block of [`Q8Rows`]).
 pub(crate) const BLOCK: usize = 32;
+/// Values per k-quant super-block.
+pub(crate) const SUPER: usize = 256;
 /// Activation rows multiplied with the weight rows of a column block while they are in L1.
 const ROW_TILE: usize = 16;
 /// Activation rows over which [`matmul`] multiplies dequantized weights by gemm.
@@ -50,6 +68,15 @@ pub(crate) enum Format {
     Q4_1,
     /// `d` (f16), 32 signed bytes: `d·q`.
     Q8_0,
+    /// Super-block of 256: `d`, `dmin` (f16), 12 bytes of 6-bit scales and minimums for eight
+    /// sub-blocks of 32, 128 bytes of nibbles: `d·sc·q - dmin·m`.
+    Q4K,
+    /// As [`Format::Q4K`] with a fifth bit per value (32 bytes of high bits before the
+    /// nibbles): values 0..32.
+    Q5K,
+    /// Super-block of 256: 128 bytes of low nibbles, 64 of 2-bit high parts, 16 signed 8-bit
+    /// scales (one per 16 values), `d` (f16) last: `d·sc·(q - 32)`.
+    Q6K,
 }
 
 impl Format {
@@ -59,6 +86,9 @@ impl Format {
             GgmlDType::Q4_0 => Some(Self::Q4_0),
             GgmlDType::Q4_1 => Some(Self::Q4_1),
             GgmlDType::Q8_0 => Some(Self::Q8_0),
+            GgmlDType::Q4K => Some(Self::Q4K),
+            GgmlDType::Q5K => Some(Self::Q5K),
+            GgmlDType::Q6K => Some(Self::Q6K),
             _ => None,
         }
     }
@@ -69,12 +99,23 @@ impl Format {
             Self::Q4_0 => 18,
             Self::Q4_1 => 20,
             Self::Q8_0 => 34,
+            Self::Q4K => 144,
+            Self::Q5K => 176,
+            Self::Q6K => 210,
+        }
+    }
+
+    /// Values per block: a row's length is a multiple of it.
+    pub(crate) const fn block_values(self) -> usize {
+        match self {
+            Self::Q4_0 | Self::Q4_1 | Self::Q8_0 => BLOCK,
+            Self::Q4K | Self::Q5K | Self::Q6K => SUPER,
         }
     }
 
     /// Bytes of a weight row of `k` values.
     pub(crate) const fn row_bytes(self, k: usize) -> usize {
-        k / BLOCK * self.block_bytes()
+        k / self.block_values() * self.block_bytes()
     }
 
     /// As a const-generic parameter.
@@ -86,6 +127,9 @@ impl Format {
 const Q4_0: u8 = Format::Q4_0.id();
 const Q4_1: u8 = Format::Q4_1.id();
 const Q8_0: u8 = Format::Q8_0.id();
+const Q4K: u8 = Format::Q4K.id();
+const Q5K: u8 = Format::Q5K.id();
+const Q6K: u8 = Format::Q6K.id();
 
 /// How quantized products are computed in this process: `bench decode --gguf` times them side
 /// by side.
@@ -276,21 +320,24 @@ unsafe fn dots(isa: Isa, f: Format, w: &[u8], x: &Q8Rows, i: usize, n: usize) ->
         };
     }
     macro_rules! by_format {
-        ($run:ident) => {
+        ($run:ident, $run_k:ident) => {
             match f {
                 Format::Q4_0 => by_rows!($run, Q4_0),
                 Format::Q4_1 => by_rows!($run, Q4_1),
                 Format::Q8_0 => by_rows!($run, Q8_0),
+                Format::Q4K => by_rows!($run_k, Q4K),
+                Format::Q5K => by_rows!($run_k, Q5K),
+                Format::Q6K => by_rows!($run_k, Q6K),
             }
         };
     }
     match isa {
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller's guarantee: the CPU has AVX2, FMA and F16C.
-        Isa::Avx2 => unsafe { by_format!(dots_avx2) },
+        Isa::Avx2 => unsafe { by_format!(dots_avx2, dots_k_avx2) },
         #[cfg(not(target_arch = "x86_64"))]
         Isa::Avx2 => unreachable!("AVX2 is never detected off x86-64"),
-        Isa::Scalar => by_format!(dots_scalar),
+        Isa::Scalar => by_format!(dots_scalar, dots_k_scalar),
     }
 }
 
@@ -443,6 +490,248 @@ unsafe fn dots_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize)
     out
 }
 
+/// The 6-bit scale and minimum of sub-block `j` (0..8) of a q4_K/q5_K super-block's 12 bytes.
+fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        (
+            (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4),
+            (s[j + 4] >> 4) | ((s[j] >> 6) << 4),
+        )
+    }
+}
+
+/// A k-quant super-block's scales, one per 16 values (a q4_K/q5_K sub-block of 32 gives both
+/// of its halves its own), and its minimums per 32 values, to subtract (0 for q6_K): computed
+/// as candle dequantizes them, so that `scale·q - min` is candle's value bit for bit.
+fn k_scales<const F: u8>(blk: &[u8]) -> ([f32; 16], [f32; 8]) {
+    let mut scale = [0f32; 16];
+    let mut min = [0f32; 8];
+    if F == Q6K {
+        let d = f16_at(&blk[208..]);
+        for (s, &c) in scale.iter_mut().zip(&blk[192..208]) {
+            *s = d * c as i8 as f32;
+        }
+    } else {
+        let (d, dmin) = (f16_at(blk), f16_at(&blk[2..]));
+        for (c, m) in min.iter_mut().enumerate() {
+            let (sc, mn) = scale_min_k4(c, &blk[4..16]);
+            scale[2 * c] = d * sc as f32;
+            scale[2 * c + 1] = scale[2 * c];
+            *m = dmin * mn as f32;
+        }
+    }
+    (scale, min)
+}
+
+/// A k-quant super-block's 256 integer values (q4_K 0..16, q5_K 0..32, q6_K -32..32).
+fn k_values<const F: u8>(blk: &[u8]) -> [i32; SUPER] {
+    let mut q = [0i32; SUPER];
+    if F == Q6K {
+        let (ql, qh) = (&blk[..128], &blk[128..192]);
+        for h in 0..2 {
+            let (ql, qh, q) = (&ql[64 * h..], &qh[32 * h..], &mut q[128 * h..]);
+            for l in 0..32 {
+                let hi = |shift: u8| (((qh[l] >> shift) & 3) << 4) as i32 - 32;
+                q[l] = (ql[l] & 0x0F) as i32 + hi(0);
+                q[l + 32] = (ql[l + 32] & 0x0F) as i32 + hi(2);
+                q[l + 64] = (ql[l] >> 4) as i32 + hi(4);
+                q[l + 96] = (ql[l + 32] >> 4) as i32 + hi(6);
+            }
+        }
+    } else {
+        let (qh, qs) = if F == Q5K {
+            (Some(&blk[16..48]), &blk[48..176])
+        } else {
+            (None, &blk[16..144])
+        };
+        for p in 0..4 {
+            for l in 0..32 {
+                let b = qs[32 * p + l];
+                let high = |bit: usize| qh.map_or(0, |qh| ((qh[l] >> bit) & 1) as i32 * 16);
+                q[64 * p + l] = (b & 0x0F) as i32 + high(2 * p);
+                q[64 * p + 32 + l] = (b >> 4) as i32 + high(2 * p + 1);
+            }
+        }
+    }
+    q
+}
+
+/// [`dots`] of a k-quant in portable Rust: the AVX2 build's arithmetic, lane for lane.
+fn dots_k_scalar<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize) -> [f32; R] {
+    let nb = x.k / BLOCK;
+    let bb = k_block_bytes::<F>();
+    let mut lanes = [[0f32; 8]; R];
+    let mut mins = [0f32; R];
+    for sb in 0..x.k / SUPER {
+        let blk = &w[sb * bb..(sb + 1) * bb];
+        let (q, (scale, min)) = (k_values::<F>(blk), k_scales::<F>(blk));
+        for c in 0..SUPER / BLOCK {
+            let b = sb * (SUPER / BLOCK) + c;
+            let q = &q[c * BLOCK..][..BLOCK];
+            for r in 0..R {
+                let xq = &x.qs[(i + r) * x.k + b * BLOCK..][..BLOCK];
+                let dx = x.d[(i + r) * nb + b];
+                for (l, acc) in lanes[r].iter_mut().enumerate() {
+                    let sum: i32 = (4 * l..4 * l + 4).map(|p| q[p] * xq[p] as i32).sum();
+                    *acc = (sum as f32).mul_add(scale[2 * c + l / 4] * dx, *acc);
+                }
+                if F != Q6K {
+                    mins[r] += min[c] * x.s[(i + r) * nb + b];
+                }
+            }
+        }
+    }
+    std::array::from_fn(|r| {
+        let a = &lanes[r];
+        let v = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+        (v[0] + v[2]) + (v[1] + v[3]) - mins[r]
+    })
+}
+
+/// Bytes of a k-quant super-block of format `F`.
+const fn k_block_bytes<const F: u8>() -> usize {
+    match F {
+        Q4K => Format::Q4K.block_bytes(),
+        Q5K => Format::Q5K.block_bytes(),
+        _ => Format::Q6K.block_bytes(),
+    }
+}
+
+/// A k-quant super-block's values as eight vectors of 32 bytes, one per sub-block of 32:
+/// unsigned for q4_K and q5_K, signed for q6_K.
+///
+/// # Safety
+/// The CPU has AVX2; `blk` holds a whole super-block of format `F`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn k_vectors<const F: u8>(blk: &[u8]) -> [std::arch::x86_64::__m256i; SUPER / BLOCK] {
+    use std::arch::x86_64::*;
+    debug_assert!(blk.len() >= k_block_bytes::<F>());
+    let p = blk.as_ptr();
+    // Macros, not closures: a closure would not be compiled for AVX2.
+    macro_rules! load {
+        ($at:expr) => {
+            // SAFETY: 32 bytes within the super-block (the caller's guarantee), at the
+            // offsets of its layout.
+            unsafe { _mm256_loadu_si256(p.add($at) as *const __m256i) }
+        };
+    }
+    let low = _mm256_set1_epi8(0x0F);
+    let mut v = [_mm256_setzero_si256(); SUPER / BLOCK];
+    if F == Q6K {
+        let three = _mm256_set1_epi8(3);
+        let centre = _mm256_set1_epi8(32);
+        for h in 0..2 {
+            let (ql0, ql1, qh) = (load!(64 * h), load!(64 * h + 32), load!(128 + 32 * h));
+            // Two high bits per value, moved to bits 4..6 (16-bit shifts: the masks keep
+            // every byte's bits its own).
+            let hi0 = _mm256_slli_epi16::<4>(_mm256_and_si256(qh, three));
+            let hi1 = _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<2>(qh), three));
+            let hi2 = _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<4>(qh), three));
+            let hi3 = _mm256_slli_epi16::<4>(_mm256_and_si256(_mm256_srli_epi16::<6>(qh), three));
+            let lo0 = _mm256_and_si256(ql0, low);
+            let lo1 = _mm256_and_si256(ql1, low);
+            let lo2 = _mm256_and_si256(_mm256_srli_epi16::<4>(ql0), low);
+            let lo3 = _mm256_and_si256(_mm256_srli_epi16::<4>(ql1), low);
+            for (j, (lo, hi)) in [(lo0, hi0), (lo1, hi1), (lo2, hi2), (lo3, hi3)]
+                .into_iter()
+                .enumerate()
+            {
+                v[4 * h + j] = _mm256_sub_epi8(_mm256_or_si256(lo, hi), centre);
+            }
+        }
+    } else {
+        let at = if F == Q5K { 48 } else { 16 };
+        let qh = if F == Q5K {
+            load!(16)
+        } else {
+            _mm256_setzero_si256()
+        };
+        let sixteen = _mm256_set1_epi8(16);
+        for pair in 0..4 {
+            let nib = load!(at + 32 * pair);
+            let mut lo = _mm256_and_si256(nib, low);
+            let mut hi = _mm256_and_si256(_mm256_srli_epi16::<4>(nib), low);
+            if F == Q5K {
+                // The fifth bit of sub-block `j` is bit `j` of each value's qh byte.
+                macro_rules! bit {
+                    ($j:expr) => {{
+                        let m = _mm256_set1_epi8((1u8 << $j) as i8);
+                        let set = _mm256_cmpeq_epi8(_mm256_and_si256(qh, m), m);
+                        _mm256_and_si256(set, sixteen)
+                    }};
+                }
+                lo = _mm256_or_si256(lo, bit!(2 * pair));
+                hi = _mm256_or_si256(hi, bit!(2 * pair + 1));
+            }
+            v[2 * pair] = lo;
+            v[2 * pair + 1] = hi;
+        }
+    }
+    v
+}
+
+/// [`dots`] of a k-quant with AVX2.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_k_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize) -> [f32; R] {
+    use std::arch::x86_64::*;
+    let nb = x.k / BLOCK;
+    let bb = k_block_bytes::<F>();
+    assert!(
+        w.len() >= x.k / SUPER * bb && x.qs.len() >= (i + R) * x.k,
+        "out of bounds"
+    );
+    let qs: [*const i8; R] = std::array::from_fn(|r| x.qs[(i + r) * x.k..].as_ptr());
+    let ds: [&[f32]; R] = std::array::from_fn(|r| &x.d[(i + r) * nb..(i + r + 1) * nb]);
+    let ss: [&[f32]; R] = std::array::from_fn(|r| &x.s[(i + r) * nb..(i + r + 1) * nb]);
+    let mut acc = [_mm256_setzero_ps(); R];
+    let mut mins = [0f32; R];
+    let ones = _mm256_set1_epi16(1);
+    for sb in 0..x.k / SUPER {
+        let blk = &w[sb * bb..(sb + 1) * bb];
+        // SAFETY: the CPU has AVX2; `blk` is a whole super-block.
+        let vals = unsafe { k_vectors::<F>(blk) };
+        let (scale, min) = k_scales::<F>(blk);
+        for (c, &q) in vals.iter().enumerate() {
+            let b = sb * (SUPER / BLOCK) + c;
+            // Lanes 0..4 sum values 0..16 of the block, lanes 4..8 values 16..32.
+            let wsc = _mm256_set_m128(_mm_set1_ps(scale[2 * c + 1]), _mm_set1_ps(scale[2 * c]));
+            let mag = if F == Q6K { _mm256_abs_epi8(q) } else { q };
+            for r in 0..R {
+                // SAFETY: block `b` of row `i + r` lies within `x.qs` (asserted above).
+                let xq = unsafe { _mm256_loadu_si256(qs[r].add(b * BLOCK) as *const __m256i) };
+                let xq = if F == Q6K {
+                    _mm256_sign_epi8(xq, q)
+                } else {
+                    xq
+                };
+                // Pairs: at most 32·127·2 < 2¹⁵: exact.
+                let sums = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(mag, xq));
+                let s = _mm256_mul_ps(wsc, _mm256_set1_ps(ds[r][b]));
+                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), s, acc[r]);
+                if F != Q6K {
+                    mins[r] += min[c] * ss[r][b];
+                }
+            }
+        }
+    }
+    let mut out = [0f32; R];
+    for (o, (acc, mins)) in out.iter_mut().zip(acc.iter().zip(mins)) {
+        let hi = _mm256_extractf128_ps::<1>(*acc);
+        let v = _mm_add_ps(_mm256_castps256_ps128(*acc), hi);
+        let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+        let v = _mm_add_ss(v, _mm_movehdup_ps(v));
+        *o = _mm_cvtss_f32(v) - mins;
+    }
+    out
+}
+
 /// `x·Wᵀ` for `x` `[t, k]` row-major and `W` `n` rows of blocks of `f`: `[t, n]`, column
 /// blocks spread over the thread pool. None where the kernel does not take `f`
 /// ([`available`]).
@@ -504,7 +793,7 @@ pub(crate) fn matmul(
 }
 
 /// The values of `rows` weight rows of `k` values in blocks of `f`, exactly as f32 (`d·q + m`),
-/// row-major into `out`.
+/// row-major into `out`: candle's dequantized values bit for bit.
 fn dequantize(f: Format, w: &[u8], rows: usize, k: usize, out: &mut Vec<f32>) {
     fn rows_of<const F: u8>(w: &[u8], blocks: usize, out: &mut Vec<f32>) {
         let bb = w.len() / blocks.max(1);
@@ -513,13 +802,30 @@ fn dequantize(f: Format, w: &[u8], rows: usize, k: usize, out: &mut Vec<f32>) {
             out.extend(q.iter().map(|&q| d * q as f32 + m));
         }
     }
+    fn k_rows_of<const F: u8>(w: &[u8], blocks: usize, out: &mut Vec<f32>) {
+        for blk in w.chunks_exact(k_block_bytes::<F>()).take(blocks) {
+            let (q, (scale, min)) = (k_values::<F>(blk), k_scales::<F>(blk));
+            out.extend(q.iter().enumerate().map(|(p, &q)| {
+                let v = scale[p / 16] * q as f32;
+                // candle subtracts no minimum from q6_K: `- 0.0` would turn its -0.0 to 0.0.
+                if F == Q6K {
+                    v
+                } else {
+                    v - min[p / BLOCK]
+                }
+            }));
+        }
+    }
     out.clear();
     out.reserve(rows * k);
-    let blocks = rows * k / BLOCK;
+    let blocks = rows * k / f.block_values();
     match f {
         Format::Q4_0 => rows_of::<Q4_0>(w, blocks, out),
         Format::Q4_1 => rows_of::<Q4_1>(w, blocks, out),
         Format::Q8_0 => rows_of::<Q8_0>(w, blocks, out),
+        Format::Q4K => k_rows_of::<Q4K>(w, blocks, out),
+        Format::Q5K => k_rows_of::<Q5K>(w, blocks, out),
+        Format::Q6K => k_rows_of::<Q6K>(w, blocks, out),
     }
 }
 
@@ -539,8 +845,78 @@ mod tests {
         ((i * 7919 % 101) as f32 - 50.0) / 37.0
     }
 
-    /// `n` weight rows of `k` values in format `f`, and their values dequantized.
+    /// Every format the kernel multiplies.
+    const FORMATS: [Format; 6] = [
+        Format::Q4_0,
+        Format::Q4_1,
+        Format::Q8_0,
+        Format::Q4K,
+        Format::Q5K,
+        Format::Q6K,
+    ];
+
+    /// candle's type of a format.
+    fn ggml(f: Format) -> GgmlDType {
+        match f {
+            Format::Q4_0 => GgmlDType::Q4_0,
+            Format::Q4_1 => GgmlDType::Q4_1,
+            Format::Q8_0 => GgmlDType::Q8_0,
+            Format::Q4K => GgmlDType::Q4K,
+            Format::Q5K => GgmlDType::Q5K,
+            Format::Q6K => GgmlDType::Q6K,
+        }
+    }
+
+    /// A row length of two blocks and a half of the 32-wide formats (three of their blocks),
+    /// two super-blocks of the k-quants.
+    fn width(f: Format) -> usize {
+        if f.block_values() == SUPER {
+            2 * SUPER
+        } else {
+            96
+        }
+    }
+
+    /// candle's dequantization of `n` rows of blocks `w`.
+    fn candle_values(f: Format, w: &[u8], n: usize, k: usize) -> Vec<f32> {
+        let dev = candle_core::Device::Cpu;
+        let q = candle_core::quantized::ggml_file::qtensor_from_ggml(ggml(f), w, vec![n, k], &dev)
+            .unwrap();
+        q.dequantize(&dev)
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .to_vec1()
+            .unwrap()
+    }
+
+    /// `n` weight rows of `k` values in format `f`, and their values dequantized (the k-quants:
+    /// every byte drawn at random but the f16 scales, dequantized by candle).
     fn weights(f: Format, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+        if f.block_values() == SUPER {
+            let mut w = Vec::with_capacity(n * f.row_bytes(k));
+            let mut state = 0x9E37_79B9_7F4A_7C15u64;
+            let mut byte = || {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                (state >> 24) as u8
+            };
+            for blk in 0..n * k / SUPER {
+                let mut b: Vec<u8> = (0..f.block_bytes()).map(|_| byte()).collect();
+                let d = half::f16::from_f32(0.001 + (blk % 13) as f32 * 0.0007);
+                let dmin = half::f16::from_f32(0.002 + (blk % 7) as f32 * 0.0005);
+                if f == Format::Q6K {
+                    b[208..].copy_from_slice(&d.to_le_bytes());
+                } else {
+                    b[..2].copy_from_slice(&d.to_le_bytes());
+                    b[2..4].copy_from_slice(&dmin.to_le_bytes());
+                }
+                w.extend(b);
+            }
+            let deq = candle_values(f, &w, n, k);
+            return (w, deq);
+        }
         let mut w = Vec::new();
         let mut deq = vec![0f32; n * k];
         for c in 0..n {
@@ -585,9 +961,10 @@ mod tests {
     /// `k·ε/2·Σ|p|` of the exact sum.
     #[test]
     fn many_rows_multiply_the_exactly_dequantized_weights() {
-        let (k, n, t) = (96, 131, GEMM_ROWS + 9);
-        let xs: Vec<f32> = (0..t * k).map(|i| val(i * 3 + 1)).collect();
-        for f in [Format::Q4_0, Format::Q4_1, Format::Q8_0] {
+        let (n, t) = (131, GEMM_ROWS + 9);
+        for f in FORMATS {
+            let k = width(f);
+            let xs: Vec<f32> = (0..t * k).map(|i| val(i * 3 + 1)).collect();
             let (w, deq) = weights(f, n, k);
             let got = matmul(f, &xs, t, k, &w, n).unwrap();
             for i in 0..t {
@@ -631,14 +1008,15 @@ mod tests {
     /// at a time, agree bit for bit.
     #[test]
     fn products_match_the_formula_and_each_other() {
-        let (k, n) = (96, 67);
+        let n = 67;
         let mut isas = vec![Isa::Scalar];
         if isa() == Isa::Avx2 {
             isas.push(Isa::Avx2);
         } else {
             eprintln!("no AVX2: the scalar build alone is checked");
         }
-        for f in [Format::Q4_0, Format::Q4_1, Format::Q8_0] {
+        for f in FORMATS {
+            let k = width(f);
             let (w, deq) = weights(f, n, k);
             // One row, a partial tile, and more than an L1 tile of rows.
             for t in [1, 6, 2 * ROW_TILE + 3] {
@@ -685,6 +1063,23 @@ mod tests {
                         );
                     }
                 }
+            }
+        }
+    }
+
+    /// The gemm path's weights are candle's dequantized values bit for bit, every format (the
+    /// 32-wide ones from the tests' own blocks, the k-quants from random bytes).
+    #[test]
+    fn dequantized_weights_are_candles_bit_for_bit() {
+        for f in FORMATS {
+            let (n, k) = (5, width(f));
+            let (w, _) = weights(f, n, k);
+            let mut ours = Vec::new();
+            dequantize(f, &w, n, k, &mut ours);
+            let theirs = candle_values(f, &w, n, k);
+            assert_eq!(ours.len(), theirs.len());
+            for (e, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{f:?} value {e}: {a} against {b}");
             }
         }
     }

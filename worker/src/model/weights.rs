@@ -125,7 +125,7 @@ pub(super) fn quant_blocks(w: &QMatMul) -> Option<(&QTensor, Format, usize, usiz
     };
     let (n, k) = q.shape().dims2().ok()?;
     let f = Format::of(q.dtype())?;
-    (q.device().is_cpu() && k.is_multiple_of(quant::BLOCK) && quant::available(f)).then_some((
+    (q.device().is_cpu() && k.is_multiple_of(f.block_values()) && quant::available(f)).then_some((
         q.as_ref(),
         f,
         n,
