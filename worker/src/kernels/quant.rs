@@ -196,42 +196,63 @@ pub(crate) fn available(f: Format) -> bool {
 /// so it moves by at most `d/2 = max|x|/254`; a product with weights `w` moves by at most
 /// `Σ_blocks d/2 · Σ|w|` (tested on the kernel against the dequantized f32 product).
 pub(crate) struct Q8Rows {
-    /// Per block: its scale.
+    /// Per block of 32: its scale (the same for the eight blocks of a group of 256 in rows
+    /// made by [`Q8Rows::for_format`] for a k-quant).
     d: Vec<f32>,
-    /// Per block: its scale times the sum of its values.
+    /// Per block of 32: its scale times the sum of its values.
     s: Vec<f32>,
+    /// Per block of 32: the sum of its values.
+    sums: Vec<i32>,
     /// The values, `k` per row.
     qs: Vec<i8>,
     /// Values per row.
     k: usize,
+    /// Values that share a scale: [`BLOCK`], or [`SUPER`].
+    per: usize,
 }
 
 impl Q8Rows {
-    /// `t` rows of `k` values (`k` a multiple of 32) from `xs` row-major.
-    pub(crate) fn of(xs: &[f32], t: usize, k: usize) -> Self {
-        debug_assert!(k.is_multiple_of(BLOCK) && xs.len() >= t * k);
+    /// `t` rows of `k` values from `xs` row-major, as weights of format `f` multiply them:
+    /// a scale per 32 values for the 32-wide formats, per 256 for a k-quant (as llama.cpp's
+    /// `block_q8_K`, so that a super-block's products sum in integers). Rows with a scale per
+    /// 256 serve the 32-wide formats too, rounded more coarsely (within the same bound, `d/2`
+    /// per value, with `d` the larger scale).
+    pub(crate) fn for_format(f: Format, xs: &[f32], t: usize, k: usize) -> Self {
+        Self::scaled_per(xs, t, k, f.block_values())
+    }
+
+    fn scaled_per(xs: &[f32], t: usize, k: usize, per: usize) -> Self {
+        debug_assert!(k.is_multiple_of(per) && xs.len() >= t * k);
         let blocks = t * k / BLOCK;
         let mut d = Vec::with_capacity(blocks);
         let mut s = Vec::with_capacity(blocks);
+        let mut sums = Vec::with_capacity(blocks);
         let mut qs = vec![0i8; t * k];
-        for (x, q) in xs[..t * k]
-            .chunks_exact(BLOCK)
-            .zip(qs.chunks_exact_mut(BLOCK))
-        {
+        for (x, q) in xs[..t * k].chunks_exact(per).zip(qs.chunks_exact_mut(per)) {
             let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
             let scale = amax / 127.0;
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
-            let mut sum = 0i32;
-            for (q, v) in q.iter_mut().zip(x) {
-                // |v·inv| ≤ 127 (up to rounding, which the saturating cast absorbs): the
-                // values stay in -127..=127, so `maddubs` pairs cannot saturate.
-                *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
-                sum += *q as i32;
+            for (x, q) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)) {
+                let mut sum = 0i32;
+                for (q, v) in q.iter_mut().zip(x) {
+                    // |v·inv| ≤ 127 (up to rounding, which the saturating cast absorbs): the
+                    // values stay in -127..=127, so `maddubs` pairs cannot saturate.
+                    *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
+                    sum += *q as i32;
+                }
+                d.push(scale);
+                s.push(scale * sum as f32);
+                sums.push(sum);
             }
-            d.push(scale);
-            s.push(scale * sum as f32);
         }
-        Self { d, s, qs, k }
+        Self {
+            d,
+            s,
+            sums,
+            qs,
+            k,
+            per,
+        }
     }
 
     /// Rows held.
@@ -502,27 +523,37 @@ fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     }
 }
 
-/// A k-quant super-block's scales, one per 16 values (a q4_K/q5_K sub-block of 32 gives both
-/// of its halves its own), and its minimums per 32 values, to subtract (0 for q6_K): computed
-/// as candle dequantizes them, so that `scale·q - min` is candle's value bit for bit.
-fn k_scales<const F: u8>(blk: &[u8]) -> ([f32; 16], [f32; 8]) {
-    let mut scale = [0f32; 16];
-    let mut min = [0f32; 8];
+/// A k-quant super-block's integer scales, one per 16 values (a q4_K/q5_K sub-block of 32
+/// gives both of its halves its own), its integer minimums per 32 values (0 for q6_K), and the
+/// factors of both: `d` and `dmin` (f16, widened).
+fn k_ints<const F: u8>(blk: &[u8]) -> ([i16; 16], [i16; 8], f32, f32) {
+    let mut scale = [0i16; 16];
+    let mut min = [0i16; 8];
     if F == Q6K {
-        let d = f16_at(&blk[208..]);
         for (s, &c) in scale.iter_mut().zip(&blk[192..208]) {
-            *s = d * c as i8 as f32;
+            *s = c as i8 as i16;
         }
+        (scale, min, f16_at(&blk[208..]), 0.0)
     } else {
-        let (d, dmin) = (f16_at(blk), f16_at(&blk[2..]));
         for (c, m) in min.iter_mut().enumerate() {
             let (sc, mn) = scale_min_k4(c, &blk[4..16]);
-            scale[2 * c] = d * sc as f32;
-            scale[2 * c + 1] = scale[2 * c];
-            *m = dmin * mn as f32;
+            scale[2 * c] = sc as i16;
+            scale[2 * c + 1] = sc as i16;
+            *m = mn as i16;
         }
+        (scale, min, f16_at(blk), f16_at(&blk[2..]))
     }
-    (scale, min)
+}
+
+/// A k-quant super-block's scales, one per 16 values, and its minimums per 32 values, to
+/// subtract (0 for q6_K): computed as candle dequantizes them, so that `scale·q - min` is
+/// candle's value bit for bit.
+fn k_scales<const F: u8>(blk: &[u8]) -> ([f32; 16], [f32; 8]) {
+    let (sc, mn, d, dmin) = k_ints::<F>(blk);
+    (
+        sc.map(|s| d * s as f32),
+        mn.map(|m| if F == Q6K { 0.0 } else { dmin * m as f32 }),
+    )
 }
 
 /// A k-quant super-block's 256 integer values (q4_K 0..16, q5_K 0..32, q6_K -32..32).
@@ -559,27 +590,39 @@ fn k_values<const F: u8>(blk: &[u8]) -> [i32; SUPER] {
 }
 
 /// [`dots`] of a k-quant in portable Rust: the AVX2 build's arithmetic, lane for lane.
+///
+/// With a scale per 256 activations, a super-block's products sum exactly in integers, each
+/// sub-block's weighted by its integer scale (`Σ sc·Σ q·x`, in the lanes of four values that
+/// `maddubs`/`madd` give), and meet the float scales once: `d·dx·Σ - dmin·dx·Σ m·Σx`.
 fn dots_k_scalar<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize) -> [f32; R] {
+    assert_eq!(x.per, SUPER, "k-quants multiply rows with a scale per 256");
     let nb = x.k / BLOCK;
     let bb = k_block_bytes::<F>();
     let mut lanes = [[0f32; 8]; R];
     let mut mins = [0f32; R];
     for sb in 0..x.k / SUPER {
         let blk = &w[sb * bb..(sb + 1) * bb];
-        let (q, (scale, min)) = (k_values::<F>(blk), k_scales::<F>(blk));
-        for c in 0..SUPER / BLOCK {
-            let b = sb * (SUPER / BLOCK) + c;
-            let q = &q[c * BLOCK..][..BLOCK];
-            for r in 0..R {
-                let xq = &x.qs[(i + r) * x.k + b * BLOCK..][..BLOCK];
-                let dx = x.d[(i + r) * nb + b];
-                for (l, acc) in lanes[r].iter_mut().enumerate() {
+        let q = k_values::<F>(blk);
+        let (sc, mn, d, dmin) = k_ints::<F>(blk);
+        for r in 0..R {
+            let b0 = (i + r) * nb + sb * (SUPER / BLOCK);
+            let mut ints = [0i32; 8];
+            let mut min_sum = 0i32;
+            for c in 0..SUPER / BLOCK {
+                let xq = &x.qs[(i + r) * x.k + (sb * (SUPER / BLOCK) + c) * BLOCK..][..BLOCK];
+                let q = &q[c * BLOCK..][..BLOCK];
+                for (l, acc) in ints.iter_mut().enumerate() {
                     let sum: i32 = (4 * l..4 * l + 4).map(|p| q[p] * xq[p] as i32).sum();
-                    *acc = (sum as f32).mul_add(scale[2 * c + l / 4] * dx, *acc);
+                    *acc += sum * sc[2 * c + l / 4] as i32;
                 }
-                if F != Q6K {
-                    mins[r] += min[c] * x.s[(i + r) * nb + b];
-                }
+                min_sum += mn[c] as i32 * x.sums[b0 + c];
+            }
+            let dx = x.d[b0];
+            for (acc, v) in lanes[r].iter_mut().zip(ints) {
+                *acc = (v as f32).mul_add(d * dx, *acc);
+            }
+            if F != Q6K {
+                mins[r] += dmin * dx * min_sum as f32;
             }
         }
     }
@@ -673,7 +716,7 @@ unsafe fn k_vectors<const F: u8>(blk: &[u8]) -> [std::arch::x86_64::__m256i; SUP
     v
 }
 
-/// [`dots`] of a k-quant with AVX2.
+/// [`dots`] of a k-quant with AVX2 (the arithmetic of [`dots_k_scalar`]).
 ///
 /// # Safety
 /// The CPU has AVX2, FMA and F16C.
@@ -681,6 +724,10 @@ unsafe fn k_vectors<const F: u8>(blk: &[u8]) -> [std::arch::x86_64::__m256i; SUP
 #[target_feature(enable = "avx2,fma,f16c")]
 unsafe fn dots_k_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize) -> [f32; R] {
     use std::arch::x86_64::*;
+    assert!(
+        x.per == SUPER,
+        "k-quants multiply rows with a scale per 256"
+    );
     let nb = x.k / BLOCK;
     let bb = k_block_bytes::<F>();
     assert!(
@@ -689,19 +736,20 @@ unsafe fn dots_k_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usiz
     );
     let qs: [*const i8; R] = std::array::from_fn(|r| x.qs[(i + r) * x.k..].as_ptr());
     let ds: [&[f32]; R] = std::array::from_fn(|r| &x.d[(i + r) * nb..(i + r + 1) * nb]);
-    let ss: [&[f32]; R] = std::array::from_fn(|r| &x.s[(i + r) * nb..(i + r + 1) * nb]);
+    let sums: [&[i32]; R] = std::array::from_fn(|r| &x.sums[(i + r) * nb..(i + r + 1) * nb]);
     let mut acc = [_mm256_setzero_ps(); R];
     let mut mins = [0f32; R];
-    let ones = _mm256_set1_epi16(1);
     for sb in 0..x.k / SUPER {
         let blk = &w[sb * bb..(sb + 1) * bb];
         // SAFETY: the CPU has AVX2; `blk` is a whole super-block.
         let vals = unsafe { k_vectors::<F>(blk) };
-        let (scale, min) = k_scales::<F>(blk);
+        let (sc, mn, d, dmin) = k_ints::<F>(blk);
+        let mut ints = [_mm256_setzero_si256(); R];
         for (c, &q) in vals.iter().enumerate() {
             let b = sb * (SUPER / BLOCK) + c;
-            // Lanes 0..4 sum values 0..16 of the block, lanes 4..8 values 16..32.
-            let wsc = _mm256_set_m128(_mm_set1_ps(scale[2 * c + 1]), _mm_set1_ps(scale[2 * c]));
+            // The 16-bit pair sums of values 0..16 of the block meet the first scale, those of
+            // values 16..32 the second.
+            let scale = _mm256_set_m128i(_mm_set1_epi16(sc[2 * c + 1]), _mm_set1_epi16(sc[2 * c]));
             let mag = if F == Q6K { _mm256_abs_epi8(q) } else { q };
             for r in 0..R {
                 // SAFETY: block `b` of row `i + r` lies within `x.qs` (asserted above).
@@ -711,13 +759,22 @@ unsafe fn dots_k_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usiz
                 } else {
                     xq
                 };
-                // Pairs: at most 32·127·2 < 2¹⁵: exact.
-                let sums = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(mag, xq));
-                let s = _mm256_mul_ps(wsc, _mm256_set1_ps(ds[r][b]));
-                acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), s, acc[r]);
-                if F != Q6K {
-                    mins[r] += min[c] * ss[r][b];
+                // Pairs: at most 32·127·2 < 2¹⁵; times a scale (|sc| ≤ 128), two per lane,
+                // summed over eight blocks: below 2²⁵. Exact.
+                let pairs = _mm256_maddubs_epi16(mag, xq);
+                ints[r] = _mm256_add_epi32(ints[r], _mm256_madd_epi16(pairs, scale));
+            }
+        }
+        let b0 = sb * (SUPER / BLOCK);
+        for r in 0..R {
+            let dx = ds[r][b0];
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ints[r]), _mm256_set1_ps(d * dx), acc[r]);
+            if F != Q6K {
+                let mut min_sum = 0i32;
+                for (c, &m) in mn.iter().enumerate() {
+                    min_sum += m as i32 * sums[r][b0 + c];
                 }
+                mins[r] += dmin * dx * min_sum as f32;
             }
         }
     }
@@ -770,7 +827,7 @@ pub(crate) fn matmul(
         return Some(out);
     }
     let isa = isa();
-    let x = Q8Rows::of(xs, t, k);
+    let x = Q8Rows::for_format(f, xs, t, k);
     (0..n.div_ceil(per)).into_par_iter().for_each(|b| {
         let cols = b * per..((b + 1) * per).min(n);
         let ptr = &ptr;
@@ -1023,7 +1080,7 @@ mod tests {
                 let xs: Vec<f32> = (0..t * k)
                     .map(|i| val(i + 3) * (1 + i % 5) as f32)
                     .collect();
-                let x8 = Q8Rows::of(&xs, t, k);
+                let x8 = Q8Rows::for_format(f, &xs, t, k);
                 let got = run(Isa::Scalar, f, &x8, &w, n, TILE);
                 for &isa in &isas {
                     for tile in 1..=TILE {
@@ -1092,7 +1149,7 @@ mod tests {
             .map(|i| val(i) * 10f32.powi(i as i32 % 7 - 3))
             .collect();
         xs[..BLOCK].fill(0.0);
-        let x = Q8Rows::of(&xs, t, k);
+        let x = Q8Rows::for_format(Format::Q8_0, &xs, t, k);
         for (b, v) in xs.chunks(BLOCK).enumerate() {
             let q = &x.qs[b * BLOCK..][..BLOCK];
             let amax = v.iter().fold(0f32, |m, v| m.max(v.abs()));
