@@ -20,7 +20,7 @@
 //! add along the chain of projections a token goes through (q/k/v, o, gate/up, down per layer,
 //! then lm_head: 9 chained ~1% steps for 2 layers, RMSNorm keeping them relative), so logits
 //! must stay within 6% of their scale (measured 2.1% for q4_0, 1.0% for q4_1, 2.0% for q8_0,
-//! 3.8% for q4_k, 3.1% for q5_k, 2.9% for q6_k, printed). The LoRA moves the logits by 70-126% of
+//! 3.8% for q4_k, 2.9% for q5_k and q6_k, printed). The LoRA moves the logits by 70-126% of
 //! their scale, so an adapter lost on a quantized base fails. Greedy tokens must be identical until a step where the quantized
 //! pick is within twice the tolerance of the reference's best (a near tie that 8-bit
 //! activations may break the other way; the gap is checked and printed).
