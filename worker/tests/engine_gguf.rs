@@ -30,7 +30,7 @@
 
 mod common;
 
-use common::byte_tokens;
+use common::{byte_tokens, seeded};
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -72,19 +72,6 @@ fn tiny_llama() -> Base {
         name: "llama".into(),
         _tmp: None,
     }
-}
-
-/// Seeded uniform values in [-scale, scale).
-fn seeded(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
 }
 
 /// A Llama whose projections have rows of 256 and 512 (q4_k blocks are 256 wide), with a

@@ -24,6 +24,8 @@
 
 mod common;
 
+use common::seeded;
+
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -44,19 +46,6 @@ fn opts(input: &Path, out: &Path, qtype: QuantType) -> QuantizeOptions {
         drift_tokens: 16,
         max_drift: None,
     }
-}
-
-/// Seeded uniform values in [-scale, scale).
-fn seeded(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
 }
 
 /// A Llama whose rows are 256 and 512 wide (k-quant super-blocks are 256) with unit-scale

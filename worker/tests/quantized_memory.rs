@@ -20,7 +20,11 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test is a failed test
 #![allow(clippy::disallowed_methods)] // the test builds its weights on the CPU
 
+mod common;
+
 use std::collections::HashMap;
+
+use common::seeded;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
@@ -38,19 +42,6 @@ fn resident() -> u64 {
         .parse()
         .unwrap();
     kb * 1024
-}
-
-/// Deterministic values in ±`scale`.
-fn values(seed: u64, n: usize, scale: f32) -> Vec<f32> {
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..n)
-        .map(|_| {
-            s ^= s << 13;
-            s ^= s >> 7;
-            s ^= s << 17;
-            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
-        })
-        .collect()
 }
 
 const SHAPE: (usize, usize, usize, usize, usize, usize, usize) = (1024, 2816, 8, 2048, 16, 4, 64);
@@ -76,7 +67,7 @@ fn q4_k_m_model(seed: u64) -> (Decoder, usize) {
         } else {
             (3.0 / cols as f32).sqrt()
         };
-        let mut v = values(seed, rows * cols, scale);
+        let mut v = seeded(seed, rows * cols, scale);
         if rows == 1 {
             v.iter_mut().for_each(|x| *x += 1.0);
         }

@@ -426,11 +426,7 @@ fn dots_scalar<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize) -> [
             }
         }
     }
-    std::array::from_fn(|r| {
-        let a = &lanes[r];
-        let v = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
-        (v[0] + v[2]) + (v[1] + v[3]) + mins[r]
-    })
+    std::array::from_fn(|r| scalar_lane_sum(&lanes[r]) + mins[r])
 }
 
 /// [`dots`] with AVX2.
@@ -509,13 +505,31 @@ unsafe fn dots_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize)
     // A loop, not `from_fn`: a closure would not be compiled for AVX2.
     let mut out = [0f32; R];
     for (o, (acc, mins)) in out.iter_mut().zip(acc.iter().zip(mins)) {
-        let hi = _mm256_extractf128_ps::<1>(*acc);
-        let v = _mm_add_ps(_mm256_castps256_ps128(*acc), hi);
-        let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        let v = _mm_add_ss(v, _mm_movehdup_ps(v));
-        *o = _mm_cvtss_f32(v) + mins;
+        // SAFETY: the CPU has AVX2 (this function's contract).
+        *o = unsafe { lane_sum(*acc) } + mins;
     }
     out
+}
+
+/// The sum of eight lanes, in the order [`scalar_lane_sum`] adds them.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn lane_sum(acc: std::arch::x86_64::__m256) -> f32 {
+    use std::arch::x86_64::*;
+    let hi = _mm256_extractf128_ps::<1>(acc);
+    let v = _mm_add_ps(_mm256_castps256_ps128(acc), hi);
+    let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    let v = _mm_add_ss(v, _mm_movehdup_ps(v));
+    _mm_cvtss_f32(v)
+}
+
+/// [`lane_sum`] in portable Rust: halves, then pairs, then the two.
+fn scalar_lane_sum(a: &[f32; 8]) -> f32 {
+    let v = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    (v[0] + v[2]) + (v[1] + v[3])
 }
 
 /// `x·Wᵀ` for `x` `[t, k]` row-major and `W` `n` rows of blocks of `f`: `[t, n]`, column

@@ -311,3 +311,17 @@ pub fn byte_tokens() -> Vec<String> {
     }
     tokens
 }
+
+/// Seeded uniform values in [-scale, scale).
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub fn seeded(seed: u64, n: usize, scale: f32) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s ^= s << 13;
+            s ^= s >> 7;
+            s ^= s << 17;
+            ((s >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0) * scale
+        })
+        .collect()
+}

@@ -2,7 +2,7 @@
 //! and multiplied with activation rows that have one scale per 256 values (see the parent
 //! module for the arithmetic and why mole runs it rather than candle).
 
-use super::{f16_at, Format, Q8Rows, BLOCK, Q4K, Q5K, Q6K, SUPER};
+use super::{f16_at, scalar_lane_sum, Format, Q8Rows, BLOCK, Q4K, Q5K, Q6K, SUPER};
 
 /// The 6-bit scale and minimum of sub-block `j` (0..8) of a q4_K/q5_K super-block's 12 bytes.
 fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
@@ -123,11 +123,7 @@ pub(super) fn dots_k_scalar<const F: u8, const R: usize>(
             }
         }
     }
-    std::array::from_fn(|r| {
-        let a = &lanes[r];
-        let v = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
-        (v[0] + v[2]) + (v[1] + v[3]) - mins[r]
-    })
+    std::array::from_fn(|r| scalar_lane_sum(&lanes[r]) - mins[r])
 }
 
 /// Bytes of a k-quant super-block of format `F`.
@@ -283,11 +279,8 @@ pub(super) unsafe fn dots_k_avx2<const F: u8, const R: usize>(
     }
     let mut out = [0f32; R];
     for (o, (acc, mins)) in out.iter_mut().zip(acc.iter().zip(mins)) {
-        let hi = _mm256_extractf128_ps::<1>(*acc);
-        let v = _mm_add_ps(_mm256_castps256_ps128(*acc), hi);
-        let v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-        let v = _mm_add_ss(v, _mm_movehdup_ps(v));
-        *o = _mm_cvtss_f32(v) - mins;
+        // SAFETY: the CPU has AVX2 (this function's contract).
+        *o = unsafe { super::lane_sum(*acc) } - mins;
     }
     out
 }
