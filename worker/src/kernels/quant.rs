@@ -65,6 +65,10 @@ pub(crate) const GEMM_ROWS: usize = 64;
 /// Activation rows that share one unpacked weight block: four accumulators, the unpacked
 /// block and the loads fit AVX2's sixteen registers.
 const TILE: usize = 4;
+/// Activation rows that share one unpacked k-quant super-block: its products sum in eight
+/// integer accumulators (the float ones are touched once per super-block), and unpacking a
+/// super-block (scales, values) costs more than a block of 32, so it serves twice the rows.
+const K_TILE: usize = 8;
 
 /// A block format the kernel multiplies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -286,12 +290,16 @@ pub(crate) unsafe fn product(
     width: usize,
     accumulate: bool,
 ) {
-    let tile = if mode() == Mode::Untiled { 1 } else { TILE };
+    let tile = if mode() == Mode::Untiled {
+        1
+    } else {
+        tile_of(f)
+    };
     // SAFETY: the caller's guarantees.
     unsafe { product_by(isa, f, x, w, cols, out, width, accumulate, tile) }
 }
 
-/// [`product`] with `tile` activation rows (1..=[`TILE`]) per unpacked weight block.
+/// [`product`] with `tile` activation rows (1..=[`tile_of`] `f`) per unpacked weight block.
 ///
 /// # Safety
 /// As [`product`].
@@ -332,11 +340,12 @@ unsafe fn product_by(
     }
 }
 
-/// Weight row `w` · activation rows `i..i + n` (`n` ≤ [`TILE`]), in the first `n` values.
+/// Weight row `w` · activation rows `i..i + n` (`n` ≤ [`tile_of`] the format), in the first
+/// `n` values.
 ///
 /// # Safety
 /// `isa` is one the CPU has.
-unsafe fn dots(isa: Isa, f: Format, w: &[u8], x: &Q8Rows, i: usize, n: usize) -> [f32; TILE] {
+unsafe fn dots(isa: Isa, f: Format, w: &[u8], x: &Q8Rows, i: usize, n: usize) -> [f32; K_TILE] {
     macro_rules! by_rows {
         ($run:ident, $f:expr) => {
             match n {
@@ -347,15 +356,29 @@ unsafe fn dots(isa: Isa, f: Format, w: &[u8], x: &Q8Rows, i: usize, n: usize) ->
             }
         };
     }
+    macro_rules! by_rows_k {
+        ($run:ident, $f:expr) => {
+            match n {
+                1 => widen($run::<$f, 1>(w, x, i)),
+                2 => widen($run::<$f, 2>(w, x, i)),
+                3 => widen($run::<$f, 3>(w, x, i)),
+                4 => widen($run::<$f, 4>(w, x, i)),
+                5 => widen($run::<$f, 5>(w, x, i)),
+                6 => widen($run::<$f, 6>(w, x, i)),
+                7 => widen($run::<$f, 7>(w, x, i)),
+                _ => widen($run::<$f, 8>(w, x, i)),
+            }
+        };
+    }
     macro_rules! by_format {
         ($run:ident, $run_k:ident) => {
             match f {
                 Format::Q4_0 => by_rows!($run, Q4_0),
                 Format::Q4_1 => by_rows!($run, Q4_1),
                 Format::Q8_0 => by_rows!($run, Q8_0),
-                Format::Q4K => by_rows!($run_k, Q4K),
-                Format::Q5K => by_rows!($run_k, Q5K),
-                Format::Q6K => by_rows!($run_k, Q6K),
+                Format::Q4K => by_rows_k!($run_k, Q4K),
+                Format::Q5K => by_rows_k!($run_k, Q5K),
+                Format::Q6K => by_rows_k!($run_k, Q6K),
             }
         };
     }
@@ -369,9 +392,18 @@ unsafe fn dots(isa: Isa, f: Format, w: &[u8], x: &Q8Rows, i: usize, n: usize) ->
     }
 }
 
+/// The rows a format's tile holds: [`K_TILE`] for the k-quants, else [`TILE`].
+const fn tile_of(f: Format) -> usize {
+    if f.block_values() == SUPER {
+        K_TILE
+    } else {
+        TILE
+    }
+}
+
 /// `R` values in the first `R` of a tile.
-fn widen<const R: usize>(v: [f32; R]) -> [f32; TILE] {
-    let mut out = [0f32; TILE];
+fn widen<const R: usize>(v: [f32; R]) -> [f32; K_TILE] {
+    let mut out = [0f32; K_TILE];
     out[..R].copy_from_slice(&v);
     out
 }
@@ -824,9 +856,9 @@ mod tests {
                     .map(|i| val(i + 3) * (1 + i % 5) as f32)
                     .collect();
                 let x8 = Q8Rows::for_format(f, &xs, t, k);
-                let got = run(Isa::Scalar, f, &x8, &w, n, TILE);
+                let got = run(Isa::Scalar, f, &x8, &w, n, tile_of(f));
                 for &isa in &isas {
-                    for tile in 1..=TILE {
+                    for tile in 1..=tile_of(f) {
                         let other = run(isa, f, &x8, &w, n, tile);
                         let same = got
                             .iter()
