@@ -27,17 +27,18 @@
 //! values, each `d·sc·q - dmin·m` with its own 6-bit integer scale and minimum, a q6_K one has
 //! a signed 8-bit scale per 16 values; with one activation scale `dx` per 256, a super-block's
 //! products sum exactly in integers, each sub-block's sum weighted by its integer scale, and
-//! meet the float scales once: `d·dx·Σ sc·Σ q·x - dmin·dx·Σ m·Σ x`. (With a scale per 32 the
-//! products of every block of 32 needed their own float step: batch 16 ran at 207 tokens/s
-//! where this runs 273.) The activations round within the same bound per value, `dx/2`.
+//! meet the float scales once: `d·dx·Σ sc·Σ q·x - dmin·dx·Σ m·Σ x`, so a tile holds
+//! [`K_TILE`] rows. (With a scale per 32 the products of every block of 32 needed their own
+//! float step: batch 16 ran at 0.59x the bf16 form's rate; with tiles of 4 rows at 0.73x, of 8
+//! at 0.96-0.98x.) The activations round within the same bound per value, `dx/2`.
 //!
 //! Why mole multiplies the k-quants itself although candle 0.11.1 has fast products for them:
 //! candle repacks q4_K (and q6_K, for more than one row) on first use into expanded tiles that
 //! it keeps beside the blocks for the tensor's life, so a q4_K base's memory about doubles
 //! after its first request (tests/quantized_memory.rs), while `/v1/models`, the startup log
 //! and the KV-cache budget count the blocks. Those tiles are faster at batch 16 (`bench decode
-//! --gguf-synthetic q4_k_m --hidden 1024 --layers 8`, 2 cores: 463 tokens/s against 273 here,
-//! 376 for the bf16 form); at batch 1 the two run alike (128 and 129).
+//! --gguf-synthetic q4_k_m --hidden 1024 --layers 8`, 2 cores: 1.24x the bf16 form's rate,
+//! against 0.96-0.98x here); at batch 1 the two run alike.
 //!
 //! The scalar build ([`Isa::Scalar`], CPUs without AVX2, FMA and F16C) gives the AVX2 build's
 //! results bit for bit: it sums the same integer products into the same eight lanes and adds
