@@ -1,12 +1,16 @@
 //! `bench decode --gguf FILE`: a GGUF base served quantized against its own bf16 import (the
 //! same weights dequantized by `mole-worker import`), side by side in one run: the contenders
 //! alternate over rounds and each keeps its best. The quantized base runs three times: with
-//! mole's tiled kernel (q4_0, q4_1, q8_0 and the k-quants), the same kernel one activation row at a time
-//! (how the Q4_1 kernel ran before the tiles) and candle's quantized product alone (block types
-//! the kernel does not cover take candle's product in all three). Measured on the host path (the CPU's own
-//! kernels) and on the tensor path (what a GPU runs, here as candle's CPU ops): prefill of a
-//! 158-token prompt (the guidellm prompts), and decode at batch 1 and 16 without and
-//! with a LoRA adapter on every projection.
+//! mole's tiled kernel (q4_0, q4_1, q8_0 and the k-quants), the same kernel one activation
+//! row at a time (how the Q4_1 kernel ran before the tiles) and candle's quantized product
+//! alone (block types the kernel does not cover take candle's product in all three). Measured
+//! on the host path (the CPU's own kernels) and on the tensor path (what a GPU runs, here as
+//! candle's CPU ops): prefill of a 158-token prompt (the guidellm prompts), and decode
+//! at batch 1 and 16 without and with a LoRA adapter on every projection.
+//!
+//! `bench decode --gguf-synthetic TYPE` runs the same tables on the synthetic model quantized
+//! in memory, for block types no small real model here has rows for (the k-quants need rows
+//! that are multiples of 256).
 
 use std::collections::HashMap;
 use std::path::Path;
