@@ -1,5 +1,5 @@
-//! Quantized GGUF bases (q4_0, q4_1, q8_0, q4_k, q5_k, q6_k) served with and without a LoRA, against the same
-//! decoder and engine on the dequantized weights in f32.
+//! Quantized GGUF bases (q4_0, q4_1, q8_0, q4_k, q5_k, q6_k) served with and without a LoRA,
+//! against the same decoder and engine on the dequantized weights in f32.
 //!
 //! Each test quantizes a model with candle (`QTensor::quantize`), writes a GGUF file the way
 //! llama.cpp lays one out (llama Q/K rows permuted, tokenizer and chat template in the
@@ -21,9 +21,10 @@
 //! then lm_head: 9 chained ~1% steps for 2 layers, RMSNorm keeping them relative), so logits
 //! must stay within 6% of their scale (measured 2.1% for q4_0, 1.0% for q4_1, 2.0% for q8_0,
 //! 3.8% for q4_k, 2.9% for q5_k and q6_k, printed). The LoRA moves the logits by 70-126% of
-//! their scale, so an adapter lost on a quantized base fails. Greedy tokens must be identical until a step where the quantized
-//! pick is within twice the tolerance of the reference's best (a near tie that 8-bit
-//! activations may break the other way; the gap is checked and printed).
+//! their scale, so an adapter lost on a quantized base fails. Greedy tokens must be identical
+//! until a step where the quantized pick is within twice the tolerance of the reference's best
+//! (a near tie that 8-bit activations may break the other way; the gap is checked and
+//! printed).
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
