@@ -210,17 +210,14 @@ pub(crate) fn host_projections(
         // Quantized weights multiply the input rounded to 8 bits, once for all of them: with
         // a scale per 256 values where a k-quant is among them (the other formats multiply
         // such rows too).
-        let formats: Vec<Format> = weights
+        let q8 = weights
             .iter()
             .filter_map(|w| match w {
                 Some((Base::Quant(_, f), ..)) => Some(*f),
                 _ => None,
             })
-            .collect();
-        let q8 = formats
-            .iter()
             .max_by_key(|f| f.block_values())
-            .map(|&f| Q8Rows::for_format(f, xs, t, d_in));
+            .map(|f| Q8Rows::for_format(f, xs, t, d_in));
         let mut blocks = Vec::new();
         for (w, out) in weights.iter().zip(outs.iter_mut()) {
             if let Some((w, d_out, bias)) = w {
