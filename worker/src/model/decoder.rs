@@ -128,8 +128,11 @@ impl Decoder {
             crate::formats::quant::scheme(&raw).map_err(ModelError::UnsupportedQuantization)?;
         let cfg = ModelConfig::from_json(raw)?;
         let files = hf::safetensors_files(dir)?;
-        // SAFETY: weight files are read-only inputs for the life of the model.
-        let vb = unsafe { VarBuilder::from_mmaped_safetensors(&files, dtype, device)? };
+        let vb = VarBuilder::from_backend(
+            Box::new(crate::formats::safetensors::ReadTensors::open(&files)?),
+            dtype,
+            device.clone(),
+        );
         match scheme {
             None => Self::new(cfg, vb),
             Some(scheme) => {

@@ -84,15 +84,10 @@ impl SentenceEmbedder {
             }))
             .map_err(|e| err(e.to_string()))?;
         let device = Device::Cpu;
-        // SAFETY: the weights file is a read-only input for the life of the model.
-        let vb = unsafe {
-            VarBuilder::from_mmaped_safetensors(
-                &[dir.join("model.safetensors")],
-                DType::F32,
-                &device,
-            )
-        }
-        .map_err(|e| err(e.to_string()))?;
+        // Read tensor by tensor, as the engine loads its model (one copy of the weights).
+        let st = crate::formats::safetensors::ReadTensors::open(&[dir.join("model.safetensors")])
+            .map_err(|e| err(e.to_string()))?;
+        let vb = VarBuilder::from_backend(Box::new(st), DType::F32, device.clone());
         let model = BertModel::load(vb, &cfg).map_err(|e| err(e.to_string()))?;
         Ok(Self {
             model,
