@@ -25,18 +25,10 @@ use mole_worker::model::Decoder;
 
 /// `VmRSS` and `VmHWM` of this process, in bytes.
 fn resident() -> (u64, u64) {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let field = |name: &str| -> u64 {
-        let line = status.lines().find(|l| l.starts_with(name)).unwrap();
-        let kb: u64 = line[name.len()..]
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse()
-            .unwrap();
-        kb * 1024
-    };
-    (field("VmRSS:"), field("VmHWM:"))
+    (
+        common::status_bytes("VmRSS:"),
+        common::status_bytes("VmHWM:"),
+    )
 }
 
 /// A bf16 Llama (hidden 512, 8 layers, vocabulary 8192, untied head) in `dir`; its file's bytes.

@@ -32,16 +32,7 @@ use mole_worker::model::{Decoder, ModelConfig, Row, SeqCache};
 
 /// `VmRSS` of this process, in bytes.
 fn resident() -> u64 {
-    let status = std::fs::read_to_string("/proc/self/status").unwrap();
-    let line = status.lines().find(|l| l.starts_with("VmRSS:")).unwrap();
-    let kb: u64 = line
-        .trim_start_matches("VmRSS:")
-        .trim()
-        .trim_end_matches("kB")
-        .trim()
-        .parse()
-        .unwrap();
-    kb * 1024
+    common::status_bytes("VmRSS:")
 }
 
 const SHAPE: (usize, usize, usize, usize, usize, usize, usize) = (1024, 2816, 8, 2048, 16, 4, 64);

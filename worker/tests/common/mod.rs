@@ -325,3 +325,17 @@ pub fn seeded(seed: u64, n: usize, scale: f32) -> Vec<f32> {
         })
         .collect()
 }
+
+/// A `/proc/self/status` field of this process given in kB (`VmRSS:`, `VmHWM:`), in bytes.
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub fn status_bytes(field: &str) -> u64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let line = status.lines().find(|l| l.starts_with(field)).unwrap();
+    let kb: u64 = line[field.len()..]
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    kb * 1024
+}
