@@ -211,7 +211,10 @@ pub(crate) struct Q8Rows {
     /// Per block of 32: its scale (the same for the eight blocks of a group of 256 in rows
     /// made by [`Q8Rows::for_format`] for a k-quant).
     d: Vec<f32>,
-    /// Per block of 32: its scale times the sum of its values.
+    /// Per block of 32: its scale times the sum of its values (what a Q4_1 block's minimum
+    /// multiplies), grouped by [`S_GROUP`] rows block by block, the rows of a group side by side
+    /// (`[(row / S_GROUP · blocks + block) · S_GROUP + row % S_GROUP]`, the last group padded
+    /// with zeros): a tile of rows reads a block's values of all its rows with one load.
     s: Vec<f32>,
     /// Per block of 32: the sum of its values.
     sums: Vec<i32>,
@@ -235,9 +238,9 @@ impl Q8Rows {
 
     fn scaled_per(xs: &[f32], t: usize, k: usize, per: usize) -> Self {
         debug_assert!(k.is_multiple_of(per) && xs.len() >= t * k);
-        let blocks = t * k / BLOCK;
+        let (blocks, nb) = (t * k / BLOCK, k / BLOCK);
         let mut d = Vec::with_capacity(blocks);
-        let mut s = Vec::with_capacity(blocks);
+        let mut s = vec![0f32; t.div_ceil(S_GROUP) * S_GROUP * nb];
         let mut sums = Vec::with_capacity(blocks);
         let mut qs = vec![0i8; t * k];
         for (x, q) in xs[..t * k].chunks_exact(per).zip(qs.chunks_exact_mut(per)) {
@@ -252,8 +255,9 @@ impl Q8Rows {
                     *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
                     sum += *q as i32;
                 }
+                let (row, b) = (d.len() / nb, d.len() % nb);
+                s[((row / S_GROUP) * nb + b) * S_GROUP + row % S_GROUP] = scale * sum as f32;
                 d.push(scale);
-                s.push(scale * sum as f32);
                 sums.push(sum);
             }
         }
@@ -265,6 +269,12 @@ impl Q8Rows {
             k,
             per,
         }
+    }
+
+    /// Block `b`'s scale times its values' sum, of row `row`.
+    fn s_at(&self, row: usize, b: usize) -> f32 {
+        let nb = self.k / BLOCK;
+        self.s[((row / S_GROUP) * nb + b) * S_GROUP + row % S_GROUP]
     }
 
     /// Rows held.
@@ -455,7 +465,8 @@ fn dots_scalar<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize) -> [
                 *acc = (sum as f32).mul_add(scale, *acc);
             }
             if F == Q4_1 {
-                mins[r] += mw * x.s[(i + r) * nb + b];
+                // A fused multiply-add, as the AVX2 build's vector of a group's rows.
+                mins[r] = mw.mul_add(x.s_at(i + r, b), mins[r]);
             }
         }
     }
@@ -478,7 +489,13 @@ unsafe fn dots_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize)
     );
     let qs: [*const i8; R] = std::array::from_fn(|r| x.qs[(i + r) * x.k..].as_ptr());
     let ds: [&[f32]; R] = std::array::from_fn(|r| &x.d[(i + r) * nb..(i + r + 1) * nb]);
-    let ss: [&[f32]; R] = std::array::from_fn(|r| &x.s[(i + r) * nb..(i + r + 1) * nb]);
+    // Q4_1's minimums: the rows' block values `s` lie side by side in groups of `S_GROUP`, so
+    // when the tile's rows share a group each block's minimum meets all of them in one
+    // fused multiply-add (otherwise, one per row: the same arithmetic, lane by lane).
+    let (group, lane) = (i / S_GROUP, i % S_GROUP);
+    let grouped = lane + R <= S_GROUP;
+    assert!(x.s.len() >= (group + 1) * nb * S_GROUP, "out of bounds");
+    let mut minv = _mm_setzero_ps();
     let mut acc = [_mm256_setzero_ps(); R];
     let mut mins = [0f32; R];
     let low = _mm256_set1_epi8(0x0F);
@@ -530,10 +547,21 @@ unsafe fn dots_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize)
             let sums = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(mag, xq));
             let scale = _mm256_set1_ps(dw * ds[r][b]);
             acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
-            if F == Q4_1 {
-                mins[r] += mw * ss[r][b];
+            if F == Q4_1 && !grouped {
+                mins[r] = mw.mul_add(x.s_at(i + r, b), mins[r]);
             }
         }
+        if F == Q4_1 && grouped {
+            // SAFETY: the group's four values of block `b` lie within `x.s` (asserted above).
+            let sv = unsafe { _mm_loadu_ps(x.s.as_ptr().add((group * nb + b) * S_GROUP)) };
+            minv = _mm_fmadd_ps(_mm_set1_ps(mw), sv, minv);
+        }
+    }
+    if F == Q4_1 && grouped {
+        let mut m = [0f32; S_GROUP];
+        // SAFETY: `m` holds four floats.
+        unsafe { _mm_storeu_ps(m.as_mut_ptr(), minv) };
+        mins.copy_from_slice(&m[lane..lane + R]);
     }
     // A loop, not `from_fn`: a closure would not be compiled for AVX2.
     let mut out = [0f32; R];
@@ -543,6 +571,9 @@ unsafe fn dots_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize)
     }
     out
 }
+
+/// Rows whose block values `s` lie side by side in [`Q8Rows`] (a tile of the 32-wide formats).
+const S_GROUP: usize = 4;
 
 /// The sum of eight lanes, in the order [`scalar_lane_sum`] adds them.
 ///
@@ -937,7 +968,8 @@ mod tests {
                 );
             }
             let sum: i32 = q.iter().map(|&q| q as i32).sum();
-            assert_eq!(x.s[b], x.d[b] * sum as f32);
+            let nb = k / BLOCK;
+            assert_eq!(x.s_at(b / nb, b % nb), x.d[b] * sum as f32);
         }
     }
 }
