@@ -479,6 +479,8 @@ fn dots_scalar<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize) -> [
 /// The CPU has AVX2, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma,f16c")]
+// `b` indexes the weight blocks, the rows' values and their scales at once.
+#[allow(clippy::needless_range_loop)]
 unsafe fn dots_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize) -> [f32; R] {
     use std::arch::x86_64::*;
     let nb = x.k / BLOCK;
