@@ -129,6 +129,20 @@ impl ReadTensors {
         })
     }
 
+    /// A [`candle_nn::VarBuilder`] over `files` read this way, making tensors of `dtype` on
+    /// `device`.
+    pub fn var_builder(
+        files: &[impl AsRef<Path>],
+        dtype: candle_core::DType,
+        device: &candle_core::Device,
+    ) -> candle_core::Result<candle_nn::VarBuilder<'static>> {
+        Ok(candle_nn::VarBuilder::from_backend(
+            Box::new(Self::open(files)?),
+            dtype,
+            device.clone(),
+        ))
+    }
+
     /// The tensor `name` as stored, on the CPU.
     fn read(&self, name: &str) -> candle_core::Result<candle_core::Tensor> {
         let Some(s) = self.tensors.get(name) else {
@@ -163,6 +177,10 @@ impl ReadTensors {
     }
 }
 
+// The values are read as the host lays them out.
+#[cfg(target_endian = "big")]
+compile_error!("safetensors are little-endian: reading them on a big-endian host needs a swap");
+
 /// Plain values any bit pattern of which is valid, read from a file's little-endian bytes.
 trait Plain: Copy + Default {}
 impl Plain for half::bf16 {}
@@ -185,8 +203,6 @@ fn read_values<T: Plain>(file: &std::fs::File, s: &Stored) -> std::io::Result<Ve
     // vector's memory may be written as bytes; the slice covers exactly its `len` bytes.
     let bytes = unsafe { std::slice::from_raw_parts_mut(v.as_mut_ptr().cast::<u8>(), s.len) };
     file.read_exact_at(bytes, s.start)?;
-    #[cfg(target_endian = "big")]
-    compile_error!("safetensors are little-endian: reading them on a big-endian host needs a swap");
     Ok(v)
 }
 

@@ -255,8 +255,7 @@ impl Q8Rows {
                     *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
                     sum += *q as i32;
                 }
-                let (row, b) = (d.len() / nb, d.len() % nb);
-                s[((row / S_GROUP) * nb + b) * S_GROUP + row % S_GROUP] = scale * sum as f32;
+                s[s_index(nb, d.len() / nb, d.len() % nb)] = scale * sum as f32;
                 d.push(scale);
                 sums.push(sum);
             }
@@ -273,8 +272,7 @@ impl Q8Rows {
 
     /// Block `b`'s scale times its values' sum, of row `row`.
     fn s_at(&self, row: usize, b: usize) -> f32 {
-        let nb = self.k / BLOCK;
-        self.s[((row / S_GROUP) * nb + b) * S_GROUP + row % S_GROUP]
+        self.s[s_index(self.k / BLOCK, row, b)]
     }
 
     /// Rows held.
@@ -576,6 +574,11 @@ unsafe fn dots_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize)
 
 /// Rows whose block values `s` lie side by side in [`Q8Rows`] (a tile of the 32-wide formats).
 const S_GROUP: usize = 4;
+
+/// Where [`Q8Rows::s`] holds block `b` of row `row`, for rows of `nb` blocks.
+fn s_index(nb: usize, row: usize, b: usize) -> usize {
+    ((row / S_GROUP) * nb + b) * S_GROUP + row % S_GROUP
+}
 
 /// The sum of eight lanes, in the order [`scalar_lane_sum`] adds them.
 ///

@@ -128,11 +128,7 @@ impl Decoder {
             crate::formats::quant::scheme(&raw).map_err(ModelError::UnsupportedQuantization)?;
         let cfg = ModelConfig::from_json(raw)?;
         let files = hf::safetensors_files(dir)?;
-        let vb = VarBuilder::from_backend(
-            Box::new(crate::formats::safetensors::ReadTensors::open(&files)?),
-            dtype,
-            device.clone(),
-        );
+        let vb = crate::formats::safetensors::ReadTensors::var_builder(&files, dtype, device)?;
         match scheme {
             None => Self::new(cfg, vb),
             Some(scheme) => {

@@ -8,7 +8,6 @@ use std::path::Path;
 use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
 use candle_transformers::models::bert::{BertModel, Config};
 use tokenizers::{PaddingParams, PaddingStrategy, Tokenizer, TruncationParams};
 
@@ -85,9 +84,9 @@ impl SentenceEmbedder {
             .map_err(|e| err(e.to_string()))?;
         let device = Device::Cpu;
         // Read tensor by tensor, as the engine loads its model (one copy of the weights).
-        let st = crate::formats::safetensors::ReadTensors::open(&[dir.join("model.safetensors")])
+        let files = [dir.join("model.safetensors")];
+        let vb = crate::formats::safetensors::ReadTensors::var_builder(&files, DType::F32, &device)
             .map_err(|e| err(e.to_string()))?;
-        let vb = VarBuilder::from_backend(Box::new(st), DType::F32, device.clone());
         let model = BertModel::load(vb, &cfg).map_err(|e| err(e.to_string()))?;
         Ok(Self {
             model,
