@@ -86,12 +86,20 @@ pub(crate) struct KvHead {
     pub scale: f32,
 }
 
+/// A run of consecutive cached tokens of one layer, token-major `[tokens, kv_heads, dim]`: a
+/// sequence's cache is the runs in order (blocks shared with the prefix cache, then its own).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct KvRun<'c> {
+    /// The run's keys.
+    pub keys: &'c [f32],
+    /// The run's values, as many as its keys.
+    pub values: &'c [f32],
+}
+
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
 fn attend_impl<const FMA: bool>(
     q: &[f32],
-    keys: &[f32],
-    values: &[f32],
+    runs: &[KvRun<'_>],
     seen: usize,
     h: KvHead,
     out: &mut [f32],
@@ -99,15 +107,28 @@ fn attend_impl<const FMA: bool>(
 ) {
     let dim = q.len();
     scores.resize(seen, 0.0);
-    let key = |j: usize| &keys[j * h.stride + h.offset..][..dim];
-    // Four keys at a time: independent sums (see `dots`) and `q` loaded once for four.
-    let mut blocks = scores.chunks_exact_mut(4);
-    for (b, s4) in (&mut blocks).enumerate() {
-        s4.copy_from_slice(&dots::<FMA, 4>(std::array::from_fn(|i| key(4 * b + i)), q));
-    }
-    let done = seen / 4 * 4;
-    for (j, s) in blocks.into_remainder().iter_mut().enumerate() {
-        *s = dots::<FMA, 1>([key(done + j)], q)[0];
+    // The runs' first `seen` tokens, as (run, tokens of it, index of its first).
+    let visible = || {
+        runs.iter().scan(0, move |base, r| {
+            let first = *base;
+            let n = (r.keys.len() / h.stride).min(seen.saturating_sub(first));
+            *base += n;
+            (n > 0).then_some((r, n, first))
+        })
+    };
+    for (r, n, first) in visible() {
+        let key = |j: usize| &r.keys[j * h.stride + h.offset..][..dim];
+        // Four keys at a time: independent sums (see `dots`) and `q` loaded once for four.
+        // A key's sum is the same whichever keys it is grouped with, so a cache read in runs
+        // scores as the same cache read whole.
+        let mut blocks = scores[first..first + n].chunks_exact_mut(4);
+        for (b, s4) in (&mut blocks).enumerate() {
+            s4.copy_from_slice(&dots::<FMA, 4>(std::array::from_fn(|i| key(4 * b + i)), q));
+        }
+        let done = n / 4 * 4;
+        for (j, s) in blocks.into_remainder().iter_mut().enumerate() {
+            *s = dots::<FMA, 1>([key(done + j)], q)[0];
+        }
     }
     let mut max = f32::NEG_INFINITY;
     for s in scores.iter_mut() {
@@ -120,24 +141,25 @@ fn attend_impl<const FMA: bool>(
         sum += *s;
     }
     out.fill(0.0);
-    for (j, s) in scores.iter().enumerate() {
-        let p = s / sum;
-        let v = &values[j * h.stride + h.offset..][..dim];
-        for (o, x) in out.iter_mut().zip(v) {
-            *o = madd::<FMA>(p, *x, *o);
+    for (r, n, first) in visible() {
+        for (j, s) in scores[first..first + n].iter().enumerate() {
+            let p = s / sum;
+            let v = &r.values[j * h.stride + h.offset..][..dim];
+            for (o, x) in out.iter_mut().zip(v) {
+                *o = madd::<FMA>(p, *x, *o);
+            }
         }
     }
 }
 
 kernel! {
-    /// One query head's attention for one token: `q` `[dim]`, `keys`/`values` its sequence's
-    /// cache token-major `[len, kv_heads, dim]`, of which the first `seen` positions are
-    /// visible (causal: the token's own position + 1); writes `[dim]` into `out`. Softmax in
-    /// f32 with the maximum subtracted, as torch computes it. `scores` is scratch space.
+    /// One query head's attention for one token: `q` `[dim]`, `runs` its sequence's cache in
+    /// order (see [`KvRun`]), of which the first `seen` positions are visible (causal: the
+    /// token's own position + 1); writes `[dim]` into `out`. Softmax in f32 with the maximum
+    /// subtracted, as torch computes it. `scores` is scratch space.
     attend_head = attend_impl(
         q: &[f32],
-        keys: &[f32],
-        values: &[f32],
+        runs: &[KvRun<'_>],
         seen: usize,
         h: KvHead,
         out: &mut [f32],
@@ -155,7 +177,7 @@ mod tests {
 
     /// Attention equals the plain formula (both builds: the test machine picks one, the
     /// baseline is called directly), for cache lengths that fill the four-key blocks and
-    /// leave every remainder.
+    /// leave every remainder; a cache read in runs gives the same bits as read whole.
     #[test]
     fn attention_matches_the_formula() {
         let (nq, nkv, dim, len) = (4, 2, 12, 9);
@@ -192,13 +214,32 @@ mod tests {
                     scale,
                 };
                 let qh = &q[head * dim..(head + 1) * dim];
-                for run in [attend_head, attend_impl::<false>] {
-                    let mut out = vec![9f32; dim];
-                    run(qh, &keys, &values, seen, kv, &mut out, &mut scores);
+                let w = nkv * dim;
+                let whole = [KvRun {
+                    keys: &keys,
+                    values: &values,
+                }];
+                // The same cache in runs of 2, 4 and 3 tokens (a prefix read in blocks, its
+                // own tokens after).
+                let cut = |a: usize, b: usize| KvRun {
+                    keys: &keys[a * w..b * w],
+                    values: &values[a * w..b * w],
+                };
+                let split = [cut(0, 2), cut(2, 6), cut(6, len)];
+                let check = |out: &[f32]| {
                     for (a, b) in out.iter().zip(&want) {
                         assert!((a - b).abs() < 1e-5, "seen {seen}: {a} vs {b}");
                     }
-                }
+                };
+                let mut plain = vec![9f32; dim];
+                attend_impl::<false>(qh, &whole, seen, kv, &mut plain, &mut scores);
+                check(&plain);
+                let mut out = vec![9f32; dim];
+                attend_head(qh, &whole, seen, kv, &mut out, &mut scores);
+                check(&out);
+                let mut runs = vec![9f32; dim];
+                attend_head(qh, &split, seen, kv, &mut runs, &mut scores);
+                assert_eq!(runs, out, "seen {seen}: runs change the result");
             }
         }
     }

@@ -40,7 +40,7 @@ pub(crate) mod dense;
 pub(crate) mod lora;
 pub(crate) mod quant;
 
-pub(crate) use self::attention::{attend_head, KvHead};
+pub(crate) use self::attention::{attend_head, KvHead, KvRun};
 pub(crate) use self::lora::{lora_tokens, lora_tokens_bf16, RANK_ALIGN};
 
 /// Multiply-adds below which the attention of a batch runs on the calling thread: splitting

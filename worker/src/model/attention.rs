@@ -235,19 +235,20 @@ fn attend_host(
         off += t;
     }
     drop((kg, vg));
-    // Per token: its row's cache and how many positions it sees (causal).
-    // (keys, values, positions seen), or None for tokens of long rows.
-    type Visible<'c> = Option<(&'c [f32], &'c [f32], usize)>;
-    let mut tokens: Vec<Visible<'_>> = Vec::with_capacity(n);
+    // Each row's cache of this layer, read in place: its shared blocks, then its own tokens.
+    let runs: Vec<Vec<kernels::KvRun<'_>>> = rows
+        .iter()
+        .map(|row| row.cache.host_runs(li, batch.layers))
+        .collect();
+    // Per token: its row and how many positions it sees (causal), or None for tokens of
+    // long rows.
+    let mut tokens: Vec<Option<(usize, usize)>> = Vec::with_capacity(n);
     let mut long = Vec::new();
     let mut off = 0;
-    for (ri, row) in rows.iter().enumerate() {
+    for ri in 0..rows.len() {
         let (t, start) = (batch.lens[ri], batch.starts[ri]);
-        let Some(LayerKv::Host(kc, vc)) = row.cache.layers.get(li) else {
-            unreachable!("filled above")
-        };
         if t <= HOST_ATTN_MAX_TOKENS {
-            tokens.extend((0..t).map(|i| Some((&kc[..], &vc[..], start + i + 1))));
+            tokens.extend((0..t).map(|i| Some((ri, start + i + 1))));
         } else {
             tokens.extend((0..t).map(|_| None));
             long.push((ri, off));
@@ -259,16 +260,16 @@ fn attend_host(
     let qs = qg.slice(n * nh * hd);
     let mut out = vec![0f32; n * nh * hd];
     let scale = 1.0 / (hd as f32).sqrt();
-    let work: usize = tokens.iter().flatten().map(|t| t.2 * nh * hd * 2).sum();
+    let work: usize = tokens.iter().flatten().map(|t| t.1 * nh * hd * 2).sum();
     let attend = |scores: &mut Vec<f32>, (c, o): (usize, &mut [f32])| {
         let (tok, head) = (c / nh, c % nh);
-        if let Some((kc, vc, seen)) = tokens[tok] {
+        if let Some((ri, seen)) = tokens[tok] {
             let kv = kernels::KvHead {
                 stride: width,
                 offset: (head / (nh / nkv)) * hd,
                 scale,
             };
-            kernels::attend_head(&qs[c * hd..(c + 1) * hd], kc, vc, seen, kv, o, scores);
+            kernels::attend_head(&qs[c * hd..(c + 1) * hd], &runs[ri], seen, kv, o, scores);
         }
     };
     // One task per (token, head) when the batch is worth the threads: a batch-1 decode
@@ -286,17 +287,25 @@ fn attend_host(
     drop(qg);
     for (ri, off) in long {
         let (t, start) = (batch.lens[ri], batch.starts[ri]);
-        let Some(LayerKv::Host(kc, vc)) = rows[ri].cache.layers.get(li) else {
-            unreachable!("filled above")
-        };
         let total = start + t;
-        let cached = |c: &[f32]| -> candle_core::Result<Tensor> {
-            Tensor::from_slice(&c[..total * width], (total, nkv, hd), batch.device)?
+        // A long row's whole context as one tensor (copied, as a tensor needs it contiguous).
+        let whole = |c: Vec<f32>| -> candle_core::Result<Tensor> {
+            Tensor::from_vec(c, (total, nkv, hd), batch.device)?
                 .transpose(0, 1)?
                 .contiguous()
         };
+        let (kc, vc) = match runs[ri][..] {
+            [r] => (
+                r.keys[..total * width].to_vec(),
+                r.values[..total * width].to_vec(),
+            ),
+            _ => match rows[ri].cache.host_copy(li, batch.layers, width, 0, total) {
+                LayerKv::Host(k, v) => (k, v),
+                LayerKv::Empty => unreachable!("a copy is never empty"),
+            },
+        };
         let qr = q.narrow(0, off, t)?.transpose(0, 1)?.contiguous()?;
-        let o = attend_tensors(&qr, &cached(kc)?, &cached(vc)?, start, batch)?;
+        let o = attend_tensors(&qr, &whole(kc)?, &whole(vc)?, start, batch)?;
         out[off * nh * hd..(off + t) * nh * hd]
             .copy_from_slice(&o.flatten_all()?.to_vec1::<f32>()?);
     }

@@ -1,9 +1,17 @@
 //! The KV cache of one sequence: blocks of the decoder's paged pool on the tensor path (see
 //! [`super::kv`]), or on CPU f32 decoders running host kernels, token-major host vectors per
-//! layer grown in place.
+//! layer grown in place, after any leading blocks shared with the prefix cache's store.
+
+use std::sync::Arc;
 
 use super::kv::BlockTable;
 use super::ModelError;
+use crate::kernels::KvRun;
+
+/// A block of the host path's prefix store: every layer's keys then values of its tokens,
+/// token-major (`[layer][keys | values][tokens, kv_heads, head_dim]`). Never written once
+/// stored, so sequences read it in place.
+pub(super) type HostBlock = Arc<Vec<f32>>;
 
 /// The KV cache of one sequence. Dropping it frees its blocks.
 #[derive(Debug, Default)]
@@ -16,6 +24,12 @@ pub struct SeqCache {
     pub(super) pos_offset: i64,
     /// Host path: leading blocks the prefix cache has (see [`super::Decoder::store_prefix`]).
     pub(super) hashed: usize,
+    /// Host path: the leading full blocks reused from the prefix cache, read in place (a
+    /// burst of requests with one long prompt holds it once, and admitting one copies
+    /// nothing); `layers` holds the tokens after them.
+    pub(super) shared: Vec<HostBlock>,
+    /// Tokens in `shared`.
+    pub(super) shared_tokens: usize,
 }
 
 /// One layer's keys and values (after RoPE) for one sequence, on the host path.
@@ -50,44 +64,103 @@ impl SeqCache {
     }
 
     /// A cache holding this one's first tokens, for another sequence that continues the same
-    /// context: with the paged cache (`block_size` given) the whole blocks among the first
-    /// `tokens`, shared, not copied (full blocks are never written again); on the host path
-    /// the first `tokens`, copied (`width` floats per token). Returns it and the tokens it
-    /// holds.
+    /// context: with the paged cache (`paged`) the whole blocks among the first `tokens`,
+    /// shared, not copied (full blocks are never written again); on the host path the first
+    /// `tokens`, its shared blocks among them shared again and the rest copied (`width`
+    /// floats per token, `layers` layers). Returns it and the tokens it holds.
     pub(super) fn prefix(
         &self,
         tokens: usize,
         width: usize,
-        block_size: Option<usize>,
+        layers: usize,
+        block_size: usize,
+        paged: bool,
     ) -> (SeqCache, usize) {
         let tokens = tokens.min(self.len);
         let mut out = SeqCache::default();
         if tokens == 0 {
             return (out, 0);
         }
-        match (&self.blocks, block_size) {
-            (Some(table), Some(bs)) => {
-                let blocks = tokens / bs.max(1);
+        let bs = block_size.max(1);
+        match (&self.blocks, paged) {
+            (Some(table), true) => {
+                let blocks = tokens / bs;
                 out.blocks = Some(table.share(blocks));
                 out.len = blocks * bs;
             }
             _ => {
-                out.layers = self
-                    .layers
-                    .iter()
-                    .map(|l| match l {
-                        LayerKv::Host(k, v) => LayerKv::Host(
-                            k[..tokens * width].to_vec(),
-                            v[..tokens * width].to_vec(),
-                        ),
-                        LayerKv::Empty => LayerKv::Empty,
-                    })
-                    .collect();
+                let keep = self.shared.len().min(tokens / bs);
+                out.shared = self.shared[..keep].to_vec();
+                out.shared_tokens = keep * bs;
+                if tokens > out.shared_tokens {
+                    out.layers = (0..layers)
+                        .map(|li| self.host_copy(li, layers, width, out.shared_tokens, tokens))
+                        .collect();
+                }
                 out.len = tokens;
             }
         }
         let held = out.len;
         (out, held)
+    }
+
+    /// Host path: layer `li`'s cached tokens in order (of `layers` layers), as runs the
+    /// attention kernel reads in place: the shared blocks', then its own.
+    pub(super) fn host_runs(&self, li: usize, layers: usize) -> Vec<KvRun<'_>> {
+        let mut runs: Vec<KvRun<'_>> = self
+            .shared
+            .iter()
+            .map(|b| {
+                let n = b.len() / (2 * layers);
+                KvRun {
+                    keys: &b[2 * li * n..(2 * li + 1) * n],
+                    values: &b[(2 * li + 1) * n..(2 * li + 2) * n],
+                }
+            })
+            .collect();
+        if let Some(LayerKv::Host(k, v)) = self.layers.get(li) {
+            runs.push(KvRun { keys: k, values: v });
+        }
+        runs
+    }
+
+    /// Host path: layer `li`'s keys and values of tokens `[from, to)`, copied.
+    pub(super) fn host_copy(
+        &self,
+        li: usize,
+        layers: usize,
+        width: usize,
+        from: usize,
+        to: usize,
+    ) -> LayerKv {
+        let mut k = Vec::with_capacity((to - from) * width);
+        let mut v = Vec::with_capacity((to - from) * width);
+        let mut base = 0;
+        for r in self.host_runs(li, layers) {
+            let n = r.keys.len() / width;
+            let (a, b) = (from.clamp(base, base + n), to.clamp(base, base + n));
+            k.extend_from_slice(&r.keys[(a - base) * width..(b - base) * width]);
+            v.extend_from_slice(&r.values[(a - base) * width..(b - base) * width]);
+            base += n;
+        }
+        LayerKv::Host(k, v)
+    }
+
+    /// Host path: whether anything is cached in host memory.
+    pub(super) fn host_filled(&self) -> bool {
+        !self.shared.is_empty() || self.layers.iter().any(|l| matches!(l, LayerKv::Host(..)))
+    }
+
+    /// Host path: bytes of keys and values this cache holds itself (its shared blocks left
+    /// out: the prefix store holds them).
+    pub fn own_bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .map(|l| match l {
+                LayerKv::Host(k, v) => (k.len() + v.len()) * std::mem::size_of::<f32>(),
+                LayerKv::Empty => 0,
+            })
+            .sum()
     }
 
     /// Forgets everything cached and frees its blocks (a preempted sequence is recomputed).

@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{RmsNorm, VarBuilder};
 
 use super::batch::{Batch, Group, Positions, Row, StepPath};
-use super::cache::{mixed_cache, LayerKv};
+use super::cache::mixed_cache;
 use super::kv::{KvPool, TensorPathOptions};
 use super::layer::Layer;
 use super::prefix::HostBlocks;
@@ -597,11 +597,7 @@ impl Decoder {
                     self.cfg.max_positions()
                 )));
             }
-            let host_filled = r
-                .cache
-                .layers
-                .iter()
-                .any(|l| matches!(l, LayerKv::Host(..)));
+            let host_filled = r.cache.host_filled();
             if (self.host && r.cache.blocks.is_some()) || (!self.host && host_filled) {
                 return Err(mixed_cache());
             }
@@ -939,5 +935,70 @@ mod tests {
         assert!(err < 1e-4, "{err}");
         m.set_host_kernels(true);
         assert!(step(&m, &toks[..1], &mut cache).is_err());
+    }
+
+    /// On the host path a reused prefix is read in place from the prefix store, not copied: a
+    /// second sequence of the same prompt holds none of its full blocks' bytes itself, and its
+    /// answer is the first's (within 1e-4 of the logits' scale: the tokens after the blocks
+    /// were computed in a step of another shape). A choice forked from it shares the blocks
+    /// again and copies only the tokens after them.
+    #[test]
+    fn the_host_path_reads_a_reused_prefix_in_place() {
+        let m = random_qwen3(256);
+        assert!(m.host);
+        let bs = m.tensor_opts.block_size.max(1);
+        let toks: Vec<u32> = (0..(2 * bs + 8) as u32).map(|i| (i * 5 + 1) % 50).collect();
+        let end = toks.len() - 1;
+        let fwd = |t: &[u32], cache: &mut SeqCache| {
+            m.forward(&mut [Row {
+                tokens: t,
+                cache,
+                adapter: None,
+                vision: None,
+            }])
+            .unwrap()
+        };
+        let mut first = SeqCache::default();
+        fwd(&toks[..end], &mut first);
+        let (hashes, seed) = ([11u128, 12], 7u128);
+        m.store_prefix(&mut first, &hashes, seed, None).unwrap();
+        let want = fwd(&toks[end..], &mut first);
+
+        let mut second = SeqCache::default();
+        let reused = m.reuse_prefix(&mut second, &hashes, seed, None).unwrap();
+        assert_eq!(reused, 2 * bs);
+        assert_eq!(second.own_bytes(), 0, "the reused blocks were copied");
+        let got = fwd(&toks[2 * bs..], &mut second);
+        let d = (&got[0] - &want[0])
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap();
+        let s = want[0].abs().unwrap().max_all().unwrap();
+        let rel = d.to_scalar::<f32>().unwrap() / s.to_scalar::<f32>().unwrap();
+        assert!(rel < 1e-4, "{rel}");
+
+        let (fork, held) = m.fork_cache(&second, end);
+        assert_eq!(held, end);
+        let width = m.cfg.kv_heads() * m.cfg.head_dim();
+        let own = (end - 2 * bs) * width * 2 * m.layers.len() * std::mem::size_of::<f32>();
+        assert_eq!(
+            fork.own_bytes(),
+            own,
+            "a fork copies only the tokens after the blocks"
+        );
+        let forked = fwd(&toks[end..], &mut { fork });
+        let d = (&forked[0] - &got[0])
+            .unwrap()
+            .abs()
+            .unwrap()
+            .max_all()
+            .unwrap();
+        assert_eq!(
+            d.to_scalar::<f32>().unwrap(),
+            0.0,
+            "a fork answers as its source"
+        );
     }
 }

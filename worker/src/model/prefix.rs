@@ -6,9 +6,13 @@
 //! equal hashes mean the same tokens after the same prefix under the same weights. This file
 //! only keeps which block holds which hash, and which cached blocks nobody holds, least
 //! recently used first: the tensor path's pool takes those last, evicting their hashes
-//! ([`super::kv`]); the host path keeps copies of cached blocks in a [`HostBlocks`] store.
+//! ([`super::kv`]); the host path keeps copies of cached blocks in a [`HostBlocks`] store,
+//! which sequences then read in place.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+
+use super::cache::HostBlock;
 
 /// The identity of a full block's content: its tokens, its images, the blocks before it and
 /// the weights that computed it. 128 bits of SHA-256 (see `engine::prefix`).
@@ -95,7 +99,7 @@ impl PrefixIndex {
 #[derive(Debug)]
 pub(super) struct HostBlocks {
     index: PrefixIndex,
-    data: Vec<Vec<f32>>,
+    data: Vec<HostBlock>,
     meta: Vec<Option<Meta>>,
     /// The blocks that follow each parent, findable by their tokens.
     children: HashMap<BlockHash, Vec<u32>>,
@@ -169,8 +173,9 @@ impl HostBlocks {
         Some(best)
     }
 
-    /// A block's data.
-    pub fn data(&self, block: u32) -> &[f32] {
+    /// A block's data, which a sequence may hold past its eviction (a block evicted while
+    /// held is not written again: its slot takes a new buffer).
+    pub fn data(&self, block: u32) -> &HostBlock {
         &self.data[block as usize]
     }
 
@@ -223,7 +228,7 @@ impl HostBlocks {
     fn put(&mut self, hash: BlockHash, key: BlockKey<'_>, fill: impl FnOnce(&mut Vec<f32>)) {
         let block = match self.data.len() < self.capacity {
             true => {
-                self.data.push(Vec::new());
+                self.data.push(HostBlock::default());
                 self.meta.push(None);
                 (self.data.len() - 1) as u32
             }
@@ -235,7 +240,11 @@ impl HostBlocks {
                 None => return,
             },
         };
-        let buf = &mut self.data[block as usize];
+        let slot = &mut self.data[block as usize];
+        if Arc::get_mut(slot).is_none() {
+            *slot = HostBlock::default();
+        }
+        let buf = Arc::get_mut(slot).expect("a new or unshared buffer");
         buf.clear();
         fill(buf);
         if let Some(tokens) = key.tokens {
@@ -305,7 +314,7 @@ mod tests {
         s.insert(3, key(2, None), |b| b.push(3.0));
         assert_eq!(s.lookup(&[1]), Vec::<u32>::new());
         assert_eq!(s.lookup(&[2, 3]), [1, 0]);
-        assert_eq!(s.data(0), [3.0]);
+        assert_eq!(s.data(0)[..], [3.0]);
         assert_eq!(s.len(), 2);
     }
 
@@ -328,7 +337,7 @@ mod tests {
         assert!(!s.touch(12));
         assert_eq!(s.longest(7, &[1, 5, 6]), Some((2, 2)));
         assert_eq!(s.tokens(2, 4), 2);
-        assert_eq!(s.data(2), [13.0]);
+        assert_eq!(s.data(2)[..], [13.0]);
         // Evicted, a block is no longer found by its tokens: 10 then 11 go.
         s.insert(20, key(1, None), |b| b.push(20.0));
         s.insert(21, key(1, None), |b| b.push(21.0));
@@ -337,5 +346,21 @@ mod tests {
             Some((2, 1)),
             "only the partial one is left"
         );
+    }
+
+    /// A block a sequence still reads is never written again: evicting it gives its slot a
+    /// new buffer and leaves the sequence's data as it was.
+    #[test]
+    fn an_evicted_block_a_sequence_holds_keeps_its_data() {
+        let mut s = HostBlocks::new(1);
+        s.insert(1, key(0, None), |b| b.push(1.0));
+        let held = s.data(0).clone();
+        s.insert(2, key(0, None), |b| b.push(2.0));
+        assert_eq!(s.lookup(&[1]), Vec::<u32>::new(), "evicted");
+        assert_eq!(held[..], [1.0]);
+        assert_eq!(s.data(0)[..], [2.0]);
+        drop(held);
+        s.insert(3, key(0, None), |b| b.push(3.0));
+        assert_eq!(s.data(0)[..], [3.0]);
     }
 }

@@ -4,7 +4,7 @@
 
 use std::sync::PoisonError;
 
-use super::super::cache::{LayerKv, SeqCache};
+use super::super::cache::{append_kv, LayerKv, SeqCache};
 use super::super::prefix::{BlockHash, BlockKey, HostBlocks};
 use super::super::ModelError;
 use super::Decoder;
@@ -13,7 +13,7 @@ impl Decoder {
     /// Starts the empty `cache` with the longest run of `hashes` from the first that the
     /// prefix cache holds (`hashes[i]` is the hash of the sequence's block `i`, see
     /// [`BlockHash`]): on the tensor path those blocks are shared, held by the cache until it
-    /// drops; on the host path their keys and values are copied in. On the host path, with
+    /// drops; on the host path they are read in place from the store. On the host path, with
     /// `tokens` given (the tokens that may be reused: the context but its last token, found by
     /// their tokens only when they hold no image), the block after them is then looked for by
     /// its tokens under `seed`'s chain, and its leading tokens in common are copied too.
@@ -57,23 +57,26 @@ impl Decoder {
             return Ok(0);
         }
         let w = self.cfg.kv_heads() * self.cfg.head_dim();
+        let layers = self.layers.len();
+        // Full blocks are read in place; of a block found by its tokens, the tokens in common
+        // are copied (the sequence writes its own after them).
+        cache.shared = found.iter().map(|&b| store.data(b).clone()).collect();
+        cache.shared_tokens = n * bs;
         let extra = partial.map_or(0, |p| p.1);
         let tokens = n * bs + extra;
-        cache.layers = (0..self.layers.len())
-            .map(|li| {
-                let mut k = Vec::with_capacity(tokens * w);
-                let mut v = Vec::with_capacity(tokens * w);
-                let blocks = found.iter().map(|&b| (b, bs));
-                for (b, take) in blocks.chain(partial) {
-                    // A block's data: per layer its keys then its values, `held` tokens each.
-                    let held = store.tokens(b, bs) * w;
-                    let d = &store.data(b)[2 * li * held..2 * (li + 1) * held];
-                    k.extend_from_slice(&d[..take * w]);
-                    v.extend_from_slice(&d[held..held + take * w]);
-                }
-                LayerKv::Host(k, v)
-            })
-            .collect();
+        if let Some((b, take)) = partial {
+            let d = store.data(b);
+            let held = store.tokens(b, bs) * w;
+            cache.layers = (0..layers)
+                .map(|li| {
+                    let d = &d[2 * li * held..2 * (li + 1) * held];
+                    let (mut k, mut v) = (Vec::new(), Vec::new());
+                    append_kv(&mut k, &d[..take * w], w);
+                    append_kv(&mut v, &d[held..held + take * w], w);
+                    LayerKv::Host(k, v)
+                })
+                .collect();
+        }
         cache.len = tokens;
         cache.hashed = n;
         Ok(tokens)
@@ -106,13 +109,14 @@ impl Decoder {
         if upto <= cache.hashed {
             return Ok(());
         }
+        let layers = self.layers.len();
         self.host_store(|store, w| {
             for (i, &h) in hashes.iter().enumerate().take(upto).skip(cache.hashed) {
                 let key = BlockKey {
                     parent: i.checked_sub(1).map_or(seed, |p| hashes[p]),
                     tokens: tokens.and_then(|t| t.get(i * bs..(i + 1) * bs)),
                 };
-                store.insert(h, key, |buf| host_block(buf, cache, w, i * bs, bs));
+                store.insert(h, key, |buf| host_block(buf, cache, w, layers, i * bs, bs));
             }
         });
         cache.hashed = upto;
@@ -143,8 +147,11 @@ impl Decoder {
             parent: full.checked_sub(1).map_or(seed, |p| hashes[p]),
             tokens: Some(tail),
         };
+        let layers = self.layers.len();
         self.host_store(|store, w| {
-            store.insert_partial(key, |buf| host_block(buf, cache, w, full * bs, tail.len()));
+            store.insert_partial(key, |buf| {
+                host_block(buf, cache, w, layers, full * bs, tail.len())
+            });
         });
     }
 
@@ -177,23 +184,30 @@ impl Decoder {
     }
 
     /// A cache for another choice of the prompt in `cache`: at most its first `tokens` tokens,
-    /// shared on the tensor path (its whole blocks among them, no copy) and copied on the host
-    /// path. Returns it and the tokens it holds; the new sequence computes the rest itself.
+    /// shared on the tensor path (its whole blocks among them, no copy), on the host path its
+    /// shared blocks shared again and the rest copied. Returns it and the tokens it holds; the new sequence computes the rest itself.
     pub fn fork_cache(&self, cache: &SeqCache, tokens: usize) -> (SeqCache, usize) {
         let width = self.cfg.kv_heads() * self.cfg.head_dim();
-        let paged = (!self.host).then_some(self.tensor_opts.block_size.max(1));
-        cache.prefix(tokens, width, paged)
+        let bs = self.tensor_opts.block_size;
+        cache.prefix(tokens, width, self.layers.len(), bs, !self.host)
     }
 }
 
 /// Writes the keys and values of `cache`'s tokens `[from, from + len)` (`w` floats each)
-/// into `buf`: per layer its keys then its values.
-fn host_block(buf: &mut Vec<f32>, cache: &SeqCache, w: usize, from: usize, len: usize) {
-    buf.reserve_exact(2 * cache.layers.len() * len * w);
-    for l in &cache.layers {
-        if let LayerKv::Host(k, v) = l {
-            buf.extend_from_slice(&k[from * w..(from + len) * w]);
-            buf.extend_from_slice(&v[from * w..(from + len) * w]);
+/// into `buf`: per layer (of `layers`) its keys then its values.
+fn host_block(
+    buf: &mut Vec<f32>,
+    cache: &SeqCache,
+    w: usize,
+    layers: usize,
+    from: usize,
+    len: usize,
+) {
+    buf.reserve_exact(2 * layers * len * w);
+    for li in 0..layers {
+        if let LayerKv::Host(k, v) = cache.host_copy(li, layers, w, from, from + len) {
+            buf.extend_from_slice(&k);
+            buf.extend_from_slice(&v);
         }
     }
 }
