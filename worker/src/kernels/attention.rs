@@ -24,14 +24,51 @@ fn dots<const FMA: bool, const R: usize>(rows: [&[f32]; R], v: &[f32]) -> [f32; 
         #[cfg(not(target_arch = "x86_64"))]
         dots_plain(rows, v, full)
     };
-    std::array::from_fn(|i| {
-        let tail: f32 = v[full..]
-            .iter()
-            .zip(&rows[i][full..])
-            .map(|(x, y)| x * y)
-            .sum();
-        lanes[i].iter().sum::<f32>() + tail
-    })
+    std::array::from_fn(|i| lane_sum(lanes[i]) + tail(rows[i], v, full))
+}
+
+/// The sum of one accumulator's lanes, in the order [`dots8_fma`] adds eight at once (pairs,
+/// then pairs of pairs, then the halves), so a key's score does not depend on the keys it
+/// was computed with.
+#[inline(always)]
+fn lane_sum(l: [f32; 8]) -> f32 {
+    ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]))
+}
+
+/// The products of a row and the vector past the first `full` values.
+#[inline(always)]
+fn tail(row: &[f32], v: &[f32], full: usize) -> f32 {
+    v[full..].iter().zip(&row[full..]).map(|(x, y)| x * y).sum()
+}
+
+/// Eight dot products of eight rows with one vector, as [`dots`] computes them: eight
+/// independent accumulators, their lanes then summed for all eight at once in registers
+/// (a transposition by horizontal adds, in [`lane_sum`]'s order) where adding each one's
+/// lanes apart took more instructions than its products.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA, and every row and the vector hold at least `full` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn dots8_fma(rows: [&[f32]; 8], v: &[f32], full: usize) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    let a = dots_fma_lanes(rows, v, full);
+    let t0 = _mm256_hadd_ps(a[0], a[1]);
+    let t1 = _mm256_hadd_ps(a[2], a[3]);
+    let t2 = _mm256_hadd_ps(a[4], a[5]);
+    let t3 = _mm256_hadd_ps(a[6], a[7]);
+    let u0 = _mm256_hadd_ps(t0, t1);
+    let u1 = _mm256_hadd_ps(t2, t3);
+    let lo = _mm256_permute2f128_ps::<0x20>(u0, u1);
+    let hi = _mm256_permute2f128_ps::<0x31>(u0, u1);
+    let mut out = [0f32; 8];
+    _mm256_storeu_ps(out.as_mut_ptr(), _mm256_add_ps(lo, hi));
+    if full < v.len() {
+        for (o, r) in out.iter_mut().zip(rows) {
+            *o += tail(r, v, full);
+        }
+    }
+    out
 }
 
 /// The lane-wise partial sums of [`dots`] over the first `full` values (a multiple of 8), in
@@ -59,6 +96,27 @@ fn dots_plain<const R: usize>(rows: [&[f32]; R], v: &[f32], full: usize) -> [[f3
 #[target_feature(enable = "avx2,fma")]
 unsafe fn dots_fma<const R: usize>(rows: [&[f32]; R], v: &[f32], full: usize) -> [[f32; 8]; R] {
     use std::arch::x86_64::*;
+    let acc = dots_fma_lanes(rows, v, full);
+    let mut out = [[0f32; 8]; R];
+    for i in 0..R {
+        _mm256_storeu_ps(out[i].as_mut_ptr(), acc[i]);
+    }
+    out
+}
+
+/// The accumulators of [`dots_fma`], in registers.
+///
+/// # Safety
+/// As [`dots_fma`].
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn dots_fma_lanes<const R: usize>(
+    rows: [&[f32]; R],
+    v: &[f32],
+    full: usize,
+) -> [std::arch::x86_64::__m256; R] {
+    use std::arch::x86_64::*;
     let mut acc = [_mm256_setzero_ps(); R];
     let mut j = 0;
     while j < full {
@@ -68,11 +126,48 @@ unsafe fn dots_fma<const R: usize>(rows: [&[f32]; R], v: &[f32], full: usize) ->
         }
         j += 8;
     }
-    let mut out = [[0f32; 8]; R];
-    for i in 0..R {
-        _mm256_storeu_ps(out[i].as_mut_ptr(), acc[i]);
+    acc
+}
+
+/// `out += Σ_j p[j] · values[j·stride + offset ..][..dim]`, in each output's order over `j`
+/// (as the plain loop adds), with the outputs held in registers, 64 at a time, across all
+/// `j`: read and written back once, where a loop over `j` outside loaded and stored each of
+/// them for every value row and waited on that store.
+///
+/// # Safety
+/// The CPU has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn weigh_fma(p: &[f32], values: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
+    use std::arch::x86_64::*;
+    let dim = out.len();
+    if p.is_empty() {
+        return;
     }
-    out
+    assert!(values.len() >= (p.len() - 1) * stride + offset + dim);
+    let full = dim / 64 * 64;
+    for c in (0..full).step_by(64) {
+        let o = out.as_mut_ptr().add(c);
+        let mut acc: [__m256; 8] = std::array::from_fn(|k| _mm256_loadu_ps(o.add(8 * k)));
+        for (j, &pj) in p.iter().enumerate() {
+            let w = _mm256_set1_ps(pj);
+            // In bounds: row j's values [offset + c, offset + c + 64) end within the row's
+            // `dim` values, which the assertion above bounds.
+            let row = values.as_ptr().add(j * stride + offset + c);
+            for (k, a) in acc.iter_mut().enumerate() {
+                *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * k)), *a);
+            }
+        }
+        for (k, a) in acc.iter().enumerate() {
+            _mm256_storeu_ps(o.add(8 * k), *a);
+        }
+    }
+    for (j, &pj) in p.iter().enumerate() {
+        let v = &values[j * stride + offset..][..dim];
+        for (o, x) in out[full..].iter_mut().zip(&v[full..]) {
+            *o = pj.mul_add(*x, *o);
+        }
+    }
 }
 
 /// Where one head's keys and values lie in a token-major cache `[len, kv_heads, dim]`.
@@ -118,14 +213,23 @@ fn attend_impl<const FMA: bool>(
     };
     for (r, n, first) in visible() {
         let key = |j: usize| &r.keys[j * h.stride + h.offset..][..dim];
-        // Four keys at a time: independent sums (see `dots`) and `q` loaded once for four.
-        // A key's sum is the same whichever keys it is grouped with, so a cache read in runs
-        // scores as the same cache read whole.
-        let mut blocks = scores[first..first + n].chunks_exact_mut(4);
-        for (b, s4) in (&mut blocks).enumerate() {
-            s4.copy_from_slice(&dots::<FMA, 4>(std::array::from_fn(|i| key(4 * b + i)), q));
+        // Eight keys at a time: independent sums (see `dots`) and `q` loaded once for eight.
+        // A key's sum is the same whichever keys it is grouped with (see `lane_sum`), so a
+        // cache read in runs scores as the same cache read whole.
+        let mut blocks = scores[first..first + n].chunks_exact_mut(8);
+        for (b, s8) in (&mut blocks).enumerate() {
+            let rows = std::array::from_fn(|i| key(8 * b + i));
+            #[cfg(target_arch = "x86_64")]
+            if FMA {
+                assert!(rows.iter().all(|r| r.len() == dim));
+                // SAFETY: FMA is set only behind the run-time AVX2 + FMA check, and every
+                // row holds `dim` values, as `q` does (asserted).
+                s8.copy_from_slice(&unsafe { dots8_fma(rows, q, dim / 8 * 8) });
+                continue;
+            }
+            s8.copy_from_slice(&dots::<FMA, 8>(rows, q));
         }
-        let done = n / 4 * 4;
+        let done = n / 8 * 8;
         for (j, s) in blocks.into_remainder().iter_mut().enumerate() {
             *s = dots::<FMA, 1>([key(done + j)], q)[0];
         }
@@ -140,13 +244,22 @@ fn attend_impl<const FMA: bool>(
         *s = (*s - max).exp();
         sum += *s;
     }
+    for s in scores.iter_mut() {
+        *s /= sum;
+    }
     out.fill(0.0);
     for (r, n, first) in visible() {
-        for (j, s) in scores[first..first + n].iter().enumerate() {
-            let p = s / sum;
+        let p = &scores[first..first + n];
+        #[cfg(target_arch = "x86_64")]
+        if FMA {
+            // SAFETY: FMA is set only behind the run-time AVX2 + FMA check.
+            unsafe { weigh_fma(p, r.values, h.stride, h.offset, out) };
+            continue;
+        }
+        for (j, &pj) in p.iter().enumerate() {
             let v = &r.values[j * h.stride + h.offset..][..dim];
             for (o, x) in out.iter_mut().zip(v) {
-                *o = madd::<FMA>(p, *x, *o);
+                *o = madd::<FMA>(pj, *x, *o);
             }
         }
     }
@@ -176,11 +289,19 @@ mod tests {
     }
 
     /// Attention equals the plain formula (both builds: the test machine picks one, the
-    /// baseline is called directly), for cache lengths that fill the four-key blocks and
+    /// baseline is called directly), for cache lengths that fill the eight-key blocks and
     /// leave every remainder; a cache read in runs gives the same bits as read whole.
     #[test]
     fn attention_matches_the_formula() {
-        let (nq, nkv, dim, len) = (4, 2, 12, 9);
+        // 12: the products' 8-wide tail; 72: the outputs' 64-wide chunk and its tail; 19
+        // keys: two blocks of eight and a remainder.
+        for (dim, len) in [(12, 9), (72, 19)] {
+            attention_matches_the_formula_at(dim, len);
+        }
+    }
+
+    fn attention_matches_the_formula_at(dim: usize, len: usize) {
+        let (nq, nkv) = (4, 2);
         let scale = 1.0 / (dim as f32).sqrt();
         let q: Vec<f32> = (0..nq * dim).map(val).collect();
         let keys: Vec<f32> = (0..len * nkv * dim).map(|i| val(i + 3)).collect();

@@ -2,16 +2,10 @@
 //! [`super::kv`]), or on CPU f32 decoders running host kernels, token-major host vectors per
 //! layer grown in place, after any leading blocks shared with the prefix cache's store.
 
-use std::sync::Arc;
-
 use super::kv::BlockTable;
+use super::prefix::HostBlock;
 use super::ModelError;
 use crate::kernels::KvRun;
-
-/// A block of the host path's prefix store: every layer's keys then values of its tokens,
-/// token-major (`[layer][keys | values][tokens, kv_heads, head_dim]`). Never written once
-/// stored, so sequences read it in place.
-pub(super) type HostBlock = Arc<Vec<f32>>;
 
 /// The KV cache of one sequence. Dropping it frees its blocks.
 #[derive(Debug, Default)]

@@ -12,11 +12,14 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
-use super::cache::HostBlock;
-
 /// The identity of a full block's content: its tokens, its images, the blocks before it and
 /// the weights that computed it. 128 bits of SHA-256 (see `engine::prefix`).
 pub type BlockHash = u128;
+
+/// A block of the host path's prefix store: every layer's keys then values of its tokens,
+/// token-major (`[layer][keys | values][tokens, kv_heads, head_dim]`). Never written once
+/// stored, so sequences read it in place.
+pub(super) type HostBlock = Arc<Vec<f32>>;
 
 /// Which block holds which hash, and the cached blocks no sequence holds by the time they
 /// were last used (the LRU order of eviction).
