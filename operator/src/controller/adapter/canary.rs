@@ -191,7 +191,9 @@ pub fn throttle(
 ) -> Option<CanaryStatus> {
     let mut next = next?;
     let stamp = |mut s: CanaryStatus| {
-        s.updated_at = Some(now.to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
+        // To the millisecond, as the traffic's stamp: whole seconds shortened the minimum
+        // interval by up to a second.
+        s.updated_at = Some(now.to_rfc3339_opts(chrono::SecondsFormat::Millis, true));
         Some(s)
     };
     let Some(o) = old else {
@@ -383,7 +385,23 @@ mod tests {
             throttle(old, next, &rule, t(secs))
         };
         let first = at(c(100, 0), c(10, 0), None, 0).unwrap();
-        assert_eq!(first.updated_at.as_deref(), Some("2026-11-27T12:00:00Z"));
+        assert_eq!(
+            first.updated_at.as_deref(),
+            Some("2026-11-27T12:00:00.000Z")
+        );
+        // Written at .990 s, not due 10 ms later (a whole-second stamp made it a second old).
+        let late = t(0) + chrono::Duration::milliseconds(990);
+        let short = WriteRule::for_window(10);
+        let (next, _) = step(&s, None, &read(c(100, 0), c(10, 0)), "t0");
+        let w = throttle(None, next, &short, late).unwrap();
+        let (next, _) = step(&s, Some(&w), &read(c(200, 0), c(30, 0)), "t0");
+        let soon = throttle(
+            Some(&w),
+            next,
+            &short,
+            late + chrono::Duration::milliseconds(10),
+        );
+        assert_eq!(soon.as_ref(), Some(&w), "written again 10 ms later");
         // Table: (stable, canary, seconds since the first write) → rewritten?
         let cases: &[(Counters, Counters, i64, bool, &str)] = &[
             (c(100, 0), c(10, 0), 5, false, "nothing moved"),
@@ -408,7 +426,7 @@ mod tests {
             if *written {
                 assert_eq!(
                     got.updated_at,
-                    Some(t(*secs).to_rfc3339_opts(chrono::SecondsFormat::Secs, true)),
+                    Some(t(*secs).to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
                     "{why}"
                 );
                 assert_eq!(got.canary.requests, canary.requests, "{why}");

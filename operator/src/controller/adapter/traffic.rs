@@ -308,7 +308,9 @@ pub(super) fn record(
         last_used: rates.last_used.map(rfc3339),
         pods: holding,
         merged,
-        updated_at: Some(rfc3339(now)),
+        // To the millisecond: whole seconds made a write at .990 s a second old 10 ms later,
+        // shortening the minimum interval by up to a second.
+        updated_at: Some(now.to_rfc3339_opts(chrono::SecondsFormat::Millis, true)),
     };
     let placement_changed = old_traffic.is_some_and(|t| t.pods != fresh.pods || t.merged != merged);
     let due = placement_changed || rule.due(old_traffic.map(recorded).as_ref(), rates, age);
@@ -553,5 +555,33 @@ mod tests {
         let f = next.fleet.unwrap();
         assert!(f.merged);
         assert_eq!(f.since.as_deref(), Some("2026-11-27T12:00:40Z"));
+    }
+
+    /// A write is never due sooner than the minimum interval, at whatever fraction of a
+    /// second the last one happened: a status written at .990 s is not a second old 10 ms
+    /// later (its stamp held whole seconds, so it was, and the traffic was written again).
+    #[test]
+    fn the_minimum_interval_counts_from_the_write_not_its_whole_second() {
+        let rule = WriteRule::for_window(10);
+        let at = t(0) + Duration::milliseconds(990);
+        let (low, high) = (rates(600.0), rates(1200.0));
+        let reading = |rates| Reading {
+            rates,
+            holding: vec!["p1".into()],
+            merged: false,
+        };
+        let mut first = AdapterStatus::default();
+        record(&mut first, None, reading(&low), None, rule, at);
+        let mut again = AdapterStatus::default();
+        let soon = at + Duration::milliseconds(10);
+        record(&mut again, Some(&first), reading(&high), None, rule, soon);
+        assert_eq!(again.traffic, first.traffic, "written again 10 ms later");
+        let later = at + Duration::milliseconds(1000);
+        record(&mut again, Some(&first), reading(&high), None, rule, later);
+        assert_eq!(
+            again.traffic.unwrap().tokens_per_minute,
+            1200.0,
+            "due a second later"
+        );
     }
 }
