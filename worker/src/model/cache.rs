@@ -118,6 +118,30 @@ impl SeqCache {
         runs
     }
 
+    /// Host path: layer `li`'s keys and values of tokens `[from, to)`, as the pieces of its
+    /// runs that hold them, in order (`width` floats per token).
+    pub(super) fn host_pieces(
+        &self,
+        li: usize,
+        layers: usize,
+        width: usize,
+        from: usize,
+        to: usize,
+    ) -> Vec<(&[f32], &[f32])> {
+        let mut base = 0;
+        let mut pieces = Vec::new();
+        for r in self.host_runs(li, layers) {
+            let n = r.keys.len() / width;
+            let (a, b) = (from.clamp(base, base + n), to.clamp(base, base + n));
+            if a < b {
+                let span = (a - base) * width..(b - base) * width;
+                pieces.push((&r.keys[span.clone()], &r.values[span]));
+            }
+            base += n;
+        }
+        pieces
+    }
+
     /// Host path: layer `li`'s keys and values of tokens `[from, to)`, copied.
     pub(super) fn host_copy(
         &self,
@@ -129,13 +153,9 @@ impl SeqCache {
     ) -> LayerKv {
         let mut k = Vec::with_capacity((to - from) * width);
         let mut v = Vec::with_capacity((to - from) * width);
-        let mut base = 0;
-        for r in self.host_runs(li, layers) {
-            let n = r.keys.len() / width;
-            let (a, b) = (from.clamp(base, base + n), to.clamp(base, base + n));
-            k.extend_from_slice(&r.keys[(a - base) * width..(b - base) * width]);
-            v.extend_from_slice(&r.values[(a - base) * width..(b - base) * width]);
-            base += n;
+        for (pk, pv) in self.host_pieces(li, layers, width, from, to) {
+            k.extend_from_slice(pk);
+            v.extend_from_slice(pv);
         }
         LayerKv::Host(k, v)
     }

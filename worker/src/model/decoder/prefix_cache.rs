@@ -205,9 +205,12 @@ fn host_block(
 ) {
     buf.reserve_exact(2 * layers * len * w);
     for li in 0..layers {
-        if let LayerKv::Host(k, v) = cache.host_copy(li, layers, w, from, from + len) {
-            buf.extend_from_slice(&k);
-            buf.extend_from_slice(&v);
+        let pieces = cache.host_pieces(li, layers, w, from, from + len);
+        for (k, _) in &pieces {
+            buf.extend_from_slice(k);
+        }
+        for (_, v) in &pieces {
+            buf.extend_from_slice(v);
         }
     }
 }
