@@ -3,7 +3,8 @@
 # llama.cpp's llama-server and mole on the same model, SmolLM2-135M-Instruct:
 #   llama.cpp on its Q4_1 GGUF, its prompt cache on (its default) and off;
 #   mole on the same GGUF file, alone and with a LoRA (the french demo adapter) on top;
-#   mole on the bf16 import of that file (what `scripts/run-local.sh` serves).
+#   mole on the bf16 import of that file (what `scripts/run-local.sh` serves), its KV cache in
+#   bf16 (the default over bf16 weights) and, as mole-bf16-kv32, in f32 (`kvCacheDtype: f32`).
 # Each contender serves alone on the machine, one after the other, with the same 24 requests
 # (188 prompt tokens for 64 output tokens, guidellm's synthetic data with a fixed seed) sent
 # again at concurrency 1, 4 and 16 (one guidellm run per level, so each level resends the
@@ -14,7 +15,8 @@
 # 8 minutes, scripts/build-llama-server.sh) and the release worker.
 #
 #   bash scripts/bench-llama.sh [contender...]
-# contenders: llama-cache llama-nocache mole-gguf mole-gguf-lora mole-bf16 (default: all)
+# contenders: llama-cache llama-nocache mole-gguf mole-gguf-lora mole-bf16 mole-bf16-kv32
+# (default: all but mole-bf16-kv32)
 # env: MOLE_BENCH_REQUESTS (24), MOLE_BENCH_PROMPT (188), MOLE_BENCH_OUTPUT (64),
 #      MOLE_BENCH_STREAMS (1,4,16), MOLE_BENCH_THREADS (2: both servers' compute threads),
 #      MOLE_BIN (a worker binary already built; default: build the release one),
@@ -60,7 +62,7 @@ mkdir -p "$root/adapters" "$out"
 rm -rf "$root/adapters/french" && cp -r tests/fixtures/demo/french "$root/adapters/french"
 
 # One worker config per base; both name the base as the demo adapter's base_model_name_or_path.
-mole_config() { # $1: model root, $2: base path in it, $3: dtype
+mole_config() { # $1: model root, $2: base path in it, $3: dtype, $4: more limits (optional)
   cat <<EOF
 mode: local
 pool: bench
@@ -69,10 +71,11 @@ baseModel: {name: smollm2-135m-instruct, path: "$2", dtype: $3}
 adapters:
   - {name: french, version: v1, loraId: 1, path: "$root/adapters/french"}
 router: {strategies: [explicit], fallback: base}
-limits: {maxTokens: 1024, maxSeqLen: 4096, maxQueue: 256, requestTimeoutSeconds: 600}
+limits: {maxTokens: 1024, maxSeqLen: 4096, maxQueue: 256, requestTimeoutSeconds: 600${4:-}}
 EOF
 }
 mole_config / "${root#/}/smollm2-135m-instruct" bf16 >"$out/mole-bf16.yaml"
+mole_config / "${root#/}/smollm2-135m-instruct" bf16 ", kvCacheDtype: f32" >"$out/mole-bf16-kv32.yaml"
 mole_config / "${gguf#/}" f32 >"$out/mole-gguf.yaml"
 
 port="${MOLE_BENCH_PORT:-18790}"
@@ -85,7 +88,7 @@ for c in "${contenders[@]}"; do
     llama-cache) LD_LIBRARY_PATH="$(dirname "$llama")" "${server_pin[@]}" "$llama" -m "$gguf" --port "$port" -np 16 -c 32768 -t "$threads" >"$out/$c.log" 2>&1 & ;;
     llama-nocache) LD_LIBRARY_PATH="$(dirname "$llama")" "${server_pin[@]}" "$llama" -m "$gguf" --port "$port" -np 16 -c 32768 -t "$threads" \
         --no-cache-prompt --cache-ram 0 >"$out/$c.log" 2>&1 & ;;
-    mole-gguf | mole-gguf-lora | mole-bf16)
+    mole-gguf | mole-gguf-lora | mole-bf16 | mole-bf16-kv32)
       cfg="$out/${c%-lora}.yaml"
       [ "$c" = mole-gguf-lora ] && model=french
       RAYON_NUM_THREADS="$threads" "${server_pin[@]}" "$bin" serve --config "$cfg" \

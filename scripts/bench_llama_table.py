@@ -19,6 +19,7 @@ NAMES = {
     "mole-gguf": "mole, same GGUF",
     "mole-gguf-lora": "mole, same GGUF + LoRA",
     "mole-bf16": "mole, bf16 import",
+    "mole-bf16-kv32": "mole, bf16 import, f32 KV cache (kvCacheDtype: f32)",
 }
 
 

@@ -34,6 +34,17 @@ pub struct EngineLimits {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(schema_with = "lora_dtype_schema")]
     pub lora_dtype: Option<Dtype>,
+    /// Precision the KV cache holds keys and values in, as vLLM's `--kv-cache-dtype`. Unset:
+    /// `baseModel.dtype` (vLLM's `auto`), and f16 for a quantized (GGUF, AWQ, GPTQ) base, as
+    /// llama.cpp's default cache type. On the CPU, where bf16/f16 weights are computed in
+    /// f32, a `bf16` or `f16` cache holds half the bytes of an `f32` one and a decode step
+    /// reads half of them (the attention of a long context is bound by those reads), at the
+    /// price of rounding each key and value once when it is cached, as a GPU serving the
+    /// model in bf16 does; `f32` keeps them as computed. On a GPU the memory left for the
+    /// cache (`gpuMemoryUtilization`) holds twice the tokens in a 16-bit dtype as in f32.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "kv_cache_dtype_schema")]
+    pub kv_cache_dtype: Option<Dtype>,
     /// Sequences decoded together.
     #[serde(default = "default_max_batch")]
     #[schemars(range(min = bounds::MAX_BATCH_SIZE.min, max = bounds::MAX_BATCH_SIZE.max))]
@@ -80,6 +91,7 @@ impl Default for EngineLimits {
             max_cpu_loras: default_max_cpu_loras(),
             max_lora_rank: default_max_lora_rank(),
             lora_dtype: None,
+            kv_cache_dtype: None,
             max_batch_size: default_max_batch(),
             max_seq_len: default_max_seq_len(),
             max_queue: default_max_queue(),
@@ -111,6 +123,11 @@ fn lora_dtype_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
         "enum": ["bf16", "f16", "f32"],
         "nullable": true,
     })
+}
+
+/// The schema of `kvCacheDtype` (see [`lora_dtype_schema`] for why not a reference).
+fn kv_cache_dtype_schema(_: &mut schemars::SchemaGenerator) -> schemars::Schema {
+    lora_dtype_schema(&mut schemars::SchemaGenerator::default())
 }
 
 fn default_max_loras() -> u32 {

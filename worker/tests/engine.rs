@@ -539,6 +539,35 @@ fn adapters_are_held_in_the_weights_dtype_unless_told() {
     }
 }
 
+/// The KV cache holds the weights' dtype (vLLM's `--kv-cache-dtype auto`) unless
+/// `kvCacheDtype` says otherwise, and the engine serves with each: its greedy answer is the one
+/// an f32 cache gives over the same weights (the logits move by the cache's rounding only,
+/// bounded in `model::decoder`, far less than this prompt's margins between tokens).
+#[test]
+fn the_kv_cache_holds_the_weights_dtype_unless_told() {
+    let r = &reference()["llama"];
+    let p = ids(&r["prompts"][0]);
+    let run = |weights: DType, kv: Option<DType>| {
+        let e = engine_over(weights, |o| o.kv_cache_dtype = kv);
+        let out = collect(e.submit(greedy(p.clone(), None, 6)).unwrap());
+        (e.stats().kv_cache_dtype, out.tokens)
+    };
+    for (weights, kv, want) in [
+        (DType::F32, None, "f32"),
+        (DType::BF16, None, "bf16"),
+        (DType::F16, None, "f16"),
+        (DType::BF16, Some(DType::F32), "f32"),
+        (DType::F32, Some(DType::BF16), "bf16"),
+        (DType::F32, Some(DType::F16), "f16"),
+    ] {
+        let (held, tokens) = run(weights, kv);
+        assert_eq!(held, Some(want), "{weights:?} weights, kvCacheDtype {kv:?}");
+        let (_, exact) = run(weights, Some(DType::F32));
+        assert_eq!(tokens.len(), 6);
+        assert_eq!(tokens, exact, "{weights:?} weights, kvCacheDtype {kv:?}");
+    }
+}
+
 /// The engine on the tensor path (what a GPU runs) with a KV cache of 6 blocks (96 tokens) for
 /// four 44-token sequences: the scheduler admits what fits, preempts the youngest when the
 /// running ones outgrow the free blocks, and recomputes it later. Every request still gets the

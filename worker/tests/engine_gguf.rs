@@ -11,10 +11,12 @@
 //! Exact: every tensor read back from the GGUF (renamed, Q/K rows moved back byte-wise)
 //! dequantizes bit for bit to the reference weights.
 //!
-//! Tolerance: the reference has the same weights (dequantized), so the one difference left is
+//! Tolerance: the reference has the same weights (dequantized), so the differences left are
 //! that the quantized matmul (mole's kernel or candle's), like llama.cpp, rounds each activation
 //! row to 8 bits (blocks of 32 for q4_0/q4_1/q8_0, Q8_K blocks of 256 for the k-quants) before
-//! the integer dot products.
+//! the integer dot products, and that the quantized base's KV cache holds f16 (its default, as
+//! llama.cpp's), each key and value rounded by at most 2^-11 of itself: a few hundredths of a
+//! percent of the logits (see `model::decoder`'s KV test), nothing beside the activations'.
 //! Each activation moves by at most 1/254 of its block's largest magnitude; with the block
 //! maximum a few times the RMS, a projection's output moves by up to ~1% of its scale. Errors
 //! add along the chain of projections a token goes through (q/k/v, o, gate/up, down per layer,
@@ -432,6 +434,11 @@ fn check(base: Base, dtype: GgmlDType) {
     };
     qe.load_adapter(spec.clone()).unwrap();
     de.load_adapter(spec).unwrap();
+    assert_eq!(
+        (qe.stats().kv_cache_dtype, de.stats().kv_cache_dtype),
+        (Some("f16"), Some("f32")),
+        "a quantized base caches f16 by default, f32 weights f32"
+    );
     assert_eq!(
         qe.apply_chat_template(&[ChatMessage::text("user", "hi")], &serde_json::Map::new())
             .unwrap(),

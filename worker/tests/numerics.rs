@@ -318,6 +318,17 @@ fn half_weights_compute_as_f32_over_the_rounded_checkpoint() {
         let dir = fixtures().join(name);
         let mut held = Decoder::load(&dir, narrow, &cpu).unwrap();
         assert_eq!((held.weight_dtype(), held.dtype()), (narrow, DType::F32));
+        // The cache in f32 as the reference's: a half-type cache (the default over half
+        // weights) rounds keys and values too, bounded on its own in `model::decoder`.
+        assert_eq!(
+            held.kv_dtype(),
+            narrow,
+            "the cache follows the weights by default"
+        );
+        held.configure_tensor_path(TensorPathOptions {
+            kv_dtype: Some(DType::F32),
+            ..Default::default()
+        });
         let round = |t: Tensor| t.to_dtype(narrow)?.to_dtype(DType::F32);
         let rounded = candle_core::safetensors::load(dir.join("model.safetensors"), &cpu)
             .unwrap()
@@ -595,6 +606,7 @@ fn a_ragged_batch_of_16_adapters_on_the_paged_path_equals_each_row_alone() {
         kv_blocks: 1024,
         lora_slots: 16,
         lora_rank: 16,
+        kv_dtype: None,
     });
     let mut caches: Vec<SeqCache> = rows.iter().map(|_| SeqCache::default()).collect();
     let mut out: Vec<Vec<u32>> = vec![Vec::new(); rows.len()];

@@ -101,6 +101,10 @@ pub fn spec_hash(spec: &InferencePoolSpec, image: &str) -> String {
     if let Some(d) = l.lora_dtype {
         limits["loraDtype"] = serde_json::json!(d);
     }
+    // Read at startup (the cache's dtype): written only when set, as loraDtype.
+    if let Some(d) = l.kv_cache_dtype {
+        limits["kvCacheDtype"] = serde_json::json!(d);
+    }
     // Added after the fact, so only away from its default: a pool at the default keeps its
     // hash, and any change still changes it (default <-> absent is one-to-one).
     if l.max_queue != EngineLimits::default().max_queue {

@@ -571,6 +571,7 @@ fn tensor_pools(args: &DecodeBenchArgs) -> TensorPathOptions {
         kv_blocks: 16 * (9 + args.steps).div_ceil(block_size) + 16,
         lora_slots: 16,
         lora_rank: args.rank,
+        kv_dtype: None,
     }
 }
 

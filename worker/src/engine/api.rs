@@ -392,6 +392,9 @@ pub struct EngineStats {
     pub kv_blocks: Option<(usize, usize)>,
     /// Bytes of the paged KV cache (tensor path).
     pub kv_cache_bytes: Option<u64>,
+    /// The dtype the KV cache holds keys and values in (`kvCacheDtype`, or the model's
+    /// default): `f32`, `bf16` or `f16`.
+    pub kv_cache_dtype: Option<&'static str>,
     /// Bytes the base model's weights hold as loaded (a quantized base: its blocks).
     pub weights_bytes: Option<u64>,
     /// Prefix-cache queries and hits in tokens, per adapter (since start; empty when prefix

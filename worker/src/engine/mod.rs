@@ -73,6 +73,9 @@ pub struct EngineOptions {
     /// Automatic prefix caching (vLLM's `enable_prefix_caching`): full KV blocks stay cached
     /// by the hash of their tokens, images and adapter, and later requests reuse them.
     pub prefix_caching: bool,
+    /// The dtype the KV cache holds (`kvCacheDtype`); None: the model's default (see
+    /// [`Decoder::kv_dtype`]).
+    pub kv_cache_dtype: Option<DType>,
 }
 
 impl Default for EngineOptions {
@@ -92,6 +95,7 @@ impl Default for EngineOptions {
             gpu_memory_utilization: 0.9,
             image_processor: mole_api::ImageProcessor::default(),
             prefix_caching: true,
+            kv_cache_dtype: None,
         }
     }
 }
@@ -110,6 +114,7 @@ fn tensor_path(opts: &EngineOptions) -> TensorPathOptions {
             .min(MAX_KV_SLOTS / block_size),
         lora_slots: opts.max_loras.max(1),
         lora_rank: opts.max_lora_rank.max(1),
+        kv_dtype: opts.kv_cache_dtype,
     }
 }
 
@@ -137,10 +142,10 @@ fn kv_budget(
     let tp = tensor_path(opts);
     let layers = cfg.num_hidden_layers as u64;
     let width = (cfg.kv_heads() * cfg.head_dim()) as u64;
-    let kv_size = model.dtype().size_in_bytes() as u64;
+    let kv_size = tp.kv_dtype.unwrap_or(model.kv_dtype()).size_in_bytes() as u64;
     let bytes_per_block = layers * 2 * tp.block_size as u64 * width * kv_size;
     // The slots compute in the wider of the activations' dtype and the adapters'.
-    let slot_size = kv_size.max(lora_dtype.size_in_bytes() as u64);
+    let slot_size = (model.dtype().size_in_bytes() as u64).max(lora_dtype.size_in_bytes() as u64);
     let rank = tp.lora_rank.div_ceil(crate::kernels::RANK_ALIGN) * crate::kernels::RANK_ALIGN;
     let per_slot: u64 = Proj::ALL
         .iter()
@@ -388,6 +393,11 @@ impl Engine {
             "base weights held"
         );
         model.configure_tensor_path(tensor_path(&opts));
+        tracing::info!(
+            kv_cache_dtype = model.kv_dtype().as_str(),
+            paged = model.paged(),
+            "KV cache dtype"
+        );
         let device = model.device().clone();
         let shared = Arc::new(Shared {
             lora_dtype: opts
@@ -710,6 +720,7 @@ impl EngineInfo for Engine {
         s.vision_encodes = sh.vision_encodes.load(Ordering::Relaxed);
         s.largest_batch = sh.largest_batch.load(Ordering::Relaxed);
         s.weights_bytes = Some(sh.model.weight_bytes());
+        s.kv_cache_dtype = Some(sh.model.kv_dtype().as_str());
         s.prefix_cache = plan::prefix_counts(sh);
         s.prefix_cached_blocks = sh.model.cached_blocks();
         if sh.model.paged() {
@@ -721,7 +732,7 @@ impl EngineInfo for Engine {
                 * tp.block_size
                 * cfg.kv_heads()
                 * cfg.head_dim()
-                * sh.model.dtype().size_in_bytes();
+                * sh.model.kv_dtype().size_in_bytes();
             s.kv_cache_bytes = Some((tp.kv_blocks * per_block) as u64);
         }
         s

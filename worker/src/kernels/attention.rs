@@ -1,22 +1,25 @@
-//! A token's attention over its sequence's token-major cache, one head at a time.
+//! A token's attention over its sequence's token-major cache, one head at a time. The cache
+//! holds f32, bf16 or f16 keys and values (`kvCacheDtype`); half types are widened to f32 in
+//! registers as they are loaded (exact), and every sum is in f32, so a half-type cache costs
+//! only its own rounding, and each step reads half the bytes.
 
-use super::madd;
+use super::{madd, Weight};
 
 /// The `R` dot products of `R` rows with one vector, all of one length: each sum in its own
 /// 8-lane accumulator, so `R` chains of fused multiply-adds run independently (one dot
 /// product alone waits on its own adds, four cycles each, and reaches a fraction of the
 /// core's throughput), and each loaded chunk of the vector feeds `R` of them. `FMA` is true
-/// only in the kernels' AVX2 + FMA build (see `kernel!`).
+/// only in [`attend_head`]'s AVX2 + FMA + F16C build.
 #[inline(always)]
-fn dots<const FMA: bool, const R: usize>(rows: [&[f32]; R], v: &[f32]) -> [f32; R] {
+fn dots<const FMA: bool, const R: usize, E: Weight>(rows: [&[E]; R], v: &[f32]) -> [f32; R] {
     let n = v.len();
     assert!(rows.iter().all(|r| r.len() == n));
     let full = n / 8 * 8;
     let lanes: [[f32; 8]; R] = {
         #[cfg(target_arch = "x86_64")]
         if FMA {
-            // SAFETY: FMA is set only behind the run-time AVX2 + FMA check, and every row and
-            // the vector hold `full` values (asserted above).
+            // SAFETY: FMA is set only behind the run-time AVX2 + FMA + F16C check, and every
+            // row and the vector hold `full` values (asserted above).
             unsafe { dots_fma(rows, v, full) }
         } else {
             dots_plain(rows, v, full)
@@ -37,8 +40,12 @@ fn lane_sum(l: [f32; 8]) -> f32 {
 
 /// The products of a row and the vector past the first `full` values.
 #[inline(always)]
-fn tail(row: &[f32], v: &[f32], full: usize) -> f32 {
-    v[full..].iter().zip(&row[full..]).map(|(x, y)| x * y).sum()
+fn tail<E: Weight>(row: &[E], v: &[f32], full: usize) -> f32 {
+    v[full..]
+        .iter()
+        .zip(&row[full..])
+        .map(|(x, y)| x * y.f32())
+        .sum()
 }
 
 /// Eight dot products of eight rows with one vector, as [`dots`] computes them: eight
@@ -47,10 +54,10 @@ fn tail(row: &[f32], v: &[f32], full: usize) -> f32 {
 /// lanes apart took more instructions than its products.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA, and every row and the vector hold at least `full` values.
+/// The CPU has AVX2, FMA and F16C, and every row and the vector hold at least `full` values.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dots8_fma(rows: [&[f32]; 8], v: &[f32], full: usize) -> [f32; 8] {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots8_fma<E: Weight>(rows: [&[E]; 8], v: &[f32], full: usize) -> [f32; 8] {
     use std::arch::x86_64::*;
     let a = dots_fma_lanes(rows, v, full);
     let t0 = _mm256_hadd_ps(a[0], a[1]);
@@ -75,12 +82,12 @@ unsafe fn dots8_fma(rows: [&[f32]; 8], v: &[f32], full: usize) -> [f32; 8] {
 /// plain code. The compiler's vectoriser packs these nested accumulators badly (scalar
 /// multiply-adds and shuffles), hence the explicit AVX path beside it.
 #[inline(always)]
-fn dots_plain<const R: usize>(rows: [&[f32]; R], v: &[f32], full: usize) -> [[f32; 8]; R] {
+fn dots_plain<const R: usize, E: Weight>(rows: [&[E]; R], v: &[f32], full: usize) -> [[f32; 8]; R] {
     let mut acc = [[0f32; 8]; R];
     for j in (0..full).step_by(8) {
         for (a, row) in acc.iter_mut().zip(&rows) {
             for l in 0..8 {
-                a[l] += v[j + l] * row[j + l];
+                a[l] += v[j + l] * row[j + l].f32();
             }
         }
     }
@@ -91,10 +98,14 @@ fn dots_plain<const R: usize>(rows: [&[f32]; R], v: &[f32], full: usize) -> [[f3
 /// for the `R` rows.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA, and every row and the vector hold at least `full` values.
+/// The CPU has AVX2, FMA and F16C, and every row and the vector hold at least `full` values.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn dots_fma<const R: usize>(rows: [&[f32]; R], v: &[f32], full: usize) -> [[f32; 8]; R] {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_fma<const R: usize, E: Weight>(
+    rows: [&[E]; R],
+    v: &[f32],
+    full: usize,
+) -> [[f32; 8]; R] {
     use std::arch::x86_64::*;
     let acc = dots_fma_lanes(rows, v, full);
     let mut out = [[0f32; 8]; R];
@@ -109,10 +120,10 @@ unsafe fn dots_fma<const R: usize>(rows: [&[f32]; R], v: &[f32], full: usize) ->
 /// # Safety
 /// As [`dots_fma`].
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
+#[target_feature(enable = "avx2,fma,f16c")]
 #[inline]
-unsafe fn dots_fma_lanes<const R: usize>(
-    rows: [&[f32]; R],
+unsafe fn dots_fma_lanes<const R: usize, E: Weight>(
+    rows: [&[E]; R],
     v: &[f32],
     full: usize,
 ) -> [std::arch::x86_64::__m256; R] {
@@ -122,7 +133,7 @@ unsafe fn dots_fma_lanes<const R: usize>(
     while j < full {
         let x = _mm256_loadu_ps(v.as_ptr().add(j));
         for i in 0..R {
-            acc[i] = _mm256_fmadd_ps(x, _mm256_loadu_ps(rows[i].as_ptr().add(j)), acc[i]);
+            acc[i] = _mm256_fmadd_ps(x, E::load8(rows[i].as_ptr().add(j)), acc[i]);
         }
         j += 8;
     }
@@ -135,10 +146,16 @@ unsafe fn dots_fma_lanes<const R: usize>(
 /// them for every value row and waited on that store.
 ///
 /// # Safety
-/// The CPU has AVX2 and FMA.
+/// The CPU has AVX2, FMA and F16C.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn weigh_fma(p: &[f32], values: &[f32], stride: usize, offset: usize, out: &mut [f32]) {
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn weigh_fma<E: Weight>(
+    p: &[f32],
+    values: &[E],
+    stride: usize,
+    offset: usize,
+    out: &mut [f32],
+) {
     use std::arch::x86_64::*;
     let dim = out.len();
     if p.is_empty() {
@@ -155,7 +172,7 @@ unsafe fn weigh_fma(p: &[f32], values: &[f32], stride: usize, offset: usize, out
             // `dim` values, which the assertion above bounds.
             let row = values.as_ptr().add(j * stride + offset + c);
             for (k, a) in acc.iter_mut().enumerate() {
-                *a = _mm256_fmadd_ps(w, _mm256_loadu_ps(row.add(8 * k)), *a);
+                *a = _mm256_fmadd_ps(w, E::load8(row.add(8 * k)), *a);
             }
         }
         for (k, a) in acc.iter().enumerate() {
@@ -165,7 +182,7 @@ unsafe fn weigh_fma(p: &[f32], values: &[f32], stride: usize, offset: usize, out
     for (j, &pj) in p.iter().enumerate() {
         let v = &values[j * stride + offset..][..dim];
         for (o, x) in out[full..].iter_mut().zip(&v[full..]) {
-            *o = pj.mul_add(*x, *o);
+            *o = pj.mul_add(x.f32(), *o);
         }
     }
 }
@@ -173,9 +190,9 @@ unsafe fn weigh_fma(p: &[f32], values: &[f32], stride: usize, offset: usize, out
 /// Where one head's keys and values lie in a token-major cache `[len, kv_heads, dim]`.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct KvHead {
-    /// Floats per cached token (kv_heads × dim).
+    /// Values per cached token (kv_heads × dim).
     pub stride: usize,
-    /// This head's first float within a token.
+    /// This head's first value within a token.
     pub offset: usize,
     /// Score scale, 1/√dim.
     pub scale: f32,
@@ -183,18 +200,26 @@ pub(crate) struct KvHead {
 
 /// A run of consecutive cached tokens of one layer, token-major `[tokens, kv_heads, dim]`: a
 /// sequence's cache is the runs in order (blocks shared with the prefix cache, then its own).
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct KvRun<'c> {
+#[derive(Debug)]
+pub(crate) struct KvRun<'c, E> {
     /// The run's keys.
-    pub keys: &'c [f32],
+    pub keys: &'c [E],
     /// The run's values, as many as its keys.
-    pub values: &'c [f32],
+    pub values: &'c [E],
 }
 
+impl<E> Clone for KvRun<'_, E> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<E> Copy for KvRun<'_, E> {}
+
 #[inline(always)]
-fn attend_impl<const FMA: bool>(
+fn attend_impl<const FMA: bool, E: Weight>(
     q: &[f32],
-    runs: &[KvRun<'_>],
+    runs: &[KvRun<'_, E>],
     seen: usize,
     h: KvHead,
     out: &mut [f32],
@@ -222,16 +247,16 @@ fn attend_impl<const FMA: bool>(
             #[cfg(target_arch = "x86_64")]
             if FMA {
                 assert!(rows.iter().all(|r| r.len() == dim));
-                // SAFETY: FMA is set only behind the run-time AVX2 + FMA check, and every
-                // row holds `dim` values, as `q` does (asserted).
+                // SAFETY: FMA is set only behind the run-time AVX2 + FMA + F16C check, and
+                // every row holds `dim` values, as `q` does (asserted).
                 s8.copy_from_slice(&unsafe { dots8_fma(rows, q, dim / 8 * 8) });
                 continue;
             }
-            s8.copy_from_slice(&dots::<FMA, 8>(rows, q));
+            s8.copy_from_slice(&dots::<FMA, 8, E>(rows, q));
         }
         let done = n / 8 * 8;
         for (j, s) in blocks.into_remainder().iter_mut().enumerate() {
-            *s = dots::<FMA, 1>([key(done + j)], q)[0];
+            *s = dots::<FMA, 1, E>([key(done + j)], q)[0];
         }
     }
     let mut max = f32::NEG_INFINITY;
@@ -252,32 +277,51 @@ fn attend_impl<const FMA: bool>(
         let p = &scores[first..first + n];
         #[cfg(target_arch = "x86_64")]
         if FMA {
-            // SAFETY: FMA is set only behind the run-time AVX2 + FMA check.
+            // SAFETY: FMA is set only behind the run-time AVX2 + FMA + F16C check.
             unsafe { weigh_fma(p, r.values, h.stride, h.offset, out) };
             continue;
         }
         for (j, &pj) in p.iter().enumerate() {
             let v = &r.values[j * h.stride + h.offset..][..dim];
             for (o, x) in out.iter_mut().zip(v) {
-                *o = madd::<FMA>(pj, *x, *o);
+                *o = madd::<FMA>(pj, x.f32(), *o);
             }
         }
     }
 }
 
-kernel! {
-    /// One query head's attention for one token: `q` `[dim]`, `runs` its sequence's cache in
-    /// order (see [`KvRun`]), of which the first `seen` positions are visible (causal: the
-    /// token's own position + 1); writes `[dim]` into `out`. Softmax in f32 with the maximum
-    /// subtracted, as torch computes it. `scores` is scratch space.
-    attend_head = attend_impl(
-        q: &[f32],
-        runs: &[KvRun<'_>],
-        seen: usize,
-        h: KvHead,
-        out: &mut [f32],
-        scores: &mut Vec<f32>,
-    )
+/// One query head's attention for one token: `q` `[dim]`, `runs` its sequence's cache in
+/// order (see [`KvRun`]), of which the first `seen` positions are visible (causal: the token's
+/// own position + 1); writes `[dim]` into `out`. Softmax in f32 with the maximum subtracted, as
+/// torch computes it. `scores` is scratch space. Runs the AVX2 + FMA build where the CPU has
+/// it (and F16C, which every such CPU has, for f16 caches), else the baseline one.
+pub(crate) fn attend_head<E: Weight>(
+    q: &[f32],
+    runs: &[KvRun<'_, E>],
+    seen: usize,
+    h: KvHead,
+    out: &mut [f32],
+    scores: &mut Vec<f32>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma,f16c")]
+        unsafe fn fast<E: Weight>(
+            q: &[f32],
+            runs: &[KvRun<'_, E>],
+            seen: usize,
+            h: KvHead,
+            out: &mut [f32],
+            scores: &mut Vec<f32>,
+        ) {
+            attend_impl::<true, E>(q, runs, seen, h, out, scores)
+        }
+        if super::avx2_fma() && std::arch::is_x86_feature_detected!("f16c") {
+            // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time).
+            return unsafe { fast(q, runs, seen, h, out, scores) };
+        }
+    }
+    attend_impl::<false, E>(q, runs, seen, h, out, scores)
 }
 
 #[cfg(test)]
@@ -290,22 +334,26 @@ mod tests {
 
     /// Attention equals the plain formula (both builds: the test machine picks one, the
     /// baseline is called directly), for cache lengths that fill the eight-key blocks and
-    /// leave every remainder; a cache read in runs gives the same bits as read whole.
+    /// leave every remainder; a cache read in runs gives the same bits as read whole. A bf16
+    /// or f16 cache gives the formula over its own (rounded) values: widening is exact and
+    /// the sums are f32 as an f32 cache's are, so the bound is the same.
     #[test]
     fn attention_matches_the_formula() {
         // 12: the products' 8-wide tail; 72: the outputs' 64-wide chunk and its tail; 19
         // keys: two blocks of eight and a remainder.
         for (dim, len) in [(12, 9), (72, 19)] {
-            attention_matches_the_formula_at(dim, len);
+            attention_matches_the_formula_at(dim, len, |x| x);
+            attention_matches_the_formula_at(dim, len, half::bf16::from_f32);
+            attention_matches_the_formula_at(dim, len, half::f16::from_f32);
         }
     }
 
-    fn attention_matches_the_formula_at(dim: usize, len: usize) {
+    fn attention_matches_the_formula_at<E: Weight>(dim: usize, len: usize, round: fn(f32) -> E) {
         let (nq, nkv) = (4, 2);
         let scale = 1.0 / (dim as f32).sqrt();
         let q: Vec<f32> = (0..nq * dim).map(val).collect();
-        let keys: Vec<f32> = (0..len * nkv * dim).map(|i| val(i + 3)).collect();
-        let values: Vec<f32> = (0..len * nkv * dim).map(|i| val(i + 11)).collect();
+        let keys: Vec<E> = (0..len * nkv * dim).map(|i| round(val(i + 3))).collect();
+        let values: Vec<E> = (0..len * nkv * dim).map(|i| round(val(i + 11))).collect();
         let mut scores = Vec::new();
         for seen in 1..=len {
             for head in 0..nq {
@@ -314,7 +362,8 @@ mod tests {
                     .map(|j| {
                         (0..dim)
                             .map(|d| {
-                                q[head * dim + d] as f64 * keys[(j * nkv + g) * dim + d] as f64
+                                q[head * dim + d] as f64
+                                    * keys[(j * nkv + g) * dim + d].f32() as f64
                             })
                             .sum::<f64>()
                             * scale as f64
@@ -325,7 +374,9 @@ mod tests {
                 let want: Vec<f32> = (0..dim)
                     .map(|d| {
                         (0..seen)
-                            .map(|j| (s[j] - m).exp() / z * values[(j * nkv + g) * dim + d] as f64)
+                            .map(|j| {
+                                (s[j] - m).exp() / z * values[(j * nkv + g) * dim + d].f32() as f64
+                            })
                             .sum::<f64>() as f32
                     })
                     .collect();
@@ -337,8 +388,8 @@ mod tests {
                 let qh = &q[head * dim..(head + 1) * dim];
                 let w = nkv * dim;
                 let whole = [KvRun {
-                    keys: &keys,
-                    values: &values,
+                    keys: &keys[..],
+                    values: &values[..],
                 }];
                 // The same cache in runs of 2, 4 and 3 tokens (a prefix read in blocks, its
                 // own tokens after).
@@ -353,7 +404,7 @@ mod tests {
                     }
                 };
                 let mut plain = vec![9f32; dim];
-                attend_impl::<false>(qh, &whole, seen, kv, &mut plain, &mut scores);
+                attend_impl::<false, E>(qh, &whole, seen, kv, &mut plain, &mut scores);
                 check(&plain);
                 let mut out = vec![9f32; dim];
                 attend_head(qh, &whole, seen, kv, &mut out, &mut scores);

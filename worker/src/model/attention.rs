@@ -9,7 +9,8 @@ use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::RmsNorm;
 
 use super::batch::{Batch, Paged, Row, StepPath};
-use super::cache::{append_kv, LayerKv};
+use super::cache::LayerKv;
+use super::kvbuf::{KvBuf, KvElem};
 use super::project::{fusable_projs, projs};
 use super::weights::{Fusable, Weights};
 use super::{Family, Lin, ModelConfig, ModelError, Proj};
@@ -109,7 +110,11 @@ impl Attention {
         let (q, k) = (rope(&q)?, rope(&k)?);
         let out = match &batch.path {
             StepPath::Tensor { paged, .. } => attend_paged(li, &q, &k, &v, batch, paged)?,
-            StepPath::Host { .. } => attend_host(li, &q, &k, &v, rows, batch)?,
+            StepPath::Host { kv, .. } => match *kv {
+                DType::BF16 => attend_host::<half::bf16>(li, &q, &k, &v, rows, batch)?,
+                DType::F16 => attend_host::<half::f16>(li, &q, &k, &v, rows, batch)?,
+                _ => attend_host::<f32>(li, &q, &k, &v, rows, batch)?,
+            },
         };
         let [o] = projs(batch, [(&self.o, Proj::O)], li, &out)?;
         Ok(o)
@@ -141,8 +146,10 @@ fn attend_paged(
         &p.write,
     )?;
     let (kc, vc) = p.pool.gather(li, &p.gather)?;
+    // A cache held in another dtype than the compute one (`kvCacheDtype`) is widened here.
     let heads = |c: Tensor| -> candle_core::Result<Tensor> {
-        c.reshape((rows, keys, nkv, hd))?
+        c.to_dtype(batch.dtype)?
+            .reshape((rows, keys, nkv, hd))?
             .transpose(1, 2)?
             .contiguous()
     };
@@ -197,13 +204,15 @@ fn attend_tensors(
     Ok(o.transpose(0, 1)?.reshape((t, nh * hd))?)
 }
 
-/// Attention of a CPU f32 batch: new keys/values appended to each row's host cache, then
-/// every token of a row with at most [`HOST_ATTN_MAX_TOKENS`] new tokens attended by the
-/// host kernel (tokens × heads in parallel), longer rows (prefill) with tensor ops over
-/// their cache. `q` `[tokens, heads, hd]`, `k`/`v` `[tokens, kv_heads, hd]`.
+/// Attention of a CPU f32 batch: new keys/values appended to each row's host cache (rounded
+/// to its dtype `E`, so every later read, this step's included, sees the values the cache
+/// holds), then every token of a row with at most [`HOST_ATTN_MAX_TOKENS`] new tokens
+/// attended by the host kernel (tokens × heads in parallel), longer rows (prefill) with tensor
+/// ops over their cache widened to f32. `q` `[tokens, heads, hd]`, `k`/`v`
+/// `[tokens, kv_heads, hd]`.
 // The CPU host path: its copies are memcpys and its concatenations never reach a GPU.
 #[allow(clippy::disallowed_methods)]
-fn attend_host(
+fn attend_host<E: KvElem>(
     li: usize,
     q: &Tensor,
     k: &Tensor,
@@ -224,21 +233,21 @@ fn attend_host(
     for (ri, row) in rows.iter_mut().enumerate() {
         let t = batch.lens[ri];
         let slot = row.cache.layer_mut(li, batch.layers);
-        match slot {
-            LayerKv::Empty => *slot = LayerKv::Host(Vec::new(), Vec::new()),
-            LayerKv::Host(..) => {}
+        if let LayerKv::Empty = slot {
+            let new = || KvBuf::new(<E as crate::kernels::HostElem>::DTYPE);
+            *slot = LayerKv::Host(new(), new());
         }
         if let LayerKv::Host(kc, vc) = slot {
-            append_kv(kc, &ks[off * width..(off + t) * width], width);
-            append_kv(vc, &vs[off * width..(off + t) * width], width);
+            kc.append(&ks[off * width..(off + t) * width], width);
+            vc.append(&vs[off * width..(off + t) * width], width);
         }
         off += t;
     }
     drop((kg, vg));
     // Each row's cache of this layer, read in place: its shared blocks, then its own tokens.
-    let runs: Vec<Vec<kernels::KvRun<'_>>> = rows
+    let runs: Vec<Vec<kernels::KvRun<'_, E>>> = rows
         .iter()
-        .map(|row| row.cache.host_runs(li, batch.layers))
+        .map(|row| row.cache.host_runs::<E>(li, batch.layers))
         .collect();
     // Per token: its row and how many positions it sees (causal), or None for tokens of
     // long rows.
@@ -288,22 +297,24 @@ fn attend_host(
     for (ri, off) in long {
         let (t, start) = (batch.lens[ri], batch.starts[ri]);
         let total = start + t;
-        // A long row's whole context as one tensor (copied, as a tensor needs it contiguous).
+        // A long row's whole context as one f32 tensor (copied, as a tensor needs it
+        // contiguous).
         let whole = |c: Vec<f32>| -> candle_core::Result<Tensor> {
             Tensor::from_vec(c, (total, nkv, hd), batch.device)?
                 .transpose(0, 1)?
                 .contiguous()
         };
-        let (kc, vc) = match runs[ri][..] {
-            [r] => (
-                r.keys[..total * width].to_vec(),
-                r.values[..total * width].to_vec(),
-            ),
-            _ => match rows[ri].cache.host_copy(li, batch.layers, width, 0, total) {
-                LayerKv::Host(k, v) => (k, v),
-                LayerKv::Empty => unreachable!("a copy is never empty"),
-            },
-        };
+        let (mut kc, mut vc) = (
+            Vec::with_capacity(total * width),
+            Vec::with_capacity(total * width),
+        );
+        for p in rows[ri]
+            .cache
+            .host_pieces(li, batch.layers, width, 0, total)
+        {
+            p.buf_k.widen_into(p.keys, &mut kc);
+            p.buf_v.widen_into(p.values, &mut vc);
+        }
         let qr = q.narrow(0, off, t)?.transpose(0, 1)?.contiguous()?;
         let o = attend_tensors(&qr, &whole(kc)?, &whole(vc)?, start, batch)?;
         out[off * nh * hd..(off + t) * nh * hd]

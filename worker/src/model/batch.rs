@@ -58,8 +58,8 @@ pub(super) struct Batch<'a> {
 /// The tensor path is a GPU's (and the CPU's reference of it): the paged cache, and the LoRA
 /// slot pool each token reads its adapter from.
 pub(super) enum StepPath<'a> {
-    /// The host path: the rows sharing each adapter.
-    Host { groups: Vec<Group<'a>> },
+    /// The host path: the rows sharing each adapter, and the dtype the rows' caches hold.
+    Host { groups: Vec<Group<'a>>, kv: DType },
     /// The tensor path: where the step's keys go and come from in the paged cache, and, when a
     /// row has an adapter, the slot pool and where each token meets its slot.
     Tensor {

@@ -1,8 +1,14 @@
 //! The KV cache of one sequence: blocks of the decoder's paged pool on the tensor path (see
 //! [`super::kv`]), or on CPU f32 decoders running host kernels, token-major host vectors per
-//! layer grown in place, after any leading blocks shared with the prefix cache's store.
+//! layer grown in place, after any leading blocks shared with the prefix cache's store. The
+//! host vectors hold the decoder's KV dtype ([`KvBuf`]): f32, or bf16/f16 at half the bytes.
+
+use std::ops::Range;
+
+use candle_core::DType;
 
 use super::kv::BlockTable;
+use super::kvbuf::{KvBuf, KvElem};
 use super::prefix::HostBlock;
 use super::ModelError;
 use crate::kernels::KvRun;
@@ -32,9 +38,22 @@ pub(super) enum LayerKv {
     /// Nothing cached yet.
     #[default]
     Empty,
-    /// Token-major `[len, kv_heads, head_dim]` vectors that the host attention kernel reads in
-    /// place and new tokens extend in place (see [`append_kv`]).
-    Host(Vec<f32>, Vec<f32>),
+    /// Token-major `[len, kv_heads, head_dim]` keys and values that the host attention kernel
+    /// reads in place and new tokens extend in place (see [`KvBuf::append`]).
+    Host(KvBuf, KvBuf),
+}
+
+/// A piece of one layer's cached tokens: the buffer holding them, and where its keys and its
+/// values lie in it.
+pub(super) struct KvPiece<'c> {
+    /// The buffer holding the keys.
+    pub buf_k: &'c KvBuf,
+    /// Where the keys lie in it.
+    pub keys: Range<usize>,
+    /// The buffer holding the values (the keys' own for a shared block).
+    pub buf_v: &'c KvBuf,
+    /// Where the values lie in it.
+    pub values: Range<usize>,
 }
 
 impl SeqCache {
@@ -61,7 +80,7 @@ impl SeqCache {
     /// context: with the paged cache (`paged`) the whole blocks among the first `tokens`,
     /// shared, not copied (full blocks are never written again); on the host path the first
     /// `tokens`, its shared blocks among them shared again and the rest copied (`width`
-    /// floats per token, `layers` layers). Returns it and the tokens it holds.
+    /// values per token, `layers` layers). Returns it and the tokens it holds.
     pub(super) fn prefix(
         &self,
         tokens: usize,
@@ -98,28 +117,48 @@ impl SeqCache {
         (out, held)
     }
 
-    /// Host path: layer `li`'s cached tokens in order (of `layers` layers), as runs the
-    /// attention kernel reads in place: the shared blocks', then its own.
-    pub(super) fn host_runs(&self, li: usize, layers: usize) -> Vec<KvRun<'_>> {
-        let mut runs: Vec<KvRun<'_>> = self
+    /// Host path: layer `li`'s cached tokens in order (of `layers` layers) as pieces of the
+    /// buffers holding them: the shared blocks', then its own.
+    fn host_views(&self, li: usize, layers: usize) -> Vec<KvPiece<'_>> {
+        let mut views: Vec<KvPiece<'_>> = self
             .shared
             .iter()
             .map(|b| {
                 let n = b.len() / (2 * layers);
-                KvRun {
-                    keys: &b[2 * li * n..(2 * li + 1) * n],
-                    values: &b[(2 * li + 1) * n..(2 * li + 2) * n],
+                KvPiece {
+                    buf_k: b,
+                    keys: 2 * li * n..(2 * li + 1) * n,
+                    buf_v: b,
+                    values: (2 * li + 1) * n..(2 * li + 2) * n,
                 }
             })
             .collect();
         if let Some(LayerKv::Host(k, v)) = self.layers.get(li) {
-            runs.push(KvRun { keys: k, values: v });
+            views.push(KvPiece {
+                buf_k: k,
+                keys: 0..k.len(),
+                buf_v: v,
+                values: 0..v.len(),
+            });
         }
-        runs
+        views
+    }
+
+    /// Host path: layer `li`'s cached tokens in order (of `layers` layers), as runs the
+    /// attention kernel reads in place: the shared blocks', then its own. `E` is the dtype
+    /// the cache holds (the decoder's).
+    pub(super) fn host_runs<E: KvElem>(&self, li: usize, layers: usize) -> Vec<KvRun<'_, E>> {
+        self.host_views(li, layers)
+            .into_iter()
+            .map(|p| KvRun {
+                keys: &E::of(p.buf_k)[p.keys],
+                values: &E::of(p.buf_v)[p.values],
+            })
+            .collect()
     }
 
     /// Host path: layer `li`'s keys and values of tokens `[from, to)`, as the pieces of its
-    /// runs that hold them, in order (`width` floats per token).
+    /// runs that hold them, in order (`width` values per token).
     pub(super) fn host_pieces(
         &self,
         li: usize,
@@ -127,22 +166,28 @@ impl SeqCache {
         width: usize,
         from: usize,
         to: usize,
-    ) -> Vec<(&[f32], &[f32])> {
+    ) -> Vec<KvPiece<'_>> {
         let mut base = 0;
         let mut pieces = Vec::new();
-        for r in self.host_runs(li, layers) {
+        for r in self.host_views(li, layers) {
             let n = r.keys.len() / width;
             let (a, b) = (from.clamp(base, base + n), to.clamp(base, base + n));
             if a < b {
                 let span = (a - base) * width..(b - base) * width;
-                pieces.push((&r.keys[span.clone()], &r.values[span]));
+                pieces.push(KvPiece {
+                    buf_k: r.buf_k,
+                    keys: r.keys.start + span.start..r.keys.start + span.end,
+                    buf_v: r.buf_v,
+                    values: r.values.start + span.start..r.values.start + span.end,
+                });
             }
             base += n;
         }
         pieces
     }
 
-    /// Host path: layer `li`'s keys and values of tokens `[from, to)`, copied.
+    /// Host path: layer `li`'s keys and values of tokens `[from, to)`, copied (in the dtype
+    /// the cache holds).
     pub(super) fn host_copy(
         &self,
         li: usize,
@@ -151,11 +196,14 @@ impl SeqCache {
         from: usize,
         to: usize,
     ) -> LayerKv {
-        let mut k = Vec::with_capacity((to - from) * width);
-        let mut v = Vec::with_capacity((to - from) * width);
-        for (pk, pv) in self.host_pieces(li, layers, width, from, to) {
-            k.extend_from_slice(pk);
-            v.extend_from_slice(pv);
+        let pieces = self.host_pieces(li, layers, width, from, to);
+        let dtype = pieces.first().map_or(DType::F32, |p| p.buf_k.dtype());
+        let (mut k, mut v) = (KvBuf::new(dtype), KvBuf::new(dtype));
+        k.reserve_exact((to - from) * width);
+        v.reserve_exact((to - from) * width);
+        for p in pieces {
+            k.extend_from(p.buf_k, p.keys);
+            v.extend_from(p.buf_v, p.values);
         }
         LayerKv::Host(k, v)
     }
@@ -171,7 +219,7 @@ impl SeqCache {
         self.layers
             .iter()
             .map(|l| match l {
-                LayerKv::Host(k, v) => (k.len() + v.len()) * std::mem::size_of::<f32>(),
+                LayerKv::Host(k, v) => k.bytes() + v.bytes(),
                 LayerKv::Empty => 0,
             })
             .sum()
@@ -195,18 +243,4 @@ impl SeqCache {
 /// [`Decoder::set_host_kernels`]).
 pub(super) fn mixed_cache() -> ModelError {
     ModelError::Config("a sequence cache was filled by the other attention mode".into())
-}
-
-/// Spare room, in tokens, a host cache grows by when it is full.
-const KV_GROW_TOKENS: usize = 256;
-
-/// Appends new keys (or values) to a host cache. Growth is by [`KV_GROW_TOKENS`] past what is
-/// needed, not doubling: a sequence never holds more than that much spare room (doubling would
-/// hold up to its whole length again), and a reallocation every 256 tokens costs little next
-/// to the steps between.
-pub(super) fn append_kv(cache: &mut Vec<f32>, new: &[f32], width: usize) {
-    if cache.capacity() - cache.len() < new.len() {
-        cache.reserve_exact(new.len() + KV_GROW_TOKENS * width);
-    }
-    cache.extend_from_slice(new);
 }

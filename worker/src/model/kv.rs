@@ -27,6 +27,9 @@ pub struct TensorPathOptions {
     pub lora_slots: usize,
     /// Ranks the LoRA slots hold (adapters' ranks are padded to it).
     pub lora_rank: usize,
+    /// The dtype the KV cache holds (`kvCacheDtype`: f32, bf16 or f16, on both paths); None:
+    /// the decoder's default (see [`super::Decoder::kv_dtype`]).
+    pub kv_dtype: Option<DType>,
 }
 
 impl Default for TensorPathOptions {
@@ -38,6 +41,7 @@ impl Default for TensorPathOptions {
             kv_blocks: 2048,
             lora_slots: 16,
             lora_rank: 64,
+            kv_dtype: None,
         }
     }
 }
@@ -389,8 +393,9 @@ impl KvPool {
         table.ids[pos / self.block_size] * self.block_size as u32 + (pos % self.block_size) as u32
     }
 
-    /// Writes layer `li`'s new keys and values (`[tokens, width]`) to their slots, in place:
-    /// `slots` is `[tokens, width]` with every row holding its token's slot.
+    /// Writes layer `li`'s new keys and values (`[tokens, width]`) to their slots, in place,
+    /// rounded to the pool's dtype: `slots` is `[tokens, width]` with every row holding its
+    /// token's slot.
     pub fn write(
         &self,
         li: usize,
@@ -398,11 +403,13 @@ impl KvPool {
         v: &Tensor,
         slots: &Tensor,
     ) -> candle_core::Result<()> {
-        self.k[li].scatter_set(slots, &k.contiguous()?, 0)?;
-        self.v[li].scatter_set(slots, &v.contiguous()?, 0)
+        let dtype = self.k[li].dtype();
+        self.k[li].scatter_set(slots, &k.to_dtype(dtype)?.contiguous()?, 0)?;
+        self.v[li].scatter_set(slots, &v.to_dtype(dtype)?.contiguous()?, 0)
     }
 
-    /// Layer `li`'s keys and values at `slots` (`[n]`): `[n, width]` each.
+    /// Layer `li`'s keys and values at `slots` (`[n]`): `[n, width]` each, in the pool's
+    /// dtype.
     pub fn gather(&self, li: usize, slots: &Tensor) -> candle_core::Result<(Tensor, Tensor)> {
         Ok((
             self.k[li].index_select(slots, 0)?,

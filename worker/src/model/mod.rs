@@ -22,6 +22,7 @@ mod cache;
 mod config;
 mod decoder;
 mod kv;
+mod kvbuf;
 mod layer;
 pub mod lora;
 mod prefix;

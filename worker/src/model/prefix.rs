@@ -12,14 +12,16 @@
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
+use super::kvbuf::KvBuf;
+
 /// The identity of a full block's content: its tokens, its images, the blocks before it and
 /// the weights that computed it. 128 bits of SHA-256 (see `engine::prefix`).
 pub type BlockHash = u128;
 
 /// A block of the host path's prefix store: every layer's keys then values of its tokens,
-/// token-major (`[layer][keys | values][tokens, kv_heads, head_dim]`). Never written once
-/// stored, so sequences read it in place.
-pub(super) type HostBlock = Arc<Vec<f32>>;
+/// token-major (`[layer][keys | values][tokens, kv_heads, head_dim]`), in the decoder's KV
+/// dtype. Never written once stored, so sequences read it in place.
+pub(super) type HostBlock = Arc<KvBuf>;
 
 /// Which block holds which hash, and the cached blocks no sequence holds by the time they
 /// were last used (the LRU order of eviction).
@@ -88,7 +90,7 @@ impl PrefixIndex {
 }
 
 /// The host path's cached blocks: copies of blocks' keys and values of every layer
-/// (`layers × 2 × tokens × width` f32 each), at most `capacity` blocks, evicted least
+/// (`layers × 2 × tokens × width` values each, in the KV dtype), at most `capacity` blocks, evicted least
 /// recently used. A host-path sequence grows its own token-major cache, which its attention
 /// kernel reads in place; a hit copies the blocks into it, which costs far less than
 /// computing them (a copy of 46 KB per token for SmolLM2 against its forward pass).
@@ -201,8 +203,8 @@ impl HostBlocks {
     }
 
     /// Stores a full block under `hash`, `fill` writing its data into the buffer it is given
-    /// (cleared, with room for the block); evicts the least recently used block when full.
-    pub fn insert(&mut self, hash: BlockHash, key: BlockKey<'_>, fill: impl FnOnce(&mut Vec<f32>)) {
+    /// (cleared: the memory of a block this slot held before); evicts the least recently used block when full.
+    pub fn insert(&mut self, hash: BlockHash, key: BlockKey<'_>, fill: impl FnOnce(&mut KvBuf)) {
         if self.touch(hash) {
             return;
         }
@@ -212,7 +214,7 @@ impl HostBlocks {
     /// Stores a partial block (`key.tokens`, fewer than a full block's), found by its tokens
     /// after `key.parent` only; nothing when a block after the same parent already starts
     /// with those tokens.
-    pub fn insert_partial(&mut self, key: BlockKey<'_>, fill: impl FnOnce(&mut Vec<f32>)) {
+    pub fn insert_partial(&mut self, key: BlockKey<'_>, fill: impl FnOnce(&mut KvBuf)) {
         let Some(tokens) = key.tokens.filter(|t| !t.is_empty()) else {
             return;
         };
@@ -228,7 +230,7 @@ impl HostBlocks {
         self.put(hash, key, fill);
     }
 
-    fn put(&mut self, hash: BlockHash, key: BlockKey<'_>, fill: impl FnOnce(&mut Vec<f32>)) {
+    fn put(&mut self, hash: BlockHash, key: BlockKey<'_>, fill: impl FnOnce(&mut KvBuf)) {
         let block = match self.data.len() < self.capacity {
             true => {
                 self.data.push(HostBlock::default());
@@ -282,6 +284,7 @@ impl HostBlocks {
 
 #[cfg(test)]
 mod tests {
+    use super::super::kvbuf::KvElem;
     use super::*;
 
     fn key(parent: BlockHash, tokens: Option<&[u32]>) -> BlockKey<'_> {
@@ -310,40 +313,40 @@ mod tests {
     #[test]
     fn the_host_store_finds_the_longest_run_and_evicts_the_least_recently_used() {
         let mut s = HostBlocks::new(2);
-        s.insert(1, key(0, None), |b| b.push(1.0));
-        s.insert(2, key(1, None), |b| b.push(2.0));
+        s.insert(1, key(0, None), |b| b.append(&[1.0], 1));
+        s.insert(2, key(1, None), |b| b.append(&[2.0], 1));
         assert_eq!(s.lookup(&[1, 2, 3]), [0, 1]);
         // 1 was used before 2 in that lookup: it goes first.
-        s.insert(3, key(2, None), |b| b.push(3.0));
+        s.insert(3, key(2, None), |b| b.append(&[3.0], 1));
         assert_eq!(s.lookup(&[1]), Vec::<u32>::new());
         assert_eq!(s.lookup(&[2, 3]), [1, 0]);
-        assert_eq!(s.data(0)[..], [3.0]);
+        assert_eq!(f32::of(s.data(0))[..], [3.0]);
         assert_eq!(s.len(), 2);
     }
 
     #[test]
     fn the_host_store_finds_a_block_by_its_tokens_after_the_same_parent() {
         let mut s = HostBlocks::new(3);
-        s.insert(10, key(7, Some(&[1, 2, 3, 4])), |b| b.push(10.0));
-        s.insert(11, key(7, Some(&[1, 2, 9, 9])), |b| b.push(11.0));
-        s.insert(12, key(8, None), |b| b.push(12.0));
+        s.insert(10, key(7, Some(&[1, 2, 3, 4])), |b| b.append(&[10.0], 1));
+        s.insert(11, key(7, Some(&[1, 2, 9, 9])), |b| b.append(&[11.0], 1));
+        s.insert(12, key(8, None), |b| b.append(&[12.0], 1));
         assert_eq!(s.longest(7, &[1, 2, 3]), Some((0, 3)), "the longest run");
         assert_eq!(s.longest(7, &[1, 2, 9, 9]), Some((1, 4)));
         assert_eq!(s.longest(7, &[5]), None, "no token in common");
         assert_eq!(s.longest(9, &[1]), None, "another parent");
         assert_eq!(s.longest(8, &[1]), None, "found by its hash only");
         // A partial block already covered is not stored again.
-        s.insert_partial(key(7, Some(&[1, 2, 3])), |b| b.push(0.0));
+        s.insert_partial(key(7, Some(&[1, 2, 3])), |b| b.append(&[0.0], 1));
         assert_eq!(s.len(), 3);
         // A new one evicts the least recently used (12), and then is found by its tokens.
-        s.insert_partial(key(7, Some(&[1, 5])), |b| b.push(13.0));
+        s.insert_partial(key(7, Some(&[1, 5])), |b| b.append(&[13.0], 1));
         assert!(!s.touch(12));
         assert_eq!(s.longest(7, &[1, 5, 6]), Some((2, 2)));
         assert_eq!(s.tokens(2, 4), 2);
-        assert_eq!(s.data(2)[..], [13.0]);
+        assert_eq!(f32::of(s.data(2))[..], [13.0]);
         // Evicted, a block is no longer found by its tokens: 10 then 11 go.
-        s.insert(20, key(1, None), |b| b.push(20.0));
-        s.insert(21, key(1, None), |b| b.push(21.0));
+        s.insert(20, key(1, None), |b| b.append(&[20.0], 1));
+        s.insert(21, key(1, None), |b| b.append(&[21.0], 1));
         assert_eq!(
             s.longest(7, &[1, 2, 3]),
             Some((2, 1)),
@@ -356,14 +359,14 @@ mod tests {
     #[test]
     fn an_evicted_block_a_sequence_holds_keeps_its_data() {
         let mut s = HostBlocks::new(1);
-        s.insert(1, key(0, None), |b| b.push(1.0));
+        s.insert(1, key(0, None), |b| b.append(&[1.0], 1));
         let held = s.data(0).clone();
-        s.insert(2, key(0, None), |b| b.push(2.0));
+        s.insert(2, key(0, None), |b| b.append(&[2.0], 1));
         assert_eq!(s.lookup(&[1]), Vec::<u32>::new(), "evicted");
-        assert_eq!(held[..], [1.0]);
-        assert_eq!(s.data(0)[..], [2.0]);
+        assert_eq!(f32::of(&held)[..], [1.0]);
+        assert_eq!(f32::of(s.data(0))[..], [2.0]);
         drop(held);
-        s.insert(3, key(0, None), |b| b.push(3.0));
-        assert_eq!(s.data(0)[..], [3.0]);
+        s.insert(3, key(0, None), |b| b.append(&[3.0], 1));
+        assert_eq!(f32::of(s.data(0))[..], [3.0]);
     }
 }

@@ -44,7 +44,7 @@ pub(super) fn projs<const N: usize>(
 ) -> Result<[Tensor; N], ModelError> {
     let groups = match &batch.path {
         StepPath::Tensor { .. } => return slot_projs(batch, lins, layer, x),
-        StepPath::Host { groups } => &groups[..],
+        StepPath::Host { groups, .. } => &groups[..],
     };
     let pairs: Vec<(&LoraAdapter, &[u32])> = groups
         .iter()
@@ -139,7 +139,7 @@ fn slot_updates<const N: usize>(
         }
         StepPath::Tensor { lora: None, .. } => {}
         // Fused weights on the host path: each adapter group's update by tensor ops.
-        StepPath::Host { groups } => {
+        StepPath::Host { groups, .. } => {
             for (o, &which) in out.iter_mut().zip(&projs) {
                 *o = tensor_updates(o.clone(), layer, which, x, groups)?;
             }

@@ -78,6 +78,7 @@ pub fn build_engine(cfg: &WorkerConfig) -> Result<EngineHandles, BuildError> {
         max_cpu_loras: l.engine.max_cpu_loras as usize,
         max_lora_rank: l.engine.max_lora_rank as usize,
         lora_dtype: l.engine.lora_dtype.map(candle_dtype),
+        kv_cache_dtype: l.engine.kv_cache_dtype.map(candle_dtype),
         prefill_chunk: std::env::var("MOLE_PREFILL_CHUNK")
             .ok()
             .and_then(|v| v.parse().ok())

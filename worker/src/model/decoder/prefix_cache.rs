@@ -4,7 +4,10 @@
 
 use std::sync::PoisonError;
 
-use super::super::cache::{append_kv, LayerKv, SeqCache};
+use candle_core::DType;
+
+use super::super::cache::{LayerKv, SeqCache};
+use super::super::kvbuf::KvBuf;
 use super::super::prefix::{BlockHash, BlockKey, HostBlocks};
 use super::super::ModelError;
 use super::Decoder;
@@ -69,10 +72,10 @@ impl Decoder {
             let held = store.tokens(b, bs) * w;
             cache.layers = (0..layers)
                 .map(|li| {
-                    let d = &d[2 * li * held..2 * (li + 1) * held];
-                    let (mut k, mut v) = (Vec::new(), Vec::new());
-                    append_kv(&mut k, &d[..take * w], w);
-                    append_kv(&mut v, &d[held..held + take * w], w);
+                    let at = 2 * li * held;
+                    let (mut k, mut v) = (KvBuf::new(d.dtype()), KvBuf::new(d.dtype()));
+                    k.append_from(d, at..at + take * w, w);
+                    v.append_from(d, at + held..at + held + take * w, w);
                     LayerKv::Host(k, v)
                 })
                 .collect();
@@ -109,14 +112,16 @@ impl Decoder {
         if upto <= cache.hashed {
             return Ok(());
         }
-        let layers = self.layers.len();
+        let (layers, dtype) = (self.layers.len(), self.kv_dtype());
         self.host_store(|store, w| {
             for (i, &h) in hashes.iter().enumerate().take(upto).skip(cache.hashed) {
                 let key = BlockKey {
                     parent: i.checked_sub(1).map_or(seed, |p| hashes[p]),
                     tokens: tokens.and_then(|t| t.get(i * bs..(i + 1) * bs)),
                 };
-                store.insert(h, key, |buf| host_block(buf, cache, w, layers, i * bs, bs));
+                store.insert(h, key, |buf| {
+                    host_block(buf, cache, (w, layers, dtype), i * bs, bs)
+                });
             }
         });
         cache.hashed = upto;
@@ -147,10 +152,10 @@ impl Decoder {
             parent: full.checked_sub(1).map_or(seed, |p| hashes[p]),
             tokens: Some(tail),
         };
-        let layers = self.layers.len();
+        let (layers, dtype) = (self.layers.len(), self.kv_dtype());
         self.host_store(|store, w| {
             store.insert_partial(key, |buf| {
-                host_block(buf, cache, w, layers, full * bs, tail.len())
+                host_block(buf, cache, (w, layers, dtype), full * bs, tail.len())
             });
         });
     }
@@ -193,24 +198,27 @@ impl Decoder {
     }
 }
 
-/// Writes the keys and values of `cache`'s tokens `[from, from + len)` (`w` floats each)
-/// into `buf`: per layer (of `layers`) its keys then its values.
+/// Writes the keys and values of `cache`'s tokens `[from, from + len)` into `buf` (empty):
+/// per layer (of `layers`, `w` values a token) its keys then its values, in `dtype` (the
+/// cache's).
 fn host_block(
-    buf: &mut Vec<f32>,
+    buf: &mut KvBuf,
     cache: &SeqCache,
-    w: usize,
-    layers: usize,
+    (w, layers, dtype): (usize, usize, DType),
     from: usize,
     len: usize,
 ) {
+    if buf.dtype() != dtype {
+        *buf = KvBuf::new(dtype);
+    }
     buf.reserve_exact(2 * layers * len * w);
     for li in 0..layers {
         let pieces = cache.host_pieces(li, layers, w, from, from + len);
-        for (k, _) in &pieces {
-            buf.extend_from_slice(k);
+        for p in &pieces {
+            buf.extend_from(p.buf_k, p.keys.clone());
         }
-        for (_, v) in &pieces {
-            buf.extend_from_slice(v);
+        for p in &pieces {
+            buf.extend_from(p.buf_v, p.values.clone());
         }
     }
 }
