@@ -801,7 +801,7 @@ fn every_field_spec() -> serde_json::Value {
           "priorityClassName": "gpu-serving", "runtimeClassName": "nvidia"},
   "resources": {"requests": {"cpu": "4"}, "limits": {"memory": "64Gi"}},
   "dynamic": {"replicas": 2, "autoscaling": {"minReplicas": 1, "maxReplicas": 3,
-              "targetQueueDepth": 2, "scaleDownStabilizationSeconds": 60}, "maxLoras": 4, "maxCpuLoras": 16, "maxLoraRank": 32, "loraDtype": "f16",
+              "targetQueueDepth": 2, "scaleDownStabilizationSeconds": 60}, "maxLoras": 4, "maxCpuLoras": 16, "maxLoraRank": 32, "loraDtype": "f16", "kvCacheDtype": "bf16",
               "maxBatchSize": 8, "maxSeqLen": 2048, "maxQueue": 128,
               "gpuMemoryUtilization": 0.8, "enablePrefixCaching": false,
               "placement": {"minReplicas": 2, "loadFactor": 1.25}},
