@@ -91,6 +91,9 @@ pub struct Metrics {
     pub kv_blocks: IntGauge,
     /// Bytes of the paged KV cache (tensor path only).
     pub kv_cache_bytes: IntGauge,
+    /// 1 for the dtype the KV cache holds (`kvCacheDtype`, as vLLM's `cache_config_info`
+    /// carries its `cache_dtype`), so a dashboard can tell a half-type cache's figures apart.
+    pub kv_cache_info: IntGaugeVec,
     /// Bytes of the base model's weights as held.
     pub weights_bytes: IntGauge,
     /// Sequences preempted because the KV cache was full.
@@ -275,6 +278,16 @@ impl Metrics {
                 "mole_kv_cache_bytes",
                 "Bytes of the paged KV cache (keys and values of every layer)",
             ),
+            kv_cache_info: registered(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "mole_kv_cache_info",
+                        "1 for the dtype the KV cache holds keys and values in (kvCacheDtype)",
+                    ),
+                    &["dtype"],
+                ),
+            ),
             preemptions: registered(
                 &r,
                 IntCounter::new(
@@ -346,6 +359,10 @@ impl Metrics {
         }
         if let Some(bytes) = stats.kv_cache_bytes {
             self.kv_cache_bytes.set(bytes as i64);
+        }
+        if let Some(dtype) = stats.kv_cache_dtype {
+            self.kv_cache_info.reset();
+            self.kv_cache_info.with_label_values(&[dtype]).set(1);
         }
         for c in &stats.prefix_cache {
             follow(
@@ -449,7 +466,8 @@ mod tests {
     use crate::engine::api::PrefixCacheCounts;
 
     /// The engine's cumulative prefix-cache counts become counters per adapter, by vLLM's
-    /// names under mole's prefix; its count of images encoded a counter.
+    /// names under mole's prefix; its count of images encoded a counter; its KV cache's dtype
+    /// an info gauge.
     #[test]
     fn prefix_cache_counts_are_counters_per_adapter() {
         let m = Metrics::new();
@@ -468,13 +486,19 @@ mod tests {
             ],
             prefix_cached_blocks: 3,
             vision_encodes: 2,
+            kv_cache_dtype: Some("f32"),
             ..Default::default()
         };
         m.render(&stats, &[]);
         stats.prefix_cache[0].queries = 80;
         stats.prefix_cache[0].hits = 64;
         stats.vision_encodes = 5;
+        stats.kv_cache_dtype = Some("bf16");
         let text = m.render(&stats, &[]);
+        assert!(
+            !text.contains("dtype=\"f32\""),
+            "one dtype at a time:\n{text}"
+        );
         for line in [
             "mole_prefix_cache_queries_total{adapter=\"\"} 80",
             "mole_prefix_cache_hits_total{adapter=\"\"} 64",
@@ -482,6 +506,7 @@ mod tests {
             "mole_prefix_cache_hits_total{adapter=\"a\"} 0",
             "mole_prefix_cache_blocks 3",
             "mole_vision_encodes_total 5",
+            "mole_kv_cache_info{dtype=\"bf16\"} 1",
         ] {
             assert!(text.lines().any(|l| l == line), "{line} missing:\n{text}");
         }
