@@ -108,38 +108,39 @@ impl KvBuf {
         }
     }
 
-    /// Appends computed keys (or values) of new tokens, rounded to the buffer's dtype, with
-    /// room for [`KV_GROW_TOKENS`] more tokens of `width` values when it grows: growth is by
-    /// that much past what is needed, not doubling, so a sequence never holds more than that
-    /// much spare room (doubling would hold up to its whole length again), and a reallocation
-    /// every 256 tokens costs little next to the steps between.
+    /// Makes room for `n` more values. When it must grow it takes [`KV_GROW_TOKENS`] more
+    /// tokens of `width` values past them: growth by that much, not doubling, so a sequence
+    /// never holds more than that much spare room (doubling would hold up to its whole length
+    /// again), and a reallocation every 256 tokens costs little next to the steps between.
+    fn grow(&mut self, n: usize, width: usize) {
+        let spare = match self {
+            KvBuf::F32(v) => v.capacity() - v.len(),
+            KvBuf::Bf16(v) => v.capacity() - v.len(),
+            KvBuf::F16(v) => v.capacity() - v.len(),
+        };
+        if spare < n {
+            self.reserve_exact(n + KV_GROW_TOKENS * width);
+        }
+    }
+
+    /// Appends computed keys (or values) of new tokens (`width` values each), rounded to the
+    /// buffer's dtype (see [`KvBuf::grow`] for the room it takes).
     pub(crate) fn append(&mut self, new: &[f32], width: usize) {
-        fn push<E: KvElem>(v: &mut Vec<E>, new: &[f32], width: usize) {
-            if v.capacity() - v.len() < new.len() {
-                v.reserve_exact(new.len() + KV_GROW_TOKENS * width);
-            }
+        fn push<E: KvElem>(v: &mut Vec<E>, new: &[f32]) {
             v.extend(new.iter().map(|&x| E::round(x)));
         }
+        self.grow(new.len(), width);
         match self {
-            KvBuf::F32(v) => push(v, new, width),
-            KvBuf::Bf16(v) => push(v, new, width),
-            KvBuf::F16(v) => push(v, new, width),
+            KvBuf::F32(v) => v.extend_from_slice(new),
+            KvBuf::Bf16(v) => push(v, new),
+            KvBuf::F16(v) => push(v, new),
         }
     }
 
     /// Appends values `range` of `src` (of the same dtype), growing as [`KvBuf::append`] does.
     pub(crate) fn append_from(&mut self, src: &KvBuf, range: Range<usize>, width: usize) {
-        fn push<E: KvElem>(v: &mut Vec<E>, src: &[E], width: usize) {
-            if v.capacity() - v.len() < src.len() {
-                v.reserve_exact(src.len() + KV_GROW_TOKENS * width);
-            }
-            v.extend_from_slice(src);
-        }
-        match self {
-            KvBuf::F32(v) => push(v, &f32::of(src)[range], width),
-            KvBuf::Bf16(v) => push(v, &bf16::of(src)[range], width),
-            KvBuf::F16(v) => push(v, &f16::of(src)[range], width),
-        }
+        self.grow(range.len(), width);
+        self.extend_from(src, range);
     }
 
     /// Appends values `range` of `src` (of the same dtype), exactly: for a buffer sized once.
