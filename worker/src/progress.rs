@@ -30,8 +30,6 @@ pub struct Progress {
     bar: Option<indicatif::ProgressBar>,
     last_line: Mutex<Instant>,
     every: Duration,
-    /// No lines at all ([`Progress::bar_only`] without a terminal).
-    quiet: bool,
 }
 
 impl Progress {
@@ -58,19 +56,7 @@ impl Progress {
             bar,
             last_line: Mutex::new(Instant::now()),
             every: interval(),
-            quiet: false,
         }
-    }
-
-    /// A bar on a terminal and nothing otherwise: for a task that logs its own progress
-    /// lines (`fetch` names the file in each).
-    pub fn bar_only(task: &'static str, unit: &'static str, total: u64) -> Self {
-        let mut p = Self::new(task, unit, total);
-        if p.bar.is_none() {
-            p.every = Duration::MAX;
-            p.quiet = true;
-        }
-        p
     }
 
     /// Sets the units done (a task that knows its position, e.g. bytes of a resumed download).
@@ -124,8 +110,7 @@ impl Progress {
     pub fn finish(&self) {
         match &self.bar {
             Some(bar) => bar.finish_and_clear(),
-            None if !self.quiet => self.line(self.done()),
-            None => {}
+            None => self.line(self.done()),
         }
     }
 }

@@ -490,6 +490,8 @@ async fn the_command_reports_failures_in_the_termination_log() {
                 .env("MOLE_FETCH_DEST", dest)
                 .env("HF_ENDPOINT", url)
                 .env("MOLE_TERMINATION_LOG", log)
+                .env("MOLE_LOG_FORMAT", "json")
+                .env("MOLE_PROGRESS_INTERVAL_SECS", "0")
                 .env_remove("HF_TOKEN")
                 .output()
                 .unwrap()
@@ -514,6 +516,38 @@ async fn the_command_reports_failures_in_the_termination_log() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert_same(&dir.path().join("tiny"), &tiny_repo());
+    // In a Job's log (JSON, no terminal) the `progress` lines the operator reads back into the
+    // Adapter's `Fetched` condition (`mergedown::progress_of`), the last one at the total.
+    let logs =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    let progress: Vec<serde_json::Value> = logs
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|v| v["fields"]["message"] == "progress")
+        .collect();
+    let last = &progress.last().expect("progress lines in the log")["fields"];
+    let total: u64 = manifest(&dir.path().join("tiny"))
+        .files
+        .iter()
+        .map(|f| f.size)
+        .sum();
+    assert_eq!(
+        (
+            &last["task"],
+            &last["unit"],
+            &last["done"],
+            &last["total"],
+            &last["percent"]
+        ),
+        (
+            &serde_json::json!("fetch"),
+            &serde_json::json!("bytes"),
+            &serde_json::json!(total),
+            &serde_json::json!(total),
+            &serde_json::json!(100.0)
+        ),
+        "{logs}"
+    );
 }
 
 /// An S3 endpoint whose listing names keys outside the prefix asked for (one shorter than the

@@ -544,9 +544,9 @@ pub async fn fetch(opts: &FetchOptions) -> Result<FetchReport, FetchError> {
     let mut done_before = 0u64;
     let mut transferred = 0u64;
     let mut files = Vec::new();
-    // The bar only: without a terminal, the transfer's own "downloading" lines (every 5 s,
-    // with the file's name) are the progress lines.
-    let progress = crate::progress::Progress::bar_only("fetch", "bytes", total);
+    // A bar on a terminal; in a Job's log the `progress` lines every tool writes, which the
+    // operator puts in the Adapter's `Fetched` condition.
+    let progress = crate::progress::Progress::new("fetch", "bytes", total);
     for f in &keep {
         let target = prepare_parent(dest, &f.name)?;
         let (written, entry) = transfer::fetch_file(

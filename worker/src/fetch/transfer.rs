@@ -3,7 +3,7 @@
 //! the rename into place.
 
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use futures::StreamExt;
 use tokio::io::AsyncWriteExt;
@@ -231,7 +231,6 @@ async fn download(
         .map_err(|e| Broken::Fatal(FetchError::io(part)(e)))?;
     let mut stream = resp.bytes_stream();
     let mut written = 0u64;
-    let mut last_log = Instant::now();
     while let Some(chunk) = stream.next().await {
         let chunk = match chunk {
             Ok(c) => c,
@@ -256,17 +255,6 @@ async fn download(
         offset += chunk.len() as u64;
         written += chunk.len() as u64;
         progress.set(done_before + offset);
-        if last_log.elapsed() >= Duration::from_secs(5) {
-            last_log = Instant::now();
-            tracing::info!(
-                file = %f.name,
-                done = offset,
-                size = f.size,
-                overall_done = done_before + offset,
-                overall_total = total,
-                "downloading"
-            );
-        }
     }
     out.flush()
         .await

@@ -36,11 +36,13 @@ pub(super) struct Step {
     pub requeue: Option<Duration>,
 }
 
-/// Pure: the status of a fetch in `state` for `key`, written into `status`.
+/// Pure: the status of a fetch in `state` for `key` (with the running Job's last progress
+/// line, if any), written into `status`. Progress rewrites the message only: no Event.
 pub(super) fn fetch_status(
     adapter: &Adapter,
     key: &str,
     state: &JobState,
+    progress: Option<&str>,
     status: &mut AdapterStatus,
     now: DateTime<Utc>,
 ) -> Step {
@@ -51,10 +53,16 @@ pub(super) fn fetch_status(
             false,
             reason::FETCHING,
             false,
-            format!(
-                "fetching version {} from {uri} into {}",
-                spec.version, spec.source.path
-            ),
+            match progress {
+                Some(p) => format!(
+                    "fetching version {} from {uri} into {}, in progress: {p}",
+                    spec.version, spec.source.path
+                ),
+                None => format!(
+                    "fetching version {} from {uri} into {}",
+                    spec.version, spec.source.path
+                ),
+            },
             Some(FETCH_POLL),
         ),
         JobState::Succeeded => {
@@ -164,8 +172,12 @@ pub(super) async fn ensure_fetched(
         );
         apply::create_ignoring_existing(&jobs, &job).await?;
     }
+    let progress = match state {
+        JobState::Running => observe::job_progress(ctx, &ns, &job_name).await,
+        _ => None,
+    };
     let mut next = status::accepted(adapter, lora_id, now);
-    let step = fetch_status(adapter, &key, &state, &mut next, now);
+    let step = fetch_status(adapter, &key, &state, progress.as_deref(), &mut next, now);
     if state == JobState::Succeeded {
         next.fetched_job_uid = uid;
     }
@@ -227,7 +239,7 @@ mod tests {
         let a = adapter();
         let now = Utc.with_ymd_and_hms(2026, 11, 25, 12, 0, 0).unwrap();
         let mut s = AdapterStatus::default();
-        let step = fetch_status(&a, "k1", &JobState::Running, &mut s, now);
+        let step = fetch_status(&a, "k1", &JobState::Running, None, &mut s, now);
         assert_eq!(fetched(&s), ("False", reason::FETCHING));
         assert!(step.changed && !step.warning);
         assert_eq!(step.requeue, Some(FETCH_POLL));
@@ -238,7 +250,7 @@ mod tests {
             uid: "u1".into(),
             reason: "fetch failed (pickle_refused): adapter_model.bin: ...".into(),
         };
-        let step = fetch_status(&a, "k1", &failed, &mut s, now);
+        let step = fetch_status(&a, "k1", &failed, None, &mut s, now);
         assert_eq!(fetched(&s), ("False", reason::FETCH_FAILED));
         assert!(step.changed && step.warning);
         assert!(step.message.contains("pickle_refused"), "{}", step.message);
@@ -246,11 +258,45 @@ mod tests {
         assert_eq!(s.phase, AdapterPhase::Failed);
         assert_eq!(s.fetched, None);
         // The same failure again: no new Event.
-        assert!(!fetch_status(&a, "k1", &failed, &mut s, now).changed);
+        assert!(!fetch_status(&a, "k1", &failed, None, &mut s, now).changed);
 
-        let step = fetch_status(&a, "k1", &JobState::Succeeded, &mut s, now);
+        let step = fetch_status(&a, "k1", &JobState::Succeeded, None, &mut s, now);
         assert_eq!(fetched(&s), ("True", reason::FETCH_SUCCEEDED));
         assert_eq!(s.fetched.as_deref(), Some("k1"));
         assert!(step.changed && !step.warning);
+    }
+
+    /// A running fetch's last progress line (as `mole-worker fetch` logs it in the Job) is in
+    /// the `Fetched` condition's message; a new figure rewrites the message without an Event.
+    #[test]
+    fn a_running_fetch_shows_its_progress() {
+        let a = adapter();
+        let now = Utc.with_ymd_and_hms(2026, 11, 25, 12, 0, 0).unwrap();
+        let mut s = AdapterStatus::default();
+        let line = |done: u64| {
+            format!(
+                "{{\"timestamp\":\"t\",\"level\":\"INFO\",\"fields\":{{\"message\":\"progress\",\"task\":\"fetch\",\"unit\":\"bytes\",\"done\":{done},\"total\":270000000,\"percent\":{:.1}}}}}\n",
+                done as f64 * 100.0 / 270e6
+            )
+        };
+        let first = crate::mergedown::progress_of(&line(100_000_000));
+        let step = fetch_status(&a, "k1", &JobState::Running, first.as_deref(), &mut s, now);
+        assert!(step.changed);
+        let c = s.conditions.iter().find(|c| c.type_ == "Fetched").unwrap();
+        assert!(
+            c.message
+                .ends_with("in progress: fetch: 37.0% (100 of 270 MB)"),
+            "{}",
+            c.message
+        );
+        let later = crate::mergedown::progress_of(&line(200_000_000));
+        let step = fetch_status(&a, "k1", &JobState::Running, later.as_deref(), &mut s, now);
+        assert!(!step.changed, "progress alone is no Event");
+        let c = s.conditions.iter().find(|c| c.type_ == "Fetched").unwrap();
+        assert!(
+            c.message.ends_with("fetch: 74.1% (200 of 270 MB)"),
+            "{}",
+            c.message
+        );
     }
 }

@@ -252,11 +252,11 @@ pub fn loaded_everywhere(
     )
 }
 
-/// A running Job's progress from its pod's last log lines (the merge Job logs a JSON
-/// `progress` line every few seconds): one list of its pods and one read of 20 lines per
+/// A running Job's progress from its pod's last log lines (the merge and fetch Jobs log a
+/// JSON `progress` line every few seconds): one list of its pods and one read of 20 lines per
 /// reconcile while it runs. Best effort: a pod not started yet, or a log that cannot be read,
 /// gives None and never fails the reconcile.
-async fn job_progress(ctx: &Context, ns: &str, name: &str) -> Option<String> {
+pub(super) async fn job_progress(ctx: &Context, ns: &str, name: &str) -> Option<String> {
     let pods: Api<Pod> = Api::namespaced(ctx.client.clone(), ns);
     let lp = ListParams::default().labels(&format!("job-name={name}"));
     let pod = pods
