@@ -1,7 +1,8 @@
 //! What worker pods show of why they cannot become ready, read the same way for a pool's
-//! dynamic pods and an adapter's merged pods.
+//! dynamic pods and an adapter's merged pods, and what a running tool logs of its progress.
 
 use k8s_openapi::api::core::v1::Pod;
+use kube::Api;
 use mole_crds::constants::reason;
 
 /// Waiting reasons of a container that will not go away by waiting.
@@ -226,4 +227,18 @@ mod tests {
         }
         assert!(!is_failure(reason::PODS_NOT_READY));
     }
+}
+
+/// The progress of the tool running in `container` of `pod` (None: the pod's only one), from
+/// its last 20 log lines (the tools log a JSON `progress` line every few seconds), as one
+/// phrase for a condition message. Best effort: a log that cannot be read gives None and never
+/// fails a reconcile.
+pub async fn log_progress(pods: &Api<Pod>, pod: &str, container: Option<&str>) -> Option<String> {
+    let params = kube::api::LogParams {
+        tail_lines: Some(20),
+        container: container.map(String::from),
+        ..Default::default()
+    };
+    let tail = pods.logs(pod, &params).await.ok()?;
+    crate::mergedown::progress_of(&tail)
 }

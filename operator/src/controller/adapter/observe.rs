@@ -267,12 +267,7 @@ pub(super) async fn job_progress(ctx: &Context, ns: &str, name: &str) -> Option<
         .into_iter()
         .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
         .find_map(|p| p.metadata.name)?;
-    let params = kube::api::LogParams {
-        tail_lines: Some(20),
-        ..Default::default()
-    };
-    let tail = pods.logs(&pod, &params).await.ok()?;
-    mergedown::progress_of(&tail)
+    crate::controller::pods::log_progress(&pods, &pod, None).await
 }
 
 /// What the cluster shows of the Job `name` (merge or fetch), with the tool's reason when it

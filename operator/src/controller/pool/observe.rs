@@ -49,6 +49,25 @@ pub(super) struct FetchSeen {
     pub failure: Option<String>,
     /// Some pod's `fetch-model` container finished successfully.
     pub done: bool,
+    /// The last progress line of a running `fetch-model` container, as a phrase.
+    pub progress: Option<String>,
+}
+
+/// A pod whose `fetch-model` init container is running now (its log holds the progress).
+pub(super) fn fetching_pod(pods: &[Pod]) -> Option<&str> {
+    pods.iter().find_map(|p| {
+        let running = p
+            .status
+            .as_ref()?
+            .init_container_statuses
+            .as_ref()?
+            .iter()
+            .any(|c| {
+                c.name == resources::FETCH_MODEL_CONTAINER
+                    && c.state.as_ref().is_some_and(|s| s.running.is_some())
+            });
+        running.then_some(p.metadata.name.as_deref()).flatten()
+    })
 }
 
 /// Reads the `fetch-model` init containers of the pool's pods: the first termination message
@@ -79,6 +98,7 @@ pub(super) fn fetch_seen(pods: &[Pod]) -> FetchSeen {
         // A failure that a later run got past is history, not the state.
         failure: failure.filter(|_| !done),
         done,
+        progress: None,
     }
 }
 
@@ -106,7 +126,18 @@ pub(super) async fn observe(pool: &InferencePool, ctx: &Context) -> Result<Obser
         .list(&pods)
         .await?
         .items;
-    let fetch = fetched.then(|| fetch_seen(&pods));
+    let mut fetch = fetched.then(|| fetch_seen(&pods));
+    if let Some(f) = fetch.as_mut().filter(|f| !f.done && f.failure.is_none()) {
+        if let Some(pod) = fetching_pod(&pods) {
+            let api = Api::<Pod>::namespaced(c.clone(), &ns);
+            f.progress = crate::controller::pods::log_progress(
+                &api,
+                pod,
+                Some(resources::FETCH_MODEL_CONTAINER),
+            )
+            .await;
+        }
+    }
     let names = pods
         .iter()
         .filter(|p| p.metadata.deletion_timestamp.is_none())
@@ -181,7 +212,8 @@ mod tests {
             fetch_seen(std::slice::from_ref(&failed)),
             FetchSeen {
                 failure: Some(line.into()),
-                done: false
+                done: false,
+                progress: None,
             }
         );
         let ok = pod(
@@ -192,9 +224,43 @@ mod tests {
             fetch_seen(&[failed, ok]),
             FetchSeen {
                 failure: None,
-                done: true
+                done: true,
+                progress: None,
             }
         );
         assert_eq!(fetch_seen(&[]), FetchSeen::default());
+    }
+
+    /// The pod whose log is read for the progress: one whose `fetch-model` runs now, not one
+    /// waiting in a back-off or done.
+    #[test]
+    fn the_progress_is_read_from_a_running_fetch() {
+        let named = |name: &str, mut p: Pod| {
+            p.metadata.name = Some(name.into());
+            p
+        };
+        let waiting = named(
+            "a",
+            pod(
+                serde_json::json!({"waiting": {"reason": "CrashLoopBackOff"}}),
+                serde_json::json!({}),
+            ),
+        );
+        let done = named(
+            "b",
+            pod(
+                serde_json::json!({"terminated": {"exitCode": 0}}),
+                serde_json::json!({}),
+            ),
+        );
+        let running = named(
+            "c",
+            pod(
+                serde_json::json!({"running": {"startedAt": "2026-11-28T12:00:00Z"}}),
+                serde_json::json!({}),
+            ),
+        );
+        assert_eq!(fetching_pod(&[waiting.clone(), done.clone()]), None);
+        assert_eq!(fetching_pod(&[waiting, done, running]), Some("c"));
     }
 }

@@ -206,7 +206,10 @@ pub(super) fn report(
             (None, false) => (
                 false,
                 reason::FETCHING,
-                format!("fetching the base model from {source}"),
+                match &f.progress {
+                    Some(p) => format!("fetching the base model from {source}, in progress: {p}"),
+                    None => format!("fetching the base model from {source}"),
+                },
             ),
         };
         set_condition(
@@ -573,6 +576,46 @@ mod tests {
         );
     }
 
+    /// While a pod fetches the base model, the `Fetched` condition carries the fetch's last
+    /// progress line; a new figure rewrites the message without an Event.
+    #[test]
+    fn a_running_base_model_fetch_shows_its_progress() {
+        let now = Utc.with_ymd_and_hms(2026, 11, 22, 12, 0, 0).unwrap();
+        let mut p = pool();
+        p.spec.base_model.source = Some("hf://org/m".into());
+        let mut obs = observed(None);
+        let seen = |percent: &str| super::super::observe::FetchSeen {
+            failure: None,
+            done: false,
+            progress: Some(format!("fetch: {percent}% (1 of 65 GB)")),
+        };
+        obs.fetch = Some(seen("1.5"));
+        let r = report(&p, &obs, &applied(deployment(0)), now);
+        let message = |r: &Report| {
+            let c = r
+                .status
+                .conditions
+                .iter()
+                .find(|c| c.type_ == "Fetched")
+                .unwrap();
+            (c.reason.clone(), c.message.clone())
+        };
+        assert_eq!(
+            message(&r),
+            (
+                "Fetching".into(),
+                "fetching the base model from hf://org/m, in progress: fetch: 1.5% (1 of 65 GB)"
+                    .into()
+            )
+        );
+        assert!(r.fetch_event.is_some());
+        p.status = Some(r.status.clone());
+        obs.fetch = Some(seen("40.0"));
+        let r = report(&p, &obs, &applied(deployment(0)), now);
+        assert!(message(&r).1.ends_with("fetch: 40.0% (1 of 65 GB)"));
+        assert!(r.fetch_event.is_none(), "progress alone is no Event");
+    }
+
     #[test]
     fn a_failed_base_model_fetch_is_a_condition_and_one_warning() {
         let now = Utc.with_ymd_and_hms(2026, 11, 22, 12, 0, 0).unwrap();
@@ -583,6 +626,7 @@ mod tests {
         obs.fetch = Some(super::super::observe::FetchSeen {
             failure: Some(line.into()),
             done: false,
+            progress: None,
         });
         let r = report(&p, &obs, &applied(deployment(0)), now);
         let c = r
