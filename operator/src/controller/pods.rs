@@ -111,6 +111,20 @@ pub fn pod_problem(pods: &[Pod]) -> Option<PodProblem> {
     })
 }
 
+/// The progress of the tool running in `container` of `pod` (None: the pod's only one), from
+/// its last 20 log lines (the tools log a JSON `progress` line every few seconds), as one
+/// phrase for a condition message. Best effort: a log that cannot be read gives None and never
+/// fails a reconcile.
+pub async fn log_progress(pods: &Api<Pod>, pod: &str, container: Option<&str>) -> Option<String> {
+    let params = kube::api::LogParams {
+        tail_lines: Some(20),
+        container: container.map(String::from),
+        ..Default::default()
+    };
+    let tail = pods.logs(pod, &params).await.ok()?;
+    crate::mergedown::progress_of(&tail)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -227,18 +241,4 @@ mod tests {
         }
         assert!(!is_failure(reason::PODS_NOT_READY));
     }
-}
-
-/// The progress of the tool running in `container` of `pod` (None: the pod's only one), from
-/// its last 20 log lines (the tools log a JSON `progress` line every few seconds), as one
-/// phrase for a condition message. Best effort: a log that cannot be read gives None and never
-/// fails a reconcile.
-pub async fn log_progress(pods: &Api<Pod>, pod: &str, container: Option<&str>) -> Option<String> {
-    let params = kube::api::LogParams {
-        tail_lines: Some(20),
-        container: container.map(String::from),
-        ..Default::default()
-    };
-    let tail = pods.logs(pod, &params).await.ok()?;
-    crate::mergedown::progress_of(&tail)
 }
