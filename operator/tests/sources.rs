@@ -152,6 +152,30 @@ async fn an_hf_source_gets_the_fetch_init_container_with_the_secret_env() {
     // The source is in the spec hash: a new revision rolls the pods.
     assert_ne!(e.spec_hash(), plain.spec_hash());
     assert!(plain.pod_spec()["initContainers"].is_null());
+
+    // A pod fetching: its `fetch-model` container's last progress line is in `Fetched`.
+    let pod = "/api/v1/namespaces/ml/pods/vl-dynamic-x";
+    e.store.lock().unwrap().create(
+        pod,
+        json!({"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": "vl-dynamic-x", "namespace": "ml",
+                            "labels": {"app.kubernetes.io/instance": "vl", "app.kubernetes.io/component": "dynamic"}},
+               "status": {"phase": "Pending", "initContainerStatuses": [{"name": "fetch-model", "image": "i",
+                   "imageID": "", "ready": false, "restartCount": 0,
+                   "state": {"running": {"startedAt": "2026-11-28T12:00:00Z"}}}]}}),
+    );
+    e.store.lock().unwrap().objects.insert(
+        format!("{pod}/log"),
+        json!("{\"fields\":{\"message\":\"progress\",\"task\":\"fetch\",\"unit\":\"bytes\",\"done\":6512000000,\"total\":17504000000,\"percent\":37.2}}\n"),
+    );
+    e.reconcile_pool().await;
+    let p = e.get(POOL).unwrap();
+    let c = condition(&p, "Fetched");
+    assert_eq!(c["reason"], "Fetching");
+    assert_eq!(
+        c["message"],
+        "fetching the base model from hf://Qwen/Qwen3-8B@main, in progress: fetch: 37.2% (6512 of 17504 MB)"
+    );
 }
 
 #[tokio::test]
@@ -330,7 +354,29 @@ async fn fetching_adapter() -> (Env, String, String) {
 
 #[tokio::test]
 async fn an_adapter_uri_is_fetched_by_a_job_before_the_pods_load_it() {
-    let (e, path, _) = fetching_adapter().await;
+    let (e, path, name) = fetching_adapter().await;
+    // While the Job's pod runs, its last progress line is in `Fetched`.
+    let pod = format!("/api/v1/namespaces/ml/pods/{name}-x");
+    e.store.lock().unwrap().create(
+        &pod,
+        json!({"apiVersion": "v1", "kind": "Pod",
+               "metadata": {"name": format!("{name}-x"), "namespace": "ml", "labels": {"job-name": name}},
+               "status": {"phase": "Running"}}),
+    );
+    e.store.lock().unwrap().objects.insert(
+        format!("{pod}/log"),
+        json!("{\"fields\":{\"message\":\"progress\",\"task\":\"fetch\",\"unit\":\"bytes\",\"done\":100000000,\"total\":270000000,\"percent\":37.0}}\n"),
+    );
+    e.reconcile_adapter().await;
+    let a = e.get(ADAPTER).unwrap();
+    let c = condition(&a, "Fetched");
+    assert!(
+        c["message"]
+            .as_str()
+            .unwrap()
+            .ends_with("in progress: fetch: 37.0% (100 of 270 MB)"),
+        "{c}"
+    );
     e.finish_job(&path, json!({"succeeded": 1}));
     e.reconcile_adapter().await;
     let a = e.get(ADAPTER).unwrap();
