@@ -20,6 +20,9 @@
 # env: MOLE_BENCH_REQUESTS (24), MOLE_BENCH_PROMPT (188), MOLE_BENCH_OUTPUT (64),
 #      MOLE_BENCH_STREAMS (1,4,16), MOLE_BENCH_THREADS (2: both servers' compute threads),
 #      MOLE_BIN (a worker binary already built; default: build the release one),
+#      MOLE_BENCH_GGUF (another GGUF of SmolLM2 for llama-* and mole-gguf*, e.g. a q8_0 one
+#      `llama-quantize --allow-requantize` wrote from the Q4_1 file; the bf16 import stays
+#      the Q4_1 file's),
 #      MOLE_BENCH_PIN=1 (each server on the last core alone with one compute thread, guidellm
 #      on the others: the client never takes a server's core; MOLE_BENCH_THREADS is then 1).
 set -euo pipefail
@@ -48,7 +51,8 @@ if [ ! -x "$venv/bin/guidellm" ]; then
   "$venv/bin/pip" install --quiet --cache-dir "$MOLE_CACHE/pip" "guidellm==0.8.1"
 fi
 llama="$(bash scripts/build-llama-server.sh)"
-gguf="$(bash scripts/fetch-smollm2.sh)"
+q4_1="$(bash scripts/fetch-smollm2.sh)"
+gguf="${MOLE_BENCH_GGUF:-$q4_1}"
 # MOLE_BIN: a worker binary already built (else the release build, as run-local.sh serves).
 if [ -n "${MOLE_BIN:-}" ]; then
   bin="$MOLE_BIN"
@@ -58,7 +62,7 @@ else
 fi
 root="$PWD/.mole-local/models"
 mkdir -p "$root/adapters" "$out"
-[ -e "$root/smollm2-135m-instruct/config.json" ] || "$bin" import --gguf "$gguf" --out "$root/smollm2-135m-instruct"
+[ -e "$root/smollm2-135m-instruct/config.json" ] || "$bin" import --gguf "$q4_1" --out "$root/smollm2-135m-instruct"
 rm -rf "$root/adapters/french" && cp -r tests/fixtures/demo/french "$root/adapters/french"
 
 # One worker config per base; both name the base as the demo adapter's base_model_name_or_path.

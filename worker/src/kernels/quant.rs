@@ -66,6 +66,8 @@ pub(crate) const GEMM_ROWS: usize = 64;
 /// Activation rows that share one unpacked weight block: four accumulators, the unpacked
 /// block and the loads fit AVX2's sixteen registers.
 const TILE: usize = 4;
+/// Weight rows multiplied with a lone activation row at once (see `dots_cols_avx2`).
+const COL_TILE: usize = 4;
 /// Activation rows that share one unpacked k-quant super-block: its products sum in eight
 /// integer accumulators (the float ones are touched once per super-block), and unpacking a
 /// super-block (scales, values) costs more than a block of 32, so it serves twice the rows.
@@ -329,6 +331,24 @@ unsafe fn product_by(
     let rows = x.rows();
     for lo in (0..rows).step_by(ROW_TILE) {
         let hi = (lo + ROW_TILE).min(rows);
+        if hi - lo == 1 && tile > 1 && f.block_values() == BLOCK {
+            // A lone row: tiles of weight rows instead (see `dots_cols_avx2`).
+            let mut j = 0;
+            while j < cols.len() {
+                let m = (cols.len() - j).min(COL_TILE);
+                // SAFETY: the caller's guarantee on `isa`.
+                let v = unsafe { dots_cols(isa, f, &w[j * row_bytes..], row_bytes, x, lo, m) };
+                for (q, v) in v[..m].iter().enumerate() {
+                    // SAFETY: within the rows and columns the caller owns.
+                    unsafe {
+                        let o = out.add(lo * width + cols.start + j + q);
+                        *o = if accumulate { *o + v } else { *v };
+                    }
+                }
+                j += m;
+            }
+            continue;
+        }
         for (j, c) in cols.clone().enumerate() {
             let wr = &w[j * row_bytes..(j + 1) * row_bytes];
             let mut i = lo;
@@ -399,6 +419,76 @@ unsafe fn dots(isa: Isa, f: Format, w: &[u8], x: &Q8Rows, i: usize, n: usize) ->
         Isa::Avx2 => unreachable!("AVX2 is never detected off x86-64"),
         Isa::Scalar => by_format!(dots_scalar, dots_k_scalar),
     }
+}
+
+/// Activation row `i` · the `m` (≤ [`COL_TILE`]) weight rows of `row_bytes` each at the start
+/// of `w` (a 32-wide format), in the first `m` values: bit-equal to [`dots`] row by row.
+///
+/// # Safety
+/// `isa` is one the CPU has.
+unsafe fn dots_cols(
+    isa: Isa,
+    f: Format,
+    w: &[u8],
+    row_bytes: usize,
+    x: &Q8Rows,
+    i: usize,
+    m: usize,
+) -> [f32; COL_TILE] {
+    let row = |c: usize| &w[c * row_bytes..(c + 1) * row_bytes];
+    // Four tiles ahead: about the DRAM latency's worth of blocks at this kernel's pace
+    // (measured: one or two tiles ahead left the Q4_1 stream at its row-by-row rate, eight
+    // lost some of Q8_0's gain).
+    let ahead = w.as_ptr().wrapping_add(4 * m * row_bytes);
+    match isa {
+        #[cfg(target_arch = "x86_64")]
+        Isa::Avx2 => {
+            macro_rules! by_cols {
+                ($f:expr) => {
+                    // SAFETY: the caller's guarantee: the CPU has AVX2, FMA and F16C.
+                    unsafe {
+                        match m {
+                            1 => widen_cols(dots_cols_avx2::<$f, 1>([row(0)], ahead, x, i)),
+                            2 => widen_cols(dots_cols_avx2::<$f, 2>([row(0), row(1)], ahead, x, i)),
+                            3 => widen_cols(dots_cols_avx2::<$f, 3>(
+                                [row(0), row(1), row(2)],
+                                ahead,
+                                x,
+                                i,
+                            )),
+                            _ => widen_cols(dots_cols_avx2::<$f, 4>(
+                                [row(0), row(1), row(2), row(3)],
+                                ahead,
+                                x,
+                                i,
+                            )),
+                        }
+                    }
+                };
+            }
+            match f {
+                Format::Q4_0 => by_cols!(Q4_0),
+                Format::Q4_1 => by_cols!(Q4_1),
+                Format::Q8_0 => by_cols!(Q8_0),
+                _ => unreachable!("the k-quants tile their own way"),
+            }
+        }
+        _ => {
+            let mut out = [0f32; COL_TILE];
+            for (c, o) in out.iter_mut().enumerate().take(m) {
+                // SAFETY: the caller's guarantee on `isa`.
+                *o = unsafe { dots(isa, f, row(c), x, i, 1) }[0];
+            }
+            out
+        }
+    }
+}
+
+/// `C` values in the first `C` of a column tile.
+fn widen_cols<const C: usize>(v: [f32; C]) -> [f32; COL_TILE] {
+    let mut out = [0f32; COL_TILE];
+    out[..C].copy_from_slice(&v);
+    out
 }
 
 /// The rows a format's tile holds: [`K_TILE`] for the k-quants, else [`TILE`].
@@ -498,43 +588,10 @@ unsafe fn dots_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize)
     let mut minv = _mm_setzero_ps();
     let mut acc = [_mm256_setzero_ps(); R];
     let mut mins = [0f32; R];
-    let low = _mm256_set1_epi8(0x0F);
     let ones = _mm256_set1_epi16(1);
     for b in 0..nb {
         // SAFETY: block `b` lies within `w` (asserted above).
-        let blk = unsafe { w.as_ptr().add(b * bb) };
-        // The block's f16 scale (and Q4_1's minimum after it), widened by F16C.
-        // SAFETY: a block starts with 4 readable bytes (its scales, or a scale and data).
-        let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
-            std::ptr::read_unaligned(blk as *const i32)
-        }));
-        let dw = _mm_cvtss_f32(dm);
-        let mw = _mm_cvtss_f32(_mm_movehdup_ps(dm));
-        // The 32 values as bytes: unsigned (Q4_1) for `maddubs` directly; signed (Q4_0,
-        // Q8_0) as their magnitudes, the signs moved onto the activations per row.
-        let q = match F {
-            // SAFETY: 32 bytes of values at blk[2..34].
-            Q8_0 => unsafe { _mm256_loadu_si256(blk.add(2) as *const __m256i) },
-            _ => {
-                let at = if F == Q4_1 { 4 } else { 2 };
-                // SAFETY: 16 bytes of nibbles at blk[at..at + 16].
-                let nib = unsafe { _mm_loadu_si128(blk.add(at) as *const __m128i) };
-                // Values 0..16 from the low nibbles, 16..32 from the high ones.
-                let q = _mm256_and_si256(
-                    low,
-                    _mm256_insertf128_si256::<1>(
-                        _mm256_castsi128_si256(nib),
-                        _mm_srli_epi16(nib, 4),
-                    ),
-                );
-                if F == Q4_1 {
-                    q
-                } else {
-                    _mm256_sub_epi8(q, _mm256_set1_epi8(8))
-                }
-            }
-        };
-        let mag = if F == Q4_1 { q } else { _mm256_abs_epi8(q) };
+        let (q, mag, dw, mw) = unsafe { unpack_avx2::<F>(w.as_ptr().add(b * bb)) };
         for r in 0..R {
             // SAFETY: block `b` of row `i + r` lies within `x.qs` (asserted above).
             let xq = unsafe { _mm256_loadu_si256(qs[r].add(b * BLOCK) as *const __m256i) };
@@ -565,6 +622,115 @@ unsafe fn dots_avx2<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: usize)
     }
     // A loop, not `from_fn`: a closure would not be compiled for AVX2.
     let mut out = [0f32; R];
+    for (o, (acc, mins)) in out.iter_mut().zip(acc.iter().zip(mins)) {
+        // SAFETY: the CPU has AVX2 (this function's contract).
+        *o = unsafe { lane_sum(*acc) } + mins;
+    }
+    out
+}
+
+/// A weight block of a 32-wide format at `blk`, unpacked for `maddubs`: its 32 values as bytes
+/// (unsigned for Q4_1; signed for Q4_0 and Q8_0, whose signs move onto the activations), their
+/// magnitudes (the values themselves for Q4_1), its scale and its minimum (Q4_1's; else 0).
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C; `blk` points at a whole block of format `F`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+#[inline]
+unsafe fn unpack_avx2<const F: u8>(
+    blk: *const u8,
+) -> (
+    std::arch::x86_64::__m256i,
+    std::arch::x86_64::__m256i,
+    f32,
+    f32,
+) {
+    use std::arch::x86_64::*;
+    // The block's f16 scale (and Q4_1's minimum after it), widened by F16C.
+    // SAFETY: a block starts with 4 readable bytes (its scales, or a scale and data).
+    let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(unsafe {
+        std::ptr::read_unaligned(blk as *const i32)
+    }));
+    let dw = _mm_cvtss_f32(dm);
+    let mw = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+    let q = match F {
+        // SAFETY: 32 bytes of values at blk[2..34].
+        Q8_0 => unsafe { _mm256_loadu_si256(blk.add(2) as *const __m256i) },
+        _ => {
+            let at = if F == Q4_1 { 4 } else { 2 };
+            // SAFETY: 16 bytes of nibbles at blk[at..at + 16].
+            let nib = unsafe { _mm_loadu_si128(blk.add(at) as *const __m128i) };
+            // Values 0..16 from the low nibbles, 16..32 from the high ones.
+            let q = _mm256_and_si256(
+                _mm256_set1_epi8(0x0F),
+                _mm256_insertf128_si256::<1>(_mm256_castsi128_si256(nib), _mm_srli_epi16(nib, 4)),
+            );
+            if F == Q4_1 {
+                q
+            } else {
+                _mm256_sub_epi8(q, _mm256_set1_epi8(8))
+            }
+        }
+    };
+    let mag = if F == Q4_1 { q } else { _mm256_abs_epi8(q) };
+    (q, mag, dw, mw)
+}
+
+/// One activation row `i` · `C` weight rows `w` of a 32-wide format: a lone row (batch 1)
+/// reuses nothing across rows, so the tile runs over weight rows instead, each its own
+/// accumulator (independent chains of multiply-adds, one activation load per block for all).
+/// Each weight row's arithmetic is [`dots_avx2`]'s for it, in the same order: bit-equal.
+///
+/// # Safety
+/// The CPU has AVX2, FMA and F16C.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn dots_cols_avx2<const F: u8, const C: usize>(
+    w: [&[u8]; C],
+    ahead: *const u8,
+    x: &Q8Rows,
+    i: usize,
+) -> [f32; C] {
+    use std::arch::x86_64::*;
+    let nb = x.k / BLOCK;
+    let bb = [18, 20, 34][F as usize];
+    assert!(
+        w.iter().all(|w| w.len() >= nb * bb) && x.qs.len() >= (i + 1) * x.k,
+        "out of bounds"
+    );
+    let qs = x.qs[i * x.k..].as_ptr();
+    let ds = &x.d[i * nb..(i + 1) * nb];
+    let mut acc = [_mm256_setzero_ps(); C];
+    let mut mins = [0f32; C];
+    let ones = _mm256_set1_epi16(1);
+    for b in 0..nb {
+        // SAFETY: block `b` of row `i` lies within `x.qs` (asserted above).
+        let xq = unsafe { _mm256_loadu_si256(qs.add(b * BLOCK) as *const __m256i) };
+        let s = if F == Q4_1 { x.s_at(i, b) } else { 0.0 };
+        // The next tile's rows follow these: read ahead at the pace these are read (C blocks
+        // a step), as the hardware prefetchers would not on streams this short.
+        for p in 0..(C * bb).div_ceil(64) {
+            let at = ahead.wrapping_add(b * C * bb + 64 * p);
+            _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
+        }
+        for c in 0..C {
+            // SAFETY: block `b` lies within `w[c]` (asserted above).
+            let (q, mag, dw, mw) = unsafe { unpack_avx2::<F>(w[c].as_ptr().add(b * bb)) };
+            let xs = if F == Q4_1 {
+                xq
+            } else {
+                _mm256_sign_epi8(xq, q)
+            };
+            let sums = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(mag, xs));
+            let scale = _mm256_set1_ps(dw * ds[b]);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[c]);
+            if F == Q4_1 {
+                mins[c] = mw.mul_add(s, mins[c]);
+            }
+        }
+    }
+    let mut out = [0f32; C];
     for (o, (acc, mins)) in out.iter_mut().zip(acc.iter().zip(mins)) {
         // SAFETY: the CPU has AVX2 (this function's contract).
         *o = unsafe { lane_sum(*acc) } + mins;
