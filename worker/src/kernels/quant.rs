@@ -704,7 +704,7 @@ unsafe fn dots_cols_avx2<const F: u8, const C: usize>(
     let mut acc = [_mm256_setzero_ps(); C];
     let mut mins = [0f32; C];
     let ones = _mm256_set1_epi16(1);
-    for b in 0..nb {
+    for (b, &dx) in ds.iter().enumerate() {
         // SAFETY: block `b` of row `i` lies within `x.qs` (asserted above).
         let xq = unsafe { _mm256_loadu_si256(qs.add(b * BLOCK) as *const __m256i) };
         let s = if F == Q4_1 { x.s_at(i, b) } else { 0.0 };
@@ -723,7 +723,7 @@ unsafe fn dots_cols_avx2<const F: u8, const C: usize>(
                 _mm256_sign_epi8(xq, q)
             };
             let sums = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(mag, xs));
-            let scale = _mm256_set1_ps(dw * ds[b]);
+            let scale = _mm256_set1_ps(dw * dx);
             acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[c]);
             if F == Q4_1 {
                 mins[c] = mw.mul_add(s, mins[c]);
