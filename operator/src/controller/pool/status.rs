@@ -376,6 +376,18 @@ mod tests {
     use chrono::TimeZone;
     use serde_json::json;
 
+    /// The report's condition of `type_` (it must be there).
+    fn cond<'a>(
+        r: &'a Report,
+        type_: &str,
+    ) -> &'a k8s_openapi::apimachinery::pkg::apis::meta::v1::Condition {
+        r.status
+            .conditions
+            .iter()
+            .find(|c| c.type_ == type_)
+            .unwrap()
+    }
+
     fn pool() -> InferencePool {
         serde_json::from_value(json!({
             "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
@@ -434,12 +446,7 @@ mod tests {
         let now = Utc.with_ymd_and_hms(2026, 11, 22, 12, 0, 0).unwrap();
         let mut p = pool();
         let ready = |r: &Report| {
-            let c = r
-                .status
-                .conditions
-                .iter()
-                .find(|c| c.type_ == "Ready")
-                .unwrap();
+            let c = cond(r, "Ready");
             (c.status.clone(), c.reason.clone(), c.message.clone())
         };
         let mut obs = observed(None);
@@ -592,12 +599,7 @@ mod tests {
         obs.fetch = Some(seen("1.5"));
         let r = report(&p, &obs, &applied(deployment(0)), now);
         let message = |r: &Report| {
-            let c = r
-                .status
-                .conditions
-                .iter()
-                .find(|c| c.type_ == "Fetched")
-                .unwrap();
+            let c = cond(r, "Fetched");
             (c.reason.clone(), c.message.clone())
         };
         assert_eq!(
@@ -629,12 +631,7 @@ mod tests {
             progress: None,
         });
         let r = report(&p, &obs, &applied(deployment(0)), now);
-        let c = r
-            .status
-            .conditions
-            .iter()
-            .find(|c| c.type_ == "Fetched")
-            .unwrap();
+        let c = cond(&r, "Fetched");
         assert_eq!(
             (c.status.as_str(), c.reason.as_str()),
             ("False", "FetchFailed")
