@@ -59,7 +59,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use candle_core::quantized::GgmlDType;
 
 #[cfg(target_arch = "x86_64")]
-use block32::{dots_avx2, dots_cols_avx2};
+use block32::{dots_avx2, dots_cols_avx2, dots_cols_vnni, dots_vnni};
 use block32::{dots_scalar, unpack};
 #[cfg(target_arch = "x86_64")]
 use k::dots_k_avx2;
@@ -190,6 +190,9 @@ pub(crate) enum Isa {
     Scalar,
     /// AVX2, FMA and F16C.
     Avx2,
+    /// [`Isa::Avx2`] and AVX-VNNI: the 32-wide formats' pair sums in one instruction
+    /// (`vpdpbusd`), bit for bit AVX2's (the k-quants take the AVX2 build).
+    AvxVnni,
 }
 
 /// The best instruction set the CPU has for these kernels.
@@ -201,6 +204,9 @@ pub(crate) fn isa() -> Isa {
             && std::arch::is_x86_feature_detected!("fma")
             && std::arch::is_x86_feature_detected!("f16c")
         {
+            if std::arch::is_x86_feature_detected!("avxvnni") {
+                return Isa::AvxVnni;
+            }
             return Isa::Avx2;
         }
     }
@@ -211,7 +217,7 @@ pub(crate) fn isa() -> Isa {
 /// (candle has SIMD products of its own for q4_0 and q8_0 on ARM and older x86, but runs Q4_1
 /// through a scalar loop that the scalar build here beats by summing in integers).
 pub(crate) fn available(f: Format) -> bool {
-    mode() != Mode::Off && (isa() == Isa::Avx2 || f == Format::Q4_1)
+    mode() != Mode::Off && (isa() != Isa::Scalar || f == Format::Q4_1)
 }
 
 /// Activation rows rounded to 8 bits per block of 32.
@@ -425,8 +431,11 @@ unsafe fn dots(isa: Isa, f: Format, w: &[u8], x: &Q8Rows, i: usize, n: usize) ->
         #[cfg(target_arch = "x86_64")]
         // SAFETY: the caller's guarantee: the CPU has AVX2, FMA and F16C.
         Isa::Avx2 => unsafe { by_format!(dots_avx2, dots_k_avx2) },
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller's guarantee: the CPU has AVX2, FMA, F16C and AVX-VNNI.
+        Isa::AvxVnni => unsafe { by_format!(dots_vnni, dots_k_avx2) },
         #[cfg(not(target_arch = "x86_64"))]
-        Isa::Avx2 => unreachable!("AVX2 is never detected off x86-64"),
+        Isa::Avx2 | Isa::AvxVnni => unreachable!("AVX2 is never detected off x86-64"),
         Isa::Scalar => by_format!(dots_scalar, dots_k_scalar),
     }
 }
@@ -452,21 +461,16 @@ unsafe fn dots_cols(
     let ahead = w.as_ptr().wrapping_add(4 * m * row_bytes);
     match isa {
         #[cfg(target_arch = "x86_64")]
-        Isa::Avx2 => {
+        isa @ (Isa::Avx2 | Isa::AvxVnni) => {
             macro_rules! by_cols {
-                ($f:expr) => {
+                ($run:ident, $f:expr) => {
                     // SAFETY: the caller's guarantee: the CPU has AVX2, FMA and F16C.
                     unsafe {
                         match m {
-                            1 => widen_cols(dots_cols_avx2::<$f, 1>([row(0)], ahead, x, i)),
-                            2 => widen_cols(dots_cols_avx2::<$f, 2>([row(0), row(1)], ahead, x, i)),
-                            3 => widen_cols(dots_cols_avx2::<$f, 3>(
-                                [row(0), row(1), row(2)],
-                                ahead,
-                                x,
-                                i,
-                            )),
-                            _ => widen_cols(dots_cols_avx2::<$f, 4>(
+                            1 => widen_cols($run::<$f, 1>([row(0)], ahead, x, i)),
+                            2 => widen_cols($run::<$f, 2>([row(0), row(1)], ahead, x, i)),
+                            3 => widen_cols($run::<$f, 3>([row(0), row(1), row(2)], ahead, x, i)),
+                            _ => widen_cols($run::<$f, 4>(
                                 [row(0), row(1), row(2), row(3)],
                                 ahead,
                                 x,
@@ -476,11 +480,20 @@ unsafe fn dots_cols(
                     }
                 };
             }
-            match f {
-                Format::Q4_0 => by_cols!(Q4_0),
-                Format::Q4_1 => by_cols!(Q4_1),
-                Format::Q8_0 => by_cols!(Q8_0),
-                _ => unreachable!("the k-quants tile their own way"),
+            macro_rules! by_format {
+                ($run:ident) => {
+                    match f {
+                        Format::Q4_0 => by_cols!($run, Q4_0),
+                        Format::Q4_1 => by_cols!($run, Q4_1),
+                        Format::Q8_0 => by_cols!($run, Q8_0),
+                        _ => unreachable!("the k-quants tile their own way"),
+                    }
+                };
+            }
+            if isa == Isa::AvxVnni {
+                by_format!(dots_cols_vnni)
+            } else {
+                by_format!(dots_cols_avx2)
             }
         }
         _ => {
@@ -829,10 +842,10 @@ mod tests {
     fn products_match_the_formula_and_each_other() {
         let n = 67;
         let mut isas = vec![Isa::Scalar];
-        if isa() == Isa::Avx2 {
-            isas.push(Isa::Avx2);
-        } else {
-            eprintln!("no AVX2: the scalar build alone is checked");
+        match isa() {
+            Isa::Scalar => eprintln!("no AVX2: the scalar build alone is checked"),
+            Isa::Avx2 => isas.push(Isa::Avx2),
+            Isa::AvxVnni => isas.extend([Isa::Avx2, Isa::AvxVnni]),
         }
         for f in FORMATS {
             let k = width(f);

@@ -56,77 +56,101 @@ pub(super) fn dots_scalar<const F: u8, const R: usize>(w: &[u8], x: &Q8Rows, i: 
     std::array::from_fn(|r| scalar_lane_sum(&lanes[r]) + mins[r])
 }
 
-/// [`dots`] with AVX2.
-///
-/// # Safety
-/// The CPU has AVX2, FMA and F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-// `b` indexes the weight blocks, the rows' values and their scales at once.
-#[allow(clippy::needless_range_loop)]
-pub(super) unsafe fn dots_avx2<const F: u8, const R: usize>(
-    w: &[u8],
-    x: &Q8Rows,
-    i: usize,
-) -> [f32; R] {
-    use std::arch::x86_64::*;
-    let nb = x.k / BLOCK;
-    let bb = [18, 20, 34][F as usize];
-    assert!(
-        w.len() >= nb * bb && x.qs.len() >= (i + R) * x.k,
-        "out of bounds"
-    );
-    let qs: [*const i8; R] = std::array::from_fn(|r| x.qs[(i + r) * x.k..].as_ptr());
-    let ds: [&[f32]; R] = std::array::from_fn(|r| &x.d[(i + r) * nb..(i + r + 1) * nb]);
-    // Q4_1's minimums: the rows' block values `s` lie side by side in groups of `S_GROUP`, so
-    // when the tile's rows share a group each block's minimum meets all of them in one
-    // fused multiply-add (otherwise, one per row: the same arithmetic, lane by lane).
-    let (group, lane) = (i / S_GROUP, i % S_GROUP);
-    let grouped = lane + R <= S_GROUP;
-    assert!(x.s.len() >= (group + 1) * nb * S_GROUP, "out of bounds");
-    let mut minv = _mm_setzero_ps();
-    let mut acc = [_mm256_setzero_ps(); R];
-    let mut mins = [0f32; R];
-    let ones = _mm256_set1_epi16(1);
-    for b in 0..nb {
-        // SAFETY: block `b` lies within `w` (asserted above).
-        let (q, mag, dw, mw) = unsafe { unpack_avx2::<F>(w.as_ptr().add(b * bb)) };
-        for r in 0..R {
-            // SAFETY: block `b` of row `i + r` lies within `x.qs` (asserted above).
-            let xq = unsafe { _mm256_loadu_si256(qs[r].add(b * BLOCK) as *const __m256i) };
-            let xq = if F == Q4_1 {
-                xq
-            } else {
-                _mm256_sign_epi8(xq, q)
-            };
-            // Pairs: at most 128·127·2 < 2¹⁵ (activations stay within ±127): exact.
-            let sums = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(mag, xq));
-            let scale = _mm256_set1_ps(dw * ds[r][b]);
-            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
-            if F == Q4_1 && !grouped {
-                mins[r] = mw.mul_add(x.s_at(i + r, b), mins[r]);
-            }
-        }
-        if F == Q4_1 && grouped {
-            // SAFETY: the group's four values of block `b` lie within `x.s` (asserted above).
-            let sv = unsafe { _mm_loadu_ps(x.s.as_ptr().add((group * nb + b) * S_GROUP)) };
-            minv = _mm_fmadd_ps(_mm_set1_ps(mw), sv, minv);
-        }
-    }
-    if F == Q4_1 && grouped {
-        let mut m = [0f32; S_GROUP];
-        // SAFETY: `m` holds four floats.
-        unsafe { _mm_storeu_ps(m.as_mut_ptr(), minv) };
-        mins.copy_from_slice(&m[lane..lane + R]);
-    }
-    // A loop, not `from_fn`: a closure would not be compiled for AVX2.
-    let mut out = [0f32; R];
-    for (o, (acc, mins)) in out.iter_mut().zip(acc.iter().zip(mins)) {
-        // SAFETY: the CPU has AVX2 (this function's contract).
-        *o = unsafe { lane_sum(*acc) } + mins;
-    }
-    out
+/// The 32 products of a block and an activation block, in eight lanes of four (`mag`·`xq`
+/// pairwise, pairs summed): `maddubs` then `madd`, AVX2's way.
+macro_rules! sums_maddubs {
+    ($ones:expr, $mag:expr, $xq:expr) => {
+        _mm256_madd_epi16($ones, _mm256_maddubs_epi16($mag, $xq))
+    };
 }
+
+/// [`sums_maddubs`] in one AVX-VNNI instruction (`vpdpbusd`): the same four products summed
+/// per lane, exactly (the pairs never saturate, see the kernels), so bit for bit the same.
+macro_rules! sums_vnni {
+    ($ones:expr, $mag:expr, $xq:expr) => {{
+        let _ = $ones;
+        _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), $mag, $xq)
+    }};
+}
+
+macro_rules! tiled_dots {
+    ($name:ident, $features:literal, $sums:ident) => {
+        /// [`dots`] with AVX2 (`$name`: its pair sums by `$sums`).
+        ///
+        /// # Safety
+        /// The CPU has AVX2, FMA and F16C.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        // `b` indexes the weight blocks, the rows' values and their scales at once.
+        #[allow(clippy::needless_range_loop)]
+        pub(super) unsafe fn $name<const F: u8, const R: usize>(
+            w: &[u8],
+            x: &Q8Rows,
+            i: usize,
+        ) -> [f32; R] {
+            use std::arch::x86_64::*;
+            let nb = x.k / BLOCK;
+            let bb = [18, 20, 34][F as usize];
+            assert!(
+                w.len() >= nb * bb && x.qs.len() >= (i + R) * x.k,
+                "out of bounds"
+            );
+            let qs: [*const i8; R] = std::array::from_fn(|r| x.qs[(i + r) * x.k..].as_ptr());
+            let ds: [&[f32]; R] = std::array::from_fn(|r| &x.d[(i + r) * nb..(i + r + 1) * nb]);
+            // Q4_1's minimums: the rows' block values `s` lie side by side in groups of `S_GROUP`, so
+            // when the tile's rows share a group each block's minimum meets all of them in one
+            // fused multiply-add (otherwise, one per row: the same arithmetic, lane by lane).
+            let (group, lane) = (i / S_GROUP, i % S_GROUP);
+            let grouped = lane + R <= S_GROUP;
+            assert!(x.s.len() >= (group + 1) * nb * S_GROUP, "out of bounds");
+            let mut minv = _mm_setzero_ps();
+            let mut acc = [_mm256_setzero_ps(); R];
+            let mut mins = [0f32; R];
+            let ones = _mm256_set1_epi16(1);
+            for b in 0..nb {
+                // SAFETY: block `b` lies within `w` (asserted above).
+                let (q, mag, dw, mw) = unsafe { unpack_avx2::<F>(w.as_ptr().add(b * bb)) };
+                for r in 0..R {
+                    // SAFETY: block `b` of row `i + r` lies within `x.qs` (asserted above).
+                    let xq = unsafe { _mm256_loadu_si256(qs[r].add(b * BLOCK) as *const __m256i) };
+                    let xq = if F == Q4_1 {
+                        xq
+                    } else {
+                        _mm256_sign_epi8(xq, q)
+                    };
+                    // Pairs: at most 128·127·2 < 2¹⁵ (activations stay within ±127): exact.
+                    let sums = $sums!(ones, mag, xq);
+                    let scale = _mm256_set1_ps(dw * ds[r][b]);
+                    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[r]);
+                    if F == Q4_1 && !grouped {
+                        mins[r] = mw.mul_add(x.s_at(i + r, b), mins[r]);
+                    }
+                }
+                if F == Q4_1 && grouped {
+                    // SAFETY: the group's four values of block `b` lie within `x.s` (asserted above).
+                    let sv = unsafe { _mm_loadu_ps(x.s.as_ptr().add((group * nb + b) * S_GROUP)) };
+                    minv = _mm_fmadd_ps(_mm_set1_ps(mw), sv, minv);
+                }
+            }
+            if F == Q4_1 && grouped {
+                let mut m = [0f32; S_GROUP];
+                // SAFETY: `m` holds four floats.
+                unsafe { _mm_storeu_ps(m.as_mut_ptr(), minv) };
+                mins.copy_from_slice(&m[lane..lane + R]);
+            }
+            // A loop, not `from_fn`: a closure would not be compiled for AVX2.
+            let mut out = [0f32; R];
+            for (o, (acc, mins)) in out.iter_mut().zip(acc.iter().zip(mins)) {
+                // SAFETY: the CPU has AVX2 (this function's contract).
+                *o = unsafe { lane_sum(*acc) } + mins;
+            }
+            out
+        }
+    };
+}
+
+tiled_dots!(dots_avx2, "avx2,fma,f16c", sums_maddubs);
+tiled_dots!(dots_vnni, "avx2,fma,f16c,avxvnni", sums_vnni);
 
 /// A weight block of a 32-wide format at `blk`, unpacked for `maddubs`: its 32 values as bytes
 /// (unsigned for Q4_1; signed for Q4_0 and Q8_0, whose signs move onto the activations), their
@@ -176,63 +200,70 @@ unsafe fn unpack_avx2<const F: u8>(
     (q, mag, dw, mw)
 }
 
-/// One activation row `i` · `C` weight rows `w` of a 32-wide format: a lone row (batch 1)
-/// reuses nothing across rows, so the tile runs over weight rows instead, each its own
-/// accumulator (independent chains of multiply-adds, one activation load per block for all).
-/// Each weight row's arithmetic is [`dots_avx2`]'s for it, in the same order: bit-equal.
-///
-/// # Safety
-/// The CPU has AVX2, FMA and F16C.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma,f16c")]
-pub(super) unsafe fn dots_cols_avx2<const F: u8, const C: usize>(
-    w: [&[u8]; C],
-    ahead: *const u8,
-    x: &Q8Rows,
-    i: usize,
-) -> [f32; C] {
-    use std::arch::x86_64::*;
-    let nb = x.k / BLOCK;
-    let bb = [18, 20, 34][F as usize];
-    assert!(
-        w.iter().all(|w| w.len() >= nb * bb) && x.qs.len() >= (i + 1) * x.k,
-        "out of bounds"
-    );
-    let qs = x.qs[i * x.k..].as_ptr();
-    let ds = &x.d[i * nb..(i + 1) * nb];
-    let mut acc = [_mm256_setzero_ps(); C];
-    let mut mins = [0f32; C];
-    let ones = _mm256_set1_epi16(1);
-    for (b, &dx) in ds.iter().enumerate() {
-        // SAFETY: block `b` of row `i` lies within `x.qs` (asserted above).
-        let xq = unsafe { _mm256_loadu_si256(qs.add(b * BLOCK) as *const __m256i) };
-        let s = if F == Q4_1 { x.s_at(i, b) } else { 0.0 };
-        // The next tile's rows follow these: read ahead at the pace these are read (C blocks
-        // a step), as the hardware prefetchers would not on streams this short.
-        for p in 0..(C * bb).div_ceil(64) {
-            let at = ahead.wrapping_add(b * C * bb + 64 * p);
-            _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
-        }
-        for c in 0..C {
-            // SAFETY: block `b` lies within `w[c]` (asserted above).
-            let (q, mag, dw, mw) = unsafe { unpack_avx2::<F>(w[c].as_ptr().add(b * bb)) };
-            let xs = if F == Q4_1 {
-                xq
-            } else {
-                _mm256_sign_epi8(xq, q)
-            };
-            let sums = _mm256_madd_epi16(ones, _mm256_maddubs_epi16(mag, xs));
-            let scale = _mm256_set1_ps(dw * dx);
-            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[c]);
-            if F == Q4_1 {
-                mins[c] = mw.mul_add(s, mins[c]);
+macro_rules! column_dots {
+    ($name:ident, $features:literal, $sums:ident) => {
+        /// One activation row `i` · `C` weight rows `w` of a 32-wide format: a lone row (batch 1)
+        /// reuses nothing across rows, so the tile runs over weight rows instead, each its own
+        /// accumulator (independent chains of multiply-adds, one activation load per block for all).
+        /// Each weight row's arithmetic is [`dots_avx2`]'s for it, in the same order: bit-equal.
+        ///
+        /// # Safety
+        /// The CPU has AVX2, FMA and F16C.
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $features)]
+        pub(super) unsafe fn $name<const F: u8, const C: usize>(
+            w: [&[u8]; C],
+            ahead: *const u8,
+            x: &Q8Rows,
+            i: usize,
+        ) -> [f32; C] {
+            use std::arch::x86_64::*;
+            let nb = x.k / BLOCK;
+            let bb = [18, 20, 34][F as usize];
+            assert!(
+                w.iter().all(|w| w.len() >= nb * bb) && x.qs.len() >= (i + 1) * x.k,
+                "out of bounds"
+            );
+            let qs = x.qs[i * x.k..].as_ptr();
+            let ds = &x.d[i * nb..(i + 1) * nb];
+            let mut acc = [_mm256_setzero_ps(); C];
+            let mut mins = [0f32; C];
+            let ones = _mm256_set1_epi16(1);
+            for (b, &dx) in ds.iter().enumerate() {
+                // SAFETY: block `b` of row `i` lies within `x.qs` (asserted above).
+                let xq = unsafe { _mm256_loadu_si256(qs.add(b * BLOCK) as *const __m256i) };
+                let s = if F == Q4_1 { x.s_at(i, b) } else { 0.0 };
+                // The next tile's rows follow these: read ahead at the pace these are read (C blocks
+                // a step), as the hardware prefetchers would not on streams this short.
+                for p in 0..(C * bb).div_ceil(64) {
+                    let at = ahead.wrapping_add(b * C * bb + 64 * p);
+                    _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
+                }
+                for c in 0..C {
+                    // SAFETY: block `b` lies within `w[c]` (asserted above).
+                    let (q, mag, dw, mw) = unsafe { unpack_avx2::<F>(w[c].as_ptr().add(b * bb)) };
+                    let xs = if F == Q4_1 {
+                        xq
+                    } else {
+                        _mm256_sign_epi8(xq, q)
+                    };
+                    let sums = $sums!(ones, mag, xs);
+                    let scale = _mm256_set1_ps(dw * dx);
+                    acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums), scale, acc[c]);
+                    if F == Q4_1 {
+                        mins[c] = mw.mul_add(s, mins[c]);
+                    }
+                }
             }
+            let mut out = [0f32; C];
+            for (o, (acc, mins)) in out.iter_mut().zip(acc.iter().zip(mins)) {
+                // SAFETY: the CPU has AVX2 (this function's contract).
+                *o = unsafe { lane_sum(*acc) } + mins;
+            }
+            out
         }
-    }
-    let mut out = [0f32; C];
-    for (o, (acc, mins)) in out.iter_mut().zip(acc.iter().zip(mins)) {
-        // SAFETY: the CPU has AVX2 (this function's contract).
-        *o = unsafe { lane_sum(*acc) } + mins;
-    }
-    out
+    };
 }
+
+column_dots!(dots_cols_avx2, "avx2,fma,f16c", sums_maddubs);
+column_dots!(dots_cols_vnni, "avx2,fma,f16c,avxvnni", sums_vnni);
