@@ -199,23 +199,25 @@ fn compare(
     for &host in paths {
         quant.set_host_kernels(host);
         dense.set_host_kernels(host);
-        // The quantized base with mole's kernel tiled, one row at a time, with candle's
-        // product alone, and the bf16 import.
+        // The quantized base with mole's kernel by panels (where the CPU has AVX-512 VNNI;
+        // else the tiled kernel again), tiled, one row at a time, with candle's product alone,
+        // and the bf16 import.
         use crate::kernels::quant::{set_mode, Mode};
         let all = [
+            (&quant, &a_quant, Mode::Panels),
             (&quant, &a_quant, Mode::Tiled),
             (&quant, &a_quant, Mode::Untiled),
             (&quant, &a_quant, Mode::Off),
-            (&dense, &a_dense, Mode::Tiled),
+            (&dense, &a_dense, Mode::Panels),
         ];
         let contenders: Vec<_> = all
             .into_iter()
-            .filter(|c| !(args.gguf_quick && c.2 == Mode::Off))
+            .filter(|c| !(args.gguf_quick && matches!(c.2, Mode::Off | Mode::Untiled)))
             .collect();
         let run = |case: Case, (m, a, mode): (&Decoder, &LoraAdapter, Mode), steps| {
             set_mode(mode);
             let r = case.run(m, a, steps);
-            set_mode(Mode::Tiled);
+            set_mode(Mode::Panels);
             r
         };
         for case in Case::ALL {
@@ -224,7 +226,7 @@ fn compare(
             }
         }
         // Contenders left out (`--gguf-quick`) read as 0.
-        let mut best = vec![[0f64; 4]; Case::ALL.len()];
+        let mut best = vec![[0f64; 5]; Case::ALL.len()];
         for _ in 0..args.rounds {
             for (b, case) in best.iter_mut().zip(Case::ALL) {
                 for (slot, c) in b.iter_mut().zip(all) {
@@ -247,13 +249,14 @@ fn compare(
             args.rounds,
         );
         println!(
-            "| measure | quantized, tiled kernel | quantized, kernel row by row | quantized, candle's product | bf16 import | tiled ÷ bf16 | row by row ÷ bf16 | candle ÷ bf16 |"
+            "| measure | quantized, panels | quantized, tiled kernel | quantized, kernel row by row | quantized, candle's product | bf16 import | panels ÷ bf16 | tiled ÷ bf16 | row by row ÷ bf16 | candle ÷ bf16 |"
         );
-        println!("|---|---|---|---|---|---|---|---|");
-        for (case, [q, u, c, d]) in Case::ALL.into_iter().zip(&best) {
+        println!("|---|---|---|---|---|---|---|---|---|---|");
+        for (case, [p, q, u, c, d]) in Case::ALL.into_iter().zip(&best) {
             println!(
-                "| {} | {q:.1} | {u:.1} | {c:.1} | {d:.1} | {:.2} | {:.2} | {:.2} |",
+                "| {} | {p:.1} | {q:.1} | {u:.1} | {c:.1} | {d:.1} | {:.2} | {:.2} | {:.2} | {:.2} |",
                 case.label(),
+                p / d,
                 q / d,
                 u / d,
                 c / d

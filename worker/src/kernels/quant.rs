@@ -53,6 +53,7 @@
 
 mod block32;
 mod k;
+mod panel;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -159,16 +160,19 @@ const Q6K: u8 = Format::Q6K.id();
 /// by side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Mode {
-    /// The tiled kernel (the default).
-    Tiled = 0,
-    /// The same kernel one activation row at a time (each weight block unpacked once per
+    /// Panels ([`panel`]) from [`panel::MIN_ROWS`] rows where the CPU has AVX-512 VNNI,
+    /// else the tiled kernel (the default).
+    Panels = 0,
+    /// The tiled kernel, never panels.
+    Tiled = 1,
+    /// The tiled kernel one activation row at a time (each weight block unpacked once per
     /// row, as the Q4_1 kernel before the tiles did).
-    Untiled = 1,
+    Untiled = 2,
     /// candle's quantized product.
-    Off = 2,
+    Off = 3,
 }
 
-static MODE: AtomicU8 = AtomicU8::new(Mode::Tiled as u8);
+static MODE: AtomicU8 = AtomicU8::new(Mode::Panels as u8);
 
 /// Sets how quantized products are computed for the process (a benchmark's contenders).
 pub(crate) fn set_mode(m: Mode) {
@@ -177,8 +181,9 @@ pub(crate) fn set_mode(m: Mode) {
 
 fn mode() -> Mode {
     match MODE.load(Ordering::Relaxed) {
-        0 => Mode::Tiled,
-        1 => Mode::Untiled,
+        0 => Mode::Panels,
+        1 => Mode::Tiled,
+        2 => Mode::Untiled,
         _ => Mode::Off,
     }
 }
@@ -218,6 +223,11 @@ pub(crate) fn isa() -> Isa {
 /// through a scalar loop that the scalar build here beats by summing in integers).
 pub(crate) fn available(f: Format) -> bool {
     mode() != Mode::Off && (isa() != Isa::Scalar || f == Format::Q4_1)
+}
+
+/// Whether products of format `f` over [`panel::MIN_ROWS`] rows or more take the panels.
+fn panels(f: Format) -> bool {
+    mode() == Mode::Panels && panel::available(f)
 }
 
 /// Activation rows rounded to 8 bits per block of 32.
@@ -317,6 +327,10 @@ pub(crate) unsafe fn product(
     width: usize,
     accumulate: bool,
 ) {
+    if x.rows() >= panel::MIN_ROWS && panels(f) {
+        // SAFETY: the caller's guarantees; `panels` checked the CPU.
+        return unsafe { panel::product(f, x, w, cols, out, width, accumulate) };
+    }
     let tile = if mode() == Mode::Untiled {
         1
     } else {
@@ -579,32 +593,16 @@ pub(crate) fn matmul(
     if !available(f) {
         return None;
     }
+    if t > GEMM_ROWS && !panels(f) {
+        return Some(by_gemm(f, xs, t, k, w, n));
+    }
     let mut out = vec![0f32; t * n];
     let ptr = Out(out.as_mut_ptr());
     let row_bytes = f.row_bytes(k);
-    // Enough blocks for every thread to take several, each long enough to cost little to
-    // start.
-    let per = 64usize;
-    if t > GEMM_ROWS {
-        (0..n.div_ceil(per))
-            .into_par_iter()
-            .for_each_init(Vec::new, |wide: &mut Vec<f32>, b| {
-                let cols = b * per..((b + 1) * per).min(n);
-                let blocks = &w[cols.start * row_bytes..cols.end * row_bytes];
-                dequantize(f, blocks, cols.len(), k, wide);
-                let ptr = &ptr;
-                // SAFETY: `out` holds t × n values, each block of columns written by one task
-                // only; `xs` holds t × k values and `wide` the block's cols × k.
-                unsafe {
-                    super::gemm_by_rows(t, cols.len(), k, ptr.0.add(cols.start), n, false, xs, wide)
-                };
-            });
-        return Some(out);
-    }
     let isa = isa();
     let x = Q8Rows::for_format(f, xs, t, k);
-    (0..n.div_ceil(per)).into_par_iter().for_each(|b| {
-        let cols = b * per..((b + 1) * per).min(n);
+    (0..n.div_ceil(PER_TASK)).into_par_iter().for_each(|b| {
+        let cols = b * PER_TASK..((b + 1) * PER_TASK).min(n);
         let ptr = &ptr;
         // SAFETY: `isa` is the CPU's; `out` holds t × n values and each block of columns is
         // written by one task only.
@@ -622,6 +620,33 @@ pub(crate) fn matmul(
         };
     });
     Some(out)
+}
+
+/// Column blocks of [`matmul`]: enough for every thread to take several, each long enough to
+/// cost little to start.
+const PER_TASK: usize = 64;
+
+/// [`matmul`] of many rows with the column blocks' weights dequantized exactly to f32 and
+/// multiplied by gemm (see the module).
+fn by_gemm(f: Format, xs: &[f32], t: usize, k: usize, w: &[u8], n: usize) -> Vec<f32> {
+    use rayon::prelude::*;
+    let mut out = vec![0f32; t * n];
+    let ptr = Out(out.as_mut_ptr());
+    let row_bytes = f.row_bytes(k);
+    (0..n.div_ceil(PER_TASK))
+        .into_par_iter()
+        .for_each_init(Vec::new, |wide: &mut Vec<f32>, b| {
+            let cols = b * PER_TASK..((b + 1) * PER_TASK).min(n);
+            let blocks = &w[cols.start * row_bytes..cols.end * row_bytes];
+            dequantize(f, blocks, cols.len(), k, wide);
+            let ptr = &ptr;
+            // SAFETY: `out` holds t × n values, each block of columns written by one task
+            // only; `xs` holds t × k values and `wide` the block's cols × k.
+            unsafe {
+                super::gemm_by_rows(t, cols.len(), k, ptr.0.add(cols.start), n, false, xs, wide)
+            };
+        });
+    out
 }
 
 /// The values of `rows` weight rows of `k` values in blocks of `f`, exactly as f32 (`d·q + m`),
@@ -673,7 +698,7 @@ mod tests {
     use super::*;
 
     /// Deterministic values in about -1.35..1.35.
-    fn val(i: usize) -> f32 {
+    pub(super) fn val(i: usize) -> f32 {
         ((i * 7919 % 101) as f32 - 50.0) / 37.0
     }
 
@@ -724,7 +749,7 @@ mod tests {
 
     /// `n` weight rows of `k` values in format `f`, and their values dequantized (the k-quants:
     /// every byte drawn at random but the f16 scales, dequantized by candle).
-    fn weights(f: Format, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
+    pub(super) fn weights(f: Format, n: usize, k: usize) -> (Vec<u8>, Vec<f32>) {
         if f.block_values() == SUPER {
             let mut w = Vec::with_capacity(n * f.row_bytes(k));
             let mut state = 0x9E37_79B9_7F4A_7C15u64;
@@ -798,7 +823,7 @@ mod tests {
             let k = width(f);
             let xs: Vec<f32> = (0..t * k).map(|i| val(i * 3 + 1)).collect();
             let (w, deq) = weights(f, n, k);
-            let got = matmul(f, &xs, t, k, &w, n).unwrap();
+            let got = by_gemm(f, &xs, t, k, &w, n);
             for i in 0..t {
                 for c in 0..n {
                     let (mut want, mut mag) = (0f64, 0f64);

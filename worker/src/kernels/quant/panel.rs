@@ -1,0 +1,459 @@
+//! The 32-wide formats (q4_0, q4_1, q8_0) over many activation rows on CPUs with AVX-512
+//! VNNI: weight rows repacked, per product, into panels of [`PANEL`] rows whose values lie
+//! four bytes of each row after four of the next, so that one 512-bit `vpdpbusd` multiplies
+//! four values of sixteen weight rows with the same four values of one activation row
+//! (broadcast), and a block's integer dot products for sixteen weight rows land in one
+//! register's sixteen lanes, each the block's exact sum. A block then costs one conversion,
+//! one scale product and one fused multiply-add per activation row for all sixteen weight rows,
+//! where the tiled kernels of [`super::block32`] spend as much per weight row: at a decode
+//! step of sixteen rows or a prefill, the integer products are no longer the smaller part.
+//!
+//! `vpdpbusd` multiplies unsigned bytes with signed ones: the weights go unsigned (Q4_0's and
+//! Q4_1's nibbles as stored, Q8_0's bytes plus 128) and each block's sum starts from minus the
+//! offset times the activation block's sum, exact in integers (at most 32·255·127 < 2²¹).
+//!
+//! Each output is `Σ_b float(Σ q_w·q_x)·(d_w·d_x)` in block order, one fused multiply-add a
+//! block (Q4_1 adds `Σ_b m_w·s_x`, summed apart), the same 8-bit activations as the tiled
+//! kernels but another order of the float sums: within the same bound of the dequantized
+//! product, not bit-equal to the tiled kernels. [`tile_scalar`] is this arithmetic in portable
+//! Rust, bit for bit (tested).
+//!
+//! Repacking a column block costs about one row's products, so the panels take over from
+//! [`MIN_ROWS`] activation rows (`bench decode --gguf`: the panels and the tiled kernels side
+//! by side).
+
+use super::{f16_at, Format, Q8Rows, BLOCK, Q4_0, Q4_1, Q8_0};
+
+/// Weight rows a panel interleaves: the sixteen 32-bit lanes of an AVX-512 register.
+pub(super) const PANEL: usize = 16;
+/// Activation rows that meet a panel's block at once: their accumulators, the block's eight
+/// registers of values and its scales fit AVX-512's thirty-two registers.
+const ROWS: usize = 8;
+/// Activation rows from which a product takes the panels.
+pub(super) const MIN_ROWS: usize = 4;
+/// Bytes of one block of a panel: 32 values of each of its sixteen rows.
+const PANEL_BLOCK: usize = BLOCK * PANEL;
+
+/// Whether this CPU multiplies format `f` by panels.
+pub(super) fn available(f: Format) -> bool {
+    if f.block_values() != BLOCK {
+        return false;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// Weight rows repacked into panels (see the module).
+#[derive(Default)]
+pub(super) struct Panels {
+    /// Per panel, per block: eight groups of four values, each group the four values of its
+    /// sixteen rows side by side (`[(p·nb + b)·8 + g][row][4]`), unsigned.
+    values: Vec<u8>,
+    /// Per panel, per block: the sixteen rows' scales (`[(p·nb + b)·16 + row]`; 0 for the
+    /// rows past the last).
+    scales: Vec<f32>,
+    /// As `scales`, Q4_1's minimums.
+    mins: Vec<f32>,
+    /// Blocks per row.
+    nb: usize,
+}
+
+impl Panels {
+    /// Repacks `rows` weight rows of `nb` blocks of format `F` from `w` (row-major blocks).
+    fn fill<const F: u8>(&mut self, w: &[u8], rows: usize, nb: usize) {
+        let bb = [18, 20, 34][F as usize];
+        assert!(w.len() >= rows * nb * bb, "weight rows missing");
+        let panels = rows.div_ceil(PANEL);
+        self.nb = nb;
+        // Rows past the last stay zero: their lanes are computed and never stored.
+        self.values.clear();
+        self.values.resize(panels * nb * PANEL_BLOCK, 0);
+        self.scales.clear();
+        self.scales.resize(panels * nb * PANEL, 0.0);
+        self.mins.clear();
+        if F == Q4_1 {
+            self.mins.resize(panels * nb * PANEL, 0.0);
+        }
+        for (c, row) in w.chunks_exact(nb * bb).take(rows).enumerate() {
+            let (p, lane) = (c / PANEL, c % PANEL);
+            for (b, blk) in row.chunks_exact(bb).enumerate() {
+                let at = (p * nb + b) * PANEL;
+                self.scales[at + lane] = f16_at(blk);
+                let groups = &mut self.values[(p * nb + b) * PANEL_BLOCK..][..PANEL_BLOCK];
+                let mut put = |g: usize, v: u32| {
+                    groups[(g * PANEL + lane) * 4..][..4].copy_from_slice(&v.to_le_bytes());
+                };
+                let word = |at: usize| {
+                    u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]])
+                };
+                match F {
+                    // Signed bytes plus 128: the sign bit flipped.
+                    Q8_0 => (0..8).for_each(|g| put(g, word(2 + 4 * g) ^ 0x8080_8080)),
+                    _ => {
+                        let from = if F == Q4_1 {
+                            self.mins[at + lane] = f16_at(&blk[2..]);
+                            4
+                        } else {
+                            2
+                        };
+                        // Values 0..16 are the low nibbles of the 16 bytes, 16..32 the high.
+                        for g in 0..4 {
+                            let v = word(from + 4 * g);
+                            put(g, v & 0x0F0F_0F0F);
+                            put(g + 4, (v >> 4) & 0x0F0F_0F0F);
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// What a block's unsigned weights exceed its values by: the sums start from minus this times
+/// the activations' sum.
+const fn offset<const F: u8>() -> i32 {
+    match F {
+        Q8_0 => 128,
+        Q4_0 => 8,
+        _ => 0,
+    }
+}
+
+thread_local! {
+    /// Each thread's panels, reused from product to product.
+    static SCRATCH: std::cell::RefCell<Panels> = std::cell::RefCell::new(Panels::default());
+}
+
+/// [`super::product`] by panels: `out[i·width + c]` (added to when `accumulate`) = row `i`
+/// of `x` · weight row `c` for every column of `cols`, whose rows `w` holds.
+///
+/// # Safety
+/// [`available`] `f`; `out` is valid for writes of `x.rows()` rows of `width` values, and no
+/// other thread touches these columns meanwhile.
+pub(super) unsafe fn product(
+    f: Format,
+    x: &Q8Rows,
+    w: &[u8],
+    cols: std::ops::Range<usize>,
+    out: *mut f32,
+    width: usize,
+    accumulate: bool,
+) {
+    SCRATCH.with_borrow_mut(|pan| {
+        let nb = x.k / BLOCK;
+        match f {
+            Format::Q4_0 => pan.fill::<Q4_0>(w, cols.len(), nb),
+            Format::Q4_1 => pan.fill::<Q4_1>(w, cols.len(), nb),
+            _ => pan.fill::<Q8_0>(w, cols.len(), nb),
+        }
+        let rows = x.rows();
+        for p in 0..cols.len().div_ceil(PANEL) {
+            let c0 = cols.start + p * PANEL;
+            let lanes = (cols.end - c0).min(PANEL);
+            for i in (0..rows).step_by(ROWS) {
+                let r = (rows - i).min(ROWS);
+                // SAFETY: the caller's guarantees.
+                let v = unsafe { tile(f, pan, p, x, i, r) };
+                for (dr, v) in v[..r].iter().enumerate() {
+                    for (lane, v) in v[..lanes].iter().enumerate() {
+                        // SAFETY: within the rows and columns the caller owns.
+                        unsafe {
+                            let o = out.add((i + dr) * width + c0 + lane);
+                            *o = if accumulate { *o + v } else { *v };
+                        }
+                    }
+                }
+            }
+        }
+    });
+}
+
+/// Activation rows `i..i + r` · panel `p`: per row, the sixteen lanes.
+///
+/// # Safety
+/// [`available`] `f`.
+unsafe fn tile(
+    f: Format,
+    pan: &Panels,
+    p: usize,
+    x: &Q8Rows,
+    i: usize,
+    r: usize,
+) -> [[f32; PANEL]; ROWS] {
+    macro_rules! by_rows {
+        ($f:expr) => {
+            match r {
+                1 => widen(tile_avx512::<$f, 1>(pan, p, x, i)),
+                2 => widen(tile_avx512::<$f, 2>(pan, p, x, i)),
+                3 => widen(tile_avx512::<$f, 3>(pan, p, x, i)),
+                4 => widen(tile_avx512::<$f, 4>(pan, p, x, i)),
+                5 => widen(tile_avx512::<$f, 5>(pan, p, x, i)),
+                6 => widen(tile_avx512::<$f, 6>(pan, p, x, i)),
+                7 => widen(tile_avx512::<$f, 7>(pan, p, x, i)),
+                _ => widen(tile_avx512::<$f, 8>(pan, p, x, i)),
+            }
+        };
+    }
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: the caller's guarantee: the CPU has AVX-512 F, BW and VNNI.
+    unsafe {
+        match f {
+            Format::Q4_0 => by_rows!(Q4_0),
+            Format::Q4_1 => by_rows!(Q4_1),
+            _ => by_rows!(Q8_0),
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (f, pan, p, x, i, r);
+        unreachable!("panels are never available off x86-64")
+    }
+}
+
+/// `R` rows of lanes in the first `R` of a tile.
+fn widen<const R: usize>(v: [[f32; PANEL]; R]) -> [[f32; PANEL]; ROWS] {
+    let mut out = [[0f32; PANEL]; ROWS];
+    out[..R].copy_from_slice(&v);
+    out
+}
+
+/// [`tile`] with AVX-512 F, BW and VNNI.
+///
+/// # Safety
+/// The CPU has them.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+// `b` indexes the panel's blocks and the rows' scales and sums at once.
+#[allow(clippy::needless_range_loop)]
+unsafe fn tile_avx512<const F: u8, const R: usize>(
+    pan: &Panels,
+    p: usize,
+    x: &Q8Rows,
+    i: usize,
+) -> [[f32; PANEL]; R] {
+    use std::arch::x86_64::*;
+    let nb = pan.nb;
+    assert!(
+        x.k == nb * BLOCK
+            && pan.values.len() >= (p + 1) * nb * PANEL_BLOCK
+            && pan.scales.len() >= (p + 1) * nb * PANEL
+            && (F != Q4_1 || pan.mins.len() >= (p + 1) * nb * PANEL)
+            && x.qs.len() >= (i + R) * x.k
+            && x.d.len() >= (i + R) * nb
+            && x.sums.len() >= (i + R) * nb,
+        "out of bounds"
+    );
+    let values = pan.values[p * nb * PANEL_BLOCK..].as_ptr();
+    let scales = pan.scales[p * nb * PANEL..].as_ptr();
+    let mins = if F == Q4_1 {
+        pan.mins[p * nb * PANEL..].as_ptr()
+    } else {
+        scales
+    };
+    let qs: [*const u8; R] = std::array::from_fn(|r| x.qs[(i + r) * x.k..].as_ptr() as *const u8);
+    let mut acc = [_mm512_setzero_ps(); R];
+    let mut accm = [_mm512_setzero_ps(); R];
+    for b in 0..nb {
+        // SAFETY: panel `p`'s block `b` lies within the panels (asserted above).
+        let (wv, dw) = unsafe {
+            let at = values.add(b * PANEL_BLOCK);
+            let wv: [__m512i; 8] =
+                std::array::from_fn(|g| _mm512_loadu_si512(at.add(g * 64) as *const _));
+            (wv, _mm512_loadu_ps(scales.add(b * PANEL)))
+        };
+        // SAFETY: as above (Q4_1's minimums; unused otherwise).
+        let mw = unsafe { _mm512_loadu_ps(mins.add(b * PANEL)) };
+        for r in 0..R {
+            let row = (i + r) * nb + b;
+            let mut s = _mm512_set1_epi32(-offset::<F>() * x.sums[row]);
+            for (g, wv) in wv.iter().enumerate() {
+                // SAFETY: block `b` of row `i + r` lies within `x.qs` (asserted above).
+                let xq =
+                    unsafe { std::ptr::read_unaligned(qs[r].add(b * BLOCK + 4 * g) as *const i32) };
+                s = _mm512_dpbusd_epi32(s, *wv, _mm512_set1_epi32(xq));
+            }
+            let dx = x.d[row];
+            let scale = _mm512_mul_ps(dw, _mm512_set1_ps(dx));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s), scale, acc[r]);
+            if F == Q4_1 {
+                // The block's scale times its sum, as `Q8Rows::s` holds it.
+                let s = dx * x.sums[row] as f32;
+                accm[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(s), accm[r]);
+            }
+        }
+    }
+    let mut out = [[0f32; PANEL]; R];
+    for r in 0..R {
+        let v = if F == Q4_1 {
+            _mm512_add_ps(acc[r], accm[r])
+        } else {
+            acc[r]
+        };
+        // SAFETY: `out[r]` holds sixteen floats.
+        unsafe { _mm512_storeu_ps(out[r].as_mut_ptr(), v) };
+    }
+    out
+}
+
+/// [`tile_avx512`]'s arithmetic in portable Rust, bit for bit: each lane's block sums in
+/// integers, then one fused multiply-add a block in block order.
+#[cfg(test)]
+fn tile_scalar<const F: u8>(
+    pan: &Panels,
+    p: usize,
+    x: &Q8Rows,
+    i: usize,
+    r: usize,
+) -> Vec<[f32; PANEL]> {
+    let nb = pan.nb;
+    (i..i + r)
+        .map(|row| {
+            std::array::from_fn(|lane| {
+                let (mut acc, mut accm) = (0f32, 0f32);
+                for b in 0..nb {
+                    let at = (p * nb + b) * PANEL + lane;
+                    let mut s = -offset::<F>() * x.sums[row * nb + b];
+                    for g in 0..8 {
+                        let w =
+                            &pan.values[(p * nb + b) * PANEL_BLOCK + (g * PANEL + lane) * 4..][..4];
+                        let xq = &x.qs[row * x.k + b * BLOCK + 4 * g..][..4];
+                        s += w
+                            .iter()
+                            .zip(xq)
+                            .map(|(&w, &x)| w as i32 * x as i32)
+                            .sum::<i32>();
+                    }
+                    let dx = x.d[row * nb + b];
+                    acc = (s as f32).mul_add(pan.scales[at] * dx, acc);
+                    if F == Q4_1 {
+                        accm = pan.mins[at].mul_add(dx * x.sums[row * nb + b] as f32, accm);
+                    }
+                }
+                if F == Q4_1 {
+                    acc + accm
+                } else {
+                    acc
+                }
+            })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::tests::{val, weights};
+    use super::*;
+
+    /// The panels give [`tile_scalar`]'s arithmetic bit for bit, for every row count of a tile
+    /// and a last panel of fewer rows; and that arithmetic is the dequantized product within
+    /// the 8-bit activations' bound (d/2 per value).
+    #[test]
+    fn panels_are_their_scalar_arithmetic_and_within_the_bound() {
+        let (n, t) = (PANEL + 5, 2 * ROWS + 3);
+        for f in [Format::Q4_0, Format::Q4_1, Format::Q8_0] {
+            let k = 4 * BLOCK;
+            let (w, deq) = weights(f, n, k);
+            let xs: Vec<f32> = (0..t * k)
+                .map(|i| val(i + 3) * (1 + i % 5) as f32)
+                .collect();
+            let x = Q8Rows::for_format(f, &xs, t, k);
+            let mut pan = Panels::default();
+            match f {
+                Format::Q4_0 => pan.fill::<Q4_0>(&w, n, k / BLOCK),
+                Format::Q4_1 => pan.fill::<Q4_1>(&w, n, k / BLOCK),
+                _ => pan.fill::<Q8_0>(&w, n, k / BLOCK),
+            }
+            let mut want = vec![0f32; t * n];
+            for p in 0..n.div_ceil(PANEL) {
+                let lanes = (n - p * PANEL).min(PANEL);
+                let v = match f {
+                    Format::Q4_0 => tile_scalar::<Q4_0>(&pan, p, &x, 0, t),
+                    Format::Q4_1 => tile_scalar::<Q4_1>(&pan, p, &x, 0, t),
+                    _ => tile_scalar::<Q8_0>(&pan, p, &x, 0, t),
+                };
+                for (i, v) in v.iter().enumerate() {
+                    want[i * n + p * PANEL..][..lanes].copy_from_slice(&v[..lanes]);
+                }
+            }
+            for i in 0..t {
+                for c in 0..n {
+                    let (mut exact, mut f32_dot, mut rounding, mut scale) =
+                        (0f64, 0f64, 0f64, 0f64);
+                    for kk in 0..k {
+                        let b = (i * k + kk) / BLOCK;
+                        let wv = deq[c * k + kk] as f64;
+                        let xq = x.d[b] as f64 * x.qs[i * k + kk] as f64;
+                        exact += xq * wv;
+                        f32_dot += xs[i * k + kk] as f64 * wv;
+                        rounding += x.d[b] as f64 / 2.0 * wv.abs();
+                        scale += (xq * wv).abs();
+                    }
+                    let g = want[i * n + c] as f64;
+                    // The 8-bit activations' products in f32: ~1e-6 of the sum of magnitudes.
+                    assert!(
+                        (g - exact).abs() <= 1e-5 * scale + 1e-5,
+                        "{f:?} {i},{c}: {g} vs {exact}"
+                    );
+                    assert!(
+                        (g - f32_dot).abs() <= rounding + 1e-5 * scale + 1e-5,
+                        "{f:?} {i},{c}: {g} vs f32 {f32_dot}, bound {rounding}"
+                    );
+                }
+            }
+            if !available(f) {
+                eprintln!("no AVX-512 VNNI: the panels' scalar arithmetic alone is checked");
+                continue;
+            }
+            // Every row count of a tile, through the product (two column blocks, accumulated
+            // onto a start that is then taken off, as the tiled kernels' test does).
+            for rows in 1..=t {
+                let x = Q8Rows::for_format(f, &xs, rows, k);
+                let mut out: Vec<f32> = (0..rows * n).map(val).collect();
+                let mid = PANEL + 2;
+                let row = f.row_bytes(k);
+                for cols in [0..mid, mid..n] {
+                    let w = &w[cols.start * row..cols.end * row];
+                    // SAFETY: `available(f)`; `out` holds every row and column.
+                    unsafe { product(f, &x, w, cols, out.as_mut_ptr(), n, true) };
+                }
+                let mut pan = Panels::default();
+                let mut want = vec![0f32; rows * n];
+                for cols in [0..mid, mid..n] {
+                    let w = &w[cols.start * row..cols.end * row];
+                    match f {
+                        Format::Q4_0 => pan.fill::<Q4_0>(w, cols.len(), k / BLOCK),
+                        Format::Q4_1 => pan.fill::<Q4_1>(w, cols.len(), k / BLOCK),
+                        _ => pan.fill::<Q8_0>(w, cols.len(), k / BLOCK),
+                    }
+                    for p in 0..cols.len().div_ceil(PANEL) {
+                        let lanes = (cols.len() - p * PANEL).min(PANEL);
+                        let v = match f {
+                            Format::Q4_0 => tile_scalar::<Q4_0>(&pan, p, &x, 0, rows),
+                            Format::Q4_1 => tile_scalar::<Q4_1>(&pan, p, &x, 0, rows),
+                            _ => tile_scalar::<Q8_0>(&pan, p, &x, 0, rows),
+                        };
+                        for (i, v) in v.iter().enumerate() {
+                            let at = i * n + cols.start + p * PANEL;
+                            for (lane, v) in v[..lanes].iter().enumerate() {
+                                want[at + lane] = val(at + lane) + v;
+                            }
+                        }
+                    }
+                }
+                for (e, (a, b)) in out.iter().zip(&want).enumerate() {
+                    assert_eq!(
+                        a.to_bits(),
+                        b.to_bits(),
+                        "{f:?} {rows} rows, value {e}: {a} vs {b}"
+                    );
+                }
+            }
+        }
+    }
+}
