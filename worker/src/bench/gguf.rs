@@ -68,11 +68,12 @@ enum Case {
 }
 
 impl Case {
-    const ALL: [Case; 6] = [
+    const ALL: [Case; 7] = [
         Case::Prefill(1),
         Case::Prefill(4),
         Case::Decode(1, false),
         Case::Decode(1, true),
+        Case::Decode(4, false),
         Case::Decode(16, false),
         Case::Decode(16, true),
     ];

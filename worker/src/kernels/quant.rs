@@ -54,6 +54,7 @@
 mod block32;
 mod k;
 mod panel;
+mod rows;
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
@@ -272,17 +273,10 @@ impl Q8Rows {
         let mut sums = Vec::with_capacity(blocks);
         let mut qs = vec![0i8; t * k];
         for (x, q) in xs[..t * k].chunks_exact(per).zip(qs.chunks_exact_mut(per)) {
-            let amax = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-            let scale = amax / 127.0;
+            let scale = rows::amax(x) / 127.0;
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
             for (x, q) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)) {
-                let mut sum = 0i32;
-                for (q, v) in q.iter_mut().zip(x) {
-                    // |v·inv| ≤ 127 (up to rounding, which the saturating cast absorbs): the
-                    // values stay in -127..=127, so `maddubs` pairs cannot saturate.
-                    *q = (v * inv).round().clamp(-127.0, 127.0) as i8;
-                    sum += *q as i32;
-                }
+                let sum = rows::round_block(x, inv, q);
                 s[s_index(nb, d.len() / nb, d.len() % nb)] = scale * sum as f32;
                 d.push(scale);
                 sums.push(sum);
