@@ -80,7 +80,23 @@ impl Panels {
         if F == Q4_1 {
             self.mins.resize(panels * nb * PANEL, 0.0);
         }
-        for (c, row) in w.chunks_exact(nb * bb).take(rows).enumerate() {
+        // Whole panels by vector transposes where the CPU has AVX2 (eight weight rows' blocks
+        // at a time); the last, partial one value by value.
+        let mut whole = 0;
+        #[cfg(target_arch = "x86_64")]
+        if std::arch::is_x86_feature_detected!("avx2") {
+            whole = rows / PANEL;
+            for p in 0..whole {
+                // SAFETY: the CPU has AVX2; panel `p`'s rows lie within `w` (asserted above).
+                unsafe { self.fill_panel_avx2::<F>(&w[p * PANEL * nb * bb..], p, bb) };
+            }
+        }
+        for (c, row) in w
+            .chunks_exact(nb * bb)
+            .take(rows)
+            .enumerate()
+            .skip(whole * PANEL)
+        {
             let (p, lane) = (c / PANEL, c % PANEL);
             for (b, blk) in row.chunks_exact(bb).enumerate() {
                 let at = (p * nb + b) * PANEL;
@@ -108,6 +124,97 @@ impl Panels {
                             put(g, v & 0x0F0F_0F0F);
                             put(g + 4, (v >> 4) & 0x0F0F_0F0F);
                         }
+                    }
+                }
+            }
+        }
+    }
+}
+
+impl Panels {
+    /// Panel `p` from its sixteen weight rows at the start of `w` (blocks of `bb` bytes): per
+    /// block, each row's 32 values unpacked to unsigned bytes (one 256-bit register), then
+    /// the eight rows' registers of each half of the panel transposed as eight by eight
+    /// 32-bit words, so that word `g` of every row lands in group `g`.
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `w` holds sixteen rows of `self.nb` blocks; the panels are sized.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2")]
+    unsafe fn fill_panel_avx2<const F: u8>(&mut self, w: &[u8], p: usize, bb: usize) {
+        use std::arch::x86_64::*;
+        let nb = self.nb;
+        assert!(
+            w.len() >= PANEL * nb * bb && self.values.len() >= (p + 1) * nb * PANEL_BLOCK,
+            "out of bounds"
+        );
+        let (low, flip) = (_mm256_set1_epi8(0x0F), _mm256_set1_epi8(-128));
+        // The next panel's rows follow these sixteen: read them ahead at the pace these are
+        // read, as the hardware prefetchers follow sixteen interleaved streams poorly (the
+        // weights come from DRAM: a decode step reads the whole model).
+        let next = w.as_ptr().wrapping_add(PANEL * nb * bb);
+        let lines = (PANEL * bb).div_ceil(64);
+        for b in 0..nb {
+            for l in 0..lines {
+                let at = next.wrapping_add((b * lines + l) * 64);
+                _mm_prefetch::<_MM_HINT_T0>(at as *const i8);
+            }
+            let at = (p * nb + b) * PANEL;
+            for lane in 0..PANEL {
+                let blk = &w[(lane * nb + b) * bb..][..bb];
+                self.scales[at + lane] = f16_at(blk);
+                if F == Q4_1 {
+                    self.mins[at + lane] = f16_at(&blk[2..]);
+                }
+            }
+            let dst = self.values[(p * nb + b) * PANEL_BLOCK..].as_mut_ptr();
+            for half in 0..2 {
+                // A loop, not `from_fn`: a closure would not be compiled for AVX2.
+                let mut r = [_mm256_setzero_si256(); 8];
+                for (j, r) in r.iter_mut().enumerate() {
+                    let blk = w[((half * 8 + j) * nb + b) * bb..].as_ptr();
+                    // SAFETY: a whole block at `blk` (asserted above).
+                    *r = unsafe {
+                        match F {
+                            Q8_0 => _mm256_xor_si256(
+                                _mm256_loadu_si256(blk.add(2) as *const __m256i),
+                                flip,
+                            ),
+                            _ => {
+                                let from = if F == Q4_1 { 4 } else { 2 };
+                                let nib = _mm_loadu_si128(blk.add(from) as *const __m128i);
+                                // Values 0..16 from the low nibbles, 16..32 from the high.
+                                _mm256_and_si256(low, _mm256_set_m128i(_mm_srli_epi16(nib, 4), nib))
+                            }
+                        }
+                    };
+                }
+                // Pairs of rows: t[2i] their words 0,1 (low half) and 4,5 (high half) side by
+                // side, t[2i + 1] words 2,3 and 6,7.
+                let mut t = [_mm256_setzero_si256(); 8];
+                for i in 0..4 {
+                    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+                    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+                }
+                // Quads of rows: rows 4q..4q + 4 of word g (low half) and g + 4 (high half),
+                // g = 2w + hi.
+                for g in 0..4 {
+                    let (w, hi) = (g / 2, g % 2 == 1);
+                    let mut quads = [_mm256_setzero_si256(); 2];
+                    for (q, v) in quads.iter_mut().enumerate() {
+                        let (a, b) = (t[4 * q + w], t[4 * q + w + 2]);
+                        *v = if hi {
+                            _mm256_unpackhi_epi64(a, b)
+                        } else {
+                            _mm256_unpacklo_epi64(a, b)
+                        };
+                    }
+                    let lo = _mm256_permute2x128_si256::<0x20>(quads[0], quads[1]);
+                    let up = _mm256_permute2x128_si256::<0x31>(quads[0], quads[1]);
+                    // SAFETY: groups g and g + 4 of this block lie within the panels.
+                    unsafe {
+                        _mm256_storeu_si256(dst.add(g * 64 + half * 32) as *mut __m256i, lo);
+                        _mm256_storeu_si256(dst.add((g + 4) * 64 + half * 32) as *mut __m256i, up);
                     }
                 }
             }
