@@ -860,6 +860,46 @@ mod tests {
         out
     }
 
+    /// Asserts `got` (every row of `x8` × `n` weight rows) is the product of the 8-bit rows
+    /// `x8` with the dequantized weights `deq`: the same products in another order, and the
+    /// accumulation onto the output (f32 rounding, ~1e-6 of the sum of magnitudes); and the
+    /// product of the f32 activations `xs` within the 8-bit rounding's bound (each activation
+    /// moves by at most half its block's step, d/2 = max|x|/254: the product by at most
+    /// Σ d/2·|w|).
+    pub(super) fn assert_products(
+        f: Format,
+        x8: &Q8Rows,
+        xs: &[f32],
+        deq: &[f32],
+        got: &[f32],
+        n: usize,
+    ) {
+        let k = x8.k;
+        for i in 0..x8.rows() {
+            for c in 0..n {
+                let (mut exact, mut f32_dot, mut scale, mut rounding) = (0f64, 0f64, 0f64, 0f64);
+                for kk in 0..k {
+                    let b = (i * k + kk) / BLOCK;
+                    let wv = deq[c * k + kk] as f64;
+                    let xq = x8.d[b] as f64 * x8.qs[i * k + kk] as f64;
+                    exact += xq * wv;
+                    f32_dot += xs[i * k + kk] as f64 * wv;
+                    scale += (xq * wv).abs();
+                    rounding += x8.d[b] as f64 / 2.0 * wv.abs();
+                }
+                let g = got[i * n + c] as f64;
+                assert!(
+                    (g - exact).abs() <= 1e-5 * scale + 1e-5,
+                    "{f:?} {i},{c}: {g} vs {exact}"
+                );
+                assert!(
+                    (g - f32_dot).abs() <= rounding + 1e-5 * scale + 1e-5,
+                    "{f:?} {i},{c}: {g} vs f32 {f32_dot}, bound {rounding}"
+                );
+            }
+        }
+    }
+
     /// Every format against the formula over its dequantized weights: with the 8-bit
     /// activations it multiplies (the same products summed in another order), and with the f32
     /// activations within the 8-bit rounding's bound. Scalar and AVX2 builds, tiled and one row
@@ -893,34 +933,7 @@ mod tests {
                         assert!(same, "{f:?} t={t}: {isa:?} with tiles of {tile} differs");
                     }
                 }
-                for i in 0..t {
-                    for c in 0..n {
-                        let (mut exact, mut f32_dot, mut scale, mut rounding) =
-                            (0f64, 0f64, 0f64, 0f64);
-                        for kk in 0..k {
-                            let b = i * k / BLOCK + kk / BLOCK;
-                            let wv = deq[c * k + kk] as f64;
-                            let xq = x8.d[b] as f64 * x8.qs[i * k + kk] as f64;
-                            exact += xq * wv;
-                            f32_dot += xs[i * k + kk] as f64 * wv;
-                            scale += (xq * wv).abs();
-                            rounding += x8.d[b] as f64 / 2.0 * wv.abs();
-                        }
-                        let g = got[i * n + c] as f64;
-                        // The same products in another order, and the accumulation onto
-                        // the output: f32 rounding, ~1e-6 of the sum of magnitudes.
-                        assert!(
-                            (g - exact).abs() <= 1e-5 * scale + 1e-5,
-                            "{f:?} {i},{c}: {g} vs {exact}"
-                        );
-                        // Each activation moves by at most half its block's step
-                        // (d/2 = max|x|/254): the product by at most Σ d/2·|w|.
-                        assert!(
-                            (g - f32_dot).abs() <= rounding + 1e-5 * scale + 1e-5,
-                            "{f:?} {i},{c}: {g} vs f32 {f32_dot}, bound {rounding}"
-                        );
-                    }
-                }
+                assert_products(f, &x8, &xs, &deq, &got, n);
             }
         }
     }

@@ -67,6 +67,15 @@ pub(super) struct Panels {
 }
 
 impl Panels {
+    /// [`Panels::fill`] for format `f` (a 32-wide one).
+    fn fill_as(&mut self, f: Format, w: &[u8], rows: usize, nb: usize) {
+        match f {
+            Format::Q4_0 => self.fill::<Q4_0>(w, rows, nb),
+            Format::Q4_1 => self.fill::<Q4_1>(w, rows, nb),
+            _ => self.fill::<Q8_0>(w, rows, nb),
+        }
+    }
+
     /// Repacks `rows` weight rows of `nb` blocks of format `F` from `w` (row-major blocks).
     fn fill<const F: u8>(&mut self, w: &[u8], rows: usize, nb: usize) {
         let bb = [18, 20, 34][F as usize];
@@ -256,11 +265,7 @@ pub(super) unsafe fn product(
 ) {
     SCRATCH.with_borrow_mut(|pan| {
         let nb = x.k / BLOCK;
-        match f {
-            Format::Q4_0 => pan.fill::<Q4_0>(w, cols.len(), nb),
-            Format::Q4_1 => pan.fill::<Q4_1>(w, cols.len(), nb),
-            _ => pan.fill::<Q8_0>(w, cols.len(), nb),
-        }
+        pan.fill_as(f, w, cols.len(), nb);
         let rows = x.rows();
         for p in 0..cols.len().div_ceil(PANEL) {
             let c0 = cols.start + p * PANEL;
@@ -456,8 +461,17 @@ fn tile_scalar<const F: u8>(
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{val, weights};
+    use super::super::tests::{assert_products, val, weights};
     use super::*;
+
+    /// [`tile_scalar`] of the first `rows` rows of `x` with panel `p` of format `f`.
+    fn scalar(f: Format, pan: &Panels, p: usize, x: &Q8Rows, rows: usize) -> Vec<[f32; PANEL]> {
+        match f {
+            Format::Q4_0 => tile_scalar::<Q4_0>(pan, p, x, 0, rows),
+            Format::Q4_1 => tile_scalar::<Q4_1>(pan, p, x, 0, rows),
+            _ => tile_scalar::<Q8_0>(pan, p, x, 0, rows),
+        }
+    }
 
     /// The panels give [`tile_scalar`]'s arithmetic bit for bit, for every row count of a tile
     /// and a last panel of fewer rows; and that arithmetic is the dequantized product within
@@ -473,48 +487,16 @@ mod tests {
                 .collect();
             let x = Q8Rows::for_format(f, &xs, t, k);
             let mut pan = Panels::default();
-            match f {
-                Format::Q4_0 => pan.fill::<Q4_0>(&w, n, k / BLOCK),
-                Format::Q4_1 => pan.fill::<Q4_1>(&w, n, k / BLOCK),
-                _ => pan.fill::<Q8_0>(&w, n, k / BLOCK),
-            }
+            pan.fill_as(f, &w, n, k / BLOCK);
             let mut want = vec![0f32; t * n];
             for p in 0..n.div_ceil(PANEL) {
                 let lanes = (n - p * PANEL).min(PANEL);
-                let v = match f {
-                    Format::Q4_0 => tile_scalar::<Q4_0>(&pan, p, &x, 0, t),
-                    Format::Q4_1 => tile_scalar::<Q4_1>(&pan, p, &x, 0, t),
-                    _ => tile_scalar::<Q8_0>(&pan, p, &x, 0, t),
-                };
+                let v = scalar(f, &pan, p, &x, t);
                 for (i, v) in v.iter().enumerate() {
                     want[i * n + p * PANEL..][..lanes].copy_from_slice(&v[..lanes]);
                 }
             }
-            for i in 0..t {
-                for c in 0..n {
-                    let (mut exact, mut f32_dot, mut rounding, mut scale) =
-                        (0f64, 0f64, 0f64, 0f64);
-                    for kk in 0..k {
-                        let b = (i * k + kk) / BLOCK;
-                        let wv = deq[c * k + kk] as f64;
-                        let xq = x.d[b] as f64 * x.qs[i * k + kk] as f64;
-                        exact += xq * wv;
-                        f32_dot += xs[i * k + kk] as f64 * wv;
-                        rounding += x.d[b] as f64 / 2.0 * wv.abs();
-                        scale += (xq * wv).abs();
-                    }
-                    let g = want[i * n + c] as f64;
-                    // The 8-bit activations' products in f32: ~1e-6 of the sum of magnitudes.
-                    assert!(
-                        (g - exact).abs() <= 1e-5 * scale + 1e-5,
-                        "{f:?} {i},{c}: {g} vs {exact}"
-                    );
-                    assert!(
-                        (g - f32_dot).abs() <= rounding + 1e-5 * scale + 1e-5,
-                        "{f:?} {i},{c}: {g} vs f32 {f32_dot}, bound {rounding}"
-                    );
-                }
-            }
+            assert_products(f, &x, &xs, &deq, &want, n);
             if !available(f) {
                 eprintln!("no AVX-512 VNNI: the panels' scalar arithmetic alone is checked");
                 continue;
@@ -535,18 +517,10 @@ mod tests {
                 let mut want = vec![0f32; rows * n];
                 for cols in [0..mid, mid..n] {
                     let w = &w[cols.start * row..cols.end * row];
-                    match f {
-                        Format::Q4_0 => pan.fill::<Q4_0>(w, cols.len(), k / BLOCK),
-                        Format::Q4_1 => pan.fill::<Q4_1>(w, cols.len(), k / BLOCK),
-                        _ => pan.fill::<Q8_0>(w, cols.len(), k / BLOCK),
-                    }
+                    pan.fill_as(f, w, cols.len(), k / BLOCK);
                     for p in 0..cols.len().div_ceil(PANEL) {
                         let lanes = (cols.len() - p * PANEL).min(PANEL);
-                        let v = match f {
-                            Format::Q4_0 => tile_scalar::<Q4_0>(&pan, p, &x, 0, rows),
-                            Format::Q4_1 => tile_scalar::<Q4_1>(&pan, p, &x, 0, rows),
-                            _ => tile_scalar::<Q8_0>(&pan, p, &x, 0, rows),
-                        };
+                        let v = scalar(f, &pan, p, &x, rows);
                         for (i, v) in v.iter().enumerate() {
                             let at = i * n + cols.start + p * PANEL;
                             for (lane, v) in v[..lanes].iter().enumerate() {
