@@ -60,6 +60,7 @@
 mod block32;
 mod k;
 mod panel;
+mod panel_k;
 mod rows;
 
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -234,7 +235,7 @@ pub(crate) fn available(f: Format) -> bool {
 
 /// Whether products of format `f` over [`panel::MIN_ROWS`] rows or more take the panels.
 fn panels(f: Format) -> bool {
-    mode() == Mode::Panels && panel::available(f)
+    mode() == Mode::Panels && (panel::available(f) || panel_k::available(f))
 }
 
 /// Activation rows rounded to 8 bits per block of 32.
@@ -253,6 +254,9 @@ pub(crate) struct Q8Rows {
     s: Vec<f32>,
     /// Per block of 32: the sum of its values.
     sums: Vec<i32>,
+    /// Per block of 32, in rows scaled per 256 (the k-quants'): the sum of its first 16
+    /// values (q6_K's scales cover 16 values each); empty otherwise.
+    halves: Vec<i32>,
     /// The values, `k` per row.
     qs: Vec<i8>,
     /// Values per row.
@@ -277,12 +281,16 @@ impl Q8Rows {
         let mut d = Vec::with_capacity(blocks);
         let mut s = vec![0f32; t.div_ceil(S_GROUP) * S_GROUP * nb];
         let mut sums = Vec::with_capacity(blocks);
+        let mut halves = Vec::new();
         let mut qs = vec![0i8; t * k];
         for (x, q) in xs[..t * k].chunks_exact(per).zip(qs.chunks_exact_mut(per)) {
             let scale = rows::amax(x) / 127.0;
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
             for (x, q) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)) {
                 let sum = rows::round_block(x, inv, q);
+                if per == SUPER {
+                    halves.push(q[..BLOCK / 2].iter().map(|&v| v as i32).sum());
+                }
                 s[s_index(nb, d.len() / nb, d.len() % nb)] = scale * sum as f32;
                 d.push(scale);
                 sums.push(sum);
@@ -292,6 +300,7 @@ impl Q8Rows {
             d,
             s,
             sums,
+            halves,
             qs,
             k,
             per,
@@ -329,7 +338,13 @@ pub(crate) unsafe fn product(
 ) {
     if x.rows() >= panel::MIN_ROWS && panels(f) {
         // SAFETY: the caller's guarantees; `panels` checked the CPU.
-        return unsafe { panel::product(f, x, w, cols, out, width, accumulate) };
+        return unsafe {
+            if f.block_values() == SUPER {
+                panel_k::product(f, x, w, cols, out, width, accumulate)
+            } else {
+                panel::product(f, x, w, cols, out, width, accumulate)
+            }
+        };
     }
     let tile = if mode() == Mode::Untiled {
         1

@@ -38,9 +38,11 @@ const PANEL_BLOCK: usize = BLOCK * PANEL;
 
 /// Whether this CPU multiplies format `f` by panels.
 pub(super) fn available(f: Format) -> bool {
-    if f.block_values() != BLOCK {
-        return false;
-    }
+    f.block_values() == BLOCK && cpu_has()
+}
+
+/// Whether the CPU has what panels take: AVX-512 F, BW and VNNI.
+pub(super) fn cpu_has() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx512f")
@@ -200,35 +202,53 @@ impl Panels {
                         }
                     };
                 }
-                // Pairs of rows: t[2i] their words 0,1 (low half) and 4,5 (high half) side by
-                // side, t[2i + 1] words 2,3 and 6,7.
-                let mut t = [_mm256_setzero_si256(); 8];
-                for i in 0..4 {
-                    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-                    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-                }
-                // Quads of rows: rows 4q..4q + 4 of word g (low half) and g + 4 (high half),
-                // g = 2w + hi.
-                for g in 0..4 {
-                    let (w, hi) = (g / 2, g % 2 == 1);
-                    let mut quads = [_mm256_setzero_si256(); 2];
-                    for (q, v) in quads.iter_mut().enumerate() {
-                        let (a, b) = (t[4 * q + w], t[4 * q + w + 2]);
-                        *v = if hi {
-                            _mm256_unpackhi_epi64(a, b)
-                        } else {
-                            _mm256_unpacklo_epi64(a, b)
-                        };
-                    }
-                    let lo = _mm256_permute2x128_si256::<0x20>(quads[0], quads[1]);
-                    let up = _mm256_permute2x128_si256::<0x31>(quads[0], quads[1]);
-                    // SAFETY: groups g and g + 4 of this block lie within the panels.
-                    unsafe {
-                        _mm256_storeu_si256(dst.add(g * 64 + half * 32) as *mut __m256i, lo);
-                        _mm256_storeu_si256(dst.add((g + 4) * 64 + half * 32) as *mut __m256i, up);
-                    }
-                }
+                // SAFETY: the CPU has AVX2; this block's eight groups lie within the panels.
+                unsafe { transpose_store(&r, dst, half) };
             }
+        }
+    }
+}
+
+/// Eight weight rows' 32 values of one block (`r`, unsigned bytes), transposed as eight by
+/// eight 32-bit words into half `half` (lanes 0..8 or 8..16) of the block's eight groups at
+/// `dst`: word `g` of every row lands in group `g`.
+///
+/// # Safety
+/// The CPU has AVX2; `dst` is valid for writes of eight groups of [`PANEL`] words.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+pub(super) unsafe fn transpose_store(
+    r: &[std::arch::x86_64::__m256i; 8],
+    dst: *mut u8,
+    half: usize,
+) {
+    use std::arch::x86_64::*;
+    // Pairs of rows: t[2i] their words 0,1 (low half) and 4,5 (high half) side by
+    // side, t[2i + 1] words 2,3 and 6,7.
+    let mut t = [_mm256_setzero_si256(); 8];
+    for i in 0..4 {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    // Quads of rows: rows 4q..4q + 4 of word g (low half) and g + 4 (high half),
+    // g = 2w + hi.
+    for g in 0..4 {
+        let (w, hi) = (g / 2, g % 2 == 1);
+        let mut quads = [_mm256_setzero_si256(); 2];
+        for (q, v) in quads.iter_mut().enumerate() {
+            let (a, b) = (t[4 * q + w], t[4 * q + w + 2]);
+            *v = if hi {
+                _mm256_unpackhi_epi64(a, b)
+            } else {
+                _mm256_unpacklo_epi64(a, b)
+            };
+        }
+        let lo = _mm256_permute2x128_si256::<0x20>(quads[0], quads[1]);
+        let up = _mm256_permute2x128_si256::<0x31>(quads[0], quads[1]);
+        // SAFETY: groups g and g + 4 of this block lie within the panels.
+        unsafe {
+            _mm256_storeu_si256(dst.add(g * 64 + half * 32) as *mut __m256i, lo);
+            _mm256_storeu_si256(dst.add((g + 4) * 64 + half * 32) as *mut __m256i, up);
         }
     }
 }
