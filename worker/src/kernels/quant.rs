@@ -23,7 +23,8 @@
 //! step of several rows, a prefill) takes the 32-wide formats by panels instead ([`panel`]):
 //! sixteen weight rows repacked per product so that one 512-bit `vpdpbusd` serves all sixteen,
 //! each block's sum exact in one lane (one SmolLM2 decode step of 16 rows on one core: Q8_0
-//! 209 → 603 tok/s; a 158-token prefill 645 → 1052 prompt tokens/s).
+//! 209 → 603 tok/s; a 158-token prefill 645 → 1052 prompt tokens/s), and the k-quants by
+//! their own panels ([`panel_k`]).
 //!
 //! Elsewhere, a product of more than [`GEMM_ROWS`] activation rows (a prefill) takes another
 //! way: each column block's weights are dequantized exactly to f32 (`d·q + m` from the f16 scales, as
