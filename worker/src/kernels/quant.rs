@@ -341,9 +341,9 @@ pub(crate) unsafe fn product(
         // SAFETY: the caller's guarantees; `panels` checked the CPU.
         return unsafe {
             if f.block_values() == SUPER {
-                panel_k::product(f, x, w, cols, out, width, accumulate)
+                panel::product_by(&panel_k::SCRATCH, f, x, w, cols, out, width, accumulate)
             } else {
-                panel::product(f, x, w, cols, out, width, accumulate)
+                panel::product_by(&panel::SCRATCH, f, x, w, cols, out, width, accumulate)
             }
         };
     }

@@ -30,7 +30,7 @@ use super::{f16_at, Format, Q8Rows, BLOCK, Q4_0, Q4_1, Q8_0};
 pub(super) const PANEL: usize = 16;
 /// Activation rows that meet a panel's block at once: their accumulators, the block's eight
 /// registers of values and its scales fit AVX-512's thirty-two registers.
-const ROWS: usize = 8;
+pub(super) const ROWS: usize = 8;
 /// Activation rows from which a product takes the panels.
 pub(super) const MIN_ROWS: usize = 4;
 /// Bytes of one block of a panel: 32 values of each of its sixteen rows.
@@ -265,16 +265,88 @@ const fn offset<const F: u8>() -> i32 {
 
 thread_local! {
     /// Each thread's panels, reused from product to product.
-    static SCRATCH: std::cell::RefCell<Panels> = std::cell::RefCell::new(Panels::default());
+    pub(super) static SCRATCH: std::cell::RefCell<Panels> = std::cell::RefCell::new(Panels::default());
 }
 
-/// [`super::product`] by panels: `out[i·width + c]` (added to when `accumulate`) = row `i`
-/// of `x` · weight row `c` for every column of `cols`, whose rows `w` holds.
+/// Weight rows repacked for products by panels: [`Panels`] (the 32-wide formats) and the
+/// k-quants' [`super::panel_k::KPanels`].
+pub(super) trait Repack: 'static {
+    /// Repacks `rows` weight rows of `k` values of format `f` from `w`.
+    fn repack(&mut self, f: Format, w: &[u8], rows: usize, k: usize);
+
+    /// Activation rows `i..i + r` (`r` ≤ [`ROWS`]) · panel `p`: per row, the sixteen lanes.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F, BW and VNNI.
+    unsafe fn tile(
+        &self,
+        f: Format,
+        p: usize,
+        x: &Q8Rows,
+        i: usize,
+        r: usize,
+    ) -> [[f32; PANEL]; ROWS];
+}
+
+impl Repack for Panels {
+    fn repack(&mut self, f: Format, w: &[u8], rows: usize, k: usize) {
+        self.fill_as(f, w, rows, k / BLOCK);
+    }
+
+    unsafe fn tile(
+        &self,
+        f: Format,
+        p: usize,
+        x: &Q8Rows,
+        i: usize,
+        r: usize,
+    ) -> [[f32; PANEL]; ROWS] {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller's guarantee: the CPU has AVX-512 F, BW and VNNI.
+        unsafe {
+            match f {
+                Format::Q4_0 => by_rows!(tile_avx512, Q4_0, r, self, p, x, i),
+                Format::Q4_1 => by_rows!(tile_avx512, Q4_1, r, self, p, x, i),
+                _ => by_rows!(tile_avx512, Q8_0, r, self, p, x, i),
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (f, p, x, i, r);
+            unreachable!("panels are never available off x86-64")
+        }
+    }
+}
+
+/// `$run::<$f, R>($args)` for `R` = `$r` (1..=[`ROWS`]), widened to a whole tile.
+macro_rules! by_rows {
+    ($run:ident, $f:expr, $r:expr, $($args:expr),*) => {
+        match $r {
+            1 => widen($run::<$f, 1>($($args),*)),
+            2 => widen($run::<$f, 2>($($args),*)),
+            3 => widen($run::<$f, 3>($($args),*)),
+            4 => widen($run::<$f, 4>($($args),*)),
+            5 => widen($run::<$f, 5>($($args),*)),
+            6 => widen($run::<$f, 6>($($args),*)),
+            7 => widen($run::<$f, 7>($($args),*)),
+            _ => widen($run::<$f, 8>($($args),*)),
+        }
+    };
+}
+pub(super) use by_rows;
+
+/// [`super::product`] by panels, repacked into the thread's `scratch` ([`SCRATCH`], or the
+/// k-quants' `panel_k::SCRATCH`): `out[i·width + c]` (added to when `accumulate`) = row `i` of
+/// `x` · weight row `c` for every column of `cols`, whose rows `w` holds. Each panel meets
+/// every tile of activation rows while it is in cache.
 ///
 /// # Safety
-/// [`available`] `f`; `out` is valid for writes of `x.rows()` rows of `width` values, and no
-/// other thread touches these columns meanwhile.
-pub(super) unsafe fn product(
+/// `scratch`'s panels are available for `f` ([`available`], `panel_k::available`); `out` is
+/// valid for writes of `x.rows()` rows of `width` values, and no other thread touches these
+/// columns meanwhile.
+#[allow(clippy::too_many_arguments)]
+pub(super) unsafe fn product_by<P: Repack>(
+    scratch: &'static std::thread::LocalKey<std::cell::RefCell<P>>,
     f: Format,
     x: &Q8Rows,
     w: &[u8],
@@ -283,9 +355,8 @@ pub(super) unsafe fn product(
     width: usize,
     accumulate: bool,
 ) {
-    SCRATCH.with_borrow_mut(|pan| {
-        let nb = x.k / BLOCK;
-        pan.fill_as(f, w, cols.len(), nb);
+    scratch.with_borrow_mut(|pan| {
+        pan.repack(f, w, cols.len(), x.k);
         let rows = x.rows();
         for p in 0..cols.len().div_ceil(PANEL) {
             let c0 = cols.start + p * PANEL;
@@ -293,7 +364,7 @@ pub(super) unsafe fn product(
             for i in (0..rows).step_by(ROWS) {
                 let r = (rows - i).min(ROWS);
                 // SAFETY: the caller's guarantees.
-                let v = unsafe { tile(f, pan, p, x, i, r) };
+                let v = unsafe { pan.tile(f, p, x, i, r) };
                 for (dr, v) in v[..r].iter().enumerate() {
                     for (lane, v) in v[..lanes].iter().enumerate() {
                         // SAFETY: within the rows and columns the caller owns.
@@ -308,50 +379,8 @@ pub(super) unsafe fn product(
     });
 }
 
-/// Activation rows `i..i + r` · panel `p`: per row, the sixteen lanes.
-///
-/// # Safety
-/// [`available`] `f`.
-unsafe fn tile(
-    f: Format,
-    pan: &Panels,
-    p: usize,
-    x: &Q8Rows,
-    i: usize,
-    r: usize,
-) -> [[f32; PANEL]; ROWS] {
-    macro_rules! by_rows {
-        ($f:expr) => {
-            match r {
-                1 => widen(tile_avx512::<$f, 1>(pan, p, x, i)),
-                2 => widen(tile_avx512::<$f, 2>(pan, p, x, i)),
-                3 => widen(tile_avx512::<$f, 3>(pan, p, x, i)),
-                4 => widen(tile_avx512::<$f, 4>(pan, p, x, i)),
-                5 => widen(tile_avx512::<$f, 5>(pan, p, x, i)),
-                6 => widen(tile_avx512::<$f, 6>(pan, p, x, i)),
-                7 => widen(tile_avx512::<$f, 7>(pan, p, x, i)),
-                _ => widen(tile_avx512::<$f, 8>(pan, p, x, i)),
-            }
-        };
-    }
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: the caller's guarantee: the CPU has AVX-512 F, BW and VNNI.
-    unsafe {
-        match f {
-            Format::Q4_0 => by_rows!(Q4_0),
-            Format::Q4_1 => by_rows!(Q4_1),
-            _ => by_rows!(Q8_0),
-        }
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (f, pan, p, x, i, r);
-        unreachable!("panels are never available off x86-64")
-    }
-}
-
 /// `R` rows of lanes in the first `R` of a tile.
-fn widen<const R: usize>(v: [[f32; PANEL]; R]) -> [[f32; PANEL]; ROWS] {
+pub(super) fn widen<const R: usize>(v: [[f32; PANEL]; R]) -> [[f32; PANEL]; ROWS] {
     let mut out = [[0f32; PANEL]; ROWS];
     out[..R].copy_from_slice(&v);
     out
@@ -531,7 +560,7 @@ mod tests {
                 for cols in [0..mid, mid..n] {
                     let w = &w[cols.start * row..cols.end * row];
                     // SAFETY: `available(f)`; `out` holds every row and column.
-                    unsafe { product(f, &x, w, cols, out.as_mut_ptr(), n, true) };
+                    unsafe { product_by(&SCRATCH, f, &x, w, cols, out.as_mut_ptr(), n, true) };
                 }
                 let mut pan = Panels::default();
                 let mut want = vec![0f32; rows * n];

@@ -18,15 +18,13 @@
 
 use super::k::k_vectors;
 use super::k::{k_block_bytes, k_ints, k_values};
-use super::panel::{cpu_has, PANEL};
+use super::panel::{by_rows, cpu_has, widen, Repack, PANEL, ROWS};
 use super::{Format, Q8Rows, BLOCK, Q4K, Q5K, Q6K, SUPER};
 
 /// Sub-blocks of 32 values in a super-block.
 const SUBS: usize = SUPER / BLOCK;
 /// Bytes of one sub-block of a panel: 32 values of each of its sixteen rows.
 const SUB_BYTES: usize = BLOCK * PANEL;
-/// Activation rows that meet a panel's sub-block at once.
-const ROWS: usize = 8;
 
 /// Whether this CPU multiplies format `f` by k-quant panels.
 pub(super) fn available(f: Format) -> bool {
@@ -167,94 +165,37 @@ impl KPanels {
 
 thread_local! {
     /// Each thread's panels, reused from product to product.
-    static SCRATCH: std::cell::RefCell<KPanels> = std::cell::RefCell::new(KPanels::default());
+    pub(super) static SCRATCH: std::cell::RefCell<KPanels> = std::cell::RefCell::new(KPanels::default());
 }
 
-/// [`super::product`] by k-quant panels (rows scaled per 256).
-///
-/// # Safety
-/// [`available`] `f`; `out` is valid for writes of `x.rows()` rows of `width` values, and no
-/// other thread touches these columns meanwhile.
-pub(super) unsafe fn product(
-    f: Format,
-    x: &Q8Rows,
-    w: &[u8],
-    cols: std::ops::Range<usize>,
-    out: *mut f32,
-    width: usize,
-    accumulate: bool,
-) {
-    SCRATCH.with_borrow_mut(|pan| {
-        pan.fill_as(f, w, cols.len(), x.k / SUPER);
-        let rows = x.rows();
-        for p in 0..cols.len().div_ceil(PANEL) {
-            let c0 = cols.start + p * PANEL;
-            let lanes = (cols.end - c0).min(PANEL);
-            for i in (0..rows).step_by(ROWS) {
-                let r = (rows - i).min(ROWS);
-                // SAFETY: the caller's guarantees.
-                let v = unsafe { tile(f, pan, p, x, i, r) };
-                for (dr, v) in v[..r].iter().enumerate() {
-                    for (lane, v) in v[..lanes].iter().enumerate() {
-                        // SAFETY: within the rows and columns the caller owns.
-                        unsafe {
-                            let o = out.add((i + dr) * width + c0 + lane);
-                            *o = if accumulate { *o + v } else { *v };
-                        }
-                    }
-                }
+impl Repack for KPanels {
+    fn repack(&mut self, f: Format, w: &[u8], rows: usize, k: usize) {
+        self.fill_as(f, w, rows, k / SUPER);
+    }
+
+    unsafe fn tile(
+        &self,
+        f: Format,
+        p: usize,
+        x: &Q8Rows,
+        i: usize,
+        r: usize,
+    ) -> [[f32; PANEL]; ROWS] {
+        #[cfg(target_arch = "x86_64")]
+        // SAFETY: the caller's guarantee: the CPU has AVX-512 F, BW and VNNI.
+        unsafe {
+            match f {
+                Format::Q4K => by_rows!(tile_avx512, Q4K, r, self, p, x, i),
+                Format::Q5K => by_rows!(tile_avx512, Q5K, r, self, p, x, i),
+                _ => by_rows!(tile_avx512, Q6K, r, self, p, x, i),
             }
         }
-    });
-}
-
-/// Activation rows `i..i + r` · panel `p`: per row, the sixteen lanes.
-///
-/// # Safety
-/// [`available`] `f`.
-unsafe fn tile(
-    f: Format,
-    pan: &KPanels,
-    p: usize,
-    x: &Q8Rows,
-    i: usize,
-    r: usize,
-) -> [[f32; PANEL]; ROWS] {
-    macro_rules! by_rows {
-        ($f:expr) => {
-            match r {
-                1 => widen(tile_avx512::<$f, 1>(pan, p, x, i)),
-                2 => widen(tile_avx512::<$f, 2>(pan, p, x, i)),
-                3 => widen(tile_avx512::<$f, 3>(pan, p, x, i)),
-                4 => widen(tile_avx512::<$f, 4>(pan, p, x, i)),
-                5 => widen(tile_avx512::<$f, 5>(pan, p, x, i)),
-                6 => widen(tile_avx512::<$f, 6>(pan, p, x, i)),
-                7 => widen(tile_avx512::<$f, 7>(pan, p, x, i)),
-                _ => widen(tile_avx512::<$f, 8>(pan, p, x, i)),
-            }
-        };
-    }
-    #[cfg(target_arch = "x86_64")]
-    // SAFETY: the caller's guarantee: the CPU has AVX-512 F, BW and VNNI.
-    unsafe {
-        match f {
-            Format::Q4K => by_rows!(Q4K),
-            Format::Q5K => by_rows!(Q5K),
-            _ => by_rows!(Q6K),
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            let _ = (f, p, x, i, r);
+            unreachable!("panels are never available off x86-64")
         }
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        let _ = (f, pan, p, x, i, r);
-        unreachable!("panels are never available off x86-64")
-    }
-}
-
-/// `R` rows of lanes in the first `R` of a tile.
-fn widen<const R: usize>(v: [[f32; PANEL]; R]) -> [[f32; PANEL]; ROWS] {
-    let mut out = [[0f32; PANEL]; ROWS];
-    out[..R].copy_from_slice(&v);
-    out
 }
 
 /// [`tile`] with AVX-512 F, BW and VNNI.
@@ -426,6 +367,7 @@ fn tile_scalar<const F: u8>(
 
 #[cfg(test)]
 mod tests {
+    use super::super::panel::product_by;
     use super::super::tests::{assert_products, val, weights};
     use super::*;
 
@@ -475,7 +417,9 @@ mod tests {
                 for cols in [0..mid, mid..n] {
                     let w = &w[cols.start * row..cols.end * row];
                     // SAFETY: `available(f)`; `out` holds every row and column.
-                    unsafe { product(f, &x, w, cols.clone(), out.as_mut_ptr(), n, true) };
+                    unsafe {
+                        product_by(&SCRATCH, f, &x, w, cols.clone(), out.as_mut_ptr(), n, true)
+                    };
                     let mut pan = KPanels::default();
                     pan.fill_as(f, w, cols.len(), k / SUPER);
                     for p in 0..cols.len().div_ceil(PANEL) {
