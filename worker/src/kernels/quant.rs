@@ -283,12 +283,13 @@ impl Q8Rows {
         let mut s = vec![0f32; t.div_ceil(S_GROUP) * S_GROUP * nb];
         let mut sums = Vec::with_capacity(blocks);
         let mut halves = Vec::new();
+        let simd = rows::vectors();
         let mut qs = vec![0i8; t * k];
         for (x, q) in xs[..t * k].chunks_exact(per).zip(qs.chunks_exact_mut(per)) {
-            let scale = rows::amax(x) / 127.0;
+            let scale = rows::amax(x, simd) / 127.0;
             let inv = if scale > 0.0 { 1.0 / scale } else { 0.0 };
             for (x, q) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)) {
-                let sum = rows::round_block(x, inv, q);
+                let sum = rows::round_block(x, inv, q, simd);
                 if per == SUPER {
                     halves.push(q[..BLOCK / 2].iter().map(|&v| v as i32).sum());
                 }

@@ -69,15 +69,6 @@ pub(super) struct Panels {
 }
 
 impl Panels {
-    /// [`Panels::fill`] for format `f` (a 32-wide one).
-    fn fill_as(&mut self, f: Format, w: &[u8], rows: usize, nb: usize) {
-        match f {
-            Format::Q4_0 => self.fill::<Q4_0>(w, rows, nb),
-            Format::Q4_1 => self.fill::<Q4_1>(w, rows, nb),
-            _ => self.fill::<Q8_0>(w, rows, nb),
-        }
-    }
-
     /// Repacks `rows` weight rows of `nb` blocks of format `F` from `w` (row-major blocks).
     fn fill<const F: u8>(&mut self, w: &[u8], rows: usize, nb: usize) {
         let bb = [18, 20, 34][F as usize];
@@ -290,7 +281,11 @@ pub(super) trait Repack: 'static {
 
 impl Repack for Panels {
     fn repack(&mut self, f: Format, w: &[u8], rows: usize, k: usize) {
-        self.fill_as(f, w, rows, k / BLOCK);
+        match f {
+            Format::Q4_0 => self.fill::<Q4_0>(w, rows, k / BLOCK),
+            Format::Q4_1 => self.fill::<Q4_1>(w, rows, k / BLOCK),
+            _ => self.fill::<Q8_0>(w, rows, k / BLOCK),
+        }
     }
 
     unsafe fn tile(
@@ -536,7 +531,7 @@ mod tests {
                 .collect();
             let x = Q8Rows::for_format(f, &xs, t, k);
             let mut pan = Panels::default();
-            pan.fill_as(f, &w, n, k / BLOCK);
+            pan.repack(f, &w, n, k);
             let mut want = vec![0f32; t * n];
             for p in 0..n.div_ceil(PANEL) {
                 let lanes = (n - p * PANEL).min(PANEL);
@@ -566,7 +561,7 @@ mod tests {
                 let mut want = vec![0f32; rows * n];
                 for cols in [0..mid, mid..n] {
                     let w = &w[cols.start * row..cols.end * row];
-                    pan.fill_as(f, w, cols.len(), k / BLOCK);
+                    pan.repack(f, w, cols.len(), k);
                     for p in 0..cols.len().div_ceil(PANEL) {
                         let lanes = (cols.len() - p * PANEL).min(PANEL);
                         let v = scalar(f, &pan, p, &x, rows);

@@ -152,15 +152,6 @@ impl KPanels {
             }
         }
     }
-
-    /// [`KPanels::fill`] for format `f` (a k-quant).
-    fn fill_as(&mut self, f: Format, w: &[u8], rows: usize, ns: usize) {
-        match f {
-            Format::Q4K => self.fill::<Q4K>(w, rows, ns),
-            Format::Q5K => self.fill::<Q5K>(w, rows, ns),
-            _ => self.fill::<Q6K>(w, rows, ns),
-        }
-    }
 }
 
 thread_local! {
@@ -170,7 +161,11 @@ thread_local! {
 
 impl Repack for KPanels {
     fn repack(&mut self, f: Format, w: &[u8], rows: usize, k: usize) {
-        self.fill_as(f, w, rows, k / SUPER);
+        match f {
+            Format::Q4K => self.fill::<Q4K>(w, rows, k / SUPER),
+            Format::Q5K => self.fill::<Q5K>(w, rows, k / SUPER),
+            _ => self.fill::<Q6K>(w, rows, k / SUPER),
+        }
     }
 
     unsafe fn tile(
@@ -393,7 +388,7 @@ mod tests {
                 .collect();
             let x = Q8Rows::for_format(f, &xs, t, k);
             let mut pan = KPanels::default();
-            pan.fill_as(f, &w, n, k / SUPER);
+            pan.repack(f, &w, n, k);
             let mut want = vec![0f32; t * n];
             for p in 0..n.div_ceil(PANEL) {
                 let lanes = (n - p * PANEL).min(PANEL);
@@ -421,7 +416,7 @@ mod tests {
                         product_by(&SCRATCH, f, &x, w, cols.clone(), out.as_mut_ptr(), n, true)
                     };
                     let mut pan = KPanels::default();
-                    pan.fill_as(f, w, cols.len(), k / SUPER);
+                    pan.repack(f, w, cols.len(), k);
                     for p in 0..cols.len().div_ceil(PANEL) {
                         let lanes = (cols.len() - p * PANEL).min(PANEL);
                         for (i, v) in scalar(f, &pan, p, &x, rows).iter().enumerate() {

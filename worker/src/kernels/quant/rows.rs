@@ -4,24 +4,36 @@
 
 use super::BLOCK;
 
-/// The largest magnitude of `x` (NaN ignored, as `f32::max` ignores it).
-pub(super) fn amax(x: &[f32]) -> f32 {
+/// Whether the vector builds run here (asked once per product, not per block).
+pub(super) fn vectors() -> bool {
     #[cfg(target_arch = "x86_64")]
-    if x.len().is_multiple_of(8) && std::arch::is_x86_feature_detected!("avx2") {
+    {
+        std::arch::is_x86_feature_detected!("avx2")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
+/// The largest magnitude of `x` (NaN ignored, as `f32::max` ignores it); `simd`: [`vectors`].
+pub(super) fn amax(x: &[f32], simd: bool) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if simd && x.len().is_multiple_of(8) {
         // SAFETY: the CPU has AVX2; `x` is whole vectors of eight.
         return unsafe { amax_avx2(x) };
     }
+    let _ = simd;
     x.iter().fold(0f32, |m, v| m.max(v.abs()))
 }
 
 /// Block `x` times `inv`, rounded half away from zero and clamped to ±127, into `q`; the
-/// sum of the values.
-pub(super) fn round_block(x: &[f32], inv: f32, q: &mut [i8]) -> i32 {
+/// sum of the values; `simd`: [`vectors`].
+pub(super) fn round_block(x: &[f32], inv: f32, q: &mut [i8], simd: bool) -> i32 {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") {
+    if simd {
         // SAFETY: the CPU has AVX2.
         return unsafe { round_block_avx2(x, inv, q) };
     }
+    let _ = simd;
     round_block_scalar(x, inv, q)
 }
 
@@ -147,12 +159,16 @@ mod tests {
             }
             for inv in [1.0, 0.5, 1.27, 0.0, 3.0e-3] {
                 let (mut a, mut b) = ([0i8; BLOCK], [0i8; BLOCK]);
-                let sa = round_block(&x, inv, &mut a);
+                let sa = round_block(&x, inv, &mut a, vectors());
                 let sb = round_block_scalar(&x, inv, &mut b);
                 assert_eq!((a, sa), (b, sb), "case {case}, inv {inv}");
             }
             let scalar = x.iter().fold(0f32, |m, v| m.max(v.abs()));
-            assert_eq!(amax(&x).to_bits(), scalar.to_bits(), "case {case}");
+            assert_eq!(
+                amax(&x, vectors()).to_bits(),
+                scalar.to_bits(),
+                "case {case}"
+            );
         }
     }
 }
