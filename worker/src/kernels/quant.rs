@@ -24,7 +24,10 @@
 //! sixteen weight rows repacked per product so that one 512-bit `vpdpbusd` serves all sixteen,
 //! each block's sum exact in one lane (one SmolLM2 decode step of 16 rows on one core: Q8_0
 //! 209 → 603 tok/s; a 158-token prefill 645 → 1052 prompt tokens/s), and the k-quants by
-//! their own panels ([`panel_k`]).
+//! their own panels ([`panel_k`]) from [`K_PANEL_ROWS`] rows. Fewer k-quant rows (a decode
+//! step of 1 to 11) go by [`k_row`] where the CPU has AVX-512 BW: each super-block read in
+//! place, 128 values to a register, in the panels' arithmetic (a lone row of the wide Q4_K_M
+//! file on one core: 96 → 224 tok/s; 4 rows 192 → 408).
 //!
 //! Elsewhere, a product of more than [`GEMM_ROWS`] activation rows (a prefill) takes another
 //! way: each column block's weights are dequantized exactly to f32 (`d·q + m` from the f16 scales, as
@@ -60,6 +63,7 @@
 
 mod block32;
 mod k;
+mod k_row;
 mod panel;
 mod panel_k;
 mod rows;
@@ -88,6 +92,11 @@ pub(crate) const GEMM_ROWS: usize = 64;
 const TILE: usize = 4;
 /// Weight rows multiplied with a lone activation row at once (see `dots_cols_avx2`).
 const COL_TILE: usize = 4;
+/// Activation rows from which the k-quants take the panels rather than [`k_row`], where the
+/// CPU has both. One core, the wide Q4_K_M file: a decode step of 4 rows ran at 408 tok/s by
+/// `k_row` against 192 by panels, one of 16 at 439 against 532; with each way's time a fixed
+/// part (the panels' repack) plus a part per row, they cross at about 12 rows.
+const K_PANEL_ROWS: usize = 12;
 /// Activation rows that share one unpacked k-quant super-block: its products sum in eight
 /// integer accumulators (the float ones are touched once per super-block), and unpacking a
 /// super-block (scales, values) costs more than a block of 32, so it serves twice the rows.
@@ -338,15 +347,21 @@ pub(crate) unsafe fn product(
     width: usize,
     accumulate: bool,
 ) {
-    if x.rows() >= panel::MIN_ROWS && panels(f) {
-        // SAFETY: the caller's guarantees; `panels` checked the CPU.
-        return unsafe {
-            if f.block_values() == SUPER {
-                panel::product_by(&panel_k::SCRATCH, f, x, w, cols, out, width, accumulate)
-            } else {
-                panel::product_by(&panel::SCRATCH, f, x, w, cols, out, width, accumulate)
-            }
-        };
+    if mode() == Mode::Panels {
+        if f.block_values() == SUPER && x.rows() < K_PANEL_ROWS && k_row::available() {
+            // SAFETY: the caller's guarantees; `available` checked the CPU.
+            return unsafe { k_row::product(f, x, w, cols, out, width, accumulate) };
+        }
+        if x.rows() >= panel::MIN_ROWS && panels(f) {
+            // SAFETY: the caller's guarantees; `panels` checked the CPU.
+            return unsafe {
+                if f.block_values() == SUPER {
+                    panel::product_by(&panel_k::SCRATCH, f, x, w, cols, out, width, accumulate)
+                } else {
+                    panel::product_by(&panel::SCRATCH, f, x, w, cols, out, width, accumulate)
+                }
+            };
+        }
     }
     let tile = if mode() == Mode::Untiled {
         1

@@ -5,7 +5,7 @@
 use super::{f16_at, scalar_lane_sum, Format, Q8Rows, BLOCK, Q4K, Q5K, Q6K, SUPER};
 
 /// The 6-bit scale and minimum of sub-block `j` (0..8) of a q4_K/q5_K super-block's 12 bytes.
-fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
+pub(super) fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     if j < 4 {
         (s[j] & 63, s[j + 4] & 63)
     } else {

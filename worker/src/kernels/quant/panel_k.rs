@@ -14,7 +14,9 @@
 //! super-block and row, in order): [`tile_scalar`] is this arithmetic bit for bit. One core,
 //! a random 1024-wide Q4_K_M model (`scripts/make-wide-gguf.py`): a 158-token prefill 448 →
 //! 1296 prompt tokens/s, batch-16 decode 270 → 511 tok/s, batch 4 about even (186 against
-//! 193: the repack's scales are unpacked row by row).
+//! 193: the repack's scales are unpacked row by row), so steps of fewer rows than
+//! [`super::K_PANEL_ROWS`] take [`super::k_row`] (408 tok/s at 4), which reads the blocks in
+//! place in this arithmetic.
 
 use super::k::k_vectors;
 use super::k::{k_block_bytes, k_ints, k_values};
@@ -309,7 +311,7 @@ unsafe fn tile_avx512<const F: u8, const R: usize>(
 
 /// [`tile_avx512`]'s arithmetic in portable Rust, bit for bit.
 #[cfg(test)]
-fn tile_scalar<const F: u8>(
+pub(super) fn tile_scalar<const F: u8>(
     pan: &KPanels,
     p: usize,
     x: &Q8Rows,
