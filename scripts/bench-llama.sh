@@ -23,6 +23,8 @@
 #      MOLE_BENCH_GGUF (another GGUF of SmolLM2 for llama-* and mole-gguf*, e.g. a q8_0 one
 #      `llama-quantize --allow-requantize` wrote from the Q4_1 file; the bf16 import stays
 #      the Q4_1 file's),
+#      MOLE_BENCH_ADAPTER (the PEFT LoRA mole-gguf-lora serves, named french; default the demo
+#      adapter, SmolLM2's shape: another base needs its own, e.g. make-wide-gguf.py --adapter),
 #      MOLE_BENCH_PIN=1 (each server on the last core alone with one compute thread, guidellm
 #      on the others: the client never takes a server's core; MOLE_BENCH_THREADS is then 1).
 set -euo pipefail
@@ -63,7 +65,7 @@ fi
 root="$PWD/.mole-local/models"
 mkdir -p "$root/adapters" "$out"
 [ -e "$root/smollm2-135m-instruct/config.json" ] || "$bin" import --gguf "$q4_1" --out "$root/smollm2-135m-instruct"
-rm -rf "$root/adapters/french" && cp -r tests/fixtures/demo/french "$root/adapters/french"
+rm -rf "$root/adapters/french" && cp -r "${MOLE_BENCH_ADAPTER:-tests/fixtures/demo/french}" "$root/adapters/french"
 
 # One worker config per base; both name the base as the demo adapter's base_model_name_or_path.
 mole_config() { # $1: model root, $2: base path in it, $3: dtype, $4: more limits (optional)
