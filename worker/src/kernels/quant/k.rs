@@ -16,6 +16,30 @@ pub(super) fn scale_min_k4(j: usize, s: &[u8]) -> (u8, u8) {
     }
 }
 
+/// A q4_K/q5_K super-block's 12 bytes of 6-bit scales and minimums as 8 scales then 8
+/// minimums, one byte each: the bits moved by 32-bit words (`scale_min_k4`'s values, tested).
+pub(super) fn scales_mins_k4(s: &[u8]) -> [u8; 16] {
+    const LOW6: u32 = 0x3f3f_3f3f;
+    const LOW4: u32 = 0x0f0f_0f0f;
+    const LOW2: u32 = 0x0303_0303;
+    let word = |at: usize| u32::from_le_bytes([s[at], s[at + 1], s[at + 2], s[at + 3]]);
+    let (w0, w1, w2) = (word(0), word(4), word(8));
+    // Scales 0..4 are the low six bits of bytes 0..4, minimums 0..4 those of bytes 4..8;
+    // scales and minimums 4..8 take the nibbles of bytes 8..12 and, on top, the top two bits
+    // of bytes 0..4 and 4..8 respectively.
+    let out = [
+        w0 & LOW6,
+        (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4),
+        w1 & LOW6,
+        ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4),
+    ];
+    let mut b = [0u8; 16];
+    for (d, w) in b.chunks_exact_mut(4).zip(out) {
+        d.copy_from_slice(&w.to_le_bytes());
+    }
+    b
+}
+
 /// A k-quant super-block's integer scales, one per 16 values (a q4_K/q5_K sub-block of 32
 /// gives both of its halves its own), its integer minimums per 32 values (0 for q6_K), and the
 /// factors of both: `d` and `dmin` (f16, widened).
@@ -211,6 +235,46 @@ pub(super) unsafe fn k_vectors<const F: u8>(
     v
 }
 
+/// [`k_ints`] with the scales and minimums unpacked by words ([`scales_mins_k4`]) and the f16
+/// factors widened by F16C: the same values (a lone row of the tiled kernel spent a third of
+/// its time in the `half` crate's widening, called per super-block and row).
+///
+/// # Safety
+/// The CPU has F16C; `blk` holds a whole super-block of format `F`.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,f16c")]
+#[inline]
+unsafe fn k_ints_f16c<const F: u8>(blk: &[u8]) -> ([i16; 16], [i16; 8], f32, f32) {
+    use std::arch::x86_64::*;
+    let mut scale = [0i16; 16];
+    let mut min = [0i16; 8];
+    if F == Q6K {
+        for (s, &c) in scale.iter_mut().zip(&blk[192..208]) {
+            *s = c as i8 as i16;
+        }
+        let d = _mm_cvtph_ps(_mm_cvtsi32_si128(
+            u16::from_le_bytes([blk[208], blk[209]]) as i32
+        ));
+        (scale, min, _mm_cvtss_f32(d), 0.0)
+    } else {
+        let sm = scales_mins_k4(&blk[4..16]);
+        for c in 0..8 {
+            scale[2 * c] = sm[c] as i16;
+            scale[2 * c + 1] = sm[c] as i16;
+            min[c] = sm[8 + c] as i16;
+        }
+        let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(i32::from_le_bytes([
+            blk[0], blk[1], blk[2], blk[3],
+        ])));
+        (
+            scale,
+            min,
+            _mm_cvtss_f32(dm),
+            _mm_cvtss_f32(_mm_movehdup_ps(dm)),
+        )
+    }
+}
+
 /// [`dots`] of a k-quant with AVX2 (the arithmetic of [`dots_k_scalar`]).
 ///
 /// # Safety
@@ -242,7 +306,8 @@ pub(super) unsafe fn dots_k_avx2<const F: u8, const R: usize>(
         let blk = &w[sb * bb..(sb + 1) * bb];
         // SAFETY: the CPU has AVX2; `blk` is a whole super-block.
         let vals = unsafe { k_vectors::<F>(blk) };
-        let (sc, mn, d, dmin) = k_ints::<F>(blk);
+        // SAFETY: the CPU has F16C; `blk` is a whole super-block.
+        let (sc, mn, d, dmin) = unsafe { k_ints_f16c::<F>(blk) };
         let mut ints = [_mm256_setzero_si256(); R];
         for (c, &q) in vals.iter().enumerate() {
             let b = sb * (SUPER / BLOCK) + c;

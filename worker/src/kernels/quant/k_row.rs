@@ -21,35 +21,11 @@
 //! in their low and high halves, so its activations are regrouped to match (two 128-bit lane
 //! shuffles per 128 values); q5_K adds its fifth bits by a masked add.
 
-use super::k::k_block_bytes;
+use super::k::{k_block_bytes, scales_mins_k4};
 use super::{Q8Rows, BLOCK, Q4K, Q5K, Q6K, SUPER};
 
 /// Activation rows that meet each unpacked super-block at once (one call's rows).
 pub(super) const ROWS: usize = 8;
-
-/// A q4_K/q5_K super-block's 12 bytes of 6-bit scales and minimums as 8 scales then 8
-/// minimums, one byte each: the bits moved by 32-bit words (`scale_min_k4`'s values, tested).
-pub(super) fn scales_mins_k4(s: &[u8]) -> [u8; 16] {
-    const LOW6: u32 = 0x3f3f_3f3f;
-    const LOW4: u32 = 0x0f0f_0f0f;
-    const LOW2: u32 = 0x0303_0303;
-    let word = |at: usize| u32::from_le_bytes([s[at], s[at + 1], s[at + 2], s[at + 3]]);
-    let (w0, w1, w2) = (word(0), word(4), word(8));
-    // Scales 0..4 are the low six bits of bytes 0..4, minimums 0..4 those of bytes 4..8;
-    // scales and minimums 4..8 take the nibbles of bytes 8..12 and, on top, the top two bits
-    // of bytes 0..4 and 4..8 respectively.
-    let out = [
-        w0 & LOW6,
-        (w2 & LOW4) | (((w0 >> 6) & LOW2) << 4),
-        w1 & LOW6,
-        ((w2 >> 4) & LOW4) | (((w1 >> 6) & LOW2) << 4),
-    ];
-    let mut b = [0u8; 16];
-    for (d, w) in b.chunks_exact_mut(4).zip(out) {
-        d.copy_from_slice(&w.to_le_bytes());
-    }
-    b
-}
 
 /// `out[r·width + c]` (added to when `accumulate`) = activation row `r` (`R` rows) · weight
 /// row `c` (a k-quant `F`) for the columns `cols`, whose rows `w` holds: the k-quant panels'
