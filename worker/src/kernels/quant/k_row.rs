@@ -244,8 +244,8 @@ pub(super) unsafe fn rows_k_avx512<const F: u8, const R: usize>(
     }
 }
 
-/// [`super::product`] of a k-quant `f` over at most [`ROWS`] activation rows, by
-/// [`rows_k_avx512`].
+/// [`super::product`] of a k-quant `f` by [`rows_k_avx512`], [`ROWS`] activation rows a call
+/// (the caller sends fewer than [`super::K_PANEL_ROWS`]).
 ///
 /// # Safety
 /// The CPU has AVX-512 F and BW, AVX2, FMA and F16C; `out` is valid for writes of `x.rows()`
