@@ -53,4 +53,4 @@ helm --kubeconfig "$kubeconfig" install mole charts/mole --namespace mole-system
   --set workerImage.cpu.repository=mole-worker --set workerImage.cpu.tag=e2e-cpu \
   --wait --timeout 180s
 MOLE_E2E_KUBECONFIG="$kubeconfig" MOLE_E2E_MODELS_HOSTPATH=/mole-models \
-  cargo test -p mole-tests --test e2e_cluster -- --nocapture --test-threads=1
+  cargo test -p mole-tests --test e2e_cluster -- --ignored --nocapture --test-threads=1

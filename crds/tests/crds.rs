@@ -259,3 +259,49 @@ fn short_names_and_the_mole_category_are_unambiguous_beside_the_inference_extens
         "the clash this guards against"
     );
 }
+
+/// Every `format` in the CRDs is one kube-apiserver knows: `uint32`/`uint64` (schemars' names
+/// for Rust's unsigned integers) made every `helm install` and `kubectl apply` of the chart
+/// print "unrecognized format" warnings (seen against kube-apiserver v1.37.2). The unsigned
+/// ones keep their bounds as `minimum`/`maximum`.
+#[test]
+fn every_schema_format_is_one_the_api_server_knows() {
+    fn formats(v: &serde_json::Value, at: &str, out: &mut Vec<(String, String)>) {
+        match v {
+            serde_json::Value::Object(o) => {
+                if let Some(f) = o.get("format").and_then(|f| f.as_str()) {
+                    out.push((at.to_string(), f.to_string()));
+                }
+                for (k, c) in o {
+                    formats(c, &format!("{at}.{k}"), out);
+                }
+            }
+            serde_json::Value::Array(a) => a.iter().for_each(|c| formats(c, at, out)),
+            _ => {}
+        }
+    }
+    let known = [
+        mole_crds::KNOWN_NUMERIC_FORMATS,
+        &["date-time", "byte", "date"],
+    ]
+    .concat();
+    let mut seen = Vec::new();
+    for kind in ["InferencePool", "Adapter"] {
+        formats(&mole_crds::openapi_schema(kind).unwrap(), kind, &mut seen);
+    }
+    let unknown: Vec<_> = seen
+        .iter()
+        .filter(|(_, f)| !known.contains(&f.as_str()))
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "formats the API server does not know: {unknown:?}"
+    );
+    // A u32 field keeps its range: maxLoras is bounded by its own maximum, and every former
+    // uint32 at most by u32::MAX.
+    let pool = mole_crds::openapi_schema("InferencePool").unwrap();
+    let max_loras = &pool["properties"]["spec"]["properties"]["dynamic"]["properties"]["maxLoras"];
+    assert_eq!(max_loras["format"], "int64");
+    assert!(max_loras["minimum"].as_f64().unwrap() >= 0.0);
+    assert!(max_loras["maximum"].as_f64().unwrap() <= f64::from(u32::MAX));
+}

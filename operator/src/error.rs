@@ -28,7 +28,7 @@ impl FieldError {
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// The Kubernetes API refused or failed a call (retried with backoff).
-    #[error("kubernetes API: {0}")]
+    #[error("kubernetes API: {}", api_message(.0))]
     Kube(#[from] kube::Error),
     /// The spec is invalid; reported as a condition, not retried until the spec changes.
     #[error("invalid spec: {0}")]
@@ -47,9 +47,6 @@ pub enum Error {
     /// An object could not be serialized.
     #[error("serialization: {0}")]
     Serialization(#[from] serde_json::Error),
-    /// The finalizer machinery failed.
-    #[error("finalizer: {0}")]
-    Finalizer(String),
     /// The pool's operator-token Secret is unusable.
     #[error("operator token: {0}")]
     OperatorToken(String),
@@ -59,6 +56,13 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether the API server refused the request for what it held (a 4xx other than a
+    /// conflict or throttling): retrying the same write will not help.
+    pub fn is_refusal(&self) -> bool {
+        matches!(self, Error::Kube(kube::Error::Api(s))
+            if (400..500).contains(&s.code) && s.code != 409 && s.code != 429)
+    }
+
     /// Stable name of the error.
     pub fn code(&self) -> &'static str {
         match self {
@@ -67,10 +71,19 @@ impl Error {
             Error::Pod { .. } => "pod_unreachable",
             Error::Conflict(_) => "conflict",
             Error::Serialization(_) => "serialization",
-            Error::Finalizer(_) => "finalizer",
             Error::OperatorToken(_) => "operator_token",
             Error::StoreClosed(_) => "store_closed",
         }
+    }
+}
+
+/// What the API server said, as a person reads it: `<code> <reason>: <message>` for its
+/// refusals (kube's own Display appends the whole `Status` in Debug form, which ended up in
+/// users' Events), kube's text otherwise.
+pub fn api_message(e: &kube::Error) -> String {
+    match e {
+        kube::Error::Api(s) => format!("{} {}: {}", s.code, s.reason, s.message),
+        other => other.to_string(),
     }
 }
 

@@ -187,6 +187,42 @@ pub async fn acquire(client: Client, cfg: &LeaseConfig) {
     }
 }
 
+/// The Lease record of a holder giving it up (client-go's `ReleaseOnCancel`): no holder, a
+/// duration of one second, the transitions kept. A standby then takes it at its next try
+/// instead of waiting out the lease duration.
+pub fn released(prior: &LeaseSpec, now: Timestamp) -> LeaseSpec {
+    LeaseSpec {
+        holder_identity: Some(String::new()),
+        lease_duration_seconds: Some(1),
+        acquire_time: Some(MicroTime(now)),
+        renew_time: Some(MicroTime(now)),
+        lease_transitions: prior.lease_transitions,
+        ..Default::default()
+    }
+}
+
+/// Gives the Lease up if this replica still holds it, so a rolling update or a drain hands
+/// leadership over at once. Ok(true) when released; Ok(false) when another replica holds it
+/// (nothing to give). A failure only means the standby waits for the Lease to expire.
+pub async fn release(client: Client, cfg: &LeaseConfig) -> kube::Result<bool> {
+    let api: Api<Lease> = Api::namespaced(client, &cfg.namespace);
+    let Some(lease) = api.get_opt(&cfg.name).await? else {
+        return Ok(false);
+    };
+    let prior = lease.spec.clone().unwrap_or_default();
+    if prior.holder_identity.as_deref() != Some(cfg.identity.as_str()) {
+        return Ok(false);
+    }
+    let mut next = lease;
+    next.spec = Some(released(&prior, Timestamp::now()));
+    // With the resourceVersion read above: a standby that took over meanwhile keeps it.
+    match api.replace(&cfg.name, &PostParams::default(), &next).await {
+        Ok(_) => Ok(true),
+        Err(kube::Error::Api(e)) if e.code == 409 => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Renews the Lease until it is lost or could not be renewed for `renew_deadline`; then
 /// returns (so the process can exit) while the Lease is still valid for the others' view.
 pub async fn hold(client: Client, cfg: LeaseConfig) {
@@ -230,6 +266,23 @@ mod tests {
                 ..Default::default()
             }),
         }
+    }
+
+    #[test]
+    fn a_released_lease_is_free_at_once_and_keeps_its_transitions() {
+        let mut held = lease("a", 100, 15);
+        held.spec.as_mut().unwrap().lease_transitions = Some(3);
+        let now = Timestamp::from_second(105).unwrap();
+        let mut freed = held.clone();
+        freed.spec = Some(released(held.spec.as_ref().unwrap(), now));
+        let spec = freed.spec.as_ref().unwrap();
+        assert_eq!(spec.holder_identity.as_deref(), Some(""));
+        assert_eq!(spec.lease_transitions, Some(3));
+        // A standby that saw it held a moment ago takes it without waiting for expiry.
+        let mut obs = Observer::default();
+        let t0 = std::time::Instant::now();
+        assert!(!obs.can_take(&held, "b", t0));
+        assert!(obs.can_take(&freed, "b", t0));
     }
 
     #[test]

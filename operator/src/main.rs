@@ -106,6 +106,72 @@ struct RunArgs {
     /// `MOLE_OTLP_TRACES_ENDPOINT`); unset: they export nothing.
     #[arg(long, env = "MOLE_WORKER_OTLP_TRACES_ENDPOINT")]
     worker_otlp_traces_endpoint: Option<String>,
+    /// Seconds reconciles under way may take to finish after SIGTERM or SIGINT before they are
+    /// cut off; then the Lease is released and the process exits. Keep it well inside the
+    /// pod's terminationGracePeriodSeconds (30 by default).
+    #[arg(long, env = "MOLE_SHUTDOWN_GRACE", default_value_t = 10)]
+    shutdown_grace: u64,
+}
+
+/// Resolves at the first SIGTERM or SIGINT (a rollout, a drain, Ctrl+C); cloneable, so the
+/// controllers, the leader election and the grace timer all see the same signal.
+fn shutdown_signal() -> futures::future::Shared<futures::future::BoxFuture<'static, ()>> {
+    use futures::FutureExt;
+    async {
+        let term = async {
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(mut s) => {
+                    s.recv().await;
+                }
+                // No handler: only Ctrl+C stops it (never seen on Linux).
+                Err(e) => {
+                    tracing::warn!(error = %e, "no SIGTERM handler");
+                    std::future::pending::<()>().await;
+                }
+            }
+        };
+        tokio::select! {
+            _ = term => tracing::info!("SIGTERM: shutting down"),
+            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+        }
+    }
+    .boxed()
+    .shared()
+}
+
+/// Runs the controllers until `shutdown`, then gives the reconciles under way `grace` to
+/// finish; what is still running after that is dropped (each reconcile is idempotent: the
+/// next leader redoes it). Returns as soon as none is under way.
+async fn run_controllers(
+    client: kube::Client,
+    namespace: Option<String>,
+    ctx: Context,
+    shutdown: futures::future::Shared<futures::future::BoxFuture<'static, ()>>,
+    grace: Duration,
+) {
+    use std::sync::atomic::Ordering;
+    let in_flight = ctx.in_flight();
+    let run = controller::run(client, namespace, ctx, shutdown.clone());
+    tokio::pin!(run);
+    let drained = async {
+        shutdown.await;
+        let deadline = tokio::time::Instant::now() + grace;
+        while in_flight.load(Ordering::SeqCst) > 0 {
+            if tokio::time::Instant::now() >= deadline {
+                tracing::warn!(
+                    ?grace,
+                    under_way = in_flight.load(Ordering::SeqCst),
+                    "reconciles still running after the shutdown grace; stopping them"
+                );
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    };
+    tokio::select! {
+        _ = &mut run => {}
+        _ = drained => {}
+    }
 }
 
 fn pod_namespace() -> String {
@@ -149,6 +215,8 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
             .clone()
             .filter(|e| !e.trim().is_empty()),
     });
+    let shutdown = shutdown_signal();
+    let grace = Duration::from_secs(args.shutdown_grace);
     if args.leader_elect {
         let mut cfg = LeaseConfig::with_duration(
             args.lease_name.clone(),
@@ -165,20 +233,36 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         cfg.validate().map_err(anyhow::Error::msg)?;
         // A standby is healthy and ready: it serves metrics and waits for the Lease.
         health.set_ready();
-        leader::acquire(client.clone(), &cfg).await;
+        tokio::select! {
+            _ = leader::acquire(client.clone(), &cfg) => {}
+            // A standby stopped before it ever led: nothing to hand over.
+            _ = shutdown.clone() => {
+                server.abort();
+                return Ok(());
+            }
+        }
         metrics.leader.set(1);
         tracing::info!(identity = %cfg.identity, "leading");
         let lease_client = client.clone();
         tokio::select! {
-            _ = controller::run(client, args.namespace, ctx) => {}
+            _ = run_controllers(client.clone(), args.namespace, ctx, shutdown, grace) => {}
             _ = leader::hold(lease_client, cfg.clone()) => {
                 metrics.leader.set(0);
                 anyhow::bail!("lost the leader Lease; exiting so a fresh replica can stand by");
             }
         }
+        metrics.leader.set(0);
+        // Hand over at once: without it a standby waits out the lease duration, and every
+        // rolling update of the operator stops reconciling for that long.
+        match tokio::time::timeout(Duration::from_secs(5), leader::release(client, &cfg)).await {
+            Ok(Ok(true)) => tracing::info!(lease = %cfg.name, "released the leader Lease"),
+            Ok(Ok(false)) => {}
+            Ok(Err(e)) => tracing::warn!(error = %e, "could not release the leader Lease"),
+            Err(_) => tracing::warn!("releasing the leader Lease timed out"),
+        }
     } else {
         health.set_ready();
-        controller::run(client, args.namespace, ctx).await;
+        run_controllers(client, args.namespace, ctx, shutdown, grace).await;
     }
     server.abort();
     Ok(())

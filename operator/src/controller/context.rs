@@ -3,17 +3,20 @@
 //! backoff.
 
 use std::collections::HashMap;
-use std::sync::{Mutex, PoisonError};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use futures::{Stream, TryStreamExt};
 use k8s_openapi::api::core::v1::{ObjectReference, Pod, Secret};
 use kube::api::{ListParams, PostParams};
-use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
+use kube::runtime::watcher;
 use kube::{Api, Client, ResourceExt};
 use mole_crds::constants::{LABEL_APP_COMPONENT, LABEL_APP_INSTANCE};
 use mole_crds::{Adapter, InferencePool, LoraAdaptersResponse};
+use tokio::sync::watch;
 
+use super::events::Publisher;
 use crate::error::{Error, Result};
 use crate::resources;
 use crate::telemetry::Metrics;
@@ -28,15 +31,68 @@ pub struct Stores {
     pub pools: Store<InferencePool>,
     /// The Adapter controller's store.
     pub adapters: Store<Adapter>,
+    /// Which stores hold a first full list ([`POOLS_SYNCED`], [`ADAPTERS_SYNCED`] bits).
+    synced: watch::Receiver<u8>,
 }
 
-/// The write ends of [`Stores`] made by [`Stores::new`], fed by hand
-/// (`Writer::apply_watcher_event`), as tests do from their in-memory API server.
+/// [`Stores::ready`]'s bit of the pool store.
+const POOLS_SYNCED: u8 = 1;
+/// [`Stores::ready`]'s bit of the Adapter store.
+const ADAPTERS_SYNCED: u8 = 2;
+
+/// The write end of one of [`Stores`]' caches: applies watch events to the store and marks it
+/// synced at its first `InitDone` (the end of a full list).
+///
+/// Why not `Store::wait_until_ready`: in kube-runtime 5.0 it polls one shared oneshot
+/// receiver, which keeps only the last waiter's waker, so of several concurrent waiters (a
+/// controller's own start, every reconcile of the other controller) all but one slept
+/// forever: against a real API server no pool ever got its Deployment. A `watch` channel
+/// wakes every waiter.
+pub struct StoreWriter<K: reflector::Lookup + Clone + 'static>
+where
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    writer: reflector::store::Writer<K>,
+    synced: Arc<watch::Sender<u8>>,
+    bit: u8,
+}
+
+impl<K: reflector::Lookup + Clone + 'static> StoreWriter<K>
+where
+    K::DynamicType: Eq + std::hash::Hash + Clone,
+{
+    /// Applies one watch event to the store.
+    pub fn apply_watcher_event(&mut self, event: &watcher::Event<K>) {
+        self.writer.apply_watcher_event(event);
+        if matches!(event, watcher::Event::InitDone) {
+            let bit = self.bit;
+            self.synced.send_if_modified(|b| {
+                let was = *b;
+                *b |= bit;
+                *b != was
+            });
+        }
+    }
+
+    /// `stream`'s events applied to the store as they pass (kube's `reflector`, with the
+    /// synced signal).
+    pub fn reflect<S>(mut self, stream: S) -> impl Stream<Item = S::Item> + Send
+    where
+        S: Stream<Item = watcher::Result<watcher::Event<K>>> + Send,
+        K: Send + Sync,
+        K::DynamicType: Send + Sync,
+    {
+        stream.inspect_ok(move |e| self.apply_watcher_event(e))
+    }
+}
+
+/// The write ends of [`Stores`] made by [`Stores::new`]: `controller::run` feeds them from the
+/// controllers' watches; tests feed them by hand from their in-memory API server.
 pub struct StoreWriters {
     /// Feeds [`Stores::pools`].
-    pub pools: reflector::store::Writer<InferencePool>,
+    pub pools: StoreWriter<InferencePool>,
     /// Feeds [`Stores::adapters`].
-    pub adapters: reflector::store::Writer<Adapter>,
+    pub adapters: StoreWriter<Adapter>,
 }
 
 impl Stores {
@@ -44,26 +100,40 @@ impl Stores {
     pub fn new() -> (Self, StoreWriters) {
         let (pools, pw) = reflector::store();
         let (adapters, aw) = reflector::store();
+        let (tx, synced) = watch::channel(0);
+        let tx = Arc::new(tx);
         (
-            Self { pools, adapters },
+            Self {
+                pools,
+                adapters,
+                synced,
+            },
             StoreWriters {
-                pools: pw,
-                adapters: aw,
+                pools: StoreWriter {
+                    writer: pw,
+                    synced: tx.clone(),
+                    bit: POOLS_SYNCED,
+                },
+                adapters: StoreWriter {
+                    writer: aw,
+                    synced: tx,
+                    bit: ADAPTERS_SYNCED,
+                },
             },
         )
     }
 
     /// Waits until both stores hold a first full list: before that an empty store would read as
-    /// "no sibling, no pool" and refuse adapters that are fine.
+    /// "no sibling, no pool" and refuse adapters that are fine. Any number of reconciles may
+    /// wait at once. Fails with `store_closed` when the writers are gone unsynced.
     pub async fn ready(&self) -> Result<()> {
-        self.pools
-            .wait_until_ready()
+        let mut rx = self.synced.clone();
+        rx.wait_for(|b| *b == POOLS_SYNCED | ADAPTERS_SYNCED)
             .await
-            .map_err(|e| Error::StoreClosed(e.to_string()))?;
-        self.adapters
-            .wait_until_ready()
-            .await
-            .map_err(|e| Error::StoreClosed(e.to_string()))
+            .map(|_| ())
+            .map_err(|_| {
+                Error::StoreClosed("the stores' watches ended before their first list".into())
+            })
     }
 
     /// The pool `name` of namespace `ns` (None: not in the cache).
@@ -101,7 +171,7 @@ pub struct Context {
     /// The pools and Adapters the controllers watch ([`Context::with_stores`]).
     pub stores: Stores,
     /// Event publisher.
-    pub recorder: Recorder,
+    pub recorder: Publisher,
     /// Operator metrics.
     pub metrics: Metrics,
     /// Talks to worker pods.
@@ -122,6 +192,17 @@ pub struct Context {
     /// counters. Lost on restart, when the smoothing starts again from the rates the status
     /// recorded.
     pub traffic: Mutex<HashMap<String, crate::fleet::traffic::Smoother>>,
+    /// Reconciles under way (see [`Context::in_flight`]).
+    in_flight: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+/// Counts a reconcile as under way while it lives (`Context::reconciling`).
+pub struct InFlight(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 /// First retry delay of a failed reload: a refusal does not go away by asking every 5 s.
@@ -163,13 +244,7 @@ impl Context {
     /// [`Context::with_stores`] gives it the controllers' (`controller::run` does): a reconcile
     /// against unfed stores fails with `store_closed` rather than reading them as empty.
     pub fn new(client: Client, instance: String, metrics: Metrics, pods: PodClient) -> Self {
-        let recorder = Recorder::new(
-            client.clone(),
-            Reporter {
-                controller: "mole-operator".into(),
-                instance: Some(instance),
-            },
-        );
+        let recorder = Publisher::new(client.clone(), "mole-operator", &instance);
         // The writers go at once: `Stores::ready` then fails instead of waiting forever.
         let (stores, _) = Stores::new();
         Self {
@@ -180,11 +255,27 @@ impl Context {
             pods,
             images: resources::WorkerDefaults::default(),
             failures: Mutex::default(),
+            in_flight: Arc::default(),
             reloaded: Mutex::default(),
             reload_failures: Mutex::default(),
             reload_backoff: (RELOAD_BACKOFF_FIRST, RELOAD_BACKOFF_MAX),
             traffic: Mutex::default(),
         }
+    }
+
+    /// The number of reconciles under way, readable after the context is handed to the
+    /// controllers: a shutdown waits for it to reach zero (bounded by its grace), whatever
+    /// state the controllers' own graceful shutdown is in (kube-runtime's waits for a first
+    /// list that a shutdown right after the start never delivers).
+    pub fn in_flight(&self) -> Arc<std::sync::atomic::AtomicUsize> {
+        self.in_flight.clone()
+    }
+
+    /// Marks a reconcile under way until the guard drops.
+    pub fn reconciling(&self) -> InFlight {
+        self.in_flight
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        InFlight(self.in_flight.clone())
     }
 
     /// The same context retrying failed reloads after `first`, doubling up to `max` (instead
@@ -319,18 +410,11 @@ impl Context {
         action: &str,
         note: String,
     ) {
-        let ev = Event {
-            type_: if warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
-            reason: reason.into(),
-            note: Some(note.chars().take(1000).collect()),
-            action: action.into(),
-            secondary: None,
-        };
-        if let Err(e) = self.recorder.publish(&ev, on).await {
+        if let Err(e) = self
+            .recorder
+            .publish(on, warning, reason, action, &note)
+            .await
+        {
             tracing::warn!(error = %e, reason, "could not publish event");
         }
     }
@@ -562,6 +646,41 @@ pub async fn operator_token(client: &Client, pool: &InferencePool) -> Result<Str
 
 #[cfg(test)]
 mod tests {
+    /// Every reconcile waiting at once for the stores wakes when they fill: kube-runtime 5.0's
+    /// `Store::wait_until_ready` woke only the last of several waiters, and against a real API
+    /// server the pools' reconciles waited forever.
+    #[tokio::test]
+    async fn every_waiter_wakes_when_both_stores_are_synced() {
+        use kube::runtime::watcher::Event as Watch;
+        let (stores, mut w) = Stores::new();
+        let waiters: Vec<_> = (0..4)
+            .map(|_| {
+                let s = stores.clone();
+                tokio::spawn(async move { s.ready().await })
+            })
+            .collect();
+        // Let every waiter register before the stores fill.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        w.pools.apply_watcher_event(&Watch::Init);
+        w.pools.apply_watcher_event(&Watch::InitDone);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(
+            waiters.iter().all(|h| !h.is_finished()),
+            "ready before the Adapter store was synced"
+        );
+        w.adapters.apply_watcher_event(&Watch::Init);
+        w.adapters.apply_watcher_event(&Watch::InitDone);
+        for h in waiters {
+            tokio::time::timeout(Duration::from_secs(5), h)
+                .await
+                .expect("a waiter was never woken")
+                .unwrap()
+                .unwrap();
+        }
+        // And a reconcile that comes later passes at once.
+        stores.ready().await.unwrap();
+    }
+
     use super::*;
 
     /// A context whose API server answers nothing (the reload bookkeeping needs none).

@@ -7,6 +7,8 @@ pub mod adapter;
 pub mod apply;
 mod conditions;
 pub mod context;
+pub mod events;
+pub mod finalizer;
 pub mod ids;
 pub mod pods;
 pub mod pool;
@@ -22,17 +24,26 @@ use k8s_openapi::api::batch::v1::Job;
 use k8s_openapi::api::core::v1::{ConfigMap, Pod, Service};
 use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::runtime::reflector::ObjectRef;
-use kube::runtime::{watcher, Controller};
+use kube::runtime::{watcher, Controller, WatchStreamExt};
 use kube::{Api, Client, ResourceExt};
 use mole_crds::{Adapter, InferencePool};
 
-pub use context::{Context, PodClient, StoreWriters, Stores};
+pub use context::{Context, PodClient, StoreWriter, StoreWriters, Stores};
 
-/// Runs both controllers until shutdown. `namespace` None watches every namespace. `ctx` gets
-/// the controllers' own stores of pools and Adapters (each controller's watch of its kind
-/// feeds one), so reconciles read them without API calls; each controller waits for its store
-/// to be filled before reconciling, and reconciles wait for the other's (`Stores::ready`).
-pub async fn run(client: Client, namespace: Option<String>, ctx: Context) {
+/// Runs both controllers until `shutdown` resolves, then lets the reconciles under way
+/// finish (the caller bounds how long: see `mole-operator run`). `namespace` None watches
+/// every namespace.
+///
+/// The controllers' main watches feed [`Stores`] (reflectors made here, so the stores' synced
+/// signal wakes every waiter: see [`context::StoreWriter`]), and `ctx` reads pools and Adapters
+/// from them without API calls; reconciles wait until both stores hold a first full list
+/// (`Stores::ready`).
+pub async fn run(
+    client: Client,
+    namespace: Option<String>,
+    ctx: Context,
+    shutdown: impl std::future::Future<Output = ()> + Send + Sync + Clone + 'static,
+) {
     let api = |c: &Client| -> (Api<InferencePool>, Api<Adapter>) {
         match &namespace {
             Some(ns) => (
@@ -75,12 +86,18 @@ pub async fn run(client: Client, namespace: Option<String>, ctx: Context) {
     // An Adapter change re-renders its pool's WorkerConfig.
     let pool_of =
         |a: Adapter| Some(ObjectRef::new(&a.spec.pool).within(&a.namespace().unwrap_or_default()));
-    let pool_ctl = Controller::new(pools.clone(), watcher::Config::default());
-    let adapter_ctl = Controller::new(adapters.clone(), watcher::Config::default());
-    let ctx = Arc::new(ctx.with_stores(Stores {
-        pools: pool_ctl.store(),
-        adapters: adapter_ctl.store(),
-    }));
+    let (stores, writers) = Stores::new();
+    let pool_stream = writers
+        .pools
+        .reflect(watcher(pools.clone(), watcher::Config::default()))
+        .applied_objects();
+    let adapter_stream = writers
+        .adapters
+        .reflect(watcher(adapters.clone(), watcher::Config::default()))
+        .applied_objects();
+    let pool_ctl = Controller::for_stream(pool_stream, stores.pools.clone());
+    let adapter_ctl = Controller::for_stream(adapter_stream, stores.adapters.clone());
+    let ctx = Arc::new(ctx.with_stores(stores));
     let pool_ctl = pool_ctl
         .owns(cms, managed.clone())
         .owns(deploys.clone(), managed.clone())
@@ -89,7 +106,7 @@ pub async fn run(client: Client, namespace: Option<String>, ctx: Context) {
         .owns(hpas, managed.clone())
         .watches(adapters.clone(), watcher::Config::default(), pool_of)
         .watches(pods, dynamic_pods, |p: Pod| pool::pool_of_pod(&p))
-        .shutdown_on_signal()
+        .graceful_shutdown_on(shutdown.clone())
         .run(pool::reconcile, pool::error_policy, ctx.clone())
         .for_each(|r| async move {
             if let Err(e) = r {
@@ -106,7 +123,7 @@ pub async fn run(client: Client, namespace: Option<String>, ctx: Context) {
         .owns(jobs, managed.clone())
         .owns(deploys, managed)
         .watches(pools, watcher::Config::default(), adapters_of_pool)
-        .shutdown_on_signal()
+        .graceful_shutdown_on(shutdown)
         .run(adapter::reconcile, adapter::error_policy, ctx)
         .for_each(|r| async move {
             if let Err(e) = r {

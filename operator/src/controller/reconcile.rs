@@ -46,6 +46,7 @@ where
         name = %obj.name_any(),
     );
     async move {
+        let _in_flight = ctx.reconciling();
         let started = Instant::now();
         ctx.metrics
             .reconciles
@@ -96,9 +97,11 @@ where
 
 /// Publishes the Warning Event of a failed reconcile (`ReconcileError`, the message starting
 /// with the error's stable name). Invalid specs are not reported here: they get a condition
-/// and their own Event naming the field.
+/// and their own Event naming the field. Nor are conflicts: another writer got there first,
+/// the retry reads afresh, and nothing is wrong for a person to act on (they are counted in
+/// `mole_operator_reconcile_errors_total{error="conflict"}`).
 async fn error_event(ctx: &Context, on: &ObjectReference, e: &Error) {
-    if matches!(e, Error::Invalid(_)) {
+    if matches!(e, Error::Invalid(_) | Error::Conflict(_)) {
         return;
     }
     ctx.event(

@@ -8,8 +8,8 @@ use mole_crds::{
 
 use crate::error::FieldError;
 use crate::resources::{
-    merged_name, reasoning_parser, rolling_update, scaled_value, tool_call_parser, MAX_CHILD_NAME,
-    RESERVED_ADAPTER_NAMES,
+    merged_name, mount_path_problem, reasoning_parser, rolling_update, scaled_value,
+    tool_call_parser, MAX_CHILD_NAME, RESERVED_ADAPTER_NAMES,
 };
 
 /// The `baseModel.toolCallParser` names the worker parses (vLLM's names), for the message
@@ -186,11 +186,8 @@ pub fn validate_pool(pool: &InferencePool) -> Result<(), FieldError> {
         "spec.baseModel.secretRef",
         spec.base_model.secret_ref.as_ref(),
     )?;
-    if !spec.storage.mount_path.starts_with('/') {
-        return Err(FieldError::invalid(
-            "spec.storage.mountPath",
-            "must be an absolute path",
-        ));
+    if let Some(problem) = mount_path_problem(&spec.storage.mount_path) {
+        return Err(FieldError::invalid("spec.storage.mountPath", problem));
     }
     let allow_cpu = pool
         .metadata
@@ -956,6 +953,32 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
             ),
             (
                 |p| p.spec.storage.mount_path = "models".into(),
+                "spec.storage.mountPath",
+            ),
+            // The worker pods' own mount points, a parent of one, one inside one, and paths
+            // that are not plain (the API server refused `/tmp` on every retry).
+            (
+                |p| p.spec.storage.mount_path = "/tmp".into(),
+                "spec.storage.mountPath",
+            ),
+            (
+                |p| p.spec.storage.mount_path = "/etc".into(),
+                "spec.storage.mountPath",
+            ),
+            (
+                |p| p.spec.storage.mount_path = "/var/run/mole/auth/models".into(),
+                "spec.storage.mountPath",
+            ),
+            (
+                |p| p.spec.storage.mount_path = "/".into(),
+                "spec.storage.mountPath",
+            ),
+            (
+                |p| p.spec.storage.mount_path = "/models/../tmp".into(),
+                "spec.storage.mountPath",
+            ),
+            (
+                |p| p.spec.storage.mount_path = "/models/".into(),
                 "spec.storage.mountPath",
             ),
             (|p| p.spec.gpu.count = 0, "spec.gpu.count"),

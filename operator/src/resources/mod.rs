@@ -43,8 +43,9 @@ pub use meta::{
 };
 pub use pdb::{pdb, worker_pdb};
 pub use pod::{
-    image_pull_secrets, models_volume, restricted_container_security, restricted_pod_security,
-    spec_hash, worker_pod, AUTH_MOUNT, WORKER_PORT_NAME,
+    image_pull_secrets, models_volume, mount_path_problem, restricted_container_security,
+    restricted_pod_security, spec_hash, worker_pod, AUTH_MOUNT, RESERVED_MOUNTS, TMP_MOUNT,
+    WORKER_PORT_NAME,
 };
 pub use secret::{
     operator_token_file, operator_token_secret, operator_token_secret_name, OPERATOR_TOKEN_KEY,

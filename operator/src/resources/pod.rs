@@ -23,6 +23,60 @@ use super::secret::{operator_token_secret_name, OPERATOR_TOKEN_MOUNT};
 /// ConfigMap's (read-only) volume, and a mount point cannot be created inside it.
 pub const AUTH_MOUNT: &str = "/var/run/mole/auth";
 
+/// The worker's scratch directory (an emptyDir: the root filesystem is read-only).
+pub const TMP_MOUNT: &str = "/tmp";
+
+/// Where a container's ServiceAccount token would be mounted (Kubernetes' fixed path).
+const SERVICE_ACCOUNT_MOUNT: &str = "/var/run/secrets/kubernetes.io/serviceaccount";
+
+/// The mount points the operator gives worker pods and Jobs besides the model volume.
+pub const RESERVED_MOUNTS: &[&str] = &[
+    TMP_MOUNT,
+    WORKER_CONFIG_MOUNT,
+    super::secret::OPERATOR_TOKEN_MOUNT,
+    AUTH_MOUNT,
+    SERVICE_ACCOUNT_MOUNT,
+];
+
+/// Why `path` cannot be the model volume's mount point, if it cannot. The API server refuses a
+/// pod whose two mounts share a path ("duplicate entries for key [mountPath=/tmp]"), on every
+/// retry; a path above one of ours hides the image's files under the volume (`/etc` takes the
+/// CA certificates), and one inside a read-only mount of ours cannot be created.
+pub fn mount_path_problem(path: &str) -> Option<String> {
+    if !path.starts_with('/') {
+        return Some("must be an absolute path".into());
+    }
+    if path == "/" {
+        return Some("must not be the root directory".into());
+    }
+    if path.ends_with('/')
+        || path
+            .split('/')
+            .skip(1)
+            .any(|c| c.is_empty() || c == "." || c == "..")
+    {
+        return Some(format!(
+            "{path:?} must be a normalized path (no trailing '/', '//', '.' or '..')"
+        ));
+    }
+    let within = |inner: &str, outer: &str| {
+        inner == outer
+            || inner
+                .strip_prefix(outer)
+                .is_some_and(|r| r.starts_with('/'))
+    };
+    RESERVED_MOUNTS
+        .iter()
+        .find(|r| within(path, r) || within(r, path))
+        .map(|r| {
+            format!(
+                "{path:?} collides with {r}, which the operator mounts in every worker pod \
+                 (reserved: {}); use a directory of its own such as /models",
+                RESERVED_MOUNTS.join(", ")
+            )
+        })
+}
+
 /// Pod security "restricted": non-root, read-only root filesystem, no privilege escalation,
 /// all capabilities dropped, seccomp RuntimeDefault.
 pub fn restricted_container_security() -> SecurityContext {
@@ -230,7 +284,7 @@ fn worker_volumes(pool: &InferencePool, config_map: &str) -> (Vec<Volume>, Vec<V
         read_only_mount("config", WORKER_CONFIG_MOUNT),
         VolumeMount {
             name: "tmp".into(),
-            mount_path: "/tmp".into(),
+            mount_path: TMP_MOUNT.into(),
             ..Default::default()
         },
     ];

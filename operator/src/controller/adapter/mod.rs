@@ -22,7 +22,6 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use kube::runtime::controller::Action;
-use kube::runtime::finalizer::{finalizer, Event as Finalizer};
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::{Api, Resource, ResourceExt};
 use mole_crds::constants::{reason, ADAPTER_FINALIZER};
@@ -31,6 +30,7 @@ use mole_crds::{Adapter, InferencePool};
 pub use observe::{loaded_everywhere, observe_merged};
 
 use super::context::{operator_token, ready_pods, Context};
+use super::finalizer::{self, Step};
 use super::reconcile::instrumented;
 use super::validate::validate_adapter;
 use crate::error::{Error, Result};
@@ -116,23 +116,31 @@ pub fn invalid_action(reason: &str) -> Action {
     }
 }
 
-/// Runs [`serve`] or, once the Adapter is being deleted, [`cleanup`] behind the finalizer.
+/// Runs [`serve`] or, once the Adapter is being deleted, [`cleanup`] behind the finalizer
+/// (added and removed against the object as the server holds it: see
+/// [`super::finalizer`]).
 async fn finalize(adapter: &Arc<Adapter>, ctx: &Arc<Context>) -> Result<Action> {
     let ns = adapter.namespace().unwrap_or_default();
     let api: Api<Adapter> = Api::namespaced(ctx.client.clone(), &ns);
-    let c = ctx.clone();
-    finalizer(&api, ADAPTER_FINALIZER, adapter.clone(), |ev| async move {
-        match ev {
-            Finalizer::Apply(a) => serve(&a, &c).await,
-            Finalizer::Cleanup(a) => cleanup(&a, &c).await,
+    match finalizer::step(adapter.as_ref(), ADAPTER_FINALIZER) {
+        Step::Serve => serve(adapter, ctx).await,
+        Step::Add => {
+            let fresh = finalizer::add(&api, adapter.as_ref(), ADAPTER_FINALIZER).await?;
+            match finalizer::step(&fresh, ADAPTER_FINALIZER) {
+                // Served from the object as the server holds it: waiting for the watch to
+                // deliver our own patch would only delay the first status.
+                Step::Serve => serve(&fresh, ctx).await,
+                // Deleted meanwhile: the next event says what to do.
+                _ => Ok(Action::await_change()),
+            }
         }
-    })
-    .await
-    .map_err(|e| match e {
-        kube::runtime::finalizer::Error::ApplyFailed(e)
-        | kube::runtime::finalizer::Error::CleanupFailed(e) => e,
-        other => Error::Finalizer(other.to_string()),
-    })
+        Step::Cleanup => {
+            let action = cleanup(adapter, ctx).await?;
+            finalizer::remove(&api, adapter.as_ref(), ADAPTER_FINALIZER).await?;
+            Ok(action)
+        }
+        Step::Done => Ok(Action::await_change()),
+    }
 }
 
 /// The pipeline of a live adapter. Registration in the pool's id ledger is written between

@@ -80,6 +80,24 @@ async fn reconcile_inner(pool: &InferencePool, ctx: &Context) -> Result<Action> 
         // Nothing already running is touched; wait for the spec to change.
         return Ok(Action::await_change());
     }
+    let result = serve(pool, ctx, now).await;
+    if let Err(e) = &result {
+        // Conflicts are retried at once from a fresh read; anything else is the state now.
+        if !matches!(e, Error::Conflict(_) | Error::StoreClosed(_)) {
+            if let Err(write) = status::failed(pool, ctx, e, now).await {
+                tracing::warn!(error = %write, "could not record the failure in the status");
+            }
+        }
+    }
+    result
+}
+
+/// The pipeline of an accepted pool.
+async fn serve(
+    pool: &InferencePool,
+    ctx: &Context,
+    now: chrono::DateTime<chrono::Utc>,
+) -> Result<Action> {
     let observed = observe::observe(pool, ctx).await?;
     let desired = build::desired(
         pool,

@@ -15,10 +15,10 @@ use mole_crds::{
 
 use super::apply::{Applied, Reloads};
 use super::observe::Observed;
-use crate::controller::conditions::{mark_invalid, mark_valid};
+use crate::controller::conditions::{mark_failed, mark_invalid, mark_valid};
 use crate::controller::context::Context;
 use crate::controller::pods;
-use crate::error::{FieldError, Result};
+use crate::error::{Error, FieldError, Result};
 use crate::mergedown::set_condition;
 use crate::resources;
 
@@ -110,6 +110,26 @@ pub(super) async fn refuse(
             fe.to_string(),
         )
         .await;
+    }
+    Ok(())
+}
+
+/// Records a reconcile of an accepted spec that failed (see `conditions::mark_failed`); an
+/// API server's refusal of a child (a 4xx other than a conflict or throttling) also makes the
+/// phase `Failed`. Written only when it changes the status.
+pub(super) async fn failed(
+    pool: &InferencePool,
+    ctx: &Context,
+    e: &Error,
+    now: DateTime<Utc>,
+) -> Result<()> {
+    let mut status = current(pool);
+    mark_failed(&mut status.conditions, e, pool.metadata.generation, now);
+    if e.is_refusal() {
+        status.phase = PoolPhase::Failed;
+    }
+    if status != pool.status.clone().unwrap_or_default() {
+        write_status(pool, ctx, &status).await?;
     }
     Ok(())
 }
