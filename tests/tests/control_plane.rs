@@ -318,10 +318,14 @@ async fn a_quiet_minute_writes_nothing() {
         scheduler: false,
     })
     .await;
+    // Every sample: a dynamic and a merged adapter (its merge Job), both pools.
     c.apply_samples(&[
         "pool-qwen3-vl-8b.yaml",
         "pool-qwen3-4b.yaml",
         "adapter-qwen3-sql.yaml",
+        "adapter-calendar.yaml",
+        "adapter-login-window.yaml",
+        "adapter-desktop.yaml",
     ]);
     let task = run_in_process(c.operator_client().await);
     let admin = c.admin().await;
@@ -351,6 +355,15 @@ async fn a_quiet_minute_writes_nothing() {
     tokio::time::sleep(Duration::from_secs(40)).await;
     let after = c.cp.request_counts().await.unwrap();
     let writes = child_writes(&before, &after);
+    // Every request in the window, for the record (status writes and reads included).
+    let all: Vec<String> = after
+        .iter()
+        .filter_map(|(k, v)| {
+            let d = v - before.get(k).copied().unwrap_or(0.0);
+            (d > 0.0).then(|| format!("{} {}: {d}", k.0, k.1))
+        })
+        .collect();
+    eprintln!("requests in 40 s: {all:?}");
     assert!(writes.is_empty(), "writes in a quiet window: {writes:?}");
     let d: Deployment = Api::namespaced(admin.clone(), "ml")
         .get("qwen3-vl-dynamic")
@@ -666,4 +679,136 @@ async fn the_control_plane_is_the_pinned_kubernetes() -> Result<()> {
         .context("kubectl version")?;
     assert!(out.contains(cluster::K8S_VERSION), "{out}");
     Ok(())
+}
+
+/// Turning autoscaling on hands `spec.replicas` to the HPA on the real server: the count
+/// stays what it was (no pod goes), the operator's field manager stops owning it (its
+/// managedFields as the server records them), a scale by the HPA (here `kubectl scale`, what
+/// the HPA controller's `/scale` write amounts to) is never put back, even when the pod
+/// template changes, and a quiet window writes nothing. Turning it off takes the count back
+/// and removes the HPA.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn the_replicas_are_handed_to_the_hpa_and_back() {
+    use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
+    let c = Cluster::up(Parts {
+        controller_manager: true,
+        scheduler: false,
+    })
+    .await;
+    let admin = c.admin().await;
+    let task = run_in_process(c.operator_client().await);
+    let pools: Api<InferencePool> = Api::namespaced(admin.clone(), "ml");
+    let deploys: Api<Deployment> = Api::namespaced(admin.clone(), "ml");
+    let hpas: Api<HorizontalPodAutoscaler> = Api::namespaced(admin.clone(), "ml");
+    let pool = |dynamic: serde_json::Value| {
+        serde_json::json!({
+            "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
+            "metadata": {"name": "p", "namespace": "ml"},
+            "spec": {"baseModel": {"name": "m", "path": "base/m"},
+                     "storage": {"claimName": "models"}, "gpu": {"count": 1}, "dynamic": dynamic}
+        })
+    };
+    let apply = |v: serde_json::Value| {
+        let pools = pools.clone();
+        async move {
+            pools
+                .patch("p", &PatchParams::apply("user").force(), &Patch::Apply(v))
+                .await
+                .unwrap();
+        }
+    };
+    let owns_replicas = |d: &Deployment| {
+        d.metadata.managed_fields.iter().flatten().any(|m| {
+            m.manager.as_deref() == Some("mole-operator/pool-deployment")
+                && m.fields_v1
+                    .as_ref()
+                    .is_some_and(|f| f.0["f:spec"].get("f:replicas").is_some())
+        })
+    };
+    let replicas = |d: &Deployment| d.spec.as_ref().and_then(|s| s.replicas);
+    apply(pool(serde_json::json!({"replicas": 2}))).await;
+    let d = wait_for(Duration::from_secs(30), "p-dynamic at 2", || async {
+        deploys
+            .get_opt("p-dynamic")
+            .await
+            .ok()
+            .flatten()
+            .filter(|d| replicas(d) == Some(2))
+    })
+    .await
+    .unwrap();
+    assert!(owns_replicas(&d));
+    apply(pool(serde_json::json!({
+        "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4}
+    })))
+    .await;
+    wait_for(Duration::from_secs(30), "the HPA", || async {
+        hpas.get_opt("p-dynamic").await.ok().flatten()
+    })
+    .await
+    .unwrap();
+    let d = wait_for(Duration::from_secs(30), "the count handed over", || async {
+        deploys
+            .get_opt("p-dynamic")
+            .await
+            .ok()
+            .flatten()
+            .filter(|d| !owns_replicas(d))
+    })
+    .await
+    .unwrap();
+    assert_eq!(replicas(&d), Some(2), "the hand-over kept the count");
+    // The HPA scales.
+    c.cp.kubectl(&[
+        "scale",
+        "deployment",
+        "p-dynamic",
+        "-n",
+        "ml",
+        "--replicas=3",
+    ])
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let before = c.cp.request_counts().await.unwrap();
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let after = c.cp.request_counts().await.unwrap();
+    let writes = child_writes(&before, &after);
+    assert!(writes.is_empty(), "writes in a quiet window: {writes:?}");
+    assert_eq!(replicas(&deploys.get("p-dynamic").await.unwrap()), Some(3));
+    // A change of the pod template is applied, and the count stays the HPA's.
+    apply(pool(serde_json::json!({
+        "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4},
+        "maxQueue": 64
+    })))
+    .await;
+    let hash = |d: &Deployment| {
+        d.spec
+            .as_ref()
+            .and_then(|s| s.template.metadata.as_ref())
+            .and_then(|m| m.annotations.as_ref())
+            .and_then(|a| a.get("mole.dev/spec-hash").cloned())
+    };
+    let old = hash(&d);
+    let d = wait_for(Duration::from_secs(30), "the new template", || async {
+        deploys
+            .get_opt("p-dynamic")
+            .await
+            .ok()
+            .flatten()
+            .filter(|d| hash(d) != old)
+    })
+    .await
+    .unwrap();
+    assert_eq!(replicas(&d), Some(3), "the operator put the count back");
+    // Autoscaling off: the count is the operator's again and the HPA goes.
+    apply(pool(serde_json::json!({"replicas": 1}))).await;
+    wait_for(Duration::from_secs(30), "the count taken back", || async {
+        let d = deploys.get_opt("p-dynamic").await.ok().flatten()?;
+        let gone = hpas.get_opt("p-dynamic").await.ok()?.is_none();
+        (replicas(&d) == Some(1) && owns_replicas(&d) && gone).then_some(())
+    })
+    .await
+    .unwrap();
+    task.abort();
 }
