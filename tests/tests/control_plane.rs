@@ -812,3 +812,89 @@ async fn the_replicas_are_handed_to_the_hpa_and_back() {
     .unwrap();
     task.abort();
 }
+
+/// An operator restarted while a merge Job is under way (here: its pod never runs, so the
+/// Job stays active) finds it by its deterministic name and creates no second one; deleting
+/// the pool then removes everything it and its Adapters made, by the garbage collector's
+/// owner references (kube-controller-manager's), and the Adapters' finalizers let them go.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn a_restart_mid_merge_makes_no_second_job_and_deleting_the_pool_leaves_nothing() {
+    use k8s_openapi::api::batch::v1::Job;
+    let c = Cluster::up(Parts {
+        controller_manager: true,
+        scheduler: false,
+    })
+    .await;
+    c.apply_samples(&[
+        "pool-qwen3-vl-8b.yaml",
+        "adapter-calendar.yaml",
+        "adapter-login-window.yaml",
+    ]);
+    let admin = c.admin().await;
+    let jobs: Api<Job> = Api::namespaced(admin.clone(), "ml");
+    let merge_jobs = |jobs: Api<Job>| async move {
+        jobs.list(&ListParams::default())
+            .await
+            .map(|l| {
+                l.items
+                    .into_iter()
+                    .filter_map(|j| j.metadata.name)
+                    .filter(|n| n.starts_with("merge-"))
+                    .collect::<Vec<_>>()
+            })
+            .unwrap_or_default()
+    };
+    let kc = c.operator_kubeconfig();
+    let first = run_in_process(cluster::client_from(&kc).await.unwrap());
+    let before = wait_for(Duration::from_secs(60), "the merge Job", || async {
+        let j = merge_jobs(jobs.clone()).await;
+        (!j.is_empty()).then_some(j)
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    first.abort();
+    let _ = first.await;
+    let second = run_in_process(cluster::client_from(&kc).await.unwrap());
+    // Long enough for the restarted operator to reconcile every Adapter more than once.
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    assert_eq!(merge_jobs(jobs.clone()).await, before, "a second merge Job");
+    // Delete the pool: its children and the Adapters' go by owner references.
+    c.cp.kubectl(&[
+        "delete",
+        "inferencepool",
+        "qwen3-vl",
+        "-n",
+        "ml",
+        "--wait=false",
+    ])
+    .unwrap();
+    c.cp.kubectl(&["delete", "adapters", "--all", "-n", "ml", "--wait=false"])
+        .unwrap();
+    let left = wait_for(Duration::from_secs(60), "nothing left in ml", || async {
+        let out =
+            c.cp.kubectl(&[
+                "get",
+                "deployments,services,configmaps,poddisruptionbudgets,jobs,adapters,inferencepools",
+                "-n",
+                "ml",
+                "-l",
+                "app.kubernetes.io/managed-by=mole-operator",
+                "-o",
+                "name",
+            ])
+            .ok()?;
+        let crs =
+            c.cp.kubectl(&["get", "adapters,inferencepools", "-n", "ml", "-o", "name"])
+                .ok()?;
+        (out.trim().is_empty() && crs.trim().is_empty()).then_some(())
+    })
+    .await;
+    if let Err(e) = left {
+        let all =
+            c.cp.kubectl(&["get", "all,adapters,inferencepools,configmaps", "-n", "ml"]);
+        panic!("{e}: {all:?}");
+    }
+    second.abort();
+}
