@@ -23,6 +23,7 @@ mod limits;
 mod listing;
 pub mod request;
 mod router;
+mod service_model;
 mod source;
 
 pub use bounds::BoundsError;
@@ -37,4 +38,5 @@ pub use listing::{
     ResidentAdapter, LATENCY_BUCKETS_MS,
 };
 pub use router::RouterSpec;
+pub use service_model::{ServiceModel, ServiceModelError};
 pub use source::{ModelSource, SourceError};

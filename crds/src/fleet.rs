@@ -34,6 +34,25 @@ pub struct TrafficMergeSpec {
     /// `serving.replicas` × `gpu.count`, at least 1).
     #[schemars(range(min = 0, max = 10000))]
     pub max_merged_gpus: u32,
+    /// What the pool's pods serve, measured on its hardware (`mole-worker bench decode
+    /// --service-model FILE` gives both figures). With it, merging must earn its GPUs: an
+    /// adapter is promoted only while its traffic occupies at least 1.2× the GPUs of its merged
+    /// Deployment in dynamic capacity, and demoted once under 0.8× for `windowSeconds`. Unset:
+    /// the shares alone decide.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<MergeCapacity>,
+}
+
+/// A pool's serving capacity for the merge policy's earn check.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct MergeCapacity {
+    /// Tokens per second one merged pod (per GPU) generates at the pool's `maxBatchSize`.
+    #[schemars(range(min = 0.001, max = 1000000.0))]
+    pub merged_tokens_per_second: f64,
+    /// One dynamic adapter's decode rate ÷ merged at that batch size.
+    #[schemars(range(min = 0.01, max = 1.5))]
+    pub dynamic_ratio: f64,
 }
 
 /// Scale to zero of merged Deployments (a pool's `merge.scaleToZero`): an adapter served by

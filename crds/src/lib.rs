@@ -19,7 +19,7 @@ pub use pool::*;
 pub use mole_api::{
     bounds, AdapterCounters, BoundsError, Dtype, EngineLimits, ImageProcessor, LoraAdapterInfo,
     LoraAdaptersResponse, MergedModel, ModelSource, ReasoningParser, Residency, RouterFallback,
-    RouterSpec, RouterStrategy, RoutingSignals, ServingMode, ToolCallParser, WorkerAdapter,
+    RouterSpec, RouterStrategy, RoutingSignals, ServiceModel, ServiceModelError, ServingMode, ToolCallParser, WorkerAdapter,
     WorkerAuth, WorkerBaseModel, WorkerCanary, WorkerConfig, WorkerLimits, WorkerMode,
     LATENCY_BUCKETS_MS,
 };

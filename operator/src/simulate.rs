@@ -64,6 +64,19 @@ pub struct SimulateArgs {
     /// Print the traffic policy's decisions.
     #[arg(long, env = "MOLE_SIM_EVENTS")]
     events: bool,
+    /// The pods' service rates (JSON, as `mole-worker bench decode --service-model` writes
+    /// them); unset: the H200 model measured with the batched engine
+    /// (docs/fleet/service-model-h200.json).
+    #[arg(long, env = "MOLE_SIM_SERVICE_MODEL")]
+    service_model: Option<PathBuf>,
+    /// The crossover study: run every policy at each of these dynamic ÷ merged ratios (both
+    /// batch sizes; e.g. `0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0`) on the first `--gpus`, and print
+    /// p99 wait per policy and ratio instead of the usual table.
+    #[arg(long, env = "MOLE_SIM_DYNAMIC_RATIOS", value_delimiter = ',')]
+    dynamic_ratios: Vec<f64>,
+    /// Write the crossover plot here (SVG).
+    #[arg(long, env = "MOLE_SIM_CROSSOVER_SVG")]
+    crossover_svg: Option<PathBuf>,
 }
 
 /// Runs the simulation and prints its table.
@@ -99,28 +112,45 @@ pub fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
         std::fs::write(path, trace::to_csv(&requests))
             .with_context(|| format!("writing {}", path.display()))?;
     }
-    let mut outcomes = Vec::new();
+    let model = match &a.service_model {
+        Some(path) => {
+            let text = std::fs::read_to_string(path)
+                .with_context(|| format!("reading {}", path.display()))?;
+            let m: sim::ServiceModel = serde_json::from_str(&text)
+                .with_context(|| format!("parsing {}", path.display()))?;
+            m.validate()?;
+            m
+        }
+        None => sim::h200_model(),
+    };
+    println!(
+        "{} requests over {adapters} adapters, {:.0} s; service model: {}\n",
+        requests.len(),
+        requests.last().map(|r| r.at).unwrap_or(0.0),
+        model.source
+    );
     let first = a.gpus.first().copied().unwrap_or(8);
+    if !a.dynamic_ratios.is_empty() {
+        return crossover(&a, &model, first, &requests, adapters);
+    }
+    let mut outcomes = Vec::new();
     for s in [
         Strategy::AllDynamic,
         Strategy::DynamicPlaced,
         Strategy::AllMerged,
     ] {
-        outcomes.push(sim::run(s, &config(&a, first), &requests, adapters)?);
-    }
-    for &g in &a.gpus {
         outcomes.push(sim::run(
-            Strategy::Traffic,
-            &config(&a, g),
+            s,
+            &config(&a, &model, first),
             &requests,
             adapters,
         )?);
     }
-    println!(
-        "{} requests over {adapters} adapters, {:.0} s\n",
-        requests.len(),
-        requests.last().map(|r| r.at).unwrap_or(0.0)
-    );
+    for &g in &a.gpus {
+        for s in [Strategy::Traffic, Strategy::TrafficShares] {
+            outcomes.push(sim::run(s, &config(&a, &model, g), &requests, adapters)?);
+        }
+    }
     print!("{}", report::table(&outcomes));
     if a.events {
         for o in &outcomes {
@@ -144,8 +174,44 @@ pub fn simulate(a: SimulateArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn config(a: &SimulateArgs, gpus: usize) -> SimConfig {
-    let mut c = SimConfig::new(gpus);
+/// Every policy but all-merged on `gpus` GPUs at each of `--dynamic-ratios`.
+fn crossover(
+    a: &SimulateArgs,
+    model: &sim::ServiceModel,
+    gpus: usize,
+    requests: &[trace::Request],
+    adapters: usize,
+) -> anyhow::Result<()> {
+    let mut rows = Vec::new();
+    for &r in &a.dynamic_ratios {
+        let m = model.with_dynamic_ratio(r);
+        m.validate()?;
+        let cfg = config(a, &m, gpus);
+        let mut outcomes = Vec::new();
+        for s in [
+            Strategy::AllDynamic,
+            Strategy::DynamicPlaced,
+            Strategy::Traffic,
+            Strategy::TrafficShares,
+        ] {
+            outcomes.push(sim::run(s, &cfg, requests, adapters)?);
+        }
+        rows.push(report::CrossoverRow { ratio: r, outcomes });
+    }
+    print!("{}", report::crossover_table(&rows));
+    if let Some(path) = &a.crossover_svg {
+        let title = format!(
+            "{} requests, {adapters} adapters, {gpus} GPUs: p99 wait against dynamic ÷ merged",
+            requests.len()
+        );
+        std::fs::write(path, report::crossover_svg(&rows, &title))
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn config(a: &SimulateArgs, model: &sim::ServiceModel, gpus: usize) -> SimConfig {
+    let mut c = SimConfig::with_model(gpus, model.clone());
     c.merge.promote_share = a.promote_share;
     c.merge.demote_share = a.demote_share;
     c

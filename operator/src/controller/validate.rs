@@ -348,6 +348,22 @@ pub fn validate_traffic(t: &mole_crds::TrafficMergeSpec) -> Result<(), FieldErro
             "must be 0 or more",
         ));
     }
+    if let Some(c) = &t.capacity {
+        // The CRD's schema bounds both; a spec that reached the operator another way (or NaN,
+        // which no bound refuses) must not make every adapter look infinitely valuable.
+        if !(c.merged_tokens_per_second.is_finite() && c.merged_tokens_per_second > 0.0) {
+            return Err(FieldError::invalid(
+                f("capacity.mergedTokensPerSecond"),
+                format!("{} must be a positive number", c.merged_tokens_per_second),
+            ));
+        }
+        if !(c.dynamic_ratio.is_finite() && c.dynamic_ratio > 0.0 && c.dynamic_ratio <= 1.5) {
+            return Err(FieldError::invalid(
+                f("capacity.dynamicRatio"),
+                format!("{} must be in (0, 1.5]", c.dynamic_ratio),
+            ));
+        }
+    }
     Ok(())
 }
 
@@ -900,6 +916,33 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
             window_seconds: 300,
             min_hold_seconds: 900,
             max_merged_gpus: 2,
+            capacity: None,
+        }
+    }
+
+    #[test]
+    fn a_traffic_capacity_must_be_a_rate_and_a_ratio() {
+        let mut p = pool();
+        let mut t = traffic(0.1, 0.04);
+        t.capacity = Some(mole_crds::MergeCapacity {
+            merged_tokens_per_second: 1404.2,
+            dynamic_ratio: 0.47,
+        });
+        p.spec.merge.traffic = Some(t.clone());
+        assert_eq!(validate_pool(&p), Ok(()));
+        for (rate, ratio, field) in [
+            (f64::NAN, 0.5, "spec.merge.traffic.capacity.mergedTokensPerSecond"),
+            (0.0, 0.5, "spec.merge.traffic.capacity.mergedTokensPerSecond"),
+            (100.0, 0.0, "spec.merge.traffic.capacity.dynamicRatio"),
+            (100.0, 2.0, "spec.merge.traffic.capacity.dynamicRatio"),
+        ] {
+            let mut t = t.clone();
+            t.capacity = Some(mole_crds::MergeCapacity {
+                merged_tokens_per_second: rate,
+                dynamic_ratio: ratio,
+            });
+            p.spec.merge.traffic = Some(t);
+            assert_eq!(validate_pool(&p).unwrap_err().field, field);
         }
     }
 

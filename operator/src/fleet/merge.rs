@@ -10,6 +10,14 @@
 //! about the same traffic do not take turns. The accuracy gate, when the pool sets one, is
 //! checked before anything else: a merged adapter whose accuracy fell below it is demoted
 //! even within its hold time.
+//!
+//! With the pool's [`Capacity`] (what a merged GPU serves, and a dynamic adapter's rate
+//! against it), a share is not enough: merging must earn its GPUs. An adapter of `T`
+//! tokens/min occupies `T / (r × M)` GPUs of dynamic capacity (`M` tokens/min a merged GPU
+//! serves, `r` a dynamic adapter's rate ÷ merged); its merged Deployment takes `g` GPUs off the
+//! dynamic pods. It is promoted only while it occupies at least [`EARN_PROMOTE`] × `g`, and
+//! demoted once it has stayed under [`EARN_DEMOTE`] × `g` for the window: below that, the
+//! dynamic pods would lose more capacity than the merged pod takes off them.
 
 use chrono::{DateTime, Duration, Utc};
 
@@ -17,6 +25,29 @@ use chrono::{DateTime, Duration, Utc};
 /// time) to take its GPUs: 25%, so noise in the measured rates does not swap them back and
 /// forth.
 pub const INCUMBENT_MARGIN: f64 = 1.25;
+
+/// The occupancy (dynamic GPUs taken ÷ merged GPUs given) at or above which merging earns its
+/// GPUs: 20% over break-even, for the drain and restart a change costs.
+pub const EARN_PROMOTE: f64 = 1.2;
+/// The occupancy below which a merged adapter no longer earns its GPUs (hysteresis with
+/// [`EARN_PROMOTE`]).
+pub const EARN_DEMOTE: f64 = 0.8;
+
+/// What the pool's pods serve, for the earn check.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Capacity {
+    /// Tokens per minute one merged GPU generates at the pool's batch size.
+    pub merged_tokens_per_min: f64,
+    /// One dynamic adapter's rate ÷ merged at that batch size, in (0, 1.5].
+    pub dynamic_ratio: f64,
+}
+
+impl Capacity {
+    /// GPUs of dynamic capacity `tokens_per_min` occupies.
+    pub fn dynamic_gpus(&self, tokens_per_min: f64) -> f64 {
+        tokens_per_min / (self.dynamic_ratio * self.merged_tokens_per_min).max(f64::MIN_POSITIVE)
+    }
+}
 
 /// The pool's merge policy.
 #[derive(Debug, Clone, PartialEq)]
@@ -33,6 +64,8 @@ pub struct Policy {
     pub budget_gpus: u32,
     /// The pool's `merge.minAccuracy`.
     pub min_accuracy: Option<f64>,
+    /// What the pods serve (`merge.traffic.capacity`): with it, merging must earn its GPUs.
+    pub capacity: Option<Capacity>,
 }
 
 /// Where an adapter stands, as its status records it between reconciles.
@@ -126,6 +159,9 @@ pub mod reason {
     pub const HOLD_TIME: &str = "HoldTime";
     /// Above the promotion threshold, not yet for the window.
     pub const RISING: &str = "Rising";
+    /// Above the promotion share, but its traffic occupies too little dynamic capacity for a
+    /// merged Deployment to earn its GPUs.
+    pub const WOULD_NOT_EARN: &str = "WouldNotEarn";
     /// Below the demotion threshold, not yet for the window.
     pub const FALLING: &str = "Falling";
 }
@@ -133,6 +169,9 @@ pub mod reason {
 struct Scored<'a> {
     c: &'a Candidate,
     share: f64,
+    /// Dynamic GPUs its traffic occupies ÷ GPUs its merged Deployment takes (None without a
+    /// capacity).
+    occupancy: Option<f64>,
     state: State,
     gate_ok: bool,
     held: bool,
@@ -165,11 +204,16 @@ pub fn decide(
             } else {
                 0.0
             };
+            let occupancy = policy.capacity.map(|cap| {
+                cap.dynamic_gpus(c.tokens_per_min) / f64::from(c.gpus.max(1))
+            });
+            let earns = occupancy.is_none_or(|o| o >= EARN_PROMOTE);
+            let stopped_earning = occupancy.is_some_and(|o| o < EARN_DEMOTE);
             let mut state = c.state;
-            state.above_since =
-                (share >= policy.promote_share).then(|| c.state.above_since.unwrap_or(now));
-            state.below_since =
-                (share < policy.demote_share).then(|| c.state.below_since.unwrap_or(now));
+            state.above_since = (share >= policy.promote_share && earns)
+                .then(|| c.state.above_since.unwrap_or(now));
+            state.below_since = (share < policy.demote_share || stopped_earning)
+                .then(|| c.state.below_since.unwrap_or(now));
             let lasted = |t: Option<DateTime<Utc>>| t.is_some_and(|t| now - t >= window);
             let gate_ok = match policy.min_accuracy {
                 Some(min) => c.accuracy.is_some_and(|a| a >= min),
@@ -186,6 +230,7 @@ pub fn decide(
             Scored {
                 c,
                 share,
+                occupancy,
                 state,
                 gate_ok,
                 held,
@@ -259,6 +304,8 @@ pub fn decide(
                     if !s.sustained_above {
                         if s.state.above_since.is_some() {
                             reason::RISING
+                        } else if s.share >= policy.promote_share {
+                            reason::WOULD_NOT_EARN
                         } else {
                             reason::DYNAMIC
                         }
@@ -300,6 +347,11 @@ fn note(policy: &Policy, s: &Scored, total: f64, used: u32, why: &str) -> String
     if let Some(p95) = c.p95_ms {
         n.push_str(&format!(", p95 {p95:.0} ms"));
     }
+    if let Some(o) = s.occupancy {
+        n.push_str(&format!(
+            ", {o:.2}x its merged GPUs in dynamic capacity (earns at {EARN_PROMOTE}x, stops below {EARN_DEMOTE}x)"
+        ));
+    }
     n.push_str(&format!(
         "); promote at {:.1}%, demote below {:.1}%, window {}s, hold {}s; merged GPUs {used}/{}",
         100.0 * policy.promote_share,
@@ -333,6 +385,7 @@ mod tests {
             min_hold_secs: 900,
             budget_gpus: 2,
             min_accuracy: None,
+            capacity: None,
         }
     }
 
@@ -360,6 +413,61 @@ mod tests {
                 (at, d[0].action, d[0].reason)
             })
             .collect()
+    }
+
+    /// With the pool's capacity, a share is not enough: an adapter is merged only while its
+    /// traffic occupies more dynamic capacity than the merged GPU it takes (1.2x), and
+    /// demoted once it stays under 0.8x for the window, whatever its share.
+    #[test]
+    fn merging_must_earn_its_gpus_when_the_capacity_is_known() {
+        use reason::*;
+        // A merged GPU serves 1,000 tokens/min; a dynamic adapter half as fast: 200
+        // tokens/min occupy 0.4 dynamic GPUs, 600 occupy 1.2.
+        let p = Policy {
+            capacity: Some(Capacity {
+                merged_tokens_per_min: 1000.0,
+                dynamic_ratio: 0.5,
+            }),
+            ..policy()
+        };
+        // 16.7% of the pool, well over the share, but 0.4x: never merged, and says why.
+        let got = run(&p, &[(0, 200.0), (300, 200.0), (600, 200.0)]);
+        assert_eq!(
+            got,
+            [
+                (0, Action::Stay, WOULD_NOT_EARN),
+                (300, Action::Stay, WOULD_NOT_EARN),
+                (600, Action::Stay, WOULD_NOT_EARN)
+            ]
+        );
+        // 600 tokens/min (1.2x) for the window: promoted; at 500 (1.0x, between the bounds)
+        // it stays; at 300 (0.6x) for the window it goes back, its share (23%) notwithstanding.
+        let got = run(
+            &p,
+            &[
+                (0, 600.0),
+                (300, 600.0),
+                (1200, 500.0),
+                (1300, 300.0),
+                (1600, 300.0),
+            ],
+        );
+        assert_eq!(
+            got,
+            [
+                (0, Action::Stay, RISING),
+                (300, Action::Promote, TRAFFIC_PROMOTED),
+                (1200, Action::Stay, MERGED),
+                (1300, Action::Stay, FALLING),
+                (1600, Action::Demote, TRAFFIC_DEMOTED)
+            ]
+        );
+        // The same traffic without a capacity: the share alone promotes it.
+        let got = run(&policy(), &[(0, 200.0), (300, 200.0)]);
+        assert_eq!(got[1].1, Action::Promote);
+        // The note gives the occupancy.
+        let d = decide(&p, 1200.0, &[cand("hot", 200.0, State::default())], t(0));
+        assert!(d[0].note.contains("0.40x its merged GPUs"), "{}", d[0].note);
     }
 
     #[test]
@@ -567,6 +675,7 @@ mod tests {
         use reason::*;
         let p = Policy {
             min_accuracy: Some(0.8),
+            capacity: None,
             ..policy()
         };
         let mut low = cand("low", 500.0, sustained());

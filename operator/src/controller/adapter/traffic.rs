@@ -188,6 +188,10 @@ pub fn policy_of(pool: &InferencePoolSpec) -> Option<merge::Policy> {
         min_hold_secs: t.min_hold_seconds,
         budget_gpus: t.max_merged_gpus,
         min_accuracy: pool.merge.min_accuracy,
+        capacity: t.capacity.as_ref().map(|c| merge::Capacity {
+            merged_tokens_per_min: c.merged_tokens_per_second * 60.0,
+            dynamic_ratio: c.dynamic_ratio,
+        }),
     })
 }
 

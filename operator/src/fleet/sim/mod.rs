@@ -42,79 +42,27 @@ pub enum SimError {
     Invalid(String),
 }
 
-/// How fast pods serve, from `mole-worker bench decode` on one H100 (docs/benchmarks.md,
-/// "bf16, synthetic Qwen-style models", the 5.90B row): merged 74.1 tok/s at batch 1 and
-/// 193.9 at batch 16, a dynamic adapter 0.50 / 0.95 of merged, 16 distinct adapters in a
-/// batch 0.23 of one. Between the measured batch sizes the rate is linear; over distinct
-/// adapters it follows the launch model of the same section (a fixed cost per step plus one
-/// per distinct adapter: `(a + 1) / (a + k)` of one adapter, `a` fitted to the 16-distinct
-/// figure). Load times and start times are assumptions, stated in docs/operator.md.
-#[derive(Debug, Clone, PartialEq)]
-pub struct ServiceModel {
-    /// Merged tokens/s, batch 1.
-    pub merged_b1: f64,
-    /// Merged tokens/s (all rows), batch 16.
-    pub merged_b16: f64,
-    /// One dynamic adapter ÷ merged, batch 1.
-    pub dynamic_ratio_b1: f64,
-    /// One dynamic adapter ÷ merged, batch 16.
-    pub dynamic_ratio_b16: f64,
-    /// 16 distinct adapters ÷ one adapter, batch 16.
-    pub distinct16_ratio: f64,
-    /// Requests decoded together at most (the worker's `maxBatchSize`).
-    pub batch: usize,
-    /// Adapters in GPU slots per dynamic pod (`maxLoras`).
-    pub max_loras: usize,
-    /// Adapters in host memory per dynamic pod (`maxCpuLoras`).
-    pub max_cpu_loras: usize,
-    /// Seconds to move an adapter from host memory to a GPU slot.
-    pub host_load_s: f64,
-    /// Seconds to load an adapter from disk.
-    pub disk_load_s: f64,
-    /// Seconds from a pod's creation to its readiness (weights loaded).
-    pub pod_start_s: f64,
-    /// Seconds a merge Job takes (on CPUs; no GPU is taken meanwhile).
-    pub merge_job_s: f64,
+pub use mole_crds::ServiceModel;
+
+/// The service model measured on one H200 with the batched engine
+/// (`docs/fleet/service-model-h200.json`, from docs/benchmarks.md): the simulator's default.
+pub const H200_MODEL: &str = include_str!("../../../../docs/fleet/service-model-h200.json");
+
+/// [`H200_MODEL`], parsed.
+pub fn h200_model() -> ServiceModel {
+    serde_json::from_str(H200_MODEL).expect("the committed H200 service model parses (a test reads it)")
 }
 
-impl Default for ServiceModel {
-    fn default() -> Self {
-        Self {
-            merged_b1: 74.1,
-            merged_b16: 193.9,
-            dynamic_ratio_b1: 0.50,
-            dynamic_ratio_b16: 0.95,
-            distinct16_ratio: 0.23,
-            batch: 16,
-            max_loras: 8,
-            max_cpu_loras: 32,
-            host_load_s: 0.005,
-            disk_load_s: 0.1,
-            pod_start_s: 90.0,
-            merge_job_s: 120.0,
-        }
-    }
-}
-
-fn lerp_batch(b1: f64, b16: f64, b: usize) -> f64 {
-    let x = (b.clamp(1, 16) - 1) as f64 / 15.0;
-    b1 + (b16 - b1) * x
-}
-
-impl ServiceModel {
-    /// Tokens/s of a merged pod decoding `b` requests.
-    pub fn merged_rate(&self, b: usize) -> f64 {
-        lerp_batch(self.merged_b1, self.merged_b16, b)
-    }
-
-    /// Tokens/s of a dynamic pod decoding `b` requests of `k` distinct adapters.
-    pub fn dynamic_rate(&self, b: usize, k: usize) -> f64 {
-        let r = self.distinct16_ratio.clamp(1e-3, 1.0);
-        let a = ((16.0 * r - 1.0) / (1.0 - r).max(1e-9)).max(0.0);
-        let k = k.max(1) as f64;
-        self.merged_rate(b)
-            * lerp_batch(self.dynamic_ratio_b1, self.dynamic_ratio_b16, b)
-            * ((a + 1.0) / (a + k))
+/// The fleet policy's capacity view of a service model: what one merged GPU generates at the
+/// model's batch, and a busy dynamic pod's rate against it (`maxLoras` distinct adapters in
+/// the batch, as placement leaves a busy pod), so the earn check counts what a dynamic pod
+/// really loses to an adapter's traffic.
+pub fn capacity_of(m: &ServiceModel) -> merge::Capacity {
+    let b = m.batch.clamp(1, 16);
+    let k = m.max_loras.min(b).max(1);
+    merge::Capacity {
+        merged_tokens_per_min: m.merged_rate(b) * 60.0,
+        dynamic_ratio: m.dynamic_rate(b, k) / m.merged_rate(b),
     }
 }
 
@@ -127,11 +75,18 @@ pub enum Strategy {
     DynamicPlaced,
     /// One merged pod per adapter.
     AllMerged,
-    /// Placement, promotion and demotion by traffic.
+    /// Placement, promotion and demotion by traffic, merging only where it earns its GPUs.
     Traffic,
+    /// The same by shares alone.
+    TrafficShares,
 }
 
 impl Strategy {
+    /// Whether it promotes adapters to merged pods by traffic.
+    pub fn merges(self) -> bool {
+        matches!(self, Strategy::Traffic | Strategy::TrafficShares)
+    }
+
     /// Its name in tables.
     pub fn name(self) -> &'static str {
         match self {
@@ -139,6 +94,7 @@ impl Strategy {
             Strategy::DynamicPlaced => "dynamic-placed",
             Strategy::AllMerged => "all-merged",
             Strategy::Traffic => "traffic",
+            Strategy::TrafficShares => "traffic-share",
         }
     }
 }
@@ -152,7 +108,8 @@ pub struct SimConfig {
     pub min_dynamic: usize,
     /// Service rates.
     pub model: ServiceModel,
-    /// Merge policy (its `budget_gpus` is `gpus - min_dynamic`).
+    /// Merge policy (its `budget_gpus` is `gpus - min_dynamic`; its `capacity`, when set, is
+    /// taken from `model` at each run).
     pub merge: merge::Policy,
     /// Placement policy (its `capacity` is `max_loras + max_cpu_loras`).
     pub placement: placement::Policy,
@@ -165,9 +122,14 @@ pub struct SimConfig {
 }
 
 impl SimConfig {
-    /// The defaults for `gpus` GPUs.
+    /// The defaults for `gpus` GPUs with the measured H200 model.
     pub fn new(gpus: usize) -> Self {
-        let model = ServiceModel::default();
+        Self::with_model(gpus, h200_model())
+    }
+
+    /// The defaults for `gpus` GPUs with `model`; the traffic policy checks that merging earns
+    /// its GPUs against the model's rates.
+    pub fn with_model(gpus: usize, model: ServiceModel) -> Self {
         let min_dynamic = gpus.div_ceil(2).max(1);
         Self {
             gpus,
@@ -181,6 +143,7 @@ impl SimConfig {
                 min_hold_secs: 900,
                 budget_gpus: gpus.saturating_sub(min_dynamic) as u32,
                 min_accuracy: None,
+                capacity: Some(capacity_of(&model)),
             },
             placement: placement::Policy {
                 min_replicas: 2,
@@ -195,6 +158,9 @@ impl SimConfig {
     }
 
     fn check(&self) -> Result<(), SimError> {
+        self.model
+            .validate()
+            .map_err(|e| SimError::Invalid(e.to_string()))?;
         if self.gpus == 0 || self.min_dynamic == 0 || self.min_dynamic > self.gpus {
             return Err(SimError::Invalid(format!(
                 "need 1 <= min dynamic pods ({}) <= GPUs ({})",
@@ -285,6 +251,12 @@ pub fn run(
 ) -> Result<Outcome, SimError> {
     cfg.check()?;
     let m = &cfg.model;
+    let mut policy = cfg.merge.clone();
+    policy.capacity = match strategy {
+        Strategy::TrafficShares => None,
+        _ => Some(capacity_of(m)),
+    };
+    let shares_policy = matches!(strategy, Strategy::Traffic | Strategy::TrafficShares);
     let adapters = adapters.max(
         trace
             .iter()
@@ -386,7 +358,7 @@ pub fn run(
             unrouted.extend(pods[i].take_queue());
             waiting_gpu.remove(0);
         }
-        if t >= next_control && matches!(strategy, Strategy::Traffic | Strategy::DynamicPlaced) {
+        if t >= next_control && (shares_policy || strategy == Strategy::DynamicPlaced) {
             next_control += cfg.control_s;
             let now = clock(t);
             for (a, s) in smoothers.iter_mut().enumerate() {
@@ -400,7 +372,7 @@ pub fn run(
                     .collect();
                 s.observe(now, &per_pod);
             }
-            if strategy == Strategy::Traffic {
+            if shares_policy {
                 let cands: Vec<merge::Candidate> = (0..adapters)
                     .map(|a| {
                         let r = smoothers[a].rates();
@@ -416,7 +388,7 @@ pub fn run(
                     })
                     .collect();
                 let total: f64 = cands.iter().map(|c| c.tokens_per_min).sum();
-                for (a, d) in merge::decide(&cfg.merge, total, &cands, now)
+                for (a, d) in merge::decide(&policy, total, &cands, now)
                     .into_iter()
                     .enumerate()
                 {

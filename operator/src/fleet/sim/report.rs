@@ -1,7 +1,7 @@
 //! The simulator's outputs: a Markdown table, a per-minute CSV and an SVG plot (written by
 //! hand: a few polylines need no plotting crate).
 
-use super::Outcome;
+use super::{Outcome, Strategy};
 
 /// The results as a Markdown table.
 pub fn table(outcomes: &[Outcome]) -> String {
@@ -129,7 +129,7 @@ pub fn svg(outcomes: &[Outcome], title: &str) -> String {
         .max(1) as f64;
     let max_pods = outcomes
         .iter()
-        .filter(|o| o.strategy == super::Strategy::Traffic)
+        .filter(|o| o.strategy.merges())
         .flat_map(|o| o.timeline.iter().map(|m| m.merged_pods))
         .max()
         .unwrap_or(1)
@@ -156,7 +156,7 @@ pub fn svg(outcomes: &[Outcome], title: &str) -> String {
         ));
     }
     for (k, o) in outcomes.iter().enumerate() {
-        if o.strategy != super::Strategy::Traffic {
+        if !o.strategy.merges() {
             continue;
         }
         let pts: Vec<String> = o
@@ -186,4 +186,140 @@ fn escape(s: &str) -> String {
     s.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")
+}
+
+/// One point of the crossover study: every policy's outcome at one dynamic ÷ merged ratio.
+#[derive(Debug, Clone)]
+pub struct CrossoverRow {
+    /// One dynamic adapter's rate ÷ merged (both batch sizes).
+    pub ratio: f64,
+    /// The policies' outcomes at that ratio.
+    pub outcomes: Vec<Outcome>,
+}
+
+/// The crossover study as Markdown: p99 wait per policy (columns) and ratio (rows), with the
+/// merges the traffic policies made.
+pub fn crossover_table(rows: &[CrossoverRow]) -> String {
+    let Some(first) = rows.first() else {
+        return String::new();
+    };
+    let mut s = String::from("| dynamic ÷ merged |");
+    for o in &first.outcomes {
+        s.push_str(&format!(" {} ({} GPUs) p99 wait s |", o.strategy.name(), o.gpus));
+    }
+    s.push_str(" merges (traffic / traffic-share) |\n|---|");
+    for _ in &first.outcomes {
+        s.push_str("---|");
+    }
+    s.push_str("---|\n");
+    for r in rows {
+        s.push_str(&format!("| {:.2} |", r.ratio));
+        let best = r
+            .outcomes
+            .iter()
+            .filter(|o| o.strategy != Strategy::AllMerged)
+            .map(|o| o.wait_p99)
+            .fold(f64::INFINITY, f64::min);
+        for o in &r.outcomes {
+            let done = if o.completed < o.requests {
+                format!(" ({}/{} done)", o.completed, o.requests)
+            } else {
+                String::new()
+            };
+            if o.strategy != Strategy::AllMerged && o.wait_p99 == best {
+                s.push_str(&format!(" **{:.2}**{done} |", o.wait_p99));
+            } else {
+                s.push_str(&format!(" {:.2}{done} |", o.wait_p99));
+            }
+        }
+        let merges = |k: Strategy| {
+            r.outcomes
+                .iter()
+                .find(|o| o.strategy == k)
+                .map_or("-".to_string(), |o| o.promotions.to_string())
+        };
+        s.push_str(&format!(
+            " {} / {} |\n",
+            merges(Strategy::Traffic),
+            merges(Strategy::TrafficShares)
+        ));
+    }
+    s
+}
+
+/// The crossover study as an SVG plot: p99 wait (log scale) against dynamic ÷ merged, one line
+/// per policy.
+pub fn crossover_svg(rows: &[CrossoverRow], title: &str) -> String {
+    let (w, h) = (760.0, 420.0);
+    let (left, right, top, bottom) = (70.0, 20.0, 40.0, 50.0);
+    let plot_w = w - left - right;
+    let plot_h = h - top - bottom;
+    let ratios: Vec<f64> = rows.iter().map(|r| r.ratio).collect();
+    let (rmin, rmax) = (
+        ratios.iter().copied().fold(f64::INFINITY, f64::min),
+        ratios.iter().copied().fold(f64::NEG_INFINITY, f64::max),
+    );
+    let span = (rmax - rmin).max(1e-9);
+    let max_wait = rows
+        .iter()
+        .flat_map(|r| r.outcomes.iter().map(|o| o.wait_p99))
+        .fold(1.0f64, f64::max);
+    let floor = 0.01f64;
+    let y = |v: f64| {
+        let l = (v.max(floor) / floor).log10() / (max_wait.max(floor * 10.0) / floor).log10();
+        top + plot_h * (1.0 - l)
+    };
+    let x = |r: f64| left + plot_w * (r - rmin) / span;
+    let mut s = format!(
+        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
+         <rect width=\"{w}\" height=\"{h}\" fill=\"white\"/>\n\
+         <text x=\"{left}\" y=\"22\" font-size=\"14\">{}</text>\n\
+         <line x1=\"{left}\" x2=\"{}\" y1=\"{}\" y2=\"{}\" stroke=\"#999\"/>\n\
+         <text x=\"{}\" y=\"{}\" text-anchor=\"middle\">one dynamic adapter ÷ merged</text>\n\
+         <text x=\"16\" y=\"{}\" transform=\"rotate(-90 16 {})\" text-anchor=\"middle\">p99 wait (s, log)</text>\n",
+        escape(title),
+        left + plot_w,
+        top + plot_h,
+        top + plot_h,
+        left + plot_w / 2.0,
+        h - 12.0,
+        top + plot_h / 2.0,
+        top + plot_h / 2.0
+    );
+    for r in &ratios {
+        s.push_str(&format!(
+            "<text x=\"{:.0}\" y=\"{:.0}\" text-anchor=\"middle\" fill=\"#555\">{r:.1}</text>\n",
+            x(*r),
+            top + plot_h + 16.0
+        ));
+    }
+    for v in [0.01, 0.1, 1.0, 10.0, 100.0, 1000.0] {
+        if v <= max_wait * 1.5 {
+            s.push_str(&format!(
+                "<text x=\"{:.0}\" y=\"{:.0}\" text-anchor=\"end\" fill=\"#555\">{v}</text>\n",
+                left - 6.0,
+                y(v) + 4.0
+            ));
+        }
+    }
+    let n = rows.first().map_or(0, |r| r.outcomes.len());
+    for k in 0..n {
+        let pts: Vec<String> = rows
+            .iter()
+            .filter_map(|r| r.outcomes.get(k).map(|o| (r.ratio, o.wait_p99)))
+            .map(|(r, v)| format!("{:.1},{:.1}", x(r), y(v)))
+            .collect();
+        let color = COLORS[k % COLORS.len()];
+        let label = rows[0].outcomes[k].strategy.name();
+        s.push_str(&format!(
+            "<polyline fill=\"none\" stroke=\"{color}\" stroke-width=\"1.8\" points=\"{}\"/>\n\
+             <text x=\"{:.0}\" y=\"{:.0}\" fill=\"{color}\">{label} ({} GPUs)</text>\n",
+            pts.join(" "),
+            left + plot_w - 170.0,
+            top + 14.0 + 15.0 * k as f64,
+            rows[0].outcomes[k].gpus
+        ));
+    }
+    s.push_str("</svg>\n");
+    s
 }
