@@ -90,7 +90,9 @@ impl ServiceModel {
         ];
         for (name, v) in positive {
             if !(v.is_finite() && v > 0.0) {
-                return Err(ServiceModelError(format!("{name} must be positive, is {v}")));
+                return Err(ServiceModelError(format!(
+                    "{name} must be positive, is {v}"
+                )));
             }
         }
         for (name, v) in [
@@ -99,11 +101,15 @@ impl ServiceModel {
             ("distinct16Ratio", self.distinct16_ratio),
         ] {
             if !(v.is_finite() && v > 0.0 && v <= 1.5) {
-                return Err(ServiceModelError(format!("{name} must be in (0, 1.5], is {v}")));
+                return Err(ServiceModelError(format!(
+                    "{name} must be in (0, 1.5], is {v}"
+                )));
             }
         }
         if self.batch == 0 || self.max_loras == 0 {
-            return Err(ServiceModelError("batch and maxLoras must be at least 1".into()));
+            return Err(ServiceModelError(
+                "batch and maxLoras must be at least 1".into(),
+            ));
         }
         Ok(())
     }

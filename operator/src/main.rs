@@ -43,7 +43,7 @@ enum Command {
     /// Print the CustomResourceDefinitions as YAML.
     Crd,
     /// Play a request trace against a simulated pool under the fleet policies.
-    Simulate(simulate::SimulateArgs),
+    Simulate(Box<simulate::SimulateArgs>),
 }
 
 #[derive(clap::Args, Clone)]
@@ -281,7 +281,7 @@ async fn main() -> anyhow::Result<()> {
             }
             Ok(())
         }
-        Some(Command::Simulate(a)) => simulate::simulate(a),
+        Some(Command::Simulate(a)) => simulate::simulate(*a),
         Some(Command::Run) | None => run(cli.run).await,
     }
 }

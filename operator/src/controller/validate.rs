@@ -931,8 +931,16 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         p.spec.merge.traffic = Some(t.clone());
         assert_eq!(validate_pool(&p), Ok(()));
         for (rate, ratio, field) in [
-            (f64::NAN, 0.5, "spec.merge.traffic.capacity.mergedTokensPerSecond"),
-            (0.0, 0.5, "spec.merge.traffic.capacity.mergedTokensPerSecond"),
+            (
+                f64::NAN,
+                0.5,
+                "spec.merge.traffic.capacity.mergedTokensPerSecond",
+            ),
+            (
+                0.0,
+                0.5,
+                "spec.merge.traffic.capacity.mergedTokensPerSecond",
+            ),
             (100.0, 0.0, "spec.merge.traffic.capacity.dynamicRatio"),
             (100.0, 2.0, "spec.merge.traffic.capacity.dynamicRatio"),
         ] {

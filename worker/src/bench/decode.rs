@@ -81,6 +81,12 @@ pub struct DecodeBenchArgs {
     /// that are multiples of 256, which no small real model here has (SmolLM2's 576).
     #[arg(long, env = "MOLE_BENCH_GGUF_SYNTHETIC", value_parser = synthetic_quant)]
     pub gguf_synthetic: Option<SyntheticQuant>,
+    /// Also write the measured rates as a service model (JSON) that `mole-operator simulate
+    /// --service-model` and a pool's `merge.traffic.capacity` read: merged tokens/s at batch 1
+    /// and 16, one dynamic adapter ÷ merged at both, 16 distinct ÷ one, and the adapter load
+    /// time (the rest keeps the model's stated defaults).
+    #[arg(long, env = "MOLE_BENCH_SERVICE_MODEL")]
+    pub service_model: Option<std::path::PathBuf>,
 }
 
 /// What `--gguf-synthetic` quantizes the synthetic model to.
@@ -508,6 +514,20 @@ fn bench_model(
         std::fs::metadata(tmp.path().join("a0/adapter_model.safetensors"))?.len() >> 20,
         load_ms / read_ms
     );
+    if let Some(path) = &args.service_model {
+        let model = service_model(
+            label,
+            args,
+            dev,
+            [base1, dyn1, base16, one16, mixed16],
+            load_ms,
+        );
+        model
+            .validate()
+            .map_err(|e| anyhow::anyhow!("{e} (measured: {model:?})"))?;
+        std::fs::write(path, serde_json::to_vec_pretty(&model)?)?;
+        println!("service model written to {}", path.display());
+    }
     if let (Some(py), Some(dir)) = (&args.python, model_dir) {
         let threads = candle_core::utils::get_num_threads();
         // transformers holds the weights in mole's weight dtype (and computes in it).
@@ -560,6 +580,34 @@ fn bench_model(
         tensor_path_table(model, &adapters, args)?;
     }
     Ok(())
+}
+
+/// The service model of one run: `[merged b1, dynamic b1, merged b16, one adapter b16, 16
+/// distinct b16]` tokens/s and the adapter load (page cache to a slot, ms); the adapter's disk
+/// read, pod start and merge time keep the model's defaults (not measured here).
+fn service_model(
+    label: &str,
+    args: &DecodeBenchArgs,
+    dev: &Device,
+    [base1, dyn1, base16, one16, mixed16]: [f64; 5],
+    load_ms: f64,
+) -> mole_api::ServiceModel {
+    let mut m: mole_api::ServiceModel = serde_json::from_value(serde_json::json!({
+        "mergedB1": base1, "mergedB16": base16,
+        "dynamicRatioB1": dyn1 / base1, "dynamicRatioB16": one16 / base16,
+        "distinct16Ratio": mixed16 / one16,
+    }))
+    .expect("the five measured fields are the model's required ones");
+    m.host_load_s = load_ms / 1e3;
+    m.source = format!(
+        "mole-worker {} bench decode: {label}, rank-{} adapters on every linear module, {} decode steps x {} rounds on {}",
+        env!("CARGO_PKG_VERSION"),
+        args.rank,
+        args.steps,
+        args.rounds,
+        device_name(dev)
+    );
+    m
 }
 
 /// The tensor path's pools for a benchmark: 16 rows of an 8-token prompt and the timed steps,

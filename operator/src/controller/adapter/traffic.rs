@@ -191,6 +191,14 @@ pub fn policy_of(pool: &InferencePoolSpec) -> Option<merge::Policy> {
         capacity: t.capacity.as_ref().map(|c| merge::Capacity {
             merged_tokens_per_min: c.merged_tokens_per_second * 60.0,
             dynamic_ratio: c.dynamic_ratio,
+            // The count the pool asks for (an autoscaled pool's floor: what it can rely on).
+            dynamic_gpus: u32::try_from(
+                pool.dynamic
+                    .applied_replicas()
+                    .unwrap_or_else(|| pool.dynamic.replica_range().0),
+            )
+            .unwrap_or(0)
+            .saturating_mul(pool.gpu.count.max(1)),
         }),
     })
 }

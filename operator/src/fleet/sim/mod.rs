@@ -50,19 +50,21 @@ pub const H200_MODEL: &str = include_str!("../../../../docs/fleet/service-model-
 
 /// [`H200_MODEL`], parsed.
 pub fn h200_model() -> ServiceModel {
-    serde_json::from_str(H200_MODEL).expect("the committed H200 service model parses (a test reads it)")
+    serde_json::from_str(H200_MODEL)
+        .expect("the committed H200 service model parses (a test reads it)")
 }
 
 /// The fleet policy's capacity view of a service model: what one merged GPU generates at the
 /// model's batch, and a busy dynamic pod's rate against it (`maxLoras` distinct adapters in
 /// the batch, as placement leaves a busy pod), so the earn check counts what a dynamic pod
 /// really loses to an adapter's traffic.
-pub fn capacity_of(m: &ServiceModel) -> merge::Capacity {
+pub fn capacity_of(m: &ServiceModel, dynamic_gpus: usize) -> merge::Capacity {
     let b = m.batch.clamp(1, 16);
     let k = m.max_loras.min(b).max(1);
     merge::Capacity {
         merged_tokens_per_min: m.merged_rate(b) * 60.0,
         dynamic_ratio: m.dynamic_rate(b, k) / m.merged_rate(b),
+        dynamic_gpus: u32::try_from(dynamic_gpus).unwrap_or(u32::MAX),
     }
 }
 
@@ -143,7 +145,7 @@ impl SimConfig {
                 min_hold_secs: 900,
                 budget_gpus: gpus.saturating_sub(min_dynamic) as u32,
                 min_accuracy: None,
-                capacity: Some(capacity_of(&model)),
+                capacity: Some(capacity_of(&model, gpus)),
             },
             placement: placement::Policy {
                 min_replicas: 2,
@@ -252,10 +254,8 @@ pub fn run(
     cfg.check()?;
     let m = &cfg.model;
     let mut policy = cfg.merge.clone();
-    policy.capacity = match strategy {
-        Strategy::TrafficShares => None,
-        _ => Some(capacity_of(m)),
-    };
+    let earns = strategy != Strategy::TrafficShares;
+    policy.capacity = None;
     let shares_policy = matches!(strategy, Strategy::Traffic | Strategy::TrafficShares);
     let adapters = adapters.max(
         trace
@@ -388,6 +388,12 @@ pub fn run(
                     })
                     .collect();
                 let total: f64 = cands.iter().map(|c| c.tokens_per_min).sum();
+                // The dynamic pods serving now (the earn check's headroom counts them).
+                let dynamic_now = pods
+                    .iter()
+                    .filter(|p| p.kind == Kind::Dynamic && p.draining.is_none())
+                    .count();
+                policy.capacity = earns.then(|| capacity_of(m, dynamic_now));
                 for (a, d) in merge::decide(&policy, total, &cands, now)
                     .into_iter()
                     .enumerate()

@@ -205,7 +205,11 @@ pub fn crossover_table(rows: &[CrossoverRow]) -> String {
     };
     let mut s = String::from("| dynamic ÷ merged |");
     for o in &first.outcomes {
-        s.push_str(&format!(" {} ({} GPUs) p99 wait s |", o.strategy.name(), o.gpus));
+        s.push_str(&format!(
+            " {} ({} GPUs) p99 wait s |",
+            o.strategy.name(),
+            o.gpus
+        ));
     }
     s.push_str(" merges (traffic / traffic-share) |\n|---|");
     for _ in &first.outcomes {
