@@ -241,6 +241,7 @@ mod tests {
                 max_seq_len: 128,
                 vocab_size: 256,
                 vision: false,
+                max_token_bytes: 4,
             }
         }
     }

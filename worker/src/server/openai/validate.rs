@@ -416,6 +416,8 @@ pub(super) fn sampling(c: &Common, chat: bool, caps: &Caps) -> Result<SamplingPa
         ignore_eos: c.ignore_eos,
         guide: None,
         cache_salt: c.cache_salt.clone(),
+        // Set when the request is served: the tenant is the caller's, not the body's.
+        cache_tenant: None,
     };
     // What the engine asserts is what was checked here.
     debug_assert!(crate::engine::sampler::validate(&sp).is_ok());
