@@ -1,6 +1,6 @@
 //! Memory under a burst of image requests (issue 33): 16 concurrent requests, each with 8
 //! compressible 2000×2000 PNGs (a few KiB on the wire, 12 MB each as RGB), against the real
-//! server on the tiny Llama with the default limits. The process's peak RSS (VmHWM; this test is
+//! server on the tiny Qwen3-VL with the default limits. The process's peak RSS (VmHWM; this test is
 //! alone in its binary so nothing else adds to it) grows by less than a stated bound, and the
 //! requests the in-flight image budget cannot hold are answered 429 with a code and
 //! Retry-After, not queued.
@@ -29,7 +29,8 @@ fn vm_hwm_kib() -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_image_requests_stays_in_memory_bounds_and_gets_429() {
-    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine/llama");
+    // A vision model: a text pool refuses image parts before reading them.
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision/qwen3_vl");
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().join("base");
     std::fs::create_dir_all(&base).unwrap();
