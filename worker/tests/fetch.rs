@@ -550,6 +550,21 @@ async fn the_command_reports_failures_in_the_termination_log() {
     );
 }
 
+/// `app` served as an S3 endpoint on loopback, and the options that fetch
+/// `s3://bucket/models/x` from it into `<dest>/m` without retries.
+async fn s3_store(app: axum::Router, dest: &Path) -> FetchOptions {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    FetchOptions {
+        source: "s3://bucket/models/x".into(),
+        dest: dest.join("m"),
+        s3_endpoint: Some(url),
+        retries: 0,
+        ..Default::default()
+    }
+}
+
 /// An S3 endpoint whose listing names keys outside the prefix asked for (one shorter than the
 /// prefix, one of another "directory"): the fetch fails with `bad_listing`, no panic, nothing
 /// written.
@@ -574,17 +589,8 @@ async fn an_s3_listing_with_keys_outside_the_prefix_is_refused() {
             let xml = xml.clone();
             async move { ([("content-type", "application/xml")], xml) }
         });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         let dest = tempfile::tempdir().unwrap();
-        let o = FetchOptions {
-            source: "s3://bucket/models/x".into(),
-            dest: dest.path().join("m"),
-            s3_endpoint: Some(url),
-            retries: 0,
-            ..Default::default()
-        };
+        let o = s3_store(app, dest.path()).await;
         let e = fetch(&o).await.expect_err(key);
         assert_eq!(e.code(), "bad_listing", "{key}: {e}");
         assert!(!dest.path().join("m/model.safetensors").exists());
@@ -613,17 +619,8 @@ async fn an_endless_s3_listing_is_cut_at_the_page_bound() {
             ([("content-type", "application/xml")], xml)
         }
     });
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
     let dest = tempfile::tempdir().unwrap();
-    let o = FetchOptions {
-        source: "s3://bucket/models/x".into(),
-        dest: dest.path().join("m"),
-        s3_endpoint: Some(url),
-        retries: 0,
-        ..Default::default()
-    };
+    let o = s3_store(app, dest.path()).await;
     let e = tokio::time::timeout(std::time::Duration::from_secs(60), fetch(&o))
         .await
         .expect("the listing ends")

@@ -11,51 +11,11 @@
 
 mod common;
 
-use serde_json::{json, Value};
+use serde_json::json;
 
 /// The largest growth of peak RSS the burst may cause: the bodies themselves (8 MiB), a few
 /// parsed copies of those being prepared, the allocator's slack.
 const BOUND_MIB: u64 = 160;
-
-fn vm_hwm_kib() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
-/// Sends `n` copies of `body` at once: each answer's status, code and Retry-After.
-async fn burst(url: &str, body: &axum::body::Bytes, n: usize) -> Vec<(u16, String, bool)> {
-    let c = reqwest::Client::new();
-    let sends: Vec<_> = (0..n)
-        .map(|_| {
-            let (c, url, body) = (c.clone(), url.to_string(), body.clone());
-            tokio::spawn(async move {
-                let r = c
-                    .post(format!("{url}/v1/chat/completions"))
-                    .header("content-type", "application/json")
-                    .body(body)
-                    .send()
-                    .await
-                    .unwrap();
-                let st = r.status().as_u16();
-                let retry = r.headers().contains_key("retry-after");
-                let b: Value = r.json().await.unwrap_or(Value::Null);
-                (
-                    st,
-                    b["error"]["code"].as_str().unwrap_or("").to_string(),
-                    retry,
-                )
-            })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for s in sends {
-        out.push(s.await.unwrap());
-    }
-    out
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn big_bodies_are_refused_before_templating_within_memory_bounds() {
@@ -77,10 +37,11 @@ async fn big_bodies_are_refused_before_templating_within_memory_bounds() {
         .unwrap(),
     );
     drop(text);
-    let before = vm_hwm_kib();
-    let answers = burst(&url, &body, 8).await;
-    let grown_mib = vm_hwm_kib().saturating_sub(before) / 1024;
-    for (st, code, _) in &answers {
+    let before = common::vm_hwm_kib();
+    let chats = |url: &str| format!("{url}/v1/chat/completions");
+    let answers = common::burst(&chats(&url), &body, 8).await;
+    let grown_mib = common::vm_hwm_kib().saturating_sub(before) / 1024;
+    for (st, _, code) in &answers {
         assert_eq!(
             (*st, code.as_str()),
             (400, "prompt_too_long"),
@@ -98,8 +59,8 @@ async fn big_bodies_are_refused_before_templating_within_memory_bounds() {
     common::llama_root(dir2.path(), &[]);
     let limits = ", prepareThreads: 1, maxPrepareQueue: 1";
     let (url2, _stop2) = common::serve_config(dir2.path(), &yaml(dir2.path(), limits)).await;
-    let answers = burst(&url2, &body, 8).await;
-    for (st, code, retry) in &answers {
+    let answers = common::burst(&chats(&url2), &body, 8).await;
+    for (st, retry, code) in &answers {
         let ok = matches!((*st, code.as_str()), (400, "prompt_too_long"))
             || (*st, code.as_str(), *retry) == (429, "prepare_busy", true);
         assert!(ok, "{answers:?}");

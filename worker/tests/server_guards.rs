@@ -177,25 +177,23 @@ async fn the_bearer_scheme_is_case_insensitive() {
 fn probes_answer_while_huge_guides_are_refused() {
     let (url_tx, url_rx) = std::sync::mpsc::channel();
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let server = std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_multi_thread()
+    // A runtime of two worker threads, as a pod on two cores has.
+    let two_threads = || {
+        tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
-            .unwrap();
-        rt.block_on(async move {
+            .unwrap()
+    };
+    let server = std::thread::spawn(move || {
+        two_threads().block_on(async move {
             let s = start("").await;
             url_tx.send(s.url.clone()).unwrap();
             let _ = stop_rx.await;
         });
     });
     let url = url_rx.recv().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    rt.block_on(async move {
+    two_threads().block_on(async move {
         let c = reqwest::Client::new();
         // 150,000 choices (about 1.6 MB): what froze a worker's runtime for 45 s.
         let choices: Vec<String> = (0..150_000).map(|i| format!("choice-{i}")).collect();
@@ -314,41 +312,38 @@ async fn costly_fields_are_refused_before_any_work() {
     };
     let long = "x".repeat(300_000);
     let many: Vec<String> = (0..5000).map(|i| i.to_string()).collect();
-    for (body, want) in [
-        (with("stop", json!([long.clone()])), "stop_too_long"),
-        (with("guided_regex", json!(long.clone())), "guide_too_large"),
+    let chats = "/v1/chat/completions";
+    let schema = json!({"type": "json_schema",
+        "json_schema": {"name": "x", "schema": {"type": "object", "description": long}}});
+    for (path, body, want) in [
+        (chats, with("stop", json!([long.clone()])), "stop_too_long"),
         (
+            chats,
+            with("guided_regex", json!(long.clone())),
+            "guide_too_large",
+        ),
+        (
+            chats,
             with("guided_grammar", json!(format!("start: \"{long}\""))),
             "guide_too_large",
         ),
+        (chats, with("response_format", schema), "guide_too_large"),
         (
-            with(
-                "response_format",
-                json!({"type": "json_schema",
-                "json_schema": {"name": "x", "schema": {"type": "object", "description": long}}}),
-            ),
-            "guide_too_large",
+            chats,
+            with("guided_choice", json!(many)),
+            "too_many_choices",
         ),
-        (with("guided_choice", json!(many)), "too_many_choices"),
-        (chat(&"word ".repeat(100_000)), "prompt_too_long"),
+        (chats, chat(&"word ".repeat(100_000)), "prompt_too_long"),
+        // The same with completions' prompt.
+        (
+            "/v1/completions",
+            json!({"model": "llama", "prompt": "word ".repeat(100_000)}),
+            "prompt_too_long",
+        ),
     ] {
-        let (st, b) = post(&s, "/v1/chat/completions", "ka", &body).await;
-        assert_eq!((st, code(&b)), (400, want), "{b}");
+        let (st, b) = post(&s, path, "ka", &body).await;
+        assert_eq!((st, code(&b)), (400, want), "{path}: {b}");
     }
-    assert_eq!(
-        calls.load(Ordering::SeqCst),
-        0,
-        "work was done before a refusal"
-    );
-    // The same with completions' prompt.
-    let (st, b) = post(
-        &s,
-        "/v1/completions",
-        "ka",
-        &json!({"model": "llama", "prompt": "word ".repeat(100_000)}),
-    )
-    .await;
-    assert_eq!((st, code(&b)), (400, "prompt_too_long"), "{b}");
     assert_eq!(
         calls.load(Ordering::SeqCst),
         0,

@@ -113,20 +113,10 @@ impl Prepare {
             }
             Err(TrySendError::Disconnected(_)) => {
                 self.queued.fetch_sub(1, Ordering::Relaxed);
-                return Err(ApiError::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "shutting_down",
-                    "the server is shutting down",
-                ));
+                return Err(shutting_down());
             }
         }
-        answer.await.unwrap_or_else(|_| {
-            Err(ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "shutting_down",
-                "the server is shutting down",
-            ))
-        })
+        answer.await.unwrap_or_else(|_| Err(shutting_down()))
     }
 }
 
@@ -150,6 +140,15 @@ fn work(rx: &Mutex<Receiver<Job>>) {
             Err(_) => return,
         }
     }
+}
+
+/// The answer when the pool's threads are gone (the server is stopping).
+fn shutting_down() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "shutting_down",
+        "the server is shutting down",
+    )
 }
 
 /// The answer to a request whose deadline passed before its preparation started.
