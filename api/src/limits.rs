@@ -249,7 +249,8 @@ pub struct WorkerLimits {
         skip_serializing_if = "is_default_stop_chars"
     )]
     pub max_stop_chars: u32,
-    /// Most bytes of a prompt's text (a chat's messages and tools, a completion's prompt),
+    /// Most bytes of a prompt's text (a chat's messages, their tool calls and the tools, as
+    /// compact JSON for those; a completion's prompt),
     /// checked before the chat template is rendered or anything tokenized (400
     /// `prompt_too_long`). 0 (the default): what can fit, `maxSeqLen` times twice the bytes of
     /// the tokenizer's longest token, so that only a text that can never fit is refused

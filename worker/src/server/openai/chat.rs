@@ -33,8 +33,6 @@ impl Validate for ChatBody {
         let Wire { body: mut b, raw } = wire;
         let limits = s.cfg().limits.clone();
         let (mut msgs, images) = messages(b.messages, &limits, s.info.model_info().vision)?;
-        // A text that cannot fit is refused before the template renders it.
-        check_prompt_bytes(s, msgs.iter().map(|m| m.content.len()).sum())?;
         // The sampling bounds first: the template is the costly part.
         let mut sp = sampling(&b.common, true, &Caps::of(s))?;
         let route_text = last_user_text(&msgs);
@@ -48,6 +46,14 @@ impl Validate for ChatBody {
         let mut kwargs = b.chat_template_kwargs;
         let tools = outputs::tools(&raw, &formats, &mut msgs, &mut kwargs)?;
         let guide = guided::guide(&raw, &limits)?;
+        // A text that cannot fit is refused before the template renders it: the messages'
+        // text, their tool calls and results, and the tools.
+        let cap = limits.max_body_bytes;
+        let text: u64 = msgs
+            .iter()
+            .map(|m| m.content.len() as u64 + guided::json_len(&m.extra, cap))
+            .sum();
+        check_prompt_bytes(s, text + guided::json_len(&kwargs, cap))?;
         let text = s.codec.apply_chat_template(&msgs, &kwargs)?;
         let parse = outputs::finish(&text, &formats, guide, tools.as_ref(), &mut sp)?;
         let prompt = match b.add_special_tokens.unwrap_or(false) {
@@ -73,7 +79,7 @@ impl Validate for InferBody {
     /// streamed.
     fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
         let Wire { body: b, raw } = wire;
-        check_prompt_bytes(s, b.prompt.len())?;
+        check_prompt_bytes(s, b.prompt.len() as u64)?;
         let mut msg = ChatMessage::text("user", b.prompt.clone());
         let mut content = json!(b.prompt);
         let mut images = Vec::new();

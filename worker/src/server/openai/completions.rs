@@ -25,7 +25,7 @@ impl Validate for CompletionBody {
         };
         if let Prompt::Text(t) | Prompt::Templated(t) = &prompt {
             // A text that cannot fit is refused before it is tokenized.
-            check_prompt_bytes(s, t.len())?;
+            check_prompt_bytes(s, t.len() as u64)?;
         }
         let route_text = match &prompt {
             Prompt::Text(t) | Prompt::Templated(t) => t.clone(),

@@ -117,7 +117,7 @@ pub(super) fn check_size(g: &Guide, limits: &WorkerLimits) -> Result<(), ApiErro
 
 /// The characters of `v` as compact JSON, counted up to just past `cap` (a huge schema is not
 /// written out to be measured).
-fn json_len(v: &Value, cap: u64) -> u64 {
+pub(super) fn json_len(v: &impl serde::Serialize, cap: u64) -> u64 {
     struct Count(u64, u64);
     impl std::io::Write for Count {
         fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {

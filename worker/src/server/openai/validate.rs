@@ -306,7 +306,7 @@ impl ValidRequest {
 /// fit the context, before any template renders it or tokenizer reads it (400
 /// `prompt_too_long`): over `limits.maxPromptBytes`, or by default over the context's tokens
 /// times twice the longest token's bytes (twice: a tokenizer's normalizer may shorten text).
-pub(super) fn check_prompt_bytes(s: &AppState, bytes: usize) -> Result<(), ApiError> {
+pub(super) fn check_prompt_bytes(s: &AppState, bytes: u64) -> Result<(), ApiError> {
     let set = s.cfg().limits.max_prompt_bytes;
     let max_seq = max_seq(s);
     let limit = match set {
@@ -316,7 +316,7 @@ pub(super) fn check_prompt_bytes(s: &AppState, bytes: usize) -> Result<(), ApiEr
         },
         n => n,
     };
-    if bytes as u64 > limit {
+    if bytes > limit {
         return Err(bad(
             "prompt_too_long",
             format!(
