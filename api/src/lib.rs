@@ -32,7 +32,7 @@ pub use config::{
     WorkerAdapter, WorkerAuth, WorkerBaseModel, WorkerCanary, WorkerConfig, SESSION_HEADER,
 };
 pub use enums::{Dtype, ImageProcessor, RouterFallback, RouterStrategy, ServingMode, WorkerMode};
-pub use limits::{EngineLimits, WorkerLimits};
+pub use limits::{EngineLimits, GuideParserLimits, PrefixCacheScope, WorkerLimits};
 pub use listing::{
     AdapterCounters, LoraAdapterInfo, LoraAdaptersResponse, Residency, ResidencyReport,
     ResidentAdapter, LATENCY_BUCKETS_MS,

@@ -218,6 +218,170 @@ pub struct WorkerLimits {
     /// listed name cannot be pointed at the cloud metadata service or the pod's neighbours.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub image_url_allow_private: bool,
+    /// Who shares the prefix cache's blocks (and so moves each other's
+    /// `usage.prompt_tokens_details.cached_tokens`). `apiKey` (the default): each API key has
+    /// a cache of its own, so a key holder cannot learn another's prompt by the tokens its own
+    /// requests find cached; without API keys every caller is one tenant. `pool`: every caller
+    /// shares one cache, for a pool whose callers trust each other (more hits on a system
+    /// prompt they all send). `cache_salt` partitions either further.
+    #[serde(default, skip_serializing_if = "PrefixCacheScope::is_default")]
+    pub prefix_cache_scope: PrefixCacheScope,
+    /// Longest text of one structured-output guide, in characters (as JSON Schema's
+    /// `maxLength` counts them): a JSON schema (as compact JSON), a regex, a Lark grammar, or
+    /// a choice list's strings together (400 `guide_too_large`, before anything is compiled).
+    /// Default 262,144: a large real-world schema is a few tens of thousands.
+    #[serde(
+        default = "default_max_guide_chars",
+        skip_serializing_if = "is_default_guide_chars"
+    )]
+    pub max_guide_chars: u64,
+    /// Most strings of a choice guide (`guided_choice`, `structured_outputs.choice`; 400
+    /// `too_many_choices`). Default 4096.
+    #[serde(
+        default = "default_max_guide_choices",
+        skip_serializing_if = "is_default_guide_choices"
+    )]
+    pub max_guide_choices: u32,
+    /// Longest stop string, in characters (400 `stop_too_long`); at most four are taken.
+    /// Default 1024.
+    #[serde(
+        default = "default_max_stop_chars",
+        skip_serializing_if = "is_default_stop_chars"
+    )]
+    pub max_stop_chars: u32,
+    /// Most bytes of a prompt's text (a chat's messages, their tool calls and the tools, as
+    /// compact JSON for those; a completion's prompt),
+    /// checked before the chat template is rendered or anything tokenized (400
+    /// `prompt_too_long`). 0 (the default): what can fit, `maxSeqLen` times twice the bytes of
+    /// the tokenizer's longest token, so that only a text that can never fit is refused
+    /// before it is tokenized.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub max_prompt_bytes: u64,
+    /// Fuel of one chat template rendering (minijinja's, about one unit per instruction): a
+    /// template that would run past it is stopped with 400 `template_fuel_exhausted`.
+    /// Default 10,000,000 (a chat of a thousand turns with tools takes well under a million).
+    #[serde(
+        default = "default_max_template_fuel",
+        skip_serializing_if = "is_default_template_fuel"
+    )]
+    pub max_template_fuel: u64,
+    /// llguidance's limits on a guide's compilation and on each token's mask.
+    #[serde(default, skip_serializing_if = "GuideParserLimits::is_default")]
+    pub guide_parser: GuideParserLimits,
+    /// Threads of the preparation stage (parsing bodies, chat templates, tokenizing, image
+    /// decoding and preprocessing, grammar compilation): 0 (the default) is one per core.
+    #[serde(default, skip_serializing_if = "is_zero_u32")]
+    pub prepare_threads: u32,
+    /// Requests waiting for a preparation thread before new ones are answered 429
+    /// `prepare_busy` with `Retry-After`. Default 64.
+    #[serde(
+        default = "default_max_prepare_queue",
+        skip_serializing_if = "is_default_prepare_queue"
+    )]
+    pub max_prepare_queue: u32,
+}
+
+/// llguidance's `ParserLimits` as a pool sets them (its defaults): what compiling one guide,
+/// and computing one token's mask, may cost. A guide over them is refused at compilation
+/// (400 `invalid_grammar` or `invalid_schema`, naming the limit); an answer whose grammar
+/// reaches them while it is generated ends with `grammar_failed`.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GuideParserLimits {
+    /// Symbols of the compiled grammar (default 500,000, a few MB of JSON schema).
+    #[serde(default = "default_max_grammar_size")]
+    pub max_grammar_size: u64,
+    /// Lexer work building a grammar's initial regexes (default 1,000,000).
+    #[serde(default = "default_initial_lexer_fuel")]
+    pub initial_lexer_fuel: u64,
+    /// Lexer work of one token's mask (default 200,000).
+    #[serde(default = "default_step_lexer_fuel")]
+    pub step_lexer_fuel: u64,
+    /// Earley items of one token's mask (default 50,000).
+    #[serde(default = "default_step_max_items")]
+    pub step_max_items: u64,
+    /// Earley items in one row: the grammar's branching (default 2,000).
+    #[serde(default = "default_max_items_in_row")]
+    pub max_items_in_row: u64,
+    /// Lexer states of one answer (default 250,000; 1-2 kB each).
+    #[serde(default = "default_max_lexer_states")]
+    pub max_lexer_states: u64,
+}
+
+impl Default for GuideParserLimits {
+    fn default() -> Self {
+        Self {
+            max_grammar_size: default_max_grammar_size(),
+            initial_lexer_fuel: default_initial_lexer_fuel(),
+            step_lexer_fuel: default_step_lexer_fuel(),
+            step_max_items: default_step_max_items(),
+            max_items_in_row: default_max_items_in_row(),
+            max_lexer_states: default_max_lexer_states(),
+        }
+    }
+}
+
+impl GuideParserLimits {
+    /// Whether these are llguidance's defaults (kept off the wire then).
+    pub fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
+
+    fn validate(&self) -> Result<(), BoundsError> {
+        for (field, v) in [
+            ("guideParser.maxGrammarSize", self.max_grammar_size),
+            ("guideParser.initialLexerFuel", self.initial_lexer_fuel),
+            ("guideParser.stepLexerFuel", self.step_lexer_fuel),
+            ("guideParser.stepMaxItems", self.step_max_items),
+            ("guideParser.maxItemsInRow", self.max_items_in_row),
+            ("guideParser.maxLexerStates", self.max_lexer_states),
+        ] {
+            if v == 0 {
+                return Err(BoundsError {
+                    field,
+                    message: "must be > 0".into(),
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+fn default_max_grammar_size() -> u64 {
+    500_000
+}
+fn default_initial_lexer_fuel() -> u64 {
+    1_000_000
+}
+fn default_step_lexer_fuel() -> u64 {
+    200_000
+}
+fn default_step_max_items() -> u64 {
+    50_000
+}
+fn default_max_items_in_row() -> u64 {
+    2_000
+}
+fn default_max_lexer_states() -> u64 {
+    250_000
+}
+
+/// Who shares the prefix cache's blocks: see [`WorkerLimits::prefix_cache_scope`].
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+#[serde(rename_all = "camelCase")]
+pub enum PrefixCacheScope {
+    /// Each API key reads and writes a partition of its own.
+    #[default]
+    ApiKey,
+    /// One cache for every caller of the pool (an explicit opt-in).
+    Pool,
+}
+
+impl PrefixCacheScope {
+    /// Whether this is the default (kept off the wire at its default).
+    pub fn is_default(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 impl Default for WorkerLimits {
@@ -243,6 +407,15 @@ impl WorkerLimits {
             max_inflight_image_pixels: default_max_inflight_image_pixels(),
             image_url_hosts: Vec::new(),
             image_url_allow_private: false,
+            prefix_cache_scope: PrefixCacheScope::ApiKey,
+            max_guide_chars: default_max_guide_chars(),
+            max_guide_choices: default_max_guide_choices(),
+            max_stop_chars: default_max_stop_chars(),
+            max_prompt_bytes: 0,
+            max_template_fuel: default_max_template_fuel(),
+            guide_parser: GuideParserLimits::default(),
+            prepare_threads: 0,
+            max_prepare_queue: default_max_prepare_queue(),
         }
     }
 
@@ -259,6 +432,11 @@ impl WorkerLimits {
             ("maxImages", u64::from(self.max_images)),
             ("maxRequestImagePixels", self.max_request_image_pixels),
             ("maxInflightImagePixels", self.max_inflight_image_pixels),
+            ("maxGuideChars", self.max_guide_chars),
+            ("maxGuideChoices", u64::from(self.max_guide_choices)),
+            ("maxStopChars", u64::from(self.max_stop_chars)),
+            ("maxTemplateFuel", self.max_template_fuel),
+            ("maxPrepareQueue", u64::from(self.max_prepare_queue)),
         ] {
             if v == 0 {
                 return Err(BoundsError {
@@ -267,6 +445,7 @@ impl WorkerLimits {
                 });
             }
         }
+        self.guide_parser.validate()?;
         if self.max_request_image_pixels > self.max_inflight_image_pixels {
             return Err(BoundsError {
                 field: "maxRequestImagePixels",
@@ -317,6 +496,44 @@ fn default_max_request_image_pixels() -> u64 {
 fn default_max_inflight_image_pixels() -> u64 {
     128 << 20
 }
+fn default_max_guide_chars() -> u64 {
+    256 << 10
+}
+fn default_max_guide_choices() -> u32 {
+    4096
+}
+fn default_max_stop_chars() -> u32 {
+    1024
+}
+fn default_max_template_fuel() -> u64 {
+    10_000_000
+}
+fn default_max_prepare_queue() -> u32 {
+    64
+}
+// Settings added after the fact are left out of the wire format at their defaults, so that a
+// config's content hash is what it was before they existed.
+fn is_default_guide_chars(v: &u64) -> bool {
+    *v == default_max_guide_chars()
+}
+fn is_default_guide_choices(v: &u32) -> bool {
+    *v == default_max_guide_choices()
+}
+fn is_default_stop_chars(v: &u32) -> bool {
+    *v == default_max_stop_chars()
+}
+fn is_default_template_fuel(v: &u64) -> bool {
+    *v == default_max_template_fuel()
+}
+fn is_default_prepare_queue(v: &u32) -> bool {
+    *v == default_max_prepare_queue()
+}
+fn is_zero(v: &u64) -> bool {
+    *v == 0
+}
+fn is_zero_u32(v: &u32) -> bool {
+    *v == 0
+}
 // The image budgets are left out of the wire format at their defaults, so that a config's
 // content hash (which both sides compute over it) is what it was before they existed.
 fn is_default_request_image_pixels(v: &u64) -> bool {
@@ -360,5 +577,46 @@ mod tests {
             over.validate().map_err(|e| e.field),
             Err("maxRequestImagePixels")
         );
+    }
+
+    /// The request-cost limits and the cache scope: off the wire at their defaults (a config's
+    /// hash is what it was before they existed), read back as set, and 0 refused where 0 would
+    /// refuse every request.
+    #[test]
+    fn cost_limits_round_trip_and_are_checked() {
+        let d = serde_json::to_value(WorkerLimits::default()).expect("serializes");
+        for k in [
+            "prefixCacheScope",
+            "maxGuideChars",
+            "maxGuideChoices",
+            "maxStopChars",
+            "maxPromptBytes",
+            "maxTemplateFuel",
+            "guideParser",
+            "prepareThreads",
+            "maxPrepareQueue",
+        ] {
+            assert!(d.get(k).is_none(), "{k} is on the wire at its default");
+        }
+        let l: WorkerLimits = serde_json::from_value(serde_json::json!({
+            "prefixCacheScope": "pool", "maxStopChars": 9, "guideParser": {"stepMaxItems": 7},
+            "prepareThreads": 3,
+        }))
+        .expect("reads");
+        assert_eq!(l.prefix_cache_scope, PrefixCacheScope::Pool);
+        assert_eq!((l.max_stop_chars, l.prepare_threads), (9, 3));
+        assert_eq!(l.guide_parser.step_max_items, 7);
+        assert_eq!(l.guide_parser.max_grammar_size, 500_000);
+        let json = serde_json::to_value(&l).expect("serializes");
+        assert_eq!(json["guideParser"]["stepMaxItems"], 7);
+        assert_eq!(serde_json::from_value::<WorkerLimits>(json).ok(), Some(l));
+        for bad in [
+            serde_json::json!({"maxGuideChars": 0}),
+            serde_json::json!({"maxPrepareQueue": 0}),
+            serde_json::json!({"guideParser": {"maxGrammarSize": 0}}),
+        ] {
+            let l: WorkerLimits = serde_json::from_value(bad.clone()).expect("reads");
+            assert!(l.validate().is_err(), "{bad}");
+        }
     }
 }

@@ -112,6 +112,35 @@ pub fn model_dir(cfg: &WorkerConfig) -> Result<PathBuf, ConfigError> {
     resolve_in_root(&cfg.model_root, rel)
 }
 
+/// The one rule of an adapter's name, configured or given to `/v1/load_lora_adapter`: 1 to
+/// [`MAX_ADAPTER_NAME`] ASCII letters, digits, `.`, `_` and `-`, starting with a letter or a
+/// digit (so no `.`, `..`, path separators, spaces or control characters: names reach logs,
+/// metric labels, headers and paths), and neither the pool's nor the base model's name (a
+/// request's `model` names those). Err says why.
+pub fn check_adapter_name(cfg: &WorkerConfig, name: &str) -> Result<(), String> {
+    let shape = name.len() <= MAX_ADAPTER_NAME
+        && name.starts_with(|c: char| c.is_ascii_alphanumeric())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'));
+    if !shape {
+        return Err(format!(
+            "bad adapter name {name:?}: 1 to {MAX_ADAPTER_NAME} letters, digits, '.', '_' or \
+             '-', starting with a letter or digit"
+        ));
+    }
+    if name == cfg.pool {
+        return Err(format!("adapter {name} has the pool's name"));
+    }
+    if name == cfg.base_model.name {
+        return Err(format!("adapter {name} has the base model's name"));
+    }
+    Ok(())
+}
+
+/// The longest adapter name (a Kubernetes object name's limit).
+pub const MAX_ADAPTER_NAME: usize = 253;
+
 /// Checks names, limits and that every path stays inside `modelRoot`.
 pub fn validate(cfg: &WorkerConfig) -> Result<(), ConfigError> {
     if cfg.pool.trim().is_empty() {
@@ -127,18 +156,7 @@ pub fn validate(cfg: &WorkerConfig) -> Result<(), ConfigError> {
     let mut names = HashSet::new();
     let mut ids = HashMap::new();
     for a in &cfg.adapters {
-        if a.name.is_empty() || a.name.contains(['/', ' ']) {
-            return Err(ConfigError::Invalid(format!(
-                "bad adapter name {:?}",
-                a.name
-            )));
-        }
-        if a.name == cfg.pool {
-            return Err(ConfigError::Invalid(format!(
-                "adapter {} has the pool's name",
-                a.name
-            )));
-        }
+        check_adapter_name(cfg, &a.name).map_err(ConfigError::Invalid)?;
         if !names.insert(a.name.clone()) {
             return Err(ConfigError::Invalid(format!(
                 "duplicate adapter name {}",

@@ -54,6 +54,8 @@ pub struct Metrics {
     pub config_reloads: IntCounterVec,
     /// 1 when `/readyz` answers ready.
     pub ready: IntGauge,
+    /// Requests waiting for a preparation thread (`limits.maxPrepareQueue` bounds it).
+    pub prepare_queued: IntGauge,
     /// LRU evictions.
     pub adapter_evictions: IntCounter,
     /// Prompt and generated tokens by adapter and kind.
@@ -199,6 +201,11 @@ impl Metrics {
                 &["result"],
             ),
             ready: gauge(&r, "mole_ready", "1 when the worker is ready"),
+            prepare_queued: gauge(
+                &r,
+                "mole_prepare_queued",
+                "Requests waiting for a preparation thread",
+            ),
             adapter_evictions: registered(
                 &r,
                 IntCounter::new(

@@ -550,6 +550,21 @@ async fn the_command_reports_failures_in_the_termination_log() {
     );
 }
 
+/// `app` served as an S3 endpoint on loopback, and the options that fetch
+/// `s3://bucket/models/x` from it into `<dest>/m` without retries.
+async fn s3_store(app: axum::Router, dest: &Path) -> FetchOptions {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
+    FetchOptions {
+        source: "s3://bucket/models/x".into(),
+        dest: dest.join("m"),
+        s3_endpoint: Some(url),
+        retries: 0,
+        ..Default::default()
+    }
+}
+
 /// An S3 endpoint whose listing names keys outside the prefix asked for (one shorter than the
 /// prefix, one of another "directory"): the fetch fails with `bad_listing`, no panic, nothing
 /// written.
@@ -574,19 +589,43 @@ async fn an_s3_listing_with_keys_outside_the_prefix_is_refused() {
             let xml = xml.clone();
             async move { ([("content-type", "application/xml")], xml) }
         });
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}", listener.local_addr().unwrap());
-        tokio::spawn(async move { axum::serve(listener, app).await.unwrap() });
         let dest = tempfile::tempdir().unwrap();
-        let o = FetchOptions {
-            source: "s3://bucket/models/x".into(),
-            dest: dest.path().join("m"),
-            s3_endpoint: Some(url),
-            retries: 0,
-            ..Default::default()
-        };
+        let o = s3_store(app, dest.path()).await;
         let e = fetch(&o).await.expect_err(key);
         assert_eq!(e.code(), "bad_listing", "{key}: {e}");
         assert!(!dest.path().join("m/model.safetensors").exists());
     }
+}
+
+/// An S3 endpoint whose listing never ends (every page truncated, with a next token): the
+/// fetch gives up after `max_list_pages` pages with `bad_listing` instead of listing forever.
+#[tokio::test]
+async fn an_endless_s3_listing_is_cut_at_the_page_bound() {
+    let pages = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = pages.clone();
+    let app = axum::Router::new().fallback(move || {
+        let n = seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        async move {
+            let xml = format!(
+                r#"<?xml version="1.0" encoding="UTF-8"?>
+<ListBucketResult xmlns="http://s3.amazonaws.com/doc/2006-03-01/">
+<Name>bucket</Name><Prefix>models/x/</Prefix><KeyCount>1</KeyCount><MaxKeys>1000</MaxKeys>
+<IsTruncated>true</IsTruncated><NextContinuationToken>t{n}</NextContinuationToken>
+<Contents><Key>models/x/f{n}</Key><LastModified>2024-01-01T00:00:00.000Z</LastModified>
+<ETag>"d41d8cd98f00b204e9800998ecf8427e"</ETag><Size>4</Size>
+<StorageClass>STANDARD</StorageClass></Contents>
+</ListBucketResult>"#
+            );
+            ([("content-type", "application/xml")], xml)
+        }
+    });
+    let dest = tempfile::tempdir().unwrap();
+    let o = s3_store(app, dest.path()).await;
+    let e = tokio::time::timeout(std::time::Duration::from_secs(60), fetch(&o))
+        .await
+        .expect("the listing ends")
+        .expect_err("an endless listing fails");
+    assert_eq!(e.code(), "bad_listing", "{e}");
+    // The default bound: a thousand pages (a million objects).
+    assert_eq!(pages.load(std::sync::atomic::Ordering::SeqCst), 1000);
 }

@@ -547,13 +547,15 @@ async fn bad_input_battery_keeps_serving() {
             400,
             "invalid_role",
         ),
+        // A text pool refuses an image part before its URL is read (the URL checks:
+        // server_hostile.rs, on a vision pool).
         (
             "/v1/chat/completions",
             msg(
                 json!([{"type": "image_url", "image_url": {"url": "http://169.254.169.254\\@img.example.com/x.png"}}]),
             ),
             400,
-            "image_url_not_allowed",
+            "images_not_supported",
         ),
         // Every sampling bound is checked before routing, each with its own code (these were
         // the engine's plain invalid_request after routing, or the router's 404 first).

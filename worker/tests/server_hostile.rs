@@ -5,7 +5,8 @@
 //! requests that cost memory or time out of proportion (a million `stop_token_ids`, a request's
 //! images over the pixel budget, big bodies on the small endpoints); adapters whose directory
 //! overlaps the base model's, `merged/` or another adapter's. Images go through
-//! `POST /v1/route`, which reads a request's images as chat does.
+//! `POST /v1/route` on the tiny Qwen3-VL, which reads a request's images as chat does (a text
+//! pool refuses image parts before reading them).
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 
@@ -58,6 +59,29 @@ fn config_yaml(root: &Path, limits: &str) -> String {
 /// The worker on the tiny Llama (see [`config_yaml`]).
 async fn start(limits: &str) -> Srv {
     start_in(model_root(), limits).await
+}
+
+/// A worker on the tiny Qwen3-VL (a text pool refuses image parts before reading them), no
+/// adapters, `limits` added to its limits: what the image tests send their images to.
+async fn start_vision(limits: &str) -> Srv {
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision/qwen3_vl");
+    let dir = tempfile::tempdir().unwrap();
+    common::copy_dir(&fx, &dir.path().join("base"));
+    std::fs::write(dir.path().join("admin"), "s3cret\n").unwrap();
+    let yaml = format!(
+        "pool: p\nmodelRoot: {root}\n\
+         baseModel: {{name: llama, path: base, dtype: f32, imageProcessor: pil}}\n\
+         router: {{strategies: [explicit], fallback: base}}\n\
+         auth: {{adminTokenFile: {root}/admin}}\n\
+         limits: {{maxSeqLen: 512, maxTokens: 16, {limits}}}\n",
+        root = dir.path().display()
+    );
+    let (url, tx) = common::serve_config(dir.path(), &yaml).await;
+    Srv {
+        url,
+        _dir: dir,
+        _stop: tx,
+    }
 }
 
 /// [`start`] on the model root `dir`.
@@ -139,7 +163,7 @@ async fn route_image(s: &Srv, url: &str) -> (u16, String, String) {
 #[tokio::test]
 async fn image_urls_to_loopback_and_odd_ports_are_refused_by_default() {
     let a = host(None).await;
-    let s = start(&format!(
+    let s = start_vision(&format!(
         "imageUrlHosts: [localhost, \"127.0.0.1:{p}\", \"[::ffff:127.0.0.1]:{p}\"]",
         p = a.port
     ))
@@ -175,7 +199,7 @@ async fn image_urls_to_loopback_and_odd_ports_are_refused_by_default() {
 async fn image_urls_are_checked_by_the_host_reached_and_redirects_are_not_followed() {
     let b = host(None).await;
     let a = host(Some(format!("http://127.0.0.1:{}/img.png", b.port))).await;
-    let s = start(&format!(
+    let s = start_vision(&format!(
         "imageUrlHosts: [img.example.com, \"127.0.0.1:{}\"], imageUrlAllowPrivate: true",
         a.port
     ))
@@ -266,7 +290,7 @@ async fn small_endpoints_refuse_big_bodies() {
 #[tokio::test]
 async fn a_requests_images_are_held_to_a_pixel_budget() {
     use base64::Engine as _;
-    let s = start("maxRequestImagePixels: 5000000").await;
+    let s = start_vision("maxRequestImagePixels: 5000000").await;
     let img = format!(
         "data:image/png;base64,{}",
         base64::engine::general_purpose::STANDARD.encode(png(2000, 1000))

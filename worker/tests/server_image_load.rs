@@ -1,6 +1,6 @@
 //! Memory under a burst of image requests (issue 33): 16 concurrent requests, each with 8
 //! compressible 2000×2000 PNGs (a few KiB on the wire, 12 MB each as RGB), against the real
-//! server on the tiny Llama with the default limits. The process's peak RSS (VmHWM; this test is
+//! server on the tiny Qwen3-VL with the default limits. The process's peak RSS (VmHWM; this test is
 //! alone in its binary so nothing else adds to it) grows by less than a stated bound, and the
 //! requests the in-flight image budget cannot hold are answered 429 with a code and
 //! Retry-After, not queued.
@@ -19,17 +19,10 @@ use serde_json::{json, Value};
 /// buffers. Without the budget the burst holds 16 × 8 × 12 MB ≈ 1.5 GB.
 const BOUND_MIB: u64 = 800;
 
-fn vm_hwm_kib() -> u64 {
-    let s = std::fs::read_to_string("/proc/self/status").unwrap();
-    s.lines()
-        .find_map(|l| l.strip_prefix("VmHWM:"))
-        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_image_requests_stays_in_memory_bounds_and_gets_429() {
-    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine/llama");
+    // A vision model: a text pool refuses image parts before reading them.
+    let fx = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision/qwen3_vl");
     let dir = tempfile::tempdir().unwrap();
     let base = dir.path().join("base");
     std::fs::create_dir_all(&base).unwrap();
@@ -43,7 +36,6 @@ async fn a_burst_of_image_requests_stays_in_memory_bounds_and_gets_429() {
         dir.path().display()
     );
     let (url, _stop) = common::serve_config(dir.path(), &yaml).await;
-    let c = reqwest::Client::new();
 
     // A compressible PNG: flat colour with a few lines, so the decoder does real work.
     let img = image::RgbImage::from_fn(2000, 2000, |x, y| {
@@ -62,35 +54,11 @@ async fn a_burst_of_image_requests_stays_in_memory_bounds_and_gets_429() {
     parts.push(json!({"type": "text", "text": "what is this"}));
     let body = json!({"model": "llama", "messages": [{"role": "user", "content": parts}]});
 
-    let before = vm_hwm_kib();
+    let before = common::vm_hwm_kib();
     let started = std::time::Instant::now();
-    // Collected, so that all 16 are sent before the first answer is awaited.
-    let sends: Vec<_> = (0..16)
-        .map(|_| {
-            let (c, url, body) = (c.clone(), url.clone(), body.clone());
-            tokio::spawn(async move {
-                let r = c
-                    .post(format!("{url}/v1/route"))
-                    .json(&body)
-                    .send()
-                    .await
-                    .unwrap();
-                let st = r.status().as_u16();
-                let retry = r.headers().contains_key("retry-after");
-                let b: Value = r.json().await.unwrap_or(Value::Null);
-                (
-                    st,
-                    retry,
-                    b["error"]["code"].as_str().unwrap_or("").to_string(),
-                )
-            })
-        })
-        .collect();
-    let mut answers = Vec::new();
-    for s in sends {
-        answers.push(s.await.unwrap());
-    }
-    let grew_mib = (vm_hwm_kib().saturating_sub(before)) >> 10;
+    let body = axum::body::Bytes::from(serde_json::to_vec(&body).unwrap());
+    let answers = common::burst(&format!("{url}/v1/route"), &body, 16).await;
+    let grew_mib = (common::vm_hwm_kib().saturating_sub(before)) >> 10;
     eprintln!(
         "16 requests × 8 images in {:.1} s: peak RSS +{grew_mib} MiB; answers {answers:?}",
         started.elapsed().as_secs_f64()

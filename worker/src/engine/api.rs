@@ -55,6 +55,14 @@ pub enum EngineError {
         /// What is wrong, naming the keyword or position llguidance reports.
         message: String,
     },
+    /// The request's grammar could not go on while its answer was generated (it reached
+    /// llguidance's limits on one token's mask, `limits.guideParser`): 422 `grammar_failed`.
+    /// That request ends; the engine and the other requests go on.
+    #[error("the answer's grammar could not continue: {0}")]
+    GuideFailed(String),
+    /// The chat template ran past `limits.maxTemplateFuel`: 400 `template_fuel_exhausted`.
+    #[error("the chat template ran past its fuel ({0} units, limits.maxTemplateFuel)")]
+    TemplateFuelExhausted(u64),
     /// The model does not fit the device's memory budget (`gpuMemoryUtilization`): the
     /// worker refuses to start.
     #[error("{0}")]
@@ -80,6 +88,8 @@ impl EngineError {
             EngineError::ImagesNotSupported => "images_not_supported",
             EngineError::InvalidImage(_) => "invalid_image",
             EngineError::InvalidGuide { code, .. } => code,
+            EngineError::GuideFailed(_) => "grammar_failed",
+            EngineError::TemplateFuelExhausted(_) => "template_fuel_exhausted",
             EngineError::ModelDoesNotFit(_) => "model_does_not_fit",
             EngineError::Internal(_) => "internal_error",
             EngineError::UnsupportedQuantization(_) => "unsupported_quantization",
@@ -233,6 +243,11 @@ pub struct SamplingParams {
     /// with different salts (or one with a salt and one without) never share cached blocks.
     /// Not a sampling setting; it travels here with the request's other per-call knobs.
     pub cache_salt: Option<String>,
+    /// The prefix cache's partition this request reads and writes (None: the shared one): the
+    /// server sets a digest of the caller's API key, so that one key holder cannot find
+    /// another's prompt blocks and read them off `cached_tokens`. Mixed into the keys as the
+    /// salt is; not a sampling setting either.
+    pub cache_tenant: Option<[u8; 32]>,
 }
 
 impl Default for SamplingParams {
@@ -253,6 +268,7 @@ impl Default for SamplingParams {
             ignore_eos: false,
             guide: None,
             cache_salt: None,
+            cache_tenant: None,
         }
     }
 }
@@ -569,4 +585,8 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     /// The model takes images.
     pub vision: bool,
+    /// Bytes of text one token covers at most (the longest token of the vocabulary, special
+    /// tokens included): a text longer than this many bytes per token of the context cannot
+    /// fit, and is refused before it is tokenized. 0: unknown.
+    pub max_token_bytes: usize,
 }

@@ -61,7 +61,10 @@ impl PromptCodec for Engine {
         self.shared
             .text
             .render_chat_with(messages, true, kwargs)
-            .map_err(|e| EngineError::InvalidRequest(e.to_string()))
+            .map_err(|e| match e {
+                super::text::TextError::TemplateFuel(f) => EngineError::TemplateFuelExhausted(f),
+                e => EngineError::InvalidRequest(e.to_string()),
+            })
     }
 
     fn chat_template(&self) -> Option<String> {

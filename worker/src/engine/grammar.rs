@@ -14,9 +14,10 @@
 //! A grammar may start after a gate token (Qwen3's `</think>`): until the sequence samples it,
 //! the row is unconstrained (reasoning is free text), then the matcher starts.
 
-use std::sync::{Arc, OnceLock};
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, OnceLock, PoisonError};
 
-use llguidance::api::TopLevelGrammar;
+use llguidance::api::{ParserLimits, TopLevelGrammar};
 use llguidance::toktrie::{TokEnv, TokRxInfo, TokTrie, TokenId, TokenizerEnv};
 use llguidance::{Matcher, ParserFactory, TokenParser};
 use serde_json::Value as Json;
@@ -92,13 +93,22 @@ impl TokenizerEnv for Env {
 }
 
 /// Compiles guides for one model: the token trie and llguidance's parser factory, built on
-/// first use (a pool that never sees a constrained request never builds them).
+/// first use (a pool that never sees a constrained request never builds them), and the guides
+/// compiled lately, by a digest of their text: a schema that every request of a client sends
+/// is compiled once.
 pub struct Grammars {
     tokenizer: tokenizers::Tokenizer,
     eos: Vec<u32>,
     vocab: usize,
+    limits: ParserLimits,
     factory: OnceLock<Result<ParserFactory, GrammarError>>,
+    /// The last [`CACHED_GUIDES`] compiled, most recently used last.
+    cache: Mutex<VecDeque<([u8; 32], Compiled)>>,
 }
+
+/// Compiled guides kept for reuse. A compiled guide holds its lexer and grammar (from a few
+/// KiB to some MiB for a large schema); a client's schemas are few.
+pub const CACHED_GUIDES: usize = 64;
 
 impl std::fmt::Debug for Grammars {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -110,11 +120,41 @@ impl Grammars {
     /// Guides over `tokenizer`'s tokens, for logits `vocab` wide (at least the tokenizer's
     /// size: a padded embedding's extra rows are never allowed), ending at `eos`.
     pub fn new(tokenizer: tokenizers::Tokenizer, eos: &[u32], vocab: usize) -> Self {
+        Self::with_limits(
+            tokenizer,
+            eos,
+            vocab,
+            &mole_api::GuideParserLimits::default(),
+        )
+    }
+
+    /// [`Grammars::new`] under a pool's llguidance limits (`limits.guideParser`).
+    pub fn with_limits(
+        tokenizer: tokenizers::Tokenizer,
+        eos: &[u32],
+        vocab: usize,
+        l: &mole_api::GuideParserLimits,
+    ) -> Self {
+        let n = |v: u64| usize::try_from(v).unwrap_or(usize::MAX);
+        let limits = ParserLimits {
+            max_items_in_row: n(l.max_items_in_row),
+            initial_lexer_fuel: l.initial_lexer_fuel,
+            step_lexer_fuel: l.step_lexer_fuel,
+            step_max_items: n(l.step_max_items),
+            max_lexer_states: n(l.max_lexer_states),
+            max_grammar_size: n(l.max_grammar_size),
+            // Errors go to the client: they name what is wrong, not the parser's state (the
+            // tokens so far, the grammar).
+            verbose_errors: false,
+            ..ParserLimits::default()
+        };
         Self {
             tokenizer,
             eos: eos.to_vec(),
             vocab,
+            limits,
             factory: OnceLock::new(),
+            cache: Mutex::new(VecDeque::new()),
         }
     }
 
@@ -161,11 +201,39 @@ impl Grammars {
         });
         let mut f = ParserFactory::new_simple(&env).map_err(|e| bad(e.to_string()))?;
         f.quiet();
+        *f.limits_mut() = self.limits.clone();
         Ok(f)
     }
 
-    /// Compiles `g`: a parser each of a request's choices starts a matcher from.
+    /// Compiles `g` (or finds it compiled): a parser each of a request's choices starts a
+    /// matcher from.
     pub fn compile(&self, g: &Guided) -> Result<Compiled, GrammarError> {
+        let key = digest(g);
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(i) = cache.iter().position(|(k, _)| *k == key) {
+            let hit = cache.remove(i).expect("the position is in the cache");
+            cache.push_back(hit.clone());
+            return Ok(hit.1);
+        }
+        drop(cache);
+        let c = self.compile_new(g)?;
+        let mut cache = self.cache.lock().unwrap_or_else(PoisonError::into_inner);
+        if cache.len() >= CACHED_GUIDES {
+            cache.pop_front();
+        }
+        cache.push_back((key, c.clone()));
+        Ok(c)
+    }
+
+    /// Guides compiled and kept (for tests and the benchmark: a repeated guide is a hit).
+    pub fn cached(&self) -> usize {
+        self.cache
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .len()
+    }
+
+    fn compile_new(&self, g: &Guided) -> Result<Compiled, GrammarError> {
         let f = self.factory()?;
         let (grammar, err): (TopLevelGrammar, fn(String) -> GrammarError) = match &g.guide {
             // After reasoning a few whitespace characters may come first (Qwen3 writes "\n\n"
@@ -191,7 +259,7 @@ impl Grammars {
                 GrammarError::Grammar,
             ),
         };
-        let parser = f.create_parser(grammar).map_err(|e| err(e.to_string()))?;
+        let parser = f.create_parser(grammar).map_err(|e| err(said(&e)))?;
         let gate = match &g.after {
             None => None,
             Some(t) => Some(self.tokenizer.token_to_id(t).ok_or_else(|| {
@@ -204,6 +272,52 @@ impl Grammars {
         })
     }
 }
+
+/// The cache key of a guide: SHA-256 over its kind, its text and its gate, each
+/// length-prefixed (two guides hash alike only when they compile alike).
+fn digest(g: &Guided) -> [u8; 32] {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    let mut part = |tag: &str, text: &str| {
+        h.update(tag.as_bytes());
+        h.update((text.len() as u64).to_le_bytes());
+        h.update(text.as_bytes());
+    };
+    match &g.guide {
+        Guide::Json(v) => part("json", &v.to_string()),
+        Guide::Regex(r) => part("regex", r),
+        Guide::Choice(c) => {
+            part("choice", &c.len().to_string());
+            for x in c {
+                part("", x);
+            }
+        }
+        Guide::Lark(l) => part("lark", l),
+    }
+    if let Some(a) = &g.after {
+        part("after", a);
+    }
+    h.finalize().into()
+}
+
+/// What llguidance says of an error, fit for a client: its first line, without the backtrace
+/// its panic handler appends, at most [`SAID_BYTES`] bytes. A panic inside llguidance says only
+/// that it happened (its message names llguidance's internals).
+pub fn said(e: &dyn std::fmt::Display) -> String {
+    let full = e.to_string();
+    if full.starts_with("panic:") || full.contains("<backtrace>") {
+        return "the grammar engine failed on this grammar (an internal error)".into();
+    }
+    let line = full.lines().next().unwrap_or_default().trim();
+    let mut end = line.len().min(SAID_BYTES);
+    while !line.is_char_boundary(end) {
+        end -= 1;
+    }
+    line[..end].to_string()
+}
+
+/// The longest error text of llguidance passed on.
+pub const SAID_BYTES: usize = 300;
 
 /// `schema` with llguidance's JSON options set as OpenAI and vLLM write JSON (unless the
 /// schema sets its own `x-guidance`): no free whitespace (a model may otherwise emit tabs or
@@ -320,7 +434,7 @@ impl Constraint {
         match self.matcher.compute_mask_or_eos() {
             Ok(m) => Some(m.as_slice().to_vec()),
             Err(e) => {
-                self.failed = Some(e.to_string());
+                self.failed = Some(said(&e));
                 None
             }
         }
@@ -338,7 +452,7 @@ impl Constraint {
             return;
         }
         if let Err(e) = self.matcher.consume_token(token) {
-            self.failed = Some(e.to_string());
+            self.failed = Some(said(&e));
         }
     }
 
@@ -384,4 +498,100 @@ pub const MASK_BITS: usize = 24;
 /// Whether token `t` is allowed by `mask` (llguidance's words).
 pub fn allowed(mask: &[u32], t: usize) -> bool {
     mask.get(t / 32).is_some_and(|w| (w >> (t % 32)) & 1 == 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Guides over the committed byte-level fixture tokenizer (token id = byte value, EOS 2).
+    fn grammars(limits: &mole_api::GuideParserLimits) -> Grammars {
+        let t = crate::engine::text::TextModel::load(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("../tests/fixtures/engine/llama"),
+        )
+        .unwrap();
+        Grammars::with_limits(t.tokenizer().clone(), &t.eos_ids, 256, limits)
+    }
+
+    fn guided(g: Guide) -> Guided {
+        Guided {
+            guide: g,
+            after: None,
+        }
+    }
+
+    /// A guide sent again is found compiled (the same parser), another one is compiled anew,
+    /// and the cache keeps at most [`CACHED_GUIDES`].
+    #[test]
+    fn a_repeated_guide_is_compiled_once() {
+        let g = grammars(&Default::default());
+        let a = guided(Guide::Regex("[a-c]+".into()));
+        let first = g.compile(&a).unwrap();
+        let again = g.compile(&a).unwrap();
+        assert!(Arc::ptr_eq(&first.parser, &again.parser));
+        assert_eq!(g.cached(), 1);
+        let b = g.compile(&guided(Guide::Regex("[a-d]+".into()))).unwrap();
+        assert!(!Arc::ptr_eq(&first.parser, &b.parser));
+        // The same text as another kind of guide is another guide.
+        g.compile(&guided(Guide::Lark("start: \"[a-c]+\"".into())))
+            .unwrap();
+        assert_eq!(g.cached(), 3);
+        for i in 0..CACHED_GUIDES + 5 {
+            g.compile(&guided(Guide::Choice(vec![format!("c{i}")])))
+                .unwrap();
+        }
+        assert_eq!(g.cached(), CACHED_GUIDES);
+    }
+
+    /// What reaches a client of llguidance's errors: one line, no backtrace, no parser state.
+    #[test]
+    fn errors_say_what_without_internals() {
+        assert_eq!(
+            said(&"panic: index out of bounds\n<backtrace>\n  0: llguidance::x\n</backtrace>"),
+            "the grammar engine failed on this grammar (an internal error)"
+        );
+        assert_eq!(
+            said(&"bad regex at 3\nstate: [Earley items...]"),
+            "bad regex at 3"
+        );
+        assert_eq!(said(&"é".repeat(400)).len(), SAID_BYTES);
+        let g = grammars(&Default::default());
+        let e = g
+            .compile(&guided(Guide::Lark("start: nope\n".into())))
+            .unwrap_err();
+        assert!(!e.to_string().contains('\n'), "{e}");
+    }
+
+    /// An ambiguous grammar's items grow with the answer: under a low `stepMaxItems` the
+    /// constraint fails after some tokens (what the server answers `grammar_failed`), with a
+    /// one-line reason.
+    #[test]
+    fn an_ambiguous_grammar_fails_past_the_step_items() {
+        let limits = mole_api::GuideParserLimits {
+            step_max_items: 120,
+            ..Default::default()
+        };
+        let g = grammars(&limits);
+        let c = g
+            .compile(&guided(Guide::Lark(
+                "start: s\ns: s s | \"a\" | \"b\"\n".into(),
+            )))
+            .unwrap();
+        let mut con = c.start();
+        let mut n = 0;
+        while con.failure().is_none() && n < 100 {
+            let mask = con.mask();
+            con.consume(u32::from(b'a'));
+            n += 1;
+            if mask.is_none() {
+                break;
+            }
+        }
+        let why = con.failure().expect("the grammar fails within 100 tokens");
+        // Within what the server's test generates (60 tokens), not at the first token.
+        assert!(n > 1 && n < 50, "failed after {n} tokens: {why}");
+        assert!(!why.contains('\n'), "{why}");
+        eprintln!("failed after {n} tokens: {why}");
+    }
 }

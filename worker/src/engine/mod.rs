@@ -76,6 +76,11 @@ pub struct EngineOptions {
     /// The dtype the KV cache holds (`kvCacheDtype`); None: the model's default (see
     /// [`Decoder::kv_dtype`]).
     pub kv_cache_dtype: Option<DType>,
+    /// llguidance's limits on compiling a guide and on each token's mask
+    /// (`limits.guideParser`).
+    pub guide_limits: mole_api::GuideParserLimits,
+    /// Fuel of one chat template rendering (`limits.maxTemplateFuel`; None: unbounded).
+    pub template_fuel: Option<u64>,
 }
 
 impl Default for EngineOptions {
@@ -96,6 +101,8 @@ impl Default for EngineOptions {
             image_processor: mole_api::ImageProcessor::default(),
             prefix_caching: true,
             kv_cache_dtype: None,
+            guide_limits: mole_api::GuideParserLimits::default(),
+            template_fuel: None,
         }
     }
 }
@@ -380,7 +387,7 @@ impl Engine {
 
     fn spawn(
         mut model: Decoder,
-        text: TextModel,
+        mut text: TextModel,
         images: Option<ImageProcessor>,
         mut opts: EngineOptions,
     ) -> Self {
@@ -399,6 +406,7 @@ impl Engine {
             "KV cache dtype"
         );
         let device = model.device().clone();
+        text.set_template_fuel(opts.template_fuel);
         let shared = Arc::new(Shared {
             lora_dtype: opts
                 .lora_dtype
@@ -418,10 +426,11 @@ impl Engine {
             vision_encodes: Default::default(),
             overlap_masks: std::sync::atomic::AtomicBool::new(true),
             largest_batch: Default::default(),
-            grammars: grammar::Grammars::new(
+            grammars: grammar::Grammars::with_limits(
                 text.tokenizer().clone(),
                 &text.eos_ids,
                 model.config().vocab_size,
+                &opts.guide_limits,
             ),
             model,
             text,
@@ -744,6 +753,7 @@ impl EngineInfo for Engine {
             max_seq_len: self.shared.opts.max_seq_len,
             vocab_size: self.shared.model.config().vocab_size,
             vision: self.shared.images.is_some(),
+            max_token_bytes: self.shared.text.max_token_bytes(),
         }
     }
 }

@@ -29,9 +29,18 @@ fn truncate(d: &[u8]) -> BlockHash {
 /// files it was read from, as they were: a version loaded again from the same unchanged
 /// files finds its blocks again, one loaded from other files is other weights); and the
 /// request's `cache_salt` when it has one (vLLM's: requests of different salts share
-/// nothing).
-pub(super) fn seed(adapter: Option<&Pinned>, salt: Option<&str>) -> BlockHash {
+/// nothing), and its tenant (a digest of the caller's API key) when the server gives one, so
+/// that tenants share nothing either.
+pub(super) fn seed(
+    adapter: Option<&Pinned>,
+    salt: Option<&str>,
+    tenant: Option<&[u8; 32]>,
+) -> BlockHash {
     let mut h = Sha256::new();
+    if let Some(t) = tenant {
+        h.update(b"mole/prefix/tenant\0");
+        h.update(t);
+    }
     if let Some(salt) = salt {
         h.update(b"mole/prefix/salt\0");
         h.update((salt.len() as u64).to_le_bytes());
@@ -100,8 +109,12 @@ mod tests {
 
     #[test]
     fn a_block_hash_covers_its_whole_prefix_and_the_weights() {
-        let base = seed(None, None);
-        assert_ne!(seed(None, Some("x")), base, "a salt changes the seed");
+        let base = seed(None, None, None);
+        assert_ne!(seed(None, Some("x"), None), base, "a salt changes the seed");
+        let t = Some(&[7u8; 32]);
+        assert_ne!(seed(None, None, t), base, "a tenant changes the seed");
+        assert_ne!(seed(None, None, t), seed(None, None, Some(&[8u8; 32])));
+        assert_ne!(seed(None, Some("x"), t), seed(None, Some("x"), None));
         let a = chain(base, &[1, 2, 3, 4, 5, 6, 7, 8, 9], &[]);
         assert_eq!(a.len(), 2, "the partial third block has no hash");
         let b = chain(base, &[1, 2, 3, 4, 5, 6, 7, 9], &[]);

@@ -570,8 +570,10 @@ fn emit(shared: &Shared, s: &mut Seq, out: Sampled) {
         }
     };
     if let Some(why) = s.sampler.constraint().and_then(|c| c.failure()) {
-        let err = EngineError::Internal(format!("the request's grammar failed: {why}"));
-        tracing::error!(request = %s.id, error = %err, "structured output");
+        // The request's own grammar (past llguidance's limits), not the engine: that request
+        // ends with a 4xx, and nothing of the parser's state reaches the client.
+        let err = EngineError::GuideFailed(why.to_string());
+        tracing::warn!(request = %s.id, error = %err, "structured output");
         let _ = s.tx.send(TokenEvent::Error(err.clone()));
         s.trace.failed(&err);
         s.done = true;

@@ -83,7 +83,7 @@ impl Seq {
     ) -> Self {
         let stop = StopMatcher::new(&sampler.params().stop);
         let version = adapter.as_ref().map(|p| p.version.clone());
-        let seed = super::prefix::seed(adapter.as_ref(), sampler.params().cache_salt.as_deref());
+        let seed = Self::prefix_seed(adapter.as_ref(), &sampler);
         Self {
             seed,
             hashes: Vec::new(),
@@ -117,10 +117,16 @@ impl Seq {
             f.pin(p.clone());
         }
         p.start();
-        self.seed = super::prefix::seed(Some(&p), self.sampler.params().cache_salt.as_deref());
+        self.seed = Self::prefix_seed(Some(&p), &self.sampler);
         self.hashes.clear();
         self.version = Some(p.version.clone());
         self.adapter = Some(p);
+    }
+
+    /// The seed of this sequence's prefix-cache keys: its weights, salt and tenant.
+    fn prefix_seed(adapter: Option<&Pinned>, sampler: &Sampler) -> BlockHash {
+        let p = sampler.params();
+        super::prefix::seed(adapter, p.cache_salt.as_deref(), p.cache_tenant.as_ref())
     }
 
     pub(super) fn cancelled(&self) -> bool {

@@ -23,6 +23,9 @@ pub enum TextError {
     /// The chat template failed to compile or render (including `raise_exception`).
     #[error("chat template: {0}")]
     Template(String),
+    /// The chat template ran past its fuel (`limits.maxTemplateFuel`).
+    #[error("the chat template ran past its fuel ({0} units)")]
+    TemplateFuel(u64),
     /// A file of the model directory resolves outside it (a symlink to elsewhere).
     #[error(transparent)]
     OutsideDir(crate::formats::hf::HfError),
@@ -35,6 +38,7 @@ impl TextError {
             TextError::Tokenizer(_) => "tokenizer_error",
             TextError::NoChatTemplate => "no_chat_template",
             TextError::Template(_) => "chat_template_error",
+            TextError::TemplateFuel(_) => "template_fuel_exhausted",
             TextError::OutsideDir(e) => e.code(),
         }
     }
@@ -51,6 +55,10 @@ pub struct TextModel {
     eos: Option<String>,
     /// Token ids that end generation (EOS from every config that names one).
     pub eos_ids: Vec<u32>,
+    /// See [`TextModel::max_token_bytes`].
+    max_token_bytes: usize,
+    /// See [`TextModel::set_template_fuel`].
+    fuel: Option<u64>,
 }
 
 impl std::fmt::Debug for TextModel {
@@ -194,6 +202,12 @@ impl TextModel {
             Some(src) => Some(chat_env(src.clone())?),
             None => None,
         };
+        let max_token_bytes = tokenizer
+            .get_vocab(true)
+            .keys()
+            .map(String::len)
+            .max()
+            .unwrap_or(0);
         Ok(Self {
             tokenizer,
             template,
@@ -201,12 +215,31 @@ impl TextModel {
             bos,
             eos,
             eos_ids,
+            max_token_bytes,
+            fuel: None,
         })
     }
 
     /// The chat template's source, if the model has one.
     pub fn chat_template(&self) -> Option<&str> {
         self.template_source.as_deref()
+    }
+
+    /// Bounds each rendering of the chat template to `fuel` (minijinja's units, about one an
+    /// instruction; None: unbounded): a template that loops past it fails with
+    /// [`TextError::TemplateFuel`] instead of holding a thread for minutes.
+    pub fn set_template_fuel(&mut self, fuel: Option<u64>) {
+        if let Some(env) = &mut self.template {
+            env.set_fuel(fuel);
+        }
+        self.fuel = fuel;
+    }
+
+    /// Bytes of text one token covers at most: the longest token of the vocabulary, special
+    /// tokens included, measured on its vocabulary string (whose byte-level or SentencePiece
+    /// spelling is at least as long as the text it stands for).
+    pub fn max_token_bytes(&self) -> usize {
+        self.max_token_bytes
     }
 
     /// The tokenizer.
@@ -278,7 +311,10 @@ impl TextModel {
             serde_json::to_value(messages).map_err(|e| TextError::Template(e.to_string()))?,
         );
         tmpl.render(Value::from(minijinja::value::Serde(&ctx)))
-            .map_err(|e| TextError::Template(e.to_string()))
+            .map_err(|e| match (e.kind(), self.fuel) {
+                (ErrorKind::OutOfFuel, Some(f)) => TextError::TemplateFuel(f),
+                _ => TextError::Template(e.to_string()),
+            })
     }
 }
 
@@ -349,17 +385,76 @@ impl Detokenizer {
 
 /// Holds back text that could be the start of a stop string, and cuts the output at the
 /// first stop string found (the stop string itself is never sent).
+///
+/// Each stop string is matched as KMP matches it: a state (how many of its leading bytes the
+/// text so far ends with) advanced by each new byte through the string's failure table. So a
+/// token costs the engine thread time in its own bytes, not in the stop strings' lengths (the
+/// earlier scan of every tail against every stop was quadratic in a stop's length, which let a
+/// request of long stops slow every sequence of the batch).
 #[derive(Debug, Default)]
 pub struct StopMatcher {
-    stops: Vec<String>,
+    stops: Vec<Stop>,
     pending: String,
+}
+
+/// One stop string, its KMP failure table and how much of it the text so far ends with.
+#[derive(Debug)]
+struct Stop {
+    bytes: Vec<u8>,
+    /// `fail[i]`: the longest proper prefix of `bytes[..=i]` that is also its suffix.
+    fail: Vec<usize>,
+    /// Bytes of the string the text so far ends with.
+    state: usize,
+}
+
+impl Stop {
+    fn new(s: &str) -> Self {
+        let bytes = s.as_bytes().to_vec();
+        let mut fail = vec![0; bytes.len()];
+        let mut k = 0;
+        for i in 1..bytes.len() {
+            while k > 0 && bytes[i] != bytes[k] {
+                k = fail[k - 1];
+            }
+            if bytes[i] == bytes[k] {
+                k += 1;
+            }
+            fail[i] = k;
+        }
+        Self {
+            bytes,
+            fail,
+            state: 0,
+        }
+    }
+
+    /// Advances by `b`; true when the whole string now ends the text.
+    fn step(&mut self, b: u8) -> bool {
+        let mut k = self.state;
+        while k > 0 && self.bytes[k] != b {
+            k = self.fail[k - 1];
+        }
+        if self.bytes[k] == b {
+            k += 1;
+        }
+        if k == self.bytes.len() {
+            self.state = self.fail[k - 1];
+            return true;
+        }
+        self.state = k;
+        false
+    }
 }
 
 impl StopMatcher {
     /// A matcher for these stop strings (empty ones are ignored).
     pub fn new(stops: &[String]) -> Self {
         Self {
-            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            stops: stops
+                .iter()
+                .filter(|s| !s.is_empty())
+                .map(|s| Stop::new(s))
+                .collect(),
             pending: String::new(),
         }
     }
@@ -370,34 +465,28 @@ impl StopMatcher {
         if self.stops.is_empty() {
             return (delta.to_string(), false);
         }
+        let before = self.pending.len();
         self.pending.push_str(delta);
-        let hit = self
-            .stops
-            .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
-            .min();
+        // The earliest start among the stop strings this delta completes.
+        let mut hit: Option<usize> = None;
+        for stop in &mut self.stops {
+            for (i, &b) in delta.as_bytes().iter().enumerate() {
+                if stop.step(b) {
+                    let start = before + i + 1 - stop.bytes.len();
+                    hit = Some(hit.map_or(start, |h| h.min(start)));
+                    break;
+                }
+            }
+        }
         if let Some(at) = hit {
             let out = self.pending[..at].to_string();
-            self.pending.clear();
+            self.flush();
             return (out, true);
         }
-        // Keep the longest tail that is a prefix of some stop string.
-        let keep = self
-            .stops
-            .iter()
-            .map(|s| {
-                (1..s.len().min(self.pending.len() + 1))
-                    .rev()
-                    .find(|&n| {
-                        s.is_char_boundary(n)
-                            && self.pending.is_char_boundary(self.pending.len() - n)
-                            && self.pending.ends_with(&s[..n])
-                    })
-                    .unwrap_or(0)
-            })
-            .max()
-            .unwrap_or(0);
-        let cut = self.pending.len() - keep;
+        // Keep the longest tail that is a prefix of some stop string: it starts where a stop
+        // string does, on a character boundary.
+        let keep = self.stops.iter().map(|s| s.state).max().unwrap_or(0);
+        let cut = self.pending.len() - keep.min(self.pending.len());
         let out = self.pending[..cut].to_string();
         self.pending.drain(..cut);
         (out, false)
@@ -405,6 +494,9 @@ impl StopMatcher {
 
     /// Text held back when generation ends for another reason (it was not a stop string).
     pub fn flush(&mut self) -> String {
+        for s in &mut self.stops {
+            s.state = 0;
+        }
         std::mem::take(&mut self.pending)
     }
 }
@@ -500,6 +592,81 @@ mod tests {
         assert_eq!(m.push("caféé!"), ("caf".into(), true));
         let mut m = StopMatcher::new(&["éz".into()]);
         assert_eq!(m.push("café"), ("caf".into(), false));
+        // Overlapping and repeated prefixes: the failure table finds the match a naive reset
+        // would miss, and the earliest start wins among the strings a delta completes.
+        let mut m = StopMatcher::new(&["aab".into()]);
+        assert_eq!(m.push("aa"), ("".into(), false));
+        assert_eq!(m.push("aab"), ("aa".into(), true));
+        let mut m = StopMatcher::new(&["abcd".into(), "c".into()]);
+        assert_eq!(m.push("ab"), ("".into(), false));
+        assert_eq!(m.push("cd"), ("".into(), true));
+        let mut m = StopMatcher::new(&["bc".into(), "abcd".into()]);
+        assert_eq!(m.push("xabcd"), ("x".into(), true));
+    }
+
+    /// The matcher before it matched by KMP: every tail against every stop string each delta.
+    /// The reference the linear matcher must equal.
+    fn naive_push(stops: &[String], pending: &mut String, delta: &str) -> (String, bool) {
+        pending.push_str(delta);
+        let hit = stops.iter().filter_map(|s| pending.find(s.as_str())).min();
+        if let Some(at) = hit {
+            let out = pending[..at].to_string();
+            pending.clear();
+            return (out, true);
+        }
+        let keep = stops
+            .iter()
+            .map(|s| {
+                (1..s.len().min(pending.len() + 1))
+                    .rev()
+                    .find(|&n| {
+                        s.is_char_boundary(n)
+                            && pending.is_char_boundary(pending.len() - n)
+                            && pending.ends_with(&s[..n])
+                    })
+                    .unwrap_or(0)
+            })
+            .max()
+            .unwrap_or(0);
+        let cut = pending.len() - keep;
+        let out = pending[..cut].to_string();
+        pending.drain(..cut);
+        (out, false)
+    }
+
+    /// The matcher equals the naive one, delta by delta, on random texts over a small
+    /// alphabet (one multi-byte letter) split at random points.
+    #[test]
+    fn stop_matching_equals_the_naive_scan() {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(7);
+        let word = |rng: &mut rand::rngs::StdRng, n: usize| -> String {
+            (0..n)
+                .map(|_| ['a', 'b', 'é'][rng.random_range(0..3)])
+                .collect()
+        };
+        for _ in 0..5000 {
+            let stops: Vec<String> = (0..rng.random_range(1..4))
+                .map(|_| {
+                    let n = rng.random_range(1..5);
+                    word(&mut rng, n)
+                })
+                .collect();
+            let chars: Vec<char> = word(&mut rng, 14).chars().collect();
+            let mut m = StopMatcher::new(&stops);
+            let mut pending = String::new();
+            let mut i = 0;
+            while i < chars.len() {
+                let j = (i + rng.random_range(1..4)).min(chars.len());
+                let delta: String = chars[i..j].iter().collect();
+                let want = naive_push(&stops, &mut pending, &delta);
+                assert_eq!(m.push(&delta), want, "stops {stops:?} at {delta:?}");
+                if want.1 {
+                    break;
+                }
+                i = j;
+            }
+        }
     }
 
     #[test]

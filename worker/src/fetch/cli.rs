@@ -43,6 +43,10 @@ pub struct FetchArgs {
     /// How many times a broken download is resumed (with a Range request) before failing.
     #[arg(long, env = "MOLE_FETCH_RETRIES", default_value_t = 5)]
     pub retries: u32,
+    /// Pages of an S3 listing read at most (1000 objects a page): a store whose listing goes
+    /// on past them fails the fetch instead of listing forever.
+    #[arg(long, env = "MOLE_FETCH_MAX_LIST_PAGES", default_value_t = super::DEFAULT_MAX_LIST_PAGES)]
+    pub max_list_pages: u32,
     /// Where the one-line failure reason is also written (Kubernetes copies it into the
     /// Pod's termination message). Default: /dev/termination-log, when it exists.
     #[arg(long, env = "MOLE_TERMINATION_LOG")]
@@ -125,5 +129,6 @@ fn options(args: FetchArgs) -> Result<FetchOptions, FetchError> {
         aws_secret_access_key: args.aws_secret_access_key,
         aws_session_token: args.aws_session_token,
         retries: args.retries,
+        max_list_pages: args.max_list_pages,
     })
 }

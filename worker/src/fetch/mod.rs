@@ -200,7 +200,15 @@ pub struct FetchOptions {
     pub aws_session_token: Option<String>,
     /// How many times a broken download is resumed within one run.
     pub retries: u32,
+    /// Pages of an S3 listing read at most (0: [`DEFAULT_MAX_LIST_PAGES`]): a store that
+    /// answers a truncated page with a next token forever fails the fetch (`bad_listing`)
+    /// instead of listing forever.
+    pub max_list_pages: u32,
 }
+
+/// The default bound on an S3 listing's pages: a million objects at S3's 1000 a page, far
+/// more than a model's files.
+pub const DEFAULT_MAX_LIST_PAGES: u32 = 1000;
 
 /// One file of a listing, before it is fetched.
 #[derive(Debug, Clone)]
@@ -274,10 +282,20 @@ enum Remote {
 }
 
 impl Remote {
-    async fn list(&self, client: &reqwest::Client) -> Result<Listing, FetchError> {
+    async fn list(
+        &self,
+        client: &reqwest::Client,
+        opts: &FetchOptions,
+    ) -> Result<Listing, FetchError> {
         match self {
             Remote::Hf(h) => h.list(client).await,
-            Remote::S3(s) => s.list(client).await,
+            Remote::S3(s) => {
+                let pages = match opts.max_list_pages {
+                    0 => DEFAULT_MAX_LIST_PAGES,
+                    n => n,
+                };
+                s.list(client, pages).await
+            }
         }
     }
 
@@ -521,7 +539,7 @@ pub async fn fetch(opts: &FetchOptions) -> Result<FetchReport, FetchError> {
     // one downloads, the others wait and then find its manifest.
     let _lock = lock(dest).await?;
 
-    let listing = remote.list(&client).await?;
+    let listing = remote.list(&client, opts).await?;
     let (mut keep, skipped) = select(&opts.source, listing.files.clone())?;
     remote.checksums(&client, &mut keep).await?;
     if let Some(manifest) = up_to_date(dest, &opts.source, &listing, &keep) {

@@ -68,8 +68,12 @@ impl Store {
     }
 
     /// Every object under the prefix ("directory" markers left out), with the checksum a HEAD
-    /// gives.
-    pub async fn list(&self, client: &reqwest::Client) -> Result<Listing, FetchError> {
+    /// gives; at most `max_pages` pages (a store that never ends its listing is refused).
+    pub async fn list(
+        &self,
+        client: &reqwest::Client,
+        max_pages: u32,
+    ) -> Result<Listing, FetchError> {
         let prefix = if self.prefix.is_empty() {
             String::new()
         } else {
@@ -77,7 +81,7 @@ impl Store {
         };
         let mut files = Vec::new();
         let mut token: Option<String> = None;
-        loop {
+        for page_no in 1u32.. {
             let mut action = ListObjectsV2::new(&self.bucket, self.credentials.as_ref());
             action.with_prefix(prefix.as_str());
             if let Some(t) = &token {
@@ -121,6 +125,14 @@ impl Store {
                 });
             }
             match page.next_continuation_token {
+                Some(_) if page_no >= max_pages => {
+                    return Err(FetchError::Listing {
+                        url: shown,
+                        reason: format!(
+                            "the listing goes on past {max_pages} pages (--max-list-pages)"
+                        ),
+                    })
+                }
                 Some(t) => token = Some(t),
                 None => break,
             }

@@ -160,6 +160,21 @@ impl Auth {
     fn token_ok(t: &Option<String>, h: &HeaderMap) -> bool {
         matches!((t, bearer(h)), (Some(t), Some(k)) if ct_eq(t, k))
     }
+
+    /// The prefix-cache tenant of a request that passed the API-key guard: a digest of its
+    /// key (None when no key is asked for: every caller is then one tenant). A digest, not
+    /// the key, so that the key is not kept in every request's state.
+    pub fn tenant(&self, h: &HeaderMap) -> Option<[u8; 32]> {
+        use sha2::{Digest, Sha256};
+        if !self.keys_required {
+            return None;
+        }
+        let key = bearer(h)?;
+        let mut d = Sha256::new();
+        d.update(b"mole/tenant\0");
+        d.update(key.as_bytes());
+        Some(d.finalize().into())
+    }
 }
 
 /// Compares secrets in time independent of where they differ.
@@ -171,12 +186,13 @@ fn ct_eq(a: &str, b: &str) -> bool {
             == 0
 }
 
+/// The token of `Authorization: Bearer <token>`, the scheme in any case (RFC 9110 §11.1:
+/// schemes are case-insensitive; clients send `bearer` too).
 fn bearer(h: &HeaderMap) -> Option<&str> {
-    h.get("authorization")?
-        .to_str()
-        .ok()?
-        .strip_prefix("Bearer ")
-        .map(str::trim)
+    let (scheme, token) = h.get("authorization")?.to_str().ok()?.split_once(' ')?;
+    scheme
+        .eq_ignore_ascii_case("bearer")
+        .then_some(token.trim())
 }
 
 /// Who may call an endpoint: the guard of each route (see [`super::app`]).

@@ -55,6 +55,8 @@ fn base_options(cfg: &WorkerConfig) -> EngineOptions {
         gpu_memory_utilization: l.engine.gpu_memory_utilization,
         image_processor: cfg.base_model.image_processor,
         prefix_caching: l.engine.enable_prefix_caching,
+        guide_limits: l.guide_parser.clone(),
+        template_fuel: Some(l.max_template_fuel),
         ..Default::default()
     }
 }

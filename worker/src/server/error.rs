@@ -97,7 +97,9 @@ impl From<EngineError> for ApiError {
             EngineError::InvalidRequest(_)
             | EngineError::ImagesNotSupported
             | EngineError::InvalidImage(_)
-            | EngineError::InvalidGuide { .. } => StatusCode::BAD_REQUEST,
+            | EngineError::InvalidGuide { .. }
+            | EngineError::TemplateFuelExhausted(_) => StatusCode::BAD_REQUEST,
+            EngineError::GuideFailed(_) => StatusCode::UNPROCESSABLE_ENTITY,
             EngineError::ModelDoesNotFit(_)
             | EngineError::UnsupportedQuantization(_)
             | EngineError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,

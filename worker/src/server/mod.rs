@@ -15,6 +15,7 @@ mod openai;
 mod openapi;
 mod openapi_requests;
 pub mod peers;
+mod prepare;
 mod reload;
 mod residency;
 mod state;
@@ -151,6 +152,9 @@ async fn readyz(axum::extract::State(s): axum::extract::State<Arc<AppState>>) ->
     responses((status = 200, description = "Prometheus text format", body = String, content_type = "text/plain")))]
 async fn metrics(axum::extract::State(s): axum::extract::State<Arc<AppState>>) -> Response {
     s.metrics.ready.set(i64::from(s.readiness().is_ok()));
+    s.metrics
+        .prepare_queued
+        .set(i64::try_from(s.prepare.queued()).unwrap_or(i64::MAX));
     let body = s.metrics.render(&s.info.stats(), &s.adapter_listing());
     (
         [("content-type", "text/plain; version=0.0.4; charset=utf-8")],
@@ -241,6 +245,7 @@ mod tests {
                 max_seq_len: 128,
                 vocab_size: 256,
                 vision: false,
+                max_token_bytes: 4,
             }
         }
     }

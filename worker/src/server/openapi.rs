@@ -202,6 +202,9 @@ pub(super) async fn openapi_json(State(s): State<Arc<AppState>>) -> Json<serde_j
         vocab: info.vocab_size,
         vision: info.vision,
         max_images: cfg.limits.max_images,
+        max_stop_chars: cfg.limits.max_stop_chars,
+        max_guide_chars: cfg.limits.max_guide_chars,
+        max_guide_choices: cfg.limits.max_guide_choices,
     };
     let a = s.auth();
     let auth = DocAuth {

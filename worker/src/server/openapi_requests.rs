@@ -26,6 +26,12 @@ pub(super) struct RequestLimits {
     pub(super) vision: bool,
     /// `limits.maxImages`.
     pub(super) max_images: u32,
+    /// `limits.maxStopChars`.
+    pub(super) max_stop_chars: u32,
+    /// `limits.maxGuideChars`.
+    pub(super) max_guide_chars: u64,
+    /// `limits.maxGuideChoices`.
+    pub(super) max_guide_choices: u32,
 }
 
 impl Default for RequestLimits {
@@ -38,6 +44,9 @@ impl Default for RequestLimits {
             vocab: 0,
             vision: true,
             max_images: l.max_images,
+            max_stop_chars: l.max_stop_chars,
+            max_guide_chars: l.max_guide_chars,
+            max_guide_choices: l.max_guide_choices,
         }
     }
 }
@@ -116,14 +125,32 @@ fn sampling(props: &mut Map<String, Value>, lim: &RequestLimits) {
     props.insert("n".into(), int(1, most_n));
     props.insert("max_tokens".into(), int(1, lim.max_tokens));
     props.insert("max_completion_tokens".into(), int(1, lim.max_tokens));
+    let stop = json!({"type": "string", "minLength": 1, "maxLength": lim.max_stop_chars});
     props.insert(
         "stop".into(),
         json!({"oneOf": [
-            {"type": "string", "minLength": 1},
-            {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP},
+            stop,
+            {"type": "array", "items": stop, "maxItems": MAX_STOP},
             {"type": "null"},
         ]}),
     );
+    // The guides' own sizes (a schema's compact text is bounded too, which JSON Schema cannot
+    // state).
+    let described = |props: &Map<String, Value>, k: &str, mut s: Value| {
+        if let Some(d) = props.get(k).and_then(|p| p.get("description")) {
+            s["description"] = d.clone();
+        }
+        s
+    };
+    for k in ["guided_regex", "guided_grammar"] {
+        let s = json!({"type": ["string", "null"], "maxLength": lim.max_guide_chars});
+        let s = described(props, k, s);
+        props.insert(k.into(), s);
+    }
+    let choices = json!({"type": ["array", "null"], "items": {"type": "string"}, "minItems": 1,
+                         "maxItems": lim.max_guide_choices});
+    let choices = described(props, "guided_choice", choices);
+    props.insert("guided_choice".into(), choices);
     props.insert(
         "stop_token_ids".into(),
         json!({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": u32::MAX},
@@ -316,8 +343,11 @@ pub(super) fn enforce(doc: &mut Value, lim: &RequestLimits) {
     // Loading takes a path (unloading does not); a name without '/' or spaces.
     let mut load = doc["components"]["schemas"]["LoadBody"].clone();
     load["required"] = json!(["lora_name", "lora_path"]);
-    load["properties"]["lora_name"] = json!({"type": "string", "pattern": "^[^/ ]+$",
-        "description": "The adapter's name: not empty, without '/' or spaces."});
+    load["properties"]["lora_name"] = json!({"type": "string",
+        "pattern": "^[A-Za-z0-9][A-Za-z0-9._-]*$", "maxLength": crate::config::MAX_ADAPTER_NAME,
+        "description": "The adapter's name, as a configured adapter's: letters, digits, '.', '_' \
+                        and '-', starting with a letter or digit; not the pool's or the base \
+                        model's name."});
     load["properties"]["lora_path"] = json!({"type": "string", "description":
         "The adapter's directory under modelRoot, holding adapter_model.safetensors; not a configured adapter's."});
     doc["components"]["schemas"]["LoadAdapterBody"] = load;

@@ -64,8 +64,9 @@ pub struct AppState {
     /// (`limits.maxInflightImagePixels` at start, in permits of
     /// [`PIXEL_UNIT`] pixels).
     pub(super) image_budget: Arc<tokio::sync::Semaphore>,
-    /// Image decodes running at once: one per core (the blocking pool would run hundreds).
-    pub(super) decode_pool: Arc<tokio::sync::Semaphore>,
+    /// The preparation stage: the threads and bounded queue that do requests' CPU work
+    /// (parsing, templates, tokens, images, grammars) off the async runtime.
+    pub(super) prepare: super::prepare::Prepare,
     /// Requests without a session so far, per adapter with a canary: the count that splits
     /// them exactly by the canary's weight ([`mole_api::canary_pick`]).
     pub(super) canary_counts: Mutex<HashMap<String, u64>>,
@@ -89,7 +90,6 @@ impl AppState {
             .max_inflight_image_pixels
             .div_ceil(PIXEL_UNIT)
             .min(tokio::sync::Semaphore::MAX_PERMITS as u64) as usize;
-        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         // A merged pod that accepts and never answers is caught by the read timeout (no byte
         // for a whole request timeout: it would have answered 504 itself) and the overall
         // timeout; then the request falls back to this worker.
@@ -99,6 +99,15 @@ impl AppState {
             .timeout(timeout + Duration::from_secs(2))
             .build()
             .unwrap_or_default();
+        let prepare = super::prepare::Prepare::new(
+            cfg.limits.prepare_threads as usize,
+            cfg.limits.max_prepare_queue as usize,
+        );
+        tracing::info!(
+            threads = prepare.threads(),
+            queue = cfg.limits.max_prepare_queue,
+            "preparation stage"
+        );
         let EngineHandles {
             serving,
             admin,
@@ -127,9 +136,14 @@ impl AppState {
             // Ids for adapters loaded through the API, far from the operator's ids.
             next_lora_id: AtomicU32::new(1 << 30),
             image_budget: Arc::new(tokio::sync::Semaphore::new(pixel_units)),
-            decode_pool: Arc::new(tokio::sync::Semaphore::new(cores)),
+            prepare,
             canary_counts: Mutex::default(),
         })
+    }
+    /// When a request's preparation must have started by, for a request that arrives now:
+    /// `limits.requestTimeoutSeconds` from now (see [`super::prepare::Prepare::run`]).
+    pub(super) fn deadline(&self) -> std::time::Instant {
+        std::time::Instant::now() + Duration::from_secs(self.cfg().limits.request_timeout_seconds)
     }
     /// Marks the server as shutting down: `/readyz` answers 503 and new requests are refused
     /// while in-flight ones finish.

@@ -339,3 +339,46 @@ pub fn status_bytes(field: &str) -> u64 {
         .unwrap();
     kb * 1024
 }
+
+/// The process's peak resident memory (VmHWM) in KiB: what a memory test measures, alone in its
+/// binary so that nothing else adds to it.
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub fn vm_hwm_kib() -> u64 {
+    let s = std::fs::read_to_string("/proc/self/status").expect("/proc/self/status reads");
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM is in /proc/self/status")
+}
+
+/// POSTs `n` copies of the JSON `body` to `url` at once (all sent before the first answer is
+/// awaited; the bytes are shared, not copied per request): each answer's status, whether it
+/// carries `Retry-After`, and its error code ("" for none).
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub async fn burst(url: &str, body: &axum::body::Bytes, n: usize) -> Vec<(u16, bool, String)> {
+    let c = reqwest::Client::new();
+    let sends: Vec<_> = (0..n)
+        .map(|_| {
+            let (c, url, body) = (c.clone(), url.to_string(), body.clone());
+            tokio::spawn(async move {
+                let r = c
+                    .post(url)
+                    .header("content-type", "application/json")
+                    .body(body)
+                    .send()
+                    .await
+                    .expect("the server answers");
+                let st = r.status().as_u16();
+                let retry = r.headers().contains_key("retry-after");
+                let b: serde_json::Value = r.json().await.unwrap_or_default();
+                let code = b["error"]["code"].as_str().unwrap_or("").to_string();
+                (st, retry, code)
+            })
+        })
+        .collect();
+    let mut out = Vec::new();
+    for s in sends {
+        out.push(s.await.expect("the send task ends"));
+    }
+    out
+}

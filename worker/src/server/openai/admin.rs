@@ -47,13 +47,10 @@ pub async fn load_lora(
     let Some(p) = b.lora_path else {
         return Err(bad("invalid_request", "lora_path is required"));
     };
-    if b.lora_name.is_empty() || b.lora_name.contains(['/', ' ']) {
-        return Err(bad(
-            "invalid_adapter_name",
-            "lora_name must be non-empty without '/' or spaces",
-        ));
-    }
     let cfg = s.cfg();
+    // The configured adapters' rule: a name the API takes is one a config could hold.
+    crate::config::check_adapter_name(&cfg, &b.lora_name)
+        .map_err(|e| bad("invalid_adapter_name", e))?;
     let path = crate::config::resolve_in_root(&cfg.model_root, &p)
         .and_then(|path| {
             crate::config::check_adapter_dir(&cfg, &p, &path, None)?;

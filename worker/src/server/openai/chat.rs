@@ -13,8 +13,8 @@ use super::images::{self, ImageSource};
 use super::replies::{PromptTokensDetails, TaskAnswer, UsageInfo};
 use super::types::{ChatBody, InferBody, Kind};
 use super::validate::{
-    last_user_text, messages, sampling, validate_blocking, Caps, Parts, ValidRequest, Validate,
-    Wire,
+    check_prompt_bytes, last_user_text, messages, prepare_request, sampling, Caps, Parts, RawBody,
+    ValidRequest, Validate, Wire,
 };
 use super::S;
 use super::{guided, outputs};
@@ -31,11 +31,8 @@ impl Validate for ChatBody {
             On::Chat,
         )?;
         let Wire { body: mut b, raw } = wire;
-        let (mut msgs, images) = messages(b.messages, &s.cfg().limits)?;
-        // Refused before the template, which a text model's cannot render image parts with.
-        if !images.is_empty() && !s.info.model_info().vision {
-            return Err(EngineError::ImagesNotSupported.into());
-        }
+        let limits = s.cfg().limits.clone();
+        let (mut msgs, images) = messages(b.messages, &limits, s.info.model_info().vision)?;
         // The sampling bounds first: the template is the costly part.
         let mut sp = sampling(&b.common, true, &Caps::of(s))?;
         let route_text = last_user_text(&msgs);
@@ -48,7 +45,15 @@ impl Validate for ChatBody {
         outputs::message_extras(&raw, &mut msgs)?;
         let mut kwargs = b.chat_template_kwargs;
         let tools = outputs::tools(&raw, &formats, &mut msgs, &mut kwargs)?;
-        let guide = guided::guide(&raw)?;
+        let guide = guided::guide(&raw, &limits)?;
+        // A text that cannot fit is refused before the template renders it: the messages'
+        // text, their tool calls and results, and the tools.
+        let cap = limits.max_body_bytes;
+        let text: u64 = msgs
+            .iter()
+            .map(|m| m.content.len() as u64 + guided::json_len(&m.extra, cap))
+            .sum();
+        check_prompt_bytes(s, text + guided::json_len(&kwargs, cap))?;
         let text = s.codec.apply_chat_template(&msgs, &kwargs)?;
         let parse = outputs::finish(&text, &formats, guide, tools.as_ref(), &mut sp)?;
         let prompt = match b.add_special_tokens.unwrap_or(false) {
@@ -62,7 +67,7 @@ impl Validate for ChatBody {
             forward: raw,
             images,
             whole: false,
-            guide: sp.guide,
+            sampling: sp,
             parse,
         };
         ValidRequest::new(s, b.common, parts)
@@ -74,6 +79,7 @@ impl Validate for InferBody {
     /// streamed.
     fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
         let Wire { body: b, raw } = wire;
+        check_prompt_bytes(s, b.prompt.len() as u64)?;
         let mut msg = ChatMessage::text("user", b.prompt.clone());
         let mut content = json!(b.prompt);
         let mut images = Vec::new();
@@ -97,7 +103,7 @@ impl Validate for InferBody {
         }
         let mut sp = sampling(&b.common, true, &Caps::of(s))?;
         // Structured outputs shape the task's answer as a chat's (after any reasoning).
-        let guide = guided::guide(&raw)?;
+        let guide = guided::guide(&raw, &s.cfg().limits)?;
         let text = s
             .codec
             .apply_chat_template(&[msg], &serde_json::Map::new())?;
@@ -119,7 +125,7 @@ impl Validate for InferBody {
             forward,
             images,
             whole: true,
-            guide: sp.guide,
+            sampling: sp,
             parse,
         };
         ValidRequest::new(s, b.common, parts)
@@ -133,12 +139,10 @@ impl Validate for InferBody {
     request_body = InferBody,
     responses((status = 200, description = "The task's answer", body = TaskAnswer), Refusals),
     security(("bearer" = [])))]
-pub async fn infer(
-    State(s): S,
-    headers: HeaderMap,
-    wire: Wire<InferBody>,
-) -> Result<Response, ApiError> {
-    let answer = serve(&s, &headers, validate_blocking(wire, &s).await?).await?;
+pub async fn infer(State(s): S, headers: HeaderMap, body: RawBody) -> Result<Response, ApiError> {
+    let deadline = s.deadline();
+    let req = prepare_request::<InferBody>(&s, body, deadline).await?;
+    let answer = serve(&s, &headers, req, deadline).await?;
     if !answer.status().is_success() {
         return Ok(answer);
     }

@@ -2,7 +2,7 @@
 
 use super::fields::{self, On};
 use super::types::{CompletionBody, Kind, PromptField};
-use super::validate::{Parts, ValidRequest, Validate, Wire};
+use super::validate::{check_prompt_bytes, sampling, Caps, Parts, ValidRequest, Validate, Wire};
 use crate::engine::api::Prompt;
 use crate::engine::grammar::Guided;
 use crate::server::error::bad;
@@ -16,11 +16,17 @@ impl Validate for CompletionBody {
             On::Completions,
         )?;
         let Wire { body: b, raw } = wire;
-        let guide = super::guided::guide(&raw)?.map(|guide| Guided { guide, after: None });
+        let mut sp = sampling(&b.common, false, &Caps::of(s))?;
+        sp.guide =
+            super::guided::guide(&raw, &s.cfg().limits)?.map(|guide| Guided { guide, after: None });
         let prompt = match completion_prompt(b.prompt, s.info.model_info().vocab_size)? {
             Prompt::Text(t) if b.add_special_tokens == Some(false) => Prompt::Templated(t),
             p => p,
         };
+        if let Prompt::Text(t) | Prompt::Templated(t) = &prompt {
+            // A text that cannot fit is refused before it is tokenized.
+            check_prompt_bytes(s, t.len() as u64)?;
+        }
         let route_text = match &prompt {
             Prompt::Text(t) | Prompt::Templated(t) => t.clone(),
             Prompt::Tokens(_) => String::new(),
@@ -32,7 +38,7 @@ impl Validate for CompletionBody {
             forward: raw,
             images: Vec::new(),
             whole: false,
-            guide,
+            sampling: sp,
             parse: None,
         };
         ValidRequest::new(s, b.common, parts)

@@ -218,7 +218,7 @@ pub(in crate::server) const FIELDS: &[Field] = &[
         "prompt_cache_key",
         "OpenAI",
         Both,
-        "a hint for OpenAI's prompt cache; mole shares no cache between requests",
+        "a hint for OpenAI's prompt cache; mole's prefix cache is keyed by the prompt itself, partitioned by API key (limits.prefixCacheScope) and cache_salt",
     ),
     // vLLM's extra parameters.
     served("top_k", "vLLM", Both),

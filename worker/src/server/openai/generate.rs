@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::Response;
-use mole_api::WorkerConfig;
+use mole_api::{PrefixCacheScope, WorkerConfig};
 
 use super::answer::{choices, collect_response, req_id, stream_response, Ctx};
 use super::images;
@@ -15,7 +15,7 @@ use super::parse::OutputParser;
 use super::replies::{Answer, ChatChoice, ChatEvent, TextChoice, TextEvent};
 use super::route::decide;
 use super::types::{ChatBody, CompletionBody};
-use super::validate::{max_seq, validate_blocking, ValidRequest, Validate, Wire};
+use super::validate::{max_seq, prepare_request, RawBody, ValidRequest, Validate};
 use super::S;
 use crate::engine::api::{EngineError, GenerateRequest, Image, Prompt, SamplingParams, Serving};
 use crate::router::{Decision, Mode};
@@ -36,9 +36,9 @@ use crate::server::{ApiError, AppState};
 pub async fn chat_completions(
     s: S,
     headers: HeaderMap,
-    wire: Wire<ChatBody>,
+    body: RawBody,
 ) -> Result<Response, ApiError> {
-    generate(s, headers, wire).await
+    generate::<ChatBody>(s, headers, body).await
 }
 
 /// `POST /v1/completions`: a prompt (text or token ids) continued, routed as chats are.
@@ -50,21 +50,19 @@ pub async fn chat_completions(
         Refusals,
     ),
     security(("bearer" = [])))]
-pub async fn completions(
-    s: S,
-    headers: HeaderMap,
-    wire: Wire<CompletionBody>,
-) -> Result<Response, ApiError> {
-    generate(s, headers, wire).await
+pub async fn completions(s: S, headers: HeaderMap, body: RawBody) -> Result<Response, ApiError> {
+    generate::<CompletionBody>(s, headers, body).await
 }
 
 /// Chat and completions: the body validated into one request, then served.
 async fn generate<B: Validate>(
     State(s): S,
     headers: HeaderMap,
-    wire: Wire<B>,
+    body: RawBody,
 ) -> Result<Response, ApiError> {
-    serve(&s, &headers, validate_blocking(wire, &s).await?).await
+    let deadline = s.deadline();
+    let req = prepare_request::<B>(&s, body, deadline).await?;
+    serve(&s, &headers, req, deadline).await
 }
 
 /// Serves a validated request: refused while the worker is not ready, routed, then answered by
@@ -73,6 +71,7 @@ pub(super) async fn serve(
     s: &Arc<AppState>,
     headers: &HeaderMap,
     mut req: ValidRequest,
+    deadline: std::time::Instant,
 ) -> Result<Response, ApiError> {
     if !s.accepting() {
         return Err(ApiError::new(
@@ -86,7 +85,7 @@ pub(super) async fn serve(
         .with_retry_after(1));
     }
     // The sources become pixels (the request keeps the rest).
-    let (images, held) = images::read_all(s, std::mem::take(&mut req.images)).await?;
+    let (images, held) = images::read_all(s, std::mem::take(&mut req.images), deadline).await?;
     let d = decide(s, &req.route_input(), &images)?;
     let span = tracing::Span::current();
     span.record("mole.adapter", d.adapter.as_deref().unwrap_or(""));
@@ -162,20 +161,27 @@ async fn serve_routed(
     let id = req_id(req.kind.id_prefix());
     let engine = engine_for(s, &cfg, &mut d);
     let n = req.n;
-    let rx = engine
-        .submit_n(
-            GenerateRequest {
-                id: id.clone(),
-                prompt: Prompt::Tokens(req.prompt),
-                adapter: canary.or_else(|| d.adapter.clone()),
-                sampling: SamplingParams {
-                    max_tokens,
-                    ..req.sampling
-                },
-                images,
+    let gen = GenerateRequest {
+        id: id.clone(),
+        prompt: Prompt::Tokens(req.prompt),
+        adapter: canary.or_else(|| d.adapter.clone()),
+        sampling: SamplingParams {
+            max_tokens,
+            cache_tenant: match cfg.limits.prefix_cache_scope {
+                PrefixCacheScope::ApiKey => s.auth().tenant(headers),
+                PrefixCacheScope::Pool => None,
             },
-            n,
-        )
+            ..req.sampling
+        },
+        images,
+    };
+    // Submitting preprocesses the images and compiles the grammar (or finds it compiled):
+    // preparation work, off the runtime. Its deadline runs from now: a request that fell back
+    // from merged pods or peers has its whole timeout here, as the answer below does.
+    let rx = s
+        .prepare
+        .run(s.deadline(), move || Ok(engine.submit_n(gen, n)))
+        .await?
         .map_err(|e| load_failure(s, e, d.adapter.as_deref()))?;
     let timeout = Duration::from_secs(cfg.limits.request_timeout_seconds);
     let model = if req.model.is_empty() {

@@ -4,6 +4,7 @@
 //! `guided_choice`, `guided_grammar`. At most one of them constrains a request; the engine
 //! compiles it (a schema or grammar llguidance refuses is a 400 naming the problem).
 
+use mole_api::WorkerLimits;
 use serde_json::Value;
 
 use crate::engine::grammar::Guide;
@@ -16,7 +17,8 @@ use crate::server::ApiError;
 #[allow(dead_code)] // read by `guide` from the raw body; typed here for the OpenAPI document
 pub(in crate::server) struct GuidedFields {
     /// OpenAI's `{"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
-    /// "schema", "strict"}}`: the answer is JSON (valid against the schema).
+    /// "schema", "strict"}}`: the answer is JSON (valid against the schema); llama.cpp's
+    /// `{"type": "json_object", "schema": {...}}` follows its schema too.
     #[serde(default)]
     pub(super) response_format: Option<Value>,
     /// vLLM's `{"json": schema, "regex": ..., "choice": [...], "grammar": lark, "json_object":
@@ -70,16 +72,86 @@ fn choices(v: &Value, field: &str) -> Result<Vec<String>, ApiError> {
     }
 }
 
-/// The guide `raw` (a chat or completions body) asks for, if any.
-pub(super) fn guide(raw: &Value) -> Result<Option<Guide>, ApiError> {
+/// The guide `raw` (a chat or completions body) asks for, if any, within the limits (see
+/// [`check_size`]).
+pub(super) fn guide(raw: &Value, limits: &WorkerLimits) -> Result<Option<Guide>, ApiError> {
+    let g = read(raw)?;
+    if let Some(g) = &g {
+        check_size(g, limits)?;
+    }
+    Ok(g)
+}
+
+/// Refuses a guide whose compilation would cost out of proportion, before it is compiled:
+/// more than `limits.maxGuideChoices` choices (400 `too_many_choices`), or more than
+/// `limits.maxGuideChars` characters of text (400 `guide_too_large`; a schema counted as
+/// compact JSON, choices together).
+pub(super) fn check_size(g: &Guide, limits: &WorkerLimits) -> Result<(), ApiError> {
+    let max = limits.max_guide_chars;
+    let chars = |t: &str| t.chars().count() as u64;
+    let length = match g {
+        Guide::Choice(c) => {
+            if c.len() > limits.max_guide_choices as usize {
+                return Err(bad(
+                    "too_many_choices",
+                    format!(
+                        "{} choices, over limits.maxGuideChoices ({})",
+                        c.len(),
+                        limits.max_guide_choices
+                    ),
+                ));
+            }
+            c.iter().map(|x| chars(x)).sum()
+        }
+        Guide::Regex(t) | Guide::Lark(t) => chars(t),
+        Guide::Json(v) => json_len(v, max),
+    };
+    if length > max {
+        return Err(bad(
+            "guide_too_large",
+            format!("the structured output's text is over limits.maxGuideChars ({max} characters)"),
+        ));
+    }
+    Ok(())
+}
+
+/// The characters of `v` as compact JSON, counted up to just past `cap` (a huge schema is not
+/// written out to be measured).
+pub(super) fn json_len(v: &impl serde::Serialize, cap: u64) -> u64 {
+    struct Count(u64, u64);
+    impl std::io::Write for Count {
+        fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+            // Each character has exactly one byte that is not a UTF-8 continuation byte.
+            self.0 += b.iter().filter(|&&x| x & 0xC0 != 0x80).count() as u64;
+            if self.0 > self.1 {
+                return Err(std::io::Error::other("over the cap"));
+            }
+            Ok(b.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let mut c = Count(0, cap);
+    let _ = serde_json::to_writer(&mut c, v);
+    c.0
+}
+
+/// The guide `raw` asks for, read (see the module's doc).
+fn read(raw: &Value) -> Result<Option<Guide>, ApiError> {
     let mut found: Vec<(&str, Guide)> = Vec::new();
     let field = |k: &str| raw.get(k).filter(|v| !v.is_null());
     if let Some(rf) = field("response_format") {
         match rf.get("type").and_then(Value::as_str) {
             Some("text") => {}
+            // llama.cpp's form (and older `instructor`'s) carries a schema beside the type:
+            // followed, not dropped for any object.
             Some("json_object") => found.push((
                 "response_format",
-                Guide::Json(serde_json::json!({"type": "object"})),
+                match rf.get("schema").filter(|v| !v.is_null()) {
+                    Some(sc) => Guide::Json(schema(sc, "response_format.schema")?),
+                    None => Guide::Json(serde_json::json!({"type": "object"})),
+                },
             )),
             Some("json_schema") => {
                 let js = rf.get("json_schema").ok_or_else(|| {
@@ -174,12 +246,17 @@ mod tests {
     #[test]
     fn every_field_reads_into_its_guide_and_conflicts_are_refused() {
         let schema = json!({"type": "object", "properties": {"a": {"type": "integer"}}});
-        let ok = |v: Value| guide(&v).unwrap();
+        let l = WorkerLimits::default();
+        let ok = |v: Value| guide(&v, &l).unwrap();
         assert_eq!(ok(json!({})), None);
         assert_eq!(ok(json!({"response_format": {"type": "text"}})), None);
         assert_eq!(
             ok(json!({"response_format": {"type": "json_object"}})),
             Some(Guide::Json(json!({"type": "object"})))
+        );
+        assert_eq!(
+            ok(json!({"response_format": {"type": "json_object", "schema": schema}})),
+            Some(Guide::Json(schema.clone()))
         );
         let rf = json!({"response_format": {"type": "json_schema",
             "json_schema": {"name": "x", "schema": schema, "strict": true}}});
@@ -200,7 +277,7 @@ mod tests {
             ok(json!({"structured_outputs": {"grammar": "start: \"a\""}})),
             Some(Guide::Lark("start: \"a\"".into()))
         );
-        let code = |v: Value| guide(&v).unwrap_err().code;
+        let code = |v: Value| guide(&v, &l).unwrap_err().code;
         assert_eq!(
             code(json!({"response_format": {"type": "xml"}})),
             "invalid_response_format"
@@ -219,5 +296,44 @@ mod tests {
             code(json!({"guided_regex": "a", "response_format": {"type": "json_object"}})),
             "conflicting_guides"
         );
+    }
+
+    /// Each guide's text is measured before compilation: choices by count and bytes, a schema
+    /// as compact JSON (without writing a huge one out).
+    #[test]
+    fn guides_over_the_limits_are_refused() {
+        let l = WorkerLimits {
+            max_guide_chars: 20,
+            max_guide_choices: 3,
+            ..WorkerLimits::default()
+        };
+        let code = |v: Value| guide(&v, &l).map(|_| "ok").unwrap_or_else(|e| e.code);
+        assert_eq!(code(json!({"guided_choice": ["a", "b", "c"]})), "ok");
+        assert_eq!(
+            code(json!({"guided_choice": ["a", "b", "c", "d"]})),
+            "too_many_choices"
+        );
+        assert_eq!(
+            code(json!({"guided_choice": ["0123456789", "0123456789x"]})),
+            "guide_too_large"
+        );
+        assert_eq!(code(json!({"guided_regex": "a".repeat(20)})), "ok");
+        assert_eq!(
+            code(json!({"guided_regex": "a".repeat(21)})),
+            "guide_too_large"
+        );
+        assert_eq!(
+            code(json!({"guided_grammar": "a".repeat(21)})),
+            "guide_too_large"
+        );
+        // {"type":"object"} is 17 bytes compact, whatever its spacing as sent.
+        assert_eq!(
+            code(json!({"guided_json": "{ \"type\" :  \"object\" }"})),
+            "ok"
+        );
+        let big = json!({"guided_json": {"type": "object", "description": "x".repeat(10_000)}});
+        assert_eq!(code(big), "guide_too_large");
+        let n = json_len(&json!({"a": "x".repeat(1000)}), 10);
+        assert!((11..=1008).contains(&n), "{n}");
     }
 }

@@ -133,11 +133,12 @@ impl HeldPixels {
 }
 
 /// Fetches URL images, holds the request's pixels against the in-flight budget (429
-/// `images_busy` when it is spent: refused at once, not queued), then decodes them, one
-/// decode per core at a time across requests.
+/// `images_busy` when it is spent: refused at once, not queued), then decodes them on the
+/// preparation stage's threads (by `deadline`).
 pub(in crate::server) async fn read_all(
     s: &Arc<AppState>,
     sources: Vec<ImageSource>,
+    deadline: std::time::Instant,
 ) -> Result<(Vec<Image>, HeldPixels), ApiError> {
     if sources.is_empty() {
         return Ok((Vec::new(), HeldPixels(None)));
@@ -184,17 +185,13 @@ pub(in crate::server) async fn read_all(
         })?;
     let mut images = Vec::with_capacity(files.len());
     for (i, f) in files.into_iter().enumerate() {
-        let _slot = s.decode_pool.acquire().await.map_err(|_| {
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "shutting_down",
-                "the server is shutting down",
-            )
-        })?;
         let limits = limits.clone();
         images.push(
-            tokio::task::spawn_blocking(move || decode(&f, &format!("image {}", i + 1), &limits))
-                .await??,
+            s.prepare
+                .run(deadline, move || {
+                    decode(&f, &format!("image {}", i + 1), &limits)
+                })
+                .await?,
         );
     }
     Ok((images, HeldPixels(Some(held))))

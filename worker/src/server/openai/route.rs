@@ -91,7 +91,8 @@ pub async fn route(
 ) -> Result<Response, ApiError> {
     // Messages are validated whenever they are sent, also beside an `input` (which wins).
     let given = match b.messages {
-        Some(m) => Some(messages(m, &s.cfg().limits)?),
+        // A text model refuses image parts here, before any is fetched or decoded.
+        Some(m) => Some(messages(m, &s.cfg().limits, s.info.model_info().vision)?),
         None => None,
     };
     let (text, images) = match (b.input, given) {
@@ -99,7 +100,8 @@ pub async fn route(
         (None, Some((msgs, images))) => (last_user_text(&msgs), images),
         (None, None) => return Err(bad("invalid_request", "give input or messages")),
     };
-    let (images, _held) = images::read_all(&s, images).await?;
+    let deadline = s.deadline();
+    let (images, _held) = images::read_all(&s, images, deadline).await?;
     let input = RouteInput {
         model: &b.common.model,
         adapter: b.common.named_adapter(),

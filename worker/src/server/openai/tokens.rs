@@ -49,26 +49,27 @@ pub async fn tokenize(
     State(s): S,
     Wire { body: b, .. }: Wire<TokenizeBody>,
 ) -> Result<Json<TokenizeAnswer>, ApiError> {
+    let deadline = s.deadline();
     let (prompt, sources) = match (b.prompt, b.messages) {
         (Some(p), None) => match b.add_special_tokens.unwrap_or(true) {
             true => (Prompt::Text(p), Vec::new()),
             false => (Prompt::Templated(p), Vec::new()),
         },
         (None, Some(m)) => {
-            let (msgs, sources) = messages(m, &s.cfg().limits)?;
-            if !sources.is_empty() && !s.info.model_info().vision {
-                return Err(crate::engine::api::EngineError::ImagesNotSupported.into());
-            }
+            let (msgs, sources) = messages(m, &s.cfg().limits, s.info.model_info().vision)?;
             let mut kwargs = b.chat_template_kwargs;
             kwargs.insert(
                 "add_generation_prompt".into(),
                 b.add_generation_prompt.unwrap_or(true).into(),
             );
-            // Templating a large body takes long: off the async runtime.
+            // Templating a large body takes long: on the preparation stage.
             let codec = s.codec.clone();
-            let text =
-                tokio::task::spawn_blocking(move || codec.apply_chat_template(&msgs, &kwargs))
-                    .await??;
+            let text = s
+                .prepare
+                .run(deadline, move || {
+                    Ok(codec.apply_chat_template(&msgs, &kwargs)?)
+                })
+                .await?;
             match b.add_special_tokens.unwrap_or(false) {
                 true => (Prompt::Text(text), sources),
                 false => (Prompt::Templated(text), sources),
@@ -79,9 +80,12 @@ pub async fn tokenize(
         }
         (None, None) => return Err(bad("invalid_request", "give prompt or messages")),
     };
-    let (images, _held) = images::read_all(&s, sources).await?;
+    let (images, _held) = images::read_all(&s, sources, deadline).await?;
     let codec = s.codec.clone();
-    let ids = tokio::task::spawn_blocking(move || codec.tokenize(&prompt, &images)).await??;
+    let ids = s
+        .prepare
+        .run(deadline, move || Ok(codec.tokenize(&prompt, &images)?))
+        .await?;
     Ok(Json(TokenizeAnswer {
         count: ids.len(),
         max_model_len: s.info.model_info().max_seq_len,
@@ -108,8 +112,12 @@ pub async fn detokenize(
     Wire { body: b, .. }: Wire<DetokenizeBody>,
 ) -> Result<Json<DetokenizeAnswer>, ApiError> {
     let codec = s.codec.clone();
+    let deadline = s.deadline();
     Ok(Json(DetokenizeAnswer {
-        prompt: tokio::task::spawn_blocking(move || codec.detokenize(&b.tokens)).await??,
+        prompt: s
+            .prepare
+            .run(deadline, move || Ok(codec.detokenize(&b.tokens)?))
+            .await?,
     }))
 }
 

@@ -35,29 +35,52 @@ impl<T: DeserializeOwned> Wire<T> {
     /// Reads a body, every failure a stable 4xx: 413 `body_too_large`, 400 `invalid_body`,
     /// `invalid_json` (not JSON) or `invalid_request` (JSON of the wrong shape).
     fn read(body: Result<Bytes, BytesRejection>) -> Result<Self, ApiError> {
-        let b = body.map_err(|r| {
-            if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-                ApiError::new(
-                    StatusCode::PAYLOAD_TOO_LARGE,
-                    "body_too_large",
-                    "request body exceeds this endpoint's limit (limits.maxBodyBytes for \
-                     generation, 1 MiB for tokenize, detokenize and route, 64 KiB for admin)",
-                )
-            } else {
-                bad("invalid_body", r.body_text())
-            }
-        })?;
-        let raw: Value = serde_json::from_slice(&b)
+        Self::parse(&body_bytes(body)?)
+    }
+
+    /// Parses a body's bytes (400 `invalid_json` or `invalid_request`). The typed body is read
+    /// from the parsed JSON in place (no copy of a body of up to `maxBodyBytes` is made for it);
+    /// integral floats become integers in both, which changes no value a pod reads.
+    pub(super) fn parse(b: &[u8]) -> Result<Self, ApiError> {
+        let mut raw: Value = serde_json::from_slice(b)
             .map_err(|e| bad("invalid_json", format!("body is not valid JSON: {e}")))?;
         // Every body is an object (serde would read a struct from an array too).
         if !raw.is_object() {
             return Err(bad("invalid_request", "the body must be a JSON object"));
         }
-        let mut typed = raw.clone();
-        integral(&mut typed);
-        let body =
-            serde_json::from_value(typed).map_err(|e| bad("invalid_request", e.to_string()))?;
+        integral(&mut raw);
+        let body = <T as serde::Deserialize>::deserialize(&raw)
+            .map_err(|e| bad("invalid_request", e.to_string()))?;
         Ok(Self { body, raw })
+    }
+}
+
+/// A body's bytes, or 413 `body_too_large` / 400 `invalid_body`.
+fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
+    body.map_err(|r| {
+        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::new(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                "body_too_large",
+                "request body exceeds this endpoint's limit (limits.maxBodyBytes for \
+                 generation, 1 MiB for tokenize, detokenize and route, 64 KiB for admin)",
+            )
+        } else {
+            bad("invalid_body", r.body_text())
+        }
+    })
+}
+
+/// A generation body as it came (chat, completions, `/infer`): its bytes are read on the async
+/// runtime, which only moves bytes, and parsed on a preparation thread with the rest of its
+/// validation ([`prepare_request`]): parsing up to `maxBodyBytes` of JSON is CPU work.
+pub(in crate::server) struct RawBody(Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for RawBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        body_bytes(Bytes::from_request(req, state).await).map(Self)
     }
 }
 
@@ -118,14 +141,23 @@ pub(in crate::server) trait Validate:
     fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError>;
 }
 
-/// [`Validate::validate`] on a blocking thread: the chat template and the prompt of a body of
-/// up to `maxBodyBytes` take long, and the async runtime also answers the probes.
-pub(super) async fn validate_blocking<B: Validate>(
-    wire: Wire<B>,
+/// A body parsed and validated ([`Validate::validate`]: the chat template, the prompt's
+/// tokens) on a preparation thread ([`crate::server::prepare`]), not on the runtime that also
+/// answers the probes; refused with 429 `prepare_busy` when the stage's queue is full.
+pub(super) async fn prepare_request<B: Validate>(
     s: &std::sync::Arc<AppState>,
+    body: RawBody,
+    deadline: std::time::Instant,
 ) -> Result<ValidRequest, ApiError> {
-    let s = s.clone();
-    tokio::task::spawn_blocking(move || B::validate(wire, &s)).await?
+    let st = s.clone();
+    s.prepare
+        .run(deadline, move || {
+            let wire = Wire::parse(&body.0)?;
+            // The bytes are not needed once parsed: not held while the request is templated.
+            drop(body);
+            B::validate(wire, &st)
+        })
+        .await
 }
 
 /// One generation request, validated: what chat, completion and `/infer` bodies become, and
@@ -179,20 +211,23 @@ pub(super) struct Parts {
     pub(super) images: Vec<ImageSource>,
     /// Never streamed (`/infer`), whatever the body says.
     pub(super) whole: bool,
-    /// The grammar the answer follows (structured outputs, a forced tool call).
-    pub(super) guide: Option<crate::engine::grammar::Guided>,
+    /// The sampling fields, checked once by [`sampling`] (their `guide`: the grammar the answer
+    /// follows, from structured outputs or a forced tool call).
+    pub(super) sampling: SamplingParams,
     /// How a chat's answer splits into reasoning, answer and tool calls.
     pub(super) parse: Option<super::parse::ParseSpec>,
 }
 
 impl ValidRequest {
-    /// The request of `c`'s fields and a body's `parts`: every sampling bound checked, the
-    /// prompt tokenized once (on the calling thread: validation runs on a blocking one), a
+    /// The request of `c`'s fields and a body's `parts` (its sampling checked), the prompt
+    /// tokenized once (on the calling thread: validation runs on a preparation thread), a
     /// prompt that cannot fit the context with its `max_tokens` refused.
     pub(super) fn new(s: &AppState, c: Common, parts: Parts) -> Result<Self, ApiError> {
-        let chat = parts.kind == Kind::Chat;
-        let mut sampling = sampling(&c, chat, &Caps::of(s))?;
-        sampling.guide = parts.guide;
+        let sampling = parts.sampling;
+        // A forced tool call's grammar is built from the tools: held to the guides' limits.
+        if let Some(g) = &sampling.guide {
+            super::guided::check_size(&g.guide, &s.cfg().limits)?;
+        }
         let prompt = match parts.prompt {
             Prompt::Tokens(ids) => ids,
             text => s.codec.encode(&text)?,
@@ -267,6 +302,32 @@ impl ValidRequest {
     }
 }
 
+/// Refuses a prompt whose text (`bytes` of it: a chat's messages, a completion's prompt) cannot
+/// fit the context, before any template renders it or tokenizer reads it (400
+/// `prompt_too_long`): over `limits.maxPromptBytes`, or by default over the context's tokens
+/// times twice the longest token's bytes (twice: a tokenizer's normalizer may shorten text).
+pub(super) fn check_prompt_bytes(s: &AppState, bytes: u64) -> Result<(), ApiError> {
+    let set = s.cfg().limits.max_prompt_bytes;
+    let max_seq = max_seq(s);
+    let limit = match set {
+        0 => match s.info.model_info().max_token_bytes {
+            0 => return Ok(()),
+            per_token => (max_seq as u64).saturating_mul(2 * per_token as u64),
+        },
+        n => n,
+    };
+    if bytes > limit {
+        return Err(bad(
+            "prompt_too_long",
+            format!(
+                "the prompt's text ({bytes} bytes) cannot fit the context of {max_seq} tokens \
+                 (limits.maxPromptBytes: {limit} bytes)"
+            ),
+        ));
+    }
+    Ok(())
+}
+
 /// The longest sequence a request may take here: `limits.maxSeqLen` within the model's.
 pub(super) fn max_seq(s: &AppState) -> usize {
     (s.cfg().limits.engine.max_seq_len as usize).min(s.info.model_info().max_seq_len.max(1))
@@ -278,6 +339,8 @@ pub(super) struct Caps {
     pub(super) max_tokens: u64,
     /// `limits.maxBatchSize`: the most choices (`n`) one request may take.
     pub(super) max_batch_size: u32,
+    /// `limits.maxStopChars`: the longest stop string.
+    pub(super) max_stop_chars: u32,
 }
 
 impl Caps {
@@ -287,6 +350,7 @@ impl Caps {
         Self {
             max_tokens: u64::from(cfg.limits.max_tokens),
             max_batch_size: cfg.limits.engine.max_batch_size,
+            max_stop_chars: cfg.limits.max_stop_chars,
         }
     }
 }
@@ -380,6 +444,21 @@ pub(super) fn sampling(c: &Common, chat: bool, caps: &Caps) -> Result<SamplingPa
             format!("stop: at most {MAX_STOP} non-empty strings"),
         ));
     }
+    // Every generated token of the batch is matched against them on the engine thread (in
+    // its own bytes, but each string's table is held for the answer's life).
+    let max = caps.max_stop_chars as usize;
+    if let Some(long) = stop
+        .iter()
+        .find(|s| s.len() > max && s.chars().count() > max)
+    {
+        return Err(bad(
+            "stop_too_long",
+            format!(
+                "a stop string of {} characters is over limits.maxStopChars ({max})",
+                long.chars().count(),
+            ),
+        ));
+    }
     // Checked against every token the shared batch generates: bounded, sorted and without
     // duplicates (the engine scans the list).
     if c.stop_token_ids.len() > MAX_STOP_TOKEN_IDS {
@@ -416,6 +495,8 @@ pub(super) fn sampling(c: &Common, chat: bool, caps: &Caps) -> Result<SamplingPa
         ignore_eos: c.ignore_eos,
         guide: None,
         cache_salt: c.cache_salt.clone(),
+        // Set when the request is served: the tenant is the caller's, not the body's.
+        cache_tenant: None,
     };
     // What the engine asserts is what was checked here.
     debug_assert!(crate::engine::sampler::validate(&sp).is_ok());
@@ -423,10 +504,13 @@ pub(super) fn sampling(c: &Common, chat: bool, caps: &Caps) -> Result<SamplingPa
 }
 
 /// Chat messages: known roles (`developer` is read as `system`), text and image parts; and the
-/// images in the order their parts name them (at most `limits.maxImages`).
+/// images in the order their parts name them (at most `limits.maxImages`). Without
+/// `takes_images` (a text model) an image part is refused as soon as it is seen, before it is
+/// decoded or fetched.
 pub(super) fn messages(
     msgs: Vec<InMessage>,
     limits: &WorkerLimits,
+    takes_images: bool,
 ) -> Result<(Vec<ChatMessage>, Vec<ImageSource>), ApiError> {
     if msgs.is_empty() {
         return Err(bad("empty_messages", "messages must not be empty"));
@@ -463,6 +547,9 @@ pub(super) fn messages(
                             let t = p.text.unwrap_or_default();
                             msg.content.push_str(&t);
                             msg.parts.push(ContentPart::Text(t));
+                        }
+                        ("image_url" | "input_image", Some(_)) if !takes_images => {
+                            return Err(crate::engine::api::EngineError::ImagesNotSupported.into())
                         }
                         ("image_url" | "input_image", Some(u)) => {
                             let field = format!("messages[{i}].content[{j}].image_url");
@@ -519,6 +606,7 @@ mod tests {
         Caps {
             max_tokens,
             max_batch_size: 128,
+            max_stop_chars: 8,
         }
     }
 
@@ -556,6 +644,7 @@ mod tests {
             (json!({"top_p": 0.0}), "invalid_top_p"),
             (json!({"stop": ["a", "b", "c", "d", "e"]}), "invalid_stop"),
             (json!({"stop": ""}), "invalid_stop"),
+            (json!({"stop": ["ok", "123456789"]}), "stop_too_long"),
             (json!({"logprobs": 2}), "invalid_logprobs"),
             (json!({"min_p": 1.5}), "invalid_min_p"),
             (
@@ -613,7 +702,7 @@ mod tests {
             max_images: 2,
             ..Default::default()
         };
-        let m = |v: Value| messages(serde_json::from_value(v).unwrap(), &limits);
+        let m = |v: Value| messages(serde_json::from_value(v).unwrap(), &limits, true);
         let (ok, images) = m(json!([
             {"role": "developer", "content": "be brief"},
             {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
@@ -664,6 +753,13 @@ mod tests {
         assert_eq!(ok[0].content, "what is this?");
         let three = json!([{"role": "user", "content": [img("AAEC"), img("AAEC"), img("AAEC")]}]);
         assert_eq!(refused(m(three)), "too_many_images");
+        // A text model: refused at the part, unread.
+        let text_only = messages(
+            serde_json::from_value(json!([{"role": "user", "content": [img("%%")]}])).unwrap(),
+            &limits,
+            false,
+        );
+        assert_eq!(refused(text_only), "images_not_supported");
     }
 
     #[test]
