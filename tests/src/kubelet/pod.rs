@@ -1137,7 +1137,7 @@ impl Worker {
         let c = &mut self.ctrs[i];
         c.ready = false;
         if let Some(inst) = c.running() {
-            runtime::signal_group(inst.pgid, "TERM");
+            runtime::signal(inst.pgid, "TERM");
         }
         c.killing = Some(Instant::now() + Duration::from_secs(grace.max(0) as u64));
     }
@@ -1151,11 +1151,16 @@ impl Worker {
             .unwrap_or(30)
     }
 
-    /// Sends `signal` to every running container.
+    /// Sends `signal` to every running container: TERM to its main process, KILL to all
+    /// of it.
     fn kill_all(&mut self, signal: &str) {
         for c in &self.ctrs {
             if let Some(inst) = c.running() {
-                runtime::signal_group(inst.pgid, signal);
+                if signal == "KILL" {
+                    runtime::signal_group(inst.pgid, signal);
+                } else {
+                    runtime::signal(inst.pgid, signal);
+                }
             }
         }
     }

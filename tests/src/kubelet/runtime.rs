@@ -384,7 +384,19 @@ pub fn spawn(l: &Launch) -> Result<tokio::process::Child> {
     Ok(child)
 }
 
-/// Sends `signal` (`TERM`, `KILL`) to the process group `pgid`.
+/// Sends `signal` to process `pid` alone: SIGTERM goes to a container's main process, as a
+/// runtime sends it to the container's init (the shell's children do not get it).
+pub fn signal(pid: u32, signal: &str) {
+    let _ = std::process::Command::new("kill")
+        .arg(format!("-{signal}"))
+        .arg(pid.to_string())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+}
+
+/// Sends `signal` (`KILL`) to the process group `pgid`: everything the container started,
+/// as a runtime kills a container's whole cgroup.
 pub fn signal_group(pgid: u32, signal: &str) {
     let _ = std::process::Command::new("kill")
         .arg(format!("-{signal}"))

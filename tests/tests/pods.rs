@@ -1,0 +1,680 @@
+//! Pods that run: the test kubelet (`mole_tests::kubelet`) on a real control plane
+//! (`mole_tests::cluster`), first on its own (Deployments, Jobs, volumes, logs, deletion,
+//! restarts), then with the operator (in-process, as the chart's ServiceAccount) and
+//! `mole-worker` of this build serving the tiny llama fixture.
+//!
+//! Ignored by a plain `cargo test`: they need the control plane's binaries
+//! (`scripts/k8s-bins.sh`), root (network namespaces, a bridge, mounts), and minutes. Run with
+//! `--ignored --test-threads=1`.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test is a failed test
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
+use kube::{Api, Client};
+use mole_tests::cluster::{wait_for, ControlPlane, Parts};
+use mole_tests::kubelet::{service_url, Kubelet, KubeletConfig};
+
+const PY: &str = "mole-test/python";
+const SH: &str = "mole-test/shell";
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .unwrap()
+        .to_path_buf()
+}
+
+/// A control plane (controller manager and scheduler) with a kubelet whose images are the
+/// host's python3 and sh, and namespace `t`.
+struct Env {
+    // Dropped first: the kubelet deletes its Node while the API server still runs.
+    kubelet: Kubelet,
+    cp: ControlPlane,
+    client: Client,
+    t0: Instant,
+    name: &'static str,
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        eprintln!("{}: {:.1} s", self.name, self.t0.elapsed().as_secs_f64());
+    }
+}
+
+async fn env(name: &'static str, cfg: impl FnOnce(KubeletConfig) -> KubeletConfig) -> Env {
+    let t0 = Instant::now();
+    let cp = ControlPlane::start(Parts::default()).await.unwrap();
+    let root = cp.dir.path().join("kubelet");
+    let cfg = cfg(KubeletConfig::new("node-a", root)
+        .image(PY, "/usr/bin/python3")
+        .image(SH, "/bin/sh")
+        .label("mole.dev/test", "true"));
+    let kubelet = Kubelet::start(&cp, cfg).await.unwrap();
+    let client = cp.client().await.unwrap();
+    cp.kubectl(&["create", "namespace", "t"]).unwrap();
+    // The namespace's default ServiceAccount (pods without one are refused until it exists).
+    wait_for(
+        Duration::from_secs(30),
+        "the default ServiceAccount",
+        || async {
+            cp.kubectl(&["get", "serviceaccount", "default", "-n", "t"])
+                .ok()
+                .map(|_| ())
+        },
+    )
+    .await
+    .unwrap();
+    Env {
+        kubelet,
+        cp,
+        client,
+        t0,
+        name,
+    }
+}
+
+fn http() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(10))
+        .build()
+        .unwrap()
+}
+
+async fn pods(client: &Client, selector: &str) -> Vec<Pod> {
+    Api::<Pod>::namespaced(client.clone(), "t")
+        .list(&ListParams::default().labels(selector))
+        .await
+        .unwrap()
+        .items
+}
+
+fn ready(p: &Pod) -> bool {
+    p.status
+        .as_ref()
+        .and_then(|s| s.conditions.as_ref())
+        .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// The netns and links of `bridge` that exist now.
+fn leftovers(bridge: &str) -> Vec<String> {
+    let ns = Command::new("ip").args(["netns", "list"]).output().unwrap();
+    let links = Command::new("ip").args(["-o", "link"]).output().unwrap();
+    String::from_utf8_lossy(&ns.stdout)
+        .lines()
+        .chain(String::from_utf8_lossy(&links.stdout).lines())
+        .filter(|l| l.contains(bridge))
+        .map(str::to_string)
+        .collect()
+}
+
+/// The network namespaces of `bridge`'s pods that exist now.
+fn namespaces(bridge: &str) -> Vec<String> {
+    let ns = Command::new("ip").args(["netns", "list"]).output().unwrap();
+    String::from_utf8_lossy(&ns.stdout)
+        .lines()
+        .filter(|l| l.starts_with(&format!("{bridge}-")))
+        .map(str::to_string)
+        .collect()
+}
+
+/// A Deployment of 2 python HTTP servers serving a ConfigMap's file: both pods Running and
+/// Ready (readiness probe on the named port), each with an address of its own on the
+/// kubelet's bridge, reachable from the test, through its Service's EndpointSlices, and by
+/// the Service's DNS name from another pod (its /etc/hosts); dropping the kubelet leaves no
+/// namespace, link or process behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn a_deployment_gets_ready_pods_with_addresses_of_their_own() {
+    let e = env(
+        "a_deployment_gets_ready_pods_with_addresses_of_their_own",
+        |c| c,
+    )
+    .await;
+    e.cp.apply(
+        r#"
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: site, namespace: t}
+data: {hello.txt: "hello from a configMap\n"}
+---
+apiVersion: apps/v1
+kind: Deployment
+metadata: {name: web, namespace: t}
+spec:
+  replicas: 2
+  selector: {matchLabels: {app: web}}
+  template:
+    metadata: {labels: {app: web}}
+    spec:
+      securityContext: {runAsUser: 65532, runAsGroup: 65532, fsGroup: 65532, runAsNonRoot: true}
+      containers:
+      - name: web
+        image: mole-test/python:3
+        command: [python3, -m, http.server, "8080", --directory, /srv]
+        ports: [{name: http, containerPort: 8080}]
+        readinessProbe: {httpGet: {path: /hello.txt, port: http}, periodSeconds: 1}
+        volumeMounts: [{name: site, mountPath: /srv}]
+      volumes: [{name: site, configMap: {name: site}}]
+---
+apiVersion: v1
+kind: Service
+metadata: {name: web, namespace: t}
+spec:
+  selector: {app: web}
+  ports: [{name: http, port: 8080, targetPort: http}]
+"#,
+    )
+    .unwrap();
+    let ready_pods = wait_for(Duration::from_secs(60), "2 ready web pods", || async {
+        let ps = pods(&e.client, "app=web").await;
+        (ps.len() == 2 && ps.iter().all(ready)).then_some(ps)
+    })
+    .await
+    .unwrap_or_else(|err| {
+        panic!(
+            "{err}: {}",
+            e.cp.kubectl(&["get", "pods", "-n", "t", "-o", "yaml"])
+                .unwrap()
+        )
+    });
+    let ips: Vec<String> = ready_pods
+        .iter()
+        .map(|p| p.status.as_ref().unwrap().pod_ip.clone().unwrap())
+        .collect();
+    assert_ne!(ips[0], ips[1], "each pod has an address of its own");
+    let gw = e.kubelet.internal_ip.octets();
+    for ip in &ips {
+        let a: std::net::Ipv4Addr = ip.parse().unwrap();
+        assert_eq!(a.octets()[..3], gw[..3], "{ip} is on the kubelet's bridge");
+        let body = http()
+            .get(format!("http://{ip}:8080/hello.txt"))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        assert_eq!(body, "hello from a configMap\n");
+    }
+    let p0 = &ready_pods[0];
+    let st = p0.status.as_ref().unwrap();
+    assert_eq!(st.phase.as_deref(), Some("Running"));
+    assert_eq!(
+        st.host_ip.as_deref(),
+        Some(e.kubelet.internal_ip.to_string().as_str())
+    );
+    let cs = &st.container_statuses.as_ref().unwrap()[0];
+    assert!(cs.ready && cs.started == Some(true) && cs.restart_count == 0);
+    assert!(cs.state.as_ref().unwrap().running.is_some());
+    // The Service, through its EndpointSlices.
+    let url = wait_for(
+        Duration::from_secs(30),
+        "the Service's endpoints",
+        || async { service_url(&e.client, "t", "web", 8080).await.ok() },
+    )
+    .await
+    .unwrap();
+    let r = http().get(format!("{url}/hello.txt")).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    // Another pod reaches it by name (its /etc/hosts), as `web.t.svc` and `web`.
+    e.cp.apply(
+        r#"
+apiVersion: batch/v1
+kind: Job
+metadata: {name: client, namespace: t}
+spec:
+  backoffLimit: 0
+  template:
+    spec:
+      restartPolicy: Never
+      containers:
+      - name: client
+        image: mole-test/python:3
+        command: [python3, -c]
+        args:
+        - |
+          import urllib.request
+          for host in ["web.t.svc", "web", "web.t.svc.cluster.local"]:
+              print(host, urllib.request.urlopen(f"http://{host}:8080/hello.txt", timeout=5).read().decode().strip())
+"#,
+    )
+    .unwrap();
+    let jobs: Api<Job> = Api::namespaced(e.client.clone(), "t");
+    let done = wait_for(Duration::from_secs(60), "the client Job to end", || async {
+        let j = jobs.get("client").await.ok()?;
+        let st = j.status?;
+        (st.succeeded.unwrap_or(0) + st.failed.unwrap_or(0) > 0).then_some(st)
+    })
+    .await
+    .unwrap();
+    let logs = e.cp.kubectl(&["logs", "-n", "t", "job/client"]).unwrap();
+    assert_eq!(done.succeeded, Some(1), "the client failed: {logs}");
+    assert!(logs.contains("web.t.svc hello from a configMap"), "{logs}");
+    let bridge = e.kubelet.bridge_name().to_string();
+    let procs = e.kubelet.running_processes();
+    assert_eq!(procs.len(), 2, "the two servers run: {procs:?}");
+    drop(e);
+    assert!(leftovers(&bridge).is_empty(), "{:?}", leftovers(&bridge));
+    for p in procs {
+        assert!(
+            !Path::new(&format!("/proc/{p}")).exists()
+                || std::fs::read_to_string(format!("/proc/{p}/stat"))
+                    .unwrap_or_default()
+                    .contains(") Z"),
+            "process {p} outlived the kubelet"
+        );
+    }
+}
+
+/// Job pods end with their real exits: 0 and Succeeded; 3 and Failed with the message the
+/// process wrote to its termination-message file; 2 with FallbackToLogsOnError, the log's
+/// tail as the message. `kubectl logs` (the API server proxying to the kubelet's HTTPS
+/// endpoint) shows what they printed, with --tail and -f.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn jobs_end_with_their_exit_codes_messages_and_logs() {
+    let e = env("jobs_end_with_their_exit_codes_messages_and_logs", |c| c).await;
+    let job = |name: &str, script: &str, policy: &str| {
+        format!(
+            r#"
+apiVersion: batch/v1
+kind: Job
+metadata: {{name: {name}, namespace: t}}
+spec:
+  backoffLimit: 0
+  template:
+    spec:
+      restartPolicy: Never
+      containers:
+      - name: main
+        image: mole-test/shell:1
+        command: [sh, -c, {script:?}]
+        terminationMessagePolicy: {policy}
+"#
+        )
+    };
+    e.cp.apply(&job("ok", "echo one; echo two; echo three", "File"))
+        .unwrap();
+    e.cp.apply(&job(
+        "bad",
+        "echo 'the disk is full' > /dev/termination-log; echo noise; exit 3",
+        "File",
+    ))
+    .unwrap();
+    e.cp.apply(&job(
+        "fallback",
+        "echo first; echo 'error: model_does_not_fit: 9 GiB > 8 GiB'; exit 2",
+        "FallbackToLogsOnError",
+    ))
+    .unwrap();
+    let terminated = |name: &'static str| {
+        let client = e.client.clone();
+        async move {
+            wait_for(Duration::from_secs(60), name, || async {
+                let ps = pods(&client, &format!("job-name={name}")).await;
+                let p = ps.into_iter().next()?;
+                let st = p.status.clone()?;
+                matches!(st.phase.as_deref(), Some("Succeeded" | "Failed")).then_some(p)
+            })
+            .await
+            .unwrap()
+        }
+    };
+    let ok = terminated("ok").await;
+    let st = ok.status.unwrap();
+    assert_eq!(st.phase.as_deref(), Some("Succeeded"));
+    let t = st.container_statuses.unwrap()[0]
+        .state
+        .clone()
+        .unwrap()
+        .terminated
+        .unwrap();
+    assert_eq!((t.exit_code, t.reason.as_deref()), (0, Some("Completed")));
+    let bad = terminated("bad").await;
+    let st = bad.status.unwrap();
+    assert_eq!(st.phase.as_deref(), Some("Failed"));
+    let t = st.container_statuses.unwrap()[0]
+        .state
+        .clone()
+        .unwrap()
+        .terminated
+        .unwrap();
+    assert_eq!(t.exit_code, 3);
+    assert_eq!(t.reason.as_deref(), Some("Error"));
+    assert_eq!(t.message.as_deref(), Some("the disk is full\n"));
+    let fb = terminated("fallback").await;
+    let t = fb.status.unwrap().container_statuses.unwrap()[0]
+        .state
+        .clone()
+        .unwrap()
+        .terminated
+        .unwrap();
+    assert_eq!(t.exit_code, 2);
+    assert_eq!(
+        t.message.as_deref(),
+        Some("first\nerror: model_does_not_fit: 9 GiB > 8 GiB\n")
+    );
+    // The Job controller reads the pods' phases.
+    let jobs: Api<Job> = Api::namespaced(e.client.clone(), "t");
+    wait_for(Duration::from_secs(30), "the Jobs' verdicts", || async {
+        let ok = jobs.get("ok").await.ok()?.status?;
+        let bad = jobs.get("bad").await.ok()?.status?;
+        (ok.succeeded == Some(1) && bad.failed == Some(1)).then_some(())
+    })
+    .await
+    .unwrap();
+    let name = ok.metadata.name.unwrap();
+    assert_eq!(
+        e.cp.kubectl(&["logs", "-n", "t", &name]).unwrap(),
+        "one\ntwo\nthree\n"
+    );
+    assert_eq!(
+        e.cp.kubectl(&["logs", "-n", "t", &name, "--tail=1"])
+            .unwrap(),
+        "three\n"
+    );
+    assert_eq!(
+        e.cp.kubectl(&["logs", "-n", "t", &name, "-f"]).unwrap(),
+        "one\ntwo\nthree\n"
+    );
+    // The kubelet's own endpoint also answers the client library (kube's `logs`).
+    let api: Api<Pod> = Api::namespaced(e.client.clone(), "t");
+    let text = api
+        .logs(
+            bad.metadata.name.as_deref().unwrap(),
+            &kube::api::LogParams::default(),
+        )
+        .await
+        .unwrap();
+    assert_eq!(text, "noise\n");
+}
+
+/// A mounted ConfigMap follows the object within seconds (the kubelet's atomic `..data`
+/// swap), seen by the running container; `kubectl logs -f` streams it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn a_config_map_change_reaches_the_mounted_file() {
+    let e = env("a_config_map_change_reaches_the_mounted_file", |c| c).await;
+    e.cp.apply(
+        r#"
+apiVersion: v1
+kind: ConfigMap
+metadata: {name: conf, namespace: t}
+data: {value: "v1"}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: reader, namespace: t}
+spec:
+  containers:
+  - name: main
+    image: mole-test/shell:1
+    command: [sh, -c, 'while true; do echo "value=$(cat /etc/conf/value) env=$FROM_CM pod=$POD ns=$NS"; sleep 0.3; done']
+    env:
+    - {name: FROM_CM, valueFrom: {configMapKeyRef: {name: conf, key: value}}}
+    - {name: POD, valueFrom: {fieldRef: {fieldPath: metadata.name}}}
+    - {name: NS, valueFrom: {fieldRef: {fieldPath: metadata.namespace}}}
+    volumeMounts: [{name: conf, mountPath: /etc/conf, readOnly: true}]
+  volumes: [{name: conf, configMap: {name: conf}}]
+"#,
+    )
+    .unwrap();
+    let last_line = || {
+        let out =
+            e.cp.kubectl(&["logs", "-n", "t", "reader", "--tail=1"])
+                .unwrap_or_default();
+        out.trim().to_string()
+    };
+    wait_for(Duration::from_secs(60), "the first value", || async {
+        (last_line() == "value=v1 env=v1 pod=reader ns=t").then_some(())
+    })
+    .await
+    .unwrap_or_else(|err| panic!("{err}: {:?}", last_line()));
+    let cms: Api<ConfigMap> = Api::namespaced(e.client.clone(), "t");
+    let t = Instant::now();
+    cms.patch(
+        "conf",
+        &PatchParams::default(),
+        &Patch::Merge(serde_json::json!({"data": {"value": "v2"}})),
+    )
+    .await
+    .unwrap();
+    // Env is set at start (as with a real kubelet); the file follows.
+    wait_for(Duration::from_secs(20), "the file's new value", || async {
+        (last_line() == "value=v2 env=v1 pod=reader ns=t").then_some(())
+    })
+    .await
+    .unwrap_or_else(|err| panic!("{err}: {:?}", last_line()));
+    eprintln!("the change reached the container in {:?}", t.elapsed());
+    // `kubectl logs -f` streams until stopped: read a few lines, then stop it.
+    let mut child = Command::new(e.cp.bins().join("kubectl"))
+        .env("KUBECONFIG", &e.cp.kubeconfig)
+        .args(["logs", "-f", "-n", "t", "reader", "--tail=0"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let lines = tokio::task::spawn_blocking(move || {
+        use std::io::BufRead as _;
+        std::io::BufReader::new(stdout)
+            .lines()
+            .take(3)
+            .map(|l| l.unwrap())
+            .collect::<Vec<_>>()
+    });
+    let lines = tokio::time::timeout(Duration::from_secs(20), lines)
+        .await
+        .expect("kubectl logs -f streamed 3 lines within 20 s")
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(lines.iter().all(|l| l.starts_with("value=v2")), "{lines:?}");
+}
+
+/// Deleting a pod: SIGTERM, which its process handles (it logs and exits 0), then the
+/// object is gone and so are the process and the pod's network namespace; one that ignores
+/// SIGTERM is killed after its grace period.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn deleting_a_pod_stops_its_process() {
+    let e = env("deleting_a_pod_stops_its_process", |c| c).await;
+    let pod = |name: &str, script: &str| {
+        format!(
+            r#"
+apiVersion: v1
+kind: Pod
+metadata: {{name: {name}, namespace: t}}
+spec:
+  terminationGracePeriodSeconds: 3
+  containers:
+  - name: main
+    image: mole-test/shell:1
+    command: [sh, -c, {script:?}]
+"#
+        )
+    };
+    e.cp.apply(&pod(
+        "polite",
+        "trap 'echo got TERM; exit 0' TERM; echo up; while true; do sleep 0.1; done",
+    ))
+    .unwrap();
+    e.cp.apply(&pod(
+        "stubborn",
+        "trap '' TERM; echo up; while true; do sleep 0.1; done",
+    ))
+    .unwrap();
+    let api: Api<Pod> = Api::namespaced(e.client.clone(), "t");
+    wait_for(Duration::from_secs(60), "both pods running", || async {
+        let ps = pods(&e.client, "").await;
+        (ps.len() == 2
+            && ps
+                .iter()
+                .all(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")))
+        .then_some(())
+    })
+    .await
+    .unwrap();
+    let before = e.kubelet.running_processes();
+    assert_eq!(before.len(), 2);
+    let ns_before = namespaces(e.kubelet.bridge_name());
+    assert_eq!(ns_before.len(), 2, "{ns_before:?}");
+    // Read the polite one's log through a follow that outlives its container.
+    let follow = Command::new(e.cp.bins().join("kubectl"))
+        .env("KUBECONFIG", &e.cp.kubeconfig)
+        .args(["logs", "-f", "-n", "t", "polite"])
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let t = Instant::now();
+    api.delete("polite", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for(Duration::from_secs(20), "polite gone", || async {
+        api.get_opt("polite").await.ok()?.is_none().then_some(())
+    })
+    .await
+    .unwrap();
+    let polite_took = t.elapsed();
+    let out = follow.wait_with_output().unwrap();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "up\ngot TERM\n");
+    let t = Instant::now();
+    api.delete("stubborn", &DeleteParams::default())
+        .await
+        .unwrap();
+    wait_for(Duration::from_secs(20), "stubborn gone", || async {
+        api.get_opt("stubborn").await.ok()?.is_none().then_some(())
+    })
+    .await
+    .unwrap();
+    let stubborn_took = t.elapsed();
+    eprintln!("polite gone in {polite_took:?}, stubborn in {stubborn_took:?}");
+    assert!(polite_took < Duration::from_secs(3), "{polite_took:?}");
+    assert!(
+        stubborn_took >= Duration::from_secs(3) && stubborn_took < Duration::from_secs(8),
+        "the grace period is 3 s: {stubborn_took:?}"
+    );
+    wait_for(Duration::from_secs(5), "the processes gone", || async {
+        e.kubelet.running_processes().is_empty().then_some(())
+    })
+    .await
+    .unwrap();
+    for p in before {
+        assert!(
+            !Path::new(&format!("/proc/{p}")).exists(),
+            "process {p} lives on"
+        );
+    }
+    let ns_after = namespaces(e.kubelet.bridge_name());
+    assert!(ns_after.is_empty(), "{ns_after:?}");
+}
+
+/// Restarts as a kubelet makes them: a crashing container of a Deployment-style pod is
+/// restarted with back-off (CrashLoopBackOff, the last exit in lastState); a failing liveness
+/// probe restarts a live one; an image no one maps fails to pull.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn crashes_and_failed_liveness_probes_restart_containers() {
+    let e = env(
+        "crashes_and_failed_liveness_probes_restart_containers",
+        |mut c| {
+            // Short back-off so the test sees several restarts.
+            c.crash_backoff = (Duration::from_secs(1), Duration::from_secs(2));
+            c
+        },
+    )
+    .await;
+    e.cp.apply(
+        r#"
+apiVersion: v1
+kind: Pod
+metadata: {name: crasher, namespace: t}
+spec:
+  containers:
+  - name: main
+    image: mole-test/shell:1
+    command: [sh, -c, 'echo crashing; exit 7']
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: unwell, namespace: t}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+  - name: main
+    image: mole-test/python:3
+    command: [python3, -m, http.server, "8080"]
+    livenessProbe: {httpGet: {path: /, port: 8081}, periodSeconds: 1, failureThreshold: 2}
+---
+apiVersion: v1
+kind: Pod
+metadata: {name: nowhere, namespace: t}
+spec:
+  containers:
+  - name: main
+    image: registry.example/nothing:1
+"#,
+    )
+    .unwrap();
+    let api: Api<Pod> = Api::namespaced(e.client.clone(), "t");
+    let status = |name: &'static str| {
+        let api = api.clone();
+        async move {
+            api.get(name)
+                .await
+                .ok()?
+                .status?
+                .container_statuses?
+                .into_iter()
+                .next()
+        }
+    };
+    let crash = wait_for(
+        Duration::from_secs(60),
+        "crasher in CrashLoopBackOff",
+        || async {
+            let cs = status("crasher").await?;
+            let w = cs.state.clone()?.waiting?;
+            (w.reason.as_deref() == Some("CrashLoopBackOff") && cs.restart_count >= 2).then_some(cs)
+        },
+    )
+    .await
+    .unwrap();
+    let last = crash.last_state.unwrap().terminated.unwrap();
+    assert_eq!(last.exit_code, 7);
+    assert!(!crash.ready);
+    let unwell = wait_for(Duration::from_secs(60), "unwell restarted", || async {
+        let cs = status("unwell").await?;
+        (cs.restart_count >= 1).then_some(cs)
+    })
+    .await
+    .unwrap();
+    // Killed by SIGTERM after its liveness probe failed twice.
+    let last = unwell.last_state.unwrap().terminated.unwrap();
+    assert_eq!(last.exit_code, 143, "{last:?}");
+    let pull = wait_for(Duration::from_secs(30), "nowhere's pull error", || async {
+        status("nowhere").await?.state?.waiting
+    })
+    .await
+    .unwrap();
+    assert!(
+        matches!(
+            pull.reason.as_deref(),
+            Some("ErrImagePull" | "ImagePullBackOff")
+        ),
+        "{pull:?}"
+    );
+    assert!(pull
+        .message
+        .unwrap_or_default()
+        .contains("registry.example/nothing:1"),);
+    let p = api.get("nowhere").await.unwrap();
+    assert_eq!(p.status.unwrap().phase.as_deref(), Some("Pending"));
+}
