@@ -988,3 +988,122 @@ spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: cal
     assert_eq!(v["mole"]["adapter_version"], "v1", "{v}");
     assert_eq!(m.kubelet.running_processes().len(), 1);
 }
+
+/// Issue 58, item 3: an Adapter with `serving.mode: merged` is merged by a real merge Job
+/// (`mole-worker merge` writing the model volume, its progress read through `pods/log`), its
+/// merged Deployment answers through its own Service, and the pool's Service forwards the
+/// adapter's requests to it (the dynamic pod calls `http://tiny-calendar.ml.svc:8000`, which
+/// its hosts file resolves).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn a_merged_adapter_is_merged_by_a_job_and_served_by_its_deployment() {
+    let m = mole("a_merged_adapter_is_merged_by_a_job_and_served_by_its_deployment").await;
+    m.cp.apply(TINY_POOL).unwrap();
+    m.cp.apply(
+        r#"
+apiVersion: mole.dev/v1alpha1
+kind: Adapter
+metadata: {name: calendar, namespace: ml}
+spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: calendar,
+       serving: {mode: merged}}
+"#,
+    )
+    .unwrap();
+    let st = m
+        .wait_adapter("calendar", Duration::from_secs(300), |st| {
+            st.phase == mole_crds::AdapterPhase::Ready
+                && st.serving_mode == Some(mole_crds::ServingMode::Merged)
+                && st.active_version.as_deref() == Some("v1")
+        })
+        .await;
+    eprintln!(
+        "merged and Ready after {:.1} s",
+        m.t0.elapsed().as_secs_f64()
+    );
+    let out = st.history[0].merged_output.clone().unwrap();
+    assert!(out.starts_with("merged/calendar/v1-"), "{out}");
+    assert!(
+        m._models.path().join(&out).join("config.json").is_file(),
+        "the merge Job wrote {out} on the volume"
+    );
+    assert_eq!(
+        st.endpoint.as_deref(),
+        Some("http://tiny-calendar.ml.svc:8000")
+    );
+    // The merge Job's pod succeeded with exit 0.
+    let jobs: Api<Job> = Api::namespaced(m.admin.clone(), "ml");
+    let merges = jobs
+        .list(&ListParams::default().labels("app.kubernetes.io/component=merge"))
+        .await
+        .unwrap()
+        .items;
+    assert_eq!(merges.len(), 1, "{}", m.dump());
+    assert_eq!(merges[0].status.as_ref().unwrap().succeeded, Some(1));
+    // The merged Deployment through its own Service.
+    let (status, v) = m.chat("tiny-calendar", "calendar").await;
+    assert_eq!(status, 200, "{v}\n{}", m.dump());
+    // The pool's Service: the dynamic pod forwards to the merged Service by its DNS name
+    // once it has reloaded the WorkerConfig that names it.
+    m.wait_pool_ready("tiny", Duration::from_secs(120)).await;
+    let t = Instant::now();
+    let answers = std::sync::Mutex::new(Vec::new());
+    let v = wait_for(
+        Duration::from_secs(60),
+        "an answer forwarded to the merged pod",
+        || async {
+            let (status, v) = m.chat("tiny", "calendar").await;
+            let merged = status == 200 && v["mole"]["mode"] == "merged";
+            answers
+                .lock()
+                .unwrap()
+                .push(format!("{status} {}", v["mole"]));
+            merged.then_some(v)
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("{e}: {:?}\n{}", answers.lock().unwrap(), m.dump()));
+    eprintln!(
+        "forwarded {:?} after the adapter was Ready: {}",
+        t.elapsed(),
+        v["mole"]
+    );
+    // It was the merged pod's answer: the dynamic pod counts the forward.
+    let dynamic: Vec<Pod> = Api::<Pod>::namespaced(m.admin.clone(), "ml")
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|p| {
+            p.metadata
+                .name
+                .as_deref()
+                .is_some_and(|n| n.starts_with("tiny-dynamic-"))
+        })
+        .collect();
+    assert_eq!(dynamic.len(), 1, "{}", m.dump());
+    let ip = dynamic[0].status.as_ref().unwrap().pod_ip.clone().unwrap();
+    let metrics = http()
+        .get(format!("http://{ip}:8000/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains(r#"mole_merged_proxy_total{adapter="calendar",outcome="ok"} 1"#),
+        "{}",
+        metrics
+            .lines()
+            .filter(|l| l.contains("proxy"))
+            .collect::<Vec<_>>()
+            .join("\n")
+            + &format!(
+                "\nanswer: {v}\nconfig: {}",
+                m.cp.kubectl(&["get", "configmap", "tiny-config", "-n", "ml", "-o", "yaml"])
+                    .unwrap_or_default()
+            )
+    );
+    assert_eq!(m.kubelet.running_processes().len(), 2, "{}", m.dump());
+}

@@ -19,7 +19,7 @@ use kube::Api;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use super::logs::{ContainerLogs, LogIndex};
+use super::logs::LogIndex;
 use super::net::{Bridge, PodNetwork};
 use super::runtime::{self, Launch, Mount, User};
 use super::services::hosts_lines;
@@ -874,7 +874,7 @@ impl Worker {
                     .entry((self.ns.clone(), self.name.clone()))
                     .or_default()
                     .entry(spec.name.clone())
-                    .or_insert_with(ContainerLogs::default);
+                    .or_default();
                 entry.previous = entry.current.take();
                 entry.current = Some(log);
                 entry.running = true;
