@@ -136,15 +136,33 @@ pub struct Kubelet {
     pub port: u16,
     bridge: Arc<net::Bridge>,
     procs: Arc<Mutex<pod::Procs>>,
-    tasks: Vec<JoinHandle<()>>,
+    tasks: Tasks,
     workers: Arc<Mutex<Vec<JoinHandle<()>>>>,
     dir: PathBuf,
     kubectl: PathBuf,
     kubeconfig: PathBuf,
 }
 
+/// The kubelet's background tasks, aborted when dropped (also when a start fails half-way).
+#[derive(Default)]
+struct Tasks(Vec<JoinHandle<()>>);
+
+impl Tasks {
+    fn push(&mut self, t: JoinHandle<()>) {
+        self.0.push(t);
+    }
+}
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
 /// A store of every `K`, fed by a task (pushed to `tasks`); returns once it has listed.
-async fn store<K>(client: &Client, tasks: &mut Vec<JoinHandle<()>>) -> Result<Store<K>>
+async fn store<K>(client: &Client, tasks: &mut Tasks) -> Result<Store<K>>
 where
     K: kube::Resource<DynamicType = ()>
         + Clone
@@ -176,7 +194,7 @@ impl Kubelet {
         let internal_ip = bridge.gateway;
         let dir = cfg.root_dir.join(&cfg.node_name);
         std::fs::create_dir_all(dir.join("pods"))?;
-        let mut tasks = Vec::new();
+        let mut tasks = Tasks::default();
         let sources = volumes::Sources {
             client: client.clone(),
             config_maps: store::<ConfigMap>(&client, &mut tasks).await?,
@@ -295,7 +313,7 @@ impl Drop for Kubelet {
         for g in &groups {
             runtime::signal_group(*g, "KILL");
         }
-        for t in &self.tasks {
+        for t in &self.tasks.0 {
             t.abort();
         }
         for t in self
