@@ -281,7 +281,7 @@ spec:
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn jobs_end_with_their_exit_codes_messages_and_logs() {
     let e = env("jobs_end_with_their_exit_codes_messages_and_logs", |c| c).await;
-    let job = |name: &str, script: &str, policy: &str| {
+    let job_ro = |name: &str, script: &str, policy: &str, ro: bool| {
         format!(
             r#"
 apiVersion: batch/v1
@@ -297,9 +297,27 @@ spec:
         image: mole-test/shell:1
         command: [sh, -c, {script:?}]
         terminationMessagePolicy: {policy}
+        securityContext: {{readOnlyRootFilesystem: {ro}}}
 "#
         )
     };
+    let job = |name: &str, script: &str, policy: &str| job_ro(name, script, policy, false);
+    // The root filesystem is the container's own copy (writes stay there), read-only when
+    // asked.
+    let marker = format!("/var/mole-kubelet-test-{}", std::process::id());
+    e.cp.apply(&job(
+        "rw",
+        &format!("echo x > {marker} && cat {marker}"),
+        "File",
+    ))
+    .unwrap();
+    e.cp.apply(&job_ro(
+        "ro",
+        &format!("echo x > {marker}"),
+        "FallbackToLogsOnError",
+        true,
+    ))
+    .unwrap();
     e.cp.apply(&job("ok", "echo one; echo two; echo three", "File"))
         .unwrap();
     e.cp.apply(&job(
@@ -360,6 +378,27 @@ spec:
     assert_eq!(
         t.message.as_deref(),
         Some("first\nerror: model_does_not_fit: 9 GiB > 8 GiB\n")
+    );
+    let rw = terminated("rw").await;
+    assert_eq!(rw.status.unwrap().phase.as_deref(), Some("Succeeded"));
+    assert!(
+        !Path::new(&marker).exists(),
+        "a container wrote {marker} on the host"
+    );
+    let ro = terminated("ro").await;
+    let t = ro.status.unwrap().container_statuses.unwrap()[0]
+        .state
+        .clone()
+        .unwrap()
+        .terminated
+        .unwrap();
+    assert_ne!(t.exit_code, 0);
+    assert!(
+        t.message
+            .as_deref()
+            .unwrap_or("")
+            .contains("Read-only file system"),
+        "{t:?}"
     );
     // The Job controller reads the pods' phases.
     let jobs: Api<Job> = Api::namespaced(e.client.clone(), "t");
@@ -615,6 +654,17 @@ spec:
 ---
 apiVersion: v1
 kind: Pod
+metadata: {name: probed, namespace: t}
+spec:
+  containers:
+  - name: main
+    image: mole-test/python:3
+    command: [sh, -c, 'sleep 2; touch /tmp/ready; exec python3 -m http.server 8080']
+    readinessProbe: {exec: {command: [test, -f, /tmp/ready]}, periodSeconds: 1}
+    livenessProbe: {tcpSocket: {port: 8080}, initialDelaySeconds: 4, periodSeconds: 1, failureThreshold: 3}
+---
+apiVersion: v1
+kind: Pod
 metadata: {name: nowhere, namespace: t}
 spec:
   containers:
@@ -677,6 +727,21 @@ spec:
         .contains("registry.example/nothing:1"),);
     let p = api.get("nowhere").await.unwrap();
     assert_eq!(p.status.unwrap().phase.as_deref(), Some("Pending"));
+    // An exec readiness probe (run in the container's namespaces: its /tmp) and a tcpSocket
+    // liveness probe that passes: Ready, never restarted.
+    let probed = wait_for(Duration::from_secs(30), "probed Ready", || async {
+        let cs = status("probed").await?;
+        cs.ready.then_some(cs)
+    })
+    .await
+    .unwrap();
+    assert!(
+        !Path::new("/tmp/ready").exists(),
+        "the container's /tmp is not the host's"
+    );
+    tokio::time::sleep(Duration::from_secs(6)).await;
+    let cs = status("probed").await.unwrap();
+    assert!(cs.ready && cs.restart_count == 0, "{cs:?} (was {probed:?})");
 }
 
 /// The node stays Ready past the node lifecycle controller's grace period (50 s): its Lease

@@ -7,8 +7,9 @@
 //!   makes (the API server refuses loopback addresses in EndpointSlices); the bridge's
 //!   gateway is the node's InternalIP, on the host, so the test reaches pod IPs directly;
 //! - each container is a local process in that namespace and a mount namespace of its own
-//!   whose root is the host's with the pod's volumes mounted at their `mountPath`s
-//!   (`runtime`); an image maps to a host binary by prefix ([`KubeletConfig::images`]);
+//!   whose root is the host's, copy-on-write (`readOnlyRootFilesystem` honored), with the
+//!   pod's volumes mounted at their `mountPath`s (`runtime`), as the pod's user (`runAsUser`,
+//!   `runAsGroup`, `fsGroup`, `runAsNonRoot` checked); an image maps to a host binary by prefix ([`KubeletConfig::images`]);
 //!   images that map to nothing fail to pull (`ErrImagePull`, `ImagePullBackOff`);
 //! - volumes (`volumes`): emptyDir, configMap and secret (re-synced within a second or two
 //!   of a change, atomically), projected (serviceAccountToken by TokenRequest, configMap,
@@ -24,9 +25,8 @@
 //!   resolve Service names through their `/etc/hosts` (`services` says why not iptables).
 //!
 //! Not supported (a pod that needs them says so in its status, or they are ignored where a
-//! kubelet would only enforce them): resource limits and cgroups, `readOnlyRootFilesystem`,
-//! capabilities and seccomp (the process runs as the pod's user, with no capabilities once it
-//! is not root), hostNetwork, native sidecars (init containers with `restartPolicy: Always`
+//! kubelet would only enforce them): resource limits and cgroups, capabilities and seccomp
+//! (the process runs as the pod's user, with no capabilities once it is not root), hostNetwork, native sidecars (init containers with `restartPolicy: Always`
 //! run as ordinary init containers), lifecycle hooks, ephemeral containers, `kubectl exec`
 //! and port-forward, service environment variables, cluster DNS beyond the hosts file, and
 //! pods reaching the API server (it listens on the host's loopback).

@@ -802,6 +802,11 @@ impl Worker {
             env,
             working_dir: spec.working_dir.clone(),
             user,
+            read_only_root: spec
+                .security_context
+                .as_ref()
+                .and_then(|s| s.read_only_root_filesystem)
+                .unwrap_or(false),
             log: log.clone(),
         };
         c.id_seq += 1;
@@ -988,7 +993,7 @@ impl Worker {
                 e.running = false;
             }
         }
-        let _ = std::fs::remove_dir_all(inst.dir.join("layers"));
+        let _ = std::fs::remove_dir_all(&inst.dir);
         c.ready = false;
         c.started = false;
         c.probes.clear();

@@ -2,12 +2,15 @@
 //! its own whose root is a directory built from the host's (the "image" is the host) with the
 //! pod's volumes mounted at their `mountPath`s.
 //!
-//! The root is `<instance>/root`: each top-level entry of the host's `/` is bind-mounted there
-//! (recursively), except the ones a mount point must be created in (always `/etc` and `/dev`,
-//! and the first directory of any deeper `mountPath`), which get an overlay whose upper layer
-//! is the container's own, so creating `/etc/mole` or `/dev/termination-log` never touches the
-//! host. `chroot` into it, `setpriv` to the pod's user, `env -C` to the working directory, then
-//! the command: every step `exec`s, so the process the kubelet spawned *is* the container.
+//! The root is `<instance>/root`: each top-level directory of the host's `/` is an overlay
+//! there whose lower layer is the host's and whose upper layer is the container's own (on a
+//! tmpfs that lives as long as the container), so what a container writes outside its volumes,
+//! and the mount points made for them (`/etc/mole`, `/dev/termination-log`), never reach the
+//! host, as with an image's copy-on-write layer; `readOnlyRootFilesystem` remounts them
+//! read-only. `/proc` and `/sys` are the host's (the network namespace's sysfs), `/tmp` an
+//! empty tmpfs (an image's /tmp is empty). `chroot` into it, `setpriv` to the pod's user,
+//! `env -C` to the working directory, then the command: every step `exec`s, so the process the
+//! kubelet spawned *is* the container.
 //!
 //! The chain is `setpriv --pdeathsig=KILL ip netns exec <ns> unshare --mount --uts
 //! --propagation slave sh <setup>`: the container dies with the test's thread, its mounts never
@@ -67,6 +70,8 @@ pub struct Launch {
     pub working_dir: Option<String>,
     /// `runAsUser` and friends.
     pub user: Option<User>,
+    /// `readOnlyRootFilesystem`: only volumes (and /dev) are writable.
+    pub read_only_root: bool,
     /// The container's log (stdout and stderr).
     pub log: PathBuf,
 }
@@ -208,9 +213,7 @@ fn prepare(l: &Launch) -> Result<PathBuf> {
         m.sort_by_key(|(p, _)| p.components().count());
         m
     };
-    // Top-level entries a mount point is made in (overlaid), and those that are mount
-    // points themselves (left empty for the volume).
-    let mut overlaid: Vec<String> = vec!["etc".into(), "dev".into()];
+    // Top-level entries that are mount points themselves (left empty for the volume).
     let mut targets: Vec<String> = Vec::new();
     for (p, _) in &mounts {
         let Some(first) = top(p) else {
@@ -218,8 +221,6 @@ fn prepare(l: &Launch) -> Result<PathBuf> {
         };
         if p.components().count() == 2 {
             targets.push(first);
-        } else if !overlaid.contains(&first) {
-            overlaid.push(first);
         }
     }
     let mut s = String::new();
@@ -229,6 +230,12 @@ fn prepare(l: &Launch) -> Result<PathBuf> {
     writeln!(s, "exec 3>&2 2>>{}", q(&setup_log))?;
     writeln!(s, "cd /")?;
     let mount = q(&t.mount);
+    // The container's writable layers, in memory: gone with its mount namespace.
+    let layers = l.dir.join("layers");
+    std::fs::create_dir_all(&layers)?;
+    writeln!(s, "{mount} -t tmpfs -o mode=0700 layers {}", q(&layers))?;
+    // Copy-on-write overlays, remounted read-only for readOnlyRootFilesystem.
+    let mut overlays: Vec<PathBuf> = Vec::new();
     for e in std::fs::read_dir("/")?.flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
         let ft = e.file_type()?;
@@ -244,23 +251,31 @@ fn prepare(l: &Launch) -> Result<PathBuf> {
             continue;
         }
         std::fs::create_dir_all(&dst)?;
-        if overlaid.contains(&name) {
-            let upper = l.dir.join("layers").join(&name).join("upper");
-            let work = l.dir.join("layers").join(&name).join("work");
-            std::fs::create_dir_all(&upper)?;
-            std::fs::create_dir_all(&work)?;
-            writeln!(
-                s,
-                "{mount} -t overlay overlay -o {} {}",
-                sh_quote(&format!(
-                    "lowerdir=/{name},upperdir={},workdir={}",
-                    upper.display(),
-                    work.display()
-                )),
-                q(&dst)
-            )?;
-        } else {
-            writeln!(s, "{mount} --rbind {} {}", q(&e.path()), q(&dst))?;
+        match name.as_str() {
+            "proc" | "sys" => writeln!(s, "{mount} --rbind {} {}", q(&e.path()), q(&dst))?,
+            // An image's /tmp is empty: the host's is not the container's.
+            "tmp" => {
+                writeln!(s, "{mount} -t tmpfs -o mode=1777 tmp {}", q(&dst))?;
+                overlays.push(dst.clone());
+            }
+            _ => {
+                let upper = layers.join(&name).join("upper");
+                let work = layers.join(&name).join("work");
+                writeln!(s, "{} -p {} {}", q(&t.mkdir), q(&upper), q(&work))?;
+                writeln!(
+                    s,
+                    "{mount} -t overlay overlay -o {} {}",
+                    sh_quote(&format!(
+                        "lowerdir=/{name},upperdir={},workdir={}",
+                        upper.display(),
+                        work.display()
+                    )),
+                    q(&dst)
+                )?;
+                if name != "dev" {
+                    overlays.push(dst.clone());
+                }
+            }
         }
     }
     // The recursive binds copied the host's `ip netns` handles (nsfs mounts under
@@ -316,6 +331,11 @@ fn prepare(l: &Launch) -> Result<PathBuf> {
         writeln!(s, "{mount} --bind {} {}", q(&m.host), q(&dst))?;
         if m.read_only {
             writeln!(s, "{mount} -o remount,bind,ro {}", q(&dst))?;
+        }
+    }
+    if l.read_only_root {
+        for o in &overlays {
+            writeln!(s, "{mount} -o remount,ro {}", q(o))?;
         }
     }
     writeln!(s, "{} {}", q(&t.hostname), sh_quote(&l.hostname))?;
