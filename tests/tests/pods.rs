@@ -49,6 +49,11 @@ impl Drop for Env {
 
 async fn env(name: &'static str, cfg: impl FnOnce(KubeletConfig) -> KubeletConfig) -> Env {
     let t0 = Instant::now();
+    // The host's own interpreter (not a version manager's shim, which needs its environment).
+    assert!(
+        Path::new("/usr/bin/python3").is_file(),
+        "the harness tests run /usr/bin/python3 as the image mole-test/python"
+    );
     let cp = ControlPlane::start(Parts::default()).await.unwrap();
     let root = cp.dir.path().join("kubelet");
     let cfg = cfg(KubeletConfig::new("node-a", root)

@@ -9,8 +9,9 @@
 //! - each container is a local process in that namespace and a mount namespace of its own
 //!   whose root is the host's, copy-on-write (`readOnlyRootFilesystem` honored), with the
 //!   pod's volumes mounted at their `mountPath`s (`runtime`), as the pod's user (`runAsUser`,
-//!   `runAsGroup`, `fsGroup`, `runAsNonRoot` checked); an image maps to a host binary by prefix ([`KubeletConfig::images`]);
-//!   images that map to nothing fail to pull (`ErrImagePull`, `ImagePullBackOff`);
+//!   `runAsGroup`, `fsGroup`, `runAsNonRoot` checked); an image maps to a host binary by
+//!   prefix ([`KubeletConfig::images`]); images that map to nothing fail to pull
+//!   (`ErrImagePull`, `ImagePullBackOff`);
 //! - volumes (`volumes`): emptyDir, configMap and secret (re-synced within a second or two
 //!   of a change, atomically), projected (serviceAccountToken by TokenRequest, configMap,
 //!   secret, downwardAPI), downwardAPI, hostPath, persistentVolumeClaim (the bound PV's
@@ -24,12 +25,14 @@
 //! - Services: [`service_url`] resolves one through its EndpointSlices for the test; pods
 //!   resolve Service names through their `/etc/hosts` (`services` says why not iptables).
 //!
-//! Not supported (a pod that needs them says so in its status, or they are ignored where a
-//! kubelet would only enforce them): resource limits and cgroups, capabilities and seccomp
-//! (the process runs as the pod's user, with no capabilities once it is not root), hostNetwork, native sidecars (init containers with `restartPolicy: Always`
-//! run as ordinary init containers), lifecycle hooks, ephemeral containers, `kubectl exec`
-//! and port-forward, service environment variables, cluster DNS beyond the hosts file, and
-//! pods reaching the API server (it listens on the host's loopback).
+//! Not supported: hostNetwork and native sidecars (init containers with `restartPolicy:
+//! Always`), which such a pod's status says; ignored: resource limits and cgroups (requests
+//! count for the scheduler only), capabilities and seccomp (the process runs as the pod's
+//! user, with no capabilities once it is not root), lifecycle hooks (postStart, preStop),
+//! `resourceFieldRef` and `subPathExpr` (a CreateContainerConfigError), ephemeral containers,
+//! `kubectl exec` and port-forward, service environment variables, cluster DNS beyond the
+//! hosts file, pods reaching the API server (it listens on the host's loopback), log
+//! timestamps, Events. The kubelet acts with the admin's credentials, not a node's.
 //!
 //! Dropping the [`Kubelet`] kills every container, removes the network namespaces, the
 //! bridge and the kubelet's files, and deletes its Node; bridges and namespaces of a test

@@ -253,6 +253,8 @@ impl Bridge {
         }
         let _ = ip(&["link", "del", &self.name]);
         let _ = std::fs::remove_file(&self.state);
+        // Gone once no kubelet runs (fails while another one's file is there).
+        let _ = std::fs::remove_dir(STATE_DIR);
     }
 }
 

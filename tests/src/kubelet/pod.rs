@@ -373,6 +373,11 @@ impl Worker {
             return;
         }
         if self.net.is_none() {
+            if self.pod.spec.as_ref().and_then(|s| s.host_network) == Some(true) {
+                self.sandbox_error =
+                    Some("hostNetwork is not supported by the test kubelet".into());
+                return;
+            }
             let n = self.ctx.counter.fetch_add(1, Ordering::Relaxed);
             match self.ctx.bridge.pod_network(n) {
                 Ok(net) => {
@@ -698,6 +703,15 @@ impl Worker {
     /// gives.
     fn start(&mut self, i: usize) {
         let spec = self.ctrs[i].spec.clone();
+        if self.ctrs[i].init && spec.restart_policy.as_deref() == Some("Always") {
+            let c = &mut self.ctrs[i];
+            c.state = State::Waiting {
+                reason: "CreateContainerConfigError".into(),
+                message: Some("native sidecars (init containers with restartPolicy: Always) are not supported by the test kubelet".into()),
+            };
+            c.restart_at = Some(Instant::now() + Duration::from_secs(5));
+            return;
+        }
         let image = spec.image.clone().unwrap_or_default();
         let Some(bin) = self.image_binary(&image) else {
             let c = &mut self.ctrs[i];
