@@ -200,9 +200,11 @@ struct Ctr {
     killing: Option<Instant>,
     /// Terminated for good (no restart will follow).
     done: bool,
+    /// The host binary its image maps to.
     image_bin: Option<PathBuf>,
+    /// Pulls that failed (ErrImagePull, then ImagePullBackOff, alternately).
     pull_failures: u32,
-    /// Last start-time error (a config error shown as Waiting).
+    /// Numbers the container IDs of its instances.
     id_seq: u32,
 }
 
