@@ -1,6 +1,8 @@
 //! Cross-crate and end-to-end tests for mole live in `tests/tests/`; the harnesses they share
-//! (a real Kubernetes control plane on loopback) live here.
+//! (a real Kubernetes control plane on loopback, and a kubelet that runs its pods as local
+//! processes) live here.
 
 #![forbid(unsafe_code)]
 
 pub mod cluster;
+pub mod kubelet;
