@@ -111,6 +111,12 @@ struct RunArgs {
     /// pod's terminationGracePeriodSeconds (30 by default).
     #[arg(long, env = "MOLE_SHUTDOWN_GRACE", default_value_t = 10)]
     shutdown_grace: u64,
+    /// Milliseconds a pool's reading of its pods (their adapter listings), merged Deployments
+    /// and Jobs serves every Adapter reconcile of the pool: the pods are asked at most once per
+    /// interval, whatever the number of Adapters.
+    #[arg(long, env = "MOLE_POD_POLL_MS", default_value_t = 2000,
+          value_parser = clap::value_parser!(u64).range(0..=60_000))]
+    pod_poll_ms: u64,
 }
 
 /// Resolves at the first SIGTERM or SIGINT (a rollout, a drain, Ctrl+C); cloneable, so the
@@ -207,6 +213,7 @@ async fn run(args: RunArgs) -> anyhow::Result<()> {
         metrics.clone(),
         PodClient::new(args.worker_port),
     )
+    .with_pod_freshness(Duration::from_millis(args.pod_poll_ms))
     .with_worker_defaults(WorkerDefaults {
         gpu: args.worker_image_gpu.clone(),
         cpu: args.worker_image_cpu.clone(),

@@ -49,6 +49,7 @@ async fn env(pool: Value) -> Env {
             Metrics::new(),
             PodClient::new(worker.addr.port()),
         )
+        .with_pod_freshness(std::time::Duration::ZERO)
         .with_stores(stores),
     );
     store.lock().unwrap().create(POOL, pool);

@@ -194,6 +194,8 @@ pub struct Context {
     pub traffic: Mutex<HashMap<String, crate::fleet::traffic::Smoother>>,
     /// Reconciles under way (see [`Context::in_flight`]).
     in_flight: Arc<std::sync::atomic::AtomicUsize>,
+    /// Each pool's pods' reports, read once per round for every Adapter of the pool.
+    pub pod_index: super::pod_index::PodIndex,
 }
 
 /// Counts a reconcile as under way while it lives (`Context::reconciling`).
@@ -256,6 +258,7 @@ impl Context {
             images: resources::WorkerDefaults::default(),
             failures: Mutex::default(),
             in_flight: Arc::default(),
+            pod_index: super::pod_index::PodIndex::default(),
             reloaded: Mutex::default(),
             reload_failures: Mutex::default(),
             reload_backoff: (RELOAD_BACKOFF_FIRST, RELOAD_BACKOFF_MAX),
@@ -276,6 +279,13 @@ impl Context {
         self.in_flight
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         InFlight(self.in_flight.clone())
+    }
+
+    /// The same context with pool readings that serve for `freshness` (zero: every Adapter
+    /// reconcile asks the pods itself, as the scenario tests do to see each change at once).
+    pub fn with_pod_freshness(mut self, freshness: Duration) -> Self {
+        self.pod_index = super::pod_index::PodIndex::new(freshness);
+        self
     }
 
     /// The same context retrying failed reloads after `first`, doubling up to `max` (instead

@@ -10,6 +10,7 @@ pub mod context;
 pub mod events;
 pub mod finalizer;
 pub mod ids;
+pub mod pod_index;
 pub mod pods;
 pub mod pool;
 mod reconcile;

@@ -643,6 +643,8 @@ pub struct FakeWorker {
     pub applied: Arc<Mutex<Vec<String>>>,
     /// Requests refused for a missing or wrong token.
     pub unauthorized: Arc<Mutex<usize>>,
+    /// `GET /v1/lora_adapters` calls answered (the operator's polls of a pod).
+    pub listings: Arc<std::sync::atomic::AtomicUsize>,
     /// When set, `POST /admin/reload` answers this status and JSON body (a worker refusing
     /// the config) instead of applying or answering `config_stale`.
     pub reload_error: Arc<Mutex<Option<(u16, Value)>>>,
@@ -661,6 +663,8 @@ pub async fn fake_worker(store: Shared) -> FakeWorker {
     let applied: Arc<Mutex<Vec<String>>> = Arc::default();
     let unauthorized: Arc<Mutex<usize>> = Arc::default();
     let reload_error: Arc<Mutex<Option<(u16, Value)>>> = Arc::default();
+    let listings: Arc<std::sync::atomic::AtomicUsize> = Arc::default();
+    let listed = listings.clone();
     let authorized = {
         let (store, unauthorized) = (store.clone(), unauthorized.clone());
         move |h: &HeaderMap| {
@@ -694,11 +698,13 @@ pub async fn fake_worker(store: Shared) -> FakeWorker {
             "/v1/lora_adapters",
             get(move |h: HeaderMap| {
                 let a = a.clone();
+                let listed = listed.clone();
                 let ok = auth1(&h);
                 async move {
                     if !ok {
                         return denied();
                     }
+                    listed.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
                     axum::Json(a.lock().unwrap().clone()).into_response()
                 }
             }),
@@ -758,5 +764,6 @@ pub async fn fake_worker(store: Shared) -> FakeWorker {
         applied,
         unauthorized,
         reload_error,
+        listings,
     }
 }

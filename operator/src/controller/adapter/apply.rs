@@ -62,9 +62,13 @@ pub(super) async fn apply_plan(
             .controller_owner_ref(&())
             .expect("adapters read from the API have a uid"),
     };
-    apply_job(&c, &plan.job).await?;
+    if apply_job(&c, &plan.job).await? {
+        ctx.pod_index.children_changed(pool);
+    }
     let selector = format!("{LABEL_ADAPTER}={},{LABEL_APP_COMPONENT}=merge", c.name);
-    for job in delete_unfinished_jobs(ctx, adapter, &selector, plan.merge_job.as_deref()).await? {
+    for job in
+        delete_unfinished_jobs(ctx, adapter, pool, &selector, plan.merge_job.as_deref()).await?
+    {
         ctx.event(
             &adapter.object_ref(&()),
             false,
@@ -78,7 +82,10 @@ pub(super) async fn apply_plan(
         DeploymentAction::Apply { output, version } => {
             apply_merged(&c, plan, output, version, live).await?
         }
-        DeploymentAction::Delete => delete_merged(&c).await?,
+        DeploymentAction::Delete => {
+            delete_merged(&c).await?;
+            ctx.pod_index.children_changed(pool);
+        }
         DeploymentAction::Keep => {}
     }
     // Owned by the pool: a cleanup Job deleted with the Adapter could stop halfway.
@@ -92,24 +99,22 @@ pub(super) async fn apply_plan(
     );
     if let Some(job) = cleanup {
         create_ignoring_existing(&c.api(), &job).await?;
+        ctx.pod_index.children_changed(pool);
     }
     Ok(())
 }
 
-/// Deletes the adapter's unfinished Jobs matching `selector` other than `keep`, with their
+/// Deletes the adapter's unfinished Jobs among `candidates` other than `keep`, with their
 /// pods (background propagation); returns their names. Only Jobs the adapter owns.
-async fn delete_unfinished_jobs(
+async fn delete_unfinished(
     ctx: &Context,
     adapter: &Adapter,
-    selector: &str,
+    candidates: Vec<Job>,
     keep: Option<&str>,
 ) -> Result<Vec<String>> {
     let jobs: Api<Job> =
         Api::namespaced(ctx.client.clone(), &adapter.namespace().unwrap_or_default());
-    let owned: Vec<Job> = jobs
-        .list(&ListParams::default().labels(selector))
-        .await?
-        .items
+    let owned: Vec<Job> = candidates
         .into_iter()
         .filter(|j| owned_by(&j.metadata, adapter))
         .collect();
@@ -118,6 +123,43 @@ async fn delete_unfinished_jobs(
         delete_ignoring_absent(&jobs, name).await?;
     }
     Ok(names)
+}
+
+/// [`delete_unfinished`] of the Jobs matching `selector` in the pool's reading of its Jobs
+/// (a Job this reconcile created made it read afresh): the steady path, one LIST per round.
+async fn delete_unfinished_jobs(
+    ctx: &Context,
+    adapter: &Adapter,
+    pool: &InferencePool,
+    selector: &str,
+    keep: Option<&str>,
+) -> Result<Vec<String>> {
+    let candidates = ctx
+        .pod_index
+        .children(ctx, pool)
+        .await?
+        .jobs_matching(selector);
+    let names = delete_unfinished(ctx, adapter, candidates, keep).await?;
+    if !names.is_empty() {
+        ctx.pod_index.children_changed(pool);
+    }
+    Ok(names)
+}
+
+/// [`delete_unfinished`] of the Jobs matching `selector`, listed now (the pool may be gone).
+async fn delete_unfinished_listed(
+    ctx: &Context,
+    adapter: &Adapter,
+    selector: &str,
+    keep: Option<&str>,
+) -> Result<Vec<String>> {
+    let jobs: Api<Job> =
+        Api::namespaced(ctx.client.clone(), &adapter.namespace().unwrap_or_default());
+    let candidates = jobs
+        .list(&ListParams::default().labels(selector))
+        .await?
+        .items;
+    delete_unfinished(ctx, adapter, candidates, keep).await
 }
 
 /// Removes what the adapter owns for its pool once the pool is gone: the merged Deployment,
@@ -172,7 +214,7 @@ pub(super) async fn remove_pool_children(ctx: &Context, adapter: &Adapter) -> Re
         let selector = format!(
             "{LABEL_APP_INSTANCE}={pool},{LABEL_APP_COMPONENT}={component},{LABEL_ADAPTER}={name}"
         );
-        let jobs = delete_unfinished_jobs(ctx, adapter, &selector, None).await?;
+        let jobs = delete_unfinished_listed(ctx, adapter, &selector, None).await?;
         removed.extend(jobs.into_iter().map(|j| format!("Job/{j}")));
     }
     Ok(removed)
@@ -190,7 +232,7 @@ pub(super) async fn prune_outputs(
 ) -> Result<Option<(String, Vec<String>)>> {
     let name = adapter.name_any();
     let selector = format!("{LABEL_ADAPTER}={name},{LABEL_APP_COMPONENT}=merge");
-    delete_unfinished_jobs(ctx, adapter, &selector, None).await?;
+    delete_unfinished_listed(ctx, adapter, &selector, None).await?;
     let status = adapter.status.clone().unwrap_or_default();
     let mut outputs: Vec<String> = status
         .history
@@ -216,7 +258,8 @@ pub(super) async fn prune_outputs(
     Ok(Some((job.name_any(), outputs)))
 }
 
-async fn apply_job(c: &Children<'_>, action: &JobAction) -> Result<()> {
+/// Carries out the Job action; whether it wrote.
+async fn apply_job(c: &Children<'_>, action: &JobAction) -> Result<bool> {
     let jobs: Api<Job> = c.api();
     match action {
         JobAction::Create(key) => {
@@ -229,10 +272,14 @@ async fn apply_job(c: &Children<'_>, action: &JobAction) -> Result<()> {
                 c.owner.clone(),
                 &c.ctx.images,
             );
-            create_ignoring_existing(&jobs, &job).await
+            create_ignoring_existing(&jobs, &job).await?;
+            Ok(true)
         }
-        JobAction::DeleteFailed(name) => delete_ignoring_absent(&jobs, name).await,
-        JobAction::None => Ok(()),
+        JobAction::DeleteFailed(name) => {
+            delete_ignoring_absent(&jobs, name).await?;
+            Ok(true)
+        }
+        JobAction::None => Ok(false),
     }
 }
 
@@ -266,7 +313,11 @@ async fn apply_merged(
     let cm_name = resources::merged_config_name(&c.pool_name, &c.name, output);
     let live_cm = cms.get_opt(&cm_name).await?;
     apply_if_changed(&cms, &cm_name, FM_MERGED, &cm, live_cm.as_ref()).await?;
-    apply_if_changed(&c.api::<Deployment>(), &name, FM_MERGED, &d, live).await?;
+    let applied = apply_if_changed(&c.api::<Deployment>(), &name, FM_MERGED, &d, live).await?;
+    // Written (a new resourceVersion): the pool's reading of its Deployments is stale.
+    if live.map(|l| &l.metadata.resource_version) != Some(&applied.metadata.resource_version) {
+        c.ctx.pod_index.children_changed(c.pool);
+    }
     let live_svc = svcs.get_opt(&name).await?;
     apply_if_changed(&svcs, &name, FM_MERGED, &s, live_svc.as_ref()).await?;
     let live_pdb = pdbs.get_opt(&name).await?;

@@ -138,10 +138,17 @@ pub(super) async fn ensure_fetched(
         .status
         .as_ref()
         .and_then(|s| s.fetched_job_uid.as_deref());
-    let live = jobs.get_opt(&job_name).await?;
+    // The pool's reading of its Jobs (this Adapter's own writes below make it read afresh).
+    let live = ctx
+        .pod_index
+        .children(ctx, pool)
+        .await?
+        .job(&job_name)
+        .cloned();
     let (state, uid) = match &live {
         Some(job) if is_current(job, adapter, after) => (
-            observe::observe_job(ctx, &ns, &job_name, "fetch Job failed").await?,
+            observe::observe_job(ctx, &ns, &job_name, Some(job.clone()), "fetch Job failed")
+                .await?,
             job.metadata.uid.clone(),
         ),
         // A Job of this key from before the fetch now recorded (a rollback within the day the
@@ -149,6 +156,7 @@ pub(super) async fn ensure_fetched(
         // of an Adapter of this name deleted before: its files are not what the path holds.
         Some(_) => {
             apply::delete_ignoring_absent(&jobs, &job_name).await?;
+            ctx.pod_index.children_changed(pool);
             (JobState::Absent, None)
         }
         None => (JobState::Absent, None),
@@ -171,6 +179,7 @@ pub(super) async fn ensure_fetched(
             after.unwrap_or_default().to_string(),
         );
         apply::create_ignoring_existing(&jobs, &job).await?;
+        ctx.pod_index.children_changed(pool);
     }
     let progress = match state {
         JobState::Running => observe::job_progress(ctx, &ns, &job_name).await,

@@ -17,6 +17,21 @@ const LEDGER_RETRIES: usize = 8;
 /// to the adapter (`known`: the id its status holds). The pool controller, watching Adapters,
 /// then rewrites the pool's ConfigMap.
 pub(super) async fn register(adapter: &Adapter, ctx: &Context, known: Option<u32>) -> Result<u32> {
+    // Registered already: the id this object's status holds is the one the pool's ledger (as
+    // the cache last saw it) gives its name. Ids are never reused and only leave the ledger
+    // when their Adapter is deleted, so the cache cannot show an id that is no longer this
+    // object's; a recreated Adapter has no status yet and takes the slow path.
+    if let Some(id) = known {
+        let ns = adapter.namespace().unwrap_or_default();
+        let cached = ctx
+            .stores
+            .pool(&ns, &adapter.spec.pool)
+            .and_then(|p| p.status)
+            .and_then(|s| s.lora_ids.get(&adapter.name_any()).copied());
+        if cached == Some(id) {
+            return Ok(id);
+        }
+    }
     let pools = pools(adapter, ctx);
     let lora_id = ensure_id(&pools, &adapter.spec.pool, &adapter.name_any()).await?;
     if known != Some(lora_id) {

@@ -10,7 +10,7 @@ use kube::api::ListParams;
 use kube::{Api, ResourceExt};
 use mole_crds::{Adapter, InferencePool, LoraAdaptersResponse};
 
-use crate::controller::context::{operator_token, ready_pods, Context};
+use crate::controller::context::Context;
 use crate::controller::pods::{pod_problem, PodProblem};
 use crate::error::Result;
 use crate::mergedown;
@@ -70,26 +70,28 @@ pub(super) async fn observe(
 ) -> Result<Observed> {
     let ns = adapter.namespace().unwrap_or_default();
     let name = adapter.name_any();
-    let token = operator_token(&ctx.client, pool).await?;
-    let pods = ready_pods(&ctx.client, &ns, &adapter.spec.pool).await?;
+    // The pool's pods as this round read them (one reading shared by its Adapters).
+    let token = ctx.pod_index.token(ctx, pool).await?;
+    let reading = ctx.pod_index.reading(ctx, pool).await?;
+    let pods = &reading.pods;
     let mut reports = Vec::with_capacity(pods.len());
     let mut unreachable = Vec::new();
     let mut counters = std::collections::BTreeMap::new();
     let mut holding = Vec::new();
     let mut versions = std::collections::BTreeMap::new();
-    for pod in &pods {
-        match ctx.pods.adapters(pod, &token).await {
+    for (pod, report) in pods.iter().zip(&reading.reports) {
+        match report {
             Ok(r) => {
-                if let Some(c) = super::traffic::counters_of(&r, &name) {
+                if let Some(c) = super::traffic::counters_of(r, &name) {
                     counters.insert(pod.name.clone(), c);
                 }
-                super::traffic::add_versions(&mut versions, &r, &name);
+                super::traffic::add_versions(&mut versions, r, &name);
                 if r.data.iter().any(|a| a.name == name && a.loaded) {
                     holding.push(pod.name.clone());
                 }
-                reports.push(r)
+                reports.push(r.clone())
             }
-            Err(e) => unreachable.push(e.to_string()),
+            Err(e) => unreachable.push(e.clone()),
         }
     }
     let (all_loaded, loaded, load_error) = loaded_everywhere(
@@ -119,10 +121,12 @@ pub(super) async fn observe(
     // Only a Deployment this adapter owns is its merged one: one of the same name owned by
     // something else (a pool's, after a collision validation could not see) is never
     // rolled or deleted as if it were.
-    let merged = Api::<Deployment>::namespaced(ctx.client.clone(), &ns)
-        .get_opt(&resources::merged_name(&adapter.spec.pool, &name))
-        .await?
-        .filter(|d| owned_by(&d.metadata, adapter));
+    // The pool's merged Deployments and Jobs as this round read them (shared by its Adapters).
+    let children = ctx.pod_index.children(ctx, pool).await?;
+    let merged = children
+        .deployment(&resources::merged_name(&adapter.spec.pool, &name))
+        .filter(|d| owned_by(&d.metadata, adapter))
+        .cloned();
     let merged_problem = match &merged {
         Some(d) => {
             let mpods = merged_pods(ctx, &ns, d).await?;
@@ -140,7 +144,14 @@ pub(super) async fn observe(
         }
         None => None,
     };
-    let job = observe_job(ctx, &ns, &key.job_name, "merge Job failed").await?;
+    let job = observe_job(
+        ctx,
+        &ns,
+        &key.job_name,
+        children.job(&key.job_name).cloned(),
+        "merge Job failed",
+    )
+    .await?;
     let job_progress = match job {
         mergedown::JobState::Running => job_progress(ctx, &ns, &key.job_name).await,
         _ => None,
@@ -276,10 +287,10 @@ pub(super) async fn observe_job(
     ctx: &Context,
     ns: &str,
     name: &str,
+    job: Option<Job>,
     fallback: &str,
 ) -> Result<mergedown::JobState> {
-    let jobs: Api<Job> = Api::namespaced(ctx.client.clone(), ns);
-    let Some(job) = jobs.get_opt(name).await? else {
+    let Some(job) = job else {
         return Ok(mergedown::JobState::Absent);
     };
     let st = job.status.unwrap_or_default();

@@ -15,7 +15,7 @@ use super::observe::Observed;
 use crate::controller::apply::apply_if_changed;
 use std::time::Duration;
 
-use crate::controller::context::{operator_token, ready_pods, Context, Reload, ReloadFailure};
+use crate::controller::context::{ready_pods, Context, Reload, ReloadFailure};
 use crate::error::Result;
 use crate::resources;
 
@@ -58,7 +58,7 @@ pub(super) async fn apply(
     desired: &Desired,
 ) -> Result<Applied> {
     // The operator's token for the pods' API: created once, mounted by every worker pod.
-    let token = operator_token(&ctx.client, pool).await?;
+    let token = ctx.pod_index.token(ctx, pool).await?;
     let deployment = apply_children(pool, ctx, obs, desired).await?;
     let reload = reload(pool, ctx, &token, &desired.config_hash).await?;
     Ok(Applied { deployment, reload })
@@ -158,6 +158,8 @@ async fn reload(
         let failed = match ctx.pods.reload(&pod, token, config_hash).await {
             Ok(Reload::Applied) => {
                 ctx.reload_accepted(&key, &pod, config_hash);
+                // What the pods load changed: the Adapters' next readings must be new.
+                ctx.pod_index.invalidate(pool);
                 continue;
             }
             Ok(Reload::Stale) => {
