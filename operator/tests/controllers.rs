@@ -3504,3 +3504,51 @@ async fn placement_writes_each_adapters_pods_and_the_peers_into_the_worker_confi
     assert!(wc.adapters.iter().all(|a| a.pods.is_empty()));
     assert!(wc.peers.is_empty());
 }
+
+/// Issue 55 item 2: the merge budget holds across the Adapters of a pool decided in separate
+/// reconciles, even when the second one's cache has not seen the first one's promotion yet:
+/// each decision reads the pool's latest decisions (one record per pool in the operator), not
+/// the siblings' statuses as a lagging watch delivers them. On 8824d9e both were promoted
+/// (two merge Jobs for a budget of one GPU).
+#[tokio::test]
+async fn the_merge_budget_holds_when_siblings_are_decided_from_a_lagging_cache() {
+    let e = env().await;
+    let mut pool = pool_obj();
+    pool["spec"]["merge"] = json!({"traffic": {"promoteShare": 0.3, "demoteShare": 0.1,
+        "windowSeconds": 0, "minHoldSeconds": 0, "maxMergedGpus": 1}});
+    e.store.lock().unwrap().create(POOL, pool);
+    e.add_ready_pod();
+    for name in ["calendar", "mail"] {
+        let mut a = adapter_obj(name, "vl", name);
+        a["spec"]["serving"] = json!({"mode": "auto"});
+        e.store.lock().unwrap().create(&adapter_path(name), a);
+    }
+    e.worker_traffic(true, 0, 0);
+    e.reconcile_pool().await;
+    e.reconcile_adapter("calendar").await;
+    e.reconcile_adapter("mail").await;
+    e.reconcile_pool().await;
+    // Both hot: half the pool's tokens each, over the 30% share.
+    tokio::time::sleep(std::time::Duration::from_millis(30)).await;
+    e.worker_traffic(true, 100_000, 100_000);
+    e.sync();
+    let before = support::snapshot(&e.store);
+    e.reconcile_adapter_once("calendar").await;
+    // Mail's reconcile runs from a cache that has not seen calendar's new status.
+    e.reconcile_adapter_lagging("mail", &before).await;
+    let merged: Vec<&str> = ["calendar", "mail"]
+        .into_iter()
+        .filter(|n| e.get(&adapter_path(n)).unwrap()["status"]["fleet"]["merged"] == true)
+        .collect();
+    assert_eq!(merged.len(), 1, "merged for a budget of 1 GPU: {merged:?}");
+    assert_eq!(e.jobs().len(), 1, "merge Jobs: {:?}", e.jobs());
+    let other = if merged[0] == "calendar" {
+        "mail"
+    } else {
+        "calendar"
+    };
+    assert_eq!(
+        e.get(&adapter_path(other)).unwrap()["status"]["fleet"]["reason"],
+        "BudgetExhausted"
+    );
+}

@@ -33,7 +33,14 @@ pub(super) async fn register(adapter: &Adapter, ctx: &Context, known: Option<u32
         }
     }
     let pools = pools(adapter, ctx);
+    let lock = ctx.ledger_lock(&format!(
+        "{}/{}",
+        adapter.namespace().unwrap_or_default(),
+        adapter.spec.pool
+    ));
+    let held = lock.lock().await;
     let lora_id = ensure_id(&pools, &adapter.spec.pool, &adapter.name_any()).await?;
+    drop(held);
     if known != Some(lora_id) {
         ctx.event(
             &adapter.object_ref(&()),
@@ -49,6 +56,12 @@ pub(super) async fn register(adapter: &Adapter, ctx: &Context, known: Option<u32
 
 /// Takes the adapter out of its pool's ledger (its number stays burnt).
 pub(super) async fn unregister(adapter: &Adapter, ctx: &Context) -> Result<()> {
+    let lock = ctx.ledger_lock(&format!(
+        "{}/{}",
+        adapter.namespace().unwrap_or_default(),
+        adapter.spec.pool
+    ));
+    let _held = lock.lock().await;
     release_id(
         &pools(adapter, ctx),
         &adapter.spec.pool,

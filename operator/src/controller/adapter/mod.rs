@@ -164,7 +164,7 @@ async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     }
     let mut observed = observe::observe(adapter, &pool, lora_id, ctx, now).await?;
     let rates = traffic::smooth(ctx, adapter, &pool, &observed.counters, now);
-    let decision = traffic::decide_for(adapter, &pool, &siblings, &rates, now);
+    let decision = traffic::decide_recorded(ctx, adapter, &pool, &siblings, &rates, now);
     observed.planner.fleet_merged = decision.as_ref().map(|d| d.merged());
     observed.planner.idle = traffic::idle(&pool.spec, adapter.status.as_ref(), &rates, now);
     let mut plan = build::plan(

@@ -144,17 +144,55 @@ pub(super) fn smooth(
     s.observe(now, counters).clone()
 }
 
-/// Forgets a deleted adapter's smoothing.
+/// Forgets a deleted adapter's smoothing and its last fleet decision.
 pub(super) fn forget(ctx: &Context, adapter: &Adapter) {
-    let key = format!(
-        "{}/{}",
-        adapter.namespace().unwrap_or_default(),
-        adapter.name_any()
-    );
+    let ns = adapter.namespace().unwrap_or_default();
+    let key = format!("{ns}/{}", adapter.name_any());
     ctx.traffic
         .lock()
         .unwrap_or_else(PoisonError::into_inner)
         .remove(&key);
+    if let Some(pool) = ctx
+        .fleet_decisions
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner)
+        .get_mut(&format!("{ns}/{}", adapter.spec.pool))
+    {
+        pool.remove(&adapter.name_any());
+    }
+}
+
+/// [`decide_for`] against the pool's latest decisions, recording this one: one decision of a
+/// pool at a time (under the record's lock), each seeing every decision made before it
+/// whether or not the cache has seen the status it was written to.
+pub(super) fn decide_recorded(
+    ctx: &Context,
+    adapter: &Adapter,
+    pool: &InferencePool,
+    siblings: &[Adapter],
+    rates: &Rates,
+    now: DateTime<Utc>,
+) -> Option<Decision> {
+    let key = format!(
+        "{}/{}",
+        adapter.namespace().unwrap_or_default(),
+        adapter.spec.pool
+    );
+    let mut all = ctx
+        .fleet_decisions
+        .lock()
+        .unwrap_or_else(PoisonError::into_inner);
+    let decided = all.entry(key).or_default();
+    let d = decide_for(adapter, pool, siblings, decided, rates, now)?;
+    decided.insert(
+        adapter.name_any(),
+        Decided {
+            state: d.state,
+            tokens_per_min: rates.tokens_per_min,
+            requests_per_min: rates.requests_per_min,
+        },
+    );
+    Some(d)
 }
 
 /// Whether the adapter counts as idle for the pool's `merge.scaleToZero`: no request ran for
@@ -221,13 +259,27 @@ fn tokens_of(status: Option<&AdapterStatus>) -> f64 {
         .map_or(0.0, |t| t.tokens_per_minute)
 }
 
+/// What the last decision of an adapter said, as the decider recorded it: its state and the
+/// rates it was decided with. Newer than the adapter's status as a cache may hold it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decided {
+    /// The state the decision left.
+    pub state: merge::State,
+    /// Tokens per minute it was decided with.
+    pub tokens_per_min: f64,
+    /// Requests per minute it was decided with.
+    pub requests_per_min: f64,
+}
+
 /// The fleet policy's decision for `adapter` (None unless it is `auto` in a pool with
-/// `merge.traffic`), deciding its pool's `auto` adapters together: the others from their
-/// statuses, this one with `rates`. Pure.
+/// `merge.traffic`), deciding its pool's `auto` adapters together: the others from `decided`
+/// (the pool's latest decisions) where it has them, else from their statuses; this one with
+/// `rates`. Pure.
 pub fn decide_for(
     adapter: &Adapter,
     pool: &InferencePool,
     siblings: &[Adapter],
+    decided: &BTreeMap<String, Decided>,
     rates: &Rates,
     now: DateTime<Utc>,
 ) -> Option<Decision> {
@@ -242,11 +294,12 @@ pub fn decide_for(
         .iter()
         .filter(|a| a.spec.pool == adapter.spec.pool && a.name_any() != name)
         .collect();
-    let pool_total = rates.tokens_per_min
-        + same_pool
-            .iter()
-            .map(|a| tokens_of(a.status.as_ref()))
-            .sum::<f64>();
+    let tokens = |a: &Adapter| {
+        decided
+            .get(&a.name_any())
+            .map_or_else(|| tokens_of(a.status.as_ref()), |d| d.tokens_per_min)
+    };
+    let pool_total = rates.tokens_per_min + same_pool.iter().map(|a| tokens(a)).sum::<f64>();
     let mut cands = vec![merge::Candidate {
         name: name.clone(),
         tokens_per_min: rates.tokens_per_min,
@@ -254,7 +307,9 @@ pub fn decide_for(
         p95_ms: rates.p95_ms,
         gpus: gpus(adapter),
         accuracy: adapter.spec.evaluation.as_ref().and_then(|e| e.accuracy),
-        state: state_of(adapter.status.as_ref()),
+        state: decided
+            .get(&name)
+            .map_or_else(|| state_of(adapter.status.as_ref()), |d| d.state),
     }];
     cands.extend(
         same_pool
@@ -262,14 +317,21 @@ pub fn decide_for(
             .filter(|a| a.spec.serving.mode == ServingMode::Auto)
             .map(|a| {
                 let t = a.status.as_ref().and_then(|s| s.traffic.as_ref());
+                let d = decided.get(&a.name_any());
                 merge::Candidate {
                     name: a.name_any(),
-                    tokens_per_min: t.map_or(0.0, |t| t.tokens_per_minute),
-                    requests_per_min: t.map_or(0.0, |t| t.requests_per_minute),
+                    tokens_per_min: d.map_or_else(
+                        || t.map_or(0.0, |t| t.tokens_per_minute),
+                        |d| d.tokens_per_min,
+                    ),
+                    requests_per_min: d.map_or_else(
+                        || t.map_or(0.0, |t| t.requests_per_minute),
+                        |d| d.requests_per_min,
+                    ),
                     p95_ms: t.and_then(|t| t.p95_ms),
                     gpus: gpus(a),
                     accuracy: a.spec.evaluation.as_ref().and_then(|e| e.accuracy),
-                    state: state_of(a.status.as_ref()),
+                    state: d.map_or_else(|| state_of(a.status.as_ref()), |d| d.state),
                 }
             }),
     );
@@ -468,27 +530,46 @@ mod tests {
             adapter("warm", "auto", 400.0),
             adapter("pinned", "dynamic", 500.0),
         ];
+        let none = BTreeMap::new();
         // 600 of 1500 tokens/min: 40%, above 20% with a zero window: promoted.
-        let d = decide_for(&me, &p, &others, &rates(600.0), t(0)).unwrap();
+        let d = decide_for(&me, &p, &others, &none, &rates(600.0), t(0)).unwrap();
         assert_eq!(
             (d.action, d.reason),
             (Action::Promote, merge::reason::TRAFFIC_PROMOTED)
         );
         assert!((d.share - 0.4).abs() < 1e-9);
         // The budget (1 GPU) went to the more valuable one.
-        let d = decide_for(&me, &p, &others, &rates(300.0), t(0)).unwrap();
+        let d = decide_for(&me, &p, &others, &none, &rates(300.0), t(0)).unwrap();
         assert_eq!(d.reason, merge::reason::BUDGET_EXHAUSTED, "{}", d.note);
         assert!(decide_for(
             &adapter("x", "dynamic", 0.0),
             &p,
             &others,
+            &none,
             &rates(900.0),
             t(0)
         )
         .is_none());
         let mut plain = p.clone();
         plain.spec.merge.traffic = None;
-        assert!(decide_for(&me, &plain, &others, &rates(900.0), t(0)).is_none());
+        assert!(decide_for(&me, &plain, &others, &none, &rates(900.0), t(0)).is_none());
+        // A sibling decided merged a moment ago (its status not seen yet) holds the budget:
+        // the record wins over the status.
+        let mut decided = BTreeMap::new();
+        decided.insert(
+            "warm".to_string(),
+            Decided {
+                state: merge::State {
+                    merged: true,
+                    since: Some(t(0)),
+                    ..Default::default()
+                },
+                tokens_per_min: 700.0,
+                requests_per_min: 7.0,
+            },
+        );
+        let d = decide_for(&me, &p, &others, &decided, &rates(600.0), t(0)).unwrap();
+        assert_eq!(d.reason, merge::reason::BUDGET_EXHAUSTED, "{}", d.note);
     }
 
     #[test]
@@ -543,7 +624,15 @@ mod tests {
         // A promotion: an Event with the numbers and the state recorded.
         let p = pool();
         let me = adapter("hot", "auto", 0.0);
-        let d = decide_for(&me, &p, std::slice::from_ref(&me), &rates(600.0), t(40)).unwrap();
+        let d = decide_for(
+            &me,
+            &p,
+            std::slice::from_ref(&me),
+            &BTreeMap::new(),
+            &rates(600.0),
+            t(40),
+        )
+        .unwrap();
         let mut next = AdapterStatus::default();
         let ev = record(
             &mut next,
