@@ -366,8 +366,9 @@ fn default_max_lexer_states() -> u64 {
     250_000
 }
 
-/// Who shares the prefix cache's blocks: see [`WorkerLimits::prefix_cache_scope`].
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// Who shares the prefix cache's blocks: see [`WorkerLimits::prefix_cache_scope`] (and an
+/// InferencePool's `auth.prefixCacheScope`, which sets it).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 pub enum PrefixCacheScope {
     /// Each API key reads and writes a partition of its own.

@@ -18,10 +18,10 @@ pub use pool::*;
 
 pub use mole_api::{
     bounds, AdapterCounters, BoundsError, Dtype, EngineLimits, ImageProcessor, LoraAdapterInfo,
-    LoraAdaptersResponse, MergedModel, ModelSource, ReasoningParser, Residency, RouterFallback,
-    RouterSpec, RouterStrategy, RoutingSignals, ServiceModel, ServiceModelError, ServingMode,
-    ToolCallParser, WorkerAdapter, WorkerAuth, WorkerBaseModel, WorkerCanary, WorkerConfig,
-    WorkerLimits, WorkerMode, LATENCY_BUCKETS_MS,
+    LoraAdaptersResponse, MergedModel, ModelSource, PrefixCacheScope, ReasoningParser, Residency,
+    RouterFallback, RouterSpec, RouterStrategy, RoutingSignals, ServiceModel, ServiceModelError,
+    ServingMode, ToolCallParser, WorkerAdapter, WorkerAuth, WorkerBaseModel, WorkerCanary,
+    WorkerConfig, WorkerLimits, WorkerMode, LATENCY_BUCKETS_MS,
 };
 
 use kube::CustomResourceExt;

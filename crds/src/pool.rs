@@ -387,6 +387,15 @@ pub struct AuthSpec {
     /// Key of the Secret with the admin token that enables `/v1/load_lora_adapter` and friends.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub admin_token_key: Option<String>,
+    /// Who shares the pods' prefix cache. `apiKey` (the default): each API key caches its own
+    /// prompts, so a key holder cannot learn another's prompt from the tokens its own requests
+    /// find cached (`usage.prompt_tokens_details.cached_tokens`). `pool`: every key shares one
+    /// cache, for callers that trust each other (more hits on a system prompt they all send).
+    #[serde(
+        default,
+        skip_serializing_if = "mole_api::PrefixCacheScope::is_default"
+    )]
+    pub prefix_cache_scope: mole_api::PrefixCacheScope,
 }
 
 fn default_auth_key() -> String {

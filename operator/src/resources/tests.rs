@@ -816,7 +816,7 @@ fn every_field_spec() -> serde_json::Value {
                         "minHoldSeconds": 900, "maxMergedGpus": 2,
                         "capacity": {"mergedTokensPerSecond": 1404.2, "dynamicRatio": 0.47}},
             "scaleToZero": {"idleSeconds": 1800}},
-  "auth": {"secretName": "keys", "key": "api-keys", "adminTokenKey": "admin"},
+  "auth": {"secretName": "keys", "key": "api-keys", "adminTokenKey": "admin", "prefixCacheScope": "pool"},
   "imagePullSecrets": [{"name": "regcred"}],
   "rollout": {"maxSurge": "25%", "maxUnavailable": 1}
 }"#,
@@ -919,6 +919,7 @@ fn mutated(v: &serde_json::Value) -> serde_json::Value {
         &["base", "reject"],
         &["IfNotPresent", "Always", "Never"],
         &["torchvision", "pil"],
+        &["apiKey", "pool"],
     ];
     match v {
         serde_json::Value::String(s) => ENUMS
@@ -1347,4 +1348,28 @@ fn placement_puts_each_adapter_on_a_share_of_the_pods() {
     let mut none = worker_config("vl", &p.spec, &reg);
     place_adapters(&mut none, &p.spec, &traffic, &[], &Default::default());
     assert!(none.adapters.iter().all(|a| a.pods.is_empty()));
+}
+
+/// Issue 52 item 4: a pool opts its tenants into one shared prefix cache explicitly
+/// (`auth.prefixCacheScope: pool`), for dynamic and merged pods alike; by default the
+/// WorkerConfig leaves the field out and each API key caches its own prompts.
+#[test]
+fn the_prefix_cache_is_shared_across_keys_only_when_the_pool_says_so() {
+    use mole_crds::PrefixCacheScope;
+    let mut p = pool();
+    let wc = worker_config("vl", &p.spec, &[]);
+    assert_eq!(wc.limits.prefix_cache_scope, PrefixCacheScope::ApiKey);
+    assert!(serde_json::to_value(&wc).unwrap()["limits"]
+        .get("prefixCacheScope")
+        .is_none());
+    p.spec.auth = Some(
+        serde_json::from_value(
+            serde_json::json!({"secretName": "keys", "prefixCacheScope": "pool"}),
+        )
+        .unwrap(),
+    );
+    let wc = worker_config("vl", &p.spec, &[]);
+    assert_eq!(wc.limits.prefix_cache_scope, PrefixCacheScope::Pool);
+    let merged = merged_worker_config("vl", &p.spec, "calendar", "v1", "merged/calendar/v1-abc");
+    assert_eq!(merged.limits.prefix_cache_scope, PrefixCacheScope::Pool);
 }

@@ -53,7 +53,15 @@ pub fn worker_config(
         merged: None,
         adapters: list,
         router: spec.router.clone(),
-        limits: WorkerLimits::with_engine(spec.dynamic.limits.clone()),
+        limits: WorkerLimits {
+            // The pool's tenants (its API keys) and whether they share the prefix cache.
+            prefix_cache_scope: spec
+                .auth
+                .as_ref()
+                .map(|a| a.prefix_cache_scope)
+                .unwrap_or_default(),
+            ..WorkerLimits::with_engine(spec.dynamic.limits.clone())
+        },
         // Every worker accepts the operator's token on the endpoints the operator calls.
         auth: Some(WorkerAuth {
             api_keys_file: spec
