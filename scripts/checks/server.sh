@@ -27,7 +27,7 @@ MOLE_SCRAPE_OUT="$scrape" cargo test -q --workspace --test server_api metrics_mo
 test -s "$scrape" || { echo "server.sh: no scrape written"; exit 1; }
 # vLLM's names that a Gateway API Inference Extension endpoint picker reads: each must be
 # scraped under that very name, colon included.
-VLLM='vllm:lora_requests_info vllm:num_requests_waiting vllm:num_requests_running vllm:kv_cache_usage_perc'
+VLLM='vllm:lora_requests_info vllm:num_requests_waiting vllm:num_requests_running vllm:kv_cache_usage_perc vllm:lora_adapter_loaded vllm:num_gpu_loaded_lora_adapters vllm:num_cpu_loaded_lora_adapters vllm:max_gpu_lora_adapters'
 for m in $VLLM; do
   grep -q "^$m[{ ]" "$scrape" || { echo "server.sh: $m missing"; exit 1; }
 done

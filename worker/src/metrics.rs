@@ -80,6 +80,15 @@ pub struct Metrics {
     pub peer_waiting: IntGaugeVec,
     /// vLLM-compatible LoRA info gauge (value: scrape time in seconds).
     pub lora_info: GaugeVec,
+    /// `vllm:lora_adapter_loaded{adapter_name, level, pinned, rank}`: 1 for each adapter held
+    /// in a device slot (`level="gpu"`) or in host memory (`"cpu"`), absent once evicted:
+    /// the residency a LoRA-aware router (llm-d's load-state scorer, the Gateway API
+    /// Inference Extension) reads, as vLLM publishes it (vllm-project/vllm#54830).
+    /// `vllm:lora_requests_info` only lists adapters with requests in flight.
+    pub lora_loaded: IntGaugeVec,
+    /// `vllm:num_gpu_loaded_lora_adapters`, `vllm:num_cpu_loaded_lora_adapters` and
+    /// `vllm:max_gpu_lora_adapters` (the device slots, `maxLoras`).
+    pub lora_counts: (IntGauge, IntGauge, IntGauge),
     /// `vllm:num_requests_waiting` and `vllm:num_requests_running`, the queue gauges a Gateway
     /// API Inference Extension endpoint picker reads by default (the same values as
     /// `mole_requests_waiting` and `mole_requests_running`).
@@ -262,6 +271,33 @@ impl Metrics {
                     &["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
                 ),
             ),
+            lora_loaded: registered(
+                &r,
+                IntGaugeVec::new(
+                    Opts::new(
+                        "vllm:lora_adapter_loaded",
+                        "1 for each LoRA adapter held in a device slot (level gpu) or host memory (level cpu)",
+                    ),
+                    &["adapter_name", "level", "pinned", "rank"],
+                ),
+            ),
+            lora_counts: (
+                gauge(
+                    &r,
+                    "vllm:num_gpu_loaded_lora_adapters",
+                    "LoRA adapters in device slots (vLLM's name)",
+                ),
+                gauge(
+                    &r,
+                    "vllm:num_cpu_loaded_lora_adapters",
+                    "LoRA adapters in host memory (vLLM's name)",
+                ),
+                gauge(
+                    &r,
+                    "vllm:max_gpu_lora_adapters",
+                    "Device slots for LoRA adapters (maxLoras; vLLM's name)",
+                ),
+            ),
             vllm_queue: (
                 gauge(&r, "vllm:num_requests_waiting", "Requests waiting (vLLM's name)"),
                 gauge(&r, "vllm:num_requests_running", "Requests decoding (vLLM's name)"),
@@ -412,6 +448,28 @@ impl Metrics {
                 .count();
             self.residency.with_label_values(&[r]).set(n as i64);
         }
+        // Residency by vLLM's names: the adapters serving now (not a draining or refused
+        // version), by where they are held; reset so an evicted adapter's series goes.
+        self.lora_loaded.reset();
+        let (mut on_device, mut in_host) = (0i64, 0i64);
+        for a in adapters.iter().filter(|a| a.loaded && a.error.is_none()) {
+            let level = match a.residency {
+                mole_api::Residency::Gpu => "gpu",
+                mole_api::Residency::Cpu => "cpu",
+                mole_api::Residency::Disk => continue,
+            };
+            if level == "gpu" {
+                on_device += 1;
+            } else {
+                in_host += 1;
+            }
+            self.lora_loaded
+                .with_label_values(&[a.name.as_str(), level, "false", &a.rank.to_string()])
+                .set(1);
+        }
+        self.lora_counts.0.set(on_device);
+        self.lora_counts.1.set(in_host);
+        self.lora_counts.2.set(stats.max_loras as i64);
         // vLLM exposes one series whose labels carry the adapter lists; reset so stale label
         // sets do not linger.
         self.lora_info.reset();
@@ -471,6 +529,53 @@ fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
 mod tests {
     use super::*;
     use crate::engine::api::PrefixCacheCounts;
+
+    /// Issue 55 item 5: residency by vLLM's metric names, which LoRA-aware routers read: one
+    /// series per adapter in a device slot or host memory, none for one on disk or draining,
+    /// gone once evicted; the counts and the slots beside them.
+    #[test]
+    fn residency_is_exported_by_vllms_names() {
+        let m = Metrics::new();
+        let info = |name: &str, residency: mole_api::Residency, loaded: bool| {
+            serde_json::from_value::<mole_api::LoraAdapterInfo>(serde_json::json!({
+                "name": name, "version": "v1", "lora_id": 1, "residency": residency,
+                "loaded": loaded, "rank": 8, "bytes": 10, "requests": 0, "running": 0
+            }))
+            .unwrap()
+        };
+        let stats = EngineStats {
+            max_loras: 4,
+            ..Default::default()
+        };
+        let text = m.render(
+            &stats,
+            &[
+                info("calendar", mole_api::Residency::Gpu, true),
+                info("mail", mole_api::Residency::Cpu, true),
+                info("cold", mole_api::Residency::Disk, true),
+                info("old", mole_api::Residency::Gpu, false),
+            ],
+        );
+        let line = |s: &str| text.lines().any(|l| l == s);
+        assert!(
+            line(
+                r#"vllm:lora_adapter_loaded{adapter_name="calendar",level="gpu",pinned="false",rank="8"} 1"#
+            ),
+            "{text}"
+        );
+        assert!(line(
+            r#"vllm:lora_adapter_loaded{adapter_name="mail",level="cpu",pinned="false",rank="8"} 1"#
+        ));
+        assert!(
+            !text.contains(r#"adapter_name="cold""#) && !text.contains(r#"adapter_name="old""#)
+        );
+        assert!(line("vllm:num_gpu_loaded_lora_adapters 1"));
+        assert!(line("vllm:num_cpu_loaded_lora_adapters 1"));
+        assert!(line("vllm:max_gpu_lora_adapters 4"));
+        // Evicted: its series goes.
+        let text = m.render(&stats, &[info("mail", mole_api::Residency::Cpu, true)]);
+        assert!(!text.contains(r#"adapter_name="calendar""#), "{text}");
+    }
 
     /// The engine's cumulative prefix-cache counts become counters per adapter, by vLLM's
     /// names under mole's prefix; its count of images encoded a counter; its KV cache's dtype

@@ -697,6 +697,48 @@ async fn bad_input_battery_keeps_serving() {
     assert_eq!(r.status(), 200);
     let (st, _, _) = post(&s, "/v1/chat/completions", json!({"model": "demo", "adapter": "extra", "messages": [{"role": "user", "content": "x"}]})).await;
     assert_eq!(st, 200, "an adapter loaded via the API is servable by name");
+    // The same call again serves what is held (no read); vLLM's `load_inplace` reads the
+    // directory again (its files were replaced): a new id for the same name.
+    let extra_id = |l: Value| {
+        l["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|a| a["name"] == "extra" && a["loaded"] == true)
+            .map(|a| a["lora_id"].as_u64().unwrap())
+            .unwrap()
+    };
+    let listing = || async {
+        c.get(format!("{}/v1/lora_adapters", s.url))
+            .bearer_auth("s3cret")
+            .send()
+            .await
+            .unwrap()
+            .json::<Value>()
+            .await
+            .unwrap()
+    };
+    let first = extra_id(listing().await);
+    let r = adm(json!({"lora_name": "extra", "lora_path": "extra"}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(
+        extra_id(listing().await),
+        first,
+        "no reload without load_inplace"
+    );
+    let r = adm(json!({"lora_name": "extra", "lora_path": "extra", "load_inplace": true}))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    assert_ne!(
+        extra_id(listing().await),
+        first,
+        "load_inplace read it again"
+    );
+    let (st, _, _) = post(&s, "/v1/chat/completions", json!({"model": "demo", "adapter": "extra", "messages": [{"role": "user", "content": "x"}]})).await;
+    assert_eq!(st, 200, "served after the in-place reload");
     // Still serving.
     let (st, _, _) = post(&s, "/v1/chat/completions", msg(json!("ok"))).await;
     assert_eq!(st, 200);

@@ -63,12 +63,13 @@ pub async fn load_lora(
             "the adapter directory needs adapter_model.safetensors (pickle .bin is refused)",
         ));
     }
-    // The same directory under the same name again: already served (no new id, no read).
+    // The same directory under the same name again: already served (no new id, no read),
+    // unless the caller asks for vLLM's in-place reload (the files were replaced).
     let shown = path.display().to_string();
     let held = s.admin.adapters().into_iter().any(|a| {
         a.name == b.lora_name && a.version == "api" && a.loaded && a.path.as_ref() == Some(&shown)
     });
-    if held {
+    if held && !b.load_inplace {
         return Ok(Json(LoraAnswer {
             status: "loaded",
             lora_name: b.lora_name,

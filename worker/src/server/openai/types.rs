@@ -330,6 +330,10 @@ pub(in crate::server) struct LoadBody {
     pub(super) lora_name: String,
     #[serde(default)]
     pub(super) lora_path: Option<String>,
+    /// vLLM's in-place reload: read the adapter again even when this name already serves
+    /// this directory (its files were replaced). Without it such a call answers at once.
+    #[serde(default)]
+    pub(super) load_inplace: bool,
 }
 
 /// `POST /admin/reload`'s optional body.
