@@ -1,0 +1,596 @@
+//! Issue 58, item 3: the fleet's life on Kubernetes' own control plane, with the pods run by the
+//! test kubelet (`mole_tests::kubelet`) and mole installed as a user installs it
+//! (`mole_tests::stack`: `helm install` of the chart, the `mole-operator` binary as the chart's
+//! ServiceAccount with its Lease, this build's `mole-worker` as the worker image, the models on
+//! a hostPath PersistentVolume). Every request goes to the pool's Service (through its
+//! EndpointSlices, as kube-proxy would route it), every change is a `kubectl apply`.
+//!
+//! Cases (the kind suite's, `tests/e2e_cluster.rs`, which never ran): rollback by apply; a
+//! canary that errors rolled back by the operator; scale to zero and back; promotion under
+//! traffic with no failed request; an operator restart while a merge Job runs.
+//!
+//! Ignored by a plain `cargo test`: they need the control plane's binaries
+//! (`scripts/k8s-bins.sh`), root (network namespaces, a bridge, mounts, cgroups) and minutes.
+//! `scripts/checks/control-plane.sh` runs them with `--ignored --test-threads=1`.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test is a failed test
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::ListParams;
+use kube::{Api, Client};
+use mole_crds::{AdapterPhase, AdapterStatus, CanaryPhase, ServingMode};
+use mole_tests::cluster::wait_for;
+use mole_tests::kubelet::service_url;
+use mole_tests::stack::{self, Fixture, Mole, NS};
+
+/// A [`Mole`] (the operator as a process) that prints the test's wall time when dropped.
+struct Env {
+    m: Mole,
+    t0: Instant,
+    name: &'static str,
+}
+
+impl std::ops::Deref for Env {
+    type Target = Mole;
+    fn deref(&self) -> &Mole {
+        &self.m
+    }
+}
+
+impl std::ops::DerefMut for Env {
+    fn deref_mut(&mut self) -> &mut Mole {
+        &mut self.m
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        eprintln!("{}: {:.1} s", self.name, self.t0.elapsed().as_secs_f64());
+    }
+}
+
+impl Env {
+    async fn start(name: &'static str, fixture: Fixture) -> Self {
+        let t0 = Instant::now();
+        let opts = stack::Options::this_build(fixture, false).unwrap();
+        let m = Mole::start(opts).await.unwrap();
+        Self { m, t0, name }
+    }
+
+    /// Seconds since the test started, for its log.
+    fn at(&self) -> f64 {
+        (self.t0.elapsed().as_secs_f64() * 10.0).round() / 10.0
+    }
+
+    /// `kubectl apply` of `yaml`, which must succeed.
+    fn apply(&self, yaml: &str) {
+        self.cp.apply(yaml).unwrap();
+    }
+
+    /// Names of the merge Jobs of adapter `name`, sorted.
+    async fn merge_jobs(&self, name: &str) -> Vec<String> {
+        let jobs: Api<Job> = Api::namespaced(self.admin.clone(), NS);
+        let lp = ListParams::default().labels(&format!(
+            "mole.dev/adapter={name},app.kubernetes.io/component=merge"
+        ));
+        let mut names: Vec<String> = jobs
+            .list(&lp)
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter_map(|j| j.metadata.name)
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// Waits until `name` is Ready, served by merged pods, on `version`.
+    async fn merged_ready(&self, name: &str, version: &str, within: Duration) -> AdapterStatus {
+        self.wait_adapter(name, within, |st| {
+            st.phase == AdapterPhase::Ready
+                && st.serving_mode == Some(ServingMode::Merged)
+                && st.active_version.as_deref() == Some(version)
+        })
+        .await
+        .unwrap()
+    }
+
+    /// Sends requests for `model` to the pool's Service one after another until `done` accepts
+    /// an answer, for at most `within`; returns every answer seen, the last one the accepted.
+    /// Fails on a connection error or a timeout.
+    async fn until(
+        &self,
+        pool: &str,
+        model: &str,
+        within: Duration,
+        done: impl Fn(&Answer) -> bool,
+    ) -> Vec<Answer> {
+        let deadline = Instant::now() + within;
+        let mut seen = Vec::new();
+        loop {
+            let (status, body) = self.chat(pool, model).await.unwrap();
+            let a = Answer {
+                at: self.at(),
+                session: String::new(),
+                status,
+                body,
+            };
+            let ok = done(&a);
+            seen.push(a);
+            if ok {
+                return seen;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no accepted answer within {within:?}: {}\n{}",
+                summary(&seen),
+                self.dump()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Events of `ml` about `object` with `reason`: (type, note).
+    async fn events(&self, object: &str, reason: &str) -> Vec<(String, String)> {
+        Api::<Event>::namespaced(self.admin.clone(), NS)
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(object))
+            .filter(|e| e.reason.as_deref() == Some(reason))
+            .map(|e| (e.type_.unwrap_or_default(), e.note.unwrap_or_default()))
+            .collect()
+    }
+
+    /// The entry of adapter `name` in pool `pool`'s WorkerConfig (its ConfigMap).
+    async fn worker_entry(&self, pool: &str, name: &str) -> Option<mole_crds::WorkerAdapter> {
+        let cm = Api::<ConfigMap>::namespaced(self.admin.clone(), NS)
+            .get(&format!("{pool}-config"))
+            .await
+            .ok()?;
+        let wc: mole_crds::WorkerConfig =
+            serde_json::from_str(cm.data?.get("worker.json")?).ok()?;
+        wc.adapters.into_iter().find(|a| a.name == name)
+    }
+}
+
+/// One answer a [`Traffic`] client got.
+#[derive(Debug, Clone)]
+struct Answer {
+    /// Seconds since the client started.
+    at: f64,
+    /// The request's `x-session-id` (empty without).
+    session: String,
+    /// The HTTP status; 0 when no answer came (no endpoint, a connection error).
+    status: u16,
+    /// The body (or the connection error as a JSON string).
+    body: serde_json::Value,
+}
+
+impl Answer {
+    fn served(&self) -> (&str, &str) {
+        served(&self.body)
+    }
+}
+
+/// A client sending chat completions for `model` to a pool's Service one after another (each
+/// resolved anew through the Service's EndpointSlices, as kube-proxy routes each connection)
+/// until stopped; with `sessions`, request n carries `x-session-id: s<n>`.
+struct Traffic {
+    stop: Arc<AtomicBool>,
+    seen: Arc<Mutex<Vec<Answer>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Traffic {
+    fn start(admin: &Client, pool: &str, model: &str, sessions: bool) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let seen: Arc<Mutex<Vec<Answer>>> = Arc::default();
+        let (admin, pool, model) = (admin.clone(), pool.to_string(), model.to_string());
+        let (stop2, seen2) = (stop.clone(), seen.clone());
+        let task = tokio::spawn(async move {
+            let http = stack::http().unwrap();
+            let t0 = Instant::now();
+            let port = i32::from(mole_crds::constants::SERVICE_PORT);
+            let mut n = 0u64;
+            while !stop2.load(Ordering::SeqCst) {
+                let session = if sessions {
+                    format!("s{n}")
+                } else {
+                    String::new()
+                };
+                n += 1;
+                let (status, body) = match service_url(&admin, NS, &pool, port).await {
+                    Err(e) => (0, serde_json::json!(format!("{e:#}"))),
+                    Ok(url) => {
+                        let mut req = http
+                            .post(format!("{url}/v1/chat/completions"))
+                            .json(&stack::chat_body(&model));
+                        if sessions {
+                            req = req.header(mole_api::SESSION_HEADER, &session);
+                        }
+                        match req.send().await {
+                            Err(e) => (0, serde_json::json!(format!("{e:#}"))),
+                            Ok(r) => {
+                                let s = r.status().as_u16();
+                                (s, r.json().await.unwrap_or_default())
+                            }
+                        }
+                    }
+                };
+                seen2.lock().unwrap().push(Answer {
+                    at: t0.elapsed().as_secs_f64(),
+                    session,
+                    status,
+                    body,
+                });
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        Self { stop, seen, task }
+    }
+
+    /// The answers so far.
+    fn seen(&self) -> Vec<Answer> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// Waits up to `within` until `done` accepts the answers so far.
+    async fn until(&self, within: Duration, what: &str, done: impl Fn(&[Answer]) -> bool) {
+        if let Err(e) = wait_for(within, what, || async { done(&self.seen()).then_some(()) }).await
+        {
+            panic!("{e}: {}", summary(&self.seen()));
+        }
+    }
+
+    /// Stops the client; every answer it got.
+    async fn stop(self) -> Vec<Answer> {
+        self.stop.store(true, Ordering::SeqCst);
+        self.task.await.unwrap();
+        let seen = self.seen.lock().unwrap().clone();
+        seen
+    }
+}
+
+/// Each answer as `status mode version "text"`, runs of equal ones counted.
+fn summary(answers: &[Answer]) -> String {
+    let mut out: Vec<(String, usize)> = Vec::new();
+    for a in answers {
+        let v = &a.body;
+        let line = if a.status == 200 {
+            format!(
+                "{} {} {} {:?}",
+                a.status,
+                v["mole"]["mode"].as_str().unwrap_or("-"),
+                v["mole"]["adapter_version"].as_str().unwrap_or("-"),
+                text(v)
+            )
+        } else {
+            format!("{} {}", a.status, v.get("error").map_or(v, |e| &e["code"]))
+        };
+        match out.last_mut() {
+            Some((l, n)) if *l == line => *n += 1,
+            _ => out.push((line, 1)),
+        }
+    }
+    let mut parts: Vec<String> = out.iter().map(|(l, n)| format!("{n} x {l}")).collect();
+    // The start and the end of a long alternation say enough.
+    if parts.len() > 16 {
+        let n = parts.len() - 12;
+        parts.splice(6..parts.len() - 6, [format!("... ({n} more runs)")]);
+    }
+    parts.join("; ")
+}
+
+/// The answer's text.
+fn text(v: &serde_json::Value) -> String {
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// `(mode, adapter_version)` of an answer.
+fn served(v: &serde_json::Value) -> (&str, &str) {
+    (
+        v["mole"]["mode"].as_str().unwrap_or(""),
+        v["mole"]["adapter_version"].as_str().unwrap_or(""),
+    )
+}
+
+/// The tiny llama pool on CPU, one dynamic pod; `merge` is its `spec.merge` (YAML flow).
+fn tiny_pool(merge: &str) -> String {
+    format!(
+        r#"
+apiVersion: mole.dev/v1alpha1
+kind: InferencePool
+metadata: {{name: tiny, namespace: {NS}, annotations: {{mole.dev/allow-cpu: "true"}}}}
+spec:
+  baseModel: {{name: llama, path: base/llama, dtype: f32}}
+  storage: {{claimName: models}}
+  imagePullPolicy: Never
+  gpu: {{count: 0}}
+  dynamic: {{replicas: 1}}
+  merge: {merge}
+"#
+    )
+}
+
+/// Adapter `calendar` of pool `tiny` on `version` (`adapters/calendar/<version>`), with
+/// `spec.serving` `serving` (YAML flow) and `extra` spec lines.
+fn calendar(version: &str, serving: &str, extra: &str) -> String {
+    format!(
+        r#"
+apiVersion: mole.dev/v1alpha1
+kind: Adapter
+metadata: {{name: calendar, namespace: {NS}}}
+spec:
+  pool: tiny
+  version: {version}
+  source: {{path: adapters/calendar/{version}}}
+  label: calendar
+  serving: {serving}
+{extra}
+"#
+    )
+}
+
+/// The merged output the Deployment `tiny-calendar` serves (its pod template's annotation).
+async fn served_output(m: &Mole) -> String {
+    let d = Api::<Deployment>::namespaced(m.admin.clone(), NS)
+        .get("tiny-calendar")
+        .await
+        .unwrap();
+    d.spec
+        .unwrap()
+        .template
+        .metadata
+        .unwrap()
+        .annotations
+        .unwrap()["mole.dev/merged-output"]
+        .clone()
+}
+
+/// Rollback is "apply the previous version" (DESIGN §2): an Adapter merged on v1 and served by
+/// its merged pods, then `kubectl apply` of v2 (a second merge Job, the merged pods rolled to
+/// its output), then `kubectl apply` of the v1 manifest again: the merged pods go back to v1's
+/// output, still on the volume, with no new merge Job, and the answers through the pool's
+/// Service come from v1's merged pods again (same text as before; v2's differs). Every answer
+/// along the way is a 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn rollback_by_apply_switches_back_without_a_merge() {
+    let e = Env::start(
+        "rollback_by_apply_switches_back_without_a_merge",
+        Fixture::TinyLlama,
+    )
+    .await;
+    e.apply(&tiny_pool("{}"));
+    let v1_manifest = calendar("v1", "{mode: merged}", "");
+    e.apply(&v1_manifest);
+    let st = e
+        .merged_ready("calendar", "v1", Duration::from_secs(180))
+        .await;
+    let v1_out = st.history[0].merged_output.clone().unwrap();
+    eprintln!("{} s: merged on v1 ({v1_out})", e.at());
+    let mut answers = e
+        .until("tiny", "calendar", Duration::from_secs(60), |a| {
+            a.status == 200 && a.served() == ("merged", "v1")
+        })
+        .await;
+    let v1_text = text(&answers.last().unwrap().body);
+    assert_eq!(e.merge_jobs("calendar").await.len(), 1);
+
+    // Roll forward: a second merge.
+    e.apply(&calendar("v2", "{mode: merged}", ""));
+    let st = e
+        .merged_ready("calendar", "v2", Duration::from_secs(180))
+        .await;
+    let v2_out = st.history[0].merged_output.clone().unwrap();
+    assert_ne!(v2_out, v1_out);
+    assert!(
+        st.history
+            .iter()
+            .any(|r| r.merged_output.as_deref() == Some(v1_out.as_str())),
+        "v1 kept in the history: {:?}",
+        st.history
+    );
+    let jobs = e.merge_jobs("calendar").await;
+    assert_eq!(jobs.len(), 2, "{jobs:?}");
+    eprintln!("{} s: merged on v2 ({v2_out})", e.at());
+    answers.extend(
+        e.until("tiny", "calendar", Duration::from_secs(60), |a| {
+            a.status == 200 && a.served() == ("merged", "v2")
+        })
+        .await,
+    );
+    let v2_text = text(&answers.last().unwrap().body);
+    assert_ne!(v1_text, v2_text, "the two versions answer differently");
+
+    // Roll back: the v1 manifest again, with a client sending requests the whole time.
+    let traffic = Traffic::start(&e.admin, "tiny", "calendar", false);
+    let t = Instant::now();
+    e.apply(&v1_manifest);
+    let st = e
+        .merged_ready("calendar", "v1", Duration::from_secs(120))
+        .await;
+    let ready_after = t.elapsed();
+    assert_eq!(st.history[0].version, "v1");
+    assert_eq!(
+        st.history[0].merged_output.as_deref(),
+        Some(v1_out.as_str())
+    );
+    assert_eq!(served_output(&e).await, v1_out);
+    traffic
+        .until(
+            Duration::from_secs(60),
+            "answers of v1's merged pods",
+            |a| {
+                a.last()
+                    .is_some_and(|a| a.status == 200 && a.served() == ("merged", "v1"))
+            },
+        )
+        .await;
+    let routed_after = t.elapsed();
+    let during = traffic.stop().await;
+    assert_eq!(
+        text(&during.last().unwrap().body),
+        v1_text,
+        "{}",
+        summary(&during)
+    );
+    assert_eq!(
+        e.merge_jobs("calendar").await,
+        jobs,
+        "the rollback ran a merge Job"
+    );
+    answers.extend(during.iter().cloned());
+    assert!(
+        answers.iter().all(|a| a.status == 200),
+        "{}",
+        summary(&answers)
+    );
+    eprintln!(
+        "{} s: rolled back: Ready on v1 {ready_after:?} after the apply, answered by v1's merged \
+         pods {routed_after:?} after it; answers during the rollback: {}",
+        e.at(),
+        summary(&during)
+    );
+}
+
+/// A canary that errors is rolled back by the operator (issue 37, item 3, on the real path):
+/// adapter `calendar` v1 with canary v2 at 50% and an analysis (10 requests at least, 10
+/// points of errors over the stable version at most), in a pool whose pods hold one adapter at
+/// a time (`maxLoras: 1`, no host tier), so each version is read from the volume when its
+/// turn comes, as in a pool with more adapters than slots. v2's weights are then broken on the
+/// volume (a re-upload gone wrong): every request the canary takes fails. A client sends
+/// requests with sessions through the pool's Service; the operator reads the pods' counts,
+/// rolls the canary back with a Warning Event that gives the numbers, takes it out of the
+/// WorkerConfig, and the canary's sessions get v1. No request of a stable session fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn a_canary_that_errors_is_rolled_back_with_a_warning() {
+    let e = Env::start(
+        "a_canary_that_errors_is_rolled_back_with_a_warning",
+        Fixture::TinyLlama,
+    )
+    .await;
+    e.apply(&tiny_pool("{}").replace(
+        "dynamic: {replicas: 1}",
+        "dynamic: {replicas: 1, maxLoras: 1, maxCpuLoras: 0}",
+    ));
+    e.apply(&calendar(
+        "v1",
+        "{mode: dynamic}",
+        "  canary: {version: v2, source: {path: adapters/calendar/v2}, weight: 50,\n           \
+         analysis: {minRequests: 10, maxErrorRateIncrease: 0.1}}",
+    ));
+    let st = e
+        .wait_adapter("calendar", Duration::from_secs(120), |st| {
+            st.phase == AdapterPhase::Ready
+                && st
+                    .canary
+                    .as_ref()
+                    .is_some_and(|c| c.phase == CanaryPhase::Progressing)
+        })
+        .await
+        .unwrap();
+    assert_eq!(st.canary.unwrap().weight, 50);
+    assert!(e
+        .worker_entry("tiny", "calendar")
+        .await
+        .unwrap()
+        .canary
+        .is_some());
+    eprintln!("{} s: Ready with canary v2 at 50%", e.at());
+    std::fs::write(
+        e.models
+            .join("adapters/calendar/v2/adapter_model.safetensors"),
+        b"not a safetensors file",
+    )
+    .unwrap();
+    let canary_session =
+        |a: &Answer| mole_api::canary_pick("calendar", 50, Some(a.session.as_str()), 0);
+    let traffic = Traffic::start(&e.admin, "tiny", "calendar", true);
+    let t = Instant::now();
+    let st = e
+        .wait_adapter("calendar", Duration::from_secs(150), |st| {
+            st.canary
+                .as_ref()
+                .is_some_and(|c| c.phase == CanaryPhase::RolledBack)
+        })
+        .await
+        .unwrap();
+    let rolled_back_after = t.elapsed();
+    let c = st.canary.unwrap();
+    assert_eq!(c.weight, 0);
+    assert_eq!(st.phase, AdapterPhase::Ready, "v1 serves");
+    assert!(c.canary.errors >= 10, "{c:?}");
+    let warned = e.events("calendar", "CanaryRolledBack").await;
+    assert!(
+        warned
+            .iter()
+            .any(|(ty, note)| ty == "Warning" && note.contains("errors")),
+        "{warned:?}"
+    );
+    // Out of the WorkerConfig; once the pod reloaded it, the canary's sessions get v1.
+    wait_for(
+        Duration::from_secs(30),
+        "the canary out of the WorkerConfig",
+        || async {
+            e.worker_entry("tiny", "calendar")
+                .await
+                .filter(|w| w.canary.is_none())
+        },
+    )
+    .await
+    .unwrap();
+    let n0 = traffic.seen().len();
+    traffic
+        .until(
+            Duration::from_secs(60),
+            "10 canary sessions served by v1",
+            |a| {
+                a[n0..]
+                    .iter()
+                    .filter(|a| canary_session(a) && a.status == 200 && a.served().1 == "v1")
+                    .count()
+                    >= 10
+            },
+        )
+        .await;
+    let served_after = t.elapsed();
+    let answers = traffic.stop().await;
+    let (canary, stable): (Vec<&Answer>, Vec<&Answer>) =
+        answers.iter().partition(|a| canary_session(a));
+    let failed_stable: Vec<&&Answer> = stable.iter().filter(|a| a.status != 200).collect();
+    assert!(failed_stable.is_empty(), "{failed_stable:?}");
+    assert!(stable.iter().all(|a| a.served().1 == "v1"));
+    let failed = canary.iter().filter(|a| a.status != 200).count();
+    assert!(failed >= 10, "the canary failed {failed} requests");
+    // After the reload every request of a canary session is v1's.
+    let last_failure = canary
+        .iter()
+        .filter(|a| a.status != 200)
+        .map(|a| a.at)
+        .fold(0.0, f64::max);
+    eprintln!(
+        "{} s: rolled back {rolled_back_after:?} after the canary's files broke, its sessions \
+         on v1 {served_after:?} after; canary: {c:?}; {} stable-session answers all 200 v1, \
+         {} canary-session answers of which {failed} failed (the last at {last_failure:.1} s): {}",
+        e.at(),
+        stable.len(),
+        canary.len(),
+        summary(&answers)
+    );
+}
