@@ -594,3 +594,117 @@ async fn a_canary_that_errors_is_rolled_back_with_a_warning() {
         summary(&answers)
     );
 }
+
+/// The Deployment `tiny-calendar`: (spec.replicas, status.readyReplicas).
+async fn merged_replicas(m: &Mole) -> Option<(i32, i32)> {
+    let d = Api::<Deployment>::namespaced(m.admin.clone(), NS)
+        .get_opt("tiny-calendar")
+        .await
+        .ok()??;
+    let want = d.spec?.replicas.unwrap_or(1);
+    let ready = d.status.and_then(|s| s.ready_replicas).unwrap_or(0);
+    Some((want, ready))
+}
+
+/// Scale to zero and back (issue 37, item 6): a pool with `merge.scaleToZero` at the shortest
+/// idle time the CRD allows (60 s) and `unloadFromDynamic`, an Adapter served by its merged
+/// pods. Left idle, it is loaded into the dynamic pods again and only then is its merged
+/// Deployment scaled to 0 (kept, with its Service), with a `ScaledToZero` Event; the adapter
+/// stays Ready and its requests are answered by the dynamic pods. One request brings the
+/// Deployment back (the dynamic pods count it), and once its pod is ready the pool's Service
+/// forwards to it again. Every answer is a 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn idle_merged_pods_scale_to_zero_and_a_request_brings_them_back() {
+    let e = Env::start(
+        "idle_merged_pods_scale_to_zero_and_a_request_brings_them_back",
+        Fixture::TinyLlama,
+    )
+    .await;
+    e.apply(&tiny_pool(
+        "{unloadFromDynamic: true, scaleToZero: {idleSeconds: 60}}",
+    ));
+    e.apply(&calendar("v1", "{mode: merged, replicas: 1}", ""));
+    e.merged_ready("calendar", "v1", Duration::from_secs(180))
+        .await;
+    let mut answers = e
+        .until("tiny", "calendar", Duration::from_secs(60), |a| {
+            a.status == 200 && a.served() == ("merged", "v1")
+        })
+        .await;
+    let last_request = Instant::now();
+    eprintln!("{} s: merged and forwarded to; now idle", e.at());
+
+    // Idle: scaled to zero once the dynamic pods hold it again.
+    let st = e
+        .wait_adapter("calendar", Duration::from_secs(180), |st| {
+            st.conditions
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.reason == "ScaledToZero")
+        })
+        .await
+        .unwrap();
+    let zero_after = last_request.elapsed();
+    assert_eq!(st.phase, AdapterPhase::Ready);
+    assert_eq!(st.serving_mode, Some(ServingMode::Dynamic));
+    wait_for(Duration::from_secs(60), "no merged pod left", || async {
+        (merged_replicas(&e).await? == (0, 0)).then_some(())
+    })
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", e.dump()));
+    let w = e.worker_entry("tiny", "calendar").await.unwrap();
+    assert!(w.load && w.merged_endpoint.is_none(), "{w:?}");
+    let svc: Api<k8s_openapi::api::core::v1::Service> = Api::namespaced(e.admin.clone(), NS);
+    assert!(
+        svc.get_opt("tiny-calendar").await.unwrap().is_some(),
+        "the Service is kept"
+    );
+    assert_eq!(e.events("calendar", "ScaledToZero").await.len(), 1);
+    eprintln!(
+        "{} s: scaled to zero {zero_after:?} after the last request",
+        e.at()
+    );
+
+    // One request: served by the dynamic pods, and it brings the merged pods back.
+    let t = Instant::now();
+    let (status, body) = e.chat("tiny", "calendar").await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(served(&body), ("dynamic", "v1"), "{body}");
+    answers.push(Answer {
+        at: e.at(),
+        session: String::new(),
+        status,
+        body,
+    });
+    wait_for(
+        Duration::from_secs(120),
+        "the merged Deployment back at 1",
+        || async { (merged_replicas(&e).await?.0 == 1).then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", e.dump()));
+    let up_after = t.elapsed();
+    assert_eq!(e.events("calendar", "ScaledFromZero").await.len(), 1);
+    answers.extend(
+        e.until("tiny", "calendar", Duration::from_secs(90), |a| {
+            a.status == 200 && a.served() == ("merged", "v1")
+        })
+        .await,
+    );
+    let forwarded_after = t.elapsed();
+    let st = e
+        .merged_ready("calendar", "v1", Duration::from_secs(30))
+        .await;
+    assert_eq!(st.phase, AdapterPhase::Ready);
+    assert!(
+        answers.iter().all(|a| a.status == 200),
+        "{}",
+        summary(&answers)
+    );
+    eprintln!(
+        "{} s: scaled back to 1 {up_after:?} after the request, forwarded to again \
+         {forwarded_after:?} after it; answers: {}",
+        e.at(),
+        summary(&answers)
+    );
+}
