@@ -245,11 +245,18 @@ impl Traffic {
         self.seen.lock().unwrap().clone()
     }
 
-    /// Waits up to `within` until `done` accepts the answers so far.
-    async fn until(&self, within: Duration, what: &str, done: impl Fn(&[Answer]) -> bool) {
+    /// Waits up to `within` until `done` accepts the answers so far; fails showing them and
+    /// `m`'s state.
+    async fn until(
+        &self,
+        m: &Mole,
+        within: Duration,
+        what: &str,
+        done: impl Fn(&[Answer]) -> bool,
+    ) {
         if let Err(e) = wait_for(within, what, || async { done(&self.seen()).then_some(()) }).await
         {
-            panic!("{e}: {}", summary(&self.seen()));
+            panic!("{e}: {}\n{}", summary(&self.seen()), m.dump());
         }
     }
 
@@ -433,6 +440,7 @@ async fn rollback_by_apply_switches_back_without_a_merge() {
     assert_eq!(served_output(&e).await, v1_out);
     traffic
         .until(
+            &e,
             Duration::from_secs(60),
             "answers of v1's merged pods",
             |a| {
@@ -558,6 +566,7 @@ async fn a_canary_that_errors_is_rolled_back_with_a_warning() {
     let n0 = traffic.seen().len();
     traffic
         .until(
+            &e,
             Duration::from_secs(60),
             "10 canary sessions served by v1",
             |a| {
@@ -705,6 +714,89 @@ async fn idle_merged_pods_scale_to_zero_and_a_request_brings_them_back() {
         "{} s: scaled back to 1 {up_after:?} after the request, forwarded to again \
          {forwarded_after:?} after it; answers: {}",
         e.at(),
+        summary(&answers)
+    );
+}
+
+/// Promotion under traffic with no failed request (issue 37, item 2): a pool with
+/// `merge.traffic` (promote at half the pool's tokens, no window, no hold, one merged GPU) and an
+/// `auto` Adapter served by the dynamic pods. A client sends requests for it through the pool's
+/// Service one after another the whole time; the operator reads the pods' counters, decides
+/// the promotion (Event `Promoted`, `status.fleet.merged`), runs the merge Job, starts the
+/// merged pods, and the dynamic pods forward to them once ready. Every answer is a 200, and the
+/// client ends once 20 answers in a row came from the merged pods.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn an_auto_adapter_is_promoted_under_traffic_with_no_failed_request() {
+    let e = Env::start(
+        "an_auto_adapter_is_promoted_under_traffic_with_no_failed_request",
+        Fixture::TinyLlama,
+    )
+    .await;
+    e.apply(&tiny_pool(
+        "{traffic: {promoteShare: 0.5, demoteShare: 0.1, windowSeconds: 0, minHoldSeconds: 0, \
+         maxMergedGpus: 1}}",
+    ));
+    e.apply(&calendar("v1", "{mode: auto}", ""));
+    e.wait_adapter("calendar", Duration::from_secs(120), |st| {
+        st.phase == AdapterPhase::Ready && st.serving_mode == Some(ServingMode::Dynamic)
+    })
+    .await
+    .unwrap();
+    eprintln!("{} s: Ready on the dynamic pods; traffic starts", e.at());
+    let traffic = Traffic::start(&e.admin, "tiny", "calendar", false);
+    let t = Instant::now();
+    // The fleet decision (TrafficPromoted), then the merged pods serving (Promoted).
+    let mut at = Vec::new();
+    for reason in ["TrafficPromoted", "Promoted"] {
+        let took = wait_for(Duration::from_secs(120), reason, || async {
+            (!e.events("calendar", reason).await.is_empty()).then(|| t.elapsed())
+        })
+        .await
+        .unwrap_or_else(|err| panic!("{err}: {}\n{}", summary(&traffic.seen()), e.dump()));
+        at.push(took);
+    }
+    let (decided, promoted) = (at[0], at[1]);
+    traffic
+        .until(
+            &e,
+            Duration::from_secs(120),
+            "20 answers in a row from the merged pods",
+            |a| {
+                a.len() >= 20
+                    && a[a.len() - 20..]
+                        .iter()
+                        .all(|a| a.status == 200 && a.served().0 == "merged")
+            },
+        )
+        .await;
+    let answers = traffic.stop().await;
+    let first_merged = answers
+        .iter()
+        .find(|a| a.served().0 == "merged")
+        .map(|a| a.at)
+        .unwrap();
+    let failed: Vec<&Answer> = answers.iter().filter(|a| a.status != 200).collect();
+    assert!(
+        failed.is_empty(),
+        "{} failed: {failed:?}\n{}",
+        failed.len(),
+        summary(&answers)
+    );
+    let st = e
+        .merged_ready("calendar", "v1", Duration::from_secs(10))
+        .await;
+    assert!(
+        st.fleet.as_ref().is_some_and(|f| f.merged),
+        "{:?}",
+        st.fleet
+    );
+    assert_eq!(e.merge_jobs("calendar").await.len(), 1);
+    eprintln!(
+        "{} s: decided {decided:?} and promoted {promoted:?} after the traffic started, first \
+         answer from the merged pods at {first_merged:.1} s; {} answers, all 200: {}",
+        e.at(),
+        answers.len(),
         summary(&answers)
     );
 }
