@@ -130,9 +130,14 @@ pub fn lay_out(fixture: &Fixture, dir: &Path, worker: &Path) -> Result<()> {
             let base = dir.join("base").join(SMOLLM2);
             std::fs::create_dir_all(&base)?;
             // 515 MB: hard links where the volume shares the cache's filesystem (the pods
-            // only read the base; the files stay the cache's mode, readable by all).
+            // only read the base). Readable by all: `mole-worker import` leaves
+            // model.safetensors 0600 (the safetensors crate writes it so), which the pods' user
+            // could not read.
             for e in std::fs::read_dir(&imported)? {
                 let e = e?;
+                let mut mode = e.metadata()?.permissions();
+                std::os::unix::fs::PermissionsExt::set_mode(&mut mode, 0o644);
+                std::fs::set_permissions(e.path(), mode)?;
                 let dst = base.join(e.file_name());
                 if std::fs::hard_link(e.path(), &dst).is_err() {
                     std::fs::copy(e.path(), &dst)?;

@@ -800,3 +800,178 @@ async fn an_auto_adapter_is_promoted_under_traffic_with_no_failed_request() {
         summary(&answers)
     );
 }
+
+/// The SmolLM2 pool on CPU (`base/smollm2-135m-instruct`, f32), one dynamic pod, merge Jobs
+/// limited to a tenth of a core.
+const SMOL_POOL: &str = r#"
+apiVersion: mole.dev/v1alpha1
+kind: InferencePool
+metadata: {name: smol, namespace: ml, annotations: {mole.dev/allow-cpu: "true"}}
+spec:
+  baseModel: {name: smollm2-135m-instruct, path: base/smollm2-135m-instruct, dtype: f32}
+  storage: {claimName: models}
+  imagePullPolicy: Never
+  gpu: {count: 0}
+  dynamic: {replicas: 1}
+  merge: {resources: {limits: {cpu: 100m}}}
+"#;
+
+/// An operator restarted while a merge Job really runs: SmolLM2-135M (the real model, 538 MB
+/// of f32 weights) merged with the demo `french` adapter by a Job limited to `100m` of CPU (the
+/// test kubelet enforces it as a CFS quota: the merge takes ~40 s instead of ~4). Once the
+/// Job's pod runs, the operator is killed (SIGKILL: a crash, nothing drained, its Lease not
+/// released) and a new one started; it waits out the Lease, finds the Job by its deterministic
+/// name and waits for it. There is one merge Job and one pod of it, the merge completes, the
+/// merged pods serve the adapter through the pool's Service, and nothing is left over: no
+/// second output or half-written directory on the volume, no object without its owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn an_operator_restarted_mid_merge_makes_no_second_job_and_the_merge_completes() {
+    let mut e = Env::start(
+        "an_operator_restarted_mid_merge_makes_no_second_job_and_the_merge_completes",
+        Fixture::SmolLm2,
+    )
+    .await;
+    e.apply(SMOL_POOL);
+    e.apply(&format!(
+        r#"
+apiVersion: mole.dev/v1alpha1
+kind: Adapter
+metadata: {{name: french, namespace: {NS}}}
+spec: {{pool: smol, version: v1, source: {{path: adapters/french/v1}}, label: french,
+       serving: {{mode: merged}}}}
+"#
+    ));
+    let jobs: Api<Job> = Api::namespaced(e.admin.clone(), NS);
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(e.admin.clone(), NS);
+    let merge_pods = |job: String| {
+        let pods = pods.clone();
+        async move {
+            pods.list(&ListParams::default().labels(&format!("job-name={job}")))
+                .await
+                .unwrap()
+                .items
+        }
+    };
+    // The Job's pod running (the merge under way).
+    let job = wait_for(
+        Duration::from_secs(120),
+        "the merge Job's pod running",
+        || async {
+            let j = e.merge_jobs("french").await.into_iter().next()?;
+            let running = merge_pods(j.clone())
+                .await
+                .iter()
+                .any(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"));
+            running.then_some(j)
+        },
+    )
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", e.dump()));
+    let uid = jobs.get(&job).await.unwrap().metadata.uid.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    eprintln!(
+        "{} s: merge Job {job} running; killing the operator",
+        e.at()
+    );
+    e.operator.as_mut().unwrap().kill();
+    e.start_operator().await.unwrap();
+    let t = Instant::now();
+    wait_for(
+        Duration::from_secs(60),
+        "the new operator leading",
+        || async {
+            e.operator
+                .as_ref()
+                .unwrap()
+                .log_tail(50)
+                .contains("leading")
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap();
+    let leading_after = t.elapsed();
+    // Still merging when the new operator took over: the case under test.
+    let active = jobs.get(&job).await.unwrap().status.and_then(|s| s.active);
+    assert_eq!(
+        active,
+        Some(1),
+        "the merge ended before the new operator led ({leading_after:?}): no restart mid-merge\n{}",
+        e.dump()
+    );
+    eprintln!(
+        "{} s: the new operator leads ({leading_after:?} after its start), the Job still runs",
+        e.at()
+    );
+    let st = e
+        .merged_ready("french", "v1", Duration::from_secs(180))
+        .await;
+    eprintln!("{} s: merged and Ready", e.at());
+    // One Job, the same one, one pod of it, Succeeded.
+    assert_eq!(e.merge_jobs("french").await, [job.clone()]);
+    let j = jobs.get(&job).await.unwrap();
+    assert_eq!(j.metadata.uid.as_deref(), Some(uid.as_str()));
+    assert_eq!(j.status.as_ref().and_then(|s| s.succeeded), Some(1));
+    let ps = merge_pods(job.clone()).await;
+    assert_eq!(ps.len(), 1, "{}", e.dump());
+    let started = e.events("french", "MergeStarted").await;
+    assert_eq!(started.len(), 1, "{started:?}");
+    // The volume: the one output, complete, nothing half-written beside it.
+    let out = st.merge.as_ref().unwrap().output.clone().unwrap();
+    let dir = e.models.join(&out);
+    assert!(dir.join("config.json").is_file() && dir.join("merge_metadata.json").is_file());
+    let siblings: Vec<String> = std::fs::read_dir(dir.parent().unwrap())
+        .unwrap()
+        .map(|d| d.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(siblings.len(), 1, "{siblings:?}");
+    // Every object the operator made has its owner.
+    let owned = |kind: &str| {
+        let out = e
+            .cp
+            .kubectl(&[
+                "get",
+                kind,
+                "-n",
+                NS,
+                "-o",
+                "jsonpath={range .items[*]}{.metadata.name} {.metadata.ownerReferences[0].kind}/{.metadata.ownerReferences[0].name}{\"\\n\"}{end}",
+            ])
+            .unwrap();
+        out.lines().map(str::to_string).collect::<Vec<_>>()
+    };
+    let mut all = owned("jobs");
+    all.extend(owned("deployments"));
+    all.extend(owned("services"));
+    all.extend(
+        owned("configmaps")
+            .into_iter()
+            .filter(|l| !l.starts_with("kube-root-ca")),
+    );
+    all.sort();
+    // The pool's ConfigMap, Deployment and Service; the Adapter's Job, merged Deployment,
+    // Service and the merged pods' ConfigMap (named by its output).
+    assert_eq!(all.len(), 7, "{all:?}");
+    assert!(
+        all.iter()
+            .all(|l| l.ends_with(" Adapter/french") || l.ends_with(" InferencePool/smol")),
+        "{all:?}"
+    );
+    // Served by its merged pods through the pool's Service.
+    let answers = e
+        .until("smol", "french", Duration::from_secs(120), |a| {
+            a.status == 200 && a.served() == ("merged", "v1")
+        })
+        .await;
+    assert!(
+        answers.iter().all(|a| a.status == 200),
+        "{}",
+        summary(&answers)
+    );
+    eprintln!(
+        "{} s: answered by the merged pods: {}",
+        e.at(),
+        summary(&answers)
+    );
+}
