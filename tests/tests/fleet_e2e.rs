@@ -909,7 +909,7 @@ spec: {{pool: smol, version: v1, source: {{path: adapters/french/v1}}, label: fr
         .await;
     eprintln!("{} s: merged and Ready", e.at());
     // One Job, the same one, one pod of it, Succeeded.
-    assert_eq!(e.merge_jobs("french").await, [job.clone()]);
+    assert_eq!(e.merge_jobs("french").await, std::slice::from_ref(&job));
     let j = jobs.get(&job).await.unwrap();
     assert_eq!(j.metadata.uid.as_deref(), Some(uid.as_str()));
     assert_eq!(j.status.as_ref().and_then(|s| s.succeeded), Some(1));
