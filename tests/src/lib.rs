@@ -1,8 +1,9 @@
 //! Cross-crate and end-to-end tests for mole live in `tests/tests/`; the harnesses they share
 //! (a real Kubernetes control plane on loopback, and a kubelet that runs its pods as local
-//! processes) live here.
+//! processes) live here, with mole installed on them as a user installs it ([`stack`]).
 
 #![forbid(unsafe_code)]
 
 pub mod cluster;
 pub mod kubelet;
+pub mod stack;

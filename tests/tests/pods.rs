@@ -9,7 +9,7 @@
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test is a failed test
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -19,16 +19,10 @@ use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Api, Client};
 use mole_tests::cluster::{wait_for, ControlPlane, Parts};
 use mole_tests::kubelet::{service_url, Kubelet, KubeletConfig};
+use mole_tests::stack;
 
 const PY: &str = "mole-test/python";
 const SH: &str = "mole-test/shell";
-
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
 
 /// A control plane (controller manager and scheduler) with a kubelet whose images are the
 /// host's python3 and sh, and namespace `t`.
@@ -749,6 +743,70 @@ spec:
     assert!(cs.ready && cs.restart_count == 0, "{cs:?} (was {probed:?})");
 }
 
+/// `resources.limits.cpu` is a CFS quota as a kubelet sets it: a container limited to `100m`
+/// needs about ten times the CPU time it burns in wall time, one without a limit about the
+/// same. (The merge Job of tests/fleet_e2e.rs's restart case relies on it.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn a_cpu_limit_throttles_the_container() {
+    let e = env("a_cpu_limit_throttles_the_container", |c| c).await;
+    // Burns 0.3 s of CPU and prints the wall time it took.
+    let job = |name: &str, limit: &str| {
+        format!(
+            r#"
+apiVersion: batch/v1
+kind: Job
+metadata: {{name: {name}, namespace: t}}
+spec:
+  backoffLimit: 0
+  template:
+    spec:
+      restartPolicy: Never
+      containers:
+      - name: main
+        image: mole-test/python:3
+        command: [python3, -c, "import time\nt = time.time()\nc = time.process_time()\nwhile time.process_time() - c < 0.3: pass\nprint(round(time.time() - t, 3))"]
+        resources: {{limits: {{cpu: {limit}}}}}
+"#
+        )
+    };
+    e.cp.apply(&job("limited", "100m")).unwrap();
+    e.cp.apply(&job("free", "\"8\"")).unwrap();
+    let jobs: Api<Job> = Api::namespaced(e.client.clone(), "t");
+    let wall = |name: &'static str| {
+        let jobs = jobs.clone();
+        let cp = &e.cp;
+        async move {
+            wait_for(Duration::from_secs(60), name, || async {
+                (jobs.get(name).await.ok()?.status?.succeeded == Some(1)).then_some(())
+            })
+            .await
+            .unwrap();
+            let out = cp
+                .kubectl(&["logs", "-n", "t", &format!("job/{name}")])
+                .unwrap();
+            out.trim().parse::<f64>().unwrap()
+        }
+    };
+    let limited = wall("limited").await;
+    let free = wall("free").await;
+    eprintln!("0.3 s of CPU took {limited} s at 100m, {free} s unlimited");
+    assert!(limited >= 2.0, "{limited} s: the limit was not enforced");
+    assert!(free < 1.5, "{free} s without a (binding) limit");
+    // The containers' cgroups went with them.
+    let bridge = e.kubelet.bridge_name().to_string();
+    let left: Vec<String> = [
+        "/sys/fs/cgroup/mole-kubelet",
+        "/sys/fs/cgroup/cpu/mole-kubelet",
+    ]
+    .iter()
+    .flat_map(|d| std::fs::read_dir(d).into_iter().flatten().flatten())
+    .map(|e| e.file_name().to_string_lossy().into_owned())
+    .filter(|n| n.starts_with(&format!("{bridge}-")))
+    .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
 /// The node stays Ready past the node lifecycle controller's grace period (50 s): its Lease
 /// is renewed every 10 s, so its pod is neither tainted away nor evicted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -816,262 +874,34 @@ spec:
 // ServiceAccount, `mole-worker` of this build as the worker image, the tiny llama fixture on
 // a hostPath PersistentVolume.
 
-/// helm: `MOLE_HELM`, else `$MOLE_CACHE/bin/helm` (scripts/tools.sh), else the PATH's.
-fn helm() -> PathBuf {
-    if let Some(h) = std::env::var_os("MOLE_HELM") {
-        return h.into();
-    }
-    let cache = std::env::var_os("MOLE_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(&std::env::var_os("HOME").unwrap()).join(".cache/mole"));
-    let h = cache.join("bin/helm");
-    if h.is_file() {
-        h
-    } else {
-        "helm".into()
-    }
-}
-
-/// The worker binary of this build (`MOLE_WORKER_BIN`, else beside the test's own target
-/// directory: `cargo build -p mole-worker --bin mole-worker` puts it there).
-fn worker_bin() -> PathBuf {
-    if let Some(b) = std::env::var_os("MOLE_WORKER_BIN") {
-        return b.into();
-    }
-    let exe = std::env::current_exe().unwrap();
-    let bin = exe.parent().unwrap().parent().unwrap().join("mole-worker");
-    assert!(
-        bin.is_file(),
-        "{} is missing: cargo build -p mole-worker --bin mole-worker",
-        bin.display()
-    );
-    bin
-}
-
-fn copy_dir(from: &Path, to: &Path) {
-    std::fs::create_dir_all(to).unwrap();
-    for e in std::fs::read_dir(from).unwrap() {
-        let e = e.unwrap();
-        let dst = to.join(e.file_name());
-        if e.file_type().unwrap().is_dir() {
-            copy_dir(&e.path(), &dst);
-        } else {
-            std::fs::copy(e.path(), &dst).unwrap();
-        }
-    }
-}
-
-/// The chart installed (no operator pods), namespace `ml` with the PVC `models` bound to a
-/// hostPath PV holding the fixtures as scripts/kind-e2e.sh lays them out, a kubelet whose
-/// `ghcr.io/mole-dev/mole-worker` images run this build's `mole-worker`, and the operator
-/// running in-process as the chart's ServiceAccount.
+/// [`stack::Mole`] on the tiny llama fixture, the operator in-process; prints the test's wall
+/// time when dropped.
 struct Mole {
-    operator: tokio::task::JoinHandle<()>,
-    kubelet: Kubelet,
-    cp: ControlPlane,
-    admin: Client,
-    _models: tempfile::TempDir,
+    m: stack::Mole,
     t0: Instant,
     name: &'static str,
 }
 
+impl std::ops::Deref for Mole {
+    type Target = stack::Mole;
+    fn deref(&self) -> &stack::Mole {
+        &self.m
+    }
+}
+
 impl Drop for Mole {
     fn drop(&mut self) {
-        self.operator.abort();
         eprintln!("{}: {:.1} s", self.name, self.t0.elapsed().as_secs_f64());
     }
 }
 
 async fn mole(name: &'static str) -> Mole {
     let t0 = Instant::now();
-    let cp = ControlPlane::start(Parts::default()).await.unwrap();
-    let out = Command::new(helm())
-        .env("KUBECONFIG", &cp.kubeconfig)
-        .env("HELM_CACHE_HOME", cp.dir.path().join("helm-cache"))
-        .env("HELM_CONFIG_HOME", cp.dir.path().join("helm-config"))
-        .env("HELM_DATA_HOME", cp.dir.path().join("helm-data"))
-        .args(["install", "mole"])
-        .arg(repo().join("charts/mole"))
-        .args([
-            "--namespace",
-            "mole-system",
-            "--create-namespace",
-            "--set",
-            "replicaCount=0",
-            "--wait=false",
-        ])
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "helm install: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    cp.kubectl(&["create", "namespace", "ml"]).unwrap();
-    // The fixtures, writable by the pods' user (65532) as scripts/kind-e2e.sh makes them.
-    let models = tempfile::Builder::new()
-        .prefix("mole-models-")
-        .tempdir()
-        .unwrap();
-    let m = models.path();
-    let fx = repo().join("tests/fixtures/engine");
-    copy_dir(&fx.join("llama"), &m.join("base/llama"));
-    copy_dir(
-        &fx.join("adapters/llama/a_r8_all"),
-        &m.join("adapters/calendar/v1"),
-    );
-    copy_dir(
-        &fx.join("adapters/llama/b_r4_qv"),
-        &m.join("adapters/calendar/v2"),
-    );
-    std::fs::create_dir_all(m.join("merged")).unwrap();
-    let ok = Command::new("chmod")
-        .args(["-R", "a+rwX"])
-        .arg(m)
-        .status()
-        .unwrap()
-        .success();
-    assert!(ok);
-    cp.apply(&format!(
-        r#"
-apiVersion: v1
-kind: PersistentVolume
-metadata: {{name: ml-models}}
-spec:
-  capacity: {{storage: 1Gi}}
-  accessModes: [ReadWriteMany]
-  persistentVolumeReclaimPolicy: Retain
-  storageClassName: ""
-  hostPath: {{path: {path}, type: Directory}}
-  claimRef: {{namespace: ml, name: models}}
----
-apiVersion: v1
-kind: PersistentVolumeClaim
-metadata: {{name: models, namespace: ml}}
-spec:
-  accessModes: [ReadWriteMany]
-  storageClassName: ""
-  volumeName: ml-models
-  resources: {{requests: {{storage: 1Gi}}}}
-"#,
-        path = m.display()
-    ))
-    .unwrap();
-    let kubelet = Kubelet::start(
-        &cp,
-        KubeletConfig::new("gpu-node-1", cp.dir.path().join("kubelet"))
-            .image("ghcr.io/mole-dev/mole-worker", worker_bin()),
-    )
-    .await
-    .unwrap();
-    let token = cp.token("mole-system", "mole-operator").unwrap();
-    let kc = cp.token_kubeconfig("operator", &token).unwrap();
-    let client = mole_tests::cluster::client_from(&kc).await.unwrap();
-    let ctx = mole_operator::controller::Context::new(
-        client.clone(),
-        "in-process".into(),
-        mole_operator::telemetry::Metrics::new(),
-        mole_operator::controller::PodClient::new(mole_crds::constants::WORKER_PORT),
-    );
-    let operator = tokio::spawn(mole_operator::controller::run(
-        client,
-        None,
-        ctx,
-        std::future::pending::<()>(),
-    ));
-    let admin = cp.client().await.unwrap();
+    let opts = stack::Options::this_build(stack::Fixture::TinyLlama, true).unwrap();
     Mole {
-        operator,
-        kubelet,
-        cp,
-        admin,
-        _models: models,
+        m: stack::Mole::start(opts).await.unwrap(),
         t0,
         name,
-    }
-}
-
-impl Mole {
-    /// What a failed wait shows: the pods, the pool and adapters, the worker's log.
-    fn dump(&self) -> String {
-        let get = |args: &[&str]| self.cp.kubectl(args).unwrap_or_else(|e| e.to_string());
-        let mut out = get(&[
-            "get",
-            "pods,jobs,inferencepools,adapters",
-            "-n",
-            "ml",
-            "-o",
-            "wide",
-        ]);
-        out += &get(&["get", "inferencepools,adapters", "-n", "ml", "-o", "yaml"]);
-        out += &get(&["get", "pods", "-n", "ml", "-o", "yaml"]);
-        for p in get(&["get", "pods", "-n", "ml", "-o", "name"]).lines() {
-            out += &format!("--- logs of {p}\n");
-            out += &get(&["logs", "-n", "ml", p, "--tail=30", "--all-containers"]);
-        }
-        out
-    }
-
-    async fn wait_pool_ready(&self, pool: &str, within: Duration) {
-        let pools: Api<mole_crds::InferencePool> = Api::namespaced(self.admin.clone(), "ml");
-        if let Err(e) = wait_for(within, &format!("pool {pool} Ready"), || async {
-            let p = pools.get(pool).await.ok()?;
-            (p.status?.phase == mole_crds::PoolPhase::Ready).then_some(())
-        })
-        .await
-        {
-            panic!("{e}\n{}", self.dump());
-        }
-    }
-
-    async fn wait_adapter(
-        &self,
-        name: &str,
-        within: Duration,
-        ok: impl Fn(&mole_crds::AdapterStatus) -> bool,
-    ) -> mole_crds::AdapterStatus {
-        let adapters: Api<mole_crds::Adapter> = Api::namespaced(self.admin.clone(), "ml");
-        match wait_for(within, &format!("adapter {name}"), || async {
-            let st = adapters.get(name).await.ok()?.status?;
-            ok(&st).then_some(st)
-        })
-        .await
-        {
-            Ok(st) => st,
-            Err(e) => panic!("{e}\n{}", self.dump()),
-        }
-    }
-
-    /// POST /v1/chat/completions with `model` to Service `svc` of `ml` (through its
-    /// EndpointSlices); the status and body.
-    async fn chat(&self, svc: &str, model: &str) -> (u16, serde_json::Value) {
-        let url = wait_for(
-            Duration::from_secs(60),
-            "the Service's endpoints",
-            || async {
-                service_url(
-                    &self.admin,
-                    "ml",
-                    svc,
-                    i32::from(mole_crds::constants::SERVICE_PORT),
-                )
-                .await
-                .ok()
-            },
-        )
-        .await
-        .unwrap();
-        let r = http()
-            .post(format!("{url}/v1/chat/completions"))
-            .timeout(Duration::from_secs(120))
-            .json(&serde_json::json!({"model": model, "max_tokens": 4,
-                "messages": [{"role": "user", "content": "What is on my calendar?"}]}))
-            .send()
-            .await
-            .unwrap();
-        let status = r.status().as_u16();
-        let v: serde_json::Value = r.json().await.unwrap_or_default();
-        (status, v)
     }
 }
 
@@ -1098,7 +928,9 @@ spec:
 async fn a_dynamic_pool_serves_an_adapter_through_its_service() {
     let m = mole("a_dynamic_pool_serves_an_adapter_through_its_service").await;
     m.cp.apply(TINY_POOL).unwrap();
-    m.wait_pool_ready("tiny", Duration::from_secs(240)).await;
+    m.wait_pool_ready("tiny", Duration::from_secs(240))
+        .await
+        .unwrap();
     eprintln!("pool Ready after {:.1} s", m.t0.elapsed().as_secs_f64());
     m.cp.apply(
         r#"
@@ -1112,9 +944,10 @@ spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: cal
     m.wait_adapter("calendar", Duration::from_secs(180), |st| {
         st.phase == mole_crds::AdapterPhase::Ready
     })
-    .await;
+    .await
+    .unwrap();
     eprintln!("adapter Ready after {:.1} s", m.t0.elapsed().as_secs_f64());
-    let (status, v) = m.chat("tiny", "calendar").await;
+    let (status, v) = m.chat("tiny", "calendar").await.unwrap();
     assert_eq!(status, 200, "{v}\n{}", m.dump());
     assert_eq!(v["mole"]["adapter"], "calendar", "{v}");
     assert_eq!(v["mole"]["adapter_version"], "v1", "{v}");
@@ -1147,7 +980,8 @@ spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: cal
                 && st.serving_mode == Some(mole_crds::ServingMode::Merged)
                 && st.active_version.as_deref() == Some("v1")
         })
-        .await;
+        .await
+        .unwrap();
     eprintln!(
         "merged and Ready after {:.1} s",
         m.t0.elapsed().as_secs_f64()
@@ -1155,7 +989,7 @@ spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: cal
     let out = st.history[0].merged_output.clone().unwrap();
     assert!(out.starts_with("merged/calendar/v1-"), "{out}");
     assert!(
-        m._models.path().join(&out).join("config.json").is_file(),
+        m.models.join(&out).join("config.json").is_file(),
         "the merge Job wrote {out} on the volume"
     );
     assert_eq!(
@@ -1172,18 +1006,20 @@ spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: cal
     assert_eq!(merges.len(), 1, "{}", m.dump());
     assert_eq!(merges[0].status.as_ref().unwrap().succeeded, Some(1));
     // The merged Deployment through its own Service.
-    let (status, v) = m.chat("tiny-calendar", "calendar").await;
+    let (status, v) = m.chat("tiny-calendar", "calendar").await.unwrap();
     assert_eq!(status, 200, "{v}\n{}", m.dump());
     // The pool's Service: the dynamic pod forwards to the merged Service by its DNS name
     // once it has reloaded the WorkerConfig that names it.
-    m.wait_pool_ready("tiny", Duration::from_secs(120)).await;
+    m.wait_pool_ready("tiny", Duration::from_secs(120))
+        .await
+        .unwrap();
     let t = Instant::now();
     let answers = std::sync::Mutex::new(Vec::new());
     let v = wait_for(
         Duration::from_secs(60),
         "an answer forwarded to the merged pod",
         || async {
-            let (status, v) = m.chat("tiny", "calendar").await;
+            let (status, v) = m.chat("tiny", "calendar").await.unwrap();
             let merged = status == 200 && v["mole"]["mode"] == "merged";
             answers
                 .lock()

@@ -259,6 +259,59 @@ fn evicted_adapters_come_back_from_disk_with_the_same_output() {
     assert_eq!(res("c"), mole_api::Residency::Disk);
 }
 
+/// A version whose read from disk fails (its files broken after it loaded, then evicted) fails
+/// the requests that waited for the read, and they count as that version's requests and
+/// errors in `/v1/lora_adapters`' traffic: a canary whose every request fails this way is
+/// what the operator's analysis must see to roll it back (tests/fleet_e2e.rs). They were
+/// counted nowhere.
+#[test]
+fn a_failed_read_from_disk_counts_as_an_error_of_its_version() {
+    let r = &reference()["llama"];
+    let p = ids(&r["prompts"][1]);
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a");
+    std::fs::create_dir_all(&a).unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(
+            fixtures().join("adapters/llama/a_r8_all").join(f),
+            a.join(f),
+        )
+        .unwrap();
+    }
+    let e = engine(|o| {
+        o.max_loras = 1;
+        o.max_cpu_loras = 0;
+    });
+    e.load_adapter(AdapterSpec {
+        path: a.clone(),
+        ..spec("a", "v1", "a_r8_all")
+    })
+    .unwrap();
+    e.load_adapter(spec("c", "v1", "c_r16_mlp")).unwrap();
+    std::fs::write(a.join("adapter_model.safetensors"), b"not safetensors").unwrap();
+    for _ in 0..2 {
+        let out = e
+            .submit(greedy(p.clone(), Some("a"), 4))
+            .map(collect)
+            .map(|o| o.end);
+        assert!(matches!(out, Err(_) | Ok(TokenEvent::Error(_))), "{out:?}");
+    }
+    let counted = e
+        .adapter_counters()
+        .into_iter()
+        .find(|c| c.name == "a" && c.version == "v1")
+        .unwrap();
+    assert_eq!((counted.requests, counted.errors), (2, 2), "{counted:?}");
+    // The other version's requests are not its errors.
+    collect(e.submit(greedy(p, Some("c"), 4)).unwrap());
+    let c = e
+        .adapter_counters()
+        .into_iter()
+        .find(|c| c.name == "c")
+        .unwrap();
+    assert_eq!((c.requests, c.errors), (1, 0), "{c:?}");
+}
+
 #[test]
 fn seeds_stop_strings_chat_template_and_classifier_scores() {
     let e = engine(|_| {});

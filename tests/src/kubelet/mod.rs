@@ -23,11 +23,13 @@
 //! - `pods/log` (`kubectl logs`) through the API server to the kubelet's HTTPS endpoint
 //!   (`logs`);
 //! - Services: [`service_url`] resolves one through its EndpointSlices for the test; pods
-//!   resolve Service names through their `/etc/hosts` (`services` says why not iptables).
+//!   resolve Service names through their `/etc/hosts` (`services` says why not iptables);
+//! - CPU limits (`resources.limits.cpu`) as a CFS quota on the container's own cgroup
+//!   (`cgroup`), so a Job limited to `100m` runs at a tenth of a core.
 //!
 //! Not supported: hostNetwork and native sidecars (init containers with `restartPolicy:
-//! Always`), which such a pod's status says; ignored: resource limits and cgroups (requests
-//! count for the scheduler only), capabilities and seccomp (the process runs as the pod's
+//! Always`), which such a pod's status says; ignored: memory limits (requests count for the
+//! scheduler only), capabilities and seccomp (the process runs as the pod's
 //! user, with no capabilities once it is not root), lifecycle hooks (postStart, preStop),
 //! `resourceFieldRef` and `subPathExpr` (a CreateContainerConfigError), ephemeral containers,
 //! `kubectl exec` and port-forward, service environment variables, cluster DNS beyond the
@@ -40,6 +42,7 @@
 //!
 //! [`ControlPlane`]: crate::cluster::ControlPlane
 
+mod cgroup;
 mod logs;
 mod net;
 mod node;
@@ -194,6 +197,7 @@ impl Kubelet {
     pub async fn start(cp: &ControlPlane, cfg: KubeletConfig) -> Result<Self> {
         let client = cp.client().await?;
         let bridge = Arc::new(net::Bridge::create()?);
+        cgroup::remove_stale();
         let internal_ip = bridge.gateway;
         let dir = cfg.root_dir.join(&cfg.node_name);
         std::fs::create_dir_all(dir.join("pods"))?;
@@ -333,6 +337,7 @@ impl Drop for Kubelet {
             std::thread::sleep(Duration::from_millis(50));
         }
         let _ = std::fs::remove_dir_all(&self.dir);
+        cgroup::remove_all(&self.bridge.name);
         // The Node goes too (its pods are then the pod GC's); best effort, the control plane
         // may already be gone.
         let _ = Command::new(&self.kubectl)

@@ -19,6 +19,7 @@ use kube::Api;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
+use super::cgroup;
 use super::logs::LogIndex;
 use super::net::{Bridge, PodNetwork};
 use super::runtime::{self, Launch, Mount, User};
@@ -122,6 +123,8 @@ struct Instance {
     log: PathBuf,
     term: PathBuf,
     id: String,
+    /// Its cgroup when it has a CPU limit (removed once the instance is dropped).
+    _cpu: Option<cgroup::CpuLimit>,
 }
 
 /// A finished instance, as `state.terminated` shows it.
@@ -847,6 +850,21 @@ impl Worker {
         match spawned {
             Ok(child) => {
                 let pgid = child.id().unwrap_or(0);
+                let cpu = spec
+                    .resources
+                    .as_ref()
+                    .and_then(|r| r.limits.as_ref()?.get("cpu"))
+                    .and_then(|q| cgroup::millicores(&q.0))
+                    .and_then(|millis| {
+                        let name = format!(
+                            "{}-{}-{}-{}",
+                            self.ctx.bridge.name, self.uid, spec.name, c.instances
+                        );
+                        cgroup::limit(&name, pgid, millis)
+                            .map_err(|e| eprintln!("test kubelet: CPU limit not enforced: {e:#}"))
+                            .ok()
+                            .flatten()
+                    });
                 if c.instances > 0 {
                     c.restarts += 1;
                 }
@@ -885,6 +903,7 @@ impl Worker {
                     log: log.clone(),
                     term,
                     id,
+                    _cpu: cpu,
                 }));
                 let mut idx = self
                     .ctx

@@ -425,16 +425,23 @@ impl<W> Registry<W> {
                     .map(|w| (w, Ok(e.pin_weights(weights.clone()))))
                     .collect()
             }
-            Err(reason) => waiters
-                .into_iter()
-                .map(|w| {
-                    let missed = Missed::Failed {
-                        name: e.spec.name.clone(),
-                        reason: reason.clone(),
-                    };
-                    (w, Err(missed))
-                })
-                .collect(),
+            Err(reason) => {
+                // Each waiting request ends in this error: it is the version's, counted in its
+                // traffic as an engine error is (the canary analysis reads these counts).
+                let n = waiters.len() as u64;
+                e.stats.requests.fetch_add(n, Ordering::Relaxed);
+                e.stats.errors.fetch_add(n, Ordering::Relaxed);
+                waiters
+                    .into_iter()
+                    .map(|w| {
+                        let missed = Missed::Failed {
+                            name: e.spec.name.clone(),
+                            reason: reason.clone(),
+                        };
+                        (w, Err(missed))
+                    })
+                    .collect()
+            }
         };
         self.evict(&mut g);
         settled

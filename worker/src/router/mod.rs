@@ -92,8 +92,10 @@ fn mode_of(cfg: &WorkerConfig, adapter: &Option<String>) -> Mode {
     }
     match adapter {
         None => Mode::Base,
-        Some(n) => match cfg.adapters.iter().find(|a| &a.name == n).map(|a| a.mode) {
-            Some(ServingMode::Merged) => Mode::Merged,
+        // A merged endpoint says merged pods serve it, whatever the spec's mode (an `auto`
+        // adapter the operator promoted keeps `mode: auto`).
+        Some(n) => match cfg.adapters.iter().find(|a| &a.name == n) {
+            Some(a) if a.mode == ServingMode::Merged || a.merged_endpoint.is_some() => Mode::Merged,
             _ => Mode::Dynamic,
         },
     }
@@ -324,6 +326,22 @@ router:
             decide(&c, &i, &none_s, &none_e).unwrap().adapter.as_deref(),
             Some("fr")
         );
+    }
+
+    /// The operator promotes an `auto` adapter by its traffic: its WorkerConfig entry keeps
+    /// `mode: auto` (the spec's) and gets the merged Service's `mergedEndpoint`, which says
+    /// merged pods serve it, so requests for it are merged ones (the gateway forwards them).
+    /// They were decided dynamic: a promoted adapter's merged pods never got a request
+    /// (tests/fleet_e2e.rs, promotion under traffic). Without an endpoint it stays dynamic.
+    #[test]
+    fn an_adapter_with_a_merged_endpoint_is_served_merged_whatever_its_mode() {
+        let mut c = cfg("[explicit]", "base");
+        c.adapters[0].mode = ServingMode::Auto;
+        let d = decide(&c, &inp("fr", "x"), &none_s, &none_e).unwrap();
+        assert_eq!(d.mode, Mode::Dynamic);
+        c.adapters[0].merged_endpoint = Some("http://p-fr.ml.svc:8000".into());
+        let d = decide(&c, &inp("fr", "x"), &none_s, &none_e).unwrap();
+        assert_eq!(d.mode, Mode::Merged);
     }
 
     #[test]

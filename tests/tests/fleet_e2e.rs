@@ -1,0 +1,977 @@
+//! Issue 58, item 3: the fleet's life on Kubernetes' own control plane, with the pods run by the
+//! test kubelet (`mole_tests::kubelet`) and mole installed as a user installs it
+//! (`mole_tests::stack`: `helm install` of the chart, the `mole-operator` binary as the chart's
+//! ServiceAccount with its Lease, this build's `mole-worker` as the worker image, the models on
+//! a hostPath PersistentVolume). Every request goes to the pool's Service (through its
+//! EndpointSlices, as kube-proxy would route it), every change is a `kubectl apply`.
+//!
+//! Cases (the kind suite's, `tests/e2e_cluster.rs`, which never ran): rollback by apply; a
+//! canary that errors rolled back by the operator; scale to zero and back; promotion under
+//! traffic with no failed request; an operator restart while a merge Job runs.
+//!
+//! Ignored by a plain `cargo test`: they need the control plane's binaries
+//! (`scripts/k8s-bins.sh`), root (network namespaces, a bridge, mounts, cgroups) and minutes.
+//! `scripts/checks/control-plane.sh` runs them with `--ignored --test-threads=1`.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test is a failed test
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::batch::v1::Job;
+use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::events::v1::Event;
+use kube::api::ListParams;
+use kube::{Api, Client};
+use mole_crds::{AdapterPhase, AdapterStatus, CanaryPhase, ServingMode};
+use mole_tests::cluster::wait_for;
+use mole_tests::kubelet::service_url;
+use mole_tests::stack::{self, Fixture, Mole, NS};
+
+/// A [`Mole`] (the operator as a process) that prints the test's wall time when dropped.
+struct Env {
+    m: Mole,
+    t0: Instant,
+    name: &'static str,
+}
+
+impl std::ops::Deref for Env {
+    type Target = Mole;
+    fn deref(&self) -> &Mole {
+        &self.m
+    }
+}
+
+impl std::ops::DerefMut for Env {
+    fn deref_mut(&mut self) -> &mut Mole {
+        &mut self.m
+    }
+}
+
+impl Drop for Env {
+    fn drop(&mut self) {
+        eprintln!("{}: {:.1} s", self.name, self.t0.elapsed().as_secs_f64());
+    }
+}
+
+impl Env {
+    async fn start(name: &'static str, fixture: Fixture) -> Self {
+        let t0 = Instant::now();
+        let opts = stack::Options::this_build(fixture, false).unwrap();
+        let m = Mole::start(opts).await.unwrap();
+        Self { m, t0, name }
+    }
+
+    /// Seconds since the test started, for its log.
+    fn at(&self) -> f64 {
+        (self.t0.elapsed().as_secs_f64() * 10.0).round() / 10.0
+    }
+
+    /// `kubectl apply` of `yaml`, which must succeed.
+    fn apply(&self, yaml: &str) {
+        self.cp.apply(yaml).unwrap();
+    }
+
+    /// Names of the merge Jobs of adapter `name`, sorted.
+    async fn merge_jobs(&self, name: &str) -> Vec<String> {
+        let jobs: Api<Job> = Api::namespaced(self.admin.clone(), NS);
+        let lp = ListParams::default().labels(&format!(
+            "mole.dev/adapter={name},app.kubernetes.io/component=merge"
+        ));
+        let mut names: Vec<String> = jobs
+            .list(&lp)
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter_map(|j| j.metadata.name)
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// Waits until `name` is Ready, served by merged pods, on `version`.
+    async fn merged_ready(&self, name: &str, version: &str, within: Duration) -> AdapterStatus {
+        self.wait_adapter(name, within, |st| {
+            st.phase == AdapterPhase::Ready
+                && st.serving_mode == Some(ServingMode::Merged)
+                && st.active_version.as_deref() == Some(version)
+        })
+        .await
+        .unwrap()
+    }
+
+    /// Sends requests for `model` to the pool's Service one after another until `done` accepts
+    /// an answer, for at most `within`; returns every answer seen, the last one the accepted.
+    /// Fails on a connection error or a timeout.
+    async fn until(
+        &self,
+        pool: &str,
+        model: &str,
+        within: Duration,
+        done: impl Fn(&Answer) -> bool,
+    ) -> Vec<Answer> {
+        let deadline = Instant::now() + within;
+        let mut seen = Vec::new();
+        loop {
+            let (status, body) = self.chat(pool, model).await.unwrap();
+            let a = Answer {
+                at: self.at(),
+                session: String::new(),
+                status,
+                body,
+            };
+            let ok = done(&a);
+            seen.push(a);
+            if ok {
+                return seen;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no accepted answer within {within:?}: {}\n{}",
+                summary(&seen),
+                self.dump()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Events of `ml` about `object` with `reason`: (type, note).
+    async fn events(&self, object: &str, reason: &str) -> Vec<(String, String)> {
+        Api::<Event>::namespaced(self.admin.clone(), NS)
+            .list(&ListParams::default())
+            .await
+            .unwrap()
+            .items
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(object))
+            .filter(|e| e.reason.as_deref() == Some(reason))
+            .map(|e| (e.type_.unwrap_or_default(), e.note.unwrap_or_default()))
+            .collect()
+    }
+
+    /// The entry of adapter `name` in pool `pool`'s WorkerConfig (its ConfigMap).
+    async fn worker_entry(&self, pool: &str, name: &str) -> Option<mole_crds::WorkerAdapter> {
+        let cm = Api::<ConfigMap>::namespaced(self.admin.clone(), NS)
+            .get(&format!("{pool}-config"))
+            .await
+            .ok()?;
+        let wc: mole_crds::WorkerConfig =
+            serde_json::from_str(cm.data?.get("worker.json")?).ok()?;
+        wc.adapters.into_iter().find(|a| a.name == name)
+    }
+}
+
+/// One answer a [`Traffic`] client got.
+#[derive(Debug, Clone)]
+struct Answer {
+    /// Seconds since the client started.
+    at: f64,
+    /// The request's `x-session-id` (empty without).
+    session: String,
+    /// The HTTP status; 0 when no answer came (no endpoint, a connection error).
+    status: u16,
+    /// The body (or the connection error as a JSON string).
+    body: serde_json::Value,
+}
+
+impl Answer {
+    fn served(&self) -> (&str, &str) {
+        served(&self.body)
+    }
+}
+
+/// A client sending chat completions for `model` to a pool's Service one after another (each
+/// resolved anew through the Service's EndpointSlices, as kube-proxy routes each connection)
+/// until stopped; with `sessions`, request n carries `x-session-id: s<n>`.
+struct Traffic {
+    stop: Arc<AtomicBool>,
+    seen: Arc<Mutex<Vec<Answer>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Traffic {
+    fn start(admin: &Client, pool: &str, model: &str, sessions: bool) -> Self {
+        let stop = Arc::new(AtomicBool::new(false));
+        let seen: Arc<Mutex<Vec<Answer>>> = Arc::default();
+        let (admin, pool, model) = (admin.clone(), pool.to_string(), model.to_string());
+        let (stop2, seen2) = (stop.clone(), seen.clone());
+        let task = tokio::spawn(async move {
+            let http = stack::http().unwrap();
+            let t0 = Instant::now();
+            let port = i32::from(mole_crds::constants::SERVICE_PORT);
+            let mut n = 0u64;
+            while !stop2.load(Ordering::SeqCst) {
+                let session = if sessions {
+                    format!("s{n}")
+                } else {
+                    String::new()
+                };
+                n += 1;
+                let (status, body) = match service_url(&admin, NS, &pool, port).await {
+                    Err(e) => (0, serde_json::json!(format!("{e:#}"))),
+                    Ok(url) => {
+                        let mut req = http
+                            .post(format!("{url}/v1/chat/completions"))
+                            .json(&stack::chat_body(&model));
+                        if sessions {
+                            req = req.header(mole_api::SESSION_HEADER, &session);
+                        }
+                        match req.send().await {
+                            Err(e) => (0, serde_json::json!(format!("{e:#}"))),
+                            Ok(r) => {
+                                let s = r.status().as_u16();
+                                (s, r.json().await.unwrap_or_default())
+                            }
+                        }
+                    }
+                };
+                seen2.lock().unwrap().push(Answer {
+                    at: t0.elapsed().as_secs_f64(),
+                    session,
+                    status,
+                    body,
+                });
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        });
+        Self { stop, seen, task }
+    }
+
+    /// The answers so far.
+    fn seen(&self) -> Vec<Answer> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// Waits up to `within` until `done` accepts the answers so far; fails showing them and
+    /// `m`'s state.
+    async fn until(
+        &self,
+        m: &Mole,
+        within: Duration,
+        what: &str,
+        done: impl Fn(&[Answer]) -> bool,
+    ) {
+        if let Err(e) = wait_for(within, what, || async { done(&self.seen()).then_some(()) }).await
+        {
+            panic!("{e}: {}\n{}", summary(&self.seen()), m.dump());
+        }
+    }
+
+    /// Stops the client; every answer it got.
+    async fn stop(self) -> Vec<Answer> {
+        self.stop.store(true, Ordering::SeqCst);
+        self.task.await.unwrap();
+        let seen = self.seen.lock().unwrap().clone();
+        seen
+    }
+}
+
+/// Each answer as `status mode version "text"`, runs of equal ones counted.
+fn summary(answers: &[Answer]) -> String {
+    let mut out: Vec<(String, usize)> = Vec::new();
+    for a in answers {
+        let v = &a.body;
+        let line = if a.status == 200 {
+            format!(
+                "{} {} {} {:?}",
+                a.status,
+                v["mole"]["mode"].as_str().unwrap_or("-"),
+                v["mole"]["adapter_version"].as_str().unwrap_or("-"),
+                text(v)
+            )
+        } else {
+            format!("{} {}", a.status, v.get("error").map_or(v, |e| &e["code"]))
+        };
+        match out.last_mut() {
+            Some((l, n)) if *l == line => *n += 1,
+            _ => out.push((line, 1)),
+        }
+    }
+    let mut parts: Vec<String> = out.iter().map(|(l, n)| format!("{n} x {l}")).collect();
+    // The start and the end of a long alternation say enough.
+    if parts.len() > 16 {
+        let n = parts.len() - 12;
+        parts.splice(6..parts.len() - 6, [format!("... ({n} more runs)")]);
+    }
+    parts.join("; ")
+}
+
+/// The answer's text.
+fn text(v: &serde_json::Value) -> String {
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_string()
+}
+
+/// `(mode, adapter_version)` of an answer.
+fn served(v: &serde_json::Value) -> (&str, &str) {
+    (
+        v["mole"]["mode"].as_str().unwrap_or(""),
+        v["mole"]["adapter_version"].as_str().unwrap_or(""),
+    )
+}
+
+/// The tiny llama pool on CPU, one dynamic pod; `merge` is its `spec.merge` (YAML flow).
+fn tiny_pool(merge: &str) -> String {
+    format!(
+        r#"
+apiVersion: mole.dev/v1alpha1
+kind: InferencePool
+metadata: {{name: tiny, namespace: {NS}, annotations: {{mole.dev/allow-cpu: "true"}}}}
+spec:
+  baseModel: {{name: llama, path: base/llama, dtype: f32}}
+  storage: {{claimName: models}}
+  imagePullPolicy: Never
+  gpu: {{count: 0}}
+  dynamic: {{replicas: 1}}
+  merge: {merge}
+"#
+    )
+}
+
+/// Adapter `calendar` of pool `tiny` on `version` (`adapters/calendar/<version>`), with
+/// `spec.serving` `serving` (YAML flow) and `extra` spec lines.
+fn calendar(version: &str, serving: &str, extra: &str) -> String {
+    format!(
+        r#"
+apiVersion: mole.dev/v1alpha1
+kind: Adapter
+metadata: {{name: calendar, namespace: {NS}}}
+spec:
+  pool: tiny
+  version: {version}
+  source: {{path: adapters/calendar/{version}}}
+  label: calendar
+  serving: {serving}
+{extra}
+"#
+    )
+}
+
+/// The merged output the Deployment `tiny-calendar` serves (its pod template's annotation).
+async fn served_output(m: &Mole) -> String {
+    let d = Api::<Deployment>::namespaced(m.admin.clone(), NS)
+        .get("tiny-calendar")
+        .await
+        .unwrap();
+    d.spec
+        .unwrap()
+        .template
+        .metadata
+        .unwrap()
+        .annotations
+        .unwrap()["mole.dev/merged-output"]
+        .clone()
+}
+
+/// Rollback is "apply the previous version" (DESIGN §2): an Adapter merged on v1 and served by
+/// its merged pods, then `kubectl apply` of v2 (a second merge Job, the merged pods rolled to
+/// its output), then `kubectl apply` of the v1 manifest again: the merged pods go back to v1's
+/// output, still on the volume, with no new merge Job, and the answers through the pool's
+/// Service come from v1's merged pods again (same text as before; v2's differs). Every answer
+/// along the way is a 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn rollback_by_apply_switches_back_without_a_merge() {
+    let e = Env::start(
+        "rollback_by_apply_switches_back_without_a_merge",
+        Fixture::TinyLlama,
+    )
+    .await;
+    e.apply(&tiny_pool("{}"));
+    let v1_manifest = calendar("v1", "{mode: merged}", "");
+    e.apply(&v1_manifest);
+    let st = e
+        .merged_ready("calendar", "v1", Duration::from_secs(180))
+        .await;
+    let v1_out = st.history[0].merged_output.clone().unwrap();
+    eprintln!("{} s: merged on v1 ({v1_out})", e.at());
+    let mut answers = e
+        .until("tiny", "calendar", Duration::from_secs(60), |a| {
+            a.status == 200 && a.served() == ("merged", "v1")
+        })
+        .await;
+    let v1_text = text(&answers.last().unwrap().body);
+    assert_eq!(e.merge_jobs("calendar").await.len(), 1);
+
+    // Roll forward: a second merge.
+    e.apply(&calendar("v2", "{mode: merged}", ""));
+    let st = e
+        .merged_ready("calendar", "v2", Duration::from_secs(180))
+        .await;
+    let v2_out = st.history[0].merged_output.clone().unwrap();
+    assert_ne!(v2_out, v1_out);
+    assert!(
+        st.history
+            .iter()
+            .any(|r| r.merged_output.as_deref() == Some(v1_out.as_str())),
+        "v1 kept in the history: {:?}",
+        st.history
+    );
+    let jobs = e.merge_jobs("calendar").await;
+    assert_eq!(jobs.len(), 2, "{jobs:?}");
+    eprintln!("{} s: merged on v2 ({v2_out})", e.at());
+    answers.extend(
+        e.until("tiny", "calendar", Duration::from_secs(60), |a| {
+            a.status == 200 && a.served() == ("merged", "v2")
+        })
+        .await,
+    );
+    let v2_text = text(&answers.last().unwrap().body);
+    assert_ne!(v1_text, v2_text, "the two versions answer differently");
+
+    // Roll back: the v1 manifest again, with a client sending requests the whole time.
+    let traffic = Traffic::start(&e.admin, "tiny", "calendar", false);
+    let t = Instant::now();
+    e.apply(&v1_manifest);
+    let st = e
+        .merged_ready("calendar", "v1", Duration::from_secs(120))
+        .await;
+    let ready_after = t.elapsed();
+    assert_eq!(st.history[0].version, "v1");
+    assert_eq!(
+        st.history[0].merged_output.as_deref(),
+        Some(v1_out.as_str())
+    );
+    assert_eq!(served_output(&e).await, v1_out);
+    traffic
+        .until(
+            &e,
+            Duration::from_secs(60),
+            "answers of v1's merged pods",
+            |a| {
+                a.last()
+                    .is_some_and(|a| a.status == 200 && a.served() == ("merged", "v1"))
+            },
+        )
+        .await;
+    let routed_after = t.elapsed();
+    let during = traffic.stop().await;
+    assert_eq!(
+        text(&during.last().unwrap().body),
+        v1_text,
+        "{}",
+        summary(&during)
+    );
+    assert_eq!(
+        e.merge_jobs("calendar").await,
+        jobs,
+        "the rollback ran a merge Job"
+    );
+    answers.extend(during.iter().cloned());
+    assert!(
+        answers.iter().all(|a| a.status == 200),
+        "{}",
+        summary(&answers)
+    );
+    eprintln!(
+        "{} s: rolled back: Ready on v1 {ready_after:?} after the apply, answered by v1's merged \
+         pods {routed_after:?} after it; answers during the rollback: {}",
+        e.at(),
+        summary(&during)
+    );
+}
+
+/// A canary that errors is rolled back by the operator (issue 37, item 3, on the real path):
+/// adapter `calendar` v1 with canary v2 at 50% and an analysis (10 requests at least, 10
+/// points of errors over the stable version at most), in a pool whose pods hold one adapter at
+/// a time (`maxLoras: 1`, no host tier), so each version is read from the volume when its
+/// turn comes, as in a pool with more adapters than slots. v2's weights are then broken on the
+/// volume (a re-upload gone wrong): every request the canary takes fails. A client sends
+/// requests with sessions through the pool's Service; the operator reads the pods' counts,
+/// rolls the canary back with a Warning Event that gives the numbers, takes it out of the
+/// WorkerConfig, and the canary's sessions get v1. No request of a stable session fails.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn a_canary_that_errors_is_rolled_back_with_a_warning() {
+    let e = Env::start(
+        "a_canary_that_errors_is_rolled_back_with_a_warning",
+        Fixture::TinyLlama,
+    )
+    .await;
+    e.apply(&tiny_pool("{}").replace(
+        "dynamic: {replicas: 1}",
+        "dynamic: {replicas: 1, maxLoras: 1, maxCpuLoras: 0}",
+    ));
+    e.apply(&calendar(
+        "v1",
+        "{mode: dynamic}",
+        "  canary: {version: v2, source: {path: adapters/calendar/v2}, weight: 50,\n           \
+         analysis: {minRequests: 10, maxErrorRateIncrease: 0.1}}",
+    ));
+    let st = e
+        .wait_adapter("calendar", Duration::from_secs(120), |st| {
+            st.phase == AdapterPhase::Ready
+                && st
+                    .canary
+                    .as_ref()
+                    .is_some_and(|c| c.phase == CanaryPhase::Progressing)
+        })
+        .await
+        .unwrap();
+    assert_eq!(st.canary.unwrap().weight, 50);
+    assert!(e
+        .worker_entry("tiny", "calendar")
+        .await
+        .unwrap()
+        .canary
+        .is_some());
+    eprintln!("{} s: Ready with canary v2 at 50%", e.at());
+    std::fs::write(
+        e.models
+            .join("adapters/calendar/v2/adapter_model.safetensors"),
+        b"not a safetensors file",
+    )
+    .unwrap();
+    let canary_session =
+        |a: &Answer| mole_api::canary_pick("calendar", 50, Some(a.session.as_str()), 0);
+    let traffic = Traffic::start(&e.admin, "tiny", "calendar", true);
+    let t = Instant::now();
+    let st = e
+        .wait_adapter("calendar", Duration::from_secs(150), |st| {
+            st.canary
+                .as_ref()
+                .is_some_and(|c| c.phase == CanaryPhase::RolledBack)
+        })
+        .await
+        .unwrap();
+    let rolled_back_after = t.elapsed();
+    let c = st.canary.unwrap();
+    assert_eq!(c.weight, 0);
+    assert_eq!(st.phase, AdapterPhase::Ready, "v1 serves");
+    assert!(c.canary.errors >= 10, "{c:?}");
+    let warned = e.events("calendar", "CanaryRolledBack").await;
+    assert!(
+        warned
+            .iter()
+            .any(|(ty, note)| ty == "Warning" && note.contains("errors")),
+        "{warned:?}"
+    );
+    // Out of the WorkerConfig; once the pod reloaded it, the canary's sessions get v1.
+    wait_for(
+        Duration::from_secs(30),
+        "the canary out of the WorkerConfig",
+        || async {
+            e.worker_entry("tiny", "calendar")
+                .await
+                .filter(|w| w.canary.is_none())
+        },
+    )
+    .await
+    .unwrap();
+    let n0 = traffic.seen().len();
+    traffic
+        .until(
+            &e,
+            Duration::from_secs(60),
+            "10 canary sessions served by v1",
+            |a| {
+                a[n0..]
+                    .iter()
+                    .filter(|a| canary_session(a) && a.status == 200 && a.served().1 == "v1")
+                    .count()
+                    >= 10
+            },
+        )
+        .await;
+    let served_after = t.elapsed();
+    let answers = traffic.stop().await;
+    let (canary, stable): (Vec<&Answer>, Vec<&Answer>) =
+        answers.iter().partition(|a| canary_session(a));
+    let failed_stable: Vec<&&Answer> = stable.iter().filter(|a| a.status != 200).collect();
+    assert!(failed_stable.is_empty(), "{failed_stable:?}");
+    assert!(stable.iter().all(|a| a.served().1 == "v1"));
+    let failed = canary.iter().filter(|a| a.status != 200).count();
+    assert!(failed >= 10, "the canary failed {failed} requests");
+    // After the reload every request of a canary session is v1's.
+    let last_failure = canary
+        .iter()
+        .filter(|a| a.status != 200)
+        .map(|a| a.at)
+        .fold(0.0, f64::max);
+    eprintln!(
+        "{} s: rolled back {rolled_back_after:?} after the canary's files broke, its sessions \
+         on v1 {served_after:?} after; canary: {c:?}; {} stable-session answers all 200 v1, \
+         {} canary-session answers of which {failed} failed (the last at {last_failure:.1} s): {}",
+        e.at(),
+        stable.len(),
+        canary.len(),
+        summary(&answers)
+    );
+}
+
+/// The Deployment `tiny-calendar`: (spec.replicas, status.readyReplicas).
+async fn merged_replicas(m: &Mole) -> Option<(i32, i32)> {
+    let d = Api::<Deployment>::namespaced(m.admin.clone(), NS)
+        .get_opt("tiny-calendar")
+        .await
+        .ok()??;
+    let want = d.spec?.replicas.unwrap_or(1);
+    let ready = d.status.and_then(|s| s.ready_replicas).unwrap_or(0);
+    Some((want, ready))
+}
+
+/// Scale to zero and back (issue 37, item 6): a pool with `merge.scaleToZero` at the shortest
+/// idle time the CRD allows (60 s) and `unloadFromDynamic`, an Adapter served by its merged
+/// pods. Left idle, it is loaded into the dynamic pods again and only then is its merged
+/// Deployment scaled to 0 (kept, with its Service), with a `ScaledToZero` Event; the adapter
+/// stays Ready and its requests are answered by the dynamic pods. One request brings the
+/// Deployment back (the dynamic pods count it), and once its pod is ready the pool's Service
+/// forwards to it again. Every answer is a 200.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn idle_merged_pods_scale_to_zero_and_a_request_brings_them_back() {
+    let e = Env::start(
+        "idle_merged_pods_scale_to_zero_and_a_request_brings_them_back",
+        Fixture::TinyLlama,
+    )
+    .await;
+    e.apply(&tiny_pool(
+        "{unloadFromDynamic: true, scaleToZero: {idleSeconds: 60}}",
+    ));
+    e.apply(&calendar("v1", "{mode: merged, replicas: 1}", ""));
+    e.merged_ready("calendar", "v1", Duration::from_secs(180))
+        .await;
+    let mut answers = e
+        .until("tiny", "calendar", Duration::from_secs(60), |a| {
+            a.status == 200 && a.served() == ("merged", "v1")
+        })
+        .await;
+    let last_request = Instant::now();
+    eprintln!("{} s: merged and forwarded to; now idle", e.at());
+
+    // Idle: scaled to zero once the dynamic pods hold it again.
+    let st = e
+        .wait_adapter("calendar", Duration::from_secs(180), |st| {
+            st.conditions
+                .iter()
+                .any(|c| c.type_ == "Ready" && c.reason == "ScaledToZero")
+        })
+        .await
+        .unwrap();
+    let zero_after = last_request.elapsed();
+    assert_eq!(st.phase, AdapterPhase::Ready);
+    assert_eq!(st.serving_mode, Some(ServingMode::Dynamic));
+    wait_for(Duration::from_secs(60), "no merged pod left", || async {
+        (merged_replicas(&e).await? == (0, 0)).then_some(())
+    })
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", e.dump()));
+    let w = e.worker_entry("tiny", "calendar").await.unwrap();
+    assert!(w.load && w.merged_endpoint.is_none(), "{w:?}");
+    let svc: Api<k8s_openapi::api::core::v1::Service> = Api::namespaced(e.admin.clone(), NS);
+    assert!(
+        svc.get_opt("tiny-calendar").await.unwrap().is_some(),
+        "the Service is kept"
+    );
+    assert_eq!(e.events("calendar", "ScaledToZero").await.len(), 1);
+    eprintln!(
+        "{} s: scaled to zero {zero_after:?} after the last request",
+        e.at()
+    );
+
+    // One request: served by the dynamic pods, and it brings the merged pods back.
+    let t = Instant::now();
+    let (status, body) = e.chat("tiny", "calendar").await.unwrap();
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(served(&body), ("dynamic", "v1"), "{body}");
+    answers.push(Answer {
+        at: e.at(),
+        session: String::new(),
+        status,
+        body,
+    });
+    wait_for(
+        Duration::from_secs(120),
+        "the merged Deployment back at 1",
+        || async { (merged_replicas(&e).await?.0 == 1).then_some(()) },
+    )
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", e.dump()));
+    let up_after = t.elapsed();
+    assert_eq!(e.events("calendar", "ScaledFromZero").await.len(), 1);
+    answers.extend(
+        e.until("tiny", "calendar", Duration::from_secs(90), |a| {
+            a.status == 200 && a.served() == ("merged", "v1")
+        })
+        .await,
+    );
+    let forwarded_after = t.elapsed();
+    let st = e
+        .merged_ready("calendar", "v1", Duration::from_secs(30))
+        .await;
+    assert_eq!(st.phase, AdapterPhase::Ready);
+    assert!(
+        answers.iter().all(|a| a.status == 200),
+        "{}",
+        summary(&answers)
+    );
+    eprintln!(
+        "{} s: scaled back to 1 {up_after:?} after the request, forwarded to again \
+         {forwarded_after:?} after it; answers: {}",
+        e.at(),
+        summary(&answers)
+    );
+}
+
+/// Promotion under traffic with no failed request (issue 37, item 2): a pool with
+/// `merge.traffic` (promote at half the pool's tokens, no window, no hold, one merged GPU) and an
+/// `auto` Adapter served by the dynamic pods. A client sends requests for it through the pool's
+/// Service one after another the whole time; the operator reads the pods' counters, decides
+/// the promotion (Event `Promoted`, `status.fleet.merged`), runs the merge Job, starts the
+/// merged pods, and the dynamic pods forward to them once ready. Every answer is a 200, and the
+/// client ends once 20 answers in a row came from the merged pods.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn an_auto_adapter_is_promoted_under_traffic_with_no_failed_request() {
+    let e = Env::start(
+        "an_auto_adapter_is_promoted_under_traffic_with_no_failed_request",
+        Fixture::TinyLlama,
+    )
+    .await;
+    e.apply(&tiny_pool(
+        "{traffic: {promoteShare: 0.5, demoteShare: 0.1, windowSeconds: 0, minHoldSeconds: 0, \
+         maxMergedGpus: 1}}",
+    ));
+    e.apply(&calendar("v1", "{mode: auto}", ""));
+    e.wait_adapter("calendar", Duration::from_secs(120), |st| {
+        st.phase == AdapterPhase::Ready && st.serving_mode == Some(ServingMode::Dynamic)
+    })
+    .await
+    .unwrap();
+    eprintln!("{} s: Ready on the dynamic pods; traffic starts", e.at());
+    let traffic = Traffic::start(&e.admin, "tiny", "calendar", false);
+    let t = Instant::now();
+    // The fleet decision (TrafficPromoted), then the merged pods serving (Promoted).
+    let mut at = Vec::new();
+    for reason in ["TrafficPromoted", "Promoted"] {
+        let took = wait_for(Duration::from_secs(120), reason, || async {
+            (!e.events("calendar", reason).await.is_empty()).then(|| t.elapsed())
+        })
+        .await
+        .unwrap_or_else(|err| panic!("{err}: {}\n{}", summary(&traffic.seen()), e.dump()));
+        at.push(took);
+    }
+    let (decided, promoted) = (at[0], at[1]);
+    traffic
+        .until(
+            &e,
+            Duration::from_secs(120),
+            "20 answers in a row from the merged pods",
+            |a| {
+                a.len() >= 20
+                    && a[a.len() - 20..]
+                        .iter()
+                        .all(|a| a.status == 200 && a.served().0 == "merged")
+            },
+        )
+        .await;
+    let answers = traffic.stop().await;
+    let first_merged = answers
+        .iter()
+        .find(|a| a.served().0 == "merged")
+        .map(|a| a.at)
+        .unwrap();
+    let failed: Vec<&Answer> = answers.iter().filter(|a| a.status != 200).collect();
+    assert!(
+        failed.is_empty(),
+        "{} failed: {failed:?}\n{}",
+        failed.len(),
+        summary(&answers)
+    );
+    let st = e
+        .merged_ready("calendar", "v1", Duration::from_secs(10))
+        .await;
+    assert!(
+        st.fleet.as_ref().is_some_and(|f| f.merged),
+        "{:?}",
+        st.fleet
+    );
+    assert_eq!(e.merge_jobs("calendar").await.len(), 1);
+    eprintln!(
+        "{} s: decided {decided:?} and promoted {promoted:?} after the traffic started, first \
+         answer from the merged pods at {first_merged:.1} s; {} answers, all 200: {}",
+        e.at(),
+        answers.len(),
+        summary(&answers)
+    );
+}
+
+/// The SmolLM2 pool on CPU (`base/smollm2-135m-instruct`, f32), one dynamic pod, merge Jobs
+/// limited to a tenth of a core.
+const SMOL_POOL: &str = r#"
+apiVersion: mole.dev/v1alpha1
+kind: InferencePool
+metadata: {name: smol, namespace: ml, annotations: {mole.dev/allow-cpu: "true"}}
+spec:
+  baseModel: {name: smollm2-135m-instruct, path: base/smollm2-135m-instruct, dtype: f32}
+  storage: {claimName: models}
+  imagePullPolicy: Never
+  gpu: {count: 0}
+  dynamic: {replicas: 1}
+  merge: {resources: {limits: {cpu: 100m}}}
+"#;
+
+/// An operator restarted while a merge Job really runs: SmolLM2-135M (the real model, 538 MB
+/// of f32 weights) merged with the demo `french` adapter by a Job limited to `100m` of CPU (the
+/// test kubelet enforces it as a CFS quota: the merge takes ~40 s instead of ~4). Once the
+/// Job's pod runs, the operator is killed (SIGKILL: a crash, nothing drained, its Lease not
+/// released) and a new one started; it waits out the Lease, finds the Job by its deterministic
+/// name and waits for it. There is one merge Job and one pod of it, the merge completes, the
+/// merged pods serve the adapter through the pool's Service, and nothing is left over: no
+/// second output or half-written directory on the volume, no object without its owner.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn an_operator_restarted_mid_merge_makes_no_second_job_and_the_merge_completes() {
+    let mut e = Env::start(
+        "an_operator_restarted_mid_merge_makes_no_second_job_and_the_merge_completes",
+        Fixture::SmolLm2,
+    )
+    .await;
+    e.apply(SMOL_POOL);
+    e.apply(&format!(
+        r#"
+apiVersion: mole.dev/v1alpha1
+kind: Adapter
+metadata: {{name: french, namespace: {NS}}}
+spec: {{pool: smol, version: v1, source: {{path: adapters/french/v1}}, label: french,
+       serving: {{mode: merged}}}}
+"#
+    ));
+    let jobs: Api<Job> = Api::namespaced(e.admin.clone(), NS);
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(e.admin.clone(), NS);
+    let merge_pods = |job: String| {
+        let pods = pods.clone();
+        async move {
+            pods.list(&ListParams::default().labels(&format!("job-name={job}")))
+                .await
+                .unwrap()
+                .items
+        }
+    };
+    // The Job's pod running (the merge under way).
+    let job = wait_for(
+        Duration::from_secs(120),
+        "the merge Job's pod running",
+        || async {
+            let j = e.merge_jobs("french").await.into_iter().next()?;
+            let running = merge_pods(j.clone())
+                .await
+                .iter()
+                .any(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"));
+            running.then_some(j)
+        },
+    )
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", e.dump()));
+    let uid = jobs.get(&job).await.unwrap().metadata.uid.unwrap();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    eprintln!(
+        "{} s: merge Job {job} running; killing the operator",
+        e.at()
+    );
+    e.operator.as_mut().unwrap().kill();
+    e.start_operator().await.unwrap();
+    let t = Instant::now();
+    wait_for(
+        Duration::from_secs(60),
+        "the new operator leading",
+        || async {
+            e.operator
+                .as_ref()
+                .unwrap()
+                .log_tail(50)
+                .contains("leading")
+                .then_some(())
+        },
+    )
+    .await
+    .unwrap();
+    let leading_after = t.elapsed();
+    // Still merging when the new operator took over: the case under test.
+    let active = jobs.get(&job).await.unwrap().status.and_then(|s| s.active);
+    assert_eq!(
+        active,
+        Some(1),
+        "the merge ended before the new operator led ({leading_after:?}): no restart mid-merge\n{}",
+        e.dump()
+    );
+    eprintln!(
+        "{} s: the new operator leads ({leading_after:?} after its start), the Job still runs",
+        e.at()
+    );
+    let st = e
+        .merged_ready("french", "v1", Duration::from_secs(180))
+        .await;
+    eprintln!("{} s: merged and Ready", e.at());
+    // One Job, the same one, one pod of it, Succeeded.
+    assert_eq!(e.merge_jobs("french").await, std::slice::from_ref(&job));
+    let j = jobs.get(&job).await.unwrap();
+    assert_eq!(j.metadata.uid.as_deref(), Some(uid.as_str()));
+    assert_eq!(j.status.as_ref().and_then(|s| s.succeeded), Some(1));
+    let ps = merge_pods(job.clone()).await;
+    assert_eq!(ps.len(), 1, "{}", e.dump());
+    let started = e.events("french", "MergeStarted").await;
+    assert_eq!(started.len(), 1, "{started:?}");
+    // The volume: the one output, complete, nothing half-written beside it.
+    let out = st.merge.as_ref().unwrap().output.clone().unwrap();
+    let dir = e.models.join(&out);
+    assert!(dir.join("config.json").is_file() && dir.join("merge_metadata.json").is_file());
+    let siblings: Vec<String> = std::fs::read_dir(dir.parent().unwrap())
+        .unwrap()
+        .map(|d| d.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(siblings.len(), 1, "{siblings:?}");
+    // Every object the operator made has its owner.
+    let owned = |kind: &str| {
+        let out = e
+            .cp
+            .kubectl(&[
+                "get",
+                kind,
+                "-n",
+                NS,
+                "-o",
+                "jsonpath={range .items[*]}{.metadata.name} {.metadata.ownerReferences[0].kind}/{.metadata.ownerReferences[0].name}{\"\\n\"}{end}",
+            ])
+            .unwrap();
+        out.lines().map(str::to_string).collect::<Vec<_>>()
+    };
+    let mut all = owned("jobs");
+    all.extend(owned("deployments"));
+    all.extend(owned("services"));
+    all.extend(
+        owned("configmaps")
+            .into_iter()
+            .filter(|l| !l.starts_with("kube-root-ca")),
+    );
+    all.sort();
+    // The pool's ConfigMap, Deployment and Service; the Adapter's Job, merged Deployment,
+    // Service and the merged pods' ConfigMap (named by its output).
+    assert_eq!(all.len(), 7, "{all:?}");
+    assert!(
+        all.iter()
+            .all(|l| l.ends_with(" Adapter/french") || l.ends_with(" InferencePool/smol")),
+        "{all:?}"
+    );
+    // Served by its merged pods through the pool's Service.
+    let answers = e
+        .until("smol", "french", Duration::from_secs(120), |a| {
+            a.status == 200 && a.served() == ("merged", "v1")
+        })
+        .await;
+    assert!(
+        answers.iter().all(|a| a.status == 200),
+        "{}",
+        summary(&answers)
+    );
+    eprintln!(
+        "{} s: answered by the merged pods: {}",
+        e.at(),
+        summary(&answers)
+    );
+}
