@@ -161,6 +161,15 @@ fn smollm2_imports_equal_to_transformers_gguf_loader() {
         );
     }
 
+    // Readable by the pods that mount it, whoever imported it (safetensors writes 0600).
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let mode = std::fs::metadata(out.join("model.safetensors"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o044, 0o044, "model.safetensors is {mode:o}");
+    }
     // Dequantised, un-permuted tensors equal transformers' (first values exactly, sums to f64
     // rounding of a different summation order).
     let bytes = std::fs::read(out.join("model.safetensors")).unwrap();

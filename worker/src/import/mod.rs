@@ -238,6 +238,14 @@ fn write_all(opts: &ImportOptions, gguf: &Opened, dir: &Path) -> Result<ImportRe
         path: dest.display().to_string(),
         source: std::io::Error::other(e.to_string()),
     })?;
+    // safetensors writes through a private temporary file (0600): readable by this user only,
+    // where a model directory is read by every pod that mounts it (the pods' user is not the
+    // importer). The weights are not secret; the config files beside them are 0644 too.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&dest, std::fs::Permissions::from_mode(0o644))
+            .map_err(io_err(&dest))?;
+    }
     progress.finish();
     if let Some(e) = failure.borrow_mut().take() {
         return Err(e);

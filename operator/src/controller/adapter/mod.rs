@@ -204,7 +204,12 @@ async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
         now,
     );
     plan.events.extend(ev);
-    status::publish(adapter, ctx, &next, &plan, observed.load_error.as_deref()).await
+    let again = status::publish(adapter, ctx, &next, &plan, observed.load_error.as_deref()).await?;
+    // Decisions that follow the traffic (canary analysis, promotion, scale to zero) are taken
+    // at their own cadence, not at the 60 s of an adapter that is merely Ready.
+    Ok(Action::requeue(
+        traffic::fleet_cadence(adapter, &pool.spec).map_or(again, |d| d.min(again)),
+    ))
 }
 
 /// The pool of a live adapter is gone: what the adapter owns for it goes too (the pool's

@@ -5,7 +5,6 @@ use std::time::Duration;
 
 use chrono::{DateTime, Utc};
 use kube::api::{Patch, PatchParams};
-use kube::runtime::controller::Action;
 use kube::{Api, Resource, ResourceExt};
 use mole_crds::constants::{condition, reason};
 use mole_crds::{Adapter, AdapterPhase, AdapterStatus};
@@ -154,7 +153,7 @@ pub(super) async fn publish(
     status: &AdapterStatus,
     plan: &Plan,
     load_error: Option<&str>,
-) -> Result<Action> {
+) -> Result<Duration> {
     let old = adapter.status.clone().unwrap_or_default();
     if *status != old {
         write_status(adapter, ctx, status).await?;
@@ -185,7 +184,7 @@ pub(super) async fn publish(
         .requeue_after_secs
         .unwrap_or(DEFAULT_REQUEUE_SECS)
         .clamp(1, 3600) as u64;
-    Ok(Action::requeue(Duration::from_secs(secs)))
+    Ok(Duration::from_secs(secs))
 }
 
 pub(super) async fn write_status(
