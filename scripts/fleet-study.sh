@@ -7,7 +7,8 @@
 #      committed trace (2 GPUs: its load on the H200's rates) and on a 1,000-adapter trace with
 #      a popularity shift half-way (16 GPUs, 40 requests/s; generated from its seed, not
 #      committed);
-#   3. the committed trace on the old H100 model, for comparison with the earlier study.
+#   3. the committed trace on the CPU model measured here and on the old H100 model, for
+#      comparison with the earlier study.
 # Writes docs/fleet/study.md and the plots beside it. About 3 minutes on 2 cores (release).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -34,6 +35,11 @@ ratios=0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0
   echo
   $sim --adapters 1000 --zipf 1.1 --rate 40 --duration 3600 --seed 37 --gpus 16 \
     --dynamic-ratios $ratios --crossover-svg $out/crossover-1000.svg | grep -v '^$'
+  echo
+  echo "## The committed trace on the CPU model measured here (16 pods of 2 cores)"
+  echo
+  $sim --trace $out/trace-zipf1.1-200.csv --gpus 16 \
+    --service-model $out/service-model-cpu.json | grep '^|'
   echo
   echo "## The committed trace on the old H100 model (before the batched engine)"
   echo
