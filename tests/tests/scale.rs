@@ -112,7 +112,11 @@ spec:
         let phased = list.iter().filter(|a| a.status.is_some()).count();
         let ready = list
             .iter()
-            .filter(|a| a.status.as_ref().is_some_and(|s| s.phase == AdapterPhase::Ready))
+            .filter(|a| {
+                a.status
+                    .as_ref()
+                    .is_some_and(|s| s.phase == AdapterPhase::Ready)
+            })
             .count();
         if phased == adapters && first_phase_all.is_none() {
             first_phase_all = Some(t0.elapsed());
@@ -162,9 +166,14 @@ spec:
             .contains(&k.1.as_str())
     });
     let status_writes = per_min(&|k| writes(k) && (k.1 == "adapters" || k.1 == "inferencepools"));
-    println!("scale run: {adapters} Adapters, {pods} dynamic pods (tiny llama on CPU), operator {pid}");
+    println!(
+        "scale run: {adapters} Adapters, {pods} dynamic pods (tiny llama on CPU), operator {pid}"
+    );
     println!("| measure | value |\n|---|---|");
-    println!("| kubectl apply of the Adapters | {:.1} s |", applied.as_secs_f64());
+    println!(
+        "| kubectl apply of the Adapters | {:.1} s |",
+        applied.as_secs_f64()
+    );
     if let Some(t) = first_phase_all {
         println!("| every Adapter has a phase | {:.1} s |", t.as_secs_f64());
     }
@@ -187,5 +196,8 @@ spec:
     for ((verb, res), n) in top.iter().take(12) {
         println!("|   {verb} {res} | {:.0}/min |", *n / minute);
     }
-    assert_eq!(child_writes, 0.0, "children written in a steady minute: {d:?}");
+    assert_eq!(
+        child_writes, 0.0,
+        "children written in a steady minute: {d:?}"
+    );
 }
