@@ -531,6 +531,13 @@ pub trait PromptCodec: Send + Sync + 'static {
     /// Tokens an image of `width × height` pixels takes in the prompt (`ImagesNotSupported`
     /// when the model takes no images).
     fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError>;
+    /// Compiles a request's grammar (or finds it compiled: the engine's submit then finds it
+    /// too), on the calling thread, the server's preparation stage: `InvalidGuide` when it does
+    /// not compile, else what of a lenient JSON schema is not enforced (see
+    /// [`super::grammar::Compiled::unenforced`]). A codec without grammars compiles nothing.
+    fn compile_guide(&self, _g: &super::grammar::Guided) -> Result<Vec<String>, EngineError> {
+        Ok(Vec::new())
+    }
 }
 
 /// One running engine with everything but its text side: what a pod's

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde_json::Value;
 
 use mole_api::WorkerConfig;
 
@@ -23,8 +22,8 @@ pub(super) struct Upstream<'a> {
     pub(super) path: &'static str,
     /// The `endpoint` metric label.
     pub(super) endpoint: &'static str,
-    /// The body to send.
-    pub(super) body: &'a Value,
+    /// The body to send (JSON, as the client sent it).
+    pub(super) body: Bytes,
     /// The client's headers (its `Authorization` goes along).
     pub(super) headers: &'a HeaderMap,
     /// The request's `prefer_merged` (None: the router's `preferMerged`).
@@ -219,7 +218,11 @@ async fn proxy(
     span: &tracing::Span,
 ) -> Result<Response, String> {
     let url = format!("{}{}", ep.trim_end_matches('/'), up.path);
-    let mut req = s.http.post(&url).json(up.body);
+    let mut req = s
+        .http
+        .post(&url)
+        .header("content-type", "application/json")
+        .body(up.body.clone());
     if hop == Hop::Peer {
         req = req.header(
             FORWARDED_HEADER,

@@ -205,6 +205,7 @@ pub(super) async fn openapi_json(State(s): State<Arc<AppState>>) -> Json<serde_j
         max_stop_chars: cfg.limits.max_stop_chars,
         max_guide_chars: cfg.limits.max_guide_chars,
         max_guide_choices: cfg.limits.max_guide_choices,
+        tools: openai::outputs::Formats::for_pool(&s).tools.is_some(),
     };
     let a = s.auth();
     let auth = DocAuth {

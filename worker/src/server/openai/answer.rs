@@ -88,6 +88,8 @@ pub(super) struct Ctx {
     pub(super) parse: Option<ParseSpec>,
     /// Each choice's parser of a streamed chat with `parse`.
     pub(super) parsers: Vec<OutputParser>,
+    /// What of the answer's JSON schema is not enforced (`mole.unenforced`).
+    pub(super) unenforced: Vec<String>,
 }
 
 impl Ctx {
@@ -190,7 +192,10 @@ impl Ctx {
         }
     }
     fn mole(&self) -> MoleInfo {
-        MoleInfo::new(&self.d, self.version.clone())
+        MoleInfo {
+            unenforced: self.unenforced.clone(),
+            ..MoleInfo::new(&self.d, self.version.clone())
+        }
     }
     /// One chunk of a stream, serialized: `text` with its tokens' `lps`, the role on a chat's
     /// first chunk, the finish and `mole` on the last. `choice: false` is the closing usage

@@ -1,8 +1,10 @@
 //! `POST /v1/completions`: its validation (the prompt forms).
 
-use super::fields::{self, On};
+use axum::body::Bytes;
+
+use super::body::Fields;
 use super::types::{CompletionBody, Kind, PromptField};
-use super::validate::{check_prompt_bytes, sampling, Caps, Parts, ValidRequest, Validate, Wire};
+use super::validate::{check_prompt_bytes, sampling, Caps, Parts, ValidRequest, Validate};
 use crate::engine::api::Prompt;
 use crate::engine::grammar::Guided;
 use crate::server::error::bad;
@@ -10,17 +12,17 @@ use crate::server::{ApiError, AppState};
 
 impl Validate for CompletionBody {
     /// A string, a one-string array, or token ids of the vocabulary; the router reads the text.
-    fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
-        fields::check(
-            wire.raw.as_object().unwrap_or(&Default::default()),
-            On::Completions,
-        )?;
-        let Wire { body: b, raw } = wire;
+    fn validate(
+        fields: Fields,
+        forward: Option<Bytes>,
+        s: &AppState,
+    ) -> Result<ValidRequest, ApiError> {
+        let b = CompletionBody::read(fields)?;
         let mut sp = sampling(&b.common, false, &Caps::of(s))?;
-        sp.guide =
-            super::guided::guide(&raw, &s.cfg().limits)?.map(|guide| Guided { guide, after: None });
-        let prompt = match completion_prompt(b.prompt, s.info.model_info().vocab_size)? {
-            Prompt::Text(t) if b.add_special_tokens == Some(false) => Prompt::Templated(t),
+        sp.guide = super::guided::guide(b.guides, &s.cfg().limits)?
+            .map(|guide| Guided { guide, after: None });
+        let prompt = match completion_prompt(b.own.prompt, s.info.model_info().vocab_size)? {
+            Prompt::Text(t) if b.own.add_special_tokens == Some(false) => Prompt::Templated(t),
             p => p,
         };
         if let Prompt::Text(t) | Prompt::Templated(t) = &prompt {
@@ -35,7 +37,7 @@ impl Validate for CompletionBody {
             kind: Kind::Completion,
             prompt,
             route_text,
-            forward: raw,
+            forward,
             images: Vec::new(),
             whole: false,
             sampling: sp,

@@ -3,6 +3,7 @@
 
 pub(in crate::server) mod admin;
 mod answer;
+mod body;
 mod call_json;
 pub(in crate::server) mod chat;
 mod completions;
@@ -12,7 +13,7 @@ pub(in crate::server) mod guided;
 mod image_url;
 mod images;
 pub(in crate::server) mod models;
-mod outputs;
+pub(in crate::server) mod outputs;
 mod parse;
 #[cfg(test)]
 mod qwen3_checks;

@@ -5,10 +5,11 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
+use super::body::Typed;
 use super::images;
 use super::replies::MoleInfo;
 use super::types::RouteBody;
-use super::validate::{last_user_text, messages, Wire};
+use super::validate::{last_user_text, messages};
 use super::S;
 use crate::engine::api::Image;
 use crate::router::{self, Decision, Mode, RouteInput};
@@ -85,10 +86,7 @@ fn blocking<T>(f: impl FnOnce() -> T) -> T {
     request_body = RouteBody,
     responses((status = 200, description = "Where the request would go", body = MoleInfo), Refusals),
     security(("bearer" = [])))]
-pub async fn route(
-    State(s): S,
-    Wire { body: b, .. }: Wire<RouteBody>,
-) -> Result<Response, ApiError> {
+pub async fn route(State(s): S, Typed(b): Typed<RouteBody>) -> Result<Response, ApiError> {
     // Messages are validated whenever they are sent, also beside an `input` (which wins).
     let given = match b.messages {
         // A text model refuses image parts here, before any is fetched or decoded.
@@ -103,8 +101,8 @@ pub async fn route(
     let deadline = s.deadline();
     let (images, _held) = images::read_all(&s, images, deadline).await?;
     let input = RouteInput {
-        model: &b.common.model,
-        adapter: b.common.named_adapter(),
+        model: &b.model,
+        adapter: b.adapter.as_deref().or(b.expert.as_deref()),
         text: &text,
     };
     let d = decide(&s, &input, &images)?;
