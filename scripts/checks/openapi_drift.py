@@ -73,6 +73,11 @@ CASES = [
     ("/infer", "a task of two choices", {"prompt": "hi", "max_tokens": 2, "n": 2}),
     ("/infer", "a task by input", {"input": "hi", "max_tokens": 2}),
     ("/infer", "a task without a prompt", {"max_tokens": 2}),
+    ("/v1/responses", "an unknown item type", {"input": [{"type": "web_search_call", "id": "w"}], "max_output_tokens": 2}),
+    ("/v1/responses", "an empty input", {"input": [], "max_output_tokens": 2}),
+    ("/v1/responses", "tool_choice without tools", {"input": "x", "tool_choice": "required", "max_output_tokens": 2}),
+    ("/v1/responses", "previous_response_id", {"input": "x", "previous_response_id": "resp_1", "max_output_tokens": 2}),
+    ("/v1/responses", "a chat field", {"input": "x", "max_tokens": 2}),
     # Their neighbours, which must stay as they are.
     ("/v1/chat/completions", "tool_choice none without tools", chat(tool_choice="none")),
     ("/v1/chat/completions", "one guide", chat(guided_choice=["a", "b"])),
@@ -83,6 +88,11 @@ CASES = [
     ("/v1/chat/completions", "an unknown field", chat(temprature=0.5)),
     ("/v1/chat/completions", "logprobs as a count", chat(logprobs=2)),
     ("/v1/completions", "logprobs as a switch", completion(logprobs=True)),
+    ("/v1/responses", "a text", {"input": "hi", "instructions": "be brief", "max_output_tokens": 2}),
+    ("/v1/responses", "a tool loop's items", {"max_output_tokens": 2, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": "x"}]}),
 ]
 
 disagree = []

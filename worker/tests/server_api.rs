@@ -2419,6 +2419,25 @@ async fn typed_bodies_refuse_with_the_fields_codes() {
             400,
             "unknown_field",
         ),
+        // serde reads a struct from an array; the document does not (200 on fc4b38d).
+        (
+            "/v1/chat/completions",
+            json!({"model": "demo", "max_tokens": 2, "messages": [["user", "x"]]}),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/chat/completions",
+            chat(json!({"stream_options": [true]})),
+            400,
+            "invalid_request",
+        ),
+        (
+            "/v1/responses",
+            json!({"input": "x", "reasoning": [null, null]}),
+            400,
+            "invalid_reasoning",
+        ),
         (
             "/tokenize",
             json!({"model": "nope", "prompt": "x"}),
@@ -2513,4 +2532,318 @@ async fn a_schema_is_approximated_unless_strict_and_the_answer_says_what_was_not
     let (st, _, b) = post(&s, "/v1/chat/completions", plain).await;
     assert_eq!(st, 200, "{b}");
     assert!(b["mole"].get("unenforced").is_none(), "{b}");
+}
+
+/// The server-sent events of a streamed response: (event name, JSON data).
+async fn response_events(s: &Srv, body: &Value) -> Vec<(String, Value)> {
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/responses", s.url))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let text = r.text().await.unwrap();
+    let mut out = Vec::new();
+    let mut event = String::new();
+    for line in text.lines() {
+        if let Some(e) = line.strip_prefix("event: ") {
+            event = e.to_string();
+        } else if let Some(d) = line.strip_prefix("data: ") {
+            out.push((event.clone(), serde_json::from_str(d).unwrap()));
+        }
+    }
+    out
+}
+
+/// Issue 53: `POST /v1/responses` on the tiny Llama. A text input with instructions is
+/// answered as a `response` (a message item, usage, `store: false`, the routing in `mole`);
+/// streamed, the events come in OpenAI's order with counting sequence numbers, the text
+/// deltas join to the whole answer's text, and `response.completed` carries the same output;
+/// an adapter is named by `model`; the usage counts the prompt; a stored response is never
+/// found.
+#[tokio::test]
+async fn responses_are_answered_whole_and_streamed_alike() {
+    let s = start("", 16, 64).await;
+    let body = |stream: bool| {
+        json!({"model": "fr", "input": "bonjour", "instructions": "be brief",
+               "max_output_tokens": 12, "temperature": 0, "stream": stream,
+               "metadata": {"k": "v"}})
+    };
+    let (st, h, whole) = post(&s, "/v1/responses", body(false)).await;
+    assert_eq!(st, 200, "{whole}");
+    assert_eq!(whole["object"], "response");
+    assert!(
+        whole["id"].as_str().unwrap().starts_with("resp_"),
+        "{whole}"
+    );
+    assert_eq!(whole["status"], "incomplete", "{whole}");
+    assert_eq!(whole["incomplete_details"]["reason"], "max_output_tokens");
+    assert_eq!(
+        (&whole["store"], &whole["metadata"]["k"]),
+        (&json!(false), &json!("v"))
+    );
+    assert_eq!(whole["instructions"], "be brief");
+    assert_eq!(whole["mole"]["adapter"], "fr");
+    assert_eq!(h["x-mole-adapter"], "fr");
+    let item = &whole["output"][0];
+    assert_eq!(
+        (&item["type"], &item["role"]),
+        (&json!("message"), &json!("assistant"))
+    );
+    let text = item["content"][0]["text"].as_str().unwrap().to_string();
+    assert_eq!(whole["usage"]["output_tokens"], 12, "{whole}");
+    assert!(
+        whole["usage"]["input_tokens"].as_u64().unwrap() > 3,
+        "{whole}"
+    );
+    assert_eq!(
+        whole["usage"]["total_tokens"],
+        whole["usage"]["input_tokens"].as_u64().unwrap() + 12
+    );
+
+    let events = response_events(&s, &body(true)).await;
+    let names: Vec<&str> = events.iter().map(|(e, _)| e.as_str()).collect();
+    assert_eq!(names[..2], ["response.created", "response.in_progress"]);
+    assert_eq!(names.last(), Some(&"response.incomplete"));
+    for (i, (name, v)) in events.iter().enumerate() {
+        assert_eq!(v["type"], name.as_str(), "{v}");
+        assert_eq!(v["sequence_number"], i, "{v}");
+    }
+    let deltas: String = events
+        .iter()
+        .filter(|(e, _)| e == "response.output_text.delta")
+        .map(|(_, v)| v["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas, text, "the deltas join to the whole answer");
+    let last = &events.last().unwrap().1["response"];
+    assert_eq!(last["output"][0]["content"][0]["text"], text.as_str());
+    for k in ["input_tokens", "output_tokens", "total_tokens"] {
+        assert_eq!(last["usage"][k], whole["usage"][k], "{k}");
+    }
+    // The second time the prompt is in the prefix cache.
+    assert!(
+        last["usage"]["input_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "{last}"
+    );
+
+    for method in [reqwest::Method::GET, reqwest::Method::DELETE] {
+        let r = reqwest::Client::new()
+            .request(
+                method,
+                format!("{}/v1/responses/{}", s.url, whole["id"].as_str().unwrap()),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 404);
+        let b: Value = r.json().await.unwrap();
+        assert_eq!(code(&b), "response_not_found");
+    }
+    let m = scrape(&s).await;
+    assert!(
+        m.contains(
+            "mole_requests_total{adapter=\"fr\",endpoint=\"responses\",mode=\"dynamic\",route=\"explicit\",status=\"200\"} 2"
+        ),
+        "per-adapter metrics count the route, whole and streamed: {m}"
+    );
+}
+
+/// Issue 53: tools on the Responses API take chat's grammar path. A named function forces a
+/// `function_call` item (its `call_id`, its arguments valid against the parameters, streamed
+/// as argument deltas that join to them); the call and its `function_call_output` fed back
+/// make a second turn the model answers; bad inputs are 4xx with stable codes.
+#[tokio::test]
+async fn a_tool_loop_through_the_responses_api() {
+    let dir = fixture_root();
+    let tc = dir.path().join("base/tokenizer_config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+    cfg["chat_template"] = json!(
+        "{% if tools %}<tool_call>{% endif %}{% for m in messages %}<{{ m.role }}>\
+         {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    );
+    std::fs::write(&tc, cfg.to_string()).unwrap();
+    let yaml = config_yaml(dir.path(), "", 16, 64).replace("maxTokens: 64", "maxTokens: 200");
+    let s = launch(dir, &yaml).await;
+    let f = json!({"type": "function", "name": "f", "parameters":
+        {"type": "object", "properties": {"c": {"type": "string", "maxLength": 4}},
+         "required": ["c"], "additionalProperties": false}});
+    let body = |stream: bool| {
+        json!({"model": "fr", "stream": stream, "max_output_tokens": 90, "temperature": 0,
+               "input": [{"role": "user", "content": [{"type": "input_text", "text": "w?"}]}],
+               "tools": [f], "tool_choice": {"type": "function", "name": "f"}})
+    };
+    let (st, _, whole) = post(&s, "/v1/responses", body(false)).await;
+    assert_eq!(st, 200, "{whole}");
+    assert_eq!(whole["status"], "completed", "{whole}");
+    let calls: Vec<&Value> = whole["output"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|i| i["type"] == "function_call")
+        .collect();
+    assert_eq!(calls.len(), 1, "{whole}");
+    let call = calls[0];
+    assert_eq!(call["name"], "f");
+    assert!(
+        call["call_id"].as_str().unwrap().starts_with("call_"),
+        "{call}"
+    );
+    let args = call["arguments"].as_str().unwrap();
+    let parsed: Value = serde_json::from_str(args).unwrap();
+    assert!(
+        parsed["c"].as_str().is_some_and(|c| c.chars().count() <= 4),
+        "{args}"
+    );
+    assert_eq!(
+        whole["tool_choice"],
+        json!({"type": "function", "name": "f"})
+    );
+
+    let events = response_events(&s, &body(true)).await;
+    let deltas: String = events
+        .iter()
+        .filter(|(e, _)| e == "response.function_call_arguments.delta")
+        .map(|(_, v)| v["delta"].as_str().unwrap())
+        .collect();
+    assert_eq!(deltas, args, "the argument deltas join to the whole call");
+    let done = events
+        .iter()
+        .find(|(e, _)| e == "response.function_call_arguments.done")
+        .unwrap();
+    assert_eq!(done.1["arguments"], args);
+
+    // The second turn: the call and its output fed back.
+    let turn2 = json!({"model": "fr", "max_output_tokens": 6, "temperature": 0, "tools": [f],
+    "input": [
+        {"role": "user", "content": "w?"},
+        {"type": "function_call", "call_id": call["call_id"], "name": "f", "arguments": args},
+        {"type": "function_call_output", "call_id": call["call_id"], "output": "sunny"},
+    ]});
+    let (st, _, b) = post(&s, "/v1/responses", turn2).await;
+    assert_eq!(st, 200, "{b}");
+    assert!(!b["output"].as_array().unwrap().is_empty(), "{b}");
+
+    for (body, status, code_) in [
+        (
+            json!({"input": [{"type": "function_call_output", "call_id": "nope", "output": "x"}]}),
+            400,
+            "unknown_call_id",
+        ),
+        (
+            json!({"input": [{"type": "web_search_call", "id": "ws"}]}),
+            400,
+            "invalid_input",
+        ),
+        (
+            json!({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "AAEC"}]}]}),
+            400,
+            "images_not_supported",
+        ),
+        (
+            json!({"input": "x", "previous_response_id": "resp_1"}),
+            400,
+            "unsupported_field",
+        ),
+        (
+            json!({"input": "x", "tools": [{"type": "web_search"}]}),
+            400,
+            "invalid_tools",
+        ),
+        (
+            json!({"input": "x", "tool_choice": "required"}),
+            400,
+            "invalid_tool_choice",
+        ),
+        (json!({"input": "x", "max_tokens": 5}), 400, "unknown_field"),
+        (
+            json!({"input": "x", "model": "nope"}),
+            404,
+            "model_not_found",
+        ),
+    ] {
+        let (st, _, b) = post(&s, "/v1/responses", body.clone()).await;
+        assert_eq!((st, code(&b)), (status, code_), "{body}: {b}");
+    }
+}
+
+/// Issue 53: `text.format` takes the structured-output path: a JSON schema's answer parses
+/// and validates, strict or not.
+#[tokio::test]
+async fn responses_follow_their_text_format() {
+    let s = start("", 16, 64).await;
+    let schema = json!({"type": "object", "properties": {"ok": {"type": "boolean"}},
+                        "required": ["ok"], "additionalProperties": false});
+    for strict in [true, false] {
+        let (st, _, b) = post(
+            &s,
+            "/v1/responses",
+            json!({"input": "x", "max_output_tokens": 20, "temperature": 0,
+                   "text": {"format": {"type": "json_schema", "name": "r", "schema": schema, "strict": strict}}}),
+        )
+        .await;
+        assert_eq!(st, 200, "{b}");
+        assert_eq!(b["status"], "completed", "{b}");
+        let text = b["output"][0]["content"][0]["text"].as_str().unwrap();
+        let v: Value = serde_json::from_str(text).unwrap();
+        assert!(v["ok"].is_boolean(), "{v}");
+        assert_eq!(b["text"]["format"]["name"], "r");
+    }
+}
+
+/// Issue 53: a response for a merged adapter is forwarded to its pods like chat's (the same
+/// answer as asking them, whole or streamed), and a pod that dies mid-stream ends the stream
+/// with the Responses API's `error` event, numbered after the events that came.
+#[tokio::test]
+async fn responses_are_forwarded_to_merged_pods() {
+    let up = start(
+        "  - {name: mg, version: v1, loraId: 3, path: extra}",
+        16,
+        64,
+    )
+    .await;
+    let (dying, _h) = dying_upstream().await;
+    let extra = format!(
+        "  - {{name: mg, version: v1, loraId: 3, path: extra, mode: merged, mergedEndpoint: \"{}\"}}\n  - {{name: dying, version: v1, loraId: 6, path: extra3, mode: merged, mergedEndpoint: \"{dying}\"}}",
+        up.url
+    );
+    let s = start(&extra, 16, 64).await;
+    let ask = |model: &str, stream: bool| {
+        json!({"model": model, "stream": stream, "input": "x", "max_output_tokens": 8,
+               "temperature": 0})
+    };
+    let (st, h, b) = post(&s, "/v1/responses", ask("mg", false)).await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(h["x-mole-route"], "explicit+proxy");
+    let (_, _, direct) = post(&up, "/v1/responses", ask("mg", false)).await;
+    let text = |r: &Value| r["output"][0]["content"][0]["text"].clone();
+    assert_eq!(text(&b), text(&direct));
+    let events = response_events(&s, &ask("mg", true)).await;
+    let last = &events.last().unwrap().1;
+    assert_eq!(last["type"], "response.incomplete", "{last}");
+    assert_eq!(text(&last["response"]), text(&direct));
+    let r = reqwest::Client::new()
+        .post(format!("{}/v1/responses", s.url))
+        .json(&ask("dying", true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let t = r.text().await.unwrap();
+    assert!(t.ends_with("\n\n") && t.contains("event: error\n"), "{t}");
+    let data = t
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .next_back()
+        .unwrap();
+    let e: Value = serde_json::from_str(data).unwrap();
+    assert_eq!(
+        (&e["code"], &e["sequence_number"]),
+        (&json!("upstream_error"), &json!(1)),
+        "{e}"
+    );
+    assert!(!t.contains("[DONE]"), "{t}");
 }

@@ -12,7 +12,7 @@ use mole_api::request::{self, RealField, MAX_LOGPROBS, MAX_STOP, MAX_STOP_TOKEN_
 use super::openai::fields::{On, Treatment, FIELDS};
 
 /// The limits of this worker that bound a request.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct RequestLimits {
     /// `limits.maxTokens`.
     pub(super) max_tokens: u64,
@@ -307,6 +307,118 @@ fn prompt(lim: &RequestLimits) -> Value {
     ]})
 }
 
+/// The Responses API's body: its sampling bounds, its input items as this model takes them
+/// (image parts in user and system messages only, and only when it takes images; a tool's
+/// output and an earlier answer are text), the rules between its fields, and the field table.
+fn responses(doc: &mut Value, schemas: &Value, lim: &RequestLimits) {
+    let mut body = merged(&schemas["ResponsesBody"], schemas);
+    let Some(mut props) = body.remove("properties").and_then(|p| match p {
+        Value::Object(m) => Some(m),
+        _ => None,
+    }) else {
+        return;
+    };
+    props.insert("expert".into(), expert());
+    for b in request::REAL_FIELDS
+        .iter()
+        .filter(|b| ["temperature", "top_p", "min_p", "repetition_penalty"].contains(&b.field))
+    {
+        let mut s = real(b);
+        if let Some(d) = props.get(b.field).and_then(|p| p.get("description")) {
+            s["description"] = d.clone();
+        }
+        props.insert(b.field.into(), s);
+    }
+    props.insert("seed".into(), int(0, u64::MAX));
+    props.insert("top_k".into(), int(0, u64::MAX));
+    props.insert("max_output_tokens".into(), int(1, lim.max_tokens));
+    let image = json!({"type": "string", "description":
+        "The image: a `data:image/...;base64,` URL, base64 alone, or an http(s) URL of an allowed host."});
+    let text_parts = json!([
+        {"type": "object", "required": ["type", "text"], "properties": {
+            "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}},
+        {"type": "object", "required": ["type", "refusal"], "properties": {
+            "type": {"const": "refusal"}, "refusal": {"type": "string"}}},
+    ]);
+    let mut with_images = text_parts.as_array().cloned().unwrap_or_default();
+    if lim.vision {
+        with_images.push(
+            json!({"type": "object", "required": ["type", "image_url"], "properties": {
+            "type": {"const": "input_image"}, "image_url": image, "file_id": {"type": "null"}}}),
+        );
+    }
+    let content = |parts: Value| json!({"oneOf": [{"type": "string"}, {"type": "array", "items": {"oneOf": parts}}]});
+    let message = |roles: Value, parts: Value| {
+        json!({"type": "object", "required": ["role", "content"], "properties": {
+            "type": {"enum": ["message", null]}, "role": roles, "content": content(parts)}})
+    };
+    let item = json!({"oneOf": [
+        message(json!({"enum": ["user", "system", "developer"]}), Value::Array(with_images)),
+        message(json!({"const": "assistant"}), text_parts.clone()),
+        {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+            "type": {"const": "function_call"}, "call_id": {"type": "string"},
+            "name": {"type": "string"},
+            "arguments": {"type": "string", "contentMediaType": "application/json",
+                          "description": "A JSON object's text."}}},
+        {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+            "type": {"const": "function_call_output"},
+            "call_id": {"type": "string", "description": "A function_call's earlier in input (400 unknown_call_id otherwise)."},
+            "output": content(text_parts)}},
+        {"type": "object", "required": ["type"], "properties": {
+            "type": {"const": "reasoning"},
+            "summary": {"type": "array", "items": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}},
+            "content": {"type": ["array", "null"], "items": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}}}},
+    ]});
+    props.insert(
+        "input".into(),
+        json!({"oneOf": [{"type": "string"}, {"type": "array", "items": item, "minItems": 1}],
+               "description": format!(
+                   "The conversation: a text (one user message), or items. Its image parts are \
+                    at most limits.maxImages ({}).", lim.max_images)}),
+    );
+    props.insert(
+        "metadata".into(),
+        json!({"type": ["object", "null"], "maxProperties": 16,
+               "propertyNames": {"maxLength": 64},
+               "additionalProperties": {"type": "string", "maxLength": 512},
+               "description": "Up to 16 tags, echoed in the answer."}),
+    );
+    // tool_choice other than none needs tools; a forced call shapes the answer alone (no
+    // JSON text format beside it); tools only where the pool knows its tool-call format.
+    let set = |k: &str, inner: Value| json!({"required": [k], "properties": {k: inner}});
+    if !lim.tools {
+        props.insert(
+            "tools".into(),
+            json!({"type": ["array", "null"], "maxItems": 0, "description":
+                "This model's tool-call format is unknown: tools are refused with 400 tools_not_supported."}),
+        );
+    }
+    let forced = json!({"allOf": [
+        set("tool_choice", json!({"anyOf": [{"const": "required"}, {"type": "object"}]})),
+        set("tools", json!({"type": "array", "minItems": 1})),
+    ]});
+    let json_format = set(
+        "text",
+        set(
+            "format",
+            set("type", json!({"enum": ["json_object", "json_schema"]})),
+        ),
+    );
+    body.insert(
+        "allOf".into(),
+        json!([
+            {"anyOf": [
+                {"properties": {"tool_choice": {"enum": [null, "none"]}}},
+                set("tools", json!({"type": "array", "minItems": 1})),
+            ]},
+            {"not": {"allOf": [forced, json_format]}},
+        ]),
+    );
+    body.insert("properties".into(), Value::Object(props));
+    table(&mut body, On::RESPONSES);
+    doc["components"]["schemas"]["ResponsesBody"] = Value::Object(body);
+}
+
 /// Rewrites the request schemas of `doc` (the document as JSON) to what validation enforces.
 pub(super) fn enforce(doc: &mut Value, lim: &RequestLimits) {
     let schemas = doc["components"]["schemas"].clone();
@@ -432,6 +544,7 @@ pub(super) fn enforce(doc: &mut Value, lim: &RequestLimits) {
             json!({"type": "integer", "minimum": 0, "maximum": lim.vocab - 1});
     }
     doc["components"]["schemas"]["InMessage"] = msg;
+    responses(doc, &schemas, lim);
     // vLLM's structured_outputs: exactly one constraint.
     let so = &mut doc["components"]["schemas"]["StructuredOutputs"];
     if so.is_object() {

@@ -17,13 +17,16 @@ use serde::de::{DeserializeOwned, Visitor};
 use serde::Deserializer;
 use serde_json::{Map, Value};
 
+use std::sync::Arc;
+
 use super::fields::{self, On};
 use crate::server::error::bad;
-use crate::server::ApiError;
+use crate::server::{ApiError, AppState};
 
 /// A body's top-level fields not yet taken by a part.
 pub(in crate::server) struct Fields {
-    map: Map<String, Value>,
+    /// The body, an object.
+    body: Value,
 }
 
 impl Fields {
@@ -43,15 +46,37 @@ impl Fields {
                 integral(v);
             }
         }
-        Ok(Self { map })
+        Ok(Self {
+            body: Value::Object(map),
+        })
+    }
+
+    /// The fields not taken yet, as JSON.
+    pub(in crate::server) fn value(&self) -> &Value {
+        &self.body
+    }
+
+    fn map(&mut self) -> &mut Map<String, Value> {
+        match &mut self.body {
+            Value::Object(m) => m,
+            // `parse` made it an object.
+            other => {
+                *other = Value::Object(Map::new());
+                match other {
+                    Value::Object(m) => m,
+                    _ => unreachable!("just made an object"),
+                }
+            }
+        }
     }
 
     /// Takes part `T`: the fields `T` declares, typed. A malformed one is refused with its
     /// field's code ([`code_of`]).
     pub(in crate::server) fn take<T: DeserializeOwned>(&mut self) -> Result<T, ApiError> {
         let mut own = Map::new();
+        let map = self.map();
         for name in field_names::<T>() {
-            if let Some((k, v)) = self.map.remove_entry(*name) {
+            if let Some((k, v)) = map.remove_entry(*name) {
                 own.insert(k, v);
             }
         }
@@ -61,14 +86,14 @@ impl Fields {
     /// Takes every field as `T` (a body of one part; fields `T` does not declare are left to
     /// its own `deny_unknown_fields`, or ignored).
     pub(in crate::server) fn all<T: DeserializeOwned>(self) -> Result<T, ApiError> {
-        typed(Value::Object(self.map))
+        typed(self.body)
     }
 
     /// The fields no part took, held to `endpoint`'s field table: a refused one asking for
     /// something is 400 `unsupported_field`, one in no table of the endpoint 400
     /// `unknown_field`; ignored ones are logged.
-    pub(in crate::server) fn rest(self, endpoint: On) -> Result<(), ApiError> {
-        fields::check(&self.map, endpoint)
+    pub(in crate::server) fn rest(mut self, endpoint: On) -> Result<(), ApiError> {
+        fields::check(self.map(), endpoint)
     }
 }
 
@@ -221,16 +246,55 @@ impl<S: Send + Sync> FromRequest<S> for RawBody {
     }
 }
 
-/// A small JSON body read whole into `T` (the admin, routing and tokenizer endpoints): parsed
-/// as [`Fields`] and typed, with the same codes.
-pub(in crate::server) struct Typed<T>(pub(super) T);
+/// A body type the OpenAPI document describes under a name of its own.
+pub(in crate::server) trait Documented {
+    /// Its schema's name in the document's components.
+    const SCHEMA: &'static str;
+}
 
-impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Typed<T> {
+/// `fields` read by `read`, held to the document's `schema` as well (see
+/// [`crate::server::doc_check`]): a body the document refuses is refused, with the typed
+/// read's own code when it refuses it too.
+pub(in crate::server) fn documented<T>(
+    s: &AppState,
+    schema: &str,
+    fields: Fields,
+    read: impl FnOnce(Fields) -> Result<T, ApiError>,
+) -> Result<T, ApiError> {
+    let doc = crate::server::openapi::check_body(s, schema, fields.value());
+    match (doc, read(fields)) {
+        (Ok(()), r) | (Err(_), r @ Err(_)) => r,
+        (Err(e), Ok(_)) => Err(bad(
+            code_of(&e.path),
+            format!("{e} (as the API document, GET /openapi.json, states)"),
+        )),
+    }
+}
+
+/// A small JSON body parsed into its fields on the runtime (the routing and tokenizer
+/// endpoints, whose bodies are at most 1 MiB), for a handler that reads and checks it within
+/// [`documented`].
+pub(in crate::server) struct SmallBody(pub(super) Fields);
+
+impl<S: Send + Sync> FromRequest<S> for SmallBody {
     type Rejection = ApiError;
 
     async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
         let b = body_bytes(Bytes::from_request(req, state).await)?;
-        Fields::parse(&b)?.all().map(Self)
+        Fields::parse(&b).map(Self)
+    }
+}
+
+/// A small JSON body read whole into `T` (the admin, routing and tokenizer endpoints): parsed
+/// as [`Fields`], typed and held to the document, with the same codes.
+pub(in crate::server) struct Typed<T>(pub(super) T);
+
+impl<T: DeserializeOwned + Documented> FromRequest<Arc<AppState>> for Typed<T> {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &Arc<AppState>) -> Result<Self, ApiError> {
+        let b = body_bytes(Bytes::from_request(req, state).await)?;
+        documented(state, T::SCHEMA, Fields::parse(&b)?, Fields::all).map(Self)
     }
 }
 
@@ -238,15 +302,15 @@ impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Typed<T> {
 /// `T::default()`.
 pub(in crate::server) struct OptionalTyped<T>(pub(super) T);
 
-impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalTyped<T> {
+impl<T: DeserializeOwned + Default + Documented> FromRequest<Arc<AppState>> for OptionalTyped<T> {
     type Rejection = ApiError;
 
-    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+    async fn from_request(req: Request, state: &Arc<AppState>) -> Result<Self, ApiError> {
         let b = body_bytes(Bytes::from_request(req, state).await)?;
         if b.iter().all(u8::is_ascii_whitespace) || b.trim_ascii() == b"null" {
             return Ok(Self(T::default()));
         }
-        Fields::parse(&b)?.all().map(Self)
+        documented(state, T::SCHEMA, Fields::parse(&b)?, Fields::all).map(Self)
     }
 }
 
@@ -285,7 +349,7 @@ mod tests {
         );
         let b: B = f.take().unwrap();
         assert_eq!(b.stop, Some(vec!["s".to_string()]));
-        assert_eq!(f.map.keys().collect::<Vec<_>>(), ["other"]);
+        assert_eq!(f.map().keys().collect::<Vec<_>>(), ["other"]);
         let e = fields(json!({"tools": [1, "x"]})).take::<B>().unwrap_err();
         assert_eq!(e.code, "invalid_tools");
         assert!(e.message.starts_with("tools[1]: "), "{}", e.message);
@@ -320,7 +384,7 @@ mod tests {
         let f = fields(json!({"n": 10.0, "t": 0.5, "ids": [1.0, -2.0],
                               "chat_template_kwargs": {"x": 1.0}}));
         assert_eq!(
-            Value::Object(f.map),
+            f.body,
             json!({"n": 10, "t": 0.5, "ids": [1, -2], "chat_template_kwargs": {"x": 1.0}})
         );
     }

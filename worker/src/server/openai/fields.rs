@@ -141,7 +141,7 @@ pub(in crate::server) const FIELDS: &[Field] = &[
     served("seed", "OpenAI", ALL),
     served("stop", "OpenAI", BOTH),
     served("stream", "OpenAI", ALL),
-    served("stream_options", "OpenAI", ALL),
+    served("stream_options", "OpenAI", BOTH),
     served("temperature", "OpenAI", ALL),
     served("top_p", "OpenAI", ALL),
     refused("logit_bias", "OpenAI", BOTH, "biases token logits", &["{}"]),
@@ -475,6 +475,12 @@ pub(in crate::server) const FIELDS: &[Field] = &[
         "mole stores no responses: every answer says `store: false`, and `GET`/`DELETE /v1/responses/{id}` answer 404 `response_not_found`",
     ),
     ignored(
+        "stream_options",
+        "OpenAI",
+        RESPONSES,
+        "`include_obfuscation` pads a stream's deltas against length side channels; mole sends no padding, and a response stream always ends with the usage",
+    ),
+    ignored(
         "max_tool_calls",
         "OpenAI",
         RESPONSES,
@@ -639,7 +645,16 @@ mod tests {
             field_names::<Guides>(),
             field_names::<Common>(),
         ]);
-        for (endpoint, typed) in [(CHAT, chat), (COMPLETIONS, completions)] {
+        let responses = typed(&[
+            field_names::<crate::server::openai::responses::ResponsesOwn>(),
+            field_names::<crate::server::openai::responses::ResponseToolFields>(),
+            field_names::<crate::server::openai::responses::ResponsesCommon>(),
+        ]);
+        for (endpoint, typed) in [
+            (CHAT, chat),
+            (COMPLETIONS, completions),
+            (RESPONSES, responses),
+        ] {
             let served: BTreeSet<&str> = FIELDS
                 .iter()
                 .filter(|f| f.on.covers(endpoint))

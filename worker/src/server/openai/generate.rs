@@ -14,6 +14,7 @@ use super::body::RawBody;
 use super::images;
 use super::parse::OutputParser;
 use super::replies::{Answer, ChatChoice, ChatEvent, TextChoice, TextEvent};
+use super::response_out::ResponseState;
 use super::route::decide;
 use super::types::{ChatBody, CompletionBody};
 use super::validate::{max_seq, prepare_request, ValidRequest, Validate};
@@ -193,6 +194,10 @@ async fn serve_routed(
     } else {
         req.model
     };
+    let resp = match (req.echo, req.parse) {
+        (Some(echo), Some(spec)) => Some(ResponseState::new(id.clone(), model.clone(), echo, spec)),
+        _ => None,
+    };
     let ctx = Ctx {
         s: s.clone(),
         d,
@@ -213,6 +218,7 @@ async fn serve_routed(
             _ => Vec::new(),
         },
         unenforced: req.unenforced,
+        resp,
     };
     let rx = choices(rx);
     if req.stream {

@@ -18,6 +18,8 @@ mod parse;
 #[cfg(test)]
 mod qwen3_checks;
 pub(in crate::server) mod replies;
+mod response_out;
+pub(in crate::server) mod responses;
 pub(in crate::server) mod route;
 pub(in crate::server) mod tokens;
 pub(in crate::server) mod tools;
@@ -35,6 +37,7 @@ pub(super) use chat::infer;
 pub(super) use generate::{chat_completions, completions};
 
 pub(super) use models::models;
+pub(super) use responses::{create_response, delete_response, get_response};
 pub(super) use route::route;
 pub(super) use tokens::{detokenize, tokenize, version};
 

@@ -5,7 +5,7 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
-use super::body::Typed;
+use super::body::{documented, SmallBody};
 use super::images;
 use super::replies::MoleInfo;
 use super::types::RouteBody;
@@ -86,14 +86,18 @@ fn blocking<T>(f: impl FnOnce() -> T) -> T {
     request_body = RouteBody,
     responses((status = 200, description = "Where the request would go", body = MoleInfo), Refusals),
     security(("bearer" = [])))]
-pub async fn route(State(s): S, Typed(b): Typed<RouteBody>) -> Result<Response, ApiError> {
-    // Messages are validated whenever they are sent, also beside an `input` (which wins).
-    let given = match b.messages {
-        // A text model refuses image parts here, before any is fetched or decoded.
-        Some(m) => Some(messages(m, &s.cfg().limits, s.info.model_info().vision)?),
-        None => None,
-    };
-    let (text, images) = match (b.input, given) {
+pub async fn route(State(s): S, SmallBody(f): SmallBody) -> Result<Response, ApiError> {
+    let (mut b, given) = documented(&s, "RouteBody", f, |f| {
+        let mut b: RouteBody = f.all()?;
+        // Messages are validated whenever they are sent, also beside an `input` (which wins).
+        let given = match b.messages.take() {
+            // A text model refuses image parts here, before any is fetched or decoded.
+            Some(m) => Some(messages(m, &s.cfg().limits, s.info.model_info().vision)?),
+            None => None,
+        };
+        Ok((b, given))
+    })?;
+    let (text, images) = match (b.input.take(), given) {
         (Some(t), _) => (t, Vec::new()),
         (None, Some((msgs, images))) => (last_user_text(&msgs), images),
         (None, None) => return Err(bad("invalid_request", "give input or messages")),

@@ -7,7 +7,7 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::body::Typed;
+use super::body::{documented, SmallBody, Typed};
 use super::images;
 use super::replies::{DetokenizeAnswer, TokenizeAnswer, VersionAnswer};
 use super::types::InMessage;
@@ -48,17 +48,25 @@ pub(in crate::server) struct TokenizeBody {
     security(("bearer" = [])))]
 pub async fn tokenize(
     State(s): S,
-    Typed(b): Typed<TokenizeBody>,
+    SmallBody(f): SmallBody,
 ) -> Result<Json<TokenizeAnswer>, ApiError> {
+    let (b, given) = documented(&s, "TokenizeBody", f, |f| {
+        let mut b: TokenizeBody = f.all()?;
+        // A text model refuses image parts here, before any is fetched or decoded.
+        let given = match b.messages.take() {
+            Some(m) => Some(messages(m, &s.cfg().limits, s.info.model_info().vision)?),
+            None => None,
+        };
+        Ok((b, given))
+    })?;
     super::models::check_model(&s, b.model.as_deref())?;
     let deadline = s.deadline();
-    let (prompt, sources) = match (b.prompt, b.messages) {
+    let (prompt, sources) = match (b.prompt, given) {
         (Some(p), None) => match b.add_special_tokens.unwrap_or(true) {
             true => (Prompt::Text(p), Vec::new()),
             false => (Prompt::Templated(p), Vec::new()),
         },
-        (None, Some(m)) => {
-            let (msgs, sources) = messages(m, &s.cfg().limits, s.info.model_info().vision)?;
+        (None, Some((msgs, sources))) => {
             let mut kwargs = b.chat_template_kwargs;
             kwargs.insert(
                 "add_generation_prompt".into(),

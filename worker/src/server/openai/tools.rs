@@ -59,30 +59,7 @@ pub(in crate::server) struct FunctionDef {
     pub(super) strict: Option<bool>,
 }
 
-/// `"function"`, the one tool type (a field of this type is read only to check it).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(in crate::server) struct FunctionTag;
-
-impl<'de> Deserialize<'de> for FunctionTag {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        match String::deserialize(d)?.as_str() {
-            "function" => Ok(FunctionTag),
-            other => Err(serde::de::Error::custom(format!(
-                "type must be \"function\", got {other:?}"
-            ))),
-        }
-    }
-}
-
-impl utoipa::PartialSchema for FunctionTag {
-    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
-        utoipa::openapi::ObjectBuilder::new()
-            .schema_type(utoipa::openapi::schema::Type::String)
-            .enum_values(Some(["function"]))
-            .into()
-    }
-}
-impl ToSchema for FunctionTag {}
+super::types::tag!(FunctionTag, "function");
 
 /// `tool_choice`.
 #[derive(Deserialize, ToSchema, Debug, Clone)]

@@ -14,6 +14,40 @@ use super::guided::Guides;
 use super::tools::{FunctionTag, ToolFields};
 use crate::server::ApiError;
 
+/// A unit type that reads exactly one string, a `type` tag: for the tagged objects serde's own
+/// tagging cannot read (a tag that may be left out, a tag inside an untagged alternative). A
+/// field of such a type is read only to check it.
+macro_rules! tag {
+    ($name:ident, $value:literal) => {
+        #[doc = concat!("The tag `\"", $value, "\"`.")]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub(in crate::server) struct $name;
+
+        impl<'de> serde::Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                match String::deserialize(d)?.as_str() {
+                    $value => Ok($name),
+                    other => Err(serde::de::Error::custom(format!(
+                        "type must be {:?}, got {other:?}",
+                        $value
+                    ))),
+                }
+            }
+        }
+
+        impl utoipa::PartialSchema for $name {
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                utoipa::openapi::ObjectBuilder::new()
+                    .schema_type(utoipa::openapi::schema::Type::String)
+                    .enum_values(Some([$value]))
+                    .into()
+            }
+        }
+        impl utoipa::ToSchema for $name {}
+    };
+}
+pub(super) use tag;
+
 /// `stop`: one string or up to four, none empty.
 #[derive(Deserialize, Debug, Clone, PartialEq)]
 #[serde(untagged, expecting = "a string or an array of strings")]
@@ -94,7 +128,9 @@ impl ImageUrl {
 
 /// The seeds' `expert`: an adapter name or its router label, a string or an integer label
 /// (`"expert": 1`).
-fn name_or_label<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+pub(super) fn name_or_label<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<String>, D::Error> {
     #[derive(Deserialize)]
     #[serde(
         untagged,
@@ -111,7 +147,7 @@ fn name_or_label<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String
 }
 
 /// `expert`'s schema: an adapter name or an integer label.
-fn name_or_label_schema() -> utoipa::openapi::schema::Schema {
+pub(super) fn name_or_label_schema() -> utoipa::openapi::schema::Schema {
     use utoipa::openapi::schema::{OneOfBuilder, Type};
     use utoipa::openapi::ObjectBuilder;
     utoipa::openapi::schema::Schema::OneOf(
@@ -435,6 +471,8 @@ pub(in crate::server) enum Kind {
     Chat,
     /// `text_completion`.
     Completion,
+    /// `response` (the Responses API).
+    Response,
 }
 
 impl Kind {
@@ -443,6 +481,7 @@ impl Kind {
         match self {
             Kind::Chat => "chat",
             Kind::Completion => "completions",
+            Kind::Response => "responses",
         }
     }
     /// The path of the same call on a merged pod.
@@ -450,13 +489,15 @@ impl Kind {
         match self {
             Kind::Chat => "/v1/chat/completions",
             Kind::Completion => "/v1/completions",
+            Kind::Response => "/v1/responses",
         }
     }
-    /// The prefix of answer ids.
+    /// The prefix of answer ids (OpenAI's: `chatcmpl-`, `cmpl-`, `resp_`).
     pub(super) fn id_prefix(self) -> &'static str {
         match self {
-            Kind::Chat => "chatcmpl",
-            Kind::Completion => "cmpl",
+            Kind::Chat => "chatcmpl-",
+            Kind::Completion => "cmpl-",
+            Kind::Response => "resp_",
         }
     }
 }
@@ -559,4 +600,22 @@ pub(in crate::server) struct ReloadBody {
     /// `WorkerConfig::content_hash()` the caller expects the file to have.
     #[serde(default)]
     pub(super) config_hash: Option<String>,
+}
+
+/// The names of the bodies' schemas in the OpenAPI document.
+macro_rules! documented {
+    ($($t:ty => $name:literal),* $(,)?) => {
+        $(impl super::body::Documented for $t {
+            const SCHEMA: &'static str = $name;
+        })*
+    };
+}
+documented! {
+    ChatBody => "ChatBody",
+    CompletionBody => "CompletionBody",
+    InferBody => "InferBody",
+    LoadBody => "LoadBody",
+    ReloadBody => "ReloadBody",
+    super::responses::ResponsesBody => "ResponsesBody",
+    super::tokens::DetokenizeBody => "DetokenizeBody",
 }

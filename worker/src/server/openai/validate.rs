@@ -25,7 +25,9 @@ use mole_api::request::{
 
 /// A generation body that validation turns into a [`ValidRequest`]: chat, completions,
 /// responses and `/infer`.
-pub(in crate::server) trait Validate: Sized + Send + 'static {
+pub(in crate::server) trait Validate:
+    Sized + Send + 'static + super::body::Documented
+{
     /// The validated request of `fields` (the body, parsed), or the 4xx that refuses it.
     /// `forward` is the body as sent, kept when this pool may forward it to a merged pod or a
     /// peer.
@@ -51,7 +53,7 @@ pub(super) async fn prepare_request<B: Validate>(
             // The bytes are kept only where they may be forwarded as sent: not held while the
             // request is templated otherwise.
             let forward = may_forward(&st).then_some(body.0);
-            B::validate(fields, forward, &st)
+            super::body::documented(&st, B::SCHEMA, fields, |f| B::validate(f, forward, &st))
         })
         .await
 }
@@ -62,7 +64,7 @@ fn may_forward(s: &AppState) -> bool {
     !cfg.peers.is_empty() || cfg.adapters.iter().any(|a| a.merged_endpoint.is_some())
 }
 
-/// One generation request, validated: what chat, completion and `/infer` bodies
+/// One generation request, validated: what chat, completion, responses and `/infer` bodies
 /// become, and all the serving path takes. Built once, every bound checked
 /// ([`mole_api::request`]), the prompt tokenized, its grammar compiled; nothing changes it
 /// afterwards.
@@ -104,6 +106,8 @@ pub(in crate::server) struct ValidRequest {
     /// What of the answer's JSON schema is not enforced (a schema without `strict`; see
     /// [`crate::engine::grammar::Guide::Json`]), reported with the answer.
     pub(super) unenforced: Vec<String>,
+    /// What a Responses API answer repeats of its request (None: another kind of answer).
+    pub(super) echo: Option<super::response_out::Echo>,
 }
 
 /// The parts of a [`ValidRequest`] each body validates its own way.
@@ -166,6 +170,7 @@ impl ValidRequest {
             images: parts.images,
             parse: parts.parse,
             unenforced,
+            echo: None,
         };
         // Images only add tokens: a prompt too long without them is too long with them, and
         // is refused before routing.
@@ -510,23 +515,34 @@ pub(super) fn messages(
 /// {"name", "arguments": {...}}}`, the arguments an object (400 `invalid_tool_calls` when their
 /// text is not JSON).
 pub(super) fn tool_call(c: super::types::InToolCall, i: usize) -> Result<Value, ApiError> {
-    let arguments = match c.function.arguments {
+    tool_call_value(c.id, c.function.name, c.function.arguments).map_err(|e| {
+        bad(
+            "invalid_tool_calls",
+            format!("messages[{i}].tool_calls: {e}"),
+        )
+    })
+}
+
+/// A call as a template reads it (see [`tool_call`]), or why its arguments are not JSON.
+pub(super) fn tool_call_value(
+    id: Option<String>,
+    name: String,
+    arguments: Arguments,
+) -> Result<Value, String> {
+    let arguments = match arguments {
         Arguments::Object(o) => Value::Object(o),
-        Arguments::Text(a) => serde_json::from_str(&a).map_err(|e| {
-            bad(
-                "invalid_tool_calls",
-                format!("messages[{i}].tool_calls: arguments are not JSON: {e}"),
-            )
-        })?,
+        Arguments::Text(a) => {
+            serde_json::from_str(&a).map_err(|e| format!("arguments are not JSON: {e}"))?
+        }
     };
     let mut out = serde_json::Map::new();
-    if let Some(id) = c.id {
+    if let Some(id) = id {
         out.insert("id".into(), Value::String(id));
     }
     out.insert("type".into(), Value::from("function"));
     out.insert(
         "function".into(),
-        serde_json::json!({"name": c.function.name, "arguments": arguments}),
+        serde_json::json!({"name": name, "arguments": arguments}),
     );
     Ok(Value::Object(out))
 }
@@ -753,6 +769,7 @@ mod tests {
             images: Vec::new(),
             parse: None,
             unenforced: Vec::new(),
+            echo: None,
         };
         // No max_tokens asked: what the prompt leaves.
         assert_eq!(req(false, 256).fit_context(100, 128).unwrap(), 28);
