@@ -2847,3 +2847,49 @@ async fn responses_are_forwarded_to_merged_pods() {
     );
     assert!(!t.contains("[DONE]"), "{t}");
 }
+
+/// Tools beside a JSON format, as OpenAI serves them: a forced call shapes the answer (the
+/// format applies to text, of which there is none), and with `auto` the answer is either calls
+/// or the JSON, one grammar of both (the tiny Llama at temperature 0 writes one or the other;
+/// either parses).
+#[tokio::test]
+async fn tools_beside_a_json_format() {
+    let dir = fixture_root();
+    let tc = dir.path().join("base/tokenizer_config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+    cfg["chat_template"] = json!(
+        "{% if tools %}<tool_call>{% endif %}{% for m in messages %}<{{ m.role }}>\
+         {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    );
+    std::fs::write(&tc, cfg.to_string()).unwrap();
+    let yaml = config_yaml(dir.path(), "", 16, 64).replace("maxTokens: 64", "maxTokens: 200");
+    let s = launch(dir, &yaml).await;
+    let f = json!({"type": "function", "function": {"name": "f", "parameters":
+        {"type": "object", "properties": {"c": {"type": "string", "maxLength": 4}},
+         "required": ["c"], "additionalProperties": false}}});
+    let format = json!({"type": "json_schema", "json_schema": {"name": "r", "schema":
+        {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+         "additionalProperties": false}}});
+    let ask = |choice: Value| {
+        json!({"model": "fr", "max_tokens": 90, "temperature": 0,
+               "messages": [{"role": "user", "content": "w?"}], "tools": [f],
+               "tool_choice": choice, "response_format": format, "parallel_tool_calls": false})
+    };
+    let (st, _, b) = post(&s, "/v1/chat/completions", ask(json!("required"))).await;
+    assert_eq!(st, 200, "{b}");
+    assert_eq!(b["choices"][0]["finish_reason"], "tool_calls", "{b}");
+    let (st, _, b) = post(&s, "/v1/chat/completions", ask(json!("auto"))).await;
+    assert_eq!(st, 200, "{b}");
+    let m = &b["choices"][0]["message"];
+    match m["tool_calls"].as_array() {
+        Some(calls) => {
+            let args: Value =
+                serde_json::from_str(calls[0]["function"]["arguments"].as_str().unwrap()).unwrap();
+            assert!(args["c"].is_string(), "{b}");
+        }
+        None => {
+            let v: Value = serde_json::from_str(m["content"].as_str().unwrap()).unwrap();
+            assert!(v["ok"].is_boolean(), "{b}");
+        }
+    }
+}

@@ -237,8 +237,8 @@ fn message(derived: &Value, schemas: &Value, vision: bool) -> Value {
 
 /// The rules between the fields that shape an answer, which each field's own schema cannot
 /// state: at most one structured output (one field, one key of `structured_outputs`, a
-/// `response_format` other than `text`), `tool_choice` other than `none` only beside tools, and
-/// no structured output beside a forced call. With `tools_known` false (the pool does not know
+/// `response_format` other than `text`), and `tool_choice` other than `none` only beside tools
+/// (a forced call beside a format is served: the call shapes that answer). With `tools_known` false (the pool does not know
 /// its model's tool-call format) `tools` must be empty.
 fn shaping_rules(
     props: &mut Map<String, Value>,
@@ -280,16 +280,6 @@ fn shaping_rules(
             {"properties": {"tool_choice": {"enum": [null, "none"]}}},
             set("tools", json!({"type": "array", "minItems": 1})),
         ]}));
-        // A forced call shapes the answer alone.
-        let forced = json!({"allOf": [
-            set("tool_choice", json!({"anyOf": [{"const": "required"}, {"type": "object"}]})),
-            set("tools", json!({"type": "array", "minItems": 1})),
-        ]});
-        let with_guide: Vec<Value> = guides
-            .iter()
-            .map(|g| json!({"allOf": [forced, g]}))
-            .collect();
-        all.push(json!({"not": {"anyOf": with_guide}}));
     }
     out.insert("allOf".into(), Value::Array(all));
 }
@@ -383,8 +373,8 @@ fn responses(doc: &mut Value, schemas: &Value, lim: &RequestLimits) {
                "additionalProperties": {"type": "string", "maxLength": 512},
                "description": "Up to 16 tags, echoed in the answer."}),
     );
-    // tool_choice other than none needs tools; a forced call shapes the answer alone (no
-    // JSON text format beside it); tools only where the pool knows its tool-call format.
+    // tool_choice other than none needs tools; tools only where the pool knows its tool-call
+    // format.
     let set = |k: &str, inner: Value| json!({"required": [k], "properties": {k: inner}});
     if !lim.tools {
         props.insert(
@@ -393,17 +383,6 @@ fn responses(doc: &mut Value, schemas: &Value, lim: &RequestLimits) {
                 "This model's tool-call format is unknown: tools are refused with 400 tools_not_supported."}),
         );
     }
-    let forced = json!({"allOf": [
-        set("tool_choice", json!({"anyOf": [{"const": "required"}, {"type": "object"}]})),
-        set("tools", json!({"type": "array", "minItems": 1})),
-    ]});
-    let json_format = set(
-        "text",
-        set(
-            "format",
-            set("type", json!({"enum": ["json_object", "json_schema"]})),
-        ),
-    );
     body.insert(
         "allOf".into(),
         json!([
@@ -411,7 +390,6 @@ fn responses(doc: &mut Value, schemas: &Value, lim: &RequestLimits) {
                 {"properties": {"tool_choice": {"enum": [null, "none"]}}},
                 set("tools", json!({"type": "array", "minItems": 1})),
             ]},
-            {"not": {"allOf": [forced, json_format]}},
         ]),
     );
     body.insert("properties".into(), Value::Object(props));

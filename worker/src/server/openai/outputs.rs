@@ -12,7 +12,6 @@ use super::parse::{ParseSpec, Start};
 use super::tools::{self, ToolRequest};
 use crate::engine::api::{ChatMessage, SamplingParams};
 use crate::engine::grammar::{Guide, Guided};
-use crate::server::error::bad;
 use crate::server::{ApiError, AppState};
 
 /// The pool's output formats.
@@ -84,8 +83,11 @@ pub(super) fn tools(
     Ok(Some(t))
 }
 
-/// The answer's grammar and split, once the prompt is rendered: structured outputs (`guide`)
-/// or a forced tool call, starting after the reasoning when the model reasons.
+/// The answer's grammar and split, once the prompt is rendered: a forced tool call, or
+/// structured outputs (`guide`), starting after the reasoning when the model reasons. As
+/// OpenAI's: a forced call shapes the answer (a format applies to an answer's text, and there
+/// is none); with `auto` tools and a JSON format the answer is either calls or the JSON (one
+/// grammar of both); another format with `auto` tools leaves no room for a call.
 pub(super) fn finish(
     prompt: &str,
     f: &Formats,
@@ -94,15 +96,17 @@ pub(super) fn finish(
     sampling: &mut SamplingParams,
 ) -> Result<Option<ParseSpec>, ApiError> {
     let forced = tools.and_then(|t| t.forced.clone());
-    if guide.is_some() && forced.is_some() {
-        return Err(bad(
-            "conflicting_guides",
-            "a structured output and a forced tool call (tool_choice required or named) \
-             cannot both shape one answer",
-        ));
-    }
+    let calls = tools.and_then(|t| t.calls.as_deref());
+    let shape = match (forced, guide, calls) {
+        (Some(call), _, _) => Some(call),
+        (None, Some(Guide::Json { schema, strict }), Some(rules)) => Some(Guide::Lark(format!(
+            "start: calls | WS calls | json | WS json\n{rules}json: %json {}\n",
+            crate::engine::grammar::compact(&schema, strict)
+        ))),
+        (None, g, _) => g,
+    };
     let start = f.reasoning.map(|r| Start::after(prompt, r));
-    if let Some(g) = guide.or(forced) {
+    if let Some(g) = shape {
         sampling.guide = Some(Guided {
             guide: g,
             after: match start {

@@ -112,6 +112,9 @@ pub(super) struct ToolRequest {
     pub(super) parse: bool,
     /// The grammar that forces a call (`required` or a named function).
     pub(super) forced: Option<Guide>,
+    /// With `auto`: the Lark rules of calls to any of the tools (`calls`, `WS`), for an
+    /// answer that is either calls or a structured output (see [`super::outputs::finish`]).
+    pub(super) calls: Option<String>,
 }
 
 /// A function as the template gets it.
@@ -178,19 +181,31 @@ pub(super) fn read(
             (true, Some(call_grammar(&one, false)))
         }
     };
+    let calls = (parse && forced.is_none()).then(|| call_rules(&funcs, parallel));
     Ok(Some(ToolRequest {
         tools: funcs.iter().map(|f| template_tool(f)).collect(),
         parse,
         forced,
+        calls,
     }))
 }
 
 /// The Lark grammar of one Hermes call to one of `funcs` (or several calls, one per line,
-/// when `parallel`): `<tool_call>\n{"name": <one of them>, "arguments": <its parameters>}\n
-/// </tool_call>`, the JSON part llguidance's `%json` of a schema whose `anyOf` pairs each name
-/// with its parameters. Strict (every keyword enforced or the request refused) when every
-/// function is `strict`.
+/// when `parallel`), a few whitespace characters allowed first (see [`call_rules`]).
 pub(super) fn call_grammar(funcs: &[&FunctionDef], parallel: bool) -> Guide {
+    Guide::Lark(format!(
+        "start: calls | WS calls\n{}",
+        call_rules(funcs, parallel)
+    ))
+}
+
+/// The Lark rules of Hermes calls: `calls` (one, or several one per line when `parallel`) of
+/// `<tool_call>\n{"name": <one of them>, "arguments": <its parameters>}\n</tool_call>`, the
+/// JSON part llguidance's `%json` of a schema whose `anyOf` pairs each name with its
+/// parameters; strict (every keyword enforced or the request refused) when every function is
+/// `strict`; and `WS`, the few whitespace characters that may come first (Qwen3 writes
+/// "\n\n" after `</think>`).
+pub(super) fn call_rules(funcs: &[&FunctionDef], parallel: bool) -> String {
     let alts: Vec<Value> = funcs
         .iter()
         .map(|f| {
@@ -219,11 +234,10 @@ pub(super) fn call_grammar(funcs: &[&FunctionDef], parallel: bool) -> Guide {
     } else {
         "call"
     };
-    // A few whitespace characters may come first (Qwen3 writes "\n\n" after `</think>`).
-    Guide::Lark(format!(
-        "start: calls | WS calls\ncalls: {calls}\nWS: /[ \\t\\r\\n]{{1,4}}/\n\
+    format!(
+        "calls: {calls}\nWS: /[ \\t\\r\\n]{{1,4}}/\n\
          call: \"<tool_call>\\n\" args \"\\n</tool_call>\"\nargs: %json {schema}\n"
-    ))
+    )
 }
 
 /// The tools section Qwen2.5's and Qwen3's templates write, for a template that has none
