@@ -363,7 +363,9 @@ pub fn compact(schema: &Json, strict: bool) -> Json {
 
 /// What llguidance's warnings say was not enforced, one entry per keyword: `Unimplemented keys:
 /// ["not", "uniqueItems"]` is `not` and `uniqueItems`; `Unknown format: phone` is `format:
-/// phone`; the `oneOf` fallback is `oneOf`; any other warning as it is.
+/// phone`; the `oneOf` fallback (or, strict, its refusal) is `oneOf`; property-count bounds over
+/// optional properties are
+/// `minProperties/maxProperties`; any other warning as it is.
 pub fn unenforced(warnings: &[String]) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
     for w in warnings {
@@ -376,8 +378,13 @@ pub fn unenforced(warnings: &[String]) -> Vec<String> {
             serde_json::from_str::<Vec<String>>(keys).unwrap_or_else(|_| vec![keys.to_string()])
         } else if let Some(f) = w.strip_prefix("Unknown format: ") {
             vec![format!("format: {f}")]
-        } else if w.starts_with("oneOf not fully supported") {
+        } else if w.starts_with("oneOf not fully supported")
+            || w.starts_with("oneOf constraints are not supported")
+        {
             vec!["oneOf".to_string()]
+        } else if w.starts_with("min/maxProperties only supported") {
+            // Bounds on how many properties, where some are optional.
+            vec!["minProperties/maxProperties".to_string()]
         } else {
             vec![w.to_string()]
         };
