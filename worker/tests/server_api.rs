@@ -2893,3 +2893,88 @@ async fn tools_beside_a_json_format() {
         }
     }
 }
+
+/// The real engine, its classifier's scoring taking 1.5 s (a big classifier, a busy engine).
+struct SlowClassifier {
+    inner: EngineHandles,
+}
+
+impl Serving for SlowClassifier {
+    fn submit(&self, req: GenerateRequest) -> Result<EventStream, EngineError> {
+        self.inner.serving.submit(req)
+    }
+    fn score_labels(
+        &self,
+        a: Option<&str>,
+        p: &str,
+        l: &[String],
+        i: &[Image],
+    ) -> Result<Vec<f32>, EngineError> {
+        std::thread::sleep(Duration::from_millis(1500));
+        self.inner.serving.score_labels(a, p, l, i)
+    }
+}
+
+/// Issue 52 (still on the runtime): the router's model work (the classifier's pass, an
+/// embedding) is done on the preparation stage, not on the async runtime: while a routed
+/// request waits for a slow classifier, the runtime answers the probes at once (on a
+/// current-thread runtime, as this test's, a router run on the runtime blocks everything).
+#[tokio::test]
+async fn routing_work_is_off_the_runtime() {
+    let dir = fixture_root();
+    let yaml = config_yaml(dir.path(), "", 16, 64)
+        .replace("path: fr, keywords", "path: fr, label: french, keywords")
+        .replace("path: js, keywords", "path: js, label: json, keywords")
+        .replace(
+            "router: {strategies: [explicit, keywords], fallback: base}",
+            "router: {strategies: [classifier, keywords], classifierAdapter: fr, minConfidence: 0.0, fallback: base}",
+        );
+    let s = launch_with(
+        dir,
+        &yaml,
+        |inner| {
+            let slow = Arc::new(SlowClassifier {
+                inner: inner.clone(),
+            });
+            EngineHandles {
+                serving: slow,
+                ..inner
+            }
+        },
+        Duration::from_millis(200),
+        true,
+    )
+    .await;
+    for (path, body) in [
+        ("/v1/route", json!({"input": "tell me"})),
+        (
+            "/v1/chat/completions",
+            json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "tell me"}]}),
+        ),
+    ] {
+        let url = format!("{}{path}", s.url);
+        let routed = tokio::spawn(async move {
+            reqwest::Client::new()
+                .post(url)
+                .json(&body)
+                .send()
+                .await
+                .unwrap()
+                .status()
+        });
+        // Probes every 100 ms while the request is routed (its classifier takes 1.5 s).
+        let mut slowest = Duration::ZERO;
+        while !routed.is_finished() {
+            let t = std::time::Instant::now();
+            let r = reqwest::get(format!("{}/healthz", s.url)).await.unwrap();
+            assert_eq!(r.status(), 200);
+            slowest = slowest.max(t.elapsed());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(
+            slowest < Duration::from_millis(500),
+            "{path}: a probe took {slowest:?} while the classifier ran"
+        );
+        assert_eq!(routed.await.unwrap(), 200, "{path}");
+    }
+}

@@ -15,7 +15,7 @@ use super::images;
 use super::parse::OutputParser;
 use super::replies::{Answer, ChatChoice, ChatEvent, TextChoice, TextEvent};
 use super::response_out::ResponseState;
-use super::route::decide;
+use super::route::decide_off_runtime;
 use super::types::{ChatBody, CompletionBody};
 use super::validate::{max_seq, prepare_request, ValidRequest, Validate};
 use super::S;
@@ -88,7 +88,17 @@ pub(super) async fn serve(
     }
     // The sources become pixels (the request keeps the rest).
     let (images, held) = images::read_all(s, std::mem::take(&mut req.images), deadline).await?;
-    let d = decide(s, &req.route_input(), &images)?;
+    // What the router reads is not needed afterwards: moved, not copied.
+    let text = std::mem::take(&mut req.route_text);
+    let (d, images) = decide_off_runtime(
+        s,
+        req.model.clone(),
+        req.adapter.clone(),
+        text,
+        images,
+        deadline,
+    )
+    .await?;
     let span = tracing::Span::current();
     span.record("mole.adapter", d.adapter.as_deref().unwrap_or(""));
     span.record("mole.mode", d.mode.as_str());

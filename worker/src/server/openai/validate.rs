@@ -15,7 +15,6 @@ use super::types::{
     Arguments, Common, Content, InMessage, Kind, Logprobs, PartType, Role, StopField,
 };
 use crate::engine::api::{ChatMessage, ContentPart, Prompt, SamplingParams};
-use crate::router::RouteInput;
 use crate::server::error::bad;
 use crate::server::gateway::Upstream;
 use crate::server::{ApiError, AppState};
@@ -176,15 +175,6 @@ impl ValidRequest {
         // is refused before routing.
         req.fit_context(req.prompt.len(), max_seq(s))?;
         Ok(req)
-    }
-
-    /// What the router sees of the request.
-    pub(super) fn route_input(&self) -> RouteInput<'_> {
-        RouteInput {
-            model: &self.model,
-            adapter: self.adapter.as_deref(),
-            text: &self.route_text,
-        }
     }
 
     /// The `max_tokens` of an answer in a context of `max_seq` tokens after `prompt_tokens`:
