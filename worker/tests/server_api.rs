@@ -2235,6 +2235,22 @@ async fn request_fields_are_served_refused_or_harmlessly_ignored() {
     }
 }
 
+/// A worker on the tiny Llama whose template is given a tools section naming `<tool_call>`
+/// (so the Hermes format is detected from it), short (the tiny Llama holds 128 positions,
+/// prompt and call together), `maxTokens` 200.
+async fn tool_server() -> Srv {
+    let dir = fixture_root();
+    let tc = dir.path().join("base/tokenizer_config.json");
+    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
+    cfg["chat_template"] = json!(
+        "{% if tools %}<tool_call>{% endif %}{% for m in messages %}<{{ m.role }}>\
+         {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+    );
+    std::fs::write(&tc, cfg.to_string()).unwrap();
+    let yaml = config_yaml(dir.path(), "", 16, 64).replace("maxTokens: 64", "maxTokens: 200");
+    launch(dir, &yaml).await
+}
+
 /// The JSON chunks of a streamed chat answer to `body` (the `data:` payloads before `[DONE]`).
 async fn stream_chunks(s: &Srv, body: &Value) -> Vec<Value> {
     let r = reqwest::Client::new()
@@ -2260,17 +2276,7 @@ async fn stream_chunks(s: &Srv, body: &Value) -> Vec<Value> {
 /// exactly, and the stream finishes with `tool_calls`.
 #[tokio::test]
 async fn a_streamed_tool_call_sends_its_arguments_in_pieces() {
-    let dir = fixture_root();
-    let tc = dir.path().join("base/tokenizer_config.json");
-    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
-    // Short: the tiny Llama holds 128 positions, prompt and call together.
-    cfg["chat_template"] = json!(
-        "{% if tools %}<tool_call>{% endif %}{% for m in messages %}<{{ m.role }}>\
-         {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
-    );
-    std::fs::write(&tc, cfg.to_string()).unwrap();
-    let yaml = config_yaml(dir.path(), "", 16, 64).replace("maxTokens: 64", "maxTokens: 200");
-    let s = launch(dir, &yaml).await;
+    let s = tool_server().await;
     let f = json!({"type": "function", "function": {"name": "f", "parameters":
         {"type": "object", "properties": {"c": {"type": "string", "maxLength": 4}},
          "required": ["c"], "additionalProperties": false}}});
@@ -2658,16 +2664,7 @@ async fn responses_are_answered_whole_and_streamed_alike() {
 /// make a second turn the model answers; bad inputs are 4xx with stable codes.
 #[tokio::test]
 async fn a_tool_loop_through_the_responses_api() {
-    let dir = fixture_root();
-    let tc = dir.path().join("base/tokenizer_config.json");
-    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
-    cfg["chat_template"] = json!(
-        "{% if tools %}<tool_call>{% endif %}{% for m in messages %}<{{ m.role }}>\
-         {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
-    );
-    std::fs::write(&tc, cfg.to_string()).unwrap();
-    let yaml = config_yaml(dir.path(), "", 16, 64).replace("maxTokens: 64", "maxTokens: 200");
-    let s = launch(dir, &yaml).await;
+    let s = tool_server().await;
     let f = json!({"type": "function", "name": "f", "parameters":
         {"type": "object", "properties": {"c": {"type": "string", "maxLength": 4}},
          "required": ["c"], "additionalProperties": false}});
@@ -2854,16 +2851,7 @@ async fn responses_are_forwarded_to_merged_pods() {
 /// either parses).
 #[tokio::test]
 async fn tools_beside_a_json_format() {
-    let dir = fixture_root();
-    let tc = dir.path().join("base/tokenizer_config.json");
-    let mut cfg: Value = serde_json::from_str(&std::fs::read_to_string(&tc).unwrap()).unwrap();
-    cfg["chat_template"] = json!(
-        "{% if tools %}<tool_call>{% endif %}{% for m in messages %}<{{ m.role }}>\
-         {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
-    );
-    std::fs::write(&tc, cfg.to_string()).unwrap();
-    let yaml = config_yaml(dir.path(), "", 16, 64).replace("maxTokens: 64", "maxTokens: 200");
-    let s = launch(dir, &yaml).await;
+    let s = tool_server().await;
     let f = json!({"type": "function", "function": {"name": "f", "parameters":
         {"type": "object", "properties": {"c": {"type": "string", "maxLength": 4}},
          "required": ["c"], "additionalProperties": false}}});

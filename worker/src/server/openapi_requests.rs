@@ -308,6 +308,8 @@ fn responses(doc: &mut Value, schemas: &Value, lim: &RequestLimits) {
     }) else {
         return;
     };
+    // Chat's common part brings the fields of chat's own table too: only this API's stay.
+    props.retain(|k, _| super::openai::fields::field(k, On::RESPONSES).is_some());
     props.insert("expert".into(), expert());
     for b in request::REAL_FIELDS
         .iter()

@@ -83,6 +83,28 @@ impl Fields {
         typed(Value::Object(own))
     }
 
+    /// Takes part `T` where `endpoint` shares it with others: only the fields of `T` that
+    /// `endpoint`'s table serves or ignores; the others are left to [`Fields::rest`], which
+    /// refuses them as another endpoint's.
+    pub(in crate::server) fn take_for<T: DeserializeOwned>(
+        &mut self,
+        endpoint: On,
+    ) -> Result<T, ApiError> {
+        let mut own = Map::new();
+        let map = self.map();
+        for name in field_names::<T>() {
+            let ours = fields::field(name, endpoint)
+                .is_some_and(|f| !matches!(f.treatment, fields::Treatment::Refused { .. }));
+            if !ours {
+                continue;
+            }
+            if let Some((k, v)) = map.remove_entry(*name) {
+                own.insert(k, v);
+            }
+        }
+        typed(Value::Object(own))
+    }
+
     /// Takes every field as `T` (a body of one part; fields `T` does not declare are left to
     /// its own `deny_unknown_fields`, or ignored).
     pub(in crate::server) fn all<T: DeserializeOwned>(self) -> Result<T, ApiError> {

@@ -33,7 +33,7 @@ use super::response_out::{Echo, ResponseEvent, ResponseObject};
 use super::tools::{
     FunctionDef, FunctionName, NamedFunction, Tool, ToolChoice, ToolFields, ToolMode,
 };
-use super::types::{name_or_label, name_or_label_schema, tag, Arguments, Common, Kind};
+use super::types::{tag, Arguments, Common, Kind};
 use super::validate::{prepare_request, tool_call_value, ValidRequest, Validate};
 use super::S;
 use crate::engine::api::{ChatMessage, ContentPart, EngineError};
@@ -355,45 +355,6 @@ pub(in crate::server) struct ResponseToolFields {
     pub(super) parallel_tool_calls: Option<bool>,
 }
 
-/// The model, routing and sampling fields of the Responses API.
-#[derive(Deserialize, ToSchema, Debug, Default)]
-pub(in crate::server) struct ResponsesCommon {
-    /// An adapter, the base model, or the pool (the router decides; also empty or `auto`).
-    #[serde(default)]
-    pub(super) model: String,
-    /// mole extension: the adapter, winning over `model`.
-    #[serde(default)]
-    pub(super) adapter: Option<String>,
-    /// mole extension: an adapter's name or router label.
-    #[serde(default, deserialize_with = "name_or_label")]
-    #[schema(schema_with = name_or_label_schema)]
-    pub(super) expert: Option<String>,
-    /// Answer as server-sent events (the Responses API's events).
-    #[serde(default)]
-    pub(super) stream: bool,
-    /// Sampling temperature; 0 is greedy.
-    pub(super) temperature: Option<f64>,
-    /// Nucleus sampling mass.
-    pub(super) top_p: Option<f64>,
-    /// vLLM's: sample among the `top_k` most likely tokens (0: all).
-    pub(super) top_k: Option<usize>,
-    /// vLLM's: drop tokens below `min_p` times the most likely one's probability.
-    pub(super) min_p: Option<f64>,
-    /// vLLM's multiplicative repetition penalty.
-    pub(super) repetition_penalty: Option<f64>,
-    /// The same seed gives the same tokens.
-    pub(super) seed: Option<u64>,
-    /// vLLM's prefix-cache salt.
-    #[schema(min_length = 1)]
-    pub(super) cache_salt: Option<String>,
-    /// mole extension: forward merged adapters to their pods.
-    #[serde(default)]
-    pub(super) prefer_merged: Option<bool>,
-    /// OpenAI's end-user id: the session of a canary split (after `x-session-id`), echoed.
-    #[serde(default)]
-    pub(super) user: Option<String>,
-}
-
 /// `POST /v1/responses`.
 #[derive(ToSchema, Debug)]
 pub(in crate::server) struct ResponsesBody {
@@ -401,8 +362,10 @@ pub(in crate::server) struct ResponsesBody {
     pub(super) own: ResponsesOwn,
     #[serde(flatten)]
     pub(super) tools: ResponseToolFields,
+    /// The fields chat's and this API's tables share (model, routing, sampling): the others
+    /// of chat's are not this API's.
     #[serde(flatten)]
-    pub(super) common: ResponsesCommon,
+    pub(super) common: Common,
 }
 
 impl ResponsesBody {
@@ -411,7 +374,7 @@ impl ResponsesBody {
         let b = Self {
             own: f.take()?,
             tools: f.take()?,
-            common: f.take()?,
+            common: f.take_for(On::RESPONSES)?,
         };
         f.rest(On::RESPONSES)?;
         Ok(b)
@@ -500,23 +463,10 @@ impl Validate for ResponsesBody {
             }),
             ..Guides::default()
         };
-        let c = b.common;
+        // `max_output_tokens` is chat's `max_tokens`.
         let common = Common {
-            model: c.model,
-            adapter: c.adapter,
-            expert: c.expert,
-            stream: c.stream,
             max_tokens: o.max_output_tokens,
-            temperature: c.temperature,
-            top_p: c.top_p,
-            top_k: c.top_k,
-            min_p: c.min_p,
-            repetition_penalty: c.repetition_penalty,
-            seed: c.seed,
-            cache_salt: c.cache_salt,
-            prefer_merged: c.prefer_merged,
-            user: c.user,
-            ..Common::default()
+            ..b.common
         };
         let mut req = chat_request(s, Kind::Response, conv, tools, guides, common, forward)?;
         // The answer is always split into items: reasoning, messages, function calls.
