@@ -129,7 +129,9 @@ for kind in ("response.output_item.added", "response.content_part.added",
              "response.output_text.done", "response.output_item.done"):
     assert kind in kinds, kinds
 ok(f"streaming: {len(events)} events, the deltas join to the whole answer")
-with c.responses.stream(model=BASE, input="Say hi.", max_output_tokens=8, temperature=0) as s:
+# The helper joins the events itself and wants the answer complete (`response.completed`).
+with c.responses.stream(model=BASE, input="What is 2+2?", max_output_tokens=64,
+                        temperature=0) as s:
     text = "".join(e.delta for e in s if e.type == "response.output_text.delta")
     assert text == s.get_final_response().output_text
 ok("responses.stream")
@@ -169,8 +171,10 @@ ok("bad inputs are 4xx with stable codes")
 
 # The OpenAI Agents SDK: one function tool and a typed output.
 async def agent_run():
+    import dataclasses
+
     import agents
-    from agents import Agent, ModelSettings, OpenAIResponsesModel, Runner, function_tool
+    from agents import Agent, AgentHooks, ModelSettings, OpenAIResponsesModel, Runner, function_tool
 
     agents.set_tracing_disabled(True)
     client = openai.AsyncOpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
@@ -186,17 +190,27 @@ async def agent_run():
         city: str = pydantic.Field(max_length=20)
         sunny: bool
 
+    class AnswerAfterTheTool(AgentHooks):
+        """A 135M model does not decide on its own when it has what it needs (left to choose,
+        it calls the tool again each turn): the first turn must call the tool, the turns after
+        it must answer. The server is what is checked here, each way of asking included."""
+
+        async def on_tool_end(self, context, agent, tool, result):
+            agent.model_settings = dataclasses.replace(agent.model_settings, tool_choice="none")
+
     agent = Agent(
         name="weather",
         instructions="Find the weather with get_weather, then report it.",
         tools=[get_weather],
         output_type=Report,
         model=OpenAIResponsesModel(model=BASE, openai_client=client),
-        # The first turn must call the tool (a 135M model would not reliably choose to); the
-        # SDK then resets tool_choice, and the answer is the call or the typed output.
-        model_settings=ModelSettings(tool_choice="required", temperature=0, max_tokens=120),
+        model_settings=ModelSettings(
+            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=120
+        ),
+        reset_tool_choice=False,
+        hooks=AnswerAfterTheTool(),
     )
-    result = await Runner.run(agent, "What is the weather in Paris?", max_turns=6)
+    result = await Runner.run(agent, "What is the weather in Paris?", max_turns=4)
     return result, asked
 
 
