@@ -78,6 +78,9 @@ CASES = [
     ("/v1/responses", "tool_choice without tools", {"input": "x", "tool_choice": "required", "max_output_tokens": 2}),
     ("/v1/responses", "previous_response_id", {"input": "x", "previous_response_id": "resp_1", "max_output_tokens": 2}),
     ("/v1/responses", "a chat field", {"input": "x", "max_tokens": 2}),
+    # The image placeholder as a completion's token id (tests/fixtures/vision/qwen3_vl's is
+    # 250): a prompt with no image for it.
+    ("/v1/completions", "the image placeholder as a token id", completion(prompt=[1, 250])),
     # Their neighbours, which must stay as they are.
     ("/v1/chat/completions", "tool_choice none without tools", chat(tool_choice="none")),
     ("/v1/chat/completions", "one guide", chat(guided_choice=["a", "b"])),
@@ -88,6 +91,7 @@ CASES = [
     ("/v1/chat/completions", "an unknown field", chat(temprature=0.5)),
     ("/v1/chat/completions", "logprobs as a count", chat(logprobs=2)),
     ("/v1/completions", "logprobs as a switch", completion(logprobs=True)),
+    ("/v1/completions", "token ids", completion(prompt=[1, 249])),
     ("/v1/responses", "a text", {"input": "hi", "instructions": "be brief", "max_output_tokens": 2}),
     ("/v1/responses", "a tool loop's items", {"max_output_tokens": 2, "input": [
         {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},

@@ -592,6 +592,9 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     /// The model takes images.
     pub vision: bool,
+    /// A vision model's image placeholder token: each stands for one image of the request's,
+    /// so a prompt of token ids holding one without its image is refused.
+    pub image_token: Option<u32>,
     /// Bytes of text one token covers at most (the longest token of the vocabulary, special
     /// tokens included): a text longer than this many bytes per token of the context cannot
     /// fit, and is refused before it is tokenized. 0: unknown.

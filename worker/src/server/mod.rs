@@ -259,6 +259,7 @@ mod tests {
                 max_seq_len: 128,
                 vocab_size: 256,
                 vision: false,
+                image_token: None,
                 max_token_bytes: 4,
             }
         }

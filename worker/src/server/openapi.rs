@@ -223,6 +223,7 @@ fn request_limits(s: &AppState) -> RequestLimits {
         max_guide_chars: cfg.limits.max_guide_chars,
         max_guide_choices: cfg.limits.max_guide_choices,
         tools: openai::outputs::Formats::for_pool(s).tools.is_some(),
+        image_token: info.image_token,
     }
 }
 

@@ -34,6 +34,8 @@ pub(super) struct RequestLimits {
     pub(super) max_guide_choices: u32,
     /// The pool knows its model's tool-call format (else `tools` are refused).
     pub(super) tools: bool,
+    /// A vision model's image placeholder (never a completion's token id).
+    pub(super) image_token: Option<u32>,
 }
 
 impl Default for RequestLimits {
@@ -50,6 +52,7 @@ impl Default for RequestLimits {
             max_guide_chars: l.max_guide_chars,
             max_guide_choices: l.max_guide_choices,
             tools: true,
+            image_token: None,
         }
     }
 }
@@ -289,6 +292,10 @@ fn prompt(lim: &RequestLimits) -> Value {
     let mut ids = json!({"type": "integer", "minimum": 0});
     if lim.vocab > 0 {
         ids["maximum"] = json!(lim.vocab - 1);
+    }
+    if let Some(i) = lim.image_token {
+        ids["not"] = json!({"const": i});
+        ids["description"] = json!("A token id of the vocabulary, not the image placeholder (a completion takes no images).");
     }
     json!({"oneOf": [
         {"type": "string", "minLength": 1},
