@@ -5,7 +5,10 @@
 # an API key and admin token (the key sent; requests without it must be refused). A pass fails
 # on any 5xx, a status code, content type, header or body the document does not describe, an
 # endpoint that ignores auth, data the document calls valid refused or invalid data accepted
-# (`--checks all`); the worker must still answer /readyz afterwards. The worker is
+# (`--checks all`); the worker must still answer /readyz afterwards. The seed changes every run
+# and is printed (MOLE_OPENAPI_SEED=N replays one): the document must hold for any draw. Before
+# fuzzing, openapi_drift.py sends the bodies earlier draws found disagreements on, and checks the
+# document's verdict on each is the server's. The worker is
 # the test command's debug build serving the tiny generated Qwen3-VL and its adapter
 # (tests/fixtures/vision), so images are fuzzed too. Skips (exit 0) only when PyPI is
 # unreachable.
@@ -65,6 +68,8 @@ YAML
 # 401/403/404/409/429) and negative-data rejection included: the document states what
 # validation enforces. openapi_hooks.py sends real images where the document says "an image".
 checks="all"
+seed="${MOLE_OPENAPI_SEED:-$(od -An -N4 -tu4 /dev/urandom | tr -d ' ')}"
+echo "openapi.sh: schemathesis seed $seed (MOLE_OPENAPI_SEED=$seed replays it)"
 export PYTHONPATH="$PWD/scripts/checks${PYTHONPATH:+:$PYTHONPATH}" SCHEMATHESIS_HOOKS=openapi_hooks \
   MOLE_OPENAPI_MAX_IMAGES=2
 summary=""
@@ -73,10 +78,15 @@ fuzz() {
   local mode="$1"; shift
   serve "$mode"
   local out="$work/st-$mode.txt"
+  local key=""
+  [ "$mode" = on ] && key="$token"
+  if ! "$venv/bin/python" scripts/checks/openapi_drift.py "$url" $key; then
+    tail -20 "$work/log"; echo "openapi.sh: the document and the server disagree (auth $mode)"; return 1
+  fi
   if ! "$venv/bin/schemathesis" run "$url/openapi.json" --checks "$checks" --max-examples 25 \
-      --request-timeout 60 --seed 20261125 --no-color "$@" >"$out" 2>&1; then
+      --request-timeout 60 --seed "$seed" --no-color "$@" >"$out" 2>&1; then
     grep -v " INFO " "$out" | head -120; tail -20 "$work/log"
-    echo "openapi.sh: schemathesis found failures (auth $mode)"; return 1
+    echo "openapi.sh: schemathesis found failures (auth $mode, seed $seed)"; return 1
   fi
   curl -fs "$url/readyz" >/dev/null || { echo "openapi.sh: worker not ready after the run"; return 1; }
   local n
@@ -87,4 +97,4 @@ fuzz() {
 }
 fuzz off
 fuzz on -H "Authorization: Bearer $token"
-echo "openapi.sh: ok;$summary no 5xx, every answer as documented, the worker still ready"
+echo "openapi.sh: ok (seed $seed);$summary no 5xx, every answer as documented, the worker still ready"

@@ -17,7 +17,12 @@ What shapes an answer (response_format, structured_outputs, guided_*, tools, too
 valid only when its schema, regex or Lark grammar compiles, when one request carries at most
 one of them, and when a named tool_choice names a tool sent: rules a JSON schema cannot state.
 A positive case keeps guided_choice (any non-empty list of strings compiles) and drops the
-others; engine_structured and scripts/checks/structured-outputs.sh send valid ones."""
+others; engine_structured and scripts/checks/structured-outputs.sh send valid ones. Likewise a
+tool call of the history carries its arguments as a JSON object's text (the document says
+`contentMediaType: application/json`, which JSON Schema does not check): a positive case's
+become `{}`. The Responses API's input items are held to the same: their texts cut, their
+images real, a function_call's arguments `{}`, and a function_call_output kept only when it
+answers a function_call before it (a reference a schema cannot state)."""
 
 import base64
 import os
@@ -56,7 +61,7 @@ def _images(v, seen):
             seen[0] += 1
             if seen[0] > MAX_IMAGES:
                 v.clear()
-                v.update({"type": "text", "text": ""})
+                v.update({"type": "input_text", "text": ""})
                 return
             v["image_url"] = {"url": URL} if isinstance(v["image_url"], dict) else URL
         for x in v.values():
@@ -64,6 +69,46 @@ def _images(v, seen):
     elif isinstance(v, list):
         for x in v:
             _images(x, seen)
+
+
+def _responses(body):
+    """A Responses API body's input, as `before_call` holds chats (see the module's doc)."""
+    if isinstance(body.get("instructions"), str):
+        body["instructions"] = body["instructions"][:48]
+    items = body.get("input")
+    if isinstance(items, str):
+        body["input"] = items[:48]
+        return
+    if not isinstance(items, list):
+        return
+    del items[4:]
+    calls = set()
+    kept = []
+    for it in items:
+        if not isinstance(it, dict):
+            kept.append(it)
+            continue
+        kind = it.get("type")
+        if kind == "function_call":
+            it["arguments"] = "{}"
+            calls.add(it.get("call_id"))
+        if kind == "function_call_output" and it.get("call_id") not in calls:
+            continue
+        for k in ("content", "output", "summary"):
+            v = it.get(k)
+            if isinstance(v, str):
+                it[k] = v[:48]
+            elif isinstance(v, list):
+                del v[4:]
+                for p in v:
+                    for t in ("text", "refusal"):
+                        if isinstance(p, dict) and isinstance(p.get(t), str):
+                            p[t] = p[t][:48]
+        kept.append(it)
+    if not kept:
+        kept = [{"role": "user", "content": ""}]
+    items[:] = kept
+    _images(items, [0])
 
 
 @schemathesis.hook
@@ -86,10 +131,18 @@ def before_call(context, case, kwargs):
                     if isinstance(p, dict) and isinstance(p.get("text"), str):
                         p["text"] = p["text"][:48]
     _images(msgs, [0])
+    if isinstance(msgs, list):
+        for m in msgs:
+            calls = m.get("tool_calls") if isinstance(m, dict) else None
+            for c in calls if isinstance(calls, list) else []:
+                f = c.get("function") if isinstance(c, dict) else None
+                if isinstance(f, dict) and isinstance(f.get("arguments"), str):
+                    f["arguments"] = "{}"
+    _responses(body)
     if isinstance(body.get("image_b64"), str):
         body["image_b64"] = B64
     for k in ("response_format", "structured_outputs", "guided_json", "guided_regex",
-              "guided_grammar", "tools", "tool_choice", "parallel_tool_calls"):
+              "guided_grammar", "tools", "tool_choice", "parallel_tool_calls", "text"):
         body.pop(k, None)
     # An adapter to load: a directory of one, as an operator would name it.
     if isinstance(body.get("lora_path"), str) and os.environ.get("MOLE_OPENAPI_ADAPTER"):

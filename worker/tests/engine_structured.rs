@@ -108,14 +108,20 @@ fn mixed_batch(e: &Engine) -> Vec<(Vec<u32>, String, FinishReason)> {
         e.submit(request(
             p0.clone(),
             None,
-            Some(Guide::Json(schema())),
+            Some(Guide::Json {
+                schema: schema(),
+                strict: true,
+            }),
             |_| {},
         ))
         .unwrap(),
         e.submit(request(
             p1.clone(),
             Some("a"),
-            Some(Guide::Json(schema())),
+            Some(Guide::Json {
+                schema: schema(),
+                strict: true,
+            }),
             |s| {
                 s.temperature = 1.0;
                 s.top_p = 0.95;
@@ -224,9 +230,15 @@ fn max_tokens_cuts_a_schema_with_length_and_bad_schemas_are_refused() {
     let e = host_engine(|_| {});
     let p = ids(&engine_reference()["llama"]["prompts"][0]);
     let (tokens, text, reason) = collect(
-        e.submit(request(p.clone(), None, Some(Guide::Json(schema())), |s| {
-            s.max_tokens = 5
-        }))
+        e.submit(request(
+            p.clone(),
+            None,
+            Some(Guide::Json {
+                schema: schema(),
+                strict: true,
+            }),
+            |s| s.max_tokens = 5,
+        ))
         .unwrap(),
     );
     assert_eq!((tokens.len(), reason), (5, FinishReason::Length));
@@ -236,9 +248,10 @@ fn max_tokens_cuts_a_schema_with_length_and_bad_schemas_are_refused() {
         Ok(_) => "accepted",
     };
     assert_eq!(
-        refused(Guide::Json(
-            json!({"type": "object", "properties": {"a": {"type": "wat"}}})
-        )),
+        refused(Guide::Json {
+            schema: json!({"type": "object", "properties": {"a": {"type": "wat"}}}),
+            strict: true,
+        }),
         "invalid_schema"
     );
     assert_eq!(refused(Guide::Regex("(unclosed".into())), "invalid_grammar");

@@ -51,7 +51,10 @@ fn rate(e: &Engine, steps: usize, constrained: usize) -> anyhow::Result<f64> {
                     max_tokens: steps,
                     ignore_eos: true,
                     guide: (i < constrained).then(|| Guided {
-                        guide: Guide::Json(schema()),
+                        guide: Guide::Json {
+                            schema: schema(),
+                            strict: true,
+                        },
                         after: None,
                     }),
                     ..Default::default()

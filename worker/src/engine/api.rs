@@ -531,6 +531,13 @@ pub trait PromptCodec: Send + Sync + 'static {
     /// Tokens an image of `width × height` pixels takes in the prompt (`ImagesNotSupported`
     /// when the model takes no images).
     fn image_tokens(&self, width: u32, height: u32) -> Result<usize, EngineError>;
+    /// Compiles a request's grammar (or finds it compiled: the engine's submit then finds it
+    /// too), on the calling thread, the server's preparation stage: `InvalidGuide` when it does
+    /// not compile, else what of a lenient JSON schema is not enforced (see
+    /// [`super::grammar::Compiled::unenforced`]). A codec without grammars compiles nothing.
+    fn compile_guide(&self, _g: &super::grammar::Guided) -> Result<Vec<String>, EngineError> {
+        Ok(Vec::new())
+    }
 }
 
 /// One running engine with everything but its text side: what a pod's
@@ -585,6 +592,9 @@ pub struct ModelInfo {
     pub vocab_size: usize,
     /// The model takes images.
     pub vision: bool,
+    /// A vision model's image placeholder token: each stands for one image of the request's,
+    /// so a prompt of token ids holding one without its image is refused.
+    pub image_token: Option<u32>,
     /// Bytes of text one token covers at most (the longest token of the vocabulary, special
     /// tokens included): a text longer than this many bytes per token of the context cannot
     /// fit, and is refused before it is tokenized. 0: unknown.

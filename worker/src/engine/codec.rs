@@ -71,6 +71,17 @@ impl PromptCodec for Engine {
         self.shared.text.chat_template().map(String::from)
     }
 
+    fn compile_guide(&self, g: &super::grammar::Guided) -> Result<Vec<String>, EngineError> {
+        self.shared
+            .grammars
+            .compile(g)
+            .map(|c| c.unenforced().to_vec())
+            .map_err(|e| EngineError::InvalidGuide {
+                code: e.code(),
+                message: e.to_string(),
+            })
+    }
+
     fn tokenize(&self, prompt: &Prompt, images: &[Image]) -> Result<Vec<u32>, EngineError> {
         self.prompt(prompt, images).map(|(ids, _)| ids)
     }

@@ -26,8 +26,17 @@ use serde_json::Value as Json;
 #[derive(Debug, Clone, PartialEq)]
 pub enum Guide {
     /// A JSON schema (OpenAI's `json_schema`, vLLM's `json` / `guided_json`); `{"type":
-    /// "object"}` for `json_object`.
-    Json(Json),
+    /// "object"}` for `json_object`. `strict` (OpenAI's `strict: true`): every keyword is
+    /// enforced, and a schema with one llguidance cannot enforce is refused, naming it.
+    /// Otherwise llguidance's lenient mode: such keywords (and unknown `format`s) are not
+    /// enforced, `oneOf` is read as `anyOf`, the rest is; [`Compiled::unenforced`] says what
+    /// was not.
+    Json {
+        /// The schema.
+        schema: Json,
+        /// Refuse what cannot be enforced.
+        strict: bool,
+    },
     /// A regular expression the whole answer matches.
     Regex(String),
     /// Exactly one of these strings.
@@ -238,15 +247,15 @@ impl Grammars {
         let (grammar, err): (TopLevelGrammar, fn(String) -> GrammarError) = match &g.guide {
             // After reasoning a few whitespace characters may come first (Qwen3 writes "\n\n"
             // after `</think>`).
-            Guide::Json(schema) if g.after.is_some() => (
+            Guide::Json { schema, strict } if g.after.is_some() => (
                 TopLevelGrammar::from_lark(format!(
                     "start: json | WS json\nWS: /[ \\t\\r\\n]{{1,4}}/\njson: %json {}\n",
-                    compact(schema)
+                    compact(schema, *strict)
                 )),
                 GrammarError::Schema,
             ),
-            Guide::Json(schema) => (
-                TopLevelGrammar::from_json_schema(compact(schema)),
+            Guide::Json { schema, strict } => (
+                TopLevelGrammar::from_json_schema(compact(schema, *strict)),
                 GrammarError::Schema,
             ),
             Guide::Regex(rx) => (TopLevelGrammar::from_regex(rx), GrammarError::Grammar),
@@ -259,7 +268,8 @@ impl Grammars {
                 GrammarError::Grammar,
             ),
         };
-        let parser = f.create_parser(grammar).map_err(|e| err(said(&e)))?;
+        let mut parser = f.create_parser(grammar).map_err(|e| err(said(&e)))?;
+        let unenforced = unenforced(&parser.grammar_warnings());
         let gate = match &g.after {
             None => None,
             Some(t) => Some(self.tokenizer.token_to_id(t).ok_or_else(|| {
@@ -269,6 +279,7 @@ impl Grammars {
         Ok(Compiled {
             parser: Arc::new(parser),
             gate,
+            unenforced: Arc::new(unenforced),
         })
     }
 }
@@ -284,7 +295,10 @@ fn digest(g: &Guided) -> [u8; 32] {
         h.update(text.as_bytes());
     };
     match &g.guide {
-        Guide::Json(v) => part("json", &v.to_string()),
+        Guide::Json { schema, strict } => {
+            part("json", &schema.to_string());
+            part("strict", if *strict { "1" } else { "0" });
+        }
         Guide::Regex(r) => part("regex", r),
         Guide::Choice(c) => {
             part("choice", &c.len().to_string());
@@ -319,24 +333,68 @@ pub fn said(e: &dyn std::fmt::Display) -> String {
 /// The longest error text of llguidance passed on.
 pub const SAID_BYTES: usize = 300;
 
-/// `schema` with llguidance's JSON options set as OpenAI and vLLM write JSON (unless the
-/// schema sets its own `x-guidance`): no free whitespace (a model may otherwise emit tabs or
-/// newlines without end), `", "` between items and `": "` after keys.
-pub fn compact(schema: &Json) -> Json {
+/// `schema` with llguidance's JSON options set as OpenAI and vLLM write JSON (each unless the
+/// schema's own `x-guidance` sets it): no free whitespace (a model may otherwise emit tabs or
+/// newlines without end), `", "` between items and `": "` after keys; and, unless `strict`,
+/// llguidance's lenient mode with `oneOf` read as `anyOf` (see [`Guide::Json`]).
+pub fn compact(schema: &Json, strict: bool) -> Json {
     let mut s = match schema {
         Json::Bool(true) => serde_json::json!({}),
         other => other.clone(),
     };
     if let Some(o) = s.as_object_mut() {
-        o.entry("x-guidance").or_insert_with(|| {
-            serde_json::json!({
-                "whitespace_flexible": false,
-                "item_separator": ", ",
-                "key_separator": ": ",
-            })
-        });
+        let options = o
+            .entry("x-guidance")
+            .or_insert_with(|| serde_json::json!({}));
+        if let Some(x) = options.as_object_mut() {
+            for (k, v) in [
+                ("whitespace_flexible", Json::Bool(false)),
+                ("item_separator", Json::from(", ")),
+                ("key_separator", Json::from(": ")),
+                ("lenient", Json::Bool(!strict)),
+                ("coerce_one_of", Json::Bool(!strict)),
+            ] {
+                x.entry(k).or_insert(v);
+            }
+        }
     }
     s
+}
+
+/// What llguidance's warnings say was not enforced, one entry per keyword: `Unimplemented keys:
+/// ["not", "uniqueItems"]` is `not` and `uniqueItems`; `Unknown format: phone` is `format:
+/// phone`; the `oneOf` fallback (or, strict, its refusal) is `oneOf`; property-count bounds over
+/// optional properties are
+/// `minProperties/maxProperties`; any other warning as it is.
+pub fn unenforced(warnings: &[String]) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for w in warnings {
+        // Rendered as "<message> (N times)" when it was said more than once.
+        let w = match w.rfind(" (") {
+            Some(i) if w.ends_with(" times)") => &w[..i],
+            _ => w.as_str(),
+        };
+        let found: Vec<String> = if let Some(keys) = w.strip_prefix("Unimplemented keys: ") {
+            serde_json::from_str::<Vec<String>>(keys).unwrap_or_else(|_| vec![keys.to_string()])
+        } else if let Some(f) = w.strip_prefix("Unknown format: ") {
+            vec![format!("format: {f}")]
+        } else if w.starts_with("oneOf not fully supported")
+            || w.starts_with("oneOf constraints are not supported")
+        {
+            vec!["oneOf".to_string()]
+        } else if w.starts_with("min/maxProperties only supported") {
+            // Bounds on how many properties, where some are optional.
+            vec!["minProperties/maxProperties".to_string()]
+        } else {
+            vec![w.to_string()]
+        };
+        for f in found {
+            if !out.contains(&f) {
+                out.push(f);
+            }
+        }
+    }
+    out
 }
 
 /// The placeholder bytes of token `i` (a special token no grammar names).
@@ -380,6 +438,7 @@ fn lark_literal(s: &str) -> String {
 pub struct Compiled {
     parser: Arc<TokenParser>,
     gate: Option<u32>,
+    unenforced: Arc<Vec<String>>,
 }
 
 impl std::fmt::Debug for Compiled {
@@ -389,6 +448,12 @@ impl std::fmt::Debug for Compiled {
 }
 
 impl Compiled {
+    /// What of a lenient JSON schema is not enforced (see [`unenforced`]); empty for every
+    /// other guide.
+    pub fn unenforced(&self) -> &[String] {
+        &self.unenforced
+    }
+
     /// A fresh constraint for one sequence.
     pub fn start(&self) -> Constraint {
         Constraint {

@@ -69,6 +69,11 @@ impl ImageProcessor {
         Ok(h * w / (c.patch_size * c.merge_size).pow(2))
     }
 
+    /// The image placeholder token.
+    pub(super) fn image_token(&self) -> u32 {
+        self.image_token
+    }
+
     /// Whether `ids` holds image placeholders.
     pub(super) fn has_placeholders(&self, ids: &[u32]) -> bool {
         ids.contains(&self.image_token)

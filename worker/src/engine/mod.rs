@@ -753,6 +753,7 @@ impl EngineInfo for Engine {
             max_seq_len: self.shared.opts.max_seq_len,
             vocab_size: self.shared.model.config().vocab_size,
             vision: self.shared.images.is_some(),
+            image_token: self.shared.images.as_ref().map(|i| i.image_token()),
             max_token_bytes: self.shared.text.max_token_bytes(),
         }
     }

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use axum::body::{Body, Bytes};
 use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
-use serde_json::Value;
 
 use mole_api::WorkerConfig;
 
@@ -23,8 +22,8 @@ pub(super) struct Upstream<'a> {
     pub(super) path: &'static str,
     /// The `endpoint` metric label.
     pub(super) endpoint: &'static str,
-    /// The body to send.
-    pub(super) body: &'a Value,
+    /// The body to send (JSON, as the client sent it).
+    pub(super) body: Bytes,
     /// The client's headers (its `Authorization` goes along).
     pub(super) headers: &'a HeaderMap,
     /// The request's `prefer_merged` (None: the router's `preferMerged`).
@@ -219,7 +218,11 @@ async fn proxy(
     span: &tracing::Span,
 ) -> Result<Response, String> {
     let url = format!("{}{}", ep.trim_end_matches('/'), up.path);
-    let mut req = s.http.post(&url).json(up.body);
+    let mut req = s
+        .http
+        .post(&url)
+        .header("content-type", "application/json")
+        .body(up.body.clone());
     if hop == Hop::Peer {
         req = req.header(
             FORWARDED_HEADER,
@@ -310,22 +313,27 @@ async fn proxy(
     Ok((
         status,
         h,
-        Body::from_stream(guard_sse(r.bytes_stream(), url)),
+        Body::from_stream(guard_sse(r.bytes_stream(), url, up.path == "/v1/responses")),
     )
         .into_response())
 }
 
-/// Passes an upstream SSE stream through; if it fails or ends before `data: [DONE]`, appends
-/// an OpenAI-shaped error event and `data: [DONE]` so clients see why the answer stopped.
+/// Passes an upstream SSE stream through; if it fails or ends before its end (`data: [DONE]`
+/// for chat and completions, `response.completed`, `.incomplete` or `.failed` for a response),
+/// appends the error as the stream's kind writes one, so clients see why the answer stopped:
+/// OpenAI's error body and `data: [DONE]`, or for a response an `error` event numbered after
+/// the events passed through.
 fn guard_sse<E: std::fmt::Display>(
     upstream: impl futures::Stream<Item = Result<Bytes, E>> + Send + 'static,
     url: String,
+    response: bool,
 ) -> impl futures::Stream<Item = Result<Bytes, Infallible>> + Send + 'static {
     use futures::StreamExt;
-    // State: upstream, the last bytes seen (to spot `[DONE]` across chunk boundaries), done.
+    // State: upstream, the last bytes seen (to spot markers across chunk boundaries), the
+    // events seen, whether a response's last event was seen, done.
     futures::stream::unfold(
-        (Box::pin(upstream), Vec::<u8>::new(), false),
-        move |(mut up, mut tail, done)| {
+        (Box::pin(upstream), Vec::<u8>::new(), 0usize, false, false),
+        move |(mut up, mut tail, mut events, mut ended, done)| {
             let url = url.clone();
             async move {
                 if done {
@@ -333,22 +341,50 @@ fn guard_sse<E: std::fmt::Display>(
                 }
                 let failure = match up.next().await {
                     Some(Ok(b)) => {
+                        // A `data: ` split by a chunk boundary is counted once: the tail
+                        // keeps the last bytes, and only matches ending in the new ones count.
+                        let kept = tail.len();
                         tail.extend_from_slice(&b);
-                        let keep = tail.len().saturating_sub(32);
+                        events += tail
+                            .windows(6)
+                            .enumerate()
+                            .filter(|(i, w)| *w == b"data: " && i + 6 > kept)
+                            .count();
+                        ended |= response && response_ended(&tail);
+                        let keep = tail.len().saturating_sub(64);
                         tail.drain(..keep);
-                        return Some((Ok(b), (up, tail, false)));
+                        return Some((Ok(b), (up, tail, events, ended, false)));
                     }
                     Some(Err(e)) => format!("merged pod {url} failed mid-stream: {e}"),
-                    None if tail_has_done(&tail) => return None,
+                    None if ended || (!response && tail_has_done(&tail)) => return None,
                     None => format!("merged pod {url} ended the stream early"),
                 };
                 tracing::warn!("{failure}");
                 let e = ApiError::new(StatusCode::BAD_GATEWAY, "upstream_error", failure);
-                let ev = format!("data: {}\n\ndata: [DONE]\n\n", e.body());
-                Some((Ok(Bytes::from(ev)), (up, tail, true)))
+                let ev = match response {
+                    false => format!("data: {}\n\ndata: [DONE]\n\n", e.body()),
+                    true => {
+                        let v = serde_json::json!({"type": "error", "code": e.code,
+                            "message": e.message, "param": null, "sequence_number": events});
+                        format!("event: error\ndata: {v}\n\n")
+                    }
+                };
+                Some((Ok(Bytes::from(ev)), (up, tail, events, ended, true)))
             }
         },
     )
+}
+
+/// Whether `bytes` name a response stream's last event.
+fn response_ended(bytes: &[u8]) -> bool {
+    let t = String::from_utf8_lossy(bytes);
+    [
+        "response.completed",
+        "response.incomplete",
+        "response.failed",
+    ]
+    .iter()
+    .any(|e| t.contains(&format!("event: {e}")))
 }
 
 fn tail_has_done(tail: &[u8]) -> bool {

@@ -7,6 +7,7 @@
 
 mod auth;
 pub mod cli;
+mod doc_check;
 mod engines;
 mod error;
 mod gateway;
@@ -53,6 +54,19 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
             api(s, ApiKey, post(openai::chat_completions)),
         )
         .route("/v1/completions", api(s, ApiKey, post(openai::completions)))
+        .route(
+            "/v1/responses",
+            api(s, ApiKey, post(openai::create_response)),
+        )
+        .route(
+            "/v1/responses/{id}",
+            api(
+                s,
+                ApiKey,
+                get(openai::get_response).delete(openai::delete_response),
+            )
+            .layer(small),
+        )
         .route("/infer", api(s, ApiKey, post(openai::infer)))
         .route(
             "/v1/route",
@@ -245,6 +259,7 @@ mod tests {
                 max_seq_len: 128,
                 vocab_size: 256,
                 vision: false,
+                image_token: None,
                 max_token_bytes: 4,
             }
         }

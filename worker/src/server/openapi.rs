@@ -69,6 +69,9 @@ impl utoipa::IntoResponses for Refusals {
     paths(
         openai::generate::chat_completions,
         openai::generate::completions,
+        openai::responses::create_response,
+        openai::responses::get_response,
+        openai::responses::delete_response,
         openai::chat::infer,
         openai::route::route,
         openai::models::models,
@@ -134,7 +137,10 @@ pub(super) fn document(auth: DocAuth, limits: &RequestLimits) -> serde_json::Val
         if (admin && !disabled) || (!admin && auth.api_keys) {
             continue;
         }
-        for op in [&mut item.get, &mut item.post].into_iter().flatten() {
+        for op in [&mut item.get, &mut item.post, &mut item.delete]
+            .into_iter()
+            .flatten()
+        {
             op.security = None;
         }
     }
@@ -193,9 +199,20 @@ fn inline_refs(v: &mut serde_json::Value, schemas: &serde_json::Value, depth: us
 #[utoipa::path(get, path = "/openapi.json", tag = "probes",
     responses((status = 200, description = "This document", content_type = "application/json", body = Object)))]
 pub(super) async fn openapi_json(State(s): State<Arc<AppState>>) -> Json<serde_json::Value> {
+    let a = s.auth();
+    let auth = DocAuth {
+        api_keys: a.keys_required,
+        admin_token: a.admin_token.is_some(),
+        operator_token: a.operator_token.is_some(),
+    };
+    Json(document(auth, &request_limits(&s)))
+}
+
+/// The limits of this worker the request schemas state.
+fn request_limits(s: &AppState) -> RequestLimits {
     let cfg = s.cfg();
     let info = s.info.model_info();
-    let limits = RequestLimits {
+    RequestLimits {
         max_tokens: u64::from(cfg.limits.max_tokens),
         max_batch_size: cfg.limits.engine.max_batch_size,
         max_seq: (cfg.limits.engine.max_seq_len as usize).min(info.max_seq_len.max(1)),
@@ -205,14 +222,46 @@ pub(super) async fn openapi_json(State(s): State<Arc<AppState>>) -> Json<serde_j
         max_stop_chars: cfg.limits.max_stop_chars,
         max_guide_chars: cfg.limits.max_guide_chars,
         max_guide_choices: cfg.limits.max_guide_choices,
+        tools: openai::outputs::Formats::for_pool(s).tools.is_some(),
+        image_token: info.image_token,
+    }
+}
+
+/// Holds `body` to the document's schema `name` (`ChatBody`, ...) for this worker's limits:
+/// see [`super::doc_check`]. The schemas are written once per set of limits.
+pub(super) fn check_body(
+    s: &AppState,
+    name: &str,
+    body: &serde_json::Value,
+) -> Result<(), super::doc_check::Invalid> {
+    let limits = request_limits(s);
+    let doc = {
+        let mut cached = s
+            .doc
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &*cached {
+            Some((l, d)) if *l == limits => d.clone(),
+            _ => {
+                // The schemas are the same whatever the auth (it changes `security` alone).
+                let auth = DocAuth {
+                    api_keys: false,
+                    admin_token: false,
+                    operator_token: false,
+                };
+                let d = Arc::new(document(auth, &limits)["components"]["schemas"].clone());
+                *cached = Some((limits, d.clone()));
+                d
+            }
+        }
     };
-    let a = s.auth();
-    let auth = DocAuth {
-        api_keys: a.keys_required,
-        admin_token: a.admin_token.is_some(),
-        operator_token: a.operator_token.is_some(),
+    let Some(components) = doc.as_object() else {
+        return Ok(());
     };
-    Json(document(auth, &limits))
+    match components.get(name) {
+        Some(schema) => super::doc_check::check(schema, components, body),
+        None => Ok(()),
+    }
 }
 
 #[cfg(test)]

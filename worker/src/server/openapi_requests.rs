@@ -12,7 +12,7 @@ use mole_api::request::{self, RealField, MAX_LOGPROBS, MAX_STOP, MAX_STOP_TOKEN_
 use super::openai::fields::{On, Treatment, FIELDS};
 
 /// The limits of this worker that bound a request.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) struct RequestLimits {
     /// `limits.maxTokens`.
     pub(super) max_tokens: u64,
@@ -32,6 +32,10 @@ pub(super) struct RequestLimits {
     pub(super) max_guide_chars: u64,
     /// `limits.maxGuideChoices`.
     pub(super) max_guide_choices: u32,
+    /// The pool knows its model's tool-call format (else `tools` are refused).
+    pub(super) tools: bool,
+    /// A vision model's image placeholder (never a completion's token id).
+    pub(super) image_token: Option<u32>,
 }
 
 impl Default for RequestLimits {
@@ -47,6 +51,8 @@ impl Default for RequestLimits {
             max_stop_chars: l.max_stop_chars,
             max_guide_chars: l.max_guide_chars,
             max_guide_choices: l.max_guide_choices,
+            tools: true,
+            image_token: None,
         }
     }
 }
@@ -142,8 +148,9 @@ fn sampling(props: &mut Map<String, Value>, lim: &RequestLimits) {
         }
         s
     };
-    for k in ["guided_regex", "guided_grammar"] {
-        let s = json!({"type": ["string", "null"], "maxLength": lim.max_guide_chars});
+    for (k, min) in [("guided_regex", 0), ("guided_grammar", 1)] {
+        let s =
+            json!({"type": ["string", "null"], "minLength": min, "maxLength": lim.max_guide_chars});
         let s = described(props, k, s);
         props.insert(k.into(), s);
     }
@@ -163,17 +170,13 @@ fn table(out: &mut Map<String, Value>, endpoint: On) {
     let Some(props) = out.get_mut("properties").and_then(Value::as_object_mut) else {
         return;
     };
-    for f in FIELDS
-        .iter()
-        .filter(|f| f.on == endpoint || f.on == On::Both)
-    {
+    for f in FIELDS.iter().filter(|f| f.on.covers(endpoint)) {
         match f.treatment {
             Treatment::Served => {}
             Treatment::Ignored(why) => {
-                props.insert(
-                    f.name.into(),
-                    json!({"description": format!("Accepted and ignored ({}): {why}.", f.from)}),
-                );
+                // A typed one (`user`, read for canary sessions) keeps its type.
+                let p = props.entry(f.name).or_insert_with(|| json!({}));
+                p["description"] = json!(format!("Accepted and ignored ({}): {why}.", f.from));
             }
             Treatment::Refused { why, noop } => {
                 let mut values = vec![Value::Null];
@@ -194,8 +197,10 @@ fn table(out: &mut Map<String, Value>, endpoint: On) {
     out.insert("additionalProperties".into(), json!(false));
 }
 
-/// A chat message: every role but `assistant` says something.
-fn message(vision: bool) -> Value {
+/// A chat message as typed ([`super::openai::types::InMessage`]), its content's parts as this
+/// model takes them (image parts only when it takes images), and every role but `assistant`
+/// saying something.
+fn message(derived: &Value, schemas: &Value, vision: bool) -> Value {
     let image = json!({"type": "string", "description":
         "The image: a `data:image/...;base64,` URL, base64 alone, or an http(s) URL of an allowed host."});
     let image_url = json!({"oneOf": [
@@ -215,17 +220,71 @@ fn message(vision: bool) -> Value {
         true => json!({"oneOf": [text_part, image_part]}),
         false => text_part,
     };
-    let content = json!({"oneOf": [{"type": "string"}, {"type": "array", "items": parts}]});
-    json!({"oneOf": [
-        {"type": "object", "required": ["role"], "properties": {
-            "role": {"const": "assistant"},
-            "content": {"oneOf": [content, {"type": "null"}]},
-        }},
-        {"type": "object", "required": ["role", "content"], "properties": {
-            "role": {"enum": ["system", "user", "tool", "developer"]},
-            "content": content,
-        }},
-    ], "description": "A chat message: `developer` is read as `system`; only an `assistant` message may leave out its content."})
+    let content =
+        json!({"oneOf": [{"type": "string"}, {"type": "array", "items": parts}, {"type": "null"}]});
+    let mut m = merged(derived, schemas);
+    if let Some(p) = m.get_mut("properties").and_then(Value::as_object_mut) {
+        p.insert("content".into(), content);
+    }
+    m.insert(
+        "anyOf".into(),
+        json!([
+            {"properties": {"role": {"const": "assistant"}}},
+            {"required": ["content"], "properties": {"content": {"not": {"type": "null"}}}},
+        ]),
+    );
+    m.insert("description".into(), json!(
+        "A chat message: `developer` is read as `system`; only an `assistant` message may leave out its content."));
+    Value::Object(m)
+}
+
+/// The rules between the fields that shape an answer, which each field's own schema cannot
+/// state: at most one structured output (one field, one key of `structured_outputs`, a
+/// `response_format` other than `text`), and `tool_choice` other than `none` only beside tools
+/// (a forced call beside a format is served: the call shapes that answer). With `tools_known` false (the pool does not know
+/// its model's tool-call format) `tools` must be empty.
+fn shaping_rules(
+    props: &mut Map<String, Value>,
+    out: &mut Map<String, Value>,
+    tools: Option<bool>,
+) {
+    let set = |k: &str, inner: Value| json!({"required": [k], "properties": {k: inner}});
+    let not_null = json!({"not": {"type": "null"}});
+    // structured_outputs holds exactly one constraint (its own schema says so): present, it
+    // is one guide.
+    let guides = [
+        set(
+            "response_format",
+            json!({"required": ["type"], "properties": {"type": {"enum": ["json_object", "json_schema"]}}}),
+        ),
+        set("structured_outputs", not_null.clone()),
+        set("guided_json", not_null.clone()),
+        set("guided_regex", not_null.clone()),
+        set("guided_choice", not_null.clone()),
+        set("guided_grammar", not_null.clone()),
+    ];
+    let mut conflicts = Vec::new();
+    for (i, a) in guides.iter().enumerate() {
+        for b in &guides[i + 1..] {
+            conflicts.push(json!({"allOf": [a, b]}));
+        }
+    }
+    let mut all = vec![json!({"not": {"anyOf": conflicts}})];
+    if let Some(known) = tools {
+        if !known {
+            props.insert(
+                "tools".into(),
+                json!({"type": ["array", "null"], "maxItems": 0, "description":
+                    "This model's tool-call format is unknown (no baseModel.toolCallParser, and its template names no <tool_call>): tools are refused with 400 tools_not_supported."}),
+            );
+        }
+        // tool_choice other than none needs tools.
+        all.push(json!({"anyOf": [
+            {"properties": {"tool_choice": {"enum": [null, "none"]}}},
+            set("tools", json!({"type": "array", "minItems": 1})),
+        ]}));
+    }
+    out.insert("allOf".into(), Value::Array(all));
 }
 
 /// The prompt of a completion: non-empty text, one text, or token ids of the vocabulary.
@@ -234,6 +293,10 @@ fn prompt(lim: &RequestLimits) -> Value {
     if lim.vocab > 0 {
         ids["maximum"] = json!(lim.vocab - 1);
     }
+    if let Some(i) = lim.image_token {
+        ids["not"] = json!({"const": i});
+        ids["description"] = json!("A token id of the vocabulary, not the image placeholder (a completion takes no images).");
+    }
     json!({"oneOf": [
         {"type": "string", "minLength": 1},
         {"type": "array", "items": ids, "minItems": 1, "maxItems": lim.max_seq.saturating_sub(1).max(1)},
@@ -241,10 +304,112 @@ fn prompt(lim: &RequestLimits) -> Value {
     ]})
 }
 
+/// The Responses API's body: its sampling bounds, its input items as this model takes them
+/// (image parts in user and system messages only, and only when it takes images; a tool's
+/// output and an earlier answer are text), the rules between its fields, and the field table.
+fn responses(doc: &mut Value, schemas: &Value, lim: &RequestLimits) {
+    let mut body = merged(&schemas["ResponsesBody"], schemas);
+    let Some(mut props) = body.remove("properties").and_then(|p| match p {
+        Value::Object(m) => Some(m),
+        _ => None,
+    }) else {
+        return;
+    };
+    // Chat's common part brings the fields of chat's own table too: only this API's stay.
+    props.retain(|k, _| super::openai::fields::field(k, On::RESPONSES).is_some());
+    props.insert("expert".into(), expert());
+    for b in request::REAL_FIELDS
+        .iter()
+        .filter(|b| ["temperature", "top_p", "min_p", "repetition_penalty"].contains(&b.field))
+    {
+        let mut s = real(b);
+        if let Some(d) = props.get(b.field).and_then(|p| p.get("description")) {
+            s["description"] = d.clone();
+        }
+        props.insert(b.field.into(), s);
+    }
+    props.insert("seed".into(), int(0, u64::MAX));
+    props.insert("top_k".into(), int(0, u64::MAX));
+    props.insert("max_output_tokens".into(), int(1, lim.max_tokens));
+    let image = json!({"type": "string", "description":
+        "The image: a `data:image/...;base64,` URL, base64 alone, or an http(s) URL of an allowed host."});
+    let text_parts = json!([
+        {"type": "object", "required": ["type", "text"], "properties": {
+            "type": {"enum": ["input_text", "output_text"]}, "text": {"type": "string"}}},
+        {"type": "object", "required": ["type", "refusal"], "properties": {
+            "type": {"const": "refusal"}, "refusal": {"type": "string"}}},
+    ]);
+    let mut with_images = text_parts.as_array().cloned().unwrap_or_default();
+    if lim.vision {
+        with_images.push(
+            json!({"type": "object", "required": ["type", "image_url"], "properties": {
+            "type": {"const": "input_image"}, "image_url": image, "file_id": {"type": "null"}}}),
+        );
+    }
+    let content = |parts: Value| json!({"oneOf": [{"type": "string"}, {"type": "array", "items": {"oneOf": parts}}]});
+    let message = |roles: Value, parts: Value| {
+        json!({"type": "object", "required": ["role", "content"], "properties": {
+            "type": {"enum": ["message", null]}, "role": roles, "content": content(parts)}})
+    };
+    let item = json!({"oneOf": [
+        message(json!({"enum": ["user", "system", "developer"]}), Value::Array(with_images)),
+        message(json!({"const": "assistant"}), text_parts.clone()),
+        {"type": "object", "required": ["type", "call_id", "name", "arguments"], "properties": {
+            "type": {"const": "function_call"}, "call_id": {"type": "string"},
+            "name": {"type": "string"},
+            "arguments": {"type": "string", "contentMediaType": "application/json",
+                          "description": "A JSON object's text."}}},
+        {"type": "object", "required": ["type", "call_id", "output"], "properties": {
+            "type": {"const": "function_call_output"},
+            "call_id": {"type": "string", "description": "A function_call's earlier in input (400 unknown_call_id otherwise)."},
+            "output": content(text_parts)}},
+        {"type": "object", "required": ["type"], "properties": {
+            "type": {"const": "reasoning"},
+            "summary": {"type": "array", "items": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}},
+            "content": {"type": ["array", "null"], "items": {"type": "object", "required": ["text"], "properties": {"text": {"type": "string"}}}}}},
+    ]});
+    props.insert(
+        "input".into(),
+        json!({"oneOf": [{"type": "string"}, {"type": "array", "items": item, "minItems": 1}],
+               "description": format!(
+                   "The conversation: a text (one user message), or items. Its image parts are \
+                    at most limits.maxImages ({}).", lim.max_images)}),
+    );
+    props.insert(
+        "metadata".into(),
+        json!({"type": ["object", "null"], "maxProperties": 16,
+               "propertyNames": {"maxLength": 64},
+               "additionalProperties": {"type": "string", "maxLength": 512},
+               "description": "Up to 16 tags, echoed in the answer."}),
+    );
+    // tool_choice other than none needs tools; tools only where the pool knows its tool-call
+    // format.
+    let set = |k: &str, inner: Value| json!({"required": [k], "properties": {k: inner}});
+    if !lim.tools {
+        props.insert(
+            "tools".into(),
+            json!({"type": ["array", "null"], "maxItems": 0, "description":
+                "This model's tool-call format is unknown: tools are refused with 400 tools_not_supported."}),
+        );
+    }
+    body.insert(
+        "allOf".into(),
+        json!([
+            {"anyOf": [
+                {"properties": {"tool_choice": {"enum": [null, "none"]}}},
+                set("tools", json!({"type": "array", "minItems": 1})),
+            ]},
+        ]),
+    );
+    body.insert("properties".into(), Value::Object(props));
+    table(&mut body, On::RESPONSES);
+    doc["components"]["schemas"]["ResponsesBody"] = Value::Object(body);
+}
+
 /// Rewrites the request schemas of `doc` (the document as JSON) to what validation enforces.
 pub(super) fn enforce(doc: &mut Value, lim: &RequestLimits) {
     let schemas = doc["components"]["schemas"].clone();
-    let msg = message(lim.vision);
+    let msg = message(&schemas["InMessage"], &schemas, lim.vision);
     let messages = json!({"type": "array", "items": msg, "minItems": 1, "description": format!(
         "The conversation. Its image parts, in all messages, are at most limits.maxImages ({}); \
          more are refused with 400 too_many_images.", lim.max_images)});
@@ -267,7 +432,12 @@ pub(super) fn enforce(doc: &mut Value, lim: &RequestLimits) {
             {"required": ["logprobs"], "properties": {"logprobs": {"const": true}}},
         ]}}),
     );
-    table(&mut chat, On::Chat);
+    let mut chat_props = chat.remove("properties").unwrap_or_default();
+    if let Value::Object(p) = &mut chat_props {
+        shaping_rules(p, &mut chat, Some(lim.tools));
+    }
+    chat.insert("properties".into(), chat_props);
+    table(&mut chat, On::CHAT);
     doc["components"]["schemas"]["ChatBody"] = Value::Object(chat);
     // Completions.
     let mut completion = merged(&schemas["CompletionBody"], &schemas);
@@ -286,7 +456,12 @@ pub(super) fn enforce(doc: &mut Value, lim: &RequestLimits) {
             json!({"type": "null", "description": "A chat field: completions take `logprobs: <count>`."}),
         );
     }
-    table(&mut completion, On::Completions);
+    let mut props = completion.remove("properties").unwrap_or_default();
+    if let Value::Object(p) = &mut props {
+        shaping_rules(p, &mut completion, None);
+    }
+    completion.insert("properties".into(), props);
+    table(&mut completion, On::COMPLETIONS);
     doc["components"]["schemas"]["CompletionBody"] = Value::Object(completion);
     // The router: input or messages (validated whenever sent), and the model or adapter asked
     // for; the other fields of a chat body sent here are ignored (nothing is generated).
@@ -311,8 +486,17 @@ pub(super) fn enforce(doc: &mut Value, lim: &RequestLimits) {
     let mut infer = merged(&schemas["InferBody"], &schemas);
     if let Some(p) = infer.get_mut("properties").and_then(Value::as_object_mut) {
         sampling(p, lim);
-        p.insert("logprobs".into(), json!({"type": ["boolean", "null"]}));
-        p.insert("top_logprobs".into(), int(0, MAX_LOGPROBS as u64));
+        // One text, whole.
+        let whole = "Not served by /infer, whose answer is one text, whole: any other value is refused with 400 unsupported_field.";
+        for (k, values) in [
+            ("stream", json!([false])),
+            ("stream_options", json!([null])),
+            ("n", json!([1, null])),
+            ("logprobs", json!([false, null])),
+            ("top_logprobs", json!([null])),
+        ] {
+            p.insert(k.into(), json!({"enum": values, "description": whole}));
+        }
         if !lim.vision {
             p.insert(
                 "image_b64".into(),
@@ -320,13 +504,20 @@ pub(super) fn enforce(doc: &mut Value, lim: &RequestLimits) {
             );
         }
     }
-    infer.insert(
-        "dependentSchemas".into(),
-        json!({"top_logprobs": {"anyOf": [
-            {"properties": {"top_logprobs": {"type": "null"}}},
-            {"required": ["logprobs"], "properties": {"logprobs": {"const": true}}},
-        ]}}),
-    );
+    let mut props = infer.remove("properties").unwrap_or_default();
+    if let Value::Object(p) = &mut props {
+        shaping_rules(p, &mut infer, None);
+    }
+    infer.insert("properties".into(), props);
+    // The prompt, by either name.
+    if let Some(Value::Array(all)) = infer.get_mut("allOf") {
+        all.push(json!({"anyOf": [
+            {"required": ["prompt"], "properties": {"prompt": {"type": "string"}}},
+            {"required": ["input"], "properties": {"input": {"type": "string"}}},
+        ]}));
+    }
+    // It is a chat: chat's refused and ignored fields, and no other.
+    table(&mut infer, On::CHAT);
     doc["components"]["schemas"]["InferBody"] = Value::Object(infer);
     // vLLM's tokenizer calls: a prompt or messages, not both; ids of the vocabulary.
     let tokenize = &mut doc["components"]["schemas"]["TokenizeBody"];
@@ -340,6 +531,20 @@ pub(super) fn enforce(doc: &mut Value, lim: &RequestLimits) {
             json!({"type": "integer", "minimum": 0, "maximum": lim.vocab - 1});
     }
     doc["components"]["schemas"]["InMessage"] = msg;
+    responses(doc, &schemas, lim);
+    // vLLM's structured_outputs: exactly one constraint.
+    let so = &mut doc["components"]["schemas"]["StructuredOutputs"];
+    if so.is_object() {
+        let set = |k: &str, inner: Value| json!({"required": [k], "properties": {k: inner}});
+        let not_null = json!({"not": {"type": "null"}});
+        so["oneOf"] = json!([
+            set("json", not_null.clone()),
+            set("regex", not_null.clone()),
+            set("choice", not_null.clone()),
+            set("grammar", not_null),
+            set("json_object", json!({"const": true})),
+        ]);
+    }
     // Loading takes a path (unloading does not); a name without '/' or spaces.
     let mut load = doc["components"]["schemas"]["LoadBody"].clone();
     load["required"] = json!(["lora_name", "lora_path"]);
@@ -372,14 +577,11 @@ mod tests {
             operator_token: false,
         };
         let doc = crate::server::openapi::document(auth, &RequestLimits::default());
-        for (name, endpoint) in [("ChatBody", On::Chat), ("CompletionBody", On::Completions)] {
+        for (name, endpoint) in [("ChatBody", On::CHAT), ("CompletionBody", On::COMPLETIONS)] {
             let body = &doc["components"]["schemas"][name];
             assert_eq!(body["additionalProperties"], false, "{name}");
             let props = body["properties"].as_object().unwrap();
-            for f in FIELDS
-                .iter()
-                .filter(|f| f.on == endpoint || f.on == On::Both)
-            {
+            for f in FIELDS.iter().filter(|f| f.on.covers(endpoint)) {
                 assert!(props.contains_key(f.name), "{name} lacks {}", f.name);
             }
             for p in props.keys() {

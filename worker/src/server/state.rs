@@ -73,6 +73,14 @@ pub struct AppState {
     /// The peers' live state (residency and queue), polled in the background: where a request
     /// for an adapter this pod does not hold is forwarded.
     pub peers: super::peers::Peers,
+    /// The request schemas of the OpenAPI document for the limits they were written for:
+    /// bodies are held to them ([`super::doc_check`]); rewritten when the limits change.
+    pub(super) doc: Mutex<
+        Option<(
+            super::openapi_requests::RequestLimits,
+            Arc<serde_json::Value>,
+        )>,
+    >,
 }
 
 impl AppState {
@@ -128,6 +136,7 @@ impl AppState {
             pending: Mutex::new(Vec::new()),
             refused: RwLock::new(HashMap::new()),
             restart_required: RwLock::new(Vec::new()),
+            doc: Mutex::new(None),
             reload_lock: Mutex::new(()),
             http,
             peers: Default::default(),

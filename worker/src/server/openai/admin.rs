@@ -9,9 +9,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
+use super::body::{OptionalTyped, Typed};
 use super::replies::{LoraAnswer, ReloadApplying};
 use super::types::{LoadBody, ReloadBody};
-use super::validate::{OptionalWire, Wire};
 use super::S;
 use crate::server::error::bad;
 use crate::server::openapi::Refusals;
@@ -42,7 +42,7 @@ pub async fn lora_adapters(State(s): S) -> Json<mole_api::LoraAdaptersResponse> 
     security(("bearer" = [])))]
 pub async fn load_lora(
     State(s): S,
-    Wire { body: b, .. }: Wire<LoadBody>,
+    Typed(b): Typed<LoadBody>,
 ) -> Result<Json<LoraAnswer>, ApiError> {
     let Some(p) = b.lora_path else {
         return Err(bad("invalid_request", "lora_path is required"));
@@ -102,7 +102,7 @@ pub async fn load_lora(
     security(("bearer" = [])))]
 pub async fn unload_lora(
     State(s): S,
-    Wire { body: b, .. }: Wire<LoadBody>,
+    Typed(b): Typed<LoadBody>,
 ) -> Result<Json<LoraAnswer>, ApiError> {
     s.admin.unload_adapter(&b.lora_name)?;
     // Its canary version goes with it (the config, until changed, loads it again).
@@ -129,7 +129,7 @@ pub async fn unload_lora(
     security(("bearer" = [])))]
 pub async fn admin_reload(
     State(s): S,
-    OptionalWire(b): OptionalWire<ReloadBody>,
+    OptionalTyped(b): OptionalTyped<ReloadBody>,
 ) -> Result<Response, ApiError> {
     // A stale file is answered at once (the operator retries), even while a watcher reload
     // holds the reload lock.

@@ -38,7 +38,7 @@ pub(super) fn now() -> u64 {
 pub(super) fn req_id(prefix: &str) -> String {
     use rand::Rng;
     let n: u64 = rand::rng().random();
-    format!("{prefix}-{n:016x}")
+    format!("{prefix}{n:016x}")
 }
 
 /// A request's choices' events as one stream, each with its choice's index. Dropping it drops
@@ -88,6 +88,10 @@ pub(super) struct Ctx {
     pub(super) parse: Option<ParseSpec>,
     /// Each choice's parser of a streamed chat with `parse`.
     pub(super) parsers: Vec<OutputParser>,
+    /// What of the answer's JSON schema is not enforced (`mole.unenforced`).
+    pub(super) unenforced: Vec<String>,
+    /// A Responses API answer being written (its kind is [`Kind::Response`]).
+    pub(super) resp: Option<super::response_out::ResponseState>,
 }
 
 impl Ctx {
@@ -109,7 +113,7 @@ impl Ctx {
         }
     }
     /// A choice started; the first to start is the request's time to first token.
-    fn on_started(&mut self, version: Option<String>) {
+    pub(super) fn on_started(&mut self, version: Option<String>) {
         if std::mem::replace(&mut self.started, true) {
             return;
         }
@@ -120,7 +124,7 @@ impl Ctx {
             .observe(self.start.elapsed().as_secs_f64());
         self.version = version;
     }
-    fn on_token(&mut self, choice: usize) {
+    pub(super) fn on_token(&mut self, choice: usize) {
         let now = Instant::now();
         let Some(last) = self.last_token.get_mut(choice) else {
             return;
@@ -137,7 +141,7 @@ impl Ctx {
         self.d.adapter.as_deref().unwrap_or("")
     }
     /// Counts an answer that ended here: the request by its status, its latency, its tokens.
-    fn record(&self, status: &str, usage: Option<Usage>) {
+    pub(super) fn record(&self, status: &str, usage: Option<Usage>) {
         let m = &self.s.metrics;
         m.requests
             .with_label_values(&[
@@ -159,7 +163,7 @@ impl Ctx {
         }
     }
     /// Counts choice `i`'s end; true when it was the last.
-    fn on_finished(&mut self, u: Usage) -> bool {
+    pub(super) fn on_finished(&mut self, u: Usage) -> bool {
         self.usage.prompt_tokens = u.prompt_tokens;
         self.usage.completion_tokens += u.completion_tokens;
         // The choices share the prompt; the first computed it, the others reused it.
@@ -189,8 +193,11 @@ impl Ctx {
             mole: None,
         }
     }
-    fn mole(&self) -> MoleInfo {
-        MoleInfo::new(&self.d, self.version.clone())
+    pub(super) fn mole(&self) -> MoleInfo {
+        MoleInfo {
+            unenforced: self.unenforced.clone(),
+            ..MoleInfo::new(&self.d, self.version.clone())
+        }
     }
     /// One chunk of a stream, serialized: `text` with its tokens' `lps`, the role on a chat's
     /// first chunk, the finish and `mole` on the last. `choice: false` is the closing usage
@@ -203,7 +210,8 @@ impl Ctx {
         }
         let finish = finish_name(c.finish);
         match self.kind {
-            Kind::Chat => {
+            // A response's events are written by its state (`response_events`), never here.
+            Kind::Chat | Kind::Response => {
                 let choice = ChunkChoice {
                     index: c.index,
                     delta: Delta {
@@ -243,7 +251,8 @@ impl Ctx {
     fn whole(&self, choices: Vec<Whole>, u: &Usage) -> Response {
         let headers = mole_headers(&self.d);
         match self.kind {
-            Kind::Chat => {
+            // A response is written by its state (`response_whole`), never here.
+            Kind::Chat | Kind::Response => {
                 let choices = choices
                     .into_iter()
                     .enumerate()
@@ -287,6 +296,9 @@ impl Ctx {
 
     /// The events one engine event becomes on a stream, and whether the stream ends there.
     fn stream_events(&mut self, ev: Result<(usize, TokenEvent), ApiError>) -> (Vec<Event>, bool) {
+        if self.resp.is_some() {
+            return self.response_events(ev);
+        }
         let data = |v: String| Event::default().data(v);
         let done = || Event::default().data("[DONE]");
         let (index, ev) = match ev {
@@ -598,6 +610,10 @@ pub(super) async fn collect_response(mut ctx: Ctx, mut rx: Choices) -> Result<Re
                 text: t, logprob, ..
             } => {
                 ctx.on_token(i);
+                // A response is written as it comes, as its stream is: the two are one.
+                if let Some(r) = &mut ctx.resp {
+                    r.push(&t);
+                }
                 out[i].text.push_str(&t);
                 out[i].lps.extend(logprob);
             }
@@ -610,6 +626,9 @@ pub(super) async fn collect_response(mut ctx: Ctx, mut rx: Choices) -> Result<Re
                 if ctx.on_finished(usage) {
                     let usage = ctx.usage;
                     ctx.record("200", Some(usage));
+                    if ctx.resp.is_some() {
+                        return Ok(ctx.response_whole(reason, &usage));
+                    }
                     return Ok(ctx.whole(out, &usage));
                 }
             }

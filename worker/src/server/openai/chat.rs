@@ -1,89 +1,135 @@
-//! Chats: `POST /v1/chat/completions`'s validation, and `POST /infer` (the seeds' task call,
-//! served as a chat).
+//! Chats: `POST /v1/chat/completions`'s validation (shared with the Responses API, whose input
+//! becomes a chat), and `POST /infer` (the seeds' task call, served as a chat).
 
+use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
 
-use super::fields::{self, On};
+use super::body::{Fields, RawBody};
 use super::generate::serve;
+use super::guided::{self, Guides};
 use super::images::{self, ImageSource};
+use super::outputs;
 use super::replies::{PromptTokensDetails, TaskAnswer, UsageInfo};
-use super::types::{ChatBody, InferBody, Kind};
+use super::tools::ToolFields;
+use super::types::{ChatBody, Common, InferBody, Kind};
 use super::validate::{
-    check_prompt_bytes, last_user_text, messages, prepare_request, sampling, Caps, Parts, RawBody,
-    ValidRequest, Validate, Wire,
+    check_prompt_bytes, last_user_text, messages, prepare_request, sampling, Caps, Parts,
+    ValidRequest, Validate,
 };
 use super::S;
-use super::{guided, outputs};
 use crate::engine::api::{ChatMessage, ContentPart, EngineError, Prompt};
 use crate::server::openapi::Refusals;
 use crate::server::{ApiError, AppState};
 
+/// A conversation to render: what a chat body and a Responses API input become.
+pub(super) struct Conversation {
+    /// The messages, as the template reads them.
+    pub(super) msgs: Vec<ChatMessage>,
+    /// Their images, in order.
+    pub(super) images: Vec<ImageSource>,
+    /// The template's extra variables.
+    pub(super) kwargs: Map<String, Value>,
+    /// The tokenizer's special tokens around the rendered text.
+    pub(super) add_special_tokens: bool,
+}
+
+/// A conversation rendered by the model's chat template with its tools and the answer's shape
+/// (structured outputs or a forced call, starting after the reasoning), checked against the
+/// limits: the request the serving path takes.
+pub(super) fn chat_request(
+    s: &AppState,
+    kind: Kind,
+    mut conv: Conversation,
+    tools: ToolFields,
+    guides: Guides,
+    common: Common,
+    forward: Option<Bytes>,
+) -> Result<ValidRequest, ApiError> {
+    let limits = s.cfg().limits.clone();
+    // The sampling bounds first: the template is the costly part.
+    let mut sp = sampling(&common, true, &Caps::of(s))?;
+    let route_text = last_user_text(&conv.msgs);
+    // Tools and the answer's shape (structured outputs, reasoning).
+    let formats = outputs::Formats::for_pool(s);
+    let tools = outputs::tools(tools, &formats, &mut conv.msgs, &mut conv.kwargs)?;
+    let guide = guided::guide(guides, &limits)?;
+    // A text that cannot fit is refused before the template renders it: the messages'
+    // text, their tool calls and results, and the tools.
+    let cap = limits.max_body_bytes;
+    let text: u64 = conv
+        .msgs
+        .iter()
+        .map(|m| m.content.len() as u64 + guided::json_len(&m.extra, cap))
+        .sum();
+    check_prompt_bytes(s, text + guided::json_len(&conv.kwargs, cap))?;
+    let text = s.codec.apply_chat_template(&conv.msgs, &conv.kwargs)?;
+    let parse = outputs::finish(&text, &formats, guide, tools.as_ref(), &mut sp)?;
+    let prompt = match conv.add_special_tokens {
+        true => Prompt::Text(text),
+        false => Prompt::Templated(text),
+    };
+    let parts = Parts {
+        kind,
+        prompt,
+        route_text,
+        forward,
+        images: conv.images,
+        whole: false,
+        sampling: sp,
+        parse,
+    };
+    ValidRequest::new(s, common, parts)
+}
+
 impl Validate for ChatBody {
     /// The messages rendered by the model's chat template (an image part becomes the model's
     /// image placeholder); the router reads the last user message and the images.
-    fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
-        fields::check(
-            wire.raw.as_object().unwrap_or(&Default::default()),
-            On::Chat,
-        )?;
-        let Wire { body: mut b, raw } = wire;
+    fn validate(
+        fields: Fields,
+        forward: Option<Bytes>,
+        s: &AppState,
+    ) -> Result<ValidRequest, ApiError> {
+        let b = ChatBody::read(fields)?;
         let limits = s.cfg().limits.clone();
-        let (mut msgs, images) = messages(b.messages, &limits, s.info.model_info().vision)?;
-        // The sampling bounds first: the template is the costly part.
-        let mut sp = sampling(&b.common, true, &Caps::of(s))?;
-        let route_text = last_user_text(&msgs);
-        if let Some(g) = b.add_generation_prompt {
-            b.chat_template_kwargs
-                .insert("add_generation_prompt".into(), g.into());
+        let (msgs, images) = messages(b.own.messages, &limits, s.info.model_info().vision)?;
+        let mut kwargs = b.own.chat_template_kwargs;
+        if let Some(g) = b.own.add_generation_prompt {
+            kwargs.insert("add_generation_prompt".into(), g.into());
         }
-        // Tools, their history and the answer's shape (structured outputs, reasoning).
-        let formats = outputs::Formats::for_pool(s);
-        outputs::message_extras(&raw, &mut msgs)?;
-        let mut kwargs = b.chat_template_kwargs;
-        let tools = outputs::tools(&raw, &formats, &mut msgs, &mut kwargs)?;
-        let guide = guided::guide(&raw, &limits)?;
-        // A text that cannot fit is refused before the template renders it: the messages'
-        // text, their tool calls and results, and the tools.
-        let cap = limits.max_body_bytes;
-        let text: u64 = msgs
-            .iter()
-            .map(|m| m.content.len() as u64 + guided::json_len(&m.extra, cap))
-            .sum();
-        check_prompt_bytes(s, text + guided::json_len(&kwargs, cap))?;
-        let text = s.codec.apply_chat_template(&msgs, &kwargs)?;
-        let parse = outputs::finish(&text, &formats, guide, tools.as_ref(), &mut sp)?;
-        let prompt = match b.add_special_tokens.unwrap_or(false) {
-            true => Prompt::Text(text),
-            false => Prompt::Templated(text),
-        };
-        let parts = Parts {
-            kind: Kind::Chat,
-            prompt,
-            route_text,
-            forward: raw,
+        let conv = Conversation {
+            msgs,
             images,
-            whole: false,
-            sampling: sp,
-            parse,
+            kwargs,
+            add_special_tokens: b.own.add_special_tokens.unwrap_or(false),
         };
-        ValidRequest::new(s, b.common, parts)
+        chat_request(s, Kind::Chat, conv, b.tools, b.guides, b.common, forward)
     }
 }
 
 impl Validate for InferBody {
     /// The prompt as the one user message of a chat, its image (if any) before the text, never
     /// streamed.
-    fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
-        let Wire { body: b, raw } = wire;
-        check_prompt_bytes(s, b.prompt.len() as u64)?;
-        let mut msg = ChatMessage::text("user", b.prompt.clone());
-        let mut content = json!(b.prompt);
+    fn validate(
+        fields: Fields,
+        forward: Option<Bytes>,
+        s: &AppState,
+    ) -> Result<ValidRequest, ApiError> {
+        let b = InferBody::read(fields)?;
+        let Some(prompt) = b.own.prompt.or(b.own.input) else {
+            return Err(super::super::error::bad(
+                "invalid_request",
+                "prompt (or input) is required",
+            ));
+        };
+        check_prompt_bytes(s, prompt.len() as u64)?;
+        let mut msg = ChatMessage::text("user", prompt.clone());
+        let mut content = json!(prompt);
         let mut images = Vec::new();
-        if let Some(img) = &b.image_b64 {
+        if let Some(img) = &b.own.image_b64 {
             if !s.info.model_info().vision {
                 return Err(EngineError::ImagesNotSupported.into());
             }
@@ -95,33 +141,25 @@ impl Validate for InferBody {
                 let data = base64::engine::general_purpose::STANDARD.encode(bytes);
                 content = json!([
                     {"type": "image_url", "image_url": {"url": format!("data:{mime};base64,{data}")}},
-                    {"type": "text", "text": b.prompt},
+                    {"type": "text", "text": prompt},
                 ]);
             }
             images.push(src);
-            msg.parts = vec![ContentPart::Image, ContentPart::Text(b.prompt.clone())];
+            msg.parts = vec![ContentPart::Image, ContentPart::Text(prompt.clone())];
         }
         let mut sp = sampling(&b.common, true, &Caps::of(s))?;
         // Structured outputs shape the task's answer as a chat's (after any reasoning).
-        let guide = guided::guide(&raw, &s.cfg().limits)?;
+        let guide = guided::guide(b.guides, &s.cfg().limits)?;
         let text = s
             .codec
             .apply_chat_template(&[msg], &serde_json::Map::new())?;
         let formats = outputs::Formats::for_pool(s);
         let parse = outputs::finish(&text, &formats, guide, None, &mut sp)?;
-        let prompt = Prompt::Templated(text);
-        // Merged pods get it as a chat completion.
-        let mut forward = raw;
-        forward["messages"] = json!([{"role": "user", "content": content}]);
-        if let Some(f) = forward.as_object_mut() {
-            for k in ["prompt", "input", "image_b64"] {
-                f.remove(k);
-            }
-        }
+        let forward = forward.map(|f| infer_forward(&f, content));
         let parts = Parts {
             kind: Kind::Chat,
-            prompt,
-            route_text: b.prompt,
+            prompt: Prompt::Templated(text),
+            route_text: prompt,
             forward,
             images,
             whole: true,
@@ -130,6 +168,20 @@ impl Validate for InferBody {
         };
         ValidRequest::new(s, b.common, parts)
     }
+}
+
+/// `/infer`'s body as merged pods and peers get it: a chat completion, the task's prompt and
+/// image made its one user message (`content`), every other field as sent.
+fn infer_forward(sent: &[u8], content: Value) -> Bytes {
+    let mut body: Map<String, Value> = serde_json::from_slice(sent).unwrap_or_default();
+    for k in ["prompt", "input", "image_b64"] {
+        body.remove(k);
+    }
+    body.insert(
+        "messages".into(),
+        json!([{"role": "user", "content": content}]),
+    );
+    Bytes::from(serde_json::to_vec(&body).unwrap_or_default())
 }
 
 /// `POST /infer`, the seeds' task call: `{prompt, image_b64?, expert?, prefer_merged?, ...}` →

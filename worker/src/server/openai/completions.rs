@@ -1,8 +1,10 @@
 //! `POST /v1/completions`: its validation (the prompt forms).
 
-use super::fields::{self, On};
+use axum::body::Bytes;
+
+use super::body::Fields;
 use super::types::{CompletionBody, Kind, PromptField};
-use super::validate::{check_prompt_bytes, sampling, Caps, Parts, ValidRequest, Validate, Wire};
+use super::validate::{check_prompt_bytes, sampling, Caps, Parts, ValidRequest, Validate};
 use crate::engine::api::Prompt;
 use crate::engine::grammar::Guided;
 use crate::server::error::bad;
@@ -10,17 +12,18 @@ use crate::server::{ApiError, AppState};
 
 impl Validate for CompletionBody {
     /// A string, a one-string array, or token ids of the vocabulary; the router reads the text.
-    fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError> {
-        fields::check(
-            wire.raw.as_object().unwrap_or(&Default::default()),
-            On::Completions,
-        )?;
-        let Wire { body: b, raw } = wire;
+    fn validate(
+        fields: Fields,
+        forward: Option<Bytes>,
+        s: &AppState,
+    ) -> Result<ValidRequest, ApiError> {
+        let b = CompletionBody::read(fields)?;
         let mut sp = sampling(&b.common, false, &Caps::of(s))?;
-        sp.guide =
-            super::guided::guide(&raw, &s.cfg().limits)?.map(|guide| Guided { guide, after: None });
-        let prompt = match completion_prompt(b.prompt, s.info.model_info().vocab_size)? {
-            Prompt::Text(t) if b.add_special_tokens == Some(false) => Prompt::Templated(t),
+        sp.guide = super::guided::guide(b.guides, &s.cfg().limits)?
+            .map(|guide| Guided { guide, after: None });
+        let info = s.info.model_info();
+        let prompt = match completion_prompt(b.own.prompt, info.vocab_size, info.image_token)? {
+            Prompt::Text(t) if b.own.add_special_tokens == Some(false) => Prompt::Templated(t),
             p => p,
         };
         if let Prompt::Text(t) | Prompt::Templated(t) = &prompt {
@@ -35,7 +38,7 @@ impl Validate for CompletionBody {
             kind: Kind::Completion,
             prompt,
             route_text,
-            forward: raw,
+            forward,
             images: Vec::new(),
             whole: false,
             sampling: sp,
@@ -46,8 +49,9 @@ impl Validate for CompletionBody {
 }
 
 /// A completion's prompt: a string, a one-string array, or a non-empty array of token ids
-/// below `vocab` (0: unknown, not checked).
-fn completion_prompt(p: PromptField, vocab: usize) -> Result<Prompt, ApiError> {
+/// below `vocab` (0: unknown, not checked), none of them a vision model's image placeholder
+/// (`image`: a completion takes no images for one to stand for).
+fn completion_prompt(p: PromptField, vocab: usize, image: Option<u32>) -> Result<Prompt, ApiError> {
     match p {
         PromptField::Text(t) => Ok(Prompt::Text(t)),
         PromptField::Tokens(t) if !t.is_empty() => {
@@ -55,6 +59,12 @@ fn completion_prompt(p: PromptField, vocab: usize) -> Result<Prompt, ApiError> {
                 return Err(bad(
                     "invalid_token_id",
                     format!("token id {bad_id} >= vocab size {vocab}"),
+                ));
+            }
+            if let Some(i) = image.filter(|i| t.contains(i)) {
+                return Err(bad(
+                    "invalid_token_id",
+                    format!("token id {i} is the model's image placeholder; a completion takes no images"),
                 ));
             }
             Ok(Prompt::Tokens(t))
@@ -78,7 +88,8 @@ mod tests {
 
     #[test]
     fn completion_prompts() {
-        let p = |v: Value, vocab| completion_prompt(serde_json::from_value(v).unwrap(), vocab);
+        let p =
+            |v: Value, vocab| completion_prompt(serde_json::from_value(v).unwrap(), vocab, None);
         assert_eq!(p(json!("hi"), 10).unwrap(), Prompt::Text("hi".into()));
         assert_eq!(p(json!(["hi"]), 10).unwrap(), Prompt::Text("hi".into()));
         assert_eq!(p(json!([1, 9]), 10).unwrap(), Prompt::Tokens(vec![1, 9]));
@@ -86,5 +97,7 @@ mod tests {
         assert_eq!(refused(p(json!([10]), 10)), "invalid_token_id");
         assert_eq!(refused(p(json!([]), 10)), "invalid_prompt");
         assert_eq!(refused(p(json!(["a", "b"]), 10)), "invalid_prompt");
+        let image = completion_prompt(serde_json::from_value(json!([1, 7])).unwrap(), 10, Some(7));
+        assert_eq!(refused(image), "invalid_token_id");
     }
 }

@@ -11,21 +11,46 @@ use serde_json::{Map, Value};
 use crate::server::error::bad;
 use crate::server::ApiError;
 
-/// Which body a field belongs to.
+/// The bodies a field belongs to: a set of endpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(in crate::server) enum On {
-    /// `POST /v1/chat/completions`.
-    Chat,
-    /// `POST /v1/completions`.
-    Completions,
-    /// Both.
-    Both,
-}
+pub(in crate::server) struct On(u8);
 
 impl On {
+    /// `POST /v1/chat/completions` (and `/infer`, a chat).
+    pub(in crate::server) const CHAT: On = On(1);
+    /// `POST /v1/completions`.
+    pub(in crate::server) const COMPLETIONS: On = On(2);
+    /// `POST /v1/responses`.
+    pub(in crate::server) const RESPONSES: On = On(4);
+    /// Chat and completions.
+    pub(in crate::server) const BOTH: On = On(1 | 2);
+    /// Every generation endpoint.
+    pub(in crate::server) const ALL: On = On(1 | 2 | 4);
+
+    /// Both sets together.
+    const fn and(self, other: On) -> On {
+        On(self.0 | other.0)
+    }
+
     /// Whether the field is one of `endpoint`'s.
-    fn covers(self, endpoint: On) -> bool {
-        self == On::Both || self == endpoint
+    pub(in crate::server) fn covers(self, endpoint: On) -> bool {
+        self.0 & endpoint.0 != 0
+    }
+
+    /// The endpoints' names, as the docs' table shows them.
+    #[cfg(test)]
+    fn names(self) -> String {
+        let all = [
+            (On::CHAT, "chat"),
+            (On::COMPLETIONS, "completions"),
+            (On::RESPONSES, "responses"),
+        ];
+        let v: Vec<&str> = all
+            .iter()
+            .filter(|(o, _)| self.covers(*o))
+            .map(|(_, n)| *n)
+            .collect();
+        v.join(", ")
     }
 }
 
@@ -92,308 +117,375 @@ const fn refused(
     }
 }
 
-use On::{Both, Chat, Completions};
+const CHAT: On = On::CHAT;
+const COMPLETIONS: On = On::COMPLETIONS;
+const RESPONSES: On = On::RESPONSES;
+const BOTH: On = On::BOTH;
+const ALL: On = On::ALL;
+const CHAT_RESPONSES: On = On::CHAT.and(On::RESPONSES);
 
 /// The table: OpenAI's current chat and completions fields, then vLLM's extra parameters, then
 /// mole's own.
 pub(in crate::server) const FIELDS: &[Field] = &[
     // OpenAI.
-    served("messages", "OpenAI", Chat),
-    served("prompt", "OpenAI", Completions),
-    served("model", "OpenAI", Both),
-    served("frequency_penalty", "OpenAI", Both),
-    served("presence_penalty", "OpenAI", Both),
-    served("logprobs", "OpenAI", Both),
-    served("top_logprobs", "OpenAI", Both),
-    served("max_tokens", "OpenAI", Both),
-    served("max_completion_tokens", "OpenAI", Both),
-    served("n", "OpenAI", Both),
-    served("seed", "OpenAI", Both),
-    served("stop", "OpenAI", Both),
-    served("stream", "OpenAI", Both),
-    served("stream_options", "OpenAI", Both),
-    served("temperature", "OpenAI", Both),
-    served("top_p", "OpenAI", Both),
-    refused("logit_bias", "OpenAI", Both, "biases token logits", &["{}"]),
-    served("response_format", "OpenAI", Both),
-    served("tools", "OpenAI", Chat),
-    served("tool_choice", "OpenAI", Chat),
-    served("parallel_tool_calls", "OpenAI", Chat),
+    served("messages", "OpenAI", CHAT),
+    served("prompt", "OpenAI", COMPLETIONS),
+    served("model", "OpenAI", ALL),
+    served("frequency_penalty", "OpenAI", BOTH),
+    served("presence_penalty", "OpenAI", BOTH),
+    served("logprobs", "OpenAI", BOTH),
+    served("top_logprobs", "OpenAI", BOTH),
+    served("max_tokens", "OpenAI", BOTH),
+    served("max_completion_tokens", "OpenAI", BOTH),
+    served("n", "OpenAI", BOTH),
+    served("seed", "OpenAI", ALL),
+    served("stop", "OpenAI", BOTH),
+    served("stream", "OpenAI", ALL),
+    served("stream_options", "OpenAI", BOTH),
+    served("temperature", "OpenAI", ALL),
+    served("top_p", "OpenAI", ALL),
+    refused("logit_bias", "OpenAI", BOTH, "biases token logits", &["{}"]),
+    served("response_format", "OpenAI", BOTH),
+    served("tools", "OpenAI", CHAT_RESPONSES),
+    served("tool_choice", "OpenAI", CHAT_RESPONSES),
+    served("parallel_tool_calls", "OpenAI", CHAT_RESPONSES),
     refused(
         "functions",
         "OpenAI",
-        Chat,
+        CHAT,
         "function calls (deprecated tools)",
         &["[]"],
     ),
     refused(
         "function_call",
         "OpenAI",
-        Chat,
+        CHAT,
         "function calls (deprecated tools)",
         &[r#""none""#],
     ),
     refused(
         "modalities",
         "OpenAI",
-        Chat,
+        CHAT,
         "output modalities other than text",
         &[r#"["text"]"#],
     ),
-    refused("audio", "OpenAI", Chat, "audio output", &[]),
+    refused("audio", "OpenAI", CHAT, "audio output", &[]),
     refused(
         "prediction",
         "OpenAI",
-        Chat,
+        CHAT,
         "predicted outputs (speculative decoding on given content)",
         &[],
     ),
     refused(
         "reasoning_effort",
         "OpenAI",
-        Chat,
+        CHAT,
         "a reasoning budget the model is told",
         &[],
     ),
     refused(
         "verbosity",
         "OpenAI",
-        Chat,
+        CHAT,
         "an answer length the model is told",
         &[],
     ),
-    refused("web_search_options", "OpenAI", Chat, "web search", &[]),
+    refused("web_search_options", "OpenAI", CHAT, "web search", &[]),
     refused(
         "echo",
         "OpenAI",
-        Both,
+        BOTH,
         "the prompt echoed before the answer",
         &["false"],
     ),
     refused(
         "best_of",
         "OpenAI",
-        Completions,
+        COMPLETIONS,
         "server-side candidates of which the best is answered",
         &["1"],
     ),
     refused(
         "suffix",
         "OpenAI",
-        Completions,
+        COMPLETIONS,
         "fill-in-the-middle after a suffix",
         &[r#""""#],
     ),
     ignored(
         "user",
         "OpenAI",
-        Both,
+        ALL,
         "an end-user id for OpenAI's abuse monitoring; mole logs no end users, and reads it only as the session that keeps a canary split sticky (after the `x-session-id` header)",
     ),
     ignored(
         "safety_identifier",
         "OpenAI",
-        Both,
+        ALL,
         "user's successor, for OpenAI's abuse monitoring",
     ),
     ignored(
         "metadata",
         "OpenAI",
-        Both,
+        BOTH,
         "tags for OpenAI's stored completions",
     ),
     ignored(
         "store",
         "OpenAI",
-        Both,
+        BOTH,
         "asks OpenAI to keep the completion; mole keeps none",
     ),
     ignored(
         "service_tier",
         "OpenAI",
-        Both,
+        ALL,
         "OpenAI's billing tier; a pool has one",
     ),
     ignored(
         "prompt_cache_key",
         "OpenAI",
-        Both,
+        ALL,
         "a hint for OpenAI's prompt cache; mole's prefix cache is keyed by the prompt itself, partitioned by API key (limits.prefixCacheScope) and cache_salt",
     ),
     // vLLM's extra parameters.
-    served("top_k", "vLLM", Both),
-    served("min_p", "vLLM", Both),
-    served("repetition_penalty", "vLLM", Both),
-    served("stop_token_ids", "vLLM", Both),
-    served("ignore_eos", "vLLM", Both),
-    served("chat_template_kwargs", "vLLM", Chat),
-    served("add_generation_prompt", "vLLM", Chat),
-    served("add_special_tokens", "vLLM", Both),
+    served("top_k", "vLLM", ALL),
+    served("min_p", "vLLM", ALL),
+    served("repetition_penalty", "vLLM", ALL),
+    served("stop_token_ids", "vLLM", BOTH),
+    served("ignore_eos", "vLLM", BOTH),
+    served("chat_template_kwargs", "vLLM", CHAT_RESPONSES),
+    served("add_generation_prompt", "vLLM", CHAT),
+    served("add_special_tokens", "vLLM", BOTH),
     refused(
         "min_tokens",
         "vLLM",
-        Both,
+        BOTH,
         "a least number of tokens",
         &["0"],
     ),
     refused(
         "skip_special_tokens",
         "vLLM",
-        Both,
+        BOTH,
         "special tokens in the answer's text (mole always leaves them out)",
         &["true"],
     ),
     refused(
         "spaces_between_special_tokens",
         "vLLM",
-        Both,
+        BOTH,
         "how special tokens are joined in the text",
         &["true"],
     ),
     refused(
         "include_stop_str_in_output",
         "vLLM",
-        Both,
+        BOTH,
         "the matched stop string kept in the answer",
         &["false"],
     ),
     refused(
         "chat_template",
         "vLLM",
-        Chat,
+        CHAT,
         "a chat template of the client's (mole renders the model's own)",
         &[],
     ),
     refused(
         "continue_final_message",
         "vLLM",
-        Chat,
+        CHAT,
         "the last assistant message continued",
         &["false"],
     ),
     refused(
         "documents",
         "vLLM",
-        Chat,
+        CHAT,
         "documents for a RAG chat template",
         &[],
     ),
-    served("structured_outputs", "vLLM", Both),
-    served("guided_json", "vLLM", Both),
-    served("guided_regex", "vLLM", Both),
-    served("guided_choice", "vLLM", Both),
-    served("guided_grammar", "vLLM", Both),
+    served("structured_outputs", "vLLM", BOTH),
+    served("guided_json", "vLLM", BOTH),
+    served("guided_regex", "vLLM", BOTH),
+    served("guided_choice", "vLLM", BOTH),
+    served("guided_grammar", "vLLM", BOTH),
     refused(
         "guided_decoding_backend",
         "vLLM",
-        Both,
+        BOTH,
         "structured output's backend",
         &[],
     ),
     refused(
         "guided_whitespace_pattern",
         "vLLM",
-        Both,
+        BOTH,
         "structured output's whitespace",
         &[],
     ),
     refused(
         "priority",
         "vLLM",
-        Both,
+        ALL,
         "priority scheduling (vLLM refuses it too unless its scheduler has priorities)",
         &["0"],
     ),
     ignored(
         "request_id",
         "vLLM",
-        Both,
+        ALL,
         "vLLM's id for its logs; mole's answer and logs carry mole's own id",
     ),
-    served("cache_salt", "vLLM", Both),
+    served("cache_salt", "vLLM", ALL),
     refused(
         "truncate_prompt_tokens",
         "vLLM",
-        Both,
+        BOTH,
         "the prompt cut to its last tokens",
         &[],
     ),
     refused(
         "prompt_logprobs",
         "vLLM",
-        Both,
+        BOTH,
         "log probabilities of the prompt's tokens",
         &[],
     ),
     refused(
         "return_tokens_as_token_ids",
         "vLLM",
-        Both,
+        BOTH,
         "logprob tokens as `token_id:N`",
         &["false"],
     ),
     refused(
         "return_token_ids",
         "vLLM",
-        Both,
+        BOTH,
         "the prompt's and answer's token ids",
         &["false"],
     ),
     refused(
         "mm_processor_kwargs",
         "vLLM",
-        Chat,
+        CHAT_RESPONSES,
         "image processor settings",
         &["{}"],
     ),
     refused(
         "logits_processors",
         "vLLM",
-        Both,
+        BOTH,
         "logits processors by name",
         &["[]"],
     ),
     refused(
         "allowed_token_ids",
         "vLLM",
-        Both,
+        BOTH,
         "sampling restricted to given tokens",
         &[],
     ),
-    refused("bad_words", "vLLM", Both, "words never generated", &["[]"]),
-    refused("use_beam_search", "vLLM", Both, "beam search", &["false"]),
+    refused("bad_words", "vLLM", BOTH, "words never generated", &["[]"]),
+    refused("use_beam_search", "vLLM", BOTH, "beam search", &["false"]),
     refused(
         "length_penalty",
         "vLLM",
-        Both,
+        BOTH,
         "beam search's length penalty",
         &["1"],
     ),
     refused(
         "kv_transfer_params",
         "vLLM",
-        Both,
+        BOTH,
         "disaggregated prefill's KV transfer",
         &[],
     ),
     refused(
         "prompt_embeds",
         "vLLM",
-        Completions,
+        COMPLETIONS,
         "prompt embeddings",
         &[],
     ),
     refused(
         "vllm_xargs",
         "vLLM",
-        Both,
+        BOTH,
         "extra arguments for vLLM plugins",
         &[],
     ),
     // mole's own.
-    served("adapter", "mole", Both),
-    served("expert", "mole", Both),
-    served("prefer_merged", "mole", Both),
+    served("adapter", "mole", ALL),
+    served("expert", "mole", ALL),
+    served("prefer_merged", "mole", ALL),
+    // OpenAI's Responses API (`POST /v1/responses`).
+    served("input", "OpenAI", RESPONSES),
+    served("instructions", "OpenAI", RESPONSES),
+    served("max_output_tokens", "OpenAI", RESPONSES),
+    served("text", "OpenAI", RESPONSES),
+    served("reasoning", "OpenAI", RESPONSES),
+    served("include", "OpenAI", RESPONSES),
+    served("metadata", "OpenAI", RESPONSES),
+    refused(
+        "top_logprobs",
+        "OpenAI",
+        RESPONSES,
+        "log probabilities of the answer's tokens",
+        &["0"],
+    ),
+    refused(
+        "previous_response_id",
+        "OpenAI",
+        RESPONSES,
+        "a stored response continued; mole stores no responses: send the conversation as `input` items",
+        &[],
+    ),
+    refused(
+        "conversation",
+        "OpenAI",
+        RESPONSES,
+        "a stored conversation continued; mole stores none",
+        &[],
+    ),
+    refused(
+        "background",
+        "OpenAI",
+        RESPONSES,
+        "a response run in the background and polled",
+        &["false"],
+    ),
+    refused("prompt", "OpenAI", RESPONSES, "a stored prompt template", &[]),
+    refused(
+        "truncation",
+        "OpenAI",
+        RESPONSES,
+        "the input cut to fit the context",
+        &[r#""disabled""#],
+    ),
+    ignored(
+        "store",
+        "OpenAI",
+        RESPONSES,
+        "mole stores no responses: every answer says `store: false`, and `GET`/`DELETE /v1/responses/{id}` answer 404 `response_not_found`",
+    ),
+    ignored(
+        "stream_options",
+        "OpenAI",
+        RESPONSES,
+        "`include_obfuscation` pads a stream's deltas against length side channels; mole sends no padding, and a response stream always ends with the usage",
+    ),
+    ignored(
+        "max_tool_calls",
+        "OpenAI",
+        RESPONSES,
+        "a bound on the calls of OpenAI's built-in tools (web search, file search...), which mole has none of; function calls are made by the client",
+    ),
 ];
 
 /// The field named `name` of `endpoint`'s body.
@@ -417,7 +509,6 @@ fn noop(v: &Value, values: &[&str]) -> bool {
 pub(in crate::server) fn check(body: &Map<String, Value>, endpoint: On) -> Result<(), ApiError> {
     for (name, v) in body {
         match field(name, endpoint).map(|f| f.treatment) {
-            Some(Treatment::Served) => {}
             Some(Treatment::Ignored(why)) => {
                 tracing::debug!(field = %name, why, "request field ignored");
             }
@@ -434,9 +525,12 @@ pub(in crate::server) fn check(body: &Map<String, Value>, endpoint: On) -> Resul
                     ),
                 ));
             }
-            None => {
+            // A served field the body's typed parts did not take is another endpoint's (chat's
+            // `messages` sent to `/infer`): every endpoint's parts read all it serves (a test
+            // checks).
+            Some(Treatment::Served) | None => {
                 let other = match FIELDS.iter().any(|f| f.name == name) {
-                    true => " (a field of the other endpoint)",
+                    true => " (a field of another endpoint)",
                     false => "",
                 };
                 return Err(bad(
@@ -454,11 +548,7 @@ pub(in crate::server) fn check(body: &Map<String, Value>, endpoint: On) -> Resul
 pub(in crate::server) fn markdown() -> String {
     let mut out = String::from("| Field | API | Endpoints | What mole does |\n|---|---|---|---|\n");
     for f in FIELDS {
-        let on = match f.on {
-            Chat => "chat",
-            Completions => "completions",
-            Both => "chat, completions",
-        };
+        let on = f.on.names();
         let what = match f.treatment {
             Treatment::Served => "served".to_string(),
             Treatment::Ignored(why) => format!("ignored: {why}"),
@@ -487,7 +577,7 @@ mod tests {
 
     #[test]
     fn each_field_is_named_once_per_endpoint() {
-        for endpoint in [Chat, Completions] {
+        for endpoint in [CHAT, COMPLETIONS, RESPONSES] {
             let mut seen = std::collections::BTreeSet::new();
             for f in FIELDS.iter().filter(|f| f.on.covers(endpoint)) {
                 assert!(seen.insert(f.name), "{} twice", f.name);
@@ -506,29 +596,86 @@ mod tests {
     #[test]
     fn refused_unknown_and_noop_values() {
         assert_eq!(
-            code(json!({"functions": [{"name": "f"}]}), Chat),
+            code(json!({"functions": [{"name": "f"}]}), CHAT),
             Some("unsupported_field")
         );
-        assert_eq!(code(json!({"functions": []}), Chat), None);
-        assert_eq!(code(json!({"functions": null}), Chat), None);
+        assert_eq!(code(json!({"functions": []}), CHAT), None);
+        assert_eq!(code(json!({"functions": null}), CHAT), None);
         assert_eq!(
-            code(json!({"echo": true}), Completions),
+            code(json!({"echo": true}), COMPLETIONS),
             Some("unsupported_field")
         );
-        assert_eq!(code(json!({"echo": false}), Completions), None);
+        assert_eq!(code(json!({"echo": false}), COMPLETIONS), None);
         assert_eq!(
-            code(json!({"user": "u1", "metadata": {"a": "b"}}), Chat),
+            code(json!({"user": "u1", "metadata": {"a": "b"}}), CHAT),
             None
         );
-        assert_eq!(code(json!({"frobnicate": 1}), Chat), Some("unknown_field"));
+        assert_eq!(code(json!({"frobnicate": 1}), CHAT), Some("unknown_field"));
         // A field of the other endpoint.
-        assert_eq!(code(json!({"suffix": "x"}), Chat), Some("unknown_field"));
+        assert_eq!(code(json!({"suffix": "x"}), CHAT), Some("unknown_field"));
         assert_eq!(
-            code(json!({"messages": []}), Completions),
+            code(json!({"messages": []}), COMPLETIONS),
             Some("unknown_field")
         );
-        let e = check(json!({"logit_bias": {"1": 5}}).as_object().unwrap(), Chat).unwrap_err();
+        let e = check(json!({"logit_bias": {"1": 5}}).as_object().unwrap(), CHAT).unwrap_err();
         assert!(e.message.contains("logit_bias"), "{}", e.message);
+    }
+
+    /// The typed parts of each body read exactly the fields the table serves there (and
+    /// `user`, ignored but read for canary sessions): a served field no part reads, or a part's
+    /// field the table does not name, fails here.
+    #[test]
+    fn the_typed_bodies_read_the_served_fields() {
+        use crate::server::openai::body::field_names;
+        use crate::server::openai::guided::Guides;
+        use crate::server::openai::tools::ToolFields;
+        use crate::server::openai::types::{ChatOwn, Common, CompletionOwn};
+        use std::collections::BTreeSet;
+        let typed = |parts: &[&[&'static str]]| -> BTreeSet<&'static str> {
+            parts.iter().flat_map(|p| p.iter().copied()).collect()
+        };
+        let chat = typed(&[
+            field_names::<ChatOwn>(),
+            field_names::<ToolFields>(),
+            field_names::<Guides>(),
+            field_names::<Common>(),
+        ]);
+        let completions = typed(&[
+            field_names::<CompletionOwn>(),
+            field_names::<Guides>(),
+            field_names::<Common>(),
+        ]);
+        // Chat's common part, where this API's table has its fields.
+        let shared: Vec<&'static str> = field_names::<Common>()
+            .iter()
+            .copied()
+            .filter(|n| {
+                field(n, RESPONSES)
+                    .is_some_and(|f| !matches!(f.treatment, Treatment::Refused { .. }))
+            })
+            .collect();
+        let responses = typed(&[
+            field_names::<crate::server::openai::responses::ResponsesOwn>(),
+            field_names::<crate::server::openai::responses::ResponseToolFields>(),
+            &shared,
+        ]);
+        for (endpoint, typed) in [
+            (CHAT, chat),
+            (COMPLETIONS, completions),
+            (RESPONSES, responses),
+        ] {
+            let served: BTreeSet<&str> = FIELDS
+                .iter()
+                .filter(|f| f.on.covers(endpoint))
+                .filter(|f| {
+                    f.treatment == Treatment::Served
+                        || f.name == "user"
+                        || (f.name == "stream_options" && endpoint == RESPONSES)
+                })
+                .map(|f| f.name)
+                .collect();
+            assert_eq!(typed, served, "{}", endpoint.names());
+        }
     }
 
     /// `docs/server.md` shows this table as it is.

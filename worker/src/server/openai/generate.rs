@@ -10,12 +10,14 @@ use axum::response::Response;
 use mole_api::{PrefixCacheScope, WorkerConfig};
 
 use super::answer::{choices, collect_response, req_id, stream_response, Ctx};
+use super::body::RawBody;
 use super::images;
 use super::parse::OutputParser;
 use super::replies::{Answer, ChatChoice, ChatEvent, TextChoice, TextEvent};
-use super::route::decide;
+use super::response_out::ResponseState;
+use super::route::decide_off_runtime;
 use super::types::{ChatBody, CompletionBody};
-use super::validate::{max_seq, prepare_request, RawBody, ValidRequest, Validate};
+use super::validate::{max_seq, prepare_request, ValidRequest, Validate};
 use super::S;
 use crate::engine::api::{EngineError, GenerateRequest, Image, Prompt, SamplingParams, Serving};
 use crate::router::{Decision, Mode};
@@ -86,7 +88,17 @@ pub(super) async fn serve(
     }
     // The sources become pixels (the request keeps the rest).
     let (images, held) = images::read_all(s, std::mem::take(&mut req.images), deadline).await?;
-    let d = decide(s, &req.route_input(), &images)?;
+    // What the router reads is not needed afterwards: moved, not copied.
+    let text = std::mem::take(&mut req.route_text);
+    let (d, images) = decide_off_runtime(
+        s,
+        req.model.clone(),
+        req.adapter.clone(),
+        text,
+        images,
+        deadline,
+    )
+    .await?;
     let span = tracing::Span::current();
     span.record("mole.adapter", d.adapter.as_deref().unwrap_or(""));
     span.record("mole.mode", d.mode.as_str());
@@ -138,15 +150,18 @@ async fn serve_routed(
     mut d: Decision,
 ) -> Result<Response, ApiError> {
     let cfg = s.cfg();
-    let canary = canary_for(s, &cfg, &d, headers, &req.forward);
+    let canary = canary_for(s, &cfg, &d, headers, req.user.as_deref());
     if canary.is_some() {
         // The canary version is served here (dynamically), never by the stable version's
         // merged pods.
         d.mode = Mode::Dynamic;
-    } else if let Some(r) = gateway::forward(s, &cfg, &d, &req.upstream(headers)).await? {
-        return Ok(r);
-    } else if let Some(r) = gateway::forward_to_peer(s, &cfg, &d, &req.upstream(headers)).await {
-        return Ok(r);
+    } else if let Some(up) = req.upstream(headers) {
+        if let Some(r) = gateway::forward(s, &cfg, &d, &up).await? {
+            return Ok(r);
+        }
+        if let Some(r) = gateway::forward_to_peer(s, &cfg, &d, &up).await {
+            return Ok(r);
+        }
     }
     // The prompt was tokenized by validation; each image's one placeholder becomes its
     // tokens.
@@ -189,6 +204,10 @@ async fn serve_routed(
     } else {
         req.model
     };
+    let resp = match (req.echo, req.parse) {
+        (Some(echo), Some(spec)) => Some(ResponseState::new(id.clone(), model.clone(), echo, spec)),
+        _ => None,
+    };
     let ctx = Ctx {
         s: s.clone(),
         d,
@@ -208,6 +227,8 @@ async fn serve_routed(
             (true, Some(spec)) => (0..n).map(|_| OutputParser::new(spec)).collect(),
             _ => Vec::new(),
         },
+        unenforced: req.unenforced,
+        resp,
     };
     let rx = choices(rx);
     if req.stream {
@@ -227,7 +248,7 @@ fn canary_for(
     cfg: &WorkerConfig,
     d: &Decision,
     headers: &HeaderMap,
-    body: &serde_json::Value,
+    user: Option<&str>,
 ) -> Option<String> {
     let name = d.adapter.as_ref()?;
     let c = cfg
@@ -240,7 +261,7 @@ fn canary_for(
     let session = headers
         .get(mole_api::SESSION_HEADER)
         .and_then(|v| v.to_str().ok())
-        .or_else(|| body.get("user").and_then(serde_json::Value::as_str))
+        .or(user)
         .filter(|k| !k.is_empty());
     let count = match session {
         Some(_) => 0,

@@ -5,29 +5,29 @@
 //! compiles it (a schema or grammar llguidance refuses is a 400 naming the problem).
 
 use mole_api::WorkerLimits;
+use serde::Deserialize;
 use serde_json::Value;
+use utoipa::ToSchema;
 
 use crate::engine::grammar::Guide;
 use crate::server::error::bad;
 use crate::server::ApiError;
 
-/// The fields of the request bodies documented in the OpenAPI document (read from the raw
-/// body by [`guide`]).
-#[derive(serde::Deserialize, utoipa::ToSchema, Default)]
-#[allow(dead_code)] // read by `guide` from the raw body; typed here for the OpenAPI document
-pub(in crate::server) struct GuidedFields {
+/// The structured-output fields of a generation body (at most one of them constrains it).
+#[derive(Deserialize, ToSchema, Default, Debug)]
+pub(in crate::server) struct Guides {
     /// OpenAI's `{"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
     /// "schema", "strict"}}`: the answer is JSON (valid against the schema); llama.cpp's
     /// `{"type": "json_object", "schema": {...}}` follows its schema too.
     #[serde(default)]
-    pub(super) response_format: Option<Value>,
+    pub(super) response_format: Option<ResponseFormat>,
     /// vLLM's `{"json": schema, "regex": ..., "choice": [...], "grammar": lark, "json_object":
     /// true}`, one of them.
     #[serde(default)]
-    pub(super) structured_outputs: Option<Value>,
+    pub(super) structured_outputs: Option<StructuredOutputs>,
     /// vLLM's older field: a JSON schema (object or its text).
     #[serde(default)]
-    pub(super) guided_json: Option<Value>,
+    pub(super) guided_json: Option<SchemaArg>,
     /// vLLM's older field: a regex the whole answer matches.
     #[serde(default)]
     pub(super) guided_regex: Option<String>,
@@ -35,51 +35,158 @@ pub(in crate::server) struct GuidedFields {
     #[serde(default)]
     #[schema(min_items = 1)]
     pub(super) guided_choice: Option<Vec<String>>,
-    /// vLLM's older field: a Lark grammar (llguidance's dialect).
+    /// vLLM's older field: a Lark grammar (llguidance's dialect), not empty.
     #[serde(default)]
+    #[schema(min_length = 1)]
     pub(super) guided_grammar: Option<String>,
 }
 
-/// A schema given as an object, or as its JSON text (vLLM accepts both).
-fn schema(v: &Value, field: &str) -> Result<Value, ApiError> {
-    match v {
-        Value::Object(_) | Value::Bool(_) => Ok(v.clone()),
-        Value::String(s) => serde_json::from_str(s)
-            .map_err(|e| bad("invalid_schema", format!("{field} is not JSON: {e}"))),
-        _ => Err(bad(
-            "invalid_schema",
-            format!("{field} must be a JSON schema object"),
-        )),
+/// OpenAI's `response_format`.
+#[derive(Deserialize, ToSchema, Debug)]
+#[serde(tag = "type", rename_all = "snake_case")]
+pub(in crate::server) enum ResponseFormat {
+    /// Free text (the default).
+    Text,
+    /// A JSON object; with llama.cpp's `schema`, one valid against it.
+    JsonObject {
+        /// llama.cpp's (and older `instructor`'s) schema beside the type.
+        #[serde(default)]
+        schema: Option<SchemaArg>,
+    },
+    /// JSON valid against `json_schema.schema`.
+    JsonSchema {
+        /// The schema (its `name` and `description` are accepted and not read).
+        json_schema: JsonSchemaSpec,
+    },
+}
+
+/// `response_format.json_schema`.
+#[derive(Deserialize, ToSchema, Debug)]
+pub(in crate::server) struct JsonSchemaSpec {
+    /// The schema the answer follows.
+    pub(super) schema: SchemaArg,
+    /// OpenAI's `strict`: true refuses a schema with keywords that cannot be enforced, naming
+    /// them; otherwise they are approximated and the answer's `mole.unenforced` lists them.
+    #[serde(default)]
+    pub(super) strict: Option<bool>,
+}
+
+/// vLLM's `structured_outputs`.
+#[derive(Deserialize, ToSchema, Default, Debug)]
+#[serde(deny_unknown_fields)]
+pub(in crate::server) struct StructuredOutputs {
+    /// A JSON schema (object or its text).
+    #[serde(default)]
+    pub(super) json: Option<SchemaArg>,
+    /// A regex the whole answer matches.
+    #[serde(default)]
+    pub(super) regex: Option<String>,
+    /// The answer is one of these strings.
+    #[serde(default)]
+    #[schema(min_items = 1)]
+    pub(super) choice: Option<Vec<String>>,
+    /// A Lark grammar (llguidance's dialect), not empty.
+    #[serde(default)]
+    #[schema(min_length = 1)]
+    pub(super) grammar: Option<String>,
+    /// `true`: a JSON object (only `true` or null).
+    #[serde(default)]
+    #[schema(schema_with = true_or_null)]
+    pub(super) json_object: Option<bool>,
+    /// vLLM's choice of grammar engine: mole has one (llguidance); any value is accepted.
+    #[serde(default)]
+    pub(super) backend: Option<String>,
+    /// vLLM's switch off its fallback between engines: mole has none to fall back to.
+    #[serde(default)]
+    pub(super) disable_fallback: Option<bool>,
+    /// vLLM's switch off free whitespace in JSON: mole's JSON has none either way.
+    #[serde(default)]
+    pub(super) disable_any_whitespace: Option<bool>,
+    /// vLLM's `additionalProperties: false` by default: not served, only `false` or null.
+    #[serde(default)]
+    #[schema(schema_with = false_or_null)]
+    pub(super) disable_additional_properties: Option<bool>,
+    /// vLLM's whitespace regex in JSON: not served, only null.
+    #[serde(default)]
+    #[schema(schema_with = null_only)]
+    pub(super) whitespace_pattern: Option<String>,
+}
+
+/// `false` or null.
+fn false_or_null() -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::SchemaType::AnyValue)
+        .enum_values(Some([Value::Bool(false), Value::Null]))
+        .build()
+}
+
+/// `true` or null.
+fn true_or_null() -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::SchemaType::AnyValue)
+        .enum_values(Some([Value::Bool(true), Value::Null]))
+        .build()
+}
+
+/// Null only.
+fn null_only() -> utoipa::openapi::Object {
+    utoipa::openapi::ObjectBuilder::new()
+        .schema_type(utoipa::openapi::schema::Type::Null)
+        .build()
+}
+
+/// A JSON schema as sent: an object (or `true`/`false`), or its JSON text (vLLM takes both).
+#[derive(Debug, Clone, PartialEq)]
+pub(in crate::server) struct SchemaArg(pub(super) Value);
+
+impl<'de> Deserialize<'de> for SchemaArg {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        let v = match Value::deserialize(d)? {
+            Value::String(s) => serde_json::from_str(&s)
+                .map_err(|e| D::Error::custom(format!("the schema's text is not JSON: {e}")))?,
+            v => v,
+        };
+        match v {
+            Value::Object(_) | Value::Bool(_) => Ok(Self(v)),
+            _ => Err(D::Error::custom(
+                "a JSON schema must be an object (or true/false), or its JSON text",
+            )),
+        }
     }
 }
 
-fn string(v: &Value, field: &str) -> Result<String, ApiError> {
-    v.as_str()
-        .map(String::from)
-        .ok_or_else(|| bad("invalid_grammar", format!("{field} must be a string")))
-}
-
-fn choices(v: &Value, field: &str) -> Result<Vec<String>, ApiError> {
-    let list: Option<Vec<String>> = v
-        .as_array()
-        .and_then(|a| a.iter().map(|c| c.as_str().map(String::from)).collect());
-    match list {
-        Some(l) if !l.is_empty() => Ok(l),
-        _ => Err(bad(
-            "invalid_grammar",
-            format!("{field} must be a non-empty array of strings"),
-        )),
+impl utoipa::PartialSchema for SchemaArg {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{OneOfBuilder, Type};
+        use utoipa::openapi::ObjectBuilder;
+        OneOfBuilder::new()
+            .item(ObjectBuilder::new().schema_type(Type::Object))
+            .item(ObjectBuilder::new().schema_type(Type::Boolean))
+            .item(
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .content_media_type("application/json"),
+            )
+            .description(Some("A JSON schema: an object, or its JSON text."))
+            .into()
     }
 }
+impl ToSchema for SchemaArg {}
 
-/// The guide `raw` (a chat or completions body) asks for, if any, within the limits (see
-/// [`check_size`]).
-pub(super) fn guide(raw: &Value, limits: &WorkerLimits) -> Result<Option<Guide>, ApiError> {
-    let g = read(raw)?;
+/// The guide `g` asks for, if any, within the limits (see [`check_size`]).
+pub(super) fn guide(g: Guides, limits: &WorkerLimits) -> Result<Option<Guide>, ApiError> {
+    let g = read(g)?;
     if let Some(g) = &g {
         check_size(g, limits)?;
     }
     Ok(g)
+}
+
+/// A JSON schema guide: `strict` is OpenAI's `strict: true` (see [`Guide::Json`]); vLLM's
+/// fields have no `strict` and are not.
+pub(super) fn json_guide(schema: Value, strict: bool) -> Guide {
+    Guide::Json { schema, strict }
 }
 
 /// Refuses a guide whose compilation would cost out of proportion, before it is compiled:
@@ -104,7 +211,7 @@ pub(super) fn check_size(g: &Guide, limits: &WorkerLimits) -> Result<(), ApiErro
             c.iter().map(|x| chars(x)).sum()
         }
         Guide::Regex(t) | Guide::Lark(t) => chars(t),
-        Guide::Json(v) => json_len(v, max),
+        Guide::Json { schema, .. } => json_len(schema, max),
     };
     if length > max {
         return Err(bad(
@@ -137,93 +244,92 @@ pub(super) fn json_len(v: &impl serde::Serialize, cap: u64) -> u64 {
     c.0
 }
 
-/// The guide `raw` asks for, read (see the module's doc).
-fn read(raw: &Value) -> Result<Option<Guide>, ApiError> {
+/// The guide `g` asks for, read (see the module's doc): at most one field constrains.
+fn read(g: Guides) -> Result<Option<Guide>, ApiError> {
     let mut found: Vec<(&str, Guide)> = Vec::new();
-    let field = |k: &str| raw.get(k).filter(|v| !v.is_null());
-    if let Some(rf) = field("response_format") {
-        match rf.get("type").and_then(Value::as_str) {
-            Some("text") => {}
-            // llama.cpp's form (and older `instructor`'s) carries a schema beside the type:
-            // followed, not dropped for any object.
-            Some("json_object") => found.push((
-                "response_format",
-                match rf.get("schema").filter(|v| !v.is_null()) {
-                    Some(sc) => Guide::Json(schema(sc, "response_format.schema")?),
-                    None => Guide::Json(serde_json::json!({"type": "object"})),
-                },
-            )),
-            Some("json_schema") => {
-                let js = rf.get("json_schema").ok_or_else(|| {
-                    bad(
-                        "invalid_response_format",
-                        "response_format json_schema needs a json_schema object",
-                    )
-                })?;
-                let s = js.get("schema").ok_or_else(|| {
-                    bad(
-                        "invalid_response_format",
-                        "response_format.json_schema needs a schema",
-                    )
-                })?;
-                found.push((
-                    "response_format",
-                    Guide::Json(schema(s, "response_format.json_schema.schema")?),
-                ));
-            }
-            other => {
-                return Err(bad(
-                    "invalid_response_format",
-                    format!(
-                        "response_format.type must be text, json_object or json_schema, got {}",
-                        other.map_or("nothing".to_string(), |t| format!("{t:?}"))
-                    ),
-                ))
-            }
+    match g.response_format {
+        None | Some(ResponseFormat::Text) => {}
+        // llama.cpp's form (and older `instructor`'s) carries a schema beside the type:
+        // followed, not dropped for any object.
+        Some(ResponseFormat::JsonObject { schema }) => {
+            let schema = schema.map_or_else(|| serde_json::json!({"type": "object"}), |s| s.0);
+            found.push(("response_format", json_guide(schema, false)));
         }
+        Some(ResponseFormat::JsonSchema { json_schema: js }) => found.push((
+            "response_format",
+            json_guide(js.schema.0, js.strict.unwrap_or(false)),
+        )),
     }
-    if let Some(so) = field("structured_outputs") {
-        let Some(obj) = so.as_object() else {
+    if let Some(so) = g.structured_outputs {
+        if so.disable_additional_properties == Some(true) || so.whitespace_pattern.is_some() {
             return Err(bad(
                 "invalid_structured_outputs",
-                "structured_outputs must be an object",
+                "structured_outputs.disable_additional_properties and whitespace_pattern are \
+                 not supported (JSON is written without free whitespace)",
             ));
-        };
-        for (k, v) in obj.iter().filter(|(_, v)| !v.is_null()) {
-            let g = match k.as_str() {
-                "json" => Guide::Json(schema(v, "structured_outputs.json")?),
-                "regex" => Guide::Regex(string(v, "structured_outputs.regex")?),
-                "choice" => Guide::Choice(choices(v, "structured_outputs.choice")?),
-                "grammar" => Guide::Lark(string(v, "structured_outputs.grammar")?),
-                "json_object" if v.as_bool() == Some(true) => {
-                    Guide::Json(serde_json::json!({"type": "object"}))
-                }
-                "json_object" => continue,
-                // Options that do not constrain (vLLM's backend choice and whitespace
-                // pattern) are left to llguidance's defaults.
-                "disable_fallback" | "disable_any_whitespace" | "disable_additional_properties"
-                | "whitespace_pattern" | "backend" => continue,
-                other => {
-                    return Err(bad(
-                        "invalid_structured_outputs",
-                        format!("structured_outputs.{other} is not supported (json, regex, choice, grammar, json_object are)"),
-                    ))
-                }
-            };
-            found.push(("structured_outputs", g));
+        }
+        if so.json_object == Some(false) {
+            return Err(bad(
+                "invalid_structured_outputs",
+                "structured_outputs.json_object takes true (or null)",
+            ));
+        }
+        // As vLLM: exactly one constraint (two are refused below with the other guides').
+        let given = [
+            so.json.is_some(),
+            so.regex.is_some(),
+            so.choice.is_some(),
+            so.grammar.is_some(),
+            so.json_object.is_some(),
+        ];
+        if !given.contains(&true) {
+            return Err(bad(
+                "invalid_structured_outputs",
+                "structured_outputs needs one of json, regex, choice, grammar, json_object",
+            ));
+        }
+        // What changes no answer here: a backend (mole has one), its fallback, free
+        // whitespace (mole's JSON has none).
+        tracing::debug!(
+            backend = ?so.backend,
+            disable_fallback = ?so.disable_fallback,
+            disable_any_whitespace = ?so.disable_any_whitespace,
+            "structured_outputs options ignored"
+        );
+        let name = "structured_outputs";
+        if let Some(s) = so.json {
+            found.push((name, json_guide(s.0, false)));
+        }
+        if let Some(r) = so.regex {
+            found.push((name, Guide::Regex(r)));
+        }
+        if let Some(c) = so.choice {
+            found.push((
+                name,
+                Guide::Choice(choices(c, "structured_outputs.choice")?),
+            ));
+        }
+        if let Some(l) = so.grammar {
+            found.push((name, Guide::Lark(lark(l, "structured_outputs.grammar")?)));
+        }
+        if so.json_object == Some(true) {
+            found.push((
+                name,
+                json_guide(serde_json::json!({"type": "object"}), false),
+            ));
         }
     }
-    if let Some(v) = field("guided_json") {
-        found.push(("guided_json", Guide::Json(schema(v, "guided_json")?)));
+    if let Some(s) = g.guided_json {
+        found.push(("guided_json", json_guide(s.0, false)));
     }
-    if let Some(v) = field("guided_regex") {
-        found.push(("guided_regex", Guide::Regex(string(v, "guided_regex")?)));
+    if let Some(r) = g.guided_regex {
+        found.push(("guided_regex", Guide::Regex(r)));
     }
-    if let Some(v) = field("guided_choice") {
-        found.push(("guided_choice", Guide::Choice(choices(v, "guided_choice")?)));
+    if let Some(c) = g.guided_choice {
+        found.push(("guided_choice", Guide::Choice(choices(c, "guided_choice")?)));
     }
-    if let Some(v) = field("guided_grammar") {
-        found.push(("guided_grammar", Guide::Lark(string(v, "guided_grammar")?)));
+    if let Some(l) = g.guided_grammar {
+        found.push(("guided_grammar", Guide::Lark(lark(l, "guided_grammar")?)));
     }
     if found.len() > 1 {
         let names: Vec<&str> = found.iter().map(|(n, _)| *n).collect();
@@ -238,10 +344,37 @@ fn read(raw: &Value) -> Result<Option<Guide>, ApiError> {
     Ok(found.pop().map(|(_, g)| g))
 }
 
+/// Choices: at least one.
+fn choices(c: Vec<String>, field: &str) -> Result<Vec<String>, ApiError> {
+    match c.is_empty() {
+        true => Err(bad(
+            "invalid_grammar",
+            format!("{field} must be a non-empty array of strings"),
+        )),
+        false => Ok(c),
+    }
+}
+
+/// A Lark grammar: not empty (it would have no start rule).
+fn lark(l: String, field: &str) -> Result<String, ApiError> {
+    match l.is_empty() {
+        true => Err(bad("invalid_grammar", format!("{field} must not be empty"))),
+        false => Ok(l),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    fn guide(v: &Value, l: &WorkerLimits) -> Result<Option<Guide>, ApiError> {
+        let g = crate::server::openai::body::Fields::parse(v.to_string().as_bytes())?.take()?;
+        super::guide(g, l)
+    }
+    fn json(schema: Value, strict: bool) -> Option<Guide> {
+        Some(Guide::Json { schema, strict })
+    }
 
     #[test]
     fn every_field_reads_into_its_guide_and_conflicts_are_refused() {
@@ -252,18 +385,18 @@ mod tests {
         assert_eq!(ok(json!({"response_format": {"type": "text"}})), None);
         assert_eq!(
             ok(json!({"response_format": {"type": "json_object"}})),
-            Some(Guide::Json(json!({"type": "object"})))
+            json(json!({"type": "object"}), false)
         );
         assert_eq!(
             ok(json!({"response_format": {"type": "json_object", "schema": schema}})),
-            Some(Guide::Json(schema.clone()))
+            json(schema.clone(), false)
         );
         let rf = json!({"response_format": {"type": "json_schema",
             "json_schema": {"name": "x", "schema": schema, "strict": true}}});
-        assert_eq!(ok(rf), Some(Guide::Json(schema.clone())));
+        assert_eq!(ok(rf), json(schema.clone(), true));
         assert_eq!(
             ok(json!({"guided_json": schema.to_string()})),
-            Some(Guide::Json(schema.clone()))
+            json(schema.clone(), false)
         );
         assert_eq!(
             ok(json!({"structured_outputs": {"regex": "[a-z]+"}})),
@@ -295,6 +428,33 @@ mod tests {
         assert_eq!(
             code(json!({"guided_regex": "a", "response_format": {"type": "json_object"}})),
             "conflicting_guides"
+        );
+        assert_eq!(
+            code(json!({"structured_outputs": {"regex": "a", "choice": ["a"]}})),
+            "conflicting_guides"
+        );
+        assert_eq!(code(json!({"guided_grammar": ""})), "invalid_grammar");
+        // As vLLM: one constraint in structured_outputs, json_object only true.
+        for so in [
+            json!({}),
+            json!({"backend": "x"}),
+            json!({"json_object": false}),
+        ] {
+            assert_eq!(
+                code(json!({ "structured_outputs": so })),
+                "invalid_structured_outputs"
+            );
+        }
+        assert_eq!(
+            code(json!({"structured_outputs": {"whitespace_pattern": " "}})),
+            "invalid_structured_outputs"
+        );
+        // What changes no answer is accepted.
+        assert_eq!(
+            ok(
+                json!({"structured_outputs": {"json_object": null, "backend": "xgrammar", "choice": ["a"]}})
+            ),
+            Some(Guide::Choice(vec!["a".into()]))
         );
     }
 

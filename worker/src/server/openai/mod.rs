@@ -3,6 +3,7 @@
 
 pub(in crate::server) mod admin;
 mod answer;
+mod body;
 mod call_json;
 pub(in crate::server) mod chat;
 mod completions;
@@ -12,11 +13,13 @@ pub(in crate::server) mod guided;
 mod image_url;
 mod images;
 pub(in crate::server) mod models;
-mod outputs;
+pub(in crate::server) mod outputs;
 mod parse;
 #[cfg(test)]
 mod qwen3_checks;
 pub(in crate::server) mod replies;
+mod response_out;
+pub(in crate::server) mod responses;
 pub(in crate::server) mod route;
 pub(in crate::server) mod tokens;
 pub(in crate::server) mod tools;
@@ -34,6 +37,7 @@ pub(super) use chat::infer;
 pub(super) use generate::{chat_completions, completions};
 
 pub(super) use models::models;
+pub(super) use responses::{create_response, delete_response, get_response};
 pub(super) use route::route;
 pub(super) use tokens::{detokenize, tokenize, version};
 

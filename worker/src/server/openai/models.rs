@@ -7,6 +7,7 @@ use super::answer::now;
 use super::replies::{ModelCard, ModelKind, ModelList};
 use super::S;
 use crate::server::openapi::Refusals;
+use crate::server::{ApiError, AppState};
 
 /// `GET /v1/models`: the pool, the base model and every adapter.
 #[utoipa::path(get, path = "/v1/models", tag = "openai",
@@ -71,4 +72,32 @@ pub async fn models(State(s): S) -> Json<ModelList> {
         object: "list",
         data,
     })
+}
+
+/// Refuses a `model` this pool does not serve (404 `model_not_found`): the endpoints that take
+/// a model only to say which (the tokenizer's, shared by every model of a pool) check it as
+/// vLLM does. Any name the router takes passes: empty, `auto`, the pool, the base model, an
+/// adapter's name or label, an adapter loaded through the API.
+pub(super) fn check_model(s: &AppState, model: Option<&str>) -> Result<(), ApiError> {
+    let Some(name) = model else {
+        return Ok(());
+    };
+    let cfg = s.cfg();
+    let input = crate::router::RouteInput {
+        model: name,
+        adapter: None,
+        text: "",
+    };
+    // The explicit names only: nothing is scored.
+    let routed = name.is_empty() || name == cfg.pool || name == "auto";
+    if routed
+        || crate::router::decide(&cfg, &input, &|_, _, _| None, &|_| None).is_ok()
+        || s.admin
+            .adapters()
+            .iter()
+            .any(|a| a.name == name && a.loaded)
+    {
+        return Ok(());
+    }
+    Err(crate::router::RouteError::UnknownModel(name.into()).into())
 }

@@ -12,14 +12,13 @@ use super::parse::{ParseSpec, Start};
 use super::tools::{self, ToolRequest};
 use crate::engine::api::{ChatMessage, SamplingParams};
 use crate::engine::grammar::{Guide, Guided};
-use crate::server::error::bad;
 use crate::server::{ApiError, AppState};
 
 /// The pool's output formats.
 #[derive(Debug, Clone, PartialEq)]
-pub(super) struct Formats {
+pub(in crate::server) struct Formats {
     /// How tool calls are written (None: unknown; tools are refused).
-    pub(super) tools: Option<ToolCallParser>,
+    pub(in crate::server) tools: Option<ToolCallParser>,
     /// How reasoning is marked (None: no reasoning parsed).
     pub(super) reasoning: Option<ReasoningParser>,
     /// The chat template renders `tools` itself.
@@ -49,7 +48,7 @@ impl Formats {
     }
 
     /// The formats of the pool `s` serves.
-    pub(super) fn for_pool(s: &AppState) -> Self {
+    pub(in crate::server) fn for_pool(s: &AppState) -> Self {
         let cfg = s.cfg();
         Self::of(
             cfg.base_model.tool_call_parser,
@@ -59,61 +58,15 @@ impl Formats {
     }
 }
 
-/// The template's fields of each message beside role and content, from the body as sent:
-/// an assistant turn's `tool_calls` (arguments parsed into objects, as vLLM hands them to
-/// templates), a tool result's `tool_call_id` and `name`, a reasoning turn's
-/// `reasoning_content`.
-pub(super) fn message_extras(raw: &Value, msgs: &mut [ChatMessage]) -> Result<(), ApiError> {
-    let Some(sent) = raw.get("messages").and_then(Value::as_array) else {
-        return Ok(());
-    };
-    for (i, (m, v)) in msgs.iter_mut().zip(sent).enumerate() {
-        if let Some(calls) = v.get("tool_calls").filter(|c| !c.is_null()) {
-            let Some(list) = calls.as_array() else {
-                return Err(bad(
-                    "invalid_tool_calls",
-                    format!("messages[{i}].tool_calls must be an array"),
-                ));
-            };
-            let mut out = Vec::with_capacity(list.len());
-            for c in list {
-                let mut c = c.clone();
-                if let Some(Value::String(a)) = c.pointer("/function/arguments") {
-                    let parsed: Value = serde_json::from_str(a).map_err(|e| {
-                        bad(
-                            "invalid_tool_calls",
-                            format!("messages[{i}].tool_calls: arguments are not JSON: {e}"),
-                        )
-                    })?;
-                    c["function"]["arguments"] = parsed;
-                }
-                out.push(c);
-            }
-            m.extra.insert("tool_calls".into(), Value::Array(out));
-        }
-        for k in ["tool_call_id", "name", "reasoning_content"] {
-            if let Some(x) = v.get(k).filter(|x| x.is_string()) {
-                m.extra.insert(k.into(), x.clone());
-            }
-        }
-        if let Some(x) = v.get("reasoning").filter(|x| x.is_string()) {
-            m.extra
-                .entry("reasoning_content")
-                .or_insert_with(|| x.clone());
-        }
-    }
-    Ok(())
-}
-
 /// A chat's tools, read and handed to the template: as its `tools` variable when it renders
 /// them, else as Qwen's tools section at the start of the system prompt.
 pub(super) fn tools(
-    raw: &Value,
+    t: tools::ToolFields,
     f: &Formats,
     msgs: &mut Vec<ChatMessage>,
     kwargs: &mut Map<String, Value>,
 ) -> Result<Option<ToolRequest>, ApiError> {
-    let Some(t) = tools::read(raw, f.tools)? else {
+    let Some(t) = tools::read(t, f.tools)? else {
         return Ok(None);
     };
     if f.template_tools {
@@ -130,8 +83,11 @@ pub(super) fn tools(
     Ok(Some(t))
 }
 
-/// The answer's grammar and split, once the prompt is rendered: structured outputs (`guide`)
-/// or a forced tool call, starting after the reasoning when the model reasons.
+/// The answer's grammar and split, once the prompt is rendered: a forced tool call, or
+/// structured outputs (`guide`), starting after the reasoning when the model reasons. As
+/// OpenAI's: a forced call shapes the answer (a format applies to an answer's text, and there
+/// is none); with `auto` tools and a JSON format the answer is either calls or the JSON (one
+/// grammar of both); another format with `auto` tools leaves no room for a call.
 pub(super) fn finish(
     prompt: &str,
     f: &Formats,
@@ -140,15 +96,17 @@ pub(super) fn finish(
     sampling: &mut SamplingParams,
 ) -> Result<Option<ParseSpec>, ApiError> {
     let forced = tools.and_then(|t| t.forced.clone());
-    if guide.is_some() && forced.is_some() {
-        return Err(bad(
-            "conflicting_guides",
-            "a structured output and a forced tool call (tool_choice required or named) \
-             cannot both shape one answer",
-        ));
-    }
+    let calls = tools.and_then(|t| t.calls.as_deref());
+    let shape = match (forced, guide, calls) {
+        (Some(call), _, _) => Some(call),
+        (None, Some(Guide::Json { schema, strict }), Some(rules)) => Some(Guide::Lark(format!(
+            "start: calls | WS calls | json | WS json\n{rules}json: %json {}\n",
+            crate::engine::grammar::compact(&schema, strict)
+        ))),
+        (None, g, _) => g,
+    };
     let start = f.reasoning.map(|r| Start::after(prompt, r));
-    if let Some(g) = guide.or(forced) {
+    if let Some(g) = shape {
         sampling.guide = Some(Guided {
             guide: g,
             after: match start {

@@ -206,6 +206,11 @@ impl OutputParser {
         self.calls
     }
 
+    /// Whether the text now goes to the reasoning.
+    pub(super) fn in_reasoning(&self) -> bool {
+        self.phase == Phase::Reasoning
+    }
+
     /// Takes `text`, returns what is decided.
     pub(super) fn push(&mut self, text: &str) -> Parsed {
         self.held.push_str(text);

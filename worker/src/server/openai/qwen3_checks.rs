@@ -68,8 +68,9 @@ fn qwen3_reasoning_and_an_auto_tool_call_parse_whole_and_streamed() {
     assert_eq!(f.reasoning, Some(ReasoningParser::Qwen3));
     assert!(f.template_tools);
     // The prompt as the server renders it for `tools` with `tool_choice: auto`.
-    let raw = json!({"tools": [weather()]});
-    let tools = read(&raw, f.tools).unwrap().unwrap();
+    let fields: super::tools::ToolFields =
+        serde_json::from_value(json!({"tools": [weather()]})).unwrap();
+    let tools = read(fields, f.tools).unwrap().unwrap();
     assert!(tools.parse && tools.forced.is_none());
     let mut kwargs = serde_json::Map::new();
     kwargs.insert("tools".into(), json!(tools.tools));
@@ -145,8 +146,9 @@ fn qwen3_reasoning_and_an_auto_tool_call_parse_whole_and_streamed() {
 fn qwen3_forced_call_grammar_starts_after_the_reasoning() {
     let Some(t) = qwen3() else { return };
     let g = Grammars::new(t.tokenizer().clone(), &t.eos_ids, 151_936);
-    let funcs = [("get_weather", weather()["function"]["parameters"].clone())];
-    let Guide::Lark(lark) = call_grammar(&funcs, false) else {
+    let f: super::tools::FunctionDef =
+        serde_json::from_value(weather()["function"].clone()).unwrap();
+    let Guide::Lark(lark) = call_grammar(&[&f], false) else {
         panic!("a Lark grammar")
     };
     let compiled = g

@@ -24,6 +24,11 @@ pub(in crate::server) struct MoleInfo {
     pub(super) route: String,
     /// The rule's confidence, when it has one.
     pub(super) score: Option<f64>,
+    /// What of the answer's JSON schema was not enforced (a schema sent without `strict: true`
+    /// whose keywords the grammar engine approximates: `uniqueItems`, `format: phone`,
+    /// `oneOf` read as `anyOf`...); left out when everything was.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub(super) unenforced: Vec<String>,
 }
 
 /// `mode`'s schema: the wire names of [`Mode`] (the router stays free of HTTP concerns).
@@ -43,6 +48,7 @@ impl MoleInfo {
             mode: d.mode,
             route: d.reason.clone(),
             score: d.score,
+            unenforced: Vec::new(),
         }
     }
 }

@@ -7,10 +7,11 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
+use super::body::{documented, SmallBody, Typed};
 use super::images;
 use super::replies::{DetokenizeAnswer, TokenizeAnswer, VersionAnswer};
 use super::types::InMessage;
-use super::validate::{messages, Wire};
+use super::validate::messages;
 use super::S;
 use crate::engine::api::Prompt;
 use crate::server::error::bad;
@@ -20,9 +21,9 @@ use crate::server::ApiError;
 /// `POST /tokenize`: a completion's `prompt` or chat `messages` (vLLM's two shapes).
 #[derive(Deserialize, utoipa::ToSchema)]
 pub(in crate::server) struct TokenizeBody {
-    /// Accepted and ignored: every model of a pool shares the base's tokenizer.
+    /// A model of this pool (404 `model_not_found` otherwise, as vLLM answers); every model
+    /// of a pool shares the base's tokenizer.
     #[serde(default)]
-    #[allow(dead_code)]
     model: Option<String>,
     #[serde(default)]
     prompt: Option<String>,
@@ -47,16 +48,25 @@ pub(in crate::server) struct TokenizeBody {
     security(("bearer" = [])))]
 pub async fn tokenize(
     State(s): S,
-    Wire { body: b, .. }: Wire<TokenizeBody>,
+    SmallBody(f): SmallBody,
 ) -> Result<Json<TokenizeAnswer>, ApiError> {
+    let (b, given) = documented(&s, "TokenizeBody", f, |f| {
+        let mut b: TokenizeBody = f.all()?;
+        // A text model refuses image parts here, before any is fetched or decoded.
+        let given = match b.messages.take() {
+            Some(m) => Some(messages(m, &s.cfg().limits, s.info.model_info().vision)?),
+            None => None,
+        };
+        Ok((b, given))
+    })?;
+    super::models::check_model(&s, b.model.as_deref())?;
     let deadline = s.deadline();
-    let (prompt, sources) = match (b.prompt, b.messages) {
+    let (prompt, sources) = match (b.prompt, given) {
         (Some(p), None) => match b.add_special_tokens.unwrap_or(true) {
             true => (Prompt::Text(p), Vec::new()),
             false => (Prompt::Templated(p), Vec::new()),
         },
-        (None, Some(m)) => {
-            let (msgs, sources) = messages(m, &s.cfg().limits, s.info.model_info().vision)?;
+        (None, Some((msgs, sources))) => {
             let mut kwargs = b.chat_template_kwargs;
             kwargs.insert(
                 "add_generation_prompt".into(),
@@ -96,8 +106,8 @@ pub async fn tokenize(
 /// `POST /detokenize`.
 #[derive(Deserialize, utoipa::ToSchema)]
 pub(in crate::server) struct DetokenizeBody {
+    /// A model of this pool (404 `model_not_found` otherwise).
     #[serde(default)]
-    #[allow(dead_code)]
     model: Option<String>,
     tokens: Vec<u32>,
 }
@@ -109,8 +119,9 @@ pub(in crate::server) struct DetokenizeBody {
     security(("bearer" = [])))]
 pub async fn detokenize(
     State(s): S,
-    Wire { body: b, .. }: Wire<DetokenizeBody>,
+    Typed(b): Typed<DetokenizeBody>,
 ) -> Result<Json<DetokenizeAnswer>, ApiError> {
+    super::models::check_model(&s, b.model.as_deref())?;
     let codec = s.codec.clone();
     let deadline = s.deadline();
     Ok(Json(DetokenizeAnswer {

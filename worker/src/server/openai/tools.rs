@@ -5,7 +5,9 @@
 //! enforced by a grammar whose `arguments` are the function's `parameters` schema, so they
 //! always validate; `auto` lets the model choose; `none` parses nothing.
 
-use serde_json::{json, Value};
+use serde::Deserialize;
+use serde_json::{json, Map, Value};
+use utoipa::ToSchema;
 
 use mole_api::ToolCallParser;
 
@@ -13,73 +15,135 @@ use crate::engine::grammar::Guide;
 use crate::server::error::bad;
 use crate::server::ApiError;
 
-/// The tool fields of a chat body, for the OpenAPI document (read from the raw body).
-#[derive(serde::Deserialize, utoipa::ToSchema, Default)]
-#[allow(dead_code)] // read by `read` from the raw body; typed here for the OpenAPI document
+/// The tool fields of a chat body.
+#[derive(Deserialize, ToSchema, Default, Debug)]
 pub(in crate::server) struct ToolFields {
     /// OpenAI's `[{"type": "function", "function": {"name", "description", "parameters"}}]`.
     #[serde(default)]
-    pub(super) tools: Option<Vec<Value>>,
+    pub(super) tools: Option<Vec<Tool>>,
     /// `"none"`, `"auto"` (default with tools), `"required"`, or `{"type": "function",
-    /// "function": {"name": ...}}`.
+    /// "function": {"name": ...}}`; other than `none` only beside tools.
     #[serde(default)]
-    pub(super) tool_choice: Option<Value>,
+    pub(super) tool_choice: Option<ToolChoice>,
     /// Whether the model may call several tools in one answer (default true).
     #[serde(default)]
     pub(super) parallel_tool_calls: Option<bool>,
 }
 
+/// A tool: a function.
+#[derive(Deserialize, ToSchema, Debug, Clone)]
+pub(in crate::server) struct Tool {
+    /// `function`.
+    #[serde(rename = "type")]
+    pub(super) _kind: FunctionTag,
+    /// The function.
+    pub(super) function: FunctionDef,
+}
+
+/// A function the model may call.
+#[derive(Deserialize, ToSchema, Debug, Clone)]
+pub(in crate::server) struct FunctionDef {
+    /// Its name.
+    #[schema(min_length = 1)]
+    pub(super) name: String,
+    /// What it does (the template tells the model).
+    #[serde(default)]
+    pub(super) description: Option<String>,
+    /// A JSON schema of its arguments (default: any object).
+    #[serde(default)]
+    pub(super) parameters: Option<Map<String, Value>>,
+    /// OpenAI's `strict`: with `true` a forced call's arguments follow every keyword of
+    /// `parameters` or the request is refused naming the keyword; otherwise what cannot be
+    /// enforced is approximated (see `response_format`).
+    #[serde(default)]
+    pub(super) strict: Option<bool>,
+}
+
+super::types::tag!(FunctionTag, "function");
+
+/// `tool_choice`.
+#[derive(Deserialize, ToSchema, Debug, Clone)]
+#[serde(
+    untagged,
+    expecting = "none, auto, required, or {\"type\": \"function\", \"function\": {\"name\": ...}}"
+)]
+pub(in crate::server) enum ToolChoice {
+    /// `none`, `auto` or `required`.
+    Mode(ToolMode),
+    /// One function by name.
+    Function(NamedFunction),
+}
+
+/// How tools may be used.
+#[derive(Deserialize, ToSchema, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub(in crate::server) enum ToolMode {
+    /// No call is parsed (the tools are still rendered).
+    None,
+    /// The model decides.
+    Auto,
+    /// At least one call, by grammar.
+    Required,
+}
+
+/// A function named by `tool_choice`.
+#[derive(Deserialize, ToSchema, Debug, Clone)]
+pub(in crate::server) struct NamedFunction {
+    /// `function`.
+    #[serde(rename = "type")]
+    pub(super) _kind: FunctionTag,
+    /// The function.
+    pub(super) function: FunctionName,
+}
+
+/// A function's name.
+#[derive(Deserialize, ToSchema, Debug, Clone)]
+pub(in crate::server) struct FunctionName {
+    /// The name, one of `tools`'.
+    pub(super) name: String,
+}
+
 /// What a request asks of tools.
 #[derive(Debug, Clone, PartialEq)]
 pub(super) struct ToolRequest {
-    /// The tools as sent (what the template gets).
+    /// The tools as the template gets them (`{"type": "function", "function": {...}}`).
     pub(super) tools: Vec<Value>,
     /// The model's calls are parsed (not `none`).
     pub(super) parse: bool,
     /// The grammar that forces a call (`required` or a named function).
     pub(super) forced: Option<Guide>,
+    /// With `auto`: the Lark rules of calls to any of the tools (`calls`, `WS`), for an
+    /// answer that is either calls or a structured output (see [`super::outputs::finish`]).
+    pub(super) calls: Option<String>,
 }
 
-/// One function of `tools`: its name and parameters schema.
-fn function(t: &Value, i: usize) -> Result<(&str, Value), ApiError> {
-    let invalid = |why: &str| bad("invalid_tools", format!("tools[{i}]: {why}"));
-    if t.get("type").and_then(Value::as_str) != Some("function") {
-        return Err(invalid("type must be \"function\""));
+/// A function as the template gets it.
+fn template_tool(f: &FunctionDef) -> Value {
+    let mut function = Map::new();
+    function.insert("name".into(), Value::from(f.name.clone()));
+    if let Some(d) = &f.description {
+        function.insert("description".into(), Value::from(d.clone()));
     }
-    let f = t
-        .get("function")
-        .filter(|f| f.is_object())
-        .ok_or_else(|| invalid("function must be an object"))?;
-    let name = f
-        .get("name")
-        .and_then(Value::as_str)
-        .filter(|n| !n.is_empty())
-        .ok_or_else(|| invalid("function.name must be a non-empty string"))?;
-    let params = match f.get("parameters") {
-        None | Some(Value::Null) => json!({"type": "object"}),
-        Some(p) if p.is_object() => p.clone(),
-        Some(_) => return Err(invalid("function.parameters must be a JSON schema object")),
-    };
-    Ok((name, params))
+    if let Some(p) = &f.parameters {
+        function.insert("parameters".into(), Value::Object(p.clone()));
+    }
+    if let Some(s) = f.strict {
+        function.insert("strict".into(), Value::Bool(s));
+    }
+    json!({"type": "function", "function": function})
 }
 
-/// Reads `tools`, `tool_choice` and `parallel_tool_calls` from `raw`. `format` is the pool's
-/// tool-call format: tools sent to a model whose format mole does not know are refused
-/// (400 `tools_not_supported`), never ignored.
+/// Reads `tools`, `tool_choice` and `parallel_tool_calls`. `format` is the pool's tool-call
+/// format: tools sent to a model whose format mole does not know are refused (400
+/// `tools_not_supported`), never ignored.
 pub(super) fn read(
-    raw: &Value,
+    t: ToolFields,
     format: Option<ToolCallParser>,
 ) -> Result<Option<ToolRequest>, ApiError> {
-    let tools = match raw.get("tools") {
-        None | Some(Value::Null) => None,
-        Some(Value::Array(t)) if t.is_empty() => None,
-        Some(Value::Array(t)) => Some(t.clone()),
-        Some(_) => return Err(bad("invalid_tools", "tools must be an array")),
-    };
-    let choice = raw.get("tool_choice").filter(|v| !v.is_null());
+    let tools = t.tools.filter(|t| !t.is_empty());
     let Some(tools) = tools else {
-        return match choice.and_then(Value::as_str) {
-            None | Some("none") => Ok(None),
+        return match t.tool_choice {
+            None | Some(ToolChoice::Mode(ToolMode::None)) => Ok(None),
             Some(_) => Err(bad(
                 "invalid_tool_choice",
                 "tool_choice other than none needs tools",
@@ -93,49 +157,21 @@ pub(super) fn read(
              <tool_call>, and the pool sets no baseModel.toolCallParser (hermes)",
         ));
     }
-    let funcs: Vec<(&str, Value)> = tools
-        .iter()
-        .enumerate()
-        .map(|(i, t)| function(t, i))
-        .collect::<Result<_, _>>()?;
-    let parallel = match raw.get("parallel_tool_calls") {
-        None | Some(Value::Null) => true,
-        Some(Value::Bool(b)) => *b,
-        Some(_) => {
-            return Err(bad(
-                "invalid_tool_choice",
-                "parallel_tool_calls must be a boolean",
-            ))
-        }
-    };
-    let (parse, forced) = match choice {
-        None => (true, None),
-        Some(Value::String(s)) => match s.as_str() {
-            "auto" => (true, None),
-            "none" => (false, None),
-            "required" => (true, Some(call_grammar(&funcs, parallel))),
-            other => {
-                return Err(bad(
-                    "invalid_tool_choice",
-                    format!(
-                        "tool_choice must be none, auto, required or a function, got {other:?}"
-                    ),
-                ))
-            }
-        },
-        Some(v) => {
-            let name = v
-                .get("function")
-                .and_then(|f| f.get("name"))
-                .and_then(Value::as_str)
-                .ok_or_else(|| {
-                    bad(
-                        "invalid_tool_choice",
-                        "tool_choice must be {\"type\": \"function\", \"function\": {\"name\": ...}}",
-                    )
-                })?;
-            let one: Vec<(&str, Value)> =
-                funcs.iter().filter(|(n, _)| *n == name).cloned().collect();
+    if let Some(i) = tools.iter().position(|t| t.function.name.is_empty()) {
+        return Err(bad(
+            "invalid_tools",
+            format!("tools[{i}]: function.name must be a non-empty string"),
+        ));
+    }
+    let funcs: Vec<&FunctionDef> = tools.iter().map(|t| &t.function).collect();
+    let parallel = t.parallel_tool_calls.unwrap_or(true);
+    let (parse, forced) = match t.tool_choice {
+        None | Some(ToolChoice::Mode(ToolMode::Auto)) => (true, None),
+        Some(ToolChoice::Mode(ToolMode::None)) => (false, None),
+        Some(ToolChoice::Mode(ToolMode::Required)) => (true, Some(call_grammar(&funcs, parallel))),
+        Some(ToolChoice::Function(named)) => {
+            let name = named.function.name;
+            let one: Vec<&FunctionDef> = funcs.iter().copied().filter(|f| f.name == name).collect();
             if one.is_empty() {
                 return Err(bad(
                     "invalid_tool_choice",
@@ -145,43 +181,63 @@ pub(super) fn read(
             (true, Some(call_grammar(&one, false)))
         }
     };
+    let calls = (parse && forced.is_none()).then(|| call_rules(&funcs, parallel));
     Ok(Some(ToolRequest {
-        tools,
+        tools: funcs.iter().map(|f| template_tool(f)).collect(),
         parse,
         forced,
+        calls,
     }))
 }
 
 /// The Lark grammar of one Hermes call to one of `funcs` (or several calls, one per line,
-/// when `parallel`): `<tool_call>\n{"name": <one of them>, "arguments": <its parameters>}\n
-/// </tool_call>`, the JSON part llguidance's `%json` of a schema whose `anyOf` pairs each name
-/// with its parameters.
-pub(super) fn call_grammar(funcs: &[(&str, Value)], parallel: bool) -> Guide {
+/// when `parallel`), a few whitespace characters allowed first (see [`call_rules`]).
+pub(super) fn call_grammar(funcs: &[&FunctionDef], parallel: bool) -> Guide {
+    Guide::Lark(format!(
+        "start: calls | WS calls\n{}",
+        call_rules(funcs, parallel)
+    ))
+}
+
+/// The Lark rules of Hermes calls: `calls` (one, or several one per line when `parallel`) of
+/// `<tool_call>\n{"name": <one of them>, "arguments": <its parameters>}\n</tool_call>`, the
+/// JSON part llguidance's `%json` of a schema whose `anyOf` pairs each name with its
+/// parameters; strict (every keyword enforced or the request refused) when every function is
+/// `strict`; and `WS`, the few whitespace characters that may come first (Qwen3 writes
+/// "\n\n" after `</think>`).
+pub(super) fn call_rules(funcs: &[&FunctionDef], parallel: bool) -> String {
     let alts: Vec<Value> = funcs
         .iter()
-        .map(|(name, params)| {
+        .map(|f| {
+            let params = f
+                .parameters
+                .clone()
+                .map_or_else(|| json!({"type": "object"}), Value::Object);
             json!({
                 "type": "object",
-                "properties": {"name": {"const": name}, "arguments": params},
+                "properties": {"name": {"const": f.name}, "arguments": params},
                 "required": ["name", "arguments"],
                 "additionalProperties": false,
             })
         })
         .collect();
-    let schema = crate::engine::grammar::compact(&match alts.len() {
-        1 => alts[0].clone(),
-        _ => json!({"anyOf": alts}),
-    });
+    let strict = funcs.iter().all(|f| f.strict == Some(true));
+    let schema = crate::engine::grammar::compact(
+        &match alts.len() {
+            1 => alts[0].clone(),
+            _ => json!({"anyOf": alts}),
+        },
+        strict,
+    );
     let calls = if parallel {
         "call (\"\\n\" call)*"
     } else {
         "call"
     };
-    // A few whitespace characters may come first (Qwen3 writes "\n\n" after `</think>`).
-    Guide::Lark(format!(
-        "start: calls | WS calls\ncalls: {calls}\nWS: /[ \\t\\r\\n]{{1,4}}/\n\
+    format!(
+        "calls: {calls}\nWS: /[ \\t\\r\\n]{{1,4}}/\n\
          call: \"<tool_call>\\n\" args \"\\n</tool_call>\"\nargs: %json {schema}\n"
-    ))
+    )
 }
 
 /// The tools section Qwen2.5's and Qwen3's templates write, for a template that has none
@@ -208,6 +264,11 @@ pub(super) fn system_section(tools: &[Value]) -> String {
 mod tests {
     use super::*;
 
+    fn read(v: Value, format: Option<ToolCallParser>) -> Result<Option<ToolRequest>, ApiError> {
+        let f = crate::server::openai::body::Fields::parse(v.to_string().as_bytes())?;
+        super::read(f.all()?, format)
+    }
+
     fn weather() -> Value {
         json!({"type": "function", "function": {"name": "get_weather",
             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
@@ -217,19 +278,16 @@ mod tests {
     #[test]
     fn choices_read_and_refusals_name_the_problem() {
         let hermes = Some(ToolCallParser::Hermes);
-        let r = read(&json!({"tools": [weather()]}), hermes)
+        let r = read(json!({"tools": [weather()]}), hermes)
             .unwrap()
             .unwrap();
         assert!(r.parse && r.forced.is_none());
-        let r = read(
-            &json!({"tools": [weather()], "tool_choice": "none"}),
-            hermes,
-        )
-        .unwrap()
-        .unwrap();
+        let r = read(json!({"tools": [weather()], "tool_choice": "none"}), hermes)
+            .unwrap()
+            .unwrap();
         assert!(!r.parse && r.forced.is_none());
         let r = read(
-            &json!({"tools": [weather()], "tool_choice": "required"}),
+            json!({"tools": [weather()], "tool_choice": "required"}),
             hermes,
         )
         .unwrap()
@@ -243,11 +301,11 @@ mod tests {
         );
         let named = json!({"tools": [weather()], "parallel_tool_calls": true,
             "tool_choice": {"type": "function", "function": {"name": "get_weather"}}});
-        let Some(Guide::Lark(g)) = read(&named, hermes).unwrap().unwrap().forced else {
+        let Some(Guide::Lark(g)) = read(named, hermes).unwrap().unwrap().forced else {
             panic!("a grammar")
         };
         assert!(g.contains("calls: call\n"), "{g}");
-        let code = |v: Value, f| read(&v, f).unwrap_err().code;
+        let code = |v: Value, f| read(v, f).unwrap_err().code;
         assert_eq!(
             code(json!({"tools": [weather()]}), None),
             "tools_not_supported"
@@ -267,6 +325,6 @@ mod tests {
             code(json!({"tool_choice": "required"}), hermes),
             "invalid_tool_choice"
         );
-        assert_eq!(read(&json!({"tool_choice": "none"}), None).unwrap(), None);
+        assert_eq!(read(json!({"tool_choice": "none"}), None).unwrap(), None);
     }
 }

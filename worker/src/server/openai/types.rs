@@ -1,12 +1,56 @@
-//! Wire types: the JSON bodies of the OpenAI-compatible and mole requests as clients send them.
+//! Wire types: the JSON bodies of the OpenAI-compatible and mole requests as clients send them,
+//! each field typed once. A generation body is a few parts (the fields every generation takes,
+//! the structured outputs, the tools, the endpoint's own), each read by [`super::body::Fields`];
+//! the OpenAPI document is derived from the same types ([`crate::server::openapi`]), so what is
+//! parsed and what is documented cannot differ in shape.
 
 use serde::Deserialize;
-use serde_json::Value;
+use serde_json::{Map, Value};
 use utoipa::ToSchema;
 
+use super::body::Fields;
+use super::fields::On;
+use super::guided::Guides;
+use super::tools::{FunctionTag, ToolFields};
+use crate::server::ApiError;
+
+/// A unit type that reads exactly one string, a `type` tag: for the tagged objects serde's own
+/// tagging cannot read (a tag that may be left out, a tag inside an untagged alternative). A
+/// field of such a type is read only to check it.
+macro_rules! tag {
+    ($name:ident, $value:literal) => {
+        #[doc = concat!("The tag `\"", $value, "\"`.")]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub(in crate::server) struct $name;
+
+        impl<'de> serde::Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                match String::deserialize(d)?.as_str() {
+                    $value => Ok($name),
+                    other => Err(serde::de::Error::custom(format!(
+                        "type must be {:?}, got {other:?}",
+                        $value
+                    ))),
+                }
+            }
+        }
+
+        impl utoipa::PartialSchema for $name {
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                utoipa::openapi::ObjectBuilder::new()
+                    .schema_type(utoipa::openapi::schema::Type::String)
+                    .enum_values(Some([$value]))
+                    .into()
+            }
+        }
+        impl utoipa::ToSchema for $name {}
+    };
+}
+pub(super) use tag;
+
 /// `stop`: one string or up to four, none empty.
-#[derive(Deserialize)]
-#[serde(untagged)]
+#[derive(Deserialize, Debug, Clone, PartialEq)]
+#[serde(untagged, expecting = "a string or an array of strings")]
 pub(in crate::server) enum StopField {
     One(String),
     Many(Vec<String>),
@@ -32,31 +76,42 @@ fn stop_schema() -> utoipa::openapi::schema::Schema {
 }
 
 /// A message's `content`: text, or typed parts.
-#[derive(Deserialize, ToSchema)]
-#[serde(untagged)]
+#[derive(Deserialize, ToSchema, Debug)]
+#[serde(untagged, expecting = "a string or an array of content parts")]
 pub(in crate::server) enum Content {
     Text(String),
     Parts(Vec<Part>),
 }
 
+/// A content part's `type`: text (`input_text` as the Responses API names it) or an image
+/// (`input_image`).
+#[derive(Deserialize, ToSchema, Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::server) enum PartType {
+    #[serde(rename = "text", alias = "input_text")]
+    Text,
+    #[serde(rename = "image_url", alias = "input_image")]
+    Image,
+}
+
 /// One content part: `{"type": "text", "text": ...}`, or an image as OpenAI's chat
 /// (`{"type": "image_url", "image_url": {"url": ...}}`) or Responses API
 /// (`{"type": "input_image", "image_url": ...}`) send it.
-#[derive(Deserialize, ToSchema)]
+#[derive(Deserialize, ToSchema, Debug)]
 pub(in crate::server) struct Part {
     /// `text` (`input_text`) or `image_url` (`input_image`).
     #[serde(rename = "type")]
-    #[schema(schema_with = part_type_schema)]
-    pub(super) kind: String,
+    pub(super) kind: PartType,
+    /// A text part's text.
     #[serde(default)]
     pub(super) text: Option<String>,
+    /// An image part's image.
     #[serde(default)]
     pub(super) image_url: Option<ImageUrl>,
 }
 
 /// An image part's `image_url`: `{"url": ..., "detail": ...}` or the URL alone.
-#[derive(Deserialize, ToSchema)]
-#[serde(untagged)]
+#[derive(Deserialize, ToSchema, Debug)]
+#[serde(untagged, expecting = "an image URL, or an object with its url")]
 pub(in crate::server) enum ImageUrl {
     Object { url: String },
     Url(String),
@@ -73,9 +128,14 @@ impl ImageUrl {
 
 /// The seeds' `expert`: an adapter name or its router label, a string or an integer label
 /// (`"expert": 1`).
-fn name_or_label<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+pub(super) fn name_or_label<'de, D: serde::Deserializer<'de>>(
+    d: D,
+) -> Result<Option<String>, D::Error> {
     #[derive(Deserialize)]
-    #[serde(untagged)]
+    #[serde(
+        untagged,
+        expecting = "an adapter's name (a string) or label (an integer)"
+    )]
     enum NameOrLabel {
         Name(String),
         Label(i64),
@@ -87,7 +147,7 @@ fn name_or_label<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String
 }
 
 /// `expert`'s schema: an adapter name or an integer label.
-fn name_or_label_schema() -> utoipa::openapi::schema::Schema {
+pub(super) fn name_or_label_schema() -> utoipa::openapi::schema::Schema {
     use utoipa::openapi::schema::{OneOfBuilder, Type};
     use utoipa::openapi::ObjectBuilder;
     utoipa::openapi::schema::Schema::OneOf(
@@ -102,6 +162,16 @@ fn name_or_label_schema() -> utoipa::openapi::schema::Schema {
     )
 }
 
+/// `logprobs`: chat's switch or a completion's count (each endpoint refuses the other's).
+#[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(untagged, expecting = "a boolean (chat) or an integer (completions)")]
+pub(in crate::server) enum Logprobs {
+    /// Chat: whether to return log probabilities.
+    Switch(bool),
+    /// Completions: how many alternatives per token.
+    Count(u64),
+}
+
 /// `logprobs`' schema: chat's switch or a completion's count.
 fn logprobs_schema() -> utoipa::openapi::schema::Schema {
     use utoipa::openapi::schema::{OneOfBuilder, Type};
@@ -114,52 +184,128 @@ fn logprobs_schema() -> utoipa::openapi::schema::Schema {
         .build())
 }
 
-/// A string among `values`.
-fn one_of(values: &[&str]) -> utoipa::openapi::Object {
-    utoipa::openapi::ObjectBuilder::new()
-        .schema_type(utoipa::openapi::schema::Type::String)
-        .enum_values(Some(values.iter().copied()))
-        .build()
-}
-
 /// A message's `role`.
-fn role_schema() -> utoipa::openapi::Object {
-    one_of(&["system", "user", "assistant", "tool", "developer"])
+#[derive(Deserialize, ToSchema, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub(in crate::server) enum Role {
+    System,
+    User,
+    Assistant,
+    Tool,
+    /// Read as `system`.
+    Developer,
 }
 
-/// A content part's `type`.
-fn part_type_schema() -> utoipa::openapi::Object {
-    one_of(&["text", "input_text", "image_url", "input_image"])
+impl Role {
+    /// The role the template sees (`developer` is `system`).
+    pub(super) fn template_role(self) -> &'static str {
+        match self {
+            Role::System | Role::Developer => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+        }
+    }
 }
+
+/// A tool call of an assistant message in the history.
+#[derive(Deserialize, ToSchema, Debug, Clone)]
+pub(in crate::server) struct InToolCall {
+    /// The call's id (`call_...`), which the tool message answering it names.
+    #[serde(default)]
+    pub(super) id: Option<String>,
+    /// `function`.
+    #[serde(rename = "type", default)]
+    pub(super) _kind: Option<FunctionTag>,
+    /// The function called.
+    pub(super) function: InFunctionCall,
+}
+
+/// A called function: its name and arguments.
+#[derive(Deserialize, ToSchema, Debug, Clone)]
+pub(in crate::server) struct InFunctionCall {
+    /// The function's name.
+    pub(super) name: String,
+    /// The arguments: a JSON object's text (as OpenAI sends them) or the object.
+    pub(super) arguments: Arguments,
+}
+
+/// A call's arguments as sent: JSON text, or the object itself.
+#[derive(Deserialize, Debug, Clone)]
+#[serde(untagged, expecting = "the arguments' JSON text, or a JSON object")]
+pub(in crate::server) enum Arguments {
+    Text(String),
+    Object(Map<String, Value>),
+}
+
+impl utoipa::PartialSchema for Arguments {
+    fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+        use utoipa::openapi::schema::{OneOfBuilder, Type};
+        use utoipa::openapi::ObjectBuilder;
+        OneOfBuilder::new()
+            .item(
+                ObjectBuilder::new()
+                    .schema_type(Type::String)
+                    .content_media_type("application/json")
+                    .description(Some(
+                        "A JSON object's text (400 invalid_tool_calls otherwise).",
+                    )),
+            )
+            .item(ObjectBuilder::new().schema_type(Type::Object))
+            .into()
+    }
+}
+impl ToSchema for Arguments {}
 
 /// A chat message as sent.
-#[derive(Deserialize, ToSchema)]
+#[derive(Deserialize, ToSchema, Debug)]
 pub(in crate::server) struct InMessage {
     /// `system`, `user`, `assistant`, `tool`, or `developer` (read as `system`).
-    #[schema(schema_with = role_schema)]
-    pub(super) role: String,
+    pub(super) role: Role,
+    /// The text, or parts (text and images); only an assistant turn may leave it out.
     #[serde(default)]
     pub(super) content: Option<Content>,
+    /// An assistant turn's tool calls (the template sees their arguments as objects, as vLLM
+    /// hands them to templates).
+    #[serde(default)]
+    pub(super) tool_calls: Option<Vec<InToolCall>>,
+    /// A tool result's call id.
+    #[serde(default)]
+    pub(super) tool_call_id: Option<String>,
+    /// A tool result's function name (or a participant's name, which templates may read).
+    #[serde(default)]
+    pub(super) name: Option<String>,
+    /// An assistant turn's reasoning (vLLM's older field).
+    #[serde(default)]
+    pub(super) reasoning_content: Option<String>,
+    /// An assistant turn's reasoning (vLLM's field).
+    #[serde(default)]
+    pub(super) reasoning: Option<String>,
 }
 
 /// A stream's options.
-#[derive(Deserialize, Default, ToSchema)]
+#[derive(Deserialize, Default, ToSchema, Debug)]
 pub(in crate::server) struct StreamOptions {
+    /// A chat or completion stream ends with a chunk of no choices that carries the usage.
     #[serde(default)]
     pub(super) include_usage: bool,
 }
 
-/// The fields chat, completions, `/infer` and `/v1/route` share: the model or adapter asked
-/// for, and sampling.
-#[derive(Deserialize, Default, ToSchema)]
+/// The fields chat, completions and `/infer` share: the model or adapter asked for, and
+/// sampling.
+#[derive(Deserialize, Default, ToSchema, Debug)]
 pub(in crate::server) struct Common {
+    /// An adapter, the base model, or the pool (the router decides; also empty or `auto`).
     #[serde(default)]
     pub(super) model: String,
+    /// mole extension: the adapter, winning over `model`.
     #[serde(default)]
     pub(super) adapter: Option<String>,
+    /// The seeds' name of `adapter`: an adapter's name or its router label.
     #[serde(default, deserialize_with = "name_or_label")]
     #[schema(schema_with = name_or_label_schema)]
     pub(super) expert: Option<String>,
+    /// Answer as server-sent events.
     #[serde(default)]
     pub(super) stream: bool,
     /// OpenAI's `{"include_usage": true}`: a stream's last chunk carries the usage.
@@ -181,21 +327,29 @@ pub(in crate::server) struct Common {
     /// Nucleus sampling mass.
     #[schema(exclusive_minimum = 0, maximum = 1)]
     pub(super) top_p: Option<f64>,
+    /// vLLM's: sample among the `top_k` most likely tokens (0: all).
     pub(super) top_k: Option<usize>,
+    /// vLLM's: drop tokens below `min_p` times the most likely one's probability.
     pub(super) min_p: Option<f64>,
+    /// OpenAI's presence penalty.
     pub(super) presence_penalty: Option<f64>,
+    /// OpenAI's frequency penalty.
     pub(super) frequency_penalty: Option<f64>,
+    /// vLLM's multiplicative repetition penalty.
     pub(super) repetition_penalty: Option<f64>,
+    /// The same seed gives the same tokens.
     pub(super) seed: Option<u64>,
+    /// Text that ends the answer (left out of it).
     #[schema(schema_with = stop_schema)]
     pub(super) stop: Option<StopField>,
-    /// Chat: bool; completions: an integer count. Kept raw and read per endpoint.
+    /// Chat: bool; completions: an integer count.
     #[schema(schema_with = logprobs_schema)]
-    pub(super) logprobs: Option<Value>,
+    pub(super) logprobs: Option<Logprobs>,
     /// Chat, beside `logprobs: true`: the most likely alternatives per token, at most 20
     /// (400 `invalid_top_logprobs` otherwise, as OpenAI and vLLM answer).
     #[schema(maximum = 20)]
     pub(super) top_logprobs: Option<usize>,
+    /// vLLM's: keep generating past EOS.
     #[serde(default)]
     pub(super) ignore_eos: bool,
     /// vLLM extension: token ids that end generation besides EOS; at most 64
@@ -210,28 +364,21 @@ pub(in crate::server) struct Common {
     /// mole extension: forward merged adapters to their pods (default: the router setting).
     #[serde(default)]
     pub(super) prefer_merged: Option<bool>,
-    /// Structured outputs (chat and completions).
-    #[serde(flatten)]
-    #[allow(dead_code)] // validation reads them from the raw body (guided.rs)
-    pub(super) guided: super::guided::GuidedFields,
+    /// OpenAI's end-user id: read only as the session that keeps a canary split sticky (after
+    /// the `x-session-id` header).
+    #[serde(default)]
+    pub(super) user: Option<String>,
 }
 
-impl Common {
-    /// The explicitly named adapter: `adapter`, else the seeds' `expert`.
-    pub(super) fn named_adapter(&self) -> Option<&str> {
-        self.adapter.as_deref().or(self.expert.as_deref())
-    }
-}
-
-/// `POST /v1/chat/completions`.
-#[derive(Deserialize, ToSchema)]
-pub(in crate::server) struct ChatBody {
+/// Chat's own fields.
+#[derive(Deserialize, ToSchema, Debug)]
+pub(in crate::server) struct ChatOwn {
     /// The conversation, at least one message.
     #[schema(min_items = 1)]
     pub(super) messages: Vec<InMessage>,
     /// Extra chat-template variables (vLLM's field), e.g. `{"enable_thinking": false}`.
     #[serde(default)]
-    pub(super) chat_template_kwargs: serde_json::Map<String, Value>,
+    pub(super) chat_template_kwargs: Map<String, Value>,
     /// vLLM's: end the prompt with the assistant's turn opening (default true).
     #[serde(default)]
     pub(super) add_generation_prompt: Option<bool>,
@@ -239,32 +386,82 @@ pub(in crate::server) struct ChatBody {
     /// false: the template writes its own).
     #[serde(default)]
     pub(super) add_special_tokens: Option<bool>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(ToSchema, Debug)]
+pub(in crate::server) struct ChatBody {
+    #[serde(flatten)]
+    pub(super) own: ChatOwn,
     /// Tools the model may call.
     #[serde(flatten)]
-    #[allow(dead_code)] // validation reads them from the raw body (tools.rs)
-    pub(super) tools: super::tools::ToolFields,
+    pub(super) tools: ToolFields,
+    /// Structured outputs.
+    #[serde(flatten)]
+    pub(super) guides: Guides,
     #[serde(flatten)]
     pub(super) common: Common,
 }
 
+impl ChatBody {
+    /// The body of `f`, its other fields held to chat's field table.
+    pub(super) fn read(mut f: Fields) -> Result<Self, ApiError> {
+        let b = Self {
+            own: f.take()?,
+            tools: f.take()?,
+            guides: f.take()?,
+            common: f.take()?,
+        };
+        f.rest(On::CHAT)?;
+        Ok(b)
+    }
+}
+
 /// A completion's `prompt`: text, token ids, or an array of texts (one is served).
-#[derive(Deserialize, ToSchema)]
-#[serde(untagged)]
+#[derive(Deserialize, ToSchema, Debug)]
+#[serde(
+    untagged,
+    expecting = "a string, an array of token ids, or an array of one string"
+)]
 pub(in crate::server) enum PromptField {
     Text(String),
     Tokens(Vec<u32>),
     Texts(Vec<String>),
 }
 
-/// `POST /v1/completions`.
-#[derive(Deserialize, ToSchema)]
-pub(in crate::server) struct CompletionBody {
+/// Completions' own fields.
+#[derive(Deserialize, ToSchema, Debug)]
+pub(in crate::server) struct CompletionOwn {
+    /// The text (or token ids) to continue.
     pub(super) prompt: PromptField,
     /// vLLM's: the tokenizer's special tokens (BOS) around a text prompt (default true).
     #[serde(default)]
     pub(super) add_special_tokens: Option<bool>,
+}
+
+/// `POST /v1/completions`.
+#[derive(ToSchema, Debug)]
+pub(in crate::server) struct CompletionBody {
+    #[serde(flatten)]
+    pub(super) own: CompletionOwn,
+    /// Structured outputs.
+    #[serde(flatten)]
+    pub(super) guides: Guides,
     #[serde(flatten)]
     pub(super) common: Common,
+}
+
+impl CompletionBody {
+    /// The body of `f`, its other fields held to completions' field table.
+    pub(super) fn read(mut f: Fields) -> Result<Self, ApiError> {
+        let b = Self {
+            own: f.take()?,
+            guides: f.take()?,
+            common: f.take()?,
+        };
+        f.rest(On::COMPLETIONS)?;
+        Ok(b)
+    }
 }
 
 /// Which OpenAI object shape to answer with.
@@ -274,6 +471,8 @@ pub(in crate::server) enum Kind {
     Chat,
     /// `text_completion`.
     Completion,
+    /// `response` (the Responses API).
+    Response,
 }
 
 impl Kind {
@@ -282,6 +481,7 @@ impl Kind {
         match self {
             Kind::Chat => "chat",
             Kind::Completion => "completions",
+            Kind::Response => "responses",
         }
     }
     /// The path of the same call on a merged pod.
@@ -289,39 +489,100 @@ impl Kind {
         match self {
             Kind::Chat => "/v1/chat/completions",
             Kind::Completion => "/v1/completions",
+            Kind::Response => "/v1/responses",
         }
     }
-    /// The prefix of answer ids.
+    /// The prefix of answer ids (OpenAI's: `chatcmpl-`, `cmpl-`, `resp_`).
     pub(super) fn id_prefix(self) -> &'static str {
         match self {
-            Kind::Chat => "chatcmpl",
-            Kind::Completion => "cmpl",
+            Kind::Chat => "chatcmpl-",
+            Kind::Completion => "cmpl-",
+            Kind::Response => "resp_",
         }
     }
 }
 
-/// `POST /infer`, the seeds' task call.
-#[derive(Deserialize, ToSchema)]
-pub(in crate::server) struct InferBody {
-    /// The task prompt (`input` is accepted as an alias).
-    #[serde(alias = "input")]
-    pub(super) prompt: String,
+/// `/infer`'s own fields.
+#[derive(Deserialize, ToSchema, Debug)]
+pub(in crate::server) struct InferOwn {
+    /// The task prompt.
+    #[serde(default)]
+    pub(super) prompt: Option<String>,
+    /// The same as `prompt`, by the seeds' other name.
+    #[serde(default)]
+    pub(super) input: Option<String>,
     /// The image (the seeds' field): base64 or a `data:` URL, placed before the prompt.
     #[serde(default)]
     pub(super) image_b64: Option<String>,
+}
+
+/// `POST /infer`, the seeds' task call: a chat of one user message.
+#[derive(ToSchema, Debug)]
+pub(in crate::server) struct InferBody {
+    #[serde(flatten)]
+    pub(super) own: InferOwn,
+    /// Structured outputs.
+    #[serde(flatten)]
+    pub(super) guides: Guides,
     #[serde(flatten)]
     pub(super) common: Common,
 }
 
-/// `POST /v1/route`: `input`, or chat `messages` (the last user one is routed).
-#[derive(Deserialize, ToSchema)]
+impl InferBody {
+    /// The body of `f`; its other fields are held to chat's field table (it is a chat). The
+    /// task's answer is one text, whole: what would ask for more (streaming, choices, log
+    /// probabilities) is refused (400 `unsupported_field`), not dropped.
+    pub(super) fn read(mut f: Fields) -> Result<Self, ApiError> {
+        let b = Self {
+            own: f.take()?,
+            guides: f.take()?,
+            common: f.take()?,
+        };
+        f.rest(On::CHAT)?;
+        let c = &b.common;
+        let asked = [
+            ("stream", c.stream),
+            ("stream_options", c.stream_options.is_some()),
+            ("n", c.n.is_some_and(|n| n != 1)),
+            (
+                "logprobs",
+                c.logprobs.is_some_and(|l| l != Logprobs::Switch(false)),
+            ),
+            ("top_logprobs", c.top_logprobs.is_some()),
+        ];
+        if let Some((name, _)) = asked.iter().find(|(_, asked)| *asked) {
+            return Err(crate::server::error::bad(
+                "unsupported_field",
+                format!(
+                    "{name} is not served by /infer, whose answer is one text, whole (use \
+                     /v1/chat/completions)"
+                ),
+            ));
+        }
+        Ok(b)
+    }
+}
+
+/// `POST /v1/route`: `input`, or chat `messages` (the last user one is routed); the other
+/// fields of a chat body sent here are ignored (nothing is generated).
+#[derive(Deserialize, ToSchema, Debug)]
 pub(in crate::server) struct RouteBody {
+    /// The text to route.
     #[serde(default)]
     pub(super) input: Option<String>,
+    /// A conversation, whose last user message is routed (`input` wins).
     #[serde(default)]
     pub(super) messages: Option<Vec<InMessage>>,
-    #[serde(flatten)]
-    pub(super) common: Common,
+    /// An adapter, the base model, or the pool (the router decides).
+    #[serde(default)]
+    pub(super) model: String,
+    /// The adapter, winning over `model`.
+    #[serde(default)]
+    pub(super) adapter: Option<String>,
+    /// The seeds' name of `adapter`.
+    #[serde(default, deserialize_with = "name_or_label")]
+    #[schema(schema_with = name_or_label_schema)]
+    pub(super) expert: Option<String>,
 }
 
 /// `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's shape).
@@ -343,4 +604,22 @@ pub(in crate::server) struct ReloadBody {
     /// `WorkerConfig::content_hash()` the caller expects the file to have.
     #[serde(default)]
     pub(super) config_hash: Option<String>,
+}
+
+/// The names of the bodies' schemas in the OpenAPI document.
+macro_rules! documented {
+    ($($t:ty => $name:literal),* $(,)?) => {
+        $(impl super::body::Documented for $t {
+            const SCHEMA: &'static str = $name;
+        })*
+    };
+}
+documented! {
+    ChatBody => "ChatBody",
+    CompletionBody => "CompletionBody",
+    InferBody => "InferBody",
+    LoadBody => "LoadBody",
+    ReloadBody => "ReloadBody",
+    super::responses::ResponsesBody => "ResponsesBody",
+    super::tokens::DetokenizeBody => "DetokenizeBody",
 }

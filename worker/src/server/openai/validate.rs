@@ -1,20 +1,20 @@
-//! Validation, the shape of TGI's `validation.rs`: a wire body in, one [`ValidRequest`] out
+//! Validation, the shape of TGI's `validation.rs`: a typed body in, one [`ValidRequest`] out
 //! (prompt, sampling within the limits, adapter choice, stream flag), or a stable 4xx. The
 //! serving path takes nothing else.
 
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{FromRequest, Request};
-use axum::http::{HeaderMap, StatusCode};
-use serde::de::DeserializeOwned;
-use serde_json::Value;
+use axum::http::HeaderMap;
 
 use mole_api::WorkerLimits;
 
+use super::body::{Fields, RawBody};
 use super::images::{self, ImageSource};
-use super::types::{Common, Content, InMessage, Kind, StopField};
+use serde_json::Value;
+
+use super::types::{
+    Arguments, Common, Content, InMessage, Kind, Logprobs, PartType, Role, StopField,
+};
 use crate::engine::api::{ChatMessage, ContentPart, Prompt, SamplingParams};
-use crate::router::RouteInput;
 use crate::server::error::bad;
 use crate::server::gateway::Upstream;
 use crate::server::{ApiError, AppState};
@@ -22,123 +22,19 @@ use mole_api::request::{
     self, RealField, RequestError, MAX_LOGPROBS, MAX_STOP, MAX_STOP_TOKEN_IDS,
 };
 
-/// A JSON request body (the extractor of every endpoint that takes one): typed, and as sent
-/// (what a merged pod is forwarded).
-pub(in crate::server) struct Wire<T> {
-    /// The body, typed.
-    pub(super) body: T,
-    /// The body as the client sent it.
-    pub(super) raw: Value,
-}
-
-impl<T: DeserializeOwned> Wire<T> {
-    /// Reads a body, every failure a stable 4xx: 413 `body_too_large`, 400 `invalid_body`,
-    /// `invalid_json` (not JSON) or `invalid_request` (JSON of the wrong shape).
-    fn read(body: Result<Bytes, BytesRejection>) -> Result<Self, ApiError> {
-        Self::parse(&body_bytes(body)?)
-    }
-
-    /// Parses a body's bytes (400 `invalid_json` or `invalid_request`). The typed body is read
-    /// from the parsed JSON in place (no copy of a body of up to `maxBodyBytes` is made for it);
-    /// integral floats become integers in both, which changes no value a pod reads.
-    pub(super) fn parse(b: &[u8]) -> Result<Self, ApiError> {
-        let mut raw: Value = serde_json::from_slice(b)
-            .map_err(|e| bad("invalid_json", format!("body is not valid JSON: {e}")))?;
-        // Every body is an object (serde would read a struct from an array too).
-        if !raw.is_object() {
-            return Err(bad("invalid_request", "the body must be a JSON object"));
-        }
-        integral(&mut raw);
-        let body = <T as serde::Deserialize>::deserialize(&raw)
-            .map_err(|e| bad("invalid_request", e.to_string()))?;
-        Ok(Self { body, raw })
-    }
-}
-
-/// A body's bytes, or 413 `body_too_large` / 400 `invalid_body`.
-fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
-    body.map_err(|r| {
-        if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::new(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                "body_too_large",
-                "request body exceeds this endpoint's limit (limits.maxBodyBytes for \
-                 generation, 1 MiB for tokenize, detokenize and route, 64 KiB for admin)",
-            )
-        } else {
-            bad("invalid_body", r.body_text())
-        }
-    })
-}
-
-/// A generation body as it came (chat, completions, `/infer`): its bytes are read on the async
-/// runtime, which only moves bytes, and parsed on a preparation thread with the rest of its
-/// validation ([`prepare_request`]): parsing up to `maxBodyBytes` of JSON is CPU work.
-pub(in crate::server) struct RawBody(Bytes);
-
-impl<S: Send + Sync> FromRequest<S> for RawBody {
-    type Rejection = ApiError;
-
-    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        body_bytes(Bytes::from_request(req, state).await).map(Self)
-    }
-}
-
-/// Integral floats (`10.0`) made integers, as JSON Schema's `integer` and vLLM's (pydantic's)
-/// `int` fields take them; a chat template's variables are left as sent.
-fn integral(v: &mut Value) {
-    match v {
-        Value::Number(n) if n.is_f64() => {
-            let f = n.as_f64().unwrap_or(f64::NAN);
-            if f.fract() == 0.0 && f >= 0.0 && f < u64::MAX as f64 {
-                *v = Value::from(f as u64);
-            } else if f.fract() == 0.0 && f < 0.0 && f >= i64::MIN as f64 {
-                *v = Value::from(f as i64);
-            }
-        }
-        Value::Array(a) => a.iter_mut().for_each(integral),
-        Value::Object(m) => m
-            .iter_mut()
-            .filter(|(k, _)| k.as_str() != "chat_template_kwargs")
-            .for_each(|(_, x)| integral(x)),
-        _ => {}
-    }
-}
-
-impl<S: Send + Sync, T: DeserializeOwned> FromRequest<S> for Wire<T> {
-    type Rejection = ApiError;
-
-    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        Self::read(Bytes::from_request(req, state).await)
-    }
-}
-
-/// A JSON body that may be left out: an empty or blank body, or JSON `null`, reads as
-/// `T::default()`.
-pub(in crate::server) struct OptionalWire<T>(pub(super) T);
-
-impl<S: Send + Sync, T: DeserializeOwned + Default> FromRequest<S> for OptionalWire<T> {
-    type Rejection = ApiError;
-
-    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
-        let body = Bytes::from_request(req, state).await;
-        if body
-            .as_ref()
-            .is_ok_and(|b| b.iter().all(u8::is_ascii_whitespace) || b.trim_ascii() == b"null")
-        {
-            return Ok(Self(T::default()));
-        }
-        Wire::read(body).map(|w| Self(w.body))
-    }
-}
-
-/// A wire body that validation turns into a [`ValidRequest`]: the bodies of chat, completions
-/// and `/infer`.
+/// A generation body that validation turns into a [`ValidRequest`]: chat, completions,
+/// responses and `/infer`.
 pub(in crate::server) trait Validate:
-    DeserializeOwned + Sized + Send + 'static
+    Sized + Send + 'static + super::body::Documented
 {
-    /// The validated request, or the 4xx that refuses it.
-    fn validate(wire: Wire<Self>, s: &AppState) -> Result<ValidRequest, ApiError>;
+    /// The validated request of `fields` (the body, parsed), or the 4xx that refuses it.
+    /// `forward` is the body as sent, kept when this pool may forward it to a merged pod or a
+    /// peer.
+    fn validate(
+        fields: Fields,
+        forward: Option<Bytes>,
+        s: &AppState,
+    ) -> Result<ValidRequest, ApiError>;
 }
 
 /// A body parsed and validated ([`Validate::validate`]: the chat template, the prompt's
@@ -152,17 +48,25 @@ pub(super) async fn prepare_request<B: Validate>(
     let st = s.clone();
     s.prepare
         .run(deadline, move || {
-            let wire = Wire::parse(&body.0)?;
-            // The bytes are not needed once parsed: not held while the request is templated.
-            drop(body);
-            B::validate(wire, &st)
+            let fields = Fields::parse(&body.0)?;
+            // The bytes are kept only where they may be forwarded as sent: not held while the
+            // request is templated otherwise.
+            let forward = may_forward(&st).then_some(body.0);
+            super::body::documented(&st, B::SCHEMA, fields, |f| B::validate(f, forward, &st))
         })
         .await
 }
 
-/// One generation request, validated: what chat, completion and `/infer` bodies become, and
-/// all the serving path takes. Built once, every bound checked ([`mole_api::request`]), the
-/// prompt tokenized; nothing changes it afterwards.
+/// Whether this pool may forward a request: an adapter has merged pods, or the pool has peers.
+fn may_forward(s: &AppState) -> bool {
+    let cfg = s.cfg();
+    !cfg.peers.is_empty() || cfg.adapters.iter().any(|a| a.merged_endpoint.is_some())
+}
+
+/// One generation request, validated: what chat, completion, responses and `/infer` bodies
+/// become, and all the serving path takes. Built once, every bound checked
+/// ([`mole_api::request`]), the prompt tokenized, its grammar compiled; nothing changes it
+/// afterwards.
 pub(in crate::server) struct ValidRequest {
     /// The answer's shape (and the `endpoint` metric label).
     pub(super) kind: Kind,
@@ -188,13 +92,21 @@ pub(in crate::server) struct ValidRequest {
     pub(super) include_usage: bool,
     /// Forward merged adapters to their pods (None: the router's `preferMerged`).
     pub(super) prefer_merged: Option<bool>,
-    /// The body a merged pod gets: the client's (for `/infer`, made a chat completion).
-    pub(super) forward: Value,
+    /// OpenAI's `user`: the session of a canary split when no `x-session-id` header names one.
+    pub(super) user: Option<String>,
+    /// The body a merged pod or a peer gets (for `/infer`, made a chat completion); None when
+    /// this pool forwards nothing.
+    pub(super) forward: Option<Bytes>,
     /// The prompt's images, in the order of its placeholders (read by [`images::read_all`]
     /// after validation, before routing).
     pub(super) images: Vec<ImageSource>,
     /// How a chat's answer splits into reasoning, answer and tool calls (None: all answer).
     pub(super) parse: Option<super::parse::ParseSpec>,
+    /// What of the answer's JSON schema is not enforced (a schema without `strict`; see
+    /// [`crate::engine::grammar::Guide::Json`]), reported with the answer.
+    pub(super) unenforced: Vec<String>,
+    /// What a Responses API answer repeats of its request (None: another kind of answer).
+    pub(super) echo: Option<super::response_out::Echo>,
 }
 
 /// The parts of a [`ValidRequest`] each body validates its own way.
@@ -206,7 +118,7 @@ pub(super) struct Parts {
     /// What the router reads.
     pub(super) route_text: String,
     /// The body a merged pod gets.
-    pub(super) forward: Value,
+    pub(super) forward: Option<Bytes>,
     /// The prompt's images.
     pub(super) images: Vec<ImageSource>,
     /// Never streamed (`/infer`), whatever the body says.
@@ -220,13 +132,18 @@ pub(super) struct Parts {
 
 impl ValidRequest {
     /// The request of `c`'s fields and a body's `parts` (its sampling checked), the prompt
-    /// tokenized once (on the calling thread: validation runs on a preparation thread), a
-    /// prompt that cannot fit the context with its `max_tokens` refused.
+    /// tokenized once and the grammar compiled (on the calling thread: validation runs on a
+    /// preparation thread; the engine finds it compiled), a prompt that cannot fit the context
+    /// with its `max_tokens` refused.
     pub(super) fn new(s: &AppState, c: Common, parts: Parts) -> Result<Self, ApiError> {
         let sampling = parts.sampling;
-        // A forced tool call's grammar is built from the tools: held to the guides' limits.
+        let mut unenforced = Vec::new();
         if let Some(g) = &sampling.guide {
+            // A forced tool call's grammar is built from the tools: held to the guides' limits.
             super::guided::check_size(&g.guide, &s.cfg().limits)?;
+            // Compiled here, before routing: a grammar that does not compile is refused before
+            // the router or the queue spend anything on it.
+            unenforced = s.codec.compile_guide(g)?;
         }
         let prompt = match parts.prompt {
             Prompt::Tokens(ids) => ids,
@@ -247,23 +164,17 @@ impl ValidRequest {
             stream: c.stream && !parts.whole,
             include_usage: c.stream_options.as_ref().is_some_and(|o| o.include_usage),
             prefer_merged: c.prefer_merged,
+            user: c.user,
             forward: parts.forward,
             images: parts.images,
             parse: parts.parse,
+            unenforced,
+            echo: None,
         };
         // Images only add tokens: a prompt too long without them is too long with them, and
         // is refused before routing.
         req.fit_context(req.prompt.len(), max_seq(s))?;
         Ok(req)
-    }
-
-    /// What the router sees of the request.
-    pub(super) fn route_input(&self) -> RouteInput<'_> {
-        RouteInput {
-            model: &self.model,
-            adapter: self.adapter.as_deref(),
-            text: &self.route_text,
-        }
     }
 
     /// The `max_tokens` of an answer in a context of `max_seq` tokens after `prompt_tokens`:
@@ -290,15 +201,16 @@ impl ValidRequest {
         Ok(max_tokens)
     }
 
-    /// What the gateway forwards to merged pods, with the client's `headers`.
-    pub(super) fn upstream<'a>(&'a self, headers: &'a HeaderMap) -> Upstream<'a> {
-        Upstream {
+    /// What the gateway forwards to merged pods, with the client's `headers` (None: this
+    /// request is served here).
+    pub(super) fn upstream<'a>(&'a self, headers: &'a HeaderMap) -> Option<Upstream<'a>> {
+        Some(Upstream {
             path: self.kind.path(),
             endpoint: self.kind.endpoint(),
-            body: &self.forward,
+            body: self.forward.clone()?,
             headers,
             prefer_merged: self.prefer_merged,
-        }
+        })
     }
 }
 
@@ -401,19 +313,25 @@ pub(super) fn sampling(c: &Common, chat: bool, caps: &Caps) -> Result<SamplingPa
     let repetition_penalty = real(c.repetition_penalty, 1.0, &request::REPETITION_PENALTY)?;
     // OpenAI's and vLLM's bounds: at most MAX_LOGPROBS alternatives, and top_logprobs only
     // beside `logprobs: true`.
-    let logprobs = match (&c.logprobs, chat) {
-        (None, _) | (Some(Value::Null), _) | (Some(Value::Bool(false)), true) => None,
-        (Some(Value::Bool(true)), true) => Some(c.top_logprobs.unwrap_or(0)),
-        (Some(Value::Number(n)), false) => match n.as_u64() {
-            Some(n) if n as usize <= MAX_LOGPROBS => Some(n as usize),
-            _ => {
-                return Err(bad(
-                    "invalid_logprobs",
-                    format!("logprobs must be an integer between 0 and {MAX_LOGPROBS}"),
-                ))
-            }
-        },
-        _ => return Err(bad("invalid_logprobs", "logprobs has the wrong type")),
+    let logprobs = match (c.logprobs, chat) {
+        (None, _) | (Some(Logprobs::Switch(false)), true) => None,
+        (Some(Logprobs::Switch(true)), true) => Some(c.top_logprobs.unwrap_or(0)),
+        (Some(Logprobs::Count(n)), false) if n as usize <= MAX_LOGPROBS => Some(n as usize),
+        (Some(Logprobs::Count(_)), false) => {
+            return Err(bad(
+                "invalid_logprobs",
+                format!("logprobs must be an integer between 0 and {MAX_LOGPROBS}"),
+            ))
+        }
+        (Some(Logprobs::Count(_)), true) => {
+            return Err(bad("invalid_logprobs", "chat's logprobs is a boolean"))
+        }
+        (Some(Logprobs::Switch(_)), false) => {
+            return Err(bad(
+                "invalid_logprobs",
+                "completions' logprobs is a count of alternatives",
+            ))
+        }
     };
     match (c.top_logprobs, chat && logprobs.is_some()) {
         (Some(n), true) if n > MAX_LOGPROBS => {
@@ -503,10 +421,12 @@ pub(super) fn sampling(c: &Common, chat: bool, caps: &Caps) -> Result<SamplingPa
     Ok(sp)
 }
 
-/// Chat messages: known roles (`developer` is read as `system`), text and image parts; and the
-/// images in the order their parts name them (at most `limits.maxImages`). Without
-/// `takes_images` (a text model) an image part is refused as soon as it is seen, before it is
-/// decoded or fetched.
+/// Chat messages: text and image parts, and the fields templates read beside them (an
+/// assistant turn's `tool_calls`, their `arguments` parsed into objects as vLLM hands them to
+/// templates; a tool result's `tool_call_id` and `name`; a reasoning turn's
+/// `reasoning_content`); and the images in the order their parts name them (at most
+/// `limits.maxImages`). Without `takes_images` (a text model) an image part is refused as
+/// soon as it is seen, before it is decoded or fetched.
 pub(super) fn messages(
     msgs: Vec<InMessage>,
     limits: &WorkerLimits,
@@ -518,21 +438,10 @@ pub(super) fn messages(
     let mut out = Vec::with_capacity(msgs.len());
     let mut images = Vec::new();
     for (i, m) in msgs.into_iter().enumerate() {
-        if !matches!(
-            m.role.as_str(),
-            "system" | "user" | "assistant" | "tool" | "developer"
-        ) {
-            return Err(bad("invalid_role", format!("unknown role {:?}", m.role)));
-        }
-        let role = if m.role == "developer" {
-            "system".into()
-        } else {
-            m.role
-        };
-        let mut msg = ChatMessage::text(role, "");
+        let mut msg = ChatMessage::text(m.role.template_role(), "");
         match m.content {
             // An assistant turn may carry only its tool calls; every other role says something.
-            None if msg.role != "assistant" => {
+            None if m.role != Role::Assistant => {
                 return Err(bad(
                     "missing_content",
                     format!("messages[{i}].content is required for role {}", msg.role),
@@ -542,31 +451,25 @@ pub(super) fn messages(
             Some(Content::Text(t)) => msg.content = t,
             Some(Content::Parts(ps)) => {
                 for (j, p) in ps.into_iter().enumerate() {
-                    match (p.kind.as_str(), p.image_url) {
-                        ("text" | "input_text", _) => {
+                    let field = || format!("messages[{i}].content[{j}].image_url");
+                    match (p.kind, p.image_url) {
+                        (PartType::Text, _) => {
                             let t = p.text.unwrap_or_default();
                             msg.content.push_str(&t);
                             msg.parts.push(ContentPart::Text(t));
                         }
-                        ("image_url" | "input_image", Some(_)) if !takes_images => {
+                        (PartType::Image, Some(_)) if !takes_images => {
                             return Err(crate::engine::api::EngineError::ImagesNotSupported.into())
                         }
-                        ("image_url" | "input_image", Some(u)) => {
-                            let field = format!("messages[{i}].content[{j}].image_url");
-                            images.push(images::source(u.url(), &field, limits)?);
+                        (PartType::Image, Some(u)) => {
+                            images.push(images::source(u.url(), &field(), limits)?);
                             images::check_count(images.len(), limits)?;
                             msg.parts.push(ContentPart::Image);
                         }
-                        ("image_url" | "input_image", None) => {
+                        (PartType::Image, None) => {
                             return Err(bad(
                                 "invalid_content_part",
                                 format!("messages[{i}].content[{j}] has no image_url"),
-                            ))
-                        }
-                        (other, _) => {
-                            return Err(bad(
-                                "invalid_content_part",
-                                format!("unsupported content part {other:?}"),
                             ))
                         }
                     }
@@ -577,9 +480,61 @@ pub(super) fn messages(
                 }
             }
         }
+        if let Some(calls) = m.tool_calls {
+            let calls = calls
+                .into_iter()
+                .map(|c| tool_call(c, i))
+                .collect::<Result<Vec<_>, _>>()?;
+            msg.extra.insert("tool_calls".into(), Value::Array(calls));
+        }
+        for (k, v) in [
+            ("tool_call_id", m.tool_call_id),
+            ("name", m.name),
+            ("reasoning_content", m.reasoning_content.or(m.reasoning)),
+        ] {
+            if let Some(v) = v {
+                msg.extra.insert(k.into(), Value::String(v));
+            }
+        }
         out.push(msg);
     }
     Ok((out, images))
+}
+
+/// A tool call of the history as a template reads it: `{"id", "type": "function", "function":
+/// {"name", "arguments": {...}}}`, the arguments an object (400 `invalid_tool_calls` when their
+/// text is not JSON).
+pub(super) fn tool_call(c: super::types::InToolCall, i: usize) -> Result<Value, ApiError> {
+    tool_call_value(c.id, c.function.name, c.function.arguments).map_err(|e| {
+        bad(
+            "invalid_tool_calls",
+            format!("messages[{i}].tool_calls: {e}"),
+        )
+    })
+}
+
+/// A call as a template reads it (see [`tool_call`]), or why its arguments are not JSON.
+pub(super) fn tool_call_value(
+    id: Option<String>,
+    name: String,
+    arguments: Arguments,
+) -> Result<Value, String> {
+    let arguments = match arguments {
+        Arguments::Object(o) => Value::Object(o),
+        Arguments::Text(a) => {
+            serde_json::from_str(&a).map_err(|e| format!("arguments are not JSON: {e}"))?
+        }
+    };
+    let mut out = serde_json::Map::new();
+    if let Some(id) = id {
+        out.insert("id".into(), Value::String(id));
+    }
+    out.insert("type".into(), Value::from("function"));
+    out.insert(
+        "function".into(),
+        serde_json::json!({"name": name, "arguments": arguments}),
+    );
+    Ok(Value::Object(out))
 }
 
 /// What the router reads of a chat: its last user message.
@@ -720,13 +675,33 @@ mod tests {
         );
         assert_eq!(last_user_text(&ok), "ab");
         assert_eq!(refused(m(json!([]))), "empty_messages");
+        // Roles and part types are typed: the body's parse refuses others with their codes.
+        let parsed = |v: Value| {
+            Fields::parse(json!({"messages": v}).to_string().as_bytes())
+                .unwrap()
+                .take::<super::super::types::ChatOwn>()
+        };
         assert_eq!(
-            refused(m(json!([{"role": "wizard", "content": "x"}]))),
+            refused(parsed(json!([{"role": "wizard", "content": "x"}]))),
             "invalid_role"
         );
         let part = |t: &str| json!([{"role": "user", "content": [{"type": t}]}]);
         assert_eq!(refused(m(part("image_url"))), "invalid_content_part");
-        assert_eq!(refused(m(part("audio"))), "invalid_content_part");
+        assert_eq!(refused(parsed(part("audio"))), "invalid_content_part");
+        // The history's tool calls reach the template with their arguments as objects.
+        let (ok, _) = m(json!([
+            {"role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                "function": {"name": "f", "arguments": "{\"a\": 1}"}}]},
+            {"role": "tool", "tool_call_id": "c1", "name": "f", "content": "2"},
+        ]))
+        .unwrap();
+        assert_eq!(
+            ok[0].extra["tool_calls"],
+            json!([{"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}])
+        );
+        assert_eq!(ok[1].extra["tool_call_id"], "c1");
+        let bad_args = json!([{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]}]);
+        assert_eq!(refused(m(bad_args)), "invalid_tool_calls");
         // Images keep their place among the text parts, in both wire shapes.
         let img = |u: &str| json!({"type": "image_url", "image_url": {"url": u}});
         let (ok, images) = m(json!([{"role": "user", "content": [
@@ -763,26 +738,6 @@ mod tests {
     }
 
     #[test]
-    fn integral_floats_are_integers() {
-        let mut v =
-            json!({"n": 10.0, "t": 0.5, "ids": [1.0, -2.0], "chat_template_kwargs": {"x": 1.0}});
-        integral(&mut v);
-        assert_eq!(
-            v,
-            json!({"n": 10, "t": 0.5, "ids": [1, -2], "chat_template_kwargs": {"x": 1.0}})
-        );
-        let c: Common = {
-            let mut v = json!({"n": 2.0, "max_tokens": 3.0, "temperature": 1.0});
-            integral(&mut v);
-            serde_json::from_value(v).unwrap()
-        };
-        assert_eq!(
-            (c.n, c.max_tokens, c.temperature),
-            (Some(2), Some(3), Some(1.0))
-        );
-    }
-
-    #[test]
     fn the_context_limit_trims_or_refuses() {
         let req = |explicit: bool, max_tokens: usize| ValidRequest {
             kind: Kind::Chat,
@@ -799,9 +754,12 @@ mod tests {
             stream: false,
             include_usage: false,
             prefer_merged: None,
-            forward: Value::Null,
+            user: None,
+            forward: None,
             images: Vec::new(),
             parse: None,
+            unenforced: Vec::new(),
+            echo: None,
         };
         // No max_tokens asked: what the prompt leaves.
         assert_eq!(req(false, 256).fit_context(100, 128).unwrap(), 28);
