@@ -228,7 +228,9 @@ fn a_burst_for_an_evicted_adapter_reads_it_once() {
     }
 }
 
-/// A read from disk that fails fails every request waiting on it, with the reason; the next
+/// A read from disk that fails fails every request waiting on it, with the reason, as the
+/// server's failure (`adapter_load_failed`, 503: the client named a configured adapter whose
+/// files broke, nothing in its request is wrong; it was 422 `invalid_adapter`); the next
 /// request reads it again, and is served.
 #[cfg(target_os = "linux")]
 #[test]
@@ -248,11 +250,15 @@ fn a_failed_read_fails_its_waiters_and_the_next_request_retries() {
     slow.feed_bytes(b"{ not json");
     for rx in streams {
         match outcome(rx) {
-            Err(EngineError::InvalidAdapter { name, reason }) => {
+            Err(e @ EngineError::AdapterReadFailed { .. }) => {
+                assert_eq!(e.code(), "adapter_load_failed");
+                let EngineError::AdapterReadFailed { name, reason } = e else {
+                    unreachable!()
+                };
                 assert_eq!(name, "x");
                 assert!(!reason.is_empty());
             }
-            other => panic!("expected invalid_adapter with the reason, got {other:?}"),
+            other => panic!("expected adapter_load_failed with the reason, got {other:?}"),
         }
     }
     assert_eq!(

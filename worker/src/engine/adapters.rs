@@ -19,11 +19,12 @@ use crate::model::LoraAdapter;
 /// carries, or a classifier's scoring), queued once the adapter is pinned.
 pub(super) type Waiter = Box<Seq>;
 
-/// The error a request waiting for an adapter gets.
+/// The error a request waiting for an adapter gets. A failed read is the server's failure
+/// (the configured adapter's files broke), not the request's: 503, not `invalid_adapter`.
 fn missed(m: Missed) -> EngineError {
     match m {
         Missed::Unloaded(name) => EngineError::AdapterNotFound(name),
-        Missed::Failed { name, reason } => EngineError::InvalidAdapter { name, reason },
+        Missed::Failed { name, reason } => EngineError::AdapterReadFailed { name, reason },
     }
 }
 

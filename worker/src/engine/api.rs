@@ -36,6 +36,16 @@ pub enum EngineError {
         /// Why.
         reason: String,
     },
+    /// A configured adapter's read from disk for a request failed (its files changed under
+    /// it: a re-upload gone wrong, a volume gone): 503 `adapter_load_failed`. Nothing in the
+    /// request is wrong, so not `invalid_adapter`'s 422; the next request reads it again.
+    #[error("adapter {name} failed to load: {reason}")]
+    AdapterReadFailed {
+        /// Adapter name.
+        name: String,
+        /// Why.
+        reason: String,
+    },
     /// The request is invalid for this model (prompt too long, bad token id...): 400.
     #[error("invalid request: {0}")]
     InvalidRequest(String),
@@ -84,6 +94,7 @@ impl EngineError {
             EngineError::NotReady(_) => "not_ready",
             EngineError::AdapterNotFound(_) => "adapter_not_found",
             EngineError::InvalidAdapter { .. } => "invalid_adapter",
+            EngineError::AdapterReadFailed { .. } => "adapter_load_failed",
             EngineError::InvalidRequest(_) => "invalid_request",
             EngineError::ImagesNotSupported => "images_not_supported",
             EngineError::InvalidImage(_) => "invalid_image",

@@ -91,7 +91,9 @@ impl From<EngineError> for ApiError {
     fn from(e: EngineError) -> Self {
         let status = match &e {
             EngineError::Overloaded(_) => StatusCode::TOO_MANY_REQUESTS,
-            EngineError::NotReady(_) => StatusCode::SERVICE_UNAVAILABLE,
+            EngineError::NotReady(_) | EngineError::AdapterReadFailed { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             EngineError::AdapterNotFound(_) => StatusCode::NOT_FOUND,
             EngineError::InvalidAdapter { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             EngineError::InvalidRequest(_)
