@@ -530,6 +530,82 @@ async fn delete_runs_the_finalizer_and_ids_are_never_reused() {
     );
 }
 
+/// Issue 55 item 2: the pool's status has one writer. 300 Adapters applied at once, their
+/// reconciles running together with their pool's, as the controllers run them: every Adapter
+/// gets an id of its own, and the pool's status is written by the pool controller's one apply
+/// per reconcile, not once per Adapter (before: each Adapter's reconcile wrote the id ledger
+/// with a GET + PUT of the pool's status, 300 PUTs here; against a real API server, with the
+/// pool controller's applies in between, 851 conflicts).
+#[tokio::test]
+async fn adapters_applied_at_once_get_their_ids_from_one_pool_status_writer() {
+    const N: usize = 300;
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    e.reconcile_pool().await;
+    for i in 0..N {
+        let name = format!("a{i}");
+        e.store
+            .lock()
+            .unwrap()
+            .create(&adapter_path(&name), adapter_obj(&name, "vl", &name));
+    }
+    let status_path = format!("{POOL}/status");
+    let pool_status_writes = |e: &Env| -> Vec<String> {
+        let s = e.store.lock().unwrap();
+        s.writes
+            .iter()
+            .filter(|(_, p)| *p == status_path)
+            .map(|(m, _)| m.clone())
+            .collect()
+    };
+    let before = pool_status_writes(&e).len();
+    // Rounds as the controllers run them: every Adapter and the pool at once, from what the
+    // watches delivered before the round.
+    const ROUNDS: usize = 3;
+    for _ in 0..ROUNDS {
+        e.sync();
+        let adapters = futures::future::join_all(
+            (0..N).map(|i| adapter::reconcile(e.adapter(&format!("a{i}")).unwrap(), e.ctx.clone())),
+        );
+        let pool = pool::reconcile(e.pool(), e.ctx.clone());
+        let (adapters, pool) = futures::join!(adapters, pool);
+        pool.unwrap();
+        for a in adapters {
+            a.unwrap();
+        }
+    }
+    let writes = pool_status_writes(&e)[before..].to_vec();
+    let conflicts = e.store.lock().unwrap().conflicts;
+    let mut ids: Vec<u64> = (0..N)
+        .map(|i| {
+            let a = e.get(&adapter_path(&format!("a{i}"))).unwrap();
+            a["status"]["loraId"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("a{i} has no id: {}", a["status"]))
+        })
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), N, "ids are unique");
+    let ledger = &e.get(POOL).unwrap()["status"]["loraIds"];
+    assert_eq!(ledger.as_object().unwrap().len(), N, "{ledger}");
+    eprintln!(
+        "{N} Adapters at once: {} writes of the pool's status ({:?} PUT), {conflicts} conflicts",
+        writes.len(),
+        writes.iter().filter(|m| *m == "PUT").count()
+    );
+    assert!(
+        writes.iter().all(|m| m == "APPLY"),
+        "only the pool controller's apply writes the pool's status"
+    );
+    assert!(
+        writes.len() <= ROUNDS,
+        "at most one write of the pool's status per pool reconcile: {}",
+        writes.len()
+    );
+    assert_eq!(conflicts, 0);
+}
+
 const JOBS: &str = "/apis/batch/v1/namespaces/ml/jobs";
 
 fn cm_path(name: &str) -> String {

@@ -45,6 +45,8 @@ pub struct Store {
     pub requests: Vec<(String, String)>,
     /// Objects the API server sent back to GETs: 1 per object read, the items of each LIST.
     pub objects_read: usize,
+    /// Writes refused 409 because their resourceVersion precondition was stale.
+    pub conflicts: usize,
     /// Top-level status fields each field manager applied last, by object path.
     status_owners: BTreeMap<(String, String), Vec<String>>,
     rv: u64,
@@ -471,6 +473,7 @@ impl Store {
                     return status(404, "NotFound", "not found");
                 };
                 if body["metadata"]["resourceVersion"] != existing["metadata"]["resourceVersion"] {
+                    self.conflicts += 1;
                     return status(409, "Conflict", "the object has been modified");
                 }
                 self.writes.push(("PUT".into(), path.into()));
