@@ -141,13 +141,38 @@ impl Env {
             Arc::new(serde_json::from_value(snapshot[&adapter_path(name)].clone()).unwrap());
         adapter::reconcile(stale, self.ctx.clone()).await.unwrap();
     }
-    /// Two passes, as the controller would run them: the first adds the finalizer.
+    /// Two passes, as the controllers would run them: the first adds the finalizer (and, with
+    /// no id yet, waits for one); then, when the pool's id ledger does not hold what the
+    /// Adapter waits for (an id for a live one, a release for a deleted one), a reconcile of
+    /// the pool, which the Adapter's event triggers; then the second pass.
     async fn reconcile_adapter(&self, name: &str) {
-        for _ in 0..2 {
+        for pass in 0..2 {
+            if pass == 1 {
+                self.settle_ledger(name).await;
+            }
             if let Some(a) = self.adapter(name) {
                 self.sync();
                 adapter::reconcile(a, self.ctx.clone()).await.unwrap();
             }
+        }
+    }
+    /// A reconcile of `name`'s pool when its ledger does not yet hold what the Adapter waits
+    /// for (see [`Env::reconcile_adapter`]).
+    async fn settle_ledger(&self, name: &str) {
+        let Some(a) = self.get(&adapter_path(name)) else {
+            return;
+        };
+        let pool = format!(
+            "/apis/mole.dev/v1alpha1/namespaces/ml/inferencepools/{}",
+            a["spec"]["pool"].as_str().unwrap()
+        );
+        let Some(p) = self.get(&pool) else { return };
+        let listed = p["status"]["loraIds"].get(name).is_some();
+        let deleting = a["metadata"].get("deletionTimestamp").is_some();
+        if listed == deleting {
+            self.sync();
+            let p: Arc<InferencePool> = Arc::new(serde_json::from_value(p).unwrap());
+            pool::reconcile(p, self.ctx.clone()).await.unwrap();
         }
     }
     fn add_ready_pod(&self) {

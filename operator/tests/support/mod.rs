@@ -420,18 +420,45 @@ impl Store {
                 // Server-side apply: the applied fields win; for /status only the status.
                 self.writes.push(("APPLY".into(), path.into()));
                 let manager = query_param(query, "fieldManager").unwrap_or_default();
+                // A resourceVersion in the applied object is a precondition, as for a PUT.
+                if let (Some(rv), Some(existing)) = (
+                    body["metadata"]["resourceVersion"].as_str(),
+                    self.objects.get(&base),
+                ) {
+                    if existing["metadata"]["resourceVersion"].as_str() != Some(rv) {
+                        self.conflicts += 1;
+                        return status(409, "Conflict", "the object has been modified");
+                    }
+                }
                 let mut obj = match (self.objects.get(&base).cloned(), sub) {
                     (Some(mut existing), Some(_)) => {
                         let mut st = existing.get("status").cloned().unwrap_or(json!({}));
-                        // Fields this manager applied before and omits now are removed.
-                        let applied: Vec<String> = body["status"]
-                            .as_object()
-                            .map(|o| o.keys().cloned().collect())
-                            .unwrap_or_default();
+                        // Fields this manager applied before and omits now are removed: the
+                        // top-level ones, and the keys of an object it applies (a map such as
+                        // `loraIds`: an entry left out of the apply goes).
+                        let mut applied: Vec<String> = Vec::new();
+                        for (k, v) in body["status"].as_object().into_iter().flatten() {
+                            applied.push(k.clone());
+                            for sub in v.as_object().into_iter().flat_map(|o| o.keys()) {
+                                applied.push(format!("{k}/{sub}"));
+                            }
+                        }
                         let owner_key = (base.clone(), manager);
                         if let Some(prev) = self.status_owners.get(&owner_key) {
                             for k in prev.iter().filter(|k| !applied.contains(k)) {
-                                st.as_object_mut().unwrap().remove(k);
+                                let st = st.as_object_mut().unwrap();
+                                match k.split_once('/') {
+                                    None => {
+                                        st.remove(k);
+                                    }
+                                    Some((top, sub)) => {
+                                        if let Some(o) =
+                                            st.get_mut(top).and_then(Value::as_object_mut)
+                                        {
+                                            o.remove(sub);
+                                        }
+                                    }
+                                }
                             }
                         }
                         self.status_owners.insert(owner_key, applied);
