@@ -1543,6 +1543,11 @@ async fn transient_errors_publish_a_warning_event() {
         adapter_obj("calendar", "vl", "calendar"),
     );
     e.sync();
+    // The failing pool still gives the new Adapter its id (its failure's status write
+    // carries the ledger).
+    assert!(pool::reconcile(e.pool(), e.ctx.clone()).await.is_err());
+    assert_eq!(e.get(POOL).unwrap()["status"]["loraIds"]["calendar"], 1);
+    e.sync();
     // The first pass adds the finalizer and goes on serving from the object it wrote.
     assert!(
         adapter::reconcile(e.adapter("calendar").unwrap(), e.ctx.clone())
@@ -1553,6 +1558,7 @@ async fn transient_errors_publish_a_warning_event() {
         e.get(&adapter_path("calendar")).unwrap()["metadata"]["finalizers"],
         json!(["mole.dev/adapter-cleanup"])
     );
+    // The pool's second failure repeats its Event (a series, not a new one).
     assert_eq!(e.count_events("ReconcileError"), 2);
 }
 
@@ -2416,7 +2422,11 @@ async fn reconciles_cost_the_same_api_calls_with_5_or_500_adapters() {
         }
         e.reconcile_pool().await;
         e.add_ready_pod();
-        e.worker_reports(&[("a0", "v1", 1)]);
+        // The pool's reconcile gave every Adapter its id, the oldest first.
+        let id = e.get(POOL).unwrap()["status"]["loraIds"]["a0"]
+            .as_u64()
+            .unwrap();
+        e.worker_reports(&[("a0", "v1", id as u32)]);
         // Finalizer, registration: then a steady reconcile of each is measured.
         e.reconcile_adapter("a0").await;
         e.reconcile_pool().await;
@@ -2490,9 +2500,14 @@ async fn a_resync_of_500_adapters_on_8_pods_costs_calls_by_pods_and_changes() {
             .unwrap()
             .create(&format!("/api/v1/namespaces/ml/pods/vl-dynamic-{k}"), pod);
     }
-    // Every adapter loaded on every pod (the ids as the ledger hands them out, in order).
+    // Every adapter loaded on every pod, with the id the pool's reconcile gave it.
+    let ledger = e.get(POOL).unwrap()["status"]["loraIds"].clone();
     let reports: Vec<(String, &str, u32)> = (0..ADAPTERS)
-        .map(|i| (format!("a{i}"), "v1", i as u32 + 1))
+        .map(|i| {
+            let name = format!("a{i}");
+            let id = ledger[&name].as_u64().unwrap() as u32;
+            (name, "v1", id)
+        })
         .collect();
     let reports: Vec<(&str, &str, u32)> = reports
         .iter()
@@ -2906,6 +2921,11 @@ async fn changing_or_fixing_a_pool_revalidates_its_adapters() {
     };
     assert_eq!(mapped(&e), ["calendar"], "first sight of the pool");
     e.reconcile_adapter("calendar").await;
+    assert_eq!(
+        mapped(&e),
+        ["calendar"],
+        "its id given: the Adapter that waits for it is woken"
+    );
     e.reconcile_pool().await;
     assert_eq!(valid(&e), "True");
     assert!(listed(&e));

@@ -245,8 +245,12 @@ impl Store {
     pub fn create(&mut self, path: &str, mut obj: Value) {
         let name = obj["metadata"]["name"].as_str().unwrap().to_string();
         obj["metadata"]["uid"] = json!(format!("uid-{name}-{}", self.rv + 1));
-        obj["metadata"]["creationTimestamp"] =
-            json!(format!("2026-11-22T12:00:{:02}Z", self.rv % 60));
+        // One second apart, in the order created (the pool controller gives ids oldest first).
+        let created = chrono::DateTime::parse_from_rfc3339("2026-11-22T12:00:00Z").unwrap()
+            + chrono::Duration::seconds(self.rv as i64);
+        obj["metadata"]["creationTimestamp"] = json!(created
+            .with_timezone(&chrono::Utc)
+            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
         obj["metadata"]["generation"] = json!(1);
         self.bump(&mut obj);
         self.objects.insert(path.to_string(), obj);
