@@ -631,6 +631,107 @@ async fn adapters_applied_at_once_get_their_ids_from_one_pool_status_writer() {
     assert_eq!(conflicts, 0);
 }
 
+/// A deleted Adapter's finalizer waits until the pool controller has seen the deletion and
+/// taken its id out of the ledger; the Adapter controller writes nothing to the pool.
+#[tokio::test]
+async fn a_deleted_adapters_id_is_released_by_the_pool_controller_before_the_finalizer_goes() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    e.store.lock().unwrap().create(
+        &adapter_path("calendar"),
+        adapter_obj("calendar", "vl", "calendar"),
+    );
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.get(POOL).unwrap()["status"]["loraIds"]["calendar"], 1);
+    e.edit(&adapter_path("calendar"), |a| {
+        a["metadata"]["deletionTimestamp"] = json!("2026-11-22T12:30:00Z");
+    });
+    let status_writes = |e: &Env| {
+        let s = e.store.lock().unwrap();
+        s.writes
+            .iter()
+            .filter(|(_, p)| *p == format!("{POOL}/status"))
+            .count()
+    };
+    let before = status_writes(&e);
+    e.reconcile_adapter_once("calendar").await;
+    assert!(
+        e.get(&adapter_path("calendar")).is_some(),
+        "the finalizer waits for the release"
+    );
+    assert_eq!(e.get(POOL).unwrap()["status"]["loraIds"]["calendar"], 1);
+    assert_eq!(
+        status_writes(&e),
+        before,
+        "the Adapter controller wrote the pool"
+    );
+    // The pool's reconcile (the Adapter's change triggers it) releases the id ...
+    e.reconcile_pool().await;
+    let pool = e.get(POOL).unwrap();
+    assert!(
+        pool["status"]["loraIds"].get("calendar").is_none(),
+        "{pool}"
+    );
+    assert_eq!(pool["status"]["nextLoraId"], 2, "the number stays burnt");
+    // ... and the Adapter (woken by the ledger's change) goes.
+    e.reconcile_adapter_once("calendar").await;
+    assert!(e.get(&adapter_path("calendar")).is_none());
+}
+
+/// The pool controller settles the ledger from its own last write, not from a cache that has
+/// not seen it yet: a reconcile from a lagging cache gives no id twice. After a restart (no
+/// such record) the ledger is read from the status and written on the cached version only: a
+/// cache behind the API server conflicts instead of giving ids again, and a fresh one changes
+/// nothing.
+#[tokio::test]
+async fn ids_survive_a_restart_and_a_lagging_cache_never_gives_one_twice() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    for n in ["a", "b"] {
+        e.store
+            .lock()
+            .unwrap()
+            .create(&adapter_path(n), adapter_obj(n, "vl", n));
+    }
+    let before_ids = support::snapshot(&e.store);
+    e.reconcile_pool().await;
+    let ids = |e: &Env| e.get(POOL).unwrap()["status"]["loraIds"].clone();
+    assert_eq!(ids(&e), json!({"a": 1, "b": 2}));
+    e.store
+        .lock()
+        .unwrap()
+        .create(&adapter_path("c"), adapter_obj("c", "vl", "c"));
+    // The pool's watch lags: its cache still shows the status before the ids.
+    let mut lagging = support::snapshot(&e.store);
+    lagging.insert(POOL.to_string(), before_ids[POOL].clone());
+    let stale_pool = |ctx: &Arc<Context>| {
+        support::sync_stores_to(&lagging, &mut e.writers.lock().unwrap());
+        let p: Arc<InferencePool> =
+            Arc::new(serde_json::from_value(lagging[POOL].clone()).unwrap());
+        pool::reconcile(p, ctx.clone())
+    };
+    stale_pool(&e.ctx).await.unwrap();
+    assert_eq!(ids(&e), json!({"a": 1, "b": 2, "c": 3}));
+    // A restarted operator whose first look at the pool is that lagging cache.
+    let restarted = Arc::new(
+        Context::new(
+            support::client(e.store.clone()),
+            "test".into(),
+            Metrics::new(),
+            PodClient::new(e.worker.addr.port()),
+        )
+        .with_pod_freshness(std::time::Duration::ZERO)
+        .with_stores(e.stores.clone()),
+    );
+    let err = stale_pool(&restarted).await.unwrap_err();
+    assert_eq!(err.code(), "conflict", "{err}");
+    assert_eq!(ids(&e), json!({"a": 1, "b": 2, "c": 3}));
+    e.sync();
+    pool::reconcile(e.pool(), restarted.clone()).await.unwrap();
+    assert_eq!(ids(&e), json!({"a": 1, "b": 2, "c": 3}));
+    assert_eq!(e.get(POOL).unwrap()["status"]["nextLoraId"], 4);
+}
+
 const JOBS: &str = "/apis/batch/v1/namespaces/ml/jobs";
 
 fn cm_path(name: &str) -> String {
