@@ -91,6 +91,9 @@ pub mod reason {
     pub const LOAD_FAILED: &str = "AdapterLoadFailed";
     /// A lora id was allocated.
     pub const LORA_ID_ALLOCATED: &str = "LoraIdAllocated";
+    /// The pool controller has not given the adapter a lora id yet (it does in its next
+    /// reconcile of the pool).
+    pub const WAITING_FOR_LORA_ID: &str = "WaitingForLoraId";
     /// The pool's children are applied and its pods ready.
     pub const POOL_READY: &str = "PoolReady";
     /// The pool's pods are not all ready yet.

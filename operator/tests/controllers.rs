@@ -141,13 +141,38 @@ impl Env {
             Arc::new(serde_json::from_value(snapshot[&adapter_path(name)].clone()).unwrap());
         adapter::reconcile(stale, self.ctx.clone()).await.unwrap();
     }
-    /// Two passes, as the controller would run them: the first adds the finalizer.
+    /// Two passes, as the controllers would run them: the first adds the finalizer (and, with
+    /// no id yet, waits for one); then, when the pool's id ledger does not hold what the
+    /// Adapter waits for (an id for a live one, a release for a deleted one), a reconcile of
+    /// the pool, which the Adapter's event triggers; then the second pass.
     async fn reconcile_adapter(&self, name: &str) {
-        for _ in 0..2 {
+        for pass in 0..2 {
+            if pass == 1 {
+                self.settle_ledger(name).await;
+            }
             if let Some(a) = self.adapter(name) {
                 self.sync();
                 adapter::reconcile(a, self.ctx.clone()).await.unwrap();
             }
+        }
+    }
+    /// A reconcile of `name`'s pool when its ledger does not yet hold what the Adapter waits
+    /// for (see [`Env::reconcile_adapter`]).
+    async fn settle_ledger(&self, name: &str) {
+        let Some(a) = self.get(&adapter_path(name)) else {
+            return;
+        };
+        let pool = format!(
+            "/apis/mole.dev/v1alpha1/namespaces/ml/inferencepools/{}",
+            a["spec"]["pool"].as_str().unwrap()
+        );
+        let Some(p) = self.get(&pool) else { return };
+        let listed = p["status"]["loraIds"].get(name).is_some();
+        let deleting = a["metadata"].get("deletionTimestamp").is_some();
+        if listed == deleting {
+            self.sync();
+            let p: Arc<InferencePool> = Arc::new(serde_json::from_value(p).unwrap());
+            pool::reconcile(p, self.ctx.clone()).await.unwrap();
         }
     }
     fn add_ready_pod(&self) {
@@ -528,6 +553,183 @@ async fn delete_runs_the_finalizer_and_ids_are_never_reused() {
         e.get(&adapter_path("calendar")).unwrap()["status"]["loraId"],
         2
     );
+}
+
+/// Issue 55 item 2: the pool's status has one writer. 300 Adapters applied at once, their
+/// reconciles running together with their pool's, as the controllers run them: every Adapter
+/// gets an id of its own, and the pool's status is written by the pool controller's one apply
+/// per reconcile, not once per Adapter (before: each Adapter's reconcile wrote the id ledger
+/// with a GET + PUT of the pool's status, 300 PUTs here; against a real API server, with the
+/// pool controller's applies in between, 851 conflicts).
+#[tokio::test]
+async fn adapters_applied_at_once_get_their_ids_from_one_pool_status_writer() {
+    const N: usize = 300;
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    e.reconcile_pool().await;
+    for i in 0..N {
+        let name = format!("a{i}");
+        e.store
+            .lock()
+            .unwrap()
+            .create(&adapter_path(&name), adapter_obj(&name, "vl", &name));
+    }
+    let status_path = format!("{POOL}/status");
+    let pool_status_writes = |e: &Env| -> Vec<String> {
+        let s = e.store.lock().unwrap();
+        s.writes
+            .iter()
+            .filter(|(_, p)| *p == status_path)
+            .map(|(m, _)| m.clone())
+            .collect()
+    };
+    let before = pool_status_writes(&e).len();
+    // Rounds as the controllers run them: every Adapter and the pool at once, from what the
+    // watches delivered before the round.
+    const ROUNDS: usize = 3;
+    for _ in 0..ROUNDS {
+        e.sync();
+        let adapters = futures::future::join_all(
+            (0..N).map(|i| adapter::reconcile(e.adapter(&format!("a{i}")).unwrap(), e.ctx.clone())),
+        );
+        let pool = pool::reconcile(e.pool(), e.ctx.clone());
+        let (adapters, pool) = futures::join!(adapters, pool);
+        pool.unwrap();
+        for a in adapters {
+            a.unwrap();
+        }
+    }
+    let writes = pool_status_writes(&e)[before..].to_vec();
+    let conflicts = e.store.lock().unwrap().conflicts;
+    let mut ids: Vec<u64> = (0..N)
+        .map(|i| {
+            let a = e.get(&adapter_path(&format!("a{i}"))).unwrap();
+            a["status"]["loraId"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("a{i} has no id: {}", a["status"]))
+        })
+        .collect();
+    ids.sort_unstable();
+    ids.dedup();
+    assert_eq!(ids.len(), N, "ids are unique");
+    let ledger = &e.get(POOL).unwrap()["status"]["loraIds"];
+    assert_eq!(ledger.as_object().unwrap().len(), N, "{ledger}");
+    eprintln!(
+        "{N} Adapters at once: {} writes of the pool's status ({:?} PUT), {conflicts} conflicts",
+        writes.len(),
+        writes.iter().filter(|m| *m == "PUT").count()
+    );
+    assert!(
+        writes.iter().all(|m| m == "APPLY"),
+        "only the pool controller's apply writes the pool's status"
+    );
+    assert!(
+        writes.len() <= ROUNDS,
+        "at most one write of the pool's status per pool reconcile: {}",
+        writes.len()
+    );
+    assert_eq!(conflicts, 0);
+}
+
+/// A deleted Adapter's finalizer waits until the pool controller has seen the deletion and
+/// taken its id out of the ledger; the Adapter controller writes nothing to the pool.
+#[tokio::test]
+async fn a_deleted_adapters_id_is_released_by_the_pool_controller_before_the_finalizer_goes() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    e.store.lock().unwrap().create(
+        &adapter_path("calendar"),
+        adapter_obj("calendar", "vl", "calendar"),
+    );
+    e.reconcile_adapter("calendar").await;
+    assert_eq!(e.get(POOL).unwrap()["status"]["loraIds"]["calendar"], 1);
+    e.edit(&adapter_path("calendar"), |a| {
+        a["metadata"]["deletionTimestamp"] = json!("2026-11-22T12:30:00Z");
+    });
+    let status_writes = |e: &Env| {
+        let s = e.store.lock().unwrap();
+        s.writes
+            .iter()
+            .filter(|(_, p)| *p == format!("{POOL}/status"))
+            .count()
+    };
+    let before = status_writes(&e);
+    e.reconcile_adapter_once("calendar").await;
+    assert!(
+        e.get(&adapter_path("calendar")).is_some(),
+        "the finalizer waits for the release"
+    );
+    assert_eq!(e.get(POOL).unwrap()["status"]["loraIds"]["calendar"], 1);
+    assert_eq!(
+        status_writes(&e),
+        before,
+        "the Adapter controller wrote the pool"
+    );
+    // The pool's reconcile (the Adapter's change triggers it) releases the id ...
+    e.reconcile_pool().await;
+    let pool = e.get(POOL).unwrap();
+    assert!(
+        pool["status"]["loraIds"].get("calendar").is_none(),
+        "{pool}"
+    );
+    assert_eq!(pool["status"]["nextLoraId"], 2, "the number stays burnt");
+    // ... and the Adapter (woken by the ledger's change) goes.
+    e.reconcile_adapter_once("calendar").await;
+    assert!(e.get(&adapter_path("calendar")).is_none());
+}
+
+/// The pool controller settles the ledger from its own last write, not from a cache that has
+/// not seen it yet: a reconcile from a lagging cache gives no id twice. After a restart (no
+/// such record) the ledger is read from the status and written on the cached version only: a
+/// cache behind the API server conflicts instead of giving ids again, and a fresh one changes
+/// nothing.
+#[tokio::test]
+async fn ids_survive_a_restart_and_a_lagging_cache_never_gives_one_twice() {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    for n in ["a", "b"] {
+        e.store
+            .lock()
+            .unwrap()
+            .create(&adapter_path(n), adapter_obj(n, "vl", n));
+    }
+    let before_ids = support::snapshot(&e.store);
+    e.reconcile_pool().await;
+    let ids = |e: &Env| e.get(POOL).unwrap()["status"]["loraIds"].clone();
+    assert_eq!(ids(&e), json!({"a": 1, "b": 2}));
+    e.store
+        .lock()
+        .unwrap()
+        .create(&adapter_path("c"), adapter_obj("c", "vl", "c"));
+    // The pool's watch lags: its cache still shows the status before the ids.
+    let mut lagging = support::snapshot(&e.store);
+    lagging.insert(POOL.to_string(), before_ids[POOL].clone());
+    let stale_pool = |ctx: &Arc<Context>| {
+        support::sync_stores_to(&lagging, &mut e.writers.lock().unwrap());
+        let p: Arc<InferencePool> =
+            Arc::new(serde_json::from_value(lagging[POOL].clone()).unwrap());
+        pool::reconcile(p, ctx.clone())
+    };
+    stale_pool(&e.ctx).await.unwrap();
+    assert_eq!(ids(&e), json!({"a": 1, "b": 2, "c": 3}));
+    // A restarted operator whose first look at the pool is that lagging cache.
+    let restarted = Arc::new(
+        Context::new(
+            support::client(e.store.clone()),
+            "test".into(),
+            Metrics::new(),
+            PodClient::new(e.worker.addr.port()),
+        )
+        .with_pod_freshness(std::time::Duration::ZERO)
+        .with_stores(e.stores.clone()),
+    );
+    let err = stale_pool(&restarted).await.unwrap_err();
+    assert_eq!(err.code(), "conflict", "{err}");
+    assert_eq!(ids(&e), json!({"a": 1, "b": 2, "c": 3}));
+    e.sync();
+    pool::reconcile(e.pool(), restarted.clone()).await.unwrap();
+    assert_eq!(ids(&e), json!({"a": 1, "b": 2, "c": 3}));
+    assert_eq!(e.get(POOL).unwrap()["status"]["nextLoraId"], 4);
 }
 
 const JOBS: &str = "/apis/batch/v1/namespaces/ml/jobs";
@@ -1442,6 +1644,11 @@ async fn transient_errors_publish_a_warning_event() {
         adapter_obj("calendar", "vl", "calendar"),
     );
     e.sync();
+    // The failing pool still gives the new Adapter its id (its failure's status write
+    // carries the ledger).
+    assert!(pool::reconcile(e.pool(), e.ctx.clone()).await.is_err());
+    assert_eq!(e.get(POOL).unwrap()["status"]["loraIds"]["calendar"], 1);
+    e.sync();
     // The first pass adds the finalizer and goes on serving from the object it wrote.
     assert!(
         adapter::reconcile(e.adapter("calendar").unwrap(), e.ctx.clone())
@@ -1452,6 +1659,7 @@ async fn transient_errors_publish_a_warning_event() {
         e.get(&adapter_path("calendar")).unwrap()["metadata"]["finalizers"],
         json!(["mole.dev/adapter-cleanup"])
     );
+    // The pool's second failure repeats its Event (a series, not a new one).
     assert_eq!(e.count_events("ReconcileError"), 2);
 }
 
@@ -2315,7 +2523,11 @@ async fn reconciles_cost_the_same_api_calls_with_5_or_500_adapters() {
         }
         e.reconcile_pool().await;
         e.add_ready_pod();
-        e.worker_reports(&[("a0", "v1", 1)]);
+        // The pool's reconcile gave every Adapter its id, the oldest first.
+        let id = e.get(POOL).unwrap()["status"]["loraIds"]["a0"]
+            .as_u64()
+            .unwrap();
+        e.worker_reports(&[("a0", "v1", id as u32)]);
         // Finalizer, registration: then a steady reconcile of each is measured.
         e.reconcile_adapter("a0").await;
         e.reconcile_pool().await;
@@ -2389,9 +2601,14 @@ async fn a_resync_of_500_adapters_on_8_pods_costs_calls_by_pods_and_changes() {
             .unwrap()
             .create(&format!("/api/v1/namespaces/ml/pods/vl-dynamic-{k}"), pod);
     }
-    // Every adapter loaded on every pod (the ids as the ledger hands them out, in order).
+    // Every adapter loaded on every pod, with the id the pool's reconcile gave it.
+    let ledger = e.get(POOL).unwrap()["status"]["loraIds"].clone();
     let reports: Vec<(String, &str, u32)> = (0..ADAPTERS)
-        .map(|i| (format!("a{i}"), "v1", i as u32 + 1))
+        .map(|i| {
+            let name = format!("a{i}");
+            let id = ledger[&name].as_u64().unwrap() as u32;
+            (name, "v1", id)
+        })
         .collect();
     let reports: Vec<(&str, &str, u32)> = reports
         .iter()
@@ -2805,6 +3022,11 @@ async fn changing_or_fixing_a_pool_revalidates_its_adapters() {
     };
     assert_eq!(mapped(&e), ["calendar"], "first sight of the pool");
     e.reconcile_adapter("calendar").await;
+    assert_eq!(
+        mapped(&e),
+        ["calendar"],
+        "its id given: the Adapter that waits for it is woken"
+    );
     e.reconcile_pool().await;
     assert_eq!(valid(&e), "True");
     assert!(listed(&e));

@@ -270,8 +270,21 @@ const JOBS: &str = "/apis/batch/v1/namespaces/ml/jobs/";
 const CM: &str = "/api/v1/namespaces/ml/configmaps/vl-config";
 
 impl Env {
+    /// Two passes, as the controllers would run them, with the pool's reconcile in between
+    /// when its id ledger does not yet hold what the Adapter waits for (an id, or the release
+    /// of a deleted one): the pool controller is the ledger's one writer.
     async fn reconcile_adapter(&self) {
-        for _ in 0..2 {
+        for pass in 0..2 {
+            if pass == 1 {
+                let a = self.get(ADAPTER).unwrap();
+                let listed = self
+                    .get(POOL)
+                    .is_some_and(|p| p["status"]["loraIds"].get("calendar").is_some());
+                let deleting = a["metadata"].get("deletionTimestamp").is_some();
+                if self.get(POOL).is_some() && listed == deleting {
+                    self.reconcile_pool().await;
+                }
+            }
             let a: Adapter = serde_json::from_value(self.get(ADAPTER).unwrap()).unwrap();
             self.sync();
             adapter::reconcile(Arc::new(a), self.ctx.clone())

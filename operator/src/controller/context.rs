@@ -203,10 +203,13 @@ pub struct Context {
     pub fleet_decisions: Mutex<
         HashMap<String, std::collections::BTreeMap<String, super::adapter::traffic::Decided>>,
     >,
-    /// Per pool (`ns/pool`): held while an Adapter allocates or releases its id, so this
-    /// operator's own registrations queue instead of conflicting on the ledger's
-    /// resourceVersion (300 Adapters applied at once retried 851 times).
-    ledger_locks: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+    /// Per pool (`ns/pool`): the id ledger this operator last wrote to the pool's status, with
+    /// the pool's uid. The pool controller is the ledger's one writer and only the leader runs
+    /// it, so this record is newer than any status a cache holds: a reconcile started from a
+    /// pool object its watch has not refreshed since the last write would otherwise give the
+    /// same ids again. Lost on restart, when the first write starts from the cache under a
+    /// resourceVersion precondition (see `pool::status`).
+    ledgers: Mutex<HashMap<String, (String, super::ids::Ledger)>>,
 }
 
 /// Counts a reconcile as under way while it lives (`Context::reconciling`).
@@ -271,7 +274,7 @@ impl Context {
             in_flight: Arc::default(),
             pod_index: super::pod_index::PodIndex::default(),
             fleet_decisions: Mutex::default(),
-            ledger_locks: Mutex::default(),
+            ledgers: Mutex::default(),
             reloaded: Mutex::default(),
             reload_failures: Mutex::default(),
             reload_backoff: (RELOAD_BACKOFF_FIRST, RELOAD_BACKOFF_MAX),
@@ -294,14 +297,29 @@ impl Context {
         InFlight(self.in_flight.clone())
     }
 
-    /// The lock of pool `key`'s id ledger (see `ledger_locks`).
-    pub fn ledger_lock(&self, key: &str) -> Arc<tokio::sync::Mutex<()>> {
-        self.ledger_locks
+    /// The ledger last written to pool `key` (`ns/pool`) of uid `uid`, if this process wrote
+    /// it (see `ledgers`).
+    pub fn written_ledger(&self, key: &str, uid: &str) -> Option<super::ids::Ledger> {
+        self.ledgers
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .entry(key.to_string())
-            .or_default()
-            .clone()
+            .get(key)
+            .filter(|(u, _)| u == uid)
+            .map(|(_, l)| l.clone())
+    }
+
+    /// Records the ledger the API server accepted for pool `key` of uid `uid`; None forgets
+    /// it (a write whose outcome is unknown: the next one starts from the cache, guarded).
+    pub fn record_ledger(&self, key: &str, uid: &str, ledger: Option<super::ids::Ledger>) {
+        let mut all = self.ledgers.lock().unwrap_or_else(PoisonError::into_inner);
+        match ledger {
+            Some(l) => {
+                all.insert(key.to_string(), (uid.to_string(), l));
+            }
+            None => {
+                all.remove(key);
+            }
+        }
     }
 
     /// The same context with pool readings that serve for `freshness` (zero: every Adapter

@@ -18,7 +18,7 @@ pub mod validate;
 
 use std::sync::Arc;
 
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
 use k8s_openapi::api::batch::v1::Job;
@@ -84,17 +84,40 @@ pub async fn run(
     // A dynamic pod turning ready or going reconciles its pool at once, so the WorkerConfig's
     // `peers` (where the pods forward requests) follow the pods, not the next requeue.
     let dynamic_pods = watcher::Config::default().labels(&pool::dynamic_pods_selector());
-    // An Adapter change re-renders its pool's WorkerConfig.
+    // An Adapter appearing, changing or going reconciles its pool: the pool re-renders its
+    // WorkerConfig and, as its id ledger's one writer, gives the new Adapter its id or takes a
+    // deleted one's out. The trigger is sent from the Adapter store's own stream, after the
+    // store has the event: a second watch of Adapters could wake the pool before the store it
+    // reads holds the new Adapter, and that Adapter would wait for the pool's next requeue.
     let pool_of =
-        |a: Adapter| Some(ObjectRef::new(&a.spec.pool).within(&a.namespace().unwrap_or_default()));
+        |a: &Adapter| ObjectRef::new(&a.spec.pool).within(&a.namespace().unwrap_or_default());
     let (stores, writers) = Stores::new();
+    let (to_pools, pool_triggers) = futures::channel::mpsc::unbounded();
+    let (to_adapters, adapter_triggers) = futures::channel::mpsc::unbounded();
+    // A pool's new spec re-validates its Adapters, and a change of its id ledger wakes the
+    // Adapters whose entry changed (see `adapter::PoolTrigger`); sent from the pool store's
+    // stream for the same reason.
+    let trigger = adapter::PoolTrigger::default();
+    let adapter_store = stores.adapters.clone();
     let pool_stream = writers
         .pools
         .reflect(watcher(pools.clone(), watcher::Config::default()))
+        .inspect_ok(move |e| {
+            if let Some(p) = touched(e) {
+                for a in trigger.adapters(p, &adapter_store) {
+                    let _ = to_adapters.unbounded_send(a);
+                }
+            }
+        })
         .applied_objects();
     let adapter_stream = writers
         .adapters
         .reflect(watcher(adapters.clone(), watcher::Config::default()))
+        .inspect_ok(move |e| {
+            if let Some(a) = touched(e) {
+                let _ = to_pools.unbounded_send(pool_of(a));
+            }
+        })
         .applied_objects();
     let pool_ctl = Controller::for_stream(pool_stream, stores.pools.clone());
     let adapter_ctl = Controller::for_stream(adapter_stream, stores.adapters.clone());
@@ -105,7 +128,7 @@ pub async fn run(
         .owns(svcs, managed.clone())
         .owns(pdbs, managed.clone())
         .owns(hpas, managed.clone())
-        .watches(adapters.clone(), watcher::Config::default(), pool_of)
+        .reconcile_on(pool_triggers)
         .watches(pods, dynamic_pods, |p: Pod| pool::pool_of_pod(&p))
         .graceful_shutdown_on(shutdown.clone())
         .run(pool::reconcile, pool::error_policy, ctx.clone())
@@ -116,14 +139,10 @@ pub async fn run(
         });
     // Merge Jobs and merged Deployments are owned by their Adapter: a Job finishing or a
     // Deployment's pods becoming ready (or either being deleted) reconciles it at once.
-    // A pool's new spec re-validates its Adapters (see `adapter::PoolTrigger`).
-    let trigger = adapter::PoolTrigger::default();
-    let adapter_store = ctx.stores.adapters.clone();
-    let adapters_of_pool = move |p: InferencePool| trigger.adapters(&p, &adapter_store);
     let adapter_ctl = adapter_ctl
         .owns(jobs, managed.clone())
         .owns(deploys, managed)
-        .watches(pools, watcher::Config::default(), adapters_of_pool)
+        .reconcile_on(adapter_triggers)
         .graceful_shutdown_on(shutdown)
         .run(adapter::reconcile, adapter::error_policy, ctx)
         .for_each(|r| async move {
@@ -132,4 +151,14 @@ pub async fn run(
             }
         });
     futures::join!(pool_ctl, adapter_ctl);
+}
+
+/// The objects a watch event touches (applied or deleted; as `touched_objects` reads them).
+fn touched<K>(e: &watcher::Event<K>) -> Option<&K> {
+    match e {
+        watcher::Event::Apply(o) | watcher::Event::InitApply(o) | watcher::Event::Delete(o) => {
+            Some(o)
+        }
+        watcher::Event::Init | watcher::Event::InitDone => None,
+    }
 }

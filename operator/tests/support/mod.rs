@@ -45,6 +45,8 @@ pub struct Store {
     pub requests: Vec<(String, String)>,
     /// Objects the API server sent back to GETs: 1 per object read, the items of each LIST.
     pub objects_read: usize,
+    /// Writes refused 409 because their resourceVersion precondition was stale.
+    pub conflicts: usize,
     /// Top-level status fields each field manager applied last, by object path.
     status_owners: BTreeMap<(String, String), Vec<String>>,
     rv: u64,
@@ -243,8 +245,12 @@ impl Store {
     pub fn create(&mut self, path: &str, mut obj: Value) {
         let name = obj["metadata"]["name"].as_str().unwrap().to_string();
         obj["metadata"]["uid"] = json!(format!("uid-{name}-{}", self.rv + 1));
-        obj["metadata"]["creationTimestamp"] =
-            json!(format!("2026-11-22T12:00:{:02}Z", self.rv % 60));
+        // One second apart, in the order created (the pool controller gives ids oldest first).
+        let created = chrono::DateTime::parse_from_rfc3339("2026-11-22T12:00:00Z").unwrap()
+            + chrono::Duration::seconds(self.rv as i64);
+        obj["metadata"]["creationTimestamp"] = json!(created
+            .with_timezone(&chrono::Utc)
+            .to_rfc3339_opts(chrono::SecondsFormat::Secs, true));
         obj["metadata"]["generation"] = json!(1);
         self.bump(&mut obj);
         self.objects.insert(path.to_string(), obj);
@@ -418,18 +424,45 @@ impl Store {
                 // Server-side apply: the applied fields win; for /status only the status.
                 self.writes.push(("APPLY".into(), path.into()));
                 let manager = query_param(query, "fieldManager").unwrap_or_default();
+                // A resourceVersion in the applied object is a precondition, as for a PUT.
+                if let (Some(rv), Some(existing)) = (
+                    body["metadata"]["resourceVersion"].as_str(),
+                    self.objects.get(&base),
+                ) {
+                    if existing["metadata"]["resourceVersion"].as_str() != Some(rv) {
+                        self.conflicts += 1;
+                        return status(409, "Conflict", "the object has been modified");
+                    }
+                }
                 let mut obj = match (self.objects.get(&base).cloned(), sub) {
                     (Some(mut existing), Some(_)) => {
                         let mut st = existing.get("status").cloned().unwrap_or(json!({}));
-                        // Fields this manager applied before and omits now are removed.
-                        let applied: Vec<String> = body["status"]
-                            .as_object()
-                            .map(|o| o.keys().cloned().collect())
-                            .unwrap_or_default();
+                        // Fields this manager applied before and omits now are removed: the
+                        // top-level ones, and the keys of an object it applies (a map such as
+                        // `loraIds`: an entry left out of the apply goes).
+                        let mut applied: Vec<String> = Vec::new();
+                        for (k, v) in body["status"].as_object().into_iter().flatten() {
+                            applied.push(k.clone());
+                            for sub in v.as_object().into_iter().flat_map(|o| o.keys()) {
+                                applied.push(format!("{k}/{sub}"));
+                            }
+                        }
                         let owner_key = (base.clone(), manager);
                         if let Some(prev) = self.status_owners.get(&owner_key) {
                             for k in prev.iter().filter(|k| !applied.contains(k)) {
-                                st.as_object_mut().unwrap().remove(k);
+                                let st = st.as_object_mut().unwrap();
+                                match k.split_once('/') {
+                                    None => {
+                                        st.remove(k);
+                                    }
+                                    Some((top, sub)) => {
+                                        if let Some(o) =
+                                            st.get_mut(top).and_then(Value::as_object_mut)
+                                        {
+                                            o.remove(sub);
+                                        }
+                                    }
+                                }
                             }
                         }
                         self.status_owners.insert(owner_key, applied);
@@ -471,6 +504,7 @@ impl Store {
                     return status(404, "NotFound", "not found");
                 };
                 if body["metadata"]["resourceVersion"] != existing["metadata"]["resourceVersion"] {
+                    self.conflicts += 1;
                     return status(409, "Conflict", "the object has been modified");
                 }
                 self.writes.push(("PUT".into(), path.into()));

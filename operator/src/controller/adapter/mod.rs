@@ -1,12 +1,13 @@
 //! The Adapter controller: observe → validate → build → apply → status.
 //!
-//! It validates the adapter, allocates its LoRA id once in the pool's ledger, fetches its files
-//! when it has a `source.uri` (`fetch.rs`), and reports
+//! It validates the adapter, reads its LoRA id from the pool's ledger (the pool controller, the
+//! ledger's one writer, gives it; until then the adapter waits, `WaitingForLoraId`), fetches
+//! its files when it has a `source.uri` (`fetch.rs`), and reports
 //! `Ready` only when every ready dynamic pod of the pool says (over HTTP,
 //! `GET /v1/lora_adapters`) that it serves this adapter version, or, for a merged adapter,
-//! when its merged pods serve it (see `crate::mergedown`). A finalizer unregisters the
-//! adapter, asks the pods to unload it and has its merged outputs pruned before the object
-//! goes. When its pool is gone it removes the merged pods and Jobs it owns for that pool.
+//! when its merged pods serve it (see `crate::mergedown`). A finalizer waits until the pool
+//! controller has released its id, asks the pods to unload it and has its merged outputs
+//! pruned before the object goes. When its pool is gone it removes the merged pods and Jobs it owns for that pool.
 
 mod apply;
 mod build;
@@ -45,22 +46,30 @@ pub const RECHECK_OTHERS: Duration = Duration::from_secs(60);
 /// Maps a pool's watch events to its Adapters, so that a change of the pool's spec re-validates
 /// them: validation reads the pool (`serving.replicas` against its `rollout`, and what the pool
 /// names), and a refusal otherwise waits for a change of the Adapter, while the pool's
-/// WorkerConfig, validating with the new pool, would already load (or drop) it.
+/// WorkerConfig, validating with the new pool, would already load (or drop) it. It also wakes
+/// the Adapters whose entry in the pool's id ledger changed: one waiting for its id, and a
+/// deleted one whose finalizer waits for the release.
 ///
-/// Only a new generation of the pool (or its deletion starting) triggers, as controller-runtime's
-/// `GenerationChangedPredicate` does: the pool's status changes with every Adapter's readiness,
-/// and re-queueing every Adapter of the pool for each would make one Adapter's change cost a
-/// reconcile (and a round of pod requests) of all of them.
+/// Otherwise only a new generation of the pool (or its deletion starting) triggers, as
+/// controller-runtime's `GenerationChangedPredicate` does: the pool's status changes with every
+/// Adapter's readiness, and re-queueing every Adapter of the pool for each would make one
+/// Adapter's change cost a reconcile (and a round of pod requests) of all of them.
 #[derive(Default)]
 pub struct PoolTrigger {
-    /// The generation last seen of each pool (`ns/name`).
-    seen: Mutex<HashMap<String, Option<i64>>>,
+    /// The generation and id ledger last seen of each pool (`ns/name`).
+    seen: Mutex<HashMap<String, Seen>>,
+}
+
+/// What [`PoolTrigger`] last saw of a pool.
+struct Seen {
+    generation: Option<i64>,
+    ids: std::collections::BTreeMap<String, u32>,
 }
 
 impl PoolTrigger {
     /// The Adapters of `pool` (read from the Adapter controller's store) to reconcile for this
     /// event of it: all of them when its generation is new to this trigger or it is being
-    /// deleted, none otherwise.
+    /// deleted, those whose id entry changed otherwise.
     pub fn adapters(
         &self,
         pool: &InferencePool,
@@ -68,18 +77,42 @@ impl PoolTrigger {
     ) -> Vec<ObjectRef<Adapter>> {
         let ns = pool.namespace().unwrap_or_default();
         let name = pool.name_any();
-        let generation = pool.metadata.generation;
-        let changed = {
-            let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
-            seen.insert(format!("{ns}/{name}"), generation) != Some(generation)
+        let now = Seen {
+            generation: pool.metadata.generation,
+            ids: pool
+                .status
+                .as_ref()
+                .map(|s| s.lora_ids.clone())
+                .unwrap_or_default(),
         };
-        if !changed && pool.metadata.deletion_timestamp.is_none() {
+        let (all, moved): (bool, Vec<String>) = {
+            let mut seen = self.seen.lock().unwrap_or_else(PoisonError::into_inner);
+            let before = seen.remove(&format!("{ns}/{name}"));
+            let out = match &before {
+                Some(b) if b.generation == now.generation => {
+                    let keys: std::collections::BTreeSet<&String> =
+                        b.ids.keys().chain(now.ids.keys()).collect();
+                    let moved = keys
+                        .into_iter()
+                        .filter(|k| b.ids.get(*k) != now.ids.get(*k))
+                        .cloned()
+                        .collect();
+                    (false, moved)
+                }
+                _ => (true, Vec::new()),
+            };
+            seen.insert(format!("{ns}/{name}"), now);
+            out
+        };
+        let all = all || pool.metadata.deletion_timestamp.is_some();
+        if !all && moved.is_empty() {
             return Vec::new();
         }
         adapters
             .state()
             .iter()
             .filter(|a| a.metadata.namespace.as_deref() == Some(ns.as_str()) && a.spec.pool == name)
+            .filter(|a| all || moved.iter().any(|m| *m == a.name_any()))
             .map(|a| ObjectRef::from_obj(a.as_ref()))
             .collect()
     }
@@ -135,6 +168,11 @@ async fn finalize(adapter: &Arc<Adapter>, ctx: &Arc<Context>) -> Result<Action> 
             }
         }
         Step::Cleanup => {
+            // The pool controller releases the id once it sees the deletion; until then the
+            // name keeps its entry, and nothing else is undone twice meanwhile.
+            if ledger::still_listed(adapter, ctx).await? {
+                return Ok(Action::requeue(ledger::RECHECK_LEDGER));
+            }
             let action = cleanup(adapter, ctx).await?;
             finalizer::remove(&api, adapter.as_ref(), ADAPTER_FINALIZER).await?;
             Ok(action)
@@ -143,8 +181,9 @@ async fn finalize(adapter: &Arc<Adapter>, ctx: &Arc<Context>) -> Result<Action> 
     }
 }
 
-/// The pipeline of a live adapter. Registration in the pool's id ledger is written between
-/// validation and the pods' observation: the pods load only registered adapters.
+/// The pipeline of a live adapter. Its id in the pool's ledger is read between validation and
+/// the pods' observation: the pods load only adapters with an id, which the pool controller
+/// gives (one writer of the pool's status); until it has, the adapter waits.
 async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     let now = chrono::Utc::now();
     let (pool, siblings) = observe::pool_and_siblings(adapter, ctx).await?;
@@ -157,7 +196,10 @@ async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     }
     let pool = pool.expect("validated");
     let known_id = adapter.status.as_ref().and_then(|s| s.lora_id);
-    let lora_id = ledger::register(adapter, ctx, known_id).await?;
+    let Some(lora_id) = ledger::lora_id(adapter, &pool, ctx, known_id).await else {
+        status::waiting_for_id(adapter, ctx, now).await?;
+        return Ok(Action::requeue(ledger::RECHECK_LEDGER));
+    };
     // Files fetched from a `source.uri` first: the pods load the version only after that.
     if let Some(action) = fetch::ensure_fetched(adapter, &pool, ctx, lora_id, now).await? {
         return Ok(action);
@@ -233,14 +275,13 @@ async fn remove_pool_children(adapter: &Adapter, ctx: &Context) -> Result<()> {
     Ok(())
 }
 
-/// Unregisters a deleted adapter, asks the pool's pods to unload it and has its merged
-/// outputs pruned. Without the pool (or with the pool being deleted) nothing can be unloaded
+/// Once the pool controller has released its id (which took it out of the pool's
+/// WorkerConfig), asks the pool's pods to unload a deleted adapter and has its merged outputs
+/// pruned. Without the pool (or with the pool being deleted) nothing can be unloaded
 /// or pruned, and deletion goes on: it never waits for a pool that may not come back.
 async fn cleanup(adapter: &Adapter, ctx: &Context) -> Result<Action> {
     let ns = adapter.namespace().unwrap_or_default();
     let name = adapter.name_any();
-    // Leaving the ledger takes it out of the pool's WorkerConfig (and the id stays burnt).
-    ledger::unregister(adapter, ctx).await?;
     traffic::forget(ctx, adapter);
     let pools: Api<InferencePool> = Api::namespaced(ctx.client.clone(), &ns);
     let pool = pools

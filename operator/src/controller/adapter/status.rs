@@ -35,6 +35,38 @@ pub(super) fn accepted(adapter: &Adapter, lora_id: u32, now: DateTime<Utc>) -> A
     status
 }
 
+/// Records a valid adapter that waits for its pool's controller to give it a lora id: `Valid`
+/// true, `Ready` false (`WaitingForLoraId`), phase `Pending` unless a version served before.
+/// Written only when it changes the status.
+pub(super) async fn waiting_for_id(
+    adapter: &Adapter,
+    ctx: &Context,
+    now: DateTime<Utc>,
+) -> Result<()> {
+    let mut status = current(adapter);
+    let generation = adapter.metadata.generation;
+    mark_valid(&mut status.conditions, generation, now);
+    set_condition(
+        &mut status.conditions,
+        condition::READY,
+        false,
+        reason::WAITING_FOR_LORA_ID,
+        &format!(
+            "waiting for pool {} to give it a lora id (its controller gives ids in its next reconcile)",
+            adapter.spec.pool
+        ),
+        generation,
+        now,
+    );
+    if status.active_version.is_none() {
+        status.phase = AdapterPhase::Pending;
+    }
+    if status != adapter.status.clone().unwrap_or_default() {
+        write_status(adapter, ctx, &status).await?;
+    }
+    Ok(())
+}
+
 /// Records a refused spec: phase `Failed`, `Valid` and `Ready` false, and an Event when the
 /// refusal is new.
 pub(super) async fn refuse(

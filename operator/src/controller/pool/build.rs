@@ -7,6 +7,9 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::ResourceExt;
 use mole_crds::{Adapter, InferencePool};
 
+use std::collections::{BTreeMap, BTreeSet};
+
+use crate::controller::ids::{self, Ledger, Settled};
 use crate::controller::validate::validate_adapter;
 use crate::resources::{self, Registered, WorkerDefaults};
 
@@ -27,11 +30,14 @@ pub(super) struct Desired {
 }
 
 /// The adapters that belong in the pool's WorkerConfig: of this pool, not being deleted, valid,
-/// fetched when it has a `source.uri`, and holding an id in the pool's ledger (the Adapter
-/// controller allocates it).
-pub fn registered<'a>(pool: &InferencePool, adapters: &'a [Adapter]) -> Vec<Registered<'a>> {
+/// fetched when it has a `source.uri`, and holding an id in `ids` (the pool's ledger as
+/// written: see [`ids::Settled::served`]).
+pub fn registered<'a>(
+    pool: &InferencePool,
+    ids: &BTreeMap<String, u32>,
+    adapters: &'a [Adapter],
+) -> Vec<Registered<'a>> {
     let name = pool.name_any();
-    let ids = pool.status.as_ref().map(|s| &s.lora_ids);
     adapters
         .iter()
         .filter(|a| a.spec.pool == name && a.metadata.deletion_timestamp.is_none())
@@ -43,7 +49,7 @@ pub fn registered<'a>(pool: &InferencePool, adapters: &'a [Adapter]) -> Vec<Regi
             })
         })
         .filter_map(|a| {
-            let id = ids?.get(&a.name_any())?;
+            let id = ids.get(&a.name_any())?;
             Some(Registered {
                 adapter: a,
                 lora_id: *id,
@@ -52,17 +58,43 @@ pub fn registered<'a>(pool: &InferencePool, adapters: &'a [Adapter]) -> Vec<Regi
         .collect()
 }
 
-/// The pool's children, its WorkerConfig listing the registered ones of `adapters` (placed on
-/// `pods`, the dynamic pods, with `dynamic.placement`), its pods running `spec.image` or the default of `images` and listening on `port`.
+/// The pool's id ledger after this reconcile: `ledger` (as last written) settled against the
+/// pool's Adapters among `adapters` (every Adapter of the namespace). Every Adapter of the pool
+/// not being deleted keeps its id; a valid one without an id gets the next, the oldest first
+/// (then by name), so ids follow the order Adapters were created in; a deleted one (being
+/// deleted, or gone) leaves the ledger, which is what its finalizer waits for.
+pub(super) fn ledger(pool: &InferencePool, ledger: &Ledger, adapters: &[Adapter]) -> Settled {
+    let name = pool.name_any();
+    let mut mine: Vec<&Adapter> = adapters
+        .iter()
+        .filter(|a| a.spec.pool == name && a.metadata.deletion_timestamp.is_none())
+        .collect();
+    mine.sort_by_key(|a| (a.metadata.creation_timestamp.clone(), a.name_any()));
+    let names: Vec<String> = mine.iter().map(|a| a.name_any()).collect();
+    let live: BTreeSet<&str> = names.iter().map(String::as_str).collect();
+    // An invalid Adapter gets no id (it may never be served), as before it is fixed.
+    let wanting: Vec<&str> = mine
+        .iter()
+        .zip(&names)
+        .filter(|(a, _)| validate_adapter(a, Some(pool), adapters).is_ok())
+        .map(|(_, n)| n.as_str())
+        .collect();
+    ids::settle(ledger, &wanting, &live)
+}
+
+/// The pool's children, its WorkerConfig listing the registered ones of `adapters` with their
+/// ids in `ids` (placed on `pods`, the dynamic pods, with `dynamic.placement`), its pods
+/// running `spec.image` or the default of `images` and listening on `port`.
 pub(super) fn desired(
     pool: &InferencePool,
+    ids: &BTreeMap<String, u32>,
     adapters: &[Adapter],
     pods: &[String],
     peers: &std::collections::BTreeMap<String, String>,
     port: u16,
     images: &WorkerDefaults,
 ) -> Desired {
-    let reg = registered(pool, adapters);
+    let reg = registered(pool, ids, adapters);
     let mut config = resources::worker_config(&pool.name_any(), &pool.spec, &reg);
     // Placement by the traffic each adapter's status records (written at a bounded rate, so
     // the config does not churn with every reading).

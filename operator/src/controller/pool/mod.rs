@@ -2,7 +2,10 @@
 //!
 //! It owns `<pool>-config` (the WorkerConfig), `<pool>-dynamic` (Deployment + PDB) and the
 //! Service `<pool>`. Adapter changes rewrite only the ConfigMap (pods never restart for them)
-//! and each ready pod is told to reload.
+//! and each ready pod is told to reload. It is the one writer of the pool's status, the LoRA id
+//! ledger included: each reconcile gives ids to the pool's new Adapters and takes out those of
+//! deleted ones ([`build::ledger`]), in its one status apply; the Adapter controller reads its
+//! id from there.
 
 mod apply;
 mod build;
@@ -75,16 +78,24 @@ fn key(pool: &InferencePool) -> String {
 
 async fn reconcile_inner(pool: &InferencePool, ctx: &Context) -> Result<Action> {
     let now = chrono::Utc::now();
+    // The id ledger is settled on every path, a refused pool's included: its status write
+    // carries the ledger, and Adapters wait for their ids (and deleted ones for their release)
+    // whatever the state of the pool itself.
+    let (base, adapters) = observe::ledger(pool, ctx).await?;
+    let ids = status::Ids {
+        settled: build::ledger(pool, &base.ledger, &adapters),
+        guard: base.guard,
+    };
     if let Err(fe) = validate_pool(pool) {
-        status::refuse(pool, ctx, &fe, now).await?;
+        status::refuse(pool, ctx, &ids, &fe, now).await?;
         // Nothing already running is touched; wait for the spec to change.
         return Ok(Action::await_change());
     }
-    let result = serve(pool, ctx, now).await;
+    let result = serve(pool, ctx, &ids, now).await;
     if let Err(e) = &result {
-        // Conflicts are retried at once from a fresh read; anything else is the state now.
+        // Conflicts are retried from a fresh read; anything else is the state now.
         if !matches!(e, Error::Conflict(_) | Error::StoreClosed(_)) {
-            if let Err(write) = status::failed(pool, ctx, e, now).await {
+            if let Err(write) = status::failed(pool, ctx, &ids, e, now).await {
                 tracing::warn!(error = %write, "could not record the failure in the status");
             }
         }
@@ -96,11 +107,13 @@ async fn reconcile_inner(pool: &InferencePool, ctx: &Context) -> Result<Action> 
 async fn serve(
     pool: &InferencePool,
     ctx: &Context,
+    ids: &status::Ids,
     now: chrono::DateTime<chrono::Utc>,
 ) -> Result<Action> {
     let observed = observe::observe(pool, ctx).await?;
     let desired = build::desired(
         pool,
+        &ids.settled.served(),
         &observed.adapters,
         &observed.pods,
         &observed.peers(ctx.pods.port()),
@@ -108,8 +121,8 @@ async fn serve(
         &ctx.images,
     );
     let applied = apply::apply(pool, ctx, &observed, &desired).await?;
-    let report = status::report(pool, &observed, &applied, now);
-    status::publish(pool, ctx, &report).await?;
+    let report = status::report(pool, ids, &observed, &applied, now);
+    status::publish(pool, ctx, ids, &report).await?;
     Ok(status::requeue(
         &report,
         &applied.reload,

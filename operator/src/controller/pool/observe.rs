@@ -102,6 +102,40 @@ pub(super) fn fetch_seen(pods: &[Pod]) -> FetchSeen {
     }
 }
 
+/// The pool's id ledger as last written, and how far to trust it.
+pub(super) struct LedgerBase {
+    /// The ledger.
+    pub ledger: crate::controller::ids::Ledger,
+    /// The resourceVersion of the cached pool it was read from, when it was not this
+    /// operator's own last write (after a start, or a write whose outcome is unknown): the
+    /// status write is then made on that version only, so a cache behind a previous leader's
+    /// last write cannot give its ids again (see `status::Ids`).
+    pub guard: Option<String>,
+}
+
+/// The pool's ledger (this operator's last write, else the cached status) and every Adapter of
+/// its namespace, from the Adapter store.
+pub(super) async fn ledger(
+    pool: &InferencePool,
+    ctx: &Context,
+) -> Result<(LedgerBase, Vec<Adapter>)> {
+    ctx.stores.ready().await?;
+    let ns = pool.namespace().unwrap_or_default();
+    let key = format!("{ns}/{}", pool.name_any());
+    let uid = pool.metadata.uid.clone().unwrap_or_default();
+    let base = match ctx.written_ledger(&key, &uid) {
+        Some(ledger) => LedgerBase {
+            ledger,
+            guard: None,
+        },
+        None => LedgerBase {
+            ledger: crate::controller::ids::Ledger::of(pool.status.as_ref()),
+            guard: pool.metadata.resource_version.clone(),
+        },
+    };
+    Ok((base, ctx.stores.adapters_in(&ns)))
+}
+
 /// Reads the pool's adapters and the live children the pool controller writes or reports.
 pub(super) async fn observe(pool: &InferencePool, ctx: &Context) -> Result<Observed> {
     let ns = pool.namespace().unwrap_or_default();

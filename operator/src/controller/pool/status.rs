@@ -23,6 +23,20 @@ use crate::mergedown::set_condition;
 use crate::resources;
 
 const FM_STATUS: &str = "mole-operator/pool-status";
+/// Removes ids that earlier versions' Adapter controller wrote to the ledger (see
+/// [`drop_legacy_ids`]).
+const FM_LEDGER_LEGACY: &str = "mole-operator/pool-ledger-legacy";
+
+/// The pool's id ledger as this reconcile writes it with the status.
+pub(super) struct Ids {
+    /// The ledger settled against the pool's Adapters.
+    pub settled: crate::controller::ids::Settled,
+    /// The cached resourceVersion the ledger was read from when it was not this operator's
+    /// own last write: the status apply then carries it as a precondition, and a cache behind
+    /// the API server makes it fail with a conflict (retried from a fresher cache) instead of
+    /// giving ids twice.
+    pub guard: Option<String>,
+}
 /// How soon pods that have not accepted the current config are asked again.
 pub const RELOAD_RETRY: Duration = Duration::from_secs(5);
 /// How often a pool whose pods are all ready is looked at again.
@@ -82,10 +96,11 @@ pub fn merged_status(
     out
 }
 
-/// The pool's status so far, for this generation.
-fn current(pool: &InferencePool) -> InferencePoolStatus {
+/// The pool's status so far, for this generation, with this reconcile's id ledger.
+fn current(pool: &InferencePool, ids: &Ids) -> InferencePoolStatus {
     let mut status = pool.status.clone().unwrap_or_default();
     status.observed_generation = pool.metadata.generation;
+    ids.settled.ledger.write_into(&mut status);
     status
 }
 
@@ -94,13 +109,14 @@ fn current(pool: &InferencePool) -> InferencePoolStatus {
 pub(super) async fn refuse(
     pool: &InferencePool,
     ctx: &Context,
+    ids: &Ids,
     fe: &FieldError,
     now: DateTime<Utc>,
 ) -> Result<()> {
-    let mut status = current(pool);
+    let mut status = current(pool, ids);
     let changed = mark_invalid(&mut status.conditions, fe, pool.metadata.generation, now);
     status.phase = PoolPhase::Failed;
-    write_status(pool, ctx, &status).await?;
+    write_status(pool, ctx, ids, &status).await?;
     if changed {
         ctx.event(
             &pool.object_ref(&()),
@@ -120,16 +136,17 @@ pub(super) async fn refuse(
 pub(super) async fn failed(
     pool: &InferencePool,
     ctx: &Context,
+    ids: &Ids,
     e: &Error,
     now: DateTime<Utc>,
 ) -> Result<()> {
-    let mut status = current(pool);
+    let mut status = current(pool, ids);
     mark_failed(&mut status.conditions, e, pool.metadata.generation, now);
     if e.is_refusal() {
         status.phase = PoolPhase::Failed;
     }
     if status != pool.status.clone().unwrap_or_default() {
-        write_status(pool, ctx, &status).await?;
+        write_status(pool, ctx, ids, &status).await?;
     }
     Ok(())
 }
@@ -138,6 +155,7 @@ pub(super) async fn failed(
 /// readiness.
 pub(super) fn report(
     pool: &InferencePool,
+    ids: &Ids,
     obs: &Observed,
     applied: &Applied,
     now: DateTime<Utc>,
@@ -145,7 +163,7 @@ pub(super) fn report(
     let ns = pool.namespace().unwrap_or_default();
     let name = pool.name_any();
     let generation = pool.metadata.generation;
-    let mut status = current(pool);
+    let mut status = current(pool, ids);
     mark_valid(&mut status.conditions, generation, now);
     status.merged = merged_status(&ns, &name, &obs.merged);
     // With an autoscaler the count is whatever it set on the Deployment (its minimum until it
@@ -321,9 +339,14 @@ fn adapters_synced(
 }
 
 /// Writes the status when it changed and announces a change of readiness.
-pub(super) async fn publish(pool: &InferencePool, ctx: &Context, report: &Report) -> Result<()> {
+pub(super) async fn publish(
+    pool: &InferencePool,
+    ctx: &Context,
+    ids: &Ids,
+    report: &Report,
+) -> Result<()> {
     if report.status != pool.status.clone().unwrap_or_default() {
-        write_status(pool, ctx, &report.status).await?;
+        write_status(pool, ctx, ids, &report.status).await?;
     }
     if report.became {
         ctx.event(
@@ -361,30 +384,93 @@ pub(super) fn requeue(report: &Report, reload: &Reloads, config_hash: &str) -> A
     Action::requeue(reload.retry_in.map_or(recheck, |r| r.min(recheck)))
 }
 
-/// Writes the pool status with server-side apply (the lora id ledger is written separately,
-/// with optimistic concurrency, by the Adapter controller).
+/// Writes the pool status, id ledger included, with server-side apply: the pool controller is
+/// the status's one writer, so the apply needs no read and never conflicts with another writer
+/// (with a [`Ids::guard`] it is made on the cached version only). What the API server
+/// accepted becomes the ledger the next reconcile starts from; after a failed write, whose
+/// outcome is unknown, the next starts from the cache again, guarded.
 async fn write_status(
     pool: &InferencePool,
     ctx: &Context,
+    ids: &Ids,
     status: &InferencePoolStatus,
 ) -> Result<()> {
-    let pools: Api<InferencePool> =
-        Api::namespaced(ctx.client.clone(), &pool.namespace().unwrap_or_default());
-    let mut status = status.clone();
-    // The id ledger is owned by the adapter controller's guarded writes; this writer must
-    // never move it backwards.
-    status.lora_ids.clear();
-    status.next_lora_id = None;
-    let patch = serde_json::json!({
+    let ns = pool.namespace().unwrap_or_default();
+    let pools: Api<InferencePool> = Api::namespaced(ctx.client.clone(), &ns);
+    let key = format!("{ns}/{}", pool.name_any());
+    let uid = pool.metadata.uid.clone().unwrap_or_default();
+    let mut patch = serde_json::json!({
         "apiVersion": "mole.dev/v1alpha1",
         "kind": "InferencePool",
         "status": status,
     });
-    pools
+    if let Some(rv) = &ids.guard {
+        patch["metadata"] = serde_json::json!({ "resourceVersion": rv });
+    }
+    let written = pools
         .patch_status(
             &pool.name_any(),
             &PatchParams::apply(FM_STATUS).force(),
             &Patch::Apply(&patch),
+        )
+        .await;
+    let written = match written {
+        Ok(w) => w,
+        Err(e) => {
+            ctx.record_ledger(&key, &uid, None);
+            return Err(match e {
+                kube::Error::Api(ae) if ae.code == 409 => Error::Conflict(format!(
+                    "the id ledger of pool {key} (the cache was behind the API server)"
+                )),
+                e => e.into(),
+            });
+        }
+    };
+    ctx.record_ledger(&key, &uid, Some(ids.settled.ledger.clone()));
+    drop_legacy_ids(&pools, &written, &ids.settled.ledger).await
+}
+
+/// Earlier versions' Adapter controller wrote the ledger with PUTs, which left its entries
+/// co-owned by that writer: an apply that omits a released entry does not remove it then,
+/// and the deleted Adapter's finalizer would wait for the release forever. Such entries (in the
+/// status written but not in the ledger applied) are removed with a JSON patch, each tested for
+/// the id it had, once per pool upgraded.
+async fn drop_legacy_ids(
+    pools: &Api<InferencePool>,
+    written: &InferencePool,
+    ledger: &crate::controller::ids::Ledger,
+) -> Result<()> {
+    let Some(status) = &written.status else {
+        return Ok(());
+    };
+    let ops: Vec<serde_json::Value> = status
+        .lora_ids
+        .iter()
+        .filter(|(name, _)| !ledger.ids.contains_key(*name))
+        .flat_map(|(name, id)| {
+            // JSON pointer escaping of the map key (RFC 6901).
+            let path = format!(
+                "/status/loraIds/{}",
+                name.replace('~', "~0").replace('/', "~1")
+            );
+            [
+                serde_json::json!({"op": "test", "path": path, "value": id}),
+                serde_json::json!({"op": "remove", "path": path}),
+            ]
+        })
+        .collect();
+    if ops.is_empty() {
+        return Ok(());
+    }
+    let patch: json_patch::Patch = serde_json::from_value(serde_json::Value::Array(ops))?;
+    pools
+        .patch_status(
+            &written.name_any(),
+            &PatchParams {
+                field_manager: Some(FM_LEDGER_LEGACY.into()),
+                ..Default::default()
+            },
+            &Patch::<()>::Json(patch),
         )
         .await?;
     Ok(())
@@ -406,6 +492,14 @@ mod tests {
             .iter()
             .find(|c| c.type_ == type_)
             .unwrap()
+    }
+
+    /// No id ledger (what these tests do not look at).
+    fn no_ids() -> Ids {
+        Ids {
+            settled: Default::default(),
+            guard: None,
+        }
     }
 
     fn pool() -> InferencePool {
@@ -474,7 +568,7 @@ mod tests {
             reason: reason::PODS_FAILING,
             message: "vl-dynamic-1: Unschedulable: 0/4 nodes are available".into(),
         });
-        let r = report(&p, &obs, &applied(deployment(1)), now);
+        let r = report(&p, &no_ids(), &obs, &applied(deployment(1)), now);
         assert_eq!(
             ready(&r),
             (
@@ -486,7 +580,7 @@ mod tests {
         );
         assert_eq!(r.ready_reason, reason::PODS_FAILING);
         p.spec.dynamic.replicas = Some(0);
-        let r = report(&p, &observed(None), &applied(deployment(0)), now);
+        let r = report(&p, &no_ids(), &observed(None), &applied(deployment(0)), now);
         assert!(!r.all_ready);
         assert_eq!(ready(&r).1, reason::SCALED_TO_ZERO);
     }
@@ -495,7 +589,7 @@ mod tests {
     fn readiness_counts_the_dynamic_pods_and_the_pools_own_adapters() {
         let now = Utc.with_ymd_and_hms(2026, 11, 22, 12, 0, 0).unwrap();
         let p = pool();
-        let r = report(&p, &observed(None), &applied(deployment(1)), now);
+        let r = report(&p, &no_ids(), &observed(None), &applied(deployment(1)), now);
         assert_eq!(r.status.phase, PoolPhase::Progressing);
         assert!(!r.all_ready && r.became);
         assert_eq!(r.message, "1/2 dynamic pods ready");
@@ -507,7 +601,13 @@ mod tests {
         // The API server returned no status: the observed Deployment's counts.
         let mut bare = deployment(0);
         bare.status = None;
-        let r = report(&p, &observed(Some(deployment(2))), &applied(bare), now);
+        let r = report(
+            &p,
+            &no_ids(),
+            &observed(Some(deployment(2))),
+            &applied(bare),
+            now,
+        );
         assert_eq!(r.status.phase, PoolPhase::Ready);
         assert!(r.all_ready);
         assert_eq!(
@@ -617,7 +717,7 @@ mod tests {
             progress: Some(format!("fetch: {percent}% (1 of 65 GB)")),
         };
         obs.fetch = Some(seen("1.5"));
-        let r = report(&p, &obs, &applied(deployment(0)), now);
+        let r = report(&p, &no_ids(), &obs, &applied(deployment(0)), now);
         let message = |r: &Report| {
             let c = cond(r, "Fetched");
             (c.reason.clone(), c.message.clone())
@@ -633,7 +733,7 @@ mod tests {
         assert!(r.fetch_event.is_some());
         p.status = Some(r.status.clone());
         obs.fetch = Some(seen("40.0"));
-        let r = report(&p, &obs, &applied(deployment(0)), now);
+        let r = report(&p, &no_ids(), &obs, &applied(deployment(0)), now);
         assert!(message(&r).1.ends_with("fetch: 40.0% (1 of 65 GB)"));
         assert!(r.fetch_event.is_none(), "progress alone is no Event");
     }
@@ -650,7 +750,7 @@ mod tests {
             done: false,
             progress: None,
         });
-        let r = report(&p, &obs, &applied(deployment(0)), now);
+        let r = report(&p, &no_ids(), &obs, &applied(deployment(0)), now);
         let c = cond(&r, "Fetched");
         assert_eq!(
             (c.status.as_str(), c.reason.as_str()),
@@ -662,11 +762,17 @@ mod tests {
         assert_eq!(why, "FetchFailed");
         // Seen again: no new Event.
         p.status = Some(r.status.clone());
-        assert!(report(&p, &obs, &applied(deployment(0)), now)
+        assert!(report(&p, &no_ids(), &obs, &applied(deployment(0)), now)
             .fetch_event
             .is_none());
         // Without a fetched source there is no such condition.
-        let r = report(&pool(), &observed(None), &applied(deployment(0)), now);
+        let r = report(
+            &pool(),
+            &no_ids(),
+            &observed(None),
+            &applied(deployment(0)),
+            now,
+        );
         assert!(r.status.conditions.iter().all(|c| c.type_ != "Fetched"));
     }
 }
