@@ -12,6 +12,8 @@ MOLE_K8S_BIN=$(bash scripts/k8s-bins.sh)
 MOLE_HELM="$(bash scripts/tools.sh)/helm"
 export MOLE_K8S_BIN MOLE_HELM
 cargo build -q --release -p mole-operator --bin mole-operator -p mole-worker --bin mole-worker
-export MOLE_OPERATOR_BIN="${CARGO_TARGET_DIR:-target}/release/mole-operator"
-export MOLE_WORKER_BIN="${CARGO_TARGET_DIR:-target}/release/mole-worker"
+# Absolute: the test runs in its own package's directory.
+target=$(realpath "${CARGO_TARGET_DIR:-target}")
+export MOLE_OPERATOR_BIN="$target/release/mole-operator"
+export MOLE_WORKER_BIN="$target/release/mole-worker"
 cargo test -q -p mole-tests --test scale -- --ignored --nocapture

@@ -62,7 +62,20 @@ pub fn helm() -> PathBuf {
 /// running executable (`target/debug/` for a binary, its parent for a test in `deps/`).
 pub fn built_bin(env: &str, name: &str) -> Result<PathBuf> {
     if let Some(b) = std::env::var_os(env) {
-        return Ok(b.into());
+        // Made absolute and checked here: a path relative to another directory (tests run in
+        // their package's) would otherwise fail only in the spawned process, and the test
+        // would wait out its timeout for an operator that never started.
+        let p = PathBuf::from(&b);
+        return std::fs::canonicalize(&p)
+            .ok()
+            .filter(|p| p.is_file())
+            .with_context(|| {
+                format!(
+                    "{env}={} is not a file (from {:?})",
+                    p.display(),
+                    std::env::current_dir().ok()
+                )
+            });
     }
     let exe = std::env::current_exe()?;
     let mut dir = exe.parent().context("the executable's directory")?;

@@ -147,7 +147,8 @@ spec:
     let minute = w0.elapsed().as_secs_f64() / 60.0;
     let d = delta(&before, &after);
     let per_min = |f: &dyn Fn(&(String, String)) -> bool| {
-        d.iter().filter(|(k, _)| f(k)).map(|(_, v)| v).sum::<f64>() / minute
+        // `+ 0.0`: an empty f64 sum is -0.0, printed "-0.0".
+        (d.iter().filter(|(k, _)| f(k)).map(|(_, v)| v).sum::<f64>() + 0.0) / minute
     };
     let writes = |k: &(String, String)| {
         ["CREATE", "UPDATE", "PATCH", "APPLY", "DELETE"].contains(&k.0.as_str())
