@@ -16,7 +16,13 @@
 #
 #   bash scripts/bench-llama.sh [contender...]
 # contenders: llama-cache llama-nocache mole-gguf mole-gguf-lora mole-bf16 mole-bf16-kv32
-# (default: all but mole-bf16-kv32)
+# mole-bf16-before (default: all but the last two)
+# mole-bf16-before serves the bf16 import with another worker binary, MOLE_BEFORE_BIN (an
+# earlier commit's release build), so that a change's cost is measured side by side (issue
+# 52's preparation stage: `MOLE_BENCH_STREAMS=16 MOLE_BEFORE_BIN=... bash
+# scripts/bench-llama.sh mole-bf16 mole-bf16-before`). For every mole contender the run also
+# times /healthz while guidellm runs (the slowest probe) and a JSON-schema request sent with
+# a schema new to the server, then five times again (the grammar cache: bench_prepare.py).
 # env: MOLE_BENCH_REQUESTS (24), MOLE_BENCH_PROMPT (188), MOLE_BENCH_OUTPUT (64),
 #      MOLE_BENCH_STREAMS (1,4,16), MOLE_BENCH_THREADS (2: both servers' compute threads),
 #      MOLE_BIN (a worker binary already built; default: build the release one),
@@ -94,10 +100,13 @@ for c in "${contenders[@]}"; do
     llama-cache) LD_LIBRARY_PATH="$(dirname "$llama")" "${server_pin[@]}" "$llama" -m "$gguf" --port "$port" -np 16 -c 32768 -t "$threads" >"$out/$c.log" 2>&1 & ;;
     llama-nocache) LD_LIBRARY_PATH="$(dirname "$llama")" "${server_pin[@]}" "$llama" -m "$gguf" --port "$port" -np 16 -c 32768 -t "$threads" \
         --no-cache-prompt --cache-ram 0 >"$out/$c.log" 2>&1 & ;;
-    mole-gguf | mole-gguf-lora | mole-bf16 | mole-bf16-kv32)
-      cfg="$out/${c%-lora}.yaml"
+    mole-gguf | mole-gguf-lora | mole-bf16 | mole-bf16-kv32 | mole-bf16-before)
+      cfg="$out/${c%-lora}.yaml" run="$bin"
       [ "$c" = mole-gguf-lora ] && model=french
-      RAYON_NUM_THREADS="$threads" "${server_pin[@]}" "$bin" serve --config "$cfg" \
+      if [ "$c" = mole-bf16-before ]; then
+        cfg="$out/mole-bf16.yaml" run="${MOLE_BEFORE_BIN:?mole-bf16-before needs MOLE_BEFORE_BIN}"
+      fi
+      RAYON_NUM_THREADS="$threads" "${server_pin[@]}" "$run" serve --config "$cfg" \
         --listen "127.0.0.1:$port" >"$out/$c.log" 2>&1 & ;;
     *) echo "bench-llama: unknown contender $c" >&2; exit 2 ;;
   esac
@@ -111,6 +120,11 @@ for c in "${contenders[@]}"; do
   # One guidellm run per level: each run draws the same 24 prompts (the seed), so a level
   # resends the prompts of the level before it, as the issue's measurement did and as chat
   # clients resend a conversation; a server's prompt cache may serve them.
+  probe=""
+  if [[ "$c" == mole* ]]; then
+    "$venv/bin/python" scripts/bench_prepare.py probe "http://127.0.0.1:$port" >"$out/$c.healthz.json" &
+    probe=$!
+  fi
   for s in ${streams//,/ }; do
     # HF_HUB_OFFLINE: the tokenizer is the import's local directory; nothing is fetched.
     HF_HUB_OFFLINE=1 "${client_pin[@]}" "$venv/bin/guidellm" run \
@@ -123,6 +137,10 @@ for c in "${contenders[@]}"; do
       --output "kind=json,path=$out/$c-$s.json" --disable-progress >"$out/$c-$s.guidellm.txt" 2>&1 \
       || { tail -30 "$out/$c-$s.guidellm.txt"; exit 1; }
   done
+  if [ -n "$probe" ]; then
+    kill -INT "$probe" && wait "$probe" || true
+    "$venv/bin/python" scripts/bench_prepare.py schema "http://127.0.0.1:$port" "$model" >"$out/$c.schema.json"
+  fi
   stop
 done
 "$venv/bin/python" scripts/bench_llama_table.py "$out" "$output" "${contenders[@]}" | tee "$out/table.md"

@@ -20,6 +20,7 @@ NAMES = {
     "mole-gguf-lora": "mole, same GGUF + LoRA",
     "mole-bf16": "mole, bf16 import",
     "mole-bf16-kv32": "mole, bf16 import, f32 KV cache (kvCacheDtype: f32)",
+    "mole-bf16-before": "mole, bf16 import, MOLE_BEFORE_BIN's worker",
 }
 
 
@@ -79,6 +80,7 @@ def main():
             ttft, tps, _ = data[c].get(s, (float("nan"), float("nan"), 0))
             cells.append(f"{ttft:,.0f} ms / {tps:.1f}")
         print(f"| {NAMES.get(c, c)} | " + " | ".join(cells) + " |")
+    extras(out, contenders, data, levels)
     base = data.get("llama-cache")
     if base is None:
         return
@@ -94,6 +96,28 @@ def main():
             else:
                 cells.append("-")
         print(f"| {NAMES.get(c, c)} / llama.cpp (cache on) | " + " | ".join(cells) + " |")
+
+
+def extras(out, contenders, data, levels):
+    """bench_prepare.py's figures per mole contender, and this build over MOLE_BEFORE_BIN's."""
+    rows = []
+    for c in contenders:
+        h, sc = out / f"{c}.healthz.json", out / f"{c}.schema.json"
+        if h.exists() and sc.exists() and h.stat().st_size and sc.stat().st_size:
+            h, sc = json.loads(h.read_text()), json.loads(sc.read_text())
+            rows.append(f"| {NAMES.get(c, c)} | {h['max_ms']} ms ({h['over_100ms']} of {h['probes']} over 100 ms) "
+                        f"| {sc['first_ms']:.0f} ms | {sc['repeat_median_ms']:.0f} ms |")
+    if rows:
+        print("\n| contender | /healthz during the runs: slowest | a new JSON schema | the same again (median of 5) |")
+        print("|---|---|---|---|")
+        print("\n".join(rows))
+    if "mole-bf16" in data and "mole-bf16-before" in data:
+        new, old = data["mole-bf16"], data["mole-bf16-before"]
+        cells = [f"{new[s][1] / old[s][1]:.3f}x tok/s, {new[s][0] / old[s][0]:.3f}x TTFT"
+                 if s in new and s in old else "-" for s in levels]
+        print("\n| ratio | " + " | ".join(f"concurrency {s}" for s in levels) + " |")
+        print("|---|" + "---|" * len(levels))
+        print("| this build / MOLE_BEFORE_BIN's | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

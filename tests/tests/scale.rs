@@ -28,14 +28,32 @@ fn env_usize(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// A `/proc/<pid>/status` figure in kB (`VmRSS:`, `VmHWM:`).
+fn status_kb(pid: u32, key: &str) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix(key))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// The operator's memory limit in the chart's values (`resources.limits.memory`, in Mi): what
+/// it must live within at this scale, or the kubelet kills it.
+fn chart_memory_limit_mib() -> u64 {
+    let values = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../charts/mole/values.yaml"
+    ))
+    .unwrap();
+    let at = values.find("limits: {memory: ").unwrap() + "limits: {memory: ".len();
+    let mi = values[at..].split_once("Mi").unwrap().0;
+    mi.parse().unwrap()
+}
+
 /// Resident memory (kB) and CPU seconds (user + system) of process `pid`.
 fn usage(pid: u32) -> (u64, f64) {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
-    let rss = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0);
+    let rss = status_kb(pid, "VmRSS:");
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
     // Fields after the command's closing parenthesis: utime and stime are the 12th and 13th.
     let after = stat.rsplit_once(')').map_or("", |(_, r)| r);
@@ -197,6 +215,13 @@ spec:
     for ((verb, res), n) in top.iter().take(12) {
         println!("|   {verb} {res} | {:.0}/min |", *n / minute);
     }
+    let peak_mib = status_kb(pid, "VmHWM:") / 1024;
+    let limit = chart_memory_limit_mib();
+    println!("| operator peak resident memory | {peak_mib} MiB (the chart's limit: {limit} MiB) |");
+    assert!(
+        peak_mib < limit,
+        "the operator peaked at {peak_mib} MiB, over the chart's limit of {limit} MiB"
+    );
     assert_eq!(
         child_writes, 0.0,
         "children written in a steady minute: {d:?}"

@@ -101,7 +101,11 @@ pub async fn run(
     let adapter_store = stores.adapters.clone();
     let pool_stream = writers
         .pools
-        .reflect(watcher(pools.clone(), watcher::Config::default()))
+        .reflect(
+            watcher(pools.clone(), watcher::Config::default())
+                // Nothing reads a cached object's managedFields, which are most of its bytes.
+                .modify(|o| o.managed_fields_mut().clear()),
+        )
         .inspect_ok(move |e| {
             if let Some(p) = touched(e) {
                 for a in trigger.adapters(p, &adapter_store) {
@@ -112,7 +116,11 @@ pub async fn run(
         .applied_objects();
     let adapter_stream = writers
         .adapters
-        .reflect(watcher(adapters.clone(), watcher::Config::default()))
+        .reflect(
+            watcher(adapters.clone(), watcher::Config::default())
+                // Nothing reads a cached object's managedFields, which are most of its bytes.
+                .modify(|o| o.managed_fields_mut().clear()),
+        )
         .inspect_ok(move |e| {
             if let Some(a) = touched(e) {
                 let _ = to_pools.unbounded_send(pool_of(a));

@@ -5,6 +5,7 @@ use mole_crds::constants::reason;
 use mole_crds::{
     Adapter, InferencePool, InferencePoolSpec, ModelSource, RouterSpec, RouterStrategy, SecretRef,
 };
+use std::borrow::Borrow;
 
 use crate::error::FieldError;
 use crate::resources::{
@@ -487,7 +488,10 @@ fn validate_secret_ref(field: &str, r: Option<&SecretRef>) -> Result<(), FieldEr
 /// not be another adapter's. Checked in every serving mode: the operator looks the merged
 /// Deployment up by that name to remove it when an adapter is served dynamically, so a
 /// colliding dynamic adapter would find (and delete) the other object too.
-fn validate_merged_name(adapter: &Adapter, siblings: &[Adapter]) -> Result<(), FieldError> {
+fn validate_merged_name(
+    adapter: &Adapter,
+    siblings: &[impl Borrow<Adapter>],
+) -> Result<(), FieldError> {
     let name = adapter.metadata.name.as_deref().unwrap_or_default();
     let pool = adapter.spec.pool.as_str();
     let merged = merged_name(pool, name);
@@ -524,7 +528,7 @@ fn validate_merged_name(adapter: &Adapter, siblings: &[Adapter]) -> Result<(), F
     // Across pools, hyphens make names ambiguous (`a` + `b-c` = `a-b` + `c`): the older
     // adapter keeps the name.
     let me = created_key(adapter);
-    let holder = siblings.iter().filter(|o| {
+    let holder = siblings.iter().map(Borrow::<Adapter>::borrow).filter(|o| {
         o.metadata.name.as_deref() != Some(name)
             && o.metadata.deletion_timestamp.is_none()
             && merged_name(&o.spec.pool, o.metadata.name.as_deref().unwrap_or_default()) == merged
@@ -669,7 +673,7 @@ fn validate_canary(
 fn validate_source_path(
     adapter: &Adapter,
     pool: &InferencePool,
-    siblings: &[Adapter],
+    siblings: &[impl Borrow<Adapter>],
 ) -> Result<(), FieldError> {
     let spec = &adapter.spec;
     let path = &spec.source.path;
@@ -701,6 +705,7 @@ fn validate_source_path(
     let me = created_key(adapter);
     let holder = siblings
         .iter()
+        .map(Borrow::<Adapter>::borrow)
         .filter(|o| {
             o.spec.pool == spec.pool
                 && o.metadata.name != adapter.metadata.name
@@ -730,7 +735,7 @@ fn validate_source_path(
 pub fn validate_adapter(
     adapter: &Adapter,
     pool: Option<&InferencePool>,
-    siblings: &[Adapter],
+    siblings: &[impl Borrow<Adapter>],
 ) -> Result<(), FieldError> {
     let spec = &adapter.spec;
     if pool.is_none() {
@@ -837,7 +842,7 @@ pub fn validate_adapter(
             ));
         }
         let me = created_key(adapter);
-        let holder = siblings.iter().filter(|o| {
+        let holder = siblings.iter().map(Borrow::<Adapter>::borrow).filter(|o| {
             o.spec.pool == spec.pool
                 && o.spec.routing.label.as_deref() == Some(label.as_str())
                 && o.metadata.name != adapter.metadata.name

@@ -2,6 +2,8 @@
 //! adapter: every ready dynamic pod's report, the merge Job of the desired inputs and the
 //! merged Deployment.
 
+use std::sync::Arc;
+
 use chrono::{DateTime, Utc};
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
@@ -22,12 +24,12 @@ use crate::resources;
 pub(super) async fn pool_and_siblings(
     adapter: &Adapter,
     ctx: &Context,
-) -> Result<(Option<InferencePool>, Vec<Adapter>)> {
+) -> Result<(Option<InferencePool>, Vec<Arc<Adapter>>)> {
     ctx.stores.ready().await?;
     let ns = adapter.namespace().unwrap_or_default();
     Ok((
         ctx.stores.pool(&ns, &adapter.spec.pool),
-        ctx.stores.adapters_in(&ns),
+        ctx.stores.adapters_shared(&ns),
     ))
 }
 

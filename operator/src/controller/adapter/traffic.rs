@@ -8,6 +8,7 @@
 //! see the other's older state, so the budget can be passed by one promotion until the next
 //! round corrects it.
 
+use std::borrow::Borrow;
 use std::collections::BTreeMap;
 use std::sync::PoisonError;
 
@@ -169,7 +170,7 @@ pub(super) fn decide_recorded(
     ctx: &Context,
     adapter: &Adapter,
     pool: &InferencePool,
-    siblings: &[Adapter],
+    siblings: &[impl Borrow<Adapter>],
     rates: &Rates,
     now: DateTime<Utc>,
 ) -> Option<Decision> {
@@ -278,7 +279,7 @@ pub struct Decided {
 pub fn decide_for(
     adapter: &Adapter,
     pool: &InferencePool,
-    siblings: &[Adapter],
+    siblings: &[impl Borrow<Adapter>],
     decided: &BTreeMap<String, Decided>,
     rates: &Rates,
     now: DateTime<Utc>,
@@ -292,6 +293,7 @@ pub fn decide_for(
     let gpus = |a: &Adapter| (a.spec.serving.replicas.max(1) as u32) * per_gpu;
     let same_pool: Vec<&Adapter> = siblings
         .iter()
+        .map(Borrow::<Adapter>::borrow)
         .filter(|a| a.spec.pool == adapter.spec.pool && a.name_any() != name)
         .collect();
     let tokens = |a: &Adapter| {
