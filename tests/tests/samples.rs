@@ -256,7 +256,7 @@ fn the_invalid_sample_fails_for_its_stated_reason() {
     let (_, pool_v) = load("pool-qwen3-vl-8b.yaml");
     let pool: InferencePool = serde_json::from_value(pool_v).unwrap();
     let a: Adapter = serde_json::from_value(v).unwrap();
-    let err = validate_adapter(&a, Some(&pool), &[]).unwrap_err();
+    let err = validate_adapter(&a, Some(&pool), &[] as &[Adapter]).unwrap_err();
     assert_eq!(err.field, "spec.source.path");
     // The API server refuses it too: the CRD carries the same rule for that field.
     let schema = schema_of("Adapter").to_string();

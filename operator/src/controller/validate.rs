@@ -1315,7 +1315,10 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         }
         let mut a = adapter("calendar", None, 10);
         a.spec.source.uri = Some("s3://adapters/calendar/v1".into());
-        assert_eq!(validate_adapter(&a, Some(&pool()), &[]), Ok(()));
+        assert_eq!(
+            validate_adapter(&a, Some(&pool()), &[] as &[Adapter]),
+            Ok(())
+        );
     }
 
     #[test]
@@ -1337,10 +1340,13 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
             quant_type: mole_crds::QuantizeType::Q4K,
             max_drift: Some(0.05),
         });
-        assert_eq!(validate_adapter(&a, Some(&pool()), &[]), Ok(()));
+        assert_eq!(
+            validate_adapter(&a, Some(&pool()), &[] as &[Adapter]),
+            Ok(())
+        );
         let mut p = pool();
         p.spec.base_model.path = "base/model.Q4_1.gguf".into();
-        let e = validate_adapter(&a, Some(&p), &[]).unwrap_err();
+        let e = validate_adapter(&a, Some(&p), &[] as &[Adapter]).unwrap_err();
         assert_eq!(e.field, "spec.merge.quantize");
         assert!(e.message.contains("GGUF"), "{}", e.message);
     }
@@ -1349,8 +1355,8 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
     fn adapter_errors_name_the_field_and_reason() {
         let p = pool();
         let a = adapter("calendar", None, 10);
-        assert_eq!(validate_adapter(&a, Some(&p), &[]), Ok(()));
-        let e = validate_adapter(&a, None, &[]).unwrap_err();
+        assert_eq!(validate_adapter(&a, Some(&p), &[] as &[Adapter]), Ok(()));
+        let e = validate_adapter(&a, None, &[] as &[Adapter]).unwrap_err();
         assert_eq!(
             (e.reason, e.field.as_str()),
             (reason::POOL_NOT_FOUND, "spec.pool")
@@ -1410,7 +1416,10 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         for (mutate, want) in cases {
             let mut a = adapter("calendar", None, 10);
             mutate(&mut a);
-            assert_eq!(field(validate_adapter(&a, Some(&p), &[])), want);
+            assert_eq!(
+                field(validate_adapter(&a, Some(&p), &[] as &[Adapter])),
+                want
+            );
         }
     }
 
@@ -1429,7 +1438,7 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         let p = pool();
         let mut ok = adapter("calendar", None, 10);
         with_canary(&mut ok, |_| {});
-        assert_eq!(validate_adapter(&ok, Some(&p), &[]), Ok(()));
+        assert_eq!(validate_adapter(&ok, Some(&p), &[] as &[Adapter]), Ok(()));
         let analysis = ok.spec.canary.as_ref().unwrap().analysis.clone().unwrap();
         assert_eq!(
             (
@@ -1481,7 +1490,7 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         for (mutate, want) in cases {
             let mut a = adapter("calendar", None, 10);
             with_canary(&mut a, mutate);
-            let e = validate_adapter(&a, Some(&p), &[]).unwrap_err();
+            let e = validate_adapter(&a, Some(&p), &[] as &[Adapter]).unwrap_err();
             assert_eq!(
                 (e.reason, e.field.as_str()),
                 (reason::INVALID_SPEC, want),
@@ -1514,7 +1523,7 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         for mode in ["dynamic", "merged", "auto"] {
             let mut a = adapter("dynamic", None, 10);
             a.spec.serving.mode = serde_json::from_value(serde_json::json!(mode)).unwrap();
-            let e = validate_adapter(&a, Some(&p), &[]).unwrap_err();
+            let e = validate_adapter(&a, Some(&p), &[] as &[Adapter]).unwrap_err();
             assert_eq!(
                 (e.reason, e.field.as_str()),
                 (reason::INVALID_SPEC, "metadata.name"),
@@ -1524,8 +1533,13 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         }
         // `vl-` + 60 = 63 characters fit, 61 do not, and the message says the limit.
         let fits = adapter(&"a".repeat(60), None, 10);
-        assert_eq!(validate_adapter(&fits, Some(&p), &[]), Ok(()));
-        let e = validate_adapter(&adapter(&"a".repeat(61), None, 10), Some(&p), &[]).unwrap_err();
+        assert_eq!(validate_adapter(&fits, Some(&p), &[] as &[Adapter]), Ok(()));
+        let e = validate_adapter(
+            &adapter(&"a".repeat(61), None, 10),
+            Some(&p),
+            &[] as &[Adapter],
+        )
+        .unwrap_err();
         assert_eq!(e.field, "metadata.name");
         assert!(
             e.message.contains("64 characters") && e.message.contains("limit of 63"),
@@ -1533,7 +1547,8 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
             e.message
         );
         // A dotted adapter name is a valid object name but not a Service name.
-        let e = validate_adapter(&adapter("cal.v2", None, 10), Some(&p), &[]).unwrap_err();
+        let e = validate_adapter(&adapter("cal.v2", None, 10), Some(&p), &[] as &[Adapter])
+            .unwrap_err();
         assert_eq!(e.field, "metadata.name");
         // `vl` + `b-c` and `vl-b` + `c` share `vl-b-c`: the older adapter keeps it.
         let old = adapter("b-c", None, 10);
@@ -1594,12 +1609,12 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         let mut a = adapter("calendar", None, 10);
         a.spec.serving.replicas = 2;
         assert_eq!(
-            validate_adapter(&a, Some(&p), &[]),
+            validate_adapter(&a, Some(&p), &[] as &[Adapter]),
             Ok(()),
             "dynamic: no merged pods"
         );
         a.spec.serving.mode = mole_crds::ServingMode::Merged;
-        let e = validate_adapter(&a, Some(&p), &[]).unwrap_err();
+        let e = validate_adapter(&a, Some(&p), &[] as &[Adapter]).unwrap_err();
         assert_eq!(e.field, "spec.serving.replicas");
         assert!(
             e.message.contains("spec.rollout.maxUnavailable"),
@@ -1648,7 +1663,7 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
         let refused = |path: &str| -> Option<FieldError> {
             let mut a = adapter("calendar", None, 10);
             a.spec.source.path = path.into();
-            validate_adapter(&a, Some(&p), &[]).err()
+            validate_adapter(&a, Some(&p), &[] as &[Adapter]).err()
         };
         for ok in [
             "adapters/calendar/v1",
