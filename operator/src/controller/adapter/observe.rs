@@ -2,6 +2,7 @@
 //! adapter: every ready dynamic pod's report, the merge Job of the desired inputs and the
 //! merged Deployment.
 
+use std::borrow::Borrow;
 use std::sync::Arc;
 
 use chrono::{DateTime, Utc};
@@ -91,7 +92,9 @@ pub(super) async fn observe(
                 if r.data.iter().any(|a| a.name == name && a.loaded) {
                     holding.push(pod.name.clone());
                 }
-                reports.push(r.clone())
+                // Borrowed from the round's reading: each of a pool's Adapters reads every
+                // pod's whole listing, so copies would cost adapters² × pods.
+                reports.push(r)
             }
             Err(e) => unreachable.push(e.clone()),
         }
@@ -235,7 +238,7 @@ fn same_dir(reported: &str, source: &str) -> bool {
 /// is loaded anew; a pod still on the old one does not serve this spec; workers that report no
 /// path are taken at their word). Returns (ready, loaded count, first load error).
 pub fn loaded_everywhere(
-    reports: &[LoraAdaptersResponse],
+    reports: &[impl Borrow<LoraAdaptersResponse>],
     name: &str,
     version: &str,
     lora_id: u32,
@@ -243,6 +246,7 @@ pub fn loaded_everywhere(
 ) -> (bool, usize, Option<String>) {
     let loaded = reports
         .iter()
+        .map(Borrow::<LoraAdaptersResponse>::borrow)
         .filter(|r| {
             r.data.iter().any(|a| {
                 a.name == name
@@ -255,6 +259,7 @@ pub fn loaded_everywhere(
         .count();
     let error = reports
         .iter()
+        .map(Borrow::<LoraAdaptersResponse>::borrow)
         .flat_map(|r| r.data.iter())
         .find(|a| a.name == name && a.version == version && a.error.is_some())
         .and_then(|a| a.error.clone());
@@ -455,7 +460,14 @@ mod tests {
         let loading = vec![report(&[("cal", "v2", false)])];
         assert!(!loaded_everywhere(&loading, "cal", "v2", 1, "adapters/cal/v2").0);
         assert!(
-            !loaded_everywhere(&[], "cal", "v2", 1, "adapters/cal/v2").0,
+            !loaded_everywhere(
+                &[] as &[LoraAdaptersResponse],
+                "cal",
+                "v2",
+                1,
+                "adapters/cal/v2"
+            )
+            .0,
             "no pod, not ready"
         );
         // The same name and version under another id: an Adapter deleted before this one.
