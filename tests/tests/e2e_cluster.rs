@@ -975,14 +975,7 @@ async fn an_autoscaled_pool_leaves_its_replicas_to_the_hpa() {
         deploys.get_opt("vl-dynamic").await.ok().flatten()
     })
     .await;
-    let owns_replicas = |d: &Deployment| {
-        d.metadata.managed_fields.iter().flatten().any(|m| {
-            m.manager.as_deref() == Some("mole-operator/pool-deployment")
-                && m.fields_v1
-                    .as_ref()
-                    .is_some_and(|f| f.0["f:spec"].get("f:replicas").is_some())
-        })
-    };
+    let owns_replicas = mole_tests::stack::operator_owns_replicas;
     assert!(!owns_replicas(&d), "the operator applies no replicas");
     // `kubectl scale deployment vl-dynamic --replicas 2`.
     deploys
