@@ -288,6 +288,42 @@ pub fn operator_owns_replicas(d: &k8s_openapi::api::apps::v1::Deployment) -> boo
     })
 }
 
+/// InferencePool `name` of [`NS`] on CPU (`mole.dev/allow-cpu`): base model `base` of the
+/// model volume (`base/<base>`, f32), images never pulled (the node maps them), no GPU; `spec`
+/// is the rest of its spec (`dynamic` at least), YAML lines indented by two.
+pub fn cpu_pool(name: &str, base: &str, spec: &str) -> String {
+    format!(
+        r#"
+apiVersion: mole.dev/v1alpha1
+kind: InferencePool
+metadata: {{name: {name}, namespace: {NS}, annotations: {{mole.dev/allow-cpu: "true"}}}}
+spec:
+  baseModel: {{name: {base}, path: base/{base}, dtype: f32}}
+  storage: {{claimName: models}}
+  imagePullPolicy: Never
+  gpu: {{count: 0}}
+{spec}
+"#
+    )
+}
+
+/// Names of the merge Jobs of adapter `adapter` in `ns` (by their labels), sorted.
+pub async fn merge_jobs(client: &Client, ns: &str, adapter: &str) -> Result<Vec<String>> {
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(client.clone(), ns);
+    let lp = kube::api::ListParams::default().labels(&format!(
+        "mole.dev/adapter={adapter},app.kubernetes.io/component=merge"
+    ));
+    let mut names: Vec<String> = jobs
+        .list(&lp)
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|j| j.metadata.name)
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
 /// How the operator runs.
 #[derive(Debug, Clone)]
 pub enum OperatorMode {

@@ -385,18 +385,9 @@ async fn merge_serve_and_roll_back_on_a_real_cluster() {
     // Roll back: kubectl patch ... '{"spec":{"version":"v1","source":{"path":"adapters/calendar/v1"}}}'
     let jobs: Api<Job> = Api::namespaced(client.clone(), &ns);
     let merge_jobs = || async {
-        let lp = ListParams::default()
-            .labels("mole.dev/adapter=calendar,app.kubernetes.io/component=merge");
-        let mut names: Vec<String> = jobs
-            .list(&lp)
+        mole_tests::stack::merge_jobs(&client, &ns, "calendar")
             .await
             .unwrap()
-            .items
-            .into_iter()
-            .filter_map(|j| j.metadata.name)
-            .collect();
-        names.sort();
-        names
     };
     let before = merge_jobs().await;
     kubectl_patch(

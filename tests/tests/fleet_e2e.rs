@@ -76,20 +76,7 @@ impl Env {
 
     /// Names of the merge Jobs of adapter `name`, sorted.
     async fn merge_jobs(&self, name: &str) -> Vec<String> {
-        let jobs: Api<Job> = Api::namespaced(self.admin.clone(), NS);
-        let lp = ListParams::default().labels(&format!(
-            "mole.dev/adapter={name},app.kubernetes.io/component=merge"
-        ));
-        let mut names: Vec<String> = jobs
-            .list(&lp)
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .filter_map(|j| j.metadata.name)
-            .collect();
-        names.sort();
-        names
+        stack::merge_jobs(&self.admin, NS, name).await.unwrap()
     }
 
     /// Waits until `name` is Ready, served by merged pods, on `version`.
@@ -317,19 +304,10 @@ fn served(v: &serde_json::Value) -> (&str, &str) {
 
 /// The tiny llama pool on CPU, one dynamic pod; `merge` is its `spec.merge` (YAML flow).
 fn tiny_pool(merge: &str) -> String {
-    format!(
-        r#"
-apiVersion: mole.dev/v1alpha1
-kind: InferencePool
-metadata: {{name: tiny, namespace: {NS}, annotations: {{mole.dev/allow-cpu: "true"}}}}
-spec:
-  baseModel: {{name: llama, path: base/llama, dtype: f32}}
-  storage: {{claimName: models}}
-  imagePullPolicy: Never
-  gpu: {{count: 0}}
-  dynamic: {{replicas: 1}}
-  merge: {merge}
-"#
+    stack::cpu_pool(
+        "tiny",
+        "llama",
+        &format!("  dynamic: {{replicas: 1}}\n  merge: {merge}"),
     )
 }
 
@@ -803,18 +781,13 @@ async fn an_auto_adapter_is_promoted_under_traffic_with_no_failed_request() {
 
 /// The SmolLM2 pool on CPU (`base/smollm2-135m-instruct`, f32), one dynamic pod, merge Jobs
 /// limited to a tenth of a core.
-const SMOL_POOL: &str = r#"
-apiVersion: mole.dev/v1alpha1
-kind: InferencePool
-metadata: {name: smol, namespace: ml, annotations: {mole.dev/allow-cpu: "true"}}
-spec:
-  baseModel: {name: smollm2-135m-instruct, path: base/smollm2-135m-instruct, dtype: f32}
-  storage: {claimName: models}
-  imagePullPolicy: Never
-  gpu: {count: 0}
-  dynamic: {replicas: 1}
-  merge: {resources: {limits: {cpu: 100m}}}
-"#;
+fn smol_pool() -> String {
+    stack::cpu_pool(
+        "smol",
+        stack::SMOLLM2,
+        "  dynamic: {replicas: 1}\n  merge: {resources: {limits: {cpu: 100m}}}",
+    )
+}
 
 /// An operator restarted while a merge Job really runs: SmolLM2-135M (the real model, 538 MB
 /// of f32 weights) merged with the demo `french` adapter by a Job limited to `100m` of CPU (the
@@ -832,7 +805,7 @@ async fn an_operator_restarted_mid_merge_makes_no_second_job_and_the_merge_compl
         Fixture::SmolLm2,
     )
     .await;
-    e.apply(SMOL_POOL);
+    e.apply(&smol_pool());
     e.apply(&format!(
         r#"
 apiVersion: mole.dev/v1alpha1

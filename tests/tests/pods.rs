@@ -14,7 +14,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, ContainerStateTerminated, Pod};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Api, Client};
 use mole_tests::cluster::{wait_for, ControlPlane, Parts};
@@ -92,6 +92,35 @@ async fn pods(client: &Client, selector: &str) -> Vec<Pod> {
         .await
         .unwrap()
         .items
+}
+
+fn phase(p: &Pod) -> Option<&str> {
+    p.status.as_ref()?.phase.as_deref()
+}
+
+/// How the pod's first container last ended.
+fn exit(p: &Pod) -> ContainerStateTerminated {
+    p.status
+        .as_ref()
+        .unwrap()
+        .container_statuses
+        .as_ref()
+        .unwrap()[0]
+        .state
+        .clone()
+        .unwrap()
+        .terminated
+        .unwrap()
+}
+
+/// `kubectl ARGS` running, its stdout piped (for `logs -f`, which runs until stopped).
+fn kubectl_stdout(cp: &ControlPlane, args: &[&str]) -> std::process::Child {
+    Command::new(cp.bins().join("kubectl"))
+        .env("KUBECONFIG", &cp.kubeconfig)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
 }
 
 fn ready(p: &Pod) -> bool {
@@ -337,60 +366,35 @@ spec:
             wait_for(Duration::from_secs(60), name, || async {
                 let ps = pods(&client, &format!("job-name={name}")).await;
                 let p = ps.into_iter().next()?;
-                let st = p.status.clone()?;
-                matches!(st.phase.as_deref(), Some("Succeeded" | "Failed")).then_some(p)
+                matches!(phase(&p), Some("Succeeded" | "Failed")).then_some(p)
             })
             .await
             .unwrap()
         }
     };
     let ok = terminated("ok").await;
-    let st = ok.status.unwrap();
-    assert_eq!(st.phase.as_deref(), Some("Succeeded"));
-    let t = st.container_statuses.unwrap()[0]
-        .state
-        .clone()
-        .unwrap()
-        .terminated
-        .unwrap();
+    assert_eq!(phase(&ok), Some("Succeeded"));
+    let t = exit(&ok);
     assert_eq!((t.exit_code, t.reason.as_deref()), (0, Some("Completed")));
     let bad = terminated("bad").await;
-    let st = bad.status.unwrap();
-    assert_eq!(st.phase.as_deref(), Some("Failed"));
-    let t = st.container_statuses.unwrap()[0]
-        .state
-        .clone()
-        .unwrap()
-        .terminated
-        .unwrap();
+    assert_eq!(phase(&bad), Some("Failed"));
+    let t = exit(&bad);
     assert_eq!(t.exit_code, 3);
     assert_eq!(t.reason.as_deref(), Some("Error"));
     assert_eq!(t.message.as_deref(), Some("the disk is full\n"));
-    let fb = terminated("fallback").await;
-    let t = fb.status.unwrap().container_statuses.unwrap()[0]
-        .state
-        .clone()
-        .unwrap()
-        .terminated
-        .unwrap();
+    let t = exit(&terminated("fallback").await);
     assert_eq!(t.exit_code, 2);
     assert_eq!(
         t.message.as_deref(),
         Some("first\nerror: model_does_not_fit: 9 GiB > 8 GiB\n")
     );
     let rw = terminated("rw").await;
-    assert_eq!(rw.status.unwrap().phase.as_deref(), Some("Succeeded"));
+    assert_eq!(phase(&rw), Some("Succeeded"));
     assert!(
         !Path::new(&marker).exists(),
         "a container wrote {marker} on the host"
     );
-    let ro = terminated("ro").await;
-    let t = ro.status.unwrap().container_statuses.unwrap()[0]
-        .state
-        .clone()
-        .unwrap()
-        .terminated
-        .unwrap();
+    let t = exit(&terminated("ro").await);
     assert_ne!(t.exit_code, 0);
     assert!(
         t.message
@@ -492,12 +496,7 @@ spec:
     .unwrap_or_else(|err| panic!("{err}: {:?}", last_line()));
     eprintln!("the change reached the container in {:?}", t.elapsed());
     // `kubectl logs -f` streams until stopped: read a few lines, then stop it.
-    let mut child = Command::new(e.cp.bins().join("kubectl"))
-        .env("KUBECONFIG", &e.cp.kubeconfig)
-        .args(["logs", "-f", "-n", "t", "reader", "--tail=0"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = kubectl_stdout(&e.cp, &["logs", "-f", "-n", "t", "reader", "--tail=0"]);
     let stdout = child.stdout.take().unwrap();
     let lines = tokio::task::spawn_blocking(move || {
         use std::io::BufRead as _;
@@ -551,11 +550,7 @@ spec:
     let api: Api<Pod> = Api::namespaced(e.client.clone(), "t");
     wait_for(Duration::from_secs(60), "both pods running", || async {
         let ps = pods(&e.client, "").await;
-        (ps.len() == 2
-            && ps
-                .iter()
-                .all(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")))
-        .then_some(())
+        (ps.len() == 2 && ps.iter().all(|p| phase(p) == Some("Running"))).then_some(())
     })
     .await
     .unwrap();
@@ -564,35 +559,26 @@ spec:
     let ns_before = namespaces(e.kubelet.bridge_name());
     assert_eq!(ns_before.len(), 2, "{ns_before:?}");
     // Read the polite one's log through a follow that outlives its container.
-    let follow = Command::new(e.cp.bins().join("kubectl"))
-        .env("KUBECONFIG", &e.cp.kubeconfig)
-        .args(["logs", "-f", "-n", "t", "polite"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let follow = kubectl_stdout(&e.cp, &["logs", "-f", "-n", "t", "polite"]);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let t = Instant::now();
-    api.delete("polite", &DeleteParams::default())
-        .await
-        .unwrap();
-    wait_for(Duration::from_secs(20), "polite gone", || async {
-        api.get_opt("polite").await.ok()?.is_none().then_some(())
-    })
-    .await
-    .unwrap();
-    let polite_took = t.elapsed();
+    // How long a delete takes until the object is gone.
+    let delete = |name: &'static str| {
+        let api = api.clone();
+        async move {
+            let t = Instant::now();
+            api.delete(name, &DeleteParams::default()).await.unwrap();
+            wait_for(Duration::from_secs(20), &format!("{name} gone"), || async {
+                api.get_opt(name).await.ok()?.is_none().then_some(())
+            })
+            .await
+            .unwrap();
+            t.elapsed()
+        }
+    };
+    let polite_took = delete("polite").await;
     let out = follow.wait_with_output().unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "up\ngot TERM\n");
-    let t = Instant::now();
-    api.delete("stubborn", &DeleteParams::default())
-        .await
-        .unwrap();
-    wait_for(Duration::from_secs(20), "stubborn gone", || async {
-        api.get_opt("stubborn").await.ok()?.is_none().then_some(())
-    })
-    .await
-    .unwrap();
-    let stubborn_took = t.elapsed();
+    let stubborn_took = delete("stubborn").await;
     eprintln!("polite gone in {polite_took:?}, stubborn in {stubborn_took:?}");
     assert!(polite_took < Duration::from_secs(3), "{polite_took:?}");
     assert!(
@@ -831,7 +817,7 @@ spec:
     let api: Api<Pod> = Api::namespaced(e.client.clone(), "t");
     wait_for(Duration::from_secs(60), "sleeper running", || async {
         let p = api.get("sleeper").await.ok()?;
-        (p.status?.phase.as_deref() == Some("Running")).then_some(())
+        (phase(&p) == Some("Running")).then_some(())
     })
     .await
     .unwrap();
@@ -906,17 +892,9 @@ async fn mole(name: &'static str) -> Mole {
 }
 
 /// The tiny llama pool on CPU, one dynamic pod (as scripts/kind-e2e.sh's pools).
-const TINY_POOL: &str = r#"
-apiVersion: mole.dev/v1alpha1
-kind: InferencePool
-metadata: {name: tiny, namespace: ml, annotations: {mole.dev/allow-cpu: "true"}}
-spec:
-  baseModel: {name: llama, path: base/llama, dtype: f32}
-  storage: {claimName: models}
-  imagePullPolicy: Never
-  gpu: {count: 0}
-  dynamic: {replicas: 1}
-"#;
+fn tiny_pool() -> String {
+    stack::cpu_pool("tiny", "llama", "  dynamic: {replicas: 1}")
+}
 
 /// Issue 58, item 3, first case: `kubectl apply` of a dynamic pool on the tiny llama fixture
 /// and of an Adapter; the operator makes the pool's objects, the kubelet runs the worker pod
@@ -927,7 +905,7 @@ spec:
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_dynamic_pool_serves_an_adapter_through_its_service() {
     let m = mole("a_dynamic_pool_serves_an_adapter_through_its_service").await;
-    m.cp.apply(TINY_POOL).unwrap();
+    m.cp.apply(&tiny_pool()).unwrap();
     m.wait_pool_ready("tiny", Duration::from_secs(240))
         .await
         .unwrap();
@@ -963,7 +941,7 @@ spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: cal
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_merged_adapter_is_merged_by_a_job_and_served_by_its_deployment() {
     let m = mole("a_merged_adapter_is_merged_by_a_job_and_served_by_its_deployment").await;
-    m.cp.apply(TINY_POOL).unwrap();
+    m.cp.apply(&tiny_pool()).unwrap();
     m.cp.apply(
         r#"
 apiVersion: mole.dev/v1alpha1

@@ -589,31 +589,28 @@ impl Worker {
             } else if let Some(from) = &e.value_from {
                 if let Some(f) = &from.field_ref {
                     volumes::field_ref(&pod, f).map_err(|e| format!("{e:#}"))?
-                } else if let Some(r) = &from.secret_key_ref {
-                    match src
-                        .secret(&self.ns, &r.name)
-                        .and_then(|d| d.get(&r.key).cloned())
-                    {
+                } else if let Some((data, name, key, optional, kind)) = from
+                    .secret_key_ref
+                    .as_ref()
+                    .map(|r| {
+                        let data = src.secret(&self.ns, &r.name);
+                        (data, &r.name, &r.key, r.optional, "Secret")
+                    })
+                    .or_else(|| {
+                        from.config_map_key_ref.as_ref().map(|r| {
+                            let data = src.config_map(&self.ns, &r.name);
+                            (data, &r.name, &r.key, r.optional, "ConfigMap")
+                        })
+                    })
+                {
+                    // A key of a Secret or of a ConfigMap: missing is the same error for both.
+                    match data.and_then(|d| d.get(key).cloned()) {
                         Some(v) => String::from_utf8_lossy(&v).into_owned(),
-                        None if r.optional.unwrap_or(false) => continue,
+                        None if optional.unwrap_or(false) => continue,
                         None => {
                             return Err(format!(
-                                "couldn't find key {} in Secret {}/{}",
-                                r.key, self.ns, r.name
-                            ))
-                        }
-                    }
-                } else if let Some(r) = &from.config_map_key_ref {
-                    match src
-                        .config_map(&self.ns, &r.name)
-                        .and_then(|d| d.get(&r.key).cloned())
-                    {
-                        Some(v) => String::from_utf8_lossy(&v).into_owned(),
-                        None if r.optional.unwrap_or(false) => continue,
-                        None => {
-                            return Err(format!(
-                                "couldn't find key {} in ConfigMap {}/{}",
-                                r.key, self.ns, r.name
+                                "couldn't find key {key} in {kind} {}/{name}",
+                                self.ns
                             ))
                         }
                     }
