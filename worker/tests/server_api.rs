@@ -247,6 +247,48 @@ async fn post(s: &Srv, path: &str, body: Value) -> (u16, reqwest::header::Header
     (st, h, r.json().await.unwrap_or(Value::Null))
 }
 
+/// POST `body` to `path`, which must answer 200; the body's text (a stream's whole text).
+async fn post_stream(s: &Srv, path: &str, body: &Value) -> String {
+    let r = reqwest::Client::new()
+        .post(format!("{}{path}", s.url))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.text().await.unwrap()
+}
+
+/// Each `(path, body, status, code)`: POSTed, refused with that status and error code, and a
+/// message.
+async fn assert_refusals<'a>(
+    s: &Srv,
+    cases: impl IntoIterator<Item = (&'a str, Value, u16, &'a str)>,
+) {
+    for (path, body, status, code) in cases {
+        let (st, _, b) = post(s, path, body.clone()).await;
+        assert_eq!(
+            (st, b["error"]["code"].as_str().unwrap_or("")),
+            (status, code),
+            "{path} {body}: {b}"
+        );
+        assert!(
+            b["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{path} {body}: {b}"
+        );
+    }
+}
+
+/// `base` (a JSON object) with the fields of `extra` (one too) set on it.
+fn with_fields(mut base: Value, extra: Value) -> Value {
+    base.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    base
+}
+
 fn content(b: &Value) -> String {
     b["choices"][0]["message"]["content"]
         .as_str()
@@ -609,17 +651,7 @@ async fn bad_input_battery_keeps_serving() {
             "invalid_prompt",
         ),
     ];
-    for (path, body, status, code) in cases {
-        let (st, _, b) = post(&s, path, body.clone()).await;
-        assert_eq!(
-            (st, b["error"]["code"].as_str().unwrap_or("")),
-            (status, code),
-            "{path} {body}"
-        );
-        assert!(b["error"]["message"]
-            .as_str()
-            .is_some_and(|m| !m.is_empty()));
-    }
+    assert_refusals(&s, cases).await;
     // No max_tokens and a long prompt: the answer gets what the 128-token context leaves.
     let (st, _, b) = post(&s, "/v1/chat/completions", msg(json!("y".repeat(90)))).await;
     assert_eq!(st, 200, "{b}");
@@ -1951,14 +1983,7 @@ async fn gateway_streams_and_falls_back_from_hanging_or_dying_pods() {
         "{b}"
     );
     // A pod that dies mid-stream: the client gets what came, then an error event and [DONE].
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", s.url))
-        .json(&ask("dying", true))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let t = r.text().await.unwrap();
+    let t = post_stream(&s, "/v1/chat/completions", &ask("dying", true)).await;
     let datas: Vec<&str> = t.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
     assert_eq!(datas.len(), 3, "{t}");
     assert_eq!(sse_text(datas[0]), "");
@@ -2164,19 +2189,17 @@ async fn infer_answers_follow_a_guide() {
 #[tokio::test]
 async fn request_fields_are_served_refused_or_harmlessly_ignored() {
     let s = start("", 16, 64).await;
-    let chat = |extra: Value| {
-        let mut b = json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
-        b.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        b
+    let chat = |extra| {
+        with_fields(
+            json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}),
+            extra,
+        )
     };
-    let completion = |extra: Value| {
-        let mut b = json!({"model": "demo", "max_tokens": 2, "prompt": "x"});
-        b.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        b
+    let completion = |extra| {
+        with_fields(
+            json!({"model": "demo", "max_tokens": 2, "prompt": "x"}),
+            extra,
+        )
     };
     let refused_chat = [
         ("guided_decoding_backend", json!("xgrammar")),
@@ -2295,14 +2318,7 @@ async fn tool_server() -> Srv {
 
 /// The JSON chunks of a streamed chat answer to `body` (the `data:` payloads before `[DONE]`).
 async fn stream_chunks(s: &Srv, body: &Value) -> Vec<Value> {
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", s.url))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let text = r.text().await.unwrap();
+    let text = post_stream(s, "/v1/chat/completions", body).await;
     text.lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .filter(|d| *d != "[DONE]")
@@ -2393,12 +2409,11 @@ async fn a_streamed_tool_call_sends_its_arguments_in_pieces() {
 #[tokio::test]
 async fn typed_bodies_refuse_with_the_fields_codes() {
     let s = start("", 16, 64).await;
-    let chat = |extra: Value| {
-        let mut b = json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
-        b.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        b
+    let chat = |extra| {
+        with_fields(
+            json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}),
+            extra,
+        )
     };
     let cases = [
         (
@@ -2499,14 +2514,7 @@ async fn typed_bodies_refuse_with_the_fields_codes() {
             "model_not_found",
         ),
     ];
-    for (path, body, status, code) in cases {
-        let (st, _, b) = post(&s, path, body.clone()).await;
-        assert_eq!(
-            (st, b["error"]["code"].as_str().unwrap_or("")),
-            (status, code),
-            "{path} {body}: {b}"
-        );
-    }
+    assert_refusals(&s, cases).await;
     let (_, _, b) = post(
         &s,
         "/v1/chat/completions",
@@ -2584,14 +2592,7 @@ async fn a_schema_is_approximated_unless_strict_and_the_answer_says_what_was_not
 
 /// The server-sent events of a streamed response: (event name, JSON data).
 async fn response_events(s: &Srv, body: &Value) -> Vec<(String, Value)> {
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/responses", s.url))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let text = r.text().await.unwrap();
+    let text = post_stream(s, "/v1/responses", body).await;
     let mut out = Vec::new();
     let mut event = String::new();
     for line in text.lines() {
@@ -2864,14 +2865,7 @@ async fn responses_are_forwarded_to_merged_pods() {
     let last = &events.last().unwrap().1;
     assert_eq!(last["type"], "response.incomplete", "{last}");
     assert_eq!(text(&last["response"]), text(&direct));
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/responses", s.url))
-        .json(&ask("dying", true))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let t = r.text().await.unwrap();
+    let t = post_stream(&s, "/v1/responses", &ask("dying", true)).await;
     assert!(t.ends_with("\n\n") && t.contains("event: error\n"), "{t}");
     let data = t
         .lines()
