@@ -307,6 +307,23 @@ spec:
     )
 }
 
+/// Annotation `key` of `d`'s pod template (the operator's `mole.dev/spec-hash`, a merged
+/// Deployment's `mole.dev/merged-output`).
+pub fn template_annotation(
+    d: &k8s_openapi::api::apps::v1::Deployment,
+    key: &str,
+) -> Option<String> {
+    d.spec
+        .as_ref()?
+        .template
+        .metadata
+        .as_ref()?
+        .annotations
+        .as_ref()?
+        .get(key)
+        .cloned()
+}
+
 /// Names of the merge Jobs of adapter `adapter` in `ns` (by their labels), sorted.
 pub async fn merge_jobs(client: &Client, ns: &str, adapter: &str) -> Result<Vec<String>> {
     let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(client.clone(), ns);
@@ -635,6 +652,34 @@ spec:
     pub async fn chat(&self, svc: &str, model: &str) -> Result<(u16, serde_json::Value)> {
         let url = self.service_url(svc).await?;
         chat(&url, model).await
+    }
+}
+
+/// A test's wall time, printed (`<test>: <seconds> s`) when dropped: a field declared first
+/// prints it before the rest of its struct is torn down.
+pub struct Stopwatch {
+    t0: std::time::Instant,
+    name: String,
+}
+
+impl Stopwatch {
+    /// Started now, for the running test: libtest runs each test on a thread named after it.
+    pub fn start() -> Self {
+        Self {
+            t0: std::time::Instant::now(),
+            name: std::thread::current().name().unwrap_or("?").to_string(),
+        }
+    }
+
+    /// Since the start.
+    pub fn elapsed(&self) -> Duration {
+        self.t0.elapsed()
+    }
+}
+
+impl Drop for Stopwatch {
+    fn drop(&mut self) {
+        eprintln!("{}: {:.1} s", self.name, self.elapsed().as_secs_f64());
     }
 }
 

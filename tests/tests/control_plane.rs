@@ -682,13 +682,7 @@ async fn the_replicas_are_handed_to_the_hpa_and_back() {
         "maxQueue": 64
     })))
     .await;
-    let hash = |d: &Deployment| {
-        d.spec
-            .as_ref()
-            .and_then(|s| s.template.metadata.as_ref())
-            .and_then(|m| m.annotations.as_ref())
-            .and_then(|a| a.get("mole.dev/spec-hash").cloned())
-    };
+    let hash = |d: &Deployment| stack::template_annotation(d, "mole.dev/spec-hash");
     let old = hash(&d);
     let d = p_dynamic_when(&deploys, "the new template", |d| hash(d) != old).await;
     assert_eq!(replicas(&d), Some(3), "the operator put the count back");

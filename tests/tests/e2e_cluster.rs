@@ -310,14 +310,7 @@ async fn wait_merged_ready(adapters: &Api<Adapter>, version: &str) -> mole_crds:
 /// The merged output the Deployment `tiny-calendar` serves (pod-template annotation).
 async fn served_output(deploys: &Api<Deployment>) -> String {
     let d = deploys.get("tiny-calendar").await.unwrap();
-    d.spec
-        .unwrap()
-        .template
-        .metadata
-        .unwrap()
-        .annotations
-        .unwrap()["mole.dev/merged-output"]
-        .clone()
+    mole_tests::stack::template_annotation(&d, "mole.dev/merged-output").unwrap()
 }
 
 #[tokio::test]
@@ -977,17 +970,7 @@ async fn an_autoscaled_pool_leaves_its_replicas_to_the_hpa() {
         )
         .await
         .unwrap();
-    let hash = |d: &Deployment| {
-        d.spec
-            .as_ref()?
-            .template
-            .metadata
-            .as_ref()?
-            .annotations
-            .as_ref()?
-            .get("mole.dev/spec-hash")
-            .cloned()
-    };
+    let hash = |d: &Deployment| mole_tests::stack::template_annotation(d, "mole.dev/spec-hash");
     let before = hash(&d);
     // A start-only engine limit changes the pod template: the operator applies the Deployment
     // again, and the count it does not own stays.

@@ -27,22 +27,16 @@ const SH: &str = "mole-test/shell";
 /// A control plane (controller manager and scheduler) with a kubelet whose images are the
 /// host's python3 and sh, and namespace `t`.
 struct Env {
-    // Dropped first: the kubelet deletes its Node while the API server still runs.
+    // Dropped first: the test's time is its own, not the teardown's.
+    _clock: stack::Stopwatch,
+    // Then the kubelet: it deletes its Node while the API server still runs.
     kubelet: Kubelet,
     cp: ControlPlane,
     client: Client,
-    t0: Instant,
-    name: &'static str,
 }
 
-impl Drop for Env {
-    fn drop(&mut self) {
-        eprintln!("{}: {:.1} s", self.name, self.t0.elapsed().as_secs_f64());
-    }
-}
-
-async fn env(name: &'static str, cfg: impl FnOnce(KubeletConfig) -> KubeletConfig) -> Env {
-    let t0 = Instant::now();
+async fn env(cfg: impl FnOnce(KubeletConfig) -> KubeletConfig) -> Env {
+    let clock = stack::Stopwatch::start();
     // The host's own interpreter (not a version manager's shim, which needs its environment).
     assert!(
         Path::new("/usr/bin/python3").is_file(),
@@ -70,11 +64,10 @@ async fn env(name: &'static str, cfg: impl FnOnce(KubeletConfig) -> KubeletConfi
     .await
     .unwrap();
     Env {
+        _clock: clock,
         kubelet,
         cp,
         client,
-        t0,
-        name,
     }
 }
 
@@ -130,6 +123,30 @@ fn ready(p: &Pod) -> bool {
         .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
 }
 
+/// A Job `name` of `t` that runs once (no retry, no restart): its one container `main` runs
+/// `image` with `container`, the container's other fields (YAML lines, unindented).
+fn one_shot_job(name: &str, image: &str, container: &str) -> String {
+    let container: String = container
+        .lines()
+        .map(|l| format!("        {l}\n"))
+        .collect();
+    format!(
+        r#"
+apiVersion: batch/v1
+kind: Job
+metadata: {{name: {name}, namespace: t}}
+spec:
+  backoffLimit: 0
+  template:
+    spec:
+      restartPolicy: Never
+      containers:
+      - name: main
+        image: {image}
+{container}"#
+    )
+}
+
 /// The netns and links of `bridge` that exist now.
 fn leftovers(bridge: &str) -> Vec<String> {
     let ns = Command::new("ip").args(["netns", "list"]).output().unwrap();
@@ -160,11 +177,7 @@ fn namespaces(bridge: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_deployment_gets_ready_pods_with_addresses_of_their_own() {
-    let e = env(
-        "a_deployment_gets_ready_pods_with_addresses_of_their_own",
-        |c| c,
-    )
-    .await;
+    let e = env(|c| c).await;
     e.cp.apply(
         r#"
 apiVersion: v1
@@ -308,25 +321,16 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn jobs_end_with_their_exit_codes_messages_and_logs() {
-    let e = env("jobs_end_with_their_exit_codes_messages_and_logs", |c| c).await;
+    let e = env(|c| c).await;
     let job_ro = |name: &str, script: &str, policy: &str, ro: bool| {
-        format!(
-            r#"
-apiVersion: batch/v1
-kind: Job
-metadata: {{name: {name}, namespace: t}}
-spec:
-  backoffLimit: 0
-  template:
-    spec:
-      restartPolicy: Never
-      containers:
-      - name: main
-        image: mole-test/shell:1
-        command: [sh, -c, {script:?}]
-        terminationMessagePolicy: {policy}
-        securityContext: {{readOnlyRootFilesystem: {ro}}}
-"#
+        one_shot_job(
+            name,
+            "mole-test/shell:1",
+            &format!(
+                "command: [sh, -c, {script:?}]\n\
+                 terminationMessagePolicy: {policy}\n\
+                 securityContext: {{readOnlyRootFilesystem: {ro}}}"
+            ),
         )
     };
     let job = |name: &str, script: &str, policy: &str| job_ro(name, script, policy, false);
@@ -443,7 +447,7 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_config_map_change_reaches_the_mounted_file() {
-    let e = env("a_config_map_change_reaches_the_mounted_file", |c| c).await;
+    let e = env(|c| c).await;
     e.cp.apply(
         r#"
 apiVersion: v1
@@ -521,7 +525,7 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn deleting_a_pod_stops_its_process() {
-    let e = env("deleting_a_pod_stops_its_process", |c| c).await;
+    let e = env(|c| c).await;
     let pod = |name: &str, script: &str| {
         format!(
             r#"
@@ -606,14 +610,11 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn crashes_and_failed_liveness_probes_restart_containers() {
-    let e = env(
-        "crashes_and_failed_liveness_probes_restart_containers",
-        |mut c| {
-            // Short back-off so the test sees several restarts.
-            c.crash_backoff = (Duration::from_secs(1), Duration::from_secs(2));
-            c
-        },
-    )
+    let e = env(|mut c| {
+        // Short back-off so the test sees several restarts.
+        c.crash_backoff = (Duration::from_secs(1), Duration::from_secs(2));
+        c
+    })
     .await;
     e.cp.apply(
         r#"
@@ -735,29 +736,20 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_cpu_limit_throttles_the_container() {
-    let e = env("a_cpu_limit_throttles_the_container", |c| c).await;
+    let e = env(|c| c).await;
     // Burns 0.3 s of CPU and prints the wall time it took.
-    let job = |name: &str, limit: &str| {
-        format!(
-            r#"
-apiVersion: batch/v1
-kind: Job
-metadata: {{name: {name}, namespace: t}}
-spec:
-  backoffLimit: 0
-  template:
-    spec:
-      restartPolicy: Never
-      containers:
-      - name: main
-        image: mole-test/python:3
-        command: [python3, -c, "import time\nt = time.time()\nc = time.process_time()\nwhile time.process_time() - c < 0.3: pass\nprint(round(time.time() - t, 3))"]
-        resources: {{limits: {{cpu: {limit}}}}}
-"#
+    let burner = |name: &str, limit: &str| {
+        one_shot_job(
+            name,
+            "mole-test/python:3",
+            &format!(
+                r#"command: [python3, -c, "import time\nt = time.time()\nc = time.process_time()\nwhile time.process_time() - c < 0.3: pass\nprint(round(time.time() - t, 3))"]
+resources: {{limits: {{cpu: {limit}}}}}"#
+            ),
         )
     };
-    e.cp.apply(&job("limited", "100m")).unwrap();
-    e.cp.apply(&job("free", "\"8\"")).unwrap();
+    e.cp.apply(&burner("limited", "100m")).unwrap();
+    e.cp.apply(&burner("free", "\"8\"")).unwrap();
     let jobs: Api<Job> = Api::namespaced(e.client.clone(), "t");
     let wall = |name: &'static str| {
         let jobs = jobs.clone();
@@ -798,11 +790,7 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn the_node_stays_ready_past_the_lifecycle_grace_period() {
-    let e = env(
-        "the_node_stays_ready_past_the_lifecycle_grace_period",
-        |c| c,
-    )
-    .await;
+    let e = env(|c| c).await;
     e.cp.apply(
         r#"
 apiVersion: v1
@@ -863,9 +851,9 @@ spec:
 /// [`stack::Mole`] on the tiny llama fixture, the operator in-process; prints the test's wall
 /// time when dropped.
 struct Mole {
+    // Dropped first: the test's time is its own, not the teardown's.
+    clock: stack::Stopwatch,
     m: stack::Mole,
-    t0: Instant,
-    name: &'static str,
 }
 
 impl std::ops::Deref for Mole {
@@ -875,19 +863,12 @@ impl std::ops::Deref for Mole {
     }
 }
 
-impl Drop for Mole {
-    fn drop(&mut self) {
-        eprintln!("{}: {:.1} s", self.name, self.t0.elapsed().as_secs_f64());
-    }
-}
-
-async fn mole(name: &'static str) -> Mole {
-    let t0 = Instant::now();
+async fn mole() -> Mole {
+    let clock = stack::Stopwatch::start();
     let opts = stack::Options::this_build(stack::Fixture::TinyLlama, true).unwrap();
     Mole {
+        clock,
         m: stack::Mole::start(opts).await.unwrap(),
-        t0,
-        name,
     }
 }
 
@@ -904,12 +885,12 @@ fn tiny_pool() -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_dynamic_pool_serves_an_adapter_through_its_service() {
-    let m = mole("a_dynamic_pool_serves_an_adapter_through_its_service").await;
+    let m = mole().await;
     m.cp.apply(&tiny_pool()).unwrap();
     m.wait_pool_ready("tiny", Duration::from_secs(240))
         .await
         .unwrap();
-    eprintln!("pool Ready after {:.1} s", m.t0.elapsed().as_secs_f64());
+    eprintln!("pool Ready after {:.1} s", m.clock.elapsed().as_secs_f64());
     m.cp.apply(
         r#"
 apiVersion: mole.dev/v1alpha1
@@ -924,7 +905,10 @@ spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: cal
     })
     .await
     .unwrap();
-    eprintln!("adapter Ready after {:.1} s", m.t0.elapsed().as_secs_f64());
+    eprintln!(
+        "adapter Ready after {:.1} s",
+        m.clock.elapsed().as_secs_f64()
+    );
     let (status, v) = m.chat("tiny", "calendar").await.unwrap();
     assert_eq!(status, 200, "{v}\n{}", m.dump());
     assert_eq!(v["mole"]["adapter"], "calendar", "{v}");
@@ -940,7 +924,7 @@ spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: cal
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_merged_adapter_is_merged_by_a_job_and_served_by_its_deployment() {
-    let m = mole("a_merged_adapter_is_merged_by_a_job_and_served_by_its_deployment").await;
+    let m = mole().await;
     m.cp.apply(&tiny_pool()).unwrap();
     m.cp.apply(
         r#"
@@ -962,7 +946,7 @@ spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: cal
         .unwrap();
     eprintln!(
         "merged and Ready after {:.1} s",
-        m.t0.elapsed().as_secs_f64()
+        m.clock.elapsed().as_secs_f64()
     );
     let out = st.history[0].merged_output.clone().unwrap();
     assert!(out.starts_with("merged/calendar/v1-"), "{out}");

@@ -281,6 +281,14 @@ async fn assert_refusals<'a>(
     }
 }
 
+/// A chat of one user message `x` to `demo`, 2 tokens at most, with the fields of `extra`.
+fn chat(extra: Value) -> Value {
+    with_fields(
+        json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}),
+        extra,
+    )
+}
+
 /// `base` (a JSON object) with the fields of `extra` (one too) set on it.
 fn with_fields(mut base: Value, extra: Value) -> Value {
     base.as_object_mut()
@@ -671,6 +679,24 @@ async fn bad_input_battery_keeps_serving() {
             .json(&body)
             .send()
     };
+    // A load that must succeed.
+    let load = |body: Value| {
+        let sent = adm(body);
+        async {
+            assert_eq!(sent.await.unwrap().status(), 200);
+        }
+    };
+    // The adapter listing, as the operator reads it (with the token).
+    let listing = || async {
+        c.get(format!("{}/v1/lora_adapters", s.url))
+            .bearer_auth("s3cret")
+            .send()
+            .await
+            .unwrap()
+            .json::<Value>()
+            .await
+            .unwrap()
+    };
     for (path, code) in [
         ("../../etc", "path_outside_root"),
         ("/etc", "path_outside_root"),
@@ -700,19 +726,8 @@ async fn bad_input_battery_keeps_serving() {
         "{e}"
     );
     // Trained on a base of another name whose shapes fit: served, the listing warns.
-    let r = adm(json!({"lora_name": "other", "lora_path": "wrongbase"}))
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let l: Value = c
-        .get(format!("{}/v1/lora_adapters", s.url))
-        .bearer_auth("s3cret")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    load(json!({"lora_name": "other", "lora_path": "wrongbase"})).await;
+    let l = listing().await;
     let other = l["data"]
         .as_array()
         .unwrap()
@@ -724,11 +739,15 @@ async fn bad_input_battery_keeps_serving() {
         other["warning"].as_str().unwrap().contains("qwen2"),
         "{other}"
     );
-    let r = adm(json!({"lora_name": "extra", "lora_path": "extra"}))
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let (st, _, _) = post(&s, "/v1/chat/completions", json!({"model": "demo", "adapter": "extra", "messages": [{"role": "user", "content": "x"}]})).await;
+    load(json!({"lora_name": "extra", "lora_path": "extra"})).await;
+    let ask_extra = || {
+        post(
+            &s,
+            "/v1/chat/completions",
+            json!({"model": "demo", "adapter": "extra", "messages": [{"role": "user", "content": "x"}]}),
+        )
+    };
+    let (st, _, _) = ask_extra().await;
     assert_eq!(st, 200, "an adapter loaded via the API is servable by name");
     // The same call again serves what is held (no read); vLLM's `load_inplace` reads the
     // directory again (its files were replaced): a new id for the same name.
@@ -741,36 +760,20 @@ async fn bad_input_battery_keeps_serving() {
             .map(|a| a["lora_id"].as_u64().unwrap())
             .unwrap()
     };
-    let listing = || async {
-        c.get(format!("{}/v1/lora_adapters", s.url))
-            .bearer_auth("s3cret")
-            .send()
-            .await
-            .unwrap()
-            .json::<Value>()
-            .await
-            .unwrap()
-    };
     let first = extra_id(listing().await);
-    let r = adm(json!({"lora_name": "extra", "lora_path": "extra"}))
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    load(json!({"lora_name": "extra", "lora_path": "extra"})).await;
     assert_eq!(
         extra_id(listing().await),
         first,
         "no reload without load_inplace"
     );
-    let r = adm(json!({"lora_name": "extra", "lora_path": "extra", "load_inplace": true}))
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    load(json!({"lora_name": "extra", "lora_path": "extra", "load_inplace": true})).await;
     assert_ne!(
         extra_id(listing().await),
         first,
         "load_inplace read it again"
     );
-    let (st, _, _) = post(&s, "/v1/chat/completions", json!({"model": "demo", "adapter": "extra", "messages": [{"role": "user", "content": "x"}]})).await;
+    let (st, _, _) = ask_extra().await;
     assert_eq!(st, 200, "served after the in-place reload");
     // Still serving.
     let (st, _, _) = post(&s, "/v1/chat/completions", msg(json!("ok"))).await;
@@ -2189,12 +2192,6 @@ async fn infer_answers_follow_a_guide() {
 #[tokio::test]
 async fn request_fields_are_served_refused_or_harmlessly_ignored() {
     let s = start("", 16, 64).await;
-    let chat = |extra| {
-        with_fields(
-            json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}),
-            extra,
-        )
-    };
     let completion = |extra| {
         with_fields(
             json!({"model": "demo", "max_tokens": 2, "prompt": "x"}),
@@ -2409,12 +2406,6 @@ async fn a_streamed_tool_call_sends_its_arguments_in_pieces() {
 #[tokio::test]
 async fn typed_bodies_refuse_with_the_fields_codes() {
     let s = start("", 16, 64).await;
-    let chat = |extra| {
-        with_fields(
-            json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}),
-            extra,
-        )
-    };
     let cases = [
         (
             "/v1/chat/completions",
