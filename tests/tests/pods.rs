@@ -79,6 +79,11 @@ fn http() -> reqwest::Client {
         .unwrap()
 }
 
+/// GET `url`: the body's text (any status).
+async fn get_text(url: String) -> String {
+    http().get(url).send().await.unwrap().text().await.unwrap()
+}
+
 async fn pods(client: &Client, selector: &str) -> Vec<Pod> {
     Api::<Pod>::namespaced(client.clone(), "t")
         .list(&ListParams::default().labels(selector))
@@ -234,14 +239,7 @@ spec:
     for ip in &ips {
         let a: std::net::Ipv4Addr = ip.parse().unwrap();
         assert_eq!(a.octets()[..3], gw[..3], "{ip} is on the kubelet's bridge");
-        let body = http()
-            .get(format!("http://{ip}:8080/hello.txt"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let body = get_text(format!("http://{ip}:8080/hello.txt")).await;
         assert_eq!(body, "hello from a configMap\n");
     }
     let p0 = &ready_pods[0];
@@ -1016,14 +1014,7 @@ spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: cal
         .collect();
     assert_eq!(dynamic.len(), 1, "{}", m.dump());
     let ip = dynamic[0].status.as_ref().unwrap().pod_ip.clone().unwrap();
-    let metrics = http()
-        .get(format!("http://{ip}:8000/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = get_text(format!("http://{ip}:8000/metrics")).await;
     assert!(
         metrics.contains(r#"mole_merged_proxy_total{adapter="calendar",outcome="ok"} 1"#),
         "{}",

@@ -247,6 +247,16 @@ async fn post(s: &Srv, path: &str, body: Value) -> (u16, reqwest::header::Header
     (st, h, r.json().await.unwrap_or(Value::Null))
 }
 
+/// An upstream merged pod: a second server, serving adapter `mg` itself.
+async fn merged_upstream() -> Srv {
+    start(
+        "  - {name: mg, version: v1, loraId: 3, path: extra}",
+        16,
+        64,
+    )
+    .await
+}
+
 /// POST `body` to `path`, which must answer 200; the body's text (a stream's whole text).
 async fn post_stream(s: &Srv, path: &str, body: &Value) -> String {
     let r = reqwest::Client::new()
@@ -995,13 +1005,7 @@ async fn metrics_models_and_reload() {
 
 #[tokio::test]
 async fn merged_adapter_is_proxied_and_falls_back() {
-    // Upstream merged pod: a second server.
-    let up = start(
-        "  - {name: mg, version: v1, loraId: 3, path: extra}",
-        16,
-        64,
-    )
-    .await;
+    let up = merged_upstream().await;
     let extra = format!("  - {{name: mg, version: v1, loraId: 3, path: extra, mode: merged, mergedEndpoint: \"{}\", keywords: [merge]}}\n  - {{name: dead, version: v1, loraId: 4, path: extra, mode: merged, mergedEndpoint: \"http://127.0.0.1:1\", load: false}}\n  - {{name: dead2, version: v1, loraId: 5, path: extra2, mode: merged, mergedEndpoint: \"http://127.0.0.1:1\"}}", up.url);
     let s = start(&extra, 16, 64).await;
     // Forwarded to the upstream, which serves mg itself: the same answer as asking it directly.
@@ -1921,12 +1925,7 @@ async fn dying_upstream() -> (String, tokio::task::JoinHandle<()>) {
 
 #[tokio::test]
 async fn gateway_streams_and_falls_back_from_hanging_or_dying_pods() {
-    let up = start(
-        "  - {name: mg, version: v1, loraId: 3, path: extra}",
-        16,
-        64,
-    )
-    .await;
+    let up = merged_upstream().await;
     let (hang, _h1) = hanging_upstream().await;
     let (dying, _h2) = dying_upstream().await;
     let extra = format!(
@@ -2830,12 +2829,7 @@ async fn responses_follow_their_text_format() {
 /// with the Responses API's `error` event, numbered after the events that came.
 #[tokio::test]
 async fn responses_are_forwarded_to_merged_pods() {
-    let up = start(
-        "  - {name: mg, version: v1, loraId: 3, path: extra}",
-        16,
-        64,
-    )
-    .await;
+    let up = merged_upstream().await;
     let (dying, _h) = dying_upstream().await;
     let extra = format!(
         "  - {{name: mg, version: v1, loraId: 3, path: extra, mode: merged, mergedEndpoint: \"{}\"}}\n  - {{name: dying, version: v1, loraId: 6, path: extra3, mode: merged, mergedEndpoint: \"{dying}\"}}",
