@@ -80,6 +80,38 @@ async fn env() -> Env {
 }
 
 impl Env {
+    /// A Context against this store and worker reporting as `identity`, as the operator
+    /// builds it (its default pod freshness, no stores): a case adds what it needs.
+    fn bare_context(&self, identity: &str) -> Context {
+        Context::new(
+            support::client(self.store.clone()),
+            identity.into(),
+            Metrics::new(),
+            PodClient::new(self.worker.addr.port()),
+        )
+    }
+
+    /// Another operator's Context (a restart: nothing in memory) with the scenarios'
+    /// settings: pods read afresh, the controllers' stores.
+    fn operator_context(&self, identity: &str) -> Arc<Context> {
+        Arc::new(
+            self.bare_context(identity)
+                .with_pod_freshness(std::time::Duration::ZERO)
+                .with_stores(self.stores.clone()),
+        )
+    }
+
+    /// The methods (PUT, APPLY, ...) of the writes of the pool's status so far.
+    fn pool_status_writes(&self) -> Vec<String> {
+        let status = format!("{POOL}/status");
+        let s = self.store.lock().unwrap();
+        s.writes
+            .iter()
+            .filter(|(_, p)| *p == status)
+            .map(|(m, _)| m.clone())
+            .collect()
+    }
+
     /// The controllers' stores catch up with the API server (their watches would).
     fn sync(&self) {
         support::sync_stores(&self.store, &mut self.writers.lock().unwrap());
@@ -256,16 +288,7 @@ async fn create_pool_applies_children_and_status_and_a_restart_changes_nothing()
         .collect();
     let writes = e.writes();
     let events = e.store.lock().unwrap().events.len();
-    let restarted = Arc::new(
-        Context::new(
-            support::client(e.store.clone()),
-            "test-2".into(),
-            Metrics::new(),
-            PodClient::new(e.worker.addr.port()),
-        )
-        .with_pod_freshness(std::time::Duration::ZERO)
-        .with_stores(e.stores.clone()),
-    );
+    let restarted = e.operator_context("test-2");
     e.sync();
     pool::reconcile(e.pool(), restarted).await.unwrap();
     let after: Vec<Value> = [CM, DEPLOY, SVC, PDB]
@@ -574,16 +597,7 @@ async fn adapters_applied_at_once_get_their_ids_from_one_pool_status_writer() {
             .unwrap()
             .create(&adapter_path(&name), adapter_obj(&name, "vl", &name));
     }
-    let status_path = format!("{POOL}/status");
-    let pool_status_writes = |e: &Env| -> Vec<String> {
-        let s = e.store.lock().unwrap();
-        s.writes
-            .iter()
-            .filter(|(_, p)| *p == status_path)
-            .map(|(m, _)| m.clone())
-            .collect()
-    };
-    let before = pool_status_writes(&e).len();
+    let before = e.pool_status_writes().len();
     // Rounds as the controllers run them: every Adapter and the pool at once, from what the
     // watches delivered before the round.
     const ROUNDS: usize = 3;
@@ -599,7 +613,7 @@ async fn adapters_applied_at_once_get_their_ids_from_one_pool_status_writer() {
             a.unwrap();
         }
     }
-    let writes = pool_status_writes(&e)[before..].to_vec();
+    let writes = e.pool_status_writes()[before..].to_vec();
     let conflicts = e.store.lock().unwrap().conflicts;
     let mut ids: Vec<u64> = (0..N)
         .map(|i| {
@@ -646,14 +660,7 @@ async fn a_deleted_adapters_id_is_released_by_the_pool_controller_before_the_fin
     e.edit(&adapter_path("calendar"), |a| {
         a["metadata"]["deletionTimestamp"] = json!("2026-11-22T12:30:00Z");
     });
-    let status_writes = |e: &Env| {
-        let s = e.store.lock().unwrap();
-        s.writes
-            .iter()
-            .filter(|(_, p)| *p == format!("{POOL}/status"))
-            .count()
-    };
-    let before = status_writes(&e);
+    let before = e.pool_status_writes().len();
     e.reconcile_adapter_once("calendar").await;
     assert!(
         e.get(&adapter_path("calendar")).is_some(),
@@ -661,7 +668,7 @@ async fn a_deleted_adapters_id_is_released_by_the_pool_controller_before_the_fin
     );
     assert_eq!(e.get(POOL).unwrap()["status"]["loraIds"]["calendar"], 1);
     assert_eq!(
-        status_writes(&e),
+        e.pool_status_writes().len(),
         before,
         "the Adapter controller wrote the pool"
     );
@@ -713,16 +720,7 @@ async fn ids_survive_a_restart_and_a_lagging_cache_never_gives_one_twice() {
     stale_pool(&e.ctx).await.unwrap();
     assert_eq!(ids(&e), json!({"a": 1, "b": 2, "c": 3}));
     // A restarted operator whose first look at the pool is that lagging cache.
-    let restarted = Arc::new(
-        Context::new(
-            support::client(e.store.clone()),
-            "test".into(),
-            Metrics::new(),
-            PodClient::new(e.worker.addr.port()),
-        )
-        .with_pod_freshness(std::time::Duration::ZERO)
-        .with_stores(e.stores.clone()),
-    );
+    let restarted = e.operator_context("test");
     let err = stale_pool(&restarted).await.unwrap_err();
     assert_eq!(err.code(), "conflict", "{err}");
     assert_eq!(ids(&e), json!({"a": 1, "b": 2, "c": 3}));
@@ -1553,16 +1551,7 @@ async fn a_restarted_operator_writes_nothing_for_a_serving_merged_adapter() {
     e.reconcile_pool().await;
     let writes = e.writes();
     let events = e.events().len();
-    let restarted = Arc::new(
-        Context::new(
-            support::client(e.store.clone()),
-            "test-2".into(),
-            Metrics::new(),
-            PodClient::new(e.worker.addr.port()),
-        )
-        .with_pod_freshness(std::time::Duration::ZERO)
-        .with_stores(e.stores.clone()),
-    );
+    let restarted = e.operator_context("test-2");
     e.sync();
     for _ in 0..2 {
         e.sync();
@@ -1880,15 +1869,10 @@ async fn a_refused_reload_is_a_condition_an_event_and_a_backoff_and_a_success_cl
     use std::time::Duration;
     let mut e = env().await;
     e.ctx = Arc::new(
-        Context::new(
-            support::client(e.store.clone()),
-            "test".into(),
-            Metrics::new(),
-            PodClient::new(e.worker.addr.port()),
-        )
-        .with_reload_backoff(Duration::from_millis(400), Duration::from_secs(2))
-        .with_pod_freshness(std::time::Duration::ZERO)
-        .with_stores(e.stores.clone()),
+        e.bare_context("test")
+            .with_reload_backoff(Duration::from_millis(400), Duration::from_secs(2))
+            .with_pod_freshness(std::time::Duration::ZERO)
+            .with_stores(e.stores.clone()),
     );
     e.store.lock().unwrap().create(POOL, pool_obj());
     e.add_ready_pod();
@@ -2000,12 +1984,7 @@ async fn the_controllers_list_and_watch_what_they_own_and_the_chart_grants_it() 
     let e = env().await;
     e.store.lock().unwrap().create(POOL, pool_obj());
     // `run` feeds its own stores into the context it is given.
-    let ctx = Context::new(
-        support::client(e.store.clone()),
-        "test".into(),
-        Metrics::new(),
-        PodClient::new(e.worker.addr.port()),
-    );
+    let ctx = e.bare_context("test");
     let run = mole_operator::controller::run(
         support::client(e.store.clone()),
         Some("ml".into()),
@@ -2504,6 +2483,22 @@ async fn a_merge_that_keeps_failing_is_given_up_until_the_version_changes() {
     assert_eq!(e.running_jobs("merge-calendar-").len(), 1);
 }
 
+/// The pool and `n` Adapters of it, `a0` to `a{n-1}` (each labelled its name), once the pool
+/// has reconciled (given them their ids).
+async fn env_with_adapters(n: usize) -> Env {
+    let e = env().await;
+    e.store.lock().unwrap().create(POOL, pool_obj());
+    for i in 0..n {
+        let name = format!("a{i}");
+        e.store
+            .lock()
+            .unwrap()
+            .create(&adapter_path(&name), adapter_obj(&name, "vl", &name));
+    }
+    e.reconcile_pool().await;
+    e
+}
+
 /// Issue 25 item 6: an Adapter reconcile reads its pool and siblings from the controllers'
 /// stores, so it costs the same API calls, reading the same objects, with 5 or 500 Adapters
 /// in the namespace, and never LISTs Adapters (each of n reconciles listing n Adapters was
@@ -2512,16 +2507,7 @@ async fn a_merge_that_keeps_failing_is_given_up_until_the_version_changes() {
 async fn reconciles_cost_the_same_api_calls_with_5_or_500_adapters() {
     type Calls = Vec<(String, String)>;
     async fn cost(n: usize) -> (Calls, usize, Calls, usize) {
-        let e = env().await;
-        e.store.lock().unwrap().create(POOL, pool_obj());
-        for i in 0..n {
-            let name = format!("a{i}");
-            e.store
-                .lock()
-                .unwrap()
-                .create(&adapter_path(&name), adapter_obj(&name, "vl", &name));
-        }
-        e.reconcile_pool().await;
+        let e = env_with_adapters(n).await;
         e.add_ready_pod();
         // The pool's reconcile gave every Adapter its id, the oldest first.
         let id = e.get(POOL).unwrap()["status"]["loraIds"]["a0"]
@@ -2579,16 +2565,7 @@ async fn reconciles_cost_the_same_api_calls_with_5_or_500_adapters() {
 async fn a_resync_of_500_adapters_on_8_pods_costs_calls_by_pods_and_changes() {
     const ADAPTERS: usize = 500;
     const PODS: usize = 8;
-    let e = env().await;
-    e.store.lock().unwrap().create(POOL, pool_obj());
-    for i in 0..ADAPTERS {
-        let name = format!("a{i}");
-        e.store
-            .lock()
-            .unwrap()
-            .create(&adapter_path(&name), adapter_obj(&name, "vl", &name));
-    }
-    e.reconcile_pool().await;
+    let e = env_with_adapters(ADAPTERS).await;
     for k in 0..PODS {
         let pod = json!({
             "apiVersion": "v1", "kind": "Pod",
@@ -2622,15 +2599,7 @@ async fn a_resync_of_500_adapters_on_8_pods_costs_calls_by_pods_and_changes() {
     e.reconcile_pool().await;
     // The measured round: nothing changed since, with the operator's default pod freshness
     // (the scenarios read the pods afresh on every reconcile to see each change at once).
-    let ctx = Arc::new(
-        Context::new(
-            support::client(e.store.clone()),
-            "test".into(),
-            Metrics::new(),
-            PodClient::new(e.worker.addr.port()),
-        )
-        .with_stores(e.stores.clone()),
-    );
+    let ctx = Arc::new(e.bare_context("test").with_stores(e.stores.clone()));
     e.sync();
     let api_before = e.store.lock().unwrap().requests.len();
     let started = std::time::Instant::now();

@@ -212,6 +212,148 @@ pub fn smollm2(worker: &Path) -> Result<PathBuf> {
     Ok(out)
 }
 
+/// `helm install` of `charts/mole` into `mole-system` with no operator pods (the tests run the
+/// operator themselves), then namespace [`NS`]; what helm printed on stderr (its warnings).
+pub fn install_chart(cp: &ControlPlane) -> Result<String> {
+    let out = Command::new(helm())
+        .env("KUBECONFIG", &cp.kubeconfig)
+        .env("HELM_CACHE_HOME", cp.dir.path().join("helm-cache"))
+        .env("HELM_CONFIG_HOME", cp.dir.path().join("helm-config"))
+        .env("HELM_DATA_HOME", cp.dir.path().join("helm-data"))
+        .args(["install", "mole"])
+        .arg(repo().join("charts/mole"))
+        .args([
+            "--namespace",
+            "mole-system",
+            "--create-namespace",
+            "--set",
+            "replicaCount=0",
+            "--wait=false",
+        ])
+        .output()
+        .context("running helm")?;
+    let stderr = String::from_utf8_lossy(&out.stderr).into_owned();
+    if !out.status.success() {
+        bail!("helm install: {stderr}");
+    }
+    cp.kubectl(&["create", "namespace", NS])?;
+    Ok(stderr)
+}
+
+/// `controller::run` (the wiring `mole-operator run` uses) in this process with `client`,
+/// reporting as `identity`; no leader election.
+pub fn run_operator_in_process(client: Client, identity: &str) -> tokio::task::JoinHandle<()> {
+    let ctx = mole_operator::controller::Context::new(
+        client.clone(),
+        identity.into(),
+        mole_operator::telemetry::Metrics::new(),
+        mole_operator::controller::PodClient::new(mole_crds::constants::WORKER_PORT),
+    );
+    tokio::spawn(mole_operator::controller::run(
+        client,
+        None,
+        ctx,
+        std::future::pending::<()>(),
+    ))
+}
+
+/// Starts `mole-operator run` (`bin`) with `kubeconfig` as `identity`, leader election on the
+/// chart's Lease as its Deployment runs it, and `env` on top; its output goes to `log`. It
+/// dies with the test (`setpriv --pdeathsig`).
+pub fn spawn_operator(
+    bin: &Path,
+    kubeconfig: &Path,
+    identity: &str,
+    log: &Path,
+    env: &[(&str, &str)],
+) -> Result<Child> {
+    let out = std::fs::File::create(log)?;
+    Command::new("setpriv")
+        .arg("--pdeathsig=KILL")
+        .arg(bin)
+        .arg("run")
+        .env("KUBECONFIG", kubeconfig)
+        .env(
+            "MOLE_OPERATOR_LISTEN",
+            format!("127.0.0.1:{}", cluster::free_port()),
+        )
+        .env("MOLE_LEADER_ELECT", "true")
+        .env("MOLE_LEADER_LEASE", "mole-operator-leader")
+        .env("MOLE_LEADER_NAMESPACE", "mole-system")
+        .envs(env.iter().copied())
+        .env("POD_NAME", identity)
+        .env("MOLE_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        .spawn()
+        .context("starting mole-operator")
+}
+
+/// Whether the operator's field manager of a pool's Deployments owns `spec.replicas` of `d`
+/// (by its managedFields as the server records them): it gives the count up to an HPA.
+pub fn operator_owns_replicas(d: &k8s_openapi::api::apps::v1::Deployment) -> bool {
+    d.metadata.managed_fields.iter().flatten().any(|m| {
+        m.manager.as_deref() == Some("mole-operator/pool-deployment")
+            && m.fields_v1
+                .as_ref()
+                .is_some_and(|f| f.0["f:spec"].get("f:replicas").is_some())
+    })
+}
+
+/// InferencePool `name` of [`NS`] on CPU (`mole.dev/allow-cpu`): base model `base` of the
+/// model volume (`base/<base>`, f32), images never pulled (the node maps them), no GPU; `spec`
+/// is the rest of its spec (`dynamic` at least), YAML lines indented by two.
+pub fn cpu_pool(name: &str, base: &str, spec: &str) -> String {
+    format!(
+        r#"
+apiVersion: mole.dev/v1alpha1
+kind: InferencePool
+metadata: {{name: {name}, namespace: {NS}, annotations: {{mole.dev/allow-cpu: "true"}}}}
+spec:
+  baseModel: {{name: {base}, path: base/{base}, dtype: f32}}
+  storage: {{claimName: models}}
+  imagePullPolicy: Never
+  gpu: {{count: 0}}
+{spec}
+"#
+    )
+}
+
+/// Annotation `key` of `d`'s pod template (the operator's `mole.dev/spec-hash`, a merged
+/// Deployment's `mole.dev/merged-output`).
+pub fn template_annotation(
+    d: &k8s_openapi::api::apps::v1::Deployment,
+    key: &str,
+) -> Option<String> {
+    d.spec
+        .as_ref()?
+        .template
+        .metadata
+        .as_ref()?
+        .annotations
+        .as_ref()?
+        .get(key)
+        .cloned()
+}
+
+/// Names of the merge Jobs of adapter `adapter` in `ns` (by their labels), sorted.
+pub async fn merge_jobs(client: &Client, ns: &str, adapter: &str) -> Result<Vec<String>> {
+    let jobs: Api<k8s_openapi::api::batch::v1::Job> = Api::namespaced(client.clone(), ns);
+    let lp = kube::api::ListParams::default().labels(&format!(
+        "mole.dev/adapter={adapter},app.kubernetes.io/component=merge"
+    ));
+    let mut names: Vec<String> = jobs
+        .list(&lp)
+        .await?
+        .items
+        .into_iter()
+        .filter_map(|j| j.metadata.name)
+        .collect();
+    names.sort();
+    Ok(names)
+}
+
 /// How the operator runs.
 #[derive(Debug, Clone)]
 pub enum OperatorMode {
@@ -353,27 +495,7 @@ impl Mole {
     /// Brings everything up (see the module's doc); the operator running.
     pub async fn start(opts: Options) -> Result<Self> {
         let cp = ControlPlane::start(Parts::default()).await?;
-        let out = Command::new(helm())
-            .env("KUBECONFIG", &cp.kubeconfig)
-            .env("HELM_CACHE_HOME", cp.dir.path().join("helm-cache"))
-            .env("HELM_CONFIG_HOME", cp.dir.path().join("helm-config"))
-            .env("HELM_DATA_HOME", cp.dir.path().join("helm-data"))
-            .args(["install", "mole"])
-            .arg(repo().join("charts/mole"))
-            .args([
-                "--namespace",
-                "mole-system",
-                "--create-namespace",
-                "--set",
-                "replicaCount=0",
-                "--wait=false",
-            ])
-            .output()
-            .context("running helm")?;
-        if !out.status.success() {
-            bail!("helm install: {}", String::from_utf8_lossy(&out.stderr));
-        }
-        cp.kubectl(&["create", "namespace", NS])?;
+        install_chart(&cp)?;
         let mut b = tempfile::Builder::new();
         b.prefix("mole-models-");
         let models = match &opts.models_parent {
@@ -448,42 +570,11 @@ spec:
         let op = match &self.opts.operator {
             OperatorMode::InProcess => {
                 let client = cluster::client_from(&self.operator_kubeconfig).await?;
-                let ctx = mole_operator::controller::Context::new(
-                    client.clone(),
-                    identity,
-                    mole_operator::telemetry::Metrics::new(),
-                    mole_operator::controller::PodClient::new(mole_crds::constants::WORKER_PORT),
-                );
-                Operator::Task(tokio::spawn(mole_operator::controller::run(
-                    client,
-                    None,
-                    ctx,
-                    std::future::pending::<()>(),
-                )))
+                Operator::Task(run_operator_in_process(client, &identity))
             }
             OperatorMode::Process(bin) => {
                 let log = self.cp.dir.path().join(format!("{identity}.log"));
-                let out = std::fs::File::create(&log)?;
-                let child = Command::new("setpriv")
-                    .arg("--pdeathsig=KILL")
-                    .arg(bin)
-                    .arg("run")
-                    .env("KUBECONFIG", &self.operator_kubeconfig)
-                    .env(
-                        "MOLE_OPERATOR_LISTEN",
-                        format!("127.0.0.1:{}", cluster::free_port()),
-                    )
-                    // The chart's Lease, as its Deployment runs it.
-                    .env("MOLE_LEADER_ELECT", "true")
-                    .env("MOLE_LEADER_LEASE", "mole-operator-leader")
-                    .env("MOLE_LEADER_NAMESPACE", "mole-system")
-                    .env("POD_NAME", &identity)
-                    .env("MOLE_LOG", "info")
-                    .stdin(Stdio::null())
-                    .stdout(out.try_clone()?)
-                    .stderr(out)
-                    .spawn()
-                    .context("starting mole-operator")?;
+                let child = spawn_operator(bin, &self.operator_kubeconfig, &identity, &log, &[])?;
                 Operator::Process { child, log }
             }
         };
@@ -574,6 +665,34 @@ spec:
     pub async fn chat(&self, svc: &str, model: &str) -> Result<(u16, serde_json::Value)> {
         let url = self.service_url(svc).await?;
         chat(&url, model).await
+    }
+}
+
+/// A test's wall time, printed (`<test>: <seconds> s`) when dropped: a field declared first
+/// prints it before the rest of its struct is torn down.
+pub struct Stopwatch {
+    t0: std::time::Instant,
+    name: String,
+}
+
+impl Stopwatch {
+    /// Started now, for the running test: libtest runs each test on a thread named after it.
+    pub fn start() -> Self {
+        Self {
+            t0: std::time::Instant::now(),
+            name: std::thread::current().name().unwrap_or("?").to_string(),
+        }
+    }
+
+    /// Since the start.
+    pub fn elapsed(&self) -> Duration {
+        self.t0.elapsed()
+    }
+}
+
+impl Drop for Stopwatch {
+    fn drop(&mut self) {
+        eprintln!("{}: {:.1} s", self.name, self.elapsed().as_secs_f64());
     }
 }
 

@@ -11,7 +11,7 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test is a failed test
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context as _, Result};
@@ -23,48 +23,16 @@ use k8s_openapi::api::policy::v1::PodDisruptionBudget;
 use kube::api::{ListParams, Patch, PatchParams};
 use kube::{Api, Client};
 use mole_crds::{Adapter, InferencePool};
-use mole_operator::controller::{self, Context, PodClient};
-use mole_operator::telemetry::Metrics;
 use mole_tests::cluster::{self, wait_for, ControlPlane, Parts};
+use mole_tests::stack;
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .unwrap()
-        .to_path_buf()
-}
-
-/// helm: `MOLE_HELM`, else `$MOLE_CACHE/bin/helm` (scripts/tools.sh), else the PATH's.
-fn helm() -> PathBuf {
-    if let Some(h) = std::env::var_os("MOLE_HELM") {
-        return h.into();
+/// The API server, with kube-controller-manager when `controller_manager` (garbage
+/// collection, Deployments' ReplicaSets, HPAs); never a scheduler: no pods run here.
+fn parts(controller_manager: bool) -> Parts {
+    Parts {
+        controller_manager,
+        scheduler: false,
     }
-    let cache = std::env::var_os("MOLE_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(&std::env::var_os("HOME").unwrap()).join(".cache/mole"));
-    let h = cache.join("bin/helm");
-    if h.is_file() {
-        h
-    } else {
-        "helm".into()
-    }
-}
-
-/// The operator binary of this build (`MOLE_OPERATOR_BIN`, else beside the test's own
-/// target directory: `cargo build -p mole-operator` puts it there).
-fn operator_bin() -> PathBuf {
-    if let Some(b) = std::env::var_os("MOLE_OPERATOR_BIN") {
-        return b.into();
-    }
-    let exe = std::env::current_exe().unwrap();
-    let profile_dir = exe.parent().unwrap().parent().unwrap();
-    let bin = profile_dir.join("mole-operator");
-    assert!(
-        bin.is_file(),
-        "{} is missing: cargo build -p mole-operator",
-        bin.display()
-    );
-    bin
 }
 
 /// A control plane with the chart installed in `mole-system` (no operator pods: the tests
@@ -76,28 +44,12 @@ struct Cluster {
 }
 
 impl Cluster {
-    async fn up(parts: Parts) -> Self {
-        let cp = ControlPlane::start(parts).await.unwrap();
-        let out = Command::new(helm())
-            .env("KUBECONFIG", &cp.kubeconfig)
-            .env("HELM_CACHE_HOME", cp.dir.path().join("helm-cache"))
-            .env("HELM_CONFIG_HOME", cp.dir.path().join("helm-config"))
-            .env("HELM_DATA_HOME", cp.dir.path().join("helm-data"))
-            .args(["install", "mole"])
-            .arg(repo().join("charts/mole"))
-            .args([
-                "--namespace",
-                "mole-system",
-                "--create-namespace",
-                "--set",
-                "replicaCount=0",
-                "--wait=false",
-            ])
-            .output()
+    /// See [`parts`] for `controller_manager`.
+    async fn up(controller_manager: bool) -> Self {
+        let cp = ControlPlane::start(parts(controller_manager))
+            .await
             .unwrap();
-        let helm_stderr = String::from_utf8_lossy(&out.stderr).into_owned();
-        assert!(out.status.success(), "helm install: {helm_stderr}");
-        cp.kubectl(&["create", "namespace", "ml"]).unwrap();
+        let helm_stderr = stack::install_chart(&cp).unwrap();
         Self { cp, helm_stderr }
     }
 
@@ -120,35 +72,30 @@ impl Cluster {
     /// `kubectl apply -f` of each sample under config/samples named in `files`.
     fn apply_samples(&self, files: &[&str]) {
         for f in files {
-            let yaml = std::fs::read_to_string(repo().join("config/samples").join(f)).unwrap();
+            let yaml =
+                std::fs::read_to_string(stack::repo().join("config/samples").join(f)).unwrap();
             self.cp.apply(&yaml).unwrap();
         }
     }
 
     /// Starts the operator binary as the chart's ServiceAccount, with leader election on the
     /// chart's Lease; its output goes to `<dir>/<identity>.log`.
+    /// The lease is held to 15 s (renewed within 10) so a hand-over by expiry would show in
+    /// the timings.
     fn spawn_operator(&self, identity: &str, kubeconfig: &Path) -> Operator {
         let log = self.cp.dir.path().join(format!("{identity}.log"));
-        let out = std::fs::File::create(&log).unwrap();
-        let port = cluster::free_port();
-        let child = Command::new("setpriv")
-            .arg("--pdeathsig=KILL")
-            .arg(operator_bin())
-            .arg("run")
-            .env("KUBECONFIG", kubeconfig)
-            .env("MOLE_OPERATOR_LISTEN", format!("127.0.0.1:{port}"))
-            .env("MOLE_LEADER_ELECT", "true")
-            .env("MOLE_LEADER_LEASE", "mole-operator-leader")
-            .env("MOLE_LEADER_NAMESPACE", "mole-system")
-            .env("MOLE_LEADER_LEASE_DURATION", "15")
-            .env("MOLE_LEADER_RENEW_DEADLINE", "10")
-            .env("POD_NAME", identity)
-            .env("MOLE_LOG", "info")
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .unwrap();
+        let bin = stack::built_bin("MOLE_OPERATOR_BIN", "mole-operator").unwrap();
+        let child = stack::spawn_operator(
+            &bin,
+            kubeconfig,
+            identity,
+            &log,
+            &[
+                ("MOLE_LEADER_LEASE_DURATION", "15"),
+                ("MOLE_LEADER_RENEW_DEADLINE", "10"),
+            ],
+        )
+        .unwrap();
         Operator {
             child,
             log,
@@ -199,43 +146,124 @@ impl Drop for Operator {
 
 /// Runs `controller::run` (the wiring `mole-operator run` uses) in this process with `client`.
 fn run_in_process(client: Client) -> tokio::task::JoinHandle<()> {
-    let ctx = Context::new(
-        client.clone(),
-        "in-process".into(),
-        Metrics::new(),
-        PodClient::new(mole_crds::constants::WORKER_PORT),
-    );
-    tokio::spawn(controller::run(
-        client,
-        None,
-        ctx,
-        std::future::pending::<()>(),
-    ))
+    stack::run_operator_in_process(client, "in-process")
 }
 
-/// Waits until pool `pool` of `ml` has its ConfigMap, dynamic Deployment, Service and PDB.
-async fn pool_children(client: &Client, pool: &str, within: Duration) -> Result<()> {
+/// [`run_in_process`] with a client of `kubeconfig`: one token across the operator's restarts.
+async fn run_in_process_as(kubeconfig: &Path) -> tokio::task::JoinHandle<()> {
+    run_in_process(cluster::client_from(kubeconfig).await.unwrap())
+}
+
+/// Waits until each of `pools` of `ml` has its ConfigMap, dynamic Deployment, Service and
+/// PDB, giving each up to `within`.
+async fn pool_children(client: &Client, pools: &[&str], within: Duration) -> Result<()> {
     let cms: Api<ConfigMap> = Api::namespaced(client.clone(), "ml");
     let deploys: Api<Deployment> = Api::namespaced(client.clone(), "ml");
     let svcs: Api<Service> = Api::namespaced(client.clone(), "ml");
     let pdbs: Api<PodDisruptionBudget> = Api::namespaced(client.clone(), "ml");
-    wait_for(within, &format!("pool {pool}'s objects"), || async {
-        let cm = cms.get_opt(&format!("{pool}-config")).await.ok()??;
-        let d = deploys.get_opt(&format!("{pool}-dynamic")).await.ok()??;
-        let s = svcs.get_opt(pool).await.ok()??;
-        let p = pdbs.get_opt(&format!("{pool}-dynamic")).await.ok()??;
-        Some((cm, d, s, p))
+    for pool in pools {
+        wait_for(within, &format!("pool {pool}'s objects"), || async {
+            let cm = cms.get_opt(&format!("{pool}-config")).await.ok()??;
+            let d = deploys.get_opt(&format!("{pool}-dynamic")).await.ok()??;
+            let s = svcs.get_opt(pool).await.ok()??;
+            let p = pdbs.get_opt(&format!("{pool}-dynamic")).await.ok()??;
+            Some((cm, d, s, p))
+        })
+        .await?;
+    }
+    Ok(())
+}
+
+/// The Warning Events in `ml`.
+async fn warning_events(client: &Client) -> Vec<Event> {
+    let events: Api<Event> = Api::namespaced(client.clone(), "ml");
+    events
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|e| e.type_.as_deref() == Some("Warning"))
+        .collect()
+}
+
+/// `reason: note` of each Warning Event in `ml`.
+async fn warnings(client: &Client) -> Vec<String> {
+    warning_events(client)
+        .await
+        .into_iter()
+        .map(|e| format!("{:?}: {:?}", e.reason, e.note))
+        .collect()
+}
+
+/// The API server's request counts (`request_counts`) after `settle` and again `window`
+/// later: what a quiet window of that length asked of it.
+async fn request_window(cp: &ControlPlane, settle: Duration, window: Duration) -> (Counts, Counts) {
+    tokio::time::sleep(settle).await;
+    let before = cp.request_counts().await.unwrap();
+    tokio::time::sleep(window).await;
+    let after = cp.request_counts().await.unwrap();
+    (before, after)
+}
+
+type Counts = std::collections::BTreeMap<(String, String), f64>;
+
+/// `verb resource: n` of each request counted between `before` and `after` that `keep`
+/// passes.
+fn requests_between(
+    before: &Counts,
+    after: &Counts,
+    keep: impl Fn(&str, &str) -> bool,
+) -> Vec<String> {
+    after
+        .iter()
+        .filter(|((verb, res), _)| keep(verb, res))
+        .filter_map(|(k, v)| {
+            let d = v - before.get(k).copied().unwrap_or(0.0);
+            (d > 0.0).then(|| format!("{} {}: {d}", k.0, k.1))
+        })
+        .collect()
+}
+
+/// InferencePool `p` of `ml` on base model `m` with this `storage`, GPU count and `dynamic`.
+fn pool_p(storage: serde_json::Value, gpus: i64, dynamic: serde_json::Value) -> serde_json::Value {
+    serde_json::json!({
+        "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
+        "metadata": {"name": "p", "namespace": "ml"},
+        "spec": {"baseModel": {"name": "m", "path": "base/m"},
+                 "storage": storage, "gpu": {"count": gpus}, "dynamic": dynamic}
+    })
+}
+
+/// Server-side apply of pool `v` (named `p`) as field manager `manager`, forced.
+async fn apply_pool_p(pools: &Api<InferencePool>, manager: &str, v: serde_json::Value) {
+    pools
+        .patch("p", &PatchParams::apply(manager).force(), &Patch::Apply(v))
+        .await
+        .unwrap();
+}
+
+/// Waits up to 30 s for Deployment `p-dynamic` to pass `ok`; it as it was then.
+async fn p_dynamic_when(
+    deploys: &Api<Deployment>,
+    what: &str,
+    ok: impl Fn(&Deployment) -> bool,
+) -> Deployment {
+    wait_for(Duration::from_secs(30), what, || async {
+        deploys
+            .get_opt("p-dynamic")
+            .await
+            .ok()
+            .flatten()
+            .filter(&ok)
     })
     .await
-    .map(|_| ())
+    .unwrap()
 }
 
 /// Every write (create, update, patch, apply, delete) the API server served of the pools'
 /// and Adapters' children since `before`.
-fn child_writes(
-    before: &std::collections::BTreeMap<(String, String), f64>,
-    after: &std::collections::BTreeMap<(String, String), f64>,
-) -> Vec<String> {
+fn child_writes(before: &Counts, after: &Counts) -> Vec<String> {
     const WRITES: &[&str] = &["CREATE", "UPDATE", "PATCH", "APPLY", "DELETE"];
     const CHILDREN: &[&str] = &[
         "deployments",
@@ -245,16 +273,9 @@ fn child_writes(
         "jobs",
         "horizontalpodautoscalers",
     ];
-    after
-        .iter()
-        .filter(|((verb, res), _)| {
-            WRITES.contains(&verb.as_str()) && CHILDREN.contains(&res.as_str())
-        })
-        .filter_map(|(k, v)| {
-            let d = v - before.get(k).copied().unwrap_or(0.0);
-            (d > 0.0).then(|| format!("{} {}: {d}", k.0, k.1))
-        })
-        .collect()
+    requests_between(before, after, |verb, res| {
+        WRITES.contains(&verb) && CHILDREN.contains(&res)
+    })
 }
 
 /// A user's first minutes: `helm install` prints no warnings, the samples apply, and the
@@ -265,11 +286,7 @@ fn child_writes(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn the_operator_creates_every_pools_objects_on_a_real_api_server() {
-    let c = Cluster::up(Parts {
-        controller_manager: true,
-        scheduler: false,
-    })
-    .await;
+    let c = Cluster::up(true).await;
     c.apply_samples(&[
         "pool-qwen3-vl-8b.yaml",
         "pool-qwen3-4b.yaml",
@@ -280,23 +297,12 @@ async fn the_operator_creates_every_pools_objects_on_a_real_api_server() {
     let op = c.operator_client().await;
     let task = run_in_process(op);
     let admin = c.admin().await;
-    for pool in ["qwen3-vl", "qwen3"] {
-        pool_children(&admin, pool, Duration::from_secs(60))
-            .await
-            .unwrap();
-    }
+    pool_children(&admin, &["qwen3-vl", "qwen3"], Duration::from_secs(60))
+        .await
+        .unwrap();
     // Nothing the operator did was refused: no Warning Event anywhere.
     tokio::time::sleep(Duration::from_secs(3)).await;
-    let events: Api<Event> = Api::namespaced(admin.clone(), "ml");
-    let warnings: Vec<String> = events
-        .list(&ListParams::default())
-        .await
-        .unwrap()
-        .items
-        .into_iter()
-        .filter(|e| e.type_.as_deref() == Some("Warning"))
-        .map(|e| format!("{:?}: {:?}", e.reason, e.note))
-        .collect();
+    let warnings = warnings(&admin).await;
     assert!(warnings.is_empty(), "Warning Events: {warnings:#?}");
     assert!(
         !c.helm_stderr.contains("unrecognized format"),
@@ -313,11 +319,7 @@ async fn the_operator_creates_every_pools_objects_on_a_real_api_server() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_quiet_minute_writes_nothing() {
-    let c = Cluster::up(Parts {
-        controller_manager: true,
-        scheduler: false,
-    })
-    .await;
+    let c = Cluster::up(true).await;
     // Every sample: a dynamic and a merged adapter (its merge Job), both pools.
     c.apply_samples(&[
         "pool-qwen3-vl-8b.yaml",
@@ -329,11 +331,9 @@ async fn a_quiet_minute_writes_nothing() {
     ]);
     let task = run_in_process(c.operator_client().await);
     let admin = c.admin().await;
-    for pool in ["qwen3-vl", "qwen3"] {
-        pool_children(&admin, pool, Duration::from_secs(60))
-            .await
-            .unwrap();
-    }
+    pool_children(&admin, &["qwen3-vl", "qwen3"], Duration::from_secs(60))
+        .await
+        .unwrap();
     // Another manager (an injector, a user's `kubectl patch`) adds a sidecar to one pool's
     // pods: theirs to keep, and no reason to write.
     c.cp.kubectl(&[
@@ -347,22 +347,14 @@ async fn a_quiet_minute_writes_nothing() {
         r#"{"spec":{"template":{"spec":{"containers":[{"name":"proxy","image":"envoyproxy/envoy:v1.34"}]}}}}"#,
     ])
     .unwrap();
-    // Let the reconciles the patch and the first writes caused settle.
-    tokio::time::sleep(Duration::from_secs(15)).await;
-    let before = c.cp.request_counts().await.unwrap();
-    // The pool controller requeues every few seconds while pods are missing: a window of
-    // 40 s holds several reconciles of each pool.
-    tokio::time::sleep(Duration::from_secs(40)).await;
-    let after = c.cp.request_counts().await.unwrap();
+    // Let the reconciles the patch and the first writes caused settle; the pool controller
+    // requeues every few seconds while pods are missing: a window of 40 s holds several
+    // reconciles of each pool.
+    let (before, after) =
+        request_window(&c.cp, Duration::from_secs(15), Duration::from_secs(40)).await;
     let writes = child_writes(&before, &after);
     // Every request in the window, for the record (status writes and reads included).
-    let all: Vec<String> = after
-        .iter()
-        .filter_map(|(k, v)| {
-            let d = v - before.get(k).copied().unwrap_or(0.0);
-            (d > 0.0).then(|| format!("{} {}: {d}", k.0, k.1))
-        })
-        .collect();
+    let all = requests_between(&before, &after, |_, _| true);
     eprintln!("requests in 40 s: {all:?}");
     assert!(writes.is_empty(), "writes in a quiet window: {writes:?}");
     let d: Deployment = Api::namespaced(admin.clone(), "ml")
@@ -393,11 +385,7 @@ async fn a_quiet_minute_writes_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn sigterm_stops_the_leader_and_hands_the_lease_over() {
-    let c = Cluster::up(Parts {
-        controller_manager: true,
-        scheduler: false,
-    })
-    .await;
+    let c = Cluster::up(true).await;
     c.apply_samples(&["pool-qwen3-vl-8b.yaml", "adapter-calendar.yaml"]);
     let kc = c.operator_kubeconfig();
     let mut a = c.spawn_operator("operator-a", &kc);
@@ -419,7 +407,7 @@ async fn sigterm_stops_the_leader_and_hands_the_lease_over() {
     .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
     assert_eq!(first, "operator-a");
     let mut b = c.spawn_operator("operator-b", &kc);
-    pool_children(&admin, "qwen3-vl", Duration::from_secs(60))
+    pool_children(&admin, &["qwen3-vl"], Duration::from_secs(60))
         .await
         .unwrap_or_else(|e| panic!("{e}\n{}", a.log()));
     // The standby has tried at least once and found the Lease held.
@@ -469,32 +457,18 @@ async fn sigterm_stops_the_leader_and_hands_the_lease_over() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_mount_path_the_server_refuses_is_refused_up_front_and_not_kept() {
-    let c = Cluster::up(Parts {
-        controller_manager: false,
-        scheduler: false,
-    })
-    .await;
+    let c = Cluster::up(false).await;
     let admin = c.admin().await;
     let task = run_in_process(c.operator_client().await);
     let pools: Api<InferencePool> = Api::namespaced(admin.clone(), "ml");
     let pool = |mount: &str, gpus: i64| {
-        serde_json::json!({
-            "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
-            "metadata": {"name": "p", "namespace": "ml"},
-            "spec": {"baseModel": {"name": "m", "path": "base/m"},
-                     "storage": {"claimName": "models", "mountPath": mount},
-                     "gpu": {"count": gpus}, "dynamic": {"replicas": 1}}
-        })
+        pool_p(
+            serde_json::json!({"claimName": "models", "mountPath": mount}),
+            gpus,
+            serde_json::json!({"replicas": 1}),
+        )
     };
-    let apply = |v: serde_json::Value| {
-        let pools = pools.clone();
-        async move {
-            pools
-                .patch("p", &PatchParams::apply("test").force(), &Patch::Apply(v))
-                .await
-                .unwrap();
-        }
-    };
+    let apply = |v| apply_pool_p(&pools, "test", v);
     let ready_condition = |pools: Api<InferencePool>| async move {
         let p = pools.get("p").await.ok()?;
         p.status?
@@ -537,14 +511,9 @@ async fn a_mount_path_the_server_refuses_is_refused_up_front_and_not_kept() {
         deploys.get_opt("p-dynamic").await.unwrap().is_none(),
         "a Deployment the server must refuse was not refused up front"
     );
-    let events: Api<Event> = Api::namespaced(admin.clone(), "ml");
-    let notes: Vec<String> = events
-        .list(&ListParams::default())
+    let notes: Vec<String> = warning_events(&admin)
         .await
-        .unwrap()
-        .items
         .into_iter()
-        .filter(|e| e.type_.as_deref() == Some("Warning"))
         .filter_map(|e| e.note)
         .collect();
     assert!(
@@ -556,7 +525,7 @@ async fn a_mount_path_the_server_refuses_is_refused_up_front_and_not_kept() {
         "an Event holds a raw API error: {notes:#?}"
     );
     apply(pool("/models", 1)).await;
-    pool_children(&admin, "p", Duration::from_secs(30))
+    pool_children(&admin, &["p"], Duration::from_secs(30))
         .await
         .unwrap();
     let after = ready_condition(pools.clone()).await.unwrap();
@@ -575,11 +544,7 @@ async fn a_mount_path_the_server_refuses_is_refused_up_front_and_not_kept() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn adapters_get_their_finalizer_without_errors_on_every_start() {
-    let c = Cluster::up(Parts {
-        controller_manager: false,
-        scheduler: false,
-    })
-    .await;
+    let c = Cluster::up(false).await;
     c.apply_samples(&[
         "pool-qwen3-vl-8b.yaml",
         "adapter-calendar.yaml",
@@ -591,8 +556,7 @@ async fn adapters_get_their_finalizer_without_errors_on_every_start() {
     let adapters: Api<Adapter> = Api::namespaced(admin.clone(), "ml");
     let kc = c.operator_kubeconfig();
     for round in 0..3 {
-        let client = cluster::client_from(&kc).await.unwrap();
-        let task = run_in_process(client);
+        let task = run_in_process_as(&kc).await;
         wait_for(
             Duration::from_secs(30),
             "every Adapter's finalizer",
@@ -615,16 +579,7 @@ async fn adapters_get_their_finalizer_without_errors_on_every_start() {
         tokio::time::sleep(Duration::from_secs(2)).await;
         task.abort();
         let _ = task.await;
-        let events: Api<Event> = Api::namespaced(admin.clone(), "ml");
-        let bad: Vec<String> = events
-            .list(&ListParams::default())
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .filter(|e| e.type_.as_deref() == Some("Warning"))
-            .map(|e| format!("{:?}: {:?}", e.reason, e.note))
-            .collect();
+        let bad = warnings(&admin).await;
         assert!(bad.is_empty(), "round {round}: Warning Events {bad:#?}");
         // Next round starts from scratch: finalizers gone, as after a fresh apply.
         for a in adapters.list(&ListParams::default()).await.unwrap().items {
@@ -645,14 +600,9 @@ async fn adapters_get_their_finalizer_without_errors_on_every_start() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn the_crds_apply_without_warnings() {
-    let cp = ControlPlane::start(Parts {
-        controller_manager: false,
-        scheduler: false,
-    })
-    .await
-    .unwrap();
+    let cp = ControlPlane::start(parts(false)).await.unwrap();
     for f in ["adapters.mole.dev.yaml", "inferencepools.mole.dev.yaml"] {
-        let yaml = std::fs::read_to_string(repo().join("charts/mole/crds").join(f)).unwrap();
+        let yaml = std::fs::read_to_string(stack::repo().join("charts/mole/crds").join(f)).unwrap();
         let warnings = cp.apply(&yaml).unwrap();
         assert!(
             !warnings.to_lowercase().contains("warning"),
@@ -665,11 +615,7 @@ async fn the_crds_apply_without_warnings() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn the_control_plane_is_the_pinned_kubernetes() -> Result<()> {
-    let cp = ControlPlane::start(Parts {
-        controller_manager: false,
-        scheduler: false,
-    })
-    .await?;
+    let cp = ControlPlane::start(parts(false)).await?;
     let v = cp.client().await?.apiserver_version().await?;
     if v.git_version != cluster::K8S_VERSION {
         bail!("server {} is not {}", v.git_version, cluster::K8S_VERSION);
@@ -691,53 +637,18 @@ async fn the_control_plane_is_the_pinned_kubernetes() -> Result<()> {
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn the_replicas_are_handed_to_the_hpa_and_back() {
     use k8s_openapi::api::autoscaling::v2::HorizontalPodAutoscaler;
-    let c = Cluster::up(Parts {
-        controller_manager: true,
-        scheduler: false,
-    })
-    .await;
+    let c = Cluster::up(true).await;
     let admin = c.admin().await;
     let task = run_in_process(c.operator_client().await);
     let pools: Api<InferencePool> = Api::namespaced(admin.clone(), "ml");
     let deploys: Api<Deployment> = Api::namespaced(admin.clone(), "ml");
     let hpas: Api<HorizontalPodAutoscaler> = Api::namespaced(admin.clone(), "ml");
-    let pool = |dynamic: serde_json::Value| {
-        serde_json::json!({
-            "apiVersion": "mole.dev/v1alpha1", "kind": "InferencePool",
-            "metadata": {"name": "p", "namespace": "ml"},
-            "spec": {"baseModel": {"name": "m", "path": "base/m"},
-                     "storage": {"claimName": "models"}, "gpu": {"count": 1}, "dynamic": dynamic}
-        })
-    };
-    let apply = |v: serde_json::Value| {
-        let pools = pools.clone();
-        async move {
-            pools
-                .patch("p", &PatchParams::apply("user").force(), &Patch::Apply(v))
-                .await
-                .unwrap();
-        }
-    };
-    let owns_replicas = |d: &Deployment| {
-        d.metadata.managed_fields.iter().flatten().any(|m| {
-            m.manager.as_deref() == Some("mole-operator/pool-deployment")
-                && m.fields_v1
-                    .as_ref()
-                    .is_some_and(|f| f.0["f:spec"].get("f:replicas").is_some())
-        })
-    };
+    let pool = |dynamic| pool_p(serde_json::json!({"claimName": "models"}), 1, dynamic);
+    let apply = |v| apply_pool_p(&pools, "user", v);
+    let owns_replicas = stack::operator_owns_replicas;
     let replicas = |d: &Deployment| d.spec.as_ref().and_then(|s| s.replicas);
     apply(pool(serde_json::json!({"replicas": 2}))).await;
-    let d = wait_for(Duration::from_secs(30), "p-dynamic at 2", || async {
-        deploys
-            .get_opt("p-dynamic")
-            .await
-            .ok()
-            .flatten()
-            .filter(|d| replicas(d) == Some(2))
-    })
-    .await
-    .unwrap();
+    let d = p_dynamic_when(&deploys, "p-dynamic at 2", |d| replicas(d) == Some(2)).await;
     assert!(owns_replicas(&d));
     apply(pool(serde_json::json!({
         "autoscaling": {"minReplicas": 1, "maxReplicas": 4, "targetQueueDepth": 4}
@@ -748,16 +659,7 @@ async fn the_replicas_are_handed_to_the_hpa_and_back() {
     })
     .await
     .unwrap();
-    let d = wait_for(Duration::from_secs(30), "the count handed over", || async {
-        deploys
-            .get_opt("p-dynamic")
-            .await
-            .ok()
-            .flatten()
-            .filter(|d| !owns_replicas(d))
-    })
-    .await
-    .unwrap();
+    let d = p_dynamic_when(&deploys, "the count handed over", |d| !owns_replicas(d)).await;
     assert_eq!(replicas(&d), Some(2), "the hand-over kept the count");
     // The HPA scales.
     c.cp.kubectl(&[
@@ -769,10 +671,8 @@ async fn the_replicas_are_handed_to_the_hpa_and_back() {
         "--replicas=3",
     ])
     .unwrap();
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    let before = c.cp.request_counts().await.unwrap();
-    tokio::time::sleep(Duration::from_secs(20)).await;
-    let after = c.cp.request_counts().await.unwrap();
+    let (before, after) =
+        request_window(&c.cp, Duration::from_secs(10), Duration::from_secs(20)).await;
     let writes = child_writes(&before, &after);
     assert!(writes.is_empty(), "writes in a quiet window: {writes:?}");
     assert_eq!(replicas(&deploys.get("p-dynamic").await.unwrap()), Some(3));
@@ -782,24 +682,9 @@ async fn the_replicas_are_handed_to_the_hpa_and_back() {
         "maxQueue": 64
     })))
     .await;
-    let hash = |d: &Deployment| {
-        d.spec
-            .as_ref()
-            .and_then(|s| s.template.metadata.as_ref())
-            .and_then(|m| m.annotations.as_ref())
-            .and_then(|a| a.get("mole.dev/spec-hash").cloned())
-    };
+    let hash = |d: &Deployment| stack::template_annotation(d, "mole.dev/spec-hash");
     let old = hash(&d);
-    let d = wait_for(Duration::from_secs(30), "the new template", || async {
-        deploys
-            .get_opt("p-dynamic")
-            .await
-            .ok()
-            .flatten()
-            .filter(|d| hash(d) != old)
-    })
-    .await
-    .unwrap();
+    let d = p_dynamic_when(&deploys, "the new template", |d| hash(d) != old).await;
     assert_eq!(replicas(&d), Some(3), "the operator put the count back");
     // Autoscaling off: the count is the operator's again and the HPA goes.
     apply(pool(serde_json::json!({"replicas": 1}))).await;
@@ -821,11 +706,7 @@ async fn the_replicas_are_handed_to_the_hpa_and_back() {
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_restart_mid_merge_makes_no_second_job_and_deleting_the_pool_leaves_nothing() {
     use k8s_openapi::api::batch::v1::Job;
-    let c = Cluster::up(Parts {
-        controller_manager: true,
-        scheduler: false,
-    })
-    .await;
+    let c = Cluster::up(true).await;
     c.apply_samples(&[
         "pool-qwen3-vl-8b.yaml",
         "adapter-calendar.yaml",
@@ -846,7 +727,7 @@ async fn a_restart_mid_merge_makes_no_second_job_and_deleting_the_pool_leaves_no
             .unwrap_or_default()
     };
     let kc = c.operator_kubeconfig();
-    let first = run_in_process(cluster::client_from(&kc).await.unwrap());
+    let first = run_in_process_as(&kc).await;
     let before = wait_for(Duration::from_secs(60), "the merge Job", || async {
         let j = merge_jobs(jobs.clone()).await;
         (!j.is_empty()).then_some(j)
@@ -856,7 +737,7 @@ async fn a_restart_mid_merge_makes_no_second_job_and_deleting_the_pool_leaves_no
     tokio::time::sleep(Duration::from_secs(3)).await;
     first.abort();
     let _ = first.await;
-    let second = run_in_process(cluster::client_from(&kc).await.unwrap());
+    let second = run_in_process_as(&kc).await;
     // Long enough for the restarted operator to reconcile every Adapter more than once.
     tokio::time::sleep(Duration::from_secs(15)).await;
     assert_eq!(merge_jobs(jobs.clone()).await, before, "a second merge Job");

@@ -310,14 +310,7 @@ async fn wait_merged_ready(adapters: &Api<Adapter>, version: &str) -> mole_crds:
 /// The merged output the Deployment `tiny-calendar` serves (pod-template annotation).
 async fn served_output(deploys: &Api<Deployment>) -> String {
     let d = deploys.get("tiny-calendar").await.unwrap();
-    d.spec
-        .unwrap()
-        .template
-        .metadata
-        .unwrap()
-        .annotations
-        .unwrap()["mole.dev/merged-output"]
-        .clone()
+    mole_tests::stack::template_annotation(&d, "mole.dev/merged-output").unwrap()
 }
 
 #[tokio::test]
@@ -385,18 +378,9 @@ async fn merge_serve_and_roll_back_on_a_real_cluster() {
     // Roll back: kubectl patch ... '{"spec":{"version":"v1","source":{"path":"adapters/calendar/v1"}}}'
     let jobs: Api<Job> = Api::namespaced(client.clone(), &ns);
     let merge_jobs = || async {
-        let lp = ListParams::default()
-            .labels("mole.dev/adapter=calendar,app.kubernetes.io/component=merge");
-        let mut names: Vec<String> = jobs
-            .list(&lp)
+        mole_tests::stack::merge_jobs(&client, &ns, "calendar")
             .await
             .unwrap()
-            .items
-            .into_iter()
-            .filter_map(|j| j.metadata.name)
-            .collect();
-        names.sort();
-        names
     };
     let before = merge_jobs().await;
     kubectl_patch(
@@ -975,14 +959,7 @@ async fn an_autoscaled_pool_leaves_its_replicas_to_the_hpa() {
         deploys.get_opt("vl-dynamic").await.ok().flatten()
     })
     .await;
-    let owns_replicas = |d: &Deployment| {
-        d.metadata.managed_fields.iter().flatten().any(|m| {
-            m.manager.as_deref() == Some("mole-operator/pool-deployment")
-                && m.fields_v1
-                    .as_ref()
-                    .is_some_and(|f| f.0["f:spec"].get("f:replicas").is_some())
-        })
-    };
+    let owns_replicas = mole_tests::stack::operator_owns_replicas;
     assert!(!owns_replicas(&d), "the operator applies no replicas");
     // `kubectl scale deployment vl-dynamic --replicas 2`.
     deploys
@@ -993,17 +970,7 @@ async fn an_autoscaled_pool_leaves_its_replicas_to_the_hpa() {
         )
         .await
         .unwrap();
-    let hash = |d: &Deployment| {
-        d.spec
-            .as_ref()?
-            .template
-            .metadata
-            .as_ref()?
-            .annotations
-            .as_ref()?
-            .get("mole.dev/spec-hash")
-            .cloned()
-    };
+    let hash = |d: &Deployment| mole_tests::stack::template_annotation(d, "mole.dev/spec-hash");
     let before = hash(&d);
     // A start-only engine limit changes the pod template: the operator applies the Deployment
     // again, and the count it does not own stays.

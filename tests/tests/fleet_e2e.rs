@@ -32,9 +32,9 @@ use mole_tests::stack::{self, Fixture, Mole, NS};
 
 /// A [`Mole`] (the operator as a process) that prints the test's wall time when dropped.
 struct Env {
+    // Dropped first: the test's time is its own, not the teardown's.
+    clock: stack::Stopwatch,
     m: Mole,
-    t0: Instant,
-    name: &'static str,
 }
 
 impl std::ops::Deref for Env {
@@ -50,23 +50,17 @@ impl std::ops::DerefMut for Env {
     }
 }
 
-impl Drop for Env {
-    fn drop(&mut self) {
-        eprintln!("{}: {:.1} s", self.name, self.t0.elapsed().as_secs_f64());
-    }
-}
-
 impl Env {
-    async fn start(name: &'static str, fixture: Fixture) -> Self {
-        let t0 = Instant::now();
+    async fn start(fixture: Fixture) -> Self {
+        let clock = stack::Stopwatch::start();
         let opts = stack::Options::this_build(fixture, false).unwrap();
         let m = Mole::start(opts).await.unwrap();
-        Self { m, t0, name }
+        Self { clock, m }
     }
 
     /// Seconds since the test started, for its log.
     fn at(&self) -> f64 {
-        (self.t0.elapsed().as_secs_f64() * 10.0).round() / 10.0
+        (self.clock.elapsed().as_secs_f64() * 10.0).round() / 10.0
     }
 
     /// `kubectl apply` of `yaml`, which must succeed.
@@ -76,20 +70,7 @@ impl Env {
 
     /// Names of the merge Jobs of adapter `name`, sorted.
     async fn merge_jobs(&self, name: &str) -> Vec<String> {
-        let jobs: Api<Job> = Api::namespaced(self.admin.clone(), NS);
-        let lp = ListParams::default().labels(&format!(
-            "mole.dev/adapter={name},app.kubernetes.io/component=merge"
-        ));
-        let mut names: Vec<String> = jobs
-            .list(&lp)
-            .await
-            .unwrap()
-            .items
-            .into_iter()
-            .filter_map(|j| j.metadata.name)
-            .collect();
-        names.sort();
-        names
+        stack::merge_jobs(&self.admin, NS, name).await.unwrap()
     }
 
     /// Waits until `name` is Ready, served by merged pods, on `version`.
@@ -317,19 +298,10 @@ fn served(v: &serde_json::Value) -> (&str, &str) {
 
 /// The tiny llama pool on CPU, one dynamic pod; `merge` is its `spec.merge` (YAML flow).
 fn tiny_pool(merge: &str) -> String {
-    format!(
-        r#"
-apiVersion: mole.dev/v1alpha1
-kind: InferencePool
-metadata: {{name: tiny, namespace: {NS}, annotations: {{mole.dev/allow-cpu: "true"}}}}
-spec:
-  baseModel: {{name: llama, path: base/llama, dtype: f32}}
-  storage: {{claimName: models}}
-  imagePullPolicy: Never
-  gpu: {{count: 0}}
-  dynamic: {{replicas: 1}}
-  merge: {merge}
-"#
+    stack::cpu_pool(
+        "tiny",
+        "llama",
+        &format!("  dynamic: {{replicas: 1}}\n  merge: {merge}"),
     )
 }
 
@@ -358,14 +330,7 @@ async fn served_output(m: &Mole) -> String {
         .get("tiny-calendar")
         .await
         .unwrap();
-    d.spec
-        .unwrap()
-        .template
-        .metadata
-        .unwrap()
-        .annotations
-        .unwrap()["mole.dev/merged-output"]
-        .clone()
+    stack::template_annotation(&d, "mole.dev/merged-output").unwrap()
 }
 
 /// Rollback is "apply the previous version" (DESIGN §2): an Adapter merged on v1 and served by
@@ -377,11 +342,7 @@ async fn served_output(m: &Mole) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn rollback_by_apply_switches_back_without_a_merge() {
-    let e = Env::start(
-        "rollback_by_apply_switches_back_without_a_merge",
-        Fixture::TinyLlama,
-    )
-    .await;
+    let e = Env::start(Fixture::TinyLlama).await;
     e.apply(&tiny_pool("{}"));
     let v1_manifest = calendar("v1", "{mode: merged}", "");
     e.apply(&v1_manifest);
@@ -488,11 +449,7 @@ async fn rollback_by_apply_switches_back_without_a_merge() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_canary_that_errors_is_rolled_back_with_a_warning() {
-    let e = Env::start(
-        "a_canary_that_errors_is_rolled_back_with_a_warning",
-        Fixture::TinyLlama,
-    )
-    .await;
+    let e = Env::start(Fixture::TinyLlama).await;
     e.apply(&tiny_pool("{}").replace(
         "dynamic: {replicas: 1}",
         "dynamic: {replicas: 1, maxLoras: 1, maxCpuLoras: 0}",
@@ -625,11 +582,7 @@ async fn merged_replicas(m: &Mole) -> Option<(i32, i32)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn idle_merged_pods_scale_to_zero_and_a_request_brings_them_back() {
-    let e = Env::start(
-        "idle_merged_pods_scale_to_zero_and_a_request_brings_them_back",
-        Fixture::TinyLlama,
-    )
-    .await;
+    let e = Env::start(Fixture::TinyLlama).await;
     e.apply(&tiny_pool(
         "{unloadFromDynamic: true, scaleToZero: {idleSeconds: 60}}",
     ));
@@ -728,11 +681,7 @@ async fn idle_merged_pods_scale_to_zero_and_a_request_brings_them_back() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn an_auto_adapter_is_promoted_under_traffic_with_no_failed_request() {
-    let e = Env::start(
-        "an_auto_adapter_is_promoted_under_traffic_with_no_failed_request",
-        Fixture::TinyLlama,
-    )
-    .await;
+    let e = Env::start(Fixture::TinyLlama).await;
     e.apply(&tiny_pool(
         "{traffic: {promoteShare: 0.5, demoteShare: 0.1, windowSeconds: 0, minHoldSeconds: 0, \
          maxMergedGpus: 1}}",
@@ -803,18 +752,13 @@ async fn an_auto_adapter_is_promoted_under_traffic_with_no_failed_request() {
 
 /// The SmolLM2 pool on CPU (`base/smollm2-135m-instruct`, f32), one dynamic pod, merge Jobs
 /// limited to a tenth of a core.
-const SMOL_POOL: &str = r#"
-apiVersion: mole.dev/v1alpha1
-kind: InferencePool
-metadata: {name: smol, namespace: ml, annotations: {mole.dev/allow-cpu: "true"}}
-spec:
-  baseModel: {name: smollm2-135m-instruct, path: base/smollm2-135m-instruct, dtype: f32}
-  storage: {claimName: models}
-  imagePullPolicy: Never
-  gpu: {count: 0}
-  dynamic: {replicas: 1}
-  merge: {resources: {limits: {cpu: 100m}}}
-"#;
+fn smol_pool() -> String {
+    stack::cpu_pool(
+        "smol",
+        stack::SMOLLM2,
+        "  dynamic: {replicas: 1}\n  merge: {resources: {limits: {cpu: 100m}}}",
+    )
+}
 
 /// An operator restarted while a merge Job really runs: SmolLM2-135M (the real model, 538 MB
 /// of f32 weights) merged with the demo `french` adapter by a Job limited to `100m` of CPU (the
@@ -827,12 +771,8 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn an_operator_restarted_mid_merge_makes_no_second_job_and_the_merge_completes() {
-    let mut e = Env::start(
-        "an_operator_restarted_mid_merge_makes_no_second_job_and_the_merge_completes",
-        Fixture::SmolLm2,
-    )
-    .await;
-    e.apply(SMOL_POOL);
+    let mut e = Env::start(Fixture::SmolLm2).await;
+    e.apply(&smol_pool());
     e.apply(&format!(
         r#"
 apiVersion: mole.dev/v1alpha1

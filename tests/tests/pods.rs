@@ -14,7 +14,7 @@ use std::process::Command;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::{ConfigMap, Pod};
+use k8s_openapi::api::core::v1::{ConfigMap, ContainerStateTerminated, Pod};
 use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Api, Client};
 use mole_tests::cluster::{wait_for, ControlPlane, Parts};
@@ -27,22 +27,16 @@ const SH: &str = "mole-test/shell";
 /// A control plane (controller manager and scheduler) with a kubelet whose images are the
 /// host's python3 and sh, and namespace `t`.
 struct Env {
-    // Dropped first: the kubelet deletes its Node while the API server still runs.
+    // Dropped first: the test's time is its own, not the teardown's.
+    _clock: stack::Stopwatch,
+    // Then the kubelet: it deletes its Node while the API server still runs.
     kubelet: Kubelet,
     cp: ControlPlane,
     client: Client,
-    t0: Instant,
-    name: &'static str,
 }
 
-impl Drop for Env {
-    fn drop(&mut self) {
-        eprintln!("{}: {:.1} s", self.name, self.t0.elapsed().as_secs_f64());
-    }
-}
-
-async fn env(name: &'static str, cfg: impl FnOnce(KubeletConfig) -> KubeletConfig) -> Env {
-    let t0 = Instant::now();
+async fn env(cfg: impl FnOnce(KubeletConfig) -> KubeletConfig) -> Env {
+    let clock = stack::Stopwatch::start();
     // The host's own interpreter (not a version manager's shim, which needs its environment).
     assert!(
         Path::new("/usr/bin/python3").is_file(),
@@ -70,11 +64,10 @@ async fn env(name: &'static str, cfg: impl FnOnce(KubeletConfig) -> KubeletConfi
     .await
     .unwrap();
     Env {
+        _clock: clock,
         kubelet,
         cp,
         client,
-        t0,
-        name,
     }
 }
 
@@ -86,6 +79,11 @@ fn http() -> reqwest::Client {
         .unwrap()
 }
 
+/// GET `url`: the body's text (any status).
+async fn get_text(url: String) -> String {
+    http().get(url).send().await.unwrap().text().await.unwrap()
+}
+
 async fn pods(client: &Client, selector: &str) -> Vec<Pod> {
     Api::<Pod>::namespaced(client.clone(), "t")
         .list(&ListParams::default().labels(selector))
@@ -94,11 +92,64 @@ async fn pods(client: &Client, selector: &str) -> Vec<Pod> {
         .items
 }
 
+fn phase(p: &Pod) -> Option<&str> {
+    p.status.as_ref()?.phase.as_deref()
+}
+
+/// How the pod's first container last ended.
+fn exit(p: &Pod) -> ContainerStateTerminated {
+    p.status
+        .as_ref()
+        .unwrap()
+        .container_statuses
+        .as_ref()
+        .unwrap()[0]
+        .state
+        .clone()
+        .unwrap()
+        .terminated
+        .unwrap()
+}
+
+/// `kubectl ARGS` running, its stdout piped (for `logs -f`, which runs until stopped).
+fn kubectl_stdout(cp: &ControlPlane, args: &[&str]) -> std::process::Child {
+    Command::new(cp.bins().join("kubectl"))
+        .env("KUBECONFIG", &cp.kubeconfig)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 fn ready(p: &Pod) -> bool {
     p.status
         .as_ref()
         .and_then(|s| s.conditions.as_ref())
         .is_some_and(|c| c.iter().any(|c| c.type_ == "Ready" && c.status == "True"))
+}
+
+/// A Job `name` of `t` that runs once (no retry, no restart): its one container `main` runs
+/// `image` with `container`, the container's other fields (YAML lines, unindented).
+fn one_shot_job(name: &str, image: &str, container: &str) -> String {
+    let container: String = container
+        .lines()
+        .map(|l| format!("        {l}\n"))
+        .collect();
+    format!(
+        r#"
+apiVersion: batch/v1
+kind: Job
+metadata: {{name: {name}, namespace: t}}
+spec:
+  backoffLimit: 0
+  template:
+    spec:
+      restartPolicy: Never
+      containers:
+      - name: main
+        image: {image}
+{container}"#
+    )
 }
 
 /// The netns and links of `bridge` that exist now.
@@ -131,11 +182,7 @@ fn namespaces(bridge: &str) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_deployment_gets_ready_pods_with_addresses_of_their_own() {
-    let e = env(
-        "a_deployment_gets_ready_pods_with_addresses_of_their_own",
-        |c| c,
-    )
-    .await;
+    let e = env(|c| c).await;
     e.cp.apply(
         r#"
 apiVersion: v1
@@ -192,14 +239,7 @@ spec:
     for ip in &ips {
         let a: std::net::Ipv4Addr = ip.parse().unwrap();
         assert_eq!(a.octets()[..3], gw[..3], "{ip} is on the kubelet's bridge");
-        let body = http()
-            .get(format!("http://{ip}:8080/hello.txt"))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap();
+        let body = get_text(format!("http://{ip}:8080/hello.txt")).await;
         assert_eq!(body, "hello from a configMap\n");
     }
     let p0 = &ready_pods[0];
@@ -279,25 +319,16 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn jobs_end_with_their_exit_codes_messages_and_logs() {
-    let e = env("jobs_end_with_their_exit_codes_messages_and_logs", |c| c).await;
+    let e = env(|c| c).await;
     let job_ro = |name: &str, script: &str, policy: &str, ro: bool| {
-        format!(
-            r#"
-apiVersion: batch/v1
-kind: Job
-metadata: {{name: {name}, namespace: t}}
-spec:
-  backoffLimit: 0
-  template:
-    spec:
-      restartPolicy: Never
-      containers:
-      - name: main
-        image: mole-test/shell:1
-        command: [sh, -c, {script:?}]
-        terminationMessagePolicy: {policy}
-        securityContext: {{readOnlyRootFilesystem: {ro}}}
-"#
+        one_shot_job(
+            name,
+            "mole-test/shell:1",
+            &format!(
+                "command: [sh, -c, {script:?}]\n\
+                 terminationMessagePolicy: {policy}\n\
+                 securityContext: {{readOnlyRootFilesystem: {ro}}}"
+            ),
         )
     };
     let job = |name: &str, script: &str, policy: &str| job_ro(name, script, policy, false);
@@ -337,60 +368,35 @@ spec:
             wait_for(Duration::from_secs(60), name, || async {
                 let ps = pods(&client, &format!("job-name={name}")).await;
                 let p = ps.into_iter().next()?;
-                let st = p.status.clone()?;
-                matches!(st.phase.as_deref(), Some("Succeeded" | "Failed")).then_some(p)
+                matches!(phase(&p), Some("Succeeded" | "Failed")).then_some(p)
             })
             .await
             .unwrap()
         }
     };
     let ok = terminated("ok").await;
-    let st = ok.status.unwrap();
-    assert_eq!(st.phase.as_deref(), Some("Succeeded"));
-    let t = st.container_statuses.unwrap()[0]
-        .state
-        .clone()
-        .unwrap()
-        .terminated
-        .unwrap();
+    assert_eq!(phase(&ok), Some("Succeeded"));
+    let t = exit(&ok);
     assert_eq!((t.exit_code, t.reason.as_deref()), (0, Some("Completed")));
     let bad = terminated("bad").await;
-    let st = bad.status.unwrap();
-    assert_eq!(st.phase.as_deref(), Some("Failed"));
-    let t = st.container_statuses.unwrap()[0]
-        .state
-        .clone()
-        .unwrap()
-        .terminated
-        .unwrap();
+    assert_eq!(phase(&bad), Some("Failed"));
+    let t = exit(&bad);
     assert_eq!(t.exit_code, 3);
     assert_eq!(t.reason.as_deref(), Some("Error"));
     assert_eq!(t.message.as_deref(), Some("the disk is full\n"));
-    let fb = terminated("fallback").await;
-    let t = fb.status.unwrap().container_statuses.unwrap()[0]
-        .state
-        .clone()
-        .unwrap()
-        .terminated
-        .unwrap();
+    let t = exit(&terminated("fallback").await);
     assert_eq!(t.exit_code, 2);
     assert_eq!(
         t.message.as_deref(),
         Some("first\nerror: model_does_not_fit: 9 GiB > 8 GiB\n")
     );
     let rw = terminated("rw").await;
-    assert_eq!(rw.status.unwrap().phase.as_deref(), Some("Succeeded"));
+    assert_eq!(phase(&rw), Some("Succeeded"));
     assert!(
         !Path::new(&marker).exists(),
         "a container wrote {marker} on the host"
     );
-    let ro = terminated("ro").await;
-    let t = ro.status.unwrap().container_statuses.unwrap()[0]
-        .state
-        .clone()
-        .unwrap()
-        .terminated
-        .unwrap();
+    let t = exit(&terminated("ro").await);
     assert_ne!(t.exit_code, 0);
     assert!(
         t.message
@@ -439,7 +445,7 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_config_map_change_reaches_the_mounted_file() {
-    let e = env("a_config_map_change_reaches_the_mounted_file", |c| c).await;
+    let e = env(|c| c).await;
     e.cp.apply(
         r#"
 apiVersion: v1
@@ -492,12 +498,7 @@ spec:
     .unwrap_or_else(|err| panic!("{err}: {:?}", last_line()));
     eprintln!("the change reached the container in {:?}", t.elapsed());
     // `kubectl logs -f` streams until stopped: read a few lines, then stop it.
-    let mut child = Command::new(e.cp.bins().join("kubectl"))
-        .env("KUBECONFIG", &e.cp.kubeconfig)
-        .args(["logs", "-f", "-n", "t", "reader", "--tail=0"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut child = kubectl_stdout(&e.cp, &["logs", "-f", "-n", "t", "reader", "--tail=0"]);
     let stdout = child.stdout.take().unwrap();
     let lines = tokio::task::spawn_blocking(move || {
         use std::io::BufRead as _;
@@ -522,7 +523,7 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn deleting_a_pod_stops_its_process() {
-    let e = env("deleting_a_pod_stops_its_process", |c| c).await;
+    let e = env(|c| c).await;
     let pod = |name: &str, script: &str| {
         format!(
             r#"
@@ -551,11 +552,7 @@ spec:
     let api: Api<Pod> = Api::namespaced(e.client.clone(), "t");
     wait_for(Duration::from_secs(60), "both pods running", || async {
         let ps = pods(&e.client, "").await;
-        (ps.len() == 2
-            && ps
-                .iter()
-                .all(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")))
-        .then_some(())
+        (ps.len() == 2 && ps.iter().all(|p| phase(p) == Some("Running"))).then_some(())
     })
     .await
     .unwrap();
@@ -564,35 +561,26 @@ spec:
     let ns_before = namespaces(e.kubelet.bridge_name());
     assert_eq!(ns_before.len(), 2, "{ns_before:?}");
     // Read the polite one's log through a follow that outlives its container.
-    let follow = Command::new(e.cp.bins().join("kubectl"))
-        .env("KUBECONFIG", &e.cp.kubeconfig)
-        .args(["logs", "-f", "-n", "t", "polite"])
-        .stdout(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
+    let follow = kubectl_stdout(&e.cp, &["logs", "-f", "-n", "t", "polite"]);
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let t = Instant::now();
-    api.delete("polite", &DeleteParams::default())
-        .await
-        .unwrap();
-    wait_for(Duration::from_secs(20), "polite gone", || async {
-        api.get_opt("polite").await.ok()?.is_none().then_some(())
-    })
-    .await
-    .unwrap();
-    let polite_took = t.elapsed();
+    // How long a delete takes until the object is gone.
+    let delete = |name: &'static str| {
+        let api = api.clone();
+        async move {
+            let t = Instant::now();
+            api.delete(name, &DeleteParams::default()).await.unwrap();
+            wait_for(Duration::from_secs(20), &format!("{name} gone"), || async {
+                api.get_opt(name).await.ok()?.is_none().then_some(())
+            })
+            .await
+            .unwrap();
+            t.elapsed()
+        }
+    };
+    let polite_took = delete("polite").await;
     let out = follow.wait_with_output().unwrap();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "up\ngot TERM\n");
-    let t = Instant::now();
-    api.delete("stubborn", &DeleteParams::default())
-        .await
-        .unwrap();
-    wait_for(Duration::from_secs(20), "stubborn gone", || async {
-        api.get_opt("stubborn").await.ok()?.is_none().then_some(())
-    })
-    .await
-    .unwrap();
-    let stubborn_took = t.elapsed();
+    let stubborn_took = delete("stubborn").await;
     eprintln!("polite gone in {polite_took:?}, stubborn in {stubborn_took:?}");
     assert!(polite_took < Duration::from_secs(3), "{polite_took:?}");
     assert!(
@@ -620,14 +608,11 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn crashes_and_failed_liveness_probes_restart_containers() {
-    let e = env(
-        "crashes_and_failed_liveness_probes_restart_containers",
-        |mut c| {
-            // Short back-off so the test sees several restarts.
-            c.crash_backoff = (Duration::from_secs(1), Duration::from_secs(2));
-            c
-        },
-    )
+    let e = env(|mut c| {
+        // Short back-off so the test sees several restarts.
+        c.crash_backoff = (Duration::from_secs(1), Duration::from_secs(2));
+        c
+    })
     .await;
     e.cp.apply(
         r#"
@@ -749,29 +734,20 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_cpu_limit_throttles_the_container() {
-    let e = env("a_cpu_limit_throttles_the_container", |c| c).await;
+    let e = env(|c| c).await;
     // Burns 0.3 s of CPU and prints the wall time it took.
-    let job = |name: &str, limit: &str| {
-        format!(
-            r#"
-apiVersion: batch/v1
-kind: Job
-metadata: {{name: {name}, namespace: t}}
-spec:
-  backoffLimit: 0
-  template:
-    spec:
-      restartPolicy: Never
-      containers:
-      - name: main
-        image: mole-test/python:3
-        command: [python3, -c, "import time\nt = time.time()\nc = time.process_time()\nwhile time.process_time() - c < 0.3: pass\nprint(round(time.time() - t, 3))"]
-        resources: {{limits: {{cpu: {limit}}}}}
-"#
+    let burner = |name: &str, limit: &str| {
+        one_shot_job(
+            name,
+            "mole-test/python:3",
+            &format!(
+                r#"command: [python3, -c, "import time\nt = time.time()\nc = time.process_time()\nwhile time.process_time() - c < 0.3: pass\nprint(round(time.time() - t, 3))"]
+resources: {{limits: {{cpu: {limit}}}}}"#
+            ),
         )
     };
-    e.cp.apply(&job("limited", "100m")).unwrap();
-    e.cp.apply(&job("free", "\"8\"")).unwrap();
+    e.cp.apply(&burner("limited", "100m")).unwrap();
+    e.cp.apply(&burner("free", "\"8\"")).unwrap();
     let jobs: Api<Job> = Api::namespaced(e.client.clone(), "t");
     let wall = |name: &'static str| {
         let jobs = jobs.clone();
@@ -812,11 +788,7 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn the_node_stays_ready_past_the_lifecycle_grace_period() {
-    let e = env(
-        "the_node_stays_ready_past_the_lifecycle_grace_period",
-        |c| c,
-    )
-    .await;
+    let e = env(|c| c).await;
     e.cp.apply(
         r#"
 apiVersion: v1
@@ -831,7 +803,7 @@ spec:
     let api: Api<Pod> = Api::namespaced(e.client.clone(), "t");
     wait_for(Duration::from_secs(60), "sleeper running", || async {
         let p = api.get("sleeper").await.ok()?;
-        (p.status?.phase.as_deref() == Some("Running")).then_some(())
+        (phase(&p) == Some("Running")).then_some(())
     })
     .await
     .unwrap();
@@ -877,9 +849,9 @@ spec:
 /// [`stack::Mole`] on the tiny llama fixture, the operator in-process; prints the test's wall
 /// time when dropped.
 struct Mole {
+    // Dropped first: the test's time is its own, not the teardown's.
+    clock: stack::Stopwatch,
     m: stack::Mole,
-    t0: Instant,
-    name: &'static str,
 }
 
 impl std::ops::Deref for Mole {
@@ -889,34 +861,19 @@ impl std::ops::Deref for Mole {
     }
 }
 
-impl Drop for Mole {
-    fn drop(&mut self) {
-        eprintln!("{}: {:.1} s", self.name, self.t0.elapsed().as_secs_f64());
-    }
-}
-
-async fn mole(name: &'static str) -> Mole {
-    let t0 = Instant::now();
+async fn mole() -> Mole {
+    let clock = stack::Stopwatch::start();
     let opts = stack::Options::this_build(stack::Fixture::TinyLlama, true).unwrap();
     Mole {
+        clock,
         m: stack::Mole::start(opts).await.unwrap(),
-        t0,
-        name,
     }
 }
 
 /// The tiny llama pool on CPU, one dynamic pod (as scripts/kind-e2e.sh's pools).
-const TINY_POOL: &str = r#"
-apiVersion: mole.dev/v1alpha1
-kind: InferencePool
-metadata: {name: tiny, namespace: ml, annotations: {mole.dev/allow-cpu: "true"}}
-spec:
-  baseModel: {name: llama, path: base/llama, dtype: f32}
-  storage: {claimName: models}
-  imagePullPolicy: Never
-  gpu: {count: 0}
-  dynamic: {replicas: 1}
-"#;
+fn tiny_pool() -> String {
+    stack::cpu_pool("tiny", "llama", "  dynamic: {replicas: 1}")
+}
 
 /// Issue 58, item 3, first case: `kubectl apply` of a dynamic pool on the tiny llama fixture
 /// and of an Adapter; the operator makes the pool's objects, the kubelet runs the worker pod
@@ -926,12 +883,12 @@ spec:
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_dynamic_pool_serves_an_adapter_through_its_service() {
-    let m = mole("a_dynamic_pool_serves_an_adapter_through_its_service").await;
-    m.cp.apply(TINY_POOL).unwrap();
+    let m = mole().await;
+    m.cp.apply(&tiny_pool()).unwrap();
     m.wait_pool_ready("tiny", Duration::from_secs(240))
         .await
         .unwrap();
-    eprintln!("pool Ready after {:.1} s", m.t0.elapsed().as_secs_f64());
+    eprintln!("pool Ready after {:.1} s", m.clock.elapsed().as_secs_f64());
     m.cp.apply(
         r#"
 apiVersion: mole.dev/v1alpha1
@@ -946,7 +903,10 @@ spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: cal
     })
     .await
     .unwrap();
-    eprintln!("adapter Ready after {:.1} s", m.t0.elapsed().as_secs_f64());
+    eprintln!(
+        "adapter Ready after {:.1} s",
+        m.clock.elapsed().as_secs_f64()
+    );
     let (status, v) = m.chat("tiny", "calendar").await.unwrap();
     assert_eq!(status, 200, "{v}\n{}", m.dump());
     assert_eq!(v["mole"]["adapter"], "calendar", "{v}");
@@ -962,8 +922,8 @@ spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: cal
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
 async fn a_merged_adapter_is_merged_by_a_job_and_served_by_its_deployment() {
-    let m = mole("a_merged_adapter_is_merged_by_a_job_and_served_by_its_deployment").await;
-    m.cp.apply(TINY_POOL).unwrap();
+    let m = mole().await;
+    m.cp.apply(&tiny_pool()).unwrap();
     m.cp.apply(
         r#"
 apiVersion: mole.dev/v1alpha1
@@ -984,7 +944,7 @@ spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: cal
         .unwrap();
     eprintln!(
         "merged and Ready after {:.1} s",
-        m.t0.elapsed().as_secs_f64()
+        m.clock.elapsed().as_secs_f64()
     );
     let out = st.history[0].merged_output.clone().unwrap();
     assert!(out.starts_with("merged/calendar/v1-"), "{out}");
@@ -1054,14 +1014,7 @@ spec: {pool: tiny, version: v1, source: {path: adapters/calendar/v1}, label: cal
         .collect();
     assert_eq!(dynamic.len(), 1, "{}", m.dump());
     let ip = dynamic[0].status.as_ref().unwrap().pod_ip.clone().unwrap();
-    let metrics = http()
-        .get(format!("http://{ip}:8000/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = get_text(format!("http://{ip}:8000/metrics")).await;
     assert!(
         metrics.contains(r#"mole_merged_proxy_total{adapter="calendar",outcome="ok"} 1"#),
         "{}",

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 use kube::api::ListParams;
 use kube::Api;
 use mole_crds::{Adapter, AdapterPhase};
-use mole_tests::stack::{copy_dir, Fixture, Mole, Operator, Options, NS};
+use mole_tests::stack::{self, copy_dir, Fixture, Mole, Operator, Options, NS};
 
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name)
@@ -95,19 +95,13 @@ async fn adapters_at_scale_on_the_real_control_plane() {
         .success();
     assert!(ok);
     mole.cp
-        .apply(&format!(
-            r#"
-apiVersion: mole.dev/v1alpha1
-kind: InferencePool
-metadata: {{name: tiny, namespace: {NS}, annotations: {{mole.dev/allow-cpu: "true"}}}}
-spec:
-  baseModel: {{name: llama, path: base/llama, dtype: f32}}
-  storage: {{claimName: models}}
-  imagePullPolicy: Never
-  gpu: {{count: 0}}
-  dynamic: {{replicas: {pods}, maxLoras: 8, maxCpuLoras: {cpu}}}
-"#,
-            cpu = adapters.next_power_of_two().min(4096)
+        .apply(&stack::cpu_pool(
+            "tiny",
+            "llama",
+            &format!(
+                "  dynamic: {{replicas: {pods}, maxLoras: 8, maxCpuLoras: {cpu}}}",
+                cpu = adapters.next_power_of_two().min(4096)
+            ),
         ))
         .unwrap();
     mole.wait_pool_ready("tiny", Duration::from_secs(600))

@@ -247,6 +247,66 @@ async fn post(s: &Srv, path: &str, body: Value) -> (u16, reqwest::header::Header
     (st, h, r.json().await.unwrap_or(Value::Null))
 }
 
+/// An upstream merged pod: a second server, serving adapter `mg` itself.
+async fn merged_upstream() -> Srv {
+    start(
+        "  - {name: mg, version: v1, loraId: 3, path: extra}",
+        16,
+        64,
+    )
+    .await
+}
+
+/// POST `body` to `path`, which must answer 200; the body's text (a stream's whole text).
+async fn post_stream(s: &Srv, path: &str, body: &Value) -> String {
+    let r = reqwest::Client::new()
+        .post(format!("{}{path}", s.url))
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    r.text().await.unwrap()
+}
+
+/// Each `(path, body, status, code)`: POSTed, refused with that status and error code, and a
+/// message.
+async fn assert_refusals<'a>(
+    s: &Srv,
+    cases: impl IntoIterator<Item = (&'a str, Value, u16, &'a str)>,
+) {
+    for (path, body, status, code) in cases {
+        let (st, _, b) = post(s, path, body.clone()).await;
+        assert_eq!(
+            (st, b["error"]["code"].as_str().unwrap_or("")),
+            (status, code),
+            "{path} {body}: {b}"
+        );
+        assert!(
+            b["error"]["message"]
+                .as_str()
+                .is_some_and(|m| !m.is_empty()),
+            "{path} {body}: {b}"
+        );
+    }
+}
+
+/// A chat of one user message `x` to `demo`, 2 tokens at most, with the fields of `extra`.
+fn chat(extra: Value) -> Value {
+    with_fields(
+        json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]}),
+        extra,
+    )
+}
+
+/// `base` (a JSON object) with the fields of `extra` (one too) set on it.
+fn with_fields(mut base: Value, extra: Value) -> Value {
+    base.as_object_mut()
+        .unwrap()
+        .extend(extra.as_object().unwrap().clone());
+    base
+}
+
 fn content(b: &Value) -> String {
     b["choices"][0]["message"]["content"]
         .as_str()
@@ -609,17 +669,7 @@ async fn bad_input_battery_keeps_serving() {
             "invalid_prompt",
         ),
     ];
-    for (path, body, status, code) in cases {
-        let (st, _, b) = post(&s, path, body.clone()).await;
-        assert_eq!(
-            (st, b["error"]["code"].as_str().unwrap_or("")),
-            (status, code),
-            "{path} {body}"
-        );
-        assert!(b["error"]["message"]
-            .as_str()
-            .is_some_and(|m| !m.is_empty()));
-    }
+    assert_refusals(&s, cases).await;
     // No max_tokens and a long prompt: the answer gets what the 128-token context leaves.
     let (st, _, b) = post(&s, "/v1/chat/completions", msg(json!("y".repeat(90)))).await;
     assert_eq!(st, 200, "{b}");
@@ -638,6 +688,24 @@ async fn bad_input_battery_keeps_serving() {
             .bearer_auth("s3cret")
             .json(&body)
             .send()
+    };
+    // A load that must succeed.
+    let load = |body: Value| {
+        let sent = adm(body);
+        async {
+            assert_eq!(sent.await.unwrap().status(), 200);
+        }
+    };
+    // The adapter listing, as the operator reads it (with the token).
+    let listing = || async {
+        c.get(format!("{}/v1/lora_adapters", s.url))
+            .bearer_auth("s3cret")
+            .send()
+            .await
+            .unwrap()
+            .json::<Value>()
+            .await
+            .unwrap()
     };
     for (path, code) in [
         ("../../etc", "path_outside_root"),
@@ -668,19 +736,8 @@ async fn bad_input_battery_keeps_serving() {
         "{e}"
     );
     // Trained on a base of another name whose shapes fit: served, the listing warns.
-    let r = adm(json!({"lora_name": "other", "lora_path": "wrongbase"}))
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let l: Value = c
-        .get(format!("{}/v1/lora_adapters", s.url))
-        .bearer_auth("s3cret")
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    load(json!({"lora_name": "other", "lora_path": "wrongbase"})).await;
+    let l = listing().await;
     let other = l["data"]
         .as_array()
         .unwrap()
@@ -692,11 +749,15 @@ async fn bad_input_battery_keeps_serving() {
         other["warning"].as_str().unwrap().contains("qwen2"),
         "{other}"
     );
-    let r = adm(json!({"lora_name": "extra", "lora_path": "extra"}))
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let (st, _, _) = post(&s, "/v1/chat/completions", json!({"model": "demo", "adapter": "extra", "messages": [{"role": "user", "content": "x"}]})).await;
+    load(json!({"lora_name": "extra", "lora_path": "extra"})).await;
+    let ask_extra = || {
+        post(
+            &s,
+            "/v1/chat/completions",
+            json!({"model": "demo", "adapter": "extra", "messages": [{"role": "user", "content": "x"}]}),
+        )
+    };
+    let (st, _, _) = ask_extra().await;
     assert_eq!(st, 200, "an adapter loaded via the API is servable by name");
     // The same call again serves what is held (no read); vLLM's `load_inplace` reads the
     // directory again (its files were replaced): a new id for the same name.
@@ -709,36 +770,20 @@ async fn bad_input_battery_keeps_serving() {
             .map(|a| a["lora_id"].as_u64().unwrap())
             .unwrap()
     };
-    let listing = || async {
-        c.get(format!("{}/v1/lora_adapters", s.url))
-            .bearer_auth("s3cret")
-            .send()
-            .await
-            .unwrap()
-            .json::<Value>()
-            .await
-            .unwrap()
-    };
     let first = extra_id(listing().await);
-    let r = adm(json!({"lora_name": "extra", "lora_path": "extra"}))
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    load(json!({"lora_name": "extra", "lora_path": "extra"})).await;
     assert_eq!(
         extra_id(listing().await),
         first,
         "no reload without load_inplace"
     );
-    let r = adm(json!({"lora_name": "extra", "lora_path": "extra", "load_inplace": true}))
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
+    load(json!({"lora_name": "extra", "lora_path": "extra", "load_inplace": true})).await;
     assert_ne!(
         extra_id(listing().await),
         first,
         "load_inplace read it again"
     );
-    let (st, _, _) = post(&s, "/v1/chat/completions", json!({"model": "demo", "adapter": "extra", "messages": [{"role": "user", "content": "x"}]})).await;
+    let (st, _, _) = ask_extra().await;
     assert_eq!(st, 200, "served after the in-place reload");
     // Still serving.
     let (st, _, _) = post(&s, "/v1/chat/completions", msg(json!("ok"))).await;
@@ -960,13 +1005,7 @@ async fn metrics_models_and_reload() {
 
 #[tokio::test]
 async fn merged_adapter_is_proxied_and_falls_back() {
-    // Upstream merged pod: a second server.
-    let up = start(
-        "  - {name: mg, version: v1, loraId: 3, path: extra}",
-        16,
-        64,
-    )
-    .await;
+    let up = merged_upstream().await;
     let extra = format!("  - {{name: mg, version: v1, loraId: 3, path: extra, mode: merged, mergedEndpoint: \"{}\", keywords: [merge]}}\n  - {{name: dead, version: v1, loraId: 4, path: extra, mode: merged, mergedEndpoint: \"http://127.0.0.1:1\", load: false}}\n  - {{name: dead2, version: v1, loraId: 5, path: extra2, mode: merged, mergedEndpoint: \"http://127.0.0.1:1\"}}", up.url);
     let s = start(&extra, 16, 64).await;
     // Forwarded to the upstream, which serves mg itself: the same answer as asking it directly.
@@ -1886,12 +1925,7 @@ async fn dying_upstream() -> (String, tokio::task::JoinHandle<()>) {
 
 #[tokio::test]
 async fn gateway_streams_and_falls_back_from_hanging_or_dying_pods() {
-    let up = start(
-        "  - {name: mg, version: v1, loraId: 3, path: extra}",
-        16,
-        64,
-    )
-    .await;
+    let up = merged_upstream().await;
     let (hang, _h1) = hanging_upstream().await;
     let (dying, _h2) = dying_upstream().await;
     let extra = format!(
@@ -1951,14 +1985,7 @@ async fn gateway_streams_and_falls_back_from_hanging_or_dying_pods() {
         "{b}"
     );
     // A pod that dies mid-stream: the client gets what came, then an error event and [DONE].
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", s.url))
-        .json(&ask("dying", true))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let t = r.text().await.unwrap();
+    let t = post_stream(&s, "/v1/chat/completions", &ask("dying", true)).await;
     let datas: Vec<&str> = t.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
     assert_eq!(datas.len(), 3, "{t}");
     assert_eq!(sse_text(datas[0]), "");
@@ -2164,19 +2191,11 @@ async fn infer_answers_follow_a_guide() {
 #[tokio::test]
 async fn request_fields_are_served_refused_or_harmlessly_ignored() {
     let s = start("", 16, 64).await;
-    let chat = |extra: Value| {
-        let mut b = json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
-        b.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        b
-    };
-    let completion = |extra: Value| {
-        let mut b = json!({"model": "demo", "max_tokens": 2, "prompt": "x"});
-        b.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        b
+    let completion = |extra| {
+        with_fields(
+            json!({"model": "demo", "max_tokens": 2, "prompt": "x"}),
+            extra,
+        )
     };
     let refused_chat = [
         ("guided_decoding_backend", json!("xgrammar")),
@@ -2295,14 +2314,7 @@ async fn tool_server() -> Srv {
 
 /// The JSON chunks of a streamed chat answer to `body` (the `data:` payloads before `[DONE]`).
 async fn stream_chunks(s: &Srv, body: &Value) -> Vec<Value> {
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/chat/completions", s.url))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let text = r.text().await.unwrap();
+    let text = post_stream(s, "/v1/chat/completions", body).await;
     text.lines()
         .filter_map(|l| l.strip_prefix("data: "))
         .filter(|d| *d != "[DONE]")
@@ -2393,13 +2405,6 @@ async fn a_streamed_tool_call_sends_its_arguments_in_pieces() {
 #[tokio::test]
 async fn typed_bodies_refuse_with_the_fields_codes() {
     let s = start("", 16, 64).await;
-    let chat = |extra: Value| {
-        let mut b = json!({"model": "demo", "max_tokens": 2, "messages": [{"role": "user", "content": "x"}]});
-        b.as_object_mut()
-            .unwrap()
-            .extend(extra.as_object().unwrap().clone());
-        b
-    };
     let cases = [
         (
             "/v1/chat/completions",
@@ -2499,14 +2504,7 @@ async fn typed_bodies_refuse_with_the_fields_codes() {
             "model_not_found",
         ),
     ];
-    for (path, body, status, code) in cases {
-        let (st, _, b) = post(&s, path, body.clone()).await;
-        assert_eq!(
-            (st, b["error"]["code"].as_str().unwrap_or("")),
-            (status, code),
-            "{path} {body}: {b}"
-        );
-    }
+    assert_refusals(&s, cases).await;
     let (_, _, b) = post(
         &s,
         "/v1/chat/completions",
@@ -2584,14 +2582,7 @@ async fn a_schema_is_approximated_unless_strict_and_the_answer_says_what_was_not
 
 /// The server-sent events of a streamed response: (event name, JSON data).
 async fn response_events(s: &Srv, body: &Value) -> Vec<(String, Value)> {
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/responses", s.url))
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let text = r.text().await.unwrap();
+    let text = post_stream(s, "/v1/responses", body).await;
     let mut out = Vec::new();
     let mut event = String::new();
     for line in text.lines() {
@@ -2838,12 +2829,7 @@ async fn responses_follow_their_text_format() {
 /// with the Responses API's `error` event, numbered after the events that came.
 #[tokio::test]
 async fn responses_are_forwarded_to_merged_pods() {
-    let up = start(
-        "  - {name: mg, version: v1, loraId: 3, path: extra}",
-        16,
-        64,
-    )
-    .await;
+    let up = merged_upstream().await;
     let (dying, _h) = dying_upstream().await;
     let extra = format!(
         "  - {{name: mg, version: v1, loraId: 3, path: extra, mode: merged, mergedEndpoint: \"{}\"}}\n  - {{name: dying, version: v1, loraId: 6, path: extra3, mode: merged, mergedEndpoint: \"{dying}\"}}",
@@ -2864,14 +2850,7 @@ async fn responses_are_forwarded_to_merged_pods() {
     let last = &events.last().unwrap().1;
     assert_eq!(last["type"], "response.incomplete", "{last}");
     assert_eq!(text(&last["response"]), text(&direct));
-    let r = reqwest::Client::new()
-        .post(format!("{}/v1/responses", s.url))
-        .json(&ask("dying", true))
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 200);
-    let t = r.text().await.unwrap();
+    let t = post_stream(&s, "/v1/responses", &ask("dying", true)).await;
     assert!(t.ends_with("\n\n") && t.contains("event: error\n"), "{t}");
     let data = t
         .lines()

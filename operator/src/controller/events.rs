@@ -214,49 +214,23 @@ mod tests {
             name: Some("p".into()),
             ..Default::default()
         };
+        // The same refusal of `on`, but for its note and time.
+        let refusal = |note, now| p.next(&on, true, "InvalidSpec", "Validate", note, now);
         let t0 = Timestamp::from_second(1_000).unwrap();
-        let (first, repeat) = p.next(
-            &on,
-            true,
-            "InvalidSpec",
-            "Validate",
-            "spec.gpu.count: x",
-            t0,
-        );
+        let (first, repeat) = refusal("spec.gpu.count: x", t0);
         assert!(!repeat);
-        let (again, repeat) = p.next(
-            &on,
-            true,
-            "InvalidSpec",
-            "Validate",
-            "spec.gpu.count: x",
-            t0,
-        );
+        let (again, repeat) = refusal("spec.gpu.count: x", t0);
         assert!(repeat);
         assert_eq!(again.metadata.name, first.metadata.name);
         assert_eq!(again.series.as_ref().unwrap().count, 2);
         let later = Timestamp::from_second(1_001).unwrap();
-        let (other, repeat) = p.next(
-            &on,
-            true,
-            "InvalidSpec",
-            "Validate",
-            "spec.storage.mountPath: y",
-            later,
-        );
+        let (other, repeat) = refusal("spec.storage.mountPath: y", later);
         assert!(!repeat, "a different refusal is a new Event");
         assert_eq!(other.note.as_deref(), Some("spec.storage.mountPath: y"));
         assert_ne!(other.metadata.name, first.metadata.name);
         // Past the series' lifetime the same note starts a new Event.
         let much_later = Timestamp::from_second(1_000 + 7 * 60).unwrap();
-        let (fresh, repeat) = p.next(
-            &on,
-            true,
-            "InvalidSpec",
-            "Validate",
-            "spec.gpu.count: x",
-            much_later,
-        );
+        let (fresh, repeat) = refusal("spec.gpu.count: x", much_later);
         assert!(!repeat);
         assert!(fresh.series.is_none());
     }

@@ -51,6 +51,22 @@ pub fn guarded_patch<K: Resource>(fresh: &K, finalizers: &[String]) -> Value {
     ])
 }
 
+/// What [`add`] and [`remove`] need of an object: namespaced, read and patched through
+/// [`Api`].
+pub trait Finalized:
+    Resource<Scope = NamespaceResourceScope> + Clone + DeserializeOwned + Serialize + std::fmt::Debug
+{
+}
+
+impl<K> Finalized for K where
+    K: Resource<Scope = NamespaceResourceScope>
+        + Clone
+        + DeserializeOwned
+        + Serialize
+        + std::fmt::Debug
+{
+}
+
 fn conflict_or(e: kube::Error, what: &str) -> Error {
     match &e {
         // 422: the `test` failed (the object changed since the read); 409: a conflict.
@@ -61,14 +77,7 @@ fn conflict_or(e: kube::Error, what: &str) -> Error {
 
 /// Adds finalizer `name` to the object `obj` names, reading it fresh first: the cached `obj`
 /// may lag behind. Returns the object as the server holds it afterwards.
-pub async fn add<K>(api: &Api<K>, obj: &K, name: &str) -> Result<K>
-where
-    K: Resource<Scope = NamespaceResourceScope>
-        + Clone
-        + DeserializeOwned
-        + Serialize
-        + std::fmt::Debug,
-{
+pub async fn add<K: Finalized>(api: &Api<K>, obj: &K, name: &str) -> Result<K> {
     let fresh = api.get(&obj.name_any()).await?;
     if step(&fresh, name) != Step::Add {
         return Ok(fresh);
@@ -87,14 +96,7 @@ where
 
 /// Removes finalizer `name` from the object `obj` names (read fresh), leaving every other
 /// finalizer. Gone already (or the finalizer gone): nothing to do.
-pub async fn remove<K>(api: &Api<K>, obj: &K, name: &str) -> Result<()>
-where
-    K: Resource<Scope = NamespaceResourceScope>
-        + Clone
-        + DeserializeOwned
-        + Serialize
-        + std::fmt::Debug,
-{
+pub async fn remove<K: Finalized>(api: &Api<K>, obj: &K, name: &str) -> Result<()> {
     let Some(fresh) = api.get_opt(&obj.name_any()).await? else {
         return Ok(());
     };

@@ -35,19 +35,17 @@ struct Args {
     models_parent: Option<PathBuf>,
 }
 
-/// The pool and Adapters applied: SmolLM2 on CPU, one dynamic pod.
-const SAMPLES: &str = r#"
-apiVersion: mole.dev/v1alpha1
-kind: InferencePool
-metadata: {name: demo, namespace: ml, annotations: {mole.dev/allow-cpu: "true"}}
-spec:
-  baseModel: {name: smollm2-135m-instruct, path: base/smollm2-135m-instruct, dtype: f32}
-  storage: {claimName: models}
-  imagePullPolicy: Never
-  gpu: {count: 0}
-  dynamic: {replicas: 1}
-  router: {strategies: [explicit, keywords]}
----
+/// The pool applied: SmolLM2 on CPU, one dynamic pod, routing by name and keywords.
+fn demo_pool() -> String {
+    stack::cpu_pool(
+        "demo",
+        SMOLLM2,
+        "  dynamic: {replicas: 1}\n  router: {strategies: [explicit, keywords]}",
+    )
+}
+
+/// The Adapters applied to [`demo_pool`].
+const ADAPTERS: &str = r#"
 apiVersion: mole.dev/v1alpha1
 kind: Adapter
 metadata: {name: french, namespace: ml}
@@ -120,7 +118,7 @@ async fn up(args: Args, t0: Instant) -> Result<Mole> {
     })
     .await?;
     step(t0, "applying pool demo and Adapters french and json");
-    m.cp.apply(SAMPLES)?;
+    m.cp.apply(&format!("{}---{ADAPTERS}", demo_pool()))?;
     m.wait_pool_ready("demo", Duration::from_secs(300)).await?;
     step(t0, "pool demo Ready");
     for (name, mode) in [

@@ -67,6 +67,17 @@ pub struct Ctx {
     pub counter: AtomicU32,
 }
 
+impl Ctx {
+    /// Process group `pgid` is no container's any more (it ended, or was killed).
+    fn forget_group(&self, pgid: u32) {
+        self.procs
+            .lock()
+            .expect("no panic while holding the lock")
+            .groups
+            .remove(&pgid);
+    }
+}
+
 /// The containers' process groups.
 #[derive(Default)]
 pub struct Procs {
@@ -589,31 +600,28 @@ impl Worker {
             } else if let Some(from) = &e.value_from {
                 if let Some(f) = &from.field_ref {
                     volumes::field_ref(&pod, f).map_err(|e| format!("{e:#}"))?
-                } else if let Some(r) = &from.secret_key_ref {
-                    match src
-                        .secret(&self.ns, &r.name)
-                        .and_then(|d| d.get(&r.key).cloned())
-                    {
+                } else if let Some((data, name, key, optional, kind)) = from
+                    .secret_key_ref
+                    .as_ref()
+                    .map(|r| {
+                        let data = src.secret(&self.ns, &r.name);
+                        (data, &r.name, &r.key, r.optional, "Secret")
+                    })
+                    .or_else(|| {
+                        from.config_map_key_ref.as_ref().map(|r| {
+                            let data = src.config_map(&self.ns, &r.name);
+                            (data, &r.name, &r.key, r.optional, "ConfigMap")
+                        })
+                    })
+                {
+                    // A key of a Secret or of a ConfigMap: missing is the same error for both.
+                    match data.and_then(|d| d.get(key).cloned()) {
                         Some(v) => String::from_utf8_lossy(&v).into_owned(),
-                        None if r.optional.unwrap_or(false) => continue,
+                        None if optional.unwrap_or(false) => continue,
                         None => {
                             return Err(format!(
-                                "couldn't find key {} in Secret {}/{}",
-                                r.key, self.ns, r.name
-                            ))
-                        }
-                    }
-                } else if let Some(r) = &from.config_map_key_ref {
-                    match src
-                        .config_map(&self.ns, &r.name)
-                        .and_then(|d| d.get(&r.key).cloned())
-                    {
-                        Some(v) => String::from_utf8_lossy(&v).into_owned(),
-                        None if r.optional.unwrap_or(false) => continue,
-                        None => {
-                            return Err(format!(
-                                "couldn't find key {} in ConfigMap {}/{}",
-                                r.key, self.ns, r.name
+                                "couldn't find key {key} in {kind} {}/{name}",
+                                self.ns
                             ))
                         }
                     }
@@ -963,12 +971,7 @@ impl Worker {
         ) else {
             return;
         };
-        self.ctx
-            .procs
-            .lock()
-            .expect("no panic while holding the lock")
-            .groups
-            .remove(&inst.pgid);
+        self.ctx.forget_group(inst.pgid);
         // Whatever the container left in its group.
         runtime::signal_group(inst.pgid, "KILL");
         let started = inst.dir.join(runtime::STARTED_MARKER).exists();
@@ -1483,12 +1486,7 @@ impl Worker {
         self.kill_all("KILL");
         for c in &mut self.ctrs {
             if let State::Running(inst) = &c.state {
-                self.ctx
-                    .procs
-                    .lock()
-                    .expect("no panic while holding the lock")
-                    .groups
-                    .remove(&inst.pgid);
+                self.ctx.forget_group(inst.pgid);
             }
             c.state = State::Waiting {
                 reason: String::new(),
@@ -1523,25 +1521,27 @@ async fn run_probe(
     pgid: u32,
 ) -> Result<(), String> {
     let timeout = Duration::from_secs(p.timeout_seconds.unwrap_or(1).max(1) as u64);
-    let port_of = |port: &IntOrString| -> Result<i32, String> {
-        match port {
-            IntOrString::Int(n) => Ok(*n),
+    // Where an HTTP or TCP probe connects: its host, else the pod's address; its port, by
+    // number or by the container's name for it.
+    let target = |host: &Option<String>, port: &IntOrString| -> Result<(String, i32), String> {
+        let host = host
+            .clone()
+            .or(ip.map(|i| i.to_string()))
+            .ok_or("the pod has no address")?;
+        let port = match port {
+            IntOrString::Int(n) => *n,
             IntOrString::String(name) => c
                 .ports
                 .iter()
                 .flatten()
                 .find(|cp| cp.name.as_deref() == Some(name.as_str()))
                 .map(|cp| cp.container_port)
-                .ok_or_else(|| format!("no port named {name}")),
-        }
+                .ok_or_else(|| format!("no port named {name}"))?,
+        };
+        Ok((host, port))
     };
     if let Some(h) = &p.http_get {
-        let host = h
-            .host
-            .clone()
-            .or(ip.map(|i| i.to_string()))
-            .ok_or("the pod has no address")?;
-        let port = port_of(&h.port)?;
+        let (host, port) = target(&h.host, &h.port)?;
         let scheme = h.scheme.as_deref().unwrap_or("HTTP").to_lowercase();
         let path = h.path.clone().unwrap_or_else(|| "/".into());
         let path = if path.starts_with('/') {
@@ -1565,12 +1565,7 @@ async fn run_probe(
         };
     }
     if let Some(t) = &p.tcp_socket {
-        let host = t
-            .host
-            .clone()
-            .or(ip.map(|i| i.to_string()))
-            .ok_or("the pod has no address")?;
-        let port = port_of(&t.port)?;
+        let (host, port) = target(&t.host, &t.port)?;
         return match tokio::time::timeout(
             timeout,
             tokio::net::TcpStream::connect((host.as_str(), port as u16)),

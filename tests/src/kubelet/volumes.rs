@@ -16,8 +16,8 @@ use std::time::{Duration, Instant, SystemTime};
 use anyhow::{bail, Context as _, Result};
 use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
 use k8s_openapi::api::core::v1::{
-    ConfigMap, KeyToPath, ObjectFieldSelector, PersistentVolume, PersistentVolumeClaim, Pod,
-    Secret, ServiceAccount, Volume,
+    ConfigMap, DownwardAPIVolumeFile, KeyToPath, ObjectFieldSelector, PersistentVolume,
+    PersistentVolumeClaim, Pod, Secret, ServiceAccount, Volume,
 };
 use kube::runtime::reflector::{ObjectRef, Store};
 use kube::Api;
@@ -135,6 +135,30 @@ pub fn field_ref(pod: &Pod, f: &ObjectFieldSelector) -> Result<String> {
             }
         }
     })
+}
+
+/// A downward-API volume's (or projected source's) `items` of `pod` as a payload with
+/// `default_mode`.
+fn downward_payload(
+    pod: &Pod,
+    items: &Option<Vec<DownwardAPIVolumeFile>>,
+    default_mode: Option<i32>,
+) -> Result<Payload> {
+    let mode = default_mode.unwrap_or(DEFAULT_MODE) as u32;
+    let mut out = Payload::new();
+    for it in items.iter().flatten() {
+        let Some(f) = &it.field_ref else {
+            bail!("downwardAPI item {}: only fieldRef is supported", it.path);
+        };
+        out.insert(
+            it.path.clone(),
+            (
+                field_ref(pod, f)?.into_bytes(),
+                it.mode.map(|m| m as u32).unwrap_or(mode),
+            ),
+        );
+    }
+    Ok(out)
 }
 
 /// `data` (every key, or `items`) as a payload with `default_mode`; None when the object is
@@ -330,21 +354,7 @@ impl PodVolumes {
                 s.optional.unwrap_or(false),
             )?
         } else if let Some(d) = &v.downward_api {
-            let mode = d.default_mode.unwrap_or(DEFAULT_MODE) as u32;
-            let mut out = Payload::new();
-            for it in d.items.iter().flatten() {
-                let Some(f) = &it.field_ref else {
-                    bail!("downwardAPI item {}: only fieldRef is supported", it.path);
-                };
-                out.insert(
-                    it.path.clone(),
-                    (
-                        field_ref(pod, f)?.into_bytes(),
-                        it.mode.map(|m| m as u32).unwrap_or(mode),
-                    ),
-                );
-            }
-            out
+            downward_payload(pod, &d.items, d.default_mode)?
         } else if let Some(p) = &v.projected {
             let mode = p.default_mode;
             let mut out = Payload::new();
@@ -366,19 +376,7 @@ impl PodVolumes {
                         sec.optional.unwrap_or(false),
                     )?);
                 } else if let Some(d) = &s.downward_api {
-                    let m = mode.unwrap_or(DEFAULT_MODE) as u32;
-                    for it in d.items.iter().flatten() {
-                        let Some(f) = &it.field_ref else {
-                            bail!("downwardAPI item {}: only fieldRef is supported", it.path);
-                        };
-                        out.insert(
-                            it.path.clone(),
-                            (
-                                field_ref(pod, f)?.into_bytes(),
-                                it.mode.map(|m| m as u32).unwrap_or(m),
-                            ),
-                        );
-                    }
+                    out.extend(downward_payload(pod, &d.items, mode)?);
                 } else if let Some(t) = &s.service_account_token {
                     let token = self
                         .token(
