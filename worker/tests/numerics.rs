@@ -561,7 +561,9 @@ fn unknown_rope_types_are_refused_by_name() {
 /// range: the steps before read the slots in place, those after gather them. Every row's
 /// logits stay within the f32 tolerance of the same row run alone on the host kernels (tied to
 /// transformers by the tests above) and its greedy tokens are identical; rows on the
-/// fixture's full prompts also continue exactly as transformers + PEFT did.
+/// fixture's full prompts also continue exactly as transformers + PEFT did. All of it twice:
+/// LoRA by the grouped ops, then by the BGMV kernels (`--lora-kernel bgmv`) for the decode
+/// steps (on the CPU their reference arithmetic).
 #[test]
 fn a_ragged_batch_of_16_adapters_on_the_paged_path_equals_each_row_alone() {
     if !device().is_cpu() {

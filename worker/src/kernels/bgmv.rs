@@ -94,7 +94,7 @@ macro_rules! elem {
         }
     };
 }
-elem!(f32, F32, |v| v, |v| v);
+elem!(f32, F32, std::convert::identity, std::convert::identity);
 elem!(bf16, BF16, bf16::to_f32, bf16::from_f32);
 elem!(f16, F16, f16::to_f32, f16::from_f32);
 
@@ -495,7 +495,6 @@ mod cuda {
             let (ap, _ga) = addr(at, &stream, CHUNK, "the A pool")?;
             let (sp, _gs) = addr(slots, &stream, 1, "slots")?;
             let (vp, _gv) = v.device_ptr_mut(&stream);
-            let mut b = func.builder();
             let args = [
                 tokens as u32,
                 d_in as u32,
@@ -504,6 +503,7 @@ mod cuda {
                 (rows / n) as u32,
                 groups as u32,
             ];
+            let mut b = func.builder();
             b.arg(&xp).arg(&ap).arg(&sp).arg(&vp);
             for a in &args {
                 b.arg(a);
