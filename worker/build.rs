@@ -80,7 +80,9 @@ fn compute_cap(nvcc: &Path) -> String {
         if !c.is_empty() && c.chars().all(|d| d.is_ascii_digit()) {
             return c;
         }
-        fail(&format!("CUDA_COMPUTE_CAP={c:?}: expected digits such as 90"));
+        fail(&format!(
+            "CUDA_COMPUTE_CAP={c:?}: expected digits such as 90"
+        ));
     }
     let smi = Command::new("nvidia-smi")
         .args(["--query-gpu=compute_cap", "--format=csv,noheader"])

@@ -83,15 +83,64 @@ struct Case {
 const CASES: [Case; 7] = [
     // The 5.9B benchmark model (hidden 4096, intermediate 14336), rank 16, 16 adapters: q/k/v
     // at batch 1 and 16, gate/up and down at batch 16.
-    Case { tokens: 1, d_in: 4096, d_out: 4096, rank: 16, n: 3, slots: 17 },
-    Case { tokens: 16, d_in: 4096, d_out: 4096, rank: 16, n: 3, slots: 17 },
-    Case { tokens: 16, d_in: 4096, d_out: 14336, rank: 16, n: 2, slots: 17 },
-    Case { tokens: 16, d_in: 14336, d_out: 4096, rank: 16, n: 1, slots: 17 },
+    Case {
+        tokens: 1,
+        d_in: 4096,
+        d_out: 4096,
+        rank: 16,
+        n: 3,
+        slots: 17,
+    },
+    Case {
+        tokens: 16,
+        d_in: 4096,
+        d_out: 4096,
+        rank: 16,
+        n: 3,
+        slots: 17,
+    },
+    Case {
+        tokens: 16,
+        d_in: 4096,
+        d_out: 14336,
+        rank: 16,
+        n: 2,
+        slots: 17,
+    },
+    Case {
+        tokens: 16,
+        d_in: 14336,
+        d_out: 4096,
+        rank: 16,
+        n: 1,
+        slots: 17,
+    },
     // Odd widths and the rank range (8: 256 row groups; 24: a non-power-of-two chunk count;
     // 512: the largest rank a pool accepts).
-    Case { tokens: 5, d_in: 1000, d_out: 520, rank: 8, n: 3, slots: 5 },
-    Case { tokens: 7, d_in: 333, d_out: 77, rank: 24, n: 2, slots: 4 },
-    Case { tokens: 3, d_in: 640, d_out: 300, rank: 512, n: 1, slots: 3 },
+    Case {
+        tokens: 5,
+        d_in: 1000,
+        d_out: 520,
+        rank: 8,
+        n: 3,
+        slots: 5,
+    },
+    Case {
+        tokens: 7,
+        d_in: 333,
+        d_out: 77,
+        rank: 24,
+        n: 2,
+        slots: 4,
+    },
+    Case {
+        tokens: 3,
+        d_in: 640,
+        d_out: 300,
+        rank: 512,
+        n: 1,
+        slots: 3,
+    },
 ];
 
 #[test]
@@ -151,13 +200,22 @@ fn the_kernels_equal_their_cpu_reference_bit_for_bit() {
             let y_dev = on(&wide).narrow(1, c.d_out, c.d_out).unwrap();
             let p = c.n - 1;
             let out_ref = bgmv::expand(&y, &v_ref, p, &b, &st).unwrap();
-            let out_dev = bgmv::expand(&y_dev, &v_ref.to_device(&dev).unwrap(), p, &on(&b), &on(&st))
-                .unwrap();
+            let out_dev = bgmv::expand(
+                &y_dev,
+                &v_ref.to_device(&dev).unwrap(),
+                p,
+                &on(&b),
+                &on(&st),
+            )
+            .unwrap();
             assert_eq!(out_dev.dtype(), xd);
             differ += compare(&format!("expand, {name}"), &f32s(&out_dev), &f32s(&out_ref));
         }
     }
-    assert_eq!(differ, 0, "values that differ from the CPU reference (see above)");
+    assert_eq!(
+        differ, 0,
+        "values that differ from the CPU reference (see above)"
+    );
 }
 
 #[test]

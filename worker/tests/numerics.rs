@@ -631,8 +631,9 @@ fn a_ragged_batch_of_16_adapters_on_the_paged_path_equals_each_row_alone() {
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); rows.len()];
         let mut logits: Vec<Vec<Tensor>> = vec![Vec::new(); rows.len()];
         // Adapter k holds slot k + 1 (slots are taken in the batch's order on first use).
-        let goes_on =
-            |a: &Option<usize>, step: usize| step < 60 || a.is_none_or(|k| [0, 5, 9, 15].contains(&k));
+        let goes_on = |a: &Option<usize>, step: usize| {
+            step < 60 || a.is_none_or(|k| [0, 5, 9, 15].contains(&k))
+        };
         for step in 0..steps {
             if step == 40 {
                 for k in [5, 11] {
@@ -683,7 +684,10 @@ fn a_ragged_batch_of_16_adapters_on_the_paged_path_equals_each_row_alone() {
             for (s, (ours, want)) in logits[k].iter().zip(want_logits).enumerate() {
                 let want: Vec<f32> = want.to_vec1().unwrap();
                 let err = max_rel_error(ours, &want);
-                assert!(err <= 1e-4, "{kernel}: row {k} step {s}: relative error {err}");
+                assert!(
+                    err <= 1e-4,
+                    "{kernel}: row {k} step {s}: relative error {err}"
+                );
             }
             // Rows on a full fixture prompt: transformers' own greedy continuation.
             if let Some(pi) = p.iter().position(|x| x == prompt) {

@@ -34,8 +34,7 @@ use self::seq::{Score, Seq};
 use self::text::TextModel;
 use crate::lora::registry::Registry;
 use crate::model::{
-    Decoder, DeviceMemory, KvBudget, LoraKernel, ModelError, Proj, TensorPathOptions,
-    MAX_KV_SLOTS,
+    Decoder, DeviceMemory, KvBudget, LoraKernel, ModelError, Proj, TensorPathOptions, MAX_KV_SLOTS,
 };
 
 /// Engine settings (from the worker config's limits).

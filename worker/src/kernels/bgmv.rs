@@ -410,10 +410,10 @@ impl CustomOp3 for Expand {
 mod cuda {
     //! Launches of `worker/kernels/lora.cu`'s kernels.
 
+    use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{
         CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg, SyncOnDrop,
     };
-    use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
     use candle_core::{CudaStorage, DType, Layout, Result, Shape};
 
@@ -539,7 +539,11 @@ mod cuda {
         let y_stride = y.1.stride()[0] as u64;
         let len = (tokens * d_out).max(1);
         let ydt = y.0.dtype();
-        let name = format!("bgmv_expand_{}_{}", dtype_name(ydt)?, dtype_name(b.0.dtype())?);
+        let name = format!(
+            "bgmv_expand_{}_{}",
+            dtype_name(ydt)?,
+            dtype_name(b.0.dtype())?
+        );
         // `y` may be a column slice of a wider product: its rows from its first element on.
         let y_at = y.1.start_offset();
         macro_rules! run {
@@ -567,7 +571,12 @@ mod cuda {
                         num_slots as u32,
                     ];
                     let mut l = func.builder();
-                    l.arg(&yp).arg(&y_stride).arg(&vp).arg(&bp).arg(&sp).arg(&op);
+                    l.arg(&yp)
+                        .arg(&y_stride)
+                        .arg(&vp)
+                        .arg(&bp)
+                        .arg(&sp)
+                        .arg(&op);
                     for a in &args {
                         l.arg(a);
                     }
@@ -600,7 +609,9 @@ mod tests {
 
     /// A small deterministic generator of values in [-1, 1).
     fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        let mut s = seed
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         (0..n)
             .map(|_| {
                 s = s
@@ -646,7 +657,8 @@ mod tests {
                         continue;
                     }
                     let terms = (0..d_in).map(|i| {
-                        f64::from(x[t * d_in + i]) * f64::from(at[((s * n + p) * d_in + i) * rank + k])
+                        f64::from(x[t * d_in + i])
+                            * f64::from(at[((s * n + p) * d_in + i) * rank + k])
                     });
                     let (sum, mag) = terms.fold((0.0, 0.0), |(s, m), v| (s + v, m + v.abs()));
                     let bound = (d_in + 1) as f64 * eps * mag;
@@ -663,9 +675,10 @@ mod tests {
                         f64::from(v[(p * tokens + t) * rank + k])
                             * f64::from(b[(s * d_out + o) * rank + k])
                     });
-                    let (sum, mag) = terms.fold((f64::from(yo), f64::from(yo).abs()), |(s, m), v| {
-                        (s + v, m + v.abs())
-                    });
+                    let (sum, mag) = terms
+                        .fold((f64::from(yo), f64::from(yo).abs()), |(s, m), v| {
+                            (s + v, m + v.abs())
+                        });
                     let bound = (rank + 2) as f64 * eps * mag;
                     assert!((f64::from(got) - sum).abs() <= bound, "out[{t},{o}]");
                 }
@@ -691,11 +704,22 @@ mod tests {
             (DType::F32, DType::BF16),
         ] {
             let t = |v: Vec<f32>, shape: &[usize], d: DType| {
-                Tensor::from_vec(v, shape, &dev).unwrap().to_dtype(d).unwrap()
+                Tensor::from_vec(v, shape, &dev)
+                    .unwrap()
+                    .to_dtype(d)
+                    .unwrap()
             };
             let x = t(values(tokens * d_in, 5), &[tokens, d_in], xd);
-            let at = t(values(num_slots * n * d_in * rank, 6), &[num_slots * n, d_in, rank], wd);
-            let b = t(values(num_slots * d_out * rank, 7), &[num_slots, d_out, rank], wd);
+            let at = t(
+                values(num_slots * n * d_in * rank, 6),
+                &[num_slots * n, d_in, rank],
+                wd,
+            );
+            let b = t(
+                values(num_slots * d_out * rank, 7),
+                &[num_slots, d_out, rank],
+                wd,
+            );
             // The base product of two projections side by side; the expand reads the second.
             let wide = t(values(tokens * 2 * d_out, 8), &[tokens, 2 * d_out], xd);
             let y = wide.narrow(1, d_out, d_out).unwrap();
@@ -703,19 +727,25 @@ mod tests {
             let out = expand(&y, &v, 1, &b, &st).unwrap();
             assert_eq!(out.dtype(), xd);
             let f = |t: &Tensor| -> Vec<f32> {
-                t.to_dtype(DType::F32).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+                t.to_dtype(DType::F32)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap()
             };
             let want_v = shrink_reference(&f(&x), &f(&at), &slots, d_in, rank, n);
             assert_eq!(f(&v), want_v, "{xd:?} over {wd:?}");
             let y_rows = f(&y.contiguous().unwrap());
-            let want: Vec<f32> = expand_reference(&y_rows, d_out, &want_v, 1, &f(&b), &slots, d_out, rank)
-                .into_iter()
-                .map(|s| {
-                    // Rounded once to y's dtype, as the op does.
-                    let one = Tensor::new(&[s], &dev).unwrap().to_dtype(xd).unwrap();
-                    f(&one)[0]
-                })
-                .collect();
+            let want: Vec<f32> =
+                expand_reference(&y_rows, d_out, &want_v, 1, &f(&b), &slots, d_out, rank)
+                    .into_iter()
+                    .map(|s| {
+                        // Rounded once to y's dtype, as the op does.
+                        let one = Tensor::new(&[s], &dev).unwrap().to_dtype(xd).unwrap();
+                        f(&one)[0]
+                    })
+                    .collect();
             assert_eq!(f(&out), want, "{xd:?} over {wd:?}");
         }
     }

@@ -625,7 +625,12 @@ pub fn bgmv_against_grouped_ops(device: &Device) -> anyhow::Result<Vec<String>> 
                 let n = group.projs().len();
                 let (d_in, _) = group.projs()[0].dims(&cfg);
                 let seed = 100 * li as u64 + group as u64;
-                let x = tensor(values(tokens * d_in, seed), &[tokens, d_in], x_dtype, device)?;
+                let x = tensor(
+                    values(tokens * d_in, seed),
+                    &[tokens, d_in],
+                    x_dtype,
+                    device,
+                )?;
                 let h = pool.shrink(li, group, &x, &step)?;
                 let v = pool.bgmv_shrink(li, group, &x, &slot_of)?;
                 let (xs, at) = (f32s(&x)?, f32s(&pool.layers[li].a[group as usize])?);

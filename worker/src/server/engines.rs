@@ -12,8 +12,8 @@ use crate::engine::api::{Backend, EngineError, EngineHandles, PromptCodec};
 use crate::engine::replicas::Replicas;
 use crate::engine::{candle_dtype, compute_devices, default_device, Engine, EngineOptions};
 use crate::formats::hf::{self, HfError};
-use crate::model::LoraKernel;
 use crate::merge::MergeError;
+use crate::model::LoraKernel;
 
 /// Why an engine could not be built. Stable names via [`BuildError::code`].
 #[derive(Debug, thiserror::Error)]
