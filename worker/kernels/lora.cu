@@ -58,26 +58,31 @@ template <> __device__ __forceinline__ void load8<__half>(const __half *p, float
   load8_16(p, out);
 }
 
-// Shrink: v[p, t, k] = sum_i x[t, i] * At[slot[t] * n + p, i, k] for every projection p of the
-// group (grid.y) and token t (grid.x), in f32.
+// Shrink, split over the input: v[z, p, t, k] = sum over the rows i of split z of
+// x[t, i] * At[slot[t] * n + p, i, k], for every split z (grid.z), projection p of the group
+// (grid.y) and token t (grid.x), in f32. The expand adds the splits' partial sums.
+//
+// Why split: a decode step has few tokens, and one block per (token, projection) would leave
+// most SMs idle while a few stream a whole matrix each with only a block's loads in flight;
+// splits of `split` rows (about 16 KiB of weights each) spread every matrix over many blocks.
 //
 // x: [tokens, d_in] contiguous; at: the group's pool [slots * n, d_in, rank] (Aᵀ, ranks
-// contiguous); v: [n, tokens, rank] f32. A block of `groups * rank / 8` threads: thread
-// (g, c) sums ranks 8c..8c+8 over the rows i = g, g + groups, g + 2 groups, ... in that order
-// (one fmaf each), then the `groups` partial sums of each rank are added in a tree:
-// for s = groups/2, groups/4, ..., 1: part[g] = part[g] + part[g + s] for g < s. `groups` is a
-// power of two; dynamic shared memory holds groups * rank floats.
+// contiguous); v: [splits, n, tokens, rank] f32. A block of `groups * rank / 8` threads:
+// thread (g, c) sums ranks 8c..8c+8 over its split's rows i = z*split + g, + groups,
+// + 2 groups, ... in that order (one fmaf each), then the `groups` partial sums of each rank
+// are added in a tree: for s = groups/2, groups/4, ..., 1: part[g] = part[g] + part[g + s] for
+// g < s. `groups` is a power of two; dynamic shared memory holds groups * rank floats.
 template <typename X, typename W>
 __device__ void shrink(const X *__restrict__ x, const W *__restrict__ at,
                        const uint32_t *__restrict__ slots, float *__restrict__ v,
                        uint32_t tokens, uint32_t d_in, uint32_t rank, uint32_t n,
-                       uint32_t num_slots, uint32_t groups) {
+                       uint32_t num_slots, uint32_t groups, uint32_t split) {
   extern __shared__ float part[];
-  const uint32_t t = blockIdx.x, p = blockIdx.y;
+  const uint32_t t = blockIdx.x, p = blockIdx.y, z = blockIdx.z;
   const uint32_t chunks = rank / CHUNK;
   const uint32_t c = threadIdx.x % chunks, g = threadIdx.x / chunks;
   const uint32_t k0 = c * CHUNK;
-  float *out = v + ((size_t)p * tokens + t) * rank;
+  float *out = v + (((size_t)z * n + p) * tokens + t) * rank;
   const uint32_t slot = slots[t];
   if (slot == 0 || slot >= num_slots) {
     // No adapter: a zero update (the block exits together, before any barrier).
@@ -92,7 +97,9 @@ __device__ void shrink(const X *__restrict__ x, const W *__restrict__ at,
   float acc[CHUNK];
 #pragma unroll
   for (int j = 0; j < CHUNK; j++) acc[j] = 0.0f;
-  for (uint32_t i = g; i < d_in; i += groups) {
+  const uint32_t end = min(d_in, (z + 1) * split);
+#pragma unroll 4
+  for (uint32_t i = z * split + g; i < end; i += groups) {
     const float xi = to_f32(xr[i]);
     float w[CHUNK];
     load8(a + (size_t)i * rank, w);
@@ -116,27 +123,34 @@ __device__ void shrink(const X *__restrict__ x, const W *__restrict__ at,
   }
 }
 
-// Expand-add: out[t, o] = y[t, o] + sum_k v[p, t, k] * B[slot[t], o, k], the sum in f32 over
-// k = 0, 1, ..., rank-1 in that order (one fmaf each), the add in f32, one rounding to Y.
+// Expand-add: out[t, o] = y[t, o] + sum_k v[p, t, k] * B[slot[t], o, k], where
+// v[p, t, k] = ((part[0] + part[1]) + part[2]) + ... over the shrink's splits in order, the
+// sum in f32 over k = 0, 1, ..., rank-1 in that order (one fmaf each), the add in f32, one
+// rounding to Y.
 //
 // y: [tokens, d_out] rows `y_stride` apart (a column slice of a fused product is read in
-// place); v: the shrink's [n, tokens, rank] f32, p = `proj` its projection; b: the
-// projection's pool [slots, d_out, rank] (s·B, the scale folded in when the slot was
-// loaded); out: [tokens, d_out] contiguous. Grid (ceil(d_out / blockDim), tokens), one
-// output per thread; the token's v row is staged in shared memory (rank floats).
+// place); v: the shrink's partial sums [splits, n, tokens, rank] f32, p = `proj` its
+// projection; b: the projection's pool [slots, d_out, rank] (s·B, the scale folded in when
+// the slot was loaded); out: [tokens, d_out] contiguous. Grid (ceil(d_out / blockDim),
+// tokens), one output per thread; the token's v row is summed into shared memory.
 template <typename Y, typename W>
 __device__ void expand(const Y *__restrict__ y, uint64_t y_stride, const float *__restrict__ v,
                        const W *__restrict__ b, const uint32_t *__restrict__ slots,
                        Y *__restrict__ out, uint32_t tokens, uint32_t d_out, uint32_t rank,
-                       uint32_t proj, uint32_t num_slots) {
+                       uint32_t proj, uint32_t num_slots, uint32_t n, uint32_t splits) {
   extern __shared__ float vs[];
   const uint32_t t = blockIdx.y;
   const uint32_t o = blockIdx.x * blockDim.x + threadIdx.x;
   const uint32_t slot = slots[t];
   const bool adapter = slot != 0 && slot < num_slots;
   if (adapter) {
+    const size_t stride = (size_t)n * tokens * rank;
     const float *vr = v + ((size_t)proj * tokens + t) * rank;
-    for (uint32_t k = threadIdx.x; k < rank; k += blockDim.x) vs[k] = vr[k];
+    for (uint32_t k = threadIdx.x; k < rank; k += blockDim.x) {
+      float sum = vr[k];
+      for (uint32_t z = 1; z < splits; z++) sum = __fadd_rn(sum, vr[z * stride + k]);
+      vs[k] = sum;
+    }
     __syncthreads();
   }
   if (o >= d_out) return;
@@ -161,13 +175,15 @@ __device__ void expand(const Y *__restrict__ y, uint64_t y_stride, const float *
 #define INSTANCES(XN, X, WN, W)                                                                \
   extern "C" __global__ void bgmv_shrink_##XN##_##WN(                                          \
       const X *x, const W *at, const uint32_t *slots, float *v, uint32_t tokens, uint32_t d_in, \
-      uint32_t rank, uint32_t n, uint32_t num_slots, uint32_t groups) {                        \
-    shrink<X, W>(x, at, slots, v, tokens, d_in, rank, n, num_slots, groups);                    \
+      uint32_t rank, uint32_t n, uint32_t num_slots, uint32_t groups, uint32_t split) {        \
+    shrink<X, W>(x, at, slots, v, tokens, d_in, rank, n, num_slots, groups, split);             \
   }                                                                                            \
   extern "C" __global__ void bgmv_expand_##XN##_##WN(                                          \
       const X *y, uint64_t y_stride, const float *v, const W *b, const uint32_t *slots, X *out, \
-      uint32_t tokens, uint32_t d_out, uint32_t rank, uint32_t proj, uint32_t num_slots) {     \
-    expand<X, W>(y, y_stride, v, b, slots, out, tokens, d_out, rank, proj, num_slots);          \
+      uint32_t tokens, uint32_t d_out, uint32_t rank, uint32_t proj, uint32_t num_slots,       \
+      uint32_t n, uint32_t splits) {                                                           \
+    expand<X, W>(y, y_stride, v, b, slots, out, tokens, d_out, rank, proj, num_slots, n,       \
+                 splits);                                                                      \
   }
 
 INSTANCES(f32, float, f32, float)

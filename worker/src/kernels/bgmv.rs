@@ -3,9 +3,10 @@
 //! its adapter's update read straight from the slot pool by the token's slot index.
 //!
 //! - [`shrink`]: `v[p, t, ·] = x[t] · Aᵀ[slot[t]·n + p]` for the `n` projections of a group,
-//!   `[n, tokens, rank]` in f32: one launch per group (q/k/v share one, gate/up one).
-//! - [`expand`]: `out[t] = y[t] + v[p, t] · B[slot[t]]ᵀ` for projection `p`: one launch per
-//!   projection, the add fused, in the dtype of `y`.
+//!   as partial sums over splits of the input `[splits, n, tokens, rank]` in f32: one launch
+//!   per group (q/k/v share one, gate/up one), spread over many blocks even for one token.
+//! - [`expand`]: `out[t] = y[t] + v[p, t] · B[slot[t]]ᵀ` for projection `p`, adding the
+//!   splits first: one launch per projection, the add fused, in the dtype of `y`.
 //!
 //! Slot 0 (the pool's zero slot) means no adapter: those tokens read no weights, their `v`
 //! is zero and `out` is `y` itself; a slot at or past the pool's count is treated alike, so no
@@ -18,10 +19,12 @@
 //! projection, and x, v and y are read where they lie.
 //!
 //! Numerics: everything accumulates in f32, each product an FMA, in an order fixed by the
-//! shapes alone: the shrink's thread `(g, c)` of [`shrink_groups`]`(rank)` groups sums rows
-//! `i ≡ g (mod groups)` in increasing order for its 8 ranks, then the groups' partial sums
-//! are added in a tree (`part[g] += part[g + s]` for `s = groups/2, …, 1`); the expand sums
-//! ranks `0..rank` in order and adds `y` once, rounding once to `y`'s dtype. The CPU side of
+//! shapes alone: in each split of [`shrink_split`]`(rank)` input rows, the shrink's thread
+//! `(g, c)` of [`shrink_groups`]`(rank)` groups sums the split's rows `g, g + groups, …` in
+//! increasing order for its 8 ranks, then the groups' partial sums are added in a tree
+//! (`part[g] += part[g + s]` for `s = groups/2, …, 1`); the expand adds the splits' sums in
+//! split order, sums ranks `0..rank` in order and adds `y` once, rounding once to `y`'s
+//! dtype. The CPU side of
 //! both ops (what a CPU runs, and what the device test compares the kernels to) is exactly
 //! that arithmetic, so a GPU should agree with it bit for bit. Against the grouped ops the
 //! difference is their extra roundings (x, the shrink's result and the product to the pool's
@@ -54,6 +57,19 @@ pub fn shrink_groups(rank: usize) -> usize {
     let chunks = (rank / CHUNK).max(1);
     let most = (THREADS / chunks).max(1);
     1 << most.ilog2()
+}
+
+/// Rows of the shrink's input each block sums: four per row group, about 16 KiB of bf16
+/// weights whatever the rank, so a decode step's few tokens still spread a matrix over many
+/// blocks (a 4096-wide input at rank 16: 8 per token and projection) with several loads in
+/// flight per thread.
+pub fn shrink_split(rank: usize) -> usize {
+    4 * shrink_groups(rank)
+}
+
+/// The shrink's splits of a `d_in`-wide input at `rank` (at least one).
+pub fn shrink_splits(d_in: usize, rank: usize) -> usize {
+    d_in.div_ceil(shrink_split(rank)).max(1)
 }
 
 /// An element type of the ops: f32, bf16 or f16 (conversions to f32 are exact).
@@ -105,7 +121,8 @@ fn reads(s: u32, num_slots: usize) -> bool {
 }
 
 /// The shrink's arithmetic (see the module): `x` `[tokens, d_in]`, `at` `[num_slots · n, d_in,
-/// rank]`, `slots` `[tokens]`; returns `v` `[n, tokens, rank]`.
+/// rank]`, `slots` `[tokens]`; returns the partial sums `v` `[splits, n, tokens, rank]`
+/// ([`shrink_splits`]).
 pub fn shrink_reference<X: Elem, W: Elem>(
     x: &[X],
     at: &[W],
@@ -119,9 +136,11 @@ pub fn shrink_reference<X: Elem, W: Elem>(
     assert!(x.len() == tokens * d_in && at.len().is_multiple_of(n * d_in * rank));
     let num_slots = at.len() / (n * d_in * rank);
     let groups = shrink_groups(rank);
-    let mut v = vec![0f32; n * tokens * rank];
+    let (split, splits) = (shrink_split(rank), shrink_splits(d_in, rank));
+    let mut v = vec![0f32; splits * n * tokens * rank];
     let mut part = vec![0f32; groups * rank];
-    for p in 0..n {
+    for (z, p) in (0..splits).flat_map(|z| (0..n).map(move |p| (z, p))) {
+        let rows = z * split..d_in.min((z + 1) * split);
         for (t, &slot) in slots.iter().enumerate() {
             if !reads(slot, num_slots) {
                 continue;
@@ -130,7 +149,7 @@ pub fn shrink_reference<X: Elem, W: Elem>(
             let xr = &x[t * d_in..][..d_in];
             for (g, acc) in part.chunks_exact_mut(rank).enumerate() {
                 acc.fill(0.0);
-                for i in (g..d_in).step_by(groups) {
+                for i in (rows.start + g..rows.end).step_by(groups) {
                     let xi = xr[i].to_f32();
                     for (s, w) in acc.iter_mut().zip(&a[i * rank..][..rank]) {
                         *s = xi.mul_add(w.to_f32(), *s);
@@ -145,20 +164,21 @@ pub fn shrink_reference<X: Elem, W: Elem>(
                 }
                 s /= 2;
             }
-            v[(p * tokens + t) * rank..][..rank].copy_from_slice(&part[..rank]);
+            v[((z * n + p) * tokens + t) * rank..][..rank].copy_from_slice(&part[..rank]);
         }
     }
     v
 }
 
 /// The expand's arithmetic (see the module): `y` `[tokens, d_out]` with rows `y_stride`
-/// apart, `v` the shrink's `[n, tokens, rank]` of which projection `proj`, `b` `[num_slots,
-/// d_out, rank]`; returns `[tokens, d_out]`.
+/// apart, `v` the shrink's partial sums `[splits, n, tokens, rank]` of which projection
+/// `proj`, `b` `[num_slots, d_out, rank]`; returns `[tokens, d_out]`.
 #[allow(clippy::too_many_arguments)]
 pub fn expand_reference<Y: Elem, W: Elem>(
     y: &[Y],
     y_stride: usize,
     v: &[f32],
+    n: usize,
     proj: usize,
     b: &[W],
     slots: &[u32],
@@ -166,8 +186,10 @@ pub fn expand_reference<Y: Elem, W: Elem>(
     rank: usize,
 ) -> Vec<Y> {
     let tokens = slots.len();
-    assert!(rank > 0 && rank.is_multiple_of(CHUNK));
-    assert!(b.len().is_multiple_of(d_out * rank) && v.len() >= (proj + 1) * tokens * rank);
+    assert!(rank > 0 && rank.is_multiple_of(CHUNK) && proj < n);
+    assert!(b.len().is_multiple_of(d_out * rank) && v.len().is_multiple_of(n * tokens * rank));
+    let stride = n * tokens * rank;
+    let splits = v.len().checked_div(stride).unwrap_or(0);
     assert!(tokens == 0 || y.len() >= (tokens - 1) * y_stride + d_out);
     let num_slots = b.len() / (d_out * rank);
     let mut out = Vec::with_capacity(tokens * d_out);
@@ -177,7 +199,11 @@ pub fn expand_reference<Y: Elem, W: Elem>(
             out.extend_from_slice(yr);
             continue;
         }
-        let vr = &v[(proj * tokens + t) * rank..][..rank];
+        // The splits' partial sums, in split order.
+        let at = (proj * tokens + t) * rank;
+        let vr: Vec<f32> = (0..rank)
+            .map(|k| (1..splits).fold(v[at + k], |s, z| s + v[z * stride + at + k]))
+            .collect();
         let bs = &b[slot as usize * d_out * rank..][..d_out * rank];
         out.extend(yr.iter().zip(bs.chunks_exact(rank)).map(|(yo, br)| {
             let acc = vr
@@ -191,8 +217,8 @@ pub fn expand_reference<Y: Elem, W: Elem>(
 }
 
 /// The shrink of a projection group: `x` `[tokens, d_in]` (any float dtype), `at` the group's
-/// pool `[slots · n, d_in, rank]`, `slots` each token's slot `[tokens]` u32 (0: none) →
-/// `[n, tokens, rank]` f32.
+/// pool `[slots · n, d_in, rank]`, `slots` each token's slot `[tokens]` u32 (0: none) → the
+/// partial sums over [`shrink_splits`] of the input, `[splits, n, tokens, rank]` f32.
 pub fn shrink(x: &Tensor, at: &Tensor, slots: &Tensor, n: usize) -> Result<Tensor> {
     let (tokens, d_in) = x.dims2()?;
     let (rows, a_in, rank) = at.dims3()?;
@@ -216,7 +242,7 @@ pub fn shrink(x: &Tensor, at: &Tensor, slots: &Tensor, n: usize) -> Result<Tenso
 /// token's update, `[tokens, d_out]` in `y`'s dtype.
 pub fn expand(y: &Tensor, v: &Tensor, proj: usize, b: &Tensor, slots: &Tensor) -> Result<Tensor> {
     let (tokens, d_out) = y.dims2()?;
-    let (n, v_tokens, rank) = v.dims3()?;
+    let (_, n, v_tokens, rank) = v.dims4()?;
     let (_, b_out, b_rank) = b.dims3()?;
     if v_tokens != tokens || proj >= n || b_out != d_out || b_rank != rank {
         candle_core::bail!(
@@ -308,6 +334,7 @@ impl CustomOp3 for Shrink {
     ) -> Result<(CpuStorage, Shape)> {
         let (tokens, d_in) = l1.shape().dims2()?;
         let (_, _, rank) = l2.shape().dims3()?;
+        let splits = shrink_splits(d_in, rank);
         let slots = cpu_u32(s3, l3)?;
         let v = by_dtypes!(s1.dtype(), s2.dtype(), |X, W| shrink_reference(
             cpu::<X>(s1, l1, "x")?,
@@ -317,7 +344,10 @@ impl CustomOp3 for Shrink {
             rank,
             self.n,
         ));
-        Ok((CpuStorage::F32(v), Shape::from((self.n, tokens, rank))))
+        Ok((
+            CpuStorage::F32(v),
+            Shape::from((splits, self.n, tokens, rank)),
+        ))
     }
 
     #[cfg(feature = "cuda")]
@@ -355,6 +385,7 @@ impl CustomOp3 for Expand {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         let (tokens, d_out) = l1.shape().dims2()?;
+        let (_, n, _, _) = l2.shape().dims4()?;
         let (_, _, rank) = l3.shape().dims3()?;
         let (st, sl) = self.slots.storage_and_layout();
         let Storage::Cpu(st) = &*st else {
@@ -378,6 +409,7 @@ impl CustomOp3 for Expand {
                 y,
                 y_stride,
                 v,
+                n,
                 self.proj,
                 cpu::<W>(s3, l3, "the B pool")?,
                 slots,
@@ -417,7 +449,7 @@ mod cuda {
     use candle_core::cuda_backend::{CudaStorageSlice, WrapErr};
     use candle_core::{CudaStorage, DType, Layout, Result, Shape};
 
-    use super::{shrink_groups, CHUNK, THREADS};
+    use super::{shrink_groups, shrink_split, shrink_splits, CHUNK, THREADS};
 
     /// The kernels' PTX, built by build.rs.
     const PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/lora.ptx"));
@@ -480,7 +512,8 @@ mod cuda {
         let (rows, _, rank) = at.1.shape().dims3()?;
         let dev = x.0.device.clone();
         let stream = dev.cuda_stream();
-        let len = n * tokens * rank;
+        let splits = shrink_splits(d_in, rank);
+        let len = splits * n * tokens * rank;
         // SAFETY: every element is written by the kernel (zeros for base tokens).
         let mut v = unsafe { dev.alloc::<f32>(len.max(1))? };
         if tokens > 0 {
@@ -502,6 +535,7 @@ mod cuda {
                 n as u32,
                 (rows / n) as u32,
                 groups as u32,
+                shrink_split(rank) as u32,
             ];
             let mut b = func.builder();
             b.arg(&xp).arg(&ap).arg(&sp).arg(&vp);
@@ -509,7 +543,7 @@ mod cuda {
                 b.arg(a);
             }
             let cfg = LaunchConfig {
-                grid_dim: (tokens as u32, n as u32, 1),
+                grid_dim: (tokens as u32, n as u32, splits as u32),
                 block_dim: ((groups * rank / CHUNK) as u32, 1, 1),
                 shared_mem_bytes: (groups * rank * 4) as u32,
             };
@@ -520,7 +554,7 @@ mod cuda {
         }
         Ok((
             CudaStorage::wrap_cuda_slice(v, dev),
-            Shape::from((n, tokens, rank)),
+            Shape::from((splits, n, tokens, rank)),
         ))
     }
 
@@ -532,7 +566,7 @@ mod cuda {
         slots: (&CudaStorage, &Layout),
     ) -> Result<(CudaStorage, Shape)> {
         let (tokens, d_out) = y.1.shape().dims2()?;
-        let (_, _, rank) = v.1.shape().dims3()?;
+        let (splits, n, _, rank) = v.1.shape().dims4()?;
         let (num_slots, _, _) = b.1.shape().dims3()?;
         let dev = y.0.device.clone();
         let stream = dev.cuda_stream();
@@ -569,6 +603,8 @@ mod cuda {
                         rank as u32,
                         proj as u32,
                         num_slots as u32,
+                        n as u32,
+                        splits as u32,
                     ];
                     let mut l = func.builder();
                     l.arg(&yp)
@@ -627,7 +663,12 @@ mod tests {
         for (rank, groups) in [(8, 256), (16, 128), (24, 64), (64, 32), (256, 8), (512, 4)] {
             assert_eq!(shrink_groups(rank), groups, "rank {rank}");
             assert!(groups * rank / CHUNK <= THREADS);
+            // About 16 KiB of bf16 weights per block (24: 3 chunks of 64 groups, 12 KiB).
+            assert!((12 << 10..=16 << 10).contains(&(shrink_split(rank) * rank * 2)));
         }
+        assert_eq!(shrink_splits(4096, 16), 8);
+        assert_eq!(shrink_splits(14336, 16), 28);
+        assert_eq!(shrink_splits(1, 16), 1);
     }
 
     /// The reference against a plain f64 sum of the same products: every difference is f32
@@ -636,7 +677,10 @@ mod tests {
     /// rounding of the expand's add), and base tokens read nothing.
     #[test]
     fn the_reference_computes_x_a_b_within_f32_summation_error() {
-        let (d_in, d_out, rank, n, num_slots) = (200, 48, 16, 3, 4);
+        // Three splits of the input, the last one short.
+        let (d_in, d_out, rank, n, num_slots) = (1200, 48, 16, 3, 4);
+        let splits = shrink_splits(d_in, rank);
+        assert_eq!(splits, 3);
         let slots = [2u32, 0, 3, 2, 1, 9];
         let tokens = slots.len();
         let x = values(tokens * d_in, 1);
@@ -646,14 +690,22 @@ mod tests {
         let v = shrink_reference(&x, &at, &slots, d_in, rank, n);
         let eps = f64::from(f32::EPSILON) / 2.0;
         for p in 0..n {
-            let out = expand_reference(&y, d_out, &v, p, &b, &slots, d_out, rank);
+            let out = expand_reference(&y, d_out, &v, n, p, &b, &slots, d_out, rank);
+            // The splits' partial sums added in order, as the expand does.
+            let total = |t: usize, k: usize| {
+                (1..splits).fold(v[(p * tokens + t) * rank + k], |s, z| {
+                    s + v[((z * n + p) * tokens + t) * rank + k]
+                })
+            };
             for (t, &s) in slots.iter().enumerate() {
                 let s = s as usize;
                 let used = s != 0 && s < num_slots;
                 for k in 0..rank {
-                    let got = v[(p * tokens + t) * rank + k];
+                    let got = total(t, k);
                     if !used {
-                        assert_eq!(got, 0.0);
+                        assert!(
+                            (0..splits).all(|z| v[((z * n + p) * tokens + t) * rank + k] == 0.0)
+                        );
                         continue;
                     }
                     let terms = (0..d_in).map(|i| {
@@ -661,7 +713,7 @@ mod tests {
                             * f64::from(at[((s * n + p) * d_in + i) * rank + k])
                     });
                     let (sum, mag) = terms.fold((0.0, 0.0), |(s, m), v| (s + v, m + v.abs()));
-                    let bound = (d_in + 1) as f64 * eps * mag;
+                    let bound = (d_in + splits) as f64 * eps * mag;
                     assert!((f64::from(got) - sum).abs() <= bound, "v[{p},{t},{k}]");
                 }
                 for o in 0..d_out {
@@ -671,10 +723,8 @@ mod tests {
                         assert_eq!(got.to_bits(), yo.to_bits());
                         continue;
                     }
-                    let terms = (0..rank).map(|k| {
-                        f64::from(v[(p * tokens + t) * rank + k])
-                            * f64::from(b[(s * d_out + o) * rank + k])
-                    });
+                    let terms = (0..rank)
+                        .map(|k| f64::from(total(t, k)) * f64::from(b[(s * d_out + o) * rank + k]));
                     let (sum, mag) = terms
                         .fold((f64::from(yo), f64::from(yo).abs()), |(s, m), v| {
                             (s + v, m + v.abs())
@@ -691,7 +741,8 @@ mod tests {
     #[test]
     #[allow(clippy::disallowed_methods)] // test inputs
     fn the_cpu_ops_are_the_reference() {
-        let (d_in, d_out, rank, n, num_slots) = (40, 24, 8, 2, 3);
+        // Rank 8: splits of 1024 rows, so three.
+        let (d_in, d_out, rank, n, num_slots) = (2100, 24, 8, 2, 3);
         let slots = [1u32, 0, 2, 2];
         let tokens = slots.len();
         let dev = candle_core::Device::Cpu;
@@ -724,6 +775,7 @@ mod tests {
             let wide = t(values(tokens * 2 * d_out, 8), &[tokens, 2 * d_out], xd);
             let y = wide.narrow(1, d_out, d_out).unwrap();
             let v = shrink(&x, &at, &st, n).unwrap();
+            assert_eq!(v.dims(), [3, n, tokens, rank]);
             let out = expand(&y, &v, 1, &b, &st).unwrap();
             assert_eq!(out.dtype(), xd);
             let f = |t: &Tensor| -> Vec<f32> {
@@ -738,7 +790,7 @@ mod tests {
             assert_eq!(f(&v), want_v, "{xd:?} over {wd:?}");
             let y_rows = f(&y.contiguous().unwrap());
             let want: Vec<f32> =
-                expand_reference(&y_rows, d_out, &want_v, 1, &f(&b), &slots, d_out, rank)
+                expand_reference(&y_rows, d_out, &want_v, n, 1, &f(&b), &slots, d_out, rank)
                     .into_iter()
                     .map(|s| {
                         // Rounded once to y's dtype, as the op does.

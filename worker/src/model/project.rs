@@ -134,7 +134,7 @@ fn slot_updates<const N: usize>(
             match &step.tokens {
                 // BGMV: each token's slot read in place, the add fused into the expand.
                 Some(tokens) => {
-                    let v = slots.bgmv_shrink(layer, group, x, tokens)?; // [N, tokens, rank]
+                    let v = slots.bgmv_shrink(layer, group, x, tokens)?; // [splits, N, tokens, rank]
                     for (i, o) in out.iter_mut().enumerate() {
                         *o = slots.bgmv_expand(layer, projs[i], &v, i, tokens, o)?;
                     }

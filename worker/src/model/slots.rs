@@ -314,8 +314,8 @@ impl LoraSlots {
 
 impl LoraSlots {
     /// The BGMV shrink of a group ([`bgmv::shrink`]): `x` `[tokens, in]` times each token's
-    /// slot's `Aᵀ` of every projection of the group, `tokens` each token's slot:
-    /// `[n, tokens, rank]` f32.
+    /// slot's `Aᵀ` of every projection of the group, `tokens` each token's slot: partial sums
+    /// over splits of the input, `[splits, n, tokens, rank]` f32.
     pub fn bgmv_shrink(
         &self,
         li: usize,
@@ -540,7 +540,8 @@ fn unit(d: DType) -> f64 {
 
 /// A check, for tests here and on a GPU (not the serving path): the BGMV ops (on the CPU,
 /// their reference arithmetic) against the grouped ops on `device`, every
-/// projection of two layers, a step mixing three adapters (ranks 16, 8 on three modules,
+/// projection of two layers (down's 1100-wide input in three of the shrink's splits), a step
+/// mixing three adapters (ranks 16, 8 on three modules,
 /// and 4 padded to the pool's 16) with base rows, in every (activations, pool) dtype pair
 /// the decoder makes (the pool holds the wider of the two).
 ///
@@ -561,7 +562,7 @@ fn unit(d: DType) -> f64 {
 pub fn bgmv_against_grouped_ops(device: &Device) -> anyhow::Result<Vec<String>> {
     let mut report = Vec::new();
     let cfg: ModelConfig = serde_json::from_value(serde_json::json!({
-        "model_type": "llama", "hidden_size": 64, "intermediate_size": 96,
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 1100,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
         "rms_norm_eps": 1e-6, "vocab_size": 16, "max_position_embeddings": 64,
     }))?;
