@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds what a GPU run needs on a machine without one, for a GPU machine that has the CUDA
 # driver but no Rust toolchain: `mole-worker` and the test binaries that run on a device
-# (numerics, vision, op_count_transfers) with `--features cuda`, stripped and xz-compressed
+# (numerics, vision, op_count_transfers, lora_kernels) with `--features cuda`, stripped and xz-compressed
 # into .gpu/ (ignored by git; about 10 MiB each, where the plain binaries are over 60 MiB). Needs a CUDA toolkit: CUDA_HOME, or the PyPI one
 # from ../shared/tools/cuda13-from-pypi.sh at /work/cuda13.
 #
@@ -17,7 +17,7 @@ command -v nvcc >/dev/null || { echo "gpu-bundle: no nvcc under $CUDA_HOME" >&2;
 
 cargo build --release -p mole-worker --features cuda
 # The tests that read MOLE_TEST_DEVICE (tests/common/mod.rs `test_device`).
-TESTS=(numerics vision op_count_transfers)
+TESTS=(numerics vision op_count_transfers lora_kernels)
 targs=()
 for t in "${TESTS[@]}"; do targs+=(--test "$t"); done
 cargo test --release -p mole-worker --features cuda "${targs[@]}" --no-run \
@@ -42,4 +42,5 @@ while read -r name exe; do strip -o ".gpu/$name" "$exe"; done <"$CARGO_TARGET_DI
 xz -T0 -6 -f .gpu/mole-worker "${TESTS[@]/#/.gpu/}"
 echo "$PWD" >.gpu/built-in
 ls -l .gpu
+echo "bundle: $(du -cb .gpu/*.xz | tail -1 | cut -f1) bytes compressed"
 echo "carry .gpu; see the top of scripts/gpu-bundle.sh for the commands on the GPU machine"

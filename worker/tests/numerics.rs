@@ -21,7 +21,9 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use mole_worker::lora::{self, LoadOptions};
 use mole_worker::model::LoraAdapter;
-use mole_worker::model::{argmax, Decoder, ModelConfig, Row, SeqCache, TensorPathOptions};
+use mole_worker::model::{
+    argmax, Decoder, LoraKernel, ModelConfig, Row, SeqCache, TensorPathOptions,
+};
 
 /// The device the tests run on (`MOLE_TEST_DEVICE`), where the same tolerances hold: f32
 /// matmuls run in full f32 (candle leaves cuBLAS's reduced-precision f32 off).
@@ -134,18 +136,29 @@ fn load_with(name: &str, lora_dtype: DType) -> (Decoder, Vec<LoraAdapter>) {
 fn check_family(name: &str) {
     let (mut model, adapters) = load(name);
     // The fused host kernels (CPU f32's default) and the tensor ops GPUs run; a GPU runs
-    // only the latter.
-    let modes: &[bool] = if device().is_cpu() {
-        &[true, false]
+    // only the latter. The tensor path twice: with the grouped LoRA ops (the default) and
+    // with the BGMV kernels (`--lora-kernel bgmv`; on the CPU their reference arithmetic,
+    // on a GPU the CUDA kernels) for its decode steps, at the same tolerance: in f32 both
+    // differ from transformers by summation order only.
+    let modes: &[(bool, LoraKernel)] = if device().is_cpu() {
+        &[
+            (true, LoraKernel::Ops),
+            (false, LoraKernel::Ops),
+            (false, LoraKernel::Bgmv),
+        ]
     } else {
-        &[false]
+        &[(false, LoraKernel::Ops), (false, LoraKernel::Bgmv)]
     };
-    for &host in modes {
+    for &(host, kernel) in modes {
         model.set_host_kernels(host);
-        let label = format!(
-            "{name} ({})",
-            if host { "host kernels" } else { "tensor ops" }
-        );
+        model.configure_tensor_path(TensorPathOptions {
+            lora_kernel: kernel,
+            ..Default::default()
+        });
+        let label = match (host, kernel) {
+            (true, _) => format!("{name} (host kernels)"),
+            (false, k) => format!("{name} (tensor ops, LoRA {k})"),
+        };
         check_family_on(&label, name, &model, &adapters);
     }
 }
@@ -548,7 +561,9 @@ fn unknown_rope_types_are_refused_by_name() {
 /// range: the steps before read the slots in place, those after gather them. Every row's
 /// logits stay within the f32 tolerance of the same row run alone on the host kernels (tied to
 /// transformers by the tests above) and its greedy tokens are identical; rows on the
-/// fixture's full prompts also continue exactly as transformers + PEFT did.
+/// fixture's full prompts also continue exactly as transformers + PEFT did. All of it twice:
+/// LoRA by the grouped ops, then by the BGMV kernels (`--lora-kernel bgmv`) for the decode
+/// steps (on the CPU their reference arithmetic).
 #[test]
 fn a_ragged_batch_of_16_adapters_on_the_paged_path_equals_each_row_alone() {
     if !device().is_cpu() {
@@ -599,87 +614,96 @@ fn a_ragged_batch_of_16_adapters_on_the_paged_path_equals_each_row_alone() {
         })
         .collect();
 
-    // All rows in one batch on the paged path, with small blocks.
-    model.set_host_kernels(false);
-    model.configure_tensor_path(TensorPathOptions {
-        block_size: 4,
-        kv_blocks: 1024,
-        lora_slots: 16,
-        lora_rank: 16,
-        kv_dtype: None,
-    });
-    let mut caches: Vec<SeqCache> = rows.iter().map(|_| SeqCache::default()).collect();
-    let mut out: Vec<Vec<u32>> = vec![Vec::new(); rows.len()];
-    let mut logits: Vec<Vec<Tensor>> = vec![Vec::new(); rows.len()];
-    // Adapter k holds slot k + 1 (slots are taken in the batch's order on first use).
-    let goes_on =
-        |a: &Option<usize>, step: usize| step < 60 || a.is_none_or(|k| [0, 5, 9, 15].contains(&k));
-    for step in 0..steps {
-        if step == 40 {
-            for k in [5, 11] {
-                caches[k].clear();
+    // All rows in one batch on the paged path, with small blocks: with the grouped LoRA ops,
+    // then with the BGMV kernels for the decode steps (the prefills of more than
+    // `bgmv::MAX_TOKENS` tokens keep the grouped ops).
+    for kernel in [LoraKernel::Ops, LoraKernel::Bgmv] {
+        model.set_host_kernels(false);
+        model.configure_tensor_path(TensorPathOptions {
+            block_size: 4,
+            kv_blocks: 1024,
+            lora_slots: 16,
+            lora_rank: 16,
+            kv_dtype: None,
+            lora_kernel: kernel,
+        });
+        let mut caches: Vec<SeqCache> = rows.iter().map(|_| SeqCache::default()).collect();
+        let mut out: Vec<Vec<u32>> = vec![Vec::new(); rows.len()];
+        let mut logits: Vec<Vec<Tensor>> = vec![Vec::new(); rows.len()];
+        // Adapter k holds slot k + 1 (slots are taken in the batch's order on first use).
+        let goes_on = |a: &Option<usize>, step: usize| {
+            step < 60 || a.is_none_or(|k| [0, 5, 9, 15].contains(&k))
+        };
+        for step in 0..steps {
+            if step == 40 {
+                for k in [5, 11] {
+                    caches[k].clear();
+                }
+            }
+            // A row with nothing cached (a new or preempted sequence) prefills its prompt and what
+            // it generated; the others decode their last token.
+            let inputs: Vec<Vec<u32>> = rows
+                .iter()
+                .zip(&caches)
+                .zip(&out)
+                .map(|(((prompt, _), cache), o)| match cache.is_empty() {
+                    true => prompt.iter().chain(o).copied().collect(),
+                    false => vec![*o.last().unwrap()],
+                })
+                .collect();
+            let active: Vec<usize> = (0..rows.len())
+                .filter(|&k| goes_on(&rows[k].1, step))
+                .collect();
+            let mut batch: Vec<Row> = inputs
+                .iter()
+                .zip(caches.iter_mut())
+                .zip(&rows)
+                .filter(|(_, (_, a))| goes_on(a, step))
+                .map(|((t, cache), (_, a))| Row {
+                    tokens: t,
+                    cache,
+                    adapter: a.map(|k| &adapters[k].1),
+                    vision: None,
+                })
+                .collect();
+            let step_logits = model.forward(&mut batch).unwrap();
+            drop(batch);
+            for (&k, l) in active.iter().zip(step_logits) {
+                out[k].push(argmax(&l).unwrap());
+                logits[k].push(l);
             }
         }
-        // A row with nothing cached (a new or preempted sequence) prefills its prompt and what
-        // it generated; the others decode their last token.
-        let inputs: Vec<Vec<u32>> = rows
-            .iter()
-            .zip(&caches)
-            .zip(&out)
-            .map(|(((prompt, _), cache), o)| match cache.is_empty() {
-                true => prompt.iter().chain(o).copied().collect(),
-                false => vec![*o.last().unwrap()],
-            })
-            .collect();
-        let active: Vec<usize> = (0..rows.len())
-            .filter(|&k| goes_on(&rows[k].1, step))
-            .collect();
-        let mut batch: Vec<Row> = inputs
-            .iter()
-            .zip(caches.iter_mut())
-            .zip(&rows)
-            .filter(|(_, (_, a))| goes_on(a, step))
-            .map(|((t, cache), (_, a))| Row {
-                tokens: t,
-                cache,
-                adapter: a.map(|k| &adapters[k].1),
-                vision: None,
-            })
-            .collect();
-        let step_logits = model.forward(&mut batch).unwrap();
-        drop(batch);
-        for (&k, l) in active.iter().zip(step_logits) {
-            out[k].push(argmax(&l).unwrap());
-            logits[k].push(l);
-        }
-    }
-    assert_eq!(out.iter().filter(|o| o.len() == steps).count(), 6);
-    assert!(caches.iter().all(|c| c.blocks() >= 2), "rows span blocks");
-    for (k, ((prompt, a), (want_logits, want_tokens))) in rows.iter().zip(&alone).enumerate() {
-        assert_eq!(
-            out[k],
-            want_tokens[..out[k].len()],
-            "row {k}: greedy tokens"
-        );
-        for (s, (ours, want)) in logits[k].iter().zip(want_logits).enumerate() {
-            let want: Vec<f32> = want.to_vec1().unwrap();
-            let err = max_rel_error(ours, &want);
-            assert!(err <= 1e-4, "row {k} step {s}: relative error {err}");
-        }
-        // Rows on a full fixture prompt: transformers' own greedy continuation.
-        if let Some(pi) = p.iter().position(|x| x == prompt) {
-            let want: Vec<u32> = match a {
-                None => serde_json::from_value(r["greedy"][pi].clone()).unwrap(),
-                Some(i) => serde_json::from_value(
-                    r["adapters"][ADAPTERS[adapters[*i].0]]["greedy"][pi].clone(),
-                )
-                .unwrap(),
-            };
+        assert_eq!(out.iter().filter(|o| o.len() == steps).count(), 6);
+        assert!(caches.iter().all(|c| c.blocks() >= 2), "rows span blocks");
+        for (k, ((prompt, a), (want_logits, want_tokens))) in rows.iter().zip(&alone).enumerate() {
             assert_eq!(
-                out[k][..want.len()],
-                want[..],
-                "row {k}: transformers' greedy"
+                out[k],
+                want_tokens[..out[k].len()],
+                "{kernel}: row {k}: greedy tokens"
             );
+            for (s, (ours, want)) in logits[k].iter().zip(want_logits).enumerate() {
+                let want: Vec<f32> = want.to_vec1().unwrap();
+                let err = max_rel_error(ours, &want);
+                assert!(
+                    err <= 1e-4,
+                    "{kernel}: row {k} step {s}: relative error {err}"
+                );
+            }
+            // Rows on a full fixture prompt: transformers' own greedy continuation.
+            if let Some(pi) = p.iter().position(|x| x == prompt) {
+                let want: Vec<u32> = match a {
+                    None => serde_json::from_value(r["greedy"][pi].clone()).unwrap(),
+                    Some(i) => serde_json::from_value(
+                        r["adapters"][ADAPTERS[adapters[*i].0]]["greedy"][pi].clone(),
+                    )
+                    .unwrap(),
+                };
+                assert_eq!(
+                    out[k][..want.len()],
+                    want[..],
+                    "{kernel}: row {k}: transformers' greedy"
+                );
+            }
         }
     }
 }

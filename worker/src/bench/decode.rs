@@ -87,6 +87,9 @@ pub struct DecodeBenchArgs {
     /// time (the rest keeps the model's stated defaults).
     #[arg(long, env = "MOLE_BENCH_SERVICE_MODEL")]
     pub service_model: Option<std::path::PathBuf>,
+    /// How the tensor path computes LoRA updates (as `serve --lora-kernel`): `ops` or `bgmv`.
+    #[arg(long, env = "MOLE_LORA_KERNEL", default_value = "ops")]
+    pub lora_kernel: crate::model::LoraKernel,
 }
 
 /// What `--gguf-synthetic` quantizes the synthetic model to.
@@ -461,11 +464,12 @@ fn bench_model(
         ("≥ 0.90", "≥ 1.0")
     };
     println!(
-        "bench decode: {label}, rank-{} LoRA on every linear module held in {held:?} (a pool's default), {} on {}, {} decode steps",
+        "bench decode: {label}, rank-{} LoRA on every linear module held in {held:?} (a pool's default), {} on {}, {} decode steps, LoRA kernel {}",
         args.rank,
         dtypes(model),
         device_name(dev),
-        s
+        s,
+        args.lora_kernel
     );
     println!("| measure | tokens/s | ratio | goal |");
     println!("|---|---|---|---|");
@@ -505,6 +509,13 @@ fn bench_model(
     println!(
         "| batch 16 ÷ batch 1 (merged) | | {:.2}x | |",
         base16 / base1
+    );
+    // One line for scripts (scripts/gpu-run.sh puts two runs side by side): the rates, and the
+    // bytes of weights a merged step reads at most (for its share of the memory bound).
+    println!(
+        "bench-summary label={label:?} lora_kernel={} merged_b1={base1:.3} dynamic_b1={dyn1:.3} merged_b16={base16:.3} one_b16={one16:.3} distinct_b16={mixed16:.3} weight_bytes={}",
+        args.lora_kernel,
+        model.weight_bytes()
     );
     if model.paged() {
         print_ops(model, &adapters, args)?;
@@ -620,6 +631,7 @@ fn tensor_pools(args: &DecodeBenchArgs) -> TensorPathOptions {
         lora_slots: 16,
         lora_rank: args.rank,
         kv_dtype: None,
+        lora_kernel: args.lora_kernel,
     }
 }
 

@@ -34,7 +34,7 @@ use self::seq::{Score, Seq};
 use self::text::TextModel;
 use crate::lora::registry::Registry;
 use crate::model::{
-    Decoder, DeviceMemory, KvBudget, ModelError, Proj, TensorPathOptions, MAX_KV_SLOTS,
+    Decoder, DeviceMemory, KvBudget, LoraKernel, ModelError, Proj, TensorPathOptions, MAX_KV_SLOTS,
 };
 
 /// Engine settings (from the worker config's limits).
@@ -76,6 +76,9 @@ pub struct EngineOptions {
     /// The dtype the KV cache holds (`kvCacheDtype`); None: the model's default (see
     /// [`Decoder::kv_dtype`]).
     pub kv_cache_dtype: Option<DType>,
+    /// How the tensor path computes LoRA updates (`serve --lora-kernel`, `MOLE_LORA_KERNEL`):
+    /// the grouped ops by default; the BGMV kernels are unproven on a device.
+    pub lora_kernel: LoraKernel,
     /// llguidance's limits on compiling a guide and on each token's mask
     /// (`limits.guideParser`).
     pub guide_limits: mole_api::GuideParserLimits,
@@ -101,6 +104,7 @@ impl Default for EngineOptions {
             image_processor: mole_api::ImageProcessor::default(),
             prefix_caching: true,
             kv_cache_dtype: None,
+            lora_kernel: LoraKernel::Ops,
             guide_limits: mole_api::GuideParserLimits::default(),
             template_fuel: None,
         }
@@ -122,6 +126,7 @@ fn tensor_path(opts: &EngineOptions) -> TensorPathOptions {
         lora_slots: opts.max_loras.max(1),
         lora_rank: opts.max_lora_rank.max(1),
         kv_dtype: opts.kv_cache_dtype,
+        lora_kernel: opts.lora_kernel,
     }
 }
 
@@ -403,6 +408,7 @@ impl Engine {
         tracing::info!(
             kv_cache_dtype = model.kv_dtype().as_str(),
             paged = model.paged(),
+            lora_kernel = opts.lora_kernel.as_str(),
             "KV cache dtype"
         );
         let device = model.device().clone();

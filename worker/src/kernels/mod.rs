@@ -1,5 +1,7 @@
-//! Host kernels for CPU f32 decoding, read in place from tensor storage: the base product of a
-//! decode step's column blocks ([`dense`]), a token's attention over its sequence's cache
+//! The device's own kernels ([`bgmv`]: LoRA updates by slot index, CUDA under the `cuda`
+//! feature, with the CPU reference of their arithmetic), and host kernels for CPU f32
+//! decoding, read in place from tensor storage: the base product of a decode step's column
+//! blocks ([`dense`]), a token's attention over its sequence's cache
 //! ([`attention`]) and a token's low-rank adapter update ([`lora`]). They know tensors only as
 //! storage: nothing here knows of models or adapters.
 //!
@@ -36,6 +38,7 @@ macro_rules! kernel {
 }
 
 pub(crate) mod attention;
+pub mod bgmv;
 pub(crate) mod dense;
 pub(crate) mod lora;
 pub(crate) mod quant;

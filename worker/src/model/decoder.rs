@@ -711,7 +711,7 @@ impl Decoder {
         let inputs = step::inputs(
             rows,
             kv,
-            row_slots.as_deref().zip(slots.map(LoraSlots::dtype)),
+            row_slots.as_deref().zip(slots),
             &positions,
             width,
             images,

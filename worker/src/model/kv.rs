@@ -30,6 +30,8 @@ pub struct TensorPathOptions {
     /// The dtype the KV cache holds (`kvCacheDtype`: f32, bf16 or f16, on both paths); None:
     /// the decoder's default (see [`super::Decoder::kv_dtype`]).
     pub kv_dtype: Option<DType>,
+    /// How LoRA updates are computed (`--lora-kernel`; the grouped ops unless set).
+    pub lora_kernel: super::LoraKernel,
 }
 
 impl Default for TensorPathOptions {
@@ -42,6 +44,7 @@ impl Default for TensorPathOptions {
             lora_slots: 16,
             lora_rank: 64,
             kv_dtype: None,
+            lora_kernel: super::LoraKernel::Ops,
         }
     }
 }

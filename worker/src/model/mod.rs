@@ -45,6 +45,7 @@ pub use self::kv::{DeviceMemory, KvBudget, TensorPathOptions, MAX_KV_SLOTS};
 pub use self::lora::{HostUpdates, LoraAdapter, Proj, UpdateTask, HOST_LORA_MAX_TOKENS};
 pub use self::prefix::BlockHash;
 pub use self::rope::{Rope, RopeScaling};
+pub use self::slots::{bgmv_against_grouped_ops, LoraKernel};
 pub(crate) use self::transfer::upload;
 pub use self::transfer::{download, download_rows, transfers_made, Transfers};
 pub use self::weights::{adapter_dtype, compute_dtype, Lin};

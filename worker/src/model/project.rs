@@ -131,10 +131,21 @@ fn slot_updates<const N: usize>(
             ..
         } => {
             let group = Projections::of(&projs).expect("the projections of one input form a group");
-            let h = slots.shrink(layer, group, x, step)?; // [N, distinct, rows, rank]
-            for (i, o) in out.iter_mut().enumerate() {
-                let update = slots.expand(layer, projs[i], &h, i, step, o.dtype())?;
-                *o = (&*o + update)?;
+            match &step.tokens {
+                // BGMV: each token's slot read in place, the add fused into the expand.
+                Some(tokens) => {
+                    let v = slots.bgmv_shrink(layer, group, x, tokens)?; // [splits, N, tokens, rank]
+                    for (i, o) in out.iter_mut().enumerate() {
+                        *o = slots.bgmv_expand(layer, projs[i], &v, i, tokens, o)?;
+                    }
+                }
+                None => {
+                    let h = slots.shrink(layer, group, x, step)?; // [N, distinct, rows, rank]
+                    for (i, o) in out.iter_mut().enumerate() {
+                        let update = slots.expand(layer, projs[i], &h, i, step, o.dtype())?;
+                        *o = (&*o + update)?;
+                    }
+                }
             }
         }
         StepPath::Tensor { lora: None, .. } => {}

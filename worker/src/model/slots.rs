@@ -20,13 +20,60 @@
 //!
 //! Slots are filled in place when a step first needs an adapter (least recently used slot not
 //! in the step), so a step's cost does not depend on how many distinct adapters it holds.
+//!
+//! With [`LoraKernel::Bgmv`] (off by default: unproven on a device), a step of at most
+//! [`bgmv::MAX_TOKENS`] tokens takes none of the above: each token's slot index travels in
+//! the step's upload and [`bgmv`]'s kernels read every token's adapter from the pool in place,
+//! one launch per group's shrink and one per projection's expand-add.
 
+use std::collections::HashMap;
 use std::sync::{Mutex, PoisonError};
 
 use candle_core::{DType, Device, Tensor};
 
 use super::{LoraAdapter, ModelConfig, ModelError, Proj, TensorPathOptions};
-use crate::kernels::RANK_ALIGN;
+use crate::kernels::{bgmv, RANK_ALIGN};
+
+/// How the tensor path applies the LoRA slots' updates (`--lora-kernel`, env
+/// `MOLE_LORA_KERNEL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoraKernel {
+    /// The grouped ops of this module, for every step (the default).
+    #[default]
+    Ops,
+    /// The BGMV kernels ([`bgmv`]) for steps of at most [`bgmv::MAX_TOKENS`] tokens, the
+    /// grouped ops for longer ones. Unproven on a device: off until a GPU run shows its
+    /// numerics and speed (docs/benchmarks.md).
+    Bgmv,
+}
+
+impl LoraKernel {
+    /// Its name on the command line and in the environment.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoraKernel::Ops => "ops",
+            LoraKernel::Bgmv => "bgmv",
+        }
+    }
+}
+
+impl std::fmt::Display for LoraKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for LoraKernel {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "ops" => Ok(LoraKernel::Ops),
+            "bgmv" => Ok(LoraKernel::Bgmv),
+            other => Err(format!("{other:?}: expected ops or bgmv")),
+        }
+    }
+}
 
 /// Projections that share an input, and so a shrink.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,7 +89,7 @@ pub(super) enum Group {
 }
 
 impl Group {
-    const ALL: [Group; 4] = [Group::Qkv, Group::O, Group::GateUp, Group::Down];
+    pub(super) const ALL: [Group; 4] = [Group::Qkv, Group::O, Group::GateUp, Group::Down];
 
     /// Its projections, in the order of their `Aᵀ` in the pool.
     pub fn projs(self) -> &'static [Proj] {
@@ -80,6 +127,7 @@ pub(super) struct LoraSlots {
     slots: usize,
     rank: usize,
     dtype: DType,
+    kernel: LoraKernel,
     layers: Vec<LayerSlots>,
     table: Mutex<Table>,
 }
@@ -113,6 +161,7 @@ impl LoraSlots {
             slots,
             rank,
             dtype,
+            kernel: opts.lora_kernel,
             layers,
             table: Mutex::new(Table {
                 held: vec![None; slots],
@@ -124,6 +173,11 @@ impl LoraSlots {
     /// The dtype the slots hold and compute in.
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Whether a step of `tokens` tokens takes the BGMV kernels (see [`LoraKernel`]).
+    pub fn bgmv_for(&self, tokens: usize) -> bool {
+        self.kernel == LoraKernel::Bgmv && tokens <= bgmv::MAX_TOKENS
     }
 
     /// Each row's slot (0: base), loading adapters the slots do not hold into the least
@@ -258,6 +312,36 @@ impl LoraSlots {
     }
 }
 
+impl LoraSlots {
+    /// The BGMV shrink of a group ([`bgmv::shrink`]): `x` `[tokens, in]` times each token's
+    /// slot's `Aᵀ` of every projection of the group, `tokens` each token's slot: partial sums
+    /// over splits of the input, `[splits, n, tokens, rank]` f32.
+    pub fn bgmv_shrink(
+        &self,
+        li: usize,
+        group: Group,
+        x: &Tensor,
+        tokens: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        let pool = &self.layers[li].a[group as usize];
+        bgmv::shrink(x, pool, tokens, group.projs().len())
+    }
+
+    /// The BGMV expand-add of the group's `i`th projection `proj` ([`bgmv::expand`]): `y` (its
+    /// base product) plus `v`'s part times each token's slot's `s·B`, in `y`'s dtype.
+    pub fn bgmv_expand(
+        &self,
+        li: usize,
+        proj: Proj,
+        v: &Tensor,
+        i: usize,
+        tokens: &Tensor,
+        y: &Tensor,
+    ) -> candle_core::Result<Tensor> {
+        bgmv::expand(y, v, i, &self.layers[li].b[proj as usize], tokens)
+    }
+}
+
 /// Where a step's tokens meet their slots, as the host lays them out.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct SlotPlan {
@@ -364,6 +448,8 @@ pub(super) struct StepSlots {
     pub keep: Tensor,
     /// `[tokens]`.
     pub scatter: Tensor,
+    /// Each token's slot `[tokens]` (u32), when the step takes the BGMV kernels.
+    pub tokens: Option<Tensor>,
     /// Distinct slots `U`.
     pub distinct: usize,
     /// Rows of each slot's block.
@@ -373,13 +459,15 @@ pub(super) struct StepSlots {
 }
 
 impl StepSlots {
-    /// The device side of `plan` from its uploaded sections; `dtype` the pool's.
+    /// The device side of `plan` from its uploaded sections (and each token's slot, for the
+    /// BGMV kernels); `dtype` the pool's.
     pub fn new(
         plan: &SlotPlan,
         slots: Tensor,
         gather: Tensor,
         keep: Tensor,
         scatter: Tensor,
+        tokens: Option<Tensor>,
         dtype: DType,
     ) -> candle_core::Result<Self> {
         let (distinct, rows) = (plan.slots.len(), plan.rows);
@@ -388,6 +476,7 @@ impl StepSlots {
             gather,
             keep: keep.to_dtype(dtype)?.reshape((1, distinct, rows, 1))?,
             scatter,
+            tokens,
             distinct,
             rows,
             first: plan.first.map(|f| f as usize),
@@ -411,7 +500,204 @@ fn unwrap_all<const N: usize>(
     Ok(v.try_into().expect("N tensors"))
 }
 
+/// A deterministic stream of values in [-1, 1).
+fn values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6_364_136_223_846_793_005)
+                .wrapping_add(1_442_695_040_888_963_407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+        })
+        .collect()
+}
+
+#[allow(clippy::disallowed_methods)] // a check's input
+fn tensor(
+    v: Vec<f32>,
+    shape: &[usize],
+    dtype: DType,
+    device: &Device,
+) -> candle_core::Result<Tensor> {
+    Tensor::from_vec(v, shape, device)?.to_dtype(dtype)
+}
+
+#[allow(clippy::disallowed_methods)] // a check's reading
+fn f32s(t: &Tensor) -> candle_core::Result<Vec<f32>> {
+    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1()
+}
+
+/// The unit roundoff of a dtype: the largest relative error of rounding to it.
+fn unit(d: DType) -> f64 {
+    match d {
+        DType::F32 => 2f64.powi(-24),
+        DType::BF16 => 2f64.powi(-8),
+        DType::F16 => 2f64.powi(-11),
+        _ => f64::NAN,
+    }
+}
+
+/// A check, for tests here and on a GPU (not the serving path): the BGMV ops (on the CPU,
+/// their reference arithmetic) against the grouped ops on `device`, every
+/// projection of two layers (down's 1100-wide input in three of the shrink's splits), a step
+/// mixing three adapters (ranks 16, 8 on three modules,
+/// and 4 padded to the pool's 16) with base rows, in every (activations, pool) dtype pair
+/// the decoder makes (the pool holds the wider of the two).
+///
+/// The bound, per output element `j` of a token, with `E_j = Σ_k (Σ_i |x_i·A_ik|)·|B_jk|`
+/// (the magnitude of the update's terms), `u_p`/`u_o` the unit roundoffs of the pool's
+/// and the output's dtype and `γ = (in + rank + 2)·2⁻²⁴` (f32 accumulation, either path):
+/// the grouped ops round `x` to the pool's dtype (`u_x`: 0 when that is exact), the shrink
+/// and the expand's product to the pool's dtype (`u_p` each) and the update to the
+/// output's (`u_o`); BGMV rounds none of those. Each rounding moves the update by at most
+/// its unit times `E_j` to first order, so with `e = u_x + 2u_p + u_o + 3γ` the updates
+/// differ by at most `(e + 4e²)·E_j` (`4e²` bounds the products of up to three of these
+/// relative errors for `e < 1`); each path then rounds `y + update` once to the output's
+/// dtype, which adds at most `u_o/(1 - u_o)` of each result's magnitude. Base rows are `y`
+/// itself on both. Returns, per dtype pair, the largest difference as a share of its bound;
+/// Err at the first element past it.
+#[doc(hidden)]
+#[allow(clippy::disallowed_methods)] // a check's own inputs and readings, not a step's
+pub fn bgmv_against_grouped_ops(device: &Device) -> anyhow::Result<Vec<String>> {
+    let mut report = Vec::new();
+    let cfg: ModelConfig = serde_json::from_value(serde_json::json!({
+        "model_type": "llama", "hidden_size": 64, "intermediate_size": 1100,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-6, "vocab_size": 16, "max_position_embeddings": 64,
+    }))?;
+    let layers = cfg.num_hidden_layers;
+    let make = |rank: usize, projs: &[Proj], seed: u64| -> candle_core::Result<LoraAdapter> {
+        let mut m = HashMap::new();
+        for l in 0..layers {
+            for &p in projs {
+                let (i, o) = p.dims(&cfg);
+                let s = seed * 1000 + (l * 7 + p as usize) as u64 * 2;
+                let at = tensor(values(i * rank, s), &[i, rank], DType::F32, device)?;
+                // B scaled as PEFT's s·B often is, so updates are not all of one size.
+                let b = (tensor(values(o * rank, s + 1), &[o, rank], DType::F32, device)? * 0.25)?;
+                m.insert((l, p), (at, b));
+            }
+        }
+        Ok(LoraAdapter::from_modules(m, rank, 0))
+    };
+    let adapters = [
+        make(16, &Proj::ALL, 1)?,
+        make(8, &[Proj::Q, Proj::V, Proj::Down], 2)?,
+        make(4, &Proj::ALL, 3)?,
+    ];
+    let a = |k: usize| Some(&adapters[k]);
+    let rows = [a(0), None, a(1), a(0), a(2), None, a(1)];
+    let tokens = rows.len();
+    for (x_dtype, pool_dtype) in [
+        (DType::F32, DType::F32),
+        (DType::BF16, DType::BF16),
+        (DType::F16, DType::F16),
+        (DType::BF16, DType::F32),
+        (DType::F16, DType::F32),
+    ] {
+        let opts = TensorPathOptions {
+            lora_slots: 4,
+            lora_rank: 16,
+            lora_kernel: LoraKernel::Bgmv,
+            ..Default::default()
+        };
+        let pool = LoraSlots::new(&cfg, &opts, pool_dtype, device)?;
+        anyhow::ensure!(pool.bgmv_for(tokens), "the step does not take the BGMV ops");
+        let per_token = pool.assign(&rows)?;
+        let plan = SlotPlan::new(&per_token);
+        let u = |v: &[u32]| Tensor::new(v, device);
+        let step = StepSlots::new(
+            &plan,
+            u(&plan.slots)?,
+            u(&plan.gather)?,
+            u(&plan.keep)?,
+            u(&plan.scatter)?,
+            Some(u(&per_token)?),
+            pool_dtype,
+        )?;
+        let slot_of = u(&per_token)?;
+        let (up, uo) = (unit(pool_dtype), unit(x_dtype));
+        let ux = if up > uo { up } else { 0.0 };
+        let r = pool.rank;
+        let mut worst = 0f64;
+        for li in 0..layers {
+            for group in Group::ALL {
+                let n = group.projs().len();
+                let (d_in, _) = group.projs()[0].dims(&cfg);
+                let seed = 100 * li as u64 + group as u64;
+                let x = tensor(
+                    values(tokens * d_in, seed),
+                    &[tokens, d_in],
+                    x_dtype,
+                    device,
+                )?;
+                let h = pool.shrink(li, group, &x, &step)?;
+                let v = pool.bgmv_shrink(li, group, &x, &slot_of)?;
+                let (xs, at) = (f32s(&x)?, f32s(&pool.layers[li].a[group as usize])?);
+                for (i, &p) in group.projs().iter().enumerate() {
+                    let d_out = p.dims(&cfg).1;
+                    let y = tensor(
+                        values(tokens * d_out, seed + 50 + i as u64),
+                        &[tokens, d_out],
+                        x_dtype,
+                        device,
+                    )?;
+                    let update = pool.expand(li, p, &h, i, &step, x_dtype)?;
+                    let ops = f32s(&(&y + update)?)?;
+                    let ours = pool.bgmv_expand(li, p, &v, i, &slot_of, &y)?;
+                    anyhow::ensure!(ours.dtype() == x_dtype, "bgmv expand in {:?}", ours.dtype());
+                    let ours = f32s(&ours)?;
+                    let b = f32s(&pool.layers[li].b[p as usize])?;
+                    let gamma = (d_in + r + 2) as f64 * 2f64.powi(-24);
+                    let e = ux + 2.0 * up + uo + 3.0 * gamma;
+                    for (t, &s) in per_token.iter().enumerate() {
+                        let s = s as usize;
+                        let mag: Vec<f64> = (0..r)
+                            .map(|k| {
+                                (0..d_in)
+                                    .map(|c| {
+                                        let w = at[((s * n + i) * d_in + c) * r + k];
+                                        (f64::from(xs[t * d_in + c]) * f64::from(w)).abs()
+                                    })
+                                    .sum()
+                            })
+                            .collect();
+                        for o in 0..d_out {
+                            let big_e: f64 = (0..r)
+                                .map(|k| mag[k] * f64::from(b[(s * d_out + o) * r + k]).abs())
+                                .sum();
+                            let (g, w) = (
+                                f64::from(ours[t * d_out + o]),
+                                f64::from(ops[t * d_out + o]),
+                            );
+                            let tol =
+                                (e + 4.0 * e * e) * big_e + uo / (1.0 - uo) * (g.abs() + w.abs());
+                            let d = (g - w).abs();
+                            if d > tol || (s == 0 && g != w) {
+                                anyhow::bail!(
+                                    "{x_dtype:?} over {pool_dtype:?}: layer {li} {p:?} token {t} \
+                                     (slot {s}) output {o}: bgmv {g}, grouped ops {w}, bound {tol}"
+                                );
+                            }
+                            if tol > 0.0 {
+                                worst = worst.max(d / tol);
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        report.push(format!(
+            "bgmv vs grouped ops on {}: {x_dtype:?} over {pool_dtype:?}, largest difference {worst:.3} of its bound",
+            if device.is_cpu() { "cpu" } else { "the device" }
+        ));
+    }
+    Ok(report)
+}
+
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // test inputs and readings
 mod tests {
     use super::*;
 
@@ -476,5 +762,24 @@ mod tests {
         assert_eq!(p.rows, 1);
         assert_eq!(p.keep, [0]);
         assert_eq!(p.scatter, [0, 0]);
+    }
+
+    /// The BGMV ops (on the CPU: their reference arithmetic) against the grouped ops within
+    /// the bound [`bgmv_against_grouped_ops`] states; the device test (tests/lora_kernels.rs)
+    /// runs the same on a GPU.
+    #[test]
+    fn bgmv_equals_the_grouped_ops_within_their_roundings() {
+        for line in bgmv_against_grouped_ops(&Device::Cpu).unwrap() {
+            eprintln!("{line}");
+        }
+    }
+
+    #[test]
+    fn the_lora_kernel_switch_parses_its_names_only() {
+        for k in [LoraKernel::Ops, LoraKernel::Bgmv] {
+            assert_eq!(k.as_str().parse::<LoraKernel>(), Ok(k));
+        }
+        assert!("BGMV".parse::<LoraKernel>().is_err());
+        assert_eq!(LoraKernel::default(), LoraKernel::Ops);
     }
 }

@@ -12,7 +12,7 @@ use candle_core::{DType, Device, Tensor};
 
 use super::batch::{Paged, Positions, Row};
 use super::kv::{BlockTable, KvPool};
-use super::slots::{SlotPlan, StepSlots};
+use super::slots::{LoraSlots, SlotPlan, StepSlots};
 use super::transfer::{self, EXACT_F32};
 
 /// A step's inputs on the device.
@@ -71,14 +71,14 @@ impl Packer {
 pub(super) type ImageIndices = Vec<(Vec<u32>, Vec<u32>)>;
 
 /// The inputs of `rows` (their blocks already reserved in `kv`), with `slots` the LoRA slot of
-/// each row and the slot pool's dtype when any row has an adapter, `width` the cache's width
+/// each row and the slot pool when any row has an adapter, `width` the cache's width
 /// (kv heads × head dim), `images` the rows' image placeholders (`hidden` the embeddings'
 /// width) and `extra` the caller's own inputs.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn inputs<'a>(
     rows: &[Row<'_>],
     kv: &'a KvPool,
-    slots: Option<(&[u32], DType)>,
+    slots: Option<(&[u32], &LoraSlots)>,
     positions: &Positions,
     width: usize,
     images: &ImageIndices,
@@ -151,7 +151,7 @@ pub(super) fn inputs<'a>(
     );
     let key_pos = p.section(0..keys as u32);
     let last = p.section(offs.iter().zip(&lens).map(|(o, l)| (o + l - 1) as u32));
-    let lora = slots.map(|(s, dtype)| {
+    let lora = slots.map(|(s, pool)| {
         let per_token: Vec<u32> = s
             .iter()
             .zip(&lens)
@@ -164,7 +164,11 @@ pub(super) fn inputs<'a>(
             p.section(plan.keep.iter().copied()),
             p.section(plan.scatter.iter().copied()),
         ];
-        (plan, at, dtype)
+        // The BGMV kernels read each token's slot itself (see `slots::LoraKernel`).
+        let tokens = pool
+            .bgmv_for(n)
+            .then(|| p.section(per_token.iter().copied()));
+        (plan, at, tokens, pool.dtype())
     });
     let image_at: Vec<[(usize, usize); 2]> = images
         .iter()
@@ -201,12 +205,13 @@ pub(super) fn inputs<'a>(
         },
         last: view(last)?,
         slots: match lora {
-            Some((plan, [s, g, k, t], dtype)) => Some(StepSlots::new(
+            Some((plan, [s, g, k, t], tokens, dtype)) => Some(StepSlots::new(
                 &plan,
                 view(s)?,
                 view(g)?,
                 view(k)?,
                 view(t)?,
+                tokens.map(view).transpose()?,
                 dtype,
             )?),
             None => None,

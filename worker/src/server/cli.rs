@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::{app, build_engine, AppState, Auth};
+use super::{app, build_engine_with, AppState, Auth};
 
 /// Arguments of `serve`.
 #[derive(clap::Args, Debug)]
@@ -33,6 +33,11 @@ pub struct ServeArgs {
     /// turns polling off (peers are then tried in placement order).
     #[arg(long, env = "MOLE_PEER_POLL_MS", default_value_t = 1000)]
     pub peer_poll_ms: u64,
+    /// How a GPU computes LoRA updates: `ops` (grouped tensor ops, the default) or `bgmv`
+    /// (the worker's own CUDA kernels for decode steps; unproven on a device, see
+    /// docs/benchmarks.md). The CPU's host path ignores it.
+    #[arg(long, env = "MOLE_LORA_KERNEL", default_value = "ops")]
+    pub lora_kernel: crate::model::LoraKernel,
 }
 
 /// Runs the subcommand.
@@ -78,7 +83,7 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         cfg.limits.engine.gpu_memory_utilization = f;
     }
     let auth = Auth::from_config(&cfg)?;
-    let engine = build_engine(&cfg)?;
+    let engine = build_engine_with(&cfg, args.lora_kernel)?;
     let state = AppState::new(cfg.clone(), engine, Some(args.config.clone()), auth);
     state
         .peers

@@ -13,6 +13,7 @@ use crate::engine::replicas::Replicas;
 use crate::engine::{candle_dtype, compute_devices, default_device, Engine, EngineOptions};
 use crate::formats::hf::{self, HfError};
 use crate::merge::MergeError;
+use crate::model::LoraKernel;
 
 /// Why an engine could not be built. Stable names via [`BuildError::code`].
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +65,15 @@ fn base_options(cfg: &WorkerConfig) -> EngineOptions {
 /// Builds the engine for a config, as the parts the server holds: the ONE place where the
 /// server meets the engine implementation.
 pub fn build_engine(cfg: &WorkerConfig) -> Result<EngineHandles, BuildError> {
+    build_engine_with(cfg, LoraKernel::default())
+}
+
+/// As [`build_engine`], the tensor path's LoRA updates computed by `lora_kernel` (`serve
+/// --lora-kernel`: a process setting, not the pool's, while the kernels are unproven).
+pub fn build_engine_with(
+    cfg: &WorkerConfig,
+    lora_kernel: LoraKernel,
+) -> Result<EngineHandles, BuildError> {
     let dir = model_dir(cfg)?;
     let gguf = dir.extension().is_some_and(|e| e == "gguf");
     // A directory written by `mole-worker quantize` (a merged model quantized after the merge).
@@ -81,6 +91,7 @@ pub fn build_engine(cfg: &WorkerConfig) -> Result<EngineHandles, BuildError> {
         max_lora_rank: l.engine.max_lora_rank as usize,
         lora_dtype: l.engine.lora_dtype.map(candle_dtype),
         kv_cache_dtype: l.engine.kv_cache_dtype.map(candle_dtype),
+        lora_kernel,
         prefill_chunk: std::env::var("MOLE_PREFILL_CHUNK")
             .ok()
             .and_then(|v| v.parse().ok())

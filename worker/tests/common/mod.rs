@@ -163,7 +163,8 @@ pub fn test_device() -> candle_core::Device {
 }
 
 /// An engine over the llama fixture on the tensor path (what a GPU runs: the host kernels
-/// off), its options set by `f`.
+/// off), its options set by `f`, its LoRA kernel by `MOLE_LORA_KERNEL` as `serve` takes it
+/// (`ops` unless set), so a test of the tensor path's engine runs with either.
 #[allow(dead_code)] // each test crate uses some of these helpers
 pub fn tensor_engine(
     f: impl FnOnce(&mut mole_worker::engine::EngineOptions),
@@ -173,8 +174,13 @@ pub fn tensor_engine(
         mole_worker::model::Decoder::load(&dir, candle_core::DType::F32, &test_device())
             .expect("the llama fixture loads");
     model.set_host_kernels(false);
+    let lora_kernel = match std::env::var("MOLE_LORA_KERNEL") {
+        Ok(k) => k.parse().expect("MOLE_LORA_KERNEL: ops or bgmv"),
+        Err(_) => mole_worker::model::LoraKernel::Ops,
+    };
     let mut opts = mole_worker::engine::EngineOptions {
         base_name: "llama".into(),
+        lora_kernel,
         ..Default::default()
     };
     f(&mut opts);
