@@ -58,7 +58,10 @@ if [ ! -x "$venv/bin/guidellm" ]; then
   python3 -m venv "$venv"
   "$venv/bin/pip" install --quiet --cache-dir "$MOLE_CACHE/pip" "guidellm==0.8.1"
 fi
-llama="$(bash scripts/build-llama-server.sh)"
+llama=""  # built only when a llama.cpp contender runs (about 8 minutes the first time)
+if [[ " ${contenders[*]} " == *" llama-"* ]]; then
+  llama="$(bash scripts/build-llama-server.sh)"
+fi
 q4_1="$(bash scripts/fetch-smollm2.sh)"
 gguf="${MOLE_BENCH_GGUF:-$q4_1}"
 # MOLE_BIN: a worker binary already built (else the release build, as run-local.sh serves).
