@@ -215,7 +215,8 @@ async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
         &status::accepted(adapter, lora_id, now),
         &observed,
     );
-    apply::apply_plan(ctx, adapter, &pool, &plan, observed.merged.as_ref()).await?;
+    // Build: the next status (traffic record, canary analysis) is decided from this round's
+    // observation and plan, before anything is applied, and nothing is decided after.
     let mut next = status::report(adapter, &plan, &observed, now);
     let merged_serving = plan.merged_endpoint.is_some();
     let holding = std::mem::take(&mut observed.holding);
@@ -246,6 +247,7 @@ async fn serve(adapter: &Adapter, ctx: &Context) -> Result<Action> {
         now,
     );
     plan.events.extend(ev);
+    apply::apply_plan(ctx, adapter, &pool, &plan, observed.merged.as_ref()).await?;
     let again = status::publish(adapter, ctx, &next, &plan, observed.load_error.as_deref()).await?;
     // Decisions that follow the traffic (canary analysis, promotion, scale to zero) are taken
     // at their own cadence, not at the 60 s of an adapter that is merely Ready.
