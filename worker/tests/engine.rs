@@ -312,6 +312,58 @@ fn a_failed_read_from_disk_counts_as_an_error_of_its_version() {
     assert_eq!((c.requests, c.errors), (1, 0), "{c:?}");
 }
 
+/// A canary version whose read from disk fails does not fail the request that went to it: the
+/// failed read is the canary's error (what the operator's analysis counts to roll it back),
+/// and the stable version answers the request, as it does when a canary fails to load at all.
+/// Such requests failed (the sessions sticky to the canary failed until the rollback).
+#[test]
+fn a_canary_whose_read_fails_is_answered_by_the_stable_version() {
+    let r = &reference()["llama"];
+    let p = ids(&r["prompts"][1]);
+    let dir = tempfile::tempdir().unwrap();
+    let a = dir.path().join("a");
+    std::fs::create_dir_all(&a).unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(
+            fixtures().join("adapters/llama/a_r8_all").join(f),
+            a.join(f),
+        )
+        .unwrap();
+    }
+    let e = engine(|o| {
+        o.max_loras = 1;
+        o.max_cpu_loras = 0;
+    });
+    let canary = mole_worker::lora::registry::canary_key("x");
+    e.load_adapter(AdapterSpec {
+        path: a.clone(),
+        ..spec(&canary, "v2", "a_r8_all")
+    })
+    .unwrap();
+    // The stable version takes the one slot: the canary is read from disk when asked for.
+    e.load_adapter(spec("x", "v1", "c_r16_mlp")).unwrap();
+    std::fs::write(a.join("adapter_model.safetensors"), b"not safetensors").unwrap();
+    let out = collect(e.submit(greedy(p.clone(), Some(&canary), 4)).unwrap());
+    assert!(matches!(out.end, TokenEvent::Finished { .. }), "{out:?}");
+    assert_eq!(out.version.as_deref(), Some("v1"), "{out:?}");
+    let stable = collect(e.submit(greedy(p, Some("x"), 4)).unwrap());
+    assert_eq!(out.tokens, stable.tokens, "the stable version's answer");
+    let counted = |v: &str| {
+        let c = e
+            .adapter_counters()
+            .into_iter()
+            .find(|c| c.name == "x" && c.version == v)
+            .unwrap();
+        (c.requests, c.errors)
+    };
+    assert_eq!(
+        counted("v2"),
+        (1, 1),
+        "the canary's failed read is its error"
+    );
+    assert_eq!(counted("v1"), (2, 0));
+}
+
 #[test]
 fn seeds_stop_strings_chat_template_and_classifier_scores() {
     let e = engine(|_| {});

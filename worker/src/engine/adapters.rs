@@ -11,7 +11,7 @@ use super::api::{AdapterSpec, EngineError};
 use super::scheduler::Msg;
 use super::seq::Seq;
 use super::{Engine, Shared};
-use crate::lora::registry::{LoadTicket, Lookup, Missed, Settled};
+use crate::lora::registry::{public_name, LoadTicket, Lookup, Missed, Settled, CANARY_SUFFIX};
 use crate::lora::LoadOptions;
 use crate::model::LoraAdapter;
 
@@ -63,8 +63,11 @@ pub(super) fn load_weights(
 }
 
 /// Hands each waiter what it got: a request is queued with its adapter pinned, or ends with
-/// the error.
-fn settle(shared: &Shared, tx: &mpsc::Sender<Msg>, settled: Settled<Waiter>) {
+/// the error. A request for a canary version whose read failed goes to the stable version
+/// instead, as when the canary failed to load at all: the failed read is already counted as
+/// the canary's error (what the operator's analysis rolls it back on), and the client, who
+/// named the adapter and not the version, is answered.
+fn settle(shared: &Arc<Shared>, tx: &mpsc::Sender<Msg>, settled: Settled<Waiter>) {
     for (waiter, got) in settled {
         match (waiter, got) {
             (mut s, Ok(p)) => {
@@ -73,12 +76,49 @@ fn settle(shared: &Shared, tx: &mpsc::Sender<Msg>, settled: Settled<Waiter>) {
                     shared.waiting.fetch_sub(1, Ordering::SeqCst);
                 }
             }
+            (s, Err(Missed::Failed { name, reason })) if name.ends_with(CANARY_SUFFIX) => {
+                tracing::warn!(adapter = %public_name(&name), %reason,
+                    "the canary version's read failed: the stable version answers");
+                queue_waiter(shared, tx, s, public_name(&name));
+            }
             (mut s, Err(m)) => {
                 shared.waiting.fetch_sub(1, Ordering::SeqCst);
                 s.fail(&missed(m));
             }
         }
     }
+}
+
+/// Queues a waiting request (counted in `waiting`) for adapter `name`: at once when it is
+/// resident, after its one read from disk otherwise; refused when the adapter is unknown.
+fn queue_waiter(shared: &Arc<Shared>, tx: &mpsc::Sender<Msg>, seq: Waiter, name: &str) {
+    match shared.registry.lookup(name, seq) {
+        Lookup::Ready(p, mut seq) => {
+            seq.pin(p);
+            if tx.send(Msg::Submit(seq)).is_err() {
+                shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            }
+        }
+        Lookup::Unknown(mut seq) => {
+            shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            seq.fail(&EngineError::AdapterNotFound(name.into()));
+        }
+        Lookup::Load(ticket) => read(shared.clone(), tx.clone(), ticket),
+        Lookup::Queued => {}
+    }
+}
+
+/// Starts the read of `ticket` on a loader thread, so that neither the caller's async runtime
+/// nor the decode loop waits on the disk; its waiters are settled when it ends.
+fn read(shared: Arc<Shared>, tx: mpsc::Sender<Msg>, ticket: LoadTicket) {
+    std::thread::spawn(move || {
+        let weights = load_weights(&shared, &ticket.spec).map_err(|e| match e {
+            EngineError::InvalidAdapter { reason, .. } => reason,
+            e => e.to_string(),
+        });
+        let settled = shared.registry.loaded(ticket, weights);
+        settle(&shared, &tx, settled);
+    });
 }
 
 impl Engine {
@@ -116,18 +156,9 @@ impl Engine {
         }
     }
 
-    /// Starts the read of `ticket` on a loader thread, so that neither the caller's async
-    /// runtime nor the decode loop waits on the disk; its waiters are settled when it ends.
+    /// Starts the read of `ticket` on a loader thread (see [`read`]).
     fn read(&self, ticket: LoadTicket) {
-        let (shared, tx) = (self.shared.clone(), self.tx.clone());
-        std::thread::spawn(move || {
-            let weights = load_weights(&shared, &ticket.spec).map_err(|e| match e {
-                EngineError::InvalidAdapter { reason, .. } => reason,
-                e => e.to_string(),
-            });
-            let settled = shared.registry.loaded(ticket, weights);
-            settle(&shared, &tx, settled);
-        });
+        read(self.shared.clone(), self.tx.clone(), ticket);
     }
 
     /// Loads `spec` as the adapter's current version (a no-op when it already is); requests
