@@ -259,6 +259,20 @@ fn evicted_adapters_come_back_from_disk_with_the_same_output() {
     assert_eq!(res("c"), mole_api::Residency::Disk);
 }
 
+/// A copy of fixture adapter `name` in `dir` (its files can then be broken).
+fn copied_adapter(dir: &std::path::Path, name: &str) -> std::path::PathBuf {
+    let a = dir.join(name);
+    std::fs::create_dir_all(&a).unwrap();
+    for f in ["adapter_config.json", "adapter_model.safetensors"] {
+        std::fs::copy(
+            fixtures().join("adapters/llama").join(name).join(f),
+            a.join(f),
+        )
+        .unwrap();
+    }
+    a
+}
+
 /// A version whose read from disk fails (its files broken after it loaded, then evicted) fails
 /// the requests that waited for the read, and they count as that version's requests and
 /// errors in `/v1/lora_adapters`' traffic: a canary whose every request fails this way is
@@ -269,15 +283,7 @@ fn a_failed_read_from_disk_counts_as_an_error_of_its_version() {
     let r = &reference()["llama"];
     let p = ids(&r["prompts"][1]);
     let dir = tempfile::tempdir().unwrap();
-    let a = dir.path().join("a");
-    std::fs::create_dir_all(&a).unwrap();
-    for f in ["adapter_config.json", "adapter_model.safetensors"] {
-        std::fs::copy(
-            fixtures().join("adapters/llama/a_r8_all").join(f),
-            a.join(f),
-        )
-        .unwrap();
-    }
+    let a = copied_adapter(dir.path(), "a_r8_all");
     let e = engine(|o| {
         o.max_loras = 1;
         o.max_cpu_loras = 0;
@@ -321,15 +327,7 @@ fn a_canary_whose_read_fails_is_answered_by_the_stable_version() {
     let r = &reference()["llama"];
     let p = ids(&r["prompts"][1]);
     let dir = tempfile::tempdir().unwrap();
-    let a = dir.path().join("a");
-    std::fs::create_dir_all(&a).unwrap();
-    for f in ["adapter_config.json", "adapter_model.safetensors"] {
-        std::fs::copy(
-            fixtures().join("adapters/llama/a_r8_all").join(f),
-            a.join(f),
-        )
-        .unwrap();
-    }
+    let a = copied_adapter(dir.path(), "a_r8_all");
     let e = engine(|o| {
         o.max_loras = 1;
         o.max_cpu_loras = 0;

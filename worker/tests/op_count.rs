@@ -10,61 +10,8 @@
 
 mod common;
 
-use std::collections::HashMap;
-
-use candle_core::{DType, Device, Tensor};
-use candle_nn::VarBuilder;
-use common::steps::{adapter, ops_of_a_step};
-use mole_worker::model::{Decoder, LoraAdapter, ModelConfig, Proj};
-
-/// A small random Qwen3 (GQA, q/k norm) on the tensor path.
-fn model() -> Decoder {
-    let cfg = ModelConfig::from_json(serde_json::json!({
-        "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "rms_norm_eps": 1e-6, "vocab_size": 50,
-        "max_position_embeddings": 256, "tie_word_embeddings": true
-    }))
-    .unwrap();
-    let dev = Device::Cpu;
-    let mut t = HashMap::new();
-    t.insert(
-        "model.embed_tokens.weight".to_string(),
-        Tensor::randn(0f32, 0.2, (50, 64), &dev).unwrap(),
-    );
-    t.insert(
-        "model.norm.weight".to_string(),
-        Tensor::ones(64, DType::F32, &dev).unwrap(),
-    );
-    for l in 0..2 {
-        for p in Proj::ALL {
-            let (d_in, d_out) = p.dims(&cfg);
-            let name = match p {
-                Proj::Q => "self_attn.q_proj",
-                Proj::K => "self_attn.k_proj",
-                Proj::V => "self_attn.v_proj",
-                Proj::O => "self_attn.o_proj",
-                Proj::Gate => "mlp.gate_proj",
-                Proj::Up => "mlp.up_proj",
-                Proj::Down => "mlp.down_proj",
-            };
-            let w = Tensor::randn(0f32, 0.2, (d_out, d_in), &dev).unwrap();
-            t.insert(format!("model.layers.{l}.{name}.weight"), w);
-        }
-        for (n, size) in [
-            ("input_layernorm", 64),
-            ("post_attention_layernorm", 64),
-            ("self_attn.q_norm", 16),
-            ("self_attn.k_norm", 16),
-        ] {
-            let ones = Tensor::ones(size, DType::F32, &dev).unwrap();
-            t.insert(format!("model.layers.{l}.{n}.weight"), ones);
-        }
-    }
-    let mut m = Decoder::new(cfg, VarBuilder::from_tensors(t, DType::F32, &dev)).unwrap();
-    m.set_host_kernels(false);
-    m
-}
+use common::steps::{adapter, ops_of_a_step, tiny_qwen3};
+use mole_worker::model::LoraAdapter;
 
 /// The count is the same for 2, 8 and 16 rows, for 16 rows on one adapter and on 16 distinct
 /// ones, and for ragged batches (some rows prefilling prompts of several lengths beside rows
@@ -73,7 +20,7 @@ fn model() -> Decoder {
 /// launches nothing for them either).
 #[test]
 fn op_count_of_a_step_is_the_same_for_any_batch_and_any_adapters() {
-    let m = model();
+    let m = tiny_qwen3();
     let adapters: Vec<LoraAdapter> = (0..16).map(|_| adapter(&m)).collect();
     let shared = |n: usize| vec![Some(&adapters[0]); n];
     let distinct = |n: usize| -> Vec<Option<&LoraAdapter>> {

@@ -9,58 +9,16 @@
 
 mod common;
 
-use std::collections::HashMap;
-
 use candle_core::quantized::{GgmlDType, QTensor};
-use candle_core::{DType, Device, Tensor};
-use common::steps::{adapter, ops_of_a_step};
-use mole_worker::model::{Decoder, LoraAdapter, ModelConfig, Proj};
+use candle_core::Device;
+use common::steps::{adapter, ops_of_a_step, tiny_qwen3_weights};
+use mole_worker::model::{Decoder, LoraAdapter};
 
 /// A small random Qwen3 (GQA, q/k norm) on the tensor path, its projections quantized to
 /// `dtype` (the rest in f32, as a GGUF file's norms are).
 fn model(dtype: GgmlDType) -> Decoder {
-    let cfg = ModelConfig::from_json(serde_json::json!({
-        "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "head_dim": 16, "rms_norm_eps": 1e-6, "vocab_size": 50,
-        "max_position_embeddings": 256, "tie_word_embeddings": true
-    }))
-    .unwrap();
+    let (cfg, t) = tiny_qwen3_weights();
     let dev = Device::Cpu;
-    let mut t = HashMap::new();
-    t.insert(
-        "model.embed_tokens.weight".to_string(),
-        Tensor::randn(0f32, 0.2, (50, 64), &dev).unwrap(),
-    );
-    t.insert(
-        "model.norm.weight".to_string(),
-        Tensor::ones(64, DType::F32, &dev).unwrap(),
-    );
-    for l in 0..2 {
-        for p in Proj::ALL {
-            let (d_in, d_out) = p.dims(&cfg);
-            let name = match p {
-                Proj::Q => "self_attn.q_proj",
-                Proj::K => "self_attn.k_proj",
-                Proj::V => "self_attn.v_proj",
-                Proj::O => "self_attn.o_proj",
-                Proj::Gate => "mlp.gate_proj",
-                Proj::Up => "mlp.up_proj",
-                Proj::Down => "mlp.down_proj",
-            };
-            let w = Tensor::randn(0f32, 0.2, (d_out, d_in), &dev).unwrap();
-            t.insert(format!("model.layers.{l}.{name}.weight"), w);
-        }
-        for (n, size) in [
-            ("input_layernorm", 64),
-            ("post_attention_layernorm", 64),
-            ("self_attn.q_norm", 16),
-            ("self_attn.k_norm", 16),
-        ] {
-            let ones = Tensor::ones(size, DType::F32, &dev).unwrap();
-            t.insert(format!("model.layers.{l}.{n}.weight"), ones);
-        }
-    }
     let q = t
         .into_iter()
         .map(|(k, v)| {

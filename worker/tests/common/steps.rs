@@ -1,12 +1,71 @@
-//! What the op-count tests (op_count.rs, op_count_quantized.rs) share: a random adapter, and
-//! the ops and copies of one tensor-path step over a batch of rows.
+//! What the op-count tests (op_count.rs, op_count_quantized.rs, op_count_bgmv.rs) share: a
+//! small random Qwen3, a random adapter, and the ops and copies of one tensor-path step over a
+//! batch of rows.
 
 use std::collections::HashMap;
 
-use candle_core::{Device, Tensor};
+use candle_core::{DType, Device, Tensor};
+use candle_nn::VarBuilder;
 use mole_worker::model::{
-    tensors_made, transfers_made, Decoder, LoraAdapter, Proj, Row, SeqCache, Transfers,
+    tensors_made, transfers_made, Decoder, LoraAdapter, ModelConfig, Proj, Row, SeqCache, Transfers,
 };
+
+/// A small random Qwen3 (GQA, q/k norm): its config and f32 weights by checkpoint name.
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub fn tiny_qwen3_weights() -> (ModelConfig, HashMap<String, Tensor>) {
+    let cfg = ModelConfig::from_json(serde_json::json!({
+        "model_type": "qwen3", "hidden_size": 64, "intermediate_size": 96,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 16, "rms_norm_eps": 1e-6, "vocab_size": 50,
+        "max_position_embeddings": 256, "tie_word_embeddings": true
+    }))
+    .unwrap();
+    let dev = Device::Cpu;
+    let mut t = HashMap::new();
+    t.insert(
+        "model.embed_tokens.weight".to_string(),
+        Tensor::randn(0f32, 0.2, (50, 64), &dev).unwrap(),
+    );
+    t.insert(
+        "model.norm.weight".to_string(),
+        Tensor::ones(64, DType::F32, &dev).unwrap(),
+    );
+    for l in 0..2 {
+        for p in Proj::ALL {
+            let (d_in, d_out) = p.dims(&cfg);
+            let name = match p {
+                Proj::Q => "self_attn.q_proj",
+                Proj::K => "self_attn.k_proj",
+                Proj::V => "self_attn.v_proj",
+                Proj::O => "self_attn.o_proj",
+                Proj::Gate => "mlp.gate_proj",
+                Proj::Up => "mlp.up_proj",
+                Proj::Down => "mlp.down_proj",
+            };
+            let w = Tensor::randn(0f32, 0.2, (d_out, d_in), &dev).unwrap();
+            t.insert(format!("model.layers.{l}.{name}.weight"), w);
+        }
+        for (n, size) in [
+            ("input_layernorm", 64),
+            ("post_attention_layernorm", 64),
+            ("self_attn.q_norm", 16),
+            ("self_attn.k_norm", 16),
+        ] {
+            let ones = Tensor::ones(size, DType::F32, &dev).unwrap();
+            t.insert(format!("model.layers.{l}.{n}.weight"), ones);
+        }
+    }
+    (cfg, t)
+}
+
+/// [`tiny_qwen3_weights`] in f32 on the tensor path.
+#[allow(dead_code)] // each test crate uses some of these helpers
+pub fn tiny_qwen3() -> Decoder {
+    let (cfg, t) = tiny_qwen3_weights();
+    let mut m = Decoder::new(cfg, VarBuilder::from_tensors(t, DType::F32, &Device::Cpu)).unwrap();
+    m.set_host_kernels(false);
+    m
+}
 
 /// A random adapter of rank 8 on every projection.
 #[allow(dead_code)] // each test crate uses some of these helpers
