@@ -30,9 +30,6 @@ pub enum Error {
     /// The Kubernetes API refused or failed a call (retried with backoff).
     #[error("kubernetes API: {}", api_message(.0))]
     Kube(#[from] kube::Error),
-    /// The spec is invalid; reported as a condition, not retried until the spec changes.
-    #[error("invalid spec: {0}")]
-    Invalid(#[from] FieldError),
     /// A worker pod did not answer (retried).
     #[error("worker pod {pod}: {message}")]
     Pod {
@@ -67,7 +64,6 @@ impl Error {
     pub fn code(&self) -> &'static str {
         match self {
             Error::Kube(_) => "kube_api",
-            Error::Invalid(_) => "invalid_spec",
             Error::Pod { .. } => "pod_unreachable",
             Error::Conflict(_) => "conflict",
             Error::Serialization(_) => "serialization",

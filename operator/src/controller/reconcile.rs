@@ -89,19 +89,17 @@ where
         error = %err,
         "{controller} reconcile failed"
     );
-    match err {
-        Error::Invalid(_) => Action::await_change(),
-        _ => Action::requeue(ctx.backoff(&key(controller, obj))),
-    }
+    Action::requeue(ctx.backoff(&key(controller, obj)))
 }
 
 /// Publishes the Warning Event of a failed reconcile (`ReconcileError`, the message starting
-/// with the error's stable name). Invalid specs are not reported here: they get a condition
-/// and their own Event naming the field. Nor are conflicts: another writer got there first,
+/// with the error's stable name). Invalid specs never come here (validation reports them as a
+/// condition and an Event naming the field, and the reconcile ends well). Nor are conflicts
+/// reported: another writer got there first,
 /// the retry reads afresh, and nothing is wrong for a person to act on (they are counted in
 /// `mole_operator_reconcile_errors_total{error="conflict"}`).
 async fn error_event(ctx: &Context, on: &ObjectReference, e: &Error) {
-    if matches!(e, Error::Invalid(_) | Error::Conflict(_)) {
+    if matches!(e, Error::Conflict(_)) {
         return;
     }
     ctx.event(
