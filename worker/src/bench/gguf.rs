@@ -19,10 +19,8 @@ use std::time::Instant;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{DType, Device};
 
-use super::decode::{
-    synthetic_config, synthetic_weights, tokens_per_s, write_adapter, DecodeBenchArgs,
-    SyntheticQuant,
-};
+use super::decode::{tokens_per_s, DecodeBenchArgs, SyntheticQuant};
+use super::synthetic::{synthetic_config, synthetic_weights, write_adapter};
 use crate::lora::{self, LoadOptions};
 use crate::model::{Decoder, LoraAdapter, ModelConfig, Row, SeqCache};
 

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 
-use super::decode::{synthetic_json, DecodeBenchArgs};
+use super::decode::DecodeBenchArgs;
+use super::synthetic::synthetic_json;
 use crate::model::vision::preprocess::{preprocess, ProcessorConfig};
 use crate::model::vision::{mrope_positions, ImageEmbeds};
 use crate::model::{argmax, Decoder, ModelConfig, Row, RowVision, SeqCache};

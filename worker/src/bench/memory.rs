@@ -221,7 +221,7 @@ fn write_synthetic(like: &Path, out: &Path, hidden: usize, layers: usize) -> any
     std::fs::create_dir_all(out)?;
     let like_cfg: serde_json::Value =
         serde_json::from_slice(&std::fs::read(like.join("config.json"))?)?;
-    let mut cfg = super::decode::synthetic_json(hidden, layers);
+    let mut cfg = super::synthetic::synthetic_json(hidden, layers);
     cfg["vocab_size"] = like_cfg["vocab_size"].clone();
     for f in [
         "tokenizer.json",
@@ -234,7 +234,7 @@ fn write_synthetic(like: &Path, out: &Path, hidden: usize, layers: usize) -> any
     }
     std::fs::write(out.join("config.json"), serde_json::to_vec_pretty(&cfg)?)?;
     let config: crate::model::ModelConfig = serde_json::from_value(cfg)?;
-    let weights = super::decode::synthetic_weights(&config, &Device::Cpu)?
+    let weights = super::synthetic::synthetic_weights(&config, &Device::Cpu)?
         .into_iter()
         .map(|(k, v)| Ok((k, v.to_dtype(DType::BF16)?)))
         .collect::<candle_core::Result<std::collections::HashMap<_, _>>>()?;

@@ -8,6 +8,7 @@ pub mod image;
 pub mod memory;
 pub mod merge;
 pub mod prefix;
+mod synthetic;
 
 /// Arguments of `bench`.
 #[derive(clap::Args, Debug)]

@@ -7,13 +7,14 @@
 use std::sync::atomic::Ordering;
 use std::sync::{mpsc, Arc};
 
-use super::api::{AdapterSpec, EngineError};
+use super::api::{AdapterAdmin, AdapterSpec, EngineError};
 use super::scheduler::Msg;
 use super::seq::Seq;
 use super::{Engine, Shared};
 use crate::lora::registry::{public_name, LoadTicket, Lookup, Missed, Settled, CANARY_SUFFIX};
 use crate::lora::LoadOptions;
 use crate::model::LoraAdapter;
+use mole_api::{LoraAdapterInfo, Residency};
 
 /// What waits for an adapter's read from disk: a request's sequence (with the choices it
 /// carries, or a classifier's scoring), queued once the adapter is pinned.
@@ -192,5 +193,59 @@ impl Engine {
         } else {
             Err(EngineError::AdapterNotFound(name.into()))
         }
+    }
+}
+
+/// Loads read on the caller's thread into the registry; the engine thread only sees the
+/// adapter pinned by the requests that name it.
+impl AdapterAdmin for Engine {
+    fn load_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
+        self.load_version(spec)
+    }
+
+    fn register_adapter(&self, spec: AdapterSpec) -> Result<(), EngineError> {
+        // Placed elsewhere now, it stays where it is (read, or still on disk).
+        if self.shared.registry.holds(&spec) {
+            return Ok(());
+        }
+        if self.is_merged(&spec.name).is_some() || self.shared.registry.knows(&spec.name) {
+            return self.load_version(spec);
+        }
+        self.shared.registry.register(spec);
+        Ok(())
+    }
+
+    fn unload_adapter(&self, name: &str) -> Result<(), EngineError> {
+        self.unload(name)
+    }
+
+    fn adapters(&self) -> Vec<LoraAdapterInfo> {
+        let mut out = self.shared.registry.infos();
+        if let Some((name, version)) = &self.shared.opts.merged {
+            // The merged adapter is the weights themselves.
+            out.push(LoraAdapterInfo {
+                name: name.clone(),
+                version: version.clone(),
+                lora_id: 0,
+                path: None,
+                residency: if self.shared.device.is_cpu() {
+                    Residency::Cpu
+                } else {
+                    Residency::Gpu
+                },
+                loaded: true,
+                rank: 0,
+                bytes: 0,
+                requests: 0,
+                running: 0,
+                error: None,
+                warning: None,
+            });
+        }
+        out
+    }
+
+    fn adapter_counters(&self) -> Vec<mole_api::AdapterCounters> {
+        self.shared.registry.counters()
     }
 }

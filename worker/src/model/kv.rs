@@ -16,6 +16,47 @@ use super::ModelError;
 /// million tokens is more than any device holds for a model of useful size.
 pub const MAX_KV_SLOTS: usize = super::transfer::EXACT_F32;
 
+/// How the tensor path applies the LoRA slots' updates (`--lora-kernel`, env
+/// `MOLE_LORA_KERNEL`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum LoraKernel {
+    /// The grouped ops of `slots.rs`, for every step (the default).
+    #[default]
+    Ops,
+    /// The BGMV kernels ([`crate::kernels::bgmv`]) for steps of at most [`crate::kernels::bgmv::MAX_TOKENS`] tokens, the
+    /// grouped ops for longer ones. Unproven on a device: off until a GPU run shows its
+    /// numerics and speed (docs/benchmarks.md).
+    Bgmv,
+}
+
+impl LoraKernel {
+    /// Its name on the command line and in the environment.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LoraKernel::Ops => "ops",
+            LoraKernel::Bgmv => "bgmv",
+        }
+    }
+}
+
+impl std::fmt::Display for LoraKernel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for LoraKernel {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "ops" => Ok(LoraKernel::Ops),
+            "bgmv" => Ok(LoraKernel::Bgmv),
+            other => Err(format!("{other:?}: expected ops or bgmv")),
+        }
+    }
+}
+
 /// How the tensor path's pools are sized.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorPathOptions {
@@ -31,7 +72,7 @@ pub struct TensorPathOptions {
     /// the decoder's default (see [`super::Decoder::kv_dtype`]).
     pub kv_dtype: Option<DType>,
     /// How LoRA updates are computed (`--lora-kernel`; the grouped ops unless set).
-    pub lora_kernel: super::LoraKernel,
+    pub lora_kernel: LoraKernel,
 }
 
 impl Default for TensorPathOptions {
@@ -44,7 +85,7 @@ impl Default for TensorPathOptions {
             lora_slots: 16,
             lora_rank: 64,
             kv_dtype: None,
-            lora_kernel: super::LoraKernel::Ops,
+            lora_kernel: LoraKernel::Ops,
         }
     }
 }

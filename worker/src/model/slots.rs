@@ -31,49 +31,8 @@ use std::sync::{Mutex, PoisonError};
 
 use candle_core::{DType, Device, Tensor};
 
-use super::{LoraAdapter, ModelConfig, ModelError, Proj, TensorPathOptions};
+use super::{LoraAdapter, LoraKernel, ModelConfig, ModelError, Proj, TensorPathOptions};
 use crate::kernels::{bgmv, RANK_ALIGN};
-
-/// How the tensor path applies the LoRA slots' updates (`--lora-kernel`, env
-/// `MOLE_LORA_KERNEL`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum LoraKernel {
-    /// The grouped ops of this module, for every step (the default).
-    #[default]
-    Ops,
-    /// The BGMV kernels ([`bgmv`]) for steps of at most [`bgmv::MAX_TOKENS`] tokens, the
-    /// grouped ops for longer ones. Unproven on a device: off until a GPU run shows its
-    /// numerics and speed (docs/benchmarks.md).
-    Bgmv,
-}
-
-impl LoraKernel {
-    /// Its name on the command line and in the environment.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            LoraKernel::Ops => "ops",
-            LoraKernel::Bgmv => "bgmv",
-        }
-    }
-}
-
-impl std::fmt::Display for LoraKernel {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
-
-impl std::str::FromStr for LoraKernel {
-    type Err = String;
-
-    fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "ops" => Ok(LoraKernel::Ops),
-            "bgmv" => Ok(LoraKernel::Bgmv),
-            other => Err(format!("{other:?}: expected ops or bgmv")),
-        }
-    }
-}
 
 /// Projections that share an input, and so a shrink.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

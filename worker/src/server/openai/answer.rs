@@ -15,24 +15,18 @@ use futures::stream::{BoxStream, SelectAll};
 use futures::StreamExt;
 use serde::Serialize;
 
+use super::now;
 use super::parse::{join, OutputParser, ParseSpec, Parsed};
 use super::replies::{
     Answer, AssistantMessage, ChatChoice, ChatLogprobs, ChunkChoice, Delta, Finish, FunctionCall,
     MoleInfo, PromptTokensDetails, TextChoice, TextLogprobs, TokenLogprob, ToolCallOut, TopLogprob,
     UsageInfo,
 };
+use super::response_out::{sse, ResponseState};
 use super::types::Kind;
 use crate::engine::api::{self, EventStream, FinishReason, TokenEvent, Usage};
 use crate::router::Decision;
 use crate::server::{mole_headers, ApiError, AppState};
-
-/// Seconds since the epoch (the `created` field).
-pub(super) fn now() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_secs())
-        .unwrap_or(0)
-}
 
 /// A fresh answer id.
 pub(super) fn req_id(prefix: &str) -> String {
@@ -91,7 +85,7 @@ pub(super) struct Ctx {
     /// What of the answer's JSON schema is not enforced (`mole.unenforced`).
     pub(super) unenforced: Vec<String>,
     /// A Responses API answer being written (its kind is [`Kind::Response`]).
-    pub(super) resp: Option<super::response_out::ResponseState>,
+    pub(super) resp: Option<ResponseState>,
 }
 
 impl Ctx {
@@ -650,4 +644,80 @@ pub(super) fn stream_response(ctx: Ctx, rx: Choices) -> Response {
     });
     let st = st.flatten().map(Ok::<_, Infallible>);
     (headers, Sse::new(st).keep_alive(KeepAlive::default())).into_response()
+}
+
+// The Responses API's answers (their state is `response_out.rs`'s).
+impl Ctx {
+    /// The events one engine event becomes on a response stream, and whether the stream ends
+    /// there (see [`ResponseState`]).
+    pub(super) fn response_events(
+        &mut self,
+        ev: Result<(usize, TokenEvent), ApiError>,
+    ) -> (Vec<Event>, bool) {
+        let mole = self.mole();
+        let fail = |ctx: &mut Ctx, e: ApiError| {
+            ctx.s.metrics.errors.with_label_values(&[e.code]).inc();
+            ctx.record(e.status.as_str(), None);
+            let mole = ctx.mole();
+            let events = match &mut ctx.resp {
+                Some(r) => r.failed(&e, mole),
+                None => Vec::new(),
+            };
+            (events.into_iter().map(sse).collect(), true)
+        };
+        let ev = match ev {
+            Err(e) => return fail(self, e),
+            Ok((_, ev)) => ev,
+        };
+        match ev {
+            TokenEvent::Error(e) => fail(self, e.into()),
+            TokenEvent::Started {
+                adapter_version, ..
+            } => {
+                self.on_started(adapter_version);
+                let mole = self.mole();
+                let events = self.resp.as_mut().map(|r| r.started(mole));
+                (
+                    events.unwrap_or_default().into_iter().map(sse).collect(),
+                    false,
+                )
+            }
+            TokenEvent::Token { text, .. } => {
+                self.on_token(0);
+                let events = self.resp.as_mut().map(|r| r.push(&text));
+                (
+                    events.unwrap_or_default().into_iter().map(sse).collect(),
+                    false,
+                )
+            }
+            TokenEvent::Finished { reason, usage } => {
+                self.on_finished(usage);
+                let usage = self.usage;
+                self.record("200", Some(usage));
+                let events = self.resp.as_mut().map(|r| r.finish(reason, &usage, mole).0);
+                (
+                    events.unwrap_or_default().into_iter().map(sse).collect(),
+                    true,
+                )
+            }
+        }
+    }
+
+    /// The whole response, once the engine finished it.
+    pub(super) fn response_whole(&mut self, reason: FinishReason, usage: &Usage) -> Response {
+        let mole = self.mole();
+        let headers = mole_headers(&self.d);
+        match &mut self.resp {
+            Some(r) => {
+                let (_, object) = r.finish(reason, usage, mole);
+                (headers, Json(object)).into_response()
+            }
+            None => ApiError::new(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "internal_error",
+                "a response without its state",
+            )
+            .into_response(),
+        }
+    }
 }

@@ -1,6 +1,42 @@
 //! Handlers of the OpenAI-compatible and mole endpoints: wire types, validation into one
 //! request, routing, the serving path, answers, and the admin endpoints.
 
+/// A unit type that reads exactly one string, a `type` tag: for the tagged objects serde's own
+/// tagging cannot read (a tag that may be left out, a tag inside an untagged alternative). A
+/// field of such a type is read only to check it.
+macro_rules! tag {
+    ($name:ident, $value:literal) => {
+        #[doc = concat!("The tag `\"", $value, "\"`.")]
+        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+        pub(in crate::server) struct $name;
+
+        impl<'de> serde::Deserialize<'de> for $name {
+            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+                match String::deserialize(d)?.as_str() {
+                    $value => Ok($name),
+                    other => Err(serde::de::Error::custom(format!(
+                        "type must be {:?}, got {other:?}",
+                        $value
+                    ))),
+                }
+            }
+        }
+
+        impl utoipa::PartialSchema for $name {
+            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
+                utoipa::openapi::ObjectBuilder::new()
+                    .schema_type(utoipa::openapi::schema::Type::String)
+                    .enum_values(Some([$value]))
+                    .into()
+            }
+        }
+        impl utoipa::ToSchema for $name {}
+    };
+}
+// Above the modules that use it: the wire types of several files (types.rs, tools.rs,
+// responses.rs) take their tags from here, the module that holds them all.
+use tag;
+
 pub(in crate::server) mod admin;
 mod answer;
 mod body;
@@ -21,6 +57,7 @@ pub(in crate::server) mod replies;
 mod response_out;
 pub(in crate::server) mod responses;
 pub(in crate::server) mod route;
+pub(in crate::server) mod stored;
 pub(in crate::server) mod tokens;
 pub(in crate::server) mod tools;
 pub(in crate::server) mod types;
@@ -37,9 +74,18 @@ pub(super) use chat::infer;
 pub(super) use generate::{chat_completions, completions};
 
 pub(super) use models::models;
-pub(super) use responses::{create_response, delete_response, get_response};
+pub(super) use responses::create_response;
 pub(super) use route::route;
+pub(super) use stored::{delete_response, get_response};
 pub(super) use tokens::{detokenize, tokenize, version};
+
+/// Seconds since the epoch (the `created` field).
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
 
 /// The state extractor of every handler.
 type S = State<Arc<AppState>>;

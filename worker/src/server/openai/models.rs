@@ -3,7 +3,7 @@
 use axum::extract::State;
 use axum::Json;
 
-use super::answer::now;
+use super::now;
 use super::replies::{ModelCard, ModelKind, ModelList};
 use super::S;
 use crate::server::openapi::Refusals;

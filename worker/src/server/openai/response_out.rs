@@ -13,19 +13,16 @@
 
 use std::collections::BTreeMap;
 
-use axum::http::StatusCode;
 use axum::response::sse::Event;
-use axum::response::{IntoResponse, Response};
-use axum::Json;
 use serde::Serialize;
 use serde_json::{json, Value};
 use utoipa::ToSchema;
 
-use super::answer::{now, Ctx};
+use super::now;
 use super::parse::{CallHead, OutputParser, ParseSpec, Parsed};
 use super::replies::MoleInfo;
-use crate::engine::api::{FinishReason, TokenEvent, Usage};
-use crate::server::{mole_headers, ApiError};
+use crate::engine::api::{FinishReason, Usage};
+use crate::server::ApiError;
 
 /// What an answer repeats of its request (OpenAI's `response` carries its settings).
 #[derive(Debug, Clone)]
@@ -620,83 +617,8 @@ impl ResponseState {
 }
 
 /// An event as the stream sends it.
-fn sse((kind, v): Ev) -> Event {
+pub(super) fn sse((kind, v): Ev) -> Event {
     Event::default().event(kind).data(v.to_string())
-}
-
-impl Ctx {
-    /// The events one engine event becomes on a response stream, and whether the stream ends
-    /// there (see [`ResponseState`]).
-    pub(super) fn response_events(
-        &mut self,
-        ev: Result<(usize, TokenEvent), ApiError>,
-    ) -> (Vec<Event>, bool) {
-        let mole = self.mole();
-        let fail = |ctx: &mut Ctx, e: ApiError| {
-            ctx.s.metrics.errors.with_label_values(&[e.code]).inc();
-            ctx.record(e.status.as_str(), None);
-            let mole = ctx.mole();
-            let events = match &mut ctx.resp {
-                Some(r) => r.failed(&e, mole),
-                None => Vec::new(),
-            };
-            (events.into_iter().map(sse).collect(), true)
-        };
-        let ev = match ev {
-            Err(e) => return fail(self, e),
-            Ok((_, ev)) => ev,
-        };
-        match ev {
-            TokenEvent::Error(e) => fail(self, e.into()),
-            TokenEvent::Started {
-                adapter_version, ..
-            } => {
-                self.on_started(adapter_version);
-                let mole = self.mole();
-                let events = self.resp.as_mut().map(|r| r.started(mole));
-                (
-                    events.unwrap_or_default().into_iter().map(sse).collect(),
-                    false,
-                )
-            }
-            TokenEvent::Token { text, .. } => {
-                self.on_token(0);
-                let events = self.resp.as_mut().map(|r| r.push(&text));
-                (
-                    events.unwrap_or_default().into_iter().map(sse).collect(),
-                    false,
-                )
-            }
-            TokenEvent::Finished { reason, usage } => {
-                self.on_finished(usage);
-                let usage = self.usage;
-                self.record("200", Some(usage));
-                let events = self.resp.as_mut().map(|r| r.finish(reason, &usage, mole).0);
-                (
-                    events.unwrap_or_default().into_iter().map(sse).collect(),
-                    true,
-                )
-            }
-        }
-    }
-
-    /// The whole response, once the engine finished it.
-    pub(super) fn response_whole(&mut self, reason: FinishReason, usage: &Usage) -> Response {
-        let mole = self.mole();
-        let headers = mole_headers(&self.d);
-        match &mut self.resp {
-            Some(r) => {
-                let (_, object) = r.finish(reason, usage, mole);
-                (headers, Json(object)).into_response()
-            }
-            None => ApiError::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                "internal_error",
-                "a response without its state",
-            )
-            .into_response(),
-        }
-    }
 }
 
 #[cfg(test)]

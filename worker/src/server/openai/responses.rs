@@ -13,8 +13,8 @@
 use std::collections::{BTreeMap, HashMap};
 
 use axum::body::Bytes;
-use axum::extract::{Path, State};
-use axum::http::{HeaderMap, StatusCode};
+use axum::extract::State;
+use axum::http::HeaderMap;
 use axum::response::Response;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
@@ -33,7 +33,7 @@ use super::response_out::{Echo, ResponseEvent, ResponseObject};
 use super::tools::{
     FunctionDef, FunctionName, NamedFunction, Tool, ToolChoice, ToolFields, ToolMode,
 };
-use super::types::{tag, Arguments, Common, Kind};
+use super::types::{Arguments, Common, Kind};
 use super::validate::{prepare_request, tool_call_value, ValidRequest, Validate};
 use super::S;
 use crate::engine::api::{ChatMessage, ContentPart, EngineError};
@@ -366,6 +366,10 @@ pub(in crate::server) struct ResponsesBody {
     /// of chat's are not this API's.
     #[serde(flatten)]
     pub(super) common: Common,
+}
+
+impl super::body::Documented for ResponsesBody {
+    const SCHEMA: &'static str = "ResponsesBody";
 }
 
 impl ResponsesBody {
@@ -763,36 +767,6 @@ pub async fn create_response(
     let deadline = s.deadline();
     let req = prepare_request::<ResponsesBody>(&s, body, deadline).await?;
     serve(&s, &headers, req, deadline).await
-}
-
-/// The answer to a stored response asked for: mole stores none.
-fn not_stored(id: &str) -> ApiError {
-    ApiError::new(
-        StatusCode::NOT_FOUND,
-        "response_not_found",
-        format!(
-            "no response {id:?}: this worker stores no responses (every answer says store: \
-             false); send the conversation as input"
-        ),
-    )
-}
-
-/// `GET /v1/responses/{id}`: 404 `response_not_found` (mole stores no responses).
-#[utoipa::path(get, path = "/v1/responses/{id}", tag = "openai",
-    params(("id" = String, Path, description = "A response's id")),
-    responses((status = 200, description = "Never: this worker stores no responses", body = ResponseObject), Refusals),
-    security(("bearer" = [])))]
-pub async fn get_response(Path(id): Path<String>) -> ApiError {
-    not_stored(&id)
-}
-
-/// `DELETE /v1/responses/{id}`: 404 `response_not_found` (mole stores no responses).
-#[utoipa::path(delete, path = "/v1/responses/{id}", tag = "openai",
-    params(("id" = String, Path, description = "A response's id")),
-    responses((status = 200, description = "Never: this worker stores no responses"), Refusals),
-    security(("bearer" = [])))]
-pub async fn delete_response(Path(id): Path<String>) -> ApiError {
-    not_stored(&id)
 }
 
 #[cfg(test)]

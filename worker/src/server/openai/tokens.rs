@@ -112,6 +112,10 @@ pub(in crate::server) struct DetokenizeBody {
     tokens: Vec<u32>,
 }
 
+impl super::body::Documented for DetokenizeBody {
+    const SCHEMA: &'static str = "DetokenizeBody";
+}
+
 /// `POST /detokenize` → `{prompt}`: the text of token ids, special tokens left out.
 #[utoipa::path(post, path = "/detokenize", tag = "vllm",
     request_body = DetokenizeBody,

@@ -59,7 +59,7 @@ pub(in crate::server) struct FunctionDef {
     pub(super) strict: Option<bool>,
 }
 
-super::types::tag!(FunctionTag, "function");
+super::tag!(FunctionTag, "function");
 
 /// `tool_choice`.
 #[derive(Deserialize, ToSchema, Debug, Clone)]

@@ -14,40 +14,6 @@ use super::guided::Guides;
 use super::tools::{FunctionTag, ToolFields};
 use crate::server::ApiError;
 
-/// A unit type that reads exactly one string, a `type` tag: for the tagged objects serde's own
-/// tagging cannot read (a tag that may be left out, a tag inside an untagged alternative). A
-/// field of such a type is read only to check it.
-macro_rules! tag {
-    ($name:ident, $value:literal) => {
-        #[doc = concat!("The tag `\"", $value, "\"`.")]
-        #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-        pub(in crate::server) struct $name;
-
-        impl<'de> serde::Deserialize<'de> for $name {
-            fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-                match String::deserialize(d)?.as_str() {
-                    $value => Ok($name),
-                    other => Err(serde::de::Error::custom(format!(
-                        "type must be {:?}, got {other:?}",
-                        $value
-                    ))),
-                }
-            }
-        }
-
-        impl utoipa::PartialSchema for $name {
-            fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
-                utoipa::openapi::ObjectBuilder::new()
-                    .schema_type(utoipa::openapi::schema::Type::String)
-                    .enum_values(Some([$value]))
-                    .into()
-            }
-        }
-        impl utoipa::ToSchema for $name {}
-    };
-}
-pub(super) use tag;
-
 /// `stop`: one string or up to four, none empty.
 #[derive(Deserialize, Debug, Clone, PartialEq)]
 #[serde(untagged, expecting = "a string or an array of strings")]
@@ -620,6 +586,4 @@ documented! {
     InferBody => "InferBody",
     LoadBody => "LoadBody",
     ReloadBody => "ReloadBody",
-    super::responses::ResponsesBody => "ResponsesBody",
-    super::tokens::DetokenizeBody => "DetokenizeBody",
 }
