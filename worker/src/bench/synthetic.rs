@@ -23,18 +23,27 @@ pub(super) fn synthetic_config(hidden: usize, layers: usize) -> ModelConfig {
     serde_json::from_value(synthetic_json(hidden, layers)).expect("valid config")
 }
 
+/// Each layer's projections by checkpoint name (without `.weight`), with their (out, in) shapes.
+fn projections(cfg: &ModelConfig) -> [(&'static str, (usize, usize)); 7] {
+    let (h, hd, i) = (cfg.hidden_size, cfg.head_dim(), cfg.intermediate_size);
+    let (q, kv) = (cfg.num_attention_heads * hd, cfg.kv_heads() * hd);
+    [
+        ("self_attn.q_proj", (q, h)),
+        ("self_attn.k_proj", (kv, h)),
+        ("self_attn.v_proj", (kv, h)),
+        ("self_attn.o_proj", (h, q)),
+        ("mlp.gate_proj", (i, h)),
+        ("mlp.up_proj", (i, h)),
+        ("mlp.down_proj", (h, i)),
+    ]
+}
+
 /// Random weights for every tensor the decoder asks for.
 pub(super) fn synthetic_weights(
     cfg: &ModelConfig,
     dev: &Device,
 ) -> candle_core::Result<HashMap<String, Tensor>> {
-    let (h, hd, nh, nkv, i) = (
-        cfg.hidden_size,
-        cfg.head_dim(),
-        cfg.num_attention_heads,
-        cfg.kv_heads(),
-        cfg.intermediate_size,
-    );
+    let (h, hd) = (cfg.hidden_size, cfg.head_dim());
     let mut t: HashMap<String, Tensor> = HashMap::new();
     let r = |shape: (usize, usize)| Tensor::randn(0f32, 0.02, shape, dev);
     t.insert("model.embed_tokens.weight".into(), r((cfg.vocab_size, h))?);
@@ -44,16 +53,8 @@ pub(super) fn synthetic_weights(
     );
     for l in 0..cfg.num_hidden_layers {
         let p = |s: &str| format!("model.layers.{l}.{s}");
-        for (name, shape) in [
-            ("self_attn.q_proj.weight", (nh * hd, h)),
-            ("self_attn.k_proj.weight", (nkv * hd, h)),
-            ("self_attn.v_proj.weight", (nkv * hd, h)),
-            ("self_attn.o_proj.weight", (h, nh * hd)),
-            ("mlp.gate_proj.weight", (i, h)),
-            ("mlp.up_proj.weight", (i, h)),
-            ("mlp.down_proj.weight", (h, i)),
-        ] {
-            t.insert(p(name), r(shape)?);
+        for (name, shape) in projections(cfg) {
+            t.insert(p(&format!("{name}.weight")), r(shape)?);
         }
         for n in ["input_layernorm.weight", "post_attention_layernorm.weight"] {
             t.insert(p(n), Tensor::ones(h, DType::F32, dev)?);
@@ -74,25 +75,10 @@ pub(super) fn write_adapter(
     dev: &Device,
 ) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let (h, hd, nh, nkv, i) = (
-        cfg.hidden_size,
-        cfg.head_dim(),
-        cfg.num_attention_heads,
-        cfg.kv_heads(),
-        cfg.intermediate_size,
-    );
     let mut t: HashMap<String, Tensor> = HashMap::new();
     let noise = 0.01 + seed as f64 * 1e-4;
     for l in 0..cfg.num_hidden_layers {
-        for (name, (fout, fin)) in [
-            ("self_attn.q_proj", (nh * hd, h)),
-            ("self_attn.k_proj", (nkv * hd, h)),
-            ("self_attn.v_proj", (nkv * hd, h)),
-            ("self_attn.o_proj", (h, nh * hd)),
-            ("mlp.gate_proj", (i, h)),
-            ("mlp.up_proj", (i, h)),
-            ("mlp.down_proj", (h, i)),
-        ] {
+        for (name, (fout, fin)) in projections(cfg) {
             let k = format!("base_model.model.model.layers.{l}.{name}");
             t.insert(
                 format!("{k}.lora_A.weight"),
