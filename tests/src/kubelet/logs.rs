@@ -122,6 +122,17 @@ async fn container_logs(
     }
     // Follow: what is there, then what the process appends until its instance ends.
     let offset = text.len() as u64;
+    // The file is opened once and read through that handle: the pod's directory (its logs
+    // with it) goes when a deleted pod's last container ends, and an open file stays readable
+    // after that, so the last lines are never lost to the removal.
+    let file = match tokio::fs::File::open(&path).await {
+        Ok(mut f) => f
+            .seek(std::io::SeekFrom::Start(offset))
+            .await
+            .ok()
+            .map(|_| f),
+        Err(_) => None,
+    };
     let stream = futures::stream::unfold(
         (
             Some(first),
@@ -130,33 +141,36 @@ async fn container_logs(
             index,
             (ns, pod, container),
             false,
+            file,
         ),
-        |(first, mut offset, path, index, key, done)| async move {
+        |(first, mut offset, path, index, key, done, mut file)| async move {
             if let Some(first) = first {
                 return Some((
                     Ok::<_, std::io::Error>(first),
-                    (None, offset, path, index, key, done),
+                    (None, offset, path, index, key, done, file),
                 ));
             }
             if done {
                 return None;
             }
             loop {
-                let mut chunk = Vec::new();
-                if let Ok(mut f) = tokio::fs::File::open(&path).await {
-                    if f.seek(std::io::SeekFrom::Start(offset)).await.is_ok() {
-                        let _ = f.read_to_end(&mut chunk).await;
-                    }
-                }
+                // Whether the instance runs is read before the file: when it had ended, the
+                // read below holds all it wrote. Read after, a last line written between the
+                // read and the exit was lost (`kubectl logs -f` missed a SIGTERM handler's
+                // last words under load).
                 let still = {
                     let idx = index.lock().expect("no panic while holding the lock");
                     idx.get(&(key.0.clone(), key.1.clone()))
                         .and_then(|c| c.get(&key.2))
                         .is_some_and(|c| c.running && c.current.as_deref() == Some(path.as_path()))
                 };
+                let mut chunk = Vec::new();
+                if let Some(f) = file.as_mut() {
+                    let _ = f.read_to_end(&mut chunk).await;
+                }
                 if !chunk.is_empty() {
                     offset += chunk.len() as u64;
-                    return Some((Ok(chunk), (None, offset, path, index, key, !still)));
+                    return Some((Ok(chunk), (None, offset, path, index, key, !still, file)));
                 }
                 if !still {
                     return None;
