@@ -256,16 +256,6 @@ fn prepare(l: &Launch) -> Result<PathBuf> {
             // An image's /tmp is empty: the host's is not the container's.
             "tmp" => {
                 writeln!(s, "{mount} -t tmpfs -o mode=1777 tmp {}", q(&dst))?;
-                // The "image" is this checkout's build: when it lies under the host's /tmp (a
-                // clone there), its binary's directory is bound, read-only, at its own path,
-                // or the container could not find its command.
-                let bin = l.argv.first().map(Path::new);
-                if let Some(dir) = bin.filter(|b| b.starts_with("/tmp")).and_then(Path::parent) {
-                    let inside = dst.join(dir.strip_prefix("/tmp").unwrap_or(dir));
-                    writeln!(s, "{} -p {}", q(&t.mkdir), q(&inside))?;
-                    writeln!(s, "{mount} --bind {} {}", q(dir), q(&inside))?;
-                    writeln!(s, "{mount} -o remount,bind,ro {}", q(&inside))?;
-                }
                 overlays.push(dst.clone());
             }
             _ => {
