@@ -614,8 +614,23 @@ async fn idle_merged_pods_scale_to_zero_and_a_request_brings_them_back() {
     })
     .await
     .unwrap_or_else(|err| panic!("{err}\n{}", e.dump()));
-    let w = e.worker_entry("tiny", "calendar").await.unwrap();
-    assert!(w.load && w.merged_endpoint.is_none(), "{w:?}");
+    // The adapter's status (no merged endpoint) and its Deployment's scale are written by one
+    // reconcile; the pool's WorkerConfig follows when the pool reconciles on that status, so
+    // it may lag the Deployment by a reconcile (the dynamic pods fall back to the adapter they
+    // hold when the parked Service answers nothing meanwhile).
+    let synced = wait_for(
+        Duration::from_secs(30),
+        "the WorkerConfig loads it with no merged endpoint",
+        || async {
+            let w = e.worker_entry("tiny", "calendar").await?;
+            (w.load && w.merged_endpoint.is_none()).then_some(())
+        },
+    )
+    .await;
+    if let Err(err) = synced {
+        let w = e.worker_entry("tiny", "calendar").await;
+        panic!("{err}\n{w:?}\n{}", e.dump());
+    }
     let svc: Api<k8s_openapi::api::core::v1::Service> = Api::namespaced(e.admin.clone(), NS);
     assert!(
         svc.get_opt("tiny-calendar").await.unwrap().is_some(),

@@ -333,6 +333,25 @@ fn prepare(l: &Launch) -> Result<PathBuf> {
             writeln!(s, "{mount} -o remount,bind,ro {}", q(&dst))?;
         }
     }
+    // The "image" is this checkout's build, run from its host path. A checkout under the
+    // host's /tmp is hidden there (the container's /tmp is its own tmpfs or a volume, as
+    // the worker's emptyDir), so the binary is bound, read-only, at `/.image/<name>` and
+    // run from there, as an image's binary has a path of its own.
+    let mut argv = l.argv.clone();
+    if let Some(bin) = argv
+        .first()
+        .map(PathBuf::from)
+        .filter(|b| b.starts_with("/tmp") && b.is_file())
+    {
+        let name = bin.file_name().context("the command has no file name")?;
+        let dir = root.join(".image");
+        std::fs::create_dir_all(&dir)?;
+        let inside = dir.join(name);
+        std::fs::write(&inside, b"")?;
+        writeln!(s, "{mount} --bind {} {}", q(&bin), q(&inside))?;
+        writeln!(s, "{mount} -o remount,bind,ro {}", q(&inside))?;
+        argv[0] = Path::new("/.image").join(name).display().to_string();
+    }
     if l.read_only_root {
         for o in &overlays {
             writeln!(s, "{mount} -o remount,ro {}", q(o))?;
@@ -359,7 +378,7 @@ fn prepare(l: &Launch) -> Result<PathBuf> {
         q(&t.env),
         sh_quote(l.working_dir.as_deref().unwrap_or("/"))
     )?;
-    for a in &l.argv {
+    for a in &argv {
         write!(exec, " {}", sh_quote(a))?;
     }
     writeln!(s, "{exec}")?;
