@@ -23,6 +23,12 @@ use crate::kubelet::{service_url, Kubelet, KubeletConfig};
 
 /// The worker image prefix the operator renders by default (CPU and GPU tags alike).
 pub const WORKER_IMAGE: &str = "ghcr.io/mole-dev/mole-worker";
+/// The operator's image in the chart (`image.repository`).
+pub const OPERATOR_IMAGE: &str = "ghcr.io/mole-dev/mole-operator";
+/// The chart's operator Deployment, its pods' label and its leader Lease, in `mole-system`.
+pub const OPERATOR_DEPLOYMENT: &str = "mole-operator";
+/// The Lease the operator's replicas elect a leader on.
+pub const OPERATOR_LEASE: &str = "mole-operator-leader";
 /// The namespace of the pools and adapters.
 pub const NS: &str = "ml";
 /// The imported SmolLM2's directory name, also its `baseModel.name` (the demo adapters'
@@ -212,9 +218,10 @@ pub fn smollm2(worker: &Path) -> Result<PathBuf> {
     Ok(out)
 }
 
-/// `helm install` of `charts/mole` into `mole-system` with no operator pods (the tests run the
-/// operator themselves), then namespace [`NS`]; what helm printed on stderr (its warnings).
-pub fn install_chart(cp: &ControlPlane) -> Result<String> {
+/// `helm install` of `charts/mole` into `mole-system` with `replicas` operator pods (0: the
+/// tests run the operator themselves), then namespace [`NS`]; what helm printed on stderr
+/// (its warnings).
+pub fn install_chart(cp: &ControlPlane, replicas: u32) -> Result<String> {
     let out = Command::new(helm())
         .env("KUBECONFIG", &cp.kubeconfig)
         .env("HELM_CACHE_HOME", cp.dir.path().join("helm-cache"))
@@ -227,7 +234,7 @@ pub fn install_chart(cp: &ControlPlane) -> Result<String> {
             "mole-system",
             "--create-namespace",
             "--set",
-            "replicaCount=0",
+            &format!("replicaCount={replicas}"),
             "--wait=false",
         ])
         .output()
@@ -362,6 +369,10 @@ pub enum OperatorMode {
     /// The `mole-operator run` binary at this path, with leader election on the chart's
     /// Lease, its log in the control plane's directory.
     Process(PathBuf),
+    /// As users run it: the chart's Deployment (one replica), its pods run by the node with
+    /// this binary for the chart's image, in-cluster (the ServiceAccount's projected token,
+    /// the `kubernetes` Service), leader election on.
+    Pod(PathBuf),
 }
 
 /// What [`Mole::start`] brings up.
@@ -495,7 +506,8 @@ impl Mole {
     /// Brings everything up (see the module's doc); the operator running.
     pub async fn start(opts: Options) -> Result<Self> {
         let cp = ControlPlane::start(Parts::default()).await?;
-        install_chart(&cp)?;
+        let operator_pods = u32::from(matches!(opts.operator, OperatorMode::Pod(_)));
+        install_chart(&cp, operator_pods)?;
         let mut b = tempfile::Builder::new();
         b.prefix("mole-models-");
         let models = match &opts.models_parent {
@@ -527,12 +539,12 @@ spec:
 "#,
             path = models.path().display()
         ))?;
-        let kubelet = Kubelet::start(
-            &cp,
-            KubeletConfig::new("gpu-node-1", cp.dir.path().join("kubelet"))
-                .image(WORKER_IMAGE, &opts.worker),
-        )
-        .await?;
+        let mut node = KubeletConfig::new("gpu-node-1", cp.dir.path().join("kubelet"))
+            .image(WORKER_IMAGE, &opts.worker);
+        if let OperatorMode::Pod(bin) = &opts.operator {
+            node = node.image(OPERATOR_IMAGE, bin);
+        }
+        let kubelet = Kubelet::start(&cp, node).await?;
         let ttl = format!("--duration={}s", opts.token_ttl.as_secs());
         let token = cp
             .kubectl(&[
@@ -564,10 +576,13 @@ spec:
 
     /// Starts an operator (another one when the last was stopped): `operator-<n>` in the
     /// Lease, its log `operator-<n>.log` in the control plane's directory.
+    /// With the operator as the chart's pods ([`OperatorMode::Pod`]) their Deployment runs
+    /// them: nothing to start.
     pub async fn start_operator(&mut self) -> Result<()> {
         self.operators_started += 1;
         let identity = format!("operator-{}", self.operators_started);
         let op = match &self.opts.operator {
+            OperatorMode::Pod(_) => return Ok(()),
             OperatorMode::InProcess => {
                 let client = cluster::client_from(&self.operator_kubeconfig).await?;
                 Operator::Task(run_operator_in_process(client, &identity))
@@ -607,6 +622,17 @@ spec:
         if let Some(op) = &self.operator {
             out += "--- operator\n";
             out += &op.log_tail(40);
+        }
+        if matches!(self.opts.operator, OperatorMode::Pod(_)) {
+            out += &self.get(&["get", "pods", "-n", "mole-system", "-o", "wide"]);
+            out += "--- operator pods\n";
+            out += &self.get(&[
+                "logs",
+                "-n",
+                "mole-system",
+                &format!("deploy/{OPERATOR_DEPLOYMENT}"),
+                "--tail=40",
+            ]);
         }
         out
     }

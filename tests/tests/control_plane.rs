@@ -49,7 +49,7 @@ impl Cluster {
         let cp = ControlPlane::start(parts(controller_manager))
             .await
             .unwrap();
-        let helm_stderr = stack::install_chart(&cp).unwrap();
+        let helm_stderr = stack::install_chart(&cp, 0).unwrap();
         Self { cp, helm_stderr }
     }
 

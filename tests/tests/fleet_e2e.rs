@@ -21,7 +21,8 @@ use std::time::{Duration, Instant};
 
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
-use k8s_openapi::api::core::v1::ConfigMap;
+use k8s_openapi::api::coordination::v1::Lease;
+use k8s_openapi::api::core::v1::{ConfigMap, Pod};
 use k8s_openapi::api::events::v1::Event;
 use kube::api::ListParams;
 use kube::{Api, Client};
@@ -929,4 +930,121 @@ spec: {{pool: smol, version: v1, source: {{path: adapters/french/v1}}, label: fr
         e.at(),
         summary(&answers)
     );
+}
+
+/// The Lease's holder, if any (an empty identity is a released Lease).
+async fn lease_holder(m: &Mole) -> Option<String> {
+    Api::<Lease>::namespaced(m.admin.clone(), "mole-system")
+        .get_opt(stack::OPERATOR_LEASE)
+        .await
+        .ok()??
+        .spec?
+        .holder_identity
+        .filter(|h| !h.is_empty())
+}
+
+/// The operator as users run it (issue 58, item 3): `helm install` of the chart with one
+/// replica, its pod run by the node from the chart's image (this build's `mole-operator`),
+/// in-cluster: the ServiceAccount token the API server projects into the pod, the
+/// `kubernetes` Service's address from the environment, the chart's RBAC, leader election
+/// on with the pod's name. It leads, a dynamic Adapter gets Ready and answers through the
+/// pool's Service. Then `kubectl delete pod` (what a rollout or a drain does): the pod gets
+/// SIGTERM and is gone within seconds, not after its 30 s grace period, the Lease released
+/// on the way out, so the ReplicaSet's new pod leads at once and reconciles the next change.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real control plane: scripts/checks/control-plane.sh"]
+async fn the_operator_as_the_charts_pod_leads_serves_and_hands_over_on_delete() {
+    let clock = stack::Stopwatch::start();
+    let mut opts = stack::Options::this_build(Fixture::TinyLlama, false).unwrap();
+    let stack::OperatorMode::Process(bin) = opts.operator else {
+        unreachable!("this_build(_, false) runs the binary")
+    };
+    opts.operator = stack::OperatorMode::Pod(bin);
+    let e = Env {
+        clock,
+        m: Mole::start(opts).await.unwrap(),
+    };
+    let pods: Api<Pod> = Api::namespaced(e.admin.clone(), "mole-system");
+    let first = wait_for(Duration::from_secs(90), "a leader", || lease_holder(&e))
+        .await
+        .unwrap_or_else(|err| panic!("{err}\n{}", e.dump()));
+    let pod = pods.get(&first).await.unwrap_or_else(|err| {
+        panic!(
+            "the leader {first:?} is not the chart's pod: {err}\n{}",
+            e.dump()
+        )
+    });
+    assert_eq!(
+        pod.spec
+            .as_ref()
+            .and_then(|s| s.service_account_name.as_deref()),
+        Some("mole-operator")
+    );
+    eprintln!("{} s: the chart's pod {first} leads", e.at());
+
+    e.apply(&tiny_pool("{}"));
+    e.apply(&calendar("v1", "{mode: dynamic}", ""));
+    e.wait_adapter("calendar", Duration::from_secs(120), |st| {
+        st.phase == AdapterPhase::Ready
+            && st.serving_mode == Some(ServingMode::Dynamic)
+            && st.active_version.as_deref() == Some("v1")
+    })
+    .await
+    .unwrap();
+    e.until("tiny", "calendar", Duration::from_secs(60), |a| {
+        a.status == 200 && a.served() == ("dynamic", "v1")
+    })
+    .await;
+    eprintln!("{} s: calendar v1 Ready and answered", e.at());
+
+    let t0 = Instant::now();
+    e.cp.kubectl(&["delete", "pod", "-n", "mole-system", &first, "--wait=false"])
+        .unwrap();
+    wait_for(Duration::from_secs(45), "the deleted pod gone", || async {
+        pods.get_opt(&first)
+            .await
+            .ok()
+            .and_then(|p| p.is_none().then_some(()))
+    })
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", e.dump()));
+    let gone = t0.elapsed();
+    // A leader that ignored SIGTERM, or waited on its reconciles, would be killed only at the
+    // end of the pod's 30 s grace period.
+    assert!(
+        gone < Duration::from_secs(10),
+        "the operator's pod took {gone:?} to stop after its delete\n{}",
+        e.dump()
+    );
+    // The Lease was released on the way out: once the pod is gone it names no one but the
+    // new pod, where an expiry would keep the old name for up to the 15 s lease duration.
+    assert_ne!(
+        lease_holder(&e).await.as_deref(),
+        Some(first.as_str()),
+        "the Lease still names the deleted pod {gone:?} after its delete\n{}",
+        e.dump()
+    );
+    let next = wait_for(Duration::from_secs(60), "a new leader", || async {
+        lease_holder(&e).await.filter(|h| *h != first)
+    })
+    .await
+    .unwrap_or_else(|err| panic!("{err}\n{}", e.dump()));
+    let took = t0.elapsed();
+    assert!(pods.get_opt(&next).await.unwrap().is_some(), "{next}");
+    eprintln!(
+        "{} s: {first} gone {gone:?} after its delete; {next} leads {took:?} after it",
+        e.at()
+    );
+
+    // The new leader acts on the next change.
+    e.apply(&calendar("v2", "{mode: dynamic}", ""));
+    e.wait_adapter("calendar", Duration::from_secs(120), |st| {
+        st.phase == AdapterPhase::Ready && st.active_version.as_deref() == Some("v2")
+    })
+    .await
+    .unwrap();
+    e.until("tiny", "calendar", Duration::from_secs(60), |a| {
+        a.status == 200 && a.served() == ("dynamic", "v2")
+    })
+    .await;
 }

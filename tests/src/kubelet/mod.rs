@@ -52,7 +52,7 @@ mod services;
 mod volumes;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::sync::atomic::AtomicU32;
@@ -230,6 +230,7 @@ impl Kubelet {
             cfg.node_name.clone(),
             since,
         )));
+        let api_server = (kubernetes_service(&client).await?, api_address(&cp.server)?);
         let procs: Arc<Mutex<pod::Procs>> = Default::default();
         let ctx = Arc::new(pod::Ctx {
             client: client.clone(),
@@ -249,6 +250,7 @@ impl Kubelet {
                 .danger_accept_invalid_certs(true)
                 .build()?,
             counter: AtomicU32::new(0),
+            api_server,
         });
         let workers: Arc<Mutex<Vec<JoinHandle<()>>>> = Default::default();
         tasks.push(tokio::spawn(watch_pods(ctx, workers.clone())));
@@ -424,4 +426,35 @@ async fn watch_pods(ctx: Arc<pod::Ctx>, workers: Arc<Mutex<Vec<JoinHandle<()>>>>
             .expect("no panic while holding the lock")
             .push(handle);
     }
+}
+
+/// The `kubernetes` Service's ClusterIP and HTTPS port in `default` (the API server makes it
+/// at start; its address is in the serving certificate).
+async fn kubernetes_service(client: &kube::Client) -> Result<SocketAddrV4> {
+    let svc = Api::<Service>::namespaced(client.clone(), "default")
+        .get("kubernetes")
+        .await
+        .context("the kubernetes Service")?;
+    let spec = svc.spec.context("the kubernetes Service has no spec")?;
+    let ip: Ipv4Addr = spec
+        .cluster_ip
+        .as_deref()
+        .context("the kubernetes Service has no clusterIP")?
+        .parse()?;
+    let port = spec
+        .ports
+        .iter()
+        .flatten()
+        .find(|p| p.name.as_deref() == Some("https"))
+        .map_or(443, |p| p.port);
+    Ok(SocketAddrV4::new(ip, u16::try_from(port)?))
+}
+
+/// The host address of an `https://<ip>:<port>` API server URL.
+fn api_address(server: &str) -> Result<SocketAddr> {
+    server
+        .trim_start_matches("https://")
+        .trim_end_matches('/')
+        .parse()
+        .with_context(|| format!("the API server's address in {server}"))
 }

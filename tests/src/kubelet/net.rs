@@ -7,7 +7,7 @@
 //! namespaces of owners that are gone (a test killed before its `Drop` ran).
 
 use std::collections::BTreeSet;
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -204,6 +204,7 @@ impl Bridge {
             bridge: self.clone(),
             ns: ns.clone(),
             addr,
+            api: None,
         };
         if host_veth.len() > 15 {
             bail!("veth name {host_veth} is longer than an interface name may be");
@@ -271,10 +272,78 @@ pub struct PodNetwork {
     pub ns: String,
     /// The pod's address.
     pub addr: Ipv4Addr,
+    /// The pod's way to the API server (see [`PodNetwork::reach_api_server`]).
+    api: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl PodNetwork {
+    /// Lets the pod reach the API server as in-cluster clients do, at the `kubernetes`
+    /// Service's address `service` (`KUBERNETES_SERVICE_HOST:PORT`, an address the serving
+    /// certificate names): that address is put on the pod's loopback and a listener bound
+    /// there inside its namespace hands each connection to the API server at `to` on the
+    /// host's loopback, which no pod can reach otherwise. A kube-proxy does the same for a
+    /// ClusterIP with a NAT rule; this machine has no netfilter tools, and a listener of the
+    /// pod's own keeps every pod (and every kubelet) apart.
+    pub fn reach_api_server(&mut self, service: SocketAddrV4, to: SocketAddr) -> Result<()> {
+        ip(&[
+            "-n",
+            &self.ns,
+            "addr",
+            "add",
+            &format!("{}/32", service.ip()),
+            "dev",
+            "lo",
+        ])?;
+        let listener = listen_in(&self.ns, service)?;
+        let listener = tokio::net::TcpListener::from_std(listener)?;
+        self.api = Some(tokio::spawn(async move {
+            // Dropped with the accept loop (the pod's network going), the open
+            // connections' copies are aborted too.
+            let mut conns = tokio::task::JoinSet::new();
+            while let Ok((mut inbound, _)) = listener.accept().await {
+                conns.spawn(async move {
+                    if let Ok(mut out) = tokio::net::TcpStream::connect(to).await {
+                        let _ = tokio::io::copy_bidirectional(&mut inbound, &mut out).await;
+                    }
+                });
+                // Reap the finished copies so a long-lived pod holds only its open ones.
+                while conns.try_join_next().is_some() {}
+            }
+        }));
+        Ok(())
+    }
+}
+
+/// A TCP listener at `addr` inside network namespace `ns`: a socket stays in the namespace
+/// it was made in, so it is bound from a thread that joins `ns` and ends right after (the
+/// kubelet's own threads stay in the host's namespace).
+#[allow(unsafe_code)] // setns has no safe wrapper in the crates used here
+fn listen_in(ns: &str, addr: SocketAddrV4) -> Result<std::net::TcpListener> {
+    use std::os::fd::AsRawFd as _;
+    let handle = std::fs::File::open(format!("/run/netns/{ns}"))
+        .with_context(|| format!("opening network namespace {ns}"))?;
+    std::thread::scope(|s| {
+        s.spawn(|| -> Result<std::net::TcpListener> {
+            // SAFETY: setns changes only the calling thread's network namespace; the fd is
+            // open for the call, and this scoped thread ends once the socket is bound.
+            if unsafe { libc::setns(handle.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+                bail!("setns into {ns}: {}", std::io::Error::last_os_error());
+            }
+            let l = std::net::TcpListener::bind(addr)
+                .with_context(|| format!("binding {addr} in {ns}"))?;
+            l.set_nonblocking(true)?;
+            Ok(l)
+        })
+        .join()
+        .map_err(|_| anyhow::anyhow!("the thread binding {addr} in {ns} panicked"))?
+    })
 }
 
 impl Drop for PodNetwork {
     fn drop(&mut self) {
+        if let Some(t) = self.api.take() {
+            t.abort();
+        }
         kill_namespace(&self.ns);
         self.bridge.release(self.addr);
     }

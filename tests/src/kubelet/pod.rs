@@ -4,7 +4,7 @@
 //! SIGKILL, and the Pod object deleted with grace 0.
 
 use std::collections::{BTreeSet, HashMap};
-use std::net::Ipv4Addr;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
@@ -65,6 +65,9 @@ pub struct Ctx {
     pub http: reqwest::Client,
     /// Numbers the pods' network namespaces.
     pub counter: AtomicU32,
+    /// The `kubernetes` Service's address (what pods get as `KUBERNETES_SERVICE_HOST` and
+    /// `_PORT`) and the API server's on the host, which each pod reaches through it.
+    pub api_server: (SocketAddrV4, SocketAddr),
 }
 
 impl Ctx {
@@ -395,7 +398,12 @@ impl Worker {
                 return;
             }
             let n = self.ctx.counter.fetch_add(1, Ordering::Relaxed);
-            match self.ctx.bridge.pod_network(n) {
+            let net = self.ctx.bridge.pod_network(n).and_then(|mut net| {
+                let (service, to) = self.ctx.api_server;
+                net.reach_api_server(service, to)?;
+                Ok(net)
+            });
+            match net {
                 Ok(net) => {
                     self.ip = Some(net.addr);
                     self.net = Some(net);
@@ -557,6 +565,25 @@ impl Worker {
             ("PATH".into(), DEFAULT_PATH.into()),
             ("HOSTNAME".into(), self.hostname()),
         ];
+        // The API server's Service, as a kubelet gives every container whatever its
+        // `enableServiceLinks` (in-cluster clients read the first two).
+        let (api, _) = self.ctx.api_server;
+        let (host, port) = (api.ip().to_string(), api.port().to_string());
+        let tcp = format!("tcp://{api}");
+        vars.extend(
+            [
+                ("KUBERNETES_SERVICE_HOST", host.clone()),
+                ("KUBERNETES_SERVICE_PORT", port.clone()),
+                ("KUBERNETES_SERVICE_PORT_HTTPS", port.clone()),
+                ("KUBERNETES_PORT", tcp.clone()),
+                (&*format!("KUBERNETES_PORT_{port}_TCP"), tcp),
+                (&*format!("KUBERNETES_PORT_{port}_TCP_PROTO"), "tcp".into()),
+                (&*format!("KUBERNETES_PORT_{port}_TCP_PORT"), port.clone()),
+                (&*format!("KUBERNETES_PORT_{port}_TCP_ADDR"), host),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v)),
+        );
         let mut map: HashMap<String, String> = vars.iter().cloned().collect();
         let mut set = |k: String, v: String, vars: &mut Vec<(String, String)>| {
             map.insert(k.clone(), v.clone());
