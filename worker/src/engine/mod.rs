@@ -85,27 +85,53 @@ pub struct EngineOptions {
     pub template_fuel: Option<u64>,
 }
 
+/// Prompt tokens a step takes across new sequences by default (`serve --prefill-chunk`).
+pub const DEFAULT_PREFILL_CHUNK: usize = 512;
+
 impl Default for EngineOptions {
+    /// The pool's defaults ([`mole_api::EngineLimits`]'s, owned there once), no merged
+    /// adapter, an unbounded template.
     fn default() -> Self {
         Self {
             base_name: "base".into(),
-            max_batch_size: 16,
-            max_seq_len: 4096,
-            max_queue: 256,
-            max_loras: 8,
-            max_cpu_loras: 32,
-            max_lora_rank: 64,
+            max_batch_size: 0,
+            max_seq_len: 0,
+            max_queue: 0,
+            max_loras: 0,
+            max_cpu_loras: 0,
+            max_lora_rank: 0,
             lora_dtype: None,
-            prefill_chunk: 512,
+            prefill_chunk: DEFAULT_PREFILL_CHUNK,
             merged: None,
             kv_blocks: None,
-            gpu_memory_utilization: 0.9,
+            gpu_memory_utilization: 0.0,
             image_processor: mole_api::ImageProcessor::default(),
-            prefix_caching: true,
+            prefix_caching: false,
             kv_cache_dtype: None,
             lora_kernel: LoraKernel::Ops,
             guide_limits: mole_api::GuideParserLimits::default(),
             template_fuel: None,
+        }
+        .with_limits(&mole_api::EngineLimits::default())
+    }
+}
+
+impl EngineOptions {
+    /// With the engine limits a pool sets (`spec.dynamic`, the worker config's
+    /// `limits.engine`): the one conversion from them, defaults included.
+    pub fn with_limits(self, l: &mole_api::EngineLimits) -> Self {
+        Self {
+            max_batch_size: l.max_batch_size as usize,
+            max_seq_len: l.max_seq_len as usize,
+            max_queue: l.max_queue as usize,
+            max_loras: l.max_loras as usize,
+            max_cpu_loras: l.max_cpu_loras as usize,
+            max_lora_rank: l.max_lora_rank as usize,
+            lora_dtype: l.lora_dtype.map(candle_dtype),
+            kv_cache_dtype: l.kv_cache_dtype.map(candle_dtype),
+            gpu_memory_utilization: l.gpu_memory_utilization,
+            prefix_caching: l.enable_prefix_caching,
+            ..self
         }
     }
 }

@@ -38,6 +38,13 @@ pub struct ServeArgs {
     /// docs/benchmarks.md). The CPU's host path ignores it.
     #[arg(long, env = "MOLE_LORA_KERNEL", default_value = "ops")]
     pub lora_kernel: crate::model::LoraKernel,
+    /// Prompt tokens one step takes across new sequences (chunked prefill, as vLLM's
+    /// `--max-num-batched-tokens`): larger finishes a long prompt in fewer steps, smaller
+    /// keeps the running sequences' next tokens coming sooner.
+    #[arg(long, env = "MOLE_PREFILL_CHUNK",
+          default_value_t = crate::engine::DEFAULT_PREFILL_CHUNK as u32,
+          value_parser = clap::value_parser!(u32).range(1..=65536))]
+    pub prefill_chunk: u32,
 }
 
 /// Runs the subcommand.
@@ -83,7 +90,11 @@ async fn serve(args: ServeArgs) -> anyhow::Result<()> {
         cfg.limits.engine.gpu_memory_utilization = f;
     }
     let auth = Auth::from_config(&cfg)?;
-    let engine = build_engine_with(&cfg, args.lora_kernel)?;
+    let tuning = super::EngineTuning {
+        lora_kernel: args.lora_kernel,
+        prefill_chunk: args.prefill_chunk as usize,
+    };
+    let engine = build_engine_with(&cfg, tuning)?;
     let state = AppState::new(cfg.clone(), engine, Some(args.config.clone()), auth);
     state
         .peers

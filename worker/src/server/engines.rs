@@ -44,35 +44,50 @@ impl BuildError {
     }
 }
 
-/// The engine settings every engine of a config shares: names and the batch, context and queue
-/// limits.
+/// The engine settings every engine of a config shares: names, the engine limits, the
+/// guide and template limits.
 fn base_options(cfg: &WorkerConfig) -> EngineOptions {
     let l = &cfg.limits;
     EngineOptions {
         base_name: cfg.base_model.name.clone(),
-        max_batch_size: l.engine.max_batch_size as usize,
-        max_seq_len: l.engine.max_seq_len as usize,
-        max_queue: l.engine.max_queue as usize,
-        gpu_memory_utilization: l.engine.gpu_memory_utilization,
         image_processor: cfg.base_model.image_processor,
-        prefix_caching: l.engine.enable_prefix_caching,
         guide_limits: l.guide_parser.clone(),
         template_fuel: Some(l.max_template_fuel),
         ..Default::default()
+    }
+    .with_limits(&l.engine)
+}
+
+/// What the process sets for its engines beside the config (`serve` flags): settings of the
+/// machine, not of the pool.
+#[derive(Debug, Clone, Copy)]
+pub struct EngineTuning {
+    /// How the tensor path computes LoRA updates (`--lora-kernel`).
+    pub lora_kernel: LoraKernel,
+    /// Prompt tokens a step takes across new sequences (`--prefill-chunk`).
+    pub prefill_chunk: usize,
+}
+
+impl Default for EngineTuning {
+    fn default() -> Self {
+        Self {
+            lora_kernel: LoraKernel::default(),
+            prefill_chunk: crate::engine::DEFAULT_PREFILL_CHUNK,
+        }
     }
 }
 
 /// Builds the engine for a config, as the parts the server holds: the ONE place where the
 /// server meets the engine implementation.
 pub fn build_engine(cfg: &WorkerConfig) -> Result<EngineHandles, BuildError> {
-    build_engine_with(cfg, LoraKernel::default())
+    build_engine_with(cfg, EngineTuning::default())
 }
 
-/// As [`build_engine`], the tensor path's LoRA updates computed by `lora_kernel` (`serve
-/// --lora-kernel`: a process setting, not the pool's, while the kernels are unproven).
+/// As [`build_engine`], with the process's `tuning` (`serve --lora-kernel`, a process
+/// setting while the kernels are unproven, and `--prefill-chunk`).
 pub fn build_engine_with(
     cfg: &WorkerConfig,
-    lora_kernel: LoraKernel,
+    tuning: EngineTuning,
 ) -> Result<EngineHandles, BuildError> {
     let dir = model_dir(cfg)?;
     let gguf = dir.extension().is_some_and(|e| e == "gguf");
@@ -84,18 +99,9 @@ pub fn build_engine_with(
         hf::check_confined(&dir)?;
     }
     let dtype = candle_dtype(cfg.base_model.dtype);
-    let l = &cfg.limits;
     let opts = EngineOptions {
-        max_loras: l.engine.max_loras as usize,
-        max_cpu_loras: l.engine.max_cpu_loras as usize,
-        max_lora_rank: l.engine.max_lora_rank as usize,
-        lora_dtype: l.engine.lora_dtype.map(candle_dtype),
-        kv_cache_dtype: l.engine.kv_cache_dtype.map(candle_dtype),
-        lora_kernel,
-        prefill_chunk: std::env::var("MOLE_PREFILL_CHUNK")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(512),
+        lora_kernel: tuning.lora_kernel,
+        prefill_chunk: tuning.prefill_chunk,
         merged: cfg
             .merged
             .as_ref()

@@ -32,7 +32,7 @@ use axum::routing::{get, post, MethodRouter};
 use crate::router::Decision;
 
 pub use auth::{Access, Auth, AuthSource};
-pub use engines::{build_engine, build_engine_with, build_local_merged, BuildError};
+pub use engines::{build_engine, build_engine_with, build_local_merged, BuildError, EngineTuning};
 pub use error::ApiError;
 pub use reload::ReloadOutcome;
 pub use state::AppState;
