@@ -14,6 +14,7 @@ use common::{
     wait_until,
 };
 use mole_worker::engine::api::*;
+use mole_worker::engine::ModelSource;
 use mole_worker::engine::{Engine, EngineOptions};
 
 fn engine(f: impl FnOnce(&mut EngineOptions)) -> Engine {
@@ -27,7 +28,12 @@ fn engine_over(weights: DType, f: impl FnOnce(&mut EngineOptions)) -> Engine {
         ..Default::default()
     };
     f(&mut o);
-    Engine::load(&fixtures().join("llama"), weights, &Device::Cpu, o).unwrap()
+    Engine::load(
+        &ModelSource::hf(fixtures().join("llama"), weights),
+        &Device::Cpu,
+        o,
+    )
+    .unwrap()
 }
 
 fn spec(name: &str, version: &str, dir: &str) -> AdapterSpec {

@@ -35,6 +35,7 @@
 mod common;
 
 use common::{byte_tokens, seeded};
+use mole_worker::engine::ModelSource;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -455,7 +456,12 @@ fn check(base: Base, dtype: GgmlDType) {
         base_name: name.into(),
         ..Default::default()
     };
-    let qe = Engine::load_gguf(&path, &dev, opts(&base.name)).unwrap();
+    let qe = Engine::load(
+        &ModelSource::Gguf(path.to_path_buf()),
+        &dev,
+        opts(&base.name),
+    )
+    .unwrap();
     let text = TextModel::load(&fixtures().join("llama")).unwrap();
     let de = Engine::start(dense, text, opts(&base.name));
     let spec = AdapterSpec {

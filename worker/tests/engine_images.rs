@@ -7,6 +7,7 @@
 
 mod common;
 
+use mole_worker::engine::ModelSource;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -50,8 +51,7 @@ fn outcome(mut rx: EventStream) -> Result<Vec<u32>, EngineError> {
 #[test]
 fn a_step_with_an_image_that_fails_fails_only_its_request() {
     let e = Engine::load(
-        &fixtures().join("qwen3_vl"),
-        DType::F32,
+        &ModelSource::hf(fixtures().join("qwen3_vl"), DType::F32),
         &Device::Cpu,
         EngineOptions {
             base_name: "qwen3-vl-tiny".into(),

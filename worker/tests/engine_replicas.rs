@@ -7,6 +7,7 @@
 
 mod common;
 
+use mole_worker::engine::ModelSource;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -23,7 +24,12 @@ fn engine() -> Engine {
         base_name: "llama".into(),
         ..Default::default()
     };
-    Engine::load(&fixtures().join("llama"), DType::F32, &Device::Cpu, o).unwrap()
+    Engine::load(
+        &ModelSource::hf(fixtures().join("llama"), DType::F32),
+        &Device::Cpu,
+        o,
+    )
+    .unwrap()
 }
 
 fn spec(name: &str) -> AdapterSpec {

@@ -6,6 +6,7 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
+use mole_worker::engine::ModelSource;
 use std::path::{Path, PathBuf};
 
 use mole_worker::import::{import, ImportOptions};
@@ -331,8 +332,8 @@ fn smollm2_served_quantized() {
     // Served through the engine from the .gguf path, with a demo adapter on top.
     use mole_worker::engine::api::*;
     use mole_worker::engine::{Engine, EngineOptions};
-    let e = Engine::load_gguf(
-        &gguf,
+    let e = Engine::load(
+        &ModelSource::Gguf(gguf.to_path_buf()),
         &dev,
         EngineOptions {
             base_name: "SmolLM2-135M-Instruct".into(),

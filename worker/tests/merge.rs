@@ -4,6 +4,7 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
+use mole_worker::engine::ModelSource;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -1051,8 +1052,7 @@ fn qwen3_vl_merges_match_peft_and_serve_images_as_the_adapter() {
         assert!(out.join(f).exists(), "{f} not copied into the merged model");
     }
     let e = mole_worker::engine::Engine::load(
-        &out,
-        candle_core::DType::F32,
+        &ModelSource::hf(out, candle_core::DType::F32),
         &candle_core::Device::Cpu,
         mole_worker::engine::EngineOptions {
             // The references were computed with transformers' PIL backend.

@@ -25,6 +25,7 @@
 mod common;
 
 use common::seeded;
+use mole_worker::engine::ModelSource;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -262,10 +263,14 @@ fn the_engine_serves_the_quantized_directory() {
                 .unwrap(),
         )
     };
-    let q = Engine::load_quantized_dir(&out, &Device::Cpu, EngineOptions::default()).unwrap();
+    let q = Engine::load(
+        &ModelSource::QuantizedDir(out.to_path_buf()),
+        &Device::Cpu,
+        EngineOptions::default(),
+    )
+    .unwrap();
     let dense = Engine::load(
-        &synth,
-        candle_core::DType::F32,
+        &ModelSource::hf(&synth, candle_core::DType::F32),
         &Device::Cpu,
         EngineOptions::default(),
     )

@@ -27,6 +27,7 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
+use mole_worker::engine::ModelSource;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
@@ -59,7 +60,11 @@ fn edited(name: &str, edit: impl FnOnce(&mut serde_json::Value)) -> tempfile::Te
 }
 
 fn refusal(dir: &Path) -> (String, String) {
-    match Engine::load(dir, DType::F32, &Device::Cpu, EngineOptions::default()) {
+    match Engine::load(
+        &ModelSource::hf(dir, DType::F32),
+        &Device::Cpu,
+        EngineOptions::default(),
+    ) {
         Ok(_) => panic!("{} loaded", dir.display()),
         Err(e) => (e.code().to_string(), e.to_string()),
     }
@@ -309,8 +314,7 @@ fn awq_and_gptq_serve_4_bit_within_bound_of_their_reference() {
 #[test]
 fn a_served_checkpoint_starts_an_engine() {
     let e = Engine::load(
-        &fixture("awq_g128"),
-        DType::F32,
+        &ModelSource::hf(fixture("awq_g128"), DType::F32),
         &Device::Cpu,
         EngineOptions::default(),
     )

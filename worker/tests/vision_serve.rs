@@ -11,6 +11,7 @@
 
 mod common;
 
+use mole_worker::engine::ModelSource;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -92,7 +93,12 @@ fn engine(prefill_chunk: usize) -> Engine {
         image_processor: ImageProcessor::Pil,
         ..Default::default()
     };
-    let e = Engine::load(&fixtures().join("qwen3_vl"), DType::F32, &Device::Cpu, o).unwrap();
+    let e = Engine::load(
+        &ModelSource::hf(fixtures().join("qwen3_vl"), DType::F32),
+        &Device::Cpu,
+        o,
+    )
+    .unwrap();
     e.load_adapter(AdapterSpec {
         name: "screens".into(),
         version: "v1".into(),
@@ -202,7 +208,12 @@ fn image_token_counts_and_refusals() {
     assert!(err.to_string().contains("aspect ratio"), "{err}");
     // A text model refuses images with its own code.
     let text_model = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine/qwen3");
-    let t = Engine::load(&text_model, DType::F32, &Device::Cpu, Default::default()).unwrap();
+    let t = Engine::load(
+        &ModelSource::hf(text_model, DType::F32),
+        &Device::Cpu,
+        Default::default(),
+    )
+    .unwrap();
     let err = t
         .submit(GenerateRequest {
             prompt: Prompt::Text("hi".into()),

@@ -5,6 +5,7 @@
 //! pass instead (the order the overlap replaced). Measured side by side, rounds alternated,
 //! best of each kept. Goal ≥ 0.9.
 
+use crate::engine::ModelSource;
 use std::time::Instant;
 
 use candle_core::{DType, Device};
@@ -85,8 +86,7 @@ pub(super) fn bench(
     rounds: usize,
 ) -> anyhow::Result<()> {
     let e = Engine::load(
-        dir,
-        dtype,
+        &ModelSource::hf(dir, dtype),
         dev,
         EngineOptions {
             max_batch_size: ROWS,

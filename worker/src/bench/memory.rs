@@ -11,6 +11,7 @@
 //! is for, where the binary's own pages weigh little, and all of it in the type asked for (the
 //! tied embedding in q6_k, as llama.cpp and `quantize` keep it).
 
+use crate::engine::ModelSource;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
@@ -93,9 +94,21 @@ fn child(kind: &str, path: &Path) -> anyhow::Result<()> {
         ..Default::default()
     };
     let engine = match kind {
-        "gguf" => Some(Engine::load_gguf(path, &dev, opts)?),
-        "dir" => Some(Engine::load(path, DType::BF16, &dev, opts)?),
-        "quantized" => Some(Engine::load_quantized_dir(path, &dev, opts)?),
+        "gguf" => Some(Engine::load(
+            &ModelSource::Gguf(path.to_path_buf()),
+            &dev,
+            opts,
+        )?),
+        "dir" => Some(Engine::load(
+            &ModelSource::hf(path, DType::BF16),
+            &dev,
+            opts,
+        )?),
+        "quantized" => Some(Engine::load(
+            &ModelSource::QuantizedDir(path.to_path_buf()),
+            &dev,
+            opts,
+        )?),
         _ => None,
     };
     let loaded = resident()?;

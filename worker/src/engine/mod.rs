@@ -7,6 +7,7 @@ pub mod api;
 mod codec;
 pub mod grammar;
 mod images;
+mod load;
 mod plan;
 mod prefix;
 pub mod pyjson;
@@ -19,7 +20,6 @@ mod seq;
 pub mod text;
 mod trace;
 
-use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, PoisonError};
 
@@ -27,14 +27,13 @@ use candle_core::{DType, Device};
 
 use self::api::*;
 use self::images::ImageProcessor;
+pub use self::load::ModelSource;
 use self::sampler::Sampler;
 use self::scheduler::Msg;
 use self::seq::{Score, Seq};
 use self::text::TextModel;
 use crate::lora::registry::Registry;
-use crate::model::{
-    Decoder, DeviceMemory, KvBudget, LoraKernel, ModelError, Proj, TensorPathOptions, MAX_KV_SLOTS,
-};
+use crate::model::{Decoder, LoraKernel, TensorPathOptions, MAX_KV_SLOTS};
 
 /// Engine settings (from the worker config's limits).
 #[derive(Debug, Clone)]
@@ -140,7 +139,7 @@ impl EngineOptions {
 /// the longest length (so preemption only trims an overcommitted batch), and a LoRA slot per
 /// device-resident adapter at the highest rank accepted. The cache never exceeds
 /// [`MAX_KV_SLOTS`] tokens.
-fn tensor_path(opts: &EngineOptions) -> TensorPathOptions {
+pub(super) fn tensor_path(opts: &EngineOptions) -> TensorPathOptions {
     let block_size = TensorPathOptions::default().block_size;
     TensorPathOptions {
         block_size,
@@ -155,107 +154,24 @@ fn tensor_path(opts: &EngineOptions) -> TensorPathOptions {
     }
 }
 
+/// The image processor of a vision model whose source has no preprocessor config of its own:
+/// Qwen3-VL's defaults with `backend`'s pixels.
+fn default_images(model: &Decoder, backend: mole_api::ImageProcessor) -> Option<ImageProcessor> {
+    model.config().vision.as_ref().map(|spec| {
+        let cfg = crate::model::vision::preprocess::ProcessorConfig {
+            backend,
+            ..Default::default()
+        };
+        ImageProcessor::new(cfg, spec)
+    })
+}
+
 /// The device as logs and messages name it (`cpu`, `cuda:0`).
 pub fn device_name(device: &Device) -> String {
     match device.location() {
         candle_core::DeviceLocation::Cpu => "cpu".into(),
         candle_core::DeviceLocation::Cuda { gpu_id } => format!("cuda:{gpu_id}"),
         candle_core::DeviceLocation::Metal { gpu_id } => format!("metal:{gpu_id}"),
-    }
-}
-
-/// What sizes the KV cache of `model` under `opts` (see [`KvBudget`]), with the device's
-/// memory as it is now (after the weights were loaded). The activation headroom is an
-/// estimate, not a profile: a prefill chunk's hidden states and MLP activations in f32, the
-/// batch's logits, and the attention scores of a chunk against the longest sequence (twice:
-/// scores and softmax), plus 256 MiB for the CUDA context's and cuBLAS's workspaces.
-fn kv_budget(
-    model: &Decoder,
-    opts: &EngineOptions,
-    lora_dtype: DType,
-    weights_bytes: u64,
-) -> Result<KvBudget, ModelError> {
-    let cfg = model.config();
-    let tp = tensor_path(opts);
-    let layers = cfg.num_hidden_layers as u64;
-    let width = (cfg.kv_heads() * cfg.head_dim()) as u64;
-    let kv_size = tp.kv_dtype.unwrap_or(model.kv_dtype()).size_in_bytes() as u64;
-    let bytes_per_block = layers * 2 * tp.block_size as u64 * width * kv_size;
-    // The slots compute in the wider of the activations' dtype and the adapters'.
-    let slot_size = (model.dtype().size_in_bytes() as u64).max(lora_dtype.size_in_bytes() as u64);
-    let rank = tp.lora_rank.div_ceil(crate::kernels::RANK_ALIGN) * crate::kernels::RANK_ALIGN;
-    let per_slot: u64 = Proj::ALL
-        .iter()
-        .map(|p| {
-            let (i, o) = p.dims(cfg);
-            (i + o) as u64
-        })
-        .sum::<u64>()
-        * rank as u64
-        * layers
-        * slot_size;
-    let lora_bytes = (tp.lora_slots as u64 + 1) * per_slot;
-    let tokens = opts.prefill_chunk.max(opts.max_batch_size).max(1) as u64;
-    let (hidden, inter) = (cfg.hidden_size as u64, cfg.intermediate_size as u64);
-    let heads = cfg.num_attention_heads as u64;
-    let activation_bytes = tokens * (8 * hidden + 4 * inter) * 4
-        + opts.max_batch_size as u64 * cfg.vocab_size as u64 * 4 * 2
-        + 2 * heads * opts.prefill_chunk.max(1) as u64 * opts.max_seq_len as u64 * 4
-        + (256 << 20);
-    let seq_blocks = opts.max_seq_len.div_ceil(tp.block_size);
-    Ok(KvBudget {
-        device: device_name(model.device()),
-        memory: DeviceMemory::of(model.device())?,
-        fraction: opts.gpu_memory_utilization,
-        weights_bytes,
-        lora_bytes,
-        activation_bytes,
-        bytes_per_block,
-        wanted_blocks: tensor_path(opts).kv_blocks,
-        min_blocks: seq_blocks,
-    })
-}
-
-/// Sizes the KV cache from the device's memory unless `opts` fixes it: refuses
-/// (`model_does_not_fit`) when one sequence of the longest length does not fit, logs the size.
-fn size_kv_cache(
-    model: &Decoder,
-    opts: &mut EngineOptions,
-    weights_bytes: u64,
-) -> Result<(), EngineError> {
-    if opts.kv_blocks.is_some() {
-        return Ok(());
-    }
-    let lora_dtype = opts.lora_dtype.unwrap_or(crate::model::adapter_dtype(
-        model.weight_dtype(),
-        model.device(),
-    ));
-    let mut o = opts.clone();
-    o.max_seq_len = o.max_seq_len.min(model.config().max_positions()).max(2);
-    let budget = kv_budget(model, &o, lora_dtype, weights_bytes).map_err(model_error)?;
-    let blocks = budget.blocks().map_err(model_error)?;
-    tracing::info!(
-        device = %budget.device,
-        blocks,
-        block_tokens = tensor_path(&o).block_size,
-        bytes = blocks as u64 * budget.bytes_per_block,
-        budget_bytes = budget.budget_bytes(),
-        weights_bytes,
-        gpu_memory_utilization = o.gpu_memory_utilization,
-        "KV cache sized"
-    );
-    opts.kv_blocks = Some(blocks);
-    Ok(())
-}
-
-/// A model error at load: `model_does_not_fit` keeps its code, the rest are "not ready".
-fn model_error(e: ModelError) -> EngineError {
-    match e {
-        ModelError::DoesNotFit { .. } => EngineError::ModelDoesNotFit(e.to_string()),
-        ModelError::UnsupportedQuantization(_) => {
-            EngineError::UnsupportedQuantization(e.to_string())
-        }
-        e => EngineError::NotReady(e.to_string()),
     }
 }
 
@@ -302,116 +218,25 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Loads an HF model directory (weights, tokenizer, chat template) and starts the engine
-    /// thread.
+    /// Loads a base model from `source` (every kind through one path: its weights' size checked
+    /// against the device's share before they are read, the KV cache sized after) and starts
+    /// the engine thread.
     pub fn load(
-        dir: &Path,
-        dtype: DType,
+        source: &ModelSource,
         device: &Device,
         mut opts: EngineOptions,
     ) -> Result<Self, EngineError> {
-        let nr = |e: &dyn std::fmt::Display| {
-            EngineError::NotReady(format!("model {}: {e}", dir.display()))
-        };
-        // A quantized checkpoint is recognized (and refused, when mole does not serve its
-        // variant) before its tensors are read or sized.
-        // Other configuration errors are reported where they were (after the files' checks).
-        if let Err(e @ ModelError::UnsupportedQuantization(_)) =
-            crate::model::ModelConfig::from_dir(dir)
-        {
-            return Err(EngineError::UnsupportedQuantization(format!(
-                "model {}: {e}",
-                dir.display()
-            )));
-        }
-        // The weights' size from the files' headers, refused before anything is allocated
-        // when it exceeds the device's share.
-        let files = crate::formats::hf::safetensors_files(dir).map_err(|e| nr(&e))?;
-        let weights_bytes = crate::formats::hf::safetensors_elements(&files).map_err(|e| nr(&e))?
-            * dtype.size_in_bytes() as u64;
-        let memory = DeviceMemory::of(device).map_err(model_error)?;
-        KvBudget::check_weights(
-            &device_name(device),
-            memory,
-            opts.gpu_memory_utilization,
-            weights_bytes,
-        )
-        .map_err(model_error)?;
-        let model = Decoder::load(dir, dtype, device).map_err(|e| nr(&e))?;
-        size_kv_cache(&model, &mut opts, model.weight_bytes())?;
-        let text = TextModel::load(dir).map_err(|e| EngineError::NotReady(e.to_string()))?;
-        let images = match &model.config().vision {
-            Some(spec) => Some(ImageProcessor::load(dir, spec, opts.image_processor)?),
-            None => None,
-        };
-        Ok(Self::spawn(model, text, images, opts))
-    }
-
-    /// Loads a GGUF file and serves it quantized (projections stay in their GGUF blocks; the
-    /// tokenizer and chat template come from its metadata). LoRA adapters apply on top in f32.
-    pub fn load_gguf(
-        path: &Path,
-        device: &Device,
-        mut opts: EngineOptions,
-    ) -> Result<Self, EngineError> {
-        let nr =
-            |e: &dyn std::fmt::Display| EngineError::NotReady(format!("{}: {e}", path.display()));
-        let file_bytes = std::fs::metadata(path).map_err(|e| nr(&e))?.len();
-        let memory = DeviceMemory::of(device).map_err(model_error)?;
-        // A GGUF file's tensors stay in their blocks: the file's size is the weights'.
-        KvBudget::check_weights(
-            &device_name(device),
-            memory,
-            opts.gpu_memory_utilization,
-            file_bytes,
-        )
-        .map_err(model_error)?;
-        let q = crate::formats::gguf::load_quantized(path, device).map_err(|e| nr(&e))?;
-        let cfg = crate::model::ModelConfig::from_json(q.config.clone()).map_err(|e| nr(&e))?;
-        let model = Decoder::from_quantized(cfg, q.tensors, device).map_err(|e| nr(&e))?;
-        let text = TextModel::from_json(&q.tokenizer_json, q.tokenizer_config, &[q.config])
-            .map_err(|e| nr(&e))?;
-        size_kv_cache(&model, &mut opts, model.weight_bytes())?;
-        Ok(Self::start(model, text, opts))
-    }
-
-    /// Loads a directory written by `mole-worker quantize` (a merged model quantized after the
-    /// merge): HF config and tokenizer files, the weights in one GGUF file under HF names,
-    /// served quantized as [`Engine::load_gguf`] serves a GGUF base.
-    pub fn load_quantized_dir(
-        dir: &Path,
-        device: &Device,
-        mut opts: EngineOptions,
-    ) -> Result<Self, EngineError> {
-        let nr =
-            |e: &dyn std::fmt::Display| EngineError::NotReady(format!("{}: {e}", dir.display()));
-        let file = dir.join(crate::formats::gguf::QUANTIZED_FILE);
-        let file_bytes = std::fs::metadata(&file).map_err(|e| nr(&e))?.len();
-        let memory = DeviceMemory::of(device).map_err(model_error)?;
-        // As a GGUF base: the tensors stay in their blocks, the file's size is the weights'.
-        KvBudget::check_weights(
-            &device_name(device),
-            memory,
-            opts.gpu_memory_utilization,
-            file_bytes,
-        )
-        .map_err(model_error)?;
-        let model = Decoder::load_quantized_dir(dir, device).map_err(|e| nr(&e))?;
-        let text = TextModel::load(dir).map_err(|e| EngineError::NotReady(e.to_string()))?;
-        size_kv_cache(&model, &mut opts, model.weight_bytes())?;
-        Ok(Self::start(model, text, opts))
+        let l = source.load(device, &mut opts)?;
+        let images = l
+            .images
+            .or_else(|| default_images(&l.model, opts.image_processor));
+        Ok(Self::spawn(l.model, l.text, images, opts))
     }
 
     /// Starts the engine thread over a loaded model (a vision model takes images as Qwen3-VL's
     /// processor prepares them).
     pub fn start(model: Decoder, text: TextModel, opts: EngineOptions) -> Self {
-        let images = model.config().vision.as_ref().map(|spec| {
-            let cfg = crate::model::vision::preprocess::ProcessorConfig {
-                backend: opts.image_processor,
-                ..Default::default()
-            };
-            ImageProcessor::new(cfg, spec)
-        });
+        let images = default_images(&model, opts.image_processor);
         Self::spawn(model, text, images, opts)
     }
 

@@ -10,7 +10,9 @@ use crate::config::model_dir;
 use crate::config::ConfigError;
 use crate::engine::api::{Backend, EngineError, EngineHandles, PromptCodec};
 use crate::engine::replicas::Replicas;
-use crate::engine::{candle_dtype, compute_devices, default_device, Engine, EngineOptions};
+use crate::engine::{
+    candle_dtype, compute_devices, default_device, Engine, EngineOptions, ModelSource,
+};
 use crate::formats::hf::{self, HfError};
 use crate::merge::MergeError;
 use crate::model::LoraKernel;
@@ -90,15 +92,15 @@ pub fn build_engine_with(
     tuning: EngineTuning,
 ) -> Result<EngineHandles, BuildError> {
     let dir = model_dir(cfg)?;
-    let gguf = dir.extension().is_some_and(|e| e == "gguf");
-    // A directory written by `mole-worker quantize` (a merged model quantized after the merge).
-    let quantized_dir = !gguf && crate::formats::gguf::is_quantized_dir(&dir);
+    let dtype = candle_dtype(cfg.base_model.dtype);
+    // A `.gguf` base is served quantized, as is a directory `mole-worker quantize` wrote; an
+    // HF directory in the configured dtype.
+    let source = ModelSource::at(&dir, dtype);
     // Every file the directory names (index shards, tokenizer, templates) inside it, refused
     // by name before the engine reads any.
-    if !gguf {
+    if !matches!(source, ModelSource::Gguf(_)) {
         hf::check_confined(&dir)?;
     }
-    let dtype = candle_dtype(cfg.base_model.dtype);
     let opts = EngineOptions {
         lora_kernel: tuning.lora_kernel,
         prefill_chunk: tuning.prefill_chunk,
@@ -112,14 +114,7 @@ pub fn build_engine_with(
     let mut engines: Vec<Arc<Engine>> = Vec::new();
     for device in compute_devices() {
         let started = std::time::Instant::now();
-        // A `.gguf` base is served quantized; an HF directory in the configured dtype.
-        let engine = if gguf {
-            Engine::load_gguf(&dir, &device, opts.clone())?
-        } else if quantized_dir {
-            Engine::load_quantized_dir(&dir, &device, opts.clone())?
-        } else {
-            Engine::load(&dir, dtype, &device, opts.clone())?
-        };
+        let engine = Engine::load(&source, &device, opts.clone())?;
         tracing::info!(model = %dir.display(), ?device, ?dtype, seconds = started.elapsed().as_secs_f64(), "model loaded");
         engines.push(Arc::new(engine));
     }
@@ -193,8 +188,7 @@ fn merged_engine(cfg: &WorkerConfig, a: &WorkerAdapter) -> Result<Arc<dyn Backen
     let dtype = candle_dtype(cfg.base_model.dtype);
     hf::check_confined(&dir)?;
     Ok(Arc::new(Engine::load(
-        &dir,
-        dtype,
+        &ModelSource::hf(dir, dtype),
         &default_device(),
         opts,
     )?))

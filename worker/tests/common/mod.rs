@@ -2,6 +2,7 @@
 
 pub mod steps;
 
+use mole_worker::engine::ModelSource;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -235,8 +236,7 @@ pub fn host_engine(
     };
     f(&mut o);
     mole_worker::engine::Engine::load(
-        &engine_fixtures().join("llama"),
-        candle_core::DType::F32,
+        &ModelSource::hf(engine_fixtures().join("llama"), candle_core::DType::F32),
         &candle_core::Device::Cpu,
         o,
     )
