@@ -204,6 +204,7 @@ pub struct Shared {
     /// How a vision model takes images (None: a text model).
     images: Option<ImageProcessor>,
     /// Digests of images the vision tower is made to fail on ([`Engine::fail_images_for_tests`]).
+    #[cfg(feature = "test-seams")]
     failing_images: Mutex<Vec<[u8; 32]>>,
     /// Structured outputs' grammars over this model's tokens (built on first use).
     grammars: grammar::Grammars,
@@ -292,6 +293,7 @@ impl Engine {
             text,
             opts,
             images,
+            #[cfg(feature = "test-seams")]
             failing_images: Mutex::default(),
             prefix_counts: Mutex::default(),
         });
@@ -305,8 +307,9 @@ impl Engine {
     }
 
     /// Makes the vision tower fail on every image with `digest` from now on: the seam by which
-    /// tests make one request's input fail deterministically inside a step.
-    #[doc(hidden)]
+    /// tests make one request's input fail deterministically inside a step (feature
+    /// `test-seams`, this crate's tests only).
+    #[cfg(feature = "test-seams")]
     pub fn fail_images_for_tests(&self, digest: [u8; 32]) {
         self.shared
             .failing_images

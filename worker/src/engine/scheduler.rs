@@ -341,7 +341,15 @@ fn encode(shared: &Shared, group: &mut [images::Pending<'_>]) -> Result<(), Mode
 }
 
 /// An error when one of `pending`'s images is one a test made the tower fail on
+/// (`Engine::fail_images_for_tests`, feature `test-seams`); without the feature, none is.
+#[cfg(not(feature = "test-seams"))]
+fn made_to_fail(_: &Shared, _: &[images::Pending<'_>]) -> Result<(), ModelError> {
+    Ok(())
+}
+
+/// An error when one of `pending`'s images is one a test made the tower fail on
 /// ([`super::Engine::fail_images_for_tests`]).
+#[cfg(feature = "test-seams")]
 fn made_to_fail(shared: &Shared, pending: &[images::Pending<'_>]) -> Result<(), ModelError> {
     let failing = shared
         .failing_images
