@@ -822,7 +822,7 @@ fn seeded_sampling_on_the_tensor_path_repeats_and_seeds_differ() {
     // validation checks before routing (the engine asserts them in debug builds).
     let mut bad = sampled(1);
     bad.sampling.min_p = 1.5;
-    let refused = mole_worker::engine::sampler::validate(&bad.sampling).unwrap_err();
+    let refused = mole_worker::engine::host_sampler::validate(&bad.sampling).unwrap_err();
     assert_eq!(refused.code, "invalid_min_p");
 }
 

@@ -1,4 +1,4 @@
-//! The tensor path's sampling (engine/sample_ops.rs) issues the same candle ops for a batch
+//! The tensor path's sampling (engine/device_sampler.rs) issues the same candle ops for a batch
 //! of one row as for sixteen, and sends back one small tensor: a step's one device→host copy.
 //! Grammar masks (structured outputs) add a fixed number of ops whatever the rows and however
 //! many of them are constrained: their bits travel in the sampling inputs' one upload.
@@ -10,10 +10,10 @@
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
 use candle_core::{Device, Tensor};
-use mole_worker::engine::grammar::allowed;
-use mole_worker::engine::sample_ops::{
+use mole_worker::engine::device_sampler::{
     read, BatchSampler, CandleSampler, Penalty, RowSampling, SamplePlan,
 };
+use mole_worker::engine::grammar::allowed;
 use mole_worker::model::tensors_made;
 
 const VOCAB: usize = 1500;

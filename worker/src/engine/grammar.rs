@@ -1,7 +1,7 @@
 //! Structured outputs: a request's grammar (a JSON schema, a regex, a list of choices, a Lark
 //! grammar) compiled by llguidance into a per-sequence matcher whose token mask the sampler
 //! applies (the host sampler in [`super::sampler`], the device sampler in
-//! [`super::sample_ops`], whose mask bits travel in the step's one upload).
+//! [`super::device_sampler`], whose mask bits travel in the step's one upload).
 //!
 //! llguidance is what vLLM, SGLang, llama.cpp and mistral.rs use: an Earley parser over a
 //! lexer of derivative-based regexes, computing a mask over a token trie in tens of

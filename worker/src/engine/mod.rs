@@ -5,15 +5,15 @@
 mod adapters;
 pub mod api;
 mod codec;
+pub mod device_sampler;
 pub mod grammar;
+pub mod host_sampler;
 mod images;
 mod load;
 mod plan;
 mod prefix;
 pub mod pyjson;
 pub mod replicas;
-pub mod sample_ops;
-pub mod sampler;
 mod sampling;
 pub mod scheduler;
 mod seq;
@@ -26,9 +26,9 @@ use std::sync::{mpsc, Arc, Mutex, PoisonError};
 use candle_core::{DType, Device};
 
 use self::api::*;
+use self::host_sampler::Sampler;
 use self::images::ImageProcessor;
 pub use self::load::ModelSource;
-use self::sampler::Sampler;
 use self::scheduler::Msg;
 use self::seq::{Score, Seq};
 use self::text::TextModel;
@@ -369,9 +369,9 @@ impl Serving for Engine {
         // The server's validation checked these bounds before routing (each refusal with its
         // own code); the engine takes the request as given.
         debug_assert!(
-            sampler::validate(&req.sampling).is_ok(),
+            host_sampler::validate(&req.sampling).is_ok(),
             "unvalidated sampling: {:?}",
-            sampler::validate(&req.sampling)
+            host_sampler::validate(&req.sampling)
         );
         if req.sampling.max_tokens == 0 {
             return Err(EngineError::InvalidRequest(

@@ -1,5 +1,5 @@
 //! What a row asks of sampling and what it gets back, shared by the host's sampler
-//! ([`super::sampler`]) and the device's ([`super::sample_ops`]): one definition of greedy, of a
+//! ([`super::host_sampler`]) and the device's ([`super::device_sampler`]): one definition of greedy, of a
 //! penalty, of a step's per-row inputs and of a pick.
 
 /// Below this temperature sampling is greedy (as in vLLM), avoiding a division blow-up.

@@ -14,10 +14,10 @@ use std::sync::{Arc, PoisonError};
 use std::time::Duration;
 
 use super::api::{EngineError, FinishReason, TokenEvent, TokenLogprob, Usage};
+use super::device_sampler::{self, BatchSampler, CandleSampler, RowSampling, SamplePlan};
+use super::host_sampler::{Sampled, Sampler};
 use super::images;
 use super::plan::{self, Work};
-use super::sample_ops::{self, BatchSampler, CandleSampler, RowSampling, SamplePlan};
-use super::sampler::{Sampled, Sampler};
 use super::seq::Seq;
 use super::Shared;
 use crate::model::{ModelError, Row, RowVision, StepOutput};
@@ -253,7 +253,7 @@ fn scores(
         };
         let row = crate::model::download::<f32>(&logits.get(k)?)?;
         let picked: Vec<f32> = score.labels.iter().map(|&t| row[t as usize]).collect();
-        let probs = super::sampler::log_softmax(&picked)
+        let probs = super::host_sampler::log_softmax(&picked)
             .into_iter()
             .map(f32::exp)
             .collect();
@@ -510,7 +510,7 @@ fn pick(
                 }
                 false => None,
             };
-            let picked = sample_ops::read(
+            let picked = device_sampler::read(
                 &sampler.sample_packed(logits, &plan, inputs, masks.as_ref())?,
                 &rows,
             )?;

@@ -5,8 +5,8 @@
 use tokio::sync::mpsc::UnboundedSender;
 
 use super::api::{EngineError, TokenEvent};
+use super::host_sampler::Sampler;
 use super::images::ImagePrompt;
-use super::sampler::Sampler;
 use super::text::{Detokenizer, StopMatcher};
 use super::trace::Phases;
 use crate::lora::registry::Pinned;

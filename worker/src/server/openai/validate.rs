@@ -417,7 +417,7 @@ pub(super) fn sampling(c: &Common, chat: bool, caps: &Caps) -> Result<SamplingPa
         cache_tenant: None,
     };
     // What the engine asserts is what was checked here.
-    debug_assert!(crate::engine::sampler::validate(&sp).is_ok());
+    debug_assert!(crate::engine::host_sampler::validate(&sp).is_ok());
     Ok(sp)
 }
 

@@ -4,14 +4,14 @@
 //! and send back one small tensor (`[rows, 1]`, or `[rows, 2 + 2n]` with
 //! logprobs) in one copy instead of `[rows, vocab]` logits.
 //!
-//! The rules are those of [`super::sampler::Sampler`] (penalties, temperature, top-k, min-p,
+//! The rules are those of [`super::host_sampler::Sampler`] (penalties, temperature, top-k, min-p,
 //! top-p, one draw), computed without sorting the vocabulary (candle's CUDA sort holds a row in
 //! shared memory, and 151,936 logits do not fit):
 //! - **Penalties** come as a per-step list of `(token, repetition factor, subtracted)` entries
 //!   per row (the prompt's tokens for the repetition penalty, the output's counts for the
 //!   presence and frequency penalties, transformers' and OpenAI's rules), gathered, changed
 //!   and scattered back in place. The list is kept up to date on the host as tokens are
-//!   recorded ([`super::sampler::Sampler`]) rather than on the device: it changes every
+//!   recorded ([`super::host_sampler::Sampler`]) rather than on the device: it changes every
 //!   step, only rows with penalties have one, and it travels in the step's one upload anyway.
 //! - **Top-k and top-p** are cut-offs on the (tempered) logits found by [`BISECT_STEPS`]
 //!   steps of bisection per row, each a compare and a sum over `[rows, vocab]`: top-k keeps
@@ -610,7 +610,7 @@ mod tests {
     use rand::{Rng, SeedableRng};
 
     use super::super::api::SamplingParams;
-    use super::super::sampler::{log_softmax, Sampler};
+    use super::super::host_sampler::{log_softmax, Sampler};
     use super::*;
 
     /// What the device returns for `rows` over `logits` (`rows.len()` rows of `vocab`).
@@ -712,7 +712,11 @@ mod tests {
         let both: Vec<f32> = tied.iter().chain(&other).copied().collect();
         let picked = device(&both, vocab, &[RowSampling::idle(), sampled]);
         assert_eq!(picked[0].token, 2, "beside a sampled row");
-        assert_eq!(super::super::sampler::argmax(&tied), 2, "the host sampler");
+        assert_eq!(
+            super::super::host_sampler::argmax(&tied),
+            2,
+            "the host sampler"
+        );
     }
 
     /// Random rows: every parameter combination the rules distinguish, with penalties.
@@ -854,7 +858,7 @@ mod tests {
         }
     }
 
-    /// (e) Penalties change the greedy choice on the device as on the host (sampler.rs's
+    /// (e) Penalties change the greedy choice on the device as on the host (host_sampler.rs's
     /// test), through the sampler's packed rows.
     #[test]
     fn penalties_change_the_greedy_choice_on_the_device() {

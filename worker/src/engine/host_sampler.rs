@@ -4,7 +4,7 @@
 //! temperature), as vLLM reports them by default.
 //!
 //! The host path samples here, one row per thread; the tensor path samples on the device
-//! ([`super::sample_ops`]) from what [`Sampler::device_row`] packs, by the same rules, and
+//! ([`super::device_sampler`]) from what [`Sampler::device_row`] packs, by the same rules, and
 //! both accept only what [`validate`] accepts.
 
 use std::collections::HashMap;
