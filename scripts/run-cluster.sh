@@ -3,7 +3,7 @@
 # kube-apiserver, kube-controller-manager, kube-scheduler, built from their Go modules by
 # scripts/k8s-bins.sh), a node whose pods run as local processes (the test kubelet of
 # tests/src/kubelet, each pod in a network namespace of its own), the chart installed with helm
-# (replicaCount=0), the operator as the chart's ServiceAccount, and SmolLM2-135M-Instruct with
+# (its operator pod running this build's mole-operator in-cluster), and SmolLM2-135M-Instruct with
 # the demo adapters on a hostPath volume: pool `demo`, Adapters `french` (dynamic) and `json`
 # (merged by a Job). It prints KUBECONFIG and the kubectl and curl lines to try, and runs until
 # Ctrl+C, which removes everything (processes, network namespaces, the bridge, the volume).

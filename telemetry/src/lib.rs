@@ -1,6 +1,6 @@
 //! Logs and traces of mole's binaries, shared by `mole-worker` and `mole-operator`.
 //!
-//! Logs go to stderr (human-readable, or JSON with `MOLE_LOG_FORMAT=json`; the filter from
+//! Logs go to stderr (human-readable, coloured only on a terminal, or JSON with `MOLE_LOG_FORMAT=json`; the filter from
 //! `MOLE_LOG`, else `RUST_LOG`, default `info`). Traces leave the process only when an OTLP
 //! endpoint is configured (`--otlp-traces-endpoint`, as vLLM names it): then every `tracing`
 //! span the filter lets through is also an OpenTelemetry span, batched and exported over
@@ -118,7 +118,12 @@ pub fn init(
     let json = std::env::var("MOLE_LOG_FORMAT").is_ok_and(|v| v == "json");
     let logs = match json {
         true => fmt::layer().json().with_writer(std::io::stderr).boxed(),
-        false => fmt::layer().with_writer(std::io::stderr).boxed(),
+        // Colours only for a terminal: in a pod stderr is a file, and `kubectl logs` would
+        // show the escape codes.
+        false => fmt::layer()
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .with_writer(std::io::stderr)
+            .boxed(),
     };
     let provider = otlp_traces_endpoint
         .filter(|e| !e.trim().is_empty())

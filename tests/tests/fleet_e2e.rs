@@ -980,6 +980,15 @@ async fn the_operator_as_the_charts_pod_leads_serves_and_hands_over_on_delete() 
             .and_then(|s| s.service_account_name.as_deref()),
         Some("mole-operator")
     );
+    // What `kubectl logs` shows a user: plain lines (no terminal colour codes in a file).
+    let log =
+        e.cp.kubectl(&["logs", "-n", "mole-system", &first])
+            .unwrap();
+    assert!(log.contains("leading"), "{log}");
+    assert!(
+        !log.contains('\u{1b}'),
+        "escape codes in the pod's log:\n{log}"
+    );
     eprintln!("{} s: the chart's pod {first} leads", e.at());
 
     e.apply(&tiny_pool("{}"));

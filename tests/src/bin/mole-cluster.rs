@@ -4,8 +4,8 @@
 //! It starts etcd, kube-apiserver, kube-controller-manager and kube-scheduler on loopback
 //! (`mole_tests::cluster`, the binaries `scripts/k8s-bins.sh` built), a node whose pods run as
 //! local processes in network namespaces of their own (`mole_tests::kubelet`; the worker image
-//! runs the `mole-worker` given), installs `charts/mole` with helm (`replicaCount=0`), runs the
-//! `mole-operator` binary as the chart's ServiceAccount (`mole_tests::stack`), lays out
+//! runs the `mole-worker` given), installs `charts/mole` with helm, whose operator Deployment's
+//! pod runs the `mole-operator` given in-cluster, as users run it (`mole_tests::stack`), lays out
 //! SmolLM2-135M-Instruct and the demo adapters on a hostPath PersistentVolume, applies a pool
 //! (`demo`) and two Adapters (`french`, served by the pool's dynamic pods; `json`, merged by a
 //! Job and served by its own pods), waits until they are Ready, prints what to try, and runs
@@ -110,7 +110,7 @@ async fn up(args: Args, t0: Instant) -> Result<Mole> {
     );
     let m = Mole::start(Options {
         worker,
-        operator: OperatorMode::Process(operator),
+        operator: OperatorMode::Pod(operator),
         fixture: Fixture::SmolLm2,
         models_parent: args.models_parent,
         // As long as anyone keeps it running.
@@ -137,10 +137,6 @@ async fn up(args: Args, t0: Instant) -> Result<Mole> {
 fn instructions(m: &Mole, url: &str) -> String {
     let kc = m.cp.kubeconfig.display();
     let kubectl = m.cp.bins().join("kubectl");
-    let log = match &m.operator {
-        Some(stack::Operator::Process { log, .. }) => log.display().to_string(),
-        _ => String::new(),
-    };
     let chat = |model: &str, text: &str| {
         format!(
             "curl -s {url}/v1/chat/completions -H 'content-type: application/json' \\\n    \
@@ -157,14 +153,14 @@ fn instructions(m: &Mole, url: &str) -> String {
          kubectl get inferencepools,adapters -n {NS}\n\
          kubectl get pods,jobs -n {NS} -o wide\n\
          kubectl describe adapter json -n {NS}\n\
-         kubectl logs -n {NS} deploy/demo-dynamic\n\n\
+         kubectl logs -n {NS} deploy/demo-dynamic\n\
+         kubectl logs -n mole-system deploy/{operator}\n\n\
          The pool's Service (demo.{NS}.svc) has a ready pod at {url}:\n\
          curl -s {url}/v1/models\n\
          {french}\n\
          {json}\n\
          {routed}\n\n\
-         Base model {SMOLLM2} and the adapters are on the volume at {models}; the operator's \
-         log is {log}.\n\
+         Base model {SMOLLM2} and the adapters are on the volume at {models}.\n\
          Ctrl+C stops and removes everything.\n",
         k8s = mole_tests::cluster::K8S_VERSION.trim_start_matches('v'),
         kubectl = kubectl.display(),
@@ -172,6 +168,7 @@ fn instructions(m: &Mole, url: &str) -> String {
         json = chat("json", "Describe a bee."),
         routed = chat("demo", "Bonjour! Tell me about bees."),
         models = m.models.display(),
+        operator = stack::OPERATOR_DEPLOYMENT,
     )
 }
 
@@ -191,27 +188,10 @@ async fn main() -> Result<()> {
             return Ok(());
         }
     };
-    let mut m = m;
     let url = m.service_url("demo").await.context("the pool's Service")?;
     println!("{}", instructions(&m, &url));
-    let stop = interrupted();
-    tokio::pin!(stop);
-    loop {
-        tokio::select! {
-            r = &mut stop => {
-                r?;
-                break;
-            }
-            () = tokio::time::sleep(Duration::from_secs(2)) => {
-                // Nothing reconciles without the operator: say why and stop.
-                let op = m.operator.as_mut().context("the operator")?;
-                if let Some(status) = op.try_wait() {
-                    eprintln!("the operator exited ({status}):\n{}", op.log_tail(30));
-                    break;
-                }
-            }
-        }
-    }
+    // The operator is the chart's pod: its Deployment restarts it as a cluster would.
+    interrupted().await?;
     eprintln!("stopping: operator, pods, control plane; removing the volume and the network");
     drop(m);
     eprintln!("done");
