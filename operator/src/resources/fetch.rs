@@ -16,7 +16,7 @@ use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference}
 use mole_crds::{AdapterSpec, InferencePoolSpec, ModelSource, SecretRef};
 
 use super::meta::{short_hash, ChildMeta};
-use super::pod::{models_volume, restricted_container_security, restricted_pod_security};
+use super::restricted::{models_volume, restricted_container_security, restricted_pod_security};
 
 /// Name of the init container that fetches the base model.
 pub const FETCH_MODEL_CONTAINER: &str = "fetch-model";

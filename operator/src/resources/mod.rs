@@ -11,6 +11,7 @@ mod image;
 mod meta;
 mod pdb;
 mod pod;
+mod restricted;
 mod secret;
 mod service;
 mod worker_config;
@@ -43,9 +44,11 @@ pub use meta::{
 };
 pub use pdb::{pdb, worker_pdb};
 pub use pod::{
-    image_pull_secrets, models_volume, mount_path_problem, restricted_container_security,
-    restricted_pod_security, spec_hash, worker_pod, AUTH_MOUNT, RESERVED_MOUNTS, TMP_MOUNT,
+    mount_path_problem, spec_hash, worker_pod, AUTH_MOUNT, RESERVED_MOUNTS, TMP_MOUNT,
     WORKER_PORT_NAME,
+};
+pub use restricted::{
+    image_pull_secrets, models_volume, restricted_container_security, restricted_pod_security,
 };
 pub use secret::{
     operator_token_file, operator_token_secret, operator_token_secret_name, OPERATOR_TOKEN_KEY,
