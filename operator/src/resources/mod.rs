@@ -1,7 +1,8 @@
 //! Pure builders of every child object: one file per kind (ConfigMap, Deployment, Service,
 //! PodDisruptionBudget, HorizontalPodAutoscaler, Secret; the worker pod template and the WorkerConfig they carry), each
 //! starting from the shared metadata of [`ChildMeta`]. No client, no I/O: unit-tested directly.
-//! The merge-down Jobs are built in `crate::mergedown::job` from the same pieces.
+//! The merge-down Jobs are built in `crate::mergedown::job` from the same pieces: every Job's
+//! pod is [`job_template`]'s.
 
 mod configmap;
 mod deployment;
@@ -48,7 +49,8 @@ pub use pod::{
     WORKER_PORT_NAME,
 };
 pub use restricted::{
-    image_pull_secrets, models_volume, restricted_container_security, restricted_pod_security,
+    image_pull_secrets, job_template, json_logs, models_volume, restricted_container_security,
+    restricted_pod_security, tool_container, JobNodes,
 };
 pub use secret::{
     operator_token_file, operator_token_secret, operator_token_secret_name, OPERATOR_TOKEN_KEY,

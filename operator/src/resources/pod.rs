@@ -18,7 +18,8 @@ use super::fetch::with_base_model_source;
 use super::image::WorkerDefaults;
 use super::meta::{short_hash, ChildMeta};
 use super::restricted::{
-    image_pull_secrets, models_volume, restricted_container_security, restricted_pod_security,
+    image_pull_secrets, json_logs, models_volume, restricted_container_security,
+    restricted_pod_security,
 };
 use super::secret::{operator_token_secret_name, OPERATOR_TOKEN_MOUNT};
 
@@ -269,11 +270,7 @@ fn worker_container(
     port: u16,
     otlp_traces_endpoint: Option<&str>,
 ) -> Container {
-    let mut env = vec![EnvVar {
-        name: "MOLE_LOG_FORMAT".into(),
-        value: Some("json".into()),
-        ..Default::default()
-    }];
+    let mut env = vec![json_logs()];
     if let Some(endpoint) = otlp_traces_endpoint {
         env.push(EnvVar {
             name: "MOLE_OTLP_TRACES_ENDPOINT".into(),
