@@ -57,10 +57,7 @@ pub use secret::{
     OPERATOR_TOKEN_MOUNT,
 };
 pub use service::{endpoint, service, worker_service};
-pub use worker_config::{
-    merged_worker_config, place_adapters, reasoning_parser, tool_call_parser, worker_config,
-    Registered,
-};
+pub use worker_config::{merged_worker_config, place_adapters, worker_config, Registered};
 
 /// What the operator sets on every worker pod beyond the pool's spec: the port they listen on
 /// (its `--worker-port`, which it polls them on) and the default images (`--worker-image-*`).
