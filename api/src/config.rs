@@ -5,7 +5,9 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::enums::{Dtype, ImageProcessor, ServingMode, WorkerMode};
+use crate::enums::{
+    Dtype, ImageProcessor, ReasoningParser, ServingMode, ToolCallParser, WorkerMode,
+};
 use crate::limits::WorkerLimits;
 use crate::router::RouterSpec;
 
@@ -91,25 +93,6 @@ pub struct WorkerBaseModel {
     /// `message.reasoning`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reasoning_parser: Option<ReasoningParser>,
-}
-
-/// A tool-call format the worker parses (vLLM's `--tool-call-parser` names).
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum ToolCallParser {
-    /// `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` (Qwen2.5, Qwen3, QwQ, Hermes).
-    Hermes,
-}
-
-/// A reasoning format the worker parses (vLLM's `--reasoning-parser` names).
-#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-pub enum ReasoningParser {
-    /// `<think>...</think>` that the model opens itself (Qwen3; with `enable_thinking: false`
-    /// the template closes it in the prompt).
-    Qwen3,
-    /// `...</think>` after a prompt that opens `<think>` (DeepSeek-R1, QwQ).
-    DeepseekR1,
 }
 
 /// The merged model served by a merged-mode worker.

@@ -28,10 +28,13 @@ mod source;
 
 pub use bounds::BoundsError;
 pub use config::{
-    canary_pick, session_bucket, MergedModel, ReasoningParser, RoutingSignals, ToolCallParser,
-    WorkerAdapter, WorkerAuth, WorkerBaseModel, WorkerCanary, WorkerConfig, SESSION_HEADER,
+    canary_pick, session_bucket, MergedModel, RoutingSignals, WorkerAdapter, WorkerAuth,
+    WorkerBaseModel, WorkerCanary, WorkerConfig, SESSION_HEADER,
 };
-pub use enums::{Dtype, ImageProcessor, RouterFallback, RouterStrategy, ServingMode, WorkerMode};
+pub use enums::{
+    Dtype, ImageProcessor, ReasoningParser, RouterFallback, RouterStrategy, ServingMode,
+    ToolCallParser, UnknownName, WorkerMode,
+};
 pub use limits::{EngineLimits, GuideParserLimits, PrefixCacheScope, WorkerLimits};
 pub use listing::{
     AdapterCounters, LoraAdapterInfo, LoraAdaptersResponse, Residency, ResidencyReport,

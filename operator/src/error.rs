@@ -24,6 +24,22 @@ impl FieldError {
     }
 }
 
+/// Why a call to a worker pod failed.
+#[derive(Debug, thiserror::Error)]
+pub enum PodCallError {
+    /// The request or the reading of its answer failed (connect, timeout, body).
+    #[error(transparent)]
+    Http(#[from] reqwest::Error),
+    /// The pod answered with a status other than the call's success.
+    #[error("{path} answered {status}")]
+    Status {
+        /// The path called.
+        path: &'static str,
+        /// What it answered.
+        status: reqwest::StatusCode,
+    },
+}
+
 /// Errors of a reconcile.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
@@ -31,12 +47,13 @@ pub enum Error {
     #[error("kubernetes API: {}", api_message(.0))]
     Kube(#[from] kube::Error),
     /// A worker pod did not answer (retried).
-    #[error("worker pod {pod}: {message}")]
+    #[error("worker pod {pod}: {source}")]
     Pod {
         /// Pod name.
         pod: String,
-        /// What failed.
-        message: String,
+        /// What failed, with the HTTP client's error as its source.
+        #[source]
+        source: PodCallError,
     },
     /// Another writer changed the object first (retried at once from a fresh read).
     #[error("conflict writing {0}; retrying")]
@@ -85,3 +102,38 @@ pub fn api_message(e: &kube::Error) -> String {
 
 /// Result of the operator's fallible steps.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A pod call's failure keeps the HTTP client's error as its source (not only its text),
+    /// and its stable name and message stay as they were.
+    #[test]
+    fn a_pod_error_keeps_the_http_error_as_its_source() {
+        let http = reqwest::Client::new().get("not a url").build().unwrap_err();
+        let text = http.to_string();
+        let e = Error::Pod {
+            pod: "vl-dynamic-0".into(),
+            source: http.into(),
+        };
+        assert_eq!(e.code(), "pod_unreachable");
+        assert_eq!(e.to_string(), format!("worker pod vl-dynamic-0: {text}"));
+        let source = std::error::Error::source(&e).unwrap();
+        assert!(matches!(
+            source.downcast_ref::<PodCallError>(),
+            Some(PodCallError::Http(_))
+        ));
+        let e = Error::Pod {
+            pod: "p".into(),
+            source: PodCallError::Status {
+                path: "/v1/lora_adapters",
+                status: reqwest::StatusCode::SERVICE_UNAVAILABLE,
+            },
+        };
+        assert_eq!(
+            e.to_string(),
+            "worker pod p: /v1/lora_adapters answered 503 Service Unavailable"
+        );
+    }
+}

@@ -17,7 +17,7 @@ use mole_crds::{Adapter, InferencePool, LoraAdaptersResponse};
 use tokio::sync::watch;
 
 use super::events::Publisher;
-use crate::error::{Error, Result};
+use crate::error::{Error, PodCallError, Result};
 use crate::resources;
 use crate::telemetry::Metrics;
 
@@ -562,10 +562,10 @@ impl PodClient {
         format!("http://{}:{}{path}", pod.ip, self.port)
     }
 
-    fn err(pod: &ReadyPod, e: impl std::fmt::Display) -> Error {
+    fn err(pod: &ReadyPod, e: impl Into<PodCallError>) -> Error {
         Error::Pod {
             pod: pod.name.clone(),
-            message: e.to_string(),
+            source: e.into(),
         }
     }
 
@@ -581,7 +581,10 @@ impl PodClient {
         if !r.status().is_success() {
             return Err(Self::err(
                 pod,
-                format!("/v1/lora_adapters answered {}", r.status()),
+                PodCallError::Status {
+                    path: "/v1/lora_adapters",
+                    status: r.status(),
+                },
             ));
         }
         r.json().await.map_err(|e| Self::err(pod, e))
@@ -632,7 +635,10 @@ impl PodClient {
         } else {
             Err(Self::err(
                 pod,
-                format!("/v1/unload_lora_adapter answered {}", r.status()),
+                PodCallError::Status {
+                    path: "/v1/unload_lora_adapter",
+                    status: r.status(),
+                },
             ))
         }
     }

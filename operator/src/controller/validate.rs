@@ -3,25 +3,21 @@
 
 use mole_crds::constants::reason;
 use mole_crds::{
-    Adapter, InferencePool, InferencePoolSpec, ModelSource, RouterSpec, RouterStrategy, SecretRef,
+    Adapter, InferencePool, InferencePoolSpec, ModelSource, ReasoningParser, RouterSpec,
+    RouterStrategy, SecretRef, ToolCallParser,
 };
 use std::borrow::Borrow;
 
 use crate::error::FieldError;
 use crate::resources::{
-    merged_name, mount_path_problem, reasoning_parser, rolling_update, scaled_value,
-    tool_call_parser, MAX_CHILD_NAME, RESERVED_ADAPTER_NAMES,
+    merged_name, mount_path_problem, rolling_update, scaled_value, MAX_CHILD_NAME,
+    RESERVED_ADAPTER_NAMES,
 };
 
-/// The `baseModel.toolCallParser` names the worker parses (vLLM's names), for the message
-/// that refuses another.
-pub const TOOL_CALL_PARSERS: &[&str] = &["hermes"];
-
-/// The `baseModel.reasoningParser` names the worker parses (vLLM's names).
-pub const REASONING_PARSERS: &[&str] = &["qwen3", "deepseek_r1"];
-
 /// A pool's output formats: a name vLLM may know but the worker does not parse would leave
-/// tool calls or reasoning unparsed, so the pool is refused, naming the field.
+/// tool calls or reasoning unparsed, so the pool is refused, naming the field. The names are
+/// the worker's enums' ([`ToolCallParser::NAMES`], [`ReasoningParser::NAMES`]): a format the
+/// worker learns is accepted here with no change.
 fn validate_parsers(b: &mole_crds::BaseModel) -> Result<(), FieldError> {
     let refuse = |field: &str, name: &str, known: &[&str]| {
         FieldError::invalid(
@@ -34,20 +30,20 @@ fn validate_parsers(b: &mole_crds::BaseModel) -> Result<(), FieldError> {
         )
     };
     if let Some(n) = &b.tool_call_parser {
-        if tool_call_parser(n).is_none() {
+        if n.parse::<ToolCallParser>().is_err() {
             return Err(refuse(
                 "spec.baseModel.toolCallParser",
                 n,
-                TOOL_CALL_PARSERS,
+                ToolCallParser::NAMES,
             ));
         }
     }
     if let Some(n) = &b.reasoning_parser {
-        if reasoning_parser(n).is_none() {
+        if n.parse::<ReasoningParser>().is_err() {
             return Err(refuse(
                 "spec.baseModel.reasoningParser",
                 n,
-                REASONING_PARSERS,
+                ReasoningParser::NAMES,
             ));
         }
     }
@@ -1230,12 +1226,12 @@ spec: {{pool: vl, version: v1, source: {{path: adapters/{name}/v1}}}}
     /// message that names it and the formats mole parses.
     #[test]
     fn parsers_the_worker_parses_pass_and_others_are_named() {
-        for n in TOOL_CALL_PARSERS {
+        for n in ToolCallParser::NAMES {
             let mut p = pool();
             p.spec.base_model.tool_call_parser = Some(n.to_string());
             assert_eq!(validate_pool(&p), Ok(()), "{n}");
         }
-        for n in REASONING_PARSERS {
+        for n in ReasoningParser::NAMES {
             let mut p = pool();
             p.spec.base_model.reasoning_parser = Some(n.to_string());
             assert_eq!(validate_pool(&p), Ok(()), "{n}");

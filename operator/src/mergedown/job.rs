@@ -3,13 +3,12 @@
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
-use k8s_openapi::api::core::v1::{Container, PodSpec, PodTemplateSpec, VolumeMount};
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::api::core::v1::Container;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use mole_crds::{AdapterSpec, InferencePoolSpec};
 
 use crate::resources::{
-    image_pull_secrets, models_volume, restricted_container_security, restricted_pod_security,
-    with_base_model_source, ChildMeta, WorkerDefaults,
+    job_template, join, tool_container, with_base_model_source, ChildMeta, JobNodes, WorkerDefaults,
 };
 
 use super::MergeKey;
@@ -21,14 +20,6 @@ const TTL_AFTER_FINISHED: i32 = 24 * 3600;
 /// without a namespace of its own).
 fn job_meta(pool: &str, adapter: &str, component: &str, owner: OwnerReference) -> ChildMeta {
     ChildMeta::of_adapter(pool, None, adapter, component, owner)
-}
-
-fn join(mount: &str, rel: &str) -> String {
-    format!(
-        "{}/{}",
-        mount.trim_end_matches('/'),
-        rel.trim_start_matches('/')
-    )
 }
 
 /// The merge Job of `key`: `mole-worker merge` with the pool volume read-write, in the pool's
@@ -79,6 +70,10 @@ pub fn merge_job(
             args.push(bound.to_string());
         }
     }
+    let container = Container {
+        resources: pool.merge.resources.clone(),
+        ..tool_container("merge", pool, images.jobs(pool), args)
+    };
     let meta = job_meta(pool_name, adapter, "merge", owner);
     let mut job = Job {
         metadata: meta.annotated(
@@ -93,56 +88,7 @@ pub fn merge_job(
             backoff_limit: Some(pool.merge.backoff_limit),
             active_deadline_seconds: Some(pool.merge.active_deadline_seconds),
             ttl_seconds_after_finished: Some(TTL_AFTER_FINISHED),
-            template: PodTemplateSpec {
-                metadata: Some(ObjectMeta {
-                    labels: Some(meta.labels.clone()),
-                    ..Default::default()
-                }),
-                spec: Some(PodSpec {
-                    restart_policy: Some("Never".into()),
-                    security_context: Some(restricted_pod_security()),
-                    // It never calls the Kubernetes API: no token for a compromised process.
-                    automount_service_account_token: Some(false),
-                    node_selector: (!pool.merge.node_selector.is_empty())
-                        .then(|| pool.merge.node_selector.clone()),
-                    tolerations: (!pool.merge.tolerations.is_empty())
-                        .then(|| pool.merge.tolerations.clone()),
-                    // Its own class, not the serving pods': see `merge.priorityClassName`. No
-                    // runtimeClassName: merging needs no GPU, and a GPU runtime handler is
-                    // often missing on the CPU nodes a merge should run on.
-                    priority_class_name: pool.merge.priority_class_name.clone(),
-                    image_pull_secrets: image_pull_secrets(pool),
-                    containers: vec![Container {
-                        name: "merge".into(),
-                        image: Some(images.jobs(pool)),
-                        image_pull_policy: pool.image_pull_policy.clone(),
-                        command: Some(vec!["mole-worker".into()]),
-                        args: Some(args),
-                        // JSON log lines: the operator reads the last `progress` line of a
-                        // running merge into the Adapter's `Merged` condition.
-                        env: Some(vec![k8s_openapi::api::core::v1::EnvVar {
-                            name: "MOLE_LOG_FORMAT".into(),
-                            value: Some("json".into()),
-                            ..Default::default()
-                        }]),
-                        resources: pool.merge.resources.clone(),
-                        security_context: Some(restricted_container_security()),
-                        // The tool writes its one-line reason there; the operator copies it
-                        // into the Adapter's condition.
-                        termination_message_path: Some("/dev/termination-log".into()),
-                        termination_message_policy: Some("FallbackToLogsOnError".into()),
-                        volume_mounts: Some(vec![VolumeMount {
-                            name: "models".into(),
-                            mount_path: mount.clone(),
-                            read_only: Some(false),
-                            ..Default::default()
-                        }]),
-                        ..Default::default()
-                    }],
-                    volumes: Some(vec![models_volume(pool, false)]),
-                    ..Default::default()
-                }),
-            },
+            template: job_template(pool, &meta, container, JobNodes::Merge),
             ..Default::default()
         }),
         status: None,
@@ -185,49 +131,19 @@ pub fn cleanup_job(
         join(mount, &format!("merged/{adapter}")),
     ];
     args.extend(sorted.iter().map(|o| join(mount, o)));
+    let container = Container {
+        // Deleting directories: a little CPU and memory, bounded so a node's scheduler
+        // accounts for it and it cannot grow past a small limit.
+        resources: Some(cleanup_resources()),
+        ..tool_container("cleanup", pool, images.jobs(pool), args)
+    };
     let meta = job_meta(pool_name, adapter, "cleanup", owner);
     Some(Job {
         metadata: meta.named(format!("cleanup-{}-{hash}", short.trim_end_matches('-'))),
         spec: Some(JobSpec {
             backoff_limit: Some(3),
             ttl_seconds_after_finished: Some(3600),
-            template: PodTemplateSpec {
-                metadata: Some(ObjectMeta {
-                    labels: Some(meta.labels.clone()),
-                    ..Default::default()
-                }),
-                spec: Some(PodSpec {
-                    restart_policy: Some("Never".into()),
-                    security_context: Some(restricted_pod_security()),
-                    // It never calls the Kubernetes API: no token for a compromised process.
-                    automount_service_account_token: Some(false),
-                    node_selector: (!pool.merge.node_selector.is_empty())
-                        .then(|| pool.merge.node_selector.clone()),
-                    tolerations: (!pool.merge.tolerations.is_empty())
-                        .then(|| pool.merge.tolerations.clone()),
-                    priority_class_name: pool.merge.priority_class_name.clone(),
-                    image_pull_secrets: image_pull_secrets(pool),
-                    containers: vec![Container {
-                        name: "cleanup".into(),
-                        image: Some(images.jobs(pool)),
-                        image_pull_policy: pool.image_pull_policy.clone(),
-                        command: Some(vec!["mole-worker".into()]),
-                        args: Some(args),
-                        security_context: Some(restricted_container_security()),
-                        // Deleting directories: a little CPU and memory, bounded so a node's
-                        // scheduler accounts for it and it cannot grow past a small limit.
-                        resources: Some(cleanup_resources()),
-                        volume_mounts: Some(vec![VolumeMount {
-                            name: "models".into(),
-                            mount_path: mount.clone(),
-                            ..Default::default()
-                        }]),
-                        ..Default::default()
-                    }],
-                    volumes: Some(vec![models_volume(pool, false)]),
-                    ..Default::default()
-                }),
-            },
+            template: job_template(pool, &meta, container, JobNodes::Merge),
             ..Default::default()
         }),
         status: None,

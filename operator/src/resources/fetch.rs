@@ -9,14 +9,14 @@ use std::collections::BTreeMap;
 
 use k8s_openapi::api::batch::v1::{Job, JobSpec};
 use k8s_openapi::api::core::v1::{
-    Container, EnvFromSource, EnvVar, PersistentVolumeClaimVolumeSource, PodSpec, PodTemplateSpec,
-    SecretEnvSource, Volume, VolumeMount,
+    Container, EnvFromSource, PersistentVolumeClaimVolumeSource, PodSpec, SecretEnvSource, Volume,
+    VolumeMount,
 };
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
 use mole_crds::{AdapterSpec, InferencePoolSpec, ModelSource, SecretRef};
 
 use super::meta::{short_hash, ChildMeta};
-use super::pod::{models_volume, restricted_container_security, restricted_pod_security};
+use super::restricted::{job_template, tool_container, JobNodes};
 
 /// Name of the init container that fetches the base model.
 pub const FETCH_MODEL_CONTAINER: &str = "fetch-model";
@@ -43,23 +43,14 @@ pub fn fetch_container(
     dest: &str,
     secret: Option<&SecretRef>,
 ) -> Container {
+    let args = vec![
+        "fetch".into(),
+        "--source".into(),
+        uri.to_string(),
+        "--dest".into(),
+        dest.to_string(),
+    ];
     Container {
-        name: name.into(),
-        image: Some(image),
-        image_pull_policy: spec.image_pull_policy.clone(),
-        command: Some(vec!["mole-worker".into()]),
-        args: Some(vec![
-            "fetch".into(),
-            "--source".into(),
-            uri.to_string(),
-            "--dest".into(),
-            dest.to_string(),
-        ]),
-        env: Some(vec![EnvVar {
-            name: "MOLE_LOG_FORMAT".into(),
-            value: Some("json".into()),
-            ..Default::default()
-        }]),
         env_from: secret.map(|s| {
             vec![EnvFromSource {
                 secret_ref: Some(SecretEnvSource {
@@ -69,17 +60,7 @@ pub fn fetch_container(
                 ..Default::default()
             }]
         }),
-        security_context: Some(restricted_container_security()),
-        // The tool writes its one-line reason there (`fetch failed (code): ...`).
-        termination_message_path: Some("/dev/termination-log".into()),
-        termination_message_policy: Some("FallbackToLogsOnError".into()),
-        volume_mounts: Some(vec![VolumeMount {
-            name: "models".into(),
-            mount_path: spec.storage.mount_path.clone(),
-            read_only: Some(false),
-            ..Default::default()
-        }]),
-        ..Default::default()
+        ..tool_container(name, spec, image, args)
     }
 }
 
@@ -214,21 +195,7 @@ pub fn adapter_fetch_job(
             // (a node lost mid-download), each resuming from the `.part`.
             backoff_limit: Some(3),
             ttl_seconds_after_finished: Some(FETCH_TTL_AFTER_FINISHED),
-            template: PodTemplateSpec {
-                metadata: Some(ObjectMeta {
-                    labels: Some(meta.labels.clone()),
-                    ..Default::default()
-                }),
-                spec: Some(PodSpec {
-                    restart_policy: Some("Never".into()),
-                    security_context: Some(restricted_pod_security()),
-                    // It never calls the Kubernetes API: no token for a compromised process to use.
-                    automount_service_account_token: Some(false),
-                    containers: vec![container],
-                    volumes: Some(vec![models_volume(pool, false)]),
-                    ..Default::default()
-                }),
-            },
+            template: job_template(pool, &meta, container, JobNodes::Any),
             ..Default::default()
         }),
         status: None,
@@ -237,6 +204,7 @@ pub fn adapter_fetch_job(
 
 #[cfg(test)]
 mod tests {
+    use super::super::models_volume;
     use super::*;
 
     fn spec(source: Option<&str>) -> InferencePoolSpec {

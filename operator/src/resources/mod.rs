@@ -1,7 +1,8 @@
 //! Pure builders of every child object: one file per kind (ConfigMap, Deployment, Service,
 //! PodDisruptionBudget, HorizontalPodAutoscaler, Secret; the worker pod template and the WorkerConfig they carry), each
 //! starting from the shared metadata of [`ChildMeta`]. No client, no I/O: unit-tested directly.
-//! The merge-down Jobs are built in `crate::mergedown::job` from the same pieces.
+//! The merge-down Jobs are built in `crate::mergedown::job` from the same pieces: every Job's
+//! pod is [`job_template`]'s.
 
 mod configmap;
 mod deployment;
@@ -11,6 +12,7 @@ mod image;
 mod meta;
 mod pdb;
 mod pod;
+mod restricted;
 mod secret;
 mod service;
 mod worker_config;
@@ -43,19 +45,19 @@ pub use meta::{
 };
 pub use pdb::{pdb, worker_pdb};
 pub use pod::{
-    image_pull_secrets, models_volume, mount_path_problem, restricted_container_security,
-    restricted_pod_security, spec_hash, worker_pod, AUTH_MOUNT, RESERVED_MOUNTS, TMP_MOUNT,
+    mount_path_problem, spec_hash, worker_pod, AUTH_MOUNT, RESERVED_MOUNTS, TMP_MOUNT,
     WORKER_PORT_NAME,
+};
+pub use restricted::{
+    image_pull_secrets, job_template, json_logs, models_volume, restricted_container_security,
+    restricted_pod_security, tool_container, JobNodes,
 };
 pub use secret::{
     operator_token_file, operator_token_secret, operator_token_secret_name, OPERATOR_TOKEN_KEY,
     OPERATOR_TOKEN_MOUNT,
 };
 pub use service::{endpoint, service, worker_service};
-pub use worker_config::{
-    merged_worker_config, place_adapters, reasoning_parser, tool_call_parser, worker_config,
-    Registered,
-};
+pub use worker_config::{merged_worker_config, place_adapters, worker_config, Registered};
 
 /// What the operator sets on every worker pod beyond the pool's spec: the port they listen on
 /// (its `--worker-port`, which it polls them on) and the default images (`--worker-image-*`).

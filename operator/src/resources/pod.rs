@@ -1,13 +1,12 @@
-//! The worker pod template (dynamic and merged pods) and the pod-level pieces merge Jobs
-//! share with it: the model volume and the restricted security profile.
+//! The worker pod template (dynamic and merged pods), built on the pieces of
+//! [`super::restricted`] that every pod of the operator shares, and the mount points it
+//! reserves.
 
 use std::collections::BTreeMap;
 
 use k8s_openapi::api::core::v1::{
-    Capabilities, ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar,
-    HTTPGetAction, LocalObjectReference, PersistentVolumeClaimVolumeSource, PodSecurityContext,
-    PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SeccompProfile, SecretVolumeSource,
-    SecurityContext, Volume, VolumeMount,
+    ConfigMapVolumeSource, Container, ContainerPort, EmptyDirVolumeSource, EnvVar, HTTPGetAction,
+    PodSpec, PodTemplateSpec, Probe, ResourceRequirements, SecretVolumeSource, Volume, VolumeMount,
 };
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
 use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
@@ -15,8 +14,13 @@ use k8s_openapi::apimachinery::pkg::util::intstr::IntOrString;
 use mole_crds::constants::{ANNOTATION_SPEC_HASH, WORKER_CONFIG_KEY, WORKER_CONFIG_MOUNT};
 use mole_crds::{EngineLimits, InferencePool, InferencePoolSpec};
 
+use super::fetch::with_base_model_source;
 use super::image::WorkerDefaults;
 use super::meta::{short_hash, ChildMeta};
+use super::restricted::{
+    image_pull_secrets, json_logs, models_volume, restricted_container_security,
+    restricted_pod_security,
+};
 use super::secret::{operator_token_secret_name, OPERATOR_TOKEN_MOUNT};
 
 /// Where the pool's auth Secret is mounted in worker pods. Not under `/etc/mole`: that is the
@@ -75,61 +79,6 @@ pub fn mount_path_problem(path: &str) -> Option<String> {
                 RESERVED_MOUNTS.join(", ")
             )
         })
-}
-
-/// Pod security "restricted": non-root, read-only root filesystem, no privilege escalation,
-/// all capabilities dropped, seccomp RuntimeDefault.
-pub fn restricted_container_security() -> SecurityContext {
-    SecurityContext {
-        allow_privilege_escalation: Some(false),
-        read_only_root_filesystem: Some(true),
-        run_as_non_root: Some(true),
-        capabilities: Some(Capabilities {
-            drop: Some(vec!["ALL".into()]),
-            ..Default::default()
-        }),
-        seccomp_profile: Some(SeccompProfile {
-            type_: "RuntimeDefault".into(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-/// Pod-level half of the restricted profile.
-pub fn restricted_pod_security() -> PodSecurityContext {
-    PodSecurityContext {
-        run_as_non_root: Some(true),
-        run_as_user: Some(65532),
-        run_as_group: Some(65532),
-        fs_group: Some(65532),
-        // The kubelet otherwise walks (and chowns) every file of the model volume at each pod
-        // start: minutes for a large checkpoint. Once the volume's root carries the group, it
-        // is left alone.
-        fs_group_change_policy: Some("OnRootMismatch".into()),
-        seccomp_profile: Some(SeccompProfile {
-            type_: "RuntimeDefault".into(),
-            ..Default::default()
-        }),
-        ..Default::default()
-    }
-}
-
-/// The pool's model volume (read-only for servers, read-write for merge Jobs).
-pub fn models_volume(pool: &InferencePoolSpec, read_only: bool) -> Volume {
-    Volume {
-        name: "models".into(),
-        persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
-            claim_name: pool.storage.claim_name.clone(),
-            read_only: Some(read_only),
-        }),
-        ..Default::default()
-    }
-}
-
-/// The pool's `imagePullSecrets` as a pod spec takes them (None when there are none).
-pub fn image_pull_secrets(pool: &InferencePoolSpec) -> Option<Vec<LocalObjectReference>> {
-    (!pool.image_pull_secrets.is_empty()).then(|| pool.image_pull_secrets.clone())
 }
 
 /// Hash of exactly the fields whose change must restart the pool's pods: what the pod spec
@@ -321,11 +270,7 @@ fn worker_container(
     port: u16,
     otlp_traces_endpoint: Option<&str>,
 ) -> Container {
-    let mut env = vec![EnvVar {
-        name: "MOLE_LOG_FORMAT".into(),
-        value: Some("json".into()),
-        ..Default::default()
-    }];
+    let mut env = vec![json_logs()];
     if let Some(endpoint) = otlp_traces_endpoint {
         env.push(EnvVar {
             name: "MOLE_OTLP_TRACES_ENDPOINT".into(),
@@ -421,6 +366,6 @@ pub fn worker_pod(
             ..Default::default()
         }),
     };
-    super::fetch::with_base_model_source(spec, template.spec.get_or_insert_with(Default::default));
+    with_base_model_source(spec, template.spec.get_or_insert_with(Default::default));
     template
 }

@@ -1169,41 +1169,25 @@ fn probes_tolerate_a_busy_pod_for_30_seconds_before_it_leaves_the_service() {
     }
 }
 
-/// Issue 33 item 6: no pod the operator starts talks to the Kubernetes API (the worker reads
-/// its config and tokens from mounted files; merge, fetch and cleanup work on the volume), so
-/// none mounts a service-account token a compromised process could use.
-#[test]
-fn no_pod_mounts_a_service_account_token() {
-    let p = pool();
+/// Every pod the operator starts, by kind: the dynamic and merged worker pods and the fetch,
+/// merge and cleanup Jobs' pods, for pool `p` (its base model fetched from `hf://`, so the
+/// worker and merge pods carry the fetch init container too).
+fn every_pod(p: &InferencePool) -> Vec<(&'static str, PodSpec)> {
+    let mut p = p.clone();
+    p.spec.base_model.source = Some("hf://Qwen/Qwen3-VL-8B-Instruct".into());
     let pods = PodDefaults {
         port: WORKER_PORT,
         images: &WorkerDefaults::default(),
     };
-    let mut specs = vec![
-        (
-            "dynamic",
-            pod_of(&dynamic_deployment(
-                &p,
-                WORKER_PORT,
-                &WorkerDefaults::default(),
-            )),
-        ),
-        (
-            "merged",
-            pod_of(
-                &merged_children(
-                    &p,
-                    "calendar",
-                    "v1",
-                    "merged/calendar/v1-a",
-                    1,
-                    adapter_owner(),
-                    pods,
-                )
-                .1,
-            ),
-        ),
-    ];
+    let merged = merged_children(
+        &p,
+        "calendar",
+        "v1",
+        "merged/calendar/v1-a",
+        1,
+        adapter_owner(),
+        pods,
+    );
     let mut fetched = adapter("calendar", "v1");
     fetched.spec.source.uri = Some("hf://org/calendar".into());
     let jobs = [
@@ -1244,11 +1228,131 @@ fn no_pod_mounts_a_service_account_token() {
             .unwrap(),
         ),
     ];
+    let mut specs = vec![
+        (
+            "dynamic",
+            pod_of(&dynamic_deployment(
+                &p,
+                WORKER_PORT,
+                &WorkerDefaults::default(),
+            )),
+        ),
+        ("merged", pod_of(&merged.1)),
+    ];
     for (what, job) in jobs {
         specs.push((what, job.spec.unwrap().template.spec.unwrap()));
     }
-    for (what, pod) in specs {
+    specs
+}
+
+/// Issue 33 item 6: no pod the operator starts talks to the Kubernetes API (the worker reads
+/// its config and tokens from mounted files; merge, fetch and cleanup work on the volume), so
+/// none mounts a service-account token a compromised process could use.
+#[test]
+fn no_pod_mounts_a_service_account_token() {
+    for (what, pod) in every_pod(&pool()) {
         assert_eq!(pod.automount_service_account_token, Some(false), "{what}");
+    }
+}
+
+/// Issue 56: every pod the operator starts, worker or Job, passes the "restricted" Pod
+/// Security Standard (a namespace enforcing it admits them all), runs the pool's image with
+/// the pool's pull secrets, and each Job runs its one `mole-worker` tool alike: JSON logs,
+/// its failure's reason as the termination message, the pool's volume read-write, run once.
+#[test]
+fn every_pod_is_restricted_and_pulls_with_the_pools_secrets() {
+    let mut p = pool();
+    p.spec.image_pull_secrets = vec![LocalObjectReference {
+        name: "regcred".into(),
+    }];
+    for (what, pod) in every_pod(&p) {
+        let psec = pod.security_context.clone().unwrap();
+        assert_eq!(psec.run_as_non_root, Some(true), "{what}");
+        assert_ne!(psec.run_as_user, Some(0), "{what}");
+        assert_eq!(
+            psec.seccomp_profile.as_ref().map(|s| s.type_.as_str()),
+            Some("RuntimeDefault"),
+            "{what}"
+        );
+        assert_eq!(pod.host_network, None, "{what}");
+        assert_eq!(pod.host_pid, None, "{what}");
+        assert_eq!(pod.host_ipc, None, "{what}");
+        // The restricted profile allows only these volume types.
+        for v in pod.volumes.iter().flatten() {
+            assert!(
+                v.persistent_volume_claim.is_some()
+                    || v.config_map.is_some()
+                    || v.secret.is_some()
+                    || v.empty_dir.is_some(),
+                "{what}: volume {}",
+                v.name
+            );
+        }
+        let containers: Vec<_> = pod
+            .init_containers
+            .iter()
+            .flatten()
+            .chain(&pod.containers)
+            .collect();
+        assert!(!containers.is_empty(), "{what}");
+        for c in containers {
+            let sec = c.security_context.as_ref().unwrap();
+            let at = format!("{what}/{}", c.name);
+            assert_eq!(sec.allow_privilege_escalation, Some(false), "{at}");
+            assert_eq!(sec.privileged, None, "{at}");
+            assert_eq!(sec.run_as_non_root, Some(true), "{at}");
+            assert_eq!(sec.read_only_root_filesystem, Some(true), "{at}");
+            assert_eq!(
+                sec.capabilities.as_ref().and_then(|c| c.drop.clone()),
+                Some(vec!["ALL".to_string()]),
+                "{at}"
+            );
+            assert_eq!(
+                sec.capabilities.as_ref().and_then(|c| c.add.clone()),
+                None,
+                "{at}"
+            );
+            assert_eq!(
+                sec.seccomp_profile.as_ref().map(|s| s.type_.as_str()),
+                Some("RuntimeDefault"),
+                "{at}"
+            );
+            assert_eq!(
+                c.image.as_deref(),
+                Some("ghcr.io/mole-dev/mole-worker:0.1.0"),
+                "{at}"
+            );
+        }
+        assert_eq!(
+            pod.image_pull_secrets.as_ref().map(|s| s[0].name.as_str()),
+            Some("regcred"),
+            "{what}: the pool's image is private"
+        );
+        if matches!(what, "dynamic" | "merged") {
+            continue;
+        }
+        assert_eq!(pod.restart_policy.as_deref(), Some("Never"), "{what}");
+        let [c] = &pod.containers[..] else {
+            panic!("{what}: one container");
+        };
+        assert_eq!(c.command.as_deref(), Some(&["mole-worker".to_string()][..]));
+        let env = c.env.clone().unwrap_or_default();
+        assert!(
+            env.iter()
+                .any(|e| e.name == "MOLE_LOG_FORMAT" && e.value.as_deref() == Some("json")),
+            "{what}: JSON log lines"
+        );
+        assert_eq!(
+            c.termination_message_policy.as_deref(),
+            Some("FallbackToLogsOnError"),
+            "{what}: a tool that dies before writing its reason still leaves one"
+        );
+        let m = &c.volume_mounts.as_ref().unwrap()[0];
+        assert_eq!(
+            (m.name.as_str(), m.mount_path.as_str(), m.read_only),
+            ("models", "/models", Some(false)),
+            "{what}"
+        );
     }
 }
 

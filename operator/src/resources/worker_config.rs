@@ -2,8 +2,8 @@
 //! ConfigMap (`worker.json`).
 
 use mole_crds::{
-    Adapter, InferencePoolSpec, MergedModel, ReasoningParser, ToolCallParser, WorkerAdapter,
-    WorkerAuth, WorkerBaseModel, WorkerConfig, WorkerLimits, WorkerMode,
+    Adapter, InferencePoolSpec, MergedModel, WorkerAdapter, WorkerAuth, WorkerBaseModel,
+    WorkerConfig, WorkerLimits, WorkerMode,
 };
 
 use super::pod::AUTH_MOUNT;
@@ -43,12 +43,12 @@ pub fn worker_config(
                 .base_model
                 .tool_call_parser
                 .as_deref()
-                .and_then(tool_call_parser),
+                .and_then(|n| n.parse().ok()),
             reasoning_parser: spec
                 .base_model
                 .reasoning_parser
                 .as_deref()
-                .and_then(reasoning_parser),
+                .and_then(|n| n.parse().ok()),
         },
         merged: None,
         adapters: list,
@@ -78,18 +78,6 @@ pub fn worker_config(
         // Set by `place_adapters` for a pool with `dynamic.placement`.
         peers: Default::default(),
     }
-}
-
-/// The tool-call format a pool's `baseModel.toolCallParser` names (vLLM's
-/// `--tool-call-parser` names; None: not one the worker parses).
-pub fn tool_call_parser(name: &str) -> Option<ToolCallParser> {
-    serde_json::from_value(serde_json::Value::String(name.to_string())).ok()
-}
-
-/// The reasoning format a pool's `baseModel.reasoningParser` names (vLLM's
-/// `--reasoning-parser` names; None: not one the worker parses).
-pub fn reasoning_parser(name: &str) -> Option<ReasoningParser> {
-    serde_json::from_value(serde_json::Value::String(name.to_string())).ok()
 }
 
 /// Places `wc`'s adapters that the dynamic pods load on `pods` (the pool's
