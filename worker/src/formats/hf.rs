@@ -91,7 +91,7 @@ pub fn confine(dir: &Path, name: &str) -> Result<PathBuf, HfError> {
     if std::fs::symlink_metadata(&joined).is_err() {
         return Ok(joined);
     }
-    paths::resolve_within(dir, Path::new(name)).map_err(outside)
+    paths::resolve_within(dir, Path::new(name)).map_err(|e| outside(e.to_string()))
 }
 
 /// Checks every file mole reads from a model directory lies inside it: the shards of its
