@@ -89,8 +89,9 @@ pub fn run(args: PruneArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("prune failed ({}): {e}", e.code());
-            let _ = std::fs::write("/dev/termination-log", e.to_string());
+            let line = format!("prune failed ({}): {e}", e.code());
+            eprintln!("{line}");
+            crate::telemetry::write_termination_log(None, &line);
             ExitCode::from(match e {
                 PruneError::OutsideRoot { .. } => 2,
                 PruneError::Io { .. } => 1,
