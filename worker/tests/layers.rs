@@ -484,15 +484,19 @@ fn no_files_of_a_layer_import_each_other_in_a_circle() {
     );
 }
 
+/// A file of a made-up tree for the checker's own tests.
+fn file(rel: &str, code: &str) -> Source {
+    Source {
+        rel: rel.into(),
+        module: module_of(Path::new(rel)),
+        code: code.into(),
+    }
+}
+
 /// The checker sees a circle through a parent's re-export and an inline path, and no circle
 /// where imports point one way.
 #[test]
 fn the_circle_checker_follows_reexports() {
-    let file = |rel: &str, code: &str| Source {
-        rel: rel.into(),
-        module: module_of(Path::new(rel)),
-        code: code.into(),
-    };
     let tree = |y: &str| {
         vec![
             file("a/mod.rs", "mod x;\nmod y;\npub use self::x::X;\n"),
@@ -527,11 +531,6 @@ fn the_circle_checker_follows_reexports() {
 /// taking from a module of a layer below are not.
 #[test]
 fn the_circle_checker_crosses_the_modules_of_a_layer() {
-    let file = |rel: &str, code: &str| Source {
-        rel: rel.into(),
-        module: module_of(Path::new(rel)),
-        code: code.into(),
-    };
     let found = circles(&[
         file("merge/mod.rs", "pub mod cli;\n"),
         file(
