@@ -5,6 +5,8 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+use crate::formats::paths::Unconfined;
+
 /// Arguments of `prune`.
 #[derive(clap::Args, Debug)]
 pub struct PruneArgs {
@@ -57,16 +59,18 @@ pub fn prune(root: &Path, paths: &[PathBuf]) -> Result<Vec<PathBuf>, PruneError>
     // Check every path before deleting any, so a bad list deletes nothing.
     let mut targets = Vec::new();
     for p in paths {
-        match p.canonicalize() {
-            Ok(real) if real.starts_with(&root) && real != root => targets.push(real),
-            Ok(_) => {
+        match crate::formats::paths::confine(p, Some(&root)) {
+            // Strictly inside: the root itself is never deleted.
+            Ok(real) if real != root => targets.push(real),
+            Ok(_) | Err(Unconfined::Outside(_)) => {
                 return Err(PruneError::OutsideRoot {
                     path: p.display().to_string(),
                     root: root.display().to_string(),
                 })
             }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(io(p)(e)),
+            Err(Unconfined::Path(e)) if e.kind() == std::io::ErrorKind::NotFound => {}
+            Err(Unconfined::Path(e)) => return Err(io(p)(e)),
+            Err(Unconfined::Root(e)) => return Err(io(&root)(e)),
         }
     }
     for t in &targets {
@@ -85,8 +89,9 @@ pub fn run(args: PruneArgs) -> ExitCode {
             ExitCode::SUCCESS
         }
         Err(e) => {
-            eprintln!("prune failed ({}): {e}", e.code());
-            let _ = std::fs::write("/dev/termination-log", e.to_string());
+            let line = format!("prune failed ({}): {e}", e.code());
+            eprintln!("{line}");
+            crate::telemetry::write_termination_log(None, &line);
             ExitCode::from(match e {
                 PruneError::OutsideRoot { .. } => 2,
                 PruneError::Io { .. } => 1,

@@ -290,9 +290,9 @@ fn resolve(
     Some(f)
 }
 
-/// The circles of files inside one top-level module: each strongly connected set of more than
-/// one file, with the names its imports take from each other. What a file takes from its
-/// module's own file (`mod.rs`, the parent that declares it) does not count.
+/// The circles of files inside one layer: each strongly connected set of more than one file,
+/// with the names its imports take from each other. What a file takes from its module's own
+/// file (`mod.rs`, the parent that declares it) does not count.
 fn circles(files: &[Source]) -> Vec<Vec<String>> {
     let modules: HashMap<Vec<String>, usize> = files
         .iter()
@@ -331,7 +331,17 @@ fn circles(files: &[Source]) -> Vec<Vec<String>> {
                 .map_or(without_uses.len(), |e| s + e + 1);
             without_uses.replace_range(s..e, " ");
         }
-        for p in inline_paths(&without_uses) {
+        // A path may start with a name a `use` brought in (`use super::openai;` then
+        // `openai::chat::infer` in an attribute): it names what that `use` names.
+        let imported: HashMap<&String, &Vec<String>> = decls[i]
+            .iter()
+            .flat_map(|(_, paths)| paths)
+            .filter_map(|p| Some((p.last()?, p)))
+            .collect();
+        for mut p in inline_paths(&without_uses) {
+            if let Some(full) = imported.get(&p[0]) {
+                p.splice(..1, full.iter().cloned());
+            }
             record(i, f, &p, &modules, &reexports, files, &mut edges);
         }
     }
@@ -419,7 +429,7 @@ fn circles(files: &[Source]) -> Vec<Vec<String>> {
 }
 
 /// Records that file `i` takes what `path` names, when it lies in another file of its own
-/// top-level module.
+/// layer.
 fn record(
     i: usize,
     f: &Source,
@@ -438,7 +448,10 @@ fn record(
     // A module's own file (`mod.rs`) declares and drives its children, which may use what it
     // holds for them all (its error type, shared state): only files beside each other count.
     let ancestor = files[t].module.len() < f.module.len() && f.module.starts_with(&files[t].module);
-    if t != i && !ancestor && files[t].module.first() == f.module.first() {
+    // Files of two modules of one layer (`merge` and `quantize`) may import each other: what
+    // is shared goes to its owner there too, so a circle across them counts.
+    let layer_of = |s: &Source| s.module.first().and_then(|m| layer(m));
+    if t != i && !ancestor && layer_of(&files[t]) == layer_of(f) {
         let name = path.last().cloned().unwrap_or_default();
         edges.entry((i, t)).or_default().insert(name);
     }
@@ -471,15 +484,19 @@ fn no_files_of_a_layer_import_each_other_in_a_circle() {
     );
 }
 
+/// A file of a made-up tree for the checker's own tests.
+fn file(rel: &str, code: &str) -> Source {
+    Source {
+        rel: rel.into(),
+        module: module_of(Path::new(rel)),
+        code: code.into(),
+    }
+}
+
 /// The checker sees a circle through a parent's re-export and an inline path, and no circle
 /// where imports point one way.
 #[test]
 fn the_circle_checker_follows_reexports() {
-    let file = |rel: &str, code: &str| Source {
-        rel: rel.into(),
-        module: module_of(Path::new(rel)),
-        code: code.into(),
-    };
     let tree = |y: &str| {
         vec![
             file("a/mod.rs", "mod x;\nmod y;\npub use self::x::X;\n"),
@@ -495,6 +512,54 @@ fn the_circle_checker_follows_reexports() {
         "a circle through a/mod.rs's re-export"
     );
     assert!(circles(&tree("pub struct Y;\nuse std::fmt::Debug;\n")).is_empty());
+    let found = circles(&[
+        file("s/mod.rs", "mod doc;\nmod h;\n"),
+        file(
+            "s/doc.rs",
+            "use super::h;\n#[x(paths(h::get))]\nstruct Doc;\npub struct R;\n",
+        ),
+        file("s/h.rs", "use super::doc::R;\npub fn get() {}\n"),
+    ]);
+    assert_eq!(
+        found,
+        [["s/doc.rs -> s/h.rs: get, h", "s/h.rs -> s/doc.rs: R"]],
+        "a circle through a path that starts with a name a use brought in"
+    );
+}
+
+/// Two modules of one layer whose files import each other are a circle too; a module's files
+/// taking from a module of a layer below are not.
+#[test]
+fn the_circle_checker_crosses_the_modules_of_a_layer() {
+    let found = circles(&[
+        file("merge/mod.rs", "pub mod cli;\n"),
+        file(
+            "merge/cli.rs",
+            "use crate::quantize::cli::print;\npub fn log() {}\n",
+        ),
+        file("quantize/mod.rs", "pub mod cli;\n"),
+        file(
+            "quantize/cli.rs",
+            "pub fn print() { crate::merge::cli::log() }\n",
+        ),
+    ]);
+    assert_eq!(
+        found,
+        [[
+            "merge/cli.rs -> quantize/cli.rs: print",
+            "quantize/cli.rs -> merge/cli.rs: log"
+        ]]
+    );
+    let found = circles(&[
+        file("model/mod.rs", "pub mod a;\n"),
+        file("model/a.rs", "use crate::formats::b::B;\npub struct A;\n"),
+        file("formats/mod.rs", "pub mod b;\n"),
+        file(
+            "formats/b.rs",
+            "pub struct B;\nfn f() -> crate::model::a::A { todo!() }\n",
+        ),
+    ]);
+    assert!(found.is_empty(), "{found:?}");
 }
 
 /// A file that grows past this many lines (before its tests) is split by what its parts own:

@@ -331,10 +331,12 @@ impl Remote {
 /// skipped.
 fn classify(name: &str) -> Kind {
     let base = name.rsplit('/').next().unwrap_or(name);
+    if crate::formats::hf::is_pickle(base) {
+        return Kind::Pickle;
+    }
     let lower = base.to_ascii_lowercase();
     let ext = lower.rsplit_once('.').map(|(_, e)| e).unwrap_or("");
     match ext {
-        "bin" | "pt" | "pth" | "pkl" | "ckpt" => return Kind::Pickle,
         "safetensors" => return Kind::Weights,
         "json" | "txt" | "jinja" => return Kind::Keep,
         _ => {}

@@ -91,7 +91,7 @@ pub fn confine(dir: &Path, name: &str) -> Result<PathBuf, HfError> {
     if std::fs::symlink_metadata(&joined).is_err() {
         return Ok(joined);
     }
-    paths::resolve_within(dir, Path::new(name)).map_err(outside)
+    paths::resolve_within(dir, Path::new(name)).map_err(|e| outside(e.to_string()))
 }
 
 /// Checks every file mole reads from a model directory lies inside it: the shards of its
@@ -197,15 +197,23 @@ pub fn read_index(path: &Path) -> Result<SafetensorsIndex, HfError> {
     })
 }
 
-/// The first pickle weight file (`*.bin`, `*.pt`, `*.pth`, `*.ckpt`) in a directory, if any.
+/// Whether a file named `name` holds pickled weights (`*.bin`, `*.pt`, `*.pth`, `*.ckpt`,
+/// `*.pkl`, in any case), which can run code when loaded: the one list the fetch (which
+/// leaves them behind) and the readers and tools (which refuse them) go by.
+pub fn is_pickle(name: &str) -> bool {
+    let ext = name.rsplit_once('.').map_or("", |(_, e)| e);
+    ["bin", "pt", "pth", "ckpt", "pkl"]
+        .iter()
+        .any(|p| ext.eq_ignore_ascii_case(p))
+}
+
+/// The first pickle weight file ([`is_pickle`]) in a directory, if any.
 pub fn find_pickle(dir: &Path) -> Option<PathBuf> {
     let entries = std::fs::read_dir(dir).ok()?;
-    entries.flatten().map(|e| e.path()).find(|p| {
-        matches!(
-            p.extension().and_then(|e| e.to_str()),
-            Some("bin" | "pt" | "pth" | "ckpt" | "pkl")
-        )
-    })
+    entries
+        .flatten()
+        .find(|e| is_pickle(&e.file_name().to_string_lossy()))
+        .map(|e| e.path())
 }
 
 /// Reads `config.json` as JSON.
@@ -219,4 +227,33 @@ pub fn read_config(dir: &Path) -> Result<serde_json::Value, HfError> {
         path: path.display().to_string(),
         message: e.to_string(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One list of pickle names, in any case: what the fetch leaves behind is what the tools
+    /// refuse.
+    #[test]
+    fn pickles_are_known_by_extension_in_any_case() {
+        for p in [
+            "pytorch_model.bin",
+            "a.pt",
+            "b.PTH",
+            "MODEL.BIN",
+            "x.ckpt",
+            "y.pkl",
+        ] {
+            assert!(is_pickle(p), "{p}");
+        }
+        for ok in ["model.safetensors", "bin", "config.json", "a.binary"] {
+            assert!(!is_pickle(ok), "{ok}");
+        }
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("config.json"), "{}").unwrap();
+        assert_eq!(find_pickle(d.path()), None);
+        std::fs::write(d.path().join("MODEL.BIN"), "x").unwrap();
+        assert_eq!(find_pickle(d.path()), Some(d.path().join("MODEL.BIN")));
+    }
 }

@@ -1,12 +1,23 @@
-//! Paths that files name: the one check of a plain relative name (a fetch listing's file, a
-//! shard of `model.safetensors.index.json`) and the one confinement of a path to a directory
-//! after symlinks are resolved (a configured adapter, a model directory's files). The fetch,
-//! the config and the model readers all use these two.
+//! Paths that files and commands name, and the one rule each of them is held to: a plain
+//! relative name stays below the directory it is joined to ([`stays_below`], and
+//! [`plain_relative`] for a name read from a file: a fetch listing's file, a shard of
+//! `model.safetensors.index.json`), and a path is confined to a root only once every symlink
+//! is resolved ([`confine`], [`resolve_within`]: a configured adapter, a model directory's
+//! files, the merge's, the quantize's and the prune's paths). Each layer maps an
+//! [`Unconfined`] into its own error, so the rule is written once and reported in each
+//! tool's words.
 
 use std::path::{Component, Path, PathBuf};
 
+/// Whether `rel`, joined to a directory, names something below it, read from its components
+/// alone (nothing on disk): every component a plain name, none absolute, `.` or `..`.
+pub fn stays_below(rel: &Path) -> bool {
+    rel.components().all(|c| matches!(c, Component::Normal(_)))
+}
+
 /// Why `name` is not a plain relative path (empty, absolute, `.`/`..` or empty components,
-/// a backslash or NUL), or `Ok`.
+/// a backslash or NUL), or `Ok`. Stricter than [`stays_below`] on the text: a name read from
+/// a file must be written the one way (`a//b` and `a/./b` are refused, not normalized).
 pub fn plain_relative(name: &str) -> Result<(), &'static str> {
     if name.is_empty() || name.contains('\\') || name.contains('\0') {
         return Err("not a plain relative path");
@@ -17,30 +28,52 @@ pub fn plain_relative(name: &str) -> Result<(), &'static str> {
     {
         return Err("has an empty, '.' or '..' component");
     }
-    if !Path::new(name)
-        .components()
-        .all(|c| matches!(c, Component::Normal(_)))
-    {
+    if !stays_below(Path::new(name)) {
         return Err("is absolute or not normal");
     }
     Ok(())
 }
 
-/// `rel` (relative to `root`, or absolute) resolved with every symlink followed, refused
-/// (with the reason) unless it lies inside `root` resolved. The target must exist:
-/// canonicalisation is the only reliable symlink check.
-pub fn resolve_within(root: &Path, rel: &Path) -> Result<PathBuf, String> {
-    let root_c = std::fs::canonicalize(root).map_err(|e| format!("root: {e}"))?;
-    let joined = if rel.is_absolute() {
-        rel.to_path_buf()
-    } else {
-        root_c.join(rel)
-    };
-    let c = std::fs::canonicalize(&joined).map_err(|e| e.to_string())?;
-    if !c.starts_with(&root_c) {
-        return Err(format!("resolves to {}", c.display()));
+/// Why a path was not confined to its root.
+#[derive(Debug)]
+pub enum Unconfined {
+    /// The root does not resolve.
+    Root(std::io::Error),
+    /// The path does not resolve (missing, unreadable): canonicalisation is the only reliable
+    /// symlink check, so a path that cannot be resolved cannot be confined.
+    Path(std::io::Error),
+    /// The path resolves outside the root, to this.
+    Outside(PathBuf),
+}
+
+impl std::fmt::Display for Unconfined {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Unconfined::Root(e) => write!(f, "root: {e}"),
+            Unconfined::Path(e) => write!(f, "{e}"),
+            Unconfined::Outside(p) => write!(f, "resolves to {}", p.display()),
+        }
     }
-    Ok(c)
+}
+
+/// `path` (as given: absolute, or relative to the working directory) resolved with every
+/// symlink followed, refused unless it lies inside `root` resolved (with no root: resolved
+/// only).
+pub fn confine(path: &Path, root: Option<&Path>) -> Result<PathBuf, Unconfined> {
+    let root = root
+        .map(std::fs::canonicalize)
+        .transpose()
+        .map_err(Unconfined::Root)?;
+    let real = std::fs::canonicalize(path).map_err(Unconfined::Path)?;
+    match root {
+        Some(root) if !real.starts_with(&root) => Err(Unconfined::Outside(real)),
+        _ => Ok(real),
+    }
+}
+
+/// `rel` (relative to `root`, or absolute) confined to `root` as [`confine`] does.
+pub fn resolve_within(root: &Path, rel: &Path) -> Result<PathBuf, Unconfined> {
+    confine(&root.join(rel), Some(root))
 }
 
 #[cfg(test)]
@@ -73,5 +106,31 @@ mod tests {
         assert!(resolve_within(d.path(), Path::new("link")).is_err());
         assert!(resolve_within(d.path(), &out.path().join("secret")).is_err());
         assert!(resolve_within(d.path(), Path::new("missing")).is_err());
+        assert!(matches!(
+            resolve_within(d.path(), Path::new("../")),
+            Err(Unconfined::Outside(_))
+        ));
+        assert!(matches!(
+            confine(
+                Path::new("/nonexistent-root/x"),
+                Some(Path::new("/nonexistent-root"))
+            ),
+            Err(Unconfined::Root(_))
+        ));
+        // Without a root a path is resolved only.
+        assert_eq!(
+            confine(&d.path().join("link"), None).unwrap(),
+            std::fs::canonicalize(out.path().join("secret")).unwrap()
+        );
+    }
+
+    #[test]
+    fn stays_below_reads_components() {
+        for ok in ["a", "a/b", "a/./b", "a//b", ""] {
+            assert!(stays_below(Path::new(ok)), "{ok}");
+        }
+        for bad in ["/a", "../a", "a/../b", ".", "./a"] {
+            assert!(!stays_below(Path::new(bad)), "{bad}");
+        }
     }
 }

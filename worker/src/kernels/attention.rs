@@ -316,7 +316,7 @@ pub(crate) fn attend_head<E: Weight>(
         ) {
             attend_impl::<true, E>(q, runs, seen, h, out, scores)
         }
-        if super::avx2_fma() && std::arch::is_x86_feature_detected!("f16c") {
+        if super::cpu::caps().avx2_fma_f16c() {
             // SAFETY: the CPU has AVX2, FMA and F16C (checked at run time).
             return unsafe { fast(q, runs, seen, h, out, scores) };
         }

@@ -13,32 +13,18 @@
 //! projections (540 MB, cold), 128-column blocks, AVX-512: 16 tokens 57 → 100 GFLOP/s, 4
 //! tokens 21 → 58, 1 token 29 → 37 GB/s.
 
+use super::cpu::Isa;
 use super::Weight;
 
-/// The instruction set the kernel runs with on this CPU, None where it has neither (gemm
-/// then). The macro caches the CPUID answer.
+/// The instruction set the kernel runs with on this CPU, AVX-512 or AVX2; None where it has
+/// neither (gemm then).
 pub(crate) fn available() -> Option<Isa> {
-    #[cfg(target_arch = "x86_64")]
-    {
-        use std::arch::is_x86_feature_detected as has;
-        if has!("avx512f") {
-            return Some(Isa::Avx512);
-        }
-        // F16C for f16 weights: every AVX2 CPU has it.
-        if has!("avx2") && has!("fma") && has!("f16c") {
-            return Some(Isa::Avx2);
-        }
+    let c = super::cpu::caps();
+    if c.avx512f {
+        return Some(Isa::Avx512);
     }
-    None
-}
-
-/// A vector instruction set of the kernel.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Isa {
-    /// 16 lanes, 32 registers.
-    Avx512,
-    /// 8 lanes, 16 registers (with FMA).
-    Avx2,
+    // F16C for f16 weights: every AVX2 CPU has it.
+    c.avx2_fma_f16c().then_some(Isa::Avx2)
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -48,9 +34,14 @@ impl Isa {
         match self {
             Isa::Avx512 => Avx512::TOKENS,
             Isa::Avx2 => Avx2::TOKENS,
+            Isa::Scalar | Isa::AvxVnni => unreachable!("{NOT_DENSE}"),
         }
     }
 }
+
+/// Why [`product`] is never given the other instruction sets: [`available`] picks its own two.
+#[cfg(target_arch = "x86_64")]
+const NOT_DENSE: &str = "the dense kernel has AVX-512 and AVX2 builds only (see available)";
 
 /// Weight rows per kernel call.
 const ROWS: usize = 4;
@@ -105,6 +96,7 @@ pub(crate) unsafe fn product<W: Weight>(
                 match isa {
                     Isa::Avx512 => Avx512::widen(block, wide.as_mut_ptr(), rn * d_in, next),
                     Isa::Avx2 => Avx2::widen(block, wide.as_mut_ptr(), rn * d_in, next),
+                    Isa::Scalar | Isa::AvxVnni => unreachable!("{NOT_DENSE}"),
                 }
                 // SAFETY: `widen` wrote every value of the reserved length.
                 wide.set_len(rn * d_in);
@@ -163,6 +155,7 @@ unsafe fn passes<W: Weight>(
         let sums = match isa {
             Isa::Avx512 => sums::<Avx512, W>(rn, tn, block, x, d_in, pf),
             Isa::Avx2 => sums::<Avx2, W>(rn, tn, block, x, d_in, pf),
+            Isa::Scalar | Isa::AvxVnni => unreachable!("{NOT_DENSE}"),
         };
         for (r, row) in sums.iter().enumerate().take(rn) {
             for (i, s) in row.iter().enumerate().take(tn) {

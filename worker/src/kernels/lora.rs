@@ -96,7 +96,7 @@ fn lora_impl<const FMA: bool, W: Weight>(
         .all(|(i, o)| o.len() == d_out && xs.len() >= (i + 1) * d_in));
     // Ranks that fill whole 16-lane registers take the AVX-512 kernels where the CPU has them.
     #[cfg(target_arch = "x86_64")]
-    let wide = FMA && r.is_multiple_of(16) && std::arch::is_x86_feature_detected!("avx512f");
+    let wide = FMA && r.is_multiple_of(16) && super::cpu::caps().avx512f;
     #[cfg(not(target_arch = "x86_64"))]
     let wide = false;
     let ahead = Ahead {

@@ -27,7 +27,7 @@ macro_rules! kernel {
                 unsafe fn fast($($arg: $ty),*) {
                     $body::<true>($($arg),*)
                 }
-                if $crate::kernels::avx2_fma() {
+                if $crate::kernels::cpu::caps().avx2_fma() {
                     // SAFETY: the CPU has AVX2 and FMA (checked at run time).
                     return unsafe { fast($($arg),*) };
                 }
@@ -39,6 +39,7 @@ macro_rules! kernel {
 
 pub(crate) mod attention;
 pub mod bgmv;
+pub(crate) mod cpu;
 pub(crate) mod dense;
 pub(crate) mod lora;
 pub(crate) mod quant;
@@ -271,11 +272,4 @@ pub(crate) unsafe fn gemm_by_rows(
         false,
         gemm::Parallelism::None,
     )
-}
-
-/// Whether the CPU has AVX2 and FMA (the kernels' fast build).
-#[cfg(target_arch = "x86_64")]
-pub(crate) fn avx2_fma() -> bool {
-    // The macro caches the CPUID answer.
-    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
 }

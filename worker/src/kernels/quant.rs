@@ -72,6 +72,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 
 use candle_core::quantized::GgmlDType;
 
+use super::cpu::Isa;
+
 #[cfg(target_arch = "x86_64")]
 use block32::{dots_avx2, dots_cols_avx2, dots_cols_vnni, dots_vnni};
 use block32::{dots_scalar, unpack};
@@ -206,34 +208,15 @@ fn mode() -> Mode {
     }
 }
 
-/// The instruction set a product runs on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Isa {
-    /// Portable Rust, equal to [`Isa::Avx2`] bit for bit.
-    Scalar,
-    /// AVX2, FMA and F16C.
-    Avx2,
-    /// [`Isa::Avx2`] and AVX-VNNI: the 32-wide formats' pair sums in one instruction
-    /// (`vpdpbusd`), bit for bit AVX2's (the k-quants take the AVX2 build).
-    AvxVnni,
-}
-
-/// The best instruction set the CPU has for these kernels.
+/// The best instruction set the CPU has for these kernels: scalar, AVX2 or AVX-VNNI (their
+/// AVX-512 builds are the panels', chosen apart: [`panel::available`]).
 pub(crate) fn isa() -> Isa {
-    #[cfg(target_arch = "x86_64")]
-    {
-        // The macro caches the CPUID answer.
-        if std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-            && std::arch::is_x86_feature_detected!("f16c")
-        {
-            if std::arch::is_x86_feature_detected!("avxvnni") {
-                return Isa::AvxVnni;
-            }
-            return Isa::Avx2;
-        }
+    let c = super::cpu::caps();
+    match (c.avx2_fma_f16c(), c.avxvnni) {
+        (true, true) => Isa::AvxVnni,
+        (true, false) => Isa::Avx2,
+        (false, _) => Isa::Scalar,
     }
-    Isa::Scalar
 }
 
 /// Whether weights of format `f` take this kernel: with AVX2 all of them; without, Q4_1 only
@@ -482,6 +465,7 @@ unsafe fn dots(isa: Isa, f: Format, w: &[u8], x: &Q8Rows, i: usize, n: usize) ->
         Isa::AvxVnni => unsafe { by_format!(dots_vnni, dots_k_avx2) },
         #[cfg(not(target_arch = "x86_64"))]
         Isa::Avx2 | Isa::AvxVnni => unreachable!("AVX2 is never detected off x86-64"),
+        Isa::Avx512 => unreachable!("isa() never picks AVX-512: the panels are its build"),
         Isa::Scalar => by_format!(dots_scalar, dots_k_scalar),
     }
 }
@@ -944,6 +928,7 @@ mod tests {
             Isa::Scalar => eprintln!("no AVX2: the scalar build alone is checked"),
             Isa::Avx2 => isas.push(Isa::Avx2),
             Isa::AvxVnni => isas.extend([Isa::Avx2, Isa::AvxVnni]),
+            Isa::Avx512 => unreachable!("isa() never picks AVX-512"),
         }
         for f in FORMATS {
             let k = width(f);

@@ -59,20 +59,6 @@ pub struct MergeArgs {
     pub drift_tokens: usize,
 }
 
-/// Writes the failure reason where Kubernetes looks for it: the given path (created), or
-/// `/dev/termination-log` when it exists (a container's default `terminationMessagePath`).
-pub(crate) fn write_termination_log(given: Option<&std::path::Path>, line: &str) {
-    let default = std::path::Path::new("/dev/termination-log");
-    let path = match given {
-        Some(p) => p,
-        None if default.exists() => default,
-        None => return,
-    };
-    if let Err(e) = std::fs::write(path, format!("{line}\n")) {
-        eprintln!("cannot write the termination log {}: {e}", path.display());
-    }
-}
-
 /// Runs `merge`. On failure prints one line to stderr and to the termination log
 /// (`--termination-log` / `MOLE_TERMINATION_LOG`, default `/dev/termination-log` when it
 /// exists), where Kubernetes picks it up for the Adapter's condition; exit 2 for bad input,
@@ -150,7 +136,7 @@ pub fn run(args: MergeArgs) -> ExitCode {
         Err(e) => {
             let line = format!("merge failed ({}): {e}", e.code());
             eprintln!("{line}");
-            write_termination_log(termination_log.as_deref(), &line);
+            crate::telemetry::write_termination_log(termination_log.as_deref(), &line);
             ExitCode::from(e.exit_code())
         }
     }
@@ -165,7 +151,7 @@ fn quantize_failed(
         e => format!("quantize failed ({}): {e}", e.code()),
     };
     eprintln!("{line}");
-    write_termination_log(termination_log, &line);
+    crate::telemetry::write_termination_log(termination_log, &line);
     ExitCode::from(e.exit_code())
 }
 

@@ -256,16 +256,20 @@ pub struct MergeReport {
 
 /// Resolves `p` (symlinks included) and checks it lies inside `root`.
 pub(crate) fn confine(p: &Path, root: Option<&Path>) -> Result<PathBuf, MergeError> {
-    let real = p.canonicalize().map_err(io_err(p))?;
-    if let Some(root) = root {
-        if !real.starts_with(root) {
-            return Err(MergeError::OutsideRoot {
-                path: p.display().to_string(),
-                root: root.display().to_string(),
-            });
-        }
+    use crate::formats::paths::{self, Unconfined};
+    paths::confine(p, root).map_err(|e| match e {
+        Unconfined::Outside(_) => outside_root(p, root),
+        Unconfined::Path(source) => io_err(p)(source),
+        Unconfined::Root(source) => io_err(root.unwrap_or(p))(source),
+    })
+}
+
+/// `p` refused as outside `--root`.
+fn outside_root(p: &Path, root: Option<&Path>) -> MergeError {
+    MergeError::OutsideRoot {
+        path: p.display().to_string(),
+        root: root.map(|r| r.display().to_string()).unwrap_or_default(),
     }
-    Ok(real)
 }
 
 pub(crate) fn sha256_file(path: &Path) -> Result<String, MergeError> {
@@ -444,10 +448,7 @@ pub(crate) fn output_parent(
 ) -> Result<(PathBuf, std::ffi::OsString), MergeError> {
     let out_name = out
         .file_name()
-        .ok_or_else(|| MergeError::OutsideRoot {
-            path: out.display().to_string(),
-            root: root.map(|r| r.display().to_string()).unwrap_or_default(),
-        })?
+        .ok_or_else(|| outside_root(out, root))?
         .to_owned();
     let parent = out
         .parent()
@@ -467,14 +468,8 @@ pub(crate) fn output_parent(
         };
         confine(existing, root)?;
         let rest = parent.strip_prefix(existing).unwrap_or(parent);
-        if !rest
-            .components()
-            .all(|c| matches!(c, std::path::Component::Normal(_)))
-        {
-            return Err(MergeError::OutsideRoot {
-                path: out.display().to_string(),
-                root: root.map(|r| r.display().to_string()).unwrap_or_default(),
-            });
+        if !crate::formats::paths::stays_below(rest) {
+            return Err(outside_root(out, root));
         }
     }
     std::fs::create_dir_all(parent).map_err(io_err(parent))?;

@@ -529,12 +529,12 @@ pub(crate) fn merge_rows(
     debug_assert!(is_float(src_dtype) && is_float(out_dtype));
     #[cfg(target_arch = "x86_64")]
     {
-        use std::arch::is_x86_feature_detected as has;
-        if has!("avx512f") && has!("avx2") && has!("fma") {
+        let c = crate::kernels::cpu::caps();
+        if c.avx512f && c.avx2_fma() {
             // SAFETY: the CPU has these features (checked just above).
             return unsafe { rows_avx512(src_dtype, src, out_dtype, dst, row0, cols, delta) };
         }
-        if has!("avx2") && has!("fma") {
+        if c.avx2_fma() {
             // SAFETY: as above.
             return unsafe { rows_avx2(src_dtype, src, out_dtype, dst, row0, cols, delta) };
         }
@@ -793,8 +793,8 @@ mod tests {
         let mut variants: Vec<(&str, Box<Kernel<'_>>)> = vec![("portable", Box::new(portable))];
         #[cfg(target_arch = "x86_64")]
         {
-            use std::arch::is_x86_feature_detected as has;
-            if has!("avx2") && has!("fma") {
+            let c = crate::kernels::cpu::caps();
+            if c.avx2_fma() {
                 variants.push((
                     "avx2",
                     // SAFETY: the CPU has the features (checked).
@@ -803,7 +803,7 @@ mod tests {
                     }),
                 ));
             }
-            if has!("avx512f") && has!("avx2") && has!("fma") {
+            if c.avx512f && c.avx2_fma() {
                 variants.push((
                     "avx512",
                     // SAFETY: as above.

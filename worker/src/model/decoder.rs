@@ -244,9 +244,10 @@ impl Decoder {
             // Which kernel multiplies decode steps decides CPU speed (1.5-2x between the direct
             // kernel and gemm): say it once per model.
             let base_product = match kernels::dense::available() {
-                Some(kernels::dense::Isa::Avx512) => "direct AVX-512",
-                Some(kernels::dense::Isa::Avx2) => "direct AVX2",
-                None => "gemm",
+                Some(kernels::cpu::Isa::Avx512) => "direct AVX-512",
+                Some(kernels::cpu::Isa::Avx2) => "direct AVX2",
+                // dense::available picks AVX-512, AVX2 or nothing.
+                Some(_) | None => "gemm",
             };
             let weights = weights.as_str();
             tracing::info!(base_product, weights, "CPU decode in f32 on host kernels");

@@ -26,6 +26,7 @@ use super::lora::{HostUpdates, UpdateTask, HOST_LORA_MAX_TOKENS};
 use super::slots::Group as Projections;
 use super::weights::{quant_blocks, Fusable};
 use super::{Lin, LoraAdapter, ModelError, Proj};
+use crate::kernels::cpu::Isa;
 use crate::kernels::dense;
 use crate::kernels::quant::{self, Format, Q8Rows};
 use crate::kernels::{Host, HostF32, Weight};
@@ -430,7 +431,7 @@ impl Columns {
         w: Rows<'_>,
         cols: std::ops::Range<usize>,
         accumulate: bool,
-        direct: Option<dense::Isa>,
+        direct: Option<Isa>,
     ) {
         let span = cols.start * d_in..cols.end * d_in;
         match w {
@@ -468,7 +469,7 @@ impl Columns {
         w: &[W],
         cols: std::ops::Range<usize>,
         accumulate: bool,
-        direct: Option<dense::Isa>,
+        direct: Option<Isa>,
     ) {
         #[cfg(target_arch = "x86_64")]
         if let Some(isa) = direct {
@@ -558,11 +559,8 @@ mod tests {
         let val = |i: usize| ((i * 7919 % 101) as f32 - 50.0) / 37.0;
         let mut kernels = vec![None, dense::available()];
         #[cfg(target_arch = "x86_64")]
-        if kernels[1] == Some(dense::Isa::Avx512)
-            && std::arch::is_x86_feature_detected!("avx2")
-            && std::arch::is_x86_feature_detected!("fma")
-        {
-            kernels.push(Some(dense::Isa::Avx2));
+        if kernels[1] == Some(Isa::Avx512) && crate::kernels::cpu::caps().avx2_fma() {
+            kernels.push(Some(Isa::Avx2));
         }
         kernels.dedup();
         eprintln!("kernels checked: {kernels:?} (None: gemm)");

@@ -199,9 +199,7 @@ impl QuantizeError {
         match e {
             MergeError::Io { path, source } => QuantizeError::Io { path, source },
             MergeError::OutsideRoot { path, root } => QuantizeError::OutsideRoot { path, root },
-            MergeError::Pickle(p) => QuantizeError::Input(format!(
-                "{p}: pickle files (.bin/.pt) are refused; convert the weights to safetensors"
-            )),
+            // A refused pickle among them: merge's own words.
             e => QuantizeError::Input(e.to_string()),
         }
     }

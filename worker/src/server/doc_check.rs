@@ -16,7 +16,11 @@
 //! `discriminator`, `default`, `examples`) are not checked, as JSON Schema 2020-12 and
 //! schemathesis' validator read them.
 
+use std::sync::Arc;
+
 use serde_json::{Map, Value};
+
+use super::AppState;
 
 /// Why a body is not what the document says: the failing path (`messages[0].content`) and
 /// what failed there.
@@ -27,6 +31,45 @@ pub(super) struct Invalid {
     pub(super) path: String,
     /// The keyword that failed, said for people.
     pub(super) why: String,
+}
+
+/// Holds `body` to the document's schema `name` (`ChatBody`, ...) for this worker's limits:
+/// see [`check`]. The schemas are written once per set of limits.
+pub(super) fn check_body(
+    s: &AppState,
+    name: &str,
+    body: &serde_json::Value,
+) -> Result<(), Invalid> {
+    let limits = super::openapi::request_limits(s);
+    let doc = {
+        let mut cached = s
+            .doc
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &*cached {
+            Some((l, d)) if *l == limits => d.clone(),
+            _ => {
+                // The schemas are the same whatever the auth (it changes `security` alone).
+                let auth = super::openapi::DocAuth {
+                    api_keys: false,
+                    admin_token: false,
+                    operator_token: false,
+                };
+                let d = Arc::new(
+                    super::openapi::document(auth, &limits)["components"]["schemas"].clone(),
+                );
+                *cached = Some((limits, d.clone()));
+                d
+            }
+        }
+    };
+    let Some(components) = doc.as_object() else {
+        return Ok(());
+    };
+    match components.get(name) {
+        Some(schema) => check(schema, components, body),
+        None => Ok(()),
+    }
 }
 
 /// How deep schemas may nest through references (the document has no cycle; this stops one).

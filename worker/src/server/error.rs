@@ -1,10 +1,13 @@
 //! Errors of the HTTP layer: every refusal is an [`ApiError`], answered as OpenAI's
 //! `{error:{message,type,code}}` with a stable `code`.
 
+use std::collections::BTreeMap;
+
 use axum::http::{HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde::Serialize;
+use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
 use utoipa::ToSchema;
 
 use crate::engine::api::EngineError;
@@ -152,5 +155,45 @@ impl IntoResponse for ApiError {
             r.headers_mut().insert("retry-after", HeaderValue::from(s));
         }
         r
+    }
+}
+
+/// The refusals an API endpoint may answer, each with OpenAI's error body and a stable `code`.
+pub(super) struct Refusals;
+
+impl utoipa::IntoResponses for Refusals {
+    fn responses() -> BTreeMap<String, RefOr<utoipa::openapi::Response>> {
+        [
+            (
+                "400",
+                "Invalid request: bad JSON, a field out of its limits, a bad image",
+            ),
+            ("401", "Missing or wrong bearer token"),
+            ("403", "The token does not grant this endpoint"),
+            ("404", "No such model or adapter"),
+            ("409", "The config file is not the one expected (reload)"),
+            ("413", "Body, image or prompt too large"),
+            ("422", "The adapter or the request cannot be served"),
+            ("429", "The queue is full (Retry-After)"),
+            ("500", "The engine failed the request"),
+            ("502", "A merged pod answered something else than an answer"),
+            (
+                "503",
+                "Not ready, or the merged pods are down (Retry-After)",
+            ),
+            ("504", "limits.requestTimeoutSeconds passed"),
+        ]
+        .into_iter()
+        .map(|(status, why)| {
+            let body = ContentBuilder::new()
+                .schema(Some(Ref::from_schema_name("ErrorReply")))
+                .build();
+            let r = ResponseBuilder::new()
+                .description(why)
+                .content("application/json", body)
+                .build();
+            (status.to_string(), RefOr::T(r))
+        })
+        .collect()
     }
 }

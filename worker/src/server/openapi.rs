@@ -1,104 +1,20 @@
 //! The worker's API as an OpenAPI 3.1 document (`GET /openapi.json`), derived from the
 //! handlers' own request and reply types and their `#[utoipa::path]` annotations, as TGI's
 //! router does: clients can be generated from it and the API fuzzed against it
-//! (`scripts/checks/openapi.sh`).
+//! (`scripts/checks/openapi.sh`). The list of documented endpoints ([`ApiDoc`]) sits beside
+//! the routes in the server's own file: the handlers hold their bodies to this document
+//! ([`super::doc_check`]), so this file names no handler.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use axum::extract::State;
 use axum::Json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
-use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
 use utoipa::OpenApi;
 
-use super::error::{ErrorDetail, ErrorReply};
 use super::openai;
 use super::openapi_requests::{enforce, RequestLimits};
-use super::AppState;
-
-/// The refusals an API endpoint may answer, each with OpenAI's error body and a stable `code`.
-pub(super) struct Refusals;
-
-impl utoipa::IntoResponses for Refusals {
-    fn responses() -> BTreeMap<String, RefOr<utoipa::openapi::Response>> {
-        [
-            (
-                "400",
-                "Invalid request: bad JSON, a field out of its limits, a bad image",
-            ),
-            ("401", "Missing or wrong bearer token"),
-            ("403", "The token does not grant this endpoint"),
-            ("404", "No such model or adapter"),
-            ("409", "The config file is not the one expected (reload)"),
-            ("413", "Body, image or prompt too large"),
-            ("422", "The adapter or the request cannot be served"),
-            ("429", "The queue is full (Retry-After)"),
-            ("500", "The engine failed the request"),
-            ("502", "A merged pod answered something else than an answer"),
-            (
-                "503",
-                "Not ready, or the merged pods are down (Retry-After)",
-            ),
-            ("504", "limits.requestTimeoutSeconds passed"),
-        ]
-        .into_iter()
-        .map(|(status, why)| {
-            let body = ContentBuilder::new()
-                .schema(Some(Ref::from_schema_name("ErrorReply")))
-                .build();
-            let r = ResponseBuilder::new()
-                .description(why)
-                .content("application/json", body)
-                .build();
-            (status.to_string(), RefOr::T(r))
-        })
-        .collect()
-    }
-}
-
-/// The endpoints and the schemas they name.
-#[derive(OpenApi)]
-#[openapi(
-    info(
-        title = "mole-worker",
-        description = "One pool's OpenAI-compatible API: chat and completions routed to LoRA adapters \
-            (explicit name, classifier, keywords, embeddings), mole's task and routing calls, vLLM's \
-            adapter and tokenizer endpoints, probes and metrics."
-    ),
-    paths(
-        openai::generate::chat_completions,
-        openai::generate::completions,
-        openai::responses::create_response,
-        openai::stored::get_response,
-        openai::stored::delete_response,
-        openai::chat::infer,
-        openai::route::route,
-        openai::models::models,
-        openai::tokens::tokenize,
-        openai::tokens::detokenize,
-        openai::tokens::version,
-        openai::admin::lora_adapters,
-        openai::admin::load_lora,
-        openai::admin::unload_lora,
-        openai::admin::admin_reload,
-        super::health,
-        super::healthz,
-        super::readyz,
-        super::metrics,
-        super::residency::residency,
-        openapi_json,
-    ),
-    components(schemas(ErrorReply, ErrorDetail, openai::replies::Answer<openai::replies::ChunkChoice>)),
-    tags(
-        (name = "openai", description = "OpenAI's API"),
-        (name = "mole", description = "mole's task and routing calls"),
-        (name = "vllm", description = "vLLM's plain endpoints"),
-        (name = "admin", description = "Adapters and config (admin or operator token)"),
-        (name = "probes", description = "Liveness, readiness, metrics"),
-    )
-)]
-struct ApiDoc;
+use super::{ApiDoc, AppState};
 
 /// Which secrets this worker has: what its document asks clients for.
 #[derive(Debug, Clone, Copy)]
@@ -209,7 +125,7 @@ pub(super) async fn openapi_json(State(s): State<Arc<AppState>>) -> Json<serde_j
 }
 
 /// The limits of this worker the request schemas state.
-fn request_limits(s: &AppState) -> RequestLimits {
+pub(super) fn request_limits(s: &AppState) -> RequestLimits {
     let cfg = s.cfg();
     let info = s.info.model_info();
     RequestLimits {
@@ -224,43 +140,6 @@ fn request_limits(s: &AppState) -> RequestLimits {
         max_guide_choices: cfg.limits.max_guide_choices,
         tools: openai::outputs::Formats::for_pool(s).tools.is_some(),
         image_token: info.image_token,
-    }
-}
-
-/// Holds `body` to the document's schema `name` (`ChatBody`, ...) for this worker's limits:
-/// see [`super::doc_check`]. The schemas are written once per set of limits.
-pub(super) fn check_body(
-    s: &AppState,
-    name: &str,
-    body: &serde_json::Value,
-) -> Result<(), super::doc_check::Invalid> {
-    let limits = request_limits(s);
-    let doc = {
-        let mut cached = s
-            .doc
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        match &*cached {
-            Some((l, d)) if *l == limits => d.clone(),
-            _ => {
-                // The schemas are the same whatever the auth (it changes `security` alone).
-                let auth = DocAuth {
-                    api_keys: false,
-                    admin_token: false,
-                    operator_token: false,
-                };
-                let d = Arc::new(document(auth, &limits)["components"]["schemas"].clone());
-                *cached = Some((limits, d.clone()));
-                d
-            }
-        }
-    };
-    let Some(components) = doc.as_object() else {
-        return Ok(());
-    };
-    match components.get(name) {
-        Some(schema) => super::doc_check::check(schema, components, body),
-        None => Ok(()),
     }
 }
 

@@ -297,9 +297,8 @@ pub(super) unsafe fn product(
 pub(super) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        super::isa() != super::Isa::Scalar
-            && std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
+        let c = crate::kernels::cpu::caps();
+        super::isa() != super::Isa::Scalar && c.avx512f && c.avx512bw
     }
     #[cfg(not(target_arch = "x86_64"))]
     false

@@ -43,14 +43,8 @@ pub(super) fn available(f: Format) -> bool {
 
 /// Whether the CPU has what panels take: AVX-512 F, BW and VNNI.
 pub(super) fn cpu_has() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512vnni")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    let c = crate::kernels::cpu::caps();
+    c.avx512f && c.avx512bw && c.avx512vnni
 }
 
 /// Weight rows repacked into panels (see the module).
@@ -88,7 +82,7 @@ impl Panels {
         // at a time); the last, partial one value by value.
         let mut whole = 0;
         #[cfg(target_arch = "x86_64")]
-        if std::arch::is_x86_feature_detected!("avx2") {
+        if crate::kernels::cpu::caps().avx2 {
             whole = rows / PANEL;
             for p in 0..whole {
                 // SAFETY: the CPU has AVX2; panel `p`'s rows lie within `w` (asserted above).

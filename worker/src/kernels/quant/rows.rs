@@ -6,12 +6,7 @@ use super::BLOCK;
 
 /// Whether the vector builds run here (asked once per product, not per block).
 pub(super) fn vectors() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx2")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    false
+    crate::kernels::cpu::caps().avx2
 }
 
 /// The largest magnitude of `x` (NaN ignored, as `f32::max` ignores it); `simd`: [`vectors`].

@@ -14,7 +14,7 @@ use super::replies::{LoraAnswer, ReloadApplying};
 use super::types::{LoadBody, ReloadBody};
 use super::S;
 use crate::server::error::bad;
-use crate::server::openapi::Refusals;
+use crate::server::error::Refusals;
 use crate::server::ApiError;
 
 /// How long `POST /admin/reload` waits for the adapters to load before answering 202.

@@ -283,7 +283,7 @@ pub(in crate::server) fn documented<T>(
     fields: Fields,
     read: impl FnOnce(Fields) -> Result<T, ApiError>,
 ) -> Result<T, ApiError> {
-    let doc = crate::server::openapi::check_body(s, schema, fields.value());
+    let doc = crate::server::doc_check::check_body(s, schema, fields.value());
     match (doc, read(fields)) {
         (Ok(()), r) | (Err(_), r @ Err(_)) => r,
         (Err(e), Ok(_)) => Err(bad(

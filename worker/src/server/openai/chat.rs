@@ -22,7 +22,7 @@ use super::validate::{
 };
 use super::S;
 use crate::engine::api::{ChatMessage, ContentPart, EngineError, Prompt};
-use crate::server::openapi::Refusals;
+use crate::server::error::Refusals;
 use crate::server::{ApiError, AppState};
 
 /// A conversation to render: what a chat body and a Responses API input become.

@@ -21,8 +21,8 @@ use super::validate::{max_seq, prepare_request, ValidRequest, Validate};
 use super::S;
 use crate::engine::api::{EngineError, GenerateRequest, Image, Prompt, SamplingParams, Serving};
 use crate::router::{Decision, Mode};
+use crate::server::error::Refusals;
 use crate::server::gateway;
-use crate::server::openapi::Refusals;
 use crate::server::{ApiError, AppState};
 
 /// `POST /v1/chat/completions`: the messages through the model's chat template, routed

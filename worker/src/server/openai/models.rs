@@ -6,7 +6,7 @@ use axum::Json;
 use super::now;
 use super::replies::{ModelCard, ModelKind, ModelList};
 use super::S;
-use crate::server::openapi::Refusals;
+use crate::server::error::Refusals;
 use crate::server::{ApiError, AppState};
 
 /// `GET /v1/models`: the pool, the base model and every adapter.

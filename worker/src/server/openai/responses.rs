@@ -38,7 +38,7 @@ use super::validate::{prepare_request, tool_call_value, ValidRequest, Validate};
 use super::S;
 use crate::engine::api::{ChatMessage, ContentPart, EngineError};
 use crate::server::error::bad;
-use crate::server::openapi::Refusals;
+use crate::server::error::Refusals;
 use crate::server::{ApiError, AppState};
 
 tag!(MessageTag, "message");

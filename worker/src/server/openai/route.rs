@@ -16,7 +16,7 @@ use super::S;
 use crate::engine::api::Image;
 use crate::router::{self, Decision, Mode, RouteInput};
 use crate::server::error::bad;
-use crate::server::openapi::Refusals;
+use crate::server::error::Refusals;
 use crate::server::{mole_headers, ApiError, AppState};
 
 /// Routes a request: [`router::decide`] with the engine's classifier (whose one pass sees the

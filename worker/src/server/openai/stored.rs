@@ -6,7 +6,7 @@ use axum::extract::Path;
 use axum::http::StatusCode;
 
 use super::response_out::ResponseObject;
-use crate::server::openapi::Refusals;
+use crate::server::error::Refusals;
 use crate::server::ApiError;
 
 /// The answer to a stored response asked for: mole stores none.

@@ -15,7 +15,7 @@ use super::validate::messages;
 use super::S;
 use crate::engine::api::Prompt;
 use crate::server::error::bad;
-use crate::server::openapi::Refusals;
+use crate::server::error::Refusals;
 use crate::server::ApiError;
 
 /// `POST /tokenize`: a completion's `prompt` or chat `messages` (vLLM's two shapes).
