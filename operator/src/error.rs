@@ -67,6 +67,10 @@ pub enum Error {
     /// The cache of pools or Adapters has no feed (its watch ended before a first list).
     #[error("object cache: {0}")]
     StoreClosed(String),
+    /// The operator is shutting down before the caches held a first list: the reconcile
+    /// stops (its object is reconciled again by the next leader).
+    #[error("shutting down before the object caches were filled")]
+    ShuttingDown,
 }
 
 impl Error {
@@ -86,6 +90,7 @@ impl Error {
             Error::Serialization(_) => "serialization",
             Error::OperatorToken(_) => "operator_token",
             Error::StoreClosed(_) => "store_closed",
+            Error::ShuttingDown => "shutting_down",
         }
     }
 }

@@ -39,6 +39,8 @@ pub struct Stores {
 const POOLS_SYNCED: u8 = 1;
 /// [`Stores::ready`]'s bit of the Adapter store.
 const ADAPTERS_SYNCED: u8 = 2;
+/// Set when the operator shuts down ([`StoreWriters::close_on`]): waiters stop waiting.
+const SHUTTING_DOWN: u8 = 4;
 
 /// The write end of one of [`Stores`]' caches: applies watch events to the store and marks it
 /// synced at its first `InitDone` (the end of a full list).
@@ -95,6 +97,20 @@ pub struct StoreWriters {
     pub adapters: StoreWriter<Adapter>,
 }
 
+impl StoreWriters {
+    /// Ends every wait in [`Stores::ready`] once `shutdown` resolves. A controller shut down
+    /// gracefully stops polling its watch and waits for the reconciles under way, so a
+    /// reconcile still waiting for a store's first list (SIGTERM right after taking the
+    /// Lease) would wait for the whole shutdown grace.
+    pub fn close_on(&self, shutdown: impl std::future::Future<Output = ()> + Send + 'static) {
+        let tx = self.pools.synced.clone();
+        tokio::spawn(async move {
+            shutdown.await;
+            tx.send_modify(|b| *b |= SHUTTING_DOWN);
+        });
+    }
+}
+
 impl Stores {
     /// Empty stores and their writers.
     pub fn new() -> (Self, StoreWriters) {
@@ -125,15 +141,21 @@ impl Stores {
 
     /// Waits until both stores hold a first full list: before that an empty store would read as
     /// "no sibling, no pool" and refuse adapters that are fine. Any number of reconciles may
-    /// wait at once. Fails with `store_closed` when the writers are gone unsynced.
+    /// wait at once. Fails with `store_closed` when the writers are gone unsynced, and with
+    /// `shutting_down` when the operator stops first.
     pub async fn ready(&self) -> Result<()> {
+        const SYNCED: u8 = POOLS_SYNCED | ADAPTERS_SYNCED;
         let mut rx = self.synced.clone();
-        rx.wait_for(|b| *b == POOLS_SYNCED | ADAPTERS_SYNCED)
+        let b = rx
+            .wait_for(|b| *b & SYNCED == SYNCED || *b & SHUTTING_DOWN != 0)
             .await
-            .map(|_| ())
             .map_err(|_| {
                 Error::StoreClosed("the stores' watches ended before their first list".into())
-            })
+            })?;
+        match *b & SYNCED == SYNCED {
+            true => Ok(()),
+            false => Err(Error::ShuttingDown),
+        }
     }
 
     /// The pool `name` of namespace `ns` (None: not in the cache).
@@ -747,6 +769,41 @@ mod tests {
         }
         // And a reconcile that comes later passes at once.
         stores.ready().await.unwrap();
+    }
+
+    /// SIGTERM while reconciles wait for a store's first list ends their wait: a controller
+    /// shut down gracefully stops polling its watch and waits for the reconciles under way,
+    /// so on 59739d5 a leader told to stop 18 ms after it took the Lease waited out its whole
+    /// shutdown grace (control_plane.rs `sigterm_stops_the_leader_and_hands_the_lease_over`,
+    /// on CI: "the new leader did not exit within 10 s of SIGTERM").
+    #[tokio::test]
+    async fn a_shutdown_ends_every_wait_for_a_first_list() {
+        use kube::runtime::watcher::Event as Watch;
+        let (stores, mut w) = Stores::new();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        w.close_on(async move {
+            let _ = stopped.await;
+        });
+        w.pools.apply_watcher_event(&Watch::Init);
+        w.pools.apply_watcher_event(&Watch::InitDone);
+        let waiters: Vec<_> = (0..3)
+            .map(|_| {
+                let s = stores.clone();
+                tokio::spawn(async move { s.ready().await })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(waiters.iter().all(|h| !h.is_finished()));
+        stop.send(()).unwrap();
+        for h in waiters {
+            let r = tokio::time::timeout(Duration::from_secs(5), h)
+                .await
+                .expect("a waiter still waited after the shutdown")
+                .unwrap();
+            assert!(matches!(r, Err(Error::ShuttingDown)), "{r:?}");
+        }
+        // No Warning Event for it: not the object's problem.
+        assert_eq!(Error::ShuttingDown.code(), "shutting_down");
     }
 
     use super::*;

@@ -92,6 +92,7 @@ pub async fn run(
     let pool_of =
         |a: &Adapter| ObjectRef::new(&a.spec.pool).within(&a.namespace().unwrap_or_default());
     let (stores, writers) = Stores::new();
+    writers.close_on(shutdown.clone());
     let (to_pools, pool_triggers) = futures::channel::mpsc::unbounded();
     let (to_adapters, adapter_triggers) = futures::channel::mpsc::unbounded();
     // A pool's new spec re-validates its Adapters, and a change of its id ledger wakes the

@@ -99,7 +99,8 @@ where
 /// the retry reads afresh, and nothing is wrong for a person to act on (they are counted in
 /// `mole_operator_reconcile_errors_total{error="conflict"}`).
 async fn error_event(ctx: &Context, on: &ObjectReference, e: &Error) {
-    if matches!(e, Error::Conflict(_)) {
+    // A conflict is retried at once; a shutdown is not the object's problem.
+    if matches!(e, Error::Conflict(_) | Error::ShuttingDown) {
         return;
     }
     ctx.event(
