@@ -134,6 +134,22 @@ impl Env {
             .collect()
     }
 
+    /// The Events of `object` with `reason` once there is one, waiting up to 15 s: a
+    /// reconcile publishes its Events after its writes, so the change they announce (a
+    /// Deployment's replicas) can be seen before them.
+    async fn events_once_posted(&self, object: &str, reason: &str) -> Vec<(String, String)> {
+        let wait = wait_for(
+            Duration::from_secs(15),
+            &format!("an Event {reason} of {object}"),
+            || async {
+                let seen = self.events(object, reason).await;
+                (!seen.is_empty()).then_some(seen)
+            },
+        )
+        .await;
+        wait.unwrap_or_else(|err| panic!("{err}\n{}", self.dump()))
+    }
+
     /// The entry of adapter `name` in pool `pool`'s WorkerConfig (its ConfigMap).
     async fn worker_entry(&self, pool: &str, name: &str) -> Option<mole_crds::WorkerAdapter> {
         let cm = Api::<ConfigMap>::namespaced(self.admin.clone(), NS)
@@ -637,7 +653,10 @@ async fn idle_merged_pods_scale_to_zero_and_a_request_brings_them_back() {
         svc.get_opt("tiny-calendar").await.unwrap().is_some(),
         "the Service is kept"
     );
-    assert_eq!(e.events("calendar", "ScaledToZero").await.len(), 1);
+    assert_eq!(
+        e.events_once_posted("calendar", "ScaledToZero").await.len(),
+        1
+    );
     eprintln!(
         "{} s: scaled to zero {zero_after:?} after the last request",
         e.at()
@@ -662,7 +681,12 @@ async fn idle_merged_pods_scale_to_zero_and_a_request_brings_them_back() {
     .await
     .unwrap_or_else(|err| panic!("{err}\n{}", e.dump()));
     let up_after = t.elapsed();
-    assert_eq!(e.events("calendar", "ScaledFromZero").await.len(), 1);
+    assert_eq!(
+        e.events_once_posted("calendar", "ScaledFromZero")
+            .await
+            .len(),
+        1
+    );
     answers.extend(
         e.until("tiny", "calendar", Duration::from_secs(90), |a| {
             a.status == 200 && a.served() == ("merged", "v1")
