@@ -61,14 +61,6 @@ impl ModelSource {
         }
     }
 
-    /// The file or directory.
-    pub fn path(&self) -> &Path {
-        match self {
-            Self::Hf { dir, .. } => dir,
-            Self::Gguf(p) | Self::QuantizedDir(p) => p,
-        }
-    }
-
     /// The bytes the weights will hold on the device, from the files alone (headers or
     /// sizes), so a model too large for the device's share is refused before it is read. A
     /// quantized source's tensors stay in their blocks: the file's size is the weights'.
