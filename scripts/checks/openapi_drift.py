@@ -49,6 +49,10 @@ def completion(**extra):
     return {"max_tokens": 2, "prompt": "hi", **extra}
 
 
+# A 2x2 PNG.
+IMAGE = (
+    "data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAIAAAACCAIAAAD91JpzAAAAEElEQVR4nGM4IScHRAwQCgAfJgQRoo8irwAAAABJRU5ErkJggg=="
+)
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
 CASES = [
     # Found by schemathesis (issue 52): called valid, refused.
@@ -78,6 +82,12 @@ CASES = [
     ("/v1/responses", "tool_choice without tools", {"input": "x", "tool_choice": "required", "max_output_tokens": 2}),
     ("/v1/responses", "previous_response_id", {"input": "x", "previous_response_id": "resp_1", "max_output_tokens": 2}),
     ("/v1/responses", "a chat field", {"input": "x", "max_tokens": 2}),
+    # Found by schemathesis (seed 976522811, /v1/route): an image part's `text` is read as a
+    # string whatever the part's type, so an object there is refused; the document must say so.
+    ("/v1/chat/completions", "an image part with an object as text", chat(messages=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": IMAGE, "text": {"a": None}}]}])),
+    ("/v1/route", "an image part with an object as text", {"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}, "text": {}}]}]}),
     # The image placeholder as a completion's token id (tests/fixtures/vision/qwen3_vl's is
     # 250): a prompt with no image for it.
     ("/v1/completions", "the image placeholder as a token id", completion(prompt=[1, 250])),
@@ -92,6 +102,10 @@ CASES = [
     ("/v1/chat/completions", "logprobs as a count", chat(logprobs=2)),
     ("/v1/completions", "logprobs as a switch", completion(logprobs=True)),
     ("/v1/completions", "token ids", completion(prompt=[1, 249])),
+    ("/v1/chat/completions", "an image part with a text", chat(messages=[
+        {"role": "user", "content": [{"type": "input_image", "image_url": IMAGE, "text": "ignored"}]}])),
+    ("/v1/route", "an image part with a null text", {"messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": IMAGE}, "text": None}]}]}),
     ("/v1/responses", "a text", {"input": "hi", "instructions": "be brief", "max_output_tokens": 2}),
     ("/v1/responses", "a tool loop's items", {"max_output_tokens": 2, "input": [
         {"role": "user", "content": [{"type": "input_text", "text": "hi"}]},

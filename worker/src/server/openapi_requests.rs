@@ -212,9 +212,12 @@ fn message(derived: &Value, schemas: &Value, vision: bool) -> Value {
         "text": {"type": ["string", "null"]},
         "image_url": {"oneOf": [image_url, {"type": "null"}]},
     }});
+    // `text` is one field of every part ([`super::openai::types::Part`]), read as a string
+    // whatever the part's type (an image part's is ignored), so its shape holds here too.
     let image_part = json!({"type": "object", "required": ["type", "image_url"], "properties": {
         "type": {"enum": ["image_url", "input_image"]},
         "image_url": image_url,
+        "text": {"type": ["string", "null"], "description": "Ignored on an image part."},
     }});
     let parts = match vision {
         true => json!({"oneOf": [text_part, image_part]}),
