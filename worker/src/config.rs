@@ -93,7 +93,7 @@ pub fn load(path: &Path) -> Result<WorkerConfig, ConfigError> {
 /// Resolves `rel` against `root` (symlinks included) and refuses anything outside `root`.
 /// The target must exist, since canonicalisation is the only reliable symlink check.
 pub fn resolve_in_root(root: &str, rel: &str) -> Result<PathBuf, ConfigError> {
-    crate::formats::paths::resolve_within(Path::new(root), Path::new(rel)).map_err(|e| {
+    mole_formats::paths::resolve_within(Path::new(root), Path::new(rel)).map_err(|e| {
         ConfigError::PathOutsideRoot {
             path: rel.into(),
             root: root.into(),

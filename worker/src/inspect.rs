@@ -7,8 +7,8 @@ use std::process::ExitCode;
 
 use serde::Serialize;
 
-use crate::formats::safetensors::to_f32;
-use crate::formats::{hf, peft};
+use mole_formats::safetensors::to_f32;
+use mole_formats::{hf, peft};
 
 /// Arguments of `inspect`.
 #[derive(clap::Args, Debug)]
@@ -59,7 +59,7 @@ fn tensors_of(
 ) -> BTreeMap<String, (String, Vec<usize>)> {
     let mut out = BTreeMap::new();
     for f in files {
-        let mmap = match crate::formats::safetensors::map(f) {
+        let mmap = match mole_formats::safetensors::map(f) {
             Ok(m) => m,
             Err(e) => {
                 r.problems.push(format!("{}: {e}", f.display()));

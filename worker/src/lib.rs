@@ -2,8 +2,8 @@
 //! HTTP API, plus the merge/import/inspect tools that run in merge Jobs.
 //!
 //! Layers, from the ground up; each imports only those below it:
-//! - [`formats`]: on-disk formats (safetensors, HF model directories, PEFT adapters, GGUF)
-//!   with their validation rules.
+//! - `mole_formats` (crates/formats), below all of it: on-disk formats (safetensors, HF
+//!   model directories, PEFT adapters, GGUF) with their validation rules.
 //! - [`kernels`]: CPU host kernels read in place from tensor storage.
 //! - [`model`]: the decoder, one struct per part, and how it applies adapters.
 //! - [`lora`]: adapters as served: loading and validation, and the registry of versions.
@@ -27,7 +27,6 @@ pub mod bench;
 pub mod config;
 pub mod engine;
 pub mod fetch;
-pub mod formats;
 pub mod import;
 pub mod inspect;
 pub mod kernels;

@@ -5,7 +5,7 @@
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
-use crate::formats::paths::Unconfined;
+use mole_formats::paths::Unconfined;
 
 /// Arguments of `prune`.
 #[derive(clap::Args, Debug)]
@@ -59,7 +59,7 @@ pub fn prune(root: &Path, paths: &[PathBuf]) -> Result<Vec<PathBuf>, PruneError>
     // Check every path before deleting any, so a bad list deletes nothing.
     let mut targets = Vec::new();
     for p in paths {
-        match crate::formats::paths::confine(p, Some(&root)) {
+        match mole_formats::paths::confine(p, Some(&root)) {
             // Strictly inside: the root itself is never deleted.
             Ok(real) if real != root => targets.push(real),
             Ok(_) | Err(Unconfined::Outside(_)) => {

@@ -124,7 +124,7 @@ fn smollm2() -> Option<PathBuf> {
 fn smollm2_chat_prompt_ids_equal_transformers() {
     let Some(gguf) = smollm2() else { return };
     let reference = read_json(&repo().join("tests/fixtures/import/smollm2_reference.json"));
-    let q = mole_worker::formats::gguf::load_quantized(&gguf, &candle_core::Device::Cpu).unwrap();
+    let q = mole_formats::gguf::load_quantized(&gguf, &candle_core::Device::Cpu).unwrap();
     let text = TextModel::from_json(&q.tokenizer_json, q.tokenizer_config, &[q.config]).unwrap();
     // The conversations of tests/fixtures/import/generate.py (PROMPTS), in order.
     let m = |role: &str, content: &str| ChatMessage::text(role, content);

@@ -340,7 +340,7 @@ fn check(base: Base, dtype: GgmlDType) {
     let reference = write_gguf(&base, dtype, &path);
 
     // Exact: the GGUF read back dequantizes to the reference bit for bit.
-    let q = mole_worker::formats::gguf::load_quantized(&path, &dev).unwrap();
+    let q = mole_formats::gguf::load_quantized(&path, &dev).unwrap();
     assert_eq!(q.tensors.len(), reference.len(), "{label}");
     for (name, qt) in &q.tensors {
         assert_eq!(

@@ -86,7 +86,7 @@ fn a_gguf_shape_whose_bytes_overflow_is_an_error() {
         mutate(valid_gguf(), &[(11247974116238595067, 16)], None),
     )
     .unwrap();
-    assert!(mole_worker::formats::gguf::load_quantized(&p, &Device::Cpu).is_err());
+    assert!(mole_formats::gguf::load_quantized(&p, &Device::Cpu).is_err());
 }
 
 proptest! {
@@ -97,11 +97,11 @@ proptest! {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("m.gguf");
         std::fs::write(&p, mutate(valid_gguf(), &flips, keep)).unwrap();
-        let _ = mole_worker::formats::gguf::load_quantized(&p, &Device::Cpu);
+        let _ = mole_formats::gguf::load_quantized(&p, &Device::Cpu);
         let mut magic = b"GGUF\x03\x00\x00\x00".to_vec();
         magic.extend(&raw);
         std::fs::write(&p, magic).unwrap();
-        let _ = mole_worker::formats::gguf::load_quantized(&p, &Device::Cpu);
+        let _ = mole_formats::gguf::load_quantized(&p, &Device::Cpu);
     }
 
     #[test]
@@ -110,9 +110,9 @@ proptest! {
         let p = d.path().join("model.safetensors");
         let valid = std::fs::read(fixtures().join("adapters/llama/b_r4_qv/adapter_model.safetensors")).unwrap();
         std::fs::write(&p, mutate(valid, &flips, keep)).unwrap();
-        let _ = mole_worker::formats::hf::safetensors_elements(std::slice::from_ref(&p));
+        let _ = mole_formats::hf::safetensors_elements(std::slice::from_ref(&p));
         std::fs::write(&p, &raw).unwrap();
-        let _ = mole_worker::formats::hf::safetensors_elements(&[p]);
+        let _ = mole_formats::hf::safetensors_elements(&[p]);
     }
 
     #[test]
@@ -126,8 +126,8 @@ proptest! {
         let d = tempfile::tempdir().unwrap();
         let cfg = std::fs::read(src.join("adapter_config.json")).unwrap();
         let cfg = mutate(cfg, &cflips, ckeep);
-        let _ = mole_worker::formats::peft::AdapterConfig::from_json(&String::from_utf8_lossy(&cfg));
-        let _ = mole_worker::formats::peft::AdapterConfig::from_json(&text);
+        let _ = mole_formats::peft::AdapterConfig::from_json(&String::from_utf8_lossy(&cfg));
+        let _ = mole_formats::peft::AdapterConfig::from_json(&text);
         std::fs::write(d.path().join("adapter_config.json"), &cfg).unwrap();
         let w = std::fs::read(src.join("adapter_model.safetensors")).unwrap();
         std::fs::write(d.path().join("adapter_model.safetensors"), mutate(w, &flips, keep)).unwrap();

@@ -42,10 +42,10 @@ fn a_gguf_with_zero_heads_is_an_error_not_a_panic() {
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("m.gguf");
     gguf(&p, 4, 2);
-    assert!(mole_worker::formats::gguf::load_quantized(&p, &Device::Cpu).is_ok());
+    assert!(mole_formats::gguf::load_quantized(&p, &Device::Cpu).is_ok());
     for (heads, kv) in [(0, 0), (4, 0), (4, 3)] {
         gguf(&p, heads, kv);
-        let e = match mole_worker::formats::gguf::load_quantized(&p, &Device::Cpu) {
+        let e = match mole_formats::gguf::load_quantized(&p, &Device::Cpu) {
             Ok(_) => panic!("{heads} heads, {kv} kv heads: loaded"),
             Err(e) => e,
         };

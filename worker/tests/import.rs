@@ -274,7 +274,7 @@ fn smollm2_served_quantized() {
     use mole_worker::model::{Decoder, ModelConfig, Row, SeqCache};
     let Some(gguf) = smollm2() else { return };
     let dev = candle_core::Device::Cpu;
-    let q = mole_worker::formats::gguf::load_quantized(&gguf, &dev).unwrap();
+    let q = mole_formats::gguf::load_quantized(&gguf, &dev).unwrap();
     let tmp = tempfile::tempdir().unwrap();
     let dense_dir = tmp.path().join("dense");
     import(&ImportOptions {

@@ -99,7 +99,7 @@ fn synthetic_llama(dir: &Path) {
 }
 
 fn gguf_tensors(dir: &Path) -> HashMap<String, QTensor> {
-    mole_worker::formats::gguf::load_hf_named(&dir.join("model.gguf"), &Device::Cpu).unwrap()
+    mole_formats::gguf::load_hf_named(&dir.join("model.gguf"), &Device::Cpu).unwrap()
 }
 
 fn rel_rms(got: &Tensor, want: &Tensor) -> f32 {
@@ -205,8 +205,8 @@ fn narrow_rows_fall_back_and_still_serve() {
         let err = rel_rms(&got[name].dequantize(&Device::Cpu).unwrap(), w);
         assert!(err <= bound(got[name].dtype()), "{name}: {err}");
     }
-    mole_worker::formats::hf::check_confined(&out).unwrap();
-    assert!(mole_worker::formats::gguf::is_quantized_dir(&out));
+    mole_formats::hf::check_confined(&out).unwrap();
+    assert!(mole_formats::gguf::is_quantized_dir(&out));
 }
 
 /// The drift the tool writes: small for every type, q8_0 far below q4_0, the same model's
@@ -505,8 +505,8 @@ fn packed_awq_and_gptq_projections_stay_4_bit_as_q4_1_blocks() {
         let raw: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(input.join("config.json")).unwrap())
                 .unwrap();
-        let scheme = mole_worker::formats::quant::scheme(&raw).unwrap().unwrap();
-        let blocks = mole_worker::formats::quant_blocks::load_blocks(
+        let scheme = mole_formats::quant::scheme(&raw).unwrap().unwrap();
+        let blocks = mole_formats::quant_blocks::load_blocks(
             &[input.join("model.safetensors")],
             scheme,
             &dev,

@@ -213,9 +213,9 @@ fn awq_and_gptq_serve_4_bit_within_bound_of_their_reference() {
         let raw: serde_json::Value =
             serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).unwrap())
                 .unwrap();
-        let scheme = mole_worker::formats::quant::scheme(&raw).unwrap().unwrap();
+        let scheme = mole_formats::quant::scheme(&raw).unwrap().unwrap();
         let files = [dir.join("model.safetensors")];
-        let blocks = mole_worker::formats::quant_blocks::load_blocks(&files, scheme, &dev).unwrap();
+        let blocks = mole_formats::quant_blocks::load_blocks(&files, scheme, &dev).unwrap();
         let reference =
             candle_core::safetensors::load(dir.join("reference.safetensors"), &dev).unwrap();
         let ckpt = candle_core::safetensors::load(dir.join("model.safetensors"), &dev).unwrap();
@@ -608,7 +608,7 @@ fn merging_onto_awq_and_gptq_dequantizes_the_touched_modules_exactly() {
 fn gguf_files_written_by_gguf_py_serve_like_their_dequantized_weights() {
     let dev = Device::Cpu;
     for name in ["llama_q4_1.gguf", "llama_mixed.gguf"] {
-        let q = mole_worker::formats::gguf::load_quantized(&fixture(name), &dev).unwrap();
+        let q = mole_formats::gguf::load_quantized(&fixture(name), &dev).unwrap();
         let cfg = ModelConfig::from_json(q.config.clone()).unwrap();
         let reference: HashMap<String, Tensor> = q
             .tensors

@@ -97,7 +97,7 @@ impl Case {
 
 /// The GGUF case of `bench decode`.
 pub(super) fn bench(file: &Path, args: &DecodeBenchArgs, dev: &Device) -> anyhow::Result<()> {
-    let q = crate::formats::gguf::load_quantized(file, dev)?;
+    let q = mole_formats::gguf::load_quantized(file, dev)?;
     let types = types_of(&q.tensors);
     let cfg = ModelConfig::from_json(q.config.clone())?;
     let quant = Decoder::from_quantized(cfg.clone(), q.tensors, dev)?;

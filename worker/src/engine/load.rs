@@ -54,7 +54,7 @@ impl ModelSource {
     pub fn at(path: &Path, dtype: DType) -> Self {
         if path.extension().is_some_and(|e| e == "gguf") {
             Self::Gguf(path.to_path_buf())
-        } else if crate::formats::gguf::is_quantized_dir(path) {
+        } else if mole_formats::gguf::is_quantized_dir(path) {
             Self::QuantizedDir(path.to_path_buf())
         } else {
             Self::hf(path, dtype)
@@ -79,15 +79,15 @@ impl ModelSource {
                         dir.display()
                     )));
                 }
-                let files = crate::formats::hf::safetensors_files(dir).map_err(|e| nr(&e))?;
+                let files = mole_formats::hf::safetensors_files(dir).map_err(|e| nr(&e))?;
                 Ok(
-                    crate::formats::hf::safetensors_elements(&files).map_err(|e| nr(&e))?
+                    mole_formats::hf::safetensors_elements(&files).map_err(|e| nr(&e))?
                         * dtype.size_in_bytes() as u64,
                 )
             }
             Self::Gguf(path) => Ok(std::fs::metadata(path).map_err(|e| nr(&e))?.len()),
             Self::QuantizedDir(dir) => {
-                let file = dir.join(crate::formats::gguf::QUANTIZED_FILE);
+                let file = dir.join(mole_formats::gguf::QUANTIZED_FILE);
                 Ok(std::fs::metadata(file).map_err(|e| nr(&e))?.len())
             }
         }
@@ -136,7 +136,7 @@ impl ModelSource {
                 }
             }
             Self::Gguf(path) => {
-                let q = crate::formats::gguf::load_quantized(path, device).map_err(|e| nr(&e))?;
+                let q = mole_formats::gguf::load_quantized(path, device).map_err(|e| nr(&e))?;
                 let cfg =
                     crate::model::ModelConfig::from_json(q.config.clone()).map_err(|e| nr(&e))?;
                 let model = Decoder::from_quantized(cfg, q.tensors, device).map_err(|e| nr(&e))?;

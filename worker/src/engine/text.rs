@@ -28,7 +28,7 @@ pub enum TextError {
     TemplateFuel(u64),
     /// A file of the model directory resolves outside it (a symlink to elsewhere).
     #[error(transparent)]
-    OutsideDir(crate::formats::hf::HfError),
+    OutsideDir(mole_formats::hf::HfError),
 }
 
 impl TextError {
@@ -145,8 +145,7 @@ impl TextModel {
     /// EOS ids of `config.json` and `generation_config.json` from a model directory.
     pub fn load(dir: &Path) -> Result<Self, TextError> {
         // Every file confined to the directory: a symlink out of it is refused, not read.
-        let file =
-            |name: &str| crate::formats::hf::confine(dir, name).map_err(TextError::OutsideDir);
+        let file = |name: &str| mole_formats::hf::confine(dir, name).map_err(TextError::OutsideDir);
         let tokenizer = Tokenizer::from_file(file("tokenizer.json")?)
             .map_err(|e| TextError::Tokenizer(format!("{}: {e}", dir.display())))?;
         let tcfg = read_json(&file("tokenizer_config.json")?).unwrap_or(Json::Null);

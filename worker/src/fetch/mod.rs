@@ -331,7 +331,7 @@ impl Remote {
 /// skipped.
 fn classify(name: &str) -> Kind {
     let base = name.rsplit('/').next().unwrap_or(name);
-    if crate::formats::hf::is_pickle(base) {
+    if mole_formats::hf::is_pickle(base) {
         return Kind::Pickle;
     }
     let lower = base.to_ascii_lowercase();
@@ -366,7 +366,7 @@ fn safe_name(name: &str) -> Result<(), FetchError> {
         name: name.to_string(),
         reason: reason.to_string(),
     };
-    crate::formats::paths::plain_relative(name).map_err(unsafe_path)?;
+    mole_formats::paths::plain_relative(name).map_err(unsafe_path)?;
     if name.ends_with(".part") || name == MANIFEST || name == ".mole-fetch.lock" {
         return Err(unsafe_path("collides with the fetch's own files"));
     }

@@ -2,7 +2,7 @@
 //! SmolLM2-135M-Instruct) into an HF directory — dequantised safetensors with HF tensor names,
 //! `config.json`, `tokenizer.json` rebuilt from the GGUF vocabulary and merges,
 //! `tokenizer_config.json` with the chat template, and `generation_config.json` — so it can be
-//! merged and served like any HF checkpoint. The reading itself is [`crate::formats::gguf`].
+//! merged and served like any HF checkpoint. The reading itself is [`mole_formats::gguf`].
 
 pub mod cli;
 
@@ -14,7 +14,7 @@ use candle_core::quantized::gguf_file;
 use candle_core::{DType, Device};
 use safetensors::tensor::View;
 
-use crate::formats::gguf::{self, GgufError, Opened};
+use mole_formats::gguf::{self, GgufError, Opened};
 
 /// Why an import failed. Stable names via [`ImportError::code`].
 #[derive(Debug, thiserror::Error)]

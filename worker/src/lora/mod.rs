@@ -10,11 +10,11 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::formats::peft::weights::{MappedAdapter, WeightsError};
-use crate::formats::safetensors::decode_slice;
-use crate::formats::{hf, peft::AdapterConfig};
 use crate::kernels;
 use crate::model::{LoraAdapter, ModelConfig, Proj};
+use mole_formats::peft::weights::{MappedAdapter, WeightsError};
+use mole_formats::safetensors::decode_slice;
+use mole_formats::{hf, peft::AdapterConfig};
 
 pub use self::registry::AdapterSpec;
 
@@ -43,7 +43,7 @@ pub enum LoraError {
     },
     /// The adapter config is invalid.
     #[error("{0}")]
-    Config(#[from] crate::formats::peft::PeftError),
+    Config(#[from] mole_formats::peft::PeftError),
     /// A feature that needs a merged deployment.
     #[error("{0}")]
     Unsupported(String),

@@ -19,11 +19,11 @@ use std::path::{Path, PathBuf};
 use serde::Serialize;
 use sha2::{Digest, Sha256};
 
-use crate::formats::hf;
-use crate::formats::peft::weights::{MappedAdapter, WeightsError};
-use crate::formats::peft::{self, AdapterConfig};
+use mole_formats::hf;
+use mole_formats::peft::weights::{MappedAdapter, WeightsError};
+use mole_formats::peft::{self, AdapterConfig};
 
-pub use crate::formats::safetensors::to_f32;
+pub use mole_formats::safetensors::to_f32;
 pub use tensors::{bf16_ulp_distance, OutDtype};
 
 /// Whether outputs are made durable (fdatasync) before the rename; see [`set_durable`].
@@ -256,7 +256,7 @@ pub struct MergeReport {
 
 /// Resolves `p` (symlinks included) and checks it lies inside `root`.
 pub(crate) fn confine(p: &Path, root: Option<&Path>) -> Result<PathBuf, MergeError> {
-    use crate::formats::paths::{self, Unconfined};
+    use mole_formats::paths::{self, Unconfined};
     paths::confine(p, root).map_err(|e| match e {
         Unconfined::Outside(_) => outside_root(p, root),
         Unconfined::Path(source) => io_err(p)(source),
@@ -325,7 +325,7 @@ fn same_base(found: Option<&str>, expected: &str) -> bool {
 /// config mole merges, trained on the expected base.
 struct Inputs {
     base: PathBuf,
-    quant: Option<crate::formats::quant::QuantScheme>,
+    quant: Option<mole_formats::quant::QuantScheme>,
     shards: Vec<PathBuf>,
     adapter_dir: PathBuf,
     config: AdapterConfig,
@@ -346,8 +346,7 @@ fn check_inputs(opts: &MergeOptions, root: Option<&Path>) -> Result<Inputs, Merg
     // `quant`); a variant mole cannot read is refused here, naming why, before anything runs.
     let base_config = confine(&base.join("config.json"), root)?;
     let quant = if base_config.exists() {
-        crate::formats::quant::scheme(&hf::read_config(&base)?)
-            .map_err(MergeError::QuantizedBase)?
+        mole_formats::quant::scheme(&hf::read_config(&base)?).map_err(MergeError::QuantizedBase)?
     } else {
         None
     };
@@ -468,7 +467,7 @@ pub(crate) fn output_parent(
         };
         confine(existing, root)?;
         let rest = parent.strip_prefix(existing).unwrap_or(parent);
-        if !crate::formats::paths::stays_below(rest) {
+        if !mole_formats::paths::stays_below(rest) {
             return Err(outside_root(out, root));
         }
     }
@@ -590,7 +589,7 @@ pub(crate) fn sync_dir(dir: &Path) -> Result<(), MergeError> {
 }
 
 fn map_shard(shard: &Path) -> Result<memmap2::Mmap, MergeError> {
-    crate::formats::safetensors::map(shard).map_err(io_err(shard))
+    mole_formats::safetensors::map(shard).map_err(io_err(shard))
 }
 
 fn read_header(

@@ -15,8 +15,8 @@ use safetensors::{Dtype, SafeTensors};
 
 use super::tensors::{Delta, Plan};
 use super::{io_err, MergeError};
-use crate::formats::quant::QuantScheme;
-use crate::formats::quant_blocks::{packed, Packed, QuantError};
+use mole_formats::quant::QuantScheme;
+use mole_formats::quant_blocks::{packed, Packed, QuantError};
 
 /// The parts of a packed module, by suffix; `qweight` is where its dense weight takes its
 /// place in the output.
@@ -63,7 +63,7 @@ impl Shards {
     pub(crate) fn open(shards: &[PathBuf]) -> Result<Self, MergeError> {
         let maps = shards
             .iter()
-            .map(|s| crate::formats::safetensors::map(s).map_err(io_err(s)))
+            .map(|s| mole_formats::safetensors::map(s).map_err(io_err(s)))
             .collect::<Result<_, _>>()?;
         Ok(Shards {
             maps,

@@ -5,10 +5,10 @@ use std::collections::{BTreeMap, HashMap};
 use safetensors::Dtype;
 
 use super::MergeError;
-use crate::formats::peft::weights::{MappedAdapter, Raw};
-use crate::formats::peft::AdapterConfig;
-use crate::formats::safetensors::is_float;
 use crate::kernels::madd;
+use mole_formats::peft::weights::{MappedAdapter, Raw};
+use mole_formats::peft::AdapterConfig;
+use mole_formats::safetensors::is_float;
 
 /// Output dtype of merged weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -545,8 +545,8 @@ pub(crate) fn merge_rows(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::formats::peft::weights::Lora;
-    use crate::formats::safetensors::to_f32;
+    use mole_formats::peft::weights::Lora;
+    use mole_formats::safetensors::to_f32;
 
     fn raw_f32(bytes: &mut Vec<u8>, data: &[f32], shape: &[usize]) -> Raw {
         let start = bytes.len();

@@ -25,9 +25,9 @@ use safetensors::Dtype;
 use super::quant::QuantBase;
 use super::tensors::{merge_rows, Delta, Plan, Prepared};
 use super::{io_err, MergeError, MergeOptions};
-use crate::formats::peft::weights::{MappedAdapter, Raw};
-use crate::formats::quant_blocks::Packed;
-use crate::formats::safetensors::is_float;
+use mole_formats::peft::weights::{MappedAdapter, Raw};
+use mole_formats::quant_blocks::Packed;
+use mole_formats::safetensors::is_float;
 
 /// Output bytes per task (a block of rows): small enough that the computed block is still in
 /// the computing CPU's own cache when that CPU writes it. Writes of this size also keep the page
@@ -96,7 +96,7 @@ pub(crate) fn write_shard(
     progress: &crate::progress::Progress,
 ) -> Result<(ShardOutput, File), MergeError> {
     let file = File::open(shard).map_err(io_err(shard))?;
-    let map = crate::formats::safetensors::map_file(&file).map_err(io_err(shard))?;
+    let map = mole_formats::safetensors::map_file(&file).map_err(io_err(shard))?;
     let _ = map.advise(memmap2::Advice::Sequential);
     let (header_len, meta) =
         safetensors::SafeTensors::read_metadata(&map).map_err(st_err(shard))?;

@@ -6,7 +6,7 @@ use serde::Deserialize;
 
 use super::vision::VisionConfig;
 use super::ModelError;
-use crate::formats::hf;
+use mole_formats::hf;
 
 /// The decoder families mole runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -104,7 +104,7 @@ impl ModelConfig {
     pub fn from_json(v: serde_json::Value) -> Result<Self, ModelError> {
         // The quantized checkpoints mole serves load in `Decoder::load`; others are refused
         // here, naming their format, before any tensor is looked for.
-        if let Err(why) = crate::formats::quant::scheme(&v) {
+        if let Err(why) = mole_formats::quant::scheme(&v) {
             return Err(ModelError::UnsupportedQuantization(why));
         }
         if v.get("model_type").and_then(serde_json::Value::as_str) == Some("qwen3_vl") {

@@ -20,8 +20,8 @@ use super::step;
 use super::vision::{ImageEmbeds, VisionTower};
 use super::weights::{compute_dtype, Dense, Embed, Prequantized, Quantized, Weights};
 use super::{HostUpdates, Lin, LoraAdapter, ModelConfig, ModelError, Rope};
-use crate::formats::hf;
 use crate::kernels;
+use mole_formats::hf;
 
 mod prefix_cache;
 
@@ -120,21 +120,21 @@ fn attach(
 impl Decoder {
     /// Loads an HF directory (safetensors, sharded or not) in `dtype` on `device`.
     /// An AWQ or GPTQ checkpoint (`quantization_config` in config.json) keeps its projections
-    /// 4-bit, repacked into Q4_1 blocks (see [`crate::formats::quant_blocks`]); the rest of it
+    /// 4-bit, repacked into Q4_1 blocks (see [`mole_formats::quant_blocks`]); the rest of it
     /// loads in `dtype`.
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self, ModelError> {
         let raw = hf::read_config(dir)?;
         let scheme =
-            crate::formats::quant::scheme(&raw).map_err(ModelError::UnsupportedQuantization)?;
+            mole_formats::quant::scheme(&raw).map_err(ModelError::UnsupportedQuantization)?;
         let cfg = ModelConfig::from_json(raw)?;
         let files = hf::safetensors_files(dir)?;
-        let vb = crate::formats::safetensors::ReadTensors::var_builder(&files, dtype, device)?;
+        let vb = mole_formats::safetensors::ReadTensors::var_builder(&files, dtype, device)?;
         match scheme {
             None => Self::new(cfg, vb),
             Some(scheme) => {
-                let blocks = crate::formats::quant_blocks::load_blocks(&files, scheme, device)
+                let blocks = mole_formats::quant_blocks::load_blocks(&files, scheme, device)
                     .map_err(|e| match e {
-                        crate::formats::quant_blocks::QuantError::Unsupported(why) => {
+                        mole_formats::quant_blocks::QuantError::Unsupported(why) => {
                             ModelError::UnsupportedQuantization(why)
                         }
                         e => ModelError::Config(format!("{}: {e}", scheme.format.name())),

@@ -50,7 +50,7 @@ pub(crate) use self::transfer::upload;
 pub use self::transfer::{download, download_rows, transfers_made, Transfers};
 pub use self::weights::{adapter_dtype, compute_dtype, Lin};
 
-use crate::formats::hf;
+use mole_formats::hf;
 
 /// Errors loading or running a model. Stable names via [`ModelError::code`].
 #[derive(Debug, thiserror::Error)]

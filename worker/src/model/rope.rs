@@ -463,7 +463,7 @@ mod tests {
         assert_ne!(d.inv_freq(129, 128), plain.inv_freq(129, 128));
     }
 
-    /// The `rope_scaling` GGUF metadata becomes (see `formats::gguf`) is one the decoder
+    /// The `rope_scaling` GGUF metadata becomes (see `mole_formats::gguf`) is one the decoder
     /// takes: positions stretched from 32768 to 4 × 32768.
     #[test]
     fn gguf_yarn_scaling_stretches_the_window() {

@@ -7,8 +7,8 @@ use candle_core::{DType, Device};
 use serde::{Deserialize, Serialize};
 
 use super::QuantizeError;
-use crate::formats::hf;
 use crate::model::{Decoder, Row, SeqCache};
+use mole_formats::hf;
 
 /// The drift of a quantized model against its input.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

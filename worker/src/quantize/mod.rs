@@ -1,7 +1,7 @@
 //! `mole-worker quantize`: a merged (dense) HF model quantized to GGUF blocks after the merge.
 //!
 //! The output is an HF directory whose weights are one GGUF file under their HF names
-//! ([`crate::formats::gguf::QUANTIZED_FILE`]) next to the input's config.json, tokenizer files
+//! ([`mole_formats::gguf::QUANTIZED_FILE`]) next to the input's config.json, tokenizer files
 //! and merge metadata: exactly what the worker's quantized path serves
 //! ([`crate::model::Decoder::load_quantized_dir`]), with no tokenizer conversion to get wrong.
 //!
@@ -35,10 +35,10 @@ use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
-use crate::formats::gguf::writer::{GgufWriter, MetaValue, TensorEntry};
-use crate::formats::gguf::QUANTIZED_FILE;
-use crate::formats::hf;
 use crate::merge::MergeError;
+use mole_formats::gguf::writer::{GgufWriter, MetaValue, TensorEntry};
+use mole_formats::gguf::QUANTIZED_FILE;
+use mole_formats::hf;
 
 /// Metadata file of a quantized output.
 pub const METADATA_FILE: &str = "quantize_metadata.json";
@@ -319,7 +319,7 @@ struct Input {
     shards: Vec<PathBuf>,
     tied: bool,
     /// The scheme of an AWQ/GPTQ input's packed projections.
-    packed: Option<crate::formats::quant::QuantScheme>,
+    packed: Option<mole_formats::quant::QuantScheme>,
 }
 
 fn check_input(opts: &QuantizeOptions, root: Option<&Path>) -> Result<Input, QuantizeError> {
@@ -336,7 +336,7 @@ fn check_input(opts: &QuantizeOptions, root: Option<&Path>) -> Result<Input, Qua
             opts.input.display()
         )));
     }
-    if crate::formats::gguf::is_quantized_dir(&dir) {
+    if mole_formats::gguf::is_quantized_dir(&dir) {
         return Err(QuantizeError::QuantizedInput(format!(
             "{} holds {QUANTIZED_FILE}",
             opts.input.display()
@@ -345,7 +345,7 @@ fn check_input(opts: &QuantizeOptions, root: Option<&Path>) -> Result<Input, Qua
     crate::merge::check_no_pickle(&dir).map_err(QuantizeError::of_merge)?;
     hf::check_confined(&dir).map_err(|e| QuantizeError::Input(e.to_string()))?;
     let raw = hf::read_config(&dir).map_err(|e| QuantizeError::Input(e.to_string()))?;
-    let packed = crate::formats::quant::scheme(&raw).map_err(QuantizeError::QuantizedInput)?;
+    let packed = mole_formats::quant::scheme(&raw).map_err(QuantizeError::QuantizedInput)?;
     let cfg = crate::model::ModelConfig::from_json(raw)
         .map_err(|e| QuantizeError::Input(e.to_string()))?;
     if cfg.vision.is_some() {
@@ -367,7 +367,7 @@ fn check_input(opts: &QuantizeOptions, root: Option<&Path>) -> Result<Input, Qua
 }
 
 fn map(path: &Path) -> Result<memmap2::Mmap, QuantizeError> {
-    crate::formats::safetensors::map(path).map_err(io_err(path))
+    mole_formats::safetensors::map(path).map_err(io_err(path))
 }
 
 fn parse<'a>(path: &Path, bytes: &'a [u8]) -> Result<safetensors::SafeTensors<'a>, QuantizeError> {
@@ -405,7 +405,7 @@ fn plan(input: &Input, qtype: QuantType) -> Result<Vec<Planned>, QuantizeError> 
                 tensor: name.clone(),
                 message: e.to_string(),
             })?;
-            if !crate::formats::safetensors::is_float(view.dtype()) {
+            if !mole_formats::safetensors::is_float(view.dtype()) {
                 return Err(QuantizeError::Tensor {
                     tensor: name,
                     message: format!("dtype {:?} is not a float type", view.dtype()),
@@ -528,7 +528,7 @@ fn write_gguf(
             tensor: p.name.clone(),
             message: e.to_string(),
         })?;
-        crate::formats::safetensors::decode_into(p.dtype, view.data(), &mut values);
+        mole_formats::safetensors::decode_into(p.dtype, view.data(), &mut values);
         let bytes =
             quantize_rows(&values, &p.shape, p.ggml).map_err(|e| QuantizeError::Tensor {
                 tensor: p.name.clone(),

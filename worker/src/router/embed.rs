@@ -85,7 +85,7 @@ impl SentenceEmbedder {
         let device = Device::Cpu;
         // Read tensor by tensor, as the engine loads its model (one copy of the weights).
         let files = [dir.join("model.safetensors")];
-        let vb = crate::formats::safetensors::ReadTensors::var_builder(&files, DType::F32, &device)
+        let vb = mole_formats::safetensors::ReadTensors::var_builder(&files, DType::F32, &device)
             .map_err(|e| err(e.to_string()))?;
         let model = BertModel::load(vb, &cfg).map_err(|e| err(e.to_string()))?;
         Ok(Self {

@@ -13,9 +13,9 @@ use crate::engine::replicas::Replicas;
 use crate::engine::{
     candle_dtype, compute_devices, default_device, Engine, EngineOptions, ModelSource,
 };
-use crate::formats::hf::{self, HfError};
 use crate::merge::MergeError;
 use crate::model::LoraKernel;
+use mole_formats::hf::{self, HfError};
 
 /// Why an engine could not be built. Stable names via [`BuildError::code`].
 #[derive(Debug, thiserror::Error)]

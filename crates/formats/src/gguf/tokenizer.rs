@@ -14,12 +14,18 @@ const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}
 const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
 /// The rebuilt tokenizer files.
-pub(crate) struct Built {
+pub struct Built {
+    /// `tokenizer.json`'s text.
     pub tokenizer_json: String,
+    /// `tokenizer_config.json` (chat template, special tokens).
     pub tokenizer_config: Value,
+    /// Tokens in the vocabulary.
     pub vocab_size: usize,
+    /// Beginning-of-sequence token id.
     pub bos_id: Option<u64>,
+    /// End-of-sequence token id.
     pub eos_id: Option<u64>,
+    /// Padding token id.
     pub pad_id: Option<u64>,
 }
 
@@ -35,7 +41,7 @@ fn split_then_bytes(pattern: &str) -> Value {
 }
 
 /// Builds the tokenizer from GGUF metadata (`tokenizer.ggml.*`).
-pub(crate) fn build(meta: &Meta) -> Result<Built, GgufError> {
+pub fn build(meta: &Meta) -> Result<Built, GgufError> {
     let model = meta.string("tokenizer.ggml.model")?;
     if model != "gpt2" {
         return Err(GgufError::Unsupported(format!(

@@ -5,7 +5,7 @@
 //! llama.cpp's converter permutes the rows of llama-arch Q and K projections (interleaved rotary
 //! halves); they are permuted back here, as transformers' GGUF loader does.
 
-pub(crate) mod tokenizer;
+pub mod tokenizer;
 pub mod writer;
 
 use std::collections::HashMap;
@@ -53,7 +53,8 @@ impl GgufError {
     }
 }
 
-pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> GgufError + '_ {
+/// Maps an I/O error on `path` to [`GgufError::Io`] naming the file.
+pub fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> GgufError + '_ {
     move |source| GgufError::Io {
         path: path.display().to_string(),
         source,
@@ -61,7 +62,7 @@ pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> GgufError + 
 }
 
 /// A GGUF file's metadata read once: its tokenizer and its decoder's hyper-parameters.
-pub(crate) struct Opened {
+pub struct Opened {
     /// The file's directory of tensors and metadata.
     pub content: gguf_file::Content,
     /// The tokenizer rebuilt from the vocabulary and merges.
@@ -108,7 +109,7 @@ impl Opened {
 }
 
 /// Typed access to GGUF metadata.
-pub(crate) struct Meta<'a>(pub &'a HashMap<String, gguf_file::Value>);
+pub struct Meta<'a>(pub &'a HashMap<String, gguf_file::Value>);
 
 impl Meta<'_> {
     fn get(&self, key: &str) -> Result<&gguf_file::Value, GgufError> {
@@ -123,6 +124,7 @@ impl Meta<'_> {
             message: e.to_string(),
         }
     }
+    /// An unsigned integer (any of GGUF's integer widths).
     pub fn u64(&self, key: &str) -> Result<u64, GgufError> {
         let v = self.get(key)?;
         v.to_u64()
@@ -130,12 +132,14 @@ impl Meta<'_> {
             .or_else(|_| v.to_i32().map(|x| x as u64))
             .map_err(|e| Self::bad(key, e))
     }
+    /// An unsigned integer if the key is there and readable as one.
     pub fn opt_u64(&self, key: &str) -> Option<u64> {
         self.0
             .contains_key(key)
             .then(|| self.u64(key).ok())
             .flatten()
     }
+    /// A float, through the shortest decimal of an f32 value.
     pub fn f64(&self, key: &str) -> Result<f64, GgufError> {
         let v = self.get(key)?;
         // Through the shortest decimal of the f32, so 1e-5 stays 1e-5 in config.json.
@@ -144,15 +148,18 @@ impl Meta<'_> {
             .or_else(|_| v.to_f64())
             .map_err(|e| Self::bad(key, e))
     }
+    /// A string.
     pub fn string(&self, key: &str) -> Result<String, GgufError> {
         self.get(key)?
             .to_string()
             .cloned()
             .map_err(|e| Self::bad(key, e))
     }
+    /// A string if the key is there and one.
     pub fn opt_string(&self, key: &str) -> Option<String> {
         self.0.get(key).and_then(|v| v.to_string().ok().cloned())
     }
+    /// An array of strings.
     pub fn strings(&self, key: &str) -> Result<Vec<String>, GgufError> {
         self.get(key)?
             .to_vec()
@@ -161,6 +168,7 @@ impl Meta<'_> {
             .map(|v| v.to_string().cloned().map_err(|e| Self::bad(key, e)))
             .collect()
     }
+    /// An array of integers (i32, u32 or i64 elements).
     pub fn ints(&self, key: &str) -> Result<Vec<i64>, GgufError> {
         self.get(key)?
             .to_vec()
@@ -179,27 +187,41 @@ impl Meta<'_> {
 
 /// The architectures mole imports (all served by mole's one decoder).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Arch {
+pub enum Arch {
+    /// llama.cpp's `llama` (Llama, SmolLM, Mistral).
     Llama,
+    /// `qwen2`.
     Qwen2,
+    /// `qwen3` (q/k norms).
     Qwen3,
 }
 
 /// Decoder hyper-parameters read from GGUF metadata.
 #[derive(Debug, Clone)]
-pub(crate) struct Hparams {
+pub struct Hparams {
+    /// The architecture.
     pub arch: Arch,
+    /// Decoder layers (`{arch}.block_count`).
     pub layers: usize,
+    /// Hidden size (`{arch}.embedding_length`).
     pub hidden: usize,
+    /// MLP width (`{arch}.feed_forward_length`).
     pub intermediate: usize,
+    /// Attention heads.
     pub heads: usize,
+    /// Key/value heads (grouped-query attention).
     pub kv_heads: usize,
+    /// One head's width.
     pub head_dim: usize,
+    /// RMSNorm epsilon.
     pub rms_eps: f64,
+    /// RoPE base frequency.
     pub rope_theta: f64,
     /// HF `rope_scaling`, from llama.cpp's `{arch}.rope.scaling.*` keys.
     pub rope_scaling: Option<serde_json::Value>,
+    /// Context length the model was trained to.
     pub context: usize,
+    /// Vocabulary size (the token embedding's rows).
     pub vocab: usize,
 }
 
@@ -303,7 +325,7 @@ fn hf_name(gguf: &str, hp: &Hparams) -> Option<(String, Option<usize>)> {
 
 /// Inverse of llama.cpp's `permute`: rows were reordered from HF's [half0 | half1] per head to
 /// interleaved pairs.
-pub(crate) fn unpermute(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
+pub fn unpermute(t: &Tensor, heads: usize) -> candle_core::Result<Tensor> {
     let (rows, cols) = t.dims2()?;
     t.reshape((heads, rows / heads / 2, 2, cols))?
         .transpose(1, 2)?
@@ -311,7 +333,8 @@ pub(crate) fn unpermute(t: &Tensor, heads: usize) -> candle_core::Result<Tensor>
         .reshape((rows, cols))
 }
 
-pub(crate) fn model_type(arch: Arch) -> &'static str {
+/// HF `config.json`'s `model_type` of an architecture.
+pub fn model_type(arch: Arch) -> &'static str {
     match arch {
         Arch::Llama => "llama",
         Arch::Qwen2 => "qwen2",

@@ -1,7 +1,7 @@
 //! Pre-quantized HF checkpoints: what a `config.json`'s `quantization_config` says, and whether
 //! mole serves it. AWQ (AutoAWQ's GEMM packing) and GPTQ (AutoGPTQ's v1 format, `desc_act`
 //! false), 4 bits, group sizes 32, 64 and 128 are served (see
-//! [`crate::formats::quant_blocks`]); anything else is refused at load naming the format,
+//! [`crate::quant_blocks`]); anything else is refused at load naming the format,
 //! before a tensor is read (an unknown layout would otherwise fail as a missing `.weight`).
 
 use serde_json::Value;

@@ -34,7 +34,7 @@ pub enum PeftError {
     Unsupported(String),
     /// `adapter_config.json` resolves outside the adapter's directory (a symlink).
     #[error(transparent)]
-    OutsideDir(crate::formats::hf::HfError),
+    OutsideDir(crate::hf::HfError),
 }
 
 impl PeftError {
@@ -147,8 +147,7 @@ fn matches_targets(targets: &TargetModules, module: &str) -> bool {
 impl AdapterConfig {
     /// Reads `adapter_config.json` from an adapter directory.
     pub fn from_dir(dir: &Path) -> Result<Self, PeftError> {
-        let path = crate::formats::hf::confine(dir, "adapter_config.json")
-            .map_err(PeftError::OutsideDir)?;
+        let path = crate::hf::confine(dir, "adapter_config.json").map_err(PeftError::OutsideDir)?;
         let text = std::fs::read_to_string(&path).map_err(|source| PeftError::Io {
             path: path.display().to_string(),
             source,

@@ -7,7 +7,7 @@ use std::path::Path;
 use ::safetensors::Dtype;
 
 use super::{split_adapter_key, AdapterConfig};
-use crate::formats::safetensors::{self, decode_into, is_float};
+use crate::safetensors::{self, decode_into, is_float};
 
 /// Why an adapter's weights file cannot be read. Stable names via [`WeightsError::code`].
 #[derive(Debug, thiserror::Error)]
@@ -64,22 +64,29 @@ impl WeightsError {
 
 /// An f32 matrix read from the adapter.
 #[derive(Debug, Clone)]
-pub(crate) struct Mat {
+pub struct Mat {
+    /// Row-major values.
     pub data: Vec<f32>,
+    /// Its shape.
     pub shape: Vec<usize>,
 }
 
 /// An adapter tensor left where it is in the adapter file: dtype, shape and byte range.
 #[derive(Debug, Clone)]
-pub(crate) struct Raw {
+pub struct Raw {
+    /// The stored dtype.
     pub dtype: Dtype,
+    /// Its shape.
     pub shape: Vec<usize>,
+    /// First byte in the file's data section.
     pub start: usize,
+    /// One past its last byte.
     pub end: usize,
 }
 
 /// What grouping and planning need to know of a tensor, however it is held.
-pub(crate) trait Shaped {
+pub trait Shaped {
+    /// The tensor's shape.
     fn shape(&self) -> &[usize];
 }
 impl Shaped for Mat {
@@ -95,11 +102,17 @@ impl Shaped for Raw {
 
 /// One LoRA module of the adapter.
 #[derive(Debug)]
-pub(crate) struct Lora<T = Mat> {
+pub struct Lora<T = Mat> {
+    /// `lora_A` (`lora_embedding_A` for an embedding).
     pub a: Option<T>,
+    /// `lora_B`.
     pub b: Option<T>,
+    /// `lora_B`'s bias (PEFT's `lora_bias`).
     pub b_bias: Option<T>,
+    /// Whether the module is an embedding (`lora_embedding_A/B`, whose product B·A is the
+    /// transpose of the embedding's delta).
     pub embedding: bool,
+    /// `lora_alpha / r` (or `/ sqrt(r)` with rsLoRA), per the module's own rank and alpha.
     pub scale: f64,
 }
 
@@ -191,7 +204,6 @@ fn group<T: Shaped>(
 /// The bytes of an adapter file.
 enum AdapterBytes {
     Mapped(memmap2::Mmap),
-    #[cfg(test)]
     Owned(Vec<u8>),
 }
 
@@ -200,7 +212,6 @@ impl std::ops::Deref for AdapterBytes {
     fn deref(&self) -> &[u8] {
         match self {
             AdapterBytes::Mapped(m) => m,
-            #[cfg(test)]
             AdapterBytes::Owned(v) => v,
         }
     }
@@ -209,8 +220,9 @@ impl std::ops::Deref for AdapterBytes {
 /// A PEFT adapter file, memory-mapped, its tensors grouped by module but not decoded: the
 /// merge decodes one module at a time, so the adapter costs its file size in memory at most
 /// (an f32 copy of a bf16 adapter would double it).
-pub(crate) struct MappedAdapter {
+pub struct MappedAdapter {
     bytes: AdapterBytes,
+    /// Module name → its LoRA tensors.
     pub loras: BTreeMap<String, Lora<Raw>>,
     /// Base tensor name → full replacement (modules_to_save, saved embeddings, biases).
     pub replacements: BTreeMap<String, Raw>,
@@ -222,7 +234,7 @@ impl MappedAdapter {
         // Confined to the directory it was named in: a symlink out of it is refused, not read.
         let dir = path.parent().unwrap_or(Path::new("."));
         let name = path.file_name().unwrap_or_default().to_string_lossy();
-        crate::formats::hf::confine(dir, &name).map_err(|_| WeightsError::OutsideDir {
+        crate::hf::confine(dir, &name).map_err(|_| WeightsError::OutsideDir {
             path: path.display().to_string(),
             dir: dir.display().to_string(),
         })?;
@@ -289,10 +301,10 @@ impl MappedAdapter {
     }
 }
 
-#[cfg(test)]
 impl MappedAdapter {
-    /// An adapter over bytes in memory with no modules (tests of the merge kernels).
-    pub(crate) fn from_owned(bytes: Vec<u8>) -> Self {
+    /// An adapter over bytes in memory with no modules yet: a caller that places tensors in
+    /// `bytes` itself groups them (the merge kernels' tests do).
+    pub fn from_owned(bytes: Vec<u8>) -> Self {
         Self {
             bytes: AdapterBytes::Owned(bytes),
             loras: BTreeMap::new(),

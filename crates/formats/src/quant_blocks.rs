@@ -70,7 +70,7 @@ const BLOCK_BYTES: usize = 20;
 const AWQ_NIBBLE: [usize; 8] = [0, 4, 1, 5, 2, 6, 3, 7];
 
 /// One quantized projection as its checkpoint holds it, its layout checked.
-pub(crate) struct Packed<'a> {
+pub struct Packed<'a> {
     format: QuantFormat,
     qweight: &'a [u8],
     qzeros: &'a [u8],
@@ -91,14 +91,14 @@ fn word(bytes: &[u8], at: usize) -> u32 {
 
 impl Packed<'_> {
     /// `[out, in]`: the dense weight's shape.
-    pub(crate) fn shape(&self) -> [usize; 2] {
+    pub fn shape(&self) -> [usize; 2] {
         [self.d_out, self.d_in]
     }
 
     /// Output rows `r0..r0 + out.len() / d_in` of the weight, `(q - z)·s`, in f32. Exact: `q - z`
     /// is an integer of magnitude at most 15 (4 bits) and `s` an f16 with an 11-bit
     /// significand, so the product needs at most 15 significant bits, which f32 holds.
-    pub(crate) fn dequantize_rows(&self, r0: usize, out: &mut [f32]) {
+    pub fn dequantize_rows(&self, r0: usize, out: &mut [f32]) {
         for (k, row) in out.chunks_exact_mut(self.d_in).enumerate() {
             let o = r0 + k;
             for (i, w) in row.iter_mut().enumerate() {
@@ -136,7 +136,7 @@ impl Packed<'_> {
     }
 
     /// The Q4_1 blocks, row-major: `d_out` rows of `d_in / 32` blocks.
-    pub(crate) fn q4_1(&self) -> Vec<u8> {
+    pub fn q4_1(&self) -> Vec<u8> {
         let per_row = self.d_in / BLOCK;
         let mut out = vec![0u8; self.d_out * per_row * BLOCK_BYTES];
         for (o, row) in out.chunks_mut(per_row * BLOCK_BYTES).enumerate() {
@@ -220,7 +220,7 @@ fn repack(
 /// Projection `module` of a checkpoint in `scheme`, its parts read by `get` (`"qweight"`,
 /// `"qzeros"`, `"scales"`, `"g_idx"`), with their shapes, dtypes and (GPTQ) group index
 /// checked against the format. `origin` names where they come from in messages.
-pub(crate) fn packed<'a>(
+pub fn packed<'a>(
     get: impl Fn(&str) -> Option<TensorView<'a>>,
     module: &str,
     scheme: QuantScheme,
