@@ -4,7 +4,8 @@
 //! Layers, from the ground up; each imports only those below it:
 //! - `mole_formats` (crates/formats), below all of it: on-disk formats (safetensors, HF
 //!   model directories, PEFT adapters, GGUF) with their validation rules.
-//! - [`kernels`]: CPU host kernels read in place from tensor storage.
+//! - `mole_kernels` (crates/kernels): CPU host kernels read in place from tensor storage, and
+//!   the device's BGMV LoRA kernels.
 //! - [`model`]: the decoder, one struct per part, and how it applies adapters.
 //! - [`lora`]: adapters as served: loading and validation, and the registry of versions.
 //! - [`engine`]: the engine thread, continuous batching, sampling, text.
@@ -29,7 +30,6 @@ pub mod engine;
 pub mod fetch;
 pub mod import;
 pub mod inspect;
-pub mod kernels;
 #[warn(clippy::disallowed_methods)]
 pub mod lora;
 pub mod merge;

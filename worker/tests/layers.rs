@@ -11,10 +11,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 /// Layers from the ground up; a module may use `crate::M` only for `M` at its layer or below.
-/// (The on-disk formats below them all are a crate of their own, `crates/formats`: cargo keeps
-/// them from importing anything above.)
+/// (The layers below them are crates of their own, `crates/formats` and `crates/kernels`:
+/// cargo keeps them from importing anything above.)
 const LAYERS: &[&[&str]] = &[
-    &["kernels"],
     &["model"],
     &["lora"],
     &["engine"],

@@ -1,5 +1,5 @@
-//! The BGMV LoRA kernels (`worker/kernels/lora.cu`, `--lora-kernel bgmv`) on a GPU: equal to
-//! their CPU reference (`mole_worker::kernels::bgmv`, which repeats their arithmetic in their
+//! The BGMV LoRA kernels (`crates/kernels/kernels/lora.cu`, `--lora-kernel bgmv`) on a GPU: equal to
+//! their CPU reference (`mole_kernels::bgmv`, which repeats their arithmetic in their
 //! order) bit for bit, on decode shapes of the 5.9B benchmark model and odd ones, every dtype
 //! pair the decoder makes, base rows and out-of-range slots; and equal to the grouped ops they
 //! replace within the bound `mole_worker::model::bgmv_against_grouped_ops` states.
@@ -14,7 +14,7 @@
 mod common;
 
 use candle_core::{DType, Device, Tensor};
-use mole_worker::kernels::bgmv;
+use mole_kernels::bgmv;
 
 const DEVICE_ONLY: &str = "set MOLE_TEST_DEVICE=cuda on a --features cuda build: on the CPU \
                            the ops are their reference itself";

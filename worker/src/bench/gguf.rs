@@ -201,7 +201,7 @@ fn compare(
         // The quantized base with mole's kernel by panels (where the CPU has AVX-512 VNNI;
         // else the tiled kernel again), tiled, one row at a time, with candle's product alone,
         // and the bf16 import.
-        use crate::kernels::quant::{set_mode, Mode};
+        use mole_kernels::quant::{set_mode, Mode};
         let all = [
             (&quant, &a_quant, Mode::Panels),
             (&quant, &a_quant, Mode::Tiled),

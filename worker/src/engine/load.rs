@@ -178,7 +178,7 @@ fn kv_budget(
     let bytes_per_block = layers * 2 * tp.block_size as u64 * width * kv_size;
     // The slots compute in the wider of the activations' dtype and the adapters'.
     let slot_size = (model.dtype().size_in_bytes() as u64).max(lora_dtype.size_in_bytes() as u64);
-    let rank = tp.lora_rank.div_ceil(crate::kernels::RANK_ALIGN) * crate::kernels::RANK_ALIGN;
+    let rank = tp.lora_rank.div_ceil(mole_kernels::RANK_ALIGN) * mole_kernels::RANK_ALIGN;
     let per_slot: u64 = Proj::ALL
         .iter()
         .map(|p| {

@@ -10,11 +10,11 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::kernels;
 use crate::model::{LoraAdapter, ModelConfig, Proj};
 use mole_formats::peft::weights::{MappedAdapter, WeightsError};
 use mole_formats::safetensors::decode_slice;
 use mole_formats::{hf, peft::AdapterConfig};
+use mole_kernels as kernels;
 
 pub use self::registry::AdapterSpec;
 

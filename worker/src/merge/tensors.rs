@@ -5,10 +5,10 @@ use std::collections::{BTreeMap, HashMap};
 use safetensors::Dtype;
 
 use super::MergeError;
-use crate::kernels::madd;
 use mole_formats::peft::weights::{MappedAdapter, Raw};
 use mole_formats::peft::AdapterConfig;
 use mole_formats::safetensors::is_float;
+use mole_kernels::madd;
 
 /// Output dtype of merged weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -529,7 +529,7 @@ pub(crate) fn merge_rows(
     debug_assert!(is_float(src_dtype) && is_float(out_dtype));
     #[cfg(target_arch = "x86_64")]
     {
-        let c = crate::kernels::cpu::caps();
+        let c = mole_kernels::cpu::caps();
         if c.avx512f && c.avx2_fma() {
             // SAFETY: the CPU has these features (checked just above).
             return unsafe { rows_avx512(src_dtype, src, out_dtype, dst, row0, cols, delta) };
@@ -793,7 +793,7 @@ mod tests {
         let mut variants: Vec<(&str, Box<Kernel<'_>>)> = vec![("portable", Box::new(portable))];
         #[cfg(target_arch = "x86_64")]
         {
-            let c = crate::kernels::cpu::caps();
+            let c = mole_kernels::cpu::caps();
             if c.avx2_fma() {
                 variants.push((
                     "avx2",

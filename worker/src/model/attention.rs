@@ -14,7 +14,7 @@ use super::kvbuf::{KvBuf, KvElem};
 use super::project::{fusable_projs, projs};
 use super::weights::{Fusable, Weights};
 use super::{Family, Lin, ModelConfig, ModelError, Proj};
-use crate::kernels;
+use mole_kernels as kernels;
 
 /// New tokens of a row at most for the host attention kernel; longer rows (prefill) use
 /// gemm, whose tiling wins once there are many queries per key.
@@ -234,7 +234,7 @@ fn attend_host<E: KvElem>(
         let t = batch.lens[ri];
         let slot = row.cache.layer_mut(li, batch.layers);
         if let LayerKv::Empty = slot {
-            let new = || KvBuf::new(<E as crate::kernels::HostElem>::DTYPE);
+            let new = || KvBuf::new(<E as mole_kernels::HostElem>::DTYPE);
             *slot = LayerKv::Host(new(), new());
         }
         if let LayerKv::Host(kc, vc) = slot {

@@ -11,7 +11,7 @@ use super::kv::BlockTable;
 use super::kvbuf::{KvBuf, KvElem};
 use super::prefix::HostBlock;
 use super::ModelError;
-use crate::kernels::KvRun;
+use mole_kernels::KvRun;
 
 /// The KV cache of one sequence. Dropping it frees its blocks.
 #[derive(Debug, Default)]

@@ -20,8 +20,8 @@ use super::step;
 use super::vision::{ImageEmbeds, VisionTower};
 use super::weights::{compute_dtype, Dense, Embed, Prequantized, Quantized, Weights};
 use super::{HostUpdates, Lin, LoraAdapter, ModelConfig, ModelError, Rope};
-use crate::kernels;
 use mole_formats::hf;
+use mole_kernels as kernels;
 
 mod prefix_cache;
 

@@ -23,7 +23,7 @@ pub enum LoraKernel {
     /// The grouped ops of `slots.rs`, for every step (the default).
     #[default]
     Ops,
-    /// The BGMV kernels ([`crate::kernels::bgmv`]) for steps of at most [`crate::kernels::bgmv::MAX_TOKENS`] tokens, the
+    /// The BGMV kernels ([`mole_kernels::bgmv`]) for steps of at most [`mole_kernels::bgmv::MAX_TOKENS`] tokens, the
     /// grouped ops for longer ones. Unproven on a device: off until a GPU run shows its
     /// numerics and speed (docs/benchmarks.md).
     Bgmv,

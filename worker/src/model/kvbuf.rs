@@ -6,7 +6,7 @@ use std::ops::Range;
 use candle_core::DType;
 use half::{bf16, f16};
 
-use crate::kernels::Weight;
+use mole_kernels::Weight;
 
 /// Spare room, in tokens, a host cache grows by when it is full.
 const KV_GROW_TOKENS: usize = 256;

@@ -9,7 +9,7 @@ use std::collections::HashMap;
 use candle_core::{DType, Device, Tensor};
 
 use super::ModelConfig;
-use crate::kernels::{self, Host, HostF32};
+use mole_kernels::{self as kernels, Host, HostF32};
 
 /// A projection of a decoder layer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]

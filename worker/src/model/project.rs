@@ -26,10 +26,10 @@ use super::lora::{HostUpdates, UpdateTask, HOST_LORA_MAX_TOKENS};
 use super::slots::Group as Projections;
 use super::weights::{quant_blocks, Fusable};
 use super::{Lin, LoraAdapter, ModelError, Proj};
-use crate::kernels::cpu::Isa;
-use crate::kernels::dense;
-use crate::kernels::quant::{self, Format, Q8Rows};
-use crate::kernels::{Host, HostF32, Weight};
+use mole_kernels::cpu::Isa;
+use mole_kernels::dense;
+use mole_kernels::quant::{self, Format, Q8Rows};
+use mole_kernels::{Host, HostF32, Weight};
 
 /// Projections of one input for the whole batch: each base matmul once, plus the adapters'
 /// low-rank updates. On the tensor path every token's update comes from its LoRA slot, one
@@ -360,7 +360,7 @@ fn base_outputs<'t>(
 
 /// A projection's base weights as held: f32, or a half type widened to f32 as the kernel
 /// loads it, or quantized blocks (multiplied with the input rounded to 8 bits, see
-/// [`crate::kernels::quant`]).
+/// [`mole_kernels::quant`]).
 enum Base<'t> {
     F32(HostF32<'t>),
     Bf16(Host<'t, half::bf16>),
@@ -495,7 +495,7 @@ impl Columns {
             }
         };
         // Columns `cols` of the output are the block's rows; its window starts at cols.start.
-        crate::kernels::gemm_by_rows(
+        mole_kernels::gemm_by_rows(
             t,
             cols.len(),
             d_in,
@@ -559,7 +559,7 @@ mod tests {
         let val = |i: usize| ((i * 7919 % 101) as f32 - 50.0) / 37.0;
         let mut kernels = vec![None, dense::available()];
         #[cfg(target_arch = "x86_64")]
-        if kernels[1] == Some(Isa::Avx512) && crate::kernels::cpu::caps().avx2_fma() {
+        if kernels[1] == Some(Isa::Avx512) && mole_kernels::cpu::caps().avx2_fma() {
             kernels.push(Some(Isa::Avx2));
         }
         kernels.dedup();

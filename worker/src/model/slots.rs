@@ -32,7 +32,7 @@ use std::sync::{Mutex, PoisonError};
 use candle_core::{DType, Device, Tensor};
 
 use super::{LoraAdapter, LoraKernel, ModelConfig, ModelError, Proj, TensorPathOptions};
-use crate::kernels::{bgmv, RANK_ALIGN};
+use mole_kernels::{bgmv, RANK_ALIGN};
 
 /// Projections that share an input, and so a shrink.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

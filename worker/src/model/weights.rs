@@ -7,7 +7,7 @@ use candle_core::{DType, Device, Module, Tensor, D};
 use candle_nn::{linear_b, Embedding, Linear, RmsNorm, VarBuilder};
 
 use super::ModelError;
-use crate::kernels::quant::{self, Format};
+use mole_kernels::quant::{self, Format};
 
 /// The dtype a decoder computes in over weights of `weights`: the same, except the half
 /// types on the CPU, which compute in f32. The host kernels read bf16 and f16 weights in place
@@ -117,7 +117,7 @@ impl Module for Lin {
 
 /// The blocks of a quantized projection held on the CPU, as a tensor, their format, and its
 /// output and input widths, when mole's kernel multiplies them (see
-/// [`crate::kernels::quant`]); None otherwise (other block types, a GPU: candle's quantized
+/// [`mole_kernels::quant`]); None otherwise (other block types, a GPU: candle's quantized
 /// matmul).
 pub(super) fn quant_blocks(w: &QMatMul) -> Option<(&QTensor, Format, usize, usize)> {
     let QMatMul::QTensor(q) = w else {
@@ -141,7 +141,7 @@ fn quant_product(w: &QMatMul, x: &Tensor) -> candle_core::Result<Option<Tensor>>
         return Ok(None);
     };
     let x = x.contiguous()?;
-    let Some(xs) = crate::kernels::HostF32::of(&x) else {
+    let Some(xs) = mole_kernels::HostF32::of(&x) else {
         return Ok(None);
     };
     let t = x.elem_count() / k;

@@ -13,13 +13,13 @@
 
 use candle_core::{DType, Tensor};
 
-/// `pub(crate) fn $name(args)`: calls `$body::<true>` compiled for AVX2 + FMA when the CPU has
+/// `pub fn $name(args)`: calls `$body::<true>` compiled for AVX2 + FMA when the CPU has
 /// them (checked at run time), else `$body::<false>` for the baseline target.
 macro_rules! kernel {
     ($(#[$doc:meta])* $name:ident = $body:ident($($arg:ident: $ty:ty),* $(,)?)) => {
         $(#[$doc])*
         #[allow(clippy::too_many_arguments)]
-        pub(crate) fn $name($($arg: $ty),*) {
+        pub fn $name($($arg: $ty),*) {
             #[cfg(target_arch = "x86_64")]
             {
                 #[target_feature(enable = "avx2,fma")]
@@ -27,7 +27,7 @@ macro_rules! kernel {
                 unsafe fn fast($($arg: $ty),*) {
                     $body::<true>($($arg),*)
                 }
-                if $crate::kernels::cpu::caps().avx2_fma() {
+                if $crate::cpu::caps().avx2_fma() {
                     // SAFETY: the CPU has AVX2 and FMA (checked at run time).
                     return unsafe { fast($($arg),*) };
                 }
@@ -37,22 +37,22 @@ macro_rules! kernel {
     };
 }
 
-pub(crate) mod attention;
+pub mod attention;
 pub mod bgmv;
-pub(crate) mod cpu;
-pub(crate) mod dense;
-pub(crate) mod lora;
-pub(crate) mod quant;
+pub mod cpu;
+pub mod dense;
+pub mod lora;
+pub mod quant;
 
-pub(crate) use self::attention::{attend_head, KvHead, KvRun};
-pub(crate) use self::lora::{lora_tokens, lora_tokens_bf16, RANK_ALIGN};
+pub use self::attention::{attend_head, KvHead, KvRun};
+pub use self::lora::{lora_tokens, lora_tokens_bf16, RANK_ALIGN};
 
 /// Multiply-adds below which the attention of a batch runs on the calling thread: splitting
 /// a short decode step's few small products costs more than it saves.
-pub(crate) const PARALLEL_MIN_FMAS: usize = 1 << 21;
+pub const PARALLEL_MIN_FMAS: usize = 1 << 21;
 
 /// An element type the host kernels read in place from CPU tensor storage.
-pub(crate) trait HostElem: Copy + Send + Sync + 'static {
+pub trait HostElem: Copy + Send + Sync + 'static {
     /// The candle dtype of this element.
     const DTYPE: DType;
     /// The elements of a CPU storage of this type.
@@ -90,18 +90,18 @@ impl HostElem for half::f16 {
 }
 
 /// A contiguous CPU tensor's storage, held for reading in place.
-pub(crate) struct Host<'t, T> {
+pub struct Host<'t, T> {
     guard: candle_core::StorageRef<'t>,
     offset: usize,
     elem: std::marker::PhantomData<T>,
 }
 
 /// A contiguous CPU f32 tensor's storage.
-pub(crate) type HostF32<'t> = Host<'t, f32>;
+pub type HostF32<'t> = Host<'t, f32>;
 
 impl<'t, T: HostElem> Host<'t, T> {
     /// The storage of `t`, or None unless it is contiguous on the CPU with elements `T`.
-    pub(crate) fn of(t: &'t Tensor) -> Option<Self> {
+    pub fn of(t: &'t Tensor) -> Option<Self> {
         use candle_core::Storage;
         if !t.is_contiguous() || t.dtype() != T::DTYPE {
             return None;
@@ -116,7 +116,7 @@ impl<'t, T: HostElem> Host<'t, T> {
     }
 
     /// The first `n` elements of the tensor.
-    pub(crate) fn slice(&self, n: usize) -> &[T] {
+    pub fn slice(&self, n: usize) -> &[T] {
         match &*self.guard {
             candle_core::Storage::Cpu(c) => {
                 &T::of_storage(c).expect("checked by Host::of")[self.offset..self.offset + n]
@@ -128,7 +128,7 @@ impl<'t, T: HostElem> Host<'t, T> {
 
 /// Weights the kernels read as f32: f32 itself, bf16 (adapters and base weights held at half
 /// the bytes) or f16 (base weights).
-pub(crate) trait Weight: HostElem {
+pub trait Weight: HostElem {
     /// The value as f32 (exact for every type).
     fn f32(self) -> f32;
     /// The values themselves when they are f32 already.
@@ -215,7 +215,7 @@ impl Weight for half::f16 {
 }
 
 /// A weight slice as the bytes it occupies.
-pub(crate) fn bytes<W: Weight>(w: &[W]) -> &[u8] {
+pub fn bytes<W: Weight>(w: &[W]) -> &[u8] {
     // SAFETY: f32 and bf16 are plain data with no padding; the bytes are those of `w`.
     unsafe { std::slice::from_raw_parts(w.as_ptr().cast(), std::mem::size_of_val(w)) }
 }
@@ -223,7 +223,7 @@ pub(crate) fn bytes<W: Weight>(w: &[W]) -> &[u8] {
 /// `a·b + c`, fused (one rounding, as BLAS kernels do) where the CPU has FMA (without the
 /// instruction `mul_add` is a libm call, so callers compiled for the baseline pass false).
 #[inline(always)]
-pub(crate) fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
+pub fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
     if FMA {
         a.mul_add(b, c)
     } else {
@@ -240,7 +240,7 @@ pub(crate) fn madd<const FMA: bool>(a: f32, b: f32, c: f32) -> f32 {
 /// `out` is valid for writes of `t` rows of `stride` floats from its start, `n ≤ stride`, and
 /// no other thread reads or writes those `t × n` values meanwhile.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn gemm_by_rows(
+pub unsafe fn gemm_by_rows(
     t: usize,
     n: usize,
     k: usize,

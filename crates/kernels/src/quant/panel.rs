@@ -43,7 +43,7 @@ pub(super) fn available(f: Format) -> bool {
 
 /// Whether the CPU has what panels take: AVX-512 F, BW and VNNI.
 pub(super) fn cpu_has() -> bool {
-    let c = crate::kernels::cpu::caps();
+    let c = crate::cpu::caps();
     c.avx512f && c.avx512bw && c.avx512vnni
 }
 
@@ -82,7 +82,7 @@ impl Panels {
         // at a time); the last, partial one value by value.
         let mut whole = 0;
         #[cfg(target_arch = "x86_64")]
-        if crate::kernels::cpu::caps().avx2 {
+        if crate::cpu::caps().avx2 {
             whole = rows / PANEL;
             for p in 0..whole {
                 // SAFETY: the CPU has AVX2; panel `p`'s rows lie within `w` (asserted above).

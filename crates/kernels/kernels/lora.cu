@@ -2,10 +2,10 @@
 // matrix-vector"): every token reads its own adapter's weights from the slot pool by its slot
 // index, so a step of any mix of adapters is one shrink launch per projection group and one
 // expand-add launch per projection, with no gather of x, no selection of slots and no scatter
-// back (see worker/src/kernels/bgmv.rs, whose CPU reference computes exactly what these do,
+// back (see crates/kernels/src/bgmv.rs, whose CPU reference computes exactly what these do,
 // in the same order, and worker/src/model/slots.rs for the pool's layout).
 //
-// Built to PTX by worker/build.rs under the `cuda` feature. Numerics: every product is an
+// Built to PTX by crates/kernels/build.rs under the `cuda` feature. Numerics: every product is an
 // explicit fmaf and every sum an explicit __fadd_rn, in an order fixed by the launch shape
 // alone (not by timing), so the CPU reference can repeat it bit for bit; no fast-math (it
 // would flush subnormals, which the CPU does not).

@@ -297,7 +297,7 @@ pub(super) unsafe fn product(
 pub(super) fn available() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        let c = crate::kernels::cpu::caps();
+        let c = crate::cpu::caps();
         super::isa() != super::Isa::Scalar && c.avx512f && c.avx512bw
     }
     #[cfg(not(target_arch = "x86_64"))]

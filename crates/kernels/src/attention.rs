@@ -189,7 +189,7 @@ unsafe fn weigh_fma<E: Weight>(
 
 /// Where one head's keys and values lie in a token-major cache `[len, kv_heads, dim]`.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct KvHead {
+pub struct KvHead {
     /// Values per cached token (kv_heads × dim).
     pub stride: usize,
     /// This head's first value within a token.
@@ -201,7 +201,7 @@ pub(crate) struct KvHead {
 /// A run of consecutive cached tokens of one layer, token-major `[tokens, kv_heads, dim]`: a
 /// sequence's cache is the runs in order (blocks shared with the prefix cache, then its own).
 #[derive(Debug)]
-pub(crate) struct KvRun<'c, E> {
+pub struct KvRun<'c, E> {
     /// The run's keys.
     pub keys: &'c [E],
     /// The run's values, as many as its keys.
@@ -295,7 +295,7 @@ fn attend_impl<const FMA: bool, E: Weight>(
 /// own position + 1); writes `[dim]` into `out`. Softmax in f32 with the maximum subtracted, as
 /// torch computes it. `scores` is scratch space. Runs the AVX2 + FMA build where the CPU has
 /// it (and F16C, which every such CPU has, for f16 caches), else the baseline one.
-pub(crate) fn attend_head<E: Weight>(
+pub fn attend_head<E: Weight>(
     q: &[f32],
     runs: &[KvRun<'_, E>],
     seen: usize,

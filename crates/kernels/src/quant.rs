@@ -82,13 +82,13 @@ use k::dots_k_avx2;
 use k::{dots_k_scalar, k_block_bytes, k_scales, k_values};
 
 /// Values per block (and per activation block of [`Q8Rows`]).
-pub(crate) const BLOCK: usize = 32;
+pub const BLOCK: usize = 32;
 /// Values per k-quant super-block.
-pub(crate) const SUPER: usize = 256;
+pub const SUPER: usize = 256;
 /// Activation rows multiplied with the weight rows of a column block while they are in L1.
 const ROW_TILE: usize = 16;
 /// Activation rows over which [`matmul`] multiplies dequantized weights by gemm.
-pub(crate) const GEMM_ROWS: usize = 64;
+pub const GEMM_ROWS: usize = 64;
 /// Activation rows that share one unpacked weight block: four accumulators, the unpacked
 /// block and the loads fit AVX2's sixteen registers.
 const TILE: usize = 4;
@@ -106,7 +106,7 @@ const K_TILE: usize = 8;
 
 /// A block format the kernel multiplies.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Format {
+pub enum Format {
     /// `d` (f16), 16 bytes of nibbles: `d·(q - 8)`.
     Q4_0,
     /// `d`, `m` (f16), 16 bytes of nibbles: `d·q + m`.
@@ -126,7 +126,7 @@ pub(crate) enum Format {
 
 impl Format {
     /// The format of GGML blocks of type `t`, where the kernel covers it.
-    pub(crate) fn of(t: GgmlDType) -> Option<Self> {
+    pub fn of(t: GgmlDType) -> Option<Self> {
         match t {
             GgmlDType::Q4_0 => Some(Self::Q4_0),
             GgmlDType::Q4_1 => Some(Self::Q4_1),
@@ -139,7 +139,7 @@ impl Format {
     }
 
     /// Bytes per block.
-    pub(crate) const fn block_bytes(self) -> usize {
+    pub const fn block_bytes(self) -> usize {
         match self {
             Self::Q4_0 => 18,
             Self::Q4_1 => 20,
@@ -151,7 +151,7 @@ impl Format {
     }
 
     /// Values per block: a row's length is a multiple of it.
-    pub(crate) const fn block_values(self) -> usize {
+    pub const fn block_values(self) -> usize {
         match self {
             Self::Q4_0 | Self::Q4_1 | Self::Q8_0 => BLOCK,
             Self::Q4K | Self::Q5K | Self::Q6K => SUPER,
@@ -159,7 +159,7 @@ impl Format {
     }
 
     /// Bytes of a weight row of `k` values.
-    pub(crate) const fn row_bytes(self, k: usize) -> usize {
+    pub const fn row_bytes(self, k: usize) -> usize {
         k / self.block_values() * self.block_bytes()
     }
 
@@ -179,7 +179,7 @@ const Q6K: u8 = Format::Q6K.id();
 /// How quantized products are computed in this process: `bench decode --gguf` times them side
 /// by side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Mode {
+pub enum Mode {
     /// Panels ([`panel`]) from [`panel::MIN_ROWS`] rows where the CPU has AVX-512 VNNI,
     /// else the tiled kernel (the default).
     Panels = 0,
@@ -195,7 +195,7 @@ pub(crate) enum Mode {
 static MODE: AtomicU8 = AtomicU8::new(Mode::Panels as u8);
 
 /// Sets how quantized products are computed for the process (a benchmark's contenders).
-pub(crate) fn set_mode(m: Mode) {
+pub fn set_mode(m: Mode) {
     MODE.store(m as u8, Ordering::Relaxed);
 }
 
@@ -210,7 +210,7 @@ fn mode() -> Mode {
 
 /// The best instruction set the CPU has for these kernels: scalar, AVX2 or AVX-VNNI (their
 /// AVX-512 builds are the panels', chosen apart: [`panel::available`]).
-pub(crate) fn isa() -> Isa {
+pub fn isa() -> Isa {
     let c = super::cpu::caps();
     match (c.avx2_fma_f16c(), c.avxvnni) {
         (true, true) => Isa::AvxVnni,
@@ -222,7 +222,7 @@ pub(crate) fn isa() -> Isa {
 /// Whether weights of format `f` take this kernel: with AVX2 all of them; without, Q4_1 only
 /// (candle has SIMD products of its own for q4_0 and q8_0 on ARM and older x86, but runs Q4_1
 /// through a scalar loop that the scalar build here beats by summing in integers).
-pub(crate) fn available(f: Format) -> bool {
+pub fn available(f: Format) -> bool {
     mode() != Mode::Off && (isa() != Isa::Scalar || f == Format::Q4_1)
 }
 
@@ -236,7 +236,7 @@ fn panels(f: Format) -> bool {
 /// Bound: a value `v` of a block becomes `d·q` with `d = max|x|/127` and `q = round(v/d)`,
 /// so it moves by at most `d/2 = max|x|/254`; a product with weights `w` moves by at most
 /// `Σ_blocks d/2 · Σ|w|` (tested on the kernel against the dequantized f32 product).
-pub(crate) struct Q8Rows {
+pub struct Q8Rows {
     /// Per block of 32: its scale (the same for the eight blocks of a group of 256 in rows
     /// made by [`Q8Rows::for_format`] for a k-quant).
     d: Vec<f32>,
@@ -264,7 +264,7 @@ impl Q8Rows {
     /// `block_q8_K`, so that a super-block's products sum in integers). Rows with a scale per
     /// 256 serve the 32-wide formats too, rounded more coarsely (within the same bound, `d/2`
     /// per value, with `d` the larger scale).
-    pub(crate) fn for_format(f: Format, xs: &[f32], t: usize, k: usize) -> Self {
+    pub fn for_format(f: Format, xs: &[f32], t: usize, k: usize) -> Self {
         Self::scaled_per(xs, t, k, f.block_values())
     }
 
@@ -307,7 +307,7 @@ impl Q8Rows {
     }
 
     /// Rows held.
-    pub(crate) fn rows(&self) -> usize {
+    pub fn rows(&self) -> usize {
         self.qs.len() / self.k.max(1)
     }
 }
@@ -320,7 +320,7 @@ impl Q8Rows {
 /// `isa` is one the CPU has ([`isa`]); `out` is valid for writes of `x.rows()` rows of
 /// `width` values, and no other thread touches these columns meanwhile.
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn product(
+pub unsafe fn product(
     isa: Isa,
     f: Format,
     x: &Q8Rows,
@@ -597,14 +597,7 @@ fn scalar_lane_sum(a: &[f32; 8]) -> f32 {
 /// `x·Wᵀ` for `x` `[t, k]` row-major and `W` `n` rows of blocks of `f`: `[t, n]`, column
 /// blocks spread over the thread pool. None where the kernel does not take `f`
 /// ([`available`]).
-pub(crate) fn matmul(
-    f: Format,
-    xs: &[f32],
-    t: usize,
-    k: usize,
-    w: &[u8],
-    n: usize,
-) -> Option<Vec<f32>> {
+pub fn matmul(f: Format, xs: &[f32], t: usize, k: usize, w: &[u8], n: usize) -> Option<Vec<f32>> {
     use rayon::prelude::*;
     if !available(f) {
         return None;
@@ -710,6 +703,7 @@ unsafe impl Sync for Out {}
 unsafe impl Send for Out {}
 
 #[cfg(test)]
+#[allow(clippy::disallowed_methods)] // a test reads its results back to compare them
 mod tests {
     use super::*;
 

@@ -6,7 +6,7 @@ use super::BLOCK;
 
 /// Whether the vector builds run here (asked once per product, not per block).
 pub(super) fn vectors() -> bool {
-    crate::kernels::cpu::caps().avx2
+    crate::cpu::caps().avx2
 }
 
 /// The largest magnitude of `x` (NaN ignored, as `f32::max` ignores it); `simd`: [`vectors`].

@@ -9,21 +9,21 @@ use std::sync::OnceLock;
 /// The CPU features the kernels choose by (all false off x86-64: the portable builds run).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 #[allow(clippy::struct_excessive_bools)] // one flag per feature, as CPUID reports them
-pub(crate) struct Caps {
+pub struct Caps {
     /// AVX2 (256-bit integer and float vectors).
-    pub(crate) avx2: bool,
+    pub avx2: bool,
     /// Fused multiply-add on 256-bit vectors.
-    pub(crate) fma: bool,
+    pub fma: bool,
     /// Half-precision conversion (`vcvtph2ps`).
-    pub(crate) f16c: bool,
+    pub f16c: bool,
     /// AVX-VNNI: the VEX-encoded `vpdpbusd` on 256-bit vectors.
-    pub(crate) avxvnni: bool,
+    pub avxvnni: bool,
     /// AVX-512 Foundation.
-    pub(crate) avx512f: bool,
+    pub avx512f: bool,
     /// AVX-512 byte and word instructions.
-    pub(crate) avx512bw: bool,
+    pub avx512bw: bool,
     /// AVX-512 VNNI: `vpdpbusd` on 512-bit vectors.
-    pub(crate) avx512vnni: bool,
+    pub avx512vnni: bool,
 }
 
 impl Caps {
@@ -47,19 +47,19 @@ impl Caps {
     }
 
     /// AVX2 and FMA: the kernels' fast build (see the `kernel!` macro).
-    pub(crate) fn avx2_fma(&self) -> bool {
+    pub fn avx2_fma(&self) -> bool {
         self.avx2 && self.fma
     }
 
     /// AVX2, FMA and F16C: the fast build of the kernels that read half-precision values
     /// (every AVX2 CPU has F16C).
-    pub(crate) fn avx2_fma_f16c(&self) -> bool {
+    pub fn avx2_fma_f16c(&self) -> bool {
         self.avx2_fma() && self.f16c
     }
 }
 
 /// This CPU's features, detected on the first call.
-pub(crate) fn caps() -> &'static Caps {
+pub fn caps() -> &'static Caps {
     static CAPS: OnceLock<Caps> = OnceLock::new();
     CAPS.get_or_init(Caps::detect)
 }
@@ -67,7 +67,7 @@ pub(crate) fn caps() -> &'static Caps {
 /// The instruction set a kernel runs with. Each kernel picks among the ones it has a build
 /// for ([`super::dense::available`], [`super::quant::isa`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) enum Isa {
+pub enum Isa {
     /// Portable Rust (the quantized products: equal to [`Isa::Avx2`] bit for bit).
     Scalar,
     /// AVX2, FMA and F16C: 8 lanes, 16 registers.

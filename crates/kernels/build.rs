@@ -1,5 +1,5 @@
 //! Under the `cuda` feature, compiles the worker's own CUDA kernels (`kernels/*.cu`) to PTX in
-//! OUT_DIR, which `src/kernels/bgmv.rs` embeds and loads through candle's custom-function
+//! OUT_DIR, which `src/bgmv.rs` embeds and loads through candle's custom-function
 //! loader. PTX rather than a cubin: the driver compiles it for whatever GPU runs it, as it
 //! does candle's own kernels. Without the feature it does nothing (no toolkit needed).
 //!
@@ -31,7 +31,7 @@ fn main() {
         let src = Path::new("kernels").join(format!("{k}.cu"));
         let ptx = out.join(format!("{k}.ptx"));
         // -O3 and no --use_fast_math: fast-math flushes subnormals and contracts freely, and
-        // the CPU reference (src/kernels/bgmv.rs) repeats these kernels' arithmetic exactly.
+        // the CPU reference (src/bgmv.rs) repeats these kernels' arithmetic exactly.
         let status = Command::new(&nvcc)
             .args(["--ptx", "-O3", "-std=c++17", "--fmad=true"])
             .arg(format!("-arch=compute_{cap}"))
@@ -67,7 +67,7 @@ fn nvcc() -> PathBuf {
         return "nvcc".into();
     }
     fail(
-        "the `cuda` feature compiles worker/kernels/*.cu with nvcc, and none was found: set \
+        "the `cuda` feature compiles crates/kernels/kernels/*.cu with nvcc, and none was found: set \
          CUDA_HOME (or NVCC) to a CUDA 13.0 toolkit, e.g. the PyPI one that \
          ../shared/tools/cuda13-from-pypi.sh installs (see CONTRIBUTING.md, GPU runs)",
     )

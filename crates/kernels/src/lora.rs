@@ -4,7 +4,7 @@ use super::{bytes, madd, Weight};
 
 /// Ranks are held padded with zeros to a multiple of this, so every row of `Aᵀ` and `B`
 /// is whole AVX registers (see `lora::LoraAdapter`).
-pub(crate) const RANK_ALIGN: usize = 8;
+pub const RANK_ALIGN: usize = 8;
 
 /// Ranks per pass of the first product: two registers per token.
 const RANK_BLOCK: usize = 16;

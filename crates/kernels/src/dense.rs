@@ -18,7 +18,7 @@ use super::Weight;
 
 /// The instruction set the kernel runs with on this CPU, AVX-512 or AVX2; None where it has
 /// neither (gemm then).
-pub(crate) fn available() -> Option<Isa> {
+pub fn available() -> Option<Isa> {
     let c = super::cpu::caps();
     if c.avx512f {
         return Some(Isa::Avx512);
@@ -58,7 +58,7 @@ const TOKENS: usize = 4;
 /// `stride` apart, which no other thread touches meanwhile.
 #[cfg(target_arch = "x86_64")]
 #[allow(clippy::too_many_arguments)]
-pub(crate) unsafe fn product<W: Weight>(
+pub unsafe fn product<W: Weight>(
     isa: Isa,
     xs: &[f32],
     t: usize,

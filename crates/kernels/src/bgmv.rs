@@ -30,7 +30,7 @@
 //! difference is their extra roundings (x, the shrink's result and the product to the pool's
 //! dtype, the update to the output's), bounded in the tests of `model/slots.rs`.
 //!
-//! The CUDA kernels are `worker/kernels/lora.cu`, compiled to PTX by `build.rs` under the
+//! The CUDA kernels are `crates/kernels/kernels/lora.cu`, compiled to PTX by `build.rs` under the
 //! `cuda` feature and loaded with candle's custom-function loader.
 
 use candle_core::backend::BackendStorage;
@@ -440,7 +440,7 @@ impl CustomOp3 for Expand {
 
 #[cfg(feature = "cuda")]
 mod cuda {
-    //! Launches of `worker/kernels/lora.cu`'s kernels.
+    //! Launches of `crates/kernels/kernels/lora.cu`'s kernels.
 
     use candle_core::backend::BackendStorage;
     use candle_core::cuda_backend::cudarc::driver::{

@@ -76,7 +76,7 @@ impl KPanels {
         // one value by value.
         let mut whole = 0;
         #[cfg(target_arch = "x86_64")]
-        if crate::kernels::cpu::caps().avx2 {
+        if crate::cpu::caps().avx2 {
             whole = rows / PANEL;
             for p in 0..whole {
                 // SAFETY: the CPU has AVX2; panel `p`'s rows lie within `w` (asserted above).
