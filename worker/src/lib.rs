@@ -6,7 +6,8 @@
 //!   model directories, PEFT adapters, GGUF) with their validation rules.
 //! - `mole_kernels` (crates/kernels): CPU host kernels read in place from tensor storage, and
 //!   the device's BGMV LoRA kernels.
-//! - [`model`]: the decoder, one struct per part, and how it applies adapters.
+//! - `mole_model` (crates/model): the decoder, one struct per part, and how it applies
+//!   adapters.
 //! - [`lora`]: adapters as served: loading and validation, and the registry of versions.
 //! - [`engine`]: the engine thread, continuous batching, sampling, text.
 //! - [`router`]: which adapter serves a request that names none.
@@ -17,11 +18,12 @@
 //! - [`server`]: the HTTP API.
 //!
 //! Tools on top, which nothing in the serving path imports: [`import`], [`inspect`],
-//! [`prune`], [`bench`], [`fetch`] (pulls models and adapters from `hf://` and `s3://`). `tests/layers.rs` holds every module to this order.
+//! [`prune`], [`bench`], [`fetch`] (pulls models and adapters from `hf://` and `s3://`).
+//! Cargo holds the crates below to this order; `tests/layers.rs` holds this crate's modules.
 
-// clippy.toml keeps device→host copies and concatenation out of the decode path: model/ and
-// lora/. The rest of the worker (tools, server, the engine's one copy of a step's logits)
-// may use them.
+// clippy.toml keeps device→host copies and concatenation out of the decode path: mole-model
+// (its own crate, which takes clippy.toml as it is) and lora/. The rest of the worker (tools,
+// server, the engine's one copy of a step's logits) may use them.
 #![allow(clippy::disallowed_methods)]
 
 pub mod bench;
@@ -34,8 +36,6 @@ pub mod inspect;
 pub mod lora;
 pub mod merge;
 pub mod metrics;
-#[warn(clippy::disallowed_methods)]
-pub mod model;
 pub mod progress;
 pub mod prune;
 pub mod quantize;

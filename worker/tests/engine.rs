@@ -572,7 +572,7 @@ fn an_adapter_load_in_progress_stalls_no_decoding() {
 /// sequences up to 64 positions and produces transformers' continuation past the window.
 #[test]
 fn the_engine_serves_past_the_window_with_dynamic_rope() {
-    use mole_worker::model::{Decoder, ModelConfig};
+    use mole_model::{Decoder, ModelConfig};
     let refs: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(fixtures().join("rope_reference.json")).unwrap(),
     )

@@ -43,12 +43,12 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use mole_model::LoraAdapter;
+use mole_model::{Decoder, ModelConfig, Row, SeqCache};
 use mole_worker::engine::api::*;
 use mole_worker::engine::text::TextModel;
 use mole_worker::engine::{Engine, EngineOptions};
 use mole_worker::lora::{self, LoadOptions};
-use mole_worker::model::LoraAdapter;
-use mole_worker::model::{Decoder, ModelConfig, Row, SeqCache};
 
 const TOL: f32 = 0.06;
 
@@ -399,7 +399,7 @@ fn check(base: Base, dtype: GgmlDType) {
     let feed: Vec<Vec<u32>> = probe
         .iter()
         .map(|l| {
-            let t = mole_worker::model::argmax(&l[0]).unwrap();
+            let t = mole_model::argmax(&l[0]).unwrap();
             (0..8).map(|i| (t + 37 * i) % 256).collect()
         })
         .collect();

@@ -428,7 +428,7 @@ fn vision_engine(tensor: bool, caching: bool) -> Engine {
         ..Default::default()
     };
     let mut model =
-        mole_worker::model::Decoder::load(&dir, candle_core::DType::F32, &candle_core::Device::Cpu)
+        mole_model::Decoder::load(&dir, candle_core::DType::F32, &candle_core::Device::Cpu)
             .unwrap();
     model.set_host_kernels(!tensor);
     let text = mole_worker::engine::text::TextModel::load(&dir).unwrap();

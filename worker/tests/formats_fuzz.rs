@@ -122,7 +122,7 @@ proptest! {
         text in ".{0,200}",
     ) {
         let src = fixtures().join("adapters/llama/b_r4_qv");
-        let model = mole_worker::model::ModelConfig::from_dir(&fixtures().join("llama")).unwrap();
+        let model = mole_model::ModelConfig::from_dir(&fixtures().join("llama")).unwrap();
         let d = tempfile::tempdir().unwrap();
         let cfg = std::fs::read(src.join("adapter_config.json")).unwrap();
         let cfg = mutate(cfg, &cflips, ckeep);

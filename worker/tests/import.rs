@@ -211,7 +211,7 @@ fn smollm2_imports_equal_to_transformers_gguf_loader() {
 /// mole's decoder on the imported SmolLM2 reproduces transformers' greedy chat answers.
 fn greedy_matches_transformers(dir: &Path, reference: &serde_json::Value) {
     use candle_core::{DType, Device};
-    use mole_worker::model::{argmax, Decoder, Row, SeqCache};
+    use mole_model::{argmax, Decoder, Row, SeqCache};
     let model = Decoder::load(dir, DType::F32, &Device::Cpu).unwrap();
     let eos = 2u32; // <|im_end|>
     for case in reference["greedy"].as_array().unwrap() {
@@ -271,7 +271,7 @@ fn import_refuses_non_gguf_and_existing_output() {
 /// demo LoRA on top (adapters stay f32) the answer changes.
 #[test]
 fn smollm2_served_quantized() {
-    use mole_worker::model::{Decoder, ModelConfig, Row, SeqCache};
+    use mole_model::{Decoder, ModelConfig, Row, SeqCache};
     let Some(gguf) = smollm2() else { return };
     let dev = candle_core::Device::Cpu;
     let q = mole_formats::gguf::load_quantized(&gguf, &dev).unwrap();

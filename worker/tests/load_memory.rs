@@ -21,7 +21,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
-use mole_worker::model::Decoder;
+use mole_model::Decoder;
 
 /// `VmRSS` and `VmHWM` of this process, in bytes.
 fn resident() -> (u64, u64) {

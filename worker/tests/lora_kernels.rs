@@ -2,7 +2,7 @@
 //! their CPU reference (`mole_kernels::bgmv`, which repeats their arithmetic in their
 //! order) bit for bit, on decode shapes of the 5.9B benchmark model and odd ones, every dtype
 //! pair the decoder makes, base rows and out-of-range slots; and equal to the grouped ops they
-//! replace within the bound `mole_worker::model::bgmv_against_grouped_ops` states.
+//! replace within the bound `mole_model::bgmv_against_grouped_ops` states.
 //!
 //! Device tests: ignored unless asked for, with `MOLE_TEST_DEVICE=cuda` on a `--features cuda`
 //! build (`scripts/gpu-run.sh` runs them with `--include-ignored`). On the CPU the ops are the
@@ -223,7 +223,7 @@ fn the_kernels_equal_their_cpu_reference_bit_for_bit() {
 fn the_kernels_equal_the_grouped_ops_within_their_roundings() {
     let dev = common::test_device();
     assert!(!dev.is_cpu(), "{DEVICE_ONLY}");
-    for line in mole_worker::model::bgmv_against_grouped_ops(&dev).unwrap() {
+    for line in mole_model::bgmv_against_grouped_ops(&dev).unwrap() {
         eprintln!("{line}");
     }
 }

@@ -11,7 +11,7 @@
 mod common;
 
 use common::steps::{adapter, ops_of_a_step, tiny_qwen3};
-use mole_worker::model::LoraAdapter;
+use mole_model::LoraAdapter;
 
 /// The count is the same for 2, 8 and 16 rows, for 16 rows on one adapter and on 16 distinct
 /// ones, and for ragged batches (some rows prefilling prompts of several lengths beside rows

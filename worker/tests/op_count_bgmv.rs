@@ -10,7 +10,7 @@
 mod common;
 
 use common::steps::{adapter, ops_of_a_step, tiny_qwen3};
-use mole_worker::model::{Decoder, LoraAdapter, LoraKernel, TensorPathOptions};
+use mole_model::{Decoder, LoraAdapter, LoraKernel, TensorPathOptions};
 
 /// The small random Qwen3 on the tensor path with `kernel` for its LoRA.
 fn model(kernel: LoraKernel) -> Decoder {

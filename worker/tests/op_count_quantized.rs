@@ -12,7 +12,7 @@ mod common;
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Device;
 use common::steps::{adapter, ops_of_a_step, tiny_qwen3_weights};
-use mole_worker::model::{Decoder, LoraAdapter};
+use mole_model::{Decoder, LoraAdapter};
 
 /// A small random Qwen3 (GQA, q/k norm) on the tensor path, its projections quantized to
 /// `dtype` (the rest in f32, as a GGUF file's norms are).

@@ -12,8 +12,8 @@
 mod common;
 
 use common::{engine_fixtures, engine_reference, ids, tensor_engine, wait_until};
+use mole_model::Transfers;
 use mole_worker::engine::api::*;
-use mole_worker::model::Transfers;
 
 fn request(
     prompt: Vec<u32>,

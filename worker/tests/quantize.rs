@@ -492,7 +492,7 @@ fn merge_then_quantize_writes_the_quantized_merge_only() {
 /// allowed over 2 layers), and its config no longer claims AWQ/GPTQ.
 #[test]
 fn packed_awq_and_gptq_projections_stay_4_bit_as_q4_1_blocks() {
-    use mole_worker::model::{Decoder, Row, SeqCache};
+    use mole_model::{Decoder, Row, SeqCache};
     let dev = Device::Cpu;
     for name in ["awq_g32", "gptq_g64"] {
         let input = Path::new(env!("CARGO_MANIFEST_DIR"))
@@ -542,7 +542,7 @@ fn packed_awq_and_gptq_projections_stay_4_bit_as_q4_1_blocks() {
         // base's default f16 cache adds its own rounding to each side (gptq_g64: 2.44% with
         // f32 caches, 3.11% with both at their f16 default).
         let f32_cache = |mut d: Decoder| {
-            d.configure_tensor_path(mole_worker::model::TensorPathOptions {
+            d.configure_tensor_path(mole_model::TensorPathOptions {
                 kv_dtype: Some(candle_core::DType::F32),
                 ..Default::default()
             });

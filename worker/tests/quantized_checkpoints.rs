@@ -33,8 +33,8 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use mole_model::{Decoder, LoraAdapter, ModelConfig, Proj, Row, SeqCache};
 use mole_worker::engine::{Engine, EngineOptions};
-use mole_worker::model::{Decoder, LoraAdapter, ModelConfig, Proj, Row, SeqCache};
 
 const TOL: f32 = 0.06;
 

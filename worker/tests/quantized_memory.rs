@@ -28,7 +28,7 @@ use common::seeded;
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use mole_worker::model::{Decoder, ModelConfig, Row, SeqCache};
+use mole_model::{Decoder, ModelConfig, Row, SeqCache};
 
 /// `VmRSS` of this process, in bytes.
 fn resident() -> u64 {

@@ -3,7 +3,7 @@
 // index, so a step of any mix of adapters is one shrink launch per projection group and one
 // expand-add launch per projection, with no gather of x, no selection of slots and no scatter
 // back (see crates/kernels/src/bgmv.rs, whose CPU reference computes exactly what these do,
-// in the same order, and worker/src/model/slots.rs for the pool's layout).
+// in the same order, and crates/model/src/slots.rs for the pool's layout).
 //
 // Built to PTX by crates/kernels/build.rs under the `cuda` feature. Numerics: every product is an
 // explicit fmaf and every sum an explicit __fadd_rn, in an order fixed by the launch shape

@@ -18,8 +18,8 @@ use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 
 use crate::lora::{self, LoadOptions};
-use crate::model::LoraAdapter;
-use crate::model::{Decoder, Row, SeqCache, TensorPathOptions};
+use mole_model::LoraAdapter;
+use mole_model::{Decoder, Row, SeqCache, TensorPathOptions};
 
 /// Arguments of `bench decode`.
 #[derive(clap::Args, Debug)]
@@ -90,7 +90,7 @@ pub struct DecodeBenchArgs {
     pub service_model: Option<std::path::PathBuf>,
     /// How the tensor path computes LoRA updates (as `serve --lora-kernel`): `ops` or `bgmv`.
     #[arg(long, env = "MOLE_LORA_KERNEL", default_value = "ops")]
-    pub lora_kernel: crate::model::LoraKernel,
+    pub lora_kernel: mole_model::LoraKernel,
 }
 
 /// What `--gguf-synthetic` quantizes the synthetic model to.
@@ -241,7 +241,7 @@ pub(super) fn tokens_per_s(
 /// One step of `rows` and its greedy tokens, in one copy back.
 fn greedy(model: &Decoder, rows: &mut [Row<'_>]) -> anyhow::Result<Vec<u32>> {
     let logits = model.forward_batch(rows)?;
-    Ok(crate::model::download(
+    Ok(mole_model::download(
         &logits.argmax(candle_core::D::Minus1)?,
     )?)
 }
@@ -264,7 +264,7 @@ fn bench_model(
         expect_base: None,
     };
     // Adapters held as a pool holds them by default (`loraDtype` unset).
-    let held = crate::model::adapter_dtype(model.weight_dtype(), dev);
+    let held = mole_model::adapter_dtype(model.weight_dtype(), dev);
     let mut adapters = Vec::new();
     let (mut load_ms, mut read_ms) = (f64::NAN, f64::NAN);
     for k in 0..16u64 {
@@ -538,7 +538,7 @@ fn print_ops(
 ) -> anyhow::Result<()> {
     let distinct: Vec<Option<&LoraAdapter>> = adapters.iter().map(Some).collect();
     tokens_per_s(model, &distinct, 1)?;
-    let (r, ops) = crate::model::tensors_made(|| tokens_per_s(model, &distinct, 1));
+    let (r, ops) = mole_model::tensors_made(|| tokens_per_s(model, &distinct, 1));
     r?;
     // The measured call also prefills: that is a second step (a prefill has the same ops as a
     // decode step); each step's argmax is one more.

@@ -22,7 +22,7 @@ use candle_core::{DType, Device};
 use super::decode::{tokens_per_s, DecodeBenchArgs, SyntheticQuant};
 use super::synthetic::{synthetic_config, synthetic_weights, write_adapter};
 use crate::lora::{self, LoadOptions};
-use crate::model::{Decoder, LoraAdapter, ModelConfig, Row, SeqCache};
+use mole_model::{Decoder, LoraAdapter, ModelConfig, Row, SeqCache};
 
 /// Tokens of the timed prompt.
 const PROMPT: usize = 158;
@@ -54,7 +54,7 @@ fn prefill_per_s(
         .collect();
     let t = Instant::now();
     let logits = model.forward_batch(&mut batch)?;
-    crate::model::download::<u32>(&logits.argmax(candle_core::D::Minus1)?)?;
+    mole_model::download::<u32>(&logits.argmax(candle_core::D::Minus1)?)?;
     Ok((rows * PROMPT) as f64 / t.elapsed().as_secs_f64())
 }
 
@@ -185,7 +185,7 @@ fn compare(
         max_rank: 512,
         expect_base: None,
     };
-    let held = |m: &Decoder| crate::model::adapter_dtype(m.weight_dtype(), dev);
+    let held = |m: &Decoder| mole_model::adapter_dtype(m.weight_dtype(), dev);
     let a_quant = lora::load(&adir, cfg, held(&quant), dev, &opts)?;
     let a_dense = lora::load(&adir, cfg, held(&dense), dev, &opts)?;
     let paths: &[bool] = if dev.is_cpu() && args.gguf_quick {

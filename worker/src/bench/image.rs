@@ -13,9 +13,9 @@ use candle_nn::{VarBuilder, VarMap};
 
 use super::decode::DecodeBenchArgs;
 use super::synthetic::synthetic_json;
-use crate::model::vision::preprocess::{preprocess, ProcessorConfig};
-use crate::model::vision::{mrope_positions, ImageEmbeds};
-use crate::model::{argmax, Decoder, ModelConfig, Row, RowVision, SeqCache};
+use mole_model::vision::preprocess::{preprocess, ProcessorConfig};
+use mole_model::vision::{mrope_positions, ImageEmbeds};
+use mole_model::{argmax, Decoder, ModelConfig, Row, RowVision, SeqCache};
 
 const IMAGE_TOKEN: u32 = 31_990;
 /// Text tokens before and after the image (a short instruction, as the seeds send).

@@ -246,7 +246,7 @@ fn write_synthetic(like: &Path, out: &Path, hidden: usize, layers: usize) -> any
         }
     }
     std::fs::write(out.join("config.json"), serde_json::to_vec_pretty(&cfg)?)?;
-    let config: crate::model::ModelConfig = serde_json::from_value(cfg)?;
+    let config: mole_model::ModelConfig = serde_json::from_value(cfg)?;
     let weights = super::synthetic::synthetic_weights(&config, &Device::Cpu)?
         .into_iter()
         .map(|(k, v)| Ok((k, v.to_dtype(DType::BF16)?)))

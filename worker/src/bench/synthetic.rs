@@ -6,7 +6,7 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::model::ModelConfig;
+use mole_model::ModelConfig;
 
 /// The synthetic model's `config.json`, which transformers reads too.
 pub(super) fn synthetic_json(hidden: usize, layers: usize) -> serde_json::Value {

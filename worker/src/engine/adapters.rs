@@ -13,8 +13,8 @@ use super::seq::Seq;
 use super::{Engine, Shared};
 use crate::lora::registry::{public_name, LoadTicket, Lookup, Missed, Settled, CANARY_SUFFIX};
 use crate::lora::LoadOptions;
-use crate::model::LoraAdapter;
 use mole_api::{LoraAdapterInfo, Residency};
+use mole_model::LoraAdapter;
 
 /// What waits for an adapter's read from disk: a request's sequence (with the choices it
 /// carries, or a classifier's scoring), queued once the adapter is pinned.

@@ -245,7 +245,7 @@ pub trait BatchSampler: Send + Sync {
 
 /// Reads [`BatchSampler::sample`]'s tensor back: the step's one device→host copy.
 pub fn read(picked: &Tensor, rows: &[RowSampling]) -> candle_core::Result<Vec<Sampled>> {
-    let table = crate::model::download_rows::<f32>(picked)?;
+    let table = mole_model::download_rows::<f32>(picked)?;
     Ok(rows
         .iter()
         .zip(table)
@@ -702,7 +702,7 @@ mod tests {
         let other = [0.5, 2.0, 0.0, 1.0, 0.0, 4.0, 1.0, 0.0];
         let s = CandleSampler::new();
         let one = Tensor::from_vec(tied.to_vec(), (1, vocab), &Device::Cpu).unwrap();
-        let alone = crate::model::download::<u32>(&s.greedy(&one).unwrap()).unwrap();
+        let alone = mole_model::download::<u32>(&s.greedy(&one).unwrap()).unwrap();
         assert_eq!(alone, [2]);
         let sampled = RowSampling {
             temperature: 1.0,

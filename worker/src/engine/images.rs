@@ -17,9 +17,9 @@ use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 use super::api::{EngineError, Image};
-use crate::model::vision::preprocess::{self, Patches, ProcessorConfig};
-use crate::model::vision::{mrope_positions, ImageEmbeds, VisionTower};
-use crate::model::{LoraAdapter, ModelError, VisionSpec};
+use mole_model::vision::preprocess::{self, Patches, ProcessorConfig};
+use mole_model::vision::{mrope_positions, ImageEmbeds, VisionTower};
+use mole_model::{LoraAdapter, ModelError, VisionSpec};
 
 /// How a vision model takes images: its processor's settings and its placeholder token.
 #[derive(Debug, Clone)]
@@ -272,7 +272,7 @@ impl ImagePrompt {
     }
 }
 
-/// A prompt chunk's share of its images: see [`crate::model::RowVision`].
+/// A prompt chunk's share of its images: see [`mole_model::RowVision`].
 pub(super) struct Chunk {
     /// M-RoPE position of each of the chunk's tokens.
     pub(super) positions: Vec<[u32; 3]>,

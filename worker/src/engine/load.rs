@@ -10,7 +10,7 @@ use super::api::EngineError;
 use super::images::ImageProcessor;
 use super::text::TextModel;
 use super::{device_name, tensor_path, EngineOptions};
-use crate::model::{Decoder, DeviceMemory, KvBudget, ModelError, Proj};
+use mole_model::{Decoder, DeviceMemory, KvBudget, ModelError, Proj};
 
 /// A base model on disk, by kind.
 #[derive(Debug, Clone, PartialEq)]
@@ -72,7 +72,7 @@ impl ModelSource {
                 // its variant) before its tensors are read or sized. Other configuration
                 // errors are reported where they were (after the files' checks).
                 if let Err(e @ ModelError::UnsupportedQuantization(_)) =
-                    crate::model::ModelConfig::from_dir(dir)
+                    mole_model::ModelConfig::from_dir(dir)
                 {
                     return Err(EngineError::UnsupportedQuantization(format!(
                         "model {}: {e}",
@@ -138,7 +138,7 @@ impl ModelSource {
             Self::Gguf(path) => {
                 let q = mole_formats::gguf::load_quantized(path, device).map_err(|e| nr(&e))?;
                 let cfg =
-                    crate::model::ModelConfig::from_json(q.config.clone()).map_err(|e| nr(&e))?;
+                    mole_model::ModelConfig::from_json(q.config.clone()).map_err(|e| nr(&e))?;
                 let model = Decoder::from_quantized(cfg, q.tensors, device).map_err(|e| nr(&e))?;
                 let text = TextModel::from_json(&q.tokenizer_json, q.tokenizer_config, &[q.config])
                     .map_err(|e| nr(&e))?;
@@ -221,7 +221,7 @@ fn size_kv_cache(
     if opts.kv_blocks.is_some() {
         return Ok(());
     }
-    let lora_dtype = opts.lora_dtype.unwrap_or(crate::model::adapter_dtype(
+    let lora_dtype = opts.lora_dtype.unwrap_or(mole_model::adapter_dtype(
         model.weight_dtype(),
         model.device(),
     ));

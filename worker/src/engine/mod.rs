@@ -33,7 +33,7 @@ use self::scheduler::Msg;
 use self::seq::{Score, Seq};
 use self::text::TextModel;
 use crate::lora::registry::Registry;
-use crate::model::{Decoder, LoraKernel, TensorPathOptions, MAX_KV_SLOTS};
+use mole_model::{Decoder, LoraKernel, TensorPathOptions, MAX_KV_SLOTS};
 
 /// Engine settings (from the worker config's limits).
 #[derive(Debug, Clone)]
@@ -54,7 +54,7 @@ pub struct EngineOptions {
     /// Highest LoRA rank accepted.
     pub max_lora_rank: usize,
     /// The dtype adapters' weights are held in; None: the weights' own where the kernels
-    /// read it (see [`crate::model::adapter_dtype`]).
+    /// read it (see [`mole_model::adapter_dtype`]).
     pub lora_dtype: Option<DType>,
     /// Prompt tokens processed per step across new sequences (chunked prefill).
     pub prefill_chunk: usize,
@@ -158,7 +158,7 @@ pub(super) fn tensor_path(opts: &EngineOptions) -> TensorPathOptions {
 /// Qwen3-VL's defaults with `backend`'s pixels.
 fn default_images(model: &Decoder, backend: mole_api::ImageProcessor) -> Option<ImageProcessor> {
     model.config().vision.as_ref().map(|spec| {
-        let cfg = crate::model::vision::preprocess::ProcessorConfig {
+        let cfg = mole_model::vision::preprocess::ProcessorConfig {
             backend,
             ..Default::default()
         };
@@ -267,7 +267,7 @@ impl Engine {
         let shared = Arc::new(Shared {
             lora_dtype: opts
                 .lora_dtype
-                .unwrap_or(crate::model::adapter_dtype(model.weight_dtype(), &device)),
+                .unwrap_or(mole_model::adapter_dtype(model.weight_dtype(), &device)),
             device,
             registry: Registry::new(opts.max_loras, opts.max_cpu_loras, model.device().clone()),
             waiting: AtomicUsize::new(0),
@@ -592,7 +592,7 @@ pub fn compute_devices() -> Vec<Device> {
 }
 
 /// candle's type for a configured dtype: the weights' serving dtype. A GPU computes in it; the
-/// CPU computes in f32 over half-type weights (see [`crate::model::compute_dtype`]).
+/// CPU computes in f32 over half-type weights (see [`mole_model::compute_dtype`]).
 pub fn candle_dtype(configured: mole_api::Dtype) -> DType {
     match configured {
         mole_api::Dtype::Bf16 => DType::BF16,

@@ -1,5 +1,5 @@
 //! The hashes of a sequence's full KV blocks, by which automatic prefix caching finds blocks
-//! another sequence computed (see [`crate::model::BlockHash`]).
+//! another sequence computed (see [`mole_model::BlockHash`]).
 //!
 //! Block `i`'s hash is SHA-256 over the hash of block `i - 1` (block 0: the seed of the
 //! weights that compute it, [`seed`]), the block's token ids, and for each image placeholder
@@ -15,7 +15,7 @@ use sha2::{Digest, Sha256};
 
 use super::images::ImagePrompt;
 use crate::lora::registry::Pinned;
-use crate::model::BlockHash;
+use mole_model::BlockHash;
 
 /// The first 128 bits of a SHA-256 digest.
 fn truncate(d: &[u8]) -> BlockHash {

@@ -20,7 +20,7 @@ use super::images;
 use super::plan::{self, Work};
 use super::seq::Seq;
 use super::Shared;
-use crate::model::{ModelError, Row, RowVision, StepOutput};
+use mole_model::{ModelError, Row, RowVision, StepOutput};
 
 /// Messages to the engine thread.
 pub enum Msg {
@@ -251,7 +251,7 @@ fn scores(
         let Some(score) = running[*i].score.as_ref().filter(|_| samples) else {
             continue;
         };
-        let row = crate::model::download::<f32>(&logits.get(k)?)?;
+        let row = mole_model::download::<f32>(&logits.get(k)?)?;
         let picked: Vec<f32> = score.labels.iter().map(|&t| row[t as usize]).collect();
         let probs = super::host_sampler::log_softmax(&picked)
             .into_iter()
@@ -484,7 +484,7 @@ fn pick(
                 Some(sampler) => sampler.greedy(logits)?,
                 None => logits.argmax(candle_core::D::Minus1)?,
             };
-            let ids = crate::model::download::<u32>(&argmax)?;
+            let ids = mole_model::download::<u32>(&argmax)?;
             Ok(work
                 .iter()
                 .zip(ids)
@@ -506,7 +506,7 @@ fn pick(
                             }),
                         &mut buf,
                     );
-                    Some(crate::model::upload(buf, logits.device())?)
+                    Some(mole_model::upload(buf, logits.device())?)
                 }
                 false => None,
             };
@@ -528,7 +528,7 @@ fn pick(
         )
         .into()),
         (Picking::Host, _) => {
-            let rows = crate::model::download_rows::<f32>(logits)?;
+            let rows = mole_model::download_rows::<f32>(logits)?;
             let mut seqs: Vec<Option<&mut Box<Seq>>> = running.iter_mut().map(Some).collect();
             let jobs: Vec<(&mut Box<Seq>, Vec<f32>, bool)> = work
                 .iter()

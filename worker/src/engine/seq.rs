@@ -10,7 +10,7 @@ use super::images::ImagePrompt;
 use super::text::{Detokenizer, StopMatcher};
 use super::trace::Phases;
 use crate::lora::registry::Pinned;
-use crate::model::{BlockHash, SeqCache};
+use mole_model::{BlockHash, SeqCache};
 
 /// One request inside the engine.
 pub struct Seq {
@@ -188,7 +188,7 @@ impl Seq {
     /// cached prompt but its last token (shared blocks on the tensor path) and computes the
     /// rest itself.
     #[allow(clippy::vec_box)] // the batch holds sequences boxed
-    pub(super) fn fork(&mut self, model: &crate::model::Decoder) -> Vec<Box<Seq>> {
+    pub(super) fn fork(&mut self, model: &mole_model::Decoder) -> Vec<Box<Seq>> {
         let forks = std::mem::take(&mut self.forks);
         forks
             .into_iter()

@@ -1,6 +1,6 @@
 //! LoRA adapters as served: PEFT directories loaded with the merge tool's validation (pickle
 //! files, shapes, ranks, NaN/Inf, the base they were trained on), laid out for the decoder
-//! ([`crate::model::LoraAdapter`]) with the scale folded into B, and the registry of the
+//! ([`mole_model::LoraAdapter`]) with the scale folded into B, and the registry of the
 //! versions a worker holds.
 
 pub mod registry;
@@ -10,11 +10,11 @@ use std::path::Path;
 
 use candle_core::{DType, Device, Tensor};
 
-use crate::model::{LoraAdapter, ModelConfig, Proj};
 use mole_formats::peft::weights::{MappedAdapter, WeightsError};
 use mole_formats::safetensors::decode_slice;
 use mole_formats::{hf, peft::AdapterConfig};
 use mole_kernels as kernels;
+use mole_model::{LoraAdapter, ModelConfig, Proj};
 
 pub use self::registry::AdapterSpec;
 
@@ -277,7 +277,7 @@ fn target(module: &str, model: &ModelConfig) -> Result<(Target, (usize, usize)),
     }
     let vision = module.strip_prefix("model.visual.").and_then(|path| {
         let spec = model.vision.as_ref()?;
-        let dims = crate::model::vision::linear_dims(&spec.config, path)?;
+        let dims = mole_model::vision::linear_dims(&spec.config, path)?;
         Some((Target::Vision(path.to_string()), dims))
     });
     vision.ok_or_else(|| {

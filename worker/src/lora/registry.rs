@@ -23,7 +23,7 @@ use std::time::Instant;
 
 use mole_api::{LoraAdapterInfo, Residency};
 
-use crate::model::LoraAdapter;
+use mole_model::LoraAdapter;
 
 /// What a canary version's key ends with: the registry holds it beside the stable version under
 /// `<name>/canary`, a key no adapter name can be ('/' is refused in names), so both versions are

@@ -7,8 +7,8 @@ use candle_core::{DType, Device};
 use serde::{Deserialize, Serialize};
 
 use super::QuantizeError;
-use crate::model::{Decoder, Row, SeqCache};
 use mole_formats::hf;
+use mole_model::{Decoder, Row, SeqCache};
 
 /// The drift of a quantized model against its input.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

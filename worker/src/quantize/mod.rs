@@ -3,7 +3,7 @@
 //! The output is an HF directory whose weights are one GGUF file under their HF names
 //! ([`mole_formats::gguf::QUANTIZED_FILE`]) next to the input's config.json, tokenizer files
 //! and merge metadata: exactly what the worker's quantized path serves
-//! ([`crate::model::Decoder::load_quantized_dir`]), with no tokenizer conversion to get wrong.
+//! ([`mole_model::Decoder::load_quantized_dir`]), with no tokenizer conversion to get wrong.
 //!
 //! Streaming: the file's header is written from the input's safetensors headers, then each
 //! tensor is decoded, quantized (rows split across threads) and written before the next is
@@ -346,8 +346,8 @@ fn check_input(opts: &QuantizeOptions, root: Option<&Path>) -> Result<Input, Qua
     hf::check_confined(&dir).map_err(|e| QuantizeError::Input(e.to_string()))?;
     let raw = hf::read_config(&dir).map_err(|e| QuantizeError::Input(e.to_string()))?;
     let packed = mole_formats::quant::scheme(&raw).map_err(QuantizeError::QuantizedInput)?;
-    let cfg = crate::model::ModelConfig::from_json(raw)
-        .map_err(|e| QuantizeError::Input(e.to_string()))?;
+    let cfg =
+        mole_model::ModelConfig::from_json(raw).map_err(|e| QuantizeError::Input(e.to_string()))?;
     if cfg.vision.is_some() {
         return Err(QuantizeError::Unsupported(
             "a vision-language model: mole's quantized path serves text decoders".into(),

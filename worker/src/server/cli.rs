@@ -37,7 +37,7 @@ pub struct ServeArgs {
     /// (the worker's own CUDA kernels for decode steps; unproven on a device, see
     /// docs/benchmarks.md). The CPU's host path ignores it.
     #[arg(long, env = "MOLE_LORA_KERNEL", default_value = "ops")]
-    pub lora_kernel: crate::model::LoraKernel,
+    pub lora_kernel: mole_model::LoraKernel,
     /// Prompt tokens one step takes across new sequences (chunked prefill, as vLLM's
     /// `--max-num-batched-tokens`): larger finishes a long prompt in fewer steps, smaller
     /// keeps the running sequences' next tokens coming sooner.

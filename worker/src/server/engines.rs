@@ -14,8 +14,8 @@ use crate::engine::{
     candle_dtype, compute_devices, default_device, Engine, EngineOptions, ModelSource,
 };
 use crate::merge::MergeError;
-use crate::model::LoraKernel;
 use mole_formats::hf::{self, HfError};
+use mole_model::LoraKernel;
 
 /// Why an engine could not be built. Stable names via [`BuildError::code`].
 #[derive(Debug, thiserror::Error)]

@@ -171,13 +171,12 @@ pub fn tensor_engine(
     f: impl FnOnce(&mut mole_worker::engine::EngineOptions),
 ) -> mole_worker::engine::Engine {
     let dir = engine_fixtures().join("llama");
-    let mut model =
-        mole_worker::model::Decoder::load(&dir, candle_core::DType::F32, &test_device())
-            .expect("the llama fixture loads");
+    let mut model = mole_model::Decoder::load(&dir, candle_core::DType::F32, &test_device())
+        .expect("the llama fixture loads");
     model.set_host_kernels(false);
     let lora_kernel = match std::env::var("MOLE_LORA_KERNEL") {
         Ok(k) => k.parse().expect("MOLE_LORA_KERNEL: ops or bgmv"),
-        Err(_) => mole_worker::model::LoraKernel::Ops,
+        Err(_) => mole_model::LoraKernel::Ops,
     };
     let mut opts = mole_worker::engine::EngineOptions {
         base_name: "llama".into(),

@@ -6,7 +6,7 @@ use std::collections::HashMap;
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
-use mole_worker::model::{
+use mole_model::{
     tensors_made, transfers_made, Decoder, LoraAdapter, ModelConfig, Proj, Row, SeqCache, Transfers,
 };
 

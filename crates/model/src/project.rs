@@ -184,7 +184,7 @@ const COLUMNS_PER_BLOCK: usize = 128;
 /// f32/bf16/f16, no tokens or more than [`HOST_LORA_MAX_TOKENS`], or a quantized base whose
 /// output is not f32): the caller takes the tensor path.
 #[allow(clippy::disallowed_methods)] // the CPU host path: its "upload" is a move
-pub(crate) fn host_projections(
+pub fn host_projections(
     x: &Tensor,
     lins: Vec<(&Lin, HostUpdates<'_>)>,
 ) -> candle_core::Result<Option<Vec<Tensor>>> {
@@ -537,7 +537,7 @@ mod tests {
             .expect("a CPU f32 batch of few tokens qualifies");
             for (lin, y) in [&wide, &narrow].into_iter().zip(got) {
                 let want = lin.forward(&x).unwrap();
-                let err = crate::model::max_abs_diff(&y, &want);
+                let err = crate::max_abs_diff(&y, &want);
                 // Sums of 72 products of unit normals: f32 rounding in another order is
                 // ~1e-6 of the result; a wrong column or a missing bias is ~1.
                 assert!(err < 1e-4, "t={t}: max error {err}");

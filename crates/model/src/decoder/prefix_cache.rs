@@ -1,4 +1,4 @@
-//! The decoder's side of automatic prefix caching (see [`crate::model::prefix`] for the
+//! The decoder's side of automatic prefix caching (see [`crate::prefix`] for the
 //! index and the host store): a new sequence's cache starts from cached blocks, and a step's
 //! full blocks are offered to the cache.
 

@@ -13,7 +13,7 @@ const KV_GROW_TOKENS: usize = 256;
 
 /// Keys or values of the host path's cache, in the decoder's KV dtype (`kvCacheDtype`).
 #[derive(Debug, Clone)]
-pub(crate) enum KvBuf {
+pub enum KvBuf {
     /// f32: the values as computed.
     F32(Vec<f32>),
     /// bf16: each value rounded to 8 significant bits, f32's range.
@@ -24,7 +24,7 @@ pub(crate) enum KvBuf {
 
 /// An element of a host KV cache: what the attention kernel reads ([`Weight`]) and what a
 /// computed f32 key or value is rounded to when cached.
-pub(crate) trait KvElem: Weight {
+pub trait KvElem: Weight {
     /// `x` rounded to this type (to nearest, ties to even).
     fn round(x: f32) -> Self;
     /// The values of `buf`, which holds this type.
@@ -59,7 +59,7 @@ kv_elem!(f16, F16, f16::from_f32);
 
 impl KvBuf {
     /// An empty buffer of `dtype` (bf16 or f16; f32 for any other).
-    pub(crate) fn new(dtype: DType) -> Self {
+    pub fn new(dtype: DType) -> Self {
         match dtype {
             DType::BF16 => KvBuf::Bf16(Vec::new()),
             DType::F16 => KvBuf::F16(Vec::new()),
@@ -68,7 +68,7 @@ impl KvBuf {
     }
 
     /// The dtype held.
-    pub(crate) fn dtype(&self) -> DType {
+    pub fn dtype(&self) -> DType {
         match self {
             KvBuf::F32(_) => DType::F32,
             KvBuf::Bf16(_) => DType::BF16,
@@ -77,7 +77,7 @@ impl KvBuf {
     }
 
     /// Values held.
-    pub(crate) fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         match self {
             KvBuf::F32(v) => v.len(),
             KvBuf::Bf16(v) => v.len(),
@@ -86,12 +86,12 @@ impl KvBuf {
     }
 
     /// Bytes of the values held.
-    pub(crate) fn bytes(&self) -> usize {
+    pub fn bytes(&self) -> usize {
         self.len() * self.dtype().size_in_bytes()
     }
 
     /// Drops the values, keeping the memory.
-    pub(crate) fn clear(&mut self) {
+    pub fn clear(&mut self) {
         match self {
             KvBuf::F32(v) => v.clear(),
             KvBuf::Bf16(v) => v.clear(),
@@ -100,7 +100,7 @@ impl KvBuf {
     }
 
     /// Makes room for `n` more values, exactly.
-    pub(crate) fn reserve_exact(&mut self, n: usize) {
+    pub fn reserve_exact(&mut self, n: usize) {
         match self {
             KvBuf::F32(v) => v.reserve_exact(n),
             KvBuf::Bf16(v) => v.reserve_exact(n),
@@ -125,7 +125,7 @@ impl KvBuf {
 
     /// Appends computed keys (or values) of new tokens (`width` values each), rounded to the
     /// buffer's dtype (see [`KvBuf::grow`] for the room it takes).
-    pub(crate) fn append(&mut self, new: &[f32], width: usize) {
+    pub fn append(&mut self, new: &[f32], width: usize) {
         fn push<E: KvElem>(v: &mut Vec<E>, new: &[f32]) {
             v.extend(new.iter().map(|&x| E::round(x)));
         }
@@ -138,13 +138,13 @@ impl KvBuf {
     }
 
     /// Appends values `range` of `src` (of the same dtype), growing as [`KvBuf::append`] does.
-    pub(crate) fn append_from(&mut self, src: &KvBuf, range: Range<usize>, width: usize) {
+    pub fn append_from(&mut self, src: &KvBuf, range: Range<usize>, width: usize) {
         self.grow(range.len(), width);
         self.extend_from(src, range);
     }
 
     /// Appends values `range` of `src` (of the same dtype), exactly: for a buffer sized once.
-    pub(crate) fn extend_from(&mut self, src: &KvBuf, range: Range<usize>) {
+    pub fn extend_from(&mut self, src: &KvBuf, range: Range<usize>) {
         match self {
             KvBuf::F32(v) => v.extend_from_slice(&f32::of(src)[range]),
             KvBuf::Bf16(v) => v.extend_from_slice(&bf16::of(src)[range]),
@@ -153,7 +153,7 @@ impl KvBuf {
     }
 
     /// Values `range` widened to f32.
-    pub(crate) fn widen_into(&self, range: Range<usize>, out: &mut Vec<f32>) {
+    pub fn widen_into(&self, range: Range<usize>, out: &mut Vec<f32>) {
         match self {
             KvBuf::F32(v) => out.extend_from_slice(&v[range]),
             KvBuf::Bf16(v) => out.extend(v[range].iter().map(|x| x.f32())),

@@ -54,7 +54,7 @@ pub fn transfers_made<T>(f: impl FnOnce() -> T) -> (T, Transfers) {
 
 /// Uploads `data` as one `[len]` tensor: a step's inputs, counted.
 #[allow(clippy::disallowed_methods)] // the one upload of a step
-pub(crate) fn upload<T: WithDType>(data: Vec<T>, device: &Device) -> candle_core::Result<Tensor> {
+pub fn upload<T: WithDType>(data: Vec<T>, device: &Device) -> candle_core::Result<Tensor> {
     UPLOADS.fetch_add(1, Ordering::Relaxed);
     let len = data.len();
     Tensor::from_vec(data, len, device)

@@ -2,7 +2,7 @@
 //! the two ways a batch's rows get their adapter's update — tensor ops per adapter group
 //! ([`LoraAdapter::apply`], the path GPUs run) or, on the CPU, one host task list per
 //! projection however many adapters the batch holds ([`HostUpdates`]). Reading and validating
-//! PEFT files is [`crate::lora`]'s.
+//! PEFT files is the worker's `lora` module's.
 
 use std::collections::HashMap;
 
@@ -283,7 +283,7 @@ impl LoraAdapter {
             .iter()
             .map(|(k, (a, b))| Ok((k.clone(), (a.to_device(device)?, b.to_device(device)?))))
             .collect::<candle_core::Result<_>>()?;
-        // Complete before another thread reads them (see `crate::lora::load`).
+        // Complete before another thread reads them (see the worker's `lora::load`).
         device.synchronize()?;
         let mut copy = Self::from_modules(modules, self.rank, self.bytes).with_vision(vision);
         // The same weights: the same identity for the slot pool and the prefix cache.

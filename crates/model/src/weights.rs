@@ -476,7 +476,7 @@ fn requantized(q: &QTensor) -> Result<QTensor, ModelError> {
 #[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
-    use crate::model::max_abs_diff;
+    use crate::max_abs_diff;
 
     /// The tensor path over half-type weights, widened a slice of rows at a time, equals the
     /// product with the weights widened whole: slices that divide the rows and one that does

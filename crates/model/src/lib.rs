@@ -11,7 +11,7 @@
 //! [`decoder`] runs the layers over a [`batch`] ([`layer`]: [`attention`] and the MLP), [`cache`]
 //! holds a sequence's keys and values, [`lora`] applies adapters and [`project`] runs the
 //! projections of a batch with their adapters' updates. Nothing here reads PEFT files or
-//! knows of requests: that is [`crate::lora`] and [`crate::engine`].
+//! knows of requests: that is the worker's `lora` and `engine`, above this crate.
 //!
 //! RoPE follows `config.json` (`rope_parameters` or `rope_scaling`): default, linear, dynamic
 //! NTK, llama3 and YaRN, computed as transformers computes them (see [`rope`]).
@@ -46,7 +46,7 @@ pub use self::lora::{HostUpdates, LoraAdapter, Proj, UpdateTask, HOST_LORA_MAX_T
 pub use self::prefix::BlockHash;
 pub use self::rope::{Rope, RopeScaling};
 pub use self::slots::bgmv_against_grouped_ops;
-pub(crate) use self::transfer::upload;
+pub use self::transfer::upload;
 pub use self::transfer::{download, download_rows, transfers_made, Transfers};
 pub use self::weights::{adapter_dtype, compute_dtype, Lin};
 
@@ -148,7 +148,7 @@ pub fn argmax(logits: &Tensor) -> Result<u32, ModelError> {
 /// The largest absolute difference between two tensors of one shape (tests).
 #[cfg(test)]
 #[allow(clippy::disallowed_methods)]
-pub(crate) fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
+pub fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b)
         .and_then(|d| {
             d.abs()?

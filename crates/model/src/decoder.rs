@@ -792,7 +792,7 @@ impl Decoder {
 #[allow(clippy::disallowed_methods)]
 mod tests {
     use super::*;
-    use crate::model::SeqCache;
+    use crate::SeqCache;
 
     /// A small random Qwen3 (GQA, q/k norm) with room for long sequences; its weights are the
     /// same in every run (seeded), so a bound measured on it is measured once.
@@ -875,7 +875,7 @@ mod tests {
             assert!(without.extra.is_none());
             let back = with.extra.unwrap().to_vec1::<f32>().unwrap();
             assert_eq!(back, extra, "host kernels {host}");
-            let d = crate::model::max_abs_diff(&with.logits, &without.logits);
+            let d = crate::max_abs_diff(&with.logits, &without.logits);
             assert_eq!(d, 0.0, "host kernels {host}");
         }
     }
@@ -1102,7 +1102,7 @@ mod tests {
                 .iter()
                 .zip(&want)
                 .map(|(g, w)| {
-                    let d = crate::model::max_abs_diff(g, w);
+                    let d = crate::max_abs_diff(g, w);
                     d / w
                         .abs()
                         .unwrap()

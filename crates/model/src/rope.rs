@@ -467,7 +467,7 @@ mod tests {
     /// takes: positions stretched from 32768 to 4 × 32768.
     #[test]
     fn gguf_yarn_scaling_stretches_the_window() {
-        let cfg = crate::model::ModelConfig::from_json(serde_json::json!({
+        let cfg = crate::ModelConfig::from_json(serde_json::json!({
             "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 128,
             "num_hidden_layers": 1, "num_attention_heads": 4, "rms_norm_eps": 1e-6,
             "vocab_size": 16, "max_position_embeddings": 32768,
