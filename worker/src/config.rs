@@ -9,7 +9,7 @@ use std::sync::Arc;
 use mole_api::{WorkerAdapter, WorkerConfig};
 use sha2::{Digest, Sha256};
 
-use crate::engine::api::{AdapterAdmin, AdapterSpec};
+use mole_engine::api::{AdapterAdmin, AdapterSpec};
 
 /// Why a configuration was refused. Stable names via [`ConfigError::code`].
 #[derive(Debug, thiserror::Error)]
@@ -254,7 +254,7 @@ pub struct AdapterDiff {
 
 /// What the engine holds for a configured adapter list: each adapter this worker loads, and
 /// each canary version as an adapter of its own under
-/// [`canary_key`](crate::lora::registry::canary_key) (loaded whether or not the stable version
+/// [`canary_key`](mole_engine::lora::registry::canary_key) (loaded whether or not the stable version
 /// is: a merged adapter's canary share is served here).
 pub fn units(adapters: &[WorkerAdapter]) -> Vec<WorkerAdapter> {
     let mut out = Vec::with_capacity(adapters.len());
@@ -267,7 +267,7 @@ pub fn units(adapters: &[WorkerAdapter]) -> Vec<WorkerAdapter> {
         }
         if let Some(c) = &a.canary {
             out.push(WorkerAdapter {
-                name: crate::lora::registry::canary_key(&a.name),
+                name: mole_engine::lora::registry::canary_key(&a.name),
                 version: c.version.clone(),
                 path: c.path.clone(),
                 load: true,

@@ -8,8 +8,8 @@
 //!   the device's BGMV LoRA kernels.
 //! - `mole_model` (crates/model): the decoder, one struct per part, and how it applies
 //!   adapters.
-//! - [`lora`]: adapters as served: loading and validation, and the registry of versions.
-//! - [`engine`]: the engine thread, continuous batching, sampling, text.
+//! - `mole_engine` (crates/engine): adapters as served (`lora`: loading and validation, the
+//!   registry of versions), the engine thread, continuous batching, sampling, text.
 //! - [`router`]: which adapter serves a request that names none.
 //! - [`config`], [`metrics`], [`telemetry`]: the worker's configuration and observability.
 //! - [`progress`]: progress bars and lines of the long-running tools.
@@ -22,18 +22,15 @@
 //! Cargo holds the crates below to this order; `tests/layers.rs` holds this crate's modules.
 
 // clippy.toml keeps device→host copies and concatenation out of the decode path: mole-model
-// (its own crate, which takes clippy.toml as it is) and lora/. The rest of the worker (tools,
-// server, the engine's one copy of a step's logits) may use them.
+// and mole-engine's lora (crates of their own). The rest of the worker (tools, server) may
+// use them.
 #![allow(clippy::disallowed_methods)]
 
 pub mod bench;
 pub mod config;
-pub mod engine;
 pub mod fetch;
 pub mod import;
 pub mod inspect;
-#[warn(clippy::disallowed_methods)]
-pub mod lora;
 pub mod merge;
 pub mod metrics;
 pub mod progress;

@@ -7,7 +7,7 @@ use prometheus::{
     IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
-use crate::engine::api::EngineStats;
+use mole_engine::api::EngineStats;
 
 /// Inter-token latency buckets: decode steps on CPU take tens of ms, on GPU a few.
 const ITL_BUCKETS: [f64; 13] = [
@@ -528,7 +528,7 @@ fn gauge(r: &Registry, name: &str, help: &str) -> IntGauge {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::api::PrefixCacheCounts;
+    use mole_engine::api::PrefixCacheCounts;
 
     /// Issue 55 item 5: residency by vLLM's metric names, which LoRA-aware routers read: one
     /// series per adapter in a device slot or host memory, none for one on disk or draining,

@@ -13,9 +13,9 @@ use common::{
     engine_fixtures as fixtures, engine_reference as reference, greedy, ids, tensor_engine,
     wait_until,
 };
-use mole_worker::engine::api::*;
-use mole_worker::engine::ModelSource;
-use mole_worker::engine::{Engine, EngineOptions};
+use mole_engine::api::*;
+use mole_engine::ModelSource;
+use mole_engine::{Engine, EngineOptions};
 
 fn engine(f: impl FnOnce(&mut EngineOptions)) -> Engine {
     engine_over(DType::F32, f)
@@ -338,7 +338,7 @@ fn a_canary_whose_read_fails_is_answered_by_the_stable_version() {
         o.max_loras = 1;
         o.max_cpu_loras = 0;
     });
-    let canary = mole_worker::lora::registry::canary_key("x");
+    let canary = mole_engine::lora::registry::canary_key("x");
     e.load_adapter(AdapterSpec {
         path: a.clone(),
         ..spec(&canary, "v2", "a_r8_all")
@@ -451,8 +451,8 @@ fn the_host_tier_keeps_evicted_adapters_off_the_disk() {
     assert_eq!(e.stats().adapter_loads, 4);
 }
 
-fn text_model() -> mole_worker::engine::text::TextModel {
-    mole_worker::engine::text::TextModel::load(&fixtures().join("llama")).unwrap()
+fn text_model() -> mole_engine::text::TextModel {
+    mole_engine::text::TextModel::load(&fixtures().join("llama")).unwrap()
 }
 
 #[test]
@@ -725,7 +725,7 @@ fn a_full_kv_cache_preempts_and_recomputes_without_changing_outputs() {
 /// transformers + PEFT's.
 #[test]
 fn replicas_spread_requests_over_engines_that_all_hold_the_adapters() {
-    use mole_worker::engine::replicas::Replicas;
+    use mole_engine::replicas::Replicas;
     let r = &reference()["llama"];
     let (p0, p1) = (ids(&r["prompts"][0]), ids(&r["prompts"][1]));
     let one = || -> std::sync::Arc<dyn Backend> { std::sync::Arc::new(engine(|_| {})) };
@@ -822,7 +822,7 @@ fn seeded_sampling_on_the_tensor_path_repeats_and_seeds_differ() {
     // validation checks before routing (the engine asserts them in debug builds).
     let mut bad = sampled(1);
     bad.sampling.min_p = 1.5;
-    let refused = mole_worker::engine::host_sampler::validate(&bad.sampling).unwrap_err();
+    let refused = mole_engine::host_sampler::validate(&bad.sampling).unwrap_err();
     assert_eq!(refused.code, "invalid_min_p");
 }
 

@@ -17,8 +17,8 @@ use common::{
     engine_fixtures as fixtures, engine_reference as reference, greedy, host_engine, ids,
     tensor_engine,
 };
-use mole_worker::engine::api::*;
-use mole_worker::engine::{Engine, EngineOptions};
+use mole_engine::api::*;
+use mole_engine::{Engine, EngineOptions};
 
 /// The engine on the host path (`tensor: false`, the CPU's) or the tensor path (a GPU's).
 fn engine(tensor: bool, f: impl FnOnce(&mut EngineOptions)) -> Engine {

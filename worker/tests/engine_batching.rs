@@ -8,8 +8,8 @@
 mod common;
 
 use common::{engine_reference as reference, greedy, host_engine, ids, tensor_engine, tokens};
-use mole_worker::engine::api::*;
-use mole_worker::engine::EngineOptions;
+use mole_engine::api::*;
+use mole_engine::EngineOptions;
 
 /// A request of four choices whose prompt takes many steps to prefill (one token a step),
 /// and three requests submitted meanwhile, with `maxBatchSize: 4`: the four choices hold the

@@ -13,8 +13,8 @@
 
 use std::path::{Path, PathBuf};
 
-use mole_worker::engine::api::ChatMessage;
-use mole_worker::engine::text::TextModel;
+use mole_engine::api::ChatMessage;
+use mole_engine::text::TextModel;
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")

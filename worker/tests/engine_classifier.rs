@@ -8,7 +8,7 @@
 mod common;
 
 use common::{engine_reference as reference, fixture_adapter, greedy, ids, tensor_engine, tokens};
-use mole_worker::engine::api::*;
+use mole_engine::api::*;
 
 /// One LoRA slot, three adapters: a classifier and two it routes to. Two threads route
 /// requests (score, then generate with the adapter the scores pick) while requests for both

@@ -35,7 +35,7 @@
 mod common;
 
 use common::{byte_tokens, seeded};
-use mole_worker::engine::ModelSource;
+use mole_engine::ModelSource;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -43,12 +43,12 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use mole_engine::api::*;
+use mole_engine::lora::{self, LoadOptions};
+use mole_engine::text::TextModel;
+use mole_engine::{Engine, EngineOptions};
 use mole_model::LoraAdapter;
 use mole_model::{Decoder, ModelConfig, Row, SeqCache};
-use mole_worker::engine::api::*;
-use mole_worker::engine::text::TextModel;
-use mole_worker::engine::{Engine, EngineOptions};
-use mole_worker::lora::{self, LoadOptions};
 
 const TOL: f32 = 0.06;
 

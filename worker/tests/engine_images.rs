@@ -7,13 +7,13 @@
 
 mod common;
 
-use mole_worker::engine::ModelSource;
+use mole_engine::ModelSource;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use candle_core::{DType, Device};
-use mole_worker::engine::api::*;
-use mole_worker::engine::{Engine, EngineOptions};
+use mole_engine::api::*;
+use mole_engine::{Engine, EngineOptions};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision")

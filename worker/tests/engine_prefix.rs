@@ -12,8 +12,8 @@ use common::{
     engine_reference as reference, fixture_adapter, greedy, host_engine, ids, tensor_engine,
     wait_until,
 };
-use mole_worker::engine::api::*;
-use mole_worker::engine::{Engine, EngineOptions};
+use mole_engine::api::*;
+use mole_engine::{Engine, EngineOptions};
 
 /// Tokens per KV block (the engine's).
 const BLOCK: usize = 16;
@@ -431,7 +431,7 @@ fn vision_engine(tensor: bool, caching: bool) -> Engine {
         mole_model::Decoder::load(&dir, candle_core::DType::F32, &candle_core::Device::Cpu)
             .unwrap();
     model.set_host_kernels(!tensor);
-    let text = mole_worker::engine::text::TextModel::load(&dir).unwrap();
+    let text = mole_engine::text::TextModel::load(&dir).unwrap();
     Engine::start(model, text, opts)
 }
 

@@ -7,7 +7,7 @@
 
 mod common;
 
-use mole_worker::engine::ModelSource;
+use mole_engine::ModelSource;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -15,9 +15,9 @@ use candle_core::{DType, Device};
 use common::{
     engine_fixtures as fixtures, engine_reference as reference, greedy, ids, tokens, wait_until,
 };
-use mole_worker::engine::api::*;
-use mole_worker::engine::replicas::Replicas;
-use mole_worker::engine::{Engine, EngineOptions};
+use mole_engine::api::*;
+use mole_engine::replicas::Replicas;
+use mole_engine::{Engine, EngineOptions};
 
 fn engine() -> Engine {
     let o = EngineOptions {

@@ -12,9 +12,9 @@
 mod common;
 
 use common::{engine_reference, fixture_adapter, host_engine, ids, tensor_engine};
-use mole_worker::engine::api::*;
-use mole_worker::engine::grammar::{Guide, Guided};
-use mole_worker::engine::Engine;
+use mole_engine::api::*;
+use mole_engine::grammar::{Guide, Guided};
+use mole_engine::Engine;
 use serde_json::{json, Value};
 
 fn request(

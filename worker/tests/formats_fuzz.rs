@@ -131,7 +131,7 @@ proptest! {
         std::fs::write(d.path().join("adapter_config.json"), &cfg).unwrap();
         let w = std::fs::read(src.join("adapter_model.safetensors")).unwrap();
         std::fs::write(d.path().join("adapter_model.safetensors"), mutate(w, &flips, keep)).unwrap();
-        let opts = mole_worker::lora::LoadOptions { max_rank: 64, expect_base: None };
-        let _ = mole_worker::lora::load(d.path(), &model, DType::F32, &Device::Cpu, &opts);
+        let opts = mole_engine::lora::LoadOptions { max_rank: 64, expect_base: None };
+        let _ = mole_engine::lora::load(d.path(), &model, DType::F32, &Device::Cpu, &opts);
     }
 }

@@ -6,7 +6,7 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
-use mole_worker::engine::ModelSource;
+use mole_engine::ModelSource;
 use std::path::{Path, PathBuf};
 
 use mole_worker::import::{import, ImportOptions};
@@ -330,8 +330,8 @@ fn smollm2_served_quantized() {
         assert!(rel < 0.10, "{rel}");
     }
     // Served through the engine from the .gguf path, with a demo adapter on top.
-    use mole_worker::engine::api::*;
-    use mole_worker::engine::{Engine, EngineOptions};
+    use mole_engine::api::*;
+    use mole_engine::{Engine, EngineOptions};
     let e = Engine::load(
         &ModelSource::Gguf(gguf.to_path_buf()),
         &dev,

@@ -4,7 +4,7 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
-use mole_worker::engine::ModelSource;
+use mole_engine::ModelSource;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -1011,7 +1011,7 @@ fn assert_streamed_output_is_exact(base: &Path, adapter: &Path, out: &Path, shar
 /// an image and no adapter, answers as the base with the adapter does in transformers.
 #[test]
 fn qwen3_vl_merges_match_peft_and_serve_images_as_the_adapter() {
-    use mole_worker::engine::api::{
+    use mole_engine::api::{
         ChatMessage, ContentPart, GenerateRequest, Image, Prompt, PromptCodec, SamplingParams,
         Serving, TokenEvent,
     };
@@ -1051,10 +1051,10 @@ fn qwen3_vl_merges_match_peft_and_serve_images_as_the_adapter() {
     ] {
         assert!(out.join(f).exists(), "{f} not copied into the merged model");
     }
-    let e = mole_worker::engine::Engine::load(
+    let e = mole_engine::Engine::load(
         &ModelSource::hf(out, candle_core::DType::F32),
         &candle_core::Device::Cpu,
-        mole_worker::engine::EngineOptions {
+        mole_engine::EngineOptions {
             // The references were computed with transformers' PIL backend.
             image_processor: mole_api::ImageProcessor::Pil,
             ..Default::default()

@@ -19,9 +19,9 @@ use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use mole_engine::lora::{self, LoadOptions};
 use mole_model::LoraAdapter;
 use mole_model::{argmax, Decoder, LoraKernel, ModelConfig, Row, SeqCache, TensorPathOptions};
-use mole_worker::lora::{self, LoadOptions};
 
 /// The device the tests run on (`MOLE_TEST_DEVICE`), where the same tolerances hold: f32
 /// matmuls run in full f32 (candle leaves cuBLAS's reduced-precision f32 off).

@@ -10,11 +10,11 @@
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
 use candle_core::{Device, Tensor};
-use mole_model::tensors_made;
-use mole_worker::engine::device_sampler::{
+use mole_engine::device_sampler::{
     read, BatchSampler, CandleSampler, Penalty, RowSampling, SamplePlan,
 };
-use mole_worker::engine::grammar::allowed;
+use mole_engine::grammar::allowed;
+use mole_model::tensors_made;
 
 const VOCAB: usize = 1500;
 

@@ -12,8 +12,8 @@
 mod common;
 
 use common::{engine_fixtures, engine_reference, ids, tensor_engine, wait_until};
+use mole_engine::api::*;
 use mole_model::Transfers;
-use mole_worker::engine::api::*;
 
 fn request(
     prompt: Vec<u32>,
@@ -139,8 +139,8 @@ fn op_count_transfers_are_one_upload_and_one_download_per_step() {
     let masked = std::cell::Cell::new((0, 0));
     let (steps, constrained) = count(&|| {
         let guide = |rx: &str| {
-            Some(mole_worker::engine::grammar::Guided {
-                guide: mole_worker::engine::grammar::Guide::Regex(rx.into()),
+            Some(mole_engine::grammar::Guided {
+                guide: mole_engine::grammar::Guide::Regex(rx.into()),
                 after: None,
             })
         };

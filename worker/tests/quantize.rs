@@ -25,7 +25,7 @@
 mod common;
 
 use common::seeded;
-use mole_worker::engine::ModelSource;
+use mole_engine::ModelSource;
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -250,8 +250,8 @@ fn drift_is_measured_and_ordered_by_precision() {
 /// the quantized directory equal those of the dense model on most steps of a short answer.
 #[test]
 fn the_engine_serves_the_quantized_directory() {
-    use mole_worker::engine::api::{EngineInfo, Serving};
-    use mole_worker::engine::{Engine, EngineOptions};
+    use mole_engine::api::{EngineInfo, Serving};
+    use mole_engine::{Engine, EngineOptions};
     let tmp = tempfile::tempdir().unwrap();
     let synth = tmp.path().join("synthetic");
     synthetic_llama(&synth);

@@ -27,14 +27,14 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
-use mole_worker::engine::ModelSource;
+use mole_engine::ModelSource;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
+use mole_engine::{Engine, EngineOptions};
 use mole_model::{Decoder, LoraAdapter, ModelConfig, Proj, Row, SeqCache};
-use mole_worker::engine::{Engine, EngineOptions};
 
 const TOL: f32 = 0.06;
 
@@ -319,7 +319,7 @@ fn a_served_checkpoint_starts_an_engine() {
         EngineOptions::default(),
     )
     .unwrap();
-    use mole_worker::engine::api::EngineInfo;
+    use mole_engine::api::EngineInfo;
     let held = e.stats().weights_bytes.unwrap();
     // Per layer q, k, v, o, gate, up, down: 147,456 weights held as 4-bit blocks (20 bytes per
     // 32), not widened (4 bytes each); the embedding and the head in f32; norms and slack 8 KiB.

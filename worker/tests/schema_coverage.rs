@@ -12,8 +12,8 @@
 
 use std::collections::BTreeMap;
 
-use mole_worker::engine::grammar::{unenforced, Grammars, Guide, Guided};
-use mole_worker::engine::text::TextModel;
+use mole_engine::grammar::{unenforced, Grammars, Guide, Guided};
+use mole_engine::text::TextModel;
 use serde_json::Value;
 
 /// Every key of `v` (a schema's keywords and property names) and every `format` value.

@@ -12,7 +12,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
-use mole_worker::engine::api::{
+use mole_engine::api::{
     AdapterAdmin, AdapterSpec, EngineError, EngineHandles, EventStream, GenerateRequest, Image,
     Serving, TokenEvent,
 };

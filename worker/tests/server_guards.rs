@@ -15,9 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use axum::response::IntoResponse;
-use mole_worker::engine::api::{
-    ChatMessage, EngineError, EngineHandles, Image, Prompt, PromptCodec,
-};
+use mole_engine::api::{ChatMessage, EngineError, EngineHandles, Image, Prompt, PromptCodec};
 use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
 use serde_json::{json, Value};
 

@@ -14,12 +14,12 @@ use std::path::{Path, PathBuf};
 use candle_core::{DType, Device, Tensor};
 use candle_nn::VarBuilder;
 use mole_api::ImageProcessor;
+use mole_engine::lora::{self, LoadOptions};
 use mole_model::vision::preprocess::{
     preprocess, resize_bicubic, resize_bicubic_torch, ProcessorConfig,
 };
 use mole_model::vision::{mrope_positions, ImageEmbeds, VisionConfig, VisionTower};
 use mole_model::{argmax, Decoder, LoraAdapter, Row, RowVision, SeqCache};
-use mole_worker::lora::{self, LoadOptions};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/vision")

@@ -11,15 +11,15 @@
 
 mod common;
 
-use mole_worker::engine::ModelSource;
+use mole_engine::ModelSource;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use base64::Engine as _;
 use candle_core::{DType, Device};
 use mole_api::ImageProcessor;
-use mole_worker::engine::api::*;
-use mole_worker::engine::{Engine, EngineOptions};
+use mole_engine::api::*;
+use mole_engine::{Engine, EngineOptions};
 use serde_json::{json, Value};
 use sha2::Digest;
 
@@ -546,7 +546,7 @@ fn a_chat_template_json_is_read() {
         json!({"chat_template": tcfg["chat_template"]}).to_string(),
     )
     .unwrap();
-    let t = mole_worker::engine::text::TextModel::load(dir.path()).unwrap();
+    let t = mole_engine::text::TextModel::load(dir.path()).unwrap();
     let c = &reference()["infer_one_image"];
     let (msgs, _) = conversation(c);
     assert_eq!(

@@ -5,16 +5,14 @@
 //! pass instead (the order the overlap replaced). Measured side by side, rounds alternated,
 //! best of each kept. Goal ≥ 0.9.
 
-use crate::engine::ModelSource;
+use mole_engine::ModelSource;
 use std::time::Instant;
 
 use candle_core::{DType, Device};
 
-use crate::engine::api::{
-    GenerateRequest, Prompt, PromptCodec, SamplingParams, Serving, TokenEvent,
-};
-use crate::engine::grammar::{Guide, Guided};
-use crate::engine::{Engine, EngineOptions};
+use mole_engine::api::{GenerateRequest, Prompt, PromptCodec, SamplingParams, Serving, TokenEvent};
+use mole_engine::grammar::{Guide, Guided};
+use mole_engine::{Engine, EngineOptions};
 
 /// Rows of the batch, and of them constrained.
 const ROWS: usize = 16;

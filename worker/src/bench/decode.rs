@@ -17,7 +17,7 @@ use std::time::Instant;
 use candle_core::{DType, Device};
 use candle_nn::VarBuilder;
 
-use crate::lora::{self, LoadOptions};
+use mole_engine::lora::{self, LoadOptions};
 use mole_model::LoraAdapter;
 use mole_model::{Decoder, Row, SeqCache, TensorPathOptions};
 
@@ -183,10 +183,10 @@ fn parse_size(v: &str) -> Result<Option<(u32, u32)>, String> {
 
 /// The device and dtype of a run: the worker's own choice, or `--dtype` as given.
 pub(super) fn device_and_dtype(args: &DecodeBenchArgs) -> anyhow::Result<(Device, DType)> {
-    let dev = crate::engine::default_device();
+    let dev = mole_engine::default_device();
     let dtype = match args.dtype.to_ascii_lowercase().as_str() {
-        "auto" => crate::engine::candle_dtype(mole_api::Dtype::default()),
-        other => crate::engine::candle_dtype(
+        "auto" => mole_engine::candle_dtype(mole_api::Dtype::default()),
+        other => mole_engine::candle_dtype(
             serde_json::from_value(serde_json::json!(other))
                 .map_err(|_| anyhow::anyhow!("--dtype {other}: expected auto, f32, bf16 or f16"))?,
         ),

@@ -21,7 +21,7 @@ use candle_core::{DType, Device};
 
 use super::decode::{tokens_per_s, DecodeBenchArgs, SyntheticQuant};
 use super::synthetic::{synthetic_config, synthetic_weights, write_adapter};
-use crate::lora::{self, LoadOptions};
+use mole_engine::lora::{self, LoadOptions};
 use mole_model::{Decoder, LoraAdapter, ModelConfig, Row, SeqCache};
 
 /// Tokens of the timed prompt.

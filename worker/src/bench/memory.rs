@@ -11,13 +11,13 @@
 //! is for, where the binary's own pages weigh little, and all of it in the type asked for (the
 //! tied embedding in q6_k, as llama.cpp and `quantize` keep it).
 
-use crate::engine::ModelSource;
+use mole_engine::ModelSource;
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType, Device};
 
-use crate::engine::api::{GenerateRequest, Prompt, SamplingParams, Serving, TokenEvent};
-use crate::engine::{Engine, EngineOptions};
+use mole_engine::api::{GenerateRequest, Prompt, SamplingParams, Serving, TokenEvent};
+use mole_engine::{Engine, EngineOptions};
 
 /// Arguments of `bench memory`.
 #[derive(clap::Args, Debug)]

@@ -8,9 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-use crate::engine::api::{
-    GenerateRequest, Prompt, PromptCodec, SamplingParams, Serving, TokenEvent,
-};
+use mole_engine::api::{GenerateRequest, Prompt, PromptCodec, SamplingParams, Serving, TokenEvent};
 
 /// Arguments of `bench prefix`.
 #[derive(clap::Args, Debug)]

@@ -119,7 +119,7 @@ pub fn measure_drift(
     tokens: usize,
 ) -> Result<Drift, QuantizeError> {
     let drift = |e: &dyn std::fmt::Display| QuantizeError::Drift(e.to_string());
-    let text = crate::engine::text::TextModel::load(reference).map_err(|e| drift(&e))?;
+    let text = mole_engine::text::TextModel::load(reference).map_err(|e| drift(&e))?;
     let reference_model =
         Decoder::load(reference, stored_dtype(reference), &Device::Cpu).map_err(|e| drift(&e))?;
     let cap = tokens.min(reference_model.config().max_positions().saturating_sub(1));

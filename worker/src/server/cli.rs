@@ -42,7 +42,7 @@ pub struct ServeArgs {
     /// `--max-num-batched-tokens`): larger finishes a long prompt in fewer steps, smaller
     /// keeps the running sequences' next tokens coming sooner.
     #[arg(long, env = "MOLE_PREFILL_CHUNK",
-          default_value_t = crate::engine::DEFAULT_PREFILL_CHUNK as u32,
+          default_value_t = mole_engine::DEFAULT_PREFILL_CHUNK as u32,
           value_parser = clap::value_parser!(u32).range(1..=65536))]
     pub prefill_chunk: u32,
 }

@@ -8,12 +8,12 @@ use mole_api::{ServingMode, WorkerAdapter, WorkerConfig, WorkerMode};
 
 use crate::config::model_dir;
 use crate::config::ConfigError;
-use crate::engine::api::{Backend, EngineError, EngineHandles, PromptCodec};
-use crate::engine::replicas::Replicas;
-use crate::engine::{
+use crate::merge::MergeError;
+use mole_engine::api::{Backend, EngineError, EngineHandles, PromptCodec};
+use mole_engine::replicas::Replicas;
+use mole_engine::{
     candle_dtype, compute_devices, default_device, Engine, EngineOptions, ModelSource,
 };
-use crate::merge::MergeError;
 use mole_formats::hf::{self, HfError};
 use mole_model::LoraKernel;
 
@@ -74,7 +74,7 @@ impl Default for EngineTuning {
     fn default() -> Self {
         Self {
             lora_kernel: LoraKernel::default(),
-            prefill_chunk: crate::engine::DEFAULT_PREFILL_CHUNK,
+            prefill_chunk: mole_engine::DEFAULT_PREFILL_CHUNK,
         }
     }
 }

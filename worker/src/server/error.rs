@@ -10,8 +10,8 @@ use serde::Serialize;
 use utoipa::openapi::{ContentBuilder, Ref, RefOr, ResponseBuilder};
 use utoipa::ToSchema;
 
-use crate::engine::api::EngineError;
 use crate::router::RouteError;
+use mole_engine::api::EngineError;
 
 /// Why the server refused a request. Stable names via [`ApiError::code`].
 #[derive(Debug, Clone, thiserror::Error)]

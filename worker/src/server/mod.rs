@@ -238,12 +238,12 @@ fn mole_headers(d: &Decision) -> HeaderMap {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::engine::api::{
+    use axum::body::Body;
+    use axum::http::Request;
+    use mole_engine::api::{
         AdapterAdmin, AdapterSpec, ChatMessage, EngineError, EngineHandles, EngineInfo,
         EngineStats, EventStream, GenerateRequest, Image, ModelInfo, Prompt, PromptCodec, Serving,
     };
-    use axum::body::Body;
-    use axum::http::Request;
     use tower::ServiceExt;
 
     /// An engine that is never asked to serve or tokenize: the layers answer first. Only

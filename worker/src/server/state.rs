@@ -11,8 +11,8 @@ use mole_api::WorkerConfig;
 
 use super::auth::{Auth, Secrets};
 use crate::config::{LoadFailure, SharedConfig};
-use crate::engine::api::{AdapterAdmin, Backend, EngineHandles, EngineInfo, PromptCodec, Serving};
 use crate::metrics::Metrics;
+use mole_engine::api::{AdapterAdmin, Backend, EngineHandles, EngineInfo, PromptCodec, Serving};
 
 /// Connect timeout to merged pods: a Service without endpoints or a dead pod must fall back
 /// fast.
@@ -212,10 +212,11 @@ impl AppState {
             .values()
         {
             if !out.iter().any(|a| {
-                a.name == crate::lora::registry::public_name(&f.name) && a.version == f.version
+                a.name == mole_engine::lora::registry::public_name(&f.name)
+                    && a.version == f.version
             }) {
                 out.push(mole_api::LoraAdapterInfo {
-                    name: crate::lora::registry::public_name(&f.name).to_string(),
+                    name: mole_engine::lora::registry::public_name(&f.name).to_string(),
                     version: f.version.clone(),
                     lora_id: f.lora_id,
                     path: None,

@@ -2,7 +2,7 @@
 
 pub mod steps;
 
-use mole_worker::engine::ModelSource;
+use mole_engine::ModelSource;
 use std::os::unix::fs::OpenOptionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -167,9 +167,7 @@ pub fn test_device() -> candle_core::Device {
 /// off), its options set by `f`, its LoRA kernel by `MOLE_LORA_KERNEL` as `serve` takes it
 /// (`ops` unless set), so a test of the tensor path's engine runs with either.
 #[allow(dead_code)] // each test crate uses some of these helpers
-pub fn tensor_engine(
-    f: impl FnOnce(&mut mole_worker::engine::EngineOptions),
-) -> mole_worker::engine::Engine {
+pub fn tensor_engine(f: impl FnOnce(&mut mole_engine::EngineOptions)) -> mole_engine::Engine {
     let dir = engine_fixtures().join("llama");
     let mut model = mole_model::Decoder::load(&dir, candle_core::DType::F32, &test_device())
         .expect("the llama fixture loads");
@@ -178,14 +176,14 @@ pub fn tensor_engine(
         Ok(k) => k.parse().expect("MOLE_LORA_KERNEL: ops or bgmv"),
         Err(_) => mole_model::LoraKernel::Ops,
     };
-    let mut opts = mole_worker::engine::EngineOptions {
+    let mut opts = mole_engine::EngineOptions {
         base_name: "llama".into(),
         lora_kernel,
         ..Default::default()
     };
     f(&mut opts);
-    let text = mole_worker::engine::text::TextModel::load(&dir).expect("its tokenizer loads");
-    mole_worker::engine::Engine::start(model, text, opts)
+    let text = mole_engine::text::TextModel::load(&dir).expect("its tokenizer loads");
+    mole_engine::Engine::start(model, text, opts)
 }
 
 /// A worker serving `yaml` (written to `<dir>/config.yaml`, paths relative to `dir`) on a
@@ -226,15 +224,13 @@ pub async fn serve_config(dir: &Path, yaml: &str) -> (String, tokio::sync::onesh
 
 /// The llama fixture's engine on the host path (the CPU's), its options set by `f`.
 #[allow(dead_code)] // each test crate uses some of these helpers
-pub fn host_engine(
-    f: impl FnOnce(&mut mole_worker::engine::EngineOptions),
-) -> mole_worker::engine::Engine {
-    let mut o = mole_worker::engine::EngineOptions {
+pub fn host_engine(f: impl FnOnce(&mut mole_engine::EngineOptions)) -> mole_engine::Engine {
+    let mut o = mole_engine::EngineOptions {
         base_name: "llama".into(),
         ..Default::default()
     };
     f(&mut o);
-    mole_worker::engine::Engine::load(
+    mole_engine::Engine::load(
         &ModelSource::hf(engine_fixtures().join("llama"), candle_core::DType::F32),
         &candle_core::Device::Cpu,
         o,
@@ -244,12 +240,8 @@ pub fn host_engine(
 
 /// The fixture adapter `dir` (under `adapters/llama`) as `name` at `version`, LoRA id 1.
 #[allow(dead_code)] // each test crate uses some of these helpers
-pub fn fixture_adapter(
-    name: &str,
-    version: &str,
-    dir: &str,
-) -> mole_worker::engine::api::AdapterSpec {
-    mole_worker::engine::api::AdapterSpec {
+pub fn fixture_adapter(name: &str, version: &str, dir: &str) -> mole_engine::api::AdapterSpec {
+    mole_engine::api::AdapterSpec {
         name: name.into(),
         version: version.into(),
         lora_id: 1,
@@ -263,8 +255,8 @@ pub fn greedy(
     prompt: Vec<u32>,
     adapter: Option<&str>,
     max_tokens: usize,
-) -> mole_worker::engine::api::GenerateRequest {
-    use mole_worker::engine::api::{GenerateRequest, Prompt, SamplingParams};
+) -> mole_engine::api::GenerateRequest {
+    use mole_engine::api::{GenerateRequest, Prompt, SamplingParams};
     GenerateRequest {
         images: Vec::new(),
         id: "t".into(),
@@ -280,8 +272,8 @@ pub fn greedy(
 
 /// The tokens a request's stream carries to its end (panics on an error event).
 #[allow(dead_code)] // each test crate uses some of these helpers
-pub fn tokens(mut rx: mole_worker::engine::api::EventStream) -> Vec<u32> {
-    use mole_worker::engine::api::TokenEvent;
+pub fn tokens(mut rx: mole_engine::api::EventStream) -> Vec<u32> {
+    use mole_engine::api::TokenEvent;
     let mut out = Vec::new();
     loop {
         match rx.blocking_recv().expect("a final event") {

@@ -75,7 +75,7 @@ pub async fn load_lora(
             lora_name: b.lora_name,
         }));
     }
-    let spec = crate::engine::api::AdapterSpec {
+    let spec = mole_engine::api::AdapterSpec {
         name: b.lora_name.clone(),
         version: "api".into(),
         lora_id: s.next_lora_id.fetch_add(1, Ordering::SeqCst),
@@ -108,7 +108,7 @@ pub async fn unload_lora(
     // Its canary version goes with it (the config, until changed, loads it again).
     let _ = s
         .admin
-        .unload_adapter(&crate::lora::registry::canary_key(&b.lora_name));
+        .unload_adapter(&mole_engine::lora::registry::canary_key(&b.lora_name));
     Ok(Json(LoraAnswer {
         status: "unloaded",
         lora_name: b.lora_name,

@@ -24,9 +24,9 @@ use super::replies::{
 };
 use super::response_out::{sse, ResponseState};
 use super::types::Kind;
-use crate::engine::api::{self, EventStream, FinishReason, TokenEvent, Usage};
 use crate::router::Decision;
 use crate::server::{mole_headers, ApiError, AppState};
+use mole_engine::api::{self, EventStream, FinishReason, TokenEvent, Usage};
 
 /// A fresh answer id.
 pub(super) fn req_id(prefix: &str) -> String {

@@ -21,9 +21,9 @@ use super::validate::{
     ValidRequest, Validate,
 };
 use super::S;
-use crate::engine::api::{ChatMessage, ContentPart, EngineError, Prompt};
 use crate::server::error::Refusals;
 use crate::server::{ApiError, AppState};
+use mole_engine::api::{ChatMessage, ContentPart, EngineError, Prompt};
 
 /// A conversation to render: what a chat body and a Responses API input become.
 pub(super) struct Conversation {

@@ -5,10 +5,10 @@ use axum::body::Bytes;
 use super::body::Fields;
 use super::types::{CompletionBody, Kind, PromptField};
 use super::validate::{check_prompt_bytes, sampling, Caps, Parts, ValidRequest, Validate};
-use crate::engine::api::Prompt;
-use crate::engine::grammar::Guided;
 use crate::server::error::bad;
 use crate::server::{ApiError, AppState};
+use mole_engine::api::Prompt;
+use mole_engine::grammar::Guided;
 
 impl Validate for CompletionBody {
     /// A string, a one-string array, or token ids of the vocabulary; the router reads the text.

@@ -19,11 +19,11 @@ use super::route::decide_off_runtime;
 use super::types::{ChatBody, CompletionBody};
 use super::validate::{max_seq, prepare_request, ValidRequest, Validate};
 use super::S;
-use crate::engine::api::{EngineError, GenerateRequest, Image, Prompt, SamplingParams, Serving};
 use crate::router::{Decision, Mode};
 use crate::server::error::Refusals;
 use crate::server::gateway;
 use crate::server::{ApiError, AppState};
+use mole_engine::api::{EngineError, GenerateRequest, Image, Prompt, SamplingParams, Serving};
 
 /// `POST /v1/chat/completions`: the messages through the model's chat template, routed
 /// (`model`, `adapter`, or the router), answered whole or streamed.
@@ -283,7 +283,7 @@ fn canary_for(
         .adapters()
         .iter()
         .any(|a| &a.name == name && a.version == c.version && a.loaded);
-    held.then(|| crate::lora::registry::canary_key(name))
+    held.then(|| mole_engine::lora::registry::canary_key(name))
 }
 
 /// The answer to an engine refusal. A configured adapter the engine does not hold because it

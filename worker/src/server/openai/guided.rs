@@ -9,9 +9,9 @@ use serde::Deserialize;
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use crate::engine::grammar::Guide;
 use crate::server::error::bad;
 use crate::server::ApiError;
+use mole_engine::grammar::Guide;
 
 /// The structured-output fields of a generation body (at most one of them constrains it).
 #[derive(Deserialize, ToSchema, Default, Debug)]

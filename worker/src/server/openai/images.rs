@@ -16,10 +16,10 @@ use sha2::{Digest, Sha256};
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::image_url;
-use crate::engine::api::Image;
 use crate::server::error::bad;
 use crate::server::state::PIXEL_UNIT;
 use crate::server::{ApiError, AppState};
+use mole_engine::api::Image;
 
 /// An image as a request names it, before it is read.
 #[derive(Debug, Clone, PartialEq)]

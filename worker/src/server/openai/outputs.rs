@@ -10,9 +10,9 @@ use mole_api::{ReasoningParser, ToolCallParser};
 
 use super::parse::{ParseSpec, Start};
 use super::tools::{self, ToolRequest};
-use crate::engine::api::{ChatMessage, SamplingParams};
-use crate::engine::grammar::{Guide, Guided};
 use crate::server::{ApiError, AppState};
+use mole_engine::api::{ChatMessage, SamplingParams};
+use mole_engine::grammar::{Guide, Guided};
 
 /// The pool's output formats.
 #[derive(Debug, Clone, PartialEq)]
@@ -101,7 +101,7 @@ pub(super) fn finish(
         (Some(call), _, _) => Some(call),
         (None, Some(Guide::Json { schema, strict }), Some(rules)) => Some(Guide::Lark(format!(
             "start: calls | WS calls | json | WS json\n{rules}json: %json {}\n",
-            crate::engine::grammar::compact(&schema, strict)
+            mole_engine::grammar::compact(&schema, strict)
         ))),
         (None, g, _) => g,
     };

@@ -14,9 +14,9 @@ use serde_json::json;
 use super::outputs::Formats;
 use super::parse::{join, OutputParser, ParseSpec, Parsed, Start};
 use super::tools::{call_grammar, read};
-use crate::engine::api::ChatMessage;
-use crate::engine::grammar::{allowed, Grammars, Guide, Guided};
-use crate::engine::text::{Detokenizer, TextModel};
+use mole_engine::api::ChatMessage;
+use mole_engine::grammar::{allowed, Grammars, Guide, Guided};
+use mole_engine::text::{Detokenizer, TextModel};
 
 fn qwen3() -> Option<TextModel> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");

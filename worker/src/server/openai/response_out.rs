@@ -21,8 +21,8 @@ use utoipa::ToSchema;
 use super::now;
 use super::parse::{CallHead, OutputParser, ParseSpec, Parsed};
 use super::replies::MoleInfo;
-use crate::engine::api::{FinishReason, Usage};
 use crate::server::ApiError;
+use mole_engine::api::{FinishReason, Usage};
 
 /// What an answer repeats of its request (OpenAI's `response` carries its settings).
 #[derive(Debug, Clone)]

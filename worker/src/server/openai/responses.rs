@@ -36,10 +36,10 @@ use super::tools::{
 use super::types::{Arguments, Common, Kind};
 use super::validate::{prepare_request, tool_call_value, ValidRequest, Validate};
 use super::S;
-use crate::engine::api::{ChatMessage, ContentPart, EngineError};
 use crate::server::error::bad;
 use crate::server::error::Refusals;
 use crate::server::{ApiError, AppState};
+use mole_engine::api::{ChatMessage, ContentPart, EngineError};
 
 tag!(MessageTag, "message");
 tag!(FunctionCallTag, "function_call");

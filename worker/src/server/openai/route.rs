@@ -13,11 +13,11 @@ use super::replies::MoleInfo;
 use super::types::RouteBody;
 use super::validate::{last_user_text, messages};
 use super::S;
-use crate::engine::api::Image;
 use crate::router::{self, Decision, Mode, RouteInput};
 use crate::server::error::bad;
 use crate::server::error::Refusals;
 use crate::server::{mole_headers, ApiError, AppState};
+use mole_engine::api::Image;
 
 /// Routes a request: [`router::decide`] with the engine's classifier (whose one pass sees the
 /// request's `images` too) and the embedding model, plus adapters loaded through

@@ -13,10 +13,10 @@ use super::replies::{DetokenizeAnswer, TokenizeAnswer, VersionAnswer};
 use super::types::InMessage;
 use super::validate::messages;
 use super::S;
-use crate::engine::api::Prompt;
 use crate::server::error::bad;
 use crate::server::error::Refusals;
 use crate::server::ApiError;
+use mole_engine::api::Prompt;
 
 /// `POST /tokenize`: a completion's `prompt` or chat `messages` (vLLM's two shapes).
 #[derive(Deserialize, utoipa::ToSchema)]

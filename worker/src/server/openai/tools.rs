@@ -11,9 +11,9 @@ use utoipa::ToSchema;
 
 use mole_api::ToolCallParser;
 
-use crate::engine::grammar::Guide;
 use crate::server::error::bad;
 use crate::server::ApiError;
+use mole_engine::grammar::Guide;
 
 /// The tool fields of a chat body.
 #[derive(Deserialize, ToSchema, Default, Debug)]
@@ -222,7 +222,7 @@ pub(super) fn call_rules(funcs: &[&FunctionDef], parallel: bool) -> String {
         })
         .collect();
     let strict = funcs.iter().all(|f| f.strict == Some(true));
-    let schema = crate::engine::grammar::compact(
+    let schema = mole_engine::grammar::compact(
         &match alts.len() {
             1 => alts[0].clone(),
             _ => json!({"anyOf": alts}),
@@ -250,7 +250,7 @@ pub(super) fn system_section(tools: &[Value]) -> String {
     );
     for t in tools {
         s.push('\n');
-        s.push_str(&crate::engine::pyjson::dumps(t, None));
+        s.push_str(&mole_engine::pyjson::dumps(t, None));
     }
     s.push_str(
         "\n</tools>\n\nFor each function call, return a json object with function name and \

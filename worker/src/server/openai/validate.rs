@@ -14,13 +14,13 @@ use serde_json::Value;
 use super::types::{
     Arguments, Common, Content, InMessage, Kind, Logprobs, PartType, Role, StopField,
 };
-use crate::engine::api::{ChatMessage, ContentPart, Prompt, SamplingParams};
 use crate::server::error::bad;
 use crate::server::gateway::Upstream;
 use crate::server::{ApiError, AppState};
 use mole_api::request::{
     self, RealField, RequestError, MAX_LOGPROBS, MAX_STOP, MAX_STOP_TOKEN_IDS,
 };
+use mole_engine::api::{ChatMessage, ContentPart, Prompt, SamplingParams};
 
 /// A generation body that validation turns into a [`ValidRequest`]: chat, completions,
 /// responses and `/infer`.
@@ -103,7 +103,7 @@ pub(in crate::server) struct ValidRequest {
     /// How a chat's answer splits into reasoning, answer and tool calls (None: all answer).
     pub(super) parse: Option<super::parse::ParseSpec>,
     /// What of the answer's JSON schema is not enforced (a schema without `strict`; see
-    /// [`crate::engine::grammar::Guide::Json`]), reported with the answer.
+    /// [`mole_engine::grammar::Guide::Json`]), reported with the answer.
     pub(super) unenforced: Vec<String>,
     /// What a Responses API answer repeats of its request (None: another kind of answer).
     pub(super) echo: Option<super::response_out::Echo>,
@@ -417,7 +417,7 @@ pub(super) fn sampling(c: &Common, chat: bool, caps: &Caps) -> Result<SamplingPa
         cache_tenant: None,
     };
     // What the engine asserts is what was checked here.
-    debug_assert!(crate::engine::host_sampler::validate(&sp).is_ok());
+    debug_assert!(mole_engine::host_sampler::validate(&sp).is_ok());
     Ok(sp)
 }
 
@@ -459,7 +459,7 @@ pub(super) fn messages(
                             msg.parts.push(ContentPart::Text(t));
                         }
                         (PartType::Image, Some(_)) if !takes_images => {
-                            return Err(crate::engine::api::EngineError::ImagesNotSupported.into())
+                            return Err(mole_engine::api::EngineError::ImagesNotSupported.into())
                         }
                         (PartType::Image, Some(u)) => {
                             images.push(images::source(u.url(), &field(), limits)?);

@@ -2,6 +2,10 @@
 //! model instance and a registry of LoRA adapters. The server talks to it only through
 //! [`api`]; [`Engine`] is the implementation.
 
+// clippy.toml keeps device→host copies and concatenation out of the decode path: `lora` (and
+// mole-model below) hold to it; the engine's one copy of a step's logits and its tools may not.
+#![allow(clippy::disallowed_methods)]
+
 mod adapters;
 pub mod api;
 mod codec;
@@ -10,6 +14,8 @@ pub mod grammar;
 pub mod host_sampler;
 mod images;
 mod load;
+#[warn(clippy::disallowed_methods)]
+pub mod lora;
 mod plan;
 mod prefix;
 pub mod pyjson;
@@ -139,7 +145,7 @@ impl EngineOptions {
 /// the longest length (so preemption only trims an overcommitted batch), and a LoRA slot per
 /// device-resident adapter at the highest rank accepted. The cache never exceeds
 /// [`MAX_KV_SLOTS`] tokens.
-pub(super) fn tensor_path(opts: &EngineOptions) -> TensorPathOptions {
+pub(crate) fn tensor_path(opts: &EngineOptions) -> TensorPathOptions {
     let block_size = TensorPathOptions::default().block_size;
     TensorPathOptions {
         block_size,

@@ -496,7 +496,7 @@ pub trait AdapterAdmin: Send + Sync + 'static {
 }
 
 /// What the engine is and how loaded it is: read by `/metrics`, validation's context and
-/// vocabulary bounds, the OpenAPI document's limits, and [`crate::engine::replicas`] to pick
+/// vocabulary bounds, the OpenAPI document's limits, and [`crate::replicas`] to pick
 /// the least loaded engine. Cheap snapshots that never wait for a step.
 pub trait EngineInfo: Send + Sync + 'static {
     /// Scheduler snapshot.
@@ -552,7 +552,7 @@ pub trait PromptCodec: Send + Sync + 'static {
 }
 
 /// One running engine with everything but its text side: what a pod's
-/// [`crate::engine::replicas::Replicas`] hold one per device, and what a local worker holds
+/// [`crate::replicas::Replicas`] hold one per device, and what a local worker holds
 /// per merged model. Implemented for every type that is the three parts; callers that need
 /// one part take that trait instead (an `Arc<dyn Backend>` upcasts to each).
 pub trait Backend: Serving + AdapterAdmin + EngineInfo {}

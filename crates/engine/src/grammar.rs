@@ -571,9 +571,9 @@ mod tests {
 
     /// Guides over the committed byte-level fixture tokenizer (token id = byte value, EOS 2).
     fn grammars(limits: &mole_api::GuideParserLimits) -> Grammars {
-        let t = crate::engine::text::TextModel::load(
+        let t = crate::text::TextModel::load(
             &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../tests/fixtures/engine/llama"),
+                .join("../../tests/fixtures/engine/llama"),
         )
         .unwrap();
         Grammars::with_limits(t.tokenizer().clone(), &t.eos_ids, 256, limits)

@@ -297,7 +297,7 @@ impl Sampler {
     /// probability 0 (a grammar's mask) are never kept. Without top-k and top-p nothing is
     /// sorted (a full sort of a 150k vocabulary per row took a fifth of a CPU decode step);
     /// top-p sorts only the most likely tokens, as many as its mass needs.
-    pub(crate) fn filtered(&self, mut l: Vec<f32>) -> (Vec<u32>, Vec<f32>) {
+    pub fn filtered(&self, mut l: Vec<f32>) -> (Vec<u32>, Vec<f32>) {
         let t = self.p.temperature;
         for x in l.iter_mut() {
             *x /= t;

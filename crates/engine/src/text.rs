@@ -508,7 +508,7 @@ mod tests {
     fn bytes_model() -> TextModel {
         TextModel::load(
             &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
-                .join("../tests/fixtures/engine/llama"),
+                .join("../../tests/fixtures/engine/llama"),
         )
         .unwrap()
     }
