@@ -194,6 +194,21 @@ pub fn inject(span: &tracing::Span, headers: &mut http::HeaderMap) -> bool {
     headers.contains_key("traceparent")
 }
 
+/// Writes a failed subcommand's one-line reason where Kubernetes looks for it: the given path
+/// (created), or `/dev/termination-log` when it exists (a container's default
+/// `terminationMessagePath`), so `kubectl describe` and the operator read why a Job failed.
+pub fn write_termination_log(given: Option<&std::path::Path>, line: &str) {
+    let default = std::path::Path::new("/dev/termination-log");
+    let path = match given {
+        Some(p) => p,
+        None if default.exists() => default,
+        None => return,
+    };
+    if let Err(e) = std::fs::write(path, format!("{line}\n")) {
+        eprintln!("cannot write the termination log {}: {e}", path.display());
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

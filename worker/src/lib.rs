@@ -11,7 +11,8 @@
 //! - `mole_engine` (crates/engine): adapters as served (`lora`: loading and validation, the
 //!   registry of versions), the engine thread, continuous batching, sampling, text.
 //! - [`router`]: which adapter serves a request that names none.
-//! - [`config`], [`metrics`], [`telemetry`]: the worker's configuration and observability.
+//! - [`config`], [`metrics`]: the worker's configuration and metrics (logs and traces are
+//!   `mole_telemetry`'s, shared with the operator).
 //! - [`progress`]: progress bars and lines of the long-running tools.
 //! - [`merge`]: the merge Job's tool, which a local worker also runs for its merged adapters;
 //!   [`quantize`] quantizes its output after it (`merge --quantize` in the Job).
@@ -38,4 +39,3 @@ pub mod prune;
 pub mod quantize;
 pub mod router;
 pub mod server;
-pub mod telemetry;

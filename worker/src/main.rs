@@ -63,7 +63,8 @@ fn main() -> std::process::ExitCode {
     pin_thread_count();
     let cli = Cli::parse();
     // Held until main returns: dropping it exports the spans still buffered.
-    let _telemetry = match mole_worker::telemetry::init(cli.otlp_traces_endpoint.as_deref()) {
+    let _telemetry = match mole_telemetry::init("mole-worker", cli.otlp_traces_endpoint.as_deref())
+    {
         Ok(t) => t,
         Err(e) => {
             eprintln!("{}: {e}", e.code());

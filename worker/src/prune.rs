@@ -91,7 +91,7 @@ pub fn run(args: PruneArgs) -> ExitCode {
         Err(e) => {
             let line = format!("prune failed ({}): {e}", e.code());
             eprintln!("{line}");
-            crate::telemetry::write_termination_log(None, &line);
+            mole_telemetry::write_termination_log(None, &line);
             ExitCode::from(match e {
                 PruneError::OutsideRoot { .. } => 2,
                 PruneError::Io { .. } => 1,

@@ -15,7 +15,7 @@ use std::path::{Path, PathBuf};
 /// `engine`: cargo keeps them from importing anything above.)
 const LAYERS: &[&[&str]] = &[
     &["router"],
-    &["config", "metrics", "telemetry", "progress"],
+    &["config", "metrics", "progress"],
     // The merge (formats and kernels below it): the merge Job's tool, which a local worker
     // also runs in-process for its `mode: merged` adapters. Nothing of the engine imports it.
     &["merge", "quantize"],

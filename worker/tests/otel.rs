@@ -109,7 +109,7 @@ async fn worker(mg_line: &str) -> (String, tempfile::TempDir, tokio::sync::onesh
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn one_trace_runs_from_the_client_through_the_gateway_into_the_merged_pods_engine() {
     let (endpoint, got) = collector().await;
-    let telemetry = mole_worker::telemetry::init(Some(&endpoint)).unwrap();
+    let telemetry = mole_telemetry::init("mole-worker", Some(&endpoint)).unwrap();
     assert!(telemetry.exporting());
     // The merged pod serves mg itself; the pool's pod forwards mg's requests to it.
     let (merged, _d1, _s1) = worker("{name: mg, version: v1, loraId: 3, path: mg}").await;

@@ -95,7 +95,7 @@ pub fn run(args: FetchArgs) -> ExitCode {
         Err(e) => {
             let line = format!("fetch failed ({}): {e}", e.code());
             eprintln!("{line}");
-            crate::telemetry::write_termination_log(termination_log.as_deref(), &line);
+            mole_telemetry::write_termination_log(termination_log.as_deref(), &line);
             ExitCode::from(e.exit_code())
         }
     }

@@ -136,7 +136,7 @@ pub fn run(args: MergeArgs) -> ExitCode {
         Err(e) => {
             let line = format!("merge failed ({}): {e}", e.code());
             eprintln!("{line}");
-            crate::telemetry::write_termination_log(termination_log.as_deref(), &line);
+            mole_telemetry::write_termination_log(termination_log.as_deref(), &line);
             ExitCode::from(e.exit_code())
         }
     }
@@ -151,7 +151,7 @@ fn quantize_failed(
         e => format!("quantize failed ({}): {e}", e.code()),
     };
     eprintln!("{line}");
-    crate::telemetry::write_termination_log(termination_log, &line);
+    mole_telemetry::write_termination_log(termination_log, &line);
     ExitCode::from(e.exit_code())
 }
 

@@ -47,7 +47,7 @@ pub fn run(args: QuantizeArgs) -> ExitCode {
     let fail = |e: super::QuantizeError| {
         let line = format!("quantize failed ({}): {e}", e.code());
         eprintln!("{line}");
-        crate::telemetry::write_termination_log(args.termination_log.as_deref(), &line);
+        mole_telemetry::write_termination_log(args.termination_log.as_deref(), &line);
         ExitCode::from(e.exit_code())
     };
     let qtype = match QuantType::parse(&args.qtype) {

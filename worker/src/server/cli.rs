@@ -62,7 +62,7 @@ pub fn run(args: ServeArgs) -> std::process::ExitCode {
         Err(e) => {
             let line = startup_line(&e);
             eprintln!("error: {line}");
-            crate::telemetry::write_termination_log(termination_log.as_deref(), &line);
+            mole_telemetry::write_termination_log(termination_log.as_deref(), &line);
             std::process::ExitCode::from(1)
         }
     }

@@ -239,7 +239,7 @@ async fn proxy(
     // The merged pod continues this trace; with export off here, the client's own trace
     // headers go on as they came.
     let mut trace = HeaderMap::new();
-    if !crate::telemetry::inject(span, &mut trace) {
+    if !mole_telemetry::inject(span, &mut trace) {
         for h in ["traceparent", "tracestate"] {
             if let Some(v) = up.headers.get(h) {
                 trace.insert(h, v.clone());

@@ -63,7 +63,7 @@ pub(super) async fn traced(req: Request, next: Next) -> Response {
         mole.mode = Empty,
         mole.route = Empty,
     );
-    crate::telemetry::continue_trace(&span, req.headers());
+    mole_telemetry::continue_trace(&span, req.headers());
     let resp = next.run(req).instrument(span.clone()).await;
     span.record("http.response.status_code", resp.status().as_u16());
     if resp.status().is_server_error() {
