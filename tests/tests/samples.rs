@@ -472,11 +472,11 @@ async fn run_fetch(c: &k8s_openapi::api::core::v1::Container, mount: &str, root:
     #[derive(clap::Parser)]
     struct Fetch {
         #[command(flatten)]
-        args: mole_worker::fetch::cli::FetchArgs,
+        args: mole_tools::fetch::cli::FetchArgs,
     }
     // `mole-worker fetch ...`: "fetch" stands for the program name, the rest are its flags.
     let fa = Fetch::parse_from(&args[1..]).args;
-    let code = tokio::task::spawn_blocking(move || mole_worker::fetch::cli::run(fa))
+    let code = tokio::task::spawn_blocking(move || mole_tools::fetch::cli::run(fa))
         .await
         .unwrap();
     assert_eq!(code, std::process::ExitCode::SUCCESS, "{args:?}");

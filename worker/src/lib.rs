@@ -10,17 +10,15 @@
 //!   adapters.
 //! - `mole_engine` (crates/engine): adapters as served (`lora`: loading and validation, the
 //!   registry of versions), the engine thread, continuous batching, sampling, text.
+//! - `mole_tools` (crates/tools): merge, quantize, import, fetch, prune, inspect and their
+//!   progress lines; a local worker runs the merge in-process for its merged adapters.
 //! - [`router`]: which adapter serves a request that names none.
 //! - [`config`], [`metrics`]: the worker's configuration and metrics (logs and traces are
 //!   `mole_telemetry`'s, shared with the operator).
-//! - [`progress`]: progress bars and lines of the long-running tools.
-//! - [`merge`]: the merge Job's tool, which a local worker also runs for its merged adapters;
-//!   [`quantize`] quantizes its output after it (`merge --quantize` in the Job).
 //! - [`server`]: the HTTP API.
+//! - [`bench`], on top: benchmarks that print ratios measured side by side.
 //!
-//! Tools on top, which nothing in the serving path imports: [`import`], [`inspect`],
-//! [`prune`], [`bench`], [`fetch`] (pulls models and adapters from `hf://` and `s3://`).
-//! Cargo holds the crates below to this order; `tests/layers.rs` holds this crate's modules.
+//! Cargo holds the crates to this order; `tests/layers.rs` holds this crate's modules.
 
 // clippy.toml keeps device→host copies and concatenation out of the decode path: mole-model
 // and mole-engine's lora (crates of their own). The rest of the worker (tools, server) may
@@ -29,13 +27,6 @@
 
 pub mod bench;
 pub mod config;
-pub mod fetch;
-pub mod import;
-pub mod inspect;
-pub mod merge;
 pub mod metrics;
-pub mod progress;
-pub mod prune;
-pub mod quantize;
 pub mod router;
 pub mod server;

@@ -24,19 +24,19 @@ enum Command {
     /// Serve the OpenAI-compatible API for a WorkerConfig (operator ConfigMap or config/local.yaml).
     Serve(mole_worker::server::cli::ServeArgs),
     /// Merge a PEFT LoRA adapter into base HF safetensors weights.
-    Merge(mole_worker::merge::cli::MergeArgs),
+    Merge(mole_tools::merge::cli::MergeArgs),
     /// Quantize a merged (dense) HF model to GGUF blocks, measuring its drift.
-    Quantize(mole_worker::quantize::cli::QuantizeArgs),
+    Quantize(mole_tools::quantize::cli::QuantizeArgs),
     /// Convert a GGUF model into an HF safetensors directory.
-    Import(mole_worker::import::cli::ImportArgs),
+    Import(mole_tools::import::cli::ImportArgs),
     /// Describe a model or adapter directory and report validation problems.
-    Inspect(mole_worker::inspect::InspectArgs),
+    Inspect(mole_tools::inspect::InspectArgs),
     /// Benchmarks that print ratios measured side by side in one run.
     Bench(mole_worker::bench::BenchArgs),
     /// Delete old merged outputs (the operator's cleanup Job), refusing paths outside --root.
-    Prune(mole_worker::prune::PruneArgs),
+    Prune(mole_tools::prune::PruneArgs),
     /// Fetch a model or adapter (safetensors only, resumable, checksummed) from hf:// or s3://.
-    Fetch(mole_worker::fetch::cli::FetchArgs),
+    Fetch(mole_tools::fetch::cli::FetchArgs),
 }
 
 /// candle asks for its thread count on every matmul and, unless `RAYON_NUM_THREADS` is set,
@@ -73,12 +73,12 @@ fn main() -> std::process::ExitCode {
     };
     match cli.command {
         Command::Serve(a) => mole_worker::server::cli::run(a),
-        Command::Merge(a) => mole_worker::merge::cli::run(a),
-        Command::Quantize(a) => mole_worker::quantize::cli::run(a),
-        Command::Import(a) => mole_worker::import::cli::run(a),
-        Command::Inspect(a) => mole_worker::inspect::run(a),
+        Command::Merge(a) => mole_tools::merge::cli::run(a),
+        Command::Quantize(a) => mole_tools::quantize::cli::run(a),
+        Command::Import(a) => mole_tools::import::cli::run(a),
+        Command::Inspect(a) => mole_tools::inspect::run(a),
         Command::Bench(a) => mole_worker::bench::run(a),
-        Command::Prune(a) => mole_worker::prune::run(a),
-        Command::Fetch(a) => mole_worker::fetch::cli::run(a),
+        Command::Prune(a) => mole_tools::prune::run(a),
+        Command::Fetch(a) => mole_tools::fetch::cli::run(a),
     }
 }

@@ -14,7 +14,7 @@ use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, Uri};
 use axum::response::{IntoResponse, Response};
-use mole_worker::fetch::{fetch, FetchOptions, Manifest, MANIFEST};
+use mole_tools::fetch::{fetch, FetchOptions, Manifest, MANIFEST};
 use serde_json::json;
 use sha2::{Digest, Sha256};
 

@@ -67,7 +67,7 @@ fn a_merge_output_outside_the_root_creates_nothing() {
         }
     }
     for out in ["../escape/deep/merged", "merged/../../escape/deep/merged"] {
-        let opts = mole_worker::merge::MergeOptions {
+        let opts = mole_tools::merge::MergeOptions {
             base: root.join("base"),
             adapter: root.join("adapter"),
             out: root.join(out),
@@ -79,7 +79,7 @@ fn a_merge_output_outside_the_root_creates_nothing() {
             adapter_name: None,
             adapter_version: None,
         };
-        let e = mole_worker::merge::merge(&opts).expect_err(out);
+        let e = mole_tools::merge::merge(&opts).expect_err(out);
         assert_eq!(e.code(), "path_outside_root", "{out}: {e}");
         assert!(
             !top.path().join("escape").exists(),

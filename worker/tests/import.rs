@@ -9,8 +9,8 @@
 use mole_engine::ModelSource;
 use std::path::{Path, PathBuf};
 
-use mole_worker::import::{import, ImportOptions};
-use mole_worker::merge::{to_f32, OutDtype};
+use mole_tools::import::{import, ImportOptions};
+use mole_tools::merge::{to_f32, OutDtype};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")

@@ -11,17 +11,14 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 /// Layers from the ground up; a module may use `crate::M` only for `M` at its layer or below.
-/// (The layers below them are crates of their own, `crates/formats`, `kernels`, `model` and
-/// `engine`: cargo keeps them from importing anything above.)
+/// (The layers below them are crates of their own, `crates/formats`, `kernels`, `model`,
+/// `engine` and `tools`: cargo keeps them from importing anything above.)
 const LAYERS: &[&[&str]] = &[
     &["router"],
-    &["config", "metrics", "progress"],
-    // The merge (formats and kernels below it): the merge Job's tool, which a local worker
-    // also runs in-process for its `mode: merged` adapters. Nothing of the engine imports it.
-    &["merge", "quantize"],
+    &["config", "metrics"],
     &["server"],
-    // Tools: nothing below imports them.
-    &["import", "inspect", "prune", "bench", "fetch"],
+    // Nothing below imports it.
+    &["bench"],
 ];
 
 fn layer(module: &str) -> Option<usize> {

@@ -8,7 +8,7 @@ use mole_engine::ModelSource;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use mole_worker::merge::{bf16_ulp_distance, merge, to_f32, MergeError, MergeOptions, OutDtype};
+use mole_tools::merge::{bf16_ulp_distance, merge, to_f32, MergeError, MergeOptions, OutDtype};
 use safetensors::{Dtype, SafeTensors};
 
 fn fixtures() -> PathBuf {

@@ -32,7 +32,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use mole_worker::quantize::{quantize, QuantType, QuantizeError, QuantizeOptions};
+use mole_tools::quantize::{quantize, QuantType, QuantizeError, QuantizeOptions};
 
 fn fixtures() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/engine")
@@ -142,7 +142,7 @@ fn every_type_round_trips_within_its_bound() {
         let mut worst = 0f32;
         for (tensor, w) in &original {
             let q = &got[tensor];
-            let expected_type = mole_worker::quantize::tensor_type(tensor, w.dims(), qtype, false);
+            let expected_type = mole_tools::quantize::tensor_type(tensor, w.dims(), qtype, false);
             assert_eq!(q.dtype(), expected_type, "{name} {tensor}");
             if w.rank() == 1 {
                 assert_eq!(q.dtype(), GgmlDType::F32, "{tensor}: norms stay f32");
@@ -235,7 +235,7 @@ fn drift_is_measured_and_ordered_by_precision() {
         // Random weights leave near ties between the top tokens: 4-bit blocks flip some.
         let agreement = if qtype == QuantType::Q8_0 { 0.9 } else { 0.5 };
         assert!(d.top1_agreement > agreement, "{name}: {d:?}");
-        let again = mole_worker::quantize::measure_drift(&synth, &out, 16).unwrap();
+        let again = mole_tools::quantize::measure_drift(&synth, &out, 16).unwrap();
         assert_eq!(again, d, "the drift is recomputed from the directories");
         drifts.insert(name, d.mean_kl);
     }
@@ -431,7 +431,7 @@ fn the_cli_refuses_with_exit_2_and_a_termination_message() {
 /// model (with the merge's provenance), leaves no dense copy, and a re-run is a no-op.
 #[test]
 fn merge_then_quantize_writes_the_quantized_merge_only() {
-    use mole_worker::merge::MergeOptions;
+    use mole_tools::merge::MergeOptions;
     let tmp = tempfile::tempdir().unwrap();
     let out = tmp.path().join("merged");
     let opts = MergeOptions {
@@ -446,12 +446,12 @@ fn merge_then_quantize_writes_the_quantized_merge_only() {
         adapter_name: Some("a".into()),
         adapter_version: Some("v1".into()),
     };
-    let r = mole_worker::merge::cli::merge_then_quantize(&opts, QuantType::Q8_0, Some(0.5), 16)
-        .unwrap();
+    let r =
+        mole_tools::merge::cli::merge_then_quantize(&opts, QuantType::Q8_0, Some(0.5), 16).unwrap();
     assert!(r.written);
     assert!(out.join("model.gguf").exists());
     assert!(!out.join("model.safetensors").exists());
-    let merged: mole_worker::merge::MergeMetadata =
+    let merged: mole_tools::merge::MergeMetadata =
         serde_json::from_str(&std::fs::read_to_string(out.join("merge_metadata.json")).unwrap())
             .unwrap();
     assert_eq!(
@@ -463,15 +463,15 @@ fn merge_then_quantize_writes_the_quantized_merge_only() {
         ["merged"],
         "no dense copy left"
     );
-    let again = mole_worker::merge::cli::merge_then_quantize(&opts, QuantType::Q8_0, Some(0.5), 16)
-        .unwrap();
+    let again =
+        mole_tools::merge::cli::merge_then_quantize(&opts, QuantType::Q8_0, Some(0.5), 16).unwrap();
     assert!(!again.written);
     for (t, bound, tokens) in [
         (QuantType::Q4_0, Some(0.5), 16),
         (QuantType::Q8_0, None, 16),
         (QuantType::Q8_0, Some(0.5), 8),
     ] {
-        let e = mole_worker::merge::cli::merge_then_quantize(&opts, t, bound, tokens).unwrap_err();
+        let e = mole_tools::merge::cli::merge_then_quantize(&opts, t, bound, tokens).unwrap_err();
         assert_eq!(e.code(), "output_exists", "{t:?} {bound:?} {tokens}");
     }
     // A merge that fails keeps the merge's own name.
@@ -479,7 +479,7 @@ fn merge_then_quantize_writes_the_quantized_merge_only() {
     bad.out = tmp.path().join("other");
     bad.adapter = tmp.path().join("no-adapter");
     let e =
-        mole_worker::merge::cli::merge_then_quantize(&bad, QuantType::Q8_0, None, 16).unwrap_err();
+        mole_tools::merge::cli::merge_then_quantize(&bad, QuantType::Q8_0, None, 16).unwrap_err();
     assert_eq!(e.code(), "io_error");
     assert!(leftovers(tmp.path(), "other").is_empty());
 }

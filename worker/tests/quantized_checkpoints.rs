@@ -382,13 +382,13 @@ fn peft_adapter(dir: &Path, targets: &[&str]) {
     candle_core::safetensors::save(&t, dir.join("adapter_model.safetensors")).unwrap();
 }
 
-fn merge_opts(base: PathBuf, adapter: PathBuf, out: PathBuf) -> mole_worker::merge::MergeOptions {
-    mole_worker::merge::MergeOptions {
+fn merge_opts(base: PathBuf, adapter: PathBuf, out: PathBuf) -> mole_tools::merge::MergeOptions {
+    mole_tools::merge::MergeOptions {
         base,
         adapter,
         out,
         safe_merge: true,
-        dtype: Some(mole_worker::merge::OutDtype::F32),
+        dtype: Some(mole_tools::merge::OutDtype::F32),
         root: None,
         expect_base: None,
         max_rank: 64,
@@ -403,7 +403,7 @@ fn merging_onto_an_unsupported_quantized_base_is_refused_naming_why() {
     let tmp = tempfile::tempdir().unwrap();
     let base = edited("gptq_g64", |q| q["desc_act"] = true.into());
     peft_adapter(&tmp.path().join("lora"), &["q_proj", "v_proj"]);
-    let err = mole_worker::merge::merge(&merge_opts(
+    let err = mole_tools::merge::merge(&merge_opts(
         base.path().to_path_buf(),
         tmp.path().join("lora"),
         tmp.path().join("out"),
@@ -479,13 +479,13 @@ fn merging_onto_awq_and_gptq_dequantizes_the_touched_modules_exactly() {
             let lora = tmp.path().join("lora");
             peft_adapter(&lora, targets);
             let report =
-                mole_worker::merge::merge(&merge_opts(fixture(name), lora.clone(), out_q.clone()))
+                mole_tools::merge::merge(&merge_opts(fixture(name), lora.clone(), out_q.clone()))
                     .unwrap_or_else(|e| panic!("{name} + {adapter}: {} {e}", e.code()));
             assert_eq!(
                 report.metadata.dequantized_modules, touched,
                 "{name} + {adapter}"
             );
-            mole_worker::merge::merge(&merge_opts(twin.path().to_path_buf(), lora, out_d.clone()))
+            mole_tools::merge::merge(&merge_opts(twin.path().to_path_buf(), lora, out_d.clone()))
                 .unwrap();
 
             let got =

@@ -103,10 +103,10 @@ pub(super) fn bench(file: &Path, args: &DecodeBenchArgs, dev: &Device) -> anyhow
     let quant = Decoder::from_quantized(cfg.clone(), q.tensors, dev)?;
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("bf16");
-    crate::import::import(&crate::import::ImportOptions {
+    mole_tools::import::import(&mole_tools::import::ImportOptions {
         gguf: file.to_path_buf(),
         out: dir.clone(),
-        dtype: crate::merge::OutDtype::Bf16,
+        dtype: mole_tools::merge::OutDtype::Bf16,
     })?;
     let dense = Decoder::load(&dir, DType::BF16, dev)?;
     let label = format!("{} ({types})", file.display());

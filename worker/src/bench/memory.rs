@@ -146,10 +146,10 @@ pub fn run(args: &MemoryBenchArgs) -> anyhow::Result<()> {
     }
     let tmp = tempfile::tempdir()?;
     let dir = tmp.path().join("bf16");
-    crate::import::import(&crate::import::ImportOptions {
+    mole_tools::import::import(&mole_tools::import::ImportOptions {
         gguf: args.gguf.clone(),
         out: dir.clone(),
-        dtype: crate::merge::OutDtype::Bf16,
+        dtype: mole_tools::merge::OutDtype::Bf16,
     })?;
     let none = measure("none", Path::new("-"))?;
     let (label, quant, dense) = match &args.synthetic {
@@ -162,11 +162,11 @@ pub fn run(args: &MemoryBenchArgs) -> anyhow::Result<()> {
             measure("dir", &dir)?,
         ),
         Some(t) => {
-            let qtype = crate::quantize::QuantType::parse(t)?;
+            let qtype = mole_tools::quantize::QuantType::parse(t)?;
             let syn = tmp.path().join("synthetic");
             write_synthetic(&dir, &syn, args.hidden, args.layers)?;
             let qdir = tmp.path().join("synthetic-q");
-            let report = crate::quantize::quantize(&crate::quantize::QuantizeOptions {
+            let report = mole_tools::quantize::quantize(&mole_tools::quantize::QuantizeOptions {
                 input: syn.clone(),
                 out: qdir.clone(),
                 qtype,

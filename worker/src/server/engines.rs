@@ -8,7 +8,6 @@ use mole_api::{ServingMode, WorkerAdapter, WorkerConfig, WorkerMode};
 
 use crate::config::model_dir;
 use crate::config::ConfigError;
-use crate::merge::MergeError;
 use mole_engine::api::{Backend, EngineError, EngineHandles, PromptCodec};
 use mole_engine::replicas::Replicas;
 use mole_engine::{
@@ -16,6 +15,7 @@ use mole_engine::{
 };
 use mole_formats::hf::{self, HfError};
 use mole_model::LoraKernel;
+use mole_tools::merge::MergeError;
 
 /// Why an engine could not be built. Stable names via [`BuildError::code`].
 #[derive(Debug, thiserror::Error)]
@@ -167,7 +167,7 @@ fn merged_engine(cfg: &WorkerConfig, a: &WorkerAdapter) -> Result<Arc<dyn Backen
         .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok())
         .is_some_and(|m| m["adapter_version"] == a.version.as_str());
     if !fresh {
-        let report = crate::merge::merge(&crate::merge::MergeOptions {
+        let report = mole_tools::merge::merge(&mole_tools::merge::MergeOptions {
             base,
             adapter,
             out: dir.clone(),

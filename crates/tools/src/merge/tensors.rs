@@ -47,7 +47,8 @@ impl OutDtype {
             Self::F16 => "float16",
         }
     }
-    pub(crate) fn safetensors(self) -> Dtype {
+    /// The safetensors dtype it is written as.
+    pub fn safetensors(self) -> Dtype {
         match self {
             Self::F32 => Dtype::F32,
             Self::Bf16 => Dtype::BF16,
@@ -86,31 +87,41 @@ pub fn bf16_ulp_distance(a: u16, b: u16) -> u32 {
 /// A low-rank update of one base tensor: `W += scale · (B·A)` (transposed for embeddings and
 /// fan_in_fan_out), or `bias += scale · b` for a LoRA bias.
 #[derive(Debug)]
-pub(crate) enum Delta<'a> {
+pub enum Delta<'a> {
     /// Weight update.
     LowRank {
+        /// The adapter's module name.
         module: String,
+        /// `lora_A`.
         a: &'a Raw,
+        /// `lora_B`.
         b: &'a Raw,
+        /// `lora_alpha / r` (rsLoRA: `/ sqrt(r)`).
         scale: f64,
+        /// Whether `B·A` is added transposed (embeddings, fan_in_fan_out).
         transpose: bool,
     },
     /// Bias update.
     Bias {
+        /// The adapter's module name.
         module: String,
+        /// `lora_B.bias`.
         b: &'a Raw,
+        /// `lora_alpha / r`.
         scale: f64,
     },
 }
 
 /// Checked merge plan: base tensor name → what happens to it.
-pub(crate) struct Plan<'a> {
+pub struct Plan<'a> {
+    /// Base tensor name → the update added to it.
     pub deltas: HashMap<String, Delta<'a>>,
+    /// Base tensor name → the adapter's tensor that replaces it (modules_to_save).
     pub replacements: HashMap<String, &'a Raw>,
 }
 
 /// Checks every module of `adapter` against the base's tensor shapes and returns the plan.
-pub(crate) fn plan<'a>(
+pub fn plan<'a>(
     adapter: &'a MappedAdapter,
     infos: &HashMap<String, (Vec<usize>, Dtype)>,
     config: &AdapterConfig,
@@ -205,7 +216,7 @@ pub(crate) fn plan<'a>(
 }
 
 /// Scales of `adapter` by module family (last name component), for the metadata.
-pub(crate) fn scales_by_family(adapter: &MappedAdapter) -> BTreeMap<String, Vec<f64>> {
+pub fn scales_by_family(adapter: &MappedAdapter) -> BTreeMap<String, Vec<f64>> {
     let mut out: BTreeMap<String, Vec<f64>> = BTreeMap::new();
     for (module, lora) in &adapter.loras {
         let family = module.rsplit('.').next().unwrap_or(module).to_string();
@@ -228,7 +239,7 @@ pub(crate) fn scales_by_family(adapter: &MappedAdapter) -> BTreeMap<String, Vec<
 /// * LoRA bias (a 1-D tensor is one row): coef = `[1]`, basis = `lora_B.bias`.
 ///
 /// As PEFT does, the product is formed in f32, then scaled, then added.
-pub(crate) struct Prepared {
+pub struct Prepared {
     coef: Vec<f32>,
     basis: Vec<f32>,
     k: usize,
@@ -517,7 +528,7 @@ unsafe fn rows_avx512(
 /// `src` (those rows, in `src_dtype`), adds the update, encodes into `dst` (in `out_dtype`),
 /// in one pass with everything in registers or L1. True when every value is finite. Both
 /// dtypes must be float types.
-pub(crate) fn merge_rows(
+pub fn merge_rows(
     src_dtype: Dtype,
     src: &[u8],
     out_dtype: Dtype,

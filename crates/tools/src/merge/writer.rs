@@ -50,7 +50,7 @@ const SYNC_EVERY: u64 = 64 << 20;
 const DROP_ALIGN: usize = 1 << 16;
 
 /// What a written shard holds.
-pub(crate) struct ShardOutput {
+pub struct ShardOutput {
     /// Parameters (elements) in the shard.
     pub params: u64,
     /// Bytes of tensor data (the index's `total_size` sums them).
@@ -86,7 +86,7 @@ fn st_err(path: &Path) -> impl FnOnce(safetensors::SafeTensorError) -> MergeErro
 
 /// Merges the tensors of base shard `shard` into the new file `dest`. Returns the file, written
 /// but not yet synced (the caller syncs it while the next shard is computed).
-pub(crate) fn write_shard(
+pub fn write_shard(
     shard: &Path,
     dest: &Path,
     plan: &Plan<'_>,

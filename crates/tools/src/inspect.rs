@@ -314,7 +314,7 @@ mod tests {
     use super::*;
 
     fn fixtures() -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures/merge")
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/fixtures/merge")
     }
 
     #[test]

@@ -10,7 +10,7 @@
 
 pub mod cli;
 mod quant;
-pub(crate) mod tensors;
+pub mod tensors;
 mod writer;
 
 use std::collections::{BTreeMap, HashMap};
@@ -36,7 +36,8 @@ pub fn set_durable(on: bool) {
     DURABLE.store(on, std::sync::atomic::Ordering::Relaxed);
 }
 
-pub(crate) fn durable() -> bool {
+/// Whether merged files are fdatasync'd before their rename ([`set_durable`]).
+pub fn durable() -> bool {
     DURABLE.load(std::sync::atomic::Ordering::Relaxed)
 }
 
@@ -171,7 +172,8 @@ impl From<WeightsError> for MergeError {
     }
 }
 
-pub(crate) fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> MergeError + '_ {
+/// Maps an I/O error on `path` to [`MergeError::Io`] naming the file.
+pub fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> MergeError + '_ {
     move |source| MergeError::Io {
         path: path.display().to_string(),
         source,
@@ -255,7 +257,7 @@ pub struct MergeReport {
 }
 
 /// Resolves `p` (symlinks included) and checks it lies inside `root`.
-pub(crate) fn confine(p: &Path, root: Option<&Path>) -> Result<PathBuf, MergeError> {
+pub fn confine(p: &Path, root: Option<&Path>) -> Result<PathBuf, MergeError> {
     use mole_formats::paths::{self, Unconfined};
     paths::confine(p, root).map_err(|e| match e {
         Unconfined::Outside(_) => outside_root(p, root),
@@ -272,7 +274,8 @@ fn outside_root(p: &Path, root: Option<&Path>) -> MergeError {
     }
 }
 
-pub(crate) fn sha256_file(path: &Path) -> Result<String, MergeError> {
+/// The SHA-256 of a file's bytes, hex.
+pub fn sha256_file(path: &Path) -> Result<String, MergeError> {
     let mut f = std::fs::File::open(path).map_err(io_err(path))?;
     let mut h = Sha256::new();
     std::io::copy(&mut f, &mut h).map_err(io_err(path))?;
@@ -281,7 +284,7 @@ pub(crate) fn sha256_file(path: &Path) -> Result<String, MergeError> {
 
 /// Hash that identifies the base weights cheaply: the index file, or a single file's header
 /// (names, dtypes, shapes and offsets) plus its size.
-pub(crate) fn base_identity(base: &Path, shards: &[PathBuf]) -> Result<String, MergeError> {
+pub fn base_identity(base: &Path, shards: &[PathBuf]) -> Result<String, MergeError> {
     let index = base.join("model.safetensors.index.json");
     if index.exists() {
         return sha256_file(&index);
@@ -300,7 +303,9 @@ pub(crate) fn base_identity(base: &Path, shards: &[PathBuf]) -> Result<String, M
     Ok(hex::encode(h.finalize()))
 }
 
-pub(crate) fn check_no_pickle(dir: &Path) -> Result<(), MergeError> {
+/// Refuses a directory holding a pickle-format file ([`hf::find_pickle`]): loading one runs
+/// code.
+pub fn check_no_pickle(dir: &Path) -> Result<(), MergeError> {
     match hf::find_pickle(dir) {
         Some(p) => Err(MergeError::Pickle(p.display().to_string())),
         None => Ok(()),
@@ -441,7 +446,7 @@ pub fn inputs_digest(opts: &MergeOptions) -> Result<String, MergeError> {
 }
 
 /// The output's parent (created, confined to the root) and its name.
-pub(crate) fn output_parent(
+pub fn output_parent(
     out: &Path,
     root: Option<&Path>,
 ) -> Result<(PathBuf, std::ffi::OsString), MergeError> {
@@ -579,7 +584,8 @@ fn publish(
     sync_dir(parent)
 }
 
-pub(crate) fn sync_dir(dir: &Path) -> Result<(), MergeError> {
+/// fdatasyncs a directory (its entries), unless [`durable`] is off.
+pub fn sync_dir(dir: &Path) -> Result<(), MergeError> {
     if !durable() {
         return Ok(());
     }
@@ -738,7 +744,8 @@ fn write_merged(
     Ok(stats)
 }
 
-pub(crate) fn sync_file(path: &Path) -> Result<(), MergeError> {
+/// fdatasyncs a file, unless [`durable`] is off.
+pub fn sync_file(path: &Path) -> Result<(), MergeError> {
     if !durable() {
         return Ok(());
     }

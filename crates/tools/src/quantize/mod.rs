@@ -576,7 +576,7 @@ pub fn read_metadata(dir: &Path) -> Option<QuantizeMetadata> {
 
 /// Removes what a crashed run left next to `out` (its temporary siblings), sparing `keep`
 /// (the input of a `merge --quantize`, which lies there too).
-pub(crate) fn clean_temporaries(parent: &Path, out_name: &str, keep: Option<&Path>) {
+pub fn clean_temporaries(parent: &Path, out_name: &str, keep: Option<&Path>) {
     let prefix = format!(".{out_name}.tmp-");
     if let Ok(entries) = std::fs::read_dir(parent) {
         for e in entries.flatten() {

@@ -72,7 +72,7 @@ pub fn run(args: QuantizeArgs) -> ExitCode {
 }
 
 /// One line on stdout about the quantized output.
-pub(crate) fn print_report(r: &super::QuantizeReport, out: &std::path::Path) {
+pub fn print_report(r: &super::QuantizeReport, out: &std::path::Path) {
     let m = &r.metadata;
     if !r.written {
         println!(

@@ -25,7 +25,7 @@ const PARTS: [&str; 4] = ["qweight", "qzeros", "scales", "g_idx"];
 /// Adds, for every packed module `M` of the base, the dense `M.weight` it stands for
 /// (`[out, in]`, f16 like its scales) to `infos`, so the merge plan checks an adapter's shapes
 /// against it. Returns those names.
-pub(crate) fn add_dense_infos(
+pub fn add_dense_infos(
     infos: &mut HashMap<String, (Vec<usize>, Dtype)>,
     scheme: QuantScheme,
 ) -> HashSet<String> {
@@ -53,14 +53,14 @@ pub(crate) fn add_dense_infos(
 }
 
 /// The base shards, mapped, and which shard holds each tensor.
-pub(crate) struct Shards {
+pub struct Shards {
     maps: Vec<memmap2::Mmap>,
     paths: Vec<PathBuf>,
 }
 
 impl Shards {
     /// Maps every shard.
-    pub(crate) fn open(shards: &[PathBuf]) -> Result<Self, MergeError> {
+    pub fn open(shards: &[PathBuf]) -> Result<Self, MergeError> {
         let maps = shards
             .iter()
             .map(|s| mole_formats::safetensors::map(s).map_err(io_err(s)))
@@ -74,7 +74,7 @@ impl Shards {
 
 /// The touched packed modules of a quantized base, read and checked.
 #[derive(Default)]
-pub(crate) struct QuantBase<'a> {
+pub struct QuantBase<'a> {
     /// `M.weight` → its packed parts, for each touched module `M`.
     pub touched: HashMap<String, Packed<'a>>,
     /// `M.qweight` → `M.weight`: where each dense weight goes in the output.
@@ -89,7 +89,7 @@ pub(crate) struct QuantBase<'a> {
 impl<'a> QuantBase<'a> {
     /// The modules of `dense` (the names [`add_dense_infos`] added) that `plan` updates, their
     /// parts read from `shards` and checked against `scheme`.
-    pub(crate) fn read(
+    pub fn read(
         shards: &'a Shards,
         parsed: &'a [SafeTensors<'a>],
         plan: &Plan<'_>,
@@ -144,7 +144,7 @@ impl<'a> QuantBase<'a> {
     }
 
     /// The touched modules' names, sorted (`modules_to_not_convert`).
-    pub(crate) fn modules(&self) -> Vec<String> {
+    pub fn modules(&self) -> Vec<String> {
         let mut m: Vec<String> = self
             .touched
             .keys()
@@ -156,7 +156,7 @@ impl<'a> QuantBase<'a> {
 }
 
 /// Each shard's header parsed, borrowing the maps.
-pub(crate) fn parse(shards: &Shards) -> Result<Vec<SafeTensors<'_>>, MergeError> {
+pub fn parse(shards: &Shards) -> Result<Vec<SafeTensors<'_>>, MergeError> {
     shards
         .maps
         .iter()
@@ -172,7 +172,7 @@ pub(crate) fn parse(shards: &Shards) -> Result<Vec<SafeTensors<'_>>, MergeError>
 
 /// The output's index: the dropped parts gone, each dense weight in the shard its `qweight`
 /// was in.
-pub(crate) fn rewrite_index(json: &mut serde_json::Value, quant: &QuantBase<'_>) {
+pub fn rewrite_index(json: &mut serde_json::Value, quant: &QuantBase<'_>) {
     let Some(map) = json.get_mut("weight_map").and_then(|m| m.as_object_mut()) else {
         return;
     };
@@ -188,7 +188,7 @@ pub(crate) fn rewrite_index(json: &mut serde_json::Value, quant: &QuantBase<'_>)
 
 /// The output's `config.json` names the dense modules in
 /// `quantization_config.modules_to_not_convert` (added to any it listed).
-pub(crate) fn rewrite_config(dir: &Path, quant: &QuantBase<'_>) -> Result<(), MergeError> {
+pub fn rewrite_config(dir: &Path, quant: &QuantBase<'_>) -> Result<(), MergeError> {
     let path = dir.join("config.json");
     let text = std::fs::read_to_string(&path).map_err(io_err(&path))?;
     let mut json: serde_json::Value =
