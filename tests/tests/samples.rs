@@ -290,10 +290,10 @@ async fn serve_rendered(
     root: &Path,
     vision: bool,
 ) -> (String, tokio::sync::oneshot::Sender<()>) {
-    use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
+    use mole_server::{build_engine, cli::serve_with, AppState, Auth};
     let cfg_path = root.join("worker.json");
     std::fs::write(&cfg_path, serde_json::to_string(wc).unwrap()).unwrap();
-    let cfg = mole_worker::config::load(&cfg_path).unwrap();
+    let cfg = mole_server::config::load(&cfg_path).unwrap();
     let engine = build_engine(&cfg).unwrap();
     assert_eq!(engine.info.model_info().vision, vision);
     let auth = Auth::from_config(&cfg).unwrap();

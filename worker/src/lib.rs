@@ -12,21 +12,14 @@
 //!   registry of versions), the engine thread, continuous batching, sampling, text.
 //! - `mole_tools` (crates/tools): merge, quantize, import, fetch, prune, inspect and their
 //!   progress lines; a local worker runs the merge in-process for its merged adapters.
-//! - [`router`]: which adapter serves a request that names none.
-//! - [`config`], [`metrics`]: the worker's configuration and metrics (logs and traces are
-//!   `mole_telemetry`'s, shared with the operator).
-//! - [`server`]: the HTTP API.
-//! - [`bench`], on top: benchmarks that print ratios measured side by side.
+//! - `mole_server` (crates/server): the router, the worker's configuration and metrics (logs
+//!   and traces are `mole_telemetry`'s, shared with the operator), the HTTP API.
+//! - [`bench`], on top and here: benchmarks that print ratios measured side by side.
 //!
-//! Cargo holds the crates to this order; `tests/layers.rs` holds this crate's modules.
+//! Cargo holds the crates to this order; `tests/layers.rs` checks that their manifests do.
 
-// clippy.toml keeps device→host copies and concatenation out of the decode path: mole-model
-// and mole-engine's lora (crates of their own). The rest of the worker (tools, server) may
-// use them.
+// clippy.toml keeps device→host copies and concatenation out of the decode path (mole-model,
+// mole-engine's lora); a benchmark reads results back freely.
 #![allow(clippy::disallowed_methods)]
 
 pub mod bench;
-pub mod config;
-pub mod metrics;
-pub mod router;
-pub mod server;

@@ -22,7 +22,7 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve the OpenAI-compatible API for a WorkerConfig (operator ConfigMap or config/local.yaml).
-    Serve(mole_worker::server::cli::ServeArgs),
+    Serve(mole_server::cli::ServeArgs),
     /// Merge a PEFT LoRA adapter into base HF safetensors weights.
     Merge(mole_tools::merge::cli::MergeArgs),
     /// Quantize a merged (dense) HF model to GGUF blocks, measuring its drift.
@@ -72,7 +72,7 @@ fn main() -> std::process::ExitCode {
         }
     };
     match cli.command {
-        Command::Serve(a) => mole_worker::server::cli::run(a),
+        Command::Serve(a) => mole_server::cli::run(a),
         Command::Merge(a) => mole_tools::merge::cli::run(a),
         Command::Quantize(a) => mole_tools::quantize::cli::run(a),
         Command::Import(a) => mole_tools::import::cli::run(a),

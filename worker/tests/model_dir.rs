@@ -8,7 +8,7 @@
 
 use std::path::Path;
 
-use mole_worker::server::build_engine;
+use mole_server::build_engine;
 
 /// `<root>/base`: the tiny Llama; `outside`: a directory beside the root.
 fn dirs() -> (tempfile::TempDir, tempfile::TempDir) {
@@ -29,7 +29,7 @@ fn build(root: &Path) -> Option<(&'static str, String)> {
         "pool: p\nmodelRoot: {}\nbaseModel: {{name: llama, path: base, dtype: f32}}\n",
         root.display()
     );
-    let cfg = mole_worker::config::parse(&yaml, "t").unwrap();
+    let cfg = mole_server::config::parse(&yaml, "t").unwrap();
     match build_engine(&cfg) {
         Ok(_) => None,
         Err(e) => Some((e.code(), e.to_string())),

@@ -10,8 +10,8 @@
 
 use std::path::{Path, PathBuf};
 
-use mole_worker::router::embed::SentenceEmbedder;
-use mole_worker::router::{decide, RouteInput};
+use mole_server::router::embed::SentenceEmbedder;
+use mole_server::router::{decide, RouteInput};
 
 fn repo() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
@@ -69,7 +69,7 @@ fn minilm_embeddings_match_sentence_transformers_and_route() {
     let cached = e.encode_cached(&sentences).unwrap();
     assert_eq!(*cached[3], ours[3]);
 
-    let cfg = mole_worker::config::parse(
+    let cfg = mole_server::config::parse(
         r#"
 pool: demo
 modelRoot: /models

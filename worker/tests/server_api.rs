@@ -16,7 +16,7 @@ use mole_engine::api::{
     AdapterAdmin, AdapterSpec, EngineError, EngineHandles, EventStream, GenerateRequest, Image,
     Serving, TokenEvent,
 };
-use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
+use mole_server::{build_engine, cli::serve_with, AppState, Auth};
 use serde_json::{json, Value};
 
 struct Srv {
@@ -198,7 +198,7 @@ async fn launch_with(
 ) -> Srv {
     let cfg_path = dir.path().join("config.yaml");
     std::fs::write(&cfg_path, yaml).unwrap();
-    let cfg = mole_worker::config::load(&cfg_path).unwrap();
+    let cfg = mole_server::config::load(&cfg_path).unwrap();
     let engine = wrap(build_engine(&cfg).unwrap());
     let auth = Auth::from_config(&cfg).unwrap();
     let state = AppState::new(cfg, engine.clone(), Some(cfg_path.clone()), auth);
@@ -1378,7 +1378,7 @@ async fn operator_token_and_reload_with_config_hash() {
         "",
     );
     std::fs::write(&p, &y).unwrap();
-    let file_hash = mole_worker::config::read(&p).unwrap().content_hash();
+    let file_hash = mole_server::config::read(&p).unwrap().content_hash();
     let (st, b) = post_auth(
         &s,
         "/admin/reload",

@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 
 use axum::response::IntoResponse;
 use mole_engine::api::{ChatMessage, EngineError, EngineHandles, Image, Prompt, PromptCodec};
-use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
+use mole_server::{build_engine, cli::serve_with, AppState, Auth};
 use serde_json::{json, Value};
 
 struct Srv {
@@ -61,7 +61,7 @@ async fn launch(
 ) -> Srv {
     let cfg_path = dir.path().join("config.yaml");
     std::fs::write(&cfg_path, config_yaml(dir.path(), limits)).unwrap();
-    let cfg = mole_worker::config::load(&cfg_path).unwrap();
+    let cfg = mole_server::config::load(&cfg_path).unwrap();
     let engine = wrap(build_engine(&cfg).unwrap());
     let auth = Auth::from_config(&cfg).unwrap();
     let state = AppState::new(cfg, engine, Some(cfg_path.clone()), auth);

@@ -333,13 +333,13 @@ async fn adapter_directories_must_not_overlap() {
         "adapters/fr/inner",
         "adapters",
     ] {
-        let e = mole_worker::config::parse(&with(path), "t")
-            .and_then(|c| mole_worker::config::validate(&c))
+        let e = mole_server::config::parse(&with(path), "t")
+            .and_then(|c| mole_server::config::validate(&c))
             .err()
             .unwrap_or_else(|| panic!("{path} was accepted"));
         assert_eq!(e.code(), "adapter_path_overlaps", "{path}: {e}");
     }
-    mole_worker::config::validate(&mole_worker::config::parse(&with("adapters/js"), "t").unwrap())
+    mole_server::config::validate(&mole_server::config::parse(&with("adapters/js"), "t").unwrap())
         .unwrap();
 
     let s = start_in(dir, "").await;

@@ -11,7 +11,7 @@ use mole_crds::InferencePool;
 use super::deployment::dynamic_name;
 use super::meta::ChildMeta;
 
-/// The worker's gauge of requests waiting for a slot (`worker/src/metrics.rs`), as the custom
+/// The worker's gauge of requests waiting for a slot (`crates/server/src/metrics.rs`), as the custom
 /// metrics API serves it per pod (the chart's prometheus-adapter rule keeps the name).
 pub const QUEUE_METRIC: &str = "mole_requests_waiting";
 

@@ -80,10 +80,10 @@ fn median(mut v: Vec<Duration>) -> Duration {
 
 /// Runs the benchmark and prints the times and their ratio.
 pub fn run(args: &PrefixBenchArgs) -> anyhow::Result<()> {
-    let cfg = crate::config::load(&args.config)
+    let cfg = mole_server::config::load(&args.config)
         .with_context(|| format!("config {}", args.config.display()))?;
     let caching = cfg.limits.engine.enable_prefix_caching;
-    let engine = crate::server::build_engine(&cfg)?;
+    let engine = mole_server::build_engine(&cfg)?;
     let question = |q: &str| {
         engine
             .codec

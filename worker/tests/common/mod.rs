@@ -191,10 +191,10 @@ pub fn tensor_engine(f: impl FnOnce(&mut mole_engine::EngineOptions)) -> mole_en
 /// sender is dropped. Returns its base URL and that sender.
 #[allow(dead_code)] // each test crate uses some of these helpers
 pub async fn serve_config(dir: &Path, yaml: &str) -> (String, tokio::sync::oneshot::Sender<()>) {
-    use mole_worker::server::{build_engine, cli::serve_with, AppState, Auth};
+    use mole_server::{build_engine, cli::serve_with, AppState, Auth};
     let cfg_path = dir.join("config.yaml");
     std::fs::write(&cfg_path, yaml).expect("the config is written");
-    let cfg = mole_worker::config::load(&cfg_path).expect("the config loads");
+    let cfg = mole_server::config::load(&cfg_path).expect("the config loads");
     let engine = build_engine(&cfg).expect("the engine starts");
     let auth = Auth::from_config(&cfg).expect("the auth settings read");
     let state = AppState::new(cfg, engine, Some(cfg_path.clone()), auth);

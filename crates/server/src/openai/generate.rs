@@ -19,10 +19,10 @@ use super::route::decide_off_runtime;
 use super::types::{ChatBody, CompletionBody};
 use super::validate::{max_seq, prepare_request, ValidRequest, Validate};
 use super::S;
+use crate::error::Refusals;
+use crate::gateway;
 use crate::router::{Decision, Mode};
-use crate::server::error::Refusals;
-use crate::server::gateway;
-use crate::server::{ApiError, AppState};
+use crate::{ApiError, AppState};
 use mole_engine::api::{EngineError, GenerateRequest, Image, Prompt, SamplingParams, Serving};
 
 /// `POST /v1/chat/completions`: the messages through the model's chat template, routed

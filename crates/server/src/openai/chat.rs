@@ -21,8 +21,8 @@ use super::validate::{
     ValidRequest, Validate,
 };
 use super::S;
-use crate::server::error::Refusals;
-use crate::server::{ApiError, AppState};
+use crate::error::Refusals;
+use crate::{ApiError, AppState};
 use mole_engine::api::{ChatMessage, ContentPart, EngineError, Prompt};
 
 /// A conversation to render: what a chat body and a Responses API input become.

@@ -574,12 +574,12 @@ mod tests {
     /// is in the table: the document and the table cannot drift apart.
     #[test]
     fn the_bodies_and_the_table_agree() {
-        let auth = crate::server::openapi::DocAuth {
+        let auth = crate::openapi::DocAuth {
             api_keys: true,
             admin_token: true,
             operator_token: false,
         };
-        let doc = crate::server::openapi::document(auth, &RequestLimits::default());
+        let doc = crate::openapi::document(auth, &RequestLimits::default());
         for (name, endpoint) in [("ChatBody", On::CHAT), ("CompletionBody", On::COMPLETIONS)] {
             let body = &doc["components"]["schemas"][name];
             assert_eq!(body["additionalProperties"], false, "{name}");
@@ -589,7 +589,7 @@ mod tests {
             }
             for p in props.keys() {
                 assert!(
-                    crate::server::openai::fields::field(p, endpoint).is_some(),
+                    crate::openai::fields::field(p, endpoint).is_some(),
                     "{name}.{p} is not in the field table"
                 );
             }

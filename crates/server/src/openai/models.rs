@@ -6,8 +6,8 @@ use axum::Json;
 use super::now;
 use super::replies::{ModelCard, ModelKind, ModelList};
 use super::S;
-use crate::server::error::Refusals;
-use crate::server::{ApiError, AppState};
+use crate::error::Refusals;
+use crate::{ApiError, AppState};
 
 /// `GET /v1/models`: the pool, the base model and every adapter.
 #[utoipa::path(get, path = "/v1/models", tag = "openai",

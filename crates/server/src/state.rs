@@ -19,7 +19,7 @@ use mole_engine::api::{AdapterAdmin, Backend, EngineHandles, EngineInfo, PromptC
 pub const PROXY_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// Pixels per permit of the in-flight image budget (a semaphore counts in `u32`).
-pub(in crate::server) const PIXEL_UNIT: u64 = 1024;
+pub(crate) const PIXEL_UNIT: u64 = 1024;
 
 /// Everything the handlers share.
 pub struct AppState {

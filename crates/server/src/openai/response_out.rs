@@ -21,7 +21,7 @@ use utoipa::ToSchema;
 use super::now;
 use super::parse::{CallHead, OutputParser, ParseSpec, Parsed};
 use super::replies::MoleInfo;
-use crate::server::ApiError;
+use crate::ApiError;
 use mole_engine::api::{FinishReason, Usage};
 
 /// What an answer repeats of its request (OpenAI's `response` carries its settings).
@@ -42,7 +42,7 @@ pub(super) struct Echo {
 
 /// A `response`.
 #[derive(Serialize, ToSchema, Debug, Clone)]
-pub(in crate::server) struct ResponseObject {
+pub(crate) struct ResponseObject {
     /// `resp_...`.
     pub(super) id: String,
     /// `response`.
@@ -98,7 +98,7 @@ pub(in crate::server) struct ResponseObject {
 
 /// Why a response failed.
 #[derive(Serialize, ToSchema, Debug, Clone)]
-pub(in crate::server) struct ResponseError {
+pub(crate) struct ResponseError {
     /// The error's stable code.
     pub(super) code: &'static str,
     /// What went wrong.
@@ -107,14 +107,14 @@ pub(in crate::server) struct ResponseError {
 
 /// Why a response is incomplete.
 #[derive(Serialize, ToSchema, Debug, Clone)]
-pub(in crate::server) struct IncompleteDetails {
+pub(crate) struct IncompleteDetails {
     /// `max_output_tokens` (or the context's end).
     pub(super) reason: &'static str,
 }
 
 /// A response's token counts.
 #[derive(Serialize, ToSchema, Debug, Clone, Copy)]
-pub(in crate::server) struct ResponseUsage {
+pub(crate) struct ResponseUsage {
     /// Input tokens, images' included.
     pub(super) input_tokens: usize,
     /// What the input's count is made of.
@@ -129,14 +129,14 @@ pub(in crate::server) struct ResponseUsage {
 
 /// `usage.input_tokens_details`.
 #[derive(Serialize, ToSchema, Debug, Clone, Copy)]
-pub(in crate::server) struct InputTokensDetails {
+pub(crate) struct InputTokensDetails {
     /// Input tokens the prefix cache gave (the caller's own reuse).
     pub(super) cached_tokens: usize,
 }
 
 /// `usage.output_tokens_details`.
 #[derive(Serialize, ToSchema, Debug, Clone, Copy)]
-pub(in crate::server) struct OutputTokensDetails {
+pub(crate) struct OutputTokensDetails {
     /// Generated tokens whose text was reasoning.
     pub(super) reasoning_tokens: usize,
 }
@@ -144,7 +144,7 @@ pub(in crate::server) struct OutputTokensDetails {
 /// An output item.
 #[derive(Serialize, ToSchema, Debug, Clone)]
 #[serde(tag = "type", rename_all = "snake_case")]
-pub(in crate::server) enum OutputItem {
+pub(crate) enum OutputItem {
     /// The model's reasoning (Qwen3's `<think>`...`</think>`).
     Reasoning {
         /// `rs_...`.
@@ -184,7 +184,7 @@ pub(in crate::server) enum OutputItem {
 
 /// A message's text part.
 #[derive(Serialize, ToSchema, Debug, Clone)]
-pub(in crate::server) struct OutputText {
+pub(crate) struct OutputText {
     /// `output_text`.
     #[serde(rename = "type")]
     pub(super) kind: &'static str,
@@ -198,7 +198,7 @@ pub(in crate::server) struct OutputText {
 
 /// A reasoning item's text part.
 #[derive(Serialize, ToSchema, Debug, Clone)]
-pub(in crate::server) struct ReasoningContent {
+pub(crate) struct ReasoningContent {
     /// `reasoning_text`.
     #[serde(rename = "type")]
     pub(super) kind: &'static str,
@@ -208,7 +208,7 @@ pub(in crate::server) struct ReasoningContent {
 
 /// One server-sent event of a response stream (see the module's doc): `event` names its
 /// `type`, `data` is its JSON.
-pub(in crate::server) struct ResponseEvent;
+pub(crate) struct ResponseEvent;
 
 impl utoipa::PartialSchema for ResponseEvent {
     fn schema() -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {

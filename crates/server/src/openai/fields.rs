@@ -8,24 +8,24 @@
 
 use serde_json::{Map, Value};
 
-use crate::server::error::bad;
-use crate::server::ApiError;
+use crate::error::bad;
+use crate::ApiError;
 
 /// The bodies a field belongs to: a set of endpoints.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(in crate::server) struct On(u8);
+pub(crate) struct On(u8);
 
 impl On {
     /// `POST /v1/chat/completions` (and `/infer`, a chat).
-    pub(in crate::server) const CHAT: On = On(1);
+    pub(crate) const CHAT: On = On(1);
     /// `POST /v1/completions`.
-    pub(in crate::server) const COMPLETIONS: On = On(2);
+    pub(crate) const COMPLETIONS: On = On(2);
     /// `POST /v1/responses`.
-    pub(in crate::server) const RESPONSES: On = On(4);
+    pub(crate) const RESPONSES: On = On(4);
     /// Chat and completions.
-    pub(in crate::server) const BOTH: On = On(1 | 2);
+    pub(crate) const BOTH: On = On(1 | 2);
     /// Every generation endpoint.
-    pub(in crate::server) const ALL: On = On(1 | 2 | 4);
+    pub(crate) const ALL: On = On(1 | 2 | 4);
 
     /// Both sets together.
     const fn and(self, other: On) -> On {
@@ -33,7 +33,7 @@ impl On {
     }
 
     /// Whether the field is one of `endpoint`'s.
-    pub(in crate::server) fn covers(self, endpoint: On) -> bool {
+    pub(crate) fn covers(self, endpoint: On) -> bool {
         self.0 & endpoint.0 != 0
     }
 
@@ -56,7 +56,7 @@ impl On {
 
 /// What mole does with a field.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(in crate::server) enum Treatment {
+pub(crate) enum Treatment {
     /// Served as OpenAI or vLLM define it (or as mole's own field).
     Served,
     /// Accepted and ignored: it changes no answer here (why).
@@ -73,15 +73,15 @@ pub(in crate::server) enum Treatment {
 
 /// One request field.
 #[derive(Debug, Clone, Copy)]
-pub(in crate::server) struct Field {
+pub(crate) struct Field {
     /// The JSON name.
-    pub(in crate::server) name: &'static str,
+    pub(crate) name: &'static str,
     /// Whose field it is: `OpenAI`, `vLLM` or `mole`.
-    pub(in crate::server) from: &'static str,
+    pub(crate) from: &'static str,
     /// The bodies it belongs to.
-    pub(in crate::server) on: On,
+    pub(crate) on: On,
     /// What mole does with it.
-    pub(in crate::server) treatment: Treatment,
+    pub(crate) treatment: Treatment,
 }
 
 const fn served(name: &'static str, from: &'static str, on: On) -> Field {
@@ -126,7 +126,7 @@ const CHAT_RESPONSES: On = On::CHAT.and(On::RESPONSES);
 
 /// The table: OpenAI's current chat and completions fields, then vLLM's extra parameters, then
 /// mole's own.
-pub(in crate::server) const FIELDS: &[Field] = &[
+pub(crate) const FIELDS: &[Field] = &[
     // OpenAI.
     served("messages", "OpenAI", CHAT),
     served("prompt", "OpenAI", COMPLETIONS),
@@ -489,7 +489,7 @@ pub(in crate::server) const FIELDS: &[Field] = &[
 ];
 
 /// The field named `name` of `endpoint`'s body.
-pub(in crate::server) fn field(name: &str, endpoint: On) -> Option<&'static Field> {
+pub(crate) fn field(name: &str, endpoint: On) -> Option<&'static Field> {
     FIELDS
         .iter()
         .find(|f| f.name == name && f.on.covers(endpoint))
@@ -506,7 +506,7 @@ fn noop(v: &Value, values: &[&str]) -> bool {
 /// `body`'s fields checked against the table: 400 `unsupported_field` for a refused field that
 /// asks for something, 400 `unknown_field` for a field of neither API; ignored fields are
 /// logged at debug level.
-pub(in crate::server) fn check(body: &Map<String, Value>, endpoint: On) -> Result<(), ApiError> {
+pub(crate) fn check(body: &Map<String, Value>, endpoint: On) -> Result<(), ApiError> {
     for (name, v) in body {
         match field(name, endpoint).map(|f| f.treatment) {
             Some(Treatment::Ignored(why)) => {
@@ -545,7 +545,7 @@ pub(in crate::server) fn check(body: &Map<String, Value>, endpoint: On) -> Resul
 
 /// The table as `docs/server.md` shows it.
 #[cfg(test)]
-pub(in crate::server) fn markdown() -> String {
+pub(crate) fn markdown() -> String {
     let mut out = String::from("| Field | API | Endpoints | What mole does |\n|---|---|---|---|\n");
     for f in FIELDS {
         let on = f.on.names();
@@ -626,10 +626,10 @@ mod tests {
     /// field the table does not name, fails here.
     #[test]
     fn the_typed_bodies_read_the_served_fields() {
-        use crate::server::openai::body::field_names;
-        use crate::server::openai::guided::Guides;
-        use crate::server::openai::tools::ToolFields;
-        use crate::server::openai::types::{ChatOwn, Common, CompletionOwn};
+        use crate::openai::body::field_names;
+        use crate::openai::guided::Guides;
+        use crate::openai::tools::ToolFields;
+        use crate::openai::types::{ChatOwn, Common, CompletionOwn};
         use std::collections::BTreeSet;
         let typed = |parts: &[&[&'static str]]| -> BTreeSet<&'static str> {
             parts.iter().flat_map(|p| p.iter().copied()).collect()
@@ -655,8 +655,8 @@ mod tests {
             })
             .collect();
         let responses = typed(&[
-            field_names::<crate::server::openai::responses::ResponsesOwn>(),
-            field_names::<crate::server::openai::responses::ResponseToolFields>(),
+            field_names::<crate::openai::responses::ResponsesOwn>(),
+            field_names::<crate::openai::responses::ResponseToolFields>(),
             &shared,
         ]);
         for (endpoint, typed) in [

@@ -6,8 +6,8 @@ use axum::extract::Path;
 use axum::http::StatusCode;
 
 use super::response_out::ResponseObject;
-use crate::server::error::Refusals;
-use crate::server::ApiError;
+use crate::error::Refusals;
+use crate::ApiError;
 
 /// The answer to a stored response asked for: mole stores none.
 fn not_stored(id: &str) -> ApiError {

@@ -14,9 +14,9 @@ use serde_json::Value;
 use super::types::{
     Arguments, Common, Content, InMessage, Kind, Logprobs, PartType, Role, StopField,
 };
-use crate::server::error::bad;
-use crate::server::gateway::Upstream;
-use crate::server::{ApiError, AppState};
+use crate::error::bad;
+use crate::gateway::Upstream;
+use crate::{ApiError, AppState};
 use mole_api::request::{
     self, RealField, RequestError, MAX_LOGPROBS, MAX_STOP, MAX_STOP_TOKEN_IDS,
 };
@@ -24,9 +24,7 @@ use mole_engine::api::{ChatMessage, ContentPart, Prompt, SamplingParams};
 
 /// A generation body that validation turns into a [`ValidRequest`]: chat, completions,
 /// responses and `/infer`.
-pub(in crate::server) trait Validate:
-    Sized + Send + 'static + super::body::Documented
-{
+pub(crate) trait Validate: Sized + Send + 'static + super::body::Documented {
     /// The validated request of `fields` (the body, parsed), or the 4xx that refuses it.
     /// `forward` is the body as sent, kept when this pool may forward it to a merged pod or a
     /// peer.
@@ -38,7 +36,7 @@ pub(in crate::server) trait Validate:
 }
 
 /// A body parsed and validated ([`Validate::validate`]: the chat template, the prompt's
-/// tokens) on a preparation thread ([`crate::server::prepare`]), not on the runtime that also
+/// tokens) on a preparation thread ([`crate::prepare`]), not on the runtime that also
 /// answers the probes; refused with 429 `prepare_busy` when the stage's queue is full.
 pub(super) async fn prepare_request<B: Validate>(
     s: &std::sync::Arc<AppState>,
@@ -67,7 +65,7 @@ fn may_forward(s: &AppState) -> bool {
 /// become, and all the serving path takes. Built once, every bound checked
 /// ([`mole_api::request`]), the prompt tokenized, its grammar compiled; nothing changes it
 /// afterwards.
-pub(in crate::server) struct ValidRequest {
+pub(crate) struct ValidRequest {
     /// The answer's shape (and the `endpoint` metric label).
     pub(super) kind: Kind,
     /// `model` as asked (empty: the router decides, and answers name the pool).

@@ -36,9 +36,9 @@ use super::tools::{
 use super::types::{Arguments, Common, Kind};
 use super::validate::{prepare_request, tool_call_value, ValidRequest, Validate};
 use super::S;
-use crate::server::error::bad;
-use crate::server::error::Refusals;
-use crate::server::{ApiError, AppState};
+use crate::error::bad;
+use crate::error::Refusals;
+use crate::{ApiError, AppState};
 use mole_engine::api::{ChatMessage, ContentPart, EngineError};
 
 tag!(MessageTag, "message");
@@ -49,7 +49,7 @@ tag!(ReasoningTag, "reasoning");
 /// `input`: a text (one user message), or items.
 #[derive(Deserialize, ToSchema, Debug)]
 #[serde(untagged, expecting = "a string, or an array of input items")]
-pub(in crate::server) enum Input {
+pub(crate) enum Input {
     Text(String),
     Items(Vec<InputItem>),
 }
@@ -60,7 +60,7 @@ pub(in crate::server) enum Input {
     untagged,
     expecting = "an input item: a message, function_call, function_call_output or reasoning"
 )]
-pub(in crate::server) enum InputItem {
+pub(crate) enum InputItem {
     Message(MessageItem),
     FunctionCall(FunctionCallItem),
     FunctionCallOutput(FunctionCallOutputItem),
@@ -70,7 +70,7 @@ pub(in crate::server) enum InputItem {
 /// A message's role.
 #[derive(Deserialize, ToSchema, Debug, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
-pub(in crate::server) enum InputRole {
+pub(crate) enum InputRole {
     User,
     Assistant,
     System,
@@ -80,7 +80,7 @@ pub(in crate::server) enum InputRole {
 
 /// A message (`type` may be left out, as OpenAI's "easy" input messages do).
 #[derive(Deserialize, ToSchema, Debug)]
-pub(in crate::server) struct MessageItem {
+pub(crate) struct MessageItem {
     /// `message`.
     #[serde(rename = "type", default)]
     pub(super) _kind: Option<MessageTag>,
@@ -93,7 +93,7 @@ pub(in crate::server) struct MessageItem {
 /// A message's content, or a tool output's.
 #[derive(Deserialize, ToSchema, Debug)]
 #[serde(untagged, expecting = "a string, or an array of content parts")]
-pub(in crate::server) enum ItemContent {
+pub(crate) enum ItemContent {
     Text(String),
     Parts(Vec<ItemPart>),
 }
@@ -101,7 +101,7 @@ pub(in crate::server) enum ItemContent {
 /// A content part.
 #[derive(Deserialize, ToSchema, Debug)]
 #[serde(tag = "type", rename_all = "snake_case")]
-pub(in crate::server) enum ItemPart {
+pub(crate) enum ItemPart {
     /// Text the user (or system) says.
     InputText {
         /// The text.
@@ -131,7 +131,7 @@ pub(in crate::server) enum ItemPart {
 
 /// A function call an earlier answer made.
 #[derive(Deserialize, ToSchema, Debug)]
-pub(in crate::server) struct FunctionCallItem {
+pub(crate) struct FunctionCallItem {
     /// `function_call`.
     #[serde(rename = "type")]
     pub(super) _kind: FunctionCallTag,
@@ -146,7 +146,7 @@ pub(in crate::server) struct FunctionCallItem {
 
 /// What a called function returned.
 #[derive(Deserialize, ToSchema, Debug)]
-pub(in crate::server) struct FunctionCallOutputItem {
+pub(crate) struct FunctionCallOutputItem {
     /// `function_call_output`.
     #[serde(rename = "type")]
     pub(super) _kind: FunctionCallOutputTag,
@@ -158,7 +158,7 @@ pub(in crate::server) struct FunctionCallOutputItem {
 
 /// An earlier answer's reasoning (given back as the next assistant turn's reasoning).
 #[derive(Deserialize, ToSchema, Debug)]
-pub(in crate::server) struct ReasoningItem {
+pub(crate) struct ReasoningItem {
     /// `reasoning`.
     #[serde(rename = "type")]
     pub(super) _kind: ReasoningTag,
@@ -172,14 +172,14 @@ pub(in crate::server) struct ReasoningItem {
 
 /// A piece of reasoning text (`summary_text` or `reasoning_text`).
 #[derive(Deserialize, ToSchema, Debug)]
-pub(in crate::server) struct ReasoningText {
+pub(crate) struct ReasoningText {
     /// The text.
     pub(super) text: String,
 }
 
 /// `text`: the answer's format.
 #[derive(Deserialize, ToSchema, Debug, Default)]
-pub(in crate::server) struct TextConfig {
+pub(crate) struct TextConfig {
     /// `text` (default), `json_object`, or `json_schema`.
     #[serde(default)]
     pub(super) format: Option<TextFormat>,
@@ -200,7 +200,7 @@ fn medium_or_null() -> utoipa::openapi::Object {
 /// `text.format`.
 #[derive(Deserialize, ToSchema, Debug)]
 #[serde(tag = "type", rename_all = "snake_case")]
-pub(in crate::server) enum TextFormat {
+pub(crate) enum TextFormat {
     /// Free text.
     Text,
     /// A JSON object.
@@ -220,7 +220,7 @@ pub(in crate::server) enum TextFormat {
 
 /// `reasoning`.
 #[derive(Deserialize, ToSchema, Debug, Default)]
-pub(in crate::server) struct ReasoningConfig {
+pub(crate) struct ReasoningConfig {
     /// Handed to the chat template as `reasoning_effort`, as vLLM does (templates that read it
     /// act on it; others do not).
     #[serde(default)]
@@ -237,7 +237,7 @@ pub(in crate::server) struct ReasoningConfig {
 /// `reasoning.effort`.
 #[derive(Deserialize, ToSchema, Debug, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
-pub(in crate::server) enum Effort {
+pub(crate) enum Effort {
     None,
     Minimal,
     Low,
@@ -261,7 +261,7 @@ impl Effort {
 
 /// What `include` may ask for.
 #[derive(Deserialize, ToSchema, Debug, Clone, Copy, PartialEq, Eq)]
-pub(in crate::server) enum Includable {
+pub(crate) enum Includable {
     /// The reasoning encrypted, for a stateless client to give back: mole's reasoning items
     /// carry their text, which a client gives back as it is (nothing is encrypted).
     #[serde(rename = "reasoning.encrypted_content")]
@@ -271,7 +271,7 @@ pub(in crate::server) enum Includable {
 /// A tool: a function (OpenAI's hosted tools are not served).
 #[derive(Deserialize, ToSchema, Debug)]
 #[serde(tag = "type", rename_all = "snake_case")]
-pub(in crate::server) enum ResponseTool {
+pub(crate) enum ResponseTool {
     /// A function the model may call.
     Function {
         /// Its name.
@@ -295,7 +295,7 @@ pub(in crate::server) enum ResponseTool {
     untagged,
     expecting = "none, auto, required, or {\"type\": \"function\", \"name\": ...}"
 )]
-pub(in crate::server) enum ResponseToolChoice {
+pub(crate) enum ResponseToolChoice {
     /// `none`, `auto` or `required`.
     Mode(ToolMode),
     /// One function by name.
@@ -304,7 +304,7 @@ pub(in crate::server) enum ResponseToolChoice {
 
 /// A function named by `tool_choice`.
 #[derive(Deserialize, ToSchema, Debug)]
-pub(in crate::server) struct NamedResponseFunction {
+pub(crate) struct NamedResponseFunction {
     /// `function`.
     #[serde(rename = "type")]
     pub(super) _kind: super::tools::FunctionTag,
@@ -314,7 +314,7 @@ pub(in crate::server) struct NamedResponseFunction {
 
 /// The Responses API's own fields.
 #[derive(Deserialize, ToSchema, Debug)]
-pub(in crate::server) struct ResponsesOwn {
+pub(crate) struct ResponsesOwn {
     /// The conversation: a text (one user message), or items.
     pub(super) input: Input,
     /// A system message before the input.
@@ -342,7 +342,7 @@ pub(in crate::server) struct ResponsesOwn {
 
 /// The Responses API's tool fields.
 #[derive(Deserialize, ToSchema, Debug, Default)]
-pub(in crate::server) struct ResponseToolFields {
+pub(crate) struct ResponseToolFields {
     /// Functions the model may call.
     #[serde(default)]
     pub(super) tools: Option<Vec<ResponseTool>>,
@@ -357,7 +357,7 @@ pub(in crate::server) struct ResponseToolFields {
 
 /// `POST /v1/responses`.
 #[derive(ToSchema, Debug)]
-pub(in crate::server) struct ResponsesBody {
+pub(crate) struct ResponsesBody {
     #[serde(flatten)]
     pub(super) own: ResponsesOwn,
     #[serde(flatten)]
@@ -849,7 +849,7 @@ mod tests {
             "images_not_supported"
         );
         // Unknown item types fail the parse, with the input's code.
-        let f = crate::server::openai::body::Fields::parse(
+        let f = crate::openai::body::Fields::parse(
             json!({"input": [{"type": "web_search_call", "id": "x"}]})
                 .to_string()
                 .as_bytes(),

@@ -13,9 +13,9 @@ use super::body::{OptionalTyped, Typed};
 use super::replies::{LoraAnswer, ReloadApplying};
 use super::types::{LoadBody, ReloadBody};
 use super::S;
-use crate::server::error::bad;
-use crate::server::error::Refusals;
-use crate::server::ApiError;
+use crate::error::bad;
+use crate::error::Refusals;
+use crate::ApiError;
 
 /// How long `POST /admin/reload` waits for the adapters to load before answering 202.
 const RELOAD_ANSWER_WITHIN: Duration = Duration::from_secs(2);
@@ -122,7 +122,7 @@ pub async fn unload_lora(
 #[utoipa::path(post, path = "/admin/reload", tag = "admin",
     request_body(content = Option<ReloadBody>, description = "Optional: the config hash expected"),
     responses(
-        (status = 200, description = "Applied", body = crate::server::reload::ReloadOutcome),
+        (status = 200, description = "Applied", body = crate::reload::ReloadOutcome),
         (status = 202, description = "Applying: adapters still load", body = ReloadApplying),
         Refusals,
     ),

@@ -160,7 +160,7 @@ mod tests {
         assert!(doc["openapi"].as_str().unwrap().starts_with("3.1"));
         let documented: std::collections::BTreeSet<String> =
             doc["paths"].as_object().unwrap().keys().cloned().collect();
-        let src = include_str!("mod.rs");
+        let src = include_str!("lib.rs");
         let routed: std::collections::BTreeSet<String> = src
             .split(".route(")
             .skip(1)

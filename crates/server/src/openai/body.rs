@@ -20,11 +20,11 @@ use serde_json::{Map, Value};
 use std::sync::Arc;
 
 use super::fields::{self, On};
-use crate::server::error::bad;
-use crate::server::{ApiError, AppState};
+use crate::error::bad;
+use crate::{ApiError, AppState};
 
 /// A body's top-level fields not yet taken by a part.
-pub(in crate::server) struct Fields {
+pub(crate) struct Fields {
     /// The body, an object.
     body: Value,
 }
@@ -34,7 +34,7 @@ impl Fields {
     /// Integral floats become integers (`10.0` reads as `10`), as JSON Schema's `integer` and
     /// vLLM's (pydantic's) `int` fields take them; a chat template's variables are left as
     /// sent.
-    pub(in crate::server) fn parse(b: &[u8]) -> Result<Self, ApiError> {
+    pub(crate) fn parse(b: &[u8]) -> Result<Self, ApiError> {
         let raw: Value = serde_json::from_slice(b)
             .map_err(|e| bad("invalid_json", format!("body is not valid JSON: {e}")))?;
         // Every body is an object (serde would read a struct from an array too).
@@ -52,7 +52,7 @@ impl Fields {
     }
 
     /// The fields not taken yet, as JSON.
-    pub(in crate::server) fn value(&self) -> &Value {
+    pub(crate) fn value(&self) -> &Value {
         &self.body
     }
 
@@ -72,7 +72,7 @@ impl Fields {
 
     /// Takes part `T`: the fields `T` declares, typed. A malformed one is refused with its
     /// field's code ([`code_of`]).
-    pub(in crate::server) fn take<T: DeserializeOwned>(&mut self) -> Result<T, ApiError> {
+    pub(crate) fn take<T: DeserializeOwned>(&mut self) -> Result<T, ApiError> {
         let mut own = Map::new();
         let map = self.map();
         for name in field_names::<T>() {
@@ -86,10 +86,7 @@ impl Fields {
     /// Takes part `T` where `endpoint` shares it with others: only the fields of `T` that
     /// `endpoint`'s table serves or ignores; the others are left to [`Fields::rest`], which
     /// refuses them as another endpoint's.
-    pub(in crate::server) fn take_for<T: DeserializeOwned>(
-        &mut self,
-        endpoint: On,
-    ) -> Result<T, ApiError> {
+    pub(crate) fn take_for<T: DeserializeOwned>(&mut self, endpoint: On) -> Result<T, ApiError> {
         let mut own = Map::new();
         let map = self.map();
         for name in field_names::<T>() {
@@ -107,14 +104,14 @@ impl Fields {
 
     /// Takes every field as `T` (a body of one part; fields `T` does not declare are left to
     /// its own `deny_unknown_fields`, or ignored).
-    pub(in crate::server) fn all<T: DeserializeOwned>(self) -> Result<T, ApiError> {
+    pub(crate) fn all<T: DeserializeOwned>(self) -> Result<T, ApiError> {
         typed(self.body)
     }
 
     /// The fields no part took, held to `endpoint`'s field table: a refused one asking for
     /// something is 400 `unsupported_field`, one in no table of the endpoint 400
     /// `unknown_field`; ignored ones are logged.
-    pub(in crate::server) fn rest(mut self, endpoint: On) -> Result<(), ApiError> {
+    pub(crate) fn rest(mut self, endpoint: On) -> Result<(), ApiError> {
         fields::check(self.map(), endpoint)
     }
 }
@@ -133,7 +130,7 @@ fn typed<T: DeserializeOwned>(v: Value) -> Result<T, ApiError> {
 
 /// The code of a malformed field at `path` (`tools[0].function.name`): the code its checks
 /// answer with once typed, so a field refused by its shape and by its value says the same.
-pub(in crate::server) fn code_of(path: &str) -> &'static str {
+pub(crate) fn code_of(path: &str) -> &'static str {
     // Indexes do not matter: `messages[3].role` is `messages.role`.
     let mut plain = String::with_capacity(path.len());
     let mut skip = false;
@@ -179,7 +176,7 @@ pub(in crate::server) fn code_of(path: &str) -> &'static str {
 
 /// The field names `T`'s `Deserialize` asks a struct for (aliases included): what
 /// [`Fields::take`] hands it.
-pub(in crate::server) fn field_names<T: DeserializeOwned>() -> &'static [&'static str] {
+pub(crate) fn field_names<T: DeserializeOwned>() -> &'static [&'static str] {
     /// A deserializer that answers every question with the names it was asked for.
     struct Names;
     #[derive(Debug)]
@@ -238,9 +235,7 @@ fn integral(v: &mut Value) {
 }
 
 /// A body's bytes, or 413 `body_too_large` / 400 `invalid_body`.
-pub(in crate::server) fn body_bytes(
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Bytes, ApiError> {
+pub(crate) fn body_bytes(body: Result<Bytes, BytesRejection>) -> Result<Bytes, ApiError> {
     body.map_err(|r| {
         if r.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::new(
@@ -258,7 +253,7 @@ pub(in crate::server) fn body_bytes(
 /// A generation body as it came (chat, completions, responses, `/infer`): its bytes are read
 /// on the async runtime, which only moves bytes, and parsed on a preparation thread with the
 /// rest of its validation: parsing up to `maxBodyBytes` of JSON is CPU work.
-pub(in crate::server) struct RawBody(pub(super) Bytes);
+pub(crate) struct RawBody(pub(super) Bytes);
 
 impl<S: Send + Sync> FromRequest<S> for RawBody {
     type Rejection = ApiError;
@@ -269,21 +264,21 @@ impl<S: Send + Sync> FromRequest<S> for RawBody {
 }
 
 /// A body type the OpenAPI document describes under a name of its own.
-pub(in crate::server) trait Documented {
+pub(crate) trait Documented {
     /// Its schema's name in the document's components.
     const SCHEMA: &'static str;
 }
 
 /// `fields` read by `read`, held to the document's `schema` as well (see
-/// [`crate::server::doc_check`]): a body the document refuses is refused, with the typed
+/// [`crate::doc_check`]): a body the document refuses is refused, with the typed
 /// read's own code when it refuses it too.
-pub(in crate::server) fn documented<T>(
+pub(crate) fn documented<T>(
     s: &AppState,
     schema: &str,
     fields: Fields,
     read: impl FnOnce(Fields) -> Result<T, ApiError>,
 ) -> Result<T, ApiError> {
-    let doc = crate::server::doc_check::check_body(s, schema, fields.value());
+    let doc = crate::doc_check::check_body(s, schema, fields.value());
     match (doc, read(fields)) {
         (Ok(()), r) | (Err(_), r @ Err(_)) => r,
         (Err(e), Ok(_)) => Err(bad(
@@ -296,7 +291,7 @@ pub(in crate::server) fn documented<T>(
 /// A small JSON body parsed into its fields on the runtime (the routing and tokenizer
 /// endpoints, whose bodies are at most 1 MiB), for a handler that reads and checks it within
 /// [`documented`].
-pub(in crate::server) struct SmallBody(pub(super) Fields);
+pub(crate) struct SmallBody(pub(super) Fields);
 
 impl<S: Send + Sync> FromRequest<S> for SmallBody {
     type Rejection = ApiError;
@@ -309,7 +304,7 @@ impl<S: Send + Sync> FromRequest<S> for SmallBody {
 
 /// A small JSON body read whole into `T` (the admin, routing and tokenizer endpoints): parsed
 /// as [`Fields`], typed and held to the document, with the same codes.
-pub(in crate::server) struct Typed<T>(pub(super) T);
+pub(crate) struct Typed<T>(pub(super) T);
 
 impl<T: DeserializeOwned + Documented> FromRequest<Arc<AppState>> for Typed<T> {
     type Rejection = ApiError;
@@ -322,7 +317,7 @@ impl<T: DeserializeOwned + Documented> FromRequest<Arc<AppState>> for Typed<T> {
 
 /// A JSON body that may be left out: an empty or blank body, or JSON `null`, reads as
 /// `T::default()`.
-pub(in crate::server) struct OptionalTyped<T>(pub(super) T);
+pub(crate) struct OptionalTyped<T>(pub(super) T);
 
 impl<T: DeserializeOwned + Default + Documented> FromRequest<Arc<AppState>> for OptionalTyped<T> {
     type Rejection = ApiError;

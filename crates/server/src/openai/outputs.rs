@@ -10,15 +10,15 @@ use mole_api::{ReasoningParser, ToolCallParser};
 
 use super::parse::{ParseSpec, Start};
 use super::tools::{self, ToolRequest};
-use crate::server::{ApiError, AppState};
+use crate::{ApiError, AppState};
 use mole_engine::api::{ChatMessage, SamplingParams};
 use mole_engine::grammar::{Guide, Guided};
 
 /// The pool's output formats.
 #[derive(Debug, Clone, PartialEq)]
-pub(in crate::server) struct Formats {
+pub(crate) struct Formats {
     /// How tool calls are written (None: unknown; tools are refused).
-    pub(in crate::server) tools: Option<ToolCallParser>,
+    pub(crate) tools: Option<ToolCallParser>,
     /// How reasoning is marked (None: no reasoning parsed).
     pub(super) reasoning: Option<ReasoningParser>,
     /// The chat template renders `tools` itself.
@@ -48,7 +48,7 @@ impl Formats {
     }
 
     /// The formats of the pool `s` serves.
-    pub(in crate::server) fn for_pool(s: &AppState) -> Self {
+    pub(crate) fn for_pool(s: &AppState) -> Self {
         let cfg = s.cfg();
         Self::of(
             cfg.base_model.tool_call_parser,

@@ -13,14 +13,14 @@ use super::replies::{DetokenizeAnswer, TokenizeAnswer, VersionAnswer};
 use super::types::InMessage;
 use super::validate::messages;
 use super::S;
-use crate::server::error::bad;
-use crate::server::error::Refusals;
-use crate::server::ApiError;
+use crate::error::bad;
+use crate::error::Refusals;
+use crate::ApiError;
 use mole_engine::api::Prompt;
 
 /// `POST /tokenize`: a completion's `prompt` or chat `messages` (vLLM's two shapes).
 #[derive(Deserialize, utoipa::ToSchema)]
-pub(in crate::server) struct TokenizeBody {
+pub(crate) struct TokenizeBody {
     /// A model of this pool (404 `model_not_found` otherwise, as vLLM answers); every model
     /// of a pool shares the base's tokenizer.
     #[serde(default)]
@@ -105,7 +105,7 @@ pub async fn tokenize(
 
 /// `POST /detokenize`.
 #[derive(Deserialize, utoipa::ToSchema)]
-pub(in crate::server) struct DetokenizeBody {
+pub(crate) struct DetokenizeBody {
     /// A model of this pool (404 `model_not_found` otherwise).
     #[serde(default)]
     model: Option<String>,

@@ -1,7 +1,7 @@
 //! Wire types: the JSON bodies of the OpenAI-compatible and mole requests as clients send them,
 //! each field typed once. A generation body is a few parts (the fields every generation takes,
 //! the structured outputs, the tools, the endpoint's own), each read by [`super::body::Fields`];
-//! the OpenAPI document is derived from the same types ([`crate::server::openapi`]), so what is
+//! the OpenAPI document is derived from the same types ([`crate::openapi`]), so what is
 //! parsed and what is documented cannot differ in shape.
 
 use serde::Deserialize;
@@ -12,12 +12,12 @@ use super::body::Fields;
 use super::fields::On;
 use super::guided::Guides;
 use super::tools::{FunctionTag, ToolFields};
-use crate::server::ApiError;
+use crate::ApiError;
 
 /// `stop`: one string or up to four, none empty.
 #[derive(Deserialize, Debug, Clone, PartialEq)]
 #[serde(untagged, expecting = "a string or an array of strings")]
-pub(in crate::server) enum StopField {
+pub(crate) enum StopField {
     One(String),
     Many(Vec<String>),
 }
@@ -44,7 +44,7 @@ fn stop_schema() -> utoipa::openapi::schema::Schema {
 /// A message's `content`: text, or typed parts.
 #[derive(Deserialize, ToSchema, Debug)]
 #[serde(untagged, expecting = "a string or an array of content parts")]
-pub(in crate::server) enum Content {
+pub(crate) enum Content {
     Text(String),
     Parts(Vec<Part>),
 }
@@ -52,7 +52,7 @@ pub(in crate::server) enum Content {
 /// A content part's `type`: text (`input_text` as the Responses API names it) or an image
 /// (`input_image`).
 #[derive(Deserialize, ToSchema, Debug, Clone, Copy, PartialEq, Eq)]
-pub(in crate::server) enum PartType {
+pub(crate) enum PartType {
     #[serde(rename = "text", alias = "input_text")]
     Text,
     #[serde(rename = "image_url", alias = "input_image")]
@@ -63,7 +63,7 @@ pub(in crate::server) enum PartType {
 /// (`{"type": "image_url", "image_url": {"url": ...}}`) or Responses API
 /// (`{"type": "input_image", "image_url": ...}`) send it.
 #[derive(Deserialize, ToSchema, Debug)]
-pub(in crate::server) struct Part {
+pub(crate) struct Part {
     /// `text` (`input_text`) or `image_url` (`input_image`).
     #[serde(rename = "type")]
     pub(super) kind: PartType,
@@ -78,7 +78,7 @@ pub(in crate::server) struct Part {
 /// An image part's `image_url`: `{"url": ..., "detail": ...}` or the URL alone.
 #[derive(Deserialize, ToSchema, Debug)]
 #[serde(untagged, expecting = "an image URL, or an object with its url")]
-pub(in crate::server) enum ImageUrl {
+pub(crate) enum ImageUrl {
     Object { url: String },
     Url(String),
 }
@@ -131,7 +131,7 @@ pub(super) fn name_or_label_schema() -> utoipa::openapi::schema::Schema {
 /// `logprobs`: chat's switch or a completion's count (each endpoint refuses the other's).
 #[derive(Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 #[serde(untagged, expecting = "a boolean (chat) or an integer (completions)")]
-pub(in crate::server) enum Logprobs {
+pub(crate) enum Logprobs {
     /// Chat: whether to return log probabilities.
     Switch(bool),
     /// Completions: how many alternatives per token.
@@ -153,7 +153,7 @@ fn logprobs_schema() -> utoipa::openapi::schema::Schema {
 /// A message's `role`.
 #[derive(Deserialize, ToSchema, Debug, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
-pub(in crate::server) enum Role {
+pub(crate) enum Role {
     System,
     User,
     Assistant,
@@ -176,7 +176,7 @@ impl Role {
 
 /// A tool call of an assistant message in the history.
 #[derive(Deserialize, ToSchema, Debug, Clone)]
-pub(in crate::server) struct InToolCall {
+pub(crate) struct InToolCall {
     /// The call's id (`call_...`), which the tool message answering it names.
     #[serde(default)]
     pub(super) id: Option<String>,
@@ -189,7 +189,7 @@ pub(in crate::server) struct InToolCall {
 
 /// A called function: its name and arguments.
 #[derive(Deserialize, ToSchema, Debug, Clone)]
-pub(in crate::server) struct InFunctionCall {
+pub(crate) struct InFunctionCall {
     /// The function's name.
     pub(super) name: String,
     /// The arguments: a JSON object's text (as OpenAI sends them) or the object.
@@ -199,7 +199,7 @@ pub(in crate::server) struct InFunctionCall {
 /// A call's arguments as sent: JSON text, or the object itself.
 #[derive(Deserialize, Debug, Clone)]
 #[serde(untagged, expecting = "the arguments' JSON text, or a JSON object")]
-pub(in crate::server) enum Arguments {
+pub(crate) enum Arguments {
     Text(String),
     Object(Map<String, Value>),
 }
@@ -225,7 +225,7 @@ impl ToSchema for Arguments {}
 
 /// A chat message as sent.
 #[derive(Deserialize, ToSchema, Debug)]
-pub(in crate::server) struct InMessage {
+pub(crate) struct InMessage {
     /// `system`, `user`, `assistant`, `tool`, or `developer` (read as `system`).
     pub(super) role: Role,
     /// The text, or parts (text and images); only an assistant turn may leave it out.
@@ -251,7 +251,7 @@ pub(in crate::server) struct InMessage {
 
 /// A stream's options.
 #[derive(Deserialize, Default, ToSchema, Debug)]
-pub(in crate::server) struct StreamOptions {
+pub(crate) struct StreamOptions {
     /// A chat or completion stream ends with a chunk of no choices that carries the usage.
     #[serde(default)]
     pub(super) include_usage: bool,
@@ -260,7 +260,7 @@ pub(in crate::server) struct StreamOptions {
 /// The fields chat, completions and `/infer` share: the model or adapter asked for, and
 /// sampling.
 #[derive(Deserialize, Default, ToSchema, Debug)]
-pub(in crate::server) struct Common {
+pub(crate) struct Common {
     /// An adapter, the base model, or the pool (the router decides; also empty or `auto`).
     #[serde(default)]
     pub(super) model: String,
@@ -338,7 +338,7 @@ pub(in crate::server) struct Common {
 
 /// Chat's own fields.
 #[derive(Deserialize, ToSchema, Debug)]
-pub(in crate::server) struct ChatOwn {
+pub(crate) struct ChatOwn {
     /// The conversation, at least one message.
     #[schema(min_items = 1)]
     pub(super) messages: Vec<InMessage>,
@@ -356,7 +356,7 @@ pub(in crate::server) struct ChatOwn {
 
 /// `POST /v1/chat/completions`.
 #[derive(ToSchema, Debug)]
-pub(in crate::server) struct ChatBody {
+pub(crate) struct ChatBody {
     #[serde(flatten)]
     pub(super) own: ChatOwn,
     /// Tools the model may call.
@@ -389,7 +389,7 @@ impl ChatBody {
     untagged,
     expecting = "a string, an array of token ids, or an array of one string"
 )]
-pub(in crate::server) enum PromptField {
+pub(crate) enum PromptField {
     Text(String),
     Tokens(Vec<u32>),
     Texts(Vec<String>),
@@ -397,7 +397,7 @@ pub(in crate::server) enum PromptField {
 
 /// Completions' own fields.
 #[derive(Deserialize, ToSchema, Debug)]
-pub(in crate::server) struct CompletionOwn {
+pub(crate) struct CompletionOwn {
     /// The text (or token ids) to continue.
     pub(super) prompt: PromptField,
     /// vLLM's: the tokenizer's special tokens (BOS) around a text prompt (default true).
@@ -407,7 +407,7 @@ pub(in crate::server) struct CompletionOwn {
 
 /// `POST /v1/completions`.
 #[derive(ToSchema, Debug)]
-pub(in crate::server) struct CompletionBody {
+pub(crate) struct CompletionBody {
     #[serde(flatten)]
     pub(super) own: CompletionOwn,
     /// Structured outputs.
@@ -432,7 +432,7 @@ impl CompletionBody {
 
 /// Which OpenAI object shape to answer with.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(in crate::server) enum Kind {
+pub(crate) enum Kind {
     /// `chat.completion` (chat, and `/infer`).
     Chat,
     /// `text_completion`.
@@ -470,7 +470,7 @@ impl Kind {
 
 /// `/infer`'s own fields.
 #[derive(Deserialize, ToSchema, Debug)]
-pub(in crate::server) struct InferOwn {
+pub(crate) struct InferOwn {
     /// The task prompt.
     #[serde(default)]
     pub(super) prompt: Option<String>,
@@ -484,7 +484,7 @@ pub(in crate::server) struct InferOwn {
 
 /// `POST /infer`, the seeds' task call: a chat of one user message.
 #[derive(ToSchema, Debug)]
-pub(in crate::server) struct InferBody {
+pub(crate) struct InferBody {
     #[serde(flatten)]
     pub(super) own: InferOwn,
     /// Structured outputs.
@@ -517,7 +517,7 @@ impl InferBody {
             ("top_logprobs", c.top_logprobs.is_some()),
         ];
         if let Some((name, _)) = asked.iter().find(|(_, asked)| *asked) {
-            return Err(crate::server::error::bad(
+            return Err(crate::error::bad(
                 "unsupported_field",
                 format!(
                     "{name} is not served by /infer, whose answer is one text, whole (use \
@@ -532,7 +532,7 @@ impl InferBody {
 /// `POST /v1/route`: `input`, or chat `messages` (the last user one is routed); the other
 /// fields of a chat body sent here are ignored (nothing is generated).
 #[derive(Deserialize, ToSchema, Debug)]
-pub(in crate::server) struct RouteBody {
+pub(crate) struct RouteBody {
     /// The text to route.
     #[serde(default)]
     pub(super) input: Option<String>,
@@ -553,7 +553,7 @@ pub(in crate::server) struct RouteBody {
 
 /// `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's shape).
 #[derive(Deserialize, ToSchema)]
-pub(in crate::server) struct LoadBody {
+pub(crate) struct LoadBody {
     pub(super) lora_name: String,
     #[serde(default)]
     pub(super) lora_path: Option<String>,
@@ -566,7 +566,7 @@ pub(in crate::server) struct LoadBody {
 /// `POST /admin/reload`'s optional body.
 #[derive(Deserialize, Default, ToSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
-pub(in crate::server) struct ReloadBody {
+pub(crate) struct ReloadBody {
     /// `WorkerConfig::content_hash()` the caller expects the file to have.
     #[serde(default)]
     pub(super) config_hash: Option<String>,

@@ -4,14 +4,24 @@
 //! adapter, and the gateway forwards it to merged pods or the engine answers, whole or
 //! streamed. Every error is OpenAI-shaped (`{error:{message,type,code}}`) with a stable `code`;
 //! every answer names the adapter, mode and route (`x-mole-*` headers and a `mole` field).
+//!
+//! Beside it, what serving needs above the engine: the worker's configuration file
+//! ([`config`]), its metrics ([`metrics`]) and the [`router`]. This crate is the top of the
+//! serving path: it imports the engine and, of the tools, only the merge.
+
+// Device→host copies are the decode path's concern (mole-model, mole-engine's lora); the
+// server only reads the engine's answers.
+#![allow(clippy::disallowed_methods)]
 
 mod auth;
 pub mod cli;
+pub mod config;
 mod doc_check;
 mod engines;
 mod error;
 mod gateway;
 mod layers;
+pub mod metrics;
 mod openai;
 mod openapi;
 mod openapi_requests;
@@ -19,6 +29,7 @@ pub mod peers;
 mod prepare;
 mod reload;
 mod residency;
+pub mod router;
 mod state;
 
 use std::sync::Arc;

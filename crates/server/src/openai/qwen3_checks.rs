@@ -19,7 +19,7 @@ use mole_engine::grammar::{allowed, Grammars, Guide, Guided};
 use mole_engine::text::{Detokenizer, TextModel};
 
 fn qwen3() -> Option<TextModel> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
     let out = std::process::Command::new("bash")
         .arg(root.join("scripts/fetch-qwen3-tokenizer.sh"))
         .output()

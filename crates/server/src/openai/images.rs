@@ -16,14 +16,14 @@ use sha2::{Digest, Sha256};
 use tokio::sync::OwnedSemaphorePermit;
 
 use super::image_url;
-use crate::server::error::bad;
-use crate::server::state::PIXEL_UNIT;
-use crate::server::{ApiError, AppState};
+use crate::error::bad;
+use crate::state::PIXEL_UNIT;
+use crate::{ApiError, AppState};
 use mole_engine::api::Image;
 
 /// An image as a request names it, before it is read.
 #[derive(Debug, Clone, PartialEq)]
-pub(in crate::server) enum ImageSource {
+pub(crate) enum ImageSource {
     /// Bytes of the file (from base64 or a `data:` URL).
     Bytes(Vec<u8>),
     /// An `http(s)://` URL on an allowed host and port.
@@ -49,7 +49,7 @@ fn decode_base64(data: &str) -> Result<Vec<u8>, base64::DecodeError> {
 
 /// An image field's value: a `data:` URL, an `http(s)://` URL (allowed hosts only), or bare
 /// base64 (`/infer`'s `image_b64` as the seeds send it).
-pub(in crate::server) fn source(
+pub(crate) fn source(
     value: &str,
     field: &str,
     limits: &WorkerLimits,
@@ -110,7 +110,7 @@ fn check_bytes(bytes: &[u8], field: &str, limits: &WorkerLimits) -> Result<(), A
 }
 
 /// Refuses more images than `limits.maxImages`.
-pub(in crate::server) fn check_count(n: usize, limits: &WorkerLimits) -> Result<(), ApiError> {
+pub(crate) fn check_count(n: usize, limits: &WorkerLimits) -> Result<(), ApiError> {
     if n > limits.max_images as usize {
         return Err(bad(
             "too_many_images",
@@ -123,11 +123,11 @@ pub(in crate::server) fn check_count(n: usize, limits: &WorkerLimits) -> Result<
 /// The share of `limits.maxInflightImagePixels` a request's images hold (in units of
 /// [`PIXEL_UNIT`] pixels), given back when it is dropped: with the answer, or with the stream
 /// when the answer is streamed.
-pub(in crate::server) struct HeldPixels(Option<OwnedSemaphorePermit>);
+pub(crate) struct HeldPixels(Option<OwnedSemaphorePermit>);
 
 impl HeldPixels {
     /// Whether any pixels are held (the request had images).
-    pub(in crate::server) fn holds(&self) -> bool {
+    pub(crate) fn holds(&self) -> bool {
         self.0.is_some()
     }
 }
@@ -135,7 +135,7 @@ impl HeldPixels {
 /// Fetches URL images, holds the request's pixels against the in-flight budget (429
 /// `images_busy` when it is spent: refused at once, not queued), then decodes them on the
 /// preparation stage's threads (by `deadline`).
-pub(in crate::server) async fn read_all(
+pub(crate) async fn read_all(
     s: &Arc<AppState>,
     sources: Vec<ImageSource>,
     deadline: std::time::Instant,
@@ -240,11 +240,7 @@ fn header(
 
 /// Decodes one image file into RGB: its format from its bytes (PNG, JPEG or WebP), its size
 /// from its header and held to `maxImagePixels` before any pixel is decoded.
-pub(in crate::server) fn decode(
-    bytes: &[u8],
-    field: &str,
-    limits: &WorkerLimits,
-) -> Result<Image, ApiError> {
+pub(crate) fn decode(bytes: &[u8], field: &str, limits: &WorkerLimits) -> Result<Image, ApiError> {
     let (format, w, h) = header(bytes, field, limits)?;
     let pixels = u64::from(w) * u64::from(h);
     let mut reader = ImageReader::new(Cursor::new(bytes));

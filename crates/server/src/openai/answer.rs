@@ -25,7 +25,7 @@ use super::replies::{
 use super::response_out::{sse, ResponseState};
 use super::types::Kind;
 use crate::router::Decision;
-use crate::server::{mole_headers, ApiError, AppState};
+use crate::{mole_headers, ApiError, AppState};
 use mole_engine::api::{self, EventStream, FinishReason, TokenEvent, Usage};
 
 /// A fresh answer id.

@@ -13,10 +13,10 @@ use super::replies::MoleInfo;
 use super::types::RouteBody;
 use super::validate::{last_user_text, messages};
 use super::S;
+use crate::error::bad;
+use crate::error::Refusals;
 use crate::router::{self, Decision, Mode, RouteInput};
-use crate::server::error::bad;
-use crate::server::error::Refusals;
-use crate::server::{mole_headers, ApiError, AppState};
+use crate::{mole_headers, ApiError, AppState};
 use mole_engine::api::Image;
 
 /// Routes a request: [`router::decide`] with the engine's classifier (whose one pass sees the

@@ -13,13 +13,13 @@ use axum::http::StatusCode;
 use mole_api::WorkerLimits;
 use url::{Host, Url};
 
-use crate::server::error::bad;
-use crate::server::ApiError;
+use crate::error::bad;
+use crate::ApiError;
 
 /// Longest a connection to an image host may take to open.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// Longest a whole image fetch (lookup, connect, headers, body) may take.
-pub(in crate::server) const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
+pub(crate) const FETCH_TIMEOUT: Duration = Duration::from_secs(30);
 
 fn not_allowed(field: &str, why: impl std::fmt::Display) -> ApiError {
     bad(
@@ -47,7 +47,7 @@ fn entry(e: &str) -> Option<(String, Option<u16>)> {
 /// An `http(s)://` image URL as a request sends it, checked against `limits.imageUrlHosts`:
 /// parsed as reqwest will, no credentials, its host listed, its port the scheme's default
 /// unless the entry names that port.
-pub(in crate::server) fn parse_allowed(
+pub(crate) fn parse_allowed(
     value: &str,
     field: &str,
     limits: &WorkerLimits,
@@ -158,7 +158,7 @@ fn is_global_v6(ip: Ipv6Addr) -> bool {
 /// GETs an image URL that [`parse_allowed`] passed: its addresses resolved and checked, then
 /// connected to as checked; no redirect followed, no proxy, `maxImageBytes` read at most,
 /// [`FETCH_TIMEOUT`] in all. The caller's `field` names it in errors.
-pub(in crate::server) async fn fetch(
+pub(crate) async fn fetch(
     url: &Url,
     field: &str,
     limits: &WorkerLimits,

@@ -5,8 +5,8 @@ use axum::body::Bytes;
 use super::body::Fields;
 use super::types::{CompletionBody, Kind, PromptField};
 use super::validate::{check_prompt_bytes, sampling, Caps, Parts, ValidRequest, Validate};
-use crate::server::error::bad;
-use crate::server::{ApiError, AppState};
+use crate::error::bad;
+use crate::{ApiError, AppState};
 use mole_engine::api::Prompt;
 use mole_engine::grammar::Guided;
 

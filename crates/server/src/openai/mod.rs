@@ -8,7 +8,7 @@ macro_rules! tag {
     ($name:ident, $value:literal) => {
         #[doc = concat!("The tag `\"", $value, "\"`.")]
         #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-        pub(in crate::server) struct $name;
+        pub(crate) struct $name;
 
         impl<'de> serde::Deserialize<'de> for $name {
             fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -37,30 +37,30 @@ macro_rules! tag {
 // responses.rs) take their tags from here, the module that holds them all.
 use tag;
 
-pub(in crate::server) mod admin;
+pub(crate) mod admin;
 mod answer;
 mod body;
 mod call_json;
-pub(in crate::server) mod chat;
+pub(crate) mod chat;
 mod completions;
-pub(in crate::server) mod fields;
-pub(in crate::server) mod generate;
-pub(in crate::server) mod guided;
+pub(crate) mod fields;
+pub(crate) mod generate;
+pub(crate) mod guided;
 mod image_url;
 mod images;
-pub(in crate::server) mod models;
-pub(in crate::server) mod outputs;
+pub(crate) mod models;
+pub(crate) mod outputs;
 mod parse;
 #[cfg(test)]
 mod qwen3_checks;
-pub(in crate::server) mod replies;
+pub(crate) mod replies;
 mod response_out;
-pub(in crate::server) mod responses;
-pub(in crate::server) mod route;
-pub(in crate::server) mod stored;
-pub(in crate::server) mod tokens;
-pub(in crate::server) mod tools;
-pub(in crate::server) mod types;
+pub(crate) mod responses;
+pub(crate) mod route;
+pub(crate) mod stored;
+pub(crate) mod tokens;
+pub(crate) mod tools;
+pub(crate) mod types;
 mod validate;
 
 use std::sync::Arc;

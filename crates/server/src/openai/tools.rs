@@ -11,13 +11,13 @@ use utoipa::ToSchema;
 
 use mole_api::ToolCallParser;
 
-use crate::server::error::bad;
-use crate::server::ApiError;
+use crate::error::bad;
+use crate::ApiError;
 use mole_engine::grammar::Guide;
 
 /// The tool fields of a chat body.
 #[derive(Deserialize, ToSchema, Default, Debug)]
-pub(in crate::server) struct ToolFields {
+pub(crate) struct ToolFields {
     /// OpenAI's `[{"type": "function", "function": {"name", "description", "parameters"}}]`.
     #[serde(default)]
     pub(super) tools: Option<Vec<Tool>>,
@@ -32,7 +32,7 @@ pub(in crate::server) struct ToolFields {
 
 /// A tool: a function.
 #[derive(Deserialize, ToSchema, Debug, Clone)]
-pub(in crate::server) struct Tool {
+pub(crate) struct Tool {
     /// `function`.
     #[serde(rename = "type")]
     pub(super) _kind: FunctionTag,
@@ -42,7 +42,7 @@ pub(in crate::server) struct Tool {
 
 /// A function the model may call.
 #[derive(Deserialize, ToSchema, Debug, Clone)]
-pub(in crate::server) struct FunctionDef {
+pub(crate) struct FunctionDef {
     /// Its name.
     #[schema(min_length = 1)]
     pub(super) name: String,
@@ -67,7 +67,7 @@ super::tag!(FunctionTag, "function");
     untagged,
     expecting = "none, auto, required, or {\"type\": \"function\", \"function\": {\"name\": ...}}"
 )]
-pub(in crate::server) enum ToolChoice {
+pub(crate) enum ToolChoice {
     /// `none`, `auto` or `required`.
     Mode(ToolMode),
     /// One function by name.
@@ -77,7 +77,7 @@ pub(in crate::server) enum ToolChoice {
 /// How tools may be used.
 #[derive(Deserialize, ToSchema, Debug, Clone, Copy, PartialEq, Eq)]
 #[serde(rename_all = "lowercase")]
-pub(in crate::server) enum ToolMode {
+pub(crate) enum ToolMode {
     /// No call is parsed (the tools are still rendered).
     None,
     /// The model decides.
@@ -88,7 +88,7 @@ pub(in crate::server) enum ToolMode {
 
 /// A function named by `tool_choice`.
 #[derive(Deserialize, ToSchema, Debug, Clone)]
-pub(in crate::server) struct NamedFunction {
+pub(crate) struct NamedFunction {
     /// `function`.
     #[serde(rename = "type")]
     pub(super) _kind: FunctionTag,
@@ -98,7 +98,7 @@ pub(in crate::server) struct NamedFunction {
 
 /// A function's name.
 #[derive(Deserialize, ToSchema, Debug, Clone)]
-pub(in crate::server) struct FunctionName {
+pub(crate) struct FunctionName {
     /// The name, one of `tools`'.
     pub(super) name: String,
 }
@@ -265,7 +265,7 @@ mod tests {
     use super::*;
 
     fn read(v: Value, format: Option<ToolCallParser>) -> Result<Option<ToolRequest>, ApiError> {
-        let f = crate::server::openai::body::Fields::parse(v.to_string().as_bytes())?;
+        let f = crate::openai::body::Fields::parse(v.to_string().as_bytes())?;
         super::read(f.all()?, format)
     }
 

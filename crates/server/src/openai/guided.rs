@@ -9,13 +9,13 @@ use serde::Deserialize;
 use serde_json::Value;
 use utoipa::ToSchema;
 
-use crate::server::error::bad;
-use crate::server::ApiError;
+use crate::error::bad;
+use crate::ApiError;
 use mole_engine::grammar::Guide;
 
 /// The structured-output fields of a generation body (at most one of them constrains it).
 #[derive(Deserialize, ToSchema, Default, Debug)]
-pub(in crate::server) struct Guides {
+pub(crate) struct Guides {
     /// OpenAI's `{"type": "text" | "json_object" | "json_schema", "json_schema": {"name",
     /// "schema", "strict"}}`: the answer is JSON (valid against the schema); llama.cpp's
     /// `{"type": "json_object", "schema": {...}}` follows its schema too.
@@ -44,7 +44,7 @@ pub(in crate::server) struct Guides {
 /// OpenAI's `response_format`.
 #[derive(Deserialize, ToSchema, Debug)]
 #[serde(tag = "type", rename_all = "snake_case")]
-pub(in crate::server) enum ResponseFormat {
+pub(crate) enum ResponseFormat {
     /// Free text (the default).
     Text,
     /// A JSON object; with llama.cpp's `schema`, one valid against it.
@@ -62,7 +62,7 @@ pub(in crate::server) enum ResponseFormat {
 
 /// `response_format.json_schema`.
 #[derive(Deserialize, ToSchema, Debug)]
-pub(in crate::server) struct JsonSchemaSpec {
+pub(crate) struct JsonSchemaSpec {
     /// The schema the answer follows.
     pub(super) schema: SchemaArg,
     /// OpenAI's `strict`: true refuses a schema with keywords that cannot be enforced, naming
@@ -74,7 +74,7 @@ pub(in crate::server) struct JsonSchemaSpec {
 /// vLLM's `structured_outputs`.
 #[derive(Deserialize, ToSchema, Default, Debug)]
 #[serde(deny_unknown_fields)]
-pub(in crate::server) struct StructuredOutputs {
+pub(crate) struct StructuredOutputs {
     /// A JSON schema (object or its text).
     #[serde(default)]
     pub(super) json: Option<SchemaArg>,
@@ -137,7 +137,7 @@ fn null_only() -> utoipa::openapi::Object {
 
 /// A JSON schema as sent: an object (or `true`/`false`), or its JSON text (vLLM takes both).
 #[derive(Debug, Clone, PartialEq)]
-pub(in crate::server) struct SchemaArg(pub(super) Value);
+pub(crate) struct SchemaArg(pub(super) Value);
 
 impl<'de> Deserialize<'de> for SchemaArg {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
@@ -369,7 +369,7 @@ mod tests {
     use serde_json::json;
 
     fn guide(v: &Value, l: &WorkerLimits) -> Result<Option<Guide>, ApiError> {
-        let g = crate::server::openai::body::Fields::parse(v.to_string().as_bytes())?.take()?;
+        let g = crate::openai::body::Fields::parse(v.to_string().as_bytes())?.take()?;
         super::guide(g, l)
     }
     fn json(schema: Value, strict: bool) -> Option<Guide> {

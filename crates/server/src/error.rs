@@ -138,7 +138,7 @@ impl From<tokio::task::JoinError> for ApiError {
 }
 
 /// A 400 with a stable code.
-pub(in crate::server) fn bad(code: &'static str, msg: impl Into<String>) -> ApiError {
+pub(crate) fn bad(code: &'static str, msg: impl Into<String>) -> ApiError {
     ApiError::new(StatusCode::BAD_REQUEST, code, msg)
 }
 

@@ -11,7 +11,7 @@ use crate::router::{Decision, Mode};
 /// How a request was routed and served: the `mole` field of answers, and `POST /v1/route`'s
 /// whole answer.
 #[derive(Serialize, ToSchema, Clone, Debug)]
-pub(in crate::server) struct MoleInfo {
+pub(crate) struct MoleInfo {
     /// The adapter serving it; null for the base model.
     pub(super) adapter: Option<String>,
     /// The adapter version that served it, once known (not in `/v1/route`'s answer).
@@ -55,7 +55,7 @@ impl MoleInfo {
 
 /// Token counts of a request.
 #[derive(Serialize, ToSchema, Clone, Copy, Debug)]
-pub(in crate::server) struct UsageInfo {
+pub(crate) struct UsageInfo {
     /// Prompt tokens, image tokens included.
     pub(super) prompt_tokens: usize,
     /// Generated tokens.
@@ -68,7 +68,7 @@ pub(in crate::server) struct UsageInfo {
 
 /// OpenAI's `usage.prompt_tokens_details`.
 #[derive(Serialize, ToSchema, Clone, Copy, Debug, Default)]
-pub(in crate::server) struct PromptTokensDetails {
+pub(crate) struct PromptTokensDetails {
     /// Prompt tokens whose keys and values came from the prefix cache rather than being
     /// computed (as OpenAI, vLLM and llama.cpp report them).
     pub(super) cached_tokens: usize,
@@ -76,7 +76,7 @@ pub(in crate::server) struct PromptTokensDetails {
 
 /// An OpenAI completion object, whole or one chunk of a stream, around choices `C`.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct Answer<C> {
+pub(crate) struct Answer<C> {
     /// The answer's id (the same in every chunk of a stream).
     pub(super) id: String,
     /// `chat.completion`, `chat.completion.chunk` or `text_completion`.
@@ -103,7 +103,7 @@ pub(super) type Finish = Option<&'static str>;
 
 /// A whole chat answer's choice.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct ChatChoice {
+pub(crate) struct ChatChoice {
     /// The choice's place, 0 to `n - 1`.
     pub(super) index: u32,
     /// The assistant's message.
@@ -117,7 +117,7 @@ pub(in crate::server) struct ChatChoice {
 
 /// The assistant's message of a chat answer.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct AssistantMessage {
+pub(crate) struct AssistantMessage {
     /// `assistant`.
     pub(super) role: &'static str,
     /// The generated text (the answer after the reasoning); null when the answer is tool
@@ -138,7 +138,7 @@ pub(in crate::server) struct AssistantMessage {
 /// the first piece has the id, type and name with empty arguments, the later ones more of the
 /// arguments as the model writes them).
 #[derive(Serialize, ToSchema, Debug, Clone, PartialEq)]
-pub(in crate::server) struct ToolCallOut {
+pub(crate) struct ToolCallOut {
     /// The call's place among the choice's calls (stream deltas only).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) index: Option<u32>,
@@ -154,7 +154,7 @@ pub(in crate::server) struct ToolCallOut {
 
 /// A tool call's function.
 #[derive(Serialize, ToSchema, Debug, Clone, PartialEq)]
-pub(in crate::server) struct FunctionCall {
+pub(crate) struct FunctionCall {
     /// The function's name (a stream's first piece).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) name: Option<String>,
@@ -164,7 +164,7 @@ pub(in crate::server) struct FunctionCall {
 
 /// A chat stream chunk's choice.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct ChunkChoice {
+pub(crate) struct ChunkChoice {
     /// The choice's place, 0 to `n - 1`.
     pub(super) index: u32,
     /// The text added by this chunk (the first chunk names the role).
@@ -178,7 +178,7 @@ pub(in crate::server) struct ChunkChoice {
 
 /// What a chat chunk adds.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct Delta {
+pub(crate) struct Delta {
     /// `assistant`, on the first chunk.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub(super) role: Option<&'static str>,
@@ -197,7 +197,7 @@ pub(in crate::server) struct Delta {
 
 /// A completion's choice (whole, or a stream chunk's).
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct TextChoice {
+pub(crate) struct TextChoice {
     /// The choice's place, 0 to `n - 1`.
     pub(super) index: u32,
     /// The generated text (a chunk's part of it).
@@ -211,14 +211,14 @@ pub(in crate::server) struct TextChoice {
 
 /// A chat choice's `logprobs`.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct ChatLogprobs {
+pub(crate) struct ChatLogprobs {
     /// One entry per generated token.
     pub(super) content: Vec<TokenLogprob>,
 }
 
 /// One generated token's log probability and its most likely alternatives.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct TokenLogprob {
+pub(crate) struct TokenLogprob {
     /// The token's text.
     pub(super) token: String,
     /// Its log probability.
@@ -231,7 +231,7 @@ pub(in crate::server) struct TokenLogprob {
 
 /// An alternative token at a position.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct TopLogprob {
+pub(crate) struct TopLogprob {
     /// The token's text.
     pub(super) token: String,
     /// Its log probability.
@@ -242,7 +242,7 @@ pub(in crate::server) struct TopLogprob {
 
 /// A completion choice's `logprobs` (the legacy completions shape).
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct TextLogprobs {
+pub(crate) struct TextLogprobs {
     /// The generated tokens' texts.
     pub(super) tokens: Vec<String>,
     /// Their log probabilities.
@@ -255,7 +255,7 @@ pub(in crate::server) struct TextLogprobs {
 
 /// `POST /infer`'s answer, the seeds' shape.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct TaskAnswer {
+pub(crate) struct TaskAnswer {
     /// The generated text.
     pub(super) task_output: String,
     /// Why generation ended.
@@ -275,7 +275,7 @@ pub(in crate::server) struct TaskAnswer {
 
 /// `GET /v1/models`.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct ModelList {
+pub(crate) struct ModelList {
     /// `list`.
     pub(super) object: &'static str,
     /// The pool, the base model and every configured adapter.
@@ -284,7 +284,7 @@ pub(in crate::server) struct ModelList {
 
 /// One servable `model`.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct ModelCard {
+pub(crate) struct ModelCard {
     /// The name to put in a request's `model`.
     pub(super) id: String,
     /// `model`.
@@ -304,7 +304,7 @@ pub(in crate::server) struct ModelCard {
 
 /// A model card's `mole` field.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct ModelKind {
+pub(crate) struct ModelKind {
     /// `pool` (routed by the router), `base` or `adapter`.
     pub(super) kind: &'static str,
     /// An adapter's configured version.
@@ -330,7 +330,7 @@ pub(in crate::server) struct ModelKind {
 
 /// `POST /tokenize`.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct TokenizeAnswer {
+pub(crate) struct TokenizeAnswer {
     /// How many tokens.
     pub(super) count: usize,
     /// The model's context length.
@@ -341,21 +341,21 @@ pub(in crate::server) struct TokenizeAnswer {
 
 /// `POST /detokenize`.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct DetokenizeAnswer {
+pub(crate) struct DetokenizeAnswer {
     /// The text, special tokens left out.
     pub(super) prompt: String,
 }
 
 /// `GET /version`.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct VersionAnswer {
+pub(crate) struct VersionAnswer {
     /// The worker's version.
     pub(super) version: &'static str,
 }
 
 /// `POST /v1/load_lora_adapter` and `/v1/unload_lora_adapter`.
 #[derive(Serialize, ToSchema, Debug)]
-pub(in crate::server) struct LoraAnswer {
+pub(crate) struct LoraAnswer {
     /// `loaded` or `unloaded`.
     pub(super) status: &'static str,
     /// The adapter.
@@ -365,7 +365,7 @@ pub(in crate::server) struct LoraAnswer {
 /// `POST /admin/reload` when the adapters take longer than the answer waits (202).
 #[derive(Serialize, ToSchema, Debug)]
 #[serde(rename_all = "camelCase")]
-pub(in crate::server) struct ReloadApplying {
+pub(crate) struct ReloadApplying {
     /// Always true: the reload goes on; `/v1/lora_adapters` says when each adapter is loaded.
     pub(super) applying: bool,
     /// The hash the caller expected, if it gave one.
@@ -373,14 +373,14 @@ pub(in crate::server) struct ReloadApplying {
 }
 
 /// One server-sent event of a chat stream as a client's parser reads it (see [`event_schema`]).
-pub(in crate::server) struct ChatEvent;
+pub(crate) struct ChatEvent;
 /// One server-sent event of a completion stream (see [`event_schema`]).
-pub(in crate::server) struct TextEvent;
+pub(crate) struct TextEvent;
 
 /// An event of a stream whose chunks are `chunk`: its `data` is a chunk (JSON), OpenAI's error
 /// body (a failure after the headers went out, with `mole`), or `[DONE]`, which ends the
 /// stream. Events carry no `event:` name, so they are `message`s. utoipa has no
-/// `contentSchema`, so it goes in as an extension that [`crate::server::openapi`] renames.
+/// `contentSchema`, so it goes in as an extension that [`crate::openapi`] renames.
 fn event_schema(chunk: &str) -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
     use utoipa::openapi::extensions::ExtensionsBuilder;
     use utoipa::openapi::schema::{ObjectBuilder, OneOfBuilder, Type};
