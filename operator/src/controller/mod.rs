@@ -10,6 +10,7 @@ pub mod context;
 pub mod events;
 pub mod finalizer;
 pub mod ids;
+pub mod pod_client;
 pub mod pod_index;
 pub mod pods;
 pub mod pool;
@@ -29,7 +30,8 @@ use kube::runtime::{watcher, Controller, WatchStreamExt};
 use kube::{Api, Client, ResourceExt};
 use mole_crds::{Adapter, InferencePool};
 
-pub use context::{Context, PodClient, StoreWriter, StoreWriters, Stores};
+pub use context::{Context, StoreWriter, StoreWriters, Stores};
+pub use pod_client::PodClient;
 
 /// Runs both controllers until `shutdown` resolves, then lets the reconciles under way
 /// finish (the caller bounds how long: see `mole-operator run`). `namespace` None watches

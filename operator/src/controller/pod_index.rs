@@ -23,11 +23,11 @@ use futures::StreamExt;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::batch::v1::Job;
 use kube::api::ListParams;
-use kube::{Api, ResourceExt};
+use kube::{Api, Client, ResourceExt};
 use mole_crds::constants::{LABEL_APP_COMPONENT, LABEL_APP_INSTANCE};
 use mole_crds::{InferencePool, LoraAdaptersResponse};
 
-use super::context::{operator_token, ready_pods, Context, ReadyPod};
+use super::pod_client::{operator_token, ready_pods, PodClient, ReadyPod};
 use crate::error::Result;
 
 /// How long a pool's reading serves (`--pod-poll-interval`, `MOLE_POD_POLL_MS`).
@@ -187,7 +187,7 @@ impl PodIndex {
     }
 
     /// The pool's operator token (its Secret read, or created, once).
-    pub async fn token(&self, ctx: &Context, pool: &InferencePool) -> Result<String> {
+    pub async fn token(&self, client: &Client, pool: &InferencePool) -> Result<String> {
         let uid = pool.metadata.uid.clone().unwrap_or_else(|| key(pool));
         if let Some(t) = self
             .tokens
@@ -197,7 +197,7 @@ impl PodIndex {
         {
             return Ok(t.clone());
         }
-        let t = operator_token(&ctx.client, pool).await?;
+        let t = operator_token(client, pool).await?;
         self.tokens
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -230,7 +230,7 @@ impl PodIndex {
 
     /// The pool's merged Deployments and Jobs: the last reading while it is fresh and was
     /// taken after the last change an Adapter made, else a new one (two LISTs).
-    pub async fn children(&self, ctx: &Context, pool: &InferencePool) -> Result<Arc<Children>> {
+    pub async fn children(&self, client: &Client, pool: &InferencePool) -> Result<Arc<Children>> {
         let k = key(pool);
         let slot = self.children.slot(&k);
         let mut held = slot.lock().await;
@@ -243,13 +243,13 @@ impl PodIndex {
         let taken = Instant::now();
         let ns = pool.namespace().unwrap_or_default();
         let name = pool.name_any();
-        let deployments = Api::<Deployment>::namespaced(ctx.client.clone(), &ns)
+        let deployments = Api::<Deployment>::namespaced(client.clone(), &ns)
             .list(&ListParams::default().labels(&format!(
                 "{LABEL_APP_INSTANCE}={name},{LABEL_APP_COMPONENT}=merged"
             )))
             .await?
             .items;
-        let jobs = Api::<Job>::namespaced(ctx.client.clone(), &ns)
+        let jobs = Api::<Job>::namespaced(client.clone(), &ns)
             .list(&ListParams::default().labels(&format!("{LABEL_APP_INSTANCE}={name}")))
             .await?
             .items;
@@ -264,7 +264,12 @@ impl PodIndex {
 
     /// The pool's reading: the last one while it is fresh and was taken after the last
     /// invalidation, else a new one (one at a time per pool; concurrent callers share it).
-    pub async fn reading(&self, ctx: &Context, pool: &InferencePool) -> Result<Arc<PoolReading>> {
+    pub async fn reading(
+        &self,
+        client: &Client,
+        pods_client: &PodClient,
+        pool: &InferencePool,
+    ) -> Result<Arc<PoolReading>> {
         let k = key(pool);
         let slot = self.reports.slot(&k);
         let mut held = slot.lock().await;
@@ -275,17 +280,16 @@ impl PodIndex {
             return Ok(r.clone());
         }
         let taken = Instant::now();
-        let token = self.token(ctx, pool).await?;
+        let token = self.token(client, pool).await?;
         let ns = pool.namespace().unwrap_or_default();
-        let pods = ready_pods(&ctx.client, &ns, &pool.name_any()).await?;
-        // Owned futures: a stream of futures borrowing the context is not `Send` for every
+        let pods = ready_pods(client, &ns, &pool.name_any()).await?;
+        // Owned futures: a stream of futures borrowing the client is not `Send` for every
         // lifetime, which the controller's reconcile future must be.
-        let client = ctx.pods.clone();
         let asks: Vec<_> = pods
             .iter()
             .cloned()
             .map(|p| {
-                let (client, token) = (client.clone(), token.clone());
+                let (client, token) = (pods_client.clone(), token.clone());
                 async move { client.adapters(&p, &token).await.map_err(|e| e.to_string()) }
             })
             .collect();

@@ -420,6 +420,18 @@ fn note(policy: &Policy, s: &Scored, total: f64, used: u32, why: &str) -> String
     n
 }
 
+/// What the last decision of an adapter said, as the decider recorded it: its state and the
+/// rates it was decided with. Newer than the adapter's status as a cache may hold it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Decided {
+    /// The state the decision left.
+    pub state: State,
+    /// Tokens per minute it was decided with.
+    pub tokens_per_min: f64,
+    /// Requests per minute it was decided with.
+    pub requests_per_min: f64,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

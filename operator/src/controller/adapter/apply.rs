@@ -136,7 +136,7 @@ async fn delete_unfinished_jobs(
 ) -> Result<Vec<String>> {
     let candidates = ctx
         .pod_index
-        .children(ctx, pool)
+        .children(&ctx.client, pool)
         .await?
         .jobs_matching(selector);
     let names = delete_unfinished(ctx, adapter, candidates, keep).await?;

@@ -141,7 +141,7 @@ pub(super) async fn ensure_fetched(
     // The pool's reading of its Jobs (this Adapter's own writes below make it read afresh).
     let live = ctx
         .pod_index
-        .children(ctx, pool)
+        .children(&ctx.client, pool)
         .await?
         .job(&job_name)
         .cloned();

@@ -30,8 +30,9 @@ use mole_crds::{Adapter, InferencePool};
 
 pub use observe::{loaded_everywhere, observe_merged};
 
-use super::context::{operator_token, ready_pods, Context};
+use super::context::Context;
 use super::finalizer::{self, Step};
+use super::pod_client::{operator_token, ready_pods};
 use super::reconcile::instrumented;
 use super::validate::validate_adapter;
 use crate::error::{Error, Result};

@@ -74,8 +74,8 @@ pub(super) async fn observe(
     let ns = adapter.namespace().unwrap_or_default();
     let name = adapter.name_any();
     // The pool's pods as this round read them (one reading shared by its Adapters).
-    let token = ctx.pod_index.token(ctx, pool).await?;
-    let reading = ctx.pod_index.reading(ctx, pool).await?;
+    let token = ctx.pod_index.token(&ctx.client, pool).await?;
+    let reading = ctx.pod_index.reading(&ctx.client, &ctx.pods, pool).await?;
     let pods = &reading.pods;
     let mut reports = Vec::with_capacity(pods.len());
     let mut unreachable = Vec::new();
@@ -127,7 +127,7 @@ pub(super) async fn observe(
     // something else (a pool's, after a collision validation could not see) is never
     // rolled or deleted as if it were.
     // The pool's merged Deployments and Jobs as this round read them (shared by its Adapters).
-    let children = ctx.pod_index.children(ctx, pool).await?;
+    let children = ctx.pod_index.children(&ctx.client, pool).await?;
     let merged = children
         .deployment(&resources::merged_name(&adapter.spec.pool, &name))
         .filter(|d| owned_by(&d.metadata, adapter))
@@ -137,7 +137,10 @@ pub(super) async fn observe(
             let mpods = merged_pods(ctx, &ns, d).await?;
             // The merged pods' traffic is the adapter's too; one that does not answer only
             // leaves its share out of this reading.
-            for pod in mpods.iter().filter_map(crate::controller::context::ready) {
+            for pod in mpods
+                .iter()
+                .filter_map(crate::controller::pod_client::ready)
+            {
                 if let Ok(r) = ctx.pods.adapters(&pod, &token).await {
                     if let Some(c) = super::traffic::counters_of(&r, &name) {
                         counters.insert(pod.name.clone(), c);

@@ -20,7 +20,7 @@ use mole_crds::{
 };
 
 use crate::controller::context::Context;
-use crate::fleet::merge::{self, Action, Decision};
+use crate::fleet::merge::{self, Action, Decided, Decision};
 use crate::fleet::traffic::{Counters, Rates, Smoother, WriteRule};
 use crate::mergedown::PlannedEvent;
 
@@ -258,18 +258,6 @@ fn tokens_of(status: Option<&AdapterStatus>) -> f64 {
     status
         .and_then(|s| s.traffic.as_ref())
         .map_or(0.0, |t| t.tokens_per_minute)
-}
-
-/// What the last decision of an adapter said, as the decider recorded it: its state and the
-/// rates it was decided with. Newer than the adapter's status as a cache may hold it.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct Decided {
-    /// The state the decision left.
-    pub state: merge::State,
-    /// Tokens per minute it was decided with.
-    pub tokens_per_min: f64,
-    /// Requests per minute it was decided with.
-    pub requests_per_min: f64,
 }
 
 /// The fleet policy's decision for `adapter` (None unless it is `auto` in a pool with

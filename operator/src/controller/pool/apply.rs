@@ -15,7 +15,8 @@ use super::observe::Observed;
 use crate::controller::apply::apply_if_changed;
 use std::time::Duration;
 
-use crate::controller::context::{ready_pods, Context, Reload, ReloadFailure};
+use crate::controller::context::{Context, ReloadFailure};
+use crate::controller::pod_client::{ready_pods, Reload};
 use crate::error::Result;
 use crate::resources;
 
@@ -58,7 +59,7 @@ pub(super) async fn apply(
     desired: &Desired,
 ) -> Result<Applied> {
     // The operator's token for the pods' API: created once, mounted by every worker pod.
-    let token = ctx.pod_index.token(ctx, pool).await?;
+    let token = ctx.pod_index.token(&ctx.client, pool).await?;
     let deployment = apply_children(pool, ctx, obs, desired).await?;
     let reload = reload(pool, ctx, &token, &desired.config_hash).await?;
     Ok(Applied { deployment, reload })

@@ -179,7 +179,7 @@ pub(super) async fn observe(pool: &InferencePool, ctx: &Context) -> Result<Obser
         .collect();
     let ready = pods
         .iter()
-        .filter_map(crate::controller::context::ready)
+        .filter_map(crate::controller::pod_client::ready)
         .map(|p| (p.name, p.ip))
         .collect();
     Ok(Observed {
