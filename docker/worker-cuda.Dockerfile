@@ -19,7 +19,7 @@ ENV RUSTUP_HOME=/usr/local/rustup \
     CUDA_COMPUTE_CAP=${CUDA_COMPUTE_CAP}
 COPY --from=rust /usr/local/rustup /usr/local/rustup
 COPY --from=rust /usr/local/cargo /usr/local/cargo
-# ca-certificates for crates.io; g++ (with gcc and binutils) as nvcc's host compiler, the
+# ca-certificates for cargo's registry; g++ (with gcc and binutils) as nvcc's host compiler, the
 # linker of rustc and for strip. Not version-pinned: Ubuntu's archive keeps only the current
 # version of a package, so a pin breaks the build at the next security update; the base
 # image's digest pins the release.
