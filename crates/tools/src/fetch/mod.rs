@@ -630,14 +630,8 @@ async fn lock(dest: &Path) -> Result<std::fs::File, FetchError> {
 fn write_manifest(dest: &Path, m: &Manifest) -> Result<(), FetchError> {
     let tmp = dest.join(format!("{MANIFEST}.tmp"));
     let text = serde_json::to_vec_pretty(m).expect("the manifest is plain data");
-    {
-        use std::io::Write;
-        let mut f = std::fs::File::create(&tmp).map_err(FetchError::io(&tmp))?;
-        f.write_all(&text).map_err(FetchError::io(&tmp))?;
-        f.sync_all().map_err(FetchError::io(&tmp))?;
-    }
-    let path = dest.join(MANIFEST);
-    std::fs::rename(&tmp, &path).map_err(FetchError::io(&path))
+    std::fs::write(&tmp, text).map_err(FetchError::io(&tmp))?;
+    crate::fs::publish_file(&tmp, &dest.join(MANIFEST)).map_err(|(p, e)| FetchError::io(&p)(e))
 }
 
 fn remote_name(remote: &Remote) -> String {

@@ -60,11 +60,8 @@ pub(super) async fn fetch_file(
         let _ = std::fs::remove_file(&part);
     })?;
     // The bytes reach the disk before the name does, so a crash cannot leave a torn file
-    // under the final name.
-    std::fs::File::open(&part)
-        .and_then(|file| file.sync_all())
-        .map_err(FetchError::io(&part))?;
-    std::fs::rename(&part, target).map_err(FetchError::io(target))?;
+    // under the final name, and the name before the manifest lists it.
+    crate::fs::publish_file(&part, target).map_err(|(p, e)| FetchError::io(&p)(e))?;
     tracing::info!(file = %f.name, bytes = f.size, verified, "file done");
     Ok((transferred, entry(f, sha, verified)))
 }

@@ -26,20 +26,7 @@ use mole_formats::peft::{self, AdapterConfig};
 pub use mole_formats::safetensors::to_f32;
 pub use tensors::{bf16_ulp_distance, OutDtype};
 
-/// Whether outputs are made durable (fdatasync) before the rename; see [`set_durable`].
-static DURABLE: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
-
-/// Turns the fdatasync of merged files off (`merge --no-fsync`: outputs on tmpfs, or timing
-/// against `cp`). On by default: the rename then never exposes a directory whose data a
-/// machine crash could still lose.
-pub fn set_durable(on: bool) {
-    DURABLE.store(on, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// Whether merged files are fdatasync'd before their rename ([`set_durable`]).
-pub fn durable() -> bool {
-    DURABLE.load(std::sync::atomic::Ordering::Relaxed)
-}
+pub use crate::fs::{durable, set_durable};
 
 /// Files of a base model directory that are weights (rewritten), not copied.
 fn is_weight_file(name: &str) -> bool {
@@ -584,14 +571,9 @@ fn publish(
     sync_dir(parent)
 }
 
-/// fdatasyncs a directory (its entries), unless [`durable`] is off.
+/// [`crate::fs::sync_dir`], the error naming `dir`.
 pub fn sync_dir(dir: &Path) -> Result<(), MergeError> {
-    if !durable() {
-        return Ok(());
-    }
-    std::fs::File::open(dir)
-        .and_then(|f| f.sync_all())
-        .map_err(io_err(dir))
+    crate::fs::sync_dir(dir).map_err(io_err(dir))
 }
 
 fn map_shard(shard: &Path) -> Result<memmap2::Mmap, MergeError> {
@@ -744,14 +726,9 @@ fn write_merged(
     Ok(stats)
 }
 
-/// fdatasyncs a file, unless [`durable`] is off.
+/// [`crate::fs::sync_file`], the error naming `path`.
 pub fn sync_file(path: &Path) -> Result<(), MergeError> {
-    if !durable() {
-        return Ok(());
-    }
-    std::fs::File::open(path)
-        .and_then(|f| f.sync_data())
-        .map_err(io_err(path))
+    crate::fs::sync_file(path).map_err(io_err(path))
 }
 
 /// With `--dtype`, the copied config.json must say what the weights now are.
