@@ -20,6 +20,7 @@ use std::sync::Arc;
 
 use serde_json::{Map, Value};
 
+use super::openapi_requests::{request_limits, request_schemas};
 use super::AppState;
 
 /// Why a body is not what the document says: the failing path (`messages[0].content`) and
@@ -40,7 +41,7 @@ pub(super) fn check_body(
     name: &str,
     body: &serde_json::Value,
 ) -> Result<(), Invalid> {
-    let limits = super::openapi::request_limits(s);
+    let limits = request_limits(s);
     let doc = {
         let mut cached = s
             .doc
@@ -49,15 +50,7 @@ pub(super) fn check_body(
         match &*cached {
             Some((l, d)) if *l == limits => d.clone(),
             _ => {
-                // The schemas are the same whatever the auth (it changes `security` alone).
-                let auth = super::openapi::DocAuth {
-                    api_keys: false,
-                    admin_token: false,
-                    operator_token: false,
-                };
-                let d = Arc::new(
-                    super::openapi::document(auth, &limits)["components"]["schemas"].clone(),
-                );
+                let d = Arc::new(request_schemas(&limits));
                 *cached = Some((limits, d.clone()));
                 d
             }

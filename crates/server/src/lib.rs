@@ -39,7 +39,6 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode};
 use axum::middleware::from_fn_with_state;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post, MethodRouter};
-use utoipa::OpenApi;
 
 use crate::router::Decision;
 
@@ -122,52 +121,6 @@ pub fn app(state: Arc<AppState>) -> axum::Router {
         .layer(DefaultBodyLimit::max(limit))
         .with_state(state)
 }
-
-/// The endpoints and the schemas they name: the document's list, kept beside [`app`]'s routes
-/// (`openapi`'s test holds the two equal). It lives here, above the handlers, because the
-/// handlers hold their bodies to the document ([`doc_check::check_body`]): in `openapi.rs` it
-/// would make that file and the handlers import each other.
-#[derive(OpenApi)]
-#[openapi(
-    info(
-        title = "mole-worker",
-        description = "One pool's OpenAI-compatible API: chat and completions routed to LoRA adapters \
-            (explicit name, classifier, keywords, embeddings), mole's task and routing calls, vLLM's \
-            adapter and tokenizer endpoints, probes and metrics."
-    ),
-    paths(
-        openai::generate::chat_completions,
-        openai::generate::completions,
-        openai::responses::create_response,
-        openai::stored::get_response,
-        openai::stored::delete_response,
-        openai::chat::infer,
-        openai::route::route,
-        openai::models::models,
-        openai::tokens::tokenize,
-        openai::tokens::detokenize,
-        openai::tokens::version,
-        openai::admin::lora_adapters,
-        openai::admin::load_lora,
-        openai::admin::unload_lora,
-        openai::admin::admin_reload,
-        health,
-        healthz,
-        readyz,
-        metrics,
-        residency::residency,
-        openapi::openapi_json,
-    ),
-    components(schemas(error::ErrorReply, error::ErrorDetail, openai::replies::Answer<openai::replies::ChunkChoice>)),
-    tags(
-        (name = "openai", description = "OpenAI's API"),
-        (name = "mole", description = "mole's task and routing calls"),
-        (name = "vllm", description = "vLLM's plain endpoints"),
-        (name = "admin", description = "Adapters and config (admin or operator token)"),
-        (name = "probes", description = "Liveness, readiness, metrics"),
-    )
-)]
-struct ApiDoc;
 
 /// The body limit of `/tokenize`, `/detokenize` and `/v1/route` (or `limits.maxBodyBytes` when
 /// lower): a context's worth of text; images go by URL there.

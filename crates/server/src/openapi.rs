@@ -1,9 +1,8 @@
 //! The worker's API as an OpenAPI 3.1 document (`GET /openapi.json`), derived from the
 //! handlers' own request and reply types and their `#[utoipa::path]` annotations, as TGI's
 //! router does: clients can be generated from it and the API fuzzed against it
-//! (`scripts/checks/openapi.sh`). The list of documented endpoints ([`ApiDoc`]) sits beside
-//! the routes in the server's own file: the handlers hold their bodies to this document
-//! ([`super::doc_check`]), so this file names no handler.
+//! (`scripts/checks/openapi.sh`). The request bodies' schemas, and this worker's limits in
+//! them, are [`super::openapi_requests`]'s: the handlers hold bodies to those alone.
 
 use std::sync::Arc;
 
@@ -13,8 +12,53 @@ use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::OpenApi;
 
 use super::openai;
-use super::openapi_requests::{enforce, RequestLimits};
-use super::{ApiDoc, AppState};
+use super::openapi_requests::{finish, request_limits, RequestLimits};
+use super::AppState;
+
+/// The endpoints and the schemas they name: the document's list (its test holds it equal to
+/// [`super::app`]'s routes). The handlers hold their bodies to the request schemas alone
+/// ([`super::doc_check`]), so naming them here makes no circle.
+#[derive(OpenApi)]
+#[openapi(
+    info(
+        title = "mole-worker",
+        description = "One pool's OpenAI-compatible API: chat and completions routed to LoRA adapters \
+            (explicit name, classifier, keywords, embeddings), mole's task and routing calls, vLLM's \
+            adapter and tokenizer endpoints, probes and metrics."
+    ),
+    paths(
+        openai::generate::chat_completions,
+        openai::generate::completions,
+        openai::responses::create_response,
+        openai::stored::get_response,
+        openai::stored::delete_response,
+        openai::chat::infer,
+        openai::route::route,
+        openai::models::models,
+        openai::tokens::tokenize,
+        openai::tokens::detokenize,
+        openai::tokens::version,
+        openai::admin::lora_adapters,
+        openai::admin::load_lora,
+        openai::admin::unload_lora,
+        openai::admin::admin_reload,
+        super::health,
+        super::healthz,
+        super::readyz,
+        super::metrics,
+        super::residency::residency,
+        openapi_json,
+    ),
+    components(schemas(super::error::ErrorReply, super::error::ErrorDetail, openai::reply_bodies::Answer<openai::reply_bodies::ChunkChoice>)),
+    tags(
+        (name = "openai", description = "OpenAI's API"),
+        (name = "mole", description = "mole's task and routing calls"),
+        (name = "vllm", description = "vLLM's plain endpoints"),
+        (name = "admin", description = "Adapters and config (admin or operator token)"),
+        (name = "probes", description = "Liveness, readiness, metrics"),
+    )
+)]
+struct ApiDoc;
 
 /// Which secrets this worker has: what its document asks clients for.
 #[derive(Debug, Clone, Copy)]
@@ -61,54 +105,8 @@ pub(super) fn document(auth: DocAuth, limits: &RequestLimits) -> serde_json::Val
         }
     }
     let mut v = serde_json::to_value(doc).unwrap_or_default();
-    enforce(&mut v, limits);
-    // A `contentSchema` is its own document to validators (schemathesis resolves it apart from
-    // the components), so its references are inlined.
-    let schemas = v["components"]["schemas"].clone();
-    inline_content_schemas(&mut v, &schemas);
+    finish(&mut v, limits);
     v
-}
-
-/// Turns every `x-content-schema` into `contentSchema` (a JSON Schema keyword utoipa has no
-/// field for) with its `$ref`s to `schemas` inlined.
-fn inline_content_schemas(v: &mut serde_json::Value, schemas: &serde_json::Value) {
-    match v {
-        serde_json::Value::Object(m) => {
-            if let Some(mut x) = m.remove("x-content-schema") {
-                inline_refs(&mut x, schemas, 0);
-                m.insert("contentSchema".to_string(), x);
-            }
-            m.values_mut()
-                .for_each(|x| inline_content_schemas(x, schemas));
-        }
-        serde_json::Value::Array(a) => a
-            .iter_mut()
-            .for_each(|x| inline_content_schemas(x, schemas)),
-        _ => {}
-    }
-}
-
-/// Replaces `{"$ref": "#/components/schemas/X"}` in `v` by X, recursively (the reply types
-/// have no cycles; `depth` stops one that would).
-fn inline_refs(v: &mut serde_json::Value, schemas: &serde_json::Value, depth: usize) {
-    if let Some(name) = v
-        .get("$ref")
-        .and_then(|r| r.as_str())
-        .and_then(|r| r.strip_prefix("#/components/schemas/"))
-    {
-        if depth < 16 {
-            *v = schemas[name].clone();
-        }
-    }
-    match v {
-        serde_json::Value::Object(m) => m
-            .values_mut()
-            .for_each(|x| inline_refs(x, schemas, depth + 1)),
-        serde_json::Value::Array(a) => a
-            .iter_mut()
-            .for_each(|x| inline_refs(x, schemas, depth + 1)),
-        _ => {}
-    }
 }
 
 /// `GET /openapi.json`: this document (open, as vLLM's and TGI's are).
@@ -122,25 +120,6 @@ pub(super) async fn openapi_json(State(s): State<Arc<AppState>>) -> Json<serde_j
         operator_token: a.operator_token.is_some(),
     };
     Json(document(auth, &request_limits(&s)))
-}
-
-/// The limits of this worker the request schemas state.
-pub(super) fn request_limits(s: &AppState) -> RequestLimits {
-    let cfg = s.cfg();
-    let info = s.info.model_info();
-    RequestLimits {
-        max_tokens: u64::from(cfg.limits.max_tokens),
-        max_batch_size: cfg.limits.engine.max_batch_size,
-        max_seq: (cfg.limits.engine.max_seq_len as usize).min(info.max_seq_len.max(1)),
-        vocab: info.vocab_size,
-        vision: info.vision,
-        max_images: cfg.limits.max_images,
-        max_stop_chars: cfg.limits.max_stop_chars,
-        max_guide_chars: cfg.limits.max_guide_chars,
-        max_guide_choices: cfg.limits.max_guide_choices,
-        tools: openai::outputs::Formats::for_pool(s).tools.is_some(),
-        image_token: info.image_token,
-    }
 }
 
 #[cfg(test)]
@@ -170,6 +149,55 @@ mod tests {
         assert_eq!(documented, routed);
         if let Ok(out) = std::env::var("MOLE_OPENAPI_OUT") {
             std::fs::write(out, serde_json::to_string_pretty(&doc).unwrap()).unwrap();
+        }
+    }
+
+    /// The schemas bodies are held to ([`request_schemas`], built from the request types
+    /// alone) are the served document's, for default and for tight limits: a body is refused
+    /// only by what the document states.
+    #[test]
+    fn bodies_are_held_to_the_served_schemas() {
+        let auth = DocAuth {
+            api_keys: false,
+            admin_token: false,
+            operator_token: false,
+        };
+        let tight = RequestLimits {
+            max_tokens: 7,
+            max_batch_size: 2,
+            max_seq: 64,
+            vocab: 100,
+            vision: true,
+            max_images: 1,
+            tools: true,
+            ..RequestLimits::default()
+        };
+        for limits in [RequestLimits::default(), tight] {
+            let served = document(auth, &limits)["components"]["schemas"].clone();
+            let held = super::super::openapi_requests::request_schemas(&limits);
+            let held = held.as_object().unwrap();
+            for name in [
+                "ChatBody",
+                "CompletionBody",
+                "InferBody",
+                "LoadBody",
+                "ReloadBody",
+                "RouteBody",
+                "TokenizeBody",
+                "DetokenizeBody",
+                "ResponsesBody",
+            ] {
+                assert!(
+                    held.contains_key(name),
+                    "{name} is not among the held schemas"
+                );
+            }
+            for (name, schema) in held {
+                assert_eq!(
+                    &served[name], schema,
+                    "{name} differs from the served document"
+                );
+            }
         }
     }
 }

@@ -6,10 +6,13 @@
 //! ignored one anything, and a field in neither is refused (`additionalProperties: false`).
 
 use serde_json::{json, Map, Value};
+use utoipa::OpenApi;
 
 use mole_api::request::{self, RealField, MAX_LOGPROBS, MAX_STOP, MAX_STOP_TOKEN_IDS};
 
 use super::openai::fields::{On, Treatment, FIELDS};
+use super::openai::request_bodies::RequestSchemas;
+use crate::AppState;
 
 /// The limits of this worker that bound a request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -197,7 +200,7 @@ fn table(out: &mut Map<String, Value>, endpoint: On) {
     out.insert("additionalProperties".into(), json!(false));
 }
 
-/// A chat message as typed ([`super::openai::types::InMessage`]), its content's parts as this
+/// A chat message as typed ([`super::openai::request_bodies::InMessage`]), its content's parts as this
 /// model takes them (image parts only when it takes images), and every role but `assistant`
 /// saying something.
 fn message(derived: &Value, schemas: &Value, vision: bool) -> Value {
@@ -212,7 +215,7 @@ fn message(derived: &Value, schemas: &Value, vision: bool) -> Value {
         "text": {"type": ["string", "null"]},
         "image_url": {"oneOf": [image_url, {"type": "null"}]},
     }});
-    // `text` is one field of every part ([`super::openai::types::Part`]), read as a string
+    // `text` is one field of every part ([`super::openai::request_bodies::Part`]), read as a string
     // whatever the part's type (an image part's is ignored), so its shape holds here too.
     let image_part = json!({"type": "object", "required": ["type", "image_url"], "properties": {
         "type": {"enum": ["image_url", "input_image"]},
@@ -410,7 +413,7 @@ fn responses(doc: &mut Value, schemas: &Value, lim: &RequestLimits) {
 }
 
 /// Rewrites the request schemas of `doc` (the document as JSON) to what validation enforces.
-pub(super) fn enforce(doc: &mut Value, lim: &RequestLimits) {
+fn enforce(doc: &mut Value, lim: &RequestLimits) {
     let schemas = doc["components"]["schemas"].clone();
     let msg = message(&schemas["InMessage"], &schemas, lim.vision);
     let messages = json!({"type": "array", "items": msg, "minItems": 1, "description": format!(
@@ -563,6 +566,84 @@ pub(super) fn enforce(doc: &mut Value, lim: &RequestLimits) {
         ["application/json"]["schema"];
     if body.is_object() {
         *body = json!({"$ref": "#/components/schemas/LoadAdapterBody"});
+    }
+}
+
+/// The request bodies' schemas for this worker's `limits`, as the served document states them
+/// ([`finish`] on [`RequestSchemas`]): what a body is held to ([`crate::doc_check`]).
+pub(super) fn request_schemas(limits: &RequestLimits) -> Value {
+    let mut v = serde_json::to_value(RequestSchemas::openapi()).unwrap_or_default();
+    finish(&mut v, limits);
+    v["components"]["schemas"].take()
+}
+
+/// What the document's derived schemas lack: the limits of this worker ([`enforce`]), and
+/// `contentSchema`s, each its own document to validators (schemathesis resolves it apart from
+/// the components), with their references inlined.
+pub(super) fn finish(doc: &mut Value, limits: &RequestLimits) {
+    enforce(doc, limits);
+    let schemas = doc["components"]["schemas"].clone();
+    inline_content_schemas(doc, &schemas);
+}
+
+/// The limits of this worker the request schemas state.
+pub(super) fn request_limits(s: &AppState) -> RequestLimits {
+    let cfg = s.cfg();
+    let info = s.info.model_info();
+    RequestLimits {
+        max_tokens: u64::from(cfg.limits.max_tokens),
+        max_batch_size: cfg.limits.engine.max_batch_size,
+        max_seq: (cfg.limits.engine.max_seq_len as usize).min(info.max_seq_len.max(1)),
+        vocab: info.vocab_size,
+        vision: info.vision,
+        max_images: cfg.limits.max_images,
+        max_stop_chars: cfg.limits.max_stop_chars,
+        max_guide_chars: cfg.limits.max_guide_chars,
+        max_guide_choices: cfg.limits.max_guide_choices,
+        tools: super::openai::outputs::Formats::for_pool(s).tools.is_some(),
+        image_token: info.image_token,
+    }
+}
+
+/// Turns every `x-content-schema` into `contentSchema` (a JSON Schema keyword utoipa has no
+/// field for) with its `$ref`s to `schemas` inlined.
+fn inline_content_schemas(v: &mut serde_json::Value, schemas: &serde_json::Value) {
+    match v {
+        serde_json::Value::Object(m) => {
+            if let Some(mut x) = m.remove("x-content-schema") {
+                inline_refs(&mut x, schemas, 0);
+                m.insert("contentSchema".to_string(), x);
+            }
+            m.values_mut()
+                .for_each(|x| inline_content_schemas(x, schemas));
+        }
+        serde_json::Value::Array(a) => a
+            .iter_mut()
+            .for_each(|x| inline_content_schemas(x, schemas)),
+        _ => {}
+    }
+}
+
+/// Replaces `{"$ref": "#/components/schemas/X"}` in `v` by X, recursively (the reply types
+/// have no cycles; `depth` stops one that would).
+fn inline_refs(v: &mut serde_json::Value, schemas: &serde_json::Value, depth: usize) {
+    if let Some(name) = v
+        .get("$ref")
+        .and_then(|r| r.as_str())
+        .and_then(|r| r.strip_prefix("#/components/schemas/"))
+    {
+        if depth < 16 {
+            *v = schemas[name].clone();
+        }
+    }
+    match v {
+        serde_json::Value::Object(m) => m
+            .values_mut()
+            .for_each(|x| inline_refs(x, schemas, depth + 1)),
+        serde_json::Value::Array(a) => a
+            .iter_mut()
+            .for_each(|x| inline_refs(x, schemas, depth + 1)),
+        _ => {}
     }
 }
 

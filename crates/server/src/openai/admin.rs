@@ -9,9 +9,9 @@ use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
-use super::body::{OptionalTyped, Typed};
-use super::replies::{LoraAnswer, ReloadApplying};
-use super::types::{LoadBody, ReloadBody};
+use super::extract::{OptionalTyped, Typed};
+use super::reply_bodies::{LoraAnswer, ReloadApplying};
+use super::request_bodies::{LoadBody, ReloadBody};
 use super::S;
 use crate::error::bad;
 use crate::error::Refusals;

@@ -17,13 +17,13 @@ use serde::Serialize;
 
 use super::now;
 use super::parse::{join, OutputParser, ParseSpec, Parsed};
-use super::replies::{
+use super::reply_bodies::{
     Answer, AssistantMessage, ChatChoice, ChatLogprobs, ChunkChoice, Delta, Finish, FunctionCall,
     MoleInfo, PromptTokensDetails, TextChoice, TextLogprobs, TokenLogprob, ToolCallOut, TopLogprob,
     UsageInfo,
 };
+use super::request_bodies::Kind;
 use super::response_out::{sse, ResponseState};
-use super::types::Kind;
 use crate::router::Decision;
 use crate::{mole_headers, ApiError, AppState};
 use mole_engine::api::{self, EventStream, FinishReason, TokenEvent, Usage};

@@ -8,14 +8,15 @@ use axum::response::{IntoResponse, Response};
 use axum::Json;
 use serde_json::{json, Map, Value};
 
-use super::body::{Fields, RawBody};
+use super::body::Fields;
+use super::extract::RawBody;
 use super::generate::serve;
 use super::guided::{self, Guides};
 use super::images::{self, ImageSource};
 use super::outputs;
-use super::replies::{PromptTokensDetails, TaskAnswer, UsageInfo};
+use super::reply_bodies::{PromptTokensDetails, TaskAnswer, UsageInfo};
+use super::request_bodies::{ChatBody, Common, InferBody, Kind};
 use super::tools::ToolFields;
-use super::types::{ChatBody, Common, InferBody, Kind};
 use super::validate::{
     check_prompt_bytes, last_user_text, messages, prepare_request, sampling, Caps, Parts,
     ValidRequest, Validate,

@@ -3,7 +3,7 @@
 use axum::body::Bytes;
 
 use super::body::Fields;
-use super::types::{CompletionBody, Kind, PromptField};
+use super::request_bodies::{CompletionBody, Kind, PromptField};
 use super::validate::{check_prompt_bytes, sampling, Caps, Parts, ValidRequest, Validate};
 use crate::error::bad;
 use crate::{ApiError, AppState};

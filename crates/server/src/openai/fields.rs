@@ -628,8 +628,8 @@ mod tests {
     fn the_typed_bodies_read_the_served_fields() {
         use crate::openai::body::field_names;
         use crate::openai::guided::Guides;
+        use crate::openai::request_bodies::{ChatOwn, Common, CompletionOwn};
         use crate::openai::tools::ToolFields;
-        use crate::openai::types::{ChatOwn, Common, CompletionOwn};
         use std::collections::BTreeSet;
         let typed = |parts: &[&[&'static str]]| -> BTreeSet<&'static str> {
             parts.iter().flat_map(|p| p.iter().copied()).collect()
@@ -655,8 +655,8 @@ mod tests {
             })
             .collect();
         let responses = typed(&[
-            field_names::<crate::openai::responses::ResponsesOwn>(),
-            field_names::<crate::openai::responses::ResponseToolFields>(),
+            field_names::<crate::openai::request_bodies::responses::ResponsesOwn>(),
+            field_names::<crate::openai::request_bodies::responses::ResponseToolFields>(),
             &shared,
         ]);
         for (endpoint, typed) in [

@@ -10,13 +10,13 @@ use axum::response::Response;
 use mole_api::{PrefixCacheScope, WorkerConfig};
 
 use super::answer::{choices, collect_response, req_id, stream_response, Ctx};
-use super::body::RawBody;
+use super::extract::RawBody;
 use super::images;
 use super::parse::OutputParser;
-use super::replies::{Answer, ChatChoice, ChatEvent, TextChoice, TextEvent};
+use super::reply_bodies::{Answer, ChatChoice, ChatEvent, TextChoice, TextEvent};
+use super::request_bodies::{ChatBody, CompletionBody};
 use super::response_out::ResponseState;
 use super::route::decide_off_runtime;
-use super::types::{ChatBody, CompletionBody};
 use super::validate::{max_seq, prepare_request, ValidRequest, Validate};
 use super::S;
 use crate::error::Refusals;

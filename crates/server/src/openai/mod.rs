@@ -43,6 +43,7 @@ mod body;
 mod call_json;
 pub(crate) mod chat;
 mod completions;
+mod extract;
 pub(crate) mod fields;
 pub(crate) mod generate;
 pub(crate) mod guided;
@@ -53,14 +54,14 @@ pub(crate) mod outputs;
 mod parse;
 #[cfg(test)]
 mod qwen3_checks;
-pub(crate) mod replies;
+pub(crate) mod reply_bodies;
+pub(crate) mod request_bodies;
 mod response_out;
 pub(crate) mod responses;
 pub(crate) mod route;
 pub(crate) mod stored;
 pub(crate) mod tokens;
 pub(crate) mod tools;
-pub(crate) mod types;
 mod validate;
 
 use std::sync::Arc;

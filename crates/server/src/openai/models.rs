@@ -4,7 +4,7 @@ use axum::extract::State;
 use axum::Json;
 
 use super::now;
-use super::replies::{ModelCard, ModelKind, ModelList};
+use super::reply_bodies::{ModelCard, ModelKind, ModelList};
 use super::S;
 use crate::error::Refusals;
 use crate::{ApiError, AppState};

@@ -20,7 +20,7 @@ use utoipa::ToSchema;
 
 use super::now;
 use super::parse::{CallHead, OutputParser, ParseSpec, Parsed};
-use super::replies::MoleInfo;
+use super::reply_bodies::MoleInfo;
 use crate::ApiError;
 use mole_engine::api::{FinishReason, Usage};
 

@@ -7,10 +7,10 @@ use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
 
-use super::body::{documented, SmallBody};
+use super::extract::{documented, SmallBody};
 use super::images;
-use super::replies::MoleInfo;
-use super::types::RouteBody;
+use super::reply_bodies::MoleInfo;
+use super::request_bodies::RouteBody;
 use super::validate::{last_user_text, messages};
 use super::S;
 use crate::error::bad;

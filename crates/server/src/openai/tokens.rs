@@ -4,41 +4,17 @@
 
 use axum::extract::State;
 use axum::Json;
-use serde::Deserialize;
-use serde_json::{Map, Value};
 
-use super::body::{documented, SmallBody, Typed};
+use super::extract::{documented, SmallBody, Typed};
 use super::images;
-use super::replies::{DetokenizeAnswer, TokenizeAnswer, VersionAnswer};
-use super::types::InMessage;
+use super::reply_bodies::{DetokenizeAnswer, TokenizeAnswer, VersionAnswer};
+use super::request_bodies::{DetokenizeBody, TokenizeBody};
 use super::validate::messages;
 use super::S;
 use crate::error::bad;
 use crate::error::Refusals;
 use crate::ApiError;
 use mole_engine::api::Prompt;
-
-/// `POST /tokenize`: a completion's `prompt` or chat `messages` (vLLM's two shapes).
-#[derive(Deserialize, utoipa::ToSchema)]
-pub(crate) struct TokenizeBody {
-    /// A model of this pool (404 `model_not_found` otherwise, as vLLM answers); every model
-    /// of a pool shares the base's tokenizer.
-    #[serde(default)]
-    model: Option<String>,
-    #[serde(default)]
-    prompt: Option<String>,
-    #[serde(default)]
-    messages: Option<Vec<InMessage>>,
-    /// Chat: end with the assistant's turn opening (vLLM's default: true).
-    #[serde(default)]
-    add_generation_prompt: Option<bool>,
-    /// The tokenizer's special tokens around the text (default: true for a prompt, false for
-    /// messages, whose template writes its own).
-    #[serde(default)]
-    add_special_tokens: Option<bool>,
-    #[serde(default)]
-    chat_template_kwargs: Map<String, Value>,
-}
 
 /// `POST /tokenize` → `{count, max_model_len, tokens}`: the ids the engine would run, image
 /// placeholders expanded to their images' tokens.
@@ -101,19 +77,6 @@ pub async fn tokenize(
         max_model_len: s.info.model_info().max_seq_len,
         tokens: ids,
     }))
-}
-
-/// `POST /detokenize`.
-#[derive(Deserialize, utoipa::ToSchema)]
-pub(crate) struct DetokenizeBody {
-    /// A model of this pool (404 `model_not_found` otherwise).
-    #[serde(default)]
-    model: Option<String>,
-    tokens: Vec<u32>,
-}
-
-impl super::body::Documented for DetokenizeBody {
-    const SCHEMA: &'static str = "DetokenizeBody";
 }
 
 /// `POST /detokenize` → `{prompt}`: the text of token ids, special tokens left out.

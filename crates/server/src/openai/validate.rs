@@ -7,11 +7,12 @@ use axum::http::HeaderMap;
 
 use mole_api::WorkerLimits;
 
-use super::body::{Fields, RawBody};
+use super::body::Fields;
+use super::extract::RawBody;
 use super::images::{self, ImageSource};
 use serde_json::Value;
 
-use super::types::{
+use super::request_bodies::{
     Arguments, Common, Content, InMessage, Kind, Logprobs, PartType, Role, StopField,
 };
 use crate::error::bad;
@@ -24,7 +25,9 @@ use mole_engine::api::{ChatMessage, ContentPart, Prompt, SamplingParams};
 
 /// A generation body that validation turns into a [`ValidRequest`]: chat, completions,
 /// responses and `/infer`.
-pub(crate) trait Validate: Sized + Send + 'static + super::body::Documented {
+pub(crate) trait Validate:
+    Sized + Send + 'static + super::request_bodies::Documented
+{
     /// The validated request of `fields` (the body, parsed), or the 4xx that refuses it.
     /// `forward` is the body as sent, kept when this pool may forward it to a merged pod or a
     /// peer.
@@ -50,7 +53,7 @@ pub(super) async fn prepare_request<B: Validate>(
             // The bytes are kept only where they may be forwarded as sent: not held while the
             // request is templated otherwise.
             let forward = may_forward(&st).then_some(body.0);
-            super::body::documented(&st, B::SCHEMA, fields, |f| B::validate(f, forward, &st))
+            super::extract::documented(&st, B::SCHEMA, fields, |f| B::validate(f, forward, &st))
         })
         .await
 }
@@ -502,7 +505,7 @@ pub(super) fn messages(
 /// A tool call of the history as a template reads it: `{"id", "type": "function", "function":
 /// {"name", "arguments": {...}}}`, the arguments an object (400 `invalid_tool_calls` when their
 /// text is not JSON).
-pub(super) fn tool_call(c: super::types::InToolCall, i: usize) -> Result<Value, ApiError> {
+pub(super) fn tool_call(c: super::request_bodies::InToolCall, i: usize) -> Result<Value, ApiError> {
     tool_call_value(c.id, c.function.name, c.function.arguments).map_err(|e| {
         bad(
             "invalid_tool_calls",
@@ -677,7 +680,7 @@ mod tests {
         let parsed = |v: Value| {
             Fields::parse(json!({"messages": v}).to_string().as_bytes())
                 .unwrap()
-                .take::<super::super::types::ChatOwn>()
+                .take::<super::super::request_bodies::ChatOwn>()
         };
         assert_eq!(
             refused(parsed(json!([{"role": "wizard", "content": "x"}]))),

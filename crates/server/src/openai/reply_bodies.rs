@@ -380,7 +380,7 @@ pub(crate) struct TextEvent;
 /// An event of a stream whose chunks are `chunk`: its `data` is a chunk (JSON), OpenAI's error
 /// body (a failure after the headers went out, with `mole`), or `[DONE]`, which ends the
 /// stream. Events carry no `event:` name, so they are `message`s. utoipa has no
-/// `contentSchema`, so it goes in as an extension that [`crate::openapi`] renames.
+/// `contentSchema`, so it goes in as an extension that [`crate::openapi_requests::finish`] renames.
 fn event_schema(chunk: &str) -> utoipa::openapi::RefOr<utoipa::openapi::schema::Schema> {
     use utoipa::openapi::extensions::ExtensionsBuilder;
     use utoipa::openapi::schema::{ObjectBuilder, OneOfBuilder, Type};

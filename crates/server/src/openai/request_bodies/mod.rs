@@ -14,6 +14,8 @@ use super::guided::Guides;
 use super::tools::{FunctionTag, ToolFields};
 use crate::ApiError;
 
+pub(crate) mod responses;
+
 /// `stop`: one string or up to four, none empty.
 #[derive(Deserialize, Debug, Clone, PartialEq)]
 #[serde(untagged, expecting = "a string or an array of strings")]
@@ -572,10 +574,69 @@ pub(crate) struct ReloadBody {
     pub(super) config_hash: Option<String>,
 }
 
+/// `POST /tokenize`: a completion's `prompt` or chat `messages` (vLLM's two shapes).
+#[derive(Deserialize, utoipa::ToSchema)]
+pub(crate) struct TokenizeBody {
+    /// A model of this pool (404 `model_not_found` otherwise, as vLLM answers); every model
+    /// of a pool shares the base's tokenizer.
+    #[serde(default)]
+    pub(crate) model: Option<String>,
+    #[serde(default)]
+    pub(crate) prompt: Option<String>,
+    #[serde(default)]
+    pub(crate) messages: Option<Vec<InMessage>>,
+    /// Chat: end with the assistant's turn opening (vLLM's default: true).
+    #[serde(default)]
+    pub(crate) add_generation_prompt: Option<bool>,
+    /// The tokenizer's special tokens around the text (default: true for a prompt, false for
+    /// messages, whose template writes its own).
+    #[serde(default)]
+    pub(crate) add_special_tokens: Option<bool>,
+    #[serde(default)]
+    pub(crate) chat_template_kwargs: Map<String, Value>,
+}
+
+/// `POST /detokenize`.
+#[derive(Deserialize, utoipa::ToSchema)]
+pub(crate) struct DetokenizeBody {
+    /// A model of this pool (404 `model_not_found` otherwise).
+    #[serde(default)]
+    pub(crate) model: Option<String>,
+    pub(crate) tokens: Vec<u32>,
+}
+
+impl Documented for DetokenizeBody {
+    const SCHEMA: &'static str = "DetokenizeBody";
+}
+
+/// A body type the OpenAPI document describes under a name of its own.
+pub(crate) trait Documented {
+    /// Its schema's name in the document's components.
+    const SCHEMA: &'static str;
+}
+
+/// The bodies held to the API document and the schemas they name, built from these types
+/// alone: what [`crate::doc_check`] checks a body against, with no endpoint (and so no
+/// handler) in sight. The served document lists the endpoints and states the same schemas
+/// (`openapi`'s tests hold the two equal).
+#[derive(utoipa::OpenApi)]
+#[openapi(components(schemas(
+    ChatBody,
+    CompletionBody,
+    InferBody,
+    LoadBody,
+    ReloadBody,
+    RouteBody,
+    TokenizeBody,
+    DetokenizeBody,
+    responses::ResponsesBody
+)))]
+pub(crate) struct RequestSchemas;
+
 /// The names of the bodies' schemas in the OpenAPI document.
 macro_rules! documented {
     ($($t:ty => $name:literal),* $(,)?) => {
-        $(impl super::body::Documented for $t {
+        $(impl Documented for $t {
             const SCHEMA: &'static str = $name;
         })*
     };
