@@ -9,7 +9,7 @@
 //! a no-op.
 
 pub mod cli;
-mod quant;
+mod quantized_base;
 pub mod tensors;
 mod writer;
 
@@ -616,15 +616,15 @@ fn write_merged(
         }
     }
     let dense = match inputs.quant {
-        Some(scheme) => quant::add_dense_infos(&mut infos, scheme),
+        Some(scheme) => quantized_base::add_dense_infos(&mut infos, scheme),
         None => Default::default(),
     };
     let plan = tensors::plan(adapter, &infos, config)?;
-    let mapped = quant::Shards::open(if inputs.quant.is_some() { shards } else { &[] })?;
-    let parsed = quant::parse(&mapped)?;
+    let mapped = quantized_base::Shards::open(if inputs.quant.is_some() { shards } else { &[] })?;
+    let parsed = quantized_base::parse(&mapped)?;
     let quant = match inputs.quant {
-        Some(scheme) => quant::QuantBase::read(&mapped, &parsed, &plan, &dense, scheme)?,
-        None => quant::QuantBase::default(),
+        Some(scheme) => quantized_base::QuantBase::read(&mapped, &parsed, &plan, &dense, scheme)?,
+        None => quantized_base::QuantBase::default(),
     };
     // What the output holds: not the touched modules' packed parts, not the dense names of
     // the packed modules left alone.
@@ -693,7 +693,7 @@ fn write_merged(
         if let Some(meta) = json.get_mut("metadata").and_then(|m| m.as_object_mut()) {
             meta.insert("total_size".into(), total_size.into());
         }
-        quant::rewrite_index(&mut json, &quant);
+        quantized_base::rewrite_index(&mut json, &quant);
         let dest = tmp.join("model.safetensors.index.json");
         std::fs::write(&dest, serde_json::to_string_pretty(&json).expect("json"))
             .map_err(io_err(&dest))?;
@@ -715,7 +715,7 @@ fn write_merged(
         rewrite_config_dtype(tmp, d)?;
     }
     if !quant.touched.is_empty() {
-        quant::rewrite_config(tmp, &quant)?;
+        quantized_base::rewrite_config(tmp, &quant)?;
     }
     for entry in std::fs::read_dir(tmp).map_err(io_err(tmp))? {
         let path = entry.map_err(io_err(tmp))?.path();

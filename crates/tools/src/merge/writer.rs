@@ -22,7 +22,7 @@ use rayon::prelude::*;
 use safetensors::tensor::{Metadata, TensorInfo};
 use safetensors::Dtype;
 
-use super::quant::QuantBase;
+use super::quantized_base::QuantBase;
 use super::tensors::{merge_rows, Delta, Plan, Prepared};
 use super::{io_err, MergeError, MergeOptions};
 use mole_formats::peft::weights::{MappedAdapter, Raw};
@@ -64,7 +64,7 @@ struct Item<'p> {
     out: Dtype,
     replacement: Option<&'p Raw>,
     delta: Option<&'p Delta<'p>>,
-    /// A packed module of a quantized base, dequantized row by row (see `merge::quant`).
+    /// A packed module of a quantized base, dequantized row by row (see `merge::quantized_base`).
     dequant: Option<&'p Packed<'p>>,
 }
 

@@ -1,5 +1,5 @@
 //! An AWQ or GPTQ input: a pre-quantized base, or a merge onto one (whose touched modules
-//! are dense, see `merge::quant`). Its packed projections already hold 4-bit values; quantizing
+//! are dense, see `merge::quantized_base`). Its packed projections already hold 4-bit values; quantizing
 //! their dequantized weights again would round them a second time. Instead each goes into the
 //! GGUF as the Q4_1 blocks the loader repacks it into ([`mole_formats::quant_blocks`]): the
 //! same bytes the checkpoint is served with, so the output serves those projections exactly as
