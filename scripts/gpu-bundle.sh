@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds what a GPU run needs on a machine without one, for a GPU machine that has the CUDA
 # driver but no Rust toolchain: `mole-worker` and the test binaries that run on a device
-# (numerics, vision, op_count_transfers, lora_kernels) with `--features cuda`, stripped and xz-compressed
+# (`model`, holding numerics, vision and lora_kernels, and `op_count`, holding
+# op_count_transfers) with `--features cuda`, stripped and xz-compressed
 # into .gpu/ (ignored by git; about 10 MiB each, where the plain binaries are over 60 MiB). Needs a CUDA toolkit: CUDA_HOME, or the PyPI one
 # from ../shared/tools/cuda13-from-pypi.sh at /work/cuda13.
 #
@@ -17,7 +18,9 @@ command -v nvcc >/dev/null || { echo "gpu-bundle: no nvcc under $CUDA_HOME" >&2;
 
 cargo build --release -p mole-worker --features cuda
 # The tests that read MOLE_TEST_DEVICE (tests/common/mod.rs `test_device`).
-TESTS=(numerics vision op_count_transfers lora_kernels)
+# Test binaries (worker/tests/*/main.rs) that hold the device tests; gpu-run.sh picks the
+# modules.
+TESTS=(model op_count)
 targs=()
 for t in "${TESTS[@]}"; do targs+=(--test "$t"); done
 cargo test --release -p mole-worker --features cuda "${targs[@]}" --no-run \

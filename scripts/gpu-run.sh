@@ -70,19 +70,21 @@ bench() {
 for stage in $STAGES; do
   case $stage in
   tests)
-    # name:cap[:LoRA kernel of the tests' engines]; op_count_transfers twice: the engine end
-    # to end with the BGMV kernels too (transformers' greedy tokens, one upload a step).
-    for t in numerics:120 vision:60 op_count_transfers:60 op_count_transfers:60:bgmv lora_kernels:60; do
-      IFS=: read -r t want kernel <<<"$t"
+    # binary:module:cap[:LoRA kernel of the tests' engines] (a test binary holds several
+    # modules, worker/tests/*/main.rs); op_count_transfers twice: the engine end to end with
+    # the BGMV kernels too (transformers' greedy tokens, one upload a step).
+    for t in model:numerics:120 model:vision:60 op_count:op_count_transfers:60 \
+      op_count:op_count_transfers:60:bgmv model:lora_kernels:60; do
+      IFS=: read -r bin t want kernel <<<"$t"
       kernel=${kernel:-ops}
       log="$OUT/test-$t-$kernel.log"
-      [ -x ".gpu/$t" ] || { summary+=("$t: not bundled"); continue; }
+      [ -x ".gpu/$bin" ] || { summary+=("$t: not bundled"); continue; }
       lim=$(limit "$want")
       [ "$lim" -eq 0 ] && { summary+=("$t ($kernel): skipped (budget spent)"); continue; }
       extra=()
       [ "$t" = lora_kernels ] && extra=(--include-ignored)
       s=$(date +%s)
-      MOLE_TEST_DEVICE=cuda MOLE_LORA_KERNEL=$kernel timeout "$lim" ".gpu/$t" --test-threads 4 "${extra[@]}" >"$log" 2>&1
+      MOLE_TEST_DEVICE=cuda MOLE_LORA_KERNEL=$kernel timeout "$lim" ".gpu/$bin" "$t::" --test-threads 4 "${extra[@]}" >"$log" 2>&1
       rc=$?
       summary+=("$t, engines' LoRA $kernel (rc $rc, $(($(date +%s) - s)) s): $(grep -E '^test result' "$log" | tail -1)")
       grep -E 'relative|error|FAILED|panicked|differ from|bgmv vs|LoRA bgmv' "$log" | head -40

@@ -4,9 +4,9 @@
 # `strict: true` (every keyword enforced, or refused naming it) and without it (approximated:
 # what cannot be enforced is not, and the answer's mole.unenforced says what). Prints the
 # measurement, per schema and per keyword; fails when the test's bounds do not hold
-# (worker/tests/schema_coverage.rs). Needs nothing from the network.
+# (worker/tests/server/schema_coverage.rs). Needs nothing from the network.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out="$(cargo test -q -p mole-worker --test schema_coverage -- --nocapture 2>&1)" || { echo "$out"; exit 1; }
+out="$(cargo test -q -p mole-worker --test server schema_coverage:: -- --nocapture 2>&1)" || { echo "$out"; exit 1; }
 echo "$out" | sed -n '/^JSON Schema coverage/,/^test result/p' | grep -v "^test result"
 echo "schema-coverage.sh: ok"

@@ -8,12 +8,12 @@
 //! configs of rope_reference.json (generate_rope.py): logits of several generation steps within
 //! the same tolerance, greedy continuations identical.
 //!
-//! On a GPU: `MOLE_TEST_DEVICE=cuda cargo test -p mole-worker --features cuda --test numerics`.
+//! On a GPU: `MOLE_TEST_DEVICE=cuda cargo test -p mole-worker --features cuda --test model numerics::`.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 

@@ -5,7 +5,7 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
-mod common;
+use crate::common;
 
 use mole_engine::ModelSource;
 use std::sync::{Arc, Condvar, Mutex};

@@ -4,7 +4,7 @@
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 
-mod common;
+use crate::common;
 
 use common::byte_tokens;
 

@@ -6,7 +6,7 @@
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 
-mod common;
+use crate::common;
 
 use common::{
     engine_reference as reference, fixture_adapter, greedy, host_engine, ids, tensor_engine,

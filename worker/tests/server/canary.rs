@@ -8,7 +8,7 @@
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::path::Path;

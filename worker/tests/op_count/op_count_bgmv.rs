@@ -1,13 +1,13 @@
 //! The ops a tensor-path decode step issues with the BGMV LoRA kernels (`--lora-kernel bgmv`)
 //! against the grouped ops, counted as `op_count.rs` counts them (every candle op makes a
 //! tensor, and tensors take ids from one process-wide counter): BGMV makes fewer, and as
-//! many for one row as for sixteen distinct adapters. This file holds one test, so no other
-//! test makes tensors in the process while it counts.
+//! many for one row as for sixteen distinct adapters. It holds [`crate::alone`] while it
+//! counts, so no other test makes tensors in the process meanwhile.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests build their inputs
 
-mod common;
+use crate::common;
 
 use common::steps::{adapter, ops_of_a_step, tiny_qwen3};
 use mole_model::{Decoder, LoraAdapter, LoraKernel, TensorPathOptions};
@@ -28,6 +28,7 @@ fn model(kernel: LoraKernel) -> Decoder {
 /// 105 against 14.5 per layer beyond a base-only step's 146).
 #[test]
 fn bgmv_steps_make_fewer_ops_and_as_many_for_any_batch() {
+    let _alone = crate::alone();
     let mut counts = Vec::new();
     for kernel in [LoraKernel::Ops, LoraKernel::Bgmv] {
         let m = model(kernel);

@@ -7,7 +7,7 @@
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 
-mod common;
+use crate::common;
 
 use std::path::Path;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -7,7 +7,7 @@
 //! stay 4-bit, repacked into Q4_1 blocks, and the model's logits match mole's dense decoder on
 //! the format's reference dequantization (`reference.safetensors`, what AutoAWQ's and
 //! AutoGPTQ's fp16 dequantizers give; the dense decoder itself is checked against
-//! transformers by tests/numerics.rs), on the host path and the tensor path, batched and
+//! transformers by tests/model/numerics.rs), on the host path and the tensor path, batched and
 //! alone, with and without a LoRA adapter.
 //!
 //! Bounds. Weights: a repacked weight is within 2⁻¹¹·30·s of the reference (s its group's
@@ -16,7 +16,7 @@
 //! activation row to 8 bits per block of 32 (Q8_1) before its integer dot products, as
 //! llama.cpp does, which moves a projection's output by up to ~1% of its scale; 9 chained
 //! projections (2 layers and the head, RMSNorm keeping errors relative) stay within 6% of the
-//! logits' scale (the bound tests/engine_gguf.rs justifies for GGUF blocks of 32; measured
+//! logits' scale (the bound tests/engine/engine_gguf.rs justifies for GGUF blocks of 32; measured
 //! values printed). The adapter moves the logits by far more than that, so an adapter lost on
 //! a quantized base fails.
 //!
@@ -603,7 +603,7 @@ fn merging_onto_awq_and_gptq_dequantizes_the_touched_modules_exactly() {
 /// and mole's). Their logits equal those of the same decoder on candle's dequantization of the
 /// same blocks within the 6% bound above (the 8-bit activations), on both paths, batched and
 /// alone, with and without a LoRA adapter; a step's rows share one quantized product per
-/// projection (tests/op_count_quantized.rs counts them).
+/// projection (tests/op_count/op_count_quantized.rs counts them).
 #[test]
 fn gguf_files_written_by_gguf_py_serve_like_their_dequantized_weights() {
     let dev = Device::Cpu;

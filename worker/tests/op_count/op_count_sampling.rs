@@ -3,8 +3,8 @@
 //! Grammar masks (structured outputs) add a fixed number of ops whatever the rows and however
 //! many of them are constrained: their bits travel in the sampling inputs' one upload.
 //! Every candle op, uploads included, makes a tensor, and every tensor takes the next id of
-//! candle's process-wide counter, so the ops are the ids consumed. This file holds one test,
-//! so no other test makes tensors in the process while it counts.
+//! candle's process-wide counter, so the ops are the ids consumed. It holds [`crate::alone`]
+//! while it counts, so no other test makes tensors in the process meanwhile.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
@@ -104,6 +104,7 @@ fn check(logits: &Tensor, rows: &[RowSampling], out: &Tensor) {
 
 #[test]
 fn op_count_of_sampling_is_the_same_for_any_batch() {
+    let _alone = crate::alone();
     let sampler = CandleSampler::new();
     let ops = |rows: &[RowSampling]| {
         let logits = Tensor::randn(0f32, 2.0, (rows.len(), VOCAB), &Device::Cpu).unwrap();

@@ -9,7 +9,7 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
-mod common;
+use crate::common;
 
 use common::{engine_reference, fixture_adapter, host_engine, ids, tensor_engine};
 use mole_engine::api::*;

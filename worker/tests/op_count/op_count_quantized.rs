@@ -1,17 +1,39 @@
-//! The tensor path's step (what a GPU runs) issues the same candle ops whatever the batch:
-//! one row or sixteen, one adapter or sixteen distinct ones, rows that only decode or rows of
-//! different lengths that prefill beside them. Every candle op, views and uploads included,
-//! makes a tensor, and every tensor takes the next id of candle's process-wide counter, so the
-//! ops of a step are the ids it consumed. This file holds one test, so no other test makes
-//! tensors in the process while it counts.
+//! The tensor path's step over a quantized base (GGUF blocks, as `Engine::load_gguf` serves
+//! them) issues the same candle ops whatever the batch, as `op_count.rs` checks for a
+//! dense base: one quantized matmul per projection over all the step's rows, one row or
+//! sixteen, one adapter or sixteen distinct ones, rows that decode beside rows that prefill.
+//! It holds [`crate::alone`] while it counts, so no other test makes tensors meanwhile.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
-mod common;
+use crate::common;
 
-use common::steps::{adapter, ops_of_a_step, tiny_qwen3};
-use mole_model::LoraAdapter;
+use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::Device;
+use common::steps::{adapter, ops_of_a_step, tiny_qwen3_weights};
+use mole_model::{Decoder, LoraAdapter};
+
+/// A small random Qwen3 (GQA, q/k norm) on the tensor path, its projections quantized to
+/// `dtype` (the rest in f32, as a GGUF file's norms are).
+fn model(dtype: GgmlDType) -> Decoder {
+    let (cfg, t) = tiny_qwen3_weights();
+    let dev = Device::Cpu;
+    let q = t
+        .into_iter()
+        .map(|(k, v)| {
+            let d = if v.rank() == 2 && k.contains("layers") {
+                dtype
+            } else {
+                GgmlDType::F32
+            };
+            (k, QTensor::quantize(&v, d).unwrap())
+        })
+        .collect();
+    let mut m = Decoder::from_quantized(cfg, q, &dev).unwrap();
+    m.set_host_kernels(false);
+    m
+}
 
 /// The count is the same for 2, 8 and 16 rows, for 16 rows on one adapter and on 16 distinct
 /// ones, and for ragged batches (some rows prefilling prompts of several lengths beside rows
@@ -19,8 +41,15 @@ use mole_model::LoraAdapter;
 /// copies that lay out one row's data are already laid out, and candle skips them (a GPU
 /// launches nothing for them either).
 #[test]
-fn op_count_of_a_step_is_the_same_for_any_batch_and_any_adapters() {
-    let m = tiny_qwen3();
+fn op_count_of_a_quantized_step_is_the_same_for_any_batch_and_any_adapters() {
+    let _alone = crate::alone();
+    // Q4_1 runs mole's kernel (on CPUs with AVX2), Q8_0 candle's quantized matmul.
+    for dtype in [GgmlDType::Q4_1, GgmlDType::Q8_0] {
+        counts(model(dtype));
+    }
+}
+
+fn counts(m: Decoder) {
     let adapters: Vec<LoraAdapter> = (0..16).map(|_| adapter(&m)).collect();
     let shared = |n: usize| vec![Some(&adapters[0]); n];
     let distinct = |n: usize| -> Vec<Option<&LoraAdapter>> {

@@ -4,12 +4,12 @@
 //! logprobs) come back in one download. A step with rows that follow a grammar uploads their
 //! masks once more, after its forward pass is queued: they are computed while it runs. The copies are counted where they happen
 //! (`model::transfer`; clippy.toml bans candle's own constructors and readers in `model/` and
-//! `lora/`), process-wide, so this file holds one test and nothing else copies while it runs.
+//! `lora/`), process-wide, so it holds [`crate::alone`] and nothing else copies while it runs.
 
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
 #![allow(clippy::disallowed_methods)] // tests read results back from the device
 
-mod common;
+use crate::common;
 
 use common::{engine_fixtures, engine_reference, ids, tensor_engine, wait_until};
 use mole_engine::api::*;
@@ -60,6 +60,7 @@ fn collect(mut rx: EventStream) -> (Vec<u32>, Vec<f32>) {
 /// upload, of the masks, where it samples rows that follow a grammar).
 #[test]
 fn op_count_transfers_are_one_upload_and_one_download_per_step() {
+    let _alone = crate::alone();
     let reference = engine_reference();
     let r = &reference["llama"];
     let (p0, p1) = (ids(&r["prompts"][0]), ids(&r["prompts"][1]));

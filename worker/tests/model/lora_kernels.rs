@@ -11,7 +11,7 @@
 #![allow(clippy::unwrap_used)] // a failed unwrap in a test is a failed test
 #![allow(clippy::disallowed_methods)] // tests upload inputs and read results back
 
-mod common;
+use crate::common;
 
 use candle_core::{DType, Device, Tensor};
 use mole_kernels::bgmv;

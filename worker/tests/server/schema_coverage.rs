@@ -40,7 +40,7 @@ fn schema_coverage() {
     let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let t = TextModel::load(&dir.join("../tests/fixtures/engine/llama")).unwrap();
     let g = Grammars::new(t.tokenizer().clone(), &t.eos_ids, 256);
-    let corpus: Vec<Value> = serde_json::from_str(include_str!("schemas/corpus.json")).unwrap();
+    let corpus: Vec<Value> = serde_json::from_str(include_str!("../schemas/corpus.json")).unwrap();
     assert!(corpus.len() >= 100, "{} schemas", corpus.len());
     let compile = |schema: &Value, strict: bool| {
         g.compile(&Guided {

@@ -1,0 +1,14 @@
+//! The tools (mole-tools): merge against PEFT, quantize, import and fetch.
+//!
+//! One test binary for these files (each a module), so the stack below them links once.
+
+#![allow(clippy::unwrap_used)] // a failed unwrap in a test helper is a failed test
+#![allow(clippy::disallowed_methods)] // tests read results back from the device
+
+#[path = "../common/mod.rs"]
+mod common;
+
+mod fetch;
+mod import;
+mod merge;
+mod quantize;
