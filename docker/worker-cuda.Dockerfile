@@ -31,6 +31,10 @@ WORKDIR /src
 COPY . .
 RUN cargo build --locked --release -p mole-worker --features cuda \
     && strip target/release/mole-worker
+# mole-bench (`mole-bench decode --service-model FILE` on the pool's GPUs) in a build of its
+# own: one invocation with both would unify features and put its seams in mole-worker.
+RUN cargo build --locked --release -p mole-bench --features cuda \
+    && strip target/release/mole-bench
 
 # The runtime image carries what the binary links dynamically (cudarc's dynamic-linking and
 # candle-kernels): libcudart, libcublas, libcublasLt, libcurand and libnvrtc (+ its builtins)
@@ -38,6 +42,7 @@ RUN cargo build --locked --release -p mole-worker --features cuda \
 # container runtime.
 FROM nvidia/cuda:13.0.1-runtime-ubuntu24.04@sha256:c3fde347d52d578c84fd644bc177bc7ec333feaf11550d990da4084d7612e4c7
 COPY --from=build /src/target/release/mole-worker /usr/local/bin/mole-worker
+COPY --from=build /src/target/release/mole-bench /usr/local/bin/mole-bench
 # The pods the operator creates run as 65532 (restricted profile); numeric for runAsNonRoot.
 USER 65532:65532
 ENTRYPOINT ["mole-worker"]

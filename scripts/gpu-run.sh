@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs on a GPU machine what scripts/gpu-bundle.sh built (no Rust needed there): the device
 # tests with MOLE_TEST_DEVICE=cuda (lora_kernels with --include-ignored: its tests are
-# device-only), then `bench decode` in bf16 on the 0.5B default (with transformers + PEFT
+# device-only), then `mole-bench decode` in bf16 on the 0.5B default (with transformers + PEFT
 # beside it and the vision tower on a 1024x768 screenshot) and on the 5.9B shape (hidden
 # 4096, 32 layers), each twice: LoRA by the grouped ops (`--lora-kernel ops`, the default)
 # and by the BGMV kernels (`bgmv`, unproven until this run), then one table of both. Logs go
@@ -26,7 +26,7 @@ chmod +x .gpu/* 2>/dev/null
 # The CUDA 13 libraries of the machine's torch (never the build machine's link stub).
 lib=$(python3 -c 'import nvidia,os;print(os.path.join(list(nvidia.__path__)[0],"cu13","lib"))')
 export LD_LIBRARY_PATH="$lib:${LD_LIBRARY_PATH:-}"
-if ldd .gpu/mole-worker | grep 'not found'; then echo "gpu-run: missing libraries" >&2; exit 1; fi
+if ldd .gpu/mole-worker .gpu/mole-bench | grep 'not found'; then echo "gpu-run: missing libraries" >&2; exit 1; fi
 summary=()
 
 # Seconds a step may take: `want`, or what is left of the budget (0: none left).
@@ -53,7 +53,7 @@ print(2 * n * 20 / (time.perf_counter() - t))
 EOF
 echo "device copy: $(cat "$OUT/hbm.txt") bytes/s"
 
-# One `bench decode` run: $1 the log's name, $2 the LoRA kernel, $3 its time cap, the rest
+# One `mole-bench decode` run: $1 the log's name, $2 the LoRA kernel, $3 its time cap, the rest
 # the bench's arguments.
 bench() {
   local name=$1 kernel=$2 want=$3 s t rc
@@ -61,7 +61,7 @@ bench() {
   t=$(limit "$want")
   if [ "$t" -eq 0 ]; then summary+=("bench $name: skipped (budget of $BUDGET s spent)"); return; fi
   s=$(date +%s)
-  MOLE_LORA_KERNEL=$kernel timeout "$t" .gpu/mole-worker bench decode --dtype bf16 "$@" 2>&1 |
+  MOLE_LORA_KERNEL=$kernel timeout "$t" .gpu/mole-bench decode --dtype bf16 "$@" 2>&1 |
     tee "$OUT/bench-$name.log"
   rc=${PIPESTATUS[0]}
   summary+=("bench $name: rc $rc in $(($(date +%s) - s)) s (cap $t s)")

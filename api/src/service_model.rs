@@ -1,4 +1,4 @@
-//! How fast a pool's pods serve, as `mole-worker bench decode --service-model FILE` measures it
+//! How fast a pool's pods serve, as `mole-bench decode --service-model FILE` measures it
 //! and `mole-operator simulate --service-model FILE` (and the fleet policy's capacity check)
 //! read it: merged and dynamic decode rates by batch and distinct adapters, adapter load times.
 //! The measured fields come from one bench run side by side; the rest are a pool's settings and

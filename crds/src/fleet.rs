@@ -34,7 +34,7 @@ pub struct TrafficMergeSpec {
     /// `serving.replicas` × `gpu.count`, at least 1).
     #[schemars(range(min = 0, max = 10000))]
     pub max_merged_gpus: u32,
-    /// What the pool's pods serve, measured on its hardware (`mole-worker bench decode
+    /// What the pool's pods serve, measured on its hardware (`mole-bench decode
     /// --service-model FILE` gives both figures). With it, merging must earn its GPUs: an
     /// adapter is promoted only while its traffic occupies at least 1.2× the GPUs of its merged
     /// Deployment in dynamic capacity, and demoted once under 0.8× for `windowSeconds`. Unset:

@@ -64,7 +64,7 @@ pub struct SimulateArgs {
     /// Print the traffic policy's decisions.
     #[arg(long, env = "MOLE_SIM_EVENTS")]
     events: bool,
-    /// The pods' service rates (JSON, as `mole-worker bench decode --service-model` writes
+    /// The pods' service rates (JSON, as `mole-bench decode --service-model` writes
     /// them); unset: the H200 model measured with the batched engine
     /// (docs/fleet/service-model-h200.json).
     #[arg(long, env = "MOLE_SIM_SERVICE_MODEL")]

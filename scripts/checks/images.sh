@@ -67,6 +67,13 @@ FROM gcr.io/distroless/cc-debian12:nonroot$digest
 USER nonroot
 ENTRYPOINT ["mole-worker"]
 DF
+bad bench-beside-worker worker-cpu <<DF
+FROM rust:1.89.0-bookworm$digest AS build
+RUN cargo build --release -p mole-worker -p mole-bench
+FROM gcr.io/distroless/cc-debian12:nonroot$digest
+USER 65532:65532
+ENTRYPOINT ["mole-worker"]
+DF
 bad operator-builds-worker operator <<DF
 FROM rust:1.89.0-bookworm$digest AS build
 RUN cargo build --release -p mole-operator -p mole-worker

@@ -121,9 +121,16 @@ def check_dockerfile(role, text, rust_version):
         if "mole-worker" in everything or "--features cuda" in everything:
             errors.append("operator image builds or copies the worker")
     else:
+        # mole-worker, and mole-bench beside it in a build of its own: one invocation with
+        # both would unify features and turn mole-bench's seams on in mole-worker.
         for b in builds:
-            if "-p mole-worker" not in b:
-                errors.append(f"worker image does not build -p mole-worker: {b!r}")
+            pkgs = re.findall(r"-p\s+(\S+)", b)
+            if pkgs not in (["mole-worker"], ["mole-bench"]):
+                errors.append(f"worker image build is not -p mole-worker or -p mole-bench alone: {b!r}")
+        if not any(re.findall(r"-p\s+(\S+)", b) == ["mole-worker"] for b in builds):
+            errors.append("worker image does not build -p mole-worker")
+        if role == "worker-cuda" and any("--features cuda" not in b for b in builds):
+            errors.append("a CUDA worker image build lacks --features cuda")
         cuda = [b for b in builds if "--features cuda" in b]
         if role == "worker-cuda":
             if not cuda:

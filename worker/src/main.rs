@@ -1,5 +1,7 @@
-//! `mole-worker`: the binary that runs in every mole pod (and locally).
-//! Every flag is also settable from the environment (`MOLE_*`).
+//! `mole-worker`: the binary that runs in every mole pod (and locally), a thin command line
+//! over the server (`mole_server`) and the tools (`mole_tools`); the benchmarks are
+//! `mole-bench`'s, so no benchmark seam is in this binary. Every flag is also settable from the
+//! environment (`MOLE_*`).
 
 use clap::{Parser, Subcommand};
 
@@ -7,7 +9,7 @@ use clap::{Parser, Subcommand};
 #[command(
     name = "mole-worker",
     version,
-    about = "mole worker: serve, merge, quantize, import, inspect, bench, fetch"
+    about = "mole worker: serve, merge, quantize, import, inspect, prune, fetch"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -31,36 +33,14 @@ enum Command {
     Import(mole_tools::import::cli::ImportArgs),
     /// Describe a model or adapter directory and report validation problems.
     Inspect(mole_tools::inspect::InspectArgs),
-    /// Benchmarks that print ratios measured side by side in one run.
-    Bench(mole_worker::bench::BenchArgs),
     /// Delete old merged outputs (the operator's cleanup Job), refusing paths outside --root.
     Prune(mole_tools::prune::PruneArgs),
     /// Fetch a model or adapter (safetensors only, resumable, checksummed) from hf:// or s3://.
     Fetch(mole_tools::fetch::cli::FetchArgs),
 }
 
-/// candle asks for its thread count on every matmul and, unless `RAYON_NUM_THREADS` is set,
-/// re-reads /proc/cpuinfo each time: a fifth of the decode time of a small model. Fix the count
-/// once, before any thread starts (an explicit setting wins).
-///
-/// candle also runs large elementwise ops (prefill activations) on a pool of its own whose
-/// threads spin 25,000 times after each op before parking, on the cores rayon's matmuls are
-/// using: in a prefill-bound load test on 2 cores (scripts/load-test.sh, 64 clients), spinning
-/// and waiting at its barrier were 13% of the CPU samples, and parking after 100 spins took
-/// answers from 13.2-13.7/s to 14.8-15.5/s.
-fn pin_thread_count() {
-    // First thing in main, before any other thread exists (set_var is not thread-safe).
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        let n = candle_core::utils::get_num_threads();
-        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    }
-    if std::env::var_os("CANDLE_BARRIER_POOL_SPIN_LIMIT").is_none() {
-        std::env::set_var("CANDLE_BARRIER_POOL_SPIN_LIMIT", "100");
-    }
-}
-
 fn main() -> std::process::ExitCode {
-    pin_thread_count();
+    mole_engine::threads::pin();
     let cli = Cli::parse();
     // Held until main returns: dropping it exports the spans still buffered.
     let _telemetry = match mole_telemetry::init("mole-worker", cli.otlp_traces_endpoint.as_deref())
@@ -77,7 +57,6 @@ fn main() -> std::process::ExitCode {
         Command::Quantize(a) => mole_tools::quantize::cli::run(a),
         Command::Import(a) => mole_tools::import::cli::run(a),
         Command::Inspect(a) => mole_tools::inspect::run(a),
-        Command::Bench(a) => mole_worker::bench::run(a),
         Command::Prune(a) => mole_tools::prune::run(a),
         Command::Fetch(a) => mole_tools::fetch::cli::run(a),
     }

@@ -13,7 +13,8 @@ use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 /// The worker's crates from the ground up, with their directories: each may depend only on
-/// those before it.
+/// those before it. The two binaries are on top side by side: `mole-worker` (what a pod runs)
+/// may not depend on `mole-bench`.
 const CRATES: &[(&str, &str)] = &[
     ("mole-formats", "crates/formats"),
     ("mole-kernels", "crates/kernels"),
@@ -22,6 +23,7 @@ const CRATES: &[(&str, &str)] = &[
     ("mole-tools", "crates/tools"),
     ("mole-server", "crates/server"),
     ("mole-worker", "worker"),
+    ("mole-bench", "crates/bench"),
 ];
 
 /// The mole crates a `Cargo.toml` names under `[dependencies]` (dev-dependencies are the
@@ -67,6 +69,37 @@ fn each_crate_depends_only_on_the_crates_below_it() {
             "{dir} has no place in CRATES"
         );
     }
+}
+
+/// The seams by which tests and benchmarks reach inside (`test-seams`, `bench-seams`) are
+/// turned on by no crate's `[dependencies]` but `mole-bench`'s (bench seams): a served build
+/// (`cargo build -p mole-worker`) has none of them.
+#[test]
+fn no_served_build_turns_a_seam_on() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let mut wrong = Vec::new();
+    let dirs = ["api", "crds", "operator", "telemetry", "tests"];
+    for dir in CRATES.iter().map(|(_, d)| *d).chain(dirs) {
+        let manifest = std::fs::read_to_string(root.join(dir).join("Cargo.toml")).unwrap();
+        let mut section = "";
+        for line in manifest.lines().map(str::trim) {
+            if line.starts_with('[') {
+                section = line;
+                continue;
+            }
+            let seam = ["test-seams", "bench-seams"]
+                .into_iter()
+                .find(|s| line.contains(s));
+            // A crate declares its own seams as features, off by default; tests may turn any on.
+            let allowed = section == "[dev-dependencies]"
+                || (section == "[features]" && !line.starts_with("default"))
+                || (dir == "crates/bench" && seam == Some("bench-seams"));
+            if let (Some(seam), false) = (seam, allowed) {
+                wrong.push(format!("{dir} turns {seam} on in {section}: {line}"));
+            }
+        }
+    }
+    assert!(wrong.is_empty(), "seams in a served build: {wrong:?}");
 }
 
 /// The checker reads `[dependencies]` only.

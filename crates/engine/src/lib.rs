@@ -24,6 +24,7 @@ mod sampling;
 pub mod scheduler;
 mod seq;
 pub mod text;
+pub mod threads;
 mod trace;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -200,7 +201,8 @@ pub struct Shared {
     /// Images the vision tower encoded (since start).
     vision_encodes: std::sync::atomic::AtomicU64,
     /// Grammar masks are computed while the forward pass runs (else before it: the
-    /// benchmark's baseline, [`Engine::overlap_masks_for_bench`]).
+    /// benchmark's baseline, [`Engine::overlap_masks_for_bench`], feature `bench-seams`).
+    #[cfg(feature = "bench-seams")]
     overlap_masks: std::sync::atomic::AtomicBool,
     /// Sequences of the largest batch (since start).
     largest_batch: AtomicUsize,
@@ -287,6 +289,7 @@ impl Engine {
             preemptions: Default::default(),
             steps: Default::default(),
             vision_encodes: Default::default(),
+            #[cfg(feature = "bench-seams")]
             overlap_masks: std::sync::atomic::AtomicBool::new(true),
             largest_batch: Default::default(),
             grammars: grammar::Grammars::with_limits(
@@ -325,9 +328,10 @@ impl Engine {
     }
 
     /// Computes the grammar masks of constrained rows while the step's forward pass runs
-    /// (`true`, the default) or before it: the seam by which `bench decode` measures the
-    /// overlap against the order it replaced, in one run.
-    #[doc(hidden)]
+    /// (`true`, the default) or before it: the seam by which `mole-bench decode` measures the
+    /// overlap against the order it replaced, in one run (feature `bench-seams`, mole-bench's
+    /// alone).
+    #[cfg(feature = "bench-seams")]
     pub fn overlap_masks_for_bench(&self, on: bool) {
         self.shared.overlap_masks.store(on, Ordering::Relaxed);
     }

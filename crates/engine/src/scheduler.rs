@@ -401,6 +401,8 @@ fn forward_and_masks(
         1 => masking[0].prepare_mask(),
         _ => masking.par_iter_mut().for_each(|s| s.prepare_mask()),
     };
+    // mole-bench's baseline: the masks before the pass (`Engine::overlap_masks_for_bench`).
+    #[cfg(feature = "bench-seams")]
     if !shared.overlap_masks.load(Ordering::Relaxed) {
         masks();
         return shared.model.forward_step(rows, extra);

@@ -68,6 +68,7 @@ mod panel;
 mod panel_k;
 mod rows;
 
+#[cfg(feature = "bench-seams")]
 use std::sync::atomic::{AtomicU8, Ordering};
 
 use candle_core::quantized::GgmlDType;
@@ -192,13 +193,17 @@ pub enum Mode {
     Off = 3,
 }
 
+#[cfg(feature = "bench-seams")]
 static MODE: AtomicU8 = AtomicU8::new(Mode::Panels as u8);
 
-/// Sets how quantized products are computed for the process (a benchmark's contenders).
+/// Sets how quantized products are computed for the process: `mole-bench`'s contenders
+/// (feature `bench-seams`, mole-bench's alone; a served build always runs [`Mode::Panels`]).
+#[cfg(feature = "bench-seams")]
 pub fn set_mode(m: Mode) {
     MODE.store(m as u8, Ordering::Relaxed);
 }
 
+#[cfg(feature = "bench-seams")]
 fn mode() -> Mode {
     match MODE.load(Ordering::Relaxed) {
         0 => Mode::Panels,
@@ -206,6 +211,11 @@ fn mode() -> Mode {
         2 => Mode::Untiled,
         _ => Mode::Off,
     }
+}
+
+#[cfg(not(feature = "bench-seams"))]
+fn mode() -> Mode {
+    Mode::Panels
 }
 
 /// The best instruction set the CPU has for these kernels: scalar, AVX2 or AVX-VNNI (their

@@ -10,7 +10,7 @@
 //! - `traffic`: the fleet policy: placement, and hot adapters promoted to merged pods within a
 //!   GPU budget, demoted when they cool down.
 //!
-//! The pods' service rates come from `mole-worker bench decode` (see [`ServiceModel`]).
+//! The pods' service rates come from `mole-bench decode` (see [`ServiceModel`]).
 
 pub mod cluster;
 pub mod report;

@@ -505,7 +505,7 @@ fn service_model(
     .expect("the five measured fields are the model's required ones");
     m.host_load_s = load_ms / 1e3;
     m.source = format!(
-        "mole-worker {} bench decode: {label}, rank-{} adapters on every linear module, {} decode steps x {} rounds on {}",
+        "mole-bench {} decode: {label}, rank-{} adapters on every linear module, {} decode steps x {} rounds on {}",
         env!("CARGO_PKG_VERSION"),
         args.rank,
         args.steps,
