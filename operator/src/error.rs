@@ -56,17 +56,26 @@ pub enum Error {
         source: PodCallError,
     },
     /// Another writer changed the object first (retried at once from a fresh read).
-    #[error("conflict writing {0}; retrying")]
-    Conflict(String),
+    #[error("conflict writing {what}; retrying")]
+    Conflict {
+        /// What was being written.
+        what: String,
+        /// The API server's answer (409, or 422 for a failed JSON-patch `test`).
+        #[source]
+        source: kube::Error,
+    },
     /// An object could not be serialized.
     #[error("serialization: {0}")]
     Serialization(#[from] serde_json::Error),
-    /// The pool's operator-token Secret is unusable.
-    #[error("operator token: {0}")]
-    OperatorToken(String),
-    /// The cache of pools or Adapters has no feed (its watch ended before a first list).
-    #[error("object cache: {0}")]
-    StoreClosed(String),
+    /// The pool's operator-token Secret has no usable `token` key.
+    #[error("operator token: Secret {secret} has no `token` key")]
+    OperatorToken {
+        /// The Secret's name.
+        secret: String,
+    },
+    /// The caches of pools or Adapters have no feed: their watches ended before a first list.
+    #[error("object cache: the stores' watches ended before their first list")]
+    StoreClosed,
     /// The operator is shutting down before the caches held a first list: the reconcile
     /// stops (its object is reconciled again by the next leader).
     #[error("shutting down before the object caches were filled")]
@@ -86,10 +95,10 @@ impl Error {
         match self {
             Error::Kube(_) => "kube_api",
             Error::Pod { .. } => "pod_unreachable",
-            Error::Conflict(_) => "conflict",
+            Error::Conflict { .. } => "conflict",
             Error::Serialization(_) => "serialization",
-            Error::OperatorToken(_) => "operator_token",
-            Error::StoreClosed(_) => "store_closed",
+            Error::OperatorToken { .. } => "operator_token",
+            Error::StoreClosed => "store_closed",
             Error::ShuttingDown => "shutting_down",
         }
     }
@@ -140,5 +149,28 @@ mod tests {
             e.to_string(),
             "worker pod p: /v1/lora_adapters answered 503 Service Unavailable"
         );
+    }
+
+    /// A conflict keeps the API server's answer as its source, so a log of the chain shows
+    /// which write lost and what the server said.
+    #[test]
+    fn a_conflict_keeps_the_api_answer_as_its_source() {
+        let status = kube::core::Status::failure("the object has been modified", "Conflict")
+            .with_code(409);
+        let e = Error::Conflict {
+            what: "the id ledger of pool ns/p".into(),
+            source: kube::Error::Api(Box::new(status)),
+        };
+        assert_eq!(e.code(), "conflict");
+        assert_eq!(
+            e.to_string(),
+            "conflict writing the id ledger of pool ns/p; retrying"
+        );
+        let source = std::error::Error::source(&e).unwrap();
+        assert!(matches!(
+            source.downcast_ref::<kube::Error>(),
+            Some(kube::Error::Api(s)) if s.code == 409
+        ));
+        assert!(!e.is_refusal());
     }
 }

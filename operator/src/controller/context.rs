@@ -148,9 +148,7 @@ impl Stores {
         let b = rx
             .wait_for(|b| *b & SYNCED == SYNCED || *b & SHUTTING_DOWN != 0)
             .await
-            .map_err(|_| {
-                Error::StoreClosed("the stores' watches ended before their first list".into())
-            })?;
+            .map_err(|_| Error::StoreClosed)?;
         match *b & SYNCED == SYNCED {
             true => Ok(()),
             false => Err(Error::ShuttingDown),

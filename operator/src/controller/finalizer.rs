@@ -70,7 +70,10 @@ impl<K> Finalized for K where
 fn conflict_or(e: kube::Error, what: &str) -> Error {
     match &e {
         // 422: the `test` failed (the object changed since the read); 409: a conflict.
-        kube::Error::Api(s) if s.code == 422 || s.code == 409 => Error::Conflict(what.into()),
+        kube::Error::Api(s) if s.code == 422 || s.code == 409 => Error::Conflict {
+            what: what.into(),
+            source: e,
+        },
         _ => Error::Kube(e),
     }
 }

@@ -214,7 +214,9 @@ pub async fn operator_token(client: &Client, pool: &InferencePool) -> Result<Str
     let ns = pool.namespace().unwrap_or_default();
     let name = resources::operator_token_secret_name(&pool.name_any());
     let api: Api<Secret> = Api::namespaced(client.clone(), &ns);
-    let missing = || Error::OperatorToken(format!("Secret {name} has no `token` key"));
+    let missing = || Error::OperatorToken {
+        secret: name.clone(),
+    };
     if let Some(s) = api.get_opt(&name).await? {
         return token_of(&s).ok_or_else(missing);
     }

@@ -100,7 +100,7 @@ where
 /// `mole_operator_reconcile_errors_total{error="conflict"}`).
 async fn error_event(ctx: &Context, on: &ObjectReference, e: &Error) {
     // A conflict is retried at once; a shutdown is not the object's problem.
-    if matches!(e, Error::Conflict(_) | Error::ShuttingDown) {
+    if matches!(e, Error::Conflict { .. } | Error::ShuttingDown) {
         return;
     }
     ctx.event(

@@ -94,7 +94,7 @@ async fn reconcile_inner(pool: &InferencePool, ctx: &Context) -> Result<Action> 
     let result = serve(pool, ctx, &ids, now).await;
     if let Err(e) = &result {
         // Conflicts are retried from a fresh read; anything else is the state now.
-        if !matches!(e, Error::Conflict(_) | Error::StoreClosed(_)) {
+        if !matches!(e, Error::Conflict { .. } | Error::StoreClosed) {
             if let Err(write) = status::failed(pool, ctx, &ids, e, now).await {
                 tracing::warn!(error = %write, "could not record the failure in the status");
             }

@@ -419,9 +419,12 @@ async fn write_status(
         Err(e) => {
             ctx.record_ledger(&key, &uid, None);
             return Err(match e {
-                kube::Error::Api(ae) if ae.code == 409 => Error::Conflict(format!(
-                    "the id ledger of pool {key} (the cache was behind the API server)"
-                )),
+                kube::Error::Api(ref ae) if ae.code == 409 => Error::Conflict {
+                    what: format!(
+                        "the id ledger of pool {key} (the cache was behind the API server)"
+                    ),
+                    source: e,
+                },
                 e => e.into(),
             });
         }
