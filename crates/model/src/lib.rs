@@ -17,6 +17,7 @@
 //! NTK, llama3 and YaRN, computed as transformers computes them (see [`rope`]).
 
 mod attention;
+mod backend;
 mod batch;
 mod cache;
 mod config;
@@ -27,7 +28,6 @@ mod layer;
 pub mod lora;
 mod prefix;
 mod project;
-mod quantized_dir;
 pub mod rope;
 mod slots;
 mod step;
@@ -37,6 +37,7 @@ mod weights;
 
 use candle_core::{Tensor, D};
 
+pub use self::backend::BackendKind;
 pub use self::batch::{Row, RowVision};
 pub use self::cache::SeqCache;
 pub use self::config::{Family, ModelConfig, VisionSpec};
