@@ -8,8 +8,9 @@
 //!
 //! One file per part, candle's shape (`new` from the checkpoint, `forward`): [`config`] reads
 //! `config.json`, [`weights`] loads projections (dense or GGUF) and holds the dtype policy,
-//! [`decoder`] runs the layers over a [`batch`] ([`layer`]: [`attention`] and the MLP), [`cache`]
-//! holds a sequence's keys and values, [`lora`] applies adapters and [`project`] runs the
+//! [`decoder`] runs the layers over a [`batch`] ([`layer`]: [`attention`] and the MLP) that its
+//! step [`backend`] builds (the host backend on the CPU in f32, the paged one elsewhere: chosen
+//! once, before the first step), [`cache`] holds a sequence's keys and values, [`lora`] applies adapters and [`project`] runs the
 //! projections of a batch with their adapters' updates. Nothing here reads PEFT files or
 //! knows of requests: that is the worker's `lora` and `engine`, above this crate.
 //!
