@@ -252,7 +252,7 @@ impl Decoder {
     /// (`BackendKind::Host`, the default) run only on the CPU in f32, any other device or
     /// dtype runs the paged backend whatever is asked. The tests run both on the CPU against
     /// the same references, so a GPU's path is checked there too. A new backend starts with
-    /// empty pools and an empty prefix cache; caches filled by the old one are refused.
+    /// empty pools and an empty prefix cache, and refuses caches the other kind filled.
     pub fn configure(&mut self, kind: BackendKind, opts: TensorPathOptions) {
         let shape = Shape {
             kv: default_kv_dtype(&opts, self.quantization.is_some(), self.weights),
