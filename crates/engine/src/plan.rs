@@ -160,12 +160,12 @@ pub(super) fn store_prefixes(shared: &Shared, running: &mut [Box<Seq>], work: &[
         s.block_hashes(block, blocks);
         // The host path's store also finds blocks by their tokens (gathered only when it has
         // a new full block to take); the tensor path's does not.
-        let host = shared.model.backend_kind().finds_prefix_by_tokens();
-        if host && blocks <= s.cache.blocks_offered() {
+        let by_tokens = shared.model.backend_kind().finds_prefix_by_tokens();
+        if by_tokens && blocks <= s.cache.blocks_offered() {
             continue;
         }
         let mut cache = std::mem::take(&mut s.cache);
-        let tokens = host.then(|| s.plain_tokens(blocks * block)).flatten();
+        let tokens = by_tokens.then(|| s.plain_tokens(blocks * block)).flatten();
         let stored = shared
             .model
             .store_prefix(&mut cache, &s.hashes, s.seed, tokens.as_deref());

@@ -10,8 +10,8 @@
 //! `config.json`, [`weights`] loads projections (dense or GGUF) and holds the dtype policy,
 //! [`decoder`] runs the layers over a [`batch`] ([`layer`]: [`attention`] and the MLP) that its
 //! step [`backend`] builds (the host backend on the CPU in f32, the paged one elsewhere: chosen
-//! once, before the first step), [`cache`] holds a sequence's keys and values, [`lora`] applies adapters and [`project`] runs the
-//! projections of a batch with their adapters' updates. Nothing here reads PEFT files or
+//! once, before the first step), [`cache`] holds a sequence's keys and values, [`lora`] applies
+//! adapters and [`project`] runs the projections of a batch with their adapters' updates. Nothing here reads PEFT files or
 //! knows of requests: that is the worker's `lora` and `engine`, above this crate.
 //!
 //! RoPE follows `config.json` (`rope_parameters` or `rope_scaling`): default, linear, dynamic
