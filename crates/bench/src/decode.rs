@@ -19,7 +19,7 @@ use candle_nn::VarBuilder;
 
 use mole_engine::lora::{self, LoadOptions};
 use mole_model::LoraAdapter;
-use mole_model::{Decoder, Row, SeqCache, TensorPathOptions};
+use mole_model::{BackendKind, Decoder, Row, SeqCache, TensorPathOptions};
 
 /// Arguments of `bench decode`.
 #[derive(clap::Args, Debug)]
@@ -257,7 +257,7 @@ fn bench_model(
     dev: &Device,
 ) -> anyhow::Result<()> {
     let cfg = model.config().clone();
-    model.configure_tensor_path(tensor_pools(args));
+    model.configure(BackendKind::Host, tensor_pools(args));
     let tmp = tempfile::tempdir()?;
     let opts = LoadOptions {
         max_rank: 512,
@@ -315,7 +315,7 @@ fn bench_model(
             .collect::<Result<_, _>>()?,
         None => Vec::new(),
     };
-    if args.tensor_only && !model.paged() {
+    if args.tensor_only && model.backend_kind() == BackendKind::Host {
         return tensor_path_table(model, &adapters, args);
     }
     let s = args.steps;
@@ -411,7 +411,7 @@ fn bench_model(
         args.lora_kernel,
         model.weight_bytes()
     );
-    if model.paged() {
+    if model.backend_kind() == BackendKind::Paged {
         print_ops(model, &adapters, args)?;
     }
     println!(
@@ -480,7 +480,7 @@ fn bench_model(
             ),
         }
     }
-    if !model.paged() {
+    if model.backend_kind() == BackendKind::Host {
         drop(contenders);
         tensor_path_table(model, &adapters, args)?;
     }
@@ -559,7 +559,7 @@ fn tensor_path_table(
     adapters: &[LoraAdapter],
     args: &DecodeBenchArgs,
 ) -> anyhow::Result<()> {
-    model.set_host_kernels(false);
+    model.configure(BackendKind::Paged, model.tensor_path().clone());
     let distinct: Vec<Option<&LoraAdapter>> = adapters.iter().map(Some).collect();
     let configs: [Vec<Option<&LoraAdapter>>; 5] = [
         vec![None],

@@ -22,7 +22,9 @@ use candle_core::{DType, Device};
 use super::decode::{tokens_per_s, DecodeBenchArgs, SyntheticQuant};
 use super::synthetic::{synthetic_config, synthetic_weights, write_adapter};
 use mole_engine::lora::{self, LoadOptions};
-use mole_model::{Decoder, LoraAdapter, ModelConfig, Row, SeqCache};
+use mole_model::{
+    BackendKind, Decoder, LoraAdapter, ModelConfig, Row, SeqCache, TensorPathOptions,
+};
 
 /// Tokens of the timed prompt.
 const PROMPT: usize = 158;
@@ -196,8 +198,8 @@ fn compare(
         &[false]
     };
     for &host in paths {
-        quant.set_host_kernels(host);
-        dense.set_host_kernels(host);
+        quant.configure(BackendKind::host_if(host), TensorPathOptions::default());
+        dense.configure(BackendKind::host_if(host), TensorPathOptions::default());
         // The quantized base with mole's kernel by panels (where the CPU has AVX-512 VNNI;
         // else the tiled kernel again), tiled, one row at a time, with candle's product alone,
         // and the bf16 import.

@@ -40,7 +40,7 @@ use self::scheduler::Msg;
 use self::seq::{Score, Seq};
 use self::text::TextModel;
 use crate::lora::registry::Registry;
-use mole_model::{Decoder, LoraKernel, TensorPathOptions, MAX_KV_SLOTS};
+use mole_model::{BackendKind, Decoder, LoraKernel, TensorPathOptions, MAX_KV_SLOTS};
 
 /// Engine settings (from the worker config's limits).
 #[derive(Debug, Clone)]
@@ -89,6 +89,9 @@ pub struct EngineOptions {
     pub guide_limits: mole_api::GuideParserLimits,
     /// Fuel of one chat template rendering (`limits.maxTemplateFuel`; None: unbounded).
     pub template_fuel: Option<u64>,
+    /// The step backend the model runs on: the host kernels where they run (the CPU in f32)
+    /// unless `Paged` is asked for, as tests do to run a GPU's path on the CPU.
+    pub backend: BackendKind,
 }
 
 /// Prompt tokens a step takes across new sequences by default (`serve --prefill-chunk`).
@@ -117,6 +120,7 @@ impl Default for EngineOptions {
             lora_kernel: LoraKernel::Ops,
             guide_limits: mole_api::GuideParserLimits::default(),
             template_fuel: None,
+            backend: BackendKind::default(),
         }
         .with_limits(&mole_api::EngineLimits::default())
     }
@@ -243,7 +247,8 @@ impl Engine {
     }
 
     /// Starts the engine thread over a loaded model (a vision model takes images as Qwen3-VL's
-    /// processor prepares them).
+    /// processor prepares them), on the step backend `opts.backend` names, its pools sized
+    /// from `opts`.
     pub fn start(model: Decoder, text: TextModel, opts: EngineOptions) -> Self {
         let images = default_images(&model, opts.image_processor);
         Self::spawn(model, text, images, opts)
@@ -263,10 +268,10 @@ impl Engine {
                 .map_or_else(|| format!("{:?}", model.weight_dtype()), String::from),
             "base weights held"
         );
-        model.configure_tensor_path(tensor_path(&opts));
+        model.configure(opts.backend, tensor_path(&opts));
         tracing::info!(
             kv_cache_dtype = model.kv_dtype().as_str(),
-            paged = model.paged(),
+            backend = model.backend_kind().as_str(),
             lora_kernel = opts.lora_kernel.as_str(),
             "KV cache dtype"
         );
@@ -547,7 +552,7 @@ impl EngineInfo for Engine {
         s.kv_cache_dtype = Some(sh.model.kv_dtype().as_str());
         s.prefix_cache = plan::prefix_counts(sh);
         s.prefix_cached_blocks = sh.model.cached_blocks();
-        if sh.model.paged() {
+        if sh.model.backend_kind() == BackendKind::Paged {
             let tp = sh.model.tensor_path();
             s.kv_blocks = Some((sh.model.free_blocks(), tp.kv_blocks));
             let cfg = sh.model.config();

@@ -13,6 +13,7 @@ use std::sync::atomic::Ordering;
 
 use super::seq::Seq;
 use super::Shared;
+use mole_model::BackendKind;
 
 /// What one row of the step does for its sequence.
 #[derive(Clone, Copy)]
@@ -37,7 +38,7 @@ pub(super) fn admit(
     running: &mut Vec<Box<Seq>>,
     waiting: &mut VecDeque<Box<Seq>>,
 ) -> usize {
-    let paged = shared.model.paged();
+    let by_blocks = shared.model.backend_kind().admits_by_blocks();
     let mut free = shared.model.free_blocks();
     let block = shared.model.tensor_path().block_size.max(1);
     let mut rows: usize = running.iter().map(|s| 1 + s.forks.len()).sum();
@@ -50,7 +51,7 @@ pub(super) fn admit(
         }
         let before = shared.model.free_blocks();
         let reused = reuse_prefix(shared, s);
-        if paged {
+        if by_blocks {
             // Cached blocks nobody held were counted free: they are held now.
             free = free.saturating_sub(before.saturating_sub(shared.model.free_blocks()));
             // Room for the blocks of its context not in the cache, and for one new block of
@@ -159,12 +160,12 @@ pub(super) fn store_prefixes(shared: &Shared, running: &mut [Box<Seq>], work: &[
         s.block_hashes(block, blocks);
         // The host path's store also finds blocks by their tokens (gathered only when it has
         // a new full block to take); the tensor path's does not.
-        let host = !shared.model.paged();
-        if host && blocks <= s.cache.blocks_offered() {
+        let by_tokens = shared.model.backend_kind().finds_prefix_by_tokens();
+        if by_tokens && blocks <= s.cache.blocks_offered() {
             continue;
         }
         let mut cache = std::mem::take(&mut s.cache);
-        let tokens = host.then(|| s.plain_tokens(blocks * block)).flatten();
+        let tokens = by_tokens.then(|| s.plain_tokens(blocks * block)).flatten();
         let stored = shared
             .model
             .store_prefix(&mut cache, &s.hashes, s.seed, tokens.as_deref());
@@ -179,7 +180,7 @@ pub(super) fn store_prefixes(shared: &Shared, running: &mut [Box<Seq>], work: &[
 /// Offers the prefix cache the last, partial block of a sequence that is done, so that the
 /// same prompt again, or the conversation going on, reuses it (host path).
 pub(super) fn store_partial(shared: &Shared, s: &Seq) {
-    if !shared.opts.prefix_caching || shared.model.paged() {
+    if !shared.opts.prefix_caching || !shared.model.backend_kind().finds_prefix_by_tokens() {
         return;
     }
     if let Some(tokens) = s.plain_tokens(s.cache.len()) {
@@ -203,7 +204,7 @@ pub(super) fn plan(
     let mut preempted = 0;
     loop {
         let work = rows(shared, running);
-        if !shared.model.paged() || running.len() <= 1 {
+        if !shared.model.backend_kind().admits_by_blocks() || running.len() <= 1 {
             return (work, preempted);
         }
         let block = shared.model.tensor_path().block_size.max(1);
@@ -234,9 +235,7 @@ pub(super) fn plan(
 /// Rows without regard to memory: chunks of contexts under the prefill budget, decode tokens.
 fn rows(shared: &Shared, running: &[Box<Seq>]) -> Vec<(usize, Work)> {
     let mut budget = shared.opts.prefill_chunk.max(1);
-    let slots = shared
-        .model
-        .paged()
+    let slots = (shared.model.backend_kind() == BackendKind::Paged)
         .then(|| shared.model.tensor_path().lora_slots);
     let mut adapters = HashSet::new();
     let mut work = Vec::with_capacity(running.len());

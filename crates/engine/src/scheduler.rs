@@ -20,7 +20,7 @@ use super::images;
 use super::plan::{self, Work};
 use super::seq::Seq;
 use super::Shared;
-use mole_model::{ModelError, Row, RowVision, StepOutput};
+use mole_model::{BackendKind, ModelError, Row, RowVision, StepOutput};
 
 /// Messages to the engine thread.
 pub enum Msg {
@@ -33,7 +33,7 @@ pub fn run(shared: Arc<Shared>, rx: Receiver<Msg>) {
     let mut waiting: VecDeque<Box<Seq>> = VecDeque::new();
     let mut running: Vec<Box<Seq>> = Vec::new();
     // The tensor path samples on the device; the host path's logits are already on the host.
-    let device = shared.model.paged().then(CandleSampler::new);
+    let device = (shared.model.backend_kind() == BackendKind::Paged).then(CandleSampler::new);
     loop {
         // Block only when there is nothing to do; otherwise take what arrived and go on.
         if running.is_empty() && waiting.is_empty() {

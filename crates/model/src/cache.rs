@@ -239,8 +239,8 @@ impl SeqCache {
     }
 }
 
-/// A sequence's cache was filled in the other attention mode (see
-/// [`Decoder::set_host_kernels`]).
+/// A sequence's cache was filled by the other step backend (see
+/// [`super::Decoder::configure`]).
 pub(super) fn mixed_cache() -> ModelError {
     ModelError::Config("a sequence cache was filled by the other attention mode".into())
 }

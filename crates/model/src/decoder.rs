@@ -1,40 +1,36 @@
 //! The decoder: embedding, layers, final norm and output head, run over a batch of rows that
-//! each bring their own cache, position and adapter.
+//! each bring their own cache, position and adapter. How a step reaches the layers (the caches,
+//! the pools, the prefix cache) is its step backend's ([`super::backend`]).
 
 use std::path::Path;
-use std::sync::{Arc, Mutex, PoisonError};
 
 use candle_core::quantized::QTensor;
 use candle_core::{DType, Device, Module, Tensor};
 use candle_nn::{RmsNorm, VarBuilder};
 
-use super::batch::{Batch, Group, Positions, Row, StepPath};
-use super::cache::mixed_cache;
-use super::kv::{KvPool, TensorPathOptions};
+use super::backend::{self, BackendKind, Shape, StepBackend};
+use super::batch::{Batch, Row, StepPath};
+use super::cache::{mixed_cache, SeqCache};
+use super::kv::TensorPathOptions;
 use super::layer::Layer;
-use super::prefix::HostBlocks;
+use super::prefix::BlockHash;
 use super::project;
-use super::rope::rope_cos_sin;
-use super::slots::LoraSlots;
+use super::rope::RotaryTable;
 use super::step;
 use super::vision::{ImageEmbeds, VisionTower};
 use super::weights::{compute_dtype, Dense, Embed, Prequantized, Quantized, Weights};
-use super::{HostUpdates, Lin, LoraAdapter, ModelConfig, ModelError, Rope};
+use super::{HostUpdates, Lin, ModelConfig, ModelError};
 use mole_formats::hf;
 use mole_kernels as kernels;
 
-mod prefix_cache;
-
-/// The decoder.
+/// The decoder: the weights and the layer math, and the step backend that runs them.
 pub struct Decoder {
     cfg: ModelConfig,
     embed: Embed,
     layers: Vec<Layer>,
     norm: RmsNorm,
     lm_head: Lin,
-    rope: Rope,
-    cos: Tensor,
-    sin: Tensor,
+    rotary: RotaryTable,
     device: Device,
     dtype: DType,
     /// The dtype of the projections and the embedding.
@@ -42,26 +38,10 @@ pub struct Decoder {
     /// How the projections are held when quantized (e.g. "GGUF Q4_1", "AWQ 4-bit, group
     /// size 128, as Q4_1 blocks").
     quantization: Option<String>,
-    /// CPU f32: attention and adapter updates run as fused host kernels.
-    host: bool,
     /// A vision-language model's vision tower.
     vision: Option<VisionTower>,
-    /// M-RoPE: per rotary frequency, 1 where it follows time, height, width (`[1, head_dim/2]`
-    /// each, in the compute dtype).
-    mrope: Option<[Tensor; 3]>,
-    /// How the tensor path's pools are sized.
-    tensor_opts: TensorPathOptions,
-    /// The tensor path's pools, allocated by its first step (a CPU decoder on host kernels
-    /// never allocates them).
-    tensor: Mutex<Option<Arc<TensorState>>>,
-    /// The host path's cached blocks, made on first use (at most `tensor_opts.kv_blocks`).
-    host_blocks: Mutex<Option<HostBlocks>>,
-}
-
-/// The tensor path's pools: the paged KV cache, and the LoRA slots once a step has an adapter.
-struct TensorState {
-    kv: KvPool,
-    slots: Mutex<Option<Arc<LoraSlots>>>,
+    /// How steps run: the host or the paged backend, with its caches and pools.
+    backend: Box<dyn StepBackend>,
 }
 
 /// What a step computed: the rows' logits and, on the device, the caller's extra inputs.
@@ -71,15 +51,6 @@ pub struct StepOutput {
     /// The `extra` given to [`Decoder::forward_step`], `[len]` f32 on the device (None when
     /// empty).
     pub extra: Option<Tensor>,
-}
-
-/// The tensor path's inputs besides its batch: token ids, each row's last token, the image
-/// placeholders and the caller's extra inputs (views of the step's one upload).
-struct TensorInputs {
-    ids: Tensor,
-    last: Tensor,
-    images: Vec<(Tensor, Tensor)>,
-    extra: Option<Tensor>,
 }
 
 /// Per row with image tokens in this step: where they are among the step's tokens, which rows
@@ -144,13 +115,12 @@ impl Decoder {
                     blocks,
                     dense: Dense { vb, act },
                 };
-                let mut d = Self::build(cfg, &w, device.clone(), (dtype, act))?;
-                d.quantization = Some(format!(
+                let quantization = format!(
                     "{} 4-bit, group size {}, as Q4_1 blocks",
                     scheme.format.name(),
                     scheme.group_size
-                ));
-                Ok(d)
+                );
+                Self::build(cfg, &w, device.clone(), (dtype, act), Some(quantization))
             }
         }
     }
@@ -170,7 +140,8 @@ impl Decoder {
             )?),
             None => None,
         };
-        let mut decoder = Self::build(cfg, &Dense { vb, act: dtype }, device, (weights, dtype))?;
+        let dense = Dense { vb, act: dtype };
+        let mut decoder = Self::build(cfg, &dense, device, (weights, dtype), None)?;
         decoder.vision = vision;
         Ok(decoder)
     }
@@ -195,22 +166,34 @@ impl Decoder {
             .collect();
         types.sort();
         types.dedup();
-        let mut d = Self::build(
+        Self::build(
             cfg,
             &Quantized(std::cell::RefCell::new(tensors), device.clone()),
             device.clone(),
             (DType::F32, DType::F32),
-        )?;
-        d.quantization = Some(format!("GGUF {}", types.join("+")));
-        Ok(d)
+            Some(format!("GGUF {}", types.join("+"))),
+        )
     }
 
-    /// The decoder over `w`, with `dtypes` those of the weights and of compute.
+    /// Loads a `mole-worker quantize` output: config.json as in any HF directory, and the
+    /// weights of its one GGUF file under their HF names
+    /// ([`mole_formats::gguf::QUANTIZED_FILE`]), served as [`Decoder::from_quantized`]
+    /// serves a GGUF base (projections in their blocks, norms and embedding in f32).
+    pub fn load_quantized_dir(dir: &Path, device: &Device) -> Result<Self, ModelError> {
+        let file = dir.join(mole_formats::gguf::QUANTIZED_FILE);
+        let tensors = mole_formats::gguf::load_hf_named(&file, device)
+            .map_err(|e| ModelError::Config(e.to_string()))?;
+        Self::from_quantized(ModelConfig::from_dir(dir)?, tensors, device)
+    }
+
+    /// The decoder over `w`, with `dtypes` those of the weights and of compute, on its default
+    /// backend (see [`Self::configure`]).
     fn build(
         cfg: ModelConfig,
         w: &dyn Weights,
         device: Device,
         (weights, dtype): (DType, DType),
+        quantization: Option<String>,
     ) -> Result<Self, ModelError> {
         cfg.family()?;
         let h = cfg.hidden_size;
@@ -226,21 +209,8 @@ impl Decoder {
         } else {
             w.linear("lm_head", h, cfg.vocab_size, false)?
         };
-        let rope = cfg.rope()?;
-        // Dynamic NTK frequencies depend on the length a pass reaches: the table covers the
-        // original window, longer passes compute theirs (see `rotary`).
-        let table_len = if rope.is_dynamic() {
-            cfg.max_position_embeddings
-        } else {
-            cfg.max_positions()
-        };
-        let (cos, sin) = rope_cos_sin(&rope, &cfg, 0, table_len, dtype, &device)?;
-        let mrope = match &cfg.vision {
-            Some(v) => Some(super::rope::mrope_masks(v.mrope_section, dtype, &device)?),
-            None => None,
-        };
-        let host = device.is_cpu() && dtype == DType::F32;
-        if host {
+        let rotary = RotaryTable::new(&cfg, dtype, &device)?;
+        if device.is_cpu() && dtype == DType::F32 {
             // Which kernel multiplies decode steps decides CPU speed (1.5-2x between the direct
             // kernel and gemm): say it once per model.
             let base_product = match kernels::dense::available() {
@@ -252,143 +222,84 @@ impl Decoder {
             let weights = weights.as_str();
             tracing::info!(base_product, weights, "CPU decode in f32 on host kernels");
         }
+        let opts = TensorPathOptions::default();
+        let shape = Shape {
+            kv: default_kv_dtype(&opts, quantization.is_some(), weights),
+            cfg: cfg.clone(),
+            device: device.clone(),
+            dtype,
+        };
         let mut decoder = Self {
             cfg,
             embed,
             layers,
             norm,
             lm_head,
-            rope,
-            cos,
-            sin,
-            host,
+            rotary,
             device,
             dtype,
             weights,
-            quantization: None,
+            quantization,
             vision: None,
-            mrope,
-            tensor_opts: TensorPathOptions::default(),
-            tensor: Mutex::new(None),
-            host_blocks: Mutex::new(None),
+            backend: backend::choose(BackendKind::default(), shape, opts),
         };
         decoder.fuse_projections()?;
         Ok(decoder)
     }
 
-    /// Sizes the tensor path's pools (the KV blocks and the LoRA slots); before its first step.
-    pub fn configure_tensor_path(&mut self, opts: TensorPathOptions) {
-        self.tensor_opts = opts;
-        *self
-            .tensor
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner) = None;
-        *self
-            .host_blocks
-            .get_mut()
-            .unwrap_or_else(PoisonError::into_inner) = None;
-    }
-
-    /// How the tensor path's pools are sized.
-    pub fn tensor_path(&self) -> &TensorPathOptions {
-        &self.tensor_opts
-    }
-
-    /// The dtype the KV cache holds keys and values in, on either path: the pool's setting
-    /// (`kvCacheDtype`), else the weights' dtype, as vLLM's `--kv-cache-dtype auto`, and for
-    /// a quantized base f16, llama.cpp's default cache type (its weights have no float dtype
-    /// of their own). On the CPU's host path, where the weights are bf16 or f16 and the
-    /// activations f32, a half-type cache holds half the bytes and each decode step reads
-    /// half of them, at the price of rounding each key and value once.
-    pub fn kv_dtype(&self) -> DType {
-        self.tensor_opts
-            .kv_dtype
-            .unwrap_or(match self.quantization {
-                Some(_) => DType::F16,
-                None => self.weights,
-            })
-    }
-
-    /// Whether steps run on the tensor path (the paged KV cache), where the scheduler admits
-    /// by free blocks.
-    pub fn paged(&self) -> bool {
-        !self.host
-    }
-
-    /// Free KV blocks of the tensor path (all of them before its first step).
-    pub fn free_blocks(&self) -> usize {
-        match &*self.tensor.lock().unwrap_or_else(PoisonError::into_inner) {
-            Some(t) => t.kv.free_blocks(),
-            None => self.tensor_opts.kv_blocks,
-        }
-    }
-
-    /// The tensor path's pools, allocated on first use.
-    fn tensor_state(&self) -> Result<Arc<TensorState>, ModelError> {
-        let mut t = self.tensor.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(t) = &*t {
-            return Ok(t.clone());
-        }
-        let width = self.cfg.kv_heads() * self.cfg.head_dim();
-        let kv = KvPool::new(
-            self.layers.len(),
-            width,
-            &self.tensor_opts,
-            self.kv_dtype(),
-            &self.device,
-        )?;
-        let state = Arc::new(TensorState {
-            kv,
-            slots: Mutex::new(None),
-        });
-        *t = Some(state.clone());
-        Ok(state)
-    }
-
-    /// The LoRA slots, allocated when a step first has an adapter, computing in the wider of
-    /// the activations' dtype and that adapter's (f32 activations are never rounded to bf16).
-    fn lora_slots(
-        &self,
-        state: &TensorState,
-        first: &LoraAdapter,
-    ) -> Result<Arc<LoraSlots>, ModelError> {
-        let mut s = state.slots.lock().unwrap_or_else(PoisonError::into_inner);
-        if let Some(s) = &*s {
-            return Ok(s.clone());
-        }
-        let dtype = match first.dtype() {
-            Some(DType::F32) => DType::F32,
-            _ => self.dtype,
+    /// Picks the backend steps run on and sizes its pools (the KV blocks and the LoRA slots,
+    /// allocated by the first steps that need them), before the first step: the host kernels
+    /// (`BackendKind::Host`, the default) run only on the CPU in f32, any other device or
+    /// dtype runs the paged backend whatever is asked. The tests run both on the CPU against
+    /// the same references, so a GPU's path is checked there too. A new backend starts with
+    /// empty pools and an empty prefix cache, and refuses caches the other kind filled.
+    pub fn configure(&mut self, kind: BackendKind, opts: TensorPathOptions) {
+        let shape = Shape {
+            kv: default_kv_dtype(&opts, self.quantization.is_some(), self.weights),
+            cfg: self.cfg.clone(),
+            device: self.device.clone(),
+            dtype: self.dtype,
         };
-        let slots = Arc::new(LoraSlots::new(
-            &self.cfg,
-            &self.tensor_opts,
-            dtype,
-            &self.device,
-        )?);
-        *s = Some(slots.clone());
-        Ok(slots)
-    }
-
-    /// Whether a CPU f32 decoder runs attention and adapter updates as fused host kernels
-    /// (the default) or as the tensor ops every other device and dtype runs. The tests run
-    /// both against the same references, so the GPU's code path is checked on CPU too. Off
-    /// for other devices and dtypes whatever is asked. Caches are not shared between modes.
-    pub fn set_host_kernels(&mut self, on: bool) {
-        self.host = on && self.device.is_cpu() && self.dtype == DType::F32;
+        self.backend = backend::choose(kind, shape, opts);
         self.fuse_projections()
             .expect("fusing and splitting loaded weights only copies them");
     }
 
-    /// The tensor path multiplies q/k/v and gate/up as one matrix each; the host path reads
-    /// them apart.
+    /// The backend steps run on.
+    pub fn backend_kind(&self) -> BackendKind {
+        self.backend.kind()
+    }
+
+    /// How the pools are sized.
+    pub fn tensor_path(&self) -> &TensorPathOptions {
+        self.backend.options()
+    }
+
+    /// The dtype the KV cache holds keys and values in, on either backend: the pool's setting
+    /// (`kvCacheDtype`), else the weights' dtype, as vLLM's `--kv-cache-dtype auto`, and for
+    /// a quantized base f16, llama.cpp's default cache type (its weights have no float dtype
+    /// of their own). On the CPU's host backend, where the weights are bf16 or f16 and the
+    /// activations f32, a half-type cache holds half the bytes and each decode step reads
+    /// half of them, at the price of rounding each key and value once.
+    pub fn kv_dtype(&self) -> DType {
+        self.backend.kv_dtype()
+    }
+
+    /// Free KV blocks of the paged backend's pool (all of them before its first step).
+    pub fn free_blocks(&self) -> usize {
+        self.backend.free_blocks()
+    }
+
+    /// The paged backend multiplies q/k/v and gate/up as one matrix each; the host backend
+    /// reads them apart.
     fn fuse_projections(&mut self) -> candle_core::Result<()> {
-        let fused = !self.host;
+        let fused = self.backend.kind().fuses_projections();
         for l in &mut self.layers {
             l.fuse(fused)?;
         }
         Ok(())
     }
+
     /// The dtype of the projections and the embedding (the GGUF path: f32, what its
     /// dequantized parts hold).
     pub fn weight_dtype(&self) -> DType {
@@ -474,38 +385,26 @@ impl Decoder {
     ) -> Result<StepOutput, ModelError> {
         self.check(rows)?;
         let (indices, embeds) = image_indices(rows)?;
-        let (x, last, extra) = if self.host {
-            let (batch, ids, last) = self.host_batch(rows)?;
-            let images = self.host_images(&indices)?;
-            let images = attach(images, embeds);
-            let extra = self.host_extra(extra)?;
-            (self.layers(rows, &batch, &ids, &images)?, last, extra)
-        } else {
-            let state = self.tensor_state()?;
-            let slots = match rows.iter().find_map(|r| r.adapter) {
-                Some(first) => Some(self.lora_slots(&state, first)?),
-                None => None,
-            };
-            let (batch, inputs) =
-                self.tensor_batch(rows, &state.kv, slots.as_deref(), &indices, extra)?;
-            let images = attach(inputs.images, embeds);
-            (
-                self.layers(rows, &batch, &inputs.ids, &images)?,
-                inputs.last,
-                inputs.extra,
-            )
-        };
+        self.backend.reserve(rows)?;
+        let step = self.backend.prepare(rows, &self.rotary, &indices, extra)?;
+        let images = attach(step.images, embeds);
+        let x = self.layers(rows, &step.batch, &step.ids, &images)?;
         // Only each row's last position needs logits.
-        let h = self.norm.forward(&x.index_select(&last, 0)?)?;
-        let on_host = match self.host {
-            true => project::host_projections(&h, vec![(&self.lm_head, HostUpdates::none())])?,
-            false => None,
+        let h = self.norm.forward(&x.index_select(&step.last, 0)?)?;
+        let on_host = match step.batch.path {
+            StepPath::Host { .. } => {
+                project::host_projections(&h, vec![(&self.lm_head, HostUpdates::none())])?
+            }
+            StepPath::Tensor { .. } => None,
         };
         let logits = match on_host.and_then(|mut l| l.pop()) {
             Some(l) => l,
             None => self.lm_head.forward(&h)?.to_dtype(DType::F32)?,
         };
-        Ok(StepOutput { logits, extra })
+        Ok(StepOutput {
+            logits,
+            extra: step.extra,
+        })
     }
 
     /// The embedded tokens through every layer; each row's cache then holds them. Image
@@ -545,62 +444,8 @@ impl Decoder {
         Ok(x)
     }
 
-    /// The host path's image placeholders on the device (see [`step::Inputs::images`]): its
-    /// steps upload as they go.
-    #[allow(clippy::disallowed_methods)] // the host path (CPU) uploads as it goes
-    fn host_images(
-        &self,
-        indices: &step::ImageIndices,
-    ) -> candle_core::Result<Vec<(Tensor, Tensor)>> {
-        let h = self.cfg.hidden_size;
-        indices
-            .iter()
-            .map(|(at, of)| {
-                let n = at.len();
-                let at = Tensor::new(at.as_slice(), &self.device)?
-                    .reshape((n, 1))?
-                    .broadcast_as((n, h))?
-                    .contiguous()?;
-                Ok((at, Tensor::new(of.as_slice(), &self.device)?))
-            })
-            .collect()
-    }
-
-    /// The host path's copy of the caller's step inputs.
-    #[allow(clippy::disallowed_methods)] // the host path (CPU) uploads as it goes
-    fn host_extra(&self, extra: &[f32]) -> candle_core::Result<Option<Tensor>> {
-        match extra.is_empty() {
-            true => Ok(None),
-            false => Ok(Some(Tensor::new(extra, &self.device)?)),
-        }
-    }
-
-    /// cos/sin `[tokens, head_dim/2]` at `time` (and with M-RoPE the spatial positions), rows
-    /// of the table gathered by position: a frequency takes the angle of its axis's position.
-    fn rotary_at(
-        &self,
-        time: &Tensor,
-        spatial: Option<(&Tensor, &Tensor)>,
-    ) -> candle_core::Result<(Tensor, Tensor)> {
-        match (spatial, &self.mrope) {
-            (Some((h, w)), Some([mt, mh, mw])) => {
-                let mix = |table: &Tensor| -> candle_core::Result<Tensor> {
-                    let t = table.index_select(time, 0)?.broadcast_mul(mt)?;
-                    let h = table.index_select(h, 0)?.broadcast_mul(mh)?;
-                    let w = table.index_select(w, 0)?.broadcast_mul(mw)?;
-                    (t + h)? + w
-                };
-                Ok((mix(&self.cos)?, mix(&self.sin)?))
-            }
-            _ => Ok((
-                self.cos.index_select(time, 0)?,
-                self.sin.index_select(time, 0)?,
-            )),
-        }
-    }
-
     /// Checks that every row has tokens, fits the model's positions, and has a cache of this
-    /// decoder's mode.
+    /// decoder's backend.
     fn check(&self, rows: &[Row<'_>]) -> Result<(), ModelError> {
         for r in rows {
             let end = r.cache.len() + r.tokens.len();
@@ -613,179 +458,86 @@ impl Decoder {
                     self.cfg.max_positions()
                 )));
             }
-            let host_filled = r.cache.host_filled();
-            if (self.host && r.cache.blocks.is_some()) || (!self.host && host_filled) {
+            if !self.backend.holds(r.cache) {
                 return Err(mixed_cache());
             }
         }
         Ok(())
     }
 
-    /// The host path's batch, token ids and last-token indices. Rows are grouped by adapter so
-    /// each adapter's low-rank product runs once per projection.
-    #[allow(clippy::disallowed_methods)] // the host path (CPU) uploads as it goes
-    fn host_batch<'r>(
-        &'r self,
-        rows: &[Row<'r>],
-    ) -> Result<(Batch<'r>, Tensor, Tensor), ModelError> {
-        let lens: Vec<usize> = rows.iter().map(|r| r.tokens.len()).collect();
-        let starts: Vec<usize> = rows.iter().map(|r| r.cache.len()).collect();
-        let mut groups: Vec<(&LoraAdapter, Vec<u32>)> = Vec::new();
-        let mut off = 0u32;
-        let mut last = Vec::with_capacity(rows.len());
-        for r in rows {
-            let n = r.tokens.len() as u32;
-            if let Some(a) = r.adapter {
-                match groups.iter_mut().find(|(g, _)| std::ptr::eq(*g, a)) {
-                    Some((_, idx)) => idx.extend(off..off + n),
-                    None => groups.push((a, (off..off + n).collect())),
-                }
-            }
-            off += n;
-            last.push(off - 1);
-        }
-        let groups: Vec<Group> = groups
-            .into_iter()
-            .map(|(adapter, idx)| {
-                Ok(Group {
-                    adapter,
-                    idx: Tensor::new(idx.as_slice(), &self.device)?,
-                    rows: idx,
-                })
-            })
-            .collect::<Result<_, candle_core::Error>>()?;
-        let positions = Positions::of(rows);
-        let (cos, sin) = match &positions.spatial {
-            Some((h, w)) => {
-                let up = |v: &[u32]| Tensor::new(v, &self.device);
-                let (t, h, w) = (up(&positions.time)?, up(h)?, up(w)?);
-                self.rotary_at(&t, Some((&h, &w)))?
-            }
-            None => {
-                let offsets: Vec<usize> = rows
-                    .iter()
-                    .zip(&starts)
-                    .map(|(r, s)| (*s as i64 + r.cache.pos_offset).max(0) as usize)
-                    .collect();
-                self.rotary_rows(&offsets, &lens)?
-            }
-        };
-        let ids: Vec<u32> = rows.iter().flat_map(|r| r.tokens.iter().copied()).collect();
-        let batch = Batch {
-            lens,
-            starts,
-            cos,
-            sin,
-            layers: self.layers.len(),
-            device: &self.device,
-            dtype: self.dtype,
-            path: StepPath::Host {
-                groups,
-                kv: self.kv_dtype(),
-            },
-        };
-        let ids = Tensor::new(ids.as_slice(), &self.device)?;
-        Ok((batch, ids, Tensor::new(last.as_slice(), &self.device)?))
-    }
-
-    /// The tensor path's batch and the rest of its inputs: blocks reserved for every row,
-    /// adapters given LoRA slots, and the step's inputs (`images` and the caller's `extra`
-    /// too) uploaded in one copy (see [`step`]); rotary cos/sin gathered by position.
-    fn tensor_batch<'b>(
-        &'b self,
-        rows: &mut [Row<'_>],
-        kv: &'b KvPool,
-        slots: Option<&'b LoraSlots>,
-        images: &step::ImageIndices,
-        extra: &[f32],
-    ) -> Result<(Batch<'b>, TensorInputs), ModelError> {
-        for r in rows.iter_mut() {
-            kv.reserve(&mut r.cache.blocks, r.cache.len + r.tokens.len())?;
-        }
-        let rows: &[Row<'_>] = rows;
-        let row_slots = match slots {
-            Some(s) => Some(s.assign(&rows.iter().map(|r| r.adapter).collect::<Vec<_>>())?),
-            None => None,
-        };
-        let width = self.cfg.kv_heads() * self.cfg.head_dim();
-        let positions = Positions::of(rows);
-        let inputs = step::inputs(
-            rows,
-            kv,
-            row_slots.as_deref().zip(slots),
-            &positions,
-            width,
-            images,
-            self.cfg.hidden_size,
-            extra,
-            &self.device,
-        )?;
-        let lens: Vec<usize> = rows.iter().map(|r| r.tokens.len()).collect();
-        let starts: Vec<usize> = rows.iter().map(|r| r.cache.len()).collect();
-        let table = self.cos.dim(0)?;
-        let (cos, sin) = if positions.time.iter().any(|&p| p as usize >= table) {
-            // Dynamic NTK past the table (text only: M-RoPE refuses dynamic scaling).
-            let beyond: Vec<usize> = rows
-                .iter()
-                .zip(&starts)
-                .map(|(r, s)| (*s as i64 + r.cache.pos_offset).max(0) as usize)
-                .collect();
-            self.rotary_rows(&beyond, &lens)?
-        } else {
-            let spatial = inputs.spatial.as_ref().map(|(h, w)| (h, w));
-            self.rotary_at(&inputs.positions, spatial)?
-        };
-        let batch = Batch {
-            lens,
-            starts,
-            cos,
-            sin,
-            layers: self.layers.len(),
-            device: &self.device,
-            dtype: self.dtype,
-            path: StepPath::Tensor {
-                paged: inputs.paged,
-                lora: slots.zip(inputs.slots),
-            },
-        };
-        let rest = TensorInputs {
-            ids: inputs.ids,
-            last: inputs.last,
-            images: inputs.images,
-            extra: inputs.extra,
-        };
-        Ok((batch, rest))
-    }
-
-    /// cos/sin `[tokens, head_dim/2]` of rows starting at `starts` with `lens` new tokens,
-    /// row by row (the host path, and dynamic-NTK rows past the table).
-    // The host path, and dynamic-NTK rows past the table (rare: a step past the original
-    // window), concatenate per-row cos/sin.
-    #[allow(clippy::disallowed_methods)]
-    fn rotary_rows(
+    /// Starts the empty `cache` with the longest run of `hashes` from the first that the
+    /// prefix cache holds (`hashes[i]` is the hash of the sequence's block `i`, see
+    /// [`BlockHash`]): on the paged backend those blocks are shared, held by the cache until it
+    /// drops; on the host backend they are read in place from the store. On the host backend,
+    /// with `tokens` given (the tokens that may be reused: the context but its last token,
+    /// found by their tokens only when they hold no image), the block after them is then
+    /// looked for by its tokens under `seed`'s chain, and its leading tokens in common are
+    /// copied too. Returns the tokens the cache then holds.
+    pub fn reuse_prefix(
         &self,
-        starts: &[usize],
-        lens: &[usize],
-    ) -> candle_core::Result<(Tensor, Tensor)> {
-        let (cos, sin): (Vec<Tensor>, Vec<Tensor>) = starts
-            .iter()
-            .zip(lens)
-            .map(|(&s, &t)| self.rotary(s, t))
-            .collect::<Result<Vec<_>, _>>()?
-            .into_iter()
-            .unzip();
-        Ok((Tensor::cat(&cos, 0)?, Tensor::cat(&sin, 0)?))
+        cache: &mut SeqCache,
+        hashes: &[BlockHash],
+        seed: BlockHash,
+        tokens: Option<&[u32]>,
+    ) -> Result<usize, ModelError> {
+        if !cache.is_empty() || (hashes.is_empty() && tokens.is_none_or(<[u32]>::is_empty)) {
+            return Ok(0);
+        }
+        self.backend.reuse_prefix(cache, hashes, seed, tokens)
     }
 
-    /// cos/sin `[t, head_dim/2]` for positions `start..start + t`: rows of the table, or for
-    /// a dynamic-NTK pass beyond the original window, frequencies for the length it reaches
-    /// (transformers recomputes them whenever a pass grows past what it has seen).
-    fn rotary(&self, start: usize, t: usize) -> candle_core::Result<(Tensor, Tensor)> {
-        if start + t > self.cos.dim(0)? {
-            return rope_cos_sin(&self.rope, &self.cfg, start, t, self.dtype, &self.device);
-        }
-        Ok((self.cos.narrow(0, start, t)?, self.sin.narrow(0, start, t)?))
+    /// Tells the prefix cache the hashes of `cache`'s full blocks it has not been told
+    /// (`hashes[i]` is block `i`'s; blocks the cache does not hold whole are left out), so
+    /// that later sequences reuse them: on the paged backend the blocks themselves, kept when
+    /// the cache drops until the pool needs them; on the host backend a copy in a store of at
+    /// most `kv_blocks` blocks, least recently used evicted, findable also by its tokens
+    /// (`tokens`: the sequence's, when they hold no image) after the block before it (the
+    /// chain's `seed` for the first).
+    pub fn store_prefix(
+        &self,
+        cache: &mut SeqCache,
+        hashes: &[BlockHash],
+        seed: BlockHash,
+        tokens: Option<&[u32]>,
+    ) -> Result<(), ModelError> {
+        self.backend.store_prefix(cache, hashes, seed, tokens)
     }
+
+    /// Offers the prefix cache a finished sequence's last, partial block (its tokens after
+    /// its full blocks, whose hashes are `hashes`), findable by `tokens` after the block
+    /// before it (host backend; the paged backend caches full blocks only, as vLLM does). Its
+    /// full blocks must have been offered first ([`Self::store_prefix`]).
+    pub fn store_partial(
+        &self,
+        cache: &SeqCache,
+        hashes: &[BlockHash],
+        seed: BlockHash,
+        tokens: &[u32],
+    ) {
+        self.backend.store_partial(cache, hashes, seed, tokens);
+    }
+
+    /// Blocks the prefix cache holds that no sequence holds (the paged pool's cached free
+    /// blocks; every block of the host store).
+    pub fn cached_blocks(&self) -> usize {
+        self.backend.cached_blocks()
+    }
+
+    /// A cache for another choice of the prompt in `cache`: at most its first `tokens` tokens,
+    /// shared on the paged backend (its whole blocks among them, no copy), on the host backend
+    /// its shared blocks shared again and the rest copied. Returns it and the tokens it holds;
+    /// the new sequence computes the rest itself.
+    pub fn fork_cache(&self, cache: &SeqCache, tokens: usize) -> (SeqCache, usize) {
+        self.backend.fork_cache(cache, tokens)
+    }
+}
+
+/// The KV cache's dtype unless `opts` sets it (see [`Decoder::kv_dtype`]).
+fn default_kv_dtype(opts: &TensorPathOptions, quantized: bool, weights: DType) -> DType {
+    opts.kv_dtype.unwrap_or(match quantized {
+        true => DType::F16,
+        false => weights,
+    })
 }
 
 #[cfg(test)]
@@ -855,7 +607,7 @@ mod tests {
         let extra = [1.5f32, -3.25, 0.0, 1e-7, 16_777_217.0, f32::MAX];
         for host in [true, false] {
             let mut m = random_qwen3(64);
-            m.set_host_kernels(host);
+            m.configure(BackendKind::host_if(host), TensorPathOptions::default());
             let toks = [3u32, 9, 27, 4];
             // (Uploads are counted in tests/op_count_transfers.rs, where nothing runs beside.)
             let run = |extra: &[f32]| {
@@ -882,10 +634,13 @@ mod tests {
 
     /// The model with its KV cache in `kv`.
     fn with_kv(mut m: Decoder, kv: DType) -> Decoder {
-        m.configure_tensor_path(TensorPathOptions {
-            kv_dtype: Some(kv),
-            ..Default::default()
-        });
+        m.configure(
+            BackendKind::Host,
+            TensorPathOptions {
+                kv_dtype: Some(kv),
+                ..Default::default()
+            },
+        );
         assert_eq!(m.kv_dtype(), kv);
         m
     }
@@ -970,7 +725,7 @@ mod tests {
         // The tensor ops (what GPUs run) over the same steps agree too, and a cache filled in
         // one mode is refused by the other rather than read wrongly.
         let mut m = m;
-        m.set_host_kernels(false);
+        m.configure(BackendKind::Paged, m.tensor_path().clone());
         let mut cache = SeqCache::default();
         let step = |m: &Decoder, t: &[u32], cache: &mut SeqCache| {
             m.forward(&mut [Row {
@@ -986,7 +741,7 @@ mod tests {
         }
         let err = rel(&ops[0], &last[0]);
         assert!(err < 1e-4, "{kv:?}: {err}");
-        m.set_host_kernels(true);
+        m.configure(BackendKind::Host, m.tensor_path().clone());
         assert!(step(&m, &toks[..1], &mut cache).is_err());
     }
 
@@ -998,8 +753,8 @@ mod tests {
     #[test]
     fn the_host_path_reads_a_reused_prefix_in_place() {
         let m = random_qwen3(256);
-        assert!(m.host);
-        let bs = m.tensor_opts.block_size.max(1);
+        assert_eq!(m.backend_kind(), BackendKind::Host);
+        let bs = m.tensor_path().block_size.max(1);
         let toks: Vec<u32> = (0..(2 * bs + 8) as u32).map(|i| (i * 5 + 1) % 50).collect();
         let end = toks.len() - 1;
         let fwd = |t: &[u32], cache: &mut SeqCache| {

@@ -8,15 +8,17 @@
 //!
 //! One file per part, candle's shape (`new` from the checkpoint, `forward`): [`config`] reads
 //! `config.json`, [`weights`] loads projections (dense or GGUF) and holds the dtype policy,
-//! [`decoder`] runs the layers over a [`batch`] ([`layer`]: [`attention`] and the MLP), [`cache`]
-//! holds a sequence's keys and values, [`lora`] applies adapters and [`project`] runs the
-//! projections of a batch with their adapters' updates. Nothing here reads PEFT files or
+//! [`decoder`] runs the layers over a [`batch`] ([`layer`]: [`attention`] and the MLP) that its
+//! step [`backend`] builds (the host backend on the CPU in f32, the paged one elsewhere: chosen
+//! once, before the first step), [`cache`] holds a sequence's keys and values, [`lora`] applies
+//! adapters and [`project`] runs the projections of a batch with their adapters' updates. Nothing here reads PEFT files or
 //! knows of requests: that is the worker's `lora` and `engine`, above this crate.
 //!
 //! RoPE follows `config.json` (`rope_parameters` or `rope_scaling`): default, linear, dynamic
 //! NTK, llama3 and YaRN, computed as transformers computes them (see [`rope`]).
 
 mod attention;
+mod backend;
 mod batch;
 mod cache;
 mod config;
@@ -27,7 +29,6 @@ mod layer;
 pub mod lora;
 mod prefix;
 mod project;
-mod quantized_dir;
 pub mod rope;
 mod slots;
 mod step;
@@ -37,6 +38,7 @@ mod weights;
 
 use candle_core::{Tensor, D};
 
+pub use self::backend::BackendKind;
 pub use self::batch::{Row, RowVision};
 pub use self::cache::SeqCache;
 pub use self::config::{Family, ModelConfig, VisionSpec};

@@ -356,15 +356,15 @@ impl Rope {
 // The table is made at load; a step computes a span only past the table (dynamic NTK beyond
 // the original window), rare enough that its upload is not packed.
 #[allow(clippy::disallowed_methods)]
-pub(super) fn rope_cos_sin(
+fn rope_cos_sin(
     rope: &Rope,
-    cfg: &ModelConfig,
+    original: usize,
     start: usize,
     t: usize,
     dtype: DType,
     device: &Device,
 ) -> candle_core::Result<(Tensor, Tensor)> {
-    let (inv, scale) = rope.inv_freq(start + t, cfg.max_position_embeddings);
+    let (inv, scale) = rope.inv_freq(start + t, original);
     let half = inv.len();
     let inv: Vec<f32> = inv.into_iter().map(|f| f as f32).collect();
     let inv = Tensor::from_vec(inv, (1, half), device)?;
@@ -383,7 +383,7 @@ pub(super) fn rope_cos_sin(
 /// Per rotary frequency (interleaved M-RoPE, see [`super::VisionSpec::mrope_section`]), 1
 /// where it follows time, height, width: `[1, head_dim/2]` each.
 #[allow(clippy::disallowed_methods)] // made once, at load
-pub(super) fn mrope_masks(
+fn mrope_masks(
     sections: [usize; 3],
     dtype: DType,
     device: &Device,
@@ -403,6 +403,121 @@ pub(super) fn mrope_masks(
         Tensor::from_vec(v, (1, half), device)?.to_dtype(dtype)
     };
     Ok([mask(0)?, mask(1)?, mask(2)?])
+}
+
+/// A decoder's rotary tables: cos/sin `[positions, head_dim/2]` in the compute dtype, made at
+/// load, and with M-RoPE the masks that give each frequency its axis. Both step backends build
+/// their batches' cos/sin from them.
+pub(super) struct RotaryTable {
+    rope: Rope,
+    /// `max_position_embeddings`: the window dynamic NTK grows past.
+    original: usize,
+    cos: Tensor,
+    sin: Tensor,
+    /// M-RoPE: per rotary frequency, 1 where it follows time, height, width (`[1, head_dim/2]`
+    /// each, in the compute dtype).
+    mrope: Option<[Tensor; 3]>,
+    dtype: DType,
+    device: Device,
+}
+
+impl RotaryTable {
+    /// The tables of `cfg`'s RoPE in `dtype` on `device`.
+    pub(super) fn new(
+        cfg: &ModelConfig,
+        dtype: DType,
+        device: &Device,
+    ) -> Result<Self, ModelError> {
+        let rope = cfg.rope()?;
+        // Dynamic NTK frequencies depend on the length a pass reaches: the table covers the
+        // original window, longer passes compute theirs (see `span`).
+        let table_len = if rope.is_dynamic() {
+            cfg.max_position_embeddings
+        } else {
+            cfg.max_positions()
+        };
+        let original = cfg.max_position_embeddings;
+        let (cos, sin) = rope_cos_sin(&rope, original, 0, table_len, dtype, device)?;
+        let mrope = match &cfg.vision {
+            Some(v) => Some(mrope_masks(v.mrope_section, dtype, device)?),
+            None => None,
+        };
+        Ok(Self {
+            rope,
+            original,
+            cos,
+            sin,
+            mrope,
+            dtype,
+            device: device.clone(),
+        })
+    }
+
+    /// Positions the table holds.
+    pub(super) fn len(&self) -> candle_core::Result<usize> {
+        self.cos.dim(0)
+    }
+
+    /// cos/sin `[tokens, head_dim/2]` at `time` (and with M-RoPE the spatial positions), rows
+    /// of the table gathered by position: a frequency takes the angle of its axis's position.
+    pub(super) fn at(
+        &self,
+        time: &Tensor,
+        spatial: Option<(&Tensor, &Tensor)>,
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        match (spatial, &self.mrope) {
+            (Some((h, w)), Some([mt, mh, mw])) => {
+                let mix = |table: &Tensor| -> candle_core::Result<Tensor> {
+                    let t = table.index_select(time, 0)?.broadcast_mul(mt)?;
+                    let h = table.index_select(h, 0)?.broadcast_mul(mh)?;
+                    let w = table.index_select(w, 0)?.broadcast_mul(mw)?;
+                    (t + h)? + w
+                };
+                Ok((mix(&self.cos)?, mix(&self.sin)?))
+            }
+            _ => Ok((
+                self.cos.index_select(time, 0)?,
+                self.sin.index_select(time, 0)?,
+            )),
+        }
+    }
+
+    /// cos/sin `[tokens, head_dim/2]` of rows starting at `starts` with `lens` new tokens,
+    /// row by row (the host path, and dynamic-NTK rows past the table).
+    // The host path, and dynamic-NTK rows past the table (rare: a step past the original
+    // window), concatenate per-row cos/sin.
+    #[allow(clippy::disallowed_methods)]
+    pub(super) fn rows(
+        &self,
+        starts: &[usize],
+        lens: &[usize],
+    ) -> candle_core::Result<(Tensor, Tensor)> {
+        let (cos, sin): (Vec<Tensor>, Vec<Tensor>) = starts
+            .iter()
+            .zip(lens)
+            .map(|(&s, &t)| self.span(s, t))
+            .collect::<Result<Vec<_>, _>>()?
+            .into_iter()
+            .unzip();
+        Ok((Tensor::cat(&cos, 0)?, Tensor::cat(&sin, 0)?))
+    }
+
+    /// cos/sin `[t, head_dim/2]` for positions `start..start + t`: rows of the table, or for
+    /// a dynamic-NTK pass beyond the original window, frequencies for the length it reaches
+    /// (transformers recomputes them whenever a pass grows past what it has seen).
+    fn span(&self, start: usize, t: usize) -> candle_core::Result<(Tensor, Tensor)> {
+        if start + t > self.cos.dim(0)? {
+            return rope_cos_sin(
+                &self.rope,
+                self.original,
+                start,
+                t,
+                self.dtype,
+                &self.device,
+            );
+        }
+        Ok((self.cos.narrow(0, start, t)?, self.sin.narrow(0, start, t)?))
+    }
 }
 
 #[cfg(test)]

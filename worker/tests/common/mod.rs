@@ -169,9 +169,8 @@ pub fn test_device() -> candle_core::Device {
 #[allow(dead_code)] // each test crate uses some of these helpers
 pub fn tensor_engine(f: impl FnOnce(&mut mole_engine::EngineOptions)) -> mole_engine::Engine {
     let dir = engine_fixtures().join("llama");
-    let mut model = mole_model::Decoder::load(&dir, candle_core::DType::F32, &test_device())
+    let model = mole_model::Decoder::load(&dir, candle_core::DType::F32, &test_device())
         .expect("the llama fixture loads");
-    model.set_host_kernels(false);
     let lora_kernel = match std::env::var("MOLE_LORA_KERNEL") {
         Ok(k) => k.parse().expect("MOLE_LORA_KERNEL: ops or bgmv"),
         Err(_) => mole_model::LoraKernel::Ops,
@@ -179,6 +178,7 @@ pub fn tensor_engine(f: impl FnOnce(&mut mole_engine::EngineOptions)) -> mole_en
     let mut opts = mole_engine::EngineOptions {
         base_name: "llama".into(),
         lora_kernel,
+        backend: mole_model::BackendKind::Paged,
         ..Default::default()
     };
     f(&mut opts);

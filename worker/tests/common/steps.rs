@@ -63,7 +63,7 @@ pub fn tiny_qwen3_weights() -> (ModelConfig, HashMap<String, Tensor>) {
 pub fn tiny_qwen3() -> Decoder {
     let (cfg, t) = tiny_qwen3_weights();
     let mut m = Decoder::new(cfg, VarBuilder::from_tensors(t, DType::F32, &Device::Cpu)).unwrap();
-    m.set_host_kernels(false);
+    m.configure(mole_model::BackendKind::Paged, Default::default());
     m
 }
 

@@ -412,8 +412,8 @@ fn check(base: Base, dtype: GgmlDType) {
     // bit-equal): the same size as the quantization's own error, within the same bound.
     let (mut quant, mut dense) = (quant, dense);
     for host in [true, false] {
-        quant.set_host_kernels(host);
-        dense.set_host_kernels(host);
+        quant.configure(mole_model::BackendKind::host_if(host), Default::default());
+        dense.configure(mole_model::BackendKind::host_if(host), Default::default());
         let path = if host { "host" } else { "tensor" };
         let want = teacher_forced(&dense, &rows, &feed);
         let got = teacher_forced(&quant, &rows, &feed);
@@ -448,7 +448,6 @@ fn check(base: Base, dtype: GgmlDType) {
             "{label} {path}: LoRA effect {lora_effect}"
         );
     }
-    dense.set_host_kernels(true);
 
     // Through the engine: the .gguf served quantized against the dense engine, greedy with and
     // without the adapter.

@@ -425,12 +425,11 @@ fn vision_engine(tensor: bool, caching: bool) -> Engine {
         base_name: "qwen3-vl-tiny".into(),
         max_seq_len: 512,
         prefix_caching: caching,
+        backend: mole_model::BackendKind::host_if(!tensor),
         ..Default::default()
     };
-    let mut model =
-        mole_model::Decoder::load(&dir, candle_core::DType::F32, &candle_core::Device::Cpu)
-            .unwrap();
-    model.set_host_kernels(!tensor);
+    let model = mole_model::Decoder::load(&dir, candle_core::DType::F32, &candle_core::Device::Cpu)
+        .unwrap();
     let text = mole_engine::text::TextModel::load(&dir).unwrap();
     Engine::start(model, text, opts)
 }

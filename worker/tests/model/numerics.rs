@@ -148,11 +148,13 @@ fn check_family(name: &str) {
         &[(false, LoraKernel::Ops), (false, LoraKernel::Bgmv)]
     };
     for &(host, kernel) in modes {
-        model.set_host_kernels(host);
-        model.configure_tensor_path(TensorPathOptions {
-            lora_kernel: kernel,
-            ..Default::default()
-        });
+        model.configure(
+            mole_model::BackendKind::host_if(host),
+            TensorPathOptions {
+                lora_kernel: kernel,
+                ..Default::default()
+            },
+        );
         let label = match (host, kernel) {
             (true, _) => format!("{name} (host kernels)"),
             (false, k) => format!("{name} (tensor ops, LoRA {k})"),
@@ -250,7 +252,7 @@ fn check_bf16_adapters(name: &str) {
     let vec = |v: &serde_json::Value| -> Vec<f32> { serde_json::from_value(v.clone()).unwrap() };
     let mut per_mode: Vec<Vec<Tensor>> = Vec::new();
     for &host in modes {
-        model.set_host_kernels(host);
+        model.configure(mole_model::BackendKind::host_if(host), Default::default());
         let mut rows = Vec::new();
         for (ai, a) in adapters.iter().enumerate() {
             for (pi, prompt) in p.iter().enumerate() {
@@ -336,10 +338,13 @@ fn half_weights_compute_as_f32_over_the_rounded_checkpoint() {
             narrow,
             "the cache follows the weights by default"
         );
-        held.configure_tensor_path(TensorPathOptions {
-            kv_dtype: Some(DType::F32),
-            ..Default::default()
-        });
+        held.configure(
+            mole_model::BackendKind::Host,
+            TensorPathOptions {
+                kv_dtype: Some(DType::F32),
+                ..Default::default()
+            },
+        );
         let round = |t: Tensor| t.to_dtype(narrow)?.to_dtype(DType::F32);
         let rounded = candle_core::safetensors::load(dir.join("model.safetensors"), &cpu)
             .unwrap()
@@ -359,8 +364,11 @@ fn half_weights_compute_as_f32_over_the_rounded_checkpoint() {
                 .collect();
             batch.push((p[1].clone(), None));
             for host in [true, false] {
-                held.set_host_kernels(host);
-                want.set_host_kernels(host);
+                held.configure(
+                    mole_model::BackendKind::host_if(host),
+                    held.tensor_path().clone(),
+                );
+                want.configure(mole_model::BackendKind::host_if(host), Default::default());
                 let (ours, ours_greedy) = run(&held, &batch, 8);
                 let (theirs, their_greedy) = run(&want, &batch, 8);
                 for (k, (o, t)) in ours.iter().zip(&theirs).enumerate() {
@@ -394,7 +402,7 @@ fn adapters_held_in_f16_fall_back_to_tensor_ops() {
         .collect();
     let mut per_mode = Vec::new();
     for host in [true, false] {
-        model.set_host_kernels(host);
+        model.configure(mole_model::BackendKind::host_if(host), Default::default());
         per_mode.push(run(&model, &batch, 4));
     }
     let ((host, host_greedy), (tensor, tensor_greedy)) = (&per_mode[0], &per_mode[1]);
@@ -602,7 +610,7 @@ fn a_ragged_batch_of_16_adapters_on_the_paged_path_equals_each_row_alone() {
     let steps = 90;
 
     // Each row alone on the host kernels: the reference.
-    model.set_host_kernels(true);
+    model.configure(mole_model::BackendKind::Host, Default::default());
     let alone: Vec<(Vec<Tensor>, Vec<u32>)> = rows
         .iter()
         .map(|(prompt, a)| {
@@ -616,15 +624,17 @@ fn a_ragged_batch_of_16_adapters_on_the_paged_path_equals_each_row_alone() {
     // then with the BGMV kernels for the decode steps (the prefills of more than
     // `bgmv::MAX_TOKENS` tokens keep the grouped ops).
     for kernel in [LoraKernel::Ops, LoraKernel::Bgmv] {
-        model.set_host_kernels(false);
-        model.configure_tensor_path(TensorPathOptions {
-            block_size: 4,
-            kv_blocks: 1024,
-            lora_slots: 16,
-            lora_rank: 16,
-            kv_dtype: None,
-            lora_kernel: kernel,
-        });
+        model.configure(
+            mole_model::BackendKind::Paged,
+            TensorPathOptions {
+                block_size: 4,
+                kv_blocks: 1024,
+                lora_slots: 16,
+                lora_rank: 16,
+                kv_dtype: None,
+                lora_kernel: kernel,
+            },
+        );
         let mut caches: Vec<SeqCache> = rows.iter().map(|_| SeqCache::default()).collect();
         let mut out: Vec<Vec<u32>> = vec![Vec::new(); rows.len()];
         let mut logits: Vec<Vec<Tensor>> = vec![Vec::new(); rows.len()];

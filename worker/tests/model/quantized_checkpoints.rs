@@ -272,8 +272,8 @@ fn awq_and_gptq_serve_4_bit_within_bound_of_their_reference() {
         );
         let feed: Vec<u32> = (0..6).map(|i| (31 + 37 * i) % 256).collect();
         for host in [true, false] {
-            quant.set_host_kernels(host);
-            dense.set_host_kernels(host);
+            quant.configure(mole_model::BackendKind::host_if(host), Default::default());
+            dense.configure(mole_model::BackendKind::host_if(host), Default::default());
             let batched = vec![
                 (pa.clone(), None),
                 (pa.clone(), Some(&a)),
@@ -636,8 +636,8 @@ fn gguf_files_written_by_gguf_py_serve_like_their_dequantized_weights() {
         );
         let feed: Vec<u32> = (0..6).map(|i| (31 + 37 * i) % 256).collect();
         for host in [true, false] {
-            quant.set_host_kernels(host);
-            dense.set_host_kernels(host);
+            quant.configure(mole_model::BackendKind::host_if(host), Default::default());
+            dense.configure(mole_model::BackendKind::host_if(host), Default::default());
             let batched = vec![
                 (pa.clone(), None),
                 (pa.clone(), Some(&a)),
@@ -755,8 +755,8 @@ fn k_quant_bases_serve_like_their_dequantized_weights_on_both_paths() {
         )
         .unwrap();
         for host in [true, false] {
-            quant.set_host_kernels(host);
-            dense.set_host_kernels(host);
+            quant.configure(mole_model::BackendKind::host_if(host), Default::default());
+            dense.configure(mole_model::BackendKind::host_if(host), Default::default());
             let batched = vec![
                 (pa.clone(), None),
                 (pa.clone(), Some(&a)),

@@ -350,7 +350,7 @@ fn the_language_model_with_images_equals_transformers() {
         &[true, false]
     };
     for &host in paths {
-        model.set_host_kernels(host);
+        model.configure(mole_model::BackendKind::host_if(host), Default::default());
         for label in ["base", "adapter"] {
             let a = (label == "adapter").then_some(&adapter);
             let rows: Vec<(&Prompt, Option<&LoraAdapter>)> =

@@ -15,10 +15,13 @@ use mole_model::{Decoder, LoraAdapter, LoraKernel, TensorPathOptions};
 /// The small random Qwen3 on the tensor path with `kernel` for its LoRA.
 fn model(kernel: LoraKernel) -> Decoder {
     let mut m = tiny_qwen3();
-    m.configure_tensor_path(TensorPathOptions {
-        lora_kernel: kernel,
-        ..Default::default()
-    });
+    m.configure(
+        mole_model::BackendKind::Paged,
+        TensorPathOptions {
+            lora_kernel: kernel,
+            ..Default::default()
+        },
+    );
     m
 }
 

@@ -31,7 +31,7 @@ fn model(dtype: GgmlDType) -> Decoder {
         })
         .collect();
     let mut m = Decoder::from_quantized(cfg, q, &dev).unwrap();
-    m.set_host_kernels(false);
+    m.configure(mole_model::BackendKind::Paged, Default::default());
     m
 }
 

@@ -542,10 +542,13 @@ fn packed_awq_and_gptq_projections_stay_4_bit_as_q4_1_blocks() {
         // base's default f16 cache adds its own rounding to each side (gptq_g64: 2.44% with
         // f32 caches, 3.11% with both at their f16 default).
         let f32_cache = |mut d: Decoder| {
-            d.configure_tensor_path(mole_model::TensorPathOptions {
-                kv_dtype: Some(candle_core::DType::F32),
-                ..Default::default()
-            });
+            d.configure(
+                mole_model::BackendKind::Host,
+                mole_model::TensorPathOptions {
+                    kv_dtype: Some(candle_core::DType::F32),
+                    ..Default::default()
+                },
+            );
             d
         };
         let q = f32_cache(Decoder::load_quantized_dir(&out, &dev).unwrap());
