@@ -155,8 +155,8 @@ mod tests {
     /// which write lost and what the server said.
     #[test]
     fn a_conflict_keeps_the_api_answer_as_its_source() {
-        let status = kube::core::Status::failure("the object has been modified", "Conflict")
-            .with_code(409);
+        let status =
+            kube::core::Status::failure("the object has been modified", "Conflict").with_code(409);
         let e = Error::Conflict {
             what: "the id ledger of pool ns/p".into(),
             source: kube::Error::Api(Box::new(status)),
