@@ -13,5 +13,4 @@ pub mod hf;
 pub mod paths;
 pub mod peft;
 pub mod quant;
-pub mod quant_blocks;
 pub mod safetensors;

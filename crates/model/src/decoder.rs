@@ -91,7 +91,7 @@ fn attach(
 impl Decoder {
     /// Loads an HF directory (safetensors, sharded or not) in `dtype` on `device`.
     /// An AWQ or GPTQ checkpoint (`quantization_config` in config.json) keeps its projections
-    /// 4-bit, repacked into Q4_1 blocks (see [`mole_formats::quant_blocks`]); the rest of it
+    /// 4-bit, repacked into Q4_1 blocks (see [`mole_formats::quant::blocks`]); the rest of it
     /// loads in `dtype`.
     pub fn load(dir: &Path, dtype: DType, device: &Device) -> Result<Self, ModelError> {
         let raw = hf::read_config(dir)?;
@@ -103,9 +103,9 @@ impl Decoder {
         match scheme {
             None => Self::new(cfg, vb),
             Some(scheme) => {
-                let blocks = mole_formats::quant_blocks::load_blocks(&files, scheme, device)
+                let blocks = mole_formats::quant::blocks::load_blocks(&files, scheme, device)
                     .map_err(|e| match e {
-                        mole_formats::quant_blocks::QuantError::Unsupported(why) => {
+                        mole_formats::quant::blocks::QuantError::Unsupported(why) => {
                             ModelError::UnsupportedQuantization(why)
                         }
                         e => ModelError::Config(format!("{}: {e}", scheme.format.name())),
@@ -609,7 +609,7 @@ mod tests {
             let mut m = random_qwen3(64);
             m.configure(BackendKind::host_if(host), TensorPathOptions::default());
             let toks = [3u32, 9, 27, 4];
-            // (Uploads are counted in tests/op_count_transfers.rs, where nothing runs beside.)
+            // (Uploads are counted in tests/op_count/op_count_transfers.rs, where nothing runs beside.)
             let run = |extra: &[f32]| {
                 let mut cache = SeqCache::default();
                 m.forward_step(

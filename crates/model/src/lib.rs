@@ -119,7 +119,7 @@ impl ModelError {
 
 /// The tensors candle creates while `f` runs, process-wide: every candle op (views and
 /// uploads included) makes one, so while nothing else runs this counts the ops `f` issues.
-/// `bench decode` reports a step's ops with it, and `tests/op_count.rs` checks them.
+/// `bench decode` reports a step's ops with it, and `tests/op_count/op_count.rs` checks them.
 pub fn tensors_made<T>(f: impl FnOnce() -> T) -> (T, usize) {
     let before = next_tensor_id();
     let out = f();

@@ -724,7 +724,7 @@ mod tests {
     }
 
     /// The BGMV ops (on the CPU: their reference arithmetic) against the grouped ops within
-    /// the bound [`bgmv_against_grouped_ops`] states; the device test (tests/lora_kernels.rs)
+    /// the bound [`bgmv_against_grouped_ops`] states; the device test (tests/model/lora_kernels.rs)
     /// runs the same on a GPU.
     #[test]
     fn bgmv_equals_the_grouped_ops_within_their_roundings() {

@@ -5,7 +5,7 @@
 //! buffer ([`upload`], from [`super::step`]) and its tokens (or, on the host path, its logits)
 //! read back once ([`download_rows`] / [`download`]). clippy.toml keeps candle's own
 //! constructors and readers out of `model/` and `lora/` so that nothing else slips in; the
-//! counters below are what `tests/op_count_transfers.rs` holds to one per step.
+//! counters below are what `tests/op_count/op_count_transfers.rs` holds to one per step.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 

@@ -12,7 +12,7 @@
 //!
 //! Bounds. Weights: a repacked weight is within 2⁻¹¹·30·s of the reference (s its group's
 //! scale: the block's offset `-z·s` rounded to f16, and the reference's own fp16 rounding of
-//! `(q - z)·s`; see `formats::quant_blocks`). Logits: candle's Q4_1 matmul rounds each
+//! `(q - z)·s`; see `formats::quant::blocks`). Logits: candle's Q4_1 matmul rounds each
 //! activation row to 8 bits per block of 32 (Q8_1) before its integer dot products, as
 //! llama.cpp does, which moves a projection's output by up to ~1% of its scale; 9 chained
 //! projections (2 layers and the head, RMSNorm keeping errors relative) stay within 6% of the
@@ -215,7 +215,7 @@ fn awq_and_gptq_serve_4_bit_within_bound_of_their_reference() {
                 .unwrap();
         let scheme = mole_formats::quant::scheme(&raw).unwrap().unwrap();
         let files = [dir.join("model.safetensors")];
-        let blocks = mole_formats::quant_blocks::load_blocks(&files, scheme, &dev).unwrap();
+        let blocks = mole_formats::quant::blocks::load_blocks(&files, scheme, &dev).unwrap();
         let reference =
             candle_core::safetensors::load(dir.join("reference.safetensors"), &dev).unwrap();
         let ckpt = candle_core::safetensors::load(dir.join("model.safetensors"), &dev).unwrap();

@@ -506,7 +506,7 @@ fn packed_awq_and_gptq_projections_stay_4_bit_as_q4_1_blocks() {
             serde_json::from_str(&std::fs::read_to_string(input.join("config.json")).unwrap())
                 .unwrap();
         let scheme = mole_formats::quant::scheme(&raw).unwrap().unwrap();
-        let blocks = mole_formats::quant_blocks::load_blocks(
+        let blocks = mole_formats::quant::blocks::load_blocks(
             &[input.join("model.safetensors")],
             scheme,
             &dev,

@@ -15,8 +15,8 @@ use safetensors::{Dtype, SafeTensors};
 
 use super::tensors::{Delta, Plan};
 use super::{io_err, MergeError};
+use mole_formats::quant::blocks::{packed, Packed, QuantError};
 use mole_formats::quant::QuantScheme;
-use mole_formats::quant_blocks::{packed, Packed, QuantError};
 
 /// The parts of a packed module, by suffix; `qweight` is where its dense weight takes its
 /// place in the output.

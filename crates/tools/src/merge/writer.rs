@@ -26,7 +26,7 @@ use super::quantized_base::QuantBase;
 use super::tensors::{merge_rows, Delta, Plan, Prepared};
 use super::{io_err, MergeError, MergeOptions};
 use mole_formats::peft::weights::{MappedAdapter, Raw};
-use mole_formats::quant_blocks::Packed;
+use mole_formats::quant::blocks::Packed;
 use mole_formats::safetensors::is_float;
 
 /// Output bytes per task (a block of rows): small enough that the computed block is still in

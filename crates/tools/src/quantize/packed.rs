@@ -1,7 +1,7 @@
 //! An AWQ or GPTQ input: a pre-quantized base, or a merge onto one (whose touched modules
 //! are dense, see `merge::quantized_base`). Its packed projections already hold 4-bit values; quantizing
 //! their dequantized weights again would round them a second time. Instead each goes into the
-//! GGUF as the Q4_1 blocks the loader repacks it into ([`mole_formats::quant_blocks`]): the
+//! GGUF as the Q4_1 blocks the loader repacks it into ([`mole_formats::quant::blocks`]): the
 //! same bytes the checkpoint is served with, so the output serves those projections exactly as
 //! the input does, and only its dense tensors take the type asked.
 
@@ -10,8 +10,8 @@ use std::path::Path;
 use safetensors::SafeTensors;
 
 use super::{io_err, QuantizeError};
+use mole_formats::quant::blocks::{packed, QuantError};
 use mole_formats::quant::QuantScheme;
-use mole_formats::quant_blocks::{packed, QuantError};
 
 /// What a tensor of a packed checkpoint becomes.
 pub(super) enum Part {

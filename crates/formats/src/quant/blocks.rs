@@ -23,7 +23,7 @@ use candle_core::quantized::{GgmlDType, QStorage, QTensor};
 use candle_core::Device;
 use half::f16;
 
-use super::quant::{QuantFormat, QuantScheme};
+use super::{QuantFormat, QuantScheme};
 
 /// Why a quantized checkpoint could not be read. Stable names via [`QuantError::code`].
 #[derive(Debug, thiserror::Error)]
@@ -169,7 +169,7 @@ pub fn load_blocks(
             path: path.display().to_string(),
             source,
         };
-        let map = super::safetensors::map(path).map_err(io)?;
+        let map = crate::safetensors::map(path).map_err(io)?;
         let st = SafeTensors::deserialize(&map)
             .map_err(|e| QuantError::Layout(format!("{}: {e}", path.display())))?;
         for name in st.names() {

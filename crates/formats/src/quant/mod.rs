@@ -1,8 +1,12 @@
-//! Pre-quantized HF checkpoints: what a `config.json`'s `quantization_config` says, and whether
-//! mole serves it. AWQ (AutoAWQ's GEMM packing) and GPTQ (AutoGPTQ's v1 format, `desc_act`
-//! false), 4 bits, group sizes 32, 64 and 128 are served (see
-//! [`crate::quant_blocks`]); anything else is refused at load naming the format,
-//! before a tensor is read (an unknown layout would otherwise fail as a missing `.weight`).
+//! Pre-quantized HF checkpoints, the one home of their formats: what a `config.json`'s
+//! `quantization_config` says and whether mole serves it (here), and their packed projections
+//! repacked into the blocks the model multiplies ([`blocks`]). AWQ (AutoAWQ's GEMM packing)
+//! and GPTQ (AutoGPTQ's v1 format, `desc_act` false), 4 bits, group sizes 32, 64 and 128 are
+//! served; anything else is refused at load naming the format, before a tensor is read (an
+//! unknown layout would otherwise fail as a missing `.weight`). GGUF's own blocks are
+//! [`crate::gguf`]'s, the products over them `mole_kernels::quant`'s.
+
+pub mod blocks;
 
 use serde_json::Value;
 
