@@ -223,12 +223,7 @@ impl Decoder {
             tracing::info!(base_product, weights, "CPU decode in f32 on host kernels");
         }
         let opts = TensorPathOptions::default();
-        let shape = Shape {
-            kv: default_kv_dtype(&opts, quantization.is_some(), weights),
-            cfg: cfg.clone(),
-            device: device.clone(),
-            dtype,
-        };
+        let shape = shape(&cfg, &device, dtype, weights, quantization.is_some(), &opts);
         let mut decoder = Self {
             cfg,
             embed,
@@ -254,12 +249,15 @@ impl Decoder {
     /// the same references, so a GPU's path is checked there too. A new backend starts with
     /// empty pools and an empty prefix cache, and refuses caches the other kind filled.
     pub fn configure(&mut self, kind: BackendKind, opts: TensorPathOptions) {
-        let shape = Shape {
-            kv: default_kv_dtype(&opts, self.quantization.is_some(), self.weights),
-            cfg: self.cfg.clone(),
-            device: self.device.clone(),
-            dtype: self.dtype,
-        };
+        let quantized = self.quantization.is_some();
+        let shape = shape(
+            &self.cfg,
+            &self.device,
+            self.dtype,
+            self.weights,
+            quantized,
+            &opts,
+        );
         self.backend = backend::choose(kind, shape, opts);
         self.fuse_projections()
             .expect("fusing and splitting loaded weights only copies them");
@@ -532,12 +530,26 @@ impl Decoder {
     }
 }
 
-/// The KV cache's dtype unless `opts` sets it (see [`Decoder::kv_dtype`]).
-fn default_kv_dtype(opts: &TensorPathOptions, quantized: bool, weights: DType) -> DType {
-    opts.kv_dtype.unwrap_or(match quantized {
-        true => DType::F16,
-        false => weights,
-    })
+/// What a backend needs of the model: its configuration, device and compute dtype, and the
+/// dtype its caches hold: the pool's setting (`kvCacheDtype`), else the weights' dtype, and
+/// for a quantized base f16 (see [`Decoder::kv_dtype`]).
+fn shape(
+    cfg: &ModelConfig,
+    device: &Device,
+    dtype: DType,
+    weights: DType,
+    quantized: bool,
+    opts: &TensorPathOptions,
+) -> Shape {
+    Shape {
+        kv: opts.kv_dtype.unwrap_or(match quantized {
+            true => DType::F16,
+            false => weights,
+        }),
+        cfg: cfg.clone(),
+        device: device.clone(),
+        dtype,
+    }
 }
 
 #[cfg(test)]
