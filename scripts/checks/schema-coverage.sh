@@ -7,6 +7,8 @@
 # (worker/tests/server/schema_coverage.rs). Needs nothing from the network.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-out="$(cargo test -q -p mole-worker --test server schema_coverage:: -- --nocapture 2>&1)" || { echo "$out"; exit 1; }
+# --workspace: the test command's own feature set (mole-bench's seams and the tests' alike),
+# so the test binary it built is run, not rebuilt for one package's features.
+out="$(cargo test -q --workspace --test server schema_coverage:: -- --nocapture 2>&1)" || { echo "$out"; exit 1; }
 echo "$out" | sed -n '/^JSON Schema coverage/,/^test result/p' | grep -v "^test result"
 echo "schema-coverage.sh: ok"
