@@ -23,8 +23,6 @@ fi
 scrape="$(mktemp)"
 trap 'rm -f "$scrape"' EXIT
 # --workspace: the same feature set as the test command's build, so nothing is rebuilt.
-# --workspace: the test command's own feature set (mole-bench's seams and the tests' alike),
-# so the test binary it built is run, not rebuilt for one package's features.
 MOLE_SCRAPE_OUT="$scrape" cargo test -q --workspace --test server server_api::metrics_models_and_reload >/dev/null
 test -s "$scrape" || { echo "server.sh: no scrape written"; exit 1; }
 # vLLM's names that a Gateway API Inference Extension endpoint picker reads: each must be
