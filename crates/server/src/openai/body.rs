@@ -302,4 +302,17 @@ mod tests {
             json!({"n": 10, "t": 0.5, "ids": [1, -2], "chat_template_kwargs": {"x": 1.0}})
         );
     }
+
+    /// An integral float is read exactly, however large, so it becomes the integer it is
+    /// (schemathesis sent `"top_k": 1866002013573059.0`, which serde_json's default parser read
+    /// one unit in the last place off, as 1866002013573059.25, and refused as not an integer).
+    #[test]
+    fn large_integral_floats_are_read_exactly() {
+        let f = Fields::parse(br#"{"top_k": 1866002013573059.0, "seed": 9007199254740990.0}"#)
+            .unwrap();
+        assert_eq!(
+            f.body,
+            json!({"top_k": 1866002013573059u64, "seed": 9007199254740990u64})
+        );
+    }
 }
