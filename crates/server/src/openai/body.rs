@@ -308,8 +308,8 @@ mod tests {
     /// one unit in the last place off, as 1866002013573059.25, and refused as not an integer).
     #[test]
     fn large_integral_floats_are_read_exactly() {
-        let f = Fields::parse(br#"{"top_k": 1866002013573059.0, "seed": 9007199254740990.0}"#)
-            .unwrap();
+        let f =
+            Fields::parse(br#"{"top_k": 1866002013573059.0, "seed": 9007199254740990.0}"#).unwrap();
         assert_eq!(
             f.body,
             json!({"top_k": 1866002013573059u64, "seed": 9007199254740990u64})
